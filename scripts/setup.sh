@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Create .venv and install Flywheel with every extra the tests and the embedded stack need.
+# Safe to run again: it only installs what is missing or changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+    "$PYTHON" -m venv .venv
+    .venv/bin/python -m pip install --quiet --upgrade pip
+fi
+.venv/bin/python -m pip install --quiet -e ".[dev]"

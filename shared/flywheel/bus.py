@@ -1,0 +1,586 @@
+"""The bus layer: JetStream streams, publishing and the one consumer loop every service uses.
+
+What lives here, once:
+
+- :data:`STREAMS` and :meth:`Bus.ensure`: the streams, the run-state KV bucket, the
+  service-heartbeat KV bucket and the weights object store, created idempotently with file
+  storage (a server restart loses nothing).
+- :meth:`Bus.publish`: every publish carries ``Nats-Msg-Id`` (the event id), so a retry is
+  stored once; transient failures (server restarting, no JetStream yet) are retried with
+  backoff until ``publish_timeout_s``. OpenTelemetry context travels in the headers.
+- :class:`Consumer`: a durable pull consumer with bounded in-flight work (server-side
+  ``max_ack_pending`` plus a local bound), ack on success, nak with backoff on a failure,
+  ``in_progress`` while long work runs, and a dead letter on ``dead.<stream>`` (then term)
+  after the last allowed delivery, or at once for a payload that does not decode or a
+  handler that raises :class:`Reject`. ``stop()`` stops pulling, lets in-flight work finish
+  for ``grace_s``, hands back (nak) what is left.
+
+Delivery is at least once: handlers must be idempotent (upsert by event id).
+Not covered here: process signals and heartbeats (see :mod:`flywheel.service`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import msgspec
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    KeyValueConfig,
+    ObjectStoreConfig,
+    PubAck,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.kv import KeyValue
+from nats.js.object_store import ObjectStore
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
+
+from flywheel import events
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+tracer = trace.get_tracer("flywheel.bus")
+
+# Stream name -> subjects. Subject layouts are part of the contract (see events.py).
+STREAMS: dict[str, list[str]] = {
+    "TASKS": ["tasks.>"],
+    "ROLLOUTS": ["rollouts.>"],
+    "TRACES": ["traces.>"],
+    "SCORES": ["scores.>"],
+    "WEIGHTS": ["weights.>"],
+    "DEAD": ["dead.>"],
+}
+RUNS_BUCKET = "flywheel-runs"
+SERVICES_BUCKET = "flywheel-services"
+WEIGHTS_BUCKET = "flywheel-weights"
+SERVICE_HEARTBEAT_TTL_S = 30.0
+
+HEADER_MSG_ID = "Nats-Msg-Id"
+HEADER_CONTENT_TYPE = "Content-Type"
+HEADER_SCHEMA = "Flywheel-Schema"
+HEADER_EVENT = "Flywheel-Event"
+
+_TRANSIENT_PUBLISH_ERRORS = (
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.js.errors.NoStreamResponseError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.OutboundBufferLimitError,
+    asyncio.TimeoutError,
+)
+
+
+def stream_of(subject: str) -> str:
+    """The stream that stores ``subject`` (by its first token)."""
+    first = subject.split(".", 1)[0]
+    for name, subjects in STREAMS.items():
+        if any(s.split(".", 1)[0] == first for s in subjects):
+            return name
+    raise ValueError(f"subject {subject!r} belongs to no Flywheel stream; known prefixes: "
+                     f"{', '.join(s[0].split('.')[0] for s in STREAMS.values())}")
+
+
+def _is_transient(exc: BaseException) -> bool:
+    if isinstance(exc, _TRANSIENT_PUBLISH_ERRORS):
+        return True
+    # JetStream answers 503 while it is starting or has lost its meta leader.
+    return isinstance(exc, nats.js.errors.ServiceUnavailableError)
+
+
+@dataclass
+class BusConfig:
+    """How the bus connects and stores. Defaults suit one machine; raise limits deployed."""
+
+    stream_max_age_s: float = 7 * 24 * 3600.0
+    stream_max_bytes: int = -1
+    duplicate_window_s: float = 120.0
+    publish_timeout_s: float = 30.0
+    request_timeout_s: float = 5.0
+    max_publish_in_flight: int = 512
+    connect_timeout_s: float = 30.0
+
+
+class Bus:
+    """A connection to NATS plus JetStream, with Flywheel's streams ensured.
+
+    Build with :meth:`connect`; close with :meth:`close` (drains). One per process.
+    """
+
+    def __init__(self, nc: NATS, config: BusConfig) -> None:
+        self.nc = nc
+        self.js: JetStreamContext = nc.jetstream(timeout=config.request_timeout_s,
+                                                publish_async_max_pending=config.max_publish_in_flight)
+        self.config = config
+
+    @classmethod
+    async def connect(cls, url: str, name: str, config: BusConfig | None = None, ensure: bool = True) -> Bus:
+        """Connect (waiting up to ``connect_timeout_s`` for the server), then ensure streams."""
+        config = config or BusConfig()
+        deadline = time.monotonic() + config.connect_timeout_s
+        delay_s = 0.05
+        while True:
+            try:
+                nc = await nats.connect(
+                    url,
+                    name=name,
+                    connect_timeout=2,
+                    allow_reconnect=True,
+                    max_reconnect_attempts=-1,
+                    reconnect_time_wait=0.25,
+                    pending_size=64 * 1024 * 1024,
+                    error_cb=_log_error,
+                    disconnected_cb=_log_disconnected,
+                    reconnected_cb=_log_reconnected,
+                )
+                break
+            except (nats.errors.NoServersError, OSError, asyncio.TimeoutError) as exc:
+                if time.monotonic() + delay_s > deadline:
+                    raise ConnectionError(f"cannot reach NATS at {url} ({exc}); is nats-server running? "
+                                          "`flywheel up` starts one; FLYWHEEL_NATS_URL points elsewhere") from exc
+                await asyncio.sleep(delay_s)
+                delay_s = min(delay_s * 2, 1.0)
+        bus = cls(nc, config)
+        if ensure:
+            await bus.ensure()
+        return bus
+
+    async def ensure(self) -> None:
+        """Create (or update) every stream, KV bucket and the object store. Idempotent."""
+        for name, subjects in STREAMS.items():
+            cfg = StreamConfig(
+                name=name,
+                subjects=subjects,
+                storage=StorageType.FILE,
+                retention=RetentionPolicy.LIMITS,
+                max_age=self.config.stream_max_age_s,
+                max_bytes=self.config.stream_max_bytes,
+                duplicate_window=self.config.duplicate_window_s,
+            )
+            await self._retry(lambda cfg=cfg: self._ensure_stream(cfg))
+        await self._retry(lambda: self.js.create_key_value(KeyValueConfig(bucket=RUNS_BUCKET, history=8, storage=StorageType.FILE)))
+        await self._retry(lambda: self.js.create_key_value(
+            KeyValueConfig(bucket=SERVICES_BUCKET, history=1, ttl=SERVICE_HEARTBEAT_TTL_S, storage=StorageType.FILE)))
+        await self._retry(lambda: self.js.create_object_store(WEIGHTS_BUCKET, ObjectStoreConfig(storage=StorageType.FILE)))
+
+    async def _ensure_stream(self, cfg: StreamConfig) -> None:
+        try:
+            await self.js.add_stream(cfg)
+        except nats.js.errors.BadRequestError as exc:
+            # 10058: exists with a different config; bring it to ours.
+            if exc.err_code != 10058:
+                raise
+            await self.js.update_stream(cfg)
+
+    async def runs_kv(self) -> KeyValue:
+        return await self.js.key_value(RUNS_BUCKET)
+
+    async def services_kv(self) -> KeyValue:
+        return await self.js.key_value(SERVICES_BUCKET)
+
+    async def weights_store(self) -> ObjectStore:
+        return await self.js.object_store(WEIGHTS_BUCKET)
+
+    # --- publishing ---------------------------------------------------------------------
+
+    def headers_for(self, event: events.Event, content_type: str) -> dict[str, str]:
+        headers = {
+            HEADER_MSG_ID: event.msg_id,
+            HEADER_CONTENT_TYPE: content_type,
+            HEADER_SCHEMA: str(events.SCHEMA_VERSION),
+            HEADER_EVENT: type(event).__struct_config__.tag,  # type: ignore[attr-defined]
+        }
+        propagate.inject(headers)
+        return headers
+
+    async def publish(self, event: events.Event, content_type: str = events.JSON) -> PubAck:
+        """Publish one event and wait for JetStream to store it (retried on transient errors)."""
+        subject = event.subject()
+        with tracer.start_as_current_span(f"publish {subject}", kind=trace.SpanKind.PRODUCER):
+            headers = self.headers_for(event, content_type)
+            payload = events.encode(event, content_type)
+            return await self._retry(lambda: self.js.publish(subject, payload, headers=headers))
+
+    async def publish_raw(self, subject: str, payload: bytes, headers: dict[str, str]) -> PubAck:
+        """Publish bytes as they are (tools, tests, other-language bridges). Retried likewise."""
+        return await self._retry(lambda: self.js.publish(subject, payload, headers=headers))
+
+    async def publish_many(self, batch: Iterable[events.Event], content_type: str = events.JSON) -> list[PubAck]:
+        """Publish many events concurrently (bounded by ``max_publish_in_flight``).
+
+        Each one is acknowledged by JetStream before this returns; one whose publish fails
+        transiently is published again with the same id (deduplicated by the server).
+        """
+        pending: list[tuple[str, bytes, dict[str, str], asyncio.Future[PubAck]]] = []
+        for event in batch:
+            subject = event.subject()
+            headers = self.headers_for(event, content_type)
+            payload = events.encode(event, content_type)
+            try:
+                fut = await self.js.publish_async(subject, payload, headers=headers)
+            except _TRANSIENT_PUBLISH_ERRORS + (nats.js.errors.TooManyStalledMsgsError,):
+                fut = asyncio.get_running_loop().create_future()
+                fut.set_exception(nats.errors.TimeoutError())
+            pending.append((subject, payload, headers, fut))
+        acks: list[PubAck] = []
+        for subject, payload, headers, fut in pending:
+            try:
+                acks.append(await asyncio.wait_for(fut, self.config.request_timeout_s))
+            except Exception as exc:  # noqa: BLE001 - re-raised below unless transient
+                if not _is_transient(exc):
+                    raise
+                acks.append(await self._retry(lambda s=subject, p=payload, h=headers: self.js.publish(s, p, headers=h)))
+        return acks
+
+    async def _retry(self, op: Callable[[], Awaitable[T]]) -> T:
+        deadline = time.monotonic() + self.config.publish_timeout_s
+        delay_s = 0.05
+        while True:
+            try:
+                return await op()
+            except Exception as exc:
+                if not _is_transient(exc) or time.monotonic() + delay_s > deadline:
+                    raise
+                log.debug("bus: transient %s, retrying in %.2fs", type(exc).__name__, delay_s)
+                await asyncio.sleep(delay_s)
+                delay_s = min(delay_s * 2, 2.0)
+
+    async def close(self) -> None:
+        if not self.nc.is_closed:
+            await self.nc.drain()
+
+
+async def _log_error(exc: Exception) -> None:
+    log.warning("nats: %s", exc)
+
+
+async def _log_disconnected() -> None:
+    log.warning("nats: disconnected")
+
+
+async def _log_reconnected() -> None:
+    log.info("nats: reconnected")
+
+
+async def _wait(event: asyncio.Event, timeout_s: float) -> None:
+    """Wait for ``event`` at most ``timeout_s``."""
+    try:
+        await asyncio.wait_for(event.wait(), timeout_s)
+    except asyncio.TimeoutError:
+        pass
+
+
+# --- consuming ----------------------------------------------------------------------------
+
+
+class Reject(Exception):
+    """Raised by a handler for a message that can never succeed: dead-lettered at once."""
+
+
+@dataclass
+class Delivery:
+    """One decoded message handed to a handler."""
+
+    event: Any
+    subject: str
+    stream_seq: int
+    num_delivered: int
+    headers: dict[str, str]
+    msg: Msg = field(repr=False)
+
+
+Handler = Callable[[Delivery], Awaitable[None]]
+BatchHandler = Callable[[list[Delivery]], Awaitable[None]]
+
+
+@dataclass
+class ConsumerStats:
+    acked: int = 0
+    naked: int = 0
+    dead_lettered: int = 0
+    handed_back: int = 0
+
+
+class Consumer:
+    """A durable pull consumer on one stream, driven by one loop.
+
+    Give ``handler`` (one message at a time, up to ``max_in_flight`` concurrently) or
+    ``batch_handler`` (lists of up to ``batch_size``; a failing batch is retried message by
+    message so one bad message cannot hold back the others).
+
+    ``max_deliver`` counts deliveries: after the last one fails the message goes to
+    ``dead.<stream>``. ``backoff_s[i]`` is the delay before delivery ``i + 2``.
+    """
+
+    def __init__(
+        self,
+        bus: Bus,
+        *,
+        stream: str,
+        durable: str,
+        handler: Handler | None = None,
+        batch_handler: BatchHandler | None = None,
+        event_type: Any = events.AnyEvent,
+        filter_subject: str | None = None,
+        max_in_flight: int = 64,
+        batch_size: int = 64,
+        max_deliver: int = 5,
+        backoff_s: Sequence[float] = (0.5, 2.0, 5.0, 15.0),
+        ack_wait_s: float = 30.0,
+        grace_s: float = 10.0,
+        fetch_timeout_s: float = 1.0,
+        deliver_new_only: bool = False,
+    ) -> None:
+        if (handler is None) == (batch_handler is None):
+            raise ValueError("Consumer needs exactly one of handler= or batch_handler=")
+        if stream not in STREAMS:
+            raise ValueError(f"stream={stream!r} is not a Flywheel stream; choose from {sorted(STREAMS)}")
+        if max_deliver < 1:
+            raise ValueError(f"max_deliver must be at least 1, got {max_deliver}")
+        self.bus = bus
+        self.stream = stream
+        self.durable = durable
+        self.handler = handler
+        self.batch_handler = batch_handler
+        self.decoder: events.Decoder[Any] = events.Decoder(event_type)
+        self.filter_subject = filter_subject
+        self.max_in_flight = max_in_flight
+        self.batch_size = min(batch_size, max_in_flight)
+        self.max_deliver = max_deliver
+        self.backoff_s = tuple(backoff_s) or (1.0,)
+        self.ack_wait_s = ack_wait_s
+        self.grace_s = grace_s
+        self.fetch_timeout_s = fetch_timeout_s
+        self.deliver_new_only = deliver_new_only
+        self.stats = ConsumerStats()
+        self._stopping = asyncio.Event()
+        self._in_flight = 0
+        self._slots = asyncio.Condition()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._unfinished: dict[int, Msg] = {}  # id(msg) -> msg, for handing back on stop
+
+    async def ensure(self) -> None:
+        cfg = ConsumerConfig(
+            durable_name=self.durable,
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=self.ack_wait_s,
+            # Unlimited on the server: the loop decides when to dead-letter, so a message
+            # whose handler crashed the process on its last delivery is not silently lost.
+            max_deliver=-1,
+            max_ack_pending=self.max_in_flight,
+            filter_subject=self.filter_subject,
+            deliver_policy=DeliverPolicy.NEW if self.deliver_new_only else DeliverPolicy.ALL,
+        )
+        await self.bus._retry(lambda: self.bus.js.add_consumer(self.stream, cfg))
+
+    def stop(self) -> None:
+        """Stop pulling; :meth:`run` then finishes in-flight work and returns."""
+        self._stopping.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    async def run(self) -> None:
+        await self.ensure()
+        psub = await self.bus.js.pull_subscribe_bind(durable=self.durable, stream=self.stream)
+        try:
+            while not self._stopping.is_set():
+                free = await self._wait_for_slots()
+                if free == 0:
+                    continue
+                try:
+                    msgs = await psub.fetch(min(free, self.batch_size), timeout=self.fetch_timeout_s)
+                except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                    continue
+                except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError):
+                    if self._stopping.is_set() or self.bus.nc.is_closed:
+                        break
+                    raise
+                except nats.errors.Error as exc:
+                    # Server restarting, leader change: the client reconnects by itself.
+                    log.warning("consumer %s: fetch failed (%s); retrying", self.durable, exc)
+                    await _wait(self._stopping, 0.25)
+                    continue
+                self._dispatch(msgs)
+        finally:
+            await self._drain_in_flight()
+            try:
+                await psub.unsubscribe()
+            except nats.errors.Error:
+                pass
+
+    async def _wait_for_slots(self) -> int:
+        async with self._slots:
+            await self._slots.wait_for(lambda: self._in_flight < self.max_in_flight or self._stopping.is_set())
+            return 0 if self._stopping.is_set() else self.max_in_flight - self._in_flight
+
+    def _dispatch(self, msgs: list[Msg]) -> None:
+        self._in_flight += len(msgs)
+        for m in msgs:
+            self._unfinished[id(m)] = m
+        if self.batch_handler is not None:
+            self._spawn(self._process_batch(msgs), len(msgs))
+        else:
+            for m in msgs:
+                self._spawn(self._process_batch([m]), 1)
+
+    def _spawn(self, coro: Awaitable[None], slots: int) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+
+        def done(t: asyncio.Task[None]) -> None:
+            self._tasks.discard(t)
+            self._in_flight -= slots
+            asyncio.ensure_future(self._notify())
+            if not t.cancelled() and t.exception() is not None:
+                log.error("consumer %s: internal error", self.durable, exc_info=t.exception())
+
+        task.add_done_callback(done)
+
+    async def _notify(self) -> None:
+        async with self._slots:
+            self._slots.notify_all()
+
+    async def _drain_in_flight(self) -> None:
+        async with self._slots:
+            self._slots.notify_all()
+        if self._tasks:
+            _, still = await asyncio.wait(set(self._tasks), timeout=self.grace_s)
+            for t in still:
+                t.cancel()
+            if still:
+                await asyncio.wait(still)
+        for m in list(self._unfinished.values()):
+            # Hand back what did not finish: redelivered at once to another consumer.
+            try:
+                await m.nak()
+                self.stats.handed_back += 1
+            except nats.errors.Error:
+                pass
+        self._unfinished.clear()
+
+    # --- per-message outcome --------------------------------------------------------------
+
+    def _decode(self, m: Msg) -> Delivery:
+        md = m.metadata
+        headers = dict(m.headers or {})
+        event = self.decoder.decode(m.data, headers.get(HEADER_CONTENT_TYPE))
+        return Delivery(event=event, subject=m.subject, stream_seq=md.sequence.stream,
+                        num_delivered=md.num_delivered, headers=headers, msg=m)
+
+    async def _process_batch(self, msgs: list[Msg]) -> None:
+        good: list[Delivery] = []
+        for m in msgs:
+            try:
+                d = self._decode(m)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                await self._dead_letter(m, f"payload does not decode: {exc}")
+                continue
+            if d.num_delivered > self.max_deliver:
+                await self._dead_letter(m, f"delivered {d.num_delivered} times (max_deliver={self.max_deliver}) "
+                                           "without an outcome: the handler crashed or timed out")
+                continue
+            good.append(d)
+        if not good:
+            return
+        try:
+            await self._call(good)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if len(good) > 1:
+                # Isolate the failing message(s): retry one by one.
+                for d in good:
+                    await self._process_one(d)
+                return
+            await self._failed(good[0], exc)
+            return
+        for d in good:
+            await self._ack(d.msg)
+
+    async def _process_one(self, d: Delivery) -> None:
+        try:
+            await self._call([d])
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            await self._failed(d, exc)
+            return
+        await self._ack(d.msg)
+
+    async def _call(self, ds: list[Delivery]) -> None:
+        ctx = propagate.extract(ds[0].headers)
+        token = otel_context.attach(ctx)
+        keepalive = asyncio.ensure_future(self._keep_alive([d.msg for d in ds]))
+        try:
+            with tracer.start_as_current_span(f"process {ds[0].subject}", kind=trace.SpanKind.CONSUMER):
+                if self.batch_handler is not None:
+                    await self.batch_handler(ds)
+                else:
+                    assert self.handler is not None and len(ds) == 1
+                    await self.handler(ds[0])
+        finally:
+            keepalive.cancel()
+            otel_context.detach(token)
+
+    async def _keep_alive(self, msgs: list[Msg]) -> None:
+        """Tell the server the work goes on, so a long handler is not redelivered."""
+        while True:
+            await asyncio.sleep(self.ack_wait_s / 3)
+            for m in msgs:
+                await m.in_progress()
+
+    async def _ack(self, m: Msg) -> None:
+        await m.ack()
+        self._unfinished.pop(id(m), None)
+        self.stats.acked += 1
+
+    async def _failed(self, d: Delivery, exc: Exception) -> None:
+        if isinstance(exc, Reject):
+            await self._dead_letter(d.msg, f"rejected: {exc}")
+            return
+        if d.num_delivered >= self.max_deliver:
+            await self._dead_letter(d.msg, f"failed on delivery {d.num_delivered} of {self.max_deliver}: "
+                                           f"{type(exc).__name__}: {exc}")
+            return
+        delay_s = self.backoff_s[min(d.num_delivered - 1, len(self.backoff_s) - 1)]
+        log.warning("consumer %s: %s on %s (delivery %d), retry in %.1fs",
+                    self.durable, type(exc).__name__, d.subject, d.num_delivered, delay_s)
+        await d.msg.nak(delay=delay_s)
+        self._unfinished.pop(id(d.msg), None)
+        self.stats.naked += 1
+
+    async def _dead_letter(self, m: Msg, reason: str) -> None:
+        md = m.metadata
+        log.error("consumer %s: dead letter for %s seq %d: %s", self.durable, m.subject, md.sequence.stream, reason)
+        if self.stream != "DEAD":
+            letter = events.DeadLetter(
+                id=f"{self.stream}.{md.sequence.stream}.{self.durable}",
+                stream=self.stream,
+                original_subject=m.subject,
+                consumer=self.durable,
+                num_delivered=md.num_delivered,
+                reason=reason,
+                payload=m.data,
+                headers={k: v for k, v in (m.headers or {}).items()},
+            )
+            await self.bus.publish(letter)
+        await m.term()
+        self._unfinished.pop(id(m), None)
+        self.stats.dead_lettered += 1

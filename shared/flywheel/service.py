@@ -1,0 +1,130 @@
+"""Process lifecycle for every service: signals, heartbeats, one shutdown path.
+
+A service builds its parts (consumers, background tasks) in its composition root, adds
+them to a :class:`Service`, and awaits :meth:`Service.run`. On SIGTERM or SIGINT the
+service stops taking work (consumers stop pulling), finishes or hands back what is in
+flight, removes its heartbeat and drains the NATS connection. The heartbeat is a key in
+the services KV bucket (``<service>.<instance>``) that expires unless renewed, so
+``flywheel status`` tells a live service from a dead one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import nats.errors
+import nats.js.errors
+
+from flywheel import events
+from flywheel.bus import SERVICE_HEARTBEAT_TTL_S, Bus, Consumer
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_INTERVAL_S = SERVICE_HEARTBEAT_TTL_S / 6
+
+
+def setup_logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+class Service:
+    """Runs consumers and background tasks until a signal, then shuts down once."""
+
+    def __init__(self, name: str, bus: Bus, info: dict[str, Any] | None = None) -> None:
+        self.name = name
+        self.bus = bus
+        self.instance = f"{socket.gethostname()}-{os.getpid()}"
+        self.info = info or {}
+        self.consumers: list[Consumer] = []
+        self.tasks: list[Callable[[asyncio.Event], Awaitable[None]]] = []
+        self.stopping = asyncio.Event()
+        self.started_at = events.utc_now()
+
+    def add(self, consumer: Consumer) -> Consumer:
+        self.consumers.append(consumer)
+        return consumer
+
+    def add_task(self, fn: Callable[[asyncio.Event], Awaitable[None]]) -> None:
+        """A background coroutine; it gets the stop event and must return once it is set."""
+        self.tasks.append(fn)
+
+    def stop(self) -> None:
+        self.stopping.set()
+        for c in self.consumers:
+            c.stop()
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}.{self.instance}"
+
+    async def _beat(self, status: str) -> None:
+        kv = await self.bus.services_kv()
+        beat = events.ServiceHeartbeat(service=self.name, instance=self.instance, pid=os.getpid(),
+                                       host=socket.gethostname(), status=status,  # type: ignore[arg-type]
+                                       started_at=self.started_at, info=self.info)
+        await kv.put(self.key, events.encode(beat))
+
+    async def _heartbeat(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                await self._beat("ok")
+            except nats.errors.Error as exc:
+                log.warning("%s: heartbeat failed: %s", self.name, exc)
+            try:
+                await asyncio.wait_for(self.stopping.wait(), HEARTBEAT_INTERVAL_S)
+            except asyncio.TimeoutError:
+                pass
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop)
+        log.info("%s: running (%d consumers)", self.name, len(self.consumers))
+        workers = [asyncio.ensure_future(c.run()) for c in self.consumers]
+        workers += [asyncio.ensure_future(fn(self.stopping)) for fn in self.tasks]
+        beat = asyncio.ensure_future(self._heartbeat())
+        stop_wait = asyncio.ensure_future(self.stopping.wait())
+        try:
+            done, _ = await asyncio.wait([*workers, stop_wait], return_when=asyncio.FIRST_COMPLETED)
+            failed = [w for w in done if w is not stop_wait and not w.cancelled() and w.exception()]
+            self.stop()
+            await asyncio.gather(*workers, return_exceptions=True)
+            if failed:
+                raise failed[0].exception()  # type: ignore[misc]
+        finally:
+            stop_wait.cancel()
+            beat.cancel()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+            try:
+                kv = await self.bus.services_kv()
+                await kv.delete(self.key)
+            except nats.errors.Error:
+                pass
+            await self.bus.close()
+            log.info("%s: stopped", self.name)
+
+
+async def read_heartbeats(bus: Bus) -> list[events.ServiceHeartbeat]:
+    """Every live service instance (expired heartbeats are gone from the bucket)."""
+    kv = await bus.services_kv()
+    try:
+        keys = await kv.keys()
+    except nats.js.errors.NoKeysError:
+        return []
+    decoder = events.Decoder(events.ServiceHeartbeat)
+    beats = []
+    for key in keys:
+        try:
+            entry = await kv.get(key)
+        except nats.js.errors.KeyNotFoundError:
+            continue
+        if entry.value:
+            beats.append(decoder.decode(entry.value))
+    return sorted(beats, key=lambda b: (b.service, b.instance))

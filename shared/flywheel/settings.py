@@ -1,0 +1,65 @@
+"""Settings shared by every service and the CLI.
+
+One name per setting, everywhere: ``FLYWHEEL_<NAME>`` in the environment, ``<name>`` in a
+TOML file named by ``FLYWHEEL_CONFIG``, or the matching ``flywheel up`` option. Nothing
+reads settings at import time: entry points build a :class:`Settings` and pass it on.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="FLYWHEEL_", extra="forbid")
+
+    data_dir: Path = Field(Path(".flywheel"), description="Where the embedded stack keeps its state: NATS store, SQLite file, logs, run folders.")
+    nats_url: str | None = Field(None, description="An existing NATS server with JetStream. Unset: `flywheel up` starts its own.")
+    nats_port: int = Field(4233, description="Port of the nats-server that `flywheel up` starts (when nats_url is unset).")
+    database_url: str | None = Field(None, description="SQLAlchemy async URL of the trace store. Unset: SQLite in data_dir.")
+    gateway_host: str = "127.0.0.1"
+    gateway_port: int = 8420
+    gateway_url: str | None = Field(None, description="Where clients reach the gateway. Unset: http://gateway_host:gateway_port.")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        import os
+
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        config_file = os.environ.get("FLYWHEEL_CONFIG")
+        if config_file:
+            if not Path(config_file).is_file():
+                raise ValueError(f"FLYWHEEL_CONFIG={config_file!r}: no such file")
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=config_file))
+        return tuple(sources)
+
+    @field_validator("nats_url")
+    @classmethod
+    def _check_nats_url(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("nats://", "tls://", "ws://", "wss://")):
+            raise ValueError(f"nats_url must start with nats://, tls://, ws:// or wss://, got {v!r}")
+        return v
+
+    @property
+    def resolved_nats_url(self) -> str:
+        return self.nats_url or f"nats://127.0.0.1:{self.nats_port}"
+
+    @property
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite+aiosqlite:///{(self.data_dir / 'flywheel.db').resolve()}"
+
+    @property
+    def resolved_gateway_url(self) -> str:
+        return self.gateway_url or f"http://{self.gateway_host}:{self.gateway_port}"

@@ -1,0 +1,38 @@
+"""Fixtures shared by every tier. Integration tests get a real nats-server of their own."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from flywheel.natsserver import NatsServer
+
+
+@pytest.fixture
+def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
+    """A real nats-server with JetStream on a free port and a temporary store; stopped after."""
+    server = NatsServer(tmp_path / "nats").start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+async def bus(nats_server: NatsServer) -> AsyncIterator["Bus"]:  # noqa: F821
+    from flywheel.bus import Bus
+
+    b = await Bus.connect(nats_server.url, name="test")
+    try:
+        yield b
+    finally:
+        await b.close()
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> str:
+    """URL of the PostgreSQL server tests may use (a throwaway database is made per test)."""
+    return os.environ.get("FLYWHEEL_TEST_POSTGRES_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/test")

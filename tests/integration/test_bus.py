@@ -1,0 +1,326 @@
+"""The bus layer against a real nats-server: dedup, retries, dead letters, shutdown, restarts."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from flywheel import events
+from flywheel.bus import Bus, BusConfig, Consumer, Delivery, Reject
+from flywheel.natsserver import NatsServer
+
+
+def task(i: int, run: str = "r1") -> events.Task:
+    return events.Task(id=f"t{i}", run=run, env="echo", data={"i": i})
+
+
+async def until(cond: Callable[[], bool | Awaitable[bool]], timeout_s: float = 15.0, what: str = "condition") -> None:
+    """Bounded polling of a condition."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = cond()
+        if not isinstance(value, bool):
+            value = await value
+        if value:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+async def dead_letters(bus: Bus, n: int, timeout_s: float = 10.0) -> list[events.DeadLetter]:
+    sub = await bus.js.subscribe("dead.>", ordered_consumer=True)
+    decoder = events.Decoder(events.DeadLetter)
+    out = []
+    try:
+        for _ in range(n):
+            msg = await sub.next_msg(timeout=timeout_s)
+            out.append(decoder.decode(msg.data))
+    finally:
+        await sub.unsubscribe()
+    return out
+
+
+async def running(consumer: Consumer) -> asyncio.Task[None]:
+    t = asyncio.ensure_future(consumer.run())
+    return t
+
+
+async def test_ensure_is_idempotent(nats_server: NatsServer) -> None:
+    a = await Bus.connect(nats_server.url, "a")
+    b = await Bus.connect(nats_server.url, "b")  # ensures again over existing streams
+    names = {s.config.name for s in await a.js.streams_info()}
+    assert {"TASKS", "ROLLOUTS", "TRACES", "SCORES", "WEIGHTS", "DEAD"} <= names
+    info = await a.js.stream_info("TASKS")
+    assert info.config.storage == "file"
+    await (await b.runs_kv()).put("r1", b"{}")
+    assert (await (await a.runs_kv()).get("r1")).value == b"{}"
+    assert await a.weights_store()
+    await a.close()
+    await b.close()
+
+
+async def test_publish_is_deduplicated_by_event_id(bus: Bus) -> None:
+    t = task(1)
+    first = await bus.publish(t)
+    again = await bus.publish(t)
+    assert again.duplicate and not first.duplicate
+    await bus.publish_many([t, task(2), task(2)])
+    assert (await bus.js.stream_info("TASKS")).state.messages == 2
+
+
+async def test_consumer_acks_and_decodes_msgpack(bus: Bus) -> None:
+    await bus.publish(task(1))
+    await bus.publish(task(2), content_type=events.MSGPACK)
+    seen: list[events.Task] = []
+
+    async def handle(d: Delivery) -> None:
+        seen.append(d.event)
+
+    c = Consumer(bus, stream="TASKS", durable="c1", handler=handle, event_type=events.Task)
+    t = await running(c)
+    await until(lambda: c.stats.acked == 2, what="two acks")
+    c.stop()
+    await t
+    assert sorted(e.id for e in seen) == ["t1", "t2"]
+    info = await bus.js.consumer_info("TASKS", "c1")
+    assert info.num_ack_pending == 0 and info.num_pending == 0
+
+
+async def test_transient_failure_is_retried_with_backoff(bus: Bus) -> None:
+    await bus.publish(task(1))
+    deliveries: list[float] = []
+
+    async def flaky(d: Delivery) -> None:
+        deliveries.append(time.monotonic())
+        if d.num_delivered < 3:
+            raise RuntimeError("database briefly away")
+
+    c = Consumer(bus, stream="TASKS", durable="c1", handler=flaky, backoff_s=(0.3, 0.6))
+    t = await running(c)
+    await until(lambda: c.stats.acked == 1, what="success on the third delivery")
+    c.stop()
+    await t
+    assert len(deliveries) == 3 and c.stats.naked == 2 and c.stats.dead_lettered == 0
+    assert deliveries[1] - deliveries[0] >= 0.25
+    assert deliveries[2] - deliveries[1] >= 0.5
+
+
+async def test_last_failed_delivery_goes_to_dead_letters_and_consumer_goes_on(bus: Bus) -> None:
+    await bus.publish(task(1))
+    await bus.publish(task(2))
+    ok: list[str] = []
+
+    async def handle(d: Delivery) -> None:
+        if d.event.id == "t1":
+            raise ValueError("cannot parse prompt")
+        ok.append(d.event.id)
+
+    c = Consumer(bus, stream="TASKS", durable="c1", handler=handle, max_deliver=3, backoff_s=(0.05,))
+    t = await running(c)
+    [letter] = await dead_letters(bus, 1)
+    c.stop()
+    await t
+    assert ok == ["t2"]
+    assert letter.stream == "TASKS" and letter.original_subject == "tasks.r1.echo"
+    assert letter.num_delivered == 3 and "ValueError: cannot parse prompt" in letter.reason
+    assert events.Decoder(events.Task).decode(letter.payload).id == "t1"
+
+
+async def test_undecodable_payload_and_reject_are_dead_lettered_at_once(bus: Bus) -> None:
+    await bus.publish_raw("tasks.r1.echo", b"\x00not json", {"Nats-Msg-Id": "junk"})
+    await bus.publish_raw("tasks.r1.echo", b'{"type":"task","id":"x","run":"r1"}', {"Nats-Msg-Id": "missing"})
+    await bus.publish(task(1))
+    await bus.publish(task(2))
+    handled: list[str] = []
+
+    async def handle(d: Delivery) -> None:
+        if d.event.id == "t1":
+            raise Reject("task names an unknown environment")
+        handled.append(d.event.id)
+
+    c = Consumer(bus, stream="TASKS", durable="c1", handler=handle, event_type=events.Task)
+    t = await running(c)
+    letters = await dead_letters(bus, 3)
+    await until(lambda: handled == ["t2"], what="the good task")
+    c.stop()
+    await t
+    reasons = sorted(letter.reason for letter in letters)
+    assert all(letter.num_delivered == 1 for letter in letters)
+    assert any("does not decode" in r and "missing required field `env`" in r for r in reasons), reasons
+    assert any("does not decode" in r and "JSON" in r for r in reasons), reasons
+    assert any(r == "rejected: task names an unknown environment" for r in reasons), reasons
+
+
+async def test_batch_with_a_poison_message_isolates_it(bus: Bus) -> None:
+    await bus.publish_many([task(i) for i in range(20)])
+    stored: Counter[str] = Counter()
+
+    async def handle_batch(ds: list[Delivery]) -> None:
+        if any(d.event.id == "t7" for d in ds):
+            raise RuntimeError("constraint violated")
+        for d in ds:
+            stored[d.event.id] += 1
+
+    c = Consumer(bus, stream="TASKS", durable="rec", batch_handler=handle_batch, batch_size=20,
+                 max_in_flight=20, max_deliver=2, backoff_s=(0.05,))
+    t = await running(c)
+    [letter] = await dead_letters(bus, 1)
+    await until(lambda: len(stored) == 19, what="19 good tasks")
+    c.stop()
+    await t
+    assert "t7" not in stored and all(v == 1 for v in stored.values())
+    assert "constraint violated" in letter.reason
+
+
+async def test_in_flight_is_bounded(bus: Bus) -> None:
+    await bus.publish_many([task(i) for i in range(40)])
+    now = 0
+    peak = 0
+    release = asyncio.Event()
+
+    async def slow(d: Delivery) -> None:
+        nonlocal now, peak
+        now += 1
+        peak = max(peak, now)
+        await release.wait()
+        now -= 1
+
+    c = Consumer(bus, stream="TASKS", durable="c1", handler=slow, max_in_flight=5)
+    t = await running(c)
+    await until(lambda: now == 5, what="five in flight")
+    info = await bus.js.consumer_info("TASKS", "c1")
+    assert info.num_ack_pending <= 5
+    release.set()
+    await until(lambda: c.stats.acked == 40, what="all acked")
+    c.stop()
+    await t
+    assert peak == 5
+
+
+async def test_long_work_sends_in_progress_instead_of_being_redelivered(bus: Bus) -> None:
+    await bus.publish(task(1))
+    deliveries: list[int] = []
+
+    async def slow(d: Delivery) -> None:
+        deliveries.append(d.num_delivered)
+        await asyncio.sleep(2.5)  # the work itself: longer than ack_wait_s
+
+    c = Consumer(bus, stream="TASKS", durable="c1", handler=slow, ack_wait_s=1.0)
+    t = await running(c)
+    await until(lambda: c.stats.acked == 1, what="the slow task to finish")
+    c.stop()
+    await t
+    assert deliveries == [1]
+
+
+async def test_stop_finishes_in_flight_work_and_hands_back_the_rest(bus: Bus) -> None:
+    await bus.publish_many([task(i) for i in range(4)])
+    started = asyncio.Event()
+    finished: list[str] = []
+
+    async def handle(d: Delivery) -> None:
+        started.set()
+        if d.event.id in ("t0", "t1"):
+            await asyncio.sleep(0.2)  # finishes within the grace period
+            finished.append(d.event.id)
+        else:
+            await asyncio.sleep(60)  # cannot finish: handed back
+
+    c = Consumer(bus, stream="TASKS", durable="c1", handler=handle, max_in_flight=4, grace_s=1.0)
+    t = await running(c)
+    await started.wait()
+    await until(lambda: c._in_flight == 4, what="four in flight")
+    c.stop()
+    await asyncio.wait_for(t, 5)
+    assert sorted(finished) == ["t0", "t1"]
+    assert c.stats.handed_back == 2
+    # A replacement consumer on the same durable gets exactly the two handed back at once.
+    again: list[str] = []
+
+    async def quick(d: Delivery) -> None:
+        again.append(d.event.id)
+
+    c2 = Consumer(bus, stream="TASKS", durable="c1", handler=quick, max_in_flight=4)
+    t2 = await running(c2)
+    await until(lambda: len(again) == 2, timeout_s=5, what="handed-back tasks")
+    c2.stop()
+    await t2
+    assert sorted(again) == ["t2", "t3"]
+
+
+async def test_server_restart_mid_stream_loses_nothing(nats_server: NatsServer) -> None:
+    producer = await Bus.connect(nats_server.url, "producer", BusConfig(publish_timeout_s=30))
+    consumer_bus = await Bus.connect(nats_server.url, "consumer")
+    seen: Counter[str] = Counter()
+
+    async def handle(d: Delivery) -> None:
+        seen[d.event.id] += 1
+
+    c = Consumer(consumer_bus, stream="TASKS", durable="c1", handler=handle, max_in_flight=32)
+    t = await running(c)
+
+    async def produce() -> None:
+        for i in range(600):
+            await producer.publish(task(i))
+
+    p = asyncio.ensure_future(produce())
+    await until(lambda: len(seen) >= 150, what="some consumed before the restart")
+    await asyncio.to_thread(nats_server.restart)
+    await asyncio.wait_for(p, 60)
+    await until(lambda: len(seen) == 600, timeout_s=60, what="every task after the restart")
+    c.stop()
+    await t
+    assert (await producer.js.stream_info("TASKS")).state.messages == 600
+    await producer.close()
+    await consumer_bus.close()
+
+
+async def test_trace_context_travels_in_headers(bus: Bus) -> None:
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("test")
+    import flywheel.bus as busmod
+
+    old = busmod.tracer
+    busmod.tracer = tracer
+    try:
+        with tracer.start_as_current_span("user request") as root:
+            await bus.publish(task(1))
+        got: list[Delivery] = []
+
+        async def handle(d: Delivery) -> None:
+            got.append(d)
+
+        c = Consumer(bus, stream="TASKS", durable="c1", handler=handle)
+        t = await running(c)
+        await until(lambda: c.stats.acked == 1)
+        c.stop()
+        await t
+    finally:
+        busmod.tracer = old
+    assert "traceparent" in got[0].headers
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    process = spans["process tasks.r1.echo"]
+    assert process.context.trace_id == root.get_span_context().trace_id
+    assert spans["publish tasks.r1.echo"].parent.span_id == root.get_span_context().span_id
+
+
+@pytest.mark.parametrize("bad", [{"handler": None, "batch_handler": None}, {"stream": "NOPE"}, {"max_deliver": 0}])
+async def test_consumer_config_errors_name_the_field(bus: Bus, bad: dict) -> None:
+    async def h(d: Delivery) -> None: ...
+
+    kwargs = {"stream": "TASKS", "durable": "x", "handler": h} | bad
+    with pytest.raises(ValueError) as err:
+        Consumer(bus, **kwargs)
+    assert any(k in str(err.value) for k in ("handler", "stream", "max_deliver"))
