@@ -33,6 +33,28 @@ def setup_logging(level: str = "INFO") -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
+def setup_tracing(service_name: str) -> bool:
+    """Export OpenTelemetry traces when the standard OTEL_* variables ask for it.
+
+    With ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or ``..._TRACES_ENDPOINT``) set, spans go over
+    OTLP/HTTP, and the bus carries trace context in message headers, so one trace spans
+    every service a task passes through. Otherwise tracing stays off and costs nothing.
+    Needs the ``telemetry`` extra. Returns whether tracing is on.
+    """
+    if not (os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")):
+        return False
+    from opentelemetry import trace
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    provider = TracerProvider(resource=Resource.create({"service.name": f"flywheel-{service_name}"}))
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    trace.set_tracer_provider(provider)
+    return True
+
+
 class Service:
     """Runs consumers and background tasks until a signal, then shuts down once."""
 

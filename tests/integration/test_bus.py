@@ -280,8 +280,7 @@ async def test_server_restart_mid_stream_loses_nothing(nats_server: NatsServer) 
     await consumer_bus.close()
 
 
-async def test_trace_context_travels_in_headers(bus: Bus) -> None:
-    from opentelemetry import trace
+async def test_trace_context_travels_in_headers(nats_server: NatsServer) -> None:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -290,30 +289,32 @@ async def test_trace_context_travels_in_headers(bus: Bus) -> None:
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     tracer = provider.get_tracer("test")
-    import flywheel.bus as busmod
+    producer = await Bus.connect(nats_server.url, "gateway", tracer_provider=provider)
+    worker = await Bus.connect(nats_server.url, "inference", tracer_provider=provider)
+    with tracer.start_as_current_span("user request") as root:
+        await producer.publish(task(1))
+    got: list[Delivery] = []
 
-    old = busmod.tracer
-    busmod.tracer = tracer
-    try:
-        with tracer.start_as_current_span("user request") as root:
-            await bus.publish(task(1))
-        got: list[Delivery] = []
+    async def handle(d: Delivery) -> None:
+        got.append(d)
 
-        async def handle(d: Delivery) -> None:
-            got.append(d)
-
-        c = Consumer(bus, stream="TASKS", durable="c1", handler=handle)
-        t = await running(c)
-        await until(lambda: c.stats.acked == 1)
-        c.stop()
-        await t
-    finally:
-        busmod.tracer = old
+    c = Consumer(worker, stream="TASKS", durable="c1", handler=handle)
+    t = await running(c)
+    await until(lambda: c.stats.acked == 1)
+    c.stop()
+    await t
+    await producer.close()
+    await worker.close()
     assert "traceparent" in got[0].headers
     spans = {s.name: s for s in exporter.get_finished_spans()}
     process = spans["process tasks.r1.echo"]
     assert process.context.trace_id == root.get_span_context().trace_id
     assert spans["publish tasks.r1.echo"].parent.span_id == root.get_span_context().span_id
+
+
+async def test_no_trace_headers_without_a_tracer_provider(bus: Bus) -> None:
+    assert bus.tracer is None
+    assert set(bus.headers_for(task(1), events.JSON)) == {"Nats-Msg-Id", "Content-Type"}
 
 
 @pytest.mark.parametrize("bad", [{"handler": None, "batch_handler": None}, {"stream": "NOPE"}, {"max_deliver": 0}])
