@@ -39,7 +39,8 @@ SIZES = {"1KB": 1024, "64KB": 64 * 1024}
 
 
 def make_tasks(n: int, size: int, run: str) -> list[events.Task]:
-    filler = "x" * max(0, size - 200)  # the rest of the ~200-byte envelope makes up the size
+    envelope = len(events.encode(events.Task(id=f"{run}-0", run=run, env="bench", data={"text": ""})))
+    filler = "x" * max(0, size - envelope)
     return [events.Task(id=f"{run}-{i}", run=run, env="bench", data={"text": filler}) for i in range(n)]
 
 
@@ -109,27 +110,59 @@ async def measure_bus(url: str, num_messages: int, rounds: int = 3) -> dict[str,
 
 
 def make_rollout(i: int, run: str) -> events.Rollout:
-    """A rollout shaped like a real single-turn one: prompt, question, answer of ~100 tokens."""
-    system = events.Message(role="system", content="Reverse the text you are given.")
-    user = events.Message(role="user", content=f"text number {i % 50}")
-    answer = events.Message(role="assistant", content=f"answer {i}")
-    tokens = events.TokenSpan(token_ids=list(range(100)), logprobs=[-0.5] * 100, loss_mask=[True] * 100, policy_version=1)
-    n1 = events.Node(id=events.node_id(None, system), message=system)
-    n2 = events.Node(id=events.node_id(n1.id, user), parent_id=n1.id, message=user)
-    n3 = events.Node(id=events.node_id(n2.id, answer, tokens), parent_id=n2.id, message=answer, tokens=tokens)
-    return events.Rollout(id=f"{run}-ro-{i}", run=run, env="bench", task_id=f"t{i // 4}", group_id=f"g{i // 4}",
-                          index=i % 4, policy_version=1, nodes=[n1, n2, n3])
+    """A rollout shaped like a real one: system and question nodes shared by its group of 8,
+    an answer with its sampled tokens, a closing user turn."""
+
+    def add(parent: events.Node | None, role: str, content: str, tokens: list[int], version: int | None = None) -> events.Node:
+        message = events.Message(role=role, content=content)  # type: ignore[arg-type]
+        span = events.TokenSpan(token_ids=tokens, logprobs=[-0.5 if version else 0.0] * len(tokens),
+                                loss_mask=[version is not None] * len(tokens), policy_version=version)
+        parent_id = parent.id if parent else None
+        return events.Node(id=events.node_id(parent_id, message, span), parent_id=parent_id, message=message, tokens=span)
+
+    g = i // 8
+    system = add(None, "system", "You solve arithmetic.", list(range(8)))
+    user = add(system, "user", f"What is {g} + {g}?", list(range(12)))
+    answer = add(user, "assistant", f"Let me think. {g} + {g} = {2 * g}. (sample {i})", list(range(24)), 1)
+    done = add(answer, "user", "Thanks.", [5, 6])
+    return events.Rollout(run=run, env="math", task_id=f"t{g}", group_id=f"g{g}", index=i % 8,
+                          policy_version=1, nodes=[system, user, answer, done])
 
 
 async def measure_recorder(url: str, data_dir: Path, num_rollouts: int) -> float:
-    from flywheel_gateway.recorder import benchmark_ingest
+    """Rollout events/s from a ROLLOUTS backlog into a fresh SQLite store, the recorder's
+    own consumer running in this process (nats-server and SQLite on the same machine)."""
+    import sqlalchemy as sa
 
-    bus = await Bus.connect(url, "bench-recorder")
-    await bus.publish_many(make_rollout(i, "rec") for i in range(num_rollouts))
-    await bus.close()
+    from flywheel_gateway import schema
+    from flywheel_gateway.migrate import migrate
+    from flywheel_gateway.recorder import RecorderConfig
+    from flywheel_gateway.store import Store
+
     database_url = f"sqlite+aiosqlite:///{data_dir / 'bench.db'}"
-    rate = await benchmark_ingest(url, database_url, stream="ROLLOUTS", num_events=num_rollouts)
-    print(f"recorder: {rate:9.0f} rollout events/s into SQLite ({num_rollouts} rollouts)")
+    await migrate(database_url)
+    store = Store.open(database_url)
+    bus = await Bus.connect(url, "bench-recorder")
+    await bus.js.purge_stream("ROLLOUTS")
+    backlog = [make_rollout(i, "rec") for i in range(num_rollouts)]
+    for start in range(0, num_rollouts, 2000):
+        await bus.publish_many(backlog[start:start + 2000])
+    (consumer,) = RecorderConfig(streams=("ROLLOUTS",)).build(bus, store)
+    t0 = time.perf_counter()
+    running = asyncio.ensure_future(consumer.run())
+    count_rows = sa.select(sa.func.count()).select_from(schema.rollouts)
+    while True:
+        async with store.engine.connect() as conn:
+            if await conn.scalar(count_rows) >= num_rollouts:
+                break
+        await asyncio.sleep(0.02)
+    elapsed = time.perf_counter() - t0
+    consumer.stop()
+    await running
+    await bus.close()
+    await store.close()
+    rate = num_rollouts / elapsed
+    print(f"recorder: {rate:9.0f} rollout events/s into SQLite ({num_rollouts} rollouts of 4 nodes)")
     return rate
 
 

@@ -273,7 +273,7 @@ async def _log_error(exc: Exception) -> None:
 
 
 async def _log_disconnected() -> None:
-    log.warning("nats: disconnected")
+    log.info("nats: disconnected")
 
 
 async def _log_reconnected() -> None:

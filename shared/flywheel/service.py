@@ -58,8 +58,11 @@ def setup_tracing(service_name: str) -> bool:
 class Service:
     """Runs consumers and background tasks until a signal, then shuts down once."""
 
-    def __init__(self, name: str, bus: Bus, info: dict[str, Any] | None = None) -> None:
+    def __init__(self, name: str, bus: Bus, info: dict[str, Any] | None = None, handle_signals: bool = True) -> None:
+        """``handle_signals=False`` when another server owns the signals (uvicorn):
+        that server then calls :meth:`stop`."""
         self.name = name
+        self.handle_signals = handle_signals
         self.bus = bus
         self.instance = f"{socket.gethostname()}-{os.getpid()}"
         self.info = info or {}
@@ -105,7 +108,8 @@ class Service:
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        signals = (signal.SIGTERM, signal.SIGINT) if self.handle_signals else ()
+        for sig in signals:
             loop.add_signal_handler(sig, self.stop)
         log.info("%s: running (%d consumers)", self.name, len(self.consumers))
         workers = [asyncio.ensure_future(c.run()) for c in self.consumers]
@@ -122,7 +126,7 @@ class Service:
         finally:
             stop_wait.cancel()
             beat.cancel()
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in signals:
                 loop.remove_signal_handler(sig)
             try:
                 kv = await self.bus.services_kv()

@@ -5,31 +5,17 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
 
 import pytest
 
 from flywheel import events
 from flywheel.bus import Bus, BusConfig, Consumer, Delivery, Reject
 from flywheel.natsserver import NatsServer
+from tests.helpers import until
 
 
 def task(i: int, run: str = "r1") -> events.Task:
     return events.Task(id=f"t{i}", run=run, env="echo", data={"i": i})
-
-
-async def until(cond: Callable[[], bool | Awaitable[bool]], timeout_s: float = 15.0, what: str = "condition") -> None:
-    """Bounded polling of a condition."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = cond()
-        if not isinstance(value, bool):
-            value = await value
-        if value:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 async def dead_letters(bus: Bus, n: int, timeout_s: float = 10.0) -> list[events.DeadLetter]:

@@ -1,0 +1,60 @@
+"""Composition root of the gateway's HTTP API: :func:`create_app` builds every part.
+
+At start (the lifespan, before the server takes requests) it migrates the trace store,
+opens it, connects to NATS (ensuring the streams) and builds the run registry; at stop it
+closes them in reverse. Nothing is created at import time, so tests build an app per
+test with their own settings.
+
+Not covered: authentication, rate limits, the environment hub and web pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+
+from fastapi import FastAPI
+
+from flywheel.bus import Bus
+from flywheel.service import Service
+from flywheel.settings import Settings
+from flywheel_gateway import api_health, api_rollouts, api_tasks, api_traces
+from flywheel_gateway.migrate import migrate
+from flywheel_gateway.responses import install_error_handlers
+from flywheel_gateway.runs import RunRegistry
+from flywheel_gateway.store import Store
+
+
+def create_app(settings: Settings) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with AsyncExitStack() as stack:
+            url = settings.resolved_database_url
+            await migrate(url)
+            store = Store.open(url)
+            stack.push_async_callback(store.close)
+            bus = await Bus.connect(settings.resolved_nats_url, name="gateway")
+            stack.push_async_callback(bus.close)
+            app.state.store = store
+            app.state.bus = bus
+            app.state.runs = RunRegistry(bus, store)
+            # A heartbeat like every service's, for `flywheel status`; uvicorn owns the signals.
+            service = Service("gateway", bus, info={"url": settings.resolved_gateway_url}, handle_signals=False)
+            beating = asyncio.ensure_future(service.run())
+            try:
+                yield
+            finally:
+                service.stop()
+                await beating
+
+    app = FastAPI(
+        title="Flywheel gateway",
+        summary="Publish tasks to the bus; read the recorded tasks, rollouts, scores and trace graphs.",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    for module in (api_tasks, api_rollouts, api_traces, api_health):
+        app.include_router(module.router)
+    install_error_handlers(app)
+    return app

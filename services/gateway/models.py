@@ -1,0 +1,223 @@
+"""The HTTP API's request and response models (pydantic), one family per resource.
+
+``*Create`` models are what clients send: strict (unknown fields are refused, so a typo
+is an error rather than a silently ignored setting) and turned into bus events by
+``to_event``. ``*Public`` models are what the API answers. The events themselves
+(:mod:`flywheel.events`) stay msgspec Structs; these models are the HTTP boundary only.
+
+``run`` and ``env`` become NATS subject tokens (``tasks.<run>.<env>``) and ``run`` is
+also a key in the run-state KV bucket, so both are checked here, with messages that say
+what is allowed.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag
+
+from flywheel import events
+
+MAX_TASKS_PER_REQUEST = 10_000
+MAX_NAME_CHARS = 128
+
+_KV_KEY = re.compile(r"[-/_=A-Za-z0-9]+")
+
+
+def subject_token(value: str) -> str:
+    """A NATS subject token: not empty, no '.', whitespace, '*' or '>'."""
+    if not value or any(c in ".*>" or c.isspace() for c in value):
+        raise ValueError(f"must be a NATS subject token (no '.', spaces, '*' or '>'), got {value!r}")
+    return value
+
+
+def run_id(value: str) -> str:
+    """A run id: a subject token that is also a KV key."""
+    if not _KV_KEY.fullmatch(value):
+        raise ValueError(f"must be letters, digits, '-', '_', '=' or '/' (it is a NATS subject token and a "
+                         f"run-state key), got {value!r}")
+    return value
+
+
+def tenant_name(value: str) -> str:
+    if not _KV_KEY.fullmatch(value) or len(value) > MAX_NAME_CHARS:
+        raise ValueError(f"must be 1 to {MAX_NAME_CHARS} letters, digits, '-', '_', '=' or '/', got {value!r}")
+    return value
+
+
+RunId = Annotated[str, Field(max_length=MAX_NAME_CHARS, description="Run id (letters, digits, - _ = /)."),
+                  AfterValidator(run_id)]
+EnvName = Annotated[str, Field(max_length=MAX_NAME_CHARS, description="Environment name (a NATS subject token)."),
+                    AfterValidator(subject_token)]
+
+
+class _Create(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# --- tasks --------------------------------------------------------------------------------
+
+
+class Sampling(_Create):
+    """Sampling settings the run imposes on every generation of this task."""
+
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_tokens: int = Field(256, ge=1)
+    stop: list[str] = []
+    seed: int | None = None
+
+
+class TaskCreate(_Create):
+    """One row of a task set, to be rolled out ``num_rollouts`` times as one group."""
+
+    run: RunId
+    env: EnvName
+    data: dict[str, Any] = Field(description="The task row, as the environment expects it.")
+    id: str | None = Field(None, min_length=1, max_length=200,
+                           description="Task id; also the deduplication key (a retried POST with the same id is "
+                                       "stored once). Default: a fresh random id.")
+    num_rollouts: int = Field(1, ge=1, le=4096)
+    sampling: Sampling | None = None
+
+    def to_event(self) -> events.Task:
+        fields: dict[str, Any] = {"run": self.run, "env": self.env, "data": self.data, "num_rollouts": self.num_rollouts}
+        if self.id is not None:
+            fields["id"] = self.id
+        if self.sampling is not None:
+            fields["sampling"] = events.Sampling(**self.sampling.model_dump())
+        return events.Task(**fields)
+
+
+def _one_or_many(value: Any) -> str:
+    return "tasks" if isinstance(value, list) else "task"
+
+
+# The tag names show in error paths: "task.run: ..." for one task, "tasks[2].run: ..." for a list.
+TasksCreate = Annotated[
+    Annotated[TaskCreate, Tag("task")]
+    | Annotated[list[TaskCreate], Field(min_length=1, max_length=MAX_TASKS_PER_REQUEST), Tag("tasks")],
+    Discriminator(_one_or_many),
+]
+
+
+class TasksAccepted(BaseModel):
+    """The tasks were stored on the bus; they show in ``GET /v1/tasks`` once recorded."""
+
+    ids: list[str]
+
+
+class TaskPublic(BaseModel):
+    id: str
+    run: str
+    env: str
+    data: dict[str, Any]
+    num_rollouts: int
+    sampling: Sampling | None
+    created_at: datetime
+
+
+class TaskPage(BaseModel):
+    items: list[TaskPublic]
+    next_cursor: str | None = Field(description="Pass as ?cursor= for the next page; null on the last page.")
+
+
+# --- rollouts -----------------------------------------------------------------------------
+
+
+class ScorePublic(BaseModel):
+    id: str
+    scorer: str
+    value: float
+    weight: float
+    components: dict[str, float]
+    error: str | None
+    created_at: datetime
+
+
+class RolloutPublic(BaseModel):
+    id: str
+    run: str
+    env: str
+    task_id: str
+    group_id: str
+    index: int
+    policy_version: int
+    status: Literal["completed", "truncated", "error"]
+    error: str | None
+    reward: float | None = Field(description="Weighted sum of the scores (value * weight); null until scored.")
+    num_tokens: int
+    created_at: datetime
+
+
+class RolloutDetail(RolloutPublic):
+    metrics: dict[str, float]
+    task_data: dict[str, Any]
+    scores: list[ScorePublic]
+
+
+class RolloutPage(BaseModel):
+    items: list[RolloutPublic]
+    next_cursor: str | None = Field(description="Pass as ?cursor= for the next page; null on the last page.")
+
+
+# --- traces -------------------------------------------------------------------------------
+
+
+class ToolCallPublic(BaseModel):
+    id: str
+    name: str
+    arguments: str = "{}"
+
+
+class MessagePublic(BaseModel):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = ""
+    tool_calls: list[ToolCallPublic] = []
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+class TokenSpanPublic(BaseModel):
+    token_ids: list[int]
+    logprobs: list[float] = []
+    loss_mask: list[bool] = []
+    policy_version: int | None = None
+
+
+class NodePublic(BaseModel):
+    id: str
+    parent_id: str | None
+    position: int = Field(description="Order of the node in its rollout.")
+    message: MessagePublic
+    tokens: TokenSpanPublic | None = Field(
+        None, description="The token layer; only with ?tokens=true, and null for a node without tokens.")
+
+
+class TracePublic(BaseModel):
+    rollout_id: str
+    nodes: list[NodePublic]
+
+
+# --- errors and health --------------------------------------------------------------------
+
+
+class ErrorPublic(BaseModel):
+    detail: str
+
+
+class FieldError(BaseModel):
+    field: str
+    message: str
+
+
+class ValidationErrorPublic(BaseModel):
+    detail: str = Field(description="Every problem, as 'field: message', joined by '; '.")
+    errors: list[FieldError]
+
+
+class HealthPublic(BaseModel):
+    status: Literal["ok", "unavailable"]
+    checks: dict[str, str] = Field(description="'ok', or why the dependency is down.")

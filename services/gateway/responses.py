@@ -1,0 +1,82 @@
+"""How the API answers errors: one shape, messages that name the field to fix.
+
+FastAPI's own 422 lists pydantic's error objects; here each becomes ``field: message``
+with the field written as a path a person reads (``tasks[2].run``, ``limit``), and all of
+them joined in ``detail``. Errors from the parts map to statuses here, once: a bad cursor
+is a 422 on ``cursor``, a run of another tenant a 409, the bus unreachable a 503.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import nats.errors
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from flywheel_gateway.models import ErrorPublic, ValidationErrorPublic
+from flywheel_gateway.runs import RunConflict
+from flywheel_gateway.store import InvalidCursor
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    404: {"model": ErrorPublic, "description": "Not found"},
+    422: {"model": ValidationErrorPublic, "description": "Invalid request: every problem, naming its field"},
+    503: {"model": ErrorPublic, "description": "NATS or the database is unreachable"},
+}
+_SOURCES = ("body", "query", "path", "header", "cookie")
+_MESSAGES = {"missing": "field required", "extra_forbidden": "unknown field (check its spelling)"}
+
+
+def field_path(loc: Sequence[str | int]) -> str:
+    """('body', 'tasks', 2, 'run') -> 'tasks[2].run'; ('query', 'limit') -> 'limit'."""
+    parts = list(loc)
+    if len(parts) > 1 and parts[0] in _SOURCES:
+        parts = parts[1:]
+    path = ""
+    for part in parts:
+        path += f"[{part}]" if isinstance(part, int) else f"{'.' if path else ''}{part}"
+    return path
+
+
+def field_message(error: dict[str, Any]) -> str:
+    cause = (error.get("ctx") or {}).get("error")
+    if error["type"] == "json_invalid":
+        return f"not valid JSON ({cause}) at character {error['loc'][-1]}"
+    message = _MESSAGES.get(error["type"]) or (str(cause) if cause is not None else error["msg"])
+    return message[:1].lower() + message[1:]
+
+
+def unprocessable(errors: Sequence[dict[str, Any]]) -> JSONResponse:
+    fields = [{"field": "body" if e["type"] == "json_invalid" else field_path(e["loc"]), "message": field_message(e)}
+              for e in errors]
+    detail = "; ".join(f"{f['field']}: {f['message']}" for f in fields)
+    return JSONResponse(ValidationErrorPublic.model_validate({"detail": detail, "errors": fields}).model_dump(),
+                        status_code=422)
+
+
+def refuse_inverted_range(low_name: str, low: float | None, high_name: str, high: float | None) -> None:
+    if low is not None and high is not None and low > high:
+        raise RequestValidationError([{"loc": ("query", low_name), "type": "value_error",
+                                       "msg": f"is greater than {high_name} ({low} > {high})"}])
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return unprocessable(exc.errors())
+
+    async def on_cursor(_: Request, exc: InvalidCursor) -> JSONResponse:
+        return unprocessable([{"loc": ("query", "cursor"), "type": "value_error", "msg": str(exc)}])
+
+    async def on_conflict(_: Request, exc: RunConflict) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=409)
+
+    async def on_bus_down(_: Request, exc: nats.errors.Error) -> JSONResponse:
+        return JSONResponse({"detail": f"the bus is unavailable ({type(exc).__name__}: {exc}); retry later"},
+                            status_code=503)
+
+    app.add_exception_handler(RequestValidationError, on_validation)  # type: ignore[arg-type]
+    app.add_exception_handler(InvalidCursor, on_cursor)  # type: ignore[arg-type]
+    app.add_exception_handler(RunConflict, on_conflict)  # type: ignore[arg-type]
+    app.add_exception_handler(nats.errors.Error, on_bus_down)  # type: ignore[arg-type]

@@ -1,0 +1,173 @@
+"""The trace store's tables (SQLAlchemy Core), shared by the store and the migrations.
+
+Every table is keyed by the id of the event it records, so recording an event twice (the
+bus delivers at least once) changes nothing. Tables that the API lists page by page
+(``tasks``, ``rollouts``) also carry ``seq``, an autoincrement in recording order: a
+keyset cursor on it never skips or repeats a row while new rows arrive.
+
+No foreign keys: events arrive in any order (a score may be recorded before its rollout,
+a live trace node before its rollout), so every table accepts rows whose neighbours have
+not arrived yet.
+
+Times are stored in UTC. SQLite keeps no time zone, so it hands back naive datetimes;
+:class:`UTCDateTime` converts to UTC on the way in and marks values as UTC on the way out,
+so callers always get aware datetimes on both SQLite and PostgreSQL.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.engine import Dialect
+
+
+class UTCDateTime(sa.TypeDecorator[datetime]):
+    """An aware datetime, stored in UTC; naive values read back (SQLite) are marked UTC."""
+
+    impl = sa.DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(f"naive datetime {value.isoformat()} given to the trace store; pass an aware (UTC) datetime")
+        value = value.astimezone(UTC)
+        # SQLite would format the offset away anyway; store the plain UTC wall time.
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+# JSON on SQLite, JSONB on PostgreSQL. Values are (de)serialized by the engine's
+# json_serializer (msgspec, see store.create_engine), so msgspec Structs can be bound as is.
+Json = sa.JSON(none_as_null=True).with_variant(JSONB(none_as_null=True), "postgresql")
+# An INTEGER PRIMARY KEY is SQLite's rowid (autoincrement); BIGINT on PostgreSQL.
+Seq = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
+
+metadata = sa.MetaData()
+
+
+def _seq() -> sa.Column[Any]:
+    return sa.Column("seq", Seq, primary_key=True, autoincrement=True)
+
+
+runs = sa.Table(
+    "runs",
+    metadata,
+    sa.Column("id", sa.String, primary_key=True),
+    sa.Column("tenant", sa.String, nullable=False),
+    sa.Column("kind", sa.String, nullable=False),
+    sa.Column("created_at", UTCDateTime, nullable=False),
+)
+
+tasks = sa.Table(
+    "tasks",
+    metadata,
+    _seq(),
+    sa.Column("id", sa.String, nullable=False, unique=True),
+    sa.Column("run", sa.String, nullable=False),
+    sa.Column("env", sa.String, nullable=False),
+    sa.Column("data", Json, nullable=False),
+    sa.Column("num_rollouts", sa.Integer, nullable=False),
+    sa.Column("sampling", Json, nullable=True),
+    sa.Column("created_at", UTCDateTime, nullable=False),
+    sa.Index("ix_tasks_run_env", "run", "env"),
+)
+
+rollouts = sa.Table(
+    "rollouts",
+    metadata,
+    _seq(),
+    sa.Column("id", sa.String, nullable=False, unique=True),
+    sa.Column("run", sa.String, nullable=False),
+    sa.Column("env", sa.String, nullable=False),
+    sa.Column("task_id", sa.String, nullable=False, index=True),
+    sa.Column("group_id", sa.String, nullable=False, index=True),
+    sa.Column("index", sa.Integer, nullable=False),
+    sa.Column("policy_version", sa.Integer, nullable=False),
+    sa.Column("status", sa.String, nullable=False),
+    sa.Column("error", sa.Text, nullable=True),
+    # Weighted sum of the rollout's scores (value * weight); NULL until the first score.
+    sa.Column("reward", sa.Float, nullable=True),
+    sa.Column("num_tokens", sa.Integer, nullable=False),
+    sa.Column("created_at", UTCDateTime, nullable=False),
+    # The whole Rollout event as published (nodes included), for replay and export.
+    sa.Column("event", Json, nullable=False),
+    sa.Index("ix_rollouts_run_env", "run", "env"),
+)
+
+# One row per distinct node (content hash), however many rollouts share it.
+nodes = sa.Table(
+    "nodes",
+    metadata,
+    sa.Column("id", sa.String, primary_key=True),
+    sa.Column("parent_id", sa.String, nullable=True),
+    sa.Column("role", sa.String, nullable=False),
+    sa.Column("message", Json, nullable=False),
+    # TokenSpan: token_ids, logprobs, loss_mask, policy_version; NULL for a node without tokens.
+    sa.Column("tokens", Json, nullable=True),
+    sa.Column("policy_version", sa.Integer, nullable=True),
+)
+
+# Which nodes make up a rollout's graph, in the order the rollout lists them.
+rollout_nodes = sa.Table(
+    "rollout_nodes",
+    metadata,
+    sa.Column("rollout_id", sa.String, primary_key=True),
+    sa.Column("node_id", sa.String, primary_key=True),
+    sa.Column("position", sa.Integer, nullable=False),
+)
+
+scores = sa.Table(
+    "scores",
+    metadata,
+    sa.Column("id", sa.String, primary_key=True),
+    sa.Column("run", sa.String, nullable=False),
+    sa.Column("env", sa.String, nullable=False),
+    sa.Column("rollout_id", sa.String, nullable=False),
+    sa.Column("group_id", sa.String, nullable=False),
+    sa.Column("scorer", sa.String, nullable=False),
+    sa.Column("value", sa.Float, nullable=False),
+    sa.Column("weight", sa.Float, nullable=False),
+    sa.Column("components", Json, nullable=False),
+    sa.Column("error", sa.Text, nullable=True),
+    sa.Column("created_at", UTCDateTime, nullable=False),
+    # One verdict per scorer per rollout: a scorer that scores a redelivered rollout again
+    # under a new event id must not count twice in the reward.
+    sa.UniqueConstraint("rollout_id", "scorer", name="uq_scores_rollout_scorer"),
+)
+
+weight_updates = sa.Table(
+    "weight_updates",
+    metadata,
+    sa.Column("id", sa.String, primary_key=True),
+    sa.Column("run", sa.String, nullable=False, index=True),
+    sa.Column("version", sa.Integer, nullable=False),
+    sa.Column("uri", sa.String, nullable=False),
+    sa.Column("sha256", sa.String, nullable=False),
+    sa.Column("size_bytes", sa.BigInteger, nullable=False),
+    sa.Column("format", sa.String, nullable=False),
+    sa.Column("trainer_step", sa.Integer, nullable=False),
+    sa.Column("created_at", UTCDateTime, nullable=False),
+)
+
+dead_letters = sa.Table(
+    "dead_letters",
+    metadata,
+    sa.Column("id", sa.String, primary_key=True),
+    sa.Column("stream", sa.String, nullable=False, index=True),
+    sa.Column("original_subject", sa.String, nullable=False),
+    sa.Column("consumer", sa.String, nullable=False),
+    sa.Column("num_delivered", sa.Integer, nullable=False),
+    sa.Column("reason", sa.Text, nullable=False),
+    sa.Column("payload", sa.LargeBinary, nullable=False),
+    sa.Column("headers", Json, nullable=False),
+    sa.Column("created_at", UTCDateTime, nullable=False),
+)

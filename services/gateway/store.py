@@ -1,0 +1,430 @@
+"""The trace store: every event on the bus, recorded into SQL, and the queries the API serves.
+
+SQLite (one file, the embedded default) or PostgreSQL (deployed), by URL:
+``sqlite+aiosqlite:///path/flywheel.db`` or ``postgresql+asyncpg://user@host/db``.
+The schema lives in :mod:`flywheel_gateway.schema` and is created by the migrations
+(:func:`flywheel_gateway.migrate.migrate`), never by this module.
+
+Recording is idempotent and bulk: :meth:`Store.record` takes a batch of events of any
+kinds, and writes them in one transaction with one ``executemany`` per table, every insert
+``ON CONFLICT DO NOTHING`` (keyed by event id), so a redelivered event changes nothing.
+A rollout's reward is recomputed in the same transaction whenever the rollout or one of
+its scores is recorded, so the order in which they arrive does not matter.
+
+Concurrency. SQLite: WAL, a busy timeout, write transactions start with
+``BEGIN IMMEDIATE`` (so a writer never fails on a lock upgrade) and writers of one process
+take turns on an asyncio lock instead of spinning in SQLite's busy handler. PostgreSQL:
+a write transaction first takes transaction-scoped advisory locks on the rollouts it
+touches (in a fixed order), so a score and its rollout recorded at the same moment by two
+consumers cannot both miss each other when the reward is computed.
+
+Not covered: deleting or compacting old traces, full-text search. PostgreSQL refuses NUL
+characters in text and JSONB, so an event carrying one fails to record there (and ends up
+dead-lettered by the bus layer); SQLite stores it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+from collections.abc import AsyncIterator, Iterable, Sequence
+from contextlib import asynccontextmanager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import sqlalchemy as sa
+from sqlalchemy import event as sa_event
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+
+from flywheel import events
+from flywheel_gateway import schema as s
+
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+MAX_PAGE_LIMIT = 1000
+# Ids per statement for IN (...) lists; well below SQLite's and asyncpg's parameter limits.
+_IN_CHUNK = 500
+_WRITE = "flywheel_write"
+
+
+class InvalidCursor(ValueError):
+    """A pagination cursor that this store did not hand out (or for another listing)."""
+
+
+class UnrecordableEvent(ValueError):
+    """An event that can never be recorded as it is (retrying will not help)."""
+
+
+def _json_dumps(value: Any) -> str:
+    return msgspec.json.encode(value).decode()
+
+
+def create_engine(url: str) -> AsyncEngine:
+    """An async engine for the trace store, with SQLite tuned for one writer and many readers."""
+    backend = sa.make_url(url).get_backend_name()
+    if backend not in ("sqlite", "postgresql"):
+        raise ValueError(f"database_url must be sqlite+aiosqlite://... or postgresql+asyncpg://..., got {url!r}")
+    if backend == "sqlite":
+        database = sa.make_url(url).database
+        if database and database != ":memory:":
+            Path(database).parent.mkdir(parents=True, exist_ok=True)
+    engine = create_async_engine(url, json_serializer=_json_dumps, json_deserializer=msgspec.json.decode)
+    if backend == "sqlite":
+        _tune_sqlite(engine)
+    return engine
+
+
+def _tune_sqlite(engine: AsyncEngine) -> None:
+    @sa_event.listens_for(engine.sync_engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        # Let SQLAlchemy emit BEGIN itself (below), so DDL and reads are transactional too.
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cursor.execute("PRAGMA synchronous=NORMAL")  # durable across process crashes in WAL mode
+        cursor.close()
+
+    @sa_event.listens_for(engine.sync_engine, "begin")
+    def _on_begin(conn: sa.Connection) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get(_WRITE) else "BEGIN")
+
+
+@asynccontextmanager
+async def write_transaction(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
+    """A transaction that will write: on SQLite it takes the write lock at BEGIN."""
+    async with engine.connect() as conn:
+        conn = await conn.execution_options(**{_WRITE: True})
+        async with conn.begin():
+            yield conn
+
+
+@dataclass
+class Page:
+    """One page of a listing; ``next_cursor`` is None on the last page."""
+
+    items: list[dict[str, Any]]
+    next_cursor: str | None
+
+
+@dataclass
+class RolloutFilter:
+    """Filters of the rollout listing; None means no filter. Bounds are inclusive."""
+
+    run: str | None = None
+    env: str | None = None
+    status: str | None = None
+    policy_version: int | None = None
+    min_policy_version: int | None = None
+    max_policy_version: int | None = None
+    min_reward: float | None = None
+    max_reward: float | None = None
+
+    def where(self) -> list[sa.ColumnElement[bool]]:
+        c = s.rollouts.c
+        conditions = [
+            (self.run, lambda v: c.run == v),
+            (self.env, lambda v: c.env == v),
+            (self.status, lambda v: c.status == v),
+            (self.policy_version, lambda v: c.policy_version == v),
+            (self.min_policy_version, lambda v: c.policy_version >= v),
+            (self.max_policy_version, lambda v: c.policy_version <= v),
+            (self.min_reward, lambda v: c.reward >= v),
+            (self.max_reward, lambda v: c.reward <= v),
+        ]
+        return [make(value) for value, make in conditions if value is not None]
+
+
+def encode_cursor(listing: str, seq: int) -> str:
+    return base64.urlsafe_b64encode(msgspec.json.encode([listing, seq])).decode().rstrip("=")
+
+
+def decode_cursor(listing: str, cursor: str) -> int:
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+        kind, seq = msgspec.json.decode(raw, type=tuple[str, int])
+    except (binascii.Error, ValueError, msgspec.DecodeError) as exc:
+        raise InvalidCursor(f"cursor {cursor!r} is not a cursor this API handed out") from exc
+    if kind != listing:
+        raise InvalidCursor(f"cursor {cursor!r} belongs to the {kind} listing, not {listing}")
+    return seq
+
+
+# --- turning events into rows ---------------------------------------------------------------
+
+
+@dataclass
+class _Rows:
+    """The rows one batch of events adds, per table, deduplicated by primary key."""
+
+    runs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    tasks: dict[str, dict[str, Any]] = field(default_factory=dict)
+    rollouts: dict[str, dict[str, Any]] = field(default_factory=dict)
+    nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    rollout_nodes: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    trace_links: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    scores: dict[str, dict[str, Any]] = field(default_factory=dict)
+    weight_updates: dict[str, dict[str, Any]] = field(default_factory=dict)
+    dead_letters: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def add(self, event: events.Event) -> None:
+        adder = _ADDERS.get(type(event))
+        if adder is None:
+            raise UnrecordableEvent(f"the trace store does not record {type(event).__name__} events")
+        if event.created_at.tzinfo is None:
+            raise UnrecordableEvent(f"{type(event).__name__} {event.id!r}: created_at {event.created_at.isoformat()} "
+                                    "has no time zone; send RFC 3339 with an offset, e.g. 2026-01-01T00:00:00Z")
+        run = getattr(event, "run", None)
+        if run is not None:
+            self.runs.setdefault(run, {"id": run, "tenant": "default", "kind": "train", "created_at": event.created_at})
+        adder(self, event)
+
+    def add_task(self, t: events.Task) -> None:
+        self.tasks.setdefault(t.id, {
+            "id": t.id, "run": t.run, "env": t.env, "data": t.data, "num_rollouts": t.num_rollouts,
+            "sampling": t.sampling, "created_at": t.created_at,
+        })
+
+    def add_rollout(self, r: events.Rollout) -> None:
+        if r.id in self.rollouts:
+            return
+        self.rollouts[r.id] = {
+            "id": r.id, "run": r.run, "env": r.env, "task_id": r.task_id, "group_id": r.group_id,
+            "index": r.index, "policy_version": r.policy_version, "status": r.status, "error": r.error,
+            "num_tokens": sum(len(n.tokens.token_ids) for n in r.nodes if n.tokens is not None),
+            "created_at": r.created_at, "event": r,
+        }
+        for position, node in enumerate(r.nodes):
+            self._add_node(node)
+            self.rollout_nodes.setdefault((r.id, node.id), {"rollout_id": r.id, "node_id": node.id, "position": position})
+
+    def add_trace_node(self, t: events.TraceNode) -> None:
+        self._add_node(t.node)
+        self.trace_links.setdefault((t.rollout_id, t.node.id), {"rollout_id": t.rollout_id, "node_id": t.node.id})
+
+    def _add_node(self, n: events.Node) -> None:
+        self.nodes.setdefault(n.id, {
+            "id": n.id, "parent_id": n.parent_id, "role": n.message.role, "message": n.message,
+            "tokens": n.tokens, "policy_version": n.tokens.policy_version if n.tokens is not None else None,
+        })
+
+    def add_score(self, sc: events.Score) -> None:
+        self.scores.setdefault(sc.id, {
+            "id": sc.id, "run": sc.run, "env": sc.env, "rollout_id": sc.rollout_id, "group_id": sc.group_id,
+            "scorer": sc.scorer, "value": sc.value, "weight": sc.weight, "components": sc.components,
+            "error": sc.error, "created_at": sc.created_at,
+        })
+
+    def add_weight_update(self, w: events.WeightUpdate) -> None:
+        self.weight_updates.setdefault(w.id, {
+            "id": w.id, "run": w.run, "version": w.version, "uri": w.uri, "sha256": w.sha256,
+            "size_bytes": w.size_bytes, "format": w.format, "trainer_step": w.trainer_step, "created_at": w.created_at,
+        })
+
+    def add_dead_letter(self, d: events.DeadLetter) -> None:
+        self.dead_letters.setdefault(d.id, {
+            "id": d.id, "stream": d.stream, "original_subject": d.original_subject, "consumer": d.consumer,
+            "num_delivered": d.num_delivered, "reason": d.reason, "payload": d.payload, "headers": d.headers,
+            "created_at": d.created_at,
+        })
+
+    def rewarded_rollouts(self) -> list[str]:
+        """Rollouts whose reward this batch may change: recorded ones and scored ones."""
+        return sorted(set(self.rollouts).union(row["rollout_id"] for row in self.scores.values()))
+
+    def touched_rollouts(self) -> list[str]:
+        """Rollouts whose reward or graph this batch changes, sorted (the lock order)."""
+        return sorted(set(self.rewarded_rollouts()).union(rollout_id for rollout_id, _ in self.trace_links))
+
+
+_ADDERS: dict[type, Any] = {
+    events.Task: _Rows.add_task,
+    events.Rollout: _Rows.add_rollout,
+    events.TraceNode: _Rows.add_trace_node,
+    events.Score: _Rows.add_score,
+    events.WeightUpdate: _Rows.add_weight_update,
+    events.DeadLetter: _Rows.add_dead_letter,
+}
+
+
+def _chunks(items: Sequence[str], size: int = _IN_CHUNK) -> Iterable[Sequence[str]]:
+    for i in range(0, len(items), size):
+        yield items[i:i + size]
+
+
+class Store:
+    """Reads and writes the trace store. Build with :meth:`open`; :meth:`close` when done."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+        self.dialect = engine.dialect.name
+        self._insert = postgresql.insert if self.dialect == "postgresql" else sqlite.insert
+        # SQLite has one writer at a time: queue this process's writers here, not in SQLite.
+        self._write_lock = asyncio.Lock() if self.dialect == "sqlite" else None
+
+    @classmethod
+    def open(cls, url: str) -> Store:
+        return cls(create_engine(url))
+
+    async def close(self) -> None:
+        await self.engine.dispose()
+
+    async def ping(self) -> None:
+        """Raise if the database cannot answer a trivial query."""
+        async with self.engine.connect() as conn:
+            await conn.execute(sa.text("SELECT 1"))
+
+    @asynccontextmanager
+    async def _write(self) -> AsyncIterator[AsyncConnection]:
+        async with self._write_lock or nullcontext(), write_transaction(self.engine) as conn:
+            yield conn
+
+    # --- writing ------------------------------------------------------------------------
+
+    async def record(self, batch: Iterable[events.Event]) -> None:
+        """Record a batch of events of any kinds in one transaction. Idempotent.
+
+        Raises :class:`UnrecordableEvent` (before writing anything) for an event that can
+        never be recorded; database errors propagate as they are (worth a retry).
+        """
+        rows = _Rows()
+        for e in batch:
+            rows.add(e)
+        touched = rows.touched_rollouts()
+        async with self._write() as conn:
+            if self.dialect == "postgresql" and touched:
+                await conn.execute(
+                    sa.text("SELECT pg_advisory_xact_lock(k) FROM (SELECT DISTINCT hashtextextended(x, 0) AS k "
+                            "FROM unnest(CAST(:ids AS text[])) AS x ORDER BY k) AS keys"),
+                    {"ids": touched},
+                )
+            for table, values in (
+                (s.runs, rows.runs), (s.tasks, rows.tasks), (s.scores, rows.scores), (s.rollouts, rows.rollouts),
+                (s.weight_updates, rows.weight_updates), (s.dead_letters, rows.dead_letters),
+            ):
+                await self._insert_new(conn, table, list(values.values()))
+            # Sorted, so that concurrent PostgreSQL writers wait on shared nodes in one order.
+            await self._insert_new(conn, s.nodes, [rows.nodes[k] for k in sorted(rows.nodes)])
+            if rows.rollout_nodes:
+                # The finished rollout's order is authoritative over the live trace's.
+                stmt = self._insert(s.rollout_nodes)
+                await conn.execute(
+                    stmt.on_conflict_do_update(index_elements=["rollout_id", "node_id"],
+                                               set_={"position": stmt.excluded.position}),
+                    list(rows.rollout_nodes.values()),
+                )
+            if rows.trace_links:
+                await self._insert_new(conn, s.rollout_nodes, await self._positioned(conn, rows.trace_links))
+            await self._update_rewards(conn, rows.rewarded_rollouts())
+
+    async def _insert_new(self, conn: AsyncConnection, table: sa.Table, values: list[dict[str, Any]]) -> None:
+        if values:
+            await conn.execute(self._insert(table).on_conflict_do_nothing(), values)
+
+    async def _positioned(self, conn: AsyncConnection, links: dict[tuple[str, str], dict[str, Any]]) -> list[dict[str, Any]]:
+        """Number new live trace nodes after the nodes their rollout already has."""
+        rn = s.rollout_nodes.c
+        known: set[tuple[str, str]] = set()
+        next_position: dict[str, int] = {}
+        for ids in _chunks(sorted({rollout_id for rollout_id, _ in links})):
+            result = await conn.execute(sa.select(rn.rollout_id, rn.node_id, rn.position).where(rn.rollout_id.in_(ids)))
+            for rollout_id, node_id, position in result:
+                known.add((rollout_id, node_id))
+                next_position[rollout_id] = max(next_position.get(rollout_id, 0), position + 1)
+        out = []
+        for key, row in links.items():
+            if key in known:
+                continue
+            position = next_position.get(row["rollout_id"], 0)
+            next_position[row["rollout_id"]] = position + 1
+            out.append({**row, "position": position})
+        return out
+
+    async def _update_rewards(self, conn: AsyncConnection, rollout_ids: Sequence[str]) -> None:
+        r, sc = s.rollouts.c, s.scores.c
+        total = (sa.select(sa.func.sum(sc.value * sc.weight)).where(sc.rollout_id == r.id).scalar_subquery())
+        for ids in _chunks(rollout_ids):
+            await conn.execute(sa.update(s.rollouts).where(r.id.in_(ids)).values(reward=total))
+
+    async def upsert_runs(self, states: Sequence[events.RunState]) -> None:
+        """Record runs with their tenant and kind (the run-state bucket is the source of truth)."""
+        if not states:
+            return
+        stmt = self._insert(s.runs)
+        stmt = stmt.on_conflict_do_update(index_elements=["id"],
+                                          set_={"tenant": stmt.excluded.tenant, "kind": stmt.excluded.kind})
+        async with self._write() as conn:
+            await conn.execute(stmt, [{"id": st.id, "tenant": st.tenant, "kind": st.kind, "created_at": st.created_at}
+                                      for st in states])
+
+    # --- reading ------------------------------------------------------------------------
+
+    async def _page(self, listing: str, table: sa.Table, columns: Sequence[sa.ColumnElement[Any]],
+                    where: list[sa.ColumnElement[bool]], cursor: str | None, limit: int) -> Page:
+        """Newest first, keyset on ``seq``: rows recorded meanwhile never shift a page."""
+        if not 1 <= limit <= MAX_PAGE_LIMIT:
+            raise ValueError(f"limit must be between 1 and {MAX_PAGE_LIMIT}, got {limit}")
+        seq = table.c.seq
+        if cursor is not None:
+            where = [*where, seq < decode_cursor(listing, cursor)]
+        query = sa.select(seq, *columns).where(*where).order_by(seq.desc()).limit(limit + 1)
+        async with self.engine.connect() as conn:
+            rows = [dict(row) for row in (await conn.execute(query)).mappings()]
+        next_cursor = encode_cursor(listing, rows[limit - 1]["seq"]) if len(rows) > limit else None
+        items = rows[:limit]
+        for row in items:
+            del row["seq"]
+        return Page(items, next_cursor)
+
+    async def list_tasks(self, run: str | None = None, env: str | None = None, cursor: str | None = None,
+                         limit: int = 50) -> Page:
+        c = s.tasks.c
+        where = [cond for value, cond in ((run, c.run == run), (env, c.env == env)) if value is not None]
+        return await self._page("tasks", s.tasks, _columns(s.tasks), where, cursor, limit)
+
+    async def get_task(self, task_id: str) -> dict[str, Any] | None:
+        async with self.engine.connect() as conn:
+            row = (await conn.execute(sa.select(*_columns(s.tasks)).where(s.tasks.c.id == task_id))).mappings().first()
+        return dict(row) if row is not None else None
+
+    async def list_rollouts(self, filters: RolloutFilter | None = None, cursor: str | None = None,
+                            limit: int = 50) -> Page:
+        where = (filters or RolloutFilter()).where()
+        return await self._page("rollouts", s.rollouts, _columns(s.rollouts, "event"), where, cursor, limit)
+
+    async def get_rollout(self, rollout_id: str) -> dict[str, Any] | None:
+        """The rollout (without its nodes), its metrics and task data, and its scores."""
+        async with self.engine.connect() as conn:
+            row = (await conn.execute(
+                sa.select(*_columns(s.rollouts)).where(s.rollouts.c.id == rollout_id))).mappings().first()
+            if row is None:
+                return None
+            scores = (await conn.execute(
+                sa.select(*_columns(s.scores)).where(s.scores.c.rollout_id == rollout_id)
+                .order_by(s.scores.c.scorer))).mappings().all()
+        out = dict(row)
+        event = out.pop("event")
+        out["metrics"] = event.get("metrics", {})
+        out["task_data"] = event.get("task_data", {})
+        out["scores"] = [dict(sc) for sc in scores]
+        return out
+
+    async def get_trace(self, rollout_id: str, tokens: bool = False) -> list[dict[str, Any]] | None:
+        """The nodes of a rollout's graph in order; None when nothing of it is recorded."""
+        n, rn = s.nodes.c, s.rollout_nodes.c
+        columns = [n.id, n.parent_id, rn.position, n.message] + ([n.tokens] if tokens else [])
+        query = (sa.select(*columns).join_from(s.rollout_nodes, s.nodes, n.id == rn.node_id)
+                 .where(rn.rollout_id == rollout_id).order_by(rn.position, n.id))
+        async with self.engine.connect() as conn:
+            rows = [dict(row) for row in (await conn.execute(query)).mappings()]
+            if not rows:
+                found = await conn.scalar(sa.select(s.rollouts.c.id).where(s.rollouts.c.id == rollout_id))
+                return [] if found is not None else None
+        return rows
+
+
+def _columns(table: sa.Table, *leave_out: str) -> list[sa.Column[Any]]:
+    return [c for c in table.c if c.name != "seq" and c.name not in leave_out]

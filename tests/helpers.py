@@ -1,0 +1,21 @@
+"""Small helpers shared by the test tiers."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+
+async def until(cond: Callable[[], bool | Awaitable[bool]], timeout_s: float = 15.0, what: str = "condition") -> None:
+    """Bounded polling of a condition (sync or async); fails the test after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = cond()
+        if not isinstance(value, bool):
+            value = await value
+        if value:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        await asyncio.sleep(0.02)

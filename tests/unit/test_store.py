@@ -1,0 +1,325 @@
+"""The trace store and its migrations, on SQLite and on PostgreSQL.
+
+Every test runs on both: a SQLite file in a temporary folder, and a throwaway PostgreSQL
+database created for the test (on the server named by the ``postgres_url`` fixture) and
+dropped after it. Where no PostgreSQL answers, the PostgreSQL half is skipped with the
+reason. Not covered here: the recorder and the API (tests/unit/test_gateway_*.py,
+tests/integration/test_recorder*.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+
+from flywheel import events
+from flywheel_gateway import schema
+from flywheel_gateway.migrate import current_revision, migrate, run_exclusively
+from flywheel_gateway.store import InvalidCursor, RolloutFilter, Store, UnrecordableEvent
+
+
+async def _throwaway_postgres(postgres_url: str) -> AsyncIterator[str]:
+    """Create a database on the test server, yield its URL, drop it after."""
+    asyncpg = pytest.importorskip("asyncpg")
+    admin_dsn = sa.make_url(postgres_url).set(drivername="postgresql").render_as_string(hide_password=False)
+    try:
+        admin = await asyncpg.connect(admin_dsn, timeout=5)
+    except (OSError, asyncpg.PostgresError, asyncio.TimeoutError) as exc:
+        pytest.skip(f"PostgreSQL at {postgres_url} is unreachable: {exc}")
+    name = f"flywheel_test_{uuid.uuid4().hex[:12]}"
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+        yield sa.make_url(postgres_url).set(database=name).render_as_string(hide_password=False)
+    finally:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await admin.close()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+async def database_url(request: pytest.FixtureRequest, tmp_path: Path, postgres_url: str) -> AsyncIterator[str]:
+    """An empty database: a SQLite file, or a throwaway PostgreSQL database."""
+    if request.param == "sqlite":
+        yield f"sqlite+aiosqlite:///{tmp_path / 'store.db'}"
+        return
+    async for url in _throwaway_postgres(postgres_url):
+        yield url
+
+
+@pytest.fixture
+async def store(database_url: str) -> AsyncIterator[Store]:
+    await migrate(database_url)
+    s = Store.open(database_url)
+    try:
+        yield s
+    finally:
+        await s.close()
+
+
+T0 = datetime(2026, 11, 1, 12, 0, tzinfo=UTC)
+
+
+def task(i: int, run: str = "r1", env: str = "math") -> events.Task:
+    return events.Task(id=f"t{i}", run=run, env=env, data={"q": f"{i}+{i}"}, created_at=T0 + timedelta(seconds=i),
+                       sampling=events.Sampling(temperature=0.5))
+
+
+def node(parent: events.Node | None, role: str, content: str, token_ids: list[int] | None = None,
+         policy_version: int | None = None) -> events.Node:
+    message = events.Message(role=role, content=content)  # type: ignore[arg-type]
+    tokens = None
+    if token_ids is not None:
+        tokens = events.TokenSpan(token_ids=token_ids, logprobs=[-0.5] * len(token_ids),
+                                  loss_mask=[role == "assistant"] * len(token_ids), policy_version=policy_version)
+    parent_id = parent.id if parent else None
+    return events.Node(id=events.node_id(parent_id, message, tokens), parent_id=parent_id, message=message, tokens=tokens)
+
+
+def conversation(answer: str) -> list[events.Node]:
+    """system -> user -> assistant(answer): the first two are the same for every answer."""
+    system = node(None, "system", "be brief", [1, 2])
+    user = node(system, "user", "2+2?", [3, 4, 5])
+    return [system, user, node(user, "assistant", answer, [6, 7, 8, 9], policy_version=3)]
+
+
+def rollout(rid: str, *, task_id: str = "t1", group_id: str = "g1", index: int = 0, policy_version: int = 3,
+            status: str = "completed", answer: str = "4", run: str = "r1") -> events.Rollout:
+    return events.Rollout(id=rid, run=run, env="math", task_id=task_id, group_id=group_id, index=index,
+                          policy_version=policy_version, nodes=conversation(answer), status=status,  # type: ignore[arg-type]
+                          metrics={"num_turns": 1.0}, task_data={"q": "2+2"}, created_at=T0)
+
+
+def score(sid: str, rollout_id: str, value: float, weight: float = 1.0, scorer: str = "exact") -> events.Score:
+    return events.Score(id=sid, run="r1", env="math", rollout_id=rollout_id, group_id="g1", scorer=scorer,
+                        value=value, weight=weight, created_at=T0)
+
+
+async def count(store: Store, table: sa.Table) -> int:
+    async with store.engine.connect() as conn:
+        return (await conn.scalar(sa.select(sa.func.count()).select_from(table))) or 0
+
+
+async def reward(store: Store, rollout_id: str) -> float | None:
+    found = await store.get_rollout(rollout_id)
+    assert found is not None, rollout_id
+    return found["reward"]
+
+
+# --- migrations ---------------------------------------------------------------------------
+
+
+async def test_migrate_is_idempotent_and_matches_the_models(database_url: str) -> None:
+    assert await current_revision(database_url) is None
+    await asyncio.gather(migrate(database_url), migrate(database_url))  # two processes starting at once
+    await migrate(database_url)
+    assert await current_revision(database_url) == "0001"
+
+    diffs: list[object] = []
+
+    def compare(conn: sa.Connection) -> None:
+        context = MigrationContext.configure(conn, opts={"compare_type": True})
+        diffs.extend(compare_metadata(context, schema.metadata))
+
+    await run_exclusively(database_url, compare)
+    assert diffs == [], "the models and the migrations disagree; add a migration (see alembic.ini)"
+
+
+# --- recording ----------------------------------------------------------------------------
+
+
+async def test_tasks_are_recorded_once_with_utc_times(store: Store) -> None:
+    batch = [task(i) for i in range(5)]
+    await store.record(batch)
+    await store.record(batch[2:] + [task(5)])  # redelivery plus one new
+    assert await count(store, schema.tasks) == 6
+    got = await store.get_task("t3")
+    assert got is not None
+    assert got["run"] == "r1" and got["data"] == {"q": "3+3"} and got["num_rollouts"] == 1
+    assert got["sampling"]["temperature"] == 0.5
+    assert got["created_at"] == T0 + timedelta(seconds=3)
+    assert got["created_at"].tzinfo is not None and got["created_at"].utcoffset() == timedelta(0)
+    assert await store.get_task("nope") is None
+    assert await count(store, schema.runs) == 1
+
+
+async def test_times_in_other_zones_are_stored_as_utc(store: Store) -> None:
+    plus_two = T0.astimezone(timezone(timedelta(hours=2)))
+    await store.record([events.Task(id="tz", run="r1", env="e", data={}, created_at=plus_two)])
+    got = await store.get_task("tz")
+    assert got is not None and got["created_at"] == T0 and got["created_at"].utcoffset() == timedelta(0)
+
+
+async def test_reward_is_the_weighted_sum_of_scores(store: Store) -> None:
+    await store.record([rollout("ro1")])
+    assert await reward(store, "ro1") is None  # not scored yet
+    await store.record([score("s1", "ro1", 1.0, weight=2.0, scorer="exact")])
+    assert await reward(store, "ro1") == pytest.approx(2.0)
+    await store.record([score("s2", "ro1", 0.5, weight=-1.0, scorer="length"), score("s1", "ro1", 1.0, weight=2.0)])
+    assert await reward(store, "ro1") == pytest.approx(1.5)
+    # The same scorer again under a new id (a redelivered rollout scored twice) does not count twice.
+    await store.record([score("s3", "ro1", 1.0, weight=2.0, scorer="exact")])
+    assert await reward(store, "ro1") == pytest.approx(1.5)
+    assert await count(store, schema.scores) == 2
+
+
+async def test_scores_before_their_rollout_give_the_right_reward(store: Store) -> None:
+    await store.record([score("s1", "ro1", 1.0, weight=0.5, scorer="a"), score("s2", "ro1", 1.0, scorer="b")])
+    assert await store.get_rollout("ro1") is None
+    await store.record([rollout("ro1")])
+    assert await reward(store, "ro1") == pytest.approx(1.5)
+    # ... and in one batch, in either order.
+    await store.record([score("s3", "ro2", 2.0, scorer="a"), rollout("ro2"), rollout("ro3"), score("s4", "ro3", 3.0)])
+    assert await reward(store, "ro2") == pytest.approx(2.0)
+    assert await reward(store, "ro3") == pytest.approx(3.0)
+
+
+async def test_concurrent_score_and_rollout_writers_agree(store: Store) -> None:
+    """Two consumers recording a rollout and its score at the same moment (a race on PostgreSQL)."""
+    for i in range(20):
+        await asyncio.gather(store.record([rollout(f"ro{i}")]), store.record([score(f"s{i}", f"ro{i}", 1.0)]))
+    page = await store.list_rollouts(limit=100)
+    assert [r["reward"] for r in page.items] == [1.0] * 20
+
+
+async def test_rollout_detail_has_its_scores_metrics_and_token_count(store: Store) -> None:
+    await store.record([rollout("ro1"), score("s1", "ro1", 1.0, scorer="b"), score("s2", "ro1", 0.0, scorer="a")])
+    got = await store.get_rollout("ro1")
+    assert got is not None
+    assert got["num_tokens"] == 2 + 3 + 4
+    assert got["metrics"] == {"num_turns": 1.0} and got["task_data"] == {"q": "2+2"}
+    assert [sc["scorer"] for sc in got["scores"]] == ["a", "b"]
+    assert got["index"] == 0 and got["policy_version"] == 3 and got["status"] == "completed"
+
+
+async def test_nodes_are_shared_across_rollouts(store: Store) -> None:
+    await store.record([rollout("ro1", answer="4"), rollout("ro2", answer="5")])
+    await store.record([rollout("ro3", answer="4")])  # same graph as ro1
+    assert await count(store, schema.nodes) == 4  # system, user, "4", "5"
+    assert await count(store, schema.rollout_nodes) == 9
+    trace = await store.get_trace("ro2", tokens=True)
+    assert trace is not None
+    assert [n["message"]["content"] for n in trace] == ["be brief", "2+2?", "5"]
+    assert [n["position"] for n in trace] == [0, 1, 2]
+    assert trace[0]["parent_id"] is None and trace[2]["parent_id"] == trace[1]["id"]
+    assert trace[2]["tokens"] == {"token_ids": [6, 7, 8, 9], "logprobs": [-0.5] * 4,
+                                  "loss_mask": [True] * 4, "policy_version": 3}
+    without_tokens = await store.get_trace("ro2")
+    assert without_tokens is not None and "tokens" not in without_tokens[0]
+    assert await store.get_trace("unknown") is None
+
+
+async def test_live_trace_nodes_then_the_rollout(store: Store) -> None:
+    nodes = conversation("4")
+    live = [events.TraceNode(run="r1", rollout_id="ro1", node=n) for n in nodes[:2]]
+    await store.record(live[:1])
+    await store.record(live)  # redelivery of the first, plus the second
+    trace = await store.get_trace("ro1")
+    assert trace is not None and [n["position"] for n in trace] == [0, 1]
+    assert [n["id"] for n in trace] == [n.id for n in nodes[:2]]
+    await store.record([rollout("ro1")])
+    trace = await store.get_trace("ro1")
+    assert trace is not None and [n["id"] for n in trace] == [n.id for n in nodes]
+    assert [n["position"] for n in trace] == [0, 1, 2]
+    await store.record([events.TraceNode(run="r1", rollout_id="ro1", node=nodes[2])])  # late live copy: no change
+    assert await count(store, schema.rollout_nodes) == 3
+
+
+async def test_weight_updates_and_dead_letters(store: Store) -> None:
+    update = events.WeightUpdate(id="w1", run="r1", version=2, uri="nats-os://flywheel-weights/r1/2", sha256="ab" * 32,
+                                 size_bytes=5_000_000_000, format="lora", trainer_step=7)
+    letter = events.DeadLetter(id="TASKS.9.recorder-tasks", stream="TASKS", original_subject="tasks.x.y",
+                               consumer="recorder-tasks", num_delivered=1, reason="payload does not decode",
+                               payload=b"\x00\xffgarbage", headers={"Nats-Msg-Id": "m"})
+    await store.record([update, letter])
+    await store.record([update, letter])
+    async with store.engine.connect() as conn:
+        weights = (await conn.execute(sa.select(schema.weight_updates))).mappings().all()
+        letters = (await conn.execute(sa.select(schema.dead_letters))).mappings().all()
+    assert len(weights) == 1 and weights[0]["size_bytes"] == 5_000_000_000 and weights[0]["format"] == "lora"
+    assert len(letters) == 1 and letters[0]["payload"] == b"\x00\xffgarbage"
+    assert letters[0]["headers"] == {"Nats-Msg-Id": "m"}
+
+
+async def test_runs_get_their_tenant_from_run_state(store: Store) -> None:
+    await store.record([task(1, run="r1")])  # recorded first: default tenant
+    await store.upsert_runs([events.RunState(id="r1", tenant="acme", kind="eval"), events.RunState(id="r2")])
+    await store.record([task(2, run="r1"), task(3, run="r2")])  # does not overwrite
+    async with store.engine.connect() as conn:
+        runs = {r.id: (r.tenant, r.kind) for r in await conn.execute(sa.select(schema.runs))}
+    assert runs == {"r1": ("acme", "eval"), "r2": ("default", "train")}
+
+
+async def test_events_that_can_never_be_recorded_are_refused(store: Store) -> None:
+    with pytest.raises(UnrecordableEvent, match="does not record RunState"):
+        await store.record([task(1), events.RunState(id="r1")])  # type: ignore[list-item]
+    naive = events.Task(id="naive", run="r1", env="e", data={}, created_at=datetime(2026, 1, 1))
+    with pytest.raises(UnrecordableEvent, match="'naive': created_at 2026-01-01T00:00:00 has no time zone"):
+        await store.record([task(2), naive])
+    assert await count(store, schema.tasks) == 0  # nothing of a refused batch is written
+
+
+# --- reading ------------------------------------------------------------------------------
+
+
+async def test_task_pages_cover_everything_once_newest_first(store: Store) -> None:
+    await store.record([task(i, env="math" if i % 2 else "code") for i in range(25)])
+    seen: list[str] = []
+    cursor = None
+    for _ in range(10):
+        page = await store.list_tasks(cursor=cursor, limit=10)
+        seen += [t["id"] for t in page.items]
+        cursor = page.next_cursor
+        if cursor is None:
+            break
+        # Rows recorded between pages do not shift the next page.
+        await store.record([task(100 + len(seen), env="later")])
+    assert seen[:10] == [f"t{i}" for i in range(24, 14, -1)]
+    assert len(seen) == 25 and len(set(seen)) == 25
+    math = await store.list_tasks(run="r1", env="math", limit=1000)
+    assert {t["id"] for t in math.items} == {f"t{i}" for i in range(1, 25, 2)} and math.next_cursor is None
+    assert (await store.list_tasks(run="other")).items == []
+
+
+async def test_bad_cursors_and_limits_are_refused(store: Store) -> None:
+    await store.record([task(1), task(2), rollout("ro1"), rollout("ro2")])
+    tasks_cursor = (await store.list_tasks(limit=1)).next_cursor
+    assert tasks_cursor is not None
+    with pytest.raises(InvalidCursor, match="tasks listing"):
+        await store.list_rollouts(cursor=tasks_cursor)
+    for garbage in ("!!", "bm90IGpzb24", ""):
+        with pytest.raises(InvalidCursor, match="not a cursor"):
+            await store.list_tasks(cursor=garbage)
+    with pytest.raises(ValueError, match="limit"):
+        await store.list_tasks(limit=0)
+
+
+async def test_rollout_filters(store: Store) -> None:
+    await store.record([
+        rollout("low", policy_version=1), rollout("mid", policy_version=2), rollout("high", policy_version=3),
+        rollout("broken", policy_version=3, status="error"),
+        score("s1", "low", 0.1), score("s2", "mid", 0.5), score("s3", "high", 0.9),
+    ])
+
+    async def ids(**filters: object) -> set[str]:
+        page = await store.list_rollouts(RolloutFilter(**filters), limit=100)  # type: ignore[arg-type]
+        return {r["id"] for r in page.items}
+
+    assert await ids() == {"low", "mid", "high", "broken"}
+    assert await ids(min_reward=0.5) == {"mid", "high"}
+    assert await ids(min_reward=0.2, max_reward=0.6) == {"mid"}
+    assert await ids(policy_version=3) == {"high", "broken"}
+    assert await ids(min_policy_version=2, max_policy_version=2) == {"mid"}
+    assert await ids(status="error") == {"broken"}
+    assert await ids(run="r1", env="math", status="completed", max_reward=0.2) == {"low"}
+    assert await ids(run="r2") == set()
+    first = await store.list_rollouts(limit=3)
+    rest = await store.list_rollouts(cursor=first.next_cursor, limit=3)
+    assert [r["id"] for r in first.items + rest.items] == ["broken", "high", "mid", "low"]
+    assert rest.next_cursor is None and "event" not in first.items[0]
