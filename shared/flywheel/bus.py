@@ -137,24 +137,38 @@ class Bus:
         config = config or BusConfig()
         deadline = time.monotonic() + config.connect_timeout_s
         delay_s = 0.05
+        connected = False
+        last_error: BaseException | None = None
+
+        async def on_error(exc: Exception) -> None:
+            # Before the first connection a failure is expected (the server may be starting)
+            # and ends in the ConnectionError below; once connected, each is worth a warning.
+            nonlocal last_error
+            last_error = exc
+            log.log(logging.WARNING if connected else logging.DEBUG, "nats: %s", exc)
+
         while True:
             try:
-                nc = await nats.connect(
+                # nats.connect retries a first connection forever (max_reconnect_attempts=-1):
+                # the deadline is enforced here.
+                nc = await asyncio.wait_for(nats.connect(
                     url,
                     name=name,
                     connect_timeout=2,
                     allow_reconnect=True,
                     max_reconnect_attempts=-1,
                     reconnect_time_wait=0.25,
-                    error_cb=_log_error,
+                    error_cb=on_error,
                     disconnected_cb=_log_disconnected,
                     reconnected_cb=_log_reconnected,
-                )
+                ), timeout=max(deadline - time.monotonic(), 0.1))
+                connected = True
                 break
             except (nats.errors.NoServersError, OSError, asyncio.TimeoutError) as exc:
                 if time.monotonic() + delay_s > deadline:
-                    raise ConnectionError(f"cannot reach NATS at {url} ({exc}); is nats-server running? "
-                                          "`flywheel up` starts one; FLYWHEEL_NATS_URL points elsewhere") from exc
+                    raise ConnectionError(f"cannot reach NATS at {url} within {config.connect_timeout_s:g}s "
+                                          f"({last_error or exc}); is nats-server running? `flywheel up` starts "
+                                          "one; FLYWHEEL_NATS_URL points elsewhere") from exc
                 await asyncio.sleep(delay_s)
                 delay_s = min(delay_s * 2, 1.0)
         bus = cls(nc, config, tracer_provider)
@@ -266,10 +280,6 @@ class Bus:
     async def close(self) -> None:
         if not self.nc.is_closed:
             await self.nc.drain()
-
-
-async def _log_error(exc: Exception) -> None:
-    log.warning("nats: %s", exc)
 
 
 async def _log_disconnected() -> None:

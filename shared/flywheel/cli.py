@@ -1,0 +1,256 @@
+"""The ``flywheel`` command: a thin entry point over the shared package.
+
+    flywheel up                                   the embedded stack (flywheel.stack)
+    flywheel status [--json]                      services, streams, consumers
+    flywheel tasks publish ENV --run RUN --file rows.jsonl [--num-rollouts N]
+    flywheel schema [--out FILE]                  JSON Schema of every event
+
+Settings come from :class:`flywheel.settings.Settings` (``FLYWHEEL_*`` variables, the TOML
+file named by ``FLYWHEEL_CONFIG``); an option such as ``--nats-url`` overrides the setting of
+the same name. This module imports only the standard library at import time, so ``--help``
+is fast; each command imports what it needs when it runs.
+
+Not covered: anything that needs the gateway's HTTP API (runs, traces): use the API.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+# Settings a command line option may override, by their Settings field name: the option is
+# --data-dir for data_dir, the variable FLYWHEEL_DATA_DIR, the TOML key data_dir.
+SETTING_OPTIONS: dict[str, tuple[type, str]] = {
+    "data_dir": (str, "state folder: NATS store, SQLite file, logs (default .flywheel)"),
+    "nats_url": (str, "an existing NATS server (unset: the local one on NATS_PORT, which `flywheel up` starts)"),
+    "nats_port": (int, "port of the local nats-server, used when NATS_URL is unset (default 4233)"),
+    "database_url": (str, "SQLAlchemy async URL of the trace store (unset: SQLite in the data folder)"),
+    "gateway_host": (str, "address the gateway listens on (default 127.0.0.1)"),
+    "gateway_port": (int, "port the gateway listens on (default 8420)"),
+    "gateway_url": (str, "where clients reach the gateway (unset: http://GATEWAY_HOST:GATEWAY_PORT)"),
+    "log_level": (str, "DEBUG, INFO, WARNING or ERROR (default INFO)"),
+}
+NATS_SETTINGS = ("nats_url", "nats_port")
+GATEWAY_SETTINGS = ("gateway_host", "gateway_port", "gateway_url")
+
+STATUS_CONNECT_TIMEOUT_S = 3.0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="flywheel",
+        description="Flywheel: post-training over NATS JetStream. Settings: FLYWHEEL_* variables, "
+                    "a TOML file named by FLYWHEEL_CONFIG, or a command's options (which win). "
+                    "`flywheel COMMAND --help` tells more.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    up = commands.add_parser("up", help="run NATS and every service on this machine until Ctrl-C",
+                             description="Start the embedded stack: a nats-server (unless --nats-url names one) "
+                                         "and every service as a local process; supervise them until Ctrl-C.")
+    _add_settings(up, tuple(SETTING_OPTIONS))
+    up.set_defaults(func=cmd_up)
+
+    status = commands.add_parser("status", help="services, stream depths and consumer lag",
+                                 description="Show each service's heartbeat, the gateway's health, each stream's "
+                                             "depth and each consumer's lag. Exits 1 when NATS cannot be reached.")
+    status.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    _add_settings(status, NATS_SETTINGS + GATEWAY_SETTINGS)
+    status.set_defaults(func=cmd_status)
+
+    tasks = commands.add_parser("tasks", help="publish tasks straight to the bus",
+                                description="Work with tasks on the bus, without the gateway.")
+    tasks_commands = tasks.add_subparsers(dest="tasks_command", required=True, metavar="COMMAND")
+    publish = tasks_commands.add_parser(
+        "publish", help="publish the rows of a JSONL file as tasks",
+        description="Publish each line of a JSONL file (a JSON object: the task's data row) as a task on "
+                    "tasks.RUN.ENV. A row's string \"id\" is its task id; other rows get a deterministic id, "
+                    "so the server drops the same file published again within its duplicate window (2 minutes "
+                    "by default). Every line is checked before anything is published.")
+    publish.add_argument("env", metavar="ENV", help="environment name (a NATS subject token)")
+    publish.add_argument("--run", required=True, help="run id (a NATS subject token); registered if new")
+    publish.add_argument("--file", required=True, help="JSONL file, one task row (JSON object) per line")
+    publish.add_argument("--num-rollouts", type=int, default=1, metavar="N",
+                         help="rollouts per task, one group (default 1)")
+    publish.add_argument("--tenant", default="default", help="tenant that owns a newly registered run")
+    _add_settings(publish, NATS_SETTINGS)
+    publish.set_defaults(func=cmd_tasks_publish)
+
+    schema = commands.add_parser("schema", help="print the JSON Schema of every event",
+                                 description="Print (or write) the JSON Schema of every event on the bus.")
+    schema.add_argument("--out", metavar="FILE", help="write to FILE instead of standard output")
+    schema.set_defaults(func=cmd_schema)
+    return parser
+
+
+def _add_settings(parser: argparse.ArgumentParser, names: tuple[str, ...]) -> None:
+    group = parser.add_argument_group("settings (override FLYWHEEL_* and FLYWHEEL_CONFIG)")
+    for name in names:
+        type_, help_ = SETTING_OPTIONS[name]
+        group.add_argument("--" + name.replace("_", "-"), dest=name, type=type_, help=help_,
+                           metavar=name.upper())
+    parser.set_defaults(setting_names=names)
+
+
+def settings_from(args: argparse.Namespace) -> Any:
+    """Settings with the given options on top; a bad value is a ValueError naming the setting."""
+    from pydantic import ValidationError
+
+    from flywheel.settings import Settings
+
+    overrides = {name: getattr(args, name) for name in args.setting_names if getattr(args, name) is not None}
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}"
+                             for e in exc.errors())
+        raise ValueError(f"bad settings ({problems}); check the options, FLYWHEEL_* variables "
+                         "and FLYWHEEL_CONFIG") from exc
+
+
+# --- commands -----------------------------------------------------------------------------
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from flywheel import stack
+
+    stack.run(settings_from(args))
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import asyncio
+
+    settings = settings_from(args)
+    report = asyncio.run(collect_status(settings.resolved_nats_url, settings.resolved_gateway_url))
+    print(json.dumps(report, indent=2) if args.json else format_status(report))
+    return 0
+
+
+async def collect_status(nats_url: str, gateway_url: str) -> dict[str, Any]:
+    """The status report as plain data: NATS and gateway endpoints plus the client's view."""
+    from flywheel.bus import BusConfig
+    from flywheel.client import Client
+    from flywheel.stack import gateway_health
+
+    config = BusConfig(connect_timeout_s=STATUS_CONNECT_TIMEOUT_S)
+    async with await Client.connect(nats_url, name="flywheel-status", config=config, ensure=False) as fw:
+        report = await fw.status()
+    return {"nats_url": nats_url, "gateway": await gateway_health(gateway_url), **report}
+
+
+def cmd_tasks_publish(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from flywheel.client import Client, make_tasks, read_jsonl
+
+    settings = settings_from(args)
+    tasks = make_tasks(args.run, args.env, read_jsonl(args.file), num_rollouts=args.num_rollouts, source=args.file)
+
+    async def publish() -> Any:
+        async with await Client.connect(settings.resolved_nats_url, name="flywheel-cli") as fw:
+            return await fw.publish(tasks, tenant=args.tenant)
+
+    published = asyncio.run(publish())
+    registered = f"registered run {args.run}" if published.runs_created else f"run {args.run} already registered"
+    print(f"published {published.num_new} tasks to tasks.{args.run}.{args.env}, "
+          f"{published.num_duplicates} duplicates (dropped by the server); {registered}")
+    return 0
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    from flywheel import events
+
+    text = json.dumps(events.json_schema(), indent=2) + "\n"
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(text)
+        print(f"wrote the event schema to {args.out}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+# --- status tables ------------------------------------------------------------------------
+
+
+def format_status(report: dict[str, Any]) -> str:
+    """The status report as readable tables (``--json`` prints ``report`` itself)."""
+    gateway = report["gateway"]
+    if gateway["ok"]:
+        gateway_state = "ok"
+    elif "error" in gateway:
+        gateway_state = f"unreachable ({gateway['error']})"
+    else:
+        gateway_state = f"unhealthy (HTTP {gateway['status_code']}: {gateway['detail']})"
+    parts = [table([["NATS", report["nats_url"], "ok"], ["gateway", gateway["url"], gateway_state]])]
+    services = [[s["service"], s["instance"], s["pid"], "stale" if s["stale"] else s["status"], f"{s['age_s']:.1f}s",
+                 _duration(s["uptime_s"])] for s in report["services"]]
+    parts.append(table(services, ["SERVICE", "INSTANCE", "PID", "STATUS", "LAST BEAT", "UP"])
+                 if services else "no services running (no heartbeats in the services KV bucket)")
+    streams = [[s["stream"], s["messages"], size(s["bytes"]), s["consumers"]] for s in report["streams"]]
+    parts.append(table(streams, ["STREAM", "MESSAGES", "SIZE", "CONSUMERS"])
+                 if streams else "no Flywheel streams yet (nothing has connected with `flywheel up` or a service)")
+    consumers = [[c["stream"], c["consumer"], c["num_pending"], c["num_ack_pending"], c["num_redelivered"]]
+                 for c in report["consumers"]]
+    parts.append(table(consumers, ["STREAM", "CONSUMER", "PENDING", "ACK PENDING", "REDELIVERED"])
+                 if consumers else "no consumers")
+    return "\n\n".join(parts)
+
+
+def table(rows: Sequence[Sequence[Any]], headers: Sequence[str] | None = None) -> str:
+    """Aligned columns: numbers to the right, text to the left."""
+    text = ([list(headers)] if headers else []) + [[str(v) for v in row] for row in rows]
+    num_columns = len(text[0])
+    widths = [max(len(row[i]) for row in text) for i in range(num_columns)]
+    numeric = [bool(rows) and all(isinstance(row[i], int | float) for row in rows) for i in range(num_columns)]
+    return "\n".join("  ".join(c.rjust(w) if num else c.ljust(w) for c, w, num in zip(row, widths, numeric)).rstrip()
+                     for row in text)
+
+
+def size(num_bytes: int) -> str:
+    if num_bytes < 1024:
+        return f"{num_bytes} B"
+    value = num_bytes / 1024
+    for unit in ("KiB", "MiB"):
+        if value < 1024:
+            return f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GiB"
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+# --- entry point --------------------------------------------------------------------------
+
+
+def _is_user_error(exc: Exception) -> bool:
+    """Errors whose message says what to fix: shown without a traceback."""
+    from flywheel.stack import StackError
+
+    return isinstance(exc, (ValueError, ConnectionError, FileNotFoundError, IsADirectoryError,
+                            PermissionError, StackError))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        if not _is_user_error(exc):
+            raise
+        print(f"flywheel: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

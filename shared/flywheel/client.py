@@ -1,0 +1,247 @@
+"""Publish tasks and read the bus's state from Python, without the gateway.
+
+The bus is open to anyone: this is the few lines it takes from Python (the ``flywheel tasks
+publish`` and ``flywheel status`` commands are thin wrappers around it)::
+
+    from flywheel.client import Client
+
+    async with await Client.connect("nats://127.0.0.1:4233") as fw:
+        ids = await fw.publish_tasks(run="r1", env="reverse-text", rows=[{"text": "abc"}], num_rollouts=4)
+
+or, outside an event loop, ``flywheel.client.publish_tasks(...)`` with the same arguments.
+
+Task ids: a row with a top-level string ``"id"`` keeps it as its task id; any other row gets
+a deterministic id, uuid5 over (run, env, position, canonical row), where the position is the
+1-based line number of a JSONL file or the 1-based index in ``rows``. Publishing the same rows
+again therefore stores nothing new: the server drops a repeated ``Nats-Msg-Id`` within its
+duplicate window (``BusConfig.duplicate_window_s``, two minutes by default), and the trace
+store upserts by id whenever the repeat comes. Past the window the server stores the repeat
+(and inference rolls it out again): it cannot tell, so republish on purpose only. Everything is validated before anything is published, so a bad row
+publishes nothing from its batch. Publishing also registers the run in the runs KV bucket
+(:class:`flywheel.events.RunState`, owned by ``tenant``) when it is not there yet; as in the
+gateway, a run that belongs to another tenant is refused.
+
+Not covered: creating runs with a training config, or anything the gateway's HTTP API does
+beyond publishing (listing, traces).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import nats.js.errors
+
+from flywheel import events
+from flywheel.bus import STREAMS, Bus, BusConfig
+from flywheel.runs import check_key, check_token, get_run, register_run
+from flywheel.service import HEARTBEAT_INTERVAL_S, read_heartbeats
+
+# Fixed namespace of deterministic task ids; changing it would change every derived id.
+TASK_ID_NAMESPACE = uuid.UUID("5b0f6a1e-2c4d-4e4f-9a53-6c1d7f0e8b21")
+
+def task_id(run: str, env: str, position: int, row: dict[str, Any]) -> str:
+    """The task id of ``row``: its own string ``"id"``, else uuid5 over (run, env, position, row)."""
+    own = row.get("id")
+    if isinstance(own, str):
+        if not own.strip() or "\r" in own or "\n" in own:
+            raise ValueError(f"id={own!r}: a task id must be non-empty and on one line (it is sent as a header)")
+        return own
+    canonical = json.dumps([run, env, position, row], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return uuid.uuid5(TASK_ID_NAMESPACE, canonical).hex
+
+
+def make_tasks(
+    run: str,
+    env: str,
+    numbered_rows: Iterable[tuple[int, dict[str, Any]]],
+    *,
+    num_rollouts: int = 1,
+    sampling: events.Sampling | None = None,
+    source: str | None = None,
+) -> list[events.Task]:
+    """Validate and build one Task per ``(position, row)``; raises ValueError naming the field.
+
+    ``source`` (a file name) makes errors read ``source:position`` instead of ``row position``.
+    """
+    check_key("run", run)
+    check_token("env", env)
+    if num_rollouts < 1:
+        raise ValueError(f"num_rollouts must be at least 1, got {num_rollouts}")
+    tasks = []
+    first_seen: dict[str, str] = {}  # task id -> where
+    for position, row in numbered_rows:
+        where = f"{source}:{position}" if source else f"row {position}"
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: a task row must be a JSON object (dict), got {type(row).__name__}")
+        try:
+            tid = task_id(run, env, position, row)
+        except TypeError as exc:
+            raise ValueError(f"{where}: not JSON-serializable: {exc}") from exc
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from exc
+        if tid in first_seen:
+            raise ValueError(f"{where}: id {tid!r} repeats {first_seen[tid]}; task ids must be unique "
+                             "(a repeated id would be dropped as a duplicate)")
+        first_seen[tid] = where
+        tasks.append(events.Task(id=tid, run=run, env=env, data=row, num_rollouts=num_rollouts, sampling=sampling))
+    return tasks
+
+
+def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Each ``(line number, row)`` of a JSONL file, read as it is iterated; blank lines are skipped.
+
+    Raises ValueError naming ``file:line`` for a line that is not a JSON object, and for a
+    file without rows.
+    """
+    path = Path(path)
+    num_rows = 0
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{line_no}: not valid JSON: {exc}") from exc
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{line_no}: a task row must be a JSON object, got {type(row).__name__}")
+            num_rows += 1
+            yield line_no, row
+    if not num_rows:
+        raise ValueError(f"{path}: no task rows (the file is empty)")
+
+
+@dataclass(frozen=True)
+class Published:
+    """What one publish did: the task ids in order, how many were new, and the runs created."""
+
+    ids: list[str]
+    num_duplicates: int
+    runs_created: list[str]
+
+    @property
+    def num_new(self) -> int:
+        return len(self.ids) - self.num_duplicates
+
+
+class Client:
+    """A connection to the bus for publishing tasks and reading state. Use as ``async with``."""
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+
+    @classmethod
+    async def connect(cls, url: str | None = None, *, name: str = "flywheel-client",
+                      config: BusConfig | None = None, ensure: bool = True) -> Client:
+        """Connect to ``url`` (default: the one settings resolve to, see flywheel.settings).
+
+        ``ensure`` creates the streams and buckets when missing (needed to publish);
+        a reader such as ``flywheel status`` passes False so it changes nothing.
+        """
+        if url is None:
+            from flywheel.settings import Settings
+
+            url = Settings().resolved_nats_url
+        return cls(await Bus.connect(url, name=name, config=config, ensure=ensure))
+
+    async def close(self) -> None:
+        await self.bus.close()
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.close()
+
+    # --- publishing -----------------------------------------------------------------------
+
+    async def publish_tasks(self, *, run: str, env: str, rows: Iterable[dict[str, Any]], num_rollouts: int = 1,
+                            sampling: events.Sampling | None = None, tenant: str = "default") -> list[str]:
+        """Publish one task per row (see the module docstring for ids); returns the task ids."""
+        tasks = make_tasks(run, env, enumerate(rows, 1), num_rollouts=num_rollouts, sampling=sampling)
+        return (await self.publish(tasks, tenant=tenant)).ids
+
+    async def publish(self, tasks: Sequence[events.Task], *, tenant: str = "default") -> Published:
+        """Publish built tasks: check sizes, register their runs, then publish them all."""
+        check_key("tenant", tenant)
+        max_payload = self.bus.nc.max_payload
+        for i, task in enumerate(tasks, 1):
+            size = len(events.encode(task))
+            if size > max_payload:
+                raise ValueError(f"task {task.id} (number {i}) is {size} bytes encoded; the NATS server "
+                                 f"accepts at most {max_payload} (its max_payload)")
+        runs = dict.fromkeys(t.run for t in tasks)  # each once, in order
+        runs_created = [run for run in runs if await self.register_run(run, tenant=tenant)]
+        acks = await self.bus.publish_many(tasks)
+        return Published(ids=[t.id for t in tasks], num_duplicates=sum(1 for a in acks if a.duplicate),
+                         runs_created=runs_created)
+
+    async def register_run(self, run: str, *, tenant: str = "default") -> bool:
+        """Create the run in the runs KV bucket, owned by ``tenant``; False when it was there.
+
+        A run belongs to the tenant that named it first (as in the gateway): a run of
+        another tenant is a ValueError.
+        """
+        return (await register_run(self.bus, run, tenant))[1]
+
+    async def run_state(self, run: str) -> events.RunState | None:
+        return await get_run(self.bus, run)
+
+    # --- reading state --------------------------------------------------------------------
+
+    async def status(self) -> dict[str, Any]:
+        """Services (heartbeats), Flywheel streams' depth and their consumers' lag.
+
+        Plain data (JSON-ready): ``services``, ``streams`` and ``consumers`` lists. A stream
+        that does not exist yet is left out. ``age_s`` is the time since a service's last
+        heartbeat; ``stale`` says it missed two (it has likely died: the key expires later).
+        """
+        now = events.utc_now()
+        try:
+            beats = await read_heartbeats(self.bus)
+        except nats.js.errors.BucketNotFoundError:
+            beats = []  # nothing has ensured the buckets yet: no service ever ran here
+        # A heartbeat lingers for its TTL after its process died; two missed beats mark it stale.
+        services = [{"service": b.service, "instance": b.instance, "pid": b.pid, "host": b.host,
+                     "status": b.status, "age_s": _seconds(now, b.updated_at),
+                     "stale": _seconds(now, b.updated_at) > 2 * HEARTBEAT_INTERVAL_S,
+                     "uptime_s": _seconds(now, b.started_at)} for b in beats]
+        existing = {info.config.name: info for info in await self.bus.js.streams_info()}
+        streams, consumers = [], []
+        for name in STREAMS:
+            info = existing.get(name)
+            if info is None:
+                continue
+            streams.append({"stream": name, "messages": info.state.messages, "bytes": info.state.bytes,
+                            "consumers": info.state.consumer_count})
+            for c in sorted(await self.bus.js.consumers_info(name), key=lambda c: c.name):
+                consumers.append({"stream": name, "consumer": c.name, "num_pending": c.num_pending or 0,
+                                  "num_ack_pending": c.num_ack_pending or 0,
+                                  "num_redelivered": c.num_redelivered or 0, "num_waiting": c.num_waiting or 0})
+        return {"services": services, "streams": streams, "consumers": consumers}
+
+
+def _seconds(now: datetime, then: datetime) -> float:
+    return round((now - then).total_seconds(), 1)
+
+
+def publish_tasks(url: str | None = None, *, run: str, env: str, rows: Iterable[dict[str, Any]],
+                  num_rollouts: int = 1, sampling: events.Sampling | None = None,
+                  tenant: str = "default") -> list[str]:
+    """:meth:`Client.publish_tasks` for code that runs no event loop; returns the task ids."""
+
+    async def go() -> list[str]:
+        async with await Client.connect(url) as fw:
+            return await fw.publish_tasks(run=run, env=env, rows=rows, num_rollouts=num_rollouts,
+                                          sampling=sampling, tenant=tenant)
+
+    return asyncio.run(go())

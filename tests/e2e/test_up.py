@@ -1,0 +1,171 @@
+"""``flywheel up`` as a user runs it: the whole embedded stack, from start to Ctrl-C.
+
+Starts ``flywheel up`` as a subprocess (its own nats-server, the gateway API and the
+recorder) on free ports with a temporary data folder, publishes a JSONL file with
+``flywheel tasks publish``, waits for the recorder to store the tasks (``GET /v1/tasks``),
+reads ``flywheel status``, kills the recorder to see it restarted, then sends SIGINT and
+checks that every process the stack started is gone. The supervisor's failure paths are
+in test_up_supervisor.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from flywheel.natsserver import free_port
+from tests.e2e.test_up_supervisor import alive
+
+READY_TIMEOUT_S = 120.0  # the gateway imports FastAPI, SQLAlchemy and Alembic and migrates
+
+
+class Output:
+    """The lines a process prints, collected by a thread so waiting on them is bounded."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.lines: list[str] = []
+        self.ended = False
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, args=(proc,), daemon=True).start()
+
+    def _read(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            self._queue.put(line.rstrip("\n"))
+        self._queue.put(None)
+
+    def wait_for(self, pattern: str, timeout_s: float, count: int = 1) -> list[re.Match[str]]:
+        """The first ``count`` lines matching ``pattern`` (waiting for them to be printed)."""
+        deadline = time.monotonic() + timeout_s
+        while len(found := self.matching(pattern)) < count:
+            if self.ended:
+                raise AssertionError(f"the process ended before printing {pattern!r}; output:\n" + self.text)
+            try:
+                line = self._queue.get(timeout=max(deadline - time.monotonic(), 0.01))
+            except queue.Empty:
+                raise AssertionError(f"no line like {pattern!r} within {timeout_s}s; output:\n" + self.text) from None
+            if line is None:
+                self.ended = True
+            else:
+                self.lines.append(line)
+        return found[:count]
+
+    def matching(self, pattern: str) -> list[re.Match[str]]:
+        return [m for line in self.lines if (m := re.search(pattern, line))]
+
+    @property
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+
+def poll(check: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.1)
+
+
+def flywheel(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "flywheel.cli", *argv], capture_output=True, text=True, env=env,
+                          timeout=60)
+
+
+@pytest.fixture
+def clean_env() -> dict[str, str]:
+    """This environment without the caller's Flywheel settings (the test passes its own)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_") or k == "FLYWHEEL_NATS_SERVER_BIN"}
+
+
+@pytest.fixture
+def stack(tmp_path: Path, clean_env: dict[str, str]) -> Iterator[tuple[subprocess.Popen[str], Output, dict[str, int]]]:
+    """``flywheel up`` on free ports; after the test, it and every process it printed are stopped."""
+    ports = {"nats": free_port(), "gateway": free_port()}
+    up = subprocess.Popen([sys.executable, "-m", "flywheel.cli", "up", "--data-dir", str(tmp_path / "data"),
+                           "--nats-port", str(ports["nats"]), "--gateway-port", str(ports["gateway"])],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=clean_env)
+    output = Output(up)
+    try:
+        yield up, output, ports
+    finally:
+        if up.poll() is None:
+            up.send_signal(signal.SIGINT)
+            try:
+                up.wait(30)
+            except subprocess.TimeoutExpired:
+                up.kill()
+                up.wait()
+        for match in output.matching(r"^started \S+ \(pid (\d+)\)"):
+            pid = int(match.group(1))
+            if alive(pid):  # only when the stack failed to stop it: it is ours either way
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_up_publish_status_restart_and_stop(stack: tuple[subprocess.Popen[str], Output, dict[str, int]],
+                                            tmp_path: Path, clean_env: dict[str, str]) -> None:
+    up, output, ports = stack
+    output.wait_for(r"^Flywheel is up", READY_TIMEOUT_S)
+    pids = {m.group(1): int(m.group(2)) for m in output.matching(r"^started (\S+) \(pid (\d+)\)")}
+    assert set(pids) == {"nats-server", "gateway", "recorder"}
+    gateway = f"http://127.0.0.1:{ports['gateway']}"
+    nats_url = f"nats://127.0.0.1:{ports['nats']}"
+    output.wait_for(rf"^  gateway   {gateway}$", 1)
+    output.wait_for(rf"^  NATS      {nats_url} \(pid {pids['nats-server']}\)$", 1)
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"text": "abc"}\n{"text": "hello"}\n{"id": "t-3", "text": "flywheel"}\n')
+    published = flywheel("tasks", "publish", "reverse-text", "--run", "e2e", "--file", str(rows), "--num-rollouts", "2",
+                         "--nats-port", str(ports["nats"]), env=clean_env)
+    assert published.returncode == 0, published.stderr
+    assert published.stdout.startswith("published 3 tasks to tasks.e2e.reverse-text, 0 duplicates")
+
+    recorded: list[dict] = []
+
+    def tasks_recorded() -> bool:
+        response = httpx.get(f"{gateway}/v1/tasks", params={"run": "e2e"}, timeout=5)
+        response.raise_for_status()
+        recorded[:] = response.json()["items"]
+        return len(recorded) == 3
+
+    poll(tasks_recorded, 30, "the recorder to store 3 tasks")
+    assert sorted(t["data"]["text"] for t in recorded) == ["abc", "flywheel", "hello"]
+    assert {t["num_rollouts"] for t in recorded} == {2} and "t-3" in {t["id"] for t in recorded}
+
+    status = flywheel("status", "--json", "--nats-port", str(ports["nats"]), "--gateway-port", str(ports["gateway"]),
+                      env=clean_env)
+    assert status.returncode == 0, status.stderr
+    report = json.loads(status.stdout)
+    assert report["gateway"]["ok"] is True
+    assert {(s["service"], s["pid"]) for s in report["services"]} == {("gateway", pids["gateway"]),
+                                                                       ("recorder", pids["recorder"])}
+    assert next(s for s in report["streams"] if s["stream"] == "TASKS")["messages"] == 3
+    recorder_tasks = next(c for c in report["consumers"] if c["consumer"] == "recorder-tasks")
+    assert recorder_tasks["num_pending"] == 0 and recorder_tasks["num_ack_pending"] == 0
+    table = flywheel("status", "--nats-port", str(ports["nats"]), "--gateway-port", str(ports["gateway"]),
+                     env=clean_env)
+    assert table.returncode == 0, table.stderr
+    assert re.search(rf"^recorder +\S+ +{pids['recorder']} +ok ", table.stdout, re.M), table.stdout
+    assert re.search(r"^TASKS +recorder-tasks +0 +0 +0$", table.stdout, re.M), table.stdout
+
+    os.kill(pids["recorder"], signal.SIGKILL)
+    output.wait_for(rf"^recorder \(pid {pids['recorder']}\) exited unexpectedly with signal SIGKILL", 10)
+    restarted = int(output.wait_for(r"^started recorder \(pid (\d+)\)", 30, count=2)[1].group(1))
+    output.wait_for(r"^recorder is healthy", 60, count=2)
+
+    up.send_signal(signal.SIGINT)
+    assert up.wait(60) == 0, output.text
+    output.wait_for(r"^stopped nats-server$", 5)
+    for name, pid in [*pids.items(), ("restarted recorder", restarted)]:
+        poll(lambda pid=pid: not alive(pid), 10, f"{name} (pid {pid}) to be gone")

@@ -1,0 +1,97 @@
+"""``flywheel status`` against a real nats-server: heartbeats, stream depth, consumer lag."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+
+import pytest
+
+from flywheel import cli, events
+from flywheel.bus import Bus, Consumer, Delivery
+from flywheel.natsserver import NatsServer, free_port
+from flywheel.service import Service, read_heartbeats
+from tests.helpers import until
+
+
+async def status(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """Run the command in a thread (it runs its own event loop), as a user would."""
+    code = await asyncio.to_thread(cli.main, ["status", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+async def test_status_shows_services_streams_and_consumer_lag(bus: Bus, nats_server: NatsServer,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    await bus.publish_many([events.Task(id=f"t{i}", run="r1", env="echo", data={"i": i}) for i in range(5)])
+    release = asyncio.Event()
+
+    async def slow(d: Delivery) -> None:
+        await release.wait()
+
+    # Holds two messages unacknowledged, so three are still pending on the server.
+    consumer = Consumer(bus, stream="TASKS", durable="inference", handler=slow, max_in_flight=2)
+    service_bus = await Bus.connect(nats_server.url, name="scorer")
+    service = Service("scorer", service_bus, handle_signals=False)
+    service.add(consumer)
+    running = asyncio.ensure_future(service.run())
+    await until(lambda: consumer._in_flight == 2, what="two tasks in flight")
+    await until(lambda: _has_beat(bus, "scorer"), what="the scorer's heartbeat")
+    no_gateway = f"http://127.0.0.1:{free_port()}"
+    try:
+        code, out, err = await status(capsys, "--json", "--nats-url", nats_server.url, "--gateway-url", no_gateway)
+        assert code == 0, err
+        report = json.loads(out)
+        assert report["nats_url"] == nats_server.url
+        assert report["gateway"]["url"] == no_gateway and report["gateway"]["ok"] is False
+        assert "ConnectError" in report["gateway"]["error"]
+        [scorer] = report["services"]
+        assert (scorer["service"], scorer["pid"], scorer["status"], scorer["stale"]) == ("scorer", os.getpid(), "ok",
+                                                                                         False)
+        assert scorer["age_s"] < 10
+        tasks_stream = next(s for s in report["streams"] if s["stream"] == "TASKS")
+        assert tasks_stream["messages"] == 5 and tasks_stream["bytes"] > 0 and tasks_stream["consumers"] == 1
+        assert [s["stream"] for s in report["streams"]] == ["TASKS", "ROLLOUTS", "TRACES", "SCORES", "WEIGHTS", "DEAD"]
+        [lag] = report["consumers"]
+        assert lag == {"stream": "TASKS", "consumer": "inference", "num_pending": 3, "num_ack_pending": 2,
+                       "num_redelivered": 0, "num_waiting": lag["num_waiting"]}
+
+        code, out, err = await status(capsys, "--nats-url", nats_server.url, "--gateway-url", no_gateway)
+        assert code == 0, err
+        assert f"NATS     {nats_server.url}  ok" in out
+        assert f"gateway  {no_gateway}  unreachable (ConnectError" in out
+        assert any(line.startswith("scorer ") and f" {os.getpid()}  ok " in line for line in out.splitlines())
+        assert re.search(r"^TASKS +5 +[\d.]+ (B|KiB) +1$", out, re.M), out
+        assert re.search(r"^TASKS +inference +3 +2 +0$", out, re.M), out
+    finally:
+        release.set()
+        service.stop()
+        await running
+
+
+async def _has_beat(bus: Bus, service: str) -> bool:
+    return any(b.service == service for b in await read_heartbeats(bus))
+
+
+async def test_status_changes_nothing_on_a_fresh_server(nats_server: NatsServer,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = await status(capsys, "--nats-url", nats_server.url)
+    assert code == 0, err
+    assert "no services running" in out and "no Flywheel streams yet" in out and "no consumers" in out
+    bus = await Bus.connect(nats_server.url, name="check", ensure=False)
+    try:
+        assert await bus.js.streams_info() == []  # status created no stream or bucket
+    finally:
+        await bus.close()
+
+
+async def test_status_fails_clearly_when_nats_is_unreachable(capsys: pytest.CaptureFixture[str],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cli, "STATUS_CONNECT_TIMEOUT_S", 0.5)
+    url = f"nats://127.0.0.1:{free_port()}"
+    code, out, err = await status(capsys, "--nats-url", url)
+    assert code == 1 and out == ""
+    assert err.startswith(f"flywheel: error: cannot reach NATS at {url} within 0.5s")
+    assert "Traceback" not in err

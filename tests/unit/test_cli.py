@@ -1,0 +1,204 @@
+"""The ``flywheel`` command without a server: parsing, settings, --help cost, status tables."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flywheel import cli, events
+from flywheel.natsserver import free_port
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Settings read FLYWHEEL_*: keep the caller's out of these tests."""
+    for name in ("CONFIG", "DATA_DIR", "NATS_URL", "NATS_PORT", "DATABASE_URL", "GATEWAY_HOST", "GATEWAY_PORT",
+                 "GATEWAY_URL", "LOG_LEVEL"):
+        monkeypatch.delenv(f"FLYWHEEL_{name}", raising=False)
+
+
+def parse(*argv: str):
+    return cli.build_parser().parse_args(argv)
+
+
+def test_up_options_override_settings_of_the_same_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLYWHEEL_GATEWAY_PORT", "9001")
+    monkeypatch.setenv("FLYWHEEL_NATS_PORT", "4300")
+    args = parse("up", "--data-dir", "/tmp/fw", "--gateway-port", "9002", "--database-url", "sqlite+aiosqlite:///x.db")
+    assert args.func is cli.cmd_up
+    settings = cli.settings_from(args)
+    assert settings.data_dir == Path("/tmp/fw")
+    assert settings.gateway_port == 9002  # the option beats the variable
+    assert settings.nats_port == 4300  # no option: the variable stands
+    assert settings.database_url == "sqlite+aiosqlite:///x.db"
+
+
+def test_config_file_is_read_and_options_win(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "flywheel.toml"
+    config.write_text('nats_url = "nats://10.0.0.1:4222"\ngateway_port = 9100\n')
+    monkeypatch.setenv("FLYWHEEL_CONFIG", str(config))
+    settings = cli.settings_from(parse("status", "--gateway-port", "9200"))
+    assert settings.nats_url == "nats://10.0.0.1:4222"
+    assert settings.gateway_port == 9200
+
+
+def test_each_command_takes_only_the_settings_it_uses() -> None:
+    assert parse("status").setting_names == cli.NATS_SETTINGS + cli.GATEWAY_SETTINGS
+    with pytest.raises(SystemExit):
+        parse("status", "--database-url", "sqlite+aiosqlite:///x.db")
+    with pytest.raises(SystemExit):
+        parse("schema", "--nats-url", "nats://127.0.0.1:1")
+
+
+def test_tasks_publish_arguments() -> None:
+    args = parse("tasks", "publish", "reverse-text", "--run", "r1", "--file", "rows.jsonl")
+    assert (args.func, args.env, args.run, args.file) == (cli.cmd_tasks_publish, "reverse-text", "r1", "rows.jsonl")
+    assert (args.num_rollouts, args.tenant) == (1, "default")
+    args = parse("tasks", "publish", "e", "--run", "r", "--file", "f", "--num-rollouts", "8", "--tenant", "acme",
+                 "--nats-url", "nats://127.0.0.1:5000")
+    assert (args.num_rollouts, args.tenant, args.nats_url) == (8, "acme", "nats://127.0.0.1:5000")
+    with pytest.raises(SystemExit):
+        parse("tasks", "publish", "e", "--file", "f")  # --run is required
+
+
+def test_bad_setting_is_an_error_naming_it(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["status", "--nats-url", "localhost:4222"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("flywheel: error: bad settings (nats_url: nats_url must start with nats://")
+    assert "Traceback" not in err
+
+
+def test_schema_prints_and_writes_every_event(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["schema"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == json.loads(json.dumps(events.json_schema()))
+    assert set(events.EVENT_TYPES) <= {d.get("properties", {}).get("type", {}).get("enum", [None])[0]
+                                       for d in printed["$defs"].values()}
+    out = tmp_path / "events.schema.json"
+    assert cli.main(["schema", "--out", str(out)]) == 0
+    assert json.loads(out.read_text()) == printed
+
+
+def test_up_refuses_taken_ports_naming_the_settings(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code = cli.main(["up", "--data-dir", str(tmp_path), "--nats-port", str(port), "--gateway-port", str(port)])
+        assert code == 1
+        err = capsys.readouterr().err
+        assert "nats_port and gateway_port are both" in err
+        code = cli.main(["up", "--data-dir", str(tmp_path), "--nats-port", str(port),
+                         "--gateway-port", str(free_port())])
+        err = capsys.readouterr().err
+        assert code == 1
+        assert f"port {port} (nats_port) is taken" in err and "--nats-port / FLYWHEEL_NATS_PORT" in err
+        code = cli.main(["up", "--data-dir", str(tmp_path), "--nats-port", str(free_port()),
+                         "--gateway-port", str(port)])
+        err = capsys.readouterr().err
+        assert code == 1
+        assert f"port {port} (gateway_port) is taken" in err and "--gateway-port / FLYWHEEL_GATEWAY_PORT" in err
+    assert not (tmp_path / "logs").exists()  # refused before anything started
+
+
+HEAVY = ("fastapi", "sqlalchemy", "torch", "uvicorn", "alembic", "pydantic", "nats", "msgspec", "httpx")
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["up", "--help"], ["status", "--help"], ["tasks", "publish", "--help"]])
+def test_help_imports_nothing_heavy(argv: list[str]) -> None:
+    code = (
+        "import sys\n"
+        "import flywheel.cli\n"
+        f"try:\n    flywheel.cli.main({argv!r})\nexcept SystemExit as e:\n    assert e.code == 0, e.code\n"
+        f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "usage: flywheel" in result.stdout
+    assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+# --- status tables ------------------------------------------------------------------------
+
+
+REPORT = {
+    "nats_url": "nats://127.0.0.1:4233",
+    "gateway": {"url": "http://127.0.0.1:8420", "ok": True, "status_code": 200, "detail": {"status": "ok"}},
+    "services": [
+        {"service": "gateway", "instance": "vm-10", "pid": 10, "host": "vm", "status": "ok", "age_s": 1.25,
+         "stale": False, "uptime_s": 3725.0},
+        {"service": "recorder", "instance": "vm-1234", "pid": 1234, "host": "vm", "status": "ok", "age_s": 19.0,
+         "stale": True, "uptime_s": 75.0},
+    ],
+    "streams": [
+        {"stream": "TASKS", "messages": 12, "bytes": 1536, "consumers": 2},
+        {"stream": "ROLLOUTS", "messages": 0, "bytes": 0, "consumers": 1},
+    ],
+    "consumers": [
+        {"stream": "TASKS", "consumer": "inference", "num_pending": 7, "num_ack_pending": 3, "num_redelivered": 1,
+         "num_waiting": 0},
+        {"stream": "TASKS", "consumer": "recorder-tasks", "num_pending": 0, "num_ack_pending": 0,
+         "num_redelivered": 0, "num_waiting": 1},
+    ],
+}
+
+
+def test_status_tables() -> None:
+    text = cli.format_status(REPORT)
+    assert text.splitlines()[:2] == [
+        "NATS     nats://127.0.0.1:4233  ok",
+        "gateway  http://127.0.0.1:8420  ok",
+    ]
+    services, streams, consumers = text.split("\n\n")[1:]
+    assert services.splitlines() == [
+        "SERVICE   INSTANCE   PID  STATUS  LAST BEAT  UP",
+        "gateway   vm-10       10  ok      1.2s       1h02m",
+        "recorder  vm-1234   1234  stale   19.0s      1m15s",
+    ]
+    assert streams.splitlines() == [
+        "STREAM    MESSAGES  SIZE     CONSUMERS",
+        "TASKS           12  1.5 KiB          2",
+        "ROLLOUTS         0  0 B              1",
+    ]
+    assert consumers.splitlines() == [
+        "STREAM  CONSUMER        PENDING  ACK PENDING  REDELIVERED",
+        "TASKS   inference             7            3            1",
+        "TASKS   recorder-tasks        0            0            0",
+    ]
+
+
+def test_status_tables_say_what_is_missing() -> None:
+    report = REPORT | {
+        "gateway": {"url": "http://127.0.0.1:8420", "ok": False, "error": "ConnectError: connection refused"},
+        "services": [], "streams": [], "consumers": [],
+    }
+    text = cli.format_status(report)
+    assert "gateway  http://127.0.0.1:8420  unreachable (ConnectError: connection refused)" in text
+    assert "no services running" in text and "no Flywheel streams yet" in text and "no consumers" in text
+    unhealthy = REPORT | {"gateway": {"url": "http://g", "ok": False, "status_code": 503,
+                                      "detail": {"checks": {"database": "down"}}}}
+    assert "unhealthy (HTTP 503: {'checks': {'database': 'down'}})" in cli.format_status(unhealthy)
+
+
+@pytest.mark.parametrize("num_bytes, text", [(0, "0 B"), (1023, "1023 B"), (1024, "1.0 KiB"),
+                                             (3 * 1024 * 1024 // 2, "1.5 MiB"), (5 * 1024**4, "5120.0 GiB")])
+def test_size(num_bytes: int, text: str) -> None:
+    assert cli.size(num_bytes) == text
+
+
+def test_defaults_in_option_help_match_the_settings() -> None:
+    from flywheel.settings import Settings
+
+    num_stated = 0
+    for name, (_, help_text) in cli.SETTING_OPTIONS.items():
+        assert name in Settings.model_fields, name
+        if stated := re.search(r"\(default (\S+)\)", help_text):
+            assert stated.group(1) == str(Settings.model_fields[name].default), name
+            num_stated += 1
+    assert num_stated == 5
