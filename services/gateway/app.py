@@ -19,7 +19,7 @@ from fastapi import FastAPI
 from flywheel.bus import Bus
 from flywheel.service import Service
 from flywheel.settings import Settings
-from flywheel_gateway import api_health, api_rollouts, api_tasks, api_traces
+from flywheel_gateway import api_health, api_rollouts, api_runs, api_tasks, api_traces
 from flywheel_gateway.migrate import migrate
 from flywheel_gateway.responses import install_error_handlers
 from flywheel_gateway.runs import RunRegistry
@@ -50,11 +50,12 @@ def create_app(settings: Settings) -> FastAPI:
 
     app = FastAPI(
         title="Flywheel gateway",
-        summary="Publish tasks to the bus; read the recorded tasks, rollouts, scores and trace graphs.",
+        summary="Publish tasks to the bus; read runs and their metrics, and the recorded tasks, rollouts, scores "
+                "and trace graphs.",
         version="0.1.0",
         lifespan=lifespan,
     )
-    for module in (api_tasks, api_rollouts, api_traces, api_health):
+    for module in (api_tasks, api_runs, api_rollouts, api_traces, api_health):
         app.include_router(module.router)
     install_error_handlers(app)
     return app

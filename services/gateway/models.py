@@ -201,6 +201,46 @@ class TracePublic(BaseModel):
     nodes: list[NodePublic]
 
 
+# --- runs ---------------------------------------------------------------------------------
+
+
+class RunPublic(BaseModel):
+    id: str
+    tenant: str
+    kind: Literal["train", "eval"]
+    created_at: datetime
+
+
+class RunPage(BaseModel):
+    items: list[RunPublic]
+    next_cursor: str | None = Field(description="Pass as ?cursor= for the next page; null on the last page.")
+
+
+class RunDetail(RunPublic):
+    status: Literal["created", "running", "finished", "failed"] | None = Field(
+        description="Live, from the run-state bucket; null when the bucket holds no state for the run.")
+    config: dict[str, Any] | None = Field(description="The run's config, from the run-state bucket; null as status.")
+    latest_step: int | None = Field(description="Latest training step recorded; null before the first.")
+    latest_version: int | None = Field(description="Policy version the latest step published.")
+    reward_mean: float | None = Field(description="The latest step's reward_mean metric, where it reports one.")
+    num_tasks: int
+    num_rollouts: int
+    num_scored_rollouts: int = Field(description="Rollouts with at least one score recorded.")
+
+
+class StepMetricsPublic(BaseModel):
+    step: int
+    version: int = Field(description="Policy version published by this step.")
+    metrics: dict[str, float] = Field(description="The trainer's figures for the step: loss, reward_mean, ...")
+    created_at: datetime
+
+
+class RunMetricsPublic(BaseModel):
+    run: str
+    items: list[StepMetricsPublic] = Field(
+        description="Steps in ascending order. To poll, pass the last step seen as ?since_step=.")
+
+
 # --- errors and health --------------------------------------------------------------------
 
 

@@ -1,7 +1,7 @@
 """The trace store's tables (SQLAlchemy Core), shared by the store and the migrations.
 
-Every table is keyed by the id of the event it records, so recording an event twice (the
-bus delivers at least once) changes nothing. Tables that the API lists page by page
+Every table is keyed by the id of the event it records (``run_metrics`` by run and step), so
+recording an event twice (the bus delivers at least once) changes nothing. Tables that the API lists page by page
 (``tasks``, ``rollouts``) also carry ``seq``, an autoincrement in recording order: a
 keyset cursor on it never skips or repeats a row while new rows arrive.
 
@@ -155,6 +155,19 @@ weight_updates = sa.Table(
     sa.Column("size_bytes", sa.BigInteger, nullable=False),
     sa.Column("format", sa.String, nullable=False),
     sa.Column("trainer_step", sa.Integer, nullable=False),
+    sa.Column("created_at", UTCDateTime, nullable=False),
+)
+
+# One row per training step of a run, from the step's weight update: the figures the
+# trainer reports (loss, reward_mean, staleness, throughput, ...) as one JSON object, so a
+# new figure needs no migration. Keyed by (run, step): the first update of a step wins.
+run_metrics = sa.Table(
+    "run_metrics",
+    metadata,
+    sa.Column("run", sa.String, primary_key=True),
+    sa.Column("step", sa.Integer, primary_key=True),
+    sa.Column("version", sa.Integer, nullable=False),
+    sa.Column("metrics", Json, nullable=False),
     sa.Column("created_at", UTCDateTime, nullable=False),
 )
 

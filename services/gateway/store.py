@@ -9,7 +9,9 @@ Recording is idempotent and bulk: :meth:`Store.record` takes a batch of events o
 kinds, and writes them in one transaction with one ``executemany`` per table, every insert
 ``ON CONFLICT DO NOTHING`` (keyed by event id), so a redelivered event changes nothing.
 A rollout's reward is recomputed in the same transaction whenever the rollout or one of
-its scores is recorded, so the order in which they arrive does not matter.
+its scores is recorded, so the order in which they arrive does not matter. A weight update
+also gives its run's metrics for its training step (``run_metrics``; the first update of a
+step wins).
 
 Concurrency. SQLite: WAL, a busy timeout, write transactions start with
 ``BEGIN IMMEDIATE`` (so a writer never fails on a lock upgrade) and writers of one process
@@ -31,6 +33,7 @@ import binascii
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -138,19 +141,29 @@ class RolloutFilter:
         return [make(value) for value, make in conditions if value is not None]
 
 
-def encode_cursor(listing: str, seq: int) -> str:
-    return base64.urlsafe_b64encode(msgspec.json.encode([listing, seq])).decode().rstrip("=")
+def encode_cursor(listing: str, *key: Any) -> str:
+    """A cursor: the listing's name and the sort key of the last row handed out."""
+    return base64.urlsafe_b64encode(msgspec.json.encode([listing, *key])).decode().rstrip("=")
 
 
-def decode_cursor(listing: str, cursor: str) -> int:
+def decode_cursor(listing: str, cursor: str, key_types: tuple[Any, ...] = (int,)) -> tuple[Any, ...]:
+    """The sort key in ``cursor``, typed by ``key_types``; InvalidCursor when it is not one of ``listing``'s."""
     try:
         raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
-        kind, seq = msgspec.json.decode(raw, type=tuple[str, int])
-    except (binascii.Error, ValueError, msgspec.DecodeError) as exc:
+        kind, *key = msgspec.json.decode(raw, type=list)
+        if kind == listing:
+            return msgspec.convert(key, tuple[key_types])  # type: ignore[valid-type]
+    except (binascii.Error, ValueError, TypeError, msgspec.DecodeError) as exc:
         raise InvalidCursor(f"cursor {cursor!r} is not a cursor this API handed out") from exc
-    if kind != listing:
-        raise InvalidCursor(f"cursor {cursor!r} belongs to the {kind} listing, not {listing}")
-    return seq
+    raise InvalidCursor(f"cursor {cursor!r} belongs to the {kind} listing, not {listing}")
+
+
+def _before(order: Sequence[sa.Column[Any]], key: Sequence[Any]) -> sa.ColumnElement[bool]:
+    """Rows after ``key`` in descending ``order``: (a, b) < (ka, kb), spelled out for every database."""
+    column, value = order[0], key[0]
+    if len(order) == 1:
+        return column < value
+    return sa.or_(column < value, sa.and_(column == value, _before(order[1:], key[1:])))
 
 
 # --- turning events into rows ---------------------------------------------------------------
@@ -168,6 +181,7 @@ class _Rows:
     trace_links: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     scores: dict[str, dict[str, Any]] = field(default_factory=dict)
     weight_updates: dict[str, dict[str, Any]] = field(default_factory=dict)
+    run_metrics: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)
     dead_letters: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def add(self, event: events.Event) -> None:
@@ -222,6 +236,10 @@ class _Rows:
         self.weight_updates.setdefault(w.id, {
             "id": w.id, "run": w.run, "version": w.version, "uri": w.uri, "sha256": w.sha256,
             "size_bytes": w.size_bytes, "format": w.format, "trainer_step": w.trainer_step, "created_at": w.created_at,
+        })
+        self.run_metrics.setdefault((w.run, w.trainer_step), {
+            "run": w.run, "step": w.trainer_step, "version": w.version, "metrics": w.metrics,
+            "created_at": w.created_at,
         })
 
     def add_dead_letter(self, d: events.DeadLetter) -> None:
@@ -303,7 +321,8 @@ class Store:
                 )
             for table, values in (
                 (s.runs, rows.runs), (s.tasks, rows.tasks), (s.scores, rows.scores), (s.rollouts, rows.rollouts),
-                (s.weight_updates, rows.weight_updates), (s.dead_letters, rows.dead_letters),
+                (s.weight_updates, rows.weight_updates), (s.run_metrics, rows.run_metrics),
+                (s.dead_letters, rows.dead_letters),
             ):
                 await self._insert_new(conn, table, list(values.values()))
             # Sorted, so that concurrent PostgreSQL writers wait on shared nodes in one order.
@@ -362,21 +381,28 @@ class Store:
 
     # --- reading ------------------------------------------------------------------------
 
-    async def _page(self, listing: str, table: sa.Table, columns: Sequence[sa.ColumnElement[Any]],
-                    where: list[sa.ColumnElement[bool]], cursor: str | None, limit: int) -> Page:
-        """Newest first, keyset on ``seq``: rows recorded meanwhile never shift a page."""
-        if not 1 <= limit <= MAX_PAGE_LIMIT:
-            raise ValueError(f"limit must be between 1 and {MAX_PAGE_LIMIT}, got {limit}")
-        seq = table.c.seq
+    async def _page(self, listing: str, table: sa.Table, columns: Sequence[sa.Column[Any]],
+                    where: list[sa.ColumnElement[bool]], cursor: str | None, limit: int,
+                    order: Sequence[sa.Column[Any]] = (), key_types: tuple[Any, ...] = (int,)) -> Page:
+        """Newest first: descending ``order`` (default ``seq``), keyset on it, so rows recorded
+        meanwhile never shift a page. ``key_types`` are the types of the ``order`` columns."""
+        _check_limit(limit)
+        order = order or (table.c.seq,)
         if cursor is not None:
-            where = [*where, seq < decode_cursor(listing, cursor)]
-        query = sa.select(seq, *columns).where(*where).order_by(seq.desc()).limit(limit + 1)
+            where = [*where, _before(order, decode_cursor(listing, cursor, key_types))]
+        shown = {c.name for c in columns}
+        hidden = [c for c in order if c.name not in shown]
+        query = (sa.select(*hidden, *columns).where(*where).order_by(*(c.desc() for c in order))
+                 .limit(limit + 1))
         async with self.engine.connect() as conn:
             rows = [dict(row) for row in (await conn.execute(query)).mappings()]
-        next_cursor = encode_cursor(listing, rows[limit - 1]["seq"]) if len(rows) > limit else None
+        next_cursor = None
+        if len(rows) > limit:
+            next_cursor = encode_cursor(listing, *(rows[limit - 1][c.name] for c in order))
         items = rows[:limit]
         for row in items:
-            del row["seq"]
+            for c in hidden:
+                del row[c.name]
         return Page(items, next_cursor)
 
     async def list_tasks(self, run: str | None = None, env: str | None = None, cursor: str | None = None,
@@ -412,6 +438,49 @@ class Store:
         out["scores"] = [dict(sc) for sc in scores]
         return out
 
+    async def list_runs(self, tenant: str | None = None, cursor: str | None = None, limit: int = 50) -> Page:
+        """Runs the store knows, newest first (by creation time, then id)."""
+        c = s.runs.c
+        where = [c.tenant == tenant] if tenant is not None else []
+        return await self._page("runs", s.runs, _columns(s.runs), where, cursor, limit,
+                                order=(c.created_at, c.id), key_types=(datetime, str))
+
+    async def get_run(self, run_id: str) -> dict[str, Any] | None:
+        """The run with its counts and its latest step (None where no step is recorded yet).
+
+        ``num_scored_rollouts`` counts rollouts with at least one score; ``reward_mean`` is the
+        latest step's ``reward_mean`` metric. Counts are queries on the ``run`` indexes.
+        """
+        r, m = s.rollouts.c, s.run_metrics.c
+        counts = sa.select(_count(s.tasks, s.tasks.c.run == run_id).label("num_tasks"),
+                           _count(s.rollouts, r.run == run_id).label("num_rollouts"),
+                           _count(s.rollouts, r.run == run_id, r.reward.is_not(None)).label("num_scored_rollouts"))
+        latest = sa.select(m.step, m.version, m.metrics).where(m.run == run_id).order_by(m.step.desc()).limit(1)
+        async with self.engine.connect() as conn:
+            row = (await conn.execute(sa.select(*_columns(s.runs)).where(s.runs.c.id == run_id))).mappings().first()
+            if row is None:
+                return None
+            found = {**row, **(await conn.execute(counts)).mappings().one()}
+            step = (await conn.execute(latest)).mappings().first()
+        found["latest_step"] = step["step"] if step else None
+        found["latest_version"] = step["version"] if step else None
+        found["reward_mean"] = step["metrics"].get("reward_mean") if step else None
+        return found
+
+    async def has_run(self, run_id: str) -> bool:
+        async with self.engine.connect() as conn:
+            return await conn.scalar(sa.select(s.runs.c.id).where(s.runs.c.id == run_id)) is not None
+
+    async def list_run_metrics(self, run_id: str, since_step: int | None = None,
+                               limit: int = 100) -> list[dict[str, Any]]:
+        """The run's steps after ``since_step`` (all without it), ascending, at most ``limit``."""
+        _check_limit(limit)
+        m = s.run_metrics.c
+        where = [m.run == run_id] + ([m.step > since_step] if since_step is not None else [])
+        query = sa.select(m.step, m.version, m.metrics, m.created_at).where(*where).order_by(m.step).limit(limit)
+        async with self.engine.connect() as conn:
+            return [dict(row) for row in (await conn.execute(query)).mappings()]
+
     async def get_trace(self, rollout_id: str, tokens: bool = False) -> list[dict[str, Any]] | None:
         """The nodes of a rollout's graph in order; None when nothing of it is recorded."""
         n, rn = s.nodes.c, s.rollout_nodes.c
@@ -424,6 +493,15 @@ class Store:
                 found = await conn.scalar(sa.select(s.rollouts.c.id).where(s.rollouts.c.id == rollout_id))
                 return [] if found is not None else None
         return rows
+
+
+def _count(table: sa.Table, *where: sa.ColumnElement[bool]) -> sa.ScalarSelect[int]:
+    return sa.select(sa.func.count()).select_from(table).where(*where).scalar_subquery()
+
+
+def _check_limit(limit: int) -> None:
+    if not 1 <= limit <= MAX_PAGE_LIMIT:
+        raise ValueError(f"limit must be between 1 and {MAX_PAGE_LIMIT}, got {limit}")
 
 
 def _columns(table: sa.Table, *leave_out: str) -> list[sa.Column[Any]]:

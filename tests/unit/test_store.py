@@ -23,7 +23,7 @@ from alembic.runtime.migration import MigrationContext
 from flywheel import events
 from flywheel_gateway import schema
 from flywheel_gateway.migrate import current_revision, migrate, run_exclusively
-from flywheel_gateway.store import InvalidCursor, RolloutFilter, Store, UnrecordableEvent
+from flywheel_gateway.store import InvalidCursor, RolloutFilter, Store, UnrecordableEvent, encode_cursor
 
 
 async def _throwaway_postgres(postgres_url: str) -> AsyncIterator[str]:
@@ -119,7 +119,7 @@ async def test_migrate_is_idempotent_and_matches_the_models(database_url: str) -
     assert await current_revision(database_url) is None
     await asyncio.gather(migrate(database_url), migrate(database_url))  # two processes starting at once
     await migrate(database_url)
-    assert await current_revision(database_url) == "0001"
+    assert await current_revision(database_url) == "0002"
 
     diffs: list[object] = []
 
@@ -323,3 +323,75 @@ async def test_rollout_filters(store: Store) -> None:
     rest = await store.list_rollouts(cursor=first.next_cursor, limit=3)
     assert [r["id"] for r in first.items + rest.items] == ["broken", "high", "mid", "low"]
     assert rest.next_cursor is None and "event" not in first.items[0]
+
+
+# --- runs and their metrics ---------------------------------------------------------------
+
+
+def weight_update(run: str, step: int, metrics: dict[str, float], wid: str | None = None) -> events.WeightUpdate:
+    return events.WeightUpdate(id=wid or f"{run}.w{step}", run=run, version=step + 1, uri=f"file:///w/{step}",
+                               sha256="00" * 32, size_bytes=1, trainer_step=step, metrics=metrics,
+                               created_at=T0 + timedelta(minutes=step))
+
+
+async def test_weight_updates_record_one_metrics_row_per_step(store: Store) -> None:
+    steps = [weight_update("r1", i, {"loss": 1.0 / (i + 1), "reward_mean": i / 10}) for i in range(4)]
+    await store.record(steps[:2])
+    await store.record(steps + [weight_update("r2", 0, {"loss": 9.0})])  # a redelivery, two new steps, another run
+    # The same step again under another id (a trainer retrying it): the first one stays.
+    await store.record([weight_update("r1", 2, {"loss": 0.0}, wid="retry")])
+    assert await count(store, schema.run_metrics) == 5
+    got = await store.list_run_metrics("r1")
+    assert [(m["step"], m["version"]) for m in got] == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert got[2]["metrics"] == {"loss": pytest.approx(1 / 3), "reward_mean": pytest.approx(0.2)}
+    assert got[3]["created_at"] == T0 + timedelta(minutes=3)
+    assert [m["step"] for m in await store.list_run_metrics("r1", since_step=1)] == [2, 3]
+    assert [m["step"] for m in await store.list_run_metrics("r1", since_step=-5, limit=2)] == [0, 1]
+    assert await store.list_run_metrics("r1", since_step=3) == []
+    assert await store.list_run_metrics("nope") == []
+    with pytest.raises(ValueError, match="limit"):
+        await store.list_run_metrics("r1", limit=0)
+
+
+async def test_run_detail_has_counts_and_the_latest_step(store: Store) -> None:
+    await store.record([task(1), task(2), task(3, run="r2"), rollout("ro1"), rollout("ro2"), rollout("ro3"),
+                        rollout("other", run="r2"), score("s1", "ro1", 1.0), score("s2", "ro2", 0.0),
+                        score("s3", "ro2", 1.0, scorer="length")])
+    got = await store.get_run("r1")
+    assert got is not None
+    assert (got["num_tasks"], got["num_rollouts"], got["num_scored_rollouts"]) == (2, 3, 2)
+    assert (got["latest_step"], got["latest_version"], got["reward_mean"]) == (None, None, None)
+    assert (got["tenant"], got["kind"]) == ("default", "train")
+    await store.record([weight_update("r1", 1, {"reward_mean": 0.25}), weight_update("r1", 0, {"reward_mean": 0.5})])
+    got = await store.get_run("r1")
+    assert got is not None and (got["latest_step"], got["latest_version"], got["reward_mean"]) == (1, 2, 0.25)
+    await store.record([weight_update("r1", 2, {"loss": 1.0})])  # a step without reward_mean
+    got = await store.get_run("r1")
+    assert got is not None and (got["latest_step"], got["reward_mean"]) == (2, None)
+    assert await store.get_run("nope") is None
+    assert await store.has_run("r2") and not await store.has_run("nope")
+
+
+async def test_run_pages_cover_every_run_once_newest_first(store: Store) -> None:
+    # Three runs share a creation time: the id orders them, and a page may end among them.
+    times = {"a": T0, "b": T0 + timedelta(hours=1), "c": T0 + timedelta(hours=1), "d": T0 + timedelta(hours=1),
+             "e": T0 + timedelta(hours=2)}
+    await store.upsert_runs([events.RunState(id=run, tenant="acme" if run in "bd" else "default", created_at=at)
+                             for run, at in times.items()])
+    seen: list[str] = []
+    cursor = None
+    while True:
+        page = await store.list_runs(cursor=cursor, limit=2)
+        seen += [r["id"] for r in page.items]
+        cursor = page.next_cursor
+        if cursor is None:
+            break
+    assert seen == ["e", "d", "c", "b", "a"]
+    first = (await store.list_runs(limit=1)).items[0]
+    assert first == {"id": "e", "tenant": "default", "kind": "train", "created_at": T0 + timedelta(hours=2)}
+    acme = await store.list_runs(tenant="acme")
+    assert [r["id"] for r in acme.items] == ["d", "b"] and acme.next_cursor is None
+    with pytest.raises(InvalidCursor, match="belongs to the tasks listing, not runs"):
+        await store.list_runs(cursor=encode_cursor("tasks", 1))
+    with pytest.raises(InvalidCursor, match="not a cursor"):
+        await store.list_runs(cursor=encode_cursor("runs", 7))

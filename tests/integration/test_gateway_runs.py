@@ -1,0 +1,122 @@
+"""``/v1/runs`` in process (httpx + ASGI) against a real nats-server and SQLite.
+
+As in test_gateway_api.py, reads are checked on rows written straight into the store and on
+run states put into the run-state bucket; one test runs the recorder's WEIGHTS consumer to
+show that the trainer's weight updates become the run's metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+from fastapi import FastAPI
+
+from flywheel import events
+from flywheel.config import RunConfig
+from flywheel_gateway.recorder import RecorderConfig
+from flywheel_gateway.store import Store
+from tests.helpers import until
+from tests.integration.test_gateway_api import app, client, store, unprocessable  # noqa: F401 (fixtures)
+from tests.unit.test_store import rollout, score, task, weight_update
+
+
+async def put_state(app: FastAPI, state: events.RunState) -> None:
+    await (await app.state.bus.runs_kv()).put(state.id, events.encode(state))
+
+
+async def get(client: httpx.AsyncClient, url: str, **params: Any) -> Any:
+    response = await client.get(url, params=params)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+async def test_run_detail_joins_the_store_and_the_run_state(app: FastAPI, client: httpx.AsyncClient,
+                                                            store: Store) -> None:
+    response = await client.post("/v1/tasks", json={"run": "r1", "env": "math", "data": {}},
+                                 headers={"Flywheel-Tenant": "acme"})
+    assert response.status_code == 202, response.text
+    await store.record([task(1), task(2), rollout("ro1"), rollout("ro2"), score("s1", "ro1", 1.0),
+                        weight_update("r1", 0, {"reward_mean": 0.5}), weight_update("r1", 1, {"reward_mean": 0.75})])
+    created = (await get(client, "/v1/runs/r1"))
+    assert created["tenant"] == "acme" and created["status"] == "created" and created["config"] == {}
+    config = RunConfig(run="r1", env="math", tenant="acme").model_dump()
+    await put_state(app, events.RunState(id="r1", tenant="acme", status="running", config=config))
+    detail = await get(client, "/v1/runs/r1")
+    assert detail == {**created, "status": "running", "config": config}
+    assert {k: detail[k] for k in ("id", "kind", "latest_step", "latest_version", "reward_mean", "num_tasks",
+                                   "num_rollouts", "num_scored_rollouts")} == {
+        "id": "r1", "kind": "train", "latest_step": 1, "latest_version": 2, "reward_mean": 0.75, "num_tasks": 2,
+        "num_rollouts": 2, "num_scored_rollouts": 1}
+    # Recorded before its run state was written (an event first): the bucket's tenant wins.
+    await store.record([task(3, run="r2")])
+    await put_state(app, events.RunState(id="r2", tenant="beta", kind="eval"))
+    assert {k: v for k, v in (await get(client, "/v1/runs/r2")).items() if k in ("tenant", "kind", "num_tasks")} == {
+        "tenant": "beta", "kind": "eval", "num_tasks": 1}
+
+
+async def test_runs_known_to_one_source_only_and_unknown_runs(app: FastAPI, client: httpx.AsyncClient,
+                                                              store: Store) -> None:
+    await put_state(app, events.RunState(id="fresh", tenant="acme"))
+    fresh = await get(client, "/v1/runs/fresh")
+    assert (fresh["tenant"], fresh["status"], fresh["num_rollouts"], fresh["latest_step"]) == (
+        "acme", "created", 0, None)
+    assert (await get(client, "/v1/runs/fresh/metrics")) == {"run": "fresh", "items": []}
+    await store.record([rollout("ro1", run="recorded")])  # published straight to the bus: no run state
+    recorded = await get(client, "/v1/runs/recorded")
+    assert (recorded["status"], recorded["config"], recorded["num_rollouts"]) == (None, None, 1)
+    for url in ("/v1/runs/nope", "/v1/runs/nope/metrics"):
+        missing = await client.get(url)
+        assert missing.status_code == 404 and missing.json()["detail"].startswith("run 'nope' not found")
+    assert (await unprocessable(client, "GET", "/v1/runs/a b")).startswith("run_id: must be letters, digits")
+
+
+async def test_run_listing(client: httpx.AsyncClient, store: Store) -> None:
+    await store.record([task(1, run="r1"), task(2, run="r2"), task(3, run="r3")])
+    first = await get(client, "/v1/runs", limit=2)
+    rest = await get(client, "/v1/runs", limit=2, cursor=first["next_cursor"])
+    # A run recorded from its events is created at its first event's time.
+    assert [r["id"] for r in first["items"] + rest["items"]] == ["r3", "r2", "r1"] and rest["next_cursor"] is None
+    assert first["items"][0] == {"id": "r3", "tenant": "default", "kind": "train", "created_at": "2026-11-01T12:00:03Z"}
+    assert (await get(client, "/v1/runs", tenant="acme"))["items"] == []
+    assert (await unprocessable(client, "GET", "/v1/runs", params={"cursor": "zz"})).startswith("cursor: cursor 'zz'")
+
+
+async def test_metrics_are_polled_by_step_and_ids_may_hold_slashes(client: httpx.AsyncClient, store: Store) -> None:
+    await store.record([weight_update("team/a", i, {"loss": 1.0 - i / 10}) for i in range(5)])
+    all_steps = await get(client, "/v1/runs/team/a/metrics")
+    assert all_steps["run"] == "team/a" and [s["step"] for s in all_steps["items"]] == [0, 1, 2, 3, 4]
+    assert all_steps["items"][1] == {"step": 1, "version": 2, "metrics": {"loss": 0.9},
+                                     "created_at": "2026-11-01T12:01:00Z"}
+    polled = await get(client, "/v1/runs/team/a/metrics", since_step=2, limit=1)
+    assert [s["step"] for s in polled["items"]] == [3]
+    assert (await get(client, "/v1/runs/team/a/metrics", since_step=4))["items"] == []
+    assert (await get(client, "/v1/runs/team/a"))["latest_step"] == 4
+    detail = await unprocessable(client, "GET", "/v1/runs/team/a/metrics", params={"limit": 0})
+    assert detail.startswith("limit: input should be greater than or equal to 1")
+
+
+async def test_the_recorder_turns_weight_updates_into_metrics(app: FastAPI, client: httpx.AsyncClient,
+                                                              store: Store) -> None:
+    bus = app.state.bus
+    (consumer,) = RecorderConfig(streams=("WEIGHTS",)).build(bus, store)
+    running = asyncio.ensure_future(consumer.run())
+    try:
+        updates = [weight_update("r1", i, {"reward_mean": i / 4, "loss": 2.0}) for i in range(3)]
+        await bus.publish_many(updates + updates[:1])
+
+        async def recorded() -> bool:
+            response = await client.get("/v1/runs/r1/metrics")  # 404 until the first one is recorded
+            return response.status_code == 200 and len(response.json()["items"]) == 3
+
+        await until(recorded, what="three steps of metrics")
+    finally:
+        consumer.stop()
+        await running
+    assert (await get(client, "/v1/runs/r1"))["reward_mean"] == 0.5
+
+
+async def test_runs_are_documented(client: httpx.AsyncClient) -> None:
+    spec = await get(client, "/openapi.json")
+    assert {"/v1/runs", "/v1/runs/{run_id}", "/v1/runs/{run_id}/metrics"} <= set(spec["paths"])

@@ -1,0 +1,131 @@
+"""The scorer against a real nats-server: built-in and custom scorers, weights, dead letters.
+
+The built-in scorer runs in this process (its consumer, as the composition root builds it);
+the custom scorer runs as its own process (``python -m flywheel_scorer --function ...``),
+scoring with :func:`answer_length` below, and is stopped by SIGTERM like a deployed one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from flywheel import events
+from flywheel.bus import Bus, Consumer
+from flywheel.config import RunConfig
+from flywheel.natsserver import NatsServer
+from flywheel.service import read_heartbeats
+from flywheel_scorer.scorer import EnvironmentRewards, ScorerConfig
+from tests.helpers import until
+from tests.unit.test_scorer_rewards import rollout
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def answer_length(completion: str) -> float:
+    """The custom scorer's function."""
+    return float(len(completion))
+
+
+@asynccontextmanager
+async def builtin_scorer(bus: Bus) -> AsyncIterator[Consumer]:
+    with ThreadPoolExecutor(2) as pool:
+        consumer = ScorerConfig(max_in_flight=8).build(bus, EnvironmentRewards(), pool)
+        running = asyncio.ensure_future(consumer.run())
+        try:
+            yield consumer
+        finally:
+            consumer.stop()
+            await running
+
+
+async def stored(bus: Bus, stream: str, type_: Any) -> list[Any]:
+    state = (await bus.js.stream_info(stream)).state
+    decoder = events.Decoder(type_)
+    return [decoder.decode((await bus.js.get_msg(stream, seq)).data)
+            for seq in range(state.first_seq, state.last_seq + 1)] if state.messages else []
+
+
+async def num_messages(bus: Bus, stream: str) -> int:
+    return (await bus.js.stream_info(stream)).state.messages
+
+
+async def put_run(bus: Bus, run: str, config: dict[str, Any]) -> None:
+    await (await bus.runs_kv()).put(run, events.encode(events.RunState(id=run, config=config)))
+
+
+async def test_builtin_and_custom_scorers_both_score_every_rollout(bus: Bus, nats_server: NatsServer,
+                                                                   tmp_path: Path) -> None:
+    await put_run(bus, "r1", RunConfig(run="r1", env="reverse_text", scorers={"exact": 0.5, "answer_length": 2.0})
+                  .model_dump())
+    log_path = tmp_path / "custom-scorer.log"
+    with log_path.open("w") as log:
+        custom = subprocess.Popen(
+            [sys.executable, "-m", "flywheel_scorer", "--function", f"{__name__}:answer_length",
+             "--env", "reverse_text"],
+            cwd=REPO, env={**os.environ, "FLYWHEEL_NATS_URL": nats_server.url}, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        async def custom_is_up() -> bool:
+            assert custom.poll() is None, log_path.read_text()
+            return any(b.service == "scorer-answer_length" for b in await read_heartbeats(bus))
+
+        await until(custom_is_up, what="the custom scorer's heartbeat")
+        answers = {"ro1": "cba", "ro2": "cb", "ro3": "xyz"}
+        async with builtin_scorer(bus):
+            await bus.publish_many([rollout(rid, answer=answer) for rid, answer in answers.items()]
+                                   + [rollout("ro4", answer="cba", run="r2")])
+
+            async def all_scored() -> bool:
+                return await num_messages(bus, "SCORES") == 4 * 3
+
+            await until(all_scored, what="three scores for each of four rollouts")
+    finally:
+        custom.send_signal(signal.SIGTERM)
+        returncode = custom.wait(timeout=30)
+    assert returncode == 0, log_path.read_text()
+
+    scores = {sc.id: sc for sc in await stored(bus, "SCORES", events.Score)}
+    assert {rid: (scores[f"{rid}.similarity"].value, scores[f"{rid}.exact"].value, scores[f"{rid}.answer_length"].value)
+            for rid in answers} == {"ro1": (1.0, 1.0, 3.0), "ro2": (0.8, 0.0, 2.0), "ro3": (0.0, 0.0, 3.0)}
+    # r1's config sets exact and answer_length; r2 has no config: the defaults (1.0, 0.0 and --weight 1.0).
+    assert {sc.scorer: sc.weight for sc in scores.values() if sc.run == "r1"} == {
+        "similarity": 1.0, "exact": 0.5, "answer_length": 2.0}
+    assert {sc.scorer: sc.weight for sc in scores.values() if sc.run == "r2"} == {
+        "similarity": 1.0, "exact": 0.0, "answer_length": 1.0}
+    assert all(sc.error is None and sc.group_id == "g1" for sc in scores.values())
+    assert scores["ro4.answer_length"].subject() == "scores.r2.reverse_text.answer_length"
+    for durable in ("scorer", "scorer-answer_length"):
+        info = await bus.js.consumer_info("ROLLOUTS", durable)
+        assert info.num_ack_pending == 0 and info.num_pending == 0, durable
+
+
+async def test_what_can_never_be_scored_is_dead_lettered_and_scoring_goes_on(bus: Bus) -> None:
+    await put_run(bus, "broken", {"scorers": ["exact"]})
+    async with builtin_scorer(bus) as consumer:
+        await bus.publish_many([rollout("lost", env="no_such_env"), rollout("odd", run="broken"), rollout("ro1")])
+        await until(lambda: consumer.stats.dead_lettered == 2 and consumer.stats.acked == 1,
+                    what="two dead letters and one scored rollout")
+    letters = {letter.original_subject: letter for letter in await stored(bus, "DEAD", events.DeadLetter)}
+    assert letters["rollouts.r1.no_such_env"].reason.startswith(
+        "rejected: environment 'no_such_env': no module 'no_such_env'")
+    assert letters["rollouts.broken.reverse_text"].reason.startswith(
+        "rejected: run 'broken': config.scorers must map scorer names to weights")
+    assert {letter.consumer for letter in letters.values()} == {"scorer"}
+    assert sorted(sc.id for sc in await stored(bus, "SCORES", events.Score)) == ["ro1.exact", "ro1.similarity"]
+
+
+async def test_a_rollout_scored_again_publishes_nothing_new(bus: Bus) -> None:
+    await bus.publish_many([rollout("ro1"), rollout("ro2", answer="c")])
+    for _ in range(2):  # the second time as after a crash before the acks: every rollout again
+        async with builtin_scorer(bus) as consumer:
+            await until(lambda: consumer.stats.acked == 2, what="both rollouts scored")
+        await bus.js.delete_consumer("ROLLOUTS", "scorer")
+    assert await num_messages(bus, "SCORES") == 4
