@@ -1,2 +1,10 @@
-"""Inference: hosts the policy, rolls out tasks from the TASKS stream, publishes rollouts
-and trace nodes, swaps in weight updates. Not built yet: see the README's roadmap."""
+"""Inference: hosts each run's policy, rolls out tasks from the TASKS stream, publishes trace
+nodes and rollouts, swaps in weight updates, and serves the policies over an
+OpenAI-compatible HTTP API.
+
+Parts: ``backends`` (the sampling loop behind one interface), ``policy`` (batching and
+weight swaps per run), ``admission`` (how far sampling may run ahead of the trainer),
+``rollouts`` (trace nodes and rollout events), ``worker`` (the task consumer and weight
+watcher), ``api`` (HTTP routes), ``app`` (the composition root); ``__main__`` is the entry
+point.
+"""

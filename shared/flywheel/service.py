@@ -33,6 +33,15 @@ def setup_logging(level: str = "INFO") -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
+def setup_torch_threads(num_threads: int | None) -> None:
+    """Cap torch's intra-op threads (setting torch_threads); None leaves torch's default."""
+    if num_threads is None:
+        return
+    import torch
+
+    torch.set_num_threads(num_threads)
+
+
 def setup_tracing(service_name: str) -> bool:
     """Export OpenTelemetry traces when the standard OTEL_* variables ask for it.
 

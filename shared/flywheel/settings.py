@@ -24,6 +24,11 @@ class Settings(BaseSettings):
     gateway_host: str = "127.0.0.1"
     gateway_port: int = 8420
     gateway_url: str | None = Field(None, description="Where clients reach the gateway. Unset: http://gateway_host:gateway_port.")
+    inference_host: str = "127.0.0.1"
+    inference_port: int = Field(8421, description="Port of the inference service's OpenAI-compatible API.")
+    torch_threads: int | None = Field(
+        1, description="Threads torch may use in inference and trainer processes. 1 suits one machine where they "
+                       "share the cores (measured: several times faster than torch's default there); unset: torch decides.")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
     @classmethod

@@ -88,7 +88,7 @@ async def _gateway_healthy(stack: Stack, process: Process) -> str | None:
     return f"GET {health['url']}/healthz: {answer}"
 
 
-def _heartbeat_of(service: str) -> HealthCheck:
+def heartbeat_of(service: str) -> HealthCheck:
     """Healthy once the services KV bucket holds an ``ok`` heartbeat from this very process."""
 
     async def check(stack: Stack, process: Process) -> str | None:
@@ -104,7 +104,9 @@ def _heartbeat_of(service: str) -> HealthCheck:
 # Every service that runs as a local process, in start order (the gateway runs the migrations).
 SERVICES: dict[str, ServiceSpec] = {
     "gateway": ServiceSpec(("-m", "flywheel_gateway", "api"), _gateway_healthy),
-    "recorder": ServiceSpec(("-m", "flywheel_gateway", "recorder"), _heartbeat_of("recorder")),
+    "recorder": ServiceSpec(("-m", "flywheel_gateway", "recorder"), heartbeat_of("recorder")),
+    "scorer": ServiceSpec(("-m", "flywheel_scorer"), heartbeat_of("scorer")),
+    "inference": ServiceSpec(("-m", "flywheel_inference"), heartbeat_of("inference")),
 }
 
 
@@ -265,6 +267,9 @@ def child_env(settings: Settings) -> dict[str, str]:
     env = dict(os.environ)
     env.update({f"FLYWHEEL_{name.upper()}": str(value) for name, value in values.items() if value is not None})
     env["PYTHONUNBUFFERED"] = "1"  # logs reach the file as they are written
+    if settings.torch_threads is not None:
+        # Also for the BLAS pools torch starts before it reads the setting.
+        env.setdefault("OMP_NUM_THREADS", str(settings.torch_threads))
     return env
 
 
@@ -283,6 +288,9 @@ def check_ports(settings: Settings) -> None:
         elif port_open("127.0.0.1", settings.nats_port):
             problems.append(f"port {settings.nats_port} (nats_port) is taken: choose a free one with --nats-port / "
                             "FLYWHEEL_NATS_PORT, or use the NATS server there with --nats-url / FLYWHEEL_NATS_URL")
+    if port_open(local_host(settings.inference_host), settings.inference_port):
+        problems.append(f"port {settings.inference_port} (inference_port) is taken: choose a free one with "
+                        "--inference-port / FLYWHEEL_INFERENCE_PORT")
     if port_open(local_host(settings.gateway_host), settings.gateway_port):
         problems.append(f"port {settings.gateway_port} (gateway_port) is taken: choose a free one with "
                         "--gateway-port / FLYWHEEL_GATEWAY_PORT")
@@ -327,6 +335,7 @@ class Stack:
         self.restart_backoff_s = restart_backoff_s
         self.poll_interval_s = poll_interval_s
         self.stopping = asyncio.Event()
+        self.ready = asyncio.Event()  # set once everything started is healthy
         self.bus: Bus | None = None
         self.nats: NatsProcess | None = None
         env = child_env(settings)
@@ -350,6 +359,7 @@ class Stack:
             await self._start()
             if not self.stopping.is_set():
                 self._say_ready()
+                self.ready.set()
                 await self._supervise()
         finally:
             await self._shutdown()

@@ -1,7 +1,7 @@
 """``flywheel up`` as a user runs it: the whole embedded stack, from start to Ctrl-C.
 
-Starts ``flywheel up`` as a subprocess (its own nats-server, the gateway API and the
-recorder) on free ports with a temporary data folder, publishes a JSONL file with
+Starts ``flywheel up`` as a subprocess (its own nats-server, the gateway API, the
+recorder, the scorer and inference) on free ports with a temporary data folder, publishes a JSONL file with
 ``flywheel tasks publish``, waits for the recorder to store the tasks (``GET /v1/tasks``),
 reads ``flywheel status``, kills the recorder to see it restarted, then sends SIGINT and
 checks that every process the stack started is gone. The supervisor's failure paths are
@@ -92,9 +92,10 @@ def clean_env() -> dict[str, str]:
 @pytest.fixture
 def stack(tmp_path: Path, clean_env: dict[str, str]) -> Iterator[tuple[subprocess.Popen[str], Output, dict[str, int]]]:
     """``flywheel up`` on free ports; after the test, it and every process it printed are stopped."""
-    ports = {"nats": free_port(), "gateway": free_port()}
+    ports = {"nats": free_port(), "gateway": free_port(), "inference": free_port()}
     up = subprocess.Popen([sys.executable, "-m", "flywheel.cli", "up", "--data-dir", str(tmp_path / "data"),
-                           "--nats-port", str(ports["nats"]), "--gateway-port", str(ports["gateway"])],
+                           "--nats-port", str(ports["nats"]), "--gateway-port", str(ports["gateway"]),
+                           "--inference-port", str(ports["inference"])],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=clean_env)
     output = Output(up)
     try:
@@ -118,7 +119,7 @@ def test_up_publish_status_restart_and_stop(stack: tuple[subprocess.Popen[str], 
     up, output, ports = stack
     output.wait_for(r"^Flywheel is up", READY_TIMEOUT_S)
     pids = {m.group(1): int(m.group(2)) for m in output.matching(r"^started (\S+) \(pid (\d+)\)")}
-    assert set(pids) == {"nats-server", "gateway", "recorder"}
+    assert set(pids) == {"nats-server", "gateway", "recorder", "scorer", "inference"}
     gateway = f"http://127.0.0.1:{ports['gateway']}"
     nats_url = f"nats://127.0.0.1:{ports['nats']}"
     output.wait_for(rf"^  gateway   {gateway}$", 1)
@@ -148,8 +149,8 @@ def test_up_publish_status_restart_and_stop(stack: tuple[subprocess.Popen[str], 
     assert status.returncode == 0, status.stderr
     report = json.loads(status.stdout)
     assert report["gateway"]["ok"] is True
-    assert {(s["service"], s["pid"]) for s in report["services"]} == {("gateway", pids["gateway"]),
-                                                                       ("recorder", pids["recorder"])}
+    assert {(s["service"], s["pid"]) for s in report["services"]} == {
+        (name, pid) for name, pid in pids.items() if name != "nats-server"}
     assert next(s for s in report["streams"] if s["stream"] == "TASKS")["messages"] == 3
     recorder_tasks = next(c for c in report["consumers"] if c["consumer"] == "recorder-tasks")
     assert recorder_tasks["num_pending"] == 0 and recorder_tasks["num_ack_pending"] == 0

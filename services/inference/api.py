@@ -1,0 +1,212 @@
+"""OpenAI-compatible HTTP API over each run's current policy.
+
+``POST /v1/chat/completions`` and ``POST /v1/completions`` answer with the policy of the
+run named by ``model`` (the run id; 404 naming it when the runs bucket has no such run),
+sampled through the same batching queue as the run's rollouts. Sampling fields override
+the run's configured sampling. Every choice carries the sampled tokens' log-probabilities
+(``log_softmax(logits / temperature)``, as the trainer computes them) in the standard
+shape, whether or not ``logprobs`` was asked for; ``system_fingerprint`` names the policy
+version that answered. ``GET /healthz`` reports NATS and the per-run counters.
+
+Errors use OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``): 400 for a
+request that cannot be served (naming the field), 404 for an unknown run, 503 while the
+run has no weights loaded. Not covered: streaming, tools, ``top_logprobs`` (the
+alternatives' logprobs), ``echo``, and prompts given as lists of prompts.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from flywheel import events
+from flywheel_inference.policy import Sampled, WeightsUnavailable
+from flywheel_inference.worker import HostedRun, UnknownRun, Worker
+
+router = APIRouter()
+MAX_CHOICES = 64
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def _error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    kind = {400: "invalid_request_error", 404: "invalid_request_error", 503: "service_unavailable"}[status]
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
+                        status_code=status)
+
+
+def _worker(request: Request) -> Worker:
+    return request.app.state.worker
+
+
+WorkerDep = Annotated[Worker, Depends(_worker)]
+
+
+class _SamplingRequest(BaseModel):
+    """Fields both endpoints share. Unknown fields are ignored, as OpenAI clients send many."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(description="the run id")
+    temperature: float | None = Field(None, gt=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    max_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    seed: int | None = None
+    stream: bool = False
+
+    def refuse_unsupported(self) -> None:
+        if self.stream:
+            raise ApiError(400, "stream=true is not supported: ask for the whole answer", "stream")
+
+    def sampling(self, default: events.Sampling, max_tokens: int | None = None) -> events.Sampling:
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        return events.Sampling(
+            temperature=default.temperature if self.temperature is None else self.temperature,
+            top_p=default.top_p if self.top_p is None else self.top_p,
+            max_tokens=max_tokens or self.max_tokens or default.max_tokens,
+            stop=default.stop if stop is None else stop,
+            seed=self.seed,
+        )
+
+
+class ChatMessageIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = ""
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessageIn] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    top_logprobs: int | None = Field(None, ge=0)
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.top_logprobs:
+            raise ApiError(400, "top_logprobs is not supported: only the sampled tokens' logprobs are returned",
+                           "top_logprobs")
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[int] = Field(description="text, or token ids")
+    logprobs: int | None = Field(None, ge=0)
+    echo: bool = False
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.logprobs:
+            raise ApiError(400, "logprobs > 0 is not supported: only the sampled tokens' logprobs are returned",
+                           "logprobs")
+        if self.echo:
+            raise ApiError(400, "echo=true is not supported", "echo")
+
+
+async def _hosted(worker: Worker, run: str) -> HostedRun:
+    try:
+        return await worker.hosted(run)
+    except UnknownRun as exc:
+        raise ApiError(404, f"model {run!r}: {exc}; the model is a run id", "model", "model_not_found") from exc
+    except ValueError as exc:  # the run has no usable config
+        raise ApiError(400, f"model {run!r}: {exc}", "model") from exc
+
+
+async def _sample(hosted: HostedRun, prompt: list[int], sampling: events.Sampling, n: int) -> list[Sampled]:
+    try:
+        hosted.policy.check([prompt], sampling)
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from exc
+    try:
+        return await hosted.policy.sample([prompt] * n, sampling)
+    except WeightsUnavailable as exc:
+        raise ApiError(503, str(exc)) from exc
+
+
+def _tokens(tok: Any, token_ids: list[int]) -> list[str]:
+    return [tok.decode([t]) for t in token_ids]
+
+
+def _usage(prompt: list[int], sampled: list[Sampled]) -> dict[str, int]:
+    num_completion = sum(len(s.completion.token_ids) for s in sampled)
+    return {"prompt_tokens": len(prompt), "completion_tokens": num_completion,
+            "total_tokens": len(prompt) + num_completion}
+
+
+def _fingerprint(sampled: list[Sampled]) -> str:
+    return f"policy-v{max(s.version for s in sampled)}"
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, worker: WorkerDep) -> dict[str, Any]:
+    from flywheel import models
+
+    body.refuse_unsupported()
+    hosted = await _hosted(worker, body.model)
+    tok = hosted.policy.backend.tokenizer
+    prompt = models.render_prompt(tok, [events.Message(role=m.role, content=m.content) for m in body.messages])
+    sampled = await _sample(hosted, prompt, body.sampling(hosted.sampling, body.max_completion_tokens), body.n)
+    choices = []
+    for i, s in enumerate(sampled):
+        c = s.completion
+        content = [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                   for t, lp in zip(_tokens(tok, c.token_ids), c.logprobs)]
+        choices.append({"index": i, "message": {"role": "assistant", "content": c.text},
+                         "finish_reason": c.finish_reason, "logprobs": {"content": content}})
+    return {"id": f"chatcmpl-{events.new_id()}", "object": "chat.completion", "created": int(time.time()),
+            "model": body.model, "system_fingerprint": _fingerprint(sampled), "choices": choices,
+            "usage": _usage(prompt, sampled)}
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, worker: WorkerDep) -> dict[str, Any]:
+    body.refuse_unsupported()
+    hosted = await _hosted(worker, body.model)
+    tok = hosted.policy.backend.tokenizer
+    prompt = tok.encode(body.prompt, add_special_tokens=False) if isinstance(body.prompt, str) else body.prompt
+    sampled = await _sample(hosted, prompt, body.sampling(hosted.sampling), body.n)
+    choices = []
+    for i, s in enumerate(sampled):
+        c = s.completion
+        tokens = _tokens(tok, c.token_ids)
+        offsets = [sum(len(t) for t in tokens[:j]) for j in range(len(tokens))]
+        choices.append({"index": i, "text": c.text, "finish_reason": c.finish_reason,
+                        "logprobs": {"tokens": tokens, "token_logprobs": c.logprobs, "top_logprobs": None,
+                                     "text_offset": offsets}})
+    return {"id": f"cmpl-{events.new_id()}", "object": "text_completion", "created": int(time.time()),
+            "model": body.model, "system_fingerprint": _fingerprint(sampled), "choices": choices,
+            "usage": _usage(prompt, sampled)}
+
+
+@router.get("/healthz")
+async def healthz(worker: WorkerDep) -> JSONResponse:
+    """200 while connected to NATS, with the counters of every run this replica hosts."""
+    connected = worker.bus.nc.is_connected
+    body = {"status": "ok" if connected else "unavailable", "nats": "ok" if connected else "down: not connected",
+            "runs": worker.info["runs"]}
+    return JSONResponse(body, status_code=200 if connected else 503)
+
+
+def install(app: FastAPI) -> None:
+    """The routes and the OpenAI error shape."""
+
+    async def on_api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return _error(exc.status, exc.message, exc.param, exc.code)
+
+    async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = [(".".join(str(p) for p in e["loc"][1:]) or "body", e["msg"]) for e in exc.errors()]
+        return _error(400, "; ".join(f"{field}: {msg}" for field, msg in problems), problems[0][0])
+
+    app.include_router(router)
+    app.add_exception_handler(ApiError, on_api_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, on_validation)  # type: ignore[arg-type]

@@ -1,0 +1,70 @@
+"""Composition root of the inference process: the worker and the HTTP API, built together.
+
+:func:`create_app` builds nothing at import time. At start (the lifespan) it connects to
+NATS, builds the :class:`~flywheel_inference.worker.Worker` and runs it under a
+:class:`flywheel.service.Service` (the task consumer, the weight watcher, the heartbeat)
+beside the HTTP server, which owns the signals. At stop it stops the service (in-flight
+tasks finish or are handed back), closes the policies and drains the connection. If the
+worker dies while the server is up, ``app.state.worker_failed`` is set and ``on_worker_exit``
+is called (the entry point uses it to stop the server and exit non-zero, instead of
+serving without a worker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from flywheel.bus import Bus
+from flywheel.service import Service
+from flywheel.settings import Settings
+from flywheel_inference import api
+from flywheel_inference.worker import Worker, WorkerConfig
+
+log = logging.getLogger(__name__)
+
+
+def create_app(settings: Settings, config: WorkerConfig | None = None, url: str | None = None,
+               on_worker_exit: Callable[[], None] | None = None) -> FastAPI:
+    """``url`` is where this server is reached (shown in the heartbeat)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        bus = await Bus.connect(settings.resolved_nats_url, name="inference")
+        worker = Worker.with_backends(bus, settings.data_dir, config)
+        worker.info["url"] = url
+        service = Service("inference", bus, info=worker.info, handle_signals=False)
+        service.add(worker.consumer())
+        service.add_task(worker.watch_weights)
+        app.state.worker = worker
+        running = asyncio.ensure_future(service.run())
+        stopping = False
+
+        def ended(task: asyncio.Task[None]) -> None:
+            if not stopping:
+                app.state.worker_failed = True
+                log.error("inference worker stopped while the server was up",
+                          exc_info=None if task.cancelled() else task.exception())
+                if on_worker_exit is not None:
+                    on_worker_exit()
+
+        running.add_done_callback(ended)
+        try:
+            yield
+        finally:
+            stopping = True
+            service.stop()
+            try:
+                await running  # raises what the worker died of
+            finally:
+                await worker.close()
+
+    app = FastAPI(title="Flywheel inference",
+                  summary="OpenAI-compatible completions from each run's current policy.",
+                  version="0.1.0", lifespan=lifespan)
+    api.install(app)
+    return app

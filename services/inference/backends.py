@@ -1,0 +1,265 @@
+"""Inference backends: sample completions for token prompts, swap in new weights.
+
+A backend does two things, behind one small interface (:class:`Backend`):
+
+- ``generate(prompts, sampling, seeds)``: sample one completion per prompt (token ids in,
+  token ids, log-probabilities and a finish reason out), all prompts as one batch;
+- ``swap(data, version)``: load a full set of weights (safetensors bytes) in place and
+  remember their version.
+
+The caller serialises the two (a lock around each call), so weights never change in the
+middle of a sequence. :data:`BACKENDS` maps ``RunConfig.inference.backend`` to a builder.
+
+The log-probability of a sampled token is ``log_softmax(logits / temperature)`` at that
+token, in float32, before top-p truncation: top-p only changes what is sampled. The
+trainer computes the same quantity, so the importance ratio is exactly 1 when the weights
+are the same.
+
+Reproducibility: each sequence has its own random generator, seeded from ``seeds[i]``
+(by default ``sampling.seed + i``, or fresh entropy when ``sampling.seed`` is None), so a
+seeded sequence draws the same random numbers whatever else is in its batch. The tokens
+are the same for the same batch; in a different batch, padding changes the float
+rounding of the logits, which can (rarely) flip a draw.
+
+Not covered: the vLLM backend (not built yet; ``inference.backend = "vllm"`` fails with a
+message saying so), LoRA adapters, streaming, top-k, and logprobs of the alternatives
+(``top_logprobs``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import secrets
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal, Protocol
+
+from flywheel import events
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled completion. ``token_ids`` include the end-of-sequence token when the
+    model produced one, and every token of a stop string; ``text`` is the decoded
+    completion without special tokens, cut before the stop string that ended it."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    text: str
+
+
+class Backend(Protocol):
+    tokenizer: PreTrainedTokenizerBase
+    version: int | None  # the version of the loaded weights; None before the first swap
+    max_positions: int | None  # prompt plus completion tokens the model can attend to
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: events.Sampling,
+                 seeds: Sequence[int | None] | None = None) -> list[Completion]: ...
+
+    def swap(self, data: bytes, version: int) -> None: ...
+
+
+def check_sampling(sampling: events.Sampling) -> None:
+    """Refuse sampling settings no backend can honour; the message names the field."""
+    if not sampling.temperature > 0:
+        raise ValueError(f"sampling.temperature must be > 0, got {sampling.temperature}")
+    if not 0 < sampling.top_p <= 1:
+        raise ValueError(f"sampling.top_p must be in (0, 1], got {sampling.top_p}")
+    if sampling.max_tokens < 1:
+        raise ValueError(f"sampling.max_tokens must be at least 1, got {sampling.max_tokens}")
+    if any(not s for s in sampling.stop):
+        raise ValueError("sampling.stop: an empty stop string would end every completion at once")
+
+
+def row_seeds(sampling: events.Sampling, num_rows: int, seeds: Sequence[int | None] | None) -> list[int]:
+    """One seed per sequence: ``seeds`` if given, else ``sampling.seed + i``, else fresh entropy."""
+    if seeds is not None:
+        if len(seeds) != num_rows:
+            raise ValueError(f"seeds: {len(seeds)} given for {num_rows} prompts")
+        return [s if s is not None else secrets.randbits(63) for s in seeds]
+    if sampling.seed is not None:
+        return [sampling.seed + i for i in range(num_rows)]
+    return [secrets.randbits(63) for _ in range(num_rows)]
+
+
+def first_stop(text: str, stop: Sequence[str]) -> int | None:
+    """Where the earliest stop string starts in ``text`` (None if none occurs)."""
+    found = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return min(found) if found else None
+
+
+def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """Every id that ends a sequence: the tokenizer's EOS and the generation config's."""
+    ids: set[int] = set()
+    for value in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value is not None:
+            ids.update(value)
+    if not ids:
+        raise ValueError(f"model {model.name_or_path!r}: neither its tokenizer nor its generation config names an "
+                         "eos_token_id, so no completion could end before max_tokens")
+    return ids
+
+
+def sample_rows(logprobs: torch.Tensor, top_p: float, generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """One token per row from ``exp(logprobs)``, restricted to the top-p nucleus.
+
+    The nucleus is the smallest set of most likely tokens whose mass reaches ``top_p``
+    (the most likely token is always in it). Each row draws one uniform number from its
+    own generator (inverse-CDF sampling), so a row's draw does not depend on the others.
+    """
+    import torch
+
+    probs, order = torch.sort(logprobs.exp(), dim=-1, descending=True)
+    if top_p < 1.0:
+        mass_before = probs.cumsum(-1) - probs
+        probs = probs.masked_fill(mass_before >= top_p, 0.0)
+    cdf = probs.cumsum(-1)
+    u = torch.stack([torch.rand((), generator=g, device=logprobs.device) for g in generators])
+    picks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=cdf.shape[-1] - 1)
+    return order.gather(-1, picks)[:, 0]
+
+
+class TransformersBackend:
+    """A Hugging Face causal LM and its tokenizer, sampled by a batched loop with a KV cache.
+
+    Prompts are left-padded; the attention mask and explicit position ids make each row
+    compute what it would compute alone. A finished row leaves the batch (and the cache)
+    at once, so a long completion does not make the short ones pay for it.
+    """
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, device: str = "cpu") -> None:
+        import torch
+
+        self.device = torch.device(device)
+        self.model = model.to(self.device).eval()
+        self.tokenizer = tokenizer
+        self.version: int | None = None
+        self.eos_ids = eos_token_ids(model, tokenizer)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
+        self.max_positions: int | None = getattr(model.config, "max_position_embeddings", None)
+        # transformers renamed the forward's `past_key_values` to `cache` (the old name is
+        # deprecated): pass whichever this version takes, so the cache is never dropped.
+        params = inspect.signature(model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+
+    @classmethod
+    def build(cls, path: Path | str, dtype: str, device: str = "cpu") -> TransformersBackend:
+        from flywheel import models
+
+        model, tokenizer = models.load_model(path, dtype=dtype, device=device)
+        return cls(model, tokenizer, device)
+
+    def swap(self, data: bytes, version: int) -> None:
+        from flywheel import models
+
+        models.load_weights(self.model, data)
+        self.version = version
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: events.Sampling,
+                 seeds: Sequence[int | None] | None = None) -> list[Completion]:
+        import torch
+
+        check_sampling(sampling)
+        if not prompts:
+            return []
+        for i, prompt in enumerate(prompts):
+            if not prompt:
+                raise ValueError(f"prompts[{i}] is empty: a completion needs at least one prompt token")
+        longest = max(len(p) for p in prompts)
+        if self.max_positions is not None and longest + sampling.max_tokens > self.max_positions:
+            raise ValueError(f"sampling.max_tokens={sampling.max_tokens} plus the longest prompt ({longest} tokens) "
+                             f"exceeds the model's context of {self.max_positions} positions")
+        generators = [torch.Generator(device=self.device).manual_seed(s)
+                      for s in row_seeds(sampling, len(prompts), seeds)]
+        with torch.inference_mode():
+            return self._generate(prompts, sampling, generators, longest)
+
+    def _generate(self, prompts: Sequence[Sequence[int]], sampling: events.Sampling,
+                  generators: list[torch.Generator], longest: int) -> list[Completion]:
+        import torch
+        from transformers import DynamicCache
+
+        num_rows = len(prompts)
+        input_ids = torch.full((num_rows, longest), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((num_rows, longest), dtype=torch.long)
+        for i, prompt in enumerate(prompts):
+            input_ids[i, longest - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+            mask[i, longest - len(prompt):] = 1
+        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        next_position = mask.sum(-1, keepdim=True)  # per row: where its next token goes
+        cache = DynamicCache(config=self.model.config)
+
+        rows = list(range(num_rows))  # the original index of each row still in the batch
+        token_ids: list[list[int]] = [[] for _ in range(num_rows)]
+        logprobs: list[list[float]] = [[] for _ in range(num_rows)]
+        results: list[Completion | None] = [None] * num_rows
+        for step in range(sampling.max_tokens):
+            out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                             use_cache=True, logits_to_keep=1, **{self._cache_arg: cache})
+            step_logprobs = torch.log_softmax(out.logits[:, -1, :].float() / sampling.temperature, dim=-1)
+            picked = sample_rows(step_logprobs, sampling.top_p, [generators[r] for r in rows])
+            picked_logprobs = step_logprobs.gather(-1, picked[:, None])[:, 0]
+            keep: list[int] = []
+            last_step = step == sampling.max_tokens - 1
+            for j, (r, tok, lp) in enumerate(zip(rows, picked.tolist(), picked_logprobs.tolist())):
+                token_ids[r].append(tok)
+                logprobs[r].append(lp)
+                results[r] = self._finished(token_ids[r], logprobs[r], sampling.stop, last_step)
+                if results[r] is None:
+                    keep.append(j)
+            if not keep:
+                break
+            if len(keep) < len(rows):
+                index = torch.tensor(keep, device=self.device)
+                cache.batch_select_indices(index)
+                mask, next_position, picked = mask[index], next_position[index], picked[index]
+                rows = [rows[j] for j in keep]
+            input_ids = picked[:, None]
+            mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=-1)
+            positions = next_position
+            next_position = next_position + 1
+        assert all(c is not None for c in results)
+        return results  # type: ignore[return-value]
+
+    def _finished(self, token_ids: list[int], logprobs: list[float], stop: Sequence[str],
+                  last_step: bool) -> Completion | None:
+        """The completion if this row is done (EOS, a stop string, or max_tokens), else None."""
+        if token_ids[-1] in self.eos_ids:
+            return Completion(list(token_ids), list(logprobs), "stop", self.decode(token_ids))
+        if stop:
+            text = self.decode(token_ids)
+            cut = first_stop(text, stop)
+            if cut is not None:
+                return Completion(list(token_ids), list(logprobs), "stop", text[:cut])
+        if last_step:
+            return Completion(list(token_ids), list(logprobs), "length", self.decode(token_ids))
+        return None
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+BackendBuilder = Callable[[Path | str, str], Backend]
+
+# RunConfig.inference.backend -> builder(model folder or hub id, dtype). "vllm" is not built yet.
+BACKENDS: dict[str, BackendBuilder] = {
+    "transformers": TransformersBackend.build,
+}
+
+
+def build_backend(name: str, path: Path | str, dtype: str) -> Backend:
+    if name not in BACKENDS:
+        raise ValueError(f"inference.backend={name!r} is not available in this inference service; "
+                         f"choose from {', '.join(BACKENDS)}")
+    return BACKENDS[name](path, dtype)

@@ -1,0 +1,260 @@
+"""The inference worker: tasks in, trace nodes and rollouts out, weight updates applied.
+
+- Tasks come from one durable pull consumer on TASKS (``inference``), shared by every
+  replica. A task is rolled out ``num_rollouts`` times as one group: its prompt nodes go
+  out as trace node events first, then the sampled answers, then the rollouts.
+- Each run named by a task gets a :class:`HostedRun` on first sight: its config (from the
+  runs KV bucket), its policy (the run's model, loaded once) and its admission counters.
+  No rollout is sampled before the run's first weight update (version 0, published by
+  the trainer after any warm-up) is loaded, so inference and trainer start from the same
+  weights.
+- Weight updates come from an ordered consumer on WEIGHTS that starts at the last update
+  of every run, so each replica sees every update and a late one catches up. The run's
+  policy loads the newest update it has seen; once loaded, the update advances the
+  run's admission bound, so the rollouts it lets in are sampled by the new weights.
+
+A task waiting for its run's admission holds one of the consumer's ``max_tasks_in_flight``
+slots, so a run far ahead of its trainer can delay other runs' tasks (the bound is per
+process, not per run). A run's config is read once, when the run is first seen.
+
+Failures: a task that can never succeed (unknown environment, bad sampling settings, a
+group larger than the admission bounds) is dead-lettered at once with the reason; a run
+without a config yet, or whose weights failed to load, fails the delivery, which the bus
+retries with backoff before dead-lettering it. Not covered: harnesses beyond one chat
+turn (tools, multi-turn, the interception endpoint).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import nats.errors
+import nats.js.errors
+from nats.js.api import DeliverPolicy
+
+from flywheel import events
+from flywheel.bus import HEADER_CONTENT_TYPE, Bus, Consumer, Delivery, Reject
+from flywheel.config import RunConfig
+from flywheel.environment import EnvironmentLoadError, Environment, load_environment
+from flywheel_inference import rollouts
+from flywheel_inference.admission import Admission
+from flywheel_inference.backends import Backend, build_backend
+from flywheel_inference.policy import Policy
+
+log = logging.getLogger(__name__)
+
+DURABLE = "inference"
+
+
+class UnknownRun(LookupError):
+    """No run of this id in the runs KV bucket."""
+
+
+@dataclass
+class WorkerConfig:
+    """Bounds of the task consumer. Defaults suit one machine."""
+
+    # Tasks handled at once (each holding its group's rollouts in flight or waiting for
+    # admission): enough for several groups to share a batch.
+    max_tasks_in_flight: int = 32
+    ack_wait_s: float = 30.0
+    max_deliver: int = 5
+    backoff_s: tuple[float, ...] = (1.0, 5.0, 15.0, 30.0)
+    grace_s: float = 10.0
+
+
+@dataclass
+class HostedRun:
+    config: RunConfig
+    policy: Policy
+    admission: Admission
+
+    @property
+    def sampling(self) -> events.Sampling:
+        s = self.config.sampling
+        return events.Sampling(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens, stop=list(s.stop))
+
+    def counters(self) -> dict[str, Any]:
+        return {"policy_version": self.policy.version, **self.admission.counters()}
+
+
+BuildBackend = Callable[[RunConfig], Backend]
+
+
+class Worker:
+    def __init__(self, bus: Bus, build: BuildBackend, config: WorkerConfig | None = None) -> None:
+        self.bus = bus
+        self.config = config or WorkerConfig()
+        self.info: dict[str, Any] = {"runs": {}}  # the heartbeat's info: counters per run
+        self._build = build
+        self._runs: dict[str, HostedRun] = {}
+        self._starting: dict[str, asyncio.Future[HostedRun]] = {}
+        self._latest: dict[str, events.WeightUpdate] = {}  # newest update seen per run
+        self._environments: dict[str, Environment] = {}
+        self._state_decoder = events.Decoder(events.RunState)
+
+    @classmethod
+    def with_backends(cls, bus: Bus, data_dir: Path, config: WorkerConfig | None = None) -> Worker:
+        """A worker that builds each run's backend from its config (model resolved under ``data_dir``)."""
+
+        def build(cfg: RunConfig) -> Backend:
+            from flywheel import models
+
+            return build_backend(cfg.inference.backend, models.resolve_model(cfg.model.name, data_dir),
+                                 cfg.model.dtype)
+
+        return cls(bus, build, config)
+
+    def consumer(self) -> Consumer:
+        c = self.config
+        return Consumer(self.bus, stream="TASKS", durable=DURABLE, handler=self.handle, event_type=events.Task,
+                        max_in_flight=c.max_tasks_in_flight, ack_wait_s=c.ack_wait_s, max_deliver=c.max_deliver,
+                        backoff_s=c.backoff_s, grace_s=c.grace_s)
+
+    async def close(self) -> None:
+        for starting in self._starting.values():
+            starting.cancel()
+        await asyncio.gather(*(hosted.policy.close() for hosted in self._runs.values()))
+
+    # --- runs ---------------------------------------------------------------------------------
+
+    async def run_config(self, run: str) -> RunConfig:
+        kv = await self.bus.runs_kv()
+        try:
+            entry = await kv.get(run)
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+            raise UnknownRun(f"run {run!r} is not in the runs bucket") from None
+        if not entry.value:
+            raise UnknownRun(f"run {run!r} is not in the runs bucket")
+        state = self._state_decoder.decode(entry.value)
+        if not state.config:
+            raise ValueError(f"run {run!r} has no config yet (RunState.config is empty); `flywheel run` writes it")
+        return RunConfig.parse(state.config, source=f"run {run!r} config")
+
+    async def hosted(self, run: str) -> HostedRun:
+        """The run's config, policy and admission counters, built on first use (once)."""
+        if run in self._runs:
+            return self._runs[run]
+        if run not in self._starting:
+            self._starting[run] = asyncio.ensure_future(self._start(run))
+        starting = self._starting[run]
+        try:
+            return await asyncio.shield(starting)
+        finally:
+            if starting.done():
+                self._starting.pop(run, None)
+
+    async def _start(self, run: str) -> HostedRun:
+        cfg = await self.run_config(run)
+        num_issued = await self._num_rollouts_published(run)
+        log.info("run %s: loading model %s (%s backend)", run, cfg.model.name, cfg.inference.backend)
+        backend = await asyncio.to_thread(self._build, cfg)
+        admission = Admission.for_run(cfg, num_issued=num_issued, on_change=self._refresh_info)
+
+        async def loaded(version: int) -> None:
+            await admission.advance(version)
+            self._refresh_info()  # the policy version, even when the admission bound stays
+
+        policy = Policy(run, backend, self._fetch, cfg.inference.max_batch_size, on_loaded=loaded)
+        hosted = HostedRun(cfg, policy, admission)
+        self._runs[run] = hosted
+        if run in self._latest:
+            policy.offer(self._latest[run])
+        self._refresh_info()
+        return hosted
+
+    async def _num_rollouts_published(self, run: str) -> int:
+        info = await self.bus.js.stream_info("ROLLOUTS", subjects_filter=f"rollouts.{run}.>")
+        return sum((info.state.subjects or {}).values())
+
+    async def _fetch(self, update: events.WeightUpdate) -> bytes:
+        from flywheel import weights
+
+        return await weights.get(self.bus, update)
+
+    def environment(self, name: str) -> Environment:
+        if name not in self._environments:
+            self._environments[name] = load_environment(name)
+        return self._environments[name]
+
+    def _refresh_info(self) -> None:
+        """Keep the heartbeat's counters current (called on every change of a run's counters)."""
+        self.info["runs"] = {run: hosted.counters() for run, hosted in self._runs.items()}
+
+    # --- weights ------------------------------------------------------------------------------
+
+    async def on_weight_update(self, update: events.WeightUpdate) -> None:
+        latest = self._latest.get(update.run)
+        if latest is not None and latest.version >= update.version:
+            return
+        self._latest[update.run] = update
+        if update.run in self._runs:
+            self._runs[update.run].policy.offer(update)
+
+    async def watch_weights(self, stopping: asyncio.Event) -> None:
+        """Every weight update of every run, from the last one per run on, until ``stopping``."""
+        sub = await self.bus.js.subscribe("weights.>", ordered_consumer=True,
+                                          deliver_policy=DeliverPolicy.LAST_PER_SUBJECT)
+        decoder = events.Decoder(events.WeightUpdate)
+        try:
+            while not stopping.is_set():
+                try:
+                    msg = await sub.next_msg(timeout=0.5)
+                except nats.errors.TimeoutError:
+                    continue
+                update = decoder.decode(msg.data, (msg.headers or {}).get(HEADER_CONTENT_TYPE))
+                await self.on_weight_update(update)
+        finally:
+            await sub.unsubscribe()
+
+    # --- tasks --------------------------------------------------------------------------------
+
+    async def handle(self, delivery: Delivery) -> None:
+        from flywheel import models
+
+        task: events.Task = delivery.event
+        try:
+            env = self.environment(task.env)
+        except EnvironmentLoadError as exc:
+            raise Reject(str(exc)) from exc
+        hosted = await self.hosted(task.run)
+        try:
+            messages = env.prompt(task.data)
+        except Exception as exc:  # noqa: BLE001 - the environment's code on this row: the task is bad
+            raise Reject(f"environment {task.env!r}: prompt(task.data) failed: {type(exc).__name__}: {exc}") from exc
+        sampling = task.sampling or hosted.sampling
+        prompt_ids = models.render_prompt(hosted.policy.backend.tokenizer, messages)
+        try:
+            if task.num_rollouts < 1:
+                raise ValueError(f"num_rollouts={task.num_rollouts}: at least 1")
+            hosted.admission.check(task.num_rollouts)
+            hosted.policy.check([prompt_ids], sampling)
+        except ValueError as exc:
+            raise Reject(f"task {task.id}: {exc}") from exc
+        await hosted.policy.wait_ready()
+        async with hosted.admission.slot(task.num_rollouts):
+            await self._roll_out(task, messages, prompt_ids, sampling, hosted)
+
+    async def _roll_out(self, task: events.Task, messages: list[events.Message], prompt_ids: list[int],
+                        sampling: events.Sampling, hosted: HostedRun) -> None:
+        from flywheel import models
+
+        tok = hosted.policy.backend.tokenizer
+        nodes = rollouts.prompt_nodes(messages, rollouts.split_prompt(
+            messages, prompt_ids, lambda ms: models.render_messages(tok, ms)))
+        ids = [rollouts.rollout_id(task.id, i) for i in range(task.num_rollouts)]
+        await self.bus.publish_many([events.TraceNode(run=task.run, rollout_id=rid, node=node)
+                                     for rid in ids for node in nodes], events.MSGPACK)
+        seeds = None if sampling.seed is None else [sampling.seed + i for i in range(task.num_rollouts)]
+        sampled = await hosted.policy.sample([prompt_ids] * task.num_rollouts, sampling, seeds)
+        answers = [rollouts.assistant_node(nodes[-1].id, s.completion, s.version) for s in sampled]
+        await self.bus.publish_many([events.TraceNode(run=task.run, rollout_id=rid, node=node)
+                                     for rid, node in zip(ids, answers)], events.MSGPACK)
+        await self.bus.publish_many([rollouts.build_rollout(task, i, [*nodes, answer], s.completion, s.version,
+                                                            s.generation_s)
+                                     for i, (s, answer) in enumerate(zip(sampled, answers))], events.MSGPACK)

@@ -1,0 +1,197 @@
+"""The inference worker against a real nats-server with the tiny model: tasks become
+groups of rollouts and trace nodes; nothing is sampled before version 0; admission holds
+the pipeline to the trainer; new weights change what is sampled and the recorded version."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import torch
+
+from flywheel import events, models, weights
+from flywheel.bus import HEADER_CONTENT_TYPE, Bus, Delivery
+from flywheel.config import RunConfig
+from flywheel.environment import load_environment
+from flywheel.natsserver import NatsServer
+from flywheel.service import Service
+from flywheel_inference.worker import Worker, WorkerConfig
+from tests.helpers import until
+
+StartWorker = Callable[[], Awaitable[Worker]]
+
+
+async def create_run(bus: Bus, model_dir: Path, run: str = "r1", **overrides: Any) -> RunConfig:
+    cfg = RunConfig.parse({"run": run, "env": "reverse_text", "group_size": 4, "model": {"name": str(model_dir)},
+                           "sampling": {"max_tokens": 8},
+                           "trainer": {"batch_size": 8, "max_off_policy_steps": 0}} | overrides)
+    await (await bus.runs_kv()).put(run, events.encode(events.RunState(id=run, config=cfg.model_dump())))
+    return cfg
+
+
+async def publish_weights(bus: Bus, run: str, version: int, model: torch.nn.Module) -> events.WeightUpdate:
+    uri, sha, size = await weights.put(bus, run, version, models.save_weights(model))
+    update = events.WeightUpdate(run=run, version=version, uri=uri, sha256=sha, size_bytes=size,
+                                 trainer_step=version)
+    await bus.publish(update)
+    return update
+
+
+def perturbed(model_dir: Path, seed: int) -> torch.nn.Module:
+    model, _ = models.load_model(model_dir)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.5)
+    return model
+
+
+async def stored(bus: Bus, stream: str, type_: Any) -> list[Any]:
+    info = await bus.js.stream_info(stream)
+    decoder = events.Decoder(type_)
+    out = []
+    for seq in range(info.state.first_seq, info.state.last_seq + 1) if info.state.messages else ():
+        msg = await bus.js.get_msg(stream, seq)
+        out.append(decoder.decode(msg.data, (msg.headers or {}).get(HEADER_CONTENT_TYPE)))
+    return out
+
+
+async def count(bus: Bus, stream: str) -> int:
+    return (await bus.js.stream_info(stream)).state.messages
+
+
+@pytest.fixture
+async def start_worker(nats_server: NatsServer, tmp_path: Path) -> AsyncIterator[StartWorker]:
+    """Starts the worker as the process does (consumer and weight watcher under a Service)."""
+    started: list[tuple[Service, asyncio.Future[None], Worker]] = []
+
+    async def start() -> Worker:
+        wbus = await Bus.connect(nats_server.url, name="inference")
+        worker = Worker.with_backends(wbus, tmp_path / "data",
+                                      WorkerConfig(backoff_s=(0.2,), max_deliver=50))
+        service = Service("inference", wbus, info=worker.info, handle_signals=False)
+        service.add(worker.consumer())
+        service.add_task(worker.watch_weights)
+        started.append((service, asyncio.ensure_future(service.run()), worker))
+        return worker
+
+    yield start
+    for service, running, worker in started:
+        service.stop()
+        await running
+        await worker.close()
+
+
+async def test_tasks_become_groups_of_rollouts_with_trace_nodes(bus: Bus, tiny_model_dir: Path,
+                                                                start_worker: StartWorker) -> None:
+    await create_run(bus, tiny_model_dir)
+    base, tok = models.load_model(tiny_model_dir)
+    await publish_weights(bus, "r1", 0, base)
+    await publish_weights(bus, "r1", 1, base)  # a replica that starts late begins at the last update
+    tasks = [events.Task(id=f"t{i}", run="r1", env="reverse_text", data={"text": text}, num_rollouts=4)
+             for i, text in enumerate(["abc", "fedcba"])]
+    await bus.publish_many(tasks)
+    worker = await start_worker()
+    await until(lambda: count_is(bus, "ROLLOUTS", 8), timeout_s=30, what="8 rollouts")
+    await until(lambda: count_is(bus, "TRACES", 24), what="their 24 trace nodes")
+
+    rollouts: list[events.Rollout] = await stored(bus, "ROLLOUTS", events.Rollout)
+    assert len(rollouts) == 8
+    env = load_environment("reverse_text")
+    for task in tasks:
+        group = sorted((r for r in rollouts if r.task_id == task.id), key=lambda r: r.index)
+        assert [r.index for r in group] == [0, 1, 2, 3]
+        assert all(r.group_id == task.id and r.group_size == 4 and r.task_data == task.data for r in group)
+        prompt = models.render_prompt(tok, env.prompt(task.data))
+        for r in group:
+            system, user, assistant = r.nodes
+            assert [n.message.role for n in r.nodes] == ["system", "user", "assistant"]
+            assert (system.parent_id, user.parent_id, assistant.parent_id) == (None, system.id, user.id)
+            assert system.tokens.token_ids + user.tokens.token_ids == prompt
+            assert system.tokens.token_ids == models.render_messages(tok, env.prompt(task.data)[:1])
+            for n in (system, user):
+                assert n.tokens.loss_mask == [False] * len(n.tokens.token_ids)
+                assert n.tokens.logprobs == [0.0] * len(n.tokens.token_ids) and n.tokens.policy_version is None
+            span = assistant.tokens
+            assert 1 <= len(span.token_ids) <= 8 and len(span.logprobs) == len(span.token_ids)
+            assert span.loss_mask == [True] * len(span.token_ids) and span.policy_version == r.policy_version == 1
+            assert r.status == ("truncated" if len(span.token_ids) == 8 and span.token_ids[-1] != tok.eos_token_id
+                                else "completed")
+            assert r.metrics["num_completion_tokens"] == len(span.token_ids) and r.metrics["generation_s"] > 0
+
+    traces: list[events.TraceNode] = await stored(bus, "TRACES", events.TraceNode)
+    by_rollout = {r.id: r for r in rollouts}
+    assert {t.rollout_id for t in traces} == set(by_rollout)
+    for t in traces:
+        assert t.node in by_rollout[t.rollout_id].nodes
+    assert worker.info["runs"]["r1"] | {"num_issued": 8, "num_in_flight": 0, "num_waiting": 0} \
+        == worker.info["runs"]["r1"]
+
+    # A redelivered task publishes the same rollout ids: the bus stores them once.
+    await worker.handle(Delivery(event=tasks[0], subject="tasks.r1.reverse_text", stream_seq=1, num_delivered=2,
+                                 headers={}, msg=None))  # type: ignore[arg-type]
+    assert await count(bus, "ROLLOUTS") == 8
+
+
+async def count_is(bus: Bus, stream: str, n: int) -> bool:
+    return await count(bus, stream) == n
+
+
+async def test_admission_holds_sampling_to_the_trainer_and_new_weights_take_over(
+        bus: Bus, tiny_model_dir: Path, start_worker: StartWorker) -> None:
+    await create_run(bus, tiny_model_dir)  # batch_size 8, max_off_policy_steps 0: 8 rollouts per version
+    worker = await start_worker()
+    seeded = events.Sampling(max_tokens=8, seed=7)
+    await bus.publish_many([events.Task(id=f"t{i}", run="r1", env="reverse_text", data={"text": "abcd"},
+                                        num_rollouts=4, sampling=seeded) for i in range(4)])
+    await until(lambda: "r1" in worker.info["runs"], what="the run to be hosted")
+    assert worker.info["runs"]["r1"]["policy_version"] is None
+    assert await count(bus, "ROLLOUTS") == 0  # nothing is sampled before version 0
+
+    base, _ = models.load_model(tiny_model_dir)
+    await publish_weights(bus, "r1", 0, base)
+    await until(lambda: worker.info["runs"]["r1"]["num_waiting"] == 8 and count_is(bus, "ROLLOUTS", 8),
+                timeout_s=30, what="two groups published, the other two waiting for the trainer")
+    assert worker.info["runs"]["r1"]["num_issued"] == 8
+    assert await count(bus, "ROLLOUTS") == 8  # the bound holds: no more before a new version
+
+    await publish_weights(bus, "r1", 1, perturbed(tiny_model_dir, seed=1))
+    await until(lambda: count_is(bus, "ROLLOUTS", 16), timeout_s=30, what="the waiting groups, after version 1")
+    rollouts: list[events.Rollout] = await stored(bus, "ROLLOUTS", events.Rollout)
+    by_version: dict[int, list[events.Rollout]] = {}
+    for r in rollouts:
+        assert r.nodes[-1].tokens.policy_version == r.policy_version
+        by_version.setdefault(r.policy_version, []).append(r)
+    assert sorted(by_version) == [0, 1] and len(by_version[0]) == len(by_version[1]) == 8
+
+    def answers(rs: list[events.Rollout]) -> dict[str, list[int]]:
+        return {f"{r.task_id}.{r.index}": r.nodes[-1].tokens.token_ids for r in rs}
+
+    # Same prompt, same seeds: the two groups of a version agree; the versions do not.
+    v0 = sorted(answers(by_version[0]).items())
+    v1 = sorted(answers(by_version[1]).items())
+    assert [tokens for _, tokens in v0[:4]] == [tokens for _, tokens in v0[4:]]
+    assert [tokens for _, tokens in v0[:4]] != [tokens for _, tokens in v1[:4]]
+
+
+async def test_a_corrupt_blob_is_not_loaded_and_the_next_good_one_is(bus: Bus, tiny_model_dir: Path,
+                                                                     start_worker: StartWorker) -> None:
+    await create_run(bus, tiny_model_dir)
+    base, _ = models.load_model(tiny_model_dir)
+    good = await publish_weights(bus, "r1", 0, base)
+    corrupt = msgspec.structs.replace(good, id=events.new_id(), version=1, sha256="0" * 64)
+    await bus.publish(corrupt)
+    worker = await start_worker()
+    await bus.publish(events.Task(id="t0", run="r1", env="reverse_text", data={"text": "abc"}, num_rollouts=4))
+    await until(lambda: "r1" in worker._runs and worker._runs["r1"].policy.error is not None,
+                what="the failed load")
+    assert "weights version 1" in str(worker._runs["r1"].policy.error)
+    assert "sha256" in str(worker._runs["r1"].policy.error)
+    assert await count(bus, "ROLLOUTS") == 0
+    await publish_weights(bus, "r1", 2, base)
+    await until(lambda: count_is(bus, "ROLLOUTS", 4), timeout_s=30, what="the task, once version 2 loads")
+    assert {r.policy_version for r in await stored(bus, "ROLLOUTS", events.Rollout)} == {2}

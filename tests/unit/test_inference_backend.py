@@ -1,0 +1,135 @@
+"""The transformers backend's sampling loop on the tiny model: shapes, the logprob
+definition, seeds, top-p, stop strings, max_tokens and EOS, weight swaps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from flywheel import events, models
+from flywheel_inference.backends import BACKENDS, TransformersBackend, build_backend, sample_rows
+
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16], [20, 21, 22, 23, 24]]
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_model_dir: Path) -> TransformersBackend:
+    return TransformersBackend.build(tiny_model_dir, "float32")
+
+
+def full_forward_logprobs(model: torch.nn.Module, prompt: list[int], completion: list[int],
+                          temperature: float) -> torch.Tensor:
+    """log_softmax(logits / T) of ``completion`` from one unpadded forward, no cache."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + completion])).logits[0].float()
+    logprobs = torch.log_softmax(logits / temperature, dim=-1)[len(prompt) - 1:-1]
+    return logprobs.gather(-1, torch.tensor(completion)[:, None])[:, 0]
+
+
+def test_one_completion_per_prompt_with_aligned_logprobs(backend: TransformersBackend) -> None:
+    out = backend.generate(PROMPTS, events.Sampling(max_tokens=6, seed=0))
+    assert len(out) == len(PROMPTS)
+    for c in out:
+        assert 1 <= len(c.token_ids) <= 6 and len(c.logprobs) == len(c.token_ids)
+        assert all(lp <= 0.0 for lp in c.logprobs)
+        assert c.finish_reason == ("stop" if c.token_ids[-1] in backend.eos_ids else "length")
+        assert c.text == backend.decode(c.token_ids)
+    assert backend.generate([], events.Sampling()) == []
+
+
+def test_logprobs_match_an_unpadded_full_forward(backend: TransformersBackend) -> None:
+    sampling = events.Sampling(temperature=0.7, top_p=0.8, max_tokens=16, seed=3)
+    out = backend.generate(PROMPTS, sampling)
+    diffs = torch.cat([
+        (full_forward_logprobs(backend.model, p, c.token_ids, 0.7) - torch.tensor(c.logprobs)).abs()
+        for p, c in zip(PROMPTS, out)])
+    assert diffs.mean().item() <= 1e-4, diffs.max()
+
+
+def test_a_seed_reproduces_a_row_whatever_else_is_in_its_batch(backend: TransformersBackend) -> None:
+    sampling = events.Sampling(max_tokens=12, seed=11)
+    first = backend.generate(PROMPTS, sampling)
+    assert [c.token_ids for c in backend.generate(PROMPTS, sampling)] == [c.token_ids for c in first]
+    alone = backend.generate([PROMPTS[1]], sampling, seeds=[12])  # row 1 was seeded 11 + 1
+    assert alone[0].token_ids == first[1].token_ids
+    other = backend.generate(PROMPTS, events.Sampling(max_tokens=12, seed=99))
+    assert [c.token_ids for c in other] != [c.token_ids for c in first]
+
+
+def test_top_p_samples_only_from_the_nucleus() -> None:
+    probs = torch.tensor([0.5, 0.3, 0.2])
+    logprobs = probs.log().expand(4000, 3)
+    generators = [torch.Generator().manual_seed(i) for i in range(4000)]
+    picks = sample_rows(logprobs, 0.6, generators)  # 0.5 < 0.6, so the nucleus is {0, 1}
+    counts = torch.bincount(picks, minlength=3)
+    assert counts[2] == 0
+    assert abs(counts[0].item() / 4000 - 0.5 / 0.8) < 0.03
+    everything = torch.bincount(sample_rows(logprobs, 1.0, generators), minlength=3) / 4000
+    assert torch.allclose(everything, probs, atol=0.03)
+
+
+def test_a_tiny_top_p_is_greedy_and_keeps_the_untruncated_logprob(backend: TransformersBackend) -> None:
+    (c,) = backend.generate([PROMPTS[0]], events.Sampling(temperature=2.0, top_p=1e-6, max_tokens=8, seed=0))
+    with torch.no_grad():
+        logits = backend.model(input_ids=torch.tensor([PROMPTS[0] + c.token_ids])).logits[0, len(PROMPTS[0]) - 1:-1]
+    assert c.token_ids == logits.argmax(-1).tolist()
+    expected = full_forward_logprobs(backend.model, PROMPTS[0], c.token_ids, 2.0)
+    assert torch.allclose(torch.tensor(c.logprobs), expected, atol=1e-4)
+    assert max(c.logprobs) < -0.01  # not log(1): the logprob is taken before truncation
+
+
+def test_a_stop_string_ends_the_completion_and_is_cut_from_its_text(backend: TransformersBackend) -> None:
+    sampling = events.Sampling(max_tokens=24, seed=5)
+    (free,) = backend.generate([PROMPTS[0]], sampling)
+    stop = next(ch for ch in free.text[1:] if ch.isascii() and ch.isalnum())
+    (stopped,) = backend.generate([PROMPTS[0]], events.Sampling(max_tokens=24, seed=5, stop=["\x00", stop]))
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == free.text[:free.text.index(stop)]
+    n = len(stopped.token_ids)
+    assert stopped.token_ids == free.token_ids[:n] and stopped.logprobs == pytest.approx(free.logprobs[:n])
+    assert stop in backend.decode(stopped.token_ids) and stop not in backend.decode(stopped.token_ids[:-1])
+
+
+def test_max_tokens_and_eos_set_the_finish_reason(backend: TransformersBackend) -> None:
+    out = backend.generate(PROMPTS, events.Sampling(max_tokens=3, seed=1))
+    assert all(len(c.token_ids) == 3 and c.finish_reason == "length" for c in out
+               if not set(c.token_ids) & backend.eos_ids)
+    eos_ids = backend.eos_ids
+    backend.eos_ids = set(range(len(backend.tokenizer)))  # every token ends a sequence
+    try:
+        out = backend.generate(PROMPTS, events.Sampling(max_tokens=3, seed=1))
+    finally:
+        backend.eos_ids = eos_ids
+    assert all(len(c.token_ids) == 1 and c.finish_reason == "stop" for c in out)
+
+
+@pytest.mark.parametrize("field, sampling", [
+    ("sampling.temperature", events.Sampling(temperature=0.0)),
+    ("sampling.top_p", events.Sampling(top_p=0.0)),
+    ("sampling.max_tokens", events.Sampling(max_tokens=0)),
+    ("sampling.stop", events.Sampling(stop=[""])),
+    ("sampling.max_tokens", events.Sampling(max_tokens=10_000)),
+])
+def test_bad_sampling_is_refused_naming_the_field(backend: TransformersBackend, field: str,
+                                                  sampling: events.Sampling) -> None:
+    with pytest.raises(ValueError, match=field):
+        backend.generate(PROMPTS, sampling)
+
+
+def test_swap_loads_new_weights_and_records_the_version(tiny_model_dir: Path) -> None:
+    backend = build_backend("transformers", tiny_model_dir, "float32")
+    assert backend.version is None and set(BACKENDS) == {"transformers"}
+    sampling = events.Sampling(max_tokens=8, seed=2)
+    before = backend.generate(PROMPTS, sampling)
+    model, _ = models.load_model(tiny_model_dir)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    backend.swap(models.save_weights(model), 7)
+    after = backend.generate(PROMPTS, sampling)
+    assert backend.version == 7
+    assert [c.logprobs for c in after] != [c.logprobs for c in before]
+    with pytest.raises(ValueError, match="inference.backend='vllm'"):
+        build_backend("vllm", tiny_model_dir, "float32")
