@@ -8,4 +8,7 @@ if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
     .venv/bin/python -m pip install --quiet --upgrade pip
 fi
+# torch first, pinned: a package that builds against it (deepspeed) must find this CPU
+# build, not pull another one.
+.venv/bin/python -m pip install --quiet "torch==2.13.0"
 .venv/bin/python -m pip install --quiet -e ".[dev]"

@@ -54,6 +54,7 @@ class SFTConfig(_Section):
 class TrainerConfig(_Section):
     engine: str = "torch"
     advantage: str = "group_mean"
+    normalize_advantage_std: bool = Field(False, description="divide group-relative advantages by the group's std")
     loss: str = "clipped"
     lr: float = Field(1e-3, ge=0)
     weight_decay: float = Field(0.0, ge=0)

@@ -146,21 +146,40 @@ def render_prompt(tok: Any, messages: Sequence[events.Message]) -> list[int]:
     return tok.encode(text, add_special_tokens=False)
 
 
+def _storage_key(t: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+
+
 def save_weights(model: torch.nn.Module) -> bytes:
-    """The state dict as safetensors bytes (tied tensors written once each)."""
+    """The state dict as safetensors bytes; a tensor tied to another (embeddings and LM
+    head) is written once, under the first name it has."""
     from safetensors.torch import save
 
-    state = {k: v.detach().to("cpu").contiguous().clone() for k, v in model.state_dict().items()}
+    state: dict[str, torch.Tensor] = {}
+    seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
+    for name, tensor in model.state_dict().items():
+        key = _storage_key(tensor)
+        if key in seen:
+            continue
+        seen.add(key)
+        state[name] = tensor.detach().to("cpu").contiguous().clone()
     return save(state)
 
 
 def load_weights(model: torch.nn.Module, data: bytes) -> None:
-    """Load safetensors bytes from :func:`save_weights` into ``model`` in place (strict)."""
+    """Load safetensors bytes from :func:`save_weights` into ``model`` in place.
+
+    Strict but for tied tensors: a name left out must share its storage with one loaded."""
     from safetensors.torch import load
 
     state = load(data)
     with torch.no_grad():
-        model.load_state_dict(state, strict=True)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    own = model.state_dict()
+    loaded = {_storage_key(own[name]) for name in state}
+    untied = [name for name in missing if _storage_key(own[name]) not in loaded]
+    if unexpected or untied:
+        raise ValueError(f"weights do not fit the model: unexpected {sorted(unexpected)}, missing {sorted(untied)}")
 
 
 def _save_atomically(out_dir: Path, write: Any) -> None:

@@ -54,9 +54,9 @@ class Progress:
     steps: list[dict[str, float]] = field(default_factory=list)
 
     def add(self, update: events.WeightUpdate) -> dict[str, float] | None:
-        if update.version == 0 or any(s["step"] == update.version for s in self.steps):
+        if update.trainer_step == 0 or any(s["step"] == update.trainer_step for s in self.steps):
             return None
-        row = {"step": float(update.version), "elapsed_s": time.monotonic() - self.started_s, **update.metrics}
+        row = {"step": float(update.trainer_step), "elapsed_s": time.monotonic() - self.started_s, **update.metrics}
         self.steps.append(row)
         return row
 
@@ -114,7 +114,7 @@ def plot(progress: Progress, path: Path, title: str) -> Path | None:
     rewards = [s["reward_mean"] for s in progress.steps if "reward_mean" in s]
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(steps, rewards, marker="o", markersize=3)
-    ax.set_xlabel("trainer step (policy version)")
+    ax.set_xlabel("trainer step")
     ax.set_ylabel("mean reward of the step's rollouts")
     ax.set_title(title)
     ax.grid(alpha=0.3)
@@ -250,7 +250,7 @@ class MainJob:
                 row = self.progress.add(update)
                 if row is not None:
                     self.say(format_step(row, cfg.trainer.num_steps, await self._in_flight(bus)))
-                if update.version >= cfg.trainer.num_steps:
+                if update.trainer_step >= cfg.trainer.num_steps:
                     return
         finally:
             await sub.unsubscribe()

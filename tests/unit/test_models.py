@@ -45,3 +45,13 @@ def test_bad_model_names_say_what_to_give(tmp_path: Path) -> None:
     assert models.resolve_model("org/some-hub-model", tmp_path) == "org/some-hub-model"
     with pytest.raises(ValueError, match="dtype"):
         models.load_model(tmp_path, dtype="float8")
+
+
+def test_tied_weights_are_written_once_and_a_wrong_blob_is_refused(tiny_model_dir: Path) -> None:
+    from safetensors.torch import load, save
+
+    model, _ = models.load_model(tiny_model_dir)
+    blob = load(models.save_weights(model))
+    assert "lm_head.weight" not in blob and "model.embed_tokens.weight" in blob
+    with pytest.raises(ValueError, match="missing"):
+        models.load_weights(model, save({k: v for k, v in blob.items() if "layers.0." not in k}))

@@ -1,0 +1,39 @@
+"""``python -m flywheel_trainer --run RUN``: the trainer process for one run.
+
+The run's config comes from the runs KV bucket (``flywheel run`` writes it there);
+settings (NATS URL, data folder) from FLYWHEEL_* (see :mod:`flywheel.settings`). torch,
+transformers and the trainer's parts are imported only once the arguments are parsed, so
+``--help`` is instant. Exits 0 when the run has trained all its steps, or on SIGTERM/SIGINT
+(a later start resumes from the last checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from flywheel.settings import Settings
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m flywheel_trainer",
+        description="Flywheel trainer: joins a run's rollouts with their scores, trains the policy and publishes "
+                    "weight updates; resumes from the run's last checkpoint when restarted. Other settings come "
+                    "from FLYWHEEL_* environment variables.")
+    parser.add_argument("--run", required=True, help="the run id (its config is read from the runs KV bucket)")
+    args = parser.parse_args(argv)
+    settings = Settings()
+    from flywheel.service import setup_logging, setup_tracing
+
+    setup_logging(settings.log_level)
+    setup_tracing("trainer")
+
+    import asyncio
+
+    from flywheel_trainer import service
+
+    asyncio.run(service.run(settings, args.run))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""Advantages: how a group's rewards become one number per rollout.
+
+Chosen by ``trainer.advantage`` in the run config from :data:`ADVANTAGES`. Every entry
+takes the rewards of one group (the rollouts of one task, compared with each other) and
+returns one advantage per rollout, in the same order; every token a rollout sampled gets
+its rollout's advantage. Plain Python: a group holds a handful of floats.
+
+- ``group_mean``: the group's mean reward is the baseline (GRPO); with
+  ``normalize_std`` the result is divided by the group's standard deviation (population
+  std, plus a small epsilon so a group of equal rewards gives zeros, not NaNs).
+- ``leave_one_out``: each rollout's baseline is the mean of the *other* rollouts' rewards
+  (RLOO), an unbiased baseline; a group of one has no other rollout and gets 0.
+
+Not covered: advantages from a learned value function, teacher log-probs (on-policy
+distillation), per-token rewards.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+STD_EPS = 1e-6
+
+AdvantageFn = Callable[[Sequence[float], bool], list[float]]
+
+
+def _population_std(values: Sequence[float], mean: float) -> float:
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
+
+
+def _scaled(advantages: list[float], rewards: Sequence[float], normalize_std: bool) -> list[float]:
+    if not normalize_std:
+        return advantages
+    std = _population_std(rewards, sum(rewards) / len(rewards))
+    return [a / (std + STD_EPS) for a in advantages]
+
+
+def group_mean(rewards: Sequence[float], normalize_std: bool = False) -> list[float]:
+    assert rewards, "a group has at least one rollout"
+    mean = sum(rewards) / len(rewards)
+    return _scaled([r - mean for r in rewards], rewards, normalize_std)
+
+
+def leave_one_out(rewards: Sequence[float], normalize_std: bool = False) -> list[float]:
+    assert rewards, "a group has at least one rollout"
+    n = len(rewards)
+    if n == 1:
+        return [0.0]
+    total = sum(rewards)
+    return _scaled([r - (total - r) / (n - 1) for r in rewards], rewards, normalize_std)
+
+
+ADVANTAGES: dict[str, AdvantageFn] = {"group_mean": group_mean, "leave_one_out": leave_one_out}

@@ -1,0 +1,155 @@
+"""Engines: where the model and optimizer live, and how a step updates them.
+
+Chosen by ``trainer.engine`` in the run config from :data:`ENGINES`. The learner only ever
+does: forward through ``engine.model``, ``engine.backward(loss)`` once per micro-batch,
+``engine.step()`` once per optimizer step (it clips gradients to ``max_grad_norm`` and
+returns their norm before clipping), ``engine.weights()`` for the blob inference loads,
+``engine.save(folder)`` / ``engine.load(folder)`` for checkpoints.
+
+- ``torch``: plain PyTorch, AdamW. On one GPU when CUDA is available, else CPU. The
+  parameters stay float32; with ``model.dtype = "bfloat16"`` the forward runs under CUDA
+  autocast, so the optimizer still updates float32 weights.
+- ``deepspeed``: DeepSpeed ZeRO (``trainer.deepspeed_zero_stage`` 0 to 3) around a torch
+  AdamW (DeepSpeed's fused optimizers compile for a minute first). Gradient accumulation is
+  the caller's: ``managed_gradient_accumulation`` is off, so ``backward`` only accumulates
+  and ``step`` is the boundary. With ``model.dtype = "bfloat16"`` DeepSpeed trains in
+  bf16 with float32 master weights. One process here: the rank variables default to a
+  world of one (gloo on CPU, nccl on a GPU); a ``WORLD_SIZE`` above 1 is refused, because
+  one trainer process consumes the bus and nothing yet hands other ranks their share.
+
+Not covered: multi-rank DeepSpeed, tensor/pipeline parallelism, LoRA, CPU offload.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from flywheel import models
+from flywheel.config import TrainerConfig
+from flywheel.natsserver import free_port
+
+
+class Engine(Protocol):
+    model: Callable[..., Any]  # call for a forward pass
+    module: torch.nn.Module  # the model itself
+    device: torch.device
+
+    def autocast(self) -> contextlib.AbstractContextManager[None]: ...
+    def backward(self, loss: torch.Tensor) -> None: ...
+    def step(self) -> float: ...
+    def weights(self) -> bytes: ...
+    def save(self, folder: Path) -> None: ...
+    def load(self, folder: Path) -> None: ...
+
+
+def adamw(model: torch.nn.Module, cfg: TrainerConfig) -> torch.optim.AdamW:
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+class TorchEngine:
+    def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, dtype: str) -> None:
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.module = self.model = model.to(device=self.device, dtype=torch.float32)
+        self.module.eval()  # no dropout: the recomputed logprobs are the sampler's
+        self.optimizer = adamw(model, cfg)
+        self.max_grad_norm = cfg.max_grad_norm
+        self.autocast_dtype = torch.bfloat16 if dtype == "bfloat16" and self.device.type == "cuda" else None
+
+    def autocast(self) -> contextlib.AbstractContextManager[None]:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def weights(self) -> bytes:
+        return models.save_weights(self.module)
+
+    def save(self, folder: Path) -> None:
+        folder.mkdir(parents=True)
+        torch.save({"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}, folder / "engine.pt")
+
+    def load(self, folder: Path) -> None:
+        state = torch.load(folder / "engine.pt", map_location=self.device, weights_only=True)
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+class DeepSpeedEngine:
+    CHECKPOINT_TAG = "state"
+
+    def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, dtype: str) -> None:
+        import deepspeed
+
+        for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                            ("MASTER_PORT", str(free_port()))):
+            os.environ.setdefault(name, value)
+        if os.environ["WORLD_SIZE"] != "1":
+            raise ValueError(f"trainer.engine='deepspeed' runs as one process (WORLD_SIZE={os.environ['WORLD_SIZE']}); "
+                             "multi-rank training is not supported yet")
+        deepspeed.init_distributed("nccl" if torch.cuda.is_available() else "gloo")
+        self.stage = cfg.deepspeed_zero_stage
+        config: dict[str, Any] = {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            "managed_gradient_accumulation": False,
+            "zero_optimization": {"stage": self.stage},
+            "bf16": {"enabled": dtype == "bfloat16"},
+            "steps_per_print": 2**31 - 1,
+        }
+        # ZeRO 1-3 clip inside their optimizer and report the norm; stage 0 clips here.
+        if self.stage > 0:
+            config["gradient_clipping"] = cfg.max_grad_norm
+        self.max_grad_norm = cfg.max_grad_norm
+        self.engine, *_ = deepspeed.initialize(model=model.to(torch.float32), optimizer=adamw(model, cfg), config=config)
+        self.model = self.engine
+        self.module = self.engine.module
+        self.module.eval()  # no dropout: the recomputed logprobs are the sampler's
+        self.device = torch.device(self.engine.device)
+        self._deepspeed = deepspeed
+
+    def autocast(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()  # bf16, when asked for, is DeepSpeed's own
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def step(self) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.max_grad_norm) if self.stage == 0 else None
+        self.engine.step()
+        if norm is None:
+            norm = self.engine.get_global_grad_norm()
+            assert norm is not None, "ZeRO reports the gradient norm after a step"
+        return float(norm)
+
+    def weights(self) -> bytes:
+        gather = (self._deepspeed.zero.GatheredParameters(list(self.module.parameters())) if self.stage == 3
+                  else contextlib.nullcontext())
+        with gather:
+            return models.save_weights(self.module)
+
+    def save(self, folder: Path) -> None:
+        self.engine.save_checkpoint(str(folder), tag=self.CHECKPOINT_TAG)
+
+    def load(self, folder: Path) -> None:
+        path, _ = self.engine.load_checkpoint(str(folder), tag=self.CHECKPOINT_TAG)
+        assert path is not None, f"no DeepSpeed checkpoint in {folder}"
+
+
+ENGINES: dict[str, Callable[[torch.nn.Module, TrainerConfig, str], Engine]] = {
+    "torch": TorchEngine,
+    "deepspeed": DeepSpeedEngine,
+}

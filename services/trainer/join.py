@@ -1,0 +1,234 @@
+"""The join: rollouts meet their scores, group by group, until a step can take them.
+
+Rollouts and scores arrive on two streams, in any order and more than once (delivery is
+at least once), so the :class:`Joiner` upserts both by id and decides readiness from what
+it holds, never from arrival order:
+
+- a rollout is *ready* when every required scorer (the run's ``scorers``, or the
+  environment's rewards) has scored it; its reward is ``sum(weight * value)``;
+- a rollout is *dropped* (counted, never trained, never a silent zero) when inference
+  marked it ``error``, when a required scorer failed on it (a score with ``error`` set),
+  or when it is *stale*: its ``policy_version`` is more than ``max_off_policy_steps``
+  behind the version being trained; staleness is checked on arrival and again whenever the
+  version moves on;
+- a group is *done* when all ``group_size`` of its rollouts are here and each is ready or
+  dropped. :meth:`Joiner.take` hands out whole done groups, oldest first; a done group
+  whose rollouts were all dropped is consumed along with them and counted.
+
+Ids of consumed rollouts (trained or dropped) are remembered, so a redelivered rollout or
+a late score for one is recognised and ignored. Plain Python, no I/O: the service
+persists what this holds (see :mod:`flywheel_trainer.ledger`).
+
+Not covered: branching trace graphs (a rollout is trained as one sequence, its token
+spans in node order), group rewards, and groups that never complete (a member inference
+never publishes keeps its group waiting; ``max_buffered_rollouts`` bounds the cost).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from flywheel import events
+
+DROP_REASONS = ("stale", "scorer_error", "rollout_error")
+
+
+class BadRollout(ValueError):
+    """A rollout that can never be trained (its token layer is inconsistent, its group overfull)."""
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """A rollout's token layer, concatenated in node order: what the model saw."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    loss_mask: list[bool]
+
+
+def tokens_of(rollout: events.Rollout) -> Tokens:
+    """Concatenate the token spans of ``rollout``; raises :class:`BadRollout` when they do not line up."""
+    token_ids: list[int] = []
+    logprobs: list[float] = []
+    loss_mask: list[bool] = []
+    for node in rollout.nodes:
+        span = node.tokens
+        if span is None:
+            continue
+        n = len(span.token_ids)
+        if len(span.logprobs) != n or len(span.loss_mask) != n:
+            raise BadRollout(f"rollout {rollout.id} node {node.id}: {n} token ids but {len(span.logprobs)} logprobs "
+                             f"and {len(span.loss_mask)} loss-mask entries")
+        token_ids += span.token_ids
+        logprobs += span.logprobs
+        loss_mask += span.loss_mask
+    if not token_ids:
+        raise BadRollout(f"rollout {rollout.id} has no tokens")
+    if loss_mask[0]:
+        raise BadRollout(f"rollout {rollout.id}: its first token is marked for the loss, but nothing predicts it")
+    return Tokens(token_ids, logprobs, loss_mask)
+
+
+@dataclass(frozen=True)
+class Scored:
+    """A ready rollout with its reward and how many versions behind it was when taken."""
+
+    rollout: events.Rollout
+    reward: float
+    staleness: int
+
+
+@dataclass
+class Take:
+    """What one step consumes: whole groups to train, and the rollouts dropped with them."""
+
+    groups: list[list[Scored]]
+    dropped: dict[str, str] = field(default_factory=dict)  # rollout id -> reason
+
+    @property
+    def trained_ids(self) -> list[str]:
+        return [s.rollout.id for g in self.groups for s in g]
+
+    def num_dropped(self, reason: str) -> int:
+        assert reason in DROP_REASONS
+        return Counter(self.dropped.values())[reason]
+
+
+class Joiner:
+    """Buffers rollouts and scores of one run until their groups are done."""
+
+    def __init__(self, scorers: Mapping[str, float], max_off_policy_steps: int, version: int = 0,
+                 consumed: Iterable[str] = ()) -> None:
+        if not scorers:
+            raise ValueError("scorers: at least one scorer makes the reward")
+        self.scorers = dict(scorers)
+        self.max_off_policy_steps = max_off_policy_steps
+        self.version = version
+        self.consumed: set[str] = set(consumed)
+        self._rollouts: dict[str, events.Rollout] = {}
+        self._scores: dict[str, dict[str, events.Score]] = {}  # rollout id -> scorer -> score
+        self._groups: dict[str, list[str]] = {}  # group id -> rollout ids, oldest group first
+        self._dropped: dict[str, str] = {}  # buffered rollout id -> reason
+
+    # --- input ------------------------------------------------------------------------
+
+    def check(self, rollout: events.Rollout) -> None:
+        """Raise :class:`BadRollout` for a rollout that can never be trained (before any side effect)."""
+        if rollout.group_size < 1:
+            raise BadRollout(f"rollout {rollout.id}: group_size={rollout.group_size}")
+        if rollout.status != "error":
+            tokens_of(rollout)
+        members = self._groups.get(rollout.group_id, [])
+        if members and rollout.id not in self._rollouts:
+            size = self._rollouts[members[0]].group_size
+            if rollout.group_size != size:
+                raise BadRollout(f"rollout {rollout.id}: group_size={rollout.group_size}, but group "
+                                 f"{rollout.group_id} has group_size={size}")
+            if len(members) >= size:
+                raise BadRollout(f"rollout {rollout.id}: group {rollout.group_id} already has its {size} rollouts")
+
+    def add_rollout(self, rollout: events.Rollout) -> bool:
+        """Buffer ``rollout``; False when it was consumed or is buffered already."""
+        if rollout.id in self.consumed or rollout.id in self._rollouts:
+            return False
+        self.check(rollout)
+        self._rollouts[rollout.id] = rollout
+        self._groups.setdefault(rollout.group_id, []).append(rollout.id)
+        self._update(rollout.id)
+        return True
+
+    def add_score(self, score: events.Score) -> bool:
+        """Buffer ``score``; False when it is not a required scorer's or its rollout was consumed."""
+        if score.scorer not in self.scorers or score.rollout_id in self.consumed:
+            return False
+        self._scores.setdefault(score.rollout_id, {})[score.scorer] = score
+        if score.rollout_id in self._rollouts:
+            self._update(score.rollout_id)
+        return True
+
+    def set_version(self, version: int) -> None:
+        """The weights being trained are now ``version``: drop what became stale."""
+        assert version >= self.version, f"versions only move forward ({self.version} -> {version})"
+        self.version = version
+        for rollout_id in self._rollouts:
+            self._update(rollout_id)
+
+    def _update(self, rollout_id: str) -> None:
+        if rollout_id in self._dropped:
+            return
+        rollout = self._rollouts[rollout_id]
+        if rollout.status == "error":
+            self._dropped[rollout_id] = "rollout_error"
+        elif self.version - rollout.policy_version > self.max_off_policy_steps:
+            self._dropped[rollout_id] = "stale"
+        elif any(s.error is not None for s in self._scores.get(rollout_id, {}).values()):
+            self._dropped[rollout_id] = "scorer_error"
+
+    # --- state ------------------------------------------------------------------------
+
+    def is_ready(self, rollout_id: str) -> bool:
+        return rollout_id not in self._dropped and self._scores.get(rollout_id, {}).keys() >= self.scorers.keys()
+
+    def reward(self, rollout_id: str) -> float:
+        assert self.is_ready(rollout_id)
+        scores = self._scores[rollout_id]
+        return sum(weight * scores[name].value for name, weight in self.scorers.items())
+
+    def _is_done(self, group_id: str) -> bool:
+        members = self._groups[group_id]
+        size = self._rollouts[members[0]].group_size
+        return len(members) == size and all(m in self._dropped or self.is_ready(m) for m in members)
+
+    @property
+    def num_buffered(self) -> int:
+        """Rollouts held (ready, waiting for scores or for the rest of their group, or dropped)."""
+        return len(self._rollouts)
+
+    @property
+    def num_dropped(self) -> int:
+        """Buffered rollouts already dropped, waiting for the rest of their group."""
+        return len(self._dropped)
+
+    @property
+    def num_orphan_scores(self) -> int:
+        """Scores held whose rollout has not arrived (yet)."""
+        return sum(1 for rollout_id in self._scores if rollout_id not in self._rollouts)
+
+    def buffered_events(self) -> list[events.Rollout | events.Score]:
+        """Everything held, to persist: rollouts, then their scores and the orphan ones."""
+        return [*self._rollouts.values(), *(s for by_scorer in self._scores.values() for s in by_scorer.values())]
+
+    # --- output -----------------------------------------------------------------------
+
+    def take(self, num_groups: int) -> Take | None:
+        """The ``num_groups`` oldest done groups with something to train, or None if fewer are done.
+
+        Done groups whose rollouts were all dropped are consumed too (and counted).
+        """
+        done = [g for g in self._groups if self._is_done(g)]
+        trainable = [g for g in done if any(m not in self._dropped for m in self._groups[g])]
+        if len(trainable) < num_groups:
+            return None
+        chosen = trainable[:num_groups]
+        take = Take(groups=[])
+        for group_id in chosen + [g for g in done if g not in trainable]:
+            scored = []
+            for m in self._groups[group_id]:
+                if m in self._dropped:
+                    take.dropped[m] = self._dropped[m]
+                else:
+                    rollout = self._rollouts[m]
+                    scored.append(Scored(rollout, self.reward(m), self.version - rollout.policy_version))
+            if scored:
+                take.groups.append(scored)
+            self._consume(group_id)
+        return take
+
+    def _consume(self, group_id: str) -> None:
+        for m in self._groups.pop(group_id):
+            del self._rollouts[m]
+            self._scores.pop(m, None)
+            self._dropped.pop(m, None)
+            self.consumed.add(m)

@@ -1,0 +1,136 @@
+"""The learner: one optimizer step from whole groups, and the supervised warm-up.
+
+:func:`rl_step` turns the groups a step took into sequences with advantages (the run's
+``trainer.advantage``), recomputes each target token's logprob at the sampling
+temperature, applies the run's ``trainer.loss`` against the logprobs inference sampled
+with, and steps the engine once. :func:`sft_warmup` trains on the environment's reference
+answers with cross-entropy on the completion tokens only, before RL and before version 0
+is published, so inference and trainer start from the same weights.
+
+Both go through :func:`train_step`: micro-batches of ``micro_batch_size`` sequences, one
+backward each, the loss normalised by the number of loss tokens in the whole step (not
+per micro-batch), so the gradient does not depend on how the step was cut. Runs in a
+worker thread of the service: nothing here touches the event loop.
+
+Not covered: KL to a reference model, per-environment algorithm choices within one run.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from flywheel import models
+from flywheel.config import RunConfig
+from flywheel.environment import Environment
+from flywheel_trainer.advantages import ADVANTAGES
+from flywheel_trainer.batch import Batch, micro_batches, pad, token_logprobs
+from flywheel_trainer.engines import Engine, TorchEngine
+from flywheel_trainer.join import Scored, Tokens, tokens_of
+from flywheel_trainer.losses import LOSSES
+
+log = logging.getLogger(__name__)
+
+# (recomputed logprobs, batch) -> (per-token loss, per-token flag: clipped or masked)
+TokenLoss = Callable[[torch.Tensor, Batch], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class LearnerConfig:
+    """How a step is cut and scaled (the algorithm itself is the run config's)."""
+
+    micro_batch_size: int = 16  # sequences per forward/backward; bounds activation memory
+
+    def __post_init__(self) -> None:
+        if self.micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be at least 1, got {self.micro_batch_size}")
+
+
+def train_step(engine: Engine, sequences: list[Tokens], advantages: list[float], pad_id: int,
+               micro_batch_size: int, temperature: float, token_loss: TokenLoss) -> dict[str, float]:
+    """One optimizer step over ``sequences``; returns the step's figures."""
+    started = time.perf_counter()
+    num_loss_tokens = sum(sum(s.loss_mask[1:]) for s in sequences)
+    num_tokens = sum(len(s.token_ids) for s in sequences)
+    figures = {"loss": 0.0, "num_loss_tokens": float(num_loss_tokens), "num_tokens": float(num_tokens),
+               "num_sequences": float(len(sequences))}
+    if num_loss_tokens == 0:
+        log.warning("step with no loss tokens (%d sequences): weights unchanged", len(sequences))
+        figures.update(grad_norm=0.0, step_s=time.perf_counter() - started)
+        return figures
+    flagged = diff_sum = 0.0
+    for indices in micro_batches(sequences, micro_batch_size):
+        batch = pad([sequences[i] for i in indices], [advantages[i] for i in indices], pad_id, engine.device)
+        with engine.autocast():
+            logprobs = token_logprobs(engine.model, batch, temperature)
+        per_token, flags = token_loss(logprobs, batch)
+        mask = batch.loss_mask
+        loss = (per_token * mask).sum() / num_loss_tokens
+        engine.backward(loss)
+        figures["loss"] += float(loss.detach())
+        flagged += float((flags & mask).sum())
+        diff_sum += float(((logprobs.detach() - batch.old_logprobs).abs() * mask).sum())
+    figures["grad_norm"] = engine.step()
+    figures["clip_fraction"] = flagged / num_loss_tokens
+    # How far the trainer's logprobs are from the sampler's on the loss tokens: ~0 on
+    # policy; grows with staleness (and flags a trainer/inference mismatch when it does not).
+    figures["logprob_diff_abs_mean"] = diff_sum / num_loss_tokens
+    figures["step_s"] = time.perf_counter() - started
+    figures["tokens_per_s"] = num_tokens / figures["step_s"]
+    return figures
+
+
+def rl_step(engine: Engine, groups: list[list[Scored]], pad_id: int, cfg: RunConfig,
+            learner: LearnerConfig) -> dict[str, float]:
+    """One RL step on whole groups: advantages, importance-weighted loss, engine step."""
+    advantage_fn = ADVANTAGES[cfg.trainer.advantage]
+    loss_fn = LOSSES[cfg.trainer.loss]
+    clip_eps = cfg.trainer.clip_eps
+    sequences: list[Tokens] = []
+    advantages: list[float] = []
+    for group in groups:
+        sequences += [tokens_of(s.rollout) for s in group]
+        advantages += advantage_fn([s.reward for s in group], cfg.trainer.normalize_advantage_std)
+
+    def token_loss(logprobs: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        return loss_fn(logprobs, batch.old_logprobs, batch.advantages[:, None], clip_eps)
+
+    figures = train_step(engine, sequences, advantages, pad_id, learner.micro_batch_size,
+                         cfg.sampling.temperature, token_loss)
+    figures["advantage_abs_mean"] = sum(abs(a) for a in advantages) / len(advantages)
+    return figures
+
+
+def reference_tokens(tok: Any, env: Environment, task: dict[str, Any]) -> Tokens:
+    """The prompt as inference renders it, then the reference answer and end of turn, to learn."""
+    prompt = models.render_prompt(tok, env.prompt(task))
+    answer = tok.encode(env.reference(task), add_special_tokens=False) + [tok.eos_token_id]
+    return Tokens(token_ids=prompt + answer, logprobs=[0.0] * (len(prompt) + len(answer)),
+                  loss_mask=[False] * len(prompt) + [True] * len(answer))
+
+
+def sft_warmup(model: torch.nn.Module, tok: Any, env: Environment, cfg: RunConfig,
+               learner: LearnerConfig) -> dict[str, float]:
+    """``cfg.sft.steps`` steps of cross-entropy on reference answers, with an optimizer of its own."""
+    assert cfg.sft.steps > 0
+    engine = TorchEngine(model, cfg.trainer.model_copy(update={"lr": cfg.sft.lr}), cfg.model.dtype)
+    tasks = env.load_tasks(cfg.sft.steps * cfg.sft.batch_size, seed=cfg.trainer.seed)
+    started = time.perf_counter()
+    figures: dict[str, float] = {}
+
+    def cross_entropy(logprobs: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        return -logprobs, torch.zeros_like(batch.loss_mask)
+
+    for step in range(cfg.sft.steps):
+        rows = tasks[step * cfg.sft.batch_size:(step + 1) * cfg.sft.batch_size]
+        sequences = [reference_tokens(tok, env, row) for row in rows]
+        figures = train_step(engine, sequences, [0.0] * len(sequences), tok.pad_token_id,
+                             learner.micro_batch_size, 1.0, cross_entropy)
+        log.info("sft step %d/%d: loss %.4f", step + 1, cfg.sft.steps, figures["loss"])
+    model.eval()
+    return {"sft_steps": float(cfg.sft.steps), "sft_loss": figures["loss"], "sft_s": time.perf_counter() - started}

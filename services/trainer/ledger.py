@@ -1,0 +1,203 @@
+"""The trainer's state on disk: checkpoints, the journal of received work, the metrics.
+
+Layout under ``<data_dir>/runs/<run>/``::
+
+    metrics.jsonl               one JSON line per step (step 0: the weights before RL)
+    checkpoint/
+      latest                    name of the newest complete checkpoint, e.g. step-00000012
+      step-00000012/
+        state.json              step, version, the rollout ids trained at each step, the dropped ones
+        engine/                 model and optimizer, as the engine writes them
+      journal.jsonl             rollouts and scores received and not yet consumed by a checkpoint
+
+Why a journal: the trainer acknowledges a rollout or score to NATS as soon as it is
+appended here and fsynced, so nothing waits on the bus for the slow path (a step, a
+checkpoint) and a restart does not wait for redeliveries. A checkpoint is written to a
+temporary folder, renamed into place, then named in ``latest`` (each an atomic rename),
+and only then is the journal rewritten with what is still unconsumed. Resuming = the
+latest checkpoint plus every journal entry whose rollout that checkpoint did not consume:
+work received before a crash is neither lost nor trained twice, and rollouts trained by
+steps after the last checkpoint are trained again (their steps never happened, as far as
+the surviving weights know). A crash can tear the journal's last line only; that entry
+was never acknowledged, so NATS delivers it again and the torn line is skipped.
+
+Not covered: pruning the consumed ids (``state.json`` keeps every id, about 40 bytes a
+rollout), checkpoints on another machine's disk (resume needs this folder).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, BinaryIO, TypeVar
+
+import msgspec
+
+from flywheel import events
+
+log = logging.getLogger(__name__)
+
+STEP_PREFIX = "step-"
+T = TypeVar("T")
+
+
+def read_lines(path: Path, decode: Callable[[bytes], T]) -> list[T]:
+    """Decode each line of ``path``. A crash mid-append can tear the last line only: that one
+    is skipped (its writer never finished, so never acknowledged it); any other bad line raises."""
+    lines = path.read_bytes().split(b"\n") if path.exists() else []
+    out = []
+    for i, line in enumerate(lines):
+        if not line:
+            continue
+        try:
+            out.append(decode(line))
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            if i != len(lines) - 1:
+                raise
+            log.warning("%s: skipping a torn last line (%d bytes)", path, len(line))
+    return out
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the new one, never half."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+class CheckpointState(msgspec.Struct, kw_only=True):
+    """What a checkpoint knows besides the weights: where the run stood and what it consumed."""
+
+    step: int
+    version: int  # the weights version these weights were published as
+    trained: dict[int, list[str]] = {}  # step -> ids of the rollouts it trained
+    dropped: dict[str, str] = {}  # rollout id -> why it was consumed without training
+
+    def consumed_ids(self) -> set[str]:
+        return {i for ids in self.trained.values() for i in ids} | set(self.dropped)
+
+
+class Checkpoints:
+    """Complete checkpoints in one folder; only the newest is kept."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.pointer = folder / "latest"
+
+    def latest(self) -> tuple[Path, CheckpointState] | None:
+        if not self.pointer.exists():
+            return None
+        path = self.folder / self.pointer.read_text().strip()
+        state = msgspec.json.decode((path / "state.json").read_bytes(), type=CheckpointState)
+        return path, state
+
+    def begin(self, step: int) -> Path:
+        """An empty temporary folder for checkpoint ``step`` (the engine writes into ``engine/``)."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        tmp = self.folder / f".{STEP_PREFIX}{step:08d}.tmp"
+        if tmp.exists():
+            shutil.rmtree(tmp)  # left by a crash mid-write: never named in `latest`
+        tmp.mkdir()
+        return tmp
+
+    def commit(self, tmp: Path, state: CheckpointState) -> Path:
+        """Make ``tmp`` (from :meth:`begin`) the latest checkpoint, atomically, and drop older ones."""
+        write_atomically(tmp / "state.json", msgspec.json.encode(state))
+        name = f"{STEP_PREFIX}{state.step:08d}"
+        final = self.folder / name
+        if final.exists():
+            # A previous attempt at this step, renamed into place but never named in
+            # `latest` (a crash in between): the run resumed from an earlier checkpoint.
+            assert self.pointer.read_text().strip() != name, f"checkpoint {name} is the latest; not overwriting it"
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        fsync_dir(self.folder)
+        write_atomically(self.pointer, name.encode())
+        for old in self.folder.glob(f"{STEP_PREFIX}*"):
+            if old.name != name:
+                shutil.rmtree(old)
+        return final
+
+
+class Journal:
+    """Append-only JSON lines of rollouts and scores, fsynced before they are acknowledged.
+
+    Open it with :meth:`rewrite` (after :meth:`replay` on a resume): that also cuts off a
+    line torn by a crash, so new entries never follow half an old one.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file: BinaryIO | None = None
+        self._decoder: events.Decoder[events.Rollout | events.Score] = events.Decoder(events.Rollout | events.Score)
+
+    def replay(self) -> list[events.Rollout | events.Score]:
+        return read_lines(self.path, self._decoder.decode)
+
+    def rewrite(self, entries: list[events.Rollout | events.Score]) -> None:
+        """Replace the journal with ``entries`` (what is still unconsumed), atomically."""
+        self.close()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(self.path, b"".join(events.encode(e) + b"\n" for e in entries))
+        self._file = open(self.path, "ab")
+
+    def append(self, entries: list[events.Rollout | events.Score]) -> None:
+        assert self._file is not None, "Journal.rewrite() opens the journal before the first append()"
+        if not entries:
+            return
+        self._file.write(b"".join(events.encode(e) + b"\n" for e in entries))
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class MetricsFile:
+    """``metrics.jsonl``: one JSON object per step, as the run's plots and tests read it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def append(self, line: dict[str, Any]) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def read(self) -> list[dict[str, Any]]:
+        return read_lines(self.path, msgspec.json.decode)
+
+    def keep_until(self, step: int) -> None:
+        """Forget the lines of steps after ``step`` (they were lost with a crash; they are redone)."""
+        kept = [line for line in self.read() if line["step"] <= step]
+        write_atomically(self.path, "".join(json.dumps(line) + "\n" for line in kept).encode())
+
+
+class RunFolder:
+    """``<data_dir>/runs/<run>/``: everything the trainer keeps for one run."""
+
+    def __init__(self, data_dir: Path, run: str) -> None:
+        self.root = Path(data_dir) / "runs" / run
+        self.checkpoints = Checkpoints(self.root / "checkpoint")
+        self.journal_path = self.root / "checkpoint" / "journal.jsonl"
+        self.metrics = MetricsFile(self.root / "metrics.jsonl")

@@ -1,0 +1,349 @@
+"""The trainer process for one run: its composition root and its loop.
+
+:func:`run` connects to the bus, reads the run's config from the runs KV bucket, opens the
+run folder (:mod:`flywheel_trainer.ledger`) and builds a :class:`Trainer`, which is two
+durable batch consumers plus one training task under a :class:`flywheel.service.Service`:
+
+- ``trainer-<run>-rollouts`` (``rollouts.<run>.>``) and ``trainer-<run>-scores``
+  (``scores.<run>.>``) feed the :class:`~flywheel_trainer.join.Joiner`. Each batch is
+  appended to the journal and fsynced, then acknowledged: received work survives a crash
+  without holding acks for the length of a step. A rollout whose token layer can never be
+  trained is dead-lettered (:class:`flywheel.bus.Reject`). Once ``max_buffered_rollouts``
+  are held, the rollout handler waits (unacknowledged, so NATS keeps the backlog): memory
+  does not grow with it.
+- The training task loads the model; on a fresh run it runs the SFT warm-up, writes
+  checkpoint 0 and publishes weights version 0; on a restart it loads the latest
+  checkpoint and publishes its weights again. Then, step by step: take
+  ``trainer.batch_size / group_size`` done groups, train (in a worker thread, so
+  heartbeats and acks go on), append the metrics line, checkpoint (every
+  ``checkpoint_every`` steps and at the last), put the weights in the object store,
+  publish the :class:`~flywheel.events.WeightUpdate`, update the run state. After
+  ``trainer.num_steps`` the run is ``finished`` and the process exits.
+
+Versions: step ``n`` publishes version ``n`` (so ``version == trainer_step``), unless a
+crash lost published steps after the last checkpoint (only with ``checkpoint_every > 1``):
+the restart then publishes its checkpoint's weights under the next unused version, and
+versions stay ahead of steps by that gap, so no version number ever names two different
+sets of weights. A WeightUpdate's event id is ``<run>-v<version>-<sha256 prefix>``:
+publishing the same weights again (a restart) is deduplicated. A graceful stop (SIGTERM,
+SIGINT) checkpoints the last step first, so only a crash ever redoes steps.
+
+Not covered: several trainer processes for one run (one per run; nothing stops a second
+one), training several runs in one process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import nats.js.errors
+
+from flywheel import events, models, weights
+from flywheel.bus import HEADER_CONTENT_TYPE, Bus, Consumer, Delivery, Reject
+from flywheel.config import RunConfig
+from flywheel.environment import Environment, load_environment
+from flywheel.runs import get_run, update_run
+from flywheel.service import Service
+from flywheel.settings import Settings
+from flywheel_trainer.engines import ENGINES, Engine
+from flywheel_trainer.join import BadRollout, Joiner, Take
+from flywheel_trainer.learner import LearnerConfig, rl_step, sft_warmup
+from flywheel_trainer.ledger import CheckpointState, Journal, RunFolder
+
+log = logging.getLogger(__name__)
+
+WAITING_LOG_S = 30.0  # how often a trainer waiting for data says what it holds
+
+
+@dataclass(frozen=True)
+class TrainerOptions:
+    """Process-level bounds and knobs; the algorithm itself is the run config's."""
+
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    # Rollouts held before the rollout consumer waits (give or take one consumer's in-flight
+    # batches). At least trainer.batch_size + inference.max_rollouts_in_flight, or groups
+    # that inference interleaves could never all complete.
+    max_buffered_rollouts: int = 4096
+    consumer_batch_size: int = 64
+    consumer_max_in_flight: int = 256
+    ack_wait_s: float = 30.0
+
+
+async def run(settings: Settings, run_id: str, options: TrainerOptions | None = None,
+              handle_signals: bool = True) -> None:
+    """Composition root of ``python -m flywheel_trainer --run RUN``: train until the run is done or a signal."""
+    bus = await Bus.connect(settings.resolved_nats_url, name=f"trainer-{run_id}")
+    try:
+        trainer = await Trainer.open(bus, Path(settings.data_dir), run_id, options or TrainerOptions())
+    except BaseException:
+        await bus.close()
+        raise
+    service = Service("trainer", bus, info={"run": run_id}, handle_signals=handle_signals)
+    for consumer in trainer.consumers():
+        service.add(consumer)
+    service.add_task(trainer.train)
+    try:
+        await service.run()
+    finally:
+        trainer.close()
+
+
+async def last_published_version(bus: Bus, run: str) -> int | None:
+    """The version of the run's last weight update in the WEIGHTS stream (None when there is none).
+
+    The stream, not the run state, says what inference may have loaded: a crash between a
+    publish and the run-state update leaves the run state one version behind.
+    """
+    try:
+        msg = await bus.js.get_last_msg("WEIGHTS", f"weights.{run}")
+    except nats.js.errors.NotFoundError:
+        return None
+    assert msg.data is not None
+    update = events.Decoder(events.WeightUpdate).decode(msg.data, (msg.headers or {}).get(HEADER_CONTENT_TYPE))
+    return update.version
+
+
+def required_scorers(cfg: RunConfig, env: Environment) -> dict[str, float]:
+    """The scorers whose weighted values make the reward: the run's, else the environment's defaults."""
+    return dict(cfg.scorers) or {name: reward.weight for name, reward in env.rewards.items()}
+
+
+class Trainer:
+    """One run's trainer: the join fed by the consumers, and the training task."""
+
+    def __init__(self, bus: Bus, cfg: RunConfig, env: Environment, data_dir: Path, joiner: Joiner,
+                 journal: Journal, resume: tuple[Path, CheckpointState] | None, published_version: int,
+                 options: TrainerOptions) -> None:
+        self.bus = bus
+        self.cfg = cfg
+        self.data_dir = data_dir
+        self.folder = RunFolder(data_dir, cfg.run)
+        self.env = env
+        self.joiner = joiner
+        self.journal = journal
+        self.resume = resume
+        self.published_version = published_version
+        self.options = options
+        self.arrived = asyncio.Event()  # the joiner took something in: maybe a step can start
+        self.room = asyncio.Event()  # a step took groups out: maybe the rollout consumer can go on
+        self.trained: dict[int, list[str]] = dict(resume[1].trained) if resume else {}
+        self.dropped: dict[str, str] = dict(resume[1].dropped) if resume else {}
+        self.step = resume[1].step if resume else 0
+        self.version = resume[1].version if resume else 0
+        self.checkpointed_step = self.step if resume else -1
+
+    @classmethod
+    async def open(cls, bus: Bus, data_dir: Path, run_id: str, options: TrainerOptions) -> Trainer:
+        """Read the run's config and state, then what the run folder holds (checkpoint, journal)."""
+        state = await get_run(bus, run_id)
+        if state is None:
+            raise ValueError(f"run {run_id!r} is not in the runs KV bucket; `flywheel run` registers it with its config")
+        if not state.config:
+            raise ValueError(f"run {run_id!r} has no config (RunState.config is empty); `flywheel run` writes it")
+        cfg = RunConfig.parse(state.config, source=f"run {run_id!r} config")
+        if cfg.run != run_id:
+            raise ValueError(f"run {run_id!r}: its stored config says run={cfg.run!r}; they must be the same")
+        env = load_environment(cfg.env)
+        min_buffer = cfg.trainer.batch_size + cfg.inference.max_rollouts_in_flight
+        if options.max_buffered_rollouts < min_buffer:
+            raise ValueError(f"max_buffered_rollouts={options.max_buffered_rollouts} is below trainer.batch_size plus "
+                             f"inference.max_rollouts_in_flight ({min_buffer}): groups could never complete")
+        folder = RunFolder(data_dir, run_id)
+        resume = folder.checkpoints.latest()
+        published = await last_published_version(bus, run_id)
+        published = max(published, state.policy_version) if published is not None else None
+        if resume is None and (published is not None or state.trainer_step > 0):
+            raise ValueError(f"run {run_id!r} has published weights (version {published}, trainer step "
+                             f"{state.trainer_step}), but {folder.checkpoints.folder} holds no checkpoint: restore "
+                             "that folder (FLYWHEEL_DATA_DIR) or start a new run")
+        joiner = Joiner(required_scorers(cfg, env), cfg.trainer.max_off_policy_steps,
+                        version=resume[1].version if resume else 0,
+                        consumed=resume[1].consumed_ids() if resume else ())
+        journal = Journal(folder.journal_path)
+        replayed = journal.replay()
+        for entry in replayed:
+            if isinstance(entry, events.Rollout):
+                joiner.add_rollout(entry)
+            else:
+                joiner.add_score(entry)
+        journal.rewrite(joiner.buffered_events())
+        if resume is not None:
+            folder.metrics.keep_until(resume[1].step)
+            log.info("run %s: resuming from %s (step %d, version %d); %d journal entries replayed, %d rollouts "
+                     "buffered", run_id, resume[0], resume[1].step, resume[1].version, len(replayed),
+                     joiner.num_buffered)
+        return cls(bus, cfg, env, data_dir, joiner, journal, resume, published or 0, options)
+
+    def close(self) -> None:
+        self.journal.close()
+
+    # --- consuming ----------------------------------------------------------------------
+
+    def consumers(self) -> list[Consumer]:
+        run, o = self.cfg.run, self.options
+        common: dict[str, Any] = dict(batch_size=o.consumer_batch_size, max_in_flight=o.consumer_max_in_flight,
+                                      ack_wait_s=o.ack_wait_s, grace_s=2.0)
+        return [
+            Consumer(self.bus, stream="ROLLOUTS", durable=f"trainer-{run}-rollouts", filter_subject=f"rollouts.{run}.>",
+                     batch_handler=self.on_rollouts, event_type=events.Rollout, **common),
+            Consumer(self.bus, stream="SCORES", durable=f"trainer-{run}-scores", filter_subject=f"scores.{run}.>",
+                     batch_handler=self.on_scores, event_type=events.Score, **common),
+        ]
+
+    async def on_rollouts(self, deliveries: list[Delivery]) -> None:
+        while self.joiner.num_buffered >= self.options.max_buffered_rollouts:
+            self.room.clear()
+            await self.room.wait()
+        rollouts: list[events.Rollout] = [d.event for d in deliveries]
+        try:
+            for r in rollouts:
+                self.joiner.check(r)
+        except BadRollout as exc:
+            raise Reject(str(exc)) from exc  # the bus retries the batch one by one: only this one is rejected
+        self.journal.append([r for r in rollouts if self.joiner.add_rollout(r)])
+        self.arrived.set()
+
+    async def on_scores(self, deliveries: list[Delivery]) -> None:
+        self.journal.append([d.event for d in deliveries if self.joiner.add_score(d.event)])
+        self.arrived.set()
+
+    # --- training -----------------------------------------------------------------------
+
+    async def train(self, stopping: asyncio.Event) -> None:
+        try:
+            await self._train(stopping)
+        except Exception:
+            await update_run(self.bus, self.cfg.run, status="failed")
+            raise
+
+    async def _train(self, stopping: asyncio.Event) -> None:
+        engine, pad_id = await self._start()
+        while self.step < self.cfg.trainer.num_steps:
+            waited = time.perf_counter()
+            take = await self._next_take(stopping)
+            if take is None:  # stopping: what is buffered stays in the journal
+                if self.checkpointed_step < self.step:
+                    await self._checkpoint(engine)  # so a restart redoes nothing
+                return
+            await self._step(engine, pad_id, take, wait_s=time.perf_counter() - waited)
+        await update_run(self.bus, self.cfg.run, status="finished")
+        log.info("run %s: finished after %d steps", self.cfg.run, self.step)
+
+    async def _start(self) -> tuple[Engine, int]:
+        """Load the model; warm up, checkpoint and publish version 0, or resume and publish again."""
+        cfg = self.cfg
+        path = models.resolve_model(cfg.model.name, self.data_dir)
+        model, tok = await asyncio.to_thread(models.load_model, path, "float32")
+        figures: dict[str, Any] = {}
+        if self.resume is None and cfg.sft.steps:
+            figures = await asyncio.to_thread(sft_warmup, model, tok, self.env, cfg, self.options.learner)
+        engine = await asyncio.to_thread(ENGINES[cfg.trainer.engine], model, cfg.trainer, cfg.model.dtype)
+        if self.resume is None:
+            self.folder.metrics.append({"step": 0, "version": 0, **figures})
+            await self._checkpoint(engine)
+        else:
+            await asyncio.to_thread(engine.load, self.resume[0] / "engine")
+            figures = next(m for m in reversed(self.folder.metrics.read()) if m["step"] == self.step)
+            if self.published_version > self.version:
+                # Steps after this checkpoint were published, then lost: never reuse their versions.
+                log.warning("run %s: versions %d..%d were published after checkpoint step %d and are lost; "
+                            "its weights become version %d", cfg.run, self.version + 1, self.published_version,
+                            self.step, self.published_version + 1)
+                self.version = self.published_version + 1
+                self.joiner.set_version(self.version)
+        await self._publish(await asyncio.to_thread(engine.weights), _numbers(figures))
+        await update_run(self.bus, cfg.run, status="running", trainer_step=self.step, policy_version=self.version)
+        # Any id pads: padding is masked out of attention and loss.
+        return engine, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+    async def _step(self, engine: Engine, pad_id: int, take: Take, wait_s: float) -> None:
+        """Train on ``take``, then record, checkpoint and publish the new version."""
+        cfg = self.cfg
+
+        def compute() -> tuple[dict[str, float], bytes]:
+            return rl_step(engine, take.groups, pad_id, cfg, self.options.learner), engine.weights()
+
+        figures, data = await asyncio.to_thread(compute)
+        self.step += 1
+        self.version += 1
+        figures.update(take_figures(take, self.joiner), wait_s=wait_s)
+        self.trained[self.step] = take.trained_ids
+        self.dropped.update(take.dropped)
+        self.folder.metrics.append({"step": self.step, "version": self.version, **figures})
+        if self.step % cfg.trainer.checkpoint_every == 0 or self.step == cfg.trainer.num_steps:
+            await self._checkpoint(engine)
+        await self._publish(data, figures)
+        self.joiner.set_version(self.version)
+        await update_run(self.bus, cfg.run, trainer_step=self.step, policy_version=self.version)
+        log.info("run %s: step %d/%d, version %d: loss %.4f, reward %.3f, %d rollouts (%d stale dropped), %.2fs",
+                 cfg.run, self.step, cfg.trainer.num_steps, self.version, figures["loss"], figures["reward_mean"],
+                 figures["num_rollouts"], figures["num_dropped_stale"], figures["step_s"])
+
+    async def _next_take(self, stopping: asyncio.Event) -> Take | None:
+        """Wait until enough groups are done (or the service stops: None)."""
+        since = time.monotonic()
+        while not stopping.is_set():
+            take = self.joiner.take(self.cfg.groups_per_step)
+            if take is not None:
+                self.room.set()
+                return take
+            self.arrived.clear()
+            waiters = [asyncio.ensure_future(self.arrived.wait()), asyncio.ensure_future(stopping.wait())]
+            try:
+                done, _ = await asyncio.wait(waiters, timeout=WAITING_LOG_S, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waiters:
+                    w.cancel()
+            if not done:
+                log.info("run %s: step %d waits for %d done groups (%.0fs so far): %d rollouts buffered, %d of them "
+                         "dropped, %d scores without their rollout", self.cfg.run, self.step + 1,
+                         self.cfg.groups_per_step, time.monotonic() - since, self.joiner.num_buffered,
+                         self.joiner.num_dropped, self.joiner.num_orphan_scores)
+        return None
+
+    async def _checkpoint(self, engine: Engine) -> None:
+        """Engine state, then what the run consumed; then the journal keeps only the rest."""
+        tmp = self.folder.checkpoints.begin(self.step)
+        await asyncio.to_thread(engine.save, tmp / "engine")
+        self.folder.checkpoints.commit(tmp, CheckpointState(step=self.step, version=self.version,
+                                                            trained=self.trained, dropped=self.dropped))
+        self.journal.rewrite(self.joiner.buffered_events())
+        self.checkpointed_step = self.step
+
+    async def _publish(self, data: bytes, figures: dict[str, float]) -> None:
+        uri, sha256, size_bytes = await weights.put(self.bus, self.cfg.run, self.version, data)
+        await self.bus.publish(events.WeightUpdate(
+            id=f"{self.cfg.run}-v{self.version}-{sha256[:16]}", run=self.cfg.run, version=self.version, uri=uri,
+            sha256=sha256, size_bytes=size_bytes, trainer_step=self.step, metrics=figures))
+        log.info("run %s: weights version %d published (step %d, %d bytes)", self.cfg.run, self.version, self.step,
+                 size_bytes)
+
+
+def take_figures(take: Take, joiner: Joiner) -> dict[str, float]:
+    """The step's data figures: rewards, staleness, drops, what is still buffered."""
+    scored = [s for g in take.groups for s in g]
+    rewards = [s.reward for s in scored]
+    mean = sum(rewards) / len(rewards)
+    staleness = [s.staleness for s in scored]
+    return {
+        "reward_mean": mean,
+        "reward_std": (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5,
+        "num_rollouts": float(len(scored)),
+        "num_groups": float(len(take.groups)),
+        "num_dropped_stale": float(take.num_dropped("stale")),
+        "num_dropped_scorer_error": float(take.num_dropped("scorer_error")),
+        "num_dropped_rollout_error": float(take.num_dropped("rollout_error")),
+        "staleness_mean": sum(staleness) / len(staleness),
+        "staleness_max": float(max(staleness)),
+        "num_buffered": float(joiner.num_buffered),
+    }
+
+
+def _numbers(line: dict[str, Any]) -> dict[str, float]:
+    """A metrics line as WeightUpdate.metrics (numbers only; step and version are fields of their own)."""
+    return {k: float(v) for k, v in line.items() if k not in ("step", "version") and isinstance(v, int | float)}

@@ -1,0 +1,156 @@
+"""The trainer against a real nats-server: run state in, rollouts and scores in, weights out.
+
+The trainer runs in this process (its composition root, signals left to pytest) on the
+tiny model. The test plays inference and the scorers: it publishes groups of rollouts and
+their scores step by step, and checks the weight updates (version 0 first, blobs that
+verify and load), the metrics, drops (stale, scorer error, a malformed rollout
+dead-lettered), the run state and the checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+
+import pytest
+
+from flywheel import events, models, weights
+from flywheel.bus import Bus
+from flywheel.natsserver import NatsServer
+from flywheel.config import RunConfig
+from flywheel.runs import get_run, register_run, update_run
+from flywheel.settings import Settings
+from flywheel_trainer import service
+from flywheel_trainer.ledger import Journal, RunFolder
+from tests.helpers import until
+from tests.unit.test_trainer_join import make_rollout, make_score
+
+RUN = "trainer-itest"
+
+
+def run_config(model_dir: Path, run: str = RUN, **trainer: object) -> RunConfig:
+    return RunConfig(run=run, env="reverse_text", group_size=2, model={"name": str(model_dir)},
+                     trainer={"batch_size": 4, "num_steps": 3, "max_off_policy_steps": 1, **trainer})
+
+
+class Inference:
+    """Plays inference and the scorers: groups of two rollouts with random completions, and their scores."""
+
+    def __init__(self, bus: Bus, model_dir: Path, run: str = RUN) -> None:
+        _, self.tok = models.load_model(model_dir)
+        self.bus = bus
+        self.run = run
+        self.rng = random.Random(0)
+        self.published: list[str] = []
+
+    def rollout(self, rollout_id: str, group_id: str, policy_version: int) -> events.Rollout:
+        text = "".join(self.rng.choice("abcdef") for _ in range(4))
+        prompt = models.render_prompt(self.tok, [events.Message(role="system", content="Reverse the text."),
+                                                 events.Message(role="user", content=text)])
+        completion = [self.rng.randrange(3, 200) for _ in range(self.rng.randint(2, 6))] + [self.tok.eos_token_id]
+        return make_rollout(rollout_id, group_id, prompt=prompt, completion=completion,
+                            logprobs=[-3.0] * len(completion), policy_version=policy_version, run=self.run)
+
+    async def group(self, group_id: str, policy_version: int, scorer_error: bool = False) -> list[events.Rollout]:
+        rollouts = [self.rollout(f"{group_id}-{i}", group_id, policy_version) for i in range(2)]
+        await self.bus.publish_many(rollouts, content_type=events.MSGPACK)
+        scores = []
+        for i, r in enumerate(rollouts):
+            failed = scorer_error and i == 1
+            scores += [make_score(r, "similarity", self.rng.random(), error="ValueError: boom" if failed else None),
+                       make_score(r, "exact", float(i == 0))]
+        await self.bus.publish_many(scores)
+        self.published += [r.id for r in rollouts]
+        return rollouts
+
+
+async def weight_updates(bus: Bus, run: str = RUN) -> list[events.WeightUpdate]:
+    """Every weight update of ``run`` in the WEIGHTS stream, in order."""
+    decoder = events.Decoder(events.WeightUpdate)
+    sub = await bus.js.subscribe(f"weights.{run}", ordered_consumer=True)
+    out = []
+    try:
+        info = await bus.js.stream_info("WEIGHTS", subjects_filter=f"weights.{run}")
+        total = (info.state.subjects or {}).get(f"weights.{run}", 0)
+        for _ in range(total):
+            out.append(decoder.decode((await sub.next_msg(timeout=5)).data))
+    finally:
+        await sub.unsubscribe()
+    return out
+
+
+async def wait_for_version(bus: Bus, version: int, task: asyncio.Future[None], run: str = RUN) -> None:
+    async def published() -> bool:
+        if task.done():
+            task.result()  # raises what the trainer raised
+        return any(u.version >= version for u in await weight_updates(bus, run))
+
+    await until(published, timeout_s=60, what=f"weights version {version}")
+
+
+async def test_trainer_publishes_version_0_then_a_version_a_step_and_counts_what_it_drops(
+        bus: Bus, nats_server: NatsServer, tiny_model_dir: Path, tmp_path: Path) -> None:
+    cfg = run_config(tiny_model_dir)
+    await register_run(bus, RUN, config=cfg.model_dump())
+    settings = Settings(nats_url=nats_server.url, data_dir=tmp_path / "data")
+    trainer = asyncio.ensure_future(service.run(settings, RUN, handle_signals=False))
+    inference = Inference(bus, tiny_model_dir)
+    await wait_for_version(bus, 0, trainer)
+
+    await inference.group("g1", 0)
+    await inference.group("g2", 0)
+    malformed = make_rollout("bad", "g-bad", completion=[5, 6], logprobs=[-1.0], run=RUN)
+    await bus.publish(malformed)
+    await wait_for_version(bus, 1, trainer)
+    await inference.group("g3", 0)  # one version behind: within max_off_policy_steps
+    await inference.group("g4", 1)
+    await wait_for_version(bus, 2, trainer)
+    stale = await inference.group("g5", 0)  # two versions behind now: dropped
+    await inference.group("g6", 2, scorer_error=True)  # one rollout left to train
+    await inference.group("g7", 2)
+    leftover = await inference.group("g8", 2)  # one group too many for the last step
+    await asyncio.wait_for(trainer, timeout=60)  # exits by itself after num_steps
+
+    updates = await weight_updates(bus)
+    assert [(u.version, u.trainer_step) for u in updates] == [(0, 0), (1, 1), (2, 2), (3, 3)]
+    model, _ = models.load_model(tiny_model_dir)
+    blobs = [await weights.get(bus, u) for u in updates]  # checks size and sha256
+    models.load_weights(model, blobs[-1])
+    assert len({u.sha256 for u in updates}) == 4
+    last = updates[-1].metrics
+    assert last["num_rollouts"] == 3 and last["num_groups"] == 2
+    assert last["num_dropped_stale"] == 2 and last["num_dropped_scorer_error"] == 1
+    assert last["staleness_max"] == 0 and updates[2].metrics["staleness_mean"] == 0.5
+    assert updates[2].metrics["staleness_max"] == 1
+    for key in ("loss", "reward_mean", "reward_std", "tokens_per_s", "step_s", "grad_norm", "logprob_diff_abs_mean"):
+        assert all(key in u.metrics for u in updates[1:]), key
+
+    state = await get_run(bus, RUN)
+    assert state is not None and (state.status, state.trainer_step, state.policy_version) == ("finished", 3, 3)
+    folder = RunFolder(settings.data_dir, RUN)
+    assert [m["step"] for m in folder.metrics.read()] == [0, 1, 2, 3]
+    assert folder.metrics.read()[3]["loss"] == pytest.approx(last["loss"])
+    _, checkpoint = folder.checkpoints.latest()  # type: ignore[misc]
+    assert checkpoint.step == 3 and checkpoint.trained[1] == ["g1-0", "g1-1", "g2-0", "g2-1"]
+    assert checkpoint.trained[3] == ["g6-0", "g7-0", "g7-1"]
+    assert checkpoint.dropped == {stale[0].id: "stale", stale[1].id: "stale", "g6-1": "scorer_error"}
+    # Received but never trained: still in the journal for a later run of the trainer.
+    journal = [e.id for e in Journal(folder.journal_path).replay()]
+    assert {r.id for r in leftover} <= set(journal)
+
+    dead = await bus.js.subscribe("dead.ROLLOUTS", ordered_consumer=True)
+    letter = events.Decoder(events.DeadLetter).decode((await dead.next_msg(timeout=5)).data)
+    await dead.unsubscribe()
+    assert letter.consumer == f"trainer-{RUN}-rollouts" and "2 token ids but 1 logprobs" in letter.reason
+
+
+async def test_a_run_that_is_missing_or_without_its_checkpoint_fails_with_the_reason(
+        bus: Bus, nats_server: NatsServer, tmp_path: Path, tiny_model_dir: Path) -> None:
+    settings = Settings(nats_url=nats_server.url, data_dir=tmp_path)
+    with pytest.raises(ValueError, match="not in the runs KV bucket"):
+        await service.run(settings, "nope", handle_signals=False)
+    await register_run(bus, "moved", config=run_config(tiny_model_dir, run="moved").model_dump())
+    await update_run(bus, "moved", trainer_step=5)
+    with pytest.raises(ValueError, match=r"trainer step 5\), but .* holds no checkpoint"):
+        await service.run(settings, "moved", handle_signals=False)

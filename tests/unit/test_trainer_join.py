@@ -1,0 +1,165 @@
+"""The trainer's join: readiness by scorer, whole groups, drops that are counted, staleness.
+
+``make_rollout`` and ``make_score`` build events the way inference and the scorers do
+(the token layer split over system, user and assistant nodes); the trainer's other tests
+import them from here.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from flywheel import events
+from flywheel_trainer.join import BadRollout, Joiner, tokens_of
+
+SCORERS = {"similarity": 1.0, "exact": 0.5}
+
+
+def make_rollout(rollout_id: str, group_id: str, *, prompt: list[int] | None = None,
+                 completion: list[int] | None = None, logprobs: list[float] | None = None, group_size: int = 2,
+                 policy_version: int = 0, run: str = "r", env: str = "reverse_text",
+                 status: str = "completed") -> events.Rollout:
+    """A single-turn rollout: the prompt tokens over a system and a user node, the completion on the assistant's."""
+    prompt = prompt if prompt is not None else [1, 2, 3, 4]
+    completion = completion if completion is not None else [5, 6]
+    logprobs = logprobs if logprobs is not None else [-1.0] * len(completion)
+    half = len(prompt) // 2
+    spans = [
+        ("system", events.TokenSpan(token_ids=prompt[:half], logprobs=[0.0] * half, loss_mask=[False] * half)),
+        ("user", events.TokenSpan(token_ids=prompt[half:], logprobs=[0.0] * (len(prompt) - half),
+                                  loss_mask=[False] * (len(prompt) - half))),
+        ("assistant", events.TokenSpan(token_ids=completion, logprobs=logprobs, loss_mask=[True] * len(completion),
+                                       policy_version=policy_version)),
+    ]
+    nodes, parent = [], None
+    for role, span in spans:
+        message = events.Message(role=role, content=role)  # type: ignore[arg-type]
+        node = events.Node(id=events.node_id(parent, message, span), parent_id=parent, message=message, tokens=span)
+        nodes.append(node)
+        parent = node.id
+    return events.Rollout(id=rollout_id, run=run, env=env, task_id=f"task-{group_id}", group_id=group_id,
+                          group_size=group_size, policy_version=policy_version, nodes=nodes,
+                          status=status)  # type: ignore[arg-type]
+
+
+def make_score(rollout: events.Rollout, scorer: str, value: float, error: str | None = None) -> events.Score:
+    return events.Score(id=f"{rollout.id}.{scorer}", run=rollout.run, env=rollout.env, rollout_id=rollout.id,
+                        group_id=rollout.group_id, scorer=scorer, value=value, error=error)
+
+
+def scored(joiner: Joiner, rollout: events.Rollout, similarity: float = 1.0, exact: float = 0.0) -> None:
+    joiner.add_rollout(rollout)
+    joiner.add_score(make_score(rollout, "similarity", similarity))
+    joiner.add_score(make_score(rollout, "exact", exact))
+
+
+def test_a_group_is_taken_whole_once_every_scorer_scored_every_rollout() -> None:
+    joiner = Joiner(SCORERS, max_off_policy_steps=1)
+    a, b = make_rollout("a", "g"), make_rollout("b", "g")
+    joiner.add_rollout(a)
+    joiner.add_score(make_score(a, "similarity", 0.8))
+    joiner.add_score(make_score(a, "exact", 1.0))
+    joiner.add_score(make_score(b, "similarity", 0.2))  # before its rollout: kept
+    assert joiner.take(1) is None  # b is not here
+    joiner.add_rollout(b)
+    assert not joiner.is_ready("b") and joiner.take(1) is None  # b lacks "exact"
+    joiner.add_score(make_score(b, "unknown-scorer", 5.0))  # not required: ignored
+    joiner.add_score(make_score(b, "exact", 0.0))
+    take = joiner.take(1)
+    assert take is not None and not take.dropped
+    [group] = take.groups
+    assert [(s.rollout.id, s.reward) for s in group] == [("a", 0.8 + 0.5 * 1.0), ("b", 0.2)]
+    assert joiner.num_buffered == 0 and joiner.consumed == {"a", "b"}
+
+
+def test_take_waits_for_enough_groups_and_hands_out_the_oldest_first() -> None:
+    joiner = Joiner(SCORERS, max_off_policy_steps=1)
+    for g in ("g1", "g2", "g3"):
+        for i in range(2):
+            scored(joiner, make_rollout(f"{g}-{i}", g))
+    joiner.add_rollout(make_rollout("g4-0", "g4"))  # incomplete group
+    first = joiner.take(2)
+    assert first is not None and [[s.rollout.id for s in g] for g in first.groups] == [["g1-0", "g1-1"], ["g2-0", "g2-1"]]
+    assert joiner.take(2) is None
+    second = joiner.take(1)
+    assert second is not None and second.trained_ids == ["g3-0", "g3-1"]
+    assert joiner.num_buffered == 1
+
+
+def test_a_scorer_error_drops_the_rollout_and_is_counted_never_a_zero() -> None:
+    joiner = Joiner(SCORERS, max_off_policy_steps=1)
+    a, b = make_rollout("a", "g"), make_rollout("b", "g")
+    scored(joiner, a, similarity=0.3)
+    joiner.add_rollout(b)
+    joiner.add_score(make_score(b, "similarity", 0.0, error="TimeoutError: reward took over 30s"))
+    take = joiner.take(1)  # b is done (dropped) without waiting for its other score
+    assert take is not None
+    assert take.trained_ids == ["a"] and take.dropped == {"b": "scorer_error"}
+    assert take.num_dropped("scorer_error") == 1 and take.groups[0][0].reward == pytest.approx(0.3)
+
+
+def test_groups_whose_rollouts_were_all_dropped_are_consumed_and_counted_with_the_next_step() -> None:
+    joiner = Joiner(SCORERS, max_off_policy_steps=1)
+    for i in range(2):
+        scored(joiner, make_rollout(f"bad-{i}", "bad", status="error"))
+        scored(joiner, make_rollout(f"ok-{i}", "ok"))
+    take = joiner.take(1)
+    assert take is not None and take.trained_ids == ["ok-0", "ok-1"]
+    assert take.dropped == {"bad-0": "rollout_error", "bad-1": "rollout_error"}
+    assert joiner.num_buffered == 0
+
+
+def test_stale_rollouts_are_dropped_on_arrival_and_when_the_version_moves_on() -> None:
+    joiner = Joiner(SCORERS, max_off_policy_steps=1, version=2)
+    scored(joiner, make_rollout("old", "g1", policy_version=0, group_size=1))  # 2 behind: stale at once
+    scored(joiner, make_rollout("fresh", "g2", policy_version=1, group_size=1))  # 1 behind: fine
+    scored(joiner, make_rollout("newer", "g3", policy_version=2, group_size=1))
+    joiner.set_version(3)  # now "fresh" is 2 behind
+    take = joiner.take(1)
+    assert take is not None
+    assert take.trained_ids == ["newer"] and take.groups[0][0].staleness == 1
+    assert take.dropped == {"old": "stale", "fresh": "stale"} and take.num_dropped("stale") == 2
+
+
+def test_redelivered_rollouts_and_late_scores_of_consumed_rollouts_are_ignored() -> None:
+    joiner = Joiner(SCORERS, max_off_policy_steps=1, consumed={"done"})
+    done = make_rollout("done", "g0", group_size=1)
+    assert not joiner.add_rollout(done)
+    assert not joiner.add_score(make_score(done, "similarity", 1.0))
+    a = make_rollout("a", "g", group_size=1)
+    assert joiner.add_rollout(a) and not joiner.add_rollout(a)
+    assert joiner.num_buffered == 1 and joiner.num_orphan_scores == 0
+
+
+def test_buffered_events_are_what_is_held() -> None:
+    joiner = Joiner(SCORERS, max_off_policy_steps=1)
+    a = make_rollout("a", "g")
+    joiner.add_rollout(a)
+    joiner.add_score(make_score(a, "exact", 1.0))
+    joiner.add_score(make_score(make_rollout("x", "h"), "exact", 1.0))  # its rollout is not here yet
+    assert [getattr(e, "id") for e in joiner.buffered_events()] == ["a", "a.exact", "x.exact"]
+    assert joiner.num_orphan_scores == 1
+
+
+def test_rollouts_that_can_never_be_trained_are_refused_with_the_reason() -> None:
+    joiner = Joiner(SCORERS, max_off_policy_steps=1)
+    r = make_rollout("a", "g", completion=[5, 6], logprobs=[-1.0])
+    with pytest.raises(BadRollout, match="2 token ids but 1 logprobs"):
+        joiner.check(r)
+    joiner.add_rollout(make_rollout("b", "g", group_size=1))
+    with pytest.raises(BadRollout, match="group g already has its 1 rollouts"):
+        joiner.add_rollout(make_rollout("c", "g", group_size=1))
+    with pytest.raises(BadRollout, match="group_size=2, but group g has group_size=1"):
+        joiner.add_rollout(make_rollout("d", "g", group_size=2))
+    first_token_trained = make_rollout("e", "h", prompt=[])
+    with pytest.raises(BadRollout, match="first token"):
+        joiner.check(first_token_trained)
+    with pytest.raises(ValueError, match="scorers"):
+        Joiner({}, max_off_policy_steps=1)
+
+
+def test_tokens_are_the_spans_in_node_order() -> None:
+    tokens = tokens_of(make_rollout("a", "g", prompt=[1, 2, 3], completion=[7, 8], logprobs=[-0.5, -0.25]))
+    assert tokens.token_ids == [1, 2, 3, 7, 8]
+    assert tokens.logprobs == [0.0, 0.0, 0.0, -0.5, -0.25]
+    assert tokens.loss_mask == [False, False, False, True, True]

@@ -1,0 +1,120 @@
+"""Batches line up with their tokens; recomputed logprobs match the sampler's; steps learn.
+
+The completions are sampled here with a plain loop, by the definition inference uses
+(``log_softmax(logits / temperature)`` in float32 of the sampled token), on the tiny model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from flywheel import events, models
+from flywheel.config import RunConfig
+from flywheel.environment import load_environment
+from flywheel_trainer.batch import micro_batches, pad, token_logprobs
+from flywheel_trainer.engines import TorchEngine
+from flywheel_trainer.join import Scored, Tokens, tokens_of
+from flywheel_trainer.learner import LearnerConfig, reference_tokens, rl_step, sft_warmup
+from tests.unit.test_trainer_join import make_rollout
+
+PROMPT = [events.Message(role="system", content="Reverse the text."), events.Message(role="user", content="abcd")]
+
+
+def sample(model: torch.nn.Module, prompt: list[int], max_tokens: int, temperature: float, eos: int,
+           seed: int) -> tuple[list[int], list[float]]:
+    """A plain sampling loop, no cache: (completion ids, logprob of each sampled token)."""
+    generator = torch.Generator().manual_seed(seed)
+    ids, out, logprobs = list(prompt), [], []
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
+            step = torch.log_softmax(logits.float() / temperature, dim=-1)
+            token = int(torch.multinomial(step.exp(), 1, generator=generator))
+            ids.append(token)
+            out.append(token)
+            logprobs.append(float(step[token]))
+            if token == eos:
+                break
+    return out, logprobs
+
+
+def sampled_rollouts(model: torch.nn.Module, tok: object, n: int, temperature: float) -> list[events.Rollout]:
+    """``n`` completions of different lengths (the random tiny model seldom ends one by itself)."""
+    prompt = models.render_prompt(tok, PROMPT)
+    rollouts = []
+    for i in range(n):
+        completion, logprobs = sample(model, prompt, 4 + 3 * i, temperature, tok.eos_token_id, seed=i)  # type: ignore[attr-defined]
+        rollouts.append(make_rollout(f"r{i}", "g", prompt=prompt, completion=completion, logprobs=logprobs,
+                                     group_size=n))
+    return rollouts
+
+
+def test_padding_shifts_masks_and_logprobs_onto_the_target_tokens() -> None:
+    seqs = [Tokens([1, 2, 3], [0.0, -0.1, -0.2], [False, True, True]), Tokens([4, 5], [0.0, -0.3], [False, True])]
+    batch = pad(seqs, [1.0, -1.0], pad_id=0)
+    assert batch.input_ids.tolist() == [[1, 2, 3], [4, 5, 0]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1], [1, 1, 0]]
+    assert batch.loss_mask.tolist() == [[True, True], [True, False]]  # target tokens 2, 3 and 5
+    assert batch.old_logprobs.flatten().tolist() == pytest.approx([-0.1, -0.2, -0.3, 0.0])
+    assert batch.num_loss_tokens == 3 and batch.num_tokens == 5
+    lengths = [3, 7, 1, 5, 2]
+    cut = micro_batches([Tokens([0] * n, [0.0] * n, [False] * n) for n in lengths], 2)
+    assert cut == [[1, 3], [0, 4], [2]]  # longest first
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_recomputed_logprobs_match_the_sampled_ones_under_the_same_weights(tiny_model_dir: Path,
+                                                                          temperature: float) -> None:
+    model, tok = models.load_model(tiny_model_dir)
+    rollouts = sampled_rollouts(model, tok, 4, temperature)
+    seqs = [tokens_of(r) for r in rollouts]
+    assert len({len(s.token_ids) for s in seqs}) > 1, "completions of different lengths, so padding is exercised"
+    batch = pad(seqs, [0.0] * len(seqs), tok.pad_token_id)
+    with torch.no_grad():
+        recomputed = token_logprobs(model, batch, temperature)
+    diff = (recomputed - batch.old_logprobs).abs()[batch.loss_mask]
+    assert diff.numel() == sum(sum(s.loss_mask) for s in seqs)
+    assert float(diff.mean()) <= 1e-3 and float(diff.max()) <= 1e-2
+
+
+def sequence_logprob(model: torch.nn.Module, rollout: events.Rollout, temperature: float) -> float:
+    batch = pad([tokens_of(rollout)], [0.0], 0)
+    with torch.no_grad():
+        return float(token_logprobs(model, batch, temperature)[batch.loss_mask].sum())
+
+
+@pytest.mark.parametrize("loss", ["clipped", "masked"])
+def test_steps_on_a_fixed_batch_raise_the_good_completion_and_lower_the_loss(tiny_model_dir: Path, loss: str) -> None:
+    model, tok = models.load_model(tiny_model_dir)
+    cfg = RunConfig(run="t", env="reverse_text", group_size=4,
+                    trainer={"batch_size": 4, "lr": 3e-3, "loss": loss, "clip_eps": 0.5})
+    rollouts = sampled_rollouts(model, tok, 4, cfg.sampling.temperature)
+    group = [Scored(r, reward, 0) for r, reward in zip(rollouts, [1.0, 0.0, 0.0, 0.0])]
+    before = [sequence_logprob(model, r, 1.0) for r in rollouts]
+    engine = TorchEngine(model, cfg.trainer, cfg.model.dtype)
+    losses = [rl_step(engine, [group], tok.pad_token_id, cfg, LearnerConfig())["loss"] for _ in range(4)]
+    after = [sequence_logprob(model, r, 1.0) for r in rollouts]
+    assert after[0] > before[0] + 0.1
+    assert sum(after[1:]) < sum(before[1:])
+    if loss == "clipped":  # the surrogate it minimises; masking changes which tokens count, step to step
+        assert losses[-1] < losses[0]
+
+
+def test_sft_warmup_teaches_the_reference_answers(tiny_model_dir: Path) -> None:
+    model, tok = models.load_model(tiny_model_dir)
+    env = load_environment("reverse_text")
+    cfg = RunConfig(run="t", env="reverse_text", sft={"steps": 8, "batch_size": 16, "lr": 3e-3})
+    held_out = [reference_tokens(tok, env, row) for row in env.load_tasks(8, seed=123)]
+    assert tok.decode(held_out[0].token_ids).endswith("<|im_end|>")
+
+    def cross_entropy() -> float:
+        batch = pad(held_out, [0.0] * len(held_out), tok.pad_token_id)
+        with torch.no_grad():
+            return float(-token_logprobs(model, batch, 1.0)[batch.loss_mask].mean())
+
+    start = cross_entropy()
+    figures = sft_warmup(model, tok, env, cfg, LearnerConfig())
+    assert figures["sft_steps"] == 8 and cross_entropy() < start - 0.5
