@@ -2,13 +2,19 @@
 # Set up, then run the default test suite (everything not marked slow, gpu or docker).
 #   scripts/test.sh            the default suite
 #   scripts/test.sh --slow     only the slow tier
+#   scripts/test.sh --vllm     only the vLLM tier, in .venv-vllm (scripts/setup-vllm.sh)
 #   scripts/test.sh -k bus     extra arguments go to pytest
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = "--vllm" ]; then
+    shift
+    scripts/setup-vllm.sh
+    exec .venv-vllm/bin/python -m pytest -m vllm "$@"
+fi
 scripts/setup.sh
-markers="not slow and not gpu and not docker"
+markers="not slow and not gpu and not docker and not vllm"
 if [ "${1:-}" = "--slow" ]; then
-    markers="slow and not gpu and not docker"
+    markers="slow and not gpu and not docker and not vllm"
     shift
 fi
 # pytest exits 5 when no test ran; that is a failure here, and `set -e` makes it one.
