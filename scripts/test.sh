@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up, then run the default test suite (everything not marked slow, gpu or docker).
+# Set up, then run the default test suite (everything not marked slow, gpu, docker or vllm).
 #   scripts/test.sh            the default suite
 #   scripts/test.sh --slow     only the slow tier
 #   scripts/test.sh --vllm     only the vLLM tier, in .venv-vllm (scripts/setup-vllm.sh)
@@ -9,7 +9,8 @@ cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--vllm" ]; then
     shift
     scripts/setup-vllm.sh
-    exec .venv-vllm/bin/python -m pytest -m vllm "$@"
+    # Only tests/vllm: the rest of the tree needs extras (gateway, trainer) this venv leaves out.
+    exec .venv-vllm/bin/python -m pytest -m vllm tests/vllm "$@"
 fi
 scripts/setup.sh
 markers="not slow and not gpu and not docker and not vllm"

@@ -27,6 +27,10 @@ from dataclasses import dataclass, field
 from flywheel.config import RunConfig
 
 
+class RunEnded(Exception):
+    """The run finished or failed: its remaining tasks are not sampled."""
+
+
 @dataclass
 class Admission:
     """The counters and the rule; :meth:`slot` waits for room."""
@@ -38,6 +42,8 @@ class Admission:
     num_issued: int = 0
     num_in_flight: int = 0
     num_waiting: int = 0
+    ended: bool = False  # the run finished or failed; waiting and new tasks get RunEnded
+    num_skipped: int = 0  # rollouts of tasks left over when the run ended
     on_change: Callable[[], None] | None = None  # called after every change of the counters
     _changed: asyncio.Condition = field(default_factory=asyncio.Condition, repr=False)
 
@@ -74,17 +80,30 @@ class Admission:
                 self._changed.notify_all()
                 self._counted()
 
+    async def end(self) -> None:
+        """The run ended: release every waiting task (with RunEnded) and refuse new ones."""
+        async with self._changed:
+            self.ended = True
+            self._changed.notify_all()
+            self._counted()
+
     @asynccontextmanager
     async def slot(self, n: int) -> AsyncIterator[None]:
-        """Hold ``n`` rollouts in flight; they stay issued unless the block raises."""
+        """Hold ``n`` rollouts in flight; they stay issued unless the block raises.
+
+        Raises RunEnded when the run ends before (or while) the task waits for room."""
         self.check(n)
         async with self._changed:
             self.num_waiting += n
             self._counted()
             try:
-                await self._changed.wait_for(lambda: self.fits(n))
+                await self._changed.wait_for(lambda: self.ended or self.fits(n))
             finally:
                 self.num_waiting -= n
+            if self.ended:
+                self.num_skipped += n
+                self._counted()
+                raise RunEnded()
             self.num_issued += n
             self.num_in_flight += n
             self._counted()
@@ -101,4 +120,4 @@ class Admission:
 
     def counters(self) -> dict[str, int]:
         return {"trainer_step": self.trainer_step, "max_issued": self.max_issued, "num_issued": self.num_issued,
-                "num_in_flight": self.num_in_flight, "num_waiting": self.num_waiting}
+                "num_in_flight": self.num_in_flight, "num_waiting": self.num_waiting, "num_skipped": self.num_skipped}

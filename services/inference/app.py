@@ -2,7 +2,7 @@
 
 :func:`create_app` builds nothing at import time. At start (the lifespan) it connects to
 NATS, builds the :class:`~flywheel_inference.worker.Worker` and runs it under a
-:class:`flywheel.service.Service` (the task consumer, the weight watcher, the heartbeat)
+:class:`flywheel.service.Service` (the task consumer, the weight and run-state watchers, the heartbeat)
 beside the HTTP server, which owns the signals. At stop it stops the service (in-flight
 tasks finish or are handed back), closes the policies and drains the connection. If the
 worker dies while the server is up, ``app.state.worker_failed`` is set and ``on_worker_exit``
@@ -20,7 +20,6 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from flywheel.bus import Bus
-from flywheel.service import Service
 from flywheel.settings import Settings
 from flywheel_inference import api
 from flywheel_inference.worker import Worker, WorkerConfig
@@ -37,9 +36,7 @@ def create_app(settings: Settings, config: WorkerConfig | None = None, url: str 
         bus = await Bus.connect(settings.resolved_nats_url, name="inference")
         worker = Worker.with_backends(bus, settings.data_dir, config)
         worker.info["url"] = url
-        service = Service("inference", bus, info=worker.info, handle_signals=False)
-        service.add(worker.consumer())
-        service.add_task(worker.watch_weights)
+        service = worker.service(handle_signals=False)
         app.state.worker = worker
         running = asyncio.ensure_future(service.run())
         stopping = False

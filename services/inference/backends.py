@@ -21,8 +21,12 @@ seeded sequence draws the same random numbers whatever else is in its batch. The
 are the same for the same batch; in a different batch, padding changes the float
 rounding of the logits, which can (rarely) flip a draw.
 
-Not covered: the vLLM backend (not built yet; ``inference.backend = "vllm"`` fails with a
-message saying so), LoRA adapters, streaming, top-k, and logprobs of the alternatives
+The ``vllm`` backend lives in :mod:`flywheel_inference.backend_vllm`, imported only when a
+run asks for it (vLLM is in ``.venv-vllm`` on CPU, ``scripts/setup-vllm.sh``, or on a GPU
+machine). Its backend is tested on CPU; the inference service has not yet been run on it
+(the engine would be built from a worker thread, and backends have no ``close``).
+
+Not covered: LoRA adapters, streaming, top-k, and logprobs of the alternatives
 (``top_logprobs``).
 """
 
@@ -252,9 +256,19 @@ class TransformersBackend:
 
 BackendBuilder = Callable[[Path | str, str], Backend]
 
-# RunConfig.inference.backend -> builder(model folder or hub id, dtype). "vllm" is not built yet.
+
+def _build_vllm(path: Path | str, dtype: str) -> Backend:
+    # Imported here: vllm is only in .venv-vllm (scripts/setup-vllm.sh) or on a GPU
+    # machine; without it, building fails with a message naming the package.
+    from flywheel_inference.backend_vllm import VLLMBackend
+
+    return VLLMBackend.build(path, dtype)
+
+
+# RunConfig.inference.backend -> builder(model folder or hub id, dtype).
 BACKENDS: dict[str, BackendBuilder] = {
     "transformers": TransformersBackend.build,
+    "vllm": _build_vllm,
 }
 
 

@@ -41,8 +41,9 @@ from flywheel import events
 from flywheel.bus import HEADER_CONTENT_TYPE, Bus, Consumer, Delivery, Reject
 from flywheel.config import RunConfig
 from flywheel.environment import EnvironmentLoadError, Environment, load_environment
+from flywheel.service import Service
 from flywheel_inference import rollouts
-from flywheel_inference.admission import Admission
+from flywheel_inference.admission import Admission, RunEnded
 from flywheel_inference.backends import Backend, build_backend
 from flywheel_inference.policy import Policy
 
@@ -95,6 +96,7 @@ class Worker:
         self._runs: dict[str, HostedRun] = {}
         self._starting: dict[str, asyncio.Future[HostedRun]] = {}
         self._latest: dict[str, events.WeightUpdate] = {}  # newest update seen per run
+        self._ended: set[str] = set()  # runs whose state says finished or failed
         self._environments: dict[str, Environment] = {}
         self._state_decoder = events.Decoder(events.RunState)
 
@@ -155,6 +157,7 @@ class Worker:
         log.info("run %s: loading model %s (%s backend)", run, cfg.model.name, cfg.inference.backend)
         backend = await asyncio.to_thread(self._build, cfg)
         admission = Admission.for_run(cfg, num_issued=num_issued, on_change=self._refresh_info)
+        admission.ended = run in self._ended
 
         async def loaded(version: int) -> None:
             await admission.advance(version)
@@ -212,12 +215,46 @@ class Worker:
         finally:
             await sub.unsubscribe()
 
+    def service(self, handle_signals: bool = True) -> Service:
+        """The process's Service: the TASKS consumer, the weights and run-state watchers."""
+        service = Service("inference", self.bus, info=self.info, handle_signals=handle_signals)
+        service.add(self.consumer())
+        service.add_task(self.watch_weights)
+        service.add_task(self.watch_runs)
+        return service
+
+    # --- run state ---------------------------------------------------------------------------
+
+    async def watch_runs(self, stopping: asyncio.Event) -> None:
+        """End admission for runs whose state becomes finished or failed, until ``stopping``."""
+        kv = await self.bus.runs_kv()
+        watcher = await kv.watchall()
+        decoder = events.Decoder(events.RunState)
+        try:
+            while not stopping.is_set():
+                try:
+                    entry = await watcher.updates(timeout=0.5)
+                except nats.errors.TimeoutError:
+                    continue
+                if entry is None or not entry.value:
+                    continue  # the end of the initial values, or a deleted key
+                state = decoder.decode(entry.value)
+                if state.status in ("finished", "failed"):
+                    self._ended.add(state.id)
+                    if state.id in self._runs:
+                        await self._runs[state.id].admission.end()
+        finally:
+            await watcher.stop()
+
     # --- tasks --------------------------------------------------------------------------------
 
     async def handle(self, delivery: Delivery) -> None:
         from flywheel import models
 
         task: events.Task = delivery.event
+        if task.run in self._ended:
+            log.info("task %s: run %s has ended; not sampled", task.id, task.run)
+            return
         try:
             env = self.environment(task.env)
         except EnvironmentLoadError as exc:
@@ -236,9 +273,13 @@ class Worker:
             hosted.policy.check([prompt_ids], sampling)
         except ValueError as exc:
             raise Reject(f"task {task.id}: {exc}") from exc
-        await hosted.policy.wait_ready()
-        async with hosted.admission.slot(task.num_rollouts):
-            await self._roll_out(task, messages, prompt_ids, sampling, hosted)
+        try:
+            await hosted.policy.wait_ready()
+            async with hosted.admission.slot(task.num_rollouts):
+                await self._roll_out(task, messages, prompt_ids, sampling, hosted)
+        except RunEnded:
+            # Left over when the run ended: done with, not an error (counted as num_skipped).
+            log.info("task %s: run %s has ended; not sampled", task.id, task.run)
 
     async def _roll_out(self, task: events.Task, messages: list[events.Message], prompt_ids: list[int],
                         sampling: events.Sampling, hosted: HostedRun) -> None:

@@ -186,8 +186,11 @@ class Trainer:
 
     def consumers(self) -> list[Consumer]:
         run, o = self.cfg.run, self.options
+        # A finished run's consumers go away an hour after its trainer stops pulling; a trainer
+        # restarted later starts them again from the stream's start and skips what its
+        # checkpoint says it consumed.
         common: dict[str, Any] = dict(batch_size=o.consumer_batch_size, max_in_flight=o.consumer_max_in_flight,
-                                      ack_wait_s=o.ack_wait_s, grace_s=2.0)
+                                      ack_wait_s=o.ack_wait_s, grace_s=2.0, inactive_threshold_s=3600.0)
         return [
             Consumer(self.bus, stream="ROLLOUTS", durable=f"trainer-{run}-rollouts", filter_subject=f"rollouts.{run}.>",
                      batch_handler=self.on_rollouts, event_type=events.Rollout, **common),

@@ -358,6 +358,7 @@ class Consumer:
         grace_s: float = 10.0,
         fetch_timeout_s: float = 1.0,
         deliver_new_only: bool = False,
+        inactive_threshold_s: float | None = None,
     ) -> None:
         if (handler is None) == (batch_handler is None):
             raise ValueError("Consumer needs exactly one of handler= or batch_handler=")
@@ -380,6 +381,9 @@ class Consumer:
         self.grace_s = grace_s
         self.fetch_timeout_s = fetch_timeout_s
         self.deliver_new_only = deliver_new_only
+        # The server deletes the durable after this long without a pull (None: never);
+        # for consumers that belong to something that ends, like one run's trainer.
+        self.inactive_threshold_s = inactive_threshold_s
         self.stats = ConsumerStats()
         self._stopping = asyncio.Event()
         self._in_flight = 0
@@ -399,6 +403,7 @@ class Consumer:
             max_ack_pending=self.max_in_flight,
             filter_subject=self.filter_subject,
             deliver_policy=DeliverPolicy.NEW if self.deliver_new_only else DeliverPolicy.ALL,
+            inactive_threshold=self.inactive_threshold_s,
         )
         await self.bus._retry(lambda: self.bus.js.add_consumer(self.stream, cfg))
 

@@ -66,16 +66,14 @@ async def count(bus: Bus, stream: str) -> int:
 
 @pytest.fixture
 async def start_worker(nats_server: NatsServer, tmp_path: Path) -> AsyncIterator[StartWorker]:
-    """Starts the worker as the process does (consumer and weight watcher under a Service)."""
+    """Starts the worker as the process does (its Service: consumer, weights and run watchers)."""
     started: list[tuple[Service, asyncio.Future[None], Worker]] = []
 
     async def start() -> Worker:
         wbus = await Bus.connect(nats_server.url, name="inference")
         worker = Worker.with_backends(wbus, tmp_path / "data",
                                       WorkerConfig(backoff_s=(0.2,), max_deliver=50))
-        service = Service("inference", wbus, info=worker.info, handle_signals=False)
-        service.add(worker.consumer())
-        service.add_task(worker.watch_weights)
+        service = worker.service(handle_signals=False)
         started.append((service, asyncio.ensure_future(service.run()), worker))
         return worker
 
@@ -195,3 +193,28 @@ async def test_a_corrupt_blob_is_not_loaded_and_the_next_good_one_is(bus: Bus, t
     await publish_weights(bus, "r1", 2, base)
     await until(lambda: count_is(bus, "ROLLOUTS", 4), timeout_s=30, what="the task, once version 2 loads")
     assert {r.policy_version for r in await stored(bus, "ROLLOUTS", events.Rollout)} == {2}
+
+
+async def test_tasks_left_when_the_run_ends_are_released_not_held(
+        bus: Bus, tiny_model_dir: Path, start_worker: StartWorker) -> None:
+    cfg = await create_run(bus, tiny_model_dir)  # 8 rollouts per version
+    worker = await start_worker()
+    await bus.publish_many([events.Task(id=f"t{i}", run="r1", env="reverse_text", data={"text": "abcd"},
+                                        num_rollouts=4) for i in range(4)])
+    base, _ = models.load_model(tiny_model_dir)
+    await publish_weights(bus, "r1", 0, base)
+    await until(lambda: worker.info["runs"]["r1"]["num_waiting"] == 8 and count_is(bus, "ROLLOUTS", 8),
+                timeout_s=30, what="two groups published, two waiting")
+
+    finished = events.RunState(id="r1", status="finished", config=cfg.model_dump())
+    await (await bus.runs_kv()).put("r1", events.encode(finished))
+    await until(lambda: worker.info["runs"]["r1"]["num_skipped"] == 8, timeout_s=15, what="the waiting groups skipped")
+
+    async def nothing_held() -> bool:
+        info = await bus.js.consumer_info("TASKS", "inference")
+        return info.num_ack_pending == 0 and info.num_pending == 0
+
+    await until(nothing_held, timeout_s=15, what="the leftover tasks acked")
+    await bus.publish(events.Task(id="late", run="r1", env="reverse_text", data={"text": "ab"}, num_rollouts=4))
+    await until(nothing_held, timeout_s=15, what="a task of the ended run acked at once")
+    assert await count(bus, "ROLLOUTS") == 8

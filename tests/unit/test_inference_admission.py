@@ -43,7 +43,7 @@ async def test_a_group_waits_for_the_next_weight_version() -> None:
     tasks = [asyncio.ensure_future(group(i)) for i in range(3)]
     await until(lambda: len(admitted) == 2 and a.num_waiting == 4, what="two groups in, one waiting")
     assert a.counters() == {"trainer_step": 0, "max_issued": 8, "num_issued": 8, "num_in_flight": 8,
-                            "num_waiting": 4}
+                            "num_waiting": 4, "num_skipped": 0}
     release.set()
     await until(lambda: a.num_in_flight == 0, what="the first two done")
     assert len(admitted) == 2  # done is not enough: the trainer has not stepped
@@ -69,3 +69,33 @@ async def test_in_flight_is_bounded_and_a_failed_group_gives_its_allowance_back(
         async with a.slot(4):
             raise RuntimeError("publish failed")
     assert a.num_issued == 8 and a.num_in_flight == 0
+
+
+async def test_when_the_run_ends_waiting_tasks_are_released_and_new_ones_refused() -> None:
+    import asyncio
+
+    import pytest
+
+    from flywheel_inference.admission import Admission, RunEnded
+
+    a = Admission(batch_size=4, max_off_policy_steps=0, max_in_flight=8)
+    async with a.slot(4):
+        pass
+    outcome: list[str] = []
+
+    async def wait_for_room() -> None:
+        try:
+            async with a.slot(4):
+                outcome.append("sampled")
+        except RunEnded:
+            outcome.append("ended")
+
+    waiting = asyncio.ensure_future(wait_for_room())
+    await asyncio.sleep(0)
+    assert a.num_waiting == 4 and not waiting.done()
+    await a.end()
+    await waiting
+    assert outcome == ["ended"] and a.num_skipped == 4 and a.num_waiting == 0
+    with pytest.raises(RunEnded):
+        async with a.slot(1):
+            pass

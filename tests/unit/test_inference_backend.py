@@ -120,7 +120,7 @@ def test_bad_sampling_is_refused_naming_the_field(backend: TransformersBackend, 
 
 def test_swap_loads_new_weights_and_records_the_version(tiny_model_dir: Path) -> None:
     backend = build_backend("transformers", tiny_model_dir, "float32")
-    assert backend.version is None and set(BACKENDS) == {"transformers"}
+    assert backend.version is None and set(BACKENDS) == {"transformers", "vllm"}
     sampling = events.Sampling(max_tokens=8, seed=2)
     before = backend.generate(PROMPTS, sampling)
     model, _ = models.load_model(tiny_model_dir)
