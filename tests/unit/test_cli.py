@@ -202,3 +202,13 @@ def test_defaults_in_option_help_match_the_settings() -> None:
             assert stated.group(1) == str(Settings.model_fields[name].default), name
             num_stated += 1
     assert num_stated == 8
+
+
+def test_model_tiny_writes_a_loadable_hf_folder(tmp_path, capsys) -> None:
+    from flywheel import models
+    from flywheel.cli import main
+
+    assert main(["model", "tiny", str(tmp_path / "tiny")]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "tiny")
+    model, tok = models.load_model(tmp_path / "tiny")
+    assert tok.chat_template and model.config.model_type == "qwen2"
