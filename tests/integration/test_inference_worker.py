@@ -201,6 +201,7 @@ async def test_tasks_left_when_the_run_ends_are_released_not_held(
     worker = await start_worker()
     await bus.publish_many([events.Task(id=f"t{i}", run="r1", env="reverse_text", data={"text": "abcd"},
                                         num_rollouts=4) for i in range(4)])
+    await until(lambda: "r1" in worker.info["runs"], what="the run to be hosted")
     base, _ = models.load_model(tiny_model_dir)
     await publish_weights(bus, "r1", 0, base)
     await until(lambda: worker.info["runs"]["r1"]["num_waiting"] == 8 and count_is(bus, "ROLLOUTS", 8),
