@@ -1,9 +1,12 @@
 """Admission control: how far sampling may run ahead of the trainer, per run.
 
 A run may have issued at most ``(trainer_step + max_off_policy_steps + 1) *
-trainer.batch_size`` rollouts, where ``trainer_step`` is the latest weight version of
-the run: the trainer consumes ``batch_size`` rollouts per step, so this is enough to
-keep it busy and never more than it could train on before they go stale. The version
+trainer.batch_size + num_dropped`` rollouts, where ``trainer_step`` is the latest weight
+version of the run and ``num_dropped`` the rollouts the trainer dropped so far (stale, or
+failed by a scorer; the trainer reports it with each weight update): the trainer
+consumes ``batch_size`` rollouts per step, so this is enough to keep it busy and never
+more than it could train on before they go stale, and a drop does not shrink the
+lookahead for good. The version
 counts once this replica has loaded it, not when it is first seen, so the rollouts a new
 version lets in are sampled by it (with ``max_off_policy_steps = 0`` they would
 otherwise be stale on arrival). On top of that
@@ -39,6 +42,7 @@ class Admission:
     max_off_policy_steps: int
     max_in_flight: int
     trainer_step: int = 0
+    num_dropped: int = 0  # rollouts the trainer dropped so far: their allowance comes back
     num_issued: int = 0
     num_in_flight: int = 0
     num_waiting: int = 0
@@ -58,7 +62,7 @@ class Admission:
 
     @property
     def max_issued(self) -> int:
-        return (self.trainer_step + self.max_off_policy_steps + 1) * self.batch_size
+        return (self.trainer_step + self.max_off_policy_steps + 1) * self.batch_size + self.num_dropped
 
     def fits(self, n: int) -> bool:
         return self.num_issued + n <= self.max_issued and self.num_in_flight + n <= self.max_in_flight
@@ -72,11 +76,12 @@ class Admission:
             raise ValueError(f"num_rollouts={n} exceeds (trainer.max_off_policy_steps + 1) * trainer.batch_size = "
                              f"{first_allowance}: the trainer could not step before this group is sampled")
 
-    async def advance(self, trainer_step: int) -> None:
-        """A newer weight version was seen: more rollouts may be issued."""
+    async def advance(self, trainer_step: int, num_dropped: int = 0) -> None:
+        """A newer weight version was loaded: more rollouts may be issued."""
         async with self._changed:
-            if trainer_step > self.trainer_step:
-                self.trainer_step = trainer_step
+            if trainer_step > self.trainer_step or num_dropped > self.num_dropped:
+                self.trainer_step = max(self.trainer_step, trainer_step)
+                self.num_dropped = max(self.num_dropped, num_dropped)
                 self._changed.notify_all()
                 self._counted()
 
@@ -119,5 +124,5 @@ class Admission:
                 self._counted()
 
     def counters(self) -> dict[str, int]:
-        return {"trainer_step": self.trainer_step, "max_issued": self.max_issued, "num_issued": self.num_issued,
+        return {"trainer_step": self.trainer_step, "num_dropped": self.num_dropped, "max_issued": self.max_issued, "num_issued": self.num_issued,
                 "num_in_flight": self.num_in_flight, "num_waiting": self.num_waiting, "num_skipped": self.num_skipped}

@@ -31,7 +31,7 @@ from flywheel_inference.backends import Backend, Completion, check_sampling
 log = logging.getLogger(__name__)
 
 FetchWeights = Callable[[events.WeightUpdate], Awaitable[bytes]]
-OnLoaded = Callable[[int], Awaitable[None]]
+OnLoaded = Callable[[events.WeightUpdate], Awaitable[None]]
 
 
 class WeightsUnavailable(RuntimeError):
@@ -61,7 +61,7 @@ def _batch_key(sampling: events.Sampling) -> bytes:
 class Policy:
     def __init__(self, run: str, backend: Backend, fetch: FetchWeights, max_batch_size: int,
                  on_loaded: OnLoaded | None = None) -> None:
-        """``fetch`` gets an update's verified blob; ``on_loaded(version)`` runs after each load."""
+        """``fetch`` gets an update's verified blob; ``on_loaded(update)`` runs after each load."""
         self.run = run
         self.backend = backend
         self.max_batch_size = max_batch_size
@@ -136,7 +136,7 @@ class Policy:
                 self.error = error
                 self._state.notify_all()
             if error is None and self._on_loaded is not None:
-                await self._on_loaded(update.version)
+                await self._on_loaded(update)
 
     # --- sampling -----------------------------------------------------------------------------
 

@@ -159,8 +159,8 @@ class Worker:
         admission = Admission.for_run(cfg, num_issued=num_issued, on_change=self._refresh_info)
         admission.ended = run in self._ended
 
-        async def loaded(version: int) -> None:
-            await admission.advance(version)
+        async def loaded(update: events.WeightUpdate) -> None:
+            await admission.advance(update.version, int(update.metrics.get("num_dropped_total", 0)))
             self._refresh_info()  # the policy version, even when the admission bound stays
 
         policy = Policy(run, backend, self._fetch, cfg.inference.max_batch_size, on_loaded=loaded)
@@ -296,6 +296,10 @@ class Worker:
         answers = [rollouts.assistant_node(nodes[-1].id, s.completion, s.version) for s in sampled]
         await self.bus.publish_many([events.TraceNode(run=task.run, rollout_id=rid, node=node)
                                      for rid, node in zip(ids, answers)], events.MSGPACK)
+        # The environment's turn (a tool call, a sandbox, a user simulator): the rollout
+        # keeps its slot while it waits, as an agentic rollout does.
+        env = self.environment(task.env)
+        await asyncio.gather(*(env.step(task.data, s.completion.text, i) for i, s in enumerate(sampled)))
         await self.bus.publish_many([rollouts.build_rollout(task, i, [*nodes, answer], s.completion, s.version,
                                                             s.generation_s)
                                      for i, (s, answer) in enumerate(zip(sampled, answers))], events.MSGPACK)

@@ -277,6 +277,9 @@ class Trainer:
         figures.update(take_figures(take, self.joiner), wait_s=wait_s)
         self.trained[self.step] = take.trained_ids
         self.dropped.update(take.dropped)
+        # Every rollout dropped so far (stale, scorer or rollout error), for inference's
+        # admission: a dropped rollout gives its allowance back.
+        figures["num_dropped_total"] = float(len(self.dropped))
         self.folder.metrics.append({"step": self.step, "version": self.version, **figures})
         if self.step % cfg.trainer.checkpoint_every == 0 or self.step == cfg.trainer.num_steps:
             await self._checkpoint(engine)

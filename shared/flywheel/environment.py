@@ -13,9 +13,14 @@ An environment module (found by its import name, e.g. ``reverse_text``) defines:
     It may be ``async``.
 ``reference(task: dict) -> str`` (optional)
     the reference answer, for supervised warm-up.
+``async step(task: dict, completion: str, index: int) -> None`` (optional)
+    the environment's turn after the model answered (a tool call, a sandbox run, a user
+    simulator), awaited while the rollout holds its inference slot; ``index`` is the
+    rollout's place in its group.
 
 The same module serves evaluation and training. Single-turn only here: the model answers
-once. Not covered: tools, multi-turn harnesses, group rewards, task-row schemas.
+once, then the environment may take its turn. Not covered: tools, multi-turn harnesses
+(the model does not see the environment's turn), group rewards, task-row schemas.
 """
 
 from __future__ import annotations
@@ -69,6 +74,11 @@ class Environment:
 
     def prompt(self, task: dict[str, Any]) -> list[events.Message]:
         return [events.Message(role=m["role"], content=m["content"]) for m in self.module.prompt(task)]
+
+    async def step(self, task: dict[str, Any], completion: str, index: int) -> None:
+        fn = getattr(self.module, "step", None)
+        if fn is not None:
+            await fn(task, completion, index)
 
     def reference(self, task: dict[str, Any]) -> str:
         if not hasattr(self.module, "reference"):

@@ -143,6 +143,8 @@ class MainJob:
         self.run_dir = settings.data_dir.resolve() / "runs" / cfg.run
         self.stopping = asyncio.Event()
         self.progress = Progress()
+        self.rows: list[dict[str, Any]] = []  # the environment's task rows, loaded once
+        self.num_published = 0
 
     def say(self, line: str) -> None:
         print(line, file=self.out, flush=True)
@@ -216,18 +218,31 @@ class MainJob:
                                  "(it does when no NATS answers)")
             await asyncio.sleep(0.5)
 
-    async def _publish_tasks(self, bus: Bus) -> None:
+    async def _publish_tasks(self, bus: Bus, num_dropped: int = 0) -> None:
+        """Publish tasks up to what the run needs: a group for every step, what the
+        staleness bound lets inference run ahead, and one group for each group's worth of
+        rollouts the trainer dropped (they are replaced). Called again as drops come in."""
         cfg = self.cfg
-        env = load_environment(cfg.env)
-        # Enough groups for every step, plus what the staleness bound lets inference run ahead.
-        num_tasks = cfg.num_tasks or (cfg.trainer.num_steps + cfg.trainer.max_off_policy_steps + 2) * cfg.groups_per_step
-        rows = env.load_tasks(num_tasks, seed=cfg.trainer.seed)
+        if cfg.num_tasks is not None:
+            wanted = cfg.num_tasks
+        else:
+            wanted = ((cfg.trainer.num_steps + cfg.trainer.max_off_policy_steps + 2) * cfg.groups_per_step
+                      + -(-num_dropped // cfg.group_size))
+        if wanted <= self.num_published:
+            return
+        if len(self.rows) < wanted:
+            self.rows = load_environment(cfg.env).load_tasks(2 * wanted, seed=cfg.trainer.seed)
         sampling = events.Sampling(temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
                                    max_tokens=cfg.sampling.max_tokens, stop=list(cfg.sampling.stop))
-        tasks = make_tasks(cfg.run, cfg.env, enumerate(rows, 1), num_rollouts=cfg.group_size, sampling=sampling)
+        numbered = list(enumerate(self.rows, 1))[self.num_published:wanted]
+        tasks = make_tasks(cfg.run, cfg.env, numbered, num_rollouts=cfg.group_size, sampling=sampling)
         await bus.publish_many(tasks)
-        self.say(f"run {cfg.run}: published {len(tasks)} tasks of {cfg.group_size} rollouts each "
-                 f"({cfg.env}); {cfg.trainer.num_steps} steps of {cfg.trainer.batch_size} rollouts")
+        if self.num_published == 0:
+            self.say(f"run {cfg.run}: published {len(tasks)} tasks of {cfg.group_size} rollouts each "
+                     f"({cfg.env}); {cfg.trainer.num_steps} steps of {cfg.trainer.batch_size} rollouts")
+        else:
+            self.say(f"run {cfg.run}: published {len(tasks)} more tasks to replace dropped rollouts")
+        self.num_published = wanted
 
     async def _follow(self, bus: Bus, trainer: ServiceProcess) -> None:
         cfg = self.cfg
@@ -248,6 +263,8 @@ class MainJob:
                     self.say(f"run {cfg.run}: weights version 0 published (after {cfg.sft.steps} SFT steps)")
                     self.progress.started_s = time.monotonic()
                 row = self.progress.add(update)
+                if "num_dropped_total" in update.metrics:
+                    await self._publish_tasks(bus, int(update.metrics["num_dropped_total"]))
                 if row is not None:
                     self.say(format_step(row, cfg.trainer.num_steps, await self._in_flight(bus)))
                 if update.trainer_step >= cfg.trainer.num_steps:

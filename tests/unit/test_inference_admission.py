@@ -42,7 +42,7 @@ async def test_a_group_waits_for_the_next_weight_version() -> None:
 
     tasks = [asyncio.ensure_future(group(i)) for i in range(3)]
     await until(lambda: len(admitted) == 2 and a.num_waiting == 4, what="two groups in, one waiting")
-    assert a.counters() == {"trainer_step": 0, "max_issued": 8, "num_issued": 8, "num_in_flight": 8,
+    assert a.counters() == {"trainer_step": 0, "num_dropped": 0, "max_issued": 8, "num_issued": 8, "num_in_flight": 8,
                             "num_waiting": 4, "num_skipped": 0}
     release.set()
     await until(lambda: a.num_in_flight == 0, what="the first two done")
@@ -99,3 +99,12 @@ async def test_when_the_run_ends_waiting_tasks_are_released_and_new_ones_refused
     with pytest.raises(RunEnded):
         async with a.slot(1):
             pass
+
+
+async def test_rollouts_the_trainer_dropped_give_their_allowance_back() -> None:
+    a = Admission(batch_size=8, max_off_policy_steps=1, max_in_flight=64)
+    assert a.max_issued == 16
+    await a.advance(1, num_dropped=8)  # a whole batch went stale
+    assert a.max_issued == (1 + 1 + 1) * 8 + 8
+    await a.advance(1, num_dropped=4)  # an older report never takes allowance away
+    assert a.num_dropped == 8

@@ -1,0 +1,278 @@
+"""Asynchronous against synchronous RL on a heavy-tailed mix of rollout durations.
+
+    python benchmarks/async_vs_sync.py --json out/async_vs_sync.json [--steps 16] [--verbose]
+
+One stack, one model (tiny), one task set, one machine, two training runs through the real
+services (nats-server, scorer, inference, and a trainer per run, started as ``flywheel
+run`` does, by :class:`flywheel.run.MainJob`):
+
+- sync: ``trainer.max_off_policy_steps = 0``: inference may only sample the rollouts of
+  the next step, so every step waits for its slowest group, and inference idles while the
+  trainer trains;
+- async: ``trainer.max_off_policy_steps = 1`` (``--async-off-policy``), as the shipped
+  example: inference runs up to one version ahead, the trainer takes whichever groups are
+  done first. Groups stuck in the tail arrive too late and are dropped as stale; the
+  trainer reports its drops with each weight update and inference's admission gives
+  their allowance back, so the lookahead survives them.
+
+The environment (``benchmarks/envs/delayed_echo.py``) makes rollout time heavy-tailed in
+two ways, seeded, the same in both runs: generated length (texts of Pareto length to echo)
+and environment time (a lognormal wait per rollout after the model answers, as a tool
+call, sandbox or user simulator would take): the environment's ``step``, which the
+inference worker awaits while the rollout holds its slot. The inference process this
+script starts (``--serve-inference``) is the service itself, beating its heartbeat every
+``HEARTBEAT_S`` seconds instead of every 5, so the admission counters can be sampled often.
+
+Figures (one run: compare the ratios, not the absolute times):
+
+- ``async_step_s``, ``sync_step_s``: mean wall seconds per trainer step, from the first
+  step's weight update to the last (the first step, which fills the pipeline, is left out);
+- ``speedup``: ``sync_step_s / async_step_s``;
+- ``async_inference_busy``, ``sync_inference_busy``: mean fraction of the run's inference
+  rollout slots in use (the worker's admission ``num_in_flight`` over
+  ``inference.max_rollouts_in_flight``, read from every inference heartbeat, averaged
+  over time) from weights version 0 to the last step.
+
+Targets: async busy at least 0.9, speedup at least 1.5. Not covered: several inference
+replicas, GPU backends, multi-turn harnesses (the environment's turn is one wait).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ENVS = Path(__file__).resolve().parent / "envs"
+ENV = "delayed_echo"
+HEARTBEAT_S = 0.2  # the inference heartbeat period in the process this script starts
+TARGET_BUSY = 0.9
+TARGET_SPEEDUP = 1.5
+
+
+# --- the inference process ------------------------------------------------------------------
+
+def serve_inference() -> None:
+    """``python benchmarks/async_vs_sync.py --serve-inference``: the inference service, as the stack runs it."""
+    import flywheel.service
+
+    flywheel.service.HEARTBEAT_INTERVAL_S = HEARTBEAT_S
+    from flywheel_inference.__main__ import main
+
+    main([])
+
+
+# --- the runs ---------------------------------------------------------------------------------
+
+def run_config(mode: str, off_policy: int, args: argparse.Namespace, stamp: str) -> Any:
+    from flywheel.config import RunConfig
+
+    groups_per_step = args.batch_size // args.group_size
+    # Async may drop stale groups: publish enough that the trainer never runs out.
+    num_tasks = (args.steps + off_policy + 2) * groups_per_step * (2 if off_policy else 1)
+    return RunConfig.parse({
+        "run": f"bench-{mode}-{stamp}", "env": ENV, "group_size": args.group_size, "num_tasks": num_tasks,
+        "model": {"name": "tiny"},
+        "sampling": {"temperature": 1.0, "max_tokens": args.max_tokens},
+        "sft": {"steps": args.sft_steps, "batch_size": 32, "lr": 3e-3},
+        "trainer": {"batch_size": args.batch_size, "num_steps": args.steps, "lr": 1e-3,
+                    "max_off_policy_steps": off_policy, "seed": 0},
+        "inference": {"max_rollouts_in_flight": args.slots},
+    }, source=f"{mode} run")
+
+
+async def watch_in_flight(bus: Any, run: str, stop: asyncio.Event, samples: list[tuple[float, int]]) -> None:
+    """(monotonic time, the run's admission num_in_flight) at every inference heartbeat, until ``stop``.
+
+    One watcher on the services KV bucket: each beat of the inference process is one update.
+    """
+    import nats.errors
+
+    from flywheel import events
+
+    kv = await bus.services_kv()
+    watcher = await kv.watchall()
+    decoder = events.Decoder(events.ServiceHeartbeat)
+    try:
+        while not stop.is_set():
+            try:
+                entry = await watcher.updates(timeout=0.5)
+            except nats.errors.TimeoutError:
+                continue
+            if entry is None or not entry.value:  # None ends the initial values; empty: a deleted key
+                continue
+            beat = decoder.decode(entry.value)
+            counters = (beat.info or {}).get("runs", {}).get(run) if beat.service == "inference" else None
+            if counters is not None:
+                samples.append((time.monotonic(), int(counters["num_in_flight"])))
+    finally:
+        await watcher.stop()
+
+
+def time_mean(samples: list[tuple[float, int]], start: float, end: float) -> float:
+    """The mean over [start, end] of the step function the samples describe (each holds until the next)."""
+    total = 0.0
+    for (t, value), (t_next, _) in zip(samples, [*samples[1:], (end, 0)]):
+        total += value * max(0.0, min(t_next, end) - max(t, start))
+    return total / (end - start)
+
+
+async def one_run(cfg: Any, settings: Any, bus: Any, out: Any) -> dict[str, Any]:
+    from flywheel.run import MainJob
+
+    job = MainJob(cfg, settings, out=out)
+    stop = asyncio.Event()
+    samples: list[tuple[float, int]] = []
+    sampler = asyncio.ensure_future(watch_in_flight(bus, cfg.run, stop, samples))
+    try:
+        summary = await job.run()
+    finally:
+        stop.set()
+        await sampler
+    steps = job.progress.steps
+    if len(steps) < 2:
+        raise RuntimeError(f"run {cfg.run}: {len(steps)} steps recorded; see {job.run_dir}")
+    start = job.progress.started_s  # weights version 0 published: sampling may begin
+    end = start + steps[-1]["elapsed_s"]
+    window = [n for t, n in samples if start <= t <= end]
+    if not window or samples[0][0] > start:
+        raise RuntimeError(f"run {cfg.run}: too few inference heartbeats read during the run")
+    slots = cfg.inference.max_rollouts_in_flight
+    return {
+        "run": cfg.run,
+        "max_off_policy_steps": cfg.trainer.max_off_policy_steps,
+        "step_s": (steps[-1]["elapsed_s"] - steps[0]["elapsed_s"]) / (len(steps) - 1),
+        "step_s_with_first": steps[-1]["elapsed_s"] / len(steps),
+        "inference_busy": time_mean(samples, start, end) / slots,
+        "num_busy_samples": len(window),
+        "train_s_mean": statistics.fmean(s.get("step_s", 0.0) for s in steps),
+        "trainer_wait_s_mean": statistics.fmean(s.get("wait_s", 0.0) for s in steps),
+        "staleness_mean": statistics.fmean(s.get("staleness_mean", 0.0) for s in steps),
+        "num_dropped_stale": sum(s.get("num_dropped_stale", 0.0) for s in steps),
+        "reward_first": summary["reward_first"],
+        "reward_last": summary["reward_last"],
+        "elapsed_s": steps[-1]["elapsed_s"],
+    }
+
+
+def workload(args: argparse.Namespace) -> dict[str, float]:
+    """What the task set asks for, from the rows themselves (the same rows in both runs)."""
+    sys.path.insert(0, str(ENVS))
+    import delayed_echo
+
+    rows = delayed_echo.load_tasks(1000, seed=0)
+    group_waits = sorted(max(r["wait_s"][i % len(r["wait_s"])] for i in range(args.group_size)) for r in rows)
+    lengths = sorted(len(r["text"]) for r in rows)
+    return {"group_wait_s_mean": statistics.fmean(group_waits), "group_wait_s_p50": group_waits[500],
+            "group_wait_s_p99": group_waits[990], "text_chars_mean": statistics.fmean(lengths),
+            "text_chars_p50": lengths[500], "text_chars_p99": lengths[990]}
+
+
+async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    from flywheel.bus import Bus
+    from flywheel.natsserver import free_port
+    from flywheel.settings import Settings
+    from flywheel.stack import SERVICES, ServiceSpec, Stack, heartbeat_of
+
+    sys.path.insert(0, str(ENVS))  # the tasks are made here, the rest in the services
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ENVS), os.environ.get("PYTHONPATH")) if p)
+    data_dir = Path(args.data_dir or tempfile.mkdtemp(prefix="flywheel-async-vs-sync-"))
+    settings = Settings(data_dir=data_dir, nats_port=free_port(), gateway_port=free_port(),
+                        inference_port=free_port())
+    log_path = data_dir / "benchmark.log"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    out = sys.stdout if args.verbose else log_path.open("a")
+    # What a training run needs (the gateway and recorder only record; they would share the cores).
+    services = {"scorer": SERVICES["scorer"],
+                "inference": ServiceSpec((str(Path(__file__).resolve()), "--serve-inference"),
+                                         heartbeat_of("inference"))}
+    stack = Stack(settings, out=out, services=services)
+    stack_task = asyncio.ensure_future(stack.run())
+    await asyncio.wait([stack_task, asyncio.ensure_future(stack.ready.wait())], return_when=asyncio.FIRST_COMPLETED)
+    if stack_task.done():
+        await stack_task
+        raise RuntimeError("the stack stopped before it was ready")
+    print(f"stack up in {data_dir} (logs in {data_dir / 'logs'}, runs in {data_dir / 'runs'})", flush=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    results: dict[str, dict[str, Any]] = {}
+    bus = await Bus.connect(settings.resolved_nats_url, "benchmark-async-vs-sync")
+    try:
+        # Sync first: it leaves no rollout in flight behind (its allowance ends exactly at
+        # its last step), so the async run starts on an idle inference service.
+        for mode, off_policy in (("sync", 0), ("async", args.async_off_policy)):
+            cfg = run_config(mode, off_policy, args, stamp)
+            began = time.monotonic()
+            results[mode] = await one_run(cfg, settings, bus, out)
+            r = results[mode]
+            print(f"{mode:>5}: max_off_policy_steps {off_policy}  {r['step_s']:.2f} s/step  "
+                  f"busy {r['inference_busy']:.2f}  train {r['train_s_mean']:.2f} s/step  "
+                  f"trainer waits {r['trainer_wait_s_mean']:.2f} s/step  staleness {r['staleness_mean']:.2f}  "
+                  f"dropped {r['num_dropped_stale']:.0f}  reward {r['reward_first']:.3f} -> {r['reward_last']:.3f}  "
+                  f"({time.monotonic() - began:.0f}s with start-up)", flush=True)
+    finally:
+        await bus.close()
+        stack.stopping.set()
+        await stack_task
+        if out is not sys.stdout:
+            out.close()
+    a, s = results["async"], results["sync"]
+    return {
+        "async_step_s": a["step_s"],
+        "sync_step_s": s["step_s"],
+        "speedup": s["step_s"] / a["step_s"],
+        "async_inference_busy": a["inference_busy"],
+        "sync_inference_busy": s["inference_busy"],
+        "speedup_with_first_step": s["step_s_with_first"] / a["step_s_with_first"],
+        "targets": {"async_inference_busy": TARGET_BUSY, "speedup": TARGET_SPEEDUP},
+        "setup": {"model": "tiny", "env": ENV, "steps": args.steps, "batch_size": args.batch_size,
+                  "group_size": args.group_size, "max_rollouts_in_flight": args.slots,
+                  "max_tokens": args.max_tokens, "sft_steps": args.sft_steps, "cpus": os.cpu_count(),
+                  "workload": workload(args)},
+        "runs": results,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", metavar="OUT", help="write the figures here as JSON")
+    parser.add_argument("--steps", type=int, default=16, help="trainer steps per run")
+    parser.add_argument("--batch-size", type=int, default=32, help="rollouts per trainer step")
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--slots", type=int, default=32, help="inference.max_rollouts_in_flight")
+    parser.add_argument("--async-off-policy", type=int, default=1, help="max_off_policy_steps of the async run")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--sft-steps", type=int, default=30)
+    parser.add_argument("--data-dir", help="stack data folder (default: a fresh temporary folder)")
+    parser.add_argument("--verbose", action="store_true", help="show the stack's and the runs' lines")
+    parser.add_argument("--serve-inference", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve_inference:
+        serve_inference()
+        return
+    if args.async_off_policy < 1:
+        parser.error("--async-off-policy must be at least 1")
+    started = time.monotonic()
+    result = asyncio.run(bench(args))
+    result["wall_s"] = time.monotonic() - started
+    busy_ok = result["async_inference_busy"] >= TARGET_BUSY
+    speed_ok = result["speedup"] >= TARGET_SPEEDUP
+    print(f"async {result['async_step_s']:.2f} s/step, sync {result['sync_step_s']:.2f} s/step: "
+          f"speedup {result['speedup']:.2f} (target >= {TARGET_SPEEDUP}: {'met' if speed_ok else 'NOT met'})")
+    print(f"inference busy: async {result['async_inference_busy']:.2f} (target >= {TARGET_BUSY}: "
+          f"{'met' if busy_ok else 'NOT met'}), sync {result['sync_inference_busy']:.2f}")
+    print(f"total {result['wall_s']:.0f}s")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
