@@ -61,3 +61,20 @@ async def test_rewards_take_parameters_by_name_and_must_return_numbers() -> None
         await make_reward("s", lambda completion: "yes", 1.0)(rollout("x"))
     with pytest.raises(TypeError, match="returned nan"):
         await make_reward("n", lambda: float("nan"), 1.0)(rollout("x"))
+
+
+async def test_the_environment_turn_is_optional_and_awaited() -> None:
+    calls: list[tuple[str, int]] = []
+
+    async def step(task: dict, completion: str, index: int) -> None:
+        calls.append((completion, index))
+
+    base = {"load_tasks": lambda n, s: [], "prompt": lambda t: [], "REWARDS": {"x": (lambda completion: 1.0, 1.0)}}
+    install("env_with_a_turn", **base, step=step)
+    install("env_without_a_turn", **base)
+    try:
+        await load_environment("env_with_a_turn").step({}, "cba", 3)
+        await load_environment("env_without_a_turn").step({}, "cba", 3)
+    finally:
+        del sys.modules["env_with_a_turn"], sys.modules["env_without_a_turn"]
+    assert calls == [("cba", 3)]
