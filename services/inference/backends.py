@@ -23,8 +23,8 @@ rounding of the logits, which can (rarely) flip a draw.
 
 The ``vllm`` backend lives in :mod:`flywheel_inference.backend_vllm`, imported only when a
 run asks for it (vLLM is in ``.venv-vllm`` on CPU, ``scripts/setup-vllm.sh``, or on a GPU
-machine). Its backend is tested on CPU; the inference service has not yet been run on it
-(the engine would be built from a worker thread, and backends have no ``close``).
+machine). Both the backend and the inference service on it are tested on CPU
+(``tests/vllm``).
 
 Not covered: LoRA adapters, streaming, top-k, and logprobs of the alternatives
 (``top_logprobs``).
@@ -69,6 +69,10 @@ class Backend(Protocol):
                  seeds: Sequence[int | None] | None = None) -> list[Completion]: ...
 
     def swap(self, data: bytes, version: int) -> None: ...
+
+    def close(self) -> None:
+        """Release what the backend holds outside this process's memory (engine processes)."""
+        ...
 
 
 def check_sampling(sampling: events.Sampling) -> None:
@@ -162,6 +166,9 @@ class TransformersBackend:
 
         model, tokenizer = models.load_model(path, dtype=dtype, device=device)
         return cls(model, tokenizer, device)
+
+    def close(self) -> None:
+        pass  # the model is plain process memory
 
     def swap(self, data: bytes, version: int) -> None:
         from flywheel import models

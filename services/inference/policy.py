@@ -90,6 +90,7 @@ class Policy:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.to_thread(self.backend.close)
 
     # --- weights ------------------------------------------------------------------------------
 

@@ -27,7 +27,7 @@ def backend(tiny_model_dir: Path) -> Iterator[VLLMBackend]:
     b = build_backend("vllm", tiny_model_dir, "float32")
     assert isinstance(b, VLLMBackend)
     yield b
-    b.llm.llm_engine.engine_core.shutdown()
+    b.close()
 
 
 @pytest.fixture(scope="module")
