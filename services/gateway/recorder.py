@@ -9,17 +9,22 @@ message by message; a message that keeps failing, or that can never be recorded 
 event without a time zone), goes to ``dead.<stream>``, which the recorder records too (a
 dead letter is never dead-lettered again).
 
-Not covered: retention (the store keeps everything) and live viewers (they subscribe to
+The runs table mirrors the run-state KV bucket (:func:`mirror_runs`): a run's tenant is
+whatever registered it said, not a default. Not covered: retention (the store keeps everything) and live viewers (they subscribe to
 ``traces.>`` themselves).
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 from dataclasses import dataclass
 
 import sqlalchemy as sa
 
+from flywheel import events
 from flywheel.bus import STREAMS, Bus, Consumer, Delivery, Reject
+from flywheel.runs import watch_runs
 from flywheel.service import Service
 from flywheel.settings import Settings
 from flywheel_gateway.migrate import migrate
@@ -59,6 +64,16 @@ class RecorderConfig:
         ]
 
 
+async def mirror_runs(bus: Bus, store: Store, stopping: asyncio.Event) -> None:
+    """Keep the store's runs (tenant, kind) equal to the run-state bucket, which owns them,
+    whoever registered the run (gateway, CLI, ``flywheel run``), until ``stopping``."""
+
+    async def record(state: events.RunState) -> None:
+        await store.upsert_runs([state])
+
+    await watch_runs(bus, stopping, record)
+
+
 async def run(settings: Settings, config: RecorderConfig | None = None) -> None:
     """Composition root of the recorder process: migrate, connect, consume until a signal."""
     url = settings.resolved_database_url
@@ -70,6 +85,7 @@ async def run(settings: Settings, config: RecorderConfig | None = None) -> None:
         service = Service("recorder", bus, info={"database": database})
         for consumer in (config or RecorderConfig()).build(bus, store):
             service.add(consumer)
+        service.add_task(functools.partial(mirror_runs, bus, store))
         await service.run()  # drains the bus when it stops
     finally:
         await store.close()

@@ -41,6 +41,7 @@ from flywheel import events
 from flywheel.bus import HEADER_CONTENT_TYPE, Bus, Consumer, Delivery, Reject
 from flywheel.config import RunConfig
 from flywheel.environment import EnvironmentLoadError, Environment, load_environment
+from flywheel.runs import watch_runs
 from flywheel.service import Service
 from flywheel_inference import rollouts
 from flywheel_inference.admission import Admission, RunEnded
@@ -227,24 +228,14 @@ class Worker:
 
     async def watch_runs(self, stopping: asyncio.Event) -> None:
         """End admission for runs whose state becomes finished or failed, until ``stopping``."""
-        kv = await self.bus.runs_kv()
-        watcher = await kv.watchall()
-        decoder = events.Decoder(events.RunState)
-        try:
-            while not stopping.is_set():
-                try:
-                    entry = await watcher.updates(timeout=0.5)
-                except nats.errors.TimeoutError:
-                    continue
-                if entry is None or not entry.value:
-                    continue  # the end of the initial values, or a deleted key
-                state = decoder.decode(entry.value)
-                if state.status in ("finished", "failed"):
-                    self._ended.add(state.id)
-                    if state.id in self._runs:
-                        await self._runs[state.id].admission.end()
-        finally:
-            await watcher.stop()
+
+        async def on_state(state: events.RunState) -> None:
+            if state.status in ("finished", "failed"):
+                self._ended.add(state.id)
+                if state.id in self._runs:
+                    await self._runs[state.id].admission.end()
+
+        await watch_runs(self.bus, stopping, on_state)
 
     # --- tasks --------------------------------------------------------------------------------
 

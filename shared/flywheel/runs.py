@@ -8,10 +8,13 @@ here, so the rule and the name checks live once.
 
 from __future__ import annotations
 
+import asyncio
 import re
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
+import nats.errors
 import nats.js.errors
 
 from flywheel import events
@@ -88,3 +91,20 @@ async def update_run(bus: Bus, run: str, **changes: Any) -> events.RunState:
     kv = await bus.runs_kv()
     await kv.put(run, events.encode(state))
     return state
+
+
+async def watch_runs(bus: Bus, stopping: asyncio.Event,
+                     on_state: Callable[[events.RunState], Awaitable[None]]) -> None:
+    """Call ``on_state`` with every run's current state, then with every change, until ``stopping``."""
+    kv = await bus.runs_kv()
+    watcher = await kv.watchall()
+    try:
+        while not stopping.is_set():
+            try:
+                entry = await watcher.updates(timeout=0.5)
+            except nats.errors.TimeoutError:
+                continue
+            if entry is not None and entry.value:  # None ends the initial values; empty: deleted
+                await on_state(_decoder.decode(entry.value))
+    finally:
+        await watcher.stop()

@@ -120,3 +120,24 @@ async def test_the_recorder_turns_weight_updates_into_metrics(app: FastAPI, clie
 async def test_runs_are_documented(client: httpx.AsyncClient) -> None:
     spec = await get(client, "/openapi.json")
     assert {"/v1/runs", "/v1/runs/{run_id}", "/v1/runs/{run_id}/metrics"} <= set(spec["paths"])
+
+
+async def test_the_recorder_mirrors_runs_registered_anywhere(app: FastAPI, client: httpx.AsyncClient,
+                                                             store: Store) -> None:
+    from flywheel_gateway.recorder import mirror_runs
+
+    await put_state(app, events.RunState(id="by-cli", tenant="acme", kind="eval"))
+    stopping = asyncio.Event()
+    mirroring = asyncio.ensure_future(mirror_runs(app.state.bus, store, stopping))
+    try:
+        await put_state(app, events.RunState(id="by-flywheel-run", tenant="beta"))
+
+        async def listed() -> bool:
+            page = await get(client, "/v1/runs")
+            return {(r["id"], r["tenant"]) for r in page["items"]} >= {("by-cli", "acme"), ("by-flywheel-run", "beta")}
+
+        await until(listed, what="both runs in the store with their tenants")
+    finally:
+        stopping.set()
+        await mirroring
+    assert [r["id"] for r in (await get(client, "/v1/runs", tenant="acme"))["items"]] == ["by-cli"]
