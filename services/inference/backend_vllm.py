@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flywheel import events
-from flywheel_inference.backends import Completion, check_sampling, first_stop, row_seeds
+from flywheel_inference.backends import Completion, check_prompts, check_sampling, first_stop, row_seeds
 
 if TYPE_CHECKING:
     import torch
@@ -169,15 +169,9 @@ class VLLMBackend:
         if sampling.temperature < GREEDY_BELOW:
             raise ValueError(f"sampling.temperature={sampling.temperature}: the vLLM backend needs at least "
                              f"{GREEDY_BELOW} (vLLM samples lower temperatures greedily)")
+        check_prompts(prompts, sampling, self.max_positions)
         if not prompts:
             return []
-        for i, prompt in enumerate(prompts):
-            if not prompt:
-                raise ValueError(f"prompts[{i}] is empty: a completion needs at least one prompt token")
-        longest = max(len(p) for p in prompts)
-        if self.max_positions is not None and longest + sampling.max_tokens > self.max_positions:
-            raise ValueError(f"sampling.max_tokens={sampling.max_tokens} plus the longest prompt ({longest} tokens) "
-                             f"exceeds the model's context of {self.max_positions} positions")
         params = [SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
                                  max_tokens=sampling.max_tokens, stop=list(sampling.stop) or None,
                                  seed=seed, logprobs=0, detokenize=bool(sampling.stop))

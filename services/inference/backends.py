@@ -87,6 +87,19 @@ def check_sampling(sampling: events.Sampling) -> None:
         raise ValueError("sampling.stop: an empty stop string would end every completion at once")
 
 
+def check_prompts(prompts: Sequence[Sequence[int]], sampling: events.Sampling, max_positions: int | None) -> int:
+    """Refuse empty prompts and prompts that leave no room for ``max_tokens``; returns the
+    longest prompt's length (0 when there are no prompts)."""
+    for i, prompt in enumerate(prompts):
+        if not prompt:
+            raise ValueError(f"prompts[{i}] is empty: a completion needs at least one prompt token")
+    longest = max((len(p) for p in prompts), default=0)
+    if prompts and max_positions is not None and longest + sampling.max_tokens > max_positions:
+        raise ValueError(f"sampling.max_tokens={sampling.max_tokens} plus the longest prompt ({longest} tokens) "
+                         f"exceeds the model's context of {max_positions} positions")
+    return longest
+
+
 def row_seeds(sampling: events.Sampling, num_rows: int, seeds: Sequence[int | None] | None) -> list[int]:
     """One seed per sequence: ``seeds`` if given, else ``sampling.seed + i``, else fresh entropy."""
     if seeds is not None:
@@ -181,15 +194,9 @@ class TransformersBackend:
         import torch
 
         check_sampling(sampling)
+        longest = check_prompts(prompts, sampling, self.max_positions)
         if not prompts:
             return []
-        for i, prompt in enumerate(prompts):
-            if not prompt:
-                raise ValueError(f"prompts[{i}] is empty: a completion needs at least one prompt token")
-        longest = max(len(p) for p in prompts)
-        if self.max_positions is not None and longest + sampling.max_tokens > self.max_positions:
-            raise ValueError(f"sampling.max_tokens={sampling.max_tokens} plus the longest prompt ({longest} tokens) "
-                             f"exceeds the model's context of {self.max_positions} positions")
         generators = [torch.Generator(device=self.device).manual_seed(s)
                       for s in row_seeds(sampling, len(prompts), seeds)]
         with torch.inference_mode():
