@@ -109,27 +109,15 @@ async def watch_in_flight(bus: Any, run: str, stop: asyncio.Event, samples: list
 
     One watcher on the services KV bucket: each beat of the inference process is one update.
     """
-    import nats.errors
-
     from flywheel import events
+    from flywheel.bus import watch_bucket
 
-    kv = await bus.services_kv()
-    watcher = await kv.watchall()
     decoder = events.Decoder(events.ServiceHeartbeat)
-    try:
-        while not stop.is_set():
-            try:
-                entry = await watcher.updates(timeout=0.5)
-            except nats.errors.TimeoutError:
-                continue
-            if entry is None or not entry.value:  # None ends the initial values; empty: a deleted key
-                continue
-            beat = decoder.decode(entry.value)
-            counters = (beat.info or {}).get("runs", {}).get(run) if beat.service == "inference" else None
-            if counters is not None:
-                samples.append((time.monotonic(), int(counters["num_in_flight"])))
-    finally:
-        await watcher.stop()
+    async for value in watch_bucket(await bus.services_kv(), stop):
+        beat = decoder.decode(value)
+        counters = (beat.info or {}).get("runs", {}).get(run) if beat.service == "inference" else None
+        if counters is not None:
+            samples.append((time.monotonic(), int(counters["num_in_flight"])))
 
 
 def time_mean(samples: list[tuple[float, int]], start: float, end: float) -> float:

@@ -5,10 +5,14 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from flywheel.natsserver import NatsServer
+
+if TYPE_CHECKING:
+    from flywheel.bus import Bus
 
 
 @pytest.fixture
@@ -22,7 +26,7 @@ def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
 
 
 @pytest.fixture
-async def bus(nats_server: NatsServer) -> AsyncIterator["Bus"]:  # noqa: F821
+async def bus(nats_server: NatsServer) -> AsyncIterator[Bus]:
     from flywheel.bus import Bus
 
     b = await Bus.connect(nats_server.url, name="test")

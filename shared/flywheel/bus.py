@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -288,6 +288,22 @@ async def _log_disconnected() -> None:
 
 async def _log_reconnected() -> None:
     log.info("nats: reconnected")
+
+
+async def watch_bucket(kv: KeyValue, stopping: asyncio.Event) -> AsyncIterator[bytes]:
+    """Every key's current value in a KV bucket, then every new value, until ``stopping``
+    (deleted keys are skipped)."""
+    watcher = await kv.watchall()
+    try:
+        while not stopping.is_set():
+            try:
+                entry = await watcher.updates(timeout=0.5)
+            except nats.errors.TimeoutError:
+                continue
+            if entry is not None and entry.value:  # None ends the initial values; empty: deleted
+                yield entry.value
+    finally:
+        await watcher.stop()
 
 
 async def _wait(event: asyncio.Event, timeout_s: float) -> None:

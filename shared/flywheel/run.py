@@ -39,7 +39,7 @@ from flywheel.bus import Bus, BusConfig
 from flywheel.client import make_tasks
 from flywheel.config import RunConfig
 from flywheel.environment import load_environment
-from flywheel.runs import get_run, register_run
+from flywheel.runs import register_run
 from flywheel.settings import Settings
 from flywheel.stack import SERVICES, ServiceProcess, ServiceSpec, Stack, StackError, child_env, heartbeat_of
 

@@ -14,11 +14,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
-import nats.errors
 import nats.js.errors
 
 from flywheel import events
-from flywheel.bus import Bus
+from flywheel.bus import Bus, watch_bucket
 
 MAX_NAME_CHARS = 128
 # A NATS subject token: no separators, no wildcards, no whitespace, not empty.
@@ -96,15 +95,5 @@ async def update_run(bus: Bus, run: str, **changes: Any) -> events.RunState:
 async def watch_runs(bus: Bus, stopping: asyncio.Event,
                      on_state: Callable[[events.RunState], Awaitable[None]]) -> None:
     """Call ``on_state`` with every run's current state, then with every change, until ``stopping``."""
-    kv = await bus.runs_kv()
-    watcher = await kv.watchall()
-    try:
-        while not stopping.is_set():
-            try:
-                entry = await watcher.updates(timeout=0.5)
-            except nats.errors.TimeoutError:
-                continue
-            if entry is not None and entry.value:  # None ends the initial values; empty: deleted
-                await on_state(_decoder.decode(entry.value))
-    finally:
-        await watcher.stop()
+    async for value in watch_bucket(await bus.runs_kv(), stopping):
+        await on_state(_decoder.decode(value))

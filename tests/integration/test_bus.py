@@ -194,7 +194,7 @@ async def test_long_work_sends_in_progress_instead_of_being_redelivered(bus: Bus
 
     async def slow(d: Delivery) -> None:
         deliveries.append(d.num_delivered)
-        await asyncio.sleep(2.5)  # the work itself: longer than ack_wait_s
+        await asyncio.sleep(2.5)  # noqa: sleep - the work itself: longer than ack_wait_s
 
     c = Consumer(bus, stream="TASKS", durable="c1", handler=slow, ack_wait_s=1.0)
     t = await running(c)
@@ -212,10 +212,10 @@ async def test_stop_finishes_in_flight_work_and_hands_back_the_rest(bus: Bus) ->
     async def handle(d: Delivery) -> None:
         started.set()
         if d.event.id in ("t0", "t1"):
-            await asyncio.sleep(0.2)  # finishes within the grace period
+            await asyncio.sleep(0.2)  # noqa: sleep - work that finishes within the grace period
             finished.append(d.event.id)
         else:
-            await asyncio.sleep(60)  # cannot finish: handed back
+            await asyncio.sleep(60)  # noqa: sleep - work that cannot finish in time: handed back
 
     c = Consumer(bus, stream="TASKS", durable="c1", handler=handle, max_in_flight=4, grace_s=1.0)
     t = await running(c)

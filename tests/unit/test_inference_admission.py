@@ -91,7 +91,7 @@ async def test_when_the_run_ends_waiting_tasks_are_released_and_new_ones_refused
             outcome.append("ended")
 
     waiting = asyncio.ensure_future(wait_for_room())
-    await asyncio.sleep(0)
+    await until(lambda: a.num_waiting == 4, what="the task to wait for room")
     assert a.num_waiting == 4 and not waiting.done()
     await a.end()
     await waiting

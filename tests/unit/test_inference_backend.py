@@ -10,8 +10,8 @@ import torch
 
 from flywheel import events, models
 from flywheel_inference.backends import BACKENDS, TransformersBackend, build_backend, sample_rows
+from tests.backend_checks import PROMPTS, check_one_completion_per_prompt, full_forward_logprobs
 
-PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16], [20, 21, 22, 23, 24]]
 
 
 @pytest.fixture(scope="module")
@@ -19,24 +19,8 @@ def backend(tiny_model_dir: Path) -> TransformersBackend:
     return TransformersBackend.build(tiny_model_dir, "float32")
 
 
-def full_forward_logprobs(model: torch.nn.Module, prompt: list[int], completion: list[int],
-                          temperature: float) -> torch.Tensor:
-    """log_softmax(logits / T) of ``completion`` from one unpadded forward, no cache."""
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([prompt + completion])).logits[0].float()
-    logprobs = torch.log_softmax(logits / temperature, dim=-1)[len(prompt) - 1:-1]
-    return logprobs.gather(-1, torch.tensor(completion)[:, None])[:, 0]
-
-
 def test_one_completion_per_prompt_with_aligned_logprobs(backend: TransformersBackend) -> None:
-    out = backend.generate(PROMPTS, events.Sampling(max_tokens=6, seed=0))
-    assert len(out) == len(PROMPTS)
-    for c in out:
-        assert 1 <= len(c.token_ids) <= 6 and len(c.logprobs) == len(c.token_ids)
-        assert all(lp <= 0.0 for lp in c.logprobs)
-        assert c.finish_reason == ("stop" if c.token_ids[-1] in backend.eos_ids else "length")
-        assert c.text == backend.decode(c.token_ids)
-    assert backend.generate([], events.Sampling()) == []
+    check_one_completion_per_prompt(backend)
 
 
 def test_logprobs_match_an_unpadded_full_forward(backend: TransformersBackend) -> None:

@@ -14,11 +14,11 @@ import torch
 from flywheel import events, models
 from flywheel_inference.backend_vllm import VLLMBackend, vllm_available
 from flywheel_inference.backends import BACKENDS, build_backend
+from tests.backend_checks import PROMPTS, check_one_completion_per_prompt, full_forward_logprobs
 
 needs_vllm = (pytest.mark.vllm,
               pytest.mark.skipif(not vllm_available(),
                                  reason="vllm is not installed here: scripts/test.sh --vllm runs this tier in .venv-vllm"))
-PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16], [20, 21, 22, 23, 24]]
 GREEDY = dict(temperature=1.0, top_p=1e-6)  # only the most likely token survives top-p
 
 
@@ -34,14 +34,6 @@ def backend(tiny_model_dir: Path) -> Iterator[VLLMBackend]:
 def reference(tiny_model_dir: Path) -> torch.nn.Module:
     model, _ = models.load_model(tiny_model_dir)
     return model
-
-
-def recompute(model: torch.nn.Module, prompt: list[int], completion: list[int], temperature: float) -> torch.Tensor:
-    """The trainer's logprobs: log_softmax(logits / T) of ``completion``, one forward, no cache."""
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([prompt + completion])).logits[0].float()
-    logprobs = torch.log_softmax(logits / temperature, dim=-1)[len(prompt) - 1:-1]
-    return logprobs.gather(-1, torch.tensor(completion)[:, None])[:, 0]
 
 
 def trained_to_prefer(tiny_model_dir: Path, token: int, steps: int = 40) -> torch.nn.Module:
@@ -73,14 +65,7 @@ def test_a_missing_vllm_is_named_in_the_error(tiny_model_dir: Path) -> None:
 @needs_vllm[1]
 class TestEngine:
     def test_one_completion_per_prompt_with_aligned_logprobs(self, backend: VLLMBackend) -> None:
-        out = backend.generate(PROMPTS, events.Sampling(max_tokens=6, seed=0))
-        assert len(out) == len(PROMPTS)
-        for c in out:
-            assert 1 <= len(c.token_ids) <= 6 and len(c.logprobs) == len(c.token_ids)
-            assert all(lp <= 0.0 for lp in c.logprobs)
-            assert c.finish_reason == ("stop" if c.token_ids[-1] in backend.eos_ids else "length")
-            assert c.text == backend.decode(c.token_ids)
-        assert backend.generate([], events.Sampling()) == []
+        check_one_completion_per_prompt(backend)
         assert backend.version is None and backend.max_positions == 256
 
     @pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.8), (1.3, 1.0), (2.0, 0.5)])
@@ -90,7 +75,7 @@ class TestEngine:
         vLLM's own modes give other numbers here: raw_logprobs ignores T, processed_logprobs
         renormalises over the top-p nucleus."""
         out = backend.generate(PROMPTS, events.Sampling(temperature=temperature, top_p=top_p, max_tokens=16, seed=3))
-        diffs = torch.cat([(recompute(reference, p, c.token_ids, temperature) - torch.tensor(c.logprobs)).abs()
+        diffs = torch.cat([(full_forward_logprobs(reference, p, c.token_ids, temperature) - torch.tensor(c.logprobs)).abs()
                            for p, c in zip(PROMPTS, out)])
         assert diffs.mean().item() <= 1e-3, diffs.max()
 
@@ -100,7 +85,7 @@ class TestEngine:
         with torch.no_grad():
             logits = reference(input_ids=torch.tensor([PROMPTS[0] + c.token_ids])).logits[0, len(PROMPTS[0]) - 1:-1]
         assert c.token_ids == logits.argmax(-1).tolist()
-        assert torch.allclose(torch.tensor(c.logprobs), recompute(reference, PROMPTS[0], c.token_ids, 2.0), atol=1e-3)
+        assert torch.allclose(torch.tensor(c.logprobs), full_forward_logprobs(reference, PROMPTS[0], c.token_ids, 2.0), atol=1e-3)
         assert max(c.logprobs) < -0.01  # not log(1): taken before truncation
 
     def test_a_seed_reproduces_a_row_whatever_else_is_in_its_batch(self, backend: VLLMBackend) -> None:
@@ -156,7 +141,7 @@ class TestEngine:
         assert all(c.token_ids == [target] * 6 for c in after), [c.token_ids for c in after]
         # every weight arrived, the tied LM head included: the trainer recomputes the same logprobs
         sampled = backend.generate(PROMPTS, events.Sampling(temperature=0.9, max_tokens=8, seed=4))
-        diffs = torch.cat([(recompute(trained, p, c.token_ids, 0.9) - torch.tensor(c.logprobs)).abs()
+        diffs = torch.cat([(full_forward_logprobs(trained, p, c.token_ids, 0.9) - torch.tensor(c.logprobs)).abs()
                            for p, c in zip(PROMPTS, sampled)])
         assert diffs.mean().item() <= 1e-3
 
