@@ -13,23 +13,17 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import nats.js.errors
-from nats.js.kv import KeyValue
-
-from flywheel import events
 from flywheel.bus import Bus
+from flywheel.runs import RunConflict, get_or_create_run
 from flywheel_gateway.store import Store
 
-
-class RunConflict(ValueError):
-    """A task names a run that belongs to another tenant."""
+__all__ = ["RunConflict", "RunRegistry"]
 
 
 class RunRegistry:
     def __init__(self, bus: Bus, store: Store) -> None:
         self.bus = bus
         self.store = store
-        self._decoder = events.Decoder(events.RunState)
         self._tenants: dict[str, str] = {}  # run id -> tenant
 
     async def ensure(self, runs: Iterable[str], tenant: str) -> None:
@@ -37,27 +31,10 @@ class RunRegistry:
         wanted = sorted(set(runs))
         new = [run for run in wanted if run not in self._tenants]
         if new:
-            kv = await self.bus.runs_kv()
-            states = [await self._get_or_create(kv, run, tenant) for run in new]
+            states = [(await get_or_create_run(self.bus, run, tenant))[0] for run in new]
             await self.store.upsert_runs(states)
             self._tenants.update((state.id, state.tenant) for state in states)
         for run in wanted:
             if self._tenants[run] != tenant:
                 raise RunConflict(f"run {run!r} belongs to tenant {self._tenants[run]!r}, not {tenant!r}; "
                                   "name another run or send the Flywheel-Tenant header of its owner")
-
-    async def _get_or_create(self, kv: KeyValue, run: str, tenant: str) -> events.RunState:
-        for _ in range(2):  # a second pass only when another gateway created it meanwhile
-            try:
-                entry = await kv.get(run)
-                if entry.value:
-                    return self._decoder.decode(entry.value)
-            except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
-                pass  # not there yet: create it below
-            state = events.RunState(id=run, tenant=tenant)
-            try:
-                await kv.create(run, events.encode(state))
-                return state
-            except nats.js.errors.KeyWrongLastSequenceError:
-                continue
-        raise RuntimeError(f"run {run!r}: the run-state key changed twice while it was being created")

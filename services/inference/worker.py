@@ -34,14 +34,13 @@ from pathlib import Path
 from typing import Any
 
 import nats.errors
-import nats.js.errors
 from nats.js.api import DeliverPolicy
 
 from flywheel import events
 from flywheel.bus import HEADER_CONTENT_TYPE, Bus, Consumer, Delivery, Reject
 from flywheel.config import RunConfig
 from flywheel.environment import EnvironmentLoadError, Environment, load_environment
-from flywheel.runs import watch_runs
+from flywheel.runs import get_run, watch_runs
 from flywheel.service import Service
 from flywheel_inference import rollouts
 from flywheel_inference.admission import Admission, RunEnded
@@ -99,7 +98,6 @@ class Worker:
         self._latest: dict[str, events.WeightUpdate] = {}  # newest update seen per run
         self._ended: set[str] = set()  # runs whose state says finished or failed
         self._environments: dict[str, Environment] = {}
-        self._state_decoder = events.Decoder(events.RunState)
 
     @classmethod
     def with_backends(cls, bus: Bus, data_dir: Path, config: WorkerConfig | None = None) -> Worker:
@@ -127,14 +125,9 @@ class Worker:
     # --- runs ---------------------------------------------------------------------------------
 
     async def run_config(self, run: str) -> RunConfig:
-        kv = await self.bus.runs_kv()
-        try:
-            entry = await kv.get(run)
-        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
-            raise UnknownRun(f"run {run!r} is not in the runs bucket") from None
-        if not entry.value:
+        state = await get_run(self.bus, run)
+        if state is None:
             raise UnknownRun(f"run {run!r} is not in the runs bucket")
-        state = self._state_decoder.decode(entry.value)
         if not state.config:
             raise ValueError(f"run {run!r} has no config yet (RunState.config is empty); `flywheel run` writes it")
         return RunConfig.parse(state.config, source=f"run {run!r} config")

@@ -56,21 +56,16 @@ async def get_run(bus: Bus, run: str) -> events.RunState | None:
     return _decoder.decode(entry.value) if entry.value else None
 
 
-async def register_run(bus: Bus, run: str, tenant: str = "default",
-                       config: dict[str, Any] | None = None) -> tuple[events.RunState, bool]:
-    """The run's state, created (owned by ``tenant``) if new; ``(state, created)``.
-
-    Raises :class:`RunConflict` when the run belongs to another tenant.
-    """
+async def get_or_create_run(bus: Bus, run: str, tenant: str = "default",
+                            config: dict[str, Any] | None = None) -> tuple[events.RunState, bool]:
+    """The run's state, created (owned by ``tenant``, with ``config``) if new; ``(state, created)``.
+    An existing run is returned as it is, whoever owns it."""
     check_key("run", run)
     check_key("tenant", tenant)
     kv = await bus.runs_kv()
     for _ in range(2):  # a second pass only when another writer created it meanwhile
         state = await get_run(bus, run)
         if state is not None:
-            if state.tenant != tenant:
-                raise RunConflict(f"run {run!r} belongs to tenant {state.tenant!r}, not {tenant!r}; "
-                                  "name another run or use its owner's tenant")
             return state, False
         state = events.RunState(id=run, tenant=tenant, config=config or {})
         try:
@@ -79,6 +74,16 @@ async def register_run(bus: Bus, run: str, tenant: str = "default",
         except nats.js.errors.KeyWrongLastSequenceError:
             continue
     raise RuntimeError(f"run {run!r}: the run-state key changed twice while it was being created")
+
+
+async def register_run(bus: Bus, run: str, tenant: str = "default",
+                       config: dict[str, Any] | None = None) -> tuple[events.RunState, bool]:
+    """Like :func:`get_or_create_run`, but a run of another tenant is a :class:`RunConflict`."""
+    state, created = await get_or_create_run(bus, run, tenant, config)
+    if state.tenant != tenant:
+        raise RunConflict(f"run {run!r} belongs to tenant {state.tenant!r}, not {tenant!r}; "
+                          "name another run or use its owner's tenant")
+    return state, created
 
 
 async def update_run(bus: Bus, run: str, **changes: Any) -> events.RunState:
