@@ -12,37 +12,34 @@ what is allowed.
 
 from __future__ import annotations
 
-import re
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from flywheel import events
+from flywheel.runs import MAX_NAME_CHARS, is_key, is_token
 
 MAX_TASKS_PER_REQUEST = 10_000
-MAX_NAME_CHARS = 128
-
-_KV_KEY = re.compile(r"[-/_=A-Za-z0-9]+")
 
 
 def subject_token(value: str) -> str:
     """A NATS subject token: not empty, no '.', whitespace, '*' or '>'."""
-    if not value or any(c in ".*>" or c.isspace() for c in value):
+    if not is_token(value):
         raise ValueError(f"must be a NATS subject token (no '.', spaces, '*' or '>'), got {value!r}")
     return value
 
 
 def run_id(value: str) -> str:
     """A run id: a subject token that is also a KV key."""
-    if not _KV_KEY.fullmatch(value):
+    if not is_key(value):
         raise ValueError(f"must be letters, digits, '-', '_', '=' or '/' (it is a NATS subject token and a "
                          f"run-state key), got {value!r}")
     return value
 
 
 def tenant_name(value: str) -> str:
-    if not _KV_KEY.fullmatch(value) or len(value) > MAX_NAME_CHARS:
+    if not is_key(value):
         raise ValueError(f"must be 1 to {MAX_NAME_CHARS} letters, digits, '-', '_', '=' or '/', got {value!r}")
     return value
 

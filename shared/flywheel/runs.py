@@ -27,9 +27,19 @@ _KV_KEY = re.compile(r"[-/_=a-zA-Z0-9]+")
 _decoder = events.Decoder(events.RunState)
 
 
+def is_token(value: object) -> bool:
+    """A NATS subject token of at most MAX_NAME_CHARS: no '.', '*', '>' or whitespace, not empty."""
+    return isinstance(value, str) and _TOKEN.fullmatch(value) is not None and len(value) <= MAX_NAME_CHARS
+
+
+def is_key(value: object) -> bool:
+    """A run-state key (run id, tenant): letters, digits, '-', '_', '/', '=', at most MAX_NAME_CHARS."""
+    return isinstance(value, str) and _KV_KEY.fullmatch(value) is not None and len(value) <= MAX_NAME_CHARS
+
+
 def check_token(field: str, value: str) -> str:
     """``value`` if it is a valid NATS subject token, else a ValueError naming ``field``."""
-    if not isinstance(value, str) or not _TOKEN.fullmatch(value) or len(value) > MAX_NAME_CHARS:
+    if not is_token(value):
         raise ValueError(f"{field}={value!r} is not a valid NATS subject token: it must be 1 to {MAX_NAME_CHARS} "
                          "characters with no '.', '*', '>' or whitespace")
     return value
@@ -37,7 +47,7 @@ def check_token(field: str, value: str) -> str:
 
 def check_key(field: str, value: str) -> str:
     """``value`` if it can be a run-state key (a run id, a tenant), else a ValueError naming ``field``."""
-    if not isinstance(value, str) or not _KV_KEY.fullmatch(value) or len(value) > MAX_NAME_CHARS:
+    if not is_key(value):
         raise ValueError(f"{field}={value!r} must be 1 to {MAX_NAME_CHARS} letters, digits, '-', '_', '/' or '=' "
                          "(it is a NATS subject token and a key of the runs KV bucket)")
     return value
