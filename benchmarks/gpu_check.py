@@ -32,8 +32,20 @@ each independent (one failing does not stop the others):
 On the device machine nothing is installed: this script makes the repository's packages
 importable from the checkout itself (:func:`ensure_importable`), and the packages missing
 from that image travel as wheels in ``.whl`` (msgspec, pydantic and its parts, deepspeed and
-hjson), installed to /tmp/site at the start of the call. Not covered: vLLM (its wheel does
-not fit), several GPUs or ranks, LoRA.
+hjson), installed to /tmp/site at the start of the call. To prepare them here (Python 3.12
+wheels for the device's interpreter; deepspeed as a pure-Python wheel built locally)::
+
+    echo /.whl/ >> .git/info/exclude
+    .venv/bin/pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl \
+        msgspec pydantic pydantic-core annotated-types typing-inspection typing-extensions hjson
+    .venv/bin/pip wheel --no-deps --no-build-isolation -w .whl deepspeed==0.19.8
+
+and run, carrying ``.whl``, with about 420 s of time::
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
+      && PYTHONPATH=/tmp/site python3 benchmarks/gpu_check.py --json $OUT/gpu_check.json
+
+Not covered: vLLM (its wheel does not fit), several GPUs or ranks, LoRA.
 """
 
 from __future__ import annotations
