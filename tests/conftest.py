@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from flywheel.natsserver import NatsServer
+from tests.docker_engine import debian_base, docker_engine  # noqa: F401 - session fixtures of the docker tier
 
 if TYPE_CHECKING:
     from flywheel.bus import Bus
