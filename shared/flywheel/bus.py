@@ -14,6 +14,7 @@ What lives here, once:
   after the last allowed delivery, or at once for a payload that does not decode or a
   handler that raises :class:`Reject`. ``stop()`` stops pulling, lets in-flight work finish
   for ``grace_s``, hands back (nak) what is left.
+- :class:`Replay`: an ordered consumer for readers that only look (a live trace viewer).
 
 Delivery is at least once: handlers must be idempotent (upsert by event id).
 Not covered here: process signals and heartbeats (see :mod:`flywheel.service`).
@@ -304,6 +305,48 @@ async def watch_bucket(kv: KeyValue, stopping: asyncio.Event) -> AsyncIterator[b
                 yield entry.value
     finally:
         await watcher.stop()
+
+
+class Replay:
+    """An ordered consumer for readers that only look (live viewers): every message stored
+    on ``subject`` from the start (or from ``start_time``), then each new one, in stream
+    order. Ephemeral, unacknowledged, held in memory on the server; ``headers_only`` leaves
+    the payloads on the server (read one with ``js.get_msg``). Use as ``async with``:
+    leaving unsubscribes and deletes the consumer, even when the reader is being cancelled.
+    """
+
+    _closing: set[asyncio.Task[None]] = set()  # cleanups that outlive a cancelled reader
+
+    def __init__(self, bus: Bus, subject: str, *, start_time: Any = None, headers_only: bool = False) -> None:
+        self.bus = bus
+        self.subject = subject
+        self.config = ConsumerConfig(
+            deliver_policy=DeliverPolicy.ALL if start_time is None else DeliverPolicy.BY_START_TIME,
+            opt_start_time=start_time, headers_only=headers_only or None)
+        self._sub: Any = None
+
+    async def __aenter__(self) -> Replay:
+        self._sub = await self.bus.js.subscribe(self.subject, stream=stream_of(self.subject), config=self.config,
+                                                ordered_consumer=True)
+        return self
+
+    async def next(self) -> Msg:
+        """The next message, waiting as long as it takes."""
+        return await self._sub.next_msg(timeout=None)
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        cleanup = asyncio.ensure_future(self._close(self._sub))
+        Replay._closing.add(cleanup)
+        cleanup.add_done_callback(Replay._closing.discard)
+        await asyncio.shield(cleanup)
+
+    async def _close(self, sub: Any) -> None:
+        await sub.unsubscribe()
+        try:
+            await self.bus.js.delete_consumer(sub._stream, sub._consumer)
+        except nats.errors.Error as exc:
+            # Already gone (the server drops an ordered consumer without interest) or unreachable.
+            log.debug("replay %s: consumer not deleted: %s", self.subject, exc)
 
 
 async def _wait(event: asyncio.Event, timeout_s: float) -> None:
