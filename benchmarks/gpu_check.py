@@ -184,7 +184,7 @@ class Sampler:
         prompts, built = [], []
         for g, row in enumerate(rows):
             task = events.Task(id=f"task-{seed}-{g}", run=cfg.run, env=cfg.env, data=row, num_rollouts=cfg.group_size)
-            messages = self.env.prompt(row)
+            messages = self.env.prompt_messages(row)
             prompt_ids = models.render_prompt(tok, messages)
             nodes = rollouts.prompt_nodes(messages, rollouts.split_prompt(
                 messages, prompt_ids, lambda ms: models.render_messages(tok, ms)))
@@ -193,7 +193,7 @@ class Sampler:
         seeds = [seed * 100_000 + i for i in range(len(prompts))]
         completions = self.backend.generate(prompts, sampling, seeds)
         version = self.backend.version
-        reward = self.env.rewards["similarity"].fn
+        reward = self.env.rollout_rewards["similarity"].fn
         groups = []
         for g, (task, nodes) in enumerate(built):
             group = []

@@ -155,7 +155,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     await asyncio.to_thread(backend.swap, blob, 0)
     env = load_environment(ENV)
     rows = env.load_tasks(args.tasks, seed=0)
-    prompts = [models.render_prompt(backend.tokenizer, env.prompt(row)) for row in rows]
+    prompts = [models.render_prompt(backend.tokenizer, env.prompt_messages(row)) for row in rows]
     seqs = sequences(args, prompts)
     sampling = events.Sampling(temperature=args.temperature, max_tokens=args.max_tokens)
     total = len(seqs) * (args.rounds + 1)

@@ -3,7 +3,8 @@
 Small enough for a model of a few hundred thousand parameters to learn on a CPU in
 minutes, which makes it the environment of the embedded training run. The reward is the
 similarity of the answer to the reversed text (difflib's ratio, 0 to 1), so partial
-answers earn partial credit; ``exact`` (weight 0 by default) reports exact matches.
+answers earn partial credit; ``exact`` (a metric: weight 0) reports exact matches.
+One chat turn, no tools: the default harness.
 """
 
 from __future__ import annotations
@@ -12,22 +13,22 @@ import difflib
 import random
 import string
 
+from flywheel.environment import Environment, Metric, Reward, TaskSet
+from flywheel.harness import ChatHarness
+
 SYSTEM_PROMPT = "Reverse the text."
 ALPHABET = string.ascii_lowercase[:12]
 MIN_CHARS, MAX_CHARS = 3, 6
 
 
-def load_tasks(num_tasks: int, seed: int = 0) -> list[dict]:
+def generate(num: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
-    rows = []
-    for _ in range(num_tasks):
-        text = "".join(rng.choice(ALPHABET) for _ in range(rng.randint(MIN_CHARS, MAX_CHARS)))
-        rows.append({"text": text})
-    return rows
+    return [{"text": "".join(rng.choice(ALPHABET) for _ in range(rng.randint(MIN_CHARS, MAX_CHARS)))}
+            for _ in range(num)]
 
 
-def prompt(task: dict) -> list[dict]:
-    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task["text"]}]
+def prompt(task: dict) -> str:
+    return task["text"]
 
 
 def reference(task: dict) -> str:
@@ -42,4 +43,14 @@ def exact(completion: str, task: dict) -> float:
     return float(completion.strip() == reference(task))
 
 
-REWARDS = {"similarity": (similarity, 1.0), "exact": (exact, 0.0)}
+def load_environment() -> Environment:
+    return Environment(
+        name="reverse_text",
+        tasks=TaskSet.from_generator(generate, schema={"text": str}),
+        harness=ChatHarness(system_prompt=SYSTEM_PROMPT, max_turns=1),
+        prompt=prompt,
+        reference=reference,
+        rewards=[Reward(similarity), Metric(exact)],
+        version="0.1.0",
+        description=__doc__.split("\n\n")[0],
+    )

@@ -108,8 +108,8 @@ def rl_step(engine: Engine, groups: list[list[Scored]], pad_id: int, cfg: RunCon
 
 def reference_tokens(tok: Any, env: Environment, task: dict[str, Any]) -> Tokens:
     """The prompt as inference renders it, then the reference answer and end of turn, to learn."""
-    prompt = models.render_prompt(tok, env.prompt(task))
-    answer = tok.encode(env.reference(task), add_special_tokens=False) + [tok.eos_token_id]
+    prompt = models.render_prompt(tok, env.prompt_messages(task))
+    answer = tok.encode(env.reference_answer(task), add_special_tokens=False) + [tok.eos_token_id]
     return Tokens(token_ids=prompt + answer, logprobs=[0.0] * (len(prompt) + len(answer)),
                   loss_mask=[False] * len(prompt) + [True] * len(answer))
 

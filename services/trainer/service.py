@@ -110,7 +110,7 @@ async def last_published_version(bus: Bus, run: str) -> int | None:
 
 def required_scorers(cfg: RunConfig, env: Environment) -> dict[str, float]:
     """The scorers whose weighted values make the reward: the run's, else the environment's defaults."""
-    return dict(cfg.scorers) or {name: reward.weight for name, reward in env.rewards.items()}
+    return dict(cfg.scorers) or env.weights
 
 
 class Trainer:

@@ -1,124 +1,567 @@
-"""Environments, in their first form: a module with a task set, a prompt and rewards.
+"""The environment SDK: a task set, a harness and rewards, one object for eval and training.
 
-An environment module (found by its import name, e.g. ``reverse_text``) defines:
+An environment is a Python package (or module) whose ``load_environment(**args)`` returns an
+:class:`Environment`::
 
-``load_tasks(num_tasks: int, seed: int) -> list[dict]``
-    rows of the task set (JSON objects).
-``prompt(task: dict) -> list[dict]``
-    the chat messages the model sees, OpenAI shape (``{"role": ..., "content": ...}``).
-``REWARDS: dict[str, tuple[callable, float]]``
-    scorer name -> (reward function, default weight). A reward function takes any of the
-    parameters ``completion`` (the model's final answer, str), ``task`` (the row, dict) and
-    ``rollout`` (the :class:`flywheel.events.Rollout`), by name, and returns a float.
-    It may be ``async``.
-``reference(task: dict) -> str`` (optional)
-    the reference answer, for supervised warm-up.
-``async step(task: dict, completion: str, index: int) -> None`` (optional)
-    the environment's turn after the model answered (a tool call, a sandbox run, a user
-    simulator), awaited while the rollout holds its inference slot; ``index`` is the
-    rollout's place in its group.
+    from flywheel.environment import Environment, GroupReward, Reward, TaskSet
+    from flywheel.harness import ChatHarness
 
-The same module serves evaluation and training. Single-turn only here: the model answers
-once, then the environment may take its turn. Not covered: tools, multi-turn harnesses
-(the model does not see the environment's turn), group rewards, task-row schemas.
+    def correct(completion: str, task: dict) -> float:
+        return float(completion.strip() == task["answer"])
+
+    def load_environment(**args) -> Environment:
+        return Environment(
+            name="arithmetic",
+            tasks=TaskSet.from_jsonl("tasks.jsonl", schema={"question": str, "answer": str}),
+            harness=ChatHarness(system_prompt="Answer with the number only."),
+            rewards=[Reward(correct), GroupReward(shortest_correct, weight=0.1)],
+        )
+
+The same object serves ``flywheel eval`` (the harness runs against any OpenAI-compatible
+endpoint) and training (the harness runs inside the inference service against the
+interception endpoint, which records the tokens the trainer trains on). The harness never
+knows which.
+
+Rewards and metrics are plain functions, sync or async. They receive, by parameter name, any of
+``completion`` (the final assistant message's text), ``messages`` (the final branch's messages,
+OpenAI dicts), ``task`` (the row), ``state`` (what the harness recorded, e.g. a game's or a
+database's final state), ``rollout`` (the :class:`flywheel.events.Rollout`); they return a
+float, or a dict of floats (components, summed with ``Reward.weights``, default 1 each). A
+:class:`GroupReward` sees a whole group at once, through the same names in the plural
+(``completions``, ``messages_list``, ``tasks``, ``states``, ``rollouts``) or ``task`` (the
+group's shared row), and returns one value per rollout. A metric is a reward of weight 0: it
+is recorded, never trained on. A reward that raises or returns a non-number is an error recorded
+on that rollout's score, never a silent zero.
+
+Environments are found by id (:func:`resolve`): a module name (``reverse_text``), or
+``owner/name`` / ``owner/name@version`` registered by an installed package under the
+``flywheel.environments`` entry-point group. A run config can swap a reward's function,
+change its weight, add one, and pass arguments to ``load_environment`` without touching the
+environment's code (:class:`EnvironmentOverrides`).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import inspect
+import json
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
-from types import ModuleType
-from typing import Any
+import random
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from flywheel import events
 
-REWARD_PARAMETERS = ("completion", "task", "rollout")
+if TYPE_CHECKING:
+    from flywheel.harness import Harness
+
+ENTRY_POINT_GROUP = "flywheel.environments"
+REWARD_PARAMETERS = ("completion", "messages", "task", "state", "rollout")
+GROUP_PARAMETERS = ("completions", "messages_list", "tasks", "task", "states", "rollouts")
 
 
 class EnvironmentLoadError(ValueError):
     """An environment that cannot be used; the message says what to fix."""
 
 
-@dataclass(frozen=True)
-class Reward:
-    name: str
-    fn: Callable[..., Any]
-    weight: float
-    parameters: tuple[str, ...]
-
-    async def __call__(self, rollout: events.Rollout) -> float:
-        available = {"completion": completion_of(rollout), "task": rollout.task_data, "rollout": rollout}
-        value = self.fn(**{p: available[p] for p in self.parameters})
-        if inspect.isawaitable(value):
-            value = await value
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-            raise TypeError(f"reward {self.name!r} returned {value!r}; a reward returns a finite float")
-        return float(value)
+class RewardError(ValueError):
+    """A reward function raised or returned something other than a finite number."""
 
 
-@dataclass(frozen=True)
-class Environment:
-    name: str
-    module: ModuleType
-    rewards: dict[str, Reward]
+# --- task sets ----------------------------------------------------------------------------
 
-    def load_tasks(self, num_tasks: int, seed: int = 0) -> list[dict[str, Any]]:
-        rows = self.module.load_tasks(num_tasks, seed)
+Schema = Mapping[str, type | tuple[type, ...]]
+
+
+class TaskSet:
+    """Rows of a task set (JSON objects), from a list, a generator, JSONL or Parquet files, or a
+    ``datasets`` dataset, checked against an optional ``schema`` (field -> type, or a tuple
+    of accepted types; extra fields are allowed).
+
+    :meth:`rows` returns ``num`` rows: for a fixed set, shuffled by ``seed`` and repeated when
+    ``num`` exceeds its size; for a generator, whatever it yields for ``(num, seed)``.
+    """
+
+    def __init__(self, source: Callable[[int, int], Iterable[Mapping[str, Any]]], *, name: str,
+                 schema: Schema | None = None, size: int | None = None) -> None:
+        self._source = source
+        self.name = name
+        self.schema = dict(schema) if schema else None
+        self.size = size
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[Mapping[str, Any]], schema: Schema | None = None, name: str = "rows") -> TaskSet:
+        rows = list(rows)
+        if not rows:
+            raise EnvironmentLoadError(f"task set {name!r} is empty: give at least one row")
+        return cls(lambda num, seed: _cycle(rows, num, seed), name=name, schema=schema, size=len(rows))
+
+    @classmethod
+    def from_generator(cls, generate: Callable[[int, int], Iterable[Mapping[str, Any]]],
+                       schema: Schema | None = None) -> TaskSet:
+        """``generate(num, seed)`` yields ``num`` rows, the same ones for the same seed."""
+        return cls(generate, name=getattr(generate, "__qualname__", "generator"), schema=schema)
+
+    @classmethod
+    def from_jsonl(cls, *paths: str | Path, schema: Schema | None = None) -> TaskSet:
+        rows: list[dict[str, Any]] = []
+        for path in map(Path, paths):
+            try:
+                text = path.read_text()
+            except OSError as exc:
+                raise EnvironmentLoadError(f"task file {path}: {exc}") from exc
+            for n, line in enumerate(text.splitlines(), 1):
+                if line.strip():
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError as exc:
+                        raise EnvironmentLoadError(f"task file {path}, line {n}: not JSON ({exc})") from exc
+        return cls.from_rows(rows, schema, name=", ".join(map(str, paths)))
+
+    @classmethod
+    def from_parquet(cls, *paths: str | Path, schema: Schema | None = None) -> TaskSet:
+        import pyarrow.parquet as pq
+
+        rows = [row for path in paths for row in pq.read_table(path).to_pylist()]
+        return cls.from_rows(rows, schema, name=", ".join(map(str, paths)))
+
+    @classmethod
+    def from_dataset(cls, dataset: Any, split: str | None = None, schema: Schema | None = None) -> TaskSet:
+        """A ``datasets.Dataset`` (or a name / local path that ``datasets.load_dataset`` takes, with ``split``)."""
+        if isinstance(dataset, str):
+            import datasets
+
+            dataset = datasets.load_dataset(dataset, split=split or "train")
+        return cls.from_rows(list(dataset), schema, name=getattr(dataset, "info", None) and dataset.info.dataset_name
+                             or "dataset")
+
+    def rows(self, num: int, seed: int = 0) -> list[dict[str, Any]]:
+        rows = [dict(r) if isinstance(r, Mapping) else r for r in self._source(num, seed)]
         for i, row in enumerate(rows):
-            if not isinstance(row, dict):
-                raise EnvironmentLoadError(f"{self.name}.load_tasks: row {i} is a {type(row).__name__}, not a dict")
+            self.check(row, where=f"task set {self.name!r}, row {i}")
         return rows
 
-    def prompt(self, task: dict[str, Any]) -> list[events.Message]:
-        return [events.Message(role=m["role"], content=m["content"]) for m in self.module.prompt(task)]
+    def check(self, row: Any, where: str = "task") -> None:
+        """Raise :class:`EnvironmentLoadError` naming the field when ``row`` does not fit the schema."""
+        if not isinstance(row, dict):
+            raise EnvironmentLoadError(f"{where}: a {type(row).__name__}, not a JSON object")
+        for key, expected in (self.schema or {}).items():
+            if key not in row:
+                raise EnvironmentLoadError(f"{where}: missing field {key!r} (schema: {_schema_text(self.schema)})")
+            if not isinstance(row[key], expected) or (isinstance(row[key], bool) and bool not in _types(expected)):
+                raise EnvironmentLoadError(f"{where}: field {key!r} is {row[key]!r} ({type(row[key]).__name__}); "
+                                           f"the schema wants {_type_names(expected)}")
 
-    async def step(self, task: dict[str, Any], completion: str, index: int) -> None:
-        fn = getattr(self.module, "step", None)
-        if fn is not None:
-            await fn(task, completion, index)
 
-    def reference(self, task: dict[str, Any]) -> str:
-        if not hasattr(self.module, "reference"):
-            raise EnvironmentLoadError(f"environment {self.name!r} defines no reference(task): it cannot be used for SFT")
-        return self.module.reference(task)
+def _cycle(rows: list[Mapping[str, Any]], num: int, seed: int) -> list[Mapping[str, Any]]:
+    out: list[Mapping[str, Any]] = []
+    rng = random.Random(seed)
+    while len(out) < num:
+        order = list(rows)
+        rng.shuffle(order)
+        out.extend(order[:num - len(out)])
+    return out
+
+
+def _types(expected: type | tuple[type, ...]) -> tuple[type, ...]:
+    return expected if isinstance(expected, tuple) else (expected,)
+
+
+def _type_names(expected: type | tuple[type, ...]) -> str:
+    return " or ".join(t.__name__ for t in _types(expected))
+
+
+def _schema_text(schema: Schema | None) -> str:
+    return ", ".join(f"{k}: {_type_names(v)}" for k, v in (schema or {}).items())
+
+
+# --- rewards ------------------------------------------------------------------------------
+
+
+def _parameters(fn: Callable[..., Any], allowed: Sequence[str], kind: str, name: str) -> tuple[str, ...]:
+    if not callable(fn):
+        raise EnvironmentLoadError(f"{kind} {name!r}: {fn!r} is not callable")
+    params = tuple(inspect.signature(fn).parameters)
+    unknown = [p for p in params if p not in allowed]
+    if unknown:
+        raise EnvironmentLoadError(f"{kind} {name!r} ({getattr(fn, '__qualname__', fn)}) takes {unknown}; a {kind} "
+                                   f"takes any of {', '.join(allowed)} by name")
+    return params
+
+
+def _number(value: Any, name: str, weights: Mapping[str, float]) -> tuple[float, dict[str, float]]:
+    """(value, components) from what a reward returned; raises RewardError on anything else."""
+    if isinstance(value, Mapping):
+        if not value:
+            raise RewardError(f"reward {name!r} returned an empty dict; return a float or a dict of floats")
+        components = {str(k): _number(v, f"{name}.{k}", {})[0] for k, v in value.items()}
+        return sum(weights.get(k, 1.0) * v for k, v in components.items()), components
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise RewardError(f"reward {name!r} returned {value!r}; a reward returns a finite float or a dict of them")
+    return float(value), {}
+
+
+async def _call(fn: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
+    value = fn(**kwargs)
+    if inspect.isawaitable(value):
+        value = await value
+    return value
+
+
+@dataclass(frozen=True)
+class Value:
+    """What one reward gave one rollout: its value (weighted components summed) and components."""
+
+    value: float
+    components: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Reward:
+    """A per-rollout reward function with its weight (0: a metric, recorded but not trained on).
+
+    ``weights`` weigh the components of a dict-returning function (default 1 each).
+    """
+
+    fn: Callable[..., Any]
+    weight: float = 1.0
+    name: str = ""
+    weights: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.name = self.name or getattr(self.fn, "__name__", "")
+        if not self.name or self.name == "<lambda>":
+            raise EnvironmentLoadError(f"reward {self.fn!r}: give it a name (Reward(fn, name=...))")
+        _check_weight(self.name, self.weight)
+        self.parameters = _parameters(self.fn, REWARD_PARAMETERS, "reward", self.name)
+
+    async def __call__(self, rollout: events.Rollout) -> Value:
+        available = {"completion": completion_of(rollout), "messages": messages_of(rollout),
+                     "task": rollout.task_data, "state": rollout.state, "rollout": rollout}
+        value = await _call(self.fn, {p: available[p] for p in self.parameters})
+        return Value(*_number(value, self.name, self.weights))
+
+
+def Metric(fn: Callable[..., Any], name: str = "") -> Reward:  # noqa: N802 - reads as a type in environments
+    """A reward of weight 0: recorded with the rollout, not trained on."""
+    return Reward(fn, weight=0.0, name=name)
+
+
+@dataclass
+class GroupReward:
+    """A reward that sees every rollout of a group and returns one value per rollout (in order)."""
+
+    fn: Callable[..., Any]
+    weight: float = 1.0
+    name: str = ""
+    weights: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.name = self.name or getattr(self.fn, "__name__", "")
+        if not self.name or self.name == "<lambda>":
+            raise EnvironmentLoadError(f"group reward {self.fn!r}: give it a name (GroupReward(fn, name=...))")
+        _check_weight(self.name, self.weight)
+        self.parameters = _parameters(self.fn, GROUP_PARAMETERS, "group reward", self.name)
+
+    async def __call__(self, rollouts: Sequence[events.Rollout]) -> list[Value]:
+        available = {"completions": [completion_of(r) for r in rollouts],
+                     "messages_list": [messages_of(r) for r in rollouts],
+                     "tasks": [r.task_data for r in rollouts], "task": rollouts[0].task_data,
+                     "states": [r.state for r in rollouts], "rollouts": list(rollouts)}
+        values = await _call(self.fn, {p: available[p] for p in self.parameters})
+        if isinstance(values, str | bytes | Mapping) or not isinstance(values, Sequence) or len(values) != len(rollouts):
+            raise RewardError(f"group reward {self.name!r} returned {values!r}; it returns a list with one value "
+                              f"per rollout ({len(rollouts)})")
+        return [Value(*_number(v, self.name, self.weights)) for v in values]
+
+
+def _check_weight(name: str, weight: float) -> None:
+    if isinstance(weight, bool) or not isinstance(weight, int | float) or not math.isfinite(weight) or weight < 0:
+        raise EnvironmentLoadError(f"reward {name!r}: weight={weight!r}; a weight is a finite number >= 0")
+
+
+def shortest_correct_reward(is_correct: Callable[[str, dict[str, Any]], bool], weight: float = 0.1,
+                            name: str = "shortest_correct") -> GroupReward:
+    """A group reward against runaway length: 1.0 for the shortest correct answer(s) of the group
+    (in characters), 0.0 for the others; a group with no correct answer gets 0.0 throughout."""
+
+    def reward(completions: list[str], tasks: list[dict[str, Any]]) -> list[float]:
+        lengths = [len(c) if is_correct(c, t) else None for c, t in zip(completions, tasks, strict=True)]
+        best = min((n for n in lengths if n is not None), default=None)
+        return [float(n is not None and n == best) for n in lengths]
+
+    reward.__name__ = name
+    return GroupReward(reward, weight=weight, name=name)
+
+
+# --- rollouts as rewards see them --------------------------------------------------------
+
+
+def final_branch(rollout: events.Rollout) -> list[events.Node]:
+    """The branch (root to leaf) that ends at the rollout's last node."""
+    if not rollout.nodes:
+        return []
+    by_id = {n.id: n for n in rollout.nodes}
+    branch = []
+    node: events.Node | None = rollout.nodes[-1]
+    while node is not None:
+        branch.append(node)
+        node = by_id.get(node.parent_id) if node.parent_id else None
+    return branch[::-1]
 
 
 def completion_of(rollout: events.Rollout) -> str:
-    """The rollout's final answer: the content of its last assistant node."""
-    for node in reversed(rollout.nodes):
+    """The rollout's final answer: the content of the last assistant message of its final branch."""
+    for node in reversed(final_branch(rollout)):
         if node.message.role == "assistant":
             return node.message.content
     return ""
 
 
-def load_environment(name: str) -> Environment:
-    """Import the environment module ``name`` and check it; errors name what to fix."""
+def messages_of(rollout: events.Rollout) -> list[dict[str, Any]]:
+    """The final branch's messages, as OpenAI chat dicts."""
+    return [message_dict(n.message) for n in final_branch(rollout)]
+
+
+def message_dict(m: events.Message) -> dict[str, Any]:
+    d: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        d["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                           for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        d["tool_call_id"] = m.tool_call_id
+    if m.name is not None:
+        d["name"] = m.name
+    return d
+
+
+def message_from_dict(d: Mapping[str, Any], where: str = "message") -> events.Message:
+    """An OpenAI chat message dict as a :class:`flywheel.events.Message`; errors name the field."""
+    if not isinstance(d, Mapping):
+        raise ValueError(f"{where}: a {type(d).__name__}, not an object with 'role' and 'content'")
+    role = d.get("role")
+    if role not in ("system", "user", "assistant", "tool", "developer"):
+        raise ValueError(f"{where}.role={role!r}: use system, user, assistant or tool")
+    content = d.get("content") or ""
+    if isinstance(content, list):  # content parts: text only
+        texts = []
+        for i, part in enumerate(content):
+            if not isinstance(part, Mapping) or part.get("type") != "text":
+                raise ValueError(f"{where}.content[{i}]: only text parts are supported")
+            texts.append(str(part.get("text", "")))
+        content = "".join(texts)
+    if not isinstance(content, str):
+        raise ValueError(f"{where}.content: a {type(content).__name__}, not text")
+    calls = []
+    for i, c in enumerate(d.get("tool_calls") or []):
+        fn = c.get("function") or {}
+        args = fn.get("arguments", "{}")
+        if not isinstance(args, str):
+            args = json.dumps(args)
+        if not fn.get("name"):
+            raise ValueError(f"{where}.tool_calls[{i}].function.name is missing")
+        calls.append(events.ToolCall(id=str(c.get("id") or f"call_{i}"), name=fn["name"], arguments=args))
+    return events.Message(role="system" if role == "developer" else role, content=content, tool_calls=calls,
+                          tool_call_id=d.get("tool_call_id"), name=d.get("name"))
+
+
+# --- the environment ------------------------------------------------------------------------
+
+
+@dataclass
+class Environment:
+    """A task set, a harness and rewards. ``harness`` defaults to a single chat turn
+    (:class:`flywheel.harness.ChatHarness` with no tools); ``prompt`` turns a row into the first
+    messages (default: the row's ``prompt`` field, a string or a list of messages);
+    ``reference`` gives a row's reference answer for supervised warm-up; ``sampling`` holds
+    default sampling settings (temperature, top_p, max_tokens, stop) a run config may override."""
+
+    name: str
+    tasks: TaskSet | Sequence[Mapping[str, Any]]
+    rewards: Sequence[Reward | GroupReward | Callable[..., Any]]
+    harness: Harness | None = None
+    prompt: Callable[[dict[str, Any]], Sequence[Mapping[str, Any]] | str] | None = None
+    reference: Callable[[dict[str, Any]], str] | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)
+    version: str = "0.0.0"
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tasks, TaskSet):
+            self.tasks = TaskSet.from_rows(self.tasks, name=f"{self.name} tasks")
+        if self.harness is None:
+            from flywheel.harness import ChatHarness
+
+            self.harness = ChatHarness()
+        wrapped = [r if isinstance(r, Reward | GroupReward) else Reward(r) for r in self.rewards]
+        if not wrapped:
+            raise EnvironmentLoadError(f"environment {self.name!r} defines no rewards: give at least one")
+        names = [r.name for r in wrapped]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise EnvironmentLoadError(f"environment {self.name!r}: reward names {dupes} are used twice")
+        self.rewards = wrapped
+
+    @property
+    def rollout_rewards(self) -> dict[str, Reward]:
+        return {r.name: r for r in self.rewards if isinstance(r, Reward)}
+
+    @property
+    def group_rewards(self) -> dict[str, GroupReward]:
+        return {r.name: r for r in self.rewards if isinstance(r, GroupReward)}
+
+    @property
+    def weights(self) -> dict[str, float]:
+        """Every reward's weight by name (metrics have 0)."""
+        return {r.name: r.weight for r in self.rewards}
+
+    def load_tasks(self, num_tasks: int, seed: int = 0) -> list[dict[str, Any]]:
+        assert isinstance(self.tasks, TaskSet)
+        return self.tasks.rows(num_tasks, seed)
+
+    def check_task(self, row: Any) -> None:
+        assert isinstance(self.tasks, TaskSet)
+        self.tasks.check(row, where=f"environment {self.name!r}: task")
+
+    def first_messages(self, task: dict[str, Any]) -> list[events.Message]:
+        """The messages a rollout starts from (the harness may add a system prompt before them)."""
+        if self.prompt is not None:
+            given = self.prompt(task)
+        elif "prompt" in task:
+            given = task["prompt"]
+        else:
+            raise EnvironmentLoadError(f"environment {self.name!r}: no prompt(task) and the task has no 'prompt' "
+                                       f"field (fields: {sorted(task)})")
+        if isinstance(given, str):
+            given = [{"role": "user", "content": given}]
+        return [message_from_dict(m, f"prompt[{i}]") for i, m in enumerate(given)]
+
+    def prompt_messages(self, task: dict[str, Any]) -> list[events.Message]:
+        """The first request's messages: the harness's system prompt, then :meth:`first_messages`."""
+        assert self.harness is not None
+        return self.harness.initial_messages(self, task)
+
+    def reference_answer(self, task: dict[str, Any]) -> str:
+        if self.reference is None:
+            raise EnvironmentLoadError(f"environment {self.name!r} defines no reference(task): it cannot be used for SFT")
+        return self.reference(task)
+
+    def with_overrides(self, overrides: EnvironmentOverrides | None) -> Environment:
+        """This environment with a run config's reward swaps and weights applied (a copy)."""
+        if overrides is None or not overrides.rewards:
+            return self
+        by_name = {r.name: r for r in self.rewards}
+        for name, spec in overrides.rewards.items():
+            current = by_name.get(name)
+            if spec.function:
+                fn = import_object(spec.function, f"rewards.{name}.function")
+                kind = GroupReward if spec.group or isinstance(current, GroupReward) and spec.group is None else Reward
+                weight = spec.weight if spec.weight is not None else current.weight if current else 1.0
+                by_name[name] = kind(fn, weight=weight, name=name)
+            elif current is None:
+                raise EnvironmentLoadError(f"rewards.{name}: environment {self.name!r} has no reward {name!r} "
+                                           f"(it has {sorted(by_name)}); give `function` to add one")
+            elif spec.weight is not None:
+                by_name[name] = type(current)(current.fn, weight=spec.weight, name=name, weights=current.weights)
+        return Environment(name=self.name, tasks=self.tasks, rewards=list(by_name.values()), harness=self.harness,
+                           prompt=self.prompt, reference=self.reference, sampling=self.sampling,
+                           version=self.version, description=self.description)
+
+
+@dataclass(frozen=True)
+class RewardOverride:
+    weight: float | None = None
+    function: str | None = None  # "package.module:function"
+    group: bool | None = None
+
+
+@dataclass(frozen=True)
+class EnvironmentOverrides:
+    """What a run config changes in an environment: ``args`` for ``load_environment`` and
+    reward swaps/weights (``[rewards.<name>]`` with ``weight`` and/or ``function``)."""
+
+    args: dict[str, Any] = field(default_factory=dict)
+    rewards: dict[str, RewardOverride] = field(default_factory=dict)
+
+
+def import_object(spec: str, where: str) -> Any:
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise EnvironmentLoadError(f"{where}={spec!r}: write it as 'package.module:name'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise EnvironmentLoadError(f"{where}={spec!r}: cannot import {module_name!r} ({exc})") from exc
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise EnvironmentLoadError(f"{where}={spec!r}: {module_name!r} has no {attr!r}") from None
+
+
+# --- finding environments -----------------------------------------------------------------
+
+
+def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
+    return {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def available() -> dict[str, str]:
+    """Installed environments: id -> version of the package that registers it."""
+    out = {}
+    for name, ep in sorted(_entry_points().items()):
+        out[name] = ep.dist.version if ep.dist else "?"
+    return out
+
+
+def resolve(env_id: str) -> Callable[..., Environment]:
+    """The ``load_environment`` function of ``env_id``: a module name, or ``owner/name[@version]``
+    registered under the ``flywheel.environments`` entry-point group."""
+    name, _, version = env_id.partition("@")
+    eps = _entry_points()
+    if name in eps:
+        ep = eps[name]
+        installed = ep.dist.version if ep.dist else None
+        if version and installed != version:
+            raise EnvironmentLoadError(f"environment {env_id!r}: version {installed} is installed, not {version}; "
+                                       f"install the wanted one (pip install '<package>=={version}')")
+        target = ep.load()
+        return target if not inspect.ismodule(target) else _module_loader(target, env_id)
+    if "/" in name:
+        raise EnvironmentLoadError(f"environment {env_id!r} is not installed: no package registers {name!r} under "
+                                   f"the {ENTRY_POINT_GROUP!r} entry points (installed: {sorted(eps) or 'none'})")
     module_name = name.replace("-", "_")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        raise EnvironmentLoadError(f"environment {name!r}: no module {module_name!r} ({exc}); install its package "
-                                "or put it on PYTHONPATH") from exc
-    for attr in ("load_tasks", "prompt", "REWARDS"):
-        if not hasattr(module, attr):
-            raise EnvironmentLoadError(f"environment {name!r} ({getattr(module, '__file__', module_name)}) defines no {attr}")
-    rewards = {}
-    for reward_name, spec in module.REWARDS.items():
-        if not (isinstance(spec, tuple) and len(spec) == 2 and callable(spec[0])):
-            raise EnvironmentLoadError(f"environment {name!r}: REWARDS[{reward_name!r}] must be (function, weight)")
-        rewards[reward_name] = make_reward(reward_name, spec[0], float(spec[1]))
-    if not rewards:
-        raise EnvironmentLoadError(f"environment {name!r} defines no rewards: REWARDS is empty")
-    return Environment(name=module_name, module=module, rewards=rewards)
+        if exc.name != module_name.split(".")[0] and exc.name != module_name:
+            raise  # the module exists and is broken: show its own error
+        raise EnvironmentLoadError(f"environment {env_id!r}: no module {module_name!r}; install its package or put "
+                                   f"it on PYTHONPATH (installed environments: {sorted(eps) or 'none'})") from exc
+    return _module_loader(module, env_id)
 
 
-def make_reward(name: str, fn: Callable[..., Any], weight: float) -> Reward:
-    params = tuple(inspect.signature(fn).parameters)
-    unknown = [p for p in params if p not in REWARD_PARAMETERS]
-    if unknown:
-        raise EnvironmentLoadError(f"reward {name!r} ({fn.__qualname__}) takes {unknown}; a reward takes any of "
-                                f"{', '.join(REWARD_PARAMETERS)} by name")
-    return Reward(name=name, fn=fn, weight=weight, parameters=params)
+def _module_loader(module: Any, env_id: str) -> Callable[..., Environment]:
+    fn = getattr(module, "load_environment", None)
+    if not callable(fn):
+        raise EnvironmentLoadError(f"environment {env_id!r} ({getattr(module, '__file__', module.__name__)}) defines "
+                                   f"no load_environment(**args) -> Environment")
+    return fn
+
+
+def load_environment(env_id: str, overrides: EnvironmentOverrides | None = None) -> Environment:
+    """Find ``env_id``, build its :class:`Environment` with the overrides' args, apply reward overrides."""
+    loader = resolve(env_id)
+    args = dict(overrides.args) if overrides else {}
+    try:
+        env = loader(**args)
+    except EnvironmentLoadError:
+        raise
+    except TypeError as exc:
+        raise EnvironmentLoadError(f"environment {env_id!r}: load_environment({', '.join(args)}) failed: {exc}") from exc
+    if not isinstance(env, Environment):
+        raise EnvironmentLoadError(f"environment {env_id!r}: load_environment returned a {type(env).__name__}, not "
+                                   f"an Environment")
+    return env.with_overrides(overrides)

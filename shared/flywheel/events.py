@@ -24,7 +24,8 @@ Schema evolution (tested against stored encodings of version 1 in tests/unit/dat
     5. :data:`SCHEMA_VERSION` goes up when fields are added; it is informational (the
        title of the exported JSON Schema), never used to reject a message.
 
-    Version 2 added ``Rollout.group_size`` and ``WeightUpdate.metrics``.
+    Version 2 added ``Rollout.group_size`` and ``WeightUpdate.metrics``; version 3 added
+    ``Rollout.state``.
 
 Identities
     ``run`` (a training or eval run, owned by a ``tenant``), ``task`` (one row of a task
@@ -42,7 +43,7 @@ from typing import Any, Generic, Literal, TypeVar
 
 import msgspec
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 JSON = "application/json"
 MSGPACK = "application/msgpack"
@@ -173,6 +174,10 @@ class Rollout(Event, frozen=True, kw_only=True, tag="rollout"):
     Sent by: inference. Read by: every scorer (one durable each), trainer, recorder.
     Subject: ``rollouts.<run>.<env>``. ``id`` is the rollout id. ``policy_version`` is
     the version when the rollout started; each node's tokens carry their own.
+    ``nodes`` holds every node of the graph, parents before children; the last one ends the
+    final branch (the one rewards read). A single-turn rollout is one chain; retries,
+    sub-agents and re-rendered histories are further branches (``metrics["num_rerenders"]``
+    counts the last kind).
     """
 
     run: str
@@ -187,6 +192,7 @@ class Rollout(Event, frozen=True, kw_only=True, tag="rollout"):
     error: str | None = None
     metrics: dict[str, float] = {}
     group_size: int = 1  # rollouts in this rollout's group (the task's num_rollouts)
+    state: dict[str, Any] = {}  # what the harness recorded (a game's board, a database); rewards read it
 
     def subject(self) -> str:
         return f"rollouts.{self.run}.{self.env}"
