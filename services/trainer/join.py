@@ -19,8 +19,9 @@ Ids of consumed rollouts (trained or dropped) are remembered, so a redelivered r
 a late score for one is recognised and ignored. Plain Python, no I/O: the service
 persists what this holds (see :mod:`flywheel_trainer.ledger`).
 
-Not covered: branching trace graphs (a rollout is trained as one sequence, its token
-spans in node order), group rewards, and groups that never complete (a member inference
+A rollout is trained as one sequence per branch of its trace graph (:func:`sequences_of`).
+Group rewards are scores like any other (the scorer publishes one per rollout). Not
+covered: groups that never complete (a member inference
 never publishes keeps its group waiting; ``max_buffered_rollouts`` bounds the cost).
 """
 
@@ -31,6 +32,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from flywheel import events
+from flywheel.tracegraph import branches
 
 DROP_REASONS = ("stale", "scorer_error", "rollout_error")
 
@@ -48,12 +50,11 @@ class Tokens:
     loss_mask: list[bool]
 
 
-def tokens_of(rollout: events.Rollout) -> Tokens:
-    """Concatenate the token spans of ``rollout``; raises :class:`BadRollout` when they do not line up."""
+def _span_tokens(rollout: events.Rollout, nodes: list[events.Node], trained: set[str]) -> Tokens:
     token_ids: list[int] = []
     logprobs: list[float] = []
     loss_mask: list[bool] = []
-    for node in rollout.nodes:
+    for node in nodes:
         span = node.tokens
         if span is None:
             continue
@@ -63,12 +64,35 @@ def tokens_of(rollout: events.Rollout) -> Tokens:
                              f"and {len(span.loss_mask)} loss-mask entries")
         token_ids += span.token_ids
         logprobs += span.logprobs
-        loss_mask += span.loss_mask
+        # A node shared with a branch trained before is context here, not trained twice.
+        loss_mask += [False] * n if node.id in trained else span.loss_mask
     if not token_ids:
         raise BadRollout(f"rollout {rollout.id} has no tokens")
     if loss_mask[0]:
         raise BadRollout(f"rollout {rollout.id}: its first token is marked for the loss, but nothing predicts it")
     return Tokens(token_ids, logprobs, loss_mask)
+
+
+def sequences_of(rollout: events.Rollout) -> list[Tokens]:
+    """One sequence per branch of the rollout's trace graph (root to leaf: exactly the tokens the
+    model saw and sampled there), each sampled token in the loss once: a node shared by several
+    branches is trained in the first and is context in the others. Branches left with nothing
+    to train are skipped. Raises :class:`BadRollout` when spans do not line up."""
+    out: list[Tokens] = []
+    trained: set[str] = set()
+    for branch in branches(rollout.nodes):
+        tokens = _span_tokens(rollout, branch, trained)
+        trained.update(n.id for n in branch)
+        if any(tokens.loss_mask):
+            out.append(tokens)
+    if not out:
+        raise BadRollout(f"rollout {rollout.id} has no sampled tokens to train on")
+    return out
+
+
+def tokens_of(rollout: events.Rollout) -> Tokens:
+    """The rollout's nodes' token spans concatenated in order (a single-chain rollout's sequence)."""
+    return _span_tokens(rollout, list(rollout.nodes), set())
 
 
 @dataclass(frozen=True)
@@ -119,7 +143,7 @@ class Joiner:
         if rollout.group_size < 1:
             raise BadRollout(f"rollout {rollout.id}: group_size={rollout.group_size}")
         if rollout.status != "error":
-            tokens_of(rollout)
+            sequences_of(rollout)
         members = self._groups.get(rollout.group_id, [])
         if members and rollout.id not in self._rollouts:
             size = self._rollouts[members[0]].group_size

@@ -31,7 +31,7 @@ from flywheel.environment import Environment
 from flywheel_trainer.advantages import ADVANTAGES
 from flywheel_trainer.batch import Batch, micro_batches, pad, token_logprobs
 from flywheel_trainer.engines import Engine, TorchEngine
-from flywheel_trainer.join import Scored, Tokens, tokens_of
+from flywheel_trainer.join import Scored, Tokens, sequences_of
 from flywheel_trainer.losses import LOSSES
 
 log = logging.getLogger(__name__)
@@ -94,8 +94,11 @@ def rl_step(engine: Engine, groups: list[list[Scored]], pad_id: int, cfg: RunCon
     sequences: list[Tokens] = []
     advantages: list[float] = []
     for group in groups:
-        sequences += [tokens_of(s.rollout) for s in group]
-        advantages += advantage_fn([s.reward for s in group], cfg.trainer.normalize_advantage_std)
+        for scored, advantage in zip(group, advantage_fn([s.reward for s in group], cfg.trainer.normalize_advantage_std),
+                                     strict=True):
+            for sequence in sequences_of(scored.rollout):  # one per branch of its trace graph
+                sequences.append(sequence)
+                advantages.append(advantage)
 
     def token_loss(logprobs: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         return loss_fn(logprobs, batch.old_logprobs, batch.advantages[:, None], clip_eps)

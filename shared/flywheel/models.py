@@ -21,6 +21,7 @@ services that hold a model import this module.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -35,9 +36,19 @@ from flywheel import events
 
 hf_logging.disable_progress_bar()  # services log lines, not progress bars
 
+# ChatML with tools in the Hermes style: the tool list in the system turn, a call as
+# <tool_call>{"name": ..., "arguments": ...}</tool_call> in the assistant's text, the answer in
+# a `tool` turn. flywheel_inference parses calls back out of the sampled text.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{%- if tools %}<|im_start|>system\n{% if messages and messages[0]['role'] == 'system' %}"
+    "{{ messages[0]['content'] }}\n\n{% endif %}"
+    "You may call these tools:\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    "To call one, write <tool_call>{\"name\": NAME, \"arguments\": {...}}</tool_call>.<|im_end|>\n{% endif %}"
+    "{%- for message in messages %}{% if not (tools and loop.first and message['role'] == 'system') %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "{% for call in message.get('tool_calls') or [] %}<tool_call>{\"name\": \"{{ call['function']['name'] }}\", "
+    "\"arguments\": {{ call['function']['arguments'] }}}</tool_call>{% endfor %}<|im_end|>\n{% endif %}"
+    "{%- endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # What the tiny tokenizer learns its merges from: the chat scaffolding, not task text, so
@@ -130,20 +141,48 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu") ->
     return model, tok
 
 
-def _as_dicts(messages: Sequence[events.Message]) -> list[dict[str, str]]:
-    return [{"role": m.role, "content": m.content} for m in messages]
+def as_template_dicts(messages: Sequence[events.Message]) -> list[dict[str, Any]]:
+    """Messages as chat-template input (OpenAI shape, tool calls included)."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        d: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.tool_calls:
+            d["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                               for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        out.append(d)
+    return out
 
 
-def render_messages(tok: Any, messages: Sequence[events.Message]) -> list[int]:
+def render_text(tok: Any, messages: Sequence[events.Message], tools: Sequence[dict[str, Any]] | None = None,
+                generation_prompt: bool = False) -> str:
+    """``messages`` through the chat template, as text. ``tools`` (OpenAI function specs) go to the
+    template; a template that ignores them gets them in a system message, Hermes style."""
+    dicts = as_template_dicts(messages)
+    if tools and "tools" not in (tok.chat_template or ""):
+        preamble = "You may call these tools:\n" + "\n".join(json.dumps(t) for t in tools) + (
+            '\nTo call one, write <tool_call>{"name": NAME, "arguments": {...}}</tool_call>.')
+        if dicts and dicts[0]["role"] == "system":
+            dicts[0] = {**dicts[0], "content": f"{dicts[0]['content']}\n\n{preamble}"}
+        else:
+            dicts.insert(0, {"role": "system", "content": preamble})
+    if not dicts:
+        return ""
+    return tok.apply_chat_template(dicts, tools=list(tools) if tools else None, tokenize=False,
+                                   add_generation_prompt=generation_prompt)
+
+
+def render_messages(tok: Any, messages: Sequence[events.Message], tools: Sequence[dict[str, Any]] | None = None
+                    ) -> list[int]:
     """Token ids of ``messages`` through the chat template, without a generation prompt."""
-    text = tok.apply_chat_template(_as_dicts(messages), tokenize=False, add_generation_prompt=False)
-    return tok.encode(text, add_special_tokens=False)
+    return tok.encode(render_text(tok, messages, tools), add_special_tokens=False)
 
 
-def render_prompt(tok: Any, messages: Sequence[events.Message]) -> list[int]:
+def render_prompt(tok: Any, messages: Sequence[events.Message], tools: Sequence[dict[str, Any]] | None = None
+                  ) -> list[int]:
     """Token ids the model is given: ``messages`` plus the assistant's generation prompt."""
-    text = tok.apply_chat_template(_as_dicts(messages), tokenize=False, add_generation_prompt=True)
-    return tok.encode(text, add_special_tokens=False)
+    return tok.encode(render_text(tok, messages, tools, generation_prompt=True), add_special_tokens=False)
 
 
 def _storage_key(t: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from flywheel import events
-from flywheel_trainer.join import BadRollout, Joiner, tokens_of
+from flywheel_trainer.join import BadRollout, Joiner, sequences_of, tokens_of
 
 SCORERS = {"similarity": 1.0, "exact": 0.5}
 
@@ -163,3 +163,22 @@ def test_tokens_are_the_spans_in_node_order() -> None:
     assert tokens.token_ids == [1, 2, 3, 7, 8]
     assert tokens.logprobs == [0.0, 0.0, 0.0, -0.5, -0.25]
     assert tokens.loss_mask == [False, False, False, True, True]
+
+
+def test_a_branching_rollout_trains_each_branch_and_each_sampled_token_once() -> None:
+    from flywheel.tracegraph import TraceGraph
+
+    def span(ids: list[int], sampled: bool) -> events.TokenSpan:
+        return events.TokenSpan(token_ids=ids, logprobs=[-0.5 if sampled else 0.0] * len(ids),
+                                loss_mask=[sampled] * len(ids), policy_version=0 if sampled else None)
+
+    g = TraceGraph()
+    user, _ = g.add(None, events.Message(role="user", content="q"), span([1, 2], False))
+    first, _ = g.add(user.id, events.Message(role="assistant", content="a"), span([3, 4], True))
+    tool, _ = g.add(first.id, events.Message(role="tool", content="t"), span([5], False))
+    g.add(tool.id, events.Message(role="assistant", content="b"), span([6], True))
+    g.add(user.id, events.Message(role="assistant", content="retry"), span([7], True))  # a retry: a sibling
+    rollout = events.Rollout(run="r", env="e", task_id="t", group_id="t", nodes=g.ordered())
+    seqs = sequences_of(rollout)
+    assert [s.token_ids for s in seqs] == [[1, 2, 3, 4, 5, 6], [1, 2, 7]]
+    assert [s.loss_mask for s in seqs] == [[False, False, True, True, False, True], [False, False, True]]
