@@ -1,21 +1,207 @@
-"""``/v1/traces``: a rollout's trace graph, message layer and (on request) token layer."""
+"""``/v1/traces``: a rollout's trace graph, one branch of it, and a live stream of it.
+
+- ``GET /v1/traces/{rollout}``: every node with its parent (the message layer; the token
+  layer with ``?tokens=true``) and the leaves, one per branch (sub-agents, retries).
+- ``GET /v1/traces/{rollout}/branches/{node}``: the branch from the root to that node,
+  both layers, and its token spans concatenated (the tokens the model saw).
+- ``GET /v1/traces/{rollout}/stream``: server-sent events. ``node`` for every trace node
+  already published for the rollout, then for each new one as inference publishes it; then
+  one ``rollout`` (the rollout's fields) when the rollout itself lands, and the stream ends.
+  A comment line every ``KEEPALIVE_S`` keeps proxies from closing a quiet stream.
+
+The live stream reads the bus, not the store: an ordered consumer on the rollout's
+``traces.<run>.<rollout>`` subject from the start, and a headers-only one on
+``rollouts.<run>.>`` from a little before the first trace node, watching for the rollout's
+id (its payload is fetched once it shows). When the rollout is already recorded, the stream
+replays it from the store instead (the bus keeps traces for its retention only). A client
+that disconnects ends both consumers (:class:`flywheel.bus.Replay`).
+
+Not covered: resuming a stream (``Last-Event-ID``; a client that reconnects gets every node
+again, each carries its id); a rollout that never lands keeps its stream open until the
+client leaves.
+"""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, HTTPException
+import asyncio
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from typing import Annotated, Any
 
-from flywheel_gateway.deps import StoreDep
-from flywheel_gateway.models import NodePublic, TracePublic
+import msgspec
+import nats.js.errors
+from fastapi import APIRouter, HTTPException, Path
+from fastapi.responses import StreamingResponse
+from nats.aio.msg import Msg
+from pydantic import AfterValidator
+
+from flywheel import events
+from flywheel.bus import HEADER_CONTENT_TYPE, HEADER_MSG_ID, Bus, Replay
+from flywheel_gateway.deps import BusDep, StoreDep
+from flywheel_gateway.models import BranchPublic, NodePublic, RolloutPublic, TracePublic, subject_token
 from flywheel_gateway.responses import ERROR_RESPONSES
+from flywheel_gateway.store import Store, concat_tokens, walk_branch
 
 router = APIRouter(prefix="/v1/traces", tags=["traces"], responses=ERROR_RESPONSES)
+
+KEEPALIVE_S = 15.0
+# The rollout is published after its first trace node; its stream may be led by another
+# server of a cluster, whose clock may differ: watch from this much earlier.
+CLOCK_SKEW_S = 30.0
+EVENT_STREAM = "text/event-stream"
+
+StreamedRolloutId = Annotated[str, Path(description="A rollout id (a NATS subject token)."),
+                              AfterValidator(subject_token)]
+
+
+async def _trace(store: Store, rollout_id: str, tokens: bool) -> list[dict[str, Any]]:
+    nodes = await store.get_trace(rollout_id, tokens=tokens)
+    if nodes is None:
+        raise HTTPException(404, f"no trace recorded for rollout {rollout_id!r}")
+    return nodes
 
 
 @router.get("/{rollout_id}", response_model=TracePublic)
 async def get_trace(rollout_id: str, store: StoreDep, tokens: bool = False) -> TracePublic:
     """The nodes of the rollout's graph in order, each with its parent; live nodes show before
     the rollout finishes. ``?tokens=true`` adds each node's token ids, logprobs and loss mask."""
-    nodes = await store.get_trace(rollout_id, tokens=tokens)
-    if nodes is None:
-        raise HTTPException(404, f"no trace recorded for rollout {rollout_id!r}")
-    return TracePublic(rollout_id=rollout_id, nodes=[NodePublic.model_validate(n) for n in nodes])
+    nodes = await _trace(store, rollout_id, tokens)
+    parents = {n["parent_id"] for n in nodes}
+    return TracePublic(rollout_id=rollout_id, finished=await store.has_rollout(rollout_id),
+                       nodes=[NodePublic.model_validate(n) for n in nodes],
+                       leaves=[n["id"] for n in nodes if n["id"] not in parents])
+
+
+@router.get("/{rollout_id}/branches/{node_id}", response_model=BranchPublic)
+async def get_branch(rollout_id: str, node_id: str, store: StoreDep, tokens: bool = False) -> BranchPublic:
+    """The branch from the root to ``node_id`` (a leaf of /v1/traces/{rollout_id}, or any node
+    of the rollout), root first. ``?tokens=true`` adds each node's token layer and the
+    branch's, concatenated."""
+    nodes = await _trace(store, rollout_id, tokens)
+    if not any(n["id"] == node_id for n in nodes):
+        raise HTTPException(404, f"node {node_id!r} is not in the trace of rollout {rollout_id!r}; its leaves are "
+                                 f"listed by GET /v1/traces/{rollout_id}")
+    branch, complete = walk_branch(nodes, node_id)
+    return BranchPublic(rollout_id=rollout_id, leaf_id=node_id, complete=complete,
+                        nodes=[NodePublic.model_validate(n) for n in branch],
+                        tokens=concat_tokens(branch) if tokens else None)  # type: ignore[arg-type]
+
+
+@router.get("/{rollout_id}/stream", response_class=StreamingResponse,
+            responses={200: {"content": {EVENT_STREAM: {}}, "description": "Server-sent events: node..., rollout."}})
+async def stream_trace(rollout_id: StreamedRolloutId, store: StoreDep, bus: BusDep,
+                       tokens: bool = False) -> StreamingResponse:
+    """Follow a rollout: ``node`` events (a node as in /v1/traces, ``position`` in arrival
+    order), then one ``rollout`` event when it lands, then the end. ``reward`` in it is null
+    while no score is recorded (scores come after the rollout)."""
+    if await store.has_rollout(rollout_id):
+        stream = _replay_recorded(store, rollout_id, tokens)
+    else:
+        first = await _first_trace_message(bus, rollout_id)
+        if first is not None:
+            stream = _follow_live(bus, first, rollout_id, tokens)
+        elif await store.has_rollout(rollout_id):  # it landed and was recorded meanwhile
+            stream = _replay_recorded(store, rollout_id, tokens)
+        else:
+            raise HTTPException(404, f"no trace of rollout {rollout_id!r} on the bus or in the store; a rollout shows "
+                                     "once inference publishes its first trace node")
+    return StreamingResponse(_server_sent(stream), media_type=EVENT_STREAM,
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _server_sent(stream: AsyncIterator[tuple[str, Any] | None]) -> AsyncIterator[bytes]:
+    """SSE framing: ``event:`` and ``data:`` (JSON) per event; None is a keep-alive comment."""
+    encoder = msgspec.json.Encoder()
+    async for item in stream:
+        if item is None:
+            yield b": keepalive\n\n"
+        else:
+            name, data = item
+            yield b"event: " + name.encode() + b"\ndata: " + encoder.encode(data) + b"\n\n"
+
+
+async def _replay_recorded(store: Store, rollout_id: str, tokens: bool) -> AsyncIterator[tuple[str, Any] | None]:
+    for node in await _trace(store, rollout_id, tokens):
+        yield "node", NodePublic.model_validate(node).model_dump(mode="json")
+    rollout = await store.get_rollout(rollout_id)
+    yield "rollout", RolloutPublic.model_validate(rollout).model_dump(mode="json")
+
+
+async def _first_trace_message(bus: Bus, rollout_id: str) -> Any:
+    """The first trace node of the rollout on the bus (its subject names the run), or None."""
+    try:
+        return await bus.js.get_msg("TRACES", seq=1, subject=f"traces.*.{rollout_id}", next=True)
+    except nats.js.errors.NotFoundError:
+        return None
+
+
+def _node_public(node: events.Node, position: int, tokens: bool) -> dict[str, Any]:
+    return NodePublic.model_validate({
+        "id": node.id, "parent_id": node.parent_id, "position": position, "message": msgspec.to_builtins(node.message),
+        "tokens": msgspec.to_builtins(node.tokens) if tokens and node.tokens is not None else None,
+    }).model_dump(mode="json")
+
+
+def _rollout_public(r: events.Rollout) -> dict[str, Any]:
+    num_tokens = sum(len(n.tokens.token_ids) for n in r.nodes if n.tokens is not None)
+    return RolloutPublic(id=r.id, run=r.run, env=r.env, task_id=r.task_id, group_id=r.group_id, index=r.index,
+                         policy_version=r.policy_version, status=r.status, error=r.error, reward=None,
+                         num_tokens=num_tokens, created_at=r.created_at).model_dump(mode="json")
+
+
+async def _follow_live(bus: Bus, first: Any, rollout_id: str,
+                       tokens: bool) -> AsyncIterator[tuple[str, Any] | None]:
+    subject: str = first.subject
+    run = subject.split(".")[1]
+    node_decoder = events.Decoder(events.TraceNode)
+    sent: set[str] = set()
+    last_seq = 0
+
+    def node_event(msg: Msg) -> tuple[str, Any] | None:
+        nonlocal last_seq
+        last_seq = msg.metadata.sequence.stream
+        node = node_decoder.decode(msg.data, (msg.headers or {}).get(HEADER_CONTENT_TYPE)).node
+        if node.id in sent:  # republished past the bus's duplicate window
+            return None
+        sent.add(node.id)
+        return "node", _node_public(node, len(sent) - 1, tokens)
+
+    async with (Replay(bus, subject) as traces,
+                Replay(bus, f"rollouts.{run}.>", start_time=first.time - timedelta(seconds=CLOCK_SKEW_S),
+                       headers_only=True) as landed):
+        next_trace = asyncio.ensure_future(traces.next())
+        next_landed = asyncio.ensure_future(landed.next())
+        try:
+            rollout: events.Rollout | None = None
+            while rollout is None:
+                done, _ = await asyncio.wait({next_trace, next_landed}, timeout=KEEPALIVE_S,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if not done:
+                    yield None
+                if next_trace in done:
+                    msg = next_trace.result()
+                    next_trace = asyncio.ensure_future(traces.next())
+                    if (item := node_event(msg)) is not None:
+                        yield item
+                if next_landed in done:
+                    msg = next_landed.result()
+                    next_landed = asyncio.ensure_future(landed.next())
+                    if (msg.headers or {}).get(HEADER_MSG_ID) == rollout_id:
+                        raw = await bus.js.get_msg("ROLLOUTS", msg.metadata.sequence.stream)
+                        rollout = events.Decoder(events.Rollout).decode(
+                            raw.data, (raw.headers or {}).get(HEADER_CONTENT_TYPE))
+            # Inference publishes every trace node before the rollout: deliver the ones still on their way.
+            end_seq = (await bus.js.get_last_msg("TRACES", subject)).seq or 0
+            while last_seq < end_seq:
+                msg = await next_trace
+                next_trace = asyncio.ensure_future(traces.next())
+                if (item := node_event(msg)) is not None:
+                    yield item
+            for node in rollout.nodes:  # nodes the rollout has that were never published live
+                if node.id not in sent:
+                    sent.add(node.id)
+                    yield "node", _node_public(node, len(sent) - 1, tokens)
+            yield "rollout", _rollout_public(rollout)
+        finally:
+            next_trace.cancel()
+            next_landed.cancel()

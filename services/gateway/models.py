@@ -15,10 +15,11 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from flywheel import events
 from flywheel.runs import MAX_NAME_CHARS, is_key, is_token
+from flywheel_gateway.store import MAX_PAGE_LIMIT
 
 MAX_TASKS_PER_REQUEST = 10_000
 
@@ -160,6 +161,39 @@ class RolloutPage(BaseModel):
     next_cursor: str | None = Field(description="Pass as ?cursor= for the next page; null on the last page.")
 
 
+Reward = Annotated[float | None, Field(allow_inf_nan=False)]
+
+
+class RolloutFilters(BaseModel):
+    """Query parameters that choose rollouts; unknown parameters are refused (a typo must
+    not silently widen a filter)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    run: str | None = None
+    env: str | None = None
+    status: Literal["completed", "truncated", "error"] | None = None
+    error: bool | None = Field(None, description="true: rollouts with an error (inference marked them `error` or "
+                                                 "gave a message, or a scorer failed on them); false: the others.")
+    policy_version: int | None = None
+    min_policy_version: int | None = None
+    max_policy_version: int | None = None
+    min_reward: Reward = Field(None, description="Inclusive; leaves out rollouts without a reward.")
+    max_reward: Reward = Field(None, description="Inclusive; leaves out rollouts without a reward.")
+    created_after: AwareDatetime | None = Field(None, description="Inclusive, RFC 3339 with an offset "
+                                                                  "(2026-01-01T00:00:00Z).")
+    created_before: AwareDatetime | None = Field(None, description="Exclusive, RFC 3339 with an offset.")
+
+
+class RolloutListQuery(RolloutFilters):
+    limit: int = Field(50, ge=1, le=MAX_PAGE_LIMIT, description="Items per page.")
+    cursor: str | None = Field(None, description="next_cursor of the previous page (with the same filters).")
+
+
+class RolloutExportQuery(RolloutFilters):
+    tokens: bool = Field(False, description="Add each rollout's token layer (token_ids, logprobs, loss_mask).")
+
+
 # --- traces -------------------------------------------------------------------------------
 
 
@@ -195,7 +229,26 @@ class NodePublic(BaseModel):
 
 class TracePublic(BaseModel):
     rollout_id: str
+    finished: bool = Field(description="Whether the rollout itself is recorded; false while only live nodes are.")
     nodes: list[NodePublic]
+    leaves: list[str] = Field(description="Ids of the nodes no other node of the rollout continues: one per branch "
+                                          "(sub-agent, retry); pick one for /v1/traces/{rollout_id}/branches/{leaf}.")
+
+
+class TokenLayerPublic(BaseModel):
+    token_ids: list[int]
+    logprobs: list[float]
+    loss_mask: list[bool]
+
+
+class BranchPublic(BaseModel):
+    rollout_id: str
+    leaf_id: str
+    complete: bool = Field(description="Whether the branch reaches a root; false when a parent is not recorded "
+                                       "(yet) for this rollout.")
+    nodes: list[NodePublic] = Field(description="Root first.")
+    tokens: TokenLayerPublic | None = Field(
+        None, description="With ?tokens=true: the branch's token spans concatenated, the tokens the model saw.")
 
 
 # --- runs ---------------------------------------------------------------------------------

@@ -56,7 +56,8 @@ def unprocessable(errors: Sequence[dict[str, Any]]) -> JSONResponse:
                         status_code=422)
 
 
-def refuse_inverted_range(low_name: str, low: float | None, high_name: str, high: float | None) -> None:
+def refuse_inverted_range(low_name: str, low: Any, high_name: str, high: Any) -> None:
+    """A 422 on ``low_name`` when both bounds are given and ``low`` is above ``high``."""
     if low is not None and high is not None and low > high:
         raise RequestValidationError([{"loc": ("query", low_name), "type": "value_error",
                                        "msg": f"is greater than {high_name} ({low} > {high})"}])

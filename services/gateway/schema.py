@@ -94,13 +94,16 @@ rollouts = sa.Table(
     sa.Column("policy_version", sa.Integer, nullable=False),
     sa.Column("status", sa.String, nullable=False),
     sa.Column("error", sa.Text, nullable=True),
-    # Weighted sum of the rollout's scores (value * weight); NULL until the first score.
+    # Weighted sum of the rollout's scores (value * weight); NULL until the first score, and
+    # when a scorer failed on the rollout (store.reward_expression).
     sa.Column("reward", sa.Float, nullable=True),
     sa.Column("num_tokens", sa.Integer, nullable=False),
     sa.Column("created_at", UTCDateTime, nullable=False),
     # The whole Rollout event as published (nodes included), for replay and export.
     sa.Column("event", Json, nullable=False),
-    sa.Index("ix_rollouts_run_env", "run", "env"),
+    # The listing's common shapes, newest first: a run's rollouts, a run's rollouts of one env.
+    sa.Index("ix_rollouts_run_seq", "run", "seq"),
+    sa.Index("ix_rollouts_run_env_seq", "run", "env", "seq"),
 )
 
 # One row per distinct node (content hash), however many rollouts share it.

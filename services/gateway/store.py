@@ -8,8 +8,10 @@ The schema lives in :mod:`flywheel_gateway.schema` and is created by the migrati
 Recording is idempotent and bulk: :meth:`Store.record` takes a batch of events of any
 kinds, and writes them in one transaction with one ``executemany`` per table, every insert
 ``ON CONFLICT DO NOTHING`` (keyed by event id), so a redelivered event changes nothing.
-A rollout's reward is recomputed in the same transaction whenever the rollout or one of
-its scores is recorded, so the order in which they arrive does not matter. A weight update
+A rollout's reward (the weighted sum of its scores' values, as the trainer takes it; none
+while a scorer's verdict is an error) is recomputed in the same transaction whenever the
+rollout or one of its scores is recorded, so the order in which they arrive does not
+matter, and filters on it run in SQL. A weight update
 also gives its run's metrics for its training step (``run_metrics``; the first update of a
 step wins).
 
@@ -19,6 +21,11 @@ take turns on an asyncio lock instead of spinning in SQLite's busy handler. Post
 a write transaction first takes transaction-scoped advisory locks on the rollouts it
 touches (in a fixed order), so a score and its rollout recorded at the same moment by two
 consumers cannot both miss each other when the reward is computed.
+
+Reading: listings page newest first with a keyset cursor on ``seq`` (rows recorded
+meanwhile never shift a page); a rollout cursor carries a digest of its filters, so it
+cannot continue another listing. The export reads a page at a time and releases its
+connection before handing the page out.
 
 Not covered: deleting or compacting old traces, full-text search. PostgreSQL refuses NUL
 characters in text and JSONB, so an event carrying one fails to record there (and ends up
@@ -30,9 +37,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import hashlib
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -115,16 +123,26 @@ class Page:
 
 @dataclass
 class RolloutFilter:
-    """Filters of the rollout listing; None means no filter. Bounds are inclusive."""
+    """Filters of the rollout listing and export; None means no filter.
+
+    Reward and policy-version bounds are inclusive; a reward bound leaves out rollouts
+    without a reward (not scored yet, or a scorer failed on them). ``created_after`` is
+    inclusive and ``created_before`` exclusive, so consecutive windows never overlap.
+    ``error``: True keeps rollouts with an error (inference marked them ``error`` or gave an
+    error message, or a scorer failed on them), False keeps the others.
+    """
 
     run: str | None = None
     env: str | None = None
     status: str | None = None
+    error: bool | None = None
     policy_version: int | None = None
     min_policy_version: int | None = None
     max_policy_version: int | None = None
     min_reward: float | None = None
     max_reward: float | None = None
+    created_after: datetime | None = None
+    created_before: datetime | None = None
 
     def where(self) -> list[sa.ColumnElement[bool]]:
         c = s.rollouts.c
@@ -132,13 +150,34 @@ class RolloutFilter:
             (self.run, lambda v: c.run == v),
             (self.env, lambda v: c.env == v),
             (self.status, lambda v: c.status == v),
+            (self.error, lambda v: _has_error() if v else sa.not_(_has_error())),
             (self.policy_version, lambda v: c.policy_version == v),
             (self.min_policy_version, lambda v: c.policy_version >= v),
             (self.max_policy_version, lambda v: c.policy_version <= v),
             (self.min_reward, lambda v: c.reward >= v),
             (self.max_reward, lambda v: c.reward <= v),
+            (self.created_after, lambda v: c.created_at >= v),
+            (self.created_before, lambda v: c.created_at < v),
         ]
         return [make(value) for value, make in conditions if value is not None]
+
+    def fingerprint(self) -> str:
+        """A short digest of the filters, carried in cursors: a cursor only continues its own listing."""
+        chosen = {k: v for k, v in sorted(asdict(self).items()) if v is not None}
+        return hashlib.sha256(msgspec.json.encode(chosen)).hexdigest()[:16]
+
+    def describe(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in asdict(self).items() if v is not None) or "no filters"
+
+
+def _failed_score(rollout_id: sa.ColumnElement[str]) -> sa.Exists:
+    sc = s.scores.c
+    return sa.exists().where(sc.rollout_id == rollout_id, sc.error.is_not(None))
+
+
+def _has_error() -> sa.ColumnElement[bool]:
+    c = s.rollouts.c
+    return sa.or_(c.status == "error", c.error.is_not(None), _failed_score(c.id))
 
 
 def encode_cursor(listing: str, *key: Any) -> str:
@@ -363,10 +402,9 @@ class Store:
         return out
 
     async def _update_rewards(self, conn: AsyncConnection, rollout_ids: Sequence[str]) -> None:
-        r, sc = s.rollouts.c, s.scores.c
-        total = (sa.select(sa.func.sum(sc.value * sc.weight)).where(sc.rollout_id == r.id).scalar_subquery())
+        r = s.rollouts.c
         for ids in _chunks(rollout_ids):
-            await conn.execute(sa.update(s.rollouts).where(r.id.in_(ids)).values(reward=total))
+            await conn.execute(sa.update(s.rollouts).where(r.id.in_(ids)).values(reward=reward_expression()))
 
     async def upsert_runs(self, states: Sequence[events.RunState]) -> None:
         """Record runs with their tenant and kind (the run-state bucket is the source of truth)."""
@@ -383,13 +421,22 @@ class Store:
 
     async def _page(self, listing: str, table: sa.Table, columns: Sequence[sa.Column[Any]],
                     where: list[sa.ColumnElement[bool]], cursor: str | None, limit: int,
-                    order: Sequence[sa.Column[Any]] = (), key_types: tuple[Any, ...] = (int,)) -> Page:
+                    order: Sequence[sa.Column[Any]] = (), key_types: tuple[Any, ...] = (int,),
+                    scope: str | None = None) -> Page:
         """Newest first: descending ``order`` (default ``seq``), keyset on it, so rows recorded
-        meanwhile never shift a page. ``key_types`` are the types of the ``order`` columns."""
+        meanwhile never shift a page. ``key_types`` are the types of the ``order`` columns.
+        ``scope`` (the filters' fingerprint) rides in the cursor: a cursor handed out under
+        other filters is refused rather than continuing a different listing."""
         _check_limit(limit)
         order = order or (table.c.seq,)
         if cursor is not None:
-            where = [*where, _before(order, decode_cursor(listing, cursor, key_types))]
+            key = decode_cursor(listing, cursor, key_types + ((str,) if scope is not None else ()))
+            if scope is not None:
+                *key, cursor_scope = key
+                if cursor_scope != scope:
+                    raise InvalidCursor(f"cursor {cursor!r} continues a listing with other filters; pass the same "
+                                        "filters as for the first page, or leave out the cursor to start over")
+            where = [*where, _before(order, key)]
         shown = {c.name for c in columns}
         hidden = [c for c in order if c.name not in shown]
         query = (sa.select(*hidden, *columns).where(*where).order_by(*(c.desc() for c in order))
@@ -398,7 +445,8 @@ class Store:
             rows = [dict(row) for row in (await conn.execute(query)).mappings()]
         next_cursor = None
         if len(rows) > limit:
-            next_cursor = encode_cursor(listing, *(rows[limit - 1][c.name] for c in order))
+            key = [rows[limit - 1][c.name] for c in order]
+            next_cursor = encode_cursor(listing, *key, *([scope] if scope is not None else []))
         items = rows[:limit]
         for row in items:
             for c in hidden:
@@ -418,8 +466,46 @@ class Store:
 
     async def list_rollouts(self, filters: RolloutFilter | None = None, cursor: str | None = None,
                             limit: int = 50) -> Page:
+        filters = filters or RolloutFilter()
+        return await self._page("rollouts", s.rollouts, _columns(s.rollouts, "event"), filters.where(), cursor,
+                                limit, scope=filters.fingerprint())
+
+    async def export_rollouts(self, filters: RolloutFilter | None = None, tokens: bool = False,
+                              page_size: int = 100) -> AsyncIterator[dict[str, Any]]:
+        """Every rollout that ``filters`` keep, newest first, as one export record each (see
+        :func:`export_record`). Read ``page_size`` at a time, each page on a connection that
+        is released before its records are handed out: memory stays flat however many rows
+        match, and a slow reader holds no connection. Rollouts recorded after the first
+        page are not included."""
+        _check_limit(page_size)
+        c, sc = s.rollouts.c, s.scores.c
         where = (filters or RolloutFilter()).where()
-        return await self._page("rollouts", s.rollouts, _columns(s.rollouts, "event"), where, cursor, limit)
+        columns = [c.seq, *_columns(s.rollouts)]
+        score_columns = [sc.rollout_id, sc.scorer, sc.value, sc.weight, sc.components, sc.error]
+        last_seq: int | None = None
+        while True:
+            query = (sa.select(*columns).where(*where, *([c.seq < last_seq] if last_seq is not None else []))
+                     .order_by(c.seq.desc()).limit(page_size))
+            async with self.engine.connect() as conn:
+                rows = [dict(row) for row in (await conn.execute(query)).mappings()]
+                by_rollout: dict[str, list[dict[str, Any]]] = {}
+                if rows:
+                    found = await conn.execute(sa.select(*score_columns).where(sc.rollout_id.in_([r["id"] for r in rows]))
+                                               .order_by(sc.rollout_id, sc.scorer))
+                    for score in found.mappings():
+                        by_rollout.setdefault(score["rollout_id"], []).append(
+                            {k: v for k, v in score.items() if k != "rollout_id"})
+            for row in rows:
+                yield export_record(row, by_rollout.get(row["id"], []), tokens)
+            if len(rows) < page_size:
+                return
+            last_seq = rows[-1]["seq"]
+            del rows, by_rollout
+
+    async def has_rollout(self, rollout_id: str) -> bool:
+        """Whether the rollout itself (not only live trace nodes of it) is recorded."""
+        async with self.engine.connect() as conn:
+            return await conn.scalar(sa.select(s.rollouts.c.id).where(s.rollouts.c.id == rollout_id)) is not None
 
     async def get_rollout(self, rollout_id: str) -> dict[str, Any] | None:
         """The rollout (without its nodes), its metrics and task data, and its scores."""
@@ -454,7 +540,8 @@ class Store:
         r, m = s.rollouts.c, s.run_metrics.c
         counts = sa.select(_count(s.tasks, s.tasks.c.run == run_id).label("num_tasks"),
                            _count(s.rollouts, r.run == run_id).label("num_rollouts"),
-                           _count(s.rollouts, r.run == run_id, r.reward.is_not(None)).label("num_scored_rollouts"))
+                           _count(s.rollouts, r.run == run_id, sa.exists().where(s.scores.c.rollout_id == r.id))
+                           .label("num_scored_rollouts"))
         latest = sa.select(m.step, m.version, m.metrics).where(m.run == run_id).order_by(m.step.desc()).limit(1)
         async with self.engine.connect() as conn:
             row = (await conn.execute(sa.select(*_columns(s.runs)).where(s.runs.c.id == run_id))).mappings().first()
@@ -493,6 +580,63 @@ class Store:
                 found = await conn.scalar(sa.select(s.rollouts.c.id).where(s.rollouts.c.id == rollout_id))
                 return [] if found is not None else None
         return rows
+
+
+def walk_branch(nodes: Sequence[dict[str, Any]], leaf_id: str) -> tuple[list[dict[str, Any]], bool]:
+    """The branch of a rollout's graph that ends at ``leaf_id``, root first, following parent
+    links among ``nodes`` (dicts with ``id`` and ``parent_id``); and whether it reaches a root.
+    It stops short (False) at a parent that is not among ``nodes`` (a live trace whose
+    earlier node has not arrived yet) or at a node already on the branch (a cycle, which
+    content-hashed ids rule out unless a producer breaks the contract)."""
+    by_id = {n["id"]: n for n in nodes}
+    branch: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    node: dict[str, Any] | None = by_id[leaf_id]
+    while node is not None and node["id"] not in seen:
+        branch.append(node)
+        seen.add(node["id"])
+        parent_id = node["parent_id"]
+        if parent_id is None:
+            return branch[::-1], True
+        node = by_id.get(parent_id)
+    return branch[::-1], False
+
+
+def concat_tokens(nodes: Iterable[dict[str, Any]]) -> dict[str, list[Any]]:
+    """The token layer of ``nodes`` (each with ``tokens``: a TokenSpan as a dict, or None),
+    concatenated: the tokens the model saw along a branch, as the trainer takes them."""
+    out: dict[str, list[Any]] = {"token_ids": [], "logprobs": [], "loss_mask": []}
+    for node in nodes:
+        span = node.get("tokens")
+        if span is not None:
+            for key, values in out.items():
+                values.extend(span.get(key, ()))
+    return out
+
+
+def export_record(row: dict[str, Any], scores: list[dict[str, Any]], tokens: bool) -> dict[str, Any]:
+    """One rollout as an export line: its fields, reward and scores, and the messages of its
+    main branch (root to its last node, which is the whole rollout unless it branches);
+    with ``tokens``, that branch's concatenated token layer too."""
+    event = row["event"]
+    nodes = event.get("nodes", [])
+    for node in nodes:
+        node.setdefault("parent_id", None)
+    branch, _ = walk_branch(nodes, nodes[-1]["id"]) if nodes else ([], True)
+    record = {k: v for k, v in row.items() if k not in ("seq", "event")}
+    record.update(task_data=event.get("task_data", {}), metrics=event.get("metrics", {}), scores=scores,
+                  num_nodes=len(nodes), messages=[n["message"] for n in branch])
+    if tokens:
+        record["tokens"] = concat_tokens(branch)
+    return record
+
+
+def reward_expression() -> sa.ColumnElement[float]:
+    """A rollout's reward, as the trainer has it: the weighted sum of its scores' values; NULL
+    before the first score and when a scorer failed on it (its value is not to be trusted)."""
+    r, sc = s.rollouts.c, s.scores.c
+    total = sa.select(sa.func.sum(sc.value * sc.weight)).where(sc.rollout_id == r.id).scalar_subquery()
+    return sa.case((_failed_score(r.id), sa.null()), else_=total)
 
 
 def _count(table: sa.Table, *where: sa.ColumnElement[bool]) -> sa.ScalarSelect[int]:

@@ -10,11 +10,13 @@ tests/integration/test_recorder*.py).
 from __future__ import annotations
 
 import asyncio
+import tracemalloc
 import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 
+import msgspec
 import pytest
 import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
@@ -23,7 +25,14 @@ from alembic.runtime.migration import MigrationContext
 from flywheel import events
 from flywheel_gateway import schema
 from flywheel_gateway.migrate import current_revision, migrate, run_exclusively
-from flywheel_gateway.store import InvalidCursor, RolloutFilter, Store, UnrecordableEvent, encode_cursor
+from flywheel_gateway.store import (
+    InvalidCursor,
+    RolloutFilter,
+    Store,
+    UnrecordableEvent,
+    encode_cursor,
+    walk_branch,
+)
 
 
 async def _throwaway_postgres(postgres_url: str) -> AsyncIterator[str]:
@@ -96,9 +105,10 @@ def rollout(rid: str, *, task_id: str = "t1", group_id: str = "g1", index: int =
                           metrics={"num_turns": 1.0}, task_data={"q": "2+2"}, created_at=T0)
 
 
-def score(sid: str, rollout_id: str, value: float, weight: float = 1.0, scorer: str = "exact") -> events.Score:
+def score(sid: str, rollout_id: str, value: float, weight: float = 1.0, scorer: str = "exact",
+          error: str | None = None) -> events.Score:
     return events.Score(id=sid, run="r1", env="math", rollout_id=rollout_id, group_id="g1", scorer=scorer,
-                        value=value, weight=weight, created_at=T0)
+                        value=value, weight=weight, error=error, created_at=T0)
 
 
 async def count(store: Store, table: sa.Table) -> int:
@@ -119,7 +129,7 @@ async def test_migrate_is_idempotent_and_matches_the_models(database_url: str) -
     assert await current_revision(database_url) is None
     await asyncio.gather(migrate(database_url), migrate(database_url))  # two processes starting at once
     await migrate(database_url)
-    assert await current_revision(database_url) == "0002"
+    assert await current_revision(database_url) == "0003"
 
     diffs: list[object] = []
 
@@ -129,6 +139,22 @@ async def test_migrate_is_idempotent_and_matches_the_models(database_url: str) -
 
     await run_exclusively(database_url, compare)
     assert diffs == [], "the models and the migrations disagree; add a migration (see alembic.ini)"
+
+
+async def test_revision_0003_drops_the_reward_of_rollouts_a_scorer_failed_on(database_url: str) -> None:
+    await migrate(database_url, "0002")
+    s = Store.open(database_url)
+    try:
+        # Recorded under 0002, which summed every score, failed ones included.
+        await s.record([rollout("ro1"), rollout("ro2"), score("s1", "ro1", 1.0),
+                        score("s2", "ro2", 1.0), score("s3", "ro2", 0.0, scorer="judge", error="timed out")])
+        async with s.engine.connect() as conn:
+            await conn.execute(sa.update(schema.rollouts).values(reward=1.0))
+            await conn.commit()
+        await migrate(database_url)
+        assert (await reward(s, "ro1"), await reward(s, "ro2")) == (1.0, None)
+    finally:
+        await s.close()
 
 
 # --- recording ----------------------------------------------------------------------------
@@ -167,6 +193,20 @@ async def test_reward_is_the_weighted_sum_of_scores(store: Store) -> None:
     await store.record([score("s3", "ro1", 1.0, weight=2.0, scorer="exact")])
     assert await reward(store, "ro1") == pytest.approx(1.5)
     assert await count(store, schema.scores) == 2
+
+
+async def test_no_reward_where_a_scorer_failed(store: Store) -> None:
+    """The trainer drops a rollout a required scorer failed on; its 0.0 is no reward."""
+    await store.record([rollout("ro1"), score("s1", "ro1", 1.0)])
+    assert await reward(store, "ro1") == 1.0
+    await store.record([score("s2", "ro1", 0.0, scorer="judge", error="judge timed out")])  # arrives later
+    assert await reward(store, "ro1") is None
+    run = await store.get_run("r1")
+    assert run is not None and run["num_scored_rollouts"] == 1
+    # ... and when the failed score comes first.
+    await store.record([score("s3", "ro2", 0.0, scorer="judge", error="boom")])
+    await store.record([rollout("ro2"), score("s4", "ro2", 1.0)])
+    assert await reward(store, "ro2") is None
 
 
 async def test_scores_before_their_rollout_give_the_right_reward(store: Store) -> None:
@@ -323,6 +363,96 @@ async def test_rollout_filters(store: Store) -> None:
     rest = await store.list_rollouts(cursor=first.next_cursor, limit=3)
     assert [r["id"] for r in first.items + rest.items] == ["broken", "high", "mid", "low"]
     assert rest.next_cursor is None and "event" not in first.items[0]
+
+
+async def test_rollout_error_and_time_filters(store: Store) -> None:
+    def at(rid: str, minutes: int, **kw: object) -> events.Rollout:
+        r = rollout(rid, **kw)  # type: ignore[arg-type]
+        return msgspec.structs.replace(r, created_at=T0 + timedelta(minutes=minutes))
+
+    await store.record([
+        at("ok", 0), at("broken", 1, status="error"), at("scorer-failed", 2),
+        msgspec.structs.replace(rollout("message", status="truncated"), error="sandbox lost", created_at=T0),
+        score("s1", "ok", 1.0), score("s2", "scorer-failed", 0.0, error="judge timed out"),
+    ])
+
+    async def ids(**filters: object) -> set[str]:
+        page = await store.list_rollouts(RolloutFilter(**filters), limit=100)  # type: ignore[arg-type]
+        return {r["id"] for r in page.items}
+
+    assert await ids(error=True) == {"broken", "scorer-failed", "message"}
+    assert await ids(error=False) == {"ok"}
+    assert await ids(error=True, status="truncated") == {"message"}
+    assert await ids(created_after=T0 + timedelta(minutes=1)) == {"broken", "scorer-failed"}
+    assert await ids(created_before=T0 + timedelta(minutes=1)) == {"ok", "message"}
+    assert await ids(created_after=T0 + timedelta(minutes=1), created_before=T0 + timedelta(minutes=2)) == {"broken"}
+    # Another zone means the same instant.
+    east = timezone(timedelta(hours=2))
+    assert await ids(created_after=datetime(2026, 11, 1, 14, 2, tzinfo=east)) == {"scorer-failed"}
+
+
+async def test_a_cursor_continues_only_its_own_filters(store: Store) -> None:
+    await store.record([rollout(f"ro{i:02}", policy_version=i % 2) for i in range(10)])
+    odd = RolloutFilter(policy_version=1)
+    seen: list[str] = []
+    page = await store.list_rollouts(odd, limit=2)
+    while True:
+        seen += [r["id"] for r in page.items]
+        # A matching rollout and a scored one recorded between pages shift nothing.
+        await store.record([rollout(f"new{len(seen)}", policy_version=1)])
+        if page.next_cursor is None:
+            break
+        page = await store.list_rollouts(odd, cursor=page.next_cursor, limit=2)
+    assert seen == ["ro09", "ro07", "ro05", "ro03", "ro01"]
+    cursor = (await store.list_rollouts(odd, limit=2)).next_cursor
+    with pytest.raises(InvalidCursor, match="other filters"):
+        await store.list_rollouts(RolloutFilter(policy_version=0), cursor=cursor)
+    with pytest.raises(InvalidCursor, match="other filters"):
+        await store.list_rollouts(cursor=cursor)
+
+
+def test_branches_are_walked_from_their_leaf_to_the_root() -> None:
+    graph = [{"id": "s", "parent_id": None}, {"id": "u", "parent_id": "s"}, {"id": "a1", "parent_id": "u"},
+             {"id": "t", "parent_id": "a1"}, {"id": "a2", "parent_id": "t"}, {"id": "retry", "parent_id": "u"}]
+    assert walk_branch(graph, "a2") == (graph[:5], True)
+    assert walk_branch(graph, "retry") == ([graph[0], graph[1], graph[5]], True)
+    assert walk_branch(graph[3:], "a2") == (graph[3:5], False)  # a1 not arrived yet
+    cycle = [{"id": "x", "parent_id": "y"}, {"id": "y", "parent_id": "x"}]
+    assert walk_branch(cycle, "x") == ([cycle[1], cycle[0]], False)
+
+
+async def test_export_has_messages_scores_and_tokens(store: Store) -> None:
+    await store.record([rollout("ro1", answer="4"), rollout("ro2", answer="5", status="error"),
+                        score("s1", "ro1", 1.0), score("s2", "ro1", 0.5, weight=2.0, scorer="length")])
+    records = [r async for r in store.export_rollouts(RolloutFilter(error=False), tokens=True)]
+    assert [r["id"] for r in records] == ["ro1"]
+    (record,) = records
+    assert record["reward"] == 2.0 and record["num_nodes"] == 3 and record["created_at"] == T0
+    assert [(sc["scorer"], sc["value"], sc["weight"]) for sc in record["scores"]] == [("exact", 1.0, 1.0),
+                                                                                     ("length", 0.5, 2.0)]
+    assert [m["content"] for m in record["messages"]] == ["be brief", "2+2?", "4"]
+    assert record["tokens"]["token_ids"] == list(range(1, 10))
+    assert record["tokens"]["loss_mask"] == [False] * 5 + [True] * 4
+    everything = [r async for r in store.export_rollouts(page_size=1)]
+    assert [r["id"] for r in everything] == ["ro2", "ro1"] and "tokens" not in everything[0]
+
+
+async def test_export_memory_does_not_grow_with_the_number_of_rollouts(store: Store) -> None:
+    """Peak memory while exporting 10x more rollouts stays about the same (pages of 50)."""
+    async def peak_bytes(run: str, num: int) -> int:
+        await store.record([rollout(f"{run}-{i}", run=run, answer="x" * 2000) for i in range(num)])
+        tracemalloc.start()
+        try:
+            num_seen = 0
+            async for _ in store.export_rollouts(RolloutFilter(run=run), tokens=True, page_size=50):
+                num_seen += 1
+            assert num_seen == num
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    small, large = await peak_bytes("small", 100), await peak_bytes("large", 1000)
+    assert large < 1.5 * small, (small, large)
 
 
 # --- runs and their metrics ---------------------------------------------------------------

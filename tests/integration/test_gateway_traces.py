@@ -1,0 +1,270 @@
+"""The trace API against a real nats-server: filters, export, the branch view, and the live stream.
+
+The live stream (server-sent events) is read with httpx from a real uvicorn server in this
+process, while the test publishes trace nodes and rollouts on the bus as inference does;
+that a client leaving ends its consumers is checked on the server and in the gateway's
+connection. Other reads go through the ASGI transport, on rows written straight into the
+store (SQLite). Not covered: the store's PostgreSQL side (tests/unit/test_store.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI
+
+from flywheel import events
+from flywheel.bus import Bus
+from flywheel.natsserver import free_port
+from flywheel_gateway.store import Store
+from tests.helpers import until
+from tests.integration.test_gateway_api import app, client, store, unprocessable  # noqa: F401 (fixtures)
+from tests.unit.test_store import T0, conversation, node, rollout, score
+
+# --- filters and pagination ---------------------------------------------------------------
+
+
+async def ids(client: httpx.AsyncClient, **params: Any) -> list[str]:
+    response = await client.get("/v1/rollouts", params=params)
+    assert response.status_code == 200, response.text
+    return [r["id"] for r in response.json()["items"]]
+
+
+async def test_error_and_time_filters(client: httpx.AsyncClient, store: Store) -> None:
+    from datetime import timedelta
+
+    def at(rid: str, minutes: int, **kw: Any) -> events.Rollout:
+        r = rollout(rid, **kw)
+        return events.Rollout(**{**{f: getattr(r, f) for f in r.__struct_fields__},
+                                 "created_at": T0 + timedelta(minutes=minutes)})
+
+    failed_score = events.Score(id="s-bad", run="r1", env="math", rollout_id="scorer-failed", group_id="g1",
+                                scorer="judge", value=0.0, error="judge timed out", created_at=T0)
+    await store.record([at("ok", 0), at("broken", 1, status="error"), at("scorer-failed", 2), failed_score,
+                        at("late", 3), score("s1", "ok", 1.0)])
+    assert await ids(client, error="true") == ["scorer-failed", "broken"]
+    assert await ids(client, error="false") == ["late", "ok"]
+    assert await ids(client, created_after="2026-11-01T12:01:00Z", created_before="2026-11-01T12:03:00Z") == [
+        "scorer-failed", "broken"]
+    assert await ids(client, created_after="2026-11-01T13:02:00+01:00") == ["late", "scorer-failed"]
+    assert await ids(client, min_reward=0.0) == ["ok"]  # the failed scorer's 0.0 is no reward
+    # A score that arrives after the rollout moves it into a reward range.
+    await store.record([score("s2", "late", 0.25)])
+    assert await ids(client, min_reward=0.0, max_reward=0.5) == ["late"]
+
+
+async def test_bad_parameters_are_refused_naming_them(client: httpx.AsyncClient) -> None:
+    async def detail(**params: Any) -> str:
+        return await unprocessable(client, "GET", "/v1/rollouts", params=params)
+
+    assert await detail(min_rewrd=0.5) == "min_rewrd: unknown field (check its spelling)"
+    assert (await detail(created_after="2026-01-01T00:00:00")).startswith("created_after: input should have timezone")
+    assert (await detail(min_reward="nan")).startswith("min_reward: ")
+    assert (await detail(error="maybe")).startswith("error: input should be a valid boolean")
+    assert await detail(created_after="2026-01-02T00:00:00Z", created_before="2026-01-01T00:00:00Z") == (
+        "created_after: is greater than created_before (2026-01-02 00:00:00+00:00 > 2026-01-01 00:00:00+00:00)")
+    assert (await detail(limit=5000)).startswith("limit: ")
+    assert (await unprocessable(client, "GET", "/v1/rollouts/export", params={"tokens": "yes please"})).startswith(
+        "tokens: ")
+
+
+async def test_pages_under_filters_and_concurrent_inserts(client: httpx.AsyncClient, store: Store) -> None:
+    await store.record([rollout(f"ro{i:02}", policy_version=i % 3) for i in range(30)])
+    seen: list[str] = []
+    params: dict[str, Any] = {"policy_version": 1, "limit": 3}
+    while True:
+        page = (await client.get("/v1/rollouts", params=params)).json()
+        seen += [r["id"] for r in page["items"]]
+        if page["next_cursor"] is None:
+            break
+        params["cursor"] = page["next_cursor"]
+        # New rollouts, some matching, recorded between pages: they never shift a page.
+        await store.record([rollout(f"new{len(seen)}", policy_version=1)])
+    assert seen == [f"ro{i:02}" for i in range(28, -1, -3)]
+    other = await unprocessable(client, "GET", "/v1/rollouts", params={"policy_version": 2,
+                                                                         "cursor": params["cursor"]})
+    assert other.startswith("cursor: cursor ") and "other filters" in other
+
+
+# --- export -------------------------------------------------------------------------------
+
+
+async def test_export_streams_jsonl_with_the_same_filters(client: httpx.AsyncClient, store: Store) -> None:
+    await store.record([rollout(f"ro{i}", answer=str(i)) for i in range(5)]
+                       + [score(f"s{i}", f"ro{i}", i / 4) for i in range(5)])
+    response = await client.get("/v1/rollouts/export", params={"min_reward": 0.5, "tokens": "true"})
+    assert response.status_code == 200 and response.headers["content-type"] == "application/jsonl"
+    lines = [json.loads(line) for line in response.text.splitlines()]
+    assert [r["id"] for r in lines] == ["ro4", "ro3", "ro2"]
+    assert lines[0]["reward"] == 1.0 and lines[0]["scores"] == [
+        {"scorer": "exact", "value": 1.0, "weight": 1.0, "components": {}, "error": None}]
+    assert lines[0]["messages"] == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"},
+                                    {"role": "assistant", "content": "4"}]
+    assert lines[0]["tokens"] == {"token_ids": list(range(1, 10)), "logprobs": [-0.5] * 9,
+                                  "loss_mask": [False] * 5 + [True] * 4}
+    assert lines[0]["task_data"] == {"q": "2+2"} and lines[0]["metrics"] == {"num_turns": 1.0}
+    plain = (await client.get("/v1/rollouts/export", params={"run": "r1"})).text.splitlines()
+    assert len(plain) == 5 and "tokens" not in json.loads(plain[0])
+    assert (await client.get("/v1/rollouts/export", params={"run": "nobody"})).text == ""
+
+
+# --- the branch view ----------------------------------------------------------------------
+
+
+def branching() -> events.Rollout:
+    """system -> user -> assistant (tool call) -> tool -> assistant, and a retry of the
+    first answer branching off the user node."""
+    system, user, first = conversation("let me check")
+    tool = node(first, "tool", "4", [20, 21])
+    final = node(tool, "assistant", "4", [22, 23], policy_version=3)
+    retry = node(user, "assistant", "four", [30, 31, 32], policy_version=3)
+    r = rollout("ro-branch")
+    return events.Rollout(**{**{f: getattr(r, f) for f in r.__struct_fields__},
+                             "nodes": [system, user, first, tool, final, retry]})
+
+
+async def test_graph_leaves_and_a_branch_with_both_layers(client: httpx.AsyncClient, store: Store) -> None:
+    r = branching()
+    system, user, first, tool, final, retry = r.nodes
+    await store.record([r])
+    graph = (await client.get("/v1/traces/ro-branch")).json()
+    assert graph["finished"] is True and graph["leaves"] == [final.id, retry.id]
+    branch = (await client.get(f"/v1/traces/ro-branch/branches/{final.id}", params={"tokens": "true"})).json()
+    assert branch["complete"] is True
+    assert [n["id"] for n in branch["nodes"]] == [system.id, user.id, first.id, tool.id, final.id]
+    assert branch["nodes"][3]["tokens"]["token_ids"] == [20, 21]
+    assert branch["tokens"]["token_ids"] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 20, 21, 22, 23]
+    other = (await client.get(f"/v1/traces/ro-branch/branches/{retry.id}")).json()
+    assert [n["message"]["content"] for n in other["nodes"]] == ["be brief", "2+2?", "four"]
+    assert other["tokens"] is None and other["nodes"][2]["tokens"] is None
+    missing = await client.get("/v1/traces/ro-branch/branches/nope")
+    assert missing.status_code == 404 and "node 'nope' is not in the trace" in missing.json()["detail"]
+    # Live nodes whose parent has not arrived: an incomplete branch, and the rollout not finished.
+    await store.record([events.TraceNode(run="r1", rollout_id="ro-live", node=tool)])
+    live = (await client.get(f"/v1/traces/ro-live/branches/{tool.id}")).json()
+    assert live["complete"] is False and [n["id"] for n in live["nodes"]] == [tool.id]
+    assert (await client.get("/v1/traces/ro-live")).json()["finished"] is False
+
+
+# --- the live stream ----------------------------------------------------------------------
+
+
+@pytest.fixture
+async def gateway_url(app: FastAPI) -> AsyncIterator[str]:
+    """The app (started by the ``app`` fixture) served by uvicorn on a free port."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off", log_level="warning"))
+    serving = asyncio.ensure_future(server.serve())
+    await until(lambda: server.started, what="uvicorn to start")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await serving
+
+
+async def sse(response: httpx.Response) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+    name = ""
+    async for line in response.aiter_lines():
+        if line.startswith("event: "):
+            name = line.removeprefix("event: ")
+        elif line.startswith("data: "):
+            yield name, json.loads(line.removeprefix("data: "))
+
+
+def message(role: str, content: str) -> dict[str, Any]:
+    return {"role": role, "content": content, "tool_calls": [], "tool_call_id": None, "name": None}
+
+
+def span(token_ids: list[int], loss: bool, policy_version: int | None = None) -> dict[str, Any]:
+    return {"token_ids": token_ids, "logprobs": [-0.5] * len(token_ids), "loss_mask": [loss] * len(token_ids),
+            "policy_version": policy_version}
+
+
+def live(rid: str, n: events.Node, run: str = "r1") -> events.TraceNode:
+    return events.TraceNode(run=run, rollout_id=rid, node=n)
+
+
+async def test_stream_replays_then_follows_then_ends_with_the_rollout(app: FastAPI, gateway_url: str) -> None:
+    bus: Bus = app.state.bus
+    system, user, answer = conversation("4")
+    await bus.publish_many([live("ro1", system), live("ro1", user), live("ro-other", system)], events.MSGPACK)
+    async with httpx.AsyncClient(base_url=gateway_url, timeout=10) as http, \
+            http.stream("GET", "/v1/traces/ro1/stream", params={"tokens": "true"}) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        received = sse(response)
+        assert [await anext(received) for _ in range(2)] == [
+            ("node", {"id": system.id, "parent_id": None, "position": 0, "message": message("system", "be brief"),
+                      "tokens": span([1, 2], False)}),
+            ("node", {"id": user.id, "parent_id": system.id, "position": 1, "message": message("user", "2+2?"),
+                      "tokens": span([3, 4, 5], False)}),
+        ]
+        await bus.publish(live("ro1", answer), events.MSGPACK)
+        name, data = await anext(received)
+        assert (name, data["id"], data["position"], data["tokens"]["policy_version"]) == ("node", answer.id, 2, 3)
+        # Another rollout of the run landing does not end this stream; this one's does.
+        await bus.publish(rollout("ro-other", answer="5"), events.MSGPACK)
+        await bus.publish(rollout("ro1", status="truncated"), events.MSGPACK)
+        rest = [item async for item in received]
+    assert [name for name, _ in rest] == ["rollout"]
+    assert {k: rest[0][1][k] for k in ("id", "status", "num_tokens", "reward")} == {
+        "id": "ro1", "status": "truncated", "num_tokens": 9, "reward": None}
+
+
+async def test_a_rollout_that_landed_before_the_client_came(app: FastAPI, gateway_url: str) -> None:
+    """On the bus but not recorded yet (the recorder lags): the stream still ends."""
+    bus: Bus = app.state.bus
+    nodes = conversation("4")
+    await bus.publish_many([live("ro1", n) for n in nodes[:2]])  # the answer never went out live
+    await bus.publish(rollout("ro1"))
+    async with httpx.AsyncClient(base_url=gateway_url, timeout=10) as http, \
+            http.stream("GET", "/v1/traces/ro1/stream") as response:
+        received = [item async for item in sse(response)]
+    assert [(name, data["id"]) for name, data in received] == [
+        ("node", nodes[0].id), ("node", nodes[1].id), ("node", nodes[2].id), ("rollout", "ro1")]
+    assert received[2][1]["tokens"] is None  # the token layer only on request
+
+
+async def test_a_recorded_rollout_is_replayed_from_the_store(app: FastAPI, gateway_url: str, store: Store) -> None:
+    await store.record([rollout("ro1"), score("s1", "ro1", 0.75)])  # nothing of it on the bus
+    async with httpx.AsyncClient(base_url=gateway_url, timeout=10) as http, \
+            http.stream("GET", "/v1/traces/ro1/stream", params={"tokens": "true"}) as response:
+        received = [item async for item in sse(response)]
+    assert [name for name, _ in received] == ["node", "node", "node", "rollout"]
+    assert received[2][1]["tokens"] == span([6, 7, 8, 9], True, policy_version=3)
+    assert received[3][1]["reward"] == 0.75
+
+
+async def test_unknown_and_bad_rollout_ids(client: httpx.AsyncClient) -> None:
+    missing = await client.get("/v1/traces/nope/stream")
+    assert missing.status_code == 404 and "no trace of rollout 'nope'" in missing.json()["detail"]
+    assert (await unprocessable(client, "GET", "/v1/traces/a*b/stream")).startswith("rollout_id: ")
+
+
+async def test_a_client_that_leaves_ends_its_consumers(app: FastAPI, gateway_url: str) -> None:
+    bus: Bus = app.state.bus
+    system, user, _ = conversation("4")
+    await bus.publish_many([live("ro1", system), live("ro1", user)])
+    baseline = len(bus.nc._subs)
+
+    async def num_consumers() -> int:
+        return len(await bus.js.consumers_info("TRACES")) + len(await bus.js.consumers_info("ROLLOUTS"))
+
+    async with httpx.AsyncClient(base_url=gateway_url, timeout=10) as http:
+        for _ in range(3):
+            async with http.stream("GET", "/v1/traces/ro1/stream") as response:
+                received = sse(response)
+                assert (await anext(received))[0] == "node"
+                assert await num_consumers() == 2 and len(bus.nc._subs) == baseline + 2
+            # Leaving mid-stream (the rollout never lands) closes the connection.
+
+            async def released() -> bool:
+                return await num_consumers() == 0 and len(bus.nc._subs) == baseline
+
+            await until(released, timeout_s=10, what="the stream's consumers to be deleted")
