@@ -1,2 +1,29 @@
-"""Sandbox: isolated execution of model-written code, as a NATS request/reply service.
-Not built yet: see the README's roadmap."""
+"""Sandbox: runs untrusted, model-written code for tools and verifiers, over NATS request/reply.
+
+    agent.py           the process inside each sandbox that runs commands (stdlib only)
+    backends.py        the agent channel, the local backend (bubblewrap), cgroups
+    backend_docker.py  the docker backend (docker SDK)
+    sessions.py        live sandboxes: TTL, idle TTL, exec timeout, warm pool, caps
+    service.py         the NATS responder on sandbox.*, and the composition root
+    __main__.py        ``python -m flywheel_sandbox``
+
+The client and the messages are in :mod:`flywheel.sandbox`.
+
+What is isolated, on both backends: a sandbox has no network (only its own loopback; the
+host's loopback services, NATS and PostgreSQL included, are unreachable), sees none of the
+host's files except a read-only system (local: the host's ``/usr``; docker: the image), can
+write only its tmpfs workdir ``/work`` and ``/tmp`` (``disk_mb`` each), sees and can signal
+only its own processes, runs as an unprivileged user with no capabilities and no way to gain
+any (no setuid root, no sudo, no new user namespaces where the backend can refuse them), and
+is held to its memory, process and CPU limits. Whatever a command leaves running is killed
+when its exec returns, and a command past its ``timeout_s`` is killed with everything it
+started.
+
+What is not isolated: the kernel is shared with the host (no seccomp filter and no VM: a
+kernel exploit escapes); the local backend shows the host's ``/usr`` (readable, not
+writable) and limits CPU time only where it may create cgroups; a spec with
+``network=True`` shares the host's network (loopback services included on the local backend);
+the commands of one sandbox run as the same user as its agent, so they can kill it (the
+sandbox then ends) or forge their own output, but nothing outside the sandbox. Several
+sandboxes share the machine's CPU, memory bandwidth and disk bandwidth (no I/O limits).
+"""

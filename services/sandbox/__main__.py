@@ -1,0 +1,45 @@
+"""``python -m flywheel_sandbox``: the sandbox service (backend from setting ``sandbox_backend``).
+
+Settings (NATS URL, backend, image, caps, warm pool, log level) come from FLYWHEEL_* (see
+:mod:`flywheel.settings`). Heavy imports wait until the arguments are parsed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from flywheel.settings import Settings
+
+
+def main(argv: Sequence[str] | None = None, settings: Settings | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m flywheel_sandbox",
+        description="Run untrusted code for tools and verifiers: NATS request/reply on sandbox.*. Settings come "
+                    "from FLYWHEEL_* environment variables (sandbox_backend, sandbox_image, sandbox_max_alive, "
+                    "sandbox_max_starting, sandbox_warm_pool).")
+    parser.parse_args(argv)
+
+    import asyncio
+
+    from flywheel.service import setup_logging, setup_tracing
+    from flywheel.settings import Settings
+    from flywheel_sandbox import service
+    from flywheel_sandbox.backends import BackendUnavailable
+
+    settings = settings or Settings()
+    setup_logging(settings.log_level)
+    setup_tracing("sandbox")
+    try:
+        asyncio.run(service.run(settings))
+    except (ConnectionError, BackendUnavailable) as exc:  # NATS unreachable, backend missing: the message says what to do
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,287 @@
+"""The agent: one long-lived process inside each sandbox that runs its commands.
+
+It is run by the sandbox's own ``python3`` (standard library only, any Python 3.9+), as the
+sandbox's unprivileged user, and speaks frames over its stdin/stdout: a 4-byte big-endian
+length, then a JSON object. One request at a time, one reply each:
+
+    {"op": "exec", "cmd": "ls" | ["ls", "-l"], "cwd": ..., "env": {...}, "stdin": B64,
+     "timeout_s": 5, "max_output_bytes": 65536, "limits": {...}}
+      -> {"ok": true, "exit_code": 0, "stdout": B64, "stderr": B64, "stdout_truncated": false,
+          "stderr_truncated": false, "timed_out": false, "duration_s": 0.01}
+    {"op": "write_file", "path": ..., "data": B64, "mode": 420}   -> {"ok": true, "size_bytes": N}
+    {"op": "read_file", "path": ..., "max_bytes": N}               -> {"ok": true, "data": B64}
+    {"op": "configure", "env": {...}, "workdir": "/work", "limits": {...}} -> {"ok": true}
+    errors                                                        -> {"ok": false, "error": "..."}
+
+Why a resident agent: an exec then costs a fork of bash, not a new sandbox (a few ms, not
+tens). A string ``cmd`` runs in ``bash -c``; the folder it ends in is the next exec's
+working folder, so a session behaves like a shell. An argv list runs without a shell.
+
+Each exec runs in its own session with the sandbox's rlimits; when it exits or its timeout
+passes, the agent sends SIGKILL to every other process it may signal (``kill(-1)``), which
+in the sandbox's own PID namespace is everything the command left behind, background jobs
+and daemons included. The agent makes itself non-dumpable, so the commands it runs (same
+user) cannot ptrace it or read its file descriptors; they can still kill it, which ends the
+sandbox (the service then reports it gone). The service enforces every timeout again from
+outside, so a hung or killed agent never holds a command past its deadline.
+"""
+
+import base64
+import json
+import os
+import resource
+import selectors
+import signal
+import struct
+import subprocess
+import sys
+import time
+
+READ_CHUNK = 65536
+# The shell prints its final folder on fd N when it exits, so cwd carries over between execs.
+SHELL_WRAPPER = 'trap "pwd >&{fd} 2>/dev/null" EXIT; eval "$1"'
+RLIMITS = {  # limits key -> resource
+    "nproc": resource.RLIMIT_NPROC,
+    "fsize_bytes": resource.RLIMIT_FSIZE,
+    "as_bytes": resource.RLIMIT_AS,
+    "nofile": resource.RLIMIT_NOFILE,
+}
+
+
+def make_undumpable():
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE, 0
+    except (OSError, AttributeError):
+        pass
+
+
+class Agent:
+    def __init__(self):
+        self.env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/work", "LANG": "C.UTF-8"}
+        self.cwd = "/work"
+        self.limits = {}
+
+    def configure(self, req):
+        self.env.update(req.get("env") or {})
+        if req.get("workdir"):
+            self.cwd = req["workdir"]
+            self.env["HOME"] = req["workdir"]
+        self.limits = dict(req.get("limits") or {})
+        return {"ok": True}
+
+    def _preexec(self, limits):
+        def apply():
+            for key, res in RLIMITS.items():
+                if limits.get(key):
+                    resource.setrlimit(res, (limits[key], limits[key]))
+            if limits.get("cpu_s"):
+                resource.setrlimit(resource.RLIMIT_CPU, (limits["cpu_s"], limits["cpu_s"] + 1))
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+            try:  # let the kernel's OOM killer pick a command before the agent
+                with open("/proc/self/oom_score_adj", "w") as f:
+                    f.write("1000")
+            except OSError:
+                pass
+
+        return apply
+
+    def _path(self, path):
+        return path if path.startswith("/") else os.path.join(self.cwd, path)
+
+    def exec(self, req):
+        limits = dict(self.limits)
+        limits.update(req.get("limits") or {})
+        timeout_s = float(req.get("timeout_s") or 30.0)
+        limits["cpu_s"] = int(timeout_s) + 1
+        max_out = int(req.get("max_output_bytes") or 65536)
+        env = dict(self.env)
+        env.update(req.get("env") or {})
+        cwd = self._path(req["cwd"]) if req.get("cwd") else self.cwd
+        cmd = req["cmd"]
+        cwd_r = cwd_w = None
+        if isinstance(cmd, str):
+            cwd_r, cwd_w = os.pipe()
+            argv = ["/bin/bash", "-c", SHELL_WRAPPER.format(fd=cwd_w), "bash", cmd]
+        else:
+            argv = list(cmd)
+        stdin = base64.b64decode(req.get("stdin") or "")
+        started = time.monotonic()
+        try:
+            proc = subprocess.Popen(
+                argv, cwd=cwd, env=env, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                pass_fds=(cwd_w,) if cwd_w is not None else (), preexec_fn=self._preexec(limits))
+        except OSError as exc:
+            for fd in (cwd_r, cwd_w):
+                if fd is not None:
+                    os.close(fd)
+            return {"ok": True, "exit_code": 127, "stdout": "", "stderr": _b64(f"{argv[0]}: {exc.strerror}\n".encode()),
+                    "stdout_truncated": False, "stderr_truncated": False, "timed_out": False,
+                    "duration_s": time.monotonic() - started}
+        if cwd_w is not None:
+            os.close(cwd_w)
+        out, timed_out = self._collect(proc, stdin, max_out, started + timeout_s)
+        exit_code = proc.wait()
+        self._reap()
+        if cwd_r is not None:
+            os.set_blocking(cwd_r, False)
+            try:
+                final = os.read(cwd_r, 4096).decode(errors="replace").strip().splitlines()
+            except BlockingIOError:
+                final = []
+            os.close(cwd_r)
+            if final and not timed_out:
+                self.cwd = final[-1]
+        return {"ok": True, "exit_code": exit_code, "stdout": _b64(out[0][0]), "stderr": _b64(out[1][0]),
+                "stdout_truncated": out[0][1], "stderr_truncated": out[1][1], "timed_out": timed_out,
+                "duration_s": time.monotonic() - started}
+
+    def _collect(self, proc, stdin, max_out, deadline):
+        """Read stdout/stderr until the command exits (then kill what it left) or the deadline."""
+        bufs = {proc.stdout.fileno(): [bytearray(), False], proc.stderr.fileno(): [bytearray(), False]}
+        order = [proc.stdout.fileno(), proc.stderr.fileno()]
+        sel = selectors.DefaultSelector()
+        for fd in order:
+            sel.register(fd, selectors.EVENT_READ)
+        pidfd = os.pidfd_open(proc.pid)
+        sel.register(pidfd, selectors.EVENT_READ)
+        if stdin:
+            os.set_blocking(proc.stdin.fileno(), False)
+            sel.register(proc.stdin.fileno(), selectors.EVENT_WRITE)
+        pending = memoryview(stdin)
+        timed_out = killed = False
+        running = True
+        while running or any(fd in sel.get_map() for fd in order):
+            if not killed and time.monotonic() >= deadline:
+                timed_out = killed = True
+                self._kill_all()
+            wait_s = 1.0 if killed else max(deadline - time.monotonic(), 0.0)
+            ready = sel.select(wait_s)
+            if killed and not ready:
+                break  # nothing more can arrive: every process that held a pipe is dead
+            for key, _ in ready:
+                fd = key.fd
+                if fd == pidfd:
+                    sel.unregister(pidfd)
+                    running = False
+                    if not killed:  # the command is done: what it left behind goes too
+                        killed = True
+                        self._kill_all()
+                elif fd in bufs:
+                    try:
+                        chunk = os.read(fd, READ_CHUNK)
+                    except OSError:
+                        chunk = b""
+                    if not chunk:
+                        sel.unregister(fd)
+                        continue
+                    buf = bufs[fd]
+                    room = max_out - len(buf[0])
+                    buf[0] += chunk[:room]
+                    if len(chunk) > room:
+                        buf[1] = True
+                else:
+                    try:
+                        sent = os.write(fd, pending[:READ_CHUNK])
+                    except OSError:  # the command closed its stdin
+                        sent = len(pending)
+                    pending = pending[sent:]
+                    if not pending:
+                        sel.unregister(fd)
+                        proc.stdin.close()
+        os.close(pidfd)
+        sel.close()
+        if proc.stdin and not proc.stdin.closed:
+            proc.stdin.close()
+        proc.stdout.close()
+        proc.stderr.close()
+        return [bufs[order[0]], bufs[order[1]]], timed_out
+
+    @staticmethod
+    def _kill_all():
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    @staticmethod
+    def _reap():
+        while True:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+
+    def write_file(self, req):
+        path = self._path(req["path"])
+        data = base64.b64decode(req["data"])
+        parent = os.path.dirname(path)
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, int(req.get("mode") or 0o644))
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+        os.chmod(path, int(req.get("mode") or 0o644))
+        return {"ok": True, "size_bytes": len(data)}
+
+    def read_file(self, req):
+        path = self._path(req["path"])
+        max_bytes = int(req["max_bytes"])
+        with open(path, "rb") as f:
+            data = f.read(max_bytes + 1)
+        if len(data) > max_bytes:
+            return {"ok": False, "error": f"{req['path']}: larger than {max_bytes} bytes", "kind": "too_large"}
+        return {"ok": True, "data": _b64(data)}
+
+
+def _b64(data):
+    return base64.b64encode(bytes(data)).decode("ascii")
+
+
+def _read_exact(stream, n):
+    data = b""
+    while len(data) < n:
+        chunk = stream.read(n - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return data
+
+
+def main():
+    make_undumpable()
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    agent = Agent()
+    ops = {"exec": agent.exec, "write_file": agent.write_file, "read_file": agent.read_file,
+           "configure": agent.configure}
+    inp, out = sys.stdin.buffer, sys.stdout.buffer
+    out.write(struct.pack(">I", 2) + b"{}")  # ready
+    out.flush()
+    while True:
+        header = _read_exact(inp, 4)
+        if header is None:
+            return
+        body = _read_exact(inp, struct.unpack(">I", header)[0])
+        if body is None:
+            return
+        try:
+            req = json.loads(body)
+            reply = ops[req["op"]](req)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
+                     "kind": "failed"}
+        data = json.dumps(reply).encode()
+        out.write(struct.pack(">I", len(data)) + data)
+        out.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""The sandbox service on NATS: request/reply on ``sandbox.*``, and its composition root.
+
+``sandbox.create`` and ``sandbox.run`` are served in the queue group ``sandbox``, so
+replicas share new sandboxes; the other operations arrive on ``sandbox.<instance>.<op>``,
+the replica that holds the sandbox (its id names it). Every request is handled in its own
+task, so a long exec never holds up other sandboxes; one sandbox runs one request at a time.
+
+A request that cannot be done gets an :class:`~flywheel.sandbox.ErrorReply` naming what
+is wrong (a field that does not validate, an unknown or expired sandbox, a file over the
+limit, the caps) and the service keeps serving. On SIGTERM it stops taking requests,
+destroys every sandbox it holds (requests in flight then answer kind ``gone``) and leaves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+from nats.aio.msg import Msg
+
+from flywheel.bus import Bus
+from flywheel.sandbox import (
+    POOLED_OPS,
+    QUEUE_GROUP,
+    REQUEST_TYPES,
+    SERVICE_NAME,
+    ErrorReply,
+    SandboxError,
+    encode,
+    subject,
+)
+from flywheel.service import Service
+from flywheel.settings import Settings
+from flywheel_sandbox.sessions import ManagerConfig, SessionManager
+
+log = logging.getLogger(__name__)
+
+
+class SandboxResponder:
+    """Subscribes to the ``sandbox.*`` subjects and answers each request from the manager."""
+
+    def __init__(self, bus: Bus, manager: SessionManager) -> None:
+        self.bus = bus
+        self.manager = manager
+        self.decoders = {op: msgspec.json.Decoder(t) for op, t in REQUEST_TYPES.items()}
+        self.handlers: dict[str, Callable[[Any], Awaitable[msgspec.Struct]]] = {
+            "create": lambda r: manager.create(r.spec, r.idempotency_key),
+            "run": manager.run,
+            "exec": manager.exec,
+            "write_file": manager.write_file,
+            "read_file": manager.read_file,
+            "destroy": lambda r: manager.destroy(r.id),
+            "destroy_by_label": lambda r: manager.destroy_by_label(r.labels),
+        }
+        self.in_flight: set[asyncio.Task[None]] = set()
+        self.num_requests = 0
+        self.ready = asyncio.Event()  # set once every subject is subscribed
+
+    async def serve(self, stopping: asyncio.Event) -> None:
+        subs = []
+        for op in REQUEST_TYPES:
+            queue = QUEUE_GROUP if op in POOLED_OPS else ""
+            subs.append(await self.bus.nc.subscribe(subject(op, self.manager.instance), queue=queue,
+                                                    cb=self._callback(op)))
+        await self.bus.nc.flush()
+        self.ready.set()
+        log.info("sandbox: serving on sandbox.{%s} and sandbox.%s.*", ",".join(POOLED_OPS), self.manager.instance)
+        await stopping.wait()
+        for sub in subs:
+            await sub.unsubscribe()
+
+    async def drain(self) -> None:
+        """Wait for requests in flight (after the manager destroyed their sandboxes, they end soon)."""
+        await asyncio.gather(*self.in_flight, return_exceptions=True)
+
+    def _callback(self, op: str) -> Callable[[Msg], Awaitable[None]]:
+        async def on_message(msg: Msg) -> None:
+            task = asyncio.ensure_future(self.handle(op, msg))
+            self.in_flight.add(task)
+            task.add_done_callback(self.in_flight.discard)
+
+        return on_message
+
+    async def handle(self, op: str, msg: Msg) -> None:
+        self.num_requests += 1
+        try:
+            request = self.decoders[op].decode(msg.data)
+            reply: msgspec.Struct = await self.handlers[op](request)
+        except msgspec.ValidationError as exc:
+            reply = ErrorReply(kind="invalid_request", error=f"{op}: {exc}")
+        except msgspec.DecodeError as exc:
+            reply = ErrorReply(kind="invalid_request", error=f"{op}: the body is not a JSON {REQUEST_TYPES[op].__name__}: {exc}")
+        except SandboxError as exc:
+            reply = ErrorReply(kind=exc.kind, error=exc.error)
+        except Exception as exc:  # a bug here must not stop the service: answer, log, keep serving
+            log.exception("sandbox: %s failed", op)
+            reply = ErrorReply(kind="internal", error=f"{op}: {type(exc).__name__}: {exc}")
+        if msg.reply:
+            await msg.respond(encode(reply))
+
+
+def build_backend(settings: Settings) -> Any:
+    """The backend named by setting ``sandbox_backend`` (its heavy imports only when chosen)."""
+    if settings.sandbox_backend == "docker":
+        from flywheel_sandbox.backend_docker import DockerBackend, DockerConfig
+
+        return DockerBackend(DockerConfig(image=settings.sandbox_image))
+    from flywheel_sandbox.backends import LocalBackend
+
+    return LocalBackend()
+
+
+async def run(settings: Settings) -> None:
+    """Composition root: backend, bus, manager, responder, service; runs until a signal."""
+    backend = build_backend(settings)
+    bus = await Bus.connect(settings.resolved_nats_url, name=SERVICE_NAME)
+    config = ManagerConfig(max_alive=settings.sandbox_max_alive, max_starting=settings.sandbox_max_starting,
+                           warm_pool=settings.sandbox_warm_pool)
+    service = Service(SERVICE_NAME, bus, info={"backend": backend.name})
+    manager = SessionManager(backend, service.instance, config)
+    responder = SandboxResponder(bus, manager)
+    service.add_task(responder.serve)
+    service.add_task(manager.maintain)
+    try:
+        await service.run()
+    finally:
+        await responder.drain()
+        await backend.close()

@@ -1,0 +1,330 @@
+"""Run untrusted code in a sandbox: the client, and the request/reply messages of ``sandbox.*``.
+
+A tool or a verifier calls the sandbox service over NATS request/reply (not a stream: the
+caller waits for the answer)::
+
+    from flywheel.sandbox import SandboxClient, SandboxSpec
+
+    client = SandboxClient(bus)                      # a connected flywheel.bus.Bus
+    box = await client.create(SandboxSpec(memory_mb=256, labels={"rollout": rollout_id}))
+    await client.write_file(box, "main.py", b"print(6 * 7)")
+    result = await client.exec(box, "python3 main.py", timeout_s=10)
+    result.exit_code, result.stdout                  # 0, "42\\n"
+    await client.destroy(box)
+
+    result = await client.run("python3 -m pytest -q", files={"test_x.py": source})   # one shot
+
+A session keeps its state between execs: files, and the folder a shell command ends in
+(``cd src`` then ``ls`` lists ``src``). Every exec starts a fresh process: shell variables
+and background processes do not survive it (whatever an exec leaves running is killed when
+it returns). Errors come back as :class:`SandboxError` with a ``kind`` (``not_found``,
+``invalid_request``, ``too_large``, ``capacity``, ``gone``, ``failed``, ``unavailable``).
+
+Subjects (JSON bodies, the Structs below; every reply is tagged, an error is
+:class:`ErrorReply`):
+
+- ``sandbox.create``, ``sandbox.run``: queue group ``sandbox``, so replicas share the load.
+- ``sandbox.<instance>.<op>`` for ``exec``, ``write_file``, ``read_file``, ``destroy`` and
+  ``destroy_by_label``: a sandbox lives in one replica, and its id says which
+  (``<hex>@<instance>``).
+
+Not covered: streaming output while a command runs, and interactive terminals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import AsyncIterator, Mapping
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+
+import msgspec
+
+if TYPE_CHECKING:
+    from flywheel.bus import Bus
+
+QUEUE_GROUP = "sandbox"
+SERVICE_NAME = "sandbox"
+WORKDIR = "/work"
+# The sandbox id carries the replica that holds it: "<hex>@<instance>".
+INSTANCE_TOKEN = re.compile(r"[^A-Za-z0-9_-]")
+# Spare seconds a request waits beyond the command's own timeout (start, transfer).
+REQUEST_MARGIN_S = 10.0
+
+T = TypeVar("T")
+
+Positive = Annotated[float, msgspec.Meta(gt=0)]
+Count = Annotated[int, msgspec.Meta(ge=1)]
+Path_ = Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
+
+
+class _Message(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Requests: strict (an unknown field is a caller's mistake worth naming)."""
+
+
+class _Reply(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+    """Replies: tagged, so one decoder reads the expected reply or an error."""
+
+
+class SandboxSpec(_Message):
+    """What a sandbox gets. ``image`` None: the backend's default (local: the host's
+    ``/usr`` read-only; docker: setting ``sandbox_image``). Memory, processes, disk and
+    CPU are limits of the whole sandbox; ``files`` are written into the workdir
+    (relative paths) before the first exec; ``labels`` select sandboxes for bulk destroy."""
+
+    image: str | None = None
+    cpu: Annotated[float, msgspec.Meta(gt=0, le=64)] = 1.0
+    memory_mb: Annotated[int, msgspec.Meta(ge=16, le=65536)] = 512
+    pids: Annotated[int, msgspec.Meta(ge=8, le=4096)] = 128
+    disk_mb: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 256
+    ttl_s: Positive = 3600.0
+    idle_ttl_s: Positive = 600.0
+    network: bool = False
+    env: dict[str, str] = {}
+    files: dict[str, bytes] = {}
+    labels: dict[str, str] = {}
+
+
+class CreateRequest(_Message):
+    """caller -> ``sandbox.create``. The same ``idempotency_key`` returns the same live sandbox."""
+
+    spec: SandboxSpec = SandboxSpec()
+    idempotency_key: str | None = None
+
+
+class ExecRequest(_Message):
+    """caller -> ``sandbox.<instance>.exec``. ``cmd``: a string runs in bash (the session's
+    folder carries over), a list runs as argv. ``cwd`` relative to the session's folder."""
+
+    id: str
+    cmd: str | Annotated[list[str], msgspec.Meta(min_length=1)]
+    cwd: str | None = None
+    env: dict[str, str] = {}
+    stdin: bytes = b""
+    timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 30.0
+
+
+class WriteFileRequest(_Message):
+    """caller -> ``sandbox.<instance>.write_file``; a relative path is under the workdir."""
+
+    id: str
+    path: Path_
+    data: bytes
+    mode: Annotated[int, msgspec.Meta(ge=0, le=0o777)] = 0o644
+
+
+class ReadFileRequest(_Message):
+    """caller -> ``sandbox.<instance>.read_file``."""
+
+    id: str
+    path: Path_
+
+
+class DestroyRequest(_Message):
+    """caller -> ``sandbox.<instance>.destroy``; destroying a sandbox that is gone is not an error."""
+
+    id: str
+
+
+class DestroyByLabelRequest(_Message):
+    """caller -> ``sandbox.<instance>.destroy_by_label``: every sandbox whose labels include all of these."""
+
+    labels: Annotated[dict[str, str], msgspec.Meta(min_length=1)]
+
+
+class RunRequest(_Message):
+    """caller -> ``sandbox.run``: create, write ``files``, exec ``cmd``, destroy; one reply."""
+
+    cmd: str | Annotated[list[str], msgspec.Meta(min_length=1)]
+    files: dict[str, bytes] = {}
+    spec: SandboxSpec = SandboxSpec()
+    stdin: bytes = b""
+    timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 30.0
+
+
+class Created(_Reply, tag="created"):
+    """``sandbox.create`` -> caller."""
+
+    id: str
+    reused: bool = False  # True when the idempotency key named a live sandbox
+
+
+class ExecResult(_Reply, tag="exec_result"):
+    """``exec`` and ``run`` -> caller. Output is decoded as UTF-8 (bad bytes replaced) and
+    cut at the service's limit, said by ``*_truncated``. ``timed_out``: the command was
+    killed at ``timeout_s`` (``exit_code`` is then -9). A negative exit code is the signal
+    that ended the command."""
+
+    exit_code: int
+    stdout: str
+    stderr: str
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    timed_out: bool = False
+    duration_s: float = 0.0
+
+
+class FileWritten(_Reply, tag="file_written"):
+    size_bytes: int
+
+
+class FileData(_Reply, tag="file_data"):
+    data: bytes
+
+
+class Destroyed(_Reply, tag="destroyed"):
+    """``destroy`` / ``destroy_by_label`` -> caller: how many sandboxes were destroyed."""
+
+    count: int
+
+
+class ErrorReply(_Reply, tag="error"):
+    """Any request -> caller, when it cannot be done; ``error`` says why and what to do."""
+
+    kind: str
+    error: str
+
+
+REQUEST_TYPES: dict[str, type[_Message]] = {
+    "create": CreateRequest,
+    "run": RunRequest,
+    "exec": ExecRequest,
+    "write_file": WriteFileRequest,
+    "read_file": ReadFileRequest,
+    "destroy": DestroyRequest,
+    "destroy_by_label": DestroyByLabelRequest,
+}
+POOLED_OPS = ("create", "run")  # queue group subjects; the rest go to the replica holding the sandbox
+REPLY_TYPES: dict[str, type[_Reply]] = {
+    "create": Created, "run": ExecResult, "exec": ExecResult, "write_file": FileWritten,
+    "read_file": FileData, "destroy": Destroyed, "destroy_by_label": Destroyed,
+}
+
+
+class SandboxError(Exception):
+    """A request the sandbox service could not do; ``kind`` says which sort of failure."""
+
+    def __init__(self, kind: str, error: str) -> None:
+        super().__init__(error)
+        self.kind = kind
+        self.error = error
+
+
+def instance_token(instance: str) -> str:
+    """A service instance name made safe as one subject token."""
+    return INSTANCE_TOKEN.sub("_", instance)
+
+
+def subject(op: str, instance: str | None = None) -> str:
+    if op in POOLED_OPS:
+        return f"sandbox.{op}"
+    assert instance is not None, op
+    return f"sandbox.{instance_token(instance)}.{op}"
+
+
+def instance_of(sandbox_id: str) -> str:
+    """The service instance that holds a sandbox, from its id (``<hex>@<instance>``)."""
+    _, sep, instance = sandbox_id.partition("@")
+    if not sep or not instance or INSTANCE_TOKEN.search(instance):
+        raise SandboxError("invalid_request", f"id {sandbox_id!r} is not a sandbox id (expected '<hex>@<instance>', "
+                                              "as returned by create)")
+    return instance
+
+
+_encoder = msgspec.json.Encoder()
+_reply_decoders = {op: msgspec.json.Decoder(reply | ErrorReply) for op, reply in REPLY_TYPES.items()}
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    return _encoder.encode(message)
+
+
+class SandboxClient:
+    """Talks to the sandbox service over a connected :class:`flywheel.bus.Bus`.
+
+    Every method is a coroutine and raises :class:`SandboxError` on an error reply. The
+    ``box`` argument is the id :meth:`create` returned. Safe to share between tasks.
+    """
+
+    def __init__(self, bus: Bus, request_timeout_s: float = 60.0) -> None:
+        """``request_timeout_s``: how long create, file and destroy requests wait; an exec
+        waits its own ``timeout_s`` plus a margin."""
+        self.bus = bus
+        self.request_timeout_s = request_timeout_s
+
+    async def _request(self, op: str, message: msgspec.Struct, timeout_s: float, instance: str | None = None) -> Any:
+        import nats.errors
+
+        subj = subject(op, instance)
+        try:
+            msg = await self.bus.nc.request(subj, encode(message), timeout=timeout_s)
+        except nats.errors.NoRespondersError:
+            raise SandboxError("unavailable", f"no sandbox service answers on {subj}: start one "
+                                              "(python -m flywheel_sandbox, or flywheel up)"
+                                              + (" or the replica holding this sandbox has stopped" if instance else ""))
+        except nats.errors.TimeoutError:
+            raise SandboxError("unavailable", f"{subj}: no answer within {timeout_s:.0f} s")
+        reply = _reply_decoders[op].decode(msg.data)
+        if isinstance(reply, ErrorReply):
+            raise SandboxError(reply.kind, reply.error)
+        return reply
+
+    async def create(self, spec: SandboxSpec | None = None, idempotency_key: str | None = None) -> str:
+        """Start a sandbox (from the warm pool when the spec allows); returns its id."""
+        reply = await self._request("create", CreateRequest(spec=spec or SandboxSpec(), idempotency_key=idempotency_key),
+                                    self.request_timeout_s)
+        return reply.id
+
+    async def exec(self, box: str, cmd: str | list[str], cwd: str | None = None, env: Mapping[str, str] | None = None,
+                   stdin: bytes | str = b"", timeout_s: float = 30.0) -> ExecResult:
+        """Run ``cmd`` in the sandbox; a string through bash, a list as argv."""
+        data = stdin.encode() if isinstance(stdin, str) else stdin
+        request = ExecRequest(id=box, cmd=cmd, cwd=cwd, env=dict(env or {}), stdin=data, timeout_s=timeout_s)
+        return await self._request("exec", request, timeout_s + REQUEST_MARGIN_S, instance_of(box))
+
+    async def write_file(self, box: str, path: str, data: bytes | str, mode: int = 0o644) -> int:
+        """Write a file (parents are made); returns its size in bytes."""
+        payload = data.encode() if isinstance(data, str) else data
+        reply = await self._request("write_file", WriteFileRequest(id=box, path=path, data=payload, mode=mode),
+                                    self.request_timeout_s, instance_of(box))
+        return reply.size_bytes
+
+    async def read_file(self, box: str, path: str) -> bytes:
+        reply = await self._request("read_file", ReadFileRequest(id=box, path=path), self.request_timeout_s,
+                                    instance_of(box))
+        return reply.data
+
+    async def destroy(self, box: str) -> bool:
+        """Stop the sandbox and everything in it; False when it was already gone."""
+        reply = await self._request("destroy", DestroyRequest(id=box), self.request_timeout_s, instance_of(box))
+        return reply.count > 0
+
+    async def destroy_by_label(self, labels: Mapping[str, str]) -> int:
+        """Destroy, on every live replica, each sandbox whose labels include all of ``labels``;
+        returns how many."""
+        from flywheel.service import read_heartbeats
+
+        instances = [b.instance for b in await read_heartbeats(self.bus) if b.service == SERVICE_NAME]
+        total = 0
+        for instance in instances:
+            reply = await self._request("destroy_by_label", DestroyByLabelRequest(labels=dict(labels)),
+                                        self.request_timeout_s, instance)
+            total += reply.count
+        return total
+
+    async def run(self, cmd: str | list[str], files: Mapping[str, bytes | str] | None = None,
+                  spec: SandboxSpec | None = None, stdin: bytes | str = b"", timeout_s: float = 30.0) -> ExecResult:
+        """One shot for verifiers: a fresh sandbox, ``files`` written, ``cmd`` run, sandbox gone."""
+        encoded = {path: (d.encode() if isinstance(d, str) else d) for path, d in (files or {}).items()}
+        data = stdin.encode() if isinstance(stdin, str) else stdin
+        request = RunRequest(cmd=cmd, files=encoded, spec=spec or SandboxSpec(), stdin=data, timeout_s=timeout_s)
+        return await self._request("run", request, timeout_s + self.request_timeout_s)
+
+    @contextlib.asynccontextmanager
+    async def session(self, spec: SandboxSpec | None = None) -> AsyncIterator[str]:
+        """``async with client.session(spec) as box:`` a sandbox destroyed on the way out."""
+        box = await self.create(spec)
+        try:
+            yield box
+        finally:
+            await self.destroy(box)

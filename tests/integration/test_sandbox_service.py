@@ -1,0 +1,220 @@
+"""The sandbox service over a real nats-server, on the local backend (real bubblewrap).
+
+Covers: sessions that keep files and folder between execs, argv commands, stdin and env,
+output truncation, files in and out, the one-shot run, idempotent create, destroy and
+destroy by label across two replicas, each timeout on its own (exec timeout, TTL, idle TTL),
+the caps, clear error replies to bad requests with the service still serving, and
+``python -m flywheel_sandbox`` as a process (heartbeat, clean stop on SIGTERM).
+Hostile programs are in test_sandbox_security.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator
+
+import msgspec
+import pytest
+
+from flywheel.bus import Bus
+from flywheel.natsserver import NatsServer
+from flywheel.sandbox import ErrorReply, SandboxClient, SandboxError, SandboxSpec, subject
+from flywheel.service import read_heartbeats
+from flywheel_sandbox.backends import LocalBackend
+from tests.sandbox_service import serving
+
+
+@pytest.fixture
+async def backend() -> AsyncIterator[LocalBackend]:
+    b = LocalBackend()
+    try:
+        yield b
+    finally:
+        await b.close()
+
+
+@pytest.fixture
+async def client(bus: Bus, backend: LocalBackend) -> AsyncIterator[SandboxClient]:
+    async with serving(bus, backend, warm_pool=1, max_alive=8, max_file_bytes=64 * 1024,
+                       max_output_bytes=1000) as c:
+        yield c
+
+
+async def test_a_session_keeps_files_and_its_folder(client: SandboxClient) -> None:
+    async with client.session() as box:
+        first = await client.exec(box, "mkdir -p src && cd src && echo 'print(6 * 7)' > main.py && pwd")
+        assert (first.exit_code, first.stdout) == (0, "/work/src\n")
+        again = await client.exec(box, "pwd && python3 main.py")
+        assert again.stdout == "/work/src\n42\n" and again.duration_s > 0
+        argv = await client.exec(box, ["ls", "/work/src"])
+        assert argv.stdout == "main.py\n"
+        assert (await client.exec(box, "cat", stdin="from stdin")).stdout == "from stdin"
+        env = await client.exec(box, "echo $A-$B", env={"B": "exec"})
+        assert env.stdout == "-exec\n"
+        failing = await client.exec(box, "echo oops >&2; exit 3")
+        assert (failing.exit_code, failing.stderr) == (3, "oops\n")
+        missing = await client.exec(box, ["no-such-program"])
+        assert missing.exit_code == 127 and "no-such-program" in missing.stderr
+
+
+async def test_spec_env_files_and_file_round_trip(client: SandboxClient) -> None:
+    spec = SandboxSpec(env={"A": "spec"}, files={"data/in.txt": b"\x00binary\xff"})
+    async with client.session(spec) as box:
+        assert (await client.exec(box, "echo $A; wc -c < data/in.txt")).stdout == "spec\n8\n"
+        assert await client.read_file(box, "data/in.txt") == b"\x00binary\xff"
+        assert await client.write_file(box, "/tmp/x/y.sh", "echo written", mode=0o755) == 12
+        assert (await client.exec(box, "/tmp/x/y.sh")).stdout == "written\n"
+        with pytest.raises(SandboxError) as missing:
+            await client.read_file(box, "nope.txt")
+        assert missing.value.kind == "failed" and "nope.txt" in str(missing.value)
+
+
+async def test_output_is_cut_and_flagged(client: SandboxClient) -> None:
+    async with client.session() as box:
+        result = await client.exec(box, "head -c 5000 /dev/zero | tr '\\0' a; echo done >&2")
+        assert result.stdout == "a" * 1000 and result.stdout_truncated
+        assert result.stderr == "done\n" and not result.stderr_truncated
+
+
+async def test_one_shot_run_leaves_no_sandbox(client: SandboxClient) -> None:
+    result = await client.run("python3 -m unittest -q test_add 2>&1 | tail -1",
+                              files={"test_add.py": "import unittest\nclass T(unittest.TestCase):\n"
+                                                    "    def test_add(self):\n        self.assertEqual(1 + 1, 2)\n"})
+    assert result.exit_code == 0 and result.stdout == "OK\n"
+    assert not client.manager.sessions  # type: ignore[attr-defined]
+
+
+async def test_idempotent_create_and_destroy(client: SandboxClient) -> None:
+    first, second = await asyncio.gather(client.create(idempotency_key="k1"), client.create(idempotency_key="k1"))
+    assert first == second
+    assert await client.destroy(first) is True
+    assert await client.destroy(first) is False  # gone already: not an error
+    with pytest.raises(SandboxError) as gone:
+        await client.exec(first, "true")
+    assert gone.value.kind == "gone" and "destroyed on request" in str(gone.value)
+
+
+async def test_destroy_by_label_reaches_every_replica(bus: Bus, backend: LocalBackend) -> None:
+    async with serving(bus, backend, instance="replica-a", warm_pool=0) as a, \
+               serving(bus, backend, instance="replica-b", warm_pool=0):
+        boxes = [await a.create(SandboxSpec(labels={"rollout": "r1", "i": str(i)})) for i in range(6)]
+        other = await a.create(SandboxSpec(labels={"rollout": "r2"}))
+        assert {b.split("@")[1] for b in boxes} == {"replica-a", "replica-b"}  # the queue group shares creates
+        for box in boxes:  # each op finds the replica that holds its sandbox
+            assert (await a.exec(box, "echo $HOSTNAME; true")).exit_code == 0
+        assert await a.destroy_by_label({"rollout": "r1"}) == 6
+        assert await a.destroy_by_label({"rollout": "r1"}) == 0
+        assert (await a.exec(other, "echo alive")).stdout == "alive\n"
+        await a.destroy(other)
+
+
+async def test_exec_timeout_kills_the_command_and_the_session_lives(client: SandboxClient) -> None:
+    async with client.session() as box:
+        started = time.monotonic()
+        result = await client.exec(box, "echo before; sleep 30 & while :; do :; done", timeout_s=1)
+        assert result.timed_out and result.exit_code == -9 and result.stdout == "before\n"
+        assert time.monotonic() - started < 4
+        left = await client.exec(box, "ps -eo comm= | sort | tr '\\n' ' '")
+        assert left.stdout == "bash bwrap ps python3 sort tr "  # only this exec and the sandbox itself
+
+
+async def test_ttl_expires_even_during_an_exec(client: SandboxClient) -> None:
+    box = await client.create(SandboxSpec(ttl_s=1.0))
+    started = time.monotonic()
+    with pytest.raises(SandboxError) as gone:
+        await client.exec(box, "sleep 20", timeout_s=20)
+    assert gone.value.kind == "gone" and "ttl_s=1" in str(gone.value)
+    assert time.monotonic() - started < 5
+
+
+async def test_idle_ttl_expires_an_unused_sandbox_only(client: SandboxClient) -> None:
+    idle = await client.create(SandboxSpec(idle_ttl_s=0.6))
+    busy = await client.create(SandboxSpec(idle_ttl_s=0.6))
+    assert (await client.exec(busy, "sleep 1.2; echo still here", timeout_s=5)).stdout == "still here\n"
+    with pytest.raises(SandboxError) as gone:
+        await client.exec(idle, "true")
+    assert gone.value.kind == "gone" and "idle_ttl_s=0.6" in str(gone.value)
+    await client.destroy(busy)
+
+
+async def test_caps_refuse_creates_past_max_alive(bus: Bus, backend: LocalBackend) -> None:
+    async with serving(bus, backend, warm_pool=0, max_alive=2, max_starting=1) as c:
+        boxes = await asyncio.gather(c.create(), c.create())
+        with pytest.raises(SandboxError) as refused:
+            await c.create()
+        assert refused.value.kind == "capacity" and "sandbox_max_alive" in str(refused.value)
+        await c.destroy(boxes[0])
+        boxes[0] = await c.create()  # room again
+        for box in boxes:
+            await c.destroy(box)
+
+
+async def raw(bus: Bus, op: str, payload: bytes, instance: str | None = "test-1") -> ErrorReply:
+    msg = await bus.nc.request(subject(op, instance), payload, timeout=10)
+    reply = msgspec.json.decode(msg.data, type=ErrorReply)
+    assert reply.error
+    return reply
+
+
+async def test_bad_requests_get_clear_errors_and_the_service_keeps_serving(bus: Bus, client: SandboxClient) -> None:
+    unknown = await raw(bus, "exec", b'{"id": "0000@test-1", "cmd": "ls"}')
+    assert unknown.kind == "not_found" and "0000@test-1" in unknown.error
+    invalid = await raw(bus, "create", b'{"spec": {"memory_mb": 1}}')
+    assert invalid.kind == "invalid_request" and "$.spec.memory_mb" in invalid.error
+    typo = await raw(bus, "create", b'{"spec": {"memroy_mb": 64}}')
+    assert typo.kind == "invalid_request" and "memroy_mb" in typo.error
+    garbage = await raw(bus, "run", b"not json")
+    assert garbage.kind == "invalid_request" and "RunRequest" in garbage.error
+    with pytest.raises(SandboxError) as image:
+        await client.create(SandboxSpec(image="debian"))
+    assert image.value.kind == "invalid_request" and "image" in str(image.value)
+    box = await client.create()
+    with pytest.raises(SandboxError) as big:
+        await client.write_file(box, "big.bin", b"x" * (64 * 1024 + 1))
+    assert big.value.kind == "too_large" and "65537 bytes" in str(big.value)
+    await client.exec(box, "head -c 70000 /dev/zero > big.bin")
+    with pytest.raises(SandboxError) as big_read:
+        await client.read_file(box, "big.bin")
+    assert big_read.value.kind == "too_large"
+    with pytest.raises(SandboxError) as bad_id:
+        await client.exec("no-instance", "ls")
+    assert bad_id.value.kind == "invalid_request"
+    assert (await client.exec(box, "echo still serving")).stdout == "still serving\n"
+    await client.destroy(box)
+
+
+async def test_no_service_is_a_clear_error(bus: Bus) -> None:
+    with pytest.raises(SandboxError) as none:
+        await SandboxClient(bus).run("true")
+    assert none.value.kind == "unavailable" and "python -m flywheel_sandbox" in str(none.value)
+
+
+async def test_the_service_process_heartbeats_and_stops_cleanly(nats_server: NatsServer, bus: Bus) -> None:
+    env = dict(os.environ, FLYWHEEL_NATS_URL=nats_server.url, FLYWHEEL_SANDBOX_WARM_POOL="1")
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "flywheel_sandbox", env=env)
+    try:
+        client = SandboxClient(bus)
+        for _ in range(200):
+            if any(b.service == "sandbox" and b.pid == proc.pid for b in await read_heartbeats(bus)):
+                break
+            await asyncio.sleep(0.05)  # noqa: sleep - the polling interval of this bounded wait
+        box = await client.create(SandboxSpec(labels={"t": "1"}))
+        assert (await client.exec(box, "echo $((6 * 7))")).stdout == "42\n"
+        assert await client.destroy_by_label({"t": "1"}) == 1
+        box = await client.create()
+        pending = asyncio.ensure_future(client.exec(box, "sleep 30", timeout_s=30))
+        await asyncio.sleep(0.3)  # noqa: sleep - let the exec start before the signal
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 15) == 0
+        with pytest.raises(SandboxError) as stopped:
+            await pending
+        assert stopped.value.kind == "gone" and "stopped" in str(stopped.value)
+        assert not [b for b in await read_heartbeats(bus) if b.service == "sandbox"]
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

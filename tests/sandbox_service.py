@@ -1,0 +1,44 @@
+"""The sandbox service in the test's own process, over the test's real nats-server.
+
+:func:`serving` runs a :class:`SessionManager` and :class:`SandboxResponder` on a given
+backend until the block ends, then destroys every sandbox and checks none is left. Tests
+talk to it only through :class:`flywheel.sandbox.SandboxClient`, over NATS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+from flywheel import events
+from flywheel.bus import Bus
+from flywheel.sandbox import SERVICE_NAME, SandboxClient
+from flywheel_sandbox.service import SandboxResponder
+from flywheel_sandbox.sessions import ManagerConfig, SessionManager
+
+
+@contextlib.asynccontextmanager
+async def serving(bus: Bus, backend: Any, instance: str = "test-1", **config: Any) -> AsyncIterator[SandboxClient]:
+    manager = SessionManager(backend, instance, ManagerConfig(**config))
+    responder = SandboxResponder(bus, manager)
+    stopping = asyncio.Event()
+    tasks = [asyncio.ensure_future(responder.serve(stopping)), asyncio.ensure_future(manager.maintain(stopping))]
+    await asyncio.wait_for(responder.ready.wait(), 10)
+    # the heartbeat a Service would write: destroy_by_label finds replicas by it
+    beat = events.ServiceHeartbeat(service=SERVICE_NAME, instance=instance, pid=os.getpid(), host="test",
+                                   started_at=events.utc_now())
+    kv = await bus.services_kv()
+    await kv.put(f"{SERVICE_NAME}.{instance}", events.encode(beat))
+    client = SandboxClient(bus)
+    client.manager = manager  # type: ignore[attr-defined] - for assertions on the service's own state
+    try:
+        yield client
+    finally:
+        stopping.set()
+        await asyncio.gather(*tasks)
+        await responder.drain()
+        await kv.delete(f"{SERVICE_NAME}.{instance}")
+        assert not manager.sessions
