@@ -21,8 +21,17 @@ publishes nothing from its batch. Publishing also registers the run in the runs 
 (:class:`flywheel.events.RunState`, owned by ``tenant``) when it is not there yet; as in the
 gateway, a run that belongs to another tenant is refused.
 
-Not covered: creating runs with a training config, or anything the gateway's HTTP API does
-beyond publishing (listing, traces).
+:class:`TraceAPI` reads what the gateway recorded, over HTTP: rollouts by filter (every
+page), a JSONL export, a trace graph and one branch of it, and a rollout followed live::
+
+    from flywheel.client import TraceAPI
+
+    async with TraceAPI("http://127.0.0.1:8420") as api:
+        num = await api.export("sft.jsonl", run="r1", min_reward=1.0, error=False)
+        async for event, data in api.follow(rollout_id):  # "node", ..., then "rollout"
+            ...
+
+Not covered: creating runs with a training config.
 """
 
 from __future__ import annotations
@@ -30,13 +39,14 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+import httpx
 import nats.js.errors
 
 from flywheel import events
@@ -228,6 +238,110 @@ class Client:
                                   "num_ack_pending": c.num_ack_pending or 0,
                                   "num_redelivered": c.num_redelivered or 0, "num_waiting": c.num_waiting or 0})
         return {"services": services, "streams": streams, "consumers": consumers}
+
+
+class GatewayError(ValueError):
+    """The gateway refused a request; the message is its ``detail`` (naming the bad parameter)."""
+
+    def __init__(self, status_code: int, detail: str) -> None:
+        super().__init__(f"gateway answered {status_code}: {detail}")
+        self.status_code = status_code
+
+
+def _query(filters: dict[str, Any]) -> dict[str, str]:
+    """Query parameters as the gateway reads them: booleans lower case, times in RFC 3339."""
+    out = {}
+    for name, value in filters.items():
+        if value is None:
+            continue
+        if isinstance(value, datetime) and value.tzinfo is None:
+            raise ValueError(f"{name}={value.isoformat()}: give a time zone (e.g. datetime.now(UTC))")
+        out[name] = str(value).lower() if isinstance(value, bool) else (
+            value.isoformat() if isinstance(value, datetime) else str(value))
+    return out
+
+
+class TraceAPI:
+    """The gateway's trace API (see the README's trace API section). Use as ``async with``.
+
+    Filters are the query parameters of ``GET /v1/rollouts`` as keyword arguments (``run``,
+    ``env``, ``status``, ``error``, ``min_reward``, ``created_after``, ...); a refused one
+    raises :class:`GatewayError` with the gateway's message.
+    """
+
+    def __init__(self, url: str | None = None, *, timeout_s: float = 30.0) -> None:
+        if url is None:
+            from flywheel.settings import Settings
+
+            url = Settings().resolved_gateway_url
+        self.http = httpx.AsyncClient(base_url=url, timeout=timeout_s)
+
+    async def __aenter__(self) -> TraceAPI:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.http.aclose()
+
+    async def _get(self, path: str, **params: Any) -> Any:
+        response = await self.http.get(path, params=_query(params))
+        await _raise_for(response)
+        return response.json()
+
+    async def rollouts(self, *, page_size: int = 100, **filters: Any) -> AsyncIterator[dict[str, Any]]:
+        """Every rollout the filters keep, newest first, following the cursor page by page."""
+        cursor = None
+        while True:
+            page = await self._get("/v1/rollouts", limit=page_size, cursor=cursor, **filters)
+            for item in page["items"]:
+                yield item
+            cursor = page["next_cursor"]
+            if cursor is None:
+                return
+
+    async def export(self, path: str | Path, *, tokens: bool = False, **filters: Any) -> int:
+        """Write ``GET /v1/rollouts/export`` to ``path`` as it streams in; returns the number of rollouts."""
+        num_lines = 0
+        async with self.http.stream("GET", "/v1/rollouts/export", params=_query({"tokens": tokens, **filters})) as r:
+            await _raise_for(r)
+            with Path(path).open("wb") as f:
+                async for chunk in r.aiter_bytes():
+                    f.write(chunk)
+                    num_lines += chunk.count(b"\n")
+        return num_lines
+
+    async def trace(self, rollout_id: str, *, tokens: bool = False) -> dict[str, Any]:
+        return await self._get(f"/v1/traces/{rollout_id}", tokens=tokens)
+
+    async def branch(self, rollout_id: str, node_id: str, *, tokens: bool = False) -> dict[str, Any]:
+        return await self._get(f"/v1/traces/{rollout_id}/branches/{node_id}", tokens=tokens)
+
+    async def follow(self, rollout_id: str, *, tokens: bool = False) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        """The live stream: ``("node", node)`` for each trace node, then ``("rollout", rollout)``."""
+        async with self.http.stream("GET", f"/v1/traces/{rollout_id}/stream", params=_query({"tokens": tokens}),
+                                    timeout=httpx.Timeout(self.http.timeout.connect, read=None)) as r:
+            await _raise_for(r)
+            async for item in server_sent_events(r):
+                yield item
+
+
+async def server_sent_events(response: httpx.Response) -> AsyncIterator[tuple[str, Any]]:
+    """``(event, data)`` for each server-sent event of ``response`` (data is JSON); comments are skipped."""
+    event = ""
+    async for line in response.aiter_lines():
+        if line.startswith("event: "):
+            event = line.removeprefix("event: ")
+        elif line.startswith("data: "):
+            yield event, json.loads(line.removeprefix("data: "))
+
+
+async def _raise_for(response: httpx.Response) -> None:
+    if response.status_code >= 400:
+        await response.aread()
+        try:
+            detail = response.json()["detail"]
+        except (ValueError, KeyError, TypeError):
+            detail = response.text
+        raise GatewayError(response.status_code, str(detail))
 
 
 def _seconds(now: datetime, then: datetime) -> float:

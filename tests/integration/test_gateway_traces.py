@@ -12,15 +12,19 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from datetime import datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 import uvicorn
 from fastapi import FastAPI
 
 from flywheel import events
 from flywheel.bus import Bus
+from flywheel.client import GatewayError, TraceAPI, server_sent_events
 from flywheel.natsserver import free_port
 from flywheel_gateway.store import Store
 from tests.helpers import until
@@ -37,12 +41,8 @@ async def ids(client: httpx.AsyncClient, **params: Any) -> list[str]:
 
 
 async def test_error_and_time_filters(client: httpx.AsyncClient, store: Store) -> None:
-    from datetime import timedelta
-
     def at(rid: str, minutes: int, **kw: Any) -> events.Rollout:
-        r = rollout(rid, **kw)
-        return events.Rollout(**{**{f: getattr(r, f) for f in r.__struct_fields__},
-                                 "created_at": T0 + timedelta(minutes=minutes)})
+        return msgspec.structs.replace(rollout(rid, **kw), created_at=T0 + timedelta(minutes=minutes))
 
     failed_score = events.Score(id="s-bad", run="r1", env="math", rollout_id="scorer-failed", group_id="g1",
                                 scorer="judge", value=0.0, error="judge timed out", created_at=T0)
@@ -124,9 +124,7 @@ def branching() -> events.Rollout:
     tool = node(first, "tool", "4", [20, 21])
     final = node(tool, "assistant", "4", [22, 23], policy_version=3)
     retry = node(user, "assistant", "four", [30, 31, 32], policy_version=3)
-    r = rollout("ro-branch")
-    return events.Rollout(**{**{f: getattr(r, f) for f in r.__struct_fields__},
-                             "nodes": [system, user, first, tool, final, retry]})
+    return msgspec.structs.replace(rollout("ro-branch"), nodes=[system, user, first, tool, final, retry])
 
 
 async def test_graph_leaves_and_a_branch_with_both_layers(client: httpx.AsyncClient, store: Store) -> None:
@@ -169,15 +167,6 @@ async def gateway_url(app: FastAPI) -> AsyncIterator[str]:
         await serving
 
 
-async def sse(response: httpx.Response) -> AsyncIterator[tuple[str, dict[str, Any]]]:
-    name = ""
-    async for line in response.aiter_lines():
-        if line.startswith("event: "):
-            name = line.removeprefix("event: ")
-        elif line.startswith("data: "):
-            yield name, json.loads(line.removeprefix("data: "))
-
-
 def message(role: str, content: str) -> dict[str, Any]:
     return {"role": role, "content": content, "tool_calls": [], "tool_call_id": None, "name": None}
 
@@ -198,7 +187,7 @@ async def test_stream_replays_then_follows_then_ends_with_the_rollout(app: FastA
     async with httpx.AsyncClient(base_url=gateway_url, timeout=10) as http, \
             http.stream("GET", "/v1/traces/ro1/stream", params={"tokens": "true"}) as response:
         assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
-        received = sse(response)
+        received = server_sent_events(response)
         assert [await anext(received) for _ in range(2)] == [
             ("node", {"id": system.id, "parent_id": None, "position": 0, "message": message("system", "be brief"),
                       "tokens": span([1, 2], False)}),
@@ -225,7 +214,7 @@ async def test_a_rollout_that_landed_before_the_client_came(app: FastAPI, gatewa
     await bus.publish(rollout("ro1"))
     async with httpx.AsyncClient(base_url=gateway_url, timeout=10) as http, \
             http.stream("GET", "/v1/traces/ro1/stream") as response:
-        received = [item async for item in sse(response)]
+        received = [item async for item in server_sent_events(response)]
     assert [(name, data["id"]) for name, data in received] == [
         ("node", nodes[0].id), ("node", nodes[1].id), ("node", nodes[2].id), ("rollout", "ro1")]
     assert received[2][1]["tokens"] is None  # the token layer only on request
@@ -235,7 +224,7 @@ async def test_a_recorded_rollout_is_replayed_from_the_store(app: FastAPI, gatew
     await store.record([rollout("ro1"), score("s1", "ro1", 0.75)])  # nothing of it on the bus
     async with httpx.AsyncClient(base_url=gateway_url, timeout=10) as http, \
             http.stream("GET", "/v1/traces/ro1/stream", params={"tokens": "true"}) as response:
-        received = [item async for item in sse(response)]
+        received = [item async for item in server_sent_events(response)]
     assert [name for name, _ in received] == ["node", "node", "node", "rollout"]
     assert received[2][1]["tokens"] == span([6, 7, 8, 9], True, policy_version=3)
     assert received[3][1]["reward"] == 0.75
@@ -259,7 +248,7 @@ async def test_a_client_that_leaves_ends_its_consumers(app: FastAPI, gateway_url
     async with httpx.AsyncClient(base_url=gateway_url, timeout=10) as http:
         for _ in range(3):
             async with http.stream("GET", "/v1/traces/ro1/stream") as response:
-                received = sse(response)
+                received = server_sent_events(response)
                 assert (await anext(received))[0] == "node"
                 assert await num_consumers() == 2 and len(bus.nc._subs) == baseline + 2
             # Leaving mid-stream (the rollout never lands) closes the connection.
@@ -268,3 +257,29 @@ async def test_a_client_that_leaves_ends_its_consumers(app: FastAPI, gateway_url
                 return await num_consumers() == 0 and len(bus.nc._subs) == baseline
 
             await until(released, timeout_s=10, what="the stream's consumers to be deleted")
+
+
+# --- the Python client --------------------------------------------------------------------
+
+
+async def test_client_reads_filters_exports_and_follows(app: FastAPI, gateway_url: str, store: Store,
+                                                       tmp_path: Path) -> None:
+    await store.record([rollout(f"ro{i}", answer=str(i)) for i in range(7)] + [score("s1", "ro3", 1.0)])
+    async with TraceAPI(gateway_url) as api:
+        assert [r["id"] async for r in api.rollouts(page_size=2)] == [f"ro{i}" for i in range(6, -1, -1)]
+        assert [r["id"] async for r in api.rollouts(min_reward=0.5, error=False)] == ["ro3"]
+        assert [r["id"] async for r in api.rollouts(created_after=T0, created_before=T0)] == []
+        with pytest.raises(ValueError, match="give a time zone"):
+            await anext(api.rollouts(created_after=datetime(2026, 1, 1)))
+        with pytest.raises(GatewayError, match="min_rewrd: unknown field"):
+            await anext(api.rollouts(min_rewrd=1))
+        assert await api.export(tmp_path / "sft.jsonl", tokens=True, min_reward=1) == 1
+        (line,) = (tmp_path / "sft.jsonl").read_text().splitlines()
+        assert json.loads(line)["messages"][-1] == {"role": "assistant", "content": "3"}
+        trace = await api.trace("ro3")
+        branch = await api.branch("ro3", trace["leaves"][0], tokens=True)
+        assert len(branch["tokens"]["token_ids"]) == 9
+        with pytest.raises(GatewayError, match="404: no trace recorded for rollout 'nope'"):
+            await api.trace("nope")
+        followed = [(event, data["id"]) async for event, data in api.follow("ro3")]
+        assert followed == [("node", n["id"]) for n in trace["nodes"]] + [("rollout", "ro3")]
