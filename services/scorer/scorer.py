@@ -1,45 +1,72 @@
 """The scorer: a rollout's rewards, run as functions and published as one Score per reward.
 
 Two kinds of scorer process, one consumer loop (:class:`flywheel.bus.Consumer` in handler
-mode, at most ``max_in_flight`` rollouts at once):
+mode):
 
-- the built-in scorer (durable ``scorer``, all of ``rollouts.>``): the rewards of each
-  rollout's own environment (its ``REWARDS``, loaded once per environment);
+- the built-in scorer (durable ``scorer``, all of ``rollouts.>``): the rewards and metrics of
+  each rollout's environment, as its run loads it (:func:`flywheel.environment.load_for_run`:
+  the run config's ``env``, ``[env_args]`` and ``[rewards.<name>]`` overrides), or by the
+  subject's environment name for a run without a config (tasks published straight to the bus);
 - a custom scorer (durable ``scorer-<name>``, ``rollouts.*.<env>``): one user function,
   for one environment.
 
-Processes with the same durable share its work: that is how scoring scales out.
+Processes with the same durable share its work: that is how per-rollout scoring scales out.
 
-Each reward gives one :class:`flywheel.events.Score` with id ``<rollout>.<scorer>``, so a
-redelivered rollout scored again publishes the same ids, which JetStream (within its
-duplicate window) and the readers (one score per rollout and scorer) keep once. The weight
-is the run's own (``RunConfig.scorers`` in the run-state bucket) where its config names the
-scorer, else the reward's default weight.
+Each reward gives one :class:`flywheel.events.Score` with id ``<rollout>.<scorer>`` (its
+value, and its components when the function returned a dict), so a redelivered rollout
+scored again publishes the same ids, which JetStream (within its duplicate window) and the
+readers (one score per rollout and scorer) keep once. Metrics (weight 0) are scored like
+rewards. The weight is the run config's ``scorers`` entry where it names the scorer, else
+the reward's weight in the run's environment (overrides applied).
+
+Group rewards (:class:`flywheel.environment.GroupReward`) see every rollout of a group
+(``Rollout.group_id``, ``group_size``, ``index``). A rollout's own rewards are published as
+soon as it arrives; its delivery is then *held* (unacked, kept alive with ``in_progress``,
+so it is not redelivered) until the rest of its group is here. The arrival that completes
+the group runs the group rewards once and publishes one Score per rollout; then every held
+delivery of the group is acked. Bounds, so holding can never deadlock the consumer:
+
+- the consumer lets ``max_in_flight + max_held`` rollouts be unacked (server side too), and
+  scoring itself runs at most ``max_in_flight`` rollouts at once;
+- at most ``max_held`` rollouts wait for their groups: when one more would wait, the oldest
+  incomplete group is scored at once with what arrived, so slots for scoring always remain;
+- a group incomplete after ``group_timeout_s`` is scored with what arrived.
+
+A group scored incomplete gets, on every rollout that arrived, a group-reward Score with its
+value and ``error`` naming the missing indices and why (readers treat a score with an error
+as unusable, so the trainer drops those rollouts rather than train on a partial group). A
+member that arrives after its group was scored gets a Score with ``error`` saying so.
+
+Limitation: a group reward needs the whole group in one scorer process. Replicas sharing a
+durable split a stream's rollouts between them, so a group can be split too: its halves
+then wait for ``group_timeout_s`` and are scored incomplete (with the errors above, never a
+silent value). Run one built-in scorer process for runs whose environments have group
+rewards, or give each such environment its own single-process custom scorer; scale the
+per-rollout rewards with more custom scorer processes on their own durables.
 
 Failures, each where it belongs:
 
-- a reward that raises, returns something other than a finite number, or runs past
-  ``reward_timeout_s``: a Score with ``error`` saying so and value 0.0, recorded on that
-  rollout (readers treat it as unusable, never as a zero); the rollout's other rewards are
-  unaffected and the service goes on;
-- an environment that does not load, or a run config whose ``scorers`` is not a map of
-  names to numbers: the rollout is dead-lettered (:class:`flywheel.bus.Reject`) with the
-  reason, as no retry can succeed;
+- a reward that raises, returns something other than a finite number (or, for a group
+  reward, a list of the wrong length), or runs past ``reward_timeout_s``: a Score with
+  ``error`` saying so and value 0.0, recorded on that rollout (readers treat it as unusable,
+  never as a zero); the rollout's other rewards are unaffected and the service goes on;
+- an environment that does not load, or a run config that does not parse: the rollout is
+  dead-lettered (:class:`flywheel.bus.Reject`) with the reason, as no retry can succeed;
 - the bus failing (reading the run config, publishing): the error propagates and the bus
-  layer retries the rollout with backoff.
+  layer retries the rollout with backoff (a held group member too; the group forms again).
 
 Sync reward functions run in a thread pool, async ones on the event loop. Whether a function
 is cheap cannot be known in advance (a judge model over HTTP, a regex over a long answer,
 a test suite), and one blocking call on the loop stalls every rollout in flight with its
 acks and ``in_progress`` signals. The hop to a thread costs about 0.1 ms a reward (two busy
-cores), against a rollout that took a model generation; one process still scores about
-2,300 reverse-text rollouts a second, publishing included. A CPU-bound reward holds the GIL
+cores), against a rollout that took a model generation. A CPU-bound reward holds the GIL
 in its thread too: scale it with more processes on the same durable, not more threads.
 
 Every rollout is scored whatever its status (an errored rollout gets scores too; the
-trainer decides what it trains on). Not covered: group rewards (that see every rollout of a
-group), and stopping a sync reward that never returns: the timeout reports it, but its
-thread runs on and keeps the process from exiting until it returns.
+trainer decides what it trains on). Not covered: stopping a sync reward that never returns
+(the timeout reports it, but its thread runs on and keeps the process from exiting until
+it returns), and remembering scored groups across a restart (a late member after a restart
+forms a new group and is scored incomplete after the timeout).
 """
 
 from __future__ import annotations
@@ -47,22 +74,32 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import importlib
 import inspect
 import logging
 import math
 import re
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import msgspec
 
 from flywheel import events
 from flywheel.bus import Bus, Consumer, Delivery, Reject
-from flywheel.environment import Environment, EnvironmentLoadError, Reward, load_environment, make_reward
+from flywheel.config import RunConfig
+from flywheel.environment import (
+    Environment,
+    EnvironmentLoadError,
+    GroupReward,
+    Reward,
+    Value,
+    import_object,
+    load_environment,
+    load_for_run,
+)
 from flywheel.runs import get_run
 from flywheel.service import Service
 from flywheel.settings import Settings
@@ -72,9 +109,23 @@ log = logging.getLogger(__name__)
 BUILTIN_DURABLE = "scorer"
 # A scorer name is a NATS subject token (scores.<run>.<env>.<scorer>) and part of a durable name.
 _NAME = re.compile(r"[-_A-Za-z0-9]{1,128}")
+# Groups already scored, remembered so a late member is told so (not scored as a new group).
+_NUM_CLOSED_GROUPS = 10_000
 
 Publish = Callable[[Sequence[events.Event]], Awaitable[Any]]
-Weights = Callable[[str], Awaitable[dict[str, float]]]
+Configs = Callable[[str], Awaitable[RunConfig | None]]
+
+
+@dataclass(frozen=True)
+class RewardSet:
+    """What one rollout is scored with: per-rollout rewards (metrics included) and group rewards."""
+
+    rewards: list[Reward]
+    group_rewards: list[GroupReward] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, env: Environment) -> RewardSet:
+        return cls(list(env.rollout_rewards.values()), list(env.group_rewards.values()))
 
 
 class RewardSource(Protocol):
@@ -83,66 +134,67 @@ class RewardSource(Protocol):
     durable: str
     filter_subject: str | None
 
-    def __call__(self, rollout: events.Rollout) -> dict[str, Reward]: ...
+    def __call__(self, rollout: events.Rollout, config: RunConfig | None) -> RewardSet: ...
 
 
 class EnvironmentRewards:
-    """The built-in scorer: the rewards of each rollout's own environment."""
+    """The built-in scorer: the rewards of each rollout's environment, as its run loads it."""
 
     durable = BUILTIN_DURABLE
     filter_subject: str | None = None
 
     def __init__(self) -> None:
-        # Loaded on the loop's thread, once per environment: an import runs the module's
-        # top-level code, which may assume the main thread (signal handlers, for one).
-        self._envs: dict[str, Environment] = {}
+        # Loaded on the loop's thread, once per run (its overrides are its own) or per
+        # environment name (runs without a config): an import runs the module's top-level
+        # code, which may assume the main thread (signal handlers, for one).
+        self._by_run: dict[str, RewardSet] = {}
+        self._by_env: dict[str, RewardSet] = {}
 
-    def __call__(self, rollout: events.Rollout) -> dict[str, Reward]:
-        env = self._envs.get(rollout.env)
-        if env is None:
+    def __call__(self, rollout: events.Rollout, config: RunConfig | None) -> RewardSet:
+        cache, key = (self._by_run, rollout.run) if config is not None else (self._by_env, rollout.env)
+        found = cache.get(key)
+        if found is None:
+            env_id = config.env if config is not None else rollout.env
             try:
-                env = load_environment(rollout.env)
+                env = load_for_run(config) if config is not None else load_environment(rollout.env)
             except EnvironmentLoadError as exc:
                 raise Reject(str(exc)) from exc
             except Exception as exc:  # the module's own code failed: no retry imports it better
-                raise Reject(f"environment {rollout.env!r} failed to import: {type(exc).__name__}: {exc}") from exc
-            self._envs[rollout.env] = env
-        return env.rewards
+                raise Reject(f"environment {env_id!r} failed to load: {type(exc).__name__}: {exc}") from exc
+            found = cache[key] = RewardSet.of(env)
+        return found
 
 
 class CustomReward:
-    """A custom scorer: one user function, on the rollouts of one environment."""
+    """A custom scorer: one user function (a reward, or a group reward), on the rollouts of one environment."""
 
-    def __init__(self, env: str, reward: Reward) -> None:
+    def __init__(self, env: str, reward: Reward | GroupReward) -> None:
         self.env = env
         self.reward = reward
         self.durable = f"scorer-{reward.name}"
         self.filter_subject: str | None = f"rollouts.*.{env}"
+        self._set = RewardSet([reward]) if isinstance(reward, Reward) else RewardSet([], [reward])
 
-    def __call__(self, rollout: events.Rollout) -> dict[str, Reward]:
-        return {self.reward.name: self.reward}
+    def __call__(self, rollout: events.Rollout, config: RunConfig | None) -> RewardSet:
+        return self._set
 
 
 def load_function(spec: str) -> Callable[..., Any]:
     """``MODULE:FUNCTION`` -> the function; a ValueError names what to fix."""
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"--function {spec!r}: write MODULE:FUNCTION, e.g. my_rewards:brevity")
     try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        raise ValueError(f"--function {spec!r}: cannot import {module_name!r} ({exc}); install it or put it "
-                         "on PYTHONPATH") from exc
-    fn = getattr(module, attr, None)
+        fn = import_object(spec, "--function")
+    except EnvironmentLoadError as exc:
+        raise ValueError(f"{exc}; install the module or put it on PYTHONPATH") from None
     if not callable(fn):
-        raise ValueError(f"--function {spec!r}: module {module_name!r} ({module.__file__}) has no function {attr!r}")
+        raise ValueError(f"--function {spec!r}: {fn!r} is not a function")
     return fn
 
 
-def custom_reward(function: str, env: str, name: str | None = None, weight: float = 1.0) -> CustomReward:
+def custom_reward(function: str, env: str, name: str | None = None, weight: float = 1.0,
+                  group: bool = False) -> CustomReward:
     """The custom scorer of ``function`` for ``env``, checked before any rollout arrives."""
     fn = load_function(function)
-    name = fn.__name__ if name is None else name
+    name = getattr(fn, "__name__", "") if name is None else name
     if not _NAME.fullmatch(name):
         raise ValueError(f"--name {name!r}: use 1 to 128 letters, digits, '-' or '_' (it names the scorer in "
                          "subjects and its consumer)")
@@ -155,35 +207,41 @@ def custom_reward(function: str, env: str, name: str | None = None, weight: floa
         environment = load_environment(env)
     except EnvironmentLoadError as exc:
         raise ValueError(f"--env {env!r}: {exc}") from exc
-    if name in environment.rewards:
+    if name in environment.weights:
         raise ValueError(f"--name {name!r}: environment {env!r} has a reward of that name already (the built-in "
                          "scorer publishes it); give this scorer another name")
-    return CustomReward(env, make_reward(name, fn, weight))
-
-
-def configured_weights(state: events.RunState) -> dict[str, float]:
-    """The run config's ``scorers`` (scorer name -> weight); empty: every reward's default."""
     try:
-        return msgspec.convert(state.config.get("scorers", {}), dict[str, float])
-    except msgspec.ValidationError as exc:
-        raise Reject(f"run {state.id!r}: config.scorers must map scorer names to weights ({exc})") from exc
+        reward = (GroupReward if group else Reward)(fn, weight=weight, name=name)
+    except EnvironmentLoadError as exc:
+        raise ValueError(str(exc)) from exc
+    return CustomReward(env, reward)
 
 
-class RunWeights:
-    """Each run's configured weights, read from the run-state bucket and kept ``ttl_s``.
+def run_config(state: events.RunState) -> RunConfig | None:
+    """The run's config from its state; None for a run registered without one."""
+    if not state.config:
+        return None
+    try:
+        return RunConfig.parse(dict(state.config), source=f"run {state.id!r}: config")
+    except ValueError as exc:
+        raise Reject(str(exc)) from exc
+
+
+class RunConfigs:
+    """Each run's config, read from the run-state bucket and kept ``ttl_s``.
 
     A run's config is written when the run is created, so one read per run every few seconds
     serves every rollout in between; a config written after a run's first rollouts takes
     effect within ``ttl_s``. A run without state in the bucket (tasks published straight to
-    the bus) gets the rewards' default weights.
+    the bus) has no config: its environment's own rewards and weights.
     """
 
     def __init__(self, bus: Bus, ttl_s: float = 5.0) -> None:
         self.bus = bus
         self.ttl_s = ttl_s
-        self._cache: dict[str, tuple[float, dict[str, float]]] = {}  # run -> (when read, weights)
+        self._cache: dict[str, tuple[float, RunConfig | None]] = {}  # run -> (when read, config)
 
-    async def __call__(self, run: str) -> dict[str, float]:
+    async def __call__(self, run: str) -> RunConfig | None:
         now = time.monotonic()
         cached = self._cache.get(run)
         if cached is not None and now - cached[0] < self.ttl_s:
@@ -192,85 +250,247 @@ class RunWeights:
             state = await get_run(self.bus, run)
         except msgspec.DecodeError as exc:  # ValidationError included
             raise Reject(f"run {run!r}: its run-state entry does not decode ({exc})") from exc
-        weights = configured_weights(state) if state is not None else {}
-        self._cache[run] = (now, weights)
-        return weights
+        config = run_config(state) if state is not None else None
+        self._cache[run] = (now, config)
+        return config
 
 
 def _is_async(fn: Callable[..., Any]) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
 
 
-def _in_pool(pool: Executor, fn: Callable[..., Any], **kwargs: Any) -> asyncio.Future[Any]:
-    return asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, **kwargs))
+def _in_pool(pool: Executor, fn: Callable[..., Any]) -> Callable[..., Awaitable[Any]]:
+    """``fn`` run in ``pool``, as an async function with ``fn``'s signature (rewards take parameters by name)."""
+
+    @functools.wraps(fn)
+    async def pooled(**kwargs: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, **kwargs))
+
+    return pooled
+
+
+@dataclass
+class _Group:
+    """The members of one group that arrived, waiting for the rest."""
+
+    key: tuple[str, str]  # (run, group id)
+    size: int
+    rewards: list[GroupReward]
+    weights: dict[str, float]
+    started_s: float = field(default_factory=time.monotonic)
+    members: dict[str, events.Rollout] = field(default_factory=dict)  # rollout id -> rollout
+    done: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    closing: bool = False
+
+    def missing(self) -> list[int]:
+        present = {r.index for r in self.members.values()}
+        return [i for i in range(self.size) if i not in present]
 
 
 class Scorer:
     """Scores rollouts with the rewards of ``rewards`` and publishes the Scores."""
 
-    def __init__(self, rewards: RewardSource, weights: Weights, publish: Publish, pool: Executor,
-                 reward_timeout_s: float = 120.0) -> None:
+    def __init__(self, rewards: RewardSource, configs: Configs, publish: Publish, pool: Executor,
+                 reward_timeout_s: float = 120.0, max_in_flight: int = 64, max_held: int = 1024,
+                 group_timeout_s: float = 300.0) -> None:
         self.rewards = rewards
-        self.weights = weights
+        self.configs = configs
         self.publish = publish
         self.pool = pool
         self.reward_timeout_s = reward_timeout_s
+        self.max_held = max_held
+        self.group_timeout_s = group_timeout_s
+        self._scoring = asyncio.Semaphore(max_in_flight)
+        self._groups: OrderedDict[tuple[str, str], _Group] = OrderedDict()  # oldest first
+        self._closed: OrderedDict[tuple[str, str], set[str]] = OrderedDict()  # group -> rollout ids scored
+        self._handing_back = asyncio.Event()
         self._traced: set[str] = set()  # rewards whose failure was logged with its traceback
+        self._pooled: dict[int, tuple[Reward | GroupReward, Reward | GroupReward]] = {}  # id -> (reward, in the pool)
+
+    @property
+    def num_held(self) -> int:
+        """Rollouts waiting for the rest of their group."""
+        return sum(len(g.members) for g in self._groups.values())
 
     async def handle(self, delivery: Delivery) -> None:
-        await self.publish(await self.score(delivery.event))
+        rollout: events.Rollout = delivery.event
+        async with self._scoring:
+            config = await self.configs(rollout.run)
+            found = self.rewards(rollout, config)
+            weights = dict(config.scorers) if config is not None else {}
+            await self.publish(await self.score(rollout, found, weights))
+        if found.group_rewards:
+            await self._join_group(rollout, found.group_rewards, weights)
 
-    async def score(self, rollout: events.Rollout) -> list[events.Score]:
-        """One Score per reward, in the rewards' order; raises Reject for what can never be scored."""
-        rewards = self.rewards(rollout)
-        weights = await self.weights(rollout.run)
-        return list(await asyncio.gather(*(self._score_one(rollout, reward, weights.get(name, reward.weight))
-                                           for name, reward in rewards.items())))
+    async def score(self, rollout: events.Rollout, found: RewardSet | None = None,
+                    weights: dict[str, float] | None = None) -> list[events.Score]:
+        """One Score per per-rollout reward, in the rewards' order; raises Reject for what can never be scored."""
+        if found is None:
+            found = self.rewards(rollout, None)
+        weights = weights or {}
+        return list(await asyncio.gather(*(self._score_one(rollout, r, weights.get(r.name, r.weight))
+                                           for r in found.rewards)))
 
     async def _score_one(self, rollout: events.Rollout, reward: Reward, weight: float) -> events.Score:
-        value, error = 0.0, None
-        runnable = reward if _is_async(reward.fn) else dataclasses.replace(
-            reward, fn=functools.partial(_in_pool, self.pool, reward.fn))
+        outcome = await self._run(reward, reward.name, [rollout.id], rollout)
+        assert not isinstance(outcome, list)
+        return _score(rollout, reward.name, weight, outcome)
+
+    def _runnable(self, reward: Reward | GroupReward) -> Reward | GroupReward:
+        """``reward`` itself when it is async, else a copy whose function runs in the thread pool."""
+        if _is_async(reward.fn):
+            return reward
+        pooled = self._pooled.get(id(reward))
+        if pooled is None or pooled[0] is not reward:
+            pooled = self._pooled[id(reward)] = (reward, dataclasses.replace(reward, fn=_in_pool(self.pool, reward.fn)))
+        return pooled[1]
+
+    async def _run(self, reward: Reward | GroupReward, name: str, ids: list[str], arg: Any) -> Value | list[Value] | str:
+        """Run one reward (or group reward) under its timeout: its value(s), or the error text."""
+        runnable = self._runnable(reward)
         deadline = asyncio.timeout(self.reward_timeout_s)
+        kind = "group reward" if isinstance(reward, GroupReward) else "reward"
         try:
             async with deadline:
-                value = await runnable(rollout)
+                return await runnable(arg)
         except Exception as exc:
             if deadline.expired():
-                error = f"reward {reward.name!r} timed out after {self.reward_timeout_s:g}s"
+                error = f"{kind} {name!r} timed out after {self.reward_timeout_s:g}s"
             else:
-                error = f"reward {reward.name!r} failed: {type(exc).__name__}: {exc}"
-            first = reward.name not in self._traced
-            self._traced.add(reward.name)
-            log.warning("rollout %s: %s", rollout.id, error, exc_info=exc if first else None)
-        return events.Score(id=f"{rollout.id}.{reward.name}", run=rollout.run, env=rollout.env,
-                            rollout_id=rollout.id, group_id=rollout.group_id, scorer=reward.name,
-                            value=value, weight=weight, error=error)
+                error = f"{kind} {name!r} failed: {type(exc).__name__}: {exc}"
+            first = name not in self._traced
+            self._traced.add(name)
+            log.warning("rollouts %s: %s", ",".join(ids), error, exc_info=exc if first else None)
+            return error
+
+    # --- groups -------------------------------------------------------------------------
+
+    async def _join_group(self, rollout: events.Rollout, rewards: list[GroupReward], weights: dict[str, float]) -> None:
+        key = (rollout.run, rollout.group_id)
+        if key in self._closed:
+            if rollout.id not in self._closed[key]:  # scored already otherwise: a redelivery, nothing new
+                await self.publish([_score(rollout, g.name, weights.get(g.name, g.weight),
+                                           f"group reward {g.name!r}: group {rollout.group_id} was scored without "
+                                           f"this rollout (index {rollout.index}), which arrived after it")
+                                    for g in rewards])
+            return
+        group = self._groups.get(key)
+        if group is None:
+            group = self._groups[key] = _Group(key, max(rollout.group_size, 1), rewards, weights)
+        group.members[rollout.id] = rollout
+        if len(group.members) >= group.size:
+            await self._close(group, None)
+            return
+        while self.num_held > self.max_held:
+            oldest = next((g for g in self._groups.values() if not g.closing), None)
+            if oldest is None:  # every group held is being scored already
+                break
+            await self._close(oldest, f"the scorer held max_held={self.max_held} rollouts waiting for their groups")
+        await self._wait(group)
+
+    async def _wait(self, group: _Group) -> None:
+        """Until the group is scored (or it times out here, or the scorer stops: the delivery is handed back)."""
+        while not group.done.done():
+            remaining = group.started_s + self.group_timeout_s - time.monotonic()
+            if remaining <= 0 and not group.closing:
+                await self._close(group, f"the rest did not arrive within group_timeout_s={self.group_timeout_s:g}s")
+                break
+            handing_back = asyncio.ensure_future(self._handing_back.wait())
+            try:
+                await asyncio.wait([group.done, handing_back], timeout=max(remaining, 0.05),
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                handing_back.cancel()
+            if self._handing_back.is_set() and not group.done.done():
+                raise asyncio.CancelledError  # the consumer hands the delivery back (nak) for a redelivery
+        group.done.result()  # a publish that failed fails every member: the bus retries them
+
+    async def _close(self, group: _Group, incomplete: str | None) -> None:
+        """Run the group rewards on the members that arrived, publish their Scores, release the members."""
+        if group.closing:
+            await asyncio.shield(group.done)
+            return
+        group.closing = True
+        members = sorted(group.members.values(), key=lambda r: r.index)
+        try:
+            async with self._scoring:
+                scores = [s for g in group.rewards
+                          for s in await self._score_group(members, g, group.weights.get(g.name, g.weight), group,
+                                                           incomplete)]
+                await self.publish(scores)
+        except BaseException as exc:
+            self._groups.pop(group.key, None)
+            group.done.set_exception(exc if isinstance(exc, Exception) else RuntimeError("scoring stopped"))
+            group.done.exception()  # retrieved by every waiter; marked retrieved so none is left unseen
+            raise
+        self._groups.pop(group.key, None)
+        self._closed[group.key] = set(group.members)
+        while len(self._closed) > _NUM_CLOSED_GROUPS:
+            self._closed.popitem(last=False)
+        group.done.set_result(None)
+
+    async def _score_group(self, members: list[events.Rollout], reward: GroupReward, weight: float, group: _Group,
+                           incomplete: str | None) -> list[events.Score]:
+        outcome = await self._run(reward, reward.name, [r.id for r in members], members)
+        error = None
+        if incomplete is not None:
+            error = (f"group reward {reward.name!r}: group {members[0].group_id} scored incomplete, missing "
+                     f"rollout indices {group.missing()} of {group.size}: {incomplete}")
+            log.warning("%s", error)
+        if isinstance(outcome, str):
+            text = outcome if error is None else f"{error}; {outcome}"
+            return [_score(r, reward.name, weight, text) for r in members]
+        return [_score(r, reward.name, weight, value if error is None else error, value)
+                for r, value in zip(members, outcome, strict=True)]
+
+    async def hand_back_on(self, stopping: asyncio.Event) -> None:
+        """A background task: once ``stopping`` is set, held deliveries stop waiting and are handed back."""
+        await stopping.wait()
+        self._handing_back.set()
+
+
+def _score(rollout: events.Rollout, name: str, weight: float, outcome: Value | str,
+           value: Value | None = None) -> events.Score:
+    """The Score of ``name`` on ``rollout``: ``outcome`` is its value, or an error text (with ``value``
+    still recorded when there is one, e.g. a group scored incomplete)."""
+    if isinstance(outcome, Value):
+        value, error = outcome, None
+    else:
+        error = outcome
+    return events.Score(id=f"{rollout.id}.{name}", run=rollout.run, env=rollout.env, rollout_id=rollout.id,
+                        group_id=rollout.group_id, scorer=name, value=value.value if value else 0.0, weight=weight,
+                        components=value.components if value else {}, error=error)
 
 
 @dataclass
 class ScorerConfig:
     """Bounds of one scorer process."""
 
-    max_in_flight: int = 64  # rollouts being scored at once (and unacked on the server)
+    max_in_flight: int = 64  # rollouts being scored at once
+    max_held: int = 1024  # rollouts waiting (unacked) for the rest of their group
     num_threads: int = 8  # threads for sync reward functions
     reward_timeout_s: float = 120.0
+    group_timeout_s: float = 300.0  # a group incomplete this long after its first member is scored with what came
     run_config_ttl_s: float = 5.0
 
     def __post_init__(self) -> None:
-        for name in ("max_in_flight", "num_threads"):
+        for name in ("max_in_flight", "max_held", "num_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if not self.reward_timeout_s > 0:
-            raise ValueError(f"reward_timeout_s must be positive, got {self.reward_timeout_s}")
+        for name in ("reward_timeout_s", "group_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
-    def build(self, bus: Bus, rewards: RewardSource, pool: Executor) -> Consumer:
-        """The durable consumer of ROLLOUTS that scores with ``rewards``."""
-        scorer = Scorer(rewards, RunWeights(bus, self.run_config_ttl_s), bus.publish_many, pool,
-                        self.reward_timeout_s)
-        return Consumer(bus, stream="ROLLOUTS", durable=rewards.durable, handler=scorer.handle,
-                        event_type=events.Rollout, filter_subject=rewards.filter_subject,
-                        max_in_flight=self.max_in_flight)
+    def build(self, bus: Bus, rewards: RewardSource, pool: Executor) -> tuple[Consumer, Scorer]:
+        """The durable consumer of ROLLOUTS that scores with ``rewards``, and its scorer."""
+        scorer = Scorer(rewards, RunConfigs(bus, self.run_config_ttl_s), bus.publish_many, pool,
+                        self.reward_timeout_s, self.max_in_flight, self.max_held, self.group_timeout_s)
+        # Held group members take consumer slots (and server-side ack-pending room) beyond the
+        # scoring bound, and the scorer never holds more than max_held: scoring always has room.
+        consumer = Consumer(bus, stream="ROLLOUTS", durable=rewards.durable, handler=scorer.handle,
+                            event_type=events.Rollout, filter_subject=rewards.filter_subject,
+                            max_in_flight=self.max_in_flight + self.max_held, batch_size=self.max_in_flight)
+        return consumer, scorer
 
 
 async def run(settings: Settings, rewards: RewardSource, config: ScorerConfig | None = None) -> None:
@@ -280,7 +500,9 @@ async def run(settings: Settings, rewards: RewardSource, config: ScorerConfig | 
     service = Service(rewards.durable, bus, info={"subjects": rewards.filter_subject or "rollouts.>"})
     pool = ThreadPoolExecutor(config.num_threads, thread_name_prefix=rewards.durable)
     try:
-        service.add(config.build(bus, rewards, pool))
+        consumer, scorer = config.build(bus, rewards, pool)
+        service.add(consumer)
+        service.add_task(scorer.hand_back_on)
         await service.run()  # finishes or hands back the rollouts in flight, then drains the bus
     finally:
         # Nothing is in flight any more, bar a reward thread past its timeout: not waited for.

@@ -46,7 +46,7 @@ import nats.js.errors
 from flywheel import events, models, weights
 from flywheel.bus import HEADER_CONTENT_TYPE, Bus, Consumer, Delivery, Reject
 from flywheel.config import RunConfig
-from flywheel.environment import Environment, load_environment
+from flywheel.environment import Environment, load_for_run
 from flywheel.runs import get_run, update_run
 from flywheel.service import Service
 from flywheel.settings import Settings
@@ -148,7 +148,7 @@ class Trainer:
         cfg = RunConfig.parse(state.config, source=f"run {run_id!r} config")
         if cfg.run != run_id:
             raise ValueError(f"run {run_id!r}: its stored config says run={cfg.run!r}; they must be the same")
-        env = load_environment(cfg.env)
+        env = load_for_run(cfg)
         min_buffer = cfg.trainer.batch_size + cfg.inference.max_rollouts_in_flight
         if options.max_buffered_rollouts < min_buffer:
             raise ValueError(f"max_buffered_rollouts={options.max_buffered_rollouts} is below trainer.batch_size plus "

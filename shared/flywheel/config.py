@@ -9,15 +9,27 @@ names the field.
 Each part that has alternatives (advantage, loss, engine, inference backend) is chosen by
 name from a registry in the service that owns it; this module only checks the names are
 among the known ones.
+
+The environment part: ``env`` is an environment id (a module name such as ``reverse_text``,
+or ``owner/name@version`` of an installed package), ``[env_args]`` are the keyword arguments
+of its ``load_environment``, and ``[rewards.<name>]`` tables change a reward's ``weight``,
+swap its ``function`` (``"package.module:function"``) or add one (``group = true`` for a
+group reward); :meth:`RunConfig.overrides` hands these to
+:func:`flywheel.environment.load_for_run`, the one way every service loads a run's
+environment. The environment's own sampling settings are defaults under the run's
+``[sampling]`` (:meth:`RunConfig.with_env_sampling`).
 """
 
 from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+if TYPE_CHECKING:
+    from flywheel.environment import Environment, EnvironmentOverrides
 
 ADVANTAGES = ("group_mean", "leave_one_out")
 LOSSES = ("clipped", "masked")
@@ -74,9 +86,30 @@ class InferenceConfig(_Section):
     max_rollouts_in_flight: int = Field(256, ge=1)
 
 
+class RewardConfig(_Section):
+    """``[rewards.<name>]``: a reward's weight, another function for it, or a new reward."""
+
+    weight: float | None = Field(None, ge=0, description="the reward's weight (0: a metric)")
+    function: str | None = Field(None, description="'package.module:function' replacing (or adding) the reward")
+    group: bool | None = Field(None, description="the function is a group reward (sees the whole group)")
+
+    @model_validator(mode="after")
+    def _check(self) -> RewardConfig:
+        if self.function is not None:
+            module, _, attr = self.function.partition(":")
+            if not module or not attr:
+                raise ValueError(f"function={self.function!r}: write it as 'package.module:function'")
+        if self.weight is None and self.function is None:
+            raise ValueError("give weight, function or both")
+        return self
+
+
 class RunConfig(_Section):
     run: str = Field(description="run id: letters, digits, '-', '_'")
-    env: str = Field(description="environment module, e.g. reverse_text")
+    env: str = Field(description="environment id: a module name (reverse_text) or owner/name[@version]")
+    env_args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of load_environment")
+    rewards: dict[str, RewardConfig] = Field(default_factory=dict,
+                                             description="reward name -> weight and/or function overrides")
     tenant: str = "default"
     group_size: int = Field(8, ge=1, description="rollouts per task, compared with each other")
     num_tasks: int | None = Field(None, ge=1, description="tasks to publish; default: enough for num_steps")
@@ -105,7 +138,45 @@ class RunConfig(_Section):
         for name, weight in self.scorers.items():
             if weight < 0:
                 raise ValueError(f"scorers.{name}={weight}: weights are not negative")
+            if name in self.rewards and self.rewards[name].weight is not None:
+                raise ValueError(f"scorers.{name} and rewards.{name}.weight both set the weight of {name!r}: "
+                                 f"keep one (rewards.{name}.weight)")
+        if not self.env or any(c.isspace() for c in self.env):
+            raise ValueError(f"env={self.env!r}: give an environment id, e.g. reverse_text or owner/name@1.0")
         return self
+
+    def overrides(self) -> EnvironmentOverrides:
+        """What this run changes in its environment: ``[env_args]`` and ``[rewards.<name>]``."""
+        from flywheel.environment import EnvironmentOverrides, RewardOverride
+
+        return EnvironmentOverrides(args=dict(self.env_args), rewards={
+            name: RewardOverride(weight=r.weight, function=r.function, group=r.group)
+            for name, r in self.rewards.items()})
+
+    def env_token(self, env: Environment) -> str:
+        """The environment's name in this run's subjects (``tasks.<run>.<env>``): ``env`` itself when
+        it is a plain module name, else the environment's ``name`` (an id with '/', '@' or '.' is
+        not a subject token)."""
+        from flywheel.runs import check_token
+
+        if not any(c in self.env for c in "/@."):
+            return check_token("env", self.env)
+        return check_token(f"environment {self.env!r}: its name", env.name)
+
+    def with_env_sampling(self, env: Environment) -> RunConfig:
+        """This config with the environment's sampling settings under the ones ``[sampling]`` sets."""
+        unknown = sorted(set(env.sampling) - set(SamplingConfig.model_fields))
+        if unknown:
+            raise ValueError(f"environment {env.name!r}: sampling has {unknown}; known settings are "
+                             f"{', '.join(SamplingConfig.model_fields)}")
+        given = {k: v for k, v in env.sampling.items() if k not in self.sampling.model_fields_set}
+        if not given:
+            return self
+        try:
+            sampling = SamplingConfig.model_validate({**self.sampling.model_dump(), **given})
+        except ValidationError as exc:
+            raise ValueError(f"environment {env.name!r}: sampling {given}: {exc.errors()[0]['msg']}") from None
+        return self.model_copy(update={"sampling": sampling})
 
     @property
     def groups_per_step(self) -> int:
@@ -114,11 +185,15 @@ class RunConfig(_Section):
     @classmethod
     def from_toml(cls, path: str | Path) -> RunConfig:
         path = Path(path)
+        return cls.from_toml_text(path.read_text(), source=str(path))
+
+    @classmethod
+    def from_toml_text(cls, text: str, source: str = "config") -> RunConfig:
         try:
-            data = tomllib.loads(path.read_text())
+            data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
-            raise ValueError(f"{path}: not valid TOML: {exc}") from exc
-        return cls.parse(data, source=str(path))
+            raise ValueError(f"{source}: not valid TOML: {exc}") from exc
+        return cls.parse(data, source=source)
 
     @classmethod
     def parse(cls, data: dict[str, Any], source: str = "config") -> RunConfig:

@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Any
 from flywheel import events
 
 if TYPE_CHECKING:
+    from flywheel.config import RunConfig
     from flywheel.harness import Harness
 
 ENTRY_POINT_GROUP = "flywheel.environments"
@@ -565,3 +566,15 @@ def load_environment(env_id: str, overrides: EnvironmentOverrides | None = None)
         raise EnvironmentLoadError(f"environment {env_id!r}: load_environment returned a {type(env).__name__}, not "
                                    f"an Environment")
     return env.with_overrides(overrides)
+
+
+def load_for_run(config: RunConfig | Mapping[str, Any]) -> Environment:
+    """A run's environment: its config's ``env`` with ``[env_args]`` and ``[rewards.<name>]`` applied.
+
+    The one way inference, scorer, trainer and ``flywheel run`` load a run's environment, so they
+    all score and train on the same rewards. ``config`` is a :class:`flywheel.config.RunConfig`
+    or the dict stored in the run's state (``RunState.config``)."""
+    from flywheel.config import RunConfig
+
+    cfg = config if isinstance(config, RunConfig) else RunConfig.parse(dict(config), source="run config")
+    return load_environment(cfg.env, cfg.overrides())

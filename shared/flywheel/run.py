@@ -38,7 +38,7 @@ from flywheel import events
 from flywheel.bus import Bus, BusConfig
 from flywheel.client import make_tasks
 from flywheel.config import RunConfig
-from flywheel.environment import load_environment
+from flywheel.environment import Environment, load_for_run
 from flywheel.runs import register_run
 from flywheel.settings import Settings
 from flywheel.stack import SERVICES, ServiceProcess, ServiceSpec, Stack, StackError, child_env, heartbeat_of
@@ -144,6 +144,7 @@ class MainJob:
         self.stopping = asyncio.Event()
         self.progress = Progress()
         self.rows: list[dict[str, Any]] = []  # the environment's task rows, loaded once
+        self.env: Environment | None = None  # loaded as every service loads it (load_for_run)
         self.num_published = 0
 
     def say(self, line: str) -> None:
@@ -180,6 +181,9 @@ class MainJob:
         bus = await Bus.connect(self.settings.resolved_nats_url, "flywheel-run")
         trainer: ServiceProcess | None = None
         try:
+            # The environment's sampling settings are defaults under the config's own.
+            self.env = load_for_run(cfg)
+            cfg = self.cfg = cfg.with_env_sampling(self.env)
             await self._check_services(bus)
             _, created = await register_run(bus, cfg.run, cfg.tenant, config=cfg.model_dump())
             if not created:
@@ -230,12 +234,14 @@ class MainJob:
                       + -(-num_dropped // cfg.group_size))
         if wanted <= self.num_published:
             return
+        assert self.env is not None
         if len(self.rows) < wanted:
-            self.rows = load_environment(cfg.env).load_tasks(2 * wanted, seed=cfg.trainer.seed)
+            self.rows = self.env.load_tasks(2 * wanted, seed=cfg.trainer.seed)
         sampling = events.Sampling(temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
                                    max_tokens=cfg.sampling.max_tokens, stop=list(cfg.sampling.stop))
         numbered = list(enumerate(self.rows, 1))[self.num_published:wanted]
-        tasks = make_tasks(cfg.run, cfg.env, numbered, num_rollouts=cfg.group_size, sampling=sampling)
+        tasks = make_tasks(cfg.run, cfg.env_token(self.env), numbered, num_rollouts=cfg.group_size,
+                           sampling=sampling)
         await bus.publish_many(tasks)
         if self.num_published == 0:
             self.say(f"run {cfg.run}: published {len(tasks)} tasks of {cfg.group_size} rollouts each "

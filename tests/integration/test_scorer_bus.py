@@ -1,4 +1,5 @@
-"""The scorer against a real nats-server: built-in and custom scorers, weights, dead letters.
+"""The scorer against a real nats-server: built-in and custom scorers, weights, group rewards
+held across interleaved groups, dead letters.
 
 The built-in scorer runs in this process (its consumer, as the composition root builds it);
 the custom scorer runs as its own process (``python -m flywheel_scorer --function ...``),
@@ -25,7 +26,7 @@ from flywheel.natsserver import NatsServer
 from flywheel.service import read_heartbeats
 from flywheel_scorer.scorer import EnvironmentRewards, ScorerConfig
 from tests.helpers import until
-from tests.unit.test_scorer_rewards import rollout
+from tests.unit.test_scorer_rewards import group_of, rollout
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -36,9 +37,9 @@ def answer_length(completion: str) -> float:
 
 
 @asynccontextmanager
-async def builtin_scorer(bus: Bus) -> AsyncIterator[Consumer]:
+async def builtin_scorer(bus: Bus, **bounds: Any) -> AsyncIterator[Consumer]:
     with ThreadPoolExecutor(2) as pool:
-        consumer = ScorerConfig(max_in_flight=8).build(bus, EnvironmentRewards(), pool)
+        consumer, _ = ScorerConfig(**{"max_in_flight": 8, **bounds}).build(bus, EnvironmentRewards(), pool)
         running = asyncio.ensure_future(consumer.run())
         try:
             yield consumer
@@ -107,6 +108,23 @@ async def test_builtin_and_custom_scorers_both_score_every_rollout(bus: Bus, nat
         assert info.num_ack_pending == 0 and info.num_pending == 0, durable
 
 
+async def test_interleaved_groups_are_held_until_complete_and_never_deadlock(bus: Bus) -> None:
+    """Four groups of three, their members interleaved on the stream, through a consumer that
+    scores two rollouts at once and holds at most eight: every group is scored whole."""
+    await put_run(bus, "r1", RunConfig(run="r1", env="reverse_text", rewards={
+        "shortest": {"function": "tests.unit.test_scorer_rewards:shortest", "group": True}}).model_dump())
+    groups = [group_of(3, ["cba", "cb" * (g + 1), "c"], group=f"g{g}") for g in range(4)]
+    interleaved = [groups[g][i] for i in range(3) for g in range(4)]
+    async with builtin_scorer(bus, max_in_flight=2, max_held=8) as consumer:
+        await bus.publish_many(interleaved)
+        await until(lambda: consumer.stats.acked == 12, what="every rollout scored and acked")
+    scores = [sc for sc in await stored(bus, "SCORES", events.Score) if sc.scorer == "shortest"]
+    assert len(scores) == 12 and all(sc.error is None for sc in scores)
+    assert {sc.rollout_id for sc in scores if sc.value == 1.0} == {f"g{g}-2" for g in range(4)}
+    info = await bus.js.consumer_info("ROLLOUTS", "scorer")
+    assert info.num_ack_pending == 0 and info.num_redelivered == 0
+
+
 async def test_what_can_never_be_scored_is_dead_lettered_and_scoring_goes_on(bus: Bus) -> None:
     await put_run(bus, "broken", {"scorers": ["exact"]})
     async with builtin_scorer(bus) as consumer:
@@ -117,7 +135,7 @@ async def test_what_can_never_be_scored_is_dead_lettered_and_scoring_goes_on(bus
     assert letters["rollouts.r1.no_such_env"].reason.startswith(
         "rejected: environment 'no_such_env': no module 'no_such_env'")
     assert letters["rollouts.broken.reverse_text"].reason.startswith(
-        "rejected: run 'broken': config.scorers must map scorer names to weights")
+        "rejected: run 'broken': config: run: Field required")
     assert {letter.consumer for letter in letters.values()} == {"scorer"}
     assert sorted(sc.id for sc in await stored(bus, "SCORES", events.Score)) == ["ro1.exact", "ro1.similarity"]
 

@@ -19,33 +19,34 @@ from typing import Any
 import pytest
 
 from flywheel import events
-from flywheel.bus import Reject
+from flywheel.bus import Delivery, Reject
 from flywheel.config import RunConfig
-from flywheel.environment import Reward, make_reward
+from flywheel.environment import GroupReward, Reward, shortest_correct_reward
 from flywheel_scorer.__main__ import main
-from flywheel_scorer.scorer import EnvironmentRewards, Scorer, configured_weights, custom_reward, load_function
+from flywheel_scorer.scorer import EnvironmentRewards, RewardSet, Scorer, custom_reward, load_function, run_config
+from tests.helpers import until
 
 
 def rollout(rid: str = "ro1", text: str = "abc", answer: str = "cba", run: str = "r1",
-            env: str = "reverse_text") -> events.Rollout:
+            env: str = "reverse_text", group: str = "g1", index: int = 0, group_size: int = 1) -> events.Rollout:
     system = events.Node(id="n0", message=events.Message(role="system", content="Reverse the text."))
     user = events.Node(id="n1", parent_id="n0", message=events.Message(role="user", content=text))
     reply = events.Node(id="n2", parent_id="n1", message=events.Message(role="assistant", content=answer))
-    return events.Rollout(id=rid, run=run, env=env, task_id="t1", group_id="g1", task_data={"text": text},
-                          nodes=[system, user, reply])
+    return events.Rollout(id=rid, run=run, env=env, task_id="t1", group_id=group, task_data={"text": text},
+                          nodes=[system, user, reply], index=index, group_size=group_size)
 
 
 class Rewards:
-    """A reward source of the given functions, all with default weight 1.0."""
+    """A reward source of the given functions (per-rollout rewards of weight 1.0) and group rewards."""
 
     durable = "test"
     filter_subject = None
 
-    def __init__(self, **fns: Callable[..., Any]) -> None:
-        self.rewards = {name: make_reward(name, fn, 1.0) for name, fn in fns.items()}
+    def __init__(self, *group: GroupReward, **fns: Callable[..., Any]) -> None:
+        self.set = RewardSet([Reward(fn, name=name) for name, fn in fns.items()], list(group))
 
-    def __call__(self, rollout: events.Rollout) -> dict[str, Reward]:
-        return self.rewards
+    def __call__(self, rollout: events.Rollout, config: RunConfig | None) -> RewardSet:
+        return self.set
 
 
 @pytest.fixture
@@ -54,21 +55,28 @@ def pool() -> Iterator[ThreadPoolExecutor]:
         yield p
 
 
-def scorer(pool: ThreadPoolExecutor, rewards: Any = None, configured: dict[str, dict[str, float]] | None = None,
-           **kwargs: Any) -> Scorer:
-    async def weights(run: str) -> dict[str, float]:
-        return (configured or {}).get(run, {})
+class Published(list):
+    async def __call__(self, scores: Any) -> None:
+        self.extend(scores)
 
-    async def publish(scores: Any) -> None:
-        raise AssertionError("score() does not publish")
 
-    return Scorer(rewards or EnvironmentRewards(), weights, publish, pool, **kwargs)
+def scorer(pool: ThreadPoolExecutor, rewards: Any = None, configured: dict[str, RunConfig] | None = None,
+           published: Published | None = None, **kwargs: Any) -> Scorer:
+    async def configs(run: str) -> RunConfig | None:
+        return (configured or {}).get(run)
+
+    return Scorer(rewards or EnvironmentRewards(), configs, published if published is not None else Published(),
+                  pool, **kwargs)
+
+
+def delivery(r: events.Rollout) -> Delivery:
+    return Delivery(event=r, subject=r.subject(), stream_seq=0, num_delivered=1, headers={}, msg=None)  # type: ignore[arg-type]
 
 
 # --- the built-in scorer ------------------------------------------------------------------
 
 
-async def test_reverse_text_rollouts_get_one_score_per_reward(pool: ThreadPoolExecutor) -> None:
+async def test_reverse_text_rollouts_get_one_score_per_reward_and_metric(pool: ThreadPoolExecutor) -> None:
     s = scorer(pool)
     right, partial = await s.score(rollout("ro1", answer="cba")), await s.score(rollout("ro2", answer="cbx"))
     assert [(sc.id, sc.scorer, sc.value, sc.weight) for sc in right] == [
@@ -86,20 +94,44 @@ async def test_ids_are_deterministic(pool: ThreadPoolExecutor) -> None:
     assert {sc.id for sc in await s.score(rollout("ro2"))} == {"ro2.similarity", "ro2.exact"}
 
 
-async def test_weights_come_from_the_run_config_else_the_rewards_defaults(pool: ThreadPoolExecutor) -> None:
-    config = RunConfig(run="r1", env="reverse_text", scorers={"exact": 2.0, "not_a_reward": 3.0}).model_dump()
-    configured = {"r1": configured_weights(events.RunState(id="r1", config=config))}
-    s = scorer(pool, configured=configured)
-    assert [(sc.scorer, sc.weight) for sc in await s.score(rollout(run="r1"))] == [("similarity", 1.0), ("exact", 2.0)]
-    assert [(sc.scorer, sc.weight) for sc in await s.score(rollout(run="r2"))] == [("similarity", 1.0), ("exact", 0.0)]
-    assert configured_weights(events.RunState(id="r3")) == {}  # a run created without a config
-    with pytest.raises(Reject, match=r"run 'r4': config.scorers must map scorer names to weights \(Expected `float`"):
-        configured_weights(events.RunState(id="r4", config={"scorers": {"exact": "high"}}))
+def longer(completion: str) -> float:
+    """A swapped-in reward for the overrides test."""
+    return float(len(completion))
+
+
+def parts(completion: str) -> dict[str, float]:
+    return {"length": float(len(completion)), "has_c": float("c" in completion)}
+
+
+async def test_the_run_config_sets_weights_swaps_functions_and_adds_rewards(pool: ThreadPoolExecutor) -> None:
+    cfg = RunConfig.parse({"run": "r1", "env": "reverse_text", "scorers": {"exact": 2.0},
+                           "rewards": {"similarity": {"function": f"{__name__}:longer", "weight": 0.5},
+                                       "parts": {"function": f"{__name__}:parts"},
+                                       "shortest": {"function": f"{__name__}:shortest", "group": True}}})
+    published = Published()
+    s = scorer(pool, configured={"r1": cfg}, published=published)
+    await s.handle(delivery(rollout(run="r1", answer="cbaa")))
+    assert [(sc.scorer, sc.value, sc.weight, sc.components) for sc in published] == [
+        ("similarity", 4.0, 0.5, {}), ("exact", 0.0, 2.0, {}), ("parts", 5.0, 1.0, {"length": 4.0, "has_c": 1.0}),
+        ("shortest", 1.0, 1.0, {})]
+    published.clear()
+    await s.handle(delivery(rollout(run="r2", answer="cba")))  # no config: the environment as it is
+    assert [(sc.scorer, sc.value, sc.weight) for sc in published] == [("similarity", 1.0, 1.0), ("exact", 1.0, 0.0)]
+    assert run_config(events.RunState(id="r3")) is None  # a run created without a config
+    with pytest.raises(Reject, match=r"run 'r4': config: run: Field required"):
+        run_config(events.RunState(id="r4", config={"scorers": {"exact": 2.0}}))
+
+
+def shortest(completions: list[str]) -> list[float]:
+    return [float(len(c) == min(map(len, completions))) for c in completions]
 
 
 async def test_an_unknown_environment_is_rejected_with_the_reason(pool: ThreadPoolExecutor) -> None:
     with pytest.raises(Reject, match="environment 'no_such_env': no module 'no_such_env'"):
         await scorer(pool).score(rollout(env="no_such_env"))
+    cfg = RunConfig.parse({"run": "r1", "env": "reverse_text", "rewards": {"exact": {"function": "nowhere:f"}}})
+    with pytest.raises(Reject, match=r"rewards.exact.function='nowhere:f': cannot import 'nowhere'"):
+        EnvironmentRewards()(rollout(), cfg)
 
 
 # --- failures -----------------------------------------------------------------------------
@@ -115,15 +147,20 @@ async def async_raises(task: dict) -> float:
 
 async def test_failing_rewards_become_score_errors_and_spare_the_others(pool: ThreadPoolExecutor) -> None:
     rewards = Rewards(good=lambda completion: len(completion), divides=divides, async_raises=async_raises,
-                      text=lambda: "0.5", nan=lambda: float("nan"), nothing=lambda: None, boolean=lambda: True)
+                      text=lambda: "0.5", nan=lambda: float("nan"), nothing=lambda: None, boolean=lambda: True,
+                      empty=lambda: {}, bad_part=lambda: {"a": 1.0, "b": "x"})
     scores = {sc.scorer: sc for sc in await scorer(pool, rewards).score(rollout(answer="cba"))}
     assert scores.pop("good").value == 3.0 and all(sc.value == 0.0 for sc in scores.values())
-    not_a_number = "failed: TypeError: reward '{0}' returned {1}; a reward returns a finite float"
+    not_a_number = "failed: RewardError: reward '{0}' returned {1}; a reward returns a finite float or a dict of them"
     assert {name: sc.error for name, sc in scores.items()} == {
         "divides": "reward 'divides' failed: ZeroDivisionError: division by zero",
         "async_raises": "reward 'async_raises' failed: RuntimeError: judge unreachable for abc",
-        **{name: f"reward '{name}' " + not_a_number.format(name, shown)
-           for name, shown in (("text", "'0.5'"), ("nan", "nan"), ("nothing", "None"), ("boolean", "True"))},
+        **{name: f"reward '{name}' " + not_a_number.format(shown_name, shown)
+           for name, shown_name, shown in (("text", "text", "'0.5'"), ("nan", "nan", "nan"),
+                                           ("nothing", "nothing", "None"), ("boolean", "boolean", "True"),
+                                           ("bad_part", "bad_part.b", "'x'"))},
+        "empty": "reward 'empty' failed: RewardError: reward 'empty' returned an empty dict; return a float or a dict "
+                 "of floats",
     }
 
 
@@ -162,6 +199,80 @@ async def test_sync_rewards_run_in_threads_and_a_slow_one_times_out(pool: Thread
     assert scores["sync_reward"].error is None and scores["async_reward"].error is None
 
 
+# --- group rewards ------------------------------------------------------------------------
+
+
+def group_of(n: int, answers: list[str], group: str = "g1", run: str = "r1") -> list[events.Rollout]:
+    return [rollout(f"{group}-{i}", answer=a, group=group, index=i, group_size=n, run=run)
+            for i, a in enumerate(answers)]
+
+
+async def test_a_group_reward_waits_for_the_whole_group_then_scores_each_rollout(pool: ThreadPoolExecutor) -> None:
+    published = Published()
+    short = shortest_correct_reward(lambda c, t: c.strip() == t["text"][::-1], weight=0.5)
+    s = scorer(pool, Rewards(short, similar=lambda completion: float(completion == "cba")), published=published)
+    members = group_of(3, ["cba ", "cba", "xyz"])
+    first = [asyncio.ensure_future(s.handle(delivery(r))) for r in members[:2]]
+    await until(lambda: s.num_held == 2, what="two members held")
+    assert not any(f.done() for f in first)  # held: not acked until the group is complete
+    assert sorted(sc.id for sc in published) == ["g1-0.similar", "g1-1.similar"]  # their own rewards at once
+    await s.handle(delivery(members[2]))
+    await asyncio.gather(*first)
+    group_scores = {sc.rollout_id: (sc.value, sc.weight, sc.error) for sc in published if sc.scorer == "shortest_correct"}
+    assert group_scores == {"g1-0": (0.0, 0.5, None), "g1-1": (1.0, 0.5, None), "g1-2": (0.0, 0.5, None)}
+    assert s.num_held == 0
+    await s.handle(delivery(members[1]))  # a redelivery of a scored member: nothing new for the group
+    assert sum(sc.scorer == "shortest_correct" for sc in published) == 3
+
+
+async def test_a_group_reward_of_the_wrong_length_or_that_raises_is_an_error_on_each(pool: ThreadPoolExecutor) -> None:
+    published = Published()
+    s = scorer(pool, Rewards(GroupReward(lambda completions: [1.0], name="short_list"),
+                             GroupReward(lambda tasks: 1 / 0, name="raises"),
+                             GroupReward(lambda: ["a", "b"], name="words")), published=published)
+    await asyncio.gather(*(s.handle(delivery(r)) for r in group_of(2, ["a", "b"])))
+    errors = {(sc.rollout_id, sc.scorer): sc.error for sc in published}
+    assert errors[("g1-0", "short_list")] == errors[("g1-1", "short_list")] == (
+        "group reward 'short_list' failed: RewardError: group reward 'short_list' returned [1.0]; it returns a list "
+        "with one value per rollout (2)")
+    assert errors[("g1-1", "raises")] == "group reward 'raises' failed: ZeroDivisionError: division by zero"
+    assert errors[("g1-0", "words")].endswith("reward 'words' returned 'a'; a reward returns a finite float or a "
+                                              "dict of them")
+    assert all(sc.value == 0.0 for sc in published)
+
+
+async def test_an_incomplete_group_is_scored_after_its_timeout_with_the_missing_named(pool: ThreadPoolExecutor) -> None:
+    published = Published()
+    s = scorer(pool, Rewards(GroupReward(shortest)), published=published, group_timeout_s=0.2)
+    members = group_of(3, ["cba", "cb", "c"])
+    await asyncio.gather(s.handle(delivery(members[0])), s.handle(delivery(members[2])))
+    by_id = {sc.rollout_id: sc for sc in published}
+    assert sorted(by_id) == ["g1-0", "g1-2"] and by_id["g1-2"].value == 1.0 and by_id["g1-0"].value == 0.0
+    assert by_id["g1-0"].error == ("group reward 'shortest': group g1 scored incomplete, missing rollout indices [1] of "
+                                   "3: the rest did not arrive within group_timeout_s=0.2s")
+    await s.handle(delivery(members[1]))  # late: told so, not scored as a new group
+    assert published[-1].rollout_id == "g1-1" and published[-1].error == (
+        "group reward 'shortest': group g1 was scored without this rollout (index 1), which arrived after it")
+
+
+async def test_held_rollouts_are_bounded_the_oldest_group_goes_first(pool: ThreadPoolExecutor) -> None:
+    published = Published()
+    s = scorer(pool, Rewards(GroupReward(shortest)), published=published, max_held=2)
+    waiting = [asyncio.ensure_future(s.handle(delivery(group_of(3, ["a"], group=g)[0]))) for g in ("ga", "gb")]
+    await until(lambda: s.num_held == 2, what="two groups waiting")
+    third = asyncio.ensure_future(s.handle(delivery(group_of(3, ["a"], group="gc")[0])))
+    await waiting[0]  # the oldest group was scored to make room
+    assert [(sc.rollout_id, sc.error is not None and "max_held=2" in sc.error) for sc in published] == [("ga-0", True)]
+    assert not waiting[1].done() and not third.done() and s.num_held == 2
+    stopping = asyncio.Event()
+    back = asyncio.ensure_future(s.hand_back_on(stopping))
+    stopping.set()
+    await back
+    for task in (waiting[1], third):  # on stop, held deliveries are handed back for a redelivery
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
 # --- custom scorers -----------------------------------------------------------------------
 
 
@@ -179,17 +290,24 @@ async def test_a_custom_scorer_scores_its_one_function(pool: ThreadPoolExecutor)
     (score,) = await scorer(pool, custom).score(rollout(answer="abcd"))
     assert (score.id, score.scorer, score.value, score.weight) == ("ro1.answer_length", "answer_length", 4.0, 1.0)
     named = custom_reward(f"{__name__}:answer_length", "reverse-text", name="brevity", weight=0.5)
-    (score,) = await scorer(pool, named, configured={"r2": {"brevity": 3.0}}).score(rollout(answer="ab"))
+    published = Published()
+    cfg = RunConfig(run="r1", env="reverse_text", scorers={"brevity": 3.0})
+    await scorer(pool, named, configured={"r1": cfg}, published=published).handle(delivery(rollout(answer="ab")))
+    await scorer(pool, named, configured={"r1": cfg}, published=published).handle(delivery(rollout(run="r2")))
     assert (named.durable, named.filter_subject) == ("scorer-brevity", "rollouts.*.reverse-text")
-    assert (score.id, score.scorer, score.weight) == ("ro1.brevity", "brevity", 0.5)
-    (score,) = await scorer(pool, named, configured={"r1": {"brevity": 3.0}}).score(rollout(answer="ab"))
-    assert score.weight == 3.0
+    assert [(sc.id, sc.scorer, sc.value, sc.weight) for sc in published] == [
+        ("ro1.brevity", "brevity", 2.0, 3.0), ("ro1.brevity", "brevity", 3.0, 0.5)]
+    group = custom_reward(f"{__name__}:shortest", "reverse_text", group=True)
+    published.clear()
+    await asyncio.gather(*(scorer(pool, group, published=published).handle(delivery(r))
+                           for r in group_of(1, ["ab"])))
+    assert [(sc.id, sc.value) for sc in published] == [("g1-0.shortest", 1.0)]
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (("nocolon", "reverse_text"), "--function 'nocolon': write MODULE:FUNCTION"),
-    (("no_such_module:f", "reverse_text"), "--function 'no_such_module:f': cannot import 'no_such_module'"),
-    ((f"{__name__}:missing", "reverse_text"), f"module '{__name__}' .* has no function 'missing'"),
+    (("nocolon", "reverse_text"), "--function='nocolon': write it as 'package.module:name'"),
+    (("no_such_module:f", "reverse_text"), "--function='no_such_module:f': cannot import 'no_such_module'"),
+    ((f"{__name__}:missing", "reverse_text"), f"'{__name__}' has no 'missing'"),
     ((f"{__name__}:answer_length", "reverse_text", "a.b"), "--name 'a.b': use 1 to 128 letters"),
     ((f"{__name__}:answer_length", "reverse_text", "similarity"),
      "--name 'similarity': environment 'reverse_text' has a reward of that name already"),
@@ -197,6 +315,7 @@ async def test_a_custom_scorer_scores_its_one_function(pool: ThreadPoolExecutor)
     ((f"{__name__}:answer_length", "no_such_env"), "--env 'no_such_env': environment 'no_such_env': no module"),
     ((f"{__name__}:answer_length", "reverse_text", None, -1.0), "--weight -1.0: a weight is a finite number"),
     ((f"{__name__}:takes_other_things", "reverse_text"), r"reward 'takes_other_things' .* takes \['model'\]"),
+    ((f"{__name__}:answer_length", "reverse_text", "g", 1.0, True), r"group reward 'g' .* takes \['completion'\]"),
 ])
 def test_custom_scorer_mistakes_name_the_option(args: tuple[Any, ...], message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -211,7 +330,8 @@ def test_entry_point_refuses_bad_combinations(capsys: pytest.CaptureFixture[str]
     for argv, message in ((["--name", "x", "--weight", "2"], "--name, --weight: only for a custom scorer"),
                           (["--function", f"{__name__}:answer_length"], "--function needs --env ENV"),
                           (["--threads", "0"], "argument --threads: must be at least 1, got 0"),
-                          (["--function", "x", "--env", "reverse_text"], "--function 'x': write MODULE:FUNCTION")):
+                          (["--group"], "--group: only for a custom scorer"),
+                          (["--function", "x", "--env", "reverse_text"], "--function='x': write it as")):
         with pytest.raises(SystemExit) as exited:
             main(argv)
         assert exited.value.code == 2 and message in capsys.readouterr().err
