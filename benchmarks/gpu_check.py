@@ -172,11 +172,12 @@ class Sampler:
         self.next_task = 0
 
     def groups(self, num_groups: int, seed: int) -> list[list[Any]]:
-        from flywheel import events, models
-        from flywheel_inference import rollouts
+        from flywheel import events
+        from flywheel.tracegraph import TraceGraph
+        from flywheel_inference.interception import Renderer, record
         from flywheel_trainer.join import Scored
 
-        cfg, tok = self.cfg, self.backend.tokenizer
+        cfg, renderer = self.cfg, Renderer(self.backend.tokenizer)
         sampling = events.Sampling(temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
                                    max_tokens=cfg.sampling.max_tokens)
         rows = [self.tasks[(self.next_task + g) % len(self.tasks)] for g in range(num_groups)]
@@ -184,23 +185,23 @@ class Sampler:
         prompts, built = [], []
         for g, row in enumerate(rows):
             task = events.Task(id=f"task-{seed}-{g}", run=cfg.run, env=cfg.env, data=row, num_rollouts=cfg.group_size)
-            messages = self.env.prompt_messages(row)
-            prompt_ids = models.render_prompt(tok, messages)
-            nodes = rollouts.prompt_nodes(messages, rollouts.split_prompt(
-                messages, prompt_ids, lambda ms: models.render_messages(tok, ms)))
-            built.append((task, nodes))
-            prompts += [prompt_ids] * cfg.group_size
+            plan = renderer.plan(TraceGraph(), self.env.prompt_messages(row), None, True)
+            built.append((task, plan))
+            prompts += [plan.prompt_ids] * cfg.group_size
         seeds = [seed * 100_000 + i for i in range(len(prompts))]
         completions = self.backend.generate(prompts, sampling, seeds)
         version = self.backend.version
         reward = self.env.rollout_rewards["similarity"].fn
         groups = []
-        for g, (task, nodes) in enumerate(built):
+        for g, (task, plan) in enumerate(built):
             group = []
             for i in range(cfg.group_size):
                 c = completions[g * cfg.group_size + i]
-                answer = rollouts.assistant_node(nodes[-1].id, c, version)
-                rollout = rollouts.build_rollout(task, i, [*nodes, answer], c, version, 0.0)
+                graph = TraceGraph()
+                record(graph, plan, c, version)
+                rollout = events.Rollout(run=task.run, env=task.env, task_id=task.id, group_id=task.id, index=i,
+                                         policy_version=version, task_data=task.data, nodes=graph.ordered(),
+                                         group_size=cfg.group_size)
                 group.append(Scored(rollout, float(reward(c.text, task.data)), 0))
             groups.append(group)
         return groups

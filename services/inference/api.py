@@ -25,6 +25,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from flywheel import events
+from flywheel_inference import interception
+from flywheel_inference.interception import InterceptionError
 from flywheel_inference.policy import Sampled, WeightsUnavailable
 from flywheel_inference.worker import HostedRun, UnknownRun, Worker
 
@@ -39,7 +41,7 @@ class ApiError(Exception):
 
 
 def _error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    kind = {400: "invalid_request_error", 404: "invalid_request_error", 503: "service_unavailable"}[status]
+    kind = {400: "invalid_request_error", 404: "invalid_request_error", 503: "service_unavailable"}.get(status, "api_error")
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
                         status_code=status)
 
@@ -207,6 +209,20 @@ def install(app: FastAPI) -> None:
         problems = [(".".join(str(p) for p in e["loc"][1:]) or "body", e["msg"]) for e in exc.errors()]
         return _error(400, "; ".join(f"{field}: {msg}" for field, msg in problems), problems[0][0])
 
+    async def on_interception_error(_: Request, exc: InterceptionError) -> JSONResponse:
+        return _error(exc.status, exc.message, exc.param, exc.code)
+
+    @app.middleware("http")
+    async def rollout_key_as_bearer(request: Request, call_next: Any) -> Any:
+        # A harness given a rollout key instead of a URL: /v1/chat/completions with
+        # `Authorization: Bearer fw-...` is that rollout's interception endpoint.
+        auth = request.headers.get("authorization", "")
+        if request.url.path == "/v1/chat/completions" and auth.startswith("Bearer fw-"):
+            request.scope["path"] = f"/intercept/{auth.removeprefix('Bearer ').strip()}/v1/chat/completions"
+        return await call_next(request)
+
     app.include_router(router)
+    app.include_router(interception.router)
     app.add_exception_handler(ApiError, on_api_error)  # type: ignore[arg-type]
+    app.add_exception_handler(InterceptionError, on_interception_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, on_validation)  # type: ignore[arg-type]

@@ -27,12 +27,14 @@ turn (tools, multi-turn, the interception endpoint).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import nats.errors
 from nats.js.api import DeliverPolicy
 
@@ -42,14 +44,20 @@ from flywheel.config import RunConfig
 from flywheel.environment import EnvironmentLoadError, Environment, load_environment
 from flywheel.runs import get_run, watch_runs
 from flywheel.service import Service
-from flywheel_inference import rollouts
 from flywheel_inference.admission import Admission, RunEnded
 from flywheel_inference.backends import Backend, build_backend
+from flywheel_inference.interception import Interception
 from flywheel_inference.policy import Policy
 
 log = logging.getLogger(__name__)
 
 DURABLE = "inference"
+
+
+def rollout_id(task_id: str, index: int) -> str:
+    """Rollout ids hash (task id, index): a redelivered task publishes the same ids, which the bus
+    deduplicates."""
+    return hashlib.sha256(f"{task_id}\x00{index}".encode()).hexdigest()[:32]
 
 
 class UnknownRun(LookupError):
@@ -67,6 +75,8 @@ class WorkerConfig:
     max_deliver: int = 5
     backoff_s: tuple[float, ...] = (1.0, 5.0, 15.0, 30.0)
     grace_s: float = 10.0
+    # A rollout's harness gets this long before it is cancelled and recorded as an error.
+    rollout_timeout_s: float = 600.0
 
 
 @dataclass
@@ -98,6 +108,8 @@ class Worker:
         self._latest: dict[str, events.WeightUpdate] = {}  # newest update seen per run
         self._ended: set[str] = set()  # runs whose state says finished or failed
         self._environments: dict[str, Environment] = {}
+        self.interception = Interception()
+        self._asgi_client: Any = None
 
     @classmethod
     def with_backends(cls, bus: Bus, data_dir: Path, config: WorkerConfig | None = None) -> Worker:
@@ -118,6 +130,8 @@ class Worker:
                         backoff_s=c.backoff_s, grace_s=c.grace_s)
 
     async def close(self) -> None:
+        if self._asgi_client is not None:
+            await self._asgi_client.aclose()
         for starting in self._starting.values():
             starting.cancel()
         await asyncio.gather(*(hosted.policy.close() for hosted in self._runs.values()))
@@ -245,9 +259,13 @@ class Worker:
             raise Reject(str(exc)) from exc
         hosted = await self.hosted(task.run)
         try:
-            messages = env.prompt(task.data)
+            env.check_task(task.data)
+            messages = env.prompt_messages(task.data)
+        except EnvironmentLoadError as exc:
+            raise Reject(str(exc)) from exc
         except Exception as exc:  # noqa: BLE001 - the environment's code on this row: the task is bad
-            raise Reject(f"environment {task.env!r}: prompt(task.data) failed: {type(exc).__name__}: {exc}") from exc
+            raise Reject(f"environment {task.env!r}: its first messages for this task failed: "
+                         f"{type(exc).__name__}: {exc}") from exc
         sampling = task.sampling or hosted.sampling
         prompt_ids = models.render_prompt(hosted.policy.backend.tokenizer, messages)
         try:
@@ -260,30 +278,76 @@ class Worker:
         try:
             await hosted.policy.wait_ready()
             async with hosted.admission.slot(task.num_rollouts):
-                await self._roll_out(task, messages, prompt_ids, sampling, hosted)
+                await self._roll_out(task, env, sampling, hosted)
         except RunEnded:
             # Left over when the run ended: done with, not an error (counted as num_skipped).
             log.info("task %s: run %s has ended; not sampled", task.id, task.run)
 
-    async def _roll_out(self, task: events.Task, messages: list[events.Message], prompt_ids: list[int],
-                        sampling: events.Sampling, hosted: HostedRun) -> None:
-        from flywheel import models
+    async def _roll_out(self, task: events.Task, env: Environment, sampling: events.Sampling,
+                        hosted: HostedRun) -> None:
+        """Run the environment's harness once per rollout of the group, each against its own
+        interception URL, and publish the group's rollouts together once all have ended."""
+        results = await asyncio.gather(*(self._one_rollout(task, i, env, sampling, hosted)
+                                         for i in range(task.num_rollouts)))
+        await self.bus.publish_many(results, events.MSGPACK)
 
-        tok = hosted.policy.backend.tokenizer
-        nodes = rollouts.prompt_nodes(messages, rollouts.split_prompt(
-            messages, prompt_ids, lambda ms: models.render_messages(tok, ms)))
-        ids = [rollouts.rollout_id(task.id, i) for i in range(task.num_rollouts)]
-        await self.bus.publish_many([events.TraceNode(run=task.run, rollout_id=rid, node=node)
-                                     for rid in ids for node in nodes], events.MSGPACK)
-        seeds = None if sampling.seed is None else [sampling.seed + i for i in range(task.num_rollouts)]
-        sampled = await hosted.policy.sample([prompt_ids] * task.num_rollouts, sampling, seeds)
-        answers = [rollouts.assistant_node(nodes[-1].id, s.completion, s.version) for s in sampled]
-        await self.bus.publish_many([events.TraceNode(run=task.run, rollout_id=rid, node=node)
-                                     for rid, node in zip(ids, answers)], events.MSGPACK)
-        # The environment's turn (a tool call, a sandbox, a user simulator): the rollout
-        # keeps its slot while it waits, as an agentic rollout does.
-        env = self.environment(task.env)
-        await asyncio.gather(*(env.step(task.data, s.completion.text, i) for i, s in enumerate(sampled)))
-        await self.bus.publish_many([rollouts.build_rollout(task, i, [*nodes, answer], s.completion, s.version,
-                                                            s.generation_s)
-                                     for i, (s, answer) in enumerate(zip(sampled, answers))], events.MSGPACK)
+    async def _one_rollout(self, task: events.Task, index: int, env: Environment, sampling: events.Sampling,
+                           hosted: HostedRun) -> events.Rollout:
+        from flywheel.harness import RolloutContext
+
+        rid = rollout_id(task.id, index)
+        if sampling.seed is not None:
+            sampling = msgspec.structs.replace(sampling, seed=sampling.seed + index)
+
+        async def publish(nodes: list[events.TraceNode]) -> None:
+            if nodes:
+                await self.bus.publish_many(nodes, events.MSGPACK)
+
+        session = self.interception.open(task.run, rid, hosted.policy, sampling, publish)
+        base_url, http_client = self._interception_url(session.key)
+        ctx = RolloutContext(task=dict(task.data), base_url=base_url, api_key=session.key, model=task.run,
+                             index=index, timeout_s=self.config.rollout_timeout_s, http_client=http_client)
+        error: str | None = None
+        started = asyncio.get_running_loop().time()
+        try:
+            assert env.harness is not None
+            await asyncio.wait_for(env.harness.run(env, ctx), self.config.rollout_timeout_s)
+        except TimeoutError:
+            error = f"the harness ran past rollout_timeout_s={self.config.rollout_timeout_s}"
+        except Exception as exc:  # noqa: BLE001 - the environment's code: recorded on this rollout
+            error = f"harness failed: {type(exc).__name__}: {exc}"
+            log.info("rollout %s of task %s: %s", index, task.id, error)
+        finally:
+            self.interception.close(session.key)
+            await ctx.close()
+        if error is None and session.num_calls == 0:
+            error = "the harness made no model call"
+        status = "error" if error else "truncated" if session.truncated or ctx.state.get("truncated") else "completed"
+        metrics = session.metrics() | {"rollout_s": asyncio.get_running_loop().time() - started}
+        try:
+            state = msgspec.json.decode(msgspec.json.encode(ctx.state))
+        except (TypeError, msgspec.EncodeError) as exc:
+            state, error, status = {}, f"the harness's state is not JSON: {exc}", "error"
+        return events.Rollout(
+            id=rid, run=task.run, env=task.env, task_id=task.id, group_id=task.id, index=index,
+            policy_version=min(session.versions, default=hosted.policy.version or 0), task_data=task.data,
+            nodes=session.graph.ordered(), status=status, error=error, metrics=metrics,
+            group_size=task.num_rollouts, state=state)
+
+    def _interception_url(self, key: str) -> tuple[str, Any]:
+        """(base URL, http client): this server's URL when it has one, else the interception routes
+        served in process (tests and benchmarks that run the worker without its HTTP server)."""
+        url = self.info.get("url")
+        if url:
+            return f"{url}/intercept/{key}/v1", None
+        if self._asgi_client is None:
+            import httpx
+            from fastapi import FastAPI
+
+            from flywheel_inference import api
+
+            app = FastAPI()
+            api.install(app)
+            app.state.worker = self
+            self._asgi_client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://inference")
+        return f"http://inference/intercept/{key}/v1", self._asgi_client

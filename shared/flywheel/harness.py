@@ -51,6 +51,7 @@ class RolloutContext:
     index: int = 0  # place in the group
     state: dict[str, Any] = field(default_factory=dict)  # JSON; reaches rewards as `state`
     timeout_s: float = 600.0
+    http_client: Any = None  # an httpx.AsyncClient to reach base_url through (e.g. in-process ASGI)
     _client: Any = None
 
     def client(self) -> openai.AsyncOpenAI:
@@ -59,11 +60,11 @@ class RolloutContext:
             import openai
 
             self._client = openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, timeout=self.timeout_s,
-                                              max_retries=0)
+                                              max_retries=0, http_client=self.http_client)
         return self._client
 
     async def close(self) -> None:
-        if self._client is not None:
+        if self._client is not None and self.http_client is None:
             await self._client.close()
 
 

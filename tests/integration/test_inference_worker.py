@@ -104,22 +104,28 @@ async def test_tasks_become_groups_of_rollouts_with_trace_nodes(bus: Bus, tiny_m
         group = sorted((r for r in rollouts if r.task_id == task.id), key=lambda r: r.index)
         assert [r.index for r in group] == [0, 1, 2, 3]
         assert all(r.group_id == task.id and r.group_size == 4 and r.task_data == task.data for r in group)
-        prompt = models.render_prompt(tok, env.prompt(task.data))
+        prompt = models.render_prompt(tok, env.prompt_messages(task.data))
         for r in group:
             system, user, assistant = r.nodes
             assert [n.message.role for n in r.nodes] == ["system", "user", "assistant"]
             assert (system.parent_id, user.parent_id, assistant.parent_id) == (None, system.id, user.id)
-            assert system.tokens.token_ids + user.tokens.token_ids == prompt
-            assert system.tokens.token_ids == models.render_messages(tok, env.prompt(task.data)[:1])
+            # The prompt messages' nodes hold their rendered tokens; the assistant node holds the
+            # generation prompt (not trained), then the sampled tokens.
+            messages = env.prompt_messages(task.data)
+            assert system.tokens.token_ids + user.tokens.token_ids == models.render_messages(tok, messages)
+            assert system.tokens.token_ids == models.render_messages(tok, messages[:1])
             for n in (system, user):
                 assert n.tokens.loss_mask == [False] * len(n.tokens.token_ids)
                 assert n.tokens.logprobs == [0.0] * len(n.tokens.token_ids) and n.tokens.policy_version is None
             span = assistant.tokens
-            assert 1 <= len(span.token_ids) <= 8 and len(span.logprobs) == len(span.token_ids)
-            assert span.loss_mask == [True] * len(span.token_ids) and span.policy_version == r.policy_version == 1
-            assert r.status == ("truncated" if len(span.token_ids) == 8 and span.token_ids[-1] != tok.eos_token_id
-                                else "completed")
-            assert r.metrics["num_completion_tokens"] == len(span.token_ids) and r.metrics["generation_s"] > 0
+            n_gen = len(prompt) - len(system.tokens.token_ids + user.tokens.token_ids)
+            assert system.tokens.token_ids + user.tokens.token_ids + span.token_ids[:n_gen] == prompt
+            sampled = span.token_ids[n_gen:]
+            assert 1 <= len(sampled) <= 8 and len(span.logprobs) == len(span.token_ids)
+            assert span.loss_mask == [False] * n_gen + [True] * len(sampled)
+            assert span.policy_version == r.policy_version == 1
+            assert r.status == ("truncated" if len(sampled) == 8 and sampled[-1] != tok.eos_token_id else "completed")
+            assert r.metrics["num_completion_tokens"] == len(sampled) and r.metrics["generation_s"] > 0
 
     traces: list[events.TraceNode] = await stored(bus, "TRACES", events.TraceNode)
     by_rollout = {r.id: r for r in rollouts}

@@ -1,0 +1,368 @@
+"""The interception endpoint: every rollout gets its own OpenAI-compatible base URL.
+
+``POST /intercept/<key>/v1/chat/completions`` (or ``POST /v1/chat/completions`` with
+``Authorization: Bearer <key>``) answers a harness's chat request with the run's policy, in
+standard OpenAI form (tool calls and streaming included), and records the call into the
+rollout's trace graph. The harness does not know it is doing RL.
+
+- **Sampling** is the run's (temperature, top_p, stop, seed); a request may only lower
+  ``max_tokens``. Logprobs are always recorded and returned. ``n`` must be 1: a retry is a
+  second request, which becomes a sibling branch.
+- **Tokens extend, they are not re-rendered.** The request's messages are matched against
+  the graph (:meth:`flywheel.tracegraph.TraceGraph.match`); the prompt is the matched branch's
+  tokens exactly as they were sampled or seen, then the chat template's closing of the last
+  sampled answer (e.g. ``\\n`` after ``<|im_end|>``), then the new messages rendered as the
+  template renders them after the matched ones, then the generation prompt. So the model
+  sees its own sampled tokens again, not a re-tokenization of their text, and concatenating
+  a branch's spans gives exactly the tokens the model saw. Only when the template is not
+  prefix-stable (rendering the matched messages is not a prefix of rendering all of them, as
+  with templates that rewrite earlier turns) is the whole conversation re-rendered as a new
+  branch; each such call is counted in ``num_rerenders``.
+- **Nodes** carry both layers: the new messages' nodes hold the tokens they add (loss mask
+  False, logprob 0.0); the assistant node holds the generation prompt (not trained) and the
+  sampled tokens (trained, with their logprobs and the policy version). New nodes are
+  published as :class:`flywheel.events.TraceNode` events as each call completes.
+- **Tool calls** are parsed from the sampled text (``<tool_call>{"name": ..., "arguments":
+  ...}</tool_call>``, the Hermes format the template teaches) when the request offers tools.
+
+Streaming sends the whole answer as OpenAI chunks once it is sampled (the batched sampler
+produces a completion at once), so clients that stream work unchanged; tokens do not
+trickle. Not covered: ``n`` > 1, ``tool_choice`` other than auto, images and audio.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Header, Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from flywheel import events
+from flywheel.environment import message_dict, message_from_dict
+from flywheel.tracegraph import TraceGraph
+
+router = APIRouter()
+
+_TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
+
+
+class InterceptionError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+@dataclass
+class Plan:
+    """How one request becomes a prompt: where it hangs in the graph and the tokens it adds."""
+
+    parent_id: str | None
+    new: list[tuple[events.Message, list[int]]]  # the new messages' nodes and their tokens
+    prefix: list[int]  # tokens before the sampled answer on the assistant node (gen prompt)
+    prompt_ids: list[int]  # everything the model is given
+    rerendered: bool
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[events.ToolCall]]:
+    """(content without the calls, calls) from sampled text; malformed calls stay in the content."""
+    calls: list[events.ToolCall] = []
+
+    def take(match: re.Match[str]) -> str:
+        try:
+            body = json.loads(match.group(1))
+        except json.JSONDecodeError:
+            return match.group(0)
+        if not isinstance(body, dict) or not isinstance(body.get("name"), str):
+            return match.group(0)
+        args = body.get("arguments", {})
+        calls.append(events.ToolCall(id=f"call_{secrets.token_hex(6)}", name=body["name"],
+                                     arguments=args if isinstance(args, str) else json.dumps(args)))
+        return ""
+
+    content = _TOOL_CALL.sub(take, text)
+    return (content.strip() if calls else content), calls
+
+
+class Renderer:
+    """Chat-template text and tokens for one tokenizer, with the pieces extension needs."""
+
+    SENTINEL = "\x00FLYWHEEL-SENTINEL\x00"
+
+    def __init__(self, tok: Any) -> None:
+        from flywheel import models
+
+        self.tok = tok
+        self._text = models.render_text
+        probe = self._text(tok, [events.Message(role="user", content="x"),
+                                 events.Message(role="assistant", content=self.SENTINEL)])
+        # What the template writes after an assistant message's content (e.g. "<|im_end|>\n").
+        self.closing = probe[probe.index(self.SENTINEL) + len(self.SENTINEL):]
+        self.eos_text = tok.decode([tok.eos_token_id]) if tok.eos_token_id is not None else ""
+
+    def text(self, messages: Sequence[events.Message], tools: list[dict[str, Any]] | None,
+             generation_prompt: bool = False) -> str:
+        return self._text(self.tok, messages, tools, generation_prompt)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False) if text else []
+
+    def bridge(self, node: events.Node) -> str:
+        """Text the template puts after a sampled answer's tokens before the next message."""
+        if node.message.role != "assistant" or node.tokens is None or not any(node.tokens.loss_mask):
+            return ""
+        ended = bool(node.tokens.token_ids) and node.tokens.token_ids[-1] == self.tok.eos_token_id
+        if ended and self.eos_text and self.closing.startswith(self.eos_text):
+            return self.closing[len(self.eos_text):]
+        return self.closing
+
+    def plan(self, graph: TraceGraph, messages: list[events.Message], tools: list[dict[str, Any]] | None,
+             tools_ok: bool) -> Plan:
+        path = graph.match(messages) if tools_ok else []
+        plan = self._extend(path, messages, tools)
+        if plan is None:
+            plan = self._extend([], messages, tools)
+            assert plan is not None, "a render from scratch is always possible"
+            plan.rerendered = True
+        return plan
+
+    def _extend(self, path: list[events.Node], messages: list[events.Message],
+                tools: list[dict[str, Any]] | None) -> Plan | None:
+        k = len(path)
+        base: list[int] = [t for n in path for t in (n.tokens.token_ids if n.tokens else [])]
+        previous = self.text(messages[:k], tools) if k else ""
+        pieces: list[str] = []
+        for j in range(k, len(messages)):
+            current = self.text(messages[:j + 1], tools)
+            if not current.startswith(previous):
+                return None  # the template rewrites what came before: extension would be wrong
+            pieces.append(current[len(previous):])
+            previous = current
+        full = self.text(messages, tools, generation_prompt=True)
+        if not full.startswith(previous):
+            return None
+        bridge = self.bridge(path[-1]) if path else ""
+        new: list[tuple[events.Message, list[int]]] = []
+        for j, piece in enumerate(pieces):
+            new.append((messages[k + j], self.encode((bridge if j == 0 else "") + piece)))
+        prefix = self.encode((bridge if not pieces else "") + full[len(previous):])
+        prompt_ids = base + [t for _, ids in new for t in ids] + prefix
+        return Plan(path[-1].id if path else None, new, prefix, prompt_ids, rerendered=False)
+
+
+def record(graph: TraceGraph, plan: Plan, completion: Any, version: int, parse_tools: bool = False
+           ) -> list[events.Node]:
+    """Add a call's new message nodes and its sampled answer to ``graph``; returns the nodes that
+    are new (the answer last). ``completion`` is a :class:`flywheel_inference.backends.Completion`."""
+    content, calls = parse_tool_calls(completion.text) if parse_tools else (completion.text, [])
+    created: list[events.Node] = []
+    parent = plan.parent_id
+    for message, ids in plan.new:
+        span = events.TokenSpan(token_ids=ids, logprobs=[0.0] * len(ids), loss_mask=[False] * len(ids))
+        node, is_new = graph.add(parent, message, span)
+        created += [node] if is_new else []
+        parent = node.id
+    n_pre, n_out = len(plan.prefix), len(completion.token_ids)
+    span = events.TokenSpan(token_ids=plan.prefix + list(completion.token_ids),
+                            logprobs=[0.0] * n_pre + list(completion.logprobs),
+                            loss_mask=[False] * n_pre + [True] * n_out, policy_version=version)
+    answer, is_new = graph.add(parent, events.Message(role="assistant", content=content, tool_calls=calls), span)
+    created += [answer] if is_new else []
+    return created
+
+
+@dataclass
+class Session:
+    """One rollout's interception state: its key, its graph and counters."""
+
+    key: str
+    run: str
+    rollout_id: str
+    policy: Any  # flywheel_inference.policy.Policy
+    sampling: events.Sampling
+    publish: Any  # async (list[events.TraceNode]) -> None
+    graph: TraceGraph = field(default_factory=TraceGraph)
+    num_calls: int = 0
+    num_rerenders: int = 0
+    num_completion_tokens: int = 0
+    generation_s: float = 0.0
+    truncated: bool = False
+    versions: list[int] = field(default_factory=list)
+    prompts: list[list[int]] = field(default_factory=list)  # what the model was given, call by call
+    _tools_key: str | None = None
+    _renderer: Renderer | None = None
+
+    async def chat(self, messages: list[events.Message], tools: list[dict[str, Any]] | None,
+                   max_tokens: int | None) -> tuple[events.Node, Any, int]:
+        """Sample the answer to ``messages``; returns (assistant node, completion, prompt length)."""
+        from flywheel_inference.policy import WeightsUnavailable
+
+        if self._renderer is None:
+            self._renderer = Renderer(self.policy.backend.tokenizer)
+        tools_key = json.dumps(tools, sort_keys=True) if tools else ""
+        tools_ok = self._tools_key is None or self._tools_key == tools_key
+        self._tools_key = tools_key
+        plan = self._renderer.plan(self.graph, messages, tools or None, tools_ok)
+        sampling = self.sampling
+        if max_tokens is not None and max_tokens < sampling.max_tokens:
+            sampling = events.Sampling(temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=max_tokens,
+                                       stop=sampling.stop, seed=sampling.seed)
+        if sampling.seed is not None:
+            sampling = events.Sampling(temperature=sampling.temperature, top_p=sampling.top_p,
+                                       max_tokens=sampling.max_tokens, stop=sampling.stop,
+                                       seed=sampling.seed + 7919 * self.num_calls)
+        try:
+            self.policy.check([plan.prompt_ids], sampling)
+        except ValueError as exc:
+            self.truncated = True
+            raise InterceptionError(400, str(exc), "messages", "context_length_exceeded") from exc
+        try:
+            (sampled,) = await self.policy.sample([plan.prompt_ids], sampling)
+        except WeightsUnavailable as exc:
+            raise InterceptionError(503, str(exc)) from exc
+        c = sampled.completion
+        self.num_calls += 1
+        self.num_rerenders += plan.rerendered
+        self.num_completion_tokens += len(c.token_ids)
+        self.generation_s += sampled.generation_s
+        self.truncated |= c.finish_reason == "length"
+        self.versions.append(sampled.version)
+        self.prompts.append(plan.prompt_ids)
+        created = record(self.graph, plan, c, sampled.version, parse_tools=bool(tools))
+        answer = created[-1] if created else self.graph.last
+        assert answer is not None
+        await self.publish([events.TraceNode(run=self.run, rollout_id=self.rollout_id, node=n) for n in created])
+        return answer, c, len(plan.prompt_ids)
+
+    def metrics(self) -> dict[str, float]:
+        prompt_tokens = sum(len(n.tokens.token_ids) - sum(n.tokens.loss_mask) for n in self.graph.nodes.values()
+                            if n.tokens)
+        return {"num_calls": float(self.num_calls), "num_rerenders": float(self.num_rerenders),
+                "num_completion_tokens": float(self.num_completion_tokens), "num_prompt_tokens": float(prompt_tokens),
+                "generation_s": self.generation_s}
+
+
+class Interception:
+    """The sessions of the rollouts in flight, by key."""
+
+    def __init__(self) -> None:
+        self.sessions: dict[str, Session] = {}
+
+    def open(self, run: str, rollout_id: str, policy: Any, sampling: events.Sampling, publish: Any) -> Session:
+        key = f"fw-{secrets.token_urlsafe(24)}"
+        session = Session(key=key, run=run, rollout_id=rollout_id, policy=policy, sampling=sampling, publish=publish)
+        self.sessions[key] = session
+        return session
+
+    def close(self, key: str) -> None:
+        self.sessions.pop(key, None)
+
+    def get(self, key: str) -> Session:
+        try:
+            return self.sessions[key]
+        except KeyError:
+            raise InterceptionError(404, "unknown rollout key: the rollout has ended or the URL is wrong", None,
+                                    "rollout_not_found") from None
+
+
+# --- HTTP ---------------------------------------------------------------------------------
+
+
+class InterceptedChat(BaseModel):
+    """An OpenAI chat request. Sampling fields other than max_tokens are the run's and ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    n: int = Field(1, ge=1, le=1, description="one answer per request; a retry is another request")
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+
+
+def _interception(request: Request) -> Interception:
+    return request.app.state.worker.interception
+
+
+InterceptionDep = Annotated[Interception, Depends(_interception)]
+
+
+def _tool_call_dicts(calls: Sequence[events.ToolCall]) -> list[dict[str, Any]]:
+    return message_dict(events.Message(role="assistant", tool_calls=list(calls))).get("tool_calls", [])
+
+
+async def answer(session: Session, body: InterceptedChat) -> dict[str, Any] | StreamingResponse:
+    try:
+        messages = [message_from_dict(m, f"messages[{i}]") for i, m in enumerate(body.messages)]
+    except ValueError as exc:
+        raise InterceptionError(400, str(exc), "messages") from exc
+    for i, tool in enumerate(body.tools or []):
+        if tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+            raise InterceptionError(400, f"tools[{i}]: only {{'type': 'function', 'function': {{...}}}} tools",
+                                    "tools")
+    node, c, num_prompt = await session.chat(messages, body.tools, body.max_completion_tokens or body.max_tokens)
+    tok = session.policy.backend.tokenizer
+    calls = node.message.tool_calls
+    finish = "tool_calls" if calls else c.finish_reason
+    message: dict[str, Any] = {"role": "assistant", "content": node.message.content or None if calls
+                               else node.message.content}
+    if calls:
+        message["tool_calls"] = _tool_call_dicts(calls)
+    logprobs = {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                            for t, lp in zip((tok.decode([i]) for i in c.token_ids), c.logprobs)]}
+    usage = {"prompt_tokens": num_prompt, "completion_tokens": len(c.token_ids),
+             "total_tokens": num_prompt + len(c.token_ids)}
+    ident, created, model = f"chatcmpl-{events.new_id()}", int(time.time()), body.model or session.run
+    fingerprint = f"policy-v{node.tokens.policy_version if node.tokens else 0}"
+    if not body.stream:
+        return {"id": ident, "object": "chat.completion", "created": created, "model": model,
+                "system_fingerprint": fingerprint, "usage": usage,
+                "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs}]}
+
+    def chunk(delta: dict[str, Any], finish_reason: str | None = None, **extra: Any) -> str:
+        body_ = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": model,
+                 "system_fingerprint": fingerprint,
+                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, **extra}]}
+        return f"data: {json.dumps(body_)}\n\n"
+
+    async def stream() -> AsyncIterator[str]:
+        yield chunk({"role": "assistant", "content": ""})
+        if message.get("content"):
+            yield chunk({"content": message["content"]}, logprobs=logprobs)
+        for i, call in enumerate(message.get("tool_calls", [])):
+            yield chunk({"tool_calls": [{"index": i, **call}]})
+        yield chunk({}, finish)
+        if (body.stream_options or {}).get("include_usage"):
+            yield f"data: {json.dumps({'id': ident, 'object': 'chat.completion.chunk', 'created': created, 'model': model, 'choices': [], 'usage': usage})}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(stream(), media_type="text/event-stream")
+
+
+@router.post("/intercept/{key}/v1/chat/completions", response_model=None)
+async def intercepted_chat(key: str, body: InterceptedChat, interception: InterceptionDep
+                           ) -> dict[str, Any] | StreamingResponse:
+    return await answer(interception.get(key), body)
+
+
+@router.get("/intercept/{key}/v1/models")
+async def intercepted_models(key: str, interception: InterceptionDep) -> dict[str, Any]:
+    session = interception.get(key)
+    return {"object": "list", "data": [{"id": session.run, "object": "model", "owned_by": "flywheel"}]}
+
+
+def session_of_bearer(authorization: Annotated[str | None, Header()] = None, *, interception: Interception
+                      ) -> Session | None:
+    """The session whose key is the request's bearer token, if any (the key-instead-of-URL form)."""
+    if authorization and authorization.startswith("Bearer fw-"):
+        return interception.get(authorization.removeprefix("Bearer ").strip())
+    return None
