@@ -98,7 +98,10 @@ class TaskSet:
         rows = list(rows)
         if not rows:
             raise EnvironmentLoadError(f"task set {name!r} is empty: give at least one row")
-        return cls(lambda num, seed: _cycle(rows, num, seed), name=name, schema=schema, size=len(rows))
+        tasks = cls(lambda num, seed: _cycle(rows, num, seed), name=name, schema=schema, size=len(rows))
+        for i, row in enumerate(rows):  # a fixed set is checked whole at load, in file order
+            tasks.check(row, where=f"task set {name!r}, row {i}")
+        return tasks
 
     @classmethod
     def from_generator(cls, generate: Callable[[int, int], Iterable[Mapping[str, Any]]],
