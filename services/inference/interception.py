@@ -127,10 +127,14 @@ class Renderer:
         path = graph.match(messages) if tools_ok else []
         plan = self._extend(path, messages, tools)
         if plan is None:
-            plan = self._extend([], messages, tools)
-            assert plan is not None, "a render from scratch is always possible"
+            plan = self._extend([], messages, tools) or self._whole(messages, tools)
             plan.rerendered = True
         return plan
+
+    def _whole(self, messages: list[events.Message], tools: list[dict[str, Any]] | None) -> Plan:
+        """The whole render on the answer's node, when not even a render from scratch splits by message."""
+        prefix = self.encode(self.text(messages, tools, generation_prompt=True))
+        return Plan(None, [(m, []) for m in messages], prefix, prefix, rerendered=True)
 
     def _extend(self, path: list[events.Node], messages: list[events.Message],
                 tools: list[dict[str, Any]] | None) -> Plan | None:

@@ -1,0 +1,43 @@
+"""An agent written with the plain `openai` SDK that knows nothing of RL or Flywheel.
+
+It reads its task as JSON on stdin and the endpoint from the standard OPENAI_* variables, holds a
+three-turn conversation (a few-shot tool-call exchange in its history, tools offered, one
+streamed request), and prints what it ended with as a JSON line.
+"""
+
+import json
+import os
+import sys
+
+from openai import OpenAI
+
+task = json.load(sys.stdin)
+client = OpenAI()  # OPENAI_BASE_URL and OPENAI_API_KEY
+model = os.environ["OPENAI_MODEL"]
+tools = [{"type": "function", "function": {"name": "rev", "parameters": {}}}]
+messages = [
+    {"role": "system", "content": "Reverse."},
+    {"role": "user", "content": "ab"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c0", "type": "function", "function": {"name": "rev", "arguments": "{}"}}]},
+    {"role": "tool", "tool_call_id": "c0", "content": "ba"},
+    {"role": "assistant", "content": "ba"},
+    {"role": "user", "content": task["text"]},
+]
+answers = []
+reply = client.chat.completions.create(model=model, messages=messages, tools=tools, max_tokens=4)
+messages.append(reply.choices[0].message.model_dump(exclude_none=True))
+answers.append(reply.choices[0].message.content or "")
+
+messages.append({"role": "user", "content": "again"})
+text = ""
+for chunk in client.chat.completions.create(model=model, messages=messages, tools=tools, max_tokens=4, stream=True):
+    if chunk.choices and chunk.choices[0].delta.content:
+        text += chunk.choices[0].delta.content
+messages.append({"role": "assistant", "content": text})
+answers.append(text)
+
+messages.append({"role": "user", "content": "last"})
+reply = client.chat.completions.create(model=model, messages=messages, tools=tools, max_tokens=4)
+answers.append(reply.choices[0].message.content or "")
+print(json.dumps({"answers": answers, "usage_prompt_tokens": reply.usage.prompt_tokens}))

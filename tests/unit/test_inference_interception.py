@@ -1,0 +1,169 @@
+"""The interception session's token layer, with the real tiny tokenizer and a scripted policy
+(the sampled texts are chosen by the test, so tool calls happen): multi-turn prompts extend
+the sampled tokens, every branch's spans are exactly what the model was given and sampled,
+retries branch, a template that rewrites history is re-rendered and counted."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer
+
+from flywheel import events, models
+from flywheel.tracegraph import TraceGraph
+from flywheel_inference.backends import Completion
+from flywheel_inference.interception import Interception, InterceptionError, Renderer, parse_tool_calls
+from flywheel_inference.policy import Sampled
+
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two numbers.",
+                                           "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}]
+
+
+class ScriptedPolicy:
+    """Answers with the next scripted text (tokenized by the real tokenizer), recording prompts."""
+
+    def __init__(self, tok: Any, texts: list[str], max_len: int = 4096) -> None:
+        self.backend = type("B", (), {"tokenizer": tok})()
+        self.texts = list(texts)
+        self.prompts: list[list[int]] = []
+        self.sampled: list[list[int]] = []
+        self.max_len = max_len
+        self.version = 3
+
+    def check(self, prompts: list[list[int]], sampling: events.Sampling) -> None:
+        if len(prompts[0]) + sampling.max_tokens > self.max_len:
+            raise ValueError(f"prompt of {len(prompts[0])} tokens + max_tokens {sampling.max_tokens} is too long")
+
+    async def sample(self, prompts: list[list[int]], sampling: events.Sampling) -> list[Sampled]:
+        tok = self.backend.tokenizer
+        text = self.texts.pop(0)
+        truncated = text.endswith("...")
+        ids = tok.encode(text, add_special_tokens=False) + ([] if truncated else [tok.eos_token_id])
+        self.prompts.append(list(prompts[0]))
+        self.sampled.append(ids)
+        completion = Completion(token_ids=ids, logprobs=[-0.25] * len(ids), finish_reason="length" if truncated
+                                else "stop", text=text)
+        return [Sampled(completion, self.version, 0.01)]
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir: Path) -> Any:
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def msg(role: str, content: str = "", **kw: Any) -> events.Message:
+    return events.Message(role=role, content=content, **kw)
+
+
+def session_for(policy: ScriptedPolicy) -> tuple[Any, list[events.TraceNode]]:
+    published: list[events.TraceNode] = []
+
+    async def publish(nodes: list[events.TraceNode]) -> None:
+        published.extend(nodes)
+
+    return Interception().open("r1", "ro1", policy, events.Sampling(max_tokens=16), publish), published
+
+
+def assert_exact(graph: TraceGraph, policy: ScriptedPolicy) -> None:
+    """Every call: the branch's spans up to its answer's sampled tokens == the prompt the model got,
+    and the sampled tokens follow; every branch concatenated is prompt + sampled of its last call."""
+    answers = [n for n in graph.nodes.values() if n.tokens and any(n.tokens.loss_mask)]
+    assert len(answers) == len(policy.prompts)
+    for node in answers:
+        branch = graph.branch(node.id)
+        ids = [t for n in branch for t in n.tokens.token_ids]
+        sampled = [t for t, m in zip(node.tokens.token_ids, node.tokens.loss_mask) if m]
+        call = policy.sampled.index(sampled)
+        assert ids == policy.prompts[call] + policy.sampled[call]
+        for n in branch:
+            assert len(n.tokens.logprobs) == len(n.tokens.token_ids) == len(n.tokens.loss_mask)
+
+
+async def test_a_tool_call_conversation_extends_the_sampled_tokens(tok: Any) -> None:
+    call_text = '<tool_call>{"name": "add", "arguments": {"a": 2}}</tool_call>'
+    policy = ScriptedPolicy(tok, [call_text, "four"])
+    session, published = session_for(policy)
+    first = [msg("system", "Use tools."), msg("user", "what is 2+2")]
+    answer, completion, _ = await session.chat(first, TOOLS, None)
+    assert answer.message.content == "" and [c.name for c in answer.message.tool_calls] == ["add"]
+    assert json.loads(answer.message.tool_calls[0].arguments) == {"a": 2}
+    # The harness sends back what it got, plus the tool's answer (as an OpenAI client would).
+    second = [*first, answer.message, msg("tool", "4", tool_call_id=answer.message.tool_calls[0].id)]
+    final, _, _ = await session.chat(second, TOOLS, None)
+    assert final.message.content == "four" and session.num_rerenders == 0 and session.num_calls == 2
+    # The second prompt starts with the first prompt and the sampled tokens, unchanged.
+    assert policy.prompts[1][:len(policy.prompts[0]) + len(policy.sampled[0])] == policy.prompts[0] + policy.sampled[0]
+    # ... and then is what the template renders for the tool turn and the generation prompt.
+    rendered = models.render_prompt(tok, second, TOOLS)
+    assert tok.decode(policy.prompts[1]) == tok.decode(rendered)
+    assert_exact(session.graph, policy)
+    assert [n.message.role for n in session.graph.branch(final.id)] == ["system", "user", "assistant", "tool",
+                                                                          "assistant"]
+    assert [p.node.id for p in published] == [n.id for n in session.graph.ordered()]
+
+
+async def test_a_truncated_answer_is_closed_by_the_template_before_the_next_turn(tok: Any) -> None:
+    policy = ScriptedPolicy(tok, ["abc...", "done"])
+    session, _ = session_for(policy)
+    first = [msg("user", "go")]
+    answer, completion, _ = await session.chat(first, None, None)
+    assert completion.finish_reason == "length" and session.truncated
+    await session.chat([*first, answer.message, msg("user", "go on")], None, None)
+    bridge = policy.prompts[1][len(policy.prompts[0]) + len(policy.sampled[0]):]
+    assert tok.decode(bridge).startswith("<|im_end|>\n<|im_start|>user\ngo on")
+    assert_exact(session.graph, policy)
+
+
+async def test_a_retry_is_a_sibling_branch_and_both_are_exact(tok: Any) -> None:
+    policy = ScriptedPolicy(tok, ["one", "two"])
+    session, _ = session_for(policy)
+    first = [msg("system", "s"), msg("user", "q")]
+    a, _, _ = await session.chat(first, None, None)
+    b, _, _ = await session.chat(first, None, None)
+    assert a.parent_id == b.parent_id and a.id != b.id and len(session.graph.leaves()) == 2
+    assert policy.prompts[0] == policy.prompts[1]
+    assert_exact(session.graph, policy)
+
+
+async def test_history_the_template_rewrites_is_re_rendered_as_a_new_branch_and_counted(tok: Any) -> None:
+    policy = ScriptedPolicy(tok, ["first", "second"])
+    session, _ = session_for(policy)
+    first = [msg("user", "q")]
+    a, _, _ = await session.chat(first, None, None)
+    # A template that drops earlier assistant turns (as some reasoning templates do) is not
+    # prefix-stable: extending would show the model something the template never renders.
+    original = session._renderer._text
+
+    def dropping(tok_: Any, messages: Any, tools: Any = None, generation_prompt: bool = False) -> str:
+        kept = [m for i, m in enumerate(messages) if not (m.role == "assistant" and i < len(messages) - 1)]
+        return original(tok_, kept, tools, generation_prompt)
+
+    session._renderer._text = dropping
+    await session.chat([*first, a.message, msg("user", "again")], None, None)
+    assert session.num_rerenders == 1
+    assert policy.prompts[1] == tok.encode(dropping(tok, [*first, a.message, msg("user", "again")], None, True),
+                                           add_special_tokens=False)
+    assert_exact(session.graph, policy)
+
+
+async def test_a_prompt_past_the_context_is_an_openai_error_and_marks_the_rollout_truncated(tok: Any) -> None:
+    policy = ScriptedPolicy(tok, ["x"], max_len=20)
+    session, _ = session_for(policy)
+    with pytest.raises(InterceptionError) as err:
+        await session.chat([msg("user", "a long question " * 10)], None, None)
+    assert err.value.status == 400 and err.value.code == "context_length_exceeded" and session.truncated
+
+
+def test_tool_calls_are_parsed_and_malformed_ones_stay_text() -> None:
+    content, calls = parse_tool_calls('ok <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>')
+    assert content == "ok" and calls[0].name == "f" and json.loads(calls[0].arguments) == {"x": 1}
+    content, calls = parse_tool_calls("<tool_call>{not json}</tool_call>")
+    assert calls == [] and content == "<tool_call>{not json}</tool_call>"
+
+
+def test_the_renderer_finds_the_templates_closing(tok: Any) -> None:
+    r = Renderer(tok)
+    assert r.closing == "<|im_end|>\n" and r.eos_text == "<|im_end|>"
