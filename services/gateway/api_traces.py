@@ -38,7 +38,14 @@ from pydantic import AfterValidator
 from flywheel import events
 from flywheel.bus import HEADER_CONTENT_TYPE, HEADER_MSG_ID, Bus, Replay
 from flywheel_gateway.deps import BusDep, StoreDep
-from flywheel_gateway.models import BranchPublic, NodePublic, RolloutPublic, TracePublic, subject_token
+from flywheel_gateway.models import (
+    BranchPublic,
+    NodePublic,
+    RolloutPublic,
+    TokenLayerPublic,
+    TracePublic,
+    subject_token,
+)
 from flywheel_gateway.responses import ERROR_RESPONSES
 from flywheel_gateway.store import Store, concat_tokens, walk_branch
 
@@ -84,7 +91,7 @@ async def get_branch(rollout_id: str, node_id: str, store: StoreDep, tokens: boo
     branch, complete = walk_branch(nodes, node_id)
     return BranchPublic(rollout_id=rollout_id, leaf_id=node_id, complete=complete,
                         nodes=[NodePublic.model_validate(n) for n in branch],
-                        tokens=concat_tokens(branch) if tokens else None)  # type: ignore[arg-type]
+                        tokens=TokenLayerPublic(**concat_tokens(branch)) if tokens else None)
 
 
 @router.get("/{rollout_id}/stream", response_class=StreamingResponse,

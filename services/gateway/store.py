@@ -41,7 +41,7 @@ import hashlib
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -163,11 +163,9 @@ class RolloutFilter:
 
     def fingerprint(self) -> str:
         """A short digest of the filters, carried in cursors: a cursor only continues its own listing."""
-        chosen = {k: v for k, v in sorted(asdict(self).items()) if v is not None}
+        chosen = {k: v.astimezone(UTC) if isinstance(v, datetime) else v
+                  for k, v in sorted(asdict(self).items()) if v is not None}
         return hashlib.sha256(msgspec.json.encode(chosen)).hexdigest()[:16]
-
-    def describe(self) -> str:
-        return ", ".join(f"{k}={v}" for k, v in asdict(self).items() if v is not None) or "no filters"
 
 
 def _failed_score(rollout_id: sa.ColumnElement[str]) -> sa.Exists:

@@ -283,3 +283,15 @@ async def test_client_reads_filters_exports_and_follows(app: FastAPI, gateway_ur
             await api.trace("nope")
         followed = [(event, data["id"]) async for event, data in api.follow("ro3")]
         assert followed == [("node", n["id"]) for n in trace["nodes"]] + [("rollout", "ro3")]
+
+
+async def test_a_quiet_stream_sends_keepalives(app: FastAPI, gateway_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from flywheel_gateway import api_traces
+
+    monkeypatch.setattr(api_traces, "KEEPALIVE_S", 0.05)
+    await app.state.bus.publish(live("ro1", conversation("4")[0]))
+    async with httpx.AsyncClient(base_url=gateway_url, timeout=10) as http, \
+            http.stream("GET", "/v1/traces/ro1/stream") as response:
+        lines = response.aiter_lines()
+        assert (await anext(lines)).startswith("event: node")
+        assert [await anext(lines) for _ in range(4)][2:] == [": keepalive", ""]

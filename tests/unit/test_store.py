@@ -405,6 +405,11 @@ async def test_a_cursor_continues_only_its_own_filters(store: Store) -> None:
         page = await store.list_rollouts(odd, cursor=page.next_cursor, limit=2)
     assert seen == ["ro09", "ro07", "ro05", "ro03", "ro01"]
     cursor = (await store.list_rollouts(odd, limit=2)).next_cursor
+    # The same filters spelled otherwise (a time in another zone) are the same listing.
+    after = RolloutFilter(created_after=T0)
+    cursor_after = (await store.list_rollouts(after, limit=2)).next_cursor
+    same = RolloutFilter(created_after=T0.astimezone(timezone(timedelta(hours=-5))))
+    assert len((await store.list_rollouts(same, cursor=cursor_after, limit=2)).items) == 2
     with pytest.raises(InvalidCursor, match="other filters"):
         await store.list_rollouts(RolloutFilter(policy_version=0), cursor=cursor)
     with pytest.raises(InvalidCursor, match="other filters"):
