@@ -1,8 +1,12 @@
 """The inference worker: tasks in, trace nodes and rollouts out, weight updates applied.
 
 - Tasks come from one durable pull consumer on TASKS (``inference``), shared by every
-  replica. A task is rolled out ``num_rollouts`` times as one group: its prompt nodes go
-  out as trace node events first, then the sampled answers, then the rollouts.
+  replica. A task is rolled out ``num_rollouts`` times as one group: the run's environment
+  (loaded as every service loads it, :func:`flywheel.environment.load_for_run`) runs its
+  harness once per rollout, each against its own interception URL
+  (:mod:`flywheel_inference.interception`), which samples from the run's policy and
+  publishes trace nodes as the calls complete; the group's rollouts go out together when
+  every harness has ended.
 - Each run named by a task gets a :class:`HostedRun` on first sight: its config (from the
   runs KV bucket), its policy (the run's model, loaded once) and its admission counters.
   No rollout is sampled before the run's first weight update (version 0, published by
@@ -17,11 +21,13 @@ A task waiting for its run's admission holds one of the consumer's ``max_tasks_i
 slots, so a run far ahead of its trainer can delay other runs' tasks (the bound is per
 process, not per run). A run's config is read once, when the run is first seen.
 
-Failures: a task that can never succeed (unknown environment, bad sampling settings, a
-group larger than the admission bounds) is dead-lettered at once with the reason; a run
-without a config yet, or whose weights failed to load, fails the delivery, which the bus
-retries with backoff before dead-lettering it. Not covered: harnesses beyond one chat
-turn (tools, multi-turn, the interception endpoint).
+Failures: a task that can never succeed (an environment that does not load, a row that
+does not match the task set's schema, bad sampling settings, a group larger than the
+admission bounds) is dead-lettered at once with the reason; a run without a config yet, or
+whose weights failed to load, fails the delivery, which the bus retries with backoff before
+dead-lettering it. A harness that raises, runs past ``rollout_timeout_s`` or never calls the
+model gives a rollout with status ``error`` and the reason (scored, never trained on); the
+service goes on.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from nats.js.api import DeliverPolicy
 from flywheel import events
 from flywheel.bus import HEADER_CONTENT_TYPE, Bus, Consumer, Delivery, Reject
 from flywheel.config import RunConfig
-from flywheel.environment import EnvironmentLoadError, Environment, load_environment
+from flywheel.environment import Environment, EnvironmentLoadError, load_for_run
 from flywheel.runs import get_run, watch_runs
 from flywheel.service import Service
 from flywheel_inference.admission import Admission, RunEnded
@@ -188,10 +194,11 @@ class Worker:
 
         return await weights.get(self.bus, update)
 
-    def environment(self, name: str) -> Environment:
-        if name not in self._environments:
-            self._environments[name] = load_environment(name)
-        return self._environments[name]
+    def environment(self, run: str, config: RunConfig) -> Environment:
+        """The run's environment, loaded once as every service loads it (its config's env, args, rewards)."""
+        if run not in self._environments:
+            self._environments[run] = load_for_run(config)
+        return self._environments[run]
 
     def _refresh_info(self) -> None:
         """Keep the heartbeat's counters current (called on every change of a run's counters)."""
@@ -253,11 +260,11 @@ class Worker:
         if task.run in self._ended:
             log.info("task %s: run %s has ended; not sampled", task.id, task.run)
             return
+        hosted = await self.hosted(task.run)
         try:
-            env = self.environment(task.env)
+            env = self.environment(task.run, hosted.config)
         except EnvironmentLoadError as exc:
             raise Reject(str(exc)) from exc
-        hosted = await self.hosted(task.run)
         try:
             env.check_task(task.data)
             messages = env.prompt_messages(task.data)

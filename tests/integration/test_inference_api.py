@@ -14,6 +14,7 @@ from fastapi import FastAPI
 
 from flywheel import models
 from flywheel.bus import Bus
+from flywheel.environment import load_environment
 from flywheel.natsserver import NatsServer
 from flywheel.settings import Settings
 from flywheel_inference.app import create_app
@@ -62,7 +63,7 @@ async def test_completions_from_the_current_policy_with_logprobs(served: tuple[F
         assert 1 <= len(content) <= 5 and all(t["logprob"] <= 0 and t["top_logprobs"] == [] for t in content)
         assert choice["finish_reason"] == ("length" if len(content) == 5 else "stop")
         num_tokens += len(content)
-    prompt = models.render_prompt(tok, app.state.worker.environment("reverse_text").prompt_messages({"text": "abc"}))
+    prompt = models.render_prompt(tok, load_environment("reverse_text").prompt_messages({"text": "abc"}))
     assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": num_tokens,
                              "total_tokens": len(prompt) + num_tokens}
     again = (await client.post("/v1/chat/completions", json=chat)).json()
