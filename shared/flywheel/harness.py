@@ -168,7 +168,7 @@ class _MCPSession:
 
     def specs(self) -> list[dict[str, Any]]:
         return [{"type": "function", "function": {"name": t.name, "description": t.description or "",
-                                                  "parameters": t.inputSchema}} for t in self.tools.values()]
+                                                  "parameters": t.input_schema}} for t in self.tools.values()]
 
     async def call(self, name: str, arguments: Mapping[str, Any]) -> str:
         result = await self.client.call_tool(name, dict(arguments))
