@@ -171,7 +171,7 @@ def workload(args: argparse.Namespace) -> dict[str, float]:
     sys.path.insert(0, str(ENVS))
     import delayed_echo
 
-    rows = delayed_echo.load_tasks(1000, seed=0)
+    rows = delayed_echo.generate(1000, seed=0)
     group_waits = sorted(max(r["wait_s"][i % len(r["wait_s"])] for i in range(args.group_size)) for r in rows)
     lengths = sorted(len(r["text"]) for r in rows)
     return {"group_wait_s_mean": statistics.fmean(group_waits), "group_wait_s_p50": group_waits[500],

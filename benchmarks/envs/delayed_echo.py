@@ -10,8 +10,8 @@ rollout time are heavy-tailed and seeded, so two runs with the same seed see the
 - environment time: each task draws a scale (lognormal: some tasks are slow), each of its
   rollouts a jitter around it (lognormal), capped at ``MAX_WAIT_S``.
 
-``step(task, completion, index)`` is the environment's turn; the inference worker awaits
-it after sampling, inside the rollout's admission slot.
+The environment's turn is the chat harness's ``env_response``: awaited after the model's
+answer, while the rollout holds its admission slot; it ends the rollout.
 Importable by name once this folder is on ``PYTHONPATH`` (the benchmark sets it for the
 services it starts). Not a training environment: the reward (similarity to the text) only
 keeps the trainer honest.
@@ -25,6 +25,9 @@ import math
 import random
 import string
 
+from flywheel.environment import Environment, Reward, TaskSet
+from flywheel.harness import ChatHarness, RolloutContext
+
 SYSTEM_PROMPT = "Echo the text."
 ALPHABET = string.ascii_lowercase[:12]
 MAX_CHARS = 40
@@ -35,7 +38,7 @@ MAX_WAIT_S = 12.0
 NUM_WAITS = 16  # waits drawn per task; rollout i takes wait_s[i % NUM_WAITS]
 
 
-def load_tasks(num_tasks: int, seed: int = 0) -> list[dict]:
+def generate(num_tasks: int, seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
     rows = []
     for _ in range(num_tasks):
@@ -47,21 +50,21 @@ def load_tasks(num_tasks: int, seed: int = 0) -> list[dict]:
     return rows
 
 
-def prompt(task: dict) -> list[dict]:
-    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task["text"]}]
-
-
-def reference(task: dict) -> str:
-    return task["text"]
-
-
 def similarity(completion: str, task: dict) -> float:
     return difflib.SequenceMatcher(None, completion.strip(), task["text"]).ratio()
 
 
-async def step(task: dict, completion: str, index: int) -> None:
-    """The environment's turn after the model answered: it waits as a tool or sandbox would."""
-    await asyncio.sleep(task["wait_s"][index % len(task["wait_s"])])
+async def environment_turn(task: dict, ctx: RolloutContext) -> None:
+    """The environment's turn after the model answered: it waits as a tool or sandbox would, then ends."""
+    await asyncio.sleep(task["wait_s"][ctx.index % len(task["wait_s"])])
 
 
-REWARDS = {"similarity": (similarity, 1.0)}
+def load_environment() -> Environment:
+    return Environment(
+        name="delayed_echo",
+        tasks=TaskSet.from_generator(generate, schema={"text": str, "wait_s": list}),
+        harness=ChatHarness(system_prompt=SYSTEM_PROMPT, max_turns=1, env_response=environment_turn),
+        prompt=lambda task: task["text"],
+        reference=lambda task: task["text"],
+        rewards=[Reward(similarity)],
+    )
