@@ -94,6 +94,15 @@ class Renderer:
     """Chat-template text and tokens for one tokenizer, with the pieces extension needs."""
 
     SENTINEL = "\x00FLYWHEEL-SENTINEL\x00"
+    _cache: dict[int, Renderer] = {}
+
+    @classmethod
+    def of(cls, tok: Any) -> Renderer:
+        """The renderer of ``tok``, built once (it probes the template)."""
+        renderer = cls._cache.get(id(tok))
+        if renderer is None or renderer.tok is not tok:
+            renderer = cls._cache[id(tok)] = cls(tok)
+        return renderer
 
     def __init__(self, tok: Any) -> None:
         from flywheel import models
@@ -208,7 +217,7 @@ class Session:
         from flywheel_inference.policy import WeightsUnavailable
 
         if self._renderer is None:
-            self._renderer = Renderer(self.policy.backend.tokenizer)
+            self._renderer = Renderer.of(self.policy.backend.tokenizer)
         tools_key = json.dumps(tools, sort_keys=True) if tools else ""
         tools_ok = self._tools_key is None or self._tools_key == tools_key
         self._tools_key = tools_key

@@ -342,11 +342,9 @@ class Worker:
             group_size=task.num_rollouts, state=state)
 
     def _interception_url(self, key: str) -> tuple[str, Any]:
-        """(base URL, http client): this server's URL when it has one, else the interception routes
-        served in process (tests and benchmarks that run the worker without its HTTP server)."""
-        url = self.info.get("url")
-        if url:
-            return f"{url}/intercept/{key}/v1", None
+        """(base URL, http client) of a rollout. The URL is this server's when it has one (a
+        program harness needs a real one); in-process harnesses share one client that reaches
+        the interception routes in process (ASGI, no socket), whatever host the URL names."""
         if self._asgi_client is None:
             import httpx
             from fastapi import FastAPI
@@ -356,5 +354,6 @@ class Worker:
             app = FastAPI()
             api.install(app)
             app.state.worker = self
-            self._asgi_client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://inference")
-        return f"http://inference/intercept/{key}/v1", self._asgi_client
+            self._asgi_client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), timeout=None)
+        url = self.info.get("url") or "http://inference"
+        return f"{url}/intercept/{key}/v1", self._asgi_client
