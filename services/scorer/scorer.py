@@ -50,6 +50,8 @@ Failures, each where it belongs:
   reward, a list of the wrong length), or runs past ``reward_timeout_s``: a Score with
   ``error`` saying so and value 0.0, recorded on that rollout (readers treat it as unusable,
   never as a zero); the rollout's other rewards are unaffected and the service goes on;
+- rollouts of an eval run (``RunState.kind == "eval"``, from ``flywheel eval --record``) come
+  with their own scores: acked, not scored again;
 - an environment that does not load, or a run config that does not parse: the rollout is
   dead-lettered (:class:`flywheel.bus.Reject`) with the reason, as no retry can succeed;
 - the bus failing (reading the run config, publishing): the error propagates and the bus
@@ -217,8 +219,14 @@ def custom_reward(function: str, env: str, name: str | None = None, weight: floa
     return CustomReward(env, reward)
 
 
+class NotScored(Exception):
+    """Rollouts of an eval run (``flywheel eval --record``) arrive with their scores: nothing to do."""
+
+
 def run_config(state: events.RunState) -> RunConfig | None:
     """The run's config from its state; None for a run registered without one."""
+    if state.kind == "eval":
+        raise NotScored(state.id)
     if not state.config:
         return None
     try:
@@ -239,18 +247,24 @@ class RunConfigs:
     def __init__(self, bus: Bus, ttl_s: float = 5.0) -> None:
         self.bus = bus
         self.ttl_s = ttl_s
-        self._cache: dict[str, tuple[float, RunConfig | None]] = {}  # run -> (when read, config)
+        self._cache: dict[str, tuple[float, Any]] = {}  # run -> (when read, config, None or NotScored)
 
     async def __call__(self, run: str) -> RunConfig | None:
         now = time.monotonic()
         cached = self._cache.get(run)
         if cached is not None and now - cached[0] < self.ttl_s:
-            return cached[1]
+            if cached[1] is NotScored:
+                raise NotScored(run)
+            return cached[1]  # type: ignore[return-value]
         try:
             state = await get_run(self.bus, run)
         except msgspec.DecodeError as exc:  # ValidationError included
             raise Reject(f"run {run!r}: its run-state entry does not decode ({exc})") from exc
-        config = run_config(state) if state is not None else None
+        try:
+            config = run_config(state) if state is not None else None
+        except NotScored:
+            self._cache[run] = (now, NotScored)
+            raise
         self._cache[run] = (now, config)
         return config
 
@@ -315,7 +329,10 @@ class Scorer:
     async def handle(self, delivery: Delivery) -> None:
         rollout: events.Rollout = delivery.event
         async with self._scoring:
-            config = await self.configs(rollout.run)
+            try:
+                config = await self.configs(rollout.run)
+            except NotScored:
+                return
             found = self.rewards(rollout, config)
             weights = dict(config.scorers) if config is not None else {}
             await self.publish(await self.score(rollout, found, weights))

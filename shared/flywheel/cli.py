@@ -7,6 +7,8 @@
     flywheel run CONFIG.toml                      a training run, start to finish (flywheel.run)
     flywheel model tiny|smollm2 DIR               build or convert a model into an HF folder
     flywheel scorer MODULE:FUNCTION --env ENV     a custom scorer, as its own consumer
+    flywheel eval ENV --model NAME [-n N -r R -c C]   an environment against an OpenAI-compatible endpoint
+    flywheel env init NAME | flywheel env list    scaffold an environment package; installed environments
 
 Settings come from :class:`flywheel.settings.Settings` (``FLYWHEEL_*`` variables, the TOML
 file named by ``FLYWHEEL_CONFIG``); an option such as ``--nats-url`` overrides the setting of
@@ -112,8 +114,65 @@ def build_parser() -> argparse.ArgumentParser:
     scorer.add_argument("--env", required=True, help="environment whose rollouts to score")
     scorer.add_argument("--name", help="scorer name (default: the function's name)")
     scorer.add_argument("--weight", type=float, help="weight of its scores in the reward")
+    scorer.add_argument("--group", action="store_true",
+                        help="a group reward: sees every rollout of a group, returns one value per rollout")
     _add_settings(scorer, NATS_SETTINGS + ("log_level",))
     scorer.set_defaults(func=cmd_scorer)
+
+    evaluate = commands.add_parser(
+        "eval", help="run an environment against an OpenAI-compatible endpoint, summarize its rewards",
+        description="Roll out N tasks of ENV, R times each (one group per task), through the environment's own "
+                    "harness, against any OpenAI-compatible endpoint (default: the local inference service, where "
+                    "the model is a run id). Writes one rollout a line to a JSONL file and prints a summary: "
+                    "reward mean and standard error, pass@k, errors, tokens.")
+    evaluate.add_argument("env", metavar="ENV", help="environment id: a module name or owner/name[@version]")
+    evaluate.add_argument("--model", required=True, metavar="NAME_OR_URL",
+                          help="the model name sent (a run id for the local inference service); a URL instead "
+                               "evaluates the first model that endpoint lists")
+    evaluate.add_argument("--base-url", metavar="URL",
+                          help="the OpenAI-compatible endpoint, ending in /v1 (default: the local inference "
+                               "service, http://INFERENCE_HOST:INFERENCE_PORT/v1)")
+    evaluate.add_argument("--api-key", help="API key of the endpoint (default: OPENAI_API_KEY)")
+    evaluate.add_argument("-n", "--num-tasks", type=int, default=8, metavar="N", help="tasks (default 8)")
+    evaluate.add_argument("-r", "--num-rollouts", type=int, default=1, metavar="R",
+                          help="rollouts per task, one group (default 1)")
+    evaluate.add_argument("-c", "--concurrency", type=int, default=8, metavar="C",
+                          help="rollouts at once (default 8)")
+    evaluate.add_argument("--out", metavar="FILE.jsonl",
+                          help="results, one rollout a line (default DATA_DIR/evals/ENV-MODEL.jsonl)")
+    evaluate.add_argument("--resume", action="store_true",
+                          help="keep the tasks already in --out and run only the rest")
+    evaluate.add_argument("--pass-threshold", type=float, metavar="X",
+                          help="a rollout passes when its reward is at least X (default: the sum of the reward "
+                               "weights, every reward at 1.0)")
+    evaluate.add_argument("--env-args", metavar="JSON", default="{}", help="keyword arguments of load_environment")
+    evaluate.add_argument("--seed", type=int, default=0, help="which tasks are drawn (default 0)")
+    evaluate.add_argument("--max-retries", type=int, default=5,
+                          help="retries of a model call on 429, 5xx or a connection error (default 5)")
+    evaluate.add_argument("--record", action="store_true",
+                          help="publish the rollouts and scores on the bus as a run of kind eval, so the gateway "
+                               "records them")
+    evaluate.add_argument("--run-id", help="the eval run's id with --record (default eval-ENV-UTC time)")
+    _add_settings(evaluate, ("data_dir", "inference_host", "inference_port") + NATS_SETTINGS)
+    evaluate.set_defaults(func=cmd_eval)
+
+    env = commands.add_parser("env", help="environment packages: scaffold one, list the installed ones",
+                              description="Work with environment packages.")
+    env_commands = env.add_subparsers(dest="env_command", required=True, metavar="COMMAND")
+    init = env_commands.add_parser(
+        "init", help="create an environment package that passes its own tests",
+        description="Create the folder NAME/ with a package: pyproject.toml (registering the environment under "
+                    "the flywheel.environments entry points), the environment module (tasks from a JSONL file, a "
+                    "chat harness, a reward, a metric and a group reward), tasks, a README and tests. "
+                    "Then: pip install -e NAME && pytest NAME.")
+    init.add_argument("name", metavar="NAME", help="package name: lowercase letters, digits, '_' or '-'")
+    init.add_argument("--owner", default="local", help="the id's owner part: OWNER/NAME (default local)")
+    init.add_argument("--dir", default=".", help="where to create NAME/ (default: here)")
+    init.set_defaults(func=cmd_env_init)
+    listing = env_commands.add_parser("list", help="installed environments and their versions",
+                                      description="Every environment registered under the flywheel.environments "
+                                                  "entry points, with its package's version.")
+    listing.set_defaults(func=cmd_env_list)
 
     schema = commands.add_parser("schema", help="print the JSON Schema of every event",
                                  description="Print (or write) the JSON Schema of every event on the bus.")
@@ -190,9 +249,65 @@ def cmd_scorer(args: argparse.Namespace) -> int:
         argv += ["--name", args.name]
     if args.weight is not None:
         argv += ["--weight", str(args.weight)]
+    if args.group:
+        argv += ["--group"]
     os.environ["FLYWHEEL_NATS_URL"] = settings.resolved_nats_url
     os.environ["FLYWHEEL_LOG_LEVEL"] = settings.log_level
     os.execv(sys.executable, argv)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    import asyncio
+    import os
+    import re
+    from pathlib import Path
+
+    from flywheel.eval import EvalConfig, format_summary, resolve_model, run_eval
+
+    settings = settings_from(args)
+    try:
+        env_args = json.loads(args.env_args)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--env-args {args.env_args!r}: not JSON ({exc})") from exc
+    if not isinstance(env_args, dict):
+        raise ValueError(f"--env-args {args.env_args!r}: give a JSON object of keyword arguments")
+    api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
+    base_url, model = args.base_url, args.model
+    if model.startswith(("http://", "https://")):
+        base_url = base_url or model
+        model = asyncio.run(resolve_model(model, api_key))
+    base_url = base_url or f"http://{settings.inference_host}:{settings.inference_port}/v1"
+    slug = re.sub(r"[^-_.a-zA-Z0-9]+", "_", f"{args.env}-{model}")
+    out = Path(args.out) if args.out else settings.data_dir / "evals" / f"{slug}.jsonl"
+    cfg = EvalConfig(env=args.env, model=model, base_url=base_url, out=out, api_key=api_key,
+                     num_tasks=args.num_tasks, num_rollouts=args.num_rollouts, concurrency=args.concurrency,
+                     resume=args.resume, pass_threshold=args.pass_threshold, env_args=env_args, seed=args.seed,
+                     max_retries=args.max_retries, record=args.record, run_id=args.run_id)
+    summary = asyncio.run(run_eval(cfg, settings.resolved_nats_url if args.record else None))
+    print(format_summary(summary))
+    print(f"results: {summary['results']}" + (f"  run: {summary['run']}" if summary["run"] else ""))
+    return 0
+
+
+def cmd_env_init(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from flywheel.scaffold import scaffold
+
+    folder = scaffold(args.name, Path(args.dir), owner=args.owner)
+    print(f"created {folder}: pip install -e {folder} && pytest {folder}")
+    return 0
+
+
+def cmd_env_list(args: argparse.Namespace) -> int:
+    from flywheel.environment import available
+
+    found = available()
+    if not found:
+        print("no environments installed (packages register them under the flywheel.environments entry points)")
+        return 0
+    print(table(sorted(found.items()), ["environment", "version"]))
+    return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -154,14 +154,10 @@ class RunConfig(_Section):
             for name, r in self.rewards.items()})
 
     def env_token(self, env: Environment) -> str:
-        """The environment's name in this run's subjects (``tasks.<run>.<env>``): ``env`` itself when
-        it is a plain module name, else the environment's ``name`` (an id with '/', '@' or '.' is
-        not a subject token)."""
-        from flywheel.runs import check_token
+        """The environment's name in this run's subjects (see :func:`flywheel.environment.subject_name`)."""
+        from flywheel.environment import subject_name
 
-        if not any(c in self.env for c in "/@."):
-            return check_token("env", self.env)
-        return check_token(f"environment {self.env!r}: its name", env.name)
+        return subject_name(self.env, env)
 
     def with_env_sampling(self, env: Environment) -> RunConfig:
         """This config with the environment's sampling settings under the ones ``[sampling]`` sets."""

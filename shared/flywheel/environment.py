@@ -571,6 +571,17 @@ def load_environment(env_id: str, overrides: EnvironmentOverrides | None = None)
     return env.with_overrides(overrides)
 
 
+def subject_name(env_id: str, env: Environment) -> str:
+    """The environment's name in subjects (``tasks.<run>.<env>``): ``env_id`` itself when it is a
+    plain module name, else the environment's ``name`` (an id with '/', '@' or '.' is not a
+    subject token)."""
+    from flywheel.runs import check_token
+
+    if not any(c in env_id for c in "/@."):
+        return check_token("env", env_id)
+    return check_token(f"environment {env_id!r}: its name", env.name)
+
+
 def load_for_run(config: RunConfig | Mapping[str, Any]) -> Environment:
     """A run's environment: its config's ``env`` with ``[env_args]`` and ``[rewards.<name>]`` applied.
 

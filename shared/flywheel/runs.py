@@ -66,9 +66,10 @@ async def get_run(bus: Bus, run: str) -> events.RunState | None:
     return _decoder.decode(entry.value) if entry.value else None
 
 
-async def get_or_create_run(bus: Bus, run: str, tenant: str = "default",
-                            config: dict[str, Any] | None = None) -> tuple[events.RunState, bool]:
-    """The run's state, created (owned by ``tenant``, with ``config``) if new; ``(state, created)``.
+async def get_or_create_run(bus: Bus, run: str, tenant: str = "default", config: dict[str, Any] | None = None,
+                            kind: str = "train") -> tuple[events.RunState, bool]:
+    """The run's state, created (owned by ``tenant``, with ``config``, of ``kind`` train or eval) if new;
+    ``(state, created)``.
     An existing run is returned as it is, whoever owns it."""
     check_key("run", run)
     check_key("tenant", tenant)
@@ -77,7 +78,7 @@ async def get_or_create_run(bus: Bus, run: str, tenant: str = "default",
         state = await get_run(bus, run)
         if state is not None:
             return state, False
-        state = events.RunState(id=run, tenant=tenant, config=config or {})
+        state = events.RunState(id=run, tenant=tenant, config=config or {}, kind=kind)  # type: ignore[arg-type]
         try:
             await kv.create(run, events.encode(state))
             return state, True
@@ -86,10 +87,10 @@ async def get_or_create_run(bus: Bus, run: str, tenant: str = "default",
     raise RuntimeError(f"run {run!r}: the run-state key changed twice while it was being created")
 
 
-async def register_run(bus: Bus, run: str, tenant: str = "default",
-                       config: dict[str, Any] | None = None) -> tuple[events.RunState, bool]:
+async def register_run(bus: Bus, run: str, tenant: str = "default", config: dict[str, Any] | None = None,
+                       kind: str = "train") -> tuple[events.RunState, bool]:
     """Like :func:`get_or_create_run`, but a run of another tenant is a :class:`RunConflict`."""
-    state, created = await get_or_create_run(bus, run, tenant, config)
+    state, created = await get_or_create_run(bus, run, tenant, config, kind)
     if state.tenant != tenant:
         raise RunConflict(f"run {run!r} belongs to tenant {state.tenant!r}, not {tenant!r}; "
                           "name another run or use its owner's tenant")

@@ -23,7 +23,7 @@ from flywheel.bus import Delivery, Reject
 from flywheel.config import RunConfig
 from flywheel.environment import GroupReward, Reward, shortest_correct_reward
 from flywheel_scorer.__main__ import main
-from flywheel_scorer.scorer import EnvironmentRewards, RewardSet, Scorer, custom_reward, load_function, run_config
+from flywheel_scorer.scorer import EnvironmentRewards, NotScored, RewardSet, Scorer, custom_reward, load_function, run_config
 from tests.helpers import until
 
 
@@ -124,6 +124,18 @@ async def test_the_run_config_sets_weights_swaps_functions_and_adds_rewards(pool
 
 def shortest(completions: list[str]) -> list[float]:
     return [float(len(c) == min(map(len, completions))) for c in completions]
+
+
+async def test_rollouts_of_eval_runs_are_not_scored_again(pool: ThreadPoolExecutor) -> None:
+    with pytest.raises(NotScored):  # flywheel eval --record publishes them with their scores
+        run_config(events.RunState(id="e1", kind="eval", config={"eval": {"env": "reverse_text"}}))
+
+    async def configs(run: str) -> RunConfig | None:
+        raise NotScored(run)
+
+    published = Published()
+    await Scorer(EnvironmentRewards(), configs, published, pool).handle(delivery(rollout()))
+    assert published == []
 
 
 async def test_an_unknown_environment_is_rejected_with_the_reason(pool: ThreadPoolExecutor) -> None:

@@ -1,0 +1,660 @@
+"""``flywheel eval ENV``: an environment's harness against any OpenAI-compatible endpoint.
+
+The same :class:`flywheel.environment.Environment` that a training run uses runs here
+unchanged: its harness gets a per-rollout base URL, exactly as inside the inference service,
+only here the URL is a local **recording proxy** (:class:`RecordingProxy`) in front of the
+endpoint under evaluation (the local inference service by default, with the run id as the
+model; or any OpenAI-compatible server). The proxy forwards ``/chat/completions`` (streaming
+included) and records each request's messages and the answer into a
+:class:`flywheel.tracegraph.TraceGraph` per rollout (the message layer; upstream logprobs and
+usage are kept per call), retrying transient upstream failures (429, 5xx, connection errors)
+with backoff before anything reaches the harness.
+
+The run: ``num_tasks`` rows of the task set, ``num_rollouts`` rollouts of each (one group, so
+group rewards apply), at most ``concurrency`` rollouts at once. Each group's rewards are
+computed when its last rollout ends; a harness or reward that fails is recorded on that
+rollout (``error``, ``reward_errors``), never ends the eval. Results go to a JSONL file, one
+rollout a line (task, messages, state, rewards, usage, error), written group by group, so
+``resume`` skips every task whose group is in the file already. The summary: reward mean
+and standard error (and per reward), pass@k for k in 1..num_rollouts (a rollout passes when
+its reward reaches ``pass_threshold``, by default the sum of the reward weights: every
+reward at 1.0), harness and reward errors, tokens from the upstream's usage.
+
+``record`` publishes the rollouts and their scores on the bus under a run of kind ``eval``
+(registered in the runs bucket), so the gateway's recorder stores them beside training runs.
+
+Not covered: the token layer (an arbitrary endpoint returns no token ids; the interception
+endpoint of the inference service records those in training), ``/completions`` (legacy
+text completions) through the proxy, and sync reward functions off the event loop (an eval
+runs them inline: a slow one delays the others).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import math
+import random
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
+
+from flywheel import events
+from flywheel.environment import (
+    Environment,
+    GroupReward,
+    Value,
+    load_environment,
+    message_from_dict,
+    messages_of,
+    subject_name,
+)
+from flywheel.tracegraph import TraceGraph
+
+if TYPE_CHECKING:
+    import httpx
+    from starlette.applications import Starlette
+
+    from flywheel.bus import Bus
+
+RETRY_STATUS = (408, 409, 429, 500, 502, 503, 504)
+HARNESS_API_KEY = "flywheel-eval"  # what the harness sends to the proxy; the proxy holds the real key
+
+
+# --- the recording proxy ------------------------------------------------------------------
+
+
+@dataclass
+class Recording:
+    """What the proxy saw of one rollout: its trace graph and, per call, usage and logprobs."""
+
+    graph: TraceGraph = field(default_factory=TraceGraph)
+    calls: list[dict[str, Any]] = field(default_factory=list)
+
+    def add(self, messages: list[events.Message], completion: Mapping[str, Any]) -> None:
+        """The request's messages below the longest matching path, then each choice below them."""
+        path = self.graph.match(messages)
+        parent = path[-1].id if path else None
+        for message in messages[len(path):]:
+            parent = self.graph.add(parent, message)[0].id
+        choices = sorted(completion.get("choices") or [], key=lambda c: c.get("index", 0))
+        for choice in choices:
+            answer = {"content": "", **(choice.get("message") or {}), "role": "assistant"}
+            self.graph.add(parent, message_from_dict(answer, "choices[].message"))
+        self.calls.append({"usage": completion.get("usage") or {},
+                           "finish_reasons": [c.get("finish_reason") for c in choices],
+                           "logprobs": [c.get("logprobs") for c in choices if c.get("logprobs")]})
+
+    def tokens(self) -> dict[str, int]:
+        totals = {"prompt_tokens": 0, "completion_tokens": 0}
+        for call in self.calls:
+            for key in totals:
+                totals[key] += int(call["usage"].get(key) or 0)
+        return totals
+
+
+class _Stream:
+    """Rebuilds a chat completion from its server-sent chunks, as they pass through."""
+
+    def __init__(self) -> None:
+        self._buffer = b""
+        self.choices: dict[int, dict[str, Any]] = {}
+        self.usage: dict[str, Any] = {}
+
+    def feed(self, data: bytes) -> None:
+        self._buffer += data
+        *lines, self._buffer = self._buffer.split(b"\n")
+        for line in lines:
+            line = line.strip()
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                continue
+            try:
+                chunk = json.loads(payload)
+            except json.JSONDecodeError:
+                continue
+            self._chunk(chunk)
+
+    def _chunk(self, chunk: Mapping[str, Any]) -> None:
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        for c in chunk.get("choices") or []:
+            choice = self.choices.setdefault(c.get("index", 0), {"message": {"content": ""}, "finish_reason": None})
+            delta = c.get("delta") or {}
+            message = choice["message"]
+            message["content"] += delta.get("content") or ""
+            for call in delta.get("tool_calls") or []:
+                calls = message.setdefault("tool_calls", [])
+                while len(calls) <= call.get("index", 0):
+                    calls.append({"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
+                target = calls[call.get("index", 0)]
+                target["id"] = call.get("id") or target["id"]
+                fn = call.get("function") or {}
+                target["function"]["name"] += fn.get("name") or ""
+                target["function"]["arguments"] += fn.get("arguments") or ""
+            if c.get("finish_reason"):
+                choice["finish_reason"] = c["finish_reason"]
+            if (c.get("logprobs") or {}).get("content"):
+                choice.setdefault("logprobs", {"content": []})["content"].extend(c["logprobs"]["content"])
+
+    def completion(self) -> dict[str, Any]:
+        return {"choices": [{"index": i, **c} for i, c in sorted(self.choices.items())], "usage": self.usage}
+
+
+class RecordingProxy:
+    """Forwards ``/r/<key>/v1/chat/completions`` to ``upstream`` and records every call of each key.
+
+    ``transport`` replaces the HTTP transport to the upstream (tests). ``max_retries`` transient
+    failures (429, 5xx, connection errors) are retried per call, ``backoff_s`` doubling (or the
+    upstream's ``Retry-After``), before the upstream's answer is handed to the harness.
+    """
+
+    def __init__(self, upstream: str, api_key: str | None = None, *, max_retries: int = 5, backoff_s: float = 0.5,
+                 timeout_s: float = 600.0, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        import httpx
+
+        self.upstream = upstream.rstrip("/")
+        self.api_key = api_key
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.recordings: dict[str, Recording] = {}
+        self.num_retries = 0
+        self._client = httpx.AsyncClient(timeout=timeout_s, transport=transport,
+                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        self.url = ""  # http://127.0.0.1:<port>, once serving
+
+    def base_url(self, key: str) -> str:
+        """The OpenAI base URL a rollout's harness gets."""
+        return f"{self.url}/r/{key}/v1"
+
+    def take(self, key: str) -> Recording:
+        """The recording of ``key``, forgotten by the proxy."""
+        return self.recordings.pop(key, None) or Recording()
+
+    def app(self) -> Starlette:
+        from starlette.applications import Starlette
+        from starlette.requests import Request
+        from starlette.responses import JSONResponse, Response
+        from starlette.routing import Route
+
+        async def chat(request: Request) -> Response:
+            try:
+                body = await request.json()
+                messages = [message_from_dict(m, f"messages[{i}]") for i, m in enumerate(body["messages"])]
+            except (ValueError, KeyError, TypeError) as exc:
+                return JSONResponse({"error": {"message": f"the proxy cannot read this request: {exc}",
+                                               "type": "invalid_request_error"}}, status_code=400)
+            return await self._forward(request.path_params["key"], body, messages)
+
+        async def list_models(request: Request) -> Response:
+            response = await self._send("GET", "/models", None, stream=False)
+            return Response(response.content, status_code=response.status_code,
+                            media_type=response.headers.get("content-type"))
+
+        return Starlette(routes=[Route("/r/{key}/v1/chat/completions", chat, methods=["POST"]),
+                                 Route("/r/{key}/v1/models", list_models, methods=["GET"])])
+
+    async def _forward(self, key: str, body: dict[str, Any], messages: list[events.Message]) -> Any:
+        from starlette.responses import Response, StreamingResponse
+
+        recording = self.recordings.setdefault(key, Recording())
+        streaming = bool(body.get("stream"))
+        response = await self._send("POST", "/chat/completions", body, stream=streaming)
+        if response.status_code != 200 or not streaming:
+            content = await response.aread()
+            await response.aclose()
+            if response.status_code == 200:
+                recording.add(messages, json.loads(content))
+            return Response(content, status_code=response.status_code,
+                            media_type=response.headers.get("content-type", "application/json"))
+
+        async def relay() -> AsyncIterator[bytes]:
+            stream = _Stream()
+            try:
+                async for data in response.aiter_raw():
+                    stream.feed(data)
+                    yield data
+                stream.feed(b"\n")
+                recording.add(messages, stream.completion())
+            finally:
+                await response.aclose()
+
+        return StreamingResponse(relay(), status_code=200,
+                                 media_type=response.headers.get("content-type", "text/event-stream"))
+
+    async def _send(self, method: str, path: str, body: Any, stream: bool) -> httpx.Response:
+        import httpx
+
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        for attempt in range(self.max_retries + 1):
+            request = self._client.build_request(method, self.upstream + path, json=body, headers=headers)
+            last = attempt == self.max_retries
+            try:
+                response = await self._client.send(request, stream=True)
+            except httpx.TransportError as exc:
+                if last:
+                    return httpx.Response(502, json={"error": {
+                        "message": f"upstream {self.upstream} unreachable after {attempt + 1} tries: "
+                                   f"{type(exc).__name__}: {exc}", "type": "upstream_error"}})
+                await self._backoff(attempt, None)
+                continue
+            if response.status_code in RETRY_STATUS and not last:
+                retry_after = response.headers.get("retry-after")
+                await response.aclose()
+                await self._backoff(attempt, retry_after)
+                continue
+            if not stream:
+                await response.aread()
+            return response
+        raise AssertionError("unreachable")
+
+    async def _backoff(self, attempt: int, retry_after: str | None) -> None:
+        self.num_retries += 1
+        try:
+            delay_s = float(retry_after) if retry_after is not None else self.backoff_s * 2 ** attempt
+        except ValueError:
+            delay_s = self.backoff_s * 2 ** attempt
+        await asyncio.sleep(min(delay_s, 30.0) * (0.75 + 0.5 * random.random()))  # noqa: sleep - backoff
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+@dataclass
+class Served:
+    """An ASGI app served by uvicorn on a free loopback port, in this event loop."""
+
+    url: str
+    server: Any
+    task: asyncio.Task[None]
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        await self.task
+
+
+async def serve(app: Any, host: str = "127.0.0.1") -> Served:
+    """Serve ``app`` on a free port of ``host`` until :meth:`Served.stop`."""
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False))
+    task = asyncio.ensure_future(server.serve(sockets=[sock]))
+    while not server.started:
+        if task.done():
+            await task
+            raise RuntimeError("the server stopped before it started")
+        await asyncio.sleep(0.01)  # noqa: sleep - uvicorn says it started only through this flag
+    return Served(f"http://{host}:{port}", server, task)
+
+
+# --- the eval -----------------------------------------------------------------------------
+
+
+@dataclass
+class EvalConfig:
+    env: str  # environment id
+    model: str  # the model name sent (a run id for the local inference service)
+    base_url: str  # the OpenAI-compatible endpoint, ending in /v1
+    out: Path  # results JSONL
+    api_key: str | None = None
+    num_tasks: int = 8
+    num_rollouts: int = 1
+    concurrency: int = 8
+    resume: bool = False
+    pass_threshold: float | None = None
+    env_args: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+    max_retries: int = 5
+    timeout_s: float = 600.0  # one model call
+    record: bool = False
+    run_id: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("num_tasks", "num_rollouts", "concurrency"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: at least 1")
+        if self.max_retries < 0:
+            raise ValueError(f"max_retries={self.max_retries}: not negative")
+
+
+def task_id(index: int, row: Mapping[str, Any]) -> str:
+    """A task's id in the results: its place and a hash of its row (a changed task set is not resumed)."""
+    digest = hashlib.sha256(json.dumps(row, sort_keys=True, default=str).encode()).hexdigest()[:10]
+    return f"task-{index:05d}-{digest}"
+
+
+def rollout_id(run: str, task: str, index: int) -> str:
+    return hashlib.sha256(f"{run}\x00{task}\x00{index}".encode()).hexdigest()[:32]
+
+
+def read_results(path: Path) -> list[dict[str, Any]]:
+    """The rollouts in a results file; a torn last line (an eval killed mid-write) is skipped."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and "task_id" in record and "index" in record:
+            out.append(record)
+    return out
+
+
+def _error_text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+async def score(env: Environment, rollouts: Sequence[events.Rollout]) -> list[dict[str, Any]]:
+    """Every reward of ``env`` on a group: per rollout ``{"rewards", "components", "reward_errors"}``."""
+    out: list[dict[str, Any]] = [{"rewards": {}, "components": {}, "reward_errors": {}} for _ in rollouts]
+
+    def put(i: int, name: str, value: Value | str) -> None:
+        if isinstance(value, Value):
+            out[i]["rewards"][name] = value.value
+            if value.components:
+                out[i]["components"][name] = value.components
+        else:
+            out[i]["reward_errors"][name] = value
+
+    for reward in env.rewards:
+        if isinstance(reward, GroupReward):
+            try:
+                values: list[Value | str] = list(await reward(rollouts))
+            except Exception as exc:  # noqa: BLE001 - recorded on every rollout of the group
+                values = [f"group reward {reward.name!r} failed: {_error_text(exc)}"] * len(rollouts)
+            for i, v in enumerate(values):
+                put(i, reward.name, v)
+            continue
+        for i, r in enumerate(rollouts):
+            try:
+                put(i, reward.name, await reward(r))
+            except Exception as exc:  # noqa: BLE001 - recorded on that rollout
+                put(i, reward.name, f"reward {reward.name!r} failed: {_error_text(exc)}")
+    return out
+
+
+def total_reward(weights: Mapping[str, float], record: Mapping[str, Any]) -> float | None:
+    """The weighted sum of a rollout's rewards; None when a reward (or the harness) failed on it."""
+    if record.get("error") or record.get("reward_errors"):
+        return None
+    return sum(w * record["rewards"][name] for name, w in weights.items() if name in record["rewards"])
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased pass@k of a task with ``c`` passing rollouts of ``n``."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def _mean_stderr(values: Sequence[float]) -> tuple[float | None, float | None]:
+    if not values:
+        return None, None
+    mean = sum(values) / len(values)
+    if len(values) < 2:
+        return mean, None
+    var = sum((v - mean) ** 2 for v in values) / (len(values) - 1)
+    return mean, math.sqrt(var / len(values))
+
+
+def summarize(records: Sequence[Mapping[str, Any]], weights: Mapping[str, float], num_rollouts: int,
+              pass_threshold: float) -> dict[str, Any]:
+    """Reward mean and standard error (overall and per reward), pass@k, errors, tokens."""
+    rewards = [r["reward"] for r in records if r.get("reward") is not None]
+    mean, stderr = _mean_stderr(rewards)
+    per_reward = {}
+    for name in weights:
+        values = [r["rewards"][name] for r in records if name in r.get("rewards", {})]
+        m, s = _mean_stderr(values)
+        per_reward[name] = {"mean": m, "stderr": s, "weight": weights[name], "num": len(values)}
+    by_task: dict[str, list[bool]] = {}
+    for r in records:
+        by_task.setdefault(r["task_id"], []).append(r.get("reward") is not None and r["reward"] >= pass_threshold)
+    pass_k = {}
+    for k in range(1, num_rollouts + 1):
+        groups = [g for g in by_task.values() if len(g) >= k]
+        pass_k[f"pass@{k}"] = sum(pass_at_k(len(g), sum(g), k) for g in groups) / len(groups) if groups else None
+    return {
+        "num_tasks": len(by_task),
+        "num_rollouts": len(records),
+        "reward_mean": mean,
+        "reward_stderr": stderr,
+        "pass_threshold": pass_threshold,
+        **pass_k,
+        "rewards": per_reward,
+        "num_errors": sum(1 for r in records if r.get("error")),
+        "num_reward_errors": sum(1 for r in records if r.get("reward_errors")),
+        "num_truncated": sum(1 for r in records if r.get("status") == "truncated"),
+        "prompt_tokens": sum(r.get("usage", {}).get("prompt_tokens", 0) for r in records),
+        "completion_tokens": sum(r.get("usage", {}).get("completion_tokens", 0) for r in records),
+    }
+
+
+def format_summary(summary: Mapping[str, Any]) -> str:
+    """The summary as a table: one row per figure, reward rows with their standard error."""
+    from flywheel.cli import table
+
+    def num(v: Any) -> str:
+        return "-" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)
+
+    rows: list[list[str]] = [["reward", num(summary["reward_mean"]), num(summary["reward_stderr"])]]
+    for name, r in summary["rewards"].items():
+        rows.append([f"  {name} (weight {r['weight']:g})", num(r["mean"]), num(r["stderr"])])
+    rows += [[k, num(v), ""] for k, v in summary.items() if k.startswith("pass@")]
+    rows += [[k, num(summary[k]), ""] for k in ("num_tasks", "num_rollouts", "num_errors", "num_reward_errors",
+                                                 "num_truncated", "prompt_tokens", "completion_tokens")]
+    return table(rows, ["", "mean", "stderr"]) + f"\npass: reward >= {summary['pass_threshold']:g}"
+
+
+class ProgressLine:
+    """One status line on stderr, redrawn in place on a terminal, every few seconds otherwise."""
+
+    def __init__(self, total: int, out: TextIO = sys.stderr) -> None:
+        self.total = total
+        self.done = 0
+        self.errors = 0
+        self.out = out
+        self.started_s = time.monotonic()
+        self._shown_s = 0.0
+        self._tty = out.isatty()
+
+    def add(self, num: int, num_errors: int) -> None:
+        self.done += num
+        self.errors += num_errors
+        now = time.monotonic()
+        if self._tty or now - self._shown_s > 5.0 or self.done == self.total:
+            self._shown_s = now
+            self.show()
+
+    def show(self) -> None:
+        width = 30
+        filled = width * self.done // max(self.total, 1)
+        line = (f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} rollouts  "
+                f"{self.errors} errors  {time.monotonic() - self.started_s:.0f}s")
+        self.out.write(("\r" + line) if self._tty else line + "\n")
+        if self._tty and self.done == self.total:
+            self.out.write("\n")
+        self.out.flush()
+
+
+class Evaluation:
+    """One ``flywheel eval``: the environment, the proxy, the results file, optionally the bus."""
+
+    def __init__(self, cfg: EvalConfig, env: Environment, progress_out: TextIO = sys.stderr) -> None:
+        self.cfg = cfg
+        self.env = env
+        self.env_name = subject_name(cfg.env, env)
+        self.run_id = cfg.run_id or f"eval-{self.env_name}-{datetime.now(UTC).strftime('%Y%m%dT%H%M%S')}"
+        self.progress_out = progress_out
+        self.weights = env.weights
+        self.proxy = RecordingProxy(cfg.base_url, cfg.api_key, max_retries=cfg.max_retries, timeout_s=cfg.timeout_s)
+        self.bus: Bus | None = None
+        self._slots = asyncio.Semaphore(cfg.concurrency)
+        self._write = asyncio.Lock()
+
+    @property
+    def pass_threshold(self) -> float:
+        if self.cfg.pass_threshold is not None:
+            return self.cfg.pass_threshold
+        return sum(w for w in self.weights.values() if w > 0)
+
+    async def run(self, nats_url: str | None = None) -> dict[str, Any]:
+        cfg = self.cfg
+        rows = self.env.load_tasks(cfg.num_tasks, seed=cfg.seed)
+        tasks = [(task_id(i, row), row) for i, row in enumerate(rows)]
+        wanted = {tid for tid, _ in tasks}
+        previous = read_results(cfg.out) if cfg.resume else []
+        counts: dict[str, int] = {}
+        for r in previous:
+            counts[r["task_id"]] = counts.get(r["task_id"], 0) + 1
+        done = {tid for tid, n in counts.items() if n >= cfg.num_rollouts}
+        # Keep only complete groups of this task set; a torn group is run again whole.
+        kept = [r for r in previous if r["task_id"] in done and r["task_id"] in wanted]
+        cfg.out.parent.mkdir(parents=True, exist_ok=True)
+        cfg.out.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        todo = [(tid, row) for tid, row in tasks if tid not in done]
+        progress = ProgressLine(len(todo) * cfg.num_rollouts, self.progress_out)
+        if cfg.resume:
+            print(f"resume: {len(tasks) - len(todo)} of {len(tasks)} tasks done in {cfg.out}", file=self.progress_out)
+        if cfg.record:
+            await self._open_bus(nats_url)
+        served = await serve(self.proxy.app())
+        self.proxy.url = served.url
+        started = time.monotonic()
+        try:
+            with cfg.out.open("a") as out:
+                await asyncio.gather(*(self._group(tid, row, out, progress) for tid, row in todo))
+        finally:
+            await served.stop()
+            await self.proxy.close()
+            if self.bus is not None:
+                await self._close_bus()
+        records = [r for r in read_results(cfg.out) if r["task_id"] in wanted]
+        summary = {"env": cfg.env, "model": cfg.model, "run": self.run_id if cfg.record else None,
+                   **summarize(records, self.weights, cfg.num_rollouts, self.pass_threshold),
+                   "elapsed_s": time.monotonic() - started, "num_upstream_retries": self.proxy.num_retries,
+                   "results": str(cfg.out)}
+        return summary
+
+    async def _group(self, tid: str, row: dict[str, Any], out: TextIO, progress: ProgressLine) -> None:
+        cfg = self.cfg
+        results = await asyncio.gather(*(self._rollout(tid, row, i) for i in range(cfg.num_rollouts)))
+        rollouts = [r for r, _ in results]
+        scored = await score(self.env, rollouts)
+        records = []
+        for (rollout, recording), s in zip(results, scored, strict=True):
+            record = {"task_id": tid, "index": rollout.index, "rollout_id": rollout.id, "env": cfg.env,
+                      "model": cfg.model, "task": row, "messages": messages_of(rollout), "state": rollout.state,
+                      "status": rollout.status, "error": rollout.error, **s,
+                      "usage": recording.tokens(), "calls": recording.calls}
+            record["reward"] = total_reward(self.weights, record)
+            records.append(record)
+        async with self._write:
+            out.write("".join(json.dumps(r, default=str) + "\n" for r in records))
+            out.flush()
+        if self.bus is not None:
+            await self._publish(rollouts, scored)
+        progress.add(len(records), sum(1 for r in records if r["error"] or r["reward_errors"]))
+
+    async def _rollout(self, tid: str, row: dict[str, Any], index: int) -> tuple[events.Rollout, Recording]:
+        from flywheel.harness import RolloutContext
+
+        rid = rollout_id(self.run_id, tid, index)
+        async with self._slots:
+            ctx = RolloutContext(task=row, base_url=self.proxy.base_url(rid), api_key=HARNESS_API_KEY,
+                                 model=self.cfg.model, index=index, timeout_s=self.cfg.timeout_s)
+            error = None
+            try:
+                assert self.env.harness is not None
+                await self.env.harness.run(self.env, ctx)
+            except Exception as exc:  # noqa: BLE001 - the harness failed on this rollout: recorded, the eval goes on
+                error = f"harness failed: {_error_text(exc)}"
+            finally:
+                await ctx.close()
+        recording = self.proxy.take(rid)
+        status = "error" if error else "truncated" if ctx.state.get("truncated") else "completed"
+        state = json.loads(json.dumps(ctx.state, default=str))  # JSON, as it travels
+        rollout = events.Rollout(id=rid, run=self.run_id, env=self.env_name, task_id=tid, group_id=tid, index=index,
+                                 task_data=row, nodes=recording.graph.ordered(), status=status, error=error,
+                                 group_size=self.cfg.num_rollouts, state=state,
+                                 metrics={k: float(v) for k, v in recording.tokens().items()})
+        return rollout, recording
+
+    # --- recording on the bus -----------------------------------------------------------
+
+    async def _open_bus(self, nats_url: str | None) -> None:
+        from flywheel.bus import Bus
+        from flywheel.runs import register_run
+
+        if nats_url is None:
+            raise ValueError("--record needs NATS: set FLYWHEEL_NATS_URL or start `flywheel up`")
+        self.bus = await Bus.connect(nats_url, "flywheel-eval")
+        await register_run(self.bus, self.run_id, kind="eval", config={
+            "eval": {"env": self.cfg.env, "model": self.cfg.model, "base_url": self.cfg.base_url,
+                     "num_tasks": self.cfg.num_tasks, "num_rollouts": self.cfg.num_rollouts}})
+
+    async def _publish(self, rollouts: list[events.Rollout], scored: list[dict[str, Any]]) -> None:
+        assert self.bus is not None
+        scores: list[events.Event] = []
+        for rollout, s in zip(rollouts, scored, strict=True):
+            for name, weight in self.weights.items():
+                error = s["reward_errors"].get(name)
+                scores.append(events.Score(id=f"{rollout.id}.{name}", run=self.run_id, env=self.env_name,
+                                           rollout_id=rollout.id, group_id=rollout.group_id, scorer=name,
+                                           value=s["rewards"].get(name, 0.0), weight=weight,
+                                           components=s["components"].get(name, {}), error=error))
+        await self.bus.publish_many(rollouts, events.MSGPACK)
+        await self.bus.publish_many(scores)
+
+    async def _close_bus(self) -> None:
+        from flywheel.runs import update_run
+
+        assert self.bus is not None
+        try:
+            await update_run(self.bus, self.run_id, status="finished")
+        finally:
+            await self.bus.close()
+
+
+async def resolve_model(base_url: str, api_key: str | None) -> str:
+    """The first model an endpoint lists (for ``--model URL``)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(timeout=30.0) as client:
+        try:
+            response = await client.get(base_url.rstrip("/") + "/models", headers=headers)
+        except httpx.TransportError as exc:
+            raise ValueError(f"--model {base_url}: cannot reach it ({exc})") from exc
+    if response.status_code != 200 or not response.json().get("data"):
+        raise ValueError(f"--model {base_url}: GET /models answered {response.status_code} with no model; name one "
+                         f"with --model NAME and --base-url {base_url}")
+    return str(response.json()["data"][0]["id"])
+
+
+async def run_eval(cfg: EvalConfig, nats_url: str | None = None, progress_out: TextIO = sys.stderr) -> dict[str, Any]:
+    """Load the environment, run the eval, return the summary (also written beside the results)."""
+    env = load_environment(cfg.env, _overrides(cfg.env_args))
+    summary = await Evaluation(cfg, env, progress_out).run(nats_url)
+    cfg.out.with_suffix(".summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _overrides(args: dict[str, Any]) -> Any:
+    from flywheel.environment import EnvironmentOverrides
+
+    return EnvironmentOverrides(args=dict(args)) if args else None

@@ -1,0 +1,254 @@
+"""``flywheel env init NAME``: a new environment package that passes its own tests.
+
+The package it writes (``NAME/``)::
+
+    pyproject.toml          the distribution; registers OWNER/NAME under the flywheel.environments entry points
+    README.md               what the environment is, how to test, evaluate and train on it
+    PKG/__init__.py         load_environment(): tasks from tasks.jsonl, a chat harness, rewards
+    PKG/tasks.jsonl         the task rows (question, answer)
+    tests/test_PKG.py       rewards, the group reward, the schema, the harness against a scripted model
+
+``PKG`` is NAME with '-' as '_'. The example is a question-answer task: a reward for the right
+answer, a metric (the answer's length, weight 0) and a group reward for the shortest right
+answer of the group. Every file is meant to be edited; nothing here is generated again.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+_NAME = re.compile(r"[a-z][a-z0-9_-]{0,63}")
+
+PYPROJECT = '''\
+[build-system]
+requires = ["setuptools>=69"]
+build-backend = "setuptools.build_meta"
+
+[project]
+name = "{name}"
+version = "0.1.0"
+description = "A Flywheel environment: {name}."
+requires-python = ">=3.11"
+dependencies = ["flywheel-rl[environments]"]
+
+# `flywheel eval {owner}/{name}` and a run config's `env = "{owner}/{name}"` find it here.
+[project.entry-points."flywheel.environments"]
+"{owner}/{name}" = "{pkg}:load_environment"
+
+[tool.setuptools]
+packages = ["{pkg}"]
+
+[tool.setuptools.package-data]
+{pkg} = ["tasks.jsonl"]
+
+[tool.pytest.ini_options]
+asyncio_mode = "auto"
+asyncio_default_fixture_loop_scope = "function"
+'''
+
+MODULE = '''\
+"""{name}: answer a question with a word.
+
+The task rows are in tasks.jsonl (``question``, ``answer``). One chat turn through the default
+harness; the reward is 1.0 for the right answer, a metric records the answer's length, and a
+group reward favours the shortest right answer of each group.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from flywheel.environment import Environment, Metric, Reward, TaskSet, shortest_correct_reward
+from flywheel.harness import ChatHarness
+
+TASKS = Path(__file__).with_name("tasks.jsonl")
+SYSTEM_PROMPT = "Answer with one word."
+
+
+def normalize(text: str) -> str:
+    return text.strip().strip(".").lower()
+
+
+def is_correct(completion: str, task: dict) -> bool:
+    return normalize(completion) == normalize(task["answer"])
+
+
+def correct(completion: str, task: dict) -> float:
+    return float(is_correct(completion, task))
+
+
+def length(completion: str) -> float:
+    return float(len(completion))
+
+
+def prompt(task: dict) -> str:
+    return task["question"]
+
+
+def load_environment(max_turns: int = 1) -> Environment:
+    return Environment(
+        name="{pkg}",
+        tasks=TaskSet.from_jsonl(TASKS, schema={{"question": str, "answer": str}}),
+        harness=ChatHarness(system_prompt=SYSTEM_PROMPT, max_turns=max_turns),
+        prompt=prompt,
+        reference=lambda task: task["answer"],
+        rewards=[Reward(correct), Metric(length), shortest_correct_reward(is_correct, weight=0.1)],
+        sampling={{"max_tokens": 16}},
+        version="0.1.0",
+        description=__doc__.split("\\n\\n")[0],
+    )
+'''
+
+TASKS = '''\
+{"question": "What colour is the sky on a clear day?", "answer": "blue"}
+{"question": "How many legs does a spider have? Answer in words.", "answer": "eight"}
+{"question": "What is the opposite of hot?", "answer": "cold"}
+{"question": "Which animal says moo?", "answer": "cow"}
+{"question": "What is frozen water called?", "answer": "ice"}
+{"question": "What is the first letter of the English alphabet?", "answer": "a"}
+'''
+
+TESTS = '''\
+"""{name}: rewards, the group reward, the task schema, and the harness against a scripted model."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import pytest
+
+from flywheel import events
+from flywheel.environment import TaskSet, load_environment, resolve
+from flywheel.harness import RolloutContext
+from flywheel.tracegraph import rollout_from_messages
+
+from {pkg} import load_environment as load
+
+
+def rollout(answer: str, index: int = 0) -> events.Rollout:
+    task = {{"question": "What is frozen water called?", "answer": "ice"}}
+    messages = [events.Message(role="user", content=task["question"]),
+                events.Message(role="assistant", content=answer)]
+    return rollout_from_messages(run="test", env="{pkg}", task_id="t", task_data=task, messages=messages,
+                                 index=index)
+
+
+def test_it_loads_by_module_name_with_its_tasks() -> None:
+    env = load_environment("{pkg}")
+    rows = env.load_tasks(4, seed=0)
+    assert len(rows) == 4 and all(set(row) == {{"question", "answer"}} for row in rows)
+    assert [m.role for m in env.prompt_messages(rows[0])] == ["system", "user"]
+    assert env.weights == {{"correct": 1.0, "length": 0.0, "shortest_correct": 0.1}}
+
+
+def test_it_is_found_by_id_once_installed() -> None:
+    try:
+        importlib.metadata.distribution("{name}")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("not installed: pip install -e . registers {owner}/{name}")
+    assert resolve("{owner}/{name}") is load
+
+
+async def test_rewards() -> None:
+    rewards = {{r.name: r for r in load().rewards}}
+    assert (await rewards["correct"](rollout("Ice."))).value == 1.0
+    assert (await rewards["correct"](rollout("water"))).value == 0.0
+    assert (await rewards["length"](rollout("ice"))).value == 3.0
+
+
+async def test_the_group_reward_favours_the_shortest_right_answer() -> None:
+    group = [rollout("Ice.", 0), rollout("ice", 1), rollout("snow", 2)]
+    values = await load().group_rewards["shortest_correct"](group)
+    assert [v.value for v in values] == [0.0, 1.0, 0.0]
+
+
+def test_a_row_that_does_not_fit_the_schema_is_refused() -> None:
+    with pytest.raises(ValueError, match="missing field 'answer'"):
+        TaskSet.from_rows([{{"question": "?"}}], schema={{"question": str, "answer": str}})
+
+
+class ScriptedModel:
+    """Stands in for the OpenAI client: answers every request with the next scripted reply."""
+
+    def __init__(self, *replies: str) -> None:
+        self.replies = list(replies)
+        self.requests: list[dict] = []
+        self.chat = self
+        self.completions = self
+
+    async def create(self, **request: object) -> object:
+        from openai.types.chat import ChatCompletion
+
+        self.requests.append(request)
+        return ChatCompletion.model_validate({{
+            "id": "c", "object": "chat.completion", "created": 0, "model": str(request["model"]),
+            "choices": [{{"index": 0, "finish_reason": "stop",
+                         "message": {{"role": "assistant", "content": self.replies.pop(0)}}}}]}})
+
+
+async def test_the_harness_asks_the_model_once() -> None:
+    env = load()
+    task = env.load_tasks(1)[0]
+    ctx = RolloutContext(task=task, base_url="http://unused/v1", api_key="none", model="m")
+    model = ScriptedModel(task["answer"])
+    ctx._client = model
+    await env.harness.run(env, ctx)
+    (request,) = model.requests
+    assert request["messages"][0] == {{"role": "system", "content": "Answer with one word."}}
+    assert ctx.state["turns"] == 1 and ctx.state["stop_reason"] == "done"
+'''
+
+README = '''\
+# {name}
+
+A Flywheel environment: answer a question with one word.
+
+- task set: `{pkg}/tasks.jsonl` (`question`, `answer`); edit it or point `TaskSet` elsewhere
+- harness: one chat turn with a system prompt (`ChatHarness`)
+- rewards: `correct` (1.0 for the right answer), `length` (a metric, weight 0), `shortest_correct`
+  (a group reward, weight 0.1: the shortest right answer of each group)
+
+```sh
+pip install -e .                 # registers {owner}/{name}
+pytest                           # its own tests
+flywheel env list                # {owner}/{name} is listed
+flywheel eval {owner}/{name} --model RUN_OR_MODEL -n 6 -r 4
+```
+
+In a run config:
+
+```toml
+env = "{owner}/{name}"
+[env_args]
+max_turns = 1
+[rewards.correct]
+weight = 1.0
+```
+'''
+
+
+def scaffold(name: str, where: Path, owner: str = "local") -> Path:
+    """Write the package ``where/name``; refuses a bad name or an existing folder."""
+    if not _NAME.fullmatch(name):
+        raise ValueError(f"NAME {name!r}: use a lowercase letter, then up to 63 lowercase letters, digits, '_' "
+                         "or '-' (it names the package and the environment)")
+    if not re.fullmatch(r"[-_a-zA-Z0-9]{1,64}", owner):
+        raise ValueError(f"--owner {owner!r}: use letters, digits, '-' or '_'")
+    folder = where / name
+    if folder.exists():
+        raise ValueError(f"{folder} exists already: choose another NAME or --dir")
+    pkg = name.replace("-", "_")
+    values = {"name": name, "pkg": pkg, "owner": owner}
+    files = {
+        "pyproject.toml": PYPROJECT.format(**values),
+        "README.md": README.format(**values),
+        f"{pkg}/__init__.py": MODULE.format(**values),
+        f"{pkg}/tasks.jsonl": TASKS,
+        f"tests/test_{pkg}.py": TESTS.format(**values),
+    }
+    for rel, text in files.items():
+        path = folder / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return folder

@@ -1,0 +1,263 @@
+"""``flywheel eval`` against a scripted OpenAI-compatible upstream (a small FastAPI app in this
+test, served by uvicorn in this event loop): the recording proxy (plain and streamed answers,
+tool calls, retries of transient failures, errors passed through), and a whole eval (JSONL,
+summary, pass@k, group rewards, errors recorded on their rollout, ``resume``).
+
+The eval against the real inference service is in tests/integration/test_eval_inference.py.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from flywheel import events
+from flywheel.environment import Environment, TaskSet, shortest_correct_reward
+from flywheel.eval import EvalConfig, Evaluation, RecordingProxy, Served, pass_at_k, read_results, serve
+from flywheel.harness import ChatHarness, RolloutContext
+
+TOOL_CALL = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
+LOGPROBS = {"content": [{"token": "5", "logprob": -0.25, "bytes": None, "top_logprobs": []}]}
+
+
+class Upstream:
+    """A scripted model: calls the ``add`` tool when it may, then answers with the tool's result;
+    without tools it answers the user's text reversed, except for texts starting with 'x'. The
+    first ``num_failures`` calls answer 503."""
+
+    def __init__(self, num_failures: int = 0) -> None:
+        self.num_failures = num_failures
+        self.requests: list[dict[str, Any]] = []
+        self.app = FastAPI()
+        self.app.post("/v1/chat/completions")(self.chat)
+
+    def answer(self, body: dict[str, Any]) -> dict[str, Any]:
+        last = body["messages"][-1]
+        if body.get("tools") and last["role"] == "user":
+            return {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]}
+        if last["role"] == "tool":
+            return {"role": "assistant", "content": f"the sum is {last['content']}"}
+        text = last["content"]
+        return {"role": "assistant", "content": "nope" if text.startswith("x") else text[::-1]}
+
+    async def chat(self, request: Request) -> Response:
+        body = await request.json()
+        self.requests.append(body)
+        if self.num_failures > 0:
+            self.num_failures -= 1
+            return JSONResponse({"error": {"message": "overloaded"}}, status_code=503)
+        if body["messages"][-1].get("content") == "bad request":
+            return JSONResponse({"error": {"message": "no such thing", "type": "invalid_request_error"}},
+                                status_code=400)
+        message = self.answer(body)
+        finish = "tool_calls" if message.get("tool_calls") else "stop"
+        usage = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+        if not body.get("stream"):
+            return JSONResponse({"id": "c1", "object": "chat.completion", "created": 0, "model": body["model"],
+                                 "choices": [{"index": 0, "message": message, "finish_reason": finish,
+                                              "logprobs": LOGPROBS}], "usage": usage})
+        return StreamingResponse(self.chunks(body["model"], message, finish, usage), media_type="text/event-stream")
+
+    async def chunks(self, model: str, message: dict[str, Any], finish: str, usage: dict[str, int]
+                     ) -> AsyncIterator[bytes]:
+        def chunk(delta: dict[str, Any], finish_reason: str | None = None, **extra: Any) -> bytes:
+            body = {"id": "c1", "object": "chat.completion.chunk", "created": 0, "model": model,
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}], **extra}
+            return f"data: {json.dumps(body)}\n\n".encode()
+
+        yield chunk({"role": "assistant", "content": ""})
+        for call in message.get("tool_calls") or []:
+            args = call["function"]["arguments"]
+            yield chunk({"tool_calls": [{"index": 0, "id": call["id"], "type": "function",
+                                         "function": {"name": call["function"]["name"], "arguments": args[:5]}}]})
+            yield chunk({"tool_calls": [{"index": 0, "function": {"arguments": args[5:]}}]})
+        content = message.get("content") or ""
+        for i in range(0, len(content), 4):
+            yield chunk({"content": content[i:i + 4]})
+        yield chunk({}, finish)
+        yield f"data: {json.dumps({'id': 'c1', 'object': 'chat.completion.chunk', 'choices': [], 'usage': usage})}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[tuple[Upstream, Served]]:
+    scripted = Upstream()
+    served = await serve(scripted.app)
+    try:
+        yield scripted, served
+    finally:
+        await served.stop()
+
+
+@pytest.fixture
+async def proxy(upstream: tuple[Upstream, Served]) -> AsyncIterator[RecordingProxy]:
+    p = RecordingProxy(upstream[1].url + "/v1", "secret", backoff_s=0.01)
+    served = await serve(p.app())
+    p.url = served.url
+    try:
+        yield p
+    finally:
+        await served.stop()
+        await p.close()
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+def tool_env() -> Environment:
+    return Environment(name="adder", tasks=[{"prompt": "what is 2 + 3?"}],
+                       rewards=[shortest_correct_reward(lambda c, t: "5" in c)],
+                       harness=ChatHarness(system_prompt="Use the tool.", tools=[add], max_turns=4))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+async def test_the_proxy_records_a_tool_loop_as_one_branch(proxy: RecordingProxy, upstream: tuple[Upstream, Served],
+                                                           stream: bool) -> None:
+    env = tool_env()
+    ctx = RolloutContext(task={"prompt": "what is 2 + 3?"}, base_url=proxy.base_url("ro1"), api_key="harness-key",
+                         model="m")
+    if stream:
+        await StreamingHarness(system_prompt="Use the tool.", tools=[add], max_turns=4).run(env, ctx)
+    else:
+        await env.harness.run(env, ctx)
+    await ctx.close()
+    recording = proxy.take("ro1")
+    branch = recording.graph.branch(recording.graph.last.id)
+    assert [(n.message.role, n.message.content) for n in branch] == [
+        ("system", "Use the tool."), ("user", "what is 2 + 3?"), ("assistant", ""), ("tool", "5"),
+        ("assistant", "the sum is 5")]
+    assert branch[2].message.tool_calls == [events.ToolCall(id="call_1", name="add", arguments='{"a": 2, "b": 3}')]
+    assert len(recording.graph.nodes) == 5  # the second request's history matched the first: one chain
+    assert recording.tokens() == {"prompt_tokens": 14, "completion_tokens": 6}
+    assert [c["finish_reasons"] for c in recording.calls] == [["tool_calls"], ["stop"]]
+    assert recording.calls[0]["logprobs"] == ([] if stream else [LOGPROBS])
+    assert ctx.state["stop_reason"] == "done" and ctx.state["turns"] == 2
+    assert all(r["model"] == "m" for r in upstream[0].requests)
+
+
+class StreamingHarness(ChatHarness):
+    """The chat loop with ``stream=True``, assembled from the chunks by the openai SDK."""
+
+    async def run(self, env: Environment, ctx: RolloutContext) -> None:
+        messages: list[dict[str, Any]] = [m for m in ({"role": "system", "content": self.system_prompt},
+                                                      {"role": "user", "content": ctx.task["prompt"]})]
+        tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+        for turn in range(1, self.max_turns + 1):
+            ctx.state["turns"] = turn
+            stream = await ctx.client().chat.completions.create(model=ctx.model, messages=messages, tools=tools,
+                                                                 stream=True)
+            content, calls = "", {}
+            async for chunk in stream:
+                for choice in chunk.choices:
+                    content += choice.delta.content or ""
+                    for call in choice.delta.tool_calls or []:
+                        entry = calls.setdefault(call.index, {"id": "", "type": "function",
+                                                              "function": {"name": "", "arguments": ""}})
+                        entry["id"] = call.id or entry["id"]
+                        entry["function"]["name"] += call.function.name or ""
+                        entry["function"]["arguments"] += call.function.arguments or ""
+            reply: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls:
+                reply["tool_calls"] = list(calls.values())
+            messages.append(reply)
+            if not calls:
+                ctx.state["stop_reason"] = "done"
+                return
+            for call in reply["tool_calls"]:
+                args = json.loads(call["function"]["arguments"])
+                messages.append({"role": "tool", "tool_call_id": call["id"], "content": str(add(**args))})
+
+
+async def test_transient_failures_are_retried_and_errors_pass_through(proxy: RecordingProxy,
+                                                                      upstream: tuple[Upstream, Served]) -> None:
+    upstream[0].num_failures = 2
+    client = openai.AsyncOpenAI(base_url=proxy.base_url("ro2"), api_key="k", max_retries=0)
+    try:
+        reply = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "abc"}])
+        assert reply.choices[0].message.content == "cba" and proxy.num_retries == 2
+        with pytest.raises(openai.BadRequestError, match="no such thing"):
+            await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "bad request"}])
+        assert proxy.num_retries == 2  # a 400 is the caller's mistake: not retried
+        upstream[0].num_failures = 10
+        with pytest.raises(openai.InternalServerError):
+            await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "abc"}])
+        assert proxy.num_retries == 2 + proxy.max_retries
+    finally:
+        await client.close()
+
+
+def test_pass_at_k() -> None:
+    assert pass_at_k(4, 0, 1) == 0.0 and pass_at_k(4, 4, 1) == 1.0
+    assert pass_at_k(4, 1, 1) == 0.25 and pass_at_k(4, 1, 2) == 0.5 and pass_at_k(4, 3, 2) == 1.0
+
+
+def reversed_right(completion: str, task: dict) -> float:
+    return float(completion == task["text"][::-1])
+
+
+def fails_on_q(task: dict) -> float:
+    if task["text"] == "q":
+        raise RuntimeError("cannot score q")
+    return 1.0
+
+
+def text_env() -> Environment:
+    rows = [{"text": t} for t in ("abc", "xyz", "q", "hello")]
+    return Environment(name="texts", tasks=TaskSet.from_rows(rows, schema={"text": str}),
+                       prompt=lambda task: task["text"],
+                       rewards=[reversed_right, shortest_correct_reward(lambda c, t: c == t["text"][::-1], weight=0.5),
+                                fails_on_q])
+
+
+async def test_an_eval_writes_results_summarizes_and_resumes(upstream: tuple[Upstream, Served],
+                                                             tmp_path: Path) -> None:
+    out = tmp_path / "results.jsonl"
+    cfg = EvalConfig(env="texts", model="m", base_url=upstream[1].url + "/v1", out=out, num_tasks=4,
+                     num_rollouts=2, concurrency=3, pass_threshold=2.0)
+    progress = tmp_path / "progress.txt"
+    with progress.open("w") as p:
+        summary = await Evaluation(cfg, text_env(), p).run()
+    records = read_results(out)
+    assert len(records) == 8 and {(r["task_id"], r["index"]) for r in records} == {
+        (r["task_id"], i) for r in records for i in (0, 1)}
+    by_text = {r["task"]["text"]: r for r in records}
+    assert by_text["abc"]["rewards"] == {"reversed_right": 1.0, "shortest_correct": 1.0, "fails_on_q": 1.0}
+    assert by_text["abc"]["reward"] == 2.5 and by_text["xyz"]["reward"] == 1.0
+    assert by_text["abc"]["messages"] == [{"role": "user", "content": "abc"}, {"role": "assistant", "content": "cba"}]
+    assert by_text["q"]["reward_errors"] == {"fails_on_q": "reward 'fails_on_q' failed: RuntimeError: cannot score q"}
+    assert by_text["q"]["reward"] is None and by_text["abc"]["usage"] == {"prompt_tokens": 7, "completion_tokens": 3}
+    assert (summary["num_tasks"], summary["num_rollouts"], summary["num_reward_errors"]) == (4, 8, 2)
+    assert summary["pass@1"] == summary["pass@2"] == pytest.approx(2 / 4)  # abc and hello pass; q's reward failed
+    assert summary["reward_mean"] == pytest.approx((2.5 * 4 + 1.0 * 2) / 6)
+    assert summary["prompt_tokens"] == 56 and "8/8 rollouts" in progress.read_text()
+    num_requests = len(upstream[0].requests)
+
+    # A torn group (an eval killed mid-write) is run again; complete ones are not.
+    lines = out.read_text().splitlines()
+    out.write_text("\n".join(lines[:5]) + "\n" + lines[5][:20])
+    resumed = await Evaluation(EvalConfig(**{**cfg.__dict__, "resume": True}), text_env(), progress.open("w")).run()
+    assert len(upstream[0].requests) == num_requests + 4  # two groups of two again
+    assert len(read_results(out)) == 8 and resumed["pass@1"] == summary["pass@1"]
+    again = await Evaluation(EvalConfig(**{**cfg.__dict__, "resume": True}), text_env(), progress.open("w")).run()
+    assert len(upstream[0].requests) == num_requests + 4 and again["num_rollouts"] == 8
+
+
+async def test_a_harness_that_fails_is_recorded_on_its_rollout(tmp_path: Path) -> None:
+    cfg = EvalConfig(env="texts", model="m", base_url="http://127.0.0.1:9/v1", out=tmp_path / "r.jsonl",
+                     num_tasks=1, num_rollouts=2, max_retries=0)
+    summary = await Evaluation(cfg, text_env(), (tmp_path / "p.txt").open("w")).run()
+    records = read_results(cfg.out)
+    assert summary["num_errors"] == 2 and all(r["status"] == "error" for r in records)
+    assert records[0]["error"] == ("harness failed: InternalServerError: Error code: 502 - upstream "
+                                   "http://127.0.0.1:9/v1 unreachable after 1 tries: ConnectError: All connection "
+                                   "attempts failed")
+    assert summary["pass@1"] == 0.0
