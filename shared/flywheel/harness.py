@@ -245,9 +245,9 @@ class UserSimulator:
     """A model that plays the user, behind an MCP server (tool ``reply``).
 
     ``server`` is an MCP server (in-process ``MCPServer``, command, or URL) with a tool
-    ``reply(messages: list[dict], task: dict) -> str`` that returns the user's next message, or
-    the text ``###STOP###`` when the user is done. :func:`user_simulator_server` builds one from
-    any OpenAI-compatible model."""
+    ``reply(messages: list[dict], task: dict) -> str`` that returns the user's next message; a
+    reply that contains ``###STOP###`` (or is empty) means the user is done.
+    :func:`user_simulator_server` builds one from any OpenAI-compatible model."""
 
     STOP = "###STOP###"
 
@@ -392,7 +392,8 @@ class ChatHarness:
             return [message_dict(message_from_dict(m, f"env_response[{i}]")) for i, m in enumerate(given)]
         if user is not None:
             text = await user.call("reply", {"messages": messages, "task": ctx.task})
-            if text.strip() == UserSimulator.STOP or not text.strip():
+            # Simulated users often end with a closing line before the marker: any mention ends it.
+            if UserSimulator.STOP in text or not text.strip():
                 return []
             return [{"role": "user", "content": text}]
         return []

@@ -9,6 +9,7 @@ import copy
 import pytest
 
 import customer_service as cs
+from flywheel.environment import messages_of
 from flywheel.harness import RolloutContext
 from tests.scripted_openai import ScriptedOpenAI, make_rollout, run_rollout, tool_call
 
@@ -144,7 +145,7 @@ async def test_a_support_conversation_with_a_simulated_customer(tasks: dict[str,
                   payment_method_id="gift_card_3150"),
         "Done: the exchange is requested, and $50.00 will be refunded to your gift card.",
     ]
-    user = ["It's mei.chen@example.com.", "Yes, please.", "###STOP###"]
+    user = ["It's mei.chen@example.com.", "Yes, please.", "Great, thanks! ###STOP###"]
     with ScriptedOpenAI({"agent": agent, "user": user}) as server:
         env = cs.load_environment(user_base_url=server.base_url, user_model="user")
         rollout = await run_rollout(env, task, server)
@@ -153,18 +154,12 @@ async def test_a_support_conversation_with_a_simulated_customer(tasks: dict[str,
     assert brief[0]["role"] == "system" and task["instructions"] in brief[0]["content"]
     assert [m["role"] for m in brief[1:]] == ["assistant", "user"]  # the customer sees the agent as its user
     assert brief[1]["content"] == task["opening"] and brief[2]["content"] == agent[0]
-    said = [m["content"] for m in rollout_messages(rollout) if m["role"] == "tool"]
+    said = [m["content"] for m in messages_of(rollout) if m["role"] == "tool"]
     assert said[0] == "mei_chen_4821" and "is not available" in said[3] and "invalid arguments" in said[4]
     assert rollout.state["stop_reason"] == "done"
     assert rollout.state["db"]["orders"]["#W1002"]["exchange_price_difference"] == -50.0
     values = {name: (await r(rollout)).value for name, r in env.rollout_rewards.items()}
     assert values == {"success": 1.0, "db_match": 1.0, "outputs_said": 1.0, "num_tool_calls": 6.0, "tool_errors": 2.0}
-
-
-def rollout_messages(rollout) -> list[dict]:
-    from flywheel.environment import messages_of
-
-    return messages_of(rollout)
 
 
 async def test_transfer_ends_the_conversation_and_a_missing_customer_model_is_named(tasks: dict[str, dict]) -> None:
