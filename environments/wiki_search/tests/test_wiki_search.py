@@ -23,23 +23,23 @@ def env():
     return wiki_search.load_environment()
 
 
-def library(env) -> wiki_search.Library:
-    return env.harness._tools[0].fn.__self__
+def library(docs_dir: Path | None = None, top_k: int = 5) -> wiki_search.Library:
+    return wiki_search.Library(wiki_search.read_corpus(docs_dir or Path(wiki_search.__file__).parent / "docs"), top_k)
 
 
 def test_every_question_names_documents_that_rank_for_it(env) -> None:
-    rows = env.load_tasks(env.tasks.size)
+    rows, ranking = env.load_tasks(env.tasks.size), library()
     assert len(rows) == env.tasks.size >= 25 and len({r["id"] for r in rows}) == len(rows)
     for row in rows:
         env.check_task(row)
-        top = [doc_id for doc_id, _, _ in library(env).ranked(row["question"])]
+        top = [doc_id for doc_id, _, _ in ranking.ranked(row["question"])]
         assert any(d in top for d in row["docs"]), (row["id"], top)  # the corpus can answer it
         assert wiki_search.correct(f"Answer: {row['answer']}", row) == 1.0
     assert [m.role for m in env.prompt_messages(TASK)] == ["system", "user"]
 
 
 def test_the_tools_answer_good_and_bad_calls() -> None:
-    lib = wiki_search.load_environment(top_k=2).harness._tools[0].fn.__self__
+    lib = library(top_k=2)
     ctx = RolloutContext(task=TASK, base_url="", api_key="", model="")
     found = lib.search("river flowing out of Lake Baikal", ctx)
     assert found.startswith("1. [lake_baikal] Lake Baikal") and found.count("\n") == 3
@@ -64,8 +64,8 @@ def test_a_swapped_corpus_with_long_documents(tmp_path: Path) -> None:
     row = {"id": "days", "question": "How many vacation days?", "answer": "30", "aliases": [],
            "docs": ["handbook/vacation"]}
     (tmp_path / "tasks.jsonl").write_text(json.dumps(row) + "\n")
-    env = wiki_search.load_environment(docs_dir=str(tmp_path))
-    lib = library(env)
+    assert wiki_search.load_environment(docs_dir=str(tmp_path)).tasks.size == 1
+    lib = library(tmp_path)
     assert sorted(lib.docs) == ["handbook/vacation", "notes"] and lib.docs["notes"].title == "notes"
     ctx = RolloutContext(task=row, base_url="", api_key="", model="")
     assert "[handbook/vacation] Vacation policy" in lib.search("vacation days staff", ctx)
