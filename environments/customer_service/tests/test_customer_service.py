@@ -26,7 +26,7 @@ def context(task: dict) -> RolloutContext:
 
 def test_each_task_holds_only_what_it_needs(tasks: dict[str, dict]) -> None:
     env = cs.load_environment()
-    assert len(tasks) == 9
+    assert len(tasks) == 12
     for task in tasks.values():
         env.check_task(task)
         assert list(task["db"]["users"]) == [task["user_id"]]
