@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +41,15 @@ def long_tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return models.build_tiny(tmp_path_factory.mktemp("model") / "tiny-1k", max_positions=1024)
 
 
+@dataclass
+class Served:
+    url: str
+    prompts: list[list[int]]  # every prompt the backend was given
+
+
 @pytest.fixture
-async def server(nats_server: NatsServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-                 ) -> AsyncIterator[list[list[int]]]:
-    """The inference app served over HTTP; yields the prompts the backend was given."""
+async def server(nats_server: NatsServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Served]:
+    """The inference app served over HTTP on a free loopback port (test environments importable)."""
     monkeypatch.syspath_prepend(str(ENVS))
     seen: list[list[int]] = []
     generate = TransformersBackend.generate
@@ -58,13 +64,13 @@ async def server(nats_server: NatsServer, tmp_path: Path, monkeypatch: pytest.Mo
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     serving = asyncio.ensure_future(srv.serve())
     await until(lambda: srv.started or serving.done(), timeout_s=30, what="the inference server")
-    yield seen
+    yield Served(f"http://127.0.0.1:{port}", seen)
     srv.should_exit = True
     await serving
 
 
 async def test_an_openai_sdk_program_yields_training_ready_exact_rollouts(
-        bus: Bus, long_tiny_model: Path, server: list[list[int]]) -> None:
+        bus: Bus, long_tiny_model: Path, server: Served) -> None:
     await create_run(bus, long_tiny_model, env="openai_sdk_agent", group_size=2,
                      trainer={"batch_size": 4, "max_off_policy_steps": 0})
     base, tok = models.load_model(long_tiny_model)
@@ -75,7 +81,7 @@ async def test_an_openai_sdk_program_yields_training_ready_exact_rollouts(
     await until(lambda: count_is(bus, "ROLLOUTS", 4), timeout_s=120, what="4 rollouts")
 
     rollouts: list[events.Rollout] = await stored(bus, "ROLLOUTS", events.Rollout)
-    prompts = server
+    prompts = server.prompts
     for r in rollouts:
         assert r.status in ("completed", "truncated"), r.error
         assert r.metrics["num_calls"] == 3 and r.metrics["num_rerenders"] == 0
@@ -99,3 +105,23 @@ async def test_an_openai_sdk_program_yields_training_ready_exact_rollouts(
     traces: list[events.TraceNode] = await stored(bus, "TRACES", events.TraceNode)
     for r in rollouts:
         assert {t.node.id for t in traces if t.rollout_id == r.id} == {n.id for n in r.nodes}
+
+
+async def test_a_failing_harness_is_an_error_rollout_and_a_bad_row_a_dead_letter(
+        bus: Bus, long_tiny_model: Path, server: Served) -> None:
+    await create_run(bus, long_tiny_model, env="flaky_env", group_size=1, trainer={"batch_size": 1})
+    base, _ = models.load_model(long_tiny_model)
+    await publish_weights(bus, "r1", 0, base)
+    await bus.publish_many([
+        events.Task(id="bad-row", run="r1", env="flaky_env", data={"text": 3, "fail": False}),
+        events.Task(id="fails", run="r1", env="flaky_env", data={"text": "ab", "fail": True}),
+        events.Task(id="works", run="r1", env="flaky_env", data={"text": "ab", "fail": False}),
+    ])
+    await until(lambda: count_is(bus, "ROLLOUTS", 2), timeout_s=60, what="2 rollouts")
+    by_task = {r.task_id: r for r in await stored(bus, "ROLLOUTS", events.Rollout)}
+    assert by_task["fails"].status == "error"
+    assert by_task["fails"].error == "harness failed: RuntimeError: the tool server is down"
+    assert by_task["works"].status in ("completed", "truncated") and by_task["works"].error is None
+    await until(lambda: count_is(bus, "DEAD", 1), what="the bad row dead-lettered")
+    (dead,) = await stored(bus, "DEAD", events.DeadLetter)
+    assert "field 'text' is 3 (int); the schema wants str" in dead.reason
