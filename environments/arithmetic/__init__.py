@@ -6,11 +6,12 @@ with exact division; ``hard``: nested parentheses, larger numbers, negatives). T
 computed exactly (``fractions.Fraction``) and is always an integer.
 
 The model may reason, then ends with ``Answer: <number>``. The verifier reads the number after
-the last ``Answer:`` (or, failing that, ``\\boxed{...}``, or the last number of the reply),
-tolerating thousands separators, a Unicode minus, markdown emphasis and ``12.0`` for 12;
-anything else is wrong, never an error. Rewards: ``correct`` (1 or 0), ``shortest_correct``
-(a group reward, weight 0.1: the shortest correct reply of the group gets it, a pressure
-against runaway length), metrics ``formatted`` (an ``Answer:`` line was given) and ``chars``.
+the last ``Answer:`` or "the answer is" (failing that, ``\\boxed{...}``, or the last number of
+the reply), tolerating thousands separators, a Unicode minus, markdown emphasis and ``12.0``
+for 12; anything else is wrong, never an error. Rewards: ``correct`` (1 or 0),
+``shortest_correct`` (a group reward, weight 0.1: the shortest correct reply of the group gets
+it, a pressure against runaway length); metrics ``formatted`` (the answer was stated as one,
+not left as a bare number) and ``chars``.
 One chat turn, no tools. ``reference(task)`` is the bare answer line, for a supervised warm-up.
 """
 
