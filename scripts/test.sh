@@ -3,6 +3,8 @@
 #   scripts/test.sh            the default suite
 #   scripts/test.sh --slow     only the slow tier
 #   scripts/test.sh --vllm     only the vLLM tier, in .venv-vllm (scripts/setup-vllm.sh)
+#   scripts/test.sh --docker   only the docker tier: a private Docker engine (root; scripts/setup-docker.sh
+#                              installs it), the compose deployment brought up and torn down
 #   scripts/test.sh -k bus     extra arguments go to pytest
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,6 +16,11 @@ if [ "${1:-}" = "--vllm" ]; then
 fi
 scripts/setup.sh
 markers="not slow and not gpu and not docker and not vllm"
+if [ "${1:-}" = "--docker" ]; then
+    shift
+    scripts/setup-docker.sh
+    markers="docker and not gpu and not vllm"
+fi
 if [ "${1:-}" = "--slow" ]; then
     markers="slow and not gpu and not docker and not vllm"
     shift

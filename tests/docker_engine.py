@@ -3,8 +3,8 @@
 No registry is reachable from the machines these tests run on, and the ``docker`` command
 there is only a client. So a test starts its own ``dockerd`` (root only), with no bridge
 network and no iptables rules: containers use ``--network none`` or host networking on
-loopback. The engine's data root lives in a cache folder reused between runs
-(``FLYWHEEL_DOCKER_CACHE``, default ``.cache/docker`` in the repository), so images built
+loopback. The engine's data root lives in a cache folder reused between runs and between
+clones (``FLYWHEEL_DOCKER_CACHE``, default ``~/.cache/flywheel-docker``), so images built
 once are found again; its exec root and socket are private temporary folders (short paths:
 unix sockets have a 108-byte limit). One engine at a time uses a data root: a second caller
 waits on a file lock, then starts its own.
@@ -42,7 +42,8 @@ class EngineUnavailable(RuntimeError):
 
 def cache_dir() -> Path:
     """The folder kept between runs: the engine's data root (images, build cache) lives here."""
-    return Path(os.environ.get("FLYWHEEL_DOCKER_CACHE", REPO_ROOT / ".cache" / "docker")).resolve()
+    default = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flywheel-docker"
+    return Path(os.environ.get("FLYWHEEL_DOCKER_CACHE") or default).resolve()
 
 
 def unavailable_reason() -> str | None:
@@ -92,6 +93,8 @@ class DockerEngine:
         self._lock()
         self._run_dir = Path(tempfile.mkdtemp(prefix="fw-dockerd-"))
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        # Its own (empty) config file: the machine's /etc/docker/daemon.json is not this engine's.
+        (self._run_dir / "daemon.json").write_text("{}\n")
         cmd = [
             "dockerd",
             "--bridge=none", "--iptables=false", "--ip6tables=false", "--ip-forward=false", "--ip-masq=false",
@@ -99,6 +102,8 @@ class DockerEngine:
             f"--exec-root={self._run_dir / 'exec'}",
             f"--pidfile={self._run_dir / 'dockerd.pid'}",
             f"--host={self.host}",
+            f"--config-file={self._run_dir / 'daemon.json'}",
+            "--log-driver=json-file",  # `docker logs` works whatever the machine's default
         ]
         # Its own session: a Ctrl-C in the test's terminal reaches the test, which stops it.
         self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -1,0 +1,28 @@
+# The inference service on vLLM (gpu profile): the official vLLM image plus Flywheel.
+#   docker build -f compose/vllm.Dockerfile -t flywheel-vllm .
+# vLLM's image brings torch (CUDA), transformers and vllm; Flywheel's own requirements are
+# added without touching them (flywheel-rl's models extra pins a CPU-friendly torch, which
+# this image must not get). A run picks vLLM with `inference.backend = "vllm"` in its config.
+ARG VLLM_BASE_IMAGE=vllm/vllm-openai:latest
+FROM ${VLLM_BASE_IMAGE}
+
+ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+COPY pyproject.toml /src/pyproject.toml
+COPY compose/requirements.py /src/compose/requirements.py
+# Everything the inference service needs except torch, which vLLM's image pins.
+RUN python3 /src/compose/requirements.py /src/pyproject.toml inference,telemetry | grep -v '^torch' > /tmp/requirements.txt \
+    && python3 -m pip install -r /tmp/requirements.txt \
+    && rm /tmp/requirements.txt
+COPY README.md /src/README.md
+COPY shared /src/shared
+COPY services /src/services
+COPY environments /src/environments
+RUN python3 -m pip install --no-deps /src && rm -rf /src/build
+COPY compose/healthcheck.py /usr/local/bin/flywheel-healthcheck
+RUN chmod +x /usr/local/bin/flywheel-healthcheck
+
+ENV FLYWHEEL_DATA_DIR=/data
+WORKDIR /data
+# The base image's entrypoint is vLLM's own server; compose gives the command.
+ENTRYPOINT []
+CMD ["python3", "-m", "flywheel_inference"]

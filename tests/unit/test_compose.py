@@ -1,0 +1,152 @@
+"""The compose deployment, checked without an engine: the files parse for both profiles, every
+setting they pass is one the services read, and every command they run exists.
+
+``docker-compose config`` validates the files where docker-compose is installed
+(scripts/setup-docker.sh; CI installs it); the other checks read the YAML directly. The
+deployment itself runs in tests/e2e/test_compose.py (marker ``docker``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from flywheel.settings import Settings
+
+COMPOSE_DIR = Path(__file__).resolve().parents[2] / "compose"
+FILES = ("docker-compose.yml", "docker-compose.override.yml", "docker-compose.host.yml")
+PROFILES = ("cpu", "gpu")
+# Read by Settings itself to find the TOML file; not a setting.
+META_VARIABLES = {"FLYWHEEL_CONFIG"}
+PYTHON_IMAGE_FILES = {"Dockerfile", "vllm.Dockerfile"}
+
+
+def load(name: str) -> dict[str, Any]:
+    return yaml.safe_load((COMPOSE_DIR / name).read_text())
+
+
+def services() -> dict[str, dict[str, Any]]:
+    """Every service of both files (the host file's entries merged over the main file's)."""
+    merged: dict[str, dict[str, Any]] = {}
+    for name in FILES:
+        for service, spec in load(name)["services"].items():
+            merged.setdefault(service, {})
+            merged[service] = {**merged[service], **spec,
+                               "environment": {**merged[service].get("environment", {}), **spec.get("environment", {})}}
+    return merged
+
+
+def compose_config(*args: str, password: str | None = "secret") -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "POSTGRES_PASSWORD"}
+    if password is not None:
+        env["POSTGRES_PASSWORD"] = password
+    return subprocess.run(["docker-compose", "--project-directory", str(COMPOSE_DIR), *args, "config"],
+                          env=env, capture_output=True, text=True, timeout=60)
+
+
+needs_compose = pytest.mark.skipif(shutil.which("docker-compose") is None,
+                                   reason="docker-compose not installed: run scripts/setup-docker.sh (as root)")
+
+
+@needs_compose
+@pytest.mark.parametrize("profile", PROFILES)
+@pytest.mark.parametrize("host_network", [False, True], ids=["compose-network", "host-network"])
+def test_docker_compose_config_accepts_both_profiles(profile: str, host_network: bool) -> None:
+    override = FILES[2] if host_network else FILES[1]
+    proc = compose_config("-f", str(COMPOSE_DIR / FILES[0]), "-f", str(COMPOSE_DIR / override), "--profile", profile)
+    assert proc.returncode == 0, proc.stderr
+    config = yaml.safe_load(proc.stdout)
+    expected = {"nats", "postgres", "gateway", "recorder", "scorer", "sandbox"} | (
+        {"inference-cpu", "trainer-cpu"} if profile == "cpu" else {"inference", "trainer"})
+    assert expected <= set(config["services"])
+    for name in expected:
+        assert config["services"][name].get("healthcheck", {}).get("test"), f"{name} has no healthcheck"
+    if host_network:  # every service on the host network, none publishing a port
+        assert {s.get("network_mode") for s in config["services"].values()} == {"host"}
+        assert not any(s.get("ports") for s in config["services"].values())
+    else:
+        assert config["services"]["gateway"]["ports"]
+
+
+@needs_compose
+def test_docker_compose_config_refuses_a_missing_password() -> None:
+    proc = compose_config("-f", str(COMPOSE_DIR / FILES[0]), password=None)
+    assert proc.returncode != 0
+    assert "set POSTGRES_PASSWORD" in proc.stderr
+
+
+def test_every_flywheel_variable_is_a_setting() -> None:
+    fields = {f"FLYWHEEL_{name.upper()}" for name in Settings.model_fields}
+    passed = {var for spec in services().values() for var in spec.get("environment", {}) if var.startswith("FLYWHEEL_")}
+    assert passed, "compose passes no FLYWHEEL_* settings"
+    unknown = passed - fields - META_VARIABLES
+    assert not unknown, f"compose passes variables no Settings field reads: {sorted(unknown)}"
+
+
+def test_mounted_toml_holds_only_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    toml = COMPOSE_DIR / "flywheel.toml"
+    keys = set(tomllib.loads(toml.read_text()))
+    assert keys and keys <= set(Settings.model_fields), keys - set(Settings.model_fields)
+    for var in [v for v in os.environ if v.startswith("FLYWHEEL_")]:
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("FLYWHEEL_CONFIG", str(toml))
+    settings = Settings()  # extra="forbid": a key that is no setting fails here
+    assert {k: getattr(settings, k) for k in keys} == tomllib.loads(toml.read_text())
+    mounts = [v for spec in services().values() for v in spec.get("volumes", []) if isinstance(v, str)]
+    assert "./flywheel.toml:/etc/flywheel/flywheel.toml:ro" in mounts
+
+
+def test_every_service_command_exists() -> None:
+    """Each command answers --help (thin entry points: no heavy imports); binaries exist."""
+    bin_dir = Path(sys.executable).parent
+    checked = set()
+    for name, spec in services().items():
+        command = spec.get("command")
+        if name == "postgres":
+            assert command[0] == "postgres"  # the official image's own command
+            continue
+        assert command, f"{name} has no command"
+        if command[0] in ("python", "python3"):
+            assert command[1] == "-m", command
+            argv = [sys.executable, *command[1:3]] + ([command[3]] if len(command) > 3 else []) + ["--help"]
+        elif command[0] == "flywheel":
+            argv = [str(bin_dir / "flywheel"), command[1], "--help"]
+        else:
+            assert (bin_dir / command[0]).exists() or shutil.which(command[0]), f"{name}: {command[0]} not found"
+            continue
+        if tuple(argv) in checked:
+            continue
+        checked.add(tuple(argv))
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, f"{name}: {' '.join(command)} --help failed:\n{proc.stderr[-2000:]}"
+
+
+def test_healthchecks_and_files_the_images_need_exist() -> None:
+    assert (COMPOSE_DIR / "healthcheck.py").is_file()
+    for spec in services().values():
+        test = spec.get("healthcheck", {}).get("test", [])
+        if "flywheel-healthcheck" in test:
+            assert test[0] == "CMD" and len(test) == 3, test
+    for dockerfile in PYTHON_IMAGE_FILES:
+        text = (COMPOSE_DIR / dockerfile).read_text()
+        assert "compose/healthcheck.py" in text and "compose/requirements.py" in text
+    run_config = Path(COMPOSE_DIR, "..", "examples", "reverse-text.toml").resolve()
+    assert run_config.is_file()  # the trainer's default RUN_CONFIG
+
+
+def test_requirements_script_expands_extras() -> None:
+    proc = subprocess.run([sys.executable, str(COMPOSE_DIR / "requirements.py"), str(COMPOSE_DIR.parent / "pyproject.toml"),
+                           "inference,gateway"], capture_output=True, text=True, check=True)
+    lines = proc.stdout.split()
+    assert "torch==2.13.0" in lines and "msgspec>=0.19" in lines and not any(l.startswith("flywheel-rl") for l in lines)
+    bad = subprocess.run([sys.executable, str(COMPOSE_DIR / "requirements.py"), str(COMPOSE_DIR.parent / "pyproject.toml"),
+                          "nope"], capture_output=True, text=True)
+    assert bad.returncode != 0 and "extra 'nope'" in bad.stderr
