@@ -21,7 +21,8 @@ rollout's trace graph. The harness does not know it is doing RL.
 - **Nodes** carry both layers: the new messages' nodes hold the tokens they add (loss mask
   False, logprob 0.0); the assistant node holds the generation prompt (not trained) and the
   sampled tokens (trained, with their logprobs and the policy version). New nodes are
-  published as :class:`flywheel.events.TraceNode` events as each call completes.
+  published as :class:`flywheel.events.TraceNode` events as each call completes, in call
+  order and off the request's path (the rollout is published after all of them).
 - **Tool calls** are parsed from the sampled text (``<tool_call>{"name": ..., "arguments":
   ...}</tool_call>``, the Hermes format the template teaches) when the request offers tools.
 
@@ -32,6 +33,7 @@ trickle. Not covered: ``n`` > 1, ``tool_choice`` other than auto, images and aud
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import secrets
@@ -210,6 +212,7 @@ class Session:
     prompts: list[list[int]] = field(default_factory=list)  # what the model was given, call by call
     _tools_key: str | None = None
     _renderer: Renderer | None = None
+    _publishing: asyncio.Future[None] | None = None
 
     async def chat(self, messages: list[events.Message], tools: list[dict[str, Any]] | None,
                    max_tokens: int | None) -> tuple[events.Node, Any, int]:
@@ -250,8 +253,24 @@ class Session:
         created = record(self.graph, plan, c, sampled.version, parse_tools=bool(tools))
         answer = created[-1] if created else self.graph.last
         assert answer is not None
-        await self.publish([events.TraceNode(run=self.run, rollout_id=self.rollout_id, node=n) for n in created])
+        self._publish_in_order([events.TraceNode(run=self.run, rollout_id=self.rollout_id, node=n) for n in created])
         return answer, c, len(plan.prompt_ids)
+
+    def _publish_in_order(self, nodes: list[events.TraceNode]) -> None:
+        """Publish off the request's path, each call's nodes after the previous call's."""
+        previous = self._publishing
+
+        async def publish() -> None:
+            if previous is not None:
+                await previous
+            await self.publish(nodes)
+
+        self._publishing = asyncio.ensure_future(publish())
+
+    async def flush(self) -> None:
+        """Wait until every trace node of this rollout is published (raises what publishing raised)."""
+        if self._publishing is not None:
+            await self._publishing
 
     def metrics(self) -> dict[str, float]:
         prompt_tokens = sum(len(n.tokens.token_ids) - sum(n.tokens.loss_mask) for n in self.graph.nodes.values()

@@ -327,6 +327,7 @@ class Worker:
         finally:
             self.interception.close(session.key)
             await ctx.close()
+        await session.flush()  # its trace nodes before the rollout
         if error is None and session.num_calls == 0:
             error = "the harness made no model call"
         status = "error" if error else "truncated" if session.truncated or ctx.state.get("truncated") else "completed"

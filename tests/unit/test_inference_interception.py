@@ -102,6 +102,7 @@ async def test_a_tool_call_conversation_extends_the_sampled_tokens(tok: Any) -> 
     assert_exact(session.graph, policy)
     assert [n.message.role for n in session.graph.branch(final.id)] == ["system", "user", "assistant", "tool",
                                                                           "assistant"]
+    await session.flush()
     assert [p.node.id for p in published] == [n.id for n in session.graph.ordered()]
 
 
