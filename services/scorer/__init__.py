@@ -3,6 +3,7 @@
     scorer.py     the consumer: rewards of a rollout -> Scores, run-config weights, composition root
     __main__.py   ``python -m flywheel_scorer [--function MODULE:FUNCTION --env ENV]``
 
-The built-in scorer runs every environment's own rewards on every run's rollouts; a custom
-scorer is one more durable consumer of the same stream, with one user function.
+The built-in scorer runs the rewards, metrics and group rewards of each run's environment (as
+the run config loads and overrides it) on its rollouts; a custom scorer is one more durable
+consumer of the same stream, with one user function (a reward or a group reward).
 """

@@ -11,6 +11,8 @@ mode):
   for one environment.
 
 Processes with the same durable share its work: that is how per-rollout scoring scales out.
+Rollouts of an eval run (``RunState.kind == "eval"``, from ``flywheel eval --record``) come
+with their own scores: they are acked, not scored again.
 
 Each reward gives one :class:`flywheel.events.Score` with id ``<rollout>.<scorer>`` (its
 value, and its components when the function returned a dict), so a redelivered rollout
@@ -50,8 +52,6 @@ Failures, each where it belongs:
   reward, a list of the wrong length), or runs past ``reward_timeout_s``: a Score with
   ``error`` saying so and value 0.0, recorded on that rollout (readers treat it as unusable,
   never as a zero); the rollout's other rewards are unaffected and the service goes on;
-- rollouts of an eval run (``RunState.kind == "eval"``, from ``flywheel eval --record``) come
-  with their own scores: acked, not scored again;
 - an environment that does not load, or a run config that does not parse: the rollout is
   dead-lettered (:class:`flywheel.bus.Reject`) with the reason, as no retry can succeed;
 - the bus failing (reading the run config, publishing): the error propagates and the bus

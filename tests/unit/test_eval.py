@@ -261,3 +261,24 @@ async def test_a_harness_that_fails_is_recorded_on_its_rollout(tmp_path: Path) -
                                    "http://127.0.0.1:9/v1 unreachable after 1 tries: ConnectError: All connection "
                                    "attempts failed")
     assert summary["pass@1"] == 0.0
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--env-args", "[1]"], "--env-args '[1]': give a JSON object of keyword arguments"),
+    (["--env-args", "{x"], "--env-args '{x': not JSON"),
+    (["-n", "0"], "num_tasks=0: at least 1"),
+    (["--model", "http://127.0.0.1:9/v1"], "--model http://127.0.0.1:9/v1: cannot reach it"),
+])
+def test_eval_mistakes_name_the_option(args: list[str], message: str, tmp_path: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    from flywheel.cli import main
+
+    assert main(["eval", "reverse_text", "--model", "m", "--data-dir", str(tmp_path), *args]) == 1
+    assert message in capsys.readouterr().err
+
+
+def test_an_environment_that_is_not_installed_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from flywheel.cli import main
+
+    assert main(["eval", "nobody/nothing", "--model", "m", "--data-dir", str(tmp_path)]) == 1
+    assert "environment 'nobody/nothing' is not installed" in capsys.readouterr().err
