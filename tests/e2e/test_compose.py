@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import functools
 import http.server
+import re
 import secrets
+import shutil
 import subprocess
 import sys
 import threading
@@ -155,6 +157,21 @@ class Deployment:
                                    '{{.Label "com.docker.compose.service"}} {{.Status}}').stdout.splitlines()
         return {line.split()[0] for line in lines if "(healthy)" in line}
 
+    def listeners(self) -> list[str]:
+        """Every TCP socket the project's processes listen on (``ss``: address:port process)."""
+        pids: set[str] = set()
+        for container in self.engine.docker("ps", "--quiet", "--filter",
+                                            f"label=com.docker.compose.project={self.project}").stdout.split():
+            top = self.engine.docker("top", container, "-eo", "pid").stdout.split()[1:]
+            pids.update(top)
+        found = []
+        for line in subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout.splitlines():
+            fields = line.split()
+            owners = re.findall(r"pid=(\d+)", line)
+            if any(pid in pids for pid in owners):
+                found.append(f"{fields[3]} {fields[-1]}")
+        return found
+
     def leftovers(self) -> list[str]:
         label = f"label=com.docker.compose.project={self.project}"
         containers = self.engine.docker("ps", "--all", "--quiet", "--filter", label).stdout.split()
@@ -208,6 +225,10 @@ def test_cpu_profile_scores_published_tasks(deployment: Deployment) -> None:
     wait_for("every service's healthcheck to pass", deployment, HEALTHY_TIMEOUT_S,
              lambda: set(SERVICES) <= deployment.healthy())
     healthy_s = time.monotonic() - started
+    if shutil.which("ss"):  # loopback only: no service of the stack listens beyond this machine
+        listeners = deployment.listeners()
+        assert len(listeners) >= 5, listeners  # nats (2), postgres, gateway, inference at least
+        assert all(line.startswith("127.0.0.1:") for line in listeners), listeners
 
     with httpx.Client(base_url=deployment.gateway, timeout=10.0) as http:
         health = http.get("/healthz")
