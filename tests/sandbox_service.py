@@ -13,11 +13,32 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any
 
+import pytest
+
 from flywheel import events
 from flywheel.bus import Bus
 from flywheel.sandbox import SERVICE_NAME, SandboxClient
 from flywheel_sandbox.service import SandboxResponder
 from flywheel_sandbox.sessions import ManagerConfig, SessionManager
+
+
+@contextlib.asynccontextmanager
+async def backend_named(name: str, request: pytest.FixtureRequest) -> AsyncIterator[Any]:
+    """The ``local`` backend, or ``docker`` on the session's private engine and Debian base
+    image (fixtures of tests/docker_engine.py: skipped with the reason where none starts)."""
+    if name == "local":
+        from flywheel_sandbox.backends import LocalBackend
+
+        backend = LocalBackend()
+    else:
+        from flywheel_sandbox.backend_docker import DockerBackend, DockerConfig
+
+        engine = request.getfixturevalue("docker_engine")
+        backend = DockerBackend(DockerConfig(image=request.getfixturevalue("debian_base"), base_url=engine.host))
+    try:
+        yield backend
+    finally:
+        await backend.close()
 
 
 @contextlib.asynccontextmanager

@@ -71,6 +71,7 @@ class SandboxResponder:
         await stopping.wait()
         for sub in subs:
             await sub.unsubscribe()
+        await self.drain()  # answered before the bus closes: the manager is destroying their sandboxes
 
     async def drain(self) -> None:
         """Wait for requests in flight (after the manager destroyed their sandboxes, they end soon)."""
@@ -127,5 +128,4 @@ async def run(settings: Settings) -> None:
     try:
         await service.run()
     finally:
-        await responder.drain()
         await backend.close()

@@ -25,16 +25,13 @@ from flywheel.natsserver import NatsServer
 from flywheel.sandbox import ErrorReply, SandboxClient, SandboxError, SandboxSpec, subject
 from flywheel.service import read_heartbeats
 from flywheel_sandbox.backends import LocalBackend
-from tests.sandbox_service import serving
+from tests.sandbox_service import backend_named, serving
 
 
 @pytest.fixture
-async def backend() -> AsyncIterator[LocalBackend]:
-    b = LocalBackend()
-    try:
+async def backend(request: pytest.FixtureRequest) -> AsyncIterator[LocalBackend]:
+    async with backend_named("local", request) as b:
         yield b
-    finally:
-        await b.close()
 
 
 @pytest.fixture

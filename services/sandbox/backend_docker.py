@@ -1,0 +1,188 @@
+"""The docker backend: one container per sandbox, through the docker SDK.
+
+Each container runs the agent as its first process (PID 1 of its PID namespace, so a
+command cannot kill it with a signal) from the image's ``python3``, with:
+
+- no network (``network_mode=none``; ``network=True`` uses the engine's default bridge);
+- a read-only root filesystem, ``/work`` and ``/tmp`` as tmpfs of ``disk_mb`` each;
+- memory (swap included), pids and CPU limits from the spec;
+- a non-root user (``DockerConfig.user``), every capability dropped, ``no-new-privileges``;
+- the agent's rlimits on each command (file size, open files, CPU seconds).
+
+The agent's frames travel over the container's attached stdin/stdout (the engine's
+multiplexed stream, demultiplexed here). Destroying a sandbox removes its container with
+force (SIGKILL). Not isolated: the kernel is the host's (as for every container), and the
+image is whatever ``sandbox_image`` names: it needs ``python3``; a user it can run as is
+given by number, so no passwd entry is needed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import socket
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+from flywheel.sandbox import WORKDIR, SandboxError, SandboxSpec
+from flywheel_sandbox.backends import (
+    AGENT_MEMORY_BYTES,
+    EXTRA_PIDS,
+    MiB,
+    AgentChannel,
+    AgentGone,
+    BackendUnavailable,
+    agent_argv,
+    agent_preamble,
+    pool_key,
+)
+
+log = logging.getLogger(__name__)
+
+STDOUT, STDERR = 1, 2
+
+
+@dataclass
+class DockerConfig:
+    image: str = "flywheel-sandbox:latest"
+    base_url: str | None = None  # unset: DOCKER_HOST, else the engine's default socket
+    user: str = "65534:65534"  # nobody
+    python: str = "python3"
+    start_timeout_s: float = 30.0
+    labels: dict[str, str] = field(default_factory=lambda: {"flywheel.sandbox": "1"})
+
+
+@dataclass
+class DockerBox:
+    container: Any
+    channel: AgentChannel
+    sock: socket.socket
+    writer: asyncio.StreamWriter
+    demux: asyncio.Task[None]
+    backend: DockerBackend
+    stderr_tail: bytearray = field(default_factory=bytearray)
+    stopped: bool = False
+
+    @property
+    def alive(self) -> bool:
+        return not self.stopped and not self.demux.done()
+
+    async def stop(self) -> None:
+        """Close the stream and remove the container with force (SIGKILL) in the background."""
+        if self.stopped:
+            return
+        self.stopped = True
+        self.writer.close()
+        self.demux.cancel()
+        self.backend.track(self.backend.run(functools.partial(self.container.remove, force=True)))
+
+
+class DockerBackend:
+    name = "docker"
+
+    def __init__(self, config: DockerConfig | None = None) -> None:
+        import docker
+        import docker.errors
+
+        self.config = config or DockerConfig()
+        try:
+            self.client = docker.DockerClient(base_url=self.config.base_url) if self.config.base_url \
+                else docker.from_env()
+            self.client.ping()
+        except docker.errors.DockerException as exc:
+            raise BackendUnavailable(f"the docker sandbox backend cannot reach a Docker engine "
+                                     f"({self.config.base_url or 'DOCKER_HOST or the default socket'}): {exc}") from exc
+        try:
+            self.client.images.get(self.config.image)
+        except docker.errors.ImageNotFound as exc:
+            raise BackendUnavailable(f"sandbox image {self.config.image!r} is not in the engine: build it (it needs "
+                                     "python3), or set sandbox_image to one that is") from exc
+        self._cleanups: set[asyncio.Task[Any]] = set()
+
+    def pool_key(self, spec: SandboxSpec) -> tuple[Any, ...]:
+        return pool_key(spec)
+
+    def limits(self, spec: SandboxSpec) -> dict[str, int]:
+        # No RLIMIT_NPROC: every container's user is the same host uid; the pids cgroup limits each one.
+        return {"fsize_bytes": spec.disk_mb * MiB, "nofile": 1024}
+
+    async def run(self, fn: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(None, fn)
+
+    def track(self, cleanup: Any) -> None:
+        task = asyncio.ensure_future(cleanup)
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
+
+    def _create(self, spec: SandboxSpec) -> tuple[Any, socket.socket]:
+        memory = spec.memory_mb * MiB + AGENT_MEMORY_BYTES
+        tmpfs = f"size={spec.disk_mb}m,mode=1777,exec,nosuid,nodev"  # docker mounts noexec unless told
+        container = self.client.containers.create(
+            spec.image or self.config.image, agent_argv(self.config.python), stdin_open=True, tty=False,
+            user=self.config.user, read_only=True,  # no working_dir: the engine would make /work root's 0755
+            tmpfs={WORKDIR: tmpfs, "/tmp": tmpfs},
+            network_mode="bridge" if spec.network else "none", mem_limit=memory, memswap_limit=memory,
+            pids_limit=spec.pids + EXTRA_PIDS, nano_cpus=int(spec.cpu * 1e9), cap_drop=["ALL"],
+            security_opt=["no-new-privileges"], environment={"HOME": WORKDIR}, hostname="sandbox",
+            labels=self.config.labels, auto_remove=False)
+        try:
+            raw = self.client.api.attach_socket(container.id, params={"stdin": 1, "stdout": 1, "stderr": 1,
+                                                                      "stream": 1})
+            container.start()
+        except Exception:
+            container.remove(force=True)
+            raise
+        return container, getattr(raw, "_sock", raw)
+
+    async def start(self, spec: SandboxSpec) -> DockerBox:
+        import docker.errors
+
+        try:
+            container, sock = await self.run(functools.partial(self._create, spec))
+        except docker.errors.ImageNotFound as exc:
+            raise SandboxError("invalid_request", f"spec.image={spec.image!r}: no such image in the engine") from exc
+        except docker.errors.APIError as exc:
+            raise SandboxError("failed", f"the engine could not start the sandbox: {exc}") from exc
+        sock.setblocking(False)
+        reader, writer = await asyncio.open_connection(sock=sock)
+        agent_out = asyncio.StreamReader(limit=2**24)
+        tail = bytearray()
+        demux = asyncio.ensure_future(_demultiplex(reader, agent_out, tail))
+
+        async def write(data: bytes) -> None:
+            writer.write(data)
+            await writer.drain()
+
+        box = DockerBox(container, AgentChannel(agent_out.readexactly, write), sock, writer, demux, self, tail)
+        writer.write(agent_preamble())
+        try:
+            await asyncio.wait_for(box.channel.read_frame(), self.config.start_timeout_s)
+        except (AgentGone, asyncio.TimeoutError) as exc:
+            await box.stop()
+            raise SandboxError("failed", f"the sandbox did not start: {bytes(tail).decode(errors='replace')[-1000:] or exc!r}") from exc
+        return box
+
+    async def close(self) -> None:
+        await asyncio.gather(*self._cleanups, return_exceptions=True)
+        self.client.close()
+
+
+async def _demultiplex(reader: asyncio.StreamReader, agent_out: asyncio.StreamReader, tail: bytearray) -> None:
+    """Split the engine's attach stream (8-byte headers: stream, 0, 0, 0, size) into the
+    agent's stdout and a tail of its stderr."""
+    try:
+        while True:
+            header = await reader.readexactly(8)
+            kind, size = header[0], struct.unpack(">I", header[4:])[0]
+            payload = await reader.readexactly(size)
+            if kind == STDOUT:
+                agent_out.feed_data(payload)
+            elif kind == STDERR:
+                tail += payload
+                del tail[:-4096]
+    except (asyncio.IncompleteReadError, ConnectionError, OSError):
+        pass
+    finally:
+        agent_out.feed_eof()
