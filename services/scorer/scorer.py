@@ -489,6 +489,7 @@ class ScorerConfig:
     reward_timeout_s: float = 120.0
     group_timeout_s: float = 300.0  # a group incomplete this long after its first member is scored with what came
     run_config_ttl_s: float = 5.0
+    ack_wait_s: float = 30.0  # held deliveries get in_progress every third of it
 
     def __post_init__(self) -> None:
         for name in ("max_in_flight", "max_held", "num_threads"):
@@ -506,7 +507,8 @@ class ScorerConfig:
         # scoring bound, and the scorer never holds more than max_held: scoring always has room.
         consumer = Consumer(bus, stream="ROLLOUTS", durable=rewards.durable, handler=scorer.handle,
                             event_type=events.Rollout, filter_subject=rewards.filter_subject,
-                            max_in_flight=self.max_in_flight + self.max_held, batch_size=self.max_in_flight)
+                            max_in_flight=self.max_in_flight + self.max_held, batch_size=self.max_in_flight,
+                            ack_wait_s=self.ack_wait_s)
         return consumer, scorer
 
 

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -123,6 +124,30 @@ async def test_interleaved_groups_are_held_until_complete_and_never_deadlock(bus
     assert {sc.rollout_id for sc in scores if sc.value == 1.0} == {f"g{g}-2" for g in range(4)}
     info = await bus.js.consumer_info("ROLLOUTS", "scorer")
     assert info.num_ack_pending == 0 and info.num_redelivered == 0
+
+
+async def test_a_held_member_is_kept_alive_past_ack_wait_not_redelivered(bus: Bus) -> None:
+    await put_run(bus, "r1", RunConfig(run="r1", env="reverse_text", rewards={
+        "shortest": {"function": "tests.unit.test_scorer_rewards:shortest", "group": True}}).model_dump())
+    first, second = group_of(2, ["cba", "cb"])
+    async with builtin_scorer(bus, ack_wait_s=1.0) as consumer:
+        await bus.publish(first)
+        await until(lambda: num_messages(bus, "SCORES"), what="the first member's own scores")
+
+        held_since = time.monotonic()
+
+        async def held_past_ack_wait() -> bool:  # two and a half ack waits: in_progress keeps it ours
+            info = await bus.js.consumer_info("ROLLOUTS", "scorer")
+            assert (info.num_redelivered, info.num_ack_pending, consumer.stats.acked) == (0, 1, 0)
+            return time.monotonic() - held_since > 2.5
+
+        await until(held_past_ack_wait, what="the first member held for two ack waits")
+        await bus.publish(second)
+        await until(lambda: consumer.stats.acked == 2, what="both members acked")
+    scores = {sc.id: sc for sc in await stored(bus, "SCORES", events.Score) if sc.scorer == "shortest"}
+    assert {k: (v.value, v.error) for k, v in scores.items()} == {"g1-0.shortest": (0.0, None),
+                                                                  "g1-1.shortest": (1.0, None)}
+    assert (await bus.js.consumer_info("ROLLOUTS", "scorer")).num_redelivered == 0
 
 
 async def test_what_can_never_be_scored_is_dead_lettered_and_scoring_goes_on(bus: Bus) -> None:
