@@ -22,6 +22,8 @@ reward at 1.0), harness and reward errors, tokens from the upstream's usage.
 
 ``record`` publishes the rollouts and their scores on the bus under a run of kind ``eval``
 (registered in the runs bucket), so the gateway's recorder stores them beside training runs.
+Where NATS answers, harnesses get a sandbox client (``RolloutContext.sandbox_client``) and
+rewards reach the sandbox service through it (:mod:`flywheel.sandbox_tools`).
 
 Not covered: the token layer (an arbitrary endpoint returns no token ids; the interception
 endpoint of the inference service records those in training), ``/completions`` (legacy
@@ -56,6 +58,9 @@ from flywheel.environment import (
     messages_of,
     subject_name,
 )
+from flywheel.sandbox import SandboxClient
+from flywheel.sandbox_tools import SandboxUnavailable, use_client
+from flywheel.sandbox_tools import connect as connect_sandbox
 from flywheel.tracegraph import TraceGraph
 
 if TYPE_CHECKING:
@@ -429,7 +434,9 @@ def summarize(records: Sequence[Mapping[str, Any]], weights: Mapping[str, float]
         per_reward[name] = {"mean": m, "stderr": s, "weight": weights[name], "num": len(values)}
     by_task: dict[str, list[bool]] = {}
     for r in records:
-        by_task.setdefault(r["task_id"], []).append(r.get("reward") is not None and r["reward"] >= pass_threshold)
+        # A hair of tolerance: weighted sums of floats (0.1 + 0.2) should pass a threshold they meet.
+        passed = r.get("reward") is not None and r["reward"] >= pass_threshold - 1e-9
+        by_task.setdefault(r["task_id"], []).append(passed)
     pass_k = {}
     for k in range(1, num_rollouts + 1):
         groups = [g for g in by_task.values() if len(g) >= k]
@@ -509,6 +516,8 @@ class Evaluation:
         self.weights = env.weights
         self.proxy = RecordingProxy(cfg.base_url, cfg.api_key, max_retries=cfg.max_retries, timeout_s=cfg.timeout_s)
         self.bus: Bus | None = None
+        self.sandbox: SandboxClient | None = None  # for sandbox tools and rewards, where NATS answers
+        self._sandbox_bus: Bus | None = None
         self._slots = asyncio.Semaphore(cfg.concurrency)
         self._write = asyncio.Lock()
 
@@ -538,17 +547,20 @@ class Evaluation:
             print(f"resume: {len(tasks) - len(todo)} of {len(tasks)} tasks done in {cfg.out}", file=self.progress_out)
         if cfg.record:
             await self._open_bus(nats_url)
+        await self._open_sandbox(nats_url)
         served = await serve(self.proxy.app())
         self.proxy.url = served.url
         started = time.monotonic()
         try:
-            with cfg.out.open("a") as out:
+            with cfg.out.open("a") as out, use_client(self.sandbox):
                 await asyncio.gather(*(self._group(tid, row, out, progress) for tid, row in todo))
         finally:
             await served.stop()
             await self.proxy.close()
             if self.bus is not None:
                 await self._close_bus()
+            if self._sandbox_bus is not None:
+                await self._sandbox_bus.close()
         records = [r for r in read_results(cfg.out) if r["task_id"] in wanted]
         summary = {"env": cfg.env, "model": cfg.model, "run": self.run_id if cfg.record else None,
                    **summarize(records, self.weights, cfg.num_rollouts, self.pass_threshold),
@@ -582,7 +594,8 @@ class Evaluation:
         rid = rollout_id(self.run_id, tid, index)
         async with self._slots:
             ctx = RolloutContext(task=row, base_url=self.proxy.base_url(rid), api_key=HARNESS_API_KEY,
-                                 model=self.cfg.model, index=index, timeout_s=self.cfg.timeout_s)
+                                 model=self.cfg.model, index=index, timeout_s=self.cfg.timeout_s, rollout_id=rid,
+                                 sandbox_client=self.sandbox)
             error = None
             try:
                 assert self.env.harness is not None
@@ -612,6 +625,15 @@ class Evaluation:
         await register_run(self.bus, self.run_id, kind="eval", config={
             "eval": {"env": self.cfg.env, "model": self.cfg.model, "base_url": self.cfg.base_url,
                      "num_tasks": self.cfg.num_tasks, "num_rollouts": self.cfg.num_rollouts}})
+
+    async def _open_sandbox(self, nats_url: str | None) -> None:
+        """The sandbox service's client, over the recording bus or a connection of its own, where
+        NATS answers at ``nats_url``; without one a sandbox tool fails its rollout saying what to start."""
+        if self.bus is not None:
+            self.sandbox = SandboxClient(self.bus)
+        elif nats_url is not None:
+            with contextlib.suppress(SandboxUnavailable):  # no NATS: environments without a sandbox run as ever
+                self._sandbox_bus, self.sandbox = await connect_sandbox(nats_url, timeout_s=1.0)
 
     async def _publish(self, rollouts: list[events.Rollout], scored: list[dict[str, Any]]) -> None:
         assert self.bus is not None
