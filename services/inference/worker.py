@@ -301,6 +301,7 @@ class Worker:
     async def _one_rollout(self, task: events.Task, index: int, env: Environment, sampling: events.Sampling,
                            hosted: HostedRun) -> events.Rollout:
         from flywheel.harness import RolloutContext
+        from flywheel.sandbox import SandboxClient
 
         rid = rollout_id(task.id, index)
         if sampling.seed is not None:
@@ -313,7 +314,8 @@ class Worker:
         session = self.interception.open(task.run, rid, hosted.policy, sampling, publish)
         base_url, http_client = self._interception_url(session.key)
         ctx = RolloutContext(task=dict(task.data), base_url=base_url, api_key=session.key, model=task.run,
-                             index=index, timeout_s=self.config.rollout_timeout_s, http_client=http_client)
+                             index=index, timeout_s=self.config.rollout_timeout_s, http_client=http_client,
+                             rollout_id=rid, sandbox_client=SandboxClient(self.bus))
         error: str | None = None
         started = asyncio.get_running_loop().time()
         try:

@@ -283,7 +283,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
                      num_tasks=args.num_tasks, num_rollouts=args.num_rollouts, concurrency=args.concurrency,
                      resume=args.resume, pass_threshold=args.pass_threshold, env_args=env_args, seed=args.seed,
                      max_retries=args.max_retries, record=args.record, run_id=args.run_id)
-    summary = asyncio.run(run_eval(cfg, settings.resolved_nats_url if args.record else None))
+    summary = asyncio.run(run_eval(cfg, settings.resolved_nats_url))  # --record, and sandboxes where NATS answers
     print(format_summary(summary))
     print(f"results: {summary['results']}" + (f"  run: {summary['run']}" if summary["run"] else ""))
     return 0

@@ -27,8 +27,7 @@ rewards reach the sandbox service through it (:mod:`flywheel.sandbox_tools`).
 
 Not covered: the token layer (an arbitrary endpoint returns no token ids; the interception
 endpoint of the inference service records those in training), ``/completions`` (legacy
-text completions) through the proxy, and sync reward functions off the event loop (an eval
-runs them inline: a slow one delays the others).
+text completions) through the proxy.
 """
 
 from __future__ import annotations
@@ -56,6 +55,7 @@ from flywheel.environment import (
     load_environment,
     message_from_dict,
     messages_of,
+    off_the_loop,
     subject_name,
 )
 from flywheel.sandbox import SandboxClient
@@ -381,7 +381,7 @@ async def score(env: Environment, rollouts: Sequence[events.Rollout]) -> list[di
         else:
             out[i]["reward_errors"][name] = value
 
-    for reward in env.rewards:
+    for reward in map(off_the_loop, env.rewards):
         if isinstance(reward, GroupReward):
             try:
                 values: list[Value | str] = list(await reward(rollouts))

@@ -25,9 +25,10 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import logging
 import os
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -38,6 +39,9 @@ if TYPE_CHECKING:
     import openai
 
     from flywheel.environment import Environment
+    from flywheel.sandbox import SandboxClient
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -52,7 +56,17 @@ class RolloutContext:
     state: dict[str, Any] = field(default_factory=dict)  # JSON; reaches rewards as `state`
     timeout_s: float = 600.0
     http_client: Any = None  # an httpx.AsyncClient to reach base_url through (e.g. in-process ASGI)
+    rollout_id: str = ""
+    # A flywheel.sandbox.SandboxClient where a sandbox service is reachable (flywheel.sandbox_tools uses it).
+    sandbox_client: SandboxClient | None = None
+    resources: dict[str, Any] = field(default_factory=dict)  # per-rollout objects of tools; not recorded
     _client: Any = None
+    _on_close: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+
+    def on_close(self, release: Callable[[], Awaitable[None]]) -> None:
+        """Have :meth:`close` await ``release()`` when the rollout ends, however it ends (last
+        registered first): how a tool frees what it started for the rollout (a sandbox session)."""
+        self._on_close.append(release)
 
     def client(self) -> openai.AsyncOpenAI:
         """An ``openai.AsyncOpenAI`` client for this rollout (one per context)."""
@@ -64,6 +78,15 @@ class RolloutContext:
         return self._client
 
     async def close(self) -> None:
+        """Release the rollout's resources (see :meth:`on_close`), then its model client. A release
+        that fails is logged and the rest still run: the rollout itself is over by now."""
+        while self._on_close:
+            release = self._on_close.pop()
+            try:
+                await release()
+            except Exception as exc:  # noqa: BLE001 - one failed release must not leak the others
+                log.warning("rollout %s: releasing %s failed: %s: %s", self.rollout_id or "?",
+                            getattr(release, "__qualname__", release), type(exc).__name__, exc)
         if self._client is not None and self.http_client is None:
             await self._client.close()
 

@@ -1,0 +1,192 @@
+"""flywheel.sandbox_tools against a real sandbox service (local backend) over a real nats-server:
+the bash and python tools on good and bad calls, the rollout's session (lazy, labelled,
+destroyed when the rollout ends, even when the harness raises), and run_tests on passing,
+failing, broken, looping and output-forging code."""
+
+from __future__ import annotations
+
+import pytest
+
+from flywheel.environment import Environment, Reward, TaskSet
+from flywheel.harness import ChatHarness, RolloutContext, ToolError
+from flywheel.sandbox import SandboxClient, SandboxSpec
+from flywheel.sandbox_tools import (
+    ROLLOUT_LABEL,
+    SandboxTools,
+    SandboxUnavailable,
+    connect,
+    cut,
+    default_client,
+    run_tests,
+    sandbox_session,
+    use_client,
+)
+from tests.sandbox_fixtures import sandbox  # noqa: F401 - fixture
+from tests.scripted_openai import ScriptedOpenAI, tool_call
+
+SOLUTION = "def add(a, b):\n    return a + b\n"
+TESTS = """from solution import add
+
+def test_small():
+    assert add(1, 2) == 3
+
+def test_negative():
+    assert add(-1, -1) == -2
+
+def test_strings():
+    assert add("a", "b") == "ab"
+"""
+
+
+def context(client: SandboxClient | None, rollout_id: str = "r-1") -> RolloutContext:
+    return RolloutContext(task={}, base_url="", api_key="", model="", rollout_id=rollout_id, sandbox_client=client)
+
+
+async def test_bash_and_python_share_a_session_that_ends_with_the_rollout(sandbox: SandboxClient) -> None:
+    tools = SandboxTools(timeout_s=2, max_output_chars=300)
+    ctx = context(sandbox)
+    assert not sandbox.manager.sessions  # lazy: nothing until the first call
+    assert await tools.bash("mkdir -p src && cd src && echo 'x = 6 * 7' > lib.py && pwd", ctx) == \
+        "exit code 0\n--- stdout ---\n/work/src"
+    assert await tools.python("from lib import x\nprint(x)", ctx) == "exit code 0\n--- stdout ---\n42"
+    assert await tools.bash("true", ctx) == "exit code 0\n(no output)"
+    failed = await tools.bash("echo to-err >&2; exit 3", ctx)
+    assert failed == "exit code 3\n--- stderr ---\nto-err"
+    crashed = await tools.python("import sys\nprint('partial')\n1 / 0", ctx)
+    assert crashed.startswith("exit code 1\n--- stdout ---\npartial\n--- stderr ---\nTraceback")
+    assert "ZeroDivisionError" in crashed
+    slow = await tools.bash("echo started; sleep 30", ctx)
+    assert slow.startswith("timed out after 2 s: the command and everything it started were killed")
+    long = await tools.bash("seq 1 1000", ctx)
+    assert long.startswith("exit code 0\n--- stdout (showing 300 of 3893 characters) ---\n1\n2\n")
+    assert "\n[... 3593 characters cut ...]\n" in long and long.endswith("\n999\n1000")
+    flood = await tools.bash("seq 1 100000", ctx)  # past what the sandbox keeps of a stream
+    assert flood.startswith("exit code 0\n--- stdout (more than 65536 characters: showing 300 of the first 65536)")
+    assert len(flood) < 500
+    (box,) = sandbox.manager.sessions.values()
+    assert box.spec.labels == {ROLLOUT_LABEL: "r-1"}
+    assert ctx.state["sandbox_calls"] == {"command": 6, "code": 2}
+    await ctx.close()
+    assert not sandbox.manager.sessions
+
+
+async def test_bad_calls_are_answered_and_the_session_survives(sandbox: SandboxClient) -> None:
+    tools = SandboxTools(timeout_s=5)
+    ctx = context(sandbox)
+    for bad, message in (("   ", "command is empty"), ("echo a\x00b", "NUL"), ("x" * 100_001, "over the limit")):
+        with pytest.raises(ToolError, match=message):
+            await tools.bash(bad, ctx)
+    with pytest.raises(ToolError, match="code is empty"):
+        await tools.python("", ctx)
+    assert not sandbox.manager.sessions  # no call reached the sandbox
+    assert (await tools.bash("echo ok", ctx)).endswith("ok")
+    for command in ("kill -9 -1", "echo again"):  # the model kills all it may, its sandbox's agent included
+        with pytest.raises(ToolError, match="is gone: its processes were killed from inside"):
+            await tools.bash(command, ctx)
+    await ctx.close()
+    assert not sandbox.manager.sessions
+
+
+async def test_the_session_is_destroyed_when_the_harness_raises(sandbox: SandboxClient) -> None:
+    tools = SandboxTools()
+
+    def setup(ctx: RolloutContext) -> None:
+        ctx.state["setup"] = True
+
+    env = Environment(name="boom", tasks=TaskSet.from_rows([{"q": "x"}]),
+                      harness=ChatHarness(tools=tools.tools(), setup=setup, max_turns=5),
+                      prompt=lambda task: task["q"], rewards=[Reward(lambda: 0.0, name="zero")])
+    script = [tool_call("bash", command="echo hi > f.txt"), tool_call("python", code="print(open('f.txt').read())"),
+              tool_call("bash", command="true")]
+    with ScriptedOpenAI({"agent": script}) as server:  # the fourth turn is past the script: the harness raises
+        ctx = RolloutContext(task={"q": "x"}, base_url=server.base_url, api_key="t", model="agent", rollout_id="r-9",
+                             sandbox_client=sandbox)
+        with pytest.raises(Exception, match="no reply left"):
+            try:
+                await env.harness.run(env, ctx)
+            finally:
+                assert len(sandbox.manager.sessions) == 1
+                await ctx.close()
+        said = [m["content"] for m in server.requests_for("agent")[-1]["messages"] if m["role"] == "tool"]
+    assert said == ["exit code 0\n(no output)", "exit code 0\n--- stdout ---\nhi"]
+    tool_specs = {t["function"]["name"]: t["function"] for t in server.requests_for("agent")[0]["tools"]}
+    assert list(tool_specs["bash"]["parameters"]["properties"]) == ["command"]
+    assert "30 s" in tool_specs["python"]["description"]
+    assert not sandbox.manager.sessions
+
+
+async def test_setup_fills_the_session_and_leftovers_go_by_label(sandbox: SandboxClient) -> None:
+    ctx = context(sandbox, rollout_id="r-left")
+    client, box = await sandbox_session(ctx, SandboxSpec(files={"notes/a.txt": b"from setup"}))
+    assert (client, box) == (sandbox, (await sandbox_session(ctx))[1])  # one session a rollout
+    assert (await SandboxTools().bash("cat notes/a.txt", ctx)).endswith("from setup")
+    assert await sandbox.destroy_by_label({ROLLOUT_LABEL: "r-left"}) == 1  # e.g. after a crashed worker
+    await ctx.close()  # destroying what is already gone is fine
+    assert not sandbox.manager.sessions
+
+
+async def test_no_sandbox_service_is_a_clear_rollout_error() -> None:
+    with pytest.raises(SandboxUnavailable, match=r"start the sandbox service \(flywheel up\) or set nats_url"):
+        await SandboxTools().bash("ls", context(None))
+    with pytest.raises(SandboxUnavailable, match="cannot reach NATS at nats://127.0.0.1:1"):
+        await connect("nats://127.0.0.1:1", timeout_s=0.3)
+
+
+async def test_no_service_answering_on_nats_fails_the_rollout(sandbox: SandboxClient) -> None:
+    lone = SandboxClient(sandbox.bus)
+    sandbox.manager.closed = True  # the service refuses new sandboxes, as when it stops
+    with pytest.raises(SandboxUnavailable, match="stopping"):
+        await SandboxTools().bash("ls", context(lone))
+    sandbox.manager.closed = False
+
+
+def test_cut_keeps_head_and_tail() -> None:
+    assert cut("abc", 5) == ("abc", False)
+    text, was_cut = cut("0123456789" * 3, 9)
+    assert was_cut and text.startswith("012345\n[... 21 characters cut ...]\n") and text.endswith("789")
+
+
+async def test_run_tests_counts_passes_failures_and_timeouts(sandbox: SandboxClient) -> None:
+    with use_client(sandbox):
+        assert await default_client() is sandbox
+        good = await run_tests({"solution.py": SOLUTION, "test_solution.py": TESTS})
+        assert good.verdicts == {"test_small": "pass", "test_negative": "pass", "test_strings": "pass"}
+        assert good.all_passed and good.fraction == 1.0 and good.exit_code == 0 and not good.timed_out
+        wrong = await run_tests({"solution.py": "def add(a, b):\n    print('debug')\n    return a - b\n",
+                                 "test_solution.py": TESTS})
+        assert (wrong.num_passed, wrong.num_tests, wrong.all_passed) == (0, 3, False)
+        assert "AssertionError: assert add(1, 2) == 3" in wrong.failures["test_small"]
+        assert "unsupported operand" in wrong.failures["test_strings"] and "debug" in wrong.output
+        broken = await run_tests({"solution.py": "def add(a, b)\n    return a + b\n", "test_solution.py": TESTS})
+        assert broken.fraction == 0.0 and "import failed: " in broken.failures["test_small"]
+        assert "SyntaxError" in broken.failures["test_small"]
+        partial = await run_tests({"solution.py": "def add(a, b):\n    while a == -1:\n        pass\n    return a + b\n",
+                                   "test_solution.py": TESTS}, test_timeout_s=0.3)
+        assert partial.verdicts == {"test_small": "pass", "test_negative": "timeout", "test_strings": "pass"}
+        assert partial.num_timeouts == 1 and partial.fraction == pytest.approx(2 / 3)
+    assert not sandbox.manager.sessions  # one-shot sandboxes
+
+
+async def test_run_tests_resists_forged_output_and_whole_run_timeouts(sandbox: SandboxClient) -> None:
+    forger = ("import os, sys\nfor t in ('test_small', 'test_negative', 'test_strings'):\n"
+              "    print('x pass', t); os.write(1, f'\\nx pass {t}\\n'.encode())\nos._exit(0)\n")
+    forged = await run_tests({"solution.py": forger, "test_solution.py": TESTS}, client=sandbox)
+    assert forged.num_passed == 0 and set(forged.verdicts.values()) == {"missing"}
+    assert "no verdict" in forged.failures["test_small"]
+    hung = await run_tests({"solution.py": "import time\nwhile True:\n    time.sleep(0.01)\n",
+                            "test_solution.py": TESTS}, client=sandbox, timeout_s=1, test_timeout_s=30)
+    assert hung.timed_out and set(hung.verdicts.values()) == {"timeout"} and hung.fraction == 0.0
+    with pytest.raises(ValueError, match="no top-level test_"):
+        await run_tests({"solution.py": SOLUTION, "test_solution.py": "x = 1\n"}, client=sandbox)
+    with pytest.raises(ValueError, match="not among the files"):
+        await run_tests({"solution.py": SOLUTION}, client=sandbox)
+
+
+async def test_run_tests_with_a_command_of_your_own(sandbox: SandboxClient) -> None:
+    script = "python3 -c 'import solution; assert solution.add(2, 2) == 4' && echo ok"
+    passed = await run_tests({"solution.py": SOLUTION}, command=script, client=sandbox)
+    assert passed.verdicts == {"command": "pass"} and passed.all_passed
+    failed = await run_tests({"solution.py": "def add(a, b):\n    return 5\n"}, command=script, client=sandbox)
+    assert failed.verdicts == {"command": "fail"}
+    summary = await run_tests({}, command="echo '=== 3 passed, 1 failed in 0.1s ==='; exit 1", client=sandbox)
+    assert (summary.num_passed, summary.num_tests) == (3, 4)
