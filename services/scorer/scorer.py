@@ -74,9 +74,6 @@ forms a new group and is scored incomplete after the timeout).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import functools
-import inspect
 import logging
 import math
 import re
@@ -101,6 +98,7 @@ from flywheel.environment import (
     import_object,
     load_environment,
     load_for_run,
+    off_the_loop,
 )
 from flywheel.runs import get_run
 from flywheel.service import Service
@@ -269,20 +267,6 @@ class RunConfigs:
         return config
 
 
-def _is_async(fn: Callable[..., Any]) -> bool:
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
-
-
-def _in_pool(pool: Executor, fn: Callable[..., Any]) -> Callable[..., Awaitable[Any]]:
-    """``fn`` run in ``pool``, as an async function with ``fn``'s signature (rewards take parameters by name)."""
-
-    @functools.wraps(fn)
-    async def pooled(**kwargs: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, **kwargs))
-
-    return pooled
-
-
 @dataclass
 class _Group:
     """The members of one group that arrived, waiting for the rest."""
@@ -355,11 +339,9 @@ class Scorer:
 
     def _runnable(self, reward: Reward | GroupReward) -> Reward | GroupReward:
         """``reward`` itself when it is async, else a copy whose function runs in the thread pool."""
-        if _is_async(reward.fn):
-            return reward
         pooled = self._pooled.get(id(reward))
         if pooled is None or pooled[0] is not reward:
-            pooled = self._pooled[id(reward)] = (reward, dataclasses.replace(reward, fn=_in_pool(self.pool, reward.fn)))
+            pooled = self._pooled[id(reward)] = (reward, off_the_loop(reward, self.pool))
         return pooled[1]
 
     async def _run(self, reward: Reward | GroupReward, name: str, ids: list[str], arg: Any) -> Value | list[Value] | str:

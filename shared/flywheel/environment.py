@@ -42,6 +42,9 @@ environment's code (:class:`EnvironmentOverrides`).
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import functools
 import importlib
 import importlib.metadata
 import inspect
@@ -49,9 +52,10 @@ import json
 import math
 import random
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from flywheel import events
 
@@ -280,6 +284,23 @@ class GroupReward:
             raise RewardError(f"group reward {self.name!r} returned {values!r}; it returns a list with one value "
                               f"per rollout ({len(rollouts)})")
         return [Value(*_number(v, self.name, self.weights)) for v in values]
+
+
+AnyReward = TypeVar("AnyReward", Reward, GroupReward)
+
+
+def off_the_loop(reward: AnyReward, executor: Executor | None = None) -> AnyReward:
+    """``reward`` itself when its function is async, else a copy whose sync function runs in
+    ``executor`` (None: asyncio's default), so a slow reward does not stall the event loop."""
+    fn = reward.fn
+    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
+        return reward
+
+    @functools.wraps(fn)
+    async def threaded(**kwargs: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(executor, functools.partial(fn, **kwargs))
+
+    return dataclasses.replace(reward, fn=threaded)
 
 
 def _check_weight(name: str, weight: float) -> None:
