@@ -42,7 +42,7 @@ member that arrives after its group was scored gets a Score with ``error`` sayin
 Limitation: a group reward needs the whole group in one scorer process. Replicas sharing a
 durable split a stream's rollouts between them, so a group can be split too: its halves
 then wait for ``group_timeout_s`` and are scored incomplete (with the errors above, never a
-silent value). Run one built-in scorer process for runs whose environments have group
+silent value; the error says how many processes share the durable when there are several). Run one built-in scorer process for runs whose environments have group
 rewards, or give each such environment its own single-process custom scorer; scale the
 per-rollout rewards with more custom scorer processes on their own durables.
 
@@ -101,7 +101,7 @@ from flywheel.environment import (
     off_the_loop,
 )
 from flywheel.runs import get_run
-from flywheel.service import Service
+from flywheel.service import Service, read_heartbeats
 from flywheel.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -290,7 +290,7 @@ class Scorer:
 
     def __init__(self, rewards: RewardSource, configs: Configs, publish: Publish, pool: Executor,
                  reward_timeout_s: float = 120.0, max_in_flight: int = 64, max_held: int = 1024,
-                 group_timeout_s: float = 300.0) -> None:
+                 group_timeout_s: float = 300.0, replicas: Callable[[], Awaitable[int]] | None = None) -> None:
         self.rewards = rewards
         self.configs = configs
         self.publish = publish
@@ -298,6 +298,7 @@ class Scorer:
         self.reward_timeout_s = reward_timeout_s
         self.max_held = max_held
         self.group_timeout_s = group_timeout_s
+        self.replicas = replicas or _one  # live processes on this scorer's durable
         self._scoring = asyncio.Semaphore(max_in_flight)
         self._groups: OrderedDict[tuple[str, str], _Group] = OrderedDict()  # oldest first
         self._closed: OrderedDict[tuple[str, str], set[str]] = OrderedDict()  # group -> rollout ids scored
@@ -392,7 +393,8 @@ class Scorer:
         while not group.done.done():
             remaining = group.started_s + self.group_timeout_s - time.monotonic()
             if remaining <= 0 and not group.closing:
-                await self._close(group, f"the rest did not arrive within group_timeout_s={self.group_timeout_s:g}s")
+                reason = f"the rest did not arrive within group_timeout_s={self.group_timeout_s:g}s"
+                await self._close(group, reason + await self._split_hint())
                 break
             handing_back = asyncio.ensure_future(self._handing_back.wait())
             try:
@@ -403,6 +405,14 @@ class Scorer:
             if self._handing_back.is_set() and not group.done.done():
                 raise asyncio.CancelledError  # the consumer hands the delivery back (nak) for a redelivery
         group.done.result()  # a publish that failed fails every member: the bus retries them
+
+    async def _split_hint(self) -> str:
+        """Why a group may never complete here: other processes on this durable took some of it."""
+        num = await self.replicas()
+        if num <= 1:
+            return ""
+        return (f"; {num} scorer processes share this durable and a group split between them cannot complete: "
+                "run one process where environments have group rewards")
 
     async def _close(self, group: _Group, incomplete: str | None) -> None:
         """Run the group rewards on the members that arrived, publish their Scores, release the members."""
@@ -448,6 +458,10 @@ class Scorer:
         self._handing_back.set()
 
 
+async def _one() -> int:
+    return 1
+
+
 def _score(rollout: events.Rollout, name: str, weight: float, outcome: Value | str,
            value: Value | None = None) -> events.Score:
     """The Score of ``name`` on ``rollout``: ``outcome`` is its value, or an error text (with ``value``
@@ -483,8 +497,11 @@ class ScorerConfig:
 
     def build(self, bus: Bus, rewards: RewardSource, pool: Executor) -> tuple[Consumer, Scorer]:
         """The durable consumer of ROLLOUTS that scores with ``rewards``, and its scorer."""
+        async def replicas() -> int:
+            return sum(1 for b in await read_heartbeats(bus) if b.service == rewards.durable)
+
         scorer = Scorer(rewards, RunConfigs(bus, self.run_config_ttl_s), bus.publish_many, pool,
-                        self.reward_timeout_s, self.max_in_flight, self.max_held, self.group_timeout_s)
+                        self.reward_timeout_s, self.max_in_flight, self.max_held, self.group_timeout_s, replicas)
         # Held group members take consumer slots (and server-side ack-pending room) beyond the
         # scoring bound, and the scorer never holds more than max_held: scoring always has room.
         consumer = Consumer(bus, stream="ROLLOUTS", durable=rewards.durable, handler=scorer.handle,

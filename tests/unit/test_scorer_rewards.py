@@ -266,6 +266,15 @@ async def test_an_incomplete_group_is_scored_after_its_timeout_with_the_missing_
     assert published[-1].rollout_id == "g1-1" and published[-1].error == (
         "group reward 'shortest': group g1 was scored without this rollout (index 1), which arrived after it")
 
+    async def two() -> int:
+        return 2
+
+    published.clear()
+    s.replicas = two  # another process on this durable took the rest of the group: the error says so
+    await s.handle(delivery(group_of(2, ["a"], group="g2")[0]))
+    assert published[0].error.endswith("2 scorer processes share this durable and a group split between them "
+                                       "cannot complete: run one process where environments have group rewards")
+
 
 async def test_held_rollouts_are_bounded_the_oldest_group_goes_first(pool: ThreadPoolExecutor) -> None:
     published = Published()
