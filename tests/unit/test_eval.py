@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from flywheel import events
-from flywheel.environment import Environment, TaskSet, shortest_correct_reward
+from flywheel.environment import Environment, EnvironmentOverrides, TaskSet, shortest_correct_reward
 from flywheel.eval import EvalConfig, Evaluation, RecordingProxy, Served, pass_at_k, read_results, serve
 from flywheel.harness import ChatHarness, RolloutContext
 
@@ -282,3 +282,23 @@ def test_an_environment_that_is_not_installed_is_named(tmp_path: Path, capsys: p
 
     assert main(["eval", "nobody/nothing", "--model", "m", "--data-dir", str(tmp_path)]) == 1
     assert "environment 'nobody/nothing' is not installed" in capsys.readouterr().err
+
+
+async def test_a_multi_turn_environment_runs_unchanged_in_an_eval(tmp_path: Path) -> None:
+    """wordle, as training runs it: the game answers each guess, the board lives in the state."""
+    from flywheel.environment import load_environment
+    from tests.scripted_openai import ScriptedOpenAI
+
+    env = load_environment("wordle", EnvironmentOverrides(args={"max_guesses": 2}))
+    with ScriptedOpenAI({"m": ["<guess>crane</guess>"] * 8}) as server:
+        cfg = EvalConfig(env="flywheel/wordle", model="m", base_url=server.base_url, out=tmp_path / "r.jsonl",
+                         num_tasks=2, num_rollouts=2)
+        summary = await Evaluation(cfg, env, (tmp_path / "p.txt").open("w")).run()
+        assert server.remaining("m") == 0  # two guesses in each of four rollouts
+    records = read_results(cfg.out)
+    assert summary["num_rollouts"] == 4 and summary["num_errors"] == 0
+    for r in records:
+        assert r["state"]["guesses"] == ["crane", "crane"] and r["state"]["stop_reason"] in ("done", "max_turns")
+        roles = [m["role"] for m in r["messages"]]
+        assert roles[:5] == ["system", "user", "assistant", "user", "assistant"]
+        assert r["rewards"]["num_guesses"] == 2.0 and r["rewards"]["valid_guesses"] == 1.0 and len(r["calls"]) == 2
