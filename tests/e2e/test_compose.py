@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import http.server
+import json
 import re
 import secrets
 import shutil
@@ -65,9 +66,12 @@ name = "tiny"
 [sampling]
 max_tokens = 12
 
+# The format first (letters, then stop), as in examples/reverse-text.toml: the test checks
+# the deployment, not what an untrained model's random bytes do to the store.
 [sft]
-steps = 5
-batch_size = 8
+steps = 100
+batch_size = 32
+lr = 3e-3
 
 [trainer]
 batch_size = 8
@@ -172,6 +176,13 @@ class Deployment:
                 found.append(f"{fields[3]} {fields[-1]}")
         return found
 
+    def num_dead_letters(self) -> int:
+        """Messages in the DEAD stream, read by ``flywheel status`` from this machine."""
+        nats_url = f"nats://127.0.0.1:{self.env['FLYWHEEL_NATS_PORT']}"
+        proc = subprocess.run([str(Path(sys.executable).with_name("flywheel")), "status", "--json", "--nats-url", nats_url,
+                               "--gateway-url", self.gateway], capture_output=True, text=True, timeout=60, check=True)
+        return next(s["messages"] for s in json.loads(proc.stdout)["streams"] if s["stream"] == "DEAD")
+
     def leftovers(self) -> list[str]:
         label = f"label=com.docker.compose.project={self.project}"
         containers = self.engine.docker("ps", "--all", "--quiet", "--filter", label).stdout.split()
@@ -239,13 +250,15 @@ def test_cpu_profile_scores_published_tasks(deployment: Deployment) -> None:
             return next((r["id"] for r in runs if r["id"].startswith("compose-smoke-")), None)
 
         run = wait_for("the trainer container to register its run", deployment, 120.0, registered_run)
-        rows = [{"text": text} for text in ("abc", "compose", "flywheel")[:NUM_TASKS]]
+        rows = [{"text": text} for text in ("abcd", "hgfe", "jiab")[:NUM_TASKS]]
         accepted = http.post("/v1/tasks", json=[{"run": run, "env": "reverse_text", "data": row,
                                                  "num_rollouts": NUM_ROLLOUTS} for row in rows])
         assert accepted.status_code in (200, 201, 202), accepted.text
         task_ids = set(accepted.json()["ids"])
 
         def scored_rollouts() -> list[dict] | None:
+            if num_dead := deployment.num_dead_letters():  # a dead letter never turns into a rollout: fail now
+                raise AssertionError(f"{num_dead} messages dead-lettered (see the DEAD stream)\n{deployment.logs()}")
             items, cursor = [], None
             while True:
                 page = http.get("/v1/rollouts", params={"run": run, "limit": 500,
@@ -263,5 +276,12 @@ def test_cpu_profile_scores_published_tasks(deployment: Deployment) -> None:
         assert detail["scores"] and detail["task_data"] in rows
         trace = http.get(f"/v1/traces/{rollouts[0]['id']}").raise_for_status().json()
         assert trace["nodes"], trace
+    # The README's backups: the trace store dumped while it runs, a volume read by the image's tar.
+    dump = deployment.compose("exec", "-T", "postgres", "pg_dump", "-U", "flywheel", "flywheel", timeout_s=120).stdout
+    assert "CREATE TABLE public.rollouts" in dump and rollouts[0]["id"] in dump
+    volume = f"{deployment.project}_data"
+    listing = deployment.engine.docker("run", "--rm", "--network", "none", "-v", f"{volume}:/v:ro", "--entrypoint", "sh",
+                                       IMAGE, "-c", "tar -czf - -C /v . | tar -tzf -").stdout
+    assert f"./runs/{run}/config.json" in listing.split(), listing[:2000]
     print(f"compose up {up_s:.0f}s, all healthy after {healthy_s:.0f}s, "
           f"scored rollouts after {time.monotonic() - started:.0f}s")
