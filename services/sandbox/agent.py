@@ -5,7 +5,7 @@ sandbox's unprivileged user, and speaks frames over its stdin/stdout: a 4-byte b
 length, then a JSON object. One request at a time, one reply each:
 
     {"op": "exec", "cmd": "ls" | ["ls", "-l"], "cwd": ..., "env": {...}, "stdin": B64,
-     "timeout_s": 5, "max_output_bytes": 65536, "limits": {...}}
+     "timeout_s": 5, "max_output_bytes": 65536}
       -> {"ok": true, "exit_code": 0, "stdout": B64, "stderr": B64, "stdout_truncated": false,
           "stderr_truncated": false, "timed_out": false, "duration_s": 0.01}
     {"op": "write_file", "path": ..., "data": B64, "mode": 420}   -> {"ok": true, "size_bytes": N}
@@ -17,13 +17,15 @@ Why a resident agent: an exec then costs a fork of bash, not a new sandbox (a fe
 tens). A string ``cmd`` runs in ``bash -c``; the folder it ends in is the next exec's
 working folder, so a session behaves like a shell. An argv list runs without a shell.
 
-Each exec runs in its own session with the sandbox's rlimits; when it exits or its timeout
-passes, the agent sends SIGKILL to every other process it may signal (``kill(-1)``), which
-in the sandbox's own PID namespace is everything the command left behind, background jobs
-and daemons included. The agent makes itself non-dumpable, so the commands it runs (same
-user) cannot ptrace it or read its file descriptors; they can still kill it, which ends the
-sandbox (the service then reports it gone). The service enforces every timeout again from
-outside, so a hung or killed agent never holds a command past its deadline.
+Each exec runs in its own session with the sandbox's rlimits (inherited from the agent, so
+nothing runs between fork and exec); when it exits or its timeout passes, the agent sends
+SIGKILL to every other process it may signal (``kill(-1)``), which in the sandbox's own PID
+namespace is everything the command left behind, background jobs and daemons included. The
+agent makes itself non-dumpable, so the commands it runs (same user) cannot ptrace it or
+read its file descriptors. On the local backend they can still kill it, which ends the
+sandbox (the service then reports it gone); on docker it is PID 1, which the kernel shields
+from signals sent inside. The service enforces every timeout again from outside, so a hung
+or killed agent never holds a command past its deadline.
 """
 
 import base64
@@ -61,40 +63,35 @@ class Agent:
     def __init__(self):
         self.env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/work", "LANG": "C.UTF-8"}
         self.cwd = "/work"
-        self.limits = {}
 
     def configure(self, req):
+        """Session env and workdir; the sandbox's rlimits, set on the agent itself so that every
+        command inherits them (no code between fork and exec: the fast vfork path)."""
         self.env.update(req.get("env") or {})
         if req.get("workdir"):
             self.cwd = req["workdir"]
             self.env["HOME"] = req["workdir"]
-        self.limits = dict(req.get("limits") or {})
+        for key, value in (req.get("limits") or {}).items():
+            resource.setrlimit(RLIMITS[key], (value, value))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         return {"ok": True}
 
-    def _preexec(self, limits):
-        def apply():
-            for key, res in RLIMITS.items():
-                if limits.get(key):
-                    resource.setrlimit(res, (limits[key], limits[key]))
-            if limits.get("cpu_s"):
-                resource.setrlimit(resource.RLIMIT_CPU, (limits["cpu_s"], limits["cpu_s"] + 1))
-            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-            try:  # let the kernel's OOM killer pick a command before the agent
-                with open("/proc/self/oom_score_adj", "w") as f:
-                    f.write("1000")
-            except OSError:
-                pass
-
-        return apply
+    @staticmethod
+    def _limit_command(pid, timeout_s):
+        """CPU seconds (a backstop: the deadline kills first) and the OOM killer's first pick."""
+        try:
+            cpu_s = int(timeout_s) + 1
+            resource.prlimit(pid, resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
+            with open(f"/proc/{pid}/oom_score_adj", "w") as f:
+                f.write("1000")
+        except (OSError, ProcessLookupError):  # already exited
+            pass
 
     def _path(self, path):
         return path if path.startswith("/") else os.path.join(self.cwd, path)
 
     def exec(self, req):
-        limits = dict(self.limits)
-        limits.update(req.get("limits") or {})
         timeout_s = float(req.get("timeout_s") or 30.0)
-        limits["cpu_s"] = int(timeout_s) + 1
         max_out = int(req.get("max_output_bytes") or 65536)
         env = dict(self.env)
         env.update(req.get("env") or {})
@@ -112,7 +109,7 @@ class Agent:
             proc = subprocess.Popen(
                 argv, cwd=cwd, env=env, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                pass_fds=(cwd_w,) if cwd_w is not None else (), preexec_fn=self._preexec(limits))
+                pass_fds=(cwd_w,) if cwd_w is not None else ())
         except OSError as exc:
             for fd in (cwd_r, cwd_w):
                 if fd is not None:
@@ -122,6 +119,7 @@ class Agent:
                     "duration_s": time.monotonic() - started}
         if cwd_w is not None:
             os.close(cwd_w)
+        self._limit_command(proc.pid, timeout_s)
         out, timed_out = self._collect(proc, stdin, max_out, started + timeout_s)
         exit_code = proc.wait()
         self._reap()
@@ -259,6 +257,9 @@ def _read_exact(stream, n):
 def main():
     make_undumpable()
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    # Past RLIMIT_FSIZE a write fails (EFBIG) instead of killing the agent; commands get the
+    # default back (Popen restores SIGXFSZ).
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     agent = Agent()
     ops = {"exec": agent.exec, "write_file": agent.write_file, "read_file": agent.read_file,
            "configure": agent.configure}
