@@ -39,6 +39,11 @@ SETTING_OPTIONS: dict[str, tuple[type, str]] = {
     "inference_host": (str, "address the inference API listens on (default 127.0.0.1)"),
     "inference_port": (int, "port the inference API listens on (default 8421)"),
     "torch_threads": (int, "threads torch may use in inference and trainer (default 1)"),
+    "sandbox_backend": (str, "where the sandbox service runs code: local (bubblewrap) or docker (default local)"),
+    "sandbox_image": (str, "Docker image of sandboxes, with python3 (default flywheel-sandbox:latest)"),
+    "sandbox_max_alive": (int, "sandboxes one sandbox service holds at once (default 64)"),
+    "sandbox_max_starting": (int, "sandboxes being started at once (default 4)"),
+    "sandbox_warm_pool": (int, "sandboxes of the default spec kept started (default 4)"),
     "log_level": (str, "DEBUG, INFO, WARNING or ERROR (default INFO)"),
 }
 NATS_SETTINGS = ("nats_url", "nats_port")
