@@ -95,6 +95,8 @@ class Agent:
         max_out = int(req.get("max_output_bytes") or 65536)
         env = dict(self.env)
         env.update(req.get("env") or {})
+        if not req.get("cwd") and not os.path.isdir(self.cwd):
+            self.cwd = self.env["HOME"]  # the folder the last command ended in is gone: start over
         cwd = self._path(req["cwd"]) if req.get("cwd") else self.cwd
         cmd = req["cmd"]
         cwd_r = cwd_w = None
@@ -114,7 +116,7 @@ class Agent:
             for fd in (cwd_r, cwd_w):
                 if fd is not None:
                     os.close(fd)
-            return {"ok": True, "exit_code": 127, "stdout": "", "stderr": _b64(f"{argv[0]}: {exc.strerror}\n".encode()),
+            return {"ok": True, "exit_code": 127, "stdout": "", "stderr": _b64(f"{exc.filename or argv[0]}: {exc.strerror}\n".encode()),
                     "stdout_truncated": False, "stderr_truncated": False, "timed_out": False,
                     "duration_s": time.monotonic() - started}
         if cwd_w is not None:

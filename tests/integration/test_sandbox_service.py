@@ -56,6 +56,10 @@ async def test_a_session_keeps_files_and_its_folder(client: SandboxClient) -> No
         assert (failing.exit_code, failing.stderr) == (3, "oops\n")
         missing = await client.exec(box, ["no-such-program"])
         assert missing.exit_code == 127 and "no-such-program" in missing.stderr
+        no_dir = await client.exec(box, "true", cwd="/work/nowhere")
+        assert no_dir.exit_code == 127 and "/work/nowhere: No such file or directory" in no_dir.stderr
+        await client.exec(box, "mkdir /tmp/gone && cd /tmp/gone && rmdir /tmp/gone")
+        assert (await client.exec(box, "pwd")).stdout == "/work\n"  # its folder vanished: back to the workdir
 
 
 async def test_spec_env_files_and_file_round_trip(client: SandboxClient) -> None:
@@ -68,6 +72,19 @@ async def test_spec_env_files_and_file_round_trip(client: SandboxClient) -> None
         with pytest.raises(SandboxError) as missing:
             await client.read_file(box, "nope.txt")
         assert missing.value.kind == "failed" and "nope.txt" in str(missing.value)
+
+
+async def test_network_true_shares_the_host_network(client: SandboxClient) -> None:
+    """The opt-in: with ``network=True`` the local backend shares the host's network (the
+    security suite checks the default, none)."""
+    server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        result = await client.run(["python3", "-c", f"import socket; socket.create_connection(('127.0.0.1', {port}))"],
+                                  spec=SandboxSpec(network=True))
+        assert result.exit_code == 0, result.stderr
+    finally:
+        server.close()
 
 
 async def test_output_is_cut_and_flagged(client: SandboxClient) -> None:
