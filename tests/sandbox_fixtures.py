@@ -1,4 +1,5 @@
-"""The fixture ``sandbox``: a real sandbox service (local backend) over the test's own nats-server.
+"""The fixture ``sandbox``: a real sandbox service (local backend) over the test's own nats-server,
+and :func:`sandboxed_rollout`, an environment's harness run against a scripted model with it.
 
 For tests anywhere in the tree, environments' included (tests/conftest.py reaches only
 tests/): import it into the test module (``from tests.sandbox_fixtures import sandbox``). It
@@ -8,8 +9,9 @@ sandboxes, and the fixture checks that none is left when the test ends.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -17,6 +19,11 @@ from flywheel.bus import Bus
 from flywheel.natsserver import NatsServer
 from flywheel.sandbox import SandboxClient
 from tests.sandbox_service import backend_named, serving
+from tests.scripted_openai import ScriptedOpenAI, ScriptEntry, make_rollout
+
+if TYPE_CHECKING:
+    from flywheel import events
+    from flywheel.environment import Environment
 
 
 @pytest.fixture
@@ -32,3 +39,21 @@ async def sandbox(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterat
             await bus.close()
     finally:
         server.stop()
+
+
+async def sandboxed_rollout(env: Environment, task: dict[str, Any], script: Sequence[ScriptEntry],
+                            client: SandboxClient, rollout_id: str = "test-rollout") -> tuple[events.Rollout,
+                                                                                              ScriptedOpenAI]:
+    """Run ``env``'s harness on ``task`` against a model playing ``script``, with ``client`` as the
+    rollout's sandbox client; the rollout (last request's conversation, final state) and the server."""
+    from flywheel.harness import RolloutContext
+
+    with ScriptedOpenAI({"agent": script}) as server:
+        ctx = RolloutContext(task=task, base_url=server.base_url, api_key="test", model="agent",
+                             rollout_id=rollout_id, sandbox_client=client)
+        try:
+            assert env.harness is not None
+            await env.harness.run(env, ctx)
+        finally:
+            await ctx.close()
+        return make_rollout(env.name, task, server.conversation("agent"), ctx.state), server

@@ -54,6 +54,7 @@ NO_SERVICE = "start the sandbox service (flywheel up) or set nats_url"
 SERVICE_FAILURES = frozenset({"unavailable", "capacity", "not_found"})
 MAX_INPUT_CHARS = 100_000  # a command or program; NATS carries about 1 MB a message
 RUNNER_FILE = "flywheel_test_runner.py"
+CONNECT_TIMEOUT_S = 2.0  # how long default_client waits for NATS
 
 
 class SandboxUnavailable(RuntimeError):
@@ -144,14 +145,21 @@ class SandboxTools:
     max_output_chars: int = 4000
     python_executable: str = "python3"
 
-    def tools(self) -> list[Tool]:
+    def tools(self, *names: str) -> list[Tool]:
+        """The tools named (``bash``, ``python``; default both), for a harness's ``tools``."""
         limit = f"Each call may run {self.timeout_s:g} s; longer ones are killed."
-        return [Tool(self.bash, description=f"Run a bash command in your sandbox (working folder /work; files and "
-                                            f"the current folder persist between calls, shell variables do not). "
-                                            f"Returns the exit code, stdout and stderr. {limit}"),
-                Tool(self.python, description=f"Run a Python 3 program in your sandbox (same files as bash) and "
-                                              f"return its exit code, stdout and stderr; print what you want "
-                                              f"to see. {limit}")]
+        offered = {
+            "bash": Tool(self.bash, description=f"Run a bash command in your sandbox (working folder /work; files "
+                                                f"and the current folder persist between calls, shell variables "
+                                                f"do not). Returns the exit code, stdout and stderr. {limit}"),
+            "python": Tool(self.python, description=f"Run a Python 3 program in your sandbox (working folder /work) "
+                                                    f"and return its exit code, stdout and stderr; print what you "
+                                                    f"want to see. {limit}"),
+        }
+        unknown = sorted(set(names) - set(offered))
+        if unknown:
+            raise ValueError(f"SandboxTools.tools: no tool {unknown}; there are {sorted(offered)}")
+        return [offered[name] for name in names or offered]
 
     async def bash(self, command: str, ctx: RolloutContext) -> str:
         """Run a bash command in the sandbox."""
@@ -222,7 +230,7 @@ async def default_client() -> SandboxClient:
     if loop not in _connected:
         from flywheel.settings import Settings
 
-        _, client = await connect(Settings().resolved_nats_url)
+        _, client = await connect(Settings().resolved_nats_url, CONNECT_TIMEOUT_S)
         _connected.setdefault(loop, client)
     return _connected[loop]
 
