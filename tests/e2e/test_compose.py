@@ -12,12 +12,15 @@ to that run through the gateway and waits until ``GET /v1/rollouts`` shows them 
 container or volume of the project is left. The two images stay, tagged, in the engine's
 cache folder on purpose: the next run's build reuses their layers.
 
-Not covered: the gpu profile (vLLM image, GPU reservations) and the sandbox service, which
-the deployment runs but this run's environment does not call.
+The sandbox service (docker backend) gets this engine's socket and runs a command in a
+sandbox made from the same Debian base.
+
+Not covered: the gpu profile (vLLM image, GPU reservations).
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import http.server
 import json
@@ -34,7 +37,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from flywheel.bus import Bus
 from flywheel.natsserver import free_port
+from flywheel.sandbox import ExecResult, SandboxClient
 from tests.docker_engine import REPO_ROOT, DockerEngine, cache_dir
 
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(1800)]
@@ -42,7 +47,7 @@ pytestmark = [pytest.mark.docker, pytest.mark.timeout(1800)]
 COMPOSE_DIR = REPO_ROOT / "compose"
 IMAGE = "flywheel-local/flywheel:compose-test"
 POSTGRES_IMAGE = "flywheel-local/postgres:compose-test"
-SERVICES = ("nats", "postgres", "gateway", "recorder", "scorer", "inference-cpu", "trainer-cpu")
+SERVICES = ("nats", "postgres", "gateway", "recorder", "scorer", "sandbox", "inference-cpu", "trainer-cpu")
 UP_TIMEOUT_S = 600.0
 HEALTHY_TIMEOUT_S = 300.0
 SCORED_TIMEOUT_S = 300.0
@@ -140,6 +145,7 @@ class Deployment:
         self.env = env
         self.project = project
         self.gateway = f"http://127.0.0.1:{env['FLYWHEEL_GATEWAY_PORT']}"
+        self.sandboxes_before = self.sandboxes()  # other tests' in this engine are not this deployment's
 
     def compose(self, *args: str, timeout_s: float = 300.0, check: bool = True) -> subprocess.CompletedProcess[str]:
         cmd = ["docker-compose", "--project-name", self.project, "--project-directory", str(COMPOSE_DIR),
@@ -183,25 +189,35 @@ class Deployment:
                                "--gateway-url", self.gateway], capture_output=True, text=True, timeout=60, check=True)
         return next(s["messages"] for s in json.loads(proc.stdout)["streams"] if s["stream"] == "DEAD")
 
+    def sandboxes(self) -> set[str]:
+        """Ids of the engine's sandbox containers (the sandbox service labels them)."""
+        return set(self.engine.docker("ps", "--all", "--quiet", "--no-trunc", "--filter",
+                                      "label=flywheel.sandbox").stdout.split())
+
     def leftovers(self) -> list[str]:
         label = f"label=com.docker.compose.project={self.project}"
         containers = self.engine.docker("ps", "--all", "--quiet", "--filter", label).stdout.split()
+        # The sandbox service removes the containers it started when it stops.
+        containers += sorted(self.sandboxes() - self.sandboxes_before)
         volumes = self.engine.docker("volume", "ls", "--quiet", "--filter", label).stdout.split()
         return containers + volumes
 
 
 @pytest.fixture
-def deployment(docker_engine: DockerEngine, images: dict[str, str], tmp_path: Path) -> Iterator[Deployment]:
+def deployment(docker_engine: DockerEngine, debian_base: str, images: dict[str, str],
+               tmp_path: Path) -> Iterator[Deployment]:
     if subprocess.run(["docker-compose", "version"], capture_output=True).returncode != 0:
         pytest.skip("docker-compose not installed: run scripts/setup-docker.sh (as root)")
     run_config = tmp_path / "run.toml"
     run_config.write_text(RUN_CONFIG)
     ports = {name: str(free_port()) for name in ("FLYWHEEL_NATS_PORT", "NATS_MONITOR_PORT", "POSTGRES_PORT",
                                                   "FLYWHEEL_GATEWAY_PORT", "FLYWHEEL_INFERENCE_PORT")}
+    # The sandbox service starts its containers in this engine, from the base (it has python3).
     env = {**docker_engine.env, **images, **ports, "POSTGRES_PASSWORD": secrets.token_hex(12),
-           "RUN_CONFIG": str(run_config)}
+           "RUN_CONFIG": str(run_config), "DOCKER_SOCKET": str(docker_engine.socket),
+           "FLYWHEEL_SANDBOX_IMAGE": debian_base}
     # Settings of the test process itself must not leak into the containers' interpolation.
-    for name in [n for n in env if n.startswith("FLYWHEEL_") and n not in ports]:
+    for name in [n for n in env if n.startswith("FLYWHEEL_") and n not in ports and n != "FLYWHEEL_SANDBOX_IMAGE"]:
         del env[name]
     deployed = Deployment(docker_engine, env, f"fwsmoke{secrets.token_hex(4)}")
     try:
@@ -228,6 +244,15 @@ def wait_for(what: str, deployment: Deployment, timeout_s: float, check) -> obje
                          f"{deployment.logs()}")
 
 
+async def run_in_sandbox(deployment: Deployment, cmd: str) -> ExecResult:
+    """One command in a sandbox of the deployed sandbox service (docker backend), as a verifier runs it."""
+    bus = await Bus.connect(f"nats://127.0.0.1:{deployment.env['FLYWHEEL_NATS_PORT']}", "compose-smoke", ensure=False)
+    try:
+        return await SandboxClient(bus).run(cmd, timeout_s=60.0)
+    finally:
+        await bus.close()
+
+
 def test_cpu_profile_scores_published_tasks(deployment: Deployment) -> None:
     started = time.monotonic()
     # `up` returns once every container runs, each started after its dependencies were healthy.
@@ -240,6 +265,9 @@ def test_cpu_profile_scores_published_tasks(deployment: Deployment) -> None:
         listeners = deployment.listeners()
         assert len(listeners) >= 5, listeners  # nats (2), postgres, gateway, inference at least
         assert all(line.startswith("127.0.0.1:") for line in listeners), listeners
+
+    result = asyncio.run(run_in_sandbox(deployment, "python3 -c 'print(6 * 7)'"))
+    assert (result.exit_code, result.stdout) == (0, "42\n"), result
 
     with httpx.Client(base_url=deployment.gateway, timeout=10.0) as http:
         health = http.get("/healthz")
