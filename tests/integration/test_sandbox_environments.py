@@ -1,0 +1,84 @@
+"""Sandbox environments where they run, against a real sandbox service (local backend) over a real
+nats-server: in a training run, the inference service hands each rollout's harness a sandbox
+client over its own bus (the ctf harness plants its flag; the sandbox is gone once the rollout
+is published; the tiny model answers nonsense, so this checks the plumbing); in ``flywheel
+eval``, harnesses and rewards reach the service where NATS answers, and a rollout that needs
+a sandbox fails with what to start where it does not."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import coding
+import ctf
+from flywheel import events, models
+from flywheel.bus import Bus
+from flywheel.eval import EvalConfig, Evaluation, read_results
+from flywheel.natsserver import NatsServer
+from tests.helpers import until
+from tests.integration.test_environments_in_training import long_tiny_model  # noqa: F401 - the fixture
+from tests.integration.test_inference_worker import count_is, create_run, publish_weights, stored
+from tests.integration.test_interception import Served, server  # noqa: F401 - the fixture
+from tests.sandbox_service import backend_named, serving
+from tests.scripted_openai import ScriptedOpenAI, tool_call
+
+
+async def test_ctf_rollouts_in_training_plant_their_flag_and_leave_no_sandbox(
+        bus: Bus, long_tiny_model, server: Served, request: pytest.FixtureRequest) -> None:  # noqa: F811
+    async with backend_named("local", request) as backend, serving(bus, backend, warm_pool=1) as sandbox:
+        await create_run(bus, long_tiny_model, env="flywheel/ctf", env_args={"max_turns": 2}, group_size=2,
+                         sampling={"max_tokens": 12}, trainer={"batch_size": 2, "max_off_policy_steps": 0})
+        base, _ = models.load_model(long_tiny_model)
+        await publish_weights(bus, "r1", 0, base)
+        row = {"id": "hex-dump", "challenge": "hex_dump", "prompt": "A process dumped memory as hex digits."}
+        await bus.publish(events.Task(id="t0", run="r1", env="ctf", data=row, num_rollouts=2))
+        await until(lambda: count_is(bus, "ROLLOUTS", 2), timeout_s=180, what="2 rollouts")
+        rollouts = await stored(bus, "ROLLOUTS", events.Rollout)
+        for r in rollouts:
+            assert r.status in ("completed", "truncated"), r.error
+            assert len(r.state["flag_sha256"]) == 64 and r.state["submissions"] == []  # planted in its sandbox
+        assert rollouts[0].state["flag_sha256"] != rollouts[1].state["flag_sha256"]  # a flag per rollout
+        assert not sandbox.manager.sessions and len(sandbox.manager.tombstones) == 2  # both made, both destroyed
+
+
+def solve_coding(tasks: list[dict[str, Any]]) -> Any:
+    def reply(body: dict[str, Any]) -> str:
+        asked = body["messages"][-1]["content"]
+        (task,) = [t for t in tasks if t["prompt"] == asked]
+        return f"```python\n{task['solution']}```"
+    return reply
+
+
+def submit_found(body: dict[str, Any]) -> dict[str, Any]:
+    said = [m["content"] for m in body["messages"] if m["role"] == "tool"][-1]
+    return tool_call("submit_flag", flag=said.split("remember: ")[1].split()[0])
+
+
+async def test_eval_hands_sandboxes_to_harnesses_and_rewards(bus: Bus, nats_server: NatsServer, tmp_path: Path,
+                                                             request: pytest.FixtureRequest) -> None:
+    one_ctf = tmp_path / "ctf.jsonl"
+    one_ctf.write_text(json.dumps({"id": "notes", "challenge": "hidden_backup", "prompt": "Find the notes."}) + "\n")
+    code_env, ctf_env = coding.load_environment(tools=False), ctf.load_environment(tasks_file=str(one_ctf))
+    rows = code_env.load_tasks(2)  # the rows the eval draws (same number, same seed)
+    script = {"coder": [solve_coding(rows)] * 2,
+              "player": [tool_call("bash", command="grep -r remember projects"), submit_found]}
+    async with backend_named("local", request) as backend, serving(bus, backend) as sandbox:
+        with ScriptedOpenAI(script) as model:
+            for env, name, n in ((code_env, "coder", 2), (ctf_env, "player", 1)):
+                cfg = EvalConfig(env=env.name, model=name, base_url=model.base_url, out=tmp_path / f"{name}.jsonl",
+                                 num_tasks=n, concurrency=1)
+                summary = await Evaluation(cfg, env, io.StringIO()).run(nats_server.url)
+                records = read_results(cfg.out)
+                assert summary["num_errors"] == 0 and summary["num_reward_errors"] == 0, records
+                assert summary["pass@1"] == 1.0 and all(r["rewards"][env.rewards[0].name] == 1.0 for r in records)
+        assert not sandbox.manager.sessions and sandbox.manager.tombstones  # one-shot test runs and a session
+    cfg = EvalConfig(env="ctf", model="player", base_url="http://127.0.0.1:9/v1", out=tmp_path / "none.jsonl",
+                     num_tasks=1, max_retries=0)
+    summary = await Evaluation(cfg, ctf_env, io.StringIO()).run("nats://127.0.0.1:1")
+    (record,) = read_results(cfg.out)
+    assert summary["num_errors"] == 1 and "start the sandbox service (flywheel up) or set nats_url" in record["error"]
