@@ -485,7 +485,8 @@ class Environment:
                 fn = import_object(spec.function, f"rewards.{name}.function")
                 kind = GroupReward if spec.group or isinstance(current, GroupReward) and spec.group is None else Reward
                 weight = spec.weight if spec.weight is not None else current.weight if current else 1.0
-                by_name[name] = kind(fn, weight=weight, name=name)
+                # Components of the same name keep their weights under the new function.
+                by_name[name] = kind(fn, weight=weight, name=name, weights=dict(current.weights) if current else {})
             elif current is None:
                 raise EnvironmentLoadError(f"rewards.{name}: environment {self.name!r} has no reward {name!r} "
                                            f"(it has {sorted(by_name)}); give `function` to add one")
