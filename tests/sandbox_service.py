@@ -26,10 +26,10 @@ from flywheel_sandbox.sessions import ManagerConfig, SessionManager
 async def backend_named(name: str, request: pytest.FixtureRequest) -> AsyncIterator[Any]:
     """The ``local`` backend, or ``docker`` on the session's private engine and Debian base
     image (fixtures of tests/docker_engine.py: skipped with the reason where none starts)."""
-    if name == "local":
-        from flywheel_sandbox.backends import LocalBackend
+    if name in ("local", "local-rlimits"):  # local-rlimits: as where no cgroup can be made
+        from flywheel_sandbox.backends import LocalBackend, LocalConfig
 
-        backend = LocalBackend()
+        backend = LocalBackend(LocalConfig(use_cgroups=name == "local"))
     else:
         from flywheel_sandbox.backend_docker import DockerBackend, DockerConfig
 

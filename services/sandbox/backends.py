@@ -353,7 +353,7 @@ class LocalBackend:
     def limits(self, spec: SandboxSpec) -> dict[str, int]:
         limits = {"nproc": spec.pids + EXTRA_PIDS, "fsize_bytes": spec.disk_mb * MiB, "nofile": 1024}
         if "memory" not in self.cgroups.roots:
-            limits["as_bytes"] = spec.memory_mb * MiB
+            limits["as_bytes"] = spec.memory_mb * MiB + AGENT_MEMORY_BYTES  # per process: address space, not use
         return limits
 
     def track(self, cleanup: Awaitable[None]) -> None:

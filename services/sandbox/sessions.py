@@ -29,6 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from flywheel.sandbox import (
     WORKDIR,
     Created,
@@ -297,10 +299,7 @@ class SessionManager:
 
     async def run(self, req: RunRequest) -> ExecResult:
         self._check_files(req.files)
-        files = {**req.spec.files, **req.files}
-        spec = SandboxSpec(**{f: getattr(req.spec, f) for f in req.spec.__struct_fields__ if f != "files"},
-                           files=files)
-        created = await self.create(spec)
+        created = await self.create(msgspec.structs.replace(req.spec, files={**req.spec.files, **req.files}))
         try:
             return await self.exec(ExecRequest(id=created.id, cmd=req.cmd, stdin=req.stdin, timeout_s=req.timeout_s))
         finally:

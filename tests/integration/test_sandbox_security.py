@@ -13,6 +13,7 @@ Not covered: kernel exploits (the kernel is shared; see flywheel_sandbox's docst
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import secrets
 import signal
@@ -61,6 +62,12 @@ async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Any]:
 
 @pytest.fixture
 async def hostile(bus: Bus, backend: Any) -> AsyncIterator[Hostile]:
+    async with hostile_on(bus, backend) as h:
+        yield h
+
+
+@contextlib.asynccontextmanager
+async def hostile_on(bus: Bus, backend: Any) -> AsyncIterator[Hostile]:
     async with serving(bus, backend, warm_pool=0, max_output_bytes=4096) as client:
         box = await client.create(SPEC)
         yield Hostile(client, box, backend.name)
@@ -263,6 +270,15 @@ async def test_memory_bomb_is_contained(hostile: Hostile) -> None:
     assert reached_mb <= SPEC.memory_mb + 64, result
     assert result.exit_code != 0 or lines[-1] == "MemoryError"
     await hostile.alive_and_clean()
+
+
+async def test_limits_hold_without_cgroups(bus: Bus, request: pytest.FixtureRequest) -> None:
+    """Where the service may not create cgroups, rlimits alone hold memory, processes and disk."""
+    async with backend_named("local-rlimits", request) as backend, hostile_on(bus, backend) as hostile:
+        assert not backend.cgroups.roots
+        await test_memory_bomb_is_contained(hostile)
+        await test_python_fork_loop_stops_at_the_pids_limit(hostile)
+        await test_disk_fill_stops_at_the_limit(hostile)
 
 
 async def test_cpu_spin_is_killed_at_the_timeout(hostile: Hostile) -> None:
