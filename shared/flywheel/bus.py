@@ -328,6 +328,9 @@ class Replay:
     async def __aenter__(self) -> Replay:
         self._sub = await self.bus.js.subscribe(self.subject, stream=stream_of(self.subject), config=self.config,
                                                 ordered_consumer=True)
+        # nats-py recreates a reset ordered consumer from this config by start sequence,
+        # which the server refuses alongside a start time.
+        self.config.opt_start_time = None
         return self
 
     async def next(self) -> Msg:

@@ -10,8 +10,9 @@ store (SQLite). Not covered: the store's PostgreSQL side (tests/unit/test_store.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from fastapi import FastAPI
 from flywheel import events
 from flywheel.bus import Bus
 from flywheel.client import GatewayError, TraceAPI, server_sent_events
-from flywheel.natsserver import free_port
+from flywheel.natsserver import NatsServer, free_port
 from flywheel_gateway.store import Store
 from tests.helpers import until
 from tests.integration.test_gateway_api import app, client, store, unprocessable  # noqa: F401 (fixtures)
@@ -153,11 +154,17 @@ async def test_graph_leaves_and_a_branch_with_both_layers(client: httpx.AsyncCli
 # --- the live stream ----------------------------------------------------------------------
 
 
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield  # SIGTERM and SIGINT stay the test process's (a hung test can still be stopped)
+
+
 @pytest.fixture
 async def gateway_url(app: FastAPI) -> AsyncIterator[str]:
     """The app (started by the ``app`` fixture) served by uvicorn on a free port."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off", log_level="warning"))
+    server = _Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off", log_level="warning"))
     serving = asyncio.ensure_future(server.serve())
     await until(lambda: server.started, what="uvicorn to start")
     try:
@@ -295,3 +302,23 @@ async def test_a_quiet_stream_sends_keepalives(app: FastAPI, gateway_url: str, m
         lines = response.aiter_lines()
         assert (await anext(lines)).startswith("event: node")
         assert [await anext(lines) for _ in range(4)][2:] == [": keepalive", ""]
+
+
+@pytest.mark.slow
+async def test_the_stream_survives_a_nats_server_restart(app: FastAPI, gateway_url: str,
+                                                         nats_server: NatsServer) -> None:
+    """The ordered consumers are recreated where they left off (after two missed heartbeats)."""
+    bus: Bus = app.state.bus
+    system, user, answer = conversation("4")
+    await bus.publish(live("ro1", system))
+    async with httpx.AsyncClient(base_url=gateway_url, timeout=60) as http, \
+            http.stream("GET", "/v1/traces/ro1/stream") as response:
+        received = server_sent_events(response)
+        assert (await anext(received))[1]["id"] == system.id
+        nats_server.stop()
+        nats_server.start()
+        # One at a time: publish waits out the reconnection (publish_many issued during one does not return).
+        for event in (live("ro1", user), live("ro1", answer), rollout("ro1")):
+            await bus.publish(event)
+        rest = [(name, data["id"]) async for name, data in received]
+    assert rest == [("node", user.id), ("node", answer.id), ("rollout", "ro1")]
