@@ -10,8 +10,8 @@ event without a time zone), goes to ``dead.<stream>``, which the recorder record
 dead letter is never dead-lettered again).
 
 The runs table mirrors the run-state KV bucket (:func:`mirror_runs`): a run's tenant is
-whatever registered it said, not a default. Not covered: retention (the store keeps everything) and live viewers (they subscribe to
-``traces.>`` themselves).
+whatever registered it said, not a default. Not covered: retention (the store keeps everything) and live viewers
+(``GET /v1/traces/{rollout}/stream`` reads the bus itself, see :mod:`flywheel_gateway.api_traces`).
 """
 
 from __future__ import annotations

@@ -204,5 +204,8 @@ async def test_healthz_reports_nats_going_away_and_coming_back(client: httpx.Asy
 async def test_docs_are_served(client: httpx.AsyncClient) -> None:
     assert (await client.get("/docs")).status_code == 200
     spec = (await client.get("/openapi.json")).json()
-    assert {"/v1/tasks", "/v1/tasks/{task_id}", "/v1/rollouts", "/v1/rollouts/{rollout_id}",
-            "/v1/traces/{rollout_id}", "/healthz"} <= set(spec["paths"])
+    assert {"/v1/tasks", "/v1/tasks/{task_id}", "/v1/rollouts", "/v1/rollouts/{rollout_id}", "/v1/rollouts/export",
+            "/v1/traces/{rollout_id}", "/v1/traces/{rollout_id}/branches/{node_id}", "/v1/traces/{rollout_id}/stream",
+            "/healthz"} <= set(spec["paths"])
+    assert {p["name"] for p in spec["paths"]["/v1/rollouts"]["get"]["parameters"]} >= {
+        "error", "created_after", "created_before", "min_reward", "cursor"}
