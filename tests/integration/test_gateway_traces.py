@@ -4,7 +4,9 @@ The live stream (server-sent events) is read with httpx from a real uvicorn serv
 process, while the test publishes trace nodes and rollouts on the bus as inference does;
 that a client leaving ends its consumers is checked on the server and in the gateway's
 connection. Other reads go through the ASGI transport, on rows written straight into the
-store (SQLite). Not covered: the store's PostgreSQL side (tests/unit/test_store.py).
+store (SQLite), and once on what the recorder's consumers record from the bus. A nats-server
+restart under a live stream is in the slow tier. Not covered: the store's PostgreSQL side
+(tests/unit/test_store.py).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from flywheel import events
 from flywheel.bus import Bus
 from flywheel.client import GatewayError, TraceAPI, server_sent_events
 from flywheel.natsserver import NatsServer, free_port
+from flywheel_gateway.recorder import RecorderConfig
 from flywheel_gateway.store import Store
 from tests.helpers import until
 from tests.integration.test_gateway_api import app, client, store, unprocessable  # noqa: F401 (fixtures)
@@ -322,3 +325,48 @@ async def test_the_stream_survives_a_nats_server_restart(app: FastAPI, gateway_u
             await bus.publish(event)
         rest = [(name, data["id"]) async for name, data in received]
     assert rest == [("node", user.id), ("node", answer.id), ("rollout", "ro1")]
+
+
+# --- through the recorder -----------------------------------------------------------------
+
+
+async def test_filters_follow_what_the_recorder_records(app: FastAPI, client: httpx.AsyncClient, store: Store) -> None:
+    """Events on the bus, recorded by the recorder's consumers: a late score moves a rollout
+    into a reward range, a failed one moves it out and into the errors."""
+    bus: Bus = app.state.bus
+    consumers = RecorderConfig(streams=("ROLLOUTS", "TRACES", "SCORES")).build(bus, store)
+    running = [asyncio.ensure_future(c.run()) for c in consumers]
+    try:
+        async def listed(**params: Any) -> list[str]:
+            return await ids(client, **params)
+
+        async def until_listed(expected: list[str], **params: Any) -> None:
+            async def matches() -> bool:
+                return await listed(**params) == expected
+            await until(matches, what=f"/v1/rollouts?{params} to list {expected}")
+
+        system, user, answer = conversation("4")
+        await bus.publish_many([live("ro1", system), live("ro1", user)], events.MSGPACK)
+
+        async def two_live_nodes() -> bool:
+            trace = await client.get("/v1/traces/ro1")
+            return trace.status_code == 200 and len(trace.json()["nodes"]) == 2
+
+        await until(two_live_nodes, what="the live nodes to be recorded")
+        assert (await client.get("/v1/traces/ro1")).json()["finished"] is False
+        await bus.publish(rollout("ro1"), events.MSGPACK)
+        await until_listed(["ro1"], error="false")
+        assert await listed(min_reward=0.5) == []
+        await bus.publish(score("s1", "ro1", 0.75))
+        await until_listed(["ro1"], min_reward=0.5, max_reward=0.75)
+        failed = events.Score(id="s2", run="r1", env="math", rollout_id="ro1", group_id="g1", scorer="judge",
+                              value=0.0, error="judge timed out")
+        await bus.publish(failed)
+        await until_listed(["ro1"], error="true")
+        assert await listed(min_reward=0.5) == [] and await listed(max_reward=0.5) == []
+        (line,) = (await client.get("/v1/rollouts/export", params={"run": "r1"})).text.splitlines()
+        assert json.loads(line)["reward"] is None and len(json.loads(line)["scores"]) == 2
+    finally:
+        for c in consumers:
+            c.stop()
+        await asyncio.gather(*running)
