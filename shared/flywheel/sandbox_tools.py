@@ -33,6 +33,7 @@ import contextlib
 import contextvars
 import re
 import secrets
+import signal
 import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -108,12 +109,21 @@ def cut(text: str, max_chars: int) -> tuple[str, bool]:
     return f"{text[:head]}\n[... {len(text) - max_chars} characters cut ...]\n{text[len(text) - tail:]}", True
 
 
+def signal_name(number: int) -> str:
+    if number == signal.SIGKILL:
+        return "SIGKILL: the sandbox's memory or process limit, or a kill"
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return "unknown signal"
+
+
 def describe(result: ExecResult, timeout_s: float, max_output_chars: int) -> str:
     """What the model reads of one command: how it ended, then its output streams."""
     if result.timed_out:
         lines = [f"timed out after {timeout_s:g} s: the command and everything it started were killed"]
     elif result.exit_code < 0:
-        lines = [f"killed by signal {-result.exit_code}"]
+        lines = [f"killed by signal {-result.exit_code} ({signal_name(-result.exit_code)})"]
     else:
         lines = [f"exit code {result.exit_code}"]
     for name, text, truncated in (("stdout", result.stdout, result.stdout_truncated),
@@ -194,7 +204,8 @@ class SandboxTools:
 
 _current: contextvars.ContextVar[SandboxClient | None] = contextvars.ContextVar("flywheel_sandbox_client",
                                                                                default=None)
-_connected: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, SandboxClient] = weakref.WeakKeyDictionary()
+_connected: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Task[tuple[Bus, SandboxClient]]] = \
+    weakref.WeakKeyDictionary()
 
 
 @contextlib.contextmanager
@@ -226,13 +237,15 @@ async def default_client() -> SandboxClient:
     given = _current.get()
     if given is not None:
         return given
-    loop = asyncio.get_running_loop()
-    if loop not in _connected:
-        from flywheel.settings import Settings
+    from flywheel.settings import Settings
 
-        _, client = await connect(Settings().resolved_nats_url, CONNECT_TIMEOUT_S)
-        _connected.setdefault(loop, client)
-    return _connected[loop]
+    loop = asyncio.get_running_loop()
+    pending = _connected.get(loop)
+    if pending is None or (pending.done() and pending.exception() is not None):  # a failed connect is tried again
+        pending = loop.create_task(connect(Settings().resolved_nats_url, CONNECT_TIMEOUT_S))
+        _connected[loop] = pending
+    _, client = await asyncio.shield(pending)
+    return client
 
 
 # --- unit tests in a one-shot sandbox -------------------------------------------------------
@@ -342,7 +355,9 @@ async def run_tests(files: Mapping[str, str | bytes], test_file: str = "test_sol
     spec = spec or SandboxSpec()
     spec = msgspec.structs.replace(spec, env={**spec.env, "FLYWHEEL_TEST_TIMEOUT_S": f"{test_timeout_s:g}"})
     try:
-        result = await client.run(command, files=written, spec=spec, stdin=nonce + "\n", timeout_s=timeout_s)
+        # Only the runner gets stdin (the nonce): a command of yours may exit without reading it.
+        result = await client.run(command, files=written, spec=spec, stdin=nonce + "\n" if names else "",
+                                  timeout_s=timeout_s)
     except SandboxError as exc:
         if exc.kind in SERVICE_FAILURES:
             raise _unavailable(exc) from exc

@@ -55,6 +55,7 @@ async def test_bash_and_python_share_a_session_that_ends_with_the_rollout(sandbo
     crashed = await tools.python("import sys\nprint('partial')\n1 / 0", ctx)
     assert crashed.startswith("exit code 1\n--- stdout ---\npartial\n--- stderr ---\nTraceback")
     assert "ZeroDivisionError" in crashed
+    assert await tools.bash("kill -TERM $$", ctx) == "killed by signal 15 (SIGTERM)\n(no output)"
     slow = await tools.bash("echo started; sleep 30", ctx)
     assert slow.startswith("timed out after 2 s: the command and everything it started were killed")
     long = await tools.bash("seq 1 1000", ctx)
@@ -65,7 +66,7 @@ async def test_bash_and_python_share_a_session_that_ends_with_the_rollout(sandbo
     assert len(flood) < 500
     (box,) = sandbox.manager.sessions.values()
     assert box.spec.labels == {ROLLOUT_LABEL: "r-1"}
-    assert ctx.state["sandbox_calls"] == {"command": 6, "code": 2}
+    assert ctx.state["sandbox_calls"] == {"command": 7, "code": 2}
     await ctx.close()
     assert not sandbox.manager.sessions
 
