@@ -623,7 +623,7 @@ def export_record(row: dict[str, Any], scores: list[dict[str, Any]], tokens: boo
     branch, _ = walk_branch(nodes, nodes[-1]["id"]) if nodes else ([], True)
     record = {k: v for k, v in row.items() if k not in ("seq", "event")}
     record.update(task_data=event.get("task_data", {}), metrics=event.get("metrics", {}), scores=scores,
-                  num_nodes=len(nodes), messages=[n["message"] for n in branch])
+                  num_nodes=len(nodes), messages=[{"content": "", **n["message"]} for n in branch])
     if tokens:
         record["tokens"] = concat_tokens(branch)
     return record

@@ -436,10 +436,18 @@ async def test_export_has_messages_scores_and_tokens(store: Store) -> None:
     assert [(sc["scorer"], sc["value"], sc["weight"]) for sc in record["scores"]] == [("exact", 1.0, 1.0),
                                                                                      ("length", 0.5, 2.0)]
     assert [m["content"] for m in record["messages"]] == ["be brief", "2+2?", "4"]
+    # A message without text (only tool calls) still has its content, empty.
+    call = events.Message(role="assistant", tool_calls=[events.ToolCall(id="c1", name="add", arguments='{"a": 2}')])
+    user = rollout("x").nodes[1]
+    tool_use = events.Node(id=events.node_id(user.id, call, None), parent_id=user.id, message=call)
+    await store.record([msgspec.structs.replace(rollout("ro3"), nodes=[*rollout("x").nodes[:2], tool_use])])
+    (tool_record,) = [r async for r in store.export_rollouts() if r["id"] == "ro3"]
+    assert tool_record["messages"][-1] == {"role": "assistant", "content": "",
+                                           "tool_calls": [{"id": "c1", "name": "add", "arguments": '{"a": 2}'}]}
     assert record["tokens"]["token_ids"] == list(range(1, 10))
     assert record["tokens"]["loss_mask"] == [False] * 5 + [True] * 4
     everything = [r async for r in store.export_rollouts(page_size=1)]
-    assert [r["id"] for r in everything] == ["ro2", "ro1"] and "tokens" not in everything[0]
+    assert [r["id"] for r in everything] == ["ro3", "ro2", "ro1"] and "tokens" not in everything[0]
 
 
 async def test_export_memory_does_not_grow_with_the_number_of_rollouts(store: Store) -> None:
