@@ -15,7 +15,6 @@ from flywheel.sandbox_tools import (
     SandboxTools,
     SandboxUnavailable,
     connect,
-    cut,
     default_client,
     run_tests,
     sandbox_session,
@@ -139,12 +138,6 @@ async def test_no_service_answering_on_nats_fails_the_rollout(sandbox: SandboxCl
     with pytest.raises(SandboxUnavailable, match="stopping"):
         await SandboxTools().bash("ls", context(lone))
     sandbox.manager.closed = False
-
-
-def test_cut_keeps_head_and_tail() -> None:
-    assert cut("abc", 5) == ("abc", False)
-    text, was_cut = cut("0123456789" * 3, 9)
-    assert was_cut and text.startswith("012345\n[... 21 characters cut ...]\n") and text.endswith("789")
 
 
 async def test_run_tests_counts_passes_failures_and_timeouts(sandbox: SandboxClient) -> None:
