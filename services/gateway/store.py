@@ -488,7 +488,8 @@ class Store:
                 rows = [dict(row) for row in (await conn.execute(query)).mappings()]
                 by_rollout: dict[str, list[dict[str, Any]]] = {}
                 if rows:
-                    found = await conn.execute(sa.select(*score_columns).where(sc.rollout_id.in_([r["id"] for r in rows]))
+                    ids = [r["id"] for r in rows]
+                    found = await conn.execute(sa.select(*score_columns).where(sc.rollout_id.in_(ids))
                                                .order_by(sc.rollout_id, sc.scorer))
                     for score in found.mappings():
                         by_rollout.setdefault(score["rollout_id"], []).append(
@@ -498,7 +499,7 @@ class Store:
             if len(rows) < page_size:
                 return
             last_seq = rows[-1]["seq"]
-            del rows, by_rollout
+            del rows, by_rollout  # not held while the next page is read
 
     async def has_rollout(self, rollout_id: str) -> bool:
         """Whether the rollout itself (not only live trace nodes of it) is recorded."""
