@@ -39,12 +39,13 @@ from flywheel.sandbox_tools import SandboxTools, TestReport, run_tests
 
 TASKS_FILE = Path(__file__).parent / "tasks.jsonl"
 SCHEMA = {"id": str, "prompt": str, "entry_point": str, "tests": str, "solution": str}
-SYSTEM_PROMPT = """You write Python 3 code that hidden unit tests will check.
-Answer with the complete code (imports included) in one ```python fenced block; only the last such block of
-your final reply is tested, as the module `solution`. Python's standard library is available."""
-TOOL_PROMPT = """
-You may run code first with the `python` tool (your sandbox has no network); when you are done, reply without
-calling a tool."""
+SYSTEM_PROMPT = (
+    "You write Python 3 code that hidden unit tests will check. Answer with the complete code (imports included) in "
+    "one ```python fenced block; only the last such block of your final reply is tested, as the module `solution`. "
+    "Python's standard library is available.")
+TOOL_PROMPT = (
+    " You may run code first with the `python` tool (your sandbox has no network); when you are done, reply without "
+    "calling a tool.")
 
 _BLOCK = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
