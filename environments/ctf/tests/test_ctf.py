@@ -40,6 +40,10 @@ SOLVE = {
     "disguised-file": "file pictures/beach.jpg; tar -xzOf pictures/beach.jpg | grep -o 'flag{[0-9a-f]*}'",
 }
 
+# A search for anything shaped like a flag finds the real one only where it is stored as is.
+GREP = "grep -rhoa 'flag{[0-9a-f]*}' . 2>/dev/null"
+PLAIN = {"hidden-backup", "log-needle", "oldest-message", "sqlite-db"}
+
 
 @pytest.fixture(scope="module")
 def env():
@@ -70,15 +74,17 @@ def test_the_tasks_name_known_challenges(env, tmp_path) -> None:
 
 async def test_an_agent_with_the_right_commands_captures_every_flag(env, sandbox: SandboxClient) -> None:
     for task in env.load_tasks(env.tasks.size):
-        rollout, server = await sandboxed_rollout(env, task, [tool_call("bash", command=SOLVE[task["id"]]), submit_what_was_found],
-                                     sandbox)
+        script = [tool_call("bash", command=GREP), tool_call("bash", command=SOLVE[task["id"]]), submit_what_was_found]
+        rollout, server = await sandboxed_rollout(env, task, script, sandbox)
         first = json.dumps(server.requests_for("agent")[0]["messages"])
         submitted = rollout.state["submissions"][0]
         assert submitted not in first and submitted not in json.dumps(task) and submitted not in json.dumps(
             {k: v for k, v in rollout.state.items() if k != "submissions"})
         assert rollout.state["captured"] and rollout.state["stop_reason"] == "stop", (task["id"], rollout.state)
-        assert await rewards(env, rollout) == {"captured": 1.0, "num_submissions": 1.0, "num_commands": 1.0}
+        assert await rewards(env, rollout) == {"captured": 1.0, "num_submissions": 1.0, "num_commands": 2.0}
         assert not sandbox.manager.sessions, task["id"]  # destroyed with the rollout
+        grepped = [m["content"] for m in server.conversation("agent") if m["role"] == "tool"][0]
+        assert (submitted in grepped) == (task["id"] in PLAIN), (task["id"], grepped)  # the puzzles need solving
 
 
 async def test_wrong_flags_score_zero_and_use_up_the_submissions(env, sandbox: SandboxClient) -> None:
