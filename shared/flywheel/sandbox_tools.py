@@ -10,9 +10,10 @@ Files and the working folder persist between calls; shell variables and backgrou
 do not (each call is a fresh process). The model gets the exit code, stdout and stderr, cut to
 ``max_output_chars`` each (head and tail kept, the cut said), and a timed-out command is killed
 and said to be. A bad call (empty or oversized input) or a sandbox the model's own commands
-killed is answered as a tool error the model can read; a missing or overloaded sandbox service
-fails the rollout (:class:`SandboxUnavailable`), so it is recorded as an error, never scored
-as the model's failure.
+killed is answered as a tool error the model can read; a missing sandbox service fails the
+rollout (:class:`SandboxUnavailable`), so it is recorded as an error, never scored as the
+model's failure. A service at its cap of live sandboxes makes a create (or a test run) wait
+for room, up to :data:`CAPACITY_WAIT_S`, before that error.
 
 The tools reach the service through ``ctx.sandbox_client``, which whoever runs the harness
 sets: the inference service over its bus, ``flywheel eval`` where NATS is reachable.
@@ -31,14 +32,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import functools
 import re
 import secrets
 import signal
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import msgspec
 
@@ -55,7 +57,10 @@ NO_SERVICE = "start the sandbox service (flywheel up) or set nats_url"
 SERVICE_FAILURES = frozenset({"unavailable", "capacity", "not_found"})
 MAX_INPUT_CHARS = 100_000  # a command or program; NATS carries about 1 MB a message
 RUNNER_FILE = "flywheel_test_runner.py"
+T = TypeVar("T")
 CONNECT_TIMEOUT_S = 2.0  # how long default_client waits for NATS
+# How long a create waits while the service is at its cap of live sandboxes (then the error stands).
+CAPACITY_WAIT_S = 120.0
 
 
 class SandboxUnavailable(RuntimeError):
@@ -64,6 +69,23 @@ class SandboxUnavailable(RuntimeError):
 
 def _unavailable(exc: SandboxError) -> SandboxUnavailable:
     return SandboxUnavailable(f"sandbox service: {exc.error} ({NO_SERVICE})")
+
+
+async def when_there_is_room(start: Callable[[], Awaitable[T]]) -> T:
+    """``start()`` (a create or a one-shot run), tried again with backoff while the service is at
+    its cap of live sandboxes, for up to :data:`CAPACITY_WAIT_S`: many rollouts or rewards at
+    once wait for sandboxes to free up rather than fail."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + CAPACITY_WAIT_S
+    delay_s = 0.05
+    while True:
+        try:
+            return await start()
+        except SandboxError as exc:
+            if exc.kind != "capacity" or loop.time() + delay_s > deadline:
+                raise
+        await asyncio.sleep(delay_s)
+        delay_s = min(delay_s * 2, 1.0)
 
 
 # --- the rollout's session ------------------------------------------------------------------
@@ -81,7 +103,7 @@ async def sandbox_session(ctx: RolloutContext, spec: SandboxSpec | None = None) 
         spec = spec or SandboxSpec()
         label = ctx.rollout_id or f"local-{secrets.token_hex(8)}"
         spec = msgspec.structs.replace(spec, labels={**spec.labels, ROLLOUT_LABEL: label})
-        pending = asyncio.ensure_future(client.create(spec))
+        pending = asyncio.ensure_future(when_there_is_room(functools.partial(client.create, spec)))
         ctx.resources[SESSION_RESOURCE] = pending
 
         async def destroy_session() -> None:
@@ -356,8 +378,8 @@ async def run_tests(files: Mapping[str, str | bytes], test_file: str = "test_sol
     spec = msgspec.structs.replace(spec, env={**spec.env, "FLYWHEEL_TEST_TIMEOUT_S": f"{test_timeout_s:g}"})
     try:
         # Only the runner gets stdin (the nonce): a command of yours may exit without reading it.
-        result = await client.run(command, files=written, spec=spec, stdin=nonce + "\n" if names else "",
-                                  timeout_s=timeout_s)
+        result = await when_there_is_room(functools.partial(
+            client.run, command, files=written, spec=spec, stdin=nonce + "\n" if names else "", timeout_s=timeout_s))
     except SandboxError as exc:
         if exc.kind in SERVICE_FAILURES:
             raise _unavailable(exc) from exc

@@ -5,10 +5,14 @@ failing, broken, looping and output-forging code."""
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 import pytest
 
 from flywheel.environment import Environment, Reward, TaskSet
 from flywheel.harness import ChatHarness, RolloutContext, ToolError
+from flywheel import sandbox_tools
 from flywheel.sandbox import SandboxClient, SandboxSpec
 from flywheel.sandbox_tools import (
     ROLLOUT_LABEL,
@@ -20,6 +24,7 @@ from flywheel.sandbox_tools import (
     sandbox_session,
     use_client,
 )
+from tests.helpers import until
 from tests.sandbox_fixtures import sandbox  # noqa: F401 - fixture
 from tests.scripted_openai import ScriptedOpenAI, tool_call
 
@@ -35,6 +40,16 @@ def test_negative():
 def test_strings():
     assert add("a", "b") == "ab"
 """
+
+
+class CountingClient(SandboxClient):
+    """The client, counting the one-shot runs it asks for (refused ones too)."""
+
+    num_runs = 0
+
+    async def run(self, *args: Any, **kwargs: Any) -> Any:
+        self.num_runs += 1
+        return await super().run(*args, **kwargs)
 
 
 def context(client: SandboxClient | None, rollout_id: str = "r-1") -> RolloutContext:
@@ -184,3 +199,22 @@ async def test_run_tests_with_a_command_of_your_own(sandbox: SandboxClient) -> N
     assert failed.verdicts == {"command": "fail"}
     summary = await run_tests({}, command="echo '=== 3 passed, 1 failed in 0.1s ==='; exit 1", client=sandbox)
     assert (summary.num_passed, summary.num_tests) == (3, 4)
+
+
+async def test_at_the_cap_a_test_run_waits_for_room_then_gives_up(sandbox: SandboxClient,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    sandbox.manager.config.max_alive = 1
+    ctx = context(sandbox)
+    await sandbox_session(ctx)  # the one sandbox there is room for
+    counting = CountingClient(sandbox.bus)
+    waiting = asyncio.ensure_future(run_tests({"solution.py": SOLUTION, "test_solution.py": TESTS}, client=counting))
+    await until(lambda: counting.num_runs >= 3, what="run_tests retrying while the service is full")
+    assert not waiting.done()
+    await ctx.close()  # room again
+    assert (await waiting).all_passed
+    monkeypatch.setattr(sandbox_tools, "CAPACITY_WAIT_S", 0.2)
+    ctx = context(sandbox)
+    await sandbox_session(ctx)
+    with pytest.raises(SandboxUnavailable, match="sandbox_max_alive"):
+        await run_tests({"solution.py": SOLUTION, "test_solution.py": TESTS}, client=sandbox)
+    await ctx.close()
