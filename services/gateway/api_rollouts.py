@@ -48,10 +48,11 @@ async def list_rollouts(store: StoreDep, query: Annotated[RolloutListQuery, Quer
             responses={200: {"content": {JSONL: {}}, "description": "One JSON object a line."}})
 async def export_rollouts(store: StoreDep, query: Annotated[RolloutExportQuery, Query()]) -> StreamingResponse:
     """Every rollout the filters keep, newest first, as JSON Lines: its fields, ``reward`` and
-    ``scores``, ``task_data``, ``metrics``, and ``messages``, the messages of its main branch
-    (root to its last node: the whole conversation unless it branches; other branches are
-    in /v1/traces). ``?tokens=true`` adds ``tokens``: that branch's token ids, logprobs and
-    loss mask, concatenated. E.g. an SFT set: ``?run=R&min_reward=1&error=false``."""
+    ``scores``, ``task_data``, ``metrics``, ``state``, and ``messages``, the messages of its
+    final branch (root to its last node, the branch rewards read: the whole conversation
+    unless it branches; other branches are in /v1/traces). ``?tokens=true`` adds ``tokens``:
+    that branch's token ids, logprobs and loss mask, concatenated. E.g. an SFT set:
+    ``?run=R&min_reward=1&error=false``."""
     filters = to_filter(query)
     encoder = msgspec.json.Encoder()
 

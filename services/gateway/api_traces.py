@@ -74,9 +74,10 @@ async def get_trace(rollout_id: str, store: StoreDep, tokens: bool = False) -> T
     the rollout finishes. ``?tokens=true`` adds each node's token ids, logprobs and loss mask."""
     nodes = await _trace(store, rollout_id, tokens)
     parents = {n["parent_id"] for n in nodes}
-    return TracePublic(rollout_id=rollout_id, finished=await store.has_rollout(rollout_id),
-                       nodes=[NodePublic.model_validate(n) for n in nodes],
-                       leaves=[n["id"] for n in nodes if n["id"] not in parents])
+    finished = await store.has_rollout(rollout_id)
+    return TracePublic(rollout_id=rollout_id, finished=finished, nodes=[NodePublic.model_validate(n) for n in nodes],
+                       leaves=[n["id"] for n in nodes if n["id"] not in parents],
+                       final_leaf=nodes[-1]["id"] if finished and nodes else None)
 
 
 @router.get("/{rollout_id}/branches/{node_id}", response_model=BranchPublic)

@@ -233,6 +233,8 @@ class TracePublic(BaseModel):
     nodes: list[NodePublic]
     leaves: list[str] = Field(description="Ids of the nodes no other node of the rollout continues: one per branch "
                                           "(sub-agent, retry); pick one for /v1/traces/{rollout_id}/branches/{leaf}.")
+    final_leaf: str | None = Field(description="The rollout's last node, the end of the branch rewards read; null "
+                                               "until the rollout is recorded.")
 
 
 class TokenLayerPublic(BaseModel):

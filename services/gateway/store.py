@@ -603,7 +603,7 @@ def walk_branch(nodes: Sequence[dict[str, Any]], leaf_id: str) -> tuple[list[dic
 
 def concat_tokens(nodes: Iterable[dict[str, Any]]) -> dict[str, list[Any]]:
     """The token layer of ``nodes`` (each with ``tokens``: a TokenSpan as a dict, or None),
-    concatenated: the tokens the model saw along a branch, as the trainer takes them."""
+    concatenated: along a branch, the tokens the model saw."""
     out: dict[str, list[Any]] = {"token_ids": [], "logprobs": [], "loss_mask": []}
     for node in nodes:
         span = node.get("tokens")
@@ -615,15 +615,16 @@ def concat_tokens(nodes: Iterable[dict[str, Any]]) -> dict[str, list[Any]]:
 
 def export_record(row: dict[str, Any], scores: list[dict[str, Any]], tokens: bool) -> dict[str, Any]:
     """One rollout as an export line: its fields, reward and scores, and the messages of its
-    main branch (root to its last node, which is the whole rollout unless it branches);
-    with ``tokens``, that branch's concatenated token layer too."""
+    final branch (root to its last node, the branch rewards read; the whole rollout unless
+    it branches); with ``tokens``, that branch's concatenated token layer too."""
     event = row["event"]
     nodes = event.get("nodes", [])
     for node in nodes:
         node.setdefault("parent_id", None)
     branch, _ = walk_branch(nodes, nodes[-1]["id"]) if nodes else ([], True)
     record = {k: v for k, v in row.items() if k not in ("seq", "event")}
-    record.update(task_data=event.get("task_data", {}), metrics=event.get("metrics", {}), scores=scores,
+    record.update(task_data=event.get("task_data", {}), metrics=event.get("metrics", {}),
+                  state=event.get("state", {}), scores=scores,
                   num_nodes=len(nodes), messages=[{"content": "", **n["message"]} for n in branch])
     if tokens:
         record["tokens"] = concat_tokens(branch)

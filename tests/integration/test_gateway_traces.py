@@ -136,7 +136,7 @@ async def test_graph_leaves_and_a_branch_with_both_layers(client: httpx.AsyncCli
     system, user, first, tool, final, retry = r.nodes
     await store.record([r])
     graph = (await client.get("/v1/traces/ro-branch")).json()
-    assert graph["finished"] is True and graph["leaves"] == [final.id, retry.id]
+    assert graph["finished"] is True and graph["leaves"] == [final.id, retry.id] and graph["final_leaf"] == retry.id
     branch = (await client.get(f"/v1/traces/ro-branch/branches/{final.id}", params={"tokens": "true"})).json()
     assert branch["complete"] is True
     assert [n["id"] for n in branch["nodes"]] == [system.id, user.id, first.id, tool.id, final.id]
@@ -151,7 +151,8 @@ async def test_graph_leaves_and_a_branch_with_both_layers(client: httpx.AsyncCli
     await store.record([events.TraceNode(run="r1", rollout_id="ro-live", node=tool)])
     live = (await client.get(f"/v1/traces/ro-live/branches/{tool.id}")).json()
     assert live["complete"] is False and [n["id"] for n in live["nodes"]] == [tool.id]
-    assert (await client.get("/v1/traces/ro-live")).json()["finished"] is False
+    assert {k: v for k, v in (await client.get("/v1/traces/ro-live")).json().items() if k in ("finished", "final_leaf")
+            } == {"finished": False, "final_leaf": None}
 
 
 # --- the live stream ----------------------------------------------------------------------

@@ -427,12 +427,14 @@ def test_branches_are_walked_from_their_leaf_to_the_root() -> None:
 
 
 async def test_export_has_messages_scores_and_tokens(store: Store) -> None:
-    await store.record([rollout("ro1", answer="4"), rollout("ro2", answer="5", status="error"),
+    with_state = msgspec.structs.replace(rollout("ro1", answer="4"), state={"board": ["crane"]})
+    await store.record([with_state, rollout("ro2", answer="5", status="error"),
                         score("s1", "ro1", 1.0), score("s2", "ro1", 0.5, weight=2.0, scorer="length")])
     records = [r async for r in store.export_rollouts(RolloutFilter(error=False), tokens=True)]
     assert [r["id"] for r in records] == ["ro1"]
     (record,) = records
     assert record["reward"] == 2.0 and record["num_nodes"] == 3 and record["created_at"] == T0
+    assert record["state"] == {"board": ["crane"]}
     assert [(sc["scorer"], sc["value"], sc["weight"]) for sc in record["scores"]] == [("exact", 1.0, 1.0),
                                                                                      ("length", 0.5, 2.0)]
     assert [m["content"] for m in record["messages"]] == ["be brief", "2+2?", "4"]
