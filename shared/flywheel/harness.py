@@ -46,7 +46,9 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RolloutContext:
-    """One rollout as a harness sees it."""
+    """One rollout as a harness sees it. Whoever runs the harness closes it when the rollout ends;
+    tools keep what they start for the rollout in ``resources`` and free it through :meth:`on_close`
+    (a sandbox session of :mod:`flywheel.sandbox_tools`, over ``sandbox_client``)."""
 
     task: dict[str, Any]
     base_url: str  # OpenAI-compatible, this rollout's own
