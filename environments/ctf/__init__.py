@@ -13,7 +13,8 @@ a file in a tar.gz backup, a file and a folder tree without permissions (the san
 them, so ``chmod`` opens them), a secret among many logs, fragments to put back in order, the
 oldest of many look-alike messages (file times), a SQLite database, reversed base64, a
 compressed payload in base64, a script that decrypts with a PIN nobody remembers (brute force
-it), and a file that is not what its name says.
+it), and a file that is not what its name says. Each can be solved with bash, coreutils and
+python3 alone; the local backend's sandbox also has the host's tools (tar, xxd, file, ...).
 
 ``submit_flag`` answers right or wrong; the rollout ends at the right flag or when the
 submissions (``max_submissions``) run out. The reward reads the final state: ``captured`` (1
