@@ -50,6 +50,7 @@ from flywheel.sandbox import ExecResult, SandboxClient, SandboxError, SandboxSpe
 if TYPE_CHECKING:
     from flywheel.bus import Bus
 
+T = TypeVar("T")
 ROLLOUT_LABEL = "flywheel-rollout"
 SESSION_RESOURCE = "flywheel.sandbox_tools.session"
 NO_SERVICE = "start the sandbox service (flywheel up) or set nats_url"
@@ -57,7 +58,6 @@ NO_SERVICE = "start the sandbox service (flywheel up) or set nats_url"
 SERVICE_FAILURES = frozenset({"unavailable", "capacity", "not_found"})
 MAX_INPUT_CHARS = 100_000  # a command or program; NATS carries about 1 MB a message
 RUNNER_FILE = "flywheel_test_runner.py"
-T = TypeVar("T")
 CONNECT_TIMEOUT_S = 2.0  # how long default_client waits for NATS
 # How long a create waits while the service is at its cap of live sandboxes (then the error stands).
 CAPACITY_WAIT_S = 120.0
@@ -71,20 +71,23 @@ def _unavailable(exc: SandboxError) -> SandboxUnavailable:
     return SandboxUnavailable(f"sandbox service: {exc.error} ({NO_SERVICE})")
 
 
-async def when_there_is_room(start: Callable[[], Awaitable[T]]) -> T:
+async def when_there_is_room(start: Callable[[], Awaitable[T]], give_up: asyncio.Event | None = None) -> T:
     """``start()`` (a create or a one-shot run), tried again with backoff while the service is at
-    its cap of live sandboxes, for up to :data:`CAPACITY_WAIT_S`: many rollouts or rewards at
-    once wait for sandboxes to free up rather than fail."""
+    its cap of live sandboxes, for up to :data:`CAPACITY_WAIT_S` or until ``give_up`` is set: many
+    rollouts or rewards at once wait for sandboxes to free up rather than fail. An attempt under
+    way is never cut short (the sandbox it makes must be known to be destroyed)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + CAPACITY_WAIT_S
+    give_up = give_up or asyncio.Event()
     delay_s = 0.05
     while True:
         try:
             return await start()
         except SandboxError as exc:
-            if exc.kind != "capacity" or loop.time() + delay_s > deadline:
+            if exc.kind != "capacity" or loop.time() + delay_s > deadline or give_up.is_set():
                 raise
-        await asyncio.sleep(delay_s)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(give_up.wait(), delay_s)
         delay_s = min(delay_s * 2, 1.0)
 
 
@@ -103,14 +106,16 @@ async def sandbox_session(ctx: RolloutContext, spec: SandboxSpec | None = None) 
         spec = spec or SandboxSpec()
         label = ctx.rollout_id or f"local-{secrets.token_hex(8)}"
         spec = msgspec.structs.replace(spec, labels={**spec.labels, ROLLOUT_LABEL: label})
-        pending = asyncio.ensure_future(when_there_is_room(functools.partial(client.create, spec)))
+        ended = asyncio.Event()
+        pending = asyncio.ensure_future(when_there_is_room(functools.partial(client.create, spec), ended))
         ctx.resources[SESSION_RESOURCE] = pending
 
         async def destroy_session() -> None:
+            ended.set()  # a create still waiting for room stops waiting; one under way finishes
             try:
                 box = await pending
-            except (SandboxError, asyncio.CancelledError):
-                return  # never created
+            except SandboxError:
+                return  # never made
             await client.destroy(box)
 
         ctx.on_close(destroy_session)

@@ -218,3 +218,16 @@ async def test_at_the_cap_a_test_run_waits_for_room_then_gives_up(sandbox: Sandb
     with pytest.raises(SandboxUnavailable, match="sandbox_max_alive"):
         await run_tests({"solution.py": SOLUTION, "test_solution.py": TESTS}, client=sandbox)
     await ctx.close()
+
+
+async def test_a_rollout_that_ends_while_its_sandbox_waits_for_room_leaves_none(sandbox: SandboxClient) -> None:
+    sandbox.manager.config.max_alive = 1
+    holder, late = context(sandbox, rollout_id="r-hold"), context(sandbox, rollout_id="r-late")
+    await sandbox_session(holder)
+    starting = asyncio.ensure_future(sandbox_session(late))
+    await until(lambda: bool(late.resources), what="the late rollout asking for its sandbox")
+    starting.cancel()  # its harness is stopped (a rollout timeout) while the create waits for room
+    await late.close()
+    assert late.resources[sandbox_tools.SESSION_RESOURCE].exception().kind == "capacity"
+    await holder.close()
+    assert not sandbox.manager.sessions
