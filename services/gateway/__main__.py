@@ -1,9 +1,10 @@
 """``python -m flywheel_gateway {api,recorder}``: the gateway's two processes.
 
 ``api`` serves the HTTP API with uvicorn on gateway_host:gateway_port (migrating the store
-first); ``recorder`` records every stream into the store. Both read their settings from
-FLYWHEEL_* (see :mod:`flywheel.settings`). Heavy imports wait until the arguments are
-parsed, so ``--help`` is instant.
+first); on SIGTERM, requests still open after ``GRACEFUL_SHUTDOWN_S`` (a live trace stream
+never ends by itself) are cut. ``recorder`` records every stream into the store. Both read
+their settings from FLYWHEEL_* (see :mod:`flywheel.settings`). Heavy imports wait until the
+arguments are parsed, so ``--help`` is instant.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from collections.abc import Callable
 
 from flywheel.settings import Settings
 
+GRACEFUL_SHUTDOWN_S = 5.0
+
 
 def _api(settings: Settings) -> None:
     import uvicorn
@@ -20,7 +23,7 @@ def _api(settings: Settings) -> None:
     from flywheel_gateway.app import create_app
 
     uvicorn.run(create_app(settings), host=settings.gateway_host, port=settings.gateway_port,
-                log_level=settings.log_level.lower())
+                log_level=settings.log_level.lower(), timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
 
 
 def _recorder(settings: Settings) -> None:

@@ -5,7 +5,8 @@ process, while the test publishes trace nodes and rollouts on the bus as inferen
 that a client leaving ends its consumers is checked on the server and in the gateway's
 connection. Other reads go through the ASGI transport, on rows written straight into the
 store (SQLite), and once on what the recorder's consumers record from the bus. A nats-server
-restart under a live stream is in the slow tier. Not covered: the store's PostgreSQL side
+restart under a live stream is in the slow tier; the gateway process stopping with a stream
+open is checked as ``flywheel up`` runs it. Not covered: the store's PostgreSQL side
 (tests/unit/test_store.py).
 """
 
@@ -14,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import signal
 from collections.abc import AsyncIterator, Iterator
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -371,3 +374,37 @@ async def test_filters_follow_what_the_recorder_records(app: FastAPI, client: ht
         for c in consumers:
             c.stop()
         await asyncio.gather(*running)
+
+
+# --- the gateway process ------------------------------------------------------------------
+
+
+async def test_an_open_stream_does_not_hold_up_the_gateways_shutdown(nats_server: NatsServer, bus: Bus,
+                                                                     tmp_path: Path) -> None:
+    """``python -m flywheel_gateway api`` as ``flywheel up`` runs it: SIGTERM with a live stream open."""
+    from flywheel.settings import Settings
+    from flywheel.stack import SERVICES, ServiceProcess, child_env
+    from flywheel_gateway.__main__ import GRACEFUL_SHUTDOWN_S
+
+    settings = Settings(nats_url=nats_server.url, data_dir=tmp_path / "data", gateway_port=free_port())
+    api = ServiceProcess("gateway", SERVICES["gateway"], child_env(settings), tmp_path / "gateway.log")
+    await api.launch()
+    try:
+        await bus.publish(live("ro1", conversation("4")[0]))
+        async with httpx.AsyncClient(base_url=settings.resolved_gateway_url, timeout=30) as http:
+            async def healthy() -> bool:
+                try:
+                    return (await http.get("/healthz")).status_code == 200
+                except httpx.TransportError:
+                    return False
+
+            await until(healthy, timeout_s=60, what="the API to answer /healthz")
+            async with http.stream("GET", "/v1/traces/ro1/stream") as response:
+                received = server_sent_events(response)  # held: the stream stays open while the gateway stops
+                assert (await anext(received))[0] == "node"
+                os.kill(api.pid, signal.SIGTERM)
+                returncode = await asyncio.to_thread(api.popen.wait, GRACEFUL_SHUTDOWN_S + 10)  # type: ignore[union-attr]
+                assert "graceful shutdown exceeded" in api.log_path.read_text(), api.log_tail()
+        assert returncode in (0, -signal.SIGTERM), api.log_tail()
+    finally:
+        await api.stop(10)
