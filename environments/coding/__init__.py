@@ -6,7 +6,8 @@ its final reply counts) and may first try code with the ``python`` tool, which r
 rollout's own sandbox (``tools=False``: one turn, no tool). The reward writes the answer as
 ``solution.py`` beside the task's tests and runs them in a one-shot sandbox
 (:func:`flywheel.sandbox_tools.run_tests`: every test with its own deadline, the run with
-another), so a wrong, crashing or never-ending answer costs nothing but its score.
+another), so a wrong, crashing or never-ending answer costs nothing but its score; an answer
+that does not parse, or is over ``MAX_CODE_CHARS``, fails without a run.
 
 Rewards: ``tests`` (components ``all_passed``, weight ``1 - partial_credit``, and
 ``fraction`` of the tests passed, weight ``partial_credit``). Metrics: ``syntax_error`` (the
@@ -47,6 +48,7 @@ TOOL_PROMPT = (
     " You may run code first with the `python` tool (your sandbox has no network); when you are done, reply without "
     "calling a tool.")
 
+MAX_CODE_CHARS = 100_000  # longer answers fail without a run (the sandbox takes files up to 512 KB)
 _BLOCK = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
 
@@ -92,18 +94,26 @@ class Verifier:
         return await asyncio.shield(pending)
 
     async def tests(self, completion: str, task: dict[str, Any]) -> dict[str, float]:
-        code = extract_code(completion)
-        if code is None or syntax_error(code) is not None:
+        code = runnable(completion)
+        if code is None:
             return {"all_passed": 0.0, "fraction": 0.0}
         report = await self.report(code, task)
         return {"all_passed": float(report.all_passed), "fraction": report.fraction}
 
     async def timed_out(self, completion: str, task: dict[str, Any]) -> float:
-        code = extract_code(completion)
-        if code is None or syntax_error(code) is not None:
+        code = runnable(completion)
+        if code is None:
             return 0.0
         report = await self.report(code, task)
         return float(report.timed_out or report.num_timeouts > 0)
+
+
+def runnable(completion: str) -> str | None:
+    """The answer's code when it is worth a test run: present, parsing, of a sane size."""
+    code = extract_code(completion)
+    if code is None or len(code) > MAX_CODE_CHARS or syntax_error(code) is not None:
+        return None
+    return code
 
 
 def no_code(completion: str) -> float:

@@ -112,6 +112,8 @@ async def test_rollouts_are_rewarded_by_the_hidden_tests(env, tasks, sandbox: Sa
                                                  "python_calls": 0.0}
         prose = await sandboxed_rollout(env, task, ["I would use itertools.groupby."], sandbox)
         assert (await scores(env, prose[0]))["no_code"] == 1.0
+        huge = await sandboxed_rollout(env, task, [answer(task["solution"] + "#" * 600_000 + "\n")], sandbox)
+        assert (await scores(env, huge[0]))["tests"] == (0.0, {"all_passed": 0.0, "fraction": 0.0})
     assert not sandbox.manager.sessions
 
 
