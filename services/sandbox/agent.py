@@ -124,7 +124,7 @@ class Agent:
         self._limit_command(proc.pid, timeout_s)
         out, timed_out = self._collect(proc, stdin, max_out, started + timeout_s)
         exit_code = proc.wait()
-        self._reap()
+        self._await_no_others()
         if cwd_r is not None:
             os.set_blocking(cwd_r, False)
             try:
@@ -205,6 +205,18 @@ class Agent:
             os.kill(-1, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+    def _await_no_others(self, timeout_s=2.0):
+        """Reply only once every process the command left is gone (killed ones may still be
+        zombies for a moment, until their reaper - bwrap's init, or this agent as PID 1 - waits)."""
+        me = os.getpid()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._reap()
+            others = [p for p in os.listdir("/proc") if p.isdigit() and int(p) not in (1, me)]
+            if not others or time.monotonic() > deadline:
+                return
+            time.sleep(0.0005)
 
     @staticmethod
     def _reap():
