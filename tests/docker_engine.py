@@ -17,9 +17,11 @@ Not covered: pulling images (no registry), rootless engines, bridge networks.
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -34,6 +36,21 @@ BASE_IMAGE_TAG = "flywheel-local/debian-python:bookworm"
 BASE_PACKAGES = ("python3", "python3-venv", "ca-certificates")
 _READY_TIMEOUT_S = 60.0
 _LOCK_TIMEOUT_S = 1800.0
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the process that started it dies (Linux)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+
+
+def _mounts_under(folder: Path) -> list[str]:
+    """Mount points inside ``folder``, outermost first (from /proc/self/mountinfo)."""
+    prefix = f"{folder}/"
+    points = [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()]
+    return sorted(p for p in points if p.startswith(prefix))
 
 
 class EngineUnavailable(RuntimeError):
@@ -105,8 +122,10 @@ class DockerEngine:
             f"--config-file={self._run_dir / 'daemon.json'}",
             "--log-driver=json-file",  # `docker logs` works whatever the machine's default
         ]
-        # Its own session: a Ctrl-C in the test's terminal reaches the test, which stops it.
-        self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        # Its own session: a Ctrl-C in the test's terminal reaches the test, which stops it. A
+        # test process killed outright takes the engine with it (no orphan holds the data root).
+        self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+                                      preexec_fn=_die_with_parent)
         try:
             self._wait_ready()
         except BaseException:
@@ -158,7 +177,10 @@ class DockerEngine:
             self._log.close()
             self._log = None
         if self._run_dir is not None:
-            shutil.rmtree(self._run_dir, ignore_errors=True)  # mounts are gone once dockerd has exited
+            # dockerd leaves its network namespace mounted in the exec root when it exits.
+            for mount in reversed(_mounts_under(self._run_dir)):
+                subprocess.run(["umount", "--lazy", mount], check=True)
+            shutil.rmtree(self._run_dir)
             self._run_dir = None
         if self._lock_file is not None:
             os.close(self._lock_file)  # releases the flock
