@@ -9,6 +9,7 @@ deployment itself runs in tests/e2e/test_compose.py (marker ``docker``).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -89,6 +90,21 @@ def test_every_flywheel_variable_is_a_setting() -> None:
     assert passed, "compose passes no FLYWHEEL_* settings"
     unknown = passed - fields - META_VARIABLES
     assert not unknown, f"compose passes variables no Settings field reads: {sorted(unknown)}"
+
+
+def test_passed_through_settings_keep_their_defaults() -> None:
+    """``FLYWHEEL_X: ${FLYWHEEL_X:-D}`` hands a user's setting on; unset, it must mean what
+    unset means everywhere else: D is the setting's own default."""
+    passed = 0
+    for spec in services().values():
+        for var, value in spec.get("environment", {}).items():
+            match = re.fullmatch(r"\$\{(FLYWHEEL_\w+):-([^}]*)\}", str(value))
+            if match and match.group(1) == var:
+                field = Settings.model_fields[var.removeprefix("FLYWHEEL_").lower()]
+                assert match.group(2) == str(field.default), f"{var}: compose default {match.group(2)!r}, " \
+                                                             f"Settings default {field.default!r}"
+                passed += 1
+    assert passed >= 3  # gateway_port, inference_port, sandbox_image at least
 
 
 def test_mounted_toml_holds_only_settings(monkeypatch: pytest.MonkeyPatch) -> None:
