@@ -158,6 +158,15 @@ def test_healthchecks_and_files_the_images_need_exist() -> None:
     assert run_config.is_file()  # the trainer's default RUN_CONFIG
 
 
+def test_env_example_names_only_variables_compose_reads() -> None:
+    text = "".join((COMPOSE_DIR / name).read_text() for name in FILES)
+    names = [line.split("=", 1)[0] for line in (COMPOSE_DIR / ".env.example").read_text().splitlines()
+             if line and not line.startswith("#")]
+    assert "POSTGRES_PASSWORD" in names
+    unread = [name for name in names if "${" + name not in text]
+    assert not unread, f".env.example sets variables no compose file reads: {unread}"
+
+
 def test_requirements_script_expands_extras() -> None:
     proc = subprocess.run([sys.executable, str(COMPOSE_DIR / "requirements.py"), str(COMPOSE_DIR.parent / "pyproject.toml"),
                            "inference,gateway"], capture_output=True, text=True, check=True)
