@@ -24,6 +24,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -123,9 +124,11 @@ class DockerEngine:
             "--log-driver=json-file",  # `docker logs` works whatever the machine's default
         ]
         # Its own session: a Ctrl-C in the test's terminal reaches the test, which stops it. A
-        # test process killed outright takes the engine with it (no orphan holds the data root).
+        # test process killed outright takes the engine with it (no orphan holds the data root);
+        # the kernel ties that to the starting thread, so only when that is the main thread.
+        on_main_thread = threading.current_thread() is threading.main_thread()
         self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-                                      preexec_fn=_die_with_parent)
+                                      preexec_fn=_die_with_parent if on_main_thread else None)
         try:
             self._wait_ready()
         except BaseException:
