@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -39,6 +40,19 @@ async def backend_named(name: str, request: pytest.FixtureRequest) -> AsyncItera
         yield backend
     finally:
         await backend.close()
+    if name == "docker":  # every container went with its sandbox
+        import docker
+
+        engine = docker.DockerClient(base_url=backend.config.base_url)
+        try:
+            for _ in range(100):  # the engine may still be finishing a removal it was asked for twice
+                left = engine.containers.list(all=True, filters={"label": f"flywheel.sandbox.owner={backend.owner}"})
+                if not left:
+                    break
+                time.sleep(0.05)  # noqa: sleep - the polling interval of this bounded wait
+            assert not left, [c.status for c in left]
+        finally:
+            engine.close()
 
 
 @contextlib.asynccontextmanager

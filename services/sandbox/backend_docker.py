@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import secrets
 import socket
 import struct
 from dataclasses import dataclass, field
@@ -76,7 +77,18 @@ class DockerBox:
         self.stopped = True
         self.writer.close()
         self.demux.cancel()
-        self.backend.track(self.backend.run(functools.partial(self.container.remove, force=True)))
+        self.backend.track(self.backend.run(self._remove))
+
+    def _remove(self) -> None:
+        import docker.errors
+
+        try:
+            self.container.remove(force=True)
+        except docker.errors.NotFound:  # auto-removed already
+            pass
+        except docker.errors.APIError as exc:
+            if exc.status_code != 409:  # 409: removal already in progress
+                raise
 
 
 class DockerBackend:
@@ -100,6 +112,9 @@ class DockerBackend:
             raise BackendUnavailable(f"sandbox image {self.config.image!r} is not in the engine: build it (it needs "
                                      "python3), or set sandbox_image to one that is") from exc
         self._cleanups: set[asyncio.Task[Any]] = set()
+        # Its own containers carry this too, so they can be told from other services' (and listed).
+        self.owner = secrets.token_hex(8)
+        self.labels = {**self.config.labels, "flywheel.sandbox.owner": self.owner}
 
     def pool_key(self, spec: SandboxSpec) -> tuple[Any, ...]:
         return pool_key(spec)
@@ -126,7 +141,8 @@ class DockerBackend:
             network_mode="bridge" if spec.network else "none", mem_limit=memory, memswap_limit=memory,
             pids_limit=spec.pids + EXTRA_PIDS, nano_cpus=int(spec.cpu * 1e9), cap_drop=["ALL"],
             security_opt=["no-new-privileges"], environment={"HOME": WORKDIR}, hostname="sandbox",
-            labels=self.config.labels, auto_remove=False)
+            labels=self.labels, auto_remove=True)  # gone by itself too when the agent exits (its
+            # stdin closes when this service dies)
         try:
             raw = self.client.api.attach_socket(container.id, params={"stdin": 1, "stdout": 1, "stderr": 1,
                                                                       "stream": 1})
@@ -165,7 +181,9 @@ class DockerBackend:
         return box
 
     async def close(self) -> None:
-        await asyncio.gather(*self._cleanups, return_exceptions=True)
+        for failure in await asyncio.gather(*self._cleanups, return_exceptions=True):
+            if failure is not None:
+                log.warning("docker sandbox backend: removing a container failed: %r", failure)
         self.client.close()
 
 

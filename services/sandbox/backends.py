@@ -427,12 +427,12 @@ class LocalBackend:
 
         box = LocalBox(process, AgentChannel(process.stdout.readexactly, write), uid, cgroup, self)
         process.stdin.write(agent_preamble())
-        asyncio.ensure_future(_drain(process.stderr, box.stderr_tail))
+        drain = asyncio.ensure_future(_drain(process.stderr, box.stderr_tail))
         try:
             await asyncio.wait_for(box.channel.read_frame(), self.config.start_timeout_s)
         except (AgentGone, asyncio.TimeoutError) as exc:
             await box.stop()
-            await asyncio.sleep(0)  # let the stderr reader take the last bytes
+            await asyncio.wait([drain], timeout=1.0)  # bubblewrap's last words say what went wrong
             raise SandboxError("failed", f"the sandbox did not start: {bytes(box.stderr_tail).decode(errors='replace')[-1000:] or exc!r}") from exc
         return box
 

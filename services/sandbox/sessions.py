@@ -72,6 +72,7 @@ class Session:
     last_used: float
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     busy: bool = False
+    key: str | None = None  # its idempotency key
 
 
 class SessionManager:
@@ -188,6 +189,7 @@ class SessionManager:
             try:
                 created = await self._create(spec)
                 self.keys[idempotency_key] = created.id
+                self.sessions[created.id].key = idempotency_key
                 future.set_result(created)
                 return created
             except BaseException as exc:
@@ -310,6 +312,8 @@ class SessionManager:
         if self.sessions.pop(session.id, None) is None:
             return
         self.tombstones[session.id] = reason
+        if session.key is not None and self.keys.get(session.key) == session.id:
+            del self.keys[session.key]
         while len(self.tombstones) > self.config.num_tombstones:
             self.tombstones.popitem(last=False)
         await session.box.stop()

@@ -272,6 +272,7 @@ async def test_idempotency_key(manager: SessionManager) -> None:
     assert a.id == b.id and [a.reused, b.reused].count(True) == 1
     assert (await manager.create(SandboxSpec(), "key")).reused
     await manager.destroy(a.id)
+    assert "key" not in manager.keys  # keys do not outlive their sandbox
     assert (await manager.create(SandboxSpec(), "key")).id != a.id  # the old one is gone: a new one
 
 
