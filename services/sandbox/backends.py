@@ -221,12 +221,14 @@ class Cgroups:
                 if controller in options and controller in own and controller not in roots:
                     mount_root, mount_point = fields[3], fields[4]
                     rel = os.path.relpath(own[controller], mount_root)
-                    folder = Path(mount_point) / (rel if rel != "." else "") / f"flywheel-sandbox-{os.getpid()}"
+                    parent = Path(mount_point) / (rel if rel != "." else "")
+                    folder = parent / f"flywheel-sandbox-{os.getpid()}"
                     try:
                         folder.mkdir(exist_ok=True)
                     except OSError:
                         continue
                     roots[controller] = folder
+                    _remove_stale(parent)
         return cls(roots)
 
     def make(self, name: str, spec: SandboxSpec) -> list[Path]:
@@ -269,6 +271,22 @@ class Cgroups:
                 root.rmdir()
             except OSError as exc:
                 log.warning("cannot remove %s: %s", root, exc)
+
+
+def _remove_stale(parent: Path) -> None:
+    """Folders of services that died without cleaning up (SIGKILL): empty once their
+    sandboxes died with them, so removable."""
+    for folder in parent.glob("flywheel-sandbox-*"):
+        pid = folder.name.rsplit("-", 1)[1]
+        if not pid.isdigit() or Path("/proc", pid).exists():
+            continue
+        try:
+            for leaf in folder.iterdir():
+                if leaf.is_dir():
+                    leaf.rmdir()
+            folder.rmdir()
+        except OSError:  # a member still alive: leave it
+            pass
 
 
 # --- local backend --------------------------------------------------------------------------
