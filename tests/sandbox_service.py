@@ -56,9 +56,10 @@ async def backend_named(name: str, request: pytest.FixtureRequest) -> AsyncItera
 
 
 @contextlib.asynccontextmanager
-async def serving(bus: Bus, backend: Any, instance: str = "test-1", **config: Any) -> AsyncIterator[SandboxClient]:
+async def serving(bus: Bus, backend: Any, instance: str = "test-1", max_in_flight: int = 1024,
+                  **config: Any) -> AsyncIterator[SandboxClient]:
     manager = SessionManager(backend, instance, ManagerConfig(**config))
-    responder = SandboxResponder(bus, manager)
+    responder = SandboxResponder(bus, manager, max_in_flight)
     stopping = asyncio.Event()
     tasks = [asyncio.ensure_future(responder.serve(stopping)), asyncio.ensure_future(manager.maintain(stopping))]
     await asyncio.wait_for(responder.ready.wait(), 10)

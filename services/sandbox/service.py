@@ -7,7 +7,7 @@ task, so a long exec never holds up other sandboxes; one sandbox runs one reques
 
 A request that cannot be done gets an :class:`~flywheel.sandbox.ErrorReply` naming what
 is wrong (a field that does not validate, an unknown or expired sandbox, a file over the
-limit, the caps) and the service keeps serving. On SIGTERM it stops taking requests,
+limit, the caps, too many requests in flight) and the service keeps serving. On SIGTERM it stops taking requests,
 destroys every sandbox it holds (requests in flight then answer kind ``gone``) and leaves.
 """
 
@@ -42,9 +42,12 @@ log = logging.getLogger(__name__)
 class SandboxResponder:
     """Subscribes to the ``sandbox.*`` subjects and answers each request from the manager."""
 
-    def __init__(self, bus: Bus, manager: SessionManager) -> None:
+    def __init__(self, bus: Bus, manager: SessionManager, max_in_flight: int = 1024) -> None:
+        """``max_in_flight``: requests handled at once; one more is answered kind ``capacity``
+        at once (memory stays bounded under a flood)."""
         self.bus = bus
         self.manager = manager
+        self.max_in_flight = max_in_flight
         self.decoders = {op: msgspec.json.Decoder(t) for op, t in REQUEST_TYPES.items()}
         self.handlers: dict[str, Callable[[Any], Awaitable[msgspec.Struct]]] = {
             "create": lambda r: manager.create(r.spec, r.idempotency_key),
@@ -79,6 +82,12 @@ class SandboxResponder:
 
     def _callback(self, op: str) -> Callable[[Msg], Awaitable[None]]:
         async def on_message(msg: Msg) -> None:
+            if len(self.in_flight) >= self.max_in_flight:
+                busy = ErrorReply(kind="capacity", error=f"{self.max_in_flight} requests are in flight on this sandbox "
+                                                         "service: retry later, or run more replicas")
+                if msg.reply:
+                    await msg.respond(encode(busy))
+                return
             task = asyncio.ensure_future(self.handle(op, msg))
             self.in_flight.add(task)
             task.add_done_callback(self.in_flight.discard)

@@ -167,6 +167,19 @@ async def test_caps_refuse_creates_past_max_alive(bus: Bus, backend: LocalBacken
             await c.destroy(box)
 
 
+async def test_requests_past_max_in_flight_are_refused_at_once(bus: Bus, backend: LocalBackend) -> None:
+    async with serving(bus, backend, warm_pool=0, max_in_flight=2) as c:
+        boxes = [await c.create(), await c.create()]
+        slow = [asyncio.ensure_future(c.exec(b, "sleep 1; echo done")) for b in boxes]
+        await asyncio.sleep(0.3)  # noqa: sleep - both execs are in flight by now
+        with pytest.raises(SandboxError) as busy:
+            await c.create()
+        assert busy.value.kind == "capacity" and "2 requests are in flight" in str(busy.value)
+        assert [r.stdout for r in await asyncio.gather(*slow)] == ["done\n", "done\n"]
+        for b in boxes:  # room again
+            await c.destroy(b)
+
+
 async def raw(bus: Bus, op: str, payload: bytes, instance: str | None = "test-1") -> ErrorReply:
     msg = await bus.nc.request(subject(op, instance), payload, timeout=10)
     reply = msgspec.json.decode(msg.data, type=ErrorReply)
