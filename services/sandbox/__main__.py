@@ -35,7 +35,8 @@ def main(argv: Sequence[str] | None = None, settings: Settings | None = None) ->
     setup_tracing("sandbox")
     try:
         asyncio.run(service.run(settings))
-    except (ConnectionError, BackendUnavailable) as exc:  # NATS unreachable, backend missing: the message says what to do
+    except (ConnectionError, BackendUnavailable) as exc:  # NATS unreachable, backend missing: the message says
+        # what to do
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 1
     return 0

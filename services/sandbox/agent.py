@@ -116,7 +116,8 @@ class Agent:
             for fd in (cwd_r, cwd_w):
                 if fd is not None:
                     os.close(fd)
-            return {"ok": True, "exit_code": 127, "stdout": "", "stderr": _b64(f"{exc.filename or argv[0]}: {exc.strerror}\n".encode()),
+            why = f"{exc.filename or argv[0]}: {exc.strerror}\n"
+            return {"ok": True, "exit_code": 127, "stdout": "", "stderr": _b64(why.encode()),
                     "stdout_truncated": False, "stderr_truncated": False, "timed_out": False,
                     "duration_s": time.monotonic() - started}
         if cwd_w is not None:

@@ -37,6 +37,7 @@ from flywheel_sandbox.backends import (
     BackendUnavailable,
     agent_argv,
     agent_preamble,
+    start_failed,
     pool_key,
 )
 
@@ -177,7 +178,7 @@ class DockerBackend:
             await asyncio.wait_for(box.channel.read_frame(), self.config.start_timeout_s)
         except (AgentGone, asyncio.TimeoutError) as exc:
             await box.stop()
-            raise SandboxError("failed", f"the sandbox did not start: {bytes(tail).decode(errors='replace')[-1000:] or exc!r}") from exc
+            raise start_failed(tail, exc) from exc
         return box
 
     async def close(self) -> None:

@@ -68,7 +68,8 @@ class AgentGone(Exception):
 class AgentChannel:
     """Length-prefixed JSON frames to and from the agent; one call at a time."""
 
-    def __init__(self, read_exactly: Callable[[int], Awaitable[bytes]], write: Callable[[bytes], Awaitable[None]]) -> None:
+    def __init__(self, read_exactly: Callable[[int], Awaitable[bytes]],
+                 write: Callable[[bytes], Awaitable[None]]) -> None:
         self._read_exactly = read_exactly
         self._write = write
         self._lock = asyncio.Lock()
@@ -110,7 +111,7 @@ class Backend(Protocol):
         """Start a sandbox for ``spec`` and wait for its agent's ready frame."""
 
     def limits(self, spec: SandboxSpec) -> dict[str, int]:
-        """Per-command rlimits the agent applies (see agent.RLIMITS)."""
+        """The sandbox's rlimits (see agent.RLIMITS): the agent sets them on itself, every command inherits them."""
 
     def pool_key(self, spec: SandboxSpec) -> tuple[Any, ...]:
         """Specs with equal keys can share a warm-pool box (env, files, labels are applied later)."""
@@ -131,6 +132,12 @@ def agent_argv(python: str) -> list[str]:
 def agent_preamble() -> bytes:
     source = AGENT_PATH.read_bytes()
     return b"%d\n" % len(source) + source
+
+
+def start_failed(stderr_tail: bytearray, exc: BaseException) -> SandboxError:
+    """The error for a sandbox whose agent never said it was ready: the sandbox's last words."""
+    said = bytes(stderr_tail).decode(errors="replace")[-1000:]
+    return SandboxError("failed", f"the sandbox did not start: {said or repr(exc)}")
 
 
 def decode_b64(text: str) -> bytes:
@@ -347,13 +354,13 @@ class LocalBackend:
         self.config = config or LocalConfig()
         bwrap = shutil.which(self.config.bwrap)
         if bwrap is None:
-            raise BackendUnavailable(f"the local sandbox backend needs bubblewrap ({self.config.bwrap!r} is not on PATH): "
-                               "run scripts/setup.sh as root, or apt-get install bubblewrap")
+            raise BackendUnavailable(f"the local sandbox backend needs bubblewrap ({self.config.bwrap!r} is not on "
+                                     "PATH): run scripts/setup.sh as root, or apt-get install bubblewrap")
         self.bwrap = bwrap
         if not Path(self.config.python).is_file() or not self.config.python.startswith("/usr/"):
-            raise BackendUnavailable(f"the local sandbox backend runs the agent with {self.config.python}, a Python under "
-                               "/usr (the only host folder a sandbox sees): install python3 with the system's "
-                               "package manager")
+            raise BackendUnavailable(f"the local sandbox backend runs the agent with {self.config.python}, a "
+                                     "Python under /usr (the only host folder a sandbox sees): install python3 with "
+                                     "the system's package manager")
         help_text = subprocess.run([bwrap, "--help"], capture_output=True, text=True).stdout
         self.has_size = "--size" in help_text
         self.has_disable_userns = "--disable-userns" in help_text
@@ -383,7 +390,8 @@ class LocalBackend:
         self._free_uids.append(uid)
 
     def argv(self, spec: SandboxSpec) -> list[str]:
-        args = [self.bwrap, "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session", "--hostname", "sandbox"]
+        args = [self.bwrap, "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session",
+                "--hostname", "sandbox"]
         if spec.network:
             args.append("--share-net")
         if self.has_disable_userns:
@@ -451,7 +459,7 @@ class LocalBackend:
         except (AgentGone, asyncio.TimeoutError) as exc:
             await box.stop()
             await asyncio.wait([drain], timeout=1.0)  # bubblewrap's last words say what went wrong
-            raise SandboxError("failed", f"the sandbox did not start: {bytes(box.stderr_tail).decode(errors='replace')[-1000:] or exc!r}") from exc
+            raise start_failed(box.stderr_tail, exc) from exc
         return box
 
     async def close(self) -> None:

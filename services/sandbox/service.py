@@ -102,7 +102,8 @@ class SandboxResponder:
         except msgspec.ValidationError as exc:
             reply = ErrorReply(kind="invalid_request", error=f"{op}: {exc}")
         except msgspec.DecodeError as exc:
-            reply = ErrorReply(kind="invalid_request", error=f"{op}: the body is not a JSON {REQUEST_TYPES[op].__name__}: {exc}")
+            expected = REQUEST_TYPES[op].__name__
+            reply = ErrorReply(kind="invalid_request", error=f"{op}: the body is not a JSON {expected}: {exc}")
         except SandboxError as exc:
             reply = ErrorReply(kind=exc.kind, error=exc.error)
         except Exception as exc:  # a bug here must not stop the service: answer, log, keep serving

@@ -259,11 +259,11 @@ class SandboxClient:
         try:
             msg = await self.bus.nc.request(subj, encode(message), timeout=timeout_s)
         except nats.errors.NoRespondersError:
+            gone = " or the replica holding this sandbox has stopped" if instance else ""
             raise SandboxError("unavailable", f"no sandbox service answers on {subj}: start one "
-                                              "(python -m flywheel_sandbox, or flywheel up)"
-                                              + (" or the replica holding this sandbox has stopped" if instance else ""))
+                                              f"(python -m flywheel_sandbox, or flywheel up){gone}") from None
         except nats.errors.TimeoutError:
-            raise SandboxError("unavailable", f"{subj}: no answer within {timeout_s:.0f} s")
+            raise SandboxError("unavailable", f"{subj}: no answer within {timeout_s:.0f} s") from None
         reply = _reply_decoders[op].decode(msg.data)
         if isinstance(reply, ErrorReply):
             raise SandboxError(reply.kind, reply.error)
@@ -271,8 +271,8 @@ class SandboxClient:
 
     async def create(self, spec: SandboxSpec | None = None, idempotency_key: str | None = None) -> str:
         """Start a sandbox (from the warm pool when the spec allows); returns its id."""
-        reply = await self._request("create", CreateRequest(spec=spec or SandboxSpec(), idempotency_key=idempotency_key),
-                                    self.request_timeout_s)
+        request = CreateRequest(spec=spec or SandboxSpec(), idempotency_key=idempotency_key)
+        reply = await self._request("create", request, self.request_timeout_s)
         return reply.id
 
     async def exec(self, box: str, cmd: str | list[str], cwd: str | None = None, env: Mapping[str, str] | None = None,
