@@ -20,6 +20,9 @@ The local backend (bubblewrap), per sandbox:
 - the whole tree dies with SIGKILL to bubblewrap (its PID namespace goes with it), and
   cgroup members are killed as well.
 
+Run by a user other than root, sandboxes share that user's id and get no cgroups: no
+process limit then, and memory is held per process (address space) only.
+
 Not isolated by the local backend: the kernel itself (no seccomp filter: a kernel bug is a
 way out), the contents of the host's ``/usr`` (readable), CPU time when no cpu cgroup can be
 made, and network when a spec asks for ``network=True`` (it then shares the host's network,
@@ -371,12 +374,18 @@ class LocalBackend:
         self._cleanups: set[asyncio.Task[None]] = set()
         log.info("local sandbox backend: %s, cgroup controllers %s, tmpfs size limits %s", bwrap,
                  sorted(self.cgroups.roots) or "none (rlimits only)", "yes" if self.has_size else "no")
+        if not self.privileged and "pids" not in self.cgroups.roots:
+            log.warning("local sandbox backend not run as root: sandboxes run as this user, with no process "
+                        "limit (RLIMIT_NPROC would count all of this user's processes); run the service as root "
+                        "for a user id and a pids cgroup per sandbox")
 
     def pool_key(self, spec: SandboxSpec) -> tuple[Any, ...]:
         return pool_key(spec)
 
     def limits(self, spec: SandboxSpec) -> dict[str, int]:
-        limits = {"nproc": spec.pids + EXTRA_PIDS, "fsize_bytes": spec.disk_mb * MiB, "nofile": 1024}
+        limits = {"fsize_bytes": spec.disk_mb * MiB, "nofile": 1024}
+        if self.privileged:  # a uid of its own: RLIMIT_NPROC counts only the sandbox's processes
+            limits["nproc"] = spec.pids + EXTRA_PIDS
         if "memory" not in self.cgroups.roots:
             limits["as_bytes"] = spec.memory_mb * MiB + AGENT_MEMORY_BYTES  # per process: address space, not use
         return limits

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -245,3 +246,14 @@ async def test_the_service_process_heartbeats_and_stops_cleanly(nats_server: Nat
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+@pytest.mark.parametrize("env, says", [
+    ({"PATH": "/nonexistent"}, "needs bubblewrap"),
+    ({"FLYWHEEL_SANDBOX_BACKEND": "docker", "DOCKER_HOST": "unix:///nonexistent/docker.sock"},
+     "cannot reach a Docker engine"),
+])
+def test_a_backend_that_cannot_run_fails_at_start_saying_why(env: dict[str, str], says: str) -> None:
+    out = subprocess.run([sys.executable, "-m", "flywheel_sandbox"], env={**os.environ, **env}, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 1 and says in out.stderr, out.stderr
