@@ -26,4 +26,6 @@ writable) and limits CPU time only where it may create cgroups; a spec with
 the commands of one sandbox run as the same user as its agent, so they can kill it (the
 sandbox then ends) or forge their own output, but nothing outside the sandbox. Several
 sandboxes share the machine's CPU, memory bandwidth and disk bandwidth (no I/O limits).
+The local backend gives each sandbox a user id and cgroups of its own only when the service
+runs as root; run as another user, its sandboxes share that user's id, with no process limit.
 """
