@@ -199,6 +199,22 @@ async def healthz(worker: WorkerDep) -> JSONResponse:
     return JSONResponse(body, status_code=200 if connected else 503)
 
 
+class RolloutKeyAsBearer:
+    """ASGI middleware: a harness given a rollout key instead of a URL. ``/v1/chat/completions``
+    with ``Authorization: Bearer fw-...`` is that rollout's interception endpoint. (Plain ASGI,
+    not ``BaseHTTPMiddleware``, which costs a task per request.)"""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] == "/v1/chat/completions":
+            auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            if auth.startswith("Bearer fw-"):
+                scope = {**scope, "path": f"/intercept/{auth.removeprefix('Bearer ').strip()}/v1/chat/completions"}
+        await self.app(scope, receive, send)
+
+
 def install(app: FastAPI) -> None:
     """The routes and the OpenAI error shape."""
 
@@ -212,15 +228,7 @@ def install(app: FastAPI) -> None:
     async def on_interception_error(_: Request, exc: InterceptionError) -> JSONResponse:
         return _error(exc.status, exc.message, exc.param, exc.code)
 
-    @app.middleware("http")
-    async def rollout_key_as_bearer(request: Request, call_next: Any) -> Any:
-        # A harness given a rollout key instead of a URL: /v1/chat/completions with
-        # `Authorization: Bearer fw-...` is that rollout's interception endpoint.
-        auth = request.headers.get("authorization", "")
-        if request.url.path == "/v1/chat/completions" and auth.startswith("Bearer fw-"):
-            request.scope["path"] = f"/intercept/{auth.removeprefix('Bearer ').strip()}/v1/chat/completions"
-        return await call_next(request)
-
+    app.add_middleware(RolloutKeyAsBearer)
     app.include_router(router)
     app.include_router(interception.router)
     app.add_exception_handler(ApiError, on_api_error)  # type: ignore[arg-type]

@@ -42,8 +42,9 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Header, Request
-from fastapi.responses import StreamingResponse
+import msgspec
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from flywheel import events
@@ -332,7 +333,7 @@ def _tool_call_dicts(calls: Sequence[events.ToolCall]) -> list[dict[str, Any]]:
     return message_dict(events.Message(role="assistant", tool_calls=list(calls))).get("tool_calls", [])
 
 
-async def answer(session: Session, body: InterceptedChat) -> dict[str, Any] | StreamingResponse:
+async def answer(session: Session, body: InterceptedChat) -> Response:
     try:
         messages = [message_from_dict(m, f"messages[{i}]") for i, m in enumerate(body.messages)]
     except ValueError as exc:
@@ -356,9 +357,12 @@ async def answer(session: Session, body: InterceptedChat) -> dict[str, Any] | St
     ident, created, model = f"chatcmpl-{events.new_id()}", int(time.time()), body.model or session.run
     fingerprint = f"policy-v{node.tokens.policy_version if node.tokens else 0}"
     if not body.stream:
-        return {"id": ident, "object": "chat.completion", "created": created, "model": model,
-                "system_fingerprint": fingerprint, "usage": usage,
-                "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs}]}
+        # Encoded here (msgspec), not by FastAPI's generic encoder: the logprobs make it long.
+        return Response(msgspec.json.encode({
+            "id": ident, "object": "chat.completion", "created": created, "model": model,
+            "system_fingerprint": fingerprint, "usage": usage,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs}]}),
+            media_type="application/json")
 
     def chunk(delta: dict[str, Any], finish_reason: str | None = None, **extra: Any) -> str:
         body_ = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -381,8 +385,7 @@ async def answer(session: Session, body: InterceptedChat) -> dict[str, Any] | St
 
 
 @router.post("/intercept/{key}/v1/chat/completions", response_model=None)
-async def intercepted_chat(key: str, body: InterceptedChat, interception: InterceptionDep
-                           ) -> dict[str, Any] | StreamingResponse:
+async def intercepted_chat(key: str, body: InterceptedChat, interception: InterceptionDep) -> Response:
     return await answer(interception.get(key), body)
 
 
@@ -390,11 +393,3 @@ async def intercepted_chat(key: str, body: InterceptedChat, interception: Interc
 async def intercepted_models(key: str, interception: InterceptionDep) -> dict[str, Any]:
     session = interception.get(key)
     return {"object": "list", "data": [{"id": session.run, "object": "model", "owned_by": "flywheel"}]}
-
-
-def session_of_bearer(authorization: Annotated[str | None, Header()] = None, *, interception: Interception
-                      ) -> Session | None:
-    """The session whose key is the request's bearer token, if any (the key-instead-of-URL form)."""
-    if authorization and authorization.startswith("Bearer fw-"):
-        return interception.get(authorization.removeprefix("Bearer ").strip())
-    return None

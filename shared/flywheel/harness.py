@@ -63,6 +63,7 @@ class RolloutContext:
     sandbox_client: SandboxClient | None = None
     resources: dict[str, Any] = field(default_factory=dict)  # per-rollout objects of tools; not recorded
     _client: Any = None
+    _owns_http_client: bool = False
     _on_close: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
 
     def on_close(self, release: Callable[[], Awaitable[None]]) -> None:
@@ -79,6 +80,28 @@ class RolloutContext:
                                               max_retries=0, http_client=self.http_client)
         return self._client
 
+    async def chat(self, **body: Any) -> dict[str, Any]:
+        """POST one chat-completion request (OpenAI body, e.g. ``messages=``, ``tools=``) to this
+        rollout's endpoint; returns the response as a dict. The wire form only, no SDK: the chat
+        harness calls this once a turn, and in training every rollout does, so it is kept light.
+        A non-2xx answer raises :class:`ModelCallError` with the endpoint's message."""
+        import httpx
+
+        if self.http_client is None:
+            self.http_client = httpx.AsyncClient(timeout=self.timeout_s)
+            self._owns_http_client = True
+        response = await self.http_client.post(f"{self.base_url.rstrip('/')}/chat/completions",
+                                               json={"model": self.model, **body},
+                                               headers={"Authorization": f"Bearer {self.api_key}"},
+                                               timeout=self.timeout_s)
+        if response.status_code >= 400:
+            try:
+                message = response.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = response.text[:2000]
+            raise ModelCallError(f"the model endpoint answered {response.status_code}: {message}")
+        return response.json()
+
     async def close(self) -> None:
         """Release the rollout's resources (see :meth:`on_close`), then its model client. A release
         that fails is logged and the rest still run: the rollout itself is over by now."""
@@ -91,6 +114,13 @@ class RolloutContext:
                             getattr(release, "__qualname__", release), type(exc).__name__, exc)
         if self._client is not None and self.http_client is None:
             await self._client.close()
+        if self._owns_http_client:
+            await self.http_client.aclose()
+            self.http_client, self._owns_http_client = None, False
+
+
+class ModelCallError(RuntimeError):
+    """The model endpoint refused a request (the message is the endpoint's)."""
 
 
 class Harness(Protocol):
@@ -370,15 +400,13 @@ class ChatHarness:
             ctx.state["stop_reason"] = "max_turns"
             for turn in range(1, self.max_turns + 1):
                 ctx.state["turns"] = turn
-                kwargs: dict[str, Any] = {"model": ctx.model, "messages": messages}
-                if specs:
-                    kwargs["tools"] = specs
-                response = await ctx.client().chat.completions.create(**kwargs)
-                choice = response.choices[0]
-                reply = choice.message.model_dump(exclude_none=True, exclude={"refusal", "annotations", "audio"})
-                reply.setdefault("content", "")
+                response = await ctx.chat(messages=messages, **({"tools": specs} if specs else {}))
+                choice = response["choices"][0]
+                reply = {"role": "assistant", "content": choice["message"].get("content") or ""}
+                if choice["message"].get("tool_calls"):
+                    reply["tool_calls"] = choice["message"]["tool_calls"]
                 messages.append(reply)
-                if choice.finish_reason == "length":
+                if choice.get("finish_reason") == "length":
                     ctx.state["truncated"] = True
                     ctx.state["stop_reason"] = "truncated"
                     break

@@ -257,7 +257,7 @@ async def test_a_harness_that_fails_is_recorded_on_its_rollout(tmp_path: Path) -
     summary = await Evaluation(cfg, text_env(), (tmp_path / "p.txt").open("w")).run()
     records = read_results(cfg.out)
     assert summary["num_errors"] == 2 and all(r["status"] == "error" for r in records)
-    assert records[0]["error"] == ("harness failed: InternalServerError: Error code: 502 - upstream "
+    assert records[0]["error"] == ("harness failed: ModelCallError: the model endpoint answered 502: upstream "
                                    "http://127.0.0.1:9/v1 unreachable after 1 tries: ConnectError: All connection "
                                    "attempts failed")
     assert summary["pass@1"] == 0.0
