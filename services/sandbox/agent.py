@@ -235,14 +235,14 @@ class Agent:
         parent = os.path.dirname(path)
         if parent:
             os.makedirs(parent, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, int(req.get("mode") or 0o644))
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, _mode(req))
         try:
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
         finally:
             os.close(fd)
-        os.chmod(path, int(req.get("mode") or 0o644))
+        os.chmod(path, _mode(req))
         return {"ok": True, "size_bytes": len(data)}
 
     def read_file(self, req):
@@ -269,9 +269,19 @@ def _read_exact(stream, n):
     return data
 
 
+def _mode(req):
+    """The file mode asked for (0 is a mode, not a missing one); 0o644 when none is given."""
+    mode = req.get("mode")
+    return 0o644 if mode is None else int(mode)
+
+
 def main():
     make_undumpable()
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    # A command that exits without reading its stdin must not take the agent with it: writing to
+    # its closed pipe fails (EPIPE, handled) instead of killing the agent. Commands get the
+    # default back (Popen restores SIGPIPE); a closed channel to the service still ends the
+    # agent (its reply write raises).
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     # Past RLIMIT_FSIZE a write fails (EFBIG) instead of killing the agent; commands get the
     # default back (Popen restores SIGXFSZ).
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)

@@ -63,6 +63,16 @@ async def test_a_session_keeps_files_and_its_folder(client: SandboxClient) -> No
         assert (await client.exec(box, "pwd")).stdout == "/work\n"  # its folder vanished: back to the workdir
 
 
+async def test_stdin_a_command_never_reads_leaves_the_session_alive(client: SandboxClient) -> None:
+    async with client.session() as box:
+        for _ in range(10):  # large enough that the command exits before the pipe takes it all
+            assert (await client.exec(box, "true", stdin="x" * 200_000)).exit_code == 0
+        assert (await client.exec(box, "echo alive")).stdout == "alive\n"
+        await client.write_file(box, "locked", "secret", mode=0)
+        assert (await client.exec(box, "stat -c %a locked")).stdout == "0\n"
+        assert (await client.exec(box, "printf y | yes | head -c 3")).stdout == "y\ny"  # SIGPIPE is back for commands
+
+
 async def test_spec_env_files_and_file_round_trip(client: SandboxClient) -> None:
     spec = SandboxSpec(env={"A": "spec"}, files={"data/in.txt": b"\x00binary\xff"})
     async with client.session(spec) as box:
