@@ -27,9 +27,10 @@ meanwhile never shift a page); a rollout cursor carries a digest of its filters,
 cannot continue another listing. The export reads a page at a time and releases its
 connection before handing the page out.
 
-Not covered: deleting or compacting old traces, full-text search. PostgreSQL refuses NUL
-characters in text and JSONB, so an event carrying one fails to record there (and ends up
-dead-lettered by the bus layer); SQLite stores it.
+PostgreSQL refuses NUL characters in text and JSONB, and a model can sample one: on
+PostgreSQL every NUL in a recorded string becomes U+FFFD (the replacement character), so the
+event is recorded instead of failing for ever; SQLite stores it as it is. The bus keeps the
+original. Not covered: deleting or compacting old traces, full-text search.
 """
 
 from __future__ import annotations
@@ -67,6 +68,19 @@ class InvalidCursor(ValueError):
 
 class UnrecordableEvent(ValueError):
     """An event that can never be recorded as it is (retrying will not help)."""
+
+
+def _without_nul(value: Any) -> Any:
+    """``value`` with every NUL character in its strings (keys too) replaced by U+FFFD."""
+    if isinstance(value, str):
+        return value.replace("\x00", "\ufffd") if "\x00" in value else value
+    if isinstance(value, dict):
+        return {_without_nul(k): _without_nul(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_without_nul(v) for v in value]
+    if isinstance(value, msgspec.Struct):  # an event or a part of one, stored as JSON
+        return _without_nul(msgspec.to_builtins(value))
+    return value
 
 
 def _json_dumps(value: Any) -> str:
@@ -370,7 +384,7 @@ class Store:
                 await conn.execute(
                     stmt.on_conflict_do_update(index_elements=["rollout_id", "node_id"],
                                                set_={"position": stmt.excluded.position}),
-                    list(rows.rollout_nodes.values()),
+                    self._storable(list(rows.rollout_nodes.values())),
                 )
             if rows.trace_links:
                 await self._insert_new(conn, s.rollout_nodes, await self._positioned(conn, rows.trace_links))
@@ -378,7 +392,11 @@ class Store:
 
     async def _insert_new(self, conn: AsyncConnection, table: sa.Table, values: list[dict[str, Any]]) -> None:
         if values:
-            await conn.execute(self._insert(table).on_conflict_do_nothing(), values)
+            await conn.execute(self._insert(table).on_conflict_do_nothing(), self._storable(values))
+
+    def _storable(self, values: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``values`` as this database can store them (PostgreSQL: no NUL characters)."""
+        return [_without_nul(v) for v in values] if self.dialect == "postgresql" else values
 
     async def _positioned(self, conn: AsyncConnection, links: dict[tuple[str, str], dict[str, Any]]) -> list[dict[str, Any]]:
         """Number new live trace nodes after the nodes their rollout already has."""

@@ -175,6 +175,16 @@ async def test_tasks_are_recorded_once_with_utc_times(store: Store) -> None:
     assert await count(store, schema.runs) == 1
 
 
+async def test_a_sampled_nul_character_is_recorded_on_every_database(store: Store) -> None:
+    nul = rollout("r-nul", answer="4\x00")
+    await store.record([nul, events.TraceNode(run="r1", rollout_id="r-nul", node=nul.nodes[-1])])
+    got = await store.get_rollout("r-nul")
+    assert got is not None
+    expected = "4\x00" if store.dialect == "sqlite" else "4\ufffd"  # PostgreSQL cannot store NUL
+    trace = await store.get_trace("r-nul")
+    assert trace is not None and trace[-1]["message"]["content"] == expected
+
+
 async def test_times_in_other_zones_are_stored_as_utc(store: Store) -> None:
     plus_two = T0.astimezone(timezone(timedelta(hours=2)))
     await store.record([events.Task(id="tz", run="r1", env="e", data={}, created_at=plus_two)])
