@@ -47,6 +47,7 @@ def flywheel_run(tmp_path: Path, name: str, *overrides: str) -> tuple[dict, list
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # two runs of the main job; each subprocess has its own 900 s bound
 def test_reward_rises_beyond_a_control_run_with_learning_rate_zero(tmp_path: Path) -> None:
     cfg = RunConfig.from_toml(CONFIG)
     learned, learned_metrics = flywheel_run(tmp_path, "learn")
