@@ -46,6 +46,18 @@ def port_open(host: str, port: int) -> bool:
         return s.connect_ex((host, port)) == 0
 
 
+def die_with_parent() -> None:
+    """In a child, before exec: on Linux, have the kernel send it SIGTERM when the process that
+    started it dies, however it dies (SIGKILL included), so a killed parent leaves no orphans.
+    Elsewhere a no-op: the parent's own shutdown path still stops its children."""
+    if sys.platform != "linux":
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 class NatsServer:
     """One nats-server process: ``start()``, ``stop()``, ``restart()`` on the same store."""
 
@@ -82,7 +94,8 @@ class NatsServer:
             cmd += ["-m", str(self.monitor_port)]
         log = open(self.log_file, "ab")
         try:
-            self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                            preexec_fn=die_with_parent)
         finally:
             log.close()
         deadline = time.monotonic() + timeout_s

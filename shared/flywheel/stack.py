@@ -44,7 +44,7 @@ from typing import Any, TextIO
 import nats.errors
 
 from flywheel.bus import Bus
-from flywheel.natsserver import NatsServer, port_open
+from flywheel.natsserver import NatsServer, die_with_parent, port_open
 from flywheel.service import read_heartbeats
 from flywheel.settings import Settings
 
@@ -236,7 +236,7 @@ class ServiceProcess(Process):
             log.write(f"--- flywheel up: {' '.join(self.argv)}\n".encode())
             log.flush()
             self.popen = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                          env=self.env, start_new_session=True)
+                                          env=self.env, start_new_session=True, preexec_fn=die_with_parent)
 
     async def health(self, stack: Stack) -> str | None:
         return await self.spec.health(stack, self)
