@@ -255,7 +255,11 @@ class Bus:
                 fut = asyncio.get_running_loop().create_future()
                 fut.set_exception(nats.errors.TimeoutError())
             pending.append((subject, payload, headers, fut))
-        results = await asyncio.gather(*(fut for *_, fut in pending), return_exceptions=True)
+        # An ack lost with a dropped connection never comes: wait request_timeout_s for each,
+        # then publish that one again (same id, so the server keeps it once).
+        ack_wait_s = self.config.request_timeout_s
+        results = await asyncio.gather(*(asyncio.wait_for(fut, ack_wait_s) for *_, fut in pending),
+                                       return_exceptions=True)
         acks: list[PubAck] = []
         for (subject, payload, headers, _), result in zip(pending, results):
             if isinstance(result, BaseException):
@@ -279,8 +283,16 @@ class Bus:
                 delay_s = min(delay_s * 2, 2.0)
 
     async def close(self) -> None:
-        if not self.nc.is_closed:
+        """Drain (let what was published and received finish), or just close when the server is
+        gone already: shutting down must not fail because NATS did first."""
+        if self.nc.is_closed:
+            return
+        try:
             await self.nc.drain()
+        except (nats.errors.ConnectionReconnectingError, nats.errors.ConnectionClosedError,
+                nats.errors.TimeoutError, asyncio.TimeoutError) as exc:
+            log.info("bus: drain failed (%s); closing", type(exc).__name__)
+            await self.nc.close()
 
 
 async def _log_disconnected() -> None:

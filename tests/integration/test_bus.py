@@ -266,6 +266,30 @@ async def test_server_restart_mid_stream_loses_nothing(nats_server: NatsServer) 
     await consumer_bus.close()
 
 
+async def test_publish_many_survives_a_server_restart_mid_batch(nats_server: NatsServer) -> None:
+    bus = await Bus.connect(nats_server.url, "producer", BusConfig(publish_timeout_s=30, request_timeout_s=2))
+    for attempt in range(3):  # the restart must land while acks are outstanding; try a few timings
+        await bus.js.purge_stream("TASKS")
+        publishing = asyncio.ensure_future(bus.publish_many(
+            [events.Task(id=f"a{attempt}-{i}", run="r1", env="echo", data={"i": i}) for i in range(3000)],
+            events.MSGPACK))
+        await asyncio.sleep(0.05 * attempt)  # noqa: sleep - lets some of the batch go out before the stop
+        await asyncio.to_thread(nats_server.restart)
+        # An ack lost with the connection is waited for at most request_timeout_s, then retried.
+        acks = await asyncio.wait_for(publishing, 40)
+        assert len(acks) == 3000
+        assert (await bus.js.stream_info("TASKS")).state.messages == 3000
+    await bus.close()
+
+
+async def test_close_after_the_server_is_gone_does_not_raise(nats_server: NatsServer) -> None:
+    bus = await Bus.connect(nats_server.url, "leaving")
+    await asyncio.to_thread(nats_server.stop)
+    await until(lambda: not bus.nc.is_connected, what="the client to notice")
+    await asyncio.wait_for(bus.close(), 15)
+    assert bus.nc.is_closed
+
+
 async def test_trace_context_travels_in_headers(nats_server: NatsServer) -> None:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
