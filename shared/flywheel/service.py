@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import signal
 import socket
 from collections.abc import Awaitable, Callable
@@ -73,7 +74,9 @@ class Service:
         self.name = name
         self.handle_signals = handle_signals
         self.bus = bus
-        self.instance = f"{socket.gethostname()}-{os.getpid()}"
+        # Host and pid say where it runs; the random part keeps two instances apart where both
+        # are pid 1 on one host name (containers on the host network).
+        self.instance = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         self.info = info or {}
         self.consumers: list[Consumer] = []
         self.tasks: list[Callable[[asyncio.Event], Awaitable[None]]] = []
