@@ -115,7 +115,9 @@ TESTS = '''\
 from __future__ import annotations
 
 import importlib.metadata
+import json
 
+import httpx
 import pytest
 
 from flywheel import events
@@ -169,20 +171,22 @@ def test_a_row_that_does_not_fit_the_schema_is_refused() -> None:
 
 
 class ScriptedModel:
-    """Stands in for the OpenAI client: answers every request with the next scripted reply."""
+    """A stand-in model behind the OpenAI chat wire format: answers every request with the next
+    scripted reply. The harness reaches it through ``RolloutContext.http_client``, as it would
+    reach any endpoint."""
 
     def __init__(self, *replies: str) -> None:
         self.replies = list(replies)
         self.requests: list[dict] = []
-        self.chat = self
-        self.completions = self
 
-    async def create(self, **request: object) -> object:
-        from openai.types.chat import ChatCompletion
+    def client(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(transport=httpx.MockTransport(self.answer))
 
-        self.requests.append(request)
-        return ChatCompletion.model_validate({{
-            "id": "c", "object": "chat.completion", "created": 0, "model": str(request["model"]),
+    def answer(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        self.requests.append(body)
+        return httpx.Response(200, json={{
+            "id": "c", "object": "chat.completion", "created": 0, "model": body["model"],
             "choices": [{{"index": 0, "finish_reason": "stop",
                          "message": {{"role": "assistant", "content": self.replies.pop(0)}}}}]}})
 
@@ -190,9 +194,8 @@ class ScriptedModel:
 async def test_the_harness_asks_the_model_once() -> None:
     env = load()
     task = env.load_tasks(1)[0]
-    ctx = RolloutContext(task=task, base_url="http://unused/v1", api_key="none", model="m")
     model = ScriptedModel(task["answer"])
-    ctx._client = model
+    ctx = RolloutContext(task=task, base_url="http://model/v1", api_key="none", model="m", http_client=model.client())
     await env.harness.run(env, ctx)
     (request,) = model.requests
     assert request["messages"][0] == {{"role": "system", "content": "Answer with one word."}}
