@@ -72,11 +72,15 @@ async def test_a_vllm_run_is_rolled_out_and_takes_new_weights(nats_server: NatsS
         for r in await rollouts(bus):
             answer = r.nodes[-1].tokens
             assert answer.policy_version == r.policy_version and len(answer.logprobs) == len(answer.token_ids)
-            assert all(lp <= 0.0 for lp in answer.logprobs) and all(answer.loss_mask)
+            # The assistant node: the generation prompt (not trained), then the sampled tokens.
+            n = sum(answer.loss_mask)
+            assert n >= 1 and answer.loss_mask == [False] * (len(answer.token_ids) - n) + [True] * n
+            assert all(lp <= 0.0 for lp in answer.logprobs[-n:])
             by_version.setdefault(r.policy_version, []).append(r)
         assert sorted(by_version) == [0, 1] and len(by_version[0]) == len(by_version[1]) == 8
         # Same prompt, same seeds: what differs between the versions is the weights.
-        tokens = {v: sorted(tuple(r.nodes[-1].tokens.token_ids) for r in rs) for v, rs in by_version.items()}
+        tokens = {v: sorted(tuple(t for t, m in zip(r.nodes[-1].tokens.token_ids, r.nodes[-1].tokens.loss_mask) if m)
+                            for r in rs) for v, rs in by_version.items()}
         assert tokens[0] != tokens[1]
     finally:
         service.stop()
