@@ -55,7 +55,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from flywheel import events
 
@@ -228,11 +228,11 @@ class Value:
 
 
 @dataclass
-class Reward:
-    """A per-rollout reward function with its weight (0: a metric, recorded but not trained on).
+class _Weighted:
+    """A named reward function with its weight and the weights of its components."""
 
-    ``weights`` weigh the components of a dict-returning function (default 1 each).
-    """
+    KIND: ClassVar[str]
+    PARAMETERS: ClassVar[tuple[str, ...]]
 
     fn: Callable[..., Any]
     weight: float = 1.0
@@ -242,9 +242,21 @@ class Reward:
     def __post_init__(self) -> None:
         self.name = self.name or getattr(self.fn, "__name__", "")
         if not self.name or self.name == "<lambda>":
-            raise EnvironmentLoadError(f"reward {self.fn!r}: give it a name (Reward(fn, name=...))")
+            raise EnvironmentLoadError(f"{self.KIND} {self.fn!r}: give it a name "
+                                       f"({type(self).__name__}(fn, name=...))")
         _check_weight(self.name, self.weight)
-        self.parameters = _parameters(self.fn, REWARD_PARAMETERS, "reward", self.name)
+        self.parameters = _parameters(self.fn, self.PARAMETERS, self.KIND, self.name)
+
+
+@dataclass
+class Reward(_Weighted):
+    """A per-rollout reward function with its weight (0: a metric, recorded but not trained on).
+
+    ``weights`` weigh the components of a dict-returning function (default 1 each).
+    """
+
+    KIND: ClassVar[str] = "reward"
+    PARAMETERS: ClassVar[tuple[str, ...]] = REWARD_PARAMETERS
 
     async def __call__(self, rollout: events.Rollout) -> Value:
         available = {"completion": completion_of(rollout), "messages": messages_of(rollout),
@@ -259,20 +271,11 @@ def Metric(fn: Callable[..., Any], name: str = "") -> Reward:  # noqa: N802 - re
 
 
 @dataclass
-class GroupReward:
+class GroupReward(_Weighted):
     """A reward that sees every rollout of a group and returns one value per rollout (in order)."""
 
-    fn: Callable[..., Any]
-    weight: float = 1.0
-    name: str = ""
-    weights: dict[str, float] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.name = self.name or getattr(self.fn, "__name__", "")
-        if not self.name or self.name == "<lambda>":
-            raise EnvironmentLoadError(f"group reward {self.fn!r}: give it a name (GroupReward(fn, name=...))")
-        _check_weight(self.name, self.weight)
-        self.parameters = _parameters(self.fn, GROUP_PARAMETERS, "group reward", self.name)
+    KIND: ClassVar[str] = "group reward"
+    PARAMETERS: ClassVar[tuple[str, ...]] = GROUP_PARAMETERS
 
     async def __call__(self, rollouts: Sequence[events.Rollout]) -> list[Value]:
         available = {"completions": [completion_of(r) for r in rollouts],

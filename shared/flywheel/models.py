@@ -33,6 +33,7 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from flywheel import events
+from flywheel.environment import message_dict
 
 hf_logging.disable_progress_bar()  # services log lines, not progress bars
 
@@ -141,25 +142,11 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu") ->
     return model, tok
 
 
-def as_template_dicts(messages: Sequence[events.Message]) -> list[dict[str, Any]]:
-    """Messages as chat-template input (OpenAI shape, tool calls included)."""
-    out: list[dict[str, Any]] = []
-    for m in messages:
-        d: dict[str, Any] = {"role": m.role, "content": m.content}
-        if m.tool_calls:
-            d["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                               for c in m.tool_calls]
-        if m.tool_call_id is not None:
-            d["tool_call_id"] = m.tool_call_id
-        out.append(d)
-    return out
-
-
 def render_text(tok: Any, messages: Sequence[events.Message], tools: Sequence[dict[str, Any]] | None = None,
                 generation_prompt: bool = False) -> str:
     """``messages`` through the chat template, as text. ``tools`` (OpenAI function specs) go to the
     template; a template that ignores them gets them in a system message, Hermes style."""
-    dicts = as_template_dicts(messages)
+    dicts = [message_dict(m) for m in messages]  # OpenAI shape, tool calls included
     if tools and "tools" not in (tok.chat_template or ""):
         preamble = "You may call these tools:\n" + "\n".join(json.dumps(t) for t in tools) + (
             '\nTo call one, write <tool_call>{"name": NAME, "arguments": {...}}</tool_call>.')
