@@ -45,7 +45,7 @@ def python(code: str, health=healthy) -> ServiceSpec:
     return ServiceSpec(("-c", code), health)
 
 
-SLEEPER = "import time; print('ready', flush=True); time.sleep(120)"
+SLEEPER = "import time; print('ready', flush=True); time.sleep(120)"  # noqa: sleep - a stand-in service process that just stays up until stopped
 
 
 def settings(tmp_path: Path, nats_url: str | None) -> Settings:
@@ -75,7 +75,7 @@ async def start(stack: Stack, out: io.StringIO) -> asyncio.Task[None]:
 async def test_services_start_in_order_share_settings_and_stop_in_reverse(tmp_path: Path,
                                                                           nats_server: NatsServer) -> None:
     show_env = ("import os, time; print(os.environ['FLYWHEEL_NATS_URL'], os.environ['FLYWHEEL_DATA_DIR'], "
-                "os.environ['FLYWHEEL_DATABASE_URL'], flush=True); time.sleep(120)")
+                "os.environ['FLYWHEEL_DATABASE_URL'], flush=True); time.sleep(120)")  # noqa: sleep - the stand-in service prints its settings, then stays up until stopped
     out = io.StringIO()
     cfg = settings(tmp_path, nats_server.url)
     stack = Stack(cfg, out, services={"first": python(show_env), "second": python(SLEEPER, says("ready"))})

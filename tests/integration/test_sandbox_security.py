@@ -28,7 +28,7 @@ import pytest
 
 from flywheel.bus import Bus
 from flywheel.natsserver import NatsServer
-from flywheel.sandbox import ExecResult, SandboxClient, SandboxError, SandboxSpec
+from flywheel.sandbox import WORKDIR, ExecResult, SandboxClient, SandboxError, SandboxSpec
 from tests.sandbox_service import backend_named, serving
 
 SPEC = SandboxSpec(memory_mb=128, pids=64, disk_mb=16, cpu=1.0)
@@ -170,7 +170,7 @@ async def test_host_secret_file_unreadable(hostile: Hostile, tmp_path: Path) -> 
     path = tmp_path / "secret.txt"
     path.write_text(secret)
     path.chmod(0o644)
-    for cmd in (f"cat {path}", f"cat /proc/1/root{path}", f"grep -r {secret} /tmp /work 2>/dev/null"):
+    for cmd in (f"cat {path}", f"cat /proc/1/root{path}", f"grep -r {secret} /tmp {WORKDIR} 2>/dev/null"):
         result = await hostile.sh(cmd)
         assert secret not in result.stdout + result.stderr, cmd
 
@@ -227,7 +227,7 @@ async def test_private_tmp(hostile: Hostile) -> None:
 
 
 async def test_disk_fill_stops_at_the_limit(hostile: Hostile) -> None:
-    result = await hostile.sh("dd if=/dev/zero of=/work/fill bs=1M count=200 2>&1; ls -l /work/fill | cut -d' ' -f5")
+    result = await hostile.sh(f"dd if=/dev/zero of={WORKDIR}/fill bs=1M count=200 2>&1; ls -l {WORKDIR}/fill | cut -d' ' -f5")
     assert int(result.stdout.split()[-1]) <= SPEC.disk_mb * 1024 * 1024
     tmp = await hostile.sh("dd if=/dev/zero of=/tmp/fill bs=1M count=200 2>&1; ls -l /tmp/fill | cut -d' ' -f5")
     assert int(tmp.stdout.split()[-1]) <= SPEC.disk_mb * 1024 * 1024
@@ -235,7 +235,8 @@ async def test_disk_fill_stops_at_the_limit(hostile: Hostile) -> None:
 
 
 async def test_many_files_do_not_hurt_the_host(hostile: Hostile) -> None:
-    result = await hostile.sh("for i in $(seq 1 3000); do : > /work/f$i || break; done; ls /work | wc -l", timeout_s=30)
+    result = await hostile.sh(f"for i in $(seq 1 3000); do : > {WORKDIR}/f$i || break; done; ls {WORKDIR} | wc -l",
+                              timeout_s=30)
     assert int(result.stdout) <= 3001
     assert Path("/").stat()  # the host's filesystems are untouched by the sandbox's tmpfs
 
@@ -253,7 +254,7 @@ async def test_fork_bomb_is_contained(hostile: Hostile) -> None:
 
 
 async def test_python_fork_loop_stops_at_the_pids_limit(hostile: Hostile) -> None:
-    source = ("import os, time\nn = 0\ntry:\n    while n < 5000:\n        if os.fork() == 0:\n            time.sleep(30); os._exit(0)\n"
+    source = ("import os, time\nn = 0\ntry:\n    while n < 5000:\n        if os.fork() == 0:\n            time.sleep(30); os._exit(0)\n"  # noqa: sleep - the sleep is inside the hostile program (forked children that linger)
               "        n += 1\nexcept OSError as e:\n    print(n, 'forks then', e.strerror)\n")
     result = await hostile.py(source, timeout_s=10)
     forks = int(result.stdout.split()[0])
@@ -305,7 +306,7 @@ async def test_background_process_is_gone_after_its_exec(hostile: Hostile) -> No
 
 async def test_double_forked_daemon_is_gone(hostile: Hostile) -> None:
     source = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
-              "        open('/tmp/daemon.pid', 'w').write(str(os.getpid()))\n        time.sleep(1000)\n"
+              "        open('/tmp/daemon.pid', 'w').write(str(os.getpid()))\n        time.sleep(1000)\n"  # noqa: sleep - the sleeps are inside the hostile program (a daemon that would outlive its exec)
               "    os._exit(0)\nos.wait()\ntime.sleep(0.2)\nprint('parent done')\n")
     assert (await hostile.py(source)).stdout == "parent done\n"
     pid = (await hostile.sh("cat /tmp/daemon.pid")).stdout.strip()
@@ -400,7 +401,7 @@ async def test_ptrace_is_refused(hostile: Hostile, host_process: subprocess.Pope
 
 
 async def test_new_user_namespace_and_mount_refused(hostile: Hostile) -> None:
-    result = await hostile.sh("unshare -U -r id -u 2>&1; unshare -m true 2>&1; mount -t tmpfs none /work 2>&1; "
+    result = await hostile.sh(f"unshare -U -r id -u 2>&1; unshare -m true 2>&1; mount -t tmpfs none {WORKDIR} 2>&1; "
                               "echo done")
     assert "\n0\n" not in f"\n{result.stdout}" and result.stdout.endswith("done\n")
     assert "denied" in result.stdout.lower() or "not permitted" in result.stdout.lower()

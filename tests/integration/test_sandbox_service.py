@@ -23,7 +23,7 @@ import pytest
 
 from flywheel.bus import Bus
 from flywheel.natsserver import NatsServer
-from flywheel.sandbox import ErrorReply, SandboxClient, SandboxError, SandboxSpec, subject
+from flywheel.sandbox import WORKDIR, ErrorReply, SandboxClient, SandboxError, SandboxSpec, subject
 from flywheel.service import read_heartbeats
 from flywheel_sandbox.backends import LocalBackend
 from tests.sandbox_service import backend_named, serving
@@ -45,10 +45,10 @@ async def client(bus: Bus, backend: LocalBackend) -> AsyncIterator[SandboxClient
 async def test_a_session_keeps_files_and_its_folder(client: SandboxClient) -> None:
     async with client.session() as box:
         first = await client.exec(box, "mkdir -p src && cd src && echo 'print(6 * 7)' > main.py && pwd")
-        assert (first.exit_code, first.stdout) == (0, "/work/src\n")
+        assert (first.exit_code, first.stdout) == (0, f"{WORKDIR}/src\n")
         again = await client.exec(box, "pwd && python3 main.py")
-        assert again.stdout == "/work/src\n42\n" and again.duration_s > 0
-        argv = await client.exec(box, ["ls", "/work/src"])
+        assert again.stdout == f"{WORKDIR}/src\n42\n" and again.duration_s > 0
+        argv = await client.exec(box, ["ls", f"{WORKDIR}/src"])
         assert argv.stdout == "main.py\n"
         assert (await client.exec(box, "cat", stdin="from stdin")).stdout == "from stdin"
         env = await client.exec(box, "echo $A-$B", env={"B": "exec"})
@@ -57,10 +57,10 @@ async def test_a_session_keeps_files_and_its_folder(client: SandboxClient) -> No
         assert (failing.exit_code, failing.stderr) == (3, "oops\n")
         missing = await client.exec(box, ["no-such-program"])
         assert missing.exit_code == 127 and "no-such-program" in missing.stderr
-        no_dir = await client.exec(box, "true", cwd="/work/nowhere")
-        assert no_dir.exit_code == 127 and "/work/nowhere: No such file or directory" in no_dir.stderr
+        no_dir = await client.exec(box, "true", cwd=f"{WORKDIR}/nowhere")
+        assert no_dir.exit_code == 127 and f"{WORKDIR}/nowhere: No such file or directory" in no_dir.stderr
         await client.exec(box, "mkdir /tmp/gone && cd /tmp/gone && rmdir /tmp/gone")
-        assert (await client.exec(box, "pwd")).stdout == "/work\n"  # its folder vanished: back to the workdir
+        assert (await client.exec(box, "pwd")).stdout == f"{WORKDIR}\n"  # its folder vanished: back to the workdir
 
 
 async def test_stdin_a_command_never_reads_leaves_the_session_alive(client: SandboxClient) -> None:

@@ -120,9 +120,9 @@ async def test_a_program_past_its_timeout_is_killed_with_its_children(tmp_path: 
     script = tmp_path / "slow.py"
     script.write_text(textwrap.dedent(f"""
         import subprocess, sys, time
-        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # noqa: sleep - the sleeps are the slow program under test (it must outlive its timeout)
         open({str(pid_file)!r}, "w").write(str(child.pid))
-        time.sleep(60)
+        time.sleep(60)  # noqa: sleep - the program outlives its timeout on purpose
     """))
     harness = ProgramHarness([sys.executable, str(script)], timeout_s=1.5)
     with ScriptedOpenAI({"agent": []}) as server:
