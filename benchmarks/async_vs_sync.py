@@ -113,7 +113,7 @@ async def watch_in_flight(bus: Any, run: str, stop: asyncio.Event, samples: list
     from flywheel.bus import watch_bucket
 
     decoder = events.Decoder(events.ServiceHeartbeat)
-    async for value in watch_bucket(await bus.services_kv(), stop):
+    async for _, value in watch_bucket(await bus.services_kv(), stop):
         beat = decoder.decode(value)
         counters = (beat.info or {}).get("runs", {}).get(run) if beat.service == "inference" else None
         if counters is not None:

@@ -11,10 +11,15 @@ What lives here, once:
 - :class:`Consumer`: a durable pull consumer with bounded in-flight work (server-side
   ``max_ack_pending`` plus a local bound), ack on success, nak with backoff on a failure,
   ``in_progress`` while long work runs, and a dead letter on ``dead.<stream>`` (then term)
-  after the last allowed delivery, or at once for a payload that does not decode or a
+  after the last allowed delivery, or at once for a payload that does not decode, is not
+  the consumer's event type, or was published on another subject than its own, or a
   handler that raises :class:`Reject`. ``stop()`` stops pulling, lets in-flight work finish
   for ``grace_s``, hands back (nak) what is left.
-- :class:`Replay`: an ordered consumer for readers that only look (a live trace viewer).
+- :class:`Replay`: an ordered consumer for readers that only look (a live trace viewer);
+  :func:`watch` on top of it decodes, and skips (with a dead letter) what does not decode.
+- :func:`dead_letter`: the one way a dead letter is made, bounded (a capped excerpt of the
+  payload, the reason, the headers), so it can always be published, even for a message
+  near the server's max payload.
 
 Delivery is at least once: handlers must be idempotent (upsert by event id).
 Not covered here: process signals and heartbeats (see :mod:`flywheel.service`).
@@ -43,6 +48,7 @@ from nats.js.api import (
     KeyValueConfig,
     ObjectStoreConfig,
     PubAck,
+    RawStreamMsg,
     RetentionPolicy,
     StorageType,
     StreamConfig,
@@ -73,6 +79,13 @@ SERVICE_HEARTBEAT_TTL_S = 30.0
 
 HEADER_MSG_ID = "Nats-Msg-Id"
 HEADER_CONTENT_TYPE = "Content-Type"
+
+# A dead letter's bounds: it wraps a message that may be near the server's max payload
+# (1 MiB by default), and must itself fit, whatever the original.
+DEAD_LETTER_EXCERPT_BYTES = 16 * 1024
+DEAD_LETTER_REASON_CHARS = 2000
+DEAD_LETTER_HEADERS = 16
+DEAD_LETTER_HEADER_CHARS = 256
 
 _TRANSIENT_PUBLISH_ERRORS = (
     nats.errors.TimeoutError,
@@ -303,9 +316,10 @@ async def _log_reconnected() -> None:
     log.info("nats: reconnected")
 
 
-async def watch_bucket(kv: KeyValue, stopping: asyncio.Event) -> AsyncIterator[bytes]:
-    """Every key's current value in a KV bucket, then every new value, until ``stopping``
-    (deleted keys are skipped)."""
+async def watch_bucket(kv: KeyValue, stopping: asyncio.Event) -> AsyncIterator[tuple[str, bytes]]:
+    """``(key, value)`` for every key's current value in a KV bucket, then for every new value,
+    until ``stopping`` (deleted keys are skipped). Values are bytes as stored: the caller
+    decodes, and must survive a value that does not."""
     watcher = await kv.watchall()
     try:
         while not stopping.is_set():
@@ -314,9 +328,71 @@ async def watch_bucket(kv: KeyValue, stopping: asyncio.Event) -> AsyncIterator[b
             except nats.errors.TimeoutError:
                 continue
             if entry is not None and entry.value:  # None ends the initial values; empty: deleted
-                yield entry.value
+                yield entry.key, entry.value
     finally:
         await watcher.stop()
+
+
+def dead_letter(*, stream: str, stream_seq: int, subject: str, consumer: str, num_delivered: int, reason: str,
+                payload: bytes | None, headers: dict[str, str] | None) -> events.DeadLetter:
+    """The dead letter of one message, bounded whatever the message's size.
+
+    Its id is ``<stream>.<stream_seq>.<consumer>``: the same consumer dead-lettering the same
+    message again (a watcher that restarted) publishes the same id, kept once."""
+    payload = payload or b""
+    if len(reason) > DEAD_LETTER_REASON_CHARS:
+        reason = reason[:DEAD_LETTER_REASON_CHARS] + f"... ({len(reason)} characters)"
+    kept = {k[:DEAD_LETTER_HEADER_CHARS]: str(v)[:DEAD_LETTER_HEADER_CHARS]
+            for k, v in list((headers or {}).items())[:DEAD_LETTER_HEADERS]}
+    return events.DeadLetter(
+        id=f"{stream}.{stream_seq}.{consumer}", stream=stream, original_subject=subject[:DEAD_LETTER_HEADER_CHARS],
+        consumer=consumer, num_delivered=num_delivered, reason=reason, payload=payload[:DEAD_LETTER_EXCERPT_BYTES],
+        headers=kept, stream_seq=stream_seq, payload_size_bytes=len(payload))
+
+
+async def publish_dead_letter(bus: Bus, letter: events.DeadLetter) -> bool:
+    """Publish ``letter``; False (logged) when the bus refuses it for good. The original stays in
+    its stream either way, so a consumer goes on after this, whatever it returns."""
+    if letter.stream == "DEAD":  # a dead letter is never dead-lettered again
+        return False
+    try:
+        await bus.publish(letter)
+    except nats.errors.Error as exc:
+        if _is_transient(exc):
+            raise
+        log.error("dead letter %s not published (%s: %s); the message stays in stream %s at sequence %d",
+                  letter.id, type(exc).__name__, exc, letter.stream, letter.stream_seq)
+        return False
+    return True
+
+
+class Undecodable(ValueError):
+    """A message that is not the event its reader expects: it does not decode, is another
+    event type, or names another subject than the one it was published on."""
+
+
+def check_subject(event: events.Event, subject: str) -> None:
+    """Undecodable unless ``event`` belongs on ``subject`` (its own subject, from its fields)."""
+    own = event.subject()
+    if own != subject:
+        raise Undecodable(f"a {type(event).__name__} whose fields give the subject {own!r} was published on "
+                          f"{subject!r}; publish each event on its own subject (see docs/events.md)")
+
+
+def decode_message(decoder: events.Decoder[Any], msg: Msg | RawStreamMsg) -> Any:
+    """The event in ``msg`` (delivered, or read from the stream), checked against its subject;
+    :class:`Undecodable` with the reason."""
+    try:
+        event = decoder.decode(msg.data, (msg.headers or {}).get(HEADER_CONTENT_TYPE))
+    except msgspec.DecodeError as exc:  # ValidationError included
+        raise Undecodable(f"payload does not decode as {_type_name(decoder.type)}: {exc}") from None
+    check_subject(event, msg.subject)
+    return event
+
+
+def _type_name(type_: Any) -> str:
+    return getattr(type_, "__name__", None) or " | ".join(getattr(t, "__name__", str(t))
+                                                         for t in getattr(type_, "__args__", ()))
 
 
 class Replay:
@@ -362,6 +438,41 @@ class Replay:
         except nats.errors.Error as exc:
             # Already gone (the server drops an ordered consumer without interest) or unreachable.
             log.debug("replay %s: consumer not deleted: %s", self.subject, exc)
+
+
+async def watch(bus: Bus, subject: str, event_type: type[T], stopping: asyncio.Event, *, watcher: str,
+                last_per_subject: bool = False, poll_s: float = 0.5) -> AsyncIterator[T]:
+    """Every event stored on ``subject``, decoded, then each new one, until ``stopping``: an
+    ordered consumer for a reader that looks at everything (a weights watcher).
+
+    A message that is not an ``event_type`` on its own subject is logged, dead-lettered as
+    consumed by ``watcher`` (same id from every replica and restart, so kept once) and
+    skipped: it never stops the watch. ``last_per_subject`` starts at the last message of
+    each subject instead of the first."""
+    decoder: events.Decoder[T] = events.Decoder(event_type)
+    config = ConsumerConfig(deliver_policy=DeliverPolicy.LAST_PER_SUBJECT if last_per_subject else DeliverPolicy.ALL)
+    sub = await bus.js.subscribe(subject, stream=stream_of(subject), config=config, ordered_consumer=True)
+    try:
+        while not stopping.is_set():
+            try:
+                msg = await sub.next_msg(timeout=poll_s)
+            except nats.errors.TimeoutError:
+                continue
+            try:
+                event = decode_message(decoder, msg)
+            except Undecodable as exc:
+                md = msg.metadata
+                log.warning("%s: skipping %s seq %d: %s", watcher, msg.subject, md.sequence.stream, exc)
+                await publish_dead_letter(bus, dead_letter(
+                    stream=md.stream, stream_seq=md.sequence.stream, subject=msg.subject, consumer=watcher,
+                    num_delivered=md.num_delivered, reason=str(exc), payload=msg.data, headers=msg.headers))
+                continue
+            yield event
+    finally:
+        try:
+            await sub.unsubscribe()
+        except nats.errors.Error:
+            pass
 
 
 async def _wait(event: asyncio.Event, timeout_s: float) -> None:
@@ -583,18 +694,17 @@ class Consumer:
 
     def _decode(self, m: Msg) -> Delivery:
         md = m.metadata
-        headers = dict(m.headers or {})
-        event = self.decoder.decode(m.data, headers.get(HEADER_CONTENT_TYPE))
+        event = decode_message(self.decoder, m)
         return Delivery(event=event, subject=m.subject, stream_seq=md.sequence.stream,
-                        num_delivered=md.num_delivered, headers=headers, msg=m)
+                        num_delivered=md.num_delivered, headers=dict(m.headers or {}), msg=m)
 
     async def _process_batch(self, msgs: list[Msg]) -> None:
         good: list[Delivery] = []
         for m in msgs:
             try:
                 d = self._decode(m)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                await self._dead_letter(m, f"payload does not decode: {exc}")
+            except Undecodable as exc:
+                await self._dead_letter(m, str(exc))
                 continue
             if d.num_delivered > self.max_deliver:
                 await self._dead_letter(m, f"delivered {d.num_delivered} times (max_deliver={self.max_deliver}) "
@@ -684,19 +794,11 @@ class Consumer:
 
     async def _dead_letter(self, m: Msg, reason: str) -> None:
         md = m.metadata
-        log.error("consumer %s: dead letter for %s seq %d: %s", self.durable, m.subject, md.sequence.stream, reason)
-        if self.stream != "DEAD":
-            letter = events.DeadLetter(
-                id=f"{self.stream}.{md.sequence.stream}.{self.durable}",
-                stream=self.stream,
-                original_subject=m.subject,
-                consumer=self.durable,
-                num_delivered=md.num_delivered,
-                reason=reason,
-                payload=m.data,
-                headers={k: v for k, v in (m.headers or {}).items()},
-            )
-            await self.bus.publish(letter)
+        log.error("consumer %s: dead letter for %s seq %d: %s", self.durable, m.subject, md.sequence.stream,
+                  reason[:DEAD_LETTER_REASON_CHARS])
+        await publish_dead_letter(self.bus, dead_letter(
+            stream=self.stream, stream_seq=md.sequence.stream, subject=m.subject, consumer=self.durable,
+            num_delivered=md.num_delivered, reason=reason, payload=m.data, headers=m.headers))
         await m.term()
         self._unfinished.pop(id(m), None)
         self.stats.dead_lettered += 1

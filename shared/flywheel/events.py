@@ -23,9 +23,15 @@ Schema evolution (tested against stored encodings of version 1 in tests/unit/dat
        new tag.
     5. :data:`SCHEMA_VERSION` goes up when fields are added; it is informational (the
        title of the exported JSON Schema), never used to reject a message.
+    6. A ``Literal`` field gains a value only with a :data:`SCHEMA_VERSION` bump, and only
+       in state every reader ships with (``RunState.status``): a reader older than the
+       bump refuses the new value. Event fields never gain values.
 
     Version 2 added ``Rollout.group_size`` and ``WeightUpdate.metrics``; version 3 added
-    ``Rollout.state``.
+    ``Rollout.state``; version 4 added ``DeadLetter.stream_seq`` and
+    ``DeadLetter.payload_size_bytes`` (a dead letter carries a capped excerpt), the run's
+    lease and end (``RunState.owner``, ``lease_expires_at``, ``ended_at``, ``reason``,
+    ``num_tasks_published``) and the status ``stopped``.
 
 Identities
     ``run`` (a training or eval run, owned by a ``tenant``), ``task`` (one row of a task
@@ -43,7 +49,7 @@ from typing import Any, Generic, Literal, TypeVar
 
 import msgspec
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 JSON = "application/json"
 MSGPACK = "application/msgpack"
@@ -268,7 +274,10 @@ class DeadLetter(Event, frozen=True, kw_only=True, tag="dead_letter"):
 
     Sent by: the bus layer, after the last allowed delivery fails or at once when the
     payload does not decode. Read by: recorder, operators. Subject: ``dead.<stream>``.
-    ``payload`` is the original message body, unchanged.
+    Bounded, so that it can always be published, whatever the original's size:
+    ``payload`` is the original message body, or its first bytes when it is longer
+    (``payload_size_bytes`` is the original's size); the whole message stays in its stream
+    at ``stream_seq`` for the stream's retention. ``reason`` and ``headers`` are capped too.
     """
 
     stream: str
@@ -278,6 +287,8 @@ class DeadLetter(Event, frozen=True, kw_only=True, tag="dead_letter"):
     reason: str
     payload: bytes = b""
     headers: dict[str, str] = {}
+    stream_seq: int = 0  # the original's sequence in ``stream`` (0: not known)
+    payload_size_bytes: int = 0  # the original body's size; above len(payload) when cut
 
     def subject(self) -> str:
         return f"dead.{self.stream}"
@@ -286,18 +297,28 @@ class DeadLetter(Event, frozen=True, kw_only=True, tag="dead_letter"):
 class RunState(_Struct, kw_only=True):
     """A run's state, kept in the run-state KV bucket under the run id (not a stream event).
 
-    Written by: gateway (on creation), trainer (step, policy version). Read by: everyone.
+    Written by: gateway (on creation), ``flywheel run`` (its owner: config, lease, task
+    supply, stop), trainer (step, policy version, finished or failed). Read by: everyone.
+
+    The owner renews ``lease_expires_at`` while it lives; a ``running`` run whose lease has
+    expired has lost its owner (:func:`flywheel.runs.end_of`). ``ended_at`` and ``reason``
+    are set when the run finishes, fails or is stopped.
     """
 
     id: str
     tenant: str = "default"
     kind: Literal["train", "eval"] = "train"
-    status: Literal["created", "running", "finished", "failed"] = "created"
+    status: Literal["created", "running", "finished", "failed", "stopped"] = "created"
     policy_version: int = 0
     trainer_step: int = 0
     config: dict[str, Any] = {}
     created_at: datetime = msgspec.field(default_factory=utc_now)
     updated_at: datetime = msgspec.field(default_factory=utc_now)
+    owner: str | None = None  # who holds the lease: "flywheel-run pid 123 on host"
+    lease_expires_at: datetime | None = None
+    ended_at: datetime | None = None
+    reason: str | None = None  # why it ended, when it did not simply finish
+    num_tasks_published: int = 0  # tasks the owner's task supply published so far
 
 
 class ServiceHeartbeat(_Struct, kw_only=True):

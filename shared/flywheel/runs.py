@@ -3,21 +3,31 @@
 A run's :class:`flywheel.events.RunState` (tenant, status, policy version, config) lives
 under its id in the ``flywheel-runs`` bucket. A run belongs to the tenant that registered
 it first; every writer (gateway, CLI, client, ``flywheel run``, trainer) goes through
-here, so the rule and the name checks live once.
+here, so the rule and the name checks live once. Writers change a state by compare-and-set
+(:func:`update_run`), so two writers (the trainer's step, the owner's lease) never undo
+each other's fields.
+
+When a run stops taking tasks is decided once, by :func:`end_of`: it finished, failed or
+was stopped, or its owner stopped renewing its lease (it was killed, or its machine is
+gone). Inference skips the tasks such a run had queued and dead-letters the ones published
+after its end; the gateway refuses new ones (409).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import msgspec
 import nats.js.errors
 
 from flywheel import events
-from flywheel.bus import Bus, watch_bucket
+from flywheel.bus import RUNS_BUCKET, Bus, watch_bucket
 
 MAX_NAME_CHARS = 128
 # A NATS subject token: no separators, no wildcards, no whitespace, not empty.
@@ -25,6 +35,9 @@ _TOKEN = re.compile(r"[^\s.*>]+")
 # A run id or tenant is also a KV key (of the runs bucket, or in its value), which allows fewer characters.
 _KV_KEY = re.compile(r"[-/_=a-zA-Z0-9]+")
 _decoder = events.Decoder(events.RunState)
+log = logging.getLogger(__name__)
+
+ENDED_STATUSES = ("finished", "failed", "stopped")
 
 
 def is_token(value: object) -> bool:
@@ -57,13 +70,55 @@ class RunConflict(ValueError):
     """The run exists and belongs to another tenant."""
 
 
+class BadRunState(ValueError):
+    """A run's entry in the runs bucket does not decode (something other than Flywheel wrote it)."""
+
+
+@dataclass(frozen=True)
+class RunEnd:
+    """Why a run takes no more tasks, and since when."""
+
+    status: str  # finished, failed, stopped, or abandoned (its owner's lease expired)
+    since: datetime
+    reason: str
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+def end_of(state: events.RunState, now: datetime | None = None) -> RunEnd | None:
+    """Whether ``state``'s run has ended (None while it takes tasks): finished, failed or stopped,
+    or ``running`` with a lease that expired before ``now`` (its owner is gone: ``abandoned``)."""
+    if state.status in ENDED_STATUSES:
+        since = state.ended_at or state.updated_at
+        why = f" ({state.reason})" if state.reason else ""
+        return RunEnd(state.status, since, f"run {state.id!r} {state.status} at {since.isoformat()}{why}")
+    expires = state.lease_expires_at
+    if expires is not None and expires < (now or events.utc_now()):
+        owner = state.owner or "its owner"
+        return RunEnd("abandoned", expires, f"run {state.id!r} is abandoned: {owner} stopped renewing its lease, which "
+                                            f"expired at {expires.isoformat()}; resume it with `flywheel run CONFIG "
+                                            f"--run-id {state.id} --resume`")
+    return None
+
+
+def decode_state(key: str, value: bytes) -> events.RunState:
+    """A runs-bucket entry as a RunState; :class:`BadRunState` naming the key when it does not decode."""
+    try:
+        return _decoder.decode(value)
+    except msgspec.DecodeError as exc:  # ValidationError included
+        raise BadRunState(f"run {key!r}: its entry in the {RUNS_BUCKET} KV bucket is not a run state ({exc}); "
+                          f"delete or rewrite the key") from None
+
+
 async def get_run(bus: Bus, run: str) -> events.RunState | None:
+    """The run's state; None when it has none; :class:`BadRunState` when its entry does not decode."""
     kv = await bus.runs_kv()
     try:
         entry = await kv.get(run)
     except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
         return None
-    return _decoder.decode(entry.value) if entry.value else None
+    return decode_state(run, entry.value) if entry.value else None
 
 
 async def get_or_create_run(bus: Bus, run: str, tenant: str = "default", config: dict[str, Any] | None = None,
@@ -98,18 +153,37 @@ async def register_run(bus: Bus, run: str, tenant: str = "default", config: dict
 
 
 async def update_run(bus: Bus, run: str, **changes: Any) -> events.RunState:
-    """Replace fields of an existing run's state (``updated_at`` is set); returns the new state."""
-    state = await get_run(bus, run)
-    if state is None:
-        raise ValueError(f"run {run!r} is not registered")
-    state = msgspec.structs.replace(state, updated_at=events.utc_now(), **changes)
+    """Replace fields of an existing run's state (``updated_at`` is set); returns the new state.
+
+    Compare-and-set on the entry's revision, read again after a concurrent write, so fields
+    another writer changed meanwhile are kept."""
     kv = await bus.runs_kv()
-    await kv.put(run, events.encode(state))
-    return state
+    for _ in range(100):
+        try:
+            entry = await kv.get(run)
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+            entry = None
+        if entry is None or not entry.value:
+            raise ValueError(f"run {run!r} is not registered")
+        state = msgspec.structs.replace(decode_state(run, entry.value), updated_at=events.utc_now(), **changes)
+        try:
+            await kv.update(run, events.encode(state), last=entry.revision)
+            return state
+        except nats.js.errors.KeyWrongLastSequenceError:
+            continue
+    raise RuntimeError(f"run {run!r}: its run-state entry kept changing while it was being updated")
 
 
 async def watch_runs(bus: Bus, stopping: asyncio.Event,
                      on_state: Callable[[events.RunState], Awaitable[None]]) -> None:
-    """Call ``on_state`` with every run's current state, then with every change, until ``stopping``."""
-    async for value in watch_bucket(await bus.runs_kv(), stopping):
-        await on_state(_decoder.decode(value))
+    """Call ``on_state`` with every run's current state, then with every change, until ``stopping``.
+
+    An entry that does not decode is logged and skipped (the run's readers get
+    :class:`BadRunState` from :func:`get_run`); it never stops the watch."""
+    async for key, value in watch_bucket(await bus.runs_kv(), stopping):
+        try:
+            state = decode_state(key, value)
+        except BadRunState as exc:
+            log.warning("%s", exc)
+            continue
+        await on_state(state)

@@ -19,6 +19,7 @@ import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import msgspec
 import nats.errors
 import nats.js.errors
 
@@ -150,7 +151,8 @@ class Service:
 
 
 async def read_heartbeats(bus: Bus) -> list[events.ServiceHeartbeat]:
-    """Every live service instance (expired heartbeats are gone from the bucket)."""
+    """Every live service instance (expired heartbeats are gone from the bucket). An entry that
+    is not a heartbeat (something else wrote the key) is logged and left out."""
     kv = await bus.services_kv()
     try:
         keys = await kv.keys()
@@ -163,6 +165,10 @@ async def read_heartbeats(bus: Bus) -> list[events.ServiceHeartbeat]:
             entry = await kv.get(key)
         except nats.js.errors.KeyNotFoundError:
             continue
-        if entry.value:
+        if not entry.value:
+            continue
+        try:
             beats.append(decoder.decode(entry.value))
+        except msgspec.DecodeError as exc:  # ValidationError included
+            log.warning("services bucket: key %r is not a service heartbeat (%s); skipped", key, exc)
     return sorted(beats, key=lambda b: (b.service, b.instance))

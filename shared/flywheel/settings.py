@@ -24,6 +24,9 @@ class Settings(BaseSettings):
     gateway_host: str = "127.0.0.1"
     gateway_port: int = 8420
     gateway_url: str | None = Field(None, description="Where clients reach the gateway. Unset: http://gateway_host:gateway_port.")
+    gateway_max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024, description="Largest request body the gateway "
+                                        "reads; a larger one is refused with 413 (each task must also fit the bus's "
+                                        "max payload).")
     inference_host: str = "127.0.0.1"
     inference_port: int = Field(8421, description="Port of the inference service's OpenAI-compatible API.")
     torch_threads: int | None = Field(
@@ -36,6 +39,11 @@ class Settings(BaseSettings):
     sandbox_max_alive: int = Field(64, ge=1, description="Sandboxes one sandbox service holds at once; more are refused.")
     sandbox_max_starting: int = Field(4, ge=1, description="Sandboxes being started at once; more wait.")
     sandbox_warm_pool: int = Field(4, ge=0, description="Sandboxes of the default spec kept started, for fast creates.")
+    sandbox_allow_network: bool = Field(False, description="Whether a sandbox may ask for network (a spec with "
+                                                           "network=true); off, such a request is refused.")
+    run_lease_s: float = Field(60.0, gt=0, description="How long a run outlives its owner (`flywheel run`): past "
+                                                       "this without a renewal the run is abandoned and its queued "
+                                                       "tasks stop holding inference.")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
     @classmethod

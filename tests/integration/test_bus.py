@@ -335,3 +335,134 @@ async def test_consumer_config_errors_name_the_field(bus: Bus, bad: dict) -> Non
     with pytest.raises(ValueError) as err:
         Consumer(bus, **kwargs)
     assert any(k in str(err.value) for k in ("handler", "stream", "max_deliver"))
+
+
+async def test_a_near_limit_payload_is_dead_lettered_bounded_and_the_consumer_goes_on(bus: Bus) -> None:
+    # Just under the server's max payload: a dead letter carrying it whole could not be published.
+    limit = bus.nc.max_payload
+    await bus.publish_raw("tasks.r1.echo", b"\xff" * (limit - 4096), {"Nats-Msg-Id": "huge"})
+    await bus.publish(task(1))
+    handled: list[str] = []
+
+    async def handle(d: Delivery) -> None:
+        handled.append(d.event.id)
+
+    c = Consumer(bus, stream="TASKS", durable="c1", handler=handle, event_type=events.Task)
+    t = await running(c)
+    [letter] = await dead_letters(bus, 1)
+    await until(lambda: handled == ["t1"], what="the good task after the huge one")
+    c.stop()
+    await t
+    assert letter.stream_seq == 1 and letter.payload_size_bytes == limit - 4096
+    assert 0 < len(letter.payload) <= 16 * 1024 and len(events.encode(letter)) < 64 * 1024
+    info = await bus.js.consumer_info("TASKS", "c1")
+    assert info.num_ack_pending == 0 and info.num_pending == 0  # terminated, not left unacked
+
+
+async def test_an_event_on_another_subject_or_of_another_type_is_dead_lettered(bus: Bus) -> None:
+    # A valid task for run r2 published on run r1's subject, and a score on the tasks subject.
+    await bus.publish_raw("tasks.r1.echo", events.encode(task(1, run="r2")), {"Nats-Msg-Id": "moved"})
+    score = events.Score(run="r1", env="echo", rollout_id="x", group_id="g", scorer="s", value=1.0)
+    await bus.publish_raw("tasks.r1.echo", events.encode(score), {"Nats-Msg-Id": "score"})
+    await bus.publish(task(2))
+    handled: list[str] = []
+
+    async def handle(d: Delivery) -> None:
+        handled.append(d.event.id)
+
+    c = Consumer(bus, stream="TASKS", durable="c1", handler=handle, event_type=events.Task)
+    t = await running(c)
+    letters = await dead_letters(bus, 2)
+    await until(lambda: handled == ["t2"], what="the good task")
+    c.stop()
+    await t
+    reasons = sorted(letter.reason for letter in letters)
+    assert "'tasks.r2.echo' was published on 'tasks.r1.echo'" in reasons[0], reasons
+    assert "does not decode as Task" in reasons[1], reasons
+
+
+async def test_a_dead_letter_that_cannot_be_published_still_frees_the_message(bus: Bus, monkeypatch) -> None:
+    import nats.errors
+
+    from flywheel import bus as bus_module
+
+    await bus.publish_raw("tasks.r1.echo", b"junk", {"Nats-Msg-Id": "junk"})
+    original = bus.publish
+
+    async def refuse_dead_letters(event: events.Event, content_type: str = events.JSON):
+        if isinstance(event, events.DeadLetter):
+            raise nats.errors.MaxPayloadError()
+        return await original(event, content_type)
+
+    monkeypatch.setattr(bus, "publish", refuse_dead_letters)
+
+    async def handle(d: Delivery) -> None: ...
+
+    c = Consumer(bus, stream="TASKS", durable="c1", handler=handle, event_type=events.Task)
+    t = await running(c)
+    await until(lambda: c.stats.dead_lettered == 1, what="the junk message terminated")
+    c.stop()
+    await t
+    info = await bus.js.consumer_info("TASKS", "c1")
+    assert info.num_ack_pending == 0 and info.num_pending == 0
+    assert bus_module.DEAD_LETTER_EXCERPT_BYTES < bus.nc.max_payload
+
+
+async def test_watch_skips_and_dead_letters_what_does_not_decode(bus: Bus) -> None:
+    from flywheel.bus import watch
+
+    update = events.WeightUpdate(run="r1", version=1, uri="nats-os://b/x", sha256="0" * 64, size_bytes=1)
+    await bus.publish_raw("weights.r1", b"\x00garbage", {"Nats-Msg-Id": "g1"})
+    await bus.publish_raw("weights.r1", events.encode(task(1)), {"Nats-Msg-Id": "g2"})  # another type
+    await bus.publish(update)
+    stopping = asyncio.Event()
+    seen = []
+    for _ in range(2):  # a second watcher (a replica, a restart) dead-letters under the same ids
+        async for event in watch(bus, "weights.>", events.WeightUpdate, stopping, watcher="test-watch"):
+            seen.append(event)
+            break
+    assert [e.version for e in seen] == [1, 1]
+    letters = await dead_letters(bus, 2)
+    assert {letter.id for letter in letters} == {"WEIGHTS.1.test-watch", "WEIGHTS.2.test-watch"}
+    assert (await bus.js.stream_info("DEAD")).state.messages == 2
+
+
+async def test_update_run_keeps_concurrent_writers_fields(bus: Bus) -> None:
+    from flywheel.runs import register_run, update_run
+
+    await register_run(bus, "r1")
+
+    async def steps() -> None:
+        for step in range(1, 21):
+            await update_run(bus, "r1", trainer_step=step)
+
+    async def leases() -> None:
+        for i in range(20):
+            await update_run(bus, "r1", owner=f"owner-{i}")
+
+    await asyncio.gather(steps(), leases())
+    from flywheel.runs import get_run
+
+    state = await get_run(bus, "r1")
+    assert state is not None and state.trainer_step == 20 and state.owner == "owner-19"
+
+
+async def test_watch_runs_and_heartbeats_skip_entries_that_do_not_decode(bus: Bus) -> None:
+    from flywheel.runs import BadRunState, get_run, register_run, watch_runs
+    from flywheel.service import read_heartbeats
+
+    await (await bus.runs_kv()).put("broken", b"not a run state")
+    await register_run(bus, "good")
+    await (await bus.services_kv()).put("x.y", b"[1, 2]")
+    seen: list[str] = []
+    stopping = asyncio.Event()
+
+    async def on_state(state: events.RunState) -> None:
+        seen.append(state.id)
+        stopping.set()
+
+    await asyncio.wait_for(watch_runs(bus, stopping, on_state), 10)
+    assert seen == ["good"]
+    assert await read_heartbeats(bus) == []
+    with pytest.raises(BadRunState, match="'broken'"):
+        await get_run(bus, "broken")
