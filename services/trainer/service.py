@@ -44,7 +44,7 @@ from typing import Any
 import nats.js.errors
 
 from flywheel import events, models, weights
-from flywheel.bus import HEADER_CONTENT_TYPE, Bus, Consumer, Delivery, Reject
+from flywheel.bus import Bus, Consumer, Delivery, Reject, Undecodable, decode_message
 from flywheel.config import RunConfig
 from flywheel.environment import Environment, load_for_run
 from flywheel.runs import get_run, update_run
@@ -71,7 +71,10 @@ class TrainerOptions:
     max_buffered_rollouts: int = 4096
     consumer_batch_size: int = 64
     consumer_max_in_flight: int = 256
-    ack_wait_s: float = 30.0
+    # Short: deliveries held by a trainer that was killed come back this soon to its restart
+    # (until then they count against the durable's max_ack_pending); work still running is
+    # kept alive by the bus layer's in_progress every third of it.
+    ack_wait_s: float = 5.0
 
 
 async def run(settings: Settings, run_id: str, options: TrainerOptions | None = None,
@@ -97,15 +100,33 @@ async def last_published_version(bus: Bus, run: str) -> int | None:
     """The version of the run's last weight update in the WEIGHTS stream (None when there is none).
 
     The stream, not the run state, says what inference may have loaded: a crash between a
-    publish and the run-state update leaves the run state one version behind.
+    publish and the run-state update leaves the run state one version behind. A last message
+    that is not a weight update of this run (anyone can publish on the subject) is passed
+    over: the stream is read from its start for the last one that is.
     """
+    decoder = events.Decoder(events.WeightUpdate)
+    subject = f"weights.{run}"
     try:
-        msg = await bus.js.get_last_msg("WEIGHTS", f"weights.{run}")
+        msg = await bus.js.get_last_msg("WEIGHTS", subject)
     except nats.js.errors.NotFoundError:
         return None
-    assert msg.data is not None
-    update = events.Decoder(events.WeightUpdate).decode(msg.data, (msg.headers or {}).get(HEADER_CONTENT_TYPE))
-    return update.version
+    try:
+        return decode_message(decoder, msg).version
+    except Undecodable:
+        log.warning("run %s: the last message on %s (seq %d) is not a weight update; reading the stream for the "
+                    "last one that is", run, subject, msg.seq)
+    last: int | None = None
+    seq = 1
+    while True:
+        try:
+            msg = await bus.js.get_msg("WEIGHTS", seq, subject=subject, next=True)
+        except nats.js.errors.NotFoundError:
+            return last
+        try:
+            last = decode_message(decoder, msg).version
+        except Undecodable:
+            pass
+        seq = (msg.seq or seq) + 1
 
 
 def required_scorers(cfg: RunConfig, env: Environment) -> dict[str, float]:
@@ -218,11 +239,10 @@ class Trainer:
     # --- training -----------------------------------------------------------------------
 
     async def train(self, stopping: asyncio.Event) -> None:
-        try:
-            await self._train(stopping)
-        except Exception:
-            await update_run(self.bus, self.cfg.run, status="failed")
-            raise
+        # A crash does not mark the run failed: the run's owner (`flywheel run`) restarts the
+        # trainer, which resumes from its checkpoint, and marks the run failed only when
+        # restarts stop helping.
+        await self._train(stopping)
 
     async def _train(self, stopping: asyncio.Event) -> None:
         engine, pad_id = await self._start()

@@ -7,23 +7,39 @@ What it does, in order:
 2. uses the services that run (``flywheel up`` in another terminal, or a deployment), or,
    when no NATS answers, brings up the embedded stack itself and stops it at the end;
 3. registers the run with its config in the run-state bucket (every service reads it from
-   there), starts a trainer for it (``python -m flywheel_trainer --run RUN``; it warms the
-   model up with SFT when the config asks, then publishes weights version 0), and publishes
-   the environment's tasks; inference admits them as fast as the staleness bound allows;
-4. follows the trainer's weight updates (each carries its step's metrics) and prints a line
-   a step: reward, staleness, tokens/s, rollouts in flight;
-5. at the end prints a summary table and writes ``reward.png`` and ``summary.json`` in the
+   there) and becomes its *owner*: it holds a lease on the run (``RunState.lease_expires_at``,
+   renewed every third of ``run_lease_s``), so that when this process dies the run is seen
+   as abandoned once the lease expires (:func:`flywheel.runs.end_of`) and its queued tasks
+   stop holding inference;
+4. starts a trainer for it (``python -m flywheel_trainer --run RUN``; it warms the model up
+   with SFT when the config asks, then publishes weights version 0) and keeps it running: a
+   trainer that dies is started again with backoff and resumes from its checkpoint and
+   journal; after ``MAX_RESTARTS_WITHOUT_PROGRESS`` restarts without a new step in
+   between, the run is marked ``failed`` with the reason;
+5. publishes the environment's tasks (the task supply; their count is kept in the run
+   state, so a resumed run goes on from there); inference admits them as fast as the
+   staleness bound allows;
+6. follows the trainer's weight updates (each carries its step's metrics) and prints a line
+   a step: reward, staleness, tokens/s, rollouts in flight; when no step comes for a while
+   it says what it waits for;
+7. at the end prints a summary table and writes ``reward.png`` and ``summary.json`` in the
    run folder (``<data_dir>/runs/<run>``), beside the trainer's ``metrics.jsonl``.
 
-Ctrl-C stops the trainer (and the stack, if this command started it). Not covered:
-resuming a stopped run under the same id (start the trainer by hand with ``--run``).
+Ctrl-C stops the trainer (it checkpoints first) and marks the run ``stopped`` (and stops the
+stack, if this command started it). ``--resume`` with the ``--run-id`` of an existing run
+takes it over instead of refusing the id: same config required, the trainer resumes from
+its checkpoint, and tasks are published again where the run's queued ones were dropped
+(it was stopped or abandoned). A run owned by a live process on another machine is waited
+for until its lease expires. Not covered: several owners of one run at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
+import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -31,19 +47,33 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TextIO
 
+from datetime import timedelta
+
 import nats.errors
 import nats.js.errors
 
 from flywheel import events
-from flywheel.bus import Bus, BusConfig
+from flywheel.bus import Bus, BusConfig, watch
 from flywheel.client import make_tasks
 from flywheel.config import RunConfig
 from flywheel.environment import Environment, load_for_run
-from flywheel.runs import register_run
+from flywheel.runs import end_of, get_run, register_run, update_run
 from flywheel.settings import Settings
-from flywheel.stack import SERVICES, ServiceProcess, ServiceSpec, Stack, StackError, child_env, heartbeat_of
+from flywheel.stack import (
+    SERVICES,
+    ServiceProcess,
+    ServiceSpec,
+    Stack,
+    StackError,
+    child_env,
+    exit_text,
+    heartbeat_of,
+)
 
 RUN_SERVICES = ("inference", "scorer")  # what a training run needs besides the trainer
+MAX_RESTARTS_WITHOUT_PROGRESS = 5  # trainer restarts with no new step in between before the run fails
+RESTART_BACKOFF_S = (0.5, 2.0, 5.0, 10.0, 20.0)  # before restart 1, 2, ... (the last one repeats)
+QUIET_STEP_S = 30.0  # no step for this long: say what the run waits for
 
 
 @dataclass
@@ -133,19 +163,103 @@ async def nats_answers(url: str) -> bool:
     return True
 
 
+class RunFailed(StackError):
+    """The run cannot go on (its trainer keeps failing); the run state says ``failed`` with the reason."""
+
+
+def owner_name() -> str:
+    return f"flywheel-run pid {os.getpid()} on {socket.gethostname()}"
+
+
+def owner_is_gone(owner: str | None) -> bool:
+    """Whether ``owner`` (an :func:`owner_name`) is known to be dead: a process of this host
+    that no longer runs, or this very process id (a restarted container is pid 1 again)."""
+    if not owner or not owner.startswith("flywheel-run pid "):
+        return False
+    pid_text, _, host = owner.removeprefix("flywheel-run pid ").partition(" on ")
+    if host != socket.gethostname() or not pid_text.isdigit():
+        return False
+    pid = int(pid_text)
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+class TrainerSupervisor:
+    """The run's trainer process: started, watched, restarted with backoff while it makes progress."""
+
+    def __init__(self, job: MainJob) -> None:
+        self.job = job
+        cfg = job.cfg
+        spec = ServiceSpec(("-m", "flywheel_trainer", "--run", cfg.run), heartbeat_of("trainer"))
+        self.process = ServiceProcess("trainer", spec, child_env(job.settings), job.run_dir / "trainer.log")
+        self.num_restarts = 0  # since the last new step
+        self.restarted_at: float | None = None
+
+    async def start(self) -> None:
+        await self.process.launch()
+        self.job.say(f"run {self.job.cfg.run}: trainer pid {self.process.pid}, log {self.process.log_path}")
+
+    def progressed(self) -> None:
+        """A new step was published: the trainer works, restarts count from zero again."""
+        self.num_restarts = 0
+
+    async def check(self) -> None:
+        """Restart the trainer if it exited before the run ended; RunFailed once restarts stop helping."""
+        returncode = self.process.returncode()
+        if returncode is None:
+            return
+        state = await get_run(self.job.bus, self.job.cfg.run)
+        if returncode == 0 and state is not None and state.status == "finished":
+            return  # it finished the run; the weights watch sees the last step
+        if self.num_restarts >= MAX_RESTARTS_WITHOUT_PROGRESS:
+            raise RunFailed(f"the trainer exited with {exit_text(returncode)}; it was restarted "
+                            f"{self.num_restarts} times without a new step in between, giving up; "
+                            f"{self.process.log_tail()}")
+        delay_s = RESTART_BACKOFF_S[min(self.num_restarts, len(RESTART_BACKOFF_S) - 1)]
+        self.num_restarts += 1
+        self.job.say(f"run {self.job.cfg.run}: the trainer (pid {self.process.pid}) exited with "
+                     f"{exit_text(returncode)}; restarting it in {delay_s:g}s (restart {self.num_restarts} of at "
+                     f"most {MAX_RESTARTS_WITHOUT_PROGRESS} without a new step); it resumes from its checkpoint; "
+                     f"{self.process.log_tail()}")
+        if await _wait(self.job.stopping, delay_s):
+            return
+        await self.start()
+        self.restarted_at = time.monotonic()
+
+    async def stop(self) -> None:
+        await self.process.stop(15.0)
+
+
 class MainJob:
     def __init__(self, cfg: RunConfig, settings: Settings, out: TextIO = sys.stdout,
-                 start_timeout_s: float = 300.0) -> None:
+                 start_timeout_s: float = 300.0, resume: bool = False) -> None:
         self.cfg = cfg
         self.settings = settings
         self.out = out
         self.start_timeout_s = start_timeout_s
+        self.resume = resume
         self.run_dir = settings.data_dir.resolve() / "runs" / cfg.run
         self.stopping = asyncio.Event()
         self.progress = Progress()
         self.rows: list[dict[str, Any]] = []  # the environment's task rows, loaded once
         self.env: Environment | None = None  # loaded as every service loads it (load_for_run)
-        self.num_published = 0
+        self.num_published = 0  # tasks published for the run (kept in its state)
+        self.first_task = 0  # where this owner's supply starts counting what the run still needs
+        self.first_step = 0  # the trainer step the run was at when this owner took it
+        self.owner = owner_name()
+        self._bus: Bus | None = None
+
+    @property
+    def bus(self) -> Bus:
+        assert self._bus is not None, "connected in _train"
+        return self._bus
 
     def say(self, line: str) -> None:
         print(line, file=self.out, flush=True)
@@ -178,28 +292,54 @@ class MainJob:
 
     async def _train(self) -> dict[str, Any]:
         cfg = self.cfg
-        bus = await Bus.connect(self.settings.resolved_nats_url, "flywheel-run")
-        trainer: ServiceProcess | None = None
+        self._bus = bus = await Bus.connect(self.settings.resolved_nats_url, "flywheel-run")
+        trainer: TrainerSupervisor | None = None
+        lease: asyncio.Task[None] | None = None
+        outcome: tuple[str, str] | None = None  # (status, reason) to write when this owner ends the run
         try:
             # The environment's sampling settings are defaults under the config's own.
             self.env = load_for_run(cfg)
             cfg = self.cfg = cfg.with_env_sampling(self.env)
-            await self._check_services(bus)
-            _, created = await register_run(bus, cfg.run, cfg.tenant, config=cfg.model_dump())
-            if not created:
-                raise ValueError(f"run {cfg.run!r} exists already; give another --run-id")
+            await self._check_services()
+            if await self._take_over():
+                summary = self._summary()
+                self.say(f"run {cfg.run} has finished already; its summary:\n" + format_summary(summary))
+                return summary
+            lease = asyncio.ensure_future(self._renew_lease())
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2) + "\n")
-            spec = ServiceSpec(("-m", "flywheel_trainer", "--run", cfg.run), heartbeat_of("trainer"))
-            trainer = ServiceProcess("trainer", spec, child_env(self.settings), self.run_dir / "trainer.log")
-            await trainer.launch()
-            self.say(f"run {cfg.run}: trainer pid {trainer.pid}, log {trainer.log_path}")
-            await self._publish_tasks(bus)
-            await self._follow(bus, trainer)
+            trainer = TrainerSupervisor(self)
+            await trainer.start()
+            await self._publish_tasks()
+            finished = await self._follow(trainer)
+            if not finished:
+                outcome = ("stopped", f"stopped by {self.owner} (SIGINT/SIGTERM) at step {self._last_step()}")
+        except RunFailed as exc:
+            outcome = ("failed", str(exc).split("; last lines of", 1)[0])
+            raise
         finally:
             if trainer is not None:
-                await trainer.stop(15.0)
+                await trainer.stop()
+            if lease is not None:
+                lease.cancel()
+                await asyncio.gather(lease, return_exceptions=True)
+            if outcome is not None:
+                await self._end(*outcome)
             await bus.close()
+        return self._finish()
+
+    def _summary(self) -> dict[str, Any]:
+        metrics = self.run_dir / "metrics.jsonl"
+        if metrics.exists():
+            for line in metrics.read_text().splitlines():
+                row = json.loads(line)
+                if row.get("step"):
+                    self.progress.steps.append({"step": float(row["step"]), "elapsed_s": 0.0,
+                                                **{k: v for k, v in row.items() if isinstance(v, int | float)}})
+        return summarize(self.progress, self.cfg, self.run_dir)
+
+    def _finish(self) -> dict[str, Any]:
+        cfg = self.cfg
         summary = summarize(self.progress, cfg, self.run_dir)
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         png = plot(self.progress, self.run_dir / "reward.png", f"{cfg.run}: {cfg.env}, {cfg.model.name}")
@@ -207,12 +347,89 @@ class MainJob:
         self.say(f"reward curve: {png}" if png else "reward curve: install the `run` extra (matplotlib) for a PNG")
         return summary
 
-    async def _check_services(self, bus: Bus) -> None:
+    def _last_step(self) -> int:
+        return int(self.progress.steps[-1]["step"]) if self.progress.steps else self.first_step
+
+    def _lease_fields(self) -> dict[str, Any]:
+        return {"owner": self.owner,
+                "lease_expires_at": events.utc_now() + timedelta(seconds=self.settings.run_lease_s)}
+
+    async def _take_over(self) -> bool:
+        """Register the run as its owner, or with ``resume`` take over the existing one.
+        True when there is nothing to do (the resumed run had finished)."""
+        cfg = self.cfg
+        config = cfg.model_dump()
+        state, created = await register_run(self.bus, cfg.run, cfg.tenant, config=config)
+        if created:
+            await update_run(self.bus, cfg.run, **self._lease_fields())
+            return False
+        if not self.resume:
+            raise ValueError(f"run {cfg.run!r} exists already; give another --run-id, or add --resume to take it "
+                             "over and go on where it stopped")
+        if state.config != config:
+            changed = sorted(k for k in set(state.config) | set(config) if state.config.get(k) != config.get(k))
+            raise ValueError(f"run {cfg.run!r} exists with another config (different: {', '.join(changed)}); "
+                             "--resume needs the same config and --set values it was started with")
+        if state.status == "finished":
+            return True
+        await self._wait_for_owner(state)
+        state = await get_run(self.bus, cfg.run) or state
+        ended = end_of(state)
+        self.num_published = state.num_tasks_published
+        self.first_step = state.trainer_step
+        if ended is not None or state.status == "created":
+            # Inference dropped the tasks it held (the run had ended): the supply starts over from here.
+            self.first_task = self.num_published
+        why = f" ({ended.reason})" if ended is not None else ""
+        self.say(f"run {cfg.run}: resuming at step {state.trainer_step} of {cfg.trainer.num_steps}{why}")
+        await update_run(self.bus, cfg.run, status="running" if state.status != "created" else "created",
+                         ended_at=None, reason=None, **self._lease_fields())
+        return False
+
+    async def _wait_for_owner(self, state: events.RunState) -> None:
+        """Until the run's current owner is gone: its lease expired, or it is a dead process of this host."""
+        while end_of(state) is None and state.owner not in (None, self.owner) and not owner_is_gone(state.owner):
+            expires = state.lease_expires_at
+            if expires is None:
+                return
+            self.say(f"run {state.id} is owned by {state.owner} until {expires.isoformat()}; waiting for its lease "
+                     "to expire (stop that process to take over sooner)")
+            if await _wait(self.stopping, max((expires - events.utc_now()).total_seconds(), 0.0) + 0.5):
+                raise StackError(f"stopped while waiting for run {state.id}'s owner")
+            state = await get_run(self.bus, state.id) or state
+
+    async def _renew_lease(self) -> None:
+        """Keep the lease: renewed every third of run_lease_s; a failed renewal is retried sooner."""
+        period_s = self.settings.run_lease_s / 3
+        while True:
+            await asyncio.sleep(period_s)
+            try:
+                await update_run(self.bus, self.cfg.run, **self._lease_fields())
+            except (nats.errors.Error, asyncio.TimeoutError) as exc:
+                self.say(f"run {self.cfg.run}: renewing the run's lease failed ({type(exc).__name__}: {exc}); "
+                         "retrying")
+                period_s = min(5.0, self.settings.run_lease_s / 6)
+            else:
+                period_s = self.settings.run_lease_s / 3
+
+    async def _end(self, status: str, reason: str) -> None:
+        """Mark the run ended by this owner; the NATS connection may be gone already (said, not raised)."""
+        try:
+            state = await get_run(self.bus, self.cfg.run)
+            if state is not None and state.status != "finished":
+                await update_run(self.bus, self.cfg.run, status=status, ended_at=events.utc_now(), reason=reason,
+                                 lease_expires_at=None)
+                self.say(f"run {self.cfg.run}: {status} ({reason})")
+        except (nats.errors.Error, asyncio.TimeoutError) as exc:
+            self.say(f"run {self.cfg.run}: could not mark the run {status} ({type(exc).__name__}: {exc}); its "
+                     f"lease expires within {self.settings.run_lease_s:g}s and it is then seen as abandoned")
+
+    async def _check_services(self) -> None:
         from flywheel.service import read_heartbeats
 
         deadline = time.monotonic() + self.start_timeout_s
         while True:
-            live = {b.service for b in await read_heartbeats(bus) if b.status == "ok"}
+            live = {b.service for b in await read_heartbeats(self.bus) if b.status == "ok"}
             missing = [s for s in RUN_SERVICES if s not in live]
             if not missing:
                 return
@@ -222,15 +439,17 @@ class MainJob:
                                  "(it does when no NATS answers)")
             await asyncio.sleep(0.5)
 
-    async def _publish_tasks(self, bus: Bus, num_dropped: int = 0) -> None:
-        """Publish tasks up to what the run needs: a group for every step, what the
+    async def _publish_tasks(self, num_dropped: int = 0) -> None:
+        """Publish tasks up to what the run needs: a group for every step left, what the
         staleness bound lets inference run ahead, and one group for each group's worth of
         rollouts the trainer dropped (they are replaced). Called again as drops come in."""
         cfg = self.cfg
         if cfg.num_tasks is not None:
-            wanted = cfg.num_tasks
+            wanted = max(cfg.num_tasks, self.num_published) if self.first_task == 0 else (
+                self.first_task + cfg.num_tasks)
         else:
-            wanted = ((cfg.trainer.num_steps + cfg.trainer.max_off_policy_steps + 2) * cfg.groups_per_step
+            steps_left = cfg.trainer.num_steps - (self.first_step if self.first_task else 0)
+            wanted = (self.first_task + (steps_left + cfg.trainer.max_off_policy_steps + 2) * cfg.groups_per_step
                       + -(-num_dropped // cfg.group_size))
         if wanted <= self.num_published:
             return
@@ -242,49 +461,83 @@ class MainJob:
         numbered = list(enumerate(self.rows, 1))[self.num_published:wanted]
         tasks = make_tasks(cfg.run, cfg.env_token(self.env), numbered, num_rollouts=cfg.group_size,
                            sampling=sampling)
-        await bus.publish_many(tasks)
+        await self.bus.publish_many(tasks)
         if self.num_published == 0:
             self.say(f"run {cfg.run}: published {len(tasks)} tasks of {cfg.group_size} rollouts each "
                      f"({cfg.env}); {cfg.trainer.num_steps} steps of {cfg.trainer.batch_size} rollouts")
+        elif self.num_published == self.first_task:
+            self.say(f"run {cfg.run}: published {len(tasks)} tasks for the {cfg.trainer.num_steps - self.first_step} "
+                     "steps left")
         else:
             self.say(f"run {cfg.run}: published {len(tasks)} more tasks to replace dropped rollouts")
         self.num_published = wanted
+        await update_run(self.bus, cfg.run, num_tasks_published=wanted)
 
-    async def _follow(self, bus: Bus, trainer: ServiceProcess) -> None:
+    async def _follow(self, trainer: TrainerSupervisor) -> bool:
+        """Print a line a step until the last one (True), or until a stop is asked (False)."""
         cfg = self.cfg
-        decoder = events.Decoder(events.WeightUpdate)
-        sub = await bus.js.subscribe(f"weights.{cfg.run}", ordered_consumer=True)
+        updates: asyncio.Queue[events.WeightUpdate] = asyncio.Queue()
+        watching = asyncio.ensure_future(self._watch_weights(updates))
+        last_step_s = time.monotonic()
         try:
             while not self.stopping.is_set():
-                returncode = trainer.returncode()
-                if returncode is not None:
-                    raise StackError(f"the trainer exited with code {returncode} before step "
-                                     f"{cfg.trainer.num_steps}; {trainer.log_tail()}")
+                await trainer.check()
+                if watching.done():
+                    await watching  # raises what ended the watch
                 try:
-                    msg = await sub.next_msg(timeout=1.0)
-                except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                    update = await asyncio.wait_for(updates.get(), 1.0)
+                except asyncio.TimeoutError:
+                    if time.monotonic() - last_step_s > QUIET_STEP_S:
+                        await self._say_waiting(trainer, time.monotonic() - last_step_s)
+                        last_step_s = time.monotonic()
                     continue
-                update = decoder.decode(msg.data)
-                if update.version == 0:
+                if update.version == 0 and not self.progress.steps:
                     self.say(f"run {cfg.run}: weights version 0 published (after {cfg.sft.steps} SFT steps)")
                     self.progress.started_s = time.monotonic()
                 row = self.progress.add(update)
                 if "num_dropped_total" in update.metrics:
-                    await self._publish_tasks(bus, int(update.metrics["num_dropped_total"]))
+                    await self._publish_tasks(int(update.metrics["num_dropped_total"]))
                 if row is not None:
-                    self.say(format_step(row, cfg.trainer.num_steps, await self._in_flight(bus)))
+                    trainer.progressed()
+                    last_step_s = time.monotonic()
+                    self.say(format_step(row, cfg.trainer.num_steps, await self._in_flight()))
                 if update.trainer_step >= cfg.trainer.num_steps:
-                    return
+                    return True
+            return False
         finally:
-            await sub.unsubscribe()
+            watching.cancel()
+            await asyncio.gather(watching, return_exceptions=True)
 
-    async def _in_flight(self, bus: Bus) -> int | None:
+    async def _watch_weights(self, out: asyncio.Queue[events.WeightUpdate]) -> None:
+        watching = asyncio.Event()  # never set: the watch ends when this task is cancelled
+        async for update in watch(self.bus, f"weights.{self.cfg.run}", events.WeightUpdate, watching,
+                                  watcher="flywheel-run-weights"):
+            await out.put(update)
+
+    async def _say_waiting(self, trainer: TrainerSupervisor, quiet_s: float) -> None:
+        """What the run waits for, on the user's screen: the trainer's last log line and the queues."""
+        lines = [line for line in trainer.process.log_tail().splitlines() if line.startswith("  | ")]
+        last = lines[-1].removeprefix("  | ") if lines else "(nothing logged)"
+        in_flight = await self._in_flight()
+        self.say(f"run {self.cfg.run}: no new step for {quiet_s:.0f}s; rollouts in flight in inference: "
+                 f"{in_flight if in_flight is not None else 'unknown'}; the trainer's last log line: {last}")
+
+    async def _in_flight(self) -> int | None:
         """Rollouts in flight: tasks the inference consumer holds, times the group size."""
         try:
-            info = await bus.js.consumer_info("TASKS", "inference")
-        except nats.js.errors.NotFoundError:
+            info = await self.bus.js.consumer_info("TASKS", "inference")
+        except (nats.js.errors.NotFoundError, nats.errors.Error, asyncio.TimeoutError):
             return None
         return info.num_ack_pending * self.cfg.group_size
+
+
+async def _wait(event: asyncio.Event, timeout_s: float) -> bool:
+    """Wait for ``event`` at most ``timeout_s``; True when it is set."""
+    try:
+        await asyncio.wait_for(event.wait(), timeout_s)
+    except asyncio.TimeoutError:
+        return False
+    return True
 
 
 def new_run_id(base: str) -> str:
@@ -292,7 +545,7 @@ def new_run_id(base: str) -> str:
 
 
 def main_job(config_path: str, settings: Settings, run_id: str | None = None,
-             overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+             overrides: dict[str, Any] | None = None, resume: bool = False) -> dict[str, Any]:
     cfg = RunConfig.from_toml(config_path)
     data = cfg.model_dump()
     for dotted, value in (overrides or {}).items():
@@ -303,5 +556,5 @@ def main_job(config_path: str, settings: Settings, run_id: str | None = None,
         section[leaf] = value
     data["run"] = run_id or new_run_id(cfg.run)
     cfg = RunConfig.parse(data, source=config_path)
-    return asyncio.run(MainJob(cfg, settings).run())
+    return asyncio.run(MainJob(cfg, settings, resume=resume).run())
 

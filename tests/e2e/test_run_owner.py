@@ -1,0 +1,119 @@
+"""``flywheel run`` owns its run: a dead trainer is restarted, a stop or a dead owner ends
+the run visibly, and ``--resume`` takes it over where it stopped.
+
+One ``flywheel up`` stack on free ports serves every run here (so killing a run's owner
+leaves the services running), each run a short one of the shipped example config. The
+run lease is 3 s (``FLYWHEEL_RUN_LEASE_S``), so an owner's death is seen within seconds.
+Every run must end with each step trained once: ``metrics.jsonl`` lists steps 0..N once
+each, and versions follow steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flywheel import events
+from flywheel.bus import Bus
+from flywheel.runs import end_of, get_run
+from tests.e2e.test_up import READY_TIMEOUT_S, Output, clean_env, poll, stack  # noqa: F401 - fixtures
+from tests.e2e.test_up_supervisor import alive
+
+ROOT = Path(__file__).parents[2]
+CONFIG = ROOT / "examples" / "reverse-text.toml"
+NUM_STEPS = 8
+STEP_TIMEOUT_S = 240.0  # model load, SFT warm-up and the first steps on a busy two-core machine
+
+
+def start_run(run: str, data_dir: Path, ports: dict[str, int], env: dict[str, str], *extra: str) -> tuple[
+        subprocess.Popen[str], Output]:
+    argv = [sys.executable, "-m", "flywheel.cli", "run", str(CONFIG), "--run-id", run, "--data-dir", str(data_dir),
+            "--nats-port", str(ports["nats"]), "--gateway-port", str(ports["gateway"]),
+            "--inference-port", str(ports["inference"]), "--set", f"trainer.num_steps={NUM_STEPS}",
+            "--set", "sft.steps=20", *extra]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env | {"FLYWHEEL_RUN_LEASE_S": "3"}, cwd=ROOT)
+    return proc, Output(proc)
+
+
+def finish(proc: subprocess.Popen[str], output: Output) -> None:
+    output.wait_for(rf"^step\s+{NUM_STEPS}/{NUM_STEPS}", STEP_TIMEOUT_S)
+    assert proc.wait(60) == 0, output.text
+
+
+def state(nats_port: int, run: str) -> events.RunState:
+    async def read() -> events.RunState:
+        bus = await Bus.connect(f"nats://127.0.0.1:{nats_port}", "test-run-owner", ensure=False)
+        try:
+            found = await get_run(bus, run)
+        finally:
+            await bus.close()
+        assert found is not None, f"run {run} is not in the runs bucket"
+        return found
+
+    return asyncio.run(read())
+
+
+def steps_trained(data_dir: Path, run: str) -> list[tuple[int, int]]:
+    lines = (data_dir / "runs" / run / "metrics.jsonl").read_text().splitlines()
+    return [(row["step"], row["version"]) for row in map(json.loads, lines)]
+
+
+@pytest.mark.timeout(900)
+def test_trainer_restart_stop_abandon_and_resume(stack, tmp_path: Path, clean_env: dict[str, str]) -> None:  # noqa: F811
+    _, up_output, ports = stack
+    up_output.wait_for(r"^Flywheel is up", READY_TIMEOUT_S)
+    data_dir = tmp_path / "data"
+    every_step = [(i, i) for i in range(NUM_STEPS + 1)]
+
+    # A trainer SIGKILLed mid-run is restarted by its owner and resumes from its checkpoint.
+    proc, output = start_run("killed-trainer", data_dir, ports, clean_env)
+    output.wait_for(r"^step\s+2/", STEP_TIMEOUT_S)
+    trainer_pid = int(output.wait_for(r"trainer pid (\d+)", 5)[0].group(1))
+    os.kill(trainer_pid, signal.SIGKILL)
+    output.wait_for(r"the trainer \(pid \d+\) exited with signal SIGKILL; restarting it", 30)
+    finish(proc, output)
+    assert steps_trained(data_dir, "killed-trainer") == every_step
+    assert state(ports["nats"], "killed-trainer").status == "finished"
+
+    # Ctrl-C: the trainer checkpoints, the run is marked stopped (it takes no more tasks).
+    proc, output = start_run("interrupted", data_dir, ports, clean_env)
+    output.wait_for(r"^step\s+2/", STEP_TIMEOUT_S)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(60) == 0, output.text
+    stopped = state(ports["nats"], "interrupted")
+    assert stopped.status == "stopped" and "stopped by flywheel-run" in (stopped.reason or ""), stopped
+    end = end_of(stopped)
+    assert end is not None and end.status == "stopped"
+    # Without --resume the id is refused; with it, the run goes on to the end.
+    refused = subprocess.run([sys.executable, "-m", "flywheel.cli", "run", str(CONFIG), "--run-id", "interrupted",
+                              "--data-dir", str(data_dir), "--nats-port", str(ports["nats"]),
+                              "--set", f"trainer.num_steps={NUM_STEPS}", "--set", "sft.steps=20"],
+                             capture_output=True, text=True, env=clean_env, cwd=ROOT, timeout=120)
+    assert refused.returncode == 1 and "add --resume" in refused.stderr, refused.stderr
+    proc, output = start_run("interrupted", data_dir, ports, clean_env, "--resume")
+    output.wait_for(r"run interrupted: resuming at step \d+ of 8 \(run 'interrupted' stopped at", 60)
+    finish(proc, output)
+    assert steps_trained(data_dir, "interrupted") == every_step
+
+    # The owner SIGKILLed: its trainer dies with it, the lease runs out, the run is abandoned.
+    proc, output = start_run("orphaned", data_dir, ports, clean_env)
+    output.wait_for(r"^step\s+2/", STEP_TIMEOUT_S)
+    trainer_pid = int(output.wait_for(r"trainer pid (\d+)", 5)[0].group(1))
+    proc.kill()
+    proc.wait()
+    poll(lambda: not alive(trainer_pid), 10, "the orphaned trainer to die with its owner")
+    poll(lambda: end_of(state(ports["nats"], "orphaned")) is not None, 15, "the lease to expire")
+    assert end_of(state(ports["nats"], "orphaned")).status == "abandoned"  # type: ignore[union-attr]
+    proc, output = start_run("orphaned", data_dir, ports, clean_env, "--resume")
+    output.wait_for(r"run orphaned: resuming at step \d+ of 8 \(run 'orphaned' is abandoned", 60)
+    finish(proc, output)
+    assert steps_trained(data_dir, "orphaned") == every_step
+    assert state(ports["nats"], "orphaned").status == "finished"
