@@ -10,9 +10,15 @@
 The client and the messages are in :mod:`flywheel.sandbox`.
 
 What is isolated, on both backends: a sandbox has no network (only its own loopback; the
-host's loopback services, NATS and PostgreSQL included, are unreachable), sees none of the
-host's files except a read-only system (local: the host's ``/usr``; docker: the image), can
-write only its tmpfs workdir ``/work`` and ``/tmp`` (``disk_mb`` each), sees and can signal
+host's loopback services, NATS and PostgreSQL included, are unreachable), and a spec asking
+for network (``network=True``) is refused with kind ``invalid_request`` unless the service's
+own setting ``sandbox_allow_network`` (``FLYWHEEL_SANDBOX_ALLOW_NETWORK``) is on: a bus
+client cannot give itself network. It sees none of the host's files except a read-only
+system (local: the host's ``/usr``; docker: the image), and can write only three tmpfs
+mounts of ``disk_mb`` each: the workdir ``/work``, ``/tmp`` and ``/dev/shm`` (POSIX shared
+memory); everything else, its root, ``/etc`` and ``/dev`` included, is read-only (a write
+fails with EROFS or EACCES, and no new top-level folder can be made; its own processes'
+entries in ``/proc`` aside). It sees and can signal
 only its own processes, runs as an unprivileged user with no capabilities and no way to gain
 any (no setuid root, no sudo, no new user namespaces where the backend can refuse them), and
 is held to its memory, process and CPU limits. Whatever a command leaves running is killed
@@ -21,10 +27,11 @@ started.
 
 What is not isolated: the kernel is shared with the host (no seccomp filter and no VM: a
 kernel exploit escapes); the local backend shows the host's ``/usr`` (readable, not
-writable) and limits CPU time only where it may create cgroups; a spec with
-``network=True`` shares the host's network (loopback services included on the local backend);
-the commands of one sandbox run as the same user as its agent, so they can kill it (the
-sandbox then ends) or forge their own output, but nothing outside the sandbox. Several
+writable) and limits CPU time only where it may create cgroups; where the service allows
+network, a spec with ``network=True`` gets it (local: the host's network namespace, loopback
+services included; docker: the engine's default bridge); the commands of one sandbox run as
+the same user as its agent, so they can kill it (the sandbox then ends) or forge their own
+output, but nothing outside the sandbox. Several
 sandboxes share the machine's CPU, memory bandwidth and disk bandwidth (no I/O limits).
 The local backend gives each sandbox a user id and cgroups of its own only when the service
 runs as root; run as another user, its sandboxes share that user's id, with no process limit.

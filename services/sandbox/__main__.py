@@ -1,7 +1,7 @@
 """``python -m flywheel_sandbox``: the sandbox service (backend from setting ``sandbox_backend``).
 
-Settings (NATS URL, backend, image, caps, warm pool, log level) come from FLYWHEEL_* (see
-:mod:`flywheel.settings`). Heavy imports wait until the arguments are parsed.
+Settings (NATS URL, backend, image, caps, warm pool, whether sandboxes may have network, log
+level) come from FLYWHEEL_* (see :mod:`flywheel.settings`). Heavy imports wait until the arguments are parsed.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ def main(argv: Sequence[str] | None = None, settings: Settings | None = None) ->
         prog="python -m flywheel_sandbox",
         description="Run untrusted code for tools and verifiers: NATS request/reply on sandbox.*. Settings come "
                     "from FLYWHEEL_* environment variables (sandbox_backend, sandbox_image, sandbox_max_alive, "
-                    "sandbox_max_starting, sandbox_warm_pool).")
+                    "sandbox_max_starting, sandbox_warm_pool, sandbox_allow_network: off, a spec asking for "
+                    "network is refused).")
     parser.parse_args(argv)
 
     import asyncio

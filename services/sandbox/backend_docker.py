@@ -3,8 +3,11 @@
 Each container runs the agent as its first process (PID 1 of its PID namespace, so a
 command cannot kill it with a signal) from the image's ``python3``, with:
 
-- no network (``network_mode=none``; ``network=True`` uses the engine's default bridge);
-- a read-only root filesystem, ``/work`` and ``/tmp`` as tmpfs of ``disk_mb`` each;
+- no network (``network_mode=none``); a spec with ``network=True``, which the service
+  refuses unless setting ``sandbox_allow_network`` is on, gets the engine's default bridge;
+- a read-only root filesystem (``read_only``): writable are only ``/work`` and ``/tmp``
+  (tmpfs of ``disk_mb`` each) and ``/dev/shm`` (the engine's shm tmpfs, sized ``disk_mb``);
+  ``/dev`` itself is root's and not writable by the sandbox's user;
 - memory (swap included), pids and CPU limits from the spec;
 - a non-root user (``DockerConfig.user``), every capability dropped, ``no-new-privileges``;
 - the agent's rlimits on each command (file size, open files, CPU seconds).
@@ -138,7 +141,7 @@ class DockerBackend:
         container = self.client.containers.create(
             spec.image or self.config.image, agent_argv(self.config.python), stdin_open=True, tty=False,
             user=self.config.user, read_only=True,  # no working_dir: the engine would make /work root's 0755
-            tmpfs={WORKDIR: tmpfs, "/tmp": tmpfs},
+            tmpfs={WORKDIR: tmpfs, "/tmp": tmpfs}, shm_size=spec.disk_mb * MiB,  # /dev/shm, as on local
             network_mode="bridge" if spec.network else "none", mem_limit=memory, memswap_limit=memory,
             pids_limit=spec.pids + EXTRA_PIDS, nano_cpus=int(spec.cpu * 1e9), cap_drop=["ALL"],
             security_opt=["no-new-privileges"], environment={"HOME": WORKDIR}, hostname="sandbox",

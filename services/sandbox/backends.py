@@ -6,14 +6,19 @@ agent (``agent.py``), reached over a pipe. The session manager talks to boxes on
 
 The local backend (bubblewrap), per sandbox:
 
-- its own user, PID, network (only ``lo``: no network at all), IPC, UTS and cgroup
-  namespaces; a user namespace made by an unprivileged user id of its own (``uid_base`` +
-  slot, never root), so RLIMIT_NPROC counts only its processes and nothing in it holds a
-  capability on the host; nested user namespaces are refused where bubblewrap can;
+- its own user, PID, network (only ``lo``: no network at all; ``--share-net`` only for a
+  spec with ``network=True``, which the service refuses unless setting
+  ``sandbox_allow_network`` is on), IPC, UTS and cgroup namespaces; a user namespace made
+  by an unprivileged user id of its own (``uid_base`` + slot, never root), so RLIMIT_NPROC
+  counts only its processes and nothing in it holds a capability on the host; nested user
+  namespaces are refused where bubblewrap can;
 - a filesystem of read-only binds of the host's ``/usr`` (and its ``/bin``, ``/lib``
-  links) and ``/etc/ld.so.cache``, a fresh ``/proc`` and minimal ``/dev``, and two tmpfs
-  mounts of ``disk_mb`` each: ``/work`` (the workdir) and ``/tmp``; nothing else of the
-  host is visible;
+  links) and ``/etc/ld.so.cache``, a fresh ``/proc`` and minimal ``/dev``, and three tmpfs
+  mounts of ``disk_mb`` each, the only places it can write: ``/work`` (the workdir),
+  ``/tmp`` and ``/dev/shm`` (POSIX shared memory). The root bubblewrap builds (a tmpfs the
+  sandbox's user owns, holding ``/etc`` and the mount points) and ``/dev`` are remounted
+  read-only once the mounts are made, so ``/x``, ``/etc/x`` or a new ``/home`` fail with
+  EROFS; nothing else of the host is visible;
 - cgroup v1 memory, pids and cpu limits where this process may create cgroups (it checks at
   start and logs what it found), else rlimits only (address space per process);
 - rlimits on every command: processes, file size, open files, CPU seconds, no core dumps;
@@ -25,8 +30,8 @@ process limit then, and memory is held per process (address space) only.
 
 Not isolated by the local backend: the kernel itself (no seccomp filter: a kernel bug is a
 way out), the contents of the host's ``/usr`` (readable), CPU time when no cpu cgroup can be
-made, and network when a spec asks for ``network=True`` (it then shares the host's network,
-loopback services included).
+made, and, where the service allows network, a spec with ``network=True`` (it then shares the
+host's network namespace, loopback services included).
 """
 
 from __future__ import annotations
@@ -58,6 +63,9 @@ MiB = 1024 * 1024
 EXTRA_PIDS = 4
 # Memory the agent and bubblewrap need on top of what the spec gives the commands.
 AGENT_MEMORY_BYTES = 48 * MiB
+# The only places a sandbox can write, each a tmpfs of spec.disk_mb (both backends); /dev/shm
+# is there for POSIX shared memory and semaphores (Python's multiprocessing needs it).
+WRITABLE = (WORKDIR, "/tmp", "/dev/shm")
 
 
 class BackendUnavailable(Exception):
@@ -418,10 +426,13 @@ class LocalBackend:
         for path in etc:
             args += ["--ro-bind-try", path, path]
         args += ["--proc", "/proc", "--dev", "/dev"]
-        for mount in ("/tmp", WORKDIR):
+        for mount in WRITABLE:
             if self.has_size:
                 args += ["--size", str(spec.disk_mb * MiB)]
             args += ["--tmpfs", mount]
+        # bubblewrap builds the root (and /dev) as tmpfs the sandbox's user owns: once every
+        # mount point is made, both go read-only, so only the tmpfs mounts above take writes.
+        args += ["--remount-ro", "/dev", "--remount-ro", "/"]
         args += ["--chdir", WORKDIR, "--clearenv", "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin",
                  "--setenv", "HOME", WORKDIR, "--"]
         return args + agent_argv(self.config.python)

@@ -6,9 +6,10 @@ the replica that holds the sandbox (its id names it). Every request is handled i
 task, so a long exec never holds up other sandboxes; one sandbox runs one request at a time.
 
 A request that cannot be done gets an :class:`~flywheel.sandbox.ErrorReply` naming what
-is wrong (a field that does not validate, an unknown or expired sandbox, a file over the
-limit, the caps, too many requests in flight) and the service keeps serving. On SIGTERM it stops taking requests,
-destroys every sandbox it holds (requests in flight then answer kind ``gone``) and leaves.
+is wrong (a field that does not validate, a spec asking for network the service does not
+allow, an unknown or expired sandbox, a file over the limit, the caps, too many requests in
+flight) and the service keeps serving. On SIGTERM it stops taking requests, destroys every
+sandbox it holds (requests in flight then answer kind ``gone``) and leaves.
 """
 
 from __future__ import annotations
@@ -124,14 +125,19 @@ def build_backend(settings: Settings) -> Any:
     return LocalBackend()
 
 
+def manager_config(settings: Settings) -> ManagerConfig:
+    """The session manager's caps, warm pool and network policy, from the settings."""
+    return ManagerConfig(max_alive=settings.sandbox_max_alive, max_starting=settings.sandbox_max_starting,
+                         warm_pool=settings.sandbox_warm_pool, allow_network=settings.sandbox_allow_network)
+
+
 async def run(settings: Settings) -> None:
     """Composition root: backend, bus, manager, responder, service; runs until a signal."""
     backend = build_backend(settings)
     bus = await Bus.connect(settings.resolved_nats_url, name=SERVICE_NAME)
-    config = ManagerConfig(max_alive=settings.sandbox_max_alive, max_starting=settings.sandbox_max_starting,
-                           warm_pool=settings.sandbox_warm_pool)
-    service = Service(SERVICE_NAME, bus, info={"backend": backend.name})
-    manager = SessionManager(backend, service.instance, config)
+    service = Service(SERVICE_NAME, bus, info={"backend": backend.name,
+                                               "allow_network": settings.sandbox_allow_network})
+    manager = SessionManager(backend, service.instance, manager_config(settings))
     responder = SandboxResponder(bus, manager)
     service.add_task(responder.serve)
     service.add_task(manager.maintain)

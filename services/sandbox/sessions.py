@@ -15,7 +15,10 @@ later request says why it is gone instead of "unknown". Caps: at most ``max_aliv
 sandboxes handed out at once (a create beyond it is refused with kind ``capacity``), at most
 ``max_starting`` being started at once (the rest wait). The warm pool keeps ``warm_pool``
 sandboxes of the default spec started, so a create of that spec (env, files and labels may
-differ) only configures one.
+differ) only configures one. A spec with ``network=True`` is refused (kind
+``invalid_request``) unless :attr:`ManagerConfig.allow_network` (setting
+``sandbox_allow_network``) is on: any bus client may send a spec, so network is the service's
+choice. Pool boxes never have network, and such a spec never takes one.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ class ManagerConfig:
     max_alive: int = 64
     max_starting: int = 4
     warm_pool: int = 4
+    allow_network: bool = False  # setting sandbox_allow_network: off, a spec with network=True is refused
     max_output_bytes: int = 64 * 1024  # per stream of an exec; the rest is cut (flagged)
     max_file_bytes: int = 512 * 1024  # per file written or read (NATS carries about 1 MB a message)
     exec_grace_s: float = 2.0  # beyond an exec's timeout_s before the service kills the whole sandbox
@@ -177,6 +181,7 @@ class SessionManager:
                                         "until destroy, its ttl_s or its idle_ttl_s")
 
     async def create(self, spec: SandboxSpec, idempotency_key: str | None = None) -> Created:
+        self._check_network(spec)
         if idempotency_key is not None:
             known = self.keys.get(idempotency_key)
             if known in self.sessions:
@@ -224,6 +229,14 @@ class SessionManager:
         finally:
             self._reserved -= 1
         return Created(id=session.id)
+
+    def _check_network(self, spec: SandboxSpec) -> None:
+        """Network is the service's choice, not the caller's: any bus client may send a spec."""
+        if spec.network and not self.config.allow_network:
+            raise SandboxError("invalid_request", "spec.network=true: this sandbox service gives sandboxes no "
+                                                  "network (setting sandbox_allow_network, "
+                                                  "FLYWHEEL_SANDBOX_ALLOW_NETWORK, is off): leave network unset, "
+                                                  "or turn the setting on where the service runs")
 
     def _check_files(self, files: dict[str, bytes]) -> None:
         for path, data in files.items():

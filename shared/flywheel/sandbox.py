@@ -69,8 +69,11 @@ class _Reply(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
 class SandboxSpec(_Message):
     """What a sandbox gets. ``image`` None: the backend's default (local: the host's
     ``/usr`` read-only; docker: setting ``sandbox_image``). Memory, processes, disk and
-    CPU are limits of the whole sandbox; ``files`` are written into the workdir
-    (relative paths) before the first exec; ``labels`` select sandboxes for bulk destroy."""
+    CPU are limits of the whole sandbox; ``disk_mb`` is the size of each writable tmpfs
+    (``/work``, ``/tmp``, ``/dev/shm``; the rest is read-only); ``files`` are written into the
+    workdir (relative paths) before the first exec; ``labels`` select sandboxes for bulk
+    destroy. ``network=True`` is refused (kind ``invalid_request``) unless the service runs
+    with setting ``sandbox_allow_network`` on."""
 
     image: str | None = None
     cpu: Annotated[float, msgspec.Meta(gt=0, le=64)] = 1.0

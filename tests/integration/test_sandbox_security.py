@@ -209,6 +209,38 @@ async def test_system_folders_are_read_only(hostile: Hostile) -> None:
         assert not Path(folder, name).exists(), folder
 
 
+WRITE = """
+import errno, os, sys
+for path in sys.argv[1:]:
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write("x")
+        print(path, "written")
+    except OSError as e:
+        print(path, errno.errorcode[e.errno])
+"""
+
+
+async def test_only_work_tmp_and_dev_shm_are_writable(hostile: Hostile) -> None:
+    """Read-only inside the sandbox too, not only toward the host: its root (local: a tmpfs of
+    its own), /etc, /usr, /dev and every folder it would make; the tmpfs mounts stay writable."""
+    refused = ["/x", "/etc/x", "/usr/x", "/home/x", "/bin/x", "/var/x", "/opt/made/x", "/dev/x"]
+    writable = [f"{WORKDIR}/x", "/tmp/x", "/dev/shm/x"]
+    await hostile.client.write_file(hostile.box, "write.py", WRITE)
+    result = await hostile.sh(["python3", "write.py", *refused, *writable])
+    said = dict(line.rsplit(" ", 1) for line in result.stdout.splitlines())
+    assert {p: said.get(p) for p in writable} == dict.fromkeys(writable, "written"), result
+    for path in refused:
+        assert said.get(path) in ("EROFS", "EACCES"), (path, result)
+    for path in ("/etc/planted", "/planted"):  # the agent's own write_file is held the same way
+        with pytest.raises(SandboxError) as refused_write:
+            await hostile.client.write_file(hostile.box, path, "planted")
+        assert refused_write.value.kind == "failed", path
+    listed = await hostile.sh("ls / /etc /dev")
+    assert "x" not in listed.stdout.split() and "planted" not in listed.stdout.split()
+
+
 async def test_write_file_cannot_escape_the_sandbox(hostile: Hostile, tmp_path: Path) -> None:
     target = tmp_path / "planted.txt"
     for path in (str(target), f"../../..{target}", f"/proc/1/root{target}"):
@@ -229,8 +261,10 @@ async def test_private_tmp(hostile: Hostile) -> None:
 async def test_disk_fill_stops_at_the_limit(hostile: Hostile) -> None:
     result = await hostile.sh(f"dd if=/dev/zero of={WORKDIR}/fill bs=1M count=200 2>&1; ls -l {WORKDIR}/fill | cut -d' ' -f5")
     assert int(result.stdout.split()[-1]) <= SPEC.disk_mb * 1024 * 1024
-    tmp = await hostile.sh("dd if=/dev/zero of=/tmp/fill bs=1M count=200 2>&1; ls -l /tmp/fill | cut -d' ' -f5")
-    assert int(tmp.stdout.split()[-1]) <= SPEC.disk_mb * 1024 * 1024
+    for folder in (WORKDIR, "/tmp", "/dev/shm"):  # many files, each under the file size limit: the tmpfs is full
+        total = await hostile.sh(f"rm -f {folder}/fill; for i in 1 2 3; do head -c 10M /dev/zero > {folder}/f$i; "
+                                 f"done 2>/dev/null; cat {folder}/f? | wc -c")
+        assert 0 < int(total.stdout) <= SPEC.disk_mb * 1024 * 1024, (folder, total)
     await hostile.alive_and_clean()
 
 

@@ -1,7 +1,8 @@
 """The sandbox service over a real nats-server, on the local backend (real bubblewrap).
 
 Covers: sessions that keep files and folder between execs, argv commands, stdin and env,
-output truncation, files in and out, the one-shot run, idempotent create, destroy and
+output truncation, files in and out, the one-shot run, network refused unless setting
+``sandbox_allow_network`` allows it (and what it gives then), idempotent create, destroy and
 destroy by label across two replicas, each timeout on its own (exec timeout, TTL, idle TTL),
 the caps, clear error replies to bad requests with the service still serving, and
 ``python -m flywheel_sandbox`` as a process (heartbeat, clean stop on SIGTERM).
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -26,6 +28,7 @@ from flywheel.natsserver import NatsServer
 from flywheel.sandbox import WORKDIR, ErrorReply, SandboxClient, SandboxError, SandboxSpec, subject
 from flywheel.service import read_heartbeats
 from flywheel_sandbox.backends import LocalBackend
+from tests.helpers import until
 from tests.sandbox_service import backend_named, serving
 
 
@@ -85,17 +88,60 @@ async def test_spec_env_files_and_file_round_trip(client: SandboxClient) -> None
         assert missing.value.kind == "failed" and "nope.txt" in str(missing.value)
 
 
-async def test_network_true_shares_the_host_network(client: SandboxClient) -> None:
-    """The opt-in: with ``network=True`` the local backend shares the host's network (the
-    security suite checks the default, none)."""
-    server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
+CONNECT = """
+import socket, sys
+try:
+    socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=2).close()
+    print("CONNECTED")
+except OSError as e:
+    print("refused", e)
+"""
+
+
+async def test_network_is_refused_unless_the_service_allows_it(bus: Bus, client: SandboxClient) -> None:
+    """A caller cannot give itself the host's network: only the service's setting can."""
+    refused = await raw(bus, "create", b'{"spec": {"network": true}}')
+    assert refused.kind == "invalid_request", refused
+    for named in ("spec.network", "sandbox_allow_network", "FLYWHEEL_SANDBOX_ALLOW_NETWORK"):
+        assert named in refused.error, refused.error
+    with pytest.raises(SandboxError) as run:
+        await client.run("true", spec=SandboxSpec(network=True))
+    assert run.value.kind == "invalid_request" and "sandbox_allow_network" in str(run.value)
+    with pytest.raises(SandboxError) as keyed:
+        await client.create(SandboxSpec(network=True), idempotency_key="k-net")
+    assert keyed.value.kind == "invalid_request"
+    assert not client.manager.sessions  # type: ignore[attr-defined]
+    assert (await client.run("echo still serving")).stdout == "still serving\n"
+
+
+async def test_network_when_the_service_allows_it_shares_the_host_network(bus: Bus, backend: LocalBackend) -> None:
+    """The opt-in (setting ``sandbox_allow_network``): on the local backend ``network=True``
+    shares the host's network namespace, so the host's loopback services are in reach; a
+    sandbox that does not ask still has none (the security suite checks the default)."""
+    accepted: list[str] = []
+
+    async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(str(writer.get_extra_info("peername")))
+        writer.close()
+
+    server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
+    port = str(server.sockets[0].getsockname()[1])
     try:
-        result = await client.run(["python3", "-c", f"import socket; socket.create_connection(('127.0.0.1', {port}))"],
-                                  spec=SandboxSpec(network=True))
-        assert result.exit_code == 0, result.stderr
+        async with serving(bus, backend, warm_pool=1, allow_network=True) as c:
+            shared = await c.run(["python3", "connect.py", port], files={"connect.py": CONNECT},
+                                 spec=SandboxSpec(network=True))
+            assert shared.stdout == "CONNECTED\n", shared
+            await until(lambda: len(accepted) == 1, what="the host's listener to see the sandbox's connection")
+            none = await c.run(["python3", "connect.py", port], files={"connect.py": CONNECT})
+            assert none.stdout.startswith("refused"), none
+            links = "tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' '"
+            host_links = [line.split(":")[0].strip() for line in Path("/proc/net/dev").read_text().splitlines()[2:]]
+            assert (await c.run(links, spec=SandboxSpec(network=True))).stdout.split() == host_links
+            assert (await c.run(links)).stdout.split() == ["lo"]
+            assert len(accepted) == 1
     finally:
         server.close()
+        await server.wait_closed()
 
 
 async def test_output_is_cut_and_flagged(client: SandboxClient) -> None:
@@ -233,6 +279,7 @@ async def test_no_service_is_a_clear_error(bus: Bus) -> None:
 
 async def test_the_service_process_heartbeats_and_stops_cleanly(nats_server: NatsServer, bus: Bus) -> None:
     env = dict(os.environ, FLYWHEEL_NATS_URL=nats_server.url, FLYWHEEL_SANDBOX_WARM_POOL="1")
+    env.pop("FLYWHEEL_SANDBOX_ALLOW_NETWORK", None)  # the default: no network
     proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "flywheel_sandbox", env=env)
     try:
         client = SandboxClient(bus)
@@ -242,6 +289,9 @@ async def test_the_service_process_heartbeats_and_stops_cleanly(nats_server: Nat
             await asyncio.sleep(0.05)  # noqa: sleep - the polling interval of this bounded wait
         box = await client.create(SandboxSpec(labels={"t": "1"}))
         assert (await client.exec(box, "echo $((6 * 7))")).stdout == "42\n"
+        with pytest.raises(SandboxError) as no_network:  # the composition root passes the setting, off
+            await client.create(SandboxSpec(network=True))
+        assert no_network.value.kind == "invalid_request" and "sandbox_allow_network" in str(no_network.value)
         assert await client.destroy_by_label({"t": "1"}) == 1
         box = await client.create()
         pending = asyncio.ensure_future(client.exec(box, "sleep 30", timeout_s=30))

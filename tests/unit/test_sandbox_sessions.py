@@ -4,7 +4,8 @@ backend whose agent answers in memory, and a fake clock for the timeouts.
 Covers: spec validation naming the field, ids and subjects, the timeouts each on its own
 (TTL even when busy, idle TTL only when idle), tombstones that say why, the caps, the warm
 pool (used only for a matching spec, refilled), idempotent creates (also when concurrent),
-and the file size limit. Real sandboxes and NATS: tests/integration/test_sandbox_*.py.
+the file size limit, and network refused unless the service's setting allows it. Real
+sandboxes and NATS: tests/integration/test_sandbox_*.py.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from flywheel.sandbox import (
     CreateRequest,
     ExecRequest,
     ReadFileRequest,
+    RunRequest,
     SandboxError,
     SandboxSpec,
     WriteFileRequest,
@@ -30,6 +32,7 @@ from flywheel.sandbox import (
 )
 from flywheel_sandbox.backends import AgentChannel, AgentGone, encode_b64, pool_key
 from flywheel_sandbox.sessions import ManagerConfig, SessionManager
+from tests.helpers import until
 
 
 class FakeBox:
@@ -298,6 +301,50 @@ async def test_warm_pool_serves_matching_specs_and_refills() -> None:
     stopping.set()
     await task
     assert not manager.sessions and all(b.stopped for b in backend.started)
+
+
+async def test_network_is_refused_unless_the_service_allows_it(clock: Clock) -> None:
+    backend = FakeBackend()
+    manager = SessionManager(backend, "h", ManagerConfig(warm_pool=0), clock=clock)
+    networked = SandboxSpec(network=True)
+    attempts = (lambda: manager.create(networked), lambda: manager.create(networked, "key"),
+                lambda: manager.run(RunRequest(cmd="echo x", spec=networked)))
+    for attempt in attempts:
+        with pytest.raises(SandboxError) as refused:
+            await attempt()
+        assert refused.value.kind == "invalid_request", refused.value
+        assert "spec.network" in refused.value.error and "sandbox_allow_network" in refused.value.error
+    assert not backend.started and not manager.sessions and not manager.keys  # refused before anything started
+    allowing = SessionManager(backend, "h", ManagerConfig(warm_pool=0, allow_network=True), clock=clock)
+    created = await allowing.create(networked)
+    assert allowing.sessions[created.id].box.spec.network  # type: ignore[attr-defined]
+    # a networked spec never takes a warm-pool box (those are started without network)
+    assert backend.pool_key(networked) != backend.pool_key(SandboxSpec())
+
+
+async def test_a_refused_network_spec_leaves_the_warm_pool_alone() -> None:
+    backend = FakeBackend()
+    manager = SessionManager(backend, "h", ManagerConfig(warm_pool=1, max_alive=4, reap_interval_s=0.01))
+    stopping = asyncio.Event()
+    task = asyncio.ensure_future(manager.maintain(stopping))
+    await until(lambda: len(manager._pool) == 1, what="the warm pool to fill")
+    pooled = manager._pool[0]
+    with pytest.raises(SandboxError):
+        await manager.create(SandboxSpec(network=True))
+    assert list(manager._pool) == [pooled] and len(backend.started) == 1
+    stopping.set()
+    await task
+
+
+def test_the_composition_root_passes_the_network_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flywheel.settings import Settings
+    from flywheel_sandbox.service import manager_config
+
+    monkeypatch.delenv("FLYWHEEL_CONFIG", raising=False)
+    monkeypatch.delenv("FLYWHEEL_SANDBOX_ALLOW_NETWORK", raising=False)
+    assert not manager_config(Settings()).allow_network  # off unless said
+    monkeypatch.setenv("FLYWHEEL_SANDBOX_ALLOW_NETWORK", "true")
+    assert manager_config(Settings()).allow_network
 
 
 async def test_agent_gone_is_reported(manager: SessionManager) -> None:
