@@ -104,8 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_settings(run, tuple(SETTING_OPTIONS))
     run.set_defaults(func=cmd_run)
     run.add_argument("--resume", action="store_true",
-                     help="with --run-id of an existing run: take it over and go on where it stopped (same config); "
-                          "a run that does not exist yet is started")
+                     help="take over the run named by --run-id (default: the config's own run, without a time) and "
+                          "go on where it stopped (same config); a run that does not exist yet is started")
 
     model = commands.add_parser("model", help="build the tiny model, or convert SmolLM2, into a folder",
                                 description="Write a normal Hugging Face model folder (config, safetensors, "
@@ -236,8 +236,6 @@ def cmd_run(args: argparse.Namespace) -> int:
             overrides[key] = json.loads(value)
         except json.JSONDecodeError:
             overrides[key] = value
-    if args.resume and not args.run_id:
-        raise ValueError("--resume takes over an existing run: name it with --run-id")
     main_job(args.config, settings_from(args), run_id=args.run_id, overrides=overrides, resume=args.resume)
     return 0
 

@@ -26,8 +26,9 @@ What it does, in order:
    run folder (``<data_dir>/runs/<run>``), beside the trainer's ``metrics.jsonl``.
 
 Ctrl-C stops the trainer (it checkpoints first) and marks the run ``stopped`` (and stops the
-stack, if this command started it). ``--resume`` with the ``--run-id`` of an existing run
-takes it over instead of refusing the id: same config required, the trainer resumes from
+stack, if this command started it). ``--resume`` takes over the run ``--run-id`` names
+(without it: the config's own ``run``, no time added) instead of refusing an existing id:
+same config required, the trainer resumes from
 its checkpoint, and tasks are published again where the run's queued ones were dropped
 (it was stopped or abandoned). A run owned by a live process on another machine is waited
 for until its lease expires. Not covered: several owners of one run at once.
@@ -554,7 +555,8 @@ def main_job(config_path: str, settings: Settings, run_id: str | None = None,
         for p in parents:
             section = section[p]
         section[leaf] = value
-    data["run"] = run_id or new_run_id(cfg.run)
+    # A new run gets the time in its id; --resume without --run-id means the run the config names.
+    data["run"] = run_id or (cfg.run if resume else new_run_id(cfg.run))
     cfg = RunConfig.parse(data, source=config_path)
     return asyncio.run(MainJob(cfg, settings, resume=resume).run())
 

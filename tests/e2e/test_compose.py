@@ -275,7 +275,8 @@ def test_cpu_profile_scores_published_tasks(deployment: Deployment) -> None:
 
         def registered_run() -> str | None:
             runs = http.get("/v1/runs").raise_for_status().json()["items"]
-            return next((r["id"] for r in runs if r["id"].startswith("compose-smoke-")), None)
+            # `flywheel run --resume` trains the run the config names, under its own id.
+            return next((r["id"] for r in runs if r["id"] == "compose-smoke"), None)
 
         run = wait_for("the trainer container to register its run", deployment, 120.0, registered_run)
         rows = [{"text": text} for text in ("abcd", "hgfe", "jiab")[:NUM_TASKS]]
