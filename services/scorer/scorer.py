@@ -485,7 +485,10 @@ class ScorerConfig:
     reward_timeout_s: float = 120.0
     group_timeout_s: float = 300.0  # a group incomplete this long after its first member is scored with what came
     run_config_ttl_s: float = 5.0
-    ack_wait_s: float = 30.0  # held deliveries get in_progress every third of it
+    # Short, so that the deliveries a killed scorer held come back to its restart within
+    # seconds (until then they count against the durable's max_ack_pending); held and
+    # running ones get in_progress every third of it.
+    ack_wait_s: float = 6.0
 
     def __post_init__(self) -> None:
         for name in ("max_in_flight", "max_held", "num_threads"):

@@ -1,0 +1,333 @@
+"""Chaos: one real training run while Flywheel's processes are killed and nats-server restarts.
+
+    python benchmarks/chaos.py --json out/chaos.json [--kills 20] [--nats-restarts 3] [--seed 0]
+
+Starts ``flywheel up`` (its own nats-server, gateway, recorder, scorer, sandbox, inference;
+a temporary data folder, free ports), then ``flywheel run examples/reverse-text.toml``
+against it. Once the run trains, it kills, one event at a time: ``--kills`` Flywheel
+processes picked at random among the services ``flywheel up`` supervises and the run's
+trainer (SIGKILL), and restarts nats-server ``--nats-restarts`` times (SIGTERM and SIGKILL
+in turn; ``flywheel up`` starts it again), in a random order. After each event it waits for
+the run to train again, then for a few more steps. Nobody acts by hand: the supervisor
+restarts the services, ``flywheel run`` restarts its trainer.
+
+When the run has ended it checks, from the bus, the run folder and the trace API:
+
+- ``finished``: ``flywheel run`` exited 0 after the last step;
+- ``trained_twice``: rollout ids in more than one step of the final checkpoint;
+- ``rollouts_lost``: rollouts of the run on the bus that the trainer acknowledged but
+  neither trained, dropped, nor holds in its journal (acknowledged without a trace);
+- ``tasks_lost``: tasks of the run that were dead-lettered, or have an incomplete group
+  on the bus, or were neither rolled out nor still queued when the run finished (the task
+  supply publishes ahead, so the tasks queued at the end are left over, not lost);
+- ``phantom_branches``: rollouts whose trace (``GET /v1/traces/{id}``) has nodes the
+  published rollout does not, or a ``final_leaf`` other than the rollout's last node;
+- ``max_recovery_s``: over the events, seconds from the kill to the next trained step
+  (target at most 15); ``events`` lists each one.
+
+Figures move from run to run on a shared machine; the keys that must be 0 must be 0 every
+time. Not covered: killing ``flywheel up`` or ``flywheel run`` themselves (they are the
+supervisors; ``tests/e2e/test_run_owner.py`` covers an owner's death and ``--resume``),
+several replicas of a service.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import queue
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from flywheel import events
+from flywheel.natsserver import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "examples" / "reverse-text.toml"
+RUN = "chaos"
+SERVICES = ("gateway", "recorder", "scorer", "sandbox", "inference", "trainer")
+STEPS_BETWEEN_EVENTS = 6
+RECOVERY_TIMEOUT_S = 180.0
+
+
+class Lines:
+    """A process's output lines, read by a thread, each with the time it arrived."""
+
+    def __init__(self, proc: subprocess.Popen[str], echo: str | None) -> None:
+        self.lines: list[tuple[float, str]] = []
+        self.ended = threading.Event()
+        self._new = queue.Queue[None]()
+        self.echo = echo
+        threading.Thread(target=self._read, args=(proc,), daemon=True).start()
+
+    def _read(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+            if self.echo is not None:
+                print(f"[{self.echo}] {line.rstrip()}", flush=True)
+            self._new.put(None)
+        self.ended.set()
+        self._new.put(None)
+
+    def matching(self, pattern: str, since: float = 0.0) -> list[tuple[float, re.Match[str]]]:
+        return [(t, m) for t, line in list(self.lines) if t >= since and (m := re.search(pattern, line))]
+
+    def wait_for(self, pattern: str, timeout_s: float, since: float = 0.0) -> tuple[float, re.Match[str]]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            found = self.matching(pattern, since)
+            if found:
+                return found[0]
+            if self.ended.is_set():
+                raise RuntimeError(f"the process ended before printing {pattern!r}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no line like {pattern!r} within {timeout_s:g}s")
+            try:
+                self._new.get(timeout=min(1.0, max(deadline - time.monotonic(), 0.01)))
+            except queue.Empty:
+                pass
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def latest_pids(up: Lines, run: Lines) -> dict[str, int]:
+    """The current pid of every process ``flywheel up`` started, and of the run's trainer."""
+    pids = {m.group(1): int(m.group(2)) for _, m in up.matching(r"^started (\S+) \(pid (\d+)\)")}
+    trainers = run.matching(r"trainer pid (\d+)")
+    if trainers:
+        pids["trainer"] = int(trainers[-1][1].group(1))
+    return {name: pid for name, pid in pids.items() if alive(pid)}
+
+
+def last_step(run: Lines) -> int:
+    found = run.matching(r"^step\s+(\d+)/")
+    return int(found[-1][1].group(1)) if found else 0
+
+
+def wait_steps(run: Lines, after: float, num: int, timeout_s: float) -> float:
+    """Wait until ``num`` steps are printed after time ``after``; the time of the first one."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = run.matching(r"^step\s+(\d+)/", since=after)
+        if len(found) >= num:
+            return found[0][0]
+        if run.ended.is_set():
+            raise RuntimeError("the run ended while the benchmark waited for steps")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{num} trained steps did not come within {timeout_s:g}s of the event")
+        time.sleep(0.2)
+
+
+async def collect(nats_url: str, gateway_url: str, data_dir: Path, leftover_tasks: int) -> dict[str, Any]:
+    """The run's books, after it ended: what the bus holds, what the trainer kept, what the trace API shows."""
+    import httpx
+    import msgspec
+    import nats.errors
+
+    from flywheel.bus import Bus
+
+    bus = await Bus.connect(nats_url, "chaos-check", ensure=False)
+    decoder = events.Decoder(events.Rollout)
+    try:
+        rollouts: dict[str, events.Rollout] = {}
+        sub = await bus.js.subscribe(f"rollouts.{RUN}.>", ordered_consumer=True)
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=3.0)
+            except nats.errors.TimeoutError:
+                break
+            r = decoder.decode(msg.data, (msg.headers or {}).get("Content-Type"))
+            rollouts.setdefault(r.id, r)
+        await sub.unsubscribe()
+        tasks: dict[str, int] = {}
+        sub = await bus.js.subscribe(f"tasks.{RUN}.>", ordered_consumer=True, headers_only=True)
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=3.0)
+            except nats.errors.TimeoutError:
+                break
+            tasks.setdefault(msg.headers["Nats-Msg-Id"], msg.metadata.sequence.stream)
+        await sub.unsubscribe()
+        dead_tasks: set[str] = set()
+        sub = await bus.js.subscribe("dead.>", ordered_consumer=True)
+        letters = events.Decoder(events.DeadLetter)
+        reasons: Counter[str] = Counter()
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=2.0)
+            except nats.errors.TimeoutError:
+                break
+            letter = letters.decode(msg.data)
+            reasons[f"{letter.stream} via {letter.consumer}: {letter.reason[:120]}"] += 1
+            if letter.stream == "TASKS" and letter.original_subject.startswith(f"tasks.{RUN}."):
+                try:
+                    dead_tasks.add(events.Decoder(events.Task).decode(letter.payload).id)
+                except msgspec.DecodeError:
+                    dead_tasks.add(f"seq-{letter.stream_seq}")
+        await sub.unsubscribe()
+        durable = await bus.js.consumer_info("ROLLOUTS", f"trainer-{RUN}-rollouts")
+    finally:
+        await bus.close()
+
+    folder = data_dir / "runs" / RUN / "checkpoint"
+    state = json.loads((folder / (folder / "latest").read_text().strip() / "state.json").read_text())
+    trained = Counter(i for ids in state["trained"].values() for i in ids)
+    journal = folder / "journal.jsonl"
+    buffered = {json.loads(line)["id"] for line in journal.read_text().splitlines() if line} if journal.exists() else set()
+    kept = set(trained) | set(state["dropped"]) | buffered
+    unreceived = (durable.num_pending or 0) + (durable.num_ack_pending or 0)
+    rollouts_lost = max(0, len(set(rollouts) - kept) - unreceived)
+
+    groups: dict[str, list[events.Rollout]] = {}
+    for r in rollouts.values():
+        groups.setdefault(r.task_id, []).append(r)
+    partial = {task for task, members in groups.items() if len(members) < members[0].group_size}
+    not_rolled_out = len(set(tasks) - set(groups))
+    tasks_lost = len(dead_tasks) + len(partial) + max(0, not_rolled_out - leftover_tasks)
+
+    phantom = 0
+    async with httpx.AsyncClient(base_url=gateway_url, timeout=30.0) as http:
+        deadline = time.monotonic() + 120
+        while True:  # the recorder catches up with what the kills held back
+            detail = (await http.get(f"/v1/runs/{RUN}")).json()
+            if detail.get("num_rollouts", 0) >= len(rollouts) or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(1.0)
+        semaphore = asyncio.Semaphore(16)
+
+        async def check(r: events.Rollout) -> bool:
+            async with semaphore:
+                trace = (await http.get(f"/v1/traces/{r.id}")).json()
+            node_ids = {n["id"] for n in trace.get("nodes", [])}
+            return node_ids != {n.id for n in r.nodes} or trace.get("final_leaf") != r.nodes[-1].id
+
+        phantom = sum(await asyncio.gather(*(check(r) for r in rollouts.values() if r.nodes)))
+    return {
+        "trained_twice": sum(1 for n in trained.values() if n > 1),
+        "rollouts_lost": rollouts_lost,
+        "tasks_lost": tasks_lost,
+        "phantom_branches": phantom,
+        "num_rollouts_on_bus": len(rollouts),
+        "num_tasks_on_bus": len(tasks),
+        "num_trained": len(trained),
+        "num_dropped": len(state["dropped"]),
+        "num_tasks_dead_lettered": len(dead_tasks),
+        "num_tasks_left_over": leftover_tasks,
+        "dead_letters": dict(reasons.most_common(10)),
+    }
+
+
+async def queued_tasks(nats_url: str) -> int:
+    """Tasks the inference consumer has not finished with: left over when the run ends."""
+    from flywheel.bus import Bus
+
+    bus = await Bus.connect(nats_url, "chaos-leftover", ensure=False)
+    try:
+        info = await bus.js.consumer_info("TASKS", "inference")
+        return (info.num_pending or 0) + (info.num_ack_pending or 0)
+    finally:
+        await bus.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument("--kills", type=int, default=20, help="Flywheel processes to SIGKILL")
+    parser.add_argument("--nats-restarts", type=int, default=3, help="nats-server restarts (SIGTERM, SIGKILL, ...)")
+    parser.add_argument("--steps", type=int, default=300, help="trainer.num_steps of the run")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--verbose", action="store_true", help="echo the stack's and the run's output")
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+    plan = ["kill"] * args.kills + ["nats"] * args.nats_restarts
+    rng.shuffle(plan)
+
+    data_dir = Path(tempfile.mkdtemp(prefix="flywheel-chaos-"))
+    ports = {"nats": free_port(), "gateway": free_port(), "inference": free_port()}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_") or k == "FLYWHEEL_NATS_SERVER_BIN"}
+    common = ["--data-dir", str(data_dir), "--nats-port", str(ports["nats"]), "--gateway-port", str(ports["gateway"]),
+              "--inference-port", str(ports["inference"])]
+    flywheel = [sys.executable, "-m", "flywheel.cli"]
+    up_proc = subprocess.Popen([*flywheel, "up", *common], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, env=env, cwd=ROOT)
+    up = Lines(up_proc, "up" if args.verbose else None)
+    run_proc: subprocess.Popen[str] | None = None
+    result: dict[str, Any] = {"kills": 0, "nats_restarts": 0, "finished": False}
+    event_log: list[dict[str, Any]] = []
+    started = time.monotonic()
+    try:
+        up.wait_for(r"^Flywheel is up", 180)
+        run_proc = subprocess.Popen([*flywheel, "run", str(CONFIG), "--run-id", RUN, *common,
+                                     "--set", f"trainer.num_steps={args.steps}"],
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+        run = Lines(run_proc, "run" if args.verbose else None)
+        run.wait_for(r"^step\s+2/", 300)
+        nats_signals = [signal.SIGTERM, signal.SIGKILL]
+        for kind in plan:
+            if last_step(run) >= args.steps - STEPS_BETWEEN_EVENTS:
+                print(f"chaos: the run is at its last steps; {len(plan) - len(event_log)} events not done",
+                      flush=True)
+                break
+            pids = latest_pids(up, run)
+            if kind == "nats":
+                target, sig = "nats-server", nats_signals[result["nats_restarts"] % 2]
+            else:
+                target, sig = rng.choice([s for s in SERVICES if s in pids]), signal.SIGKILL
+            at = time.monotonic()
+            os.kill(pids[target], sig)
+            result["nats_restarts" if kind == "nats" else "kills"] += 1
+            try:
+                recovered = wait_steps(run, at, 1, RECOVERY_TIMEOUT_S)
+            except TimeoutError:
+                event_log.append({"target": target, "signal": sig.name, "recovery_s": None})
+                raise
+            event_log.append({"target": target, "signal": sig.name, "at_step": last_step(run),
+                              "recovery_s": round(recovered - at, 2)})
+            print(f"chaos: {sig.name} {target} (pid {pids[target]}): trained again after {recovered - at:.1f}s",
+                  flush=True)
+            wait_steps(run, at, STEPS_BETWEEN_EVENTS, RECOVERY_TIMEOUT_S)
+        run.wait_for(rf"^step\s+{args.steps}/{args.steps}", 1800)
+        leftover = asyncio.run(queued_tasks(f"nats://127.0.0.1:{ports['nats']}"))
+        result["finished"] = run_proc.wait(120) == 0
+        result.update(asyncio.run(collect(f"nats://127.0.0.1:{ports['nats']}", f"http://127.0.0.1:{ports['gateway']}",
+                                          data_dir, leftover)))
+    finally:
+        result["elapsed_s"] = round(time.monotonic() - started, 1)
+        recoveries = [e["recovery_s"] for e in event_log if e["recovery_s"] is not None]
+        result["max_recovery_s"] = max(recoveries) if recoveries else None
+        result["median_recovery_s"] = sorted(recoveries)[len(recoveries) // 2] if recoveries else None
+        result["events"] = event_log
+        result["data_dir"] = str(data_dir)
+        for proc in (run_proc, up_proc):
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+        print(json.dumps({k: v for k, v in result.items() if k != "events"}, indent=2))
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
