@@ -1,7 +1,7 @@
 """The ``flywheel`` command: a thin entry point over the shared package.
 
     flywheel up                                   the embedded stack (flywheel.stack)
-    flywheel status [--json]                      services, streams, consumers
+    flywheel status [--json]                      services, the stack's processes, streams, consumers
     flywheel tasks publish ENV --run RUN --file rows.jsonl [--num-rollouts N]
     flywheel schema [--out FILE]                  JSON Schema of every event
     flywheel run CONFIG.toml                      a training run, start to finish (flywheel.run)
@@ -68,8 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.set_defaults(func=cmd_up)
 
     status = commands.add_parser("status", help="services, stream depths and consumer lag",
-                                 description="Show each service's heartbeat, the gateway's health, each stream's "
-                                             "depth and each consumer's lag. Exits 1 when NATS cannot be reached.")
+                                 description="Show each service's heartbeat, the gateway's health, the processes "
+                                             "`flywheel up` supervises (state, restarts, last exit, next try, log), "
+                                             "each stream's depth and each consumer's lag. Exits 1 when NATS cannot "
+                                             "be reached.")
     status.add_argument("--json", action="store_true", help="print JSON instead of tables")
     _add_settings(status, NATS_SETTINGS + GATEWAY_SETTINGS)
     status.set_defaults(func=cmd_status)
@@ -101,11 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--run-id", help="the run's id (default: the config's run plus the UTC time)")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config value, e.g. --set trainer.lr=0 (JSON values; repeatable)")
-    _add_settings(run, tuple(SETTING_OPTIONS))
-    run.set_defaults(func=cmd_run)
     run.add_argument("--resume", action="store_true",
                      help="take over the run named by --run-id (default: the config's own run, without a time) and "
                           "go on where it stopped (same config); a run that does not exist yet is started")
+    _add_settings(run, tuple(SETTING_OPTIONS))
+    run.set_defaults(func=cmd_run)
 
     model = commands.add_parser("model", help="build the tiny model, or convert SmolLM2, into a folder",
                                 description="Write a normal Hugging Face model folder (config, safetensors, "
@@ -388,6 +390,7 @@ def format_status(report: dict[str, Any]) -> str:
                  _duration(s["uptime_s"])] for s in report["services"]]
     parts.append(table(services, ["SERVICE", "INSTANCE", "PID", "STATUS", "LAST BEAT", "UP"])
                  if services else "no services running (no heartbeats in the services KV bucket)")
+    parts += [format_stack(stack) for stack in report["stacks"]]
     streams = [[s["stream"], s["messages"], size(s["bytes"]), s["consumers"]] for s in report["streams"]]
     parts.append(table(streams, ["STREAM", "MESSAGES", "SIZE", "CONSUMERS"])
                  if streams else "no Flywheel streams yet (nothing has connected with `flywheel up` or a service)")
@@ -396,6 +399,41 @@ def format_status(report: dict[str, Any]) -> str:
     parts.append(table(consumers, ["STREAM", "CONSUMER", "PENDING", "ACK PENDING", "REDELIVERED"])
                  if consumers else "no consumers")
     return "\n\n".join(parts)
+
+
+def format_stack(stack: dict[str, Any]) -> str:
+    """What one ``flywheel up`` supervises: a line on the stack, a table of its processes, then a
+    line for each failing one: why it exited, how often, when it is tried next, its log."""
+    beat = "stale: it has likely died" if stack["stale"] else f"last beat {stack['age_s']:.1f}s ago"
+    lines = [f"stack pid {stack['pid']} on {stack['host']} ({beat}): a crash loop waits "
+             f"{stack['restart_backoff_s']:g}s, doubling up to {stack['max_backoff_s']:g}s; a process healthy "
+             f"{stack['healthy_after_s']:g}s is restarted at once"]
+    rows = [[p["name"], "-" if p["pid"] is None else p["pid"], _process_state(p), p["num_restarts"],
+             p["last_exit"] or "-", p["log"]] for p in stack["processes"]]
+    lines.append(table(rows, ["PROCESS", "PID", "STATE", "RESTARTS", "LAST EXIT", "LOG"]))
+    for p in stack["processes"]:
+        if p["name"] in stack["failing"]:
+            lines.append(f"{p['name']} is failing: last exit {p['last_exit']}, {p['num_failures']} exits in a row, "
+                         f"{p['num_restarts']} restarts; {_next_try(p)}; see {p['log']}")
+    return "\n".join(lines)
+
+
+def _process_state(process: dict[str, Any]) -> str:
+    if process["state"] != "backing off":
+        return process["state"]
+    return f"backing off until {_local_time(process['next_start_at'])} (in {process['next_start_in_s']:.0f}s)"
+
+
+def _next_try(process: dict[str, Any]) -> str:
+    if process["state"] != "backing off":
+        return "started again, not healthy yet"
+    return f"next try in {process['next_start_in_s']:.0f}s, at {_local_time(process['next_start_at'])}"
+
+
+def _local_time(iso: str) -> str:
+    from datetime import datetime
+
+    return datetime.fromisoformat(iso).astimezone().strftime("%H:%M:%S")
 
 
 def table(rows: Sequence[Sequence[Any]], headers: Sequence[str] | None = None) -> str:

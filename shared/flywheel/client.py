@@ -209,22 +209,27 @@ class Client:
     # --- reading state --------------------------------------------------------------------
 
     async def status(self) -> dict[str, Any]:
-        """Services (heartbeats), Flywheel streams' depth and their consumers' lag.
+        """Services (heartbeats), the embedded stack's view, Flywheel streams' depth and their
+        consumers' lag.
 
-        Plain data (JSON-ready): ``services``, ``streams`` and ``consumers`` lists. A stream
-        that does not exist yet is left out. ``age_s`` is the time since a service's last
-        heartbeat; ``stale`` says it missed two (it has likely died: the key expires later).
+        Plain data (JSON-ready): ``services``, ``stacks``, ``streams`` and ``consumers`` lists.
+        A stream that does not exist yet is left out. ``age_s`` is the time since a service's
+        last heartbeat; ``stale`` says it missed two (it has likely died: the key expires later).
+        ``stacks`` has one entry per ``flywheel up`` (or ``flywheel run`` that started the
+        stack): its ``processes`` as its supervisor sees them (pid, state, restarts, last exit,
+        log; ``next_start_in_s`` while one backs off) and ``failing``, the names of those that
+        exited and are not running again yet.
         """
+        from flywheel.stack import STACK_SERVICE
+
         now = events.utc_now()
         try:
             beats = await read_heartbeats(self.bus)
         except nats.js.errors.BucketNotFoundError:
             beats = []  # nothing has ensured the buckets yet: no service ever ran here
-        # A heartbeat lingers for its TTL after its process died; two missed beats mark it stale.
-        services = [{"service": b.service, "instance": b.instance, "pid": b.pid, "host": b.host,
-                     "status": b.status, "age_s": _seconds(now, b.updated_at),
-                     "stale": _seconds(now, b.updated_at) > 2 * HEARTBEAT_INTERVAL_S,
-                     "uptime_s": _seconds(now, b.started_at)} for b in beats]
+
+        services = [{"service": b.service, **_heartbeat(now, b)} for b in beats if b.service != STACK_SERVICE]
+        stacks = [_stack(now, b) for b in beats if b.service == STACK_SERVICE]
         existing = {info.config.name: info for info in await self.bus.js.streams_info()}
         streams, consumers = [], []
         for name in STREAMS:
@@ -237,7 +242,7 @@ class Client:
                 consumers.append({"stream": name, "consumer": c.name, "num_pending": c.num_pending or 0,
                                   "num_ack_pending": c.num_ack_pending or 0,
                                   "num_redelivered": c.num_redelivered or 0, "num_waiting": c.num_waiting or 0})
-        return {"services": services, "streams": streams, "consumers": consumers}
+        return {"services": services, "stacks": stacks, "streams": streams, "consumers": consumers}
 
 
 class GatewayError(ValueError):
@@ -346,6 +351,26 @@ async def _raise_for(response: httpx.Response) -> None:
 
 def _seconds(now: datetime, then: datetime) -> float:
     return round((now - then).total_seconds(), 1)
+
+
+def _heartbeat(now: datetime, beat: events.ServiceHeartbeat) -> dict[str, Any]:
+    # A heartbeat lingers for its TTL after its process died; two missed beats mark it stale.
+    return {"instance": beat.instance, "pid": beat.pid, "host": beat.host, "status": beat.status,
+            "age_s": _seconds(now, beat.updated_at), "stale": _seconds(now, beat.updated_at) > 2 * HEARTBEAT_INTERVAL_S,
+            "uptime_s": _seconds(now, beat.started_at)}
+
+
+def _stack(now: datetime, beat: events.ServiceHeartbeat) -> dict[str, Any]:
+    """A stack's heartbeat and its view (flywheel.stack.Stack.view), with the wait until each
+    next start and the names of the processes that exited and do not run again yet."""
+    processes = []
+    for process in beat.info.get("processes", []):
+        next_start_at = process.get("next_start_at")
+        wait_s = None if next_start_at is None else max(0.0, -_seconds(now, datetime.fromisoformat(next_start_at)))
+        processes.append(process | {"next_start_in_s": wait_s})
+    policy = {key: value for key, value in beat.info.items() if key != "processes"}
+    failing = [p["name"] for p in processes if p["state"] in ("backing off", "restarting")]
+    return _heartbeat(now, beat) | policy | {"processes": processes, "failing": failing}
 
 
 def publish_tasks(url: str | None = None, *, run: str, env: str, rows: Iterable[dict[str, Any]],

@@ -62,6 +62,7 @@ from flywheel.runs import end_of, get_run, register_run, update_run
 from flywheel.settings import Settings
 from flywheel.stack import (
     SERVICES,
+    RestartBackoff,
     ServiceProcess,
     ServiceSpec,
     Stack,
@@ -73,7 +74,6 @@ from flywheel.stack import (
 
 RUN_SERVICES = ("inference", "scorer")  # what a training run needs besides the trainer
 MAX_RESTARTS_WITHOUT_PROGRESS = 5  # trainer restarts with no new step in between before the run fails
-RESTART_BACKOFF_S = (0.5, 2.0, 5.0, 10.0, 20.0)  # before restart 1, 2, ... (the last one repeats)
 QUIET_STEP_S = 30.0  # no step for this long: say what the run waits for
 
 
@@ -193,23 +193,29 @@ def owner_is_gone(owner: str | None) -> bool:
 
 
 class TrainerSupervisor:
-    """The run's trainer process: started, watched, restarted with backoff while it makes progress."""
+    """The run's trainer process: started, watched, restarted while it makes progress.
+
+    The restart policy is the stack's (:class:`flywheel.stack.RestartBackoff`), with a new
+    step as the sign of health: a trainer that trained since it last started is restarted at
+    once; exits in a row without a step wait longer each time, and after
+    ``MAX_RESTARTS_WITHOUT_PROGRESS`` of them the run fails (:class:`RunFailed`)."""
 
     def __init__(self, job: MainJob) -> None:
         self.job = job
         cfg = job.cfg
         spec = ServiceSpec(("-m", "flywheel_trainer", "--run", cfg.run), heartbeat_of("trainer"))
         self.process = ServiceProcess("trainer", spec, child_env(job.settings), job.run_dir / "trainer.log")
-        self.num_restarts = 0  # since the last new step
-        self.restarted_at: float | None = None
+        self.backoff = RestartBackoff(first_delay_s=1.0, max_delay_s=20.0, healthy_after_s=1.0)
+        self.progressed_since_start = False
 
     async def start(self) -> None:
         await self.process.launch()
+        self.progressed_since_start = False
         self.job.say(f"run {self.job.cfg.run}: trainer pid {self.process.pid}, log {self.process.log_path}")
 
     def progressed(self) -> None:
-        """A new step was published: the trainer works, restarts count from zero again."""
-        self.num_restarts = 0
+        """A new step was published: this start of the trainer works."""
+        self.progressed_since_start = True
 
     async def check(self) -> None:
         """Restart the trainer if it exited before the run ended; RunFailed once restarts stop helping."""
@@ -219,20 +225,18 @@ class TrainerSupervisor:
         state = await get_run(self.job.bus, self.job.cfg.run)
         if returncode == 0 and state is not None and state.status == "finished":
             return  # it finished the run; the weights watch sees the last step
-        if self.num_restarts >= MAX_RESTARTS_WITHOUT_PROGRESS:
-            raise RunFailed(f"the trainer exited with {exit_text(returncode)}; it was restarted "
-                            f"{self.num_restarts} times without a new step in between, giving up; "
-                            f"{self.process.log_tail()}")
-        delay_s = RESTART_BACKOFF_S[min(self.num_restarts, len(RESTART_BACKOFF_S) - 1)]
-        self.num_restarts += 1
+        delay_s = self.backoff.after_exit(float("inf") if self.progressed_since_start else 0.0)
+        num_failed = self.backoff.num_failures - 1  # restarts that brought no step
+        if num_failed >= MAX_RESTARTS_WITHOUT_PROGRESS:
+            raise RunFailed(f"the trainer exited with {exit_text(returncode)}; it was restarted {num_failed} times "
+                            f"without a new step in between, giving up; {self.process.log_tail()}")
         self.job.say(f"run {self.job.cfg.run}: the trainer (pid {self.process.pid}) exited with "
-                     f"{exit_text(returncode)}; restarting it in {delay_s:g}s (restart {self.num_restarts} of at "
-                     f"most {MAX_RESTARTS_WITHOUT_PROGRESS} without a new step); it resumes from its checkpoint; "
+                     f"{exit_text(returncode)}; restarting it in {delay_s:g}s (restart {num_failed + 1} of at most "
+                     f"{MAX_RESTARTS_WITHOUT_PROGRESS} without a new step); it resumes from its checkpoint; "
                      f"{self.process.log_tail()}")
         if await _wait(self.job.stopping, delay_s):
             return
         await self.start()
-        self.restarted_at = time.monotonic()
 
     async def stop(self) -> None:
         await self.process.stop(15.0)

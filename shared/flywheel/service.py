@@ -101,7 +101,9 @@ class Service:
     def key(self) -> str:
         return f"{self.name}.{self.instance}"
 
-    async def _beat(self, status: str) -> None:
+    async def beat(self, status: str = "ok") -> None:
+        """Write the heartbeat now, with the current ``info`` (it is renewed every few seconds
+        anyway; a process whose info just changed beats at once so readers see it)."""
         kv = await self.bus.services_kv()
         beat = events.ServiceHeartbeat(service=self.name, instance=self.instance, pid=os.getpid(),
                                        host=socket.gethostname(), status=status,  # type: ignore[arg-type]
@@ -111,7 +113,7 @@ class Service:
     async def _heartbeat(self) -> None:
         while not self.stopping.is_set():
             try:
-                await self._beat("ok")
+                await self.beat("ok")
             except nats.errors.Error as exc:
                 log.warning("%s: heartbeat failed: %s", self.name, exc)
             try:

@@ -10,12 +10,21 @@ What it does, in order:
    unless ``nats_url`` names an existing server, which is then used as it is;
 3. starts each service of :data:`SERVICES` in order (the gateway first: it runs the
    database migrations) and waits until it is healthy, within ``start_timeout_s``; a service
-   that dies or stays unhealthy stops the stack with the tail of its log;
-4. supervises: a process that exits unexpectedly is reported and restarted with backoff
-   (doubling from ``restart_backoff_s``), at most ``max_restarts`` times within
-   ``restart_window_s``, after which the stack stops with the tail of its log;
-5. on SIGINT or SIGTERM stops the services in reverse order (SIGTERM, then SIGKILL after
-   ``stop_timeout_s``), then the nats-server it started: only the processes it started.
+   that dies or stays unhealthy stops the stack with the tail of its log: at start-up that
+   is a configuration error to show at once;
+4. supervises, never giving up: a process that exits (or, restarted, stays unhealthy) is
+   reported with the tail of its log and started again, while the rest keep serving. A
+   process that had stayed healthy ``healthy_after_s`` is restarted at once, so a run it
+   serves recovers fast; exits in a row before that (a crash loop: a message that crashes
+   inference each time it is redelivered) wait ``restart_backoff_s``, then twice as long
+   each time, up to ``max_backoff_s`` (:class:`RestartBackoff`). One failing service never
+   stops the bus or the others;
+5. publishes its view, every process with its pid, state, restarts, last exit, next try
+   and log, as the ``info`` of a heartbeat of its own (service ``stack`` in the services KV
+   bucket), renewed at each change: ``flywheel status`` shows it;
+6. on SIGINT or SIGTERM stops the services in reverse order (SIGTERM, then SIGKILL after
+   ``stop_timeout_s``), removes its heartbeat, then stops the nats-server it started: only
+   the processes it started.
 
 Every child gets the same ``FLYWHEEL_*`` environment (NATS URL, database URL, data folder,
 ports), so they agree with each other and with ``flywheel status``. Each writes its log to
@@ -35,18 +44,22 @@ import signal
 import subprocess
 import sys
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, TextIO
 
 import nats.errors
 
+from flywheel import events
 from flywheel.bus import Bus
 from flywheel.natsserver import NatsServer, die_with_parent, port_open
-from flywheel.service import read_heartbeats
+from flywheel.service import Service, read_heartbeats
 from flywheel.settings import Settings
+
+# The service name of the stack's own heartbeat, whose info is its view of the processes.
+STACK_SERVICE = "stack"
 
 
 class StackError(Exception):
@@ -119,6 +132,43 @@ class ProcessDied(Exception):
         self.returncode = returncode
 
 
+class NotHealthy(Exception):
+    """A process still runs but is not healthy after ``start_timeout_s``; the message says why."""
+
+    def __init__(self, timeout_s: float, problem: str) -> None:
+        super().__init__(f"not healthy after {timeout_s:g}s ({problem})")
+
+
+@dataclass
+class RestartBackoff:
+    """How long to wait before starting again a process that exited.
+
+    A process that had stayed healthy ``healthy_after_s`` is started again at once: killed
+    now and then after running fine, it is back within a second. Each further exit in a row
+    before that (a crash loop) waits ``first_delay_s``, then twice as long each time, up to
+    ``max_delay_s``; an exit after a healthy stretch resets the count. One per process::
+
+        backoff = RestartBackoff(first_delay_s=1.0, max_delay_s=60.0, healthy_after_s=30.0)
+        delay_s = backoff.after_exit(healthy_for_s)  # 0, 1, 2, 4, ... 60, 60; 0 again after 30s healthy
+    """
+
+    first_delay_s: float = 1.0
+    max_delay_s: float = 60.0
+    healthy_after_s: float = 30.0
+    num_failures: int = 0  # exits in a row without a healthy stretch in between, the latest included
+    delay_s: float = 0.0  # the wait chosen at the latest exit
+
+    def after_exit(self, healthy_for_s: float) -> float:
+        """Count an exit of a process that had been healthy for ``healthy_for_s`` (0 when it
+        never became healthy) and return how long to wait before starting it again."""
+        if healthy_for_s >= self.healthy_after_s:
+            self.num_failures = 0
+        exponent = min(self.num_failures - 1, 62)  # 2**62 s is past any cap
+        self.delay_s = 0.0 if self.num_failures == 0 else min(self.first_delay_s * 2.0 ** exponent, self.max_delay_s)
+        self.num_failures += 1
+        return self.delay_s
+
+
 def exit_text(returncode: int) -> str:
     if returncode < 0:
         return f"signal {signal.Signals(-returncode).name}"
@@ -136,14 +186,28 @@ def tail(path: Path, offset: int = 0, num_lines: int = 40) -> str:
 
 
 class Process(abc.ABC):
-    """One process the stack started, with its health check; base of the two kinds below."""
+    """One process the stack started, with its health check; base of the two kinds below.
+
+    It also holds what the supervisor knows of it, for its screen and ``flywheel status``:
+    ``state`` is ``not started``, ``starting`` (first start, not healthy yet), ``running``
+    (healthy), ``backing off`` (exited; next start at ``next_start_at``), ``restarting``
+    (started again, not healthy yet) or ``stopped``.
+    """
 
     name: str
     log_path: Path
 
     def __init__(self) -> None:
-        self.restarts: deque[float] = deque()  # monotonic times of recent restarts
         self.log_offset = 0  # where this start's lines begin in the log
+        self.state = "not started"
+        self.last_pid: int | None = None  # of the latest start, alive or not
+        self.num_restarts = 0
+        self.backoff = RestartBackoff()  # the stack sets its own policy
+        self.last_exit: str | None = None  # "code 3", "signal SIGKILL", "not healthy", "did not start"
+        self.last_exit_at: datetime | None = None
+        self.healthy_at: float | None = None  # monotonic time this start became healthy
+        self.healthy_since: datetime | None = None
+        self.next_start_at: datetime | None = None
 
     @property
     @abc.abstractmethod
@@ -172,6 +236,18 @@ class Process(abc.ABC):
     def _mark_log(self) -> None:
         self.log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
 
+    def view(self) -> dict[str, Any]:
+        """What ``flywheel status`` shows of it (plain data; times in UTC, RFC 3339)."""
+        return {"name": self.name, "pid": self.last_pid, "state": self.state, "num_restarts": self.num_restarts,
+                "num_failures": self.backoff.num_failures, "backoff_s": self.backoff.delay_s,
+                "last_exit": self.last_exit, "last_exit_at": _iso(self.last_exit_at),
+                "healthy_since": _iso(self.healthy_since), "next_start_at": _iso(self.next_start_at),
+                "log": str(self.log_path)}
+
+
+def _iso(when: datetime | None) -> str | None:
+    return None if when is None else when.isoformat()
+
 
 class NatsProcess(Process):
     """The nats-server the stack started (a :class:`flywheel.natsserver.NatsServer`)."""
@@ -197,6 +273,7 @@ class NatsProcess(Process):
             await asyncio.to_thread(self.server.start)
         except (RuntimeError, TimeoutError) as exc:
             raise StackError(f"nats-server did not start: {exc}\n{self.log_tail()}") from exc
+        self.last_pid = self.pid
 
     async def health(self, stack: Stack) -> str | None:
         return None  # start() returns once it listens
@@ -237,6 +314,7 @@ class ServiceProcess(Process):
             log.flush()
             self.popen = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                           env=self.env, start_new_session=True, preexec_fn=die_with_parent)
+        self.last_pid = self.popen.pid
 
     async def health(self, stack: Stack) -> str | None:
         return await self.spec.health(stack, self)
@@ -309,7 +387,11 @@ async def _wait(event: asyncio.Event, timeout_s: float) -> bool:
 
 
 class Stack:
-    """Starts, supervises and stops the embedded stack. ``await run()`` until a signal."""
+    """Starts, supervises and stops the embedded stack. ``await run()`` until a signal.
+
+    ``restart_backoff_s``, ``max_backoff_s`` and ``healthy_after_s`` set every process's
+    :class:`RestartBackoff`; ``poll_interval_s`` is how often it looks at exits and health.
+    """
 
     def __init__(
         self,
@@ -318,9 +400,9 @@ class Stack:
         services: dict[str, ServiceSpec] | None = None,
         start_timeout_s: float = 120.0,
         stop_timeout_s: float = 15.0,
-        max_restarts: int = 5,
-        restart_window_s: float = 600.0,
         restart_backoff_s: float = 1.0,
+        max_backoff_s: float = 60.0,
+        healthy_after_s: float = 30.0,
         poll_interval_s: float = 0.25,
     ) -> None:
         self.settings = settings
@@ -331,9 +413,9 @@ class Stack:
         self.local_gateway_url = f"http://{local_host(settings.gateway_host)}:{settings.gateway_port}"
         self.start_timeout_s = start_timeout_s
         self.stop_timeout_s = stop_timeout_s
-        self.max_restarts = max_restarts
-        self.restart_window_s = restart_window_s
         self.restart_backoff_s = restart_backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.healthy_after_s = healthy_after_s
         self.poll_interval_s = poll_interval_s
         self.stopping = asyncio.Event()
         self.ready = asyncio.Event()  # set once everything started is healthy
@@ -342,15 +424,38 @@ class Stack:
         env = child_env(settings)
         self.services = [ServiceProcess(name, spec, env, self.log_dir / f"{name}.log")
                          for name, spec in (SERVICES if services is None else services).items()]
+        for service in self.services:
+            service.backoff = self._backoff()
         self.started: list[Process] = []  # in start order; stopped in reverse
+        self.heartbeat: Service | None = None  # the stack's own, carrying view() as its info
+        self.heartbeat_task: asyncio.Future[None] | None = None
+        self._view_changed = asyncio.Event()
+
+    def _backoff(self) -> RestartBackoff:
+        return RestartBackoff(first_delay_s=self.restart_backoff_s, max_delay_s=self.max_backoff_s,
+                              healthy_after_s=self.healthy_after_s)
 
     def say(self, line: str) -> None:
         print(line, file=self.out, flush=True)
 
+    def view(self) -> dict[str, Any]:
+        """The supervisor's view, as its heartbeat carries it to ``flywheel status``: every
+        process it runs (the nats-server first when it started one), with the policy."""
+        processes = ([self.nats] if self.nats is not None else []) + self.services
+        return {"nats_url": self.nats_url, "log_dir": str(self.log_dir), "restart_backoff_s": self.restart_backoff_s,
+                "max_backoff_s": self.max_backoff_s, "healthy_after_s": self.healthy_after_s,
+                "processes": [p.view() for p in processes]}
+
+    def _changed(self) -> None:
+        """A process changed state: renew the view the heartbeat carries, and beat soon."""
+        if self.heartbeat is not None:
+            self.heartbeat.info = self.view()
+            self._view_changed.set()
+
     async def run(self) -> None:
         """Start everything, supervise until SIGINT/SIGTERM, then stop what was started.
 
-        Raises StackError when start-up fails or a process keeps dying (after stopping the rest).
+        Raises StackError when start-up fails (after stopping what had started).
         """
         check_ports(self.settings)
         loop = asyncio.get_running_loop()
@@ -373,12 +478,19 @@ class Stack:
             server = NatsServer(self.data_dir / "nats", port=self.settings.nats_port,
                                 log_file=self.log_dir / "nats-server.log")
             self.nats = NatsProcess(server)
+            self.nats.backoff = self._backoff()
             await self.nats.launch()
+            self.nats.state = "running"
+            self.nats.healthy_at, self.nats.healthy_since = time.monotonic(), events.utc_now()
             self.started.append(self.nats)
             self.say(f"started nats-server (pid {self.nats.pid}) on {self.nats_url}, store {server.store_dir}")
         else:
             self.say(f"using the NATS server at {self.nats_url} (nats_url)")
         self.bus = await Bus.connect(self.nats_url, name="flywheel-up")
+        # Service.run closes the bus when it ends: _shutdown stops it after the services.
+        self.heartbeat = Service(STACK_SERVICE, self.bus, info=self.view(), handle_signals=False)
+        self.heartbeat.add_task(self._publish_changes)
+        self.heartbeat_task = asyncio.ensure_future(self.heartbeat.run())
         for service in self.services:
             if self.stopping.is_set():
                 return
@@ -386,14 +498,19 @@ class Stack:
                 await self._launch_healthy(service)
             except ProcessDied as exc:
                 raise StackError(f"{service.name} {exc} during start-up; {service.log_tail()}") from exc
+            except NotHealthy as exc:
+                raise StackError(f"{service.name} (pid {service.pid}) is {exc}; {service.log_tail()}") from exc
 
     async def _launch_healthy(self, process: Process) -> None:
         """Launch and wait until healthy (or until a stop is asked). Raises ProcessDied, or
-        StackError when it is still unhealthy after ``start_timeout_s``."""
+        NotHealthy when it still runs but is not healthy after ``start_timeout_s``."""
         began = time.monotonic()
         await process.launch()
         if process not in self.started:
             self.started.append(process)
+        process.state = "restarting" if process.num_restarts else "starting"
+        process.next_start_at = None
+        self._changed()
         self.say(f"started {process.name} (pid {process.pid}), log {process.log_path}")
         while True:
             returncode = process.returncode()
@@ -404,11 +521,13 @@ class Stack:
             except nats.errors.Error as exc:  # NATS restarting: not healthy yet, say so on timeout
                 problem = f"health check failed: {type(exc).__name__}: {exc}"
             if problem is None:
+                process.state = "running"
+                process.healthy_at, process.healthy_since = time.monotonic(), events.utc_now()
+                self._changed()
                 self.say(f"{process.name} is healthy ({time.monotonic() - began:.1f}s)")
                 return
             if time.monotonic() - began > self.start_timeout_s:
-                raise StackError(f"{process.name} (pid {process.pid}) is not healthy after {self.start_timeout_s:g}s "
-                                 f"({problem}); {process.log_tail()}")
+                raise NotHealthy(self.start_timeout_s, problem)
             if await _wait(self.stopping, self.poll_interval_s):
                 return
 
@@ -425,37 +544,89 @@ class Stack:
         ]))
 
     async def _supervise(self) -> None:
-        while not self.stopping.is_set():
-            for process in self.started:
-                returncode = process.returncode()
-                if returncode is not None:
-                    await self._restart(process, returncode)
-                    if self.stopping.is_set():
-                        return
-            await _wait(self.stopping, self.poll_interval_s)
+        """One watcher per process, so a process backing off never delays noticing another's
+        exit; until a stop is asked. A watcher's or the heartbeat's own failure (a bug) ends it."""
+        assert self.heartbeat_task is not None
+        watchers = [asyncio.ensure_future(self._keep_running(p)) for p in self.started]
+        stop_wait = asyncio.ensure_future(self.stopping.wait())
+        try:
+            done, _ = await asyncio.wait([*watchers, self.heartbeat_task, stop_wait],
+                                         return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()  # raises a watcher's or the heartbeat's error
+        finally:
+            stop_wait.cancel()
+            for watcher in watchers:
+                watcher.cancel()
+            await asyncio.gather(*watchers, return_exceptions=True)
 
-    async def _restart(self, process: Process, returncode: int) -> None:
-        """Restart with backoff until healthy; StackError once the restart budget is spent."""
+    async def _keep_running(self, process: Process) -> None:
+        """Start ``process`` again whenever it exits, after its backoff, until a stop is asked.
+        Never gives up: while it backs off, the rest of the stack keeps serving."""
         while True:
-            now = time.monotonic()
-            while process.restarts and now - process.restarts[0] > self.restart_window_s:
-                process.restarts.popleft()
-            if len(process.restarts) >= self.max_restarts:
-                raise StackError(f"{process.name} exited with {exit_text(returncode)}; it was restarted "
-                                 f"{self.max_restarts} times within {self.restart_window_s:g}s, giving up; "
-                                 f"{process.log_tail()}")
-            process.restarts.append(now)
-            delay_s = min(self.restart_backoff_s * 2.0 ** (len(process.restarts) - 1), 30.0)
-            self.say(f"{process.name} (pid {process.pid}) exited unexpectedly with {exit_text(returncode)}; "
-                     f"restarting in {delay_s:g}s (restart {len(process.restarts)} of at most "
-                     f"{self.max_restarts} within {self.restart_window_s:g}s); {process.log_tail()}")
-            if await _wait(self.stopping, delay_s):
+            returncode = await self._exit_of(process)
+            if returncode is None:
                 return
+            last_exit, what = exit_text(returncode), f"exited unexpectedly with {exit_text(returncode)}"
+            while True:
+                delay_s = self._back_off(process, last_exit, what)
+                if await _wait(self.stopping, delay_s):
+                    return
+                process.num_restarts += 1
+                try:
+                    await self._launch_healthy(process)
+                    break
+                except ProcessDied as exc:
+                    last_exit, what = exit_text(exc.returncode), f"{exc} before it was healthy"
+                except NotHealthy as exc:
+                    await process.stop(self.stop_timeout_s)
+                    last_exit, what = "not healthy", f"was stopped, {exc}"
+                except StackError as exc:  # the nats-server could not start again (its port taken?)
+                    last_exit, what = "did not start", str(exc)
+
+    async def _exit_of(self, process: Process) -> int | None:
+        """Wait until ``process`` exits: its exit status, or None once a stop is asked."""
+        while not self.stopping.is_set():
+            returncode = process.returncode()
+            if returncode is not None:
+                return returncode
+            await _wait(self.stopping, self.poll_interval_s)
+        return None
+
+    def _back_off(self, process: Process, last_exit: str, what: str) -> float:
+        """Record an exit, say it with the tail of the log and the next try; the wait before it."""
+        now = time.monotonic()
+        healthy_for_s = 0.0 if process.healthy_at is None else now - process.healthy_at
+        delay_s = process.backoff.after_exit(healthy_for_s)
+        process.state = "backing off"
+        process.last_exit, process.last_exit_at = last_exit, events.utc_now()
+        process.next_start_at = process.last_exit_at + timedelta(seconds=delay_s)
+        process.healthy_at = process.healthy_since = None
+        self._changed()
+        after = f" after {healthy_for_s:.1f}s healthy" if healthy_for_s else ""
+        if process.backoff.num_failures == 1:
+            plan = f"restarting in {delay_s:g}s (restart {process.num_restarts + 1})"
+        else:
+            at = (datetime.now().astimezone() + timedelta(seconds=delay_s)).strftime("%H:%M:%S")
+            plan = (f"restarting in {delay_s:g}s, at {at} (restart {process.num_restarts + 1}; exit "
+                    f"{process.backoff.num_failures} in a row, each before {self.healthy_after_s:g}s healthy: "
+                    f"the wait doubles, up to {self.max_backoff_s:g}s)")
+        self.say(f"{process.name} (pid {process.last_pid}) {what}{after}; {plan}; {process.log_tail()}")
+        return delay_s
+
+    async def _publish_changes(self, stopping: asyncio.Event) -> None:
+        """A task of the stack's heartbeat: beat as soon as the view changed, so ``flywheel
+        status`` shows a restart or a backoff when it happens (the Service also beats every
+        few seconds, with the latest view)."""
+        assert self.heartbeat is not None
+        while not stopping.is_set():
+            if not await _wait(self._view_changed, self.poll_interval_s):
+                continue
+            self._view_changed.clear()
             try:
-                await self._launch_healthy(process)
-                return
-            except ProcessDied as exc:
-                returncode = exc.returncode
+                await self.heartbeat.beat()
+            except nats.errors.Error:
+                pass  # NATS is restarting: the Service's next beat carries the view (it logs the failure)
 
     async def _shutdown(self) -> None:
         services = [p for p in self.started if p is not self.nats]
@@ -464,13 +635,27 @@ class Stack:
         try:
             for process in reversed(services):
                 await process.stop(self.stop_timeout_s)
+                process.state = "stopped"
+                self._changed()
                 self.say(f"stopped {process.name}")
+            await self._stop_heartbeat()
             if self.bus is not None:
-                await self._close_bus(self.bus)
+                await self._close_bus(self.bus)  # Service.run closed it already unless it failed
         finally:  # the server goes last, and whatever happened above
             if self.nats is not None and self.nats in self.started:
                 await self.nats.stop(self.stop_timeout_s)
+                self.nats.state = "stopped"
                 self.say("stopped nats-server")
+
+    async def _stop_heartbeat(self) -> None:
+        """Remove the stack's heartbeat (and close the bus: Service.run does both)."""
+        if self.heartbeat is None or self.heartbeat_task is None or self.heartbeat_task.done():
+            return
+        self.heartbeat.stop()
+        try:
+            await asyncio.wait_for(self.heartbeat_task, self.stop_timeout_s)
+        except asyncio.TimeoutError:
+            self.say(f"the stack's heartbeat did not stop within {self.stop_timeout_s:g}s")
 
     async def _close_bus(self, bus: Bus) -> None:
         try:

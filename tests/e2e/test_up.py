@@ -3,7 +3,8 @@
 Starts ``flywheel up`` as a subprocess (its own nats-server, the gateway API, the
 recorder, the scorer and inference) on free ports with a temporary data folder, publishes a JSONL file with
 ``flywheel tasks publish``, waits for the recorder to store the tasks (``GET /v1/tasks``),
-reads ``flywheel status``, kills the recorder to see it restarted, then sends SIGINT and
+reads ``flywheel status`` (the services' heartbeats and the supervisor's view of each
+process), kills the recorder to see it restarted at once and counted, then sends SIGINT and
 checks that every process the stack started is gone. The supervisor's failure paths are
 in test_up_supervisor.py.
 """
@@ -154,16 +155,35 @@ def test_up_publish_status_restart_and_stop(stack: tuple[subprocess.Popen[str], 
     assert next(s for s in report["streams"] if s["stream"] == "TASKS")["messages"] == 3
     recorder_tasks = next(c for c in report["consumers"] if c["consumer"] == "recorder-tasks")
     assert recorder_tasks["num_pending"] == 0 and recorder_tasks["num_ack_pending"] == 0
+    [supervisor] = report["stacks"]
+    assert supervisor["pid"] == up.pid and supervisor["failing"] == []
+    assert {(p["name"], p["pid"], p["state"], p["num_restarts"], p["last_exit"]) for p in supervisor["processes"]} == {
+        (name, pid, "running", 0, None) for name, pid in pids.items()}
     table = flywheel("status", "--nats-port", str(ports["nats"]), "--gateway-port", str(ports["gateway"]),
                      env=clean_env)
     assert table.returncode == 0, table.stderr
     assert re.search(rf"^recorder +\S+ +{pids['recorder']} +ok ", table.stdout, re.M), table.stdout
     assert re.search(r"^TASKS +recorder-tasks +0 +0 +0$", table.stdout, re.M), table.stdout
+    process_row = rf"^recorder +{pids['recorder']} +running +0 +- +\S+/recorder.log$"
+    assert re.search(process_row, table.stdout, re.M), table.stdout
 
     os.kill(pids["recorder"], signal.SIGKILL)
-    output.wait_for(rf"^recorder \(pid {pids['recorder']}\) exited unexpectedly with signal SIGKILL", 10)
-    restarted = int(output.wait_for(r"^started recorder \(pid (\d+)\)", 30, count=2)[1].group(1))
+    output.wait_for(rf"^recorder \(pid {pids['recorder']}\) exited unexpectedly with signal SIGKILL after [\d.]+s "
+                    r"healthy; restarting in 0s \(restart 1\)", 10)
+    restarted = int(output.wait_for(r"^started recorder \(pid (\d+)\)", 5, count=2)[1].group(1))
     output.wait_for(r"^recorder is healthy", 60, count=2)
+    views: list[dict] = []
+
+    def recorder_running_again() -> bool:
+        status = flywheel("status", "--json", "--nats-port", str(ports["nats"]), env=clean_env)
+        assert status.returncode == 0, status.stderr
+        views[:] = json.loads(status.stdout)["stacks"]
+        return next(p for p in views[0]["processes"] if p["name"] == "recorder")["state"] == "running"
+
+    poll(recorder_running_again, 10, "status to show the recorder running again")
+    recorder = next(p for p in views[0]["processes"] if p["name"] == "recorder")
+    assert (recorder["pid"], recorder["num_restarts"], recorder["last_exit"]) == (restarted, 1, "signal SIGKILL")
+    assert views[0]["failing"] == []
 
     up.send_signal(signal.SIGINT)
     assert up.wait(60) == 0, output.text

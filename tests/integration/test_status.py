@@ -1,4 +1,5 @@
-"""``flywheel status`` against a real nats-server: heartbeats, stream depth, consumer lag."""
+"""``flywheel status`` against a real nats-server: heartbeats, the stack's view, stream depth,
+consumer lag."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import asyncio
 import json
 import os
 import re
+from datetime import timedelta
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +16,8 @@ from flywheel import cli, events
 from flywheel.bus import Bus, Consumer, Delivery
 from flywheel.natsserver import NatsServer, free_port
 from flywheel.service import Service, read_heartbeats
+from flywheel.settings import Settings
+from flywheel.stack import STACK_SERVICE, Process, ServiceSpec, Stack
 from tests.helpers import until
 
 
@@ -68,6 +73,55 @@ async def test_status_shows_services_streams_and_consumer_lag(bus: Bus, nats_ser
     finally:
         release.set()
         service.stop()
+        await running
+
+
+async def test_status_shows_the_stacks_view_naming_the_failing_process(
+        bus: Bus, nats_server: NatsServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The view a stack publishes (Stack.view, in its heartbeat's info), read back through status."""
+
+    async def healthy(stack: Stack, process: Process) -> None:
+        return None
+
+    stack = Stack(Settings(data_dir=tmp_path, nats_url=nats_server.url), services={
+        "scorer": ServiceSpec(("-c", "pass"), healthy), "inference": ServiceSpec(("-c", "pass"), healthy)})
+    scorer, inference = stack.services
+    scorer.state, scorer.last_pid = "running", 1200
+    inference.state, inference.last_pid, inference.num_restarts, inference.last_exit = "backing off", 1301, 6, "code 1"
+    inference.backoff.num_failures, inference.backoff.delay_s = 7, 32.0
+    inference.next_start_at = events.utc_now() + timedelta(seconds=30)
+    service_bus = await Bus.connect(nats_server.url, name="stack")
+    heartbeat = Service(STACK_SERVICE, service_bus, info=stack.view(), handle_signals=False)
+    running = asyncio.ensure_future(heartbeat.run())
+    await until(lambda: _has_beat(bus, STACK_SERVICE), what="the stack's heartbeat")
+    try:
+        code, out, err = await status(capsys, "--json", "--nats-url", nats_server.url)
+        assert code == 0, err
+        report = json.loads(out)
+        assert report["services"] == []  # the stack is not one of the services
+        [view] = report["stacks"]
+        assert (view["pid"], view["stale"], view["failing"]) == (os.getpid(), False, ["inference"])
+        assert (view["restart_backoff_s"], view["max_backoff_s"], view["healthy_after_s"]) == (1.0, 60.0, 30.0)
+        by_name = {p["name"]: p for p in view["processes"]}
+        assert list(by_name) == ["scorer", "inference"]
+        assert by_name["scorer"] | {"log": None} == {
+            "name": "scorer", "pid": 1200, "state": "running", "num_restarts": 0, "num_failures": 0, "backoff_s": 0.0,
+            "last_exit": None, "last_exit_at": None, "healthy_since": None, "next_start_at": None,
+            "next_start_in_s": None, "log": None}
+        assert by_name["scorer"]["log"] == str(tmp_path.resolve() / "logs" / "scorer.log")
+        failing = by_name["inference"]
+        assert (failing["pid"], failing["num_restarts"], failing["num_failures"], failing["backoff_s"],
+                failing["last_exit"]) == (1301, 6, 7, 32.0, "code 1")
+        assert 20 < failing["next_start_in_s"] <= 30
+
+        code, out, err = await status(capsys, "--nats-url", nats_server.url)
+        assert code == 0, err
+        row = r"^inference +1301 +backing off until \d\d:\d\d:\d\d \(in \d+s\) +6 +code 1 +\S+inference.log$"
+        assert re.search(row, out, re.M), out
+        failing_line = r"^inference is failing: last exit code 1, 7 exits in a row, 6 restarts; next try in \d+s"
+        assert re.search(failing_line, out, re.M), out
+    finally:
+        heartbeat.stop()
         await running
 
 

@@ -7,6 +7,7 @@ import re
 import socket
 import subprocess
 import sys
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -136,6 +137,19 @@ REPORT = {
         {"service": "recorder", "instance": "vm-1234", "pid": 1234, "host": "vm", "status": "ok", "age_s": 19.0,
          "stale": True, "uptime_s": 75.0},
     ],
+    "stacks": [
+        {"instance": "vm-7", "pid": 7, "host": "vm", "status": "ok", "age_s": 0.4, "stale": False, "uptime_s": 600.0,
+         "nats_url": "nats://127.0.0.1:4233", "log_dir": "/d/logs", "restart_backoff_s": 1.0, "max_backoff_s": 60.0,
+         "healthy_after_s": 30.0, "failing": ["inference"], "processes": [
+             {"name": "nats-server", "pid": 8, "state": "running", "num_restarts": 0, "num_failures": 0,
+              "backoff_s": 0.0, "last_exit": None, "last_exit_at": None, "healthy_since": "2025-01-02T03:04:05+00:00",
+              "next_start_at": None, "next_start_in_s": None, "log": "/d/logs/nats-server.log"},
+             {"name": "inference", "pid": 1301, "state": "backing off", "num_restarts": 6, "num_failures": 7,
+              "backoff_s": 32.0, "last_exit": "code 1", "last_exit_at": "2025-01-02T03:14:05+00:00",
+              "healthy_since": None, "next_start_at": "2025-01-02T03:14:37+00:00", "next_start_in_s": 31.4,
+              "log": "/d/logs/inference.log"},
+         ]},
+    ],
     "streams": [
         {"stream": "TASKS", "messages": 12, "bytes": 1536, "consumers": 2},
         {"stream": "ROLLOUTS", "messages": 0, "bytes": 0, "consumers": 1},
@@ -155,7 +169,17 @@ def test_status_tables() -> None:
         "NATS     nats://127.0.0.1:4233  ok",
         "gateway  http://127.0.0.1:8420  ok",
     ]
-    services, streams, consumers = text.split("\n\n")[1:]
+    services, stack, streams, consumers = text.split("\n\n")[1:]
+    next_try = datetime.fromisoformat("2025-01-02T03:14:37+00:00").astimezone().strftime("%H:%M:%S")
+    assert stack.splitlines() == [
+        "stack pid 7 on vm (last beat 0.4s ago): a crash loop waits 1s, doubling up to 60s; a process healthy 30s is "
+        "restarted at once",
+        "PROCESS       PID  STATE                                RESTARTS  LAST EXIT  LOG",
+        "nats-server     8  running                                     0  -          /d/logs/nats-server.log",
+        f"inference    1301  backing off until {next_try} (in 31s)         6  code 1     /d/logs/inference.log",
+        f"inference is failing: last exit code 1, 7 exits in a row, 6 restarts; next try in 31s, at {next_try}; "
+        "see /d/logs/inference.log",
+    ]
     assert services.splitlines() == [
         "SERVICE   INSTANCE   PID  STATUS  LAST BEAT  UP",
         "gateway   vm-10       10  ok      1.2s       1h02m",
@@ -176,7 +200,7 @@ def test_status_tables() -> None:
 def test_status_tables_say_what_is_missing() -> None:
     report = REPORT | {
         "gateway": {"url": "http://127.0.0.1:8420", "ok": False, "error": "ConnectError: connection refused"},
-        "services": [], "streams": [], "consumers": [],
+        "services": [], "stacks": [], "streams": [], "consumers": [],
     }
     text = cli.format_status(report)
     assert "gateway  http://127.0.0.1:8420  unreachable (ConnectError: connection refused)" in text
