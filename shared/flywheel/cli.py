@@ -36,6 +36,7 @@ SETTING_OPTIONS: dict[str, tuple[type, str]] = {
     "gateway_host": (str, "address the gateway listens on (default 127.0.0.1)"),
     "gateway_port": (int, "port the gateway listens on (default 8420)"),
     "gateway_url": (str, "where clients reach the gateway (unset: http://GATEWAY_HOST:GATEWAY_PORT)"),
+    "gateway_max_body_bytes": (int, "largest request body the gateway reads; larger: 413 (default 33554432)"),
     "inference_host": (str, "address the inference API listens on (default 127.0.0.1)"),
     "inference_port": (int, "port the inference API listens on (default 8421)"),
     "torch_threads": (int, "threads torch may use in inference and trainer (default 1)"),
@@ -44,6 +45,8 @@ SETTING_OPTIONS: dict[str, tuple[type, str]] = {
     "sandbox_max_alive": (int, "sandboxes one sandbox service holds at once (default 64)"),
     "sandbox_max_starting": (int, "sandboxes being started at once (default 4)"),
     "sandbox_warm_pool": (int, "sandboxes of the default spec kept started (default 4)"),
+    "sandbox_allow_network": (str, "whether a sandbox may ask for network: true or false (off unless set)"),
+    "run_lease_s": (float, "seconds a run outlives its owner (flywheel run) before it is abandoned (default 60.0)"),
     "log_level": (str, "DEBUG, INFO, WARNING or ERROR (default INFO)"),
 }
 NATS_SETTINGS = ("nats_url", "nats_port")
