@@ -4,7 +4,7 @@ OpenAI-compatible HTTP API.
 
 Parts: ``backends`` (the sampling loop behind one interface), ``policy`` (batching and
 weight swaps per run), ``admission`` (how far sampling may run ahead of the trainer),
-``rollouts`` (trace nodes and rollout events), ``worker`` (the task consumer and weight
-watcher), ``api`` (HTTP routes), ``app`` (the composition root); ``__main__`` is the entry
-point.
+``interception`` (each rollout's OpenAI endpoint, recording the trace graph), ``worker``
+(the task consumer, the weights and run-state watchers), ``api`` (HTTP routes), ``app``
+(the composition root); ``__main__`` is the entry point.
 """

@@ -6,18 +6,29 @@ version of the run and ``num_dropped`` the rollouts the trainer dropped so far (
 failed by a scorer; the trainer reports it with each weight update): the trainer
 consumes ``batch_size`` rollouts per step, so this is enough to keep it busy and never
 more than it could train on before they go stale, and a drop does not shrink the
-lookahead for good. The version
-counts once this replica has loaded it, not when it is first seen, so the rollouts a new
-version lets in are sampled by it (with ``max_off_policy_steps = 0`` they would
-otherwise be stale on arrival). On top of that
-at most ``inference.max_rollouts_in_flight`` rollouts of the run are being sampled at
-once. A task that does not fit waits (the bus layer keeps its message alive), so the
-pipeline never runs away from the trainer, and memory does not grow with the backlog.
+lookahead for good. The version counts once this replica has loaded it, not when it is
+first seen, so the rollouts a new version lets in are sampled by it (with
+``max_off_policy_steps = 0`` they would otherwise be stale on arrival); nothing is
+admitted before the run's first weights are loaded. On top of that at most
+``inference.max_rollouts_in_flight`` rollouts of the run are being sampled at once. A
+task that does not fit waits (the bus layer keeps its message alive), so the pipeline
+never runs away from the trainer, and memory does not grow with the backlog.
 
-"Issued" counts rollouts admitted in this process, started from the number already in
-the ROLLOUTS stream for the run when the run is first seen (so a restarted replica does
-not issue a fresh allowance). Not covered: a bound shared by several replicas (each
-replica keeps its own count once started).
+"Issued" counts what reached the bus, by rollout id, never attempts: it starts from the
+number of rollouts already in the ROLLOUTS stream for the run when the run is first seen
+(so a restarted replica does not issue a fresh allowance); a group holds its allowance
+while it is sampled, and once published keeps only the rollouts the bus stored
+(:attr:`Slot.num_stored`): a redelivered task whose rollouts were stored before (same
+ids, deduplicated by the bus) gives its allowance back, so a redelivery or a restart
+cannot use up the run's budget while the trainer waits for rollouts that never come. A
+group that fails before it is published gives its whole allowance back.
+
+When the run ends (finished, failed, stopped, or abandoned by its owner:
+:func:`flywheel.runs.end_of`), every waiting task is released with :class:`RunEnded` at
+once, so it stops holding the consumer's slots; a run that is resumed takes tasks again.
+
+Not covered: a bound shared by several replicas (each replica keeps its own count once
+started, from the stream's count when it first sees the run).
 """
 
 from __future__ import annotations
@@ -26,12 +37,22 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 from flywheel.config import RunConfig
 
 
 class RunEnded(Exception):
-    """The run finished or failed: its remaining tasks are not sampled."""
+    """The run ended (the message says how and when): its remaining tasks are not sampled."""
+
+
+@dataclass
+class Slot:
+    """One group's admission: ``n`` rollouts, of which the bus stored ``num_stored`` once
+    the group is published (None until then: all ``n`` count)."""
+
+    n: int
+    num_stored: int | None = None
 
 
 @dataclass
@@ -42,11 +63,12 @@ class Admission:
     max_off_policy_steps: int
     max_in_flight: int
     trainer_step: int = 0
+    weights_loaded: bool = False  # nothing is admitted before the run's first weights are loaded
     num_dropped: int = 0  # rollouts the trainer dropped so far: their allowance comes back
     num_issued: int = 0
     num_in_flight: int = 0
     num_waiting: int = 0
-    ended: bool = False  # the run finished or failed; waiting and new tasks get RunEnded
+    ended: str | None = None  # why the run takes no tasks (RunEnd's reason); None while it does
     num_skipped: int = 0  # rollouts of tasks left over when the run ended
     on_change: Callable[[], None] | None = None  # called after every change of the counters
     _changed: asyncio.Condition = field(default_factory=asyncio.Condition, repr=False)
@@ -65,7 +87,8 @@ class Admission:
         return (self.trainer_step + self.max_off_policy_steps + 1) * self.batch_size + self.num_dropped
 
     def fits(self, n: int) -> bool:
-        return self.num_issued + n <= self.max_issued and self.num_in_flight + n <= self.max_in_flight
+        return (self.weights_loaded and self.num_issued + n <= self.max_issued
+                and self.num_in_flight + n <= self.max_in_flight)
 
     def check(self, n: int) -> None:
         """Refuse a group that could never be admitted (it would wait forever)."""
@@ -77,24 +100,33 @@ class Admission:
                              f"{first_allowance}: the trainer could not step before this group is sampled")
 
     async def advance(self, trainer_step: int, num_dropped: int = 0) -> None:
-        """A newer weight version was loaded: more rollouts may be issued."""
+        """Weights of version ``trainer_step`` were loaded: more rollouts may be issued."""
         async with self._changed:
-            if trainer_step > self.trainer_step or num_dropped > self.num_dropped:
+            if not self.weights_loaded or trainer_step > self.trainer_step or num_dropped > self.num_dropped:
+                self.weights_loaded = True
                 self.trainer_step = max(self.trainer_step, trainer_step)
                 self.num_dropped = max(self.num_dropped, num_dropped)
                 self._changed.notify_all()
                 self._counted()
 
-    async def end(self) -> None:
-        """The run ended: release every waiting task (with RunEnded) and refuse new ones."""
+    async def set_ended(self, reason: str | None) -> None:
+        """The run ended (``reason``): release every waiting task (with RunEnded) and refuse new
+        ones; None: it takes tasks (again, when it was resumed)."""
         async with self._changed:
-            self.ended = True
-            self._changed.notify_all()
-            self._counted()
+            if reason != self.ended:
+                self.ended = reason
+                self._changed.notify_all()
+                self._counted()
+
+    def skip(self, n: int) -> None:
+        """Count ``n`` rollouts of a task left over from before the run ended (never sampled)."""
+        self.num_skipped += n
+        self._counted()
 
     @asynccontextmanager
-    async def slot(self, n: int) -> AsyncIterator[None]:
-        """Hold ``n`` rollouts in flight; they stay issued unless the block raises.
+    async def slot(self, n: int) -> AsyncIterator[Slot]:
+        """Hold ``n`` rollouts in flight; on leaving, the rollouts the bus stored stay issued
+        (set :attr:`Slot.num_stored` once the group is published), the rest are given back.
 
         Raises RunEnded when the run ends before (or while) the task waits for room."""
         self.check(n)
@@ -102,27 +134,34 @@ class Admission:
             self.num_waiting += n
             self._counted()
             try:
-                await self._changed.wait_for(lambda: self.ended or self.fits(n))
+                await self._changed.wait_for(lambda: self.ended is not None or self.fits(n))
             finally:
                 self.num_waiting -= n
-            if self.ended:
+            if self.ended is not None:
                 self.num_skipped += n
                 self._counted()
-                raise RunEnded()
+                raise RunEnded(self.ended)
             self.num_issued += n
             self.num_in_flight += n
             self._counted()
+        slot = Slot(n)
+        failed = False
         try:
-            yield
+            yield slot
         except BaseException:
-            self.num_issued -= n  # never published: give the allowance back
+            failed = True
             raise
         finally:
+            # Published: what the bus did not store (it was there already) comes back. Never
+            # published (the block raised first): all of it comes back.
+            stored = slot.num_stored if slot.num_stored is not None else 0 if failed else n
             async with self._changed:
+                self.num_issued -= n - stored
                 self.num_in_flight -= n
                 self._changed.notify_all()
                 self._counted()
 
-    def counters(self) -> dict[str, int]:
-        return {"trainer_step": self.trainer_step, "num_dropped": self.num_dropped, "max_issued": self.max_issued, "num_issued": self.num_issued,
-                "num_in_flight": self.num_in_flight, "num_waiting": self.num_waiting, "num_skipped": self.num_skipped}
+    def counters(self) -> dict[str, Any]:
+        return {"trainer_step": self.trainer_step, "num_dropped": self.num_dropped, "max_issued": self.max_issued,
+                "num_issued": self.num_issued, "num_in_flight": self.num_in_flight, "num_waiting": self.num_waiting,
+                "num_skipped": self.num_skipped, "ended": self.ended}

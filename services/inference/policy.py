@@ -8,10 +8,24 @@ between batches and never in the middle of a sequence; each result carries the v
 that produced it.
 
 Weight updates are offered as they are seen (:meth:`Policy.offer`); the newest wins, so a
-burst of versions loads only the last. A blob that fails to fetch, verify or load is
-kept as :attr:`Policy.error`, which fails sampling for the run with that reason until a
-later update loads: a run never silently samples from weights the trainer has moved on
-from. Not covered: LoRA adapters, several runs sharing one base model.
+burst of versions loads only the last. Anyone can publish on a weights subject, so an
+update can be bogus (a blob that is missing, or does not match its sha256 or size,
+possibly with a huge version number). A load that fails:
+
+- leaves the run on the weights it has: sampling goes on with them, under the run's
+  admission bound, which only a successful load advances, so staleness stays bounded;
+- does not block later updates: the next newest offered version above the loaded one is
+  tried, and an update offered later is loaded if its version is above the loaded one,
+  even if a higher (bogus) version failed;
+- is kept as :attr:`Policy.load_error` (the version, its URI and why), logged, and reported
+  through ``on_error`` (the worker puts it in its heartbeat), until a load succeeds. While
+  the run has no weights loaded at all, its tasks wait (they are not failed because of
+  someone else's bogus update) and :meth:`sample` says why there are none.
+
+A fetch that fails with :class:`TransientFetchError` (the server restarting, a timeout) is
+tried again ``len(retry_s)`` times with backoff before it counts as failed; a blob that
+does not verify is not retried. Not covered: LoRA adapters, several runs sharing one base
+model, a bogus update whose blob does verify (it loads like any other).
 """
 
 from __future__ import annotations
@@ -33,9 +47,17 @@ log = logging.getLogger(__name__)
 FetchWeights = Callable[[events.WeightUpdate], Awaitable[bytes]]
 OnLoaded = Callable[[events.WeightUpdate], Awaitable[None]]
 
+# Offered updates kept while one loads: the last few to arrive, so a failed (bogus) one falls
+# back to the next newest without keeping every version of a burst.
+MAX_OFFERED = 8
+
 
 class WeightsUnavailable(RuntimeError):
-    """The run's weights failed to load; the message says which version and why."""
+    """The run has no weights loaded yet; the message says what it waits for."""
+
+
+class TransientFetchError(RuntimeError):
+    """Raised by a fetch for a failure worth another try (the server restarting, a timeout)."""
 
 
 @dataclass(frozen=True)
@@ -60,20 +82,25 @@ def _batch_key(sampling: events.Sampling) -> bytes:
 
 class Policy:
     def __init__(self, run: str, backend: Backend, fetch: FetchWeights, max_batch_size: int,
-                 on_loaded: OnLoaded | None = None) -> None:
-        """``fetch`` gets an update's verified blob; ``on_loaded(update)`` runs after each load."""
+                 on_loaded: OnLoaded | None = None, on_error: Callable[[str], None] | None = None,
+                 retry_s: Sequence[float] = (0.5, 1.0, 2.0, 4.0)) -> None:
+        """``fetch`` gets an update's verified blob; ``on_loaded(update)`` runs after each load,
+        ``on_error(message)`` after each failed one; ``retry_s`` are the delays before each
+        new try of a fetch that failed with :class:`TransientFetchError`."""
         self.run = run
         self.backend = backend
         self.max_batch_size = max_batch_size
-        self.error: WeightsUnavailable | None = None
+        self.load_error: str | None = None  # why the last load failed; None once one succeeds
         self._fetch = fetch
         self._on_loaded = on_loaded
+        self._on_error = on_error
+        self._retry_s = tuple(retry_s)
         self._lock = asyncio.Lock()  # one batch or one swap at a time
         self._queue: deque[_Request] = deque()
         self._queued = asyncio.Event()
-        self._wanted: events.WeightUpdate | None = None
+        self._offers: dict[int, events.WeightUpdate] = {}  # version -> update, in arrival order: not tried yet
         self._offered = asyncio.Event()
-        self._state = asyncio.Condition()  # notified when weights load or fail
+        self._loaded = asyncio.Event()  # set once the first weights are loaded
         self._tasks = [asyncio.ensure_future(self._batches()), asyncio.ensure_future(self._updates())]
         for t in self._tasks:
             t.add_done_callback(self._loop_ended)
@@ -95,49 +122,71 @@ class Policy:
     # --- weights ------------------------------------------------------------------------------
 
     def offer(self, update: events.WeightUpdate) -> None:
-        """A weight update was seen; load it unless a newer one is already wanted or loaded."""
-        known = [v for v in (self.version, None if self._wanted is None else self._wanted.version) if v is not None]
-        if not known or update.version > max(known):
-            self._wanted = update
-            self._offered.set()
+        """A weight update was seen; it will be tried unless its version is not above the loaded one."""
+        if self.version is not None and update.version <= self.version:
+            return
+        # A later update of the same version replaces it; the oldest arrivals go first, so a
+        # burst of bogus high versions cannot push out a real update that comes after them.
+        self._offers.pop(update.version, None)
+        self._offers[update.version] = update
+        while len(self._offers) > MAX_OFFERED:
+            del self._offers[next(iter(self._offers))]
+        self._offered.set()
 
     async def wait_ready(self) -> int:
-        """Wait until the run's weights are loaded (the first update); returns their version.
-
-        Raises :class:`WeightsUnavailable` while the latest update failed to load.
-        """
-        async with self._state:
-            await self._state.wait_for(lambda: self.version is not None or self.error is not None)
-            if self.error is not None:
-                raise self.error
-            assert self.version is not None
-            return self.version
+        """Wait until the run's first weights are loaded, however long; returns the loaded version."""
+        await self._loaded.wait()
+        assert self.version is not None
+        return self.version
 
     async def swap(self, data: bytes, version: int) -> None:
         async with self._lock:
             await asyncio.to_thread(self.backend.swap, data, version)
 
+    async def _fetch_with_retries(self, update: events.WeightUpdate) -> bytes:
+        num_tries = 0
+        while True:
+            try:
+                return await self._fetch(update)
+            except TransientFetchError as exc:
+                if num_tries == len(self._retry_s):
+                    raise
+                delay_s = self._retry_s[num_tries]
+                num_tries += 1
+                log.warning("run %s: weights version %d: %s; trying again in %.1fs", self.run, update.version,
+                            exc, delay_s)
+                await asyncio.sleep(delay_s)
+
     async def _updates(self) -> None:
         while True:
             await self._offered.wait()
             self._offered.clear()
-            update = self._wanted
-            assert update is not None
-            try:
-                await self.swap(await self._fetch(update), update.version)
-            except Exception as exc:  # noqa: BLE001 - kept as the run's error, raised to every sampler
-                error: WeightsUnavailable | None = WeightsUnavailable(
-                    f"run {self.run!r}: weights version {update.version} ({update.uri}) could not be loaded: "
-                    f"{type(exc).__name__}: {exc}")
-                log.error("%s", error, exc_info=exc)
-            else:
-                error = None
+            while self._offers:
+                update = self._offers.pop(max(self._offers))
+                if self.version is not None and update.version <= self.version:
+                    continue
+                try:
+                    await self.swap(await self._fetch_with_retries(update), update.version)
+                except Exception as exc:  # noqa: BLE001 - the run keeps its weights; reported, not raised
+                    self._failed(update, exc)
+                    continue
+                self.load_error = None
+                self._loaded.set()
                 log.info("run %s: weights version %d loaded", self.run, update.version)
-            async with self._state:
-                self.error = error
-                self._state.notify_all()
-            if error is None and self._on_loaded is not None:
-                await self._on_loaded(update)
+                for version in [v for v in self._offers if v <= update.version]:
+                    del self._offers[version]
+                if self._on_loaded is not None:
+                    await self._on_loaded(update)
+
+    def _failed(self, update: events.WeightUpdate, exc: Exception) -> None:
+        cause = exc.__cause__ if isinstance(exc, TransientFetchError) and exc.__cause__ is not None else exc
+        now = (f"the run stays on version {self.version}" if self.version is not None
+               else "the run has no weights loaded yet: its tasks wait for an update that loads")
+        self.load_error = (f"weights version {update.version} ({update.uri}) could not be loaded: "
+                           f"{type(cause).__name__}: {cause}; {now}")
+        log.error("run %s: %s", self.run, self.load_error)
+        if self._on_error is not None:
+            self._on_error(self.load_error)
 
     # --- sampling -----------------------------------------------------------------------------
 
@@ -149,10 +198,10 @@ class Policy:
         never fails the batch it would join.
         """
         self.check(prompts, sampling)
-        if self.error is not None:
-            raise self.error
         if self.version is None:
-            raise WeightsUnavailable(f"run {self.run!r}: no weights loaded yet (waiting for version 0)")
+            why = f" (the last update failed: {self.load_error})" if self.load_error else ""
+            raise WeightsUnavailable(f"run {self.run!r}: no weights loaded yet{why}; waiting for the trainer's "
+                                     "weights (version 0 comes after its warm-up)")
         seeds = seeds if seeds is not None else [None if sampling.seed is None else sampling.seed + i
                                                  for i in range(len(prompts))]
         loop = asyncio.get_running_loop()

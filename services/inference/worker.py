@@ -1,33 +1,60 @@
 """The inference worker: tasks in, trace nodes and rollouts out, weight updates applied.
 
 - Tasks come from one durable pull consumer on TASKS (``inference``), shared by every
-  replica. A task is rolled out ``num_rollouts`` times as one group: the run's environment
-  (loaded as every service loads it, :func:`flywheel.environment.load_for_run`) runs its
-  harness once per rollout, each against its own interception URL
-  (:mod:`flywheel_inference.interception`), which samples from the run's policy and
-  publishes trace nodes as the calls complete; the group's rollouts go out together when
-  every harness has ended.
+  replica. Its ack wait is short (``ack_wait_s``, 5 s; the bus layer sends ``in_progress``
+  every third of it for a task still being worked on, so a long rollout is not
+  redelivered): the tasks a killed replica held reach another one within seconds instead
+  of blocking the durable's ``max_ack_pending``. A task is rolled out ``num_rollouts``
+  times as one group: the run's environment (loaded as every service loads it,
+  :func:`flywheel.environment.load_for_run`) runs its harness once per rollout, each
+  against its own interception URL (:mod:`flywheel_inference.interception`), which samples
+  from the run's policy and publishes trace nodes as the calls complete; the group's
+  rollouts go out together when every harness has ended.
 - Each run named by a task gets a :class:`HostedRun` on first sight: its config (from the
   runs KV bucket), its policy (the run's model, loaded once) and its admission counters.
-  No rollout is sampled before the run's first weight update (version 0, published by
-  the trainer after any warm-up) is loaded, so inference and trainer start from the same
+  No rollout is sampled before the run's first weights (version 0, published by the
+  trainer after any warm-up) are loaded, so inference and trainer start from the same
   weights.
-- Weight updates come from an ordered consumer on WEIGHTS that starts at the last update
-  of every run, so each replica sees every update and a late one catches up. The run's
-  policy loads the newest update it has seen; once loaded, the update advances the
-  run's admission bound, so the rollouts it lets in are sampled by the new weights.
+- Run states come from a watcher on the runs bucket, which keeps every run's current
+  state; a task is checked against it when it arrives (:func:`flywheel.runs.end_of`).
+  When a run ends (finished, failed, stopped, or abandoned: its owner's lease expired,
+  which is checked every ``LEASE_CHECK_S`` since nothing writes the state when an owner
+  dies), its waiting tasks are released at once (acked, counted as ``num_skipped``), so
+  they stop holding the consumer's slots and other runs get inference.
+- Weight updates come from an ordered consumer on WEIGHTS (:func:`flywheel.bus.watch`)
+  that starts at the last message of every run's subject, so each replica sees every
+  update and a late one catches up; a payload there that is not an update of that run
+  (garbage, another event, another run's update) is skipped and dead-lettered once (the
+  same letter from every replica and restart). A run hosted before any update of it was
+  seen (the last message on its subject was not one) reads its subject from the start
+  for its last real update. The run's policy loads the newest update; once loaded, the
+  update advances the run's admission bound. A bogus update (a blob that does not verify)
+  leaves the run on its weights (:mod:`flywheel_inference.policy`).
+
+Delivery is at least once (a server restart loses acks; a replica dies mid-task), and
+budgets count what reached the bus, never attempts: rollout ids hash (task id, index), so
+the bus keeps one copy of a group rolled out twice, and admission keeps only the rollouts
+the bus stored (:mod:`flywheel_inference.admission`); this process remembers the tasks it
+published (the last ``MAX_RECORDED_TASKS`` per run) and acks such a task again without
+rolling it out, and a second delivery of a task still in flight here waits for the first
+one's outcome instead of running it twice.
 
 A task waiting for its run's admission holds one of the consumer's ``max_tasks_in_flight``
 slots, so a run far ahead of its trainer can delay other runs' tasks (the bound is per
 process, not per run). A run's config is read once, when the run is first seen.
 
-Failures: a task that can never succeed (an environment that does not load, a row that
-does not match the task set's schema, bad sampling settings, a group larger than the
-admission bounds) is dead-lettered at once with the reason; a run without a config yet, or
-whose weights failed to load, fails the delivery, which the bus retries with backoff before
-dead-lettering it. A harness that raises, runs past ``rollout_timeout_s`` or never calls the
-model gives a rollout with status ``error`` and the reason (scored, never trained on); the
-service goes on.
+Failures: a task that can never succeed is dead-lettered at once with the reason: its run
+is not in the runs bucket, has no config, or its state does not decode (a run is
+registered with its config before its tasks are published, so waiting cannot help); it
+was published after its run ended; its environment does not load; its row does not match
+the task set's schema; bad sampling settings; a group larger than the admission bounds. A
+task left over from before its run ended is acked and counted as skipped. Anything else
+(the model fails to build, the bus fails) fails the delivery, which the bus retries with
+backoff before dead-lettering it. A harness that raises, runs past ``rollout_timeout_s`` or
+never calls the model gives a rollout with status ``error`` and the reason (scored, never
+trained on); the service goes on. Not covered: the record of published tasks is per
+process, so a task redelivered to another replica is rolled out again there (its copies
+are dropped by the bus within its duplicate window, and not counted).
 """
 
 from __future__ import annotations
@@ -35,29 +62,37 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import timezone
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import nats.errors
-from nats.js.api import DeliverPolicy
+import nats.js.errors
+from nats.js.api import ConsumerConfig, DeliverPolicy, PubAck
 
 from flywheel import events
-from flywheel.bus import HEADER_CONTENT_TYPE, Bus, Consumer, Delivery, Reject
+from flywheel.bus import RUNS_BUCKET, Bus, Consumer, Delivery, Reject, Undecodable, decode_message, watch
 from flywheel.config import RunConfig
 from flywheel.environment import Environment, EnvironmentLoadError, load_for_run
-from flywheel.runs import get_run, watch_runs
+from flywheel.runs import BadRunState, end_of, get_run, watch_runs
 from flywheel.service import Service
 from flywheel_inference.admission import Admission, RunEnded
 from flywheel_inference.backends import Backend, build_backend
 from flywheel_inference.interception import Interception
-from flywheel_inference.policy import Policy
+from flywheel_inference.policy import MAX_OFFERED, Policy, TransientFetchError
 
 log = logging.getLogger(__name__)
 
 DURABLE = "inference"
+WEIGHTS_WATCHER = "inference-weights"  # the weights watcher's name on its dead letters
+# Task ids whose group this process published, remembered per run: a redelivery comes
+# within a few ack waits, so the last few thousand are plenty.
+MAX_RECORDED_TASKS = 4096
+LEASE_CHECK_S = 1.0  # how often hosted runs are checked for an expired owner's lease
 
 
 def rollout_id(task_id: str, index: int) -> str:
@@ -77,7 +112,9 @@ class WorkerConfig:
     # Tasks handled at once (each holding its group's rollouts in flight or waiting for
     # admission): enough for several groups to share a batch.
     max_tasks_in_flight: int = 32
-    ack_wait_s: float = 30.0
+    # How soon the tasks of a replica that died go to another one; work still running is
+    # kept alive with in_progress every third of it.
+    ack_wait_s: float = 5.0
     max_deliver: int = 5
     backoff_s: tuple[float, ...] = (1.0, 5.0, 15.0, 30.0)
     grace_s: float = 10.0
@@ -97,10 +134,19 @@ class HostedRun:
         return events.Sampling(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens, stop=list(s.stop))
 
     def counters(self) -> dict[str, Any]:
-        return {"policy_version": self.policy.version, **self.admission.counters()}
+        return {"policy_version": self.policy.version, "weights_error": self.policy.load_error,
+                **self.admission.counters()}
 
 
 BuildBackend = Callable[[RunConfig], Backend]
+
+
+def _fetch_is_transient(exc: Exception) -> bool:
+    """A fetch failure worth another try: the server restarting or slow. A blob that is missing
+    or does not verify (ValueError) stays so."""
+    if isinstance(exc, nats.js.errors.APIError):
+        return isinstance(exc, nats.js.errors.ServiceUnavailableError)
+    return isinstance(exc, (nats.errors.Error, TimeoutError, ConnectionError))
 
 
 class Worker:
@@ -111,8 +157,11 @@ class Worker:
         self._build = build
         self._runs: dict[str, HostedRun] = {}
         self._starting: dict[str, asyncio.Future[HostedRun]] = {}
-        self._latest: dict[str, events.WeightUpdate] = {}  # newest update seen per run
-        self._ended: set[str] = set()  # runs whose state says finished or failed
+        self._states: dict[str, events.RunState] = {}  # every run's current state, kept by watch_runs
+        self._updates: dict[str, dict[int, events.WeightUpdate]] = {}  # newest few per run not hosted yet
+        self._published: dict[str, OrderedDict[str, None]] = {}  # per run: tasks whose group went out
+        self._in_flight: dict[tuple[str, str], asyncio.Event] = {}  # (run, task id) -> set when handled
+        self._num_skipped: dict[str, int] = {}  # rollouts of skipped tasks of runs not hosted here
         self._environments: dict[str, Environment] = {}
         self.interception = Interception()
         self._asgi_client: Any = None
@@ -171,18 +220,23 @@ class Worker:
         log.info("run %s: loading model %s (%s backend)", run, cfg.model.name, cfg.inference.backend)
         backend = await asyncio.to_thread(self._build, cfg)
         admission = Admission.for_run(cfg, num_issued=num_issued, on_change=self._refresh_info)
-        admission.ended = run in self._ended
+        admission.num_skipped = self._num_skipped.pop(run, 0)
+        state = self._states.get(run)
+        end = end_of(state) if state is not None else None
+        admission.ended = end.reason if end is not None else None
 
         async def loaded(update: events.WeightUpdate) -> None:
             await admission.advance(update.version, int(update.metrics.get("num_dropped_total", 0)))
             self._refresh_info()  # the policy version, even when the admission bound stays
 
-        policy = Policy(run, backend, self._fetch, cfg.inference.max_batch_size, on_loaded=loaded)
+        policy = Policy(run, backend, self._fetch, cfg.inference.max_batch_size, on_loaded=loaded,
+                        on_error=lambda _: self._refresh_info())
         hosted = HostedRun(cfg, policy, admission)
         self._runs[run] = hosted
-        if run in self._latest:
-            policy.offer(self._latest[run])
         self._refresh_info()
+        seen = self._updates.pop(run, {})
+        for update in sorted(seen.values() or await self._stored_updates(run), key=lambda u: u.version):
+            policy.offer(update)
         return hosted
 
     async def _num_rollouts_published(self, run: str) -> int:
@@ -192,7 +246,12 @@ class Worker:
     async def _fetch(self, update: events.WeightUpdate) -> bytes:
         from flywheel import weights
 
-        return await weights.get(self.bus, update)
+        try:
+            return await weights.get(self.bus, update)
+        except Exception as exc:
+            if _fetch_is_transient(exc):
+                raise TransientFetchError(f"{type(exc).__name__}: {exc}") from exc
+            raise
 
     def environment(self, run: str, config: RunConfig) -> Environment:
         """The run's environment, loaded once as every service loads it (its config's env, args, rewards)."""
@@ -202,65 +261,158 @@ class Worker:
 
     def _refresh_info(self) -> None:
         """Keep the heartbeat's counters current (called on every change of a run's counters)."""
-        self.info["runs"] = {run: hosted.counters() for run, hosted in self._runs.items()}
+        runs: dict[str, Any] = {run: {"num_skipped": n} for run, n in self._num_skipped.items()}
+        self.info["runs"] = runs | {run: hosted.counters() for run, hosted in self._runs.items()}
 
     # --- weights ------------------------------------------------------------------------------
 
     async def on_weight_update(self, update: events.WeightUpdate) -> None:
-        latest = self._latest.get(update.run)
-        if latest is not None and latest.version >= update.version:
-            return
-        self._latest[update.run] = update
         if update.run in self._runs:
             self._runs[update.run].policy.offer(update)
+            return
+        seen = self._updates.setdefault(update.run, {})  # offered when the run is hosted: the last few
+        seen.pop(update.version, None)
+        seen[update.version] = update
+        while len(seen) > MAX_OFFERED:
+            del seen[next(iter(seen))]
 
     async def watch_weights(self, stopping: asyncio.Event) -> None:
-        """Every weight update of every run, from the last one per run on, until ``stopping``."""
-        sub = await self.bus.js.subscribe("weights.>", ordered_consumer=True,
-                                          deliver_policy=DeliverPolicy.LAST_PER_SUBJECT)
+        """Every weight update of every run, from the last message per run on, until ``stopping``;
+        what is not an update of its subject's run is skipped and dead-lettered once."""
+        async for update in watch(self.bus, "weights.>", events.WeightUpdate, stopping, watcher=WEIGHTS_WATCHER,
+                                  last_per_subject=True):
+            await self.on_weight_update(update)
+
+    async def _stored_updates(self, run: str) -> list[events.WeightUpdate]:
+        """The run's newest updates in WEIGHTS, read from the first message of its subject (what
+        does not decode is skipped: the weights watcher dead-letters it)."""
+        subject = f"weights.{run}"
+        info = await self.bus.js.stream_info("WEIGHTS", subjects_filter=subject)
+        if not (info.state.subjects or {}).get(subject):
+            return []
         decoder = events.Decoder(events.WeightUpdate)
+        found: dict[int, events.WeightUpdate] = {}
+        sub = await self.bus.js.subscribe(subject, stream="WEIGHTS", ordered_consumer=True,
+                                          config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL))
         try:
-            while not stopping.is_set():
+            while True:
+                msg = await sub.next_msg(timeout=self.bus.config.request_timeout_s)
                 try:
-                    msg = await sub.next_msg(timeout=0.5)
-                except nats.errors.TimeoutError:
-                    continue
-                update = decoder.decode(msg.data, (msg.headers or {}).get(HEADER_CONTENT_TYPE))
-                await self.on_weight_update(update)
+                    update = decode_message(decoder, msg)
+                except Undecodable:
+                    pass
+                else:
+                    found[update.version] = update
+                if msg.metadata.num_pending == 0:
+                    break
         finally:
             await sub.unsubscribe()
+        return sorted(found.values(), key=lambda u: u.version)[-MAX_OFFERED:]
 
     def service(self, handle_signals: bool = True) -> Service:
-        """The process's Service: the TASKS consumer, the weights and run-state watchers."""
+        """The process's Service: the TASKS consumer, the weights and run-state watchers, the lease check."""
         service = Service("inference", self.bus, info=self.info, handle_signals=handle_signals)
         service.add(self.consumer())
         service.add_task(self.watch_weights)
         service.add_task(self.watch_runs)
+        service.add_task(self.watch_leases)
         return service
 
     # --- run state ---------------------------------------------------------------------------
 
     async def watch_runs(self, stopping: asyncio.Event) -> None:
-        """End admission for runs whose state becomes finished or failed, until ``stopping``."""
+        """Keep every run's current state, and release the waiting tasks of runs that end, until
+        ``stopping``. Entries that do not decode are skipped (:func:`flywheel.runs.watch_runs`)."""
 
         async def on_state(state: events.RunState) -> None:
-            if state.status in ("finished", "failed"):
-                self._ended.add(state.id)
-                if state.id in self._runs:
-                    await self._runs[state.id].admission.end()
+            self._states[state.id] = state
+            await self._check_end(state.id)
 
         await watch_runs(self.bus, stopping, on_state)
+
+    async def watch_leases(self, stopping: asyncio.Event) -> None:
+        """Every LEASE_CHECK_S, end the hosted runs whose owner's lease expired: a dead owner
+        writes nothing, so no state change announces it."""
+        while not stopping.is_set():
+            for run in list(self._runs):
+                await self._check_end(run)
+            try:
+                await asyncio.wait_for(stopping.wait(), LEASE_CHECK_S)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _check_end(self, run: str) -> None:
+        hosted, state = self._runs.get(run), self._states.get(run)
+        if hosted is None or state is None:
+            return
+        end = end_of(state)
+        reason = end.reason if end is not None else None
+        if reason != hosted.admission.ended:
+            log.info("run %s: %s", run, f"{reason}; its waiting tasks are released" if reason else "takes tasks again")
+        await hosted.admission.set_ended(reason)
+
+    async def _run_state(self, run: str, fresh: bool = False) -> events.RunState:
+        """The run's current state (the watcher's; read from the bucket when ``fresh`` or when
+        the watcher has none with a config yet); Reject when the run cannot take tasks, and
+        never will."""
+        state = self._states.get(run)
+        if state is not None and state.config and not fresh:
+            return state
+        try:
+            state = await get_run(self.bus, run)
+        except BadRunState as exc:
+            raise Reject(f"{exc}; inference cannot tell the run's model and sampling") from None
+        if state is None:
+            raise Reject(f"run {run!r} is not in the runs bucket ({RUNS_BUCKET}): publish tasks to a run that "
+                         "`flywheel run CONFIG` registered (it writes the run's config before its tasks)")
+        if not state.config:
+            raise Reject(f"run {run!r} has no config (RunState.config is empty), so inference does not know its "
+                         "model and sampling: publish tasks to a run that `flywheel run CONFIG` registered "
+                         "(it writes the run's config before its tasks)")
+        return state
 
     # --- tasks --------------------------------------------------------------------------------
 
     async def handle(self, delivery: Delivery) -> None:
+        """One delivery of a task: rolled out once per process, however often it is delivered."""
+        task: events.Task = delivery.event
+        key = (task.run, task.id)
+        while (first := self._in_flight.get(key)) is not None:
+            await first.wait()  # delivered again while the first delivery runs: its outcome decides
+        if task.id in self._published.get(task.run, ()):
+            log.info("task %s: its group was published already (delivery %d); acked", task.id,
+                     delivery.num_delivered)
+            return
+        done = self._in_flight[key] = asyncio.Event()
+        try:
+            await self._handle(task)
+        finally:
+            del self._in_flight[key]
+            done.set()
+
+    async def _handle(self, task: events.Task) -> None:
         from flywheel import models
 
-        task: events.Task = delivery.event
-        if task.run in self._ended:
-            log.info("task %s: run %s has ended; not sampled", task.id, task.run)
-            return
-        hosted = await self.hosted(task.run)
+        end = end_of(await self._run_state(task.run))
+        if end is not None:  # confirmed by a fresh read: the watcher may not have seen a resume yet
+            state = await self._run_state(task.run, fresh=True)
+            cached = self._states.get(task.run)
+            if cached is None or cached.updated_at <= state.updated_at:
+                self._states[task.run] = state
+                await self._check_end(task.run)
+            end = end_of(state)
+        if end is not None:
+            created_at = task.created_at if task.created_at.tzinfo else task.created_at.replace(tzinfo=timezone.utc)
+            if created_at < end.since:  # left over from the task supply
+                self._skip(task, end.reason)
+                return
+            raise Reject(f"task {task.id} was published at {task.created_at.isoformat()}, after the run ended: "
+                         f"{end.reason}. An ended run takes no tasks: register a new run (`flywheel run CONFIG`) "
+                         "and publish the task to it")
+        try:
+            hosted = await self.hosted(task.run)
+        except (UnknownRun, ValueError) as exc:  # deleted meanwhile, or a config that does not parse
+            raise Reject(str(exc)) from exc
         try:
             env = self.environment(task.run, hosted.config)
         except EnvironmentLoadError as exc:
@@ -283,20 +435,54 @@ class Worker:
         except ValueError as exc:
             raise Reject(f"task {task.id}: {exc}") from exc
         try:
-            await hosted.policy.wait_ready()
-            async with hosted.admission.slot(task.num_rollouts):
-                await self._roll_out(task, env, sampling, hosted)
-        except RunEnded:
-            # Left over when the run ended: done with, not an error (counted as num_skipped).
-            log.info("task %s: run %s has ended; not sampled", task.id, task.run)
+            async with hosted.admission.slot(task.num_rollouts) as slot:
+                slot.num_stored = await self._roll_out(task, env, sampling, hosted)
+        except RunEnded as exc:
+            # Waiting when the run ended: done with, not an error (counted as num_skipped).
+            log.info("task %s: not sampled: %s", task.id, exc)
+            return
+        record = self._published.setdefault(task.run, OrderedDict())
+        record[task.id] = None
+        if len(record) > MAX_RECORDED_TASKS:
+            record.popitem(last=False)
+
+    def _skip(self, task: events.Task, reason: str) -> None:
+        log.info("task %s: not sampled (published before the run ended): %s", task.id, reason)
+        if task.run in self._runs:
+            self._runs[task.run].admission.skip(task.num_rollouts)
+        else:
+            self._num_skipped[task.run] = self._num_skipped.get(task.run, 0) + task.num_rollouts
+            self._refresh_info()
 
     async def _roll_out(self, task: events.Task, env: Environment, sampling: events.Sampling,
-                        hosted: HostedRun) -> None:
+                        hosted: HostedRun) -> int:
         """Run the environment's harness once per rollout of the group, each against its own
-        interception URL, and publish the group's rollouts together once all have ended."""
+        interception URL, and publish the group's rollouts together once all have ended;
+        returns how many of them the bus stored (the others it had already)."""
         results = await asyncio.gather(*(self._one_rollout(task, i, env, sampling, hosted)
                                          for i in range(task.num_rollouts)))
-        await self.bus.publish_many(results, events.MSGPACK)
+        acks = await self.bus.publish_many(results, events.MSGPACK)
+        return await self._num_stored(results, acks)
+
+    async def _num_stored(self, rollouts: Sequence[events.Rollout], acks: Sequence[PubAck]) -> int:
+        """How many of ``rollouts`` this publish stored. A duplicate's ack names the stored copy:
+        the same bytes are this publish's own (its ack was lost and it was sent again); other
+        bytes were sampled by an earlier delivery of the task (another process, or before a restart)."""
+        num_stored = 0
+        for rollout, ack in zip(rollouts, acks, strict=True):
+            if not ack.duplicate:
+                num_stored += 1
+                continue
+            try:
+                stored = await self.bus.js.get_msg(ack.stream, ack.seq)
+            except nats.js.errors.NotFoundError:  # gone already (the stream's limits): not this one's
+                continue
+            if stored.data == events.encode(rollout, events.MSGPACK):
+                num_stored += 1
+        if num_stored < len(rollouts):
+            log.info("task %s: %d of its %d rollouts were on the bus already (an earlier delivery); not counted",
+                     rollouts[0].task_id, len(rollouts) - num_stored, len(rollouts))
+        return num_stored
 
     async def _one_rollout(self, task: events.Task, index: int, env: Environment, sampling: events.Sampling,
                            hosted: HostedRun) -> events.Rollout:

@@ -5,7 +5,7 @@ the pipeline to the trainer; new weights change what is sampled and the recorded
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,6 @@ from flywheel.service import Service
 from flywheel_inference.worker import Worker, WorkerConfig
 from tests.helpers import until
 
-StartWorker = Callable[[], Awaitable[Worker]]
 
 
 async def create_run(bus: Bus, model_dir: Path, run: str = "r1", **overrides: Any) -> RunConfig:
@@ -64,28 +63,42 @@ async def count(bus: Bus, stream: str) -> int:
     return (await bus.js.stream_info(stream)).state.messages
 
 
-@pytest.fixture
-async def start_worker(nats_server: NatsServer, tmp_path: Path) -> AsyncIterator[StartWorker]:
-    """Starts the worker as the process does (its Service: consumer, weights and run watchers)."""
-    started: list[tuple[Service, asyncio.Future[None], Worker]] = []
+class Workers:
+    """Starts workers as the process does (each its own connection and Service: the consumer,
+    the weights and run-state watchers, the heartbeat); stops them, by their handle."""
 
-    async def start() -> Worker:
-        wbus = await Bus.connect(nats_server.url, name="inference")
-        worker = Worker.with_backends(wbus, tmp_path / "data",
-                                      WorkerConfig(backoff_s=(0.2,), max_deliver=50))
+    def __init__(self, url: str, data_dir: Path) -> None:
+        self.url = url
+        self.data_dir = data_dir
+        self.started: dict[int, tuple[Service, asyncio.Future[None], Worker]] = {}
+
+    async def __call__(self, config: WorkerConfig | None = None) -> Worker:
+        wbus = await Bus.connect(self.url, name="inference")
+        worker = Worker.with_backends(wbus, self.data_dir, config or WorkerConfig(backoff_s=(0.2,), max_deliver=50))
         service = worker.service(handle_signals=False)
-        started.append((service, asyncio.ensure_future(service.run()), worker))
+        self.started[id(worker)] = (service, asyncio.ensure_future(service.run()), worker)
         return worker
 
-    yield start
-    for service, running, worker in started:
+    async def stop(self, worker: Worker) -> None:
+        """Stop one worker through its shutdown path; raises what its service died of, if it did."""
+        service, running, _ = self.started.pop(id(worker))
         service.stop()
-        await running
-        await worker.close()
+        try:
+            await running
+        finally:
+            await worker.close()
+
+
+@pytest.fixture
+async def start_worker(nats_server: NatsServer, tmp_path: Path) -> AsyncIterator[Workers]:
+    workers = Workers(nats_server.url, tmp_path / "data")
+    yield workers
+    for _, _, worker in list(workers.started.values()):
+        await workers.stop(worker)
 
 
 async def test_tasks_become_groups_of_rollouts_with_trace_nodes(bus: Bus, tiny_model_dir: Path,
-                                                                start_worker: StartWorker) -> None:
+                                                                start_worker: Workers) -> None:
     await create_run(bus, tiny_model_dir)
     base, tok = models.load_model(tiny_model_dir)
     await publish_weights(bus, "r1", 0, base)
@@ -146,7 +159,7 @@ async def count_is(bus: Bus, stream: str, n: int) -> bool:
 
 
 async def test_admission_holds_sampling_to_the_trainer_and_new_weights_take_over(
-        bus: Bus, tiny_model_dir: Path, start_worker: StartWorker) -> None:
+        bus: Bus, tiny_model_dir: Path, start_worker: Workers) -> None:
     await create_run(bus, tiny_model_dir)  # batch_size 8, max_off_policy_steps 0: 8 rollouts per version
     worker = await start_worker()
     seeded = events.Sampling(max_tokens=8, seed=7)
@@ -183,7 +196,7 @@ async def test_admission_holds_sampling_to_the_trainer_and_new_weights_take_over
 
 
 async def test_a_corrupt_blob_is_not_loaded_and_the_next_good_one_is(bus: Bus, tiny_model_dir: Path,
-                                                                     start_worker: StartWorker) -> None:
+                                                                     start_worker: Workers) -> None:
     await create_run(bus, tiny_model_dir)
     base, _ = models.load_model(tiny_model_dir)
     good = await publish_weights(bus, "r1", 0, base)
@@ -191,18 +204,21 @@ async def test_a_corrupt_blob_is_not_loaded_and_the_next_good_one_is(bus: Bus, t
     await bus.publish(corrupt)
     worker = await start_worker()
     await bus.publish(events.Task(id="t0", run="r1", env="reverse_text", data={"text": "abc"}, num_rollouts=4))
-    await until(lambda: "r1" in worker._runs and worker._runs["r1"].policy.error is not None,
-                what="the failed load")
-    assert "weights version 1" in str(worker._runs["r1"].policy.error)
-    assert "sha256" in str(worker._runs["r1"].policy.error)
-    assert await count(bus, "ROLLOUTS") == 0
+    # The replica starts at the last update, which fails: with no weights at all, the failure
+    # is reported and the task waits (it is not failed because of a bogus update).
+    await until(lambda: worker.info["runs"].get("r1", {}).get("weights_error") is not None, what="the failed load")
+    error = worker.info["runs"]["r1"]["weights_error"]
+    assert "weights version 1" in error and "sha256" in error and "no weights loaded yet" in error, error
+    assert worker.info["runs"]["r1"]["num_waiting"] == 4
+    assert await count(bus, "ROLLOUTS") == 0 and await count(bus, "DEAD") == 0
     await publish_weights(bus, "r1", 2, base)
     await until(lambda: count_is(bus, "ROLLOUTS", 4), timeout_s=30, what="the task, once version 2 loads")
     assert {r.policy_version for r in await stored(bus, "ROLLOUTS", events.Rollout)} == {2}
+    assert worker.info["runs"]["r1"]["weights_error"] is None
 
 
 async def test_tasks_left_when_the_run_ends_are_released_not_held(
-        bus: Bus, tiny_model_dir: Path, start_worker: StartWorker) -> None:
+        bus: Bus, tiny_model_dir: Path, start_worker: Workers) -> None:
     cfg = await create_run(bus, tiny_model_dir)  # 8 rollouts per version
     worker = await start_worker()
     await bus.publish_many([events.Task(id=f"t{i}", run="r1", env="reverse_text", data={"text": "abcd"},
@@ -223,5 +239,7 @@ async def test_tasks_left_when_the_run_ends_are_released_not_held(
 
     await until(nothing_held, timeout_s=15, what="the leftover tasks acked")
     await bus.publish(events.Task(id="late", run="r1", env="reverse_text", data={"text": "ab"}, num_rollouts=4))
-    await until(nothing_held, timeout_s=15, what="a task of the ended run acked at once")
+    await until(nothing_held, timeout_s=15, what="a task published after the end, dead-lettered at once")
+    (letter,) = await stored(bus, "DEAD", events.DeadLetter)
+    assert "after the run ended" in letter.reason and "register a new run" in letter.reason, letter.reason
     assert await count(bus, "ROLLOUTS") == 8

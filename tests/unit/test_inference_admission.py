@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from flywheel.config import RunConfig
-from flywheel_inference.admission import Admission
+from flywheel_inference.admission import Admission, RunEnded
 from tests.helpers import until
 
 
@@ -17,6 +17,8 @@ def test_the_bound_follows_the_trainer_step() -> None:
                            "inference": {"max_rollouts_in_flight": 16}})
     a = Admission.for_run(cfg, num_issued=20)
     assert a.max_issued == (0 + 2 + 1) * 8 == 24
+    assert not a.fits(1)  # nothing before the first weights are loaded
+    a.weights_loaded = True
     assert a.fits(4) and not a.fits(5)
     a.trainer_step = 3
     assert a.max_issued == 48 and a.fits(16) and not a.fits(17)  # 17 > max_rollouts_in_flight
@@ -31,7 +33,7 @@ def test_groups_that_could_never_be_admitted_are_refused_naming_the_field() -> N
 
 
 async def test_a_group_waits_for_the_next_weight_version() -> None:
-    a = Admission(batch_size=8, max_off_policy_steps=0, max_in_flight=64)
+    a = Admission(batch_size=8, max_off_policy_steps=0, max_in_flight=64, weights_loaded=True)
     admitted: list[int] = []
     release = asyncio.Event()
 
@@ -43,7 +45,7 @@ async def test_a_group_waits_for_the_next_weight_version() -> None:
     tasks = [asyncio.ensure_future(group(i)) for i in range(3)]
     await until(lambda: len(admitted) == 2 and a.num_waiting == 4, what="two groups in, one waiting")
     assert a.counters() == {"trainer_step": 0, "num_dropped": 0, "max_issued": 8, "num_issued": 8, "num_in_flight": 8,
-                            "num_waiting": 4, "num_skipped": 0}
+                            "num_waiting": 4, "num_skipped": 0, "ended": None}
     release.set()
     await until(lambda: a.num_in_flight == 0, what="the first two done")
     assert len(admitted) == 2  # done is not enough: the trainer has not stepped
@@ -53,7 +55,7 @@ async def test_a_group_waits_for_the_next_weight_version() -> None:
 
 
 async def test_in_flight_is_bounded_and_a_failed_group_gives_its_allowance_back() -> None:
-    a = Admission(batch_size=100, max_off_policy_steps=0, max_in_flight=4)
+    a = Admission(batch_size=100, max_off_policy_steps=0, max_in_flight=4, weights_loaded=True)
     release = asyncio.Event()
 
     async def hold() -> None:
@@ -71,14 +73,8 @@ async def test_in_flight_is_bounded_and_a_failed_group_gives_its_allowance_back(
     assert a.num_issued == 8 and a.num_in_flight == 0
 
 
-async def test_when_the_run_ends_waiting_tasks_are_released_and_new_ones_refused() -> None:
-    import asyncio
-
-    import pytest
-
-    from flywheel_inference.admission import Admission, RunEnded
-
-    a = Admission(batch_size=4, max_off_policy_steps=0, max_in_flight=8)
+async def test_when_the_run_ends_waiting_tasks_are_released_and_new_ones_refused_until_it_resumes() -> None:
+    a = Admission(batch_size=4, max_off_policy_steps=0, max_in_flight=8, weights_loaded=True)
     async with a.slot(4):
         pass
     outcome: list[str] = []
@@ -87,18 +83,56 @@ async def test_when_the_run_ends_waiting_tasks_are_released_and_new_ones_refused
         try:
             async with a.slot(4):
                 outcome.append("sampled")
-        except RunEnded:
-            outcome.append("ended")
+        except RunEnded as exc:
+            outcome.append(str(exc))
 
     waiting = asyncio.ensure_future(wait_for_room())
     await until(lambda: a.num_waiting == 4, what="the task to wait for room")
-    assert a.num_waiting == 4 and not waiting.done()
-    await a.end()
+    assert not waiting.done()
+    await a.set_ended("run 'r' is abandoned")
     await waiting
-    assert outcome == ["ended"] and a.num_skipped == 4 and a.num_waiting == 0
-    with pytest.raises(RunEnded):
+    assert outcome == ["run 'r' is abandoned"] and a.num_skipped == 4 and a.num_waiting == 0
+    with pytest.raises(RunEnded, match="abandoned"):
         async with a.slot(1):
             pass
+    await a.set_ended(None)  # its owner resumed it
+    await a.advance(1)
+    async with a.slot(4):
+        pass
+    assert a.num_issued == 8
+
+
+async def test_nothing_is_admitted_before_the_first_weights_load() -> None:
+    a = Admission(batch_size=8, max_off_policy_steps=0, max_in_flight=8)
+    entered = asyncio.Event()
+
+    async def group() -> None:
+        async with a.slot(4):
+            entered.set()
+
+    waiting = asyncio.ensure_future(group())
+    await until(lambda: a.num_waiting == 4, what="the group to wait for weights")
+    assert not entered.is_set()
+    await a.advance(0)  # version 0 loaded: the step stays 0, the weights are there
+    await waiting
+    assert a.weights_loaded and a.num_issued == 4
+
+
+async def test_a_group_keeps_only_the_rollouts_the_bus_stored() -> None:
+    a = Admission(batch_size=8, max_off_policy_steps=0, max_in_flight=8, weights_loaded=True)
+    async with a.slot(4) as slot:
+        slot.num_stored = 0  # every rollout was on the bus already: an earlier delivery's
+    assert a.num_issued == 0 and a.num_in_flight == 0
+    async with a.slot(4) as slot:
+        slot.num_stored = 3
+    async with a.slot(4):
+        pass  # not told: all of it counts
+    assert a.num_issued == 7
+    with pytest.raises(RuntimeError):
+        async with a.slot(1) as slot:
+            slot.num_stored = 1
+            raise RuntimeError("failed after the publish")
+    assert a.num_issued == 8  # published is published
 
 
 async def test_rollouts_the_trainer_dropped_give_their_allowance_back() -> None:

@@ -1,0 +1,144 @@
+"""A run's policy and its weight loads, with a fake backend and a fake fetch: a failed load
+leaves the run on its weights, a later update above them still loads, a transient fetch
+failure is tried again with backoff, a blob that does not verify is not."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+import pytest
+
+from flywheel import events
+from flywheel_inference.backends import Completion
+from flywheel_inference.policy import Policy, TransientFetchError, WeightsUnavailable
+from tests.helpers import until
+
+
+class FakeBackend:
+    """Loads any blob but b"broken"; samples one token."""
+
+    tokenizer = None
+    max_positions = None
+
+    def __init__(self) -> None:
+        self.version: int | None = None
+
+    def swap(self, data: bytes, version: int) -> None:
+        if data == b"broken":
+            raise ValueError("not a safetensors file")
+        self.version = version
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: events.Sampling,
+                 seeds: Sequence[int | None] | None = None) -> list[Completion]:
+        return [Completion([1], [0.0], "length", "x") for _ in prompts]
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class FakeStore:
+    """Blobs by URI; ``failures[uri]`` are raised, one per fetch, before the blob is returned."""
+
+    blobs: dict[str, bytes] = field(default_factory=dict)
+    failures: dict[str, list[Exception]] = field(default_factory=dict)
+    fetched: list[str] = field(default_factory=list)
+
+    async def fetch(self, update: events.WeightUpdate) -> bytes:
+        self.fetched.append(update.uri)
+        if self.failures.get(update.uri):
+            raise self.failures[update.uri].pop(0)
+        if update.uri not in self.blobs:
+            raise ValueError(f"weights {update.uri}: sha256 does not match")
+        return self.blobs[update.uri]
+
+
+def update(version: int, uri: str | None = None) -> events.WeightUpdate:
+    return events.WeightUpdate(run="r", version=version, uri=uri or f"mem://{version}", sha256="0" * 64, size_bytes=1)
+
+
+@pytest.fixture
+def store() -> FakeStore:
+    return FakeStore(blobs={f"mem://{v}": b"weights" for v in range(4)})
+
+
+@pytest.fixture
+def errors() -> list[str]:
+    """What the policy reported through on_error."""
+    return []
+
+
+@pytest.fixture
+async def policy(store: FakeStore, errors: list[str]) -> AsyncIterator[Policy]:
+    p = Policy("r", FakeBackend(), store.fetch, max_batch_size=4, on_error=errors.append, retry_s=(0.01, 0.01, 0.01))
+    yield p
+    await p.close()
+
+
+SAMPLING = events.Sampling(max_tokens=1)
+
+
+async def test_a_bogus_update_leaves_the_run_on_its_weights_and_a_later_lower_one_loads(
+        policy: Policy, errors: list[str]) -> None:
+    policy.offer(update(0))
+    await until(lambda: policy.version == 0, what="version 0")
+    policy.offer(update(10**9, "mem://bogus"))
+    await until(lambda: policy.load_error is not None, what="the failed load")
+    assert "weights version 1000000000 (mem://bogus)" in policy.load_error  # type: ignore[operator]
+    assert "sha256" in policy.load_error and "stays on version 0" in policy.load_error  # type: ignore[operator]
+    assert errors == [policy.load_error]
+    (sampled,) = await policy.sample([[5]], SAMPLING)  # sampling goes on, on the weights it has
+    assert sampled.version == 0
+    policy.offer(update(1))
+    await until(lambda: policy.version == 1, what="version 1, below the bogus one")
+    assert policy.load_error is None
+
+
+async def test_the_newest_of_a_burst_that_fails_falls_back_to_the_next_newest(
+        policy: Policy, store: FakeStore) -> None:
+    store.blobs["mem://broken"] = b"broken"  # verifies, does not load
+    for u in (update(1), update(2), update(3, "mem://broken")):
+        policy.offer(u)
+    await until(lambda: policy.version == 2, what="version 2")
+    assert store.fetched == ["mem://broken", "mem://2"]  # version 1 was never needed
+    assert policy.load_error is None
+
+
+async def test_a_transient_fetch_failure_is_tried_again_and_a_bad_blob_is_not(
+        policy: Policy, store: FakeStore) -> None:
+    store.failures["mem://0"] = [TransientFetchError("server restarting")] * 2
+    policy.offer(update(0))
+    await until(lambda: policy.version == 0, what="version 0 after two failed tries")
+    assert store.fetched == ["mem://0"] * 3
+
+    store.failures["mem://1"] = [TransientFetchError("timeout")] * 4  # one more than retry_s allows
+    policy.offer(update(1))
+    await until(lambda: policy.load_error is not None, what="version 1 given up")
+    assert store.fetched.count("mem://1") == 4 and "timeout" in policy.load_error  # type: ignore[operator]
+
+    policy.offer(update(5, "mem://missing"))
+    await until(lambda: "version 5" in (policy.load_error or ""), what="version 5 failed")
+    assert store.fetched.count("mem://missing") == 1  # does not verify: not tried again
+    assert policy.version == 0
+
+
+async def test_without_weights_a_failure_is_reported_and_sampling_says_why(policy: Policy) -> None:
+    policy.offer(update(0, "mem://bogus"))
+    await until(lambda: policy.load_error is not None, what="the failed load")
+    assert "no weights loaded yet" in policy.load_error  # type: ignore[operator]
+    with pytest.raises(WeightsUnavailable, match="weights version 0 .*mem://bogus"):
+        await policy.sample([[5]], SAMPLING)
+    policy.offer(update(0))  # the real version 0, published after a bogus one of the same number
+    assert await policy.wait_ready() == 0
+
+
+async def test_a_flood_of_bogus_versions_does_not_push_out_a_real_update_that_comes_after(
+        policy: Policy, store: FakeStore) -> None:
+    policy.offer(update(0))
+    await until(lambda: policy.version == 0, what="version 0")
+    for i in range(50):
+        policy.offer(update(10**9 + i, f"mem://bogus-{i}"))
+    policy.offer(update(1))
+    await until(lambda: policy.version == 1, what="version 1, after the flood")
+    assert len(store.fetched) <= 1 + 8  # version 0, then at most the last few offered
