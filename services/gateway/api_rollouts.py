@@ -2,21 +2,26 @@
 
 The listing and the export take the same filters (:class:`~flywheel_gateway.models.RolloutFilters`),
 applied in the database. The export streams JSON Lines, one rollout a line, read from the
-store a page at a time, so its memory does not grow with the number of rollouts.
+store a page at a time, so its memory does not grow with the number of rollouts. Its
+filters are checked, and its first page read, before the first byte is sent, so a bad
+filter is a 422 and a database that is down a 503; once the 200 has gone out, an error ends
+the stream with one last line ``{"error": "..."}`` (its only key; a rollout line always has
+an ``id``), so a reader can tell a cut export from a complete one.
 Not covered: exporting other formats (Parquet, a chat template applied), resuming an
 export part way.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 from fastapi import APIRouter, HTTPException, Query
 from fastapi.responses import StreamingResponse
 
-from flywheel_gateway.deps import StoreDep
+from flywheel_gateway.deps import RolloutIdPath, StoreDep
 from flywheel_gateway.models import RolloutDetail, RolloutExportQuery, RolloutFilters, RolloutListQuery, RolloutPage
 from flywheel_gateway.responses import ERROR_RESPONSES, refuse_inverted_range
 from flywheel_gateway.store import RolloutFilter
@@ -24,6 +29,7 @@ from flywheel_gateway.store import RolloutFilter
 router = APIRouter(prefix="/v1/rollouts", tags=["rollouts"], responses=ERROR_RESPONSES)
 
 JSONL = "application/jsonl"
+log = logging.getLogger(__name__)
 
 
 def to_filter(query: RolloutFilters) -> RolloutFilter:
@@ -52,19 +58,39 @@ async def export_rollouts(store: StoreDep, query: Annotated[RolloutExportQuery, 
     final branch (root to its last node, the branch rewards read: the whole conversation
     unless it branches; other branches are in /v1/traces). ``?tokens=true`` adds ``tokens``:
     that branch's token ids, logprobs and loss mask, concatenated. E.g. an SFT set:
-    ``?run=R&min_reward=1&error=false``."""
+    ``?run=R&min_reward=1&error=false``.
+
+    Filters are checked and the first page is read before the answer starts: a bad filter is
+    a 422, an unreachable database a 503. If anything fails after that (the database going
+    away part way), the stream ends with one last line ``{"error": "..."}`` naming what
+    failed and how many rollouts were sent: an export whose last line is an object with
+    ``error`` and no ``id`` is cut; one without such a line is complete."""
     filters = to_filter(query)
+    records = aiter(store.export_rollouts(filters, tokens=query.tokens))
+    first = await anext(records, None)  # a database that is down fails here: a 503, not a cut 200
+    return StreamingResponse(_lines(first, records), media_type=JSONL)
+
+
+async def _lines(first: dict[str, Any] | None, records: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
     encoder = msgspec.json.Encoder()
-
-    async def lines() -> AsyncIterator[bytes]:
-        async for record in store.export_rollouts(filters, tokens=query.tokens):
+    if first is None:
+        return
+    yield encoder.encode(first) + b"\n"
+    num_sent = 1
+    try:
+        async for record in records:
             yield encoder.encode(record) + b"\n"
-
-    return StreamingResponse(lines(), media_type=JSONL)
+            num_sent += 1
+    except Exception as exc:  # noqa: BLE001 - the status line is gone: the error goes into the stream
+        log.exception("export cut after %d rollouts", num_sent)
+        cause = getattr(exc, "orig", None) or exc
+        error = (f"export cut after {num_sent} rollouts: {type(cause).__name__}: {cause}; the lines above are "
+                 "complete rollouts, the rest is missing: export again")
+        yield encoder.encode({"error": error}) + b"\n"
 
 
 @router.get("/{rollout_id}", response_model=RolloutDetail)
-async def get_rollout(rollout_id: str, store: StoreDep) -> RolloutDetail:
+async def get_rollout(rollout_id: RolloutIdPath, store: StoreDep) -> RolloutDetail:
     """One rollout with its scores (its trace graph is at /v1/traces/{rollout_id})."""
     rollout = await store.get_rollout(rollout_id)
     if rollout is None:

@@ -6,6 +6,13 @@ run-state bucket, read live (status, config, and the tenant, which the bucket ow
 is found when either knows it: one created in the bucket (by the gateway or ``flywheel
 run``) shows before any of its events is recorded. The listing is the store's alone.
 
+The status shown is the one :func:`flywheel.runs.end_of` derives: a ``running`` run whose
+owner stopped renewing its lease shows ``abandoned``, with ``ended_at`` (when the lease
+expired) and ``reason``. A run whose entry in the bucket does not decode (something other
+than Flywheel wrote it) is a 409 naming the key and what to do, not a run without state: its
+tenant and status are unknown, and showing it like a run published straight to the bus
+would hide the problem. Its metrics, which come from the store alone, are still served.
+
 Run ids may contain ``/``, so the routes take the rest of the path as the id
 (``/v1/runs/team/a/metrics`` is run ``team/a``). Not covered: creating, stopping or
 deleting runs, and pushing metrics to clients (they poll with ``since_step``).
@@ -13,20 +20,18 @@ deleting runs, and pushing metrics to clients (they poll with ``since_step``).
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Path, Query
-from pydantic import AfterValidator
+from fastapi import APIRouter, HTTPException, Query
 
 from flywheel import runs
-from flywheel_gateway.deps import BusDep, CursorQuery, LimitQuery, StoreDep
-from flywheel_gateway.models import RunDetail, RunMetricsPublic, RunPage, StepMetricsPublic, run_id
-from flywheel_gateway.responses import ERROR_RESPONSES
+from flywheel.bus import Bus
+from flywheel_gateway.deps import BusDep, CursorQuery, LimitQuery, RunIdPath, StoreDep, TenantQuery
+from flywheel_gateway.models import INT32_MAX, RunDetail, RunMetricsPublic, RunPage, StepMetricsPublic
+from flywheel_gateway.responses import CONFLICT_RESPONSE, ERROR_RESPONSES
 from flywheel_gateway.store import MAX_PAGE_LIMIT
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"], responses=ERROR_RESPONSES)
-
-RunIdPath = Annotated[str, Path(description="Run id (letters, digits, - _ = /)."), AfterValidator(run_id)]
 
 
 def _not_found(run: str) -> HTTPException:
@@ -36,7 +41,7 @@ def _not_found(run: str) -> HTTPException:
 
 @router.get("", response_model=RunPage)
 async def list_runs(store: StoreDep, limit: LimitQuery = 50, cursor: CursorQuery = None,
-                    tenant: str | None = None) -> RunPage:
+                    tenant: TenantQuery = None) -> RunPage:
     """Runs the trace store knows, newest first; ``tenant`` keeps one tenant's."""
     page = await store.list_runs(tenant=tenant, cursor=cursor, limit=limit)
     return RunPage.model_validate(page, from_attributes=True)
@@ -47,21 +52,31 @@ async def get_run_metrics(
     run_id: RunIdPath,
     store: StoreDep,
     bus: BusDep,
-    since_step: Annotated[int | None, Query(description="Only steps after this one.")] = None,
+    since_step: Annotated[int | None, Query(ge=-1, le=INT32_MAX, description="Only steps after this one (-1: from "
+                                                                          "the first, as leaving it out).")] = None,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE_LIMIT, description="Steps at most.")] = 100,
 ) -> RunMetricsPublic:
     """The run's recorded steps in ascending order, each with the trainer's metrics."""
-    if not await store.has_run(run_id) and await runs.get_run(bus, run_id) is None:
+    if not await store.has_run(run_id) and not await _in_bucket(bus, run_id):
         raise _not_found(run_id)
     steps = await store.list_run_metrics(run_id, since_step=since_step, limit=limit)
     return RunMetricsPublic(run=run_id, items=[StepMetricsPublic.model_validate(step) for step in steps])
 
 
-@router.get("/{run_id:path}", response_model=RunDetail)
+async def _in_bucket(bus: Bus, run_id: str) -> bool:
+    try:
+        return await runs.get_run(bus, run_id) is not None
+    except runs.BadRunState:
+        return True  # the key is there; its value is another matter
+
+
+@router.get("/{run_id:path}", response_model=RunDetail, responses={409: CONFLICT_RESPONSE})
 async def get_run(run_id: RunIdPath, store: StoreDep, bus: BusDep) -> RunDetail:
-    """The run: tenant, live status and config, latest step and version, counts, latest reward mean."""
+    """The run: tenant, live status (``abandoned`` when its owner's lease expired) and config,
+    when and why it ended, its owner and lease, latest step and version, counts, latest
+    reward mean. 409 when the run's entry in the run-state bucket does not decode."""
     recorded = await store.get_run(run_id)
-    state = await runs.get_run(bus, run_id)
+    state = await runs.get_run(bus, run_id)  # BadRunState: a 409 naming the key
     if state is None:
         if recorded is None:
             raise _not_found(run_id)
@@ -69,6 +84,11 @@ async def get_run(run_id: RunIdPath, store: StoreDep, bus: BusDep) -> RunDetail:
     if recorded is None:  # created in the bucket, nothing of it recorded yet
         recorded = {"id": run_id, "created_at": state.created_at, "num_tasks": 0, "num_rollouts": 0,
                     "num_scored_rollouts": 0, "latest_step": None, "latest_version": None, "reward_mean": None}
+    end = runs.end_of(state)
+    live: dict[str, Any] = {
+        "status": end.status if end is not None else state.status, "config": state.config,
+        "ended_at": end.since if end is not None else None, "reason": end.reason if end is not None else None,
+        "owner": state.owner, "lease_expires_at": state.lease_expires_at,
+    }
     # The bucket owns the tenant: the store's copy may predate it (an event recorded first).
-    return RunDetail.model_validate({**recorded, "tenant": state.tenant, "kind": state.kind,
-                                     "status": state.status, "config": state.config})
+    return RunDetail.model_validate({**recorded, "tenant": state.tenant, "kind": state.kind, **live})

@@ -1,4 +1,12 @@
-"""``/v1/tasks``: publish tasks to the bus, read the recorded ones."""
+"""``/v1/tasks``: publish tasks to the bus, read the recorded ones.
+
+A POST is checked whole before anything of it is published: the fields (422), the size of
+each task against the bus's max payload (413: a task too large is refused for good, it is
+not worth a retry), and every run it names (409: another tenant's run, or a run that has
+ended). Not covered: partial acceptance (a request is published whole or not at all, as far
+as the gateway decides; a bus failure part way leaves the rest to a retry, which the bus
+deduplicates by task id).
+"""
 
 from __future__ import annotations
 
@@ -7,25 +15,45 @@ from typing import Annotated
 from fastapi import APIRouter, Body, HTTPException
 from fastapi.exceptions import RequestValidationError
 
-from flywheel_gateway.deps import BusDep, CursorQuery, LimitQuery, RunsDep, StoreDep, TenantDep
+from flywheel import events
+from flywheel.bus import Bus
+from flywheel_gateway.deps import (
+    BusDep,
+    CursorQuery,
+    EnvQuery,
+    LimitQuery,
+    RunQuery,
+    RunsDep,
+    StoreDep,
+    TaskIdPath,
+    TenantDep,
+)
 from flywheel_gateway.models import TaskCreate, TaskPage, TaskPublic, TasksAccepted, TasksCreate
-from flywheel_gateway.responses import ERROR_RESPONSES
+from flywheel_gateway.responses import CONFLICT_RESPONSE, ERROR_RESPONSES, TOO_LARGE_RESPONSE
 
 router = APIRouter(prefix="/v1/tasks", tags=["tasks"], responses=ERROR_RESPONSES)
 
+# nats-py frames headers as "NATS/1.0\r\n", "key: value\r\n" each, then "\r\n"; the server
+# counts them in the max payload, and drops the connection of a client that goes over it.
+_HEADER_FRAME_BYTES = len(b"NATS/1.0\r\n\r\n")
 
-@router.post("", status_code=202, response_model=TasksAccepted)
+
+@router.post("", status_code=202, response_model=TasksAccepted,
+             responses={409: CONFLICT_RESPONSE, 413: TOO_LARGE_RESPONSE})
 async def create_tasks(body: Annotated[TasksCreate, Body()], bus: BusDep, runs: RunsDep,
                        tenant: TenantDep = "default") -> TasksAccepted:
     """Publish one task or a list of tasks to ``tasks.<run>.<env>``.
 
     Answers once JetStream has stored every task (202: they are queued, not yet run).
-    A run not seen before is created in the run-state bucket, owned by the tenant.
+    A run not seen before is created in the run-state bucket, owned by the tenant. Nothing
+    is published when any task is refused: 413 for a task larger than the bus takes, 409 for
+    a run of another tenant or a run that has ended (finished, failed, stopped, abandoned).
     """
     creates: list[TaskCreate] = body if isinstance(body, list) else [body]
     _refuse_repeated_ids(creates)
     tasks = [c.to_event() for c in creates]
-    await runs.ensure((t.run for t in tasks), tenant)
+    _refuse_oversized(tasks, bus, "tasks" if isinstance(body, list) else "task")
+    await runs.admit((t.run for t in tasks), tenant)
     await bus.publish_many(tasks)
     return TasksAccepted(ids=[t.id for t in tasks])
 
@@ -44,16 +72,38 @@ def _refuse_repeated_ids(creates: list[TaskCreate]) -> None:
         raise RequestValidationError(errors)
 
 
+def published_size(bus: Bus, event: events.Event) -> int:
+    """Bytes the NATS server counts against its max payload for ``event``: payload and headers."""
+    headers = bus.headers_for(event, events.JSON)
+    return (len(events.encode(event, events.JSON)) + _HEADER_FRAME_BYTES
+            + sum(len(k.encode()) + len(v.encode()) + 4 for k, v in headers.items()))
+
+
+def _refuse_oversized(tasks: list[events.Task], bus: Bus, name: str) -> None:
+    max_payload = bus.nc.max_payload
+    too_large: list[str] = []
+    for i, task in enumerate(tasks):
+        size = published_size(bus, task)
+        if size > max_payload:
+            where = f"tasks[{i}]" if name == "tasks" else "task"
+            too_large.append(f"{where} is {size} bytes as published (payload and headers), above the bus's max "
+                             f"payload of {max_payload} bytes")
+    if too_large:
+        raise HTTPException(413, "; ".join(too_large) + "; make the task data smaller (e.g. store large inputs "
+                                                        "elsewhere and send a reference), or raise the NATS server's "
+                                                        "max_payload")
+
+
 @router.get("", response_model=TaskPage)
 async def list_tasks(store: StoreDep, limit: LimitQuery = 50, cursor: CursorQuery = None,
-                     run: str | None = None, env: str | None = None) -> TaskPage:
+                     run: RunQuery = None, env: EnvQuery = None) -> TaskPage:
     """Recorded tasks, newest first."""
     page = await store.list_tasks(run=run, env=env, cursor=cursor, limit=limit)
     return TaskPage.model_validate(page, from_attributes=True)
 
 
 @router.get("/{task_id}", response_model=TaskPublic)
-async def get_task(task_id: str, store: StoreDep) -> TaskPublic:
+async def get_task(task_id: TaskIdPath, store: StoreDep) -> TaskPublic:
     task = await store.get_task(task_id)
     if task is None:
         raise HTTPException(404, f"task {task_id!r} not found (a task shows here once the recorder has stored it)")

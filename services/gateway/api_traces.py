@@ -1,7 +1,11 @@
 """``/v1/traces``: a rollout's trace graph, one branch of it, and a live stream of it.
 
 - ``GET /v1/traces/{rollout}``: every node with its parent (the message layer; the token
-  layer with ``?tokens=true``) and the leaves, one per branch (sub-agents, retries).
+  layer with ``?tokens=true``) and the leaves, one per branch (sub-agents, retries). Once
+  the rollout is recorded its graph is exactly the nodes the rollout lists, in its order
+  (live nodes of an attempt that inference abandoned are dropped, see
+  :meth:`flywheel_gateway.store.Store.record`), and ``final_leaf`` is its last node. While
+  it runs, the live nodes of every attempt show, an abandoned one as one more branch.
 - ``GET /v1/traces/{rollout}/branches/{node}``: the branch from the root to that node,
   both layers, and its token spans concatenated (the tokens the model saw).
 - ``GET /v1/traces/{rollout}/stream``: server-sent events. ``node`` for every trace node
@@ -14,7 +18,9 @@ The live stream reads the bus, not the store: an ordered consumer on the rollout
 ``rollouts.<run>.>`` from a little before the first trace node, watching for the rollout's
 id (its payload is fetched once it shows). When the rollout is already recorded, the stream
 replays it from the store instead (the bus keeps traces for its retention only). A client
-that disconnects ends both consumers (:class:`flywheel.bus.Replay`).
+that disconnects ends both consumers (:class:`flywheel.bus.Replay`). A message that does not
+decode as the event its subject promises (:func:`flywheel.bus.decode_message`) is logged and
+skipped; it never ends the stream (the recorder dead-letters it).
 
 Not covered: resuming a stream (``Last-Event-ID``; a client that reconnects gets every node
 again, each carries its id); a rollout that never lands keeps its stream open until the
@@ -24,28 +30,21 @@ client leaves.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from datetime import timedelta
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
 import nats.js.errors
-from fastapi import APIRouter, HTTPException, Path
+from fastapi import APIRouter, HTTPException
 from fastapi.responses import StreamingResponse
 from nats.aio.msg import Msg
-from pydantic import AfterValidator
 
 from flywheel import events
-from flywheel.bus import HEADER_CONTENT_TYPE, HEADER_MSG_ID, Bus, Replay
-from flywheel_gateway.deps import BusDep, StoreDep
-from flywheel_gateway.models import (
-    BranchPublic,
-    NodePublic,
-    RolloutPublic,
-    TokenLayerPublic,
-    TracePublic,
-    subject_token,
-)
+from flywheel.bus import HEADER_MSG_ID, Bus, Replay, Undecodable, decode_message
+from flywheel_gateway.deps import BusDep, NodeIdPath, RolloutIdPath, StoreDep, StreamedRolloutIdPath
+from flywheel_gateway.models import BranchPublic, NodePublic, RolloutPublic, TokenLayerPublic, TracePublic
 from flywheel_gateway.responses import ERROR_RESPONSES
 from flywheel_gateway.store import Store, concat_tokens, walk_branch
 
@@ -56,9 +55,7 @@ KEEPALIVE_S = 15.0
 # server of a cluster, whose clock may differ: watch from this much earlier.
 CLOCK_SKEW_S = 30.0
 EVENT_STREAM = "text/event-stream"
-
-StreamedRolloutId = Annotated[str, Path(description="A rollout id (a NATS subject token)."),
-                              AfterValidator(subject_token)]
+log = logging.getLogger(__name__)
 
 
 async def _trace(store: Store, rollout_id: str, tokens: bool) -> list[dict[str, Any]]:
@@ -69,9 +66,11 @@ async def _trace(store: Store, rollout_id: str, tokens: bool) -> list[dict[str, 
 
 
 @router.get("/{rollout_id}", response_model=TracePublic)
-async def get_trace(rollout_id: str, store: StoreDep, tokens: bool = False) -> TracePublic:
+async def get_trace(rollout_id: RolloutIdPath, store: StoreDep, tokens: bool = False) -> TracePublic:
     """The nodes of the rollout's graph in order, each with its parent; live nodes show before
-    the rollout finishes. ``?tokens=true`` adds each node's token ids, logprobs and loss mask."""
+    the rollout finishes. Once it is recorded, the graph is exactly the rollout's nodes and
+    ``final_leaf`` its last one. ``?tokens=true`` adds each node's token ids, logprobs and
+    loss mask."""
     nodes = await _trace(store, rollout_id, tokens)
     parents = {n["parent_id"] for n in nodes}
     finished = await store.has_rollout(rollout_id)
@@ -81,7 +80,8 @@ async def get_trace(rollout_id: str, store: StoreDep, tokens: bool = False) -> T
 
 
 @router.get("/{rollout_id}/branches/{node_id}", response_model=BranchPublic)
-async def get_branch(rollout_id: str, node_id: str, store: StoreDep, tokens: bool = False) -> BranchPublic:
+async def get_branch(rollout_id: RolloutIdPath, node_id: NodeIdPath, store: StoreDep,
+                     tokens: bool = False) -> BranchPublic:
     """The branch from the root to ``node_id`` (a leaf of /v1/traces/{rollout_id}, or any node
     of the rollout), root first. ``?tokens=true`` adds each node's token layer and the
     branch's, concatenated."""
@@ -97,7 +97,7 @@ async def get_branch(rollout_id: str, node_id: str, store: StoreDep, tokens: boo
 
 @router.get("/{rollout_id}/stream", response_class=StreamingResponse,
             responses={200: {"content": {EVENT_STREAM: {}}, "description": "Server-sent events: node..., rollout."}})
-async def stream_trace(rollout_id: StreamedRolloutId, store: StoreDep, bus: BusDep,
+async def stream_trace(rollout_id: StreamedRolloutIdPath, store: StoreDep, bus: BusDep,
                        tokens: bool = False) -> StreamingResponse:
     """Follow a rollout: ``node`` events (a node as in /v1/traces, ``position`` in arrival
     order), then one ``rollout`` event when it lands, then the end. ``reward`` in it is null
@@ -162,13 +162,18 @@ async def _follow_live(bus: Bus, first: Any, rollout_id: str,
     subject: str = first.subject
     run = subject.split(".")[1]
     node_decoder = events.Decoder(events.TraceNode)
+    rollout_decoder = events.Decoder(events.Rollout)
     sent: set[str] = set()
     last_seq = 0
 
     def node_event(msg: Msg) -> tuple[str, Any] | None:
         nonlocal last_seq
         last_seq = msg.metadata.sequence.stream
-        node = node_decoder.decode(msg.data, (msg.headers or {}).get(HEADER_CONTENT_TYPE)).node
+        try:
+            node = decode_message(node_decoder, msg).node
+        except Undecodable as exc:
+            log.warning("trace stream of %s: skipping %s seq %d: %s", rollout_id, msg.subject, last_seq, exc)
+            return None
         if node.id in sent:  # republished past the bus's duplicate window
             return None
         sent.add(node.id)
@@ -196,8 +201,11 @@ async def _follow_live(bus: Bus, first: Any, rollout_id: str,
                     next_landed = asyncio.ensure_future(landed.next())
                     if (msg.headers or {}).get(HEADER_MSG_ID) == rollout_id:
                         raw = await bus.js.get_msg("ROLLOUTS", msg.metadata.sequence.stream)
-                        rollout = events.Decoder(events.Rollout).decode(
-                            raw.data, (raw.headers or {}).get(HEADER_CONTENT_TYPE))
+                        try:
+                            rollout = decode_message(rollout_decoder, raw)
+                        except Undecodable as exc:  # not the rollout: keep waiting for it
+                            log.warning("trace stream of %s: skipping %s seq %d: %s", rollout_id, raw.subject,
+                                        raw.seq, exc)
             # Inference publishes every trace node before the rollout: deliver the ones still on their way.
             end_seq = (await bus.js.get_last_msg("TRACES", subject)).seq or 0
             while last_seq < end_seq:

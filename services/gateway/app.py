@@ -3,7 +3,8 @@
 At start (the lifespan, before the server takes requests) it migrates the trace store,
 opens it, connects to NATS (ensuring the streams) and builds the run registry; at stop it
 closes them in reverse. Nothing is created at import time, so tests build an app per
-test with their own settings.
+test with their own settings. Request bodies are bounded by ``gateway_max_body_bytes``
+(:mod:`flywheel_gateway.body_limit`).
 
 Not covered: authentication, rate limits, the environment hub and web pages.
 """
@@ -20,6 +21,7 @@ from flywheel.bus import Bus
 from flywheel.service import Service
 from flywheel.settings import Settings
 from flywheel_gateway import api_health, api_rollouts, api_runs, api_tasks, api_traces
+from flywheel_gateway.body_limit import BodyLimit
 from flywheel_gateway.migrate import migrate
 from flywheel_gateway.responses import install_error_handlers
 from flywheel_gateway.runs import RunRegistry
@@ -58,4 +60,5 @@ def create_app(settings: Settings) -> FastAPI:
     for module in (api_tasks, api_runs, api_rollouts, api_traces, api_health):
         app.include_router(module.router)
     install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_body_bytes=settings.gateway_max_body_bytes)
     return app

@@ -9,11 +9,20 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import Depends, Header, Query, Request
+from fastapi import Depends, Header, Path, Query, Request
 from pydantic import AfterValidator
 
 from flywheel.bus import Bus
-from flywheel_gateway.models import tenant_name
+from flywheel.runs import MAX_NAME_CHARS
+from flywheel_gateway.models import (
+    MAX_CURSOR_CHARS,
+    MAX_ID_CHARS,
+    RUN_ID_PATTERN,
+    TOKEN_PATTERN,
+    run_id,
+    subject_token,
+    tenant_name,
+)
 from flywheel_gateway.runs import RunRegistry
 from flywheel_gateway.store import MAX_PAGE_LIMIT, Store
 
@@ -33,7 +42,26 @@ def _runs(request: Request) -> RunRegistry:
 StoreDep = Annotated[Store, Depends(_store)]
 BusDep = Annotated[Bus, Depends(_bus)]
 RunsDep = Annotated[RunRegistry, Depends(_runs)]
-TenantDep = Annotated[str, Header(alias="Flywheel-Tenant", description="Tenant that owns new runs."),
+# Each constraint is stated twice on purpose: in the schema (pattern, lengths, for generated
+# clients) and by the validator, whose message says what is allowed.
+_RUN_ID = {"max_length": MAX_NAME_CHARS, "json_schema_extra": {"pattern": RUN_ID_PATTERN}}
+_TOKEN = {"max_length": MAX_NAME_CHARS, "json_schema_extra": {"pattern": TOKEN_PATTERN}}
+_ID = {"min_length": 1, "max_length": MAX_ID_CHARS}
+
+TenantDep = Annotated[str, Header(alias="Flywheel-Tenant", description="Tenant that owns new runs.", **_RUN_ID),
                       AfterValidator(tenant_name)]
+TenantQuery = Annotated[str | None, Query(description="Only this tenant's runs.", **_RUN_ID),
+                        AfterValidator(lambda v: v if v is None else tenant_name(v))]
 LimitQuery = Annotated[int, Query(ge=1, le=MAX_PAGE_LIMIT, description="Items per page.")]
-CursorQuery = Annotated[str | None, Query(description="next_cursor of the previous page.")]
+CursorQuery = Annotated[str | None, Query(max_length=MAX_CURSOR_CHARS, description="next_cursor of the previous page.")]
+RunQuery = Annotated[str | None, Query(description="Only this run's.", **_TOKEN),
+                     AfterValidator(lambda v: v if v is None else subject_token(v))]
+EnvQuery = Annotated[str | None, Query(description="Only this environment's.", **_TOKEN),
+                     AfterValidator(lambda v: v if v is None else subject_token(v))]
+RunIdPath = Annotated[str, Path(description="Run id (letters, digits, - _ = /).", **_RUN_ID), AfterValidator(run_id)]
+TaskIdPath = Annotated[str, Path(description="A task id.", **_ID)]
+RolloutIdPath = Annotated[str, Path(description="A rollout id.", **_ID)]
+NodeIdPath = Annotated[str, Path(description="A node id of the rollout's graph.", **_ID)]
+# The live stream subscribes to traces.<run>.<rollout>: the id must be a subject token.
+StreamedRolloutIdPath = Annotated[str, Path(description="A rollout id (a NATS subject token).", **_TOKEN),
+                                  AfterValidator(subject_token)]

@@ -7,27 +7,57 @@ is an error rather than a silently ignored setting) and turned into bus events b
 
 ``run`` and ``env`` become NATS subject tokens (``tasks.<run>.<env>``) and ``run`` is
 also a key in the run-state KV bucket, so both are checked here, with messages that say
-what is allowed.
+what is allowed. Every constraint the API enforces is also stated in its OpenAPI schema
+(``pattern``, ``maxLength``, integer ranges, list lengths), so a generated client can build
+valid requests: the patterns below are written out character by character to match the
+Python checks exactly (a test compares them on every character), and integers are bounded
+to what the trace store's columns hold (32-bit signed; the bus carries 64-bit integers).
+The gateway is stricter than the bus about names: no control characters in a subject token
+(the NATS server drops a connection that sends some of them in a subject).
 """
 
 from __future__ import annotations
 
-from datetime import datetime
+import math
+import re
+from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import AfterValidator, AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag
 
 from flywheel import events
 from flywheel.runs import MAX_NAME_CHARS, is_key, is_token
 from flywheel_gateway.store import MAX_PAGE_LIMIT
 
 MAX_TASKS_PER_REQUEST = 10_000
+MAX_TASK_ID_CHARS = 200
+# Ids looked up by path (tasks, rollouts, nodes): far above any id Flywheel makes (uuid hex,
+# 32-character hashes, 200-character task ids); a longer one cannot name anything.
+MAX_ID_CHARS = 1024
+MAX_CURSOR_CHARS = 1024
+# The store's integer columns (policy_version, step, ...) are 32-bit signed.
+INT32_MAX = 2**31 - 1
+# What msgspec (the bus) and other languages' JSON readers take as an integer.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+# Python's whitespace (str.isspace, what ``\s`` matches in flywheel.runs), spelled out so that a
+# JSON Schema (ECMA-262) regex means the same: ECMA's ``\s`` differs on a few characters.
+_SPACE = r"\t\n\v\f\r\x1c-\x1f \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+# Control characters (C0, DEL, C1) and every whitespace character; the ranges cover \t..\r,
+# \x1c-\x1f, space, \x85 and \xa0.
+_CONTROL_OR_SPACE = r"\x00-\x20\x7f-\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+RUN_ID_PATTERN = r"^[-/_=a-zA-Z0-9]+$"
+TOKEN_PATTERN = rf"^[^{_CONTROL_OR_SPACE}.*>]+$"
+TASK_ID_PATTERN = rf"^[^\r\n]*[^{_SPACE}][^\r\n]*$"
+_TOKEN = re.compile(TOKEN_PATTERN)
+_TASK_ID = re.compile(TASK_ID_PATTERN)
 
 
 def subject_token(value: str) -> str:
-    """A NATS subject token: not empty, no '.', whitespace, '*' or '>'."""
-    if not is_token(value):
-        raise ValueError(f"must be a NATS subject token (no '.', spaces, '*' or '>'), got {value!r}")
+    """A NATS subject token without control characters: not empty, no '.', whitespace, '*' or '>'."""
+    if not (is_token(value) and _TOKEN.fullmatch(value)):
+        raise ValueError(f"must be a NATS subject token (no '.', '*', '>', spaces or control characters), "
+                         f"got {value!r}")
     return value
 
 
@@ -45,10 +75,65 @@ def tenant_name(value: str) -> str:
     return value
 
 
-RunId = Annotated[str, Field(max_length=MAX_NAME_CHARS, description="Run id (letters, digits, - _ = /)."),
+def task_id(value: str) -> str:
+    """A task id: sent as the ``Nats-Msg-Id`` header, so on one line and not blank."""
+    if not _TASK_ID.fullmatch(value):
+        raise ValueError(f"must be on one line and not blank (it is sent as a header), got {value!r}")
+    return value
+
+
+_RFC3339_START = re.compile(r"\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}")
+
+
+def rfc3339_text(value: Any) -> Any:
+    """Only RFC 3339 text: pydantic would also take a number as Unix seconds, which the schema does not say."""
+    if not (isinstance(value, str) and _RFC3339_START.match(value)) and not isinstance(value, datetime):
+        raise ValueError(f"give an RFC 3339 time with an offset (2026-01-01T00:00:00Z), got {value!r}")
+    return value
+
+
+def utc_range(value: datetime) -> datetime:
+    """An aware datetime that converts to UTC within years 1 to 9999 (the store keeps UTC)."""
+    try:
+        value.astimezone(UTC)
+    except OverflowError:
+        raise ValueError(f"is out of range once converted to UTC ({value.isoformat()}); give a time between "
+                         "0001-01-01 and 9999-12-31 UTC") from None
+    return value
+
+
+def json_data(value: dict[str, Any]) -> dict[str, Any]:
+    """Task data every reader of the bus decodes as it was sent: finite numbers, 64-bit integers."""
+    stack: list[tuple[str, Any]] = [("data", value)]
+    while stack:
+        where, item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend((f"{where}[{k!r}]", v) for k, v in item.items())
+        elif isinstance(item, list):
+            stack.extend((f"{where}[{i}]", v) for i, v in enumerate(item))
+        elif isinstance(item, float) and not math.isfinite(item):
+            raise ValueError(f"{where} is {item}, which JSON cannot carry; send a finite number or a string")
+        elif isinstance(item, int) and not isinstance(item, bool) and not INT64_MIN <= item <= INT64_MAX:
+            raise ValueError(f"{where} is an integer beyond 64 bits ({item}); send it as a string")
+    return value
+
+
+def _schema(pattern: str) -> dict[str, Any]:
+    """The JSON Schema half of a constraint whose check (with its message) is an AfterValidator."""
+    return {"pattern": pattern}
+
+
+RunId = Annotated[str, Field(max_length=MAX_NAME_CHARS, description="Run id (letters, digits, - _ = /).",
+                             json_schema_extra=_schema(RUN_ID_PATTERN)),
                   AfterValidator(run_id)]
-EnvName = Annotated[str, Field(max_length=MAX_NAME_CHARS, description="Environment name (a NATS subject token)."),
+EnvName = Annotated[str, Field(max_length=MAX_NAME_CHARS,
+                               description="Environment name (a NATS subject token).",
+                               json_schema_extra=_schema(TOKEN_PATTERN)),
                     AfterValidator(subject_token)]
+TaskId = Annotated[str, Field(min_length=1, max_length=MAX_TASK_ID_CHARS, json_schema_extra=_schema(TASK_ID_PATTERN),
+                              description="Task id; also the deduplication key (a retried POST with the same id is "
+                                          "stored once). On one line, not blank. Default: a fresh random id."),
+                   AfterValidator(task_id)]
 
 
 class _Create(BaseModel):
@@ -61,11 +146,12 @@ class _Create(BaseModel):
 class Sampling(_Create):
     """Sampling settings the run imposes on every generation of this task."""
 
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    max_tokens: int = Field(256, ge=1)
+    temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    max_tokens: int = Field(256, ge=1, le=INT32_MAX)
     stop: list[str] = []
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=INT32_MAX, description="Each sequence gets seed + its index; null: "
+                                                                   "fresh entropy.")
 
 
 class TaskCreate(_Create):
@@ -73,10 +159,9 @@ class TaskCreate(_Create):
 
     run: RunId
     env: EnvName
-    data: dict[str, Any] = Field(description="The task row, as the environment expects it.")
-    id: str | None = Field(None, min_length=1, max_length=200,
-                           description="Task id; also the deduplication key (a retried POST with the same id is "
-                                       "stored once). Default: a fresh random id.")
+    data: Annotated[dict[str, Any], AfterValidator(json_data)] = Field(
+        description="The task row, as the environment expects it (finite numbers, integers within 64 bits).")
+    id: TaskId | None = None
     num_rollouts: int = Field(1, ge=1, le=4096)
     sampling: Sampling | None = None
 
@@ -107,13 +192,23 @@ class TasksAccepted(BaseModel):
     ids: list[str]
 
 
+class SamplingPublic(BaseModel):
+    """Sampling as recorded: a task may come from any producer, so no bound is checked here."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 256
+    stop: list[str] = []
+    seed: int | None = None
+
+
 class TaskPublic(BaseModel):
     id: str
     run: str
     env: str
     data: dict[str, Any]
     num_rollouts: int
-    sampling: Sampling | None
+    sampling: SamplingPublic | None
     created_at: datetime
 
 
@@ -162,6 +257,13 @@ class RolloutPage(BaseModel):
 
 
 Reward = Annotated[float | None, Field(allow_inf_nan=False)]
+PolicyVersion = Annotated[int, Field(ge=0, le=INT32_MAX)]
+Instant = Annotated[AwareDatetime, BeforeValidator(rfc3339_text), AfterValidator(utc_range)]
+# Filters name what may have been recorded from any producer: any subject token, not only a
+# run id the gateway would create.
+TokenFilter = Annotated[str, Field(max_length=MAX_NAME_CHARS, json_schema_extra=_schema(TOKEN_PATTERN)),
+                        AfterValidator(subject_token)]
+Cursor = Annotated[str, Field(max_length=MAX_CURSOR_CHARS)]
 
 
 class RolloutFilters(BaseModel):
@@ -170,24 +272,24 @@ class RolloutFilters(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    run: str | None = None
-    env: str | None = None
+    run: TokenFilter | None = None
+    env: TokenFilter | None = None
     status: Literal["completed", "truncated", "error"] | None = None
     error: bool | None = Field(None, description="true: rollouts with an error (inference marked them `error` or "
                                                  "gave a message, or a scorer failed on them); false: the others.")
-    policy_version: int | None = None
-    min_policy_version: int | None = None
-    max_policy_version: int | None = None
+    policy_version: PolicyVersion | None = None
+    min_policy_version: PolicyVersion | None = Field(None, description="Inclusive.")
+    max_policy_version: PolicyVersion | None = Field(None, description="Inclusive.")
     min_reward: Reward = Field(None, description="Inclusive; leaves out rollouts without a reward.")
     max_reward: Reward = Field(None, description="Inclusive; leaves out rollouts without a reward.")
-    created_after: AwareDatetime | None = Field(None, description="Inclusive, RFC 3339 with an offset "
-                                                                  "(2026-01-01T00:00:00Z).")
-    created_before: AwareDatetime | None = Field(None, description="Exclusive, RFC 3339 with an offset.")
+    created_after: Instant | None = Field(None, description="Inclusive, RFC 3339 with an offset "
+                                                            "(2026-01-01T00:00:00Z).")
+    created_before: Instant | None = Field(None, description="Exclusive, RFC 3339 with an offset.")
 
 
 class RolloutListQuery(RolloutFilters):
     limit: int = Field(50, ge=1, le=MAX_PAGE_LIMIT, description="Items per page.")
-    cursor: str | None = Field(None, description="next_cursor of the previous page (with the same filters).")
+    cursor: Cursor | None = Field(None, description="next_cursor of the previous page (with the same filters).")
 
 
 class RolloutExportQuery(RolloutFilters):
@@ -269,9 +371,15 @@ class RunPage(BaseModel):
 
 
 class RunDetail(RunPublic):
-    status: Literal["created", "running", "finished", "failed"] | None = Field(
-        description="Live, from the run-state bucket; null when the bucket holds no state for the run.")
+    status: Literal["created", "running", "finished", "failed", "stopped", "abandoned"] | None = Field(
+        description="Live, from the run-state bucket; null when the bucket holds no state for the run. `abandoned`: "
+                    "running, but its owner stopped renewing its lease (killed, or its machine is gone).")
     config: dict[str, Any] | None = Field(description="The run's config, from the run-state bucket; null as status.")
+    ended_at: datetime | None = Field(None, description="When the run ended (finished, failed, stopped, or when the "
+                                                        "lease of an abandoned run expired); null while it runs.")
+    reason: str | None = Field(None, description="Why the run takes no more tasks, a sentence; null while it runs.")
+    owner: str | None = Field(None, description="Who holds the run's lease (`flywheel run`), if anyone.")
+    lease_expires_at: datetime | None = Field(None, description="When the owner's lease expires unless renewed.")
     latest_step: int | None = Field(description="Latest training step recorded; null before the first.")
     latest_version: int | None = Field(description="Policy version the latest step published.")
     reward_mean: float | None = Field(description="The latest step's reward_mean metric, where it reports one.")

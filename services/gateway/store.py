@@ -8,6 +8,11 @@ The schema lives in :mod:`flywheel_gateway.schema` and is created by the migrati
 Recording is idempotent and bulk: :meth:`Store.record` takes a batch of events of any
 kinds, and writes them in one transaction with one ``executemany`` per table, every insert
 ``ON CONFLICT DO NOTHING`` (keyed by event id), so a redelivered event changes nothing.
+A rollout's graph (``rollout_nodes``) grows from its live trace nodes while it runs; once
+the rollout is recorded it is exactly the nodes the rollout lists, in its order: live nodes
+of an attempt inference abandoned (killed mid-rollout, the task redelivered and rolled out
+again under the same rollout id) are dropped then, and live nodes that arrive later are
+ignored, whichever consumer is first.
 A rollout's reward (the weighted sum of its scores' values, as the trainer takes it; none
 while a scorer's verdict is an error) is recomputed in the same transaction whenever the
 rollout or one of its scores is recorded, so the order in which they arrive does not
@@ -41,10 +46,10 @@ import binascii
 import hashlib
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager, nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import sqlalchemy as sa
@@ -192,19 +197,28 @@ def _has_error() -> sa.ColumnElement[bool]:
     return sa.or_(c.status == "error", c.error.is_not(None), _failed_score(c.id))
 
 
+# Cursor keys as the database columns take them: seq is 64-bit, times are aware (UTC).
+_Seq = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+_AwareDatetime = Annotated[datetime, msgspec.Meta(tz=True)]
+
+
 def encode_cursor(listing: str, *key: Any) -> str:
     """A cursor: the listing's name and the sort key of the last row handed out."""
     return base64.urlsafe_b64encode(msgspec.json.encode([listing, *key])).decode().rstrip("=")
 
 
-def decode_cursor(listing: str, cursor: str, key_types: tuple[Any, ...] = (int,)) -> tuple[Any, ...]:
+def decode_cursor(listing: str, cursor: str, key_types: tuple[Any, ...] = (_Seq,)) -> tuple[Any, ...]:
     """The sort key in ``cursor``, typed by ``key_types``; InvalidCursor when it is not one of ``listing``'s."""
     try:
         raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
         kind, *key = msgspec.json.decode(raw, type=list)
         if kind == listing:
-            return msgspec.convert(key, tuple[key_types])  # type: ignore[valid-type]
-    except (binascii.Error, ValueError, TypeError, msgspec.DecodeError) as exc:
+            typed = msgspec.convert(key, tuple[key_types])  # type: ignore[valid-type]
+            for value in typed:
+                if isinstance(value, datetime):
+                    value.astimezone(UTC)  # OverflowError outside years 1 to 9999 in UTC
+            return typed
+    except (binascii.Error, ValueError, TypeError, OverflowError, msgspec.DecodeError) as exc:
         raise InvalidCursor(f"cursor {cursor!r} is not a cursor this API handed out") from exc
     raise InvalidCursor(f"cursor {cursor!r} belongs to the {kind} listing, not {listing}")
 
@@ -370,6 +384,8 @@ class Store:
                             "FROM unnest(CAST(:ids AS text[])) AS x ORDER BY k) AS keys"),
                     {"ids": touched},
                 )
+            # Read under the locks: no other writer records these rollouts meanwhile.
+            recorded_before = await self._recorded(conn, sorted(rows.rollouts))
             for table, values in (
                 (s.runs, rows.runs), (s.tasks, rows.tasks), (s.scores, rows.scores), (s.rollouts, rows.rollouts),
                 (s.weight_updates, rows.weight_updates), (s.run_metrics, rows.run_metrics),
@@ -378,17 +394,30 @@ class Store:
                 await self._insert_new(conn, table, list(values.values()))
             # Sorted, so that concurrent PostgreSQL writers wait on shared nodes in one order.
             await self._insert_new(conn, s.nodes, [rows.nodes[k] for k in sorted(rows.nodes)])
-            if rows.rollout_nodes:
-                # The finished rollout's order is authoritative over the live trace's.
-                stmt = self._insert(s.rollout_nodes)
-                await conn.execute(
-                    stmt.on_conflict_do_update(index_elements=["rollout_id", "node_id"],
-                                               set_={"position": stmt.excluded.position}),
-                    self._storable(list(rows.rollout_nodes.values())),
-                )
-            if rows.trace_links:
-                await self._insert_new(conn, s.rollout_nodes, await self._positioned(conn, rows.trace_links))
+            # A rollout recorded now replaces its live graph with exactly the nodes it lists, in
+            # its order: live nodes of an attempt inference abandoned (killed mid-rollout, the
+            # task redelivered and rolled out again) are dropped. One recorded before keeps the
+            # graph of the rollout event that was recorded (the first; a later copy is ignored).
+            new_rollouts = sorted(set(rows.rollouts) - recorded_before)
+            for ids in _chunks(new_rollouts):
+                await conn.execute(sa.delete(s.rollout_nodes)
+                                   .where(s.rollout_nodes.c.rollout_id.in_(self._texts(ids))))
+            await self._insert_new(conn, s.rollout_nodes, [row for (rollout_id, _), row in rows.rollout_nodes.items()
+                                                            if rollout_id not in recorded_before])
+            # Live nodes of a recorded rollout add nothing: its graph is the rollout's.
+            links = {key: row for key, row in rows.trace_links.items() if key[0] not in rows.rollouts}
+            if links:
+                await self._insert_new(conn, s.rollout_nodes, await self._positioned(conn, links))
             await self._update_rewards(conn, rows.rewarded_rollouts())
+
+    async def _recorded(self, conn: AsyncConnection, rollout_ids: Sequence[str]) -> set[str]:
+        """Those of ``rollout_ids`` whose rollout (not only live nodes of it) is in the store."""
+        by_stored = {self._text(rollout_id): rollout_id for rollout_id in rollout_ids}
+        found: set[str] = set()
+        for ids in _chunks(sorted(by_stored)):
+            stored = await conn.scalars(sa.select(s.rollouts.c.id).where(s.rollouts.c.id.in_(ids)))
+            found.update(by_stored[i] for i in stored)
+        return found
 
     async def _insert_new(self, conn: AsyncConnection, table: sa.Table, values: list[dict[str, Any]]) -> None:
         if values:
@@ -398,19 +427,31 @@ class Store:
         """``values`` as this database can store them (PostgreSQL: no NUL characters)."""
         return [_without_nul(v) for v in values] if self.dialect == "postgresql" else values
 
+    def _text(self, value: str) -> str:
+        """A string to look up as it was stored: on PostgreSQL, NUL became U+FFFD (and a NUL in a
+        query parameter would be refused by the database)."""
+        return _without_nul(value) if self.dialect == "postgresql" else value
+
+    def _texts(self, values: Iterable[str]) -> list[str]:
+        return [self._text(v) for v in values]
+
     async def _positioned(self, conn: AsyncConnection, links: dict[tuple[str, str], dict[str, Any]]) -> list[dict[str, Any]]:
-        """Number new live trace nodes after the nodes their rollout already has."""
+        """Number new live trace nodes after the nodes their rollout already has; leave out
+        those of rollouts already recorded (their graph is the rollout's)."""
         rn = s.rollout_nodes.c
         known: set[tuple[str, str]] = set()
         next_position: dict[str, int] = {}
-        for ids in _chunks(sorted({rollout_id for rollout_id, _ in links})):
-            result = await conn.execute(sa.select(rn.rollout_id, rn.node_id, rn.position).where(rn.rollout_id.in_(ids)))
+        rollout_ids = sorted({rollout_id for rollout_id, _ in links})
+        recorded = await self._recorded(conn, rollout_ids)
+        for ids in _chunks(rollout_ids):
+            result = await conn.execute(sa.select(rn.rollout_id, rn.node_id, rn.position)
+                                        .where(rn.rollout_id.in_(self._texts(ids))))
             for rollout_id, node_id, position in result:
                 known.add((rollout_id, node_id))
                 next_position[rollout_id] = max(next_position.get(rollout_id, 0), position + 1)
         out = []
         for key, row in links.items():
-            if key in known:
+            if key in known or key[0] in recorded:
                 continue
             position = next_position.get(row["rollout_id"], 0)
             next_position[row["rollout_id"]] = position + 1
@@ -437,7 +478,7 @@ class Store:
 
     async def _page(self, listing: str, table: sa.Table, columns: Sequence[sa.Column[Any]],
                     where: list[sa.ColumnElement[bool]], cursor: str | None, limit: int,
-                    order: Sequence[sa.Column[Any]] = (), key_types: tuple[Any, ...] = (int,),
+                    order: Sequence[sa.Column[Any]] = (), key_types: tuple[Any, ...] = (_Seq,),
                     scope: str | None = None) -> Page:
         """Newest first: descending ``order`` (default ``seq``), keyset on it, so rows recorded
         meanwhile never shift a page. ``key_types`` are the types of the ``order`` columns.
@@ -452,7 +493,7 @@ class Store:
                 if cursor_scope != scope:
                     raise InvalidCursor(f"cursor {cursor!r} continues a listing with other filters; pass the same "
                                         "filters as for the first page, or leave out the cursor to start over")
-            where = [*where, _before(order, key)]
+            where = [*where, _before(order, [self._text(k) if isinstance(k, str) else k for k in key])]
         shown = {c.name for c in columns}
         hidden = [c for c in order if c.name not in shown]
         query = (sa.select(*hidden, *columns).where(*where).order_by(*(c.desc() for c in order))
@@ -472,10 +513,12 @@ class Store:
     async def list_tasks(self, run: str | None = None, env: str | None = None, cursor: str | None = None,
                          limit: int = 50) -> Page:
         c = s.tasks.c
-        where = [cond for value, cond in ((run, c.run == run), (env, c.env == env)) if value is not None]
+        where = [c.run == self._text(run)] if run is not None else []
+        where += [c.env == self._text(env)] if env is not None else []
         return await self._page("tasks", s.tasks, _columns(s.tasks), where, cursor, limit)
 
     async def get_task(self, task_id: str) -> dict[str, Any] | None:
+        task_id = self._text(task_id)
         async with self.engine.connect() as conn:
             row = (await conn.execute(sa.select(*_columns(s.tasks)).where(s.tasks.c.id == task_id))).mappings().first()
         return dict(row) if row is not None else None
@@ -483,8 +526,12 @@ class Store:
     async def list_rollouts(self, filters: RolloutFilter | None = None, cursor: str | None = None,
                             limit: int = 50) -> Page:
         filters = filters or RolloutFilter()
-        return await self._page("rollouts", s.rollouts, _columns(s.rollouts, "event"), filters.where(), cursor,
+        return await self._page("rollouts", s.rollouts, _columns(s.rollouts, "event"), self._where(filters), cursor,
                                 limit, scope=filters.fingerprint())
+
+    def _where(self, filters: RolloutFilter) -> list[sa.ColumnElement[bool]]:
+        names = {k: self._text(v) for k in ("run", "env") if (v := getattr(filters, k)) is not None}
+        return replace(filters, **names).where()
 
     async def export_rollouts(self, filters: RolloutFilter | None = None, tokens: bool = False,
                               page_size: int = 100) -> AsyncIterator[dict[str, Any]]:
@@ -495,7 +542,7 @@ class Store:
         page are not included."""
         _check_limit(page_size)
         c, sc = s.rollouts.c, s.scores.c
-        where = (filters or RolloutFilter()).where()
+        where = self._where(filters or RolloutFilter())
         columns = [c.seq, *_columns(s.rollouts)]
         score_columns = [sc.rollout_id, sc.scorer, sc.value, sc.weight, sc.components, sc.error]
         last_seq: int | None = None
@@ -521,11 +568,13 @@ class Store:
 
     async def has_rollout(self, rollout_id: str) -> bool:
         """Whether the rollout itself (not only live trace nodes of it) is recorded."""
+        rollout_id = self._text(rollout_id)
         async with self.engine.connect() as conn:
             return await conn.scalar(sa.select(s.rollouts.c.id).where(s.rollouts.c.id == rollout_id)) is not None
 
     async def get_rollout(self, rollout_id: str) -> dict[str, Any] | None:
         """The rollout (without its nodes), its metrics and task data, and its scores."""
+        rollout_id = self._text(rollout_id)
         async with self.engine.connect() as conn:
             row = (await conn.execute(
                 sa.select(*_columns(s.rollouts)).where(s.rollouts.c.id == rollout_id))).mappings().first()
@@ -544,9 +593,9 @@ class Store:
     async def list_runs(self, tenant: str | None = None, cursor: str | None = None, limit: int = 50) -> Page:
         """Runs the store knows, newest first (by creation time, then id)."""
         c = s.runs.c
-        where = [c.tenant == tenant] if tenant is not None else []
+        where = [c.tenant == self._text(tenant)] if tenant is not None else []
         return await self._page("runs", s.runs, _columns(s.runs), where, cursor, limit,
-                                order=(c.created_at, c.id), key_types=(datetime, str))
+                                order=(c.created_at, c.id), key_types=(_AwareDatetime, str))
 
     async def get_run(self, run_id: str) -> dict[str, Any] | None:
         """The run with its counts and its latest step (None where no step is recorded yet).
@@ -554,6 +603,7 @@ class Store:
         ``num_scored_rollouts`` counts rollouts with at least one score; ``reward_mean`` is the
         latest step's ``reward_mean`` metric. Counts are queries on the ``run`` indexes.
         """
+        run_id = self._text(run_id)
         r, m = s.rollouts.c, s.run_metrics.c
         counts = sa.select(_count(s.tasks, s.tasks.c.run == run_id).label("num_tasks"),
                            _count(s.rollouts, r.run == run_id).label("num_rollouts"),
@@ -573,20 +623,21 @@ class Store:
 
     async def has_run(self, run_id: str) -> bool:
         async with self.engine.connect() as conn:
-            return await conn.scalar(sa.select(s.runs.c.id).where(s.runs.c.id == run_id)) is not None
+            return await conn.scalar(sa.select(s.runs.c.id).where(s.runs.c.id == self._text(run_id))) is not None
 
     async def list_run_metrics(self, run_id: str, since_step: int | None = None,
                                limit: int = 100) -> list[dict[str, Any]]:
         """The run's steps after ``since_step`` (all without it), ascending, at most ``limit``."""
         _check_limit(limit)
         m = s.run_metrics.c
-        where = [m.run == run_id] + ([m.step > since_step] if since_step is not None else [])
+        where = [m.run == self._text(run_id)] + ([m.step > since_step] if since_step is not None else [])
         query = sa.select(m.step, m.version, m.metrics, m.created_at).where(*where).order_by(m.step).limit(limit)
         async with self.engine.connect() as conn:
             return [dict(row) for row in (await conn.execute(query)).mappings()]
 
     async def get_trace(self, rollout_id: str, tokens: bool = False) -> list[dict[str, Any]] | None:
         """The nodes of a rollout's graph in order; None when nothing of it is recorded."""
+        rollout_id = self._text(rollout_id)
         n, rn = s.nodes.c, s.rollout_nodes.c
         columns = [n.id, n.parent_id, rn.position, n.message] + ([n.tokens] if tokens else [])
         query = (sa.select(*columns).join_from(s.rollout_nodes, s.nodes, n.id == rn.node_id)

@@ -8,6 +8,7 @@ show that the trainer's weight updates become the run's metrics.
 from __future__ import annotations
 
 import asyncio
+from datetime import timedelta
 from typing import Any
 
 import httpx
@@ -54,6 +55,30 @@ async def test_run_detail_joins_the_store_and_the_run_state(app: FastAPI, client
     await put_state(app, events.RunState(id="r2", tenant="beta", kind="eval"))
     assert {k: v for k, v in (await get(client, "/v1/runs/r2")).items() if k in ("tenant", "kind", "num_tasks")} == {
         "tenant": "beta", "kind": "eval", "num_tasks": 1}
+
+
+async def test_run_detail_shows_how_a_run_ended(app: FastAPI, client: httpx.AsyncClient) -> None:
+    now = events.utc_now()
+    lease = now + timedelta(seconds=60)
+    await put_state(app, events.RunState(id="live", status="running", owner="flywheel-run pid 7 on box",
+                                         lease_expires_at=lease))
+    live = await get(client, "/v1/runs/live")
+    assert {k: live[k] for k in ("status", "ended_at", "reason", "owner", "lease_expires_at")} == {
+        "status": "running", "ended_at": None, "reason": None, "owner": "flywheel-run pid 7 on box",
+        "lease_expires_at": lease.isoformat().replace("+00:00", "Z")}
+    # Its owner was killed: the lease ran out while the bucket still says running.
+    expired = now - timedelta(seconds=5)
+    await put_state(app, events.RunState(id="live", status="running", owner="flywheel-run pid 7 on box",
+                                         lease_expires_at=expired))
+    abandoned = await get(client, "/v1/runs/live")
+    assert abandoned["status"] == "abandoned" and abandoned["ended_at"] == expired.isoformat().replace("+00:00", "Z")
+    assert abandoned["reason"].startswith("run 'live' is abandoned: flywheel-run pid 7 on box stopped renewing its "
+                                          "lease")
+    await put_state(app, events.RunState(id="halted", status="stopped", ended_at=now, reason="stopped by the user"))
+    halted = await get(client, "/v1/runs/halted")
+    assert (halted["status"], halted["ended_at"], halted["reason"]) == (
+        "stopped", now.isoformat().replace("+00:00", "Z"),
+        f"run 'halted' stopped at {now.isoformat()} (stopped by the user)")
 
 
 async def test_runs_known_to_one_source_only_and_unknown_runs(app: FastAPI, client: httpx.AsyncClient,

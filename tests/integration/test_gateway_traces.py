@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 import msgspec
 import pytest
+import sqlalchemy as sa
 import uvicorn
 from fastapi import FastAPI
 
@@ -36,7 +37,7 @@ from flywheel_gateway.recorder import RecorderConfig
 from flywheel_gateway.store import Store
 from tests.helpers import until
 from tests.integration.test_gateway_api import app, client, store, unprocessable  # noqa: F401 (fixtures)
-from tests.unit.test_store import T0, conversation, node, rollout, score
+from tests.unit.test_store import T0, attempts, conversation, live_nodes, node, rollout, score
 
 # --- filters and pagination ---------------------------------------------------------------
 
@@ -119,6 +120,42 @@ async def test_export_streams_jsonl_with_the_same_filters(client: httpx.AsyncCli
     plain = (await client.get("/v1/rollouts/export", params={"run": "r1"})).text.splitlines()
     assert len(plain) == 5 and "tokens" not in json.loads(plain[0])
     assert (await client.get("/v1/rollouts/export", params={"run": "nobody"})).text == ""
+
+
+@pytest.fixture
+def failing_pages(store: Store) -> Iterator[list[int]]:
+    """Makes the store's export fail from the page whose number (0 first) is put in the list."""
+    fail_from: list[int] = []
+    num_pages = 0
+
+    def before_cursor_execute(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        nonlocal num_pages
+        if statement.lstrip().startswith("SELECT rollouts.seq"):  # a page of the export
+            num_pages += 1
+            if fail_from and num_pages > fail_from[0]:
+                raise sa.exc.OperationalError(statement, None, OSError("disk I/O error"))
+
+    sa.event.listen(store.engine.sync_engine, "before_cursor_execute", before_cursor_execute)
+    try:
+        yield fail_from
+    finally:
+        sa.event.remove(store.engine.sync_engine, "before_cursor_execute", before_cursor_execute)
+
+
+async def test_an_export_cut_by_the_database_says_so(client: httpx.AsyncClient, store: Store,
+                                                     failing_pages: list[int]) -> None:
+    await store.record([rollout(f"ro{i:03}") for i in range(150)])  # two pages of 100
+    failing_pages.append(1)
+    response = await client.get("/v1/rollouts/export")
+    assert response.status_code == 200
+    *lines, last = [json.loads(line) for line in response.text.splitlines()]
+    assert [line["id"] for line in lines] == [f"ro{i:03}" for i in range(149, 49, -1)]
+    assert last == {"error": "export cut after 100 rollouts: OSError: disk I/O error; the lines above are complete "
+                             "rollouts, the rest is missing: export again"}
+    failing_pages[0] = 0  # before the first byte: a proper error status
+    down = await client.get("/v1/rollouts/export")
+    assert down.status_code == 503 and down.json() == {
+        "detail": "the trace store is unavailable (OSError: disk I/O error); retry later"}
 
 
 # --- the branch view ----------------------------------------------------------------------
@@ -218,6 +255,23 @@ async def test_stream_replays_then_follows_then_ends_with_the_rollout(app: FastA
     assert [name for name, _ in rest] == ["rollout"]
     assert {k: rest[0][1][k] for k in ("id", "status", "num_tokens", "reward")} == {
         "id": "ro1", "status": "truncated", "num_tokens": 9, "reward": None}
+
+
+async def test_a_message_that_does_not_decode_is_skipped(app: FastAPI, gateway_url: str) -> None:
+    bus: Bus = app.state.bus
+    system, user, answer = conversation("4")
+    await bus.publish(live("ro1", system))
+    await bus.publish_raw("traces.r1.ro1", b"\x00 not an event", {"Nats-Msg-Id": "garbage"})
+    stray = live("ro-other", user)  # another rollout's node, published on this rollout's subject
+    await bus.publish_raw("traces.r1.ro1", events.encode(stray), {"Nats-Msg-Id": "stray"})
+    async with httpx.AsyncClient(base_url=gateway_url, timeout=10) as http, \
+            http.stream("GET", "/v1/traces/ro1/stream") as response:
+        received = server_sent_events(response)
+        assert (await anext(received))[1]["id"] == system.id
+        await bus.publish_many([live("ro1", user), live("ro1", answer)])
+        await bus.publish(rollout("ro1"))
+        rest = [(name, data["id"]) async for name, data in received]
+    assert rest == [("node", user.id), ("node", answer.id), ("rollout", "ro1")]
 
 
 async def test_a_rollout_that_landed_before_the_client_came(app: FastAPI, gateway_url: str) -> None:
@@ -374,6 +428,50 @@ async def test_filters_follow_what_the_recorder_records(app: FastAPI, client: ht
         for c in consumers:
             c.stop()
         await asyncio.gather(*running)
+
+
+async def test_a_rollout_rolled_out_again_shows_only_its_published_attempt(app: FastAPI, client: httpx.AsyncClient,
+                                                                          store: Store) -> None:
+    """Inference killed mid-rollout: the redelivered task's second attempt publishes the
+    rollout; the first attempt's live nodes were recorded (or arrive late) and must not
+    show once the rollout is recorded."""
+    bus: Bus = app.state.bus
+    abandoned, published = attempts()
+    answer = published[-1]
+    consumers = {c.stream: c for c in RecorderConfig(streams=("ROLLOUTS", "TRACES")).build(bus, store)}
+    running = [asyncio.ensure_future(c.run()) for c in consumers.values()]
+    try:
+        # ro1: everything live first, then the rollout; ro2: the rollout first, its phantoms late.
+        await bus.publish_many(live_nodes("ro1", abandoned + published))
+
+        async def both_attempts_live() -> bool:
+            return len((await client.get("/v1/traces/ro1")).json().get("nodes", [])) == 5
+
+        await until(both_attempts_live, what="both attempts' live nodes to be recorded")
+        before = (await client.get("/v1/traces/ro1")).json()
+        assert before["finished"] is False and before["final_leaf"] is None and len(before["leaves"]) == 2
+        await bus.publish(rollout("ro1"))
+        await store.record([rollout("ro2")])
+        await bus.publish_many(live_nodes("ro2", abandoned + published))
+
+        async def recorded() -> bool:
+            infos = [await bus.js.consumer_info(c.stream, c.durable) for c in consumers.values()]
+            return (await client.get("/v1/traces/ro1")).json()["finished"] and all(
+                i.num_pending == 0 and i.num_ack_pending == 0 for i in infos)
+
+        await until(recorded, what="the recorder to take in everything")
+    finally:
+        for c in consumers.values():
+            c.stop()
+        await asyncio.gather(*running)
+    for rollout_id in ("ro1", "ro2"):
+        trace = (await client.get(f"/v1/traces/{rollout_id}")).json()
+        assert [n["id"] for n in trace["nodes"]] == [n.id for n in published]
+        assert trace["final_leaf"] == answer.id and trace["leaves"] == [answer.id] and trace["finished"] is True
+        phantom = abandoned[-1].id
+        assert (await client.get(f"/v1/traces/{rollout_id}/branches/{phantom}")).status_code == 404
+    (line, *_) = (await client.get("/v1/rollouts/export")).text.splitlines()
+    assert json.loads(line)["messages"][-1] == {"role": "assistant", "content": "4"}
 
 
 # --- the gateway process ------------------------------------------------------------------

@@ -129,7 +129,7 @@ async def test_migrate_is_idempotent_and_matches_the_models(database_url: str) -
     assert await current_revision(database_url) is None
     await asyncio.gather(migrate(database_url), migrate(database_url))  # two processes starting at once
     await migrate(database_url)
-    assert await current_revision(database_url) == "0003"
+    assert await current_revision(database_url) == "0004"
 
     diffs: list[object] = []
 
@@ -153,6 +153,25 @@ async def test_revision_0003_drops_the_reward_of_rollouts_a_scorer_failed_on(dat
             await conn.commit()
         await migrate(database_url)
         assert (await reward(s, "ro1"), await reward(s, "ro2")) == (1.0, None)
+    finally:
+        await s.close()
+
+
+async def test_revision_0004_drops_phantom_links_of_recorded_rollouts(database_url: str) -> None:
+    await migrate(database_url, "0003")
+    s = Store.open(database_url)
+    try:
+        abandoned, published = attempts()
+        await s.record([rollout("ro1"), *live_nodes("ro2", abandoned)])
+        # What 0003's recorder left: a live node of an abandoned attempt linked to a recorded rollout.
+        await s.record(live_nodes("ro-x", abandoned[2:3]))  # the node row itself
+        async with s.engine.begin() as conn:
+            await conn.execute(sa.insert(schema.rollout_nodes).values(rollout_id="ro1", node_id=abandoned[2].id,
+                                                                      position=2))
+        await migrate(database_url)
+        assert [n["id"] for n in await s.get_trace("ro1") or []] == [n.id for n in published]
+        # Rollouts not recorded yet keep every live node, of every attempt.
+        assert [n["id"] for n in await s.get_trace("ro2") or []] == [n.id for n in abandoned]
     finally:
         await s.close()
 
@@ -281,6 +300,46 @@ async def test_live_trace_nodes_then_the_rollout(store: Store) -> None:
     assert await count(store, schema.rollout_nodes) == 3
 
 
+def attempts() -> tuple[list[events.Node], list[events.Node]]:
+    """Two attempts at one rollout: inference was killed during the first (it had published a
+    tool call and its result live), and the redelivered task's second attempt answered "4"."""
+    system, user, answer = conversation("4")
+    call = node(user, "assistant", "let me check", [10, 11], policy_version=3)
+    return [system, user, call, node(call, "tool", "4", [12])], [system, user, answer]
+
+
+def live_nodes(rollout_id: str, nodes: list[events.Node]) -> list[events.TraceNode]:
+    return [events.TraceNode(run="r1", rollout_id=rollout_id, node=n) for n in nodes]
+
+
+@pytest.mark.parametrize("order", ["live nodes first", "rollout first", "one batch"])
+async def test_a_recorded_rollout_is_exactly_the_nodes_it_lists(store: Store, order: str) -> None:
+    abandoned, published = attempts()
+    live, done = live_nodes("ro1", abandoned + published), rollout("ro1")  # rollout("ro1") lists `published`
+    if order == "live nodes first":
+        await store.record(live[:4])
+        before = await store.get_trace("ro1")  # while it runs, the abandoned attempt shows
+        assert before is not None and [n["id"] for n in before] == [n.id for n in abandoned]
+        await store.record(live[4:])
+        await store.record([done])
+    elif order == "rollout first":  # the TRACES consumer lags behind the ROLLOUTS one
+        await store.record([done])
+        await store.record(live)
+    else:
+        await store.record([live[0], done, *live[1:]])
+    expected = [(n.id, position) for position, n in enumerate(published)]
+    trace = await store.get_trace("ro1")
+    assert trace is not None and [(n["id"], n["position"]) for n in trace] == expected
+    # Redelivered, or a second copy of the rollout with another graph (past the bus's
+    # duplicate window): the graph of the recorded rollout stays.
+    other = msgspec.structs.replace(rollout("ro1", answer="5"), nodes=conversation("5"))
+    await store.record([*live, done])
+    await store.record([other, *live_nodes("ro1", other.nodes)])
+    trace = await store.get_trace("ro1")
+    assert trace is not None and [(n["id"], n["position"]) for n in trace] == expected
+    assert await count(store, schema.rollout_nodes) == 3
+
+
 async def test_weight_updates_and_dead_letters(store: Store) -> None:
     update = events.WeightUpdate(id="w1", run="r1", version=2, uri="nats-os://flywheel-weights/r1/2", sha256="ab" * 32,
                                  size_bytes=5_000_000_000, format="lora", trainer_step=7)
@@ -348,6 +407,27 @@ async def test_bad_cursors_and_limits_are_refused(store: Store) -> None:
             await store.list_tasks(cursor=garbage)
     with pytest.raises(ValueError, match="limit"):
         await store.list_tasks(limit=0)
+    # Well-formed, but holding keys no column takes: refused, never sent to the database.
+    for listing, key in (("tasks", [2**63]), ("runs", ["2026-01-01T00:00:00", "r1"]),
+                         ("runs", ["0001-01-01T00:00:00+01:00", "r1"])):
+        with pytest.raises(InvalidCursor, match="not a cursor"):
+            await (store.list_tasks if listing == "tasks" else store.list_runs)(cursor=encode_cursor(listing, *key))
+
+
+async def test_lookups_take_any_text(store: Store) -> None:
+    """A NUL (which PostgreSQL refuses in a query, and stores as U+FFFD) finds what was
+    recorded under it, on every database, instead of failing."""
+    odd = "t\x00odd"
+    await store.record([events.Task(id=odd, run="r\x00", env="e\x00", data={}, created_at=T0)])
+    found = await store.get_task(odd)
+    assert found is not None and found["run"] in ("r\x00", "r\ufffd")
+    assert [t["run"] for t in (await store.list_tasks(run="r\x00", env="e\x00")).items] == [found["run"]]
+    assert await store.get_task("\x00") is None and await store.get_rollout("\x00") is None
+    assert await store.get_trace("\x00") is None and not await store.has_rollout("\x00")
+    assert await store.get_run("\x00") is None and not await store.has_run("\x00")
+    assert (await store.list_rollouts(RolloutFilter(run="\x00", env="\x00"))).items == []
+    assert [r async for r in store.export_rollouts(RolloutFilter(run="\x00"))] == []
+    assert (await store.list_runs(tenant="\x00")).items == [] and await store.list_run_metrics("\x00") == []
 
 
 async def test_rollout_filters(store: Store) -> None:
