@@ -18,8 +18,9 @@ When the run has ended it checks, from the bus, the run folder and the trace API
 - ``rollouts_lost``: rollouts of the run on the bus that the trainer acknowledged but
   neither trained, dropped, nor holds in its journal (acknowledged without a trace);
 - ``tasks_lost``: tasks of the run that were dead-lettered, or have an incomplete group
-  on the bus, or were neither rolled out nor still queued when the run finished (the task
-  supply publishes ahead, so the tasks queued at the end are left over, not lost);
+  on the bus, or were neither rolled out nor left over when the run finished (the task
+  supply publishes ahead: inference skips the tasks still queued when the run ends, and
+  counts them in its heartbeat);
 - ``phantom_branches``: rollouts whose trace (``GET /v1/traces/{id}``) has nodes the
   published rollout does not, or a ``final_leaf`` other than the rollout's last node;
 - ``max_recovery_s``: over the events, seconds from the kill to the next trained step
@@ -51,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from flywheel import events
+from flywheel.config import RunConfig
 from flywheel.natsserver import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -136,7 +138,7 @@ def wait_steps(run: Lines, after: float, num: int, timeout_s: float) -> float:
         time.sleep(0.2)
 
 
-async def collect(nats_url: str, gateway_url: str, data_dir: Path, leftover_tasks: int) -> dict[str, Any]:
+async def collect(nats_url: str, gateway_url: str, data_dir: Path, num_left_over: int) -> dict[str, Any]:
     """The run's books, after it ended: what the bus holds, what the trainer kept, what the trace API shows."""
     import httpx
     import msgspec
@@ -201,7 +203,7 @@ async def collect(nats_url: str, gateway_url: str, data_dir: Path, leftover_task
         groups.setdefault(r.task_id, []).append(r)
     partial = {task for task, members in groups.items() if len(members) < members[0].group_size}
     not_rolled_out = len(set(tasks) - set(groups))
-    tasks_lost = len(dead_tasks) + len(partial) + max(0, not_rolled_out - leftover_tasks)
+    tasks_lost = len(dead_tasks) + len(partial) + max(0, not_rolled_out - num_left_over)
 
     phantom = 0
     async with httpx.AsyncClient(base_url=gateway_url, timeout=30.0) as http:
@@ -230,19 +232,30 @@ async def collect(nats_url: str, gateway_url: str, data_dir: Path, leftover_task
         "num_trained": len(trained),
         "num_dropped": len(state["dropped"]),
         "num_tasks_dead_lettered": len(dead_tasks),
-        "num_tasks_left_over": leftover_tasks,
+        "num_tasks_left_over": num_left_over,
         "dead_letters": dict(reasons.most_common(10)),
     }
 
 
-async def queued_tasks(nats_url: str) -> int:
-    """Tasks the inference consumer has not finished with: left over when the run ends."""
+async def leftover_tasks(nats_url: str, group_size: int, settle_s: float = 60.0) -> int:
+    """Tasks of the run left over when it ended: those inference skipped (its heartbeat counts
+    their rollouts) and those still queued, once the inference consumer has settled."""
     from flywheel.bus import Bus
+    from flywheel.service import read_heartbeats
 
     bus = await Bus.connect(nats_url, "chaos-leftover", ensure=False)
     try:
-        info = await bus.js.consumer_info("TASKS", "inference")
-        return (info.num_pending or 0) + (info.num_ack_pending or 0)
+        deadline = time.monotonic() + settle_s
+        while True:
+            info = await bus.js.consumer_info("TASKS", "inference")
+            queued = (info.num_pending or 0) + (info.num_ack_pending or 0)
+            if queued == 0 or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(1.0)
+        await asyncio.sleep(6.0)  # one more heartbeat of inference, with its final counters
+        skipped = sum(int(b.info.get("runs", {}).get(RUN, {}).get("num_skipped", 0))
+                      for b in await read_heartbeats(bus) if b.service == "inference")
+        return queued + skipped // group_size
     finally:
         await bus.close()
 
@@ -257,6 +270,7 @@ def main() -> None:
     parser.add_argument("--verbose", action="store_true", help="echo the stack's and the run's output")
     args = parser.parse_args()
     rng = random.Random(args.seed)
+    group_size = RunConfig.from_toml(CONFIG).group_size
     plan = ["kill"] * args.kills + ["nats"] * args.nats_restarts
     rng.shuffle(plan)
 
@@ -305,8 +319,8 @@ def main() -> None:
                   flush=True)
             wait_steps(run, at, STEPS_BETWEEN_EVENTS, RECOVERY_TIMEOUT_S)
         run.wait_for(rf"^step\s+{args.steps}/{args.steps}", 1800)
-        leftover = asyncio.run(queued_tasks(f"nats://127.0.0.1:{ports['nats']}"))
         result["finished"] = run_proc.wait(120) == 0
+        leftover = asyncio.run(leftover_tasks(f"nats://127.0.0.1:{ports['nats']}", group_size))
         result.update(asyncio.run(collect(f"nats://127.0.0.1:{ports['nats']}", f"http://127.0.0.1:{ports['gateway']}",
                                           data_dir, leftover)))
     finally:

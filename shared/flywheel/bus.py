@@ -86,6 +86,7 @@ DEAD_LETTER_EXCERPT_BYTES = 16 * 1024
 DEAD_LETTER_REASON_CHARS = 2000
 DEAD_LETTER_HEADERS = 16
 DEAD_LETTER_HEADER_CHARS = 256
+WATCH_HEARTBEAT_S = 1.0  # idle heartbeat of a watch's ordered consumer
 
 _TRANSIENT_PUBLISH_ERRORS = (
     nats.errors.TimeoutError,
@@ -202,11 +203,11 @@ class Bus:
                 max_bytes=self.config.stream_max_bytes,
                 duplicate_window=self.config.duplicate_window_s,
             )
-            await self._retry(lambda cfg=cfg: self._ensure_stream(cfg))
-        await self._retry(lambda: self.js.create_key_value(KeyValueConfig(bucket=RUNS_BUCKET, history=8, storage=StorageType.FILE)))
-        await self._retry(lambda: self.js.create_key_value(
+            await self.retry(lambda cfg=cfg: self._ensure_stream(cfg))
+        await self.retry(lambda: self.js.create_key_value(KeyValueConfig(bucket=RUNS_BUCKET, history=8, storage=StorageType.FILE)))
+        await self.retry(lambda: self.js.create_key_value(
             KeyValueConfig(bucket=SERVICES_BUCKET, history=1, ttl=SERVICE_HEARTBEAT_TTL_S, storage=StorageType.FILE)))
-        await self._retry(lambda: self.js.create_object_store(WEIGHTS_BUCKET, ObjectStoreConfig(storage=StorageType.FILE)))
+        await self.retry(lambda: self.js.create_object_store(WEIGHTS_BUCKET, ObjectStoreConfig(storage=StorageType.FILE)))
 
     async def _ensure_stream(self, cfg: StreamConfig) -> None:
         try:
@@ -218,13 +219,13 @@ class Bus:
             await self.js.update_stream(cfg)
 
     async def runs_kv(self) -> KeyValue:
-        return await self.js.key_value(RUNS_BUCKET)
+        return await self.retry(lambda: self.js.key_value(RUNS_BUCKET))
 
     async def services_kv(self) -> KeyValue:
-        return await self.js.key_value(SERVICES_BUCKET)
+        return await self.retry(lambda: self.js.key_value(SERVICES_BUCKET))
 
     async def weights_store(self) -> ObjectStore:
-        return await self.js.object_store(WEIGHTS_BUCKET)
+        return await self.retry(lambda: self.js.object_store(WEIGHTS_BUCKET))
 
     # --- publishing ---------------------------------------------------------------------
 
@@ -242,14 +243,14 @@ class Bus:
         payload = events.encode(event, content_type)
         if self.tracer is None:
             headers = self.headers_for(event, content_type)
-            return await self._retry(lambda: self.js.publish(subject, payload, headers=headers))
+            return await self.retry(lambda: self.js.publish(subject, payload, headers=headers))
         with self.tracer.start_as_current_span(f"publish {subject}", kind=trace.SpanKind.PRODUCER):
             headers = self.headers_for(event, content_type)
-            return await self._retry(lambda: self.js.publish(subject, payload, headers=headers))
+            return await self.retry(lambda: self.js.publish(subject, payload, headers=headers))
 
     async def publish_raw(self, subject: str, payload: bytes, headers: dict[str, str]) -> PubAck:
         """Publish bytes as they are (tools, tests, other-language bridges). Retried likewise."""
-        return await self._retry(lambda: self.js.publish(subject, payload, headers=headers))
+        return await self.retry(lambda: self.js.publish(subject, payload, headers=headers))
 
     async def publish_many(self, batch: Iterable[events.Event], content_type: str = events.JSON) -> list[PubAck]:
         """Publish many events concurrently (bounded by ``max_publish_in_flight``).
@@ -278,11 +279,13 @@ class Bus:
             if isinstance(result, BaseException):
                 if not _is_transient(result):
                     raise result
-                result = await self._retry(lambda s=subject, p=payload, h=headers: self.js.publish(s, p, headers=h))
+                result = await self.retry(lambda s=subject, p=payload, h=headers: self.js.publish(s, p, headers=h))
             acks.append(result)
         return acks
 
-    async def _retry(self, op: Callable[[], Awaitable[T]]) -> T:
+    async def retry(self, op: Callable[[], Awaitable[T]]) -> T:
+        """``op()``, tried again with backoff while it fails transiently (the server restarting,
+        JetStream not ready, a timeout) until ``publish_timeout_s``; other errors propagate."""
         deadline = time.monotonic() + self.config.publish_timeout_s
         delay_s = 0.05
         while True:
@@ -451,7 +454,10 @@ async def watch(bus: Bus, subject: str, event_type: type[T], stopping: asyncio.E
     each subject instead of the first."""
     decoder: events.Decoder[T] = events.Decoder(event_type)
     config = ConsumerConfig(deliver_policy=DeliverPolicy.LAST_PER_SUBJECT if last_per_subject else DeliverPolicy.ALL)
-    sub = await bus.js.subscribe(subject, stream=stream_of(subject), config=config, ordered_consumer=True)
+    # The server's idle heartbeats tell the client its ordered consumer is gone (a server
+    # restart loses it) after two missed ones: at 1 s, the watch resumes within seconds.
+    sub = await bus.js.subscribe(subject, stream=stream_of(subject), config=config, ordered_consumer=True,
+                                 idle_heartbeat=WATCH_HEARTBEAT_S)
     try:
         while not stopping.is_set():
             try:
@@ -590,7 +596,7 @@ class Consumer:
             deliver_policy=DeliverPolicy.NEW if self.deliver_new_only else DeliverPolicy.ALL,
             inactive_threshold=self.inactive_threshold_s,
         )
-        await self.bus._retry(lambda: self.bus.js.add_consumer(self.stream, cfg))
+        await self.bus.retry(lambda: self.bus.js.add_consumer(self.stream, cfg))
 
     def stop(self) -> None:
         """Stop pulling; :meth:`run` then finishes in-flight work and returns."""

@@ -115,7 +115,7 @@ async def get_run(bus: Bus, run: str) -> events.RunState | None:
     """The run's state; None when it has none; :class:`BadRunState` when its entry does not decode."""
     kv = await bus.runs_kv()
     try:
-        entry = await kv.get(run)
+        entry = await bus.retry(lambda: kv.get(run))
     except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
         return None
     return decode_state(run, entry.value) if entry.value else None
@@ -160,14 +160,16 @@ async def update_run(bus: Bus, run: str, **changes: Any) -> events.RunState:
     kv = await bus.runs_kv()
     for _ in range(100):
         try:
-            entry = await kv.get(run)
+            entry = await bus.retry(lambda: kv.get(run))
         except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
             entry = None
         if entry is None or not entry.value:
             raise ValueError(f"run {run!r} is not registered")
         state = msgspec.structs.replace(decode_state(run, entry.value), updated_at=events.utc_now(), **changes)
         try:
-            await kv.update(run, events.encode(state), last=entry.revision)
+            # A retried update whose first try did land fails on the revision: read again, and
+            # the changes (absolute values) are written over the state they made.
+            await bus.retry(lambda: kv.update(run, events.encode(state), last=entry.revision))
             return state
         except nats.js.errors.KeyWrongLastSequenceError:
             continue

@@ -23,7 +23,7 @@ async def put(bus: Bus, run: str, version: int, data: bytes) -> tuple[str, str, 
     """Store ``data`` as the weights of ``run`` at ``version``; returns (uri, sha256, size_bytes)."""
     name = f"{run}/{version:08d}.safetensors"
     store = await bus.weights_store()
-    await store.put(name, data)
+    await bus.retry(lambda: store.put(name, data))  # a put again replaces the object whole
     return f"nats-os://{WEIGHTS_BUCKET}/{name}", hashlib.sha256(data).hexdigest(), len(data)
 
 
