@@ -61,6 +61,18 @@ def state(nats_port: int, run: str) -> events.RunState:
     return asyncio.run(read())
 
 
+def publish_garbage(nats_port: int, subject: str) -> None:
+    """A message that is no event, where the run's weight updates go."""
+    async def publish() -> None:
+        bus = await Bus.connect(f"nats://127.0.0.1:{nats_port}", "test-run-owner", ensure=False)
+        try:
+            await bus.publish_raw(subject, b"\x00 not a weight update", {"Nats-Msg-Id": f"garbage-{subject}"})
+        finally:
+            await bus.close()
+
+    asyncio.run(publish())
+
+
 def steps_trained(data_dir: Path, run: str) -> list[tuple[int, int]]:
     lines = (data_dir / "runs" / run / "metrics.jsonl").read_text().splitlines()
     return [(row["step"], row["version"]) for row in map(json.loads, lines)]
@@ -73,10 +85,13 @@ def test_trainer_restart_stop_abandon_and_resume(stack, tmp_path: Path, clean_en
     data_dir = tmp_path / "data"
     every_step = [(i, i) for i in range(NUM_STEPS + 1)]
 
-    # A trainer SIGKILLed mid-run is restarted by its owner and resumes from its checkpoint.
+    # A trainer SIGKILLed mid-run is restarted by its owner and resumes from its checkpoint;
+    # garbage on the run's weights subject stops neither the owner, nor inference, nor the
+    # restarted trainer (which reads that subject for the version it last published).
     proc, output = start_run("killed-trainer", data_dir, ports, clean_env)
     output.wait_for(r"^step\s+2/", STEP_TIMEOUT_S)
     trainer_pid = int(output.wait_for(r"trainer pid (\d+)", 5)[0].group(1))
+    publish_garbage(ports["nats"], "weights.killed-trainer")
     os.kill(trainer_pid, signal.SIGKILL)
     output.wait_for(r"the trainer \(pid \d+\) exited with signal SIGKILL; restarting it", 30)
     finish(proc, output)

@@ -154,3 +154,22 @@ async def test_a_run_that_is_missing_or_without_its_checkpoint_fails_with_the_re
     await update_run(bus, "moved", trainer_step=5)
     with pytest.raises(ValueError, match=r"trainer step 5\), but .* holds no checkpoint"):
         await service.run(settings, "moved", handle_signals=False)
+
+
+async def test_the_last_published_version_is_found_past_messages_that_are_not_weight_updates(bus: Bus) -> None:
+    # Anyone may publish on weights.<run>: a trainer restarting after garbage there must still
+    # find the version it last published (it crashed on the garbage, on every restart).
+    def update(version: int) -> events.WeightUpdate:
+        return events.WeightUpdate(run="r1", version=version, uri=f"nats-os://b/{version}", sha256="0" * 64,
+                                   size_bytes=1)
+
+    assert await service.last_published_version(bus, "r1") is None
+    await bus.publish(update(3))
+    await bus.publish(update(4))
+    await bus.publish(events.WeightUpdate(run="r2", version=9, uri="nats-os://b/x", sha256="0" * 64, size_bytes=1))
+    await bus.publish_raw("weights.r1", b"\x00garbage", {"Nats-Msg-Id": "g1"})
+    another_runs = events.WeightUpdate(run="other", version=8, uri="u", sha256="0" * 64, size_bytes=1)
+    await bus.publish_raw("weights.r1", events.encode(another_runs), {"Nats-Msg-Id": "g2"})
+    assert await service.last_published_version(bus, "r1") == 4
+    await bus.publish(update(5))
+    assert await service.last_published_version(bus, "r1") == 5
