@@ -33,11 +33,6 @@ from flywheel_gateway.responses import CONFLICT_RESPONSE, ERROR_RESPONSES, TOO_L
 
 router = APIRouter(prefix="/v1/tasks", tags=["tasks"], responses=ERROR_RESPONSES)
 
-# nats-py frames headers as "NATS/1.0\r\n", "key: value\r\n" each, then "\r\n"; the server
-# counts them in the max payload, and drops the connection of a client that goes over it.
-_HEADER_FRAME_BYTES = len(b"NATS/1.0\r\n\r\n")
-
-
 @router.post("", status_code=202, response_model=TasksAccepted,
              responses={409: CONFLICT_RESPONSE, 413: TOO_LARGE_RESPONSE})
 async def create_tasks(body: Annotated[TasksCreate, Body()], bus: BusDep, runs: RunsDep,
@@ -72,18 +67,11 @@ def _refuse_repeated_ids(creates: list[TaskCreate]) -> None:
         raise RequestValidationError(errors)
 
 
-def published_size(bus: Bus, event: events.Event) -> int:
-    """Bytes the NATS server counts against its max payload for ``event``: payload and headers."""
-    headers = bus.headers_for(event, events.JSON)
-    return (len(events.encode(event, events.JSON)) + _HEADER_FRAME_BYTES
-            + sum(len(k.encode()) + len(v.encode()) + 4 for k, v in headers.items()))
-
-
 def _refuse_oversized(tasks: list[events.Task], bus: Bus, name: str) -> None:
     max_payload = bus.nc.max_payload
     too_large: list[str] = []
     for i, task in enumerate(tasks):
-        size = published_size(bus, task)
+        size = bus.published_size(task)
         if size > max_payload:
             where = f"tasks[{i}]" if name == "tasks" else "task"
             too_large.append(f"{where} is {size} bytes as published (payload and headers), above the bus's max "

@@ -79,6 +79,8 @@ SERVICE_HEARTBEAT_TTL_S = 30.0
 
 HEADER_MSG_ID = "Nats-Msg-Id"
 HEADER_CONTENT_TYPE = "Content-Type"
+# nats-py frames headers as "NATS/1.0\r\n", "key: value\r\n" each, then "\r\n".
+_HEADER_FRAME_BYTES = len(b"NATS/1.0\r\n\r\n")
 
 # A dead letter's bounds: it wraps a message that may be near the server's max payload
 # (1 MiB by default), and must itself fit, whatever the original.
@@ -236,6 +238,14 @@ class Bus:
         if self.tracer is not None:
             propagate.inject(headers)
         return headers
+
+    def published_size(self, event: events.Event, content_type: str = events.JSON) -> int:
+        """Bytes the NATS server counts against its max payload (``nc.max_payload``) for
+        ``event``: payload and headers. Over it the server drops the publisher's connection,
+        so check before publishing what a user sent."""
+        headers = self.headers_for(event, content_type)
+        return (len(events.encode(event, content_type)) + _HEADER_FRAME_BYTES
+                + sum(len(k.encode()) + len(v.encode()) + 4 for k, v in headers.items()))
 
     async def publish(self, event: events.Event, content_type: str = events.JSON) -> PubAck:
         """Publish one event and wait for JetStream to store it (retried on transient errors)."""

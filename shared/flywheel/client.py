@@ -185,10 +185,10 @@ class Client:
         check_key("tenant", tenant)
         max_payload = self.bus.nc.max_payload
         for i, task in enumerate(tasks, 1):
-            size = len(events.encode(task))
+            size = self.bus.published_size(task)
             if size > max_payload:
-                raise ValueError(f"task {task.id} (number {i}) is {size} bytes encoded; the NATS server "
-                                 f"accepts at most {max_payload} (its max_payload)")
+                raise ValueError(f"task {task.id} (number {i}) is {size} bytes as published (payload and headers); "
+                                 f"the NATS server accepts at most {max_payload} (its max_payload)")
         runs = dict.fromkeys(t.run for t in tasks)  # each once, in order
         runs_created = [run for run in runs if await self.register_run(run, tenant=tenant)]
         acks = await self.bus.publish_many(tasks)
@@ -304,14 +304,22 @@ class TraceAPI:
                 return
 
     async def export(self, path: str | Path, *, tokens: bool = False, **filters: Any) -> int:
-        """Write ``GET /v1/rollouts/export`` to ``path`` as it streams in; returns the number of rollouts."""
+        """Write ``GET /v1/rollouts/export`` to ``path`` as it streams in; returns the number of rollouts.
+
+        An export the gateway had to cut (its last line is ``{"error": ...}``) raises
+        :class:`GatewayError` with the reason, once the rollouts before it are written."""
         num_lines = 0
         async with self.http.stream("GET", "/v1/rollouts/export", params=_query({"tokens": tokens, **filters})) as r:
             await _raise_for(r)
-            with Path(path).open("wb") as f:
-                async for chunk in r.aiter_bytes():
-                    f.write(chunk)
-                    num_lines += chunk.count(b"\n")
+            with Path(path).open("w", encoding="utf-8") as f:
+                async for line in r.aiter_lines():
+                    if not line:
+                        continue
+                    if line.startswith('{"error"'):  # a rollout's line starts with its id
+                        raise GatewayError(r.status_code, f"{json.loads(line)['error']} ({num_lines} rollouts "
+                                                          f"written to {path})")
+                    f.write(line + "\n")
+                    num_lines += 1
         return num_lines
 
     async def trace(self, rollout_id: str, *, tokens: bool = False) -> dict[str, Any]:

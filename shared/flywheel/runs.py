@@ -30,8 +30,14 @@ from flywheel import events
 from flywheel.bus import RUNS_BUCKET, Bus, watch_bucket
 
 MAX_NAME_CHARS = 128
-# A NATS subject token: no separators, no wildcards, no whitespace, not empty.
-_TOKEN = re.compile(r"[^\s.*>]+")
+# Control characters (C0, DEL, C1) and every whitespace character (what Python's ``\s``
+# matches), spelled out so that the pattern means the same as a JSON Schema (ECMA-262) regex,
+# whose ``\s`` differs on a few characters; the ranges cover \t..\r, \x1c-\x1f, space, \x85, \xa0.
+CONTROL_OR_SPACE = r"\x00-\x20\x7f-\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+# A NATS subject token: no separators, wildcards, whitespace or control characters (the
+# server refuses some of those in subjects), not empty.
+TOKEN_PATTERN = rf"^[^{CONTROL_OR_SPACE}.*>]+$"
+_TOKEN = re.compile(TOKEN_PATTERN)
 # A run id or tenant is also a KV key (of the runs bucket, or in its value), which allows fewer characters.
 _KV_KEY = re.compile(r"[-/_=a-zA-Z0-9]+")
 _decoder = events.Decoder(events.RunState)
@@ -41,7 +47,8 @@ ENDED_STATUSES = ("finished", "failed", "stopped")
 
 
 def is_token(value: object) -> bool:
-    """A NATS subject token of at most MAX_NAME_CHARS: no '.', '*', '>' or whitespace, not empty."""
+    """A NATS subject token of at most MAX_NAME_CHARS: no '.', '*', '>', whitespace or control
+    characters, not empty."""
     return isinstance(value, str) and _TOKEN.fullmatch(value) is not None and len(value) <= MAX_NAME_CHARS
 
 
@@ -54,7 +61,7 @@ def check_token(field: str, value: str) -> str:
     """``value`` if it is a valid NATS subject token, else a ValueError naming ``field``."""
     if not is_token(value):
         raise ValueError(f"{field}={value!r} is not a valid NATS subject token: it must be 1 to {MAX_NAME_CHARS} "
-                         "characters with no '.', '*', '>' or whitespace")
+                         "characters with no '.', '*', '>', whitespace or control characters")
     return value
 
 

@@ -55,7 +55,7 @@ def _tasks(run: str, text: str = "a") -> list[events.Task]:
 async def test_a_task_over_max_payload_publishes_nothing(bus: Bus, nats_server: NatsServer) -> None:
     async with await Client.connect(nats_server.url) as fw:
         big = {"text": "x" * (fw.bus.nc.max_payload + 1)}
-        with pytest.raises(ValueError, match=r"\(number 2\) is \d+ bytes encoded; the NATS server accepts at most"):
+        with pytest.raises(ValueError, match=r"\(number 2\) is \d+ bytes as published \(payload and headers\); the NATS server accepts at most"):
             await fw.publish_tasks(run="r1", env="echo", rows=[{"text": "small"}, big])
         assert await fw.run_state("r1") is None
     assert (await bus.js.stream_info("TASKS")).state.messages == 0

@@ -158,6 +158,19 @@ async def test_an_export_cut_by_the_database_says_so(client: httpx.AsyncClient, 
         "detail": "the trace store is unavailable (OSError: disk I/O error); retry later"}
 
 
+async def test_the_python_client_raises_on_a_cut_export(client: httpx.AsyncClient, store: Store,
+                                                         failing_pages: list[int], tmp_path: Path) -> None:
+    from flywheel.client import GatewayError, TraceAPI
+
+    await store.record([rollout(f"ro{i:03}") for i in range(150)])
+    failing_pages.append(1)
+    api = TraceAPI("http://gateway")
+    api.http = client  # the test's app, in process
+    with pytest.raises(GatewayError, match=r"export cut after 100 rollouts.*\(100 rollouts written to"):
+        await api.export(tmp_path / "cut.jsonl")
+    assert len((tmp_path / "cut.jsonl").read_text().splitlines()) == 100
+
+
 # --- the branch view ----------------------------------------------------------------------
 
 
