@@ -70,6 +70,7 @@ from flywheel.stack import (
     child_env,
     exit_text,
     heartbeat_of,
+    wait_set,
 )
 
 RUN_SERVICES = ("inference", "scorer")  # what a training run needs besides the trainer
@@ -234,7 +235,7 @@ class TrainerSupervisor:
                      f"{exit_text(returncode)}; restarting it in {delay_s:g}s (restart {num_failed + 1} of at most "
                      f"{MAX_RESTARTS_WITHOUT_PROGRESS} without a new step); it resumes from its checkpoint; "
                      f"{self.process.log_tail()}")
-        if await _wait(self.job.stopping, delay_s):
+        if await wait_set(self.job.stopping, delay_s):
             return
         await self.start()
 
@@ -399,7 +400,7 @@ class MainJob:
                 return
             self.say(f"run {state.id} is owned by {state.owner} until {expires.isoformat()}; waiting for its lease "
                      "to expire (stop that process to take over sooner)")
-            if await _wait(self.stopping, max((expires - events.utc_now()).total_seconds(), 0.0) + 0.5):
+            if await wait_set(self.stopping, max((expires - events.utc_now()).total_seconds(), 0.0) + 0.5):
                 raise StackError(f"stopped while waiting for run {state.id}'s owner")
             state = await get_run(self.bus, state.id) or state
 
@@ -534,15 +535,6 @@ class MainJob:
         except (nats.js.errors.NotFoundError, nats.errors.Error, asyncio.TimeoutError):
             return None
         return info.num_ack_pending * self.cfg.group_size
-
-
-async def _wait(event: asyncio.Event, timeout_s: float) -> bool:
-    """Wait for ``event`` at most ``timeout_s``; True when it is set."""
-    try:
-        await asyncio.wait_for(event.wait(), timeout_s)
-    except asyncio.TimeoutError:
-        return False
-    return True
 
 
 def new_run_id(base: str) -> str:

@@ -377,7 +377,7 @@ def check_ports(settings: Settings) -> None:
         raise StackError("cannot start the stack:\n  " + "\n  ".join(problems))
 
 
-async def _wait(event: asyncio.Event, timeout_s: float) -> bool:
+async def wait_set(event: asyncio.Event, timeout_s: float) -> bool:
     """Wait for ``event`` at most ``timeout_s``; True when it is set."""
     try:
         await asyncio.wait_for(event.wait(), timeout_s)
@@ -528,7 +528,7 @@ class Stack:
                 return
             if time.monotonic() - began > self.start_timeout_s:
                 raise NotHealthy(self.start_timeout_s, problem)
-            if await _wait(self.stopping, self.poll_interval_s):
+            if await wait_set(self.stopping, self.poll_interval_s):
                 return
 
     def _say_ready(self) -> None:
@@ -570,7 +570,7 @@ class Stack:
             last_exit, what = exit_text(returncode), f"exited unexpectedly with {exit_text(returncode)}"
             while True:
                 delay_s = self._back_off(process, last_exit, what)
-                if await _wait(self.stopping, delay_s):
+                if await wait_set(self.stopping, delay_s):
                     return
                 process.num_restarts += 1
                 try:
@@ -590,7 +590,7 @@ class Stack:
             returncode = process.returncode()
             if returncode is not None:
                 return returncode
-            await _wait(self.stopping, self.poll_interval_s)
+            await wait_set(self.stopping, self.poll_interval_s)
         return None
 
     def _back_off(self, process: Process, last_exit: str, what: str) -> float:
@@ -620,7 +620,7 @@ class Stack:
         few seconds, with the latest view)."""
         assert self.heartbeat is not None
         while not stopping.is_set():
-            if not await _wait(self._view_changed, self.poll_interval_s):
+            if not await wait_set(self._view_changed, self.poll_interval_s):
                 continue
             self._view_changed.clear()
             try:

@@ -26,7 +26,7 @@ from flywheel.bus import Bus
 from flywheel.natsserver import NatsServer, free_port, port_open
 from flywheel.service import read_heartbeats
 from flywheel.settings import Settings
-from flywheel.stack import STACK_SERVICE, Process, RestartBackoff, ServiceSpec, Stack, StackError
+from flywheel.stack import STACK_SERVICE, Process, ServiceSpec, Stack, StackError
 from tests.helpers import until
 
 
@@ -164,17 +164,6 @@ async def test_a_crashed_service_is_restarted(tmp_path: Path, nats_server: NatsS
     stack.stopping.set()
     await running
     assert not any(alive(pid) for pid in started_pids(out, "worker"))
-
-
-def test_restart_backoff_doubles_in_a_crash_loop_and_resets_after_a_healthy_stretch() -> None:
-    backoff = RestartBackoff(first_delay_s=1.0, max_delay_s=8.0, healthy_after_s=30.0)
-    assert [backoff.after_exit(healthy_for_s=2.0) for _ in range(7)] == [0, 1, 2, 4, 8, 8, 8]
-    assert backoff.num_failures == 7 and backoff.delay_s == 8
-    assert backoff.after_exit(healthy_for_s=30.0) == 0 and backoff.num_failures == 1
-    assert backoff.after_exit(healthy_for_s=0.0) == 1
-    assert RestartBackoff(max_delay_s=60.0).after_exit(0.0) == 0  # a first exit: at once
-    many = RestartBackoff(max_delay_s=60.0, num_failures=5000)
-    assert many.after_exit(0.0) == 60  # no overflow however long the loop
 
 
 async def test_a_service_that_keeps_crashing_backs_off_while_the_rest_keeps_serving(
