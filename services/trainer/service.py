@@ -254,7 +254,7 @@ class Trainer:
                     await self._checkpoint(engine)  # so a restart redoes nothing
                 return
             await self._step(engine, pad_id, take, wait_s=time.perf_counter() - waited)
-        await update_run(self.bus, self.cfg.run, status="finished")
+        await update_run(self.bus, self.cfg.run, status="finished", ended_at=events.utc_now())
         log.info("run %s: finished after %d steps", self.cfg.run, self.step)
 
     async def _start(self) -> tuple[Engine, int]:
