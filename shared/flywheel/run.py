@@ -259,6 +259,8 @@ class MainJob:
         self.num_published = 0  # tasks published for the run (kept in its state)
         self.first_task = 0  # where this owner's supply starts counting what the run still needs
         self.first_step = 0  # the trainer step the run was at when this owner took it
+        self.num_dropped = 0  # rollouts the trainer dropped so far (each weight update says)
+        self._supplying = asyncio.Lock()
         self.owner = owner_name()
         self._bus: Bus | None = None
 
@@ -383,7 +385,7 @@ class MainJob:
         ended = end_of(state)
         self.num_published = state.num_tasks_published
         self.first_step = state.trainer_step
-        if ended is not None or state.status == "created":
+        if ended is not None:
             # Inference dropped the tasks it held (the run had ended): the supply starts over from here.
             self.first_task = self.num_published
         why = f" ({ended.reason})" if ended is not None else ""
@@ -405,18 +407,28 @@ class MainJob:
             state = await get_run(self.bus, state.id) or state
 
     async def _renew_lease(self) -> None:
-        """Keep the lease: renewed every third of run_lease_s; a failed renewal is retried sooner."""
+        """Keep the lease: renewed every third of run_lease_s; a failed renewal is retried sooner.
+        A lease that lapsed meanwhile (NATS unreachable that long) may have made inference
+        release the run's queued tasks: the supply then publishes tasks for the steps left."""
         period_s = self.settings.run_lease_s / 3
+        expires = events.utc_now() + timedelta(seconds=self.settings.run_lease_s)
         while True:
             await asyncio.sleep(period_s)
+            fields = self._lease_fields()
             try:
-                await update_run(self.bus, self.cfg.run, **self._lease_fields())
+                await update_run(self.bus, self.cfg.run, **fields)
             except (nats.errors.Error, asyncio.TimeoutError) as exc:
                 self.say(f"run {self.cfg.run}: renewing the run's lease failed ({type(exc).__name__}: {exc}); "
                          "retrying")
                 period_s = min(5.0, self.settings.run_lease_s / 6)
-            else:
-                period_s = self.settings.run_lease_s / 3
+                continue
+            period_s = self.settings.run_lease_s / 3
+            if events.utc_now() > expires:
+                self.say(f"run {self.cfg.run}: its lease had lapsed at {expires.isoformat()}, so inference may have "
+                         "released its queued tasks; publishing tasks for the steps left")
+                self.first_task, self.first_step = self.num_published, self._last_step()
+                await self._publish_tasks()
+            expires = fields["lease_expires_at"]
 
     async def _end(self, status: str, reason: str) -> None:
         """Mark the run ended by this owner; the NATS connection may be gone already (said, not raised)."""
@@ -445,11 +457,17 @@ class MainJob:
                                  "(it does when no NATS answers)")
             await asyncio.sleep(0.5)
 
-    async def _publish_tasks(self, num_dropped: int = 0) -> None:
+    async def _publish_tasks(self, num_dropped: int | None = None) -> None:
         """Publish tasks up to what the run needs: a group for every step left, what the
         staleness bound lets inference run ahead, and one group for each group's worth of
         rollouts the trainer dropped (they are replaced). Called again as drops come in."""
-        cfg = self.cfg
+        async with self._supplying:  # the step follower and the lease keeper both call it
+            if num_dropped is not None:
+                self.num_dropped = max(self.num_dropped, num_dropped)
+            await self._publish_more()
+
+    async def _publish_more(self) -> None:
+        cfg, num_dropped = self.cfg, self.num_dropped
         if cfg.num_tasks is not None:
             wanted = max(cfg.num_tasks, self.num_published) if self.first_task == 0 else (
                 self.first_task + cfg.num_tasks)
