@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -47,12 +48,15 @@ from types import TracebackType
 from typing import Any
 
 import httpx
+import msgspec
 import nats.js.errors
 
 from flywheel import events
 from flywheel.bus import STREAMS, Bus, BusConfig
 from flywheel.runs import check_key, check_token, get_run, register_run
 from flywheel.service import HEARTBEAT_INTERVAL_S, read_heartbeats
+
+log = logging.getLogger(__name__)
 
 # Fixed namespace of deterministic task ids; changing it would change every derived id.
 TASK_ID_NAMESPACE = uuid.UUID("5b0f6a1e-2c4d-4e4f-9a53-6c1d7f0e8b21")
@@ -229,7 +233,13 @@ class Client:
             beats = []  # nothing has ensured the buckets yet: no service ever ran here
 
         services = [{"service": b.service, **_heartbeat(now, b)} for b in beats if b.service != STACK_SERVICE]
-        stacks = [_stack(now, b) for b in beats if b.service == STACK_SERVICE]
+        stacks = []
+        for beat in (b for b in beats if b.service == STACK_SERVICE):
+            try:
+                stacks.append(_stack(now, beat))
+            except (msgspec.ValidationError, ValueError) as exc:  # anyone may write the bucket
+                log.warning("services bucket: %s.%s is not a stack's view (%s: %s); skipped", beat.service,
+                            beat.instance, type(exc).__name__, exc)
         existing = {info.config.name: info for info in await self.bus.js.streams_info()}
         streams, consumers = [], []
         for name in STREAMS:
@@ -368,9 +378,33 @@ def _heartbeat(now: datetime, beat: events.ServiceHeartbeat) -> dict[str, Any]:
             "uptime_s": _seconds(now, beat.started_at)}
 
 
+class _ProcessView(msgspec.Struct):
+    """What status reads of one process in a stack's view (flywheel.stack.Process.view)."""
+
+    name: str
+    pid: int | None
+    state: str
+    num_restarts: int
+    num_failures: int
+    last_exit: str | None
+    log: str
+    next_start_at: str | None = None
+
+
+class _StackView(msgspec.Struct):
+    """What status reads of a stack's view (flywheel.stack.Stack.view), checked before use:
+    anyone may write the services bucket."""
+
+    restart_backoff_s: float
+    max_backoff_s: float
+    healthy_after_s: float
+    processes: list[_ProcessView]
+
+
 def _stack(now: datetime, beat: events.ServiceHeartbeat) -> dict[str, Any]:
     """A stack's heartbeat and its view (flywheel.stack.Stack.view), with the wait until each
     next start and the names of the processes that exited and do not run again yet."""
+    msgspec.convert(beat.info, _StackView)  # raises ValidationError, naming what does not fit
     processes = []
     for process in beat.info.get("processes", []):
         next_start_at = process.get("next_start_at")

@@ -149,3 +149,14 @@ async def test_status_fails_clearly_when_nats_is_unreachable(capsys: pytest.Capt
     assert code == 1 and out == ""
     assert err.startswith(f"flywheel: error: cannot reach NATS at {url} within 0.5s")
     assert "Traceback" not in err
+
+
+async def test_status_skips_a_stack_view_that_does_not_fit(bus: Bus) -> None:
+    # The services bucket is open to any bus client: a "stack" entry with another shape is left out.
+    from flywheel.client import Client
+
+    beat = events.ServiceHeartbeat(service="stack", instance="x", pid=1, host="h", started_at=events.utc_now(),
+                                   info={"processes": "not a list"})
+    await (await bus.services_kv()).put("stack.x", events.encode(beat))
+    report = await Client(bus).status()
+    assert report["stacks"] == [] and report["services"] == []
