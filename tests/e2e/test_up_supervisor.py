@@ -264,7 +264,7 @@ async def test_a_restart_that_stays_unhealthy_is_stopped_and_tried_again(
 async def test_a_service_that_ignores_sigterm_is_killed(tmp_path: Path, nats_server: NatsServer) -> None:
     out = io.StringIO()
     stubborn = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); "
-                "time.sleep(120)")
+                "time.sleep(120)")  # noqa: sleep - a stand-in that ignores SIGTERM and stays up until killed
     stack = Stack(settings(tmp_path, nats_server.url), out, services={"stubborn": python(stubborn, says("ready"))},
                   stop_timeout_s=0.3)
     running = await start(stack, out)
