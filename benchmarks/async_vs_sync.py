@@ -4,7 +4,7 @@
 
 One stack, one model (tiny), one task set, one machine, two training runs through the real
 services (nats-server, scorer, inference, and a trainer per run, started as ``flywheel
-run`` does, by :class:`flywheel.run.MainJob`):
+run`` does, by :class:`flywheel.ops.run.MainJob`):
 
 - sync: ``trainer.max_off_policy_steps = 0``: inference may only sample the rollouts of
   the next step, so every step waits for its slowest group, and inference idles while the
@@ -77,9 +77,9 @@ VLLM_KEYS = ("engine_tokens_per_s", "service_tokens_per_s", "service_vs_engine")
 
 def serve_inference() -> None:
     """``python benchmarks/async_vs_sync.py --serve-inference``: the inference service, as the stack runs it."""
-    import flywheel.service
+    import flywheel.contract.service
 
-    flywheel.service.HEARTBEAT_INTERVAL_S = HEARTBEAT_S
+    flywheel.contract.service.HEARTBEAT_INTERVAL_S = HEARTBEAT_S
     from flywheel_inference.__main__ import main
 
     main([])
@@ -88,7 +88,7 @@ def serve_inference() -> None:
 # --- the runs ---------------------------------------------------------------------------------
 
 def run_config(mode: str, off_policy: int, args: argparse.Namespace, stamp: str) -> Any:
-    from flywheel.config import RunConfig
+    from flywheel.contract.config import RunConfig
 
     groups_per_step = args.batch_size // args.group_size
     # Async may drop stale groups: publish enough that the trainer never runs out.
@@ -109,8 +109,8 @@ async def watch_in_flight(bus: Any, run: str, stop: asyncio.Event, samples: list
 
     One watcher on the services KV bucket: each beat of the inference process is one update.
     """
-    from flywheel import events
-    from flywheel.bus import watch_bucket
+    from flywheel.contract import events
+    from flywheel.contract.bus import watch_bucket
 
     decoder = events.Decoder(events.ServiceHeartbeat)
     async for _, value in watch_bucket(await bus.services_kv(), stop):
@@ -129,7 +129,7 @@ def time_mean(samples: list[tuple[float, int]], start: float, end: float) -> flo
 
 
 async def one_run(cfg: Any, settings: Any, bus: Any, out: Any) -> dict[str, Any]:
-    from flywheel.run import MainJob
+    from flywheel.ops.run import MainJob
 
     job = MainJob(cfg, settings, out=out)
     stop = asyncio.Event()
@@ -180,10 +180,10 @@ def workload(args: argparse.Namespace) -> dict[str, float]:
 
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
-    from flywheel.bus import Bus
-    from flywheel.natsserver import free_port
-    from flywheel.settings import Settings
-    from flywheel.stack import SERVICES, ServiceSpec, Stack, heartbeat_of
+    from flywheel.contract.bus import Bus
+    from flywheel.contract.settings import Settings
+    from flywheel.ops.natsserver import free_port
+    from flywheel.ops.stack import SERVICES, ServiceSpec, Stack, heartbeat_of
 
     sys.path.insert(0, str(ENVS))  # the tasks are made here, the rest in the services
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ENVS), os.environ.get("PYTHONPATH")) if p)

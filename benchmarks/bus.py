@@ -31,9 +31,9 @@ from pathlib import Path
 
 import nats
 
-from flywheel import events
-from flywheel.bus import Bus, BusConfig, Consumer, Delivery
-from flywheel.natsserver import NatsServer
+from flywheel.contract import events
+from flywheel.contract.bus import Bus, BusConfig, Consumer, Delivery
+from flywheel.ops.natsserver import NatsServer
 
 SIZES = {"1KB": 1024, "64KB": 64 * 1024}
 

@@ -51,9 +51,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from flywheel import events
-from flywheel.config import RunConfig
-from flywheel.natsserver import free_port
+from flywheel.contract import events
+from flywheel.contract.config import RunConfig
+from flywheel.ops.natsserver import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples" / "reverse-text.toml"
@@ -144,7 +144,7 @@ async def collect(nats_url: str, gateway_url: str, data_dir: Path, num_left_over
     import msgspec
     import nats.errors
 
-    from flywheel.bus import Bus
+    from flywheel.contract.bus import Bus
 
     bus = await Bus.connect(nats_url, "chaos-check", ensure=False)
     decoder = events.Decoder(events.Rollout)
@@ -240,8 +240,8 @@ async def collect(nats_url: str, gateway_url: str, data_dir: Path, num_left_over
 async def leftover_tasks(nats_url: str, group_size: int, settle_s: float = 60.0) -> int:
     """Tasks of the run left over when it ended: those inference skipped (its heartbeat counts
     their rollouts) and those still queued, once the inference consumer has settled."""
-    from flywheel.bus import Bus
-    from flywheel.service import read_heartbeats
+    from flywheel.contract.bus import Bus
+    from flywheel.contract.service import read_heartbeats
 
     bus = await Bus.connect(nats_url, "chaos-leftover", ensure=False)
     try:
@@ -279,7 +279,7 @@ def main() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_") or k == "FLYWHEEL_NATS_SERVER_BIN"}
     common = ["--data-dir", str(data_dir), "--nats-port", str(ports["nats"]), "--gateway-port", str(ports["gateway"]),
               "--inference-port", str(ports["inference"])]
-    flywheel = [sys.executable, "-m", "flywheel.cli"]
+    flywheel = [sys.executable, "-m", "flywheel.ops.cli"]
     up_proc = subprocess.Popen([*flywheel, "up", *common], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, env=env, cwd=ROOT)
     up = Lines(up_proc, "up" if args.verbose else None)

@@ -150,7 +150,7 @@ def timed(device: str, into: dict[str, float], key: str) -> Iterator[None]:
 
 
 def run_config(dtype: str, engine: str = "torch", stage: int = 0, max_tokens: int = 16) -> Any:
-    from flywheel.config import RunConfig
+    from flywheel.contract.config import RunConfig
 
     return RunConfig.parse({
         "run": "gpu-check", "env": "reverse_text", "group_size": 8,
@@ -163,7 +163,7 @@ class Sampler:
     """Groups of rollouts from the backend, built as the inference worker builds them."""
 
     def __init__(self, backend: Any, cfg: Any) -> None:
-        from flywheel.environment import load_environment
+        from flywheel.sdk.environment import load_environment
 
         self.backend = backend
         self.cfg = cfg
@@ -172,8 +172,8 @@ class Sampler:
         self.next_task = 0
 
     def groups(self, num_groups: int, seed: int) -> list[list[Any]]:
-        from flywheel import events
-        from flywheel.tracegraph import TraceGraph
+        from flywheel.contract import events
+        from flywheel.sdk.tracegraph import TraceGraph
         from flywheel_inference.interception import Renderer, record
         from flywheel_trainer.join import Scored
 
@@ -208,7 +208,7 @@ class Sampler:
 
 
 def build_model(folder: Path, shape: dict[str, int] | None) -> Path:
-    from flywheel import models
+    from flywheel.sdk import models
 
     if not (folder / "config.json").exists():
         models.build_tiny(folder, **(shape or {}))
@@ -216,7 +216,7 @@ def build_model(folder: Path, shape: dict[str, int] | None) -> Path:
 
 
 def torch_engine(model_dir: Path, cfg: Any) -> Any:
-    from flywheel import models
+    from flywheel.sdk import models
     from flywheel_trainer.engines import ENGINES
 
     model, _ = models.load_model(model_dir, "float32")
@@ -241,7 +241,7 @@ def logprob_gap(engine: Any, groups: list[list[Any]], pad_id: int, temperature: 
 
 
 def check_inference(model_dir: Path, device: str, dtype: str, batch_size: int, max_tokens: int) -> dict[str, Any]:
-    from flywheel import models
+    from flywheel.sdk import models
     from flywheel_inference.backends import TransformersBackend
 
     cfg = run_config(dtype, max_tokens=max_tokens)

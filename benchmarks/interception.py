@@ -33,11 +33,12 @@ import httpx
 import msgspec
 import uvicorn
 
-from flywheel import events, models, weights
-from flywheel.bus import Bus
-from flywheel.config import RunConfig
-from flywheel.natsserver import NatsServer
-from flywheel.settings import Settings
+from flywheel.contract import events, weights
+from flywheel.contract.bus import Bus
+from flywheel.contract.config import RunConfig
+from flywheel.contract.settings import Settings
+from flywheel.ops.natsserver import NatsServer
+from flywheel.sdk import models
 from flywheel_inference.app import create_app
 
 RUN = "bench"

@@ -39,10 +39,10 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from flywheel.bus import Bus
-from flywheel.natsserver import NatsServer
-from flywheel.sandbox import SandboxClient, SandboxError, SandboxSpec
-from flywheel.service import read_heartbeats
+from flywheel.contract.bus import Bus
+from flywheel.contract.service import read_heartbeats
+from flywheel.ops.natsserver import NatsServer
+from flywheel.sdk.sandbox import SandboxClient, SandboxError, SandboxSpec
 
 REPO = Path(__file__).resolve().parents[1]
 CMD = "echo hi"

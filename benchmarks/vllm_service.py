@@ -12,7 +12,7 @@ one engine, one machine; compare the ratio, not the absolute figures:
 - service: a real nats-server (temporary store), the inference :class:`Worker` with its
   :class:`Service` (as ``tests/vllm/test_service.py`` runs it), a run whose config says
   ``inference.backend = "vllm"`` with admission bounds that never block, version-0 weights
-  published with ``flywheel.weights.put`` and a ``WeightUpdate``; the same prompts go out
+  published with ``flywheel.contract.weights.put`` and a ``WeightUpdate``; the same prompts go out
   as tasks (one group of ``--group-size`` rollouts each), timed from the first task
   published to the last rollout seen on ``rollouts.<run>.>`` (a plain subscription: the
   worker's publish reaches it as JetStream stores it in ROLLOUTS; the stream's count is
@@ -99,8 +99,8 @@ async def engine_round(backend: Any, sampling: Any, seqs: list[tuple[list[int], 
 
 async def service_round(bus: Any, shared: SharedBackend, label: str, rows: list[dict[str, Any]],
                         args: argparse.Namespace, sampling: Any) -> dict[str, Any]:
-    from flywheel import events
-    from flywheel.bus import HEADER_CONTENT_TYPE
+    from flywheel.contract import events
+    from flywheel.contract.bus import HEADER_CONTENT_TYPE
 
     expected = len(rows) * args.group_size
     received: list[Any] = []
@@ -138,11 +138,12 @@ def _with_seed(sampling: Any, seed: int) -> Any:
 
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
-    from flywheel import events, models, weights
-    from flywheel.bus import Bus
-    from flywheel.config import RunConfig
-    from flywheel.environment import load_environment
-    from flywheel.natsserver import NatsServer
+    from flywheel.contract import events, weights
+    from flywheel.contract.bus import Bus
+    from flywheel.contract.config import RunConfig
+    from flywheel.ops.natsserver import NatsServer
+    from flywheel.sdk import models
+    from flywheel.sdk.environment import load_environment
     from flywheel_inference.backend_vllm import VLLMBackend
     from flywheel_inference.worker import Worker, WorkerConfig
 

@@ -19,7 +19,7 @@ import sys
 import urllib.error
 import urllib.request
 
-from flywheel.settings import Settings
+from flywheel.contract.settings import Settings
 
 TIMEOUT_S = 5.0
 
@@ -33,8 +33,8 @@ def check_url(url: str) -> str | None:
 
 
 async def check_heartbeat(settings: Settings, service: str) -> str | None:
-    from flywheel.bus import Bus, BusConfig
-    from flywheel.service import read_heartbeats
+    from flywheel.contract.bus import Bus, BusConfig
+    from flywheel.contract.service import read_heartbeats
 
     try:
         bus = await Bus.connect(settings.resolved_nats_url, f"healthcheck-{service}",

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from flywheel import events
+from flywheel.contract import events
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16], [20, 21, 22, 23, 24]]
 

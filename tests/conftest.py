@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from flywheel.natsserver import NatsServer
+from flywheel.ops.natsserver import NatsServer
 from tests.docker_engine import debian_base, docker_engine  # noqa: F401 - session fixtures of the docker tier
 
 if TYPE_CHECKING:
-    from flywheel.bus import Bus
+    from flywheel.contract.bus import Bus
 
 
 @pytest.fixture
@@ -28,7 +28,7 @@ def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
 
 @pytest.fixture
 async def bus(nats_server: NatsServer) -> AsyncIterator[Bus]:
-    from flywheel.bus import Bus
+    from flywheel.contract.bus import Bus
 
     b = await Bus.connect(nats_server.url, name="test")
     try:
@@ -46,6 +46,6 @@ def postgres_url() -> str:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model and tokenizer, built once per test session."""
-    from flywheel import models
+    from flywheel.sdk import models
 
     return Path(models.resolve_model("tiny", tmp_path_factory.mktemp("data")))

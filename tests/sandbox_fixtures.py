@@ -3,7 +3,7 @@ and :func:`sandboxed_rollout`, an environment's harness run against a scripted m
 
 For tests anywhere in the tree, environments' included (tests/conftest.py reaches only
 tests/): import it into the test module (``from tests.sandbox_fixtures import sandbox``). It
-yields a :class:`flywheel.sandbox.SandboxClient`; its ``manager`` holds the service's live
+yields a :class:`flywheel.sdk.sandbox.SandboxClient`; its ``manager`` holds the service's live
 sandboxes, and the fixture checks that none is left when the test ends.
 """
 
@@ -15,15 +15,15 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from flywheel.bus import Bus
-from flywheel.natsserver import NatsServer
-from flywheel.sandbox import SandboxClient
+from flywheel.contract.bus import Bus
+from flywheel.ops.natsserver import NatsServer
+from flywheel.sdk.sandbox import SandboxClient
 from tests.sandbox_service import backend_named, serving
 from tests.scripted_openai import ScriptedOpenAI, ScriptEntry, make_rollout
 
 if TYPE_CHECKING:
-    from flywheel import events
-    from flywheel.environment import Environment
+    from flywheel.contract import events
+    from flywheel.sdk.environment import Environment
 
 
 @pytest.fixture
@@ -46,7 +46,7 @@ async def sandboxed_rollout(env: Environment, task: dict[str, Any], script: Sequ
                                                                                               ScriptedOpenAI]:
     """Run ``env``'s harness on ``task`` against a model playing ``script``, with ``client`` as the
     rollout's sandbox client; the rollout (last request's conversation, final state) and the server."""
-    from flywheel.harness import RolloutContext
+    from flywheel.sdk.harness import RolloutContext
 
     with ScriptedOpenAI({"agent": script}) as server:
         ctx = RolloutContext(task=task, base_url=server.base_url, api_key="test", model="agent",

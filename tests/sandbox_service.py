@@ -2,7 +2,7 @@
 
 :func:`serving` runs a :class:`SessionManager` and :class:`SandboxResponder` on a given
 backend until the block ends, then destroys every sandbox and checks none is left. Tests
-talk to it only through :class:`flywheel.sandbox.SandboxClient`, over NATS.
+talk to it only through :class:`flywheel.sdk.sandbox.SandboxClient`, over NATS.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from flywheel import events
-from flywheel.bus import Bus
-from flywheel.sandbox import SERVICE_NAME, SandboxClient
+from flywheel.contract import events
+from flywheel.contract.bus import Bus
+from flywheel.sdk.sandbox import SERVICE_NAME, SandboxClient
 from flywheel_sandbox.service import SandboxResponder
 from flywheel_sandbox.sessions import ManagerConfig, SessionManager
 
@@ -46,7 +46,7 @@ async def backend_named(name: str, request: pytest.FixtureRequest) -> AsyncItera
         engine = docker.DockerClient(base_url=backend.config.base_url)
         try:
             for _ in range(100):  # the engine may still be finishing a removal it was asked for twice
-                left = engine.containers.list(all=True, filters={"label": f"flywheel.sandbox.owner={backend.owner}"})
+                left = engine.containers.list(all=True, filters={"label": f"flywheel.sdk.sandbox.owner={backend.owner}"})
                 if not left:
                     break
                 time.sleep(0.05)  # noqa: sleep - the polling interval of this bounded wait

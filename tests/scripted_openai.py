@@ -35,8 +35,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 if TYPE_CHECKING:
-    from flywheel import events
-    from flywheel.environment import Environment
+    from flywheel.contract import events
+    from flywheel.sdk.environment import Environment
 
 ScriptEntry = str | Mapping[str, Any] | Callable[[dict[str, Any]], str | Mapping[str, Any]]
 
@@ -173,8 +173,8 @@ def _chunks(common: dict[str, Any], answer: dict[str, Any]) -> Any:
 def make_rollout(env: str, task: dict[str, Any], messages: Sequence[Mapping[str, Any]],
                  state: dict[str, Any] | None = None, index: int = 0) -> events.Rollout:
     """A message-only rollout of ``task`` whose one branch is ``messages`` (OpenAI dicts)."""
-    from flywheel.environment import message_from_dict
-    from flywheel.tracegraph import rollout_from_messages
+    from flywheel.sdk.messages import message_from_dict
+    from flywheel.sdk.tracegraph import rollout_from_messages
 
     return rollout_from_messages(run="test", env=env, task_id=str(task.get("id", "task")), task_data=task,
                                  messages=[message_from_dict(m, f"messages[{i}]") for i, m in enumerate(messages)],
@@ -185,7 +185,7 @@ async def run_rollout(env: Environment, task: dict[str, Any], server: ScriptedOp
                       index: int = 0) -> events.Rollout:
     """Run ``env``'s harness on ``task`` against ``server`` as ``model``; the rollout of the
     conversation the model saw, with the state the harness recorded."""
-    from flywheel.harness import RolloutContext
+    from flywheel.sdk.harness import RolloutContext
 
     ctx = RolloutContext(task=task, base_url=server.base_url, api_key="test", model=model, index=index)
     try:

@@ -25,8 +25,8 @@ import math
 import random
 import string
 
-from flywheel.environment import Environment, Reward, TaskSet
-from flywheel.harness import ChatHarness, RolloutContext
+from flywheel.sdk.environment import Environment, Reward, TaskSet
+from flywheel.sdk.harness import ChatHarness, RolloutContext
 
 SYSTEM_PROMPT = "Echo the text."
 ALPHABET = string.ascii_lowercase[:12]

@@ -22,8 +22,8 @@ import random
 import re
 from fractions import Fraction
 
-from flywheel.environment import Environment, EnvironmentLoadError, Metric, Reward, TaskSet, shortest_correct_reward
-from flywheel.harness import ChatHarness
+from flywheel.sdk.environment import Environment, EnvironmentLoadError, Metric, Reward, TaskSet, shortest_correct_reward
+from flywheel.sdk.harness import ChatHarness
 
 SYSTEM_PROMPT = ("Solve the arithmetic problem. Use the usual order of operations; division is exact. "
                  "Think briefly if you need to, then end with a last line of the form `Answer: <integer>`.")

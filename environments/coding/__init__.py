@@ -5,7 +5,7 @@ of the prompt. The model answers with its code in a fenced ```python block (the 
 its final reply counts) and may first try code with the ``python`` tool, which runs in the
 rollout's own sandbox (``tools=False``: one turn, no tool). The reward writes the answer as
 ``solution.py`` beside the task's tests and runs them in a one-shot sandbox
-(:func:`flywheel.sandbox_tools.run_tests`: every test with its own deadline, the run with
+(:func:`flywheel.sdk.sandbox_tools.run_tests`: every test with its own deadline, the run with
 another), so a wrong, crashing or never-ending answer costs nothing but its score; an answer
 that does not parse, or is over ``MAX_CODE_CHARS``, fails without a run.
 
@@ -21,7 +21,7 @@ functions with plain asserts; the sandbox has Python's standard library, no pyte
 reference ``solution``, which the environment's own tests check passes.
 
 Not covered: the tests' verdict is as trustworthy as the tests (code written to game them,
-such as an object equal to anything, can pass; see :mod:`flywheel.sandbox_test_runner`).
+such as an object equal to anything, can pass; see :mod:`flywheel.sdk.sandbox_test_runner`).
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-from flywheel.environment import Environment, EnvironmentLoadError, Metric, Reward, TaskSet
-from flywheel.harness import ChatHarness
-from flywheel.sandbox import SandboxSpec
-from flywheel.sandbox_tools import SandboxTools, TestReport, run_tests
+from flywheel.sdk.environment import Environment, EnvironmentLoadError, Metric, Reward, TaskSet
+from flywheel.sdk.harness import ChatHarness
+from flywheel.sdk.sandbox import SandboxSpec
+from flywheel.sdk.sandbox_tools import SandboxTools, TestReport, run_tests
 
 TASKS_FILE = Path(__file__).parent / "tasks.jsonl"
 SCHEMA = {"id": str, "prompt": str, "entry_point": str, "tests": str, "solution": str}

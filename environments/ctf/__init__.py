@@ -43,10 +43,10 @@ from typing import Any
 
 import msgspec
 
-from flywheel.environment import Environment, EnvironmentLoadError, Metric, Reward, TaskSet
-from flywheel.harness import ChatHarness, RolloutContext, ToolError
-from flywheel.sandbox import SandboxSpec
-from flywheel.sandbox_tools import SandboxTools, sandbox_session
+from flywheel.sdk.environment import Environment, EnvironmentLoadError, Metric, Reward, TaskSet
+from flywheel.sdk.harness import ChatHarness, RolloutContext, ToolError
+from flywheel.sdk.sandbox import SandboxSpec
+from flywheel.sdk.sandbox_tools import SandboxTools, sandbox_session
 
 TASKS_FILE = Path(__file__).parent / "tasks.jsonl"
 SCHEMA = {"id": str, "challenge": str, "prompt": str}

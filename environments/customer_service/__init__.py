@@ -29,8 +29,8 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
-from flywheel.environment import Environment, EnvironmentLoadError, Metric, Reward, TaskSet
-from flywheel.harness import ChatHarness, RolloutContext, ToolError, UserSimulator, user_simulator_server
+from flywheel.sdk.environment import Environment, EnvironmentLoadError, Metric, Reward, TaskSet
+from flywheel.sdk.harness import ChatHarness, RolloutContext, ToolError, UserSimulator, user_simulator_server
 
 POLICY = """You are a customer support agent of an online store. Help the customer with their orders using the
 tools, following this policy.

@@ -13,8 +13,8 @@ import difflib
 import random
 import string
 
-from flywheel.environment import Environment, Metric, Reward, TaskSet
-from flywheel.harness import ChatHarness
+from flywheel.sdk.environment import Environment, Metric, Reward, TaskSet
+from flywheel.sdk.harness import ChatHarness
 
 SYSTEM_PROMPT = "Reverse the text."
 ALPHABET = string.ascii_lowercase[:12]

@@ -33,8 +33,8 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
-from flywheel.environment import Environment, EnvironmentLoadError, Metric, Reward, TaskSet
-from flywheel.harness import ChatHarness, RolloutContext, Tool, ToolError
+from flywheel.sdk.environment import Environment, EnvironmentLoadError, Metric, Reward, TaskSet
+from flywheel.sdk.harness import ChatHarness, RolloutContext, Tool, ToolError
 
 SYSTEM_PROMPT = """Answer the user's question using the document collection. Use the tools:
 search(query) finds the passages that best match a few keywords and gives each document's id;

@@ -25,8 +25,8 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
-from flywheel.environment import Environment, EnvironmentLoadError, Metric, Reward, TaskSet
-from flywheel.harness import ChatHarness
+from flywheel.sdk.environment import Environment, EnvironmentLoadError, Metric, Reward, TaskSet
+from flywheel.sdk.harness import ChatHarness
 
 WORD_LENGTH = 5
 SYSTEM_PROMPT = """You are playing Wordle. Find the secret {length}-letter English word in at most {max_guesses} guesses.

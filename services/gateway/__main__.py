@@ -3,7 +3,7 @@
 ``api`` serves the HTTP API with uvicorn on gateway_host:gateway_port (migrating the store
 first); on SIGTERM, requests still open after ``GRACEFUL_SHUTDOWN_S`` (a live trace stream
 never ends by itself) are cut. ``recorder`` records every stream into the store. Both read
-their settings from FLYWHEEL_* (see :mod:`flywheel.settings`). Heavy imports wait until the
+their settings from FLYWHEEL_* (see :mod:`flywheel.contract.settings`). Heavy imports wait until the
 arguments are parsed, so ``--help`` is instant.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from flywheel.settings import Settings
+from flywheel.contract.settings import Settings
 
 GRACEFUL_SHUTDOWN_S = 5.0
 
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
         commands.add_parser(name, help=help_text)
     args = parser.parse_args(argv)
     settings = Settings()
-    from flywheel.service import setup_logging, setup_tracing
+    from flywheel.contract.service import setup_logging, setup_tracing
 
     setup_logging(settings.log_level)
     setup_tracing(f"gateway-{args.command}")

@@ -6,7 +6,7 @@ run-state bucket, read live (status, config, and the tenant, which the bucket ow
 is found when either knows it: one created in the bucket (by the gateway or ``flywheel
 run``) shows before any of its events is recorded. The listing is the store's alone.
 
-The status shown is the one :func:`flywheel.runs.end_of` derives: a ``running`` run whose
+The status shown is the one :func:`flywheel.contract.runs.end_of` derives: a ``running`` run whose
 owner stopped renewing its lease shows ``abandoned``, with ``ended_at`` (when the lease
 expired) and ``reason``. A run whose entry in the bucket does not decode (something other
 than Flywheel wrote it) is a 409 naming the key and what to do, not a run without state: its
@@ -24,8 +24,8 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Query
 
-from flywheel import runs
-from flywheel.bus import Bus
+from flywheel.contract import runs
+from flywheel.contract.bus import Bus
 from flywheel_gateway.deps import BusDep, CursorQuery, LimitQuery, RunIdPath, StoreDep, TenantQuery
 from flywheel_gateway.models import INT32_MAX, RunDetail, RunMetricsPublic, RunPage, StepMetricsPublic
 from flywheel_gateway.responses import CONFLICT_RESPONSE, ERROR_RESPONSES

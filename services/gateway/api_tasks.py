@@ -15,8 +15,8 @@ from typing import Annotated
 from fastapi import APIRouter, Body, HTTPException
 from fastapi.exceptions import RequestValidationError
 
-from flywheel import events
-from flywheel.bus import Bus
+from flywheel.contract import events
+from flywheel.contract.bus import Bus
 from flywheel_gateway.deps import (
     BusDep,
     CursorQuery,

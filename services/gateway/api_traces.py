@@ -18,8 +18,8 @@ The live stream reads the bus, not the store: an ordered consumer on the rollout
 ``rollouts.<run>.>`` from a little before the first trace node, watching for the rollout's
 id (its payload is fetched once it shows). When the rollout is already recorded, the stream
 replays it from the store instead (the bus keeps traces for its retention only). A client
-that disconnects ends both consumers (:class:`flywheel.bus.Replay`). A message that does not
-decode as the event its subject promises (:func:`flywheel.bus.decode_message`) is logged and
+that disconnects ends both consumers (:class:`flywheel.contract.bus.Replay`). A message that does not
+decode as the event its subject promises (:func:`flywheel.contract.bus.decode_message`) is logged and
 skipped; it never ends the stream (the recorder dead-letters it).
 
 Not covered: resuming a stream (``Last-Event-ID``; a client that reconnects gets every node
@@ -41,8 +41,8 @@ from fastapi import APIRouter, HTTPException
 from fastapi.responses import StreamingResponse
 from nats.aio.msg import Msg
 
-from flywheel import events
-from flywheel.bus import HEADER_MSG_ID, Bus, Replay, Undecodable, decode_message
+from flywheel.contract import events
+from flywheel.contract.bus import HEADER_MSG_ID, Bus, Replay, Undecodable, decode_message
 from flywheel_gateway.deps import BusDep, NodeIdPath, RolloutIdPath, StoreDep, StreamedRolloutIdPath
 from flywheel_gateway.models import BranchPublic, NodePublic, RolloutPublic, TokenLayerPublic, TracePublic
 from flywheel_gateway.responses import ERROR_RESPONSES

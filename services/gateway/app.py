@@ -17,9 +17,9 @@ from contextlib import AsyncExitStack, asynccontextmanager
 
 from fastapi import FastAPI
 
-from flywheel.bus import Bus
-from flywheel.service import Service
-from flywheel.settings import Settings
+from flywheel.contract.bus import Bus
+from flywheel.contract.service import Service
+from flywheel.contract.settings import Settings
 from flywheel_gateway import api_health, api_rollouts, api_runs, api_tasks, api_traces
 from flywheel_gateway.body_limit import BodyLimit
 from flywheel_gateway.migrate import migrate

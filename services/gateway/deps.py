@@ -12,8 +12,8 @@ from typing import Annotated
 from fastapi import Depends, Header, Path, Query, Request
 from pydantic import AfterValidator
 
-from flywheel.bus import Bus
-from flywheel.runs import MAX_NAME_CHARS
+from flywheel.contract.bus import Bus
+from flywheel.contract.runs import MAX_NAME_CHARS
 from flywheel_gateway.models import (
     MAX_CURSOR_CHARS,
     MAX_ID_CHARS,

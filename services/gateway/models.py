@@ -3,7 +3,7 @@
 ``*Create`` models are what clients send: strict (unknown fields are refused, so a typo
 is an error rather than a silently ignored setting) and turned into bus events by
 ``to_event``. ``*Public`` models are what the API answers. The events themselves
-(:mod:`flywheel.events`) stay msgspec Structs; these models are the HTTP boundary only.
+(:mod:`flywheel.contract.events`) stay msgspec Structs; these models are the HTTP boundary only.
 
 ``run`` and ``env`` become NATS subject tokens (``tasks.<run>.<env>``) and ``run`` is
 also a key in the run-state KV bucket, so both are checked here, with messages that say
@@ -25,8 +25,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag
 
-from flywheel import events
-from flywheel.runs import MAX_NAME_CHARS, TOKEN_PATTERN, is_key, is_token
+from flywheel.contract import events
+from flywheel.contract.runs import MAX_NAME_CHARS, TOKEN_PATTERN, is_key, is_token
 from flywheel_gateway.store import MAX_PAGE_LIMIT
 
 MAX_TASKS_PER_REQUEST = 10_000
@@ -40,7 +40,7 @@ INT32_MAX = 2**31 - 1
 # What msgspec (the bus) and other languages' JSON readers take as an integer.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
-# Python's whitespace (str.isspace, what ``\s`` matches in flywheel.runs), spelled out so that a
+# Python's whitespace (str.isspace, what ``\s`` matches in flywheel.contract.runs), spelled out so that a
 # JSON Schema (ECMA-262) regex means the same: ECMA's ``\s`` differs on a few characters.
 _SPACE = r"\t\n\v\f\r\x1c-\x1f \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
 RUN_ID_PATTERN = r"^[-/_=a-zA-Z0-9]+$"

@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 import sqlalchemy as sa
 
-from flywheel import events
-from flywheel.bus import STREAMS, Bus, Consumer, Delivery, Reject
-from flywheel.runs import watch_runs
-from flywheel.service import Service
-from flywheel.settings import Settings
+from flywheel.contract import events
+from flywheel.contract.bus import STREAMS, Bus, Consumer, Delivery, Reject
+from flywheel.contract.runs import watch_runs
+from flywheel.contract.service import Service
+from flywheel.contract.settings import Settings
 from flywheel_gateway.migrate import migrate
 from flywheel_gateway.store import Store, UnrecordableEvent
 

@@ -1,12 +1,12 @@
 """Runs named by incoming tasks: created in the run-state KV bucket on first sight, refused
 when they belong to another tenant or have ended.
 
-The run-state bucket (:meth:`flywheel.bus.Bus.runs_kv`) is the source of truth of a run's
+The run-state bucket (:meth:`flywheel.contract.bus.Bus.runs_kv`) is the source of truth of a run's
 tenant and status; the trace store's ``runs`` table copies it. A run belongs to the tenant
 that named it first, and a task for it from another tenant is refused (:class:`RunConflict`,
-409). A run that has ended (:func:`flywheel.runs.end_of`: finished, failed, stopped, or
+409). A run that has ended (:func:`flywheel.contract.runs.end_of`: finished, failed, stopped, or
 abandoned by its owner) takes no more tasks (:class:`RunEnded`, 409), and neither does a run
-whose state does not decode (:class:`flywheel.runs.BadRunState`, 409).
+whose state does not decode (:class:`flywheel.contract.runs.BadRunState`, 409).
 
 Every request reads each run it names once from the bucket (a run's status changes while
 it lives, so it is never cached); runs already copied into the store are remembered for the
@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from flywheel import events
-from flywheel.bus import Bus
-from flywheel.runs import BadRunState, RunConflict, end_of, get_or_create_run, get_run
+from flywheel.contract import events
+from flywheel.contract.bus import Bus
+from flywheel.contract.runs import BadRunState, RunConflict, end_of, get_or_create_run, get_run
 from flywheel_gateway.store import Store
 
 __all__ = ["BadRunState", "RunConflict", "RunEnded", "RunRegistry"]

@@ -57,7 +57,7 @@ from sqlalchemy import event as sa_event
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
-from flywheel import events
+from flywheel.contract import events
 from flywheel_gateway import schema as s
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000

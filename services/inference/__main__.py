@@ -1,6 +1,6 @@
 """``python -m flywheel_inference``: the inference worker and its OpenAI-compatible API, one process.
 
-Settings come from FLYWHEEL_* (see :mod:`flywheel.settings`); the HTTP server listens on
+Settings come from FLYWHEEL_* (see :mod:`flywheel.contract.settings`); the HTTP server listens on
 inference_host:inference_port (``--host``/``--port`` override them). torch,
 transformers, fastapi and uvicorn are imported only once the arguments are parsed, so
 ``--help`` is instant.
@@ -22,8 +22,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, help="HTTP port (setting inference_port, default 8421)")
     args = parser.parse_args(argv)
 
-    from flywheel.service import setup_logging, setup_torch_threads, setup_tracing
-    from flywheel.settings import Settings
+    from flywheel.contract.service import setup_logging, setup_torch_threads, setup_tracing
+    from flywheel.contract.settings import Settings
 
     settings = Settings()
     args.host = args.host or settings.inference_host

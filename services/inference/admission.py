@@ -24,7 +24,7 @@ cannot use up the run's budget while the trainer waits for rollouts that never c
 group that fails before it is published gives its whole allowance back.
 
 When the run ends (finished, failed, stopped, or abandoned by its owner:
-:func:`flywheel.runs.end_of`), every waiting task is released with :class:`RunEnded` at
+:func:`flywheel.contract.runs.end_of`), every waiting task is released with :class:`RunEnded` at
 once, so it stops holding the consumer's slots; a run that is resumed takes tasks again.
 
 Not covered: a bound shared by several replicas (each replica keeps its own count once
@@ -39,7 +39,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from flywheel.config import RunConfig
+from flywheel.contract.config import RunConfig
 
 
 class RunEnded(Exception):

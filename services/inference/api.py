@@ -24,9 +24,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from flywheel import events
+from flywheel.contract import events
 from flywheel_inference import interception
-from flywheel_inference.interception import InterceptionError
+from flywheel_inference.interception import openai_error
 from flywheel_inference.policy import Sampled, WeightsUnavailable
 from flywheel_inference.worker import HostedRun, UnknownRun, Worker
 
@@ -38,12 +38,6 @@ class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
-
-
-def _error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    kind = {400: "invalid_request_error", 404: "invalid_request_error", 503: "service_unavailable"}.get(status, "api_error")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
-                        status_code=status)
 
 
 def _worker(request: Request) -> Worker:
@@ -151,7 +145,7 @@ def _fingerprint(sampled: list[Sampled]) -> str:
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, worker: WorkerDep) -> dict[str, Any]:
-    from flywheel import models
+    from flywheel.sdk import models
 
     body.refuse_unsupported()
     hosted = await _hosted(worker, body.model)
@@ -216,21 +210,18 @@ class RolloutKeyAsBearer:
 
 
 def install(app: FastAPI) -> None:
-    """The routes and the OpenAI error shape."""
+    """The routes and the OpenAI error shape. They answer from ``app.state.worker`` and its
+    rollouts' sessions, ``app.state.interception``, which the composition root sets at start."""
 
     async def on_api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return _error(exc.status, exc.message, exc.param, exc.code)
+        return openai_error(exc.status, exc.message, exc.param, exc.code)
 
     async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         problems = [(".".join(str(p) for p in e["loc"][1:]) or "body", e["msg"]) for e in exc.errors()]
-        return _error(400, "; ".join(f"{field}: {msg}" for field, msg in problems), problems[0][0])
-
-    async def on_interception_error(_: Request, exc: InterceptionError) -> JSONResponse:
-        return _error(exc.status, exc.message, exc.param, exc.code)
+        return openai_error(400, "; ".join(f"{field}: {msg}" for field, msg in problems), problems[0][0])
 
     app.add_middleware(RolloutKeyAsBearer)
     app.include_router(router)
-    app.include_router(interception.router)
+    interception.install(app)
     app.add_exception_handler(ApiError, on_api_error)  # type: ignore[arg-type]
-    app.add_exception_handler(InterceptionError, on_interception_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, on_validation)  # type: ignore[arg-type]

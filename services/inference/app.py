@@ -2,7 +2,7 @@
 
 :func:`create_app` builds nothing at import time. At start (the lifespan) it connects to
 NATS, builds the :class:`~flywheel_inference.worker.Worker` and runs it under a
-:class:`flywheel.service.Service` (the task consumer, the weight and run-state watchers, the heartbeat)
+:class:`flywheel.contract.service.Service` (the task consumer, the weight and run-state watchers, the heartbeat)
 beside the HTTP server, which owns the signals. At stop it stops the service (in-flight
 tasks finish or are handed back), closes the policies and drains the connection. If the
 worker dies while the server is up, ``app.state.worker_failed`` is set and ``on_worker_exit``
@@ -19,8 +19,8 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from flywheel.bus import Bus
-from flywheel.settings import Settings
+from flywheel.contract.bus import Bus
+from flywheel.contract.settings import Settings
 from flywheel_inference import api
 from flywheel_inference.worker import Worker, WorkerConfig
 
@@ -38,6 +38,7 @@ def create_app(settings: Settings, config: WorkerConfig | None = None, url: str 
         worker.info["url"] = url
         service = worker.service(handle_signals=False)
         app.state.worker = worker
+        app.state.interception = worker.interception
         running = asyncio.ensure_future(service.run())
         stopping = False
 

@@ -37,8 +37,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from flywheel import events
-from flywheel_inference.backends import Completion, check_prompts, check_sampling, first_stop, row_seeds
+from flywheel.contract import events
+from flywheel_inference.completion import Completion, check_prompts, check_sampling, first_stop, row_seeds
 
 if TYPE_CHECKING:
     import torch

@@ -9,7 +9,7 @@ rollout's trace graph. The harness does not know it is doing RL.
   ``max_tokens``. Logprobs are always recorded and returned. ``n`` must be 1: a retry is a
   second request, which becomes a sibling branch.
 - **Tokens extend, they are not re-rendered.** The request's messages are matched against
-  the graph (:meth:`flywheel.tracegraph.TraceGraph.match`); the prompt is the matched branch's
+  the graph (:meth:`flywheel.sdk.tracegraph.TraceGraph.match`); the prompt is the matched branch's
   tokens exactly as they were sampled or seen, then the chat template's closing of the last
   sampled answer (e.g. ``\\n`` after ``<|im_end|>``), then the new messages rendered as the
   template renders them after the matched ones, then the generation prompt. So the model
@@ -21,7 +21,7 @@ rollout's trace graph. The harness does not know it is doing RL.
 - **Nodes** carry both layers: the new messages' nodes hold the tokens they add (loss mask
   False, logprob 0.0); the assistant node holds the generation prompt (not trained) and the
   sampled tokens (trained, with their logprobs and the policy version). New nodes are
-  published as :class:`flywheel.events.TraceNode` events as each call completes, in call
+  published as :class:`flywheel.contract.events.TraceNode` events as each call completes, in call
   order and off the request's path (the rollout is published after all of them).
 - **Tool calls** are parsed from the sampled text (``<tool_call>{"name": ..., "arguments":
   ...}</tool_call>``, the Hermes format the template teaches) when the request offers tools.
@@ -43,13 +43,13 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 import msgspec
-from fastapi import APIRouter, Depends, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from flywheel import events
-from flywheel.environment import message_dict, message_from_dict
-from flywheel.tracegraph import TraceGraph
+from flywheel.contract import events
+from flywheel.sdk.messages import message_dict, message_from_dict
+from flywheel.sdk.tracegraph import TraceGraph
 
 router = APIRouter()
 
@@ -60,6 +60,26 @@ class InterceptionError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def openai_error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    """An error in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+    kind = {400: "invalid_request_error", 404: "invalid_request_error", 503: "service_unavailable"}.get(status, "api_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
+                        status_code=status)
+
+
+def install(app: FastAPI) -> None:
+    """The interception routes on ``app``, with OpenAI's error shape; they answer from the
+    sessions of ``app.state.interception`` (an :class:`Interception`, set by whoever runs the
+    app). The inference app (:mod:`flywheel_inference.api`) and the worker's in-process
+    client both use it."""
+
+    async def on_interception_error(_: Request, exc: InterceptionError) -> JSONResponse:
+        return openai_error(exc.status, exc.message, exc.param, exc.code)
+
+    app.include_router(router)
+    app.add_exception_handler(InterceptionError, on_interception_error)  # type: ignore[arg-type]
 
 
 @dataclass
@@ -108,7 +128,7 @@ class Renderer:
         return renderer
 
     def __init__(self, tok: Any) -> None:
-        from flywheel import models
+        from flywheel.sdk import models
 
         self.tok = tok
         self._text = models.render_text
@@ -323,7 +343,7 @@ class InterceptedChat(BaseModel):
 
 
 def _interception(request: Request) -> Interception:
-    return request.app.state.worker.interception
+    return request.app.state.interception
 
 
 InterceptionDep = Annotated[Interception, Depends(_interception)]

@@ -39,8 +39,8 @@ from dataclasses import dataclass
 
 import msgspec
 
-from flywheel import events
-from flywheel_inference.backends import Backend, Completion, check_sampling
+from flywheel.contract import events
+from flywheel_inference.completion import Backend, Completion, check_sampling
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@
   redelivered): the tasks a killed replica held reach another one within seconds instead
   of blocking the durable's ``max_ack_pending``. A task is rolled out ``num_rollouts``
   times as one group: the run's environment (loaded as every service loads it,
-  :func:`flywheel.environment.load_for_run`) runs its harness once per rollout, each
+  :func:`flywheel.sdk.environment.load_for_run`) runs its harness once per rollout, each
   against its own interception URL (:mod:`flywheel_inference.interception`), which samples
   from the run's policy and publishes trace nodes as the calls complete; the group's
   rollouts go out together when every harness has ended.
@@ -16,12 +16,12 @@
   trainer after any warm-up) are loaded, so inference and trainer start from the same
   weights.
 - Run states come from a watcher on the runs bucket, which keeps every run's current
-  state; a task is checked against it when it arrives (:func:`flywheel.runs.end_of`).
+  state; a task is checked against it when it arrives (:func:`flywheel.contract.runs.end_of`).
   When a run ends (finished, failed, stopped, or abandoned: its owner's lease expired,
   which is checked every ``LEASE_CHECK_S`` since nothing writes the state when an owner
   dies), its waiting tasks are released at once (acked, counted as ``num_skipped``), so
   they stop holding the consumer's slots and other runs get inference.
-- Weight updates come from an ordered consumer on WEIGHTS (:func:`flywheel.bus.watch`)
+- Weight updates come from an ordered consumer on WEIGHTS (:func:`flywheel.contract.bus.watch`)
   that starts at the last message of every run's subject, so each replica sees every
   update and a late one catches up; a payload there that is not an update of that run
   (garbage, another event, another run's update) is skipped and dead-lettered once (the
@@ -74,14 +74,15 @@ import nats.errors
 import nats.js.errors
 from nats.js.api import ConsumerConfig, DeliverPolicy, PubAck
 
-from flywheel import events
-from flywheel.bus import RUNS_BUCKET, Bus, Consumer, Delivery, Reject, Undecodable, decode_message, watch
-from flywheel.config import RunConfig
-from flywheel.environment import Environment, EnvironmentLoadError, load_for_run
-from flywheel.runs import BadRunState, end_of, get_run, watch_runs
-from flywheel.service import Service
+from flywheel.contract import events
+from flywheel.contract.bus import RUNS_BUCKET, Bus, Consumer, Delivery, Reject, Undecodable, decode_message, watch
+from flywheel.contract.config import RunConfig
+from flywheel.contract.runs import BadRunState, end_of, get_run, watch_runs
+from flywheel.contract.service import Service
+from flywheel.sdk.environment import Environment, EnvironmentLoadError, load_for_run
 from flywheel_inference.admission import Admission, RunEnded
-from flywheel_inference.backends import Backend, build_backend
+from flywheel_inference.backends import build_backend
+from flywheel_inference.completion import Backend
 from flywheel_inference.interception import Interception
 from flywheel_inference.policy import MAX_OFFERED, Policy, TransientFetchError
 
@@ -171,7 +172,7 @@ class Worker:
         """A worker that builds each run's backend from its config (model resolved under ``data_dir``)."""
 
         def build(cfg: RunConfig) -> Backend:
-            from flywheel import models
+            from flywheel.sdk import models
 
             return build_backend(cfg.inference.backend, models.resolve_model(cfg.model.name, data_dir),
                                  cfg.model.dtype)
@@ -244,7 +245,7 @@ class Worker:
         return sum((info.state.subjects or {}).values())
 
     async def _fetch(self, update: events.WeightUpdate) -> bytes:
-        from flywheel import weights
+        from flywheel.contract import weights
 
         try:
             return await weights.get(self.bus, update)
@@ -322,7 +323,7 @@ class Worker:
 
     async def watch_runs(self, stopping: asyncio.Event) -> None:
         """Keep every run's current state, and release the waiting tasks of runs that end, until
-        ``stopping``. Entries that do not decode are skipped (:func:`flywheel.runs.watch_runs`)."""
+        ``stopping``. Entries that do not decode are skipped (:func:`flywheel.contract.runs.watch_runs`)."""
 
         async def on_state(state: events.RunState) -> None:
             self._states[state.id] = state
@@ -391,7 +392,7 @@ class Worker:
             done.set()
 
     async def _handle(self, task: events.Task) -> None:
-        from flywheel import models
+        from flywheel.sdk import models
 
         end = end_of(await self._run_state(task.run))
         if end is not None:  # confirmed by a fresh read: the watcher may not have seen a resume yet
@@ -486,8 +487,8 @@ class Worker:
 
     async def _one_rollout(self, task: events.Task, index: int, env: Environment, sampling: events.Sampling,
                            hosted: HostedRun) -> events.Rollout:
-        from flywheel.harness import RolloutContext
-        from flywheel.sandbox import SandboxClient
+        from flywheel.sdk.harness import RolloutContext
+        from flywheel.sdk.sandbox import SandboxClient
 
         rid = rollout_id(task.id, index)
         if sampling.seed is not None:
@@ -535,14 +536,15 @@ class Worker:
         program harness needs a real one); in-process harnesses share one client that reaches
         the interception routes in process (ASGI, no socket), whatever host the URL names."""
         if self._asgi_client is None:
+            # Imported here, not at the top: building a worker (tests, tools) needs no web stack.
             import httpx
             from fastapi import FastAPI
 
-            from flywheel_inference import api
+            from flywheel_inference import interception
 
             app = FastAPI()
-            api.install(app)
-            app.state.worker = self
+            interception.install(app)
+            app.state.interception = self.interception
             self._asgi_client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), timeout=None)
         url = self.info.get("url") or "http://inference"
         return f"{url}/intercept/{key}/v1", self._asgi_client

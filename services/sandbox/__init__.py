@@ -7,7 +7,7 @@
     service.py         the NATS responder on sandbox.*, and the composition root
     __main__.py        ``python -m flywheel_sandbox``
 
-The client and the messages are in :mod:`flywheel.sandbox`.
+The client and the messages are in :mod:`flywheel.sdk.sandbox`.
 
 What is isolated, on both backends: a sandbox has no network (only its own loopback; the
 host's loopback services, NATS and PostgreSQL included, are unreachable), and a spec asking

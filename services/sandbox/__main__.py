@@ -1,7 +1,7 @@
 """``python -m flywheel_sandbox``: the sandbox service (backend from setting ``sandbox_backend``).
 
 Settings (NATS URL, backend, image, caps, warm pool, whether sandboxes may have network, log
-level) come from FLYWHEEL_* (see :mod:`flywheel.settings`). Heavy imports wait until the arguments are parsed.
+level) come from FLYWHEEL_* (see :mod:`flywheel.contract.settings`). Heavy imports wait until the arguments are parsed.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from flywheel.settings import Settings
+    from flywheel.contract.settings import Settings
 
 
 def main(argv: Sequence[str] | None = None, settings: Settings | None = None) -> int:
@@ -26,8 +26,8 @@ def main(argv: Sequence[str] | None = None, settings: Settings | None = None) ->
 
     import asyncio
 
-    from flywheel.service import setup_logging, setup_tracing
-    from flywheel.settings import Settings
+    from flywheel.contract.service import setup_logging, setup_tracing
+    from flywheel.contract.settings import Settings
     from flywheel_sandbox import service
     from flywheel_sandbox.backends import BackendUnavailable
 

@@ -30,18 +30,18 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-from flywheel.sandbox import WORKDIR, SandboxError, SandboxSpec
+from flywheel.sdk.sandbox import WORKDIR, SandboxError, SandboxSpec
 from flywheel_sandbox.backends import (
     AGENT_MEMORY_BYTES,
     EXTRA_PIDS,
-    MiB,
     AgentChannel,
     AgentGone,
     BackendUnavailable,
+    MiB,
     agent_argv,
     agent_preamble,
-    start_failed,
     pool_key,
+    start_failed,
 )
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ class DockerConfig:
     user: str = "65534:65534"  # nobody
     python: str = "python3"
     start_timeout_s: float = 30.0
-    labels: dict[str, str] = field(default_factory=lambda: {"flywheel.sandbox": "1"})
+    labels: dict[str, str] = field(default_factory=lambda: {"flywheel.sdk.sandbox": "1"})
 
 
 @dataclass
@@ -118,7 +118,7 @@ class DockerBackend:
         self._cleanups: set[asyncio.Task[Any]] = set()
         # Its own containers carry this too, so they can be told from other services' (and listed).
         self.owner = secrets.token_hex(8)
-        self.labels = {**self.config.labels, "flywheel.sandbox.owner": self.owner}
+        self.labels = {**self.config.labels, "flywheel.sdk.sandbox.owner": self.owner}
 
     def pool_key(self, spec: SandboxSpec) -> tuple[Any, ...]:
         return pool_key(spec)

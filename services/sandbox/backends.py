@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from flywheel.sandbox import WORKDIR, SandboxError, SandboxSpec
+from flywheel.sdk.sandbox import WORKDIR, SandboxError, SandboxSpec
 
 log = logging.getLogger(__name__)
 

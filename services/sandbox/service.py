@@ -5,7 +5,7 @@ replicas share new sandboxes; the other operations arrive on ``sandbox.<instance
 the replica that holds the sandbox (its id names it). Every request is handled in its own
 task, so a long exec never holds up other sandboxes; one sandbox runs one request at a time.
 
-A request that cannot be done gets an :class:`~flywheel.sandbox.ErrorReply` naming what
+A request that cannot be done gets an :class:`~flywheel.sdk.sandbox.ErrorReply` naming what
 is wrong (a field that does not validate, a spec asking for network the service does not
 allow, an unknown or expired sandbox, a file over the limit, the caps, too many requests in
 flight) and the service keeps serving. On SIGTERM it stops taking requests, destroys every
@@ -22,8 +22,10 @@ from typing import Any
 import msgspec
 from nats.aio.msg import Msg
 
-from flywheel.bus import Bus
-from flywheel.sandbox import (
+from flywheel.contract.bus import Bus
+from flywheel.contract.service import Service
+from flywheel.contract.settings import Settings
+from flywheel.sdk.sandbox import (
     POOLED_OPS,
     QUEUE_GROUP,
     REQUEST_TYPES,
@@ -33,8 +35,6 @@ from flywheel.sandbox import (
     encode,
     subject,
 )
-from flywheel.service import Service
-from flywheel.settings import Settings
 from flywheel_sandbox.sessions import ManagerConfig, SessionManager
 
 log = logging.getLogger(__name__)

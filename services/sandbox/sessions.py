@@ -34,7 +34,7 @@ from typing import Any
 
 import msgspec
 
-from flywheel.sandbox import (
+from flywheel.sdk.sandbox import (
     WORKDIR,
     Created,
     Destroyed,

@@ -8,7 +8,7 @@ A custom scorer's function takes any of ``completion``, ``messages``, ``task``, 
 or a dict of numbers (components); with ``--group`` it is a group reward, which takes the
 plural names (``completions``, ``tasks``, ``states``, ...) and returns one value per rollout. ``flywheel scorer
 MODULE:FUNCTION --env ENV`` calls :func:`main` with these arguments. Settings (NATS URL, log
-level) come from FLYWHEEL_* (see :mod:`flywheel.settings`) unless the caller passes its own.
+level) come from FLYWHEEL_* (see :mod:`flywheel.contract.settings`) unless the caller passes its own.
 
 Heavy imports wait until the arguments are parsed, so ``--help`` is instant; a custom
 scorer's function and environment are loaded before connecting, so a mistake in either
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from flywheel.settings import Settings
+    from flywheel.contract.settings import Settings
 
 
 def _at_least_one(text: str) -> int:
@@ -82,8 +82,8 @@ def main(argv: Sequence[str] | None = None, settings: Settings | None = None) ->
 
     import asyncio
 
-    from flywheel.service import setup_logging, setup_tracing
-    from flywheel.settings import Settings
+    from flywheel.contract.service import setup_logging, setup_tracing
+    from flywheel.contract.settings import Settings
     from flywheel_scorer import scorer
 
     settings = settings or Settings()

@@ -1,10 +1,10 @@
 """The scorer: a rollout's rewards, run as functions and published as one Score per reward.
 
-Two kinds of scorer process, one consumer loop (:class:`flywheel.bus.Consumer` in handler
+Two kinds of scorer process, one consumer loop (:class:`flywheel.contract.bus.Consumer` in handler
 mode):
 
 - the built-in scorer (durable ``scorer``, all of ``rollouts.>``): the rewards and metrics of
-  each rollout's environment, as its run loads it (:func:`flywheel.environment.load_for_run`:
+  each rollout's environment, as its run loads it (:func:`flywheel.sdk.environment.load_for_run`:
   the run config's ``env``, ``[env_args]`` and ``[rewards.<name>]`` overrides), or by the
   subject's environment name for a run without a config (tasks published straight to the bus);
 - a custom scorer (durable ``scorer-<name>``, ``rollouts.*.<env>``): one user function,
@@ -14,14 +14,14 @@ Processes with the same durable share its work: that is how per-rollout scoring 
 Rollouts of an eval run (``RunState.kind == "eval"``, from ``flywheel eval --record``) come
 with their own scores: they are acked, not scored again.
 
-Each reward gives one :class:`flywheel.events.Score` with id ``<rollout>.<scorer>`` (its
+Each reward gives one :class:`flywheel.contract.events.Score` with id ``<rollout>.<scorer>`` (its
 value, and its components when the function returned a dict), so a redelivered rollout
 scored again publishes the same ids, which JetStream (within its duplicate window) and the
 readers (one score per rollout and scorer) keep once. Metrics (weight 0) are scored like
 rewards. The weight is the run config's ``scorers`` entry where it names the scorer, else
 the reward's weight in the run's environment (overrides applied).
 
-Group rewards (:class:`flywheel.environment.GroupReward`) see every rollout of a group
+Group rewards (:class:`flywheel.sdk.environment.GroupReward`) see every rollout of a group
 (``Rollout.group_id``, ``group_size``, ``index``). A rollout's own rewards are published as
 soon as it arrives; its delivery is then *held* (unacked, kept alive with ``in_progress``,
 so it is not redelivered) until the rest of its group is here. The arrival that completes
@@ -53,7 +53,7 @@ Failures, each where it belongs:
   ``error`` saying so and value 0.0, recorded on that rollout (readers treat it as unusable,
   never as a zero); the rollout's other rewards are unaffected and the service goes on;
 - an environment that does not load, or a run config that does not parse: the rollout is
-  dead-lettered (:class:`flywheel.bus.Reject`) with the reason, as no retry can succeed;
+  dead-lettered (:class:`flywheel.contract.bus.Reject`) with the reason, as no retry can succeed;
 - the bus failing (reading the run config, publishing): the error propagates and the bus
   layer retries the rollout with backoff (a held group member too; the group forms again).
 
@@ -86,10 +86,13 @@ from typing import Any, Protocol
 
 import msgspec
 
-from flywheel import events
-from flywheel.bus import Bus, Consumer, Delivery, Reject
-from flywheel.config import RunConfig
-from flywheel.environment import (
+from flywheel.contract import events
+from flywheel.contract.bus import Bus, Consumer, Delivery, Reject
+from flywheel.contract.config import RunConfig
+from flywheel.contract.runs import get_run
+from flywheel.contract.service import Service, read_heartbeats
+from flywheel.contract.settings import Settings
+from flywheel.sdk.environment import (
     Environment,
     EnvironmentLoadError,
     GroupReward,
@@ -100,9 +103,6 @@ from flywheel.environment import (
     load_for_run,
     off_the_loop,
 )
-from flywheel.runs import get_run
-from flywheel.service import Service, read_heartbeats
-from flywheel.settings import Settings
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """``python -m flywheel_trainer --run RUN``: the trainer process for one run.
 
 The run's config comes from the runs KV bucket (``flywheel run`` writes it there);
-settings (NATS URL, data folder) from FLYWHEEL_* (see :mod:`flywheel.settings`). torch,
+settings (NATS URL, data folder) from FLYWHEEL_* (see :mod:`flywheel.contract.settings`). torch,
 transformers and the trainer's parts are imported only once the arguments are parsed, so
 ``--help`` is instant. Exits 0 when the run has trained all its steps, or on SIGTERM/SIGINT
 (a later start resumes from the last checkpoint).
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from flywheel.settings import Settings
+from flywheel.contract.settings import Settings
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--run", required=True, help="the run id (its config is read from the runs KV bucket)")
     args = parser.parse_args(argv)
     settings = Settings()
-    from flywheel.service import setup_logging, setup_tracing
+    from flywheel.contract.service import setup_logging, setup_tracing
 
     setup_logging(settings.log_level)
     setup_tracing("trainer")

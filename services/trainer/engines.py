@@ -30,9 +30,9 @@ from typing import Any, Protocol
 
 import torch
 
-from flywheel import models
-from flywheel.config import TrainerConfig
-from flywheel.natsserver import free_port
+from flywheel.contract.config import TrainerConfig
+from flywheel.ops.natsserver import free_port
+from flywheel.sdk import models
 
 
 class Engine(Protocol):

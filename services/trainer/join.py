@@ -31,8 +31,8 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from flywheel import events
-from flywheel.tracegraph import branches
+from flywheel.contract import events
+from flywheel.sdk.tracegraph import branches
 
 DROP_REASONS = ("stale", "scorer_error", "rollout_error")
 

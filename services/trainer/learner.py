@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from flywheel import models
-from flywheel.config import RunConfig
-from flywheel.environment import Environment
+from flywheel.contract.config import RunConfig
+from flywheel.sdk import models
+from flywheel.sdk.environment import Environment
 from flywheel_trainer.advantages import ADVANTAGES
 from flywheel_trainer.batch import Batch, micro_batches, pad, token_logprobs
 from flywheel_trainer.engines import Engine, TorchEngine

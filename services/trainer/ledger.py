@@ -37,7 +37,7 @@ from typing import Any, BinaryIO, TypeVar
 
 import msgspec
 
-from flywheel import events
+from flywheel.contract import events
 
 log = logging.getLogger(__name__)
 

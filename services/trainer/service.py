@@ -2,13 +2,13 @@
 
 :func:`run` connects to the bus, reads the run's config from the runs KV bucket, opens the
 run folder (:mod:`flywheel_trainer.ledger`) and builds a :class:`Trainer`, which is two
-durable batch consumers plus one training task under a :class:`flywheel.service.Service`:
+durable batch consumers plus one training task under a :class:`flywheel.contract.service.Service`:
 
 - ``trainer-<run>-rollouts`` (``rollouts.<run>.>``) and ``trainer-<run>-scores``
   (``scores.<run>.>``) feed the :class:`~flywheel_trainer.join.Joiner`. Each batch is
   appended to the journal and fsynced, then acknowledged: received work survives a crash
   without holding acks for the length of a step. A rollout whose token layer can never be
-  trained is dead-lettered (:class:`flywheel.bus.Reject`). Once ``max_buffered_rollouts``
+  trained is dead-lettered (:class:`flywheel.contract.bus.Reject`). Once ``max_buffered_rollouts``
   are held, the rollout handler waits (unacknowledged, so NATS keeps the backlog): memory
   does not grow with it.
 - The training task loads the model; on a fresh run it runs the SFT warm-up, writes
@@ -17,7 +17,7 @@ durable batch consumers plus one training task under a :class:`flywheel.service.
   ``trainer.batch_size / group_size`` done groups, train (in a worker thread, so
   heartbeats and acks go on), append the metrics line, checkpoint (every
   ``checkpoint_every`` steps and at the last), put the weights in the object store,
-  publish the :class:`~flywheel.events.WeightUpdate`, update the run state. After
+  publish the :class:`~flywheel.contract.events.WeightUpdate`, update the run state. After
   ``trainer.num_steps`` the run is ``finished`` and the process exits.
 
 Versions: step ``n`` publishes version ``n`` (so ``version == trainer_step``), unless a
@@ -43,13 +43,14 @@ from typing import Any
 
 import nats.js.errors
 
-from flywheel import events, models, weights
-from flywheel.bus import Bus, Consumer, Delivery, Reject, Undecodable, decode_message
-from flywheel.config import RunConfig
-from flywheel.environment import Environment, load_for_run
-from flywheel.runs import get_run, update_run
-from flywheel.service import Service
-from flywheel.settings import Settings
+from flywheel.contract import events, weights
+from flywheel.contract.bus import Bus, Consumer, Delivery, Reject, Undecodable, decode_message
+from flywheel.contract.config import RunConfig
+from flywheel.contract.runs import get_run, update_run
+from flywheel.contract.service import Service
+from flywheel.contract.settings import Settings
+from flywheel.sdk import models
+from flywheel.sdk.environment import Environment, load_for_run
 from flywheel_trainer.engines import ENGINES, Engine
 from flywheel_trainer.join import BadRollout, Joiner, Take
 from flywheel_trainer.learner import LearnerConfig, rl_step, sft_warmup

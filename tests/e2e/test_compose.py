@@ -37,9 +37,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from flywheel.bus import Bus
-from flywheel.natsserver import free_port
-from flywheel.sandbox import ExecResult, SandboxClient
+from flywheel.contract.bus import Bus
+from flywheel.ops.natsserver import free_port
+from flywheel.sdk.sandbox import ExecResult, SandboxClient
 from tests.docker_engine import REPO_ROOT, DockerEngine, cache_dir
 
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(1800)]
@@ -192,7 +192,7 @@ class Deployment:
     def sandboxes(self) -> set[str]:
         """Ids of the engine's sandbox containers (the sandbox service labels them)."""
         return set(self.engine.docker("ps", "--all", "--quiet", "--no-trunc", "--filter",
-                                      "label=flywheel.sandbox").stdout.split())
+                                      "label=flywheel.sdk.sandbox").stdout.split())
 
     def leftovers(self) -> list[str]:
         label = f"label=com.docker.compose.project={self.project}"

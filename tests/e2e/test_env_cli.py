@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from flywheel.scaffold import scaffold
+from flywheel.ops.scaffold import scaffold
 
 
 def flywheel(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flywheel.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "flywheel.ops.cli", *args], capture_output=True, text=True,
                           env=env, cwd=cwd, timeout=120)
 
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from flywheel.config import RunConfig
-from flywheel.natsserver import free_port
+from flywheel.contract.config import RunConfig
+from flywheel.ops.natsserver import free_port
 
 ROOT = Path(__file__).parents[2]
 CONFIG = ROOT / "examples" / "reverse-text.toml"
@@ -30,7 +30,7 @@ MIN_MARGIN_OVER_CONTROL = 0.05
 
 def flywheel_run(tmp_path: Path, name: str, *overrides: str) -> tuple[dict, list[dict]]:
     data_dir = tmp_path / name
-    argv = [sys.executable, "-m", "flywheel.cli", "run", str(CONFIG), "--run-id", name, "--data-dir", str(data_dir),
+    argv = [sys.executable, "-m", "flywheel.ops.cli", "run", str(CONFIG), "--run-id", name, "--data-dir", str(data_dir),
             "--nats-port", str(free_port()), "--gateway-port", str(free_port()),
             "--inference-port", str(free_port()), "--set", f"trainer.num_steps={NUM_STEPS}"]
     for item in overrides:

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from flywheel import events
-from flywheel.bus import Bus
-from flywheel.runs import end_of, get_run
+from flywheel.contract import events
+from flywheel.contract.bus import Bus
+from flywheel.contract.runs import end_of, get_run
 from tests.e2e.test_up import READY_TIMEOUT_S, Output, clean_env, poll, stack  # noqa: F401 - fixtures
 from tests.e2e.test_up_supervisor import alive
 
@@ -34,7 +34,7 @@ STEP_TIMEOUT_S = 240.0  # model load, SFT warm-up and the first steps on a busy 
 
 def start_run(run: str, data_dir: Path, ports: dict[str, int], env: dict[str, str], *extra: str) -> tuple[
         subprocess.Popen[str], Output]:
-    argv = [sys.executable, "-m", "flywheel.cli", "run", str(CONFIG), "--run-id", run, "--data-dir", str(data_dir),
+    argv = [sys.executable, "-m", "flywheel.ops.cli", "run", str(CONFIG), "--run-id", run, "--data-dir", str(data_dir),
             "--nats-port", str(ports["nats"]), "--gateway-port", str(ports["gateway"]),
             "--inference-port", str(ports["inference"]), "--set", f"trainer.num_steps={NUM_STEPS}",
             "--set", "sft.steps=20", *extra]
@@ -108,7 +108,7 @@ def test_trainer_restart_stop_abandon_and_resume(stack, tmp_path: Path, clean_en
     end = end_of(stopped)
     assert end is not None and end.status == "stopped"
     # Without --resume the id is refused; with it, the run goes on to the end.
-    refused = subprocess.run([sys.executable, "-m", "flywheel.cli", "run", str(CONFIG), "--run-id", "interrupted",
+    refused = subprocess.run([sys.executable, "-m", "flywheel.ops.cli", "run", str(CONFIG), "--run-id", "interrupted",
                               "--data-dir", str(data_dir), "--nats-port", str(ports["nats"]),
                               "--set", f"trainer.num_steps={NUM_STEPS}", "--set", "sft.steps=20"],
                              capture_output=True, text=True, env=clean_env, cwd=ROOT, timeout=120)

@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from flywheel.natsserver import free_port
+from flywheel.ops.natsserver import free_port
 from tests.e2e.test_up_supervisor import alive
 
 READY_TIMEOUT_S = 120.0  # the gateway imports FastAPI, SQLAlchemy and Alembic and migrates
@@ -80,7 +80,7 @@ def poll(check: Callable[[], bool], timeout_s: float, what: str) -> None:
 
 
 def flywheel(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "flywheel.cli", *argv], capture_output=True, text=True, env=env,
+    return subprocess.run([sys.executable, "-m", "flywheel.ops.cli", *argv], capture_output=True, text=True, env=env,
                           timeout=60)
 
 
@@ -94,7 +94,7 @@ def clean_env() -> dict[str, str]:
 def stack(tmp_path: Path, clean_env: dict[str, str]) -> Iterator[tuple[subprocess.Popen[str], Output, dict[str, int]]]:
     """``flywheel up`` on free ports; after the test, it and every process it printed are stopped."""
     ports = {"nats": free_port(), "gateway": free_port(), "inference": free_port()}
-    up = subprocess.Popen([sys.executable, "-m", "flywheel.cli", "up", "--data-dir", str(tmp_path / "data"),
+    up = subprocess.Popen([sys.executable, "-m", "flywheel.ops.cli", "up", "--data-dir", str(tmp_path / "data"),
                            "--nats-port", str(ports["nats"]), "--gateway-port", str(ports["gateway"]),
                            "--inference-port", str(ports["inference"])],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=clean_env)

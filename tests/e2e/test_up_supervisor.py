@@ -21,12 +21,12 @@ from typing import Any
 
 import pytest
 
-from flywheel import cli
-from flywheel.bus import Bus
-from flywheel.natsserver import NatsServer, free_port, port_open
-from flywheel.service import read_heartbeats
-from flywheel.settings import Settings
-from flywheel.stack import STACK_SERVICE, Process, ServiceSpec, Stack, StackError
+from flywheel.contract.bus import Bus
+from flywheel.contract.service import read_heartbeats
+from flywheel.contract.settings import Settings
+from flywheel.ops import cli
+from flywheel.ops.natsserver import NatsServer, free_port, port_open
+from flywheel.ops.stack import STACK_SERVICE, Process, ServiceSpec, Stack, StackError
 from tests.helpers import until
 
 

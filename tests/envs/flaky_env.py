@@ -1,7 +1,7 @@
 """A test environment whose harness fails on some rows, and whose rows have a schema."""
 
-from flywheel.environment import Environment, Reward, TaskSet
-from flywheel.harness import ChatHarness, RolloutContext
+from flywheel.sdk.environment import Environment, Reward, TaskSet
+from flywheel.sdk.harness import ChatHarness, RolloutContext
 
 
 class FlakyHarness(ChatHarness):

@@ -2,8 +2,8 @@
 
 from pathlib import Path
 
-from flywheel.environment import Environment, Reward
-from flywheel.harness import ProgramHarness
+from flywheel.sdk.environment import Environment, Reward
+from flywheel.sdk.harness import ProgramHarness
 
 
 def answered(state: dict) -> float:

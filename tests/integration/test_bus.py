@@ -8,9 +8,9 @@ from collections import Counter
 
 import pytest
 
-from flywheel import events
-from flywheel.bus import Bus, BusConfig, Consumer, Delivery, Reject
-from flywheel.natsserver import NatsServer
+from flywheel.contract import events
+from flywheel.contract.bus import Bus, BusConfig, Consumer, Delivery, Reject
+from flywheel.ops.natsserver import NatsServer
 from tests.helpers import until
 
 
@@ -384,7 +384,7 @@ async def test_an_event_on_another_subject_or_of_another_type_is_dead_lettered(b
 async def test_a_dead_letter_that_cannot_be_published_still_frees_the_message(bus: Bus, monkeypatch) -> None:
     import nats.errors
 
-    from flywheel import bus as bus_module
+    from flywheel.contract import bus as bus_module
 
     await bus.publish_raw("tasks.r1.echo", b"junk", {"Nats-Msg-Id": "junk"})
     original = bus.publish
@@ -409,7 +409,7 @@ async def test_a_dead_letter_that_cannot_be_published_still_frees_the_message(bu
 
 
 async def test_watch_skips_and_dead_letters_what_does_not_decode(bus: Bus) -> None:
-    from flywheel.bus import watch
+    from flywheel.contract.bus import watch
 
     update = events.WeightUpdate(run="r1", version=1, uri="nats-os://b/x", sha256="0" * 64, size_bytes=1)
     await bus.publish_raw("weights.r1", b"\x00garbage", {"Nats-Msg-Id": "g1"})
@@ -428,7 +428,7 @@ async def test_watch_skips_and_dead_letters_what_does_not_decode(bus: Bus) -> No
 
 
 async def test_update_run_keeps_concurrent_writers_fields(bus: Bus) -> None:
-    from flywheel.runs import register_run, update_run
+    from flywheel.contract.runs import register_run, update_run
 
     await register_run(bus, "r1")
 
@@ -441,15 +441,15 @@ async def test_update_run_keeps_concurrent_writers_fields(bus: Bus) -> None:
             await update_run(bus, "r1", owner=f"owner-{i}")
 
     await asyncio.gather(steps(), leases())
-    from flywheel.runs import get_run
+    from flywheel.contract.runs import get_run
 
     state = await get_run(bus, "r1")
     assert state is not None and state.trainer_step == 20 and state.owner == "owner-19"
 
 
 async def test_watch_runs_and_heartbeats_skip_entries_that_do_not_decode(bus: Bus) -> None:
-    from flywheel.runs import BadRunState, get_run, register_run, watch_runs
-    from flywheel.service import read_heartbeats
+    from flywheel.contract.runs import BadRunState, get_run, register_run, watch_runs
+    from flywheel.contract.service import read_heartbeats
 
     await (await bus.runs_kv()).put("broken", b"not a run state")
     await register_run(bus, "good")

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from flywheel import cli, events
-from flywheel.bus import Bus
-from flywheel.client import Client, publish_tasks, task_id
-from flywheel.natsserver import NatsServer
+from flywheel.contract import events
+from flywheel.contract.bus import Bus
+from flywheel.ops import cli
+from flywheel.ops.client import Client, publish_tasks, task_id
+from flywheel.ops.natsserver import NatsServer
 
 ROWS = [{"text": "abc"}, {"text": "hello"}, {"id": "own-id", "text": "xyz"}]
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from flywheel.bus import Bus
-from flywheel.natsserver import NatsServer, free_port
-from flywheel.service import Service, read_heartbeats
+from flywheel.contract.bus import Bus
+from flywheel.contract.service import Service, read_heartbeats
+from flywheel.ops.natsserver import NatsServer, free_port
 from tests.helpers import until
 
 HEALTHCHECK = Path(__file__).resolve().parents[2] / "compose" / "healthcheck.py"

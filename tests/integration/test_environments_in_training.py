@@ -8,12 +8,14 @@ environments' own tests check the rewards with scripted answers."""
 from __future__ import annotations
 
 from pathlib import Path
+
 import pytest
 
-from flywheel import events, models
-from flywheel.bus import Bus
-from flywheel.environment import EnvironmentOverrides, load_environment
-from flywheel.tracegraph import branches
+from flywheel.contract import events
+from flywheel.contract.bus import Bus
+from flywheel.sdk import models
+from flywheel.sdk.environment import EnvironmentOverrides, load_environment
+from flywheel.sdk.tracegraph import branches
 from flywheel_trainer.join import sequences_of
 from tests.helpers import until
 from tests.integration.test_inference_worker import count_is, create_run, publish_weights, stored

@@ -15,12 +15,13 @@ from typing import Any
 
 import httpx
 
-from flywheel import events, models
-from flywheel.bus import Bus
-from flywheel.eval import read_results, serve
-from flywheel.natsserver import NatsServer
-from flywheel.runs import get_run
-from flywheel.settings import Settings
+from flywheel.contract import events
+from flywheel.contract.bus import Bus
+from flywheel.contract.runs import get_run
+from flywheel.contract.settings import Settings
+from flywheel.ops.eval import read_results, serve
+from flywheel.ops.natsserver import NatsServer
+from flywheel.sdk import models
 from flywheel_inference.app import create_app
 from tests.helpers import until
 from tests.integration.test_inference_worker import create_run, publish_weights, stored
@@ -41,7 +42,7 @@ class Counting:
 
 async def flywheel_eval(*args: str, nats_url: str) -> tuple[int, str, str]:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "flywheel.cli", "eval", "reverse_text", *args,
+        sys.executable, "-m", "flywheel.ops.cli", "eval", "reverse_text", *args,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         env={**os.environ, "FLYWHEEL_NATS_URL": nats_url})
     out, err = await asyncio.wait_for(proc.communicate(), 120)

@@ -21,10 +21,10 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from flywheel import events
-from flywheel.natsserver import NatsServer
-from flywheel.runs import is_key, is_token
-from flywheel.settings import Settings
+from flywheel.contract import events
+from flywheel.contract.runs import is_key, is_token
+from flywheel.contract.settings import Settings
+from flywheel.ops.natsserver import NatsServer
 from flywheel_gateway.app import create_app
 from flywheel_gateway.models import RUN_ID_PATTERN, TASK_ID_PATTERN, TOKEN_PATTERN, subject_token, task_id
 from flywheel_gateway.store import Store
@@ -284,7 +284,7 @@ def test_the_schemas_patterns_are_the_checks() -> None:
         differ = [hex(c) for c in range(sys.maxunicode + 1)
                   if not 0xD800 <= c < 0xE000 and (compiled.fullmatch(chr(c)) is not None) != accepts(chr(c))]
         assert differ == [], f"{pattern} and its check disagree on {differ[:10]}"
-    # The gateway's check is the one every producer uses (flywheel.runs.is_token): no control characters.
+    # The gateway's check is the one every producer uses (flywheel.contract.runs.is_token): no control characters.
     assert not is_token("\x00") and not _accepts(subject_token, "\x00")
 
 

@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 from fastapi import FastAPI
 
-from flywheel import events
-from flywheel.config import RunConfig
+from flywheel.contract import events
+from flywheel.contract.config import RunConfig
 from flywheel_gateway.recorder import RecorderConfig
 from flywheel_gateway.store import Store
 from tests.helpers import until

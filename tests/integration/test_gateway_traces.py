@@ -29,10 +29,10 @@ import sqlalchemy as sa
 import uvicorn
 from fastapi import FastAPI
 
-from flywheel import events
-from flywheel.bus import Bus
-from flywheel.client import GatewayError, TraceAPI, server_sent_events
-from flywheel.natsserver import NatsServer, free_port
+from flywheel.contract import events
+from flywheel.contract.bus import Bus
+from flywheel.ops.client import GatewayError, TraceAPI, server_sent_events
+from flywheel.ops.natsserver import NatsServer, free_port
 from flywheel_gateway.recorder import RecorderConfig
 from flywheel_gateway.store import Store
 from tests.helpers import until
@@ -160,7 +160,7 @@ async def test_an_export_cut_by_the_database_says_so(client: httpx.AsyncClient, 
 
 async def test_the_python_client_raises_on_a_cut_export(client: httpx.AsyncClient, store: Store,
                                                          failing_pages: list[int], tmp_path: Path) -> None:
-    from flywheel.client import GatewayError, TraceAPI
+    from flywheel.ops.client import GatewayError, TraceAPI
 
     await store.record([rollout(f"ro{i:03}") for i in range(150)])
     failing_pages.append(1)
@@ -493,8 +493,8 @@ async def test_a_rollout_rolled_out_again_shows_only_its_published_attempt(app: 
 async def test_an_open_stream_does_not_hold_up_the_gateways_shutdown(nats_server: NatsServer, bus: Bus,
                                                                      tmp_path: Path) -> None:
     """``python -m flywheel_gateway api`` as ``flywheel up`` runs it: SIGTERM with a live stream open."""
-    from flywheel.settings import Settings
-    from flywheel.stack import SERVICES, ServiceProcess, child_env
+    from flywheel.contract.settings import Settings
+    from flywheel.ops.stack import SERVICES, ServiceProcess, child_env
     from flywheel_gateway.__main__ import GRACEFUL_SHUTDOWN_S
 
     settings = Settings(nats_url=nats_server.url, data_dir=tmp_path / "data", gateway_port=free_port())

@@ -12,11 +12,11 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from flywheel import models
-from flywheel.bus import Bus
-from flywheel.environment import load_environment
-from flywheel.natsserver import NatsServer
-from flywheel.settings import Settings
+from flywheel.contract.bus import Bus
+from flywheel.contract.settings import Settings
+from flywheel.ops.natsserver import NatsServer
+from flywheel.sdk import models
+from flywheel.sdk.environment import load_environment
 from flywheel_inference.app import create_app
 from tests.helpers import until
 from tests.integration.test_inference_worker import create_run, publish_weights

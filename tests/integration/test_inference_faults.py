@@ -29,10 +29,11 @@ from pathlib import Path
 import msgspec
 import nats.js.errors
 
-from flywheel import events, models, weights
-from flywheel.bus import HEADER_CONTENT_TYPE, HEADER_MSG_ID, Bus
-from flywheel.natsserver import NatsServer, free_port
-from flywheel.service import read_heartbeats
+from flywheel.contract import events, weights
+from flywheel.contract.bus import HEADER_CONTENT_TYPE, HEADER_MSG_ID, Bus
+from flywheel.contract.service import read_heartbeats
+from flywheel.ops.natsserver import NatsServer, free_port
+from flywheel.sdk import models
 from flywheel_inference.worker import Worker, WorkerConfig
 from tests.helpers import until
 from tests.integration.test_inference_worker import (  # noqa: F401 - start_worker is a fixture

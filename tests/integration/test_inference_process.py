@@ -11,9 +11,9 @@ from pathlib import Path
 
 import httpx
 
-from flywheel.bus import Bus
-from flywheel.natsserver import NatsServer, free_port
-from flywheel.service import read_heartbeats
+from flywheel.contract.bus import Bus
+from flywheel.contract.service import read_heartbeats
+from flywheel.ops.natsserver import NatsServer, free_port
 from tests.helpers import until
 
 

@@ -13,15 +13,15 @@ import msgspec
 import pytest
 import torch
 
-from flywheel import events, models, weights
-from flywheel.bus import HEADER_CONTENT_TYPE, Bus, Delivery
-from flywheel.config import RunConfig
-from flywheel.environment import load_environment
-from flywheel.natsserver import NatsServer
-from flywheel.service import Service
+from flywheel.contract import events, weights
+from flywheel.contract.bus import HEADER_CONTENT_TYPE, Bus, Delivery
+from flywheel.contract.config import RunConfig
+from flywheel.contract.service import Service
+from flywheel.ops.natsserver import NatsServer
+from flywheel.sdk import models
+from flywheel.sdk.environment import load_environment
 from flywheel_inference.worker import Worker, WorkerConfig
 from tests.helpers import until
-
 
 
 async def create_run(bus: Bus, model_dir: Path, run: str = "r1", **overrides: Any) -> RunConfig:

@@ -15,11 +15,12 @@ from typing import Any
 import pytest
 import uvicorn
 
-from flywheel import events, models
-from flywheel.bus import Bus
-from flywheel.natsserver import NatsServer
-from flywheel.settings import Settings
-from flywheel.tracegraph import branches
+from flywheel.contract import events
+from flywheel.contract.bus import Bus
+from flywheel.contract.settings import Settings
+from flywheel.ops.natsserver import NatsServer
+from flywheel.sdk import models
+from flywheel.sdk.tracegraph import branches
 from flywheel_inference.app import create_app
 from flywheel_inference.backends import TransformersBackend
 from flywheel_trainer.join import sequences_of

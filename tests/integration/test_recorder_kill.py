@@ -4,7 +4,7 @@ when the recorder is SIGKILLed and restarted in the middle; a payload that does 
 while the recorder goes on.
 
 Each test starts a nats-server (fixture), ``python -m flywheel_gateway api`` and/or
-``recorder`` as subprocesses the way ``flywheel up`` does (:mod:`flywheel.stack`), on free
+``recorder`` as subprocesses the way ``flywheel up`` does (:mod:`flywheel.ops.stack`), on free
 ports with a temporary data folder, and stops exactly those processes by their handles. Not covered: PostgreSQL (the store tests cover it).
 """
 
@@ -20,11 +20,11 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from flywheel import events
-from flywheel.bus import Bus
-from flywheel.natsserver import NatsServer, free_port
-from flywheel.settings import Settings
-from flywheel.stack import SERVICES, ServiceProcess, child_env
+from flywheel.contract import events
+from flywheel.contract.bus import Bus
+from flywheel.contract.settings import Settings
+from flywheel.ops.natsserver import NatsServer, free_port
+from flywheel.ops.stack import SERVICES, ServiceProcess, child_env
 from flywheel_gateway import schema
 from flywheel_gateway.migrate import migrate
 from flywheel_gateway.store import Store

@@ -16,10 +16,11 @@ import pytest
 
 import coding
 import ctf
-from flywheel import events, models
-from flywheel.bus import Bus
-from flywheel.eval import EvalConfig, Evaluation, read_results
-from flywheel.natsserver import NatsServer
+from flywheel.contract import events
+from flywheel.contract.bus import Bus
+from flywheel.ops.eval import EvalConfig, Evaluation, read_results
+from flywheel.ops.natsserver import NatsServer
+from flywheel.sdk import models
 from tests.helpers import until
 from tests.integration.test_environments_in_training import long_tiny_model  # noqa: F401 - the fixture
 from tests.integration.test_inference_worker import count_is, create_run, publish_weights, stored

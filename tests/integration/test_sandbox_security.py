@@ -26,9 +26,9 @@ from typing import Any
 
 import pytest
 
-from flywheel.bus import Bus
-from flywheel.natsserver import NatsServer
-from flywheel.sandbox import WORKDIR, ExecResult, SandboxClient, SandboxError, SandboxSpec
+from flywheel.contract.bus import Bus
+from flywheel.ops.natsserver import NatsServer
+from flywheel.sdk.sandbox import WORKDIR, ExecResult, SandboxClient, SandboxError, SandboxSpec
 from tests.sandbox_service import backend_named, serving
 
 SPEC = SandboxSpec(memory_mb=128, pids=64, disk_mb=16, cpu=1.0)

@@ -23,10 +23,10 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from flywheel.bus import Bus
-from flywheel.natsserver import NatsServer
-from flywheel.sandbox import WORKDIR, ErrorReply, SandboxClient, SandboxError, SandboxSpec, subject
-from flywheel.service import read_heartbeats
+from flywheel.contract.bus import Bus
+from flywheel.contract.service import read_heartbeats
+from flywheel.ops.natsserver import NatsServer
+from flywheel.sdk.sandbox import WORKDIR, ErrorReply, SandboxClient, SandboxError, SandboxSpec, subject
 from flywheel_sandbox.backends import LocalBackend
 from tests.helpers import until
 from tests.sandbox_service import backend_named, serving

@@ -1,4 +1,4 @@
-"""flywheel.sandbox_tools against a real sandbox service (local backend) over a real nats-server:
+"""flywheel.sdk.sandbox_tools against a real sandbox service (local backend) over a real nats-server:
 the bash and python tools on good and bad calls, the rollout's session (lazy, labelled,
 destroyed when the rollout ends, even when the harness raises), and run_tests on passing,
 failing, broken, looping and output-forging code."""
@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from flywheel.environment import Environment, Reward, TaskSet
-from flywheel.harness import ChatHarness, RolloutContext, ToolError
-from flywheel import sandbox_tools
-from flywheel.sandbox import SandboxClient, SandboxSpec
-from flywheel.sandbox_tools import (
+from flywheel.sdk import sandbox_tools
+from flywheel.sdk.environment import Environment, Reward, TaskSet
+from flywheel.sdk.harness import ChatHarness, RolloutContext, ToolError
+from flywheel.sdk.sandbox import SandboxClient, SandboxSpec
+from flywheel.sdk.sandbox_tools import (
     ROLLOUT_LABEL,
     SandboxTools,
     SandboxUnavailable,

@@ -40,9 +40,9 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from flywheel import events
-from flywheel.natsserver import NatsServer, free_port
-from flywheel.settings import Settings
+from flywheel.contract import events
+from flywheel.contract.settings import Settings
+from flywheel.ops.natsserver import NatsServer, free_port
 from flywheel_gateway.app import create_app
 from flywheel_gateway.migrate import migrate
 from flywheel_gateway.store import Store

@@ -20,11 +20,11 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from flywheel import events
-from flywheel.bus import Bus, Consumer
-from flywheel.config import RunConfig
-from flywheel.natsserver import NatsServer
-from flywheel.service import read_heartbeats
+from flywheel.contract import events
+from flywheel.contract.bus import Bus, Consumer
+from flywheel.contract.config import RunConfig
+from flywheel.contract.service import read_heartbeats
+from flywheel.ops.natsserver import NatsServer
 from flywheel_scorer.scorer import EnvironmentRewards, ScorerConfig
 from tests.helpers import until
 from tests.unit.test_scorer_rewards import group_of, rollout

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from flywheel import events, models
+from flywheel.contract import events
+from flywheel.sdk import models
 
 pytestmark = pytest.mark.slow
 

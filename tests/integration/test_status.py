@@ -12,12 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from flywheel import cli, events
-from flywheel.bus import Bus, Consumer, Delivery
-from flywheel.natsserver import NatsServer, free_port
-from flywheel.service import Service, read_heartbeats
-from flywheel.settings import Settings
-from flywheel.stack import STACK_SERVICE, Process, ServiceSpec, Stack
+from flywheel.contract import events
+from flywheel.contract.bus import Bus, Consumer, Delivery
+from flywheel.contract.service import Service, read_heartbeats
+from flywheel.contract.settings import Settings
+from flywheel.ops import cli
+from flywheel.ops.natsserver import NatsServer, free_port
+from flywheel.ops.stack import STACK_SERVICE, Process, ServiceSpec, Stack
 from tests.helpers import until
 
 
@@ -153,7 +154,7 @@ async def test_status_fails_clearly_when_nats_is_unreachable(capsys: pytest.Capt
 
 async def test_status_skips_a_stack_view_that_does_not_fit(bus: Bus) -> None:
     # The services bucket is open to any bus client: a "stack" entry with another shape is left out.
-    from flywheel.client import Client
+    from flywheel.ops.client import Client
 
     beat = events.ServiceHeartbeat(service="stack", instance="x", pid=1, host="h", started_at=events.utc_now(),
                                    info={"processes": "not a list"})

@@ -15,12 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from flywheel import events, models, weights
-from flywheel.bus import Bus
-from flywheel.natsserver import NatsServer
-from flywheel.config import RunConfig
-from flywheel.runs import get_run, register_run, update_run
-from flywheel.settings import Settings
+from flywheel.contract import events, weights
+from flywheel.contract.bus import Bus
+from flywheel.contract.config import RunConfig
+from flywheel.contract.runs import get_run, register_run, update_run
+from flywheel.contract.settings import Settings
+from flywheel.ops.natsserver import NatsServer
+from flywheel.sdk import models
 from flywheel_trainer import service
 from flywheel_trainer.ledger import Journal, RunFolder
 from tests.helpers import until

@@ -27,11 +27,11 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from flywheel.bus import Bus
-from flywheel.natsserver import NatsServer
-from flywheel.runs import get_run, register_run
-from flywheel.settings import Settings
-from flywheel.stack import child_env
+from flywheel.contract.bus import Bus
+from flywheel.contract.runs import get_run, register_run
+from flywheel.contract.settings import Settings
+from flywheel.ops.natsserver import NatsServer
+from flywheel.ops.stack import child_env
 from flywheel_trainer.ledger import RunFolder
 from tests.helpers import until
 from tests.integration.test_trainer_bus import Inference, run_config, weight_updates

@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from flywheel import events, weights
-from flywheel.bus import Bus
+from flywheel.contract import events, weights
+from flywheel.contract.bus import Bus
 
 
 async def test_put_then_get_verifies_the_blob(bus: Bus) -> None:

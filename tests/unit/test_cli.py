@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from flywheel import cli, events
-from flywheel.natsserver import free_port
+from flywheel.contract import events
+from flywheel.ops import cli
+from flywheel.ops.natsserver import free_port
 
 
 @pytest.fixture(autouse=True)
@@ -115,8 +116,8 @@ HEAVY = ("fastapi", "sqlalchemy", "torch", "uvicorn", "alembic", "pydantic", "na
 def test_help_imports_nothing_heavy(argv: list[str]) -> None:
     code = (
         "import sys\n"
-        "import flywheel.cli\n"
-        f"try:\n    flywheel.cli.main({argv!r})\nexcept SystemExit as e:\n    assert e.code == 0, e.code\n"
+        "import flywheel.ops.cli\n"
+        f"try:\n    flywheel.ops.cli.main({argv!r})\nexcept SystemExit as e:\n    assert e.code == 0, e.code\n"
         f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -213,11 +214,13 @@ def test_status_tables_say_what_is_missing() -> None:
 @pytest.mark.parametrize("num_bytes, text", [(0, "0 B"), (1023, "1023 B"), (1024, "1.0 KiB"),
                                              (3 * 1024 * 1024 // 2, "1.5 MiB"), (5 * 1024**4, "5120.0 GiB")])
 def test_size(num_bytes: int, text: str) -> None:
-    assert cli.size(num_bytes) == text
+    from flywheel.ops.tables import size
+
+    assert size(num_bytes) == text
 
 
 def test_defaults_in_option_help_match_the_settings() -> None:
-    from flywheel.settings import Settings
+    from flywheel.contract.settings import Settings
 
     num_stated = 0
     for name, (_, help_text) in cli.SETTING_OPTIONS.items():
@@ -229,8 +232,8 @@ def test_defaults_in_option_help_match_the_settings() -> None:
 
 
 def test_model_tiny_writes_a_loadable_hf_folder(tmp_path, capsys) -> None:
-    from flywheel import models
-    from flywheel.cli import main
+    from flywheel.ops.cli import main
+    from flywheel.sdk import models
 
     assert main(["model", "tiny", str(tmp_path / "tiny")]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1] == str(tmp_path / "tiny")

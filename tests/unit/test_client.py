@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from flywheel import cli
-from flywheel.client import make_tasks, read_jsonl, task_id
-from flywheel.runs import check_key, check_token
-from flywheel.natsserver import free_port
+from flywheel.contract.runs import check_key, check_token
+from flywheel.ops import cli
+from flywheel.ops.client import make_tasks, read_jsonl, task_id
+from flywheel.ops.natsserver import free_port
 
 
 def test_derived_task_ids_are_deterministic_and_pinned() -> None:

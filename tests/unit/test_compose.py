@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
-from flywheel.settings import Settings
+from flywheel.contract.settings import Settings
 
 COMPOSE_DIR = Path(__file__).resolve().parents[2] / "compose"
 FILES = ("docker-compose.yml", "docker-compose.override.yml", "docker-compose.host.yml")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from flywheel.config import RunConfig
+from flywheel.contract.config import RunConfig
 
 ROOT = Path(__file__).parents[2]
 
@@ -49,7 +49,9 @@ weight = 0.5
 function = "my_rewards:brevity"
 group = true
 """)
-    overrides = cfg.overrides()
+    from flywheel.sdk.environment import overrides_of
+
+    overrides = overrides_of(cfg)
     assert overrides.args == {"difficulty": 3}
     assert {name: (r.weight, r.function, r.group) for name, r in overrides.rewards.items()} == {
         "similarity": (0.5, None, None), "brevity": (None, "my_rewards:brevity", True)}
@@ -72,26 +74,26 @@ def test_bad_reward_tables_name_the_field(data: dict, message: str) -> None:
 
 
 def test_the_subject_token_is_the_env_or_the_environments_name() -> None:
-    from flywheel.environment import load_environment
+    from flywheel.sdk.environment import load_environment, subject_name
 
     env = load_environment("reverse_text")
-    assert RunConfig(run="r", env="reverse_text").env_token(env) == "reverse_text"
-    assert RunConfig(run="r", env="flywheel/reverse-text@0.1.0").env_token(env) == "reverse_text"
-    assert RunConfig(run="r", env="pkg.module").env_token(env) == "reverse_text"
+    assert subject_name("reverse_text", env) == "reverse_text"
+    assert subject_name("flywheel/reverse-text@0.1.0", env) == "reverse_text"
+    assert subject_name("pkg.module", env) == "reverse_text"
 
 
 def test_environment_sampling_is_a_default_under_the_runs_own() -> None:
-    from flywheel.environment import load_environment
+    from flywheel.sdk.environment import load_environment
 
     env = load_environment("reverse_text")
     env.sampling = {"temperature": 0.7, "max_tokens": 20}
     cfg = RunConfig.from_toml_text('run = "r"\nenv = "reverse_text"\n[sampling]\nmax_tokens = 12\n')
-    merged = cfg.with_env_sampling(env)
+    merged = cfg.with_sampling_defaults(env.sampling, "environment 'reverse_text'")
     assert (merged.sampling.temperature, merged.sampling.max_tokens) == (0.7, 12)
     assert RunConfig.parse(merged.model_dump()).sampling == merged.sampling
     env.sampling = {"temprature": 0.7}
     with pytest.raises(ValueError, match=r"environment 'reverse_text': sampling has \['temprature'\]"):
-        cfg.with_env_sampling(env)
+        cfg.with_sampling_defaults(env.sampling, "environment 'reverse_text'")
     env.sampling = {"top_p": 2.0}
     with pytest.raises(ValueError, match=r"environment 'reverse_text': sampling \{'top_p': 2.0\}: Input should be"):
-        cfg.with_env_sampling(env)
+        cfg.with_sampling_defaults(env.sampling, "environment 'reverse_text'")

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from flywheel import events
-from flywheel.environment import (
+from flywheel.contract import events
+from flywheel.sdk.environment import (
     Environment,
     EnvironmentLoadError,
     EnvironmentOverrides,
@@ -31,7 +31,7 @@ from flywheel.environment import (
     resolve,
     shortest_correct_reward,
 )
-from flywheel.tracegraph import rollout_from_messages
+from flywheel.sdk.tracegraph import rollout_from_messages
 
 
 def rollout(answer: str, text: str = "abc", index: int = 0, state: dict | None = None) -> events.Rollout:

@@ -18,10 +18,10 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from flywheel import events
-from flywheel.environment import Environment, EnvironmentOverrides, TaskSet, shortest_correct_reward
-from flywheel.eval import EvalConfig, Evaluation, RecordingProxy, Served, pass_at_k, read_results, serve
-from flywheel.harness import ChatHarness, RolloutContext
+from flywheel.contract import events
+from flywheel.ops.eval import EvalConfig, Evaluation, RecordingProxy, Served, pass_at_k, read_results, serve
+from flywheel.sdk.environment import Environment, EnvironmentOverrides, TaskSet, shortest_correct_reward
+from flywheel.sdk.harness import ChatHarness, RolloutContext
 
 TOOL_CALL = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
 LOGPROBS = {"content": [{"token": "5", "logprob": -0.25, "bytes": None, "top_logprobs": []}]}
@@ -271,14 +271,14 @@ async def test_a_harness_that_fails_is_recorded_on_its_rollout(tmp_path: Path) -
 ])
 def test_eval_mistakes_name_the_option(args: list[str], message: str, tmp_path: Path,
                                        capsys: pytest.CaptureFixture[str]) -> None:
-    from flywheel.cli import main
+    from flywheel.ops.cli import main
 
     assert main(["eval", "reverse_text", "--model", "m", "--data-dir", str(tmp_path), *args]) == 1
     assert message in capsys.readouterr().err
 
 
 def test_an_environment_that_is_not_installed_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from flywheel.cli import main
+    from flywheel.ops.cli import main
 
     assert main(["eval", "nobody/nothing", "--model", "m", "--data-dir", str(tmp_path)]) == 1
     assert "environment 'nobody/nothing' is not installed" in capsys.readouterr().err
@@ -286,7 +286,7 @@ def test_an_environment_that_is_not_installed_is_named(tmp_path: Path, capsys: p
 
 async def test_a_multi_turn_environment_runs_unchanged_in_an_eval(tmp_path: Path) -> None:
     """wordle, as training runs it: the game answers each guess, the board lives in the state."""
-    from flywheel.environment import load_environment
+    from flywheel.sdk.environment import load_environment
     from tests.scripted_openai import ScriptedOpenAI
 
     env = load_environment("wordle", EnvironmentOverrides(args={"max_guesses": 2}))

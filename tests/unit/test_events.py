@@ -11,13 +11,13 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from flywheel import events
+from flywheel.contract import events
 
 V1 = json.loads((Path(__file__).parent / "data" / "events_v1.json").read_text())
 
 
 def test_contract_module_imports_nothing_heavy() -> None:
-    code = "import sys, flywheel.events; print(sorted(m for m in ('torch', 'fastapi', 'sqlalchemy', 'nats', 'transformers') if m in sys.modules))"
+    code = "import sys, flywheel.contract.events; print(sorted(m for m in ('torch', 'fastapi', 'sqlalchemy', 'nats', 'transformers') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from mcp.server.mcpserver import MCPServer
 
-from flywheel.environment import Environment, Reward
-from flywheel.harness import ChatHarness, ProgramHarness, RolloutContext, Tool
+from flywheel.sdk.environment import Environment, Reward
+from flywheel.sdk.harness import ChatHarness, ProgramHarness, RolloutContext, Tool
 from tests.scripted_openai import ScriptedOpenAI, tool_call
 
 

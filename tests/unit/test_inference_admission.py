@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from flywheel.config import RunConfig
+from flywheel.contract.config import RunConfig
 from flywheel_inference.admission import Admission, RunEnded
 from tests.helpers import until
 

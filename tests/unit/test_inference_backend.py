@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from flywheel import events, models
+from flywheel.contract import events
+from flywheel.sdk import models
 from flywheel_inference.backends import BACKENDS, TransformersBackend, build_backend, sample_rows
 from tests.backend_checks import PROMPTS, check_one_completion_per_prompt, full_forward_logprobs
-
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,10 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from flywheel import events, models
-from flywheel.tracegraph import TraceGraph
-from flywheel_inference.backends import Completion
+from flywheel.contract import events
+from flywheel.sdk import models
+from flywheel.sdk.tracegraph import TraceGraph
+from flywheel_inference.completion import Completion
 from flywheel_inference.interception import Interception, InterceptionError, Renderer, parse_tool_calls
 from flywheel_inference.policy import Sampled
 

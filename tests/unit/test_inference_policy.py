@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from flywheel import events
-from flywheel_inference.backends import Completion
+from flywheel.contract import events
+from flywheel_inference.completion import Completion
 from flywheel_inference.policy import Policy, TransientFetchError, WeightsUnavailable
 from tests.helpers import until
 

@@ -1,24 +1,67 @@
-"""House rules that keep the layout simple: services never import each other, and the
-shared package never imports a service."""
+"""House rules that keep the layout simple, checked on the source:
+
+- services never import each other, and the shared package never imports a service;
+- the shared package's layers import downward only: ``flywheel.contract`` imports neither
+  ``flywheel.sdk`` nor ``flywheel.ops``; ``flywheel.sdk`` does not import ``flywheel.ops``;
+- no import cycles between modules of the shared package and the services.
+
+Every import counts, at module level or inside a function, except those under ``if
+TYPE_CHECKING:`` (annotations only: nothing runs them).
+"""
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).parents[2]
 SERVICES = sorted(p.name for p in (ROOT / "services").iterdir() if (p / "__init__.py").exists())
+LAYERS = ("contract", "sdk", "ops")  # each may import the ones before it
 
 
-def imported_modules(folder: Path) -> set[str]:
+def module_name(path: Path) -> str:
+    """The importable name of a source file of the shared package or a service."""
+    rel = path.relative_to(ROOT)
+    if rel.parts[0] == "shared":
+        parts = list(rel.with_suffix("").parts[1:])
+    else:  # services/<name>/... is the package flywheel_<name>
+        parts = [f"flywheel_{rel.parts[1]}", *rel.with_suffix("").parts[2:]]
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def sources() -> Iterator[Path]:
+    yield from (ROOT / "shared").rglob("*.py")
+    for name in SERVICES:
+        yield from (p for p in (ROOT / "services" / name).rglob("*.py") if "migrations" not in p.parts)
+
+
+def imports(path: Path) -> set[str]:
+    """The modules ``path`` imports (absolute names), leaving out imports under TYPE_CHECKING."""
+    tree = ast.parse(path.read_text(), str(path))
+    type_only: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            type_only.update(id(n) for n in ast.walk(node))
     found: set[str] = set()
-    for path in folder.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                found.update(a.name for a in node.names)
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                found.add(node.module)
+    for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)  # `from pkg import module`
     return found
+
+
+def graph() -> dict[str, set[str]]:
+    """Module -> the modules of the shared package and the services it imports."""
+    paths = list(sources())
+    known = {module_name(p) for p in paths}
+    return {module_name(p): {m for m in imports(p) if m in known and m != module_name(p)} for p in paths}
 
 
 def test_services_exist_as_the_design_lays_out() -> None:
@@ -26,13 +69,66 @@ def test_services_exist_as_the_design_lays_out() -> None:
 
 
 def test_no_service_imports_another() -> None:
-    for name in SERVICES:
-        others = {f"flywheel_{s}" for s in SERVICES if s != name}
-        bad = {m for m in imported_modules(ROOT / "services" / name) if m.split(".")[0] in others}
-        assert not bad, f"services/{name} imports {sorted(bad)}: talk over the bus, or move shared code to shared/flywheel"
+    for module, deps in graph().items():
+        if not module.startswith("flywheel_"):
+            continue
+        own = module.split(".")[0]
+        bad = {d for d in deps if d.startswith("flywheel_") and d.split(".")[0] != own}
+        assert not bad, f"{module} imports {sorted(bad)}: talk over the bus, or move shared code to shared/flywheel"
 
 
 def test_shared_package_imports_no_service() -> None:
-    services = {f"flywheel_{s}" for s in SERVICES}
-    bad = {m for m in imported_modules(ROOT / "shared" / "flywheel") if m.split(".")[0] in services}
-    assert not bad, f"shared/flywheel imports services: {sorted(bad)}"
+    for module, deps in graph().items():
+        if module.startswith("flywheel.") or module == "flywheel":
+            bad = {d for d in deps if d.startswith("flywheel_")}
+            assert not bad, f"{module} imports services: {sorted(bad)}"
+
+
+def test_the_shared_packages_layers_import_downward_only() -> None:
+    modules = {m for m in graph() if m.startswith("flywheel.")}
+    assert {m.split(".")[1] for m in modules} == set(LAYERS), "every module of shared/flywheel is in a layer"
+    for module, deps in graph().items():
+        if not module.startswith("flywheel."):
+            continue
+        layer = LAYERS.index(module.split(".")[1])
+        above = {d for d in deps if d.startswith("flywheel.") and LAYERS.index(d.split(".")[1]) > layer}
+        assert not above, (f"{module} ({LAYERS[layer]}) imports {sorted(above)}, a layer above it: move the shared "
+                           "part down, or the importing code up")
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """A cycle of ``edges`` (module -> modules it imports) as a path that returns to its start, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        state[module] = 1
+        path.append(module)
+        for dep in sorted(edges.get(module, ())):
+            if state.get(dep) == 1:
+                return path[path.index(dep):] + [dep]
+            if dep not in state and (cycle := visit(dep)) is not None:
+                return cycle
+        path.pop()
+        state[module] = 2
+        return None
+
+    for module in sorted(edges):
+        if module not in state and (cycle := visit(module)) is not None:
+            return cycle
+    return None
+
+
+def test_no_import_cycles() -> None:
+    cycle = find_cycle(graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_rules_catch_what_they_are_for(tmp_path: Path) -> None:
+    # The checks above can fail: an import under TYPE_CHECKING does not count, one in a function does,
+    # and a cycle is found.
+    (tmp_path / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from flywheel.sdk import x\n"
+                                   "def f():\n    from flywheel.ops import cli\n")
+    assert imports(tmp_path / "a.py") == {"typing", "typing.TYPE_CHECKING", "flywheel.ops", "flywheel.ops.cli"}
+    assert find_cycle({"p": {"q"}, "q": {"r"}, "r": {"p"}, "s": {"p"}}) == ["p", "q", "r", "p"]
+    assert find_cycle({"p": {"q"}, "q": set(), "s": {"p", "q"}}) is None

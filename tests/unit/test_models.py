@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from flywheel import events, models
+from flywheel.contract import events
+from flywheel.sdk import models
 
 
 def test_tiny_model_is_a_normal_hf_folder_with_a_chat_template(tiny_model_dir: Path) -> None:

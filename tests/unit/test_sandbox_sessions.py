@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from flywheel.sandbox import (
+from flywheel.sdk.sandbox import (
     CreateRequest,
     ExecRequest,
     ReadFileRequest,
@@ -337,7 +337,7 @@ async def test_a_refused_network_spec_leaves_the_warm_pool_alone() -> None:
 
 
 def test_the_composition_root_passes_the_network_setting(monkeypatch: pytest.MonkeyPatch) -> None:
-    from flywheel.settings import Settings
+    from flywheel.contract.settings import Settings
     from flywheel_sandbox.service import manager_config
 
     monkeypatch.delenv("FLYWHEEL_CONFIG", raising=False)

@@ -1,4 +1,4 @@
-"""flywheel.sandbox_tools without a sandbox: the rollout context's releases, what the model reads
+"""flywheel.sdk.sandbox_tools without a sandbox: the rollout context's releases, what the model reads
 of a command, and how test verdicts are read (the service itself: tests/integration)."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import logging
 
 import pytest
 
-from flywheel.harness import RolloutContext
-from flywheel.sandbox import ExecResult
-from flywheel.sandbox_tools import SandboxTools, command_verdicts, cut, describe, read_verdicts
+from flywheel.sdk.harness import RolloutContext
+from flywheel.sdk.sandbox import ExecResult
+from flywheel.sdk.sandbox_tools import SandboxTools, command_verdicts, cut, describe, read_verdicts
 
 
 async def test_releases_run_last_first_and_one_that_fails_stops_none(caplog: pytest.LogCaptureFixture) -> None:
@@ -27,7 +27,7 @@ async def test_releases_run_last_first_and_one_that_fails_stops_none(caplog: pyt
 
     for release in (first, failing, last):
         ctx.on_close(release)
-    with caplog.at_level(logging.WARNING, "flywheel.harness"):
+    with caplog.at_level(logging.WARNING, "flywheel.sdk.harness"):
         await ctx.close()
     assert released == ["last", "first"]
     assert "rollout r-7: releasing" in caplog.text and "ConnectionError: service gone" in caplog.text

@@ -18,12 +18,20 @@ from typing import Any
 
 import pytest
 
-from flywheel import events
-from flywheel.bus import Delivery, Reject
-from flywheel.config import RunConfig
-from flywheel.environment import GroupReward, Reward, shortest_correct_reward
+from flywheel.contract import events
+from flywheel.contract.bus import Delivery, Reject
+from flywheel.contract.config import RunConfig
+from flywheel.sdk.environment import GroupReward, Reward, shortest_correct_reward
 from flywheel_scorer.__main__ import main
-from flywheel_scorer.scorer import EnvironmentRewards, NotScored, RewardSet, Scorer, custom_reward, load_function, run_config
+from flywheel_scorer.scorer import (
+    EnvironmentRewards,
+    NotScored,
+    RewardSet,
+    Scorer,
+    custom_reward,
+    load_function,
+    run_config,
+)
 from tests.helpers import until
 
 
@@ -359,6 +367,6 @@ def test_entry_point_refuses_bad_combinations(capsys: pytest.CaptureFixture[str]
 
 
 def test_entry_point_imports_nothing_heavy_before_parsing() -> None:
-    code = "import sys, flywheel_scorer.__main__; print(sorted({'nats', 'flywheel.bus'} & set(sys.modules)))"
+    code = "import sys, flywheel_scorer.__main__; print(sorted({'nats', 'flywheel.contract.bus'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from flywheel.stack import RestartBackoff
+from flywheel.ops.stack import RestartBackoff
 
 
 def test_restart_backoff_doubles_in_a_crash_loop_and_resets_after_a_healthy_stretch() -> None:

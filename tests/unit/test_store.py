@@ -22,7 +22,7 @@ import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 
-from flywheel import events
+from flywheel.contract import events
 from flywheel_gateway import schema
 from flywheel_gateway.migrate import current_revision, migrate, run_exclusively
 from flywheel_gateway.store import (

@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load
 
-from flywheel import models
-from flywheel.config import RunConfig
+from flywheel.contract.config import RunConfig
+from flywheel.sdk import models
 from flywheel_trainer.engines import ENGINES, Engine
 from flywheel_trainer.join import Scored
 from flywheel_trainer.learner import LearnerConfig, rl_step
@@ -61,7 +61,7 @@ def test_torch_engine_resumes_from_its_checkpoint_exactly(tiny_model_dir: Path, 
 @pytest.fixture
 def world_of_one(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("deepspeed")
-    from flywheel.natsserver import free_port
+    from flywheel.ops.natsserver import free_port
 
     for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
                         ("MASTER_PORT", str(free_port()))):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from flywheel import events
+from flywheel.contract import events
 from flywheel_trainer.join import BadRollout, Joiner, sequences_of, tokens_of
 
 SCORERS = {"similarity": 1.0, "exact": 0.5}
@@ -166,7 +166,7 @@ def test_tokens_are_the_spans_in_node_order() -> None:
 
 
 def test_a_branching_rollout_trains_each_branch_and_each_sampled_token_once() -> None:
-    from flywheel.tracegraph import TraceGraph
+    from flywheel.sdk.tracegraph import TraceGraph
 
     def span(ids: list[int], sampled: bool) -> events.TokenSpan:
         return events.TokenSpan(token_ids=ids, logprobs=[-0.5 if sampled else 0.0] * len(ids),

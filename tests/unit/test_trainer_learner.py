@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from flywheel import events, models
-from flywheel.config import RunConfig
-from flywheel.environment import load_environment
+from flywheel.contract import events
+from flywheel.contract.config import RunConfig
+from flywheel.sdk import models
+from flywheel.sdk.environment import load_environment
 from flywheel_trainer.batch import micro_batches, pad, token_logprobs
 from flywheel_trainer.engines import TorchEngine
 from flywheel_trainer.join import Scored, Tokens, tokens_of

@@ -11,7 +11,8 @@ import pytest
 import safetensors.torch
 import torch
 
-from flywheel import events, models
+from flywheel.contract import events
+from flywheel.sdk import models
 from flywheel_inference.backend_vllm import VLLMBackend, vllm_available
 from flywheel_inference.backends import BACKENDS, build_backend
 from tests.backend_checks import PROMPTS, check_one_completion_per_prompt, full_forward_logprobs

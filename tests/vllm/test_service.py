@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from flywheel import events, models, weights
-from flywheel.bus import HEADER_CONTENT_TYPE, Bus
-from flywheel.config import RunConfig
-from flywheel.natsserver import NatsServer
+from flywheel.contract import events, weights
+from flywheel.contract.bus import HEADER_CONTENT_TYPE, Bus
+from flywheel.contract.config import RunConfig
+from flywheel.ops.natsserver import NatsServer
+from flywheel.sdk import models
 from tests.helpers import until
 
 pytestmark = [pytest.mark.vllm,

@@ -8,7 +8,7 @@ from fractions import Fraction
 import pytest
 
 import arithmetic
-from flywheel.environment import EnvironmentLoadError, load_environment
+from flywheel.sdk.environment import EnvironmentLoadError, load_environment
 from tests.scripted_openai import ScriptedOpenAI, make_rollout, run_rollout
 
 TASK = {"question": "12 + 30 / 6", "answer": "17", "difficulty": "medium"}

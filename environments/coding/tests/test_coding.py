@@ -11,10 +11,11 @@ from typing import Any
 import pytest
 
 import coding
-from flywheel import events, sandbox_tools
-from flywheel.environment import EnvironmentLoadError
-from flywheel.sandbox import SandboxClient
-from flywheel.sandbox_tools import SandboxUnavailable, run_tests, use_client
+from flywheel.contract import events
+from flywheel.sdk import sandbox_tools
+from flywheel.sdk.environment import EnvironmentLoadError
+from flywheel.sdk.sandbox import SandboxClient
+from flywheel.sdk.sandbox_tools import SandboxUnavailable, run_tests, use_client
 from tests.sandbox_fixtures import sandbox, sandboxed_rollout  # noqa: F401 - fixture
 from tests.scripted_openai import make_rollout, tool_call
 

@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 
 import ctf
-from flywheel import events
-from flywheel.environment import EnvironmentLoadError
-from flywheel.harness import RolloutContext
-from flywheel.sandbox import SandboxClient, SandboxSpec
-from flywheel.sandbox_tools import SandboxUnavailable
+from flywheel.contract import events
+from flywheel.sdk.environment import EnvironmentLoadError
+from flywheel.sdk.harness import RolloutContext
+from flywheel.sdk.sandbox import SandboxClient, SandboxSpec
+from flywheel.sdk.sandbox_tools import SandboxUnavailable
 from tests.sandbox_fixtures import sandbox, sandboxed_rollout  # noqa: F401 - fixture
 from tests.scripted_openai import tool_call
 

@@ -9,8 +9,8 @@ import copy
 import pytest
 
 import customer_service as cs
-from flywheel.environment import messages_of
-from flywheel.harness import RolloutContext
+from flywheel.sdk.environment import messages_of
+from flywheel.sdk.harness import RolloutContext
 from tests.scripted_openai import ScriptedOpenAI, make_rollout, run_rollout, tool_call
 
 

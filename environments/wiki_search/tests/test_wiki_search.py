@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 import wiki_search
-from flywheel.environment import EnvironmentLoadError
-from flywheel.harness import RolloutContext
+from flywheel.sdk.environment import EnvironmentLoadError
+from flywheel.sdk.harness import RolloutContext
 from tests.scripted_openai import ScriptedOpenAI, make_rollout, run_rollout, tool_call
 
 TASK = {"id": "baikal-outflow", "question": "What is the only river that flows out of Lake Baikal?",

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import wordle
-from flywheel.environment import EnvironmentLoadError
+from flywheel.sdk.environment import EnvironmentLoadError
 from tests.scripted_openai import ScriptedOpenAI, make_rollout, run_rollout
 
 

@@ -33,7 +33,7 @@ def run_migrations(connection: sa.Connection) -> None:
 
 
 def _url_from_command_line() -> str:
-    from flywheel.settings import Settings
+    from flywheel.contract.settings import Settings
 
     return context.get_x_argument(as_dictionary=True).get("url") or Settings().resolved_database_url
 

@@ -3,12 +3,12 @@
 The bus is open to anyone: this is the few lines it takes from Python (the ``flywheel tasks
 publish`` and ``flywheel status`` commands are thin wrappers around it)::
 
-    from flywheel.client import Client
+    from flywheel.ops.client import Client
 
     async with await Client.connect("nats://127.0.0.1:4233") as fw:
         ids = await fw.publish_tasks(run="r1", env="reverse-text", rows=[{"text": "abc"}], num_rollouts=4)
 
-or, outside an event loop, ``flywheel.client.publish_tasks(...)`` with the same arguments.
+or, outside an event loop, ``flywheel.ops.client.publish_tasks(...)`` with the same arguments.
 
 Task ids: a row with a top-level string ``"id"`` keeps it as its task id; any other row gets
 a deterministic id, uuid5 over (run, env, position, canonical row), where the position is the
@@ -18,13 +18,13 @@ duplicate window (``BusConfig.duplicate_window_s``, two minutes by default), and
 store upserts by id whenever the repeat comes. Past the window the server stores the repeat
 (and inference rolls it out again): it cannot tell, so republish on purpose only. Everything is validated before anything is published, so a bad row
 publishes nothing from its batch. Publishing also registers the run in the runs KV bucket
-(:class:`flywheel.events.RunState`, owned by ``tenant``) when it is not there yet; as in the
+(:class:`flywheel.contract.events.RunState`, owned by ``tenant``) when it is not there yet; as in the
 gateway, a run that belongs to another tenant is refused.
 
 :class:`TraceAPI` reads what the gateway recorded, over HTTP: rollouts by filter (every
 page), a JSONL export, a trace graph and one branch of it, and a rollout followed live::
 
-    from flywheel.client import TraceAPI
+    from flywheel.ops.client import TraceAPI
 
     async with TraceAPI("http://127.0.0.1:8420") as api:
         num = await api.export("sft.jsonl", run="r1", min_reward=1.0, error=False)
@@ -51,10 +51,10 @@ import httpx
 import msgspec
 import nats.js.errors
 
-from flywheel import events
-from flywheel.bus import STREAMS, Bus, BusConfig
-from flywheel.runs import check_key, check_token, get_run, register_run
-from flywheel.service import HEARTBEAT_INTERVAL_S, read_heartbeats
+from flywheel.contract import events
+from flywheel.contract.bus import STREAMS, Bus, BusConfig
+from flywheel.contract.runs import check_key, check_token, get_run, register_run
+from flywheel.contract.service import HEARTBEAT_INTERVAL_S, read_heartbeats
 
 log = logging.getLogger(__name__)
 
@@ -155,13 +155,13 @@ class Client:
     @classmethod
     async def connect(cls, url: str | None = None, *, name: str = "flywheel-client",
                       config: BusConfig | None = None, ensure: bool = True) -> Client:
-        """Connect to ``url`` (default: the one settings resolve to, see flywheel.settings).
+        """Connect to ``url`` (default: the one settings resolve to, see flywheel.contract.settings).
 
         ``ensure`` creates the streams and buckets when missing (needed to publish);
         a reader such as ``flywheel status`` passes False so it changes nothing.
         """
         if url is None:
-            from flywheel.settings import Settings
+            from flywheel.contract.settings import Settings
 
             url = Settings().resolved_nats_url
         return cls(await Bus.connect(url, name=name, config=config, ensure=ensure))
@@ -224,7 +224,7 @@ class Client:
         log; ``next_start_in_s`` while one backs off) and ``failing``, the names of those that
         exited and are not running again yet.
         """
-        from flywheel.stack import STACK_SERVICE
+        from flywheel.ops.stack import STACK_SERVICE
 
         now = events.utc_now()
         try:
@@ -286,7 +286,7 @@ class TraceAPI:
 
     def __init__(self, url: str | None = None, *, timeout_s: float = 30.0) -> None:
         if url is None:
-            from flywheel.settings import Settings
+            from flywheel.contract.settings import Settings
 
             url = Settings().resolved_gateway_url
         self.http = httpx.AsyncClient(base_url=url, timeout=timeout_s)
@@ -379,7 +379,7 @@ def _heartbeat(now: datetime, beat: events.ServiceHeartbeat) -> dict[str, Any]:
 
 
 class _ProcessView(msgspec.Struct):
-    """What status reads of one process in a stack's view (flywheel.stack.Process.view)."""
+    """What status reads of one process in a stack's view (flywheel.ops.stack.Process.view)."""
 
     name: str
     pid: int | None
@@ -392,7 +392,7 @@ class _ProcessView(msgspec.Struct):
 
 
 class _StackView(msgspec.Struct):
-    """What status reads of a stack's view (flywheel.stack.Stack.view), checked before use:
+    """What status reads of a stack's view (flywheel.ops.stack.Stack.view), checked before use:
     anyone may write the services bucket."""
 
     restart_backoff_s: float
@@ -402,7 +402,7 @@ class _StackView(msgspec.Struct):
 
 
 def _stack(now: datetime, beat: events.ServiceHeartbeat) -> dict[str, Any]:
-    """A stack's heartbeat and its view (flywheel.stack.Stack.view), with the wait until each
+    """A stack's heartbeat and its view (flywheel.ops.stack.Stack.view), with the wait until each
     next start and the names of the processes that exited and do not run again yet."""
     msgspec.convert(beat.info, _StackView)  # raises ValidationError, naming what does not fit
     processes = []

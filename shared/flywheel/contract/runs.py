@@ -1,6 +1,6 @@
 """Runs in the run-state KV bucket: names, registration, reading and writing their state.
 
-A run's :class:`flywheel.events.RunState` (tenant, status, policy version, config) lives
+A run's :class:`flywheel.contract.events.RunState` (tenant, status, policy version, config) lives
 under its id in the ``flywheel-runs`` bucket. A run belongs to the tenant that registered
 it first; every writer (gateway, CLI, client, ``flywheel run``, trainer) goes through
 here, so the rule and the name checks live once. Writers change a state by compare-and-set
@@ -26,8 +26,8 @@ from typing import Any
 import msgspec
 import nats.js.errors
 
-from flywheel import events
-from flywheel.bus import RUNS_BUCKET, Bus, watch_bucket
+from flywheel.contract import events
+from flywheel.contract.bus import RUNS_BUCKET, Bus, watch_bucket
 
 MAX_NAME_CHARS = 128
 # Control characters (C0, DEL, C1) and every whitespace character (what Python's ``\s``

@@ -1,6 +1,6 @@
 """Weight blobs: where the trainer puts them and how inference gets them back, verified.
 
-A :class:`flywheel.events.WeightUpdate` carries a URI, a sha256 and a size, never the
+A :class:`flywheel.contract.events.WeightUpdate` carries a URI, a sha256 and a size, never the
 weights themselves. By default blobs live in the JetStream object store bucket
 ``flywheel-weights`` (``nats-os://flywheel-weights/<run>/<version>.safetensors``), so the
 embedded stack needs nothing but NATS; ``file://`` URIs serve a volume shared by trainer
@@ -15,8 +15,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from urllib.parse import urlparse
 
-from flywheel import events
-from flywheel.bus import WEIGHTS_BUCKET, Bus
+from flywheel.contract import events
+from flywheel.contract.bus import WEIGHTS_BUCKET, Bus
 
 
 async def put(bus: Bus, run: str, version: int, data: bytes) -> tuple[str, str, int]:

@@ -52,11 +52,11 @@ from typing import Any, TextIO
 
 import nats.errors
 
-from flywheel import events
-from flywheel.bus import Bus
-from flywheel.natsserver import NatsServer, die_with_parent, port_open
-from flywheel.service import Service, read_heartbeats
-from flywheel.settings import Settings
+from flywheel.contract import events
+from flywheel.contract.bus import Bus
+from flywheel.contract.service import Service, read_heartbeats
+from flywheel.contract.settings import Settings
+from flywheel.ops.natsserver import NatsServer, die_with_parent, port_open
 
 # The service name of the stack's own heartbeat, whose info is its view of the processes.
 STACK_SERVICE = "stack"
@@ -250,7 +250,7 @@ def _iso(when: datetime | None) -> str | None:
 
 
 class NatsProcess(Process):
-    """The nats-server the stack started (a :class:`flywheel.natsserver.NatsServer`)."""
+    """The nats-server the stack started (a :class:`flywheel.ops.natsserver.NatsServer`)."""
 
     def __init__(self, server: NatsServer) -> None:
         super().__init__()

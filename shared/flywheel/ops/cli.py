@@ -1,16 +1,16 @@
 """The ``flywheel`` command: a thin entry point over the shared package.
 
-    flywheel up                                   the embedded stack (flywheel.stack)
+    flywheel up                                   the embedded stack (flywheel.ops.stack)
     flywheel status [--json]                      services, the stack's processes, streams, consumers
     flywheel tasks publish ENV --run RUN --file rows.jsonl [--num-rollouts N]
     flywheel schema [--out FILE]                  JSON Schema of every event
-    flywheel run CONFIG.toml                      a training run, start to finish (flywheel.run)
+    flywheel run CONFIG.toml                      a training run, start to finish (flywheel.ops.run)
     flywheel model tiny|smollm2 DIR               build or convert a model into an HF folder
     flywheel scorer MODULE:FUNCTION --env ENV     a custom scorer, as its own consumer
     flywheel eval ENV --model NAME [-n N -r R -c C]   an environment against an OpenAI-compatible endpoint
     flywheel env init NAME | flywheel env list    scaffold an environment package; installed environments
 
-Settings come from :class:`flywheel.settings.Settings` (``FLYWHEEL_*`` variables, the TOML
+Settings come from :class:`flywheel.contract.settings.Settings` (``FLYWHEEL_*`` variables, the TOML
 file named by ``FLYWHEEL_CONFIG``); an option such as ``--nats-url`` overrides the setting of
 the same name. This module imports only the standard library at import time, so ``--help``
 is fast; each command imports what it needs when it runs.
@@ -25,6 +25,8 @@ import json
 import sys
 from collections.abc import Sequence
 from typing import Any
+
+from flywheel.ops.tables import size, table
 
 # Settings a command line option may override, by their Settings field name: the option is
 # --data-dir for data_dir, the variable FLYWHEEL_DATA_DIR, the TOML key data_dir.
@@ -207,7 +209,7 @@ def settings_from(args: argparse.Namespace) -> Any:
     """Settings with the given options on top; a bad value is a ValueError naming the setting."""
     from pydantic import ValidationError
 
-    from flywheel.settings import Settings
+    from flywheel.contract.settings import Settings
 
     overrides = {name: getattr(args, name) for name in args.setting_names if getattr(args, name) is not None}
     try:
@@ -223,14 +225,14 @@ def settings_from(args: argparse.Namespace) -> Any:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from flywheel import stack
+    from flywheel.ops import stack
 
     stack.run(settings_from(args))
     return 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from flywheel.run import main_job
+    from flywheel.ops.run import main_job
 
     overrides = {}
     for item in args.set:
@@ -246,7 +248,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_model(args: argparse.Namespace) -> int:
-    from flywheel import models
+    from flywheel.sdk import models
 
     print(models.BUILDERS[args.name](args.dir))
     return 0
@@ -275,7 +277,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     import re
     from pathlib import Path
 
-    from flywheel.eval import EvalConfig, format_summary, resolve_model, run_eval
+    from flywheel.ops.eval import EvalConfig, format_summary, resolve_model, run_eval
 
     settings = settings_from(args)
     try:
@@ -305,7 +307,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_env_init(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from flywheel.scaffold import scaffold
+    from flywheel.ops.scaffold import scaffold
 
     folder = scaffold(args.name, Path(args.dir), owner=args.owner)
     print(f"created {folder}: pip install -e {folder} && pytest {folder}")
@@ -313,7 +315,7 @@ def cmd_env_init(args: argparse.Namespace) -> int:
 
 
 def cmd_env_list(args: argparse.Namespace) -> int:
-    from flywheel.environment import available
+    from flywheel.sdk.environment import available
 
     found = available()
     if not found:
@@ -334,9 +336,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 async def collect_status(nats_url: str, gateway_url: str) -> dict[str, Any]:
     """The status report as plain data: NATS and gateway endpoints plus the client's view."""
-    from flywheel.bus import BusConfig
-    from flywheel.client import Client
-    from flywheel.stack import gateway_health
+    from flywheel.contract.bus import BusConfig
+    from flywheel.ops.client import Client
+    from flywheel.ops.stack import gateway_health
 
     config = BusConfig(connect_timeout_s=STATUS_CONNECT_TIMEOUT_S)
     async with await Client.connect(nats_url, name="flywheel-status", config=config, ensure=False) as fw:
@@ -347,7 +349,7 @@ async def collect_status(nats_url: str, gateway_url: str) -> dict[str, Any]:
 def cmd_tasks_publish(args: argparse.Namespace) -> int:
     import asyncio
 
-    from flywheel.client import Client, make_tasks, read_jsonl
+    from flywheel.ops.client import Client, make_tasks, read_jsonl
 
     settings = settings_from(args)
     tasks = make_tasks(args.run, args.env, read_jsonl(args.file), num_rollouts=args.num_rollouts, source=args.file)
@@ -364,7 +366,7 @@ def cmd_tasks_publish(args: argparse.Namespace) -> int:
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
-    from flywheel import events
+    from flywheel.contract import events
 
     text = json.dumps(events.json_schema(), indent=2) + "\n"
     if args.out:
@@ -439,27 +441,6 @@ def _local_time(iso: str) -> str:
     return datetime.fromisoformat(iso).astimezone().strftime("%H:%M:%S")
 
 
-def table(rows: Sequence[Sequence[Any]], headers: Sequence[str] | None = None) -> str:
-    """Aligned columns: numbers to the right, text to the left."""
-    text = ([list(headers)] if headers else []) + [[str(v) for v in row] for row in rows]
-    num_columns = len(text[0])
-    widths = [max(len(row[i]) for row in text) for i in range(num_columns)]
-    numeric = [bool(rows) and all(isinstance(row[i], int | float) for row in rows) for i in range(num_columns)]
-    return "\n".join("  ".join(c.rjust(w) if num else c.ljust(w) for c, w, num in zip(row, widths, numeric)).rstrip()
-                     for row in text)
-
-
-def size(num_bytes: int) -> str:
-    if num_bytes < 1024:
-        return f"{num_bytes} B"
-    value = num_bytes / 1024
-    for unit in ("KiB", "MiB"):
-        if value < 1024:
-            return f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} GiB"
-
-
 def _duration(seconds: float) -> str:
     minutes, secs = divmod(int(seconds), 60)
     hours, minutes = divmod(minutes, 60)
@@ -471,7 +452,7 @@ def _duration(seconds: float) -> str:
 
 def _is_user_error(exc: Exception) -> bool:
     """Errors whose message says what to fix: shown without a traceback."""
-    from flywheel.stack import StackError
+    from flywheel.ops.stack import StackError
 
     return isinstance(exc, (ValueError, ConnectionError, FileNotFoundError, IsADirectoryError,
                             PermissionError, StackError))

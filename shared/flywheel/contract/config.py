@@ -1,7 +1,7 @@
 """A run's configuration: what to train, on which environment, how.
 
 Written as TOML by the user (``flywheel run CONFIG.toml``), validated here, and stored in
-the run's :class:`flywheel.events.RunState` in the runs KV bucket, so every service reads
+the run's :class:`flywheel.contract.events.RunState` in the runs KV bucket, so every service reads
 the same config from the bus instead of from its own files. Every field is optional
 except ``run`` and ``env``; a bad value or combination fails at load with a message that
 names the field.
@@ -14,22 +14,20 @@ The environment part: ``env`` is an environment id (a module name such as ``reve
 or ``owner/name@version`` of an installed package), ``[env_args]`` are the keyword arguments
 of its ``load_environment``, and ``[rewards.<name>]`` tables change a reward's ``weight``,
 swap its ``function`` (``"package.module:function"``) or add one (``group = true`` for a
-group reward); :meth:`RunConfig.overrides` hands these to
-:func:`flywheel.environment.load_for_run`, the one way every service loads a run's
-environment. The environment's own sampling settings are defaults under the run's
-``[sampling]`` (:meth:`RunConfig.with_env_sampling`).
+group reward); :func:`flywheel.sdk.environment.load_for_run` applies them, the one way
+every service loads a run's environment. The environment's own sampling settings are
+defaults under the run's ``[sampling]`` (:meth:`RunConfig.with_sampling_defaults`). This
+module is part of the contract: it knows nothing of the SDK's types.
 """
 
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-
-if TYPE_CHECKING:
-    from flywheel.environment import Environment, EnvironmentOverrides
 
 ADVANTAGES = ("group_mean", "leave_one_out")
 LOSSES = ("clipped", "masked")
@@ -145,33 +143,20 @@ class RunConfig(_Section):
             raise ValueError(f"env={self.env!r}: give an environment id, e.g. reverse_text or owner/name@1.0")
         return self
 
-    def overrides(self) -> EnvironmentOverrides:
-        """What this run changes in its environment: ``[env_args]`` and ``[rewards.<name>]``."""
-        from flywheel.environment import EnvironmentOverrides, RewardOverride
-
-        return EnvironmentOverrides(args=dict(self.env_args), rewards={
-            name: RewardOverride(weight=r.weight, function=r.function, group=r.group)
-            for name, r in self.rewards.items()})
-
-    def env_token(self, env: Environment) -> str:
-        """The environment's name in this run's subjects (see :func:`flywheel.environment.subject_name`)."""
-        from flywheel.environment import subject_name
-
-        return subject_name(self.env, env)
-
-    def with_env_sampling(self, env: Environment) -> RunConfig:
-        """This config with the environment's sampling settings under the ones ``[sampling]`` sets."""
-        unknown = sorted(set(env.sampling) - set(SamplingConfig.model_fields))
+    def with_sampling_defaults(self, defaults: Mapping[str, Any], source: str) -> RunConfig:
+        """This config with ``defaults`` (an environment's sampling settings, named by
+        ``source`` in errors) under the ones ``[sampling]`` sets."""
+        unknown = sorted(set(defaults) - set(SamplingConfig.model_fields))
         if unknown:
-            raise ValueError(f"environment {env.name!r}: sampling has {unknown}; known settings are "
+            raise ValueError(f"{source}: sampling has {unknown}; known settings are "
                              f"{', '.join(SamplingConfig.model_fields)}")
-        given = {k: v for k, v in env.sampling.items() if k not in self.sampling.model_fields_set}
+        given = {k: v for k, v in defaults.items() if k not in self.sampling.model_fields_set}
         if not given:
             return self
         try:
             sampling = SamplingConfig.model_validate({**self.sampling.model_dump(), **given})
         except ValidationError as exc:
-            raise ValueError(f"environment {env.name!r}: sampling {given}: {exc.errors()[0]['msg']}") from None
+            raise ValueError(f"{source}: sampling {given}: {exc.errors()[0]['msg']}") from None
         return self.model_copy(update={"sampling": sampling})
 
     @property

@@ -22,7 +22,7 @@ What lives here, once:
   near the server's max payload.
 
 Delivery is at least once: handlers must be idempotent (upsert by event id).
-Not covered here: process signals and heartbeats (see :mod:`flywheel.service`).
+Not covered here: process signals and heartbeats (see :mod:`flywheel.contract.service`).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ from nats.js.object_store import ObjectStore
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 
-from flywheel import events
+from flywheel.contract import events
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -145,7 +145,7 @@ class Bus:
         # Without a configured tracer provider there is no trace to carry: skip the
         # header work and spans entirely (about 10 us a message).
         self.tracer: trace.Tracer | None = (
-            None if isinstance(provider, trace.ProxyTracerProvider) else provider.get_tracer("flywheel.bus"))
+            None if isinstance(provider, trace.ProxyTracerProvider) else provider.get_tracer("flywheel.contract.bus"))
 
     @classmethod
     async def connect(cls, url: str, name: str, config: BusConfig | None = None, ensure: bool = True,

@@ -3,8 +3,8 @@
 An environment is a Python package (or module) whose ``load_environment(**args)`` returns an
 :class:`Environment`::
 
-    from flywheel.environment import Environment, GroupReward, Reward, TaskSet
-    from flywheel.harness import ChatHarness
+    from flywheel.sdk.environment import Environment, GroupReward, Reward, TaskSet
+    from flywheel.sdk.harness import ChatHarness
 
     def correct(completion: str, task: dict) -> float:
         return float(completion.strip() == task["answer"])
@@ -25,7 +25,7 @@ knows which.
 Rewards and metrics are plain functions, sync or async. They receive, by parameter name, any of
 ``completion`` (the final assistant message's text), ``messages`` (the final branch's messages,
 OpenAI dicts), ``task`` (the row), ``state`` (what the harness recorded, e.g. a game's or a
-database's final state), ``rollout`` (the :class:`flywheel.events.Rollout`); they return a
+database's final state), ``rollout`` (the :class:`flywheel.contract.events.Rollout`); they return a
 float, or a dict of floats (components, summed with ``Reward.weights``, default 1 each). A
 :class:`GroupReward` sees a whole group at once, through the same names in the plural
 (``completions``, ``messages_list``, ``tasks``, ``states``, ``rollouts``) or ``task`` (the
@@ -57,11 +57,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from flywheel import events
+from flywheel.contract import events
+from flywheel.sdk.messages import message_dict, message_from_dict
 
 if TYPE_CHECKING:
-    from flywheel.config import RunConfig
-    from flywheel.harness import Harness
+    from flywheel.contract.config import RunConfig
+    from flywheel.sdk.harness import Harness
 
 ENTRY_POINT_GROUP = "flywheel.environments"
 REWARD_PARAMETERS = ("completion", "messages", "task", "state", "rollout")
@@ -354,55 +355,13 @@ def messages_of(rollout: events.Rollout) -> list[dict[str, Any]]:
     return [message_dict(n.message) for n in final_branch(rollout)]
 
 
-def message_dict(m: events.Message) -> dict[str, Any]:
-    d: dict[str, Any] = {"role": m.role, "content": m.content}
-    if m.tool_calls:
-        d["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                           for c in m.tool_calls]
-    if m.tool_call_id is not None:
-        d["tool_call_id"] = m.tool_call_id
-    if m.name is not None:
-        d["name"] = m.name
-    return d
-
-
-def message_from_dict(d: Mapping[str, Any], where: str = "message") -> events.Message:
-    """An OpenAI chat message dict as a :class:`flywheel.events.Message`; errors name the field."""
-    if not isinstance(d, Mapping):
-        raise ValueError(f"{where}: a {type(d).__name__}, not an object with 'role' and 'content'")
-    role = d.get("role")
-    if role not in ("system", "user", "assistant", "tool", "developer"):
-        raise ValueError(f"{where}.role={role!r}: use system, user, assistant or tool")
-    content = d.get("content") or ""
-    if isinstance(content, list):  # content parts: text only
-        texts = []
-        for i, part in enumerate(content):
-            if not isinstance(part, Mapping) or part.get("type") != "text":
-                raise ValueError(f"{where}.content[{i}]: only text parts are supported")
-            texts.append(str(part.get("text", "")))
-        content = "".join(texts)
-    if not isinstance(content, str):
-        raise ValueError(f"{where}.content: a {type(content).__name__}, not text")
-    calls = []
-    for i, c in enumerate(d.get("tool_calls") or []):
-        fn = c.get("function") or {}
-        args = fn.get("arguments", "{}")
-        if not isinstance(args, str):
-            args = json.dumps(args)
-        if not fn.get("name"):
-            raise ValueError(f"{where}.tool_calls[{i}].function.name is missing")
-        calls.append(events.ToolCall(id=str(c.get("id") or f"call_{i}"), name=fn["name"], arguments=args))
-    return events.Message(role="system" if role == "developer" else role, content=content, tool_calls=calls,
-                          tool_call_id=d.get("tool_call_id"), name=d.get("name"))
-
-
 # --- the environment ------------------------------------------------------------------------
 
 
 @dataclass
 class Environment:
     """A task set, a harness and rewards. ``harness`` defaults to a single chat turn
-    (:class:`flywheel.harness.ChatHarness` with no tools); ``prompt`` turns a row into the first
+    (:class:`flywheel.sdk.harness.ChatHarness` with no tools); ``prompt`` turns a row into the first
     messages (default: the row's ``prompt`` field, a string or a list of messages);
     ``reference`` gives a row's reference answer for supervised warm-up; ``sampling`` holds
     default sampling settings (temperature, top_p, max_tokens, stop) a run config may override."""
@@ -421,7 +380,7 @@ class Environment:
         if not isinstance(self.tasks, TaskSet):
             self.tasks = TaskSet.from_rows(self.tasks, name=f"{self.name} tasks")
         if self.harness is None:
-            from flywheel.harness import ChatHarness
+            from flywheel.sdk.harness import ChatHarness
 
             self.harness = ChatHarness()
         wrapped = [r if isinstance(r, Reward | GroupReward) else Reward(r) for r in self.rewards]
@@ -600,7 +559,7 @@ def subject_name(env_id: str, env: Environment) -> str:
     """The environment's name in subjects (``tasks.<run>.<env>``): ``env_id`` itself when it is a
     plain module name, else the environment's ``name`` (an id with '/', '@' or '.' is not a
     subject token)."""
-    from flywheel.runs import check_token
+    from flywheel.contract.runs import check_token
 
     if not any(c in env_id for c in "/@."):
         return check_token("env", env_id)
@@ -611,9 +570,15 @@ def load_for_run(config: RunConfig | Mapping[str, Any]) -> Environment:
     """A run's environment: its config's ``env`` with ``[env_args]`` and ``[rewards.<name>]`` applied.
 
     The one way inference, scorer, trainer and ``flywheel run`` load a run's environment, so they
-    all score and train on the same rewards. ``config`` is a :class:`flywheel.config.RunConfig`
+    all score and train on the same rewards. ``config`` is a :class:`flywheel.contract.config.RunConfig`
     or the dict stored in the run's state (``RunState.config``)."""
-    from flywheel.config import RunConfig
+    from flywheel.contract.config import RunConfig
 
     cfg = config if isinstance(config, RunConfig) else RunConfig.parse(dict(config), source="run config")
-    return load_environment(cfg.env, cfg.overrides())
+    return load_environment(cfg.env, overrides_of(cfg))
+
+
+def overrides_of(cfg: RunConfig) -> EnvironmentOverrides:
+    """What a run changes in its environment: its config's ``[env_args]`` and ``[rewards.<name>]``."""
+    return EnvironmentOverrides(args=dict(cfg.env_args), rewards={
+        name: RewardOverride(weight=r.weight, function=r.function, group=r.group) for name, r in cfg.rewards.items()})

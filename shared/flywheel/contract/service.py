@@ -23,8 +23,8 @@ import msgspec
 import nats.errors
 import nats.js.errors
 
-from flywheel import events
-from flywheel.bus import SERVICE_HEARTBEAT_TTL_S, Bus, Consumer
+from flywheel.contract import events
+from flywheel.contract.bus import SERVICE_HEARTBEAT_TTL_S, Bus, Consumer
 
 log = logging.getLogger(__name__)
 

@@ -59,8 +59,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flywheel.environment import Environment, Metric, Reward, TaskSet, shortest_correct_reward
-from flywheel.harness import ChatHarness
+from flywheel.sdk.environment import Environment, Metric, Reward, TaskSet, shortest_correct_reward
+from flywheel.sdk.harness import ChatHarness
 
 TASKS = Path(__file__).with_name("tasks.jsonl")
 SYSTEM_PROMPT = "Answer with one word."
@@ -120,10 +120,10 @@ import json
 import httpx
 import pytest
 
-from flywheel import events
-from flywheel.environment import TaskSet, load_environment, resolve
-from flywheel.harness import RolloutContext
-from flywheel.tracegraph import rollout_from_messages
+from flywheel.contract import events
+from flywheel.sdk.environment import TaskSet, load_environment, resolve
+from flywheel.sdk.harness import RolloutContext
+from flywheel.sdk.tracegraph import rollout_from_messages
 
 from {pkg} import load_environment as load
 

@@ -3,9 +3,9 @@
 A tool or a verifier calls the sandbox service over NATS request/reply (not a stream: the
 caller waits for the answer)::
 
-    from flywheel.sandbox import SandboxClient, SandboxSpec
+    from flywheel.sdk.sandbox import SandboxClient, SandboxSpec
 
-    client = SandboxClient(bus)                      # a connected flywheel.bus.Bus
+    client = SandboxClient(bus)                      # a connected flywheel.contract.bus.Bus
     box = await client.create(SandboxSpec(memory_mb=256, labels={"rollout": rollout_id}))
     await client.write_file(box, "main.py", b"print(6 * 7)")
     result = await client.exec(box, "python3 main.py", timeout_s=10)
@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 import msgspec
 
 if TYPE_CHECKING:
-    from flywheel.bus import Bus
+    from flywheel.contract.bus import Bus
 
 QUEUE_GROUP = "sandbox"
 SERVICE_NAME = "sandbox"
@@ -243,7 +243,7 @@ def encode(message: msgspec.Struct) -> bytes:
 
 
 class SandboxClient:
-    """Talks to the sandbox service over a connected :class:`flywheel.bus.Bus`.
+    """Talks to the sandbox service over a connected :class:`flywheel.contract.bus.Bus`.
 
     Every method is a coroutine and raises :class:`SandboxError` on an error reply. The
     ``box`` argument is the id :meth:`create` returned. Safe to share between tasks.
@@ -305,7 +305,7 @@ class SandboxClient:
     async def destroy_by_label(self, labels: Mapping[str, str]) -> int:
         """Destroy, on every live replica, each sandbox whose labels include all of ``labels``;
         returns how many."""
-        from flywheel.service import read_heartbeats
+        from flywheel.contract.service import read_heartbeats
 
         instances = [b.instance for b in await read_heartbeats(self.bus) if b.service == SERVICE_NAME]
         total = 0

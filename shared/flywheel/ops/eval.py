@@ -1,12 +1,12 @@
 """``flywheel eval ENV``: an environment's harness against any OpenAI-compatible endpoint.
 
-The same :class:`flywheel.environment.Environment` that a training run uses runs here
+The same :class:`flywheel.sdk.environment.Environment` that a training run uses runs here
 unchanged: its harness gets a per-rollout base URL, exactly as inside the inference service,
 only here the URL is a local **recording proxy** (:class:`RecordingProxy`) in front of the
 endpoint under evaluation (the local inference service by default, with the run id as the
 model; or any OpenAI-compatible server). The proxy forwards ``/chat/completions`` (streaming
 included) and records each request's messages and the answer into a
-:class:`flywheel.tracegraph.TraceGraph` per rollout (the message layer; upstream logprobs and
+:class:`flywheel.sdk.tracegraph.TraceGraph` per rollout (the message layer; upstream logprobs and
 usage are kept per call), retrying transient upstream failures (429, 5xx, connection errors)
 with backoff before anything reaches the harness.
 
@@ -23,7 +23,7 @@ reward at 1.0), harness and reward errors, tokens from the upstream's usage.
 ``record`` publishes the rollouts and their scores on the bus under a run of kind ``eval``
 (registered in the runs bucket), so the gateway's recorder stores them beside training runs.
 Where NATS answers, harnesses get a sandbox client (``RolloutContext.sandbox_client``) and
-rewards reach the sandbox service through it (:mod:`flywheel.sandbox_tools`).
+rewards reach the sandbox service through it (:mod:`flywheel.sdk.sandbox_tools`).
 
 Not covered: the token layer (an arbitrary endpoint returns no token ids; the interception
 endpoint of the inference service records those in training), ``/completions`` (legacy
@@ -47,27 +47,28 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from flywheel import events
-from flywheel.environment import (
+from flywheel.contract import events
+from flywheel.ops.tables import table
+from flywheel.sdk.environment import (
     Environment,
     GroupReward,
     Value,
     load_environment,
-    message_from_dict,
     messages_of,
     off_the_loop,
     subject_name,
 )
-from flywheel.sandbox import SandboxClient
-from flywheel.sandbox_tools import SandboxUnavailable, use_client
-from flywheel.sandbox_tools import connect as connect_sandbox
-from flywheel.tracegraph import TraceGraph
+from flywheel.sdk.messages import message_from_dict
+from flywheel.sdk.sandbox import SandboxClient
+from flywheel.sdk.sandbox_tools import SandboxUnavailable, use_client
+from flywheel.sdk.sandbox_tools import connect as connect_sandbox
+from flywheel.sdk.tracegraph import TraceGraph
 
 if TYPE_CHECKING:
     import httpx
     from starlette.applications import Starlette
 
-    from flywheel.bus import Bus
+    from flywheel.contract.bus import Bus
 
 RETRY_STATUS = (408, 409, 429, 500, 502, 503, 504)
 HARNESS_API_KEY = "flywheel-eval"  # what the harness sends to the proxy; the proxy holds the real key
@@ -459,7 +460,6 @@ def summarize(records: Sequence[Mapping[str, Any]], weights: Mapping[str, float]
 
 def format_summary(summary: Mapping[str, Any]) -> str:
     """The summary as a table: one row per figure, reward rows with their standard error."""
-    from flywheel.cli import table
 
     def num(v: Any) -> str:
         return "-" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)
@@ -589,7 +589,7 @@ class Evaluation:
         progress.add(len(records), sum(1 for r in records if r["error"] or r["reward_errors"]))
 
     async def _rollout(self, tid: str, row: dict[str, Any], index: int) -> tuple[events.Rollout, Recording]:
-        from flywheel.harness import RolloutContext
+        from flywheel.sdk.harness import RolloutContext
 
         rid = rollout_id(self.run_id, tid, index)
         async with self._slots:
@@ -616,8 +616,8 @@ class Evaluation:
     # --- recording on the bus -----------------------------------------------------------
 
     async def _open_bus(self, nats_url: str | None) -> None:
-        from flywheel.bus import Bus
-        from flywheel.runs import register_run
+        from flywheel.contract.bus import Bus
+        from flywheel.contract.runs import register_run
 
         if nats_url is None:
             raise ValueError("--record needs NATS: set FLYWHEEL_NATS_URL or start `flywheel up`")
@@ -649,7 +649,7 @@ class Evaluation:
         await self.bus.publish_many(scores)
 
     async def _close_bus(self) -> None:
-        from flywheel.runs import update_run
+        from flywheel.contract.runs import update_run
 
         assert self.bus is not None
         try:
@@ -683,6 +683,6 @@ async def run_eval(cfg: EvalConfig, nats_url: str | None = None, progress_out: T
 
 
 def _overrides(args: dict[str, Any]) -> Any:
-    from flywheel.environment import EnvironmentOverrides
+    from flywheel.sdk.environment import EnvironmentOverrides
 
     return EnvironmentOverrides(args=dict(args)) if args else None

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from flywheel import events
+from flywheel.contract import events
 
 
 class TraceGraph:

@@ -1,9 +1,9 @@
 """Sandbox tools: ``bash`` and ``python`` for a harness, and unit tests for rewards.
 
-Harness side. :class:`SandboxTools` gives a :class:`~flywheel.harness.ChatHarness` the tools
+Harness side. :class:`SandboxTools` gives a :class:`~flywheel.sdk.harness.ChatHarness` the tools
 ``bash(command)`` and ``python(code)``, run in one sandbox session per rollout: created on the
 first call (or by the harness's ``setup`` through :func:`sandbox_session`, to put files in it
-first) from the environment's :class:`~flywheel.sandbox.SandboxSpec`, labelled
+first) from the environment's :class:`~flywheel.sdk.sandbox.SandboxSpec`, labelled
 ``flywheel-rollout=<rollout id>`` (so a bulk destroy by label finds leftovers), and destroyed
 when the rollout ends, whether the harness finished or raised (``RolloutContext.on_close``).
 Files and the working folder persist between calls; shell variables and background processes
@@ -19,7 +19,7 @@ The tools reach the service through ``ctx.sandbox_client``, which whoever runs t
 sets: the inference service over its bus, ``flywheel eval`` where NATS is reachable.
 
 Reward side. :func:`run_tests` writes files into a one-shot sandbox and runs unit tests there
-(with :mod:`flywheel.sandbox_test_runner`, stdlib only, or any command of yours) and returns a
+(with :mod:`flywheel.sdk.sandbox_test_runner`, stdlib only, or any command of yours) and returns a
 :class:`TestReport`: tests passed, timed out, the output's tail. Rewards run in the scorer (or
 in ``flywheel eval``), which has no rollout context: they use :func:`default_client`, the
 client :func:`use_client` set, else one connection per process to setting ``nats_url``.
@@ -44,15 +44,15 @@ from typing import TYPE_CHECKING, TypeVar
 
 import msgspec
 
-from flywheel.harness import RolloutContext, Tool, ToolError
-from flywheel.sandbox import ExecResult, SandboxClient, SandboxError, SandboxSpec
+from flywheel.sdk.harness import RolloutContext, Tool, ToolError
+from flywheel.sdk.sandbox import ExecResult, SandboxClient, SandboxError, SandboxSpec
 
 if TYPE_CHECKING:
-    from flywheel.bus import Bus
+    from flywheel.contract.bus import Bus
 
 T = TypeVar("T")
 ROLLOUT_LABEL = "flywheel-rollout"
-SESSION_RESOURCE = "flywheel.sandbox_tools.session"
+SESSION_RESOURCE = "flywheel.sdk.sandbox_tools.session"
 NO_SERVICE = "start the sandbox service (flywheel up) or set nats_url"
 # Errors of the service itself (not of what the model ran): the rollout fails rather than go on.
 SERVICE_FAILURES = frozenset({"unavailable", "capacity", "not_found"})
@@ -248,7 +248,7 @@ def use_client(client: SandboxClient | None) -> Iterator[None]:
 async def connect(nats_url: str, timeout_s: float = 2.0) -> tuple[Bus, SandboxClient]:
     """A bus connection to ``nats_url`` and a client over it; :class:`SandboxUnavailable` when
     NATS does not answer within ``timeout_s``."""
-    from flywheel.bus import Bus, BusConfig
+    from flywheel.contract.bus import Bus, BusConfig
 
     try:
         bus = await Bus.connect(nats_url, "flywheel-sandbox-tools", BusConfig(connect_timeout_s=timeout_s),
@@ -264,7 +264,7 @@ async def default_client() -> SandboxClient:
     given = _current.get()
     if given is not None:
         return given
-    from flywheel.settings import Settings
+    from flywheel.contract.settings import Settings
 
     loop = asyncio.get_running_loop()
     pending = _connected.get(loop)
@@ -358,7 +358,7 @@ async def run_tests(files: Mapping[str, str | bytes], test_file: str = "test_sol
     """Run unit tests on ``files`` (path -> source, the tests among them) in a one-shot sandbox.
 
     By default ``test_file``'s top-level ``test_*`` functions run under
-    :mod:`flywheel.sandbox_test_runner`, each with ``test_timeout_s``, the whole run with
+    :mod:`flywheel.sdk.sandbox_test_runner`, each with ``test_timeout_s``, the whole run with
     ``timeout_s``. ``command`` runs a test command of your own instead (e.g. ``pytest -q`` in
     an image that has it; see :func:`command_verdicts`). A service failure raises
     :class:`SandboxUnavailable` (a reward error, never a silent zero)."""
@@ -367,7 +367,7 @@ async def run_tests(files: Mapping[str, str | bytes], test_file: str = "test_sol
     nonce = secrets.token_hex(12)
     names: list[str] = []
     if command is None:
-        from flywheel.sandbox_test_runner import collect_tests
+        from flywheel.sdk.sandbox_test_runner import collect_tests
 
         if test_file not in written:
             raise ValueError(f"run_tests: {test_file!r} is not among the files ({sorted(written)})")

@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from transformers.utils import logging as hf_logging
 
-from flywheel import events
-from flywheel.environment import message_dict
+from flywheel.contract import events
+from flywheel.sdk.messages import message_dict
 
 hf_logging.disable_progress_bar()  # services log lines, not progress bars
 

@@ -12,7 +12,7 @@ anything it writes to stdout anyway from being taken for a verdict)::
     <nonce> timeout test_large
 
 A test file that does not import (a syntax error in the code under test, an exception at
-import) fails every test with that error. :func:`flywheel.sandbox_tools.run_tests` writes
+import) fails every test with that error. :func:`flywheel.sdk.sandbox_tools.run_tests` writes
 this file beside the tests, runs it and counts the lines.
 
 Not covered: the code under test runs in this process, so code written to game its tests

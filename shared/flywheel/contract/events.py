@@ -301,7 +301,7 @@ class RunState(_Struct, kw_only=True):
     supply, stop), trainer (step, policy version, finished or failed). Read by: everyone.
 
     The owner renews ``lease_expires_at`` while it lives; a ``running`` run whose lease has
-    expired has lost its owner (:func:`flywheel.runs.end_of`). ``ended_at`` and ``reason``
+    expired has lost its owner (:func:`flywheel.contract.runs.end_of`). ``ended_at`` and ``reason``
     are set when the run finishes, fails or is stopped.
     """
 

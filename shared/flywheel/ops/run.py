@@ -2,14 +2,14 @@
 
 What it does, in order:
 
-1. validates the run config (:class:`flywheel.config.RunConfig`) and gives the run a
+1. validates the run config (:class:`flywheel.contract.config.RunConfig`) and gives the run a
    fresh id (``<run>-<UTC time>``, or ``--run-id``);
 2. uses the services that run (``flywheel up`` in another terminal, or a deployment), or,
    when no NATS answers, brings up the embedded stack itself and stops it at the end;
 3. registers the run with its config in the run-state bucket (every service reads it from
    there) and becomes its *owner*: it holds a lease on the run (``RunState.lease_expires_at``,
    renewed every third of ``run_lease_s``), so that when this process dies the run is seen
-   as abandoned once the lease expires (:func:`flywheel.runs.end_of`) and its queued tasks
+   as abandoned once the lease expires (:func:`flywheel.contract.runs.end_of`) and its queued tasks
    stop holding inference;
 4. starts a trainer for it (``python -m flywheel_trainer --run RUN``; it warms the model up
    with SFT when the config asks, then publishes weights version 0) and keeps it running: a
@@ -44,23 +44,20 @@ import socket
 import sys
 import time
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, TextIO
-
-from datetime import timedelta
 
 import nats.errors
 import nats.js.errors
 
-from flywheel import events
-from flywheel.bus import Bus, BusConfig, watch
-from flywheel.client import make_tasks
-from flywheel.config import RunConfig
-from flywheel.environment import Environment, load_for_run
-from flywheel.runs import end_of, get_run, register_run, update_run
-from flywheel.settings import Settings
-from flywheel.stack import (
+from flywheel.contract import events
+from flywheel.contract.bus import Bus, BusConfig, watch
+from flywheel.contract.config import RunConfig
+from flywheel.contract.runs import end_of, get_run, register_run, update_run
+from flywheel.contract.settings import Settings
+from flywheel.ops.client import make_tasks
+from flywheel.ops.stack import (
     SERVICES,
     RestartBackoff,
     ServiceProcess,
@@ -72,6 +69,7 @@ from flywheel.stack import (
     heartbeat_of,
     wait_set,
 )
+from flywheel.sdk.environment import Environment, load_for_run, subject_name
 
 RUN_SERVICES = ("inference", "scorer")  # what a training run needs besides the trainer
 MAX_RESTARTS_WITHOUT_PROGRESS = 5  # trainer restarts with no new step in between before the run fails
@@ -196,7 +194,7 @@ def owner_is_gone(owner: str | None) -> bool:
 class TrainerSupervisor:
     """The run's trainer process: started, watched, restarted while it makes progress.
 
-    The restart policy is the stack's (:class:`flywheel.stack.RestartBackoff`), with a new
+    The restart policy is the stack's (:class:`flywheel.ops.stack.RestartBackoff`), with a new
     step as the sign of health: a trainer that trained since it last started is restarted at
     once; exits in a row without a step wait longer each time, and after
     ``MAX_RESTARTS_WITHOUT_PROGRESS`` of them the run fails (:class:`RunFailed`)."""
@@ -307,7 +305,7 @@ class MainJob:
         try:
             # The environment's sampling settings are defaults under the config's own.
             self.env = load_for_run(cfg)
-            cfg = self.cfg = cfg.with_env_sampling(self.env)
+            cfg = self.cfg = cfg.with_sampling_defaults(self.env.sampling, f"environment {self.env.name!r}")
             await self._check_services()
             if await self._take_over():
                 summary = self._summary()
@@ -443,7 +441,7 @@ class MainJob:
                      f"lease expires within {self.settings.run_lease_s:g}s and it is then seen as abandoned")
 
     async def _check_services(self) -> None:
-        from flywheel.service import read_heartbeats
+        from flywheel.contract.service import read_heartbeats
 
         deadline = time.monotonic() + self.start_timeout_s
         while True:
@@ -483,7 +481,7 @@ class MainJob:
         sampling = events.Sampling(temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
                                    max_tokens=cfg.sampling.max_tokens, stop=list(cfg.sampling.stop))
         numbered = list(enumerate(self.rows, 1))[self.num_published:wanted]
-        tasks = make_tasks(cfg.run, cfg.env_token(self.env), numbered, num_rollouts=cfg.group_size,
+        tasks = make_tasks(cfg.run, subject_name(cfg.env, self.env), numbered, num_rollouts=cfg.group_size,
                            sampling=sampling)
         await self.bus.publish_many(tasks)
         if self.num_published == 0:

@@ -32,14 +32,14 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from flywheel import events
-from flywheel.environment import message_dict, message_from_dict
+from flywheel.contract import events
+from flywheel.sdk.messages import message_dict, message_from_dict
 
 if TYPE_CHECKING:
     import openai
 
-    from flywheel.environment import Environment
-    from flywheel.sandbox import SandboxClient
+    from flywheel.sdk.environment import Environment
+    from flywheel.sdk.sandbox import SandboxClient
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 class RolloutContext:
     """One rollout as a harness sees it. Whoever runs the harness closes it when the rollout ends;
     tools keep what they start for the rollout in ``resources`` and free it through :meth:`on_close`
-    (a sandbox session of :mod:`flywheel.sandbox_tools`, over ``sandbox_client``)."""
+    (a sandbox session of :mod:`flywheel.sdk.sandbox_tools`, over ``sandbox_client``)."""
 
     task: dict[str, Any]
     base_url: str  # OpenAI-compatible, this rollout's own
@@ -59,7 +59,7 @@ class RolloutContext:
     timeout_s: float = 600.0
     http_client: Any = None  # an httpx.AsyncClient to reach base_url through (e.g. in-process ASGI)
     rollout_id: str = ""
-    # A flywheel.sandbox.SandboxClient where a sandbox service is reachable (flywheel.sandbox_tools uses it).
+    # A flywheel.sdk.sandbox.SandboxClient where a sandbox service is reachable (flywheel.sdk.sandbox_tools uses it).
     sandbox_client: SandboxClient | None = None
     resources: dict[str, Any] = field(default_factory=dict)  # per-rollout objects of tools; not recorded
     _client: Any = None
