@@ -155,7 +155,8 @@ def run_config(dtype: str, engine: str = "torch", stage: int = 0, max_tokens: in
     return RunConfig.parse({
         "run": "gpu-check", "env": "reverse_text", "group_size": 8,
         "model": {"dtype": dtype}, "sampling": {"temperature": 1.0, "max_tokens": max_tokens},
-        "trainer": {"engine": engine, "deepspeed_zero_stage": stage, "batch_size": 64, "lr": 2e-3},
+        "trainer": {"engine": {"type": engine, "zero_stage": stage} if engine == "deepspeed" else engine,
+                    "batch_size": 64, "lr": 2e-3},
     }, source="gpu check")
 
 
@@ -217,10 +218,10 @@ def build_model(folder: Path, shape: dict[str, int] | None) -> Path:
 
 def torch_engine(model_dir: Path, cfg: Any) -> Any:
     from flywheel.sdk import models
-    from flywheel_trainer.engines import ENGINES
+    from flywheel_trainer.engines import build_engine
 
     model, _ = models.load_model(model_dir, "float32")
-    return ENGINES[cfg.trainer.engine](model, cfg.trainer, cfg.model.dtype)
+    return build_engine(model, cfg.trainer, cfg.model.dtype)
 
 
 def logprob_gap(engine: Any, groups: list[list[Any]], pad_id: int, temperature: float) -> dict[str, float]:

@@ -8,7 +8,11 @@ A backend does two things, behind one small interface (:class:`Backend`):
   remember their version.
 
 The caller serialises the two (a lock around each call), so weights never change in the
-middle of a sequence. :data:`BACKENDS` maps ``RunConfig.inference.backend`` to a builder.
+middle of a sequence. :data:`BACKENDS` maps the ``type`` of the run config's
+``inference.backend`` to a builder, called as ``(model folder or hub id, model.dtype,
+**the variant's other fields)``; a ``type`` that is a path (``"package.module:Name"``) is a
+backend class of the user's own, built the same way (a test checks the config's variants
+and this registry agree).
 
 The log-probability of a sampled token is ``log_softmax(logits / temperature)`` at that
 token, in float32, before top-p truncation: top-p only changes what is sampled. The
@@ -38,6 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from flywheel.contract import events
+from flywheel.contract.config import BackendPart, InferenceConfig
 from flywheel_inference.completion import Backend, Completion, check_prompts, check_sampling, first_stop, row_seeds
 
 if TYPE_CHECKING:
@@ -195,7 +200,8 @@ class TransformersBackend:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
 
-BackendBuilder = Callable[[Path | str, str], Backend]
+# (model folder or hub id, model.dtype, **the variant's fields) -> Backend
+BackendBuilder = Callable[..., Backend]
 
 
 def _build_vllm(path: Path | str, dtype: str) -> Backend:
@@ -206,15 +212,14 @@ def _build_vllm(path: Path | str, dtype: str) -> Backend:
     return VLLMBackend.build(path, dtype)
 
 
-# RunConfig.inference.backend -> builder(model folder or hub id, dtype).
 BACKENDS: dict[str, BackendBuilder] = {
     "transformers": TransformersBackend.build,
     "vllm": _build_vllm,
 }
 
 
-def build_backend(name: str, path: Path | str, dtype: str) -> Backend:
-    if name not in BACKENDS:
-        raise ValueError(f"inference.backend={name!r} is not available in this inference service; "
-                         f"choose from {', '.join(BACKENDS)}")
-    return BACKENDS[name](path, dtype)
+def build_backend(backend: BackendPart | str, path: Path | str, dtype: str) -> Backend:
+    """The backend a run config's ``inference.backend`` (or a bare type name) names, on the
+    model at ``path``."""
+    part = InferenceConfig(backend=backend).backend if isinstance(backend, str) else backend
+    return part.bind(BACKENDS)(path, dtype)

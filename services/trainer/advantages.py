@@ -1,9 +1,12 @@
 """Advantages: how a group's rewards become one number per rollout.
 
-Chosen by ``trainer.advantage`` in the run config from :data:`ADVANTAGES`. Every entry
-takes the rewards of one group (the rollouts of one task, compared with each other) and
-returns one advantage per rollout, in the same order; every token a rollout sampled gets
-its rollout's advantage. Plain Python: a group holds a handful of floats.
+Chosen by ``trainer.advantage`` in the run config, e.g.
+``advantage = {type = "group_mean", normalize_std = true}``: its ``type`` is a key of
+:data:`ADVANTAGES`, or the path of a function of the user's own, and its other fields are
+keyword arguments (a test checks the config's variants and this registry agree). Every
+entry takes the rewards of one group (the rollouts of one task, compared with each other)
+and returns one advantage per rollout, in the same order; every token a rollout sampled
+gets its rollout's advantage. Plain Python: a group holds a handful of floats.
 
 - ``group_mean``: the group's mean reward is the baseline (GRPO); with
   ``normalize_std`` the result is divided by the group's standard deviation (population
@@ -22,7 +25,8 @@ from collections.abc import Callable, Sequence
 
 STD_EPS = 1e-6
 
-AdvantageFn = Callable[[Sequence[float], bool], list[float]]
+# (rewards of one group, **the variant's fields) -> one advantage per rollout
+AdvantageFn = Callable[..., list[float]]
 
 
 def _population_std(values: Sequence[float], mean: float) -> float:

@@ -1,21 +1,25 @@
 """Engines: where the model and optimizer live, and how a step updates them.
 
-Chosen by ``trainer.engine`` in the run config from :data:`ENGINES`. The learner only ever
-does: forward through ``engine.model``, ``engine.backward(loss)`` once per micro-batch,
-``engine.step()`` once per optimizer step (it clips gradients to ``max_grad_norm`` and
-returns their norm before clipping), ``engine.weights()`` for the blob inference loads,
-``engine.save(folder)`` / ``engine.load(folder)`` for checkpoints.
+Chosen by ``trainer.engine`` in the run config, e.g.
+``engine = {type = "deepspeed", zero_stage = 2}``: its ``type`` is a key of :data:`ENGINES`,
+or the path of a class of the user's own; :func:`build_engine` calls it as ``(model, the
+[trainer] section, model.dtype, **the variant's other fields)`` (a test checks the config's
+variants and this registry agree). The learner only ever does: forward through
+``engine.model``, ``engine.backward(loss)`` once per micro-batch, ``engine.step()`` once
+per optimizer step (it clips gradients to ``max_grad_norm`` and returns their norm before
+clipping), ``engine.weights()`` for the blob inference loads, ``engine.save(folder)`` /
+``engine.load(folder)`` for checkpoints.
 
 - ``torch``: plain PyTorch, AdamW. On one GPU when CUDA is available, else CPU. The
   parameters stay float32; with ``model.dtype = "bfloat16"`` the forward runs under CUDA
   autocast, so the optimizer still updates float32 weights.
-- ``deepspeed``: DeepSpeed ZeRO (``trainer.deepspeed_zero_stage`` 0 to 3) around a torch
-  AdamW (DeepSpeed's fused optimizers compile for a minute first). Gradient accumulation is
-  the caller's: ``managed_gradient_accumulation`` is off, so ``backward`` only accumulates
-  and ``step`` is the boundary. With ``model.dtype = "bfloat16"`` DeepSpeed trains in
-  bf16 with float32 master weights. One process here: the rank variables default to a
-  world of one (gloo on CPU, nccl on a GPU); a ``WORLD_SIZE`` above 1 is refused, because
-  one trainer process consumes the bus and nothing yet hands other ranks their share.
+- ``deepspeed``: DeepSpeed ZeRO (``zero_stage`` 0 to 3) around a torch AdamW (DeepSpeed's
+  fused optimizers compile for a minute first). Gradient accumulation is the caller's:
+  ``managed_gradient_accumulation`` is off, so ``backward`` only accumulates and ``step``
+  is the boundary. With ``model.dtype = "bfloat16"`` DeepSpeed trains in bf16 with float32
+  master weights. One process here: the rank variables default to a world of one (gloo on
+  CPU, nccl on a GPU); a ``WORLD_SIZE`` above 1 is refused, because one trainer process
+  consumes the bus and nothing yet hands other ranks their share.
 
 Not covered: multi-rank DeepSpeed, tensor/pipeline parallelism, LoRA, CPU offload.
 """
@@ -91,17 +95,17 @@ class TorchEngine:
 class DeepSpeedEngine:
     CHECKPOINT_TAG = "state"
 
-    def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, dtype: str) -> None:
+    def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, dtype: str, zero_stage: int = 0) -> None:
         import deepspeed
 
         for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
                             ("MASTER_PORT", str(free_port()))):
             os.environ.setdefault(name, value)
         if os.environ["WORLD_SIZE"] != "1":
-            raise ValueError(f"trainer.engine='deepspeed' runs as one process (WORLD_SIZE={os.environ['WORLD_SIZE']}); "
+            raise ValueError(f"trainer.engine.type='deepspeed' runs as one process (WORLD_SIZE={os.environ['WORLD_SIZE']}); "
                              "multi-rank training is not supported yet")
         deepspeed.init_distributed("nccl" if torch.cuda.is_available() else "gloo")
-        self.stage = cfg.deepspeed_zero_stage
+        self.stage = zero_stage
         config: dict[str, Any] = {
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 1,
@@ -149,7 +153,13 @@ class DeepSpeedEngine:
         assert path is not None, f"no DeepSpeed checkpoint in {folder}"
 
 
-ENGINES: dict[str, Callable[[torch.nn.Module, TrainerConfig, str], Engine]] = {
+# (model, the [trainer] section, model.dtype, **the variant's fields) -> Engine
+ENGINES: dict[str, Callable[..., Engine]] = {
     "torch": TorchEngine,
     "deepspeed": DeepSpeedEngine,
 }
+
+
+def build_engine(model: torch.nn.Module, cfg: TrainerConfig, dtype: str) -> Engine:
+    """The engine ``cfg.engine`` names, around ``model``."""
+    return cfg.engine.bind(ENGINES)(model, cfg, dtype)

@@ -88,20 +88,18 @@ def train_step(engine: Engine, sequences: list[Tokens], advantages: list[float],
 def rl_step(engine: Engine, groups: list[list[Scored]], pad_id: int, cfg: RunConfig,
             learner: LearnerConfig) -> dict[str, float]:
     """One RL step on whole groups: advantages, importance-weighted loss, engine step."""
-    advantage_fn = ADVANTAGES[cfg.trainer.advantage]
-    loss_fn = LOSSES[cfg.trainer.loss]
-    clip_eps = cfg.trainer.clip_eps
+    advantage_fn = cfg.trainer.advantage.bind(ADVANTAGES)
+    loss_fn = cfg.trainer.loss.bind(LOSSES)
     sequences: list[Tokens] = []
     advantages: list[float] = []
     for group in groups:
-        for scored, advantage in zip(group, advantage_fn([s.reward for s in group], cfg.trainer.normalize_advantage_std),
-                                     strict=True):
+        for scored, advantage in zip(group, advantage_fn([s.reward for s in group]), strict=True):
             for sequence in sequences_of(scored.rollout):  # one per branch of its trace graph
                 sequences.append(sequence)
                 advantages.append(advantage)
 
     def token_loss(logprobs: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        return loss_fn(logprobs, batch.old_logprobs, batch.advantages[:, None], clip_eps)
+        return loss_fn(logprobs, batch.old_logprobs, batch.advantages[:, None])
 
     figures = train_step(engine, sequences, advantages, pad_id, learner.micro_batch_size,
                          cfg.sampling.temperature, token_loss)

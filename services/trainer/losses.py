@@ -1,14 +1,17 @@
 """Policy-gradient losses, token by token, against the logprobs inference sampled with.
 
-Chosen by ``trainer.loss`` in the run config from :data:`LOSSES`. Rollouts are sampled
+Chosen by ``trainer.loss`` in the run config, e.g.
+``loss = {type = "clipped", clip_eps = 0.2}``: its ``type`` is a key of :data:`LOSSES`, or
+the path of a function of the user's own, and its other fields are keyword arguments (a
+test checks the config's variants and this registry agree). Rollouts are sampled
 asynchronously, by weights up to ``max_off_policy_steps`` versions old, so every loss is
 importance-weighted: ``ratio = exp(logprob_now - logprob_sampled)`` per token, where
 ``logprob_sampled`` is what inference recorded (``log_softmax(logits / temperature)``) and
 ``logprob_now`` is the same quantity under the weights being trained.
 
-- ``clipped``: PPO's clipped surrogate, ``-min(ratio * A, clip(ratio, 1-eps, 1+eps) * A)``:
-  a token stops pushing once its ratio has moved ``eps`` in the direction its advantage
-  wants.
+- ``clipped``: PPO's clipped surrogate, ``-min(ratio * A, clip(ratio, 1-eps, 1+eps) * A)``
+  with ``eps = clip_eps``: a token stops pushing once its ratio has moved ``eps`` in the
+  direction its advantage wants.
 - ``masked``: the plain importance-weighted gradient ``-ratio * A``, with every token whose
   ratio lies outside ``[1-eps, 1+eps]`` masked out (no gradient at all, either direction).
 
@@ -27,8 +30,8 @@ from collections.abc import Callable
 
 import torch
 
-# (logprobs, sampled logprobs, advantages, clip_eps) -> (per-token loss, per-token clipped)
-LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
+# (logprobs, sampled logprobs, advantages, **the variant's fields) -> (per-token loss, per-token clipped)
+LossFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 def clipped(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,

@@ -51,7 +51,7 @@ from flywheel.contract.service import Service
 from flywheel.contract.settings import Settings
 from flywheel.sdk import models
 from flywheel.sdk.environment import Environment, load_for_run
-from flywheel_trainer.engines import ENGINES, Engine
+from flywheel_trainer.engines import Engine, build_engine
 from flywheel_trainer.join import BadRollout, Joiner, Take
 from flywheel_trainer.learner import LearnerConfig, rl_step, sft_warmup
 from flywheel_trainer.ledger import CheckpointState, Journal, RunFolder
@@ -266,7 +266,7 @@ class Trainer:
         figures: dict[str, Any] = {}
         if self.resume is None and cfg.sft.steps:
             figures = await asyncio.to_thread(sft_warmup, model, tok, self.env, cfg, self.options.learner)
-        engine = await asyncio.to_thread(ENGINES[cfg.trainer.engine], model, cfg.trainer, cfg.model.dtype)
+        engine = await asyncio.to_thread(build_engine, model, cfg.trainer, cfg.model.dtype)
         if self.resume is None:
             self.folder.metrics.append({"step": 0, "version": 0, **figures})
             await self._checkpoint(engine)

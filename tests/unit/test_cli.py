@@ -126,6 +126,20 @@ def test_help_imports_nothing_heavy(argv: list[str]) -> None:
     assert result.stdout.strip().splitlines()[-1] == "[]"
 
 
+def test_run_help_config_prints_the_reference_generated_from_the_config(capsys: pytest.CaptureFixture[str]) -> None:
+    from flywheel.contract.config import reference
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["run", "--help-config"])  # no CONFIG.toml needed, as with --help
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert out == reference()
+    assert "## [trainer]" in out and '`type = "deepspeed"`' in out and "`zero_stage` (int, >= 0, <= 3; default 0)" in out
+    with pytest.raises(SystemExit):
+        cli.main(["run", "--help"])
+    assert "--help-config" in capsys.readouterr().out
+
+
 # --- status tables ------------------------------------------------------------------------
 
 

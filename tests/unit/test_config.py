@@ -1,12 +1,34 @@
-"""Run configs: every checked-in TOML parses; bad values name their field."""
+"""Run configs: every checked-in TOML parses; bad values name their field; parts with
+alternatives are typed variants, a user's own part by path is imported and checked; the
+reference (``flywheel run --help-config``, docs/config.md) describes every field."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import typing
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
 
-from flywheel.contract.config import RunConfig
+from flywheel.contract.config import (
+    BY_PATH,
+    DeepSpeedEngineConfig,
+    FromPath,
+    InferenceConfig,
+    LeaveOneOutAdvantage,
+    LossFromPath,
+    MaskedLoss,
+    RewardConfig,
+    RunConfig,
+    TrainerConfig,
+    VLLMBackendConfig,
+    reference,
+    variants,
+)
 
 ROOT = Path(__file__).parents[2]
 
@@ -97,3 +119,189 @@ def test_environment_sampling_is_a_default_under_the_runs_own() -> None:
     env.sampling = {"top_p": 2.0}
     with pytest.raises(ValueError, match=r"environment 'reverse_text': sampling \{'top_p': 2.0\}: Input should be"):
         cfg.with_sampling_defaults(env.sampling, "environment 'reverse_text'")
+
+
+# --- parts with alternatives: advantage, loss, engine, inference backend ----------------------
+
+
+def test_a_part_is_a_table_with_its_type_or_a_bare_name_and_round_trips() -> None:
+    cfg = RunConfig.from_toml_text("""
+run = "r"
+env = "reverse_text"
+[trainer]
+advantage = "leave_one_out"
+engine = {type = "deepspeed", zero_stage = 2}
+[trainer.loss]
+type = "masked"
+clip_eps = 0.3
+[inference]
+backend = {type = "vllm"}
+""")
+    assert (cfg.trainer.advantage, cfg.trainer.loss, cfg.trainer.engine, cfg.inference.backend) == (
+        LeaveOneOutAdvantage(), MaskedLoss(clip_eps=0.3), DeepSpeedEngineConfig(zero_stage=2), VLLMBackendConfig())
+    dumped = cfg.model_dump()  # what RunState.config holds
+    assert dumped["trainer"]["loss"] == {"type": "masked", "clip_eps": 0.3}
+    assert RunConfig.parse(dumped) == cfg
+    default = RunConfig(run="r", env="e")
+    assert (str(default.trainer.advantage), str(default.trainer.loss), str(default.trainer.engine),
+            str(default.inference.backend)) == ("group_mean(normalize_std=False)", "clipped(clip_eps=0.2)", "torch",
+                                                "transformers")
+
+
+def test_each_variant_is_tagged_with_its_type() -> None:
+    for section, field in ((TrainerConfig, "advantage"), (TrainerConfig, "loss"), (TrainerConfig, "engine"),
+                           (InferenceConfig, "backend")):
+        parts = variants(section.model_fields[field])
+        assert BY_PATH in parts and issubclass(parts[BY_PATH], FromPath)
+        for tag, variant in parts.items():
+            if tag != BY_PATH:
+                assert variant().type == tag and variant.FIELD == f"{section.__name__[:-6].lower()}.{field}"
+
+
+@pytest.mark.parametrize(("trainer", "message"), [
+    ({"loss": "nope"}, ("trainer.loss: type='nope' is not known; choose from 'clipped', 'masked', "
+                        "'package.module:Name'")),
+    ({"engine": {"zero_stage": 2}}, "trainer.engine: give its type"),
+    ({"loss": {"type": "clipped", "clip_eps": 0}}, "trainer.loss.clip_eps: Input should be greater than 0"),
+    ({"engine": {"type": "torch", "zero_stage": 2}}, "trainer.engine.zero_stage: Extra inputs are not permitted"),
+    ({"engine": {"type": "deepspeed", "zero_stage": 4}}, "trainer.engine.zero_stage: Input should be less than"),
+    ({"advantage": {"type": "group_mean", "normalize_std": "yes please"}}, "trainer.advantage.normalize_std: "),
+    ({"clip_eps": 0.3}, ('trainer: Value error, clip_eps is now a field of the part it belongs to: write e.g. '
+                         'loss = {type = "clipped", clip_eps = 0.2}')),
+    ({"deepspeed_zero_stage": 2}, 'engine = {type = "deepspeed", zero_stage = 2}'),
+    ({"normalize_advantage_std": True}, 'advantage = {type = "group_mean", normalize_std = true}'),
+])
+def test_bad_parts_name_the_field(trainer: dict, message: str) -> None:
+    with pytest.raises(ValueError) as err:
+        RunConfig.parse({"run": "r", "env": "e", "trainer": trainer})
+    assert message in str(err.value)
+
+
+USER_PARTS = '''
+def scaled(rewards, scale=1.0):
+    return [scale * r for r in rewards]
+
+def two_args(logprobs, old_logprobs):
+    return logprobs, logprobs
+
+class Engine:
+    def __init__(self, model, trainer, dtype, lr_scale=1.0): ...
+    def autocast(self): ...
+    def backward(self, loss): ...
+    def step(self): ...
+    def weights(self): ...
+    def save(self, folder): ...
+    def load(self, folder): ...
+
+class HalfEngine:
+    def __init__(self, model, trainer, dtype): ...
+    def step(self): ...
+
+NOT_A_FUNCTION = 3
+'''
+
+
+@pytest.fixture
+def user_parts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A module of a user's own parts, importable as ``user_parts_mod``."""
+    (tmp_path / "user_parts_mod.py").write_text(USER_PARTS)
+    (tmp_path / "user_parts_broken.py").write_text("import no_such_module_anywhere\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "user_parts_mod"
+
+
+def test_a_users_part_by_path_is_imported_and_checked(user_parts: str) -> None:
+    cfg = RunConfig.parse({"run": "r", "env": "e", "trainer": {
+        "advantage": {"type": f"{user_parts}:scaled", "args": {"scale": 2.0}},
+        "engine": f"{user_parts}:Engine"}})
+    assert cfg.trainer.advantage.bind({})([1.0, 0.5]) == [2.0, 1.0]
+    assert cfg.trainer.engine.kwargs() == {}
+    assert RunConfig.parse(cfg.model_dump()) == cfg
+
+
+@pytest.mark.parametrize(("part", "message"), [
+    ({"advantage": "user_parts_nowhere:scaled"},
+     ("trainer.advantage: Value error, type='user_parts_nowhere:scaled': cannot import user_parts_nowhere: "
+      "ModuleNotFoundError")),
+    ({"advantage": "user_parts_broken:scaled"},
+     "cannot import user_parts_broken: ModuleNotFoundError: No module named 'no_such_module_anywhere'"),
+    ({"advantage": "user_parts_mod:missing"}, "type='user_parts_mod:missing': user_parts_mod has no 'missing'"),
+    ({"advantage": "user_parts_mod:"}, "write it as 'package.module:Name'"),
+    ({"advantage": {"type": "user_parts_mod:scaled", "args": {"shift": 1}}},
+     "an advantage is called as (rewards, shift=...), which it does not take: got an unexpected keyword argument"),
+    ({"loss": "user_parts_mod:two_args"},
+     ("trainer.loss: Value error, type='user_parts_mod:two_args': a loss is called as (logprobs, old_logprobs, "
+      "advantages), which it does not take: too many positional arguments")),
+    ({"loss": "user_parts_mod:NOT_A_FUNCTION"},
+     "a loss is a function called as (logprobs, old_logprobs, advantages, **args), not an object of type int"),
+    ({"engine": "user_parts_mod:scaled"},
+     ("trainer.engine: Value error, type='user_parts_mod:scaled': an engine is a class with the methods "
+      "autocast, backward, step, weights, save, load, not an object of type function")),
+    ({"engine": "user_parts_mod:HalfEngine"}, "HalfEngine lacks autocast, backward, weights, save, load"),
+])
+def test_a_users_part_that_does_not_import_or_is_the_wrong_kind_is_refused(user_parts: str, part: dict,
+                                                                           message: str) -> None:
+    with pytest.raises(ValueError) as err:
+        RunConfig.parse({"run": "r", "env": "e", "trainer": part})
+    assert message in str(err.value)
+
+
+def test_a_users_backend_by_path_is_checked_as_a_backend(user_parts: str) -> None:
+    with pytest.raises(ValueError, match="inference.backend: .*an inference backend has the methods generate, swap, "
+                                         "close; Engine lacks generate, swap, close"):
+        RunConfig.parse({"run": "r", "env": "e", "inference": {"backend": f"{user_parts}:Engine"}})
+
+
+# --- the reference -----------------------------------------------------------------------------
+
+
+def models_of(model: type[BaseModel]) -> Iterator[type[BaseModel]]:
+    """``model`` and every model its fields hold: sections, reward tables, each part's variants."""
+    yield model
+    for f in model.model_fields.values():
+        for variant in variants(f).values():
+            yield from models_of(variant)
+        tp = f.annotation
+        if typing.get_origin(tp) is dict:
+            tp = typing.get_args(tp)[1]
+        if isinstance(tp, type) and issubclass(tp, BaseModel):
+            yield from models_of(tp)
+
+
+def test_every_field_has_a_description_and_the_reference_lists_it() -> None:
+    text = reference()
+    flat = " ".join(text.split())  # as printed, long lines are folded
+    seen = set()
+    for model in models_of(RunConfig):
+        seen.add(model)
+        assert model.__doc__, f"{model.__name__} has no docstring (the reference describes it with it)"
+        for name, f in model.model_fields.items():
+            assert f.description, f"{model.__name__}.{name} has no description"
+            if _is_section(f):  # a heading, then its description
+                assert f"\n## [{name}" in text and f"{f.description[0].upper()}{f.description[1:]}." in flat
+            elif name != "type":  # a variant's type is its own line, described by its docstring
+                assert f"`{name}` (" in text and f.description in flat, f"{model.__name__}.{name}"
+    assert {TrainerConfig, LossFromPath, DeepSpeedEngineConfig, RewardConfig} <= seen
+    for part in ("advantage", "loss", "engine"):
+        for tag in variants(TrainerConfig.model_fields[part]):
+            assert f'`type = "{tag}"`' in text
+
+
+def _is_section(f: FieldInfo) -> bool:
+    tp = f.annotation
+    if typing.get_origin(tp) is dict:
+        tp = typing.get_args(tp)[1]
+    return isinstance(tp, type) and issubclass(tp, BaseModel) and not variants(f)
+
+
+def test_docs_config_md_is_the_generated_reference() -> None:
+    assert (ROOT / "docs" / "config.md").read_text() == reference(), (
+        "docs/config.md is out of date: .venv/bin/flywheel run --help-config > docs/config.md")
+
+
+def test_the_config_module_imports_nothing_heavy() -> None:
+    code = ("import sys, flywheel.contract.config; "
+            "print(sorted(m for m in ('torch', 'fastapi', 'sqlalchemy', 'transformers', 'flywheel_trainer', "
+            "'flywheel_inference', 'flywheel.sdk', 'flywheel.ops') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -1,5 +1,6 @@
 """The transformers backend's sampling loop on the tiny model: shapes, the logprob
-definition, seeds, top-p, stop strings, max_tokens and EOS, weight swaps."""
+definition, seeds, top-p, stop strings, max_tokens and EOS, weight swaps; the registry
+agrees with the run config's backend variants, and a user's backend by path is built."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import pytest
 import torch
 
 from flywheel.contract import events
+from flywheel.contract.config import BY_PATH, BackendPart, InferenceConfig, RunConfig, variants
 from flywheel.sdk import models
 from flywheel_inference.backends import BACKENDS, TransformersBackend, build_backend, sample_rows
+from flywheel_inference.completion import Backend
 from tests.backend_checks import PROMPTS, check_one_completion_per_prompt, full_forward_logprobs
 
 
@@ -104,7 +107,7 @@ def test_bad_sampling_is_refused_naming_the_field(backend: TransformersBackend, 
 
 def test_swap_loads_new_weights_and_records_the_version(tiny_model_dir: Path) -> None:
     backend = build_backend("transformers", tiny_model_dir, "float32")
-    assert backend.version is None and set(BACKENDS) == {"transformers", "vllm"}
+    assert backend.version is None
     sampling = events.Sampling(max_tokens=8, seed=2)
     before = backend.generate(PROMPTS, sampling)
     model, _ = models.load_model(tiny_model_dir)
@@ -117,3 +120,37 @@ def test_swap_loads_new_weights_and_records_the_version(tiny_model_dir: Path) ->
     assert [c.logprobs for c in after] != [c.logprobs for c in before]
     with pytest.raises(ValueError, match="inference.backend='vllm'"):
         build_backend("vllm", tiny_model_dir, "float32")
+
+
+def test_the_config_variants_and_the_backend_registry_agree() -> None:
+    parts = variants(InferenceConfig.model_fields["backend"])
+    assert set(parts) - {BY_PATH} == set(BACKENDS)
+    for name, variant in parts.items():
+        if name != BY_PATH:
+            variant.check_call(BACKENDS[name], variant().kwargs())
+    methods = {name for name, value in vars(Backend).items() if callable(value) and not name.startswith("_")}
+    assert set(BackendPart.METHODS) == methods
+
+
+USER_BACKEND = """
+from flywheel.sdk import models
+from flywheel_inference.backends import TransformersBackend
+
+
+class LabelledBackend(TransformersBackend):
+    def __init__(self, path, dtype, label):
+        model, tokenizer = models.load_model(path, dtype=dtype)
+        super().__init__(model, tokenizer)
+        self.label = label
+"""
+
+
+def test_a_users_backend_by_path_is_built_from_the_run_config(tiny_model_dir: Path, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "user_backend_parts.py").write_text(USER_BACKEND)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = RunConfig.parse({"run": "r", "env": "e", "inference": {
+        "backend": {"type": "user_backend_parts:LabelledBackend", "args": {"label": "mine"}}}})
+    backend = build_backend(RunConfig.parse(cfg.model_dump()).inference.backend, tiny_model_dir, "float32")
+    assert type(backend).__name__ == "LabelledBackend" and backend.label == "mine"  # type: ignore[attr-defined]
+    check_one_completion_per_prompt(backend)

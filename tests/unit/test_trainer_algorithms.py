@@ -1,11 +1,14 @@
-"""Advantages (known values) and losses (gradient sign, clipping and masking, normalisation)."""
+"""Advantages (known values) and losses (gradient sign, clipping and masking, normalisation);
+the run config's variants of advantage, loss and engine agree with the trainer's registries."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from flywheel.contract.config import BY_PATH, ClippedLoss, EnginePart, GroupMeanAdvantage, TrainerConfig, variants
 from flywheel_trainer.advantages import ADVANTAGES, group_mean, leave_one_out
+from flywheel_trainer.engines import ENGINES, Engine
 from flywheel_trainer.join import Tokens
 from flywheel_trainer.learner import train_step
 from flywheel_trainer.losses import LOSSES
@@ -118,3 +121,29 @@ def test_the_loss_is_normalised_by_loss_tokens_in_the_whole_step_however_it_is_c
     one_by_one = train_step(engine, seqs, advantages, 0, 1, 1.0, policy_gradient)
     assert one_by_one["loss"] == pytest.approx(whole["loss"], abs=1e-6)
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(whole_grads, engine.grads))
+
+
+@pytest.mark.parametrize(("field", "registry"), [("advantage", ADVANTAGES), ("loss", LOSSES), ("engine", ENGINES)])
+def test_the_config_variants_and_the_trainer_registries_agree(field: str, registry: dict) -> None:
+    """Every built-in variant the run config describes has its registry entry, and the entry takes
+    what the trainer passes plus the variant's own fields; the registry has nothing else."""
+    parts = variants(TrainerConfig.model_fields[field])
+    assert set(parts) - {BY_PATH} == set(registry)
+    for name, variant in parts.items():
+        if name != BY_PATH:
+            variant.check_call(registry[name], variant().kwargs())
+
+
+def test_a_users_engine_has_the_methods_of_the_trainers_engine() -> None:
+    methods = {name for name, value in vars(Engine).items() if callable(value) and not name.startswith("_")}
+    assert set(EnginePart.METHODS) == methods
+
+
+def test_a_part_binds_its_fields_as_keyword_arguments() -> None:
+    assert GroupMeanAdvantage(normalize_std=True).bind(ADVANTAGES)([1.0, 0.0]) == pytest.approx([1.0, -1.0], abs=1e-5)
+    old = torch.tensor([-1.0])
+    logprob = old + torch.log(torch.tensor([1.4]))
+    assert bool(ClippedLoss(clip_eps=0.5).bind(LOSSES)(logprob, old, torch.tensor([1.0]))[1][0]) is False
+    assert bool(ClippedLoss(clip_eps=0.2).bind(LOSSES)(logprob, old, torch.tensor([1.0]))[1][0]) is True
+    with pytest.raises(ValueError, match="trainer.loss: type='clipped' is not available in this service; it has masked"):
+        ClippedLoss().bind({"masked": LOSSES["masked"]})

@@ -1,4 +1,5 @@
-"""Engines: a checkpoint restores the exact training state; DeepSpeed ZeRO steps like plain torch.
+"""Engines: a checkpoint restores the exact training state; DeepSpeed ZeRO steps like plain torch;
+a user's own engine, advantage and loss, named by path in the run config, drive a step.
 
 DeepSpeed runs on CPU in this process with gloo, as a world of one (the rank variables set
 here); skipped where the ``deepspeed`` extra is not installed. Its first process group
@@ -16,7 +17,7 @@ from safetensors.torch import load
 
 from flywheel.contract.config import RunConfig
 from flywheel.sdk import models
-from flywheel_trainer.engines import ENGINES, Engine
+from flywheel_trainer.engines import Engine, TorchEngine, build_engine
 from flywheel_trainer.join import Scored
 from flywheel_trainer.learner import LearnerConfig, rl_step
 from tests.unit.test_trainer_join import make_rollout
@@ -26,14 +27,14 @@ GROUP = [Scored(make_rollout(f"r{i}", "g", prompt=[1, 2, 3, 4, 5], completion=[1
          for i, reward in enumerate([1.0, 0.0, 0.5, 0.0])]
 
 
-def config(engine: str, stage: int = 0) -> RunConfig:
+def config(engine: str | dict, **trainer: object) -> RunConfig:
     return RunConfig(run="t", env="reverse_text", group_size=4,
-                     trainer={"engine": engine, "deepspeed_zero_stage": stage, "batch_size": 4, "lr": 1e-2})
+                     trainer={"engine": engine, "batch_size": 4, "lr": 1e-2, **trainer})
 
 
 def build(cfg: RunConfig, model_dir: Path) -> Engine:
     model, _ = models.load_model(model_dir)
-    return ENGINES[cfg.trainer.engine](model, cfg.trainer, cfg.model.dtype)
+    return build_engine(model, cfg.trainer, cfg.model.dtype)
 
 
 def steps(engine: Engine, cfg: RunConfig, n: int) -> list[dict[str, float]]:
@@ -72,7 +73,7 @@ def world_of_one(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("stage", [0, 3])
 def test_deepspeed_zero_steps_like_torch_and_resumes_from_its_checkpoint(
         world_of_one: None, stage: int, tiny_model_dir: Path, tmp_path: Path) -> None:
-    reference_cfg, cfg = config("torch"), config("deepspeed", stage)
+    reference_cfg, cfg = config("torch"), config({"type": "deepspeed", "zero_stage": stage})
     reference = build(reference_cfg, tiny_model_dir)
     expected = steps(reference, reference_cfg, 2)
     engine = build(cfg, tiny_model_dir)
@@ -97,3 +98,50 @@ def test_deepspeed_refuses_more_than_one_rank(world_of_one: None, tiny_model_dir
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="WORLD_SIZE=2"):
         build(config("deepspeed"), tiny_model_dir)
+
+
+USER_PARTS = """
+import torch
+
+from flywheel_trainer.engines import TorchEngine
+from flywheel_trainer.losses import clipped
+
+CALLS = []
+
+def half_mean(rewards, scale):
+    CALLS.append(("advantage", scale))
+    mean = sum(rewards) / len(rewards)
+    return [scale * (r - mean) for r in rewards]
+
+def tight_clipped(logprobs, old_logprobs, advantages, eps):
+    CALLS.append(("loss", eps))
+    return clipped(logprobs, old_logprobs, advantages, eps)
+
+class CountingEngine(TorchEngine):
+    def __init__(self, model, trainer, dtype, label):
+        super().__init__(model, trainer, dtype)
+        self.label = label
+        self.num_steps = 0
+
+    def step(self):
+        self.num_steps += 1
+        return super().step()
+"""
+
+
+def test_a_users_advantage_loss_and_engine_by_path_drive_a_step(tiny_model_dir: Path, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "user_trainer_parts.py").write_text(USER_PARTS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = config({"type": "user_trainer_parts:CountingEngine", "args": {"label": "mine"}},
+                 advantage={"type": "user_trainer_parts:half_mean", "args": {"scale": 0.5}},
+                 loss={"type": "user_trainer_parts:tight_clipped", "args": {"eps": 0.1}})
+    cfg = RunConfig.parse(cfg.model_dump())  # as a service reads it from the run state
+    engine = build(cfg, tiny_model_dir)
+    assert isinstance(engine, TorchEngine) and (engine.label, engine.num_steps) == ("mine", 0)  # type: ignore[attr-defined]
+    figures = steps(engine, cfg, 1)[0]
+    import user_trainer_parts
+
+    assert engine.num_steps == 1  # type: ignore[attr-defined]
+    assert ("advantage", 0.5) in user_trainer_parts.CALLS and ("loss", 0.1) in user_trainer_parts.CALLS
+    assert figures["advantage_abs_mean"] == pytest.approx(0.5 * 0.375)  # half of |r - 0.375| averaged

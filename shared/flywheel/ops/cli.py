@@ -5,6 +5,7 @@
     flywheel tasks publish ENV --run RUN --file rows.jsonl [--num-rollouts N]
     flywheel schema [--out FILE]                  JSON Schema of every event
     flywheel run CONFIG.toml                      a training run, start to finish (flywheel.ops.run)
+    flywheel run --help-config                    every run config field, generated from the config model
     flywheel model tiny|smollm2 DIR               build or convert a model into an HF folder
     flywheel scorer MODULE:FUNCTION --env ENV     a custom scorer, as its own consumer
     flywheel eval ENV --model NAME [-n N -r R -c C]   an environment against an OpenAI-compatible endpoint
@@ -104,7 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Register a run, start its trainer, publish its tasks, follow it step by step, then print a "
                     "summary and write reward.png in the run folder. Uses the services that run (flywheel up), "
                     "or starts the embedded stack when no NATS answers.")
-    run.add_argument("config", metavar="CONFIG.toml", help="run config (see examples/reverse-text.toml)")
+    run.add_argument("config", metavar="CONFIG.toml",
+                     help="run config (see examples/reverse-text.toml; --help-config lists every field)")
+    run.add_argument("--help-config", action=ConfigReference,
+                     help="print every section and field of a run config (type, default, description, and each "
+                          "variant of advantage, loss, engine and backend) and exit")
     run.add_argument("--run-id", help="the run's id (default: the config's run plus the UTC time)")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config value, e.g. --set trainer.lr=0 (JSON values; repeatable)")
@@ -194,6 +199,21 @@ def build_parser() -> argparse.ArgumentParser:
     schema.add_argument("--out", metavar="FILE", help="write to FILE instead of standard output")
     schema.set_defaults(func=cmd_schema)
     return parser
+
+
+class ConfigReference(argparse.Action):
+    """``--help-config``: like ``--help``, print and exit, here the run config reference
+    (:func:`flywheel.contract.config.reference`, generated from the config model)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, help: str | None = None) -> None:
+        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, nargs=0, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        from flywheel.contract.config import reference
+
+        sys.stdout.write(reference())
+        parser.exit()
 
 
 def _add_settings(parser: argparse.ArgumentParser, names: tuple[str, ...]) -> None:
