@@ -305,3 +305,18 @@ def test_the_config_module_imports_nothing_heavy() -> None:
             "'flywheel_inference', 'flywheel.sdk', 'flywheel.ops') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_set_overrides_reach_a_part_given_by_its_name() -> None:
+    from flywheel.ops.run import apply_override
+
+    data = RunConfig.from_toml_text('run = "r"\nenv = "reverse_text"\n').model_dump()
+    apply_override(data, "trainer.engine", "deepspeed")
+    apply_override(data, "trainer.engine.zero_stage", 2)
+    apply_override(data, "trainer.lr", 0.0)
+    apply_override(data, "rewards.exact.weight", 0.5)
+    cfg = RunConfig.parse(data)
+    assert cfg.trainer.engine.type == "deepspeed" and cfg.trainer.engine.zero_stage == 2  # type: ignore[union-attr]
+    assert cfg.trainer.lr == 0.0 and cfg.rewards["exact"].weight == 0.5
+    with pytest.raises(ValueError, match=r"--set trainer.lr.x: trainer.lr is a value, not a table"):
+        apply_override(data, "trainer.lr.x", 1)

@@ -560,13 +560,26 @@ def new_run_id(base: str) -> str:
 def main_job(config_path: str, settings: Settings, run_id: str | None = None,
              overrides: dict[str, Any] | None = None, resume: bool = False) -> dict[str, Any]:
     cfg = RunConfig.from_toml(config_path)
+def apply_override(data: dict[str, Any], dotted: str, value: Any) -> None:
+    """``--set dotted=value`` on a config's data: ``trainer.lr``, ``trainer.loss.clip_eps``. A
+    part given by its bare name (``--set trainer.engine=deepspeed`` before ``--set
+    trainer.engine.zero_stage=2``) becomes ``{"type": name}`` so its fields can be set."""
+    section = data
+    *parents, leaf = dotted.split(".")
+    for i, key in enumerate(parents):
+        if isinstance(section.get(key), str):
+            section[key] = {"type": section[key]}
+        if key not in section:
+            section[key] = {}  # a table the config may not have yet ([rewards.x], [env_args])
+        section = section[key]
+        if not isinstance(section, dict):
+            raise ValueError(f"--set {dotted}: {'.'.join(parents[:i + 1])} is a value, not a table")
+    section[leaf] = value
+
+
     data = cfg.model_dump()
     for dotted, value in (overrides or {}).items():
-        section = data
-        *parents, leaf = dotted.split(".")
-        for p in parents:
-            section = section[p]
-        section[leaf] = value
+        apply_override(data, dotted, value)
     # A new run gets the time in its id; --resume without --run-id means the run the config names.
     data["run"] = run_id or (cfg.run if resume else new_run_id(cfg.run))
     cfg = RunConfig.parse(data, source=config_path)
