@@ -43,10 +43,11 @@ from nats.aio.msg import Msg
 
 from flywheel.contract import events
 from flywheel.contract.bus import HEADER_MSG_ID, Bus, Replay, Undecodable, decode_message
+from flywheel.sdk.tracegraph import ROWS, join_tokens, leaves, walk
 from flywheel_gateway.deps import BusDep, NodeIdPath, RolloutIdPath, StoreDep, StreamedRolloutIdPath
 from flywheel_gateway.models import BranchPublic, NodePublic, RolloutPublic, TokenLayerPublic, TracePublic
 from flywheel_gateway.responses import ERROR_RESPONSES
-from flywheel_gateway.store import Store, concat_tokens, walk_branch
+from flywheel_gateway.store import Store
 
 router = APIRouter(prefix="/v1/traces", tags=["traces"], responses=ERROR_RESPONSES)
 
@@ -72,10 +73,9 @@ async def get_trace(rollout_id: RolloutIdPath, store: StoreDep, tokens: bool = F
     ``final_leaf`` its last one. ``?tokens=true`` adds each node's token ids, logprobs and
     loss mask."""
     nodes = await _trace(store, rollout_id, tokens)
-    parents = {n["parent_id"] for n in nodes}
     finished = await store.has_rollout(rollout_id)
     return TracePublic(rollout_id=rollout_id, finished=finished, nodes=[NodePublic.model_validate(n) for n in nodes],
-                       leaves=[n["id"] for n in nodes if n["id"] not in parents],
+                       leaves=[n["id"] for n in leaves(nodes, ROWS)],
                        final_leaf=nodes[-1]["id"] if finished and nodes else None)
 
 
@@ -89,10 +89,10 @@ async def get_branch(rollout_id: RolloutIdPath, node_id: NodeIdPath, store: Stor
     if not any(n["id"] == node_id for n in nodes):
         raise HTTPException(404, f"node {node_id!r} is not in the trace of rollout {rollout_id!r}; its leaves are "
                                  f"listed by GET /v1/traces/{rollout_id}")
-    branch, complete = walk_branch(nodes, node_id)
+    branch, complete = walk(nodes, node_id, ROWS)
     return BranchPublic(rollout_id=rollout_id, leaf_id=node_id, complete=complete,
                         nodes=[NodePublic.model_validate(n) for n in branch],
-                        tokens=TokenLayerPublic(**concat_tokens(branch)) if tokens else None)
+                        tokens=TokenLayerPublic(**vars(join_tokens(branch, ROWS))) if tokens else None)
 
 
 @router.get("/{rollout_id}/stream", response_class=StreamingResponse,

@@ -235,7 +235,9 @@ class RolloutPublic(BaseModel):
     policy_version: int
     status: Literal["completed", "truncated", "error"]
     error: str | None
-    reward: float | None = Field(description="Weighted sum of the scores (value * weight); null until scored.")
+    reward: float | None = Field(description="The rollout's reward, as the trainer takes it: the weighted sum of the "
+                                             "values of its run's scorers; null until each has scored it, when one "
+                                             "failed on it, and for an errored rollout.")
     num_tokens: int
     created_at: datetime
 

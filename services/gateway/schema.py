@@ -67,6 +67,17 @@ runs = sa.Table(
     sa.Column("created_at", UTCDateTime, nullable=False),
 )
 
+# The scorers whose weighted values make a run's reward, mirrored from its state in the
+# run-state bucket (RunState.scorers): a rollout's reward is the weighted sum of theirs
+# (store.reward_expression). A run without rows here counts every score at its own weight.
+run_scorers = sa.Table(
+    "run_scorers",
+    metadata,
+    sa.Column("run", sa.String, primary_key=True),
+    sa.Column("scorer", sa.String, primary_key=True),
+    sa.Column("weight", sa.Float, nullable=False),
+)
+
 tasks = sa.Table(
     "tasks",
     metadata,
@@ -94,8 +105,9 @@ rollouts = sa.Table(
     sa.Column("policy_version", sa.Integer, nullable=False),
     sa.Column("status", sa.String, nullable=False),
     sa.Column("error", sa.Text, nullable=True),
-    # Weighted sum of the rollout's scores (value * weight); NULL until the first score, and
-    # when a scorer failed on the rollout (store.reward_expression).
+    # The rollout's reward (flywheel.sdk.scoring.rollout_reward, in SQL: store.reward_expression):
+    # the weighted sum of its run's scorers' values; NULL until each has scored it, when one
+    # failed on it, and when the rollout is an error.
     sa.Column("reward", sa.Float, nullable=True),
     sa.Column("num_tokens", sa.Integer, nullable=False),
     sa.Column("created_at", UTCDateTime, nullable=False),

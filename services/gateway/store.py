@@ -13,19 +13,26 @@ the rollout is recorded it is exactly the nodes the rollout lists, in its order:
 of an attempt inference abandoned (killed mid-rollout, the task redelivered and rolled out
 again under the same rollout id) are dropped then, and live nodes that arrive later are
 ignored, whichever consumer is first.
-A rollout's reward (the weighted sum of its scores' values, as the trainer takes it; none
-while a scorer's verdict is an error) is recomputed in the same transaction whenever the
-rollout or one of its scores is recorded, so the order in which they arrive does not
-matter, and filters on it run in SQL. A weight update
+A rollout's reward is the one definition every reader uses
+(:func:`flywheel.sdk.scoring.rollout_reward`), computed in SQL (:func:`reward_expression`):
+the weighted sum of the values of its run's scorers (``run_scorers``, mirrored from the
+run's ``RunState.scorers``; a score of any other scorer counts for nothing), null until each
+of them has scored it, when one failed on it, and when the rollout is an error; a run whose
+scorers are not known counts every score at its own weight. It is recomputed in the same
+transaction whenever the rollout or one of its scores is recorded, and for all of a run's
+rollouts when its scorers change, so the order in which they arrive does not matter, and
+filters on it run in SQL. A weight update
 also gives its run's metrics for its training step (``run_metrics``; the first update of a
 step wins).
 
 Concurrency. SQLite: WAL, a busy timeout, write transactions start with
 ``BEGIN IMMEDIATE`` (so a writer never fails on a lock upgrade) and writers of one process
 take turns on an asyncio lock instead of spinning in SQLite's busy handler. PostgreSQL:
-a write transaction first takes transaction-scoped advisory locks on the rollouts it
-touches (in a fixed order), so a score and its rollout recorded at the same moment by two
-consumers cannot both miss each other when the reward is computed.
+a write transaction first takes transaction-scoped advisory locks on the runs it touches
+(shared; a change of a run's scorers takes its lock exclusively) and then on the rollouts
+it touches (each in a fixed order), so a score and its rollout recorded at the same moment
+by two consumers, or a rollout and its run's scorers, cannot miss each other when the
+reward is computed.
 
 Reading: listings page newest first with a keyset cursor on ``seq`` (rows recorded
 meanwhile never shift a page); a rollout cursor carries a digest of its filters, so it
@@ -58,6 +65,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from flywheel.contract import events
+from flywheel.sdk.tracegraph import ROWS, final_branch, join_tokens
 from flywheel_gateway import schema as s
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
@@ -65,6 +73,7 @@ MAX_PAGE_LIMIT = 1000
 # Ids per statement for IN (...) lists; well below SQLite's and asyncpg's parameter limits.
 _IN_CHUNK = 500
 _WRITE = "flywheel_write"
+_RUN_LOCK_CLASS = 0x52554E53  # the first key of a run's advisory lock (the two-key space, apart from rollouts')
 
 
 class InvalidCursor(ValueError):
@@ -379,6 +388,7 @@ class Store:
         touched = rows.touched_rollouts()
         async with self._write() as conn:
             if self.dialect == "postgresql" and touched:
+                await self._lock_runs(conn, sorted(rows.runs), exclusive=False)
                 await conn.execute(
                     sa.text("SELECT pg_advisory_xact_lock(k) FROM (SELECT DISTINCT hashtextextended(x, 0) AS k "
                             "FROM unnest(CAST(:ids AS text[])) AS x ORDER BY k) AS keys"),
@@ -464,15 +474,45 @@ class Store:
             await conn.execute(sa.update(s.rollouts).where(r.id.in_(ids)).values(reward=reward_expression()))
 
     async def upsert_runs(self, states: Sequence[events.RunState]) -> None:
-        """Record runs with their tenant and kind (the run-state bucket is the source of truth)."""
+        """Record runs with their tenant, kind and scorers (the run-state bucket is the source
+        of truth). A run whose scorers change has every recorded rollout's reward recomputed;
+        a state without scorers leaves the ones recorded as they are (not known is no change)."""
         if not states:
             return
         stmt = self._insert(s.runs)
         stmt = stmt.on_conflict_do_update(index_elements=["id"],
                                           set_={"tenant": stmt.excluded.tenant, "kind": stmt.excluded.kind})
+        rs = s.run_scorers.c
         async with self._write() as conn:
+            if self.dialect == "postgresql":
+                await self._lock_runs(conn, sorted({st.id for st in states if st.scorers}), exclusive=True)
             await conn.execute(stmt, [{"id": st.id, "tenant": st.tenant, "kind": st.kind, "created_at": st.created_at}
                                       for st in states])
+            for st in states:
+                if not st.scorers:
+                    continue
+                run = self._text(st.id)
+                stored = {name: weight for name, weight in await conn.execute(sa.select(rs.scorer, rs.weight)
+                                                                               .where(rs.run == run))}
+                wanted = {self._text(name): float(weight) for name, weight in st.scorers.items()}
+                if stored == wanted:
+                    continue
+                await conn.execute(sa.delete(s.run_scorers).where(rs.run == run))
+                await conn.execute(sa.insert(s.run_scorers), [{"run": run, "scorer": name, "weight": weight}
+                                                              for name, weight in wanted.items()])
+                await conn.execute(sa.update(s.rollouts).where(s.rollouts.c.run == run).values(reward=reward_expression()))
+
+    async def _lock_runs(self, conn: AsyncConnection, runs: Sequence[str], exclusive: bool) -> None:
+        """PostgreSQL: transaction-scoped advisory locks on ``runs`` (keys of their own, apart from
+        the rollouts'), in one order; shared by recorders, exclusive for a change of scorers."""
+        if not runs:
+            return
+        lock = "pg_advisory_xact_lock" if exclusive else "pg_advisory_xact_lock_shared"
+        await conn.execute(
+            sa.text(f"SELECT {lock}({_RUN_LOCK_CLASS}, k) FROM (SELECT DISTINCT hashtext(x) AS k "
+                    "FROM unnest(CAST(:runs AS text[])) AS x ORDER BY k) AS keys"),
+            {"runs": self._texts(runs)},
+        )
 
     # --- reading ------------------------------------------------------------------------
 
@@ -650,62 +690,40 @@ class Store:
         return rows
 
 
-def walk_branch(nodes: Sequence[dict[str, Any]], leaf_id: str) -> tuple[list[dict[str, Any]], bool]:
-    """The branch of a rollout's graph that ends at ``leaf_id``, root first, following parent
-    links among ``nodes`` (dicts with ``id`` and ``parent_id``); and whether it reaches a root.
-    It stops short (False) at a parent that is not among ``nodes`` (a live trace whose
-    earlier node has not arrived yet) or at a node already on the branch (a cycle, which
-    content-hashed ids rule out unless a producer breaks the contract)."""
-    by_id = {n["id"]: n for n in nodes}
-    branch: list[dict[str, Any]] = []
-    seen: set[str] = set()
-    node: dict[str, Any] | None = by_id[leaf_id]
-    while node is not None and node["id"] not in seen:
-        branch.append(node)
-        seen.add(node["id"])
-        parent_id = node["parent_id"]
-        if parent_id is None:
-            return branch[::-1], True
-        node = by_id.get(parent_id)
-    return branch[::-1], False
-
-
-def concat_tokens(nodes: Iterable[dict[str, Any]]) -> dict[str, list[Any]]:
-    """The token layer of ``nodes`` (each with ``tokens``: a TokenSpan as a dict, or None),
-    concatenated: along a branch, the tokens the model saw."""
-    out: dict[str, list[Any]] = {"token_ids": [], "logprobs": [], "loss_mask": []}
-    for node in nodes:
-        span = node.get("tokens")
-        if span is not None:
-            for key, values in out.items():
-                values.extend(span.get(key, ()))
-    return out
-
-
 def export_record(row: dict[str, Any], scores: list[dict[str, Any]], tokens: bool) -> dict[str, Any]:
     """One rollout as an export line: its fields, reward and scores, and the messages of its
     final branch (root to its last node, the branch rewards read; the whole rollout unless
     it branches); with ``tokens``, that branch's concatenated token layer too."""
     event = row["event"]
     nodes = event.get("nodes", [])
-    for node in nodes:
-        node.setdefault("parent_id", None)
-    branch, _ = walk_branch(nodes, nodes[-1]["id"]) if nodes else ([], True)
+    branch = final_branch(nodes, ROWS)
     record = {k: v for k, v in row.items() if k not in ("seq", "event")}
     record.update(task_data=event.get("task_data", {}), metrics=event.get("metrics", {}),
                   state=event.get("state", {}), scores=scores,
                   num_nodes=len(nodes), messages=[{"content": "", **n["message"]} for n in branch])
     if tokens:
-        record["tokens"] = concat_tokens(branch)
+        record["tokens"] = vars(join_tokens(branch, ROWS))
     return record
 
 
 def reward_expression() -> sa.ColumnElement[float]:
-    """A rollout's reward, as the trainer has it: the weighted sum of its scores' values; NULL
-    before the first score and when a scorer failed on it (its value is not to be trusted)."""
-    r, sc = s.rollouts.c, s.scores.c
-    total = sa.select(sa.func.sum(sc.value * sc.weight)).where(sc.rollout_id == r.id).scalar_subquery()
-    return sa.case((_failed_score(r.id), sa.null()), else_=total)
+    """A rollout's reward, :func:`flywheel.sdk.scoring.rollout_reward` in SQL (a test holds
+    them equal): where its run's scorers are known (``run_scorers``), the sum of weight x
+    value over them, NULL while one of them has no score without an error; elsewhere the
+    weighted sum of every score, NULL before the first and when one failed. NULL for an
+    errored rollout either way."""
+    r, sc, rs = s.rollouts.c, s.scores.c, s.run_scorers.c
+    known = sa.exists().where(rs.run == r.run)
+    scored = sa.exists().where(sc.rollout_id == r.id, sc.scorer == rs.scorer, sc.error.is_(None))
+    unmet = sa.exists().where(rs.run == r.run, sa.not_(scored.correlate_except(s.scores)))
+    required = (sa.select(sa.func.sum(rs.weight * sc.value))
+                .select_from(s.run_scorers.join(s.scores, sa.and_(sc.scorer == rs.scorer, sc.rollout_id == r.id)))
+                .where(rs.run == r.run).scalar_subquery())
+    every = sa.select(sa.func.sum(sc.value * sc.weight)).where(sc.rollout_id == r.id).scalar_subquery()
+    return sa.case((r.status == "error", sa.null()),
+                   (known, sa.case((unmet, sa.null()), else_=required)),
+                   (_failed_score(r.id), sa.null()),
+                   else_=every)
 
 
 def _count(table: sa.Table, *where: sa.ColumnElement[bool]) -> sa.ScalarSelect[int]:

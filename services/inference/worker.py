@@ -52,7 +52,8 @@ task left over from before its run ended is acked and counted as skipped. Anythi
 (the model fails to build, the bus fails) fails the delivery, which the bus retries with
 backoff before dead-lettering it. A harness that raises, runs past ``rollout_timeout_s`` or
 never calls the model gives a rollout with status ``error`` and the reason (scored, never
-trained on); the service goes on. Not covered: the record of published tasks is per
+trained on); the service goes on: :mod:`flywheel.sdk.rollout` holds these rules, the same in
+``flywheel eval``. Not covered: the record of published tasks is per
 process, so a task redelivered to another replica is rolled out again there (its copies
 are dropped by the bus within its duplicate window, and not counted).
 """
@@ -80,6 +81,7 @@ from flywheel.contract.config import RunConfig
 from flywheel.contract.runs import BadRunState, end_of, get_run, watch_runs
 from flywheel.contract.service import Service
 from flywheel.sdk.environment import Environment, EnvironmentLoadError, load_for_run
+from flywheel.sdk.rollout import ROLLOUT_TIMEOUT_S, run_harness
 from flywheel_inference.admission import Admission, RunEnded
 from flywheel_inference.backends import build_backend
 from flywheel_inference.completion import Backend
@@ -119,8 +121,9 @@ class WorkerConfig:
     max_deliver: int = 5
     backoff_s: tuple[float, ...] = (1.0, 5.0, 15.0, 30.0)
     grace_s: float = 10.0
-    # A rollout's harness gets this long before it is cancelled and recorded as an error.
-    rollout_timeout_s: float = 600.0
+    # A rollout's harness gets this long before it is cancelled and recorded as an error
+    # (flywheel.sdk.rollout, the same rules as `flywheel eval`).
+    rollout_timeout_s: float = ROLLOUT_TIMEOUT_S
 
 
 @dataclass
@@ -487,6 +490,8 @@ class Worker:
 
     async def _one_rollout(self, task: events.Task, index: int, env: Environment, sampling: events.Sampling,
                            hosted: HostedRun) -> events.Rollout:
+        """One rollout of the group, run as everywhere (:func:`flywheel.sdk.rollout.run_harness`)
+        against its own interception session, whose trace nodes go out before the rollout."""
         from flywheel.sdk.harness import RolloutContext
         from flywheel.sdk.sandbox import SandboxClient
 
@@ -503,33 +508,15 @@ class Worker:
         ctx = RolloutContext(task=dict(task.data), base_url=base_url, api_key=session.key, model=task.run,
                              index=index, timeout_s=self.config.rollout_timeout_s, http_client=http_client,
                              rollout_id=rid, sandbox_client=SandboxClient(self.bus))
-        error: str | None = None
-        started = asyncio.get_running_loop().time()
-        try:
-            assert env.harness is not None
-            await asyncio.wait_for(env.harness.run(env, ctx), self.config.rollout_timeout_s)
-        except TimeoutError:
-            error = f"the harness ran past rollout_timeout_s={self.config.rollout_timeout_s}"
-        except Exception as exc:  # noqa: BLE001 - the environment's code: recorded on this rollout
-            error = f"harness failed: {type(exc).__name__}: {exc}"
-            log.info("rollout %s of task %s: %s", index, task.id, error)
-        finally:
-            self.interception.close(session.key)
-            await ctx.close()
+        outcome = await run_harness(env, ctx, session, self.config.rollout_timeout_s,
+                                    on_end=lambda: self.interception.close(session.key))
         await session.flush()  # its trace nodes before the rollout
-        if error is None and session.num_calls == 0:
-            error = "the harness made no model call"
-        status = "error" if error else "truncated" if session.truncated or ctx.state.get("truncated") else "completed"
-        metrics = session.metrics() | {"rollout_s": asyncio.get_running_loop().time() - started}
-        try:
-            state = msgspec.json.decode(msgspec.json.encode(ctx.state))
-        except (TypeError, msgspec.EncodeError) as exc:
-            state, error, status = {}, f"the harness's state is not JSON: {exc}", "error"
         return events.Rollout(
             id=rid, run=task.run, env=task.env, task_id=task.id, group_id=task.id, index=index,
             policy_version=min(session.versions, default=hosted.policy.version or 0), task_data=task.data,
-            nodes=session.graph.ordered(), status=status, error=error, metrics=metrics,
-            group_size=task.num_rollouts, state=state)
+            nodes=session.graph.ordered(), status=outcome.status, error=outcome.error,
+            metrics=session.metrics() | {"rollout_s": outcome.elapsed_s}, group_size=task.num_rollouts,
+            state=outcome.state)
 
     def _interception_url(self, key: str) -> tuple[str, Any]:
         """(base URL, http client) of a rollout. The URL is this server's when it has one (a

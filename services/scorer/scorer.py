@@ -51,7 +51,8 @@ Failures, each where it belongs:
 - a reward that raises, returns something other than a finite number (or, for a group
   reward, a list of the wrong length), or runs past ``reward_timeout_s``: a Score with
   ``error`` saying so and value 0.0, recorded on that rollout (readers treat it as unusable,
-  never as a zero); the rollout's other rewards are unaffected and the service goes on;
+  never as a zero); the rollout's other rewards are unaffected and the service goes on
+  (:class:`flywheel.sdk.scoring.Scoring` runs rewards by these rules, as ``flywheel eval`` does);
 - an environment that does not load, or a run config that does not parse: the rollout is
   dead-lettered (:class:`flywheel.contract.bus.Reject`) with the reason, as no retry can succeed;
 - the bus failing (reading the run config, publishing): the error propagates and the bus
@@ -101,8 +102,8 @@ from flywheel.sdk.environment import (
     import_object,
     load_environment,
     load_for_run,
-    off_the_loop,
 )
+from flywheel.sdk.scoring import REWARD_TIMEOUT_S, Scoring, score_event
 
 log = logging.getLogger(__name__)
 
@@ -289,13 +290,14 @@ class Scorer:
     """Scores rollouts with the rewards of ``rewards`` and publishes the Scores."""
 
     def __init__(self, rewards: RewardSource, configs: Configs, publish: Publish, pool: Executor,
-                 reward_timeout_s: float = 120.0, max_in_flight: int = 64, max_held: int = 1024,
+                 reward_timeout_s: float = REWARD_TIMEOUT_S, max_in_flight: int = 64, max_held: int = 1024,
                  group_timeout_s: float = 300.0, replicas: Callable[[], Awaitable[int]] | None = None) -> None:
         self.rewards = rewards
         self.configs = configs
         self.publish = publish
         self.pool = pool
         self.reward_timeout_s = reward_timeout_s
+        self.scoring = Scoring(pool, reward_timeout_s, on_failure=self._log_failure)
         self.max_held = max_held
         self.group_timeout_s = group_timeout_s
         self.replicas = replicas or _one  # live processes on this scorer's durable
@@ -304,7 +306,6 @@ class Scorer:
         self._closed: OrderedDict[tuple[str, str], set[str]] = OrderedDict()  # group -> rollout ids scored
         self._handing_back = asyncio.Event()
         self._traced: set[str] = set()  # rewards whose failure was logged with its traceback
-        self._pooled: dict[int, tuple[Reward | GroupReward, Reward | GroupReward]] = {}  # id -> (reward, in the pool)
 
     @property
     def num_held(self) -> int:
@@ -334,34 +335,14 @@ class Scorer:
                                            for r in found.rewards)))
 
     async def _score_one(self, rollout: events.Rollout, reward: Reward, weight: float) -> events.Score:
-        outcome = await self._run(reward, reward.name, [rollout.id], rollout)
-        assert not isinstance(outcome, list)
-        return _score(rollout, reward.name, weight, outcome)
+        (score,) = await self.scoring.scores(reward, [rollout], weight)
+        return score
 
-    def _runnable(self, reward: Reward | GroupReward) -> Reward | GroupReward:
-        """``reward`` itself when it is async, else a copy whose function runs in the thread pool."""
-        pooled = self._pooled.get(id(reward))
-        if pooled is None or pooled[0] is not reward:
-            pooled = self._pooled[id(reward)] = (reward, off_the_loop(reward, self.pool))
-        return pooled[1]
-
-    async def _run(self, reward: Reward | GroupReward, name: str, ids: list[str], arg: Any) -> Value | list[Value] | str:
-        """Run one reward (or group reward) under its timeout: its value(s), or the error text."""
-        runnable = self._runnable(reward)
-        deadline = asyncio.timeout(self.reward_timeout_s)
-        kind = "group reward" if isinstance(reward, GroupReward) else "reward"
-        try:
-            async with deadline:
-                return await runnable(arg)
-        except Exception as exc:
-            if deadline.expired():
-                error = f"{kind} {name!r} timed out after {self.reward_timeout_s:g}s"
-            else:
-                error = f"{kind} {name!r} failed: {type(exc).__name__}: {exc}"
-            first = name not in self._traced
-            self._traced.add(name)
-            log.warning("rollouts %s: %s", ",".join(ids), error, exc_info=exc if first else None)
-            return error
+    def _log_failure(self, name: str, error: str, ids: Sequence[str], exc: BaseException) -> None:
+        """Log a reward's failure, with its traceback the first time that reward fails."""
+        first = name not in self._traced
+        self._traced.add(name)
+        log.warning("rollouts %s: %s", ",".join(ids), error, exc_info=exc if first else None)
 
     # --- groups -------------------------------------------------------------------------
 
@@ -369,9 +350,9 @@ class Scorer:
         key = (rollout.run, rollout.group_id)
         if key in self._closed:
             if rollout.id not in self._closed[key]:  # scored already otherwise: a redelivery, nothing new
-                await self.publish([_score(rollout, g.name, weights.get(g.name, g.weight),
-                                           f"group reward {g.name!r}: group {rollout.group_id} was scored without "
-                                           f"this rollout (index {rollout.index}), which arrived after it")
+                await self.publish([score_event(rollout, g.name, weights.get(g.name, g.weight),
+                                                f"group reward {g.name!r}: group {rollout.group_id} was scored "
+                                                f"without this rollout (index {rollout.index}), which arrived after it")
                                     for g in rewards])
             return
         group = self._groups.get(key)
@@ -440,17 +421,14 @@ class Scorer:
 
     async def _score_group(self, members: list[events.Rollout], reward: GroupReward, weight: float, group: _Group,
                            incomplete: str | None) -> list[events.Score]:
-        outcome = await self._run(reward, reward.name, [r.id for r in members], members)
-        error = None
-        if incomplete is not None:
-            error = (f"group reward {reward.name!r}: group {members[0].group_id} scored incomplete, missing "
-                     f"rollout indices {group.missing()} of {group.size}: {incomplete}")
-            log.warning("%s", error)
-        if isinstance(outcome, str):
-            text = outcome if error is None else f"{error}; {outcome}"
-            return [_score(r, reward.name, weight, text) for r in members]
-        return [_score(r, reward.name, weight, value if error is None else error, value)
-                for r, value in zip(members, outcome, strict=True)]
+        outcomes = await self.scoring.run(reward, members)
+        if incomplete is None:
+            return [score_event(r, reward.name, weight, o) for r, o in zip(members, outcomes, strict=True)]
+        error = (f"group reward {reward.name!r}: group {members[0].group_id} scored incomplete, missing "
+                 f"rollout indices {group.missing()} of {group.size}: {incomplete}")
+        log.warning("%s", error)
+        return [score_event(r, reward.name, weight, error, o) if isinstance(o, Value)
+                else score_event(r, reward.name, weight, f"{error}; {o}") for r, o in zip(members, outcomes, strict=True)]
 
     async def hand_back_on(self, stopping: asyncio.Event) -> None:
         """A background task: once ``stopping`` is set, held deliveries stop waiting and are handed back."""
@@ -462,19 +440,6 @@ async def _one() -> int:
     return 1
 
 
-def _score(rollout: events.Rollout, name: str, weight: float, outcome: Value | str,
-           value: Value | None = None) -> events.Score:
-    """The Score of ``name`` on ``rollout``: ``outcome`` is its value, or an error text (with ``value``
-    still recorded when there is one, e.g. a group scored incomplete)."""
-    if isinstance(outcome, Value):
-        value, error = outcome, None
-    else:
-        error = outcome
-    return events.Score(id=f"{rollout.id}.{name}", run=rollout.run, env=rollout.env, rollout_id=rollout.id,
-                        group_id=rollout.group_id, scorer=name, value=value.value if value else 0.0, weight=weight,
-                        components=value.components if value else {}, error=error)
-
-
 @dataclass
 class ScorerConfig:
     """Bounds of one scorer process."""
@@ -482,7 +447,7 @@ class ScorerConfig:
     max_in_flight: int = 64  # rollouts being scored at once
     max_held: int = 1024  # rollouts waiting (unacked) for the rest of their group
     num_threads: int = 8  # threads for sync reward functions
-    reward_timeout_s: float = 120.0
+    reward_timeout_s: float = REWARD_TIMEOUT_S  # as in `flywheel eval` (flywheel.sdk.scoring)
     group_timeout_s: float = 300.0  # a group incomplete this long after its first member is scored with what came
     run_config_ttl_s: float = 5.0
     # Short, so that the deliveries a killed scorer held come back to its restart within

@@ -5,7 +5,9 @@ at least once), so the :class:`Joiner` upserts both by id and decides readiness 
 it holds, never from arrival order:
 
 - a rollout is *ready* when every required scorer (the run's ``scorers``, or the
-  environment's rewards) has scored it; its reward is ``sum(weight * value)``;
+  environment's rewards: :func:`flywheel.sdk.scoring.required_scorers`) has scored it; its
+  reward is theirs weighted and summed (:func:`flywheel.sdk.scoring.rollout_reward`, the
+  definition the trace API and ``flywheel eval`` use too);
 - a rollout is *dropped* (counted, never trained, never a silent zero) when inference
   marked it ``error``, when a required scorer failed on it (a score with ``error`` set),
   or when it is *stale*: its ``policy_version`` is more than ``max_off_policy_steps``
@@ -32,7 +34,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from flywheel.contract import events
-from flywheel.sdk.tracegraph import branches
+from flywheel.sdk.scoring import rollout_reward
+from flywheel.sdk.tracegraph import TokenLayerError, Tokens, branches, join_tokens
 
 DROP_REASONS = ("stale", "scorer_error", "rollout_error")
 
@@ -41,36 +44,18 @@ class BadRollout(ValueError):
     """A rollout that can never be trained (its token layer is inconsistent, its group overfull)."""
 
 
-@dataclass(frozen=True)
-class Tokens:
-    """A rollout's token layer, concatenated in node order: what the model saw."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    loss_mask: list[bool]
-
-
 def _span_tokens(rollout: events.Rollout, nodes: list[events.Node], trained: set[str]) -> Tokens:
-    token_ids: list[int] = []
-    logprobs: list[float] = []
-    loss_mask: list[bool] = []
-    for node in nodes:
-        span = node.tokens
-        if span is None:
-            continue
-        n = len(span.token_ids)
-        if len(span.logprobs) != n or len(span.loss_mask) != n:
-            raise BadRollout(f"rollout {rollout.id} node {node.id}: {n} token ids but {len(span.logprobs)} logprobs "
-                             f"and {len(span.loss_mask)} loss-mask entries")
-        token_ids += span.token_ids
-        logprobs += span.logprobs
-        # A node shared with a branch trained before is context here, not trained twice.
-        loss_mask += [False] * n if node.id in trained else span.loss_mask
-    if not token_ids:
+    """``nodes``' spans joined (:func:`flywheel.sdk.tracegraph.join_tokens`), nodes of ``trained``
+    as context; BadRollout when the layer cannot be trained."""
+    try:
+        tokens = join_tokens(nodes, context=trained, strict=True)
+    except TokenLayerError as exc:
+        raise BadRollout(f"rollout {rollout.id} {exc}") from None
+    if not tokens.token_ids:
         raise BadRollout(f"rollout {rollout.id} has no tokens")
-    if loss_mask[0]:
+    if tokens.loss_mask[0]:
         raise BadRollout(f"rollout {rollout.id}: its first token is marked for the loss, but nothing predicts it")
-    return Tokens(token_ids, logprobs, loss_mask)
+    return tokens
 
 
 def sequences_of(rollout: events.Rollout) -> list[Tokens]:
@@ -196,9 +181,11 @@ class Joiner:
         return rollout_id not in self._dropped and self._scores.get(rollout_id, {}).keys() >= self.scorers.keys()
 
     def reward(self, rollout_id: str) -> float:
+        """The rollout's reward as every reader takes it (:func:`flywheel.sdk.scoring.rollout_reward`)."""
         assert self.is_ready(rollout_id)
-        scores = self._scores[rollout_id]
-        return sum(weight * scores[name].value for name, weight in self.scorers.items())
+        reward = rollout_reward(self._rollouts[rollout_id].status, self._scores[rollout_id].values(), self.scorers)
+        assert reward is not None
+        return reward
 
     def _is_done(self, group_id: str) -> bool:
         members = self._groups[group_id]

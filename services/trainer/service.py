@@ -51,6 +51,7 @@ from flywheel.contract.service import Service
 from flywheel.contract.settings import Settings
 from flywheel.sdk import models
 from flywheel.sdk.environment import Environment, load_for_run
+from flywheel.sdk.scoring import required_scorers
 from flywheel_trainer.engines import Engine, build_engine
 from flywheel_trainer.join import BadRollout, Joiner, Take
 from flywheel_trainer.learner import LearnerConfig, rl_step, sft_warmup
@@ -128,11 +129,6 @@ async def last_published_version(bus: Bus, run: str) -> int | None:
         except Undecodable:
             pass
         seq = (msg.seq or seq) + 1
-
-
-def required_scorers(cfg: RunConfig, env: Environment) -> dict[str, float]:
-    """The scorers whose weighted values make the reward: the run's, else the environment's defaults."""
-    return dict(cfg.scorers) or env.weights
 
 
 class Trainer:

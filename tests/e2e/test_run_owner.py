@@ -96,7 +96,9 @@ def test_trainer_restart_stop_abandon_and_resume(stack, tmp_path: Path, clean_en
     output.wait_for(r"the trainer \(pid \d+\) exited with signal SIGKILL; restarting it", 30)
     finish(proc, output)
     assert steps_trained(data_dir, "killed-trainer") == every_step
-    assert state(ports["nats"], "killed-trainer").status == "finished"
+    finished = state(ports["nats"], "killed-trainer")
+    # The run's reward as the owner registered it, for every reader (trainer, trace store).
+    assert finished.status == "finished" and finished.scorers == {"similarity": 1.0, "exact": 0.0}
 
     # Ctrl-C: the trainer checkpoints, the run is marked stopped (it takes no more tasks).
     proc, output = start_run("interrupted", data_dir, ports, clean_env)

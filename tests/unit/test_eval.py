@@ -8,6 +8,7 @@ The eval against the real inference service is in tests/integration/test_eval_in
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -302,3 +303,44 @@ async def test_a_multi_turn_environment_runs_unchanged_in_an_eval(tmp_path: Path
         roles = [m["role"] for m in r["messages"]]
         assert roles[:5] == ["system", "user", "assistant", "user", "assistant"]
         assert r["rewards"]["num_guesses"] == 2.0 and r["rewards"]["valid_guesses"] == 1.0 and len(r["calls"]) == 2
+
+
+class Modes(ChatHarness):
+    """One chat turn (none for "silent"), then what the row's text says: hang, or leave a
+    board in the state that is not JSON."""
+
+    async def run(self, env: Environment, ctx: RolloutContext) -> None:
+        if ctx.task["text"] != "silent":
+            await super().run(env, ctx)
+        if ctx.task["text"] == "hang":
+            await asyncio.Event().wait()
+        if ctx.task["text"] == "board":
+            ctx.state["board"] = object()
+
+
+async def waits_on_slow(task: dict) -> float:
+    if task["text"] == "slow":
+        await asyncio.Event().wait()
+    return 1.0
+
+
+async def test_an_eval_ends_rollouts_and_rewards_by_the_rules_of_training(upstream: tuple[Upstream, Served],
+                                                                          tmp_path: Path) -> None:
+    """The rollout timeout, no model call, state that is not JSON (refused, not stringified) and
+    the reward timeout, as inference and the scorer apply them (flywheel.sdk.rollout, .scoring)."""
+    env = Environment(name="modes", tasks=[{"text": t} for t in ("ok", "hang", "board", "silent", "slow")],
+                      prompt=lambda task: task["text"], harness=Modes(max_turns=1), rewards=[waits_on_slow])
+    cfg = EvalConfig(env="modes", model="m", base_url=upstream[1].url + "/v1", out=tmp_path / "r.jsonl", num_tasks=5,
+                     rollout_timeout_s=0.5, reward_timeout_s=0.5)
+    summary = await Evaluation(cfg, env, (tmp_path / "p.txt").open("w")).run()
+    by_text = {r["task"]["text"]: r for r in read_results(cfg.out)}
+    assert {t: (r["status"], r["error"]) for t, r in by_text.items()} == {
+        "ok": ("completed", None), "slow": ("completed", None),
+        "hang": ("error", "the harness ran past rollout_timeout_s=0.5"),
+        "board": ("error", "the harness's state is not JSON: Encoding objects of type object is unsupported"),
+        "silent": ("error", "the harness made no model call"),
+    }
+    assert by_text["board"]["state"] == {} and by_text["ok"]["reward"] == 1.0
+    assert by_text["slow"]["reward_errors"] == {"waits_on_slow": "reward 'waits_on_slow' timed out after 0.5s"}
+    assert [by_text[t]["reward"] for t in ("slow", "hang", "board", "silent")] == [None] * 4
+    assert (summary["num_errors"], summary["num_reward_errors"]) == (3, 1)

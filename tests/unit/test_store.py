@@ -10,6 +10,7 @@ tests/integration/test_recorder*.py).
 from __future__ import annotations
 
 import asyncio
+import random
 import tracemalloc
 import uuid
 from collections.abc import AsyncIterator
@@ -31,7 +32,6 @@ from flywheel_gateway.store import (
     Store,
     UnrecordableEvent,
     encode_cursor,
-    walk_branch,
 )
 
 
@@ -129,7 +129,7 @@ async def test_migrate_is_idempotent_and_matches_the_models(database_url: str) -
     assert await current_revision(database_url) is None
     await asyncio.gather(migrate(database_url), migrate(database_url))  # two processes starting at once
     await migrate(database_url)
-    assert await current_revision(database_url) == "0004"
+    assert await current_revision(database_url) == "0005"
 
     diffs: list[object] = []
 
@@ -141,9 +141,29 @@ async def test_migrate_is_idempotent_and_matches_the_models(database_url: str) -
     assert diffs == [], "the models and the migrations disagree; add a migration (see alembic.ini)"
 
 
-async def test_revision_0003_drops_the_reward_of_rollouts_a_scorer_failed_on(database_url: str) -> None:
-    await migrate(database_url, "0002")
+# Tables today's store writes that came after an older revision: a test that records under an
+# older revision has them for the time being (empty, so the reward comes out as it did then).
+LATER_TABLES = [schema.run_scorers]
+
+
+async def open_at(database_url: str, revision: str) -> Store:
+    """A store on a database at ``revision``, which today's store can write (see LATER_TABLES)."""
+    await migrate(database_url, revision)
     s = Store.open(database_url)
+    async with s.engine.begin() as conn:
+        await conn.run_sync(lambda c: schema.metadata.create_all(c, tables=LATER_TABLES))
+    return s
+
+
+async def migrate_on(s: Store, database_url: str) -> None:
+    """Drop what :func:`open_at` added, then migrate to the newest revision."""
+    async with s.engine.begin() as conn:
+        await conn.run_sync(lambda c: schema.metadata.drop_all(c, tables=LATER_TABLES))
+    await migrate(database_url)
+
+
+async def test_revision_0003_drops_the_reward_of_rollouts_a_scorer_failed_on(database_url: str) -> None:
+    s = await open_at(database_url, "0002")
     try:
         # Recorded under 0002, which summed every score, failed ones included.
         await s.record([rollout("ro1"), rollout("ro2"), score("s1", "ro1", 1.0),
@@ -151,15 +171,14 @@ async def test_revision_0003_drops_the_reward_of_rollouts_a_scorer_failed_on(dat
         async with s.engine.connect() as conn:
             await conn.execute(sa.update(schema.rollouts).values(reward=1.0))
             await conn.commit()
-        await migrate(database_url)
+        await migrate_on(s, database_url)
         assert (await reward(s, "ro1"), await reward(s, "ro2")) == (1.0, None)
     finally:
         await s.close()
 
 
 async def test_revision_0004_drops_phantom_links_of_recorded_rollouts(database_url: str) -> None:
-    await migrate(database_url, "0003")
-    s = Store.open(database_url)
+    s = await open_at(database_url, "0003")
     try:
         abandoned, published = attempts()
         await s.record([rollout("ro1"), *live_nodes("ro2", abandoned)])
@@ -168,7 +187,7 @@ async def test_revision_0004_drops_phantom_links_of_recorded_rollouts(database_u
         async with s.engine.begin() as conn:
             await conn.execute(sa.insert(schema.rollout_nodes).values(rollout_id="ro1", node_id=abandoned[2].id,
                                                                       position=2))
-        await migrate(database_url)
+        await migrate_on(s, database_url)
         assert [n["id"] for n in await s.get_trace("ro1") or []] == [n.id for n in published]
         # Rollouts not recorded yet keep every live node, of every attempt.
         assert [n["id"] for n in await s.get_trace("ro2") or []] == [n.id for n in abandoned]
@@ -247,6 +266,84 @@ async def test_scores_before_their_rollout_give_the_right_reward(store: Store) -
     await store.record([score("s3", "ro2", 2.0, scorer="a"), rollout("ro2"), rollout("ro3"), score("s4", "ro3", 3.0)])
     assert await reward(store, "ro2") == pytest.approx(2.0)
     assert await reward(store, "ro3") == pytest.approx(3.0)
+
+
+def run_state(run: str, scorers: dict[str, float]) -> events.RunState:
+    return events.RunState(id=run, config={"run": run, "env": "math"}, scorers=scorers, created_at=T0)
+
+
+def scored(rid: str, scorer: str, value: float, error: str | None = None, run: str = "r1",
+           weight: float = 1.0) -> events.Score:
+    return events.Score(id=f"{rid}.{scorer}", run=run, env="math", rollout_id=rid, group_id="g1", scorer=scorer,
+                        value=value, weight=weight, error=error, created_at=T0)
+
+
+async def test_the_reward_counts_only_the_runs_scorers(store: Store) -> None:
+    """A custom scorer outside the run's scorers is recorded and counts for nothing, as in the trainer."""
+    await store.upsert_runs([run_state("r1", {"exact": 0.5, "length": 0.0})])
+    await store.record([rollout("ro1"), scored("ro1", "exact", 1.0), scored("ro1", "custom", 3.0, weight=2.0)])
+    assert await reward(store, "ro1") is None  # "length" has not scored it yet
+    await store.record([scored("ro1", "length", 7.0)])
+    assert await reward(store, "ro1") == 0.5
+    await store.record([scored("ro1", "judge", 0.0, error="judge timed out")])  # not the run's: no matter
+    assert await reward(store, "ro1") == 0.5
+    # The run's scorers known after its scores: every rollout of the run is recomputed.
+    await store.record([rollout("ro2", run="r2"), scored("ro2", "exact", 1.0, run="r2"),
+                        scored("ro2", "custom", 1.0, run="r2")])
+    assert await reward(store, "ro2") == 2.0  # not known yet: every score
+    await store.upsert_runs([run_state("r2", {"exact": 0.25})])
+    assert await reward(store, "ro2") == 0.25
+    await store.upsert_runs([run_state("r2", {"exact": 0.25, "custom": 1.0})])  # changed: recomputed again
+    assert await reward(store, "ro2") == 1.25
+    await store.upsert_runs([events.RunState(id="r2", created_at=T0)])  # a state without scorers changes nothing
+    assert await reward(store, "ro2") == 1.25
+
+
+async def test_the_stores_reward_is_the_python_definition(store: Store) -> None:
+    """reward_expression (SQL) against flywheel.sdk.scoring.rollout_reward, on every kind of
+    rollout: each status, each required scorer present, failed or missing, other scorers, and
+    a run whose scorers are not known."""
+    from flywheel.sdk.scoring import rollout_reward
+
+    rng = random.Random(7)
+    required = {"a": 0.5, "b": 2.0, "m": 0.0}
+    await store.upsert_runs([run_state("known", required)])
+    expected: dict[str, tuple[str, list[events.Score], dict[str, float] | None]] = {}
+    batch: list[events.Event] = []
+    for i in range(120):
+        run = "known" if i % 3 else "unknown"
+        rid = f"ro{i}"
+        status = rng.choice(["completed", "completed", "truncated", "error"])
+        scores = []
+        for name in ("a", "b", "m", "custom"):
+            kind = rng.choice(["value", "value", "value", "missing", "error"])
+            if kind != "missing":
+                scores.append(scored(rid, name, rng.choice([0.0, 0.25, 0.5, 1.0, 3.0]),
+                                     error="boom" if kind == "error" else None, run=run, weight=rng.choice([0.5, 1.0])))
+        batch += [rollout(rid, run=run, status=status), *scores]
+        expected[rid] = (status, scores, required if run == "known" else None)
+    rng.shuffle(batch)  # scores before or after their rollouts
+    for i in range(0, len(batch), 37):
+        await store.record(batch[i:i + 37])
+    page = await store.list_rollouts(limit=1000)
+    got = {r["id"]: r["reward"] for r in page.items}
+    want = {rid: rollout_reward(*case) for rid, case in expected.items()}
+    assert got == pytest.approx(want)
+    assert sum(v is None for v in want.values()) > 10 and sum(v is not None for v in want.values()) > 10
+
+
+async def test_revision_0005_clears_the_reward_of_errored_rollouts(database_url: str) -> None:
+    s = await open_at(database_url, "0004")
+    try:
+        await s.record([rollout("ro1"), rollout("ro2", status="error"), score("s1", "ro1", 1.0),
+                        score("s2", "ro2", 1.0)])
+        async with s.engine.connect() as conn:  # 0004 gave an errored rollout the sum of its scores
+            await conn.execute(sa.update(schema.rollouts).values(reward=1.0))
+            await conn.commit()
+        await migrate_on(s, database_url)
+        assert (await reward(s, "ro1"), await reward(s, "ro2")) == (1.0, None)
+    finally:
+        await s.close()
 
 
 async def test_concurrent_score_and_rollout_writers_agree(store: Store) -> None:
@@ -504,16 +601,6 @@ async def test_a_cursor_continues_only_its_own_filters(store: Store) -> None:
         await store.list_rollouts(RolloutFilter(policy_version=0), cursor=cursor)
     with pytest.raises(InvalidCursor, match="other filters"):
         await store.list_rollouts(cursor=cursor)
-
-
-def test_branches_are_walked_from_their_leaf_to_the_root() -> None:
-    graph = [{"id": "s", "parent_id": None}, {"id": "u", "parent_id": "s"}, {"id": "a1", "parent_id": "u"},
-             {"id": "t", "parent_id": "a1"}, {"id": "a2", "parent_id": "t"}, {"id": "retry", "parent_id": "u"}]
-    assert walk_branch(graph, "a2") == (graph[:5], True)
-    assert walk_branch(graph, "retry") == ([graph[0], graph[1], graph[5]], True)
-    assert walk_branch(graph[3:], "a2") == (graph[3:5], False)  # a1 not arrived yet
-    cycle = [{"id": "x", "parent_id": "y"}, {"id": "y", "parent_id": "x"}]
-    assert walk_branch(cycle, "x") == ([cycle[1], cycle[0]], False)
 
 
 async def test_export_has_messages_scores_and_tokens(store: Store) -> None:

@@ -31,7 +31,8 @@ Schema evolution (tested against stored encodings of version 1 in tests/unit/dat
     ``Rollout.state``; version 4 added ``DeadLetter.stream_seq`` and
     ``DeadLetter.payload_size_bytes`` (a dead letter carries a capped excerpt), the run's
     lease and end (``RunState.owner``, ``lease_expires_at``, ``ended_at``, ``reason``,
-    ``num_tasks_published``) and the status ``stopped``.
+    ``num_tasks_published``), the status ``stopped``, and the run's reward definition
+    (``RunState.scorers``).
 
 Identities
     ``run`` (a training or eval run, owned by a ``tenant``), ``task`` (one row of a task
@@ -229,8 +230,9 @@ class Score(Event, frozen=True, kw_only=True, tag="score"):
 
     Sent by: scorers (built-in and custom). Read by: trainer, recorder.
     Subject: ``scores.<run>.<env>.<scorer>``. A rollout's reward is the weighted sum of
-    the values of its scores. ``error`` is set (and ``value`` is 0.0, not to be trusted)
-    when the scorer failed on this rollout.
+    the values of the run's scorers (``RunState.scorers``; a score of another scorer counts
+    for nothing). ``error`` is set (and ``value`` is 0.0, not to be trusted) when the scorer
+    failed on this rollout.
     """
 
     run: str
@@ -319,6 +321,11 @@ class RunState(_Struct, kw_only=True):
     ended_at: datetime | None = None
     reason: str | None = None  # why it ended, when it did not simply finish
     num_tasks_published: int = 0  # tasks the owner's task supply published so far
+    # The run's reward: the scorers whose weighted values make it, name -> weight (the run
+    # config's `scorers`, else its environment's rewards; flywheel.sdk.scoring), written at
+    # registration by whoever knows the environment. Empty: not known; readers then count
+    # every score at its own weight.
+    scorers: dict[str, float] = {}
 
 
 class ServiceHeartbeat(_Struct, kw_only=True):

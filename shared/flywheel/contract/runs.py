@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -129,8 +129,10 @@ async def get_run(bus: Bus, run: str) -> events.RunState | None:
 
 
 async def get_or_create_run(bus: Bus, run: str, tenant: str = "default", config: dict[str, Any] | None = None,
-                            kind: str = "train") -> tuple[events.RunState, bool]:
-    """The run's state, created (owned by ``tenant``, with ``config``, of ``kind`` train or eval) if new;
+                            kind: str = "train", scorers: Mapping[str, float] | None = None
+                            ) -> tuple[events.RunState, bool]:
+    """The run's state, created (owned by ``tenant``, with ``config``, of ``kind`` train or eval,
+    its reward made of ``scorers``: see :attr:`flywheel.contract.events.RunState.scorers`) if new;
     ``(state, created)``.
     An existing run is returned as it is, whoever owns it."""
     check_key("run", run)
@@ -140,7 +142,8 @@ async def get_or_create_run(bus: Bus, run: str, tenant: str = "default", config:
         state = await get_run(bus, run)
         if state is not None:
             return state, False
-        state = events.RunState(id=run, tenant=tenant, config=config or {}, kind=kind)  # type: ignore[arg-type]
+        state = events.RunState(id=run, tenant=tenant, config=config or {}, kind=kind,  # type: ignore[arg-type]
+                                scorers=dict(scorers or {}))
         try:
             await kv.create(run, events.encode(state))
             return state, True
@@ -150,9 +153,10 @@ async def get_or_create_run(bus: Bus, run: str, tenant: str = "default", config:
 
 
 async def register_run(bus: Bus, run: str, tenant: str = "default", config: dict[str, Any] | None = None,
-                       kind: str = "train") -> tuple[events.RunState, bool]:
+                       kind: str = "train", scorers: Mapping[str, float] | None = None
+                       ) -> tuple[events.RunState, bool]:
     """Like :func:`get_or_create_run`, but a run of another tenant is a :class:`RunConflict`."""
-    state, created = await get_or_create_run(bus, run, tenant, config, kind)
+    state, created = await get_or_create_run(bus, run, tenant, config, kind, scorers)
     if state.tenant != tenant:
         raise RunConflict(f"run {run!r} belongs to tenant {state.tenant!r}, not {tenant!r}; "
                           "name another run or use its owner's tenant")

@@ -11,9 +11,14 @@ usage are kept per call), retrying transient upstream failures (429, 5xx, connec
 with backoff before anything reaches the harness.
 
 The run: ``num_tasks`` rows of the task set, ``num_rollouts`` rollouts of each (one group, so
-group rewards apply), at most ``concurrency`` rollouts at once. Each group's rewards are
-computed when its last rollout ends; a harness or reward that fails is recorded on that
-rollout (``error``, ``reward_errors``), never ends the eval. Results go to a JSONL file, one
+group rewards apply), at most ``concurrency`` rollouts at once. Each rollout runs as in
+training (:func:`flywheel.sdk.rollout.run_harness`: the rollout timeout, harness errors,
+no model call, state that must be JSON) and each group is scored as the scorer service
+scores it (:class:`flywheel.sdk.scoring.Scoring`, when its last rollout ends), so an
+environment gives the same statuses, errors and rewards here as in a training run; a
+rollout's ``reward`` is :func:`flywheel.sdk.scoring.rollout_reward` over the environment's
+rewards. A harness or reward that fails is recorded on that rollout (``error``,
+``reward_errors``), never ends the eval. Results go to a JSONL file, one
 rollout a line (task, messages, state, rewards, usage, error), written group by group, so
 ``resume`` skips every task whose group is in the file already. The summary: reward mean
 and standard error (and per reward), pass@k for k in 1..num_rollouts (a rollout passes when
@@ -49,19 +54,13 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from flywheel.contract import events
 from flywheel.ops.tables import table
-from flywheel.sdk.environment import (
-    Environment,
-    GroupReward,
-    Value,
-    load_environment,
-    messages_of,
-    off_the_loop,
-    subject_name,
-)
+from flywheel.sdk.environment import Environment, load_environment, messages_of, subject_name
 from flywheel.sdk.messages import message_from_dict
+from flywheel.sdk.rollout import ROLLOUT_TIMEOUT_S, run_harness
 from flywheel.sdk.sandbox import SandboxClient
 from flywheel.sdk.sandbox_tools import SandboxUnavailable, use_client
 from flywheel.sdk.sandbox_tools import connect as connect_sandbox
+from flywheel.sdk.scoring import REWARD_TIMEOUT_S, Scoring, required_scorers, rollout_reward
 from flywheel.sdk.tracegraph import TraceGraph
 
 if TYPE_CHECKING:
@@ -97,6 +96,16 @@ class Recording:
         self.calls.append({"usage": completion.get("usage") or {},
                            "finish_reasons": [c.get("finish_reason") for c in choices],
                            "logprobs": [c.get("logprobs") for c in choices if c.get("logprobs")]})
+
+    @property
+    def num_calls(self) -> int:
+        """Model calls answered (the harness's endpoint, as :func:`flywheel.sdk.rollout.run_harness` asks)."""
+        return len(self.calls)
+
+    @property
+    def truncated(self) -> bool:
+        """Whether an answer was cut at ``max_tokens``."""
+        return any(reason == "length" for call in self.calls for reason in call["finish_reasons"])
 
     def tokens(self) -> dict[str, int]:
         totals = {"prompt_tokens": 0, "completion_tokens": 0}
@@ -181,6 +190,11 @@ class RecordingProxy:
     def base_url(self, key: str) -> str:
         """The OpenAI base URL a rollout's harness gets."""
         return f"{self.url}/r/{key}/v1"
+
+    def open(self, key: str) -> Recording:
+        """A new recording for ``key``, filled as its calls pass through."""
+        recording = self.recordings[key] = Recording()
+        return recording
 
     def take(self, key: str) -> Recording:
         """The recording of ``key``, forgotten by the proxy."""
@@ -332,6 +346,8 @@ class EvalConfig:
     timeout_s: float = 600.0  # one model call
     record: bool = False
     run_id: str | None = None
+    rollout_timeout_s: float = ROLLOUT_TIMEOUT_S  # one harness run, as inference's
+    reward_timeout_s: float = REWARD_TIMEOUT_S  # one reward, as the scorer's
 
     def __post_init__(self) -> None:
         for name in ("num_tasks", "num_rollouts", "concurrency"):
@@ -366,44 +382,12 @@ def read_results(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def _error_text(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
-
-
-async def score(env: Environment, rollouts: Sequence[events.Rollout]) -> list[dict[str, Any]]:
-    """Every reward of ``env`` on a group: per rollout ``{"rewards", "components", "reward_errors"}``."""
-    out: list[dict[str, Any]] = [{"rewards": {}, "components": {}, "reward_errors": {}} for _ in rollouts]
-
-    def put(i: int, name: str, value: Value | str) -> None:
-        if isinstance(value, Value):
-            out[i]["rewards"][name] = value.value
-            if value.components:
-                out[i]["components"][name] = value.components
-        else:
-            out[i]["reward_errors"][name] = value
-
-    for reward in map(off_the_loop, env.rewards):
-        if isinstance(reward, GroupReward):
-            try:
-                values: list[Value | str] = list(await reward(rollouts))
-            except Exception as exc:  # noqa: BLE001 - recorded on every rollout of the group
-                values = [f"group reward {reward.name!r} failed: {_error_text(exc)}"] * len(rollouts)
-            for i, v in enumerate(values):
-                put(i, reward.name, v)
-            continue
-        for i, r in enumerate(rollouts):
-            try:
-                put(i, reward.name, await reward(r))
-            except Exception as exc:  # noqa: BLE001 - recorded on that rollout
-                put(i, reward.name, f"reward {reward.name!r} failed: {_error_text(exc)}")
-    return out
-
-
-def total_reward(weights: Mapping[str, float], record: Mapping[str, Any]) -> float | None:
-    """The weighted sum of a rollout's rewards; None when a reward (or the harness) failed on it."""
-    if record.get("error") or record.get("reward_errors"):
-        return None
-    return sum(w * record["rewards"][name] for name, w in weights.items() if name in record["rewards"])
+def scored_fields(scores: Sequence[events.Score]) -> dict[str, Any]:
+    """A rollout's scores as results fields: ``rewards`` (values of those without an error),
+    ``components`` (of those that have some) and ``reward_errors``."""
+    return {"rewards": {s.scorer: s.value for s in scores if s.error is None},
+            "components": {s.scorer: s.components for s in scores if s.error is None and s.components},
+            "reward_errors": {s.scorer: s.error for s in scores if s.error is not None}}
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -513,7 +497,8 @@ class Evaluation:
         self.env_name = subject_name(cfg.env, env)
         self.run_id = cfg.run_id or f"eval-{self.env_name}-{datetime.now(UTC).strftime('%Y%m%dT%H%M%S')}"
         self.progress_out = progress_out
-        self.weights = env.weights
+        self.weights = required_scorers(None, env)  # the reward: every reward of the environment, at its weight
+        self.scoring = Scoring(timeout_s=cfg.reward_timeout_s)
         self.proxy = RecordingProxy(cfg.base_url, cfg.api_key, max_retries=cfg.max_retries, timeout_s=cfg.timeout_s)
         self.bus: Bus | None = None
         self.sandbox: SandboxClient | None = None  # for sandbox tools and rewards, where NATS answers
@@ -572,15 +557,14 @@ class Evaluation:
         cfg = self.cfg
         results = await asyncio.gather(*(self._rollout(tid, row, i) for i in range(cfg.num_rollouts)))
         rollouts = [r for r, _ in results]
-        scored = await score(self.env, rollouts)
+        scored = await self.scoring.score_group(self.env.rewards, rollouts)  # type: ignore[arg-type]
         records = []
-        for (rollout, recording), s in zip(results, scored, strict=True):
-            record = {"task_id": tid, "index": rollout.index, "rollout_id": rollout.id, "env": cfg.env,
-                      "model": cfg.model, "task": row, "messages": messages_of(rollout), "state": rollout.state,
-                      "status": rollout.status, "error": rollout.error, **s,
-                      "usage": recording.tokens(), "calls": recording.calls}
-            record["reward"] = total_reward(self.weights, record)
-            records.append(record)
+        for (rollout, recording), scores in zip(results, scored, strict=True):
+            records.append({"task_id": tid, "index": rollout.index, "rollout_id": rollout.id, "env": cfg.env,
+                            "model": cfg.model, "task": row, "messages": messages_of(rollout), "state": rollout.state,
+                            "status": rollout.status, "error": rollout.error, **scored_fields(scores),
+                            "usage": recording.tokens(), "calls": recording.calls,
+                            "reward": rollout_reward(rollout.status, scores, self.weights)})
         async with self._write:
             out.write("".join(json.dumps(r, default=str) + "\n" for r in records))
             out.flush()
@@ -589,28 +573,26 @@ class Evaluation:
         progress.add(len(records), sum(1 for r in records if r["error"] or r["reward_errors"]))
 
     async def _rollout(self, tid: str, row: dict[str, Any], index: int) -> tuple[events.Rollout, Recording]:
+        """One rollout, run as inference runs it (:func:`flywheel.sdk.rollout.run_harness`), its
+        calls recorded by the proxy."""
         from flywheel.sdk.harness import RolloutContext
 
         rid = rollout_id(self.run_id, tid, index)
         async with self._slots:
+            recording = self.proxy.open(rid)
             ctx = RolloutContext(task=row, base_url=self.proxy.base_url(rid), api_key=HARNESS_API_KEY,
                                  model=self.cfg.model, index=index, timeout_s=self.cfg.timeout_s, rollout_id=rid,
                                  sandbox_client=self.sandbox)
-            error = None
-            try:
-                assert self.env.harness is not None
-                await self.env.harness.run(self.env, ctx)
-            except Exception as exc:  # noqa: BLE001 - the harness failed on this rollout: recorded, the eval goes on
-                error = f"harness failed: {_error_text(exc)}"
-            finally:
-                await ctx.close()
-        recording = self.proxy.take(rid)
-        status = "error" if error else "truncated" if ctx.state.get("truncated") else "completed"
-        state = json.loads(json.dumps(ctx.state, default=str))  # JSON, as it travels
+
+            def forget() -> None:  # the rollout is over: calls that still come are not its own
+                self.proxy.take(rid)
+
+            outcome = await run_harness(self.env, ctx, recording, self.cfg.rollout_timeout_s, on_end=forget)
+        metrics = {k: float(v) for k, v in recording.tokens().items()} | {"rollout_s": outcome.elapsed_s}
         rollout = events.Rollout(id=rid, run=self.run_id, env=self.env_name, task_id=tid, group_id=tid, index=index,
-                                 task_data=row, nodes=recording.graph.ordered(), status=status, error=error,
-                                 group_size=self.cfg.num_rollouts, state=state,
-                                 metrics={k: float(v) for k, v in recording.tokens().items()})
+                                 task_data=row, nodes=recording.graph.ordered(), status=outcome.status,
+                                 error=outcome.error, group_size=self.cfg.num_rollouts, state=outcome.state,
+                                 metrics=metrics)
         return rollout, recording
 
     # --- recording on the bus -----------------------------------------------------------
@@ -624,7 +606,7 @@ class Evaluation:
         self.bus = await Bus.connect(nats_url, "flywheel-eval")
         await register_run(self.bus, self.run_id, kind="eval", config={
             "eval": {"env": self.cfg.env, "model": self.cfg.model, "base_url": self.cfg.base_url,
-                     "num_tasks": self.cfg.num_tasks, "num_rollouts": self.cfg.num_rollouts}})
+                     "num_tasks": self.cfg.num_tasks, "num_rollouts": self.cfg.num_rollouts}}, scorers=self.weights)
 
     async def _open_sandbox(self, nats_url: str | None) -> None:
         """The sandbox service's client, over the recording bus or a connection of its own, where
@@ -635,18 +617,10 @@ class Evaluation:
             with contextlib.suppress(SandboxUnavailable):  # no NATS: environments without a sandbox run as ever
                 self._sandbox_bus, self.sandbox = await connect_sandbox(nats_url, timeout_s=1.0)
 
-    async def _publish(self, rollouts: list[events.Rollout], scored: list[dict[str, Any]]) -> None:
+    async def _publish(self, rollouts: list[events.Rollout], scored: list[list[events.Score]]) -> None:
         assert self.bus is not None
-        scores: list[events.Event] = []
-        for rollout, s in zip(rollouts, scored, strict=True):
-            for name, weight in self.weights.items():
-                error = s["reward_errors"].get(name)
-                scores.append(events.Score(id=f"{rollout.id}.{name}", run=self.run_id, env=self.env_name,
-                                           rollout_id=rollout.id, group_id=rollout.group_id, scorer=name,
-                                           value=s["rewards"].get(name, 0.0), weight=weight,
-                                           components=s["components"].get(name, {}), error=error))
         await self.bus.publish_many(rollouts, events.MSGPACK)
-        await self.bus.publish_many(scores)
+        await self.bus.publish_many([s for scores in scored for s in scores])
 
     async def _close_bus(self) -> None:
         from flywheel.contract.runs import update_run

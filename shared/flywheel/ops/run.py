@@ -70,6 +70,7 @@ from flywheel.ops.stack import (
     wait_set,
 )
 from flywheel.sdk.environment import Environment, load_for_run, subject_name
+from flywheel.sdk.scoring import required_scorers
 
 RUN_SERVICES = ("inference", "scorer")  # what a training run needs besides the trainer
 MAX_RESTARTS_WITHOUT_PROGRESS = 5  # trainer restarts with no new step in between before the run fails
@@ -365,7 +366,9 @@ class MainJob:
         True when there is nothing to do (the resumed run had finished)."""
         cfg = self.cfg
         config = cfg.model_dump()
-        state, created = await register_run(self.bus, cfg.run, cfg.tenant, config=config)
+        assert self.env is not None
+        scorers = required_scorers(cfg, self.env)  # the run's reward, for the trace store (the trainer's too)
+        state, created = await register_run(self.bus, cfg.run, cfg.tenant, config=config, scorers=scorers)
         if created:
             await update_run(self.bus, cfg.run, **self._lease_fields())
             return False
@@ -389,7 +392,7 @@ class MainJob:
         why = f" ({ended.reason})" if ended is not None else ""
         self.say(f"run {cfg.run}: resuming at step {state.trainer_step} of {cfg.trainer.num_steps}{why}")
         await update_run(self.bus, cfg.run, status="running" if state.status != "created" else "created",
-                         ended_at=None, reason=None, **self._lease_fields())
+                         ended_at=None, reason=None, scorers=scorers, **self._lease_fields())
         return False
 
     async def _wait_for_owner(self, state: events.RunState) -> None:
@@ -557,9 +560,6 @@ def new_run_id(base: str) -> str:
     return f"{base}-{datetime.now(UTC).strftime('%Y%m%d-%H%M%S')}"
 
 
-def main_job(config_path: str, settings: Settings, run_id: str | None = None,
-             overrides: dict[str, Any] | None = None, resume: bool = False) -> dict[str, Any]:
-    cfg = RunConfig.from_toml(config_path)
 def apply_override(data: dict[str, Any], dotted: str, value: Any) -> None:
     """``--set dotted=value`` on a config's data: ``trainer.lr``, ``trainer.loss.clip_eps``. A
     part given by its bare name (``--set trainer.engine=deepspeed`` before ``--set
@@ -577,6 +577,9 @@ def apply_override(data: dict[str, Any], dotted: str, value: Any) -> None:
     section[leaf] = value
 
 
+def main_job(config_path: str, settings: Settings, run_id: str | None = None,
+             overrides: dict[str, Any] | None = None, resume: bool = False) -> dict[str, Any]:
+    cfg = RunConfig.from_toml(config_path)
     data = cfg.model_dump()
     for dotted, value in (overrides or {}).items():
         apply_override(data, dotted, value)

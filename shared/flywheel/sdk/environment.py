@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from flywheel.contract import events
+from flywheel.sdk import tracegraph
 from flywheel.sdk.messages import message_dict, message_from_dict
 
 if TYPE_CHECKING:
@@ -330,16 +331,8 @@ def shortest_correct_reward(is_correct: Callable[[str, dict[str, Any]], bool], w
 
 
 def final_branch(rollout: events.Rollout) -> list[events.Node]:
-    """The branch (root to leaf) that ends at the rollout's last node."""
-    if not rollout.nodes:
-        return []
-    by_id = {n.id: n for n in rollout.nodes}
-    branch = []
-    node: events.Node | None = rollout.nodes[-1]
-    while node is not None:
-        branch.append(node)
-        node = by_id.get(node.parent_id) if node.parent_id else None
-    return branch[::-1]
+    """The branch (root to leaf) that ends at the rollout's last node (:func:`flywheel.sdk.tracegraph.final_branch`)."""
+    return tracegraph.final_branch(rollout.nodes)
 
 
 def completion_of(rollout: events.Rollout) -> str:

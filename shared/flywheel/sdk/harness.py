@@ -17,7 +17,9 @@ point: the same harness runs in evaluation, in training and in deployment.
 - :class:`UserSimulator`: a model behind an MCP server that plays the user.
 
 What the harness records in ``ctx.state`` (a JSON object) travels with the rollout and reaches
-rewards as ``state``: a game's final board, a database's final contents.
+rewards as ``state``: a game's final board, a database's final contents. Inference and
+``flywheel eval`` both run a harness through :func:`flywheel.sdk.rollout.run_harness`, so the
+rollout timeout, what an error is and the state's check are the same in both.
 """
 
 from __future__ import annotations

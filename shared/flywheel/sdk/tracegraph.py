@@ -11,14 +11,139 @@ This module holds the message layer and the bookkeeping; the token layer (what t
 service sampled, how a new turn extends the sampled tokens) is filled in by whoever builds the
 nodes. :func:`rollout_from_messages` builds a message-only rollout from a finished
 conversation (evaluation against an endpoint that returns no tokens, tests of rewards).
+
+It is also the one owner of walks over a rollout's graph, whoever holds its nodes:
+:func:`walk` (root to a node), :func:`leaves`, :func:`branches` (one per leaf),
+:func:`final_branch` (the one that ends at the last node: what rewards read) and
+:func:`join_tokens` (a branch's token spans concatenated: what the model saw). They work on
+any node type through a :class:`NodeFields` that says how to read an id, a parent and a
+token span: :data:`NODES` for :class:`flywheel.contract.events.Node` (inference, scorer,
+trainer, the SDK), :data:`ROWS` for the trace store's rows and decoded events (dicts), so no
+caller converts its nodes first. Not covered: ordering beyond what callers pass in (a
+node's place is its index in the sequence given).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from operator import attrgetter, itemgetter
+from typing import Any, Generic, TypeVar
 
 from flywheel.contract import events
+
+N = TypeVar("N")
+TokenLayer = tuple[Sequence[int], Sequence[float], Sequence[bool]]  # token ids, logprobs, loss mask
+
+
+@dataclass(frozen=True)
+class NodeFields(Generic[N]):
+    """How to read a node of one kind: its id, its parent's id (None for a root), and its token
+    layer (ids, logprobs and loss mask; None for a node without tokens)."""
+
+    id: Callable[[N], str]
+    parent_id: Callable[[N], str | None]
+    token_layer: Callable[[N], TokenLayer | None]
+
+
+def _node_layer(node: events.Node) -> TokenLayer | None:
+    span = node.tokens
+    return None if span is None else (span.token_ids, span.logprobs, span.loss_mask)
+
+
+def _row_layer(row: Mapping[str, Any]) -> TokenLayer | None:
+    span = row.get("tokens")
+    # An encoded TokenSpan leaves out empty lists (defaults are omitted on the wire).
+    return None if span is None else (span.get("token_ids", ()), span.get("logprobs", ()), span.get("loss_mask", ()))
+
+
+NODES: NodeFields[events.Node] = NodeFields(attrgetter("id"), attrgetter("parent_id"), _node_layer)
+# Dicts with "id", "parent_id" (absent: a root) and "tokens" (a TokenSpan as a dict, or None):
+# the store's rows, and nodes of a Rollout event decoded to builtins.
+ROWS: NodeFields[Mapping[str, Any]] = NodeFields(itemgetter("id"), lambda row: row.get("parent_id"), _row_layer)
+
+
+class TokenLayerError(ValueError):
+    """A node whose token ids, logprobs and loss mask differ in length."""
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """Token spans concatenated in node order: along a branch, exactly what the model saw."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    loss_mask: list[bool]
+
+
+def _by_id(nodes: Mapping[str, N] | Sequence[N], fields: NodeFields[Any]) -> Mapping[str, N]:
+    return nodes if isinstance(nodes, Mapping) else {fields.id(n): n for n in nodes}
+
+
+def walk(nodes: Mapping[str, N] | Sequence[N], leaf_id: str, fields: NodeFields[Any] = NODES) -> tuple[list[N], bool]:
+    """The branch that ends at ``leaf_id``, root first, following parent links among ``nodes``
+    (a sequence, or a mapping by id); and whether it reaches a root. It stops short (False) at a
+    parent that is not among ``nodes`` (a live trace whose earlier node has not arrived yet) or
+    at a node already on the branch (a cycle, which content-hashed ids rule out unless a
+    producer breaks the contract). KeyError when ``leaf_id`` is not among them."""
+    by_id = _by_id(nodes, fields)
+    branch: list[N] = []
+    seen: set[str] = set()
+    node: N | None = by_id[leaf_id]
+    while node is not None:
+        node_id = fields.id(node)
+        if node_id in seen:
+            break
+        branch.append(node)
+        seen.add(node_id)
+        parent_id = fields.parent_id(node)
+        if parent_id is None:
+            return branch[::-1], True
+        node = by_id.get(parent_id)
+    return branch[::-1], False
+
+
+def leaves(nodes: Sequence[N], fields: NodeFields[Any] = NODES) -> list[N]:
+    """The nodes no other node names as its parent, in the order given: one per branch."""
+    parents = {fields.parent_id(n) for n in nodes}
+    return [n for n in nodes if fields.id(n) not in parents]
+
+
+def branches(nodes: Sequence[N], fields: NodeFields[Any] = NODES) -> list[list[N]]:
+    """Every root-to-leaf branch of a rollout's nodes, in the order their leaves come."""
+    by_id = _by_id(nodes, fields)
+    return [walk(by_id, fields.id(leaf), fields)[0] for leaf in leaves(nodes, fields)]
+
+
+def final_branch(nodes: Sequence[N], fields: NodeFields[Any] = NODES) -> list[N]:
+    """The branch, root first, that ends at the last of ``nodes`` (a rollout lists its final
+    answer last): the conversation rewards read. Empty for no nodes."""
+    return walk(nodes, fields.id(nodes[-1]), fields)[0] if nodes else []
+
+
+def join_tokens(nodes: Iterable[N], fields: NodeFields[Any] = NODES, *, context: Collection[str] = (),
+                strict: bool = False) -> Tokens:
+    """The token spans of ``nodes`` concatenated in order (nodes without tokens add nothing).
+    Nodes whose ids are in ``context`` add their tokens with the loss mask off (shared with a
+    branch trained before). ``strict``: raise :class:`TokenLayerError` naming the node whose
+    lists differ in length (the trainer's check); otherwise they are joined as they are (the
+    store shows what was recorded)."""
+    token_ids: list[int] = []
+    logprobs: list[float] = []
+    loss_mask: list[bool] = []
+    for node in nodes:
+        layer = fields.token_layer(node)
+        if layer is None:
+            continue
+        ids, probs, mask = layer
+        n = len(ids)
+        if strict and (len(probs) != n or len(mask) != n):
+            raise TokenLayerError(f"node {fields.id(node)}: {n} token ids but {len(probs)} logprobs and "
+                                  f"{len(mask)} loss-mask entries")
+        token_ids += ids
+        logprobs += probs
+        loss_mask += [False] * len(mask) if context and fields.id(node) in context else mask
+    return Tokens(token_ids, logprobs, loss_mask)
 
 
 class TraceGraph:
@@ -61,16 +186,10 @@ class TraceGraph:
 
     def branch(self, leaf_id: str) -> list[events.Node]:
         """Root to ``leaf_id``."""
-        out = []
-        node: events.Node | None = self.nodes[leaf_id]
-        while node is not None:
-            out.append(node)
-            node = self.nodes.get(node.parent_id) if node.parent_id else None
-        return out[::-1]
+        return walk(self.nodes, leaf_id)[0]
 
     def leaves(self) -> list[events.Node]:
-        parents = {n.parent_id for n in self.nodes.values()}
-        return [n for n in self.nodes.values() if n.id not in parents]
+        return leaves(list(self.nodes.values()))
 
     def ordered(self) -> list[events.Node]:
         """Every node, parents first, the newest node (end of the final branch) last."""
@@ -82,21 +201,6 @@ class TraceGraph:
         tail = [n.id for n in self.branch(self.last.id)]
         rest = [n for n in nodes if n.id not in tail]
         return rest + [self.nodes[i] for i in tail]
-
-
-def branches(nodes: Sequence[events.Node]) -> list[list[events.Node]]:
-    """Every root-to-leaf branch of a rollout's nodes, in the order their leaves were created."""
-    by_id = {n.id: n for n in nodes}
-    parents = {n.parent_id for n in nodes}
-    out = []
-    for leaf in (n for n in nodes if n.id not in parents):
-        branch = []
-        node: events.Node | None = leaf
-        while node is not None:
-            branch.append(node)
-            node = by_id.get(node.parent_id) if node.parent_id else None
-        out.append(branch[::-1])
-    return out
 
 
 def rollout_from_messages(*, run: str, env: str, task_id: str, task_data: dict[str, Any],

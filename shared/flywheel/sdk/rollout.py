@@ -1,0 +1,114 @@
+"""One rollout of an environment's harness: the one runner behind training and ``flywheel eval``.
+
+:func:`run_harness` runs ``env.harness`` on one task through a :class:`RolloutContext` and
+says how it ended, by the same rules wherever it runs (the inference service in training,
+:mod:`flywheel.ops.eval` against any endpoint), so an environment runs the same in both:
+
+- a harness that raises is an ``error`` rollout with ``harness failed: <type>: <message>``;
+- one that runs past ``timeout_s`` is cancelled and is an ``error`` naming the timeout;
+- one that never called the model is an ``error`` (``the harness made no model call``): a
+  rollout without an answer is nothing to score or train on;
+- ``state`` must be JSON (it travels on the bus and reaches rewards): one that is not is
+  an ``error`` saying why, with an empty state; nothing is converted to make it fit;
+- otherwise ``truncated`` when an answer was cut at ``max_tokens`` (the endpoint saw a
+  ``length`` finish) or the harness set ``state["truncated"]``, else ``completed``.
+
+What differs between callers stays with them and is passed in: the base URL the context
+points at (inference's interception session, eval's recording proxy) and an
+:class:`Endpoint`, the caller's view of what that URL saw (calls answered, answers cut).
+The caller builds the rollout event from the outcome with its own nodes and metrics.
+Not covered: stopping a harness's threads (a sync call inside a harness past its timeout
+runs on in its thread; the rollout is recorded as timed out all the same).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+import msgspec
+
+if TYPE_CHECKING:
+    from flywheel.sdk.environment import Environment
+    from flywheel.sdk.harness import RolloutContext
+
+log = logging.getLogger(__name__)
+
+# A harness gets this long (inference's `rollout_timeout_s`, eval's `rollout_timeout_s`).
+ROLLOUT_TIMEOUT_S = 600.0
+NO_MODEL_CALL = "the harness made no model call"
+
+Status = Literal["completed", "truncated", "error"]
+
+
+class Endpoint(Protocol):
+    """What the caller's end of a rollout's base URL saw of the harness's model calls."""
+
+    @property
+    def num_calls(self) -> int:
+        """Model calls answered."""
+        ...
+
+    @property
+    def truncated(self) -> bool:
+        """Whether an answer was cut at ``max_tokens`` (a ``length`` finish)."""
+        ...
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one rollout's harness ended: status, error text (None unless ``error``), its state
+    as JSON, and how long it ran."""
+
+    status: Status
+    error: str | None
+    state: dict[str, Any]
+    elapsed_s: float
+
+
+def json_state(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` as it travels (JSON types only); TypeError saying what does not fit otherwise."""
+    try:
+        return msgspec.json.decode(msgspec.json.encode(state))
+    except (TypeError, msgspec.EncodeError) as exc:
+        raise TypeError(f"the harness's state is not JSON: {exc}") from None
+
+
+async def run_harness(env: Environment, ctx: RolloutContext, endpoint: Endpoint, timeout_s: float = ROLLOUT_TIMEOUT_S,
+                      on_end: Callable[[], Awaitable[None] | None] | None = None) -> Outcome:
+    """Run ``env``'s harness on ``ctx`` for at most ``timeout_s``, close ``ctx``, and say how it
+    ended (see the module's rules). ``on_end`` runs when the harness has ended, however it
+    ended, before ``ctx`` closes: the caller's end of the URL stops taking its calls there."""
+    assert env.harness is not None
+    error: str | None = None
+    started = time.monotonic()
+    try:
+        await asyncio.wait_for(env.harness.run(env, ctx), timeout_s)
+    except TimeoutError:
+        error = f"the harness ran past rollout_timeout_s={timeout_s}"
+    except Exception as exc:  # noqa: BLE001 - the environment's code: recorded on this rollout
+        error = f"harness failed: {type(exc).__name__}: {exc}"
+    finally:
+        try:
+            if on_end is not None:
+                ended = on_end()
+                if ended is not None:
+                    await ended
+        finally:
+            await ctx.close()
+    elapsed_s = time.monotonic() - started
+    if error is None and endpoint.num_calls == 0:
+        error = NO_MODEL_CALL
+    truncated = endpoint.truncated or bool(ctx.state.get("truncated"))
+    try:
+        state = json_state(ctx.state)
+    except TypeError as exc:
+        state, error = {}, str(exc) if error is None else f"{error}; {exc}"
+    if error is not None:
+        log.info("rollout %s (index %d): %s", ctx.rollout_id or "?", ctx.index, error)
+    status: Status = "error" if error is not None else "truncated" if truncated else "completed"
+    return Outcome(status, error, state, elapsed_s)

@@ -1,0 +1,77 @@
+"""The one scoring core (:mod:`flywheel.sdk.scoring`): rewards on a group by the error rules,
+and what a rollout's reward is. The scorer service's use of it is tested in
+tests/unit/test_scorer_rewards.py, eval's in tests/unit/test_eval.py, the store's SQL
+against :func:`rollout_reward` in tests/unit/test_store.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from flywheel.contract import events
+from flywheel.contract.config import RunConfig
+from flywheel.sdk.environment import Environment, GroupReward, Metric, Reward, load_environment
+from flywheel.sdk.scoring import Scoring, required_scorers, rollout_reward
+from tests.scripted_openai import make_rollout
+
+
+def score(scorer: str, value: float, weight: float = 1.0, error: str | None = None) -> events.Score:
+    return events.Score(run="r", env="e", rollout_id="ro", group_id="g", scorer=scorer, value=value, weight=weight,
+                        error=error)
+
+
+def test_a_rollouts_reward_is_its_required_scorers_weighted() -> None:
+    required = {"exact": 0.5, "length": 0.0}
+    full = [score("exact", 1.0, weight=9.0), score("length", 7.0), score("custom", 3.0)]
+    assert rollout_reward("completed", full, required) == 0.5  # weights are the run's; custom counts for nothing
+    assert rollout_reward("truncated", full, required) == 0.5
+    assert rollout_reward("error", full, required) is None  # an errored rollout has no reward
+    assert rollout_reward("completed", full[:1], required) is None  # "length" has not scored it yet
+    assert rollout_reward("completed", [*full[1:], score("exact", 0.0, error="boom")], required) is None
+    assert rollout_reward("completed", [*full, score("judge", 0.0, error="boom")], required) == 0.5  # not required
+    # A run whose scorers are not known: every score, at its own weight; None before the first or after a failure.
+    assert rollout_reward("completed", full, None) == 9.0 + 7.0 + 3.0
+    assert rollout_reward("completed", [], {}) is None
+    assert rollout_reward("completed", [*full, score("judge", 0.0, error="boom")], None) is None
+
+
+def test_the_required_scorers_are_the_runs_else_the_environments() -> None:
+    env = load_environment("reverse_text")
+    cfg = RunConfig(run="r", env="reverse_text")
+    assert required_scorers(cfg, env) == {"similarity": 1.0, "exact": 0.0} == required_scorers(None, env)
+    assert required_scorers(RunConfig(run="r", env="reverse_text", scorers={"brevity": 2.0}), env) == {"brevity": 2.0}
+
+
+async def slow(completion: str) -> float:
+    await asyncio.Event().wait()
+    return 1.0
+
+
+async def test_a_group_is_scored_by_the_error_rules_each_reward_on_its_own() -> None:
+    env = Environment(name="rules", tasks=[{"prompt": "x"}], rewards=[
+        Reward(lambda completion: len(completion), name="length"), Reward(lambda: 1 / 0, name="raises"),
+        Reward(lambda: "high", name="words"), Reward(slow), Metric(lambda: {"a": 1.0, "b": 2.0}, name="parts"),
+        GroupReward(lambda completions: [1.0], name="short_list"),
+        GroupReward(lambda completions: [float(c == "cba") for c in completions], name="right", weight=0.5)])
+    rollouts = [make_rollout("rules", {"prompt": "x"}, [{"role": "user", "content": "x"},
+                                                        {"role": "assistant", "content": answer}], index=i)
+                for i, answer in enumerate(["cba", "ab"])]
+    scored = await Scoring(timeout_s=0.2).score_group(env.rewards, rollouts, {"length": 2.0})  # type: ignore[arg-type]
+    first = {s.scorer: s for s in scored[0]}
+    assert [s.scorer for s in scored[1]] == list(first)  # one score per reward, in the rewards' order
+    assert (first["length"].value, first["length"].weight) == (3.0, 2.0) and first["right"].weight == 0.5
+    assert first["parts"].value == 3.0 and first["parts"].components == {"a": 1.0, "b": 2.0}
+    assert [s.value for s in (first["right"], {s.scorer: s for s in scored[1]}["right"])] == [1.0, 0.0]
+    assert {name: s.error for name, s in first.items() if s.error} == {
+        "raises": "reward 'raises' failed: ZeroDivisionError: division by zero",
+        "words": "reward 'words' failed: RewardError: reward 'words' returned 'high'; a reward returns a finite "
+                 "float or a dict of them",
+        "slow": "reward 'slow' timed out after 0.2s",
+        "short_list": "group reward 'short_list' failed: RewardError: group reward 'short_list' returned [1.0]; it "
+                      "returns a list with one value per rollout (2)",
+    }
+    assert all(s.value == 0.0 for s in first.values() if s.error)  # never a silent value, a recorded error
+    assert {s.id for s in scored[1]} == {f"{rollouts[1].id}.{name}" for name in first}
+    with pytest.raises(ValueError, match="timeout_s must be positive"):
+        Scoring(timeout_s=0)
