@@ -7,9 +7,10 @@ import time
 from collections import Counter
 
 import pytest
+from nats.aio.msg import Msg
 
 from flywheel.contract import events
-from flywheel.contract.bus import Bus, BusConfig, Consumer, Delivery, Reject
+from flywheel.contract.bus import Bus, BusConfig, Consumer, Delivery, Reject, delivery_counts
 from flywheel.ops.natsserver import NatsServer
 from tests.helpers import until
 
@@ -60,19 +61,20 @@ async def test_publish_is_deduplicated_by_event_id(bus: Bus) -> None:
 
 
 async def test_consumer_acks_and_decodes_msgpack(bus: Bus) -> None:
-    await bus.publish(task(1))
+    await bus.publish(task(1))  # JSON: no Content-Type, the contract's default
     await bus.publish(task(2), content_type=events.MSGPACK)
-    seen: list[events.Task] = []
+    seen: list[Delivery] = []
 
     async def handle(d: Delivery) -> None:
-        seen.append(d.event)
+        seen.append(d)
 
     c = Consumer(bus, stream="TASKS", durable="c1", handler=handle, event_type=events.Task)
     t = await running(c)
     await until(lambda: c.stats.acked == 2, what="two acks")
     c.stop()
     await t
-    assert sorted(e.id for e in seen) == ["t1", "t2"]
+    assert sorted((d.event.id, d.stream_seq, d.num_delivered) for d in seen) == [("t1", 1, 1), ("t2", 2, 1)]
+    assert [d.headers.get("Content-Type") for d in sorted(seen, key=lambda d: d.stream_seq)] == [None, events.MSGPACK]
     info = await bus.js.consumer_info("TASKS", "c1")
     assert info.num_ack_pending == 0 and info.num_pending == 0
 
@@ -183,6 +185,7 @@ async def test_in_flight_is_bounded(bus: Bus) -> None:
     assert info.num_ack_pending <= 5
     release.set()
     await until(lambda: c.stats.acked == 40, what="all acked")
+    assert len(c._workers) == 5  # one per slot, reused: not a task per message
     c.stop()
     await t
     assert peak == 5
@@ -322,9 +325,64 @@ async def test_trace_context_travels_in_headers(nats_server: NatsServer) -> None
     assert spans["publish tasks.r1.echo"].parent.span_id == root.get_span_context().span_id
 
 
-async def test_no_trace_headers_without_a_tracer_provider(bus: Bus) -> None:
+async def test_no_trace_headers_without_a_tracer_provider_and_content_type_only_for_msgpack(bus: Bus) -> None:
     assert bus.tracer is None
-    assert set(bus.headers_for(task(1), events.JSON)) == {"Nats-Msg-Id", "Content-Type"}
+    assert bus.headers_for(task(1), events.JSON) == {"Nats-Msg-Id": "t1"}
+    assert bus.headers_for(task(1), events.MSGPACK) == {"Nats-Msg-Id": "t1", "Content-Type": events.MSGPACK}
+
+
+@pytest.mark.parametrize("reply", [
+    "$JS.ACK.TASKS.c1.3.41.40.1700000000000000000.7",  # stream, consumer, delivered, stream seq, ...
+    "$JS.ACK.hub.ACCHASH.TASKS.c1.3.41.40.1700000000000000000.7.t0k3n",  # with domain and account hash
+    "$JS.ACK._.ACCHASH.TASKS.c1.3.41.40.1700000000000000000.7",  # the same without the final token
+])
+def test_delivery_counts_read_the_ack_subject_as_nats_py_does(reply: str) -> None:
+    md = Msg(_client=None, reply=reply).metadata  # type: ignore[arg-type]
+    assert delivery_counts(reply) == (md.num_delivered, md.sequence.stream) == (3, 41)
+
+
+async def test_publish_many_publishes_again_what_was_not_acknowledged_in_time(nats_server: NatsServer,
+                                                                               monkeypatch) -> None:
+    bus = await Bus.connect(nats_server.url, "producer", BusConfig(request_timeout_s=0.5))
+    publish_async = bus.js.publish_async
+
+    async def ack_of_t1_lost(subject: str, payload: bytes, headers: dict[str, str]) -> asyncio.Future:
+        stored = await publish_async(subject, payload, headers=headers)
+        return asyncio.get_running_loop().create_future() if headers["Nats-Msg-Id"] == "t1" else stored
+
+    monkeypatch.setattr(bus.js, "publish_async", ack_of_t1_lost)
+    acks = await asyncio.wait_for(bus.publish_many([task(0), task(1), task(2)]), 10)
+    # t1 was stored, its ack never came: published again after request_timeout_s, kept once.
+    assert [a.seq for a in acks] == [1, 2, 3] and [a.duplicate for a in acks] == [None, True, None]
+    assert (await bus.js.stream_info("TASKS")).state.messages == 3
+    await bus.close()
+
+
+async def test_an_internal_error_is_logged_and_frees_its_slot(bus: Bus, monkeypatch, caplog) -> None:
+    await bus.publish(task(1))
+    handled: list[str] = []
+
+    async def handle(d: Delivery) -> None:
+        handled.append(d.event.id)
+
+    c = Consumer(bus, stream="TASKS", durable="c1", handler=handle)
+    ack = c._ack
+
+    async def first_ack_fails(m: Msg) -> None:
+        if handled == ["t1"]:
+            raise ConnectionResetError("connection lost while acking")
+        await ack(m)
+
+    monkeypatch.setattr(c, "_ack", first_ack_fails)
+    t = await running(c)
+    await until(lambda: "internal error" in caplog.text, what="the failed ack logged")
+    assert c._in_flight == 0  # its slot is free again
+    await bus.publish(task(2))
+    await until(lambda: c.stats.acked == 1, what="the next task")
+    c.stop()
+    await t
+    assert handled == ["t1", "t2"]
+    assert c.stats.handed_back == 1  # t1, never acked, handed back on stop
 
 
 @pytest.mark.parametrize("bad", [{"handler": None, "batch_handler": None}, {"stream": "NOPE"}, {"max_deliver": 0}])
