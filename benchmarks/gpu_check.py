@@ -232,9 +232,9 @@ def logprob_gap(engine: Any, groups: list[list[Any]], pad_id: int, temperature: 
     from flywheel_trainer.join import tokens_of
 
     sequences = [tokens_of(s.rollout) for g in groups for s in g]
-    batch = pad(sequences, [0.0] * len(sequences), pad_id, engine.device)
+    batch = pad(sequences, [0.0] * len(sequences), pad_id, engine.device, [temperature] * len(sequences))
     with torch.no_grad(), engine.autocast():
-        logprobs = token_logprobs(engine.model, batch, temperature)
+        logprobs = token_logprobs(engine.model, batch)
     gap = (logprobs.float() - batch.old_logprobs).abs()[batch.loss_mask]
     ratio = torch.exp(batch.old_logprobs - logprobs.float())[batch.loss_mask]
     return {"logprob_gap_mean": float(gap.mean()), "logprob_gap_max": float(gap.max()),
@@ -271,22 +271,23 @@ def check_inference(model_dir: Path, device: str, dtype: str, batch_size: int, m
 
 
 def check_rl_loop(model_dir: Path, device: str, dtype: str, num_steps: int, max_tokens: int) -> dict[str, Any]:
+    from flywheel.contract.settings import TrainerSettings
     from flywheel_inference.backends import TransformersBackend
-    from flywheel_trainer.learner import LearnerConfig, rl_step
+    from flywheel_trainer.learner import rl_step
 
     cfg = run_config(dtype, max_tokens=max_tokens)
     engine = torch_engine(model_dir, cfg)
     backend = TransformersBackend.build(model_dir, dtype, device)
     backend.swap(engine.weights(), 0)
     sampler = Sampler(backend, cfg)
-    learner = LearnerConfig()
+    micro_batch_size = TrainerSettings().micro_batch_size
     steps = []
     for step in range(1, num_steps + 1):
         t: dict[str, float] = {}
         with timed(device, t, "generate_s"):
             groups = sampler.groups(cfg.groups_per_step, seed=10 + step)
         with timed(device, t, "train_s"):
-            figures = rl_step(engine, groups, backend.pad_id, cfg, learner)
+            figures = rl_step(engine, groups, backend.pad_id, cfg, micro_batch_size)
         with timed(device, t, "weights_s"):
             data = engine.weights()
         with timed(device, t, "swap_s"):
@@ -321,8 +322,9 @@ def max_weight_gap(a: bytes, b: bytes) -> float:
 
 def check_deepspeed(model_dir: Path, device: str, dtype: str, stage: int, num_steps: int,
                     fixed: tuple[list[list[Any]], int], reference: dict[str, Any]) -> dict[str, Any]:
+    from flywheel.contract.settings import TrainerSettings
     from flywheel_inference.backends import TransformersBackend
-    from flywheel_trainer.learner import LearnerConfig, rl_step
+    from flywheel_trainer.learner import rl_step
 
     cfg = run_config(dtype, engine="deepspeed", stage=stage)
     engine = torch_engine(model_dir, cfg)
@@ -331,7 +333,7 @@ def check_deepspeed(model_dir: Path, device: str, dtype: str, stage: int, num_st
     for _ in range(num_steps):
         t: dict[str, float] = {}
         with timed(device, t, "step_s"):
-            figures = rl_step(engine, groups, pad_id, cfg, LearnerConfig())
+            figures = rl_step(engine, groups, pad_id, cfg, TrainerSettings().micro_batch_size)
         losses.append(figures["loss"])
         step_s.append(t["step_s"])
     with timed(device, t, "weights_s"):
@@ -399,8 +401,9 @@ def main() -> None:
         fixed: dict[str, Any] = {}
 
         def torch_reference() -> dict[str, Any]:
+            from flywheel.contract.settings import TrainerSettings
             from flywheel_inference.backends import TransformersBackend
-            from flywheel_trainer.learner import LearnerConfig, rl_step
+            from flywheel_trainer.learner import rl_step
 
             cfg = run_config(dtype)
             backend = TransformersBackend.build(tiny, dtype, args.device)
@@ -408,7 +411,8 @@ def main() -> None:
             initial = engine.weights()
             backend.swap(initial, 0)
             fixed["groups"] = (Sampler(backend, cfg).groups(cfg.groups_per_step, seed=99), backend.pad_id)
-            losses = [rl_step(engine, fixed["groups"][0], backend.pad_id, cfg, LearnerConfig())["loss"]
+            losses = [rl_step(engine, fixed["groups"][0], backend.pad_id, cfg,
+                                  TrainerSettings().micro_batch_size)["loss"]
                       for _ in range(args.steps)]
             fixed["reference"] = {"losses": losses, "weights": engine.weights(), "initial_weights": initial}
             return {"ok": all(math.isfinite(x) for x in losses), "losses": losses}

@@ -145,7 +145,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     from flywheel.sdk import models
     from flywheel.sdk.environment import load_environment
     from flywheel_inference.backend_vllm import VLLMBackend
-    from flywheel_inference.worker import Worker, WorkerConfig
+    from flywheel.contract.settings import InferenceSettings
+    from flywheel_inference.worker import Worker
 
     tmp = Path(tempfile.mkdtemp(prefix="flywheel-vllm-service-"))
     model_dir = models.resolve_model("tiny", tmp / "data")
@@ -175,7 +176,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         await (await bus.runs_kv()).put(RUN, events.encode(events.RunState(id=RUN, config=cfg.model_dump())))
         wbus = await Bus.connect(server.url, name="inference")
         shared = SharedBackend(backend)
-        worker = Worker(wbus, lambda _cfg: shared, WorkerConfig())
+        worker = Worker(wbus, lambda _cfg: shared, InferenceSettings())
         service = worker.service(handle_signals=False)
         running = asyncio.ensure_future(service.run())
         uri, sha, size = await weights.put(bus, RUN, 0, blob)

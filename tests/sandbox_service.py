@@ -18,9 +18,21 @@ import pytest
 
 from flywheel.contract import events
 from flywheel.contract.bus import Bus
+from flywheel.contract.settings import SandboxSettings, Settings
 from flywheel.sdk.sandbox import SERVICE_NAME, SandboxClient
+from flywheel_sandbox import service
 from flywheel_sandbox.service import SandboxResponder
 from flywheel_sandbox.sessions import ManagerConfig, SessionManager
+
+FLAT = ("max_alive", "max_starting", "warm_pool", "allow_network")  # flat settings sandbox_<name>
+
+
+def manager_config(**values: Any) -> ManagerConfig:
+    """The session manager's config as the service reads it from its settings, with ``values`` set:
+    ``max_alive`` is setting sandbox_max_alive, ``max_file_bytes`` is sandbox.max_file_bytes."""
+    flat = {f"sandbox_{name}": value for name, value in values.items() if name in FLAT}
+    section = SandboxSettings(**{name: value for name, value in values.items() if name not in FLAT})
+    return service.manager_config(Settings(**flat, sandbox=section))
 
 
 @contextlib.asynccontextmanager
@@ -56,10 +68,10 @@ async def backend_named(name: str, request: pytest.FixtureRequest) -> AsyncItera
 
 
 @contextlib.asynccontextmanager
-async def serving(bus: Bus, backend: Any, instance: str = "test-1", max_in_flight: int = 1024,
+async def serving(bus: Bus, backend: Any, instance: str = "test-1", max_in_flight: int | None = None,
                   **config: Any) -> AsyncIterator[SandboxClient]:
-    manager = SessionManager(backend, instance, ManagerConfig(**config))
-    responder = SandboxResponder(bus, manager, max_in_flight)
+    manager = SessionManager(backend, instance, manager_config(**config))
+    responder = SandboxResponder(bus, manager, max_in_flight or SandboxSettings().max_requests_in_flight)
     stopping = asyncio.Event()
     tasks = [asyncio.ensure_future(responder.serve(stopping)), asyncio.ensure_future(manager.maintain(stopping))]
     await asyncio.wait_for(responder.ready.wait(), 10)

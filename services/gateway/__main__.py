@@ -48,7 +48,10 @@ def main(argv: list[str] | None = None) -> None:
     for name, (_, help_text) in COMMANDS.items():
         commands.add_parser(name, help=help_text)
     args = parser.parse_args(argv)
-    settings = Settings()
+    try:
+        settings = Settings.load()
+    except ValueError as exc:
+        parser.error(str(exc))
     from flywheel.contract.service import setup_logging, setup_tracing
 
     setup_logging(settings.log_level)

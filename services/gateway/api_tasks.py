@@ -3,9 +3,12 @@
 A POST is checked whole before anything of it is published: the fields (422), the size of
 each task against the bus's max payload (413: a task too large is refused for good, it is
 not worth a retry), and every run it names (409: another tenant's run, or a run that has
-ended). Not covered: partial acceptance (a request is published whole or not at all, as far
-as the gateway decides; a bus failure part way leaves the rest to a retry, which the bus
-deduplicates by task id).
+ended). A task without an ``id`` gets the one every producer derives
+(:func:`flywheel.contract.events.task_id`: the data's own string ``"id"``, else a hash of the
+run, env, data and its position in the request, from 1), so a POST retried without ids is
+stored once, as a file published twice is. Not covered: partial acceptance (a request is
+published whole or not at all, as far as the gateway decides; a bus failure part way leaves
+the rest to a retry, which the bus deduplicates by task id).
 """
 
 from __future__ import annotations
@@ -45,26 +48,35 @@ async def create_tasks(body: Annotated[TasksCreate, Body()], bus: BusDep, runs: 
     a run of another tenant or a run that has ended (finished, failed, stopped, abandoned).
     """
     creates: list[TaskCreate] = body if isinstance(body, list) else [body]
-    _refuse_repeated_ids(creates)
-    tasks = [c.to_event() for c in creates]
+    tasks = _tasks(creates, "tasks" if isinstance(body, list) else "task")
     _refuse_oversized(tasks, bus, "tasks" if isinstance(body, list) else "task")
     await runs.admit((t.run for t in tasks), tenant)
     await bus.publish_many(tasks)
     return TasksAccepted(ids=[t.id for t in tasks])
 
 
-def _refuse_repeated_ids(creates: list[TaskCreate]) -> None:
-    first: dict[str, int] = {}
+def _tasks(creates: list[TaskCreate], name: str) -> list[events.Task]:
+    """The request's tasks, each with its id (given, or derived from its position from 1); 422
+    for an id that cannot be one (a blank ``data.id``) or that repeats another task's."""
+    tasks: list[events.Task] = []
+    first: dict[str, str] = {}  # task id -> where it was first given: tasks[0].id, tasks[3].data.id
     errors = []
     for i, c in enumerate(creates):
-        if c.id is None:
+        loc = ("body", name, i) if name == "tasks" else ("body", name)
+        field = ("id",) if c.id is not None else ("data", "id")
+        try:
+            task = c.to_event(position=i + 1)
+        except ValueError as exc:
+            errors.append({"loc": (*loc, *field), "type": "value_error", "msg": str(exc)})
             continue
-        if c.id in first:
-            errors.append({"loc": ("body", "tasks", i, "id"), "type": "value_error",
-                           "msg": f"repeats tasks[{first[c.id]}].id ({c.id!r}); task ids must be unique"})
-        first.setdefault(c.id, i)
+        if task.id in first:
+            errors.append({"loc": (*loc, *field), "type": "value_error",
+                           "msg": f"repeats {first[task.id]} ({task.id!r}); task ids must be unique"})
+        first.setdefault(task.id, f"tasks[{i}].{'.'.join(field)}")
+        tasks.append(task)
     if errors:
         raise RequestValidationError(errors)
+    return tasks
 
 
 def _refuse_oversized(tasks: list[events.Task], bus: Bus, name: str) -> None:

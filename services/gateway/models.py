@@ -26,6 +26,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag
 
 from flywheel.contract import events
+from flywheel.contract.config import SamplingConfig
 from flywheel.contract.runs import MAX_NAME_CHARS, TOKEN_PATTERN, is_key, is_token
 from flywheel_gateway.store import MAX_PAGE_LIMIT
 
@@ -127,7 +128,10 @@ EnvName = Annotated[str, Field(max_length=MAX_NAME_CHARS,
                     AfterValidator(subject_token)]
 TaskId = Annotated[str, Field(min_length=1, max_length=MAX_TASK_ID_CHARS, json_schema_extra=_schema(TASK_ID_PATTERN),
                               description="Task id; also the deduplication key (a retried POST with the same id is "
-                                          "stored once). On one line, not blank. Default: a fresh random id."),
+                                          "stored once). On one line, not blank. Default: the data's own string "
+                                          "'id', else derived from the run, env, data and the task's position in "
+                                          "the request (from 1), as `flywheel tasks publish` derives a file's, so "
+                                          "a POST retried without ids is stored once too."),
                    AfterValidator(task_id)]
 
 
@@ -138,15 +142,10 @@ class _Create(BaseModel):
 # --- tasks --------------------------------------------------------------------------------
 
 
-class Sampling(_Create):
-    """Sampling settings the run imposes on every generation of this task."""
-
-    temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False)
-    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    max_tokens: int = Field(256, ge=1, le=INT32_MAX)
-    stop: list[str] = []
-    seed: int | None = Field(None, ge=0, le=INT32_MAX, description="Each sequence gets seed + its index; null: "
-                                                                   "fresh entropy.")
+class Sampling(SamplingConfig):
+    """The task's own sampling settings, in place of its run's: the contract's sampling
+    (:class:`flywheel.contract.events.Sampling`), its defaults and bounds, so a task accepted
+    here is one inference samples."""
 
 
 class TaskCreate(_Create):
@@ -160,13 +159,13 @@ class TaskCreate(_Create):
     num_rollouts: int = Field(1, ge=1, le=4096)
     sampling: Sampling | None = None
 
-    def to_event(self) -> events.Task:
-        fields: dict[str, Any] = {"run": self.run, "env": self.env, "data": self.data, "num_rollouts": self.num_rollouts}
-        if self.id is not None:
-            fields["id"] = self.id
-        if self.sampling is not None:
-            fields["sampling"] = events.Sampling(**self.sampling.model_dump())
-        return events.Task(**fields)
+    def to_event(self, position: int) -> events.Task:
+        """The task, ``position`` (from 1) being its place in the request: its id, when it has
+        none, is :func:`flywheel.contract.events.task_id`'s (ValueError for a blank data id)."""
+        return events.Task(id=self.id if self.id is not None else events.task_id(self.run, self.env, position,
+                                                                                 self.data),
+                           run=self.run, env=self.env, data=self.data, num_rollouts=self.num_rollouts,
+                           sampling=self.sampling.to_event() if self.sampling is not None else None)
 
 
 def _one_or_many(value: Any) -> str:
@@ -187,14 +186,18 @@ class TasksAccepted(BaseModel):
     ids: list[str]
 
 
-class SamplingPublic(BaseModel):
-    """Sampling as recorded: a task may come from any producer, so no bound is checked here."""
+_SAMPLING = events.Sampling()
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_tokens: int = 256
-    stop: list[str] = []
-    seed: int | None = None
+
+class SamplingPublic(BaseModel):
+    """Sampling as recorded, with the contract's defaults: a task may come from any producer, so
+    no bound is checked here."""
+
+    temperature: float = _SAMPLING.temperature
+    top_p: float = _SAMPLING.top_p
+    max_tokens: int = _SAMPLING.max_tokens
+    stop: list[str] = _SAMPLING.stop
+    seed: int | None = _SAMPLING.seed
 
 
 class TaskPublic(BaseModel):

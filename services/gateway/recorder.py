@@ -7,7 +7,8 @@ idempotent, so a batch redelivered after a crash (the recorder is killed between
 write and the ack) changes nothing. A batch that fails is retried by the bus layer,
 message by message; a message that keeps failing, or that can never be recorded (an
 event without a time zone), goes to ``dead.<stream>``, which the recorder records too (a
-dead letter is never dead-lettered again).
+dead letter is never dead-lettered again). Batch size, in-flight bound and ack wait are the
+settings' ``recorder`` section (:class:`flywheel.contract.settings.RecorderSettings`).
 
 The runs table mirrors the run-state KV bucket (:func:`mirror_runs`): a run's tenant is
 whatever registered it said, not a default. Not covered: retention (the store keeps everything) and live viewers
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import sqlalchemy as sa
 
@@ -26,42 +27,30 @@ from flywheel.contract import events
 from flywheel.contract.bus import STREAMS, Bus, Consumer, Delivery, Reject
 from flywheel.contract.runs import watch_runs
 from flywheel.contract.service import Service
-from flywheel.contract.settings import Settings
+from flywheel.contract.settings import RecorderSettings, Settings
 from flywheel_gateway.migrate import migrate
 from flywheel_gateway.store import Store, UnrecordableEvent
 
 
-@dataclass
-class RecorderConfig:
-    """Batching and bounds of the recorder's consumers."""
+def build(bus: Bus, store: Store, config: RecorderSettings, streams: Sequence[str] = tuple(STREAMS)) -> list[Consumer]:
+    """One durable batch consumer per stream of ``streams`` (every stream, unless a test records
+    fewer), each writing ``store``, batched as ``config`` says."""
+    unknown = set(streams) - set(STREAMS)
+    if unknown:
+        raise ValueError(f"streams: {sorted(unknown)} are not Flywheel streams; choose from {sorted(STREAMS)}")
 
-    # One batch in flight per stream: SQLite takes one writer at a time anyway, and measured
-    # (20k rollouts, 2 cores) one batch of 512 records ~4,200/s where four of 256 record ~3,400/s.
-    batch_size: int = 512
-    max_in_flight: int = 512
-    # A batch commits in milliseconds (and long ones are kept alive by the bus layer), so a
-    # short ack wait only shortens how long the work of a killed recorder waits for redelivery.
-    ack_wait_s: float = 10.0
-    streams: tuple[str, ...] = tuple(STREAMS)
+    async def record(deliveries: list[Delivery]) -> None:
+        try:
+            await store.record([d.event for d in deliveries])
+        except UnrecordableEvent as exc:
+            # The bus layer retries the batch message by message, so only this one is rejected.
+            raise Reject(str(exc)) from exc
 
-    def build(self, bus: Bus, store: Store) -> list[Consumer]:
-        """One durable batch consumer per stream, each writing ``store``."""
-        unknown = set(self.streams) - set(STREAMS)
-        if unknown:
-            raise ValueError(f"streams: {sorted(unknown)} are not Flywheel streams; choose from {sorted(STREAMS)}")
-
-        async def record(deliveries: list[Delivery]) -> None:
-            try:
-                await store.record([d.event for d in deliveries])
-            except UnrecordableEvent as exc:
-                # The bus layer retries the batch message by message, so only this one is rejected.
-                raise Reject(str(exc)) from exc
-
-        return [
-            Consumer(bus, stream=stream, durable=f"recorder-{stream.lower()}", batch_handler=record,
-                     batch_size=self.batch_size, max_in_flight=self.max_in_flight, ack_wait_s=self.ack_wait_s)
-            for stream in self.streams
-        ]
+    return [
+        Consumer(bus, stream=stream, durable=f"recorder-{stream.lower()}", batch_handler=record,
+                 batch_size=config.batch_size, max_in_flight=config.max_in_flight, ack_wait_s=config.ack_wait_s)
+        for stream in streams
+    ]
 
 
 async def mirror_runs(bus: Bus, store: Store, stopping: asyncio.Event) -> None:
@@ -74,8 +63,9 @@ async def mirror_runs(bus: Bus, store: Store, stopping: asyncio.Event) -> None:
     await watch_runs(bus, stopping, record)
 
 
-async def run(settings: Settings, config: RecorderConfig | None = None) -> None:
-    """Composition root of the recorder process: migrate, connect, consume until a signal."""
+async def run(settings: Settings) -> None:
+    """Composition root of the recorder process: migrate, connect, consume until a signal, batched as the
+    settings' ``recorder`` section says."""
     url = settings.resolved_database_url
     await migrate(url)
     store = Store.open(url)
@@ -83,7 +73,7 @@ async def run(settings: Settings, config: RecorderConfig | None = None) -> None:
         bus = await Bus.connect(settings.resolved_nats_url, name="recorder")
         database = sa.make_url(url).render_as_string(hide_password=True)
         service = Service("recorder", bus, info={"database": database})
-        for consumer in (config or RecorderConfig()).build(bus, store):
+        for consumer in build(bus, store, settings.recorder):
             service.add(consumer)
         service.add_task(functools.partial(mirror_runs, bus, store))
         await service.run()  # drains the bus when it stops

@@ -1,6 +1,7 @@
 """``python -m flywheel_inference``: the inference worker and its OpenAI-compatible API, one process.
 
-Settings come from FLYWHEEL_* (see :mod:`flywheel.contract.settings`); the HTTP server listens on
+Settings come from FLYWHEEL_* (see :mod:`flywheel.contract.settings`; the worker's bounds and
+timeouts are section ``inference``: ``FLYWHEEL_INFERENCE__<FIELD>``); the HTTP server listens on
 inference_host:inference_port (``--host``/``--port`` override them). torch,
 transformers, fastapi and uvicorn are imported only once the arguments are parsed, so
 ``--help`` is instant.
@@ -25,7 +26,10 @@ def main(argv: list[str] | None = None) -> None:
     from flywheel.contract.service import setup_logging, setup_torch_threads, setup_tracing
     from flywheel.contract.settings import Settings
 
-    settings = Settings()
+    try:
+        settings = Settings.load()
+    except ValueError as exc:
+        parser.error(str(exc))
     args.host = args.host or settings.inference_host
     args.port = args.port or settings.inference_port
     setup_logging(settings.log_level)

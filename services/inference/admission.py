@@ -3,7 +3,8 @@
 A run may have issued at most ``(trainer_step + max_off_policy_steps + 1) *
 trainer.batch_size + num_dropped`` rollouts, where ``trainer_step`` is the latest weight
 version of the run and ``num_dropped`` the rollouts the trainer dropped so far (stale, or
-failed by a scorer; the trainer reports it with each weight update): the trainer
+failed by a scorer; the trainer reports it with each weight update, as its field
+``num_dropped_total``; :meth:`Admission.loaded` reads both): the trainer
 consumes ``batch_size`` rollouts per step, so this is enough to keep it busy and never
 more than it could train on before they go stale, and a drop does not shrink the
 lookahead for good. The version counts once this replica has loaded it, not when it is
@@ -39,6 +40,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from flywheel.contract import events
 from flywheel.contract.config import RunConfig
 
 
@@ -98,6 +100,11 @@ class Admission:
         if n > first_allowance:
             raise ValueError(f"num_rollouts={n} exceeds (trainer.max_off_policy_steps + 1) * trainer.batch_size = "
                              f"{first_allowance}: the trainer could not step before this group is sampled")
+
+    async def loaded(self, update: events.WeightUpdate) -> None:
+        """This replica loaded ``update``'s weights: its version and the trainer's count of dropped
+        rollouts (typed fields; ``update.metrics`` are figures for people, not read here)."""
+        await self.advance(update.version, update.num_dropped_total)
 
     async def advance(self, trainer_step: int, num_dropped: int = 0) -> None:
         """Weights of version ``trainer_step`` were loaded: more rollouts may be issued."""

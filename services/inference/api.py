@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from flywheel.contract import events
+from flywheel.contract.config import StopStrings, sampling_field
 from flywheel_inference import interception
 from flywheel_inference.interception import openai_error
 from flywheel_inference.policy import Sampled, WeightsUnavailable
@@ -53,12 +54,13 @@ class _SamplingRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str = Field(description="the run id")
-    temperature: float | None = Field(None, gt=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    max_tokens: int | None = Field(None, ge=1)
-    stop: str | list[str] | None = None
+    # The contract's sampling fields, bounds and descriptions; unset: the run's.
+    temperature: float | None = sampling_field("temperature", None)
+    top_p: float | None = sampling_field("top_p", None)
+    max_tokens: int | None = sampling_field("max_tokens", None)
+    stop: str | StopStrings | None = Field(None, description=events.SAMPLING_DESCRIPTIONS["stop"])
     n: int = Field(1, ge=1, le=MAX_CHOICES)
-    seed: int | None = None
+    seed: int | None = sampling_field("seed", None)
     stream: bool = False
 
     def refuse_unsupported(self) -> None:

@@ -22,20 +22,20 @@ from fastapi import FastAPI
 from flywheel.contract.bus import Bus
 from flywheel.contract.settings import Settings
 from flywheel_inference import api
-from flywheel_inference.worker import Worker, WorkerConfig
+from flywheel_inference.worker import Worker
 
 log = logging.getLogger(__name__)
 
 
-def create_app(settings: Settings, config: WorkerConfig | None = None, url: str | None = None,
+def create_app(settings: Settings, url: str | None = None,
                on_worker_exit: Callable[[], None] | None = None) -> FastAPI:
-    """``url`` is where this server is reached (shown in the heartbeat)."""
+    """``url`` is where this server is reached (shown in the heartbeat; program harnesses get it).
+    The worker's bounds are the settings' ``inference`` section."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         bus = await Bus.connect(settings.resolved_nats_url, name="inference")
-        worker = Worker.with_backends(bus, settings.data_dir, config)
-        worker.info["url"] = url
+        worker = Worker.with_backends(bus, settings.data_dir, settings.inference, url)
         service = worker.service(handle_signals=False)
         app.state.worker = worker
         app.state.interception = worker.interception

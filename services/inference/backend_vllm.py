@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flywheel.contract import events
-from flywheel_inference.completion import Completion, check_prompts, check_sampling, first_stop, row_seeds
+from flywheel_inference.completion import Completion, check_prompts, first_stop, row_seeds
 
 if TYPE_CHECKING:
     import torch
@@ -165,7 +165,7 @@ class VLLMBackend:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        check_sampling(sampling)
+        sampling.check()
         if sampling.temperature < GREEDY_BELOW:
             raise ValueError(f"sampling.temperature={sampling.temperature}: the vLLM backend needs at least "
                              f"{GREEDY_BELOW} (vLLM samples lower temperatures greedily)")

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 
 from flywheel.contract import events
 from flywheel.contract.config import BackendPart, InferenceConfig
-from flywheel_inference.completion import Backend, Completion, check_prompts, check_sampling, first_stop, row_seeds
+from flywheel_inference.completion import Backend, Completion, check_prompts, first_stop, row_seeds
 
 if TYPE_CHECKING:
     import torch
@@ -125,7 +125,7 @@ class TransformersBackend:
                  seeds: Sequence[int | None] | None = None) -> list[Completion]:
         import torch
 
-        check_sampling(sampling)
+        sampling.check()
         longest = check_prompts(prompts, sampling, self.max_positions)
         if not prompts:
             return []

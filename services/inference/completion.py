@@ -47,18 +47,6 @@ class Backend(Protocol):
         ...
 
 
-def check_sampling(sampling: events.Sampling) -> None:
-    """Refuse sampling settings no backend can honour; the message names the field."""
-    if not sampling.temperature > 0:
-        raise ValueError(f"sampling.temperature must be > 0, got {sampling.temperature}")
-    if not 0 < sampling.top_p <= 1:
-        raise ValueError(f"sampling.top_p must be in (0, 1], got {sampling.top_p}")
-    if sampling.max_tokens < 1:
-        raise ValueError(f"sampling.max_tokens must be at least 1, got {sampling.max_tokens}")
-    if any(not s for s in sampling.stop):
-        raise ValueError("sampling.stop: an empty stop string would end every completion at once")
-
-
 def check_prompts(prompts: Sequence[Sequence[int]], sampling: events.Sampling, max_positions: int | None) -> int:
     """Refuse empty prompts and prompts that leave no room for ``max_tokens``; returns the
     longest prompt's length (0 when there are no prompts)."""
@@ -79,7 +67,7 @@ def row_seeds(sampling: events.Sampling, num_rows: int, seeds: Sequence[int | No
             raise ValueError(f"seeds: {len(seeds)} given for {num_rows} prompts")
         return [s if s is not None else secrets.randbits(63) for s in seeds]
     if sampling.seed is not None:
-        return [sampling.seed + i for i in range(num_rows)]
+        return [sampling.with_seed_offset(i).seed or 0 for i in range(num_rows)]
     return [secrets.randbits(63) for _ in range(num_rows)]
 
 

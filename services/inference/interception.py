@@ -248,12 +248,8 @@ class Session:
         plan = self._renderer.plan(self.graph, messages, tools or None, tools_ok)
         sampling = self.sampling
         if max_tokens is not None and max_tokens < sampling.max_tokens:
-            sampling = events.Sampling(temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=max_tokens,
-                                       stop=sampling.stop, seed=sampling.seed)
-        if sampling.seed is not None:
-            sampling = events.Sampling(temperature=sampling.temperature, top_p=sampling.top_p,
-                                       max_tokens=sampling.max_tokens, stop=sampling.stop,
-                                       seed=sampling.seed + 7919 * self.num_calls)
+            sampling = msgspec.structs.replace(sampling, max_tokens=max_tokens)
+        sampling = sampling.with_seed_offset(7919 * self.num_calls)
         try:
             self.policy.check([plan.prompt_ids], sampling)
         except ValueError as exc:

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import msgspec
 
 from flywheel.contract import events
-from flywheel_inference.completion import Backend, Completion, check_sampling
+from flywheel_inference.completion import Backend, Completion
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +213,7 @@ class Policy:
 
     def check(self, prompts: Sequence[Sequence[int]], sampling: events.Sampling) -> None:
         """ValueError, naming the field, for settings or prompts this model cannot sample."""
-        check_sampling(sampling)
+        sampling.check()
         limit = self.backend.max_positions
         for i, prompt in enumerate(prompts):
             if not prompt:

@@ -1,7 +1,9 @@
 """The inference worker: tasks in, trace nodes and rollouts out, weight updates applied.
 
 - Tasks come from one durable pull consumer on TASKS (``inference``), shared by every
-  replica. Its ack wait is short (``ack_wait_s``, 5 s; the bus layer sends ``in_progress``
+  replica, within the bounds of the settings' ``inference`` section
+  (:class:`flywheel.contract.settings.InferenceSettings`). Its ack wait is short
+  (``ack_wait_s``, 5 s; the bus layer sends ``in_progress``
   every third of it for a task still being worked on, so a long rollout is not
   redelivered): the tasks a killed replica held reach another one within seconds instead
   of blocking the durable's ``max_ack_pending``. A task is rolled out ``num_rollouts``
@@ -29,7 +31,9 @@
   seen (the last message on its subject was not one) reads its subject from the start
   for its last real update. The run's policy loads the newest update; once loaded, the
   update advances the run's admission bound. A bogus update (a blob that does not verify)
-  leaves the run on its weights (:mod:`flywheel_inference.policy`).
+  leaves the run on its weights (:mod:`flywheel_inference.policy`). What the admission
+  reads of an update are its typed fields (``version``, ``num_dropped_total``), never its
+  ``metrics``, which are the step's figures for people.
 
 Delivery is at least once (a server restart loses acks; a replica dies mid-task), and
 budgets count what reached the bus, never attempts: rollout ids hash (task id, index), so
@@ -61,7 +65,6 @@ are dropped by the bus within its duplicate window, and not counted).
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -70,7 +73,6 @@ from datetime import timezone
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import nats.errors
 import nats.js.errors
 from nats.js.api import ConsumerConfig, DeliverPolicy, PubAck
@@ -80,8 +82,9 @@ from flywheel.contract.bus import RUNS_BUCKET, Bus, Consumer, Delivery, Reject, 
 from flywheel.contract.config import RunConfig
 from flywheel.contract.runs import BadRunState, end_of, get_run, watch_runs
 from flywheel.contract.service import Service
+from flywheel.contract.settings import InferenceSettings
 from flywheel.sdk.environment import Environment, EnvironmentLoadError, load_for_run
-from flywheel.sdk.rollout import ROLLOUT_TIMEOUT_S, run_harness
+from flywheel.sdk.rollout import run_harness
 from flywheel_inference.admission import Admission, RunEnded
 from flywheel_inference.backends import build_backend
 from flywheel_inference.completion import Backend
@@ -98,32 +101,8 @@ MAX_RECORDED_TASKS = 4096
 LEASE_CHECK_S = 1.0  # how often hosted runs are checked for an expired owner's lease
 
 
-def rollout_id(task_id: str, index: int) -> str:
-    """Rollout ids hash (task id, index): a redelivered task publishes the same ids, which the bus
-    deduplicates."""
-    return hashlib.sha256(f"{task_id}\x00{index}".encode()).hexdigest()[:32]
-
-
 class UnknownRun(LookupError):
     """No run of this id in the runs KV bucket."""
-
-
-@dataclass
-class WorkerConfig:
-    """Bounds of the task consumer. Defaults suit one machine."""
-
-    # Tasks handled at once (each holding its group's rollouts in flight or waiting for
-    # admission): enough for several groups to share a batch.
-    max_tasks_in_flight: int = 32
-    # How soon the tasks of a replica that died go to another one; work still running is
-    # kept alive with in_progress every third of it.
-    ack_wait_s: float = 5.0
-    max_deliver: int = 5
-    backoff_s: tuple[float, ...] = (1.0, 5.0, 15.0, 30.0)
-    grace_s: float = 10.0
-    # A rollout's harness gets this long before it is cancelled and recorded as an error
-    # (flywheel.sdk.rollout, the same rules as `flywheel eval`).
-    rollout_timeout_s: float = ROLLOUT_TIMEOUT_S
 
 
 @dataclass
@@ -154,10 +133,13 @@ def _fetch_is_transient(exc: Exception) -> bool:
 
 
 class Worker:
-    def __init__(self, bus: Bus, build: BuildBackend, config: WorkerConfig | None = None) -> None:
+    def __init__(self, bus: Bus, build: BuildBackend, config: InferenceSettings, url: str | None = None) -> None:
+        """``config``: the settings' ``inference`` section. ``url``: where this process's HTTP
+        server is reached (None: none), which program harnesses get as their base URL."""
         self.bus = bus
-        self.config = config or WorkerConfig()
-        self.info: dict[str, Any] = {"runs": {}}  # the heartbeat's info: counters per run
+        self.config = config
+        self.url = url
+        self.info: dict[str, Any] = {"runs": {}, "url": url}  # the heartbeat's info: counters per run
         self._build = build
         self._runs: dict[str, HostedRun] = {}
         self._starting: dict[str, asyncio.Future[HostedRun]] = {}
@@ -171,7 +153,7 @@ class Worker:
         self._asgi_client: Any = None
 
     @classmethod
-    def with_backends(cls, bus: Bus, data_dir: Path, config: WorkerConfig | None = None) -> Worker:
+    def with_backends(cls, bus: Bus, data_dir: Path, config: InferenceSettings, url: str | None = None) -> Worker:
         """A worker that builds each run's backend from its config (model resolved under ``data_dir``)."""
 
         def build(cfg: RunConfig) -> Backend:
@@ -180,7 +162,7 @@ class Worker:
             return build_backend(cfg.inference.backend, models.resolve_model(cfg.model.name, data_dir),
                                  cfg.model.dtype)
 
-        return cls(bus, build, config)
+        return cls(bus, build, config, url)
 
     def consumer(self) -> Consumer:
         c = self.config
@@ -230,7 +212,7 @@ class Worker:
         admission.ended = end.reason if end is not None else None
 
         async def loaded(update: events.WeightUpdate) -> None:
-            await admission.advance(update.version, int(update.metrics.get("num_dropped_total", 0)))
+            await admission.loaded(update)
             self._refresh_info()  # the policy version, even when the admission bound stays
 
         policy = Policy(run, backend, self._fetch, cfg.inference.max_batch_size, on_loaded=loaded,
@@ -495,9 +477,8 @@ class Worker:
         from flywheel.sdk.harness import RolloutContext
         from flywheel.sdk.sandbox import SandboxClient
 
-        rid = rollout_id(task.id, index)
-        if sampling.seed is not None:
-            sampling = msgspec.structs.replace(sampling, seed=sampling.seed + index)
+        rid = events.rollout_id(task.run, task.id, index)
+        sampling = sampling.with_seed_offset(index)
 
         async def publish(nodes: list[events.TraceNode]) -> None:
             if nodes:
@@ -516,7 +497,7 @@ class Worker:
             policy_version=min(session.versions, default=hosted.policy.version or 0), task_data=task.data,
             nodes=session.graph.ordered(), status=outcome.status, error=outcome.error,
             metrics=session.metrics() | {"rollout_s": outcome.elapsed_s}, group_size=task.num_rollouts,
-            state=outcome.state)
+            state=outcome.state, sampling=sampling)
 
     def _interception_url(self, key: str) -> tuple[str, Any]:
         """(base URL, http client) of a rollout. The URL is this server's when it has one (a
@@ -533,5 +514,5 @@ class Worker:
             interception.install(app)
             app.state.interception = self.interception
             self._asgi_client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), timeout=None)
-        url = self.info.get("url") or "http://inference"
+        url = self.url or "http://inference"
         return f"{url}/intercept/{key}/v1", self._asgi_client

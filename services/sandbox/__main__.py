@@ -1,7 +1,8 @@
 """``python -m flywheel_sandbox``: the sandbox service (backend from setting ``sandbox_backend``).
 
 Settings (NATS URL, backend, image, caps, warm pool, whether sandboxes may have network, log
-level) come from FLYWHEEL_* (see :mod:`flywheel.contract.settings`). Heavy imports wait until the arguments are parsed.
+level, and the limits of section ``sandbox``) come from FLYWHEEL_* (see
+:mod:`flywheel.contract.settings`). Heavy imports wait until the arguments are parsed.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ def main(argv: Sequence[str] | None = None, settings: Settings | None = None) ->
         description="Run untrusted code for tools and verifiers: NATS request/reply on sandbox.*. Settings come "
                     "from FLYWHEEL_* environment variables (sandbox_backend, sandbox_image, sandbox_max_alive, "
                     "sandbox_max_starting, sandbox_warm_pool, sandbox_allow_network: off, a spec asking for "
-                    "network is refused).")
+                    "network is refused; limits on requests, output and files: FLYWHEEL_SANDBOX__<FIELD>).")
     parser.parse_args(argv)
 
     import asyncio
@@ -31,7 +32,10 @@ def main(argv: Sequence[str] | None = None, settings: Settings | None = None) ->
     from flywheel_sandbox import service
     from flywheel_sandbox.backends import BackendUnavailable
 
-    settings = settings or Settings()
+    try:
+        settings = settings or Settings.load()
+    except ValueError as exc:
+        parser.error(str(exc))
     setup_logging(settings.log_level)
     setup_tracing("sandbox")
     try:

@@ -51,7 +51,7 @@ STDOUT, STDERR = 1, 2
 
 @dataclass
 class DockerConfig:
-    image: str = "flywheel-sandbox:latest"
+    image: str  # setting sandbox_image
     base_url: str | None = None  # unset: DOCKER_HOST, else the engine's default socket
     user: str = "65534:65534"  # nobody
     python: str = "python3"
@@ -98,11 +98,11 @@ class DockerBox:
 class DockerBackend:
     name = "docker"
 
-    def __init__(self, config: DockerConfig | None = None) -> None:
+    def __init__(self, config: DockerConfig) -> None:
         import docker
         import docker.errors
 
-        self.config = config or DockerConfig()
+        self.config = config
         try:
             self.client = docker.DockerClient(base_url=self.config.base_url) if self.config.base_url \
                 else docker.from_env()

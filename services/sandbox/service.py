@@ -43,9 +43,9 @@ log = logging.getLogger(__name__)
 class SandboxResponder:
     """Subscribes to the ``sandbox.*`` subjects and answers each request from the manager."""
 
-    def __init__(self, bus: Bus, manager: SessionManager, max_in_flight: int = 1024) -> None:
-        """``max_in_flight``: requests handled at once; one more is answered kind ``capacity``
-        at once (memory stays bounded under a flood)."""
+    def __init__(self, bus: Bus, manager: SessionManager, max_in_flight: int) -> None:
+        """``max_in_flight``: requests handled at once (setting ``sandbox.max_requests_in_flight``);
+        one more is answered kind ``capacity`` at once (memory stays bounded under a flood)."""
         self.bus = bus
         self.manager = manager
         self.max_in_flight = max_in_flight
@@ -126,9 +126,11 @@ def build_backend(settings: Settings) -> Any:
 
 
 def manager_config(settings: Settings) -> ManagerConfig:
-    """The session manager's caps, warm pool and network policy, from the settings."""
+    """The session manager's caps, warm pool and network policy (flat settings ``sandbox_*``) and its
+    limits (the settings' ``sandbox`` section)."""
     return ManagerConfig(max_alive=settings.sandbox_max_alive, max_starting=settings.sandbox_max_starting,
-                         warm_pool=settings.sandbox_warm_pool, allow_network=settings.sandbox_allow_network)
+                         warm_pool=settings.sandbox_warm_pool, allow_network=settings.sandbox_allow_network,
+                         limits=settings.sandbox)
 
 
 async def run(settings: Settings) -> None:
@@ -138,7 +140,7 @@ async def run(settings: Settings) -> None:
     service = Service(SERVICE_NAME, bus, info={"backend": backend.name,
                                                "allow_network": settings.sandbox_allow_network})
     manager = SessionManager(backend, service.instance, manager_config(settings))
-    responder = SandboxResponder(bus, manager)
+    responder = SandboxResponder(bus, manager, settings.sandbox.max_requests_in_flight)
     service.add_task(responder.serve)
     service.add_task(manager.maintain)
     try:

@@ -7,8 +7,8 @@ Three timeouts, each enforced on its own:
 - ``idle_ttl_s`` (spec): destroyed when no request has touched it for that long (a running
   exec counts as use);
 - ``timeout_s`` (exec): the agent kills the command and all it started at the deadline;
-  should the agent not answer within :attr:`ManagerConfig.exec_grace_s` after it, the
-  service kills the whole sandbox.
+  should the agent not answer within ``exec_grace_s`` (setting ``sandbox.exec_grace_s``)
+  after it, the service kills the whole sandbox.
 
 A sandbox that is gone (destroyed, expired, its processes killed) leaves a tombstone, so a
 later request says why it is gone instead of "unknown". Caps: at most ``max_alive``
@@ -19,6 +19,11 @@ differ) only configures one. A spec with ``network=True`` is refused (kind
 ``invalid_request``) unless :attr:`ManagerConfig.allow_network` (setting
 ``sandbox_allow_network``) is on: any bus client may send a spec, so network is the service's
 choice. Pool boxes never have network, and such a spec never takes one.
+
+The caps, warm pool and network policy are the flat settings ``sandbox_*``; the limits on
+output, files, the grace and the tombstones are the settings' ``sandbox`` section
+(:class:`flywheel.contract.settings.SandboxSettings`). :class:`ManagerConfig` holds both, as
+:func:`flywheel_sandbox.service.manager_config` reads them, and has no defaults of its own.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from typing import Any
 
 import msgspec
 
+from flywheel.contract.settings import SandboxSettings
 from flywheel.sdk.sandbox import (
     WORKDIR,
     Created,
@@ -56,15 +62,14 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class ManagerConfig:
-    max_alive: int = 64
-    max_starting: int = 4
-    warm_pool: int = 4
-    allow_network: bool = False  # setting sandbox_allow_network: off, a spec with network=True is refused
-    max_output_bytes: int = 64 * 1024  # per stream of an exec; the rest is cut (flagged)
-    max_file_bytes: int = 512 * 1024  # per file written or read (NATS carries about 1 MB a message)
-    exec_grace_s: float = 2.0  # beyond an exec's timeout_s before the service kills the whole sandbox
-    reap_interval_s: float = 0.1
-    num_tombstones: int = 4096
+    """The session manager's caps (settings sandbox_max_alive, sandbox_max_starting,
+    sandbox_warm_pool), network policy (sandbox_allow_network) and limits (section sandbox)."""
+
+    max_alive: int
+    max_starting: int
+    warm_pool: int
+    allow_network: bool  # off: a spec with network=True is refused
+    limits: SandboxSettings
 
 
 @dataclass
@@ -80,11 +85,11 @@ class Session:
 
 
 class SessionManager:
-    def __init__(self, backend: Backend, instance: str, config: ManagerConfig | None = None,
+    def __init__(self, backend: Backend, instance: str, config: ManagerConfig,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.backend = backend
         self.instance = instance_token(instance)
-        self.config = config or ManagerConfig()
+        self.config = config
         self.clock = clock
         self.sessions: dict[str, Session] = {}
         self.tombstones: OrderedDict[str, str] = OrderedDict()
@@ -107,7 +112,7 @@ class SessionManager:
             while not stopping.is_set():
                 self.reap()
                 try:
-                    await asyncio.wait_for(stopping.wait(), self.config.reap_interval_s)
+                    await asyncio.wait_for(stopping.wait(), self.config.limits.reap_interval_s)
                 except asyncio.TimeoutError:
                     pass
         finally:
@@ -243,10 +248,11 @@ class SessionManager:
             self._check_size(path, len(data))
 
     def _check_size(self, path: str, size: int) -> None:
-        if size > self.config.max_file_bytes:
+        if size > self.config.limits.max_file_bytes:
             raise SandboxError("too_large", f"file {path!r} is {size} bytes, over the limit of "
-                                            f"{self.config.max_file_bytes} bytes a file: split it, or write it "
-                                            "in parts and join them with exec")
+                                            f"{self.config.limits.max_file_bytes} bytes a file (setting "
+                                            "sandbox.max_file_bytes): split it, or write it in parts and join them "
+                                            "with exec")
 
     async def _write(self, box: Box, path: str, data: bytes, mode: int) -> int:
         reply = await box.channel.call({"op": "write_file", "path": path, "data": encode_b64(data), "mode": mode})
@@ -274,8 +280,8 @@ class SessionManager:
 
     async def exec(self, req: ExecRequest) -> ExecResult:
         request = {"op": "exec", "cmd": req.cmd, "cwd": req.cwd, "env": req.env, "stdin": encode_b64(req.stdin),
-                   "timeout_s": req.timeout_s, "max_output_bytes": self.config.max_output_bytes}
-        reply = await self._use(req.id, request, req.timeout_s + self.config.exec_grace_s)
+                   "timeout_s": req.timeout_s, "max_output_bytes": self.config.limits.max_output_bytes}
+        reply = await self._use(req.id, request, req.timeout_s + self.config.limits.exec_grace_s)
         _check(reply, "exec")
         return ExecResult(
             exit_code=reply["exit_code"], stdout=decode_b64(reply["stdout"]).decode(errors="replace"),
@@ -290,11 +296,12 @@ class SessionManager:
         return FileWritten(size_bytes=reply["size_bytes"])
 
     async def read_file(self, req: ReadFileRequest) -> FileData:
-        request = {"op": "read_file", "path": req.path, "max_bytes": self.config.max_file_bytes}
+        request = {"op": "read_file", "path": req.path, "max_bytes": self.config.limits.max_file_bytes}
         reply = await self._use(req.id, request, 30.0)
         if reply.get("kind") == "too_large":
-            raise SandboxError("too_large", f"{req.path!r} is larger than {self.config.max_file_bytes} bytes, the "
-                                            "limit a read: read it in parts with exec (head -c, split)")
+            raise SandboxError("too_large", f"{req.path!r} is larger than {self.config.limits.max_file_bytes} "
+                                            "bytes, the limit a read (setting sandbox.max_file_bytes): read it in "
+                                            "parts with exec (head -c, split)")
         _check(reply, f"read_file {req.path!r}")
         return FileData(data=decode_b64(reply["data"]))
 
@@ -327,7 +334,7 @@ class SessionManager:
         self.tombstones[session.id] = reason
         if session.key is not None and self.keys.get(session.key) == session.id:
             del self.keys[session.key]
-        while len(self.tombstones) > self.config.num_tombstones:
+        while len(self.tombstones) > self.config.limits.num_tombstones:
             self.tombstones.popitem(last=False)
         await session.box.stop()
 

@@ -8,7 +8,9 @@ A custom scorer's function takes any of ``completion``, ``messages``, ``task``, 
 or a dict of numbers (components); with ``--group`` it is a group reward, which takes the
 plural names (``completions``, ``tasks``, ``states``, ...) and returns one value per rollout. ``flywheel scorer
 MODULE:FUNCTION --env ENV`` calls :func:`main` with these arguments. Settings (NATS URL, log
-level) come from FLYWHEEL_* (see :mod:`flywheel.contract.settings`) unless the caller passes its own.
+level, and the bounds: section ``scorer``, e.g. ``FLYWHEEL_SCORER__MAX_HELD``) come from
+FLYWHEEL_* (see :mod:`flywheel.contract.settings`) unless the caller passes its own; the
+bounds' options below win over them.
 
 Heavy imports wait until the arguments are parsed, so ``--help`` is instant; a custom
 scorer's function and environment are loaded before connecting, so a mistake in either
@@ -23,7 +25,11 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from flywheel.contract.settings import Settings
+    from flywheel.contract.settings import ScorerSettings, Settings
+
+# option -> the field of the settings' scorer section it overrides
+BOUNDS = {"max_in_flight": "max_in_flight", "threads": "num_threads", "max_held": "max_held",
+          "group_timeout": "group_timeout_s"}
 
 
 def _at_least_one(text: str) -> int:
@@ -53,18 +59,33 @@ def build_parser() -> argparse.ArgumentParser:
     custom.add_argument("--group", action="store_true",
                         help="a group reward: sees every rollout of a group at once, returns one value per rollout "
                              "(run one process per durable: replicas would split groups)")
-    bounds = parser.add_argument_group("bounds")
-    bounds.add_argument("--max-in-flight", type=_at_least_one, default=64, metavar="N",
-                        help="rollouts scored at once (default 64)")
-    bounds.add_argument("--threads", type=_at_least_one, default=8, metavar="N",
-                        help="threads that run sync reward functions (default 8)")
-    bounds.add_argument("--max-held", type=_at_least_one, default=1024, metavar="N",
-                        help="rollouts held waiting for the rest of their group (default 1024); beyond it the "
-                             "oldest group is scored with what arrived")
-    bounds.add_argument("--group-timeout", type=float, default=300.0, metavar="SECONDS",
+    bounds = parser.add_argument_group("bounds (default: the settings' scorer section, FLYWHEEL_SCORER__<FIELD>)")
+    bounds.add_argument("--max-in-flight", type=_at_least_one, metavar="N",
+                        help="rollouts scored at once (setting scorer.max_in_flight)")
+    bounds.add_argument("--threads", type=_at_least_one, metavar="N",
+                        help="threads that run sync reward functions (setting scorer.num_threads)")
+    bounds.add_argument("--max-held", type=_at_least_one, metavar="N",
+                        help="rollouts held waiting for the rest of their group; beyond it the oldest group is "
+                             "scored with what arrived (setting scorer.max_held)")
+    bounds.add_argument("--group-timeout", type=float, metavar="SECONDS",
                         help="a group incomplete this long is scored with what arrived, with an error naming the "
-                             "missing rollouts (default 300)")
+                             "missing rollouts (setting scorer.group_timeout_s)")
     return parser
+
+
+def scorer_bounds(args: argparse.Namespace, settings: Settings) -> ScorerSettings:
+    """The settings' scorer section with the options given on top; a bad value is a ValueError naming the option."""
+    from pydantic import ValidationError
+
+    from flywheel.contract.settings import ScorerSettings
+
+    given = {field: getattr(args, option) for option, field in BOUNDS.items() if getattr(args, option) is not None}
+    try:
+        return ScorerSettings.model_validate(settings.scorer.model_dump() | given)
+    except ValidationError as exc:
+        options = {field: option for option, field in BOUNDS.items()}
+        raise ValueError("; ".join(f"--{options[e['loc'][0]].replace('_', '-')}: {e['msg']}" for e in exc.errors()
+                                   if e["loc"] and e["loc"][0] in options)) from exc
 
 
 def main(argv: Sequence[str] | None = None, settings: Settings | None = None) -> int:
@@ -86,11 +107,13 @@ def main(argv: Sequence[str] | None = None, settings: Settings | None = None) ->
     from flywheel.contract.settings import Settings
     from flywheel_scorer import scorer
 
-    settings = settings or Settings()
+    try:
+        settings = settings or Settings.load()
+    except ValueError as exc:
+        parser.error(str(exc))
     setup_logging(settings.log_level)
     try:
-        config = scorer.ScorerConfig(max_in_flight=args.max_in_flight, num_threads=args.threads,
-                                     max_held=args.max_held, group_timeout_s=args.group_timeout)
+        settings = settings.model_copy(update={"scorer": scorer_bounds(args, settings)})
         if args.function is None:
             rewards: scorer.RewardSource = scorer.EnvironmentRewards()
         else:
@@ -100,7 +123,7 @@ def main(argv: Sequence[str] | None = None, settings: Settings | None = None) ->
         parser.error(str(exc))
     setup_tracing(rewards.durable)
     try:
-        asyncio.run(scorer.run(settings, rewards, config))
+        asyncio.run(scorer.run(settings, rewards))
     except ConnectionError as exc:  # NATS unreachable: the message says what to check
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 1

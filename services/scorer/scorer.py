@@ -34,6 +34,9 @@ delivery of the group is acked. Bounds, so holding can never deadlock the consum
   incomplete group is scored at once with what arrived, so slots for scoring always remain;
 - a group incomplete after ``group_timeout_s`` is scored with what arrived.
 
+These bounds are the settings' ``scorer`` section (:class:`flywheel.contract.settings.ScorerSettings`:
+``FLYWHEEL_SCORER__MAX_HELD``, ``[scorer]`` in the settings file); the command's options win.
+
 A group scored incomplete gets, on every rollout that arrived, a group-reward Score with its
 value and ``error`` naming the missing indices and why (readers treat a score with an error
 as unusable, so the trainer drops those rollouts rather than train on a partial group). A
@@ -92,7 +95,7 @@ from flywheel.contract.bus import Bus, Consumer, Delivery, Reject
 from flywheel.contract.config import RunConfig
 from flywheel.contract.runs import get_run
 from flywheel.contract.service import Service, read_heartbeats
-from flywheel.contract.settings import Settings
+from flywheel.contract.settings import ScorerSettings, Settings
 from flywheel.sdk.environment import (
     Environment,
     EnvironmentLoadError,
@@ -103,7 +106,7 @@ from flywheel.sdk.environment import (
     load_environment,
     load_for_run,
 )
-from flywheel.sdk.scoring import REWARD_TIMEOUT_S, Scoring, score_event
+from flywheel.sdk.scoring import Scoring, score_event
 
 log = logging.getLogger(__name__)
 
@@ -243,7 +246,7 @@ class RunConfigs:
     the bus) has no config: its environment's own rewards and weights.
     """
 
-    def __init__(self, bus: Bus, ttl_s: float = 5.0) -> None:
+    def __init__(self, bus: Bus, ttl_s: float) -> None:
         self.bus = bus
         self.ttl_s = ttl_s
         self._cache: dict[str, tuple[float, Any]] = {}  # run -> (when read, config, None or NotScored)
@@ -287,21 +290,21 @@ class _Group:
 
 
 class Scorer:
-    """Scores rollouts with the rewards of ``rewards`` and publishes the Scores."""
+    """Scores rollouts with the rewards of ``rewards`` and publishes the Scores, within the bounds of
+    ``config`` (the settings' ``scorer`` section)."""
 
     def __init__(self, rewards: RewardSource, configs: Configs, publish: Publish, pool: Executor,
-                 reward_timeout_s: float = REWARD_TIMEOUT_S, max_in_flight: int = 64, max_held: int = 1024,
-                 group_timeout_s: float = 300.0, replicas: Callable[[], Awaitable[int]] | None = None) -> None:
+                 config: ScorerSettings, replicas: Callable[[], Awaitable[int]] | None = None) -> None:
         self.rewards = rewards
         self.configs = configs
         self.publish = publish
         self.pool = pool
-        self.reward_timeout_s = reward_timeout_s
-        self.scoring = Scoring(pool, reward_timeout_s, on_failure=self._log_failure)
-        self.max_held = max_held
-        self.group_timeout_s = group_timeout_s
+        self.reward_timeout_s = config.reward_timeout_s
+        self.scoring = Scoring(pool, config.reward_timeout_s, on_failure=self._log_failure)
+        self.max_held = config.max_held
+        self.group_timeout_s = config.group_timeout_s
         self.replicas = replicas or _one  # live processes on this scorer's durable
-        self._scoring = asyncio.Semaphore(max_in_flight)
+        self._scoring = asyncio.Semaphore(config.max_in_flight)
         self._groups: OrderedDict[tuple[str, str], _Group] = OrderedDict()  # oldest first
         self._closed: OrderedDict[tuple[str, str], set[str]] = OrderedDict()  # group -> rollout ids scored
         self._handing_back = asyncio.Event()
@@ -440,53 +443,30 @@ async def _one() -> int:
     return 1
 
 
-@dataclass
-class ScorerConfig:
-    """Bounds of one scorer process."""
+def build(bus: Bus, rewards: RewardSource, pool: Executor, config: ScorerSettings) -> tuple[Consumer, Scorer]:
+    """The durable consumer of ROLLOUTS that scores with ``rewards``, and its scorer, within ``config``."""
+    async def replicas() -> int:
+        return sum(1 for b in await read_heartbeats(bus) if b.service == rewards.durable)
 
-    max_in_flight: int = 64  # rollouts being scored at once
-    max_held: int = 1024  # rollouts waiting (unacked) for the rest of their group
-    num_threads: int = 8  # threads for sync reward functions
-    reward_timeout_s: float = REWARD_TIMEOUT_S  # as in `flywheel eval` (flywheel.sdk.scoring)
-    group_timeout_s: float = 300.0  # a group incomplete this long after its first member is scored with what came
-    run_config_ttl_s: float = 5.0
-    # Short, so that the deliveries a killed scorer held come back to its restart within
-    # seconds (until then they count against the durable's max_ack_pending); held and
-    # running ones get in_progress every third of it.
-    ack_wait_s: float = 6.0
-
-    def __post_init__(self) -> None:
-        for name in ("max_in_flight", "max_held", "num_threads"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("reward_timeout_s", "group_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-
-    def build(self, bus: Bus, rewards: RewardSource, pool: Executor) -> tuple[Consumer, Scorer]:
-        """The durable consumer of ROLLOUTS that scores with ``rewards``, and its scorer."""
-        async def replicas() -> int:
-            return sum(1 for b in await read_heartbeats(bus) if b.service == rewards.durable)
-
-        scorer = Scorer(rewards, RunConfigs(bus, self.run_config_ttl_s), bus.publish_many, pool,
-                        self.reward_timeout_s, self.max_in_flight, self.max_held, self.group_timeout_s, replicas)
-        # Held group members take consumer slots (and server-side ack-pending room) beyond the
-        # scoring bound, and the scorer never holds more than max_held: scoring always has room.
-        consumer = Consumer(bus, stream="ROLLOUTS", durable=rewards.durable, handler=scorer.handle,
-                            event_type=events.Rollout, filter_subject=rewards.filter_subject,
-                            max_in_flight=self.max_in_flight + self.max_held, batch_size=self.max_in_flight,
-                            ack_wait_s=self.ack_wait_s)
-        return consumer, scorer
+    scorer = Scorer(rewards, RunConfigs(bus, config.run_config_ttl_s), bus.publish_many, pool, config, replicas)
+    # Held group members take consumer slots (and server-side ack-pending room) beyond the
+    # scoring bound, and the scorer never holds more than max_held: scoring always has room.
+    consumer = Consumer(bus, stream="ROLLOUTS", durable=rewards.durable, handler=scorer.handle,
+                        event_type=events.Rollout, filter_subject=rewards.filter_subject,
+                        max_in_flight=config.max_in_flight + config.max_held, batch_size=config.max_in_flight,
+                        ack_wait_s=config.ack_wait_s)
+    return consumer, scorer
 
 
-async def run(settings: Settings, rewards: RewardSource, config: ScorerConfig | None = None) -> None:
-    """Composition root of a scorer process: connect, score until a signal, shut down."""
-    config = config or ScorerConfig()
+async def run(settings: Settings, rewards: RewardSource) -> None:
+    """Composition root of a scorer process: connect, score until a signal, shut down; its bounds are
+    the settings' ``scorer`` section."""
+    config = settings.scorer
     bus = await Bus.connect(settings.resolved_nats_url, name=rewards.durable)
     service = Service(rewards.durable, bus, info={"subjects": rewards.filter_subject or "rollouts.>"})
     pool = ThreadPoolExecutor(config.num_threads, thread_name_prefix=rewards.durable)
     try:
-        consumer, scorer = config.build(bus, rewards, pool)
+        consumer, scorer = build(bus, rewards, pool, config)
         service.add(consumer)
         service.add_task(scorer.hand_back_on)
         await service.run()  # finishes or hands back the rollouts in flight, then drains the bus

@@ -1,7 +1,8 @@
 """``python -m flywheel_trainer --run RUN``: the trainer process for one run.
 
 The run's config comes from the runs KV bucket (``flywheel run`` writes it there);
-settings (NATS URL, data folder) from FLYWHEEL_* (see :mod:`flywheel.contract.settings`). torch,
+settings (NATS URL, data folder; micro-batch size and bounds: section ``trainer``,
+``FLYWHEEL_TRAINER__<FIELD>``) from FLYWHEEL_* (see :mod:`flywheel.contract.settings`). torch,
 transformers and the trainer's parts are imported only once the arguments are parsed, so
 ``--help`` is instant. Exits 0 when the run has trained all its steps, or on SIGTERM/SIGINT
 (a later start resumes from the last checkpoint).
@@ -22,7 +23,10 @@ def main(argv: list[str] | None = None) -> None:
                     "from FLYWHEEL_* environment variables.")
     parser.add_argument("--run", required=True, help="the run id (its config is read from the runs KV bucket)")
     args = parser.parse_args(argv)
-    settings = Settings()
+    try:
+        settings = Settings.load()
+    except ValueError as exc:
+        parser.error(str(exc))
     from flywheel.contract.service import setup_logging, setup_tracing
 
     setup_logging(settings.log_level)

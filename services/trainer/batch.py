@@ -8,8 +8,9 @@ logits predicts token ``t + 1``, so the loss mask, the sampled logprobs and the
 recomputed logprobs are all ``[batch, length - 1]`` and line up with the *target* token.
 
 :func:`token_logprobs` computes what inference records for a sampled token,
-``log_softmax(logits / temperature)`` in float32, so under the same weights the ratio is
-1 up to float rounding (a test holds the difference under 1e-3).
+``log_softmax(logits / temperature)`` in float32, each sequence at the temperature it was
+sampled with (a task may set its own), so under the same weights the ratio is 1 up to
+float rounding (tests hold the difference under 1e-3).
 
 :func:`micro_batches` sorts sequences by length before cutting them into micro-batches,
 so sequences of like length share one and little compute goes to padding. Not covered:
@@ -33,6 +34,7 @@ class Batch:
     loss_mask: torch.Tensor  # [B, T-1] bool, by target token
     old_logprobs: torch.Tensor  # [B, T-1] float32, by target token (what inference sampled with)
     advantages: torch.Tensor  # [B] float32
+    temperatures: torch.Tensor  # [B] float32, what each sequence was sampled at
 
     @property
     def num_loss_tokens(self) -> int:
@@ -43,9 +45,12 @@ class Batch:
         return int(self.attention_mask.sum())
 
 
-def pad(sequences: list[Tokens], advantages: list[float], pad_id: int, device: torch.device | str = "cpu") -> Batch:
-    """Right-pad ``sequences`` into one :class:`Batch` on ``device``."""
-    assert sequences and len(sequences) == len(advantages)
+def pad(sequences: list[Tokens], advantages: list[float], pad_id: int, device: torch.device | str = "cpu",
+        temperatures: list[float] | None = None) -> Batch:
+    """Right-pad ``sequences`` into one :class:`Batch` on ``device``; ``temperatures``: what each
+    was sampled at (None: 1.0 each, as for reference answers)."""
+    temperatures = temperatures if temperatures is not None else [1.0] * len(sequences)
+    assert sequences and len(sequences) == len(advantages) == len(temperatures)
     length = max(len(s.token_ids) for s in sequences)
     rows = len(sequences)
     input_ids = torch.full((rows, length), pad_id, dtype=torch.long)
@@ -64,6 +69,7 @@ def pad(sequences: list[Tokens], advantages: list[float], pad_id: int, device: t
         loss_mask=loss_mask[:, 1:].to(device),
         old_logprobs=old_logprobs[:, 1:].to(device),
         advantages=torch.tensor(advantages, dtype=torch.float32, device=device),
+        temperatures=torch.tensor(temperatures, dtype=torch.float32, device=device),
     )
 
 
@@ -73,8 +79,9 @@ def micro_batches(sequences: list[Tokens], size: int) -> list[list[int]]:
     return [order[i:i + size] for i in range(0, len(order), size)]
 
 
-def token_logprobs(model: torch.nn.Module, batch: Batch, temperature: float) -> torch.Tensor:
-    """``log_softmax(logits / temperature)`` of each target token, float32, ``[B, T-1]``."""
+def token_logprobs(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    """``log_softmax(logits / temperature)`` of each target token, float32, ``[B, T-1]``, each
+    row at its own sequence's temperature."""
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
-    logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
+    logprobs = torch.log_softmax(logits.float() / batch.temperatures[:, None, None], dim=-1)
     return logprobs.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)

@@ -7,8 +7,8 @@ with, and steps the engine once. :func:`sft_warmup` trains on the environment's 
 answers with cross-entropy on the completion tokens only, before RL and before version 0
 is published, so inference and trainer start from the same weights.
 
-Both go through :func:`train_step`: micro-batches of ``micro_batch_size`` sequences, one
-backward each, the loss normalised by the number of loss tokens in the whole step (not
+Both go through :func:`train_step`: micro-batches of ``micro_batch_size`` sequences (the
+setting ``trainer.micro_batch_size``), one backward each, the loss normalised by the number of loss tokens in the whole step (not
 per micro-batch), so the gradient does not depend on how the step was cut. Runs in a
 worker thread of the service: nothing here touches the event loop.
 
@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,20 +39,10 @@ log = logging.getLogger(__name__)
 TokenLoss = Callable[[torch.Tensor, Batch], tuple[torch.Tensor, torch.Tensor]]
 
 
-@dataclass(frozen=True)
-class LearnerConfig:
-    """How a step is cut and scaled (the algorithm itself is the run config's)."""
-
-    micro_batch_size: int = 16  # sequences per forward/backward; bounds activation memory
-
-    def __post_init__(self) -> None:
-        if self.micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be at least 1, got {self.micro_batch_size}")
-
-
 def train_step(engine: Engine, sequences: list[Tokens], advantages: list[float], pad_id: int,
-               micro_batch_size: int, temperature: float, token_loss: TokenLoss) -> dict[str, float]:
-    """One optimizer step over ``sequences``; returns the step's figures."""
+               micro_batch_size: int, temperatures: list[float], token_loss: TokenLoss) -> dict[str, float]:
+    """One optimizer step over ``sequences``, each recomputed at its temperature (what it was
+    sampled at); returns the step's figures."""
     started = time.perf_counter()
     num_loss_tokens = sum(sum(s.loss_mask[1:]) for s in sequences)
     num_tokens = sum(len(s.token_ids) for s in sequences)
@@ -65,9 +54,10 @@ def train_step(engine: Engine, sequences: list[Tokens], advantages: list[float],
         return figures
     flagged = diff_sum = 0.0
     for indices in micro_batches(sequences, micro_batch_size):
-        batch = pad([sequences[i] for i in indices], [advantages[i] for i in indices], pad_id, engine.device)
+        batch = pad([sequences[i] for i in indices], [advantages[i] for i in indices], pad_id, engine.device,
+                    [temperatures[i] for i in indices])
         with engine.autocast():
-            logprobs = token_logprobs(engine.model, batch, temperature)
+            logprobs = token_logprobs(engine.model, batch)
         per_token, flags = token_loss(logprobs, batch)
         mask = batch.loss_mask
         loss = (per_token * mask).sum() / num_loss_tokens
@@ -86,23 +76,27 @@ def train_step(engine: Engine, sequences: list[Tokens], advantages: list[float],
 
 
 def rl_step(engine: Engine, groups: list[list[Scored]], pad_id: int, cfg: RunConfig,
-            learner: LearnerConfig) -> dict[str, float]:
+            micro_batch_size: int) -> dict[str, float]:
     """One RL step on whole groups: advantages, importance-weighted loss, engine step."""
     advantage_fn = cfg.trainer.advantage.bind(ADVANTAGES)
     loss_fn = cfg.trainer.loss.bind(LOSSES)
     sequences: list[Tokens] = []
     advantages: list[float] = []
+    temperatures: list[float] = []
     for group in groups:
         for scored, advantage in zip(group, advantage_fn([s.reward for s in group]), strict=True):
+            # What the rollout was sampled at (a task may set its own); the run's for a rollout
+            # that does not say.
+            temperature = (scored.rollout.sampling or cfg.sampling).temperature
             for sequence in sequences_of(scored.rollout):  # one per branch of its trace graph
                 sequences.append(sequence)
                 advantages.append(advantage)
+                temperatures.append(temperature)
 
     def token_loss(logprobs: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         return loss_fn(logprobs, batch.old_logprobs, batch.advantages[:, None])
 
-    figures = train_step(engine, sequences, advantages, pad_id, learner.micro_batch_size,
-                         cfg.sampling.temperature, token_loss)
+    figures = train_step(engine, sequences, advantages, pad_id, micro_batch_size, temperatures, token_loss)
     figures["advantage_abs_mean"] = sum(abs(a) for a in advantages) / len(advantages)
     return figures
 
@@ -116,7 +110,7 @@ def reference_tokens(tok: Any, env: Environment, task: dict[str, Any]) -> Tokens
 
 
 def sft_warmup(model: torch.nn.Module, tok: Any, env: Environment, cfg: RunConfig,
-               learner: LearnerConfig) -> dict[str, float]:
+               micro_batch_size: int) -> dict[str, float]:
     """``cfg.sft.steps`` steps of cross-entropy on reference answers, with an optimizer of its own."""
     assert cfg.sft.steps > 0
     engine = TorchEngine(model, cfg.trainer.model_copy(update={"lr": cfg.sft.lr}), cfg.model.dtype)
@@ -131,7 +125,7 @@ def sft_warmup(model: torch.nn.Module, tok: Any, env: Environment, cfg: RunConfi
         rows = tasks[step * cfg.sft.batch_size:(step + 1) * cfg.sft.batch_size]
         sequences = [reference_tokens(tok, env, row) for row in rows]
         figures = train_step(engine, sequences, [0.0] * len(sequences), tok.pad_token_id,
-                             learner.micro_batch_size, 1.0, cross_entropy)
+                             micro_batch_size, [1.0] * len(sequences), cross_entropy)
         log.info("sft step %d/%d: loss %.4f", step + 1, cfg.sft.steps, figures["loss"])
     model.eval()
     return {"sft_steps": float(cfg.sft.steps), "sft_loss": figures["loss"], "sft_s": time.perf_counter() - started}

@@ -10,14 +10,17 @@ durable batch consumers plus one training task under a :class:`flywheel.contract
   without holding acks for the length of a step. A rollout whose token layer can never be
   trained is dead-lettered (:class:`flywheel.contract.bus.Reject`). Once ``max_buffered_rollouts``
   are held, the rollout handler waits (unacknowledged, so NATS keeps the backlog): memory
-  does not grow with it.
+  does not grow with it. These bounds and the micro-batch size are the process's settings
+  (section ``[trainer]``, :class:`flywheel.contract.settings.TrainerSettings`).
 - The training task loads the model; on a fresh run it runs the SFT warm-up, writes
   checkpoint 0 and publishes weights version 0; on a restart it loads the latest
   checkpoint and publishes its weights again. Then, step by step: take
   ``trainer.batch_size / group_size`` done groups, train (in a worker thread, so
   heartbeats and acks go on), append the metrics line, checkpoint (every
   ``checkpoint_every`` steps and at the last), put the weights in the object store,
-  publish the :class:`~flywheel.contract.events.WeightUpdate`, update the run state. After
+  publish the :class:`~flywheel.contract.events.WeightUpdate` (the step's figures in
+  ``metrics``; the rollouts dropped so far in ``num_dropped_total``, which inference's
+  admission and the run's task supply act on), update the run state. After
   ``trainer.num_steps`` the run is ``finished`` and the process exits.
 
 Versions: step ``n`` publishes version ``n`` (so ``version == trainer_step``), unless a
@@ -37,7 +40,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,13 +50,13 @@ from flywheel.contract.bus import Bus, Consumer, Delivery, Reject, Undecodable, 
 from flywheel.contract.config import RunConfig
 from flywheel.contract.runs import get_run, update_run
 from flywheel.contract.service import Service
-from flywheel.contract.settings import Settings
+from flywheel.contract.settings import Settings, TrainerSettings
 from flywheel.sdk import models
 from flywheel.sdk.environment import Environment, load_for_run
 from flywheel.sdk.scoring import required_scorers
 from flywheel_trainer.engines import Engine, build_engine
 from flywheel_trainer.join import BadRollout, Joiner, Take
-from flywheel_trainer.learner import LearnerConfig, rl_step, sft_warmup
+from flywheel_trainer.learner import rl_step, sft_warmup
 from flywheel_trainer.ledger import CheckpointState, Journal, RunFolder
 
 log = logging.getLogger(__name__)
@@ -62,29 +64,12 @@ log = logging.getLogger(__name__)
 WAITING_LOG_S = 30.0  # how often a trainer waiting for data says what it holds
 
 
-@dataclass(frozen=True)
-class TrainerOptions:
-    """Process-level bounds and knobs; the algorithm itself is the run config's."""
-
-    learner: LearnerConfig = field(default_factory=LearnerConfig)
-    # Rollouts held before the rollout consumer waits (give or take one consumer's in-flight
-    # batches). At least trainer.batch_size + inference.max_rollouts_in_flight, or groups
-    # that inference interleaves could never all complete.
-    max_buffered_rollouts: int = 4096
-    consumer_batch_size: int = 64
-    consumer_max_in_flight: int = 256
-    # Short: deliveries held by a trainer that was killed come back this soon to its restart
-    # (until then they count against the durable's max_ack_pending); work still running is
-    # kept alive by the bus layer's in_progress every third of it.
-    ack_wait_s: float = 5.0
-
-
-async def run(settings: Settings, run_id: str, options: TrainerOptions | None = None,
-              handle_signals: bool = True) -> None:
-    """Composition root of ``python -m flywheel_trainer --run RUN``: train until the run is done or a signal."""
+async def run(settings: Settings, run_id: str, handle_signals: bool = True) -> None:
+    """Composition root of ``python -m flywheel_trainer --run RUN``: train until the run is done or a
+    signal, within the bounds of the settings' ``trainer`` section."""
     bus = await Bus.connect(settings.resolved_nats_url, name=f"trainer-{run_id}")
     try:
-        trainer = await Trainer.open(bus, Path(settings.data_dir), run_id, options or TrainerOptions())
+        trainer = await Trainer.open(bus, Path(settings.data_dir), run_id, settings.trainer)
     except BaseException:
         await bus.close()
         raise
@@ -136,7 +121,7 @@ class Trainer:
 
     def __init__(self, bus: Bus, cfg: RunConfig, env: Environment, data_dir: Path, joiner: Joiner,
                  journal: Journal, resume: tuple[Path, CheckpointState] | None, published_version: int,
-                 options: TrainerOptions) -> None:
+                 options: TrainerSettings) -> None:
         self.bus = bus
         self.cfg = cfg
         self.data_dir = data_dir
@@ -156,7 +141,7 @@ class Trainer:
         self.checkpointed_step = self.step if resume else -1
 
     @classmethod
-    async def open(cls, bus: Bus, data_dir: Path, run_id: str, options: TrainerOptions) -> Trainer:
+    async def open(cls, bus: Bus, data_dir: Path, run_id: str, options: TrainerSettings) -> Trainer:
         """Read the run's config and state, then what the run folder holds (checkpoint, journal)."""
         state = await get_run(bus, run_id)
         if state is None:
@@ -169,8 +154,10 @@ class Trainer:
         env = load_for_run(cfg)
         min_buffer = cfg.trainer.batch_size + cfg.inference.max_rollouts_in_flight
         if options.max_buffered_rollouts < min_buffer:
-            raise ValueError(f"max_buffered_rollouts={options.max_buffered_rollouts} is below trainer.batch_size plus "
-                             f"inference.max_rollouts_in_flight ({min_buffer}): groups could never complete")
+            raise ValueError(f"setting trainer.max_buffered_rollouts={options.max_buffered_rollouts} is below the run's "
+                             f"trainer.batch_size plus inference.max_rollouts_in_flight ({min_buffer}): groups could "
+                             "never complete; raise the setting (FLYWHEEL_TRAINER__MAX_BUFFERED_ROLLOUTS) or lower "
+                             "the run's")
         folder = RunFolder(data_dir, run_id)
         resume = folder.checkpoints.latest()
         published = await last_published_version(bus, run_id)
@@ -261,7 +248,7 @@ class Trainer:
         model, tok = await asyncio.to_thread(models.load_model, path, "float32")
         figures: dict[str, Any] = {}
         if self.resume is None and cfg.sft.steps:
-            figures = await asyncio.to_thread(sft_warmup, model, tok, self.env, cfg, self.options.learner)
+            figures = await asyncio.to_thread(sft_warmup, model, tok, self.env, cfg, self.options.micro_batch_size)
         engine = await asyncio.to_thread(build_engine, model, cfg.trainer, cfg.model.dtype)
         if self.resume is None:
             self.folder.metrics.append({"step": 0, "version": 0, **figures})
@@ -286,7 +273,7 @@ class Trainer:
         cfg = self.cfg
 
         def compute() -> tuple[dict[str, float], bytes]:
-            return rl_step(engine, take.groups, pad_id, cfg, self.options.learner), engine.weights()
+            return rl_step(engine, take.groups, pad_id, cfg, self.options.micro_batch_size), engine.weights()
 
         figures, data = await asyncio.to_thread(compute)
         self.step += 1
@@ -294,9 +281,6 @@ class Trainer:
         figures.update(take_figures(take, self.joiner), wait_s=wait_s)
         self.trained[self.step] = take.trained_ids
         self.dropped.update(take.dropped)
-        # Every rollout dropped so far (stale, scorer or rollout error), for inference's
-        # admission: a dropped rollout gives its allowance back.
-        figures["num_dropped_total"] = float(len(self.dropped))
         self.folder.metrics.append({"step": self.step, "version": self.version, **figures})
         if self.step % cfg.trainer.checkpoint_every == 0 or self.step == cfg.trainer.num_steps:
             await self._checkpoint(engine)
@@ -339,10 +323,14 @@ class Trainer:
         self.checkpointed_step = self.step
 
     async def _publish(self, data: bytes, figures: dict[str, float]) -> None:
+        """Put the weights in the object store and announce them: the step's ``figures`` for people,
+        and every rollout dropped so far (stale, scorer or rollout error) as ``num_dropped_total``,
+        on which inference's admission gives their allowance back and the run's owner replaces them."""
         uri, sha256, size_bytes = await weights.put(self.bus, self.cfg.run, self.version, data)
         await self.bus.publish(events.WeightUpdate(
             id=f"{self.cfg.run}-v{self.version}-{sha256[:16]}", run=self.cfg.run, version=self.version, uri=uri,
-            sha256=sha256, size_bytes=size_bytes, trainer_step=self.step, metrics=figures))
+            sha256=sha256, size_bytes=size_bytes, trainer_step=self.step, metrics=figures,
+            num_dropped_total=len(self.dropped)))
         log.info("run %s: weights version %d published (step %d, %d bytes)", self.cfg.run, self.version, self.step,
                  size_bytes)
 

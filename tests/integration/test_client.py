@@ -10,7 +10,7 @@ import pytest
 from flywheel.contract import events
 from flywheel.contract.bus import Bus
 from flywheel.ops import cli
-from flywheel.ops.client import Client, publish_tasks, task_id
+from flywheel.ops.client import Client, publish_tasks
 from flywheel.ops.natsserver import NatsServer
 
 ROWS = [{"text": "abc"}, {"text": "hello"}, {"id": "own-id", "text": "xyz"}]
@@ -26,7 +26,8 @@ async def stored_tasks(bus: Bus) -> list[events.Task]:
 async def test_publish_then_republish_is_deduplicated(bus: Bus, nats_server: NatsServer) -> None:
     async with await Client.connect(nats_server.url) as fw:
         ids = await fw.publish_tasks(run="r1", env="reverse-text", rows=ROWS, num_rollouts=4)
-        assert ids == [task_id("r1", "reverse-text", 1, ROWS[0]), task_id("r1", "reverse-text", 2, ROWS[1]), "own-id"]
+        assert ids == [events.task_id("r1", "reverse-text", 1, ROWS[0]),
+                       events.task_id("r1", "reverse-text", 2, ROWS[1]), "own-id"]
         assert await fw.publish_tasks(run="r1", env="reverse-text", rows=ROWS, num_rollouts=4) == ids
         again = await fw.publish(await stored_tasks(bus))
     assert again.ids == ids and again.num_duplicates == 3 and again.num_new == 0 and again.runs_created == []
@@ -87,8 +88,8 @@ async def test_cli_publishes_a_file_once(bus: Bus, nats_server: NatsServer, tmp_
                                        "(dropped by the server); run r1 already registered\n")
     tasks = await stored_tasks(bus)
     # The file's line numbers make the ids: the same rows from Python at the same positions agree.
-    assert [t.id for t in tasks] == [task_id("r1", "reverse-text", 1, ROWS[0]),
-                                     task_id("r1", "reverse-text", 2, ROWS[1]), "own-id"]
+    assert [t.id for t in tasks] == [events.task_id("r1", "reverse-text", 1, ROWS[0]),
+                                     events.task_id("r1", "reverse-text", 2, ROWS[1]), "own-id"]
     assert all(t.num_rollouts == 2 for t in tasks)
 
 

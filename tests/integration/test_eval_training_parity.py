@@ -27,14 +27,16 @@ from flywheel.contract import events
 from flywheel.contract.bus import Bus
 from flywheel.contract.config import RunConfig
 from flywheel.contract.runs import register_run
+from flywheel.contract.settings import InferenceSettings, RecorderSettings, ScorerSettings
 from flywheel.ops.eval import EvalConfig, Evaluation, read_results
 from flywheel.sdk import models
 from flywheel.sdk.environment import load_for_run
 from flywheel.sdk.scoring import required_scorers
-from flywheel_gateway.recorder import RecorderConfig, mirror_runs
+from flywheel_gateway import recorder
+from flywheel_gateway.recorder import mirror_runs
 from flywheel_gateway.store import Store
-from flywheel_inference.worker import WorkerConfig
-from flywheel_scorer.scorer import EnvironmentRewards, ScorerConfig
+from flywheel_scorer import scorer
+from flywheel_scorer.scorer import EnvironmentRewards
 from tests.helpers import until
 from tests.integration.test_gateway_api import app, client, store  # noqa: F401 (fixtures)
 from tests.integration.test_inference_worker import Workers, publish_weights, start_worker  # noqa: F401
@@ -71,12 +73,12 @@ async def in_training(app: FastAPI, client: httpx.AsyncClient, store: Store, bus
     await register_run(bus, "r1", config=cfg.model_dump(), scorers=required_scorers(cfg, env))
     base, _ = models.load_model(model_dir)
     await publish_weights(bus, "r1", 0, base)
-    await start_worker(WorkerConfig(rollout_timeout_s=ROLLOUT_TIMEOUT_S, backoff_s=(0.2,), max_deliver=50))
+    await start_worker(InferenceSettings(rollout_timeout_s=ROLLOUT_TIMEOUT_S, backoff_s=(0.2,), max_deliver=50))
     rows = env.load_tasks(env.tasks.size)  # type: ignore[union-attr] - each row once
     stopping = asyncio.Event()
     with ThreadPoolExecutor(4) as pool:
-        consumers = [*RecorderConfig(streams=("ROLLOUTS", "SCORES")).build(bus, store),
-                     ScorerConfig(reward_timeout_s=REWARD_TIMEOUT_S).build(bus, EnvironmentRewards(), pool)[0]]
+        consumers = [*recorder.build(bus, store, RecorderSettings(), streams=("ROLLOUTS", "SCORES")),
+                     scorer.build(bus, EnvironmentRewards(), pool, ScorerSettings(reward_timeout_s=REWARD_TIMEOUT_S))[0]]
         running = [asyncio.ensure_future(c.run()) for c in consumers]
         mirroring = asyncio.ensure_future(mirror_runs(bus, store, stopping))
         try:

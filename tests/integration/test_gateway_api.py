@@ -24,10 +24,12 @@ from fastapi import FastAPI
 from flywheel.contract import events
 from flywheel.contract.runs import is_key, is_token
 from flywheel.contract.settings import Settings
+from flywheel.ops.client import make_tasks
 from flywheel.ops.natsserver import NatsServer
 from flywheel_gateway.app import create_app
 from flywheel_gateway.models import RUN_ID_PATTERN, TASK_ID_PATTERN, TOKEN_PATTERN, subject_token, task_id
 from flywheel_gateway.store import Store
+from flywheel_inference.policy import Policy
 from tests.unit.test_store import rollout, score, task
 
 
@@ -103,6 +105,48 @@ async def test_post_a_list_is_deduplicated_by_id(app: FastAPI, client: httpx.Asy
         response = await client.post("/v1/tasks", json=body)
         assert response.status_code == 202 and response.json() == {"ids": ["t0", "t1", "t2"]}
     assert sorted(t.id for t in await stored_tasks(app)) == ["t0", "t1", "t2"]
+
+
+async def test_a_task_posted_twice_without_an_id_is_stored_once(app: FastAPI, client: httpx.AsyncClient) -> None:
+    # Ids are made as the client makes them (flywheel.contract.events.task_id), a task's position
+    # being its index in the request, from 1: a POST retried without ids stores nothing new.
+    rows = [{"text": "abc"}, {"text": "abc"}, {"id": "q-17", "text": "own"}]
+    body = [{"run": "r1", "env": "echo", "data": row} for row in rows]
+    first = await client.post("/v1/tasks", json=body)
+    assert first.status_code == 202, first.text
+    ids = first.json()["ids"]
+    assert ids == [t.id for t in make_tasks("r1", "echo", enumerate(rows, 1))]
+    assert ids[2] == "q-17" and len(set(ids)) == 3  # the same row at two positions is two tasks
+    again = await client.post("/v1/tasks", json=body)
+    assert again.status_code == 202 and again.json()["ids"] == ids
+    one = await client.post("/v1/tasks", json=body[0])  # one task is the first of a list of one
+    assert one.status_code == 202 and one.json()["ids"] == ids[:1]
+    assert sorted(t.id for t in await stored_tasks(app)) == sorted(ids)
+    assert (await app.state.bus.js.stream_info("TASKS")).state.messages == 3
+
+
+async def test_the_gateway_accepts_exactly_the_sampling_inference_runs(app: FastAPI,
+                                                                      client: httpx.AsyncClient) -> None:
+    # What inference checks before it rolls a task out (Policy.check, on a model of any length):
+    # a task the gateway accepts must not be dead-lettered for its sampling.
+    class AnyLength:
+        max_positions = None
+
+    policy = Policy("r1", AnyLength(), None, 1)  # type: ignore[arg-type]
+    cases = [{"temperature": 0}, {"temperature": -0.5}, {"temperature": 1e-3}, {"temperature": 2.0},
+             {"top_p": 0}, {"top_p": 1e-6}, {"top_p": 1}, {"top_p": 1.01}, {"max_tokens": 0}, {"max_tokens": 1},
+             {"stop": [""]}, {"stop": ["\n", "</s>"]}, {"seed": 0}, {"seed": 2**31 - 1}, {}]
+    for i, sampling in enumerate(cases):
+        response = await client.post("/v1/tasks", json={"run": "r1", "env": "e", "data": {"i": i},
+                                                        "sampling": sampling})
+        try:
+            policy.check([[1]], events.Sampling(**sampling))
+        except ValueError:
+            assert response.status_code == 422, (sampling, response.text)
+            (field,) = sampling
+            assert response.json()["errors"][0]["field"].startswith(f"task.sampling.{field}"), response.text
+        else:
+            assert response.status_code == 202, (sampling, response.text)
 
 
 async def test_a_run_belongs_to_its_first_tenant(client: httpx.AsyncClient) -> None:

@@ -16,7 +16,8 @@ from fastapi import FastAPI
 
 from flywheel.contract import events
 from flywheel.contract.config import RunConfig
-from flywheel_gateway.recorder import RecorderConfig
+from flywheel.contract.settings import RecorderSettings
+from flywheel_gateway import recorder
 from flywheel_gateway.store import Store
 from tests.helpers import until
 from tests.integration.test_gateway_api import app, client, store, unprocessable  # noqa: F401 (fixtures)
@@ -125,7 +126,7 @@ async def test_metrics_are_polled_by_step_and_ids_may_hold_slashes(client: httpx
 async def test_the_recorder_turns_weight_updates_into_metrics(app: FastAPI, client: httpx.AsyncClient,
                                                               store: Store) -> None:
     bus = app.state.bus
-    (consumer,) = RecorderConfig(streams=("WEIGHTS",)).build(bus, store)
+    (consumer,) = recorder.build(bus, store, RecorderSettings(), streams=("WEIGHTS",))
     running = asyncio.ensure_future(consumer.run())
     try:
         updates = [weight_update("r1", i, {"reward_mean": i / 4, "loss": 2.0}) for i in range(3)]

@@ -33,7 +33,8 @@ from flywheel.contract import events
 from flywheel.contract.bus import Bus
 from flywheel.ops.client import GatewayError, TraceAPI, server_sent_events
 from flywheel.ops.natsserver import NatsServer, free_port
-from flywheel_gateway.recorder import RecorderConfig
+from flywheel.contract.settings import RecorderSettings
+from flywheel_gateway import recorder
 from flywheel_gateway.store import Store
 from tests.helpers import until
 from tests.integration.test_gateway_api import app, client, store, unprocessable  # noqa: F401 (fixtures)
@@ -405,7 +406,7 @@ async def test_filters_follow_what_the_recorder_records(app: FastAPI, client: ht
     """Events on the bus, recorded by the recorder's consumers: a late score moves a rollout
     into a reward range, a failed one moves it out and into the errors."""
     bus: Bus = app.state.bus
-    consumers = RecorderConfig(streams=("ROLLOUTS", "TRACES", "SCORES")).build(bus, store)
+    consumers = recorder.build(bus, store, RecorderSettings(), streams=("ROLLOUTS", "TRACES", "SCORES"))
     running = [asyncio.ensure_future(c.run()) for c in consumers]
     try:
         async def listed(**params: Any) -> list[str]:
@@ -451,7 +452,7 @@ async def test_a_rollout_rolled_out_again_shows_only_its_published_attempt(app: 
     bus: Bus = app.state.bus
     abandoned, published = attempts()
     answer = published[-1]
-    consumers = {c.stream: c for c in RecorderConfig(streams=("ROLLOUTS", "TRACES")).build(bus, store)}
+    consumers = {c.stream: c for c in recorder.build(bus, store, RecorderSettings(), streams=("ROLLOUTS", "TRACES"))}
     running = [asyncio.ensure_future(c.run()) for c in consumers.values()]
     try:
         # ro1: everything live first, then the rollout; ro2: the rollout first, its phantoms late.

@@ -17,10 +17,11 @@ from flywheel.contract import events, weights
 from flywheel.contract.bus import HEADER_CONTENT_TYPE, Bus, Delivery
 from flywheel.contract.config import RunConfig
 from flywheel.contract.service import Service
+from flywheel.contract.settings import InferenceSettings
 from flywheel.ops.natsserver import NatsServer
 from flywheel.sdk import models
 from flywheel.sdk.environment import load_environment
-from flywheel_inference.worker import Worker, WorkerConfig
+from flywheel_inference.worker import Worker
 from tests.helpers import until
 
 
@@ -72,9 +73,9 @@ class Workers:
         self.data_dir = data_dir
         self.started: dict[int, tuple[Service, asyncio.Future[None], Worker]] = {}
 
-    async def __call__(self, config: WorkerConfig | None = None) -> Worker:
+    async def __call__(self, config: InferenceSettings | None = None) -> Worker:
         wbus = await Bus.connect(self.url, name="inference")
-        worker = Worker.with_backends(wbus, self.data_dir, config or WorkerConfig(backoff_s=(0.2,), max_deliver=50))
+        worker = Worker.with_backends(wbus, self.data_dir, config or InferenceSettings(backoff_s=(0.2,), max_deliver=50))
         service = worker.service(handle_signals=False)
         self.started[id(worker)] = (service, asyncio.ensure_future(service.run()), worker)
         return worker

@@ -25,13 +25,15 @@ from flywheel.contract import events
 from flywheel.contract.bus import Bus
 from flywheel.contract.config import RunConfig
 from flywheel.contract.runs import register_run
-from flywheel.contract.settings import Settings
+from flywheel.contract.settings import RecorderSettings, ScorerSettings, Settings
 from flywheel.ops.natsserver import NatsServer
 from flywheel.sdk.environment import load_for_run
 from flywheel.sdk.scoring import required_scorers
-from flywheel_gateway.recorder import RecorderConfig, mirror_runs
+from flywheel_gateway import recorder
+from flywheel_gateway.recorder import mirror_runs
 from flywheel_gateway.store import Store
-from flywheel_scorer.scorer import EnvironmentRewards, ScorerConfig, custom_reward
+from flywheel_scorer import scorer
+from flywheel_scorer.scorer import EnvironmentRewards, custom_reward
 from flywheel_trainer import service
 from flywheel_trainer.ledger import RunFolder
 from tests.helpers import until
@@ -57,9 +59,10 @@ async def test_the_trace_api_reward_is_the_trainers_with_a_custom_scorer_on_the_
     await register_run(bus, RUN, config=cfg.model_dump(), scorers=required_scorers(cfg, env))
     stopping = asyncio.Event()
     pool = ThreadPoolExecutor(4)
-    consumers = [*RecorderConfig(streams=("ROLLOUTS", "SCORES")).build(bus, store),
-                 ScorerConfig(max_in_flight=8).build(bus, EnvironmentRewards(), pool)[0],
-                 ScorerConfig(max_in_flight=8).build(bus, custom_reward(f"{__name__}:brevity", "reverse_text"), pool)[0]]
+    bounds = ScorerSettings(max_in_flight=8)
+    consumers = [*recorder.build(bus, store, RecorderSettings(), streams=("ROLLOUTS", "SCORES")),
+                 scorer.build(bus, EnvironmentRewards(), pool, bounds)[0],
+                 scorer.build(bus, custom_reward(f"{__name__}:brevity", "reverse_text"), pool, bounds)[0]]
     running = [asyncio.ensure_future(c.run()) for c in consumers]
     mirroring = asyncio.ensure_future(mirror_runs(bus, store, stopping))
     settings = Settings(nats_url=nats_server.url, data_dir=tmp_path / "data")

@@ -24,8 +24,10 @@ from flywheel.contract import events
 from flywheel.contract.bus import Bus, Consumer
 from flywheel.contract.config import RunConfig
 from flywheel.contract.service import read_heartbeats
+from flywheel.contract.settings import ScorerSettings
 from flywheel.ops.natsserver import NatsServer
-from flywheel_scorer.scorer import EnvironmentRewards, ScorerConfig
+from flywheel_scorer import scorer
+from flywheel_scorer.scorer import EnvironmentRewards
 from tests.helpers import until
 from tests.unit.test_scorer_rewards import group_of, rollout
 
@@ -40,7 +42,7 @@ def answer_length(completion: str) -> float:
 @asynccontextmanager
 async def builtin_scorer(bus: Bus, **bounds: Any) -> AsyncIterator[Consumer]:
     with ThreadPoolExecutor(2) as pool:
-        consumer, _ = ScorerConfig(**{"max_in_flight": 8, **bounds}).build(bus, EnvironmentRewards(), pool)
+        consumer, _ = scorer.build(bus, EnvironmentRewards(), pool, ScorerSettings(**{"max_in_flight": 8, **bounds}))
         running = asyncio.ensure_future(consumer.run())
         try:
             yield consumer

@@ -25,6 +25,7 @@ from flywheel.sdk import models
 from flywheel_trainer import service
 from flywheel_trainer.ledger import Journal, RunFolder
 from tests.helpers import until
+from tests.integration.test_inference_worker import Workers, count_is, start_worker, stored  # noqa: F401 - fixture
 from tests.unit.test_trainer_join import make_rollout, make_score
 
 RUN = "trainer-itest"
@@ -144,6 +145,36 @@ async def test_trainer_publishes_version_0_then_a_version_a_step_and_counts_what
     letter = events.Decoder(events.DeadLetter).decode((await dead.next_msg(timeout=5)).data)
     await dead.unsubscribe()
     assert letter.consumer == f"trainer-{RUN}-rollouts" and "2 token ids but 1 logprobs" in letter.reason
+
+
+async def test_logprobs_are_recomputed_at_the_temperature_each_rollout_was_sampled_with(
+        bus: Bus, nats_server: NatsServer, tiny_model_dir: Path, tmp_path: Path, start_worker: Workers) -> None:
+    # The real inference worker and the trainer, a task with a temperature of its own (the run's
+    # is 1.0). With lr 0 the weights do not move, so the trainer's logprobs match the sampler's
+    # only when it recomputes them at the temperature the rollout was sampled with.
+    run = "own-temperature"
+    cfg = RunConfig(run=run, env="reverse_text", group_size=2, model={"name": str(tiny_model_dir)},
+                    sampling={"max_tokens": 8}, scorers={"fixed": 1.0},
+                    trainer={"batch_size": 2, "num_steps": 1, "lr": 0.0, "max_off_policy_steps": 0})
+    await register_run(bus, run, config=cfg.model_dump(), scorers=cfg.scorers)
+    settings = Settings(nats_url=nats_server.url, data_dir=tmp_path / "data")
+    trainer = asyncio.ensure_future(service.run(settings, run, handle_signals=False))
+    await wait_for_version(bus, 0, trainer, run)
+    await start_worker()
+    sampling = events.Sampling(temperature=0.4, max_tokens=8, seed=5)
+    await bus.publish(events.Task(id="t0", run=run, env="reverse_text", data={"text": "abcdef"}, num_rollouts=2,
+                                  sampling=sampling))
+    await until(lambda: count_is(bus, "ROLLOUTS", 2), timeout_s=60, what="the task's 2 rollouts")
+    rollouts = sorted(await stored(bus, "ROLLOUTS", events.Rollout), key=lambda r: r.index)
+    assert all(r.status in ("completed", "truncated") for r in rollouts), rollouts
+    # Each rollout records what it was sampled with: the task's settings, its own seed.
+    assert [r.sampling for r in rollouts] == [events.Sampling(temperature=0.4, max_tokens=8, seed=5 + i)
+                                              for i in range(2)]
+    await bus.publish_many([make_score(r, "fixed", float(r.index)) for r in rollouts])
+    await asyncio.wait_for(trainer, timeout=60)  # one step, then it exits
+    (_, step) = await weight_updates(bus, run)
+    assert step.metrics["num_rollouts"] == 2
+    assert step.metrics["logprob_diff_abs_mean"] < 1e-3, step.metrics
 
 
 async def test_a_run_that_is_missing_or_without_its_checkpoint_fails_with_the_reason(

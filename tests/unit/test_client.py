@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from flywheel.contract.events import task_id
 from flywheel.contract.runs import check_key, check_token
 from flywheel.ops import cli
-from flywheel.ops.client import make_tasks, read_jsonl, task_id
+from flywheel.ops.client import make_tasks, read_jsonl
 from flywheel.ops.natsserver import free_port
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
-from flywheel.contract.settings import Settings
+from flywheel.contract.settings import SECTIONS, Settings
 
 COMPOSE_DIR = Path(__file__).resolve().parents[2] / "compose"
 FILES = ("docker-compose.yml", "docker-compose.override.yml", "docker-compose.host.yml")
@@ -28,6 +28,16 @@ PROFILES = ("cpu", "gpu")
 # Read by Settings itself to find the TOML file; not a setting.
 META_VARIABLES = {"FLYWHEEL_CONFIG"}
 PYTHON_IMAGE_FILES = {"Dockerfile", "vllm.Dockerfile"}
+
+
+def setting_defaults() -> dict[str, Any]:
+    """Every FLYWHEEL_* variable Settings reads, with its default: a flat setting's, and each
+    field of a section as FLYWHEEL_<SECTION>__<FIELD>."""
+    found = {f"FLYWHEEL_{name.upper()}": f.default for name, f in Settings.model_fields.items() if name not in SECTIONS}
+    for section in SECTIONS:
+        for name, f in Settings.model_fields[section].annotation.model_fields.items():  # type: ignore[union-attr]
+            found[f"FLYWHEEL_{section.upper()}__{name.upper()}"] = f.default
+    return found
 
 
 def load(name: str) -> dict[str, Any]:
@@ -85,7 +95,7 @@ def test_docker_compose_config_refuses_a_missing_password() -> None:
 
 
 def test_every_flywheel_variable_is_a_setting() -> None:
-    fields = {f"FLYWHEEL_{name.upper()}" for name in Settings.model_fields}
+    fields = set(setting_defaults())
     passed = {var for spec in services().values() for var in spec.get("environment", {}) if var.startswith("FLYWHEEL_")}
     assert passed, "compose passes no FLYWHEEL_* settings"
     unknown = passed - fields - META_VARIABLES
@@ -100,9 +110,9 @@ def test_passed_through_settings_keep_their_defaults() -> None:
         for var, value in spec.get("environment", {}).items():
             match = re.fullmatch(r"\$\{(FLYWHEEL_\w+):-([^}]*)\}", str(value))
             if match and match.group(1) == var:
-                field = Settings.model_fields[var.removeprefix("FLYWHEEL_").lower()]
-                assert match.group(2) == str(field.default), f"{var}: compose default {match.group(2)!r}, " \
-                                                             f"Settings default {field.default!r}"
+                default = setting_defaults()[var]
+                assert match.group(2) == str(default), f"{var}: compose default {match.group(2)!r}, " \
+                                                       f"Settings default {default!r}"
                 passed += 1
     assert passed >= 3  # gateway_port, inference_port, sandbox_image at least
 

@@ -24,6 +24,7 @@ from flywheel.contract.config import (
     MaskedLoss,
     RewardConfig,
     RunConfig,
+    SamplingConfig,
     TrainerConfig,
     VLLMBackendConfig,
     reference,
@@ -119,6 +120,25 @@ def test_environment_sampling_is_a_default_under_the_runs_own() -> None:
     env.sampling = {"top_p": 2.0}
     with pytest.raises(ValueError, match=r"environment 'reverse_text': sampling \{'top_p': 2.0\}: Input should be"):
         cfg.with_sampling_defaults(env.sampling, "environment 'reverse_text'")
+
+
+def test_the_runs_sampling_is_the_contracts_shape_defaults_and_bounds() -> None:
+    from flywheel.contract import events
+
+    # One shape with one set of defaults: [sampling] is the bus's Sampling, field for field.
+    assert list(SamplingConfig.model_fields) == list(events.Sampling.__struct_fields__)
+    assert SamplingConfig().to_event() == events.Sampling()
+    cfg = RunConfig.parse({"run": "r", "env": "e", "sampling": {"temperature": 0.5, "stop": ["\n"], "seed": 3}})
+    assert cfg.sampling.to_event() == events.Sampling(temperature=0.5, stop=["\n"], seed=3)
+    # One set of bounds: a run config loads only with sampling every backend takes.
+    for sampling in ({"temperature": 0}, {"temperature": 1e-6}, {"temperature": float("inf")}, {"top_p": 0},
+                     {"top_p": 1.5}, {"max_tokens": 0}, {"stop": ["\n", ""]}, {"seed": -1}):
+        (name,) = sampling
+        with pytest.raises(ValueError, match=rf"sampling\.{name}"):
+            RunConfig.parse({"run": "r", "env": "e", "sampling": sampling})
+        with pytest.raises(ValueError, match=rf"sampling\.{name}"):
+            events.Sampling(**sampling).check()
+    events.Sampling(temperature=1e-5, top_p=1.0, max_tokens=1, stop=["\n"], seed=0).check()
 
 
 # --- parts with alternatives: advantage, loss, engine, inference backend ----------------------

@@ -252,6 +252,29 @@ async def test_an_eval_writes_results_summarizes_and_resumes(upstream: tuple[Ups
     assert len(upstream[0].requests) == num_requests + 4 and again["num_rollouts"] == 8
 
 
+async def test_eval_ids_are_made_as_training_makes_them_and_resume_continues_the_files_run(
+        upstream: tuple[Upstream, Served], tmp_path: Path) -> None:
+    out = tmp_path / "results.jsonl"
+    cfg = EvalConfig(env="texts", model="m", base_url=upstream[1].url + "/v1", out=out, num_tasks=2, num_rollouts=2)
+    progress = tmp_path / "progress.txt"
+    await Evaluation(cfg, text_env(), progress.open("w")).run()
+    records = read_results(out)
+    rows = text_env().load_tasks(2, seed=0)
+    (run,) = {r["run"] for r in records}
+    assert run.startswith("eval-texts-") and len(records) == 4
+    for r in records:  # a task's position is its place in the task set, from 1, as a file's line is
+        assert r["task_id"] == events.task_id(run, "texts", rows.index(r["task"]) + 1, r["task"])
+        assert r["rollout_id"] == events.rollout_id(run, r["task_id"], r["index"])
+    # --resume without --run-id goes on with the run the results file holds: nothing is asked again.
+    num_requests = len(upstream[0].requests)
+    await Evaluation(EvalConfig(**{**cfg.__dict__, "resume": True}), text_env(), progress.open("w")).run()
+    assert len(upstream[0].requests) == num_requests and read_results(out) == records
+    with pytest.raises(ValueError, match=rf"run_id='other', but {out} holds the results of eval run {run!r}"):
+        await Evaluation(EvalConfig(**{**cfg.__dict__, "resume": True, "run_id": "other"}), text_env(),
+                         progress.open("w")).run()
+    assert read_results(out) == records  # refused before anything was rewritten
+
+
 async def test_a_harness_that_fails_is_recorded_on_its_rollout(tmp_path: Path) -> None:
     cfg = EvalConfig(env="texts", model="m", base_url="http://127.0.0.1:9/v1", out=tmp_path / "r.jsonl",
                      num_tasks=1, num_rollouts=2, max_retries=0)

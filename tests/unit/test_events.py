@@ -87,6 +87,23 @@ def test_node_ids_are_content_hashes_over_the_parent_chain() -> None:
     assert events.node_id(None, m) != events.node_id(None, m, span)
 
 
+def test_task_and_rollout_ids_are_made_one_way_and_pinned() -> None:
+    # Pinned: a change here changes the id of every task already published (the client, the
+    # gateway and `flywheel run` all make them here), and so every rollout id after it.
+    assert events.task_id("r1", "echo", 1, {"text": "abc"}) == "f69f940e9c4a5cdf94fa9d8f28e31843"
+    assert events.task_id("r1", "echo", 7, {"id": "q-17", "text": "x"}) == "q-17"  # a row's own string id
+    assert events.rollout_id("r1", "q-17", 0) == "df60163944de639063b84c6769c552eb"  # eval's, as ever
+    # A task id a user chose can repeat across runs; its rollouts do not.
+    assert len({events.rollout_id(run, "q-17", i) for run in ("r1", "r2") for i in (0, 1)}) == 4
+
+
+def test_a_rollout_from_before_its_sampling_was_recorded_decodes_without_it() -> None:
+    rollout = events.Decoder(events.Rollout).decode(json.dumps(V1["json"][1]).encode())
+    assert rollout.sampling is None  # its readers fall back on the run's sampling
+    sampled = msgspec.structs.replace(rollout, sampling=events.Sampling(temperature=0.5, seed=3))
+    assert events.Decoder(events.Rollout).decode(events.encode(sampled, events.MSGPACK), events.MSGPACK) == sampled
+
+
 def test_json_schema_covers_every_event_and_matches_the_docs() -> None:
     schema = events.json_schema()
     assert {"Task", "Rollout", "TraceNode", "Score", "WeightUpdate", "DeadLetter"} <= set(schema["$defs"])

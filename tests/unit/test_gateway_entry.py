@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from flywheel_gateway.recorder import RecorderConfig
+from flywheel.contract.settings import RecorderSettings
+from flywheel_gateway import recorder
 
 
 def test_entry_point_defers_heavy_imports() -> None:
@@ -23,4 +24,4 @@ def test_entry_point_defers_heavy_imports() -> None:
 
 def test_recorder_refuses_unknown_streams() -> None:
     with pytest.raises(ValueError, match=r"streams: \['BOGUS'\] are not Flywheel streams"):
-        RecorderConfig(streams=("TASKS", "BOGUS")).build(bus=None, store=None)  # type: ignore[arg-type]
+        recorder.build(None, None, RecorderSettings(), streams=("TASKS", "BOGUS"))  # type: ignore[arg-type]

@@ -31,8 +31,9 @@ from flywheel.sdk.sandbox import (
     subject,
 )
 from flywheel_sandbox.backends import AgentChannel, AgentGone, encode_b64, pool_key
-from flywheel_sandbox.sessions import ManagerConfig, SessionManager
+from flywheel_sandbox.sessions import SessionManager
 from tests.helpers import until
+from tests.sandbox_service import manager_config
 
 
 class FakeBox:
@@ -136,7 +137,7 @@ def clock() -> Clock:
 
 @pytest.fixture
 def manager(clock: Clock) -> SessionManager:
-    return SessionManager(FakeBackend(), "host.example-12", ManagerConfig(max_alive=3, warm_pool=0,
+    return SessionManager(FakeBackend(), "host.example-12", manager_config(max_alive=3, warm_pool=0,
                                                                            max_file_bytes=100), clock=clock)
 
 
@@ -224,7 +225,7 @@ async def test_busy_sandbox_is_not_idle_but_ttl_still_ends_it(manager: SessionMa
 
 
 async def test_exec_past_its_timeout_and_grace_kills_the_sandbox(clock: Clock) -> None:
-    manager = SessionManager(FakeBackend(), "h", ManagerConfig(warm_pool=0, exec_grace_s=0.01), clock=clock)
+    manager = SessionManager(FakeBackend(), "h", manager_config(warm_pool=0, exec_grace_s=0.01), clock=clock)
     sid = (await manager.create(SandboxSpec())).id
     manager.sessions[sid].box.hang = True  # type: ignore[attr-defined]
     with pytest.raises(SandboxError) as gone:
@@ -265,7 +266,7 @@ async def test_max_starting_bounds_concurrent_starts() -> None:
         return await original(spec)
 
     backend.start = slow_start  # type: ignore[method-assign]
-    manager = SessionManager(backend, "h", ManagerConfig(max_starting=2, warm_pool=0, max_alive=10))
+    manager = SessionManager(backend, "h", manager_config(max_starting=2, warm_pool=0, max_alive=10))
     await asyncio.gather(*(manager.create(SandboxSpec()) for _ in range(6)))
     assert peak == 2 and len(manager.sessions) == 6
 
@@ -281,7 +282,7 @@ async def test_idempotency_key(manager: SessionManager) -> None:
 
 async def test_warm_pool_serves_matching_specs_and_refills() -> None:
     backend = FakeBackend()
-    manager = SessionManager(backend, "h", ManagerConfig(warm_pool=2, max_alive=10, reap_interval_s=0.01))
+    manager = SessionManager(backend, "h", manager_config(warm_pool=2, max_alive=10, reap_interval_s=0.01))
     stopping = asyncio.Event()
     task = asyncio.ensure_future(manager.maintain(stopping))
     for _ in range(100):
@@ -305,7 +306,7 @@ async def test_warm_pool_serves_matching_specs_and_refills() -> None:
 
 async def test_network_is_refused_unless_the_service_allows_it(clock: Clock) -> None:
     backend = FakeBackend()
-    manager = SessionManager(backend, "h", ManagerConfig(warm_pool=0), clock=clock)
+    manager = SessionManager(backend, "h", manager_config(warm_pool=0), clock=clock)
     networked = SandboxSpec(network=True)
     attempts = (lambda: manager.create(networked), lambda: manager.create(networked, "key"),
                 lambda: manager.run(RunRequest(cmd="echo x", spec=networked)))
@@ -315,7 +316,7 @@ async def test_network_is_refused_unless_the_service_allows_it(clock: Clock) -> 
         assert refused.value.kind == "invalid_request", refused.value
         assert "spec.network" in refused.value.error and "sandbox_allow_network" in refused.value.error
     assert not backend.started and not manager.sessions and not manager.keys  # refused before anything started
-    allowing = SessionManager(backend, "h", ManagerConfig(warm_pool=0, allow_network=True), clock=clock)
+    allowing = SessionManager(backend, "h", manager_config(warm_pool=0, allow_network=True), clock=clock)
     created = await allowing.create(networked)
     assert allowing.sessions[created.id].box.spec.network  # type: ignore[attr-defined]
     # a networked spec never takes a warm-pool box (those are started without network)
@@ -324,7 +325,7 @@ async def test_network_is_refused_unless_the_service_allows_it(clock: Clock) -> 
 
 async def test_a_refused_network_spec_leaves_the_warm_pool_alone() -> None:
     backend = FakeBackend()
-    manager = SessionManager(backend, "h", ManagerConfig(warm_pool=1, max_alive=4, reap_interval_s=0.01))
+    manager = SessionManager(backend, "h", manager_config(warm_pool=1, max_alive=4, reap_interval_s=0.01))
     stopping = asyncio.Event()
     task = asyncio.ensure_future(manager.maintain(stopping))
     await until(lambda: len(manager._pool) == 1, what="the warm pool to fill")

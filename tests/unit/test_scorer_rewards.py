@@ -21,6 +21,7 @@ import pytest
 from flywheel.contract import events
 from flywheel.contract.bus import Delivery, Reject
 from flywheel.contract.config import RunConfig
+from flywheel.contract.settings import ScorerSettings
 from flywheel.sdk.environment import GroupReward, Reward, shortest_correct_reward
 from flywheel_scorer.__main__ import main
 from flywheel_scorer.scorer import (
@@ -74,7 +75,7 @@ def scorer(pool: ThreadPoolExecutor, rewards: Any = None, configured: dict[str, 
         return (configured or {}).get(run)
 
     return Scorer(rewards or EnvironmentRewards(), configs, published if published is not None else Published(),
-                  pool, **kwargs)
+                  pool, ScorerSettings(**kwargs))
 
 
 def delivery(r: events.Rollout) -> Delivery:
@@ -142,7 +143,7 @@ async def test_rollouts_of_eval_runs_are_not_scored_again(pool: ThreadPoolExecut
         raise NotScored(run)
 
     published = Published()
-    await Scorer(EnvironmentRewards(), configs, published, pool).handle(delivery(rollout()))
+    await Scorer(EnvironmentRewards(), configs, published, pool, ScorerSettings()).handle(delivery(rollout()))
     assert published == []
 
 

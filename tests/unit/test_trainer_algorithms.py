@@ -113,12 +113,12 @@ def policy_gradient(logprobs: torch.Tensor, batch: object) -> tuple[torch.Tensor
 def test_the_loss_is_normalised_by_loss_tokens_in_the_whole_step_however_it_is_cut() -> None:
     seqs, advantages = sequences()
     engine = RecordingEngine(Bigram())
-    ones = train_step(engine, seqs, advantages, 0, 2, 1.0,
+    ones = train_step(engine, seqs, advantages, 0, 2, [1.0] * 3,
                       lambda lp, b: (torch.ones_like(lp) + 0 * lp, torch.zeros_like(b.loss_mask)))
     assert ones["loss"] == pytest.approx(1.0) and ones["num_loss_tokens"] == 7  # 3 + 1 + 3, padding excluded
-    whole = train_step(engine, seqs, advantages, 0, 3, 1.0, policy_gradient)
+    whole = train_step(engine, seqs, advantages, 0, 3, [1.0] * 3, policy_gradient)
     whole_grads = engine.grads
-    one_by_one = train_step(engine, seqs, advantages, 0, 1, 1.0, policy_gradient)
+    one_by_one = train_step(engine, seqs, advantages, 0, 1, [1.0] * 3, policy_gradient)
     assert one_by_one["loss"] == pytest.approx(whole["loss"], abs=1e-6)
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(whole_grads, engine.grads))
 

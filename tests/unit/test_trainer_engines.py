@@ -19,7 +19,7 @@ from flywheel.contract.config import RunConfig
 from flywheel.sdk import models
 from flywheel_trainer.engines import Engine, TorchEngine, build_engine
 from flywheel_trainer.join import Scored
-from flywheel_trainer.learner import LearnerConfig, rl_step
+from flywheel_trainer.learner import rl_step
 from tests.unit.test_trainer_join import make_rollout
 
 GROUP = [Scored(make_rollout(f"r{i}", "g", prompt=[1, 2, 3, 4, 5], completion=[10 + i, 20 + 2 * i, 30 + i],
@@ -38,8 +38,7 @@ def build(cfg: RunConfig, model_dir: Path) -> Engine:
 
 
 def steps(engine: Engine, cfg: RunConfig, n: int) -> list[dict[str, float]]:
-    learner = LearnerConfig(micro_batch_size=3)  # two micro-batches a step
-    return [rl_step(engine, [GROUP], 0, cfg, learner) for _ in range(n)]
+    return [rl_step(engine, [GROUP], 0, cfg, micro_batch_size=3) for _ in range(n)]  # two micro-batches a step
 
 
 def same_weights(a: bytes, b: bytes, atol: float) -> bool:

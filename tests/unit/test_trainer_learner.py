@@ -13,14 +13,16 @@ import torch
 
 from flywheel.contract import events
 from flywheel.contract.config import RunConfig
+from flywheel.contract.settings import TrainerSettings
 from flywheel.sdk import models
 from flywheel.sdk.environment import load_environment
 from flywheel_trainer.batch import micro_batches, pad, token_logprobs
 from flywheel_trainer.engines import TorchEngine
 from flywheel_trainer.join import Scored, Tokens, tokens_of
-from flywheel_trainer.learner import LearnerConfig, reference_tokens, rl_step, sft_warmup
+from flywheel_trainer.learner import reference_tokens, rl_step, sft_warmup
 from tests.unit.test_trainer_join import make_rollout
 
+MICRO_BATCH_SIZE = TrainerSettings().micro_batch_size
 PROMPT = [events.Message(role="system", content="Reverse the text."), events.Message(role="user", content="abcd")]
 
 
@@ -73,18 +75,37 @@ def test_recomputed_logprobs_match_the_sampled_ones_under_the_same_weights(tiny_
     rollouts = sampled_rollouts(model, tok, 4, temperature)
     seqs = [tokens_of(r) for r in rollouts]
     assert len({len(s.token_ids) for s in seqs}) > 1, "completions of different lengths, so padding is exercised"
-    batch = pad(seqs, [0.0] * len(seqs), tok.pad_token_id)
+    batch = pad(seqs, [0.0] * len(seqs), tok.pad_token_id, temperatures=[temperature] * len(seqs))
     with torch.no_grad():
-        recomputed = token_logprobs(model, batch, temperature)
+        recomputed = token_logprobs(model, batch)
     diff = (recomputed - batch.old_logprobs).abs()[batch.loss_mask]
     assert diff.numel() == sum(sum(s.loss_mask) for s in seqs)
     assert float(diff.mean()) <= 1e-3 and float(diff.max()) <= 1e-2
 
 
+def test_a_step_recomputes_each_rollout_at_the_temperature_it_was_sampled_with(tiny_model_dir: Path) -> None:
+    # The run samples at 1.0; these rollouts were sampled at 0.5 (a task's own setting). With
+    # lr 0 the weights stay, so the trainer's logprobs match the sampler's only at 0.5.
+    import msgspec
+
+    model, tok = models.load_model(tiny_model_dir)
+    cfg = RunConfig(run="t", env="reverse_text", group_size=4, trainer={"batch_size": 4, "lr": 0.0})
+    rollouts = sampled_rollouts(model, tok, 4, 0.5)
+    engine = TorchEngine(model, cfg.trainer, cfg.model.dtype)
+
+    def gap(rs: list[events.Rollout]) -> float:
+        group = [Scored(r, float(i), 0) for i, r in enumerate(rs)]
+        return rl_step(engine, [group], tok.pad_token_id, cfg, MICRO_BATCH_SIZE)["logprob_diff_abs_mean"]
+
+    recorded = [msgspec.structs.replace(r, sampling=events.Sampling(temperature=0.5)) for r in rollouts]
+    assert gap(recorded) < 1e-3
+    assert gap(rollouts) > 1e-2  # a rollout that does not say is taken at the run's 1.0
+
+
 def sequence_logprob(model: torch.nn.Module, rollout: events.Rollout, temperature: float) -> float:
-    batch = pad([tokens_of(rollout)], [0.0], 0)
+    batch = pad([tokens_of(rollout)], [0.0], 0, temperatures=[temperature])
     with torch.no_grad():
-        return float(token_logprobs(model, batch, temperature)[batch.loss_mask].sum())
+        return float(token_logprobs(model, batch)[batch.loss_mask].sum())
 
 
 @pytest.mark.parametrize("loss", ["clipped", "masked"])
@@ -96,7 +117,7 @@ def test_steps_on_a_fixed_batch_raise_the_good_completion_and_lower_the_loss(tin
     group = [Scored(r, reward, 0) for r, reward in zip(rollouts, [1.0, 0.0, 0.0, 0.0])]
     before = [sequence_logprob(model, r, 1.0) for r in rollouts]
     engine = TorchEngine(model, cfg.trainer, cfg.model.dtype)
-    losses = [rl_step(engine, [group], tok.pad_token_id, cfg, LearnerConfig())["loss"] for _ in range(4)]
+    losses = [rl_step(engine, [group], tok.pad_token_id, cfg, MICRO_BATCH_SIZE)["loss"] for _ in range(4)]
     after = [sequence_logprob(model, r, 1.0) for r in rollouts]
     assert after[0] > before[0] + 0.1
     assert sum(after[1:]) < sum(before[1:])
@@ -114,8 +135,8 @@ def test_sft_warmup_teaches_the_reference_answers(tiny_model_dir: Path) -> None:
     def cross_entropy() -> float:
         batch = pad(held_out, [0.0] * len(held_out), tok.pad_token_id)
         with torch.no_grad():
-            return float(-token_logprobs(model, batch, 1.0)[batch.loss_mask].mean())
+            return float(-token_logprobs(model, batch)[batch.loss_mask].mean())
 
     start = cross_entropy()
-    figures = sft_warmup(model, tok, env, cfg, LearnerConfig())
+    figures = sft_warmup(model, tok, env, cfg, MICRO_BATCH_SIZE)
     assert figures["sft_steps"] == 8 and cross_entropy() < start - 0.5

@@ -42,7 +42,8 @@ async def test_a_vllm_run_is_rolled_out_and_takes_new_weights(nats_server: NatsS
                                                               tiny_model_dir: Path, tmp_path: Path) -> None:
     import torch
 
-    from flywheel_inference.worker import Worker, WorkerConfig
+    from flywheel.contract.settings import InferenceSettings
+    from flywheel_inference.worker import Worker
 
     cfg = RunConfig.parse({"run": "v1", "env": "reverse_text", "group_size": 4, "model": {"name": str(tiny_model_dir)},
                            "sampling": {"max_tokens": 6, "temperature": 0.7},
@@ -50,7 +51,7 @@ async def test_a_vllm_run_is_rolled_out_and_takes_new_weights(nats_server: NatsS
                            "trainer": {"batch_size": 8, "max_off_policy_steps": 0}})
     await (await bus.runs_kv()).put("v1", events.encode(events.RunState(id="v1", config=cfg.model_dump())))
     wbus = await Bus.connect(nats_server.url, name="inference")
-    worker = Worker.with_backends(wbus, tmp_path / "data", WorkerConfig(backoff_s=(0.5,), max_deliver=50))
+    worker = Worker.with_backends(wbus, tmp_path / "data", InferenceSettings(backoff_s=(0.5,), max_deliver=50))
     service = worker.service(handle_signals=False)
     running = asyncio.ensure_future(service.run())
     try:

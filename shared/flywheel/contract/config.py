@@ -59,6 +59,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Fiel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
+from flywheel.contract import events
+
 T = TypeVar("T")
 
 # The tag of every union's user-part variant: a ``type`` with a colon is a path to import.
@@ -337,14 +339,37 @@ def variants(field: FieldInfo) -> dict[str, type[Part]]:
 # --- sections --------------------------------------------------------------------------------
 
 
-class SamplingConfig(_Section):
-    """How inference samples the run's completions (the environment's own settings are defaults under these)."""
+# Stop strings as every sampling model takes them: none empty (it would end every completion at once).
+StopStrings = list[Annotated[str, Field(min_length=1)]]
 
-    temperature: float = Field(1.0, gt=0, description="softmax temperature; the trainer's logprobs use the same")
-    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: the smallest set of tokens with this "
-                                                      "probability mass (1: all)")
-    max_tokens: int = Field(32, ge=1, description="most tokens sampled per completion")
-    stop: list[str] = Field([], description="strings that end a completion (kept in its tokens, cut from its text)")
+
+def sampling_field(name: str, default: Any = PydanticUndefined) -> Any:
+    """The pydantic field of sampling setting ``name``: the contract's default (or ``default``,
+    e.g. None for a request field that falls back on the run's), bounds
+    (:data:`flywheel.contract.events.SAMPLING_BOUNDS`) and description. Every model that takes
+    sampling is made of these (the run config's ``[sampling]``, the gateway's task sampling,
+    the inference API's requests), so each states and enforces the same bounds."""
+    if default is PydanticUndefined:
+        default = getattr(events.Sampling(), name)
+    finite = {"allow_inf_nan": False} if isinstance(getattr(events.Sampling(), name), float) else {}
+    return Field(default, description=events.SAMPLING_DESCRIPTIONS[name], **events.SAMPLING_BOUNDS.get(name, {}),
+                 **finite)
+
+
+class SamplingConfig(_Section):
+    """How inference samples the run's completions (the environment's own settings are defaults
+    under these): the contract's :class:`flywheel.contract.events.Sampling`, field for field, with
+    its defaults and bounds."""
+
+    temperature: float = sampling_field("temperature")
+    top_p: float = sampling_field("top_p")
+    max_tokens: int = sampling_field("max_tokens")
+    stop: StopStrings = sampling_field("stop")
+    seed: int | None = sampling_field("seed")
+
+    def to_event(self) -> events.Sampling:
+        """These settings as the bus carries them (a task's, a rollout's)."""
+        return events.Sampling(**self.model_dump())
 
 
 class ModelConfig(_Section):
@@ -606,6 +631,8 @@ def _doc(model: type[BaseModel]) -> str:
 
 def _type(tp: Any) -> str:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Annotated:
+        return _type(args[0])
     if origin is Literal:
         return " | ".join(json.dumps(a) for a in args)
     if origin is typing.Union or origin is types.UnionType:

@@ -32,25 +32,44 @@ Schema evolution (tested against stored encodings of version 1 in tests/unit/dat
     ``DeadLetter.payload_size_bytes`` (a dead letter carries a capped excerpt), the run's
     lease and end (``RunState.owner``, ``lease_expires_at``, ``ended_at``, ``reason``,
     ``num_tasks_published``), the status ``stopped``, and the run's reward definition
-    (``RunState.scorers``).
+    (``RunState.scorers``); version 5 added ``WeightUpdate.num_dropped_total``, the
+    trainer's count of dropped rollouts that inference's admission and the run's task
+    supply act on (before it, the trainer sent it as ``metrics["num_dropped_total"]``, which
+    no reader reads any more: ``metrics`` is for people); version 6 added
+    ``Rollout.sampling``, the settings a rollout was sampled with, which the trainer
+    recomputes logprobs at (None on older rollouts: their readers take the run's).
 
 Identities
     ``run`` (a training or eval run, owned by a ``tenant``), ``task`` (one row of a task
     set), ``group`` (the rollouts of one task that are compared with each other),
     ``rollout``, ``node`` (one message of the trace graph) and ``policy_version`` (the
-    trainer step whose weights produced a token).
+    trainer step whose weights produced a token). Each kind of id is made one way, here,
+    by every producer: :func:`task_id` (the client, the gateway, ``flywheel run`` and
+    ``flywheel eval``: the same row at the same place of the same run is the same task, so
+    publishing it again stores nothing new), :func:`rollout_id` (inference and eval: a
+    redelivered task publishes the same rollouts), :func:`node_id` (a content hash).
+
+Sampling
+    :class:`Sampling` is the one sampling shape: the run config's ``[sampling]``, a task's
+    own sampling (the gateway's ``POST /v1/tasks``, the client), the inference API's
+    request fields and what each rollout records are all this, with the defaults written
+    here and the bounds of :data:`SAMPLING_BOUNDS`, which :meth:`Sampling.check` applies and
+    the HTTP and config models state in their schemas. The bounds are the strictest any
+    backend needs, so settings accepted anywhere are settings every backend samples.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import math
 import uuid
 from datetime import UTC, datetime
 from typing import Any, Generic, Literal, TypeVar
 
 import msgspec
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 6
 
 JSON = "application/json"
 MSGPACK = "application/msgpack"
@@ -90,14 +109,67 @@ class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
 # --- value types --------------------------------------------------------------------------
 
 
+INT32_MAX = 2**31 - 1
+# vLLM samples a lower temperature greedily (its _SAMPLING_EPS), and a greedy token has no
+# sampled logprob to train against: no backend samples below it.
+MIN_TEMPERATURE = 1e-5
+
+# The bounds of each sampling setting, in pydantic's terms (``gt``, ``ge``, ``le``) so that the
+# config and HTTP models state them as they are; :meth:`Sampling.check` applies them. Floats
+# are finite and stop strings are not empty, besides.
+SAMPLING_BOUNDS: dict[str, dict[str, float]] = {
+    "temperature": {"ge": MIN_TEMPERATURE},
+    "top_p": {"gt": 0, "le": 1},
+    "max_tokens": {"ge": 1, "le": INT32_MAX},
+    "seed": {"ge": 0, "le": INT32_MAX},
+}
+SAMPLING_DESCRIPTIONS: dict[str, str] = {
+    "temperature": "softmax temperature (lower than the bound is greedy, which gives nothing to train on); the "
+                   "trainer recomputes logprobs at the temperature each rollout was sampled with",
+    "top_p": "nucleus sampling: the smallest set of tokens with this probability mass (1: all)",
+    "max_tokens": "most tokens sampled per completion",
+    "stop": "strings that end a completion (kept in its tokens, cut from its text); none empty",
+    "seed": "a rollout's seed is this plus its index in its group; unset: fresh entropy",
+}
+_HOLDS = {"gt": lambda v, b: v > b, "ge": lambda v, b: v >= b, "le": lambda v, b: v <= b}
+_SIGN = {"gt": ">", "ge": ">=", "le": "<="}
+
+
 class Sampling(_Struct, kw_only=True):
-    """Sampling settings a run imposes on every generation."""
+    """How completions are sampled: the one sampling shape (see the module's docstring).
+
+    The defaults here are every reader's (the wire omits a field at its default). Nothing
+    checks the bounds when an event is decoded (a field's type never changes): whoever takes
+    settings in calls :meth:`check`, and every backend does before it samples.
+    """
 
     temperature: float = 1.0
     top_p: float = 1.0
     max_tokens: int = 256
     stop: list[str] = []
     seed: int | None = None
+
+    def check(self) -> None:
+        """Refuse settings outside :data:`SAMPLING_BOUNDS`, with a ValueError naming the field."""
+        for name, bounds in SAMPLING_BOUNDS.items():
+            value = getattr(self, name)
+            if value is None:  # the seed, unset
+                continue
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"sampling.{name} must be a finite number, got {value}")
+            for op, bound in bounds.items():
+                if not _HOLDS[op](value, bound):
+                    raise ValueError(f"sampling.{name} must be {_SIGN[op]} {bound}, got {value}"
+                                     + (" (lower is greedy: no backend samples it)" if name == "temperature" else ""))
+        if any(not s for s in self.stop):
+            raise ValueError("sampling.stop: an empty stop string would end every completion at once")
+
+    def with_seed_offset(self, offset: int) -> Sampling:
+        """These settings with the seed moved on by ``offset`` (a rollout's index, a call's
+        number), kept within the seed's bounds; unchanged without a seed."""
+        if self.seed is None:
+            return self
+        return msgspec.structs.replace(self, seed=(self.seed + offset) % (INT32_MAX + 1))
 
 
 class ToolCall(_Struct, kw_only=True):
@@ -155,6 +227,32 @@ def node_id(parent_id: str | None, message: Message, tokens: TokenSpan | None = 
     return h.hexdigest()[:32]
 
 
+# The namespace of derived task ids: changing it would change every task id made so far.
+TASK_ID_NAMESPACE = uuid.UUID("5b0f6a1e-2c4d-4e4f-9a53-6c1d7f0e8b21")
+
+
+def task_id(run: str, env: str, position: int, row: dict[str, Any]) -> str:
+    """The id of task ``row`` of ``run`` on ``env`` at ``position`` (from 1: a file's line, a
+    request's index, a task set's place): the row's own string ``"id"``, else uuid5 over
+    (run, env, position, the row as canonical JSON). So the same row at the same place is the
+    same task, and publishing it again stores nothing new. ValueError for an own id that
+    cannot be a header (blank, more than one line); TypeError for a row JSON cannot carry."""
+    own = row.get("id")
+    if isinstance(own, str):
+        if not own.strip() or "\r" in own or "\n" in own:
+            raise ValueError(f"id={own!r}: a task id must be non-empty and on one line (it is sent as a header)")
+        return own
+    canonical = json.dumps([run, env, position, row], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return uuid.uuid5(TASK_ID_NAMESPACE, canonical).hex
+
+
+def rollout_id(run: str, task: str, index: int) -> str:
+    """The id of rollout ``index`` of task ``task``'s group in ``run``: a hash, so a task rolled
+    out again (redelivered, resumed) publishes the same ids, which the bus deduplicates; the
+    run is in it because a task id a user chose may repeat across runs."""
+    return hashlib.sha256(f"{run}\x00{task}\x00{index}".encode()).hexdigest()[:32]
+
+
 # --- events -------------------------------------------------------------------------------
 
 
@@ -200,6 +298,9 @@ class Rollout(Event, frozen=True, kw_only=True, tag="rollout"):
     metrics: dict[str, float] = {}
     group_size: int = 1  # rollouts in this rollout's group (the task's num_rollouts)
     state: dict[str, Any] = {}  # what the harness recorded (a game's board, a database); rewards read it
+    # What it was sampled with (the task's or the run's settings, its own seed); None where
+    # not known (older rollouts, `flywheel eval`'s endpoint), and readers take the run's.
+    sampling: Sampling | None = None
 
     def subject(self) -> str:
         return f"rollouts.{self.run}.{self.env}"
@@ -250,12 +351,18 @@ class Score(Event, frozen=True, kw_only=True, tag="score"):
 
 
 class WeightUpdate(Event, frozen=True, kw_only=True, tag="weight_update"):
-    """New policy weights are available.
+    """New policy weights are available, with what the trainer tells the run.
 
-    Sent by: trainer. Read by: every inference replica, recorder.
-    Subject: ``weights.<run>``. ``uri`` points at the blob (``nats-os://<bucket>/<name>``
-    for the JetStream object store, or ``file://`` / ``s3://``); inference checks
-    ``sha256`` before it swaps.
+    Sent by: trainer. Read by: every inference replica, the run's owner (``flywheel run``),
+    recorder. Subject: ``weights.<run>``. ``uri`` points at the blob
+    (``nats-os://<bucket>/<name>`` for the JetStream object store, or ``file://`` /
+    ``s3://``); inference checks ``sha256`` before it swaps.
+
+    Control signals are fields, which services act on: ``num_dropped_total`` is every
+    rollout of the run the trainer dropped so far (stale, failed by a scorer, errored),
+    counted once each and never decreasing; inference's admission gives their allowance
+    back and the run's owner publishes tasks to replace them. ``metrics`` holds the step's
+    figures for people (loss, reward_mean, ...): no service acts on them.
     """
 
     run: str
@@ -265,7 +372,8 @@ class WeightUpdate(Event, frozen=True, kw_only=True, tag="weight_update"):
     size_bytes: int
     format: Literal["full", "lora"] = "full"
     trainer_step: int = 0
-    metrics: dict[str, float] = {}  # the training step's figures (loss, reward mean, ...)
+    metrics: dict[str, float] = {}  # the training step's figures (loss, reward mean, ...), for people
+    num_dropped_total: int = 0  # rollouts of the run dropped so far (stale, scorer error, rollout error)
 
     def subject(self) -> str:
         return f"weights.{self.run}"

@@ -2,7 +2,23 @@
 
 One name per setting, everywhere: ``FLYWHEEL_<NAME>`` in the environment, ``<name>`` in a
 TOML file named by ``FLYWHEEL_CONFIG``, or the matching ``flywheel up`` option. Nothing
-reads settings at import time: entry points build a :class:`Settings` and pass it on.
+reads settings at import time: entry points build a :class:`Settings` (:meth:`Settings.load`)
+and pass it on.
+
+Two kinds of setting:
+
+- flat ones (``gateway_port``, ``inference_host``, ``sandbox_image``, ...): where the stack
+  is, what it runs on, the caps a deployment sets. Compose files, ``.env`` files and
+  ``flywheel up`` options pass them by these names, so they keep them.
+- sections, one per service process (``inference``, ``trainer``, ``scorer``, ``recorder``,
+  ``sandbox``): its bounds and timeouts, the tuning a deployment rarely changes. A field
+  of a section is ``FLYWHEEL_<SECTION>__<FIELD>`` in the environment
+  (``FLYWHEEL_SCORER__MAX_HELD=2048``) and ``<field>`` under ``[<section>]`` in the TOML
+  file. Each service's composition root reads its own section; its default is written
+  here and nowhere else (tests build a section with other values).
+
+Every field has a description, a type and its bounds: a bad value is refused at start,
+naming the field.
 """
 
 from __future__ import annotations
@@ -10,24 +26,128 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+
+# One rollout's harness, in inference and in `flywheel eval` (flywheel.sdk.rollout), so that an
+# environment gets the same rules in both.
+ROLLOUT_TIMEOUT_S = 600.0
+# One reward function, in the scorer and in `flywheel eval` (flywheel.sdk.scoring).
+REWARD_TIMEOUT_S = 120.0
+
+
+class _Section(BaseModel):
+    """A service process's settings: its fields are FLYWHEEL_<SECTION>__<FIELD>, or [<section>] in TOML."""
+
+    model_config = ConfigDict(extra="forbid")  # a misspelt field is refused, not ignored
+
+
+class InferenceSettings(_Section):
+    """The inference process: its task consumer and each rollout (section ``[inference]``)."""
+
+    max_tasks_in_flight: int = Field(32, ge=1, description="Tasks one inference process handles at once, each "
+                                     "rolling out its group or waiting for its run's admission: enough for "
+                                     "several groups to share a batch. A run far ahead of its trainer holds "
+                                     "these slots while it waits.")
+    ack_wait_s: float = Field(5.0, gt=0, description="How soon the tasks a process held when it died are "
+                              "delivered to another one. A task still being rolled out is kept alive every "
+                              "third of it, so a long rollout is not redelivered.")
+    max_deliver: int = Field(5, ge=1, description="Deliveries of a task that keeps failing (the model does not "
+                             "build, the bus fails) before it is dead-lettered with the last error.")
+    backoff_s: tuple[NonNegativeFloat, ...] = Field(
+        (1.0, 5.0, 15.0, 30.0), min_length=1, description="Seconds before each redelivery of a task that failed: "
+        "the first before the second delivery, and so on; the last one repeats.")
+    grace_s: float = Field(10.0, ge=0, description="At shutdown, how long tasks in flight may finish before "
+                           "they are handed back to the other replicas.")
+    rollout_timeout_s: float = Field(ROLLOUT_TIMEOUT_S, gt=0, description="How long a rollout's harness may run "
+                                     "before it is cancelled and its rollout recorded as an error (the same "
+                                     "default as `flywheel eval`).")
+
+
+class TrainerSettings(_Section):
+    """The trainer process: how a step is cut, and its consumers' bounds (section ``[trainer]``).
+
+    The algorithm (batch size, learning rate, loss, ...) is the run config's ``[trainer]``,
+    not this."""
+
+    micro_batch_size: int = Field(16, ge=1, description="Sequences per forward and backward pass: bounds "
+                                  "activation memory; the gradient does not depend on it.")
+    max_buffered_rollouts: int = Field(4096, ge=1, description="Rollouts the trainer holds before its rollout "
+                                       "consumer waits (the backlog stays in NATS). At least the run's "
+                                       "trainer.batch_size plus inference.max_rollouts_in_flight, or groups "
+                                       "that inference interleaves could never complete: a run below that is "
+                                       "refused at start.")
+    consumer_batch_size: int = Field(64, ge=1, description="Rollouts (and scores) fetched from the bus at once; "
+                                     "each batch is journalled and fsynced once.")
+    consumer_max_in_flight: int = Field(256, ge=1, description="Rollouts (and scores) delivered and not yet "
+                                        "journalled, per consumer.")
+    ack_wait_s: float = Field(5.0, gt=0, description="How soon what a killed trainer had received and not "
+                              "journalled is delivered to its restart.")
+
+
+class ScorerSettings(_Section):
+    """A scorer process, built-in or custom (section ``[scorer]``; its command's options win)."""
+
+    max_in_flight: int = Field(64, ge=1, description="Rollouts being scored at once.")
+    max_held: int = Field(1024, ge=1, description="Rollouts held (unacked) waiting for the rest of their group; "
+                          "one more, and the oldest incomplete group is scored with what arrived.")
+    num_threads: int = Field(8, ge=1, description="Threads that run sync reward functions.")
+    reward_timeout_s: float = Field(REWARD_TIMEOUT_S, gt=0, description="How long one reward function may run "
+                                    "before its score is an error (the same default as `flywheel eval`).")
+    group_timeout_s: float = Field(300.0, gt=0, description="A group still incomplete this long after its first "
+                                   "rollout arrived is scored with what arrived, with an error naming the "
+                                   "missing rollouts.")
+    run_config_ttl_s: float = Field(5.0, ge=0, description="How long a run's config, read from the runs bucket, "
+                                    "is reused before it is read again.")
+    ack_wait_s: float = Field(6.0, gt=0, description="How soon the rollouts a killed scorer held are delivered "
+                              "to its restart; held and running ones are kept alive every third of it.")
+
+
+class RecorderSettings(_Section):
+    """The recorder (the gateway's second process): how it batches its writes (section ``[recorder]``)."""
+
+    # One batch in flight per stream: SQLite takes one writer at a time anyway, and measured
+    # (20k rollouts, 2 cores) one batch of 512 records ~4,200/s where four of 256 record ~3,400/s.
+    batch_size: int = Field(512, ge=1, description="Events written to the trace store in one transaction, "
+                            "per stream.")
+    max_in_flight: int = Field(512, ge=1, description="Events delivered and not yet recorded, per stream.")
+    ack_wait_s: float = Field(10.0, gt=0, description="How soon what a killed recorder had received and not "
+                              "recorded is delivered again (a batch still being written is kept alive).")
+
+
+class SandboxSettings(_Section):
+    """The sandbox service's limits on requests, output and files (section ``[sandbox]``; its caps
+    and backend are the flat ``sandbox_*`` settings)."""
+
+    max_requests_in_flight: int = Field(1024, ge=1, description="Requests one sandbox service handles at once; "
+                                        "one more is answered with error kind `capacity` at once.")
+    max_output_bytes: int = Field(64 * 1024, ge=1, description="Output kept per stream (stdout, stderr) of one "
+                                  "exec; the rest is cut and the result says so.")
+    max_file_bytes: int = Field(512 * 1024, ge=1, description="Largest file written or read in one request "
+                                "(a NATS message carries about 1 MB).")
+    exec_grace_s: float = Field(2.0, ge=0, description="How long past an exec's own timeout_s the service waits "
+                                "for the sandbox's answer before it destroys the whole sandbox.")
+    reap_interval_s: float = Field(0.1, gt=0, description="How often expired sandboxes are destroyed and the "
+                                   "warm pool is topped up.")
+    num_tombstones: int = Field(4096, ge=0, description="Destroyed sandboxes remembered, so that a request for "
+                                "one says it was destroyed and why (not that it is unknown).")
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="FLYWHEEL_", extra="forbid")
+    model_config = SettingsConfigDict(env_prefix="FLYWHEEL_", env_nested_delimiter="__", extra="forbid")
 
     data_dir: Path = Field(Path(".flywheel"), description="Where the embedded stack keeps its state: NATS store, SQLite file, logs, run folders.")
     nats_url: str | None = Field(None, description="An existing NATS server with JetStream. Unset: `flywheel up` starts its own.")
     nats_port: int = Field(4233, description="Port of the nats-server that `flywheel up` starts (when nats_url is unset).")
     database_url: str | None = Field(None, description="SQLAlchemy async URL of the trace store. Unset: SQLite in data_dir.")
-    gateway_host: str = "127.0.0.1"
-    gateway_port: int = 8420
+    gateway_host: str = Field("127.0.0.1", description="Address the gateway's HTTP API listens on.")
+    gateway_port: int = Field(8420, description="Port the gateway's HTTP API listens on.")
     gateway_url: str | None = Field(None, description="Where clients reach the gateway. Unset: http://gateway_host:gateway_port.")
     gateway_max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024, description="Largest request body the gateway "
                                         "reads; a larger one is refused with 413 (each task must also fit the bus's "
                                         "max payload).")
-    inference_host: str = "127.0.0.1"
+    inference_host: str = Field("127.0.0.1", description="Address the inference service's OpenAI-compatible API "
+                                                         "listens on.")
     inference_port: int = Field(8421, description="Port of the inference service's OpenAI-compatible API.")
     torch_threads: int | None = Field(
         1, description="Threads torch may use in inference and trainer processes. 1 suits one machine where they "
@@ -44,7 +164,31 @@ class Settings(BaseSettings):
     run_lease_s: float = Field(60.0, gt=0, description="How long a run outlives its owner (`flywheel run`): past "
                                                        "this without a renewal the run is abandoned and its queued "
                                                        "tasks stop holding inference.")
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level of every "
+                                                                                   "service process.")
+    inference: InferenceSettings = Field(default_factory=InferenceSettings,
+                                         description="The inference process's bounds and timeouts.")
+    trainer: TrainerSettings = Field(default_factory=TrainerSettings,
+                                     description="The trainer process's micro-batches and bounds.")
+    scorer: ScorerSettings = Field(default_factory=ScorerSettings, description="A scorer process's bounds.")
+    recorder: RecorderSettings = Field(default_factory=RecorderSettings, description="The recorder's batching.")
+    sandbox: SandboxSettings = Field(default_factory=SandboxSettings,
+                                     description="The sandbox service's limits on requests, output and files.")
+
+    @classmethod
+    def load(cls, **overrides: object) -> Settings:
+        """The settings from FLYWHEEL_* and FLYWHEEL_CONFIG's file, ``overrides`` on top (a
+        command's options); a bad value is a ValueError naming the setting and where to set it."""
+        try:
+            return cls(**overrides)  # type: ignore[arg-type]
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}"
+                                 for e in exc.errors())
+            nested = next(("__".join(map(str, e["loc"][:2])).upper() for e in exc.errors()
+                           if len(e["loc"]) > 1 and e["loc"][0] in SECTIONS), None)
+            how = f" (a section's field is FLYWHEEL_<SECTION>__<FIELD>: FLYWHEEL_{nested})" if nested else ""
+            raise ValueError(f"bad settings ({problems}); check the options, FLYWHEEL_* variables{how} "
+                             "and FLYWHEEL_CONFIG") from exc
 
     @classmethod
     def settings_customise_sources(
@@ -83,3 +227,7 @@ class Settings(BaseSettings):
     @property
     def resolved_gateway_url(self) -> str:
         return self.gateway_url or f"http://{self.gateway_host}:{self.gateway_port}"
+
+
+SECTIONS: tuple[str, ...] = tuple(name for name, f in Settings.model_fields.items()
+                                  if isinstance(f.annotation, type) and issubclass(f.annotation, _Section))

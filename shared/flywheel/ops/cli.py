@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--out", metavar="FILE.jsonl",
                           help="results, one rollout a line (default DATA_DIR/evals/ENV-MODEL.jsonl)")
     evaluate.add_argument("--resume", action="store_true",
-                          help="keep the tasks already in --out and run only the rest")
+                          help="go on with the eval run in --out: keep its tasks done and run only the rest")
     evaluate.add_argument("--pass-threshold", type=float, metavar="X",
                           help="a rollout passes when its reward is at least X (default: the sum of the reward "
                                "weights, every reward at 1.0)")
@@ -172,7 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--record", action="store_true",
                           help="publish the rollouts and scores on the bus as a run of kind eval, so the gateway "
                                "records them")
-    evaluate.add_argument("--run-id", help="the eval run's id with --record (default eval-ENV-UTC time)")
+    evaluate.add_argument("--run-id", help="the eval run's id, which its task and rollout ids derive from (default "
+                                          "eval-ENV-UTC time; with --resume, the run --out holds)")
     _add_settings(evaluate, ("data_dir", "inference_host", "inference_port") + NATS_SETTINGS)
     evaluate.set_defaults(func=cmd_eval)
 
@@ -227,18 +228,10 @@ def _add_settings(parser: argparse.ArgumentParser, names: tuple[str, ...]) -> No
 
 def settings_from(args: argparse.Namespace) -> Any:
     """Settings with the given options on top; a bad value is a ValueError naming the setting."""
-    from pydantic import ValidationError
-
     from flywheel.contract.settings import Settings
 
     overrides = {name: getattr(args, name) for name in args.setting_names if getattr(args, name) is not None}
-    try:
-        return Settings(**overrides)
-    except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}"
-                             for e in exc.errors())
-        raise ValueError(f"bad settings ({problems}); check the options, FLYWHEEL_* variables "
-                         "and FLYWHEEL_CONFIG") from exc
+    return Settings.load(**overrides)
 
 
 # --- commands -----------------------------------------------------------------------------

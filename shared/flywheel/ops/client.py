@@ -10,9 +10,11 @@ publish`` and ``flywheel status`` commands are thin wrappers around it)::
 
 or, outside an event loop, ``flywheel.ops.client.publish_tasks(...)`` with the same arguments.
 
-Task ids: a row with a top-level string ``"id"`` keeps it as its task id; any other row gets
-a deterministic id, uuid5 over (run, env, position, canonical row), where the position is the
-1-based line number of a JSONL file or the 1-based index in ``rows``. Publishing the same rows
+Task ids are :func:`flywheel.contract.events.task_id`'s, as every producer makes them (the
+gateway, ``flywheel run``, ``flywheel eval``): a row with a top-level string ``"id"`` keeps it
+as its task id; any other row gets a deterministic id, uuid5 over (run, env, position,
+canonical row), where the position is the 1-based line number of a JSONL file or the 1-based
+index in ``rows``. Publishing the same rows
 again therefore stores nothing new: the server drops a repeated ``Nats-Msg-Id`` within its
 duplicate window (``BusConfig.duplicate_window_s``, two minutes by default), and the trace
 store upserts by id whenever the repeat comes. Past the window the server stores the repeat
@@ -39,7 +41,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -58,20 +59,6 @@ from flywheel.contract.service import HEARTBEAT_INTERVAL_S, read_heartbeats
 
 log = logging.getLogger(__name__)
 
-# Fixed namespace of deterministic task ids; changing it would change every derived id.
-TASK_ID_NAMESPACE = uuid.UUID("5b0f6a1e-2c4d-4e4f-9a53-6c1d7f0e8b21")
-
-def task_id(run: str, env: str, position: int, row: dict[str, Any]) -> str:
-    """The task id of ``row``: its own string ``"id"``, else uuid5 over (run, env, position, row)."""
-    own = row.get("id")
-    if isinstance(own, str):
-        if not own.strip() or "\r" in own or "\n" in own:
-            raise ValueError(f"id={own!r}: a task id must be non-empty and on one line (it is sent as a header)")
-        return own
-    canonical = json.dumps([run, env, position, row], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return uuid.uuid5(TASK_ID_NAMESPACE, canonical).hex
-
-
 def make_tasks(
     run: str,
     env: str,
@@ -89,6 +76,8 @@ def make_tasks(
     check_token("env", env)
     if num_rollouts < 1:
         raise ValueError(f"num_rollouts must be at least 1, got {num_rollouts}")
+    if sampling is not None:
+        sampling.check()  # what the gateway and inference accept, refused here before anything is sent
     tasks = []
     first_seen: dict[str, str] = {}  # task id -> where
     for position, row in numbered_rows:
@@ -96,7 +85,7 @@ def make_tasks(
         if not isinstance(row, dict):
             raise ValueError(f"{where}: a task row must be a JSON object (dict), got {type(row).__name__}")
         try:
-            tid = task_id(run, env, position, row)
+            tid = events.task_id(run, env, position, row)
         except TypeError as exc:
             raise ValueError(f"{where}: not JSON-serializable: {exc}") from exc
         except ValueError as exc:

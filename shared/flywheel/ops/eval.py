@@ -19,8 +19,11 @@ environment gives the same statuses, errors and rewards here as in a training ru
 rollout's ``reward`` is :func:`flywheel.sdk.scoring.rollout_reward` over the environment's
 rewards. A harness or reward that fails is recorded on that rollout (``error``,
 ``reward_errors``), never ends the eval. Results go to a JSONL file, one
-rollout a line (task, messages, state, rewards, usage, error), written group by group, so
-``resume`` skips every task whose group is in the file already. The summary: reward mean
+rollout a line (run, task, messages, state, rewards, usage, error), written group by group,
+so ``resume`` goes on with the eval run the file holds and skips every task whose group is
+in it already. Task and rollout ids are made as every producer makes them
+(:func:`flywheel.contract.events.task_id`, :func:`~flywheel.contract.events.rollout_id`),
+from the eval run's id. The summary: reward mean
 and standard error (and per reward), pass@k for k in 1..num_rollouts (a rollout passes when
 its reward reaches ``pass_threshold``, by default the sum of the reward weights: every
 reward at 1.0), harness and reward errors, tokens from the upstream's usage.
@@ -39,7 +42,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import math
 import random
@@ -357,16 +359,6 @@ class EvalConfig:
             raise ValueError(f"max_retries={self.max_retries}: not negative")
 
 
-def task_id(index: int, row: Mapping[str, Any]) -> str:
-    """A task's id in the results: its place and a hash of its row (a changed task set is not resumed)."""
-    digest = hashlib.sha256(json.dumps(row, sort_keys=True, default=str).encode()).hexdigest()[:10]
-    return f"task-{index:05d}-{digest}"
-
-
-def rollout_id(run: str, task: str, index: int) -> str:
-    return hashlib.sha256(f"{run}\x00{task}\x00{index}".encode()).hexdigest()[:32]
-
-
 def read_results(path: Path) -> list[dict[str, Any]]:
     """The rollouts in a results file; a torn last line (an eval killed mid-write) is skipped."""
     if not path.exists():
@@ -515,9 +507,13 @@ class Evaluation:
     async def run(self, nats_url: str | None = None) -> dict[str, Any]:
         cfg = self.cfg
         rows = self.env.load_tasks(cfg.num_tasks, seed=cfg.seed)
-        tasks = [(task_id(i, row), row) for i, row in enumerate(rows)]
-        wanted = {tid for tid, _ in tasks}
         previous = read_results(cfg.out) if cfg.resume else []
+        if previous:
+            self.run_id = self._resumed_run(previous)
+        # Ids as every producer makes them (a task's position is its place in the task set,
+        # from 1), so a recorded eval's tasks and rollouts are named as a training run's are.
+        tasks = [(events.task_id(self.run_id, self.env_name, i, row), row) for i, row in enumerate(rows, 1)]
+        wanted = {tid for tid, _ in tasks}
         counts: dict[str, int] = {}
         for r in previous:
             counts[r["task_id"]] = counts.get(r["task_id"], 0) + 1
@@ -553,6 +549,22 @@ class Evaluation:
                    "results": str(cfg.out)}
         return summary
 
+    def _resumed_run(self, previous: list[dict[str, Any]]) -> str:
+        """The eval run the results file holds, which a resume goes on with (its ids derive from
+        it); ValueError, before anything is rewritten, for a file of another or of several runs."""
+        runs = {r.get("run") for r in previous}
+        if None in runs:
+            raise ValueError(f"{self.cfg.out} holds results without their eval run's id (written by an older "
+                             "version): run this eval again into a new --out, without --resume")
+        if len(runs) > 1:
+            raise ValueError(f"{self.cfg.out} holds the results of several eval runs ({', '.join(sorted(runs))}): "
+                             "resume one results file per run")
+        (run,) = runs
+        if self.cfg.run_id is not None and self.cfg.run_id != run:
+            raise ValueError(f"run_id={self.cfg.run_id!r}, but {self.cfg.out} holds the results of eval run "
+                             f"{run!r}: resume without --run-id, or write this run to another --out")
+        return str(run)
+
     async def _group(self, tid: str, row: dict[str, Any], out: TextIO, progress: ProgressLine) -> None:
         cfg = self.cfg
         results = await asyncio.gather(*(self._rollout(tid, row, i) for i in range(cfg.num_rollouts)))
@@ -560,7 +572,7 @@ class Evaluation:
         scored = await self.scoring.score_group(self.env.rewards, rollouts)  # type: ignore[arg-type]
         records = []
         for (rollout, recording), scores in zip(results, scored, strict=True):
-            records.append({"task_id": tid, "index": rollout.index, "rollout_id": rollout.id, "env": cfg.env,
+            records.append({"run": self.run_id, "task_id": tid, "index": rollout.index, "rollout_id": rollout.id, "env": cfg.env,
                             "model": cfg.model, "task": row, "messages": messages_of(rollout), "state": rollout.state,
                             "status": rollout.status, "error": rollout.error, **scored_fields(scores),
                             "usage": recording.tokens(), "calls": recording.calls,
@@ -577,7 +589,7 @@ class Evaluation:
         calls recorded by the proxy."""
         from flywheel.sdk.harness import RolloutContext
 
-        rid = rollout_id(self.run_id, tid, index)
+        rid = events.rollout_id(self.run_id, tid, index)
         async with self._slots:
             recording = self.proxy.open(rid)
             ctx = RolloutContext(task=row, base_url=self.proxy.base_url(rid), api_key=HARNESS_API_KEY,

@@ -19,9 +19,10 @@ What it does, in order:
 5. publishes the environment's tasks (the task supply; their count is kept in the run
    state, so a resumed run goes on from there); inference admits them as fast as the
    staleness bound allows;
-6. follows the trainer's weight updates (each carries its step's metrics) and prints a line
-   a step: reward, staleness, tokens/s, rollouts in flight; when no step comes for a while
-   it says what it waits for;
+6. follows the trainer's weight updates (each carries its step's metrics, and the rollouts
+   dropped so far, ``num_dropped_total``, for which it publishes replacement tasks) and
+   prints a line a step: reward, staleness, tokens/s, rollouts in flight; when no step
+   comes for a while it says what it waits for;
 7. at the end prints a summary table and writes ``reward.png`` and ``summary.json`` in the
    run folder (``<data_dir>/runs/<run>``), beside the trainer's ``metrics.jsonl``.
 
@@ -520,8 +521,7 @@ class MainJob:
                     self.say(f"run {cfg.run}: weights version 0 published (after {cfg.sft.steps} SFT steps)")
                     self.progress.started_s = time.monotonic()
                 row = self.progress.add(update)
-                if "num_dropped_total" in update.metrics:
-                    await self._publish_tasks(int(update.metrics["num_dropped_total"]))
+                await self._publish_tasks(update.num_dropped_total)
                 if row is not None:
                     trainer.progressed()
                     last_step_s = time.monotonic()

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -55,7 +56,7 @@ import nats.errors
 from flywheel.contract import events
 from flywheel.contract.bus import Bus
 from flywheel.contract.service import Service, read_heartbeats
-from flywheel.contract.settings import Settings
+from flywheel.contract.settings import SECTIONS, Settings
 from flywheel.ops.natsserver import NatsServer, die_with_parent, port_open
 
 # The service name of the stack's own heartbeat, whose info is its view of the processes.
@@ -336,8 +337,9 @@ class ServiceProcess(Process):
 
 def child_env(settings: Settings) -> dict[str, str]:
     """This environment plus every setting as ``FLYWHEEL_*``, resolved (absolute data folder,
-    concrete NATS, database and gateway URLs), so every child reads the same values."""
-    values = settings.model_dump(mode="json") | {
+    concrete NATS, database and gateway URLs), so every child reads the same values; a
+    section's fields as ``FLYWHEEL_<SECTION>__<FIELD>`` (JSON values)."""
+    values = settings.model_dump(mode="json", exclude=set(SECTIONS)) | {
         "data_dir": str(settings.data_dir.resolve()),
         "nats_url": settings.resolved_nats_url,
         "database_url": settings.resolved_database_url,
@@ -345,6 +347,9 @@ def child_env(settings: Settings) -> dict[str, str]:
     }
     env = dict(os.environ)
     env.update({f"FLYWHEEL_{name.upper()}": str(value) for name, value in values.items() if value is not None})
+    for section in SECTIONS:
+        fields = getattr(settings, section).model_dump(mode="json")
+        env.update({f"FLYWHEEL_{section.upper()}__{name.upper()}": json.dumps(value) for name, value in fields.items()})
     env["PYTHONUNBUFFERED"] = "1"  # logs reach the file as they are written
     if settings.torch_threads is not None:
         # Also for the BLAS pools torch starts before it reads the setting.

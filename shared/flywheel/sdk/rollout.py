@@ -32,14 +32,15 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import msgspec
 
+# A harness gets this long unless told otherwise (setting inference.rollout_timeout_s, eval's
+# `rollout_timeout_s`): one default for both, written in the settings.
+from flywheel.contract.settings import ROLLOUT_TIMEOUT_S
+
 if TYPE_CHECKING:
     from flywheel.sdk.environment import Environment
     from flywheel.sdk.harness import RolloutContext
 
 log = logging.getLogger(__name__)
-
-# A harness gets this long (inference's `rollout_timeout_s`, eval's `rollout_timeout_s`).
-ROLLOUT_TIMEOUT_S = 600.0
 NO_MODEL_CALL = "the harness made no model call"
 
 Status = Literal["completed", "truncated", "error"]

@@ -29,13 +29,14 @@ from concurrent.futures import Executor
 from typing import TYPE_CHECKING
 
 from flywheel.contract import events
+
+# The scorer's `reward_timeout_s` and eval's, unless set: one default for both, written in the settings.
+from flywheel.contract.settings import REWARD_TIMEOUT_S
 from flywheel.sdk.environment import GroupReward, Reward, Value, off_the_loop
 
 if TYPE_CHECKING:
     from flywheel.contract.config import RunConfig
     from flywheel.sdk.environment import Environment
-
-REWARD_TIMEOUT_S = 120.0  # the scorer's `reward_timeout_s` and eval's, unless set
 
 Outcome = Value | str  # a reward's value on one rollout, or the error text
 OnFailure = Callable[[str, str, Sequence[str], BaseException], None]  # (reward, error text, rollout ids, exception)
