@@ -169,10 +169,9 @@ async def measure_recorder(url: str, data_dir: Path, num_rollouts: int) -> float
     own consumer running in this process (nats-server and SQLite on the same machine)."""
     import sqlalchemy as sa
 
-    from flywheel_gateway import schema
-    from flywheel_gateway.migrate import migrate
     from flywheel.contract.settings import RecorderSettings
-    from flywheel_gateway import recorder
+    from flywheel_gateway import recorder, schema
+    from flywheel_gateway.migrate import migrate
     from flywheel_gateway.store import Store
 
     database_url = f"sqlite+aiosqlite:///{data_dir / 'bench.db'}"

@@ -117,7 +117,7 @@ class Checks:
         started = time.perf_counter()
         try:
             figures = fn()
-        except Exception as exc:  # noqa: BLE001 - recorded and reported; the other checks still run
+        except Exception as exc:
             traceback.print_exc()
             self.results[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
                                   "traceback": traceback.format_exc(), "wall_s": time.perf_counter() - started}

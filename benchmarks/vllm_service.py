@@ -141,11 +141,11 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     from flywheel.contract import events, weights
     from flywheel.contract.bus import Bus
     from flywheel.contract.config import RunConfig
+    from flywheel.contract.settings import InferenceSettings
     from flywheel.ops.natsserver import NatsServer
     from flywheel.sdk import models
     from flywheel.sdk.environment import load_environment
     from flywheel_inference.backend_vllm import VLLMBackend
-    from flywheel.contract.settings import InferenceSettings
     from flywheel_inference.worker import Worker
 
     tmp = Path(tempfile.mkdtemp(prefix="flywheel-vllm-service-"))

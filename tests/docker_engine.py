@@ -110,7 +110,7 @@ class DockerEngine:
         self.data_root.mkdir(parents=True, exist_ok=True)
         self._lock()
         self._run_dir = Path(tempfile.mkdtemp(prefix="fw-dockerd-"))
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self._log = open(self.log_path, "wb")
         # Its own (empty) config file: the machine's /etc/docker/daemon.json is not this engine's.
         (self._run_dir / "daemon.json").write_text("{}\n")
         cmd = [

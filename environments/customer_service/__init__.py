@@ -119,7 +119,7 @@ def find_user_id_by_email(ctx: RolloutContext, email: str) -> str:
     raise ToolError(f"no user with email {email!r}")
 
 
-def find_user_id_by_name_zip(ctx: RolloutContext, first_name: str, last_name: str, zip: str) -> str:  # noqa: A002
+def find_user_id_by_name_zip(ctx: RolloutContext, first_name: str, last_name: str, zip: str) -> str:
     """Find a customer's user id by their first name, last name and zip code."""
     for user in _db(ctx)["users"].values():
         name = user["name"]
@@ -169,7 +169,7 @@ def cancel_pending_order(ctx: RolloutContext, order_id: str, reason: str) -> dic
 
 
 def modify_pending_order_address(ctx: RolloutContext, order_id: str, address1: str, address2: str, city: str,
-                                 state: str, country: str, zip: str) -> dict[str, Any]:  # noqa: A002
+                                 state: str, country: str, zip: str) -> dict[str, Any]:
     """Change the shipping address of a pending order (address2 may be empty)."""
     order = _order(_db(ctx), order_id)
     _require_status(order, "pending", "changed")
@@ -178,14 +178,14 @@ def modify_pending_order_address(ctx: RolloutContext, order_id: str, address1: s
 
 
 def modify_user_address(ctx: RolloutContext, user_id: str, address1: str, address2: str, city: str, state: str,
-                        country: str, zip: str) -> dict[str, Any]:  # noqa: A002
+                        country: str, zip: str) -> dict[str, Any]:
     """Change a customer's default address (address2 may be empty); their orders keep theirs."""
     user = _user(_db(ctx), user_id)
     user["address"] = _address(address1, address2, city, state, country, zip)
     return user
 
 
-def _address(address1: str, address2: str, city: str, state: str, country: str, zip: str) -> dict[str, str]:  # noqa: A002
+def _address(address1: str, address2: str, city: str, state: str, country: str, zip: str) -> dict[str, str]:
     fields = {"address1": address1, "address2": address2, "city": city, "state": state, "country": country,
               "zip": zip}
     missing = [k for k, v in fields.items() if k != "address2" and not v.strip()]

@@ -81,7 +81,7 @@ async def _lines(first: dict[str, Any] | None, records: AsyncIterator[dict[str, 
         async for record in records:
             yield encoder.encode(record) + b"\n"
             num_sent += 1
-    except Exception as exc:  # noqa: BLE001 - the status line is gone: the error goes into the stream
+    except Exception as exc:
         log.exception("export cut after %d rollouts", num_sent)
         cause = getattr(exc, "orig", None) or exc
         error = (f"export cut after {num_sent} rollouts: {type(cause).__name__}: {cause}; the lines above are "

@@ -167,7 +167,7 @@ class Policy:
                     continue
                 try:
                     await self.swap(await self._fetch_with_retries(update), update.version)
-                except Exception as exc:  # noqa: BLE001 - the run keeps its weights; reported, not raised
+                except Exception as exc:
                     self._failed(update, exc)
                     continue
                 self.load_error = None
@@ -250,7 +250,7 @@ class Policy:
                 try:
                     completions = await asyncio.to_thread(self.backend.generate, [r.prompt for r in batch],
                                                           batch[0].sampling, [r.seed for r in batch])
-                except Exception as exc:  # noqa: BLE001 - handed to every caller of the batch
+                except Exception as exc:
                     for r in batch:
                         if not r.future.done():
                             r.future.set_exception(exc)

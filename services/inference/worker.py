@@ -69,7 +69,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import timezone
+from datetime import UTC
 from pathlib import Path
 from typing import Any
 
@@ -324,7 +324,7 @@ class Worker:
                 await self._check_end(run)
             try:
                 await asyncio.wait_for(stopping.wait(), LEASE_CHECK_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     async def _check_end(self, run: str) -> None:
@@ -388,7 +388,7 @@ class Worker:
                 await self._check_end(task.run)
             end = end_of(state)
         if end is not None:
-            created_at = task.created_at if task.created_at.tzinfo else task.created_at.replace(tzinfo=timezone.utc)
+            created_at = task.created_at if task.created_at.tzinfo else task.created_at.replace(tzinfo=UTC)
             if created_at < end.since:  # left over from the task supply
                 self._skip(task, end.reason)
                 return
@@ -408,7 +408,7 @@ class Worker:
             messages = env.prompt_messages(task.data)
         except EnvironmentLoadError as exc:
             raise Reject(str(exc)) from exc
-        except Exception as exc:  # noqa: BLE001 - the environment's code on this row: the task is bad
+        except Exception as exc:
             raise Reject(f"environment {task.env!r}: its first messages for this task failed: "
                          f"{type(exc).__name__}: {exc}") from exc
         sampling = task.sampling or hosted.sampling

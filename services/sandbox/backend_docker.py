@@ -179,7 +179,7 @@ class DockerBackend:
         writer.write(agent_preamble())
         try:
             await asyncio.wait_for(box.channel.read_frame(), self.config.start_timeout_s)
-        except (AgentGone, asyncio.TimeoutError) as exc:
+        except (TimeoutError, AgentGone) as exc:
             await box.stop()
             raise start_failed(tail, exc) from exc
         return box

@@ -476,7 +476,7 @@ class LocalBackend:
         drain = asyncio.ensure_future(_drain(process.stderr, box.stderr_tail))
         try:
             await asyncio.wait_for(box.channel.read_frame(), self.config.start_timeout_s)
-        except (AgentGone, asyncio.TimeoutError) as exc:
+        except (TimeoutError, AgentGone) as exc:
             await box.stop()
             await asyncio.wait([drain], timeout=1.0)  # bubblewrap's last words say what went wrong
             raise start_failed(box.stderr_tail, exc) from exc

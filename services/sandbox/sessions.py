@@ -113,7 +113,7 @@ class SessionManager:
                 self.reap()
                 try:
                     await asyncio.wait_for(stopping.wait(), self.config.limits.reap_interval_s)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
         finally:
             filler.cancel()
@@ -267,7 +267,7 @@ class SessionManager:
             session.busy = True
             try:
                 return await asyncio.wait_for(session.box.channel.call(request), timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 reason = f"its agent did not answer within {timeout_s:g} s, so the service killed it"
                 await self._destroy(session, reason)
                 raise SandboxError("gone", f"sandbox {sandbox_id} is gone: {reason}") from None

@@ -111,7 +111,7 @@ def wheelhouse_url() -> Iterator[str]:
 
 
 class QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the base class's name
+    def log_message(self, format: str, *args: object) -> None:
         pass
 
 
@@ -228,7 +228,7 @@ def deployment(docker_engine: DockerEngine, debian_base: str, images: dict[str, 
         assert not left, f"docker-compose down left containers or volumes behind: {left}"
 
 
-def wait_for(what: str, deployment: Deployment, timeout_s: float, check) -> object:  # noqa: ANN001 - any callable
+def wait_for(what: str, deployment: Deployment, timeout_s: float, check) -> object:
     """Poll ``check()`` until it returns something truthy; fail with the services' logs."""
     deadline = time.monotonic() + timeout_s
     last_error: Exception | None = None

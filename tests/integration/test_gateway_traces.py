@@ -31,9 +31,9 @@ from fastapi import FastAPI
 
 from flywheel.contract import events
 from flywheel.contract.bus import Bus
+from flywheel.contract.settings import RecorderSettings
 from flywheel.ops.client import GatewayError, TraceAPI, server_sent_events
 from flywheel.ops.natsserver import NatsServer, free_port
-from flywheel.contract.settings import RecorderSettings
 from flywheel_gateway import recorder
 from flywheel_gateway.store import Store
 from tests.helpers import until

@@ -175,7 +175,7 @@ async def test_destroy_by_label_reaches_every_replica(bus: Bus, backend: LocalBa
         # The queue group shares creates at random: create until both replicas hold some (six
         # creates all landing on one replica is a 1-in-32 chance; 24 in a row is negligible).
         boxes: list[str] = []
-        while len(boxes) < 6 or len({b.split("@")[1] for b in boxes}) < 2 and len(boxes) < 24:
+        while len(boxes) < 6 or (len({b.split("@")[1] for b in boxes}) < 2 and len(boxes) < 24):
             boxes.append(await a.create(SandboxSpec(labels={"rollout": "r1", "i": str(len(boxes))})))
         other = await a.create(SandboxSpec(labels={"rollout": "r2"}))
         assert {b.split("@")[1] for b in boxes} == {"replica-a", "replica-b"}

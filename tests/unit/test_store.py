@@ -41,7 +41,7 @@ async def _throwaway_postgres(postgres_url: str) -> AsyncIterator[str]:
     admin_dsn = sa.make_url(postgres_url).set(drivername="postgresql").render_as_string(hide_password=False)
     try:
         admin = await asyncpg.connect(admin_dsn, timeout=5)
-    except (OSError, asyncpg.PostgresError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, OSError, asyncpg.PostgresError) as exc:
         pytest.skip(f"PostgreSQL at {postgres_url} is unreachable: {exc}")
     name = f"flywheel_test_{uuid.uuid4().hex[:12]}"
     try:

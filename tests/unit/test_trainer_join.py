@@ -137,7 +137,7 @@ def test_buffered_events_are_what_is_held() -> None:
     joiner.add_rollout(a)
     joiner.add_score(make_score(a, "exact", 1.0))
     joiner.add_score(make_score(make_rollout("x", "h"), "exact", 1.0))  # its rollout is not here yet
-    assert [getattr(e, "id") for e in joiner.buffered_events()] == ["a", "a.exact", "x.exact"]
+    assert [e.id for e in joiner.buffered_events()] == ["a", "a.exact", "x.exact"]
     assert joiner.num_orphan_scores == 1
 
 

@@ -181,7 +181,7 @@ class Bus:
                 ), timeout=max(deadline - time.monotonic(), 0.1))
                 connected = True
                 break
-            except (nats.errors.NoServersError, OSError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, nats.errors.NoServersError, OSError) as exc:
                 if time.monotonic() + delay_s > deadline:
                     raise ConnectionError(f"cannot reach NATS at {url} within {config.connect_timeout_s:g}s "
                                           f"({last_error or exc}); is nats-server running? `flywheel up` starts "
@@ -326,8 +326,7 @@ class Bus:
             return
         try:
             await self.nc.drain()
-        except (nats.errors.ConnectionReconnectingError, nats.errors.ConnectionClosedError,
-                nats.errors.TimeoutError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, nats.errors.ConnectionReconnectingError, nats.errors.ConnectionClosedError, nats.errors.TimeoutError) as exc:
             log.info("bus: drain failed (%s); closing", type(exc).__name__)
             await self.nc.close()
 
@@ -519,7 +518,7 @@ async def _wait(event: asyncio.Event, timeout_s: float) -> None:
     """Wait for ``event`` at most ``timeout_s``."""
     try:
         await asyncio.wait_for(event.wait(), timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         pass
 
 
@@ -658,7 +657,7 @@ class Consumer:
                     continue
                 try:
                     msgs = await psub.fetch(min(free, self.batch_size), timeout=self.fetch_timeout_s)
-                except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                except (TimeoutError, nats.errors.TimeoutError):
                     continue
                 except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError):
                     if self._stopping.is_set() or self.bus.nc.is_closed:
@@ -687,7 +686,7 @@ class Consumer:
         if self.max_in_flight - self._in_flight < low_water:
             try:
                 await asyncio.wait_for(self._until_free(low_water), 0.005)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         return 0 if self._stopping.is_set() else self.max_in_flight - self._in_flight
 

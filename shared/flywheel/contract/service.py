@@ -118,7 +118,7 @@ class Service:
                 log.warning("%s: heartbeat failed: %s", self.name, exc)
             try:
                 await asyncio.wait_for(self.stopping.wait(), HEARTBEAT_INTERVAL_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     async def run(self) -> None:

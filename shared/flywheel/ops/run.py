@@ -419,7 +419,7 @@ class MainJob:
             fields = self._lease_fields()
             try:
                 await update_run(self.bus, self.cfg.run, **fields)
-            except (nats.errors.Error, asyncio.TimeoutError) as exc:
+            except (TimeoutError, nats.errors.Error) as exc:
                 self.say(f"run {self.cfg.run}: renewing the run's lease failed ({type(exc).__name__}: {exc}); "
                          "retrying")
                 period_s = min(5.0, self.settings.run_lease_s / 6)
@@ -440,7 +440,7 @@ class MainJob:
                 await update_run(self.bus, self.cfg.run, status=status, ended_at=events.utc_now(), reason=reason,
                                  lease_expires_at=None)
                 self.say(f"run {self.cfg.run}: {status} ({reason})")
-        except (nats.errors.Error, asyncio.TimeoutError) as exc:
+        except (TimeoutError, nats.errors.Error) as exc:
             self.say(f"run {self.cfg.run}: could not mark the run {status} ({type(exc).__name__}: {exc}); its "
                      f"lease expires within {self.settings.run_lease_s:g}s and it is then seen as abandoned")
 
@@ -512,7 +512,7 @@ class MainJob:
                     await watching  # raises what ended the watch
                 try:
                     update = await asyncio.wait_for(updates.get(), 1.0)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     if time.monotonic() - last_step_s > QUIET_STEP_S:
                         await self._say_waiting(trainer, time.monotonic() - last_step_s)
                         last_step_s = time.monotonic()
@@ -551,7 +551,7 @@ class MainJob:
         """Rollouts in flight: tasks the inference consumer holds, times the group size."""
         try:
             info = await self.bus.js.consumer_info("TASKS", "inference")
-        except (nats.js.errors.NotFoundError, nats.errors.Error, asyncio.TimeoutError):
+        except (TimeoutError, nats.js.errors.NotFoundError, nats.errors.Error):
             return None
         return info.num_ack_pending * self.cfg.group_size
 

@@ -386,7 +386,7 @@ async def wait_set(event: asyncio.Event, timeout_s: float) -> bool:
     """Wait for ``event`` at most ``timeout_s``; True when it is set."""
     try:
         await asyncio.wait_for(event.wait(), timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return False
     return True
 
@@ -659,13 +659,13 @@ class Stack:
         self.heartbeat.stop()
         try:
             await asyncio.wait_for(self.heartbeat_task, self.stop_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.say(f"the stack's heartbeat did not stop within {self.stop_timeout_s:g}s")
 
     async def _close_bus(self, bus: Bus) -> None:
         try:
             await asyncio.wait_for(bus.close(), self.stop_timeout_s)
-        except (asyncio.TimeoutError, nats.errors.Error) as exc:
+        except (TimeoutError, nats.errors.Error) as exc:
             # NATS is gone or going: the connection has nothing left to flush.
             self.say(f"closing the NATS connection: {type(exc).__name__}: {exc}")
             await bus.nc.close()

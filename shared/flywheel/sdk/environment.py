@@ -145,7 +145,7 @@ class TaskSet:
             import datasets
 
             dataset = datasets.load_dataset(dataset, split=split or "train")
-        return cls.from_rows(list(dataset), schema, name=getattr(dataset, "info", None) and dataset.info.dataset_name
+        return cls.from_rows(list(dataset), schema, name=(getattr(dataset, "info", None) and dataset.info.dataset_name)
                              or "dataset")
 
     def rows(self, num: int, seed: int = 0) -> list[dict[str, Any]]:
@@ -267,7 +267,7 @@ class Reward(_Weighted):
         return Value(*_number(value, self.name, self.weights))
 
 
-def Metric(fn: Callable[..., Any], name: str = "") -> Reward:  # noqa: N802 - reads as a type in environments
+def Metric(fn: Callable[..., Any], name: str = "") -> Reward:
     """A reward of weight 0: recorded with the rollout, not trained on."""
     return Reward(fn, weight=0.0, name=name)
 
@@ -438,7 +438,7 @@ class Environment:
             current = by_name.get(name)
             if spec.function:
                 fn = import_object(spec.function, f"rewards.{name}.function")
-                kind = GroupReward if spec.group or isinstance(current, GroupReward) and spec.group is None else Reward
+                kind = GroupReward if spec.group or (isinstance(current, GroupReward) and spec.group is None) else Reward
                 weight = spec.weight if spec.weight is not None else current.weight if current else 1.0
                 # Components of the same name keep their weights under the new function.
                 by_name[name] = kind(fn, weight=weight, name=name, weights=dict(current.weights) if current else {})

@@ -111,7 +111,7 @@ class RolloutContext:
             release = self._on_close.pop()
             try:
                 await release()
-            except Exception as exc:  # noqa: BLE001 - one failed release must not leak the others
+            except Exception as exc:
                 log.warning("rollout %s: releasing %s failed: %s: %s", self.rollout_id or "?",
                             getattr(release, "__qualname__", release), type(exc).__name__, exc)
         if self._client is not None and self.http_client is None:
@@ -198,7 +198,7 @@ def _hints(fn: Callable[..., Any]) -> dict[str, Any]:
 
     try:
         return typing.get_type_hints(fn)
-    except Exception:  # noqa: BLE001 - unresolvable annotations: fall back to Any
+    except Exception:
         return {}
 
 

@@ -91,7 +91,7 @@ async def run_harness(env: Environment, ctx: RolloutContext, endpoint: Endpoint,
         await asyncio.wait_for(env.harness.run(env, ctx), timeout_s)
     except TimeoutError:
         error = f"the harness ran past rollout_timeout_s={timeout_s}"
-    except Exception as exc:  # noqa: BLE001 - the environment's code: recorded on this rollout
+    except Exception as exc:
         error = f"harness failed: {type(exc).__name__}: {exc}"
     finally:
         try:

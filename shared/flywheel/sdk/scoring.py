@@ -77,7 +77,7 @@ class Scoring:
         try:
             async with deadline:
                 return await self.runnable(reward)(arg)  # type: ignore[arg-type]
-        except Exception as exc:  # noqa: BLE001 - the environment's code: an error on these rollouts
+        except Exception as exc:
             if deadline.expired():
                 error = f"{kind} {reward.name!r} timed out after {self.timeout_s:g}s"
             else:
