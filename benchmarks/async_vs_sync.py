@@ -123,7 +123,7 @@ async def watch_in_flight(bus: Any, run: str, stop: asyncio.Event, samples: list
 def time_mean(samples: list[tuple[float, int]], start: float, end: float) -> float:
     """The mean over [start, end] of the step function the samples describe (each holds until the next)."""
     total = 0.0
-    for (t, value), (t_next, _) in zip(samples, [*samples[1:], (end, 0)]):
+    for (t, value), (t_next, _) in zip(samples, [*samples[1:], (end, 0)], strict=True):
         total += value * max(0.0, min(t_next, end) - max(t, start))
     return total / (end - start)
 
@@ -169,7 +169,7 @@ async def one_run(cfg: Any, settings: Any, bus: Any, out: Any) -> dict[str, Any]
 def workload(args: argparse.Namespace) -> dict[str, float]:
     """What the task set asks for, from the rows themselves (the same rows in both runs)."""
     sys.path.insert(0, str(ENVS))
-    import delayed_echo
+    import delayed_echo  # type: ignore[import-not-found]  # benchmarks/envs, on sys.path from the line above
 
     rows = delayed_echo.generate(1000, seed=0)
     group_waits = sorted(max(r["wait_s"][i % len(r["wait_s"])] for i in range(args.group_size)) for r in rows)
@@ -256,7 +256,7 @@ def vllm_service(python: str, log_path: Path) -> dict[str, Any]:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with log_path.open("w") as log:
             rc = subprocess.run([python, str(VLLM_SCRIPT), "--json", str(out)], stdout=log,
-                                stderr=subprocess.STDOUT, cwd=VLLM_SCRIPT.parent.parent).returncode
+                                stderr=subprocess.STDOUT, cwd=VLLM_SCRIPT.parent.parent, check=False).returncode
         if rc != 0 or not out.exists():
             tail = "".join(log_path.read_text(errors="replace").splitlines(keepends=True)[-15:])
             raise RuntimeError(f"{python} {VLLM_SCRIPT.name} exited with code {rc}; see {log_path}:\n{tail}")

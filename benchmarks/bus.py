@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import nats
@@ -116,9 +117,9 @@ async def bus_round(url: str, batch: list[events.Task]) -> tuple[float, float]:
     return len(batch) / elapsed, cpu / len(batch) * 1e6
 
 
-async def measure_bus(url: str, num_messages: int, rounds: int) -> dict[str, dict[str, float]]:
+async def measure_bus(url: str, num_messages: int, rounds: int) -> dict[str, dict[str, Any]]:
     await (await Bus.connect(url, "bench-setup")).close()  # the streams both sides use
-    by_size: dict[str, dict[str, float]] = {}
+    by_size: dict[str, dict[str, Any]] = {}
     for label, size in SIZES.items():
         n = num_messages if size <= 4096 else max(500, num_messages // 20)
         raws, ours, floors = [], [], []
@@ -130,7 +131,7 @@ async def measure_bus(url: str, num_messages: int, rounds: int) -> dict[str, dic
         raw, bus = (statistics.median(rate for rate, _ in rs) for rs in (raws, ours))
         floor = statistics.median(rate for rate, _ in floors)
         raw_cpu, bus_cpu = (statistics.median(cpu for _, cpu in rs) for rs in (raws, ours))
-        round_ratios = sorted(b / a for (a, _), (b, _) in zip(raws, ours))
+        round_ratios = sorted(b / a for (a, _), (b, _) in zip(raws, ours, strict=True))
         by_size[label] = {"messages": n, "payload_bytes": len(events.encode(make_tasks(1, size, "x")[0])),
                           "raw_msgs_per_s": raw, "bus_msgs_per_s": bus, "ratio": bus / raw,
                           "round_ratios": round_ratios,
@@ -139,7 +140,8 @@ async def measure_bus(url: str, num_messages: int, rounds: int) -> dict[str, dic
         print(f"{label:>5}: raw {raw:9.0f} msg/s   bus {bus:9.0f} msg/s   ratio {bus / raw:.2f}   "
               f"(median of {rounds} rounds of {n} messages; each round's ratio "
               f"{' '.join(f'{x:.2f}' for x in round_ratios)})\n"
-              f"       client CPU {raw_cpu:6.1f} us/msg raw, {bus_cpu:6.1f} us/msg bus (ratio {raw_cpu / bus_cpu:.2f})\n"
+              f"       client CPU {raw_cpu:6.1f} us/msg raw, {bus_cpu:6.1f} us/msg bus "
+              f"(ratio {raw_cpu / bus_cpu:.2f})\n"
               f"       bytes only (pre-encoded, not decoded) {floor:9.0f} msg/s: bus/bytes {bus / floor:.2f}")
     return by_size
 
@@ -148,12 +150,14 @@ def make_rollout(i: int, run: str) -> events.Rollout:
     """A rollout shaped like a real one: system and question nodes shared by its group of 8,
     an answer with its sampled tokens, a closing user turn."""
 
-    def add(parent: events.Node | None, role: str, content: str, tokens: list[int], version: int | None = None) -> events.Node:
-        message = events.Message(role=role, content=content)  # type: ignore[arg-type]
+    def add(parent: events.Node | None, role: str, content: str, tokens: list[int],
+            version: int | None = None) -> events.Node:
+        message = events.Message(role=role, content=content)  # type: ignore[arg-type]  # callers pass Message roles
         span = events.TokenSpan(token_ids=tokens, logprobs=[-0.5 if version else 0.0] * len(tokens),
                                 loss_mask=[version is not None] * len(tokens), policy_version=version)
         parent_id = parent.id if parent else None
-        return events.Node(id=events.node_id(parent_id, message, span), parent_id=parent_id, message=message, tokens=span)
+        return events.Node(id=events.node_id(parent_id, message, span), parent_id=parent_id, message=message,
+                           tokens=span)
 
     g = i // 8
     system = add(None, "system", "You solve arithmetic.", list(range(8)))
@@ -188,7 +192,7 @@ async def measure_recorder(url: str, data_dir: Path, num_rollouts: int) -> float
     count_rows = sa.select(sa.func.count()).select_from(schema.rollouts)
     while True:
         async with store.engine.connect() as conn:
-            if await conn.scalar(count_rows) >= num_rollouts:
+            if (await conn.scalar(count_rows) or 0) >= num_rollouts:  # a count is never None
                 break
         await asyncio.sleep(0.02)
     elapsed = time.perf_counter() - t0

@@ -166,6 +166,7 @@ async def collect(nats_url: str, gateway_url: str, data_dir: Path, num_left_over
                 msg = await sub.next_msg(timeout=3.0)
             except nats.errors.TimeoutError:
                 break
+            assert msg.headers is not None  # every task is published with its Nats-Msg-Id
             tasks.setdefault(msg.headers["Nats-Msg-Id"], msg.metadata.sequence.stream)
         await sub.unsubscribe()
         dead_tasks: set[str] = set()
@@ -193,7 +194,8 @@ async def collect(nats_url: str, gateway_url: str, data_dir: Path, num_left_over
     state = json.loads((folder / (folder / "latest").read_text().strip() / "state.json").read_text())
     trained = Counter(i for ids in state["trained"].values() for i in ids)
     journal = folder / "journal.jsonl"
-    buffered = {json.loads(line)["id"] for line in journal.read_text().splitlines() if line} if journal.exists() else set()
+    buffered = ({json.loads(line)["id"] for line in journal.read_text().splitlines() if line} if journal.exists()
+                else set())
     kept = set(trained) | set(state["dropped"]) | buffered
     unreceived = (durable.num_pending or 0) + (durable.num_ack_pending or 0)
     rollouts_lost = max(0, len(set(rollouts) - kept) - unreceived)

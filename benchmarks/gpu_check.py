@@ -81,9 +81,9 @@ LARGE_SHAPE = {"hidden_size": 576, "num_layers": 30, "num_heads": 9, "intermedia
 def ensure_importable() -> None:
     """Import the repository's packages from this checkout where they are not installed."""
     try:
-        import flywheel_inference  # noqa: F401
-        import flywheel_trainer  # noqa: F401
-        import reverse_text  # noqa: F401
+        import flywheel_inference  # noqa: F401  # imported only to learn whether it can be
+        import flywheel_trainer  # noqa: F401  # imported only to learn whether it can be
+        import reverse_text  # noqa: F401  # imported only to learn whether it can be
         return
     except ImportError:
         pass
@@ -422,8 +422,11 @@ def main() -> None:
             print("deepspeed: NOT importable, skipped", flush=True)
         elif checks.run("deepspeed_torch_reference", torch_reference) is not None:
             for stage in stages:
-                checks.run(f"deepspeed_zero{stage}", lambda stage=stage: check_deepspeed(
-                    tiny, args.device, dtype, stage, args.steps, fixed["groups"], fixed["reference"]))
+                def zero(stage: int = stage) -> dict[str, Any]:
+                    return check_deepspeed(tiny, args.device, dtype, stage, args.steps, fixed["groups"],
+                                           fixed["reference"])
+
+                checks.run(f"deepspeed_zero{stage}", zero)
 
     if large:
         big = build_model(work / "large", LARGE_SHAPE)

@@ -62,7 +62,7 @@ async def timed(fn: Callable[[], Awaitable[Any]], n: int, interval_s: float = 0.
         elapsed = time.perf_counter() - started
         out.append(elapsed * 1000)
         if interval_s > elapsed:
-            await asyncio.sleep(interval_s - elapsed)  # noqa: sleep - the pacing of the cold measurement
+            await asyncio.sleep(interval_s - elapsed)  # a deliberate sleep - the pacing of the cold measurement
     return out
 
 
@@ -75,7 +75,7 @@ async def start_service(url: str, env: dict[str, str], bus: Bus) -> asyncio.subp
             return proc
         if proc.returncode is not None:
             raise RuntimeError(f"the sandbox service exited with {proc.returncode}")
-        await asyncio.sleep(0.05)  # noqa: sleep - the polling interval of this bounded wait
+        await asyncio.sleep(0.05)  # a deliberate sleep - the polling interval of this bounded wait
     raise RuntimeError("the sandbox service sent no heartbeat within 30 s")
 
 
@@ -92,7 +92,7 @@ async def measure(client: SandboxClient, args: argparse.Namespace) -> dict[str, 
     await timed(warm_exec, 20)
     warm = await timed(warm_exec, args.warm)
     await client.destroy(box)
-    await asyncio.sleep(1.0)  # noqa: sleep - let the warm pool fill before the paced cold round
+    await asyncio.sleep(1.0)  # a deliberate sleep - let the warm pool fill before the paced cold round
     cold_paced = await timed(cold, args.cold, args.cold_interval_ms / 1000)
     cold_b2b = await timed(cold, args.cold)
 
@@ -169,6 +169,7 @@ async def main() -> int:
                     continue
                 env["FLYWHEEL_SANDBOX_MAX_ALIVE"] = "64"
                 proc = await start_service(server.url, env, bus)
+                figures: dict[str, Any]  # the figures, or the error that stopped them
                 try:
                     figures = await measure(SandboxClient(bus), args)
                 except SandboxError as exc:

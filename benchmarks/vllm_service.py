@@ -77,6 +77,10 @@ class SharedBackend:
     def version(self) -> int | None:
         return self._backend.version
 
+    @version.setter
+    def version(self, value: int | None) -> None:  # settable, as the worker's Backend protocol has it
+        self._backend.version = value
+
     def close(self) -> None:
         pass
 
@@ -125,7 +129,11 @@ async def service_round(bus: Any, shared: SharedBackend, label: str, rows: list[
     await sub.unsubscribe()
     decoder = events.Decoder(events.Rollout)
     rollouts = [decoder.decode(m.data, (m.headers or {}).get(HEADER_CONTENT_TYPE)) for m in received]
-    num_tokens = sum(len(r.nodes[-1].tokens.token_ids) for r in rollouts)
+    num_tokens = 0
+    for r in rollouts:
+        answer = r.nodes[-1].tokens
+        assert answer is not None  # the last node is the sampled answer, which has its tokens
+        num_tokens += len(answer.token_ids)
     # Where the time goes: in the engine (the policy's generate calls) or around it.
     return {"tokens": num_tokens, "seconds": elapsed, "tokens_per_s": num_tokens / elapsed,
             "generate_s": sum(t for _, t in shared.batches), "batch_sizes": [n for n, _ in shared.batches]}
@@ -202,6 +210,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         if service is not None:
             service.stop()
+            assert running is not None  # started right after the service
             await running
         if worker is not None:
             await worker.close()

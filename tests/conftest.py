@@ -10,10 +10,14 @@ from typing import TYPE_CHECKING
 import pytest
 
 from flywheel.ops.natsserver import NatsServer
-from tests.docker_engine import debian_base, docker_engine  # noqa: F401 - session fixtures of the docker tier
 
 if TYPE_CHECKING:
     from flywheel.contract.bus import Bus
+
+# Fixtures defined in modules of their own, for every test under tests/: the docker tier's
+# session engine and base image (docker_engine, debian_base) and a real sandbox service
+# (sandbox). The environments' tests reach ``sandbox`` through their own conftest.py.
+pytest_plugins = ["tests.docker_engine", "tests.sandbox_fixtures"]
 
 
 @pytest.fixture

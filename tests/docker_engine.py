@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 import pytest
 
@@ -82,7 +83,7 @@ class DockerEngine:
         self._run_dir: Path | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._lock_file: int | None = None
-        self._log = None
+        self._log: BinaryIO | None = None
 
     @property
     def socket(self) -> Path:
@@ -128,7 +129,7 @@ class DockerEngine:
         # the kernel ties that to the starting thread, so only when that is the main thread.
         on_main_thread = threading.current_thread() is threading.main_thread()
         self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-                                      preexec_fn=_die_with_parent if on_main_thread else None)
+                                      preexec_fn=_die_with_parent if on_main_thread else None)  # noqa: PLW1509 - PDEATHSIG is set in the child only
         try:
             self._wait_ready()
         except BaseException:
@@ -145,7 +146,8 @@ class DockerEngine:
                 return
             except BlockingIOError:
                 if time.monotonic() > deadline:
-                    raise EngineUnavailable(f"another engine held {self.data_root} for {_LOCK_TIMEOUT_S:.0f}s") from None
+                    raise EngineUnavailable(
+                        f"another engine held {self.data_root} for {_LOCK_TIMEOUT_S:.0f}s") from None
                 time.sleep(0.5)  # noqa: sleep - polling a lock another test session holds
 
     def _wait_ready(self) -> None:
@@ -156,7 +158,7 @@ class DockerEngine:
                 raise EngineUnavailable(f"dockerd exited with {self._proc.returncode}: {self._log_tail()}")
             if self.socket.exists():
                 probe = subprocess.run(["docker", "version", "--format", "{{.Server.Version}}"], env=self.env,
-                                       capture_output=True, text=True, timeout=30)
+                                       capture_output=True, text=True, timeout=30, check=False)
                 if probe.returncode == 0:
                     return
             if time.monotonic() > deadline:
@@ -191,9 +193,11 @@ class DockerEngine:
 
     def docker(self, *args: str, check: bool = True, timeout_s: float = 600.0) -> subprocess.CompletedProcess[str]:
         """Run the docker client against this engine; on failure the error carries its output."""
-        proc = subprocess.run(["docker", *args], env=self.env, capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run(["docker", *args], env=self.env, capture_output=True, text=True, timeout=timeout_s,
+                              check=False)
         if check and proc.returncode != 0:
-            raise RuntimeError(f"docker {' '.join(args)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+            raise RuntimeError(f"docker {' '.join(args)} exited {proc.returncode}:\n"
+                               f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
         return proc
 
     def image_exists(self, tag: str) -> bool:
@@ -219,16 +223,18 @@ def debian_base_image(engine: DockerEngine, tag: str = BASE_IMAGE_TAG,
         raise EngineUnavailable("debootstrap not on PATH: run scripts/setup-docker.sh (as root) to install it")
     with tempfile.TemporaryDirectory(prefix="fw-rootfs-") as tmp:
         rootfs = Path(tmp) / "rootfs"
-        boot = subprocess.run(["debootstrap", "--variant=minbase", f"--include={','.join(packages)}", suite, str(rootfs)],
-                              capture_output=True, text=True, timeout=900)
+        boot = subprocess.run(["debootstrap", "--variant=minbase", f"--include={','.join(packages)}", suite,
+                               str(rootfs)], capture_output=True, text=True, timeout=900, check=False)
         if boot.returncode != 0:
-            raise EngineUnavailable(f"debootstrap {suite} failed ({boot.returncode}): {boot.stdout[-1500:]}{boot.stderr[-1500:]}")
+            raise EngineUnavailable(f"debootstrap {suite} failed ({boot.returncode}): "
+                                    f"{boot.stdout[-1500:]}{boot.stderr[-1500:]}")
         # Package lists and caches only make the image bigger.
         for junk in ("var/cache/apt/archives", "var/lib/apt/lists"):
             shutil.rmtree(rootfs / junk, ignore_errors=True)
         tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
         imported = subprocess.run(["docker", "import", "--change", 'CMD ["/bin/bash"]', "-", tag],
-                                  stdin=tar.stdout, env=engine.env, capture_output=True, text=True, timeout=600)
+                                  stdin=tar.stdout, env=engine.env, capture_output=True, text=True, timeout=600,
+                                  check=False)
         assert tar.stdout is not None
         tar.stdout.close()
         tar.wait()
@@ -237,7 +243,7 @@ def debian_base_image(engine: DockerEngine, tag: str = BASE_IMAGE_TAG,
     return tag
 
 
-# pytest fixtures (tests/conftest.py imports them, so every test can ask for them); a test
+# pytest fixtures (tests/conftest.py registers this module, so every test can ask for them); a test
 # using them is skipped with the reason where no engine can be started.
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from flywheel.sdk.environment import Environment
 
 
 async def until(cond: Callable[[], bool | Awaitable[bool]], timeout_s: float = 15.0, what: str = "condition") -> None:
@@ -19,3 +23,11 @@ async def until(cond: Callable[[], bool | Awaitable[bool]], timeout_s: float = 1
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
         await asyncio.sleep(0.02)  # noqa: sleep - the polling interval of this bounded wait
+
+
+def num_tasks(env: Environment) -> int:
+    """The number of rows in ``env``'s fixed task set (a loaded environment's tasks are a TaskSet)."""
+    from flywheel.sdk.environment import TaskSet
+
+    assert isinstance(env.tasks, TaskSet) and env.tasks.size is not None, f"{env.name}: no fixed task set"
+    return env.tasks.size

@@ -1,9 +1,10 @@
 """The fixture ``sandbox``: a real sandbox service (local backend) over the test's own nats-server,
 and :func:`sandboxed_rollout`, an environment's harness run against a scripted model with it.
 
-For tests anywhere in the tree, environments' included (tests/conftest.py reaches only
-tests/): import it into the test module (``from tests.sandbox_fixtures import sandbox``). It
-yields a :class:`flywheel.sdk.sandbox.SandboxClient`; its ``manager`` holds the service's live
+tests/conftest.py registers this module as a plugin, so every test under tests/ has the
+fixture; an environment's tests (which tests/conftest.py does not reach) get it from their
+own conftest.py (``from tests.sandbox_fixtures import sandbox``). It yields a
+:class:`tests.sandbox_service.ServedSandboxClient`: its ``manager`` holds the service's live
 sandboxes, and the fixture checks that none is left when the test ends.
 """
 
@@ -18,7 +19,7 @@ import pytest
 from flywheel.contract.bus import Bus
 from flywheel.ops.natsserver import NatsServer
 from flywheel.sdk.sandbox import SandboxClient
-from tests.sandbox_service import backend_named, serving
+from tests.sandbox_service import ServedSandboxClient, backend_named, serving
 from tests.scripted_openai import ScriptedOpenAI, ScriptEntry, make_rollout
 
 if TYPE_CHECKING:
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
 
 
 @pytest.fixture
-async def sandbox(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[SandboxClient]:
+async def sandbox(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[ServedSandboxClient]:
     server = NatsServer(tmp_path / "nats").start()
     try:
         bus = await Bus.connect(server.url, name="test-sandbox")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -21,6 +20,7 @@ from flywheel.contract.bus import Bus
 from flywheel.contract.settings import SandboxSettings, Settings
 from flywheel.sdk.sandbox import SERVICE_NAME, SandboxClient
 from flywheel_sandbox import service
+from flywheel_sandbox.backends import Backend
 from flywheel_sandbox.service import SandboxResponder
 from flywheel_sandbox.sessions import ManagerConfig, SessionManager
 
@@ -38,7 +38,10 @@ def manager_config(**values: Any) -> ManagerConfig:
 @contextlib.asynccontextmanager
 async def backend_named(name: str, request: pytest.FixtureRequest) -> AsyncIterator[Any]:
     """The ``local`` backend, or ``docker`` on the session's private engine and Debian base
-    image (fixtures of tests/docker_engine.py: skipped with the reason where none starts)."""
+    image (fixtures of tests/docker_engine.py: skipped with the reason where none starts).
+    Typed Any: tests look into the concrete backend's own state (a LocalBackend's cgroups)."""
+    docker_backend = None
+    backend: Backend
     if name in ("local", "local-rlimits"):  # local-rlimits: as where no cgroup can be made
         from flywheel_sandbox.backends import LocalBackend, LocalConfig
 
@@ -47,29 +50,40 @@ async def backend_named(name: str, request: pytest.FixtureRequest) -> AsyncItera
         from flywheel_sandbox.backend_docker import DockerBackend, DockerConfig
 
         engine = request.getfixturevalue("docker_engine")
-        backend = DockerBackend(DockerConfig(image=request.getfixturevalue("debian_base"), base_url=engine.host))
+        backend = docker_backend = DockerBackend(DockerConfig(image=request.getfixturevalue("debian_base"),
+                                                              base_url=engine.host))
     try:
         yield backend
     finally:
         await backend.close()
-    if name == "docker":  # every container went with its sandbox
+    if docker_backend is not None:  # every container went with its sandbox
         import docker
 
-        engine = docker.DockerClient(base_url=backend.config.base_url)
+        client = docker.DockerClient(base_url=docker_backend.config.base_url)
+        label = f"flywheel.sdk.sandbox.owner={docker_backend.owner}"
         try:
             for _ in range(100):  # the engine may still be finishing a removal it was asked for twice
-                left = engine.containers.list(all=True, filters={"label": f"flywheel.sdk.sandbox.owner={backend.owner}"})
+                left = client.containers.list(all=True, filters={"label": label})
                 if not left:
                     break
-                time.sleep(0.05)  # noqa: sleep - the polling interval of this bounded wait
+                await asyncio.sleep(0.05)  # noqa: sleep - the polling interval of this bounded wait
             assert not left, [c.status for c in left]
         finally:
-            engine.close()
+            client.close()
+
+
+class ServedSandboxClient(SandboxClient):
+    """A client of the service :func:`serving` runs, holding that service's session manager
+    (``manager``) for assertions on the service's own state."""
+
+    def __init__(self, bus: Bus, manager: SessionManager) -> None:
+        super().__init__(bus)
+        self.manager = manager
 
 
 @contextlib.asynccontextmanager
 async def serving(bus: Bus, backend: Any, instance: str = "test-1", max_in_flight: int | None = None,
-                  **config: Any) -> AsyncIterator[SandboxClient]:
+                  **config: Any) -> AsyncIterator[ServedSandboxClient]:
     manager = SessionManager(backend, instance, manager_config(**config))
     responder = SandboxResponder(bus, manager, max_in_flight or SandboxSettings().max_requests_in_flight)
     stopping = asyncio.Event()
@@ -80,8 +94,7 @@ async def serving(bus: Bus, backend: Any, instance: str = "test-1", max_in_fligh
                                    started_at=events.utc_now())
     kv = await bus.services_kv()
     await kv.put(f"{SERVICE_NAME}.{instance}", events.encode(beat))
-    client = SandboxClient(bus)
-    client.manager = manager  # type: ignore[attr-defined] - for assertions on the service's own state
+    client = ServedSandboxClient(bus, manager)
     try:
         yield client
     finally:

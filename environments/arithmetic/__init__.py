@@ -35,7 +35,7 @@ DIFFICULTIES = {
     "hard": ((4, 6), 200, "+-*/", True),
 }
 
-_NUMBER = r"[-−–]?\s*\d[\d,]*(?:\.\d+)?"
+_NUMBER = r"[-\u2212\u2013]?\s*\d[\d,]*(?:\.\d+)?"  # a hyphen, a minus sign or an en dash
 _DECORATION = r"[\s*_`]*"  # markdown emphasis and code marks around the answer
 _ANSWER_LINE = re.compile(r"answer(?:\s+is)?" + _DECORATION + "[:=]?" + _DECORATION + "(" + _NUMBER + ")",
                           re.IGNORECASE)
@@ -127,7 +127,7 @@ def evaluate(expression: str) -> Fraction:
 def generate(difficulty: str):
     def rows(num: int, seed: int) -> list[dict]:
         rng = random.Random(f"arithmetic-{difficulty}-{seed}")
-        out = []
+        out: list[dict] = []
         while len(out) < num:
             (low, high), largest, ops, nested = DIFFICULTIES[difficulty]
             num_terms = rng.randint(low, high)
@@ -155,7 +155,7 @@ def parse_answer(text: str) -> Fraction | None:
 
 
 def _number(raw: str) -> Fraction | None:
-    cleaned = re.sub(r"\s", "", raw).replace("−", "-").replace("–", "-").replace(",", "")
+    cleaned = re.sub(r"\s", "", raw).replace("\u2212", "-").replace("\u2013", "-").replace(",", "")
     try:
         return Fraction(cleaned)
     except (ValueError, ZeroDivisionError):

@@ -155,7 +155,8 @@ def fragments(flag: str, rng: random.Random) -> Planted:
     parts = [flag[:cut1], flag[cut1:cut2], flag[cut2:]]
     places = ["var/cache/", "notes/2019/", "tmp/old/misc/"]
     rng.shuffle(places)
-    files = {f"{place}fragment-{i + 1}.txt": f"{part}\n".encode() for i, (place, part) in enumerate(zip(places, parts))}
+    files = {f"{place}fragment-{i + 1}.txt": f"{part}\n".encode()
+             for i, (place, part) in enumerate(zip(places, parts, strict=True))}
     files["README.txt"] = b"Three numbered fragments make the flag. Join them in order, without newlines.\n"
     return Planted(files)
 

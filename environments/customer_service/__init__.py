@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+from collections.abc import Callable
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
@@ -254,9 +255,10 @@ def transfer_to_human_agents(ctx: RolloutContext, summary: str) -> str:
     return "Transfer successful."
 
 
-TOOLS = [find_user_id_by_email, find_user_id_by_name_zip, get_user_details, get_order_details, get_product_details,
-         cancel_pending_order, modify_pending_order_address, modify_user_address, return_delivered_order_items,
-         exchange_delivered_order_items, transfer_to_human_agents]
+TOOLS: list[Callable[..., Any]] = [
+    find_user_id_by_email, find_user_id_by_name_zip, get_user_details, get_order_details, get_product_details,
+    cancel_pending_order, modify_pending_order_address, modify_user_address, return_delivered_order_items,
+    exchange_delivered_order_items, transfer_to_human_agents]
 TOOLS_BY_NAME = {fn.__name__: fn for fn in TOOLS}
 
 

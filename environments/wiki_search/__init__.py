@@ -31,7 +31,6 @@ from collections import Counter
 from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
-from typing import Any
 
 from flywheel.sdk.environment import Environment, EnvironmentLoadError, Metric, Reward, TaskSet
 from flywheel.sdk.harness import ChatHarness, RolloutContext, Tool, ToolError

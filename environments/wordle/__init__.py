@@ -29,7 +29,8 @@ from flywheel.sdk.environment import Environment, EnvironmentLoadError, Metric, 
 from flywheel.sdk.harness import ChatHarness
 
 WORD_LENGTH = 5
-SYSTEM_PROMPT = """You are playing Wordle. Find the secret {length}-letter English word in at most {max_guesses} guesses.
+SYSTEM_PROMPT = """You are playing Wordle. Find the secret {length}-letter English word in at most {max_guesses} \
+guesses.
 
 After each guess you get one mark per letter:
 G: the letter is in the word, in this position.

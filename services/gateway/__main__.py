@@ -10,11 +10,12 @@ arguments are parsed, so ``--help`` is instant.
 from __future__ import annotations
 
 import argparse
+import asyncio
 from collections.abc import Callable
 
 from flywheel.contract.settings import Settings
 
-GRACEFUL_SHUTDOWN_S = 5.0
+GRACEFUL_SHUTDOWN_S = 5  # whole seconds: uvicorn's timeout_graceful_shutdown is an int
 
 
 def _api(settings: Settings) -> None:
@@ -27,8 +28,6 @@ def _api(settings: Settings) -> None:
 
 
 def _recorder(settings: Settings) -> None:
-    import asyncio
-
     from flywheel_gateway import recorder
 
     asyncio.run(recorder.run(settings))

@@ -161,8 +161,8 @@ async def _follow_live(bus: Bus, first: Any, rollout_id: str,
                        tokens: bool) -> AsyncIterator[tuple[str, Any] | None]:
     subject: str = first.subject
     run = subject.split(".")[1]
-    node_decoder = events.Decoder(events.TraceNode)
-    rollout_decoder = events.Decoder(events.Rollout)
+    node_decoder: events.Decoder[events.TraceNode] = events.Decoder(events.TraceNode)
+    rollout_decoder: events.Decoder[events.Rollout] = events.Decoder(events.Rollout)
     sent: set[str] = set()
     last_seq = 0
 

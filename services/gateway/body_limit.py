@@ -11,8 +11,6 @@ server's, uvicorn's, job).
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import HTTPException
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -50,7 +48,7 @@ class BodyLimit:
         await self.app(scope, counted, send)
 
 
-def _content_length(scope: dict[str, Any]) -> int | None:
+def _content_length(scope: Scope) -> int | None:
     for name, value in scope["headers"]:
         if name == b"content-length":
             try:

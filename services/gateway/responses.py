@@ -109,11 +109,17 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse({"detail": f"the trace store is unavailable ({type(cause).__name__}: {cause}); "
                                        "retry later"}, status_code=503)
 
-    app.add_exception_handler(RequestValidationError, on_validation)  # type: ignore[arg-type]
-    app.add_exception_handler(StarletteHTTPException, on_http)  # type: ignore[arg-type]
-    app.add_exception_handler(InvalidCursor, on_cursor)  # type: ignore[arg-type]
-    app.add_exception_handler(RunConflict, on_conflict)  # type: ignore[arg-type]
-    app.add_exception_handler(BadRunState, on_conflict)  # type: ignore[arg-type]
-    app.add_exception_handler(nats.errors.Error, on_bus_down)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError,
+                              on_validation)  # type: ignore[arg-type]  # typed for Exception; gets only that class
+    app.add_exception_handler(StarletteHTTPException,
+                              on_http)  # type: ignore[arg-type]  # typed for Exception; gets only that class
+    app.add_exception_handler(InvalidCursor,
+                              on_cursor)  # type: ignore[arg-type]  # typed for Exception; gets only that class
+    app.add_exception_handler(RunConflict,
+                              on_conflict)  # type: ignore[arg-type]  # typed for Exception; gets only that class
+    app.add_exception_handler(BadRunState,
+                              on_conflict)  # type: ignore[arg-type]  # typed for Exception; gets only that class
+    app.add_exception_handler(nats.errors.Error,
+                              on_bus_down)  # type: ignore[arg-type]  # typed for Exception; gets only that class
     for error in _DATABASE_DOWN:
         app.add_exception_handler(error, on_database_down)

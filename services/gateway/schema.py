@@ -34,7 +34,8 @@ class UTCDateTime(sa.TypeDecorator[datetime]):
         if value is None:
             return None
         if value.tzinfo is None:
-            raise ValueError(f"naive datetime {value.isoformat()} given to the trace store; pass an aware (UTC) datetime")
+            raise ValueError(f"naive datetime {value.isoformat()} given to the trace store; "
+                             "pass an aware (UTC) datetime")
         value = value.astimezone(UTC)
         # SQLite would format the offset away anyway; store the plain UTC wall time.
         return value.replace(tzinfo=None) if dialect.name == "sqlite" else value

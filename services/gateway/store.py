@@ -135,8 +135,8 @@ def _tune_sqlite(engine: AsyncEngine) -> None:
 @asynccontextmanager
 async def write_transaction(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
     """A transaction that will write: on SQLite it takes the write lock at BEGIN."""
-    async with engine.connect() as conn:
-        conn = await conn.execution_options(**{_WRITE: True})
+    async with engine.connect() as base:
+        conn = await base.execution_options(**{_WRITE: True})
         async with conn.begin():
             yield conn
 
@@ -222,7 +222,8 @@ def decode_cursor(listing: str, cursor: str, key_types: tuple[Any, ...] = (_Seq,
         raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
         kind, *key = msgspec.json.decode(raw, type=list)
         if kind == listing:
-            typed = msgspec.convert(key, tuple[key_types])  # type: ignore[valid-type]
+            key_type = tuple[key_types]  # type: ignore[valid-type]  # a tuple type built at run time, for msgspec
+            typed: tuple[Any, ...] = msgspec.convert(key, key_type)
             for value in typed:
                 if isinstance(value, datetime):
                     value.astimezone(UTC)  # OverflowError outside years 1 to 9999 in UTC
@@ -287,7 +288,8 @@ class _Rows:
         }
         for position, node in enumerate(r.nodes):
             self._add_node(node)
-            self.rollout_nodes.setdefault((r.id, node.id), {"rollout_id": r.id, "node_id": node.id, "position": position})
+            self.rollout_nodes.setdefault((r.id, node.id),
+                                          {"rollout_id": r.id, "node_id": node.id, "position": position})
 
     def add_trace_node(self, t: events.TraceNode) -> None:
         self._add_node(t.node)
@@ -445,7 +447,8 @@ class Store:
     def _texts(self, values: Iterable[str]) -> list[str]:
         return [self._text(v) for v in values]
 
-    async def _positioned(self, conn: AsyncConnection, links: dict[tuple[str, str], dict[str, Any]]) -> list[dict[str, Any]]:
+    async def _positioned(self, conn: AsyncConnection,
+                          links: dict[tuple[str, str], dict[str, Any]]) -> list[dict[str, Any]]:
         """Number new live trace nodes after the nodes their rollout already has; leave out
         those of rollouts already recorded (their graph is the rollout's)."""
         rn = s.rollout_nodes.c
@@ -500,7 +503,8 @@ class Store:
                 await conn.execute(sa.delete(s.run_scorers).where(rs.run == run))
                 await conn.execute(sa.insert(s.run_scorers), [{"run": run, "scorer": name, "weight": weight}
                                                               for name, weight in wanted.items()])
-                await conn.execute(sa.update(s.rollouts).where(s.rollouts.c.run == run).values(reward=reward_expression()))
+                await conn.execute(sa.update(s.rollouts).where(s.rollouts.c.run == run)
+                                   .values(reward=reward_expression()))
 
     async def _lock_runs(self, conn: AsyncConnection, runs: Sequence[str], exclusive: bool) -> None:
         """PostgreSQL: transaction-scoped advisory locks on ``runs`` (keys of their own, apart from
@@ -527,7 +531,7 @@ class Store:
         _check_limit(limit)
         order = order or (table.c.seq,)
         if cursor is not None:
-            key = decode_cursor(listing, cursor, key_types + ((str,) if scope is not None else ()))
+            key: Sequence[Any] = decode_cursor(listing, cursor, key_types + ((str,) if scope is not None else ()))
             if scope is not None:
                 *key, cursor_scope = key
                 if cursor_scope != scope:
@@ -542,8 +546,8 @@ class Store:
             rows = [dict(row) for row in (await conn.execute(query)).mappings()]
         next_cursor = None
         if len(rows) > limit:
-            key = [rows[limit - 1][c.name] for c in order]
-            next_cursor = encode_cursor(listing, *key, *([scope] if scope is not None else []))
+            last_key = [rows[limit - 1][c.name] for c in order]
+            next_cursor = encode_cursor(listing, *last_key, *([scope] if scope is not None else []))
         items = rows[:limit]
         for row in items:
             for c in hidden:
@@ -570,8 +574,9 @@ class Store:
                                 limit, scope=filters.fingerprint())
 
     def _where(self, filters: RolloutFilter) -> list[sa.ColumnElement[bool]]:
-        names = {k: self._text(v) for k in ("run", "env") if (v := getattr(filters, k)) is not None}
-        return replace(filters, **names).where()
+        run = self._text(filters.run) if filters.run is not None else None
+        env = self._text(filters.env) if filters.env is not None else None
+        return replace(filters, run=run, env=env).where()
 
     async def export_rollouts(self, filters: RolloutFilter | None = None, tokens: bool = False,
                               page_size: int = 100) -> AsyncIterator[dict[str, Any]]:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from flywheel.contract.settings import Settings
+
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
@@ -24,7 +26,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     from flywheel.contract.service import setup_logging, setup_torch_threads, setup_tracing
-    from flywheel.contract.settings import Settings
 
     try:
         settings = Settings.load()

@@ -54,8 +54,12 @@ class _SamplingRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str = Field(description="the run id")
-    # The contract's sampling fields, bounds and descriptions; unset: the run's.
-    temperature: float | None = sampling_field("temperature", None)
+    # The contract's sampling fields, bounds and descriptions; unset: the run's. The temperature
+    # takes 0 as OpenAI's API does (clients and user simulators send it for greedy answers).
+    temperature: float | None = Field(
+        None, ge=0, allow_inf_nan=False,
+        description=f"softmax temperature; below {events.MIN_TEMPERATURE:g} (0 included) it is sampled at "
+                    f"{events.MIN_TEMPERATURE:g}: greedy up to ties, with the chosen tokens' logprobs")
     top_p: float | None = sampling_field("top_p", None)
     max_tokens: int | None = sampling_field("max_tokens", None)
     stop: str | StopStrings | None = Field(None, description=events.SAMPLING_DESCRIPTIONS["stop"])
@@ -70,7 +74,8 @@ class _SamplingRequest(BaseModel):
     def sampling(self, default: events.Sampling, max_tokens: int | None = None) -> events.Sampling:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         return events.Sampling(
-            temperature=default.temperature if self.temperature is None else self.temperature,
+            temperature=default.temperature if self.temperature is None else max(self.temperature,
+                                                                                 events.MIN_TEMPERATURE),
             top_p=default.top_p if self.top_p is None else self.top_p,
             max_tokens=max_tokens or self.max_tokens or default.max_tokens,
             stop=default.stop if stop is None else stop,
@@ -158,7 +163,7 @@ async def chat_completions(body: ChatCompletionRequest, worker: WorkerDep) -> di
     for i, s in enumerate(sampled):
         c = s.completion
         content = [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                   for t, lp in zip(_tokens(tok, c.token_ids), c.logprobs)]
+                   for t, lp in zip(_tokens(tok, c.token_ids), c.logprobs, strict=True)]
         choices.append({"index": i, "message": {"role": "assistant", "content": c.text},
                          "finish_reason": c.finish_reason, "logprobs": {"content": content}})
     return {"id": f"chatcmpl-{events.new_id()}", "object": "chat.completion", "created": int(time.time()),
@@ -225,5 +230,7 @@ def install(app: FastAPI) -> None:
     app.add_middleware(RolloutKeyAsBearer)
     app.include_router(router)
     interception.install(app)
-    app.add_exception_handler(ApiError, on_api_error)  # type: ignore[arg-type]
-    app.add_exception_handler(RequestValidationError, on_validation)  # type: ignore[arg-type]
+    app.add_exception_handler(ApiError,
+                              on_api_error)  # type: ignore[arg-type]  # typed for Exception; gets only that class
+    app.add_exception_handler(RequestValidationError,
+                              on_validation)  # type: ignore[arg-type]  # typed for Exception; gets only that class

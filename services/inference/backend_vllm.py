@@ -42,6 +42,7 @@ from flywheel_inference.completion import Completion, check_prompts, first_stop,
 
 if TYPE_CHECKING:
     import torch
+    from transformers import PreTrainedTokenizerBase
 
 CPU_KV_CACHE_BYTES = 1 << 30
 GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a lower temperature is sampled greedily
@@ -68,14 +69,14 @@ class WorkerExtension:
             if not tied:
                 raise ValueError("weights do not fit the model: missing ['lm_head.weight'] (its LM head is not tied)")
             state["lm_head.weight"] = state["model.embed_tokens.weight"]
-        self.reload_weights(weights_iterator=iter(state.items()))  # type: ignore[attr-defined]
+        self.reload_weights(weights_iterator=iter(state.items()))  # type: ignore[attr-defined]  # vLLM's worker's
 
     def flywheel_logprobs_before_top_p(self) -> str:
         """Make the sampler return ``log_softmax`` of the tempered logits taken before
         top-k/top-p masks them (vLLM's processed logprobs are taken after)."""
         import torch
 
-        sampler = self.model_runner.sampler  # type: ignore[attr-defined]
+        sampler = self.model_runner.sampler  # type: ignore[attr-defined]  # the vLLM worker this is mixed into
         if sampler.logprobs_mode != "processed_logprobs":
             raise RuntimeError(f"the engine must run with logprobs_mode='processed_logprobs', "
                                f"not {sampler.logprobs_mode!r}")
@@ -114,7 +115,7 @@ class VLLMBackend:
         from vllm import LLM
 
         self.path = str(path)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(self.path)
         config = AutoConfig.from_pretrained(self.path)
         self.version: int | None = None
         self.max_positions: int | None = getattr(config, "max_position_embeddings", None)
@@ -182,7 +183,7 @@ class VLLMBackend:
 
     def _completion(self, out: Any, stop: Sequence[str]) -> Completion:
         token_ids = list(out.token_ids)
-        logprobs = [step[tok].logprob for tok, step in zip(token_ids, out.logprobs)]
+        logprobs = [step[tok].logprob for tok, step in zip(token_ids, out.logprobs, strict=True)]
         if out.finish_reason not in ("stop", "length"):
             raise RuntimeError(f"vLLM ended a completion with finish_reason={out.finish_reason!r}")
         text = self.decode(token_ids)
@@ -191,8 +192,10 @@ class VLLMBackend:
             text = text[:cut]
         return Completion(token_ids, logprobs, out.finish_reason, text)
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+    def decode(self, token_ids: list[int]) -> str:
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        assert isinstance(text, str)  # one sequence of ids decodes to one string (a batch to a list)
+        return text
 
 
 def _cuda() -> bool:

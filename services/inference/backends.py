@@ -94,7 +94,7 @@ class TransformersBackend:
         import torch
 
         self.device = torch.device(device)
-        self.model = model.to(self.device).eval()
+        self.model = model.to(self.device).eval()  # type: ignore[arg-type]  # @wraps on .to hides its self from mypy
         self.tokenizer = tokenizer
         self.version: int | None = None
         self.eos_ids = eos_token_ids(model, tokenizer)
@@ -162,7 +162,7 @@ class TransformersBackend:
             picked_logprobs = step_logprobs.gather(-1, picked[:, None])[:, 0]
             keep: list[int] = []
             last_step = step == sampling.max_tokens - 1
-            for j, (r, tok, lp) in enumerate(zip(rows, picked.tolist(), picked_logprobs.tolist())):
+            for j, (r, tok, lp) in enumerate(zip(rows, picked.tolist(), picked_logprobs.tolist(), strict=True)):
                 token_ids[r].append(tok)
                 logprobs[r].append(lp)
                 results[r] = self._finished(token_ids[r], logprobs[r], sampling.stop, last_step)
@@ -180,7 +180,7 @@ class TransformersBackend:
             positions = next_position
             next_position = next_position + 1
         assert all(c is not None for c in results)
-        return results  # type: ignore[return-value]
+        return results  # type: ignore[return-value]  # the assert above: no None is left
 
     def _finished(self, token_ids: list[int], logprobs: list[float], stop: Sequence[str],
                   last_step: bool) -> Completion | None:
@@ -196,8 +196,10 @@ class TransformersBackend:
             return Completion(list(token_ids), list(logprobs), "length", self.decode(token_ids))
         return None
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+    def decode(self, token_ids: list[int]) -> str:
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        assert isinstance(text, str)  # one sequence of ids decodes to one string (a batch to a list)
+        return text
 
 
 # (model folder or hub id, model.dtype, **the variant's fields) -> Backend

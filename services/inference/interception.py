@@ -40,7 +40,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 import msgspec
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -50,6 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from flywheel.contract import events
 from flywheel.sdk.messages import message_dict, message_from_dict
 from flywheel.sdk.tracegraph import TraceGraph
+from flywheel_inference.policy import WeightsUnavailable
 
 router = APIRouter()
 
@@ -64,7 +65,8 @@ class InterceptionError(Exception):
 
 def openai_error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
     """An error in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
-    kind = {400: "invalid_request_error", 404: "invalid_request_error", 503: "service_unavailable"}.get(status, "api_error")
+    kind = {400: "invalid_request_error", 404: "invalid_request_error",
+            503: "service_unavailable"}.get(status, "api_error")
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
                         status_code=status)
 
@@ -79,7 +81,8 @@ def install(app: FastAPI) -> None:
         return openai_error(exc.status, exc.message, exc.param, exc.code)
 
     app.include_router(router)
-    app.add_exception_handler(InterceptionError, on_interception_error)  # type: ignore[arg-type]
+    app.add_exception_handler(
+        InterceptionError, on_interception_error)  # type: ignore[arg-type]  # typed for Exception; gets only that class
 
 
 @dataclass
@@ -117,7 +120,7 @@ class Renderer:
     """Chat-template text and tokens for one tokenizer, with the pieces extension needs."""
 
     SENTINEL = "\x00FLYWHEEL-SENTINEL\x00"
-    _cache: dict[int, Renderer] = {}
+    _cache: ClassVar[dict[int, Renderer]] = {}
 
     @classmethod
     def of(cls, tok: Any) -> Renderer:
@@ -238,8 +241,6 @@ class Session:
     async def chat(self, messages: list[events.Message], tools: list[dict[str, Any]] | None,
                    max_tokens: int | None) -> tuple[events.Node, Any, int]:
         """Sample the answer to ``messages``; returns (assistant node, completion, prompt length)."""
-        from flywheel_inference.policy import WeightsUnavailable
-
         if self._renderer is None:
             self._renderer = Renderer.of(self.policy.backend.tokenizer)
         tools_key = json.dumps(tools, sort_keys=True) if tools else ""
@@ -367,7 +368,7 @@ async def answer(session: Session, body: InterceptedChat) -> Response:
     if calls:
         message["tool_calls"] = _tool_call_dicts(calls)
     logprobs = {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                            for t, lp in zip((tok.decode([i]) for i in c.token_ids), c.logprobs)]}
+                            for t, lp in zip((tok.decode([i]) for i in c.token_ids), c.logprobs, strict=True)]}
     usage = {"prompt_tokens": num_prompt, "completion_tokens": len(c.token_ids),
              "total_tokens": num_prompt + len(c.token_ids)}
     ident, created, model = f"chatcmpl-{events.new_id()}", int(time.time()), body.model or session.run
@@ -394,7 +395,9 @@ async def answer(session: Session, body: InterceptedChat) -> Response:
             yield chunk({"tool_calls": [{"index": i, **call}]})
         yield chunk({}, finish)
         if (body.stream_options or {}).get("include_usage"):
-            yield f"data: {json.dumps({'id': ident, 'object': 'chat.completion.chunk', 'created': created, 'model': model, 'choices': [], 'usage': usage})}\n\n"
+            usage_chunk = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": model,
+                           "choices": [], "usage": usage}
+            yield f"data: {json.dumps(usage_chunk)}\n\n"
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(stream(), media_type="text/event-stream")

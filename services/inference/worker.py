@@ -84,7 +84,9 @@ from flywheel.contract.runs import BadRunState, end_of, get_run, watch_runs
 from flywheel.contract.service import Service
 from flywheel.contract.settings import InferenceSettings
 from flywheel.sdk.environment import Environment, EnvironmentLoadError, load_for_run
+from flywheel.sdk.harness import RolloutContext
 from flywheel.sdk.rollout import run_harness
+from flywheel.sdk.sandbox import SandboxClient
 from flywheel_inference.admission import Admission, RunEnded
 from flywheel_inference.backends import build_backend
 from flywheel_inference.completion import Backend
@@ -276,7 +278,7 @@ class Worker:
         info = await self.bus.js.stream_info("WEIGHTS", subjects_filter=subject)
         if not (info.state.subjects or {}).get(subject):
             return []
-        decoder = events.Decoder(events.WeightUpdate)
+        decoder: events.Decoder[events.WeightUpdate] = events.Decoder(events.WeightUpdate)
         found: dict[int, events.WeightUpdate] = {}
         sub = await self.bus.js.subscribe(subject, stream="WEIGHTS", ordered_consumer=True,
                                           config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL))
@@ -474,9 +476,6 @@ class Worker:
                            hosted: HostedRun) -> events.Rollout:
         """One rollout of the group, run as everywhere (:func:`flywheel.sdk.rollout.run_harness`)
         against its own interception session, whose trace nodes go out before the rollout."""
-        from flywheel.sdk.harness import RolloutContext
-        from flywheel.sdk.sandbox import SandboxClient
-
         rid = events.rollout_id(task.run, task.id, index)
         sampling = sampling.with_seed_offset(index)
 

@@ -8,12 +8,11 @@ level, and the limits of section ``sandbox``) come from FLYWHEEL_* (see
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from flywheel.contract.settings import Settings
+from flywheel.contract.settings import Settings
 
 
 def main(argv: Sequence[str] | None = None, settings: Settings | None = None) -> int:
@@ -25,11 +24,10 @@ def main(argv: Sequence[str] | None = None, settings: Settings | None = None) ->
                     "network is refused; limits on requests, output and files: FLYWHEEL_SANDBOX__<FIELD>).")
     parser.parse_args(argv)
 
-    import asyncio
-
     from flywheel.contract.service import setup_logging, setup_tracing
-    from flywheel.contract.settings import Settings
     from flywheel_sandbox import service
+
+    # imported here: --help loads no backend (their probes and the docker client come with them)
     from flywheel_sandbox.backends import BackendUnavailable
 
     try:

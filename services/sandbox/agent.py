@@ -52,10 +52,12 @@ RLIMITS = {  # limits key -> resource
 
 def make_undumpable():
     try:
+        # imported here: a python built without _ctypes (some minimal images) still runs the
+        # agent, without this hardening
         import ctypes
 
         ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE, 0
-    except (OSError, AttributeError):
+    except (ImportError, OSError, AttributeError):
         pass
 
 

@@ -147,6 +147,7 @@ class DockerBackend:
             security_opt=["no-new-privileges"], environment={"HOME": WORKDIR}, hostname="sandbox",
             labels=self.labels, auto_remove=True)  # gone by itself too when the agent exits (its
             # stdin closes when this service dies)
+        assert container.id is not None  # a created container has its id
         try:
             raw = self.client.api.attach_socket(container.id, params={"stdin": 1, "stdout": 1, "stderr": 1,
                                                                       "stream": 1})

@@ -179,14 +179,18 @@ class Child:
     @classmethod
     async def start(cls, argv: list[str], preexec_fn: Callable[[], None]) -> Child:
         loop = asyncio.get_running_loop()
-        popen = await loop.run_in_executor(None, functools.partial(
-            subprocess.Popen, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            preexec_fn=preexec_fn, start_new_session=True))
+
+        def spawn() -> subprocess.Popen[bytes]:
+            return subprocess.Popen(
+                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                preexec_fn=preexec_fn)  # noqa: PLW1509  # on purpose: the child joins its cgroups, takes its uid
+
+        popen = await loop.run_in_executor(None, spawn)
         assert popen.stdin is not None and popen.stdout is not None and popen.stderr is not None
         readers = []
         for pipe in (popen.stdout, popen.stderr):
             reader = asyncio.StreamReader(limit=2**24)
-            await loop.connect_read_pipe(lambda r=reader: asyncio.StreamReaderProtocol(r), pipe)
+            await loop.connect_read_pipe(functools.partial(asyncio.StreamReaderProtocol, reader), pipe)
             readers.append(reader)
         transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, popen.stdin)
         writer = asyncio.StreamWriter(transport, protocol, None, loop)
@@ -350,7 +354,7 @@ class LocalBox:
         for _ in range(400):
             if self.backend.cgroups.kill_and_remove(self.cgroup):
                 break
-            await asyncio.sleep(0.005)  # noqa: sleep - polling interval while the kernel reaps the members
+            await asyncio.sleep(0.005)  # polling interval while the kernel reaps the members
         else:
             log.warning("cgroup %s still has members after kill", self.cgroup)
         self.backend.release_uid(self.uid)
@@ -372,7 +376,8 @@ class LocalBackend:
             raise BackendUnavailable(f"the local sandbox backend runs the agent with {self.config.python}, a "
                                      "Python under /usr (the only host folder a sandbox sees): install python3 with "
                                      "the system's package manager")
-        help_text = subprocess.run([bwrap, "--help"], capture_output=True, text=True).stdout
+        # Only the help text matters (it names the options this bubblewrap has), not the exit status.
+        help_text = subprocess.run([bwrap, "--help"], capture_output=True, text=True, check=False).stdout
         self.has_size = "--size" in help_text
         self.has_disable_userns = "--disable-userns" in help_text
         self.cgroups = Cgroups.detect() if self.config.use_cgroups and os.geteuid() == 0 else Cgroups({})
@@ -423,8 +428,8 @@ class LocalBackend:
         etc = ["/etc/ld.so.cache", "/etc/alternatives"]
         if spec.network:
             etc += ["/etc/resolv.conf", "/etc/hosts", "/etc/ssl", "/etc/ca-certificates"]
-        for path in etc:
-            args += ["--ro-bind-try", path, path]
+        for name in etc:
+            args += ["--ro-bind-try", name, name]
         args += ["--proc", "/proc", "--dev", "/dev"]
         for mount in WRITABLE:
             if self.has_size:

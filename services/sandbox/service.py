@@ -35,6 +35,8 @@ from flywheel.sdk.sandbox import (
     encode,
     subject,
 )
+from flywheel_sandbox.backend_docker import DockerBackend, DockerConfig
+from flywheel_sandbox.backends import LocalBackend
 from flywheel_sandbox.sessions import ManagerConfig, SessionManager
 
 log = logging.getLogger(__name__)
@@ -117,11 +119,7 @@ class SandboxResponder:
 def build_backend(settings: Settings) -> Any:
     """The backend named by setting ``sandbox_backend`` (its heavy imports only when chosen)."""
     if settings.sandbox_backend == "docker":
-        from flywheel_sandbox.backend_docker import DockerBackend, DockerConfig
-
         return DockerBackend(DockerConfig(image=settings.sandbox_image))
-    from flywheel_sandbox.backends import LocalBackend
-
     return LocalBackend()
 
 

@@ -33,7 +33,7 @@ import logging
 import secrets
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,6 +101,7 @@ class SessionManager:
         self._pool: deque[Box] = deque()
         self._pool_wanted = asyncio.Event()
         self._pool_filling = 0
+        self._background: set[asyncio.Task[None]] = set()  # destroys and stops under way, held till done
         self.closed = False
 
     # --- lifecycle -----------------------------------------------------------------------
@@ -132,7 +133,12 @@ class SessionManager:
 
     def _expire(self, session: Session, reason: str) -> None:
         log.info("sandbox %s destroyed: %s", session.id, reason)
-        asyncio.ensure_future(self._destroy(session, reason))
+        self._in_background(self._destroy(session, reason))
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def close(self, reason: str) -> None:
         self.closed = True
@@ -151,7 +157,7 @@ class SessionManager:
                     box = await self._start(self._pool_spec)
                 except SandboxError as exc:
                     log.warning("warm pool: %s", exc)
-                    await asyncio.sleep(1.0)  # noqa: sleep - back off before starting again after a failed start
+                    await asyncio.sleep(1.0)  # back off before starting again after a failed start
                     break
                 finally:
                     self._pool_filling -= 1
@@ -170,7 +176,7 @@ class SessionManager:
             self._pool_wanted.set()
             if box.alive:
                 return box
-            asyncio.ensure_future(box.stop())
+            self._in_background(box.stop())
         self._pool_wanted.set()
         return None
 

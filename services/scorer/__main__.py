@@ -20,12 +20,13 @@ fails at once with a message naming the option.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from flywheel.contract.settings import ScorerSettings, Settings
+from pydantic import ValidationError
+
+from flywheel.contract.settings import ScorerSettings, Settings
 
 # option -> the field of the settings' scorer section it overrides
 BOUNDS = {"max_in_flight": "max_in_flight", "threads": "num_threads", "max_held": "max_held",
@@ -75,10 +76,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def scorer_bounds(args: argparse.Namespace, settings: Settings) -> ScorerSettings:
     """The settings' scorer section with the options given on top; a bad value is a ValueError naming the option."""
-    from pydantic import ValidationError
-
-    from flywheel.contract.settings import ScorerSettings
-
     given = {field: getattr(args, option) for option, field in BOUNDS.items() if getattr(args, option) is not None}
     try:
         return ScorerSettings.model_validate(settings.scorer.model_dump() | given)
@@ -101,10 +98,7 @@ def main(argv: Sequence[str] | None = None, settings: Settings | None = None) ->
     elif args.env is None:
         parser.error("--function needs --env ENV: the environment whose rollouts it scores")
 
-    import asyncio
-
     from flywheel.contract.service import setup_logging, setup_tracing
-    from flywheel.contract.settings import Settings
     from flywheel_scorer import scorer
 
     try:

@@ -45,9 +45,10 @@ member that arrives after its group was scored gets a Score with ``error`` sayin
 Limitation: a group reward needs the whole group in one scorer process. Replicas sharing a
 durable split a stream's rollouts between them, so a group can be split too: its halves
 then wait for ``group_timeout_s`` and are scored incomplete (with the errors above, never a
-silent value; the error says how many processes share the durable when there are several). Run one built-in scorer process for runs whose environments have group
-rewards, or give each such environment its own single-process custom scorer; scale the
-per-rollout rewards with more custom scorer processes on their own durables.
+silent value; the error says how many processes share the durable when there are several).
+Run one built-in scorer process for runs whose environments have group rewards, or give each
+such environment its own single-process custom scorer; scale the per-rollout rewards with more
+custom scorer processes on their own durables.
 
 Failures, each where it belongs:
 
@@ -257,7 +258,7 @@ class RunConfigs:
         if cached is not None and now - cached[0] < self.ttl_s:
             if cached[1] is NotScored:
                 raise NotScored(run)
-            return cached[1]  # type: ignore[return-value]
+            return cached[1]
         try:
             state = await get_run(self.bus, run)
         except msgspec.DecodeError as exc:  # ValidationError included
@@ -382,7 +383,8 @@ class Scorer:
                 break
             handing_back = asyncio.ensure_future(self._handing_back.wait())
             try:
-                await asyncio.wait([group.done, handing_back], timeout=max(remaining, 0.05),
+                waiting: list[asyncio.Future[Any]] = [group.done, handing_back]
+                await asyncio.wait(waiting, timeout=max(remaining, 0.05),
                                    return_when=asyncio.FIRST_COMPLETED)
             finally:
                 handing_back.cancel()
@@ -431,7 +433,8 @@ class Scorer:
                  f"rollout indices {group.missing()} of {group.size}: {incomplete}")
         log.warning("%s", error)
         return [score_event(r, reward.name, weight, error, o) if isinstance(o, Value)
-                else score_event(r, reward.name, weight, f"{error}; {o}") for r, o in zip(members, outcomes, strict=True)]
+                else score_event(r, reward.name, weight, f"{error}; {o}")
+                for r, o in zip(members, outcomes, strict=True)]
 
     async def hand_back_on(self, stopping: asyncio.Event) -> None:
         """A background task: once ``stopping`` is set, held deliveries stop waiting and are handed back."""

@@ -11,6 +11,7 @@ transformers and the trainer's parts are imported only once the arguments are pa
 from __future__ import annotations
 
 import argparse
+import asyncio
 
 from flywheel.contract.settings import Settings
 
@@ -31,8 +32,6 @@ def main(argv: list[str] | None = None) -> None:
 
     setup_logging(settings.log_level)
     setup_tracing("trainer")
-
-    import asyncio
 
     from flywheel_trainer import service
 

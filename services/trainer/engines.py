@@ -40,7 +40,7 @@ from flywheel.sdk import models
 
 
 class Engine(Protocol):
-    model: Callable[..., Any]  # call for a forward pass
+    model: torch.nn.Module  # call for a forward pass (the module itself, or DeepSpeed's engine around it)
     module: torch.nn.Module  # the model itself
     device: torch.device
 
@@ -102,8 +102,8 @@ class DeepSpeedEngine:
                             ("MASTER_PORT", str(free_port()))):
             os.environ.setdefault(name, value)
         if os.environ["WORLD_SIZE"] != "1":
-            raise ValueError(f"trainer.engine.type='deepspeed' runs as one process (WORLD_SIZE={os.environ['WORLD_SIZE']}); "
-                             "multi-rank training is not supported yet")
+            raise ValueError("trainer.engine.type='deepspeed' runs as one process "
+                             f"(WORLD_SIZE={os.environ['WORLD_SIZE']}); multi-rank training is not supported yet")
         deepspeed.init_distributed("nccl" if torch.cuda.is_available() else "gloo")
         self.stage = zero_stage
         config: dict[str, Any] = {
@@ -118,7 +118,8 @@ class DeepSpeedEngine:
         if self.stage > 0:
             config["gradient_clipping"] = cfg.max_grad_norm
         self.max_grad_norm = cfg.max_grad_norm
-        self.engine, *_ = deepspeed.initialize(model=model.to(torch.float32), optimizer=adamw(model, cfg), config=config)
+        self.engine, *_ = deepspeed.initialize(model=model.to(torch.float32), optimizer=adamw(model, cfg),
+                                               config=config)
         self.model = self.engine
         self.module = self.engine.module
         self.module.eval()  # no dropout: the recomputed logprobs are the sampler's

@@ -8,9 +8,10 @@ answers with cross-entropy on the completion tokens only, before RL and before v
 is published, so inference and trainer start from the same weights.
 
 Both go through :func:`train_step`: micro-batches of ``micro_batch_size`` sequences (the
-setting ``trainer.micro_batch_size``), one backward each, the loss normalised by the number of loss tokens in the whole step (not
-per micro-batch), so the gradient does not depend on how the step was cut. Runs in a
-worker thread of the service: nothing here touches the event loop.
+setting ``trainer.micro_batch_size``), one backward each, the loss normalised by the number
+of loss tokens in the whole step (not per micro-batch), so the gradient does not depend on
+how the step was cut. Runs in a worker thread of the service: nothing here touches the
+event loop.
 
 Not covered: KL to a reference model, per-environment algorithm choices within one run.
 """

@@ -91,7 +91,7 @@ async def last_published_version(bus: Bus, run: str) -> int | None:
     that is not a weight update of this run (anyone can publish on the subject) is passed
     over: the stream is read from its start for the last one that is.
     """
-    decoder = events.Decoder(events.WeightUpdate)
+    decoder: events.Decoder[events.WeightUpdate] = events.Decoder(events.WeightUpdate)
     subject = f"weights.{run}"
     try:
         msg = await bus.js.get_last_msg("WEIGHTS", subject)
@@ -145,7 +145,8 @@ class Trainer:
         """Read the run's config and state, then what the run folder holds (checkpoint, journal)."""
         state = await get_run(bus, run_id)
         if state is None:
-            raise ValueError(f"run {run_id!r} is not in the runs KV bucket; `flywheel run` registers it with its config")
+            raise ValueError(f"run {run_id!r} is not in the runs KV bucket; "
+                             "`flywheel run` registers it with its config")
         if not state.config:
             raise ValueError(f"run {run_id!r} has no config (RunState.config is empty); `flywheel run` writes it")
         cfg = RunConfig.parse(state.config, source=f"run {run_id!r} config")
@@ -154,10 +155,10 @@ class Trainer:
         env = load_for_run(cfg)
         min_buffer = cfg.trainer.batch_size + cfg.inference.max_rollouts_in_flight
         if options.max_buffered_rollouts < min_buffer:
-            raise ValueError(f"setting trainer.max_buffered_rollouts={options.max_buffered_rollouts} is below the run's "
-                             f"trainer.batch_size plus inference.max_rollouts_in_flight ({min_buffer}): groups could "
-                             "never complete; raise the setting (FLYWHEEL_TRAINER__MAX_BUFFERED_ROLLOUTS) or lower "
-                             "the run's")
+            raise ValueError(f"setting trainer.max_buffered_rollouts={options.max_buffered_rollouts} is below "
+                             f"the run's trainer.batch_size plus inference.max_rollouts_in_flight ({min_buffer}): "
+                             "groups could never complete; raise the setting (FLYWHEEL_TRAINER__MAX_BUFFERED_ROLLOUTS) "
+                             "or lower the run's")
         folder = RunFolder(data_dir, run_id)
         resume = folder.checkpoints.latest()
         published = await last_published_version(bus, run_id)

@@ -31,8 +31,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 import pytest
@@ -56,6 +57,8 @@ NUM_ROLLOUTS = 2
 # The wheelhouse's URL is a build argument, and a changed argument misses the build cache:
 # a fixed address keeps it the same from run to run.
 WHEELHOUSE_ADDRESS = ("127.0.0.1", 38383)
+
+T = TypeVar("T")
 
 # Few tasks of its own and steps it cannot reach: the run stays live, and no backlog delays
 # the tasks the test publishes to it; `down` stops it.
@@ -90,10 +93,12 @@ def wheelhouse_url() -> Iterator[str]:
     """Every requirement of the image as wheels (the host's pip downloads them, honouring its
     own config), served on a loopback port for the duration of the builds."""
     wheels = cache_dir() / "wheels"
-    requirements = subprocess.run([sys.executable, str(COMPOSE_DIR / "requirements.py"), str(REPO_ROOT / "pyproject.toml"),
-                                   "all"], capture_output=True, text=True, check=True).stdout.split()
+    requirements = subprocess.run([sys.executable, str(COMPOSE_DIR / "requirements.py"),
+                                   str(REPO_ROOT / "pyproject.toml"), "all"],
+                                  capture_output=True, text=True, check=True).stdout.split()
     download = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--dest", str(wheels),
-                               "setuptools>=69", "wheel", *requirements], capture_output=True, text=True, timeout=1200)
+                               "setuptools>=69", "wheel", *requirements], capture_output=True, text=True, timeout=1200,
+                              check=False)
     assert download.returncode == 0, f"pip download of the image's requirements failed:\n{download.stderr[-3000:]}"
     handler = functools.partial(QuietHandler, directory=str(wheels))
     try:
@@ -151,7 +156,7 @@ class Deployment:
         cmd = ["docker-compose", "--project-name", self.project, "--project-directory", str(COMPOSE_DIR),
                "-f", str(COMPOSE_DIR / "docker-compose.yml"), "-f", str(COMPOSE_DIR / "docker-compose.host.yml"),
                "--profile", "cpu", *args]
-        proc = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=timeout_s, check=False)
         if check and proc.returncode != 0:
             raise AssertionError(f"docker-compose {' '.join(args)} exited {proc.returncode}:\n{proc.stdout[-3000:]}"
                                  f"\n{proc.stderr[-3000:]}\n{self.logs()}")
@@ -185,8 +190,9 @@ class Deployment:
     def num_dead_letters(self) -> int:
         """Messages in the DEAD stream, read by ``flywheel status`` from this machine."""
         nats_url = f"nats://127.0.0.1:{self.env['FLYWHEEL_NATS_PORT']}"
-        proc = subprocess.run([str(Path(sys.executable).with_name("flywheel")), "status", "--json", "--nats-url", nats_url,
-                               "--gateway-url", self.gateway], capture_output=True, text=True, timeout=60, check=True)
+        proc = subprocess.run([str(Path(sys.executable).with_name("flywheel")), "status", "--json",
+                               "--nats-url", nats_url, "--gateway-url", self.gateway],
+                              capture_output=True, text=True, timeout=60, check=True)
         return next(s["messages"] for s in json.loads(proc.stdout)["streams"] if s["stream"] == "DEAD")
 
     def sandboxes(self) -> set[str]:
@@ -206,7 +212,7 @@ class Deployment:
 @pytest.fixture
 def deployment(docker_engine: DockerEngine, debian_base: str, images: dict[str, str],
                tmp_path: Path) -> Iterator[Deployment]:
-    if subprocess.run(["docker-compose", "version"], capture_output=True).returncode != 0:
+    if subprocess.run(["docker-compose", "version"], capture_output=True, check=False).returncode != 0:
         pytest.skip("docker-compose not installed: run scripts/setup-docker.sh (as root)")
     run_config = tmp_path / "run.toml"
     run_config.write_text(RUN_CONFIG)
@@ -228,7 +234,7 @@ def deployment(docker_engine: DockerEngine, debian_base: str, images: dict[str, 
         assert not left, f"docker-compose down left containers or volumes behind: {left}"
 
 
-def wait_for(what: str, deployment: Deployment, timeout_s: float, check) -> object:
+def wait_for(what: str, deployment: Deployment, timeout_s: float, check: Callable[[], T | None]) -> T:
     """Poll ``check()`` until it returns something truthy; fail with the services' logs."""
     deadline = time.monotonic() + timeout_s
     last_error: Exception | None = None
@@ -288,10 +294,13 @@ def test_cpu_profile_scores_published_tasks(deployment: Deployment) -> None:
         def scored_rollouts() -> list[dict] | None:
             if num_dead := deployment.num_dead_letters():  # a dead letter never turns into a rollout: fail now
                 raise AssertionError(f"{num_dead} messages dead-lettered (see the DEAD stream)\n{deployment.logs()}")
-            items, cursor = [], None
+            items: list[dict] = []
+            cursor: str | None = None
             while True:
-                page = http.get("/v1/rollouts", params={"run": run, "limit": 500,
-                                                        **({"cursor": cursor} if cursor else {})}).raise_for_status().json()
+                params: dict[str, str | int] = {"run": run, "limit": 500}
+                if cursor:
+                    params["cursor"] = cursor
+                page = http.get("/v1/rollouts", params=params).raise_for_status().json()
                 items += [r for r in page["items"] if r["task_id"] in task_ids and r["reward"] is not None]
                 cursor = page["next_cursor"]
                 if cursor is None:
@@ -309,8 +318,8 @@ def test_cpu_profile_scores_published_tasks(deployment: Deployment) -> None:
     dump = deployment.compose("exec", "-T", "postgres", "pg_dump", "-U", "flywheel", "flywheel", timeout_s=120).stdout
     assert "CREATE TABLE public.rollouts" in dump and rollouts[0]["id"] in dump
     volume = f"{deployment.project}_data"
-    listing = deployment.engine.docker("run", "--rm", "--network", "none", "-v", f"{volume}:/v:ro", "--entrypoint", "sh",
-                                       IMAGE, "-c", "tar -czf - -C /v . | tar -tzf -").stdout
+    listing = deployment.engine.docker("run", "--rm", "--network", "none", "-v", f"{volume}:/v:ro",
+                                       "--entrypoint", "sh", IMAGE, "-c", "tar -czf - -C /v . | tar -tzf -").stdout
     assert f"./runs/{run}/config.json" in listing.split(), listing[:2000]
     print(f"compose up {up_s:.0f}s, all healthy after {healthy_s:.0f}s, "
           f"scored rollouts after {time.monotonic() - started:.0f}s")

@@ -14,7 +14,7 @@ def test_gpu_check_runs_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "gpu_check.json"
     done = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--device", "cpu", "--zero-stages", "",
                            "--steps", "1", "--batch-size", "16", "--json", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["checks"] and all(check["ok"] for check in report["checks"].values()), report["checks"]

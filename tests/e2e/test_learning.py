@@ -35,7 +35,7 @@ def flywheel_run(tmp_path: Path, name: str, *overrides: str) -> tuple[dict, list
             "--inference-port", str(free_port()), "--set", f"trainer.num_steps={NUM_STEPS}"]
     for item in overrides:
         argv += ["--set", item]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=ROOT, check=False)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     run_dir = data_dir / "runs" / name
     summary = json.loads((run_dir / "summary.json").read_text())

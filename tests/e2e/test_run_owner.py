@@ -23,7 +23,7 @@ import pytest
 from flywheel.contract import events
 from flywheel.contract.bus import Bus
 from flywheel.contract.runs import end_of, get_run
-from tests.e2e.test_up import READY_TIMEOUT_S, Output, clean_env, poll, stack  # noqa: F401 - fixtures
+from tests.e2e.test_up import READY_TIMEOUT_S, Output, poll
 from tests.e2e.test_up_supervisor import alive
 
 ROOT = Path(__file__).parents[2]
@@ -79,7 +79,7 @@ def steps_trained(data_dir: Path, run: str) -> list[tuple[int, int]]:
 
 
 @pytest.mark.timeout(900)
-def test_trainer_restart_stop_abandon_and_resume(stack, tmp_path: Path, clean_env: dict[str, str]) -> None:  # noqa: F811
+def test_trainer_restart_stop_abandon_and_resume(stack, tmp_path: Path, clean_env: dict[str, str]) -> None:
     _, up_output, ports = stack
     up_output.wait_for(r"^Flywheel is up", READY_TIMEOUT_S)
     data_dir = tmp_path / "data"
@@ -113,7 +113,7 @@ def test_trainer_restart_stop_abandon_and_resume(stack, tmp_path: Path, clean_en
     refused = subprocess.run([sys.executable, "-m", "flywheel.ops.cli", "run", str(CONFIG), "--run-id", "interrupted",
                               "--data-dir", str(data_dir), "--nats-port", str(ports["nats"]),
                               "--set", f"trainer.num_steps={NUM_STEPS}", "--set", "sft.steps=20"],
-                             capture_output=True, text=True, env=clean_env, cwd=ROOT, timeout=120)
+                             capture_output=True, text=True, env=clean_env, cwd=ROOT, timeout=120, check=False)
     assert refused.returncode == 1 and "add --resume" in refused.stderr, refused.stderr
     proc, output = start_run("interrupted", data_dir, ports, clean_env, "--resume")
     output.wait_for(r"run interrupted: resuming at step \d+ of 8 \(run 'interrupted' stopped at", 60)
@@ -128,7 +128,7 @@ def test_trainer_restart_stop_abandon_and_resume(stack, tmp_path: Path, clean_en
     proc.wait()
     poll(lambda: not alive(trainer_pid), 10, "the orphaned trainer to die with its owner")
     poll(lambda: end_of(state(ports["nats"], "orphaned")) is not None, 15, "the lease to expire")
-    assert end_of(state(ports["nats"], "orphaned")).status == "abandoned"  # type: ignore[union-attr]
+    assert end_of(state(ports["nats"], "orphaned")).status == "abandoned"  # type: ignore[union-attr]  # polled above
     proc, output = start_run("orphaned", data_dir, ports, clean_env, "--resume")
     output.wait_for(r"run orphaned: resuming at step \d+ of 8 \(run 'orphaned' is abandoned", 60)
     finish(proc, output)

@@ -20,13 +20,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
-import pytest
 
-from flywheel.ops.natsserver import free_port
 from tests.e2e.test_up_supervisor import alive
 
 READY_TIMEOUT_S = 120.0  # the gateway imports FastAPI, SQLAlchemy and Alembic and migrates
@@ -81,38 +79,7 @@ def poll(check: Callable[[], bool], timeout_s: float, what: str) -> None:
 
 def flywheel(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "flywheel.ops.cli", *argv], capture_output=True, text=True, env=env,
-                          timeout=60)
-
-
-@pytest.fixture
-def clean_env() -> dict[str, str]:
-    """This environment without the caller's Flywheel settings (the test passes its own)."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_") or k == "FLYWHEEL_NATS_SERVER_BIN"}
-
-
-@pytest.fixture
-def stack(tmp_path: Path, clean_env: dict[str, str]) -> Iterator[tuple[subprocess.Popen[str], Output, dict[str, int]]]:
-    """``flywheel up`` on free ports; after the test, it and every process it printed are stopped."""
-    ports = {"nats": free_port(), "gateway": free_port(), "inference": free_port()}
-    up = subprocess.Popen([sys.executable, "-m", "flywheel.ops.cli", "up", "--data-dir", str(tmp_path / "data"),
-                           "--nats-port", str(ports["nats"]), "--gateway-port", str(ports["gateway"]),
-                           "--inference-port", str(ports["inference"])],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=clean_env)
-    output = Output(up)
-    try:
-        yield up, output, ports
-    finally:
-        if up.poll() is None:
-            up.send_signal(signal.SIGINT)
-            try:
-                up.wait(30)
-            except subprocess.TimeoutExpired:
-                up.kill()
-                up.wait()
-        for match in output.matching(r"^started \S+ \(pid (\d+)\)"):
-            pid = int(match.group(1))
-            if alive(pid):  # only when the stack failed to stop it: it is ours either way
-                os.kill(pid, signal.SIGKILL)
+                          timeout=60, check=False)
 
 
 def test_up_publish_status_restart_and_stop(stack: tuple[subprocess.Popen[str], Output, dict[str, int]],
@@ -189,4 +156,7 @@ def test_up_publish_status_restart_and_stop(stack: tuple[subprocess.Popen[str], 
     assert up.wait(60) == 0, output.text
     output.wait_for(r"^stopped nats-server$", 5)
     for name, pid in [*pids.items(), ("restarted recorder", restarted)]:
-        poll(lambda pid=pid: not alive(pid), 10, f"{name} (pid {pid}) to be gone")
+        def gone(pid: int = pid) -> bool:
+            return not alive(pid)
+
+        poll(gone, 10, f"{name} (pid {pid}) to be gone")

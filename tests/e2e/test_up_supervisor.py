@@ -224,7 +224,8 @@ async def test_a_service_killed_after_a_healthy_stretch_is_restarted_at_once(
     os.kill(started_pids(out, "worker")[0], 9)
     await until(lambda: out.getvalue().count("worker is healthy") == 2, timeout_s=30, what="the crash loop to end")
     assert restart_delays(out, "worker") == [0, 0.1, 0.2, 0.4]
-    await until(lambda: time.monotonic() - process.healthy_at > 1.0, what="a healthy stretch")  # type: ignore[operator]
+    await until(lambda: time.monotonic() - process.healthy_at > 1.0,  # type: ignore[operator]  # healthy: awaited above
+                what="a healthy stretch")
 
     os.kill(started_pids(out, "worker")[-1], 9)
     # Restarted within about a second (the stack looks every 0.25s), not after the grown backoff.

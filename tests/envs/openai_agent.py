@@ -8,14 +8,16 @@ streamed request), and prints what it ended with as a JSON line.
 import json
 import os
 import sys
+from typing import cast
 
 from openai import OpenAI
+from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolUnionParam
 
 task = json.load(sys.stdin)
 client = OpenAI()  # OPENAI_BASE_URL and OPENAI_API_KEY
 model = os.environ["OPENAI_MODEL"]
-tools = [{"type": "function", "function": {"name": "rev", "parameters": {}}}]
-messages = [
+tools: list[ChatCompletionToolUnionParam] = [{"type": "function", "function": {"name": "rev", "parameters": {}}}]
+messages: list[ChatCompletionMessageParam] = [
     {"role": "system", "content": "Reverse."},
     {"role": "user", "content": "ab"},
     {"role": "assistant", "content": "", "tool_calls": [
@@ -26,7 +28,8 @@ messages = [
 ]
 answers = []
 reply = client.chat.completions.create(model=model, messages=messages, tools=tools, max_tokens=4)
-messages.append(reply.choices[0].message.model_dump(exclude_none=True))
+# The reply as it came, as the next request's history (a response message is a valid request one).
+messages.append(cast(ChatCompletionMessageParam, reply.choices[0].message.model_dump(exclude_none=True)))
 answers.append(reply.choices[0].message.content or "")
 
 messages.append({"role": "user", "content": "again"})
@@ -40,4 +43,5 @@ answers.append(text)
 messages.append({"role": "user", "content": "last"})
 reply = client.chat.completions.create(model=model, messages=messages, tools=tools, max_tokens=4)
 answers.append(reply.choices[0].message.content or "")
+assert reply.usage is not None, "the server reports no usage"
 print(json.dumps({"answers": answers, "usage_prompt_tokens": reply.usage.prompt_tokens}))

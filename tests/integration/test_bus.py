@@ -322,7 +322,8 @@ async def test_trace_context_travels_in_headers(nats_server: NatsServer) -> None
     spans = {s.name: s for s in exporter.get_finished_spans()}
     process = spans["process tasks.r1.echo"]
     assert process.context.trace_id == root.get_span_context().trace_id
-    assert spans["publish tasks.r1.echo"].parent.span_id == root.get_span_context().span_id
+    parent = spans["publish tasks.r1.echo"].parent
+    assert parent is not None and parent.span_id == root.get_span_context().span_id
 
 
 async def test_no_trace_headers_without_a_tracer_provider_and_content_type_only_for_msgpack(bus: Bus) -> None:
@@ -337,7 +338,7 @@ async def test_no_trace_headers_without_a_tracer_provider_and_content_type_only_
     "$JS.ACK._.ACCHASH.TASKS.c1.3.41.40.1700000000000000000.7",  # the same without the final token
 ])
 def test_delivery_counts_read_the_ack_subject_as_nats_py_does(reply: str) -> None:
-    md = Msg(_client=None, reply=reply).metadata  # type: ignore[arg-type]
+    md = Msg(_client=None, reply=reply).metadata  # type: ignore[arg-type]  # no client: only the subject is read
     assert delivery_counts(reply) == (md.num_delivered, md.sequence.stream) == (3, 41)
 
 

@@ -20,7 +20,12 @@ async def stored_tasks(bus: Bus) -> list[events.Task]:
     """Every task in the TASKS stream, in order."""
     num = (await bus.js.stream_info("TASKS")).state.messages
     decoder = events.Decoder(events.Task)
-    return [decoder.decode((await bus.js.get_msg("TASKS", seq)).data) for seq in range(1, num + 1)]
+    tasks = []
+    for seq in range(1, num + 1):
+        data = (await bus.js.get_msg("TASKS", seq)).data
+        assert data is not None, f"TASKS message {seq} has no payload"
+        tasks.append(decoder.decode(data))
+    return tasks
 
 
 async def test_publish_then_republish_is_deduplicated(bus: Bus, nats_server: NatsServer) -> None:
@@ -57,7 +62,8 @@ def _tasks(run: str, text: str = "a") -> list[events.Task]:
 async def test_a_task_over_max_payload_publishes_nothing(bus: Bus, nats_server: NatsServer) -> None:
     async with await Client.connect(nats_server.url) as fw:
         big = {"text": "x" * (fw.bus.nc.max_payload + 1)}
-        with pytest.raises(ValueError, match=r"\(number 2\) is \d+ bytes as published \(payload and headers\); the NATS server accepts at most"):
+        with pytest.raises(ValueError, match=r"\(number 2\) is \d+ bytes as published \(payload and headers\); "
+                                             r"the NATS server accepts at most"):
             await fw.publish_tasks(run="r1", env="echo", rows=[{"text": "small"}, big])
         assert await fw.run_state("r1") is None
     assert (await bus.js.stream_info("TASKS")).state.messages == 0

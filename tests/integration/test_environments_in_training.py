@@ -8,6 +8,7 @@ environments' own tests check the rewards with scripted answers."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,10 +19,10 @@ from flywheel.sdk.environment import EnvironmentOverrides, load_environment
 from flywheel.sdk.tracegraph import branches
 from flywheel_trainer.join import sequences_of
 from tests.helpers import until
+from tests.integration.services import Served
 from tests.integration.test_inference_worker import count_is, create_run, publish_weights, stored
-from tests.integration.test_interception import Served, server  # noqa: F401 - the fixture
 
-CASES = {
+CASES: dict[str, dict[str, Any]] = {
     "flywheel/arithmetic": {"difficulty": "easy"},
     "flywheel/wordle": {},
     "flywheel/wiki-search": {"max_turns": 3},
@@ -29,15 +30,9 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def long_tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model with room for tool lists and policies in its prompts (8192 positions)."""
-    return models.build_tiny(tmp_path_factory.mktemp("model") / "tiny-8k", max_positions=8192)
-
-
 @pytest.mark.parametrize("env_id", list(CASES))
 async def test_a_reference_environment_rolls_out_in_training(env_id: str, bus: Bus, long_tiny_model: Path,
-                                                            server: Served) -> None:  # noqa: F811
+                                                            server: Served) -> None:
     args = dict(CASES[env_id])
     if env_id == "flywheel/customer-service":  # the policy itself plays the customer, through the plain API
         args |= {"user_base_url": f"{server.url}/v1", "user_model": "r1"}

@@ -30,7 +30,7 @@ from flywheel.contract.runs import register_run
 from flywheel.contract.settings import InferenceSettings, RecorderSettings, ScorerSettings
 from flywheel.ops.eval import EvalConfig, Evaluation, read_results
 from flywheel.sdk import models
-from flywheel.sdk.environment import load_for_run
+from flywheel.sdk.environment import TaskSet, load_for_run
 from flywheel.sdk.scoring import required_scorers
 from flywheel_gateway import recorder
 from flywheel_gateway.recorder import mirror_runs
@@ -38,8 +38,8 @@ from flywheel_gateway.store import Store
 from flywheel_scorer import scorer
 from flywheel_scorer.scorer import EnvironmentRewards
 from tests.helpers import until
-from tests.integration.test_gateway_api import app, client, store  # noqa: F401 (fixtures)
-from tests.integration.test_inference_worker import Workers, publish_weights, start_worker  # noqa: F401
+from tests.integration.services import Workers
+from tests.integration.test_inference_worker import publish_weights
 from tests.scripted_openai import ScriptedOpenAI
 
 ENVS = Path(__file__).parents[1] / "envs"
@@ -61,9 +61,9 @@ def outcome(status: str, error: str | None, state: dict[str, Any], scores: list[
             "reward_errors": {s["scorer"]: s["error"] for s in scores if s["error"] is not None}}
 
 
-async def in_training(app: FastAPI, client: httpx.AsyncClient, store: Store, bus: Bus,  # noqa: F811
-                      start_worker: Workers, model_dir: Path) -> dict[tuple[str, int], dict[str, Any]]:  # noqa: F811
-    from parity_env import MODES
+async def in_training(app: FastAPI, client: httpx.AsyncClient, store: Store, bus: Bus,
+                      start_worker: Workers, model_dir: Path) -> dict[tuple[str, int], dict[str, Any]]:
+    from parity_env import MODES  # type: ignore[import-not-found]  # tests/envs: on sys.path by the parity_env fixture
 
     # Admission lets every group out before a first step (no trainer runs here).
     cfg = RunConfig(run="r1", env="parity_env", group_size=NUM_ROLLOUTS, model={"name": str(model_dir)},
@@ -74,11 +74,13 @@ async def in_training(app: FastAPI, client: httpx.AsyncClient, store: Store, bus
     base, _ = models.load_model(model_dir)
     await publish_weights(bus, "r1", 0, base)
     await start_worker(InferenceSettings(rollout_timeout_s=ROLLOUT_TIMEOUT_S, backoff_s=(0.2,), max_deliver=50))
-    rows = env.load_tasks(env.tasks.size)  # type: ignore[union-attr] - each row once
+    assert isinstance(env.tasks, TaskSet) and env.tasks.size is not None  # a list of rows
+    rows = env.load_tasks(env.tasks.size)  # each row once
     stopping = asyncio.Event()
     with ThreadPoolExecutor(4) as pool:
         consumers = [*recorder.build(bus, store, RecorderSettings(), streams=("ROLLOUTS", "SCORES")),
-                     scorer.build(bus, EnvironmentRewards(), pool, ScorerSettings(reward_timeout_s=REWARD_TIMEOUT_S))[0]]
+                     scorer.build(bus, EnvironmentRewards(), pool,
+                                  ScorerSettings(reward_timeout_s=REWARD_TIMEOUT_S))[0]]
         running = [asyncio.ensure_future(c.run()) for c in consumers]
         mirroring = asyncio.ensure_future(mirror_runs(bus, store, stopping))
         try:
@@ -109,9 +111,10 @@ async def in_eval(tmp_path: Path) -> dict[tuple[str, int], dict[str, Any]]:
     from flywheel.sdk.environment import load_environment
 
     env = load_environment("parity_env")
+    assert isinstance(env.tasks, TaskSet) and env.tasks.size is not None  # a list of rows
     with ScriptedOpenAI({"agent": ["noise"] * 100}) as server:
         cfg = EvalConfig(env="parity_env", model="agent", base_url=server.base_url, out=tmp_path / "eval.jsonl",
-                         num_tasks=env.tasks.size, num_rollouts=NUM_ROLLOUTS,  # type: ignore[union-attr]
+                         num_tasks=env.tasks.size, num_rollouts=NUM_ROLLOUTS,
                          rollout_timeout_s=ROLLOUT_TIMEOUT_S, reward_timeout_s=REWARD_TIMEOUT_S)
         await Evaluation(cfg, env, (tmp_path / "progress.txt").open("w")).run()
     out = {}
@@ -123,8 +126,8 @@ async def in_eval(tmp_path: Path) -> dict[tuple[str, int], dict[str, Any]]:
 
 
 async def test_an_environment_ends_and_scores_the_same_in_eval_and_in_training(
-        app: FastAPI, client: httpx.AsyncClient, store: Store, bus: Bus,  # noqa: F811
-        start_worker: Workers, tiny_model_dir: Path, tmp_path: Path, parity_env: None) -> None:  # noqa: F811
+        app: FastAPI, client: httpx.AsyncClient, store: Store, bus: Bus,
+        start_worker: Workers, tiny_model_dir: Path, tmp_path: Path, parity_env: None) -> None:
     evaluated = await in_eval(tmp_path)
     trained = await in_training(app, client, store, bus, start_worker, tiny_model_dir)
     assert trained == evaluated

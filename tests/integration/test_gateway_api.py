@@ -33,19 +33,6 @@ from flywheel_inference.policy import Policy
 from tests.unit.test_store import rollout, score, task
 
 
-@pytest.fixture
-async def app(nats_server: NatsServer, tmp_path: Path) -> AsyncIterator[FastAPI]:
-    application = create_app(Settings(nats_url=nats_server.url, data_dir=tmp_path / "data"))
-    async with application.router.lifespan_context(application):
-        yield application
-
-
-@pytest.fixture
-async def client(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as c:
-        yield c
-
-
 async def stored_tasks(app: FastAPI) -> list[events.Task]:
     js = app.state.bus.js
     info = await js.stream_info("TASKS")
@@ -132,10 +119,11 @@ async def test_the_gateway_accepts_exactly_the_sampling_inference_runs(app: Fast
     class AnyLength:
         max_positions = None
 
-    policy = Policy("r1", AnyLength(), None, 1)  # type: ignore[arg-type]
-    cases = [{"temperature": 0}, {"temperature": -0.5}, {"temperature": 1e-3}, {"temperature": 2.0},
-             {"top_p": 0}, {"top_p": 1e-6}, {"top_p": 1}, {"top_p": 1.01}, {"max_tokens": 0}, {"max_tokens": 1},
-             {"stop": [""]}, {"stop": ["\n", "</s>"]}, {"seed": 0}, {"seed": 2**31 - 1}, {}]
+    policy = Policy("r1", AnyLength(), None, 1)  # type: ignore[arg-type]  # a stand-in model: check reads its length
+    cases: list[dict[str, Any]] = [
+        {"temperature": 0}, {"temperature": -0.5}, {"temperature": 1e-3}, {"temperature": 2.0},
+        {"top_p": 0}, {"top_p": 1e-6}, {"top_p": 1}, {"top_p": 1.01}, {"max_tokens": 0}, {"max_tokens": 1},
+        {"stop": [""]}, {"stop": ["\n", "</s>"]}, {"seed": 0}, {"seed": 2**31 - 1}, {}]
     for i, sampling in enumerate(cases):
         response = await client.post("/v1/tasks", json={"run": "r1", "env": "e", "data": {"i": i},
                                                         "sampling": sampling})
@@ -343,11 +331,6 @@ def _accepts(check: Any, value: str) -> bool:
 # --- reading what the recorder stored -----------------------------------------------------
 
 
-@pytest.fixture
-async def store(app: FastAPI) -> Store:
-    return app.state.store
-
-
 async def test_task_listing_and_detail(client: httpx.AsyncClient, store: Store) -> None:
     await store.record([task(i, env="math" if i % 2 else "code") for i in range(7)])
     first = (await client.get("/v1/tasks", params={"limit": 4})).json()
@@ -390,7 +373,8 @@ async def test_rollout_listing_filters_and_detail(client: httpx.AsyncClient, sto
 
     high = (await client.get("/v1/rollouts/high")).json()
     assert high["reward"] == pytest.approx(1.4) and high["num_tokens"] == 9 and high["policy_version"] == 2
-    assert [(s["scorer"], s["value"], s["weight"]) for s in high["scores"]] == [("exact", 0.9, 1.0), ("length", 1.0, 0.5)]
+    assert [(s["scorer"], s["value"], s["weight"]) for s in high["scores"]] == [("exact", 0.9, 1.0),
+                                                                               ("length", 1.0, 0.5)]
     assert high["metrics"] == {"num_turns": 1.0}
     assert (await client.get("/v1/rollouts/broken")).json()["reward"] is None
     missing = await client.get("/v1/rollouts/nope")

@@ -20,7 +20,7 @@ from flywheel.contract.settings import RecorderSettings
 from flywheel_gateway import recorder
 from flywheel_gateway.store import Store
 from tests.helpers import until
-from tests.integration.test_gateway_api import app, client, store, unprocessable  # noqa: F401 (fixtures)
+from tests.integration.test_gateway_api import unprocessable
 from tests.unit.test_store import rollout, score, task, weight_update
 
 

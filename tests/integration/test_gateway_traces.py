@@ -37,7 +37,7 @@ from flywheel.ops.natsserver import NatsServer, free_port
 from flywheel_gateway import recorder
 from flywheel_gateway.store import Store
 from tests.helpers import until
-from tests.integration.test_gateway_api import app, client, store, unprocessable  # noqa: F401 (fixtures)
+from tests.integration.test_gateway_api import unprocessable
 from tests.unit.test_store import T0, attempts, conversation, live_nodes, node, rollout, score
 
 # --- filters and pagination ---------------------------------------------------------------
@@ -417,7 +417,7 @@ async def test_filters_follow_what_the_recorder_records(app: FastAPI, client: ht
                 return await listed(**params) == expected
             await until(matches, what=f"/v1/rollouts?{params} to list {expected}")
 
-        system, user, answer = conversation("4")
+        system, user, _answer = conversation("4")
         await bus.publish_many([live("ro1", system), live("ro1", user)], events.MSGPACK)
 
         async def two_live_nodes() -> bool:
@@ -515,7 +515,8 @@ async def test_an_open_stream_does_not_hold_up_the_gateways_shutdown(nats_server
                 received = server_sent_events(response)  # held: the stream stays open while the gateway stops
                 assert (await anext(received))[0] == "node"
                 os.kill(api.pid, signal.SIGTERM)
-                returncode = await asyncio.to_thread(api.popen.wait, GRACEFUL_SHUTDOWN_S + 10)  # type: ignore[union-attr]
+                assert api.popen is not None
+                returncode = await asyncio.to_thread(api.popen.wait, GRACEFUL_SHUTDOWN_S + 10)
                 assert "graceful shutdown exceeded" in api.log_path.read_text(), api.log_tail()
         assert returncode in (0, -signal.SIGTERM), api.log_tail()
     finally:

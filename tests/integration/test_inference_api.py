@@ -69,6 +69,14 @@ async def test_completions_from_the_current_policy_with_logprobs(served: tuple[F
     again = (await client.post("/v1/chat/completions", json=chat)).json()
     assert [c["logprobs"] for c in again["choices"]] == [c["logprobs"] for c in body["choices"]]  # seeded
 
+    # Temperature 0, as OpenAI clients send it: greedy, whatever the seed (sampled at the contract's
+    # lowest temperature, where the chosen token's logprob is about 0).
+    greedy = [(await client.post("/v1/chat/completions", json=chat | {"temperature": 0, "seed": seed})).json()
+              for seed in (1, 2)]
+    answers = {tuple(t["token"] for t in c["logprobs"]["content"]) for g in greedy for c in g["choices"]}
+    assert len(answers) == 1, answers
+    assert all(t["logprob"] > -1e-3 for g in greedy for c in g["choices"] for t in c["logprobs"]["content"])
+
     response = await client.post("/v1/completions", json={"model": "r1", "prompt": "abc", "max_tokens": 4,
                                                            "temperature": 0.5, "stop": ["\x00"]})
     assert response.status_code == 200, response.text
@@ -84,7 +92,7 @@ async def test_completions_from_the_current_policy_with_logprobs(served: tuple[F
 async def test_requests_that_cannot_be_served_name_the_field(served: tuple[FastAPI, httpx.AsyncClient]) -> None:
     _, client = served
     base = {"model": "r1", "messages": [{"role": "user", "content": "abc"}]}
-    for extra, field in (({"stream": True}, "stream"), ({"temperature": 0}, "temperature"),
+    for extra, field in (({"stream": True}, "stream"), ({"temperature": -0.5}, "temperature"),
                          ({"top_logprobs": 2}, "top_logprobs"), ({"messages": []}, "messages")):
         error = error_of(await client.post("/v1/chat/completions", json=base | extra), 400)
         assert error["param"] == field, error

@@ -20,11 +20,11 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
 import sys
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import nats.js.errors
@@ -37,20 +37,13 @@ from flywheel.ops.natsserver import NatsServer, free_port
 from flywheel.sdk import models
 from flywheel_inference.worker import Worker
 from tests.helpers import until
-from tests.integration.test_inference_worker import (  # noqa: F401 - start_worker is a fixture
-    Workers,
-    count,
-    count_is,
-    create_run,
-    publish_weights,
-    start_worker,
-    stored,
-)
+from tests.integration.services import Workers
+from tests.integration.test_inference_worker import count, count_is, create_run, publish_weights, stored
 
 
-def task(i: int | str, run: str = "r1", **fields: object) -> events.Task:
+def task(i: int | str, run: str = "r1", **fields: Any) -> events.Task:
     return events.Task(id=f"{run}-t{i}", run=run, env="reverse_text", data={"text": "abcd"}, num_rollouts=4,
-                       **fields)  # type: ignore[arg-type]
+                       **fields)
 
 
 async def publish_again(bus: Bus, t: events.Task) -> None:
@@ -74,7 +67,7 @@ async def serving(bus: Bus) -> bool:
     return any(b.service == "inference" for b in await read_heartbeats(bus))
 
 
-def run_info(worker: Worker, run: str = "r1") -> dict[str, object]:
+def run_info(worker: Worker, run: str = "r1") -> dict[str, Any]:
     return worker.info["runs"].get(run, {})
 
 
@@ -316,14 +309,14 @@ async def test_a_killed_replica_s_tasks_reach_the_next_one_within_seconds(
     env = os.environ | {"FLYWHEEL_NATS_URL": nats_server.url, "FLYWHEEL_DATA_DIR": str(tmp_path / "data"),
                         "FLYWHEEL_INFERENCE_PORT": str(free_port())}
     log_path = tmp_path / "inference.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "flywheel_inference"], env=env, stdout=log,
-                                stderr=subprocess.STDOUT)
+    with log_path.open("wb") as log:
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "flywheel_inference", env=env, stdout=log,
+                                                    stderr=asyncio.subprocess.STDOUT)
     try:
         await bus.publish_many([task(i) for i in range(4)])
 
         async def held() -> bool:  # no weights yet: the process holds every task, waiting
-            assert proc.poll() is None, log_path.read_text()[-3000:]
+            assert proc.returncode is None, log_path.read_text()[-3000:]
             try:
                 return (await bus.js.consumer_info("TASKS", "inference")).num_ack_pending == 4
             except nats.js.errors.NotFoundError:  # the process has not made its consumer yet
@@ -331,12 +324,12 @@ async def test_a_killed_replica_s_tasks_reach_the_next_one_within_seconds(
 
         await until(held, timeout_s=60, what="the process to hold the four tasks")
         os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
+        await proc.wait()
         killed = time.monotonic()
     finally:
-        if proc.poll() is None:
+        if proc.returncode is None:
             proc.kill()
-            proc.wait()
+            await proc.wait()
 
     base, _ = models.load_model(tiny_model_dir)
     await publish_weights(bus, "r1", 0, base)
@@ -360,5 +353,6 @@ async def test_a_weights_fetch_while_the_server_is_down_is_tried_again(
     await until(lambda: not worker.bus.nc.is_connected, what="the worker to see the server gone")
     await asyncio.sleep(1.0)  # noqa: sleep - the server stays away past the first tries
     await asyncio.to_thread(nats_server.start)
-    await until(lambda: run_info(worker)["policy_version"] == 1, timeout_s=30, what="version 1, once the server is back")
+    await until(lambda: run_info(worker)["policy_version"] == 1, timeout_s=30,
+                what="version 1, once the server is back")
     assert run_info(worker)["weights_error"] is None

@@ -3,9 +3,9 @@ heartbeat, and stops through the one shutdown path on SIGTERM."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,15 +22,19 @@ async def test_the_process_serves_beats_and_stops_on_sigterm(nats_server: NatsSe
     port = free_port()
     env = os.environ | {"FLYWHEEL_NATS_URL": nats_server.url, "FLYWHEEL_DATA_DIR": str(tmp_path / "data"),
                         "FLYWHEEL_INFERENCE_PORT": str(port)}
-    proc = subprocess.Popen([sys.executable, "-m", "flywheel_inference"], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "flywheel_inference", env=env,
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+
+    async def output() -> str:
+        return (await proc.stdout.read()).decode() if proc.stdout else ""
+
     try:
         async def healthy() -> bool:
             try:
                 async with httpx.AsyncClient() as c:
                     return (await c.get(f"http://127.0.0.1:{port}/healthz")).status_code == 200
             except httpx.TransportError:
-                assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+                assert proc.returncode is None, await output()
                 return False
 
         await until(healthy, timeout_s=60, what="/healthz")
@@ -44,11 +48,11 @@ async def test_the_process_serves_beats_and_stops_on_sigterm(nats_server: NatsSe
         assert info.config.durable_name == "inference"
         proc.send_signal(signal.SIGTERM)
         # uvicorn re-raises the signal it caught once it has shut down.
-        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
-        log = proc.stdout.read() if proc.stdout else ""
+        assert await asyncio.wait_for(proc.wait(), 30) in (0, -signal.SIGTERM)
+        log = await output()
         assert "inference: stopped" in log, log
         assert not await beating()  # the heartbeat is removed on the way out
     finally:
-        if proc.poll() is None:
+        if proc.returncode is None:
             proc.kill()
-            proc.wait()
+            await proc.wait()

@@ -4,25 +4,19 @@ the pipeline to the trainer; new weights change what is sampled and the recorded
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import msgspec
-import pytest
 import torch
 
 from flywheel.contract import events, weights
 from flywheel.contract.bus import HEADER_CONTENT_TYPE, Bus, Delivery
 from flywheel.contract.config import RunConfig
-from flywheel.contract.service import Service
-from flywheel.contract.settings import InferenceSettings
-from flywheel.ops.natsserver import NatsServer
 from flywheel.sdk import models
 from flywheel.sdk.environment import load_environment
-from flywheel_inference.worker import Worker
 from tests.helpers import until
+from tests.integration.services import Workers
 
 
 async def create_run(bus: Bus, model_dir: Path, run: str = "r1", **overrides: Any) -> RunConfig:
@@ -56,46 +50,19 @@ async def stored(bus: Bus, stream: str, type_: Any) -> list[Any]:
     out = []
     for seq in range(info.state.first_seq, info.state.last_seq + 1) if info.state.messages else ():
         msg = await bus.js.get_msg(stream, seq)
+        assert msg.data is not None, f"{stream} message {seq} has no payload"
         out.append(decoder.decode(msg.data, (msg.headers or {}).get(HEADER_CONTENT_TYPE)))
     return out
 
 
+def span_of(node: events.Node) -> events.TokenSpan:
+    """The node's tokens: the inference service records them on every node it writes."""
+    assert node.tokens is not None, node
+    return node.tokens
+
+
 async def count(bus: Bus, stream: str) -> int:
     return (await bus.js.stream_info(stream)).state.messages
-
-
-class Workers:
-    """Starts workers as the process does (each its own connection and Service: the consumer,
-    the weights and run-state watchers, the heartbeat); stops them, by their handle."""
-
-    def __init__(self, url: str, data_dir: Path) -> None:
-        self.url = url
-        self.data_dir = data_dir
-        self.started: dict[int, tuple[Service, asyncio.Future[None], Worker]] = {}
-
-    async def __call__(self, config: InferenceSettings | None = None) -> Worker:
-        wbus = await Bus.connect(self.url, name="inference")
-        worker = Worker.with_backends(wbus, self.data_dir, config or InferenceSettings(backoff_s=(0.2,), max_deliver=50))
-        service = worker.service(handle_signals=False)
-        self.started[id(worker)] = (service, asyncio.ensure_future(service.run()), worker)
-        return worker
-
-    async def stop(self, worker: Worker) -> None:
-        """Stop one worker through its shutdown path; raises what its service died of, if it did."""
-        service, running, _ = self.started.pop(id(worker))
-        service.stop()
-        try:
-            await running
-        finally:
-            await worker.close()
-
-
-@pytest.fixture
-async def start_worker(nats_server: NatsServer, tmp_path: Path) -> AsyncIterator[Workers]:
-    workers = Workers(nats_server.url, tmp_path / "data")
-    yield workers
-    for _, _, worker in list(workers.started.values()):
-        await workers.stop(worker)
 
 
 async def test_tasks_become_groups_of_rollouts_with_trace_nodes(bus: Bus, tiny_model_dir: Path,
@@ -126,14 +93,14 @@ async def test_tasks_become_groups_of_rollouts_with_trace_nodes(bus: Bus, tiny_m
             # The prompt messages' nodes hold their rendered tokens; the assistant node holds the
             # generation prompt (not trained), then the sampled tokens.
             messages = env.prompt_messages(task.data)
-            assert system.tokens.token_ids + user.tokens.token_ids == models.render_messages(tok, messages)
-            assert system.tokens.token_ids == models.render_messages(tok, messages[:1])
-            for n in (system, user):
-                assert n.tokens.loss_mask == [False] * len(n.tokens.token_ids)
-                assert n.tokens.logprobs == [0.0] * len(n.tokens.token_ids) and n.tokens.policy_version is None
-            span = assistant.tokens
-            n_gen = len(prompt) - len(system.tokens.token_ids + user.tokens.token_ids)
-            assert system.tokens.token_ids + user.tokens.token_ids + span.token_ids[:n_gen] == prompt
+            system_span, user_span, span = span_of(system), span_of(user), span_of(assistant)
+            assert system_span.token_ids + user_span.token_ids == models.render_messages(tok, messages)
+            assert system_span.token_ids == models.render_messages(tok, messages[:1])
+            for s in (system_span, user_span):
+                assert s.loss_mask == [False] * len(s.token_ids)
+                assert s.logprobs == [0.0] * len(s.token_ids) and s.policy_version is None
+            n_gen = len(prompt) - len(system_span.token_ids + user_span.token_ids)
+            assert system_span.token_ids + user_span.token_ids + span.token_ids[:n_gen] == prompt
             sampled = span.token_ids[n_gen:]
             assert 1 <= len(sampled) <= 8 and len(span.logprobs) == len(span.token_ids)
             assert span.loss_mask == [False] * n_gen + [True] * len(sampled)
@@ -151,7 +118,7 @@ async def test_tasks_become_groups_of_rollouts_with_trace_nodes(bus: Bus, tiny_m
 
     # A redelivered task publishes the same rollout ids: the bus stores them once.
     await worker.handle(Delivery(event=tasks[0], subject="tasks.r1.reverse_text", stream_seq=1, num_delivered=2,
-                                 headers={}, msg=None))  # type: ignore[arg-type]
+                                 headers={}, msg=None))  # type: ignore[arg-type]  # handle() never reads the NATS message
     assert await count(bus, "ROLLOUTS") == 8
 
 
@@ -182,12 +149,12 @@ async def test_admission_holds_sampling_to_the_trainer_and_new_weights_take_over
     rollouts: list[events.Rollout] = await stored(bus, "ROLLOUTS", events.Rollout)
     by_version: dict[int, list[events.Rollout]] = {}
     for r in rollouts:
-        assert r.nodes[-1].tokens.policy_version == r.policy_version
+        assert span_of(r.nodes[-1]).policy_version == r.policy_version
         by_version.setdefault(r.policy_version, []).append(r)
     assert sorted(by_version) == [0, 1] and len(by_version[0]) == len(by_version[1]) == 8
 
     def answers(rs: list[events.Rollout]) -> dict[str, list[int]]:
-        return {f"{r.task_id}.{r.index}": r.nodes[-1].tokens.token_ids for r in rs}
+        return {f"{r.task_id}.{r.index}": span_of(r.nodes[-1]).token_ids for r in rs}
 
     # Same prompt, same seeds: the two groups of a version agree; the versions do not.
     v0 = sorted(answers(by_version[0]).items())

@@ -5,76 +5,32 @@ streamed request, and the token spans of every branch exactly what the model was
 
 from __future__ import annotations
 
-import asyncio
-import socket
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
-import uvicorn
 
 from flywheel.contract import events
 from flywheel.contract.bus import Bus
-from flywheel.contract.settings import Settings
-from flywheel.ops.natsserver import NatsServer
 from flywheel.sdk import models
 from flywheel.sdk.tracegraph import branches
-from flywheel_inference.app import create_app
-from flywheel_inference.backends import TransformersBackend
 from flywheel_trainer.join import sequences_of
 from tests.helpers import until
-from tests.integration.test_inference_worker import count_is, create_run, publish_weights, stored
-
-ENVS = Path(__file__).parents[1] / "envs"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.integration.services import Served
+from tests.integration.test_inference_worker import count_is, create_run, publish_weights, span_of, stored
 
 
 @pytest.fixture(scope="module")
 def long_tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model with room for a multi-turn conversation with tools (1024 positions)."""
+    """The tiny model with room for a multi-turn conversation with tools (1024 positions); it
+    overrides the conftest's longer one."""
     return models.build_tiny(tmp_path_factory.mktemp("model") / "tiny-1k", max_positions=1024)
-
-
-@dataclass
-class Served:
-    url: str
-    prompts: list[list[int]]  # every prompt the backend was given
-
-
-@pytest.fixture
-async def server(nats_server: NatsServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Served]:
-    """The inference app served over HTTP on a free loopback port (test environments importable)."""
-    monkeypatch.syspath_prepend(str(ENVS))
-    seen: list[list[int]] = []
-    generate = TransformersBackend.generate
-
-    def recording(self: TransformersBackend, prompts: Any, *args: Any, **kwargs: Any) -> Any:
-        seen.extend(list(p) for p in prompts)
-        return generate(self, prompts, *args, **kwargs)
-
-    monkeypatch.setattr(TransformersBackend, "generate", recording)
-    port = free_port()
-    app = create_app(Settings(nats_url=nats_server.url, data_dir=tmp_path / "data"), url=f"http://127.0.0.1:{port}")
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    serving = asyncio.ensure_future(srv.serve())
-    await until(lambda: srv.started or serving.done(), timeout_s=30, what="the inference server")
-    yield Served(f"http://127.0.0.1:{port}", seen)
-    srv.should_exit = True
-    await serving
 
 
 async def test_an_openai_sdk_program_yields_training_ready_exact_rollouts(
         bus: Bus, long_tiny_model: Path, server: Served) -> None:
     await create_run(bus, long_tiny_model, env="openai_sdk_agent", group_size=2,
                      trainer={"batch_size": 4, "max_off_policy_steps": 0})
-    base, tok = models.load_model(long_tiny_model)
+    base, _ = models.load_model(long_tiny_model)
     await publish_weights(bus, "r1", 0, base)
     tasks = [events.Task(id=f"t{i}", run="r1", env="openai_sdk_agent", data={"text": text}, num_rollouts=2)
              for i, text in enumerate(["abc", "cab"])]
@@ -95,10 +51,11 @@ async def test_an_openai_sdk_program_yields_training_ready_exact_rollouts(
         for node in (n for n in r.nodes if n.tokens and any(n.tokens.loss_mask)):
             branch = next(b for b in branches(r.nodes) if node in b)
             upto = branch[:branch.index(node) + 1]
-            ids = [t for n in upto for t in n.tokens.token_ids]
-            n_sampled = sum(node.tokens.loss_mask)
+            ids = [t for n in upto for t in span_of(n).token_ids]
+            span = span_of(node)
+            n_sampled = sum(span.loss_mask)
             assert ids[:-n_sampled] in prompts
-            assert node.tokens.policy_version == 0 and all(lp <= 0 for lp in node.tokens.logprobs)
+            assert span.policy_version == 0 and all(lp <= 0 for lp in span.logprobs)
         # Training-ready: one sequence per branch, loss on the sampled tokens only.
         (sequence,) = sequences_of(r)
         assert sum(sequence.loss_mask) == r.metrics["num_completion_tokens"]

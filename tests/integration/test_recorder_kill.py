@@ -5,7 +5,8 @@ while the recorder goes on.
 
 Each test starts a nats-server (fixture), ``python -m flywheel_gateway api`` and/or
 ``recorder`` as subprocesses the way ``flywheel up`` does (:mod:`flywheel.ops.stack`), on free
-ports with a temporary data folder, and stops exactly those processes by their handles. Not covered: PostgreSQL (the store tests cover it).
+ports with a temporary data folder, and stops exactly those processes by their handles. Not
+covered: PostgreSQL (the store tests cover it).
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def settings(nats_server: NatsServer, tmp_path: Path) -> Settings:
 async def processes(settings: Settings, tmp_path: Path) -> AsyncIterator[dict[str, ServiceProcess]]:
     """The gateway's API and recorder, as ``flywheel up`` runs them (not started yet)."""
     env = child_env(settings)
-    made = {name: ServiceProcess(name, SERVICES[name], env, tmp_path / f"{name}.log") for name in ("gateway", "recorder")}
+    made = {name: ServiceProcess(name, SERVICES[name], env, tmp_path / f"{name}.log")
+            for name in ("gateway", "recorder")}
     try:
         yield made
     finally:
@@ -112,7 +114,8 @@ async def test_every_task_is_recorded_once_across_a_recorder_kill(
 
                 await until(recording, timeout_s=60, what="the recorder to record its first tasks")
                 os.kill(recorder.pid, signal.SIGKILL)
-                await asyncio.to_thread(recorder.popen.wait)  # type: ignore[union-attr]
+                assert recorder.popen is not None
+                await asyncio.to_thread(recorder.popen.wait)
             if i == 12:
                 await recorder.launch()
 
@@ -159,6 +162,7 @@ async def test_payloads_that_cannot_be_recorded_are_dead_lettered_and_recorded(
             assert letter["num_delivered"] == 1
 
         on_dead = await bus.js.get_last_msg("DEAD", "dead.TASKS")
+        assert on_dead.data is not None
         assert events.Decoder(events.DeadLetter).decode(on_dead.data).id in {str(d["id"]) for d in by_payload.values()}
 
         async def went_on() -> bool:

@@ -37,7 +37,6 @@ from flywheel_scorer.scorer import EnvironmentRewards, custom_reward
 from flywheel_trainer import service
 from flywheel_trainer.ledger import RunFolder
 from tests.helpers import until
-from tests.integration.test_gateway_api import app, client, store  # noqa: F401 (fixtures)
 from tests.integration.test_trainer_bus import wait_for_version, weight_updates
 from tests.unit.test_trainer_join import make_rollout
 
@@ -51,7 +50,7 @@ def brevity(completion: str) -> float:
 
 
 async def test_the_trace_api_reward_is_the_trainers_with_a_custom_scorer_on_the_run(
-        app: FastAPI, client: httpx.AsyncClient, store: Store, bus: Bus,  # noqa: F811
+        app: FastAPI, client: httpx.AsyncClient, store: Store, bus: Bus,
         nats_server: NatsServer, tiny_model_dir: Path, tmp_path: Path) -> None:
     cfg = RunConfig(run=RUN, env="reverse_text", group_size=1, model={"name": str(tiny_model_dir)},
                     trainer={"batch_size": 1, "num_steps": len(TEXTS), "max_off_policy_steps": 10})
@@ -91,7 +90,9 @@ async def test_the_trace_api_reward_is_the_trainers_with_a_custom_scorer_on_the_
             trainer.cancel()
         pool.shutdown(wait=False)
 
-    _, checkpoint = RunFolder(settings.data_dir, RUN).checkpoints.latest()  # type: ignore[misc]
+    latest = RunFolder(settings.data_dir, RUN).checkpoints.latest()
+    assert latest is not None  # the run saved a checkpoint
+    _, checkpoint = latest
     updates = {u.trainer_step: u for u in await weight_updates(bus, RUN)}
     for step in range(1, len(TEXTS) + 1):
         (rollout_id,) = checkpoint.trained[step]

@@ -21,16 +21,16 @@ from flywheel.contract.bus import Bus
 from flywheel.ops.eval import EvalConfig, Evaluation, read_results
 from flywheel.ops.natsserver import NatsServer
 from flywheel.sdk import models
+from flywheel.sdk.environment import GroupReward, Reward
 from tests.helpers import until
-from tests.integration.test_environments_in_training import long_tiny_model  # noqa: F401 - the fixture
+from tests.integration.services import Served
 from tests.integration.test_inference_worker import count_is, create_run, publish_weights, stored
-from tests.integration.test_interception import Served, server  # noqa: F401 - the fixture
 from tests.sandbox_service import backend_named, serving
 from tests.scripted_openai import ScriptedOpenAI, tool_call
 
 
 async def test_ctf_rollouts_in_training_plant_their_flag_and_leave_no_sandbox(
-        bus: Bus, long_tiny_model, server: Served, request: pytest.FixtureRequest) -> None:  # noqa: F811
+        bus: Bus, long_tiny_model: Path, server: Served, request: pytest.FixtureRequest) -> None:
     async with backend_named("local", request) as backend, serving(bus, backend, warm_pool=1) as sandbox:
         await create_run(bus, long_tiny_model, env="flywheel/ctf", env_args={"max_turns": 2}, group_size=2,
                          sampling={"max_tokens": 12}, trainer={"batch_size": 2, "max_off_policy_steps": 0})
@@ -76,7 +76,9 @@ async def test_eval_hands_sandboxes_to_harnesses_and_rewards(bus: Bus, nats_serv
                 summary = await Evaluation(cfg, env, io.StringIO()).run(nats_server.url)
                 records = read_results(cfg.out)
                 assert summary["num_errors"] == 0 and summary["num_reward_errors"] == 0, records
-                assert summary["pass@1"] == 1.0 and all(r["rewards"][env.rewards[0].name] == 1.0 for r in records)
+                reward = env.rewards[0]
+                assert isinstance(reward, Reward | GroupReward)  # the Environment wraps a plain function
+                assert summary["pass@1"] == 1.0 and all(r["rewards"][reward.name] == 1.0 for r in records)
         assert not sandbox.manager.sessions and sandbox.manager.tombstones  # one-shot test runs and a session
     cfg = EvalConfig(env="ctf", model="player", base_url="http://127.0.0.1:9/v1", out=tmp_path / "none.jsonl",
                      num_tasks=1, max_retries=0)

@@ -152,7 +152,8 @@ async def test_abstract_unix_socket_of_the_host_unreachable(hostile: Hostile) ->
     server.listen()
     server.setblocking(False)
     try:
-        source = (f"import socket\ns = socket.socket(socket.AF_UNIX)\ntry:\n    s.connect({name!r}); print('CONNECTED')\n"
+        source = (f"import socket\ns = socket.socket(socket.AF_UNIX)\n"
+                  f"try:\n    s.connect({name!r}); print('CONNECTED')\n"
                   "except OSError as e:\n    print('refused', e)\n")
         result = await hostile.py(source)
         assert "CONNECTED" not in result.stdout
@@ -259,7 +260,8 @@ async def test_private_tmp(hostile: Hostile) -> None:
 
 
 async def test_disk_fill_stops_at_the_limit(hostile: Hostile) -> None:
-    result = await hostile.sh(f"dd if=/dev/zero of={WORKDIR}/fill bs=1M count=200 2>&1; ls -l {WORKDIR}/fill | cut -d' ' -f5")
+    result = await hostile.sh(f"dd if=/dev/zero of={WORKDIR}/fill bs=1M count=200 2>&1; "
+                              f"ls -l {WORKDIR}/fill | cut -d' ' -f5")
     assert int(result.stdout.split()[-1]) <= SPEC.disk_mb * 1024 * 1024
     for folder in (WORKDIR, "/tmp", "/dev/shm"):  # many files, each under the file size limit: the tmpfs is full
         total = await hostile.sh(f"rm -f {folder}/fill; for i in 1 2 3; do head -c 10M /dev/zero > {folder}/f$i; "
@@ -283,12 +285,14 @@ async def test_fork_bomb_is_contained(hostile: Hostile) -> None:
     result = await hostile.sh(":(){ :|:& };:; sleep 2", timeout_s=10)
     assert time.monotonic() - started < 15
     assert "Resource temporarily unavailable" in result.stderr or result.timed_out  # fork hit the limit
-    assert subprocess.run(["true"]).returncode == 0  # the host can still start processes
+    spawned = await asyncio.create_subprocess_exec("true")  # the host can still start processes
+    assert await spawned.wait() == 0
     await hostile.alive_and_clean()
 
 
 async def test_python_fork_loop_stops_at_the_pids_limit(hostile: Hostile) -> None:
-    source = ("import os, time\nn = 0\ntry:\n    while n < 5000:\n        if os.fork() == 0:\n            time.sleep(30); os._exit(0)\n"  # noqa: sleep - the sleep is inside the hostile program (forked children that linger)
+    source = ("import os, time\nn = 0\ntry:\n    while n < 5000:\n        if os.fork() == 0:\n"
+              "            time.sleep(30); os._exit(0)\n"  # noqa: sleep - in the hostile program (children that linger)
               "        n += 1\nexcept OSError as e:\n    print(n, 'forks then', e.strerror)\n")
     result = await hostile.py(source, timeout_s=10)
     forks = int(result.stdout.split()[0])
@@ -376,7 +380,8 @@ async def ends_the_sandbox_at_most(hostile: Hostile, cmd: str) -> None:
         hostile.box = await hostile.client.create(SPEC)
 
 
-async def test_killing_the_agent_ends_only_that_sandbox(hostile: Hostile, host_process: subprocess.Popen[bytes]) -> None:
+async def test_killing_the_agent_ends_only_that_sandbox(hostile: Hostile,
+                                                        host_process: subprocess.Popen[bytes]) -> None:
     other = await hostile.client.create(SPEC)
     await ends_the_sandbox_at_most(hostile, "kill -9 $PPID; sleep 1")
     assert (await hostile.client.exec(other, "echo other fine")).stdout == "other fine\n"
@@ -397,7 +402,8 @@ async def test_not_root_and_no_capabilities(hostile: Hostile) -> None:
 
 
 async def test_setuid_zero_fails(hostile: Hostile) -> None:
-    result = await hostile.py("import os\ntry:\n    os.setuid(0); print('ROOT')\nexcept OSError as e:\n    print('denied', e)\n")
+    result = await hostile.py("import os\ntry:\n    os.setuid(0); print('ROOT')\n"
+                              "except OSError as e:\n    print('denied', e)\n")
     assert "ROOT" not in result.stdout and "denied" in result.stdout
 
 

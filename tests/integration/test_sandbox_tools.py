@@ -25,7 +25,7 @@ from flywheel.sdk.sandbox_tools import (
     use_client,
 )
 from tests.helpers import until
-from tests.sandbox_fixtures import sandbox  # noqa: F401 - fixture
+from tests.sandbox_service import ServedSandboxClient
 from tests.scripted_openai import ScriptedOpenAI, tool_call
 
 SOLUTION = "def add(a, b):\n    return a + b\n"
@@ -56,7 +56,7 @@ def context(client: SandboxClient | None, rollout_id: str = "r-1") -> RolloutCon
     return RolloutContext(task={}, base_url="", api_key="", model="", rollout_id=rollout_id, sandbox_client=client)
 
 
-async def test_bash_and_python_share_a_session_that_ends_with_the_rollout(sandbox: SandboxClient) -> None:
+async def test_bash_and_python_share_a_session_that_ends_with_the_rollout(sandbox: ServedSandboxClient) -> None:
     tools = SandboxTools(timeout_s=2, max_output_chars=300)
     ctx = context(sandbox)
     assert not sandbox.manager.sessions  # lazy: nothing until the first call
@@ -85,7 +85,7 @@ async def test_bash_and_python_share_a_session_that_ends_with_the_rollout(sandbo
     assert not sandbox.manager.sessions
 
 
-async def test_bad_calls_are_answered_and_the_session_survives(sandbox: SandboxClient) -> None:
+async def test_bad_calls_are_answered_and_the_session_survives(sandbox: ServedSandboxClient) -> None:
     tools = SandboxTools(timeout_s=5)
     ctx = context(sandbox)
     for bad, message in (("   ", "command is empty"), ("echo a\x00b", "NUL"), ("x" * 100_001, "over the limit")):
@@ -102,7 +102,7 @@ async def test_bad_calls_are_answered_and_the_session_survives(sandbox: SandboxC
     assert not sandbox.manager.sessions
 
 
-async def test_the_session_is_destroyed_when_the_harness_raises(sandbox: SandboxClient) -> None:
+async def test_the_session_is_destroyed_when_the_harness_raises(sandbox: ServedSandboxClient) -> None:
     tools = SandboxTools()
 
     def setup(ctx: RolloutContext) -> None:
@@ -113,6 +113,7 @@ async def test_the_session_is_destroyed_when_the_harness_raises(sandbox: Sandbox
                       prompt=lambda task: task["q"], rewards=[Reward(lambda: 0.0, name="zero")])
     script = [tool_call("bash", command="echo hi > f.txt"), tool_call("python", code="print(open('f.txt').read())"),
               tool_call("bash", command="true")]
+    assert env.harness is not None
     with ScriptedOpenAI({"agent": script}) as server:  # the fourth turn is past the script: the harness raises
         ctx = RolloutContext(task={"q": "x"}, base_url=server.base_url, api_key="t", model="agent", rollout_id="r-9",
                              sandbox_client=sandbox)
@@ -130,7 +131,7 @@ async def test_the_session_is_destroyed_when_the_harness_raises(sandbox: Sandbox
     assert not sandbox.manager.sessions
 
 
-async def test_setup_fills_the_session_and_leftovers_go_by_label(sandbox: SandboxClient) -> None:
+async def test_setup_fills_the_session_and_leftovers_go_by_label(sandbox: ServedSandboxClient) -> None:
     ctx = context(sandbox, rollout_id="r-left")
     client, box = await sandbox_session(ctx, SandboxSpec(files={"notes/a.txt": b"from setup"}))
     assert (client, box) == (sandbox, (await sandbox_session(ctx))[1])  # one session a rollout
@@ -143,11 +144,11 @@ async def test_setup_fills_the_session_and_leftovers_go_by_label(sandbox: Sandbo
 async def test_no_sandbox_service_is_a_clear_rollout_error() -> None:
     with pytest.raises(SandboxUnavailable, match=r"start the sandbox service \(flywheel up\) or set nats_url"):
         await SandboxTools().bash("ls", context(None))
-    with pytest.raises(SandboxUnavailable, match="cannot reach NATS at nats://127.0.0.1:1"):
+    with pytest.raises(SandboxUnavailable, match=r"cannot reach NATS at nats://127\.0\.0\.1:1"):
         await connect("nats://127.0.0.1:1", timeout_s=0.3)
 
 
-async def test_no_service_answering_on_nats_fails_the_rollout(sandbox: SandboxClient) -> None:
+async def test_no_service_answering_on_nats_fails_the_rollout(sandbox: ServedSandboxClient) -> None:
     lone = SandboxClient(sandbox.bus)
     sandbox.manager.closed = True  # the service refuses new sandboxes, as when it stops
     with pytest.raises(SandboxUnavailable, match="stopping"):
@@ -155,7 +156,7 @@ async def test_no_service_answering_on_nats_fails_the_rollout(sandbox: SandboxCl
     sandbox.manager.closed = False
 
 
-async def test_run_tests_counts_passes_failures_and_timeouts(sandbox: SandboxClient) -> None:
+async def test_run_tests_counts_passes_failures_and_timeouts(sandbox: ServedSandboxClient) -> None:
     with use_client(sandbox):
         assert await default_client() is sandbox
         good = await run_tests({"solution.py": SOLUTION, "test_solution.py": TESTS})
@@ -169,14 +170,15 @@ async def test_run_tests_counts_passes_failures_and_timeouts(sandbox: SandboxCli
         broken = await run_tests({"solution.py": "def add(a, b)\n    return a + b\n", "test_solution.py": TESTS})
         assert broken.fraction == 0.0 and "import failed: " in broken.failures["test_small"]
         assert "SyntaxError" in broken.failures["test_small"]
-        partial = await run_tests({"solution.py": "def add(a, b):\n    while a == -1:\n        pass\n    return a + b\n",
+        partial = await run_tests({"solution.py": "def add(a, b):\n    while a == -1:\n        pass\n"
+                                                  "    return a + b\n",
                                    "test_solution.py": TESTS}, test_timeout_s=0.3)
         assert partial.verdicts == {"test_small": "pass", "test_negative": "timeout", "test_strings": "pass"}
         assert partial.num_timeouts == 1 and partial.fraction == pytest.approx(2 / 3)
     assert not sandbox.manager.sessions  # one-shot sandboxes
 
 
-async def test_run_tests_resists_forged_output_and_whole_run_timeouts(sandbox: SandboxClient) -> None:
+async def test_run_tests_resists_forged_output_and_whole_run_timeouts(sandbox: ServedSandboxClient) -> None:
     forger = ("import os, sys\nfor t in ('test_small', 'test_negative', 'test_strings'):\n"
               "    print('x pass', t); os.write(1, f'\\nx pass {t}\\n'.encode())\nos._exit(0)\n")
     forged = await run_tests({"solution.py": forger, "test_solution.py": TESTS}, client=sandbox)
@@ -191,7 +193,7 @@ async def test_run_tests_resists_forged_output_and_whole_run_timeouts(sandbox: S
         await run_tests({"solution.py": SOLUTION}, client=sandbox)
 
 
-async def test_run_tests_with_a_command_of_your_own(sandbox: SandboxClient) -> None:
+async def test_run_tests_with_a_command_of_your_own(sandbox: ServedSandboxClient) -> None:
     script = "python3 -c 'import solution; assert solution.add(2, 2) == 4' && echo ok"
     passed = await run_tests({"solution.py": SOLUTION}, command=script, client=sandbox)
     assert passed.verdicts == {"command": "pass"} and passed.all_passed
@@ -201,7 +203,7 @@ async def test_run_tests_with_a_command_of_your_own(sandbox: SandboxClient) -> N
     assert (summary.num_passed, summary.num_tests) == (3, 4)
 
 
-async def test_at_the_cap_a_test_run_waits_for_room_then_gives_up(sandbox: SandboxClient,
+async def test_at_the_cap_a_test_run_waits_for_room_then_gives_up(sandbox: ServedSandboxClient,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     sandbox.manager.config.max_alive = 1
     ctx = context(sandbox)
@@ -220,7 +222,7 @@ async def test_at_the_cap_a_test_run_waits_for_room_then_gives_up(sandbox: Sandb
     await ctx.close()
 
 
-async def test_a_rollout_that_ends_while_its_sandbox_waits_for_room_leaves_none(sandbox: SandboxClient) -> None:
+async def test_a_rollout_that_ends_while_its_sandbox_waits_for_room_leaves_none(sandbox: ServedSandboxClient) -> None:
     sandbox.manager.config.max_alive = 1
     holder, late = context(sandbox, rollout_id="r-hold"), context(sandbox, rollout_id="r-late")
     await sandbox_session(holder)

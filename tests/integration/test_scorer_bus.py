@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -54,8 +53,12 @@ async def builtin_scorer(bus: Bus, **bounds: Any) -> AsyncIterator[Consumer]:
 async def stored(bus: Bus, stream: str, type_: Any) -> list[Any]:
     state = (await bus.js.stream_info(stream)).state
     decoder = events.Decoder(type_)
-    return [decoder.decode((await bus.js.get_msg(stream, seq)).data)
-            for seq in range(state.first_seq, state.last_seq + 1)] if state.messages else []
+    out = []
+    for seq in range(state.first_seq, state.last_seq + 1) if state.messages else ():
+        data = (await bus.js.get_msg(stream, seq)).data
+        assert data is not None, f"{stream} message {seq} has no payload"
+        out.append(decoder.decode(data))
+    return out
 
 
 async def num_messages(bus: Bus, stream: str) -> int:
@@ -72,13 +75,13 @@ async def test_builtin_and_custom_scorers_both_score_every_rollout(bus: Bus, nat
                   .model_dump())
     log_path = tmp_path / "custom-scorer.log"
     with log_path.open("w") as log:
-        custom = subprocess.Popen(
-            [sys.executable, "-m", "flywheel_scorer", "--function", f"{__name__}:answer_length",
-             "--env", "reverse_text"],
-            cwd=REPO, env={**os.environ, "FLYWHEEL_NATS_URL": nats_server.url}, stdout=log, stderr=subprocess.STDOUT)
+        custom = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "flywheel_scorer", "--function", f"{__name__}:answer_length", "--env", "reverse_text",
+            cwd=REPO, env={**os.environ, "FLYWHEEL_NATS_URL": nats_server.url}, stdout=log,
+            stderr=asyncio.subprocess.STDOUT)
     try:
         async def custom_is_up() -> bool:
-            assert custom.poll() is None, log_path.read_text()
+            assert custom.returncode is None, log_path.read_text()
             return any(b.service == "scorer-answer_length" for b in await read_heartbeats(bus))
 
         await until(custom_is_up, what="the custom scorer's heartbeat")
@@ -93,7 +96,7 @@ async def test_builtin_and_custom_scorers_both_score_every_rollout(bus: Bus, nat
             await until(all_scored, what="three scores for each of four rollouts")
     finally:
         custom.send_signal(signal.SIGTERM)
-        returncode = custom.wait(timeout=30)
+        returncode = await asyncio.wait_for(custom.wait(), 30)
     assert returncode == 0, log_path.read_text()
 
     scores = {sc.id: sc for sc in await stored(bus, "SCORES", events.Score)}
@@ -134,7 +137,11 @@ async def test_a_held_member_is_kept_alive_past_ack_wait_not_redelivered(bus: Bu
     first, second = group_of(2, ["cba", "cb"])
     async with builtin_scorer(bus, ack_wait_s=1.0) as consumer:
         await bus.publish(first)
-        await until(lambda: num_messages(bus, "SCORES"), what="the first member's own scores")
+
+        async def scored() -> bool:
+            return await num_messages(bus, "SCORES") > 0
+
+        await until(scored, what="the first member's own scores")
 
         held_since = time.monotonic()
 

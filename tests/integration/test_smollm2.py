@@ -23,6 +23,7 @@ def test_smollm2_converts_once_and_answers_through_the_inference_backend(tmp_pat
     from flywheel_inference.backends import build_backend
 
     folder = models.resolve_model("smollm2", tmp_path)
+    assert isinstance(folder, Path)  # a local folder, not a hub id
     assert (folder / "config.json").exists() and (folder / "model.safetensors").exists()
     assert models.resolve_model("smollm2", tmp_path) == folder  # the second time: the folder as it is
     backend = build_backend("transformers", folder, "float32")

@@ -25,7 +25,8 @@ from flywheel.sdk import models
 from flywheel_trainer import service
 from flywheel_trainer.ledger import Journal, RunFolder
 from tests.helpers import until
-from tests.integration.test_inference_worker import Workers, count_is, start_worker, stored  # noqa: F401 - fixture
+from tests.integration.services import Workers
+from tests.integration.test_inference_worker import count_is, stored
 from tests.unit.test_trainer_join import make_rollout, make_score
 
 RUN = "trainer-itest"
@@ -133,7 +134,9 @@ async def test_trainer_publishes_version_0_then_a_version_a_step_and_counts_what
     folder = RunFolder(settings.data_dir, RUN)
     assert [m["step"] for m in folder.metrics.read()] == [0, 1, 2, 3]
     assert folder.metrics.read()[3]["loss"] == pytest.approx(last["loss"])
-    _, checkpoint = folder.checkpoints.latest()  # type: ignore[misc]
+    latest = folder.checkpoints.latest()
+    assert latest is not None  # the run saved a checkpoint
+    _, checkpoint = latest
     assert checkpoint.step == 3 and checkpoint.trained[1] == ["g1-0", "g1-1", "g2-0", "g2-1"]
     assert checkpoint.trained[3] == ["g6-0", "g7-0", "g7-1"]
     assert checkpoint.dropped == {stale[0].id: "stale", stale[1].id: "stale", "g6-1": "scorer_error"}

@@ -128,7 +128,9 @@ async def test_every_rollout_is_trained_exactly_once_across_two_sigkills(
         trainer.stop()
 
     folder = RunFolder(settings.data_dir, RUN)
-    _, checkpoint = folder.checkpoints.latest()  # type: ignore[misc]
+    latest = folder.checkpoints.latest()
+    assert latest is not None  # the run saved a checkpoint
+    _, checkpoint = latest
     trained = [rollout_id for step in sorted(checkpoint.trained) for rollout_id in checkpoint.trained[step]]
     assert checkpoint.step == NUM_STEPS and sorted(checkpoint.trained) == list(range(1, NUM_STEPS + 1))
     assert len(trained) == len(set(trained)) == len(inference.published) == 24
@@ -160,7 +162,9 @@ async def test_a_kill_after_an_unsaved_step_never_reuses_its_version_and_sigterm
         trainer.start()
         await trainer.published(bus, 5)  # step 3 again
         assert await trainer.kill(signal.SIGTERM) == 0, trainer.log_path.read_text()[-3000:]
-        _, checkpoint = RunFolder(settings.data_dir, run).checkpoints.latest()  # type: ignore[misc]
+        latest = RunFolder(settings.data_dir, run).checkpoints.latest()
+        assert latest is not None  # the run saved a checkpoint
+        _, checkpoint = latest
         assert (checkpoint.step, checkpoint.version) == (3, 5)
 
         for g in range(6, 8):
@@ -175,6 +179,8 @@ async def test_a_kill_after_an_unsaved_step_never_reuses_its_version_and_sigterm
     assert updates[4].sha256 == updates[2].sha256  # the checkpoint's weights, under a version of their own
     folder = RunFolder(settings.data_dir, run)
     assert [(m["step"], m["version"]) for m in folder.metrics.read()] == [(0, 0), (1, 1), (2, 2), (3, 5), (4, 6)]
-    _, checkpoint = folder.checkpoints.latest()  # type: ignore[misc]
+    latest = folder.checkpoints.latest()
+    assert latest is not None  # the run saved a checkpoint
+    _, checkpoint = latest
     trained = [i for step in sorted(checkpoint.trained) for i in checkpoint.trained[step]]
     assert len(trained) == len(set(trained)) == 16 and set(trained) == set(inference.published)

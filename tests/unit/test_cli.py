@@ -120,7 +120,7 @@ def test_help_imports_nothing_heavy(argv: list[str]) -> None:
         f"try:\n    flywheel.ops.cli.main({argv!r})\nexcept SystemExit as e:\n    assert e.code == 0, e.code\n"
         f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 0, result.stderr
     assert "usage: flywheel" in result.stdout
     assert result.stdout.strip().splitlines()[-1] == "[]"
@@ -134,7 +134,8 @@ def test_run_help_config_prints_the_reference_generated_from_the_config(capsys: 
     assert exit_.value.code == 0
     out = capsys.readouterr().out
     assert out == reference()
-    assert "## [trainer]" in out and '`type = "deepspeed"`' in out and "`zero_stage` (int, >= 0, <= 3; default 0)" in out
+    assert "## [trainer]" in out and '`type = "deepspeed"`' in out
+    assert "`zero_stage` (int, >= 0, <= 3; default 0)" in out
     with pytest.raises(SystemExit):
         cli.main(["run", "--help"])
     assert "--help-config" in capsys.readouterr().out
@@ -187,13 +188,13 @@ def test_status_tables() -> None:
     services, stack, streams, consumers = text.split("\n\n")[1:]
     next_try = datetime.fromisoformat("2025-01-02T03:14:37+00:00").astimezone().strftime("%H:%M:%S")
     assert stack.splitlines() == [
-        "stack pid 7 on vm (last beat 0.4s ago): a crash loop waits 1s, doubling up to 60s; a process healthy 30s is "
-        "restarted at once",
+        ("stack pid 7 on vm (last beat 0.4s ago): a crash loop waits 1s, doubling up to 60s; a process healthy 30s is "
+         "restarted at once"),
         "PROCESS       PID  STATE                                RESTARTS  LAST EXIT  LOG",
         "nats-server     8  running                                     0  -          /d/logs/nats-server.log",
         f"inference    1301  backing off until {next_try} (in 31s)         6  code 1     /d/logs/inference.log",
-        f"inference is failing: last exit code 1, 7 exits in a row, 6 restarts; next try in 31s, at {next_try}; "
-        "see /d/logs/inference.log",
+        (f"inference is failing: last exit code 1, 7 exits in a row, 6 restarts; next try in 31s, at {next_try}; "
+         "see /d/logs/inference.log"),
     ]
     assert services.splitlines() == [
         "SERVICE   INSTANCE   PID  STATUS  LAST BEAT  UP",

@@ -59,7 +59,7 @@ def test_run_must_also_be_a_kv_key_and_env_need_not() -> None:
         make_tasks("r:1", "echo", [(1, {})])
     assert check_token("env", "math:gsm8k") == "math:gsm8k"
     assert check_key("tenant", "acme/eu-1") == "acme/eu-1"
-    with pytest.raises(ValueError, match="^tenant="):
+    with pytest.raises(ValueError, match=r"^tenant="):
         check_key("tenant", "acme corp")
 
 
@@ -67,7 +67,7 @@ def test_num_rollouts_and_rows_are_checked() -> None:
     with pytest.raises(ValueError, match="num_rollouts must be at least 1, got 0"):
         make_tasks("r1", "echo", [(1, {})], num_rollouts=0)
     with pytest.raises(ValueError, match=r"^row 2: a task row must be a JSON object \(dict\), got list"):
-        make_tasks("r1", "echo", [(1, {}), (2, [1])])  # type: ignore[list-item]
+        make_tasks("r1", "echo", [(1, {}), (2, [1])])  # type: ignore[list-item]  # a list row: the error under test
     with pytest.raises(ValueError, match=r"^rows.jsonl:5: id 'q1' repeats rows.jsonl:2; task ids must be unique"):
         make_tasks("r1", "echo", [(2, {"id": "q1"}), (3, {"x": 1}), (5, {"id": "q1", "x": 2})], source="rows.jsonl")
     with pytest.raises(ValueError, match=r"^rows.jsonl:4: not JSON-serializable"):

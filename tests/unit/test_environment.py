@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -32,6 +32,7 @@ from flywheel.sdk.environment import (
     shortest_correct_reward,
 )
 from flywheel.sdk.tracegraph import rollout_from_messages
+from tests.helpers import num_tasks
 
 
 def rollout(answer: str, text: str = "abc", index: int = 0, state: dict | None = None) -> events.Rollout:
@@ -40,10 +41,16 @@ def rollout(answer: str, text: str = "abc", index: int = 0, state: dict | None =
                                  messages=messages, index=index, state=state)
 
 
+class EnvUnderTest(types.ModuleType):
+    """The module ``env_under_test``: the test sets its ``load_environment`` (or leaves it out)."""
+
+    load_environment: Callable[..., object]
+
+
 @pytest.fixture
-def module() -> Iterator[types.ModuleType]:
+def module() -> Iterator[EnvUnderTest]:
     """A module ``env_under_test`` on sys.modules for the test to fill in."""
-    mod = types.ModuleType("env_under_test")
+    mod = EnvUnderTest("env_under_test")
     sys.modules[mod.__name__] = mod
     try:
         yield mod
@@ -57,6 +64,7 @@ async def test_reverse_text_by_module_name_and_by_id() -> None:
     assert load_environment("flywheel/reverse-text@0.1.0").name == "reverse_text"
     assert available()["flywheel/reverse-text"] == "0.1.0"
     similarity, exact = env.rewards
+    assert isinstance(similarity, Reward) and isinstance(exact, Reward)
     assert await similarity(rollout("cba")) == Value(1.0)
     assert 0 < (await similarity(rollout("cb"))).value < 1
     assert await exact(rollout("abc")) == Value(0.0)
@@ -103,7 +111,7 @@ def good_reward(completion: str) -> float:
     (lambda: Environment(name="x", tasks=[{"prompt": "p"}], rewards=[GroupReward(good_reward)]),
      "group reward 'good_reward' (good_reward) takes ['completion']; a group reward takes any of completions"),
 ])
-def test_bad_environments_fail_at_load(module: types.ModuleType, load: object, message: str) -> None:
+def test_bad_environments_fail_at_load(module: EnvUnderTest, load: Callable[[], object] | None, message: str) -> None:
     if load is not None:
         module.load_environment = load
     with pytest.raises(EnvironmentLoadError) as err:
@@ -111,12 +119,12 @@ def test_bad_environments_fail_at_load(module: types.ModuleType, load: object, m
     assert message in str(err.value)
 
 
-def test_load_environment_arguments_are_checked(module: types.ModuleType) -> None:
+def test_load_environment_arguments_are_checked(module: EnvUnderTest) -> None:
     def load(size: int = 1) -> Environment:
         return Environment(name="sized", tasks=[{"prompt": "p"}] * size, rewards=[good_reward])
 
     module.load_environment = load
-    assert load_environment("env_under_test", EnvironmentOverrides(args={"size": 3})).tasks.size == 3
+    assert num_tasks(load_environment("env_under_test", EnvironmentOverrides(args={"size": 3}))) == 3
     with pytest.raises(EnvironmentLoadError, match=r"load_environment\(colour\) failed: .*unexpected keyword"):
         load_environment("env_under_test", EnvironmentOverrides(args={"colour": "red"}))
 
@@ -177,11 +185,11 @@ async def test_overrides_change_weights_swap_functions_and_add_rewards(module: t
     assert changed.weights == {"similarity": 1.0, "exact": 2.0, "group": 0.5}
     assert set(changed.group_rewards) == {"group"} and env.weights == {"similarity": 1.0, "exact": 0.0}
     assert await changed.rollout_rewards["similarity"](rollout("zzz")) == Value(1.0)
-    for spec, message in ((RewardOverride(weight=1.0), "rewards.nope: environment 'reverse_text' has no reward "
-                                                       "'nope' (it has ['exact', 'similarity']); give `function`"),
+    for spec, message in ((RewardOverride(weight=1.0), ("rewards.nope: environment 'reverse_text' has no reward "
+                                                        "'nope' (it has ['exact', 'similarity']); give `function`")),
                           (RewardOverride(function="tests.unit.test_environment:absent"),
-                           "rewards.nope.function='tests.unit.test_environment:absent': 'tests.unit.test_environment' "
-                           "has no 'absent'")):
+                           ("rewards.nope.function='tests.unit.test_environment:absent': 'tests.unit.test_environment' "
+                            "has no 'absent'"))):
         with pytest.raises(EnvironmentLoadError) as err:
             env.with_overrides(EnvironmentOverrides(rewards={"nope": spec}))
         assert message in str(err.value)

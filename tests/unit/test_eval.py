@@ -18,6 +18,12 @@ import openai
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from openai.types.chat import (
+    ChatCompletionAssistantMessageParam,
+    ChatCompletionMessageFunctionToolCallParam,
+    ChatCompletionMessageParam,
+    ChatCompletionToolUnionParam,
+)
 
 from flywheel.contract import events
 from flywheel.ops.eval import EvalConfig, Evaluation, RecordingProxy, Served, pass_at_k, read_results, serve
@@ -83,7 +89,8 @@ class Upstream:
         for i in range(0, len(content), 4):
             yield chunk({"content": content[i:i + 4]})
         yield chunk({}, finish)
-        yield f"data: {json.dumps({'id': 'c1', 'object': 'chat.completion.chunk', 'choices': [], 'usage': usage})}\n\n".encode()
+        last = {"id": "c1", "object": "chat.completion.chunk", "choices": [], "usage": usage}
+        yield f"data: {json.dumps(last)}\n\n".encode()
         yield b"data: [DONE]\n\n"
 
 
@@ -129,9 +136,11 @@ async def test_the_proxy_records_a_tool_loop_as_one_branch(proxy: RecordingProxy
     if stream:
         await StreamingHarness(system_prompt="Use the tool.", tools=[add], max_turns=4).run(env, ctx)
     else:
+        assert env.harness is not None
         await env.harness.run(env, ctx)
     await ctx.close()
     recording = proxy.take("ro1")
+    assert recording.graph.last is not None
     branch = recording.graph.branch(recording.graph.last.id)
     assert [(n.message.role, n.message.content) for n in branch] == [
         ("system", "Use the tool."), ("user", "what is 2 + 3?"), ("assistant", ""), ("tool", "5"),
@@ -149,14 +158,17 @@ class StreamingHarness(ChatHarness):
     """The chat loop with ``stream=True``, assembled from the chunks by the openai SDK."""
 
     async def run(self, env: Environment, ctx: RolloutContext) -> None:
-        messages: list[dict[str, Any]] = [m for m in ({"role": "system", "content": self.system_prompt},
-                                                      {"role": "user", "content": ctx.task["prompt"]})]
-        tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+        assert self.system_prompt is not None
+        messages: list[ChatCompletionMessageParam] = [{"role": "system", "content": self.system_prompt},
+                                                      {"role": "user", "content": ctx.task["prompt"]}]
+        tools: list[ChatCompletionToolUnionParam] = [
+            {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
         for turn in range(1, self.max_turns + 1):
             ctx.state["turns"] = turn
             stream = await ctx.client().chat.completions.create(model=ctx.model, messages=messages, tools=tools,
                                                                  stream=True)
-            content, calls = "", {}
+            content = ""
+            calls: dict[int, ChatCompletionMessageFunctionToolCallParam] = {}
             async for chunk in stream:
                 for choice in chunk.choices:
                     content += choice.delta.content or ""
@@ -164,18 +176,19 @@ class StreamingHarness(ChatHarness):
                         entry = calls.setdefault(call.index, {"id": "", "type": "function",
                                                               "function": {"name": "", "arguments": ""}})
                         entry["id"] = call.id or entry["id"]
+                        assert call.function is not None
                         entry["function"]["name"] += call.function.name or ""
                         entry["function"]["arguments"] += call.function.arguments or ""
-            reply: dict[str, Any] = {"role": "assistant", "content": content}
+            reply: ChatCompletionAssistantMessageParam = {"role": "assistant", "content": content}
             if calls:
                 reply["tool_calls"] = list(calls.values())
             messages.append(reply)
             if not calls:
                 ctx.state["stop_reason"] = "done"
                 return
-            for call in reply["tool_calls"]:
-                args = json.loads(call["function"]["arguments"])
-                messages.append({"role": "tool", "tool_call_id": call["id"], "content": str(add(**args))})
+            for call_param in calls.values():
+                args = json.loads(call_param["function"]["arguments"])
+                messages.append({"role": "tool", "tool_call_id": call_param["id"], "content": str(add(**args))})
 
 
 async def test_transient_failures_are_retried_and_errors_pass_through(proxy: RecordingProxy,

@@ -17,7 +17,8 @@ V1 = json.loads((Path(__file__).parent / "data" / "events_v1.json").read_text())
 
 
 def test_contract_module_imports_nothing_heavy() -> None:
-    code = "import sys, flywheel.contract.events; print(sorted(m for m in ('torch', 'fastapi', 'sqlalchemy', 'nats', 'transformers') if m in sys.modules))"
+    code = ("import sys, flywheel.contract.events; "
+            "print(sorted(m for m in ('torch', 'fastapi', 'sqlalchemy', 'nats', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -56,7 +57,9 @@ def test_unknown_fields_are_ignored_and_new_fields_have_defaults() -> None:
 def test_every_field_added_after_version_1_has_a_default() -> None:
     for tag, cls in events.EVENT_TYPES.items():
         v1_fields = next(set(e) for e in V1["json"] if e["type"] == tag)
-        for f in msgspec.inspect.type_info(cls).fields:
+        info = msgspec.inspect.type_info(cls)
+        assert isinstance(info, msgspec.inspect.StructType)
+        for f in info.fields:
             if f.encode_name not in v1_fields:
                 assert not f.required, f"{cls.__name__}.{f.name} was added without a default"
 
@@ -108,4 +111,5 @@ def test_json_schema_covers_every_event_and_matches_the_docs() -> None:
     schema = events.json_schema()
     assert {"Task", "Rollout", "TraceNode", "Score", "WeightUpdate", "DeadLetter"} <= set(schema["$defs"])
     published = Path(__file__).parents[2] / "docs" / "events.schema.json"
-    assert json.loads(published.read_text()) == schema, "docs/events.schema.json is stale: run `flywheel schema --out docs/events.schema.json`"
+    assert json.loads(published.read_text()) == schema, \
+        "docs/events.schema.json is stale: run `flywheel schema --out docs/events.schema.json`"

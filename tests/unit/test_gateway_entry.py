@@ -24,4 +24,5 @@ def test_entry_point_defers_heavy_imports() -> None:
 
 def test_recorder_refuses_unknown_streams() -> None:
     with pytest.raises(ValueError, match=r"streams: \['BOGUS'\] are not Flywheel streams"):
-        recorder.build(None, None, RecorderSettings(), streams=("TASKS", "BOGUS"))  # type: ignore[arg-type]
+        recorder.build(None, None, RecorderSettings(),  # type: ignore[arg-type]  # refused before bus or store is used
+                       streams=("TASKS", "BOGUS"))

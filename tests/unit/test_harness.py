@@ -4,10 +4,10 @@ truncation; the program harness's environment, state and timeout (its process gr
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -18,8 +18,8 @@ from flywheel.sdk.harness import ChatHarness, ProgramHarness, RolloutContext, To
 from tests.scripted_openai import ScriptedOpenAI, tool_call
 
 
-def env_with(harness: object) -> Environment:
-    return Environment(name="t", tasks=[{"prompt": "hi", "n": 3}], harness=harness,  # type: ignore[arg-type]
+def env_with(harness: ChatHarness | ProgramHarness) -> Environment:
+    return Environment(name="t", tasks=[{"prompt": "hi", "n": 3}], harness=harness,
                        rewards=[Reward(lambda completion: 0.0, name="zero")])
 
 
@@ -49,7 +49,8 @@ async def test_function_and_mcp_tools_are_called_and_errors_go_back_to_the_model
         first = server.requests_for("agent")[0]
         assert {t["function"]["name"] for t in first["tools"]} == {"add", "shout"}
         add_spec = next(t for t in first["tools"] if t["function"]["name"] == "add")["function"]
-        assert add_spec["description"] == "Add two integers." and set(add_spec["parameters"]["properties"]) == {"a", "b"}
+        assert add_spec["description"] == "Add two integers."
+        assert set(add_spec["parameters"]["properties"]) == {"a", "b"}
         tool_answers = [m["content"] for m in server.conversation("agent") if m["role"] == "tool"]
     assert tool_answers[0] == "5" and tool_answers[2] == "OK"
     assert tool_answers[1].startswith("error: invalid arguments for add") and "no tool named 'nope'" in tool_answers[3]
@@ -105,7 +106,8 @@ async def test_a_program_gets_its_url_key_and_task_and_reports_state(tmp_path: P
         reply = OpenAI().chat.completions.create(model=os.environ["OPENAI_MODEL"],
                                                  messages=[{"role": "user", "content": task["prompt"]}])
         print("some log line")
-        print(json.dumps({"answer": reply.choices[0].message.content, "n": json.loads(os.environ["FLYWHEEL_TASK"])["n"]}))
+        n = json.loads(os.environ["FLYWHEEL_TASK"])["n"]
+        print(json.dumps({"answer": reply.choices[0].message.content, "n": n}))
     """))
     harness = ProgramHarness([sys.executable, str(script)], timeout_s=60)
     with ScriptedOpenAI({"agent": ["42"]}) as server:
@@ -120,13 +122,14 @@ async def test_a_program_past_its_timeout_is_killed_with_its_children(tmp_path: 
     script = tmp_path / "slow.py"
     script.write_text(textwrap.dedent(f"""
         import subprocess, sys, time
-        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # noqa: sleep - the sleeps are the slow program under test (it must outlive its timeout)
+        # noqa: sleep - the sleeps are the slow program under test (it must outlive its timeout)
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
         open({str(pid_file)!r}, "w").write(str(child.pid))
         time.sleep(60)  # noqa: sleep - the program outlives its timeout on purpose
     """))
     harness = ProgramHarness([sys.executable, str(script)], timeout_s=1.5)
     with ScriptedOpenAI({"agent": []}) as server:
-        with pytest.raises(TimeoutError, match="timeout_s=1.5"):
+        with pytest.raises(TimeoutError, match=r"timeout_s=1\.5"):
             await harness.run(env_with(harness), ctx_for(server))
     child = int(pid_file.read_text())
     for _ in range(100):
@@ -135,10 +138,10 @@ async def test_a_program_past_its_timeout_is_killed_with_its_children(tmp_path: 
         except ProcessLookupError:
             break
         try:  # reap it if it is ours (it is not: it was the program's child, now re-parented)
-            os.waitpid(child, os.WNOHANG)
+            os.waitpid(child, os.WNOHANG)  # noqa: ASYNC222 - WNOHANG: it returns at once
         except ChildProcessError:
             pass
-        time.sleep(0.05)  # noqa: sleep - polling for the killed process to be gone
+        await asyncio.sleep(0.05)  # noqa: sleep - polling for the killed process to be gone
     else:
         raise AssertionError(f"the program's child {child} outlived the timeout")
 

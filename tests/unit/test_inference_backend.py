@@ -31,7 +31,7 @@ def test_logprobs_match_an_unpadded_full_forward(backend: TransformersBackend) -
     out = backend.generate(PROMPTS, sampling)
     diffs = torch.cat([
         (full_forward_logprobs(backend.model, p, c.token_ids, 0.7) - torch.tensor(c.logprobs)).abs()
-        for p, c in zip(PROMPTS, out)])
+        for p, c in zip(PROMPTS, out, strict=True)])
     assert diffs.mean().item() <= 1e-4, diffs.max()
 
 
@@ -118,7 +118,7 @@ def test_swap_loads_new_weights_and_records_the_version(tiny_model_dir: Path) ->
     after = backend.generate(PROMPTS, sampling)
     assert backend.version == 7
     assert [c.logprobs for c in after] != [c.logprobs for c in before]
-    with pytest.raises(ValueError, match="inference.backend='vllm'"):
+    with pytest.raises(ValueError, match=r"inference\.backend='vllm'"):
         build_backend("vllm", tiny_model_dir, "float32")
 
 
@@ -127,7 +127,7 @@ def test_the_config_variants_and_the_backend_registry_agree() -> None:
     assert set(parts) - {BY_PATH} == set(BACKENDS)
     for name, variant in parts.items():
         if name != BY_PATH:
-            variant.check_call(BACKENDS[name], variant().kwargs())
+            variant.check_call(BACKENDS[name], variant.model_validate({}).kwargs())
     methods = {name for name, value in vars(Backend).items() if callable(value) and not name.startswith("_")}
     assert set(BackendPart.METHODS) == methods
 
@@ -152,5 +152,6 @@ def test_a_users_backend_by_path_is_built_from_the_run_config(tiny_model_dir: Pa
     cfg = RunConfig.parse({"run": "r", "env": "e", "inference": {
         "backend": {"type": "user_backend_parts:LabelledBackend", "args": {"label": "mine"}}}})
     backend = build_backend(RunConfig.parse(cfg.model_dump()).inference.backend, tiny_model_dir, "float32")
-    assert type(backend).__name__ == "LabelledBackend" and backend.label == "mine"  # type: ignore[attr-defined]
+    assert type(backend).__name__ == "LabelledBackend"
+    assert backend.label == "mine"  # type: ignore[attr-defined]  # LabelledBackend (USER_BACKEND) has one
     check_one_completion_per_prompt(backend)

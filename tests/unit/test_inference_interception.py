@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 from transformers import AutoTokenizer
@@ -55,7 +55,7 @@ def tok(tiny_model_dir: Path) -> Any:
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
-def msg(role: str, content: str = "", **kw: Any) -> events.Message:
+def msg(role: Literal["system", "user", "assistant", "tool"], content: str = "", **kw: Any) -> events.Message:
     return events.Message(role=role, content=content, **kw)
 
 
@@ -74,13 +74,17 @@ def assert_exact(graph: TraceGraph, policy: ScriptedPolicy) -> None:
     answers = [n for n in graph.nodes.values() if n.tokens and any(n.tokens.loss_mask)]
     assert len(answers) == len(policy.prompts)
     for node in answers:
-        branch = graph.branch(node.id)
-        ids = [t for n in branch for t in n.tokens.token_ids]
-        sampled = [t for t, m in zip(node.tokens.token_ids, node.tokens.loss_mask) if m]
+        spans = []
+        for n in graph.branch(node.id):
+            assert n.tokens is not None, n.id
+            spans.append(n.tokens)
+        ids = [t for span in spans for t in span.token_ids]
+        assert node.tokens is not None
+        sampled = [t for t, m in zip(node.tokens.token_ids, node.tokens.loss_mask, strict=True) if m]
         call = policy.sampled.index(sampled)
         assert ids == policy.prompts[call] + policy.sampled[call]
-        for n in branch:
-            assert len(n.tokens.logprobs) == len(n.tokens.token_ids) == len(n.tokens.loss_mask)
+        for span in spans:
+            assert len(span.logprobs) == len(span.token_ids) == len(span.loss_mask)
 
 
 async def test_a_tool_call_conversation_extends_the_sampled_tokens(tok: Any) -> None:
@@ -88,7 +92,7 @@ async def test_a_tool_call_conversation_extends_the_sampled_tokens(tok: Any) -> 
     policy = ScriptedPolicy(tok, [call_text, "four"])
     session, published = session_for(policy)
     first = [msg("system", "Use tools."), msg("user", "what is 2+2")]
-    answer, completion, _ = await session.chat(first, TOOLS, None)
+    answer, _, _ = await session.chat(first, TOOLS, None)
     assert answer.message.content == "" and [c.name for c in answer.message.tool_calls] == ["add"]
     assert json.loads(answer.message.tool_calls[0].arguments) == {"a": 2}
     # The harness sends back what it got, plus the tool's answer (as an OpenAI client would).

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -14,12 +15,15 @@ from flywheel_inference.completion import Completion
 from flywheel_inference.policy import Policy, TransientFetchError, WeightsUnavailable
 from tests.helpers import until
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 
 class FakeBackend:
     """Loads any blob but b"broken"; samples one token."""
 
-    tokenizer = None
-    max_positions = None
+    tokenizer: PreTrainedTokenizerBase  # left unset: the policy never reads it
+    max_positions: int | None = None
 
     def __init__(self) -> None:
         self.version: int | None = None
@@ -85,8 +89,9 @@ async def test_a_bogus_update_leaves_the_run_on_its_weights_and_a_later_lower_on
     await until(lambda: policy.version == 0, what="version 0")
     policy.offer(update(10**9, "mem://bogus"))
     await until(lambda: policy.load_error is not None, what="the failed load")
-    assert "weights version 1000000000 (mem://bogus)" in policy.load_error  # type: ignore[operator]
-    assert "sha256" in policy.load_error and "stays on version 0" in policy.load_error  # type: ignore[operator]
+    assert policy.load_error is not None
+    assert "weights version 1000000000 (mem://bogus)" in policy.load_error
+    assert "sha256" in policy.load_error and "stays on version 0" in policy.load_error
     assert errors == [policy.load_error]
     (sampled,) = await policy.sample([[5]], SAMPLING)  # sampling goes on, on the weights it has
     assert sampled.version == 0
@@ -115,7 +120,8 @@ async def test_a_transient_fetch_failure_is_tried_again_and_a_bad_blob_is_not(
     store.failures["mem://1"] = [TransientFetchError("timeout")] * 4  # one more than retry_s allows
     policy.offer(update(1))
     await until(lambda: policy.load_error is not None, what="version 1 given up")
-    assert store.fetched.count("mem://1") == 4 and "timeout" in policy.load_error  # type: ignore[operator]
+    assert policy.load_error is not None
+    assert store.fetched.count("mem://1") == 4 and "timeout" in policy.load_error
 
     policy.offer(update(5, "mem://missing"))
     await until(lambda: "version 5" in (policy.load_error or ""), what="version 5 failed")
@@ -126,8 +132,9 @@ async def test_a_transient_fetch_failure_is_tried_again_and_a_bad_blob_is_not(
 async def test_without_weights_a_failure_is_reported_and_sampling_says_why(policy: Policy) -> None:
     policy.offer(update(0, "mem://bogus"))
     await until(lambda: policy.load_error is not None, what="the failed load")
-    assert "no weights loaded yet" in policy.load_error  # type: ignore[operator]
-    with pytest.raises(WeightsUnavailable, match="weights version 0 .*mem://bogus"):
+    assert policy.load_error is not None
+    assert "no weights loaded yet" in policy.load_error
+    with pytest.raises(WeightsUnavailable, match=r"weights version 0 .*mem://bogus"):
         await policy.sample([[5]], SAMPLING)
     policy.offer(update(0))  # the real version 0, published after a bogus one of the same number
     assert await policy.wait_ready() == 0

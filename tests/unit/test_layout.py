@@ -3,7 +3,9 @@
 - services never import each other, and the shared package never imports a service;
 - the shared package's layers import downward only: ``flywheel.contract`` imports neither
   ``flywheel.sdk`` nor ``flywheel.ops``; ``flywheel.sdk`` does not import ``flywheel.ops``;
-- no import cycles between modules of the shared package and the services.
+- no import cycles between modules of the shared package and the services;
+- an import inside a function either keeps something heavy out of start-up (a package of
+  ``HEAVY``, or a module of ours that loads one) or says why it is there.
 
 Every import counts, at module level or inside a function, except those under ``if
 TYPE_CHECKING:`` (annotations only: nothing runs them).
@@ -127,8 +129,90 @@ def test_no_import_cycles() -> None:
 def test_the_rules_catch_what_they_are_for(tmp_path: Path) -> None:
     # The checks above can fail: an import under TYPE_CHECKING does not count, one in a function does,
     # and a cycle is found.
-    (tmp_path / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from flywheel.sdk import x\n"
+    (tmp_path / "a.py").write_text("from typing import TYPE_CHECKING\n"
+                                   "if TYPE_CHECKING:\n    from flywheel.sdk import x\n"
                                    "def f():\n    from flywheel.ops import cli\n")
     assert imports(tmp_path / "a.py") == {"typing", "typing.TYPE_CHECKING", "flywheel.ops", "flywheel.ops.cli"}
     assert find_cycle({"p": {"q"}, "q": {"r"}, "r": {"p"}, "s": {"p"}}) == ["p", "q", "r", "p"]
     assert find_cycle({"p": {"q"}, "q": set(), "s": {"p", "q"}}) is None
+
+
+# --- imports inside functions ---------------------------------------------------------------
+
+# Packages whose import costs start-up time, or that an extra may leave out. A function may
+# import one of these, or a module of ours that imports one when it is imported, so that
+# `--help`, the CLI's other commands and the contract stay quick to load.
+HEAVY = {"torch", "transformers", "tokenizers", "safetensors", "accelerate", "numpy", "gguf", "vllm", "deepspeed",
+         "fastapi", "starlette", "uvicorn", "httpx", "openai", "mcp", "sqlalchemy", "alembic", "aiosqlite", "asyncpg",
+         "docker", "matplotlib", "datasets", "pyarrow", "bm25s", "opentelemetry", "yaml", "nats", "pydantic",
+         "pydantic_settings"}
+# Any other import inside a function says why, on its line or in the comment just above it.
+REASON = "imported here:"
+
+
+def load_time_imports(path: Path) -> set[str]:
+    """What importing ``path`` imports: its statements outside functions, classes and TYPE_CHECKING."""
+    found: set[str] = set()
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) or (
+                isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"):
+            continue
+        for n in ast.walk(node):
+            if isinstance(n, ast.Import):
+                found.update(a.name for a in n.names)
+            elif isinstance(n, ast.ImportFrom) and n.module and n.level == 0:
+                found.add(n.module)
+                found.update(f"{n.module}.{a.name}" for a in n.names)
+    return found
+
+
+def heavy_modules() -> set[str]:
+    """Our modules that import a HEAVY package when imported, directly or through another of ours."""
+    loads = {module_name(p): load_time_imports(p) for p in sources()}
+    heavy = {m for m, deps in loads.items() if any(d.split(".")[0] in HEAVY for d in deps)}
+    while more := {m for m, deps in loads.items() if m not in heavy and deps & heavy}:
+        heavy |= more
+    return heavy
+
+
+def unexplained_function_imports(source: str, heavy: set[str]) -> list[tuple[int, str]]:
+    """(line, statement) of each import inside a function of ``source`` that loads nothing heavy and
+    does not say why."""
+    lines = source.splitlines()
+    bad = []
+    for fn in ast.walk(ast.parse(source)):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for n in ast.walk(fn):
+            if isinstance(n, ast.Import):
+                names = [a.name for a in n.names]
+            elif isinstance(n, ast.ImportFrom) and n.module and n.level == 0:
+                names = [n.module, *(f"{n.module}.{a.name}" for a in n.names)]
+            else:
+                continue
+            if any(name.split(".")[0] in HEAVY or name in heavy for name in names):
+                continue
+            said = [lines[n.lineno - 1]]
+            above = n.lineno - 2
+            while above >= 0 and lines[above].strip().startswith("#"):
+                said.append(lines[above])
+                above -= 1
+            if not any(REASON in line.lower() for line in said):
+                bad.append((n.lineno, lines[n.lineno - 1].strip()))
+    return bad
+
+
+def test_imports_inside_functions_keep_start_up_light_or_say_why() -> None:
+    heavy = heavy_modules()
+    assert {"flywheel_trainer.engines", "flywheel_gateway.app", "flywheel.contract.settings"} <= heavy
+    assert "flywheel.contract.events" not in heavy
+    bad = [f"{p.relative_to(ROOT)}:{line}: {statement}" for p in sources()
+           for line, statement in unexplained_function_imports(p.read_text(), heavy)]
+    assert not bad, ("imports inside functions that keep nothing heavy out of start-up: move them to the top of "
+                     f"the module, or say why in a comment above them ('# {REASON} ...'):\n" + "\n".join(bad))
+
+
+def test_an_import_inside_a_function_without_a_reason_is_found() -> None:
+    source = ("def f():\n    import json\n    import torch\n    # imported here: only this path needs it\n"
+              "    import csv\n    from flywheel_trainer import engines\n    import os  # Imported here: why\n")
+    assert unexplained_function_imports(source, {"flywheel_trainer.engines"}) == [(2, "import json")]

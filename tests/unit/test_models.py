@@ -26,7 +26,7 @@ def test_tiny_model_is_a_normal_hf_folder_with_a_chat_template(tiny_model_dir: P
 def test_building_twice_gives_the_same_weights(tmp_path: Path) -> None:
     a, _ = models.load_model(models.build_tiny(tmp_path / "a"))
     b, _ = models.load_model(models.build_tiny(tmp_path / "b"))
-    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
 
 
 def test_weights_round_trip_through_bytes(tiny_model_dir: Path) -> None:
@@ -36,12 +36,12 @@ def test_weights_round_trip_through_bytes(tiny_model_dir: Path) -> None:
         for p in other.parameters():
             p.add_(1.0)
     models.load_weights(other, models.save_weights(model))
-    assert all(torch.equal(x, y) for x, y in zip(model.state_dict().values(), other.state_dict().values()))
+    assert all(torch.equal(x, y) for x, y in zip(model.state_dict().values(), other.state_dict().values(), strict=True))
 
 
 def test_bad_model_names_say_what_to_give(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match="config.json"):
+    with pytest.raises(ValueError, match=r"config\.json"):
         models.resolve_model(str(tmp_path / "empty"), tmp_path)
     assert models.resolve_model("org/some-hub-model", tmp_path) == "org/some-hub-model"
     with pytest.raises(ValueError, match="dtype"):

@@ -79,7 +79,8 @@ def scorer(pool: ThreadPoolExecutor, rewards: Any = None, configured: dict[str, 
 
 
 def delivery(r: events.Rollout) -> Delivery:
-    return Delivery(event=r, subject=r.subject(), stream_seq=0, num_delivered=1, headers={}, msg=None)  # type: ignore[arg-type]
+    return Delivery(event=r, subject=r.subject(), stream_seq=0, num_delivered=1, headers={},
+                    msg=None)  # type: ignore[arg-type]  # no NATS message: Scorer.handle never reads it
 
 
 # --- the built-in scorer ------------------------------------------------------------------
@@ -158,6 +159,10 @@ async def test_an_unknown_environment_is_rejected_with_the_reason(pool: ThreadPo
 # --- failures -----------------------------------------------------------------------------
 
 
+def length(completion: str) -> float:
+    return len(completion)
+
+
 def divides(completion: str) -> float:
     return 1 / 0
 
@@ -167,7 +172,7 @@ async def async_raises(task: dict) -> float:
 
 
 async def test_failing_rewards_become_score_errors_and_spare_the_others(pool: ThreadPoolExecutor) -> None:
-    rewards = Rewards(good=lambda completion: len(completion), divides=divides, async_raises=async_raises,
+    rewards = Rewards(good=length, divides=divides, async_raises=async_raises,
                       text=lambda: "0.5", nan=lambda: float("nan"), nothing=lambda: None, boolean=lambda: True,
                       empty=lambda: {}, bad_part=lambda: {"a": 1.0, "b": "x"})
     scores = {sc.scorer: sc for sc in await scorer(pool, rewards).score(rollout(answer="cba"))}
@@ -239,7 +244,8 @@ async def test_a_group_reward_waits_for_the_whole_group_then_scores_each_rollout
     assert sorted(sc.id for sc in published) == ["g1-0.similar", "g1-1.similar"]  # their own rewards at once
     await s.handle(delivery(members[2]))
     await asyncio.gather(*first)
-    group_scores = {sc.rollout_id: (sc.value, sc.weight, sc.error) for sc in published if sc.scorer == "shortest_correct"}
+    group_scores = {sc.rollout_id: (sc.value, sc.weight, sc.error) for sc in published
+                    if sc.scorer == "shortest_correct"}
     assert group_scores == {"g1-0": (0.0, 0.5, None), "g1-1": (1.0, 0.5, None), "g1-2": (0.0, 0.5, None)}
     assert s.num_held == 0
     await s.handle(delivery(members[1]))  # a redelivery of a scored member: nothing new for the group
@@ -269,8 +275,8 @@ async def test_an_incomplete_group_is_scored_after_its_timeout_with_the_missing_
     await asyncio.gather(s.handle(delivery(members[0])), s.handle(delivery(members[2])))
     by_id = {sc.rollout_id: sc for sc in published}
     assert sorted(by_id) == ["g1-0", "g1-2"] and by_id["g1-2"].value == 1.0 and by_id["g1-0"].value == 0.0
-    assert by_id["g1-0"].error == ("group reward 'shortest': group g1 scored incomplete, missing rollout indices [1] of "
-                                   "3: the rest did not arrive within group_timeout_s=0.2s")
+    assert by_id["g1-0"].error == ("group reward 'shortest': group g1 scored incomplete, missing rollout indices [1] "
+                                   "of 3: the rest did not arrive within group_timeout_s=0.2s")
     await s.handle(delivery(members[1]))  # late: told so, not scored as a new group
     assert published[-1].rollout_id == "g1-1" and published[-1].error == (
         "group reward 'shortest': group g1 was scored without this rollout (index 1), which arrived after it")

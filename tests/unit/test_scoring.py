@@ -43,6 +43,10 @@ def test_the_required_scorers_are_the_runs_else_the_environments() -> None:
     assert required_scorers(RunConfig(run="r", env="reverse_text", scorers={"brevity": 2.0}), env) == {"brevity": 2.0}
 
 
+def length(completion: str) -> float:
+    return len(completion)
+
+
 async def slow(completion: str) -> float:
     await asyncio.Event().wait()
     return 1.0
@@ -50,14 +54,15 @@ async def slow(completion: str) -> float:
 
 async def test_a_group_is_scored_by_the_error_rules_each_reward_on_its_own() -> None:
     env = Environment(name="rules", tasks=[{"prompt": "x"}], rewards=[
-        Reward(lambda completion: len(completion), name="length"), Reward(lambda: 1 / 0, name="raises"),
+        Reward(length, name="length"), Reward(lambda: 1 / 0, name="raises"),
         Reward(lambda: "high", name="words"), Reward(slow), Metric(lambda: {"a": 1.0, "b": 2.0}, name="parts"),
         GroupReward(lambda completions: [1.0], name="short_list"),
         GroupReward(lambda completions: [float(c == "cba") for c in completions], name="right", weight=0.5)])
     rollouts = [make_rollout("rules", {"prompt": "x"}, [{"role": "user", "content": "x"},
                                                         {"role": "assistant", "content": answer}], index=i)
                 for i, answer in enumerate(["cba", "ab"])]
-    scored = await Scoring(timeout_s=0.2).score_group(env.rewards, rollouts, {"length": 2.0})  # type: ignore[arg-type]
+    scored = await Scoring(timeout_s=0.2).score_group(
+        env.rewards, rollouts, {"length": 2.0})  # type: ignore[arg-type]  # Environment made each a Reward
     first = {s.scorer: s for s in scored[0]}
     assert [s.scorer for s in scored[1]] == list(first)  # one score per reward, in the rewards' order
     assert (first["length"].value, first["length"].weight) == (3.0, 2.0) and first["right"].weight == 0.5

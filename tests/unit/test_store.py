@@ -82,13 +82,14 @@ def task(i: int, run: str = "r1", env: str = "math") -> events.Task:
 
 def node(parent: events.Node | None, role: str, content: str, token_ids: list[int] | None = None,
          policy_version: int | None = None) -> events.Node:
-    message = events.Message(role=role, content=content)  # type: ignore[arg-type]
+    message = events.Message(role=role, content=content)  # type: ignore[arg-type]  # callers pass Message roles
     tokens = None
     if token_ids is not None:
         tokens = events.TokenSpan(token_ids=token_ids, logprobs=[-0.5] * len(token_ids),
                                   loss_mask=[role == "assistant"] * len(token_ids), policy_version=policy_version)
     parent_id = parent.id if parent else None
-    return events.Node(id=events.node_id(parent_id, message, tokens), parent_id=parent_id, message=message, tokens=tokens)
+    return events.Node(id=events.node_id(parent_id, message, tokens), parent_id=parent_id, message=message,
+                       tokens=tokens)
 
 
 def conversation(answer: str) -> list[events.Node]:
@@ -101,7 +102,8 @@ def conversation(answer: str) -> list[events.Node]:
 def rollout(rid: str, *, task_id: str = "t1", group_id: str = "g1", index: int = 0, policy_version: int = 3,
             status: str = "completed", answer: str = "4", run: str = "r1") -> events.Rollout:
     return events.Rollout(id=rid, run=run, env="math", task_id=task_id, group_id=group_id, index=index,
-                          policy_version=policy_version, nodes=conversation(answer), status=status,  # type: ignore[arg-type]
+                          policy_version=policy_version, nodes=conversation(answer),
+                          status=status,  # type: ignore[arg-type]  # callers pass a Rollout status
                           metrics={"num_turns": 1.0}, task_data={"q": "2+2"}, created_at=T0)
 
 
@@ -464,7 +466,7 @@ async def test_runs_get_their_tenant_from_run_state(store: Store) -> None:
 
 async def test_events_that_can_never_be_recorded_are_refused(store: Store) -> None:
     with pytest.raises(UnrecordableEvent, match="does not record RunState"):
-        await store.record([task(1), events.RunState(id="r1")])  # type: ignore[list-item]
+        await store.record([task(1), events.RunState(id="r1")])  # type: ignore[list-item]  # not an Event on purpose
     naive = events.Task(id="naive", run="r1", env="e", data={}, created_at=datetime(2026, 1, 1))
     with pytest.raises(UnrecordableEvent, match="'naive': created_at 2026-01-01T00:00:00 has no time zone"):
         await store.record([task(2), naive])
@@ -535,7 +537,8 @@ async def test_rollout_filters(store: Store) -> None:
     ])
 
     async def ids(**filters: object) -> set[str]:
-        page = await store.list_rollouts(RolloutFilter(**filters), limit=100)  # type: ignore[arg-type]
+        page = await store.list_rollouts(
+            RolloutFilter(**filters), limit=100)  # type: ignore[arg-type]  # callers pass its fields' types
         return {r["id"] for r in page.items}
 
     assert await ids() == {"low", "mid", "high", "broken"}
@@ -554,7 +557,7 @@ async def test_rollout_filters(store: Store) -> None:
 
 async def test_rollout_error_and_time_filters(store: Store) -> None:
     def at(rid: str, minutes: int, **kw: object) -> events.Rollout:
-        r = rollout(rid, **kw)  # type: ignore[arg-type]
+        r = rollout(rid, **kw)  # type: ignore[arg-type]  # the calls below pass rollout()'s keywords
         return msgspec.structs.replace(r, created_at=T0 + timedelta(minutes=minutes))
 
     await store.record([
@@ -564,7 +567,8 @@ async def test_rollout_error_and_time_filters(store: Store) -> None:
     ])
 
     async def ids(**filters: object) -> set[str]:
-        page = await store.list_rollouts(RolloutFilter(**filters), limit=100)  # type: ignore[arg-type]
+        page = await store.list_rollouts(
+            RolloutFilter(**filters), limit=100)  # type: ignore[arg-type]  # callers pass its fields' types
         return {r["id"] for r in page.items}
 
     assert await ids(error=True) == {"broken", "scorer-failed", "message"}

@@ -23,8 +23,9 @@ from flywheel.sdk.tracegraph import (
 
 
 def test_branches_are_walked_from_their_leaf_to_the_root() -> None:
-    graph = [{"id": "s", "parent_id": None}, {"id": "u", "parent_id": "s"}, {"id": "a1", "parent_id": "u"},
-             {"id": "t", "parent_id": "a1"}, {"id": "a2", "parent_id": "t"}, {"id": "retry", "parent_id": "u"}]
+    graph: list[dict[str, str | None]] = [
+        {"id": "s", "parent_id": None}, {"id": "u", "parent_id": "s"}, {"id": "a1", "parent_id": "u"},
+        {"id": "t", "parent_id": "a1"}, {"id": "a2", "parent_id": "t"}, {"id": "retry", "parent_id": "u"}]
     assert walk(graph, "a2", ROWS) == (graph[:5], True)
     assert walk(graph, "retry", ROWS) == ([graph[0], graph[1], graph[5]], True)
     assert walk(graph[3:], "a2", ROWS) == (graph[3:5], False)  # a1 not arrived yet
@@ -63,7 +64,8 @@ def test_the_same_walks_on_nodes_and_on_their_rows() -> None:
     first = branches(nodes)[0]
     assert join_tokens(first) == join_tokens(branches(rows, ROWS)[0], ROWS)
     # The user node's span has ids only: joined as recorded by the store, refused by the trainer's check.
-    assert join_tokens(first).token_ids == [1, 2, 3, 4, 5] and join_tokens(first).loss_mask == [False, False, True, True]
+    assert join_tokens(first).token_ids == [1, 2, 3, 4, 5]
+    assert join_tokens(first).loss_mask == [False, False, True, True]
     with pytest.raises(TokenLayerError, match=r"node [0-9a-f]+: 1 token ids but 0 logprobs and 0 loss-mask entries"):
         join_tokens(first, strict=True)
 

@@ -9,6 +9,7 @@ ZeRO test is marked ``slow``.
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 import pytest
@@ -77,7 +78,7 @@ def test_deepspeed_zero_steps_like_torch_and_resumes_from_its_checkpoint(
     expected = steps(reference, reference_cfg, 2)
     engine = build(cfg, tiny_model_dir)
     got = steps(engine, cfg, 2)
-    for e, g in zip(expected, got):
+    for e, g in zip(expected, got, strict=True):
         assert g["loss"] == pytest.approx(e["loss"], abs=1e-5)
         assert g["grad_norm"] == pytest.approx(e["grad_norm"], rel=1e-4)
     # ZeRO-3 gathers the full weights. Its reductions add in another order, and Adam turns a
@@ -137,10 +138,10 @@ def test_a_users_advantage_loss_and_engine_by_path_drive_a_step(tiny_model_dir: 
                  loss={"type": "user_trainer_parts:tight_clipped", "args": {"eps": 0.1}})
     cfg = RunConfig.parse(cfg.model_dump())  # as a service reads it from the run state
     engine = build(cfg, tiny_model_dir)
-    assert isinstance(engine, TorchEngine) and (engine.label, engine.num_steps) == ("mine", 0)  # type: ignore[attr-defined]
+    assert isinstance(engine, TorchEngine)
+    assert (engine.label, engine.num_steps) == ("mine", 0)  # type: ignore[attr-defined]  # the user's engine's own
     figures = steps(engine, cfg, 1)[0]
-    import user_trainer_parts
-
-    assert engine.num_steps == 1  # type: ignore[attr-defined]
+    user_trainer_parts = importlib.import_module("user_trainer_parts")  # the module this test wrote
+    assert engine.num_steps == 1  # type: ignore[attr-defined]  # the user's engine's own
     assert ("advantage", 0.5) in user_trainer_parts.CALLS and ("loss", 0.1) in user_trainer_parts.CALLS
     assert figures["advantage_abs_mean"] == pytest.approx(0.5 * 0.375)  # half of |r - 0.375| averaged

@@ -33,13 +33,13 @@ def make_rollout(rollout_id: str, group_id: str, *, prompt: list[int] | None = N
     ]
     nodes, parent = [], None
     for role, span in spans:
-        message = events.Message(role=role, content=role)  # type: ignore[arg-type]
+        message = events.Message(role=role, content=role)  # type: ignore[arg-type]  # spans' roles are Message roles
         node = events.Node(id=events.node_id(parent, message, span), parent_id=parent, message=message, tokens=span)
         nodes.append(node)
         parent = node.id
     return events.Rollout(id=rollout_id, run=run, env=env, task_id=f"task-{group_id}", group_id=group_id,
                           group_size=group_size, policy_version=policy_version, nodes=nodes,
-                          status=status)  # type: ignore[arg-type]
+                          status=status)  # type: ignore[arg-type]  # callers pass a Rollout status
 
 
 def make_score(rollout: events.Rollout, scorer: str, value: float, error: str | None = None) -> events.Score:
@@ -79,7 +79,8 @@ def test_take_waits_for_enough_groups_and_hands_out_the_oldest_first() -> None:
             scored(joiner, make_rollout(f"{g}-{i}", g))
     joiner.add_rollout(make_rollout("g4-0", "g4"))  # incomplete group
     first = joiner.take(2)
-    assert first is not None and [[s.rollout.id for s in g] for g in first.groups] == [["g1-0", "g1-1"], ["g2-0", "g2-1"]]
+    assert first is not None
+    assert [[s.rollout.id for s in g] for g in first.groups] == [["g1-0", "g1-1"], ["g2-0", "g2-1"]]
     assert joiner.take(2) is None
     second = joiner.take(1)
     assert second is not None and second.trained_ids == ["g3-0", "g3-1"]

@@ -49,7 +49,8 @@ def sampled_rollouts(model: torch.nn.Module, tok: object, n: int, temperature: f
     prompt = models.render_prompt(tok, PROMPT)
     rollouts = []
     for i in range(n):
-        completion, logprobs = sample(model, prompt, 4 + 3 * i, temperature, tok.eos_token_id, seed=i)  # type: ignore[attr-defined]
+        completion, logprobs = sample(model, prompt, 4 + 3 * i, temperature,
+                                      tok.eos_token_id, seed=i)  # type: ignore[attr-defined]  # tok: an HF tokenizer
         rollouts.append(make_rollout(f"r{i}", "g", prompt=prompt, completion=completion, logprobs=logprobs,
                                      group_size=n))
     return rollouts
@@ -114,7 +115,7 @@ def test_steps_on_a_fixed_batch_raise_the_good_completion_and_lower_the_loss(tin
     cfg = RunConfig(run="t", env="reverse_text", group_size=4,
                     trainer={"batch_size": 4, "lr": 3e-3, "loss": {"type": loss, "clip_eps": 0.5}})
     rollouts = sampled_rollouts(model, tok, 4, cfg.sampling.temperature)
-    group = [Scored(r, reward, 0) for r, reward in zip(rollouts, [1.0, 0.0, 0.0, 0.0])]
+    group = [Scored(r, reward, 0) for r, reward in zip(rollouts, [1.0, 0.0, 0.0, 0.0], strict=True)]
     before = [sequence_logprob(model, r, 1.0) for r in rollouts]
     engine = TorchEngine(model, cfg.trainer, cfg.model.dtype)
     losses = [rl_step(engine, [group], tok.pad_token_id, cfg, MICRO_BATCH_SIZE)["loss"] for _ in range(4)]

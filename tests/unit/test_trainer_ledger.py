@@ -20,7 +20,9 @@ def test_a_checkpoint_becomes_the_latest_only_when_complete(tmp_path: Path) -> N
     (tmp / "engine" / "weights.bin").write_bytes(b"w1")
     assert checkpoints.latest() is None  # written, not committed
     checkpoints.commit(tmp, CheckpointState(step=1, version=1, trained={1: ["a", "b"]}, dropped={"c": "stale"}))
-    path, state = checkpoints.latest()  # type: ignore[misc]
+    latest = checkpoints.latest()
+    assert latest is not None
+    path, state = latest
     assert path.name == "step-00000001" and (path / "engine" / "weights.bin").read_bytes() == b"w1"
     assert state.trained == {1: ["a", "b"]} and state.consumed_ids() == {"a", "b", "c"}
 
@@ -29,7 +31,9 @@ def test_a_checkpoint_becomes_the_latest_only_when_complete(tmp_path: Path) -> N
     tmp = checkpoints.begin(2)
     assert not (tmp / "half").exists()
     checkpoints.commit(tmp, CheckpointState(step=2, version=2, trained={1: ["a", "b"], 2: ["d"]}))
-    path, state = checkpoints.latest()  # type: ignore[misc]
+    latest = checkpoints.latest()
+    assert latest is not None
+    path, state = latest
     assert state.step == 2 and [p.name for p in checkpoints.folder.glob("step-*")] == ["step-00000002"]
 
 

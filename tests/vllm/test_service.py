@@ -19,7 +19,8 @@ from tests.helpers import until
 
 pytestmark = [pytest.mark.vllm,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                 reason="vllm is not installed here: scripts/test.sh --vllm runs this tier in .venv-vllm")]
+                                 reason="vllm is not installed here: "
+                                        "scripts/test.sh --vllm runs this tier in .venv-vllm")]
 
 
 async def rollouts(bus: Bus) -> list[events.Rollout]:
@@ -28,6 +29,7 @@ async def rollouts(bus: Bus) -> list[events.Rollout]:
     out = []
     for seq in range(info.state.first_seq, info.state.last_seq + 1) if info.state.messages else ():
         msg = await bus.js.get_msg("ROLLOUTS", seq)
+        assert msg.data is not None
         out.append(decoder.decode(msg.data, (msg.headers or {}).get(HEADER_CONTENT_TYPE)))
     return out
 
@@ -73,6 +75,7 @@ async def test_a_vllm_run_is_rolled_out_and_takes_new_weights(nats_server: NatsS
         by_version: dict[int, list[events.Rollout]] = {}
         for r in await rollouts(bus):
             answer = r.nodes[-1].tokens
+            assert answer is not None
             assert answer.policy_version == r.policy_version and len(answer.logprobs) == len(answer.token_ids)
             # The assistant node: the generation prompt (not trained), then the sampled tokens.
             n = sum(answer.loss_mask)
@@ -81,8 +84,12 @@ async def test_a_vllm_run_is_rolled_out_and_takes_new_weights(nats_server: NatsS
             by_version.setdefault(r.policy_version, []).append(r)
         assert sorted(by_version) == [0, 1] and len(by_version[0]) == len(by_version[1]) == 8
         # Same prompt, same seeds: what differs between the versions is the weights.
-        tokens = {v: sorted(tuple(t for t, m in zip(r.nodes[-1].tokens.token_ids, r.nodes[-1].tokens.loss_mask) if m)
-                            for r in rs) for v, rs in by_version.items()}
+        def sampled(r: events.Rollout) -> tuple[int, ...]:
+            span = r.nodes[-1].tokens
+            assert span is not None
+            return tuple(t for t, m in zip(span.token_ids, span.loss_mask, strict=True) if m)
+
+        tokens = {v: sorted(sampled(r) for r in rs) for v, rs in by_version.items()}
         assert tokens[0] != tokens[1]
     finally:
         service.stop()

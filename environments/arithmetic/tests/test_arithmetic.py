@@ -9,7 +9,7 @@ import pytest
 
 import arithmetic
 from flywheel.sdk.environment import EnvironmentLoadError, load_environment
-from tests.scripted_openai import ScriptedOpenAI, make_rollout, run_rollout
+from tests.scripted_openai import ScriptedOpenAI, ScriptEntry, make_rollout, run_rollout
 
 TASK = {"question": "12 + 30 / 6", "answer": "17", "difficulty": "medium"}
 
@@ -42,7 +42,7 @@ def test_bad_arguments_and_rows_are_refused() -> None:
     ("\\boxed{17}", 17),
     ("Answer: 17.0", 17),
     ("Answer: 1,234", 1234),
-    ("Answer: −8", -8),
+    ("Answer: \N{MINUS SIGN}8", -8),
     ("answer = - 8", -8),
     ("Answer: 16\nOops, Answer: 17", 17),
     ("30 / 6 is 5, so 17", 17),
@@ -84,8 +84,9 @@ async def test_shortest_correct_rewards_only_the_shortest_correct_reply() -> Non
 
 async def test_a_rollout_against_a_scripted_model() -> None:
     env = load_environment("arithmetic")
-    with ScriptedOpenAI({"agent": ["12 + 5 = 17\nAnswer: 17",
-                                   {"content": "Let me think step by step about", "finish_reason": "length"}]}) as server:
+    script: list[ScriptEntry] = ["12 + 5 = 17\nAnswer: 17",
+                                 {"content": "Let me think step by step about", "finish_reason": "length"}]
+    with ScriptedOpenAI({"agent": script}) as server:
         solved = await run_rollout(env, TASK, server)
         asked = server.requests_for("agent")[0]["messages"]
         assert asked[0]["role"] == "system" and asked[1] == {"role": "user", "content": "What is 12 + 30 / 6?"}

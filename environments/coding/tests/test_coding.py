@@ -14,9 +14,9 @@ import coding
 from flywheel.contract import events
 from flywheel.sdk import sandbox_tools
 from flywheel.sdk.environment import EnvironmentLoadError
-from flywheel.sdk.sandbox import SandboxClient
 from flywheel.sdk.sandbox_tools import SandboxUnavailable, run_tests, use_client
-from tests.sandbox_fixtures import sandbox, sandboxed_rollout  # noqa: F401 - fixture
+from tests.sandbox_fixtures import sandboxed_rollout
+from tests.sandbox_service import ServedSandboxClient
 from tests.scripted_openai import make_rollout, tool_call
 
 
@@ -34,7 +34,7 @@ def answer(code: str) -> str:
     return f"Here is my solution.\n```python\n{code}```\nIt handles the edge cases."
 
 
-async def test_every_reference_solution_passes_and_a_stub_does_not(tasks, sandbox: SandboxClient) -> None:
+async def test_every_reference_solution_passes_and_a_stub_does_not(tasks, sandbox: ServedSandboxClient) -> None:
     assert 20 <= len(tasks) <= 40
     slots = asyncio.Semaphore(4)
 
@@ -73,7 +73,8 @@ def test_extract_code(reply: str, code: str | None) -> None:
 
 def test_syntax_errors_are_named() -> None:
     assert coding.syntax_error("def f(:\n") == "line 1: invalid syntax"
-    assert "null bytes" in coding.syntax_error("x = 1\x00")
+    null_bytes = coding.syntax_error("x = 1\x00")
+    assert null_bytes is not None and "null bytes" in null_bytes
     assert coding.syntax_error("x = (" * 1000 + ")" * 1000) is not None
     assert coding.syntax_error("x = 1") is None
     with pytest.raises(EnvironmentLoadError, match="partial_credit"):
@@ -88,7 +89,7 @@ async def scores(env, rollout: events.Rollout) -> dict[str, Any]:
     return out
 
 
-async def test_rollouts_are_rewarded_by_the_hidden_tests(env, tasks, sandbox: SandboxClient) -> None:
+async def test_rollouts_are_rewarded_by_the_hidden_tests(env, tasks, sandbox: ServedSandboxClient) -> None:
     task = tasks["run-length-encode"]
     trial = tool_call("python", code=task["solution"] + "print(rle('aaab'))\n")
     rollout, server = await sandboxed_rollout(env, task, [trial, answer(task["solution"])], sandbox)
@@ -100,7 +101,8 @@ async def test_rollouts_are_rewarded_by_the_hidden_tests(env, tasks, sandbox: Sa
         assert await scores(env, rollout) == {"tests": (1.0, {"all_passed": 1.0, "fraction": 1.0}),
                                               "syntax_error": 0.0, "no_code": 0.0, "timed_out": 0.0,
                                               "python_calls": 1.0}
-        wrong = await sandboxed_rollout(env, task, [answer("def rle(s):\n    return ''.join('1' + c for c in s)\n")], sandbox)
+        wrong = await sandboxed_rollout(env, task, [answer("def rle(s):\n    return ''.join('1' + c for c in s)\n")],
+                                        sandbox)
         result = await scores(env, wrong[0])
         assert result["tests"] == (pytest.approx(0.25 * 2 / 5), {"all_passed": 0.0, "fraction": 0.4})
         looping = await sandboxed_rollout(env, task, [answer("def rle(s):\n    while True:\n        pass\n")], sandbox)
@@ -118,7 +120,7 @@ async def test_rollouts_are_rewarded_by_the_hidden_tests(env, tasks, sandbox: Sa
     assert not sandbox.manager.sessions
 
 
-async def test_one_test_run_serves_a_rollouts_rewards(tasks, sandbox: SandboxClient) -> None:
+async def test_one_test_run_serves_a_rollouts_rewards(tasks, sandbox: ServedSandboxClient) -> None:
     verifier = coding.Verifier(coding.SandboxSpec(), timeout_s=30, test_timeout_s=5)
     task = tasks["fizzbuzz"]
     with use_client(sandbox):

@@ -14,10 +14,11 @@ import ctf
 from flywheel.contract import events
 from flywheel.sdk.environment import EnvironmentLoadError
 from flywheel.sdk.harness import RolloutContext
-from flywheel.sdk.sandbox import SandboxClient, SandboxSpec
+from flywheel.sdk.sandbox import SandboxSpec
 from flywheel.sdk.sandbox_tools import SandboxUnavailable
-from tests.sandbox_fixtures import sandbox, sandboxed_rollout  # noqa: F401 - fixture
-from tests.scripted_openai import tool_call
+from tests.sandbox_fixtures import sandboxed_rollout
+from tests.sandbox_service import ServedSandboxClient
+from tests.scripted_openai import ScriptEntry, tool_call
 
 FLAG = re.compile(r"flag\{[0-9a-f]{20}\}")
 SOLVE = {
@@ -64,7 +65,8 @@ async def rewards(env, rollout: events.Rollout) -> dict[str, float]:
 
 def test_the_tasks_name_known_challenges(env, tmp_path) -> None:
     rows = env.load_tasks(env.tasks.size)
-    assert len(rows) == 15 and {r["challenge"] for r in rows} == set(ctf.CHALLENGES) and set(SOLVE) == {r["id"] for r in rows}
+    assert len(rows) == 15 and {r["challenge"] for r in rows} == set(ctf.CHALLENGES)
+    assert set(SOLVE) == {r["id"] for r in rows}
     assert not any("flag{" in json.dumps(r) for r in rows)
     bad = tmp_path / "tasks.jsonl"
     bad.write_text(json.dumps({"id": "x", "challenge": "kernel_exploit", "prompt": "p"}) + "\n")
@@ -72,9 +74,10 @@ def test_the_tasks_name_known_challenges(env, tmp_path) -> None:
         ctf.load_environment(tasks_file=str(bad))
 
 
-async def test_an_agent_with_the_right_commands_captures_every_flag(env, sandbox: SandboxClient) -> None:
+async def test_an_agent_with_the_right_commands_captures_every_flag(env, sandbox: ServedSandboxClient) -> None:
     for task in env.load_tasks(env.tasks.size):
-        script = [tool_call("bash", command=GREP), tool_call("bash", command=SOLVE[task["id"]]), submit_what_was_found]
+        script: list[ScriptEntry] = [tool_call("bash", command=GREP), tool_call("bash", command=SOLVE[task["id"]]),
+                                     submit_what_was_found]
         rollout, server = await sandboxed_rollout(env, task, script, sandbox)
         first = json.dumps(server.requests_for("agent")[0]["messages"])
         submitted = rollout.state["submissions"][0]
@@ -83,15 +86,15 @@ async def test_an_agent_with_the_right_commands_captures_every_flag(env, sandbox
         assert rollout.state["captured"] and rollout.state["stop_reason"] == "stop", (task["id"], rollout.state)
         assert await rewards(env, rollout) == {"captured": 1.0, "num_submissions": 1.0, "num_commands": 2.0}
         assert not sandbox.manager.sessions, task["id"]  # destroyed with the rollout
-        grepped = [m["content"] for m in server.conversation("agent") if m["role"] == "tool"][0]
+        grepped = next(m["content"] for m in server.conversation("agent") if m["role"] == "tool")
         assert (submitted in grepped) == (task["id"] in PLAIN), (task["id"], grepped)  # the puzzles need solving
 
 
-async def test_wrong_flags_score_zero_and_use_up_the_submissions(env, sandbox: SandboxClient) -> None:
+async def test_wrong_flags_score_zero_and_use_up_the_submissions(env, sandbox: ServedSandboxClient) -> None:
     task = next(r for r in env.load_tasks(env.tasks.size) if r["id"] == "oldest-message")
     # Every decoy looks like a flag; taking the newest message instead of the oldest is wrong.
     newest = tool_call("bash", command="cat \"$(ls -t inbox/* | head -1)\"")
-    script = [newest, submit_what_was_found, tool_call("submit_flag", flag="flag{0000}"),
+    script: list[ScriptEntry] = [newest, submit_what_was_found, tool_call("submit_flag", flag="flag{0000}"),
               tool_call("submit_flag", flag="  not even a flag ")]
     rollout, server = await sandboxed_rollout(env, task, script, sandbox)
     said = [m["content"] for m in server.conversation("agent") if m["role"] == "tool"]
@@ -102,7 +105,7 @@ async def test_wrong_flags_score_zero_and_use_up_the_submissions(env, sandbox: S
     assert not sandbox.manager.sessions
 
 
-async def test_a_submission_past_the_limit_and_a_looping_command(sandbox: SandboxClient) -> None:
+async def test_a_submission_past_the_limit_and_a_looping_command(sandbox: ServedSandboxClient) -> None:
     env = ctf.load_environment(max_submissions=1, command_timeout_s=1)
     task = {"id": "loop", "challenge": "locked_file", "prompt": "p"}
     script = [tool_call("bash", command="while true; do :; done"), tool_call("bash", command="ls -l vault"),

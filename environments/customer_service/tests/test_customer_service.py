@@ -5,19 +5,21 @@ simulator's MCP server in front of a second scripted model."""
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 
 import customer_service as cs
 from flywheel.sdk.environment import messages_of
 from flywheel.sdk.harness import RolloutContext
-from tests.scripted_openai import ScriptedOpenAI, make_rollout, run_rollout, tool_call
+from tests.helpers import num_tasks
+from tests.scripted_openai import ScriptedOpenAI, ScriptEntry, make_rollout, run_rollout, tool_call
 
 
 @pytest.fixture(scope="module")
 def tasks() -> dict[str, dict]:
     env = cs.load_environment()
-    return {row["id"]: row for row in env.load_tasks(env.tasks.size)}
+    return {row["id"]: row for row in env.load_tasks(num_tasks(env))}
 
 
 def context(task: dict) -> RolloutContext:
@@ -78,7 +80,7 @@ def test_writing_tools_enforce_the_rules(tasks: dict[str, dict]) -> None:
 
     sofia = context(tasks["gift-card-balance-and-return"])
     sofia.state["db"]["users"]["sofia_rossi_5093"]["payment_methods"]["gift_card_2290"]["balance"] = 30.0
-    with pytest.raises(cs.ToolError, match="holds 30.00, less than the price difference 55.50"):
+    with pytest.raises(cs.ToolError, match=re.escape("holds 30.00, less than the price difference 55.50")):
         cs.exchange_delivered_order_items(sofia, "#W5001", ["3003", "4001"], ["3001", "4002"], "gift_card_2290")
 
 
@@ -131,7 +133,7 @@ async def test_rewards_from_the_final_database(tasks: dict[str, dict]) -> None:
 
 async def test_a_support_conversation_with_a_simulated_customer(tasks: dict[str, dict]) -> None:
     task = tasks["exchange-headphones-gift-card"]
-    agent = [
+    agent: list[ScriptEntry] = [
         "I can help with that. What is the email address on your account?",
         tool_call("find_user_id_by_email", email="mei.chen@example.com"),
         tool_call("get_order_details", order_id="W1002"),
@@ -139,8 +141,8 @@ async def test_a_support_conversation_with_a_simulated_customer(tasks: dict[str,
         tool_call("exchange_delivered_order_items", order_id="#W1002", item_ids=["3001"], new_item_ids=["3002"],
                   payment_method_id="gift_card_3150"),
         tool_call("exchange_delivered_order_items", order_id="#W1002", item_ids=["3001"]),
-        "I can exchange your black over-ear headphones (item 3001) for the black in-ear ones (item 3003). "
-        "The price difference of $50.00 goes to your gift card gift_card_3150. Shall I go ahead?",
+        ("I can exchange your black over-ear headphones (item 3001) for the black in-ear ones (item 3003). "
+         "The price difference of $50.00 goes to your gift card gift_card_3150. Shall I go ahead?"),
         tool_call("exchange_delivered_order_items", order_id="#W1002", item_ids=["3001"], new_item_ids=["3003"],
                   payment_method_id="gift_card_3150"),
         "Done: the exchange is requested, and $50.00 will be refunded to your gift card.",

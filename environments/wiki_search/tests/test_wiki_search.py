@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import wiki_search
 from flywheel.sdk.environment import EnvironmentLoadError
 from flywheel.sdk.harness import RolloutContext
-from tests.scripted_openai import ScriptedOpenAI, make_rollout, run_rollout, tool_call
+from tests.helpers import num_tasks
+from tests.scripted_openai import ScriptedOpenAI, ScriptEntry, make_rollout, run_rollout, tool_call
 
 TASK = {"id": "baikal-outflow", "question": "What is the only river that flows out of Lake Baikal?",
         "answer": "Angara", "aliases": ["Angara River"], "docs": ["lake_baikal"]}
@@ -64,7 +66,7 @@ def test_a_swapped_corpus_with_long_documents(tmp_path: Path) -> None:
     row = {"id": "days", "question": "How many vacation days?", "answer": "30", "aliases": [],
            "docs": ["handbook/vacation"]}
     (tmp_path / "tasks.jsonl").write_text(json.dumps(row) + "\n")
-    assert wiki_search.load_environment(docs_dir=str(tmp_path)).tasks.size == 1
+    assert num_tasks(wiki_search.load_environment(docs_dir=str(tmp_path))) == 1
     lib = library(tmp_path)
     assert sorted(lib.docs) == ["handbook/vacation", "notes"] and lib.docs["notes"].title == "notes"
     ctx = RolloutContext(task=row, base_url="", api_key="", model="")
@@ -94,11 +96,12 @@ def test_answer_matching(reply: str, correct: float, exact: float) -> None:
     assert wiki_search.correct(reply, TASK) == correct and wiki_search.exact(reply, TASK) == exact
     numbers = {"answer": "8849", "aliases": ["8848.86"]}
     assert wiki_search.correct("Answer: 8,849 metres", numbers) == 1.0
-    assert wiki_search.correct("Answer: 8,848.86 m", numbers) == 1.0 and wiki_search.correct("Answer: 884886", numbers) == 0.0
+    assert wiki_search.correct("Answer: 8,848.86 m", numbers) == 1.0
+    assert wiki_search.correct("Answer: 884886", numbers) == 0.0
 
 
 async def test_rewards_on_hand_made_rollouts(env) -> None:
-    messages = [{"role": "user", "content": TASK["question"]},
+    messages: list[dict[str, Any]] = [{"role": "user", "content": TASK["question"]},
                 {"role": "assistant", "content": "Answer: Angara River"}]
     values = {name: (await r(make_rollout("wiki_search", TASK, messages, {"searches": ["baikal"],
                                                                           "seen": ["lake_baikal"]}))).value
@@ -109,7 +112,7 @@ async def test_rewards_on_hand_made_rollouts(env) -> None:
 
 
 async def test_a_search_read_answer_rollout(env) -> None:
-    script = [tool_call("search", query="Baikal outflow river"),
+    script: list[ScriptEntry] = [tool_call("search", query="Baikal outflow river"),
               tool_call("read_document", doc_id="lake_baikal", page=3),
               tool_call("read_document", doc_id="lake_baikal"),
               tool_call("lookup", term="Angara"),

@@ -9,6 +9,7 @@ import pytest
 
 import wordle
 from flywheel.sdk.environment import EnvironmentLoadError
+from tests.helpers import num_tasks
 from tests.scripted_openai import ScriptedOpenAI, make_rollout, run_rollout
 
 
@@ -44,7 +45,7 @@ def test_parse_guess(reply: str, guess: str | None, problem: str) -> None:
 def test_the_word_list_loads_and_can_be_swapped(tmp_path: Path) -> None:
     env = wordle.load_environment()
     rows = env.load_tasks(50, seed=0)
-    assert len({r["answer"] for r in rows}) == 50 and env.tasks.size > 500
+    assert len({r["answer"] for r in rows}) == 50 and num_tasks(env) > 500
     for row in rows:
         env.check_task(row)
         assert len(row["answer"]) == 5 and row["answer"].isalpha()
@@ -83,8 +84,8 @@ async def test_a_won_game_with_a_malformed_reply() -> None:
         rollout = await run_rollout(env, {"answer": "crane"}, server)
         said = [m["content"] for m in server.conversation("agent") if m["role"] == "user"]
     assert said[1:] == ["SLATE\nX X G X G\n5 guesses left.",
-                        "Invalid guess: no guess found: write your guess as <guess>word</guess>. "
-                        "This did not use up a guess.",
+                        ("Invalid guess: no guess found: write your guess as <guess>word</guess>. "
+                         "This did not use up a guess."),
                         "TRACE\nX G G Y G\n4 guesses left."]
     assert rollout.state["guesses"] == ["slate", "trace", "crane"] and rollout.state["solved"] is True
     assert rollout.state["stop_reason"] == "done" and rollout.state["turns"] == 4
@@ -98,5 +99,6 @@ async def test_games_end_when_guesses_or_patience_run_out() -> None:
         rambling = await run_rollout(env, {"answer": "crane"}, server)
     assert lost.state["guesses"] == ["slate", "trace"] and lost.state["solved"] is False
     assert lost.state["stop_reason"] == "done"
-    assert rambling.state["invalid"] == 2 and rambling.state["guesses"] == [] and rambling.state["stop_reason"] == "done"
+    assert rambling.state["invalid"] == 2 and rambling.state["guesses"] == []
+    assert rambling.state["stop_reason"] == "done"
     assert (await env.rollout_rewards["valid_guesses"](rambling)).value == 0.0

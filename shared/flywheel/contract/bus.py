@@ -28,11 +28,12 @@ Not covered here: process signals and heartbeats (see :mod:`flywheel.contract.se
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import msgspec
 import nats
@@ -205,11 +206,13 @@ class Bus:
                 max_bytes=self.config.stream_max_bytes,
                 duplicate_window=self.config.duplicate_window_s,
             )
-            await self.retry(lambda cfg=cfg: self._ensure_stream(cfg))
-        await self.retry(lambda: self.js.create_key_value(KeyValueConfig(bucket=RUNS_BUCKET, history=8, storage=StorageType.FILE)))
+            await self.retry(functools.partial(self._ensure_stream, cfg))
+        await self.retry(lambda: self.js.create_key_value(
+            KeyValueConfig(bucket=RUNS_BUCKET, history=8, storage=StorageType.FILE)))
         await self.retry(lambda: self.js.create_key_value(
             KeyValueConfig(bucket=SERVICES_BUCKET, history=1, ttl=SERVICE_HEARTBEAT_TTL_S, storage=StorageType.FILE)))
-        await self.retry(lambda: self.js.create_object_store(WEIGHTS_BUCKET, ObjectStoreConfig(storage=StorageType.FILE)))
+        await self.retry(lambda: self.js.create_object_store(
+            WEIGHTS_BUCKET, ObjectStoreConfig(storage=StorageType.FILE)))
 
     async def _ensure_stream(self, cfg: StreamConfig) -> None:
         try:
@@ -299,7 +302,7 @@ class Bus:
         acks: list[PubAck] = []
         for subject, payload, headers, fut in pending:
             if fut.cancelled() or _is_transient(fut.exception()):
-                acks.append(await self.retry(lambda s=subject, p=payload, h=headers: self.js.publish(s, p, headers=h)))
+                acks.append(await self.retry(functools.partial(self.js.publish, subject, payload, headers=headers)))
             else:
                 acks.append(fut.result())  # raises what is not transient
         return acks
@@ -326,7 +329,8 @@ class Bus:
             return
         try:
             await self.nc.drain()
-        except (TimeoutError, nats.errors.ConnectionReconnectingError, nats.errors.ConnectionClosedError, nats.errors.TimeoutError) as exc:
+        except (TimeoutError, nats.errors.ConnectionReconnectingError, nats.errors.ConnectionClosedError,
+                nats.errors.TimeoutError) as exc:
             log.info("bus: drain failed (%s); closing", type(exc).__name__)
             await self.nc.close()
 
@@ -405,11 +409,12 @@ def check_subject(event: events.Event, subject: str) -> None:
 def decode_message(decoder: events.Decoder[Any], msg: Msg | RawStreamMsg) -> Any:
     """The event in ``msg`` (delivered, or read from the stream), checked against its subject;
     :class:`Undecodable` with the reason."""
+    # A stored message (RawStreamMsg) has every field optional: nats-py gives an empty payload as None.
     try:
-        event = decoder.decode(msg.data, (msg.headers or {}).get(HEADER_CONTENT_TYPE))
+        event = decoder.decode(msg.data or b"", (msg.headers or {}).get(HEADER_CONTENT_TYPE))
     except msgspec.DecodeError as exc:  # ValidationError included
         raise Undecodable(f"payload does not decode as {_type_name(decoder.type)}: {exc}") from None
-    check_subject(event, msg.subject)
+    check_subject(event, msg.subject or "")
     return event
 
 
@@ -439,7 +444,7 @@ class Replay:
     leaving unsubscribes and deletes the consumer, even when the reader is being cancelled.
     """
 
-    _closing: set[asyncio.Task[None]] = set()  # cleanups that outlive a cancelled reader
+    _closing: ClassVar[set[asyncio.Task[None]]] = set()  # cleanups that outlive a cancelled reader
 
     def __init__(self, bus: Bus, subject: str, *, start_time: Any = None, headers_only: bool = False) -> None:
         self.bus = bus

@@ -351,9 +351,10 @@ def sampling_field(name: str, default: Any = PydanticUndefined) -> Any:
     the inference API's requests), so each states and enforces the same bounds."""
     if default is PydanticUndefined:
         default = getattr(events.Sampling(), name)
-    finite = {"allow_inf_nan": False} if isinstance(getattr(events.Sampling(), name), float) else {}
-    return Field(default, description=events.SAMPLING_DESCRIPTIONS[name], **events.SAMPLING_BOUNDS.get(name, {}),
-                 **finite)
+    constraints: dict[str, Any] = dict(events.SAMPLING_BOUNDS.get(name, {}))
+    if isinstance(getattr(events.Sampling(), name), float):
+        constraints["allow_inf_nan"] = False
+    return Field(default, description=events.SAMPLING_DESCRIPTIONS[name], **constraints)
 
 
 class SamplingConfig(_Section):
@@ -588,6 +589,7 @@ def reference() -> str:
         if section is None:
             continue
         title = f"[{name}.<name>]" if typing.get_origin(f.annotation) is dict else f"[{name}]"
+        assert f.description is not None  # every field has one (tests/unit/test_config.py checks)
         lines += ["", f"## {title}", "", f"{f.description[0].upper()}{f.description[1:]}.", ""]
         lines += [line for key, g in section.model_fields.items() for line in _field(key, g)]
     return "\n".join(_wrap(line) for line in lines) + "\n"
@@ -646,7 +648,7 @@ def _type(tp: Any) -> str:
 
 def _default(f: FieldInfo) -> str:
     if f.default_factory is not None:
-        value = f.default_factory()  # type: ignore[call-arg]
+        value = f.default_factory()  # type: ignore[call-arg]  # our factories take no argument (not the validated data)
     elif f.default is PydanticUndefined:
         return "required"
     else:

@@ -65,7 +65,7 @@ import json
 import math
 import uuid
 from datetime import UTC, datetime
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, TypeVar, overload
 
 import msgspec
 
@@ -135,7 +135,7 @@ _HOLDS = {"gt": lambda v, b: v > b, "ge": lambda v, b: v >= b, "le": lambda v, b
 _SIGN = {"gt": ">", "ge": ">=", "le": "<="}
 
 
-class Sampling(_Struct, kw_only=True):
+class Sampling(_Struct, frozen=True, kw_only=True):
     """How completions are sampled: the one sampling shape (see the module's docstring).
 
     The defaults here are every reader's (the wire omits a field at its default). Nothing
@@ -172,13 +172,13 @@ class Sampling(_Struct, kw_only=True):
         return msgspec.structs.replace(self, seed=(self.seed + offset) % (INT32_MAX + 1))
 
 
-class ToolCall(_Struct, kw_only=True):
+class ToolCall(_Struct, frozen=True, kw_only=True):
     id: str
     name: str
     arguments: str = "{}"  # JSON text, as in the OpenAI API
 
 
-class Message(_Struct, kw_only=True):
+class Message(_Struct, frozen=True, kw_only=True):
     """The message layer of a trace node (OpenAI chat shape)."""
 
     role: Literal["system", "user", "assistant", "tool"]
@@ -188,7 +188,7 @@ class Message(_Struct, kw_only=True):
     name: str | None = None
 
 
-class TokenSpan(_Struct, kw_only=True):
+class TokenSpan(_Struct, frozen=True, kw_only=True):
     """The token layer of a trace node: the tokens this node adds to its branch.
 
     ``logprobs`` and ``loss_mask`` are aligned with ``token_ids``. Tokens the model did
@@ -202,7 +202,7 @@ class TokenSpan(_Struct, kw_only=True):
     policy_version: int | None = None
 
 
-class Node(_Struct, kw_only=True):
+class Node(_Struct, frozen=True, kw_only=True):
     """One node of a rollout's trace graph: a message plus the tokens it adds.
 
     ``id`` is a content hash (see :func:`node_id`), so the same message after the same
@@ -404,7 +404,7 @@ class DeadLetter(Event, frozen=True, kw_only=True, tag="dead_letter"):
         return f"dead.{self.stream}"
 
 
-class RunState(_Struct, kw_only=True):
+class RunState(_Struct, frozen=True, kw_only=True):
     """A run's state, kept in the run-state KV bucket under the run id (not a stream event).
 
     Written by: gateway (on creation), ``flywheel run`` (its owner: config, lease, task
@@ -436,7 +436,7 @@ class RunState(_Struct, kw_only=True):
     scorers: dict[str, float] = {}
 
 
-class ServiceHeartbeat(_Struct, kw_only=True):
+class ServiceHeartbeat(_Struct, frozen=True, kw_only=True):
     """A running service instance, kept in the services KV bucket (expires unless renewed).
 
     Written by: every service process, every few seconds. Read by: ``flywheel status``,
@@ -456,7 +456,7 @@ class ServiceHeartbeat(_Struct, kw_only=True):
 AnyEvent = Task | Rollout | TraceNode | Score | WeightUpdate | DeadLetter
 
 EVENT_TYPES: dict[str, type[Event]] = {
-    cls.__struct_config__.tag: cls  # type: ignore[misc]
+    cls.__struct_config__.tag: cls  # type: ignore[misc]  # each class below sets tag= to a str
     for cls in (Task, Rollout, TraceNode, Score, WeightUpdate, DeadLetter)
 }
 
@@ -466,7 +466,7 @@ _json_encoder = msgspec.json.Encoder()
 _msgpack_encoder = msgspec.msgpack.Encoder()
 
 
-def encode(event: Event | RunState, content_type: str = JSON) -> bytes:
+def encode(event: Event | RunState | ServiceHeartbeat, content_type: str = JSON) -> bytes:
     if content_type == MSGPACK:
         return _msgpack_encoder.encode(event)
     if content_type == JSON:
@@ -477,7 +477,13 @@ def encode(event: Event | RunState, content_type: str = JSON) -> bytes:
 class Decoder(Generic[T]):
     """Decodes one event type (or a union) from either wire encoding. Build once, reuse."""
 
-    def __init__(self, type_: type[T] | Any = AnyEvent) -> None:
+    # A class gives a Decoder of it; anything else msgspec decodes (a union such as the
+    # default, AnyEvent) gives a Decoder[Any], for its variable to annotate.
+    @overload
+    def __init__(self: Decoder[T], type_: type[T]) -> None: ...
+    @overload
+    def __init__(self: Decoder[Any], type_: Any = ...) -> None: ...
+    def __init__(self, type_: Any = AnyEvent) -> None:
         self.type = type_
         self._json = msgspec.json.Decoder(type_)
         self._msgpack = msgspec.msgpack.Decoder(type_)

@@ -16,6 +16,7 @@ after its end; the gateway refuses new ones (409).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
 from collections.abc import Awaitable, Callable, Mapping
@@ -142,7 +143,8 @@ async def get_or_create_run(bus: Bus, run: str, tenant: str = "default", config:
         state = await get_run(bus, run)
         if state is not None:
             return state, False
-        state = events.RunState(id=run, tenant=tenant, config=config or {}, kind=kind,  # type: ignore[arg-type]
+        state = events.RunState(id=run, tenant=tenant, config=config or {},
+                                kind=kind,  # type: ignore[arg-type]  # callers pass "train" or "eval"
                                 scorers=dict(scorers or {}))
         try:
             await kv.create(run, events.encode(state))
@@ -180,7 +182,7 @@ async def update_run(bus: Bus, run: str, **changes: Any) -> events.RunState:
         try:
             # A retried update whose first try did land fails on the revision: read again, and
             # the changes (absolute values) are written over the state they made.
-            await bus.retry(lambda: kv.update(run, events.encode(state), last=entry.revision))
+            await bus.retry(functools.partial(kv.update, run, events.encode(state), last=entry.revision))
             return state
         except nats.js.errors.KeyWrongLastSequenceError:
             continue

@@ -106,7 +106,8 @@ class Service:
         anyway; a process whose info just changed beats at once so readers see it)."""
         kv = await self.bus.services_kv()
         beat = events.ServiceHeartbeat(service=self.name, instance=self.instance, pid=os.getpid(),
-                                       host=socket.gethostname(), status=status,  # type: ignore[arg-type]
+                                       host=socket.gethostname(),
+                                       status=status,  # type: ignore[arg-type]  # callers pass "ok", a Literal value
                                        started_at=self.started_at, info=self.info)
         await kv.put(self.key, events.encode(beat))
 
@@ -137,7 +138,7 @@ class Service:
             self.stop()
             await asyncio.gather(*workers, return_exceptions=True)
             if failed:
-                raise failed[0].exception()  # type: ignore[misc]
+                raise failed[0].exception()  # type: ignore[misc]  # failed holds only tasks whose exception() is set
         finally:
             stop_wait.cancel()
             beat.cancel()

@@ -23,6 +23,7 @@ naming the field.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -136,13 +137,18 @@ class SandboxSettings(_Section):
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="FLYWHEEL_", env_nested_delimiter="__", extra="forbid")
 
-    data_dir: Path = Field(Path(".flywheel"), description="Where the embedded stack keeps its state: NATS store, SQLite file, logs, run folders.")
-    nats_url: str | None = Field(None, description="An existing NATS server with JetStream. Unset: `flywheel up` starts its own.")
-    nats_port: int = Field(4233, description="Port of the nats-server that `flywheel up` starts (when nats_url is unset).")
-    database_url: str | None = Field(None, description="SQLAlchemy async URL of the trace store. Unset: SQLite in data_dir.")
+    data_dir: Path = Field(Path(".flywheel"), description="Where the embedded stack keeps its state: NATS store, "
+                                                          "SQLite file, logs, run folders.")
+    nats_url: str | None = Field(None, description="An existing NATS server with JetStream. Unset: `flywheel up` "
+                                                   "starts its own.")
+    nats_port: int = Field(4233, description="Port of the nats-server that `flywheel up` starts (when nats_url is "
+                                             "unset).")
+    database_url: str | None = Field(None, description="SQLAlchemy async URL of the trace store. Unset: SQLite in "
+                                                       "data_dir.")
     gateway_host: str = Field("127.0.0.1", description="Address the gateway's HTTP API listens on.")
     gateway_port: int = Field(8420, description="Port the gateway's HTTP API listens on.")
-    gateway_url: str | None = Field(None, description="Where clients reach the gateway. Unset: http://gateway_host:gateway_port.")
+    gateway_url: str | None = Field(None, description="Where clients reach the gateway. Unset: "
+                                                      "http://gateway_host:gateway_port.")
     gateway_max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024, description="Largest request body the gateway "
                                         "reads; a larger one is refused with 413 (each task must also fit the bus's "
                                         "max payload).")
@@ -151,12 +157,14 @@ class Settings(BaseSettings):
     inference_port: int = Field(8421, description="Port of the inference service's OpenAI-compatible API.")
     torch_threads: int | None = Field(
         1, description="Threads torch may use in inference and trainer processes. 1 suits one machine where they "
-                       "share the cores (measured: several times faster than torch's default there); unset: torch decides.")
+                       "share the cores (measured: several times faster than torch's default there); unset: torch "
+                       "decides.")
     sandbox_backend: Literal["local", "docker"] = Field(
         "local", description="Where the sandbox service runs code: local (bubblewrap) or docker (a Docker engine).")
     sandbox_image: str = Field("flywheel-sandbox:latest", description="Docker image of sandboxes (docker backend); "
                                                                     "it needs python3.")
-    sandbox_max_alive: int = Field(64, ge=1, description="Sandboxes one sandbox service holds at once; more are refused.")
+    sandbox_max_alive: int = Field(64, ge=1, description="Sandboxes one sandbox service holds at once; more are "
+                                                         "refused.")
     sandbox_max_starting: int = Field(4, ge=1, description="Sandboxes being started at once; more wait.")
     sandbox_warm_pool: int = Field(4, ge=0, description="Sandboxes of the default spec kept started, for fast creates.")
     sandbox_allow_network: bool = Field(False, description="Whether a sandbox may ask for network (a spec with "
@@ -180,7 +188,7 @@ class Settings(BaseSettings):
         """The settings from FLYWHEEL_* and FLYWHEEL_CONFIG's file, ``overrides`` on top (a
         command's options); a bad value is a ValueError naming the setting and where to set it."""
         try:
-            return cls(**overrides)  # type: ignore[arg-type]
+            return cls(**overrides)  # type: ignore[arg-type]  # field values: pydantic validates them just below
         except ValidationError as exc:
             problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}"
                                  for e in exc.errors())
@@ -199,8 +207,6 @@ class Settings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        import os
-
         sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
         config_file = os.environ.get("FLYWHEEL_CONFIG")
         if config_file:

@@ -13,8 +13,9 @@
 
 Settings come from :class:`flywheel.contract.settings.Settings` (``FLYWHEEL_*`` variables, the TOML
 file named by ``FLYWHEEL_CONFIG``); an option such as ``--nats-url`` overrides the setting of
-the same name. This module imports only the standard library at import time, so ``--help``
-is fast; each command imports what it needs when it runs.
+the same name. At import time this module loads only the standard library and two small
+modules of its own (tables, the scaffold), so ``--help`` is fast (a test holds it to that);
+each command imports what else it needs when it runs.
 
 Not covered: anything that needs the gateway's HTTP API (runs, traces): use the API.
 """
@@ -22,11 +23,17 @@ Not covered: anything that needs the gateway's HTTP API (runs, traces): use the 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import os
+import re
 import sys
 from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
 from typing import Any
 
+from flywheel.ops.scaffold import scaffold
 from flywheel.ops.tables import size, table
 
 # Settings a command line option may override, by their Settings field name: the option is
@@ -269,8 +276,6 @@ def cmd_model(args: argparse.Namespace) -> int:
 
 def cmd_scorer(args: argparse.Namespace) -> int:
     """Hand over to the scorer service's own entry point (the shared package imports no service)."""
-    import os
-
     settings = settings_from(args)
     argv = [sys.executable, "-m", "flywheel_scorer", "--function", args.function, "--env", args.env]
     if args.name:
@@ -285,11 +290,6 @@ def cmd_scorer(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    import asyncio
-    import os
-    import re
-    from pathlib import Path
-
     from flywheel.ops.eval import EvalConfig, format_summary, resolve_model, run_eval
 
     settings = settings_from(args)
@@ -318,16 +318,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_env_init(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from flywheel.ops.scaffold import scaffold
-
     folder = scaffold(args.name, Path(args.dir), owner=args.owner)
     print(f"created {folder}: pip install -e {folder} && pytest {folder}")
     return 0
 
 
 def cmd_env_list(args: argparse.Namespace) -> int:
+    # imported here: --help loads no msgspec, pydantic or nats (tests/unit/test_cli.py)
     from flywheel.sdk.environment import available
 
     found = available()
@@ -339,8 +336,6 @@ def cmd_env_list(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    import asyncio
-
     settings = settings_from(args)
     report = asyncio.run(collect_status(settings.resolved_nats_url, settings.resolved_gateway_url))
     print(json.dumps(report, indent=2) if args.json else format_status(report))
@@ -360,8 +355,6 @@ async def collect_status(nats_url: str, gateway_url: str) -> dict[str, Any]:
 
 
 def cmd_tasks_publish(args: argparse.Namespace) -> int:
-    import asyncio
-
     from flywheel.ops.client import Client, make_tasks, read_jsonl
 
     settings = settings_from(args)
@@ -379,6 +372,7 @@ def cmd_tasks_publish(args: argparse.Namespace) -> int:
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
+    # imported here: --help loads no msgspec, pydantic or nats (tests/unit/test_cli.py)
     from flywheel.contract import events
 
     text = json.dumps(events.json_schema(), indent=2) + "\n"
@@ -423,9 +417,9 @@ def format_stack(stack: dict[str, Any]) -> str:
     """What one ``flywheel up`` supervises: a line on the stack, a table of its processes, then a
     line for each failing one: why it exited, how often, when it is tried next, its log."""
     beat = "stale: it has likely died" if stack["stale"] else f"last beat {stack['age_s']:.1f}s ago"
-    lines = [f"stack pid {stack['pid']} on {stack['host']} ({beat}): a crash loop waits "
-             f"{stack['restart_backoff_s']:g}s, doubling up to {stack['max_backoff_s']:g}s; a process healthy "
-             f"{stack['healthy_after_s']:g}s is restarted at once"]
+    lines = [(f"stack pid {stack['pid']} on {stack['host']} ({beat}): a crash loop waits "
+              f"{stack['restart_backoff_s']:g}s, doubling up to {stack['max_backoff_s']:g}s; a process healthy "
+              f"{stack['healthy_after_s']:g}s is restarted at once")]
     rows = [[p["name"], "-" if p["pid"] is None else p["pid"], _process_state(p), p["num_restarts"],
              p["last_exit"] or "-", p["log"]] for p in stack["processes"]]
     lines.append(table(rows, ["PROCESS", "PID", "STATE", "RESTARTS", "LAST EXIT", "LOG"]))
@@ -449,8 +443,6 @@ def _next_try(process: dict[str, Any]) -> str:
 
 
 def _local_time(iso: str) -> str:
-    from datetime import datetime
-
     return datetime.fromisoformat(iso).astimezone().strftime("%H:%M:%S")
 
 

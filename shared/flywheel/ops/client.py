@@ -14,14 +14,14 @@ Task ids are :func:`flywheel.contract.events.task_id`'s, as every producer makes
 gateway, ``flywheel run``, ``flywheel eval``): a row with a top-level string ``"id"`` keeps it
 as its task id; any other row gets a deterministic id, uuid5 over (run, env, position,
 canonical row), where the position is the 1-based line number of a JSONL file or the 1-based
-index in ``rows``. Publishing the same rows
-again therefore stores nothing new: the server drops a repeated ``Nats-Msg-Id`` within its
-duplicate window (``BusConfig.duplicate_window_s``, two minutes by default), and the trace
-store upserts by id whenever the repeat comes. Past the window the server stores the repeat
-(and inference rolls it out again): it cannot tell, so republish on purpose only. Everything is validated before anything is published, so a bad row
+index in ``rows``. Publishing the same rows again therefore stores nothing new: the server
+drops a repeated ``Nats-Msg-Id`` within its duplicate window (``BusConfig.duplicate_window_s``,
+two minutes by default), and the trace store upserts by id whenever the repeat comes. Past the
+window the server stores the repeat (and inference rolls it out again): it cannot tell, so
+republish on purpose only. Everything is validated before anything is published, so a bad row
 publishes nothing from its batch. Publishing also registers the run in the runs KV bucket
-(:class:`flywheel.contract.events.RunState`, owned by ``tenant``) when it is not there yet; as in the
-gateway, a run that belongs to another tenant is refused.
+(:class:`flywheel.contract.events.RunState`, owned by ``tenant``) when it is not there yet; as
+in the gateway, a run that belongs to another tenant is refused.
 
 :class:`TraceAPI` reads what the gateway recorded, over HTTP: rollouts by filter (every
 page), a JSONL export, a trace graph and one branch of it, and a rollout followed live::
@@ -310,7 +310,8 @@ class TraceAPI:
         num_lines = 0
         async with self.http.stream("GET", "/v1/rollouts/export", params=_query({"tokens": tokens, **filters})) as r:
             await _raise_for(r)
-            with Path(path).open("w", encoding="utf-8") as f:
+            # One open, then buffered writes of the lines as the network delivers them: microseconds each.
+            with Path(path).open("w", encoding="utf-8") as f:  # noqa: ASYNC230 - see above
                 async for line in r.aiter_lines():
                     if not line:
                         continue

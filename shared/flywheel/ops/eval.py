@@ -56,7 +56,8 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from flywheel.contract import events
 from flywheel.ops.tables import table
-from flywheel.sdk.environment import Environment, load_environment, messages_of, subject_name
+from flywheel.sdk.environment import Environment, EnvironmentOverrides, load_environment, messages_of, subject_name
+from flywheel.sdk.harness import RolloutContext
 from flywheel.sdk.messages import message_from_dict
 from flywheel.sdk.rollout import ROLLOUT_TIMEOUT_S, run_harness
 from flywheel.sdk.sandbox import SandboxClient
@@ -128,8 +129,8 @@ class _Stream:
     def feed(self, data: bytes) -> None:
         self._buffer += data
         *lines, self._buffer = self._buffer.split(b"\n")
-        for line in lines:
-            line = line.strip()
+        for raw in lines:
+            line = raw.strip()
             if not line.startswith(b"data:"):
                 continue
             payload = line[5:].strip()
@@ -285,7 +286,7 @@ class RecordingProxy:
             delay_s = float(retry_after) if retry_after is not None else self.backoff_s * 2 ** attempt
         except ValueError:
             delay_s = self.backoff_s * 2 ** attempt
-        await asyncio.sleep(min(delay_s, 30.0) * (0.75 + 0.5 * random.random()))  # noqa: sleep - backoff
+        await asyncio.sleep(min(delay_s, 30.0) * (0.75 + 0.5 * random.random()))  # a deliberate sleep - backoff
 
     async def close(self) -> None:
         await self._client.aclose()
@@ -323,7 +324,7 @@ async def serve(app: Any, host: str = "127.0.0.1") -> Served:
         if task.done():
             await task
             raise RuntimeError("the server stopped before it started")
-        await asyncio.sleep(0.01)  # noqa: sleep - uvicorn says it started only through this flag
+        await asyncio.sleep(0.01)  # a deliberate sleep - uvicorn says it started only through this flag
     return Served(f"http://{host}:{port}", server, task)
 
 
@@ -557,8 +558,8 @@ class Evaluation:
             raise ValueError(f"{self.cfg.out} holds results without their eval run's id (written by an older "
                              "version): run this eval again into a new --out, without --resume")
         if len(runs) > 1:
-            raise ValueError(f"{self.cfg.out} holds the results of several eval runs ({', '.join(sorted(runs))}): "
-                             "resume one results file per run")
+            raise ValueError(f"{self.cfg.out} holds the results of several eval runs "
+                             f"({', '.join(sorted(map(str, runs)))}): resume one results file per run")
         (run,) = runs
         if self.cfg.run_id is not None and self.cfg.run_id != run:
             raise ValueError(f"run_id={self.cfg.run_id!r}, but {self.cfg.out} holds the results of eval run "
@@ -569,12 +570,14 @@ class Evaluation:
         cfg = self.cfg
         results = await asyncio.gather(*(self._rollout(tid, row, i) for i in range(cfg.num_rollouts)))
         rollouts = [r for r, _ in results]
-        scored = await self.scoring.score_group(self.env.rewards, rollouts)  # type: ignore[arg-type]
+        scored = await self.scoring.score_group(
+            self.env.rewards, rollouts)  # type: ignore[arg-type]  # Environment wrapped each callable in a Reward
         records = []
         for (rollout, recording), scores in zip(results, scored, strict=True):
-            records.append({"run": self.run_id, "task_id": tid, "index": rollout.index, "rollout_id": rollout.id, "env": cfg.env,
-                            "model": cfg.model, "task": row, "messages": messages_of(rollout), "state": rollout.state,
-                            "status": rollout.status, "error": rollout.error, **scored_fields(scores),
+            records.append({"run": self.run_id, "task_id": tid, "index": rollout.index, "rollout_id": rollout.id,
+                            "env": cfg.env, "model": cfg.model, "task": row, "messages": messages_of(rollout),
+                            "state": rollout.state, "status": rollout.status, "error": rollout.error,
+                            **scored_fields(scores),
                             "usage": recording.tokens(), "calls": recording.calls,
                             "reward": rollout_reward(rollout.status, scores, self.weights)})
         async with self._write:
@@ -587,8 +590,6 @@ class Evaluation:
     async def _rollout(self, tid: str, row: dict[str, Any], index: int) -> tuple[events.Rollout, Recording]:
         """One rollout, run as inference runs it (:func:`flywheel.sdk.rollout.run_harness`), its
         calls recorded by the proxy."""
-        from flywheel.sdk.harness import RolloutContext
-
         rid = events.rollout_id(self.run_id, tid, index)
         async with self._slots:
             recording = self.proxy.open(rid)
@@ -669,6 +670,4 @@ async def run_eval(cfg: EvalConfig, nats_url: str | None = None, progress_out: T
 
 
 def _overrides(args: dict[str, Any]) -> Any:
-    from flywheel.sdk.environment import EnvironmentOverrides
-
     return EnvironmentOverrides(args=dict(args)) if args else None

@@ -7,6 +7,7 @@ disk, so stopping and starting the server on the same folder loses nothing.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import signal
@@ -50,12 +51,14 @@ def die_with_parent() -> None:
     """In a child, before exec: on Linux, have the kernel send it SIGTERM when the process that
     started it dies, however it dies (SIGKILL included), so a killed parent leaves no orphans.
     Elsewhere a no-op: the parent's own shutdown path still stops its children."""
-    if sys.platform != "linux":
-        return
-    import ctypes
+    if _prctl is not None:
+        _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+PR_SET_PDEATHSIG = 1
+# Looked up here, in the parent: a child between fork and exec calls it and nothing else
+# (loading a library there could deadlock on a lock another thread of the parent held).
+_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
 
 
 class NatsServer:
@@ -94,8 +97,9 @@ class NatsServer:
             cmd += ["-m", str(self.monitor_port)]
         log = open(self.log_file, "ab")
         try:
-            self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                            preexec_fn=die_with_parent)
+            self.process = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=die_with_parent)  # noqa: PLW1509 - PR_SET_PDEATHSIG is set in the child or not at all
         finally:
             log.close()
         deadline = time.monotonic() + timeout_s

@@ -313,8 +313,12 @@ class ServiceProcess(Process):
         with self.log_path.open("ab") as log:
             log.write(f"--- flywheel up: {' '.join(self.argv)}\n".encode())
             log.flush()
-            self.popen = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                          env=self.env, start_new_session=True, preexec_fn=die_with_parent)
+            # Popen returns once the child has exec'd (milliseconds); the supervisor needs a Popen (poll, signals
+            # to its group), not asyncio's Process. die_with_parent must run in the child: no other way sets
+            # PR_SET_PDEATHSIG.
+            self.popen = subprocess.Popen(  # noqa: ASYNC220 - a fork and exec, see above
+                self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                start_new_session=True, preexec_fn=die_with_parent)  # noqa: PLW1509 - see above
         self.last_pid = self.popen.pid
 
     async def health(self, stack: Stack) -> str | None:
@@ -554,9 +558,9 @@ class Stack:
         assert self.heartbeat_task is not None
         watchers = [asyncio.ensure_future(self._keep_running(p)) for p in self.started]
         stop_wait = asyncio.ensure_future(self.stopping.wait())
+        waited: list[asyncio.Future[Any]] = [*watchers, self.heartbeat_task, stop_wait]
         try:
-            done, _ = await asyncio.wait([*watchers, self.heartbeat_task, stop_wait],
-                                         return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(waited, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 task.result()  # raises a watcher's or the heartbeat's error
         finally:

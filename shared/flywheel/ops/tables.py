@@ -12,8 +12,9 @@ def table(rows: Sequence[Sequence[Any]], headers: Sequence[str] | None = None) -
     num_columns = len(text[0])
     widths = [max(len(row[i]) for row in text) for i in range(num_columns)]
     numeric = [bool(rows) and all(isinstance(row[i], int | float) for row in rows) for i in range(num_columns)]
-    return "\n".join("  ".join(c.rjust(w) if num else c.ljust(w) for c, w, num in zip(row, widths, numeric)).rstrip()
-                     for row in text)
+    lines = ("  ".join(c.rjust(w) if num else c.ljust(w) for c, w, num in zip(row, widths, numeric, strict=True))
+             for row in text)
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def size(num_bytes: int) -> str:

@@ -59,11 +59,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from flywheel.contract import events
 from flywheel.sdk import tracegraph
+from flywheel.sdk.harness import ChatHarness, Harness
 from flywheel.sdk.messages import message_dict, message_from_dict
 
 if TYPE_CHECKING:
     from flywheel.contract.config import RunConfig
-    from flywheel.sdk.harness import Harness
 
 ENTRY_POINT_GROUP = "flywheel.environments"
 REWARD_PARAMETERS = ("completion", "messages", "task", "state", "rollout")
@@ -285,7 +285,8 @@ class GroupReward(_Weighted):
                      "tasks": [r.task_data for r in rollouts], "task": rollouts[0].task_data,
                      "states": [r.state for r in rollouts], "rollouts": list(rollouts)}
         values = await _call(self.fn, {p: available[p] for p in self.parameters})
-        if isinstance(values, str | bytes | Mapping) or not isinstance(values, Sequence) or len(values) != len(rollouts):
+        if (isinstance(values, str | bytes | Mapping) or not isinstance(values, Sequence)
+                or len(values) != len(rollouts)):
             raise RewardError(f"group reward {self.name!r} returned {values!r}; it returns a list with one value "
                               f"per rollout ({len(rollouts)})")
         return [Value(*_number(v, self.name, self.weights)) for v in values]
@@ -298,7 +299,9 @@ def off_the_loop(reward: AnyReward, executor: Executor | None = None) -> AnyRewa
     """``reward`` itself when its function is async, else a copy whose sync function runs in
     ``executor`` (None: asyncio's default), so a slow reward does not stall the event loop."""
     fn = reward.fn
-    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
+    # An object whose __call__ is async: its method is read to ask that, not whether fn is callable.
+    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+            getattr(fn, "__call__", None)):  # noqa: B004  # reads the method to ask if it is async, not callable()
         return reward
 
     @functools.wraps(fn)
@@ -373,8 +376,6 @@ class Environment:
         if not isinstance(self.tasks, TaskSet):
             self.tasks = TaskSet.from_rows(self.tasks, name=f"{self.name} tasks")
         if self.harness is None:
-            from flywheel.sdk.harness import ChatHarness
-
             self.harness = ChatHarness()
         wrapped = [r if isinstance(r, Reward | GroupReward) else Reward(r) for r in self.rewards]
         if not wrapped:
@@ -384,6 +385,12 @@ class Environment:
         if dupes:
             raise EnvironmentLoadError(f"environment {self.name!r}: reward names {dupes} are used twice")
         self.rewards = wrapped
+
+    def _rewards(self) -> list[Reward | GroupReward]:
+        """``rewards`` as :meth:`__post_init__` leaves them: every one a Reward or a GroupReward."""
+        rewards = [r for r in self.rewards if isinstance(r, Reward | GroupReward)]
+        assert len(rewards) == len(self.rewards)
+        return rewards
 
     @property
     def rollout_rewards(self) -> dict[str, Reward]:
@@ -396,7 +403,7 @@ class Environment:
     @property
     def weights(self) -> dict[str, float]:
         """Every reward's weight by name (metrics have 0)."""
-        return {r.name: r.weight for r in self.rewards}
+        return {r.name: r.weight for r in self._rewards()}
 
     def load_tasks(self, num_tasks: int, seed: int = 0) -> list[dict[str, Any]]:
         assert isinstance(self.tasks, TaskSet)
@@ -426,22 +433,25 @@ class Environment:
 
     def reference_answer(self, task: dict[str, Any]) -> str:
         if self.reference is None:
-            raise EnvironmentLoadError(f"environment {self.name!r} defines no reference(task): it cannot be used for SFT")
+            raise EnvironmentLoadError(f"environment {self.name!r} defines no reference(task): it cannot be used "
+                                       "for SFT")
         return self.reference(task)
 
     def with_overrides(self, overrides: EnvironmentOverrides | None) -> Environment:
         """This environment with a run config's reward swaps and weights applied (a copy)."""
         if overrides is None or not overrides.rewards:
             return self
-        by_name = {r.name: r for r in self.rewards}
+        by_name = {r.name: r for r in self._rewards()}
         for name, spec in overrides.rewards.items():
             current = by_name.get(name)
             if spec.function:
                 fn = import_object(spec.function, f"rewards.{name}.function")
-                kind = GroupReward if spec.group or (isinstance(current, GroupReward) and spec.group is None) else Reward
+                group = spec.group or (isinstance(current, GroupReward) and spec.group is None)
+                kind = GroupReward if group else Reward
                 weight = spec.weight if spec.weight is not None else current.weight if current else 1.0
                 # Components of the same name keep their weights under the new function.
-                by_name[name] = kind(fn, weight=weight, name=name, weights=dict(current.weights) if current else {})
+                by_name[name] = kind(fn, weight=weight, name=name,
+                                     weights=dict(current.weights) if current else {})
             elif current is None:
                 raise EnvironmentLoadError(f"rewards.{name}: environment {self.name!r} has no reward {name!r} "
                                            f"(it has {sorted(by_name)}); give `function` to add one")
@@ -541,7 +551,8 @@ def load_environment(env_id: str, overrides: EnvironmentOverrides | None = None)
     except EnvironmentLoadError:
         raise
     except TypeError as exc:
-        raise EnvironmentLoadError(f"environment {env_id!r}: load_environment({', '.join(args)}) failed: {exc}") from exc
+        raise EnvironmentLoadError(f"environment {env_id!r}: load_environment({', '.join(args)}) failed: "
+                                   f"{exc}") from exc
     if not isinstance(env, Environment):
         raise EnvironmentLoadError(f"environment {env_id!r}: load_environment returned a {type(env).__name__}, not "
                                    f"an Environment")

@@ -29,7 +29,9 @@ import inspect
 import json
 import logging
 import os
+import signal
 import sys
+import typing
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -39,6 +41,7 @@ from flywheel.sdk.messages import message_dict, message_from_dict
 
 if TYPE_CHECKING:
     import openai
+    from openai.types.chat import ChatCompletionMessageParam
 
     from flywheel.sdk.environment import Environment
     from flywheel.sdk.sandbox import SandboxClient
@@ -194,8 +197,6 @@ class Tool:
 
 
 def _hints(fn: Callable[..., Any]) -> dict[str, Any]:
-    import typing
-
     try:
         return typing.get_type_hints(fn)
     except Exception:
@@ -335,8 +336,8 @@ def user_simulator_server(base_url: str, model: str, instructions: Callable[[dic
         """The simulated user's next message (###STOP### when the user is done)."""
         import openai
 
-        swapped = [{"role": "system", "content": instructions(task) + f"\nWhen your request is fully handled, "
-                                                                      f"answer exactly {UserSimulator.STOP}."}]
+        brief = instructions(task) + f"\nWhen your request is fully handled, answer exactly {UserSimulator.STOP}."
+        swapped: list[ChatCompletionMessageParam] = [{"role": "system", "content": brief}]
         for m in messages:
             if m.get("role") == "assistant" and m.get("content"):
                 swapped.append({"role": "user", "content": m["content"]})
@@ -404,7 +405,7 @@ class ChatHarness:
                 ctx.state["turns"] = turn
                 response = await ctx.chat(messages=messages, **({"tools": specs} if specs else {}))
                 choice = response["choices"][0]
-                reply = {"role": "assistant", "content": choice["message"].get("content") or ""}
+                reply: dict[str, Any] = {"role": "assistant", "content": choice["message"].get("content") or ""}
                 if choice["message"].get("tool_calls"):
                     reply["tool_calls"] = choice["message"]["tool_calls"]
                 messages.append(reply)
@@ -518,8 +519,6 @@ class ProgramHarness:
 
 
 def _kill_group(pid: int) -> None:
-    import signal
-
     try:
         os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:

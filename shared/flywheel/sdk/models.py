@@ -135,7 +135,8 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu") ->
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype={dtype!r}: choose float32, bfloat16 or float16")
     tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(
+        device)  # type: ignore[arg-type]  # transformers wraps .to (functools.wraps); typeshed's _Wrapped binds no self
     model.eval()
     if tok.chat_template is None:
         raise ValueError(f"model {path}: its tokenizer has no chat template")

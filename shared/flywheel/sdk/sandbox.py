@@ -66,7 +66,7 @@ class _Reply(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
     """Replies: tagged, so one decoder reads the expected reply or an error."""
 
 
-class SandboxSpec(_Message):
+class SandboxSpec(_Message, frozen=True):
     """What a sandbox gets. ``image`` None: the backend's default (local: the host's
     ``/usr`` read-only; docker: setting ``sandbox_image``). Memory, processes, disk and
     CPU are limits of the whole sandbox; ``disk_mb`` is the size of each writable tmpfs
@@ -88,14 +88,14 @@ class SandboxSpec(_Message):
     labels: dict[str, str] = {}
 
 
-class CreateRequest(_Message):
+class CreateRequest(_Message, frozen=True):
     """caller -> ``sandbox.create``. The same ``idempotency_key`` returns the same live sandbox."""
 
     spec: SandboxSpec = SandboxSpec()
     idempotency_key: str | None = None
 
 
-class ExecRequest(_Message):
+class ExecRequest(_Message, frozen=True):
     """caller -> ``sandbox.<instance>.exec``. ``cmd``: a string runs in bash (the session's
     folder carries over), a list runs as argv. ``cwd`` relative to the session's folder."""
 
@@ -107,7 +107,7 @@ class ExecRequest(_Message):
     timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 30.0
 
 
-class WriteFileRequest(_Message):
+class WriteFileRequest(_Message, frozen=True):
     """caller -> ``sandbox.<instance>.write_file``; a relative path is under the workdir."""
 
     id: str
@@ -116,26 +116,26 @@ class WriteFileRequest(_Message):
     mode: Annotated[int, msgspec.Meta(ge=0, le=0o777)] = 0o644
 
 
-class ReadFileRequest(_Message):
+class ReadFileRequest(_Message, frozen=True):
     """caller -> ``sandbox.<instance>.read_file``."""
 
     id: str
     path: Path_
 
 
-class DestroyRequest(_Message):
+class DestroyRequest(_Message, frozen=True):
     """caller -> ``sandbox.<instance>.destroy``; destroying a sandbox that is gone is not an error."""
 
     id: str
 
 
-class DestroyByLabelRequest(_Message):
+class DestroyByLabelRequest(_Message, frozen=True):
     """caller -> ``sandbox.<instance>.destroy_by_label``: every sandbox whose labels include all of these."""
 
     labels: Annotated[dict[str, str], msgspec.Meta(min_length=1)]
 
 
-class RunRequest(_Message):
+class RunRequest(_Message, frozen=True):
     """caller -> ``sandbox.run``: create, write ``files``, exec ``cmd``, destroy; one reply."""
 
     cmd: str | Annotated[list[str], msgspec.Meta(min_length=1)]
@@ -145,14 +145,14 @@ class RunRequest(_Message):
     timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 30.0
 
 
-class Created(_Reply, tag="created"):
+class Created(_Reply, frozen=True, tag="created"):
     """``sandbox.create`` -> caller."""
 
     id: str
     reused: bool = False  # True when the idempotency key named a live sandbox
 
 
-class ExecResult(_Reply, tag="exec_result"):
+class ExecResult(_Reply, frozen=True, tag="exec_result"):
     """``exec`` and ``run`` -> caller. Output is decoded as UTF-8 (bad bytes replaced) and
     cut at the service's limit, said by ``*_truncated``. ``timed_out``: the command was
     killed at ``timeout_s`` (``exit_code`` is then -9). A negative exit code is the signal
@@ -167,21 +167,21 @@ class ExecResult(_Reply, tag="exec_result"):
     duration_s: float = 0.0
 
 
-class FileWritten(_Reply, tag="file_written"):
+class FileWritten(_Reply, frozen=True, tag="file_written"):
     size_bytes: int
 
 
-class FileData(_Reply, tag="file_data"):
+class FileData(_Reply, frozen=True, tag="file_data"):
     data: bytes
 
 
-class Destroyed(_Reply, tag="destroyed"):
+class Destroyed(_Reply, frozen=True, tag="destroyed"):
     """``destroy`` / ``destroy_by_label`` -> caller: how many sandboxes were destroyed."""
 
     count: int
 
 
-class ErrorReply(_Reply, tag="error"):
+class ErrorReply(_Reply, frozen=True, tag="error"):
     """Any request -> caller, when it cannot be done; ``error`` says why and what to do."""
 
     kind: str

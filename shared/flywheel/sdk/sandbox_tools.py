@@ -46,6 +46,7 @@ import msgspec
 
 from flywheel.sdk.harness import RolloutContext, Tool, ToolError
 from flywheel.sdk.sandbox import ExecResult, SandboxClient, SandboxError, SandboxSpec
+from flywheel.sdk.sandbox_test_runner import collect_tests
 
 if TYPE_CHECKING:
     from flywheel.contract.bus import Bus
@@ -367,8 +368,6 @@ async def run_tests(files: Mapping[str, str | bytes], test_file: str = "test_sol
     nonce = secrets.token_hex(12)
     names: list[str] = []
     if command is None:
-        from flywheel.sdk.sandbox_test_runner import collect_tests
-
         if test_file not in written:
             raise ValueError(f"run_tests: {test_file!r} is not among the files ({sorted(written)})")
         try:

@@ -59,7 +59,8 @@ class Scoring:
         """``reward`` itself when it is async, else a copy whose function runs in the executor (made once)."""
         found = self._runnable.get(id(reward))
         if found is None or found[0] is not reward:
-            found = self._runnable[id(reward)] = (reward, off_the_loop(reward, self.executor))  # type: ignore[type-var]
+            found = self._runnable[id(reward)] = (
+                reward, off_the_loop(reward, self.executor))  # type: ignore[type-var]  # keeps the kind it is given
         return found[1]
 
     async def run(self, reward: Reward | GroupReward, rollouts: Sequence[events.Rollout]) -> list[Outcome]:
@@ -68,7 +69,8 @@ class Scoring:
         if isinstance(reward, GroupReward):
             outcome = await self._run(reward, list(rollouts), [r.id for r in rollouts])
             return list(outcome) if isinstance(outcome, list) else [outcome] * len(rollouts)
-        return list(await asyncio.gather(*(self._run(reward, r, [r.id]) for r in rollouts)))  # type: ignore[arg-type]
+        return list(await asyncio.gather(  # type: ignore[arg-type]  # a Reward on one rollout gives no list
+            *(self._run(reward, r, [r.id]) for r in rollouts)))
 
     async def _run(self, reward: Reward | GroupReward, arg: events.Rollout | list[events.Rollout],
                    ids: list[str]) -> Value | list[Value] | str:
@@ -76,7 +78,7 @@ class Scoring:
         deadline = asyncio.timeout(self.timeout_s)
         try:
             async with deadline:
-                return await self.runnable(reward)(arg)  # type: ignore[arg-type]
+                return await self.runnable(reward)(arg)  # type: ignore[arg-type]  # a list only for a GroupReward
         except Exception as exc:
             if deadline.expired():
                 error = f"{kind} {reward.name!r} timed out after {self.timeout_s:g}s"

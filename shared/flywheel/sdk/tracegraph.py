@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from operator import attrgetter, itemgetter
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 from flywheel.contract import events
 
@@ -205,7 +205,8 @@ class TraceGraph:
 
 def rollout_from_messages(*, run: str, env: str, task_id: str, task_data: dict[str, Any],
                           messages: Sequence[events.Message], index: int = 0, group_size: int = 1,
-                          state: dict[str, Any] | None = None, status: str = "completed",
+                          state: dict[str, Any] | None = None,
+                          status: Literal["completed", "truncated", "error"] = "completed",
                           error: str | None = None, metrics: dict[str, float] | None = None,
                           rollout_id: str | None = None) -> events.Rollout:
     """A message-only rollout (no token layer) whose one branch is ``messages``."""
@@ -214,7 +215,7 @@ def rollout_from_messages(*, run: str, env: str, task_id: str, task_data: dict[s
     for message in messages:
         node, _ = graph.add(parent, message)
         parent = node.id
-    kwargs = {"id": rollout_id} if rollout_id else {}
+    kwargs: dict[str, Any] = {"id": rollout_id} if rollout_id else {}
     return events.Rollout(run=run, env=env, task_id=task_id, group_id=task_id, index=index, task_data=task_data,
                           nodes=graph.ordered(), status=status, error=error, metrics=metrics or {},
                           group_size=group_size, state=state or {}, **kwargs)

@@ -1,0 +1,47 @@
+"""Fixtures of the end-to-end tests: a clean environment and a ``flywheel up`` stack on free ports."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from flywheel.ops.natsserver import free_port
+from tests.e2e.test_up import Output
+from tests.e2e.test_up_supervisor import alive
+
+
+@pytest.fixture
+def clean_env() -> dict[str, str]:
+    """This environment without the caller's Flywheel settings (the test passes its own)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_") or k == "FLYWHEEL_NATS_SERVER_BIN"}
+
+
+@pytest.fixture
+def stack(tmp_path: Path, clean_env: dict[str, str]) -> Iterator[tuple[subprocess.Popen[str], Output, dict[str, int]]]:
+    """``flywheel up`` on free ports; after the test, it and every process it printed are stopped."""
+    ports = {"nats": free_port(), "gateway": free_port(), "inference": free_port()}
+    up = subprocess.Popen([sys.executable, "-m", "flywheel.ops.cli", "up", "--data-dir", str(tmp_path / "data"),
+                           "--nats-port", str(ports["nats"]), "--gateway-port", str(ports["gateway"]),
+                           "--inference-port", str(ports["inference"])],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=clean_env)
+    output = Output(up)
+    try:
+        yield up, output, ports
+    finally:
+        if up.poll() is None:
+            up.send_signal(signal.SIGINT)
+            try:
+                up.wait(30)
+            except subprocess.TimeoutExpired:
+                up.kill()
+                up.wait()
+        for match in output.matching(r"^started \S+ \(pid (\d+)\)"):
+            pid = int(match.group(1))
+            if alive(pid):  # only when the stack failed to stop it: it is ours either way
+                os.kill(pid, signal.SIGKILL)
