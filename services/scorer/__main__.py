@@ -2,6 +2,7 @@
 
     python -m flywheel_scorer                     every environment's own rewards, every run
     python -m flywheel_scorer --function MODULE:FUNCTION --env ENV [--name NAME] [--weight W] [--group]
+                                                  [--run RUN ... | --backfill]
 
 A custom scorer's function takes any of ``completion``, ``messages``, ``task``, ``state`` and
 ``rollout`` by name (as an environment's rewards do), may be ``async``, and returns a number
@@ -60,6 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
     custom.add_argument("--group", action="store_true",
                         help="a group reward: sees every rollout of a group at once, returns one value per rollout "
                              "(run one process per durable: replicas would split groups)")
+    custom.add_argument("--run", action="append", default=[], metavar="RUN",
+                        help="a run whose rollouts it scores, all of them (repeat for more); default: rollouts from "
+                             "now on, and those of runs still going whose reward names this scorer (when its "
+                             "durable is new)")
+    custom.add_argument("--backfill", action="store_true",
+                        help="score every stored rollout of the environment, finished runs included, then new "
+                             "ones (when its durable is new)")
     bounds = parser.add_argument_group("bounds (default: the settings' scorer section, FLYWHEEL_SCORER__<FIELD>)")
     bounds.add_argument("--max-in-flight", type=_at_least_one, metavar="N",
                         help="rollouts scored at once (setting scorer.max_in_flight)")
@@ -92,6 +100,8 @@ def main(argv: Sequence[str] | None = None, settings: Settings | None = None) ->
     if args.function is None:
         stray = [flag for flag in ("env", "name", "weight") if getattr(args, flag) is not None]
         stray += ["group"] if args.group else []
+        stray += ["run"] if args.run else []
+        stray += ["backfill"] if args.backfill else []
         if stray:
             parser.error(f"{', '.join('--' + f for f in stray)}: only for a custom scorer; add "
                          "--function MODULE:FUNCTION")
@@ -112,7 +122,8 @@ def main(argv: Sequence[str] | None = None, settings: Settings | None = None) ->
             rewards: scorer.RewardSource = scorer.EnvironmentRewards()
         else:
             weight = 1.0 if args.weight is None else args.weight
-            rewards = scorer.custom_reward(args.function, args.env, args.name, weight, group=args.group)
+            rewards = scorer.custom_reward(args.function, args.env, args.name, weight, group=args.group,
+                                           runs=args.run, backfill=args.backfill)
     except ValueError as exc:
         parser.error(str(exc))
     setup_tracing(rewards.durable)

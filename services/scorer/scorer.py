@@ -87,6 +87,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, Protocol
 
 import msgspec
@@ -94,7 +95,7 @@ import msgspec
 from flywheel.contract import events
 from flywheel.contract.bus import Bus, Consumer, Delivery, Reject
 from flywheel.contract.config import RunConfig
-from flywheel.contract.runs import get_run
+from flywheel.contract.runs import end_of, get_run, list_runs
 from flywheel.contract.service import Service, read_heartbeats
 from flywheel.contract.settings import ScorerSettings, Settings
 from flywheel.sdk.environment import (
@@ -137,7 +138,15 @@ class RewardSource(Protocol):
     """What one scorer process scores with: its durable, its subjects, a rollout's rewards."""
 
     durable: str
-    filter_subject: str | None
+    filter_subject: str | list[str] | None
+
+    async def start_time(self, bus: Bus) -> datetime | None:
+        """Where a new durable starts in the stream (None: its first rollout)."""
+        ...
+
+    def joined(self, created: bool | None, start: datetime | None) -> str | None:
+        """Its consumer is bound (``created``: its durable is new): what it scores, to say at start."""
+        ...
 
     def __call__(self, rollout: events.Rollout, config: RunConfig | None) -> RewardSet: ...
 
@@ -146,7 +155,13 @@ class EnvironmentRewards:
     """The built-in scorer: the rewards of each rollout's environment, as its run loads it."""
 
     durable = BUILTIN_DURABLE
-    filter_subject: str | None = None
+    filter_subject: str | list[str] | None = None
+
+    async def start_time(self, bus: Bus) -> datetime | None:
+        return None  # every rollout of every run needs its environment's rewards
+
+    def joined(self, created: bool | None, start: datetime | None) -> str | None:
+        return None
 
     def __init__(self) -> None:
         # Loaded on the loop's thread, once per run (its overrides are its own) or per
@@ -171,16 +186,52 @@ class EnvironmentRewards:
 
 
 class CustomReward:
-    """A custom scorer: one user function (a reward, or a group reward), on the rollouts of one environment."""
+    """A custom scorer: one user function (a reward, or a group reward), on the rollouts of one environment.
 
-    def __init__(self, env: str, reward: Reward | GroupReward) -> None:
+    Where it starts, when its durable is new: ``runs`` named, every rollout of those runs;
+    ``backfill``, every stored rollout of the environment; else from now on, and from the
+    start of each run still going whose reward names it (so that run's earlier rollouts get
+    their score too: the durable starts at the earliest such run, and rollouts of other runs
+    made before now are passed over). A durable that exists goes on where it stopped.
+    """
+
+    def __init__(self, env: str, reward: Reward | GroupReward, runs: Sequence[str] = (),
+                 backfill: bool = False) -> None:
         self.env = env
         self.reward = reward
+        self.runs = tuple(runs)
+        self.backfill = backfill
         self.durable = f"scorer-{reward.name}"
-        self.filter_subject: str | None = f"rollouts.*.{env}"
+        self.filter_subject: str | list[str] | None = (
+            [f"rollouts.{run}.{env}" for run in self.runs] if self.runs else f"rollouts.*.{env}")
         self._set = RewardSet([reward]) if isinstance(reward, Reward) else RewardSet([], [reward])
+        # Joining from now: rollouts made before this, of runs not in _needing, are passed over.
+        self._joined_at: datetime | None = None
+        self._needing: set[str] = set()
+
+    async def start_time(self, bus: Bus) -> datetime | None:
+        if self.runs or self.backfill:
+            return None
+        needing = [s for s in await list_runs(bus) if self.reward.name in s.scorers and end_of(s) is None]
+        self._joined_at, self._needing = events.utc_now(), {s.id for s in needing}
+        return min([self._joined_at, *(s.created_at for s in needing)])
+
+    def joined(self, created: bool | None, start: datetime | None) -> str:
+        if not created:  # the durable goes on where it stopped: everything it is given is new to it
+            self._joined_at = None
+        what = f"{self.durable} scores {self.reward.name!r} on {self.filter_subject}"
+        if not created:
+            return f"{what}: its durable exists, so it goes on where it stopped"
+        if self.runs:
+            return f"{what}: every rollout of run(s) {', '.join(self.runs)}"
+        if start is None:
+            return f"{what}: every stored rollout of {self.env} (--backfill), then new ones"
+        return (f"{what}: rollouts from {start.isoformat(timespec='seconds')} on (now, or the start of a run still "
+                "going whose reward names it); --backfill scores the stored history, --run RUN a run's rollouts")
 
     def __call__(self, rollout: events.Rollout, config: RunConfig | None) -> RewardSet:
+        if self._joined_at is not None and rollout.created_at < self._joined_at and rollout.run not in self._needing:
+            return RewardSet([])  # from before this scorer joined, of a run that does not need it
         return self._set
 
 
@@ -196,7 +247,7 @@ def load_function(spec: str) -> Callable[..., Any]:
 
 
 def custom_reward(function: str, env: str, name: str | None = None, weight: float = 1.0,
-                  group: bool = False) -> CustomReward:
+                  group: bool = False, runs: Sequence[str] = (), backfill: bool = False) -> CustomReward:
     """The custom scorer of ``function`` for ``env``, checked before any rollout arrives."""
     fn = load_function(function)
     name = getattr(fn, "__name__", "") if name is None else name
@@ -219,7 +270,13 @@ def custom_reward(function: str, env: str, name: str | None = None, weight: floa
         reward = (GroupReward if group else Reward)(fn, weight=weight, name=name)
     except EnvironmentLoadError as exc:
         raise ValueError(str(exc)) from exc
-    return CustomReward(env, reward)
+    if runs and backfill:
+        raise ValueError("--run and --backfill: choose one (--run scores the runs named, --backfill every stored "
+                         "rollout)")
+    for run in runs:
+        if not _NAME.fullmatch(run):
+            raise ValueError(f"--run {run!r}: a run id is letters, digits, '-' or '_'")
+    return CustomReward(env, reward, runs, backfill)
 
 
 class NotScored(Exception):
@@ -446,8 +503,10 @@ async def _one() -> int:
     return 1
 
 
-def build(bus: Bus, rewards: RewardSource, pool: Executor, config: ScorerSettings) -> tuple[Consumer, Scorer]:
-    """The durable consumer of ROLLOUTS that scores with ``rewards``, and its scorer, within ``config``."""
+def build(bus: Bus, rewards: RewardSource, pool: Executor, config: ScorerSettings,
+          start_time: datetime | None = None) -> tuple[Consumer, Scorer]:
+    """The durable consumer of ROLLOUTS that scores with ``rewards``, and its scorer, within ``config``;
+    a new durable starts at ``start_time`` (None: the stream's first rollout)."""
     async def replicas() -> int:
         return sum(1 for b in await read_heartbeats(bus) if b.service == rewards.durable)
 
@@ -457,7 +516,7 @@ def build(bus: Bus, rewards: RewardSource, pool: Executor, config: ScorerSetting
     consumer = Consumer(bus, stream="ROLLOUTS", durable=rewards.durable, handler=scorer.handle,
                         event_type=events.Rollout, filter_subject=rewards.filter_subject,
                         max_in_flight=config.max_in_flight + config.max_held, batch_size=config.max_in_flight,
-                        ack_wait_s=config.ack_wait_s)
+                        ack_wait_s=config.ack_wait_s, start_time=start_time)
     return consumer, scorer
 
 
@@ -469,7 +528,12 @@ async def run(settings: Settings, rewards: RewardSource) -> None:
     service = Service(rewards.durable, bus, info={"subjects": rewards.filter_subject or "rollouts.>"})
     pool = ThreadPoolExecutor(config.num_threads, thread_name_prefix=rewards.durable)
     try:
-        consumer, scorer = build(bus, rewards, pool, config)
+        start = await rewards.start_time(bus)
+        consumer, scorer = build(bus, rewards, pool, config, start)
+        await consumer.ensure()
+        said = rewards.joined(consumer.created, start)
+        if said:  # on the user's screen: what it scores, from when
+            log.info("%s", said)
         service.add(consumer)
         service.add_task(scorer.hand_back_on)
         await service.run()  # finishes or hands back the rollouts in flight, then drains the bus

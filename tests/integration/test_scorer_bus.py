@@ -181,3 +181,59 @@ async def test_a_rollout_scored_again_publishes_nothing_new(bus: Bus) -> None:
             await until(lambda: consumer.stats.acked == 2, what="both rollouts scored")
         await bus.js.delete_consumer("ROLLOUTS", "scorer")
     assert await num_messages(bus, "SCORES") == 4
+
+
+@asynccontextmanager
+async def custom_scorer(bus: Bus, name: str, **options: Any) -> AsyncIterator[tuple[Consumer, str]]:
+    """A custom scorer of answer_length (named ``name``) started as its composition root starts
+    it: where a new durable begins, then the line it says at start."""
+    custom = scorer.custom_reward(f"{__name__}:answer_length", "reverse_text", name=name, **options)
+    start = await custom.start_time(bus)
+    with ThreadPoolExecutor(2) as pool:
+        consumer, _ = scorer.build(bus, custom, pool, ScorerSettings(max_in_flight=8), start)
+        await consumer.ensure()
+        said = custom.joined(consumer.created, start)
+        running = asyncio.ensure_future(consumer.run())
+        try:
+            yield consumer, said
+        finally:
+            consumer.stop()
+            await running
+
+
+async def test_a_new_custom_scorer_joins_from_now_and_the_runs_that_need_it_not_the_whole_history(
+        bus: Bus) -> None:
+    kv = await bus.runs_kv()
+    old = events.RunState(id="old", status="finished", scorers={"similarity": 1.0, "late": 1.0})
+    needs_it = events.RunState(id="needs", status="running", scorers={"similarity": 1.0, "late": 1.0})
+    for state in (old, needs_it):
+        await kv.put(state.id, events.encode(state))
+    # Stored before any custom scorer started: a finished run's history, and the earlier rollouts
+    # of a run still going whose reward names the scorer.
+    await bus.publish_many([rollout("h1", run="old"), rollout("h2", run="old"), rollout("n1", run="needs")])
+
+    async with custom_scorer(bus, "late") as (consumer, said):
+        assert "rollouts from " in said and "--backfill scores the stored history" in said
+        await bus.publish(rollout("new1", run="other"))
+        # From the needing run's start: the old run's rollouts come too, and are passed over.
+        await until(lambda: consumer.stats.acked == 4, what="the stored rollouts since that run began, and the new one")
+    late = sorted(sc.rollout_id for sc in await stored(bus, "SCORES", events.Score) if sc.scorer == "late")
+    assert late == ["n1", "new1"]  # not h1, h2: the finished run's history is not scored again
+
+    async with custom_scorer(bus, "late") as (consumer, said):  # restarted: on where it stopped
+        assert "its durable exists, so it goes on where it stopped" in said
+        await bus.publish(rollout("new2", run="other"))
+        await until(lambda: consumer.stats.acked == 1, what="the rollout published since")
+
+    async with custom_scorer(bus, "filler", backfill=True) as (consumer, said):
+        assert "every stored rollout of reverse_text (--backfill)" in said
+        await until(lambda: consumer.stats.acked == 5, what="all five stored rollouts")
+    async with custom_scorer(bus, "one_run", runs=["old"]) as (consumer, said):
+        assert "every rollout of run(s) old" in said
+        await until(lambda: consumer.stats.acked == 2, what="the old run's two rollouts")
+    by_scorer: dict[str, list[str]] = {}
+    for sc in await stored(bus, "SCORES", events.Score):
+        by_scorer.setdefault(sc.scorer, []).append(sc.rollout_id)
+    assert sorted(by_scorer["late"]) == ["n1", "new1", "new2"]
+    assert sorted(by_scorer["filler"]) == ["h1", "h2", "n1", "new1", "new2"]
+    assert sorted(by_scorer["one_run"]) == ["h1", "h2"]

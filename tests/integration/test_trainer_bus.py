@@ -157,7 +157,7 @@ async def test_logprobs_are_recomputed_at_the_temperature_each_rollout_was_sampl
     # only when it recomputes them at the temperature the rollout was sampled with.
     run = "own-temperature"
     cfg = RunConfig(run=run, env="reverse_text", group_size=2, model={"name": str(tiny_model_dir)},
-                    sampling={"max_tokens": 8}, scorers={"fixed": 1.0},
+                    sampling={"max_tokens": 8}, scorers={"fixed": 1.0}, replace_rewards=True,
                     trainer={"batch_size": 2, "num_steps": 1, "lr": 0.0, "max_off_policy_steps": 0})
     await register_run(bus, run, config=cfg.model_dump(), scorers=cfg.scorers)
     settings = Settings(nats_url=nats_server.url, data_dir=tmp_path / "data")

@@ -352,6 +352,8 @@ async def test_a_custom_scorer_scores_its_one_function(pool: ThreadPoolExecutor)
     ((f"{__name__}:answer_length", "reverse_text", None, -1.0), "--weight -1.0: a weight is a finite number"),
     ((f"{__name__}:takes_other_things", "reverse_text"), r"reward 'takes_other_things' .* takes \['model'\]"),
     ((f"{__name__}:answer_length", "reverse_text", "g", 1.0, True), r"group reward 'g' .* takes \['completion'\]"),
+    ((f"{__name__}:answer_length", "reverse_text", None, 1.0, False, ["r1"], True), "--run and --backfill: choose one"),
+    ((f"{__name__}:answer_length", "reverse_text", None, 1.0, False, ["r 1"]), "--run 'r 1': a run id is"),
 ])
 def test_custom_scorer_mistakes_name_the_option(args: tuple[Any, ...], message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -367,6 +369,7 @@ def test_entry_point_refuses_bad_combinations(capsys: pytest.CaptureFixture[str]
                           (["--function", f"{__name__}:answer_length"], "--function needs --env ENV"),
                           (["--threads", "0"], "argument --threads: must be at least 1, got 0"),
                           (["--group"], "--group: only for a custom scorer"),
+                          (["--run", "r1", "--backfill"], "--run, --backfill: only for a custom scorer"),
                           (["--function", "x", "--env", "reverse_text"], "--function='x': write it as")):
         with pytest.raises(SystemExit) as exited:
             main(argv)

@@ -12,7 +12,7 @@ import pytest
 from flywheel.contract import events
 from flywheel.contract.config import RunConfig
 from flywheel.sdk.environment import Environment, GroupReward, Metric, Reward, load_environment
-from flywheel.sdk.scoring import Scoring, required_scorers, rollout_reward
+from flywheel.sdk.scoring import Scoring, describe_reward, required_scorers, rollout_reward
 from tests.scripted_openai import make_rollout
 
 
@@ -36,11 +36,31 @@ def test_a_rollouts_reward_is_its_required_scorers_weighted() -> None:
     assert rollout_reward("completed", [*full, score("judge", 0.0, error="boom")], None) is None
 
 
-def test_the_required_scorers_are_the_runs_else_the_environments() -> None:
+def test_the_required_scorers_are_the_environments_with_the_runs_scorers_added() -> None:
     env = load_environment("reverse_text")
     cfg = RunConfig(run="r", env="reverse_text")
     assert required_scorers(cfg, env) == {"similarity": 1.0, "exact": 0.0} == required_scorers(None, env)
-    assert required_scorers(RunConfig(run="r", env="reverse_text", scorers={"brevity": 2.0}), env) == {"brevity": 2.0}
+    # A custom scorer named in the config joins the environment's reward; it does not push it out
+    # (it did: every step then trained on the custom scorer alone, reward std 0).
+    added = RunConfig(run="r", env="reverse_text", scorers={"nospace": 0.5})
+    assert required_scorers(added, env) == {"similarity": 1.0, "exact": 0.0, "nospace": 0.5}
+    reweighted = RunConfig(run="r", env="reverse_text", scorers={"exact": 2.0})
+    assert required_scorers(reweighted, env) == {"similarity": 1.0, "exact": 2.0}
+    # Unless the config says the scorers replace them.
+    only = RunConfig(run="r", env="reverse_text", scorers={"nospace": 1.0}, replace_rewards=True)
+    assert required_scorers(only, env) == {"nospace": 1.0}
+    with pytest.raises(ValueError, match="replace_rewards = true needs scorers"):
+        RunConfig(run="r", env="reverse_text", replace_rewards=True)
+
+
+def test_the_runs_reward_is_described_as_it_is_computed() -> None:
+    env = load_environment("reverse_text")
+    cfg = RunConfig(run="r", env="reverse_text", scorers={"nospace": 0.5})
+    assert describe_reward(required_scorers(cfg, env), env) == (
+        "reward = 1 x similarity + 0.5 x nospace; metrics (weight 0): exact; not reverse_text's own, so a custom "
+        "scorer must score them: nospace (flywheel scorer MODULE:FUNCTION --env ENV, named by --name or the "
+        "function's name)")
+    assert describe_reward(required_scorers(None, env), env) == "reward = 1 x similarity; metrics (weight 0): exact"
 
 
 def length(completion: str) -> float:

@@ -33,6 +33,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, ClassVar, TypeVar
 
 import msgspec
@@ -578,7 +579,7 @@ class Consumer:
         handler: Handler | None = None,
         batch_handler: BatchHandler | None = None,
         event_type: Any = events.AnyEvent,
-        filter_subject: str | None = None,
+        filter_subject: str | Sequence[str] | None = None,
         max_in_flight: int = 64,
         batch_size: int = 64,
         max_deliver: int = 5,
@@ -587,6 +588,7 @@ class Consumer:
         grace_s: float = 10.0,
         fetch_timeout_s: float = 1.0,
         deliver_new_only: bool = False,
+        start_time: datetime | None = None,
         inactive_threshold_s: float | None = None,
     ) -> None:
         if (handler is None) == (batch_handler is None):
@@ -610,6 +612,11 @@ class Consumer:
         self.grace_s = grace_s
         self.fetch_timeout_s = fetch_timeout_s
         self.deliver_new_only = deliver_new_only
+        # Where a new durable starts: the stream's first message, only what comes next
+        # (deliver_new_only) or what was stored from start_time on. A durable that exists goes
+        # on where it was, whatever these say (the server fixes them when it is created).
+        self.start_time = start_time
+        self.created: bool | None = None  # by ensure(): whether it created the durable
         # The server deletes the durable after this long without a pull (None: never);
         # for consumers that belong to something that ends, like one run's trainer.
         self.inactive_threshold_s = inactive_threshold_s
@@ -628,6 +635,21 @@ class Consumer:
         self._unfinished: dict[int, tuple[Msg, float]] = {}
 
     async def ensure(self) -> None:
+        try:
+            existing: ConsumerConfig | None = (await self.bus.retry(
+                lambda: self.bus.js.consumer_info(self.stream, self.durable))).config
+        except nats.js.errors.NotFoundError:
+            existing = None
+        self.created = existing is None
+        subjects = [self.filter_subject] if isinstance(self.filter_subject, str) else self.filter_subject
+        deliver: DeliverPolicy | None
+        start_time: datetime | None
+        if self.start_time is not None:
+            deliver, start_time = DeliverPolicy.BY_START_TIME, self.start_time
+        else:
+            deliver, start_time = (DeliverPolicy.NEW if self.deliver_new_only else DeliverPolicy.ALL), None
+        if existing is not None:  # fixed at creation: sending another would be refused
+            deliver, start_time = existing.deliver_policy, existing.opt_start_time
         cfg = ConsumerConfig(
             durable_name=self.durable,
             ack_policy=AckPolicy.EXPLICIT,
@@ -636,8 +658,10 @@ class Consumer:
             # whose handler crashed the process on its last delivery is not silently lost.
             max_deliver=-1,
             max_ack_pending=self.max_in_flight,
-            filter_subject=self.filter_subject,
-            deliver_policy=DeliverPolicy.NEW if self.deliver_new_only else DeliverPolicy.ALL,
+            filter_subject=subjects[0] if subjects and len(subjects) == 1 else None,
+            filter_subjects=list(subjects) if subjects and len(subjects) > 1 else None,
+            deliver_policy=deliver,
+            opt_start_time=start_time,
             inactive_threshold=self.inactive_threshold_s,
         )
         await self.bus.retry(lambda: self.bus.js.add_consumer(self.stream, cfg))

@@ -463,8 +463,11 @@ class RunConfig(_Section):
     tenant: str = Field("default", description="the tenant that owns the run")
     group_size: int = Field(8, ge=1, description="rollouts per task, compared with each other")
     num_tasks: int | None = Field(None, ge=1, description="tasks to publish; default: enough for num_steps")
-    scorers: dict[str, float] = Field(default_factory=dict, description="scorer name -> weight; default: the "
-                                                                        "environment's rewards")
+    scorers: dict[str, float] = Field(default_factory=dict, description="scorer name -> weight, added to the "
+                                      "environment's rewards and metrics (a name of theirs sets its weight); a "
+                                      "custom scorer named here must be running (`flywheel scorer`)")
+    replace_rewards: bool = Field(False, description="true: `scorers` is the whole reward, the environment's "
+                                                     "own rewards and metrics leave it")
     model: ModelConfig = Field(ModelConfig(),
                                description="the policy: what inference samples from and the trainer trains")
     sampling: SamplingConfig = Field(SamplingConfig(),
@@ -490,6 +493,9 @@ class RunConfig(_Section):
             if name in self.rewards and self.rewards[name].weight is not None:
                 raise ValueError(f"scorers.{name} and rewards.{name}.weight both set the weight of {name!r}: "
                                  f"keep one (rewards.{name}.weight)")
+        if self.replace_rewards and not self.scorers:
+            raise ValueError("replace_rewards = true needs scorers: name the scorers that make the reward, "
+                             "e.g. scorers = {my_scorer = 1.0}")
         if not self.env or any(c.isspace() for c in self.env):
             raise ValueError(f"env={self.env!r}: give an environment id, e.g. reverse_text or owner/name@1.0")
         return self

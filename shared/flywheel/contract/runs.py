@@ -129,6 +129,25 @@ async def get_run(bus: Bus, run: str) -> events.RunState | None:
     return decode_state(run, entry.value) if entry.value else None
 
 
+async def list_runs(bus: Bus) -> list[events.RunState]:
+    """Every run's current state; an entry that does not decode is logged and left out."""
+    kv = await bus.runs_kv()
+    try:
+        keys = await bus.retry(kv.keys)
+    except nats.js.errors.NoKeysError:
+        return []
+    states = []
+    for key in keys:
+        try:
+            state = await get_run(bus, key)
+        except BadRunState as exc:
+            log.warning("%s", exc)
+            continue
+        if state is not None:
+            states.append(state)
+    return states
+
+
 async def get_or_create_run(bus: Bus, run: str, tenant: str = "default", config: dict[str, Any] | None = None,
                             kind: str = "train", scorers: Mapping[str, float] | None = None
                             ) -> tuple[events.RunState, bool]:

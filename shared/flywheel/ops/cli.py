@@ -143,6 +143,12 @@ def build_parser() -> argparse.ArgumentParser:
     scorer.add_argument("--weight", type=float, help="weight of its scores in the reward")
     scorer.add_argument("--group", action="store_true",
                         help="a group reward: sees every rollout of a group, returns one value per rollout")
+    scorer.add_argument("--run", action="append", default=[], metavar="RUN",
+                        help="a run whose rollouts it scores, all of them (repeat for more); default: rollouts from "
+                             "now on, and those of runs still going whose reward names this scorer")
+    scorer.add_argument("--backfill", action="store_true",
+                        help="score every stored rollout of the environment, finished runs included, then new "
+                             "ones")
     _add_settings(scorer, NATS_SETTINGS + ("log_level",))
     scorer.set_defaults(func=cmd_scorer)
 
@@ -284,6 +290,10 @@ def cmd_scorer(args: argparse.Namespace) -> int:
         argv += ["--weight", str(args.weight)]
     if args.group:
         argv += ["--group"]
+    for run in args.run:
+        argv += ["--run", run]
+    if args.backfill:
+        argv += ["--backfill"]
     os.environ["FLYWHEEL_NATS_URL"] = settings.resolved_nats_url
     os.environ["FLYWHEEL_LOG_LEVEL"] = settings.log_level
     os.execv(sys.executable, argv)

@@ -71,7 +71,7 @@ from flywheel.ops.stack import (
     wait_set,
 )
 from flywheel.sdk.environment import Environment, load_for_run, subject_name
-from flywheel.sdk.scoring import required_scorers
+from flywheel.sdk.scoring import describe_reward, required_scorers
 
 RUN_SERVICES = ("inference", "scorer")  # what a training run needs besides the trainer
 MAX_RESTARTS_WITHOUT_PROGRESS = 5  # trainer restarts with no new step in between before the run fails
@@ -369,6 +369,7 @@ class MainJob:
         config = cfg.model_dump()
         assert self.env is not None
         scorers = required_scorers(cfg, self.env)  # the run's reward, for the trace store (the trainer's too)
+        self.say(f"run {cfg.run}: {describe_reward(scorers, self.env)}")
         state, created = await register_run(self.bus, cfg.run, cfg.tenant, config=config, scorers=scorers)
         if created:
             await update_run(self.bus, cfg.run, **self._lease_fields())

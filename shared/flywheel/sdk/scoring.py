@@ -118,11 +118,33 @@ def score_event(rollout: events.Rollout, name: str, weight: float, outcome: Outc
 
 
 def required_scorers(config: RunConfig | None, env: Environment) -> dict[str, float]:
-    """The scorers whose weighted values make a run's reward, name -> weight: the run config's
-    ``scorers`` where it sets them, else the environment's rewards and metrics (``env`` loaded
-    for the run, its overrides applied). Without a run config (``flywheel eval``): the
-    environment's."""
-    return dict(config.scorers) if config is not None and config.scorers else env.weights
+    """The scorers whose weighted values make a run's reward, name -> weight: the environment's
+    rewards and metrics (``env`` loaded for the run, its overrides applied) with the run
+    config's ``scorers`` added (one of theirs named there takes that weight), or only the
+    config's ``scorers`` with ``replace_rewards``. Without a run config (``flywheel eval``):
+    the environment's."""
+    if config is None:
+        return env.weights
+    if config.replace_rewards:
+        return dict(config.scorers)
+    return env.weights | config.scorers
+
+
+def describe_reward(required: Mapping[str, float], env: Environment) -> str:
+    """``required`` (:func:`required_scorers`) as a person reads it: the weighted sum, the
+    metrics (weight 0, recorded and required, not trained on), and which scorers are not the
+    environment's (a custom scorer that must be running)."""
+    own = set(env.weights)
+    terms = [f"{weight:g} x {name}" for name, weight in required.items() if weight]
+    text = "reward = " + (" + ".join(terms) if terms else "0 (every weight is 0)")
+    metrics = [name for name, weight in required.items() if not weight]
+    if metrics:
+        text += f"; metrics (weight 0): {', '.join(metrics)}"
+    custom = [name for name in required if name not in own]
+    if custom:
+        text += (f"; not {env.name}'s own, so a custom scorer must score them: {', '.join(custom)} "
+                 "(flywheel scorer MODULE:FUNCTION --env ENV, named by --name or the function's name)")
+    return text
 
 
 def rollout_reward(status: str, scores: Iterable[events.Score], required: Mapping[str, float] | None) -> float | None:
