@@ -192,6 +192,17 @@ class Joiner:
         size = self._rollouts[members[0]].group_size
         return len(members) == size and all(m in self._dropped or self.is_ready(m) for m in members)
 
+    def awaited_scores(self) -> dict[str, int]:
+        """Scorer name -> buffered rollouts (not dropped) still waiting for its score: what a
+        waiting trainer names."""
+        waiting: dict[str, int] = {}
+        for rollout_id in self._rollouts:
+            if rollout_id in self._dropped:
+                continue
+            for name in self.scorers.keys() - self._scores.get(rollout_id, {}).keys():
+                waiting[name] = waiting.get(name, 0) + 1
+        return dict(sorted(waiting.items()))
+
     @property
     def num_buffered(self) -> int:
         """Rollouts held (ready, waiting for scores or for the rest of their group, or dropped)."""

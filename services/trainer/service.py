@@ -308,10 +308,12 @@ class Trainer:
                 for w in waiters:
                     w.cancel()
             if not done:
+                awaited = self.joiner.awaited_scores()
+                scores = ", ".join(f"{name} ({n})" for name, n in awaited.items()) or "none"
                 log.info("run %s: step %d waits for %d done groups (%.0fs so far): %d rollouts buffered, %d of them "
-                         "dropped, %d scores without their rollout", self.cfg.run, self.step + 1,
-                         self.cfg.groups_per_step, time.monotonic() - since, self.joiner.num_buffered,
-                         self.joiner.num_dropped, self.joiner.num_orphan_scores)
+                         "dropped, %d scores without their rollout; rollouts waiting for a score from: %s",
+                         self.cfg.run, self.step + 1, self.cfg.groups_per_step, time.monotonic() - since,
+                         self.joiner.num_buffered, self.joiner.num_dropped, self.joiner.num_orphan_scores, scores)
         return None
 
     async def _checkpoint(self, engine: Engine) -> None:

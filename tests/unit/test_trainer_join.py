@@ -87,6 +87,17 @@ def test_take_waits_for_enough_groups_and_hands_out_the_oldest_first() -> None:
     assert joiner.num_buffered == 1
 
 
+def test_a_waiting_joiner_names_the_scorers_its_rollouts_wait_for() -> None:
+    joiner = Joiner({"similarity": 1.0, "nospace": 0.5}, max_off_policy_steps=1)
+    a, b = make_rollout("a", "g"), make_rollout("b", "g")
+    joiner.add_rollout(a)
+    joiner.add_rollout(b)
+    joiner.add_score(make_score(a, "similarity", 1.0))
+    assert joiner.awaited_scores() == {"nospace": 2, "similarity": 1}
+    joiner.add_score(make_score(b, "similarity", 1.0))
+    assert joiner.awaited_scores() == {"nospace": 2}  # what `waits for N done groups` names
+
+
 def test_a_scorer_error_drops_the_rollout_and_is_counted_never_a_zero() -> None:
     joiner = Joiner(SCORERS, max_off_policy_steps=1)
     a, b = make_rollout("a", "g"), make_rollout("b", "g")

@@ -483,16 +483,22 @@ class Replay:
 
 
 async def watch(bus: Bus, subject: str, event_type: type[T], stopping: asyncio.Event, *, watcher: str,
-                last_per_subject: bool = False, poll_s: float = 0.5) -> AsyncIterator[T]:
-    """Every event stored on ``subject``, decoded, then each new one, until ``stopping``: an
-    ordered consumer for a reader that looks at everything (a weights watcher).
+                last_per_subject: bool = False, start_time: datetime | None = None,
+                poll_s: float = 0.5) -> AsyncIterator[T]:
+    """Every event stored on ``subject`` (from ``start_time`` when given), decoded, then each new
+    one, until ``stopping``: an ordered consumer for a reader that looks at everything (a
+    weights watcher).
 
     A message that is not an ``event_type`` on its own subject is logged, dead-lettered as
     consumed by ``watcher`` (same id from every replica and restart, so kept once) and
     skipped: it never stops the watch. ``last_per_subject`` starts at the last message of
     each subject instead of the first."""
     decoder: events.Decoder[T] = events.Decoder(event_type)
-    config = ConsumerConfig(deliver_policy=DeliverPolicy.LAST_PER_SUBJECT if last_per_subject else DeliverPolicy.ALL)
+    if start_time is not None:
+        config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start_time)
+    else:
+        config = ConsumerConfig(
+            deliver_policy=DeliverPolicy.LAST_PER_SUBJECT if last_per_subject else DeliverPolicy.ALL)
     # The server's idle heartbeats tell the client its ordered consumer is gone (a server
     # restart loses it) after two missed ones: at 1 s, the watch resumes within seconds.
     sub = await bus.js.subscribe(subject, stream=stream_of(subject), config=config, ordered_consumer=True,

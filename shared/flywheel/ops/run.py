@@ -56,6 +56,7 @@ from flywheel.contract import events
 from flywheel.contract.bus import Bus, BusConfig, watch
 from flywheel.contract.config import RunConfig
 from flywheel.contract.runs import end_of, get_run, register_run, update_run
+from flywheel.contract.service import read_heartbeats
 from flywheel.contract.settings import Settings
 from flywheel.ops.client import make_tasks
 from flywheel.ops.stack import (
@@ -76,6 +77,7 @@ from flywheel.sdk.scoring import describe_reward, required_scorers
 RUN_SERVICES = ("inference", "scorer")  # what a training run needs besides the trainer
 MAX_RESTARTS_WITHOUT_PROGRESS = 5  # trainer restarts with no new step in between before the run fails
 QUIET_STEP_S = 30.0  # no step for this long: say what the run waits for
+NUM_LETTERS_SAID = 5  # dead letters of the run said one by one; after these, a count now and then
 
 
 @dataclass
@@ -260,6 +262,10 @@ class MainJob:
         self.first_task = 0  # where this owner's supply starts counting what the run still needs
         self.first_step = 0  # the trainer step the run was at when this owner took it
         self.num_dropped = 0  # rollouts the trainer dropped so far (each weight update says)
+        self.required: dict[str, float] = {}  # the scorers of the run's reward, name -> weight
+        self.started_at = events.utc_now()  # dead letters from here on are this owner's to say
+        self.num_dead_letters = 0  # of the run's messages, since started_at
+        self.seen_weights = False  # a weight update of the run came (version 0 at least)
         self._supplying = asyncio.Lock()
         self.owner = owner_name()
         self._bus: Bus | None = None
@@ -369,6 +375,7 @@ class MainJob:
         config = cfg.model_dump()
         assert self.env is not None
         scorers = required_scorers(cfg, self.env)  # the run's reward, for the trace store (the trainer's too)
+        self.required = scorers
         self.say(f"run {cfg.run}: {describe_reward(scorers, self.env)}")
         state, created = await register_run(self.bus, cfg.run, cfg.tenant, config=config, scorers=scorers)
         if created:
@@ -505,6 +512,7 @@ class MainJob:
         cfg = self.cfg
         updates: asyncio.Queue[events.WeightUpdate] = asyncio.Queue()
         watching = asyncio.ensure_future(self._watch_weights(updates))
+        letters = asyncio.ensure_future(self._watch_dead_letters())
         last_step_s = time.monotonic()
         try:
             while not self.stopping.is_set():
@@ -518,6 +526,7 @@ class MainJob:
                         await self._say_waiting(trainer, time.monotonic() - last_step_s)
                         last_step_s = time.monotonic()
                     continue
+                self.seen_weights = True
                 if update.version == 0 and not self.progress.steps:
                     self.say(f"run {cfg.run}: weights version 0 published (after {cfg.sft.steps} SFT steps)")
                     self.progress.started_s = time.monotonic()
@@ -532,7 +541,8 @@ class MainJob:
             return False
         finally:
             watching.cancel()
-            await asyncio.gather(watching, return_exceptions=True)
+            letters.cancel()
+            await asyncio.gather(watching, letters, return_exceptions=True)
 
     async def _watch_weights(self, out: asyncio.Queue[events.WeightUpdate]) -> None:
         watching = asyncio.Event()  # never set: the watch ends when this task is cancelled
@@ -540,13 +550,62 @@ class MainJob:
                                   watcher="flywheel-run-weights"):
             await out.put(update)
 
+    async def _watch_dead_letters(self) -> None:
+        """Say, on the user's screen, each message of this run that a service gave up on (a task
+        inference could not roll out, a rollout no scorer could score) and why: the first few one
+        by one, then a count now and then."""
+        run = self.cfg.run
+        never = asyncio.Event()  # the watch ends when this task is cancelled
+        async for letter in watch(self.bus, "dead.>", events.DeadLetter, never, watcher="flywheel-run-dead",
+                                  start_time=self.started_at):
+            if letter.original_subject.split(".")[1:2] != [run]:
+                continue
+            self.num_dead_letters += 1
+            n = self.num_dead_letters
+            if n <= NUM_LETTERS_SAID:
+                self.say(f"run {run}: {letter.consumer} gave up on {letter.original_subject} "
+                         f"(dead-lettered): {letter.reason}")
+            elif n in (NUM_LETTERS_SAID + 1, 10 * NUM_LETTERS_SAID) or n % 100 == 0:
+                self.say(f"run {run}: {n} messages dead-lettered so far (flywheel status; the DEAD stream "
+                         "holds each with its reason)")
+
     async def _say_waiting(self, trainer: TrainerSupervisor, quiet_s: float) -> None:
-        """What the run waits for, on the user's screen: the trainer's last log line and the queues."""
+        """What the run waits for, on the user's screen: what is missing (a scorer, a replica,
+        weights), the trainer's last log line and the queues."""
         lines = [line for line in trainer.process.log_tail().splitlines() if line.startswith("  | ")]
         last = lines[-1].removeprefix("  | ") if lines else "(nothing logged)"
         in_flight = await self._in_flight()
-        self.say(f"run {self.cfg.run}: no new step for {quiet_s:.0f}s; rollouts in flight in inference: "
-                 f"{in_flight if in_flight is not None else 'unknown'}; the trainer's last log line: {last}")
+        missing = await self._missing()
+        self.say(f"run {self.cfg.run}: no new step for {quiet_s:.0f}s"
+                 + (f"; waiting for {'; '.join(missing)}" if missing else "")
+                 + f"; rollouts in flight in inference: {in_flight if in_flight is not None else 'unknown'}"
+                 + f"; the trainer's last log line: {last}")
+
+    async def _missing(self) -> list[str]:
+        """What the run needs and does not have: a scorer of its reward with no live process, no
+        inference replica, no weights yet; and the messages of the run dead-lettered so far."""
+        try:
+            live = {beat.service for beat in await read_heartbeats(self.bus)}
+        except (TimeoutError, nats.errors.Error):
+            return []
+        assert self.env is not None
+        missing = []
+        own = set(self.env.weights)
+        if own & set(self.required) and "scorer" not in live:
+            missing.append(f"the built-in scorer (no process scores {self.env.name}'s rewards: is `flywheel up` "
+                           "running?)")
+        for name in sorted(set(self.required) - own):
+            if f"scorer-{name}" not in live:
+                missing.append(f"scorer {name!r}: no process runs it (start it with `flywheel scorer "
+                               f"MODULE:FUNCTION --env {subject_name(self.cfg.env, self.env)} --name {name}`)")
+        if "inference" not in live:
+            missing.append("an inference replica (none is running)")
+        if not self.seen_weights:
+            missing.append("weights version 0 (the trainer has not published its first weights)")
+        if self.num_dead_letters:
+            missing.append(f"rollouts that will not come: {self.num_dead_letters} of the run's messages were "
+                           "dead-lettered (reasons above)")
+        return missing
 
     async def _in_flight(self) -> int | None:
         """Rollouts in flight: tasks the inference consumer holds, times the group size."""

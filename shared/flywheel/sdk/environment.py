@@ -50,7 +50,10 @@ import importlib.metadata
 import inspect
 import json
 import math
+import os
 import random
+import site
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -507,9 +510,35 @@ def available() -> dict[str, str]:
     return out
 
 
+class EnvironmentNotInstalled(EnvironmentLoadError):
+    """No installed package provides the environment."""
+
+
+def refresh_installed() -> None:
+    """Let this process see packages installed since it started: forget the import system's
+    cached folder listings, and read the site folders' ``.pth`` files again (an editable install
+    adds one, which Python reads only at start)."""
+    importlib.invalidate_caches()
+    folders = [*site.getsitepackages(), site.getusersitepackages(),
+               *(p for p in sys.path if p.endswith(("site-packages", "dist-packages")))]
+    for folder in dict.fromkeys(folders):
+        if os.path.isdir(folder):
+            site.addsitedir(folder)
+
+
 def resolve(env_id: str) -> Callable[..., Environment]:
     """The ``load_environment`` function of ``env_id``: a module name, or ``owner/name[@version]``
-    registered under the ``flywheel.environments`` entry-point group."""
+    registered under the ``flywheel.environments`` entry-point group. An environment not found
+    is looked for once more after :func:`refresh_installed`, so a service that started before
+    its package was installed finds it."""
+    try:
+        return _resolve(env_id)
+    except EnvironmentNotInstalled:
+        refresh_installed()
+        return _resolve(env_id)
+
+
+def _resolve(env_id: str) -> Callable[..., Environment]:
     name, _, version = env_id.partition("@")
     eps = _entry_points()
     if name in eps:
@@ -521,7 +550,7 @@ def resolve(env_id: str) -> Callable[..., Environment]:
         target = ep.load()
         return target if not inspect.ismodule(target) else _module_loader(target, env_id)
     if "/" in name:
-        raise EnvironmentLoadError(f"environment {env_id!r} is not installed: no package registers {name!r} under "
+        raise EnvironmentNotInstalled(f"environment {env_id!r} is not installed: no package registers {name!r} under "
                                    f"the {ENTRY_POINT_GROUP!r} entry points (installed: {sorted(eps) or 'none'})")
     module_name = name.replace("-", "_")
     try:
@@ -529,7 +558,7 @@ def resolve(env_id: str) -> Callable[..., Environment]:
     except ModuleNotFoundError as exc:
         if exc.name != module_name.split(".")[0] and exc.name != module_name:
             raise  # the module exists and is broken: show its own error
-        raise EnvironmentLoadError(f"environment {env_id!r}: no module {module_name!r}; install its package or put "
+        raise EnvironmentNotInstalled(f"environment {env_id!r}: no module {module_name!r}; install its package or put "
                                    f"it on PYTHONPATH (installed environments: {sorted(eps) or 'none'})") from exc
     return _module_loader(module, env_id)
 

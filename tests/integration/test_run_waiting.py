@@ -1,0 +1,73 @@
+"""What `flywheel run` says while its run waits: against a real nats-server, the scorers,
+replicas and weights it lacks, and each of its messages a service gave up on, with the reason."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from pathlib import Path
+
+from flywheel.contract import events
+from flywheel.contract.bus import Bus, dead_letter, publish_dead_letter
+from flywheel.contract.config import RunConfig
+from flywheel.contract.settings import Settings
+from flywheel.ops.natsserver import NatsServer
+from flywheel.ops.run import MainJob
+from flywheel.sdk.environment import load_for_run
+from flywheel.sdk.scoring import required_scorers
+from tests.helpers import until
+
+
+def job_on(bus: Bus, nats_server: NatsServer, tmp_path: Path, **config: object) -> tuple[MainJob, io.StringIO]:
+    """A run's owner as `flywheel run` builds it, connected, its environment loaded, its screen a buffer."""
+    cfg = RunConfig.parse({"run": "waits", "env": "reverse_text", **config})
+    out = io.StringIO()
+    job = MainJob(cfg, Settings(nats_url=nats_server.url, data_dir=tmp_path), out=out)
+    job._bus = bus
+    job.env = load_for_run(cfg)
+    job.required = required_scorers(cfg, job.env)
+    return job, out
+
+
+async def beat(bus: Bus, service: str) -> None:
+    """A live process of ``service``, as its heartbeat says."""
+    heartbeat = events.ServiceHeartbeat(service=service, instance=f"{service}-1", pid=1, host="h",
+                                        started_at=events.utc_now())
+    await (await bus.services_kv()).put(f"{service}-1", events.encode(heartbeat))
+
+
+async def test_a_waiting_run_names_the_scorer_replica_and_weights_it_lacks(bus: Bus, nats_server: NatsServer,
+                                                                          tmp_path: Path) -> None:
+    job, _ = job_on(bus, nats_server, tmp_path, scorers={"nospace": 0.5})
+    missing = await job._missing()
+    assert missing[0].startswith("the built-in scorer (no process scores reverse_text's rewards")
+    assert missing[1].startswith("scorer 'nospace': no process runs it (start it with `flywheel scorer "
+                                 "MODULE:FUNCTION --env reverse_text --name nospace`)")
+    assert missing[2:] == ["an inference replica (none is running)",
+                           "weights version 0 (the trainer has not published its first weights)"]
+    for service in ("scorer", "scorer-nospace", "inference"):
+        await beat(bus, service)
+    job.seen_weights = True
+    assert await job._missing() == []
+
+
+async def test_the_runs_dead_letters_are_said_with_their_reason(bus: Bus, nats_server: NatsServer,
+                                                               tmp_path: Path) -> None:
+    job, out = job_on(bus, nats_server, tmp_path)
+    watching = asyncio.ensure_future(job._watch_dead_letters())
+    try:
+        for seq, subject in enumerate(["tasks.other.reverse_text", "tasks.waits.reverse_text"], 1):
+            await publish_dead_letter(bus, dead_letter(
+                stream="TASKS", stream_seq=seq, subject=subject, consumer="inference", num_delivered=1,
+                reason="rejected: environment 'reverse_text' failed to load: ModuleNotFoundError: No module named 'x'",
+                payload=b"{}", headers=None))
+        await until(lambda: "gave up on" in out.getvalue(), what="the run's dead letter said")
+        await asyncio.sleep(0.5)  # noqa: sleep - the other run's letter, were it said, would be by now
+    finally:
+        watching.cancel()
+        await asyncio.gather(watching, return_exceptions=True)
+    assert out.getvalue() == ("run waits: inference gave up on tasks.waits.reverse_text (dead-lettered): rejected: "
+                              "environment 'reverse_text' failed to load: ModuleNotFoundError: No module named 'x'\n")
+    assert job.num_dead_letters == 1
+    assert (await job._missing())[-1] == ("rollouts that will not come: 1 of the run's messages were dead-lettered "
+                                          "(reasons above)")
