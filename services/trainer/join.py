@@ -87,6 +87,7 @@ class Scored:
     rollout: events.Rollout
     reward: float
     staleness: int
+    scores: dict[str, float] = field(default_factory=dict)  # each required scorer's value (metrics too)
 
 
 @dataclass
@@ -242,7 +243,8 @@ class Joiner:
                     take.dropped[m] = self._dropped[m]
                 else:
                     rollout = self._rollouts[m]
-                    scored.append(Scored(rollout, self.reward(m), self.version - rollout.policy_version))
+                    scored.append(Scored(rollout, self.reward(m), self.version - rollout.policy_version,
+                                         {name: self._scores[m][name].value for name in self.scorers}))
             if scored:
                 take.groups.append(scored)
             self._consume(group_id)

@@ -339,12 +339,14 @@ class Trainer:
 
 
 def take_figures(take: Take, joiner: Joiner) -> dict[str, float]:
-    """The step's data figures: rewards, staleness, drops, what is still buffered."""
+    """The step's data figures: rewards, each scorer's mean (``scores.<name>``: metrics of
+    weight 0 included), staleness, drops by reason, what is still buffered."""
     scored = [s for g in take.groups for s in g]
     rewards = [s.reward for s in scored]
     mean = sum(rewards) / len(rewards)
     staleness = [s.staleness for s in scored]
-    return {
+    by_scorer = {f"scores.{name}": sum(s.scores[name] for s in scored) / len(scored) for name in joiner.scorers}
+    return by_scorer | {
         "reward_mean": mean,
         "reward_std": (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5,
         "num_rollouts": float(len(scored)),

@@ -44,6 +44,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -95,20 +96,42 @@ class Progress:
         return row
 
 
-def format_step(row: dict[str, float], num_steps: int, in_flight: int | None) -> str:
+DROP_REASONS = {"stale": "stale", "scorer_error": "scorer error", "rollout_error": "rollout error"}
+
+
+def format_dropped(row: dict[str, float]) -> str:
+    """Rollouts dropped, with the reasons that count: ``3 (stale 1, scorer error 2)``."""
+    by_reason = {label: int(row.get(f"num_dropped_{key}", 0.0)) for key, label in DROP_REASONS.items()}
+    total = sum(by_reason.values())
+    reasons = ", ".join(f"{label} {n}" for label, n in by_reason.items() if n)
+    return f"{total} ({reasons})" if reasons else str(total)
+
+
+def format_step(row: dict[str, float], num_steps: int, in_flight: int | None, metrics: Sequence[str] = ()) -> str:
+    """One step's line; ``metrics``: the scorers of weight 0, shown by their step mean."""
     def get(key: str, fmt: str = "{:.3f}") -> str:
         return fmt.format(row[key]) if key in row else "-"
 
-    return (f"step {int(row['step']):>3}/{num_steps}  reward {get('reward_mean')}  "
+    shown = "".join(f"  {name} {get(f'scores.{name}')}" for name in metrics)
+    return (f"step {int(row['step']):>3}/{num_steps}  reward {get('reward_mean')}{shown}  "
             f"staleness {get('staleness_mean', '{:.2f}')} (max {get('staleness_max', '{:.0f}')})  "
-            f"dropped {get('num_dropped_stale', '{:.0f}')}  tokens/s {get('tokens_per_s', '{:.0f}')}  "
+            f"dropped {format_dropped(row)}  tokens/s {get('tokens_per_s', '{:.0f}')}  "
             f"in flight {in_flight if in_flight is not None else '-'}  t {row['elapsed_s']:.0f}s")
 
 
-def summarize(progress: Progress, cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
+def summarize(progress: Progress, cfg: RunConfig, run_dir: Path, metrics: Sequence[str] = ()) -> dict[str, Any]:
+    """The run's figures; ``metrics`` (the scorers of weight 0) by their mean over the first and
+    the last quarter of the steps, as the reward is."""
     rewards = [s["reward_mean"] for s in progress.steps if "reward_mean" in s]
     k = max(1, len(rewards) // 4)
     first, last = rewards[:k], rewards[-k:]
+    quarters: dict[str, float | None] = {}
+    for name in metrics:
+        values = [s[f"scores.{name}"] for s in progress.steps if f"scores.{name}" in s]
+        quarters[f"{name}_first"] = sum(values[:k]) / len(values[:k]) if values else None
+        quarters[f"{name}_last"] = sum(values[-k:]) / len(values[-k:]) if values else None
+    dropped = {f"num_dropped_{key}": sum(s.get(f"num_dropped_{key}", 0.0) for s in progress.steps)
+               for key in DROP_REASONS}
     return {
         "run": cfg.run,
         "env": cfg.env,
@@ -119,7 +142,8 @@ def summarize(progress: Progress, cfg: RunConfig, run_dir: Path) -> dict[str, An
         "reward_last": sum(last) / len(last) if last else None,
         "reward_gain": (sum(last) / len(last) - sum(first) / len(first)) if rewards else None,
         "window_steps": k,
-        "num_dropped_stale": sum(s.get("num_dropped_stale", 0.0) for s in progress.steps),
+        **quarters,
+        **dropped,
         "staleness_max": max((s.get("staleness_max", 0.0) for s in progress.steps), default=0.0),
         "tokens_per_s_mean": (sum(s.get("tokens_per_s", 0.0) for s in progress.steps) / len(progress.steps)
                               if progress.steps else 0.0),
@@ -275,6 +299,11 @@ class MainJob:
         assert self._bus is not None, "connected in _train"
         return self._bus
 
+    @property
+    def metric_names(self) -> list[str]:
+        """The scorers of the run's reward at weight 0 (an environment's metrics): shown, not trained on."""
+        return [name for name, weight in self.required.items() if not weight]
+
     def say(self, line: str) -> None:
         print(line, file=self.out, flush=True)
 
@@ -350,11 +379,11 @@ class MainJob:
                 if row.get("step"):
                     self.progress.steps.append({"step": float(row["step"]), "elapsed_s": 0.0,
                                                 **{k: v for k, v in row.items() if isinstance(v, int | float)}})
-        return summarize(self.progress, self.cfg, self.run_dir)
+        return summarize(self.progress, self.cfg, self.run_dir, self.metric_names)
 
     def _finish(self) -> dict[str, Any]:
         cfg = self.cfg
-        summary = summarize(self.progress, cfg, self.run_dir)
+        summary = summarize(self.progress, cfg, self.run_dir, self.metric_names)
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         png = plot(self.progress, self.run_dir / "reward.png", f"{cfg.run}: {cfg.env}, {cfg.model.name}")
         self.say("summary:\n" + format_summary(summary))
@@ -535,7 +564,7 @@ class MainJob:
                 if row is not None:
                     trainer.progressed()
                     last_step_s = time.monotonic()
-                    self.say(format_step(row, cfg.trainer.num_steps, await self._in_flight()))
+                    self.say(format_step(row, cfg.trainer.num_steps, await self._in_flight(), self.metric_names))
                 if update.trainer_step >= cfg.trainer.num_steps:
                     return True
             return False
