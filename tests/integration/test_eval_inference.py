@@ -67,8 +67,10 @@ async def test_eval_against_the_inference_service_records_and_resumes(nats_serve
             await until(lambda: app.state.worker.info["runs"].get("r1", {}).get("policy_version") == 0,
                         timeout_s=60, what="version 0 loaded")
             out = tmp_path / "results.jsonl"
+            # The tiny model holds 256 positions: fewer tokens than the contract's default 256, sent
+            # with every call and recorded.
             args = ("--model", "r1", "--base-url", served.url + "/v1", "-n", "4", "-r", "2", "-c", "4",
-                    "--out", str(out))
+                    "--out", str(out), "--max-tokens", "8", "--temperature", "0.9")
             code, stdout, stderr = await flywheel_eval(*args, "--record", "--run-id", "ev1", nats_url=nats_server.url)
             assert code == 0, stderr
             records = read_results(out)
@@ -78,7 +80,8 @@ async def test_eval_against_the_inference_service_records_and_resumes(nats_serve
                 assert [m["role"] for m in r["messages"]] == ["system", "user", "assistant"]
                 assert r["messages"][1]["content"] == r["task"]["text"]
                 assert set(r["rewards"]) == {"similarity", "exact"} and r["reward"] == r["rewards"]["similarity"]
-                assert r["usage"]["completion_tokens"] >= 1 and r["calls"][0]["logprobs"]
+                assert 1 <= r["usage"]["completion_tokens"] <= 8 and r["calls"][0]["logprobs"]
+                assert (r["sampling"]["max_tokens"], r["sampling"]["temperature"]) == (8, 0.9)
             summary = json.loads(out.with_suffix(".summary.json").read_text())
             assert (summary["num_tasks"], summary["num_rollouts"], summary["num_errors"]) == (4, 8, 0)
             assert summary["reward_mean"] == sum(r["reward"] for r in records) / 8
@@ -91,6 +94,7 @@ async def test_eval_against_the_inference_service_records_and_resumes(nats_serve
             rollouts = [r for r in await stored(bus, "ROLLOUTS", events.Rollout) if r.run == "ev1"]
             scores = [s for s in await stored(bus, "SCORES", events.Score) if s.run == "ev1"]
             assert len(rollouts) == 8 and {r.subject() for r in rollouts} == {"rollouts.ev1.reverse_text"}
+            assert all(r.sampling is not None and r.sampling.max_tokens == 8 for r in rollouts)
             assert sorted(s.id for s in scores) == sorted(f"{r.id}.{name}" for r in rollouts
                                                          for name in ("similarity", "exact"))
             assert counting.num_chats == 1 + 8

@@ -26,7 +26,18 @@ from openai.types.chat import (
 )
 
 from flywheel.contract import events
-from flywheel.ops.eval import EvalConfig, Evaluation, RecordingProxy, Served, pass_at_k, read_results, serve
+from flywheel.ops.eval import (
+    EvalConfig,
+    Evaluation,
+    RecordingProxy,
+    Served,
+    eval_sampling,
+    format_summary,
+    impose_sampling,
+    pass_at_k,
+    read_results,
+    serve,
+)
 from flywheel.sdk.environment import Environment, EnvironmentOverrides, TaskSet, shortest_correct_reward
 from flywheel.sdk.harness import ChatHarness, RolloutContext
 
@@ -286,6 +297,43 @@ async def test_eval_ids_are_made_as_training_makes_them_and_resume_continues_the
         await Evaluation(EvalConfig(**{**cfg.__dict__, "resume": True, "run_id": "other"}), text_env(),
                          progress.open("w")).run()
     assert read_results(out) == records  # refused before anything was rewritten
+
+
+async def test_an_eval_sends_the_environments_sampling_with_the_flags_over_it_and_records_it(
+        upstream: tuple[Upstream, Served], tmp_path: Path) -> None:
+    # Without it, an endpoint samples with its own defaults (vLLM's server: up to the whole context),
+    # and the same weights score differently there and on Flywheel's inference.
+    env = text_env()
+    env.sampling = {"temperature": 0.7, "max_tokens": 12, "stop": ["\n"]}
+    out = tmp_path / "results.jsonl"
+    cfg = EvalConfig(env="texts", model="m", base_url=upstream[1].url + "/v1", out=out, num_tasks=1, num_rollouts=2,
+                     sampling={"temperature": 0.0, "seed": 5})
+    summary = await Evaluation(cfg, env, (tmp_path / "progress.txt").open("w")).run()
+    sent = [{k: r.get(k) for k in ("temperature", "top_p", "max_tokens", "stop", "seed")} for r in upstream[0].requests]
+    assert sorted(sent, key=lambda r: int(r["seed"] or 0)) == [
+        {"temperature": 0.0, "top_p": 1.0, "max_tokens": 12, "stop": ["\n"], "seed": 5 + i} for i in range(2)]
+    assert sorted(r["sampling"]["seed"] for r in read_results(out)) == [5, 6]
+    assert all(r["sampling"]["temperature"] == 0.0 and r["sampling"]["max_tokens"] == 12 for r in read_results(out))
+    assert summary["sampling"] == {"temperature": 0.0, "top_p": 1.0, "max_tokens": 12, "stop": ["\n"], "seed": 5}
+    assert "sampled with: temperature 0.0, top_p 1.0, max_tokens 12" in format_summary(summary)
+
+
+def test_eval_sampling_names_what_is_out_of_bounds() -> None:
+    env = text_env()
+    with pytest.raises(ValueError, match=r"sampling\.top_p must be <= 1"):
+        eval_sampling(env, {"top_p": 2.0})
+    with pytest.raises(ValueError, match=r"sampling\.temperature must be >= 0"):
+        eval_sampling(env, {"temperature": -1.0})
+    env.sampling = {"temprature": 0.5}
+    with pytest.raises(ValueError, match=r"environment 'texts': sampling has \['temprature'\]"):
+        eval_sampling(env, {})
+
+
+def test_a_harness_may_lower_max_tokens_and_nothing_else() -> None:
+    sampling = events.Sampling(temperature=0.5, max_tokens=64)
+    assert impose_sampling({"messages": [], "temperature": 1.3, "max_tokens": 8}, sampling) == {
+        "messages": [], "temperature": 0.5, "top_p": 1.0, "max_tokens": 8}
+    assert impose_sampling({"max_completion_tokens": 500}, sampling)["max_completion_tokens"] == 64
 
 
 async def test_a_harness_that_fails_is_recorded_on_its_rollout(tmp_path: Path) -> None:

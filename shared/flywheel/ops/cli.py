@@ -180,6 +180,14 @@ def build_parser() -> argparse.ArgumentParser:
                                "weights, every reward at 1.0)")
     evaluate.add_argument("--env-args", metavar="JSON", default="{}", help="keyword arguments of load_environment")
     evaluate.add_argument("--seed", type=int, default=0, help="which tasks are drawn (default 0)")
+    sampling = evaluate.add_argument_group(
+        "sampling (sent with every call, over the environment's own settings, as a training run's are; recorded "
+        "on every result)")
+    sampling.add_argument("--temperature", type=float, metavar="T", help="0: greedy")
+    sampling.add_argument("--top-p", type=float, metavar="P")
+    sampling.add_argument("--max-tokens", type=int, metavar="N", help="a harness's call may ask for fewer")
+    sampling.add_argument("--stop", action="append", metavar="TEXT", help="a stop string (repeat for more)")
+    sampling.add_argument("--sampling-seed", type=int, metavar="S", help="rollout i of a task samples with seed S + i")
     evaluate.add_argument("--max-retries", type=int, default=5,
                           help="retries of a model call on 429, 5xx or a connection error (default 5)")
     evaluate.add_argument("--record", action="store_true",
@@ -320,7 +328,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     cfg = EvalConfig(env=args.env, model=model, base_url=base_url, out=out, api_key=api_key,
                      num_tasks=args.num_tasks, num_rollouts=args.num_rollouts, concurrency=args.concurrency,
                      resume=args.resume, pass_threshold=args.pass_threshold, env_args=env_args, seed=args.seed,
-                     max_retries=args.max_retries, record=args.record, run_id=args.run_id)
+                     max_retries=args.max_retries, record=args.record, run_id=args.run_id,
+                     sampling={name: value for name, value in (
+                         ("temperature", args.temperature), ("top_p", args.top_p), ("max_tokens", args.max_tokens),
+                         ("stop", args.stop), ("seed", args.sampling_seed)) if value is not None})
     summary = asyncio.run(run_eval(cfg, settings.resolved_nats_url))  # --record, and sandboxes where NATS answers
     print(format_summary(summary))
     print(f"results: {summary['results']}" + (f"  run: {summary['run']}" if summary["run"] else ""))

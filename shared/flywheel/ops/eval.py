@@ -54,6 +54,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
+import msgspec
+
 from flywheel.contract import events
 from flywheel.ops.tables import table
 from flywheel.sdk.environment import Environment, EnvironmentOverrides, load_environment, messages_of, subject_name
@@ -85,6 +87,7 @@ class Recording:
 
     graph: TraceGraph = field(default_factory=TraceGraph)
     calls: list[dict[str, Any]] = field(default_factory=list)
+    sampling: events.Sampling | None = None  # imposed on each of its calls (None: sent as the harness sent it)
 
     def add(self, messages: list[events.Message], completion: Mapping[str, Any]) -> None:
         """The request's messages below the longest matching path, then each choice below them."""
@@ -168,6 +171,40 @@ class _Stream:
         return {"choices": [{"index": i, **c} for i, c in sorted(self.choices.items())], "usage": self.usage}
 
 
+def impose_sampling(body: Mapping[str, Any], sampling: events.Sampling) -> dict[str, Any]:
+    """A chat request with ``sampling`` in place of the harness's own settings, as the interception
+    endpoint imposes a run's in training: temperature, top_p, the stop strings and the seed as
+    given; the harness may only lower max_tokens (or max_completion_tokens, where it sent that)."""
+    out = {**body, "temperature": sampling.temperature, "top_p": sampling.top_p}
+    key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    asked = body.get(key)
+    out[key] = min(asked, sampling.max_tokens) if isinstance(asked, int) and asked > 0 else sampling.max_tokens
+    if sampling.stop:
+        out["stop"] = list(sampling.stop)
+    if sampling.seed is not None:
+        out["seed"] = sampling.seed
+    return out
+
+
+def eval_sampling(env: Environment, given: Mapping[str, Any]) -> events.Sampling:
+    """What an eval samples with: the contract's defaults, the environment's own sampling over
+    them, ``given`` (the command's flags) over those, as a training run's config would. A
+    temperature of 0 is taken (greedy, as OpenAI-compatible servers take it); a ValueError names
+    anything else out of bounds."""
+    names = events.Sampling.__struct_fields__
+    unknown = sorted(set(env.sampling) - set(names))
+    if unknown:
+        raise ValueError(f"environment {env.name!r}: sampling has {unknown}; known settings are {', '.join(names)}")
+    try:
+        sampling = msgspec.convert({**env.sampling, **given}, events.Sampling)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"sampling: {exc}") from None
+    msgspec.structs.replace(sampling, temperature=max(sampling.temperature, events.MIN_TEMPERATURE)).check()
+    if sampling.temperature < 0:
+        raise ValueError(f"sampling.temperature must be >= 0, got {sampling.temperature}")
+    return sampling
+
+
 class RecordingProxy:
     """Forwards ``/r/<key>/v1/chat/completions`` to ``upstream`` and records every call of each key.
 
@@ -194,9 +231,10 @@ class RecordingProxy:
         """The OpenAI base URL a rollout's harness gets."""
         return f"{self.url}/r/{key}/v1"
 
-    def open(self, key: str) -> Recording:
-        """A new recording for ``key``, filled as its calls pass through."""
-        recording = self.recordings[key] = Recording()
+    def open(self, key: str, sampling: events.Sampling | None = None) -> Recording:
+        """A new recording for ``key``, filled as its calls pass through; ``sampling`` is sent
+        with each of them (:func:`impose_sampling`)."""
+        recording = self.recordings[key] = Recording(sampling=sampling)
         return recording
 
     def take(self, key: str) -> Recording:
@@ -230,6 +268,8 @@ class RecordingProxy:
         from starlette.responses import Response, StreamingResponse
 
         recording = self.recordings.setdefault(key, Recording())
+        if recording.sampling is not None:
+            body = impose_sampling(body, recording.sampling.with_seed_offset(7919 * len(recording.calls)))
         streaming = bool(body.get("stream"))
         response = await self._send("POST", "/chat/completions", body, stream=streaming)
         if response.status_code != 200 or not streaming:
@@ -351,6 +391,7 @@ class EvalConfig:
     run_id: str | None = None
     rollout_timeout_s: float = ROLLOUT_TIMEOUT_S  # one harness run, as inference's
     reward_timeout_s: float = REWARD_TIMEOUT_S  # one reward, as the scorer's
+    sampling: dict[str, Any] = field(default_factory=dict)  # over the environment's own (eval_sampling)
 
     def __post_init__(self) -> None:
         for name in ("num_tasks", "num_rollouts", "concurrency"):
@@ -447,7 +488,11 @@ def format_summary(summary: Mapping[str, Any]) -> str:
     rows += [[k, num(v), ""] for k, v in summary.items() if k.startswith("pass@")]
     rows += [[k, num(summary[k]), ""] for k in ("num_tasks", "num_rollouts", "num_errors", "num_reward_errors",
                                                  "num_truncated", "prompt_tokens", "completion_tokens")]
-    return table(rows, ["", "mean", "stderr"]) + f"\npass: reward >= {summary['pass_threshold']:g}"
+    text = table(rows, ["", "mean", "stderr"]) + f"\npass: reward >= {summary['pass_threshold']:g}"
+    if summary.get("sampling"):
+        given = {k: v for k, v in summary["sampling"].items() if v not in (None, [])}
+        text += "\nsampled with: " + ", ".join(f"{k} {v}" for k, v in given.items())
+    return text
 
 
 class ProgressLine:
@@ -491,6 +536,7 @@ class Evaluation:
         self.run_id = cfg.run_id or f"eval-{self.env_name}-{datetime.now(UTC).strftime('%Y%m%dT%H%M%S')}"
         self.progress_out = progress_out
         self.weights = required_scorers(None, env)  # the reward: every reward of the environment, at its weight
+        self.sampling = eval_sampling(env, cfg.sampling)  # sent with every call, recorded on every rollout
         self.scoring = Scoring(timeout_s=cfg.reward_timeout_s)
         self.proxy = RecordingProxy(cfg.base_url, cfg.api_key, max_retries=cfg.max_retries, timeout_s=cfg.timeout_s)
         self.bus: Bus | None = None
@@ -547,7 +593,7 @@ class Evaluation:
         summary = {"env": cfg.env, "model": cfg.model, "run": self.run_id if cfg.record else None,
                    **summarize(records, self.weights, cfg.num_rollouts, self.pass_threshold),
                    "elapsed_s": time.monotonic() - started, "num_upstream_retries": self.proxy.num_retries,
-                   "results": str(cfg.out)}
+                   "sampling": msgspec.structs.asdict(self.sampling), "results": str(cfg.out)}
         return summary
 
     def _resumed_run(self, previous: list[dict[str, Any]]) -> str:
@@ -579,6 +625,7 @@ class Evaluation:
                             "state": rollout.state, "status": rollout.status, "error": rollout.error,
                             **scored_fields(scores),
                             "usage": recording.tokens(), "calls": recording.calls,
+                            "sampling": msgspec.structs.asdict(rollout.sampling) if rollout.sampling else None,
                             "reward": rollout_reward(rollout.status, scores, self.weights)})
         async with self._write:
             out.write("".join(json.dumps(r, default=str) + "\n" for r in records))
@@ -591,8 +638,9 @@ class Evaluation:
         """One rollout, run as inference runs it (:func:`flywheel.sdk.rollout.run_harness`), its
         calls recorded by the proxy."""
         rid = events.rollout_id(self.run_id, tid, index)
+        sampling = self.sampling.with_seed_offset(index)  # as inference seeds a group's rollouts
         async with self._slots:
-            recording = self.proxy.open(rid)
+            recording = self.proxy.open(rid, sampling)
             ctx = RolloutContext(task=row, base_url=self.proxy.base_url(rid), api_key=HARNESS_API_KEY,
                                  model=self.cfg.model, index=index, timeout_s=self.cfg.timeout_s, rollout_id=rid,
                                  sandbox_client=self.sandbox)
@@ -605,7 +653,7 @@ class Evaluation:
         rollout = events.Rollout(id=rid, run=self.run_id, env=self.env_name, task_id=tid, group_id=tid, index=index,
                                  task_data=row, nodes=recording.graph.ordered(), status=outcome.status,
                                  error=outcome.error, group_size=self.cfg.num_rollouts, state=outcome.state,
-                                 metrics=metrics)
+                                 metrics=metrics, sampling=sampling)
         return rollout, recording
 
     # --- recording on the bus -----------------------------------------------------------
