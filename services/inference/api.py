@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from flywheel.contract import events
 from flywheel.contract.config import StopStrings, sampling_field
+from flywheel.contract.runs import end_of, list_runs
 from flywheel_inference import interception
 from flywheel_inference.interception import openai_error
 from flywheel_inference.policy import Sampled, WeightsUnavailable
@@ -189,6 +190,16 @@ async def completions(body: CompletionRequest, worker: WorkerDep) -> dict[str, A
     return {"id": f"cmpl-{events.new_id()}", "object": "text_completion", "created": int(time.time()),
             "model": body.model, "system_fingerprint": _fingerprint(sampled), "choices": choices,
             "usage": _usage(prompt, sampled)}
+
+
+@router.get("/v1/models")
+async def list_models(worker: WorkerDep) -> JSONResponse:
+    """The models a client may name, in OpenAI's shape: the training runs registered and not
+    ended (a model is a run id; the run's config says which weights and sampling)."""
+    runs = [s for s in await list_runs(worker.bus) if s.kind == "train" and s.config and end_of(s) is None]
+    return JSONResponse({"object": "list", "data": [
+        {"id": s.id, "object": "model", "created": int(s.created_at.timestamp()), "owned_by": s.tenant}
+        for s in sorted(runs, key=lambda s: s.id)]})
 
 
 @router.get("/healthz")

@@ -44,7 +44,10 @@ async def test_completions_from_the_current_policy_with_logprobs(served: tuple[F
     error = error_of(await client.post("/v1/chat/completions", json=chat), 404)
     assert "'r1'" in error["message"] and error["param"] == "model" and error["code"] == "model_not_found"
 
+    assert (await client.get("/v1/models")).json() == {"object": "list", "data": []}
     await create_run(bus, tiny_model_dir)
+    (model,) = (await client.get("/v1/models")).json()["data"]
+    assert (model["id"], model["object"]) == ("r1", "model")  # a run id is a model name
     error = error_of(await client.post("/v1/chat/completions", json=chat), 503)
     assert "no weights loaded yet" in error["message"]
     base, tok = models.load_model(tiny_model_dir)
