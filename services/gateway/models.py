@@ -27,7 +27,7 @@ from pydantic import AfterValidator, AwareDatetime, BaseModel, BeforeValidator, 
 
 from flywheel.contract import events
 from flywheel.contract.config import SamplingConfig
-from flywheel.contract.runs import MAX_NAME_CHARS, TOKEN_PATTERN, is_key, is_token
+from flywheel.contract.runs import CONTROL_OR_SPACE, MAX_NAME_CHARS, TOKEN_PATTERN, is_key, is_token
 from flywheel_gateway.store import MAX_PAGE_LIMIT
 
 MAX_TASKS_PER_REQUEST = 10_000
@@ -263,6 +263,8 @@ Instant = Annotated[AwareDatetime, BeforeValidator(rfc3339_text), AfterValidator
 # run id the gateway would create.
 TokenFilter = Annotated[str, Field(max_length=MAX_NAME_CHARS, json_schema_extra=_schema(TOKEN_PATTERN)),
                         AfterValidator(subject_token)]
+ENV_ID_PATTERN = rf"^[^{CONTROL_OR_SPACE}.*>@]+(@[-+_.a-zA-Z0-9]+)?$"  # a subject token, or one with @version
+EnvFilter = Annotated[str, Field(max_length=MAX_NAME_CHARS, pattern=ENV_ID_PATTERN)]
 Cursor = Annotated[str, Field(max_length=MAX_CURSOR_CHARS)]
 
 
@@ -273,7 +275,9 @@ class RolloutFilters(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     run: TokenFilter | None = None
-    env: TokenFilter | None = None
+    env: EnvFilter | None = Field(None, description="The environment: the name in the rollouts' subjects "
+                                                    "(reverse_text), or the id a run's config names "
+                                                    "(owner/name, owner/name@1.0).")
     status: Literal["completed", "truncated", "error"] | None = None
     error: bool | None = Field(None, description="true: rollouts with an error (inference marked them `error` or "
                                                  "gave a message, or a scorer failed on them); false: the others.")
@@ -363,6 +367,8 @@ class RunPublic(BaseModel):
     tenant: str
     kind: Literal["train", "eval"]
     created_at: datetime
+    env: str | None = Field(None, description="The environment id its config names (owner/name[@version] or a "
+                                              "module name); null for a run registered without a config.")
 
 
 class RunPage(BaseModel):

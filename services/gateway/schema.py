@@ -66,6 +66,9 @@ runs = sa.Table(
     sa.Column("tenant", sa.String, nullable=False),
     sa.Column("kind", sa.String, nullable=False),
     sa.Column("created_at", UTCDateTime, nullable=False),
+    # The environment id its config names (owner/name[@version] or a module name): the trace
+    # API's env= filter takes it as well as the name in the rollouts' subjects. Null: no config.
+    sa.Column("env", sa.String, nullable=True),
 )
 
 # The scorers whose weighted values make a run's reward, mirrored from its state in the

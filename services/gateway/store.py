@@ -176,7 +176,9 @@ class RolloutFilter:
         c = s.rollouts.c
         conditions = [
             (self.run, lambda v: c.run == v),
-            (self.env, lambda v: c.env == v),
+            (self.env, lambda v: sa.or_(c.env == v, c.run.in_(  # the name in subjects, or the id run with
+                sa.select(s.runs.c.id).where(sa.or_(s.runs.c.env == v, s.runs.c.env.startswith(f"{v}@",
+                                                                                                   autoescape=True)))))),
             (self.status, lambda v: c.status == v),
             (self.error, lambda v: _has_error() if v else sa.not_(_has_error())),
             (self.policy_version, lambda v: c.policy_version == v),
@@ -483,13 +485,15 @@ class Store:
         if not states:
             return
         stmt = self._insert(s.runs)
-        stmt = stmt.on_conflict_do_update(index_elements=["id"],
-                                          set_={"tenant": stmt.excluded.tenant, "kind": stmt.excluded.kind})
+        stmt = stmt.on_conflict_do_update(index_elements=["id"], set_={
+            "tenant": stmt.excluded.tenant, "kind": stmt.excluded.kind,
+            "env": sa.func.coalesce(stmt.excluded.env, s.runs.c.env)})  # a state without config keeps it
         rs = s.run_scorers.c
         async with self._write() as conn:
             if self.dialect == "postgresql":
                 await self._lock_runs(conn, sorted({st.id for st in states if st.scorers}), exclusive=True)
-            await conn.execute(stmt, [{"id": st.id, "tenant": st.tenant, "kind": st.kind, "created_at": st.created_at}
+            await conn.execute(stmt, [{"id": st.id, "tenant": st.tenant, "kind": st.kind, "created_at": st.created_at,
+                                       "env": self._text(env) if isinstance(env := st.config.get("env"), str) else None}
                                       for st in states])
             for st in states:
                 if not st.scorers:

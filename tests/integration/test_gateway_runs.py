@@ -104,7 +104,8 @@ async def test_run_listing(client: httpx.AsyncClient, store: Store) -> None:
     rest = await get(client, "/v1/runs", limit=2, cursor=first["next_cursor"])
     # A run recorded from its events is created at its first event's time.
     assert [r["id"] for r in first["items"] + rest["items"]] == ["r3", "r2", "r1"] and rest["next_cursor"] is None
-    assert first["items"][0] == {"id": "r3", "tenant": "default", "kind": "train", "created_at": "2026-11-01T12:00:03Z"}
+    assert first["items"][0] == {"id": "r3", "tenant": "default", "kind": "train", "created_at": "2026-11-01T12:00:03Z",
+                                 "env": None}
     assert (await get(client, "/v1/runs", tenant="acme"))["items"] == []
     assert (await unprocessable(client, "GET", "/v1/runs", params={"cursor": "zz"})).startswith("cursor: cursor 'zz'")
 

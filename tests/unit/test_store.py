@@ -131,7 +131,7 @@ async def test_migrate_is_idempotent_and_matches_the_models(database_url: str) -
     assert await current_revision(database_url) is None
     await asyncio.gather(migrate(database_url), migrate(database_url))  # two processes starting at once
     await migrate(database_url)
-    assert await current_revision(database_url) == "0005"
+    assert await current_revision(database_url) == "0006"
 
     diffs: list[object] = []
 
@@ -714,10 +714,28 @@ async def test_run_pages_cover_every_run_once_newest_first(store: Store) -> None
             break
     assert seen == ["e", "d", "c", "b", "a"]
     first = (await store.list_runs(limit=1)).items[0]
-    assert first == {"id": "e", "tenant": "default", "kind": "train", "created_at": T0 + timedelta(hours=2)}
+    assert first == {"id": "e", "tenant": "default", "kind": "train", "created_at": T0 + timedelta(hours=2),
+                     "env": None}
     acme = await store.list_runs(tenant="acme")
     assert [r["id"] for r in acme.items] == ["d", "b"] and acme.next_cursor is None
     with pytest.raises(InvalidCursor, match="belongs to the tasks listing, not runs"):
         await store.list_runs(cursor=encode_cursor("tasks", 1))
     with pytest.raises(InvalidCursor, match="not a cursor"):
         await store.list_runs(cursor=encode_cursor("runs", 7))
+
+
+async def test_the_env_filter_takes_the_name_in_subjects_or_the_id_a_run_was_configured_with(store: Store) -> None:
+    await store.upsert_runs([events.RunState(id="r1", config={"run": "r1", "env": "acme/math@1.2"}, created_at=T0),
+                             events.RunState(id="r2", config={"run": "r2", "env": "other/math"}, created_at=T0)])
+    await store.record([rollout("ro1", run="r1"), rollout("ro2", run="r2"), rollout("ro3", run="r3")])
+    await store.upsert_runs([events.RunState(id="r1", created_at=T0)])  # a state without config keeps the env
+
+    async def ids(env: str) -> set[str]:
+        return {r["id"] for r in (await store.list_rollouts(RolloutFilter(env=env), limit=100)).items}
+
+    assert await ids("math") == {"ro1", "ro2", "ro3"}  # every rollout's subject says math
+    assert await ids("acme/math") == await ids("acme/math@1.2") == {"ro1"}  # the id run with, with or without version
+    assert await ids("other/math") == {"ro2"} and await ids("acme/math@2.0") == set()
+    assert await ids("acme/m%") == set()  # no pattern: the id as given
+    run = await store.get_run("r1")
+    assert run is not None and run["env"] == "acme/math@1.2"
