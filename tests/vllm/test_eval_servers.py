@@ -1,0 +1,101 @@
+"""The same environment and weights evaluated on vLLM's own OpenAI server and on Flywheel's
+inference service (vLLM backend) give rewards within two standard errors of each other:
+`flywheel eval` sends both the same sampling, so the endpoints' own defaults do not decide."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import io
+import math
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from flywheel.contract import events, weights
+from flywheel.contract.bus import Bus
+from flywheel.contract.config import RunConfig
+from flywheel.contract.settings import Settings
+from flywheel.ops.eval import EvalConfig, Evaluation, serve
+from flywheel.ops.natsserver import NatsServer, free_port
+from flywheel.sdk import models
+from flywheel.sdk.environment import load_environment
+from tests.helpers import until
+
+pytestmark = [pytest.mark.vllm,
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                 reason="vllm is not installed here: "
+                                        "scripts/test.sh --vllm runs this tier in .venv-vllm")]
+
+SAMPLING = {"max_tokens": 12, "temperature": 1.0}
+
+
+def vllm_server(model_dir: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
+    """vLLM's own OpenAI server on CPU, as the README starts it."""
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+             "--served-model-name", "tiny", "--dtype", "float32", "--enforce-eager",
+             "--gpu-memory-utilization", "0.1", "--port", str(port)], stdout=out, stderr=subprocess.STDOUT)
+
+
+async def evaluate(base_url: str, model: str, out: Path) -> dict:
+    cfg = EvalConfig(env="reverse_text", model=model, base_url=base_url, out=out, num_tasks=16, num_rollouts=4,
+                     concurrency=16, sampling=dict(SAMPLING))
+    return await Evaluation(cfg, load_environment("reverse_text"), io.StringIO()).run()
+
+
+async def test_vllms_server_and_flywheels_inference_score_alike(nats_server: NatsServer, bus: Bus,
+                                                                 tiny_model_dir: Path, tmp_path: Path) -> None:
+    from flywheel_inference.app import create_app
+
+    port = free_port()
+    server = vllm_server(tiny_model_dir, port, tmp_path / "vllm.log")
+    try:
+        cfg = RunConfig.parse({"run": "v1", "env": "reverse_text", "model": {"name": str(tiny_model_dir)},
+                               "sampling": SAMPLING, "inference": {"backend": "vllm"}})
+        await (await bus.runs_kv()).put("v1", events.encode(events.RunState(id="v1", config=cfg.model_dump())))
+        app = create_app(Settings(nats_url=nats_server.url, data_dir=tmp_path / "data"))
+        async with app.router.lifespan_context(app):
+            served = await serve(app)
+            try:
+                # The first request makes the service host the run (building its engine: about 25 s).
+                async with httpx.AsyncClient(timeout=180) as client:
+                    await client.post(served.url + "/v1/chat/completions",
+                                      json={"model": "v1", "messages": [{"role": "user", "content": "abc"}]})
+                base, _ = models.load_model(tiny_model_dir)
+                uri, sha, size = await weights.put(bus, "v1", 0, models.save_weights(base))
+                await bus.publish(events.WeightUpdate(run="v1", version=0, uri=uri, sha256=sha, size_bytes=size))
+                await until(lambda: app.state.worker.info["runs"].get("v1", {}).get("policy_version") == 0,
+                            timeout_s=180, what="version 0 loaded into Flywheel's vLLM engine")
+                ours = await evaluate(served.url + "/v1", "v1", tmp_path / "flywheel.jsonl")
+            finally:
+                await served.stop()
+
+        async def vllm_is_up() -> bool:
+            assert server.poll() is None, (tmp_path / "vllm.log").read_text()[-3000:]
+            try:
+                async with httpx.AsyncClient() as client:
+                    return (await client.get(f"http://127.0.0.1:{port}/v1/models")).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        await until(vllm_is_up, timeout_s=180, what="vLLM's OpenAI server")
+        theirs = await evaluate(f"http://127.0.0.1:{port}/v1", "tiny", tmp_path / "vllm.jsonl")
+    finally:
+        server.send_signal(signal.SIGINT)  # it stops on SIGINT, not promptly on SIGTERM
+        try:
+            await asyncio.to_thread(server.wait, 30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    for summary in (ours, theirs):
+        assert summary["num_errors"] == 0 and summary["sampling"]["max_tokens"] == 12
+        assert summary["completion_tokens"] <= 12 * summary["num_rollouts"]
+    gap = abs(ours["reward_mean"] - theirs["reward_mean"])
+    print(f"reward: Flywheel {ours['reward_mean']:.4f} +- {ours['reward_stderr']:.4f}, "
+          f"vLLM's server {theirs['reward_mean']:.4f} +- {theirs['reward_stderr']:.4f}")
+    assert gap <= 2 * math.hypot(ours["reward_stderr"], theirs["reward_stderr"]), (ours, theirs)
