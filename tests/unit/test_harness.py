@@ -122,8 +122,8 @@ async def test_a_program_past_its_timeout_is_killed_with_its_children(tmp_path: 
     script = tmp_path / "slow.py"
     script.write_text(textwrap.dedent(f"""
         import subprocess, sys, time
-        # noqa: sleep - the sleeps are the slow program under test (it must outlive its timeout)
-        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        child = subprocess.Popen([sys.executable, "-c",
+                                  "import time; time.sleep(60)"])  # noqa: sleep - the slow program under test
         open({str(pid_file)!r}, "w").write(str(child.pid))
         time.sleep(60)  # noqa: sleep - the program outlives its timeout on purpose
     """))
