@@ -318,6 +318,16 @@ async def test_an_eval_sends_the_environments_sampling_with_the_flags_over_it_an
     assert "sampled with: temperature 0.0, top_p 1.0, max_tokens 12" in format_summary(summary)
 
 
+async def test_with_endpoint_sampling_calls_go_as_the_harness_sent_them(upstream: tuple[Upstream, Served],
+                                                                         tmp_path: Path) -> None:
+    out = tmp_path / "results.jsonl"
+    cfg = EvalConfig(env="texts", model="m", base_url=upstream[1].url + "/v1", out=out, num_tasks=1,
+                     send_sampling=False)
+    summary = await Evaluation(cfg, text_env(), (tmp_path / "progress.txt").open("w")).run()
+    assert not {"temperature", "top_p", "max_tokens", "seed"} & set(upstream[0].requests[-1])
+    assert summary["sampling"] is None and read_results(out)[0]["sampling"] is None
+
+
 def test_eval_sampling_names_what_is_out_of_bounds() -> None:
     env = text_env()
     with pytest.raises(ValueError, match=r"sampling\.top_p must be <= 1"):

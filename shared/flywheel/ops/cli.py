@@ -188,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--max-tokens", type=int, metavar="N", help="a harness's call may ask for fewer")
     sampling.add_argument("--stop", action="append", metavar="TEXT", help="a stop string (repeat for more)")
     sampling.add_argument("--sampling-seed", type=int, metavar="S", help="rollout i of a task samples with seed S + i")
+    sampling.add_argument("--endpoint-sampling", action="store_true",
+                          help="send the harness's calls as they are, the endpoint's own defaults deciding (for an "
+                               "API that refuses sampling parameters, as some reasoning models' do)")
     evaluate.add_argument("--max-retries", type=int, default=5,
                           help="retries of a model call on 429, 5xx or a connection error (default 5)")
     evaluate.add_argument("--record", action="store_true",
@@ -331,7 +334,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
                      max_retries=args.max_retries, record=args.record, run_id=args.run_id,
                      sampling={name: value for name, value in (
                          ("temperature", args.temperature), ("top_p", args.top_p), ("max_tokens", args.max_tokens),
-                         ("stop", args.stop), ("seed", args.sampling_seed)) if value is not None})
+                         ("stop", args.stop), ("seed", args.sampling_seed)) if value is not None},
+                     send_sampling=not args.endpoint_sampling)
     summary = asyncio.run(run_eval(cfg, settings.resolved_nats_url))  # --record, and sandboxes where NATS answers
     print(format_summary(summary))
     print(f"results: {summary['results']}" + (f"  run: {summary['run']}" if summary["run"] else ""))

@@ -392,6 +392,9 @@ class EvalConfig:
     rollout_timeout_s: float = ROLLOUT_TIMEOUT_S  # one harness run, as inference's
     reward_timeout_s: float = REWARD_TIMEOUT_S  # one reward, as the scorer's
     sampling: dict[str, Any] = field(default_factory=dict)  # over the environment's own (eval_sampling)
+    # False: calls go as the harness sent them, the endpoint's defaults deciding (an API that
+    # refuses sampling parameters, as some reasoning models' do); nothing is recorded as sent.
+    send_sampling: bool = True
 
     def __post_init__(self) -> None:
         for name in ("num_tasks", "num_rollouts", "concurrency"):
@@ -593,7 +596,8 @@ class Evaluation:
         summary = {"env": cfg.env, "model": cfg.model, "run": self.run_id if cfg.record else None,
                    **summarize(records, self.weights, cfg.num_rollouts, self.pass_threshold),
                    "elapsed_s": time.monotonic() - started, "num_upstream_retries": self.proxy.num_retries,
-                   "sampling": msgspec.structs.asdict(self.sampling), "results": str(cfg.out)}
+                   "sampling": msgspec.structs.asdict(self.sampling) if cfg.send_sampling else None,
+                   "results": str(cfg.out)}
         return summary
 
     def _resumed_run(self, previous: list[dict[str, Any]]) -> str:
@@ -638,7 +642,8 @@ class Evaluation:
         """One rollout, run as inference runs it (:func:`flywheel.sdk.rollout.run_harness`), its
         calls recorded by the proxy."""
         rid = events.rollout_id(self.run_id, tid, index)
-        sampling = self.sampling.with_seed_offset(index)  # as inference seeds a group's rollouts
+        # As inference seeds a group's rollouts; None: the endpoint's own defaults (send_sampling off).
+        sampling = self.sampling.with_seed_offset(index) if self.cfg.send_sampling else None
         async with self._slots:
             recording = self.proxy.open(rid, sampling)
             ctx = RolloutContext(task=row, base_url=self.proxy.base_url(rid), api_key=HARNESS_API_KEY,
