@@ -7,10 +7,13 @@ import asyncio
 from dataclasses import dataclass
 from pathlib import Path
 
+import nats.js.errors
+
 from flywheel.contract.bus import Bus
 from flywheel.contract.service import Service
 from flywheel.contract.settings import InferenceSettings
 from flywheel_inference.worker import Worker
+from tests.helpers import until
 
 
 class Workers:
@@ -27,7 +30,18 @@ class Workers:
         config = config or InferenceSettings(backoff_s=(0.2,), max_deliver=50)
         worker = Worker.with_backends(wbus, self.data_dir, config)
         service = worker.service(handle_signals=False)
-        self.started[id(worker)] = (service, asyncio.ensure_future(service.run()), worker)
+        running = asyncio.ensure_future(service.run())
+        self.started[id(worker)] = (service, running, worker)
+
+        async def consuming() -> bool:  # its task consumer exists: what it is sent, it is given
+            assert not running.done(), running
+            try:
+                await wbus.js.consumer_info("TASKS", "inference")
+            except nats.js.errors.NotFoundError:
+                return False
+            return True
+
+        await until(consuming, what="the worker's task consumer")
         return worker
 
     async def stop(self, worker: Worker) -> None:
