@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import nats.js.errors
 
 from flywheel.contract.bus import Bus
 from flywheel.contract.service import read_heartbeats
@@ -44,8 +45,15 @@ async def test_the_process_serves_beats_and_stops_on_sigterm(nats_server: NatsSe
                        for b in await read_heartbeats(bus))
 
         await until(beating, what="the heartbeat")
-        info = await bus.js.consumer_info("TASKS", "inference")
-        assert info.config.durable_name == "inference"
+
+        async def consuming() -> bool:  # the heartbeat may come before the task consumer exists
+            try:
+                info = await bus.js.consumer_info("TASKS", "inference")
+            except nats.js.errors.NotFoundError:
+                return False
+            return info.config.durable_name == "inference"
+
+        await until(consuming, what="the task consumer")
         proc.send_signal(signal.SIGTERM)
         # uvicorn re-raises the signal it caught once it has shut down.
         assert await asyncio.wait_for(proc.wait(), 30) in (0, -signal.SIGTERM)
