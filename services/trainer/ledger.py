@@ -2,7 +2,7 @@
 
 Layout under ``<data_dir>/runs/<run>/``::
 
-    metrics.jsonl               one JSON line per step (step 0: the weights before RL)
+    metrics.jsonl               one JSON line per step (step 0: the weights before RL), with its wall-clock ``time``
     checkpoint/
       latest                    name of the newest complete checkpoint, e.g. step-00000012
       step-00000012/
@@ -179,8 +179,9 @@ class MetricsFile:
         path.parent.mkdir(parents=True, exist_ok=True)
 
     def append(self, line: dict[str, Any]) -> None:
+        """Append one step's line, stamped with the wall-clock ``time`` it was written (UTC, ISO 8601)."""
         with open(self.path, "a") as f:
-            f.write(json.dumps(line) + "\n")
+            f.write(json.dumps({**line, "time": events.utc_now().isoformat()}) + "\n")
             f.flush()
             os.fsync(f.fileno())
 

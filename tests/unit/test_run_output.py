@@ -17,6 +17,7 @@ def test_the_step_line_counts_every_drop_by_reason_and_shows_the_metrics() -> No
     line = format_step(row, 10, 16, metrics=["exact"])
     assert line.startswith("step   7/10  reward 0.500  exact 0.250  staleness 0.50 (max 1)  "
                            "dropped 3 (stale 1, scorer error 2)  ")
+    assert line.endswith("in flight 16  t 12.0s")  # fractions of a second: early steps are sub-second
     assert format_dropped({"num_dropped_rollout_error": 1.0}) == "1 (rollout error 1)"
     assert format_dropped({}) == "0"
 

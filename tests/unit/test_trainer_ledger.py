@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from pathlib import Path
 
 import msgspec
@@ -68,3 +69,6 @@ def test_metrics_keep_until_forgets_the_steps_a_crash_lost(tmp_path: Path) -> No
         f.write('{"step": 4, "lo')
     metrics.keep_until(2)
     assert [m["step"] for m in metrics.read()] == [0, 1, 2]
+    # Each line carries the wall-clock time it was written: steps line up with other clocks.
+    times = [datetime.fromisoformat(m["time"]) for m in metrics.read()]
+    assert times == sorted(times) and all(t.tzinfo is not None for t in times)
