@@ -29,11 +29,22 @@ def job_on(bus: Bus, nats_server: NatsServer, tmp_path: Path, **config: object) 
     return job, out
 
 
-async def beat(bus: Bus, service: str) -> None:
+async def beat(bus: Bus, service: str, instance: int = 1, info: dict | None = None) -> None:
     """A live process of ``service``, as its heartbeat says."""
-    heartbeat = events.ServiceHeartbeat(service=service, instance=f"{service}-1", pid=1, host="h",
-                                        started_at=events.utc_now())
-    await (await bus.services_kv()).put(f"{service}-1", events.encode(heartbeat))
+    heartbeat = events.ServiceHeartbeat(service=service, instance=f"{service}-{instance}", pid=instance, host="h",
+                                        started_at=events.utc_now(), info=info or {})
+    await (await bus.services_kv()).put(f"{service}-{instance}", events.encode(heartbeat))
+
+
+async def test_in_flight_is_what_the_replicas_are_generating_for_the_run(bus: Bus, nats_server: NatsServer,
+                                                                        tmp_path: Path) -> None:
+    job, _ = job_on(bus, nats_server, tmp_path)
+    assert await job._in_flight() is None  # no replica reports the run
+    await beat(bus, "inference", 1, {"runs": {"waits": {"num_in_flight": 24, "num_waiting": 40}, "other": {
+        "num_in_flight": 7}}})
+    await beat(bus, "inference", 2, {"runs": {"waits": {"num_in_flight": 8}}})
+    await beat(bus, "scorer", 1, {"runs": {"waits": {"num_in_flight": 100}}})
+    assert await job._in_flight() == 32  # being generated, on both replicas; not waiting, not another run's
 
 
 async def test_a_waiting_run_names_the_scorer_replica_and_weights_it_lacks(bus: Bus, nats_server: NatsServer,

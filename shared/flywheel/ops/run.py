@@ -637,12 +637,17 @@ class MainJob:
         return missing
 
     async def _in_flight(self) -> int | None:
-        """Rollouts in flight: tasks the inference consumer holds, times the group size."""
+        """Rollouts of the run being generated now, summed over the inference replicas' heartbeats
+        (admitted and not finished; tasks waiting for admission are not in flight); None when no
+        replica reports the run."""
         try:
-            info = await self.bus.js.consumer_info("TASKS", "inference")
-        except (TimeoutError, nats.js.errors.NotFoundError, nats.errors.Error):
+            beats = await read_heartbeats(self.bus)
+        except (TimeoutError, nats.errors.Error):
             return None
-        return info.num_ack_pending * self.cfg.group_size
+        counts = [b.info.get("runs", {}).get(self.cfg.run, {}).get("num_in_flight") for b in beats
+                  if b.service == "inference"]
+        counts = [c for c in counts if isinstance(c, int)]
+        return sum(counts) if counts else None
 
 
 def new_run_id(base: str) -> str:
