@@ -94,12 +94,12 @@ def run_config(mode: str, off_policy: int, args: argparse.Namespace, stamp: str)
     # Async may drop stale groups: publish enough that the trainer never runs out.
     num_tasks = (args.steps + off_policy + 2) * groups_per_step * (2 if off_policy else 1)
     return RunConfig.parse({
-        "run": f"bench-{mode}-{stamp}", "env": ENV, "group_size": args.group_size, "num_tasks": num_tasks,
+        "run": f"bench-{mode}-{stamp}", "env": ENV, "group_size": args.group_size, "num_tasks": num_tasks, "seed": 0,
         "model": {"name": "tiny"},
         "sampling": {"temperature": 1.0, "max_tokens": args.max_tokens},
         "sft": {"steps": args.sft_steps, "batch_size": 32, "lr": 3e-3},
         "trainer": {"batch_size": args.batch_size, "num_steps": args.steps, "lr": 1e-3,
-                    "max_off_policy_steps": off_policy, "seed": 0},
+                    "max_off_policy_steps": off_policy},
         "inference": {"max_rollouts_in_flight": args.slots},
     }, source=f"{mode} run")
 

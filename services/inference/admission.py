@@ -13,7 +13,10 @@ first seen, so the rollouts a new version lets in are sampled by it (with
 admitted before the run's first weights are loaded. On top of that at most
 ``inference.max_rollouts_in_flight`` rollouts of the run are being sampled at once. A
 task that does not fit waits (the bus layer keeps its message alive), so the pipeline
-never runs away from the trainer, and memory does not grow with the backlog.
+never runs away from the trainer, and memory does not grow with the backlog. Waiting tasks
+are admitted in the order they came (one that arrives when room frees up does not go
+before those already waiting), so a seeded run's tasks are sampled in the same steps
+every time.
 
 "Issued" counts what reached the bus, by rollout id, never attempts: it starts from the
 number of rollouts already in the ROLLOUTS stream for the run when the run is first seen
@@ -35,6 +38,7 @@ started, from the stream's count when it first sees the run).
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -74,6 +78,7 @@ class Admission:
     num_skipped: int = 0  # rollouts of tasks left over when the run ended
     on_change: Callable[[], None] | None = None  # called after every change of the counters
     _changed: asyncio.Condition = field(default_factory=asyncio.Condition, repr=False)
+    _queue: deque[object] = field(default_factory=deque, repr=False)  # waiting tasks, first come first
 
     @classmethod
     def for_run(cls, cfg: RunConfig, num_issued: int = 0, on_change: Callable[[], None] | None = None) -> Admission:
@@ -137,13 +142,18 @@ class Admission:
 
         Raises RunEnded when the run ends before (or while) the task waits for room."""
         self.check(n)
+        ticket = object()
         async with self._changed:
             self.num_waiting += n
+            self._queue.append(ticket)
             self._counted()
             try:
-                await self._changed.wait_for(lambda: self.ended is not None or self.fits(n))
+                await self._changed.wait_for(lambda: self.ended is not None or (self._queue[0] is ticket
+                                                                                 and self.fits(n)))
             finally:
                 self.num_waiting -= n
+                self._queue.remove(ticket)
+                self._changed.notify_all()  # the next in line may fit now
             if self.ended is not None:
                 self.num_skipped += n
                 self._counted()

@@ -14,8 +14,10 @@ it holds, never from arrival order:
   behind the version being trained; staleness is checked on arrival and again whenever the
   version moves on;
 - a group is *done* when all ``group_size`` of its rollouts are here and each is ready or
-  dropped. :meth:`Joiner.take` hands out whole done groups, oldest first; a done group
-  whose rollouts were all dropped is consumed along with them and counted.
+  dropped. :meth:`Joiner.take` hands out whole done groups, oldest first (in the take:
+  ordered by their tasks' seeds, then ids, each group's rollouts by index, so a seeded
+  run's sums do not depend on arrival order); a done group whose rollouts were all dropped
+  is consumed along with them and counted.
 
 Ids of consumed rollouts (trained or dropped) are remembered, so a redelivered rollout or
 a late score for one is recognised and ignored. Plain Python, no I/O: the service
@@ -38,6 +40,13 @@ from flywheel.sdk.scoring import rollout_reward
 from flywheel.sdk.tracegraph import TokenLayerError, Tokens, branches, join_tokens
 
 DROP_REASONS = ("stale", "scorer_error", "rollout_error")
+
+
+def _seed_of(rollout: events.Rollout) -> int:
+    """The seed of a rollout's task (its seed less its index); -1 when it was not seeded."""
+    if rollout.sampling is None or rollout.sampling.seed is None:
+        return -1
+    return (rollout.sampling.seed - rollout.index) % (events.INT32_MAX + 1)
 
 
 class BadRollout(ValueError):
@@ -238,7 +247,7 @@ class Joiner:
         take = Take(groups=[])
         for group_id in chosen + [g for g in done if g not in trainable]:
             scored = []
-            for m in self._groups[group_id]:
+            for m in sorted(self._groups[group_id], key=self._index):
                 if m in self._dropped:
                     take.dropped[m] = self._dropped[m]
                 else:
@@ -248,7 +257,14 @@ class Joiner:
             if scored:
                 take.groups.append(scored)
             self._consume(group_id)
+        # A step's sums run in one order whatever order its groups arrived in: by their tasks'
+        # sampling seeds (a seeded run's task positions), then ids; rollouts by index above.
+        take.groups.sort(key=lambda g: (_seed_of(g[0].rollout), g[0].rollout.group_id))
         return take
+
+    def _index(self, rollout_id: str) -> int:
+        rollout = self._rollouts.get(rollout_id)
+        return rollout.index if rollout is not None else -1
 
     def _consume(self, group_id: str) -> None:
         for m in self._groups.pop(group_id):

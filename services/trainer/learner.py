@@ -102,6 +102,12 @@ def rl_step(engine: Engine, groups: list[list[Scored]], pad_id: int, cfg: RunCon
     return figures
 
 
+def seed_torch(seed: int) -> None:
+    """Seed torch's random state (a seeded run: whatever in the model or optimizer draws
+    random numbers draws the same ones)."""
+    torch.manual_seed(seed)
+
+
 def reference_tokens(tok: Any, env: Environment, task: dict[str, Any]) -> Tokens:
     """The prompt as inference renders it, then the reference answer and end of turn, to learn."""
     prompt = models.render_prompt(tok, env.prompt_messages(task))
@@ -115,7 +121,7 @@ def sft_warmup(model: torch.nn.Module, tok: Any, env: Environment, cfg: RunConfi
     """``cfg.sft.steps`` steps of cross-entropy on reference answers, with an optimizer of its own."""
     assert cfg.sft.steps > 0
     engine = TorchEngine(model, cfg.trainer.model_copy(update={"lr": cfg.sft.lr}), cfg.model.dtype)
-    tasks = env.load_tasks(cfg.sft.steps * cfg.sft.batch_size, seed=cfg.trainer.seed)
+    tasks = env.load_tasks(cfg.sft.steps * cfg.sft.batch_size, seed=cfg.task_seed)
     started = time.perf_counter()
     figures: dict[str, float] = {}
 

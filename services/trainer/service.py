@@ -56,7 +56,7 @@ from flywheel.sdk.environment import Environment, load_for_run
 from flywheel.sdk.scoring import required_scorers
 from flywheel_trainer.engines import Engine, build_engine
 from flywheel_trainer.join import BadRollout, Joiner, Take
-from flywheel_trainer.learner import rl_step, sft_warmup
+from flywheel_trainer.learner import rl_step, seed_torch, sft_warmup
 from flywheel_trainer.ledger import CheckpointState, Journal, RunFolder
 
 log = logging.getLogger(__name__)
@@ -246,6 +246,8 @@ class Trainer:
         """Load the model; warm up, checkpoint and publish version 0, or resume and publish again."""
         cfg = self.cfg
         path = models.resolve_model(cfg.model.name, self.data_dir)
+        if cfg.seed is not None:
+            seed_torch(cfg.seed)
         model, tok = await asyncio.to_thread(models.load_model, path, "float32")
         figures: dict[str, Any] = {}
         if self.resume is None and cfg.sft.steps:

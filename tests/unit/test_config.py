@@ -128,8 +128,19 @@ def test_the_runs_sampling_is_the_contracts_shape_defaults_and_bounds() -> None:
     # One shape with one set of defaults: [sampling] is the bus's Sampling, field for field.
     assert list(SamplingConfig.model_fields) == list(events.Sampling.__struct_fields__)
     assert SamplingConfig().to_event() == events.Sampling()
-    cfg = RunConfig.parse({"run": "r", "env": "e", "sampling": {"temperature": 0.5, "stop": ["\n"], "seed": 3}})
-    assert cfg.sampling.to_event() == events.Sampling(temperature=0.5, stop=["\n"], seed=3)
+    cfg = RunConfig.parse({"run": "r", "env": "e", "sampling": {"temperature": 0.5, "stop": ["\n"]}})
+    assert cfg.sampling.to_event() == events.Sampling(temperature=0.5, stop=["\n"])
+    # A run seeds each task's sampling from its own seed, not from [sampling].
+    with pytest.raises(ValueError, match="sampling.seed=3: a run seeds each rollout's sampling from its own seed "
+                                         r"\(top level\): write seed = 3 there instead"):
+        RunConfig.parse({"run": "r", "env": "e", "sampling": {"seed": 3}})
+    assert cfg.task_sampling(5) == events.Sampling(temperature=0.5, stop=["\n"])
+    seeded = cfg.model_copy(update={"seed": 11, "group_size": 4})
+    assert [seeded.task_sampling(p).seed for p in range(3)] == [11, 15, 19]
+    assert seeded.task_sampling(0).with_seed_offset(3).seed == 14  # rollout 3 of task 0
+    assert seeded.task_seed == 11 and cfg.task_seed == 0
+    with pytest.raises(ValueError, match="seed is now the run's own: write seed = 0 at the top level"):
+        RunConfig.parse({"run": "r", "env": "e", "trainer": {"seed": 1}})
     # One set of bounds: a run config loads only with sampling every backend takes.
     for sampling in ({"temperature": 0}, {"temperature": 1e-6}, {"temperature": float("inf")}, {"top_p": 0},
                      {"top_p": 1.5}, {"max_tokens": 0}, {"stop": ["\n", ""]}, {"seed": -1}):

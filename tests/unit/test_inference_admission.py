@@ -54,6 +54,27 @@ async def test_a_group_waits_for_the_next_weight_version() -> None:
     assert len(admitted) == 3 and a.num_issued == 12 and a.num_waiting == 0
 
 
+async def test_waiting_groups_are_admitted_first_come_first_served() -> None:
+    # Room that frees up goes to the groups already waiting, in the order they came, not to
+    # a group arriving just then: a seeded run samples the same tasks in the same steps.
+    a = Admission(batch_size=8, max_off_policy_steps=0, max_in_flight=64, weights_loaded=True)
+    admitted: list[int] = []
+
+    async def group(i: int) -> None:
+        async with a.slot(4):
+            admitted.append(i)
+
+    first = [asyncio.ensure_future(group(i)) for i in range(4)]
+    await until(lambda: admitted == [0, 1] and a.num_waiting == 8, what="two groups in, two waiting")
+    late = asyncio.ensure_future(group(4))  # arrives as room for two more frees up, before the waiters wake
+    await a.advance(1)
+    await until(lambda: len(admitted) == 4, what="the two waiting groups in")
+    assert admitted == [0, 1, 2, 3] and a.num_waiting == 4
+    await a.advance(2)
+    await asyncio.gather(*first, late)
+    assert admitted == [0, 1, 2, 3, 4]
+
+
 async def test_in_flight_is_bounded_and_a_failed_group_gives_its_allowance_back() -> None:
     a = Admission(batch_size=100, max_off_policy_steps=0, max_in_flight=4, weights_loaded=True)
     release = asyncio.Event()

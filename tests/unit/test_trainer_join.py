@@ -18,7 +18,7 @@ SCORERS = {"similarity": 1.0, "exact": 0.5}
 def make_rollout(rollout_id: str, group_id: str, *, prompt: list[int] | None = None,
                  completion: list[int] | None = None, logprobs: list[float] | None = None, group_size: int = 2,
                  policy_version: int = 0, run: str = "r", env: str = "reverse_text",
-                 status: str = "completed") -> events.Rollout:
+                 status: str = "completed", index: int = 0, sampling: events.Sampling | None = None) -> events.Rollout:
     """A single-turn rollout: the prompt tokens over a system and a user node, the completion on the assistant's."""
     prompt = prompt if prompt is not None else [1, 2, 3, 4]
     completion = completion if completion is not None else [5, 6]
@@ -38,8 +38,8 @@ def make_rollout(rollout_id: str, group_id: str, *, prompt: list[int] | None = N
         nodes.append(node)
         parent = node.id
     return events.Rollout(id=rollout_id, run=run, env=env, task_id=f"task-{group_id}", group_id=group_id,
-                          group_size=group_size, policy_version=policy_version, nodes=nodes,
-                          status=status)  # type: ignore[arg-type]  # callers pass a Rollout status
+                          group_size=group_size, policy_version=policy_version, nodes=nodes, index=index,
+                          sampling=sampling, status=status)  # type: ignore[arg-type]  # callers pass a Rollout status
 
 
 def make_score(rollout: events.Rollout, scorer: str, value: float, error: str | None = None) -> events.Score:
@@ -85,6 +85,18 @@ def test_take_waits_for_enough_groups_and_hands_out_the_oldest_first() -> None:
     second = joiner.take(1)
     assert second is not None and second.trained_ids == ["g3-0", "g3-1"]
     assert joiner.num_buffered == 1
+
+
+def test_a_take_is_ordered_by_task_seed_and_index_whatever_the_arrival_order() -> None:
+    # A seeded run's step sums its groups in one order, so two runs of one seed train alike.
+    joiner = Joiner(SCORERS, max_off_policy_steps=1)
+    for g, seed in (("g-late", 40), ("g-early", 20), ("g-mid", 30)):
+        for i in (1, 0):
+            scored(joiner, make_rollout(f"{g}-{i}", g, index=i, sampling=events.Sampling(seed=seed + i)))
+    take = joiner.take(3)
+    assert take is not None
+    assert [[s.rollout.id for s in g] for g in take.groups] == [
+        ["g-early-0", "g-early-1"], ["g-mid-0", "g-mid-1"], ["g-late-0", "g-late-1"]]
 
 
 def test_a_waiting_joiner_names_the_scorers_its_rollouts_wait_for() -> None:

@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import annotated_types
+import msgspec
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
@@ -405,22 +406,25 @@ class TrainerConfig(_Section):
     num_steps: int = Field(20, ge=1, description="optimizer steps of the run")
     max_off_policy_steps: int = Field(1, ge=0, description="a rollout more versions behind than this is dropped")
     checkpoint_every: int = Field(1, ge=1, description="steps between checkpoints (and at the last step)")
-    seed: int = Field(0, description="seed of the task order (and of the warm-up's tasks)")
 
     # Parameters that were loose here before each part had its own fields.
     _MOVED: ClassVar[dict[str, str]] = {
-        "clip_eps": 'loss = {type = "clipped", clip_eps = 0.2}',
-        "normalize_advantage_std": 'advantage = {type = "group_mean", normalize_std = true}',
-        "deepspeed_zero_stage": 'engine = {type = "deepspeed", zero_stage = 2}',
+        "clip_eps": 'is now a field of the part it belongs to: write e.g. loss = {type = "clipped", clip_eps = 0.2}',
+        "normalize_advantage_std": 'is now a field of the part it belongs to: write e.g. advantage = '
+                                   '{type = "group_mean", normalize_std = true}',
+        "deepspeed_zero_stage": 'is now a field of the part it belongs to: write e.g. engine = '
+                                '{type = "deepspeed", zero_stage = 2}',
+        "seed": "is now the run's own: write seed = 0 at the top level of the run config (it seeds the task order, "
+                "the sampling and the trainer)",
     }
 
     @model_validator(mode="before")
     @classmethod
     def _moved(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            for key, example in cls._MOVED.items():
+            for key, hint in cls._MOVED.items():
                 if key in data:
-                    raise ValueError(f"{key} is now a field of the part it belongs to: write e.g. {example}")
+                    raise ValueError(f"{key} {hint}")
         return data
 
 
@@ -463,6 +467,12 @@ class RunConfig(_Section):
     tenant: str = Field("default", description="the tenant that owns the run")
     group_size: int = Field(8, ge=1, description="rollouts per task, compared with each other")
     num_tasks: int | None = Field(None, ge=1, description="tasks to publish; default: enough for num_steps")
+    seed: int | None = Field(None, ge=0, le=events.INT32_MAX,
+                             description="seeds the run: the task order, each rollout's sampling (the task at "
+                                         "position p, from 0, samples rollout i with seed + p * group_size + i) "
+                                         "and the trainer's random state; with trainer.max_off_policy_steps = 0 "
+                                         "two runs of one seed train on the same rollouts. Unset: task order "
+                                         "0, sampling from fresh entropy")
     scorers: dict[str, float] = Field(default_factory=dict, description="scorer name -> weight, added to the "
                                       "environment's rewards and metrics (a name of theirs sets its weight); a "
                                       "custom scorer named here must be running (`flywheel scorer`)")
@@ -493,12 +503,27 @@ class RunConfig(_Section):
             if name in self.rewards and self.rewards[name].weight is not None:
                 raise ValueError(f"scorers.{name} and rewards.{name}.weight both set the weight of {name!r}: "
                                  f"keep one (rewards.{name}.weight)")
+        if self.sampling.seed is not None:
+            raise ValueError(f"sampling.seed={self.sampling.seed}: a run seeds each rollout's sampling from its "
+                             f"own seed (top level): write seed = {self.sampling.seed} there instead")
         if self.replace_rewards and not self.scorers:
             raise ValueError("replace_rewards = true needs scorers: name the scorers that make the reward, "
                              "e.g. scorers = {my_scorer = 1.0}")
         if not self.env or any(c.isspace() for c in self.env):
             raise ValueError(f"env={self.env!r}: give an environment id, e.g. reverse_text or owner/name@1.0")
         return self
+
+    @property
+    def task_seed(self) -> int:
+        """The seed of the task order (and of the warm-up's tasks)."""
+        return self.seed if self.seed is not None else 0
+
+    def task_sampling(self, position: int) -> events.Sampling:
+        """The sampling of the run's task at ``position`` (from 0): the run's ``[sampling]``, seeded
+        at ``seed + position * group_size`` when the run has a seed (rollout i of the task adds i)."""
+        sampling = self.sampling.to_event()
+        return sampling if self.seed is None else msgspec.structs.replace(sampling, seed=self.seed).with_seed_offset(
+            position * self.group_size)
 
     def with_sampling_defaults(self, defaults: Mapping[str, Any], source: str) -> RunConfig:
         """This config with ``defaults`` (an environment's sampling settings, named by

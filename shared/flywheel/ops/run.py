@@ -518,12 +518,11 @@ class MainJob:
             return
         assert self.env is not None
         if len(self.rows) < wanted:
-            self.rows = self.env.load_tasks(2 * wanted, seed=cfg.trainer.seed)
-        sampling = events.Sampling(temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
-                                   max_tokens=cfg.sampling.max_tokens, stop=list(cfg.sampling.stop))
+            self.rows = self.env.load_tasks(2 * wanted, seed=cfg.task_seed)
         numbered = list(enumerate(self.rows, 1))[self.num_published:wanted]
-        tasks = make_tasks(cfg.run, subject_name(cfg.env, self.env), numbered, num_rollouts=cfg.group_size,
-                           sampling=sampling)
+        tasks = [task for position, row in numbered
+                 for task in make_tasks(cfg.run, subject_name(cfg.env, self.env), [(position, row)],
+                                        num_rollouts=cfg.group_size, sampling=cfg.task_sampling(position - 1))]
         await self.bus.publish_many(tasks)
         if self.num_published == 0:
             self.say(f"run {cfg.run}: published {len(tasks)} tasks of {cfg.group_size} rollouts each "
