@@ -38,14 +38,16 @@ import json
 import re
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Generic, TypeVar
 
+import httpx
 import msgspec
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from flywheel.contract import events
 from flywheel.sdk.messages import message_dict, message_from_dict
@@ -116,8 +118,39 @@ def parse_tool_calls(text: str) -> tuple[str, list[events.ToolCall]]:
     return (content.strip() if calls else content), calls
 
 
+K = TypeVar("K")
+V = TypeVar("V")
+RENDER_CACHE_SIZE = 4096  # texts and token lists a Renderer keeps
+_MESSAGES = msgspec.json.Encoder()
+
+
+class LRU(Generic[K, V]):
+    """A dict of at most ``size`` entries that forgets the least recently used."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._items: OrderedDict[K, V] = OrderedDict()
+
+    def get(self, key: K) -> V | None:
+        value = self._items.get(key)
+        if value is not None:
+            self._items.move_to_end(key)
+        return value
+
+    def put(self, key: K, value: V) -> V:
+        self._items[key] = value
+        if len(self._items) > self.size:
+            self._items.popitem(last=False)
+        return value
+
+
 class Renderer:
-    """Chat-template text and tokens for one tokenizer, with the pieces extension needs."""
+    """Chat-template text and tokens for one tokenizer, with the pieces extension needs.
+
+    Renders and encodings are cached (the last ``RENDER_CACHE_SIZE`` of each): the template is
+    a pure function of the messages and tools, and the rollouts of a group ask for the same
+    ones, so a group of 16 renders its prompt once, not 16 times.
+    """
 
     SENTINEL = "\x00FLYWHEEL-SENTINEL\x00"
     _cache: ClassVar[dict[int, Renderer]] = {}
@@ -140,13 +173,26 @@ class Renderer:
         # What the template writes after an assistant message's content (e.g. "<|im_end|>\n").
         self.closing = probe[probe.index(self.SENTINEL) + len(self.SENTINEL):]
         self.eos_text = tok.decode([tok.eos_token_id]) if tok.eos_token_id is not None else ""
+        # The renders and encodings of recent message lists: a group's rollouts start from the
+        # same messages, and a turn's render is the next turn's prefix.
+        self._texts: LRU[tuple[bytes, str, bool], str] = LRU(RENDER_CACHE_SIZE)
+        self._ids: LRU[str, list[int]] = LRU(RENDER_CACHE_SIZE)
 
     def text(self, messages: Sequence[events.Message], tools: list[dict[str, Any]] | None,
              generation_prompt: bool = False) -> str:
-        return self._text(self.tok, messages, tools, generation_prompt)
+        key = (_MESSAGES.encode(messages), json.dumps(tools, sort_keys=True) if tools else "", generation_prompt)
+        text = self._texts.get(key)
+        if text is None:
+            text = self._texts.put(key, self._text(self.tok, messages, tools, generation_prompt))
+        return text
 
     def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False) if text else []
+        if not text:
+            return []
+        ids = self._ids.get(text)
+        if ids is None:
+            ids = self._ids.put(text, self.tok.encode(text, add_special_tokens=False))
+        return list(ids)
 
     def bridge(self, node: events.Node) -> str:
         """Text the template puts after a sampled answer's tokens before the next message."""
@@ -401,6 +447,40 @@ async def answer(session: Session, body: InterceptedChat) -> Response:
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(stream(), media_type="text/event-stream")
+
+
+class InProcessTransport(httpx.AsyncBaseTransport):
+    """How harnesses in the inference process reach the interception routes: no socket, and a
+    non-streaming chat completion goes straight to :func:`answer`, the handler the route
+    calls, with the same request model and the same response bytes, skipping the web
+    framework's routing and middleware (on a small model they cost more CPU than the answer).
+    Everything else (streaming, ``/models``, a body the request model refuses, so its 422
+    keeps FastAPI's shape) goes through ``app`` as it would over HTTP."""
+
+    def __init__(self, app: FastAPI, interception: Interception) -> None:
+        self.app = httpx.ASGITransport(app=app)
+        self.interception = interception
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        match = _CHAT_PATH.fullmatch(request.url.path)
+        if request.method == "POST" and match is not None:
+            try:
+                body = InterceptedChat.model_validate_json(await request.aread())
+            except ValidationError:
+                body = None
+            if body is not None and not body.stream:
+                try:
+                    response = await answer(self.interception.get(match.group(1)), body)
+                except InterceptionError as exc:
+                    response = openai_error(exc.status, exc.message, exc.param, exc.code)
+                return httpx.Response(response.status_code, headers=response.headers.raw, content=bytes(response.body))
+        return await self.app.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.app.aclose()
+
+
+_CHAT_PATH = re.compile(r"/intercept/([^/]+)/v1/chat/completions")
 
 
 @router.post("/intercept/{key}/v1/chat/completions", response_model=None)

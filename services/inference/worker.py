@@ -501,7 +501,8 @@ class Worker:
     def _interception_url(self, key: str) -> tuple[str, Any]:
         """(base URL, http client) of a rollout. The URL is this server's when it has one (a
         program harness needs a real one); in-process harnesses share one client that reaches
-        the interception routes in process (ASGI, no socket), whatever host the URL names."""
+        the interception routes in process (no socket: :class:`~flywheel_inference.interception.InProcessTransport`),
+        whatever host the URL names."""
         if self._asgi_client is None:
             # Imported here, not at the top: building a worker (tests, tools) needs no web stack.
             import httpx
@@ -512,6 +513,7 @@ class Worker:
             app = FastAPI()
             interception.install(app)
             app.state.interception = self.interception
-            self._asgi_client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), timeout=None)
+            self._asgi_client = httpx.AsyncClient(
+                transport=interception.InProcessTransport(app, self.interception), timeout=None)
         url = self.url or "http://inference"
         return f"{url}/intercept/{key}/v1", self._asgi_client

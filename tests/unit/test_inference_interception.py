@@ -173,3 +173,64 @@ def test_tool_calls_are_parsed_and_malformed_ones_stay_text() -> None:
 def test_the_renderer_finds_the_templates_closing(tok: Any) -> None:
     r = Renderer(tok)
     assert r.closing == "<|im_end|>\n" and r.eos_text == "<|im_end|>"
+
+
+def test_the_renderer_renders_each_message_list_once(tok: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    r = Renderer(tok)
+    calls: list[int] = []
+    render = r._text
+
+    def counting(*args: Any) -> str:
+        calls.append(1)
+        return render(*args)
+
+    monkeypatch.setattr(r, "_text", counting)
+    messages = [msg("system", "Reverse the text."), msg("user", "abc")]
+    first = r.plan(TraceGraph(), messages, None, True)
+    num_renders = len(calls)
+    for _ in range(15):  # the rest of a group of 16: the same prompt, no new render
+        again = r.plan(TraceGraph(), messages, None, True)
+        assert again.prompt_ids == first.prompt_ids and again.new == first.new
+    assert len(calls) == num_renders == 3  # the system message, both messages, then with the generation prompt
+    assert first.prompt_ids == models.render_prompt(tok, messages)
+    r.plan(TraceGraph(), [msg("system", "Reverse the text."), msg("user", "abd")], None, True)
+    assert len(calls) == num_renders + 2  # the system message's render is shared
+
+
+async def test_in_process_requests_get_what_http_requests_get(tok: Any) -> None:
+    import httpx
+    from fastapi import FastAPI
+
+    from flywheel_inference import interception
+
+    policy = ScriptedPolicy(tok, ["cba", "cba", "x", "x"])
+    registry = Interception()
+    app = FastAPI()
+    interception.install(app)
+    app.state.interception = registry
+
+    async def publish(nodes: list[events.TraceNode]) -> None:
+        pass
+
+    keys = [registry.open("r1", f"ro{i}", policy, events.Sampling(max_tokens=16), publish).key for i in range(2)]
+    chat = {"model": "m", "messages": [{"role": "user", "content": "abc"}]}
+    bodies = []
+    async with (httpx.AsyncClient(transport=interception.InProcessTransport(app, registry)) as direct,
+                httpx.AsyncClient(transport=httpx.ASGITransport(app=app)) as over_http):
+        for client, key in ((direct, keys[0]), (over_http, keys[1])):
+            response = await client.post(f"http://x/intercept/{key}/v1/chat/completions", json=chat)
+            assert response.status_code == 200 and response.headers["content-type"] == "application/json"
+            body = response.json()
+            bodies.append({k: v for k, v in body.items() if k not in ("id", "created")})
+        assert bodies[0] == bodies[1] and bodies[0]["choices"][0]["message"]["content"] == "cba"
+        assert policy.prompts[0] == policy.prompts[1]
+        for client in (direct, over_http):
+            # An unknown key: OpenAI's error shape; a body the request model refuses: FastAPI's 422.
+            gone = await client.post("http://x/intercept/nope/v1/chat/completions", json=chat)
+            assert gone.status_code == 404 and gone.json()["error"]["code"] == "rollout_not_found"
+            bad = await client.post(f"http://x/intercept/{keys[0]}/v1/chat/completions", json={"messages": []})
+            assert bad.status_code == 422 and bad.json()["detail"][0]["loc"] == ["body", "messages"]
+            # Streaming goes through the app, as over HTTP.
+            streamed = await client.post(f"http://x/intercept/{keys[0]}/v1/chat/completions",
+                                         json=chat | {"stream": True})
+            assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")

@@ -33,6 +33,9 @@ HEARTBEAT_INTERVAL_S = SERVICE_HEARTBEAT_TTL_S / 6
 
 def setup_logging(level: str = "INFO") -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # httpx logs every request at INFO: a line per model call of every rollout, with its
+    # interception key in the URL. Its warnings and errors still show.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().getEffectiveLevel()))
 
 
 def setup_torch_threads(num_threads: int | None) -> None:
