@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, TextIO
+from urllib.parse import urlsplit
 
 import nats.errors
 import nats.js.errors
@@ -183,6 +184,14 @@ def plot(progress: Progress, path: Path, title: str) -> Path | None:
 
 
 async def nats_answers(url: str) -> bool:
+    # A refused TCP connection answers at once; the NATS client's own connect waits out its timeout.
+    parsed = urlsplit(url)
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(parsed.hostname or "127.0.0.1", parsed.port or 4222),
+                                           1.0)
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
     try:
         bus = await Bus.connect(url, "flywheel-run-probe", BusConfig(connect_timeout_s=1.0), ensure=False)
     except ConnectionError:
@@ -279,6 +288,7 @@ class MainJob:
         self.resume = resume
         self.run_dir = settings.data_dir.resolve() / "runs" / cfg.run
         self.stopping = asyncio.Event()
+        self.failure: str | None = None  # why this process stopped the run, when it was not a signal
         self.progress = Progress()
         self.rows: list[dict[str, Any]] = []  # the environment's task rows, loaded once
         self.env: Environment | None = None  # loaded as every service loads it (load_for_run)
@@ -316,8 +326,11 @@ class MainJob:
             services = {name: spec for name, spec in SERVICES.items()}
             stack = Stack(self.settings, out=self.out, services=services, start_timeout_s=self.start_timeout_s)
             stack_task = asyncio.ensure_future(stack.run())
-            await asyncio.wait([stack_task, asyncio.ensure_future(stack.ready.wait())],
-                               return_when=asyncio.FIRST_COMPLETED)
+            # The run starts as soon as the bus answers: its trainer loads the model while the
+            # services start (what the run still waits for, it says).
+            bus_ready = asyncio.ensure_future(stack.bus_ready.wait())
+            await asyncio.wait([stack_task, bus_ready], return_when=asyncio.FIRST_COMPLETED)
+            bus_ready.cancel()
             if stack_task.done():
                 await stack_task  # raises StackError with the reason
                 raise StackError("the embedded stack stopped before it was ready")
@@ -325,7 +338,9 @@ class MainJob:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.stopping.set)
         try:
-            return await self._train()
+            if stack_task is None:
+                return await self._train(check_services=True)
+            return await self._train_beside(stack_task)
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
@@ -333,7 +348,25 @@ class MainJob:
                 stack.stopping.set()
                 await stack_task
 
-    async def _train(self) -> dict[str, Any]:
+    async def _train_beside(self, stack_task: asyncio.Future[None]) -> dict[str, Any]:
+        """Train while the embedded stack starts and runs; a stack that fails to start stops the
+        run, with the stack's error."""
+        train = asyncio.ensure_future(self._train(check_services=False))
+        either: list[asyncio.Future[Any]] = [train, stack_task]
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        if not train.done():  # the stack ended first: it failed to start (a signal stops both)
+            exc = stack_task.exception()
+            self.failure = f"the embedded stack failed: {exc}" if exc else "the embedded stack stopped"
+            self.stopping.set()
+            summary = await train
+            await stack_task  # raises StackError with the reason
+            return summary
+        return await train
+
+    async def _train(self, check_services: bool) -> dict[str, Any]:
+        """Register the run, start its trainer, supply its tasks and follow it to its end.
+        ``check_services``: first wait (bounded) for the services of a stack this process did
+        not start."""
         cfg = self.cfg
         self._bus = bus = await Bus.connect(self.settings.resolved_nats_url, "flywheel-run")
         trainer: TrainerSupervisor | None = None
@@ -343,7 +376,8 @@ class MainJob:
             # The environment's sampling settings are defaults under the config's own.
             self.env = load_for_run(cfg)
             cfg = self.cfg = cfg.with_sampling_defaults(self.env.sampling, f"environment {self.env.name!r}")
-            await self._check_services()
+            if check_services:
+                await self._check_services()
             if await self._take_over():
                 summary = self._summary()
                 self.say(f"run {cfg.run} has finished already; its summary:\n" + format_summary(summary))
@@ -355,7 +389,9 @@ class MainJob:
             await trainer.start()
             await self._publish_tasks()
             finished = await self._follow(trainer)
-            if not finished:
+            if not finished and self.failure is not None:
+                outcome = ("failed", self.failure)
+            elif not finished:
                 outcome = ("stopped", f"stopped by {self.owner} (SIGINT/SIGTERM) at step {self._last_step()}")
         except RunFailed as exc:
             outcome = ("failed", str(exc).split("; last lines of", 1)[0])

@@ -428,6 +428,7 @@ class Stack:
         self.poll_interval_s = poll_interval_s
         self.stopping = asyncio.Event()
         self.ready = asyncio.Event()  # set once everything started is healthy
+        self.bus_ready = asyncio.Event()  # set once the bus answers (the services may still be starting)
         self.bus: Bus | None = None
         self.nats: NatsProcess | None = None
         env = child_env(settings)
@@ -500,15 +501,27 @@ class Stack:
         self.heartbeat = Service(STACK_SERVICE, self.bus, info=self.view(), handle_signals=False)
         self.heartbeat.add_task(self._publish_changes)
         self.heartbeat_task = asyncio.ensure_future(self.heartbeat.run())
-        for service in self.services:
-            if self.stopping.is_set():
-                return
-            try:
-                await self._launch_healthy(service)
-            except ProcessDied as exc:
-                raise StackError(f"{service.name} {exc} during start-up; {service.log_tail()}") from exc
-            except NotHealthy as exc:
-                raise StackError(f"{service.name} (pid {service.pid}) is {exc}; {service.log_tail()}") from exc
+        self.bus_ready.set()
+        # Every service at once: none needs another to start (they meet on the bus, and the
+        # gateway's two processes migrate the store one after the other by themselves).
+        self.started += self.services
+        launches = {asyncio.ensure_future(self._launch_healthy(service)): service for service in self.services}
+        try:
+            pending = set(launches)
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+                for launch in done:
+                    service = launches[launch]
+                    try:
+                        launch.result()
+                    except ProcessDied as exc:
+                        raise StackError(f"{service.name} {exc} during start-up; {service.log_tail()}") from exc
+                    except NotHealthy as exc:
+                        raise StackError(f"{service.name} (pid {service.pid}) is {exc}; {service.log_tail()}") from exc
+        finally:
+            for launch in launches:
+                launch.cancel()
+            await asyncio.gather(*launches, return_exceptions=True)
 
     async def _launch_healthy(self, process: Process) -> None:
         """Launch and wait until healthy (or until a stop is asked). Raises ProcessDied, or
