@@ -20,8 +20,9 @@ trainer computes the same quantity, so the importance ratio is exactly 1 when th
 are the same.
 
 Reproducibility: each sequence has its own random generator, seeded from ``seeds[i]``
-(by default ``sampling.seed + i``, or fresh entropy when ``sampling.seed`` is None), so a
-seeded sequence draws the same random numbers whatever else is in its batch. The tokens
+(by default ``sampling.seed + i``, or fresh entropy when ``sampling.seed`` is None), which
+draws its ``max_tokens`` uniforms up front (one per token), so a seeded sequence draws the
+same random numbers whatever else is in its batch. The tokens
 are the same for the same batch; in a different batch, padding changes the float
 rounding of the logits, which can (rarely) flip a draw.
 
@@ -63,12 +64,12 @@ def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) ->
     return ids
 
 
-def sample_rows(logprobs: torch.Tensor, top_p: float, generators: Sequence[torch.Generator]) -> torch.Tensor:
+def sample_rows(logprobs: torch.Tensor, top_p: float, uniforms: torch.Tensor) -> torch.Tensor:
     """One token per row from ``exp(logprobs)``, restricted to the top-p nucleus.
 
     The nucleus is the smallest set of most likely tokens whose mass reaches ``top_p``
-    (the most likely token is always in it). Each row draws one uniform number from its
-    own generator (inverse-CDF sampling), so a row's draw does not depend on the others.
+    (the most likely token is always in it). Row i picks by inverse-CDF sampling with
+    ``uniforms[i]`` (in [0, 1)), so a row's pick does not depend on the others.
     """
     import torch
 
@@ -77,9 +78,8 @@ def sample_rows(logprobs: torch.Tensor, top_p: float, generators: Sequence[torch
         mass_before = probs.cumsum(-1) - probs
         probs = probs.masked_fill(mass_before >= top_p, 0.0)
     cdf = probs.cumsum(-1)
-    u = torch.stack([torch.rand((), generator=g, device=logprobs.device) for g in generators])
-    picks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=cdf.shape[-1] - 1)
-    return order.gather(-1, picks)[:, 0]
+    picks = torch.searchsorted(cdf, (uniforms.to(cdf.device) * cdf[:, -1])[:, None], right=True)
+    return order.gather(-1, picks.clamp_(max=cdf.shape[-1] - 1))[:, 0]
 
 
 class TransformersBackend:
@@ -129,13 +129,14 @@ class TransformersBackend:
         longest = check_prompts(prompts, sampling, self.max_positions)
         if not prompts:
             return []
-        generators = [torch.Generator(device=self.device).manual_seed(s)
-                      for s in row_seeds(sampling, len(prompts), seeds)]
+        # Each row's uniforms, one per token it may sample, drawn up front from its own generator.
+        uniforms = torch.stack([torch.rand(sampling.max_tokens, generator=torch.Generator().manual_seed(s))
+                                for s in row_seeds(sampling, len(prompts), seeds)])
         with torch.inference_mode():
-            return self._generate(prompts, sampling, generators, longest)
+            return self._generate(prompts, sampling, uniforms, longest)
 
     def _generate(self, prompts: Sequence[Sequence[int]], sampling: events.Sampling,
-                  generators: list[torch.Generator], longest: int) -> list[Completion]:
+                  uniforms: torch.Tensor, longest: int) -> list[Completion]:
         import torch
         from transformers import DynamicCache
 
@@ -158,7 +159,7 @@ class TransformersBackend:
             out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
                              use_cache=True, logits_to_keep=1, **{self._cache_arg: cache})
             step_logprobs = torch.log_softmax(out.logits[:, -1, :].float() / sampling.temperature, dim=-1)
-            picked = sample_rows(step_logprobs, sampling.top_p, [generators[r] for r in rows])
+            picked = sample_rows(step_logprobs, sampling.top_p, uniforms[rows, step])
             picked_logprobs = step_logprobs.gather(-1, picked[:, None])[:, 0]
             keep: list[int] = []
             last_step = step == sampling.max_tokens - 1

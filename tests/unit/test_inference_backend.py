@@ -48,12 +48,12 @@ def test_a_seed_reproduces_a_row_whatever_else_is_in_its_batch(backend: Transfor
 def test_top_p_samples_only_from_the_nucleus() -> None:
     probs = torch.tensor([0.5, 0.3, 0.2])
     logprobs = probs.log().expand(4000, 3)
-    generators = [torch.Generator().manual_seed(i) for i in range(4000)]
-    picks = sample_rows(logprobs, 0.6, generators)  # 0.5 < 0.6, so the nucleus is {0, 1}
+    uniforms = torch.rand(4000, generator=torch.Generator().manual_seed(0))
+    picks = sample_rows(logprobs, 0.6, uniforms)  # 0.5 < 0.6, so the nucleus is {0, 1}
     counts = torch.bincount(picks, minlength=3)
     assert counts[2] == 0
     assert abs(counts[0].item() / 4000 - 0.5 / 0.8) < 0.03
-    everything = torch.bincount(sample_rows(logprobs, 1.0, generators), minlength=3) / 4000
+    everything = torch.bincount(sample_rows(logprobs, 1.0, uniforms), minlength=3) / 4000
     assert torch.allclose(everything, probs, atol=0.03)
 
 
