@@ -10,13 +10,18 @@ more than it could train on before they go stale, and a drop does not shrink the
 lookahead for good. The version counts once this replica has loaded it, not when it is
 first seen, so the rollouts a new version lets in are sampled by it (with
 ``max_off_policy_steps = 0`` they would otherwise be stale on arrival); nothing is
-admitted before the run's first weights are loaded. On top of that at most
-``inference.max_rollouts_in_flight`` rollouts of the run are being sampled at once. A
-task that does not fit waits (the bus layer keeps its message alive), so the pipeline
-never runs away from the trainer, and memory does not grow with the backlog. Waiting tasks
-are admitted in the order they came (one that arrives when room frees up does not go
-before those already waiting), so a seeded run's tasks are sampled in the same steps
-every time.
+admitted before the run's first weights are loaded. A task that does not fit waits (the
+bus layer keeps its message alive), so the pipeline never runs away from the trainer, and
+memory does not grow with the backlog. Waiting tasks are admitted in the order they came
+(one that arrives when room frees up does not go before those already waiting), so a
+seeded run's tasks are sampled in the same steps every time.
+
+On top of that, at most ``inference.max_rollouts_in_flight`` rollouts of the run are being
+rolled out at once, counted rollout by rollout (:meth:`Admission.rollout`): a rollout takes
+a place when it starts and gives it back when its harness ends, not when its whole group
+does, so the rollouts that finished early do not keep the slow ones' siblings from
+starting. A group is admitted whole against the budget above (the trainer takes whole
+groups) and its rollouts then start as places free up, first come first served.
 
 "Issued" counts what reached the bus, by rollout id, never attempts: it starts from the
 number of rollouts already in the ROLLOUTS stream for the run when the run is first seen
@@ -78,7 +83,8 @@ class Admission:
     num_skipped: int = 0  # rollouts of tasks left over when the run ended
     on_change: Callable[[], None] | None = None  # called after every change of the counters
     _changed: asyncio.Condition = field(default_factory=asyncio.Condition, repr=False)
-    _queue: deque[object] = field(default_factory=deque, repr=False)  # waiting tasks, first come first
+    _queue: deque[object] = field(default_factory=deque, repr=False)  # tasks waiting for budget, in order
+    _places: deque[object] = field(default_factory=deque, repr=False)  # rollouts waiting for a place, in order
 
     @classmethod
     def for_run(cls, cfg: RunConfig, num_issued: int = 0, on_change: Callable[[], None] | None = None) -> Admission:
@@ -94,14 +100,11 @@ class Admission:
         return (self.trainer_step + self.max_off_policy_steps + 1) * self.batch_size + self.num_dropped
 
     def fits(self, n: int) -> bool:
-        return (self.weights_loaded and self.num_issued + n <= self.max_issued
-                and self.num_in_flight + n <= self.max_in_flight)
+        return self.weights_loaded and self.num_issued + n <= self.max_issued
 
     def check(self, n: int) -> None:
         """Refuse a group that could never be admitted (it would wait forever)."""
         first_allowance = (self.max_off_policy_steps + 1) * self.batch_size
-        if n > self.max_in_flight:
-            raise ValueError(f"num_rollouts={n} exceeds inference.max_rollouts_in_flight={self.max_in_flight}")
         if n > first_allowance:
             raise ValueError(f"num_rollouts={n} exceeds (trainer.max_off_policy_steps + 1) * trainer.batch_size = "
                              f"{first_allowance}: the trainer could not step before this group is sampled")
@@ -137,8 +140,9 @@ class Admission:
 
     @asynccontextmanager
     async def slot(self, n: int) -> AsyncIterator[Slot]:
-        """Hold ``n`` rollouts in flight; on leaving, the rollouts the bus stored stay issued
-        (set :attr:`Slot.num_stored` once the group is published), the rest are given back.
+        """Issue ``n`` rollouts (a group) against the run's budget; on leaving, the rollouts the
+        bus stored stay issued (set :attr:`Slot.num_stored` once the group is published), the
+        rest are given back. Each rollout then takes its place with :meth:`rollout`.
 
         Raises RunEnded when the run ends before (or while) the task waits for room."""
         self.check(n)
@@ -159,14 +163,15 @@ class Admission:
                 self._counted()
                 raise RunEnded(self.ended)
             self.num_issued += n
-            self.num_in_flight += n
             self._counted()
         slot = Slot(n)
         failed = False
         try:
             yield slot
-        except BaseException:
+        except BaseException as exc:
             failed = True
+            if isinstance(exc, RunEnded):  # its rollouts waited for places when the run ended
+                self.num_skipped += n
             raise
         finally:
             # Published: what the bus did not store (it was there already) comes back. Never
@@ -174,7 +179,36 @@ class Admission:
             stored = slot.num_stored if slot.num_stored is not None else 0 if failed else n
             async with self._changed:
                 self.num_issued -= n - stored
-                self.num_in_flight -= n
+                self._changed.notify_all()
+                self._counted()
+
+    @asynccontextmanager
+    async def rollout(self) -> AsyncIterator[None]:
+        """Hold one of the run's ``max_in_flight`` places while one rollout of an admitted group
+        runs; places go first come first served. Raises RunEnded when the run ends while the
+        rollout waits."""
+        ticket = object()
+        async with self._changed:
+            self.num_waiting += 1
+            self._places.append(ticket)
+            self._counted()
+            try:
+                await self._changed.wait_for(lambda: self.ended is not None or (
+                    self._places[0] is ticket and self.num_in_flight < self.max_in_flight))
+            finally:
+                self.num_waiting -= 1
+                self._places.remove(ticket)
+                self._changed.notify_all()
+            if self.ended is not None:
+                self._counted()
+                raise RunEnded(self.ended)
+            self.num_in_flight += 1
+            self._counted()
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self.num_in_flight -= 1
                 self._changed.notify_all()
                 self._counted()
 

@@ -57,7 +57,11 @@ task left over from before its run ended is acked and counted as skipped. Anythi
 backoff before dead-lettering it. A harness that raises, runs past ``rollout_timeout_s`` or
 never calls the model gives a rollout with status ``error`` and the reason (scored, never
 trained on); the service goes on: :mod:`flywheel.sdk.rollout` holds these rules, the same in
-``flywheel eval``. Not covered: the record of published tasks is per
+``flywheel eval``. A rollout that goes stale while it runs (weights are loaded that leave
+one of its model calls more than ``max_off_policy_steps`` behind, typically while a slow
+environment holds it) is stopped at once and published as an ``error`` saying so: the
+trainer would drop it anyway, and counts it as stale; stopping it gives its place and its
+budget back now (:meth:`HostedRun.stop_stale`). Not covered: the record of published tasks is per
 process, so a task redelivered to another replica is rolled out again there (its copies
 are dropped by the bus within its duplicate window, and not counted).
 """
@@ -68,7 +72,7 @@ import asyncio
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC
 from pathlib import Path
 from typing import Any
@@ -90,7 +94,7 @@ from flywheel.sdk.sandbox import SandboxClient
 from flywheel_inference.admission import Admission, RunEnded
 from flywheel_inference.backends import build_backend
 from flywheel_inference.completion import Backend
-from flywheel_inference.interception import Interception
+from flywheel_inference.interception import Interception, Session
 from flywheel_inference.policy import MAX_OFFERED, Policy, TransientFetchError
 
 log = logging.getLogger(__name__)
@@ -112,6 +116,21 @@ class HostedRun:
     config: RunConfig
     policy: Policy
     admission: Admission
+    # The run's rollouts being rolled out: their sessions and how to stop them.
+    live: dict[str, tuple[Session, asyncio.Future[str]]] = field(default_factory=dict)
+
+    def stop_stale(self) -> None:
+        """Stop the rollouts that can no longer be trained: one of their model calls was sampled by
+        weights more than ``max_off_policy_steps`` behind the ones now loaded, so the trainer
+        would drop them on arrival (and counts them as stale): their places and the budget they
+        hold come back now, not when a slow environment is done with them."""
+        loaded, bound = self.policy.version, self.config.trainer.max_off_policy_steps
+        if loaded is None:
+            return
+        for session, stop in self.live.values():
+            if session.versions and loaded - min(session.versions) > bound and not stop.done():
+                stop.set_result(f"stale: sampled by weights version {min(session.versions)}, version {loaded} is "
+                                f"loaded and trainer.max_off_policy_steps = {bound}; the trainer would drop it")
 
     @property
     def sampling(self) -> events.Sampling:
@@ -215,6 +234,8 @@ class Worker:
 
         async def loaded(update: events.WeightUpdate) -> None:
             await admission.loaded(update)
+            if run in self._runs:
+                self._runs[run].stop_stale()
             self._refresh_info()  # the policy version, even when the admission bound stays
 
         policy = Policy(run, backend, self._fetch, cfg.inference.max_batch_size, on_loaded=loaded,
@@ -447,8 +468,18 @@ class Worker:
         """Run the environment's harness once per rollout of the group, each against its own
         interception URL, and publish the group's rollouts together once all have ended;
         returns how many of them the bus stored (the others it had already)."""
-        results = await asyncio.gather(*(self._one_rollout(task, i, env, sampling, hosted)
-                                         for i in range(task.num_rollouts)))
+        async def placed(index: int) -> events.Rollout:
+            async with hosted.admission.rollout():  # one of the run's places while it runs
+                return await self._one_rollout(task, index, env, sampling, hosted)
+
+        rollouts = [asyncio.ensure_future(placed(i)) for i in range(task.num_rollouts)]
+        try:
+            results = await asyncio.gather(*rollouts)
+        except BaseException:  # the run ended while one waited for a place, or a bug: the group is off
+            for rollout in rollouts:
+                rollout.cancel()
+            await asyncio.gather(*rollouts, return_exceptions=True)
+            raise
         acks = await self.bus.publish_many(results, events.MSGPACK)
         return await self._num_stored(results, acks)
 
@@ -488,8 +519,13 @@ class Worker:
         ctx = RolloutContext(task=dict(task.data), base_url=base_url, api_key=session.key, model=task.run,
                              index=index, timeout_s=self.config.rollout_timeout_s, http_client=http_client,
                              rollout_id=rid, sandbox_client=SandboxClient(self.bus))
-        outcome = await run_harness(env, ctx, session, self.config.rollout_timeout_s,
-                                    on_end=lambda: self.interception.close(session.key))
+        stop: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        hosted.live[rid] = (session, stop)
+        try:
+            outcome = await run_harness(env, ctx, session, self.config.rollout_timeout_s,
+                                        on_end=lambda: self.interception.close(session.key), stop=stop)
+        finally:
+            del hosted.live[rid]
         await session.flush()  # its trace nodes before the rollout
         return events.Rollout(
             id=rid, run=task.run, env=task.env, task_id=task.id, group_id=task.id, index=index,

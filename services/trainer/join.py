@@ -178,10 +178,10 @@ class Joiner:
         if rollout_id in self._dropped:
             return
         rollout = self._rollouts[rollout_id]
-        if rollout.status == "error":
+        if self.version - rollout.policy_version > self.max_off_policy_steps:
+            self._dropped[rollout_id] = "stale"  # whatever else: inference stops rollouts that went stale
+        elif rollout.status == "error":
             self._dropped[rollout_id] = "rollout_error"
-        elif self.version - rollout.policy_version > self.max_off_policy_steps:
-            self._dropped[rollout_id] = "stale"
         elif any(s.error is not None for s in self._scores.get(rollout_id, {}).values()):
             self._dropped[rollout_id] = "scorer_error"
 

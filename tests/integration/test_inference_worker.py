@@ -211,3 +211,28 @@ async def test_tasks_left_when_the_run_ends_are_released_not_held(
     (letter,) = await stored(bus, "DEAD", events.DeadLetter)
     assert "after the run ended" in letter.reason and "register a new run" in letter.reason, letter.reason
     assert await count(bus, "ROLLOUTS") == 8
+
+
+async def test_a_rollout_that_goes_stale_while_its_environment_works_is_stopped_and_says_why(
+        bus: Bus, tiny_model_dir: Path, start_worker: Workers, monkeypatch: Any) -> None:
+    # max_off_policy_steps 0: once version 1 is loaded, a rollout sampled by version 0 can no
+    # longer be trained. Its environment's turn would hold it for a minute; it is stopped at
+    # once and published as an error naming the staleness, and its place comes back.
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "envs"))
+    await create_run(bus, tiny_model_dir, env="slow_turn_env")
+    worker = await start_worker()
+    base, _ = models.load_model(tiny_model_dir)
+    await publish_weights(bus, "r1", 0, base)
+    await bus.publish(events.Task(id="slow", run="r1", env="slow_turn_env", data={"text": "abc", "wait_s": 60.0},
+                                  num_rollouts=4))
+    await until(lambda: worker.info.get("runs", {}).get("r1", {}).get("num_in_flight") == 4,
+                timeout_s=30, what="the group's four rollouts in their environment's turn")
+    await publish_weights(bus, "r1", 1, perturbed(tiny_model_dir, seed=1))
+    await until(lambda: count_is(bus, "ROLLOUTS", 4), timeout_s=15, what="the stale group published")
+    rollouts: list[events.Rollout] = await stored(bus, "ROLLOUTS", events.Rollout)
+    for r in rollouts:
+        assert r.status == "error" and r.policy_version == 0
+        assert r.error is not None and r.error.startswith("stopped: stale: sampled by weights version 0, version 1 "
+                                                          "is loaded and trainer.max_off_policy_steps = 0")
+        assert r.metrics["rollout_s"] < 30
+    await until(lambda: worker.info["runs"]["r1"]["num_in_flight"] == 0, what="the places given back")

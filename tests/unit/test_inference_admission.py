@@ -21,15 +21,14 @@ def test_the_bound_follows_the_trainer_step() -> None:
     a.weights_loaded = True
     assert a.fits(4) and not a.fits(5)
     a.trainer_step = 3
-    assert a.max_issued == 48 and a.fits(16) and not a.fits(17)  # 17 > max_rollouts_in_flight
+    assert a.max_issued == 48 and a.fits(28) and not a.fits(29)  # in flight is bounded rollout by rollout
 
 
 def test_groups_that_could_never_be_admitted_are_refused_naming_the_field() -> None:
     a = Admission(batch_size=8, max_off_policy_steps=0, max_in_flight=32)
     with pytest.raises(ValueError, match="max_off_policy_steps"):
         a.check(9)
-    with pytest.raises(ValueError, match="max_rollouts_in_flight=4"):
-        Admission(batch_size=8, max_off_policy_steps=0, max_in_flight=4).check(5)
+    Admission(batch_size=8, max_off_policy_steps=0, max_in_flight=4).check(5)  # its rollouts take turns
 
 
 async def test_a_group_waits_for_the_next_weight_version() -> None:
@@ -44,10 +43,10 @@ async def test_a_group_waits_for_the_next_weight_version() -> None:
 
     tasks = [asyncio.ensure_future(group(i)) for i in range(3)]
     await until(lambda: len(admitted) == 2 and a.num_waiting == 4, what="two groups in, one waiting")
-    assert a.counters() == {"trainer_step": 0, "num_dropped": 0, "max_issued": 8, "num_issued": 8, "num_in_flight": 8,
+    assert a.counters() == {"trainer_step": 0, "num_dropped": 0, "max_issued": 8, "num_issued": 8, "num_in_flight": 0,
                             "num_waiting": 4, "num_skipped": 0, "ended": None}
     release.set()
-    await until(lambda: a.num_in_flight == 0, what="the first two done")
+    await until(lambda: len([t for t in tasks if t.done()]) == 2, what="the first two done")
     assert len(admitted) == 2  # done is not enough: the trainer has not stepped
     await a.advance(1)
     await asyncio.gather(*tasks)
@@ -75,19 +74,33 @@ async def test_waiting_groups_are_admitted_first_come_first_served() -> None:
     assert admitted == [0, 1, 2, 3, 4]
 
 
-async def test_in_flight_is_bounded_and_a_failed_group_gives_its_allowance_back() -> None:
+async def test_rollouts_in_flight_are_bounded_one_by_one_and_a_failed_group_gives_its_allowance_back() -> None:
+    # Places are taken and given back rollout by rollout: a group's rollouts that ended early
+    # let the next group's start while their slow sibling still runs.
     a = Admission(batch_size=100, max_off_policy_steps=0, max_in_flight=4, weights_loaded=True)
-    release = asyncio.Event()
+    release = {(g, i): asyncio.Event() for g in range(2) for i in range(4)}
+    running: list[tuple[int, int]] = []
 
-    async def hold() -> None:
+    async def one(g: int, i: int) -> None:
+        async with a.rollout():
+            running.append((g, i))
+            await release[g, i].wait()
+
+    async def group(g: int) -> None:
         async with a.slot(4):
-            await release.wait()
+            await asyncio.gather(*(one(g, i) for i in range(4)))
 
-    first = asyncio.ensure_future(hold())
-    second = asyncio.ensure_future(hold())
-    await until(lambda: a.num_in_flight == 4 and a.num_waiting == 4, what="one in flight, one waiting")
-    release.set()
-    await asyncio.gather(first, second)
+    groups = [asyncio.ensure_future(group(g)) for g in range(2)]
+    await until(lambda: len(running) == 4 and a.num_waiting == 4, what="four running, four waiting for a place")
+    assert running == [(0, 0), (0, 1), (0, 2), (0, 3)] and a.num_in_flight == 4 and a.num_issued == 8
+    for i in range(3):  # three of the first group end; its fourth is slow
+        release[0, i].set()
+    await until(lambda: len(running) == 7, what="three of the second group started")
+    assert running[4:] == [(1, 0), (1, 1), (1, 2)] and a.num_in_flight == 4
+    for event in release.values():
+        event.set()
+    await asyncio.gather(*groups)
+    assert a.num_in_flight == 0 and a.num_waiting == 0
     with pytest.raises(RuntimeError):
         async with a.slot(4):
             raise RuntimeError("publish failed")
@@ -163,3 +176,22 @@ async def test_rollouts_the_trainer_dropped_give_their_allowance_back() -> None:
     assert a.max_issued == (1 + 1 + 1) * 8 + 8
     await a.advance(1, num_dropped=4)  # an older report never takes allowance away
     assert a.num_dropped == 8
+
+
+async def test_a_rollout_waiting_for_a_place_is_released_when_the_run_ends() -> None:
+    a = Admission(batch_size=8, max_off_policy_steps=0, max_in_flight=1, weights_loaded=True)
+    hold = asyncio.Event()
+
+    async def one() -> None:
+        async with a.rollout():
+            await hold.wait()
+
+    running = asyncio.ensure_future(one())
+    waiting = asyncio.ensure_future(one())
+    await until(lambda: a.num_in_flight == 1 and a.num_waiting == 1, what="one running, one waiting")
+    await a.set_ended("stopped")
+    with pytest.raises(RunEnded, match="stopped"):
+        await waiting
+    hold.set()
+    await running
+    assert a.num_in_flight == 0 and a.num_waiting == 0

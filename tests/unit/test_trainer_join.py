@@ -206,3 +206,16 @@ def test_a_branching_rollout_trains_each_branch_and_each_sampled_token_once() ->
     seqs = sequences_of(rollout)
     assert [s.token_ids for s in seqs] == [[1, 2, 3, 4, 5, 6], [1, 2, 7]]
     assert [s.loss_mask for s in seqs] == [[False, False, True, True, False, True], [False, False, True]]
+
+
+def test_a_stale_rollout_counts_as_stale_even_when_inference_stopped_it_as_an_error() -> None:
+    # Inference stops a rollout that went stale and publishes it as an error saying so: it is
+    # a stale drop, not a rollout error.
+    joiner = Joiner(SCORERS, max_off_policy_steps=0)
+    joiner.set_version(2)
+    scored(joiner, make_rollout("a", "g", policy_version=1, status="error"))
+    scored(joiner, make_rollout("b", "g", policy_version=2, status="error"))
+    for i in range(2):
+        scored(joiner, make_rollout(f"ok-{i}", "g2", policy_version=2))
+    take = joiner.take(1)
+    assert take is not None and take.dropped == {"a": "stale", "b": "rollout_error"}

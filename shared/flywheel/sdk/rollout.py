@@ -6,6 +6,8 @@ says how it ended, by the same rules wherever it runs (the inference service in 
 
 - a harness that raises is an ``error`` rollout with ``harness failed: <type>: <message>``;
 - one that runs past ``timeout_s`` is cancelled and is an ``error`` naming the timeout;
+- one its caller stops (``stop``: inference stops a rollout that went stale) is cancelled
+  and is an ``error`` with ``stopped: <reason>``;
 - one that never called the model is an ``error`` (``the harness made no model call``): a
   rollout without an answer is nothing to score or train on;
 - ``state`` must be JSON (it travels on the bus and reaches rewards): one that is not is
@@ -80,20 +82,35 @@ def json_state(state: dict[str, Any]) -> dict[str, Any]:
 
 
 async def run_harness(env: Environment, ctx: RolloutContext, endpoint: Endpoint, timeout_s: float = ROLLOUT_TIMEOUT_S,
-                      on_end: Callable[[], Awaitable[None] | None] | None = None) -> Outcome:
+                      on_end: Callable[[], Awaitable[None] | None] | None = None,
+                      stop: asyncio.Future[str] | None = None) -> Outcome:
     """Run ``env``'s harness on ``ctx`` for at most ``timeout_s``, close ``ctx``, and say how it
     ended (see the module's rules). ``on_end`` runs when the harness has ended, however it
-    ended, before ``ctx`` closes: the caller's end of the URL stops taking its calls there."""
+    ended, before ``ctx`` closes: the caller's end of the URL stops taking its calls there.
+    ``stop``: when it gets a result (a reason) before the harness ends, the harness is
+    cancelled and the rollout is an ``error`` with that reason (the caller knows it can no
+    longer be used, e.g. it went stale)."""
     assert env.harness is not None
     error: str | None = None
     started = time.monotonic()
+    harness = asyncio.ensure_future(asyncio.wait_for(env.harness.run(env, ctx), timeout_s))
     try:
-        await asyncio.wait_for(env.harness.run(env, ctx), timeout_s)
+        if stop is not None:
+            either: list[asyncio.Future[Any]] = [harness, stop]
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+            if not harness.done():
+                harness.cancel()
+                await asyncio.gather(harness, return_exceptions=True)
+                error = f"stopped: {stop.result()}"
+        if error is None:
+            await harness
     except TimeoutError:
         error = f"the harness ran past rollout_timeout_s={timeout_s}"
     except Exception as exc:
         error = f"harness failed: {type(exc).__name__}: {exc}"
     finally:
+        if not harness.done():  # this call was cancelled: so is the harness
+            harness.cancel()
         try:
             if on_end is not None:
                 ended = on_end()
