@@ -7,7 +7,10 @@ The schema lives in :mod:`flywheel_gateway.schema` and is created by the migrati
 
 Recording is idempotent and bulk: :meth:`Store.record` takes a batch of events of any
 kinds, and writes them in one transaction with one ``executemany`` per table, every insert
-``ON CONFLICT DO NOTHING`` (keyed by event id), so a redelivered event changes nothing.
+``ON CONFLICT DO NOTHING`` (keyed by event id), so a redelivered event changes nothing; the
+rollouts' insert returns the ones that are new, and a run this process has seen recorded is
+not inserted again (nothing deletes a run). Recording's statements are built once, so that
+the compiled statement cache serves each batch without building and keying it again.
 A rollout's graph (``rollout_nodes``) grows from its live trace nodes while it runs; once
 the rollout is recorded it is exactly the nodes the rollout lists, in its order: live nodes
 of an attempt inference abandoned (killed mid-rollout, the task redelivered and rolled out
@@ -19,15 +22,17 @@ the weighted sum of the values of its run's scorers (``run_scorers``, mirrored f
 run's ``RunState.scorers``; a score of any other scorer counts for nothing), null until each
 of them has scored it, when one failed on it, and when the rollout is an error; a run whose
 scorers are not known counts every score at its own weight. It is recomputed in the same
-transaction whenever the rollout or one of its scores is recorded, and for all of a run's
-rollouts when its scorers change, so the order in which they arrive does not matter, and
-filters on it run in SQL. A weight update
+transaction whenever the rollout (its first copy) or one of its scores is recorded, and for
+all of a run's rollouts when its scorers change, so the order in which they arrive does not
+matter, and filters on it run in SQL. A weight update
 also gives its run's metrics for its training step (``run_metrics``; the first update of a
 step wins).
 
 Concurrency. SQLite: WAL, a busy timeout, write transactions start with
 ``BEGIN IMMEDIATE`` (so a writer never fails on a lock upgrade) and writers of one process
-take turns on an asyncio lock instead of spinning in SQLite's busy handler. PostgreSQL:
+take turns on an asyncio lock instead of spinning in SQLite's busy handler; each runs whole
+on a thread, through a blocking engine on the same file (:class:`_SqliteWrites`), while
+reads go through aiosqlite. PostgreSQL:
 a write transaction first takes transaction-scoped advisory locks on the runs it touches
 (shared; a change of a run's scorers takes its lock exclusively) and then on the rollouts
 it touches (each in a fixed order), so a score and its rollout recorded at the same moment
@@ -51,12 +56,12 @@ import asyncio
 import base64
 import binascii
 import hashlib
-from collections.abc import AsyncIterator, Iterable, Sequence
-from contextlib import asynccontextmanager, nullcontext
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 import sqlalchemy as sa
@@ -74,6 +79,9 @@ MAX_PAGE_LIMIT = 1000
 _IN_CHUNK = 500
 _WRITE = "flywheel_write"
 _RUN_LOCK_CLASS = 0x52554E53  # the first key of a run's advisory lock (the two-key space, apart from rollouts')
+
+
+_T = TypeVar("_T")
 
 
 class InvalidCursor(ValueError):
@@ -112,12 +120,20 @@ def create_engine(url: str) -> AsyncEngine:
             Path(database).parent.mkdir(parents=True, exist_ok=True)
     engine = create_async_engine(url, json_serializer=_json_dumps, json_deserializer=msgspec.json.decode)
     if backend == "sqlite":
-        _tune_sqlite(engine)
+        _tune_sqlite(engine.sync_engine)
     return engine
 
 
-def _tune_sqlite(engine: AsyncEngine) -> None:
-    @sa_event.listens_for(engine.sync_engine, "connect")
+def _blocking_sqlite_engine(engine: AsyncEngine) -> sa.Engine:
+    """A blocking (pysqlite) engine on ``engine``'s SQLite database, tuned alike."""
+    blocking = sa.create_engine(engine.url.set(drivername="sqlite"), json_serializer=_json_dumps,
+                                json_deserializer=msgspec.json.decode)
+    _tune_sqlite(blocking)
+    return blocking
+
+
+def _tune_sqlite(engine: sa.Engine) -> None:
+    @sa_event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:
         # Let SQLAlchemy emit BEGIN itself (below), so DDL and reads are transactional too.
         dbapi_connection.isolation_level = None
@@ -127,7 +143,7 @@ def _tune_sqlite(engine: AsyncEngine) -> None:
         cursor.execute("PRAGMA synchronous=NORMAL")  # durable across process crashes in WAL mode
         cursor.close()
 
-    @sa_event.listens_for(engine.sync_engine, "begin")
+    @sa_event.listens_for(engine, "begin")
     def _on_begin(conn: sa.Connection) -> None:
         conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get(_WRITE) else "BEGIN")
 
@@ -327,13 +343,11 @@ class _Rows:
             "created_at": d.created_at,
         })
 
-    def rewarded_rollouts(self) -> list[str]:
-        """Rollouts whose reward this batch may change: recorded ones and scored ones."""
-        return sorted(set(self.rollouts).union(row["rollout_id"] for row in self.scores.values()))
-
     def touched_rollouts(self) -> list[str]:
-        """Rollouts whose reward or graph this batch changes, sorted (the lock order)."""
-        return sorted(set(self.rewarded_rollouts()).union(rollout_id for rollout_id, _ in self.trace_links))
+        """Rollouts whose reward or graph this batch may change, sorted (the lock order): recorded,
+        scored, or given live trace nodes."""
+        return sorted(set(self.rollouts).union((row["rollout_id"] for row in self.scores.values()),
+                                               (rollout_id for rollout_id, _ in self.trace_links)))
 
 
 _ADDERS: dict[type, Any] = {
@@ -351,6 +365,71 @@ def _chunks(items: Sequence[str], size: int = _IN_CHUNK) -> Iterable[Sequence[st
         yield items[i:i + size]
 
 
+def _ids() -> sa.BindParameter[Any]:
+    """An IN list bound at execution, as ``ids``: one statement object serves every batch."""
+    return sa.bindparam("ids", expanding=True)
+
+
+# The tables recording inserts into with executemany, every row ON CONFLICT DO NOTHING.
+_RECORDED_TABLES = (s.runs, s.tasks, s.scores, s.weight_updates, s.run_metrics, s.dead_letters, s.nodes,
+                    s.rollout_nodes)
+# PostgreSQL: transaction-scoped advisory locks on the rollouts a batch touches, in one order.
+_LOCK_ROLLOUTS = sa.text("SELECT pg_advisory_xact_lock(k) FROM (SELECT DISTINCT hashtextextended(x, 0) AS k "
+                         "FROM unnest(CAST(:ids AS text[])) AS x ORDER BY k) AS keys")
+
+
+def _link_live_nodes(insert: Callable[[sa.Table], postgresql.Insert | sqlite.Insert]) -> sa.Insert:
+    """Link a live trace node (``rollout_id``, ``node_id``; one row each, executed many) into
+    its rollout's graph after the nodes the graph has, unless the rollout is recorded (its
+    graph is then the rollout's) or the node is in the graph already. Each row of an
+    executemany sees the rows before it, so a batch's nodes are numbered in their order.
+    ``insert`` is the dialect's (ON CONFLICT)."""
+    rn = s.rollout_nodes.c
+    rollout_id, node_id = sa.bindparam("rollout_id", type_=sa.String), sa.bindparam("node_id", type_=sa.String)
+    after = (sa.select(sa.func.coalesce(sa.func.max(rn.position) + 1, 0)).where(rn.rollout_id == rollout_id)
+             .scalar_subquery())
+    unrecorded = sa.not_(sa.exists().where(s.rollouts.c.id == rollout_id))
+    link = sa.select(rollout_id, node_id, after).where(unrecorded)  # a WHERE: SQLite then parses ON CONFLICT
+    return insert(s.rollout_nodes).from_select(["rollout_id", "node_id", "position"], link).on_conflict_do_nothing()
+
+
+class _SqliteWrites:
+    """SQLite's write transactions, one at a time, each run whole on a thread, on a blocking
+    (pysqlite) engine on the database the store reads through aiosqlite.
+
+    aiosqlite hands every DBAPI call (a cursor, an execute, its close, the commit) to its
+    thread and back, ten to thirty handoffs a recorder's transaction, and they cost more CPU
+    than its statements; here a transaction costs one. Writers of this process
+    queue on an asyncio lock, not in SQLite's busy handler. A writer cancelled while its
+    transaction runs leaves the queue at once and the thread finishes the transaction (a
+    write that follows waits for it in the busy handler), as aiosqlite finished the call in
+    flight. An in-memory database exists only on its own engine's connection, so its writes
+    stay on the async engine.
+    """
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.lock = asyncio.Lock()
+        self.engine = engine
+        self.blocking = None if engine.url.database in (None, "", ":memory:") else _blocking_sqlite_engine(engine)
+
+    async def run(self, write: Callable[[sa.Connection], _T]) -> _T:
+        async with self.lock:
+            if self.blocking is None:
+                async with write_transaction(self.engine) as conn:
+                    return await conn.run_sync(write)
+            return await asyncio.to_thread(self._transaction, self.blocking, write)
+
+    @staticmethod
+    def _transaction(blocking: sa.Engine, write: Callable[[sa.Connection], _T]) -> _T:
+        with blocking.connect() as conn, conn.execution_options(**{_WRITE: True}).begin():
+            return write(conn)
+
+    async def close(self) -> None:
+        async with self.lock:  # after the write in progress
+            if self.blocking is not None:
+                self.blocking.dispose()
+
+
 class Store:
     """Reads and writes the trace store. Build with :meth:`open`; :meth:`close` when done."""
 
@@ -358,14 +437,28 @@ class Store:
         self.engine = engine
         self.dialect = engine.dialect.name
         self._insert = postgresql.insert if self.dialect == "postgresql" else sqlite.insert
-        # SQLite has one writer at a time: queue this process's writers here, not in SQLite.
-        self._write_lock = asyncio.Lock() if self.dialect == "sqlite" else None
+        self._sqlite_writes = _SqliteWrites(engine) if self.dialect == "sqlite" else None
+        # Recording's statements, built once: the engine caches a statement's compiled form by
+        # its cache key, which a statement object computes once, so building a statement for
+        # every batch (the reward expression above all) and keying it again cost more CPU
+        # than running it on a batch of a few dozen rows. IN lists are bound at execution.
+        self._insert_new_rows = {table: self._insert(table).on_conflict_do_nothing() for table in _RECORDED_TABLES}
+        self._insert_new_rollouts = self._insert(s.rollouts).on_conflict_do_nothing().returning(s.rollouts.c.id)
+        self._link_live_nodes = _link_live_nodes(self._insert)
+        self._drop_graphs = sa.delete(s.rollout_nodes).where(s.rollout_nodes.c.rollout_id.in_(_ids()))
+        self._update_rewards = sa.update(s.rollouts).where(s.rollouts.c.id.in_(_ids())).values(
+            reward=reward_expression())
+        # Runs this process saw committed: the table keeps them for good (nothing deletes a run),
+        # so a batch of theirs needs no insert of its run.
+        self._known_runs: set[str] = set()
 
     @classmethod
     def open(cls, url: str) -> Store:
         return cls(create_engine(url))
 
     async def close(self) -> None:
+        if self._sqlite_writes is not None:
+            await self._sqlite_writes.close()
         await self.engine.dispose()
 
     async def ping(self) -> None:
@@ -373,10 +466,14 @@ class Store:
         async with self.engine.connect() as conn:
             await conn.execute(sa.text("SELECT 1"))
 
-    @asynccontextmanager
-    async def _write(self) -> AsyncIterator[AsyncConnection]:
-        async with self._write_lock or nullcontext(), write_transaction(self.engine) as conn:
-            yield conn
+    async def _write(self, write: Callable[[sa.Connection], _T]) -> _T:
+        """Run ``write`` in a write transaction and return what it returns: on SQLite on a thread
+        (see :class:`_SqliteWrites`), on PostgreSQL in the event loop, its statements awaited on
+        a connection of the pool (``run_sync``), beside other writers."""
+        if self._sqlite_writes is not None:
+            return await self._sqlite_writes.run(write)
+        async with write_transaction(self.engine) as conn:
+            return await conn.run_sync(write)
 
     # --- writing ------------------------------------------------------------------------
 
@@ -389,53 +486,50 @@ class Store:
         rows = _Rows()
         for e in batch:
             rows.add(e)
+        new_runs = [row for run, row in rows.runs.items() if run not in self._known_runs]
+        await self._write(lambda conn: self._record(conn, rows, new_runs))
+        self._known_runs.update(rows.runs)
+
+    def _record(self, conn: sa.Connection, rows: _Rows, new_runs: list[dict[str, Any]]) -> None:
+        """Write ``rows`` (and ``new_runs``, their runs this process has not seen recorded)."""
         touched = rows.touched_rollouts()
-        async with self._write() as conn:
-            if self.dialect == "postgresql" and touched:
-                await self._lock_runs(conn, sorted(rows.runs), exclusive=False)
-                await conn.execute(
-                    sa.text("SELECT pg_advisory_xact_lock(k) FROM (SELECT DISTINCT hashtextextended(x, 0) AS k "
-                            "FROM unnest(CAST(:ids AS text[])) AS x ORDER BY k) AS keys"),
-                    {"ids": touched},
-                )
-            # Read under the locks: no other writer records these rollouts meanwhile.
-            recorded_before = await self._recorded(conn, sorted(rows.rollouts))
-            for table, values in (
-                (s.runs, rows.runs), (s.tasks, rows.tasks), (s.scores, rows.scores), (s.rollouts, rows.rollouts),
-                (s.weight_updates, rows.weight_updates), (s.run_metrics, rows.run_metrics),
-                (s.dead_letters, rows.dead_letters),
-            ):
-                await self._insert_new(conn, table, list(values.values()))
-            # Sorted, so that concurrent PostgreSQL writers wait on shared nodes in one order.
-            await self._insert_new(conn, s.nodes, [rows.nodes[k] for k in sorted(rows.nodes)])
-            # A rollout recorded now replaces its live graph with exactly the nodes it lists, in
-            # its order: live nodes of an attempt inference abandoned (killed mid-rollout, the
-            # task redelivered and rolled out again) are dropped. One recorded before keeps the
-            # graph of the rollout event that was recorded (the first; a later copy is ignored).
-            new_rollouts = sorted(set(rows.rollouts) - recorded_before)
-            for ids in _chunks(new_rollouts):
-                await conn.execute(sa.delete(s.rollout_nodes)
-                                   .where(s.rollout_nodes.c.rollout_id.in_(self._texts(ids))))
-            await self._insert_new(conn, s.rollout_nodes, [row for (rollout_id, _), row in rows.rollout_nodes.items()
-                                                            if rollout_id not in recorded_before])
-            # Live nodes of a recorded rollout add nothing: its graph is the rollout's.
-            links = {key: row for key, row in rows.trace_links.items() if key[0] not in rows.rollouts}
-            if links:
-                await self._insert_new(conn, s.rollout_nodes, await self._positioned(conn, links))
-            await self._update_rewards(conn, rows.rewarded_rollouts())
+        if self.dialect == "postgresql" and touched:
+            self._lock_runs(conn, sorted(rows.runs), exclusive=False)
+            conn.execute(_LOCK_ROLLOUTS, {"ids": self._texts(touched)})
+        self._insert_new(conn, s.runs, new_runs)
+        self._insert_new(conn, s.tasks, list(rows.tasks.values()))
+        self._insert_new(conn, s.scores, list(rows.scores.values()))
+        # The rollouts recorded now for the first time (a copy of one in the store changes
+        # nothing), as stored; under the locks, so no other writer records them meanwhile.
+        new_rollouts: set[str] = set()
+        if rows.rollouts:
+            new_rollouts.update(conn.scalars(self._insert_new_rollouts, self._storable(list(rows.rollouts.values()))))
+        for table, values in ((s.weight_updates, rows.weight_updates), (s.run_metrics, rows.run_metrics),
+                              (s.dead_letters, rows.dead_letters)):
+            self._insert_new(conn, table, list(values.values()))
+        # Sorted, so that concurrent PostgreSQL writers wait on shared nodes in one order.
+        self._insert_new(conn, s.nodes, [rows.nodes[k] for k in sorted(rows.nodes)])
+        # A rollout recorded now replaces its live graph with exactly the nodes it lists, in
+        # its order: live nodes of an attempt inference abandoned (killed mid-rollout, the
+        # task redelivered and rolled out again) are dropped. One recorded before keeps the
+        # graph of the rollout event that was recorded (the first; a later copy is ignored).
+        for ids in _chunks(sorted(new_rollouts)):
+            conn.execute(self._drop_graphs, {"ids": ids})
+        self._insert_new(conn, s.rollout_nodes, [row for (rollout_id, _), row in rows.rollout_nodes.items()
+                                                  if self._text(rollout_id) in new_rollouts])
+        # Live nodes, in the order they came; those of a rollout recorded (before or in this
+        # batch) add nothing, its graph is the rollout's.
+        if rows.trace_links:
+            conn.execute(self._link_live_nodes, self._storable(list(rows.trace_links.values())))
+        # The rewards this batch can change: a rollout recorded before and not scored now
+        # keeps its own, as nothing it is computed from changed.
+        rewarded = new_rollouts.union(self._text(row["rollout_id"]) for row in rows.scores.values())
+        for ids in _chunks(sorted(rewarded)):
+            conn.execute(self._update_rewards, {"ids": ids})
 
-    async def _recorded(self, conn: AsyncConnection, rollout_ids: Sequence[str]) -> set[str]:
-        """Those of ``rollout_ids`` whose rollout (not only live nodes of it) is in the store."""
-        by_stored = {self._text(rollout_id): rollout_id for rollout_id in rollout_ids}
-        found: set[str] = set()
-        for ids in _chunks(sorted(by_stored)):
-            stored = await conn.scalars(sa.select(s.rollouts.c.id).where(s.rollouts.c.id.in_(ids)))
-            found.update(by_stored[i] for i in stored)
-        return found
-
-    async def _insert_new(self, conn: AsyncConnection, table: sa.Table, values: list[dict[str, Any]]) -> None:
+    def _insert_new(self, conn: sa.Connection, table: sa.Table, values: list[dict[str, Any]]) -> None:
         if values:
-            await conn.execute(self._insert(table).on_conflict_do_nothing(), self._storable(values))
+            conn.execute(self._insert_new_rows[table], self._storable(values))
 
     def _storable(self, values: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """``values`` as this database can store them (PostgreSQL: no NUL characters)."""
@@ -449,74 +543,48 @@ class Store:
     def _texts(self, values: Iterable[str]) -> list[str]:
         return [self._text(v) for v in values]
 
-    async def _positioned(self, conn: AsyncConnection,
-                          links: dict[tuple[str, str], dict[str, Any]]) -> list[dict[str, Any]]:
-        """Number new live trace nodes after the nodes their rollout already has; leave out
-        those of rollouts already recorded (their graph is the rollout's)."""
-        rn = s.rollout_nodes.c
-        known: set[tuple[str, str]] = set()
-        next_position: dict[str, int] = {}
-        rollout_ids = sorted({rollout_id for rollout_id, _ in links})
-        recorded = await self._recorded(conn, rollout_ids)
-        for ids in _chunks(rollout_ids):
-            result = await conn.execute(sa.select(rn.rollout_id, rn.node_id, rn.position)
-                                        .where(rn.rollout_id.in_(self._texts(ids))))
-            for rollout_id, node_id, position in result:
-                known.add((rollout_id, node_id))
-                next_position[rollout_id] = max(next_position.get(rollout_id, 0), position + 1)
-        out = []
-        for key, row in links.items():
-            if key in known or key[0] in recorded:
-                continue
-            position = next_position.get(row["rollout_id"], 0)
-            next_position[row["rollout_id"]] = position + 1
-            out.append({**row, "position": position})
-        return out
-
-    async def _update_rewards(self, conn: AsyncConnection, rollout_ids: Sequence[str]) -> None:
-        r = s.rollouts.c
-        for ids in _chunks(rollout_ids):
-            await conn.execute(sa.update(s.rollouts).where(r.id.in_(ids)).values(reward=reward_expression()))
-
     async def upsert_runs(self, states: Sequence[events.RunState]) -> None:
         """Record runs with their tenant, kind and scorers (the run-state bucket is the source
         of truth). A run whose scorers change has every recorded rollout's reward recomputed;
         a state without scorers leaves the ones recorded as they are (not known is no change)."""
         if not states:
             return
+        await self._write(lambda conn: self._upsert_runs(conn, states))
+        self._known_runs.update(st.id for st in states)
+
+    def _upsert_runs(self, conn: sa.Connection, states: Sequence[events.RunState]) -> None:
+        """Write ``states`` (see :meth:`upsert_runs`)."""
         stmt = self._insert(s.runs)
         stmt = stmt.on_conflict_do_update(index_elements=["id"], set_={
             "tenant": stmt.excluded.tenant, "kind": stmt.excluded.kind,
             "env": sa.func.coalesce(stmt.excluded.env, s.runs.c.env)})  # a state without config keeps it
         rs = s.run_scorers.c
-        async with self._write() as conn:
-            if self.dialect == "postgresql":
-                await self._lock_runs(conn, sorted({st.id for st in states if st.scorers}), exclusive=True)
-            await conn.execute(stmt, [{"id": st.id, "tenant": st.tenant, "kind": st.kind, "created_at": st.created_at,
-                                       "env": self._text(env) if isinstance(env := st.config.get("env"), str) else None}
-                                      for st in states])
-            for st in states:
-                if not st.scorers:
-                    continue
-                run = self._text(st.id)
-                stored = {name: weight for name, weight in await conn.execute(sa.select(rs.scorer, rs.weight)
-                                                                               .where(rs.run == run))}
-                wanted = {self._text(name): float(weight) for name, weight in st.scorers.items()}
-                if stored == wanted:
-                    continue
-                await conn.execute(sa.delete(s.run_scorers).where(rs.run == run))
-                await conn.execute(sa.insert(s.run_scorers), [{"run": run, "scorer": name, "weight": weight}
-                                                              for name, weight in wanted.items()])
-                await conn.execute(sa.update(s.rollouts).where(s.rollouts.c.run == run)
-                                   .values(reward=reward_expression()))
+        if self.dialect == "postgresql":
+            self._lock_runs(conn, sorted({st.id for st in states if st.scorers}), exclusive=True)
+        conn.execute(stmt, [{"id": st.id, "tenant": st.tenant, "kind": st.kind, "created_at": st.created_at,
+                             "env": self._text(env) if isinstance(env := st.config.get("env"), str) else None}
+                            for st in states])
+        for st in states:
+            if not st.scorers:
+                continue
+            run = self._text(st.id)
+            stored = {name: weight for name, weight in conn.execute(sa.select(rs.scorer, rs.weight)
+                                                                     .where(rs.run == run))}
+            wanted = {self._text(name): float(weight) for name, weight in st.scorers.items()}
+            if stored == wanted:
+                continue
+            conn.execute(sa.delete(s.run_scorers).where(rs.run == run))
+            conn.execute(sa.insert(s.run_scorers), [{"run": run, "scorer": name, "weight": weight}
+                                                    for name, weight in wanted.items()])
+            conn.execute(sa.update(s.rollouts).where(s.rollouts.c.run == run).values(reward=reward_expression()))
 
-    async def _lock_runs(self, conn: AsyncConnection, runs: Sequence[str], exclusive: bool) -> None:
+    def _lock_runs(self, conn: sa.Connection, runs: Sequence[str], exclusive: bool) -> None:
         """PostgreSQL: transaction-scoped advisory locks on ``runs`` (keys of their own, apart from
         the rollouts'), in one order; shared by recorders, exclusive for a change of scorers."""
         if not runs:
             return
         lock = "pg_advisory_xact_lock" if exclusive else "pg_advisory_xact_lock_shared"
-        await conn.execute(
+        conn.execute(
             sa.text(f"SELECT {lock}({_RUN_LOCK_CLASS}, k) FROM (SELECT DISTINCT hashtext(x) AS k "
                     "FROM unnest(CAST(:runs AS text[])) AS x ORDER BY k) AS keys"),
             {"runs": self._texts(runs)},

@@ -439,6 +439,32 @@ async def test_a_recorded_rollout_is_exactly_the_nodes_it_lists(store: Store, or
     assert await count(store, schema.rollout_nodes) == 3
 
 
+async def test_live_nodes_of_rollouts_in_one_batch_are_numbered_each_in_its_order(store: Store) -> None:
+    """Live nodes of two rollouts interleaved in a batch, with a redelivered one: each rollout's
+    graph numbers them in the order they came, after the nodes it had (what the store numbers in SQL)."""
+    a, b = conversation("4"), conversation("5")
+    await store.record(live_nodes("ro-a", a[:1]))
+    await store.record([*live_nodes("ro-b", b[:1]), *live_nodes("ro-a", a), *live_nodes("ro-b", b[1:])])
+    for rollout_id, nodes in (("ro-a", a), ("ro-b", b)):
+        trace = await store.get_trace(rollout_id)
+        assert trace is not None
+        assert [(n["id"], n["position"]) for n in trace] == [(n.id, position) for position, n in enumerate(nodes)]
+
+
+async def test_an_in_memory_database_is_written_on_its_own_connection() -> None:
+    """An in-memory SQLite database is its engine's one connection: writes stay on it, not on
+    the blocking engine a file's writes go through (which would open another, empty database)."""
+    s = Store.open("sqlite+aiosqlite:///:memory:")
+    try:
+        async with s.engine.begin() as conn:
+            await conn.run_sync(schema.metadata.create_all)
+        await s.record([task(1), rollout("ro1"), score("s1", "ro1", 0.5)])
+        got = await s.get_rollout("ro1")
+        assert got is not None and got["reward"] == 0.5
+    finally:
+        await s.close()
+
+
 async def test_weight_updates_and_dead_letters(store: Store) -> None:
     update = events.WeightUpdate(id="w1", run="r1", version=2, uri="nats-os://flywheel-weights/r1/2", sha256="ab" * 32,
                                  size_bytes=5_000_000_000, format="lora", trainer_step=7)
