@@ -79,6 +79,7 @@ from flywheel.sdk.scoring import describe_reward, required_scorers
 RUN_SERVICES = ("inference", "scorer")  # what a training run needs besides the trainer
 MAX_RESTARTS_WITHOUT_PROGRESS = 5  # trainer restarts with no new step in between before the run fails
 QUIET_STEP_S = 30.0  # no step for this long: say what the run waits for
+STOP_TIMEOUT_S = 60.0  # a run stopping because its embedded stack failed gets this long, bus still up
 NUM_LETTERS_SAID = 5  # dead letters of the run said one by one; after these, a count now and then
 
 
@@ -340,7 +341,8 @@ class MainJob:
         try:
             if stack_task is None:
                 return await self._train(check_services=True)
-            return await self._train_beside(stack_task)
+            assert stack is not None
+            return await self._train_beside(stack, stack_task)
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
@@ -348,19 +350,24 @@ class MainJob:
                 stack.stopping.set()
                 await stack_task
 
-    async def _train_beside(self, stack_task: asyncio.Future[None]) -> dict[str, Any]:
-        """Train while the embedded stack starts and runs; a stack that fails to start stops the
-        run, with the stack's error."""
+    async def _train_beside(self, stack: Stack, stack_task: asyncio.Future[None]) -> dict[str, Any]:
+        """Train while the embedded stack starts and runs. A stack that fails (to start) stops
+        the run first, marked failed with the stack's error, while the bus is still up."""
         train = asyncio.ensure_future(self._train(check_services=False))
+
+        async def stop_the_run_first(failure: BaseException | None) -> None:
+            if train.done():
+                return
+            self.failure = f"the embedded stack failed: {failure}" if failure else "the embedded stack stopped"
+            self.stopping.set()
+            await asyncio.wait([train], timeout=STOP_TIMEOUT_S)
+
+        stack.before_shutdown = stop_the_run_first
         either: list[asyncio.Future[Any]] = [train, stack_task]
         await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-        if not train.done():  # the stack ended first: it failed to start (a signal stops both)
-            exc = stack_task.exception()
-            self.failure = f"the embedded stack failed: {exc}" if exc else "the embedded stack stopped"
-            self.stopping.set()
-            summary = await train
+        if stack_task.done() and not stack_task.cancelled() and stack_task.exception() is not None:
+            await asyncio.gather(train, return_exceptions=True)
             await stack_task  # raises StackError with the reason
-            return summary
         return await train
 
     async def _train(self, check_services: bool) -> dict[str, Any]:

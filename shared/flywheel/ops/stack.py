@@ -78,6 +78,10 @@ class ServiceSpec:
 
     argv: tuple[str, ...]
     health: HealthCheck
+    # Added to the process's nice value: the gateway's processes record and answer queries;
+    # they are off a training step's path (sampling, scoring, training), so on a machine of a
+    # few cores they yield the CPU to it, at start-up (model loads) as in every step.
+    nice: int = 0
 
 
 async def gateway_health(url: str, timeout_s: float = 2.0) -> dict[str, Any]:
@@ -117,8 +121,8 @@ def heartbeat_of(service: str) -> HealthCheck:
 
 # Every service that runs as a local process, in start order (the gateway runs the migrations).
 SERVICES: dict[str, ServiceSpec] = {
-    "gateway": ServiceSpec(("-m", "flywheel_gateway", "api"), _gateway_healthy),
-    "recorder": ServiceSpec(("-m", "flywheel_gateway", "recorder"), heartbeat_of("recorder")),
+    "gateway": ServiceSpec(("-m", "flywheel_gateway", "api"), _gateway_healthy, nice=5),
+    "recorder": ServiceSpec(("-m", "flywheel_gateway", "recorder"), heartbeat_of("recorder"), nice=5),
     "scorer": ServiceSpec(("-m", "flywheel_scorer"), heartbeat_of("scorer")),
     "sandbox": ServiceSpec(("-m", "flywheel_sandbox"), heartbeat_of("sandbox")),
     "inference": ServiceSpec(("-m", "flywheel_inference"), heartbeat_of("inference")),
@@ -320,6 +324,11 @@ class ServiceProcess(Process):
                 self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=self.env,
                 start_new_session=True, preexec_fn=die_with_parent)  # noqa: PLW1509 - see above
         self.last_pid = self.popen.pid
+        if self.spec.nice and hasattr(os, "setpriority"):
+            try:
+                os.setpriority(os.PRIO_PROCESS, self.popen.pid, os.getpriority(os.PRIO_PROCESS, 0) + self.spec.nice)
+            except OSError:  # gone already, or not allowed here: it runs at our priority
+                pass
 
     async def health(self, stack: Stack) -> str | None:
         return await self.spec.health(stack, self)
@@ -440,6 +449,9 @@ class Stack:
         self.heartbeat: Service | None = None  # the stack's own, carrying view() as its info
         self.heartbeat_task: asyncio.Future[None] | None = None
         self._view_changed = asyncio.Event()
+        # Awaited before the stack stops anything (with why it stops, None on a plain stop):
+        # whoever works on the bus while the stack runs winds down first, the bus still there.
+        self.before_shutdown: Callable[[BaseException | None], Awaitable[None]] | None = None
 
     def _backoff(self) -> RestartBackoff:
         return RestartBackoff(first_delay_s=self.restart_backoff_s, max_delay_s=self.max_backoff_s,
@@ -471,13 +483,19 @@ class Stack:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.stopping.set)
+        failure: BaseException | None = None
         try:
             await self._start()
             if not self.stopping.is_set():
                 self._say_ready()
                 self.ready.set()
                 await self._supervise()
+        except BaseException as exc:
+            failure = exc
+            raise
         finally:
+            if self.before_shutdown is not None:
+                await self.before_shutdown(failure)
             await self._shutdown()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
