@@ -12,14 +12,21 @@ recomputed logprobs are all ``[batch, length - 1]`` and line up with the *target
 sampled with (a task may set its own), so under the same weights the ratio is 1 up to
 float rounding (tests hold the difference under 1e-3).
 
-:func:`micro_batches` sorts sequences by length before cutting them into micro-batches,
-so sequences of like length share one and little compute goes to padding. Not covered:
-packing several sequences into one row (it needs per-sequence attention masks the
-default attention path does not take).
+:func:`micro_batches` keeps the sequences of one prompt together (a group's samples,
+the branches of one rollout), families longest first, so sequences of like length share
+a micro-batch and little compute goes to padding. Within a micro-batch, :func:`pad` puts
+what several rows share (the prompt but its last token) in a :class:`Prefix`: it is run
+once, and each row goes on from its keys and values, so a group of 16 samples of one
+prompt computes that prompt once instead of 16 times, forward and backward. The logprobs
+are the same as on whole rows (tests hold them and the gradients to float rounding). Not
+covered: packing several sequences into one row (it needs per-sequence attention masks
+the default attention path does not take).
 """
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -28,13 +35,28 @@ from flywheel_trainer.join import Tokens
 
 
 @dataclass
+class Prefix:
+    """Context several rows of a micro-batch share (a group's prompt), run once for all of them.
+
+    The distinct prefixes are left-padded, so each ends where its rows go on; each row's
+    keys and values for its prefix are that prefix's, indexed (the gradient from every row
+    sums into the one forward)."""
+
+    input_ids: torch.Tensor  # [F, P] long, left-padded
+    attention_mask: torch.Tensor  # [F, P] long, 1 on real tokens
+    of_row: torch.Tensor  # [B] long: the prefix each row goes on from
+    lengths: torch.Tensor  # [B] long: that prefix's real tokens (the row's first position)
+
+
+@dataclass
 class Batch:
-    input_ids: torch.Tensor  # [B, T] long, right-padded
+    input_ids: torch.Tensor  # [B, T] long, right-padded (after the prefix, when there is one)
     attention_mask: torch.Tensor  # [B, T] long, 1 on real tokens
     loss_mask: torch.Tensor  # [B, T-1] bool, by target token
     old_logprobs: torch.Tensor  # [B, T-1] float32, by target token (what inference sampled with)
     advantages: torch.Tensor  # [B] float32
     temperatures: torch.Tensor  # [B] float32, what each sequence was sampled at
+    prefix: Prefix | None = None  # what the rows share, computed once; None: each row is whole
 
     @property
     def num_loss_tokens(self) -> int:
@@ -42,27 +64,62 @@ class Batch:
 
     @property
     def num_tokens(self) -> int:
-        return int(self.attention_mask.sum())
+        """Real tokens the batch computes (a shared prefix once)."""
+        shared = 0 if self.prefix is None else int(self.prefix.attention_mask.sum())
+        return int(self.attention_mask.sum()) + shared
+
+
+def prefix_length(s: Tokens) -> int:
+    """How many leading tokens of ``s`` can be shared with sequences that begin the same way:
+    all before its first trained target's context (the prompt but its last token, whose
+    logits predict the first sampled token). 0 when nothing is trained."""
+    for i, trained in enumerate(s.loss_mask):
+        if trained:
+            return max(i - 1, 0)
+    return 0
+
+
+def _prefix_key(s: Tokens) -> tuple[int, ...]:
+    return tuple(s.token_ids[:prefix_length(s)])
 
 
 def pad(sequences: list[Tokens], advantages: list[float], pad_id: int, device: torch.device | str = "cpu",
-        temperatures: list[float] | None = None) -> Batch:
+        temperatures: list[float] | None = None, share_prefixes: bool = True) -> Batch:
     """Right-pad ``sequences`` into one :class:`Batch` on ``device``; ``temperatures``: what each
-    was sampled at (None: 1.0 each, as for reference answers)."""
+    was sampled at (None: 1.0 each, as for reference answers). When some of them begin with
+    the same prompt (``share_prefixes``), that prompt becomes a :class:`Prefix`, computed once,
+    and the rows hold the rest."""
     temperatures = temperatures if temperatures is not None else [1.0] * len(sequences)
     assert sequences and len(sequences) == len(advantages) == len(temperatures)
-    length = max(len(s.token_ids) for s in sequences)
+    keys = [_prefix_key(s) for s in sequences] if share_prefixes else []
+    distinct = list(dict.fromkeys(keys))
+    prefix: Prefix | None = None
+    starts = [0] * len(sequences)
+    if share_prefixes and len(distinct) < len(sequences) and any(distinct):
+        index = {key: i for i, key in enumerate(distinct)}
+        width = max(len(key) for key in distinct)
+        prefix_ids = torch.full((len(distinct), width), pad_id, dtype=torch.long)
+        prefix_mask = torch.zeros((len(distinct), width), dtype=torch.long)
+        for i, key in enumerate(distinct):
+            if key:
+                prefix_ids[i, width - len(key):] = torch.tensor(key, dtype=torch.long)
+                prefix_mask[i, width - len(key):] = 1
+        starts = [len(key) for key in keys]
+        prefix = Prefix(input_ids=prefix_ids.to(device), attention_mask=prefix_mask.to(device),
+                        of_row=torch.tensor([index[key] for key in keys], dtype=torch.long, device=device),
+                        lengths=torch.tensor(starts, dtype=torch.long, device=device))
+    length = max(len(s.token_ids) - start for s, start in zip(sequences, starts, strict=True))
     rows = len(sequences)
     input_ids = torch.full((rows, length), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((rows, length), dtype=torch.long)
     loss_mask = torch.zeros((rows, length), dtype=torch.bool)
     old_logprobs = torch.zeros((rows, length), dtype=torch.float32)
-    for i, s in enumerate(sequences):
-        n = len(s.token_ids)
-        input_ids[i, :n] = torch.tensor(s.token_ids, dtype=torch.long)
+    for i, (s, start) in enumerate(zip(sequences, starts, strict=True)):
+        n = len(s.token_ids) - start
+        input_ids[i, :n] = torch.tensor(s.token_ids[start:], dtype=torch.long)
         attention_mask[i, :n] = 1
-        loss_mask[i, :n] = torch.tensor(s.loss_mask, dtype=torch.bool)
-        old_logprobs[i, :n] = torch.tensor(s.logprobs, dtype=torch.float32)
+        loss_mask[i, :n] = torch.tensor(s.loss_mask[start:], dtype=torch.bool)
+        old_logprobs[i, :n] = torch.tensor(s.logprobs[start:], dtype=torch.float32)
     return Batch(
         input_ids=input_ids.to(device),
         attention_mask=attention_mask.to(device),
@@ -70,18 +127,57 @@ def pad(sequences: list[Tokens], advantages: list[float], pad_id: int, device: t
         old_logprobs=old_logprobs[:, 1:].to(device),
         advantages=torch.tensor(advantages, dtype=torch.float32, device=device),
         temperatures=torch.tensor(temperatures, dtype=torch.float32, device=device),
+        prefix=prefix,
     )
 
 
 def micro_batches(sequences: list[Tokens], size: int) -> list[list[int]]:
-    """Indices of ``sequences`` in micro-batches of at most ``size``, longest first."""
-    order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i].token_ids))
+    """Indices of ``sequences`` in micro-batches of at most ``size``: sequences that begin with
+    the same prompt side by side (so a micro-batch computes that prompt once), longest first."""
+    families: dict[tuple[int, ...], list[int]] = {}
+    for i in sorted(range(len(sequences)), key=lambda i: -len(sequences[i].token_ids)):
+        families.setdefault(_prefix_key(sequences[i]), []).append(i)
+    order = [i for family in families.values() for i in family]  # families by their longest member
     return [order[i:i + size] for i in range(0, len(order), size)]
 
 
 def token_logprobs(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     """``log_softmax(logits / temperature)`` of each target token, float32, ``[B, T-1]``, each
     row at its own sequence's temperature."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+    if batch.prefix is None:
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+    else:
+        logits = _logits_after_prefix(model, batch, batch.prefix)
     logprobs = torch.log_softmax(logits.float() / batch.temperatures[:, None, None], dim=-1)
     return logprobs.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+
+
+def _forward_params(model: torch.nn.Module) -> Mapping[str, inspect.Parameter]:
+    # DeepSpeed's engine forwards keyword arguments to the module it wraps: ask the module.
+    return inspect.signature(getattr(model, "module", model).forward).parameters
+
+
+def can_share_prefixes(model: torch.nn.Module) -> bool:
+    """Whether ``model`` can go on from a computed prefix: its forward takes explicit
+    positions, a key/value cache and ``logits_to_keep`` (every transformers causal LM does;
+    a model of the user's own may not, and is then run on whole rows)."""
+    params = _forward_params(model)
+    return {"position_ids", "use_cache", "logits_to_keep"} <= params.keys() and (
+        "cache" in params or "past_key_values" in params)
+
+
+def _logits_after_prefix(model: torch.nn.Module, batch: Batch, prefix: Prefix) -> torch.Tensor:
+    """The rows' logits (but the last position's), each row going on from its prefix's keys and values."""
+    # transformers renamed the forward's `past_key_values` to `cache`: pass whichever it takes.
+    cache_arg = "cache" if "cache" in _forward_params(model) else "past_key_values"
+    prefix_positions = (prefix.attention_mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=prefix.input_ids, attention_mask=prefix.attention_mask, position_ids=prefix_positions,
+                use_cache=True, logits_to_keep=1)
+    cache = getattr(out, cache_arg)  # the output field has the argument's name
+    cache.batch_select_indices(prefix.of_row)  # each row gets its prefix's; the gradient sums back
+    width = batch.input_ids.shape[1]
+    positions = prefix.lengths[:, None] + torch.arange(width, device=batch.input_ids.device)[None, :]
+    mask = torch.cat([prefix.attention_mask[prefix.of_row], batch.attention_mask], dim=-1)
+    out = model(input_ids=batch.input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                logits_to_keep=width, **{cache_arg: cache})
+    return out.logits[:, :-1]

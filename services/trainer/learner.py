@@ -29,7 +29,7 @@ from flywheel.contract.config import RunConfig
 from flywheel.sdk import models
 from flywheel.sdk.environment import Environment
 from flywheel_trainer.advantages import ADVANTAGES
-from flywheel_trainer.batch import Batch, micro_batches, pad, token_logprobs
+from flywheel_trainer.batch import Batch, can_share_prefixes, micro_batches, pad, token_logprobs
 from flywheel_trainer.engines import Engine, TorchEngine
 from flywheel_trainer.join import Scored, Tokens, sequences_of
 from flywheel_trainer.losses import LOSSES
@@ -54,9 +54,10 @@ def train_step(engine: Engine, sequences: list[Tokens], advantages: list[float],
         figures.update(grad_norm=0.0, step_s=time.perf_counter() - started)
         return figures
     flagged = diff_sum = 0.0
+    share = can_share_prefixes(engine.model)
     for indices in micro_batches(sequences, micro_batch_size):
         batch = pad([sequences[i] for i in indices], [advantages[i] for i in indices], pad_id, engine.device,
-                    [temperatures[i] for i in indices])
+                    [temperatures[i] for i in indices], share_prefixes=share)
         with engine.autocast():
             logprobs = token_logprobs(engine.model, batch)
         per_token, flags = token_loss(logprobs, batch)

@@ -69,6 +69,51 @@ def test_padding_shifts_masks_and_logprobs_onto_the_target_tokens() -> None:
     assert cut == [[1, 3], [0, 4], [2]]  # longest first
 
 
+def test_micro_batches_keep_the_sequences_of_one_prompt_together() -> None:
+    def seq(prompt: list[int], n: int) -> Tokens:
+        return Tokens(prompt + [9] * n, [0.0] * (len(prompt) + n), [False] * len(prompt) + [True] * n)
+
+    seqs = [seq([1, 2, 3], 2), seq([4, 5], 6), seq([1, 2, 3], 5), seq([4, 5], 1), seq([1, 2, 3], 1)]
+    assert micro_batches(seqs, 3) == [[1, 3, 2], [0, 4]]  # families by their longest member
+    batch = pad([seqs[i] for i in (2, 0, 4)], [0.0] * 3, pad_id=0)
+    assert batch.prefix is not None and batch.prefix.input_ids.tolist() == [[1, 2]]
+    assert batch.input_ids[:, 0].tolist() == [3, 3, 3]  # rows go on from the prompt's last token
+    assert batch.num_tokens == 2 + (6 + 3 + 2)  # the shared prefix counted once
+    assert pad([seqs[i] for i in (2, 0, 4)], [0.0] * 3, pad_id=0, share_prefixes=False).prefix is None
+
+
+def test_a_shared_prefix_gives_the_logprobs_and_gradients_of_whole_rows(tiny_model_dir: Path) -> None:
+    """Prompts of several lengths, each with completions of several lengths, one prompt alone,
+    one sequence with nothing to train: run once per prompt or on whole rows, the same numbers."""
+    model, tok = models.load_model(tiny_model_dir)
+    generator = torch.Generator().manual_seed(0)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(3, 200, (n,), generator=generator).tolist()
+
+    seqs = []
+    for prompt_length, completions in ((9, (4, 7, 2)), (5, (6, 3)), (7, (5,))):
+        prompt = ids(prompt_length)
+        for n in completions:
+            seqs.append(Tokens(prompt + ids(n), [-1.0] * (prompt_length + n), [False] * prompt_length + [True] * n))
+    seqs.append(Tokens(ids(6), [0.0] * 6, [False] * 6))
+    temperatures = [1.0, 0.7, 1.0, 0.9, 1.0, 1.0, 1.0]
+    results = []
+    for share in (True, False):
+        model.zero_grad()
+        batch = pad(seqs, [1.0] * len(seqs), tok.pad_token_id, temperatures=temperatures, share_prefixes=share)
+        assert (batch.prefix is not None) == share
+        logprobs = token_logprobs(model, batch)[batch.loss_mask]
+        logprobs.sum().backward()
+        results.append((logprobs.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    (shared, shared_grads), (whole, whole_grads) = results
+    assert shared.numel() == whole.numel() == sum(sum(s.loss_mask) for s in seqs)
+    assert float((shared - whole).abs().max()) <= 1e-5
+    assert len(shared_grads) == len(whole_grads) > 0
+    for a, b in zip(shared_grads, whole_grads, strict=True):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_recomputed_logprobs_match_the_sampled_ones_under_the_same_weights(tiny_model_dir: Path,
                                                                           temperature: float) -> None:
