@@ -48,7 +48,7 @@ from flywheel_inference.completion import Backend, Completion, check_prompts, fi
 
 if TYPE_CHECKING:
     import torch
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+    from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
     """Every id that ends a sequence: the tokenizer's EOS and the generation config's."""
@@ -86,8 +86,10 @@ class TransformersBackend:
     """A Hugging Face causal LM and its tokenizer, sampled by a batched loop with a KV cache.
 
     Prompts are left-padded; the attention mask and explicit position ids make each row
-    compute what it would compute alone. A finished row leaves the batch (and the cache)
-    at once, so a long completion does not make the short ones pay for it.
+    compute what it would compute alone. Rows with the same prompt (a group's samples)
+    share its prefill: it runs once and each row goes on from a copy of its keys and
+    values. A finished row leaves the batch (and the cache) at once, so a long completion
+    does not make the short ones pay for it.
     """
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, device: str = "cpu") -> None:
@@ -138,27 +140,16 @@ class TransformersBackend:
     def _generate(self, prompts: Sequence[Sequence[int]], sampling: events.Sampling,
                   uniforms: torch.Tensor, longest: int) -> list[Completion]:
         import torch
-        from transformers import DynamicCache
 
         num_rows = len(prompts)
-        input_ids = torch.full((num_rows, longest), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((num_rows, longest), dtype=torch.long)
-        for i, prompt in enumerate(prompts):
-            input_ids[i, longest - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
-            mask[i, longest - len(prompt):] = 1
-        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits, cache, mask = self._prefill(prompts, longest)
         next_position = mask.sum(-1, keepdim=True)  # per row: where its next token goes
-        cache = DynamicCache(config=self.model.config)
-
         rows = list(range(num_rows))  # the original index of each row still in the batch
         token_ids: list[list[int]] = [[] for _ in range(num_rows)]
         logprobs: list[list[float]] = [[] for _ in range(num_rows)]
         results: list[Completion | None] = [None] * num_rows
         for step in range(sampling.max_tokens):
-            out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                             use_cache=True, logits_to_keep=1, **{self._cache_arg: cache})
-            step_logprobs = torch.log_softmax(out.logits[:, -1, :].float() / sampling.temperature, dim=-1)
+            step_logprobs = torch.log_softmax(logits.float() / sampling.temperature, dim=-1)
             picked = sample_rows(step_logprobs, sampling.top_p, uniforms[rows, step])
             picked_logprobs = step_logprobs.gather(-1, picked[:, None])[:, 0]
             keep: list[int] = []
@@ -176,12 +167,41 @@ class TransformersBackend:
                 cache.batch_select_indices(index)
                 mask, next_position, picked = mask[index], next_position[index], picked[index]
                 rows = [rows[j] for j in keep]
-            input_ids = picked[:, None]
             mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=-1)
-            positions = next_position
+            out = self.model(input_ids=picked[:, None], attention_mask=mask, position_ids=next_position,
+                             use_cache=True, logits_to_keep=1, **{self._cache_arg: cache})
+            logits = out.logits[:, -1, :]
             next_position = next_position + 1
         assert all(c is not None for c in results)
         return results  # type: ignore[return-value]  # the assert above: no None is left
+
+    def _prefill(self, prompts: Sequence[Sequence[int]],
+                 longest: int) -> tuple[torch.Tensor, DynamicCache, torch.Tensor]:
+        """Run each distinct prompt once (a group's samples share one): the logits of its last
+        position, the cache and the attention mask, then one row per prompt in ``prompts``
+        (rows of one prompt get copies of its keys and values)."""
+        import torch
+        from transformers import DynamicCache
+
+        keys = [tuple(p) for p in prompts]
+        distinct = list(dict.fromkeys(keys))
+        input_ids = torch.full((len(distinct), longest), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(distinct), longest), dtype=torch.long)
+        for i, prompt in enumerate(distinct):
+            input_ids[i, longest - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+            mask[i, longest - len(prompt):] = 1
+        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                         use_cache=True, logits_to_keep=1, **{self._cache_arg: cache})
+        logits = out.logits[:, -1, :]
+        if len(distinct) < len(keys):
+            index = {key: i for i, key in enumerate(distinct)}
+            of_row = torch.tensor([index[key] for key in keys], device=self.device)
+            cache.batch_select_indices(of_row)
+            logits, mask = logits[of_row], mask[of_row]
+        return logits, cache, mask
 
     def _finished(self, token_ids: list[int], logprobs: list[float], stop: Sequence[str],
                   last_step: bool) -> Completion | None:

@@ -45,6 +45,20 @@ def test_a_seed_reproduces_a_row_whatever_else_is_in_its_batch(backend: Transfor
     assert [c.token_ids for c in other] != [c.token_ids for c in first]
 
 
+def test_samples_of_one_prompt_share_its_prefill_and_sample_as_if_alone(backend: TransformersBackend) -> None:
+    # A group: four samples of each prompt, interleaved, the way rollouts of several tasks batch.
+    prompts = [PROMPTS[i % 3] for i in range(12)]
+    sampling = events.Sampling(temperature=0.9, max_tokens=10, seed=21)
+    group = backend.generate(prompts, sampling)
+    assert len({tuple(c.token_ids) for c in group}) > 3  # the samples of one prompt differ
+    for i, (prompt, c) in enumerate(zip(prompts, group, strict=True)):
+        (alone,) = backend.generate([prompt], sampling, seeds=[21 + i])
+        assert c.token_ids == alone.token_ids
+        assert c.logprobs == pytest.approx(alone.logprobs, abs=1e-4)
+        expected = full_forward_logprobs(backend.model, prompt, c.token_ids, 0.9)
+        assert torch.allclose(torch.tensor(c.logprobs), expected, atol=1e-4)
+
+
 def test_top_p_samples_only_from_the_nucleus() -> None:
     probs = torch.tensor([0.5, 0.3, 0.2])
     logprobs = probs.log().expand(4000, 3)
