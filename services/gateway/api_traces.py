@@ -112,7 +112,8 @@ async def stream_trace(rollout_id: StreamedRolloutIdPath, store: StoreDep, bus: 
             stream = _replay_recorded(store, rollout_id, tokens)
         else:
             raise HTTPException(404, f"no trace of rollout {rollout_id!r} on the bus or in the store; a rollout shows "
-                                     "once inference publishes its first trace node")
+                                     "once inference publishes its first trace node (when it has run for the "
+                                     "inference setting live_trace_after_s) or once it lands")
     return StreamingResponse(_server_sent(stream), media_type=EVENT_STREAM,
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 

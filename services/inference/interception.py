@@ -20,9 +20,13 @@ rollout's trace graph. The harness does not know it is doing RL.
   branch; each such call is counted in ``num_rerenders``.
 - **Nodes** carry both layers: the new messages' nodes hold the tokens they add (loss mask
   False, logprob 0.0); the assistant node holds the generation prompt (not trained) and the
-  sampled tokens (trained, with their logprobs and the policy version). New nodes are
-  published as :class:`flywheel.contract.events.TraceNode` events as each call completes, in call
-  order and off the request's path (the rollout is published after all of them).
+  sampled tokens (trained, with their logprobs and the policy version). Once a rollout
+  has run ``live_after_s`` (the inference setting ``live_trace_after_s``), its nodes are
+  published as :class:`flywheel.contract.events.TraceNode` events, those so far at once and
+  then each call's as it completes, in call order and off the request's path (the rollout
+  is published after all of them). A rollout that ends sooner publishes none: its nodes
+  travel in the rollout event only, which spares the bus, the recorder and live viewers a
+  message per call where rollouts are short (a training run's usually are).
 - **Tool calls** are parsed from the sampled text (``<tool_call>{"name": ..., "arguments":
   ...}</tool_call>``, the Hermes format the template teaches) when the request offers tools.
 
@@ -272,6 +276,7 @@ class Session:
     policy: Any  # flywheel_inference.policy.Policy
     sampling: events.Sampling
     publish: Any  # async (list[events.TraceNode]) -> None
+    live_after_s: float = 0.0  # trace nodes go on the bus once the rollout has run this long
     graph: TraceGraph = field(default_factory=TraceGraph)
     num_calls: int = 0
     num_rerenders: int = 0
@@ -283,6 +288,11 @@ class Session:
     _tools_key: str | None = None
     _renderer: Renderer | None = None
     _publishing: asyncio.Future[None] | None = None
+    _opened: float = field(default_factory=time.monotonic)
+    _unpublished: list[events.TraceNode] = field(default_factory=list)  # held until the rollout goes live
+    _live: bool = False
+    _go_live_timer: asyncio.TimerHandle | None = None
+    _closed: bool = False
 
     async def chat(self, messages: list[events.Message], tools: list[dict[str, Any]] | None,
                    max_tokens: int | None) -> tuple[events.Node, Any, int]:
@@ -321,7 +331,22 @@ class Session:
         return answer, c, len(plan.prompt_ids)
 
     def _publish_in_order(self, nodes: list[events.TraceNode]) -> None:
-        """Publish off the request's path, each call's nodes after the previous call's."""
+        """Publish off the request's path, each call's nodes after the previous call's, once
+        the rollout is live (held until then; see ``live_after_s``)."""
+        self._unpublished.extend(nodes)
+        if self._closed:
+            return
+        wait_s = self._opened + self.live_after_s - time.monotonic()
+        if self._live or wait_s <= 0:
+            self._go_live()
+        elif self._go_live_timer is None:
+            self._go_live_timer = asyncio.get_running_loop().call_later(wait_s, self._go_live)
+
+    def _go_live(self) -> None:
+        self._live, self._go_live_timer = True, None
+        nodes, self._unpublished = self._unpublished, []
+        if self._closed or not nodes:
+            return
         previous = self._publishing
 
         async def publish() -> None:
@@ -331,8 +356,17 @@ class Session:
 
         self._publishing = asyncio.ensure_future(publish())
 
+    def close(self) -> None:
+        """The rollout is over: nodes not yet live stay unpublished (they travel in its rollout)."""
+        self._closed = True
+        if self._go_live_timer is not None:
+            self._go_live_timer.cancel()
+            self._go_live_timer = None
+
     async def flush(self) -> None:
-        """Wait until every trace node of this rollout is published (raises what publishing raised)."""
+        """Wait until every trace node this rollout published is on the bus (raises what
+        publishing raised); nodes it held (it ended before going live) are not published."""
+        self.close()
         if self._publishing is not None:
             await self._publishing
 
@@ -350,14 +384,18 @@ class Interception:
     def __init__(self) -> None:
         self.sessions: dict[str, Session] = {}
 
-    def open(self, run: str, rollout_id: str, policy: Any, sampling: events.Sampling, publish: Any) -> Session:
+    def open(self, run: str, rollout_id: str, policy: Any, sampling: events.Sampling, publish: Any,
+             live_after_s: float = 0.0) -> Session:
         key = f"fw-{secrets.token_urlsafe(24)}"
-        session = Session(key=key, run=run, rollout_id=rollout_id, policy=policy, sampling=sampling, publish=publish)
+        session = Session(key=key, run=run, rollout_id=rollout_id, policy=policy, sampling=sampling, publish=publish,
+                          live_after_s=live_after_s)
         self.sessions[key] = session
         return session
 
     def close(self, key: str) -> None:
-        self.sessions.pop(key, None)
+        session = self.sessions.pop(key, None)
+        if session is not None:
+            session.close()
 
     def get(self, key: str) -> Session:
         try:

@@ -10,7 +10,8 @@
   times as one group: the run's environment (loaded as every service loads it,
   :func:`flywheel.sdk.environment.load_for_run`) runs its harness once per rollout, each
   against its own interception URL (:mod:`flywheel_inference.interception`), which samples
-  from the run's policy and publishes trace nodes as the calls complete; the group's
+  from the run's policy and publishes trace nodes as the calls complete (once the rollout
+  has run `live_trace_after_s`; a shorter one's travel in its rollout only); the group's
   rollouts go out together when every harness has ended.
 - Each run named by a task gets a :class:`HostedRun` on first sight: its config (from the
   runs KV bucket), its policy (the run's model, loaded once) and its admission counters.
@@ -514,7 +515,8 @@ class Worker:
             if nodes:
                 await self.bus.publish_many(nodes, events.MSGPACK)
 
-        session = self.interception.open(task.run, rid, hosted.policy, sampling, publish)
+        session = self.interception.open(task.run, rid, hosted.policy, sampling, publish,
+                                         live_after_s=self.config.live_trace_after_s)
         base_url, http_client = self._interception_url(session.key)
         ctx = RolloutContext(task=dict(task.data), base_url=base_url, api_key=session.key, model=task.run,
                              index=index, timeout_s=self.config.rollout_timeout_s, http_client=http_client,

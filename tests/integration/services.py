@@ -27,7 +27,9 @@ class Workers:
 
     async def __call__(self, config: InferenceSettings | None = None) -> Worker:
         wbus = await Bus.connect(self.url, name="inference")
-        config = config or InferenceSettings(backoff_s=(0.2,), max_deliver=50)
+        # Trace nodes on the bus from a rollout's first call (the default holds a short rollout's
+        # back): these tests count and check them.
+        config = config or InferenceSettings(backoff_s=(0.2,), max_deliver=50, live_trace_after_s=0.0)
         worker = Worker.with_backends(wbus, self.data_dir, config)
         service = worker.service(handle_signals=False)
         running = asyncio.ensure_future(service.run())

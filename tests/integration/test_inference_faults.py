@@ -193,7 +193,8 @@ async def test_waiting_tasks_are_released_when_the_owner_s_lease_expires_and_the
     base, _ = models.load_model(tiny_model_dir)
     await publish_weights(bus, "r1", 0, base)
     await publish_weights(bus, "r2", 0, base)
-    worker = await start_worker(InferenceSettings(max_tasks_in_flight=2, backoff_s=(0.2,), max_deliver=50))
+    worker = await start_worker(InferenceSettings(max_tasks_in_flight=2, backoff_s=(0.2,), max_deliver=50,
+                                                     live_trace_after_s=0.0))
     await bus.publish_many([task(i) for i in range(4)])
     await until(lambda: run_info(worker).get("num_waiting") == 8 and count_is(bus, "ROLLOUTS", 8), timeout_s=30,
                 what="two groups published, two waiting (every slot of the consumer)")

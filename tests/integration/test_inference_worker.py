@@ -13,6 +13,7 @@ import torch
 from flywheel.contract import events, weights
 from flywheel.contract.bus import HEADER_CONTENT_TYPE, Bus, Delivery
 from flywheel.contract.config import RunConfig
+from flywheel.contract.settings import InferenceSettings
 from flywheel.sdk import models
 from flywheel.sdk.environment import load_environment
 from tests.helpers import until
@@ -120,6 +121,19 @@ async def test_tasks_become_groups_of_rollouts_with_trace_nodes(bus: Bus, tiny_m
     await worker.handle(Delivery(event=tasks[0], subject="tasks.r1.reverse_text", stream_seq=1, num_delivered=2,
                                  headers={}, msg=None))  # type: ignore[arg-type]  # handle() never reads the NATS message
     assert await count(bus, "ROLLOUTS") == 8
+
+
+async def test_short_rollouts_send_their_trace_nodes_only_in_the_rollout(bus: Bus, tiny_model_dir: Path,
+                                                                         start_worker: Workers) -> None:
+    await create_run(bus, tiny_model_dir)
+    base, _ = models.load_model(tiny_model_dir)
+    await publish_weights(bus, "r1", 0, base)
+    await bus.publish(events.Task(id="t0", run="r1", env="reverse_text", data={"text": "abc"}, num_rollouts=4))
+    await start_worker(InferenceSettings(backoff_s=(0.2,), max_deliver=50, live_trace_after_s=30.0))
+    await until(lambda: count_is(bus, "ROLLOUTS", 4), timeout_s=30, what="4 rollouts")
+    assert await count(bus, "TRACES") == 0
+    rollouts: list[events.Rollout] = await stored(bus, "ROLLOUTS", events.Rollout)
+    assert all([n.message.role for n in r.nodes] == ["system", "user", "assistant"] for r in rollouts)
 
 
 async def count_is(bus: Bus, stream: str, n: int) -> bool:

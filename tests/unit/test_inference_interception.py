@@ -5,6 +5,7 @@ retries branch, a template that rewrites history is re-rendered and counted."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any, Literal
@@ -161,6 +162,36 @@ async def test_a_prompt_past_the_context_is_an_openai_error_and_marks_the_rollou
     with pytest.raises(InterceptionError) as err:
         await session.chat([msg("user", "a long question " * 10)], None, None)
     assert err.value.status == 400 and err.value.code == "context_length_exceeded" and session.truncated
+
+
+async def test_trace_nodes_go_on_the_bus_only_once_the_rollout_has_run_live_after_s(tok: Any) -> None:
+    published: list[events.TraceNode] = []
+
+    async def publish(nodes: list[events.TraceNode]) -> None:
+        published.extend(nodes)
+
+    interception, policy = Interception(), ScriptedPolicy(tok, ["one", "two", "three"])
+    # A rollout that ends sooner publishes nothing: its nodes travel in its rollout.
+    short = interception.open("r1", "ro-short", policy, events.Sampling(max_tokens=16), publish, live_after_s=0.5)
+    await short.chat([msg("user", "hi")], None, None)
+    interception.close(short.key)
+    await short.flush()
+    await asyncio.sleep(0.6)  # past its time: ended, it stays off the bus
+    assert published == [] and len(short.graph.ordered()) == 2
+    # A longer one goes live when its time comes, without waiting for its next call, then publishes as it goes.
+    long = interception.open("r1", "ro-long", policy, events.Sampling(max_tokens=16), publish, live_after_s=1.0)
+    first, _, _ = await long.chat([msg("user", "hi")], None, None)
+    await asyncio.sleep(0)
+    assert published == []
+    await asyncio.sleep(1.2)
+    assert [t.node.id for t in published] == [n.id for n in long.graph.ordered()]
+    num_live = len(published)
+    await long.chat([msg("user", "hi"), first.message, msg("user", "again")], None, None)
+    interception.close(long.key)
+    await long.flush()
+    assert [t.node.id for t in published] == [n.id for n in long.graph.ordered()]
+    assert len(published) > num_live  # the second call's nodes too
+    assert {t.rollout_id for t in published} == {"ro-long"}
 
 
 def test_tool_calls_are_parsed_and_malformed_ones_stay_text() -> None:

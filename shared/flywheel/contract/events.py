@@ -311,7 +311,9 @@ class Rollout(Event, frozen=True, kw_only=True, tag="rollout"):
 
 
 class TraceNode(Event, frozen=True, kw_only=True, tag="trace_node"):
-    """A trace node published live while its rollout is still running.
+    """A trace node published live while its rollout is still running (once it has run for
+    the inference setting ``live_trace_after_s``: a shorter rollout's nodes are in its
+    :class:`Rollout` only).
 
     Sent by: inference, node by node. Read by: recorder, live viewers.
     Subject: ``traces.<run>.<rollout>``. The event id is ``<rollout>.<node>``: a node

@@ -63,6 +63,10 @@ class InferenceSettings(_Section):
     rollout_timeout_s: float = Field(ROLLOUT_TIMEOUT_S, gt=0, description="How long a rollout's harness may run "
                                      "before it is cancelled and its rollout recorded as an error (the same "
                                      "default as `flywheel eval`).")
+    live_trace_after_s: float = Field(1.0, ge=0, description="A rollout's trace nodes go on the bus as its calls "
+                                      "complete once it has run this long (0: from its first call), so a live "
+                                      "viewer follows it. A rollout that ends sooner sends its nodes only in its "
+                                      "rollout event: no trace message per call where rollouts are short.")
 
 
 class TrainerSettings(_Section):
