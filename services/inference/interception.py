@@ -333,9 +333,9 @@ class Session:
     def _publish_in_order(self, nodes: list[events.TraceNode]) -> None:
         """Publish off the request's path, each call's nodes after the previous call's, once
         the rollout is live (held until then; see ``live_after_s``)."""
-        self._unpublished.extend(nodes)
         if self._closed:
-            return
+            return  # the rollout is over: its rollout event carries them
+        self._unpublished.extend(nodes)
         wait_s = self._opened + self.live_after_s - time.monotonic()
         if self._live or wait_s <= 0:
             self._go_live()
