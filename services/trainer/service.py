@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import nats.errors
 import nats.js.errors
 
 from flywheel.contract import events, weights
@@ -338,6 +339,13 @@ class Trainer:
             num_dropped_total=len(self.dropped)))
         log.info("run %s: weights version %d published (step %d, %d bytes)", self.cfg.run, self.version, self.step,
                  size_bytes)
+        oldest_kept = self.version - self.options.weight_versions_kept + 1
+        if oldest_kept > 0:
+            try:
+                await weights.delete(self.bus, self.cfg.run, oldest_kept - 1)
+            except nats.errors.Error as exc:  # only disk space is at stake: the run goes on
+                log.warning("run %s: could not drop weights version %d from the bucket: %s", self.cfg.run,
+                            oldest_kept - 1, exc)
 
 
 def take_figures(take: Take, joiner: Joiner) -> dict[str, float]:

@@ -13,13 +13,14 @@ import asyncio
 import random
 from pathlib import Path
 
+import nats.js.errors
 import pytest
 
 from flywheel.contract import events, weights
 from flywheel.contract.bus import Bus
 from flywheel.contract.config import RunConfig
 from flywheel.contract.runs import get_run, register_run, update_run
-from flywheel.contract.settings import Settings
+from flywheel.contract.settings import Settings, TrainerSettings
 from flywheel.ops.natsserver import NatsServer
 from flywheel.sdk import models
 from flywheel_trainer import service
@@ -96,7 +97,8 @@ async def test_trainer_publishes_version_0_then_a_version_a_step_and_counts_what
         bus: Bus, nats_server: NatsServer, tiny_model_dir: Path, tmp_path: Path) -> None:
     cfg = run_config(tiny_model_dir)
     await register_run(bus, RUN, config=cfg.model_dump())
-    settings = Settings(nats_url=nats_server.url, data_dir=tmp_path / "data")
+    settings = Settings(nats_url=nats_server.url, data_dir=tmp_path / "data",
+                        trainer=TrainerSettings(weight_versions_kept=2))
     trainer = asyncio.ensure_future(service.run(settings, RUN, handle_signals=False))
     inference = Inference(bus, tiny_model_dir)
     await wait_for_version(bus, 0, trainer)
@@ -118,8 +120,11 @@ async def test_trainer_publishes_version_0_then_a_version_a_step_and_counts_what
     updates = await weight_updates(bus)
     assert [(u.version, u.trainer_step) for u in updates] == [(0, 0), (1, 1), (2, 2), (3, 3)]
     model, _ = models.load_model(tiny_model_dir)
-    blobs = [await weights.get(bus, u) for u in updates]  # checks size and sha256
+    blobs = [await weights.get(bus, u) for u in updates[-2:]]  # checks size and sha256
     models.load_weights(model, blobs[-1])
+    for dropped in updates[:-2]:  # the bucket keeps the last weight_versions_kept versions
+        with pytest.raises(nats.js.errors.NotFoundError):
+            await weights.get(bus, dropped)
     assert len({u.sha256 for u in updates}) == 4
     last = updates[-1].metrics
     assert last["num_rollouts"] == 3 and last["num_groups"] == 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgspec
+import nats.js.errors
 import pytest
 
 from flywheel.contract import events, weights
@@ -21,3 +22,18 @@ async def test_put_then_get_verifies_the_blob(bus: Bus) -> None:
         await weights.get(bus, msgspec.structs.replace(update, size_bytes=1))
     with pytest.raises(ValueError, match="scheme"):
         await weights.get(bus, msgspec.structs.replace(update, uri="s3://bucket/x"))
+
+
+async def test_delete_purges_a_version_and_leaves_the_others(bus: Bus) -> None:
+    updates = []
+    for version in (0, 1):
+        uri, sha, size = await weights.put(bus, "run-2", version, bytes([version]) * 200_000)
+        updates.append(events.WeightUpdate(run="run-2", version=version, uri=uri, sha256=sha, size_bytes=size))
+    before = (await bus.js.stream_info("OBJ_flywheel-weights")).state.bytes
+    assert await weights.delete(bus, "run-2", 0)
+    assert (await bus.js.stream_info("OBJ_flywheel-weights")).state.bytes < before - 190_000  # its chunks are gone
+    with pytest.raises(nats.js.errors.NotFoundError):
+        await weights.get(bus, updates[0])
+    assert await weights.get(bus, updates[1]) == b"\x01" * 200_000
+    assert not await weights.delete(bus, "run-2", 0)  # gone already
+    assert not await weights.delete(bus, "run-2", 7)  # never put

@@ -88,6 +88,10 @@ class TrainerSettings(_Section):
                                         "journalled, per consumer.")
     ack_wait_s: float = Field(5.0, gt=0, description="How soon what a killed trainer had received and not "
                               "journalled is delivered to its restart.")
+    weight_versions_kept: int = Field(4, ge=1, description="Weight versions of the run kept in the weights "
+                                      "bucket (each is a full copy of the model); publishing a new one drops "
+                                      "the oldest. Inference loads the newest, so a few cover a replica that "
+                                      "is still fetching the one before.")
 
 
 class ScorerSettings(_Section):

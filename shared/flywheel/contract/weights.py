@@ -4,8 +4,10 @@ A :class:`flywheel.contract.events.WeightUpdate` carries a URI, a sha256 and a s
 weights themselves. By default blobs live in the JetStream object store bucket
 ``flywheel-weights`` (``nats-os://flywheel-weights/<run>/<version>.safetensors``), so the
 embedded stack needs nothing but NATS; ``file://`` URIs serve a volume shared by trainer
-and inference. Not covered: ``s3://`` (add a reader to ``READERS``), garbage collection
-of old versions.
+and inference. The trainer keeps the last few versions of its run in the bucket
+(:func:`delete` drops older ones as it publishes; the trainer setting
+``weight_versions_kept``): a version is a full copy of the model, so a run of many steps
+would otherwise fill the disk. Not covered: ``s3://`` (add a reader to ``READERS``).
 """
 
 from __future__ import annotations
@@ -15,16 +17,33 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from urllib.parse import urlparse
 
+import nats.js.errors
+
 from flywheel.contract import events
 from flywheel.contract.bus import WEIGHTS_BUCKET, Bus
 
 
+def _name(run: str, version: int) -> str:
+    return f"{run}/{version:08d}.safetensors"
+
+
 async def put(bus: Bus, run: str, version: int, data: bytes) -> tuple[str, str, int]:
     """Store ``data`` as the weights of ``run`` at ``version``; returns (uri, sha256, size_bytes)."""
-    name = f"{run}/{version:08d}.safetensors"
+    name = _name(run, version)
     store = await bus.weights_store()
     await bus.retry(lambda: store.put(name, data))  # a put again replaces the object whole
     return f"nats-os://{WEIGHTS_BUCKET}/{name}", hashlib.sha256(data).hexdigest(), len(data)
+
+
+async def delete(bus: Bus, run: str, version: int) -> bool:
+    """Drop the weights of ``run`` at ``version`` from the bucket (their chunks are purged);
+    False when there were none (never put, or dropped already)."""
+    store = await bus.weights_store()
+    try:
+        await bus.retry(lambda: store.delete(_name(run, version)))
+    except nats.js.errors.NotFoundError:
+        return False
+    return True
 
 
 async def _read_object_store(bus: Bus, uri: str) -> bytes:
