@@ -76,7 +76,10 @@ STREAMS: dict[str, list[str]] = {
 }
 RUNS_BUCKET = "flywheel-runs"
 SERVICES_BUCKET = "flywheel-services"
-WEIGHTS_BUCKET = "flywheel-weights"
+# Weight versions live in one object-store bucket a run, "flywheel-weights-<run>" (see
+# flywheel.contract.weights): JetStream frees a stream's disk from its head, so a run that
+# drops its oldest versions frees their space only in a stream of its own.
+WEIGHTS_BUCKET_PREFIX = "flywheel-weights"
 SERVICE_HEARTBEAT_TTL_S = 30.0
 
 HEADER_MSG_ID = "Nats-Msg-Id"
@@ -212,8 +215,6 @@ class Bus:
             KeyValueConfig(bucket=RUNS_BUCKET, history=8, storage=StorageType.FILE)))
         await self.retry(lambda: self.js.create_key_value(
             KeyValueConfig(bucket=SERVICES_BUCKET, history=1, ttl=SERVICE_HEARTBEAT_TTL_S, storage=StorageType.FILE)))
-        await self.retry(lambda: self.js.create_object_store(
-            WEIGHTS_BUCKET, ObjectStoreConfig(storage=StorageType.FILE)))
 
     async def _ensure_stream(self, cfg: StreamConfig) -> None:
         try:
@@ -230,8 +231,12 @@ class Bus:
     async def services_kv(self) -> KeyValue:
         return await self.retry(lambda: self.js.key_value(SERVICES_BUCKET))
 
-    async def weights_store(self) -> ObjectStore:
-        return await self.retry(lambda: self.js.object_store(WEIGHTS_BUCKET))
+    async def weights_store(self, bucket: str, create: bool = False) -> ObjectStore:
+        """The weights bucket ``bucket`` (``create``: made when missing, as the trainer does)."""
+        if create:
+            return await self.retry(lambda: self.js.create_object_store(
+                bucket, ObjectStoreConfig(storage=StorageType.FILE)))
+        return await self.retry(lambda: self.js.object_store(bucket))
 
     # --- publishing ---------------------------------------------------------------------
 

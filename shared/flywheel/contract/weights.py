@@ -1,56 +1,70 @@
 """Weight blobs: where the trainer puts them and how inference gets them back, verified.
 
 A :class:`flywheel.contract.events.WeightUpdate` carries a URI, a sha256 and a size, never the
-weights themselves. By default blobs live in the JetStream object store bucket
-``flywheel-weights`` (``nats-os://flywheel-weights/<run>/<version>.safetensors``), so the
-embedded stack needs nothing but NATS; ``file://`` URIs serve a volume shared by trainer
-and inference. The trainer keeps the last few versions of its run in the bucket
-(:func:`delete` drops older ones as it publishes; the trainer setting
-``weight_versions_kept``): a version is a full copy of the model, so a run of many steps
-would otherwise fill the disk. Not covered: ``s3://`` (add a reader to ``READERS``).
+weights themselves. By default blobs live in the run's JetStream object store bucket
+``flywheel-weights-<run>`` (``nats-os://flywheel-weights-<run>/<version>.safetensors``), so
+the embedded stack needs nothing but NATS; ``file://`` URIs serve a volume shared by trainer
+and inference. The trainer keeps the last few versions of its run (the trainer setting
+``weight_versions_kept``; :func:`delete` purges older ones as it publishes): a version is a
+full copy of the model, and JetStream frees a stream's disk from its head, which is why each
+run has a bucket of its own. Not covered: ``s3://`` (add a reader to ``READERS``).
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from urllib.parse import urlparse
 
 import nats.js.errors
+from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_META_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE
 
 from flywheel.contract import events
-from flywheel.contract.bus import WEIGHTS_BUCKET, Bus
+from flywheel.contract.bus import WEIGHTS_BUCKET_PREFIX, Bus
 
 
-def _name(run: str, version: int) -> str:
-    return f"{run}/{version:08d}.safetensors"
+def bucket_of(run: str) -> str:
+    return f"{WEIGHTS_BUCKET_PREFIX}-{run}"
+
+
+def _name(version: int) -> str:
+    return f"{version:08d}.safetensors"
 
 
 async def put(bus: Bus, run: str, version: int, data: bytes) -> tuple[str, str, int]:
     """Store ``data`` as the weights of ``run`` at ``version``; returns (uri, sha256, size_bytes)."""
-    name = _name(run, version)
-    store = await bus.weights_store()
+    bucket, name = bucket_of(run), _name(version)
+    store = await bus.weights_store(bucket, create=True)
     await bus.retry(lambda: store.put(name, data))  # a put again replaces the object whole
-    return f"nats-os://{WEIGHTS_BUCKET}/{name}", hashlib.sha256(data).hexdigest(), len(data)
+    return f"nats-os://{bucket}/{name}", hashlib.sha256(data).hexdigest(), len(data)
 
 
 async def delete(bus: Bus, run: str, version: int) -> bool:
-    """Drop the weights of ``run`` at ``version`` from the bucket (their chunks are purged);
-    False when there were none (never put, or dropped already)."""
-    store = await bus.weights_store()
+    """Purge the weights of ``run`` at ``version``, chunks and metadata both (the object
+    store's own delete leaves a tombstone, a live message that keeps the stream's head, and
+    so its disk, where it is); False when there were none (never put, or purged already)."""
+    bucket, name = bucket_of(run), _name(version)
     try:
-        await bus.retry(lambda: store.delete(_name(run, version)))
+        store = await bus.weights_store(bucket)
+        info = await bus.retry(lambda: store.get_info(name))
     except nats.js.errors.NotFoundError:
         return False
+    stream = OBJ_STREAM_TEMPLATE.format(bucket=bucket)
+    meta = OBJ_META_PRE_TEMPLATE.format(bucket=bucket, obj=base64.urlsafe_b64encode(name.encode()).decode())
+    chunks = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj=info.nuid)
+    await bus.retry(lambda: bus.js.purge_stream(stream, subject=meta))  # first: no reader finds it half gone
+    await bus.retry(lambda: bus.js.purge_stream(stream, subject=chunks))
     return True
 
 
 async def _read_object_store(bus: Bus, uri: str) -> bytes:
     parsed = urlparse(uri)
-    if parsed.netloc != WEIGHTS_BUCKET:
-        raise ValueError(f"weights uri {uri!r}: bucket {parsed.netloc!r} is not {WEIGHTS_BUCKET!r}")
-    store = await bus.weights_store()
+    if not parsed.netloc.startswith(WEIGHTS_BUCKET_PREFIX):
+        raise ValueError(f"weights uri {uri!r}: bucket {parsed.netloc!r} is not a Flywheel weights bucket "
+                         f"({WEIGHTS_BUCKET_PREFIX}-<run>)")
+    store = await bus.weights_store(parsed.netloc)
     result = await store.get(parsed.path.lstrip("/"))
     return result.data or b""
 
