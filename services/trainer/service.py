@@ -133,6 +133,7 @@ class Trainer:
         self.resume = resume
         self.published_version = published_version
         self.options = options
+        self._swept = False  # old weight versions purged once this life (see _drop_old_weights)
         self.arrived = asyncio.Event()  # the joiner took something in: maybe a step can start
         self.room = asyncio.Event()  # a step took groups out: maybe the rollout consumer can go on
         self.trained: dict[int, list[str]] = dict(resume[1].trained) if resume else {}
@@ -339,13 +340,24 @@ class Trainer:
             num_dropped_total=len(self.dropped)))
         log.info("run %s: weights version %d published (step %d, %d bytes)", self.cfg.run, self.version, self.step,
                  size_bytes)
+        try:
+            await self._drop_old_weights()
+        except (nats.errors.Error, TimeoutError) as exc:  # only disk space is at stake: the run goes on
+            log.warning("run %s: could not drop old weight versions from the bucket: %s", self.cfg.run, exc)
+
+    async def _drop_old_weights(self) -> None:
+        """Purge the run's versions older than the last ``weight_versions_kept``: the one that
+        just fell out, or, on this trainer's first publish, whatever an earlier life (crashed
+        between publishing and purging) left (JetStream frees disk from the bucket's head, so
+        one version left there would keep the space of all after it)."""
         oldest_kept = self.version - self.options.weight_versions_kept + 1
-        if oldest_kept > 0:
-            try:
-                await weights.delete(self.bus, self.cfg.run, oldest_kept - 1)
-            except nats.errors.Error as exc:  # only disk space is at stake: the run goes on
-                log.warning("run %s: could not drop weights version %d from the bucket: %s", self.cfg.run,
-                            oldest_kept - 1, exc)
+        if self._swept:
+            older = [oldest_kept - 1] if oldest_kept > 0 else []
+        else:
+            older = [v for v in await weights.versions(self.bus, self.cfg.run) if v < oldest_kept]
+            self._swept = True
+        for version in older:
+            await weights.delete(self.bus, self.cfg.run, version)
 
 
 def take_figures(take: Take, joiner: Joiner) -> dict[str, float]:

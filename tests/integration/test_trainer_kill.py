@@ -27,9 +27,10 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from flywheel.contract import weights
 from flywheel.contract.bus import Bus
 from flywheel.contract.runs import get_run, register_run
-from flywheel.contract.settings import Settings
+from flywheel.contract.settings import Settings, TrainerSettings
 from flywheel.ops.natsserver import NatsServer
 from flywheel.ops.stack import child_env
 from flywheel_trainer.ledger import RunFolder
@@ -140,6 +141,8 @@ async def test_every_rollout_is_trained_exactly_once_across_two_sigkills(
     assert sum(m.get("num_rollouts", 0) for m in metrics) == 24
     versions = Counter(u.version for u in await weight_updates(bus, RUN))
     assert versions == Counter(range(NUM_STEPS + 1)), "each version published once (a republish is deduplicated)"
+    kept = TrainerSettings().weight_versions_kept  # the bucket holds the last ones, whatever the kills
+    assert await weights.versions(bus, RUN) == list(range(NUM_STEPS + 1 - kept, NUM_STEPS + 1))
     state = await get_run(bus, RUN)
     assert state is not None and (state.status, state.trainer_step, state.policy_version) == ("finished", 6, 6)
     assert "resuming from" in trainer.log_path.read_text()

@@ -42,5 +42,7 @@ async def test_delete_purges_a_version_and_leaves_the_others(bus: Bus) -> None:
     with pytest.raises(nats.js.errors.NotFoundError):
         await weights.get(bus, updates[0])
     assert await weights.get(bus, updates[1]) == b"\x01" * 200_000
+    assert await weights.versions(bus, "run-2") == [1]
+    assert await weights.versions(bus, "no-such-run") == []
     assert not await weights.delete(bus, "run-2", 0)  # gone already
     assert not await weights.delete(bus, "run-2", 7)  # never put

@@ -59,6 +59,16 @@ async def delete(bus: Bus, run: str, version: int) -> bool:
     return True
 
 
+async def versions(bus: Bus, run: str) -> list[int]:
+    """The versions of ``run`` in its bucket, ascending (none: ``[]``)."""
+    try:
+        store = await bus.weights_store(bucket_of(run))
+        infos = await bus.retry(lambda: store.list(ignore_deletes=True))
+    except nats.js.errors.NotFoundError:
+        return []
+    return sorted(int(info.name.split(".", 1)[0]) for info in infos if info.name.split(".", 1)[0].isdigit())
+
+
 async def _read_object_store(bus: Bus, uri: str) -> bytes:
     parsed = urlparse(uri)
     if not parsed.netloc.startswith(WEIGHTS_BUCKET_PREFIX):
