@@ -37,7 +37,6 @@ Not covered: LoRA adapters, streaming, top-k, and logprobs of the alternatives
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -95,6 +94,8 @@ class TransformersBackend:
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, device: str = "cpu") -> None:
         import torch
 
+        from flywheel.sdk import models
+
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()  # type: ignore[arg-type]  # @wraps on .to hides its self from mypy
         self.tokenizer = tokenizer
@@ -102,10 +103,7 @@ class TransformersBackend:
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
         self.max_positions: int | None = getattr(model.config, "max_position_embeddings", None)
-        # transformers renamed the forward's `past_key_values` to `cache` (the old name is
-        # deprecated): pass whichever this version takes, so the cache is never dropped.
-        params = inspect.signature(model.forward).parameters
-        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        self._cache_arg = models.cache_argument(model)
 
     @classmethod
     def build(cls, path: Path | str, dtype: str, device: str = "cpu") -> TransformersBackend:

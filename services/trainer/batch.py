@@ -25,12 +25,11 @@ the default attention path does not take).
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
+from flywheel.sdk import models
 from flywheel_trainer.join import Tokens
 
 
@@ -152,24 +151,18 @@ def token_logprobs(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     return logprobs.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
 
 
-def _forward_params(model: torch.nn.Module) -> Mapping[str, inspect.Parameter]:
-    # DeepSpeed's engine forwards keyword arguments to the module it wraps: ask the module.
-    return inspect.signature(getattr(model, "module", model).forward).parameters
-
-
 def can_share_prefixes(model: torch.nn.Module) -> bool:
     """Whether ``model`` can go on from a computed prefix: its forward takes explicit
     positions, a key/value cache and ``logits_to_keep`` (every transformers causal LM does;
     a model of the user's own may not, and is then run on whole rows)."""
-    params = _forward_params(model)
+    params = models.forward_params(model)
     return {"position_ids", "use_cache", "logits_to_keep"} <= params.keys() and (
         "cache" in params or "past_key_values" in params)
 
 
 def _logits_after_prefix(model: torch.nn.Module, batch: Batch, prefix: Prefix) -> torch.Tensor:
     """The rows' logits (but the last position's), each row going on from its prefix's keys and values."""
-    # transformers renamed the forward's `past_key_values` to `cache`: pass whichever it takes.
-    cache_arg = "cache" if "cache" in _forward_params(model) else "past_key_values"
+    cache_arg = models.cache_argument(model)
     prefix_positions = (prefix.attention_mask.cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=prefix.input_ids, attention_mask=prefix.attention_mask, position_ids=prefix_positions,
                 use_cache=True, logits_to_keep=1)

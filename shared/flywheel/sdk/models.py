@@ -21,11 +21,12 @@ services that hold a model import this module.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -171,6 +172,19 @@ def render_prompt(tok: Any, messages: Sequence[events.Message], tools: Sequence[
                   ) -> list[int]:
     """Token ids the model is given: ``messages`` plus the assistant's generation prompt."""
     return tok.encode(render_text(tok, messages, tools, generation_prompt=True), add_special_tokens=False)
+
+
+def forward_params(model: torch.nn.Module) -> Mapping[str, inspect.Parameter]:
+    """The keyword arguments ``model``'s forward takes (a DeepSpeed engine passes its keywords
+    on to the module it wraps: that module's)."""
+    return inspect.signature(getattr(model, "module", model).forward).parameters
+
+
+def cache_argument(model: torch.nn.Module) -> str:
+    """The name ``model``'s forward takes its key/value cache by: transformers renamed
+    ``past_key_values`` to ``cache`` (the old name deprecated), so a caller passes whichever
+    this version takes and the cache is never dropped. The output field has the same name."""
+    return "cache" if "cache" in forward_params(model) else "past_key_values"
 
 
 def _storage_key(t: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
