@@ -1,13 +1,17 @@
 """Admission control: how far sampling may run ahead of the trainer, per run.
 
 A run may have issued at most ``(trainer_step + max_off_policy_steps + 1) *
-trainer.batch_size + num_dropped`` rollouts, where ``trainer_step`` is the latest weight
-version of the run and ``num_dropped`` the rollouts the trainer dropped so far (stale, or
-failed by a scorer; the trainer reports it with each weight update, as its field
-``num_dropped_total``; :meth:`Admission.loaded` reads both): the trainer
-consumes ``batch_size`` rollouts per step, so this is enough to keep it busy and never
-more than it could train on before they go stale, and a drop does not shrink the
-lookahead for good. The version counts once this replica has loaded it, not when it is
+trainer.batch_size + num_dropped + spare_rollouts`` rollouts, where ``trainer_step`` is the
+latest weight version of the run and ``num_dropped`` the rollouts the trainer dropped so far
+(stale, or failed by a scorer; the trainer reports it with each weight update, as its field
+``num_dropped_total``; :meth:`Admission.loaded` reads both): the trainer consumes
+``batch_size`` rollouts per step, so without spares this is enough to keep it busy and
+never more than it could train on before they go stale, and a drop does not shrink the
+lookahead for good. ``inference.spare_rollouts`` (0 by default) admits that many more: when
+rollout times are heavy-tailed, the budget is otherwise held by groups still waiting on
+their slowest member (and by done rollouts waiting for them), and inference idles; with
+spares the fastest groups fill each step, and what arrives too late is dropped as stale,
+counted (and given back here as dropped). The version counts once this replica has loaded it, not when it is
 first seen, so the rollouts a new version lets in are sampled by it (with
 ``max_off_policy_steps = 0`` they would otherwise be stale on arrival); nothing is
 admitted before the run's first weights are loaded. A task that does not fit waits (the
@@ -75,6 +79,7 @@ class Admission:
     max_in_flight: int
     trainer_step: int = 0
     weights_loaded: bool = False  # nothing is admitted before the run's first weights are loaded
+    spare: int = 0  # inference.spare_rollouts: admitted beyond the staleness budget
     num_dropped: int = 0  # rollouts the trainer dropped so far: their allowance comes back
     num_issued: int = 0
     num_in_flight: int = 0
@@ -89,7 +94,8 @@ class Admission:
     @classmethod
     def for_run(cls, cfg: RunConfig, num_issued: int = 0, on_change: Callable[[], None] | None = None) -> Admission:
         return cls(batch_size=cfg.trainer.batch_size, max_off_policy_steps=cfg.trainer.max_off_policy_steps,
-                   max_in_flight=cfg.inference.max_rollouts_in_flight, num_issued=num_issued, on_change=on_change)
+                   max_in_flight=cfg.inference.max_rollouts_in_flight, spare=cfg.inference.spare_rollouts,
+                   num_issued=num_issued, on_change=on_change)
 
     def _counted(self) -> None:
         if self.on_change is not None:
@@ -97,7 +103,7 @@ class Admission:
 
     @property
     def max_issued(self) -> int:
-        return (self.trainer_step + self.max_off_policy_steps + 1) * self.batch_size + self.num_dropped
+        return (self.trainer_step + self.max_off_policy_steps + 1) * self.batch_size + self.num_dropped + self.spare
 
     def fits(self, n: int) -> bool:
         return self.weights_loaded and self.num_issued + n <= self.max_issued

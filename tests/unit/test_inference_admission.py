@@ -24,6 +24,19 @@ def test_the_bound_follows_the_trainer_step() -> None:
     assert a.max_issued == 48 and a.fits(28) and not a.fits(29)  # in flight is bounded rollout by rollout
 
 
+def test_spare_rollouts_are_admitted_beyond_the_staleness_budget() -> None:
+    cfg = RunConfig.parse({"run": "r", "env": "e", "group_size": 4,
+                           "trainer": {"batch_size": 8, "max_off_policy_steps": 1},
+                           "inference": {"max_rollouts_in_flight": 16, "spare_rollouts": 8}})
+    a = Admission.for_run(cfg, num_issued=16)
+    a.weights_loaded = True
+    assert a.max_issued == (0 + 1 + 1) * 8 + 8 == 24 and a.fits(8) and not a.fits(9)
+    a.num_dropped = 4  # the trainer dropped some (stale spares among them): their allowance comes back
+    assert a.max_issued == 28 and a.counters()["max_issued"] == 28
+    with pytest.raises(ValueError, match="spare_rollouts"):
+        RunConfig.parse({"run": "r", "env": "e", "inference": {"spare_rollouts": -1}})
+
+
 def test_groups_that_could_never_be_admitted_are_refused_naming_the_field() -> None:
     a = Admission(batch_size=8, max_off_policy_steps=0, max_in_flight=32)
     with pytest.raises(ValueError, match="max_off_policy_steps"):

@@ -435,6 +435,11 @@ class InferenceConfig(_Section):
                                                                             "loads new weights")
     max_batch_size: int = Field(64, ge=1, description="sequences sampled together")
     max_rollouts_in_flight: int = Field(256, ge=1, description="rollouts of the run sampled at once, at most")
+    spare_rollouts: int = Field(0, ge=0, description="rollouts admitted beyond the staleness budget "
+                                "((step + trainer.max_off_policy_steps + 1) x trainer.batch_size): with a "
+                                "heavy-tailed environment the fastest groups fill each step and the slowest, "
+                                "arriving too late, are dropped as stale (counted). Keeps inference busy at the "
+                                "price of dropped rollouts; 0: never sample more than the trainer can take")
 
 
 class RewardConfig(_Section):
