@@ -4,10 +4,7 @@ Layout under ``<data_dir>/runs/<run>/``::
 
     metrics.jsonl               one JSON line per step (step 0: the weights before RL), with its wall-clock ``time``
     checkpoint/
-      latest                    name of the newest complete checkpoint, e.g. step-00000012
-      step-00000012/
-        state.json              step, version, the rollout ids trained at each step, the dropped ones
-        engine/                 model and optimizer, as the engine writes them
+      latest, step-*/           the newest checkpoints (flywheel.contract.checkpoints: engine state and weights)
       journal.jsonl             rollouts and scores received and not yet consumed by a checkpoint
 
 Why a journal: the trainer acknowledges a rollout or score to NATS as soon as it is
@@ -30,7 +27,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
@@ -38,10 +34,17 @@ from typing import Any, BinaryIO, TypeVar
 import msgspec
 
 from flywheel.contract import events
+from flywheel.contract.checkpoints import (  # the layout, shared with its readers (flywheel export)
+    Checkpoints,
+    CheckpointState,
+    run_folder,
+    write_atomically,
+)
+
+__all__ = ["CheckpointState", "Checkpoints", "Journal", "MetricsFile", "RunFolder", "read_lines"]
 
 log = logging.getLogger(__name__)
 
-STEP_PREFIX = "step-"
 T = TypeVar("T")
 
 
@@ -60,79 +63,6 @@ def read_lines(path: Path, decode: Callable[[bytes], T]) -> list[T]:
                 raise
             log.warning("%s: skipping a torn last line (%d bytes)", path, len(line))
     return out
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomically(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the new one, never half."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-class CheckpointState(msgspec.Struct, kw_only=True):
-    """What a checkpoint knows besides the weights: where the run stood and what it consumed."""
-
-    step: int
-    version: int  # the weights version these weights were published as
-    trained: dict[int, list[str]] = {}  # step -> ids of the rollouts it trained
-    dropped: dict[str, str] = {}  # rollout id -> why it was consumed without training
-
-    def consumed_ids(self) -> set[str]:
-        return {i for ids in self.trained.values() for i in ids} | set(self.dropped)
-
-
-class Checkpoints:
-    """Complete checkpoints in one folder; only the newest is kept."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        self.pointer = folder / "latest"
-
-    def latest(self) -> tuple[Path, CheckpointState] | None:
-        if not self.pointer.exists():
-            return None
-        path = self.folder / self.pointer.read_text().strip()
-        state = msgspec.json.decode((path / "state.json").read_bytes(), type=CheckpointState)
-        return path, state
-
-    def begin(self, step: int) -> Path:
-        """An empty temporary folder for checkpoint ``step`` (the engine writes into ``engine/``)."""
-        self.folder.mkdir(parents=True, exist_ok=True)
-        tmp = self.folder / f".{STEP_PREFIX}{step:08d}.tmp"
-        if tmp.exists():
-            shutil.rmtree(tmp)  # left by a crash mid-write: never named in `latest`
-        tmp.mkdir()
-        return tmp
-
-    def commit(self, tmp: Path, state: CheckpointState) -> Path:
-        """Make ``tmp`` (from :meth:`begin`) the latest checkpoint, atomically, and drop older ones."""
-        write_atomically(tmp / "state.json", msgspec.json.encode(state))
-        name = f"{STEP_PREFIX}{state.step:08d}"
-        final = self.folder / name
-        if final.exists():
-            # A previous attempt at this step, renamed into place but never named in
-            # `latest` (a crash in between): the run resumed from an earlier checkpoint.
-            assert self.pointer.read_text().strip() != name, f"checkpoint {name} is the latest; not overwriting it"
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        fsync_dir(self.folder)
-        write_atomically(self.pointer, name.encode())
-        for old in self.folder.glob(f"{STEP_PREFIX}*"):
-            if old.name != name:
-                shutil.rmtree(old)
-        return final
 
 
 class Journal:
@@ -197,8 +127,8 @@ class MetricsFile:
 class RunFolder:
     """``<data_dir>/runs/<run>/``: everything the trainer keeps for one run."""
 
-    def __init__(self, data_dir: Path, run: str) -> None:
-        self.root = Path(data_dir) / "runs" / run
-        self.checkpoints = Checkpoints(self.root / "checkpoint")
+    def __init__(self, data_dir: Path, run: str, keep_checkpoints: int = 1) -> None:
+        self.root = run_folder(data_dir, run)
+        self.checkpoints = Checkpoints(self.root / "checkpoint", keep=keep_checkpoints)
         self.journal_path = self.root / "checkpoint" / "journal.jsonl"
         self.metrics = MetricsFile(self.root / "metrics.jsonl")

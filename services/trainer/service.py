@@ -126,7 +126,7 @@ class Trainer:
         self.bus = bus
         self.cfg = cfg
         self.data_dir = data_dir
-        self.folder = RunFolder(data_dir, cfg.run)
+        self.folder = RunFolder(data_dir, cfg.run, cfg.trainer.keep_checkpoints)
         self.env = env
         self.joiner = joiner
         self.journal = journal
@@ -161,7 +161,7 @@ class Trainer:
                              f"the run's trainer.batch_size plus inference.max_rollouts_in_flight ({min_buffer}): "
                              "groups could never complete; raise the setting (FLYWHEEL_TRAINER__MAX_BUFFERED_ROLLOUTS) "
                              "or lower the run's")
-        folder = RunFolder(data_dir, run_id)
+        folder = RunFolder(data_dir, run_id, cfg.trainer.keep_checkpoints)
         resume = folder.checkpoints.latest()
         published = await last_published_version(bus, run_id)
         published = max(published, state.policy_version) if published is not None else None
@@ -238,7 +238,7 @@ class Trainer:
             take = await self._next_take(stopping)
             if take is None:  # stopping: what is buffered stays in the journal
                 if self.checkpointed_step < self.step:
-                    await self._checkpoint(engine)  # so a restart redoes nothing
+                    await self._checkpoint(engine, await asyncio.to_thread(engine.weights))  # a restart redoes nothing
                 return
             await self._step(engine, pad_id, take, wait_s=time.perf_counter() - waited)
         await update_run(self.bus, self.cfg.run, status="finished", ended_at=events.utc_now())
@@ -257,9 +257,11 @@ class Trainer:
         engine = await asyncio.to_thread(build_engine, model, cfg.trainer, cfg.model.dtype)
         if self.resume is None:
             self.folder.metrics.append({"step": 0, "version": 0, **figures})
-            await self._checkpoint(engine)
+            data = await asyncio.to_thread(engine.weights)
+            await self._checkpoint(engine, data)
         else:
             await asyncio.to_thread(engine.load, self.resume[0] / "engine")
+            data = await asyncio.to_thread(engine.weights)
             figures = next(m for m in reversed(self.folder.metrics.read()) if m["step"] == self.step)
             if self.published_version > self.version:
                 # Steps after this checkpoint were published, then lost: never reuse their versions.
@@ -268,7 +270,7 @@ class Trainer:
                             self.step, self.published_version + 1)
                 self.version = self.published_version + 1
                 self.joiner.set_version(self.version)
-        await self._publish(await asyncio.to_thread(engine.weights), _numbers(figures))
+        await self._publish(data, _numbers(figures))
         await update_run(self.bus, cfg.run, status="running", trainer_step=self.step, policy_version=self.version)
         # Any id pads: padding is masked out of attention and loss.
         return engine, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -288,7 +290,7 @@ class Trainer:
         self.dropped.update(take.dropped)
         self.folder.metrics.append({"step": self.step, "version": self.version, **figures})
         if self.step % cfg.trainer.checkpoint_every == 0 or self.step == cfg.trainer.num_steps:
-            await self._checkpoint(engine)
+            await self._checkpoint(engine, data)
         await self._publish(data, figures)
         self.joiner.set_version(self.version)
         await update_run(self.bus, cfg.run, trainer_step=self.step, policy_version=self.version)
@@ -320,12 +322,11 @@ class Trainer:
                          self.joiner.num_buffered, self.joiner.num_dropped, self.joiner.num_orphan_scores, scores)
         return None
 
-    async def _checkpoint(self, engine: Engine) -> None:
-        """Engine state, then what the run consumed; then the journal keeps only the rest."""
-        tmp = self.folder.checkpoints.begin(self.step)
-        await asyncio.to_thread(engine.save, tmp / "engine")
-        self.folder.checkpoints.commit(tmp, CheckpointState(step=self.step, version=self.version,
-                                                            trained=self.trained, dropped=self.dropped))
+    async def _checkpoint(self, engine: Engine, data: bytes) -> None:
+        """Engine state and the weights (``data``, as published), then what the run consumed; then
+        the journal keeps only the rest."""
+        state = CheckpointState(step=self.step, version=self.version, trained=self.trained, dropped=self.dropped)
+        await asyncio.to_thread(self.folder.checkpoints.write, state, data, engine.save)
         self.journal.rewrite(self.joiner.buffered_events())
         self.checkpointed_step = self.step
 

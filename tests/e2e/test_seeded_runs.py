@@ -56,3 +56,15 @@ def test_two_runs_of_one_seed_give_the_same_rewards(
         assert abs(a["loss"] - b["loss"]) <= 1e-5, (a, b)
         assert a["staleness_max"] == b["staleness_max"] == 0
     assert [m["reward_mean"] for m in other] != rewards
+
+    # The trainer's last checkpoint exports as a model transformers loads (tests/integration/test_export.py
+    # checks the logprobs).
+    out = tmp_path / "exported"
+    done = subprocess.run([sys.executable, "-m", "flywheel.ops.cli", "export", "seeded-a", str(out), "--data-dir",
+                           str(data_dir)], capture_output=True, text=True, env=clean_env, cwd=ROOT, timeout=120,
+                          check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert json.loads((out / "flywheel-export.json").read_text())["step"] == NUM_STEPS
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(out)

@@ -8,6 +8,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from flywheel.contract.checkpoints import WEIGHTS_FILE
 from flywheel_trainer.ledger import CheckpointState, Journal, RunFolder
 from tests.unit.test_trainer_join import make_rollout, make_score
 
@@ -36,6 +37,25 @@ def test_a_checkpoint_becomes_the_latest_only_when_complete(tmp_path: Path) -> N
     assert latest is not None
     path, state = latest
     assert state.step == 2 and [p.name for p in checkpoints.folder.glob("step-*")] == ["step-00000002"]
+
+
+def test_the_newest_checkpoints_are_kept_with_their_weights(tmp_path: Path) -> None:
+    checkpoints = RunFolder(tmp_path, "r", keep_checkpoints=2).checkpoints
+    assert checkpoints.steps() == [] and checkpoints.at(1) is None
+    for step in (1, 2, 3):
+        checkpoints.write(CheckpointState(step=step, version=step), f"w{step}".encode(),
+                          lambda folder: folder.mkdir())
+    assert checkpoints.steps() == [2, 3] and checkpoints.at(1) is None
+    found = checkpoints.at(2)
+    assert found is not None and found[1].version == 2 and (found[0] / WEIGHTS_FILE).read_bytes() == b"w2"
+    # A resume from step 2 (step 3 lost its place in `latest`): writing step 3 again replaces it.
+    (checkpoints.folder / "latest").write_text("step-00000002")
+    assert checkpoints.steps() == [2]  # none newer than the latest counts
+    checkpoints.write(CheckpointState(step=3, version=4), b"w3 again", lambda folder: folder.mkdir())
+    assert checkpoints.steps() == [2, 3] and (checkpoints.folder / "step-00000003" / WEIGHTS_FILE).read_bytes() == (
+        b"w3 again")
+    with pytest.raises(ValueError, match="keep=0"):
+        RunFolder(tmp_path, "r", keep_checkpoints=0)
 
 
 def test_the_journal_replays_what_was_appended_and_skips_a_torn_last_line(tmp_path: Path) -> None:

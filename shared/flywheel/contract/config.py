@@ -406,6 +406,8 @@ class TrainerConfig(_Section):
     num_steps: int = Field(20, ge=1, description="optimizer steps of the run")
     max_off_policy_steps: int = Field(1, ge=0, description="a rollout more versions behind than this is dropped")
     checkpoint_every: int = Field(1, ge=1, description="steps between checkpoints (and at the last step)")
+    keep_checkpoints: int = Field(2, ge=1, description="checkpoints kept, newest first (engine state and weights "
+                                  "each; `flywheel export --step` takes any of them); older ones are deleted")
 
     # Parameters that were loose here before each part had its own fields.
     _MOVED: ClassVar[dict[str, str]] = {

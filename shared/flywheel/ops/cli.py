@@ -126,6 +126,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_settings(run, tuple(SETTING_OPTIONS))
     run.set_defaults(func=cmd_run)
 
+    export = commands.add_parser(
+        "export", help="a run's weights as a Hugging Face model folder",
+        description="Write run RUN's weights at a kept checkpoint (the newest, or --step N) into DIR as a standard "
+                    "Hugging Face folder (config, model.safetensors, tokenizer with its chat template) that "
+                    "transformers and vLLM load as they are, with flywheel-export.json saying which run, step and "
+                    "weights it holds. Reads DATA_DIR/runs/RUN; no running service is needed.")
+    export.add_argument("run", metavar="RUN", help="the run id")
+    export.add_argument("dir", metavar="DIR", help="output folder (new, or empty)")
+    export.add_argument("--step", type=int, metavar="N",
+                        help="the trainer step to export (default: the newest checkpoint; trainer.keep_checkpoints "
+                             "says how many are kept)")
+    _add_settings(export, ("data_dir",))
+    export.set_defaults(func=cmd_export)
+
     model = commands.add_parser("model", help="build the tiny model, or convert SmolLM2, into a folder",
                                 description="Write a normal Hugging Face model folder (config, safetensors, "
                                             "tokenizer with a chat template), without any download.")
@@ -281,6 +295,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         except json.JSONDecodeError:
             overrides[key] = value
     main_job(args.config, settings_from(args), run_id=args.run_id, overrides=overrides, resume=args.resume)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from flywheel.ops.export import export
+
+    done = export(args.run, args.dir, settings_from(args).data_dir, step=args.step)
+    print(f"exported run {done['run']} at step {done['step']} (weights version {done['version']}, sha256 "
+          f"{done['weights_sha256'][:16]}...) to {args.dir}")
     return 0
 
 
