@@ -14,8 +14,10 @@ tenant and status are unknown, and showing it like a run published straight to t
 would hide the problem. Its metrics, which come from the store alone, are still served.
 
 Run ids may contain ``/``, so the routes take the rest of the path as the id
-(``/v1/runs/team/a/metrics`` is run ``team/a``). Not covered: creating, stopping or
-deleting runs, and pushing metrics to clients (they poll with ``since_step``).
+(``/v1/runs/team/a/metrics`` is run ``team/a``). ``POST /v1/runs/RUN/stop`` stops a run as
+``flywheel runs stop`` does. Not covered: creating, resuming or deleting runs (a run's owner
+is the ``flywheel run`` process), and pushing metrics to clients (they poll with
+``since_step``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from fastapi import APIRouter, HTTPException, Query
 
 from flywheel.contract import runs
 from flywheel.contract.bus import Bus
-from flywheel_gateway.deps import BusDep, CursorQuery, LimitQuery, RunIdPath, StoreDep, TenantQuery
+from flywheel_gateway.deps import BusDep, CursorQuery, LimitQuery, RunIdPath, StoreDep, TenantDep, TenantQuery
 from flywheel_gateway.models import INT32_MAX, RunDetail, RunMetricsPublic, RunPage, StepMetricsPublic
 from flywheel_gateway.responses import CONFLICT_RESPONSE, ERROR_RESPONSES
 from flywheel_gateway.store import MAX_PAGE_LIMIT
@@ -68,6 +70,18 @@ async def _in_bucket(bus: Bus, run_id: str) -> bool:
         return await runs.get_run(bus, run_id) is not None
     except runs.BadRunState:
         return True  # the key is there; its value is another matter
+
+
+@router.post("/{run_id:path}/stop", response_model=RunDetail, responses={409: CONFLICT_RESPONSE})
+async def stop_run(run_id: RunIdPath, store: StoreDep, bus: BusDep, tenant: TenantDep = "default") -> RunDetail:
+    """Stop the run: it takes no more tasks, and its owner stops its trainer (which checkpoints
+    first) within seconds; ``flywheel runs resume RUN`` goes on from there. A run that ended
+    already is left as it is. 404 for a run the bucket does not know; 409 for another tenant's."""
+    try:
+        await runs.stop_run(bus, run_id, by=f"the gateway's API (tenant {tenant!r})", tenant=tenant)
+    except runs.RunNotFound:
+        raise _not_found(run_id) from None
+    return await get_run(run_id, store, bus)
 
 
 @router.get("/{run_id:path}", response_model=RunDetail, responses={409: CONFLICT_RESPONSE})

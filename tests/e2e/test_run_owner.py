@@ -1,5 +1,7 @@
-"""``flywheel run`` owns its run: a dead trainer is restarted, a stop or a dead owner ends
-the run visibly, and ``--resume`` takes it over where it stopped.
+"""``flywheel run`` owns its run: a dead trainer is restarted, a stop (Ctrl-C, or ``flywheel
+runs stop`` from elsewhere) or a dead owner ends the run visibly, and ``--resume`` or
+``flywheel runs resume`` takes it over where it stopped, while ``flywheel runs follow``
+prints its steps.
 
 One ``flywheel up`` stack on free ports serves every run here (so killing a run's owner
 leaves the services running), each run a short one of the shipped example config. The
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -41,6 +44,23 @@ def start_run(run: str, data_dir: Path, ports: dict[str, int], env: dict[str, st
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env | {"FLYWHEEL_RUN_LEASE_S": "3"}, cwd=ROOT)
     return proc, Output(proc)
+
+
+def runs_command(command: str, run: str, data_dir: Path, ports: dict[str, int], env: dict[str, str]) -> tuple[
+        subprocess.Popen[str], Output]:
+    """``flywheel runs COMMAND RUN`` against the stack, running."""
+    argv = [sys.executable, "-m", "flywheel.ops.cli", "runs", command, run, "--nats-port", str(ports["nats"])]
+    if command == "resume":
+        argv += ["--data-dir", str(data_dir), "--gateway-port", str(ports["gateway"]),
+                 "--inference-port", str(ports["inference"])]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env | {"FLYWHEEL_RUN_LEASE_S": "3"}, cwd=ROOT)
+    return proc, Output(proc)
+
+
+def flywheel(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "flywheel.ops.cli", *argv], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=120, check=False)
 
 
 def finish(proc: subprocess.Popen[str], output: Output) -> None:
@@ -115,10 +135,34 @@ def test_trainer_restart_stop_abandon_and_resume(stack, tmp_path: Path, clean_en
                               "--set", f"trainer.num_steps={NUM_STEPS}", "--set", "sft.steps=20"],
                              capture_output=True, text=True, env=clean_env, cwd=ROOT, timeout=120, check=False)
     assert refused.returncode == 1 and "add --resume" in refused.stderr, refused.stderr
-    proc, output = start_run("interrupted", data_dir, ports, clean_env, "--resume")
+    # `flywheel runs resume` goes on with it (its config from the run folder), while `runs follow`
+    # prints its steps from another process and exits 0 when it finished.
+    proc, output = runs_command("resume", "interrupted", data_dir, ports, clean_env)
     output.wait_for(r"run interrupted: resuming at step \d+ of 8 \(run 'interrupted' stopped at", 60)
+    follower, followed = runs_command("follow", "interrupted", data_dir, ports, clean_env)
     finish(proc, output)
+    assert follower.wait(30) == 0, followed.text
+    followed.wait_for(rf"^step\s+{NUM_STEPS}/{NUM_STEPS}\s", 1)
+    followed.wait_for(r"^run interrupted: finished", 1)
     assert steps_trained(data_dir, "interrupted") == every_step
+
+    # Stopped from elsewhere (`flywheel runs stop`): the owner stops its trainer and exits; the run
+    # lists as stopped. A finished run, one that does not exist, one still running: not resumed.
+    proc, output = start_run("stopped-elsewhere", data_dir, ports, clean_env, "--set", "trainer.num_steps=1000")
+    output.wait_for(r"^step\s+2/", STEP_TIMEOUT_S)
+    refused = flywheel("runs", "resume", "stopped-elsewhere", "--nats-port", str(ports["nats"]), env=clean_env)
+    assert refused.returncode == 1 and "is still running" in refused.stderr, refused.stderr
+    stopping = flywheel("runs", "stop", "stopped-elsewhere", "--nats-port", str(ports["nats"]), env=clean_env)
+    assert stopping.returncode == 0 and "stopped by flywheel runs stop" in stopping.stdout, stopping.stdout
+    assert proc.wait(60) == 0, output.text
+    output.wait_for(r"run stopped-elsewhere: stopped by flywheel runs stop .*; stopping its trainer", 1)
+    listed = flywheel("runs", "list", "--nats-port", str(ports["nats"]), env=clean_env)
+    assert listed.returncode == 0 and re.search(r"stopped-elsewhere\s+train\s+stopped\s+\d+/1000", listed.stdout), (
+        listed.stdout)
+    for run, why in (("killed-trainer", "finished already"), ("nope", "'nope' is not in the flywheel-runs")):
+        refused = flywheel("runs", "resume", run, "--nats-port", str(ports["nats"]), "--data-dir", str(data_dir),
+                           env=clean_env)
+        assert refused.returncode == 1 and why in refused.stderr, refused.stderr
 
     # The owner SIGKILLed: its trainer dies with it, the lease runs out, the run is abandoned.
     proc, output = start_run("orphaned", data_dir, ports, clean_env)

@@ -82,6 +82,24 @@ async def test_run_detail_shows_how_a_run_ended(app: FastAPI, client: httpx.Asyn
         f"run 'halted' stopped at {now.isoformat()} (stopped by the user)")
 
 
+async def test_a_run_is_stopped_over_http_by_its_tenant_only(app: FastAPI, client: httpx.AsyncClient) -> None:
+    await put_state(app, events.RunState(id="team/long", tenant="acme", status="running", trainer_step=7,
+                                         owner="flywheel-run pid 7 on box",
+                                         lease_expires_at=events.utc_now() + timedelta(seconds=60)))
+    other = await client.post("/v1/runs/team/long/stop", headers={"Flywheel-Tenant": "beta"})
+    assert other.status_code == 409 and "belongs to tenant 'acme', not 'beta'" in other.json()["detail"]
+    assert (await get(client, "/v1/runs/team/long"))["status"] == "running"  # untouched
+    stopped = await client.post("/v1/runs/team/long/stop", headers={"Flywheel-Tenant": "acme"})
+    assert stopped.status_code == 200, stopped.text
+    detail = stopped.json()
+    assert detail["status"] == "stopped" and detail["ended_at"] is not None
+    assert "stopped by the gateway's API (tenant 'acme') at step 7" in detail["reason"]
+    again = await client.post("/v1/runs/team/long/stop", headers={"Flywheel-Tenant": "acme"})
+    assert again.status_code == 200 and again.json()["reason"] == detail["reason"]  # ended already: left as it is
+    missing = await client.post("/v1/runs/nope/stop")
+    assert missing.status_code == 404 and missing.json()["detail"].startswith("run 'nope' not found")
+
+
 async def test_runs_known_to_one_source_only_and_unknown_runs(app: FastAPI, client: httpx.AsyncClient,
                                                               store: Store) -> None:
     await put_state(app, events.RunState(id="fresh", tenant="acme"))
@@ -146,7 +164,8 @@ async def test_the_recorder_turns_weight_updates_into_metrics(app: FastAPI, clie
 
 async def test_runs_are_documented(client: httpx.AsyncClient) -> None:
     spec = await get(client, "/openapi.json")
-    assert {"/v1/runs", "/v1/runs/{run_id}", "/v1/runs/{run_id}/metrics"} <= set(spec["paths"])
+    assert {"/v1/runs", "/v1/runs/{run_id}", "/v1/runs/{run_id}/metrics", "/v1/runs/{run_id}/stop"} <= set(
+        spec["paths"])
 
 
 async def test_the_recorder_mirrors_runs_registered_anywhere(app: FastAPI, client: httpx.AsyncClient,

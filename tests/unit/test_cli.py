@@ -50,6 +50,33 @@ def test_config_file_is_read_and_options_win(tmp_path: Path, monkeypatch: pytest
     assert settings.gateway_port == 9200
 
 
+def test_runs_commands_and_the_runs_table() -> None:
+    from datetime import UTC, timedelta
+
+    from flywheel.ops.runs import format_runs
+
+    assert parse("runs", "stop", "r1").func is cli.cmd_runs_stop and parse("runs", "stop", "r1").run == "r1"
+    assert parse("runs", "list").setting_names == cli.NATS_SETTINGS
+    assert "data_dir" in parse("runs", "resume", "r1").setting_names  # it may start the embedded stack
+    assert parse("export", "r1", "out", "--step", "3").step == 3
+    created = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
+    states = [
+        events.RunState(id="old", status="finished", trainer_step=8, config={"trainer": {"num_steps": 8}},
+                        created_at=created),
+        events.RunState(id="gone", status="running", trainer_step=3, config={"trainer": {"num_steps": 8}},
+                        owner="flywheel-run pid 7 on box", lease_expires_at=created,
+                        created_at=created + timedelta(hours=1)),
+        events.RunState(id="evals", kind="eval", tenant="acme", created_at=created + timedelta(hours=2)),
+    ]
+    lines = format_runs(states).splitlines()
+    assert lines[0].split() == ["run", "kind", "status", "step", "tenant", "created", "owner"]
+    assert [line.split()[:5] for line in lines[1:]] == [["evals", "eval", "created", "0", "acme"],
+                                                        ["gone", "train", "abandoned", "3/8", "default"],
+                                                        ["old", "train", "finished", "8/8", "default"]]
+    assert lines[2].endswith("flywheel-run pid 7 on box")
+    assert format_runs([]) == "no runs (`flywheel run CONFIG` starts one)"
+
+
 def test_each_command_takes_only_the_settings_it_uses() -> None:
     assert parse("status").setting_names == cli.NATS_SETTINGS + cli.GATEWAY_SETTINGS
     with pytest.raises(SystemExit):
@@ -112,7 +139,8 @@ def test_up_refuses_taken_ports_naming_the_settings(tmp_path: Path, capsys: pyte
 HEAVY = ("fastapi", "sqlalchemy", "torch", "uvicorn", "alembic", "pydantic", "nats", "msgspec", "httpx")
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["up", "--help"], ["status", "--help"], ["tasks", "publish", "--help"]])
+@pytest.mark.parametrize("argv", [["--help"], ["up", "--help"], ["status", "--help"], ["tasks", "publish", "--help"],
+                                  ["runs", "stop", "--help"], ["export", "--help"]])
 def test_help_imports_nothing_heavy(argv: list[str]) -> None:
     code = (
         "import sys\n"

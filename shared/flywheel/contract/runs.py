@@ -208,6 +208,45 @@ async def update_run(bus: Bus, run: str, **changes: Any) -> events.RunState:
     raise RuntimeError(f"run {run!r}: its run-state entry kept changing while it was being updated")
 
 
+class RunNotFound(ValueError):
+    """No run of that id in the run-state bucket."""
+
+
+async def stop_run(bus: Bus, run: str, by: str, tenant: str | None = None) -> events.RunState:
+    """Mark ``run`` stopped (``by`` says who, in its reason): it takes no more tasks, and its owner
+    stops its trainer (which checkpoints first). Returns the new state; a run that had ended
+    already is returned as it is. :class:`RunNotFound`, or :class:`RunConflict` when ``tenant``
+    is given and does not own it."""
+    state = await get_run(bus, run)
+    if state is None:
+        raise RunNotFound(f"run {run!r} is not in the {RUNS_BUCKET} KV bucket; `flywheel runs list` lists the runs")
+    if tenant is not None and state.tenant != tenant:
+        raise RunConflict(f"run {run!r} belongs to tenant {state.tenant!r}, not {tenant!r}")
+    if state.status in ENDED_STATUSES:
+        return state
+    now = events.utc_now()
+    return await update_run(bus, run, status="stopped", ended_at=now,
+                            reason=f"stopped by {by} at step {state.trainer_step}")
+
+
+def check_resumable(state: events.RunState | None, run: str) -> events.RunState:
+    """``state`` when its run can be resumed: it exists, has a config, did not finish, and nobody
+    is running it (stopped, failed, or abandoned by its owner); else a ValueError saying why."""
+    if state is None:
+        raise RunNotFound(f"run {run!r} is not in the {RUNS_BUCKET} KV bucket; `flywheel runs list` lists the runs")
+    if state.kind != "train" or not state.config:
+        raise ValueError(f"run {run!r} is not a training run started from a config (kind {state.kind!r}); "
+                         "there is nothing to resume")
+    if state.status == "finished":
+        raise ValueError(f"run {run!r} finished already; start a new run to train further")
+    if end_of(state) is None:
+        owner = state.owner or "its owner"
+        raise ValueError(f"run {run!r} is still {state.status} (owned by {owner}, lease until "
+                         f"{state.lease_expires_at.isoformat() if state.lease_expires_at else 'unset'}); "
+                         f"stop it first (`flywheel runs stop {run}`), or follow it (`flywheel runs follow {run}`)")
+    return state
+
+
 async def watch_runs(bus: Bus, stopping: asyncio.Event,
                      on_state: Callable[[events.RunState], Awaitable[None]]) -> None:
     """Call ``on_state`` with every run's current state, then with every change, until ``stopping``.

@@ -6,6 +6,8 @@
     flywheel schema [--out FILE]                  JSON Schema of every event
     flywheel run CONFIG.toml                      a training run, start to finish (flywheel.ops.run)
     flywheel run --help-config                    every run config field, generated from the config model
+    flywheel runs list | follow RUN | stop RUN | resume RUN   the stack's runs (flywheel.ops.runs)
+    flywheel export RUN [--step N] DIR            a run's checkpoint as a Hugging Face folder (flywheel.ops.export)
     flywheel model tiny|smollm2 DIR               build or convert a model into an HF folder
     flywheel scorer MODULE:FUNCTION --env ENV     a custom scorer, as its own consumer
     flywheel eval ENV --model NAME [-n N -r R -c C]   an environment against an OpenAI-compatible endpoint
@@ -17,7 +19,7 @@ the same name. At import time this module loads only the standard library and tw
 modules of its own (tables, the scaffold), so ``--help`` is fast (a test holds it to that);
 each command imports what else it needs when it runs.
 
-Not covered: anything that needs the gateway's HTTP API (runs, traces): use the API.
+Not covered: anything that needs the gateway's HTTP API (traces): use the API.
 """
 
 from __future__ import annotations
@@ -125,6 +127,40 @@ def build_parser() -> argparse.ArgumentParser:
                           "go on where it stopped (same config); a run that does not exist yet is started")
     _add_settings(run, tuple(SETTING_OPTIONS))
     run.set_defaults(func=cmd_run)
+
+    runs = commands.add_parser("runs", help="the stack's runs: list, follow, stop, resume",
+                               description="Runs as the run-state bucket knows them (every service reads them "
+                                           "from there).")
+    runs_commands = runs.add_subparsers(dest="runs_command", required=True, metavar="COMMAND")
+    runs_list = runs_commands.add_parser("list", help="every run: kind, status, step, owner",
+                                         description="Every run, newest first: kind, status (abandoned: its owner "
+                                                     "stopped renewing its lease), step, tenant, owner.")
+    _add_settings(runs_list, NATS_SETTINGS)
+    runs_list.set_defaults(func=cmd_runs_list)
+    follow = runs_commands.add_parser("follow", help="print a run's steps and status changes until it ends",
+                                      description="Print RUN's steps (a line each, as `flywheel run` does) and "
+                                                  "status changes until it ends. Ctrl-C stops following, not the "
+                                                  "run. Exits 0 when it finished, 1 when it failed, stopped or "
+                                                  "was abandoned.")
+    follow.add_argument("run", metavar="RUN")
+    _add_settings(follow, NATS_SETTINGS)
+    follow.set_defaults(func=cmd_runs_follow)
+    stop = runs_commands.add_parser("stop", help="stop a run: its trainer checkpoints, it takes no more tasks",
+                                    description="Mark RUN stopped: its owner stops the trainer (which checkpoints "
+                                                "first) within seconds; inference releases its queued tasks. "
+                                                "`flywheel runs resume RUN` goes on from there.")
+    stop.add_argument("run", metavar="RUN")
+    _add_settings(stop, NATS_SETTINGS)
+    stop.set_defaults(func=cmd_runs_stop)
+    resume = runs_commands.add_parser(
+        "resume", help="go on with a stopped, failed or abandoned run from its last checkpoint",
+        description="Take over RUN (stopped, failed, or abandoned by its owner) with the config it was started "
+                    "with and go on from its last checkpoint, in this process, as `flywheel run CONFIG --run-id "
+                    "RUN --resume` does (starting the embedded stack when no NATS answers). A run that finished, "
+                    "does not exist or is still running is refused.")
+    resume.add_argument("run", metavar="RUN")
+    _add_settings(resume, tuple(SETTING_OPTIONS))
+    resume.set_defaults(func=cmd_runs_resume)
 
     export = commands.add_parser(
         "export", help="a run's weights as a Hugging Face model folder",
@@ -295,6 +331,37 @@ def cmd_run(args: argparse.Namespace) -> int:
         except json.JSONDecodeError:
             overrides[key] = value
     main_job(args.config, settings_from(args), run_id=args.run_id, overrides=overrides, resume=args.resume)
+    return 0
+
+
+def cmd_runs_list(args: argparse.Namespace) -> int:
+    from flywheel.ops.runs import list_command
+
+    asyncio.run(list_command(settings_from(args), sys.stdout))
+    return 0
+
+
+def cmd_runs_follow(args: argparse.Namespace) -> int:
+    from flywheel.ops.runs import follow
+
+    status = asyncio.run(follow(settings_from(args), args.run, sys.stdout))
+    return 0 if status in ("finished", "detached") else 1
+
+
+def cmd_runs_stop(args: argparse.Namespace) -> int:
+    import socket
+
+    from flywheel.ops.runs import stop_command
+
+    asyncio.run(stop_command(settings_from(args), args.run, f"flywheel runs stop (pid {os.getpid()} on "
+                                                          f"{socket.gethostname()})", sys.stdout))
+    return 0
+
+
+def cmd_runs_resume(args: argparse.Namespace) -> int:
+    from flywheel.ops.runs import resume_command
+
+    resume_command(settings_from(args), args.run)
     return 0
 
 

@@ -27,12 +27,13 @@ What it does, in order:
    run folder (``<data_dir>/runs/<run>``), beside the trainer's ``metrics.jsonl``.
 
 Ctrl-C stops the trainer (it checkpoints first) and marks the run ``stopped`` (and stops the
-stack, if this command started it). ``--resume`` takes over the run ``--run-id`` names
-(without it: the config's own ``run``, no time added) instead of refusing an existing id:
-same config required, the trainer resumes from
-its checkpoint, and tasks are published again where the run's queued ones were dropped
-(it was stopped or abandoned). A run owned by a live process on another machine is waited
-for until its lease expires. Not covered: several owners of one run at once.
+stack, if this command started it); a run marked ``stopped`` by someone else (``flywheel runs
+stop``, ``POST /v1/runs/RUN/stop``) is seen within ``STATE_CHECK_S`` and stopped the same
+way. ``--resume`` takes over the run ``--run-id`` names (without it: the config's own
+``run``, no time added) instead of refusing an existing id: same config required, the
+trainer resumes from its checkpoint, and tasks are published again where the run's queued
+ones were dropped (it was stopped or abandoned). A run owned by a live process on another
+machine is waited for until its lease expires. Not covered: several owners of one run at once.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ MAX_RESTARTS_WITHOUT_PROGRESS = 5  # trainer restarts with no new step in betwee
 QUIET_STEP_S = 30.0  # no step for this long: say what the run waits for
 STOP_TIMEOUT_S = 60.0  # a run stopping because its embedded stack failed gets this long, bus still up
 NUM_LETTERS_SAID = 5  # dead letters of the run said one by one; after these, a count now and then
+STATE_CHECK_S = 2.0  # how often the owner reads its run's state (a stop asked by someone else)
 
 
 @dataclass
@@ -301,6 +303,7 @@ class MainJob:
         self.started_at = events.utc_now()  # dead letters from here on are this owner's to say
         self.num_dead_letters = 0  # of the run's messages, since started_at
         self.seen_weights = False  # a weight update of the run came (version 0 at least)
+        self.stopped_by_other: str | None = None  # why the run was stopped by someone else (flywheel runs stop)
         self._supplying = asyncio.Lock()
         self.owner = owner_name()
         self._bus: Bus | None = None
@@ -398,7 +401,7 @@ class MainJob:
             finished = await self._follow(trainer)
             if not finished and self.failure is not None:
                 outcome = ("failed", self.failure)
-            elif not finished:
+            elif not finished and self.stopped_by_other is None:
                 outcome = ("stopped", f"stopped by {self.owner} (SIGINT/SIGTERM) at step {self._last_step()}")
         except RunFailed as exc:
             outcome = ("failed", str(exc).split("; last lines of", 1)[0])
@@ -584,10 +587,14 @@ class MainJob:
         updates: asyncio.Queue[events.WeightUpdate] = asyncio.Queue()
         watching = asyncio.ensure_future(self._watch_weights(updates))
         letters = asyncio.ensure_future(self._watch_dead_letters())
-        last_step_s = time.monotonic()
+        last_step_s = last_state_s = time.monotonic()
         try:
             while not self.stopping.is_set():
                 await trainer.check()
+                if time.monotonic() - last_state_s > STATE_CHECK_S:
+                    last_state_s = time.monotonic()
+                    if await self._stopped_by_other():
+                        return False
                 if watching.done():
                     await watching  # raises what ended the watch
                 try:
@@ -614,6 +621,20 @@ class MainJob:
             watching.cancel()
             letters.cancel()
             await asyncio.gather(watching, letters, return_exceptions=True)
+
+    async def _stopped_by_other(self) -> bool:
+        """Whether someone else stopped the run (``flywheel runs stop``, the HTTP API): then it is
+        said, and the trainer is stopped (it checkpoints first) as on Ctrl-C."""
+        try:
+            state = await get_run(self.bus, self.cfg.run)
+        except (TimeoutError, nats.errors.Error):
+            return False  # the bus is away for now; asked again soon
+        if state is None or state.status != "stopped":
+            return False
+        self.stopped_by_other = state.reason or "stopped"
+        self.say(f"run {self.cfg.run}: {self.stopped_by_other}; stopping its trainer (it checkpoints first); "
+                 f"`flywheel runs resume {self.cfg.run}` goes on from there")
+        return True
 
     async def _watch_weights(self, out: asyncio.Queue[events.WeightUpdate]) -> None:
         watching = asyncio.Event()  # never set: the watch ends when this task is cancelled

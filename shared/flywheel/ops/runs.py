@@ -1,0 +1,190 @@
+"""``flywheel runs list | follow RUN | stop RUN | resume RUN``: the runs of a stack, from their state.
+
+- ``list``: every run in the run-state bucket: kind, status as :func:`flywheel.contract.runs.end_of`
+  sees it (``abandoned`` when its owner's lease expired), step, owner;
+- ``follow RUN``: the run's steps (those its weight updates still hold, then each new one, the
+  line ``flywheel run`` prints) and its status changes, until it ends; Ctrl-C only detaches;
+- ``stop RUN``: marks the run stopped (:func:`flywheel.contract.runs.stop_run`); its owner (the
+  ``flywheel run`` process) sees it within seconds, stops the trainer, which checkpoints first,
+  and exits; inference releases its queued tasks;
+- ``resume RUN``: goes on with a stopped, failed or abandoned run from its last checkpoint,
+  with the config it was started with (the run folder's ``config.json``, else its run
+  state), in this process, as ``flywheel run CONFIG --run-id RUN --resume`` does. A run that
+  finished, does not exist, or is still running is refused, saying why.
+
+Not covered: a run owner that lives on the service side (the run's owner is the process
+that started or resumed it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+from datetime import datetime
+from typing import Any, TextIO
+
+import nats.errors
+
+from flywheel.contract import events
+from flywheel.contract.bus import Bus, watch
+from flywheel.contract.checkpoints import run_folder
+from flywheel.contract.config import RunConfig
+from flywheel.contract.runs import check_resumable, end_of, get_run, list_runs, stop_run
+from flywheel.contract.settings import Settings
+from flywheel.ops.run import MainJob, format_step, nats_answers, owner_is_gone
+from flywheel.ops.tables import table
+
+FOLLOW_STATE_S = 1.0  # how often `runs follow` reads the run's state
+
+
+async def connect(settings: Settings, what: str) -> Bus:
+    """The bus, or a ConnectionError saying that no stack answers, for ``what``."""
+    url = settings.resolved_nats_url
+    if not await nats_answers(url):
+        raise ConnectionError(f"no NATS at {url}: {what} needs the stack that runs the runs (`flywheel up`, or the "
+                              "one `flywheel run` started); give --nats-url or --nats-port of that stack")
+    return await Bus.connect(url, "flywheel-runs")
+
+
+def status_of(state: events.RunState) -> str:
+    end = end_of(state)
+    return end.status if end is not None else state.status
+
+
+def _when(at: datetime | None) -> str:
+    return at.astimezone().strftime("%Y-%m-%d %H:%M:%S") if at else "-"
+
+
+def format_runs(states: list[events.RunState]) -> str:
+    """The runs as a table, newest first."""
+    if not states:
+        return "no runs (`flywheel run CONFIG` starts one)"
+    rows = []
+    for s in sorted(states, key=lambda s: s.created_at, reverse=True):
+        num_steps = (s.config.get("trainer") or {}).get("num_steps") if s.config else None
+        step = f"{s.trainer_step}/{num_steps}" if num_steps else str(s.trainer_step)
+        rows.append([s.id, s.kind, status_of(s), step, s.tenant, _when(s.created_at), s.owner or "-"])
+    return table(rows, ["run", "kind", "status", "step", "tenant", "created", "owner"])
+
+
+async def list_command(settings: Settings, out: TextIO) -> None:
+    bus = await connect(settings, "listing runs")
+    try:
+        print(format_runs(await list_runs(bus)), file=out)
+    finally:
+        await bus.close()
+
+
+async def stop_command(settings: Settings, run: str, by: str, out: TextIO) -> events.RunState:
+    bus = await connect(settings, f"stopping run {run!r}")
+    try:
+        before = await get_run(bus, run)
+        state = await stop_run(bus, run, by)
+    finally:
+        await bus.close()
+    if before is not None and before.status == state.status:
+        print(f"run {run} had {status_of(state)} already ({state.reason or 'no reason given'})", file=out)
+    else:
+        print(f"run {run}: {state.reason}; its owner stops its trainer (it checkpoints first); "
+              f"`flywheel runs resume {run}` goes on from there", file=out)
+    return state
+
+
+def stored_config(settings: Settings, run: str) -> dict[str, Any] | None:
+    """The config the run was started with, from its run folder (no bus needed); None when absent."""
+    path = run_folder(settings.data_dir, run) / "config.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+async def resumable_config(settings: Settings, run: str) -> RunConfig:
+    """The run's config when it may be resumed; a ValueError saying why not. Without a stack
+    answering, the run folder's config is taken (the embedded stack starts with the resume)."""
+    data = stored_config(settings, run)
+    if await nats_answers(settings.resolved_nats_url):
+        bus = await Bus.connect(settings.resolved_nats_url, "flywheel-runs")
+        try:
+            state = await get_run(bus, run)
+        finally:
+            await bus.close()
+        if state is not None and end_of(state) is None and owner_is_gone(state.owner):
+            pass  # its owner was a process of this machine that died: its lease has not run out yet
+        else:
+            state = check_resumable(state, run)
+        data = state.config if state is not None else data
+    if data is None:
+        raise ValueError(f"run {run!r}: no {run_folder(settings.data_dir, run) / 'config.json'} and no stack "
+                         "answers to read its state from; give --data-dir (or --nats-url) of the stack that ran it")
+    return RunConfig.parse(data, source=f"run {run!r} config")
+
+
+def resume_command(settings: Settings, run: str) -> dict[str, Any]:
+    cfg = asyncio.run(resumable_config(settings, run))
+    return asyncio.run(MainJob(cfg, settings, resume=True).run())
+
+
+async def follow(settings: Settings, run: str, out: TextIO) -> str:
+    """Print the run's steps and status changes until it ends (its final status) or Ctrl-C
+    (``detached``)."""
+    bus = await connect(settings, f"following run {run!r}")
+    detached = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, detached.set)
+    try:
+        state = await get_run(bus, run)
+        if state is None:
+            raise ValueError(f"run {run!r} is not in the runs KV bucket; `flywheel runs list` lists the runs")
+        cfg = RunConfig.parse(state.config, source=f"run {run!r} config") if state.config else None
+        num_steps = cfg.trainer.num_steps if cfg is not None else 0
+        print(f"run {run}: {status_of(state)}, step {state.trainer_step}/{num_steps or '?'}, owner "
+              f"{state.owner or 'none'} (Ctrl-C stops following, not the run)", file=out, flush=True)
+        steps = asyncio.ensure_future(_print_steps(bus, run, num_steps, detached, out))
+        try:
+            status = await _until_ended(bus, run, status_of(state), detached, out)
+        finally:
+            detached.set()
+            await asyncio.gather(steps, return_exceptions=True)
+        return status
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        await bus.close()
+
+
+async def _print_steps(bus: Bus, run: str, num_steps: int, stopping: asyncio.Event, out: TextIO) -> None:
+    first: datetime | None = None
+    shown: set[int] = set()
+    async for update in watch(bus, f"weights.{run}", events.WeightUpdate, stopping, watcher="flywheel-runs-follow"):
+        first = first or update.created_at
+        if update.trainer_step == 0 or update.trainer_step in shown:
+            continue
+        shown.add(update.trainer_step)
+        row = {"step": float(update.trainer_step), "elapsed_s": (update.created_at - first).total_seconds(),
+               **update.metrics}
+        print(format_step(row, num_steps, None), file=out, flush=True)
+
+
+async def _until_ended(bus: Bus, run: str, status: str, detached: asyncio.Event, out: TextIO) -> str:
+    """Say each status change of the run; return its status once it ended, ``detached`` on Ctrl-C."""
+    while not detached.is_set():
+        try:
+            state = await get_run(bus, run)
+        except (TimeoutError, nats.errors.Error):
+            state = None  # the bus is away for now: asked again soon
+        if state is not None:
+            now = status_of(state)
+            if now != status:
+                end = end_of(state)
+                print(f"run {run}: {now}" + (f" ({end.reason})" if end is not None and now != "finished" else ""),
+                      file=out, flush=True)
+                status = now
+            if end_of(state) is not None:
+                await asyncio.sleep(FOLLOW_STATE_S)  # time for the steps watch to print the last step
+                return status
+        try:
+            await asyncio.wait_for(detached.wait(), FOLLOW_STATE_S)
+        except TimeoutError:
+            pass
+    print(f"run {run}: no longer following (the run goes on; `flywheel runs follow {run}` again)", file=out)
+    return "detached"
