@@ -37,7 +37,8 @@ Schema evolution (tested against stored encodings of version 1 in tests/unit/dat
     supply act on (before it, the trainer sent it as ``metrics["num_dropped_total"]``, which
     no reader reads any more: ``metrics`` is for people); version 6 added
     ``Rollout.sampling``, the settings a rollout was sampled with, which the trainer
-    recomputes logprobs at (None on older rollouts: their readers take the run's).
+    recomputes logprobs at (None on older rollouts: their readers take the run's); version 7
+    added the run owner's notes (``RunState.notes``, ``num_notes``).
 
 Identities
     ``run`` (a training or eval run, owned by a ``tenant``), ``task`` (one row of a task
@@ -70,7 +71,7 @@ from typing import Any, Generic, Literal, TypeVar, overload
 
 import msgspec
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 JSON = "application/json"
 MSGPACK = "application/msgpack"
@@ -359,8 +360,8 @@ class Score(Event, frozen=True, kw_only=True, tag="score"):
 class WeightUpdate(Event, frozen=True, kw_only=True, tag="weight_update"):
     """New policy weights are available, with what the trainer tells the run.
 
-    Sent by: trainer. Read by: every inference replica, the run's owner (``flywheel run``),
-    recorder. Subject: ``weights.<run>``. ``uri`` points at the blob
+    Sent by: trainer. Read by: every inference replica, the run's owner (its orchestrator),
+    ``flywheel run``, recorder. Subject: ``weights.<run>``. ``uri`` points at the blob
     (``nats-os://<bucket>/<name>`` for the JetStream object store, or ``file://`` /
     ``s3://``); inference checks ``sha256`` before it swaps.
 
@@ -413,12 +414,16 @@ class DeadLetter(Event, frozen=True, kw_only=True, tag="dead_letter"):
 class RunState(_Struct, frozen=True, kw_only=True):
     """A run's state, kept in the run-state KV bucket under the run id (not a stream event).
 
-    Written by: gateway (on creation), ``flywheel run`` (its owner: config, lease, task
-    supply, stop), trainer (step, policy version, finished or failed). Read by: everyone.
+    Written by: gateway (on creation; a stop), ``flywheel run`` (registration with the config;
+    a stop or resume), the orchestrator (its owner: lease, task supply, notes, failed),
+    trainer (step, policy version, running, finished). Read by: everyone.
 
-    The owner renews ``lease_expires_at`` while it lives; a ``running`` run whose lease has
-    expired has lost its owner (:func:`flywheel.contract.runs.end_of`). ``ended_at`` and ``reason``
-    are set when the run finishes, fails or is stopped.
+    The owner renews ``lease_expires_at`` while it lives; a run whose lease has expired has
+    lost its owner (:func:`flywheel.contract.runs.end_of`) until another orchestrator claims
+    it. ``ended_at`` and ``reason`` are set when the run finishes, fails or is stopped.
+    ``notes`` are the owner's last words on the run for people (its trainer started or
+    restarting, tasks published), newest last, at most ``MAX_NOTES``; ``num_notes`` counts
+    every note so far, so a reader that polls says each one once.
     """
 
     id: str
@@ -440,6 +445,11 @@ class RunState(_Struct, frozen=True, kw_only=True):
     # registration by whoever knows the environment. Empty: not known; readers then count
     # every score at its own weight.
     scorers: dict[str, float] = {}
+    notes: list[str] = []
+    num_notes: int = 0
+
+
+MAX_NOTES = 20  # RunState.notes kept
 
 
 class ServiceHeartbeat(_Struct, frozen=True, kw_only=True):

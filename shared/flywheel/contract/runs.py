@@ -2,15 +2,21 @@
 
 A run's :class:`flywheel.contract.events.RunState` (tenant, status, policy version, config) lives
 under its id in the ``flywheel-runs`` bucket. A run belongs to the tenant that registered
-it first; every writer (gateway, CLI, client, ``flywheel run``, trainer) goes through
-here, so the rule and the name checks live once. Writers change a state by compare-and-set
-(:func:`update_run`), so two writers (the trainer's step, the owner's lease) never undo
-each other's fields.
+it first; every writer (gateway, CLI, client, ``flywheel run``, orchestrator, trainer) goes
+through here, so the rule and the name checks live once. Writers change a state by
+compare-and-set (:func:`update_run`), so two writers (the trainer's step, the owner's lease)
+never undo each other's fields.
+
+Ownership: an orchestrator claims a run (:func:`claim_run`: a training run with a config,
+not ended, with no owner or one whose lease expired, :func:`claimable`), renews its lease
+(:func:`renew_lease`), and lets go of it at its end or its own (:func:`release_run`); each
+by compare-and-set, so of two orchestrators one owns a run. :func:`stop_run` and
+:func:`resume_run` are what ``flywheel runs stop|resume`` and the HTTP API do.
 
 When a run stops taking tasks is decided once, by :func:`end_of`: it finished, failed or
 was stopped, or its owner stopped renewing its lease (it was killed, or its machine is
-gone). Inference skips the tasks such a run had queued and dead-letters the ones published
-after its end; the gateway refuses new ones (409).
+gone) and no orchestrator took it yet. Inference skips the tasks such a run had queued and
+dead-letters the ones published after its end; the gateway refuses new ones (409).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import logging
 import re
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import msgspec
@@ -105,8 +111,8 @@ def end_of(state: events.RunState, now: datetime | None = None) -> RunEnd | None
     if expires is not None and expires < (now or events.utc_now()):
         owner = state.owner or "its owner"
         return RunEnd("abandoned", expires, f"run {state.id!r} is abandoned: {owner} stopped renewing its lease, which "
-                                            f"expired at {expires.isoformat()}; resume it with `flywheel run CONFIG "
-                                            f"--run-id {state.id} --resume`")
+                                            f"expired at {expires.isoformat()}; a live orchestrator takes it over "
+                                            "(`flywheel up` runs one)")
     return None
 
 
@@ -188,24 +194,13 @@ async def update_run(bus: Bus, run: str, **changes: Any) -> events.RunState:
     """Replace fields of an existing run's state (``updated_at`` is set); returns the new state.
 
     Compare-and-set on the entry's revision, read again after a concurrent write, so fields
-    another writer changed meanwhile are kept."""
-    kv = await bus.runs_kv()
-    for _ in range(100):
-        try:
-            entry = await bus.retry(lambda: kv.get(run))
-        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
-            entry = None
-        if entry is None or not entry.value:
-            raise ValueError(f"run {run!r} is not registered")
-        state = msgspec.structs.replace(decode_state(run, entry.value), updated_at=events.utc_now(), **changes)
-        try:
-            # A retried update whose first try did land fails on the revision: read again, and
-            # the changes (absolute values) are written over the state they made.
-            await bus.retry(functools.partial(kv.update, run, events.encode(state), last=entry.revision))
-            return state
-        except nats.js.errors.KeyWrongLastSequenceError:
-            continue
-    raise RuntimeError(f"run {run!r}: its run-state entry kept changing while it was being updated")
+    another writer changed meanwhile are kept (a retried update whose first try did land
+    fails on the revision: read again, the changes, absolute values, are written over the
+    state they made)."""
+    state = await _swap(bus, run, lambda state: msgspec.structs.replace(state, **changes))
+    if state is None:
+        raise ValueError(f"run {run!r} is not registered")
+    return state
 
 
 class RunNotFound(ValueError):
@@ -239,11 +234,108 @@ def check_resumable(state: events.RunState | None, run: str) -> events.RunState:
                          "there is nothing to resume")
     if state.status == "finished":
         raise ValueError(f"run {run!r} finished already; start a new run to train further")
-    if end_of(state) is None:
+    now = events.utc_now()
+    if state.status in ENDED_STATUSES and state.owner and state.lease_expires_at and state.lease_expires_at > now:
+        raise ValueError(f"run {run!r} is {state.status}, but its owner {state.owner} is still stopping it (its "
+                         "trainer checkpoints first); try again in a few seconds")
+    if end_of(state, now) is None:
         owner = state.owner or "its owner"
         raise ValueError(f"run {run!r} is still {state.status} (owned by {owner}, lease until "
                          f"{state.lease_expires_at.isoformat() if state.lease_expires_at else 'unset'}); "
                          f"stop it first (`flywheel runs stop {run}`), or follow it (`flywheel runs follow {run}`)")
+    return state
+
+
+def claimable(state: events.RunState, now: datetime | None = None) -> bool:
+    """Whether an orchestrator may take ``state``'s run: a training run with a config, not ended
+    (finished, failed, stopped), whose owner is none or let its lease expire."""
+    if state.kind != "train" or not state.config or state.status in ENDED_STATUSES:
+        return False
+    return state.owner is None or state.lease_expires_at is None or state.lease_expires_at < (now or events.utc_now())
+
+
+async def _swap(bus: Bus, run: str, change: Callable[[events.RunState], events.RunState | None]
+                ) -> events.RunState | None:
+    """Compare-and-set on the run's entry: ``change`` the state read (None: leave it); retried
+    when another writer got in between. The new state, or None when ``change`` left it."""
+    kv = await bus.runs_kv()
+    for _ in range(100):
+        try:
+            entry = await bus.retry(lambda: kv.get(run))
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+            return None
+        if not entry.value:
+            return None
+        new = change(decode_state(run, entry.value))
+        if new is None:
+            return None
+        new = msgspec.structs.replace(new, updated_at=events.utc_now())
+        try:
+            await bus.retry(functools.partial(kv.update, run, events.encode(new), last=entry.revision))
+            return new
+        except nats.js.errors.KeyWrongLastSequenceError:
+            continue
+    raise RuntimeError(f"run {run!r}: its run-state entry kept changing while it was being updated")
+
+
+async def claim_run(bus: Bus, run: str, owner: str, lease_s: float) -> events.RunState | None:
+    """Become ``run``'s owner if it is :func:`claimable` (or ours already): the new state, or None
+    when it is not to be taken (another owner holds it, or it ended)."""
+    def change(state: events.RunState) -> events.RunState | None:
+        if state.owner != owner and not claimable(state):
+            return None
+        return msgspec.structs.replace(state, owner=owner,
+                                       lease_expires_at=events.utc_now() + timedelta(seconds=lease_s))
+    return await _swap(bus, run, change)
+
+
+async def renew_lease(bus: Bus, run: str, owner: str, lease_s: float) -> events.RunState | None:
+    """Push ``owner``'s lease on ``run`` on; None when ``owner`` no longer holds it."""
+    def change(state: events.RunState) -> events.RunState | None:
+        if state.owner != owner:
+            return None
+        return msgspec.structs.replace(state, lease_expires_at=events.utc_now() + timedelta(seconds=lease_s))
+    return await _swap(bus, run, change)
+
+
+async def release_run(bus: Bus, run: str, owner: str, **changes: Any) -> events.RunState | None:
+    """``owner`` lets go of ``run`` (no owner, no lease), with ``changes`` (an end); None when it
+    did not hold it any more."""
+    def change(state: events.RunState) -> events.RunState | None:
+        if state.owner != owner:
+            return None
+        return msgspec.structs.replace(state, owner=None, lease_expires_at=None, **changes)
+    return await _swap(bus, run, change)
+
+
+async def add_note(bus: Bus, run: str, note: str) -> None:
+    """Append ``note`` to the run's notes (the last ``MAX_NOTES`` are kept): the owner's word
+    for people, which ``flywheel run`` and ``flywheel runs follow`` print."""
+    def change(state: events.RunState) -> events.RunState:
+        return msgspec.structs.replace(state, notes=[*state.notes, note][-events.MAX_NOTES:],
+                                       num_notes=state.num_notes + 1)
+    await _swap(bus, run, change)
+
+
+def new_notes(state: events.RunState, seen: int) -> list[str]:
+    """The notes of ``state`` after the first ``seen`` (those still kept)."""
+    fresh = max(0, state.num_notes - seen)
+    return state.notes[len(state.notes) - min(fresh, len(state.notes)):] if fresh else []
+
+
+async def resume_run(bus: Bus, run: str, tenant: str | None = None) -> events.RunState:
+    """Make a stopped, failed or abandoned run claimable again (:func:`check_resumable` says
+    why not otherwise): an orchestrator takes it and goes on from its last checkpoint."""
+    def change(state: events.RunState) -> events.RunState:
+        check_resumable(state, run)
+        if tenant is not None and state.tenant != tenant:
+            raise RunConflict(f"run {run!r} belongs to tenant {state.tenant!r}, not {tenant!r}")
+        return msgspec.structs.replace(state, status="running" if state.trainer_step or state.policy_version
+                                       else "created", ended_at=None, reason=None, owner=None,
+                                       lease_expires_at=None)
+    state = await _swap(bus, run, change)
+    if state is None:
+        raise RunNotFound(f"run {run!r} is not in the {RUNS_BUCKET} KV bucket; `flywheel runs list` lists the runs")
     return state
 
 
