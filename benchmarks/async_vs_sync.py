@@ -206,7 +206,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     data_dir.mkdir(parents=True, exist_ok=True)
     out = sys.stdout if args.verbose else log_path.open("a")
     # What a training run needs (the gateway and recorder only record; they would share the cores).
-    services = {"scorer": SERVICES["scorer"],
+    services = {"orchestrator": SERVICES["orchestrator"], "scorer": SERVICES["scorer"],
                 "inference": ServiceSpec((str(Path(__file__).resolve()), "--serve-inference"),
                                          heartbeat_of("inference"))}
     stack = Stack(settings, out=out, services=services)

@@ -2,14 +2,14 @@
 
     python benchmarks/chaos.py --json out/chaos.json [--kills 20] [--nats-restarts 3] [--seed 0]
 
-Starts ``flywheel up`` (its own nats-server, gateway, recorder, scorer, sandbox, inference;
-a temporary data folder, free ports), then ``flywheel run examples/reverse-text.toml``
+Starts ``flywheel up`` (its own nats-server, gateway, orchestrator, recorder, scorer, sandbox,
+inference; a temporary data folder, free ports), then ``flywheel run examples/reverse-text.toml``
 against it. Once the run trains, it kills, one event at a time: ``--kills`` Flywheel
 processes picked at random among the services ``flywheel up`` supervises and the run's
 trainer (SIGKILL), and restarts nats-server ``--nats-restarts`` times (SIGTERM and SIGKILL
 in turn; ``flywheel up`` starts it again), in a random order. After each event it waits for
 the run to train again, then for a few more steps. Nobody acts by hand: the supervisor
-restarts the services, ``flywheel run`` restarts its trainer.
+restarts the services, the run's orchestrator restarts its trainer.
 
 When the run has ended it checks, from the bus, the run folder and the trace API:
 
@@ -27,9 +27,9 @@ When the run has ended it checks, from the bus, the run folder and the trace API
   (target at most 15); ``events`` lists each one.
 
 Figures move from run to run on a shared machine; the keys that must be 0 must be 0 every
-time. Not covered: killing ``flywheel up`` or ``flywheel run`` themselves (they are the
-supervisors; ``tests/e2e/test_run_owner.py`` covers an owner's death and ``--resume``),
-several replicas of a service.
+time. Not covered: killing ``flywheel up`` or the orchestrator (the supervisors: an
+orchestrator's death leaves the run to the next one once its lease ran out, 60 s here;
+``tests/e2e/test_run_owner.py`` covers it with a 3 s lease), several replicas of a service.
 """
 
 from __future__ import annotations

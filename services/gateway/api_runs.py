@@ -14,10 +14,11 @@ tenant and status are unknown, and showing it like a run published straight to t
 would hide the problem. Its metrics, which come from the store alone, are still served.
 
 Run ids may contain ``/``, so the routes take the rest of the path as the id
-(``/v1/runs/team/a/metrics`` is run ``team/a``). ``POST /v1/runs/RUN/stop`` stops a run as
-``flywheel runs stop`` does. Not covered: creating, resuming or deleting runs (a run's owner
-is the ``flywheel run`` process), and pushing metrics to clients (they poll with
-``since_step``).
+(``/v1/runs/team/a/metrics`` is run ``team/a``). ``POST /v1/runs/RUN/stop`` and
+``.../resume`` stop and resume a run as ``flywheel runs stop`` and ``resume`` do (the
+orchestrator that owns it acts on its state). Not covered: creating runs from a config over
+HTTP (``flywheel run`` registers them), deleting runs, and pushing metrics to clients (they
+poll with ``since_step``).
 """
 
 from __future__ import annotations
@@ -81,6 +82,22 @@ async def stop_run(run_id: RunIdPath, store: StoreDep, bus: BusDep, tenant: Tena
         await runs.stop_run(bus, run_id, by=f"the gateway's API (tenant {tenant!r})", tenant=tenant)
     except runs.RunNotFound:
         raise _not_found(run_id) from None
+    return await get_run(run_id, store, bus)
+
+
+@router.post("/{run_id:path}/resume", response_model=RunDetail, responses={409: CONFLICT_RESPONSE})
+async def resume_run(run_id: RunIdPath, store: StoreDep, bus: BusDep, tenant: TenantDep = "default") -> RunDetail:
+    """Resume a stopped, failed or abandoned run: an orchestrator takes it and goes on from its
+    last checkpoint. 404 for a run the bucket does not know; 409 for another tenant's, and for
+    one that finished, is still running, or is no training run (the detail says which)."""
+    try:
+        await runs.resume_run(bus, run_id, tenant=tenant)
+    except runs.RunNotFound:
+        raise _not_found(run_id) from None
+    except runs.RunConflict:
+        raise
+    except ValueError as exc:
+        raise HTTPException(409, str(exc)) from None
     return await get_run(run_id, store, bus)
 
 

@@ -226,7 +226,7 @@ class Trainer:
     # --- training -----------------------------------------------------------------------
 
     async def train(self, stopping: asyncio.Event) -> None:
-        # A crash does not mark the run failed: the run's owner (`flywheel run`) restarts the
+        # A crash does not mark the run failed: the run's owner (its orchestrator) restarts the
         # trainer, which resumes from its checkpoint, and marks the run failed only when
         # restarts stop helping.
         await self._train(stopping)

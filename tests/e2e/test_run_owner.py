@@ -1,13 +1,14 @@
-"""``flywheel run`` owns its run: a dead trainer is restarted, a stop (Ctrl-C, or ``flywheel
-runs stop`` from elsewhere) or a dead owner ends the run visibly, and ``--resume`` or
-``flywheel runs resume`` takes it over where it stopped, while ``flywheel runs follow``
-prints its steps.
+"""A run owns itself: the orchestrator of the stack owns it, not the ``flywheel run`` that
+started it. A dead trainer is restarted; the ``flywheel run`` process killed leaves the run
+going to its end; a stop (Ctrl-C with ``--stop``, or ``flywheel runs stop`` from elsewhere)
+ends it visibly and ``flywheel runs resume`` (or ``flywheel run --resume``) goes on where it
+stopped, while ``flywheel runs follow`` prints its steps; the orchestrator killed, the stack
+restarts it and the new one takes the run over once the lease ran out.
 
-One ``flywheel up`` stack on free ports serves every run here (so killing a run's owner
-leaves the services running), each run a short one of the shipped example config. The
-run lease is 3 s (``FLYWHEEL_RUN_LEASE_S``), so an owner's death is seen within seconds.
-Every run must end with each step trained once: ``metrics.jsonl`` lists steps 0..N once
-each, and versions follow steps.
+One ``flywheel up`` stack on free ports serves every run here, each a short one of the
+shipped example config. The run lease is 3 s (``FLYWHEEL_RUN_LEASE_S``, in the stack's
+environment too), so an owner's death is seen within seconds. Every run must end with each
+step trained once: ``metrics.jsonl`` lists steps 0..N once each, and versions follow steps.
 """
 
 from __future__ import annotations
@@ -98,8 +99,21 @@ def steps_trained(data_dir: Path, run: str) -> list[tuple[int, int]]:
     return [(row["step"], row["version"]) for row in map(json.loads, lines)]
 
 
+@pytest.fixture
+def clean_env(clean_env: dict[str, str]) -> dict[str, str]:
+    """Every process here, the stack's orchestrator included, with a 3 s run lease."""
+    return clean_env | {"FLYWHEEL_RUN_LEASE_S": "3"}
+
+
+def orchestrator_pid(owner: str | None) -> int:
+    """The pid in an orchestrator's owner name (``orchestrator <host>-<pid>-<hex>``)."""
+    found = re.search(r"-(\d+)-[0-9a-f]{6}$", owner or "")
+    assert owner and owner.startswith("orchestrator ") and found, owner
+    return int(found.group(1))
+
+
 @pytest.mark.timeout(900)
-def test_trainer_restart_stop_abandon_and_resume(stack, tmp_path: Path, clean_env: dict[str, str]) -> None:
+def test_trainer_restart_detach_stop_resume_and_takeover(stack, tmp_path: Path, clean_env: dict[str, str]) -> None:
     _, up_output, ports = stack
     up_output.wait_for(r"^Flywheel is up", READY_TIMEOUT_S)
     data_dir = tmp_path / "data"
@@ -117,25 +131,37 @@ def test_trainer_restart_stop_abandon_and_resume(stack, tmp_path: Path, clean_en
     finish(proc, output)
     assert steps_trained(data_dir, "killed-trainer") == every_step
     finished = state(ports["nats"], "killed-trainer")
-    # The run's reward as the owner registered it, for every reader (trainer, trace store).
+    # The run's reward as registered, for every reader (trainer, trace store); its owner let go.
     assert finished.status == "finished" and finished.scorers == {"similarity": 1.0, "exact": 0.0}
+    assert finished.owner is None and (data_dir / "runs" / "killed-trainer" / "summary.json").exists()
 
-    # Ctrl-C: the trainer checkpoints, the run is marked stopped (it takes no more tasks).
-    proc, output = start_run("interrupted", data_dir, ports, clean_env)
+    # The `flywheel run` process killed: the run goes on to its end by itself.
+    proc, output = start_run("detached", data_dir, ports, clean_env)
+    output.wait_for(r"^step\s+1/", STEP_TIMEOUT_S)
+    proc.kill()
+    proc.wait()
+    follower, followed = runs_command("follow", "detached", data_dir, ports, clean_env)
+    assert follower.wait(STEP_TIMEOUT_S) == 0, followed.text
+    followed.wait_for(r"^run detached: finished", 1)
+    assert steps_trained(data_dir, "detached") == every_step
+
+    # Ctrl-C with --stop: the trainer checkpoints, the run is marked stopped (it takes no more tasks).
+    proc, output = start_run("interrupted", data_dir, ports, clean_env, "--stop")
     output.wait_for(r"^step\s+2/", STEP_TIMEOUT_S)
     proc.send_signal(signal.SIGINT)
     assert proc.wait(60) == 0, output.text
     stopped = state(ports["nats"], "interrupted")
     assert stopped.status == "stopped" and "stopped by flywheel-run" in (stopped.reason or ""), stopped
+    assert stopped.owner is None  # its owner stopped the trainer and let go before `flywheel run` exited
     end = end_of(stopped)
     assert end is not None and end.status == "stopped"
-    # Without --resume the id is refused; with it, the run goes on to the end.
+    # Without --resume the id is refused.
     refused = subprocess.run([sys.executable, "-m", "flywheel.ops.cli", "run", str(CONFIG), "--run-id", "interrupted",
                               "--data-dir", str(data_dir), "--nats-port", str(ports["nats"]),
                               "--set", f"trainer.num_steps={NUM_STEPS}", "--set", "sft.steps=20"],
                              capture_output=True, text=True, env=clean_env, cwd=ROOT, timeout=120, check=False)
     assert refused.returncode == 1 and "add --resume" in refused.stderr, refused.stderr
-    # `flywheel runs resume` goes on with it (its config from the run folder), while `runs follow`
+    # `flywheel runs resume` goes on with it (the config it was started with), while `runs follow`
     # prints its steps from another process and exits 0 when it finished.
     proc, output = runs_command("resume", "interrupted", data_dir, ports, clean_env)
     output.wait_for(r"run interrupted: resuming at step \d+ of 8 \(run 'interrupted' stopped at", 60)
@@ -146,7 +172,7 @@ def test_trainer_restart_stop_abandon_and_resume(stack, tmp_path: Path, clean_en
     followed.wait_for(r"^run interrupted: finished", 1)
     assert steps_trained(data_dir, "interrupted") == every_step
 
-    # Stopped from elsewhere (`flywheel runs stop`): the owner stops its trainer and exits; the run
+    # Stopped from elsewhere (`flywheel runs stop`): the follower says so and exits; the run
     # lists as stopped. A finished run, one that does not exist, one still running: not resumed.
     proc, output = start_run("stopped-elsewhere", data_dir, ports, clean_env, "--set", "trainer.num_steps=1000")
     output.wait_for(r"^step\s+2/", STEP_TIMEOUT_S)
@@ -155,7 +181,8 @@ def test_trainer_restart_stop_abandon_and_resume(stack, tmp_path: Path, clean_en
     stopping = flywheel("runs", "stop", "stopped-elsewhere", "--nats-port", str(ports["nats"]), env=clean_env)
     assert stopping.returncode == 0 and "stopped by flywheel runs stop" in stopping.stdout, stopping.stdout
     assert proc.wait(60) == 0, output.text
-    output.wait_for(r"run stopped-elsewhere: stopped by flywheel runs stop .*; stopping its trainer", 1)
+    output.wait_for(r"run stopped-elsewhere: stopped \(stopped by flywheel runs stop", 1)
+    poll(lambda: state(ports["nats"], "stopped-elsewhere").owner is None, 30, "its owner to let go of it")
     listed = flywheel("runs", "list", "--nats-port", str(ports["nats"]), env=clean_env)
     assert listed.returncode == 0 and re.search(r"stopped-elsewhere\s+train\s+stopped\s+\d+/1000", listed.stdout), (
         listed.stdout)
@@ -164,17 +191,69 @@ def test_trainer_restart_stop_abandon_and_resume(stack, tmp_path: Path, clean_en
                            env=clean_env)
         assert refused.returncode == 1 and why in refused.stderr, refused.stderr
 
-    # The owner SIGKILLed: its trainer dies with it, the lease runs out, the run is abandoned.
+    # The orchestrator SIGKILLed: its trainer dies with it, the lease runs out, the run shows
+    # abandoned; the stack restarts the orchestrator, which takes the run over (with
+    # `flywheel run --resume` following it) and finishes it.
     proc, output = start_run("orphaned", data_dir, ports, clean_env)
     output.wait_for(r"^step\s+2/", STEP_TIMEOUT_S)
     trainer_pid = int(output.wait_for(r"trainer pid (\d+)", 5)[0].group(1))
+    first_owner = state(ports["nats"], "orphaned").owner
+    os.kill(orchestrator_pid(first_owner), signal.SIGKILL)
+    poll(lambda: not alive(trainer_pid), 10, "the orphaned trainer to die with its orchestrator")
     proc.kill()
     proc.wait()
-    poll(lambda: not alive(trainer_pid), 10, "the orphaned trainer to die with its owner")
-    poll(lambda: end_of(state(ports["nats"], "orphaned")) is not None, 15, "the lease to expire")
-    assert end_of(state(ports["nats"], "orphaned")).status == "abandoned"  # type: ignore[union-attr]  # polled above
+    poll(lambda: state(ports["nats"], "orphaned").owner not in (None, first_owner), 60,
+         "a new orchestrator to take the run over")
     proc, output = start_run("orphaned", data_dir, ports, clean_env, "--resume")
-    output.wait_for(r"run orphaned: resuming at step \d+ of 8 \(run 'orphaned' is abandoned", 60)
+    output.wait_for(r"run orphaned is (created|running) \(owner orchestrator ", 30)
     finish(proc, output)
     assert steps_trained(data_dir, "orphaned") == every_step
     assert state(ports["nats"], "orphaned").status == "finished"
+
+
+def start_up(data_dir: Path, ports: dict[str, int], env: dict[str, str]) -> tuple[subprocess.Popen[str], Output]:
+    up = subprocess.Popen([sys.executable, "-m", "flywheel.ops.cli", "up", "--data-dir", str(data_dir),
+                           "--nats-port", str(ports["nats"]), "--gateway-port", str(ports["gateway"]),
+                           "--inference-port", str(ports["inference"])],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    return up, Output(up)
+
+
+@pytest.mark.timeout(600)
+def test_a_run_survives_every_process_and_nats_server_killed(tmp_path: Path, clean_env: dict[str, str]) -> None:
+    """SIGKILL to every process at once (nats-server, each service, the trainer, `flywheel up`,
+    `flywheel run`); the stack started again on the same data folder takes the run over by
+    itself, and it finishes with each step trained once and no rollout trained twice."""
+    from flywheel.ops.natsserver import free_port
+
+    ports = {"nats": free_port(), "gateway": free_port(), "inference": free_port()}
+    data_dir = tmp_path / "data"
+    up, up_output = start_up(data_dir, ports, clean_env)
+    try:
+        up_output.wait_for(r"^Flywheel is up", READY_TIMEOUT_S)
+        proc, output = start_run("survivor", data_dir, ports, clean_env)
+        output.wait_for(r"^step\s+3/", STEP_TIMEOUT_S)
+        pids = [int(m.group(1)) for m in up_output.matching(r"^started \S+ \(pid (\d+)\)")]
+        pids.append(int(output.wait_for(r"trainer pid (\d+)", 5)[0].group(1)))
+        for pid in [*pids, up.pid, proc.pid]:
+            os.kill(pid, signal.SIGKILL)
+        up.wait()
+        proc.wait()
+        poll(lambda: not any(alive(pid) for pid in pids), 10, "every process of the stack to be gone")
+    finally:
+        if up.poll() is None:
+            up.kill()
+    up, up_output = start_up(data_dir, ports, clean_env)
+    try:
+        up_output.wait_for(r"^Flywheel is up", READY_TIMEOUT_S)
+        follower, followed = runs_command("follow", "survivor", data_dir, ports, clean_env)
+        assert follower.wait(STEP_TIMEOUT_S) == 0, followed.text
+        followed.wait_for(r"^run survivor: finished", 1)
+        assert steps_trained(data_dir, "survivor") == [(i, i) for i in range(NUM_STEPS + 1)]
+        checkpoint = data_dir / "runs" / "survivor" / "checkpoint"
+        trained = json.loads((checkpoint / (checkpoint / "latest").read_text() / "state.json").read_text())["trained"]
+        ids = [i for step_ids in trained.values() for i in step_ids]
+        assert len(ids) == len(set(ids)) == NUM_STEPS * 64, len(ids)  # every step's batch, none twice
+    finally:
+        up.send_signal(signal.SIGINT)
+        up.wait(60)

@@ -87,7 +87,7 @@ def test_up_publish_status_restart_and_stop(stack: tuple[subprocess.Popen[str], 
     up, output, ports = stack
     output.wait_for(r"^Flywheel is up", READY_TIMEOUT_S)
     pids = {m.group(1): int(m.group(2)) for m in output.matching(r"^started (\S+) \(pid (\d+)\)")}
-    assert set(pids) == {"nats-server", "gateway", "recorder", "scorer", "inference", "sandbox"}
+    assert set(pids) == {"nats-server", "gateway", "orchestrator", "recorder", "scorer", "inference", "sandbox"}
     gateway = f"http://127.0.0.1:{ports['gateway']}"
     nats_url = f"nats://127.0.0.1:{ports['nats']}"
     output.wait_for(rf"^  gateway   {gateway}$", 1)

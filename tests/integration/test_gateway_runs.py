@@ -100,6 +100,26 @@ async def test_a_run_is_stopped_over_http_by_its_tenant_only(app: FastAPI, clien
     assert missing.status_code == 404 and missing.json()["detail"].startswith("run 'nope' not found")
 
 
+async def test_a_stopped_run_is_resumed_over_http(app: FastAPI, client: httpx.AsyncClient) -> None:
+    config = RunConfig(run="halted", env="reverse_text", tenant="acme").model_dump()
+    await put_state(app, events.RunState(id="halted", tenant="acme", status="stopped", trainer_step=3, config=config,
+                                         ended_at=events.utc_now(), reason="stopped by the user at step 3"))
+    other = await client.post("/v1/runs/halted/resume", headers={"Flywheel-Tenant": "beta"})
+    assert other.status_code == 409 and "belongs to tenant 'acme'" in other.json()["detail"]
+    resumed = await client.post("/v1/runs/halted/resume", headers={"Flywheel-Tenant": "acme"})
+    assert resumed.status_code == 200, resumed.text
+    detail = resumed.json()
+    assert (detail["status"], detail["ended_at"], detail["reason"], detail["owner"]) == ("running", None, None, None)
+    # Claimable now (an orchestrator takes it); a second resume finds it running.
+    again = await client.post("/v1/runs/halted/resume", headers={"Flywheel-Tenant": "acme"})
+    assert again.status_code == 409 and "is still running" in again.json()["detail"]
+    await put_state(app, events.RunState(id="done", status="finished", config=config))
+    finished = await client.post("/v1/runs/done/resume")
+    assert finished.status_code == 409 and "finished already" in finished.json()["detail"]
+    missing = await client.post("/v1/runs/nope/resume")
+    assert missing.status_code == 404
+
+
 async def test_runs_known_to_one_source_only_and_unknown_runs(app: FastAPI, client: httpx.AsyncClient,
                                                               store: Store) -> None:
     await put_state(app, events.RunState(id="fresh", tenant="acme"))
@@ -164,7 +184,8 @@ async def test_the_recorder_turns_weight_updates_into_metrics(app: FastAPI, clie
 
 async def test_runs_are_documented(client: httpx.AsyncClient) -> None:
     spec = await get(client, "/openapi.json")
-    assert {"/v1/runs", "/v1/runs/{run_id}", "/v1/runs/{run_id}/metrics", "/v1/runs/{run_id}/stop"} <= set(
+    assert {"/v1/runs", "/v1/runs/{run_id}", "/v1/runs/{run_id}/metrics", "/v1/runs/{run_id}/stop",
+            "/v1/runs/{run_id}/resume"} <= set(
         spec["paths"])
 
 

@@ -19,7 +19,7 @@ from flywheel.ops.stack import SERVICES, ServiceSpec, StackError, heartbeat_of
 
 async def test_a_service_dying_at_start_fails_the_run_with_the_stacks_reason(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    services = {"scorer": SERVICES["scorer"],
+    services = {"orchestrator": SERVICES["orchestrator"], "scorer": SERVICES["scorer"],
                 "inference": ServiceSpec(("-c", "raise SystemExit(3)"), heartbeat_of("inference"))}
     monkeypatch.setattr(run_module, "SERVICES", services)
     cfg = RunConfig.parse({"run": "doomed", "env": "reverse_text", "sft": {"steps": 0},

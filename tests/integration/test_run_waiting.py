@@ -1,5 +1,6 @@
-"""What `flywheel run` says while its run waits: against a real nats-server, the scorers,
-replicas and weights it lacks, and each of its messages a service gave up on, with the reason."""
+"""What `flywheel run` says while its run waits: against a real nats-server, the orchestrator,
+scorers, replicas and weights it lacks, and each of its messages a service gave up on, with the
+reason."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from tests.helpers import until
 
 
 def job_on(bus: Bus, nats_server: NatsServer, tmp_path: Path, **config: object) -> tuple[MainJob, io.StringIO]:
-    """A run's owner as `flywheel run` builds it, connected, its environment loaded, its screen a buffer."""
+    """A run's follower as `flywheel run` builds it, connected, its environment loaded, its screen a buffer."""
     cfg = RunConfig.parse({"run": "waits", "env": "reverse_text", **config})
     out = io.StringIO()
     job = MainJob(cfg, Settings(nats_url=nats_server.url, data_dir=tmp_path), out=out)
@@ -51,12 +52,13 @@ async def test_a_waiting_run_names_the_scorer_replica_and_weights_it_lacks(bus: 
                                                                           tmp_path: Path) -> None:
     job, _ = job_on(bus, nats_server, tmp_path, scorers={"nospace": 0.5})
     missing = await job._missing()
-    assert missing[0].startswith("the built-in scorer (no process scores reverse_text's rewards")
-    assert missing[1].startswith("scorer 'nospace': no process runs it (start it with `flywheel scorer "
+    assert missing[0] == "an orchestrator to own the run (none is running: is `flywheel up` running?)"
+    assert missing[1].startswith("the built-in scorer (no process scores reverse_text's rewards")
+    assert missing[2].startswith("scorer 'nospace': no process runs it (start it with `flywheel scorer "
                                  "MODULE:FUNCTION --env reverse_text --name nospace`)")
-    assert missing[2:] == ["an inference replica (none is running)",
+    assert missing[3:] == ["an inference replica (none is running)",
                            "weights version 0 (the trainer has not published its first weights)"]
-    for service in ("scorer", "scorer-nospace", "inference"):
+    for service in ("orchestrator", "scorer", "scorer-nospace", "inference"):
         await beat(bus, service)
     job.seen_weights = True
     assert await job._missing() == []

@@ -143,7 +143,8 @@ def test_every_service_command_exists() -> None:
         assert command, f"{name} has no command"
         if command[0] in ("python", "python3"):
             assert command[1] == "-m", command
-            argv = [sys.executable, *command[1:3]] + ([command[3]] if len(command) > 3 else []) + ["--help"]
+            subcommand = command[3:4] if len(command) > 3 and not command[3].startswith("-") else []
+            argv = [sys.executable, *command[1:3], *subcommand, "--help"]
         elif command[0] == "flywheel":
             argv = [str(bin_dir / "flywheel"), command[1], "--help"]
         else:

@@ -177,9 +177,10 @@ class Settings(BaseSettings):
     sandbox_warm_pool: int = Field(4, ge=0, description="Sandboxes of the default spec kept started, for fast creates.")
     sandbox_allow_network: bool = Field(False, description="Whether a sandbox may ask for network (a spec with "
                                                            "network=true); off, such a request is refused.")
-    run_lease_s: float = Field(60.0, gt=0, description="How long a run outlives its owner (`flywheel run`): past "
-                                                       "this without a renewal the run is abandoned and its queued "
-                                                       "tasks stop holding inference.")
+    run_lease_s: float = Field(60.0, gt=0, description="How long a run outlives its owner (an orchestrator): past "
+                                                       "this without a renewal the run is abandoned (its queued "
+                                                       "tasks stop holding inference) and another orchestrator may "
+                                                       "take it over.")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level of every "
                                                                                    "service process.")
     inference: InferenceSettings = Field(default_factory=InferenceSettings,

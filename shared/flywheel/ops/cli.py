@@ -29,6 +29,7 @@ import asyncio
 import json
 import os
 import re
+import socket
 import sys
 from collections.abc import Sequence
 from datetime import datetime
@@ -58,7 +59,7 @@ SETTING_OPTIONS: dict[str, tuple[type, str]] = {
     "sandbox_max_starting": (int, "sandboxes being started at once (default 4)"),
     "sandbox_warm_pool": (int, "sandboxes of the default spec kept started (default 4)"),
     "sandbox_allow_network": (str, "whether a sandbox may ask for network: true or false (off unless set)"),
-    "run_lease_s": (float, "seconds a run outlives its owner (flywheel run) before it is abandoned (default 60.0)"),
+    "run_lease_s": (float, "seconds a run outlives its orchestrator before another takes it over (default 60.0)"),
     "log_level": (str, "DEBUG, INFO, WARNING or ERROR (default INFO)"),
 }
 NATS_SETTINGS = ("nats_url", "nats_port")
@@ -111,9 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser(
         "run", help="a training run from a TOML config, start to finish",
-        description="Register a run, start its trainer, publish its tasks, follow it step by step, then print a "
-                    "summary and write reward.png in the run folder. Uses the services that run (flywheel up), "
-                    "or starts the embedded stack when no NATS answers.")
+        description="Register a run (an orchestrator of the stack then owns it: starts its trainer, publishes its "
+                    "tasks, writes summary.json and reward.png in the run folder at the end), follow it step by "
+                    "step, then print a summary. Uses the services that run (flywheel up), or starts the embedded "
+                    "stack when no NATS answers. Ctrl-C detaches (the run goes on) unless --stop is given or the "
+                    "embedded stack was started here.")
     run.add_argument("config", metavar="CONFIG.toml",
                      help="run config (see examples/reverse-text.toml; --help-config lists every field)")
     run.add_argument("--help-config", action=ConfigReference,
@@ -125,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", action="store_true",
                      help="take over the run named by --run-id (default: the config's own run, without a time) and "
                           "go on where it stopped (same config); a run that does not exist yet is started")
+    run.add_argument("--stop", action="store_true",
+                     help="Ctrl-C stops the run (its trainer checkpoints first) instead of only detaching from it "
+                          "(always so when no NATS answers and this command starts the embedded stack)")
     _add_settings(run, tuple(SETTING_OPTIONS))
     run.set_defaults(func=cmd_run)
 
@@ -146,18 +152,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_settings(follow, NATS_SETTINGS)
     follow.set_defaults(func=cmd_runs_follow)
     stop = runs_commands.add_parser("stop", help="stop a run: its trainer checkpoints, it takes no more tasks",
-                                    description="Mark RUN stopped: its owner stops the trainer (which checkpoints "
-                                                "first) within seconds; inference releases its queued tasks. "
+                                    description="Mark RUN stopped: its orchestrator stops the trainer (which "
+                                                "checkpoints first) within seconds; inference releases its queued "
+                                                "tasks. "
                                                 "`flywheel runs resume RUN` goes on from there.")
     stop.add_argument("run", metavar="RUN")
     _add_settings(stop, NATS_SETTINGS)
     stop.set_defaults(func=cmd_runs_stop)
     resume = runs_commands.add_parser(
         "resume", help="go on with a stopped, failed or abandoned run from its last checkpoint",
-        description="Take over RUN (stopped, failed, or abandoned by its owner) with the config it was started "
-                    "with and go on from its last checkpoint, in this process, as `flywheel run CONFIG --run-id "
-                    "RUN --resume` does (starting the embedded stack when no NATS answers). A run that finished, "
-                    "does not exist or is still running is refused.")
+        description="Make RUN (stopped, failed, or abandoned by its owner) go on from its last checkpoint with the "
+                    "config it was started with, an orchestrator owning it, and follow it here, as `flywheel run "
+                    "CONFIG --run-id RUN --resume` does (starting the embedded stack when no NATS answers). A run "
+                    "that finished, does not exist or is still running is refused.")
     resume.add_argument("run", metavar="RUN")
     _add_settings(resume, tuple(SETTING_OPTIONS))
     resume.set_defaults(func=cmd_runs_resume)
@@ -330,7 +337,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             overrides[key] = json.loads(value)
         except json.JSONDecodeError:
             overrides[key] = value
-    main_job(args.config, settings_from(args), run_id=args.run_id, overrides=overrides, resume=args.resume)
+    main_job(args.config, settings_from(args), run_id=args.run_id, overrides=overrides, resume=args.resume,
+             stop=args.stop)
     return 0
 
 
@@ -349,8 +357,6 @@ def cmd_runs_follow(args: argparse.Namespace) -> int:
 
 
 def cmd_runs_stop(args: argparse.Namespace) -> int:
-    import socket
-
     from flywheel.ops.runs import stop_command
 
     asyncio.run(stop_command(settings_from(args), args.run, f"flywheel runs stop (pid {os.getpid()} on "

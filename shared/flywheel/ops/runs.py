@@ -1,19 +1,19 @@
 """``flywheel runs list | follow RUN | stop RUN | resume RUN``: the runs of a stack, from their state.
 
 - ``list``: every run in the run-state bucket: kind, status as :func:`flywheel.contract.runs.end_of`
-  sees it (``abandoned`` when its owner's lease expired), step, owner;
+  sees it (``abandoned`` while no orchestrator holds it after its owner's lease expired),
+  step, owner;
 - ``follow RUN``: the run's steps (those its weight updates still hold, then each new one, the
-  line ``flywheel run`` prints) and its status changes, until it ends; Ctrl-C only detaches;
-- ``stop RUN``: marks the run stopped (:func:`flywheel.contract.runs.stop_run`); its owner (the
-  ``flywheel run`` process) sees it within seconds, stops the trainer, which checkpoints first,
-  and exits; inference releases its queued tasks;
-- ``resume RUN``: goes on with a stopped, failed or abandoned run from its last checkpoint,
-  with the config it was started with (the run folder's ``config.json``, else its run
-  state), in this process, as ``flywheel run CONFIG --run-id RUN --resume`` does. A run that
-  finished, does not exist, or is still running is refused, saying why.
-
-Not covered: a run owner that lives on the service side (the run's owner is the process
-that started or resumed it).
+  line ``flywheel run`` prints), its owner's notes and its status changes, until it ends;
+  Ctrl-C only detaches;
+- ``stop RUN``: marks the run stopped (:func:`flywheel.contract.runs.stop_run`); its owner (an
+  orchestrator) sees it within a second, stops the trainer, which checkpoints first, and lets
+  go of it; inference releases its queued tasks;
+- ``resume RUN``: a stopped, failed or abandoned run goes on from its last checkpoint, with the
+  config it was started with (its run state, else the run folder's ``config.json``), followed
+  here as ``flywheel run CONFIG --run-id RUN --resume`` does (starting the embedded stack
+  when no NATS answers). A run that finished, does not exist, or is still running is
+  refused, saying why.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from flywheel.contract.checkpoints import run_folder
 from flywheel.contract.config import RunConfig
 from flywheel.contract.runs import check_resumable, end_of, get_run, list_runs, stop_run
 from flywheel.contract.settings import Settings
-from flywheel.ops.run import MainJob, format_step, nats_answers, owner_is_gone
+from flywheel.ops.run import MainJob, format_step, nats_answers
 from flywheel.ops.tables import table
 
 FOLLOW_STATE_S = 1.0  # how often `runs follow` reads the run's state
@@ -107,11 +107,7 @@ async def resumable_config(settings: Settings, run: str) -> RunConfig:
             state = await get_run(bus, run)
         finally:
             await bus.close()
-        if state is not None and end_of(state) is None and owner_is_gone(state.owner):
-            pass  # its owner was a process of this machine that died: its lease has not run out yet
-        else:
-            state = check_resumable(state, run)
-        data = state.config if state is not None else data
+        data = check_resumable(state, run).config
     if data is None:
         raise ValueError(f"run {run!r}: no {run_folder(settings.data_dir, run) / 'config.json'} and no stack "
                          "answers to read its state from; give --data-dir (or --nats-url) of the stack that ran it")

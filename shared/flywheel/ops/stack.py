@@ -122,6 +122,8 @@ def heartbeat_of(service: str) -> HealthCheck:
 # Every service that runs as a local process, in start order (the gateway runs the migrations).
 SERVICES: dict[str, ServiceSpec] = {
     "gateway": ServiceSpec(("-m", "flywheel_gateway", "api"), _gateway_healthy, nice=5),
+    # Second: a run registered while the rest start gets its trainer (and model load) at once.
+    "orchestrator": ServiceSpec(("-m", "flywheel_orchestrator",), heartbeat_of("orchestrator")),
     "recorder": ServiceSpec(("-m", "flywheel_gateway", "recorder"), heartbeat_of("recorder"), nice=5),
     "scorer": ServiceSpec(("-m", "flywheel_scorer"), heartbeat_of("scorer")),
     "sandbox": ServiceSpec(("-m", "flywheel_sandbox"), heartbeat_of("sandbox")),

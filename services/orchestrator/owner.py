@@ -1,0 +1,325 @@
+"""One run's owner: its lease, its trainer, its task supply, its end.
+
+A :class:`RunOwner` lives in the orchestrator from the moment it claims a run
+(:func:`flywheel.contract.runs.claim_run`) until the run ends or another owner has it:
+
+1. keeps the lease (renewed every third of ``run_lease_s``; a renewal that finds another
+   owner ends this one at once, without writing anything);
+2. starts the run's trainer (``python -m flywheel_trainer --run RUN``, log in the run folder)
+   and keeps it running: a trainer that dies is started again with backoff and resumes from
+   its checkpoint and journal; after ``MAX_RESTARTS_WITHOUT_PROGRESS`` restarts without a new
+   step in between, the run is marked ``failed`` with the reason;
+3. publishes the environment's tasks (the task supply): a group for every step left, what
+   the staleness bound lets inference run ahead, and one group for each group's worth of
+   rollouts the trainer dropped (each weight update says how many). Their count is kept in
+   the run state, so a run claimed again goes on from there; a run claimed after it had
+   ended or lost its owner (inference released its queued tasks then) gets tasks for the
+   steps left;
+4. says what it does as notes on the run state (:func:`flywheel.contract.runs.add_note`),
+   which ``flywheel run`` and ``flywheel runs follow`` print;
+5. ends: when the trainer finished the run; when the run is marked ``stopped`` (``flywheel
+   runs stop``, the API, Ctrl-C of ``flywheel run``), the trainer is stopped (it checkpoints
+   first); when the orchestrator stops, likewise, and the run is left ``running`` without an
+   owner, for the next orchestrator to claim. At a run's end it writes ``summary.json`` and
+   ``reward.png`` in the run folder, beside the trainer's ``metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from datetime import datetime
+from typing import Any
+
+import nats.errors
+
+from flywheel.contract import events
+from flywheel.contract.bus import Bus, watch
+from flywheel.contract.checkpoints import run_folder
+from flywheel.contract.config import RunConfig
+from flywheel.contract.runs import add_note, get_run, release_run, renew_lease, update_run
+from flywheel.contract.settings import Settings
+from flywheel.ops.client import make_tasks
+from flywheel.ops.run import Progress, plot, summarize
+from flywheel.ops.stack import RestartBackoff, ServiceProcess, ServiceSpec, child_env, exit_text, heartbeat_of, wait_set
+from flywheel.sdk.environment import Environment, load_for_run, subject_name
+from flywheel.sdk.scoring import required_scorers
+
+log = logging.getLogger(__name__)
+
+MAX_RESTARTS_WITHOUT_PROGRESS = 5  # trainer restarts with no new step in between before the run fails
+STATE_CHECK_S = 1.0  # how often the owner reads its run's state (a stop, another owner)
+TRAINER_STOP_S = 15.0  # a trainer asked to stop gets this long to checkpoint
+
+
+class RunFailed(Exception):
+    """The run cannot go on (its trainer keeps failing)."""
+
+
+class TrainerSupervisor:
+    """The run's trainer process: started, watched, restarted while it makes progress.
+
+    The restart policy is the stack's (:class:`flywheel.ops.stack.RestartBackoff`), with a new
+    step as the sign of health: a trainer that trained since it last started is restarted at
+    once; exits in a row without a step wait longer each time, and after
+    ``MAX_RESTARTS_WITHOUT_PROGRESS`` of them the run fails (:class:`RunFailed`)."""
+
+    def __init__(self, owner: RunOwner) -> None:
+        self.owner = owner
+        spec = ServiceSpec(("-m", "flywheel_trainer", "--run", owner.cfg.run), heartbeat_of("trainer"))
+        self.process = ServiceProcess("trainer", spec, child_env(owner.settings), owner.run_dir / "trainer.log")
+        self.backoff = RestartBackoff(first_delay_s=1.0, max_delay_s=20.0, healthy_after_s=1.0)
+        self.progressed_since_start = False
+
+    async def start(self) -> None:
+        await self.process.launch()
+        self.progressed_since_start = False
+        await self.owner.note(f"trainer pid {self.process.pid}, log {self.process.log_path}")
+
+    def progressed(self) -> None:
+        """A new step was published: this start of the trainer works."""
+        self.progressed_since_start = True
+
+    async def check(self) -> bool:
+        """True once the trainer exited having finished the run; restarts it if it exited
+        before; RunFailed once restarts stop helping."""
+        returncode = self.process.returncode()
+        if returncode is None:
+            return False
+        try:
+            state = await get_run(self.owner.bus, self.owner.cfg.run)
+        except (TimeoutError, nats.errors.Error):
+            return False  # did it finish the run? asked again once the bus answers
+        if returncode == 0 and state is not None and state.status == "finished":
+            return True
+        delay_s = self.backoff.after_exit(float("inf") if self.progressed_since_start else 0.0)
+        num_failed = self.backoff.num_failures - 1  # restarts that brought no step
+        if num_failed >= MAX_RESTARTS_WITHOUT_PROGRESS:
+            raise RunFailed(f"the trainer exited with {exit_text(returncode)}; it was restarted {num_failed} times "
+                            f"without a new step in between, giving up; {self.process.log_tail()}")
+        await self.owner.note(f"the trainer (pid {self.process.pid}) exited with {exit_text(returncode)}; restarting "
+                              f"it in {delay_s:g}s (restart {num_failed + 1} of at most "
+                              f"{MAX_RESTARTS_WITHOUT_PROGRESS} without a new step); it resumes from its checkpoint; "
+                              f"{self.process.log_tail()}")
+        if await wait_set(self.owner.stopping, delay_s):
+            return False
+        await self.start()
+        return False
+
+    async def stop(self) -> None:
+        await self.process.stop(TRAINER_STOP_S)
+
+
+class RunOwner:
+    """Owns one claimed run until it ends, is stopped, or is lost to another owner."""
+
+    def __init__(self, bus: Bus, settings: Settings, state: events.RunState, name: str) -> None:
+        self.bus = bus
+        self.settings = settings
+        self.name = name  # the owner's name in the run state: the orchestrator instance
+        self.cfg = RunConfig.parse(state.config, source=f"run {state.id!r} config")
+        self.run_dir = run_folder(settings.data_dir.resolve(), state.id)
+        self.stopping = asyncio.Event()  # set by the orchestrator when it stops
+        self.env: Environment | None = None
+        self.rows: list[dict[str, Any]] = []  # the environment's task rows, loaded once
+        self.num_published = state.num_tasks_published
+        # Tasks published before this owner were released by inference (the run had ended or
+        # lost its owner): the supply counts what the run still needs from here.
+        self.first_task = state.num_tasks_published
+        self.first_step = state.trainer_step
+        self.num_dropped = 0  # rollouts the trainer dropped so far (each weight update says)
+        self.progress = Progress()
+        self._supplying = asyncio.Lock()
+
+    async def note(self, text: str) -> None:
+        log.info("run %s: %s", self.cfg.run, text)
+        try:
+            await add_note(self.bus, self.cfg.run, text)
+        except (TimeoutError, nats.errors.Error) as exc:
+            log.warning("run %s: could not add a note (%s: %s)", self.cfg.run, type(exc).__name__, exc)
+
+    async def run(self) -> None:
+        """Own the run until it ends or this owner stops or loses it."""
+        cfg = self.cfg
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2) + "\n")
+        trainer: TrainerSupervisor | None = None
+        lost = asyncio.Event()
+        lease = asyncio.ensure_future(self._renew_lease(lost))
+        ending: dict[str, Any] | None = None  # the state's end, when this owner ends the run
+        try:
+            self.env = await asyncio.to_thread(load_for_run, cfg)
+            if self.first_step or self.first_task:
+                await self.note(f"taken over by {self.name} at step {self.first_step} of {cfg.trainer.num_steps}")
+            await update_run(self.bus, cfg.run, scorers=required_scorers(cfg, self.env))
+            trainer = TrainerSupervisor(self)
+            await trainer.start()
+            await self._publish_tasks()
+            ending = await self._follow(trainer, lost)
+        except RunFailed as exc:
+            reason = str(exc).split("; last lines of", 1)[0]
+            await self.note(f"failed: {exc}")
+            ending = {"status": "failed", "ended_at": events.utc_now(), "reason": reason}
+        except (TimeoutError, nats.errors.Error) as exc:  # the bus is away: released, to be claimed again
+            log.warning("run %s: the bus failed its owner (%s: %s); releasing it", cfg.run, type(exc).__name__, exc)
+        except Exception as exc:  # the run cannot go on (its environment does not load, ...): it fails, saying why
+            log.exception("run %s: its owner failed", cfg.run)
+            reason = f"{self.name} could not run it: {type(exc).__name__}: {exc}"
+            await self.note(f"failed: {reason}")
+            ending = {"status": "failed", "ended_at": events.utc_now(), "reason": reason}
+        finally:
+            if trainer is not None:
+                await trainer.stop()
+            lease.cancel()
+            await asyncio.gather(lease, return_exceptions=True)
+            await self._end(ending, lost.is_set())
+
+    async def _end(self, ending: dict[str, Any] | None, lost: bool) -> None:
+        """Write the run's summary (it ended, or stopped) and let go of the run, unless another
+        owner has it."""
+        if lost:
+            return
+        try:
+            state = await get_run(self.bus, self.cfg.run)
+            ended = ending is not None or (state is not None and state.status in ("finished", "stopped", "failed"))
+            if ended:
+                self._write_summary()
+            await release_run(self.bus, self.cfg.run, self.name, **(ending or {}))
+        except (TimeoutError, nats.errors.Error) as exc:
+            log.warning("run %s: could not release the run (%s: %s); its lease expires within %gs", self.cfg.run,
+                        type(exc).__name__, exc, self.settings.run_lease_s)
+
+    def _write_summary(self) -> None:
+        """``summary.json`` and ``reward.png`` from the trainer's ``metrics.jsonl``."""
+        progress = Progress()
+        metrics = self.run_dir / "metrics.jsonl"
+        first_time: float | None = None
+        if metrics.exists():
+            for line in metrics.read_text().splitlines():
+                row = json.loads(line)
+                stamp = _timestamp(row.get("time"))
+                if not row.get("step"):
+                    first_time = stamp if stamp is not None else first_time
+                    continue
+                elapsed = stamp - first_time if stamp is not None and first_time is not None else 0.0
+                progress.steps.append({"step": float(row["step"]), "elapsed_s": elapsed,
+                                       **{k: v for k, v in row.items() if isinstance(v, int | float)}})
+        names = [name for name, weight in (required_scorers(self.cfg, self.env).items() if self.env else ())
+                 if not weight]
+        summary = summarize(progress, self.cfg, self.run_dir, names)
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        plot(progress, self.run_dir / "reward.png", f"{self.cfg.run}: {self.cfg.env}, {self.cfg.model.name}")
+
+    async def _follow(self, trainer: TrainerSupervisor, lost: asyncio.Event) -> dict[str, Any] | None:
+        """Until the run ends (None: the trainer wrote its end) or is stopped, lost, or this owner
+        stops (None). Restarts the trainer, replaces dropped rollouts with tasks."""
+        updates: asyncio.Queue[events.WeightUpdate] = asyncio.Queue()
+        watching = asyncio.ensure_future(self._watch_weights(updates))
+        last_state_s = time.monotonic()
+        try:
+            while not self.stopping.is_set() and not lost.is_set():
+                if await trainer.check():
+                    return None  # it finished the run and marked it so
+                if watching.done():
+                    await watching  # raises what ended the watch
+                if time.monotonic() - last_state_s > STATE_CHECK_S:
+                    last_state_s = time.monotonic()
+                    try:
+                        state = await get_run(self.bus, self.cfg.run)
+                    except (TimeoutError, nats.errors.Error) as exc:  # the server restarting: the trainer goes on
+                        log.warning("run %s: reading its state failed (%s: %s); trying again", self.cfg.run,
+                                    type(exc).__name__, exc)
+                        state = None
+                    if state is not None and state.status in ("stopped", "failed"):  # by someone else
+                        await self.note(f"{state.reason or 'stopped'}: stopping the trainer (it checkpoints first)")
+                        return None
+                    if state is not None and state.owner != self.name:
+                        lost.set()
+                        break
+                try:
+                    update = await asyncio.wait_for(updates.get(), 0.5)
+                except TimeoutError:
+                    continue
+                if self.progress.add(update) is not None:
+                    trainer.progressed()
+                try:
+                    await self._publish_tasks(update.num_dropped_total)
+                except (TimeoutError, nats.errors.Error) as exc:  # published with the next update instead
+                    log.warning("run %s: publishing tasks failed (%s: %s)", self.cfg.run, type(exc).__name__, exc)
+            return None
+        finally:
+            watching.cancel()
+            await asyncio.gather(watching, return_exceptions=True)
+
+    async def _watch_weights(self, out: asyncio.Queue[events.WeightUpdate]) -> None:
+        never = asyncio.Event()  # the watch ends when this task is cancelled
+        async for update in watch(self.bus, f"weights.{self.cfg.run}", events.WeightUpdate, never,
+                                  watcher="orchestrator-weights", last_per_subject=True):
+            await out.put(update)
+
+    async def _renew_lease(self, lost: asyncio.Event) -> None:
+        """Keep the lease: renewed every third of run_lease_s, sooner after a failed renewal. A
+        renewal that finds another owner sets ``lost``."""
+        period_s = self.settings.run_lease_s / 3
+        while True:
+            await asyncio.sleep(period_s)
+            try:
+                renewed = await renew_lease(self.bus, self.cfg.run, self.name, self.settings.run_lease_s)
+            except (TimeoutError, nats.errors.Error) as exc:
+                log.warning("run %s: renewing the lease failed (%s: %s); retrying", self.cfg.run,
+                            type(exc).__name__, exc)
+                period_s = min(5.0, self.settings.run_lease_s / 6)
+                continue
+            if renewed is None:
+                log.warning("run %s: another owner holds the run now; letting go of it", self.cfg.run)
+                lost.set()
+                return
+            period_s = self.settings.run_lease_s / 3
+
+    async def _publish_tasks(self, num_dropped: int | None = None) -> None:
+        """Publish tasks up to what the run needs; called again as drops come in."""
+        async with self._supplying:
+            if num_dropped is not None:
+                self.num_dropped = max(self.num_dropped, num_dropped)
+            await self._publish_more()
+
+    async def _publish_more(self) -> None:
+        cfg, num_dropped = self.cfg, self.num_dropped
+        if cfg.num_tasks is not None:
+            wanted = max(cfg.num_tasks, self.num_published) if self.first_task == 0 else (
+                self.first_task + cfg.num_tasks)
+        else:
+            steps_left = cfg.trainer.num_steps - (self.first_step if self.first_task else 0)
+            wanted = (self.first_task + (steps_left + cfg.trainer.max_off_policy_steps + 2) * cfg.groups_per_step
+                      + -(-num_dropped // cfg.group_size))
+        if wanted <= self.num_published:
+            return
+        assert self.env is not None
+        if len(self.rows) < wanted:
+            self.rows = await asyncio.to_thread(self.env.load_tasks, 2 * wanted, seed=cfg.task_seed)
+        numbered = list(enumerate(self.rows, 1))[self.num_published:wanted]
+        tasks = [task for position, row in numbered
+                 for task in make_tasks(cfg.run, subject_name(cfg.env, self.env), [(position, row)],
+                                        num_rollouts=cfg.group_size, sampling=cfg.task_sampling(position - 1))]
+        await self.bus.publish_many(tasks)
+        if self.num_published == 0:
+            text = (f"published {len(tasks)} tasks of {cfg.group_size} rollouts each ({cfg.env}); "
+                    f"{cfg.trainer.num_steps} steps of {cfg.trainer.batch_size} rollouts")
+        elif self.num_published == self.first_task:
+            text = f"published {len(tasks)} tasks for the {cfg.trainer.num_steps - self.first_step} steps left"
+        else:
+            text = f"published {len(tasks)} more tasks to replace dropped rollouts"
+        self.num_published = wanted
+        await update_run(self.bus, cfg.run, num_tasks_published=wanted)
+        await self.note(text)
+
+
+def _timestamp(value: object) -> float | None:
+    if not isinstance(value, str):
+        return None
+    try:
+        return datetime.fromisoformat(value).timestamp()
+    except ValueError:
+        return None

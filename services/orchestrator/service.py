@@ -1,0 +1,125 @@
+"""The orchestrator service: claims the runs that need an owner and runs a :class:`RunOwner` for each.
+
+Every ``SCAN_S`` it reads the run-state bucket: a training run with a config that is not
+ended and has no live owner (new, resumed, or left by an owner whose lease ran out:
+:func:`flywheel.contract.runs.claimable`) is claimed by compare-and-set, so of several
+orchestrators one wins. Its heartbeat's ``info`` lists the runs it owns. On SIGTERM or
+SIGINT every owner stops its trainer (which checkpoints first) and lets go of its run,
+left ``running``: the next orchestrator to start claims it and goes on. ``--run-config``
+registers (or resumes) a deployment's runs at start (:func:`submit`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+import nats.errors
+
+from flywheel.contract import events
+from flywheel.contract.bus import Bus
+from flywheel.contract.config import RunConfig
+from flywheel.contract.runs import (
+    add_note,
+    claim_run,
+    claimable,
+    end_of,
+    list_runs,
+    register_run,
+    release_run,
+    resume_run,
+)
+from flywheel.contract.service import Service
+from flywheel.contract.settings import Settings
+from flywheel.sdk.environment import load_for_run
+from flywheel.sdk.scoring import required_scorers
+from flywheel_orchestrator.owner import RunOwner
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "orchestrator"
+SCAN_S = 1.0  # how often the run-state bucket is read for runs that need an owner
+
+
+class Orchestrator:
+    def __init__(self, bus: Bus, settings: Settings, service: Service) -> None:
+        self.bus = bus
+        self.settings = settings
+        self.service = service
+        self.owners: dict[str, tuple[RunOwner, asyncio.Task[None]]] = {}
+
+    @property
+    def name(self) -> str:
+        return f"orchestrator {self.service.instance}"
+
+    async def serve(self, stopping: asyncio.Event) -> None:
+        try:
+            while not stopping.is_set():
+                try:
+                    await self._scan()
+                except (TimeoutError, nats.errors.Error) as exc:
+                    log.warning("reading the runs failed (%s: %s); trying again", type(exc).__name__, exc)
+                try:
+                    await asyncio.wait_for(stopping.wait(), SCAN_S)
+                except TimeoutError:
+                    pass
+        finally:
+            for owner, _ in self.owners.values():
+                owner.stopping.set()
+            await asyncio.gather(*(task for _, task in self.owners.values()), return_exceptions=True)
+
+    async def _scan(self) -> None:
+        for run, (_, task) in list(self.owners.items()):
+            if task.done():
+                del self.owners[run]
+                self._refresh_info()
+        for state in await list_runs(self.bus):
+            if state.id in self.owners or not claimable(state):
+                continue
+            claimed = await claim_run(self.bus, state.id, self.name, self.settings.run_lease_s)
+            if claimed is None:
+                continue  # another orchestrator was first, or it ended meanwhile
+            try:
+                owner = RunOwner(self.bus, self.settings, claimed, self.name)
+            except ValueError as exc:  # its stored config no longer parses: said on the run, which is failed
+                await self._refuse(claimed.id, str(exc))
+                continue
+            log.info("run %s: claimed (step %d)", claimed.id, claimed.trainer_step)
+            self.owners[claimed.id] = (owner, asyncio.ensure_future(owner.run()))
+            self._refresh_info()
+
+    async def _refuse(self, run: str, why: str) -> None:
+        await add_note(self.bus, run, f"{self.name} cannot run it: {why}")
+        await release_run(self.bus, run, self.name, status="failed", ended_at=events.utc_now(), reason=why)
+
+    def _refresh_info(self) -> None:
+        self.service.info["runs"] = sorted(self.owners)
+
+
+async def submit(bus: Bus, path: str) -> None:
+    """Own the run of the config at ``path`` from the start (``--run-config``): registered when new,
+    made claimable again when it stopped, failed or was abandoned; left alone otherwise."""
+    cfg = RunConfig.from_toml(path)
+    env = load_for_run(cfg)
+    cfg = cfg.with_sampling_defaults(env.sampling, f"environment {env.name!r}")
+    config = cfg.model_dump()
+    state, created = await register_run(bus, cfg.run, cfg.tenant, config=config, scorers=required_scorers(cfg, env))
+    if created:
+        log.info("run %s: registered from %s", cfg.run, path)
+    elif state.config != config:
+        raise ValueError(f"--run-config {path}: run {cfg.run!r} exists with another config; name a new run in it")
+    elif state.status != "finished" and end_of(state) is not None:
+        await resume_run(bus, cfg.run)
+        log.info("run %s: resumed from %s", cfg.run, path)
+
+
+async def run(settings: Settings, run_configs: Sequence[str] = ()) -> None:
+    """Composition root: bus, the runs given, service, orchestrator; runs until a signal."""
+    bus = await Bus.connect(settings.resolved_nats_url, name=SERVICE_NAME)
+    for path in run_configs:
+        await submit(bus, path)
+    service = Service(SERVICE_NAME, bus, info={"runs": []})
+    orchestrator = Orchestrator(bus, settings, service)
+    service.add_task(orchestrator.serve)
+    await service.run()
