@@ -10,7 +10,7 @@ import pytest
 from nats.aio.msg import Msg
 
 from flywheel.contract import events
-from flywheel.contract.bus import Bus, BusConfig, Consumer, Delivery, Reject, delivery_counts
+from flywheel.contract.bus import Bus, BusConfig, Consumer, Delivery, Reject, delivery_counts, watch
 from flywheel.ops.natsserver import NatsServer
 from tests.helpers import until
 
@@ -266,6 +266,33 @@ async def test_server_restart_mid_stream_loses_nothing(nats_server: NatsServer) 
     assert (await producer.js.stream_info("TASKS")).state.messages == 600
     await producer.close()
     await consumer_bus.close()
+
+
+async def test_a_watch_from_a_start_time_goes_on_after_a_server_restart(nats_server: NatsServer) -> None:
+    """What `flywheel run` watches the run's dead letters with: the client recreates the watch's
+    consumer after a restart, which must not carry the start time along (the server refuses it)."""
+    bus = await Bus.connect(nats_server.url, "watcher")
+    await bus.publish(task(0))
+    since = events.utc_now()
+    await bus.publish(task(1))
+    stopping = asyncio.Event()
+    seen: list[str] = []
+
+    async def collect() -> None:
+        async for event in watch(bus, "tasks.>", events.Task, stopping, watcher="test-watch", start_time=since):
+            seen.append(event.id)
+
+    watching = asyncio.ensure_future(collect())
+    try:
+        await until(lambda: seen == [task(1).id], what="the task published after the start time")
+        await asyncio.to_thread(nats_server.restart)
+        await bus.publish(task(2))
+        await until(lambda: task(2).id in seen, timeout_s=30, what="a task published after the restart")
+        assert seen == [task(1).id, task(2).id]
+    finally:
+        stopping.set()
+        await watching
+        await bus.close()
 
 
 async def test_publish_many_survives_a_server_restart_mid_batch(nats_server: NatsServer) -> None:

@@ -508,6 +508,9 @@ async def watch(bus: Bus, subject: str, event_type: type[T], stopping: asyncio.E
     # restart loses it) after two missed ones: at 1 s, the watch resumes within seconds.
     sub = await bus.js.subscribe(subject, stream=stream_of(subject), config=config, ordered_consumer=True,
                                  idle_heartbeat=WATCH_HEARTBEAT_S)
+    # As in Replay: nats-py recreates a reset ordered consumer (after a server restart) from this
+    # config by start sequence, which the server refuses alongside a start time.
+    config.opt_start_time = None
     try:
         while not stopping.is_set():
             try:
