@@ -1,12 +1,13 @@
 """The orchestrator service: claims the runs that need an owner and runs a :class:`RunOwner` for each.
 
-Every ``SCAN_S`` it reads the run-state bucket: a training run with a config that is not
-ended and has no live owner (new, resumed, or left by an owner whose lease ran out:
-:func:`flywheel.contract.runs.claimable`) is claimed by compare-and-set, so of several
-orchestrators one wins. Its heartbeat's ``info`` lists the runs it owns. On SIGTERM or
-SIGINT every owner stops its trainer (which checkpoints first) and lets go of its run,
-left ``running``: the next orchestrator to start claims it and goes on. ``--run-config``
-registers (or resumes) a deployment's runs at start (:func:`submit`).
+Every ``SCAN_S``, and at once when a run becomes claimable (a watch on the bucket), it reads
+the run-state bucket: a training run with a config that is not ended and has no live owner
+(new, resumed, or left by an owner whose lease ran out: :func:`flywheel.contract.runs.claimable`)
+is claimed by compare-and-set, so of several orchestrators one wins. Its heartbeat's
+``info`` lists the runs it owns. On SIGTERM or SIGINT every owner stops its trainer (which
+checkpoints first) and lets go of its run, left ``running``: the next orchestrator to start
+claims it and goes on. ``--run-config`` registers (or resumes) a deployment's runs at start
+(:func:`submit`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from flywheel.contract.runs import (
     register_run,
     release_run,
     resume_run,
+    watch_runs,
 )
 from flywheel.contract.service import Service
 from flywheel.contract.settings import Settings
@@ -54,17 +56,27 @@ class Orchestrator:
         return f"orchestrator {self.service.instance}"
 
     async def serve(self, stopping: asyncio.Event) -> None:
+        wake = asyncio.Event()  # a run became claimable: scan now (a new run is claimed at once)
+
+        async def changed(state: events.RunState) -> None:
+            if state.id not in self.owners and claimable(state):
+                wake.set()
+
+        watching = asyncio.ensure_future(watch_runs(self.bus, stopping, changed))
         try:
             while not stopping.is_set():
+                wake.clear()
                 try:
                     await self._scan()
                 except (TimeoutError, nats.errors.Error) as exc:
                     log.warning("reading the runs failed (%s: %s); trying again", type(exc).__name__, exc)
-                try:
-                    await asyncio.wait_for(stopping.wait(), SCAN_S)
-                except TimeoutError:
-                    pass
+                waiters = [asyncio.ensure_future(stopping.wait()), asyncio.ensure_future(wake.wait())]
+                await asyncio.wait(waiters, timeout=SCAN_S, return_when=asyncio.FIRST_COMPLETED)
+                for waiter in waiters:
+                    waiter.cancel()
         finally:
+            watching.cancel()
+            await asyncio.gather(watching, return_exceptions=True)
             for owner, _ in self.owners.values():
                 owner.stopping.set()
             await asyncio.gather(*(task for _, task in self.owners.values()), return_exceptions=True)
