@@ -135,11 +135,13 @@ def test_trainer_restart_detach_stop_resume_and_takeover(stack, tmp_path: Path, 
     assert finished.status == "finished" and finished.scorers == {"similarity": 1.0, "exact": 0.0}
     assert finished.owner is None and (data_dir / "runs" / "killed-trainer" / "summary.json").exists()
 
-    # The `flywheel run` process killed: the run goes on to its end by itself.
+    # Ctrl-C on `flywheel run` detaches (the survivor test below SIGKILLs it): the run goes on to
+    # its end by itself.
     proc, output = start_run("detached", data_dir, ports, clean_env)
     output.wait_for(r"^step\s+1/", STEP_TIMEOUT_S)
-    proc.kill()
-    proc.wait()
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(30) == 0, output.text
+    output.wait_for(r"^run detached: no longer following it; it goes on \(`flywheel runs follow detached`", 1)
     follower, followed = runs_command("follow", "detached", data_dir, ports, clean_env)
     assert follower.wait(STEP_TIMEOUT_S) == 0, followed.text
     followed.wait_for(r"^run detached: finished", 1)
