@@ -126,8 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config value, e.g. --set trainer.lr=0 (JSON values; repeatable)")
     run.add_argument("--resume", action="store_true",
-                     help="take over the run named by --run-id (default: the config's own run, without a time) and "
-                          "go on where it stopped (same config); a run that does not exist yet is started")
+                     help="go on with the run named by --run-id (default: the config's own run, without a time) "
+                          "where it stopped, or follow it when it still runs (same config); a run that does not "
+                          "exist yet is started")
     run.add_argument("--stop", action="store_true",
                      help="Ctrl-C stops the run (its trainer checkpoints first) instead of only detaching from it "
                           "(always so when no NATS answers and this command starts the embedded stack)")
