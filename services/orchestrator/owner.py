@@ -5,8 +5,9 @@ A :class:`RunOwner` lives in the orchestrator from the moment it claims a run
 
 1. keeps the lease (renewed every third of ``run_lease_s``; a renewal that finds another
    owner ends this one at once, without writing anything);
-2. starts the run's trainer (``python -m flywheel_trainer --run RUN``, log in the run folder)
-   and keeps it running: a trainer that dies is started again with backoff and resumes from
+2. starts the run's trainer (``python -m flywheel_trainer --run RUN``, log in the run folder;
+   once a trainer of the run left by a dead owner has stopped beating, so two never share the
+   run folder) and keeps it running: a trainer that dies is started again with backoff and resumes from
    its checkpoint and journal; after ``MAX_RESTARTS_WITHOUT_PROGRESS`` restarts without a new
    step in between, the run is marked ``failed`` with the reason;
 3. publishes the environment's tasks (the task supply): a group for every step left, what
@@ -29,6 +30,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import socket
 import time
 from datetime import datetime
 from typing import Any
@@ -36,10 +39,11 @@ from typing import Any
 import nats.errors
 
 from flywheel.contract import events
-from flywheel.contract.bus import Bus, watch
+from flywheel.contract.bus import SERVICE_HEARTBEAT_TTL_S, Bus, watch
 from flywheel.contract.checkpoints import run_folder
 from flywheel.contract.config import RunConfig
 from flywheel.contract.runs import add_note, get_run, release_run, renew_lease, update_run
+from flywheel.contract.service import read_heartbeats
 from flywheel.contract.settings import Settings
 from flywheel.ops.client import make_tasks
 from flywheel.ops.run import Progress, plot, summarize
@@ -154,6 +158,7 @@ class RunOwner:
             if self.first_step or self.first_task:
                 await self.note(f"taken over by {self.name} at step {self.first_step} of {cfg.trainer.num_steps}")
             await update_run(self.bus, cfg.run, scorers=required_scorers(cfg, self.env))
+            await self._wait_for_previous_trainer()
             trainer = TrainerSupervisor(self)
             await trainer.start()
             await self._publish_tasks()
@@ -175,6 +180,28 @@ class RunOwner:
             lease.cancel()
             await asyncio.gather(lease, return_exceptions=True)
             await self._end(ending, lost.is_set())
+
+    async def _wait_for_previous_trainer(self) -> None:
+        """Until no other trainer of this run lives: a run taken over from a dead owner may still
+        have the trainer that owner started, checkpointing on its way out. Its heartbeat says so;
+        one of this host whose process is gone does not count; at most until a heartbeat would
+        have expired (then the run goes on, and says so)."""
+        deadline = time.monotonic() + SERVICE_HEARTBEAT_TTL_S + 5.0
+        said = False
+        while not self.stopping.is_set():
+            others = [b for b in await read_heartbeats(self.bus)
+                      if b.service == "trainer" and b.info.get("run") == self.cfg.run and not _process_gone(b)]
+            if not others:
+                return
+            if time.monotonic() > deadline:
+                await self.note(f"a trainer of the run (pid {others[0].pid} on {others[0].host}) still beats after "
+                                f"{SERVICE_HEARTBEAT_TTL_S + 5.0:g}s; starting this owner's trainer anyway")
+                return
+            if not said:
+                await self.note(f"waiting for the run's previous trainer (pid {others[0].pid} on {others[0].host}) "
+                                "to stop before starting another")
+                said = True
+            await asyncio.sleep(0.5)
 
     async def _end(self, ending: dict[str, Any] | None, lost: bool) -> None:
         """Write the run's summary (it ended, or stopped) and let go of the run, unless another
@@ -314,6 +341,20 @@ class RunOwner:
         self.num_published = wanted
         await update_run(self.bus, cfg.run, num_tasks_published=wanted)
         await self.note(text)
+
+
+def _process_gone(beat: events.ServiceHeartbeat) -> bool:
+    """Whether ``beat`` is of a process of this host that no longer runs (its heartbeat lingers
+    until it expires)."""
+    if beat.host != socket.gethostname():
+        return False
+    try:
+        os.kill(beat.pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
 
 
 def _timestamp(value: object) -> float | None:

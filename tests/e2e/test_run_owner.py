@@ -237,7 +237,9 @@ def test_a_run_survives_every_process_and_nats_server_killed(tmp_path: Path, cle
         output.wait_for(r"^step\s+3/", STEP_TIMEOUT_S)
         pids = [int(m.group(1)) for m in up_output.matching(r"^started \S+ \(pid (\d+)\)")]
         pids.append(int(output.wait_for(r"trainer pid (\d+)", 5)[0].group(1)))
-        for pid in [*pids, up.pid, proc.pid]:
+        # The supervisor first: killed after a service, it could start that one again (a new
+        # pid holding a port) before its own turn.
+        for pid in [up.pid, *pids, proc.pid]:
             os.kill(pid, signal.SIGKILL)
         up.wait()
         proc.wait()
