@@ -4,7 +4,7 @@
   sees it (``abandoned`` while no orchestrator holds it after its owner's lease expired),
   step, owner;
 - ``follow RUN``: the run's steps (those its weight updates still hold, then each new one, the
-  line ``flywheel run`` prints), its owner's notes and its status changes, until it ends;
+  line ``flywheel run`` prints) and its status changes, until it ends (not the owner's notes);
   Ctrl-C only detaches;
 - ``stop RUN``: marks the run stopped (:func:`flywheel.contract.runs.stop_run`); its owner (an
   orchestrator) sees it within a second, stops the trainer, which checkpoints first, and lets
