@@ -6,6 +6,8 @@ import asyncio
 import time
 from collections import Counter
 
+import msgspec
+import nats.js.errors
 import pytest
 from nats.aio.msg import Msg
 
@@ -551,3 +553,40 @@ async def test_watch_runs_and_heartbeats_skip_entries_that_do_not_decode(bus: Bu
     assert await read_heartbeats(bus) == []
     with pytest.raises(BadRunState, match="'broken'"):
         await get_run(bus, "broken")
+
+
+async def test_listing_runs_and_heartbeats_misses_none_while_one_is_rewritten(bus: Bus) -> None:
+    # nats-py's KeyValue.keys() ends its walk early while a key is rewritten (it returned no
+    # keys at all here); runs and heartbeats are rewritten every few seconds.
+    from flywheel.contract.runs import list_runs, register_run, update_run
+    from flywheel.contract.service import read_heartbeats
+
+    for run in ("a", "b", "c"):
+        await register_run(bus, run)
+    services = await bus.services_kv()
+    beat = events.ServiceHeartbeat(service="scorer", instance="1", pid=1, host="h", status="ok",
+                                   started_at=events.utc_now())
+    for instance in ("1", "2", "3"):
+        await services.put(f"scorer.{instance}", events.encode(msgspec.structs.replace(beat, instance=instance)))
+    await services.put("scorer.gone", events.encode(beat))
+    await services.delete("scorer.gone")
+    stopping = asyncio.Event()
+
+    async def rewrite() -> None:
+        step = 0
+        while not stopping.is_set():
+            step += 1
+            await update_run(bus, "b", trainer_step=step)
+            await services.put("scorer.2", events.encode(msgspec.structs.replace(beat, instance="2")))
+
+    writer = asyncio.ensure_future(rewrite())
+    try:
+        for _ in range(50):
+            assert sorted(s.id for s in await list_runs(bus)) == ["a", "b", "c"]
+            assert [b.instance for b in await read_heartbeats(bus)] == ["1", "2", "3"]
+    finally:
+        stopping.set()
+        await writer
+    assert await bus.kv_keys("flywheel-services") == ["scorer.1", "scorer.2", "scorer.3", "scorer.gone"]
+    with pytest.raises(nats.js.errors.BucketNotFoundError):
+        await bus.kv_keys("no-such-bucket")

@@ -231,6 +231,19 @@ class Bus:
     async def services_kv(self) -> KeyValue:
         return await self.retry(lambda: self.js.key_value(SERVICES_BUCKET))
 
+    async def kv_keys(self, bucket: str) -> list[str]:
+        """Every key the KV bucket holds now, sorted (a deleted key stays listed until purged:
+        reading it raises KeyDeletedError). One snapshot, the stream's subjects: nats-py's
+        ``KeyValue.keys()`` walks a watcher that ends early, missing keys or all of them, while
+        a key is rewritten (heartbeats and run leases are, every few seconds).
+        Raises BucketNotFoundError when the bucket does not exist."""
+        prefix = f"$KV.{bucket}."
+        try:
+            info = await self.retry(lambda: self.js.stream_info(f"KV_{bucket}", subjects_filter=f"{prefix}>"))
+        except nats.js.errors.NotFoundError:
+            raise nats.js.errors.BucketNotFoundError from None
+        return sorted(subject.removeprefix(prefix) for subject in info.state.subjects or {})
+
     async def weights_store(self, bucket: str, create: bool = False) -> ObjectStore:
         """The weights bucket ``bucket`` (``create``: made when missing, as the trainer does)."""
         if create:

@@ -137,13 +137,8 @@ async def get_run(bus: Bus, run: str) -> events.RunState | None:
 
 async def list_runs(bus: Bus) -> list[events.RunState]:
     """Every run's current state; an entry that does not decode is logged and left out."""
-    kv = await bus.runs_kv()
-    try:
-        keys = await bus.retry(kv.keys)
-    except nats.js.errors.NoKeysError:
-        return []
     states = []
-    for key in keys:
+    for key in await bus.kv_keys(RUNS_BUCKET):
         try:
             state = await get_run(bus, key)
         except BadRunState as exc:

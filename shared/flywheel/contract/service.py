@@ -24,7 +24,7 @@ import nats.errors
 import nats.js.errors
 
 from flywheel.contract import events
-from flywheel.contract.bus import SERVICE_HEARTBEAT_TTL_S, Bus, Consumer
+from flywheel.contract.bus import SERVICE_HEARTBEAT_TTL_S, SERVICES_BUCKET, Bus, Consumer
 
 log = logging.getLogger(__name__)
 
@@ -160,10 +160,7 @@ async def read_heartbeats(bus: Bus) -> list[events.ServiceHeartbeat]:
     """Every live service instance (expired heartbeats are gone from the bucket). An entry that
     is not a heartbeat (something else wrote the key) is logged and left out."""
     kv = await bus.services_kv()
-    try:
-        keys = await kv.keys()
-    except nats.js.errors.NoKeysError:
-        return []
+    keys = await bus.kv_keys(SERVICES_BUCKET)
     decoder = events.Decoder(events.ServiceHeartbeat)
     beats = []
     for key in keys:
