@@ -90,7 +90,7 @@ def warm_model(work: Path, sft_steps: int) -> Path:
     cfg = RunConfig.parse({"run": "warm", "env": "reverse_text",
                            "sft": {"steps": sft_steps, "batch_size": 32, "lr": 3e-3}}, source="warm-up")
     model, tok = models.load_model(models.resolve_model("tiny", work / "data"))
-    figures = sft_warmup(model, tok, load_for_run(cfg), cfg, micro_batch_size=32)
+    figures = sft_warmup(model, tok, [load_for_run(cfg)], cfg, micro_batch_size=32)
     model.save_pretrained(out)
     tok.save_pretrained(out)
     print(f"warm-up: {sft_steps} SFT steps, loss {figures['sft_loss']:.3f}, saved to {out}", flush=True)

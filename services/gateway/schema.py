@@ -72,12 +72,16 @@ runs = sa.Table(
 )
 
 # The scorers whose weighted values make a run's reward, mirrored from its state in the
-# run-state bucket (RunState.scorers): a rollout's reward is the weighted sum of theirs
-# (store.reward_expression). A run without rows here counts every score at its own weight.
+# run-state bucket: a rollout's reward is the weighted sum of theirs (store.reward_expression).
+# env '': every environment of the run (a run with one: RunState.scorers); else the rows of
+# that environment, its name in subjects (a run with several: RunState.env_scorers). A run
+# has rows of one kind or the other, never both. A rollout without rows (its run has none,
+# or none of its environment) counts every score at its own weight.
 run_scorers = sa.Table(
     "run_scorers",
     metadata,
     sa.Column("run", sa.String, primary_key=True),
+    sa.Column("env", sa.String, primary_key=True, server_default=""),
     sa.Column("scorer", sa.String, primary_key=True),
     sa.Column("weight", sa.Float, nullable=False),
 )

@@ -19,12 +19,13 @@ ignored, whichever consumer is first.
 A rollout's reward is the one definition every reader uses
 (:func:`flywheel.sdk.scoring.rollout_reward`), computed in SQL (:func:`reward_expression`):
 the weighted sum of the values of its run's scorers (``run_scorers``, mirrored from the
-run's ``RunState.scorers``; a score of any other scorer counts for nothing), null until each
-of them has scored it, when one failed on it, and when the rollout is an error; a run whose
-scorers are not known counts every score at its own weight. It is recomputed in the same
-transaction whenever the rollout (its first copy) or one of its scores is recorded, and for
-all of a run's rollouts when its scorers change, so the order in which they arrive does not
-matter, and filters on it run in SQL. A weight update
+run's ``RunState.scorers``, or from ``RunState.env_scorers`` those of the rollout's
+environment in a run with several; a score of any other scorer counts for nothing), null
+until each of them has scored it, when one failed on it, and when the rollout is an error; a
+rollout whose scorers are not known counts every score at its own weight. It is recomputed in
+the same transaction whenever the rollout (its first copy) or one of its scores is recorded,
+and for the run's rollouts its scorers apply to when they change, so the order in which they
+arrive does not matter, and filters on it run in SQL. A weight update
 also gives its run's metrics for its training step (``run_metrics``; the first update of a
 step wins).
 
@@ -545,8 +546,10 @@ class Store:
 
     async def upsert_runs(self, states: Sequence[events.RunState]) -> None:
         """Record runs with their tenant, kind and scorers (the run-state bucket is the source
-        of truth). A run whose scorers change has every recorded rollout's reward recomputed;
-        a state without scorers leaves the ones recorded as they are (not known is no change)."""
+        of truth): those of each environment (``env_scorers``) in a run with several, else the
+        run's (``scorers``, env ''). A run whose scorers change has the reward of each recorded
+        rollout they apply to recomputed; a state without scorers leaves the ones recorded as
+        they are (not known is no change)."""
         if not states:
             return
         await self._write(lambda conn: self._upsert_runs(conn, states))
@@ -558,25 +561,38 @@ class Store:
         stmt = stmt.on_conflict_do_update(index_elements=["id"], set_={
             "tenant": stmt.excluded.tenant, "kind": stmt.excluded.kind,
             "env": sa.func.coalesce(stmt.excluded.env, s.runs.c.env)})  # a state without config keeps it
-        rs = s.run_scorers.c
+        rs, r = s.run_scorers.c, s.rollouts.c
+        # Each run's scorers as its rows: env -> scorer -> weight; runs whose scorers are not known left out.
+        wanted_of = {st.id: wanted for st in states if (wanted := self._run_scorers(st))}
         if self.dialect == "postgresql":
-            self._lock_runs(conn, sorted({st.id for st in states if st.scorers}), exclusive=True)
+            self._lock_runs(conn, sorted(wanted_of), exclusive=True)
         conn.execute(stmt, [{"id": st.id, "tenant": st.tenant, "kind": st.kind, "created_at": st.created_at,
                              "env": self._text(env) if isinstance(env := st.config.get("env"), str) else None}
                             for st in states])
-        for st in states:
-            if not st.scorers:
+        for run_id, wanted in wanted_of.items():
+            run = self._text(run_id)
+            stored: dict[str, dict[str, float]] = {}
+            for env, name, weight in conn.execute(sa.select(rs.env, rs.scorer, rs.weight).where(rs.run == run)):
+                stored.setdefault(env, {})[name] = weight
+            changed = sorted(env for env in stored.keys() | wanted.keys() if stored.get(env) != wanted.get(env))
+            if not changed:
                 continue
-            run = self._text(st.id)
-            stored = {name: weight for name, weight in conn.execute(sa.select(rs.scorer, rs.weight)
-                                                                     .where(rs.run == run))}
-            wanted = {self._text(name): float(weight) for name, weight in st.scorers.items()}
-            if stored == wanted:
-                continue
-            conn.execute(sa.delete(s.run_scorers).where(rs.run == run))
-            conn.execute(sa.insert(s.run_scorers), [{"run": run, "scorer": name, "weight": weight}
-                                                    for name, weight in wanted.items()])
-            conn.execute(sa.update(s.rollouts).where(s.rollouts.c.run == run).values(reward=reward_expression()))
+            conn.execute(sa.delete(s.run_scorers).where(rs.run == run, rs.env.in_(changed)))
+            conn.execute(sa.insert(s.run_scorers), [{"run": run, "env": env, "scorer": name, "weight": weight}
+                                                    for env in changed for name, weight in wanted.get(env, {}).items()])
+            # The rollouts whose scorers changed: every one of the run where its '' rows did
+            # (a change between one reward and one per environment included), else those of
+            # the environments that did.
+            of_run = r.run == run if "" in changed else sa.and_(r.run == run, r.env.in_(changed))
+            conn.execute(sa.update(s.rollouts).where(of_run).values(reward=reward_expression()))
+
+    def _run_scorers(self, state: events.RunState) -> dict[str, dict[str, float]]:
+        """The rows of ``run_scorers`` for ``state``, env -> scorer -> weight, as stored: one set
+        per environment of a run with several (``env_scorers``), else the run's ``scorers``
+        under ''; empty where they are not known. An environment without scorers has no rows."""
+        by_env = state.env_scorers or {"": state.scorers}
+        return {self._text(env): {self._text(name): float(weight) for name, weight in scorers.items()}
+                for env, scorers in by_env.items() if scorers}
 
     def _lock_runs(self, conn: sa.Connection, runs: Sequence[str], exclusive: bool) -> None:
         """PostgreSQL: transaction-scoped advisory locks on ``runs`` (keys of their own, apart from
@@ -785,17 +801,20 @@ def export_record(row: dict[str, Any], scores: list[dict[str, Any]], tokens: boo
 
 def reward_expression() -> sa.ColumnElement[float]:
     """A rollout's reward, :func:`flywheel.sdk.scoring.rollout_reward` in SQL (a test holds
-    them equal): where its run's scorers are known (``run_scorers``), the sum of weight x
-    value over them, NULL while one of them has no score without an error; elsewhere the
-    weighted sum of every score, NULL before the first and when one failed. NULL for an
-    errored rollout either way."""
+    them equal): where its scorers are known (``run_scorers``: its run's rows of its
+    environment, or of every environment, env ''; a run has one kind or the other), the sum of
+    weight x value over them, NULL while one of them has no score without an error; elsewhere
+    the weighted sum of every score, NULL before the first and when one failed. A rollout of a
+    run with rows per environment but none of its own takes that rule too, as one of a run
+    without rows does. NULL for an errored rollout either way."""
     r, sc, rs = s.rollouts.c, s.scores.c, s.run_scorers.c
-    known = sa.exists().where(rs.run == r.run)
+    applies = sa.and_(rs.run == r.run, rs.env.in_([r.env, ""]))  # the rows that make this rollout's reward
+    known = sa.exists().where(applies)
     scored = sa.exists().where(sc.rollout_id == r.id, sc.scorer == rs.scorer, sc.error.is_(None))
-    unmet = sa.exists().where(rs.run == r.run, sa.not_(scored.correlate_except(s.scores)))
+    unmet = sa.exists().where(applies, sa.not_(scored.correlate_except(s.scores)))
     required = (sa.select(sa.func.sum(rs.weight * sc.value))
                 .select_from(s.run_scorers.join(s.scores, sa.and_(sc.scorer == rs.scorer, sc.rollout_id == r.id)))
-                .where(rs.run == r.run).scalar_subquery())
+                .where(applies).scalar_subquery())
     every = sa.select(sa.func.sum(sc.value * sc.weight)).where(sc.rollout_id == r.id).scalar_subquery()
     return sa.case((r.status == "error", sa.null()),
                    (known, sa.case((unmet, sa.null()), else_=required)),

@@ -170,7 +170,7 @@ class Worker:
         self._published: dict[str, OrderedDict[str, None]] = {}  # per run: tasks whose group went out
         self._in_flight: dict[tuple[str, str], asyncio.Event] = {}  # (run, task id) -> set when handled
         self._num_skipped: dict[str, int] = {}  # rollouts of skipped tasks of runs not hosted here
-        self._environments: dict[str, Environment] = {}
+        self._environments: dict[tuple[str, str], Environment] = {}
         self.interception = Interception()
         self._asgi_client: Any = None
 
@@ -263,11 +263,12 @@ class Worker:
                 raise TransientFetchError(f"{type(exc).__name__}: {exc}") from exc
             raise
 
-    def environment(self, run: str, config: RunConfig) -> Environment:
-        """The run's environment, loaded once as every service loads it (its config's env, args, rewards)."""
-        if run not in self._environments:
-            self._environments[run] = load_for_run(config)
-        return self._environments[run]
+    def environment(self, run: str, env: str, config: RunConfig) -> Environment:
+        """The run's environment ``env`` (a task's), loaded once as every service loads it (its
+        config's id, args, rewards)."""
+        if (run, env) not in self._environments:
+            self._environments[run, env] = load_for_run(config, env)
+        return self._environments[run, env]
 
     def _refresh_info(self) -> None:
         """Keep the heartbeat's counters current (called on every change of a run's counters)."""
@@ -424,7 +425,7 @@ class Worker:
         except (UnknownRun, ValueError) as exc:  # deleted meanwhile, or a config that does not parse
             raise Reject(str(exc)) from exc
         try:
-            env = self.environment(task.run, hosted.config)
+            env = self.environment(task.run, task.env, hosted.config)
         except EnvironmentLoadError as exc:
             raise Reject(str(exc)) from exc
         try:

@@ -10,12 +10,14 @@ A :class:`RunOwner` lives in the orchestrator from the moment it claims a run
    run folder) and keeps it running: a trainer that dies is started again with backoff and resumes from
    its checkpoint and journal; after ``MAX_RESTARTS_WITHOUT_PROGRESS`` restarts without a new
    step in between, the run is marked ``failed`` with the reason;
-3. publishes the environment's tasks (the task supply): a group for every step left, what
+3. publishes the environments' tasks (the task supply): a group for every step left, what
    the staleness bound lets inference run ahead, and one group for each group's worth of
-   rollouts the trainer dropped (each weight update says how many). Their count is kept in
-   the run state, so a run claimed again goes on from there; a run claimed after it had
-   ended or lost its owner (inference released its queued tasks then) gets tasks for the
-   steps left;
+   rollouts the trainer dropped (each weight update says how many). A run with several
+   environments mixes them by weight (:meth:`flywheel.contract.config.RunConfig.env_schedule`:
+   task position p is of the same environment for every owner). Their count is kept in the
+   run state, so a run claimed again goes on from there; a run claimed after it had ended
+   or lost its owner (inference released its queued tasks then) gets tasks for the steps
+   left;
 4. says what it does as notes on the run state (:func:`flywheel.contract.runs.add_note`),
    which ``flywheel run`` and ``flywheel runs follow`` print;
 5. ends: when the trainer finished the run; when the run is marked ``stopped`` (``flywheel
@@ -33,6 +35,7 @@ import logging
 import os
 import socket
 import time
+from collections import Counter
 from datetime import datetime
 from typing import Any
 
@@ -48,8 +51,8 @@ from flywheel.contract.settings import Settings
 from flywheel.ops.client import make_tasks
 from flywheel.ops.run import Progress, plot, summarize
 from flywheel.ops.stack import RestartBackoff, ServiceProcess, ServiceSpec, child_env, exit_text, heartbeat_of, wait_set
-from flywheel.sdk.environment import Environment, load_for_run, subject_name
-from flywheel.sdk.scoring import required_scorers
+from flywheel.sdk.environment import RunEnvironment, load_run_environments
+from flywheel.sdk.scoring import reward_definition
 
 log = logging.getLogger(__name__)
 
@@ -126,8 +129,8 @@ class RunOwner:
         self.cfg = RunConfig.parse(state.config, source=f"run {state.id!r} config")
         self.run_dir = run_folder(settings.data_dir.resolve(), state.id)
         self.stopping = asyncio.Event()  # set by the orchestrator when it stops
-        self.env: Environment | None = None
-        self.rows: list[dict[str, Any]] = []  # the environment's task rows, loaded once
+        self.environments: dict[str, RunEnvironment] = {}  # by name in subjects, in the config's order
+        self.rows: list[list[dict[str, Any]]] = []  # each environment's task rows, loaded as needed
         self.num_published = state.num_tasks_published
         # Tasks published before this owner were released by inference (the run had ended or
         # lost its owner): the supply counts what the run still needs from here.
@@ -154,10 +157,12 @@ class RunOwner:
         lease = asyncio.ensure_future(self._renew_lease(lost))
         ending: dict[str, Any] | None = None  # the state's end, when this owner ends the run
         try:
-            self.env = await asyncio.to_thread(load_for_run, cfg)
+            self.environments = await asyncio.to_thread(load_run_environments, cfg)
+            self.rows = [[] for _ in self.environments]
             if self.first_step or self.first_task:
                 await self.note(f"taken over by {self.name} at step {self.first_step} of {cfg.trainer.num_steps}")
-            await update_run(self.bus, cfg.run, scorers=required_scorers(cfg, self.env))
+            scorers, env_scorers = reward_definition(cfg, self.environments)
+            await update_run(self.bus, cfg.run, scorers=scorers, env_scorers=env_scorers)
             await self._wait_for_previous_trainer()
             trainer = TrainerSupervisor(self)
             await trainer.start()
@@ -233,11 +238,11 @@ class RunOwner:
                 elapsed = stamp - first_time if stamp is not None and first_time is not None else 0.0
                 progress.steps.append({"step": float(row["step"]), "elapsed_s": elapsed,
                                        **{k: v for k, v in row.items() if isinstance(v, int | float)}})
-        names = [name for name, weight in (required_scorers(self.cfg, self.env).items() if self.env else ())
-                 if not weight]
+        scorers = reward_definition(self.cfg, self.environments)[0] if self.environments else {}
+        names = [name for name, weight in scorers.items() if not weight]
         summary = summarize(progress, self.cfg, self.run_dir, names)
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        plot(progress, self.run_dir / "reward.png", f"{self.cfg.run}: {self.cfg.env}, {self.cfg.model.name}")
+        plot(progress, self.run_dir / "reward.png", f"{self.cfg.run}: {self.cfg.env_ids}, {self.cfg.model.name}")
 
     async def _follow(self, trainer: TrainerSupervisor, lost: asyncio.Event) -> dict[str, Any] | None:
         """Until the run ends (None: the trainer wrote its end) or is stopped, lost, or this owner
@@ -323,16 +328,12 @@ class RunOwner:
                       + -(-num_dropped // cfg.group_size))
         if wanted <= self.num_published:
             return
-        assert self.env is not None
-        if len(self.rows) < wanted:
-            self.rows = await asyncio.to_thread(self.env.load_tasks, 2 * wanted, seed=cfg.task_seed)
-        numbered = list(enumerate(self.rows, 1))[self.num_published:wanted]
-        tasks = [task for position, row in numbered
-                 for task in make_tasks(cfg.run, subject_name(cfg.env, self.env), [(position, row)],
-                                        num_rollouts=cfg.group_size, sampling=cfg.task_sampling(position - 1))]
+        tasks = await self._tasks(self.num_published, wanted)
         await self.bus.publish_many(tasks)
         if self.num_published == 0:
-            text = (f"published {len(tasks)} tasks of {cfg.group_size} rollouts each ({cfg.env}); "
+            shares = Counter(task.env for task in tasks)
+            mix = ", ".join(f"{name} {shares[name]}" for name in self.environments) if len(shares) > 1 else cfg.env_ids
+            text = (f"published {len(tasks)} tasks of {cfg.group_size} rollouts each ({mix}); "
                     f"{cfg.trainer.num_steps} steps of {cfg.trainer.batch_size} rollouts")
         elif self.num_published == self.first_task:
             text = f"published {len(tasks)} tasks for the {cfg.trainer.num_steps - self.first_step} steps left"
@@ -341,6 +342,28 @@ class RunOwner:
         self.num_published = wanted
         await update_run(self.bus, cfg.run, num_tasks_published=wanted)
         await self.note(text)
+
+    async def _tasks(self, start: int, end: int) -> list[events.Task]:
+        """The run's tasks at positions ``start`` to ``end`` (from 0, end excluded): the
+        schedule says each one's environment, whose next row it takes (rows are loaded, twice
+        what is needed, as the supply grows)."""
+        cfg = self.cfg
+        schedule = cfg.env_schedule(end)
+        envs = list(self.environments.values())
+        for i, found in enumerate(envs):
+            needed = schedule.count(i)
+            if len(self.rows[i]) < needed:
+                self.rows[i] = await asyncio.to_thread(found.env.load_tasks, 2 * needed, seed=cfg.task_seed)
+        seen = [0] * len(envs)
+        tasks = []
+        for position, i in enumerate(schedule):
+            row = self.rows[i][seen[i]]
+            seen[i] += 1
+            if position < start:
+                continue
+            tasks += make_tasks(cfg.run, envs[i].name, [(position + 1, row)], num_rollouts=cfg.group_size,
+                                sampling=cfg.task_sampling(position, envs[i].config))
+        return tasks
 
 
 def _process_gone(beat: events.ServiceHeartbeat) -> bool:

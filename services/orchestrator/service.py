@@ -34,8 +34,8 @@ from flywheel.contract.runs import (
 )
 from flywheel.contract.service import Service
 from flywheel.contract.settings import Settings
-from flywheel.sdk.environment import load_for_run
-from flywheel.sdk.scoring import required_scorers
+from flywheel.sdk.environment import prepare_run
+from flywheel.sdk.scoring import reward_definition
 from flywheel_orchestrator.owner import RunOwner
 
 log = logging.getLogger(__name__)
@@ -112,11 +112,11 @@ class Orchestrator:
 async def submit(bus: Bus, path: str) -> None:
     """Own the run of the config at ``path`` from the start (``--run-config``): registered when new,
     made claimable again when it stopped, failed or was abandoned; left alone otherwise."""
-    cfg = RunConfig.from_toml(path)
-    env = load_for_run(cfg)
-    cfg = cfg.with_sampling_defaults(env.sampling, f"environment {env.name!r}")
+    cfg, environments = prepare_run(RunConfig.from_toml(path))
     config = cfg.model_dump()
-    state, created = await register_run(bus, cfg.run, cfg.tenant, config=config, scorers=required_scorers(cfg, env))
+    scorers, env_scorers = reward_definition(cfg, environments)
+    state, created = await register_run(bus, cfg.run, cfg.tenant, config=config, scorers=scorers,
+                                        env_scorers=env_scorers)
     if created:
         log.info("run %s: registered from %s", cfg.run, path)
     elif state.config != config:

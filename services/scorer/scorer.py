@@ -5,7 +5,8 @@ mode):
 
 - the built-in scorer (durable ``scorer``, all of ``rollouts.>``): the rewards and metrics of
   each rollout's environment, as its run loads it (:func:`flywheel.sdk.environment.load_for_run`:
-  the run config's ``env``, ``[env_args]`` and ``[rewards.<name>]`` overrides), or by the
+  the environment of the run config, ``env`` or the ``[[envs]]`` table named by the rollout,
+  with its args and reward overrides), or by the
   subject's environment name for a run without a config (tasks published straight to the bus);
 - a custom scorer (durable ``scorer-<name>``, ``rollouts.*.<env>``): one user function,
   for one environment.
@@ -95,7 +96,7 @@ import msgspec
 from flywheel.contract import events
 from flywheel.contract.bus import Bus, Consumer, Delivery, Reject
 from flywheel.contract.config import RunConfig
-from flywheel.contract.runs import end_of, get_run, list_runs
+from flywheel.contract.runs import end_of, get_run, list_runs, scorers_of
 from flywheel.contract.service import Service, read_heartbeats
 from flywheel.contract.settings import ScorerSettings, Settings
 from flywheel.sdk.environment import (
@@ -167,16 +168,17 @@ class EnvironmentRewards:
         # Loaded on the loop's thread, once per run (its overrides are its own) or per
         # environment name (runs without a config): an import runs the module's top-level
         # code, which may assume the main thread (signal handlers, for one).
-        self._by_run: dict[str, RewardSet] = {}
-        self._by_env: dict[str, RewardSet] = {}
+        self._by_run: dict[tuple[str, str], RewardSet] = {}
+        self._by_env: dict[tuple[str, str], RewardSet] = {}
 
     def __call__(self, rollout: events.Rollout, config: RunConfig | None) -> RewardSet:
-        cache, key = (self._by_run, rollout.run) if config is not None else (self._by_env, rollout.env)
+        cache = self._by_run if config is not None else self._by_env
+        key = (rollout.run if config is not None else "", rollout.env)
         found = cache.get(key)
         if found is None:
-            env_id = config.env if config is not None else rollout.env
+            env_id = rollout.env
             try:
-                env = load_for_run(config) if config is not None else load_environment(rollout.env)
+                env = load_for_run(config, rollout.env) if config is not None else load_environment(rollout.env)
             except EnvironmentLoadError as exc:
                 raise Reject(str(exc)) from exc
             except Exception as exc:  # the module's own code failed: no retry imports it better
@@ -212,7 +214,7 @@ class CustomReward:
     async def start_time(self, bus: Bus) -> datetime | None:
         if self.runs or self.backfill:
             return None
-        needing = [s for s in await list_runs(bus) if self.reward.name in s.scorers and end_of(s) is None]
+        needing = [s for s in await list_runs(bus) if self.reward.name in scorers_of(s, self.env) and end_of(s) is None]
         self._joined_at, self._needing = events.utc_now(), {s.id for s in needing}
         return min([self._joined_at, *(s.created_at for s in needing)])
 

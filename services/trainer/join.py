@@ -4,8 +4,8 @@ Rollouts and scores arrive on two streams, in any order and more than once (deli
 at least once), so the :class:`Joiner` upserts both by id and decides readiness from what
 it holds, never from arrival order:
 
-- a rollout is *ready* when every required scorer (the run's ``scorers``, or the
-  environment's rewards: :func:`flywheel.sdk.scoring.required_scorers`) has scored it; its
+- a rollout is *ready* when every required scorer (its environment's in a run with several,
+  else the run's: :func:`flywheel.contract.runs.scorers_of`) has scored it; its
   reward is theirs weighted and summed (:func:`flywheel.sdk.scoring.rollout_reward`, the
   definition the trace API and ``flywheel eval`` use too);
 - a rollout is *dropped* (counted, never trained, never a silent zero) when inference
@@ -119,10 +119,17 @@ class Joiner:
     """Buffers rollouts and scores of one run until their groups are done."""
 
     def __init__(self, scorers: Mapping[str, float], max_off_policy_steps: int, version: int = 0,
-                 consumed: Iterable[str] = ()) -> None:
+                 consumed: Iterable[str] = (), env_scorers: Mapping[str, Mapping[str, float]] | None = None) -> None:
+        """``scorers``: the run's reward (name -> weight); ``env_scorers``: a run with several
+        environments, each one's (by its name in subjects), for its rollouts."""
         if not scorers:
             raise ValueError("scorers: at least one scorer makes the reward")
         self.scorers = dict(scorers)
+        self.env_scorers = {env: dict(by_name) for env, by_name in (env_scorers or {}).items()}
+        for env, by_name in self.env_scorers.items():
+            if not by_name:
+                raise ValueError(f"env_scorers[{env!r}]: at least one scorer makes the reward")
+        self._any_scorer = set(self.scorers).union(*self.env_scorers.values())
         self.max_off_policy_steps = max_off_policy_steps
         self.version = version
         self.consumed: set[str] = set(consumed)
@@ -160,7 +167,7 @@ class Joiner:
 
     def add_score(self, score: events.Score) -> bool:
         """Buffer ``score``; False when it is not a required scorer's or its rollout was consumed."""
-        if score.scorer not in self.scorers or score.rollout_id in self.consumed:
+        if score.scorer not in self._any_scorer or score.rollout_id in self.consumed:
             return False
         self._scores.setdefault(score.rollout_id, {})[score.scorer] = score
         if score.rollout_id in self._rollouts:
@@ -187,13 +194,19 @@ class Joiner:
 
     # --- state ------------------------------------------------------------------------
 
+    def required(self, rollout_id: str) -> dict[str, float]:
+        """The scorers of a buffered rollout's reward: its environment's, else the run's."""
+        return self.env_scorers.get(self._rollouts[rollout_id].env, self.scorers)
+
     def is_ready(self, rollout_id: str) -> bool:
-        return rollout_id not in self._dropped and self._scores.get(rollout_id, {}).keys() >= self.scorers.keys()
+        return (rollout_id not in self._dropped
+                and self._scores.get(rollout_id, {}).keys() >= self.required(rollout_id).keys())
 
     def reward(self, rollout_id: str) -> float:
         """The rollout's reward as every reader takes it (:func:`flywheel.sdk.scoring.rollout_reward`)."""
         assert self.is_ready(rollout_id)
-        reward = rollout_reward(self._rollouts[rollout_id].status, self._scores[rollout_id].values(), self.scorers)
+        reward = rollout_reward(self._rollouts[rollout_id].status, self._scores[rollout_id].values(),
+                                self.required(rollout_id))
         assert reward is not None
         return reward
 
@@ -209,7 +222,7 @@ class Joiner:
         for rollout_id in self._rollouts:
             if rollout_id in self._dropped:
                 continue
-            for name in self.scorers.keys() - self._scores.get(rollout_id, {}).keys():
+            for name in self.required(rollout_id).keys() - self._scores.get(rollout_id, {}).keys():
                 waiting[name] = waiting.get(name, 0) + 1
         return dict(sorted(waiting.items()))
 
@@ -253,7 +266,7 @@ class Joiner:
                 else:
                     rollout = self._rollouts[m]
                     scored.append(Scored(rollout, self.reward(m), self.version - rollout.policy_version,
-                                         {name: self._scores[m][name].value for name in self.scorers}))
+                                         {name: self._scores[m][name].value for name in self.required(m)}))
             if scored:
                 take.groups.append(scored)
             self._consume(group_id)

@@ -13,19 +13,23 @@ of loss tokens in the whole step (not per micro-batch), so the gradient does not
 how the step was cut. Runs in a worker thread of the service: nothing here touches the
 event loop.
 
-Not covered: KL to a reference model, per-environment algorithm choices within one run.
+In a run with several environments each group takes its environment's advantage and each
+sequence its loss (``[[envs]]`` ``advantage``, ``loss``; unset: the run's), within one
+step; :func:`sft_warmup` mixes the environments' reference answers by their weights.
+
+Not covered: KL to a reference model.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from flywheel.contract.config import RunConfig
+from flywheel.contract.config import EnvConfig, LossPart, RunConfig
 from flywheel.sdk import models
 from flywheel.sdk.environment import Environment
 from flywheel_trainer.advantages import ADVANTAGES
@@ -36,8 +40,9 @@ from flywheel_trainer.losses import LOSSES
 
 log = logging.getLogger(__name__)
 
-# (recomputed logprobs, batch) -> (per-token loss, per-token flag: clipped or masked)
-TokenLoss = Callable[[torch.Tensor, Batch], tuple[torch.Tensor, torch.Tensor]]
+# (recomputed logprobs, batch, the batch's sequences by index in the step) -> (per-token
+# loss, per-token flag: clipped or masked)
+TokenLoss = Callable[[torch.Tensor, Batch, list[int]], tuple[torch.Tensor, torch.Tensor]]
 
 
 def train_step(engine: Engine, sequences: list[Tokens], advantages: list[float], pad_id: int,
@@ -60,7 +65,7 @@ def train_step(engine: Engine, sequences: list[Tokens], advantages: list[float],
                     [temperatures[i] for i in indices], share_prefixes=share)
         with engine.autocast():
             logprobs = token_logprobs(engine.model, batch)
-        per_token, flags = token_loss(logprobs, batch)
+        per_token, flags = token_loss(logprobs, batch, indices)
         mask = batch.loss_mask
         loss = (per_token * mask).sum() / num_loss_tokens
         engine.backward(loss)
@@ -78,14 +83,27 @@ def train_step(engine: Engine, sequences: list[Tokens], advantages: list[float],
 
 
 def rl_step(engine: Engine, groups: list[list[Scored]], pad_id: int, cfg: RunConfig,
-            micro_batch_size: int) -> dict[str, float]:
-    """One RL step on whole groups: advantages, importance-weighted loss, engine step."""
-    advantage_fn = cfg.trainer.advantage.bind(ADVANTAGES)
-    loss_fn = cfg.trainer.loss.bind(LOSSES)
+            micro_batch_size: int, envs: Mapping[str, EnvConfig] | None = None) -> dict[str, float]:
+    """One RL step on whole groups: advantages, importance-weighted loss, engine step.
+    ``envs``: the run's environments by their name in subjects (a rollout's ``env``), whose
+    own advantage and loss its groups take; a rollout of another takes the run's."""
+    envs = envs or {}
+    advantage_fns = {name: cfg.advantage_of(env).bind(ADVANTAGES) for name, env in envs.items()}
+    run_advantage = cfg.trainer.advantage.bind(ADVANTAGES)
+    loss_parts = [cfg.trainer.loss, *(cfg.loss_of(env) for env in envs.values())]
+    losses: list[LossPart] = []  # each distinct part once (equal parts are one), the run's first
+    for part in loss_parts:
+        if part not in losses:
+            losses.append(part)
+    loss_fns = [part.bind(LOSSES) for part in losses]
+    loss_index = {name: losses.index(cfg.loss_of(env)) for name, env in envs.items()}
     sequences: list[Tokens] = []
     advantages: list[float] = []
     temperatures: list[float] = []
+    loss_of: list[int] = []  # by sequence: which of loss_fns
     for group in groups:
+        env = group[0].rollout.env
+        advantage_fn = advantage_fns.get(env, run_advantage)
         for scored, advantage in zip(group, advantage_fn([s.reward for s in group]), strict=True):
             # What the rollout was sampled at (a task may set its own); the run's for a rollout
             # that does not say.
@@ -94,9 +112,20 @@ def rl_step(engine: Engine, groups: list[list[Scored]], pad_id: int, cfg: RunCon
                 sequences.append(sequence)
                 advantages.append(advantage)
                 temperatures.append(temperature)
+                loss_of.append(loss_index.get(env, 0))
 
-    def token_loss(logprobs: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        return loss_fn(logprobs, batch.old_logprobs, batch.advantages[:, None])
+    def token_loss(logprobs: torch.Tensor, batch: Batch, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        kinds = [loss_of[i] for i in indices]
+        if len(set(kinds)) == 1:
+            return loss_fns[kinds[0]](logprobs, batch.old_logprobs, batch.advantages[:, None])
+        per_token = torch.zeros_like(logprobs)
+        flags = torch.zeros_like(batch.loss_mask)
+        for kind in sorted(set(kinds)):
+            rows = torch.tensor([row for row, k in enumerate(kinds) if k == kind], device=logprobs.device)
+            part, part_flags = loss_fns[kind](logprobs[rows], batch.old_logprobs[rows], batch.advantages[rows, None])
+            per_token = per_token.index_copy(0, rows, part)
+            flags[rows] = part_flags.to(flags.dtype)
+        return per_token, flags
 
     figures = train_step(engine, sequences, advantages, pad_id, micro_batch_size, temperatures, token_loss)
     figures["advantage_abs_mean"] = sum(abs(a) for a in advantages) / len(advantages)
@@ -117,21 +146,25 @@ def reference_tokens(tok: Any, env: Environment, task: dict[str, Any]) -> Tokens
                   loss_mask=[False] * len(prompt) + [True] * len(answer))
 
 
-def sft_warmup(model: torch.nn.Module, tok: Any, env: Environment, cfg: RunConfig,
+def sft_warmup(model: torch.nn.Module, tok: Any, envs: Sequence[Environment], cfg: RunConfig,
                micro_batch_size: int) -> dict[str, float]:
-    """``cfg.sft.steps`` steps of cross-entropy on reference answers, with an optimizer of its own."""
+    """``cfg.sft.steps`` steps of cross-entropy on reference answers, with an optimizer of its
+    own; ``envs``: the run's environments in its config's order, mixed by their weights."""
     assert cfg.sft.steps > 0
     engine = TorchEngine(model, cfg.trainer.model_copy(update={"lr": cfg.sft.lr}), cfg.model.dtype)
-    tasks = env.load_tasks(cfg.sft.steps * cfg.sft.batch_size, seed=cfg.task_seed)
+    schedule = cfg.env_schedule(cfg.sft.steps * cfg.sft.batch_size)
+    rows = {i: iter(env.load_tasks(schedule.count(i), seed=cfg.task_seed)) for i, env in enumerate(envs)
+            if schedule.count(i)}
+    tasks = [(envs[i], next(rows[i])) for i in schedule]
     started = time.perf_counter()
     figures: dict[str, float] = {}
 
-    def cross_entropy(logprobs: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def cross_entropy(logprobs: torch.Tensor, batch: Batch, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         return -logprobs, torch.zeros_like(batch.loss_mask)
 
     for step in range(cfg.sft.steps):
-        rows = tasks[step * cfg.sft.batch_size:(step + 1) * cfg.sft.batch_size]
-        sequences = [reference_tokens(tok, env, row) for row in rows]
+        chosen = tasks[step * cfg.sft.batch_size:(step + 1) * cfg.sft.batch_size]
+        sequences = [reference_tokens(tok, env, row) for env, row in chosen]
         figures = train_step(engine, sequences, [0.0] * len(sequences), tok.pad_token_id,
                              micro_batch_size, [1.0] * len(sequences), cross_entropy)
         log.info("sft step %d/%d: loss %.4f", step + 1, cfg.sft.steps, figures["loss"])

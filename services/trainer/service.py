@@ -53,8 +53,8 @@ from flywheel.contract.runs import get_run, update_run
 from flywheel.contract.service import Service
 from flywheel.contract.settings import Settings, TrainerSettings
 from flywheel.sdk import models
-from flywheel.sdk.environment import Environment, load_for_run
-from flywheel.sdk.scoring import required_scorers
+from flywheel.sdk.environment import RunEnvironment, load_run_environments
+from flywheel.sdk.scoring import reward_definition
 from flywheel_trainer.engines import Engine, build_engine
 from flywheel_trainer.join import BadRollout, Joiner, Take
 from flywheel_trainer.learner import rl_step, seed_torch, sft_warmup
@@ -120,14 +120,15 @@ async def last_published_version(bus: Bus, run: str) -> int | None:
 class Trainer:
     """One run's trainer: the join fed by the consumers, and the training task."""
 
-    def __init__(self, bus: Bus, cfg: RunConfig, env: Environment, data_dir: Path, joiner: Joiner,
+    def __init__(self, bus: Bus, cfg: RunConfig, environments: dict[str, RunEnvironment], data_dir: Path,
+                 joiner: Joiner,
                  journal: Journal, resume: tuple[Path, CheckpointState] | None, published_version: int,
                  options: TrainerSettings) -> None:
         self.bus = bus
         self.cfg = cfg
         self.data_dir = data_dir
         self.folder = RunFolder(data_dir, cfg.run, cfg.trainer.keep_checkpoints)
-        self.env = env
+        self.environments = environments  # by name in subjects
         self.joiner = joiner
         self.journal = journal
         self.resume = resume
@@ -154,7 +155,7 @@ class Trainer:
         cfg = RunConfig.parse(state.config, source=f"run {run_id!r} config")
         if cfg.run != run_id:
             raise ValueError(f"run {run_id!r}: its stored config says run={cfg.run!r}; they must be the same")
-        env = load_for_run(cfg)
+        environments = load_run_environments(cfg)
         min_buffer = cfg.trainer.batch_size + cfg.inference.max_rollouts_in_flight
         if options.max_buffered_rollouts < min_buffer:
             raise ValueError(f"setting trainer.max_buffered_rollouts={options.max_buffered_rollouts} is below "
@@ -169,7 +170,8 @@ class Trainer:
             raise ValueError(f"run {run_id!r} has published weights (version {published}, trainer step "
                              f"{state.trainer_step}), but {folder.checkpoints.folder} holds no checkpoint: restore "
                              "that folder (FLYWHEEL_DATA_DIR) or start a new run")
-        joiner = Joiner(required_scorers(cfg, env), cfg.trainer.max_off_policy_steps,
+        scorers, env_scorers = reward_definition(cfg, environments)
+        joiner = Joiner(scorers, cfg.trainer.max_off_policy_steps, env_scorers=env_scorers,
                         version=resume[1].version if resume else 0,
                         consumed=resume[1].consumed_ids() if resume else ())
         journal = Journal(folder.journal_path)
@@ -185,7 +187,7 @@ class Trainer:
             log.info("run %s: resuming from %s (step %d, version %d); %d journal entries replayed, %d rollouts "
                      "buffered", run_id, resume[0], resume[1].step, resume[1].version, len(replayed),
                      joiner.num_buffered)
-        return cls(bus, cfg, env, data_dir, joiner, journal, resume, published or 0, options)
+        return cls(bus, cfg, environments, data_dir, joiner, journal, resume, published or 0, options)
 
     def close(self) -> None:
         self.journal.close()
@@ -253,7 +255,8 @@ class Trainer:
         model, tok = await asyncio.to_thread(models.load_model, path, "float32")
         figures: dict[str, Any] = {}
         if self.resume is None and cfg.sft.steps:
-            figures = await asyncio.to_thread(sft_warmup, model, tok, self.env, cfg, self.options.micro_batch_size)
+            envs = [found.env for found in self.environments.values()]
+            figures = await asyncio.to_thread(sft_warmup, model, tok, envs, cfg, self.options.micro_batch_size)
         engine = await asyncio.to_thread(build_engine, model, cfg.trainer, cfg.model.dtype)
         if self.resume is None:
             self.folder.metrics.append({"step": 0, "version": 0, **figures})
@@ -280,7 +283,8 @@ class Trainer:
         cfg = self.cfg
 
         def compute() -> tuple[dict[str, float], bytes]:
-            return rl_step(engine, take.groups, pad_id, cfg, self.options.micro_batch_size), engine.weights()
+            envs = {name: found.config for name, found in self.environments.items()}
+            return rl_step(engine, take.groups, pad_id, cfg, self.options.micro_batch_size, envs), engine.weights()
 
         figures, data = await asyncio.to_thread(compute)
         self.step += 1
@@ -363,12 +367,24 @@ class Trainer:
 
 def take_figures(take: Take, joiner: Joiner) -> dict[str, float]:
     """The step's data figures: rewards, each scorer's mean (``scores.<name>``: metrics of
-    weight 0 included), staleness, drops by reason, what is still buffered."""
+    weight 0 included), staleness, drops by reason, what is still buffered; in a run with
+    several environments, each one's mean reward and rollouts (``env.<name>.reward_mean``,
+    ``env.<name>.num_rollouts``)."""
     scored = [s for g in take.groups for s in g]
     rewards = [s.reward for s in scored]
     mean = sum(rewards) / len(rewards)
     staleness = [s.staleness for s in scored]
-    by_scorer = {f"scores.{name}": sum(s.scores[name] for s in scored) / len(scored) for name in joiner.scorers}
+    by_scorer = {}
+    for name in joiner.scorers:  # over the rollouts it scores (a run with several environments: theirs)
+        values = [s.scores[name] for s in scored if name in s.scores]
+        if values:
+            by_scorer[f"scores.{name}"] = sum(values) / len(values)
+    if joiner.env_scorers:  # a run with several environments: each one's reward and share of the step
+        for env in joiner.env_scorers:
+            env_rewards = [s.reward for s in scored if s.rollout.env == env]
+            if env_rewards:
+                by_scorer[f"env.{env}.reward_mean"] = sum(env_rewards) / len(env_rewards)
+            by_scorer[f"env.{env}.num_rollouts"] = float(len(env_rewards))
     return by_scorer | {
         "reward_mean": mean,
         "reward_std": (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5,

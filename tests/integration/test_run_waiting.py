@@ -14,7 +14,7 @@ from flywheel.contract.config import RunConfig
 from flywheel.contract.settings import Settings
 from flywheel.ops.natsserver import NatsServer
 from flywheel.ops.run import MainJob
-from flywheel.sdk.environment import load_for_run
+from flywheel.sdk.environment import load_run_environments
 from flywheel.sdk.scoring import required_scorers
 from tests.helpers import until
 
@@ -25,8 +25,8 @@ def job_on(bus: Bus, nats_server: NatsServer, tmp_path: Path, **config: object) 
     out = io.StringIO()
     job = MainJob(cfg, Settings(nats_url=nats_server.url, data_dir=tmp_path), out=out)
     job._bus = bus
-    job.env = load_for_run(cfg)
-    job.required = required_scorers(cfg, job.env)
+    job.environments = load_run_environments(cfg)
+    job.required = required_scorers(cfg, job.environments["reverse_text"].env)
     return job, out
 
 

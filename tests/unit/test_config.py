@@ -74,7 +74,7 @@ group = true
 """)
     from flywheel.sdk.environment import overrides_of
 
-    overrides = overrides_of(cfg)
+    overrides = overrides_of(cfg.environments[0])
     assert overrides.args == {"difficulty": 3}
     assert {name: (r.weight, r.function, r.group) for name, r in overrides.rewards.items()} == {
         "similarity": (0.5, None, None), "brevity": (None, "my_rewards:brevity", True)}
@@ -111,15 +111,15 @@ def test_environment_sampling_is_a_default_under_the_runs_own() -> None:
     env = load_environment("reverse_text")
     env.sampling = {"temperature": 0.7, "max_tokens": 20}
     cfg = RunConfig.from_toml_text('run = "r"\nenv = "reverse_text"\n[sampling]\nmax_tokens = 12\n')
-    merged = cfg.with_sampling_defaults(env.sampling, "environment 'reverse_text'")
+    merged = cfg.with_sampling_defaults({"reverse_text": env.sampling})
     assert (merged.sampling.temperature, merged.sampling.max_tokens) == (0.7, 12)
     assert RunConfig.parse(merged.model_dump()).sampling == merged.sampling
     env.sampling = {"temprature": 0.7}
     with pytest.raises(ValueError, match=r"environment 'reverse_text': sampling has \['temprature'\]"):
-        cfg.with_sampling_defaults(env.sampling, "environment 'reverse_text'")
+        cfg.with_sampling_defaults({"reverse_text": env.sampling})
     env.sampling = {"top_p": 2.0}
     with pytest.raises(ValueError, match=r"environment 'reverse_text': sampling \{'top_p': 2.0\}: Input should be"):
-        cfg.with_sampling_defaults(env.sampling, "environment 'reverse_text'")
+        cfg.with_sampling_defaults({"reverse_text": env.sampling})
 
 
 def test_the_runs_sampling_is_the_contracts_shape_defaults_and_bounds() -> None:
@@ -294,8 +294,8 @@ def models_of(model: type[BaseModel]) -> Iterator[type[BaseModel]]:
         for variant in variants(f).values():
             yield from models_of(variant)
         tp = f.annotation
-        if typing.get_origin(tp) is dict:
-            tp = typing.get_args(tp)[1]
+        if typing.get_origin(tp) in (dict, list):
+            tp = typing.get_args(tp)[-1]
         if isinstance(tp, type) and issubclass(tp, BaseModel):
             yield from models_of(tp)
 
@@ -309,8 +309,9 @@ def test_every_field_has_a_description_and_the_reference_lists_it() -> None:
         assert model.__doc__, f"{model.__name__} has no docstring (the reference describes it with it)"
         for name, f in model.model_fields.items():
             assert f.description, f"{model.__name__}.{name} has no description"
-            if _is_section(f):  # a heading, then its description
-                assert f"\n## [{name}" in text and f"{f.description[0].upper()}{f.description[1:]}." in flat
+            if model is RunConfig and _is_section(f):  # a heading, then its description
+                assert f"\n## [{name}" in text or f"\n## [[{name}" in text
+                assert f"{f.description[0].upper()}{f.description[1:]}." in flat
             elif name != "type":  # a variant's type is its own line, described by its docstring
                 assert f"`{name}` (" in text and f.description in flat, f"{model.__name__}.{name}"
     assert {TrainerConfig, LossFromPath, DeepSpeedEngineConfig, RewardConfig} <= seen
@@ -321,8 +322,8 @@ def test_every_field_has_a_description_and_the_reference_lists_it() -> None:
 
 def _is_section(f: FieldInfo) -> bool:
     tp = f.annotation
-    if typing.get_origin(tp) is dict:
-        tp = typing.get_args(tp)[1]
+    if typing.get_origin(tp) in (dict, list):
+        tp = typing.get_args(tp)[-1]
     return isinstance(tp, type) and issubclass(tp, BaseModel) and not variants(f)
 
 
@@ -353,3 +354,87 @@ def test_set_overrides_reach_a_part_given_by_its_name() -> None:
     assert cfg.trainer.lr == 0.0 and cfg.rewards["exact"].weight == 0.5
     with pytest.raises(ValueError, match=r"--set trainer.lr.x: trainer.lr is a value, not a table"):
         apply_override(data, "trainer.lr.x", 1)
+    mixed = RunConfig.from_toml_text(TWO_ENVS).model_dump()
+    apply_override(mixed, "envs.1.weight", 2.5)
+    apply_override(mixed, "envs.1.loss.clip_eps", 0.1)
+    apply_override(mixed, "envs.0.sampling.max_tokens", 30)
+    cfg = RunConfig.parse(mixed)
+    assert cfg.envs[1].weight == 2.5 and str(cfg.loss_of(cfg.envs[1])) == "masked(clip_eps=0.1)"
+    assert cfg.sampling_of(cfg.envs[0]).max_tokens == 30
+    with pytest.raises(ValueError, match=r"--set envs.2.weight: envs has tables 0 to 1, not '2'"):
+        apply_override(mixed, "envs.2.weight", 1)
+    with pytest.raises(ValueError, match=r"--set envs.weight: envs is a list of tables; set a key of one"):
+        apply_override(mixed, "envs.weight", 1)
+
+
+# --- several environments ----------------------------------------------------------------------
+
+TWO_ENVS = """
+run = "mix"
+[sampling]
+max_tokens = 16
+[[envs]]
+id = "reverse_text"
+weight = 3
+[[envs]]
+id = "arithmetic"
+args = {difficulty = "easy"}
+loss = {type = "masked", clip_eps = 0.3}
+[envs.sampling]
+temperature = 0.7
+[envs.rewards.formatted]
+weight = 0.5
+"""
+
+
+def test_envs_tables_each_with_args_weight_sampling_parts_and_rewards() -> None:
+    cfg = RunConfig.from_toml_text(TWO_ENVS)
+    reverse, arithmetic = cfg.environments
+    assert (reverse.id, reverse.weight, arithmetic.id, arithmetic.args) == ("reverse_text", 3, "arithmetic",
+                                                                           {"difficulty": "easy"})
+    assert cfg.env_ids == "reverse_text + arithmetic" and cfg.environment("arithmetic") is arithmetic
+    assert str(cfg.loss_of(arithmetic)) == "masked(clip_eps=0.3)" and cfg.loss_of(reverse) == cfg.trainer.loss
+    assert cfg.advantage_of(arithmetic) == cfg.trainer.advantage
+    # The run's [sampling] for both; the table's own keys over it for its environment.
+    assert (cfg.sampling_of(reverse).temperature, cfg.sampling_of(reverse).max_tokens) == (1.0, 16)
+    assert (cfg.sampling_of(arithmetic).temperature, cfg.sampling_of(arithmetic).max_tokens) == (0.7, 16)
+    assert cfg.task_sampling(0, arithmetic).temperature == 0.7
+    # The environments' own settings are defaults under both: arithmetic's max_tokens 512 and
+    # temperature 1.0 lose to the run's 16 and the table's 0.7.
+    merged = cfg.with_sampling_defaults({"arithmetic": {"temperature": 1.0, "max_tokens": 512, "top_p": 0.9}})
+    assert RunConfig.parse(merged.model_dump()) == merged  # what the run state stores reads back the same
+    merged_arithmetic = merged.environment("arithmetic")
+    assert (cfg.sampling_of(merged_arithmetic).temperature, merged.sampling_of(merged_arithmetic).max_tokens,
+            merged.sampling_of(merged_arithmetic).top_p) == (0.7, 16, 0.9)
+    assert merged.sampling_of(merged.environment("reverse_text")).top_p == 1.0
+    one = RunConfig.from_toml_text('run = "r"\nenv = "reverse_text"\nenv_args = {a = 1}\n')
+    assert [(e.id, e.args, e.weight) for e in one.environments] == [("reverse_text", {"a": 1}, 1.0)]
+
+
+def test_the_task_mix_follows_the_weights_interleaved_the_same_for_every_reader() -> None:
+    cfg = RunConfig.from_toml_text(TWO_ENVS)
+    schedule = cfg.env_schedule(40)
+    assert schedule.count(0) == 30 and schedule.count(1) == 10
+    assert schedule[:8] == [0, 0, 1, 0, 0, 0, 1, 0]  # evenly spread, not 30 then 10
+    assert schedule == RunConfig.parse(cfg.model_dump()).env_schedule(40) and schedule[:20] == cfg.env_schedule(20)
+    assert set(RunConfig.from_toml_text('run = "r"\nenv = "e"\n').env_schedule(5)) == {0}
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ('[[envs]]\nid = "a"\nweight = 0\n', r"envs\.0\.weight: Input should be greater than 0"),
+    ('[[envs]]\nid = "a"\nweight = -1\n', r"envs\.0\.weight: Input should be greater than 0"),
+    ('[[envs]]\nid = "a"\n[[envs]]\nid = "b"\n[[envs]]\nid = "a"\n',
+     r"envs\.2\.id='a': envs\.0 is that environment already"),
+    ('env = "a"\n[[envs]]\nid = "b"\n', r"env: a run with \[\[envs\]\] names its environments there"),
+    ('env_args = {x = 1}\n[[envs]]\nid = "b"\n', r"env_args: a run with \[\[envs\]\]"),
+    ('', r"env: give the run's environment .*or an \[\[envs\]\] table"),
+    ('[[envs]]\nid = "a b"\n', r"envs\.0: .*id='a b': give an environment id"),
+    ('[[envs]]\nid = "a"\nloss = "nope"\n', r"envs\.0\.loss: type='nope' is not known"),
+    ('[[envs]]\nid = "a"\n[envs.sampling]\ntemperature = -1\n', r"envs\.0\.sampling\.temperature"),
+    ('[[envs]]\nid = "a"\n[envs.sampling]\nseed = 1\n', r"envs\.0\.sampling\.seed: Extra inputs"),
+    ('scorers = {x = 1.0}\n[[envs]]\nid = "a"\n[envs.rewards.x]\nweight = 2\n',
+     r"scorers\.x and envs\.0\.rewards\.x\.weight both set the weight"),
+])
+def test_bad_envs_tables_are_refused_naming_the_field(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        RunConfig.from_toml_text('run = "r"\n' + text)

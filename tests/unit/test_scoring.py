@@ -100,3 +100,28 @@ async def test_a_group_is_scored_by_the_error_rules_each_reward_on_its_own() -> 
     assert {s.id for s in scored[1]} == {f"{rollouts[1].id}.{name}" for name in first}
     with pytest.raises(ValueError, match="timeout_s must be positive"):
         Scoring(timeout_s=0)
+
+
+def test_a_run_with_several_environments_has_a_reward_for_each() -> None:
+    from flywheel.sdk.environment import load_for_run, load_run_environments
+    from flywheel.sdk.scoring import reward_definition
+
+    cfg = RunConfig.parse({"run": "r", "scorers": {"brevity": 0.5}, "envs": [
+        {"id": "reverse_text", "rewards": {"exact": {"weight": 2}}}, {"id": "arithmetic"}]})
+    environments = load_run_environments(cfg)
+    assert list(environments) == ["reverse_text", "arithmetic"]
+    assert environments["reverse_text"].env.weights["exact"] == 2.0  # its own overrides
+    scorers, by_env = reward_definition(cfg, environments)
+    assert by_env == {"reverse_text": {"similarity": 1.0, "exact": 2.0, "brevity": 0.5},
+                      "arithmetic": {"correct": 1.0, "shortest_correct": 0.1, "formatted": 0.0, "chars": 0.0,
+                                     "brevity": 0.5}}
+    assert scorers == by_env["reverse_text"] | by_env["arithmetic"]
+    assert load_for_run(cfg, "arithmetic").name == "arithmetic"
+    with pytest.raises(ValueError, match=r"has no environment named 'wordle'; its environments are "
+                                         r"reverse_text \+ arithmetic"):
+        load_for_run(cfg, "wordle")
+    with pytest.raises(ValueError, match=r"has 2 environments \(reverse_text \+ arithmetic\); name one"):
+        load_for_run(cfg)
+    one = RunConfig.parse({"run": "r", "env": "reverse_text"})
+    assert reward_definition(one, load_run_environments(one)) == ({"similarity": 1.0, "exact": 0.0}, {})
+    assert load_for_run(one, "published-by-hand").name == "reverse_text"  # a run with one takes its own

@@ -20,12 +20,13 @@ from pathlib import Path
 import msgspec
 import pytest
 import sqlalchemy as sa
+from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 
 from flywheel.contract import events
 from flywheel_gateway import schema
-from flywheel_gateway.migrate import current_revision, migrate, run_exclusively
+from flywheel_gateway.migrate import alembic_config, current_revision, migrate, run_exclusively
 from flywheel_gateway.store import (
     InvalidCursor,
     RolloutFilter,
@@ -100,8 +101,8 @@ def conversation(answer: str) -> list[events.Node]:
 
 
 def rollout(rid: str, *, task_id: str = "t1", group_id: str = "g1", index: int = 0, policy_version: int = 3,
-            status: str = "completed", answer: str = "4", run: str = "r1") -> events.Rollout:
-    return events.Rollout(id=rid, run=run, env="math", task_id=task_id, group_id=group_id, index=index,
+            status: str = "completed", answer: str = "4", run: str = "r1", env: str = "math") -> events.Rollout:
+    return events.Rollout(id=rid, run=run, env=env, task_id=task_id, group_id=group_id, index=index,
                           policy_version=policy_version, nodes=conversation(answer),
                           status=status,  # type: ignore[arg-type]  # callers pass a Rollout status
                           metrics={"num_turns": 1.0}, task_data={"q": "2+2"}, created_at=T0)
@@ -131,16 +132,23 @@ async def test_migrate_is_idempotent_and_matches_the_models(database_url: str) -
     assert await current_revision(database_url) is None
     await asyncio.gather(migrate(database_url), migrate(database_url))  # two processes starting at once
     await migrate(database_url)
-    assert await current_revision(database_url) == "0006"
+    assert await current_revision(database_url) == "0007"
 
     diffs: list[object] = []
+    primary_keys: dict[str, list[str]] = {}
 
     def compare(conn: sa.Connection) -> None:
         context = MigrationContext.configure(conn, opts={"compare_type": True})
         diffs.extend(compare_metadata(context, schema.metadata))
+        # Alembic's comparison leaves primary keys out.
+        inspector = sa.inspect(conn)
+        primary_keys.update((table, inspector.get_pk_constraint(table)["constrained_columns"])
+                            for table in schema.metadata.tables)
 
     await run_exclusively(database_url, compare)
     assert diffs == [], "the models and the migrations disagree; add a migration (see alembic.ini)"
+    assert primary_keys == {name: [c.name for c in table.primary_key.columns]
+                            for name, table in schema.metadata.tables.items()}
 
 
 # Tables today's store writes that came after an older revision: a test that records under an
@@ -270,13 +278,15 @@ async def test_scores_before_their_rollout_give_the_right_reward(store: Store) -
     assert await reward(store, "ro3") == pytest.approx(3.0)
 
 
-def run_state(run: str, scorers: dict[str, float]) -> events.RunState:
-    return events.RunState(id=run, config={"run": run, "env": "math"}, scorers=scorers, created_at=T0)
+def run_state(run: str, scorers: dict[str, float],
+              env_scorers: dict[str, dict[str, float]] | None = None) -> events.RunState:
+    return events.RunState(id=run, config={"run": run, "env": "math"}, scorers=scorers,
+                           env_scorers=env_scorers or {}, created_at=T0)
 
 
 def scored(rid: str, scorer: str, value: float, error: str | None = None, run: str = "r1",
-           weight: float = 1.0) -> events.Score:
-    return events.Score(id=f"{rid}.{scorer}", run=run, env="math", rollout_id=rid, group_id="g1", scorer=scorer,
+           weight: float = 1.0, env: str = "math") -> events.Score:
+    return events.Score(id=f"{rid}.{scorer}", run=run, env=env, rollout_id=rid, group_id="g1", scorer=scorer,
                         value=value, weight=weight, error=error, created_at=T0)
 
 
@@ -303,17 +313,23 @@ async def test_the_reward_counts_only_the_runs_scorers(store: Store) -> None:
 
 async def test_the_stores_reward_is_the_python_definition(store: Store) -> None:
     """reward_expression (SQL) against flywheel.sdk.scoring.rollout_reward, on every kind of
-    rollout: each status, each required scorer present, failed or missing, other scorers, and
-    a run whose scorers are not known."""
+    rollout: each status, each required scorer present, failed or missing, other scorers, a
+    run whose scorers are not known, and a run with several environments, each rewarded with
+    its own scorers (flywheel.contract.runs.scorers_of)."""
+    from flywheel.contract.runs import scorers_of
     from flywheel.sdk.scoring import rollout_reward
 
     rng = random.Random(7)
     required = {"a": 0.5, "b": 2.0, "m": 0.0}
-    await store.upsert_runs([run_state("known", required)])
-    expected: dict[str, tuple[str, list[events.Score], dict[str, float] | None]] = {}
+    states = {"known": run_state("known", required),
+              "envs": run_state("envs", {"a": 0.5, "b": 2.0, "m": 0.0, "custom": 1.0},
+                                {"ea": {"a": 0.5, "m": 0.0}, "eb": {"b": 2.0, "custom": 1.0}})}
+    await store.upsert_runs(list(states.values()))
+    made: dict[str, tuple[str, str, str, list[events.Score]]] = {}  # rollout -> run, env, status, scores
     batch: list[events.Event] = []
-    for i in range(120):
-        run = "known" if i % 3 else "unknown"
+    for i in range(180):
+        run = ("unknown", "known", "envs")[i % 3]
+        env = rng.choice(["ea", "eb"] if run == "envs" else ["ea", "eb", "math"])
         rid = f"ro{i}"
         status = rng.choice(["completed", "completed", "truncated", "error"])
         scores = []
@@ -321,17 +337,105 @@ async def test_the_stores_reward_is_the_python_definition(store: Store) -> None:
             kind = rng.choice(["value", "value", "value", "missing", "error"])
             if kind != "missing":
                 scores.append(scored(rid, name, rng.choice([0.0, 0.25, 0.5, 1.0, 3.0]),
-                                     error="boom" if kind == "error" else None, run=run, weight=rng.choice([0.5, 1.0])))
-        batch += [rollout(rid, run=run, status=status), *scores]
-        expected[rid] = (status, scores, required if run == "known" else None)
+                                     error="boom" if kind == "error" else None, run=run, weight=rng.choice([0.5, 1.0]),
+                                     env=env))
+        batch += [rollout(rid, run=run, status=status, env=env), *scores]
+        made[rid] = (run, env, status, scores)
+
+    def want() -> dict[str, float | None]:
+        return {rid: rollout_reward(status, scores, scorers_of(states[run], env) if run in states else None)
+                for rid, (run, env, status, scores) in made.items()}
+
+    async def got() -> dict[str, float | None]:
+        return {r["id"]: r["reward"] for r in (await store.list_rollouts(limit=1000)).items}
+
     rng.shuffle(batch)  # scores before or after their rollouts
     for i in range(0, len(batch), 37):
         await store.record(batch[i:i + 37])
-    page = await store.list_rollouts(limit=1000)
-    got = {r["id"]: r["reward"] for r in page.items}
-    want = {rid: rollout_reward(*case) for rid, case in expected.items()}
-    assert got == pytest.approx(want)
-    assert sum(v is None for v in want.values()) > 10 and sum(v is not None for v in want.values()) > 10
+    assert await got() == pytest.approx(want())
+    wanted = want().values()
+    assert sum(v is None for v in wanted) > 10 and sum(v is not None for v in wanted) > 10
+    # ... and after the runs' scorers change, the rewards recorded are rewritten.
+    states = {"known": run_state("known", {"a": 1.0, "custom": 0.5}),
+              "envs": run_state("envs", {"a": 0.5, "b": 1.0, "custom": 1.0},
+                                {"ea": {"a": 0.5}, "eb": {"b": 1.0, "custom": 1.0}})}
+    await store.upsert_runs(list(states.values()))
+    assert await got() == pytest.approx(want())
+
+
+async def run_scorer_rows(store: Store, run: str) -> set[tuple[str, str, float]]:
+    rs = schema.run_scorers.c
+    async with store.engine.connect() as conn:
+        return {(env, name, weight) for env, name, weight in
+                await conn.execute(sa.select(rs.env, rs.scorer, rs.weight).where(rs.run == run))}
+
+
+async def test_a_run_with_several_environments_rewards_each_with_its_own(store: Store) -> None:
+    """RunState.env_scorers: a rollout of one environment neither waits for the scorers of
+    another nor counts them, and new weights rewrite the rewards recorded."""
+    await store.upsert_runs([run_state("r1", {"x": 1.0, "y": 2.0}, {"a": {"x": 1.0}, "b": {"y": 2.0}})])
+    assert await run_scorer_rows(store, "r1") == {("a", "x", 1.0), ("b", "y", 2.0)}  # and none for ''
+    await store.record([rollout("ra", env="a"), scored("ra", "x", 0.5, env="a"),
+                        rollout("rb", env="b"), scored("rb", "x", 0.5, env="b")])
+    assert await reward(store, "ra") == 0.5  # not waiting for y
+    assert await reward(store, "rb") is None  # b's reward is y's
+    await store.record([scored("rb", "y", 0.25, env="b"), scored("ra", "y", 3.0, env="a")])
+    assert (await reward(store, "ra"), await reward(store, "rb")) == (0.5, 0.5)  # a's y counts for nothing
+    # New weights in a new state: the rewards recorded are rewritten.
+    await store.upsert_runs([run_state("r1", {"x": 2.0, "y": 4.0}, {"a": {"x": 2.0, "y": 1.0}, "b": {"y": 4.0}})])
+    assert (await reward(store, "ra"), await reward(store, "rb")) == (4.0, 1.0)
+    # Only the rewards of the environments whose scorers changed.
+    async with store.engine.begin() as conn:
+        await conn.execute(sa.update(schema.rollouts).values(reward=-1.0))
+    await store.upsert_runs([run_state("r1", {"x": 2.0, "y": 2.0}, {"a": {"x": 2.0, "y": 1.0}, "b": {"y": 2.0}})])
+    assert (await reward(store, "ra"), await reward(store, "rb")) == (-1.0, 0.5)
+    # A rollout of an environment the state does not name: every score, at its own weight.
+    await store.record([rollout("rc", env="c"), scored("rc", "x", 1.0, env="c", weight=3.0)])
+    assert await reward(store, "rc") == 3.0
+    # One reward for the whole run again: every rollout takes it, the per-environment rows go.
+    await store.upsert_runs([run_state("r1", {"x": 1.0})])
+    assert await run_scorer_rows(store, "r1") == {("", "x", 1.0)}
+    assert [await reward(store, rid) for rid in ("ra", "rb", "rc")] == [0.5, 0.5, 1.0]
+    # ... and one per environment again: the '' rows go.
+    await store.upsert_runs([run_state("r1", {"x": 1.0, "y": 2.0}, {"a": {"x": 1.0}, "b": {"y": 2.0}})])
+    assert await run_scorer_rows(store, "r1") == {("a", "x", 1.0), ("b", "y", 2.0)}
+    assert [await reward(store, rid) for rid in ("ra", "rb", "rc")] == [0.5, 0.5, 3.0]
+    # Another run's rollouts of an environment of the same name are not this run's.
+    await store.record([rollout("r2a", run="r2", env="a"), scored("r2a", "y", 1.0, run="r2", env="a")])
+    assert await reward(store, "r2a") == 1.0
+
+
+async def test_revision_0007_gives_the_scorers_recorded_before_every_environment(database_url: str) -> None:
+    """Upgraded, a run's rows of before are its rows of every environment (env ''); downgraded,
+    the rows of single environments go (the old key holds a scorer once a run)."""
+    s = await open_at(database_url, "0007")
+    try:
+        await s.upsert_runs([run_state("r1", {"exact": 0.5}),
+                             run_state("r2", {"x": 1.0, "y": 1.0}, {"a": {"x": 1.0}, "b": {"y": 1.0}})])
+        await s.record([rollout("ro1"), scored("ro1", "exact", 1.0), scored("ro1", "custom", 3.0)])
+        assert await reward(s, "ro1") == 0.5
+    finally:
+        await s.close()
+    await run_exclusively(database_url, lambda conn: command.downgrade(alembic_config(conn), "0006"))
+    assert await current_revision(database_url) == "0006"
+    s = Store.open(database_url)
+    try:
+        async with s.engine.connect() as conn:
+            rows = (await conn.execute(sa.text("SELECT run, scorer, weight FROM run_scorers"))).all()
+        assert [tuple(row) for row in rows] == [("r1", "exact", 0.5)]
+    finally:
+        await s.close()
+    await migrate(database_url)
+    s = Store.open(database_url)
+    try:
+        assert await run_scorer_rows(s, "r1") == {("", "exact", 0.5)}
+        assert await run_scorer_rows(s, "r2") == set()  # until the recorder mirrors its state again
+        assert await reward(s, "ro1") == 0.5
+        await s.record([rollout("ro2", env="other"), scored("ro2", "exact", 1.0, env="other"),
+                        scored("ro2", "custom", 3.0, env="other")])
+        assert await reward(s, "ro2") == 0.5  # the run's reward, whatever the environment
+    finally:
+        await s.close()
 
 
 async def test_revision_0005_clears_the_reward_of_errored_rollouts(database_url: str) -> None:

@@ -118,7 +118,7 @@ def sequences() -> tuple[list[Tokens], list[float]]:
     return seqs, [1.0, -0.5, 0.25]
 
 
-def policy_gradient(logprobs: torch.Tensor, batch: object) -> tuple[torch.Tensor, torch.Tensor]:
+def policy_gradient(logprobs: torch.Tensor, batch: object, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     return LOSSES["clipped"](
         logprobs, batch.old_logprobs, batch.advantages[:, None], 0.2)  # type: ignore[attr-defined]  # gets a Batch
 
@@ -127,7 +127,7 @@ def test_the_loss_is_normalised_by_loss_tokens_in_the_whole_step_however_it_is_c
     seqs, advantages = sequences()
     engine = RecordingEngine(Bigram())
     ones = train_step(engine, seqs, advantages, 0, 2, [1.0] * 3,
-                      lambda lp, b: (torch.ones_like(lp) + 0 * lp, torch.zeros_like(b.loss_mask)))
+                      lambda lp, b, indices: (torch.ones_like(lp) + 0 * lp, torch.zeros_like(b.loss_mask)))
     assert ones["loss"] == pytest.approx(1.0) and ones["num_loss_tokens"] == 7  # 3 + 1 + 3, padding excluded
     whole = train_step(engine, seqs, advantages, 0, 3, [1.0] * 3, policy_gradient)
     whole_grads = engine.grads
@@ -161,3 +161,32 @@ def test_a_part_binds_its_fields_as_keyword_arguments() -> None:
     with pytest.raises(ValueError, match=r"trainer\.loss: type='clipped' is not available in this service; "
                                          r"it has masked"):
         ClippedLoss().bind({"masked": LOSSES["masked"]})
+
+
+def test_each_environment_trains_with_its_own_advantage_and_loss() -> None:
+    from flywheel.contract.config import RunConfig
+    from flywheel_trainer.join import Scored
+    from flywheel_trainer.learner import rl_step
+    from tests.unit.test_trainer_join import make_rollout
+
+    cfg = RunConfig.parse({"run": "r", "group_size": 2, "trainer": {"batch_size": 4}, "envs": [
+        {"id": "a", "loss": {"type": "masked", "clip_eps": 0.01}, "advantage": "leave_one_out"}, {"id": "b"}]})
+    groups = [[Scored(make_rollout(f"{env}{i}", f"g-{env}", env=env, index=i, completion=[5 + i, 6 + i]), reward, 0)
+               for i, reward in enumerate((1.0, 0.0))] for env in ("a", "b")]
+    envs = {env.id: env for env in cfg.environments}
+
+    def grads(micro_batch_size: int, by_env: dict | None) -> list[torch.Tensor]:
+        engine = RecordingEngine(Bigram())
+        rl_step(engine, groups, 0, cfg, micro_batch_size, by_env)
+        return engine.grads
+
+    def same(x: list[torch.Tensor], y: list[torch.Tensor]) -> bool:
+        return all(torch.allclose(a, b, atol=1e-6) for a, b in zip(x, y, strict=True))
+
+    # A micro-batch holding both environments' sequences computes each with its own loss: the
+    # same gradient as one sequence at a time (each micro-batch of one environment).
+    mixed = grads(4, envs)
+    assert same(mixed, grads(1, envs))
+    assert not same(mixed, grads(4, None))  # without them, both take the run's (clipped, group mean)
+    only_b_own = {"a": envs["b"], "b": envs["b"]}  # a trained as b is: the run's parts
+    assert same(grads(4, only_b_own), grads(4, None))

@@ -219,3 +219,24 @@ def test_a_stale_rollout_counts_as_stale_even_when_inference_stopped_it_as_an_er
         scored(joiner, make_rollout(f"ok-{i}", "g2", policy_version=2))
     take = joiner.take(1)
     assert take is not None and take.dropped == {"a": "stale", "b": "rollout_error"}
+
+
+def test_a_rollout_waits_only_for_its_own_environments_scorers() -> None:
+    joiner = Joiner({"x": 1.0, "y": 2.0}, max_off_policy_steps=1, env_scorers={"a": {"x": 1.0}, "b": {"y": 2.0}})
+    a1, a2 = make_rollout("a1", "ga", env="a", index=0), make_rollout("a2", "ga", env="a", index=1)
+    b1, b2 = make_rollout("b1", "gb", env="b", index=0), make_rollout("b2", "gb", env="b", index=1)
+    for rollout in (a1, a2, b1, b2):
+        joiner.add_rollout(rollout)
+    for rollout, value in ((a1, 0.5), (a2, 1.0)):
+        joiner.add_score(make_score(rollout, "x", value))
+    joiner.add_score(make_score(b1, "y", 0.25))
+    assert joiner.is_ready("a1") and not joiner.is_ready("b2")
+    assert joiner.awaited_scores() == {"y": 1}  # b2's y; a's rollouts never wait for y
+    take = joiner.take(1)
+    assert take is not None and [(s.rollout.id, s.reward, s.scores) for s in take.groups[0]] == [
+        ("a1", 0.5, {"x": 0.5}), ("a2", 1.0, {"x": 1.0})]
+    joiner.add_score(make_score(b2, "y", 1.0))
+    take = joiner.take(1)
+    assert take is not None and [s.reward for s in take.groups[0]] == [0.5, 2.0]
+    with pytest.raises(ValueError, match=r"env_scorers\['a'\]: at least one scorer"):
+        Joiner({"x": 1.0}, max_off_policy_steps=1, env_scorers={"a": {}})

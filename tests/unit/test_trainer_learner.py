@@ -184,5 +184,5 @@ def test_sft_warmup_teaches_the_reference_answers(tiny_model_dir: Path) -> None:
             return float(-token_logprobs(model, batch)[batch.loss_mask].mean())
 
     start = cross_entropy()
-    figures = sft_warmup(model, tok, env, cfg, MICRO_BATCH_SIZE)
+    figures = sft_warmup(model, tok, [env], cfg, MICRO_BATCH_SIZE)
     assert figures["sft_steps"] == 8 and cross_entropy() < start - 0.5

@@ -30,13 +30,17 @@ The environment part: ``env`` is an environment id (a module name such as ``reve
 or ``owner/name@version`` of an installed package), ``[env_args]`` are the keyword arguments
 of its ``load_environment``, and ``[rewards.<name>]`` tables change a reward's ``weight``,
 swap its ``function`` (``"package.module:function"``) or add one (``group = true`` for a
-group reward); :func:`flywheel.sdk.environment.load_for_run` applies them, the one way
-every service loads a run's environment. The environment's own sampling settings are
-defaults under the run's ``[sampling]`` (:meth:`RunConfig.with_sampling_defaults`). This
+group reward); :func:`flywheel.sdk.environment.load_run_environments` applies them, the one
+way every service loads a run's environments. A run on several environments has an
+``[[envs]]`` table for each instead (:class:`EnvConfig`: ``id``, ``args``, ``rewards``, a mix
+``weight``, its own ``sampling`` over the run's, its own ``advantage`` and ``loss``);
+:attr:`RunConfig.environments` gives either form as that list, and
+:meth:`RunConfig.env_schedule` the environment of each task. The environments' own sampling
+settings are defaults under the config's (:meth:`RunConfig.with_sampling_defaults`). This
 module is part of the contract: it knows nothing of the SDK's or the services' types.
 
-Not covered: per-environment algorithm choices within one run; a user part's own ``args``
-are checked only as keyword arguments its signature accepts, not by type.
+Not covered: a user part's own ``args`` are checked only as keyword arguments its signature
+accepts, not by type.
 """
 
 from __future__ import annotations
@@ -374,6 +378,18 @@ class SamplingConfig(_Section):
         return events.Sampling(**self.model_dump())
 
 
+class SamplingOverrides(_Section):
+    """Sampling settings over the run's ``[sampling]``: only those given (not null) count."""
+
+    temperature: float | None = sampling_field("temperature", None)
+    top_p: float | None = sampling_field("top_p", None)
+    max_tokens: int | None = sampling_field("max_tokens", None)
+    stop: StopStrings | None = sampling_field("stop", None)
+
+    def given(self) -> dict[str, Any]:
+        return {k: v for k, v in self.model_dump().items() if v is not None}
+
+
 class ModelConfig(_Section):
     """The policy: what inference samples from and the trainer trains."""
 
@@ -462,15 +478,44 @@ class RewardConfig(_Section):
         return self
 
 
+class EnvConfig(_Section):
+    """``[[envs]]``: one environment of a run that trains on several (a run with one may write
+    it as the top-level ``env``, ``[env_args]`` and ``[rewards.<name>]`` instead)."""
+
+    id: str = Field(description="environment id: a module name (reverse_text) or owner/name[@version]")
+    args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of its load_environment")
+    weight: float = Field(1.0, gt=0, allow_inf_nan=False,
+                          description="its share of the run's tasks, against the other environments' weights")
+    rewards: dict[str, RewardConfig] = Field(default_factory=dict,
+                                             description="a table per reward (by its name) to change its weight, "
+                                                         "swap its function, or add a reward")
+    sampling: SamplingOverrides = Field(SamplingOverrides(), description="its own sampling settings, over the "
+                                        "run's [sampling]: a table of temperature, top_p, max_tokens, stop (the "
+                                        "environment's own settings are defaults under both)")
+    advantage: AdvantageConfig | None = Field(None, description="its own advantage (a part, as trainer.advantage); "
+                                                                "unset: trainer.advantage")
+    loss: LossConfig | None = Field(None, description="its own loss (a part, as trainer.loss); unset: trainer.loss")
+
+    @model_validator(mode="after")
+    def _check(self) -> EnvConfig:
+        if not self.id or any(c.isspace() for c in self.id):
+            raise ValueError(f"id={self.id!r}: give an environment id, e.g. reverse_text or owner/name@1.0")
+        return self
+
+
 class RunConfig(_Section):
     """The top level of a run config."""
 
     run: str = Field(description="run id: letters, digits, '-', '_'")
-    env: str = Field(description="environment id: a module name (reverse_text) or owner/name[@version]")
-    env_args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of load_environment")
+    env: str | None = Field(None, description="the run's environment, for a run with one: a module name "
+                                              "(reverse_text) or owner/name[@version]; several: [[envs]]")
+    env_args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of env's load_environment")
     rewards: dict[str, RewardConfig] = Field(default_factory=dict,
-                                             description="a table per reward (by its name) to change its weight, "
-                                                         "swap its function, or add a reward")
+                                             description="env's rewards: a table per reward (by its name) to change "
+                                                         "its weight, swap its function, or add a reward")
+    envs: list[EnvConfig] = Field(default_factory=list, description="the run's environments, for a run with "
+                                  "several: an [[envs]] table each (instead of env, env_args and rewards), its "
+                                  "tasks mixed by weight")
     tenant: str = Field("default", description="the tenant that owns the run")
     group_size: int = Field(8, ge=1, description="rollouts per task, compared with each other")
     num_tasks: int | None = Field(None, ge=1, description="tasks to publish; default: enough for num_steps")
@@ -504,49 +549,135 @@ class RunConfig(_Section):
         if self.trainer.batch_size % self.group_size:
             raise ValueError(f"trainer.batch_size={self.trainer.batch_size} must be a multiple of "
                              f"group_size={self.group_size}: a step trains on whole groups")
+        self._check_envs()
         for name, weight in self.scorers.items():
             if weight < 0:
                 raise ValueError(f"scorers.{name}={weight}: weights are not negative")
-            if name in self.rewards and self.rewards[name].weight is not None:
-                raise ValueError(f"scorers.{name} and rewards.{name}.weight both set the weight of {name!r}: "
-                                 f"keep one (rewards.{name}.weight)")
+            for where, env in self._env_fields():
+                if name in env.rewards and env.rewards[name].weight is not None:
+                    raise ValueError(f"scorers.{name} and {where}rewards.{name}.weight both set the weight of "
+                                     f"{name!r}: keep one ({where}rewards.{name}.weight)")
         if self.sampling.seed is not None:
             raise ValueError(f"sampling.seed={self.sampling.seed}: a run seeds each rollout's sampling from its "
                              f"own seed (top level): write seed = {self.sampling.seed} there instead")
         if self.replace_rewards and not self.scorers:
             raise ValueError("replace_rewards = true needs scorers: name the scorers that make the reward, "
                              "e.g. scorers = {my_scorer = 1.0}")
-        if not self.env or any(c.isspace() for c in self.env):
-            raise ValueError(f"env={self.env!r}: give an environment id, e.g. reverse_text or owner/name@1.0")
         return self
+
+    def _check_envs(self) -> None:
+        if self.envs:
+            given = [name for name in ("env", "env_args", "rewards") if getattr(self, name)]
+            if given:
+                raise ValueError(f"{', '.join(given)}: a run with [[envs]] names its environments there; move "
+                                 "them into an [[envs]] table (id, args, rewards)")
+            first: dict[str, int] = {}
+            for i, env in enumerate(self.envs):
+                if env.id in first:
+                    raise ValueError(f"envs.{i}.id={env.id!r}: envs.{first[env.id]} is that environment already; "
+                                     "give each environment one [[envs]] table")
+                first[env.id] = i
+        elif self.env is None:
+            raise ValueError("env: give the run's environment (env = \"reverse_text\"), or an [[envs]] table for "
+                             "each of several")
+        elif not self.env or any(c.isspace() for c in self.env):
+            raise ValueError(f"env={self.env!r}: give an environment id, e.g. reverse_text or owner/name@1.0")
+
+    def _env_fields(self) -> list[tuple[str, EnvConfig]]:
+        """Each environment with where its fields are, for messages: ``envs.1.`` or the top level."""
+        if self.envs:
+            return [(f"envs.{i}.", env) for i, env in enumerate(self.envs)]
+        return [("", self.environments[0])]
+
+    @property
+    def environments(self) -> list[EnvConfig]:
+        """The run's environments: its ``[[envs]]``, or the one of ``env``, ``[env_args]`` and
+        ``[rewards.<name>]``."""
+        if self.envs:
+            return list(self.envs)
+        assert self.env is not None
+        return [EnvConfig(id=self.env, args=self.env_args, rewards=self.rewards)]
+
+    def environment(self, env_id: str) -> EnvConfig:
+        """The run's environment of id ``env_id``; ValueError naming the ids it has."""
+        for env in self.environments:
+            if env.id == env_id:
+                return env
+        raise ValueError(f"run {self.run!r} has no environment {env_id!r}; it has "
+                         f"{', '.join(e.id for e in self.environments)}")
+
+    def env_schedule(self, num: int) -> list[int]:
+        """Which environment (index into :attr:`environments`) each of the run's first ``num``
+        tasks is of: shares in proportion to the weights, interleaved evenly (smooth weighted
+        round-robin: each turn the environment furthest behind its share), the same for every
+        reader."""
+        weights = [env.weight for env in self.environments]
+        total = sum(weights)
+        credit = [0.0] * len(weights)
+        out = []
+        for _ in range(num):
+            credit = [c + w for c, w in zip(credit, weights, strict=True)]
+            chosen = max(range(len(weights)), key=credit.__getitem__)  # the first on a tie
+            credit[chosen] -= total
+            out.append(chosen)
+        return out
+
+    @property
+    def env_ids(self) -> str:
+        """The environment ids, for people: ``reverse_text`` or ``reverse_text + arithmetic``."""
+        return " + ".join(env.id for env in self.environments)
+
+    def advantage_of(self, env: EnvConfig) -> AdvantagePart:
+        return env.advantage if env.advantage is not None else self.trainer.advantage
+
+    def loss_of(self, env: EnvConfig) -> LossPart:
+        return env.loss if env.loss is not None else self.trainer.loss
+
+    def sampling_of(self, env: EnvConfig) -> SamplingConfig:
+        """The sampling of ``env``'s tasks: the run's ``[sampling]`` with the keys the
+        environment's table gives over it."""
+        given = env.sampling.given()
+        return self.sampling.model_copy(update=given) if given else self.sampling
 
     @property
     def task_seed(self) -> int:
         """The seed of the task order (and of the warm-up's tasks)."""
         return self.seed if self.seed is not None else 0
 
-    def task_sampling(self, position: int) -> events.Sampling:
-        """The sampling of the run's task at ``position`` (from 0): the run's ``[sampling]``, seeded
-        at ``seed + position * group_size`` when the run has a seed (rollout i of the task adds i)."""
-        sampling = self.sampling.to_event()
+    def task_sampling(self, position: int, env: EnvConfig | None = None) -> events.Sampling:
+        """The sampling of the run's task at ``position`` (from 0), of ``env`` (default: the
+        first): :meth:`sampling_of`, seeded at ``seed + position * group_size`` when the run
+        has a seed (rollout i of the task adds i)."""
+        sampling = self.sampling_of(env if env is not None else self.environments[0]).to_event()
         return sampling if self.seed is None else msgspec.structs.replace(sampling, seed=self.seed).with_seed_offset(
             position * self.group_size)
 
-    def with_sampling_defaults(self, defaults: Mapping[str, Any], source: str) -> RunConfig:
-        """This config with ``defaults`` (an environment's sampling settings, named by
-        ``source`` in errors) under the ones ``[sampling]`` sets."""
-        unknown = sorted(set(defaults) - set(SamplingConfig.model_fields))
-        if unknown:
-            raise ValueError(f"{source}: sampling has {unknown}; known settings are "
-                             f"{', '.join(SamplingConfig.model_fields)}")
-        given = {k: v for k, v in defaults.items() if k not in self.sampling.model_fields_set}
-        if not given:
-            return self
-        try:
-            sampling = SamplingConfig.model_validate({**self.sampling.model_dump(), **given})
-        except ValidationError as exc:
-            raise ValueError(f"{source}: sampling {given}: {exc.errors()[0]['msg']}") from None
-        return self.model_copy(update={"sampling": sampling})
+    def with_sampling_defaults(self, defaults: Mapping[str, Mapping[str, Any]]) -> RunConfig:
+        """This config with each environment's own sampling settings (``defaults``: env id ->
+        its ``Environment.sampling``) written in as defaults under the ones the config gives:
+        a run with one ``env`` gets them in ``[sampling]``; one with ``[[envs]]`` in each
+        table's ``sampling``, under the keys the table or the run's ``[sampling]`` gives."""
+        if not self.envs:
+            assert self.env is not None
+            given = _defaults(defaults.get(self.env, {}), self.sampling.model_fields_set, f"environment {self.env!r}")
+            if not given:
+                return self
+            try:
+                sampling = SamplingConfig.model_validate({**self.sampling.model_dump(), **given})
+            except ValidationError as exc:
+                raise ValueError(f"environment {self.env!r}: sampling {given}: {exc.errors()[0]['msg']}") from None
+            return self.model_copy(update={"sampling": sampling})
+        envs = []
+        for env in self.envs:
+            own = env.sampling.given()
+            given = _defaults(defaults.get(env.id, {}), self.sampling.model_fields_set | set(own),
+                              f"environment {env.id!r}")
+            try:
+                overrides = SamplingOverrides.model_validate({**own, **given})
+            except ValidationError as exc:
+                raise ValueError(f"environment {env.id!r}: sampling {given}: {exc.errors()[0]['msg']}") from None
+            envs.append(env.model_copy(update={"sampling": overrides}))
+        return self.model_copy(update={"envs": envs})
 
     @property
     def groups_per_step(self) -> int:
@@ -572,6 +703,16 @@ class RunConfig(_Section):
         except ValidationError as exc:
             problems = "; ".join(f"{_where(e['loc'], data)}: {_message(e)}" for e in exc.errors())
             raise ValueError(f"{source}: {problems}") from None
+
+
+def _defaults(defaults: Mapping[str, Any], taken: set[str], source: str) -> dict[str, Any]:
+    """The settings of ``defaults`` (an environment's sampling, named by ``source`` in errors)
+    that are not ``taken``; ValueError for a setting that is not one."""
+    known = set(SamplingOverrides.model_fields)
+    unknown = sorted(set(defaults) - known)
+    if unknown:
+        raise ValueError(f"{source}: sampling has {unknown}; known settings are {', '.join(sorted(known))}")
+    return {k: v for k, v in defaults.items() if k not in taken}
 
 
 def _where(loc: tuple[int | str, ...], data: Any) -> str:
@@ -626,7 +767,8 @@ def reference() -> str:
         section = _section(f)
         if section is None:
             continue
-        title = f"[{name}.<name>]" if typing.get_origin(f.annotation) is dict else f"[{name}]"
+        origin = typing.get_origin(f.annotation)
+        title = f"[{name}.<name>]" if origin is dict else f"[[{name}]]" if origin is list else f"[{name}]"
         assert f.description is not None  # every field has one (tests/unit/test_config.py checks)
         lines += ["", f"## {title}", "", f"{f.description[0].upper()}{f.description[1:]}.", ""]
         lines += [line for key, g in section.model_fields.items() for line in _field(key, g)]
@@ -641,10 +783,13 @@ def _wrap(line: str, width: int = 100) -> str:
 
 
 def _section(f: FieldInfo) -> type[BaseModel] | None:
-    """The model of a ``[section]`` (or of ``[section.<name>]`` tables), None for a plain field."""
+    """The model of a ``[section]`` (or of ``[section.<name>]`` or ``[[section]]`` tables), None
+    for a plain field."""
     tp = f.annotation
     if typing.get_origin(tp) is dict:
         tp = typing.get_args(tp)[1]
+    elif typing.get_origin(tp) is list:
+        tp = typing.get_args(tp)[0]
     return tp if isinstance(tp, type) and issubclass(tp, BaseModel) else None
 
 
@@ -693,6 +838,8 @@ def _default(f: FieldInfo) -> str:
         value = f.default
     if isinstance(value, Part):
         return f"default {json.dumps(value.type)}"
+    if isinstance(value, BaseModel):
+        value = value.model_dump(exclude_none=True)
     if value is None:
         return "default unset"
     return f"default {json.dumps(value)}"

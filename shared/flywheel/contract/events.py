@@ -38,7 +38,8 @@ Schema evolution (tested against stored encodings of version 1 in tests/unit/dat
     no reader reads any more: ``metrics`` is for people); version 6 added
     ``Rollout.sampling``, the settings a rollout was sampled with, which the trainer
     recomputes logprobs at (None on older rollouts: their readers take the run's); version 7
-    added the run owner's notes (``RunState.notes``, ``num_notes``).
+    added the run owner's notes (``RunState.notes``, ``num_notes``); version 8 added the
+    reward of each environment of a run with several (``RunState.env_scorers``).
 
 Identities
     ``run`` (a training or eval run, owned by a ``tenant``), ``task`` (one row of a task
@@ -71,7 +72,7 @@ from typing import Any, Generic, Literal, TypeVar, overload
 
 import msgspec
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 JSON = "application/json"
 MSGPACK = "application/msgpack"
@@ -445,6 +446,11 @@ class RunState(_Struct, frozen=True, kw_only=True):
     # registration by whoever knows the environment. Empty: not known; readers then count
     # every score at its own weight.
     scorers: dict[str, float] = {}
+    # A run with several environments: the reward of each (its name in subjects -> scorer ->
+    # weight), which its rollouts are scored and trained on; `scorers` then holds every one of
+    # their scorers (a reader that knows only it waits for scores a rollout never gets). A
+    # rollout of an environment not named here takes `scorers`.
+    env_scorers: dict[str, dict[str, float]] = {}
     notes: list[str] = []
     num_notes: int = 0
 

@@ -116,6 +116,13 @@ def end_of(state: events.RunState, now: datetime | None = None) -> RunEnd | None
     return None
 
 
+def scorers_of(state: events.RunState, env: str) -> dict[str, float]:
+    """The scorers whose weighted values make the reward of the run's rollouts of ``env`` (its
+    name in subjects), name -> weight: its own in a run with several environments, else the
+    run's (:attr:`flywheel.contract.events.RunState.env_scorers`)."""
+    return dict(state.env_scorers.get(env, state.scorers))
+
+
 def decode_state(key: str, value: bytes) -> events.RunState:
     """A runs-bucket entry as a RunState; :class:`BadRunState` naming the key when it does not decode."""
     try:
@@ -150,11 +157,12 @@ async def list_runs(bus: Bus) -> list[events.RunState]:
 
 
 async def get_or_create_run(bus: Bus, run: str, tenant: str = "default", config: dict[str, Any] | None = None,
-                            kind: str = "train", scorers: Mapping[str, float] | None = None
+                            kind: str = "train", scorers: Mapping[str, float] | None = None,
+                            env_scorers: Mapping[str, Mapping[str, float]] | None = None
                             ) -> tuple[events.RunState, bool]:
     """The run's state, created (owned by ``tenant``, with ``config``, of ``kind`` train or eval,
-    its reward made of ``scorers``: see :attr:`flywheel.contract.events.RunState.scorers`) if new;
-    ``(state, created)``.
+    its reward made of ``scorers``, ``env_scorers`` for a run with several environments: see
+    :attr:`flywheel.contract.events.RunState.scorers`) if new; ``(state, created)``.
     An existing run is returned as it is, whoever owns it."""
     check_key("run", run)
     check_key("tenant", tenant)
@@ -165,7 +173,8 @@ async def get_or_create_run(bus: Bus, run: str, tenant: str = "default", config:
             return state, False
         state = events.RunState(id=run, tenant=tenant, config=config or {},
                                 kind=kind,  # type: ignore[arg-type]  # callers pass "train" or "eval"
-                                scorers=dict(scorers or {}))
+                                scorers=dict(scorers or {}),
+                                env_scorers={env: dict(by_name) for env, by_name in (env_scorers or {}).items()})
         try:
             await kv.create(run, events.encode(state))
             return state, True
@@ -175,10 +184,11 @@ async def get_or_create_run(bus: Bus, run: str, tenant: str = "default", config:
 
 
 async def register_run(bus: Bus, run: str, tenant: str = "default", config: dict[str, Any] | None = None,
-                       kind: str = "train", scorers: Mapping[str, float] | None = None
+                       kind: str = "train", scorers: Mapping[str, float] | None = None,
+                       env_scorers: Mapping[str, Mapping[str, float]] | None = None
                        ) -> tuple[events.RunState, bool]:
     """Like :func:`get_or_create_run`, but a run of another tenant is a :class:`RunConflict`."""
-    state, created = await get_or_create_run(bus, run, tenant, config, kind, scorers)
+    state, created = await get_or_create_run(bus, run, tenant, config, kind, scorers, env_scorers)
     if state.tenant != tenant:
         raise RunConflict(f"run {run!r} belongs to tenant {state.tenant!r}, not {tenant!r}; "
                           "name another run or use its owner's tenant")

@@ -63,8 +63,8 @@ from flywheel.contract.runs import (
 from flywheel.contract.service import read_heartbeats
 from flywheel.contract.settings import Settings
 from flywheel.ops.stack import SERVICES, Stack, StackError
-from flywheel.sdk.environment import Environment, load_for_run, subject_name
-from flywheel.sdk.scoring import describe_reward, required_scorers
+from flywheel.sdk.environment import RunEnvironment, prepare_run
+from flywheel.sdk.scoring import describe_reward, reward_definition
 
 RUN_SERVICES = ("orchestrator", "inference", "scorer")  # what a training run needs
 QUIET_STEP_S = 30.0  # no step for this long: say what the run waits for
@@ -106,6 +106,10 @@ def format_step(row: dict[str, float], num_steps: int, in_flight: int | None, me
         return fmt.format(row[key]) if key in row else "-"
 
     shown = "".join(f"  {name} {get(f'scores.{name}')}" for name in metrics)
+    envs = [key.removeprefix("env.").removesuffix(".reward_mean") for key in row
+            if key.startswith("env.") and key.endswith(".reward_mean")]
+    if envs:
+        shown = " (" + ", ".join(f"{name} {get(f'env.{name}.reward_mean')}" for name in envs) + ")" + shown
     return (f"step {int(row['step']):>3}/{num_steps}  reward {get('reward_mean')}{shown}  "
             f"staleness {get('staleness_mean', '{:.2f}')} (max {get('staleness_max', '{:.0f}')})  "
             f"dropped {format_dropped(row)}  tokens/s {get('tokens_per_s', '{:.0f}')}  "
@@ -123,11 +127,15 @@ def summarize(progress: Progress, cfg: RunConfig, run_dir: Path, metrics: Sequen
         values = [s[f"scores.{name}"] for s in progress.steps if f"scores.{name}" in s]
         quarters[f"{name}_first"] = sum(values[:k]) / len(values[:k]) if values else None
         quarters[f"{name}_last"] = sum(values[-k:]) / len(values[-k:]) if values else None
+    for name in env_names(progress):  # a run with several environments: each one's, the same way
+        values = [s[f"env.{name}.reward_mean"] for s in progress.steps if f"env.{name}.reward_mean" in s]
+        quarters[f"env.{name}.reward_first"] = sum(values[:k]) / len(values[:k]) if values[:k] else None
+        quarters[f"env.{name}.reward_last"] = sum(values[-k:]) / len(values[-k:]) if values[-k:] else None
     dropped = {f"num_dropped_{key}": sum(s.get(f"num_dropped_{key}", 0.0) for s in progress.steps)
                for key in DROP_REASONS}
     return {
         "run": cfg.run,
-        "env": cfg.env,
+        "env": cfg.env_ids,
         "model": cfg.model.name,
         "steps": len(progress.steps),
         "elapsed_s": progress.steps[-1]["elapsed_s"] if progress.steps else 0.0,
@@ -152,8 +160,20 @@ def format_summary(summary: dict[str, Any]) -> str:
     return "\n".join(f"  {k.ljust(width)}  {fmt(v)}" for k, v in summary.items())
 
 
+def env_names(progress: Progress) -> list[str]:
+    """The environments a run with several reports apart (``env.<name>.reward_mean`` in the
+    trainer's metrics), in the order they first appear; [] for a run with one."""
+    names: dict[str, None] = {}
+    for step in progress.steps:
+        for key in step:
+            if key.startswith("env.") and key.endswith(".reward_mean"):
+                names[key.removeprefix("env.").removesuffix(".reward_mean")] = None
+    return list(names)
+
+
 def plot(progress: Progress, path: Path, title: str) -> Path | None:
-    """The reward curve as a PNG; None when matplotlib (the ``run`` extra) is missing."""
+    """The reward curve as a PNG, a curve for each environment of a run with several beside the
+    overall one; None when matplotlib (the ``run`` extra) is missing."""
     try:
         import matplotlib
     except ImportError:
@@ -161,10 +181,15 @@ def plot(progress: Progress, path: Path, title: str) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [s["step"] for s in progress.steps if "reward_mean" in s]
-    rewards = [s["reward_mean"] for s in progress.steps if "reward_mean" in s]
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, rewards, marker="o", markersize=3)
+    envs = env_names(progress)
+    for key, label in [("reward_mean", "all environments" if envs else None),
+                       *((f"env.{name}.reward_mean", name) for name in envs)]:
+        steps = [s["step"] for s in progress.steps if key in s]
+        ax.plot(steps, [s[key] for s in progress.steps if key in s], marker="o", markersize=3, label=label,
+                linewidth=2.0 if key == "reward_mean" else 1.2)
+    if envs:
+        ax.legend(fontsize=8)
     ax.set_xlabel("trainer step")
     ax.set_ylabel("mean reward of the step's rollouts")
     ax.set_title(title)
@@ -219,9 +244,10 @@ class MainJob:
         self.stopping = asyncio.Event()
         self.failure: str | None = None  # why this process ended the run, when it was not a signal
         self.progress = Progress()
-        self.env: Environment | None = None  # loaded as every service loads it (load_for_run)
+        self.environments: dict[str, RunEnvironment] = {}  # loaded as every service loads them
         self.first_step = 0  # the trainer step the run was at when this process began following it
-        self.required: dict[str, float] = {}  # the scorers of the run's reward, name -> weight
+        self.required: dict[str, float] = {}  # the scorers of the run's reward, name -> weight (every environment's)
+        self.env_scorers: dict[str, dict[str, float]] = {}  # a run with several environments: each one's
         self.started_at = events.utc_now()  # dead letters from here on are this run's to say
         self.num_dead_letters = 0  # of the run's messages, since started_at
         self.seen_weights = False  # a weight update of the run came (version 0 at least)
@@ -305,9 +331,9 @@ class MainJob:
         cfg = self.cfg
         self._bus = bus = await Bus.connect(self.settings.resolved_nats_url, "flywheel-run")
         try:
-            # The environment's sampling settings are defaults under the config's own.
-            self.env = load_for_run(cfg)
-            cfg = self.cfg = cfg.with_sampling_defaults(self.env.sampling, f"environment {self.env.name!r}")
+            # The environments' sampling settings are defaults under the config's own.
+            cfg, self.environments = prepare_run(cfg)
+            self.cfg = cfg
             if check_services:
                 await self._check_services()
             if await self._register():
@@ -324,11 +350,14 @@ class MainJob:
         existing one go on. True when there is nothing to do (the resumed run had finished)."""
         cfg = self.cfg
         config = cfg.model_dump()
-        assert self.env is not None
-        scorers = required_scorers(cfg, self.env)  # the run's reward, for the trace store (the trainer's too)
-        self.required = scorers
-        self.say(f"run {cfg.run}: {describe_reward(scorers, self.env)}")
-        state, created = await register_run(self.bus, cfg.run, cfg.tenant, config=config, scorers=scorers)
+        # The run's reward, for the trace store (the trainer's too).
+        scorers, env_scorers = reward_definition(cfg, self.environments)
+        self.required, self.env_scorers = scorers, env_scorers
+        for name, found in self.environments.items():
+            where = f" ({name}, weight {found.config.weight:g})" if env_scorers else ""
+            self.say(f"run {cfg.run}{where}: {describe_reward(env_scorers.get(name, scorers), found.env)}")
+        state, created = await register_run(self.bus, cfg.run, cfg.tenant, config=config, scorers=scorers,
+                                            env_scorers=env_scorers)
         if created:
             return False
         if not self.resume:
@@ -532,18 +561,19 @@ class MainJob:
             live = {beat.service for beat in await read_heartbeats(self.bus)}
         except (TimeoutError, nats.errors.Error):
             return []
-        assert self.env is not None
         missing = []
         if "orchestrator" not in live:
             missing.append("an orchestrator to own the run (none is running: is `flywheel up` running?)")
-        own = set(self.env.weights)
+        own = {name for found in self.environments.values() for name in found.env.weights}
         if own & set(self.required) and "scorer" not in live:
-            missing.append(f"the built-in scorer (no process scores {self.env.name}'s rewards: is `flywheel up` "
-                           "running?)")
+            names = ", ".join(found.env.name for found in self.environments.values())
+            missing.append(f"the built-in scorer (no process scores {names}'s rewards: is `flywheel up` running?)")
         for name in sorted(set(self.required) - own):
             if f"scorer-{name}" not in live:
-                missing.append(f"scorer {name!r}: no process runs it (start it with `flywheel scorer "
-                               f"MODULE:FUNCTION --env {subject_name(self.cfg.env, self.env)} --name {name}`)")
+                needing = [env for env in self.environments if name in self.env_scorers.get(env, self.required)]
+                commands = " and ".join(f"`flywheel scorer MODULE:FUNCTION --env {env} --name {name}`"
+                                        for env in needing)
+                missing.append(f"scorer {name!r}: no process runs it (start it with {commands})")
         if "inference" not in live:
             missing.append("an inference replica (none is running)")
         if not self.seen_weights:
@@ -572,19 +602,29 @@ def new_run_id(base: str) -> str:
 
 
 def apply_override(data: dict[str, Any], dotted: str, value: Any) -> None:
-    """``--set dotted=value`` on a config's data: ``trainer.lr``, ``trainer.loss.clip_eps``. A
-    part given by its bare name (``--set trainer.engine=deepspeed`` before ``--set
-    trainer.engine.zero_stage=2``) becomes ``{"type": name}`` so its fields can be set."""
-    section = data
+    """``--set dotted=value`` on a config's data: ``trainer.lr``, ``trainer.loss.clip_eps``,
+    ``envs.1.weight`` (the second ``[[envs]]`` table). A part given by its bare name (``--set
+    trainer.engine=deepspeed`` before ``--set trainer.engine.zero_stage=2``) becomes
+    ``{"type": name}`` so its fields can be set."""
+    section: Any = data
     *parents, leaf = dotted.split(".")
     for i, key in enumerate(parents):
+        if isinstance(section, list):
+            if not key.isdigit() or int(key) >= len(section):
+                raise ValueError(f"--set {dotted}: {'.'.join(parents[:i])} has tables 0 to {len(section) - 1}, "
+                                 f"not {key!r}")
+            section = section[int(key)]
+            continue
         if isinstance(section.get(key), str):
             section[key] = {"type": section[key]}
         if key not in section:
             section[key] = {}  # a table the config may not have yet ([rewards.x], [env_args])
         section = section[key]
-        if not isinstance(section, dict):
+        if not isinstance(section, dict | list):
             raise ValueError(f"--set {dotted}: {'.'.join(parents[:i + 1])} is a value, not a table")
+    if isinstance(section, list):
+        raise ValueError(f"--set {dotted}: {'.'.join(parents)} is a list of tables; set a key of one, e.g. "
+                         f"{'.'.join(parents)}.0.KEY")
     section[leaf] = value
 
 

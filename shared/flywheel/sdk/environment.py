@@ -66,7 +66,7 @@ from flywheel.sdk.harness import ChatHarness, Harness
 from flywheel.sdk.messages import message_dict, message_from_dict
 
 if TYPE_CHECKING:
-    from flywheel.contract.config import RunConfig
+    from flywheel.contract.config import EnvConfig, RunConfig
 
 ENTRY_POINT_GROUP = "flywheel.environments"
 REWARD_PARAMETERS = ("completion", "messages", "task", "state", "rollout")
@@ -599,19 +599,75 @@ def subject_name(env_id: str, env: Environment) -> str:
     return check_token(f"environment {env_id!r}: its name", env.name)
 
 
-def load_for_run(config: RunConfig | Mapping[str, Any]) -> Environment:
-    """A run's environment: its config's ``env`` with ``[env_args]`` and ``[rewards.<name>]`` applied.
+@dataclass(frozen=True)
+class RunEnvironment:
+    """One environment of a run, loaded: its name in subjects (``tasks.<run>.<name>``, each
+    rollout's ``env``), its part of the run config, and the environment with the run's
+    overrides applied."""
 
-    The one way inference, scorer, trainer and ``flywheel run`` load a run's environment, so they
-    all score and train on the same rewards. ``config`` is a :class:`flywheel.contract.config.RunConfig`
-    or the dict stored in the run's state (``RunState.config``)."""
+    name: str
+    config: EnvConfig
+    env: Environment
+
+
+def load_run_environments(config: RunConfig | Mapping[str, Any]) -> dict[str, RunEnvironment]:
+    """Every environment of a run (its ``[[envs]]``, or its one ``env``), by its name in
+    subjects, in the config's order; ValueError when two have one name.
+
+    The one way inference, scorer, trainer, orchestrator and ``flywheel run`` load a run's
+    environments, so they all score and train on the same rewards. ``config`` is a
+    :class:`flywheel.contract.config.RunConfig` or the dict stored in the run's state
+    (``RunState.config``)."""
+    cfg = _run_config(config)
+    found: dict[str, RunEnvironment] = {}
+    for env_cfg in cfg.environments:
+        env = load_environment(env_cfg.id, overrides_of(env_cfg))
+        name = subject_name(env_cfg.id, env)
+        if name in found:
+            raise ValueError(f"environments {found[name].config.id!r} and {env_cfg.id!r} of run {cfg.run!r} both "
+                             f"have the name {name!r} (their tasks' subject): run them in separate runs")
+        found[name] = RunEnvironment(name, env_cfg, env)
+    return found
+
+
+def prepare_run(cfg: RunConfig) -> tuple[RunConfig, dict[str, RunEnvironment]]:
+    """A run config as it is registered, and its environments: each loaded (what does not load
+    is refused here, before anything starts), its own sampling settings written in as
+    defaults under the config's (:meth:`flywheel.contract.config.RunConfig.with_sampling_defaults`)."""
+    environments = load_run_environments(cfg)
+    cfg = cfg.with_sampling_defaults({found.config.id: found.env.sampling for found in environments.values()})
+    return cfg, environments
+
+
+def load_for_run(config: RunConfig | Mapping[str, Any], name: str | None = None) -> Environment:
+    """One environment of a run, as :func:`load_run_environments` loads it: the one named
+    ``name`` (a rollout's or task's ``env``) of a run with several, or its only one (whatever
+    ``name`` says: a task published to the run by hand takes the run's environment). Loads
+    only that one where its id is its name (a module name). EnvironmentLoadError when the
+    run has no such environment; ValueError when it has several and no ``name`` is given."""
+    cfg = _run_config(config)
+    environments = cfg.environments
+    if name is None or len(environments) == 1:
+        if len(environments) > 1:
+            raise ValueError(f"run {cfg.run!r} has {len(environments)} environments ({cfg.env_ids}); name one")
+        return load_environment(environments[0].id, overrides_of(environments[0]))
+    for env_cfg in environments:
+        if env_cfg.id == name:
+            return load_environment(env_cfg.id, overrides_of(env_cfg))
+    found = load_run_environments(cfg).get(name)
+    if found is None:
+        raise EnvironmentLoadError(f"run {cfg.run!r} has no environment named {name!r}; its environments are "
+                                   f"{cfg.env_ids}")
+    return found.env
+
+
+def _run_config(config: RunConfig | Mapping[str, Any]) -> RunConfig:
     from flywheel.contract.config import RunConfig
 
-    cfg = config if isinstance(config, RunConfig) else RunConfig.parse(dict(config), source="run config")
-    return load_environment(cfg.env, overrides_of(cfg))
+    return config if isinstance(config, RunConfig) else RunConfig.parse(dict(config), source="run config")
 
 
-def overrides_of(cfg: RunConfig) -> EnvironmentOverrides:
-    """What a run changes in its environment: its config's ``[env_args]`` and ``[rewards.<name>]``."""
-    return EnvironmentOverrides(args=dict(cfg.env_args), rewards={
-        name: RewardOverride(weight=r.weight, function=r.function, group=r.group) for name, r in cfg.rewards.items()})
+def overrides_of(env: EnvConfig) -> EnvironmentOverrides:
+    """What a run changes in one of its environments: its ``args`` and ``rewards`` tables."""
+    return EnvironmentOverrides(args=dict(env.args), rewards={
+        name: RewardOverride(weight=r.weight, function=r.function, group=r.group) for name, r in env.rewards.items()})

@@ -36,7 +36,7 @@ from flywheel.sdk.environment import GroupReward, Reward, Value, off_the_loop
 
 if TYPE_CHECKING:
     from flywheel.contract.config import RunConfig
-    from flywheel.sdk.environment import Environment
+    from flywheel.sdk.environment import Environment, RunEnvironment
 
 Outcome = Value | str  # a reward's value on one rollout, or the error text
 OnFailure = Callable[[str, str, Sequence[str], BaseException], None]  # (reward, error text, rollout ids, exception)
@@ -128,6 +128,21 @@ def required_scorers(config: RunConfig | None, env: Environment) -> dict[str, fl
     if config.replace_rewards:
         return dict(config.scorers)
     return env.weights | config.scorers
+
+
+def reward_definition(config: RunConfig, environments: Mapping[str, RunEnvironment]
+                      ) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """A run's reward as its state records it (``RunState.scorers``, ``env_scorers``): for one
+    environment, its :func:`required_scorers` and no per-environment table; for several, each
+    one's (by its name in subjects) and, as ``scorers``, every scorer of theirs (the weight of
+    the first environment that has it)."""
+    by_env = {name: required_scorers(config, found.env) for name, found in environments.items()}
+    if len(by_env) == 1:
+        return next(iter(by_env.values())), {}
+    every: dict[str, float] = {}
+    for required in by_env.values():
+        every = required | every
+    return every, by_env
 
 
 def describe_reward(required: Mapping[str, float], env: Environment) -> str:

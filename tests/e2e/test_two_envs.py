@@ -1,0 +1,70 @@
+"""A run on two environments through ``flywheel run`` against ``flywheel up`` (the real
+services): tasks of both, mixed by weight; each environment's rollouts scored with its own
+rewards (the trainer's join and the trace store's reward alike); per-environment metrics,
+summary and plot. Whether reward rises in both is the slow tier's claim
+(tests/e2e/test_learning.py); this one checks the plumbing, in a few steps."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+
+from tests.e2e.test_up import Output
+
+ROOT = Path(__file__).parents[2]
+CONFIG = ROOT / "examples" / "two-envs.toml"
+NUM_STEPS = 4
+READY_TIMEOUT_S = 120
+
+
+def test_a_run_on_two_environments_mixes_scores_and_reports_each(
+        tmp_path: Path, stack: tuple[subprocess.Popen[str], Output, dict[str, int]], clean_env: dict[str, str]) -> None:
+    _, output, ports = stack
+    output.wait_for(r"^Flywheel is up", READY_TIMEOUT_S)
+    data_dir = tmp_path / "data"
+    argv = [sys.executable, "-m", "flywheel.ops.cli", "run", str(CONFIG), "--run-id", "mix", "--data-dir",
+            str(data_dir), "--nats-port", str(ports["nats"]), "--gateway-port", str(ports["gateway"]),
+            "--inference-port", str(ports["inference"]), "--set", f"trainer.num_steps={NUM_STEPS}",
+            "--set", "sft.steps=10", "--set", "envs.0.weight=3"]
+    done = subprocess.run(argv, capture_output=True, text=True, env=clean_env, cwd=ROOT, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    out = done.stdout
+    assert "run mix (reverse_text, weight 3): reward = 1 x similarity; metrics (weight 0): exact" in out, out
+    assert "run mix (arithmetic, weight 1): reward = 1 x correct + 0.1 x shortest_correct" in out, out
+    published = re.search(r"published (\d+) tasks of 8 rollouts each \(reverse_text (\d+), arithmetic (\d+)\)", out)
+    assert published is not None, out
+    total, reverse, arithmetic = (int(n) for n in published.groups())
+    assert reverse + arithmetic == total and reverse == 3 * arithmetic  # 3 : 1, as the weights say
+    assert re.search(r"^step +1/4 +reward \S+ \(reverse_text \S+, arithmetic \S+\)", out, re.M), out
+
+    run_dir = data_dir / "runs" / "mix"
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
+    assert [m["step"] for m in metrics] == list(range(1, NUM_STEPS + 1))
+    for m in metrics:
+        counts = m["env.reverse_text.num_rollouts"], m["env.arithmetic.num_rollouts"]
+        assert sum(counts) == m["num_rollouts"] == 64 and counts[1] > 0
+        # Each environment's scores are over its own rollouts: arithmetic's metric is not
+        # diluted by reverse_text's rollouts, which never get one.
+        assert 0.0 <= m["scores.formatted"] <= 1.0 and "scores.similarity" in m
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["env"] == "reverse_text + arithmetic"
+    assert {"env.reverse_text.reward_last", "env.arithmetic.reward_last"} <= set(summary)
+    assert (run_dir / "reward.png").stat().st_size > 1000
+
+    # The trace store rewards each rollout by its environment's scorers, as the trainer did.
+    gateway = f"http://127.0.0.1:{ports['gateway']}"
+    for env, own, other in (("reverse_text", "similarity", "correct"), ("arithmetic", "correct", "similarity")):
+        page = httpx.get(f"{gateway}/v1/rollouts", params={"run": "mix", "env": env, "limit": 20}, timeout=10).json()
+        assert page["items"], env
+        for item in page["items"]:
+            if item["status"] == "error":
+                continue
+            scores = {s["scorer"]: s["value"] for s in httpx.get(
+                f"{gateway}/v1/rollouts/{item['id']}", timeout=10).json()["scores"]}
+            assert own in scores and other not in scores, (env, scores)
+            assert item["reward"] is not None, (env, item)
