@@ -2,7 +2,10 @@
 
 ``POST /v1/chat/completions`` and ``POST /v1/completions`` answer with the policy of the
 run named by ``model`` (the run id; 404 naming it when the runs bucket has no such run),
-sampled through the same batching queue as the run's rollouts. Sampling fields override
+sampled through the same batching queue as the run's rollouts; a finished run's answers
+with its last weights, and ``model = RUN@STEP`` with the weights of trainer step STEP while
+the run keeps them (the newest few and those its evals are pinned to; 404 naming the steps
+it keeps otherwise), loaded in a model of their own. Sampling fields override
 the run's configured sampling. Every choice carries the sampled tokens' log-probabilities
 (``log_softmax(logits / temperature)``, as the trainer computes them) in the standard
 shape, whether or not ``logprobs`` was asked for; ``system_fingerprint`` names the policy
@@ -117,13 +120,14 @@ class CompletionRequest(_SamplingRequest):
             raise ApiError(400, "echo=true is not supported", "echo")
 
 
-async def _hosted(worker: Worker, run: str) -> HostedRun:
+async def _hosted(worker: Worker, model: str) -> HostedRun:
     try:
-        return await worker.hosted(run)
+        return await worker.served(model)
     except UnknownRun as exc:
-        raise ApiError(404, f"model {run!r}: {exc}; the model is a run id", "model", "model_not_found") from exc
-    except ValueError as exc:  # the run has no usable config
-        raise ApiError(400, f"model {run!r}: {exc}", "model") from exc
+        raise ApiError(404, f"model {model!r}: {exc}; the model is a run id, or RUN@STEP", "model",
+                       "model_not_found") from exc
+    except ValueError as exc:  # the run has no usable config, or the step is not a number
+        raise ApiError(400, f"model {model!r}: {exc}", "model") from exc
 
 
 async def _sample(hosted: HostedRun, prompt: list[int], sampling: events.Sampling, n: int) -> list[Sampled]:

@@ -143,6 +143,13 @@ class Policy:
         async with self._lock:
             await asyncio.to_thread(self.backend.swap, data, version)
 
+    async def load(self, update: events.WeightUpdate) -> None:
+        """Fetch (retrying what is transient) and load ``update`` now; raises what failed."""
+        await self.swap(await self._fetch_with_retries(update), update.version)
+        self.load_error = None
+        self._loaded.set()
+        log.info("run %s: weights version %d loaded", self.run, update.version)
+
     async def _fetch_with_retries(self, update: events.WeightUpdate) -> bytes:
         num_tries = 0
         while True:
@@ -166,13 +173,10 @@ class Policy:
                 if self.version is not None and update.version <= self.version:
                     continue
                 try:
-                    await self.swap(await self._fetch_with_retries(update), update.version)
+                    await self.load(update)
                 except Exception as exc:
                     self._failed(update, exc)
                     continue
-                self.load_error = None
-                self._loaded.set()
-                log.info("run %s: weights version %d loaded", self.run, update.version)
                 for version in [v for v in self._offers if v <= update.version]:
                     del self._offers[version]
                 if self._on_loaded is not None:

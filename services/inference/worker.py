@@ -80,10 +80,10 @@ from typing import Any
 
 import nats.errors
 import nats.js.errors
-from nats.js.api import ConsumerConfig, DeliverPolicy, PubAck
+from nats.js.api import PubAck
 
 from flywheel.contract import events
-from flywheel.contract.bus import RUNS_BUCKET, Bus, Consumer, Delivery, Reject, Undecodable, decode_message, watch
+from flywheel.contract.bus import RUNS_BUCKET, Bus, Consumer, Delivery, Reject, watch
 from flywheel.contract.config import RunConfig
 from flywheel.contract.runs import BadRunState, end_of, get_run, watch_runs
 from flywheel.contract.service import Service
@@ -171,6 +171,8 @@ class Worker:
         self._in_flight: dict[tuple[str, str], asyncio.Event] = {}  # (run, task id) -> set when handled
         self._num_skipped: dict[str, int] = {}  # rollouts of skipped tasks of runs not hosted here
         self._environments: dict[tuple[str, str], Environment] = {}
+        self._snapshots: OrderedDict[tuple[str, int], HostedRun] = OrderedDict()  # (run, step), least recent first
+        self._loading: dict[tuple[str, int], asyncio.Future[HostedRun]] = {}
         self.interception = Interception()
         self._asgi_client: Any = None
 
@@ -197,7 +199,9 @@ class Worker:
             await self._asgi_client.aclose()
         for starting in self._starting.values():
             starting.cancel()
-        await asyncio.gather(*(hosted.policy.close() for hosted in self._runs.values()))
+        for loading in self._loading.values():
+            loading.cancel()
+        await asyncio.gather(*(hosted.policy.close() for hosted in [*self._runs.values(), *self._snapshots.values()]))
 
     # --- runs ---------------------------------------------------------------------------------
 
@@ -249,6 +253,63 @@ class Worker:
             policy.offer(update)
         return hosted
 
+    async def served(self, model: str) -> HostedRun:
+        """What ``model`` names on the OpenAI API: ``RUN``, the run's policy (a finished run's:
+        its last weights), or ``RUN@STEP``, the weights of trainer step STEP, while the run keeps
+        them (the newest few, and those its evals are pinned to) in a policy of its own that no
+        update moves (:meth:`snapshot`)."""
+        run, at, step = model.partition("@")
+        if not at:
+            return await self.hosted(run)
+        if not step.isdigit():
+            raise ValueError(f"{model!r}: write RUN@STEP with STEP a trainer step number, e.g. {run}@10")
+        return await self.snapshot(run, int(step))
+
+    async def snapshot(self, run: str, step: int) -> HostedRun:
+        """The run's weights at trainer ``step``, loaded once into a backend of their own and
+        kept, the ``snapshots_kept`` most recently used of them (an older one is closed)."""
+        key = (run, step)
+        if key in self._snapshots:
+            self._snapshots.move_to_end(key)
+            return self._snapshots[key]
+        if key not in self._loading:
+            self._loading[key] = asyncio.ensure_future(self._load_snapshot(run, step))
+        loading = self._loading[key]
+        try:
+            return await asyncio.shield(loading)
+        finally:
+            if loading.done():
+                self._loading.pop(key, None)
+
+    async def _load_snapshot(self, run: str, step: int) -> HostedRun:
+        from flywheel.contract import weights
+
+        cfg = await self.run_config(run)
+        kept = set(await weights.versions(self.bus, run))
+        updates = [u for u in await self._stored_updates(run, newest=None) if u.version in kept]
+        matching = [u for u in updates if u.trainer_step == step]
+        if not matching:
+            steps = sorted({u.trainer_step for u in updates})
+            raise UnknownRun(f"run {run!r} keeps no weights of step {step} (it keeps those of steps "
+                             f"{', '.join(map(str, steps)) or 'none'}); `flywheel export {run} --step N DIR` "
+                             "writes a kept checkpoint as a model folder")
+        update = max(matching, key=lambda u: u.version)
+        log.info("run %s: loading the weights of step %d (version %d) to serve as %s@%d", run, step, update.version,
+                 run, step)
+        backend = await asyncio.to_thread(self._build, cfg)
+        policy = Policy(f"{run}@{step}", backend, self._fetch, cfg.inference.max_batch_size)
+        try:
+            await policy.load(update)
+        except BaseException:
+            await policy.close()
+            raise
+        snapshot = HostedRun(cfg, policy, Admission.for_run(cfg, num_issued=0))
+        self._snapshots[run, step] = snapshot
+        while len(self._snapshots) > self.config.snapshots_kept:
+            _, dropped = self._snapshots.popitem(last=False)
+            await dropped.policy.close()
+        return snapshot
+
     async def _num_rollouts_published(self, run: str) -> int:
         info = await self.bus.js.stream_info("ROLLOUTS", subjects_filter=f"rollouts.{run}.>")
         return sum((info.state.subjects or {}).values())
@@ -294,31 +355,10 @@ class Worker:
                                   last_per_subject=True):
             await self.on_weight_update(update)
 
-    async def _stored_updates(self, run: str) -> list[events.WeightUpdate]:
-        """The run's newest updates in WEIGHTS, read from the first message of its subject (what
-        does not decode is skipped: the weights watcher dead-letters it)."""
-        subject = f"weights.{run}"
-        info = await self.bus.js.stream_info("WEIGHTS", subjects_filter=subject)
-        if not (info.state.subjects or {}).get(subject):
-            return []
-        decoder: events.Decoder[events.WeightUpdate] = events.Decoder(events.WeightUpdate)
-        found: dict[int, events.WeightUpdate] = {}
-        sub = await self.bus.js.subscribe(subject, stream="WEIGHTS", ordered_consumer=True,
-                                          config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL))
-        try:
-            while True:
-                msg = await sub.next_msg(timeout=self.bus.config.request_timeout_s)
-                try:
-                    update = decode_message(decoder, msg)
-                except Undecodable:
-                    pass
-                else:
-                    found[update.version] = update
-                if msg.metadata.num_pending == 0:
-                    break
-        finally:
-            await sub.unsubscribe()
-        return sorted(found.values(), key=lambda u: u.version)[-MAX_OFFERED:]
+    async def _stored_updates(self, run: str, newest: int | None = MAX_OFFERED) -> list[events.WeightUpdate]:
+        from flywheel.contract import weights
+
+        return await weights.updates(self.bus, run, newest)
 
     def service(self, handle_signals: bool = True) -> Service:
         """The process's Service: the TASKS consumer, the weights and run-state watchers, the lease check."""

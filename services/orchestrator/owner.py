@@ -18,9 +18,17 @@ A :class:`RunOwner` lives in the orchestrator from the moment it claims a run
    run state, so a run claimed again goes on from there; a run claimed after it had ended
    or lost its owner (inference released its queued tasks then) gets tasks for the steps
    left;
-4. says what it does as notes on the run state (:func:`flywheel.contract.runs.add_note`),
+4. runs the run's evals (``[[evals]]``) as their steps' weights come out: each through
+   ``flywheel eval``'s machinery (:func:`flywheel.ops.eval.run_eval`) against inference's
+   OpenAI API with ``model = RUN@STEP`` (the weights of that step, which the trainer keeps
+   pinned until the eval is done), recorded as an eval run ``RUN-eval-NAME-STEP`` linked to
+   the run and step, one eval at a time beside training; each result is a note, a line of
+   ``evals.jsonl`` in the run folder and a point in ``reward.png``. Evals whose weights are
+   still pinned when an owner claims the run, or when its trainer finishes, are run then;
+   the run is let go once they are done;
+5. says what it does as notes on the run state (:func:`flywheel.contract.runs.add_note`),
    which ``flywheel run`` and ``flywheel runs follow`` print;
-5. ends: when the trainer finished the run; when the run is marked ``stopped`` (``flywheel
+6. ends: when the trainer finished the run; when the run is marked ``stopped`` (``flywheel
    runs stop``, the API, Ctrl-C of ``flywheel run``), the trainer is stopped (it checkpoints
    first); when the orchestrator stops, likewise, and the run is left ``running`` without an
    owner, for the next orchestrator to claim. At a run's end it writes ``summary.json`` and
@@ -30,6 +38,7 @@ A :class:`RunOwner` lives in the orchestrator from the moment it claims a run
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import logging
 import os
@@ -37,20 +46,30 @@ import socket
 import time
 from collections import Counter
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import nats.errors
 
-from flywheel.contract import events
+from flywheel.contract import events, weights
 from flywheel.contract.bus import SERVICE_HEARTBEAT_TTL_S, Bus, watch
 from flywheel.contract.checkpoints import run_folder
-from flywheel.contract.config import RunConfig
-from flywheel.contract.runs import add_note, get_run, release_run, renew_lease, update_run
+from flywheel.contract.config import EvalSpec, RunConfig
+from flywheel.contract.runs import add_note, get_run, release_run, renew_lease, unpin_version, update_run
 from flywheel.contract.service import read_heartbeats
 from flywheel.contract.settings import Settings
 from flywheel.ops.client import make_tasks
+from flywheel.ops.eval import EvalConfig, run_eval
 from flywheel.ops.run import Progress, plot, summarize
-from flywheel.ops.stack import RestartBackoff, ServiceProcess, ServiceSpec, child_env, exit_text, heartbeat_of, wait_set
+from flywheel.ops.stack import (
+    RestartBackoff,
+    ServiceProcess,
+    ServiceSpec,
+    child_env,
+    exit_text,
+    heartbeat_of,
+    wait_set,
+)
 from flywheel.sdk.environment import RunEnvironment, load_run_environments
 from flywheel.sdk.scoring import reward_definition
 
@@ -59,6 +78,7 @@ log = logging.getLogger(__name__)
 MAX_RESTARTS_WITHOUT_PROGRESS = 5  # trainer restarts with no new step in between before the run fails
 STATE_CHECK_S = 1.0  # how often the owner reads its run's state (a stop, another owner)
 TRAINER_STOP_S = 15.0  # a trainer asked to stop gets this long to checkpoint
+EVAL_FIGURES = ("reward_mean", "reward_stderr", "pass@1", "num_tasks", "num_rollouts", "num_errors")  # in evals.jsonl
 
 
 class RunFailed(Exception):
@@ -139,6 +159,10 @@ class RunOwner:
         self.num_dropped = 0  # rollouts the trainer dropped so far (each weight update says)
         self.progress = Progress()
         self._supplying = asyncio.Lock()
+        self.evals_path = self.run_dir / "evals.jsonl"
+        self._evals: asyncio.Queue[tuple[int, int]] = asyncio.Queue()  # (step, version) whose evals are due
+        self._evals_queued: set[int] = set()  # versions queued so far
+        self._evals_due = 0  # steps queued whose evals are not done
 
     async def note(self, text: str) -> None:
         log.info("run %s: %s", self.cfg.run, text)
@@ -156,6 +180,7 @@ class RunOwner:
         lost = asyncio.Event()
         lease = asyncio.ensure_future(self._renew_lease(lost))
         ending: dict[str, Any] | None = None  # the state's end, when this owner ends the run
+        evaluating: asyncio.Future[None] | None = None
         try:
             self.environments = await asyncio.to_thread(load_run_environments, cfg)
             self.rows = [[] for _ in self.environments]
@@ -167,7 +192,12 @@ class RunOwner:
             trainer = TrainerSupervisor(self)
             await trainer.start()
             await self._publish_tasks()
+            if cfg.evals:
+                evaluating = asyncio.ensure_future(self._run_evals())
+                await self._queue_pinned_evals()  # left by an owner before this one
             ending = await self._follow(trainer, lost)
+            if ending is None and not lost.is_set() and not self.stopping.is_set() and cfg.evals:
+                await self._finish_evals(evaluating)
         except RunFailed as exc:
             reason = str(exc).split("; last lines of", 1)[0]
             await self.note(f"failed: {exc}")
@@ -182,6 +212,9 @@ class RunOwner:
         finally:
             if trainer is not None:
                 await trainer.stop()
+            if evaluating is not None:
+                evaluating.cancel()
+                await asyncio.gather(evaluating, return_exceptions=True)
             lease.cancel()
             await asyncio.gather(lease, return_exceptions=True)
             await self._end(ending, lost.is_set())
@@ -241,8 +274,15 @@ class RunOwner:
         scorers = reward_definition(self.cfg, self.environments)[0] if self.environments else {}
         names = [name for name, weight in scorers.items() if not weight]
         summary = summarize(progress, self.cfg, self.run_dir, names)
+        evals = _read_jsonl(self.evals_path)
+        for spec in self.cfg.evals:
+            points = sorted((row["step"], row["reward_mean"]) for row in evals if row["eval"] == spec.label)
+            if points:
+                summary[f"eval.{spec.label}.first"] = points[0][1]
+                summary[f"eval.{spec.label}.last"] = points[-1][1]
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        plot(progress, self.run_dir / "reward.png", f"{self.cfg.run}: {self.cfg.env_ids}, {self.cfg.model.name}")
+        plot(progress, self.run_dir / "reward.png", f"{self.cfg.run}: {self.cfg.env_ids}, {self.cfg.model.name}",
+             evals)
 
     async def _follow(self, trainer: TrainerSupervisor, lost: asyncio.Event) -> dict[str, Any] | None:
         """Until the run ends (None: the trainer wrote its end) or is stopped, lost, or this owner
@@ -276,6 +316,7 @@ class RunOwner:
                     continue
                 if self.progress.add(update) is not None:
                     trainer.progressed()
+                self._queue_evals(update.trainer_step, update.version)
                 try:
                     await self._publish_tasks(update.num_dropped_total)
                 except (TimeoutError, nats.errors.Error) as exc:  # published with the next update instead
@@ -284,6 +325,86 @@ class RunOwner:
         finally:
             watching.cancel()
             await asyncio.gather(watching, return_exceptions=True)
+
+    # --- evals -------------------------------------------------------------------------------
+
+    def _queue_evals(self, step: int, version: int) -> None:
+        if self.cfg.evals_at(step) and version not in self._evals_queued:
+            self._evals_queued.add(version)
+            self._evals_due += 1
+            self._evals.put_nowait((step, version))
+
+    async def _queue_pinned_evals(self) -> None:
+        """Queue the evals of the weights the run keeps pinned (their evals are not done)."""
+        state = await get_run(self.bus, self.cfg.run)
+        pinned = set(state.pinned_versions) - self._evals_queued if state is not None else set()
+        if not pinned:
+            return
+        for update in await weights.updates(self.bus, self.cfg.run):
+            if update.version in pinned:
+                self._queue_evals(update.trainer_step, update.version)
+
+    async def _finish_evals(self, evaluating: asyncio.Future[None] | None) -> None:
+        """The trainer finished: run the evals still due (the last step's among them), then return."""
+        await self._queue_pinned_evals()
+        if not self._evals_due:
+            return
+        await self.note(f"training finished; the evals of {self._evals_due} more step(s) come before the summary")
+        join = asyncio.ensure_future(self._evals.join())
+        assert evaluating is not None
+        await asyncio.wait([join, evaluating], return_when=asyncio.FIRST_COMPLETED)
+        join.cancel()
+        # The trainer has gone: the versions it kept only for these evals are dropped here, as
+        # it would have dropped them with a later version.
+        kept = await weights.versions(self.bus, self.cfg.run)
+        state = await get_run(self.bus, self.cfg.run)
+        if kept and state is not None:
+            newest = kept[-self.settings.trainer.weight_versions_kept:]
+            for version in kept:
+                if version not in newest and version not in state.pinned_versions:
+                    await weights.delete(self.bus, self.cfg.run, version)
+
+    async def _run_evals(self) -> None:
+        """The run's evals, one step at a time, as they are queued; a pinned version is let go
+        once its evals are done (or failed, said in a note)."""
+        done = {(row["eval"], row["step"]) for row in _read_jsonl(self.evals_path)}
+        while True:
+            step, version = await self._evals.get()
+            try:
+                for spec in self.cfg.evals_at(step):
+                    if (spec.label, step) not in done:
+                        await self._eval(spec, step)
+                        done.add((spec.label, step))
+                await unpin_version(self.bus, self.cfg.run, version)
+            except (TimeoutError, nats.errors.Error) as exc:  # the bus is away: the pin stays for a later owner
+                log.warning("run %s: evals of step %d: %s: %s", self.cfg.run, step, type(exc).__name__, exc)
+            finally:
+                self._evals_due -= 1
+                self._evals.task_done()
+
+    async def _eval(self, spec: EvalSpec, step: int) -> None:
+        cfg = self.cfg
+        run_id = f"{cfg.run}-eval-{spec.label}-{step}"
+        settings = self.settings
+        eval_cfg = EvalConfig(env=spec.id, model=f"{cfg.run}@{step}", base_url=settings.resolved_inference_url,
+                              out=self.run_dir / "evals" / f"{spec.label}-{step}.jsonl",
+                              num_tasks=spec.num_tasks, num_rollouts=spec.num_rollouts, resume=True,
+                              env_args=dict(spec.args), seed=spec.seed, record=True, run_id=run_id,
+                              sampling=cfg.eval_sampling(spec),
+                              during={"train_run": cfg.run, "step": step, "name": spec.label})
+        try:
+            summary = await run_eval(eval_cfg, settings.resolved_nats_url, progress_out=io.StringIO())
+        except Exception as exc:  # the environment does not load, inference refuses, ...: said, training goes on
+            log.exception("run %s: eval %s of step %d failed", cfg.run, spec.label, step)
+            await self.note(f"eval {spec.label} of step {step} failed: {type(exc).__name__}: {exc}")
+            return
+        row = {"eval": spec.label, "step": step, "run": run_id, **{k: summary.get(k) for k in EVAL_FIGURES}}
+        with self.evals_path.open("a") as out:
+            out.write(json.dumps(row) + "\n")
+        stderr = f" ± {summary['reward_stderr']:.3f}" if summary.get("reward_stderr") is not None else ""
+        mean = f"{summary['reward_mean']:.3f}" if summary.get("reward_mean") is not None else "none"
+        await self.note(f"eval {spec.label} of step {step}: reward {mean}{stderr} over {summary['num_rollouts']} "
+                        f"rollouts, {summary['num_errors']} errors (eval run {run_id})")
 
     async def _watch_weights(self, out: asyncio.Queue[events.WeightUpdate]) -> None:
         never = asyncio.Event()  # the watch ends when this task is cancelled
@@ -378,6 +499,20 @@ def _process_gone(beat: events.ServiceHeartbeat) -> bool:
     except PermissionError:
         return False
     return False
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The rows of a JSONL file the owner appends to; none when it does not exist; a torn last
+    line (an owner killed mid-write) is skipped."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
 
 
 def _timestamp(value: object) -> float | None:

@@ -49,7 +49,7 @@ import nats.js.errors
 from flywheel.contract import events, weights
 from flywheel.contract.bus import Bus, Consumer, Delivery, Reject, Undecodable, decode_message
 from flywheel.contract.config import RunConfig
-from flywheel.contract.runs import get_run, update_run
+from flywheel.contract.runs import get_run, pin_version, update_run
 from flywheel.contract.service import Service
 from flywheel.contract.settings import Settings, TrainerSettings
 from flywheel.sdk import models
@@ -134,7 +134,7 @@ class Trainer:
         self.resume = resume
         self.published_version = published_version
         self.options = options
-        self._swept = False  # old weight versions purged once this life (see _drop_old_weights)
+        self._held: set[int] | None = None  # the versions in the weights bucket, once listed (_drop_old_weights)
         self.arrived = asyncio.Event()  # the joiner took something in: maybe a step can start
         self.room = asyncio.Event()  # a step took groups out: maybe the rollout consumer can go on
         self.trained: dict[int, list[str]] = dict(resume[1].trained) if resume else {}
@@ -338,6 +338,8 @@ class Trainer:
         """Put the weights in the object store and announce them: the step's ``figures`` for people,
         and every rollout dropped so far (stale, scorer or rollout error) as ``num_dropped_total``,
         on which inference's admission gives their allowance back and the run's owner replaces them."""
+        if self.cfg.evals_at(self.step):  # kept until its evals are done, whatever weight_versions_kept says
+            await pin_version(self.bus, self.cfg.run, self.version)
         uri, sha256, size_bytes = await weights.put(self.bus, self.cfg.run, self.version, data)
         await self.bus.publish(events.WeightUpdate(
             id=f"{self.cfg.run}-v{self.version}-{sha256[:16]}", run=self.cfg.run, version=self.version, uri=uri,
@@ -351,18 +353,25 @@ class Trainer:
             log.warning("run %s: could not drop old weight versions from the bucket: %s", self.cfg.run, exc)
 
     async def _drop_old_weights(self) -> None:
-        """Purge the run's versions older than the last ``weight_versions_kept``: the one that
-        just fell out, or, on this trainer's first publish, whatever an earlier life (crashed
-        between publishing and purging) left (JetStream frees disk from the bucket's head, so
-        one version left there would keep the space of all after it)."""
+        """Purge the run's versions older than the last ``weight_versions_kept``, but those
+        pinned for evals (``RunState.pinned_versions``, let go by the run's owner once their
+        evals are done). The versions the bucket holds are listed on this trainer's first
+        publish (an earlier life may have crashed between publishing and purging: JetStream
+        frees disk from the bucket's head, so one version left there would keep the space of
+        all after it), then tracked."""
         oldest_kept = self.version - self.options.weight_versions_kept + 1
-        if self._swept:
-            older = [oldest_kept - 1] if oldest_kept > 0 else []
-        else:
-            older = [v for v in await weights.versions(self.bus, self.cfg.run) if v < oldest_kept]
-            self._swept = True
+        if self._held is None:
+            self._held = set(await weights.versions(self.bus, self.cfg.run))
+        self._held.add(self.version)
+        older = sorted(v for v in self._held if v < oldest_kept)
+        if not older:
+            return
+        state = await get_run(self.bus, self.cfg.run)
+        pinned = set(state.pinned_versions) if state is not None else set()
         for version in older:
-            await weights.delete(self.bus, self.cfg.run, version)
+            if version not in pinned:
+                await weights.delete(self.bus, self.cfg.run, version)
+                self._held.discard(version)
 
 
 def take_figures(take: Take, joiner: Joiner) -> dict[str, float]:

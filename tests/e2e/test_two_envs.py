@@ -1,11 +1,14 @@
-"""A run on two environments through ``flywheel run`` against ``flywheel up`` (the real
-services): tasks of both, mixed by weight; each environment's rollouts scored with its own
-rewards (the trainer's join and the trace store's reward alike); per-environment metrics,
-summary and plot. Whether reward rises in both is the slow tier's claim
-(tests/e2e/test_learning.py); this one checks the plumbing, in a few steps."""
+"""A run on two environments with two evals through ``flywheel run`` against ``flywheel up``
+(the real services): tasks of both, mixed by weight; each environment's rollouts scored with
+its own rewards (the trainer's join and the trace store's reward alike); per-environment
+metrics, summary and plot; the evals run on the weights of steps 0 and the last, served as
+``RUN@STEP``, recorded as eval runs linked to the run, their weights let go afterwards.
+Whether reward rises in both is the slow tier's claim (tests/e2e/test_learning.py); this one
+checks the plumbing, in a few steps."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import subprocess
@@ -30,7 +33,8 @@ def test_a_run_on_two_environments_mixes_scores_and_reports_each(
     argv = [sys.executable, "-m", "flywheel.ops.cli", "run", str(CONFIG), "--run-id", "mix", "--data-dir",
             str(data_dir), "--nats-port", str(ports["nats"]), "--gateway-port", str(ports["gateway"]),
             "--inference-port", str(ports["inference"]), "--set", f"trainer.num_steps={NUM_STEPS}",
-            "--set", "sft.steps=10", "--set", "envs.0.weight=3"]
+            "--set", "sft.steps=10", "--set", "envs.0.weight=3", "--set", "evals.0.num_tasks=6",
+            "--set", "evals.1.num_tasks=6"]
     done = subprocess.run(argv, capture_output=True, text=True, env=clean_env, cwd=ROOT, timeout=300, check=False)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     out = done.stdout
@@ -68,3 +72,34 @@ def test_a_run_on_two_environments_mixes_scores_and_reports_each(
                 f"{gateway}/v1/rollouts/{item['id']}", timeout=10).json()["scores"]}
             assert own in scores and other not in scores, (env, scores)
             assert item["reward"] is not None, (env, item)
+
+    # The evals: at step 0 and at the last step (every = 25 is past the end), one note each,
+    # a line each in evals.jsonl, an eval run each in the trace store, linked to the run.
+    evals = [json.loads(line) for line in (run_dir / "evals.jsonl").read_text().splitlines()]
+    assert sorted((row["eval"], row["step"]) for row in evals) == [
+        ("arithmetic-medium", 0), ("arithmetic-medium", 4), ("reverse_text", 0), ("reverse_text", 4)]
+    for row in evals:
+        assert row["num_rollouts"] == 6 and row["num_errors"] == 0 and row["reward_mean"] is not None, row
+        assert re.search(rf"^run mix: eval {row['eval']} of step {row['step']}: reward [\d.]+ ± [\d.]+ over 6 "
+                         rf"rollouts, 0 errors \(eval run mix-eval-{row['eval']}-{row['step']}\)$", out, re.M), out
+        run = httpx.get(f"{gateway}/v1/runs/{row['run']}", timeout=10).json()
+        assert run["kind"] == "eval", run
+        rollouts = httpx.get(f"{gateway}/v1/rollouts", params={"run": row["run"]}, timeout=10).json()["items"]
+        assert len(rollouts) == 6 and {r["reward"] is not None for r in rollouts} == {True}
+    assert {"eval.arithmetic-medium.last", "eval.reverse_text.last"} <= set(summary)
+    pinned, kept = asyncio.run(pins_and_versions(f"nats://127.0.0.1:{ports['nats']}", "mix"))
+    assert pinned == [] and 0 not in kept  # step 0's weights let go once evaluated, and dropped
+
+
+async def pins_and_versions(url: str, run: str) -> tuple[list[int], list[int]]:
+    from flywheel.contract import weights
+    from flywheel.contract.bus import Bus
+    from flywheel.contract.runs import get_run
+
+    bus = await Bus.connect(url, "test")
+    try:
+        state = await get_run(bus, run)
+        assert state is not None
+        return state.pinned_versions, await weights.versions(bus, run)
+    finally:
+        await bus.close()

@@ -100,3 +100,47 @@ async def test_requests_that_cannot_be_served_name_the_field(served: tuple[FastA
         error = error_of(await client.post("/v1/chat/completions", json=base | extra), 400)
         assert error["param"] == field, error
         assert field in error["message"] and error["type"] == "invalid_request_error"
+
+
+async def test_a_past_steps_weights_are_served_as_run_at_step_while_kept(
+        served: tuple[FastAPI, httpx.AsyncClient], bus: Bus, tiny_model_dir: Path) -> None:
+    from flywheel.contract import weights
+    from tests.integration.test_inference_worker import perturbed
+
+    app, client = served
+    await create_run(bus, tiny_model_dir)
+    base, _ = models.load_model(tiny_model_dir)
+    await publish_weights(bus, "r1", 0, base)
+    await publish_weights(bus, "r1", 1, perturbed(tiny_model_dir, 1))
+    await app.state.worker.hosted("r1")  # as the run's first task or request does
+    await until(lambda: app.state.worker.info["runs"]["r1"]["policy_version"] == 1, what="version 1 loaded")
+    chat = {"messages": [{"role": "user", "content": "abc"}], "max_tokens": 6, "seed": 5}
+
+    async def seeded(model: str) -> dict:
+        response = await client.post("/v1/chat/completions", json=chat | {"model": model})
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    live, step0, step1 = await seeded("r1"), await seeded("r1@0"), await seeded("r1@1")
+    assert (live["system_fingerprint"], step0["system_fingerprint"], step1["system_fingerprint"]) == (
+        "policy-v1", "policy-v0", "policy-v1")
+    assert step0["model"] == "r1@0"
+    tokens = [[t["logprob"] for t in body["choices"][0]["logprobs"]["content"]] for body in (live, step0, step1)]
+    assert tokens[0] == tokens[2] != tokens[1]  # step 1 is the live weights; step 0 the ones before
+
+    # The live policy moves on; a snapshot does not.
+    await publish_weights(bus, "r1", 2, perturbed(tiny_model_dir, 2))
+    await until(lambda: app.state.worker.info["runs"]["r1"]["policy_version"] == 2, what="version 2 loaded")
+    assert (await seeded("r1@0"))["choices"] == step0["choices"]
+
+    # A step whose weights the run no longer keeps, or that never was: 404 naming the kept ones.
+    await weights.delete(bus, "r1", 1)
+    error = error_of(await client.post("/v1/chat/completions", json=chat | {"model": "r1@7"}), 404)
+    assert "keeps no weights of step 7 (it keeps those of steps 0, 2)" in error["message"], error
+    assert error["code"] == "model_not_found"
+    error = error_of(await client.post("/v1/chat/completions", json=chat | {"model": "r1@last"}), 400)
+    assert "write RUN@STEP with STEP a trainer step number" in error["message"]
+    # Snapshots beyond inference.snapshots_kept (2) are unloaded, least recently used first.
+    await seeded("r1@2")
+    await seeded("r1@0")
+    assert list(app.state.worker._snapshots) == [("r1", 2), ("r1", 0)]

@@ -438,3 +438,55 @@ def test_the_task_mix_follows_the_weights_interleaved_the_same_for_every_reader(
 def test_bad_envs_tables_are_refused_naming_the_field(text: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         RunConfig.from_toml_text('run = "r"\n' + text)
+
+
+def test_evals_are_due_every_so_many_steps_at_the_start_and_at_the_last_step() -> None:
+    cfg = RunConfig.from_toml_text(TWO_ENVS + """
+[trainer]
+num_steps = 25
+[[evals]]
+id = "arithmetic"
+name = "arith-medium"
+args = {difficulty = "medium"}
+every = 10
+[[evals]]
+id = "flywheel/reverse-text@1.0"
+every = 4
+at_start = false
+greedy = false
+[evals.sampling]
+max_tokens = 30
+""")
+    medium, reverse = cfg.evals
+    assert (medium.label, reverse.label) == ("arith-medium", "reverse-text")
+    assert [step for step in range(0, 26) if medium in cfg.evals_at(step)] == [0, 10, 20, 25]
+    assert [step for step in range(0, 26) if reverse in cfg.evals_at(step)] == [4, 8, 12, 16, 20, 24, 25]
+    assert cfg.evals_at(26) == [] and cfg.evals_at(3) == []
+    assert cfg.eval_sampling(medium) == {"temperature": 0.0, "top_p": 1.0, "max_tokens": 16, "stop": []}
+    assert cfg.eval_sampling(reverse) == {"temperature": 1.0, "top_p": 1.0, "max_tokens": 30, "stop": []}
+    assert RunConfig.parse(cfg.model_dump()) == cfg
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ('[[evals]]\nid = "a"\nevery = 0\n', r"evals\.0\.every: Input should be greater than or equal to 1"),
+    ('[[evals]]\nid = "a"\nnum_tasks = 0\n', r"evals\.0\.num_tasks: Input should be greater than or equal to 1"),
+    ('[[evals]]\nid = "a"\n[[evals]]\nid = "owner/a@2"\n', r"evals\.1: evals\.0 has the name 'a' already"),
+    ('[[evals]]\nid = "a"\nname = "a b"\n', r"evals\.0: .*name='a b': use 1 to 64 letters"),
+    ('[[evals]]\nid = "a"\nevry = 3\n', r"evals\.0\.evry: Extra inputs are not permitted"),
+])
+def test_bad_evals_tables_are_refused_naming_the_field(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        RunConfig.from_toml_text('run = "r"\nenv = "reverse_text"\n' + text)
+
+
+def test_an_eval_whose_environment_does_not_load_is_refused_before_the_run_starts() -> None:
+    from flywheel.sdk.environment import prepare_run
+
+    cfg = RunConfig.from_toml_text('run = "r"\nenv = "reverse_text"\n[[evals]]\nid = "arithmetic"\n'
+                                   'args = {difficulty = "impossible"}\n')
+    with pytest.raises(ValueError, match=r"evals\.0 \(arithmetic\): EnvironmentLoadError: arithmetic: "
+                                         r"difficulty='impossible'"):
+        prepare_run(cfg)
+    missing = RunConfig.from_toml_text('run = "r"\n[[envs]]\nid = "reverse_text"\n[[envs]]\nid = "no_such_env"\n')
+    with pytest.raises(ValueError, match="no_such_env"):
+        prepare_run(missing)

@@ -503,6 +503,42 @@ class EnvConfig(_Section):
         return self
 
 
+class EvalSpec(_Section):
+    """``[[evals]]``: an environment evaluated while the run trains, every so many steps, on
+    the weights of that step (served by inference as ``RUN@STEP``), alongside training."""
+
+    id: str = Field(description="environment id: a module name (arithmetic) or owner/name[@version]; a training "
+                                "environment's held-out split is its id with the args that pick it")
+    name: str | None = Field(None, description="the eval's name in notes, metrics and its eval runs "
+                                               "(RUN-eval-NAME-STEP); default: its id's last part")
+    args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of its load_environment")
+    every: int = Field(10, ge=1, description="steps between evals (and at the run's last step)")
+    at_start: bool = Field(True, description="also evaluate the weights the run starts from (step 0, after "
+                                             "the SFT warm-up)")
+    num_tasks: int = Field(32, ge=1, description="tasks of each eval (the environment's first, in its order)")
+    num_rollouts: int = Field(1, ge=1, description="rollouts of each task (pass@k for k up to it)")
+    greedy: bool = Field(True, description="sample at temperature 0 (else the run's sampling)")
+    seed: int = Field(1, ge=0, le=events.INT32_MAX, description="seed of its task order: the same tasks at every "
+                      "step (a generated task set draws other tasks than training's, which follows the run's seed)")
+    sampling: SamplingOverrides = Field(SamplingOverrides(), description="sampling settings over the run's "
+                                        "[sampling] (temperature here wins over greedy)")
+
+    @model_validator(mode="after")
+    def _check(self) -> EvalSpec:
+        if not self.id or any(c.isspace() for c in self.id):
+            raise ValueError(f"id={self.id!r}: give an environment id, e.g. arithmetic or owner/name@1.0")
+        if self.name is not None and not re.fullmatch(r"[-_a-zA-Z0-9]{1,64}", self.name):
+            raise ValueError(f"name={self.name!r}: use 1 to 64 letters, digits, '-' or '_'")
+        return self
+
+    @property
+    def label(self) -> str:
+        """Its name: ``name``, or the last part of its id made a name (``owner/math@1.0`` -> ``math``)."""
+        if self.name is not None:
+            return self.name
+        return re.sub(r"[^-_a-zA-Z0-9]", "_", self.id.split("/")[-1].split("@")[0])[:64] or "eval"
+
+
 class RunConfig(_Section):
     """The top level of a run config."""
 
@@ -530,6 +566,8 @@ class RunConfig(_Section):
                                       "custom scorer named here must be running (`flywheel scorer`)")
     replace_rewards: bool = Field(False, description="true: `scorers` is the whole reward, the environment's "
                                                      "own rewards and metrics leave it")
+    evals: list[EvalSpec] = Field(default_factory=list, description="environments evaluated while the run "
+                                  "trains: an [[evals]] table each, every so many steps, on that step's weights")
     model: ModelConfig = Field(ModelConfig(),
                                description="the policy: what inference samples from and the trainer trains")
     sampling: SamplingConfig = Field(SamplingConfig(),
@@ -550,6 +588,7 @@ class RunConfig(_Section):
             raise ValueError(f"trainer.batch_size={self.trainer.batch_size} must be a multiple of "
                              f"group_size={self.group_size}: a step trains on whole groups")
         self._check_envs()
+        self._check_evals()
         for name, weight in self.scorers.items():
             if weight < 0:
                 raise ValueError(f"scorers.{name}={weight}: weights are not negative")
@@ -571,17 +610,36 @@ class RunConfig(_Section):
             if given:
                 raise ValueError(f"{', '.join(given)}: a run with [[envs]] names its environments there; move "
                                  "them into an [[envs]] table (id, args, rewards)")
-            first: dict[str, int] = {}
-            for i, env in enumerate(self.envs):
-                if env.id in first:
-                    raise ValueError(f"envs.{i}.id={env.id!r}: envs.{first[env.id]} is that environment already; "
-                                     "give each environment one [[envs]] table")
-                first[env.id] = i
+            repeat = _repeat([env.id for env in self.envs])
+            if repeat is not None:
+                first, i = repeat
+                raise ValueError(f"envs.{i}.id={self.envs[i].id!r}: envs.{first} is that environment already; "
+                                 "give each environment one [[envs]] table")
         elif self.env is None:
             raise ValueError("env: give the run's environment (env = \"reverse_text\"), or an [[envs]] table for "
                              "each of several")
         elif not self.env or any(c.isspace() for c in self.env):
             raise ValueError(f"env={self.env!r}: give an environment id, e.g. reverse_text or owner/name@1.0")
+
+    def _check_evals(self) -> None:
+        repeat = _repeat([spec.label for spec in self.evals])
+        if repeat is not None:
+            first, i = repeat
+            raise ValueError(f"evals.{i}: evals.{first} has the name {self.evals[i].label!r} already; give "
+                             "each [[evals]] table its own name = \"...\"")
+
+    def evals_at(self, step: int) -> list[EvalSpec]:
+        """The evals due on the weights of trainer step ``step``: every ``every`` steps, at the
+        last step, and at step 0 for those ``at_start``."""
+        last = self.trainer.num_steps
+        return [spec for spec in self.evals if 0 <= step <= last and (
+            (step == 0 and spec.at_start) or (step > 0 and (step % spec.every == 0 or step == last)))]
+
+    def eval_sampling(self, spec: EvalSpec) -> dict[str, Any]:
+        """The sampling settings of ``spec``'s rollouts (as ``flywheel eval`` takes them): the
+        run's ``[sampling]``, temperature 0 when greedy, the table's own keys over both."""
+        sampling = self.sampling.model_dump(exclude={"seed"})
+        return sampling | ({"temperature": 0.0} if spec.greedy else {}) | spec.sampling.given()
 
     def _env_fields(self) -> list[tuple[str, EnvConfig]]:
         """Each environment with where its fields are, for messages: ``envs.1.`` or the top level."""
@@ -703,6 +761,16 @@ class RunConfig(_Section):
         except ValidationError as exc:
             problems = "; ".join(f"{_where(e['loc'], data)}: {_message(e)}" for e in exc.errors())
             raise ValueError(f"{source}: {problems}") from None
+
+
+def _repeat(keys: list[str]) -> tuple[int, int] | None:
+    """The first key seen twice, as (its first index, the repeat's); None when none is."""
+    first: dict[str, int] = {}
+    for i, key in enumerate(keys):
+        if key in first:
+            return first[key], i
+        first[key] = i
+    return None
 
 
 def _defaults(defaults: Mapping[str, Any], taken: set[str], source: str) -> dict[str, Any]:

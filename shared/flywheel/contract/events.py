@@ -39,7 +39,8 @@ Schema evolution (tested against stored encodings of version 1 in tests/unit/dat
     ``Rollout.sampling``, the settings a rollout was sampled with, which the trainer
     recomputes logprobs at (None on older rollouts: their readers take the run's); version 7
     added the run owner's notes (``RunState.notes``, ``num_notes``); version 8 added the
-    reward of each environment of a run with several (``RunState.env_scorers``).
+    reward of each environment of a run with several (``RunState.env_scorers``) and the weight
+    versions kept for its evals (``RunState.pinned_versions``).
 
 Identities
     ``run`` (a training or eval run, owned by a ``tenant``), ``task`` (one row of a task
@@ -451,6 +452,10 @@ class RunState(_Struct, frozen=True, kw_only=True):
     # their scorers (a reader that knows only it waits for scores a rollout never gets). A
     # rollout of an environment not named here takes `scorers`.
     env_scorers: dict[str, dict[str, float]] = {}
+    # Weight versions the trainer keeps in the weights bucket past weight_versions_kept: those
+    # of the steps its evals run on (`[[evals]]`), pinned by the trainer when it publishes them,
+    # let go by the run's owner once their evals are done.
+    pinned_versions: list[int] = []
     notes: list[str] = []
     num_notes: int = 0
 

@@ -322,6 +322,21 @@ async def add_note(bus: Bus, run: str, note: str) -> None:
     await _swap(bus, run, change)
 
 
+async def pin_version(bus: Bus, run: str, version: int) -> None:
+    """Keep weight version ``version`` of the run in its bucket for an eval
+    (``RunState.pinned_versions``) until :func:`unpin_version`."""
+    await _swap(bus, run, lambda state: None if version in state.pinned_versions else msgspec.structs.replace(
+        state, pinned_versions=sorted([*state.pinned_versions, version])))
+
+
+async def unpin_version(bus: Bus, run: str, version: int) -> None:
+    """Let go of a weight version kept for an eval (``RunState.pinned_versions``): the trainer
+    drops it with the next version it publishes, unless it is among the newest kept."""
+    await _swap(bus, run, lambda state: msgspec.structs.replace(
+        state, pinned_versions=[v for v in state.pinned_versions if v != version])
+        if version in state.pinned_versions else None)
+
+
 def new_notes(state: events.RunState, seen: int) -> list[str]:
     """The notes of ``state`` after the first ``seen`` (those still kept)."""
     fresh = max(0, state.num_notes - seen)

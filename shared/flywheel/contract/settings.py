@@ -46,6 +46,9 @@ class _Section(BaseModel):
 class InferenceSettings(_Section):
     """The inference process: its task consumer and each rollout (section ``[inference]``)."""
 
+    snapshots_kept: int = Field(2, ge=1, description="Weights of past steps (`model = RUN@STEP` on the OpenAI "
+                                "API, which evals during training use) kept loaded, each in a model of its own; "
+                                "the least recently used beyond these is unloaded.")
     max_tasks_in_flight: int = Field(32, ge=1, description="Tasks one inference process handles at once, each "
                                      "rolling out its group or waiting for its run's admission: enough for "
                                      "several groups to share a batch. A run far ahead of its trainer holds "
@@ -163,6 +166,10 @@ class Settings(BaseSettings):
     inference_host: str = Field("127.0.0.1", description="Address the inference service's OpenAI-compatible API "
                                                          "listens on.")
     inference_port: int = Field(8421, description="Port of the inference service's OpenAI-compatible API.")
+    inference_url: str | None = Field(None, description="Where the orchestrator reaches the inference API for the "
+                                                        "evals of its runs, ending in /v1. Unset: "
+                                                        "http://inference_host:inference_port/v1 (a host of 0.0.0.0 "
+                                                        "read as 127.0.0.1).")
     torch_threads: int | None = Field(
         1, description="Threads torch may use in inference and trainer processes. 1 suits one machine where they "
                        "share the cores (measured: several times faster than torch's default there); unset: torch "
@@ -242,6 +249,11 @@ class Settings(BaseSettings):
     @property
     def resolved_gateway_url(self) -> str:
         return self.gateway_url or f"http://{self.gateway_host}:{self.gateway_port}"
+
+    @property
+    def resolved_inference_url(self) -> str:
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.inference_host, self.inference_host)
+        return self.inference_url or f"http://{host}:{self.inference_port}/v1"
 
 
 SECTIONS: tuple[str, ...] = tuple(name for name, f in Settings.model_fields.items()

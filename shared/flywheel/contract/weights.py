@@ -69,6 +69,39 @@ async def versions(bus: Bus, run: str) -> list[int]:
     return sorted(int(info.name.split(".", 1)[0]) for info in infos if info.name.split(".", 1)[0].isdigit())
 
 
+async def updates(bus: Bus, run: str, newest: int | None = None) -> list[events.WeightUpdate]:
+    """The run's weight updates in the WEIGHTS stream, by version, the ``newest`` of them (None:
+    all; one per version, the last published). What does not decode is skipped: the weights
+    watchers dead-letter it."""
+    from nats.js.api import ConsumerConfig, DeliverPolicy
+
+    from flywheel.contract.bus import Undecodable, decode_message
+
+    subject = f"weights.{run}"
+    info = await bus.js.stream_info("WEIGHTS", subjects_filter=subject)
+    if not (info.state.subjects or {}).get(subject):
+        return []
+    decoder: events.Decoder[events.WeightUpdate] = events.Decoder(events.WeightUpdate)
+    found: dict[int, events.WeightUpdate] = {}
+    sub = await bus.js.subscribe(subject, stream="WEIGHTS", ordered_consumer=True,
+                                 config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL))
+    try:
+        while True:
+            msg = await sub.next_msg(timeout=bus.config.request_timeout_s)
+            try:
+                update = decode_message(decoder, msg)
+            except Undecodable:
+                pass
+            else:
+                found[update.version] = update
+            if msg.metadata.num_pending == 0:
+                break
+    finally:
+        await sub.unsubscribe()
+    ordered = sorted(found.values(), key=lambda u: u.version)
+    return ordered if newest is None else ordered[-newest:]
+
+
 async def _read_object_store(bus: Bus, uri: str) -> bytes:
     parsed = urlparse(uri)
     if not parsed.netloc.startswith(WEIGHTS_BUCKET_PREFIX):

@@ -395,6 +395,9 @@ class EvalConfig:
     # False: calls go as the harness sent them, the endpoint's defaults deciding (an API that
     # refuses sampling parameters, as some reasoning models' do); nothing is recorded as sent.
     send_sampling: bool = True
+    # An eval during training: {"train_run": RUN, "step": STEP, "eval": NAME}, recorded in the
+    # eval run's config, which links it to the training run and the step it evaluated.
+    during: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("num_tasks", "num_rollouts", "concurrency"):
@@ -672,7 +675,8 @@ class Evaluation:
         self.bus = await Bus.connect(nats_url, "flywheel-eval")
         await register_run(self.bus, self.run_id, kind="eval", config={
             "eval": {"env": self.cfg.env, "model": self.cfg.model, "base_url": self.cfg.base_url,
-                     "num_tasks": self.cfg.num_tasks, "num_rollouts": self.cfg.num_rollouts}}, scorers=self.weights)
+                     "num_tasks": self.cfg.num_tasks, "num_rollouts": self.cfg.num_rollouts, **self.cfg.during}},
+                           scorers=self.weights)
 
     async def _open_sandbox(self, nats_url: str | None) -> None:
         """The sandbox service's client, over the recording bus or a connection of its own, where

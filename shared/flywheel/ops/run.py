@@ -71,7 +71,8 @@ QUIET_STEP_S = 30.0  # no step for this long: say what the run waits for
 STOP_TIMEOUT_S = 60.0  # a run stopping because its embedded stack failed gets this long, bus still up
 NUM_LETTERS_SAID = 5  # dead letters of the run said one by one; after these, a count now and then
 STATE_CHECK_S = 1.0  # how often the run's state is read (notes, status)
-RELEASE_TIMEOUT_S = 30.0  # after the last step: how long the owner may take to write the summary and let go
+RELEASE_TIMEOUT_S = 30.0  # after the last step: how long the owner may take to write the summary and let go,
+# from its last note (its last evals may take longer, each ending with a note)
 
 
 @dataclass
@@ -171,9 +172,10 @@ def env_names(progress: Progress) -> list[str]:
     return list(names)
 
 
-def plot(progress: Progress, path: Path, title: str) -> Path | None:
+def plot(progress: Progress, path: Path, title: str, evals: Sequence[dict[str, Any]] = ()) -> Path | None:
     """The reward curve as a PNG, a curve for each environment of a run with several beside the
-    overall one; None when matplotlib (the ``run`` extra) is missing."""
+    overall one, and the points of each eval during training (``evals``: rows of the run's
+    ``evals.jsonl``); None when matplotlib (the ``run`` extra) is missing."""
     try:
         import matplotlib
     except ImportError:
@@ -188,7 +190,12 @@ def plot(progress: Progress, path: Path, title: str) -> Path | None:
         steps = [s["step"] for s in progress.steps if key in s]
         ax.plot(steps, [s[key] for s in progress.steps if key in s], marker="o", markersize=3, label=label,
                 linewidth=2.0 if key == "reward_mean" else 1.2)
-    if envs:
+    for name in dict.fromkeys(row["eval"] for row in evals):
+        points = sorted((row["step"], row["reward_mean"]) for row in evals
+                        if row["eval"] == name and row.get("reward_mean") is not None)
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="s", markersize=5, linestyle="--",
+                label=f"eval {name}")
+    if envs or evals:
         ax.legend(fontsize=8)
     ax.set_xlabel("trainer step")
     ax.set_ylabel("mean reward of the step's rollouts")
@@ -388,6 +395,9 @@ class MainJob:
     def _finish(self, outcome: str) -> dict[str, Any]:
         cfg = self.cfg
         summary = summarize(self.progress, cfg, self.run_dir, self.metric_names)
+        written = self.run_dir / "summary.json"  # the owner's, on this machine: with the evals' figures
+        if written.exists():
+            summary |= {k: v for k, v in json.loads(written.read_text()).items() if k.startswith("eval.")}
         if outcome == "detached":
             self.say(f"run {cfg.run}: no longer following it; it goes on (`flywheel runs follow {cfg.run}` shows it, "
                      f"`flywheel runs stop {cfg.run}` stops it)")
@@ -485,10 +495,14 @@ class MainJob:
         return status if status in ENDED_STATUSES else None
 
     async def _await_end(self) -> None:
-        """After the last step: until the owner let go of the run (its summary is written), bounded."""
+        """After the last step: until the owner let go of the run (its summary is written), bounded
+        (a new note of the owner, the result of an eval it waits for, gives it the bound again)."""
         deadline = time.monotonic() + RELEASE_TIMEOUT_S
         while time.monotonic() < deadline:
+            seen = self.num_notes_seen
             await self._read_state()
+            if self.num_notes_seen != seen:
+                deadline = time.monotonic() + RELEASE_TIMEOUT_S
             if self.status in ENDED_STATUSES and self.owner is None:
                 return
             await asyncio.sleep(0.2)

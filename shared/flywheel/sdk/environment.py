@@ -635,6 +635,11 @@ def prepare_run(cfg: RunConfig) -> tuple[RunConfig, dict[str, RunEnvironment]]:
     is refused here, before anything starts), its own sampling settings written in as
     defaults under the config's (:meth:`flywheel.contract.config.RunConfig.with_sampling_defaults`)."""
     environments = load_run_environments(cfg)
+    for i, spec in enumerate(cfg.evals):  # evals load where they run, in the orchestrator; refused here first
+        try:
+            load_environment(spec.id, EnvironmentOverrides(args=dict(spec.args)))
+        except Exception as exc:  # whatever its module raised, it does not load: say so and where
+            raise ValueError(f"evals.{i} ({spec.label}): {type(exc).__name__}: {exc}") from exc
     cfg = cfg.with_sampling_defaults({found.config.id: found.env.sampling for found in environments.values()})
     return cfg, environments
 
