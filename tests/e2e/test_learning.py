@@ -12,6 +12,7 @@ recomputed logprobs must equal inference's (mean absolute difference at most 1e-
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ import pytest
 
 from flywheel.contract.config import RunConfig
 from flywheel.ops.natsserver import free_port
+from tests.e2e.test_up import Output, poll
 
 ROOT = Path(__file__).parents[2]
 CONFIG = ROOT / "examples" / "reverse-text.toml"
@@ -71,3 +73,58 @@ def test_reward_rises_beyond_a_control_run_with_learning_rate_zero(tmp_path: Pat
     print(f"reward gain: learning {learned['reward_gain']:.3f}, control {control['reward_gain']:.3f}")
     assert learned["reward_gain"] >= MIN_GAIN, learned
     assert learned["reward_gain"] >= control["reward_gain"] + MIN_MARGIN_OVER_CONTROL, (learned, control)
+
+
+TWO_ENVS = ROOT / "examples" / "two-envs.toml"
+TWO_ENV_STEPS = 150
+EVAL_EVERY = 50
+# Per environment: reward points, the mean of the last quarter of steps minus the first
+# quarter (measured on two cores; the bounds leave room for run-to-run noise).
+MIN_ENV_GAIN = {"reverse_text": 0.04, "arithmetic": 0.02}
+MIN_ENV_MARGIN = {"reverse_text": 0.03, "arithmetic": 0.01}
+
+
+def detached_run(name: str, ports: dict[str, int], data_dir: Path, env: dict[str, str], *overrides: str) -> Path:
+    """``flywheel run`` of the two-environment example against ``flywheel up``, killed (SIGKILL) as
+    soon as its orchestrator took the run: the run must finish by itself. Its run folder."""
+    argv = [sys.executable, "-m", "flywheel.ops.cli", "run", str(TWO_ENVS), "--run-id", name, "--data-dir",
+            str(data_dir), "--nats-port", str(ports["nats"]), "--gateway-port", str(ports["gateway"]),
+            "--inference-port", str(ports["inference"]), "--set", f"trainer.num_steps={TWO_ENV_STEPS}",
+            "--set", f"evals.0.every={EVAL_EVERY}", "--set", f"evals.1.every={EVAL_EVERY}"]
+    for item in overrides:
+        argv += ["--set", item]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+    output = Output(proc)
+    output.wait_for(rf"^run {name}: published \d+ tasks", 120)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    summary = data_dir / "runs" / name / "summary.json"
+    poll(summary.exists, 1200, f"run {name} to finish by itself and its owner to write its summary")
+    return summary.parent
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2700)  # two detached runs of 150 steps on two environments, with their evals
+def test_two_environments_learn_beyond_a_control_detached_with_evals(
+        stack: tuple[subprocess.Popen[str], Output, dict[str, int]], tmp_path: Path,
+        clean_env: dict[str, str]) -> None:
+    _, output, ports = stack
+    output.wait_for(r"^Flywheel is up", 120)
+    data_dir = tmp_path / "data"  # the stack's: its orchestrator writes the run folders there
+    figures = {}
+    for name, overrides in (("mix-learn", ()), ("mix-control", ("trainer.lr=0",))):
+        run_dir = detached_run(name, ports, data_dir, clean_env, *overrides)
+        summary = json.loads((run_dir / "summary.json").read_text())
+        metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
+        assert [m["step"] for m in metrics] == list(range(1, TWO_ENV_STEPS + 1)), name
+        evals = [json.loads(line) for line in (run_dir / "evals.jsonl").read_text().splitlines()]
+        assert sorted((row["eval"], row["step"]) for row in evals) == sorted(
+            (label, step) for label in ("arithmetic-medium", "reverse_text")
+            for step in range(0, TWO_ENV_STEPS + 1, EVAL_EVERY)), evals
+        gains = {env: summary[f"env.{env}.reward_last"] - summary[f"env.{env}.reward_first"] for env in MIN_ENV_GAIN}
+        figures[name] = gains | {"eval.reverse_text": summary["eval.reverse_text.last"]
+                                 - summary["eval.reverse_text.first"]}
+    print(f"per-environment reward gains: {figures}")
+    for env, minimum in MIN_ENV_GAIN.items():
+        assert figures["mix-learn"][env] >= minimum, figures
+        assert figures["mix-learn"][env] >= figures["mix-control"][env] + MIN_ENV_MARGIN[env], figures

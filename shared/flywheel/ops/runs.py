@@ -4,8 +4,8 @@
   sees it (``abandoned`` while no orchestrator holds it after its owner's lease expired),
   step, owner;
 - ``follow RUN``: the run's steps (those its weight updates still hold, then each new one, the
-  line ``flywheel run`` prints) and its status changes, until it ends (not the owner's notes);
-  Ctrl-C only detaches;
+  line ``flywheel run`` prints), its owner's notes from now on (evals' results among them)
+  and its status changes, until it ends and its owner lets go; Ctrl-C only detaches;
 - ``stop RUN``: marks the run stopped (:func:`flywheel.contract.runs.stop_run`); its owner (an
   orchestrator) sees it within a second, stops the trainer, which checkpoints first, and lets
   go of it; inference releases its queued tasks;
@@ -30,7 +30,7 @@ from flywheel.contract import events
 from flywheel.contract.bus import Bus, watch
 from flywheel.contract.checkpoints import run_folder
 from flywheel.contract.config import RunConfig
-from flywheel.contract.runs import check_resumable, end_of, get_run, list_runs, stop_run
+from flywheel.contract.runs import check_resumable, end_of, get_run, list_runs, new_notes, stop_run
 from flywheel.contract.settings import Settings
 from flywheel.ops.run import MainJob, format_step, nats_answers
 from flywheel.ops.tables import table
@@ -137,7 +137,7 @@ async def follow(settings: Settings, run: str, out: TextIO) -> str:
               f"{state.owner or 'none'} (Ctrl-C stops following, not the run)", file=out, flush=True)
         steps = asyncio.ensure_future(_print_steps(bus, run, num_steps, detached, out))
         try:
-            status = await _until_ended(bus, run, status_of(state), detached, out)
+            status = await _until_ended(bus, run, status_of(state), state.num_notes, detached, out)
         finally:
             detached.set()
             await asyncio.gather(steps, return_exceptions=True)
@@ -161,21 +161,27 @@ async def _print_steps(bus: Bus, run: str, num_steps: int, stopping: asyncio.Eve
         print(format_step(row, num_steps, None), file=out, flush=True)
 
 
-async def _until_ended(bus: Bus, run: str, status: str, detached: asyncio.Event, out: TextIO) -> str:
-    """Say each status change of the run; return its status once it ended, ``detached`` on Ctrl-C."""
+async def _until_ended(bus: Bus, run: str, status: str, num_notes: int, detached: asyncio.Event, out: TextIO) -> str:
+    """Say the owner's notes from ``num_notes`` on and each status change of the run; return its
+    status once it ended (and its owner let go: its last notes are its evals), ``detached`` on Ctrl-C."""
     while not detached.is_set():
         try:
             state = await get_run(bus, run)
         except (TimeoutError, nats.errors.Error):
             state = None  # the bus is away for now: asked again soon
         if state is not None:
+            for note in new_notes(state, num_notes):
+                print(f"run {run}: {note}", file=out, flush=True)
+            num_notes = state.num_notes
             now = status_of(state)
             if now != status:
                 end = end_of(state)
                 print(f"run {run}: {now}" + (f" ({end.reason})" if end is not None and now != "finished" else ""),
                       file=out, flush=True)
                 status = now
-            if end_of(state) is not None:
+            held = state.owner is not None and (state.lease_expires_at is None
+                                                or state.lease_expires_at > events.utc_now())
+            if end_of(state) is not None and not held:
                 await asyncio.sleep(FOLLOW_STATE_S)  # time for the steps watch to print the last step
                 return status
         try:
