@@ -85,11 +85,29 @@ async def stop_run(run_id: RunIdPath, store: StoreDep, bus: BusDep, tenant: Tena
     return await get_run(run_id, store, bus)
 
 
+@router.post("/{run_id:path}/pause", response_model=RunDetail, responses={409: CONFLICT_RESPONSE})
+async def pause_run(run_id: RunIdPath, store: StoreDep, bus: BusDep, tenant: TenantDep = "default") -> RunDetail:
+    """Pause the run: its owner stops its trainer (which checkpoints first) within seconds and
+    holds the run, its queued tasks kept; ``POST /v1/runs/RUN/resume`` goes on. A paused run is
+    left as it is. 404 for a run the bucket does not know; 409 for another tenant's, and for one
+    that ended (the detail says how)."""
+    try:
+        await runs.pause_run(bus, run_id, by=f"the gateway's API (tenant {tenant!r})", tenant=tenant)
+    except runs.RunNotFound:
+        raise _not_found(run_id) from None
+    except runs.RunConflict:
+        raise
+    except ValueError as exc:
+        raise HTTPException(409, str(exc)) from None
+    return await get_run(run_id, store, bus)
+
+
 @router.post("/{run_id:path}/resume", response_model=RunDetail, responses={409: CONFLICT_RESPONSE})
 async def resume_run(run_id: RunIdPath, store: StoreDep, bus: BusDep, tenant: TenantDep = "default") -> RunDetail:
-    """Resume a stopped, failed or abandoned run: an orchestrator takes it and goes on from its
-    last checkpoint. 404 for a run the bucket does not know; 409 for another tenant's, and for
-    one that finished, is still running, or is no training run (the detail says which)."""
+    """Resume a paused, stopped, failed or abandoned run: an orchestrator takes it (a paused one's
+    owner keeps it) and goes on from its last checkpoint. 404 for a run the bucket does not
+    know; 409 for another tenant's, and for one that finished, is still running, or is no
+    training run (the detail says which)."""
     try:
         await runs.resume_run(bus, run_id, tenant=tenant)
     except runs.RunNotFound:
@@ -118,7 +136,8 @@ async def get_run(run_id: RunIdPath, store: StoreDep, bus: BusDep) -> RunDetail:
     end = runs.end_of(state)
     live: dict[str, Any] = {
         "status": end.status if end is not None else state.status, "config": state.config,
-        "ended_at": end.since if end is not None else None, "reason": end.reason if end is not None else None,
+        "ended_at": end.since if end is not None else None,
+        "reason": end.reason if end is not None else state.reason if state.status == "paused" else None,
         "owner": state.owner, "lease_expires_at": state.lease_expires_at,
     }
     # The bucket owns the tenant: the store's copy may predate it (an event recorded first).

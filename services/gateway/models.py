@@ -377,13 +377,14 @@ class RunPage(BaseModel):
 
 
 class RunDetail(RunPublic):
-    status: Literal["created", "running", "finished", "failed", "stopped", "abandoned"] | None = Field(
+    status: Literal["created", "running", "paused", "finished", "failed", "stopped", "abandoned"] | None = Field(
         description="Live, from the run-state bucket; null when the bucket holds no state for the run. `abandoned`: "
                     "running, but its owner stopped renewing its lease (killed, or its machine is gone).")
     config: dict[str, Any] | None = Field(description="The run's config, from the run-state bucket; null as status.")
     ended_at: datetime | None = Field(None, description="When the run ended (finished, failed, stopped, or when the "
                                                         "lease of an abandoned run expired); null while it runs.")
-    reason: str | None = Field(None, description="Why the run takes no more tasks, a sentence; null while it runs.")
+    reason: str | None = Field(None, description="Why the run takes no more tasks, or who paused it, a sentence; "
+                                                 "null while it runs.")
     owner: str | None = Field(None, description="Who holds the run's lease (`flywheel run`), if anyone.")
     lease_expires_at: datetime | None = Field(None, description="When the owner's lease expires unless renewed.")
     latest_step: int | None = Field(description="Latest training step recorded; null before the first.")

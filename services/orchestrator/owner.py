@@ -156,6 +156,7 @@ class RunOwner:
         # lost its owner): the supply counts what the run still needs from here.
         self.first_task = state.num_tasks_published
         self.first_step = state.trainer_step
+        self.paused = state.status == "paused"  # its trainer is stopped until the run is resumed
         self.num_dropped = 0  # rollouts the trainer dropped so far (each weight update says)
         self.progress = Progress()
         self._supplying = asyncio.Lock()
@@ -190,7 +191,10 @@ class RunOwner:
             await update_run(self.bus, cfg.run, scorers=scorers, env_scorers=env_scorers)
             await self._wait_for_previous_trainer()
             trainer = TrainerSupervisor(self)
-            await trainer.start()
+            if self.paused:
+                await self.note(f"{self.name} holds the run paused; `flywheel runs resume {cfg.run}` goes on")
+            else:
+                await trainer.start()
             await self._publish_tasks()
             if cfg.evals:
                 evaluating = asyncio.ensure_future(self._run_evals())
@@ -292,7 +296,7 @@ class RunOwner:
         last_state_s = time.monotonic()
         try:
             while not self.stopping.is_set() and not lost.is_set():
-                if await trainer.check():
+                if not self.paused and await trainer.check():
                     return None  # it finished the run and marked it so
                 if watching.done():
                     await watching  # raises what ended the watch
@@ -307,6 +311,8 @@ class RunOwner:
                     if state is not None and state.status in ("stopped", "failed"):  # by someone else
                         await self.note(f"{state.reason or 'stopped'}: stopping the trainer (it checkpoints first)")
                         return None
+                    if state is not None and (state.status == "paused") != self.paused:
+                        await self._pause_or_go_on(trainer, state)
                     if state is not None and state.owner != self.name:
                         lost.set()
                         break
@@ -325,6 +331,19 @@ class RunOwner:
         finally:
             watching.cancel()
             await asyncio.gather(watching, return_exceptions=True)
+
+    async def _pause_or_go_on(self, trainer: TrainerSupervisor, state: events.RunState) -> None:
+        """The run was paused (stop the trainer; it checkpoints first) or resumed (start it again:
+        it goes on from that checkpoint)."""
+        self.paused = state.status == "paused"
+        if self.paused:
+            await self.note(f"{state.reason or 'paused'}: stopping the trainer (it checkpoints first); the run "
+                            f"keeps its tasks; `flywheel runs resume {self.cfg.run}` goes on")
+            await trainer.stop()
+            await self.note("paused")
+        else:
+            await self.note("resumed: starting the trainer again")
+            await trainer.start()
 
     # --- evals -------------------------------------------------------------------------------
 

@@ -49,7 +49,7 @@ import nats.js.errors
 from flywheel.contract import events, weights
 from flywheel.contract.bus import Bus, Consumer, Delivery, Reject, Undecodable, decode_message
 from flywheel.contract.config import RunConfig
-from flywheel.contract.runs import get_run, pin_version, update_run
+from flywheel.contract.runs import get_run, pin_version, trainer_started, update_run
 from flywheel.contract.service import Service
 from flywheel.contract.settings import Settings, TrainerSettings
 from flywheel.sdk import models
@@ -274,7 +274,7 @@ class Trainer:
                 self.version = self.published_version + 1
                 self.joiner.set_version(self.version)
         await self._publish(data, _numbers(figures))
-        await update_run(self.bus, cfg.run, status="running", trainer_step=self.step, policy_version=self.version)
+        await trainer_started(self.bus, cfg.run, trainer_step=self.step, policy_version=self.version)
         # Any id pads: padding is masked out of attention and loss.
         return engine, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 

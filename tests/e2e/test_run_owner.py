@@ -1,6 +1,7 @@
 """A run owns itself: the orchestrator of the stack owns it, not the ``flywheel run`` that
 started it. A dead trainer is restarted; the ``flywheel run`` process killed leaves the run
-going to its end; a stop (Ctrl-C with ``--stop``, or ``flywheel runs stop`` from elsewhere)
+going to its end; a pause (``flywheel runs pause``) holds it until it is resumed; a stop
+(Ctrl-C with ``--stop``, or ``flywheel runs stop`` from elsewhere)
 ends it visibly and ``flywheel runs resume`` (or ``flywheel run --resume``) goes on where it
 stopped, while ``flywheel runs follow`` prints its steps; the orchestrator killed, the stack
 restarts it and the new one takes the run over once the lease ran out.
@@ -146,6 +147,27 @@ def test_trainer_restart_detach_stop_resume_and_takeover(stack, tmp_path: Path, 
     assert follower.wait(STEP_TIMEOUT_S) == 0, followed.text
     followed.wait_for(r"^run detached: finished", 1)
     assert steps_trained(data_dir, "detached") == every_step
+
+    # Paused from elsewhere: its owner stops the trainer (a checkpoint) and holds the run, which
+    # lists as paused and makes no step; resumed, the owner starts the trainer again, and the
+    # run finishes with every step trained once (`flywheel run` follows it throughout).
+    proc, output = start_run("held", data_dir, ports, clean_env)
+    output.wait_for(r"^step\s+2/", STEP_TIMEOUT_S)
+    trainer_pid = int(output.wait_for(r"trainer pid (\d+)", 5)[0].group(1))
+    pausing = flywheel("runs", "pause", "held", "--nats-port", str(ports["nats"]), env=clean_env)
+    assert pausing.returncode == 0 and "its owner stops its trainer" in pausing.stdout, pausing.stdout + pausing.stderr
+    output.wait_for(r"^run held: paused \(paused by flywheel runs pause", 10)
+    poll(lambda: not alive(trainer_pid), 30, "the paused run's trainer to stop")
+    held = state(ports["nats"], "held")
+    assert held.status == "paused" and held.owner is not None and held.trainer_step < NUM_STEPS, held
+    listed = flywheel("runs", "list", "--nats-port", str(ports["nats"]), env=clean_env)
+    assert re.search(r"^held\s+train\s+paused\s+\d+/8", listed.stdout, re.M), listed.stdout
+    resumer, resumed = runs_command("resume", "held", data_dir, ports, clean_env)
+    resumed.wait_for(r"run held: resuming at step \d+ of 8 \(paused by flywheel runs pause", 60)
+    finish(resumer, resumed)
+    finish(proc, output)
+    output.wait_for(r"run held: resumed: starting the trainer again", 1)
+    assert steps_trained(data_dir, "held") == every_step
 
     # Ctrl-C with --stop: the trainer checkpoints, the run is marked stopped (it takes no more tasks).
     proc, output = start_run("interrupted", data_dir, ports, clean_env, "--stop")

@@ -208,3 +208,23 @@ async def test_the_recorder_mirrors_runs_registered_anywhere(app: FastAPI, clien
         stopping.set()
         await mirroring
     assert [r["id"] for r in (await get(client, "/v1/runs", tenant="acme"))["items"]] == ["by-cli"]
+
+
+async def test_a_run_is_paused_and_resumed_over_http(app: FastAPI, client: httpx.AsyncClient) -> None:
+    config = RunConfig(run="held", env="reverse_text", tenant="acme").model_dump()
+    await put_state(app, events.RunState(id="held", tenant="acme", status="running", trainer_step=4, config=config,
+                                         owner="orchestrator 1",
+                                         lease_expires_at=events.utc_now() + timedelta(seconds=60)))
+    other = await client.post("/v1/runs/held/pause", headers={"Flywheel-Tenant": "beta"})
+    assert other.status_code == 409 and "belongs to tenant 'acme'" in other.json()["detail"]
+    paused = await client.post("/v1/runs/held/pause", headers={"Flywheel-Tenant": "acme"})
+    assert paused.status_code == 200, paused.text
+    assert (paused.json()["status"], paused.json()["owner"]) == ("paused", "orchestrator 1")
+    assert "paused by the gateway's API (tenant 'acme') at step 4" in paused.json()["reason"]
+    resumed = await client.post("/v1/runs/held/resume", headers={"Flywheel-Tenant": "acme"})
+    assert resumed.status_code == 200, resumed.text
+    assert (resumed.json()["status"], resumed.json()["owner"]) == ("running", "orchestrator 1")  # with its owner
+    await put_state(app, events.RunState(id="done", status="finished", config=config))
+    ended = await client.post("/v1/runs/done/pause")
+    assert ended.status_code == 409 and "only a run that goes on can be paused" in ended.json()["detail"]
+    assert (await client.post("/v1/runs/nope/pause")).status_code == 404

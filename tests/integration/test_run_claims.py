@@ -89,3 +89,25 @@ async def test_notes_are_kept_bounded_and_read_once(bus: Bus) -> None:
     assert new_notes(state, seen) == [f"note {i}" for i in range(5, events.MAX_NOTES + 5)]
     assert new_notes(state, state.num_notes - 2) == [f"note {events.MAX_NOTES + 3}", f"note {events.MAX_NOTES + 4}"]
     assert new_notes(state, state.num_notes) == []
+
+
+async def test_a_paused_run_stays_with_its_owner_and_goes_on_when_resumed(bus: Bus) -> None:
+    from flywheel.contract.runs import end_of, pause_run, trainer_started
+
+    await register_run(bus, "r", config=CONFIG)
+    await claim_run(bus, "r", "orchestrator 1", 60.0)
+    paused = await pause_run(bus, "r", "the test")
+    assert paused.status == "paused" and paused.reason == "paused by the test at step 0"
+    assert end_of(paused) is None and paused.owner == "orchestrator 1"  # not ended: its owner holds it
+    assert (await pause_run(bus, "r", "someone else")).reason == paused.reason  # paused already: as it is
+    await trainer_started(bus, "r", trainer_step=0, policy_version=0)  # a trainer starting meanwhile
+    assert (await get_run(bus, "r")).status == "paused"  # type: ignore[union-attr]  # registered above
+    resumed = await resume_run(bus, "r")
+    assert (resumed.status, resumed.reason, resumed.owner) == ("created", None, "orchestrator 1")
+    await trainer_started(bus, "r", trainer_step=0, policy_version=0)
+    assert (await get_run(bus, "r")).status == "running"  # type: ignore[union-attr]  # registered above
+    await stop_run(bus, "r", "the test")
+    with pytest.raises(ValueError, match=r"stopped at .*: only a run that goes on can be paused"):
+        await pause_run(bus, "r", "the test")
+    with pytest.raises(RunNotFound):
+        await pause_run(bus, "nope", "the test")

@@ -39,8 +39,8 @@ Schema evolution (tested against stored encodings of version 1 in tests/unit/dat
     ``Rollout.sampling``, the settings a rollout was sampled with, which the trainer
     recomputes logprobs at (None on older rollouts: their readers take the run's); version 7
     added the run owner's notes (``RunState.notes``, ``num_notes``); version 8 added the
-    reward of each environment of a run with several (``RunState.env_scorers``) and the weight
-    versions kept for its evals (``RunState.pinned_versions``).
+    reward of each environment of a run with several (``RunState.env_scorers``), the weight
+    versions kept for its evals (``RunState.pinned_versions``) and the status ``paused``.
 
 Identities
     ``run`` (a training or eval run, owned by a ``tenant``), ``task`` (one row of a task
@@ -431,7 +431,9 @@ class RunState(_Struct, frozen=True, kw_only=True):
     id: str
     tenant: str = "default"
     kind: Literal["train", "eval"] = "train"
-    status: Literal["created", "running", "finished", "failed", "stopped"] = "created"
+    # paused: its owner stopped the trainer (a checkpoint) and holds the run, its tasks kept,
+    # until it is resumed (running) or stopped.
+    status: Literal["created", "running", "paused", "finished", "failed", "stopped"] = "created"
     policy_version: int = 0
     trainer_step: int = 0
     config: dict[str, Any] = {}

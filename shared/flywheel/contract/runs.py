@@ -229,9 +229,41 @@ async def stop_run(bus: Bus, run: str, by: str, tenant: str | None = None) -> ev
                             reason=f"stopped by {by} at step {state.trainer_step}")
 
 
+async def trainer_started(bus: Bus, run: str, trainer_step: int, policy_version: int) -> None:
+    """The run's trainer published its weights and trains: its step and version, and ``running``
+    unless someone paused or ended the run meanwhile (that stays as it is)."""
+    await _swap(bus, run, lambda state: msgspec.structs.replace(
+        state, trainer_step=trainer_step, policy_version=policy_version,
+        status="running" if state.status == "created" else state.status))
+
+
+async def pause_run(bus: Bus, run: str, by: str, tenant: str | None = None) -> events.RunState:
+    """Mark ``run`` paused (``by`` says who, in its reason): its owner stops its trainer (which
+    checkpoints first) and holds the run, its queued tasks kept, until :func:`resume_run`
+    (or :func:`stop_run`). :class:`RunNotFound`; :class:`RunConflict` for another tenant's run;
+    a ValueError for a run that ended. A paused run is returned as it is."""
+    def change(state: events.RunState) -> events.RunState | None:
+        if tenant is not None and state.tenant != tenant:
+            raise RunConflict(f"run {run!r} belongs to tenant {state.tenant!r}, not {tenant!r}")
+        end = end_of(state)
+        if end is not None:
+            raise ValueError(f"{end.reason}: only a run that goes on can be paused")
+        if state.status == "paused":
+            return None
+        return msgspec.structs.replace(state, status="paused", reason=f"paused by {by} at step {state.trainer_step}")
+
+    paused = await _swap(bus, run, change)
+    if paused is not None:
+        return paused
+    state = await get_run(bus, run)
+    if state is None:
+        raise RunNotFound(f"run {run!r} is not in the {RUNS_BUCKET} KV bucket; `flywheel runs list` lists the runs")
+    return state
+
+
 def check_resumable(state: events.RunState | None, run: str) -> events.RunState:
     """``state`` when its run can be resumed: it exists, has a config, did not finish, and nobody
-    is running it (stopped, failed, or abandoned by its owner); else a ValueError saying why."""
+    is running it (paused, stopped, failed, or abandoned by its owner); else a ValueError saying why."""
     if state is None:
         raise RunNotFound(f"run {run!r} is not in the {RUNS_BUCKET} KV bucket; `flywheel runs list` lists the runs")
     if state.kind != "train" or not state.config:
@@ -243,7 +275,7 @@ def check_resumable(state: events.RunState | None, run: str) -> events.RunState:
     if state.status in ENDED_STATUSES and state.owner and state.lease_expires_at and state.lease_expires_at > now:
         raise ValueError(f"run {run!r} is {state.status}, but its owner {state.owner} is still stopping it (its "
                          "trainer checkpoints first); try again in a few seconds")
-    if end_of(state, now) is None:
+    if end_of(state, now) is None and state.status != "paused":
         owner = state.owner or "its owner"
         raise ValueError(f"run {run!r} is still {state.status} (owned by {owner}, lease until "
                          f"{state.lease_expires_at.isoformat() if state.lease_expires_at else 'unset'}); "
@@ -345,11 +377,15 @@ def new_notes(state: events.RunState, seen: int) -> list[str]:
 
 async def resume_run(bus: Bus, run: str, tenant: str | None = None) -> events.RunState:
     """Make a stopped, failed or abandoned run claimable again (:func:`check_resumable` says
-    why not otherwise): an orchestrator takes it and goes on from its last checkpoint."""
+    why not otherwise): an orchestrator takes it and goes on from its last checkpoint. A paused
+    run goes on with its owner (it starts the trainer again)."""
     def change(state: events.RunState) -> events.RunState:
         check_resumable(state, run)
         if tenant is not None and state.tenant != tenant:
             raise RunConflict(f"run {run!r} belongs to tenant {state.tenant!r}, not {tenant!r}")
+        if state.status == "paused" and end_of(state) is None:  # its owner holds it: it goes on there
+            return msgspec.structs.replace(state, status="running" if state.trainer_step or state.policy_version
+                                           else "created", reason=None)
         return msgspec.structs.replace(state, status="running" if state.trainer_step or state.policy_version
                                        else "created", ended_at=None, reason=None, owner=None,
                                        lease_expires_at=None)

@@ -6,7 +6,7 @@
     flywheel schema [--out FILE]                  JSON Schema of every event
     flywheel run CONFIG.toml                      a training run, start to finish (flywheel.ops.run)
     flywheel run --help-config                    every run config field, generated from the config model
-    flywheel runs list | follow RUN | stop RUN | resume RUN   the stack's runs (flywheel.ops.runs)
+    flywheel runs list | follow RUN | pause RUN | stop RUN | resume RUN   the stack's runs (flywheel.ops.runs)
     flywheel export RUN [--step N] DIR            a run's checkpoint as a Hugging Face folder (flywheel.ops.export)
     flywheel model tiny|smollm2 DIR               build or convert a model into an HF folder
     flywheel scorer MODULE:FUNCTION --env ENV     a custom scorer, as its own consumer
@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_settings(run, tuple(SETTING_OPTIONS))
     run.set_defaults(func=cmd_run)
 
-    runs = commands.add_parser("runs", help="the stack's runs: list, follow, stop, resume",
+    runs = commands.add_parser("runs", help="the stack's runs: list, follow, pause, stop, resume",
                                description="Runs as the run-state bucket knows them (every service reads them "
                                            "from there).")
     runs_commands = runs.add_subparsers(dest="runs_command", required=True, metavar="COMMAND")
@@ -160,6 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
     stop.add_argument("run", metavar="RUN")
     _add_settings(stop, NATS_SETTINGS)
     stop.set_defaults(func=cmd_runs_stop)
+    pause = runs_commands.add_parser("pause", help="pause a run: its trainer checkpoints and waits, tasks kept",
+                                     description="Mark RUN paused: its orchestrator stops the trainer (which "
+                                                 "checkpoints first) within seconds and holds the run with its "
+                                                 "queued tasks. `flywheel runs resume RUN` starts it again.")
+    pause.add_argument("run", metavar="RUN")
+    _add_settings(pause, NATS_SETTINGS)
+    pause.set_defaults(func=cmd_runs_pause)
     resume = runs_commands.add_parser(
         "resume", help="go on with a stopped, failed or abandoned run from its last checkpoint",
         description="Make RUN (stopped, failed, or abandoned by its owner) go on from its last checkpoint with the "
@@ -362,6 +369,14 @@ def cmd_runs_stop(args: argparse.Namespace) -> int:
 
     asyncio.run(stop_command(settings_from(args), args.run, f"flywheel runs stop (pid {os.getpid()} on "
                                                           f"{socket.gethostname()})", sys.stdout))
+    return 0
+
+
+def cmd_runs_pause(args: argparse.Namespace) -> int:
+    from flywheel.ops.runs import pause_command
+
+    asyncio.run(pause_command(settings_from(args), args.run, f"flywheel runs pause (pid {os.getpid()} on "
+                                                            f"{socket.gethostname()})", sys.stdout))
     return 0
 
 

@@ -379,6 +379,11 @@ class MainJob:
         self.first_step = state.trainer_step
         self.num_notes_seen = state.num_notes
         ended = end_of(state)
+        if ended is None and state.status == "paused":
+            self.say(f"run {cfg.run}: resuming at step {state.trainer_step} of {cfg.trainer.num_steps} "
+                     f"({state.reason}; its owner {state.owner or 'none yet'} starts the trainer again)")
+            await resume_run(self.bus, cfg.run)
+            return False
         if ended is None:
             self.say(f"run {cfg.run} is {state.status} (owner {state.owner or 'none yet'}); following it")
             return False
@@ -448,7 +453,7 @@ class MainJob:
                 try:
                     update = await asyncio.wait_for(updates.get(), STATE_CHECK_S)
                 except TimeoutError:
-                    if time.monotonic() - last_step_s > QUIET_STEP_S:
+                    if time.monotonic() - last_step_s > QUIET_STEP_S and self.status != "paused":
                         await self._say_waiting(time.monotonic() - last_step_s)
                         last_step_s = time.monotonic()
                     continue
@@ -492,6 +497,9 @@ class MainJob:
             elif status in ("failed", "stopped"):
                 self.failure = self.failure or (state.reason or status)
                 self.say(f"run {self.cfg.run}: {status} ({state.reason or 'no reason given'})")
+            elif status == "paused":
+                self.say(f"run {self.cfg.run}: paused ({state.reason or 'no reason given'}); `flywheel runs resume "
+                         f"{self.cfg.run}` goes on")
         return status if status in ENDED_STATUSES else None
 
     async def _await_end(self) -> None:

@@ -6,6 +6,9 @@
 - ``follow RUN``: the run's steps (those its weight updates still hold, then each new one, the
   line ``flywheel run`` prints), its owner's notes from now on (evals' results among them)
   and its status changes, until it ends and its owner lets go; Ctrl-C only detaches;
+- ``pause RUN``: marks the run paused (:func:`flywheel.contract.runs.pause_run`); its owner
+  stops the trainer (it checkpoints first) and holds the run with its queued tasks until
+  ``resume RUN``;
 - ``stop RUN``: marks the run stopped (:func:`flywheel.contract.runs.stop_run`); its owner (an
   orchestrator) sees it within a second, stops the trainer, which checkpoints first, and lets
   go of it; inference releases its queued tasks;
@@ -30,7 +33,7 @@ from flywheel.contract import events
 from flywheel.contract.bus import Bus, watch
 from flywheel.contract.checkpoints import run_folder
 from flywheel.contract.config import RunConfig
-from flywheel.contract.runs import check_resumable, end_of, get_run, list_runs, new_notes, stop_run
+from flywheel.contract.runs import check_resumable, end_of, get_run, list_runs, new_notes, pause_run, stop_run
 from flywheel.contract.settings import Settings
 from flywheel.ops.run import MainJob, format_step, nats_answers
 from flywheel.ops.tables import table
@@ -88,6 +91,21 @@ async def stop_command(settings: Settings, run: str, by: str, out: TextIO) -> ev
     else:
         print(f"run {run}: {state.reason}; its owner stops its trainer (it checkpoints first); "
               f"`flywheel runs resume {run}` goes on from there", file=out)
+    return state
+
+
+async def pause_command(settings: Settings, run: str, by: str, out: TextIO) -> events.RunState:
+    bus = await connect(settings, f"pausing run {run!r}")
+    try:
+        before = await get_run(bus, run)
+        state = await pause_run(bus, run, by)
+    finally:
+        await bus.close()
+    if before is not None and before.status == "paused":
+        print(f"run {run} is paused already ({state.reason or 'no reason given'})", file=out)
+    else:
+        print(f"run {run}: {state.reason}; its owner stops its trainer (it checkpoints first) and keeps the run; "
+              f"`flywheel runs resume {run}` goes on", file=out)
     return state
 
 
