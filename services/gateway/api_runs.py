@@ -23,6 +23,7 @@ poll with ``since_step``).
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Query
@@ -32,7 +33,7 @@ from flywheel.contract.bus import Bus
 from flywheel_gateway.deps import BusDep, CursorQuery, LimitQuery, RunIdPath, StoreDep, TenantDep, TenantQuery
 from flywheel_gateway.models import INT32_MAX, RunDetail, RunMetricsPublic, RunPage, StepMetricsPublic
 from flywheel_gateway.responses import CONFLICT_RESPONSE, ERROR_RESPONSES
-from flywheel_gateway.store import MAX_PAGE_LIMIT
+from flywheel_gateway.store import MAX_PAGE_LIMIT, Store
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"], responses=ERROR_RESPONSES)
 
@@ -73,16 +74,28 @@ async def _in_bucket(bus: Bus, run_id: str) -> bool:
         return True  # the key is there; its value is another matter
 
 
+async def _change(run_id: str, store: Store, bus: Bus, change: Awaitable[object]) -> RunDetail:
+    """Await ``change`` of the run's state, then the run as it is: 404 for a run the bucket does
+    not know, 409 for one the change refuses (another tenant's: RunConflict, mapped by the app;
+    a ValueError naming why)."""
+    try:
+        await change
+    except runs.RunNotFound:
+        raise _not_found(run_id) from None
+    except runs.RunConflict:
+        raise
+    except ValueError as exc:
+        raise HTTPException(409, str(exc)) from None
+    return await get_run(run_id, store, bus)
+
+
 @router.post("/{run_id:path}/stop", response_model=RunDetail, responses={409: CONFLICT_RESPONSE})
 async def stop_run(run_id: RunIdPath, store: StoreDep, bus: BusDep, tenant: TenantDep = "default") -> RunDetail:
     """Stop the run: it takes no more tasks, and its owner stops its trainer (which checkpoints
     first) within seconds; ``flywheel runs resume RUN`` goes on from there. A run that ended
     already is left as it is. 404 for a run the bucket does not know; 409 for another tenant's."""
-    try:
-        await runs.stop_run(bus, run_id, by=f"the gateway's API (tenant {tenant!r})", tenant=tenant)
-    except runs.RunNotFound:
-        raise _not_found(run_id) from None
-    return await get_run(run_id, store, bus)
+    by = f"the gateway's API (tenant {tenant!r})"
+    return await _change(run_id, store, bus, runs.stop_run(bus, run_id, by=by, tenant=tenant))
 
 
 @router.post("/{run_id:path}/pause", response_model=RunDetail, responses={409: CONFLICT_RESPONSE})
@@ -91,15 +104,8 @@ async def pause_run(run_id: RunIdPath, store: StoreDep, bus: BusDep, tenant: Ten
     holds the run, its queued tasks kept; ``POST /v1/runs/RUN/resume`` goes on. A paused run is
     left as it is. 404 for a run the bucket does not know; 409 for another tenant's, and for one
     that ended (the detail says how)."""
-    try:
-        await runs.pause_run(bus, run_id, by=f"the gateway's API (tenant {tenant!r})", tenant=tenant)
-    except runs.RunNotFound:
-        raise _not_found(run_id) from None
-    except runs.RunConflict:
-        raise
-    except ValueError as exc:
-        raise HTTPException(409, str(exc)) from None
-    return await get_run(run_id, store, bus)
+    by = f"the gateway's API (tenant {tenant!r})"
+    return await _change(run_id, store, bus, runs.pause_run(bus, run_id, by=by, tenant=tenant))
 
 
 @router.post("/{run_id:path}/resume", response_model=RunDetail, responses={409: CONFLICT_RESPONSE})
@@ -108,15 +114,7 @@ async def resume_run(run_id: RunIdPath, store: StoreDep, bus: BusDep, tenant: Te
     owner keeps it) and goes on from its last checkpoint. 404 for a run the bucket does not
     know; 409 for another tenant's, and for one that finished, is still running, or is no
     training run (the detail says which)."""
-    try:
-        await runs.resume_run(bus, run_id, tenant=tenant)
-    except runs.RunNotFound:
-        raise _not_found(run_id) from None
-    except runs.RunConflict:
-        raise
-    except ValueError as exc:
-        raise HTTPException(409, str(exc)) from None
-    return await get_run(run_id, store, bus)
+    return await _change(run_id, store, bus, runs.resume_run(bus, run_id, tenant=tenant))
 
 
 @router.get("/{run_id:path}", response_model=RunDetail, responses={409: CONFLICT_RESPONSE})

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+from collections.abc import Awaitable, Callable
 from datetime import datetime
 from typing import Any, TextIO
 
@@ -80,12 +81,7 @@ async def list_command(settings: Settings, out: TextIO) -> None:
 
 
 async def stop_command(settings: Settings, run: str, by: str, out: TextIO) -> events.RunState:
-    bus = await connect(settings, f"stopping run {run!r}")
-    try:
-        before = await get_run(bus, run)
-        state = await stop_run(bus, run, by)
-    finally:
-        await bus.close()
+    state, before = await _change(settings, run, f"stopping run {run!r}", stop_run, by)
     if before is not None and before.status == state.status:
         print(f"run {run} had {status_of(state)} already ({state.reason or 'no reason given'})", file=out)
     else:
@@ -95,18 +91,25 @@ async def stop_command(settings: Settings, run: str, by: str, out: TextIO) -> ev
 
 
 async def pause_command(settings: Settings, run: str, by: str, out: TextIO) -> events.RunState:
-    bus = await connect(settings, f"pausing run {run!r}")
-    try:
-        before = await get_run(bus, run)
-        state = await pause_run(bus, run, by)
-    finally:
-        await bus.close()
+    state, before = await _change(settings, run, f"pausing run {run!r}", pause_run, by)
     if before is not None and before.status == "paused":
         print(f"run {run} is paused already ({state.reason or 'no reason given'})", file=out)
     else:
         print(f"run {run}: {state.reason}; its owner stops its trainer (it checkpoints first) and keeps the run; "
               f"`flywheel runs resume {run}` goes on", file=out)
     return state
+
+
+async def _change(settings: Settings, run: str, what: str,
+                  change: Callable[[Bus, str, str], Awaitable[events.RunState]], by: str
+                  ) -> tuple[events.RunState, events.RunState | None]:
+    """``change(bus, run, by)`` on the stack's bus: the new state, and the one before."""
+    bus = await connect(settings, what)
+    try:
+        before = await get_run(bus, run)
+        return await change(bus, run, by), before
+    finally:
+        await bus.close()
 
 
 def stored_config(settings: Settings, run: str) -> dict[str, Any] | None:
