@@ -13,14 +13,18 @@ version that answered. ``GET /healthz`` reports NATS and the per-run counters.
 
 Errors use OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``): 400 for a
 request that cannot be served (naming the field), 404 for an unknown run, 503 while the
-run has no weights loaded. Not covered: streaming, tools, ``top_logprobs`` (the
-alternatives' logprobs), ``echo``, and prompts given as lists of prompts.
+run has no weights loaded. Chat requests take OpenAI messages with tool calls and tool
+results, and ``tools``: the template renders them, and each answer's calls (the Hermes
+``<tool_call>`` format the template teaches, parsed as the interception endpoint parses them)
+come back as ``tool_calls`` with ``finish_reason = "tool_calls"``. Not covered: streaming,
+``tool_choice`` naming a function, ``top_logprobs`` (the alternatives' logprobs), ``echo``,
+and prompts given as lists of prompts.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -30,8 +34,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from flywheel.contract import events
 from flywheel.contract.config import StopStrings, sampling_field
 from flywheel.contract.runs import end_of, list_runs
+from flywheel.sdk.messages import message_dict, message_from_dict
 from flywheel_inference import interception
-from flywheel_inference.interception import openai_error
+from flywheel_inference.interception import openai_error, parse_tool_calls
 from flywheel_inference.policy import Sampled, WeightsUnavailable
 from flywheel_inference.worker import HostedRun, UnknownRun, Worker
 
@@ -87,15 +92,12 @@ class _SamplingRequest(BaseModel):
         )
 
 
-class ChatMessageIn(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str = ""
-
-
 class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessageIn] = Field(min_length=1)
+    messages: list[dict[str, Any]] = Field(min_length=1, description="OpenAI chat messages, tool calls and tool "
+                                                                    "results included")
+    tools: list[dict[str, Any]] | None = Field(None, description="OpenAI function tools; the answer's calls come "
+                                                                 "back as tool_calls")
+    tool_choice: str | dict[str, Any] | None = Field(None, description="auto (or none) only")
     max_completion_tokens: int | None = Field(None, ge=1)
     top_logprobs: int | None = Field(None, ge=0)
 
@@ -104,6 +106,22 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.top_logprobs:
             raise ApiError(400, "top_logprobs is not supported: only the sampled tokens' logprobs are returned",
                            "top_logprobs")
+        if self.tool_choice not in (None, "auto", "none"):
+            raise ApiError(400, f"tool_choice={self.tool_choice!r} is not supported: give auto (the model decides) "
+                                "or none", "tool_choice")
+        for i, tool in enumerate(self.tools or []):
+            if tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+                raise ApiError(400, f"tools[{i}]: only {{'type': 'function', 'function': {{...}}}} tools", "tools")
+
+    def chat_messages(self) -> list[events.Message]:
+        try:
+            return [message_from_dict(m, f"messages[{i}]") for i, m in enumerate(self.messages)]
+        except ValueError as exc:
+            raise ApiError(400, str(exc), "messages") from exc
+
+    @property
+    def offered_tools(self) -> list[dict[str, Any]] | None:
+        return self.tools if self.tools and self.tool_choice != "none" else None
 
 
 class CompletionRequest(_SamplingRequest):
@@ -160,17 +178,23 @@ async def chat_completions(body: ChatCompletionRequest, worker: WorkerDep) -> di
     from flywheel.sdk import models
 
     body.refuse_unsupported()
+    messages = body.chat_messages()
     hosted = await _hosted(worker, body.model)
     tok = hosted.policy.backend.tokenizer
-    prompt = models.render_prompt(tok, [events.Message(role=m.role, content=m.content) for m in body.messages])
+    tools = body.offered_tools
+    prompt = models.render_prompt(tok, messages, tools)
     sampled = await _sample(hosted, prompt, body.sampling(hosted.sampling, body.max_completion_tokens), body.n)
     choices = []
     for i, s in enumerate(sampled):
         c = s.completion
         content = [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
                    for t, lp in zip(_tokens(tok, c.token_ids), c.logprobs, strict=True)]
-        choices.append({"index": i, "message": {"role": "assistant", "content": c.text},
-                         "finish_reason": c.finish_reason, "logprobs": {"content": content}})
+        text, calls = parse_tool_calls(c.text) if tools else (c.text, [])
+        message: dict[str, Any] = {"role": "assistant", "content": (text or None) if calls else text}
+        if calls:
+            message["tool_calls"] = message_dict(events.Message(role="assistant", tool_calls=calls))["tool_calls"]
+        choices.append({"index": i, "message": message, "finish_reason": "tool_calls" if calls else c.finish_reason,
+                        "logprobs": {"content": content}})
     return {"id": f"chatcmpl-{events.new_id()}", "object": "chat.completion", "created": int(time.time()),
             "model": body.model, "system_fingerprint": _fingerprint(sampled), "choices": choices,
             "usage": _usage(prompt, sampled)}
