@@ -72,17 +72,17 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import nats.errors
 import nats.js.errors
 from nats.js.api import PubAck
 
-from flywheel.contract import events
+from flywheel.contract import events, weights
 from flywheel.contract.bus import RUNS_BUCKET, Bus, Consumer, Delivery, Reject, watch
 from flywheel.contract.config import RunConfig
 from flywheel.contract.runs import BadRunState, end_of, get_run, watch_runs
@@ -154,6 +154,23 @@ def _fetch_is_transient(exc: Exception) -> bool:
     return isinstance(exc, (nats.errors.Error, TimeoutError, ConnectionError))
 
 
+K = TypeVar("K")
+
+
+async def _once(pending: dict[K, asyncio.Future[HostedRun]], key: K,
+                make: Callable[[], Coroutine[Any, Any, HostedRun]]) -> HostedRun:
+    """``make()`` started once for ``key`` however many callers ask meanwhile; each waits for it
+    (shielded: a caller that gives up does not cancel it for the others)."""
+    if key not in pending:
+        pending[key] = asyncio.ensure_future(make())
+    future = pending[key]
+    try:
+        return await asyncio.shield(future)
+    finally:
+        if future.done():
+            pending.pop(key, None)
+
+
 class Worker:
     def __init__(self, bus: Bus, build: BuildBackend, config: InferenceSettings, url: str | None = None) -> None:
         """``config``: the settings' ``inference`` section. ``url``: where this process's HTTP
@@ -217,14 +234,7 @@ class Worker:
         """The run's config, policy and admission counters, built on first use (once)."""
         if run in self._runs:
             return self._runs[run]
-        if run not in self._starting:
-            self._starting[run] = asyncio.ensure_future(self._start(run))
-        starting = self._starting[run]
-        try:
-            return await asyncio.shield(starting)
-        finally:
-            if starting.done():
-                self._starting.pop(run, None)
+        return await _once(self._starting, run, lambda: self._start(run))
 
     async def _start(self, run: str) -> HostedRun:
         cfg = await self.run_config(run)
@@ -249,7 +259,8 @@ class Worker:
         self._runs[run] = hosted
         self._refresh_info()
         seen = self._updates.pop(run, {})
-        for update in sorted(seen.values() or await self._stored_updates(run), key=lambda u: u.version):
+        for update in sorted(seen.values() or await weights.updates(self.bus, run, MAX_OFFERED),
+                             key=lambda u: u.version):
             policy.offer(update)
         return hosted
 
@@ -272,21 +283,12 @@ class Worker:
         if key in self._snapshots:
             self._snapshots.move_to_end(key)
             return self._snapshots[key]
-        if key not in self._loading:
-            self._loading[key] = asyncio.ensure_future(self._load_snapshot(run, step))
-        loading = self._loading[key]
-        try:
-            return await asyncio.shield(loading)
-        finally:
-            if loading.done():
-                self._loading.pop(key, None)
+        return await _once(self._loading, key, lambda: self._load_snapshot(run, step))
 
     async def _load_snapshot(self, run: str, step: int) -> HostedRun:
-        from flywheel.contract import weights
-
         cfg = await self.run_config(run)
         kept = set(await weights.versions(self.bus, run))
-        updates = [u for u in await self._stored_updates(run, newest=None) if u.version in kept]
+        updates = [u for u in await weights.updates(self.bus, run) if u.version in kept]
         matching = [u for u in updates if u.trainer_step == step]
         if not matching:
             steps = sorted({u.trainer_step for u in updates})
@@ -315,8 +317,6 @@ class Worker:
         return sum((info.state.subjects or {}).values())
 
     async def _fetch(self, update: events.WeightUpdate) -> bytes:
-        from flywheel.contract import weights
-
         try:
             return await weights.get(self.bus, update)
         except Exception as exc:
@@ -354,11 +354,6 @@ class Worker:
         async for update in watch(self.bus, "weights.>", events.WeightUpdate, stopping, watcher=WEIGHTS_WATCHER,
                                   last_per_subject=True):
             await self.on_weight_update(update)
-
-    async def _stored_updates(self, run: str, newest: int | None = MAX_OFFERED) -> list[events.WeightUpdate]:
-        from flywheel.contract import weights
-
-        return await weights.updates(self.bus, run, newest)
 
     def service(self, handle_signals: bool = True) -> Service:
         """The process's Service: the TASKS consumer, the weights and run-state watchers, the lease check."""
