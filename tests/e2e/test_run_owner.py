@@ -151,7 +151,8 @@ def test_trainer_restart_detach_stop_resume_and_takeover(stack, tmp_path: Path, 
     # Paused from elsewhere: its owner stops the trainer (a checkpoint) and holds the run, which
     # lists as paused and makes no step; resumed, the owner starts the trainer again, and the
     # run finishes with every step trained once (`flywheel run` follows it throughout).
-    proc, output = start_run("held", data_dir, ports, clean_env)
+    held_steps = 40  # long enough that the pause lands before the end, whatever the machine's speed
+    proc, output = start_run("held", data_dir, ports, clean_env, "--set", f"trainer.num_steps={held_steps}")
     output.wait_for(r"^step\s+2/", STEP_TIMEOUT_S)
     trainer_pid = int(output.wait_for(r"trainer pid (\d+)", 5)[0].group(1))
     pausing = flywheel("runs", "pause", "held", "--nats-port", str(ports["nats"]), env=clean_env)
@@ -159,15 +160,16 @@ def test_trainer_restart_detach_stop_resume_and_takeover(stack, tmp_path: Path, 
     output.wait_for(r"^run held: paused \(paused by flywheel runs pause", 10)
     poll(lambda: not alive(trainer_pid), 30, "the paused run's trainer to stop")
     held = state(ports["nats"], "held")
-    assert held.status == "paused" and held.owner is not None and held.trainer_step < NUM_STEPS, held
+    assert held.status == "paused" and held.owner is not None and held.trainer_step < held_steps, held
     listed = flywheel("runs", "list", "--nats-port", str(ports["nats"]), env=clean_env)
-    assert re.search(r"^held\s+train\s+paused\s+\d+/8", listed.stdout, re.M), listed.stdout
+    assert re.search(rf"^held\s+train\s+paused\s+\d+/{held_steps}", listed.stdout, re.M), listed.stdout
     resumer, resumed = runs_command("resume", "held", data_dir, ports, clean_env)
-    resumed.wait_for(r"run held: resuming at step \d+ of 8 \(paused by flywheel runs pause", 60)
-    finish(resumer, resumed)
-    finish(proc, output)
+    resumed.wait_for(rf"run held: resuming at step \d+ of {held_steps} \(paused by flywheel runs pause", 60)
+    for follower, followed in ((resumer, resumed), (proc, output)):
+        followed.wait_for(rf"^step\s+{held_steps}/{held_steps}", STEP_TIMEOUT_S)
+        assert follower.wait(60) == 0, followed.text
     output.wait_for(r"run held: resumed: starting the trainer again", 1)
-    assert steps_trained(data_dir, "held") == every_step
+    assert steps_trained(data_dir, "held") == [(i, i) for i in range(held_steps + 1)]
 
     # Ctrl-C with --stop: the trainer checkpoints, the run is marked stopped (it takes no more tasks).
     proc, output = start_run("interrupted", data_dir, ports, clean_env, "--stop")
