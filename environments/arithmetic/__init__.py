@@ -11,7 +11,10 @@ the reply), tolerating thousands separators, a Unicode minus, markdown emphasis 
 for 12; anything else is wrong, never an error. Rewards: ``correct`` (1 or 0),
 ``shortest_correct`` (a group reward, weight 0.1: the shortest correct reply of the group gets
 it, a pressure against runaway length); metrics ``formatted`` (the answer was stated as one,
-not left as a bare number) and ``chars``.
+not left as a bare number), ``chars``, and ``closeness``: partial credit, 1 for the right
+number and falling linearly to 0 at an error of the answer's size plus 10 (a model too small
+to get answers exactly right can still learn their size: give it a weight in the run's
+``[rewards.closeness]`` or its ``[[envs]]`` table's ``rewards``).
 One chat turn, no tools. ``reference(task)`` is the bare answer line, for a supervised warm-up.
 """
 
@@ -170,6 +173,16 @@ def correct(completion: str, task: dict) -> float:
     return float(is_correct(completion, task))
 
 
+def closeness(completion: str, task: dict) -> float:
+    """1 for the right number, less the further the given one is from it: 0 at an error of
+    ``|answer| + 10`` or more, and when the reply gives no number."""
+    got = parse_answer(completion)
+    if got is None:
+        return 0.0
+    want = int(task["answer"])
+    return float(max(Fraction(0), 1 - abs(got - want) / (abs(want) + 10)))
+
+
 def formatted(completion: str) -> float:
     """1.0 when the reply ends its reasoning with an ``Answer:`` line holding a number."""
     return float(bool(_ANSWER_LINE.search(completion)))
@@ -199,7 +212,7 @@ def load_environment(difficulty: str = "medium", max_tokens: int = 512,
         prompt=prompt,
         reference=reference,
         rewards=[Reward(correct), shortest_correct_reward(is_correct, weight=shortest_correct_weight),
-                 Metric(formatted), Metric(chars)],
+                 Metric(formatted), Metric(chars), Metric(closeness)],
         sampling={"temperature": 1.0, "max_tokens": max_tokens},
         version="0.1.0",
         description=__doc__.split("\n\n")[0],

@@ -68,7 +68,12 @@ async def test_rewards_on_hand_made_rollouts() -> None:
     assert (await reward(rollout("no idea"))).value == 0.0
     assert (await formatted(rollout("17"))).value == 0.0
     assert (await reward(rollout("17"))).value == 1.0  # the last number still counts when the line is missing
-    assert env.weights == {"correct": 1.0, "shortest_correct": 0.1, "formatted": 0.0, "chars": 0.0}
+    closeness = env.rollout_rewards["closeness"]
+    assert (await closeness(rollout("Answer: 17"))).value == 1.0
+    assert (await closeness(rollout("Answer: 12"))).value == pytest.approx(1 - 5 / 27)
+    assert (await closeness(rollout("Answer: -40"))).value == 0.0  # further off than |17| + 10
+    assert (await closeness(rollout("no idea"))).value == 0.0
+    assert env.weights == {"correct": 1.0, "shortest_correct": 0.1, "formatted": 0.0, "chars": 0.0, "closeness": 0.0}
 
 
 async def test_shortest_correct_rewards_only_the_shortest_correct_reply() -> None:
