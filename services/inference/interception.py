@@ -30,9 +30,10 @@ rollout's trace graph. The harness does not know it is doing RL.
 - **Tool calls** are parsed from the sampled text (``<tool_call>{"name": ..., "arguments":
   ...}</tool_call>``, the Hermes format the template teaches) when the request offers tools.
 
-Streaming sends the whole answer as OpenAI chunks once it is sampled (the batched sampler
-produces a completion at once), so clients that stream work unchanged; tokens do not
-trickle. Not covered: ``n`` > 1, ``tool_choice`` other than auto, images and audio.
+``stream = true`` sends the answer token by token as it is sampled, in OpenAI's chunks
+(:mod:`flywheel_inference.streaming`; a tool call comes whole once the answer is done), and
+records it like any other call. Not covered: ``n`` > 1, ``tool_choice`` other than auto,
+images and audio.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import re
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, Generic, TypeVar
 
@@ -57,6 +58,15 @@ from flywheel.contract import events
 from flywheel.sdk.messages import message_dict, message_from_dict
 from flywheel.sdk.tracegraph import TraceGraph
 from flywheel_inference.policy import WeightsUnavailable
+from flywheel_inference.streaming import (
+    ChunkWriter,
+    Ending,
+    TextStream,
+    TokenQueue,
+    chat_logprobs,
+    chat_message,
+    respond,
+)
 
 router = APIRouter()
 
@@ -295,8 +305,10 @@ class Session:
     _closed: bool = False
 
     async def chat(self, messages: list[events.Message], tools: list[dict[str, Any]] | None,
-                   max_tokens: int | None) -> tuple[events.Node, Any, int]:
-        """Sample the answer to ``messages``; returns (assistant node, completion, prompt length)."""
+                   max_tokens: int | None,
+                   on_token: Callable[[int, int, float], None] | None = None) -> tuple[events.Node, Any, int]:
+        """Sample the answer to ``messages``; returns (assistant node, completion, prompt length).
+        ``on_token(0, token_id, logprob)`` is called with each token as it is sampled."""
         if self._renderer is None:
             self._renderer = Renderer.of(self.policy.backend.tokenizer)
         tools_key = json.dumps(tools, sort_keys=True) if tools else ""
@@ -313,7 +325,7 @@ class Session:
             self.truncated = True
             raise InterceptionError(400, str(exc), "messages", "context_length_exceeded") from exc
         try:
-            (sampled,) = await self.policy.sample([plan.prompt_ids], sampling)
+            (sampled,) = await self.policy.sample([plan.prompt_ids], sampling, on_token=on_token)
         except WeightsUnavailable as exc:
             raise InterceptionError(503, str(exc)) from exc
         c = sampled.completion
@@ -443,48 +455,43 @@ async def answer(session: Session, body: InterceptedChat) -> Response:
         if tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
             raise InterceptionError(400, f"tools[{i}]: only {{'type': 'function', 'function': {{...}}}} tools",
                                     "tools")
-    node, c, num_prompt = await session.chat(messages, body.tools, body.max_completion_tokens or body.max_tokens)
+    max_tokens = body.max_completion_tokens or body.max_tokens
     tok = session.policy.backend.tokenizer
+    ident, created, model = f"chatcmpl-{events.new_id()}", int(time.time()), body.model or session.run
+    if body.stream:
+        return await _streamed(session, body, messages, max_tokens, ChunkWriter(True, ident, created, model, tok))
+    node, c, num_prompt = await session.chat(messages, body.tools, max_tokens)
+    ending, usage, fingerprint = _ended(node, c, num_prompt)
+    logprobs = chat_logprobs([tok.decode([i]) for i in c.token_ids], c.logprobs)
+    # Encoded here (msgspec), not by FastAPI's generic encoder: the logprobs make it long.
+    return Response(msgspec.json.encode({
+        "id": ident, "object": "chat.completion", "created": created, "model": model,
+        "system_fingerprint": fingerprint, "usage": usage,
+        "choices": [{"index": 0, "message": chat_message(ending), "finish_reason": ending.finish_reason,
+                     "logprobs": logprobs}]}),
+        media_type="application/json")
+
+
+def _ended(node: events.Node, c: Any, num_prompt: int) -> tuple[Ending, dict[str, int], str]:
+    """How a call's answer ended (content, tool calls, finish reason), its usage and fingerprint."""
     calls = node.message.tool_calls
-    finish = "tool_calls" if calls else c.finish_reason
-    message: dict[str, Any] = {"role": "assistant", "content": node.message.content or None if calls
-                               else node.message.content}
-    if calls:
-        message["tool_calls"] = _tool_call_dicts(calls)
-    logprobs = {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                            for t, lp in zip((tok.decode([i]) for i in c.token_ids), c.logprobs, strict=True)]}
+    ending = Ending(node.message.content or "", "tool_calls" if calls else c.finish_reason, _tool_call_dicts(calls))
     usage = {"prompt_tokens": num_prompt, "completion_tokens": len(c.token_ids),
              "total_tokens": num_prompt + len(c.token_ids)}
-    ident, created, model = f"chatcmpl-{events.new_id()}", int(time.time()), body.model or session.run
-    fingerprint = f"policy-v{node.tokens.policy_version if node.tokens else 0}"
-    if not body.stream:
-        # Encoded here (msgspec), not by FastAPI's generic encoder: the logprobs make it long.
-        return Response(msgspec.json.encode({
-            "id": ident, "object": "chat.completion", "created": created, "model": model,
-            "system_fingerprint": fingerprint, "usage": usage,
-            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs}]}),
-            media_type="application/json")
+    return ending, usage, f"policy-v{node.tokens.policy_version if node.tokens else 0}"
 
-    def chunk(delta: dict[str, Any], finish_reason: str | None = None, **extra: Any) -> str:
-        body_ = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": model,
-                 "system_fingerprint": fingerprint,
-                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, **extra}]}
-        return f"data: {json.dumps(body_)}\n\n"
 
-    async def stream() -> AsyncIterator[str]:
-        yield chunk({"role": "assistant", "content": ""})
-        if message.get("content"):
-            yield chunk({"content": message["content"]}, logprobs=logprobs)
-        for i, call in enumerate(message.get("tool_calls", [])):
-            yield chunk({"tool_calls": [{"index": i, **call}]})
-        yield chunk({}, finish)
-        if (body.stream_options or {}).get("include_usage"):
-            usage_chunk = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": model,
-                           "choices": [], "usage": usage}
-            yield f"data: {json.dumps(usage_chunk)}\n\n"
-        yield "data: [DONE]\n\n"
+async def _streamed(session: Session, body: InterceptedChat, messages: list[events.Message], max_tokens: int | None,
+                    writer: ChunkWriter) -> StreamingResponse:
+    tokens = TokenQueue()
+    job = asyncio.ensure_future(session.chat(messages, body.tools, max_tokens, on_token=tokens.on_token))
 
-    return StreamingResponse(stream(), media_type="text/event-stream")
+    async def endings() -> tuple[list[Ending], dict[str, int], str]:
+        ending, usage, fingerprint = _ended(*await job)
+        return [ending], usage, fingerprint
+
+    stream = TextStream(session.policy.backend.tokenizer, session.sampling.stop, bool(body.tools))
+    return await respond(writer, [stream], tokens, job, endings, bool((body.stream_options or {}).get("include_usage")))
 
 
 class InProcessTransport(httpx.AsyncBaseTransport):

@@ -26,11 +26,18 @@ A fetch that fails with :class:`TransientFetchError` (the server restarting, a t
 tried again ``len(retry_s)`` times with backoff before it counts as failed; a blob that
 does not verify is not retried. Not covered: LoRA adapters, several runs sharing one base
 model, a bogus update whose blob does verify (it loads like any other).
+
+Streaming: a request may pass ``on_token``, called on the event loop with each token as its
+batch samples it (the backend calls back from its thread, between tokens; a backend whose
+``generate`` takes no ``on_token`` has its tokens called back when the batch is done). Other
+requests in the batch are not affected.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import logging
 import time
 from collections import deque
@@ -46,6 +53,8 @@ log = logging.getLogger(__name__)
 
 FetchWeights = Callable[[events.WeightUpdate], Awaitable[bytes]]
 OnLoaded = Callable[[events.WeightUpdate], Awaitable[None]]
+# (index of the prompt in the request, token id, logprob)
+OnToken = Callable[[int, int, float], None]
 
 # Offered updates kept while one loads: the last few to arrive, so a failed (bogus) one falls
 # back to the next newest without keeping every version of a burst.
@@ -74,6 +83,7 @@ class _Request:
     key: bytes  # the sampling settings without the seed: requests with equal keys batch together
     seed: int | None
     future: asyncio.Future[Sampled]
+    on_token: Callable[[int, float], None] | None = None  # (token id, logprob), on the event loop
 
 
 def _batch_key(sampling: events.Sampling) -> bytes:
@@ -195,25 +205,33 @@ class Policy:
     # --- sampling -----------------------------------------------------------------------------
 
     async def sample(self, prompts: Sequence[Sequence[int]], sampling: events.Sampling,
-                     seeds: Sequence[int | None] | None = None) -> list[Sampled]:
-        """Sample one completion per prompt, batched with whatever else is queued for the run.
+                     seeds: Sequence[int | None] | None = None, on_token: OnToken | None = None) -> list[Sampled]:
+        """Sample one completion per prompt, batched with whatever else is queued for the run;
+        ``on_token(i, token_id, logprob)`` is called with prompt i's tokens as they are sampled.
 
-        Raises ValueError (see :meth:`check`) before anything is queued, so a bad request
-        never fails the batch it would join.
+        Raises ValueError (see :meth:`check`) and :class:`WeightsUnavailable` (see
+        :meth:`check_ready`) before anything is queued, so a bad request never fails the batch
+        it would join.
         """
         self.check(prompts, sampling)
-        if self.version is None:
-            why = f" (the last update failed: {self.load_error})" if self.load_error else ""
-            raise WeightsUnavailable(f"run {self.run!r}: no weights loaded yet{why}; waiting for the trainer's "
-                                     "weights (version 0 comes after its warm-up)")
+        self.check_ready()
         seeds = seeds if seeds is not None else [None if sampling.seed is None else sampling.seed + i
                                                  for i in range(len(prompts))]
         loop = asyncio.get_running_loop()
         key = _batch_key(sampling)
-        requests = [_Request(p, sampling, key, s, loop.create_future()) for p, s in zip(prompts, seeds, strict=True)]
+        requests = [_Request(p, sampling, key, s, loop.create_future(),
+                             None if on_token is None else functools.partial(on_token, i))
+                    for i, (p, s) in enumerate(zip(prompts, seeds, strict=True))]
         self._queue.extend(requests)
         self._queued.set()
         return list(await asyncio.gather(*(r.future for r in requests)))
+
+    def check_ready(self) -> None:
+        """:class:`WeightsUnavailable`, saying what the run waits for, while it has no weights."""
+        if self.version is None:
+            why = f" (the last update failed: {self.load_error})" if self.load_error else ""
+            raise WeightsUnavailable(f"run {self.run!r}: no weights loaded yet{why}; waiting for the trainer's "
+                                     "weights (version 0 comes after its warm-up)")
 
     def check(self, prompts: Sequence[Sequence[int]], sampling: events.Sampling) -> None:
         """ValueError, naming the field, for settings or prompts this model cannot sample."""
@@ -251,9 +269,9 @@ class Policy:
                 version = self.version
                 assert version is not None, "sampled before the first weights were loaded"
                 started = time.monotonic()
+                streams = [r.on_token for r in batch]
                 try:
-                    completions = await asyncio.to_thread(self.backend.generate, [r.prompt for r in batch],
-                                                          batch[0].sampling, [r.seed for r in batch])
+                    completions = await self._generate(batch, streams)
                 except Exception as exc:
                     for r in batch:
                         if not r.future.done():
@@ -263,3 +281,28 @@ class Policy:
             for r, c in zip(batch, completions, strict=True):
                 if not r.future.done():
                     r.future.set_result(Sampled(c, version, elapsed_s))
+
+    async def _generate(self, batch: list[_Request],
+                        streams: list[Callable[[int, float], None] | None]) -> list[Completion]:
+        prompts, sampling, seeds = [r.prompt for r in batch], batch[0].sampling, [r.seed for r in batch]
+        if not any(streams):
+            return await asyncio.to_thread(self.backend.generate, prompts, sampling, seeds)
+        if not _takes_on_token(self.backend.generate):  # a backend of the user's own may predate streaming
+            completions = await asyncio.to_thread(self.backend.generate, prompts, sampling, seeds)
+            for stream, c in zip(streams, completions, strict=True):
+                if stream is not None:
+                    for token_id, logprob in zip(c.token_ids, c.logprobs, strict=True):
+                        stream(token_id, logprob)
+            return completions
+        loop = asyncio.get_running_loop()
+
+        def on_token(row: int, token_id: int, logprob: float) -> None:  # in the backend's thread
+            stream = streams[row]
+            if stream is not None:
+                loop.call_soon_threadsafe(stream, token_id, logprob)
+
+        return await asyncio.to_thread(self.backend.generate, prompts, sampling, seeds, on_token)
+
+
+def _takes_on_token(generate: Callable[..., object]) -> bool:
+    return any(p.name == "on_token" or p.kind is p.VAR_KEYWORD for p in inspect.signature(generate).parameters.values())

@@ -5,8 +5,11 @@ Not covered here: the uvicorn process itself (``python -m flywheel_inference``).
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -18,7 +21,9 @@ from flywheel.ops.natsserver import NatsServer
 from flywheel.sdk import models
 from flywheel.sdk.environment import load_environment
 from flywheel_inference.app import create_app
+from flywheel_inference.backends import TransformersBackend
 from tests.helpers import until
+from tests.integration.services import Served
 from tests.integration.test_inference_worker import create_run, publish_weights
 
 
@@ -95,7 +100,7 @@ async def test_completions_from_the_current_policy_with_logprobs(served: tuple[F
 async def test_requests_that_cannot_be_served_name_the_field(served: tuple[FastAPI, httpx.AsyncClient]) -> None:
     _, client = served
     base = {"model": "r1", "messages": [{"role": "user", "content": "abc"}]}
-    for extra, field in (({"stream": True}, "stream"), ({"temperature": -0.5}, "temperature"),
+    for extra, field in (({"temperature": -0.5}, "temperature"),
                          ({"top_logprobs": 2}, "top_logprobs"), ({"messages": []}, "messages")):
         error = error_of(await client.post("/v1/chat/completions", json=base | extra), 400)
         assert error["param"] == field, error
@@ -144,3 +149,107 @@ async def test_a_past_steps_weights_are_served_as_run_at_step_while_kept(
     await seeded("r1@2")
     await seeded("r1@0")
     assert list(app.state.worker._snapshots) == [("r1", 2), ("r1", 0)]
+
+
+def chunks_of(response: httpx.Response) -> list[dict]:
+    """The events of a streamed answer, which must end with ``data: [DONE]``."""
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"].startswith("text/event-stream")
+    lines = [line for line in response.text.split("\n\n") if line]
+    assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"
+    return [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+
+
+def assembled(chunks: list[dict], n: int) -> list[dict]:
+    """Each choice as the chunks build it: text, logprobs, finish reason, and how many chunks had text."""
+    choices: list[dict[str, Any]] = [{"text": "", "logprobs": [], "finish_reason": None, "num_text_chunks": 0}
+                                     for _ in range(n)]
+    for chunk in chunks:
+        for c in chunk["choices"]:
+            choice = choices[c["index"]]
+            assert choice["finish_reason"] is None, "a chunk after the choice's finish"
+            text = c["delta"].get("content") if "delta" in c else c["text"]
+            choice["text"] += text or ""
+            choice["num_text_chunks"] += bool(text)
+            logprobs = c["logprobs"] or {}
+            choice["logprobs"] += logprobs.get("content") or logprobs.get("token_logprobs") or []
+            choice["finish_reason"] = c["finish_reason"]
+    return choices
+
+
+async def test_a_streamed_answer_is_the_same_answer_token_by_token(served: tuple[FastAPI, httpx.AsyncClient],
+                                                                  bus: Bus, tiny_model_dir: Path) -> None:
+    app, client = served
+    chat = {"model": "r1", "messages": [{"role": "user", "content": "abcdef"}], "max_tokens": 16, "n": 2,
+            "seed": 11}
+    await create_run(bus, tiny_model_dir)
+    # Before the run has weights: the error, as JSON, not a stream that breaks off.
+    error = error_of(await client.post("/v1/chat/completions", json=chat | {"stream": True}), 503)
+    assert "no weights loaded yet" in error["message"]
+    base, _ = models.load_model(tiny_model_dir)
+    await publish_weights(bus, "r1", 0, base)
+    await until(lambda: app.state.worker.info["runs"]["r1"]["policy_version"] == 0, what="version 0 loaded")
+
+    whole = (await client.post("/v1/chat/completions", json=chat)).json()
+    chunks = chunks_of(await client.post("/v1/chat/completions", json=chat | {
+        "stream": True, "stream_options": {"include_usage": True}}))
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    assert [c["choices"][0]["delta"] for c in chunks[:2]] == [{"role": "assistant", "content": ""}] * 2
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+    assert chunks[-2]["system_fingerprint"] == "policy-v0"
+    streamed = assembled(chunks[:-1], 2)
+    for got, want in zip(streamed, whole["choices"], strict=True):
+        assert got["text"] == want["message"]["content"] and got["finish_reason"] == want["finish_reason"]
+        assert got["logprobs"] == want["logprobs"]["content"]  # every token once, in order
+    assert max(c["num_text_chunks"] for c in streamed) > 1  # token by token, not one piece
+
+    # A stop string: the text is cut before it in both; the stream never shows any of it.
+    answer = whole["choices"][0]["message"]["content"]
+    stop = answer[len(answer) // 2:len(answer) // 2 + 2]
+    whole_stopped = (await client.post("/v1/chat/completions", json=chat | {"n": 1, "stop": [stop]})).json()
+    (stopped,) = assembled(chunks_of(await client.post("/v1/chat/completions", json=chat | {
+        "n": 1, "stop": [stop], "stream": True})), 1)
+    assert stopped["text"] == whole_stopped["choices"][0]["message"]["content"] == answer[:answer.find(stop)]
+
+    # /v1/completions streams text_completion chunks the same way.
+    completion = {"model": "r1", "prompt": "abc", "max_tokens": 12, "seed": 4}
+    whole = (await client.post("/v1/completions", json=completion)).json()
+    (streamed_completion,) = assembled(chunks_of(await client.post("/v1/completions", json=completion | {
+        "stream": True})), 1)
+    assert streamed_completion["text"] == whole["choices"][0]["text"]
+    assert streamed_completion["logprobs"] == whole["choices"][0]["logprobs"]["token_logprobs"]
+
+
+async def test_tokens_reach_the_client_while_the_answer_is_still_sampled(
+        server: Served, bus: Bus, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over HTTP (uvicorn): the first text arrives before the backend has finished the answer."""
+    generate = TransformersBackend.generate
+    finished_at: list[float] = []
+
+    def slow(self: TransformersBackend, prompts: Any, sampling: Any, seeds: Any = None, on_token: Any = None) -> Any:
+        def each(row: int, token_id: int, logprob: float) -> None:
+            time.sleep(0.01)  # noqa: sleep - a bigger model's time per token, in the backend's thread
+            on_token(row, token_id, logprob)
+
+        out = generate(self, prompts, sampling, seeds, each if on_token is not None else None)
+        finished_at.append(time.monotonic())
+        return out
+
+    monkeypatch.setattr(TransformersBackend, "generate", slow)
+    await create_run(bus, tiny_model_dir)
+    base, _ = models.load_model(tiny_model_dir)
+    await publish_weights(bus, "r1", 0, base)
+    chat = {"model": "r1", "messages": [{"role": "user", "content": "abc"}], "max_tokens": 40, "seed": 2,
+            "stream": True}
+    async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+
+        async def answered() -> bool:  # 404 until the run is seen, 503 until its weights are loaded
+            return (await client.post("/v1/chat/completions", json=chat | {"stream": False})).status_code == 200
+
+        await until(answered, timeout_s=30, what="run r1 answering")
+        arrivals = []
+        async with client.stream("POST", "/v1/chat/completions", json=chat) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+                    arrivals.append(time.monotonic())
+    assert len(arrivals) > 5 and arrivals[0] < finished_at[-1] - 0.05, (arrivals, finished_at)

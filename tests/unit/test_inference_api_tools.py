@@ -15,7 +15,7 @@ from flywheel.contract import events
 from flywheel.sdk import models
 from flywheel_inference.api import ApiError, ChatCompletionRequest, chat_completions
 from flywheel_inference.completion import Completion
-from flywheel_inference.policy import Sampled
+from flywheel_inference.policy import OnToken, Sampled
 
 TOOL = {"type": "function", "function": {"name": "add", "description": "add two numbers",
                                          "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}
@@ -34,14 +34,27 @@ class ScriptedHosted:
     def check(self, prompts: Any, sampling: events.Sampling) -> None:
         sampling.check()
 
-    async def sample(self, prompts: list[list[int]], sampling: events.Sampling) -> list[Sampled]:
+    def check_ready(self) -> None:
+        pass
+
+    async def sample(self, prompts: list[list[int]], sampling: events.Sampling,
+                     on_token: OnToken | None = None) -> list[Sampled]:
         self.prompts += prompts
         tok = self.backend.tokenizer
         out = []
-        for text in self.texts[:len(prompts)]:
+        for i, text in enumerate(self.texts[:len(prompts)]):
             ids = tok.encode(text, add_special_tokens=False)
+            if on_token is not None:
+                for token_id in ids:
+                    on_token(i, token_id, -0.5)
             out.append(Sampled(Completion(ids, [-0.5] * len(ids), "stop", text), 3, 0.01))
         return out
+
+
+async def chat(body: ChatCompletionRequest, hosted: ScriptedHosted) -> dict[str, Any]:
+    answer = await chat_completions(body, ScriptedWorker(hosted))  # type: ignore[arg-type]  # scripted, as a Worker
+    assert isinstance(answer, dict)  # not streamed
+    return answer
 
 
 class ScriptedWorker:
@@ -60,7 +73,7 @@ def tok(tiny_model_dir: Path) -> Any:
 async def test_a_sampled_tool_call_comes_back_as_tool_calls(tok: Any) -> None:
     hosted = ScriptedHosted(tok, ['<tool_call>{"name": "add", "arguments": {"a": 2}}</tool_call>'])
     body = ChatCompletionRequest(model="r1", messages=[{"role": "user", "content": "2 + 2?"}], tools=[TOOL])
-    answer = await chat_completions(body, ScriptedWorker(hosted))  # type: ignore[arg-type]  # scripted, as a Worker
+    answer = await chat(body, hosted)
     (choice,) = answer["choices"]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
     (call,) = choice["message"]["tool_calls"]
@@ -73,8 +86,7 @@ async def test_a_sampled_tool_call_comes_back_as_tool_calls(tok: Any) -> None:
     follow_up = [{"role": "user", "content": "2 + 2?"},
                  {"role": "assistant", "content": None, "tool_calls": [call]},
                  {"role": "tool", "tool_call_id": call["id"], "content": "4"}]
-    answer = await chat_completions(ChatCompletionRequest(model="r1", messages=follow_up, tools=[TOOL]),
-                                    ScriptedWorker(hosted))  # type: ignore[arg-type]  # scripted, as a Worker
+    answer = await chat(ChatCompletionRequest(model="r1", messages=follow_up, tools=[TOOL]), hosted)
     assert answer["choices"][0]["message"] == {"role": "assistant", "content": "4"}
     assert answer["choices"][0]["finish_reason"] == "stop"
     rendered = tok.decode(hosted.prompts[1])
@@ -82,9 +94,8 @@ async def test_a_sampled_tool_call_comes_back_as_tool_calls(tok: Any) -> None:
 
     # Without tools offered (or tool_choice none), a <tool_call> is text like any other.
     hosted.texts = ['<tool_call>{"name": "add", "arguments": {}}</tool_call>']
-    plain = await chat_completions(ChatCompletionRequest(model="r1", messages=[{"role": "user", "content": "hi"}],
-                                                         tools=[TOOL], tool_choice="none"),
-                                   ScriptedWorker(hosted))  # type: ignore[arg-type]  # scripted, as a Worker
+    plain = await chat(ChatCompletionRequest(model="r1", messages=[{"role": "user", "content": "hi"}],
+                                             tools=[TOOL], tool_choice="none"), hosted)
     assert plain["choices"][0]["finish_reason"] == "stop" and "tool_calls" not in plain["choices"][0]["message"]
 
 

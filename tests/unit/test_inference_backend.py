@@ -14,7 +14,12 @@ from flywheel.contract.config import BY_PATH, BackendPart, InferenceConfig, RunC
 from flywheel.sdk import models
 from flywheel_inference.backends import BACKENDS, TransformersBackend, build_backend, sample_rows
 from flywheel_inference.completion import Backend
-from tests.backend_checks import PROMPTS, check_one_completion_per_prompt, full_forward_logprobs
+from tests.backend_checks import (
+    PROMPTS,
+    check_one_completion_per_prompt,
+    check_tokens_are_called_back_as_sampled,
+    full_forward_logprobs,
+)
 
 
 @pytest.fixture(scope="module")
@@ -24,6 +29,10 @@ def backend(tiny_model_dir: Path) -> TransformersBackend:
 
 def test_one_completion_per_prompt_with_aligned_logprobs(backend: TransformersBackend) -> None:
     check_one_completion_per_prompt(backend)
+
+
+def test_tokens_are_called_back_as_they_are_sampled(backend: TransformersBackend) -> None:
+    check_tokens_are_called_back_as_sampled(backend)
 
 
 def test_logprobs_match_an_unpadded_full_forward(backend: TransformersBackend) -> None:

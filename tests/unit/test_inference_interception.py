@@ -18,7 +18,7 @@ from flywheel.sdk import models
 from flywheel.sdk.tracegraph import TraceGraph
 from flywheel_inference.completion import Completion
 from flywheel_inference.interception import Interception, InterceptionError, Renderer, parse_tool_calls
-from flywheel_inference.policy import Sampled
+from flywheel_inference.policy import OnToken, Sampled
 
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two numbers.",
                                            "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}]
@@ -39,13 +39,18 @@ class ScriptedPolicy:
         if len(prompts[0]) + sampling.max_tokens > self.max_len:
             raise ValueError(f"prompt of {len(prompts[0])} tokens + max_tokens {sampling.max_tokens} is too long")
 
-    async def sample(self, prompts: list[list[int]], sampling: events.Sampling) -> list[Sampled]:
+    async def sample(self, prompts: list[list[int]], sampling: events.Sampling,
+                     on_token: OnToken | None = None) -> list[Sampled]:
         tok = self.backend.tokenizer
         text = self.texts.pop(0)
         truncated = text.endswith("...")
         ids = tok.encode(text, add_special_tokens=False) + ([] if truncated else [tok.eos_token_id])
         self.prompts.append(list(prompts[0]))
         self.sampled.append(ids)
+        if on_token is not None:
+            for token_id in ids:
+                on_token(0, token_id, -0.25)
+                await asyncio.sleep(0)  # noqa: sleep - one turn of the loop between tokens, as a batch gives
         completion = Completion(token_ids=ids, logprobs=[-0.25] * len(ids), finish_reason="length" if truncated
                                 else "stop", text=text)
         return [Sampled(completion, self.version, 0.01)]
@@ -234,7 +239,7 @@ async def test_in_process_requests_get_what_http_requests_get(tok: Any) -> None:
 
     from flywheel_inference import interception
 
-    policy = ScriptedPolicy(tok, ["cba", "cba", "x", "x"])
+    policy = ScriptedPolicy(tok, ["cba", "cba", "xyz", "xyz"])
     registry = Interception()
     app = FastAPI()
     interception.install(app)
@@ -265,3 +270,7 @@ async def test_in_process_requests_get_what_http_requests_get(tok: Any) -> None:
             streamed = await client.post(f"http://x/intercept/{keys[0]}/v1/chat/completions",
                                          json=chat | {"stream": True})
             assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")
+            chunks = [json.loads(e.removeprefix("data: ")) for e in streamed.text.split("\n\n")[:-2]]
+            deltas = [c["choices"][0]["delta"].get("content") for c in chunks]
+            assert "".join(d or "" for d in deltas) == "xyz" and len([d for d in deltas if d]) == 3  # a chunk a token
+            assert chunks[-1]["choices"][0]["finish_reason"] == "stop"

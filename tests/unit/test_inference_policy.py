@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from flywheel.contract import events
-from flywheel_inference.completion import Completion
+from flywheel_inference.completion import Completion, OnRowToken
 from flywheel_inference.policy import Policy, TransientFetchError, WeightsUnavailable
 from tests.helpers import until
 
@@ -34,7 +34,10 @@ class FakeBackend:
         self.version = version
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: events.Sampling,
-                 seeds: Sequence[int | None] | None = None) -> list[Completion]:
+                 seeds: Sequence[int | None] | None = None, on_token: OnRowToken | None = None) -> list[Completion]:
+        if on_token is not None:
+            for row in range(len(prompts)):
+                on_token(row, 1, 0.0)
         return [Completion([1], [0.0], "length", "x") for _ in prompts]
 
     def close(self) -> None:

@@ -16,7 +16,12 @@ from flywheel.contract import events
 from flywheel.sdk import models
 from flywheel_inference.backend_vllm import VLLMBackend, vllm_available
 from flywheel_inference.backends import BACKENDS, build_backend
-from tests.backend_checks import PROMPTS, check_one_completion_per_prompt, full_forward_logprobs
+from tests.backend_checks import (
+    PROMPTS,
+    check_one_completion_per_prompt,
+    check_tokens_are_called_back_as_sampled,
+    full_forward_logprobs,
+)
 
 needs_vllm = (pytest.mark.vllm,
               pytest.mark.skipif(not vllm_available(),
@@ -70,6 +75,9 @@ class TestEngine:
     def test_one_completion_per_prompt_with_aligned_logprobs(self, backend: VLLMBackend) -> None:
         check_one_completion_per_prompt(backend)
         assert backend.version is None and backend.max_positions == 256
+
+    def test_tokens_are_called_back_as_they_are_sampled(self, backend: VLLMBackend) -> None:
+        check_tokens_are_called_back_as_sampled(backend)
 
     @pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.8), (1.3, 1.0), (2.0, 0.5)])
     def test_logprobs_are_the_trainers(self, backend: VLLMBackend, reference: torch.nn.Module,
