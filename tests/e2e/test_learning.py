@@ -81,13 +81,14 @@ TWO_ENV_STEPS = 60
 EVAL_EVERY = 20
 
 
-def detached_run(name: str, ports: dict[str, int], data_dir: Path, env: dict[str, str], *overrides: str) -> Path:
+def detached_run(name: str, ports: dict[str, int], data_dir: Path, env: dict[str, str], *overrides: str,
+                 evals: bool = True) -> Path:
     """``flywheel run`` of the two-environment example against ``flywheel up``, killed (SIGKILL) as
     soon as its orchestrator took the run: the run must finish by itself. Its run folder."""
     argv = [sys.executable, "-m", "flywheel.ops.cli", "run", str(TWO_ENVS), "--run-id", name, "--data-dir",
             str(data_dir), "--nats-port", str(ports["nats"]), "--gateway-port", str(ports["gateway"]),
-            "--inference-port", str(ports["inference"]), "--set", f"trainer.num_steps={TWO_ENV_STEPS}",
-            "--set", f"evals.0.every={EVAL_EVERY}", "--set", f"evals.1.every={EVAL_EVERY}"]
+            "--inference-port", str(ports["inference"]), "--set", f"trainer.num_steps={TWO_ENV_STEPS}"]
+    overrides += (f"evals.0.every={EVAL_EVERY}", f"evals.1.every={EVAL_EVERY}") if evals else ("evals=[]",)
     for item in overrides:
         argv += ["--set", item]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
@@ -105,18 +106,24 @@ def detached_run(name: str, ports: dict[str, int], data_dir: Path, env: dict[str
 def test_a_detached_run_on_two_environments_finishes_with_its_evals(
         stack: tuple[subprocess.Popen[str], Output, dict[str, int]], tmp_path: Path,
         clean_env: dict[str, str]) -> None:
-    """The issue's acceptance run, less its learning claim: on the tiny model the two tasks
-    interfere (arithmetic's `Answer:` competes with reverse-text's first letter after the same
-    assistant turn; 2% of arithmetic rows in the warm-up raise reverse-text's held-out
-    cross-entropy from 1.67 to 2.13), so neither rises in 150 steps (reverse-text 0.234 ->
-    0.206, arithmetic 0.001 -> 0.000; the lr = 0 control 0.234 -> 0.232). What this checks:
-    the run finishes by itself after `flywheel run` is killed, every step trains both
-    environments, and every eval comes at its step."""
+    """The issue's acceptance run: the run finishes by itself after `flywheel run` is killed,
+    every step trains both environments, every eval comes at its step, and arithmetic's reward
+    (correct plus closeness) ends above an lr = 0 control's. Reverse-text's is not claimed: on
+    the tiny model the two tasks interfere in the warm-up (arithmetic rows delay the copying
+    circuit reverse-text needs from 50-100 steps to over 250), so it starts at 0.23 instead of
+    0.43 and stays there (150 steps: 0.216 and 0.223 in the last quarter, the control 0.227 and
+    0.225; arithmetic 0.389 and 0.451, the control 0.212 and 0.287)."""
     _, output, ports = stack
     output.wait_for(r"^Flywheel is up", 120)
     data_dir = tmp_path / "data"  # the stack's: its orchestrator writes the run folders there
     run_dir = detached_run("mix", ports, data_dir, clean_env)
+    control_dir = detached_run("mix-control", ports, data_dir, clean_env, "trainer.lr=0", evals=False)
     summary = json.loads((run_dir / "summary.json").read_text())
+    control = json.loads((control_dir / "summary.json").read_text())
+    print("arithmetic, last quarter: learning {:.3f}, control {:.3f}".format(
+        summary["env.arithmetic.reward_last"], control["env.arithmetic.reward_last"]))
+    assert summary["env.arithmetic.reward_last"] >= control["env.arithmetic.reward_last"] + MIN_MARGIN_OVER_CONTROL
+    assert not (control_dir / "evals.jsonl").exists()
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
     assert [m["step"] for m in metrics] == list(range(1, TWO_ENV_STEPS + 1))
     shares = [sum(m[f"env.{env}.num_rollouts"] for m in metrics) for env in ("reverse_text", "arithmetic")]
