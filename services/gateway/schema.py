@@ -71,6 +71,17 @@ runs = sa.Table(
     sa.Column("env", sa.String, nullable=True),
 )
 
+# The environments of a run with several (RunState.env_ids): each one's id in the run config
+# (owner/name[@version], a module, a path) by its name in subjects, so the trace API's env=
+# filter finds a rollout by the id a user ran it with (a run with one has it in runs.env).
+run_envs = sa.Table(
+    "run_envs",
+    metadata,
+    sa.Column("run", sa.String, primary_key=True),
+    sa.Column("env", sa.String, primary_key=True),
+    sa.Column("env_id", sa.String, nullable=False),
+)
+
 # The scorers whose weighted values make a run's reward, mirrored from its state in the
 # run-state bucket: a rollout's reward is the weighted sum of theirs (store.reward_expression).
 # env '': every environment of the run (a run with one: RunState.scorers); else the rows of

@@ -193,9 +193,11 @@ class RolloutFilter:
         c = s.rollouts.c
         conditions = [
             (self.run, lambda v: c.run == v),
-            (self.env, lambda v: sa.or_(c.env == v, c.run.in_(  # the name in subjects, or the id run with
-                sa.select(s.runs.c.id).where(sa.or_(s.runs.c.env == v, s.runs.c.env.startswith(f"{v}@",
-                                                                                                   autoescape=True)))))),
+            (self.env, lambda v: sa.or_(
+                c.env == v,  # the name in subjects, or the id run with: the run's one, or this environment's
+                c.run.in_(sa.select(s.runs.c.id).where(_is_env_id(s.runs.c.env, v))),
+                sa.exists().where(s.run_envs.c.run == c.run, s.run_envs.c.env == c.env,
+                                  _is_env_id(s.run_envs.c.env_id, v)))),
             (self.status, lambda v: c.status == v),
             (self.error, lambda v: _has_error() if v else sa.not_(_has_error())),
             (self.policy_version, lambda v: c.policy_version == v),
@@ -218,6 +220,11 @@ class RolloutFilter:
 def _failed_score(rollout_id: sa.ColumnElement[str]) -> sa.Exists:
     sc = s.scores.c
     return sa.exists().where(sc.rollout_id == rollout_id, sc.error.is_not(None))
+
+
+def _is_env_id(column: sa.ColumnElement[Any], env_id: str) -> sa.ColumnElement[bool]:
+    """``column`` holds ``env_id``, or ``env_id@VERSION`` (the id without a version takes any)."""
+    return sa.or_(column == env_id, column.startswith(f"{env_id}@", autoescape=True))
 
 
 def _has_error() -> sa.ColumnElement[bool]:
@@ -564,11 +571,18 @@ class Store:
         rs, r = s.run_scorers.c, s.rollouts.c
         # Each run's scorers as its rows: env -> scorer -> weight; runs whose scorers are not known left out.
         wanted_of = {st.id: wanted for st in states if (wanted := self._run_scorers(st))}
+        # A state that names its environments' ids replaces the ones recorded (not known is no change).
+        with_ids = list({st.id: st for st in states if st.env_ids}.values())  # a run's last state
         if self.dialect == "postgresql":
-            self._lock_runs(conn, sorted(wanted_of), exclusive=True)
+            self._lock_runs(conn, sorted(set(wanted_of) | {st.id for st in with_ids}), exclusive=True)
         conn.execute(stmt, [{"id": st.id, "tenant": st.tenant, "kind": st.kind, "created_at": st.created_at,
                              "env": self._text(env) if isinstance(env := st.config.get("env"), str) else None}
                             for st in states])
+        if with_ids:
+            conn.execute(sa.delete(s.run_envs).where(s.run_envs.c.run.in_(self._texts(st.id for st in with_ids))))
+            conn.execute(sa.insert(s.run_envs), [
+                {"run": self._text(st.id), "env": self._text(env), "env_id": self._text(env_id)}
+                for st in with_ids for env, env_id in st.env_ids.items()])
         for run_id, wanted in wanted_of.items():
             run = self._text(run_id)
             stored: dict[str, dict[str, float]] = {}

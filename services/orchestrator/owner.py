@@ -70,7 +70,7 @@ from flywheel.ops.stack import (
     heartbeat_of,
     wait_set,
 )
-from flywheel.sdk.environment import RunEnvironment, load_run_environments
+from flywheel.sdk.environment import RunEnvironment, config_ids, load_run_environments
 from flywheel.sdk.scoring import reward_definition
 
 log = logging.getLogger(__name__)
@@ -188,7 +188,8 @@ class RunOwner:
             if self.first_step or self.first_task:
                 await self.note(f"taken over by {self.name} at step {self.first_step} of {cfg.trainer.num_steps}")
             scorers, env_scorers = reward_definition(cfg, self.environments)
-            await update_run(self.bus, cfg.run, scorers=scorers, env_scorers=env_scorers)
+            await update_run(self.bus, cfg.run, scorers=scorers, env_scorers=env_scorers,
+                             env_ids=config_ids(self.environments))
             await self._wait_for_previous_trainer()
             trainer = TrainerSupervisor(self)
             if self.paused:

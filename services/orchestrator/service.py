@@ -34,7 +34,7 @@ from flywheel.contract.runs import (
 )
 from flywheel.contract.service import Service
 from flywheel.contract.settings import Settings
-from flywheel.sdk.environment import prepare_run
+from flywheel.sdk.environment import config_ids, prepare_run
 from flywheel.sdk.scoring import reward_definition
 from flywheel_orchestrator.owner import RunOwner
 
@@ -116,7 +116,7 @@ async def submit(bus: Bus, path: str) -> None:
     config = cfg.model_dump()
     scorers, env_scorers = reward_definition(cfg, environments)
     state, created = await register_run(bus, cfg.run, cfg.tenant, config=config, scorers=scorers,
-                                        env_scorers=env_scorers)
+                                        env_scorers=env_scorers, env_ids=config_ids(environments))
     if created:
         log.info("run %s: registered from %s", cfg.run, path)
     elif state.config != config:

@@ -3,8 +3,8 @@
 its own rewards (the trainer's join and the trace store's reward alike); per-environment
 metrics, summary and plot; the evals run on the weights of steps 0 and the last, served as
 ``RUN@STEP``, recorded as eval runs linked to the run, their weights let go afterwards.
-Whether reward rises in both is the slow tier's claim (tests/e2e/test_learning.py); this one
-checks the plumbing, in a few steps."""
+Whether reward rises against an lr = 0 control is the slow tier's claim (tests/e2e/test_learning.py);
+this one checks the plumbing, in a few steps."""
 
 from __future__ import annotations
 
@@ -100,6 +100,7 @@ async def pins_and_versions(url: str, run: str) -> tuple[list[int], list[int]]:
     try:
         state = await get_run(bus, run)
         assert state is not None
+        assert state.env_ids == {"reverse_text": "reverse_text", "arithmetic": "arithmetic"}  # for the trace store
         return state.pinned_versions, await weights.versions(bus, run)
     finally:
         await bus.close()

@@ -132,7 +132,7 @@ async def test_migrate_is_idempotent_and_matches_the_models(database_url: str) -
     assert await current_revision(database_url) is None
     await asyncio.gather(migrate(database_url), migrate(database_url))  # two processes starting at once
     await migrate(database_url)
-    assert await current_revision(database_url) == "0007"
+    assert await current_revision(database_url) == "0008"
 
     diffs: list[object] = []
     primary_keys: dict[str, list[str]] = {}
@@ -153,7 +153,7 @@ async def test_migrate_is_idempotent_and_matches_the_models(database_url: str) -
 
 # Tables today's store writes that came after an older revision: a test that records under an
 # older revision has them for the time being (empty, so the reward comes out as it did then).
-LATER_TABLES = [schema.run_scorers]
+LATER_TABLES = [schema.run_scorers, schema.run_envs]
 
 
 async def open_at(database_url: str, revision: str) -> Store:
@@ -416,6 +416,7 @@ async def test_revision_0007_gives_the_scorers_recorded_before_every_environment
         assert await reward(s, "ro1") == 0.5
     finally:
         await s.close()
+    await run_exclusively(database_url, schema.run_envs.drop)  # open_at's, of a later revision
     await run_exclusively(database_url, lambda conn: command.downgrade(alembic_config(conn), "0006"))
     assert await current_revision(database_url) == "0006"
     s = Store.open(database_url)
@@ -869,3 +870,15 @@ async def test_the_env_filter_takes_the_name_in_subjects_or_the_id_a_run_was_con
     assert await ids("acme/m%") == set()  # no pattern: the id as given
     run = await store.get_run("r1")
     assert run is not None and run["env"] == "acme/math@1.2"
+
+    # A run with several environments: each rollout by its own environment's id (RunState.env_ids).
+    several = events.RunState(id="r4", config={"run": "r4", "envs": [{"id": "acme/math@1.2"}, {"id": "acme/code"}]},
+                              env_ids={"math": "acme/math@1.2", "code": "acme/code"}, created_at=T0)
+    await store.upsert_runs([several, several])  # one state twice in a batch: its rows once
+    await store.record([rollout("ro4", run="r4"), rollout("ro5", run="r4", env="code")])
+    assert await ids("acme/math") == await ids("acme/math@1.2") == {"ro1", "ro4"}
+    assert await ids("acme/code") == await ids("code") == {"ro5"} and await ids("acme/code@0.1") == set()
+    # New ids in a new state replace the recorded ones; a state that does not name them keeps them.
+    await store.upsert_runs([msgspec.structs.replace(several, env_ids={"math": "acme/math@2.0", "code": "acme/code"})])
+    await store.upsert_runs([events.RunState(id="r4", created_at=T0)])
+    assert await ids("acme/math@1.2") == {"ro1"} and await ids("acme/math@2.0") == {"ro4"}

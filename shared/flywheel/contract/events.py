@@ -73,7 +73,7 @@ from typing import Any, Generic, Literal, TypeVar, overload
 
 import msgspec
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 
 JSON = "application/json"
 MSGPACK = "application/msgpack"
@@ -454,6 +454,10 @@ class RunState(_Struct, frozen=True, kw_only=True):
     # their scorers (a reader that knows only it waits for scores a rollout never gets). A
     # rollout of an environment not named here takes `scorers`.
     env_scorers: dict[str, dict[str, float]] = {}
+    # A run with several environments: each one's id in the run config (owner/name[@version], a
+    # module, a path) by its name in subjects, so the trace store finds a rollout by the id a
+    # user ran it with. A run with one environment has its id in `config` (`env`).
+    env_ids: dict[str, str] = {}
     # Weight versions the trainer keeps in the weights bucket past weight_versions_kept: those
     # of the steps its evals run on (`[[evals]]`), pinned by the trainer when it publishes them,
     # let go by the run's owner once their evals are done.

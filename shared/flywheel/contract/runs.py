@@ -158,11 +158,11 @@ async def list_runs(bus: Bus) -> list[events.RunState]:
 
 async def get_or_create_run(bus: Bus, run: str, tenant: str = "default", config: dict[str, Any] | None = None,
                             kind: str = "train", scorers: Mapping[str, float] | None = None,
-                            env_scorers: Mapping[str, Mapping[str, float]] | None = None
-                            ) -> tuple[events.RunState, bool]:
+                            env_scorers: Mapping[str, Mapping[str, float]] | None = None,
+                            env_ids: Mapping[str, str] | None = None) -> tuple[events.RunState, bool]:
     """The run's state, created (owned by ``tenant``, with ``config``, of ``kind`` train or eval,
-    its reward made of ``scorers``, ``env_scorers`` for a run with several environments: see
-    :attr:`flywheel.contract.events.RunState.scorers`) if new; ``(state, created)``.
+    its reward made of ``scorers``, ``env_scorers`` and ``env_ids`` for a run with several
+    environments: see :attr:`flywheel.contract.events.RunState.scorers`) if new; ``(state, created)``.
     An existing run is returned as it is, whoever owns it."""
     check_key("run", run)
     check_key("tenant", tenant)
@@ -174,7 +174,8 @@ async def get_or_create_run(bus: Bus, run: str, tenant: str = "default", config:
         state = events.RunState(id=run, tenant=tenant, config=config or {},
                                 kind=kind,  # type: ignore[arg-type]  # callers pass "train" or "eval"
                                 scorers=dict(scorers or {}),
-                                env_scorers={env: dict(by_name) for env, by_name in (env_scorers or {}).items()})
+                                env_scorers={env: dict(by_name) for env, by_name in (env_scorers or {}).items()},
+                                env_ids=dict(env_ids or {}))
         try:
             await kv.create(run, events.encode(state))
             return state, True
@@ -185,10 +186,10 @@ async def get_or_create_run(bus: Bus, run: str, tenant: str = "default", config:
 
 async def register_run(bus: Bus, run: str, tenant: str = "default", config: dict[str, Any] | None = None,
                        kind: str = "train", scorers: Mapping[str, float] | None = None,
-                       env_scorers: Mapping[str, Mapping[str, float]] | None = None
-                       ) -> tuple[events.RunState, bool]:
+                       env_scorers: Mapping[str, Mapping[str, float]] | None = None,
+                       env_ids: Mapping[str, str] | None = None) -> tuple[events.RunState, bool]:
     """Like :func:`get_or_create_run`, but a run of another tenant is a :class:`RunConflict`."""
-    state, created = await get_or_create_run(bus, run, tenant, config, kind, scorers, env_scorers)
+    state, created = await get_or_create_run(bus, run, tenant, config, kind, scorers, env_scorers, env_ids)
     if state.tenant != tenant:
         raise RunConflict(f"run {run!r} belongs to tenant {state.tenant!r}, not {tenant!r}; "
                           "name another run or use its owner's tenant")

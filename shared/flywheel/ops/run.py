@@ -63,7 +63,7 @@ from flywheel.contract.runs import (
 from flywheel.contract.service import read_heartbeats
 from flywheel.contract.settings import Settings
 from flywheel.ops.stack import SERVICES, Stack, StackError
-from flywheel.sdk.environment import RunEnvironment, prepare_run
+from flywheel.sdk.environment import RunEnvironment, config_ids, prepare_run
 from flywheel.sdk.scoring import describe_reward, reward_definition
 
 RUN_SERVICES = ("orchestrator", "inference", "scorer")  # what a training run needs
@@ -364,7 +364,7 @@ class MainJob:
             where = f" ({name}, weight {found.config.weight:g})" if env_scorers else ""
             self.say(f"run {cfg.run}{where}: {describe_reward(env_scorers.get(name, scorers), found.env)}")
         state, created = await register_run(self.bus, cfg.run, cfg.tenant, config=config, scorers=scorers,
-                                            env_scorers=env_scorers)
+                                            env_scorers=env_scorers, env_ids=config_ids(self.environments))
         if created:
             return False
         if not self.resume:

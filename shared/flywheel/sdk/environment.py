@@ -610,6 +610,12 @@ class RunEnvironment:
     env: Environment
 
 
+def config_ids(environments: Mapping[str, RunEnvironment]) -> dict[str, str]:
+    """A run's ``RunState.env_ids``: each environment's id in the run config by its name in
+    subjects, for a run with several (a run with one has it in its config's ``env``)."""
+    return {name: found.config.id for name, found in environments.items()} if len(environments) > 1 else {}
+
+
 def load_run_environments(config: RunConfig | Mapping[str, Any]) -> dict[str, RunEnvironment]:
     """Every environment of a run (its ``[[envs]]``, or its one ``env``), by its name in
     subjects, in the config's order; ValueError when two have one name.
