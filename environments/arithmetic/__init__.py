@@ -200,15 +200,17 @@ def reference(task: dict) -> str:
     return f"Answer: {task['answer']}"
 
 
-def load_environment(difficulty: str = "medium", max_tokens: int = 512,
-                     shortest_correct_weight: float = 0.1) -> Environment:
-    """``difficulty``: easy, medium or hard; ``max_tokens``: the default reply budget."""
+def load_environment(difficulty: str = "medium", max_tokens: int = 512, shortest_correct_weight: float = 0.1,
+                     system_prompt: str = SYSTEM_PROMPT) -> Environment:
+    """``difficulty``: easy, medium or hard; ``max_tokens``: the default reply budget;
+    ``system_prompt``: the instructions (a small model with a short context does better with
+    short ones)."""
     if difficulty not in DIFFICULTIES:
         raise EnvironmentLoadError(f"arithmetic: difficulty={difficulty!r}; use one of {', '.join(DIFFICULTIES)}")
     return Environment(
         name="arithmetic",
         tasks=TaskSet.from_generator(generate(difficulty), schema={"question": str, "answer": str, "difficulty": str}),
-        harness=ChatHarness(system_prompt=SYSTEM_PROMPT, max_turns=1),
+        harness=ChatHarness(system_prompt=system_prompt, max_turns=1),
         prompt=prompt,
         reference=reference,
         rewards=[Reward(correct), shortest_correct_reward(is_correct, weight=shortest_correct_weight),

@@ -77,8 +77,8 @@ def test_reward_rises_beyond_a_control_run_with_learning_rate_zero(tmp_path: Pat
 
 
 TWO_ENVS = ROOT / "examples" / "two-envs.toml"
-TWO_ENV_STEPS = 60
-EVAL_EVERY = 20
+TWO_ENV_STEPS = 150
+EVAL_EVERY = 50
 
 
 def detached_run(name: str, ports: dict[str, int], data_dir: Path, env: dict[str, str], *overrides: str,
@@ -107,12 +107,11 @@ def test_a_detached_run_on_two_environments_finishes_with_its_evals(
         stack: tuple[subprocess.Popen[str], Output, dict[str, int]], tmp_path: Path,
         clean_env: dict[str, str]) -> None:
     """The issue's acceptance run: the run finishes by itself after `flywheel run` is killed,
-    every step trains both environments, every eval comes at its step, and arithmetic's reward
-    (correct plus closeness) ends above an lr = 0 control's. Reverse-text's is not claimed: on
-    the tiny model the two tasks interfere in the warm-up (arithmetic rows delay the copying
-    circuit reverse-text needs from 50-100 steps to over 250), so it starts at 0.23 instead of
-    0.43 and stays there (150 steps: 0.216 and 0.223 in the last quarter, the control 0.227 and
-    0.225; arithmetic 0.389 and 0.451, the control 0.212 and 0.287)."""
+    every step trains both environments, every eval comes at its step, and each environment's
+    reward (last quarter) ends above an lr = 0 control's. Measured on 150 steps: reverse-text
+    0.502 -> 0.621 and arithmetic (correct plus closeness) 0.477 -> 0.562; the control 0.489 ->
+    0.478 and 0.411 -> 0.429; over three pairs of runs the last quarter ended 0.069 to 0.143 above
+    the control's for reverse-text, 0.133 to 0.155 for arithmetic."""
     _, output, ports = stack
     output.wait_for(r"^Flywheel is up", 120)
     data_dir = tmp_path / "data"  # the stack's: its orchestrator writes the run folders there
@@ -120,9 +119,10 @@ def test_a_detached_run_on_two_environments_finishes_with_its_evals(
     control_dir = detached_run("mix-control", ports, data_dir, clean_env, "trainer.lr=0", evals=False)
     summary = json.loads((run_dir / "summary.json").read_text())
     control = json.loads((control_dir / "summary.json").read_text())
-    print("arithmetic, last quarter: learning {:.3f}, control {:.3f}".format(
-        summary["env.arithmetic.reward_last"], control["env.arithmetic.reward_last"]))
-    assert summary["env.arithmetic.reward_last"] >= control["env.arithmetic.reward_last"] + MIN_MARGIN_OVER_CONTROL
+    for env in ("reverse_text", "arithmetic"):
+        key = f"env.{env}.reward_last"
+        print(f"{env}, last quarter: learning {summary[key]:.3f}, control {control[key]:.3f}")
+        assert summary[key] >= control[key] + MIN_MARGIN_OVER_CONTROL, (env, summary, control)
     assert not (control_dir / "evals.jsonl").exists()
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
     assert [m["step"] for m in metrics] == list(range(1, TWO_ENV_STEPS + 1))

@@ -28,6 +28,15 @@ def test_tasks_are_reproducible_integer_problems(difficulty: str) -> None:
     assert arithmetic.is_correct(env.reference_answer(rows[0]), rows[0])
 
 
+def test_the_instructions_can_be_replaced() -> None:
+    env = arithmetic.load_environment(system_prompt="Reply with Answer: and the integer.")
+    task = env.load_tasks(1)[0]
+    system, user = env.prompt_messages(task)
+    assert (system.role, system.content) == ("system", "Reply with Answer: and the integer.")
+    assert user.content == f"What is {task['question']}?"
+    assert arithmetic.load_environment().prompt_messages(task)[0].content == arithmetic.SYSTEM_PROMPT
+
+
 def test_bad_arguments_and_rows_are_refused() -> None:
     with pytest.raises(EnvironmentLoadError, match="difficulty='impossible'"):
         arithmetic.load_environment(difficulty="impossible")
