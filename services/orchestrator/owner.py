@@ -365,17 +365,17 @@ class RunOwner:
                 self._queue_evals(update.trainer_step, update.version)
 
     async def _finish_evals(self, evaluating: asyncio.Future[None] | None) -> None:
-        """The trainer finished: run the evals still due (the last step's among them), then return."""
+        """The trainer finished: run the evals still due (the last step's among them), then drop
+        the weight versions kept only for evals."""
         await self._queue_pinned_evals()
-        if not self._evals_due:
-            return
-        await self.note(f"training finished; the evals of {self._evals_due} more step(s) come before the summary")
-        join = asyncio.ensure_future(self._evals.join())
-        assert evaluating is not None
-        await asyncio.wait([join, evaluating], return_when=asyncio.FIRST_COMPLETED)
-        join.cancel()
-        # The trainer has gone: the versions it kept only for these evals are dropped here, as
-        # it would have dropped them with a later version.
+        if self._evals_due:
+            await self.note(f"training finished; the evals of {self._evals_due} more step(s) come before the summary")
+            join = asyncio.ensure_future(self._evals.join())
+            assert evaluating is not None
+            await asyncio.wait([join, evaluating], return_when=asyncio.FIRST_COMPLETED)
+            join.cancel()
+        # The trainer has gone: the versions it kept only for evals (those done after its last
+        # purge included) are dropped here, as it would have dropped them with a later version.
         kept = await weights.versions(self.bus, self.cfg.run)
         state = await get_run(self.bus, self.cfg.run)
         if kept and state is not None:

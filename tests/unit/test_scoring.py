@@ -114,7 +114,7 @@ def test_a_run_with_several_environments_has_a_reward_for_each() -> None:
     scorers, by_env = reward_definition(cfg, environments)
     assert by_env == {"reverse_text": {"similarity": 1.0, "exact": 2.0, "brevity": 0.5},
                       "arithmetic": {"correct": 1.0, "shortest_correct": 0.1, "formatted": 0.0, "chars": 0.0,
-                                     "brevity": 0.5}}
+                                     "closeness": 0.0, "brevity": 0.5}}
     assert scorers == by_env["reverse_text"] | by_env["arithmetic"]
     assert load_for_run(cfg, "arithmetic").name == "arithmetic"
     with pytest.raises(ValueError, match=r"has no environment named 'wordle'; its environments are "
