@@ -116,15 +116,12 @@ class TokenQueue:
             raise job.exception()  # type: ignore[misc]  # checked not None just above
 
     async def drain(self, job: asyncio.Future[Any]) -> AsyncIterator[TokenEvent]:
-        """Every token event until ``job`` (the sampling) is done, then the job's error if it failed."""
+        """Every token event until ``job`` (the sampling) is done. Its tokens are all queued
+        before its end marker: the policy hands them to the event loop before it ends the job."""
         job.add_done_callback(lambda _: self._queue.put_nowait(None))
         try:
             while (item := await self._queue.get()) is not None:
                 yield item
-            while not self._queue.empty():  # events queued before the end marker was
-                leftover = self._queue.get_nowait()
-                if leftover is not None:
-                    yield leftover
         finally:
             if not job.done():  # the client went away: the sampling's result is not wanted
                 job.cancel()
