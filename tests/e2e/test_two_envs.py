@@ -33,7 +33,8 @@ def test_a_run_on_two_environments_mixes_scores_and_reports_each(
     argv = [sys.executable, "-m", "flywheel.ops.cli", "run", str(CONFIG), "--run-id", "mix", "--data-dir",
             str(data_dir), "--nats-port", str(ports["nats"]), "--gateway-port", str(ports["gateway"]),
             "--inference-port", str(ports["inference"]), "--set", f"trainer.num_steps={NUM_STEPS}",
-            "--set", "sft.steps=10", "--set", "envs.0.weight=3", "--set", "evals.0.num_tasks=6",
+            "--set", "sft.steps=10", "--set", "trainer.batch_size=64", "--set", "envs.0.weight=3",
+            "--set", "evals.0.num_tasks=6",
             "--set", "evals.1.num_tasks=6"]
     done = subprocess.run(argv, capture_output=True, text=True, env=clean_env, cwd=ROOT, timeout=300, check=False)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
