@@ -809,7 +809,8 @@ def export_record(row: dict[str, Any], scores: list[dict[str, Any]], tokens: boo
                   state=event.get("state", {}), scores=scores,
                   num_nodes=len(nodes), messages=[{"content": "", **n["message"]} for n in branch])
     if tokens:
-        record["tokens"] = vars(join_tokens(branch, ROWS))
+        joined = join_tokens(branch, ROWS)
+        record["tokens"] = {"token_ids": joined.token_ids, "logprobs": joined.logprobs, "loss_mask": joined.loss_mask}
     return record
 
 

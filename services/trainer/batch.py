@@ -56,6 +56,8 @@ class Batch:
     advantages: torch.Tensor  # [B] float32
     temperatures: torch.Tensor  # [B] float32, what each sequence was sampled at
     prefix: Prefix | None = None  # what the rows share, computed once; None: each row is whole
+    env_mask: torch.Tensor | None = None  # [B, T-1] bool, by target token: the environment's (echo); None: none
+    echo_weights: torch.Tensor | None = None  # [B] float32: each row's echo weight, with env_mask
 
     @property
     def num_loss_tokens(self) -> int:
@@ -83,12 +85,15 @@ def _prefix_key(s: Tokens) -> tuple[int, ...]:
 
 
 def pad(sequences: list[Tokens], advantages: list[float], pad_id: int, device: torch.device | str = "cpu",
-        temperatures: list[float] | None = None, share_prefixes: bool = True) -> Batch:
+        temperatures: list[float] | None = None, share_prefixes: bool = True,
+        echo_weights: list[float] | None = None) -> Batch:
     """Right-pad ``sequences`` into one :class:`Batch` on ``device``; ``temperatures``: what each
     was sampled at (None: 1.0 each, as for reference answers). When some of them begin with
     the same prompt (``share_prefixes``), that prompt becomes a :class:`Prefix`, computed once,
-    and the rows hold the rest."""
+    and the rows hold the rest. ``echo_weights``: each sequence's echo weight; where one is
+    above 0 its environment tokens go into ``env_mask`` (None or all 0: no ``env_mask``)."""
     temperatures = temperatures if temperatures is not None else [1.0] * len(sequences)
+    echo = echo_weights is not None and any(w > 0 for w in echo_weights)
     assert sequences and len(sequences) == len(advantages) == len(temperatures)
     keys = [_prefix_key(s) for s in sequences] if share_prefixes else []
     distinct = list(dict.fromkeys(keys))
@@ -113,12 +118,17 @@ def pad(sequences: list[Tokens], advantages: list[float], pad_id: int, device: t
     attention_mask = torch.zeros((rows, length), dtype=torch.long)
     loss_mask = torch.zeros((rows, length), dtype=torch.bool)
     old_logprobs = torch.zeros((rows, length), dtype=torch.float32)
+    env_mask = torch.zeros((rows, length), dtype=torch.bool)
     for i, (s, start) in enumerate(zip(sequences, starts, strict=True)):
         n = len(s.token_ids) - start
         input_ids[i, :n] = torch.tensor(s.token_ids[start:], dtype=torch.long)
         attention_mask[i, :n] = 1
         loss_mask[i, :n] = torch.tensor(s.loss_mask[start:], dtype=torch.bool)
         old_logprobs[i, :n] = torch.tensor(s.logprobs[start:], dtype=torch.float32)
+        if echo and echo_weights is not None and echo_weights[i] > 0 and s.env_mask:
+            # A shared prefix ends before the first sampled token, so it holds no environment token.
+            assert not any(s.env_mask[:start]), "an environment token in a shared prefix"
+            env_mask[i, :n] = torch.tensor(s.env_mask[start:], dtype=torch.bool)
     return Batch(
         input_ids=input_ids.to(device),
         attention_mask=attention_mask.to(device),
@@ -127,6 +137,9 @@ def pad(sequences: list[Tokens], advantages: list[float], pad_id: int, device: t
         advantages=torch.tensor(advantages, dtype=torch.float32, device=device),
         temperatures=torch.tensor(temperatures, dtype=torch.float32, device=device),
         prefix=prefix,
+        env_mask=env_mask[:, 1:].to(device) if echo else None,
+        echo_weights=torch.tensor(echo_weights, dtype=torch.float32, device=device)
+        if echo and echo_weights is not None else None,
     )
 
 
@@ -143,12 +156,21 @@ def micro_batches(sequences: list[Tokens], size: int) -> list[list[int]]:
 def token_logprobs(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     """``log_softmax(logits / temperature)`` of each target token, float32, ``[B, T-1]``, each
     row at its own sequence's temperature."""
+    return target_logprobs(batch_logits(model, batch), batch, batch.temperatures)
+
+
+def batch_logits(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    """The logits that predict each target token, ``[B, T-1, V]``."""
     if batch.prefix is None:
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
-    else:
-        logits = _logits_after_prefix(model, batch, batch.prefix)
-    logprobs = torch.log_softmax(logits.float() / batch.temperatures[:, None, None], dim=-1)
-    return logprobs.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+        return model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+    return _logits_after_prefix(model, batch, batch.prefix)
+
+
+def target_logprobs(logits: torch.Tensor, batch: Batch, temperatures: torch.Tensor | None) -> torch.Tensor:
+    """``log_softmax(logits / temperature)`` of each target token, float32, ``[B, T-1]``, by row
+    (``temperatures`` ``[B]``; None: the model's own distribution, temperature 1)."""
+    scaled = logits.float() if temperatures is None else logits.float() / temperatures[:, None, None]
+    return torch.log_softmax(scaled, dim=-1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
 
 
 def can_share_prefixes(model: torch.nn.Module) -> bool:

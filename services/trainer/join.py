@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from flywheel.contract import events
 from flywheel.sdk.scoring import rollout_reward
@@ -53,9 +53,30 @@ class BadRollout(ValueError):
     """A rollout that can never be trained (its token layer is inconsistent, its group overfull)."""
 
 
+ENVIRONMENT_ROLES = ("user", "tool")
+
+
+def environment_mask(nodes: list[events.Node], trained: set[str]) -> list[bool]:
+    """Which tokens of ``nodes``' joined spans the environment wrote after the model's first
+    answer: the spans of user and tool messages (a tool's result, the simulated user's next turn,
+    with their chat template) that follow the first node with a sampled token. The task's own
+    prompt, system messages, whatever the model sampled, and nodes of ``trained`` (a branch
+    trained before holds them) are not. Echo's cross-entropy goes on these and only these."""
+    mask: list[bool] = []
+    answered = False
+    for node in nodes:
+        if node.tokens is None:
+            continue
+        n = len(node.tokens.token_ids)
+        mask += [answered and node.message.role in ENVIRONMENT_ROLES and node.id not in trained] * n
+        answered = answered or any(node.tokens.loss_mask)
+    return mask
+
+
 def _span_tokens(rollout: events.Rollout, nodes: list[events.Node], trained: set[str]) -> Tokens:
     """``nodes``' spans joined (:func:`flywheel.sdk.tracegraph.join_tokens`), nodes of ``trained``
-    as context; BadRollout when the layer cannot be trained."""
+    as context, with their environment tokens marked (:func:`environment_mask`); BadRollout when
+    the layer cannot be trained."""
     try:
         tokens = join_tokens(nodes, context=trained, strict=True)
     except TokenLayerError as exc:
@@ -64,7 +85,7 @@ def _span_tokens(rollout: events.Rollout, nodes: list[events.Node], trained: set
         raise BadRollout(f"rollout {rollout.id} has no tokens")
     if tokens.loss_mask[0]:
         raise BadRollout(f"rollout {rollout.id}: its first token is marked for the loss, but nothing predicts it")
-    return tokens
+    return replace(tokens, env_mask=environment_mask(nodes, trained))
 
 
 def sequences_of(rollout: events.Rollout) -> list[Tokens]:

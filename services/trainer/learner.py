@@ -17,6 +17,12 @@ In a run with several environments each group takes its environment's advantage 
 sequence its loss (``[[envs]]`` ``advantage``, ``loss``; unset: the run's), within one
 step; :func:`sft_warmup` mixes the environments' reference answers by their weights.
 
+With an echo weight (``trainer.echo``, or an environment's ``echo``) the step adds the mean
+cross-entropy on the environment's tokens (tool results, user turns after the model's first
+answer: :func:`flywheel_trainer.join.environment_mask`), times that weight, to the RL loss on
+the sampled tokens: the model learns what its environment answers while RL shapes what it
+does, in one backward.
+
 Not covered: KL to a reference model.
 """
 
@@ -25,6 +31,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,7 +40,8 @@ from flywheel.contract.config import EnvConfig, LossPart, RunConfig
 from flywheel.sdk import models
 from flywheel.sdk.environment import Environment
 from flywheel_trainer.advantages import ADVANTAGES
-from flywheel_trainer.batch import Batch, can_share_prefixes, micro_batches, pad, token_logprobs
+from flywheel_trainer.batch import Batch, batch_logits, can_share_prefixes, micro_batches, pad, target_logprobs
+from flywheel_trainer.chats import batches, load_examples
 from flywheel_trainer.engines import Engine, TorchEngine
 from flywheel_trainer.join import Scored, Tokens, sequences_of
 from flywheel_trainer.losses import LOSSES
@@ -46,15 +54,22 @@ TokenLoss = Callable[[torch.Tensor, Batch, list[int]], tuple[torch.Tensor, torch
 
 
 def train_step(engine: Engine, sequences: list[Tokens], advantages: list[float], pad_id: int,
-               micro_batch_size: int, temperatures: list[float], token_loss: TokenLoss) -> dict[str, float]:
+               micro_batch_size: int, temperatures: list[float], token_loss: TokenLoss,
+               echo_weights: list[float] | None = None) -> dict[str, float]:
     """One optimizer step over ``sequences``, each recomputed at its temperature (what it was
-    sampled at); returns the step's figures."""
+    sampled at); returns the step's figures. ``echo_weights``: by sequence, the weight of the
+    mean cross-entropy on its environment tokens (``Tokens.env_mask``) added to the loss on its
+    loss-mask tokens (None: no echo term)."""
     started = time.perf_counter()
     num_loss_tokens = sum(sum(s.loss_mask[1:]) for s in sequences)
+    num_env_tokens = 0 if echo_weights is None else sum(
+        sum(s.env_mask[1:]) for s, weight in zip(sequences, echo_weights, strict=True) if weight > 0)
     num_tokens = sum(len(s.token_ids) for s in sequences)
     figures = {"loss": 0.0, "num_loss_tokens": float(num_loss_tokens), "num_tokens": float(num_tokens),
                "num_sequences": float(len(sequences))}
-    if num_loss_tokens == 0:
+    if echo_weights is not None:
+        figures.update(echo_loss=0.0, num_env_tokens=float(num_env_tokens))
+    if num_loss_tokens == 0 and num_env_tokens == 0:
         log.warning("step with no loss tokens (%d sequences): weights unchanged", len(sequences))
         figures.update(grad_norm=0.0, step_s=time.perf_counter() - started)
         return figures
@@ -62,21 +77,30 @@ def train_step(engine: Engine, sequences: list[Tokens], advantages: list[float],
     share = can_share_prefixes(engine.model)
     for indices in micro_batches(sequences, micro_batch_size):
         batch = pad([sequences[i] for i in indices], [advantages[i] for i in indices], pad_id, engine.device,
-                    [temperatures[i] for i in indices], share_prefixes=share)
+                    [temperatures[i] for i in indices], share_prefixes=share,
+                    echo_weights=None if echo_weights is None else [echo_weights[i] for i in indices])
         with engine.autocast():
-            logprobs = token_logprobs(engine.model, batch)
+            logits = batch_logits(engine.model, batch)
+            logprobs = target_logprobs(logits, batch, batch.temperatures)
+            # Echo predicts the environment's tokens under the model's own distribution.
+            plain = None if batch.env_mask is None else (
+                logprobs if bool((batch.temperatures == 1.0).all()) else target_logprobs(logits, batch, None))
         per_token, flags = token_loss(logprobs, batch, indices)
         mask = batch.loss_mask
-        loss = (per_token * mask).sum() / num_loss_tokens
+        loss = (per_token * mask).sum() / max(num_loss_tokens, 1)
+        if num_env_tokens and plain is not None and batch.env_mask is not None and batch.echo_weights is not None:
+            nll = -plain * batch.env_mask  # [B, T-1]: 0 off the environment's tokens
+            loss = loss + (nll.sum(-1) * batch.echo_weights).sum() / num_env_tokens
+            figures["echo_loss"] += float(nll.detach().sum()) / num_env_tokens
         engine.backward(loss)
         figures["loss"] += float(loss.detach())
         flagged += float((flags & mask).sum())
         diff_sum += float(((logprobs.detach() - batch.old_logprobs).abs() * mask).sum())
     figures["grad_norm"] = engine.step()
-    figures["clip_fraction"] = flagged / num_loss_tokens
+    figures["clip_fraction"] = flagged / max(num_loss_tokens, 1)
     # How far the trainer's logprobs are from the sampler's on the loss tokens: ~0 on
     # policy; grows with staleness (and flags a trainer/inference mismatch when it does not).
-    figures["logprob_diff_abs_mean"] = diff_sum / num_loss_tokens
+    figures["logprob_diff_abs_mean"] = diff_sum / max(num_loss_tokens, 1)
     figures["step_s"] = time.perf_counter() - started
     figures["tokens_per_s"] = num_tokens / figures["step_s"]
     return figures
@@ -101,6 +125,8 @@ def rl_step(engine: Engine, groups: list[list[Scored]], pad_id: int, cfg: RunCon
     advantages: list[float] = []
     temperatures: list[float] = []
     loss_of: list[int] = []  # by sequence: which of loss_fns
+    echo_of = {name: cfg.echo_of(env) for name, env in envs.items()}
+    echo_weights: list[float] = []  # by sequence
     for group in groups:
         env = group[0].rollout.env
         advantage_fn = advantage_fns.get(env, run_advantage)
@@ -113,6 +139,7 @@ def rl_step(engine: Engine, groups: list[list[Scored]], pad_id: int, cfg: RunCon
                 advantages.append(advantage)
                 temperatures.append(temperature)
                 loss_of.append(loss_index.get(env, 0))
+                echo_weights.append(echo_of.get(env, cfg.trainer.echo))
 
     def token_loss(logprobs: torch.Tensor, batch: Batch, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         kinds = [loss_of[i] for i in indices]
@@ -127,7 +154,8 @@ def rl_step(engine: Engine, groups: list[list[Scored]], pad_id: int, cfg: RunCon
             flags[rows] = part_flags.to(flags.dtype)
         return per_token, flags
 
-    figures = train_step(engine, sequences, advantages, pad_id, micro_batch_size, temperatures, token_loss)
+    figures = train_step(engine, sequences, advantages, pad_id, micro_batch_size, temperatures, token_loss,
+                         echo_weights if any(w > 0 for w in echo_weights) else None)
     figures["advantage_abs_mean"] = sum(abs(a) for a in advantages) / len(advantages)
     return figures
 
@@ -149,22 +177,29 @@ def reference_tokens(tok: Any, env: Environment, task: dict[str, Any]) -> Tokens
 def sft_warmup(model: torch.nn.Module, tok: Any, envs: Sequence[Environment], cfg: RunConfig,
                micro_batch_size: int) -> dict[str, float]:
     """``cfg.sft.steps`` steps of cross-entropy on reference answers, with an optimizer of its
-    own; ``envs``: the run's environments in its config's order, mixed by their weights."""
+    own; ``envs``: the run's environments in its config's order, mixed by their weights. With
+    ``sft.data``, on that file's chats instead (as ``flywheel sft`` learns them)."""
     assert cfg.sft.steps > 0
     engine = TorchEngine(model, cfg.trainer.model_copy(update={"lr": cfg.sft.lr}), cfg.model.dtype)
-    schedule = cfg.env_schedule(cfg.sft.steps * cfg.sft.batch_size)
-    rows = {i: iter(env.load_tasks(schedule.count(i), seed=cfg.task_seed)) for i, env in enumerate(envs)
-            if schedule.count(i)}
-    tasks = [(envs[i], next(rows[i])) for i in schedule]
+    size = cfg.sft.batch_size
+    if cfg.sft.data:
+        examples = load_examples(Path(cfg.sft.data), tok, getattr(model.config, "max_position_embeddings", None))
+        drawn = batches(len(examples), size, cfg.task_seed)
+        steps = [[examples[i] for i in next(drawn)[1]] for _ in range(cfg.sft.steps)]
+    else:
+        schedule = cfg.env_schedule(cfg.sft.steps * size)
+        rows = {i: iter(env.load_tasks(schedule.count(i), seed=cfg.task_seed)) for i, env in enumerate(envs)
+                if schedule.count(i)}
+        tasks = [(envs[i], next(rows[i])) for i in schedule]
+        steps = [[reference_tokens(tok, env, row) for env, row in tasks[step * size:(step + 1) * size]]
+                 for step in range(cfg.sft.steps)]
     started = time.perf_counter()
     figures: dict[str, float] = {}
 
     def cross_entropy(logprobs: torch.Tensor, batch: Batch, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         return -logprobs, torch.zeros_like(batch.loss_mask)
 
-    for step in range(cfg.sft.steps):
-        chosen = tasks[step * cfg.sft.batch_size:(step + 1) * cfg.sft.batch_size]
-        sequences = [reference_tokens(tok, env, row) for env, row in chosen]
+    for step, sequences in enumerate(steps):
         figures = train_step(engine, sequences, [0.0] * len(sequences), tok.pad_token_id,
                              micro_batch_size, [1.0] * len(sequences), cross_entropy)
         log.info("sft step %d/%d: loss %.4f", step + 1, cfg.sft.steps, figures["loss"])

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
+from flywheel.contract import events
 from flywheel.contract.config import BY_PATH, ClippedLoss, EnginePart, GroupMeanAdvantage, TrainerConfig, variants
 from flywheel_trainer.advantages import ADVANTAGES, group_mean, leave_one_out
 from flywheel_trainer.engines import ENGINES, Engine
@@ -136,6 +138,65 @@ def test_the_loss_is_normalised_by_loss_tokens_in_the_whole_step_however_it_is_c
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(whole_grads, engine.grads, strict=True))
 
 
+def echo_sequences() -> list[Tokens]:
+    """A prompt, an answer (sampled), the environment's turn, another answer; the second row has no environment turn."""
+    return [
+        Tokens([1, 2, 3, 4, 5, 6], [0.0, 0.0, -2.0, 0.0, 0.0, -2.1], [False, False, True, False, False, True],
+               env_mask=[False, False, False, True, True, False]),
+        Tokens([1, 7, 8], [0.0, 0.0, -2.5], [False, False, True], env_mask=[False, False, False]),
+    ]
+
+
+def no_rl(logprobs: torch.Tensor, batch: object, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    return 0 * logprobs, torch.zeros_like(logprobs, dtype=torch.bool)
+
+
+def test_echo_is_cross_entropy_on_the_environments_tokens_only_beside_the_rl_loss() -> None:
+    seqs = echo_sequences()
+    engine = RecordingEngine(Bigram())
+    figures = train_step(engine, seqs, [0.0, 0.0], 0, 2, [1.0, 1.0], no_rl, echo_weights=[0.5, 0.5])
+    echo_grads = engine.grads
+    # By hand: the mean negative log-likelihood of the environment's tokens (4 after 3, 5 after 4), halved.
+    model = Bigram()
+    logprobs = torch.log_softmax(model.table(torch.tensor([3, 4])), dim=-1)
+    expected = -(logprobs[0, 4] + logprobs[1, 5]) / 2
+    assert figures["num_env_tokens"] == 2 and figures["echo_loss"] == pytest.approx(expected.item(), abs=1e-6)
+    (0.5 * expected).backward()
+    assert torch.allclose(echo_grads[0], model.table.weight.grad, atol=1e-6)  # type: ignore[arg-type]
+    # Only the rows that predict an environment token move: not the prompt's, not the answers'.
+    moved = {int(i) for i in echo_grads[0].abs().sum(-1).nonzero()}
+    assert moved == {3, 4}
+    # Cut into micro-batches of one: the same gradient (normalised over the step's environment tokens).
+    train_step(engine, seqs, [0.0, 0.0], 0, 1, [1.0, 1.0], no_rl, echo_weights=[0.5, 0.5])
+    assert torch.allclose(engine.grads[0], echo_grads[0], atol=1e-6)
+    # The RL loss goes on as before beside it; weight 0 (or none) is the RL step alone.
+    both = train_step(engine, seqs, [1.0, -1.0], 0, 2, [1.0, 1.0], policy_gradient, echo_weights=[0.5, 0.5])
+    rl_and_echo = engine.grads[0]
+    rl = train_step(engine, seqs, [1.0, -1.0], 0, 2, [1.0, 1.0], policy_gradient)
+    assert torch.allclose(rl_and_echo, engine.grads[0] + echo_grads[0], atol=1e-6)
+    assert both["loss"] == pytest.approx(rl["loss"] + 0.5 * expected.item(), abs=1e-6)
+    train_step(engine, seqs, [1.0, -1.0], 0, 2, [1.0, 1.0], policy_gradient, echo_weights=[0.0, 0.0])
+    assert torch.allclose(engine.grads[0], rl_and_echo - echo_grads[0], atol=1e-6)
+
+
+def test_a_step_without_environment_tokens_trains_its_rl_loss_alone() -> None:
+    seqs = [Tokens(s.token_ids, s.logprobs, s.loss_mask, env_mask=[False] * len(s.token_ids)) for s in echo_sequences()]
+    engine = RecordingEngine(Bigram())
+    figures = train_step(engine, seqs, [1.0, -1.0], 0, 2, [1.0, 1.0], policy_gradient, echo_weights=[0.5, 0.5])
+    echoed = engine.grads[0]
+    rl = train_step(engine, seqs, [1.0, -1.0], 0, 2, [1.0, 1.0], policy_gradient)
+    assert figures["num_env_tokens"] == 0 and figures["echo_loss"] == 0.0 and figures["loss"] == rl["loss"]
+    assert torch.equal(echoed, engine.grads[0])
+
+
+def test_echo_predicts_the_environment_at_temperature_one_whatever_the_answers_were_sampled_at() -> None:
+    seqs = echo_sequences()
+    engine = RecordingEngine(Bigram())
+    cold = train_step(engine, seqs, [0.0, 0.0], 0, 2, [0.5, 0.5], no_rl, echo_weights=[1.0, 1.0])
+    warm = train_step(engine, seqs, [0.0, 0.0], 0, 2, [1.0, 1.0], no_rl, echo_weights=[1.0, 1.0])
+    assert cold["echo_loss"] == pytest.approx(warm["echo_loss"], abs=1e-6)
+
+
 @pytest.mark.parametrize(("field", "registry"), [("advantage", ADVANTAGES), ("loss", LOSSES), ("engine", ENGINES)])
 def test_the_config_variants_and_the_trainer_registries_agree(field: str, registry: dict) -> None:
     """Every built-in variant the run config describes has its registry entry, and the entry takes
@@ -190,3 +251,35 @@ def test_each_environment_trains_with_its_own_advantage_and_loss() -> None:
     assert not same(mixed, grads(4, None))  # without them, both take the run's (clipped, group mean)
     only_b_own = {"a": envs["b"], "b": envs["b"]}  # a trained as b is: the run's parts
     assert same(grads(4, only_b_own), grads(4, None))
+
+
+def test_each_environment_takes_its_own_echo_weight() -> None:
+    from flywheel.contract.config import RunConfig
+    from flywheel_trainer.join import Scored, sequences_of
+    from flywheel_trainer.learner import rl_step
+    from tests.unit.test_trainer_join import make_rollout
+
+    def multi_turn(rollout_id: str, env: str) -> events.Rollout:
+        """A rollout whose answer is followed by a tool's result and a second answer."""
+        one = make_rollout(rollout_id, f"g-{env}", env=env, completion=[5, 6])
+        tool = events.Message(role="tool", content="t")
+        span = events.TokenSpan(token_ids=[7, 8], logprobs=[0.0, 0.0], loss_mask=[False, False])
+        tool_node = events.Node(id=events.node_id(one.nodes[-1].id, tool, span), parent_id=one.nodes[-1].id,
+                                message=tool, tokens=span)
+        answer = events.Message(role="assistant", content="b")
+        span2 = events.TokenSpan(token_ids=[9], logprobs=[-1.0], loss_mask=[True], policy_version=0)
+        last = events.Node(id=events.node_id(tool_node.id, answer, span2), parent_id=tool_node.id, message=answer,
+                           tokens=span2)
+        return msgspec.structs.replace(one, nodes=[*one.nodes, tool_node, last], group_size=1)
+
+    cfg = RunConfig.parse({"run": "r", "group_size": 1, "trainer": {"batch_size": 2, "echo": 0.5},
+                           "envs": [{"id": "a", "echo": 0}, {"id": "b"}]})
+    groups = [[Scored(multi_turn(env, env), 0.0, 0)] for env in ("a", "b")]
+    assert [sequences_of(g[0].rollout)[0].env_mask for g in groups] == [[False] * 6 + [True, True, False]] * 2
+    envs = {env.id: env for env in cfg.environments}
+    figures = rl_step(RecordingEngine(Bigram()), groups, 0, cfg, 2, envs)
+    assert figures["num_env_tokens"] == 2  # b's tool result only: a's own weight is 0
+    unechoed = RunConfig.parse({"run": "r", "group_size": 1, "trainer": {"batch_size": 2},
+                                "envs": [{"id": "a"}, {"id": "b"}]})
+    assert "echo_loss" not in rl_step(RecordingEngine(Bigram()), groups, 0, unechoed, 2,
+                                      {env.id: env for env in unechoed.environments})

@@ -206,6 +206,32 @@ def test_a_branching_rollout_trains_each_branch_and_each_sampled_token_once() ->
     seqs = sequences_of(rollout)
     assert [s.token_ids for s in seqs] == [[1, 2, 3, 4, 5, 6], [1, 2, 7]]
     assert [s.loss_mask for s in seqs] == [[False, False, True, True, False, True], [False, False, True]]
+    # Echo's tokens: the tool's answer after the first sampled one; the prompt is not the environment's answer.
+    assert [s.env_mask for s in seqs] == [[False, False, False, False, True, False], [False, False, False]]
+
+
+def test_echo_takes_the_environments_turns_after_the_first_answer_each_once() -> None:
+    from flywheel.sdk.tracegraph import TraceGraph
+
+    def span(ids: list[int], sampled: bool) -> events.TokenSpan:
+        return events.TokenSpan(token_ids=ids, logprobs=[-0.5 if sampled else 0.0] * len(ids),
+                                loss_mask=[sampled] * len(ids), policy_version=0 if sampled else None)
+
+    g = TraceGraph()
+    system, _ = g.add(None, events.Message(role="system", content="s"), span([1], False))
+    user, _ = g.add(system.id, events.Message(role="user", content="q"), span([2, 3], False))
+    first, _ = g.add(user.id, events.Message(role="assistant", content="a"), span([4], True))
+    tool, _ = g.add(first.id, events.Message(role="tool", content="t"), span([5, 6], False))
+    second, _ = g.add(tool.id, events.Message(role="assistant", content="b"), span([7], True))
+    g.add(second.id, events.Message(role="user", content="u"), span([8, 9], False))
+    g.add(g.nodes[g.last.id].id, events.Message(role="assistant", content="c"), span([10], True))  # type: ignore[union-attr]
+    g.add(tool.id, events.Message(role="assistant", content="b2"), span([11], True))  # a second answer to the tool
+    seqs = sequences_of(events.Rollout(run="r", env="e", task_id="t", group_id="t", nodes=g.ordered()))
+    assert [s.token_ids for s in seqs] == [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [1, 2, 3, 4, 5, 6, 11]]
+    # The tool's result and the user's next turn; in the second branch the tool's result was
+    # learned in the first already, and what the model sampled never is.
+    assert [s.env_mask for s in seqs] == [[False] * 4 + [True, True, False, True, True, False], [False] * 7]
+    assert not any(e and m for s in seqs for e, m in zip(s.env_mask, s.loss_mask, strict=True))
 
 
 def test_a_stale_rollout_counts_as_stale_even_when_inference_stopped_it_as_an_error() -> None:

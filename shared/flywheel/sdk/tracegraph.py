@@ -26,7 +26,7 @@ node's place is its index in the sequence given).
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import attrgetter, itemgetter
 from typing import Any, Generic, Literal, TypeVar
 
@@ -74,6 +74,9 @@ class Tokens:
     token_ids: list[int]
     logprobs: list[float]
     loss_mask: list[bool]
+    # The environment's tokens (aligned with token_ids; empty: not worked out): what the trainer's
+    # echo term learns to predict (see flywheel_trainer.join.environment_mask).
+    env_mask: list[bool] = field(default_factory=list)
 
 
 def _by_id(nodes: Mapping[str, N] | Sequence[N], fields: NodeFields[Any]) -> Mapping[str, N]:

@@ -1,0 +1,91 @@
+"""The SFT job's data: chats become the sequences inference would give the model, a trace API
+export is learned token for token, and every line that cannot be learned is refused with its
+place; batches go epoch by epoch."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from flywheel.contract import events
+from flywheel.sdk import models
+from flywheel_trainer.chats import DataError, batches, line_examples, load_examples
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir: Path) -> object:
+    return models.load_model(tiny_model_dir)[1]
+
+
+def write(tmp_path: Path, *lines: object) -> Path:
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    return path
+
+
+def test_each_assistant_message_is_learned_in_the_context_inference_gives(tok: object) -> None:
+    chat = [{"role": "system", "content": "Reverse the text."}, {"role": "user", "content": "abc"},
+            {"role": "assistant", "content": "cba"}, {"role": "user", "content": "de"},
+            {"role": "assistant", "content": "ed"}]
+    first, second = line_examples(tok, {"messages": chat}, "data.jsonl:1")
+    messages = [events.Message(role=m["role"], content=m["content"]) for m in chat]  # type: ignore[arg-type]
+    for example, upto, answer in ((first, 2, "cba"), (second, 4, "ed")):
+        prompt = models.render_prompt(tok, messages[:upto])
+        assert example.token_ids[:len(prompt)] == prompt and not any(example.loss_mask[:len(prompt)])
+        learned = [t for t, m in zip(example.token_ids, example.loss_mask, strict=True) if m]
+        assert learned == tok.encode(answer, add_special_tokens=False) + [tok.eos_token_id]  # type: ignore[attr-defined]
+        assert len(example.token_ids) == len(prompt) + len(learned)  # nothing after the end of turn
+
+
+def test_an_export_line_with_tokens_is_learned_exactly_and_one_without_as_a_chat(tok: object) -> None:
+    exported = {"id": "r1", "reward": 1.0, "messages": [{"role": "user", "content": "ab"},
+                                                        {"role": "assistant", "content": "ba"}],
+                "tokens": {"token_ids": [5, 6, 7, 8], "logprobs": [0.0, 0.0, -0.5, -0.2],
+                           "loss_mask": [False, False, True, True]}}
+    (example,) = line_examples(tok, exported, "x:1")
+    assert example.token_ids == [5, 6, 7, 8] and example.loss_mask == [False, False, True, True]
+    del exported["tokens"]
+    (chat,) = line_examples(tok, exported, "x:1")
+    assert sum(chat.loss_mask) == len(tok.encode("ba", add_special_tokens=False)) + 1  # type: ignore[attr-defined]
+    # An export's tool calls are flat ({id, name, arguments}); the OpenAI shape nests them.
+    calls = {"messages": [{"role": "user", "content": "q"},
+                          {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "name": "f",
+                                                                               "arguments": "{}"}]}]}
+    assert len(line_examples(tok, calls, "x:2")) == 1
+
+
+def test_lines_that_cannot_be_learned_are_refused_with_their_place(tok: object, tmp_path: Path) -> None:
+    with pytest.raises(DataError, match=r"data.jsonl:2: not JSON"):
+        load_examples(write(tmp_path, {"messages": [{"role": "user", "content": "a"},
+                                                    {"role": "assistant", "content": "a"}]}, "{oops"), tok)
+    cases = [
+        ({"error": "export cut after 3 rollouts"}, r":1: the export was cut: export cut after 3 rollouts"),
+        ({"text": "abc"}, r":1: no 'messages'"),
+        ({"messages": [{"role": "assistant", "content": "a"}]}, r":1: the chat starts with an assistant message"),
+        ({"messages": [{"role": "robot", "content": "a"}]}, r":1\.messages\[0\]\.role='robot'"),
+        ({"messages": [{"role": "user", "content": "a"}], "tokens": {"token_ids": [1, 2], "loss_mask": [True]}},
+         r":1\.tokens: token_ids and loss_mask differ"),
+        ({"messages": [{"role": "user", "content": "a" * 400}, {"role": "assistant", "content": "b"}]},
+         r":1: \d+ tokens, more than the model's 256 positions"),
+    ]
+    for row, message in cases:
+        with pytest.raises(DataError, match=message):
+            load_examples(write(tmp_path, row), tok, max_positions=256)
+    with pytest.raises(DataError, match=r"no assistant message to learn from"):
+        load_examples(write(tmp_path, {"messages": [{"role": "user", "content": "a"}]}), tok)
+    with pytest.raises(DataError, match=r"sft.data='.*missing.jsonl': no such file"):
+        load_examples(tmp_path / "missing.jsonl", tok)
+
+
+def test_batches_shuffle_each_epoch_and_cover_every_example_once_an_epoch() -> None:
+    drawn = batches(10, 4, seed=3)
+    steps = [next(drawn) for _ in range(6)]
+    assert [epoch for epoch, _ in steps] == [0, 0, 1, 1, 2, 2]  # two whole batches an epoch; the rest waits
+    for epoch in range(3):
+        seen = [i for e, indices in steps if e == epoch for i in indices]
+        assert len(seen) == len(set(seen)) == 8
+    assert [next(batches(10, 4, seed=3)) for _ in range(1)] == steps[:1]  # seeded
+    small = batches(3, 8, seed=0)
+    assert sorted(next(small)[1]) == [0, 1, 2]  # less than a batch: all of it each step
