@@ -166,6 +166,17 @@ def seed_torch(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _cross_entropy(logprobs: torch.Tensor, batch: Batch, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    return -logprobs, torch.zeros_like(batch.loss_mask)
+
+
+def sft_step(engine: Engine, sequences: list[Tokens], pad_id: int, micro_batch_size: int) -> dict[str, float]:
+    """One supervised step: cross-entropy on the loss-mask tokens of ``sequences`` (temperature 1),
+    the warm-up's and ``flywheel sft``'s."""
+    return train_step(engine, sequences, [0.0] * len(sequences), pad_id, micro_batch_size, [1.0] * len(sequences),
+                      _cross_entropy)
+
+
 def reference_tokens(tok: Any, env: Environment, task: dict[str, Any]) -> Tokens:
     """The prompt as inference renders it, then the reference answer and end of turn, to learn."""
     prompt = models.render_prompt(tok, env.prompt_messages(task))
@@ -195,13 +206,8 @@ def sft_warmup(model: torch.nn.Module, tok: Any, envs: Sequence[Environment], cf
                  for step in range(cfg.sft.steps)]
     started = time.perf_counter()
     figures: dict[str, float] = {}
-
-    def cross_entropy(logprobs: torch.Tensor, batch: Batch, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        return -logprobs, torch.zeros_like(batch.loss_mask)
-
     for step, sequences in enumerate(steps):
-        figures = train_step(engine, sequences, [0.0] * len(sequences), tok.pad_token_id,
-                             micro_batch_size, [1.0] * len(sequences), cross_entropy)
+        figures = sft_step(engine, sequences, tok.pad_token_id, micro_batch_size)
         log.info("sft step %d/%d: loss %.4f", step + 1, cfg.sft.steps, figures["loss"])
     model.eval()
     return {"sft_steps": float(cfg.sft.steps), "sft_loss": figures["loss"], "sft_s": time.perf_counter() - started}

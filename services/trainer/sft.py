@@ -28,14 +28,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from flywheel.contract.checkpoints import CheckpointState
 from flywheel.contract.config import RunConfig
@@ -43,14 +40,10 @@ from flywheel.contract.service import setup_logging
 from flywheel.contract.settings import Settings
 from flywheel.ops.run import config_with, parse_sets, save_plot
 from flywheel.sdk import models
-from flywheel_trainer.batch import Batch
 from flywheel_trainer.chats import DataError, batches, load_examples
 from flywheel_trainer.engines import build_engine
-from flywheel_trainer.join import Tokens
-from flywheel_trainer.learner import seed_torch, train_step
+from flywheel_trainer.learner import seed_torch, sft_step
 from flywheel_trainer.ledger import RunFolder
-
-log = logging.getLogger(__name__)
 
 
 def plot_loss(steps: Sequence[Mapping[str, Any]], path: Path, title: str) -> Path | None:
@@ -84,17 +77,11 @@ def run(cfg: RunConfig, data_dir: Path, data: Path, micro_batch_size: int) -> di
     print(f"sft {cfg.run}: {len(examples)} examples from {data}, {cfg.sft.steps} steps of {cfg.sft.batch_size}, "
           f"model {cfg.model.name}; run folder {folder.root}", flush=True)
 
-    def cross_entropy(logprobs: torch.Tensor, batch: Batch, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        return -logprobs, torch.zeros_like(batch.loss_mask)
-
     lines: list[dict[str, Any]] = []
-    chosen: list[Tokens]
     drawn = batches(len(examples), cfg.sft.batch_size, cfg.task_seed)
     for step in range(1, cfg.sft.steps + 1):
         epoch, indices = next(drawn)
-        chosen = [examples[i] for i in indices]
-        figures = train_step(engine, chosen, [0.0] * len(chosen), tok.pad_token_id, micro_batch_size,
-                             [1.0] * len(chosen), cross_entropy)
+        figures = sft_step(engine, [examples[i] for i in indices], tok.pad_token_id, micro_batch_size)
         line = {"step": step, "version": step, "epoch": epoch, "loss": figures["loss"],
                 "num_loss_tokens": figures["num_loss_tokens"], "num_tokens": figures["num_tokens"],
                 "grad_norm": figures["grad_norm"], "step_s": figures["step_s"],
@@ -134,14 +121,14 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_with(args.config, parse_sets(args.set), args.run_id)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
-    examples = args.data or cfg.sft.data
-    if not examples:
+    data = args.data or cfg.sft.data
+    if not data:
         parser.error("give the examples: --data FILE.jsonl, or sft.data in the config")
     if not cfg.sft.steps:
         parser.error("sft.steps is 0: give the number of steps (--set sft.steps=200)")
     setup_logging(settings.log_level)
     try:
-        summary = run(cfg, Path(settings.data_dir), Path(examples), settings.trainer.micro_batch_size)
+        summary = run(cfg, Path(settings.data_dir), Path(data), settings.trainer.micro_batch_size)
     except (DataError, ValueError) as exc:
         print(f"flywheel sft: error: {exc}", file=sys.stderr)
         return 2
