@@ -2,9 +2,10 @@
 
 :func:`create_app` builds nothing at import time. At start (the lifespan) it connects to
 NATS, builds the :class:`~flywheel_inference.worker.Worker` and runs it under a
-:class:`flywheel.contract.service.Service` (the task consumer, the weight and run-state watchers, the heartbeat)
-beside the HTTP server, which owns the signals. At stop it stops the service (in-flight
-tasks finish or are handed back), closes the policies and drains the connection. If the
+:class:`flywheel.contract.service.Service` (the task consumer, the weight and run-state
+watchers, the runs' teachers: :class:`~flywheel_inference.teacher.TeacherHost`, the
+heartbeat) beside the HTTP server, which owns the signals. At stop it stops the service
+(in-flight tasks finish or are handed back), closes the policies and drains the connection. If the
 worker dies while the server is up, ``app.state.worker_failed`` is set and ``on_worker_exit``
 is called (the entry point uses it to stop the server and exit non-zero, instead of
 serving without a worker).
@@ -22,6 +23,7 @@ from fastapi import FastAPI
 from flywheel.contract.bus import Bus
 from flywheel.contract.settings import Settings
 from flywheel_inference import api
+from flywheel_inference.teacher import TeacherHost
 from flywheel_inference.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -37,6 +39,7 @@ def create_app(settings: Settings, url: str | None = None,
         bus = await Bus.connect(settings.resolved_nats_url, name="inference")
         worker = Worker.with_backends(bus, settings.data_dir, settings.inference, url)
         service = worker.service(handle_signals=False)
+        service.add_task(TeacherHost(bus, settings.data_dir, settings.inference, worker.info).run)
         app.state.worker = worker
         app.state.interception = worker.interception
         running = asyncio.ensure_future(service.run())

@@ -361,7 +361,8 @@ class RunOwner:
         if not pinned:
             return
         for update in await weights.updates(self.bus, self.cfg.run):
-            if update.version in pinned:
+            # A version a teacher serves is pinned for the run's life, with or without evals.
+            if update.version in pinned and self.cfg.evals_at(update.trainer_step):
                 self._queue_evals(update.trainer_step, update.version)
 
     async def _finish_evals(self, evaluating: asyncio.Future[None] | None) -> None:
@@ -375,7 +376,10 @@ class RunOwner:
             await asyncio.wait([join, evaluating], return_when=asyncio.FIRST_COMPLETED)
             join.cancel()
         # The trainer has gone: the versions it kept only for evals (those done after its last
-        # purge included) are dropped here, as it would have dropped them with a later version.
+        # purge included) or for its teachers are dropped here, as it would have dropped them
+        # with a later version.
+        for version in self.cfg.teacher_versions:
+            await unpin_version(self.bus, self.cfg.run, version)
         kept = await weights.versions(self.bus, self.cfg.run)
         state = await get_run(self.bus, self.cfg.run)
         if kept and state is not None:
@@ -395,7 +399,8 @@ class RunOwner:
                     if (spec.label, step) not in done:
                         await self._eval(spec, step)
                         done.add((spec.label, step))
-                await unpin_version(self.bus, self.cfg.run, version)
+                if version not in self.cfg.teacher_versions:  # a teacher's stays pinned until the run's end
+                    await unpin_version(self.bus, self.cfg.run, version)
             except (TimeoutError, nats.errors.Error) as exc:  # the bus is away: the pin stays for a later owner
                 log.warning("run %s: evals of step %d: %s: %s", self.cfg.run, step, type(exc).__name__, exc)
             finally:

@@ -14,8 +14,12 @@ gets its rollout's advantage. Plain Python: a group holds a handful of floats.
 - ``leave_one_out``: each rollout's baseline is the mean of the *other* rollouts' rewards
   (RLOO), an unbiased baseline; a group of one has no other rollout and gets 0.
 
-Not covered: advantages from a learned value function, teacher log-probs (on-policy
-distillation), per-token rewards.
+- ``opd`` (on-policy distillation): ``reward_weight`` x ``group_mean``; the part's per-token
+  term, ``coef`` x (the teacher's logprob - the sampled logprob) on every sampled token less
+  its mean over the step's sampled tokens, is added by :func:`flywheel_trainer.learner.rl_step`
+  from the teacher's signal (as is a run's ``trainer.kl`` term).
+
+Not covered: advantages from a learned value function, per-token rewards.
 """
 
 from __future__ import annotations
@@ -55,4 +59,10 @@ def leave_one_out(rewards: Sequence[float], normalize_std: bool = False) -> list
     return _scaled([r - (total - r) / (n - 1) for r in rewards], rewards, normalize_std)
 
 
-ADVANTAGES: dict[str, AdvantageFn] = {"group_mean": group_mean, "leave_one_out": leave_one_out}
+def opd(rewards: Sequence[float], reward_weight: float = 0.0, normalize_std: bool = False) -> list[float]:
+    """On-policy distillation's rewards part: ``reward_weight`` x the group-mean advantage (its
+    per-token part, from the teacher's logprobs, is added token by token by the learner)."""
+    return [reward_weight * a for a in group_mean(rewards, normalize_std)]
+
+
+ADVANTAGES: dict[str, AdvantageFn] = {"group_mean": group_mean, "leave_one_out": leave_one_out, "opd": opd}

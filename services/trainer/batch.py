@@ -58,6 +58,14 @@ class Batch:
     prefix: Prefix | None = None  # what the rows share, computed once; None: each row is whole
     env_mask: torch.Tensor | None = None  # [B, T-1] bool, by target token: the environment's (echo); None: none
     echo_weights: torch.Tensor | None = None  # [B] float32: each row's echo weight, with env_mask
+    # [B, T-1] float32, by target token: a per-token part added to each row's advantage (a
+    # teacher's term: on-policy distillation, KL); None: none
+    token_advantages: torch.Tensor | None = None
+
+    def advantages_by_token(self) -> torch.Tensor:
+        """Each target token's advantage: ``[B, 1]`` (the row's) or ``[B, T-1]`` (with a per-token part)."""
+        row = self.advantages[:, None]
+        return row if self.token_advantages is None else row + self.token_advantages
 
     @property
     def num_loss_tokens(self) -> int:
@@ -86,12 +94,14 @@ def _prefix_key(s: Tokens) -> tuple[int, ...]:
 
 def pad(sequences: list[Tokens], advantages: list[float], pad_id: int, device: torch.device | str = "cpu",
         temperatures: list[float] | None = None, share_prefixes: bool = True,
-        echo_weights: list[float] | None = None) -> Batch:
+        echo_weights: list[float] | None = None, token_advantages: list[list[float]] | None = None) -> Batch:
     """Right-pad ``sequences`` into one :class:`Batch` on ``device``; ``temperatures``: what each
     was sampled at (None: 1.0 each, as for reference answers). When some of them begin with
     the same prompt (``share_prefixes``), that prompt becomes a :class:`Prefix`, computed once,
     and the rows hold the rest. ``echo_weights``: each sequence's echo weight; where one is
-    above 0 its environment tokens go into ``env_mask`` (None or all 0: no ``env_mask``)."""
+    above 0 its environment tokens go into ``env_mask`` (None or all 0: no ``env_mask``).
+    ``token_advantages``: each sequence's per-token part of its advantage, aligned with its
+    tokens (None: none)."""
     temperatures = temperatures if temperatures is not None else [1.0] * len(sequences)
     echo = echo_weights is not None and any(w > 0 for w in echo_weights)
     assert sequences and len(sequences) == len(advantages) == len(temperatures)
@@ -119,12 +129,16 @@ def pad(sequences: list[Tokens], advantages: list[float], pad_id: int, device: t
     loss_mask = torch.zeros((rows, length), dtype=torch.bool)
     old_logprobs = torch.zeros((rows, length), dtype=torch.float32)
     env_mask = torch.zeros((rows, length), dtype=torch.bool)
+    by_token = torch.zeros((rows, length), dtype=torch.float32) if token_advantages is not None else None
     for i, (s, start) in enumerate(zip(sequences, starts, strict=True)):
         n = len(s.token_ids) - start
         input_ids[i, :n] = torch.tensor(s.token_ids[start:], dtype=torch.long)
         attention_mask[i, :n] = 1
         loss_mask[i, :n] = torch.tensor(s.loss_mask[start:], dtype=torch.bool)
         old_logprobs[i, :n] = torch.tensor(s.logprobs[start:], dtype=torch.float32)
+        if by_token is not None and token_advantages is not None:
+            assert len(token_advantages[i]) == len(s.token_ids), "a per-token advantage for each token"
+            by_token[i, :n] = torch.tensor(token_advantages[i][start:], dtype=torch.float32)
         if echo and echo_weights is not None and echo_weights[i] > 0 and s.env_mask:
             # A shared prefix ends before the first sampled token, so it holds no environment token.
             assert not any(s.env_mask[:start]), "an environment token in a shared prefix"
@@ -140,6 +154,7 @@ def pad(sequences: list[Tokens], advantages: list[float], pad_id: int, device: t
         env_mask=env_mask[:, 1:].to(device) if echo else None,
         echo_weights=torch.tensor(echo_weights, dtype=torch.float32, device=device)
         if echo and echo_weights is not None else None,
+        token_advantages=by_token[:, 1:].to(device) if by_token is not None else None,
     )
 
 

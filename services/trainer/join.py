@@ -8,10 +8,15 @@ it holds, never from arrival order:
   else the run's: :func:`flywheel.contract.runs.scorers_of`) has scored it; its
   reward is theirs weighted and summed (:func:`flywheel.sdk.scoring.rollout_reward`, the
   definition the trace API and ``flywheel eval`` use too);
+- in a run with teachers (``[teachers.<name>]``), a rollout whose environment's advantage or
+  KL term reads a teacher (:meth:`flywheel.contract.config.RunConfig.teachers_of`) is ready
+  only once that teacher's :class:`~flywheel.contract.events.Signal` is here too (its logprobs
+  of the rollout's sampled tokens, joined like a score);
 - a rollout is *dropped* (counted, never trained, never a silent zero) when inference
   marked it ``error``, when a required scorer failed on it (a score with ``error`` set),
-  or when it is *stale*: its ``policy_version`` is more than ``max_off_policy_steps``
-  behind the version being trained; staleness is checked on arrival and again whenever the
+  when a required teacher could not score it (a signal with ``error``), or when it is
+  *stale*: its ``policy_version`` is more than ``max_off_policy_steps`` behind the version
+  being trained; staleness is checked on arrival and again whenever the
   version moves on;
 - a group is *done* when all ``group_size`` of its rollouts are here and each is ready or
   dropped. :meth:`Joiner.take` hands out whole done groups, oldest first (in the take:
@@ -32,14 +37,16 @@ never publishes keeps its group waiting; ``max_buffered_rollouts`` bounds the co
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
+
+import msgspec
 
 from flywheel.contract import events
 from flywheel.sdk.scoring import rollout_reward
 from flywheel.sdk.tracegraph import TokenLayerError, Tokens, branches, join_tokens
 
-DROP_REASONS = ("stale", "scorer_error", "rollout_error")
+DROP_REASONS = ("stale", "scorer_error", "rollout_error", "signal_error")
 
 
 def _seed_of(rollout: events.Rollout) -> int:
@@ -88,20 +95,45 @@ def _span_tokens(rollout: events.Rollout, nodes: list[events.Node], trained: set
     return replace(tokens, env_mask=environment_mask(nodes, trained))
 
 
-def sequences_of(rollout: events.Rollout) -> list[Tokens]:
-    """One sequence per branch of the rollout's trace graph (root to leaf: exactly the tokens the
-    model saw and sampled there), each sampled token in the loss once: a node shared by several
-    branches is trained in the first and is context in the others. Branches left with nothing
-    to train are skipped. Raises :class:`BadRollout` when spans do not line up."""
-    out: list[Tokens] = []
+def _trained_branches(rollout: events.Rollout) -> list[tuple[list[events.Node], Tokens]]:
+    """Each branch with something to train, with its sequence (see :func:`sequences_of`)."""
+    out: list[tuple[list[events.Node], Tokens]] = []
     trained: set[str] = set()
     for branch in branches(rollout.nodes):
         tokens = _span_tokens(rollout, branch, trained)
         trained.update(n.id for n in branch)
         if any(tokens.loss_mask):
-            out.append(tokens)
+            out.append((branch, tokens))
     if not out:
         raise BadRollout(f"rollout {rollout.id} has no sampled tokens to train on")
+    return out
+
+
+def sequences_of(rollout: events.Rollout) -> list[Tokens]:
+    """One sequence per branch of the rollout's trace graph (root to leaf: exactly the tokens the
+    model saw and sampled there), each sampled token in the loss once: a node shared by several
+    branches is trained in the first and is context in the others. Branches left with nothing
+    to train are skipped. Raises :class:`BadRollout` when spans do not line up."""
+    return [tokens for _, tokens in _trained_branches(rollout)]
+
+
+def signal_values(rollout: events.Rollout, signal: events.Signal) -> list[list[float]]:
+    """A signal's per-node values laid out as :func:`sequences_of`'s sequences, token by token
+    (0.0 where the signal has no value: a node without sampled tokens). BadRollout when a node's
+    values do not match its span's length."""
+    out: list[list[float]] = []
+    for branch, tokens in _trained_branches(rollout):
+        values: list[float] = []
+        for node in branch:
+            if node.tokens is None:
+                continue
+            n = len(node.tokens.token_ids)
+            given = signal.values.get(node.id)
+            if given is not None and len(given) != n:
+                raise BadRollout(f"signal {signal.id}: node {node.id} has {n} tokens but {len(given)} values")
+            values += given if given is not None else [0.0] * n
+        assert len(values) == len(tokens.token_ids)
+        out.append(values)
     return out
 
 
@@ -118,6 +150,7 @@ class Scored:
     reward: float
     staleness: int
     scores: dict[str, float] = field(default_factory=dict)  # each required scorer's value (metrics too)
+    signals: dict[str, events.Signal] = field(default_factory=dict)  # each required teacher's, by its name
 
 
 @dataclass
@@ -140,9 +173,11 @@ class Joiner:
     """Buffers rollouts and scores of one run until their groups are done."""
 
     def __init__(self, scorers: Mapping[str, float], max_off_policy_steps: int, version: int = 0,
-                 consumed: Iterable[str] = (), env_scorers: Mapping[str, Mapping[str, float]] | None = None) -> None:
+                 consumed: Iterable[str] = (), env_scorers: Mapping[str, Mapping[str, float]] | None = None,
+                 signals: Collection[str] = (), env_signals: Mapping[str, Collection[str]] | None = None) -> None:
         """``scorers``: the run's reward (name -> weight); ``env_scorers``: a run with several
-        environments, each one's (by its name in subjects), for its rollouts."""
+        environments, each one's (by its name in subjects), for its rollouts. ``signals`` and
+        ``env_signals``: likewise, the teachers whose signals a rollout waits for."""
         if not scorers:
             raise ValueError("scorers: at least one scorer makes the reward")
         self.scorers = dict(scorers)
@@ -151,6 +186,10 @@ class Joiner:
             if not by_name:
                 raise ValueError(f"env_scorers[{env!r}]: at least one scorer makes the reward")
         self._any_scorer = set(self.scorers).union(*self.env_scorers.values())
+        self.signals = set(signals)
+        self.env_signals = {env: set(sources) for env, sources in (env_signals or {}).items()}
+        self._any_signal = self.signals.union(*self.env_signals.values())
+        self._signals: dict[str, dict[str, events.Signal]] = {}  # rollout id -> source -> signal
         self.max_off_policy_steps = max_off_policy_steps
         self.version = version
         self.consumed: set[str] = set(consumed)
@@ -183,6 +222,7 @@ class Joiner:
         self.check(rollout)
         self._rollouts[rollout.id] = rollout
         self._groups.setdefault(rollout.group_id, []).append(rollout.id)
+        self._check_signals(rollout.id)
         self._update(rollout.id)
         return True
 
@@ -194,6 +234,27 @@ class Joiner:
         if score.rollout_id in self._rollouts:
             self._update(score.rollout_id)
         return True
+
+    def add_signal(self, signal: events.Signal) -> bool:
+        """Buffer ``signal``; False when no rollout waits for its source or its rollout was consumed."""
+        if signal.source not in self._any_signal or signal.rollout_id in self.consumed:
+            return False
+        self._signals.setdefault(signal.rollout_id, {})[signal.source] = signal
+        if signal.rollout_id in self._rollouts:
+            self._check_signals(signal.rollout_id)
+            self._update(signal.rollout_id)
+        return True
+
+    def _check_signals(self, rollout_id: str) -> None:
+        """A signal whose values do not fit its rollout's token layer counts as the teacher's error."""
+        rollout = self._rollouts[rollout_id]
+        held = self._signals.get(rollout_id, {})
+        for source, signal in held.items():
+            if signal.error is None and rollout.status != "error":
+                try:
+                    signal_values(rollout, signal)
+                except BadRollout as exc:
+                    held[source] = msgspec.structs.replace(signal, values={}, error=str(exc))
 
     def set_version(self, version: int) -> None:
         """The weights being trained are now ``version``: drop what became stale."""
@@ -212,6 +273,9 @@ class Joiner:
             self._dropped[rollout_id] = "rollout_error"
         elif any(s.error is not None for s in self._scores.get(rollout_id, {}).values()):
             self._dropped[rollout_id] = "scorer_error"
+        elif any(s.error is not None for name, s in self._signals.get(rollout_id, {}).items()
+                 if name in self.required_signals(rollout_id)):
+            self._dropped[rollout_id] = "signal_error"
 
     # --- state ------------------------------------------------------------------------
 
@@ -219,9 +283,14 @@ class Joiner:
         """The scorers of a buffered rollout's reward: its environment's, else the run's."""
         return self.env_scorers.get(self._rollouts[rollout_id].env, self.scorers)
 
+    def required_signals(self, rollout_id: str) -> set[str]:
+        """The teachers whose signals a buffered rollout waits for: its environment's, else the run's."""
+        return self.env_signals.get(self._rollouts[rollout_id].env, self.signals)
+
     def is_ready(self, rollout_id: str) -> bool:
         return (rollout_id not in self._dropped
-                and self._scores.get(rollout_id, {}).keys() >= self.required(rollout_id).keys())
+                and self._scores.get(rollout_id, {}).keys() >= self.required(rollout_id).keys()
+                and self._signals.get(rollout_id, {}).keys() >= self.required_signals(rollout_id))
 
     def reward(self, rollout_id: str) -> float:
         """The rollout's reward as every reader takes it (:func:`flywheel.sdk.scoring.rollout_reward`)."""
@@ -247,6 +316,16 @@ class Joiner:
                 waiting[name] = waiting.get(name, 0) + 1
         return dict(sorted(waiting.items()))
 
+    def awaited_signals(self) -> dict[str, int]:
+        """Teacher name -> buffered rollouts (not dropped) still waiting for its signal."""
+        waiting: dict[str, int] = {}
+        for rollout_id in self._rollouts:
+            if rollout_id in self._dropped:
+                continue
+            for name in self.required_signals(rollout_id) - self._signals.get(rollout_id, {}).keys():
+                waiting[name] = waiting.get(name, 0) + 1
+        return dict(sorted(waiting.items()))
+
     @property
     def num_buffered(self) -> int:
         """Rollouts held (ready, waiting for scores or for the rest of their group, or dropped)."""
@@ -262,9 +341,10 @@ class Joiner:
         """Scores held whose rollout has not arrived (yet)."""
         return sum(1 for rollout_id in self._scores if rollout_id not in self._rollouts)
 
-    def buffered_events(self) -> list[events.Rollout | events.Score]:
-        """Everything held, to persist: rollouts, then their scores and the orphan ones."""
-        return [*self._rollouts.values(), *(s for by_scorer in self._scores.values() for s in by_scorer.values())]
+    def buffered_events(self) -> list[events.Rollout | events.Score | events.Signal]:
+        """Everything held, to persist: rollouts, then their scores and signals, and the orphan ones."""
+        return [*self._rollouts.values(), *(s for by_scorer in self._scores.values() for s in by_scorer.values()),
+                *(s for by_source in self._signals.values() for s in by_source.values())]
 
     # --- output -----------------------------------------------------------------------
 
@@ -287,7 +367,8 @@ class Joiner:
                 else:
                     rollout = self._rollouts[m]
                     scored.append(Scored(rollout, self.reward(m), self.version - rollout.policy_version,
-                                         {name: self._scores[m][name].value for name in self.required(m)}))
+                                         {name: self._scores[m][name].value for name in self.required(m)},
+                                         {name: self._signals[m][name] for name in self.required_signals(m)}))
             if scored:
                 take.groups.append(scored)
             self._consume(group_id)
@@ -304,5 +385,6 @@ class Joiner:
         for m in self._groups.pop(group_id):
             del self._rollouts[m]
             self._scores.pop(m, None)
+            self._signals.pop(m, None)
             self._dropped.pop(m, None)
             self.consumed.add(m)

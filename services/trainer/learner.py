@@ -23,7 +23,14 @@ answer: :func:`flywheel_trainer.join.environment_mask`), times that weight, to t
 the sampled tokens: the model learns what its environment answers while RL shapes what it
 does, in one backward.
 
-Not covered: KL to a reference model.
+With teachers (``[teachers.<name>]``), an environment's advantage may have a per-token part:
+on-policy distillation (``advantage = {type = "opd", teacher = ...}``) and a KL term
+(``trainer.kl``) each add ``coef`` x (the teacher's logprob - the sampled logprob) to every
+sampled token's advantage, from the teacher's signal the join brought, centered on its mean
+over the step's sampled tokens of the environment (as tinker-cookbook's distillation does: the
+raw gap is mostly negative and would push every sampled token down); ``teacher.<name>.kl``
+is the mean of (sampled - teacher) logprob over those tokens, the per-token estimate of the
+reverse KL the term drives down.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ from flywheel_trainer.advantages import ADVANTAGES
 from flywheel_trainer.batch import Batch, batch_logits, can_share_prefixes, micro_batches, pad, target_logprobs
 from flywheel_trainer.chats import batches, load_examples
 from flywheel_trainer.engines import Engine, TorchEngine
-from flywheel_trainer.join import Scored, Tokens, sequences_of
+from flywheel_trainer.join import Scored, Tokens, sequences_of, signal_values
 from flywheel_trainer.losses import LOSSES
 
 log = logging.getLogger(__name__)
@@ -55,11 +62,13 @@ TokenLoss = Callable[[torch.Tensor, Batch, list[int]], tuple[torch.Tensor, torch
 
 def train_step(engine: Engine, sequences: list[Tokens], advantages: list[float], pad_id: int,
                micro_batch_size: int, temperatures: list[float], token_loss: TokenLoss,
-               echo_weights: list[float] | None = None) -> dict[str, float]:
+               echo_weights: list[float] | None = None,
+               token_advantages: list[list[float]] | None = None) -> dict[str, float]:
     """One optimizer step over ``sequences``, each recomputed at its temperature (what it was
     sampled at); returns the step's figures. ``echo_weights``: by sequence, the weight of the
     mean cross-entropy on its environment tokens (``Tokens.env_mask``) added to the loss on its
-    loss-mask tokens (None: no echo term)."""
+    loss-mask tokens (None: no echo term). ``token_advantages``: by sequence, a per-token part of
+    its advantage, aligned with its tokens (None: none)."""
     started = time.perf_counter()
     num_loss_tokens = sum(sum(s.loss_mask[1:]) for s in sequences)
     num_env_tokens = 0 if echo_weights is None else sum(
@@ -78,7 +87,8 @@ def train_step(engine: Engine, sequences: list[Tokens], advantages: list[float],
     for indices in micro_batches(sequences, micro_batch_size):
         batch = pad([sequences[i] for i in indices], [advantages[i] for i in indices], pad_id, engine.device,
                     [temperatures[i] for i in indices], share_prefixes=share,
-                    echo_weights=None if echo_weights is None else [echo_weights[i] for i in indices])
+                    echo_weights=None if echo_weights is None else [echo_weights[i] for i in indices],
+                    token_advantages=None if token_advantages is None else [token_advantages[i] for i in indices])
         with engine.autocast():
             logits = batch_logits(engine.model, batch)
             logprobs = target_logprobs(logits, batch, batch.temperatures)
@@ -127,37 +137,92 @@ def rl_step(engine: Engine, groups: list[list[Scored]], pad_id: int, cfg: RunCon
     loss_of: list[int] = []  # by sequence: which of loss_fns
     echo_of = {name: cfg.echo_of(env) for name, env in envs.items()}
     echo_weights: list[float] = []  # by sequence
+    terms_of = {name: cfg.token_terms_of(env) for name, env in envs.items()}
+    run_terms = cfg.trainer.advantage.token_terms() + (
+        [(cfg.trainer.kl.teacher, cfg.trainer.kl.coef)] if cfg.trainer.kl is not None else [])
+    token_advantages: list[list[float]] = []  # by sequence, aligned with its tokens
+    envs_of: list[str] = []  # by sequence: its rollout's environment
+    teacher_gap: dict[str, list[float]] = {}  # teacher -> [sum of sampled - teacher logprob, tokens]
     for group in groups:
         env = group[0].rollout.env
         advantage_fn = advantage_fns.get(env, run_advantage)
+        terms = terms_of.get(env, run_terms)
         for scored, advantage in zip(group, advantage_fn([s.reward for s in group]), strict=True):
             # What the rollout was sampled at (a task may set its own); the run's for a rollout
             # that does not say.
             temperature = (scored.rollout.sampling or cfg.sampling).temperature
-            for sequence in sequences_of(scored.rollout):  # one per branch of its trace graph
+            sequences_here = sequences_of(scored.rollout)  # one per branch of its trace graph
+            by_token = _token_terms(scored, sequences_here, terms, teacher_gap)
+            for sequence, per_token in zip(sequences_here, by_token, strict=True):
                 sequences.append(sequence)
                 advantages.append(advantage)
                 temperatures.append(temperature)
                 loss_of.append(loss_index.get(env, 0))
                 echo_weights.append(echo_of.get(env, cfg.trainer.echo))
+                token_advantages.append(per_token)
+                envs_of.append(env)
+
+    _center(sequences, token_advantages, envs_of)
 
     def token_loss(logprobs: torch.Tensor, batch: Batch, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         kinds = [loss_of[i] for i in indices]
+        by_token = batch.advantages_by_token()
         if len(set(kinds)) == 1:
-            return loss_fns[kinds[0]](logprobs, batch.old_logprobs, batch.advantages[:, None])
+            return loss_fns[kinds[0]](logprobs, batch.old_logprobs, by_token)
         per_token = torch.zeros_like(logprobs)
         flags = torch.zeros_like(batch.loss_mask)
         for kind in sorted(set(kinds)):
             rows = torch.tensor([row for row, k in enumerate(kinds) if k == kind], device=logprobs.device)
-            part, part_flags = loss_fns[kind](logprobs[rows], batch.old_logprobs[rows], batch.advantages[rows, None])
+            part, part_flags = loss_fns[kind](logprobs[rows], batch.old_logprobs[rows], by_token[rows])
             per_token = per_token.index_copy(0, rows, part)
             flags[rows] = part_flags.to(flags.dtype)
         return per_token, flags
 
+    any_terms = any(teacher_gap)
     figures = train_step(engine, sequences, advantages, pad_id, micro_batch_size, temperatures, token_loss,
-                         echo_weights if any(w > 0 for w in echo_weights) else None)
+                         echo_weights if any(w > 0 for w in echo_weights) else None,
+                         token_advantages if any_terms else None)
     figures["advantage_abs_mean"] = sum(abs(a) for a in advantages) / len(advantages)
+    for teacher, (gap, count) in teacher_gap.items():
+        # The per-token estimate of KL(policy || teacher) on the sampled tokens: OPD drives it down.
+        figures[f"teacher.{teacher}.kl"] = gap / max(count, 1.0)
     return figures
+
+
+def _center(sequences: list[Tokens], token_advantages: list[list[float]], envs_of: list[str]) -> None:
+    """Subtract from the per-token part of each environment's advantages its mean over the step's
+    sampled tokens of that environment: a baseline, which leaves the expected gradient as it is.
+    The raw term, a logprob gap, is mostly negative (the policy's own samples are likelier under
+    it than under a teacher), so uncentered it pushes nearly every sampled token down at once."""
+    for env in dict.fromkeys(envs_of):
+        rows = [i for i, e in enumerate(envs_of) if e == env]
+        values = [v for i in rows for v, trained in zip(token_advantages[i], sequences[i].loss_mask, strict=True)
+                  if trained]
+        if not values or not any(values):
+            continue
+        mean = sum(values) / len(values)
+        for i in rows:
+            token_advantages[i] = [v - mean if trained else 0.0
+                                   for v, trained in zip(token_advantages[i], sequences[i].loss_mask, strict=True)]
+
+
+def _token_terms(scored: Scored, sequences: list[Tokens], terms: list[tuple[str, float]],
+                 gap: dict[str, list[float]]) -> list[list[float]]:
+    """The per-token part of each of ``scored``'s sequences' advantages: for each (teacher, coef)
+    of ``terms``, ``coef`` x (the teacher's logprob - the sampled logprob) on every sampled token
+    (0 elsewhere); adds each teacher's gap and token count to ``gap``."""
+    out = [[0.0] * len(s.token_ids) for s in sequences]
+    for teacher, coef in terms:
+        totals = gap.setdefault(teacher, [0.0, 0.0])
+        for sequence, teacher_logprobs, per_token in zip(
+                sequences, signal_values(scored.rollout, scored.signals[teacher]), out, strict=True):
+            for j, trained in enumerate(sequence.loss_mask):
+                if trained:
+                    diff = sequence.logprobs[j] - teacher_logprobs[j]
+                    per_token[j] -= coef * diff
+                    totals[0] += diff
+                    totals[1] += 1.0
+    return out
 
 
 def seed_torch(seed: int) -> None:
@@ -185,6 +250,18 @@ def reference_tokens(tok: Any, env: Environment, task: dict[str, Any]) -> Tokens
                   loss_mask=[False] * len(prompt) + [True] * len(answer))
 
 
+def reference_steps(tok: Any, envs: Sequence[Environment], cfg: RunConfig) -> list[list[Tokens]]:
+    """``cfg.sft.steps`` batches of ``cfg.sft.batch_size`` reference answers to learn, the
+    environments (in the config's order) mixed by their weights, tasks in the run's seeded order."""
+    size = cfg.sft.batch_size
+    schedule = cfg.env_schedule(cfg.sft.steps * size)
+    rows = {i: iter(env.load_tasks(schedule.count(i), seed=cfg.task_seed)) for i, env in enumerate(envs)
+            if schedule.count(i)}
+    tasks = [(envs[i], next(rows[i])) for i in schedule]
+    return [[reference_tokens(tok, env, row) for env, row in tasks[step * size:(step + 1) * size]]
+            for step in range(cfg.sft.steps)]
+
+
 def sft_warmup(model: torch.nn.Module, tok: Any, envs: Sequence[Environment], cfg: RunConfig,
                micro_batch_size: int) -> dict[str, float]:
     """``cfg.sft.steps`` steps of cross-entropy on reference answers, with an optimizer of its
@@ -198,12 +275,7 @@ def sft_warmup(model: torch.nn.Module, tok: Any, envs: Sequence[Environment], cf
         drawn = batches(len(examples), size, cfg.task_seed)
         steps = [[examples[i] for i in next(drawn)[1]] for _ in range(cfg.sft.steps)]
     else:
-        schedule = cfg.env_schedule(cfg.sft.steps * size)
-        rows = {i: iter(env.load_tasks(schedule.count(i), seed=cfg.task_seed)) for i, env in enumerate(envs)
-                if schedule.count(i)}
-        tasks = [(envs[i], next(rows[i])) for i in schedule]
-        steps = [[reference_tokens(tok, env, row) for env, row in tasks[step * size:(step + 1) * size]]
-                 for step in range(cfg.sft.steps)]
+        steps = reference_steps(tok, envs, cfg)
     started = time.perf_counter()
     figures: dict[str, float] = {}
     for step, sequences in enumerate(steps):

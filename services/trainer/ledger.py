@@ -5,7 +5,7 @@ Layout under ``<data_dir>/runs/<run>/``::
     metrics.jsonl               one JSON line per step (step 0: the weights before RL), with its wall-clock ``time``
     checkpoint/
       latest, step-*/           the newest checkpoints (flywheel.contract.checkpoints: engine state and weights)
-      journal.jsonl             rollouts and scores received and not yet consumed by a checkpoint
+      journal.jsonl             rollouts, scores and signals received and not yet consumed by a checkpoint
 
 Why a journal: the trainer acknowledges a rollout or score to NATS as soon as it is
 appended here and fsynced, so nothing waits on the bus for the slow path (a step, a
@@ -46,6 +46,7 @@ __all__ = ["CheckpointState", "Checkpoints", "Journal", "MetricsFile", "RunFolde
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+Entry = events.Rollout | events.Score | events.Signal  # what the journal holds: what the join takes in
 
 
 def read_lines(path: Path, decode: Callable[[bytes], T]) -> list[T]:
@@ -75,19 +76,19 @@ class Journal:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._file: BinaryIO | None = None
-        self._decoder: events.Decoder[events.Rollout | events.Score] = events.Decoder(events.Rollout | events.Score)
+        self._decoder: events.Decoder[Entry] = events.Decoder(Entry)
 
-    def replay(self) -> list[events.Rollout | events.Score]:
+    def replay(self) -> list[Entry]:
         return read_lines(self.path, self._decoder.decode)
 
-    def rewrite(self, entries: list[events.Rollout | events.Score]) -> None:
+    def rewrite(self, entries: list[Entry]) -> None:
         """Replace the journal with ``entries`` (what is still unconsumed), atomically."""
         self.close()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(self.path, b"".join(events.encode(e) + b"\n" for e in entries))
         self._file = open(self.path, "ab")
 
-    def append(self, entries: list[events.Rollout | events.Score]) -> None:
+    def append(self, entries: list[Entry]) -> None:
         assert self._file is not None, "Journal.rewrite() opens the journal before the first append()"
         if not entries:
             return

@@ -5,7 +5,9 @@ run folder (:mod:`flywheel_trainer.ledger`) and builds a :class:`Trainer`, which
 durable batch consumers plus one training task under a :class:`flywheel.contract.service.Service`:
 
 - ``trainer-<run>-rollouts`` (``rollouts.<run>.>``) and ``trainer-<run>-scores``
-  (``scores.<run>.>``) feed the :class:`~flywheel_trainer.join.Joiner`. Each batch is
+  (``scores.<run>.>``), and in a run with teachers ``trainer-<run>-signals``
+  (``signals.<run>.>``: their logprobs of each rollout's tokens), feed the
+  :class:`~flywheel_trainer.join.Joiner`. Each batch is
   appended to the journal and fsynced, then acknowledged: received work survives a crash
   without holding acks for the length of a step. A rollout whose token layer can never be
   trained is dead-lettered (:class:`flywheel.contract.bus.Reject`). Once ``max_buffered_rollouts``
@@ -171,7 +173,9 @@ class Trainer:
                              f"{state.trainer_step}), but {folder.checkpoints.folder} holds no checkpoint: restore "
                              "that folder (FLYWHEEL_DATA_DIR) or start a new run")
         scorers, env_scorers = reward_definition(cfg, environments)
+        signals, env_signals = signal_definition(cfg, environments)
         joiner = Joiner(scorers, cfg.trainer.max_off_policy_steps, env_scorers=env_scorers,
+                        signals=signals, env_signals=env_signals,
                         version=resume[1].version if resume else 0,
                         consumed=resume[1].consumed_ids() if resume else ())
         journal = Journal(folder.journal_path)
@@ -179,6 +183,8 @@ class Trainer:
         for entry in replayed:
             if isinstance(entry, events.Rollout):
                 joiner.add_rollout(entry)
+            elif isinstance(entry, events.Signal):
+                joiner.add_signal(entry)
             else:
                 joiner.add_score(entry)
         journal.rewrite(joiner.buffered_events())
@@ -201,12 +207,17 @@ class Trainer:
         # checkpoint says it consumed.
         common: dict[str, Any] = dict(batch_size=o.consumer_batch_size, max_in_flight=o.consumer_max_in_flight,
                                       ack_wait_s=o.ack_wait_s, grace_s=2.0, inactive_threshold_s=3600.0)
-        return [
+        consumers = [
             Consumer(self.bus, stream="ROLLOUTS", durable=f"trainer-{run}-rollouts", filter_subject=f"rollouts.{run}.>",
                      batch_handler=self.on_rollouts, event_type=events.Rollout, **common),
             Consumer(self.bus, stream="SCORES", durable=f"trainer-{run}-scores", filter_subject=f"scores.{run}.>",
                      batch_handler=self.on_scores, event_type=events.Score, **common),
         ]
+        if self.cfg.teachers:
+            consumers.append(Consumer(self.bus, stream="SIGNALS", durable=f"trainer-{run}-signals",
+                                      filter_subject=f"signals.{run}.>", batch_handler=self.on_signals,
+                                      event_type=events.Signal, **common))
+        return consumers
 
     async def on_rollouts(self, deliveries: list[Delivery]) -> None:
         while self.joiner.num_buffered >= self.options.max_buffered_rollouts:
@@ -223,6 +234,10 @@ class Trainer:
 
     async def on_scores(self, deliveries: list[Delivery]) -> None:
         self.journal.append([d.event for d in deliveries if self.joiner.add_score(d.event)])
+        self.arrived.set()
+
+    async def on_signals(self, deliveries: list[Delivery]) -> None:
+        self.journal.append([d.event for d in deliveries if self.joiner.add_signal(d.event)])
         self.arrived.set()
 
     # --- training -----------------------------------------------------------------------
@@ -320,10 +335,12 @@ class Trainer:
             if not done:
                 awaited = self.joiner.awaited_scores()
                 scores = ", ".join(f"{name} ({n})" for name, n in awaited.items()) or "none"
+                teachers = "".join(f", teacher {name} ({n})" for name, n in self.joiner.awaited_signals().items())
                 log.info("run %s: step %d waits for %d done groups (%.0fs so far): %d rollouts buffered, %d of them "
-                         "dropped, %d scores without their rollout; rollouts waiting for a score from: %s",
+                         "dropped, %d scores without their rollout; rollouts waiting for a score from: %s%s",
                          self.cfg.run, self.step + 1, self.cfg.groups_per_step, time.monotonic() - since,
-                         self.joiner.num_buffered, self.joiner.num_dropped, self.joiner.num_orphan_scores, scores)
+                         self.joiner.num_buffered, self.joiner.num_dropped, self.joiner.num_orphan_scores, scores,
+                         teachers)
         return None
 
     async def _checkpoint(self, engine: Engine, data: bytes) -> None:
@@ -338,7 +355,9 @@ class Trainer:
         """Put the weights in the object store and announce them: the step's ``figures`` for people,
         and every rollout dropped so far (stale, scorer or rollout error) as ``num_dropped_total``,
         on which inference's admission gives their allowance back and the run's owner replaces them."""
-        if self.cfg.evals_at(self.step):  # kept until its evals are done, whatever weight_versions_kept says
+        # Kept whatever weight_versions_kept says: until its evals are done, or for the run's life
+        # when a teacher serves it.
+        if self.cfg.evals_at(self.step) or self.version in self.cfg.teacher_versions:
             await pin_version(self.bus, self.cfg.run, self.version)
         uri, sha256, size_bytes = await weights.put(self.bus, self.cfg.run, self.version, data)
         await self.bus.publish(events.WeightUpdate(
@@ -374,6 +393,17 @@ class Trainer:
                 self._held.discard(version)
 
 
+def signal_definition(cfg: RunConfig, environments: dict[str, RunEnvironment]
+                      ) -> tuple[list[str], dict[str, list[str]]]:
+    """The teachers a rollout waits for, as the joiner takes them (as :func:`reward_definition`
+    gives the scorers): for one environment, its teachers and no per-environment table; for
+    several, each one's by its name in subjects."""
+    by_env = {name: cfg.teachers_of(found.config) for name, found in environments.items()}
+    if len(by_env) == 1:
+        return next(iter(by_env.values())), {}
+    return [], by_env
+
+
 def take_figures(take: Take, joiner: Joiner) -> dict[str, float]:
     """The step's data figures: rewards, each scorer's mean (``scores.<name>``: metrics of
     weight 0 included), staleness, drops by reason, what is still buffered; in a run with
@@ -402,6 +432,7 @@ def take_figures(take: Take, joiner: Joiner) -> dict[str, float]:
         "num_dropped_stale": float(take.num_dropped("stale")),
         "num_dropped_scorer_error": float(take.num_dropped("scorer_error")),
         "num_dropped_rollout_error": float(take.num_dropped("rollout_error")),
+        "num_dropped_signal_error": float(take.num_dropped("signal_error")),
         "staleness_mean": sum(staleness) / len(staleness),
         "staleness_max": float(max(staleness)),
         "num_buffered": float(joiner.num_buffered),

@@ -3,7 +3,9 @@
 
 It trains the run config's model (``model.name``) with its engine (``trainer.engine``) for
 ``[sft]`` ``steps`` steps of ``batch_size`` examples at ``lr``, cross-entropy on what the
-assistant says, on a JSON Lines file (``sft.data``, or ``--data``). Each line is one of:
+assistant says, on a JSON Lines file (``sft.data``, or ``--data``), or without one on the run's
+environments' reference answers (as the warm-up of a training run learns them: a quick way to
+make a teacher). Each line of a file is one of:
 
 - a chat, ``{"messages": [...]}`` in the OpenAI chat shape (``tools`` beside them when its
   calls need them): every assistant message is learned, in the context of the messages
@@ -30,7 +32,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +42,11 @@ from flywheel.contract.service import setup_logging
 from flywheel.contract.settings import Settings
 from flywheel.ops.run import config_with, parse_sets, save_plot
 from flywheel.sdk import models
+from flywheel.sdk.environment import EnvironmentLoadError, load_run_environments
 from flywheel_trainer.chats import DataError, batches, load_examples
 from flywheel_trainer.engines import build_engine
-from flywheel_trainer.learner import seed_torch, sft_step
+from flywheel_trainer.join import Tokens
+from flywheel_trainer.learner import reference_steps, seed_torch, sft_step
 from flywheel_trainer.ledger import RunFolder
 
 
@@ -60,8 +64,9 @@ def plot_loss(steps: Sequence[Mapping[str, Any]], path: Path, title: str) -> Pat
     return save_plot(fig, ax, path, title, "step", "cross-entropy per learned token")
 
 
-def run(cfg: RunConfig, data_dir: Path, data: Path, micro_batch_size: int) -> dict[str, Any]:
-    """The job (see the module's docstring); its summary."""
+def run(cfg: RunConfig, data_dir: Path, data: Path | None, micro_batch_size: int) -> dict[str, Any]:
+    """The job (see the module's docstring); its summary. ``data`` None: the environments'
+    reference answers."""
     assert cfg.sft.steps > 0
     folder = RunFolder(data_dir, cfg.run, cfg.trainer.keep_checkpoints)
     if folder.checkpoints.latest() is not None or folder.metrics.path.exists():
@@ -70,18 +75,27 @@ def run(cfg: RunConfig, data_dir: Path, data: Path, micro_batch_size: int) -> di
     started = time.perf_counter()
     seed_torch(cfg.task_seed)
     model, tok = models.load_model(models.resolve_model(cfg.model.name, data_dir), "float32")
-    examples = load_examples(data, tok, getattr(model.config, "max_position_embeddings", None))
+    if data is not None:
+        examples = load_examples(data, tok, getattr(model.config, "max_position_embeddings", None))
+        source = f"{len(examples)} examples from {data}"
+        drawn = batches(len(examples), cfg.sft.batch_size, cfg.task_seed)
+        steps: Iterator[tuple[int, list[Tokens]]] = ((epoch, [examples[i] for i in indices])
+                                                     for epoch, indices in drawn)
+    else:
+        envs = [found.env for found in load_run_environments(cfg).values()]
+        source = f"the reference answers of {cfg.env_ids}"
+        examples = [t for batch in reference_steps(tok, envs, cfg) for t in batch]
+        steps = ((0, examples[i:i + cfg.sft.batch_size]) for i in range(0, len(examples), cfg.sft.batch_size))
     folder.root.mkdir(parents=True, exist_ok=True)
     (folder.root / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2) + "\n")
     engine = build_engine(model, cfg.trainer.model_copy(update={"lr": cfg.sft.lr}), cfg.model.dtype)
-    print(f"sft {cfg.run}: {len(examples)} examples from {data}, {cfg.sft.steps} steps of {cfg.sft.batch_size}, "
-          f"model {cfg.model.name}; run folder {folder.root}", flush=True)
+    print(f"sft {cfg.run}: {source}, {cfg.sft.steps} steps of {cfg.sft.batch_size}, model {cfg.model.name}; run "
+          f"folder {folder.root}", flush=True)
 
     lines: list[dict[str, Any]] = []
-    drawn = batches(len(examples), cfg.sft.batch_size, cfg.task_seed)
     for step in range(1, cfg.sft.steps + 1):
-        epoch, indices = next(drawn)
-        figures = sft_step(engine, [examples[i] for i in indices], tok.pad_token_id, micro_batch_size)
+        epoch, sequences = next(steps)
+        figures = sft_step(engine, sequences, tok.pad_token_id, micro_batch_size)
         line = {"step": step, "version": step, "epoch": epoch, "loss": figures["loss"],
                 "num_loss_tokens": figures["num_loss_tokens"], "num_tokens": figures["num_tokens"],
                 "grad_norm": figures["grad_norm"], "step_s": figures["step_s"],
@@ -94,7 +108,8 @@ def run(cfg: RunConfig, data_dir: Path, data: Path, micro_batch_size: int) -> di
             folder.checkpoints.write(CheckpointState(step=step, version=step), engine.weights(), engine.save)
     k = max(1, len(lines) // 4)
     summary = {
-        "run": cfg.run, "kind": "sft", "model": cfg.model.name, "data": str(data), "examples": len(examples),
+        "run": cfg.run, "kind": "sft", "model": cfg.model.name, "data": str(data) if data else "reference answers",
+        "examples": len(examples),
         "steps": len(lines), "epochs": lines[-1]["epoch"] + 1,
         "loss_first": sum(s["loss"] for s in lines[:k]) / k, "loss_last": sum(s["loss"] for s in lines[-k:]) / k,
         "window_steps": k, "elapsed_s": time.perf_counter() - started, "run_dir": str(folder.root),
@@ -111,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                     "export; writes the run folder (checkpoints, metrics, summary, loss plot). Other settings come "
                     "from FLYWHEEL_* environment variables.")
     parser.add_argument("config", help="the run config (TOML): model, [sft], trainer.engine and checkpoints")
-    parser.add_argument("--data", help="the JSON Lines file (default: sft.data of the config)")
+    parser.add_argument("--data", help="the JSON Lines file (default: sft.data of the config; neither: the "
+                                       "environments' reference answers, as the warm-up learns them)")
     parser.add_argument("--run-id", help="the job's run id (default: the config's run)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config value, e.g. --set sft.steps=50 (JSON values; repeatable)")
@@ -122,14 +138,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
     data = args.data or cfg.sft.data
-    if not data:
-        parser.error("give the examples: --data FILE.jsonl, or sft.data in the config")
     if not cfg.sft.steps:
         parser.error("sft.steps is 0: give the number of steps (--set sft.steps=200)")
     setup_logging(settings.log_level)
     try:
-        summary = run(cfg, Path(settings.data_dir), Path(data), settings.trainer.micro_batch_size)
-    except (DataError, ValueError) as exc:
+        summary = run(cfg, Path(settings.data_dir), Path(data) if data else None, settings.trainer.micro_batch_size)
+    except (DataError, EnvironmentLoadError, ValueError) as exc:
         print(f"flywheel sft: error: {exc}", file=sys.stderr)
         return 2
     print("\n".join(f"  {k.ljust(12)}  {v:.4f}" if isinstance(v, float) else f"  {k.ljust(12)}  {v}"

@@ -56,7 +56,10 @@ def test_unknown_fields_are_ignored_and_new_fields_have_defaults() -> None:
 
 def test_every_field_added_after_version_1_has_a_default() -> None:
     for tag, cls in events.EVENT_TYPES.items():
-        v1_fields = next(set(e) for e in V1["json"] if e["type"] == tag)
+        stored = [set(e) for e in V1["json"] if e["type"] == tag]
+        if not stored:  # a kind of event added later (Signal): its required fields are those of its first version
+            continue
+        v1_fields = stored[0]
         info = msgspec.inspect.type_info(cls)
         assert isinstance(info, msgspec.inspect.StructType)
         for f in info.fields:

@@ -32,7 +32,7 @@ def test_leave_one_out_uses_the_mean_of_the_others() -> None:
     # n/(n-1) times the group-mean advantage
     rewards = [0.2, 0.9, 0.4, 0.5]
     assert leave_one_out(rewards) == pytest.approx([a * 4 / 3 for a in group_mean(rewards)])
-    assert set(ADVANTAGES) == {"group_mean", "leave_one_out"}
+    assert set(ADVANTAGES) == {"group_mean", "leave_one_out", "opd"}
 
 
 def grad_of(loss_name: str, ratio: float, advantage: float, eps: float = 0.2) -> tuple[float, bool]:
@@ -205,7 +205,8 @@ def test_the_config_variants_and_the_trainer_registries_agree(field: str, regist
     assert set(parts) - {BY_PATH} == set(registry)
     for name, variant in parts.items():
         if name != BY_PATH:
-            variant.check_call(registry[name], variant.model_validate({}).kwargs())
+            required = {"teacher": "t"} if name == "opd" else {}  # a field without a default
+            variant.check_call(registry[name], variant.model_validate(required).kwargs())
 
 
 def test_a_users_engine_has_the_methods_of_the_trainers_engine() -> None:
@@ -283,3 +284,55 @@ def test_each_environment_takes_its_own_echo_weight() -> None:
                                 "envs": [{"id": "a"}, {"id": "b"}]})
     assert "echo_loss" not in rl_step(RecordingEngine(Bigram()), groups, 0, unechoed, 2,
                                       {env.id: env for env in unechoed.environments})
+
+
+def test_opd_gives_each_sampled_token_the_teachers_logprob_less_the_sampled_one_centered() -> None:
+    """OPD's per-token advantage, coef x (teacher - sampled logprob) less its mean over the step's
+    sampled tokens, trains like that advantage given by hand; rewards mix in by reward_weight, and
+    a KL term adds its own part."""
+    from flywheel.contract.config import RunConfig
+    from flywheel_trainer.join import Scored, sequences_of
+    from flywheel_trainer.learner import rl_step
+    from tests.unit.test_trainer_join import make_rollout, make_signal
+
+    rollouts = [make_rollout(f"r{i}", "g", index=i, completion=[5 + i, 6 + i], logprobs=[-1.0, -1.0])
+                for i in range(2)]
+    seqs = [s for r in rollouts for s in sequences_of(r)]
+
+    def groups(shift: float = 0.0) -> list[list[Scored]]:
+        """The teacher likes r0's tokens more than the policy did (-0.5 against -1) and r1's less (-1.5)."""
+        return [[Scored(r, reward, 0, signals={"t": make_signal(r, value=value + shift)})
+                 for r, reward, value in zip(rollouts, (1.0, 0.0), (-0.5, -1.5), strict=True)]]
+
+    def grads_of_rl(trainer: dict, shift: float = 0.0) -> tuple[list[torch.Tensor], dict[str, float]]:
+        teachers = {"teachers": {"t": {"model": "m"}}} if trainer else {}
+        cfg = RunConfig.parse({"run": "r", "env": "reverse_text", "group_size": 2, **teachers,
+                               "trainer": {"batch_size": 2, **trainer}})
+        engine = RecordingEngine(Bigram())
+        figures = rl_step(engine, groups(shift), 0, cfg, 2, {"reverse_text": cfg.environments[0]})
+        return engine.grads, figures
+
+    def grads_by_hand(advantages: list[float]) -> list[torch.Tensor]:
+        engine = RecordingEngine(Bigram())
+        train_step(engine, seqs, advantages, 0, 2, [1.0, 1.0], policy_gradient)
+        return engine.grads
+
+    def same(x: list[torch.Tensor], y: list[torch.Tensor]) -> bool:
+        return all(torch.allclose(a, b, atol=1e-6) for a, b in zip(x, y, strict=True))
+
+    # r0's tokens +0.5, r1's -0.5 (their mean is 0), whatever the rewards.
+    grads, figures = grads_of_rl({"advantage": {"type": "opd", "teacher": "t"}})
+    assert same(grads, grads_by_hand([0.5, -0.5]))
+    assert figures["teacher.t.kl"] == pytest.approx(0.0) and figures["advantage_abs_mean"] == 0.0
+    # Centered: a teacher that likes every token 2 nats less trains the same (its kl figure says so).
+    shifted, figures = grads_of_rl({"advantage": {"type": "opd", "teacher": "t"}}, shift=-2.0)
+    assert same(shifted, grads) and figures["teacher.t.kl"] == pytest.approx(2.0)
+    # With the rewards' group-mean advantage (+-0.5) at weight 1: 1.0 and -1.0.
+    grads, _ = grads_of_rl({"advantage": {"type": "opd", "teacher": "t", "coef": 1.0, "reward_weight": 1.0}})
+    assert same(grads, grads_by_hand([1.0, -1.0]))
+    # GRPO with a KL term toward the teacher: +-0.5 plus 0.2 x +-0.5.
+    grads, figures = grads_of_rl({"kl": {"teacher": "t", "coef": 0.2}})
+    assert same(grads, grads_by_hand([0.6, -0.6])) and "teacher.t.kl" in figures
+    # Without teachers a step has no per-token part and no teacher figure.
+    grads, figures = grads_of_rl({})
+    assert same(grads, grads_by_hand([0.5, -0.5])) and not any(k.startswith("teacher.") for k in figures)

@@ -7,6 +7,7 @@ import them from here.
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from flywheel.contract import events
@@ -189,7 +190,8 @@ def test_tokens_are_the_spans_in_node_order() -> None:
     assert tokens.loss_mask == [False, False, False, True, True]
 
 
-def test_a_branching_rollout_trains_each_branch_and_each_sampled_token_once() -> None:
+def branching_rollout() -> events.Rollout:
+    """A question, an answer, a tool's result, a second answer; and a retry of the first answer."""
     from flywheel.sdk.tracegraph import TraceGraph
 
     def span(ids: list[int], sampled: bool) -> events.TokenSpan:
@@ -202,8 +204,11 @@ def test_a_branching_rollout_trains_each_branch_and_each_sampled_token_once() ->
     tool, _ = g.add(first.id, events.Message(role="tool", content="t"), span([5], False))
     g.add(tool.id, events.Message(role="assistant", content="b"), span([6], True))
     g.add(user.id, events.Message(role="assistant", content="retry"), span([7], True))  # a retry: a sibling
-    rollout = events.Rollout(run="r", env="e", task_id="t", group_id="t", nodes=g.ordered())
-    seqs = sequences_of(rollout)
+    return events.Rollout(run="r", env="e", task_id="t", group_id="t", nodes=g.ordered())
+
+
+def test_a_branching_rollout_trains_each_branch_and_each_sampled_token_once() -> None:
+    seqs = sequences_of(branching_rollout())
     assert [s.token_ids for s in seqs] == [[1, 2, 3, 4, 5, 6], [1, 2, 7]]
     assert [s.loss_mask for s in seqs] == [[False, False, True, True, False, True], [False, False, True]]
     # Echo's tokens: the tool's answer after the first sampled one; the prompt is not the environment's answer.
@@ -266,3 +271,70 @@ def test_a_rollout_waits_only_for_its_own_environments_scorers() -> None:
     assert take is not None and [s.reward for s in take.groups[0]] == [0.5, 2.0]
     with pytest.raises(ValueError, match=r"env_scorers\['a'\]: at least one scorer"):
         Joiner({"x": 1.0}, max_off_policy_steps=1, env_scorers={"a": {}})
+
+
+def make_signal(rollout: events.Rollout, source: str = "t", value: float = -0.5,
+                error: str | None = None) -> events.Signal:
+    """A teacher's signal on ``rollout``: ``value`` on each sampled token of each node that has one."""
+    values = {n.id: [value if m else 0.0 for m in n.tokens.loss_mask] for n in rollout.nodes
+              if n.tokens is not None and any(n.tokens.loss_mask)} if error is None else {}
+    return events.Signal(id=f"{rollout.id}.{source}", run=rollout.run, env=rollout.env, rollout_id=rollout.id,
+                         group_id=rollout.group_id, source=source, values=values, error=error)
+
+
+def test_a_rollout_whose_environment_reads_a_teacher_waits_for_its_signal() -> None:
+    joiner = Joiner({"exact": 1.0}, max_off_policy_steps=1, signals=["t"])
+    a, b = make_rollout("a", "g"), make_rollout("b", "g", index=1)
+    for r in (a, b):
+        joiner.add_rollout(r)
+        joiner.add_score(make_score(r, "exact", 1.0))
+    assert joiner.take(1) is None
+    assert joiner.awaited_signals() == {"t": 2} and joiner.awaited_scores() == {}
+    assert not joiner.add_signal(make_signal(a, source="other"))  # a source no rollout reads
+    assert joiner.add_signal(make_signal(a)) and joiner.add_signal(make_signal(b))
+    take = joiner.take(1)
+    assert take is not None and [s.signals["t"].id for s in take.groups[0]] == ["a.t", "b.t"]
+    assert not joiner.add_signal(make_signal(a))  # consumed: a late copy is ignored
+
+
+def test_a_teachers_error_or_a_signal_that_does_not_fit_drops_the_rollout() -> None:
+    joiner = Joiner({"exact": 1.0}, max_off_policy_steps=1, signals=["t"])
+    a, b, c = (make_rollout(x, "g", index=i, group_size=3) for i, x in enumerate("abc"))
+    joiner.add_signal(make_signal(a, error="too long for the teacher's context"))  # before its rollout
+    misfit = msgspec.structs.replace(make_signal(b), values={b.nodes[-1].id: [0.0]})  # 1 value for 2 tokens
+    joiner.add_signal(misfit)
+    joiner.add_signal(make_signal(c))
+    for r in (a, b, c):
+        joiner.add_rollout(r)
+        joiner.add_score(make_score(r, "exact", 1.0))
+    take = joiner.take(1)
+    assert take is not None and take.dropped == {"a": "signal_error", "b": "signal_error"}
+    assert [s.rollout.id for s in take.groups[0]] == ["c"]
+
+
+def test_each_environment_waits_for_its_own_teachers_and_signals_are_journaled() -> None:
+    joiner = Joiner({"exact": 1.0}, max_off_policy_steps=1, env_scorers={"x": {"exact": 1.0}, "y": {"exact": 1.0}},
+                    env_signals={"x": ["t"], "y": []})
+    x, y = make_rollout("x1", "gx", env="x", group_size=1), make_rollout("y1", "gy", env="y", group_size=1)
+    for r in (x, y):
+        joiner.add_rollout(r)
+        joiner.add_score(make_score(r, "exact", 0.5))
+    take = joiner.take(1)
+    assert take is not None and take.groups[0][0].rollout.id == "y1"  # y reads no teacher
+    joiner.add_signal(make_signal(x))
+    assert [type(e).__name__ for e in joiner.buffered_events()] == ["Rollout", "Score", "Signal"]
+    assert joiner.take(1) is not None
+
+
+def test_signal_values_follow_the_sequences_of_a_branching_rollout() -> None:
+    from flywheel_trainer.join import signal_values
+
+    rollout = branching_rollout()
+    signal = make_signal(rollout, value=-0.25)
+    seqs = sequences_of(rollout)
+    laid = signal_values(rollout, signal)
+    assert [len(v) for v in laid] == [len(s.token_ids) for s in seqs]
+    for seq, values in zip(seqs, laid, strict=True):
+        # Every token trained in a sequence has the teacher's value; what is context there has
+        # its node's values too (its own branch trains it), and prompts 0.
+        assert all(v == -0.25 for v, m in zip(values, seq.loss_mask, strict=True) if m)

@@ -71,6 +71,7 @@ STREAMS: dict[str, list[str]] = {
     "ROLLOUTS": ["rollouts.>"],
     "TRACES": ["traces.>"],
     "SCORES": ["scores.>"],
+    "SIGNALS": ["signals.>"],
     "WEIGHTS": ["weights.>"],
     "DEAD": ["dead.>"],
 }

@@ -194,6 +194,11 @@ class AdvantagePart(Part):
     FIELD: ClassVar[str] = "trainer.advantage"
     CALL: ClassVar[tuple[str, ...]] = ("rewards",)
 
+    def token_terms(self) -> list[tuple[str, float]]:
+        """The per-token terms it adds to each sampled token's advantage: (teacher, coef), each
+        ``coef`` x (the teacher's logprob - the sampled logprob); none for a rewards-only part."""
+        return []
+
 
 class GroupMeanAdvantage(AdvantagePart):
     """The group's mean reward is each rollout's baseline (GRPO)."""
@@ -209,6 +214,28 @@ class LeaveOneOutAdvantage(AdvantagePart):
     normalize_std: bool = Field(False, description="divide the advantages by the std of the group's rewards")
 
 
+class OnPolicyDistillation(AdvantagePart):
+    """On-policy distillation: each sampled token's advantage is ``coef`` x (the teacher's logprob
+    of it minus the one the policy sampled it with: the negative of a per-token estimate of the
+    reverse KL to the teacher), less that term's mean over the step's sampled tokens (a baseline),
+    plus ``reward_weight`` x the group-mean advantage of the rewards."""
+
+    type: Literal["opd"] = Field("opd", description="picks this variant")
+    teacher: str = Field(description="the teacher (a [teachers.<name>] table) whose logprobs it distills")
+    coef: float = Field(1.0, gt=0, allow_inf_nan=False, description="weight of the teacher's per-token term")
+    reward_weight: float = Field(0.0, ge=0, allow_inf_nan=False,
+                                 description="weight of the rewards' group-mean advantage added to every token "
+                                             "(0: distillation alone)")
+    normalize_std: bool = Field(False, description="divide the rewards' part by the std of the group's rewards")
+
+    def token_terms(self) -> list[tuple[str, float]]:
+        return [(self.teacher, self.coef)]
+
+    def kwargs(self) -> dict[str, Any]:
+        """The rewards' part only: the per-token term is the trainer's (:meth:`token_terms`)."""
+        return self.model_dump(exclude={"type", "teacher", "coef"})
+
+
 class AdvantageFromPath(FromPath, AdvantagePart):
     """Your own advantage: a function of one group's rewards (in group order) that returns one
     advantage per rollout."""
@@ -217,6 +244,7 @@ class AdvantageFromPath(FromPath, AdvantagePart):
 AdvantageConfig = Annotated[
     Annotated[GroupMeanAdvantage, Tag("group_mean")]
     | Annotated[LeaveOneOutAdvantage, Tag("leave_one_out")]
+    | Annotated[OnPolicyDistillation, Tag("opd")]
     | Annotated[AdvantageFromPath, Tag(BY_PATH)],
     Discriminator(_tag), BeforeValidator(_by_name)]
 
@@ -412,6 +440,53 @@ class SFTConfig(_Section):
                                                "the environment's reference answers)")
 
 
+TEACHER_NAME = re.compile(r"[-_a-zA-Z0-9]{1,64}")
+
+
+class TeacherConfig(_Section):
+    """``[teachers.<name>]``: a model inference hosts for the run and never trains. Its logprobs of
+    the tokens the policy sampled, each in the context it was sampled in, reach the trainer as a
+    signal beside the rewards (on the SIGNALS stream): on-policy distillation
+    (``advantage = {type = "opd", teacher = "<name>"}``) and a KL term (``trainer.kl``) read it."""
+
+    model: str = Field(description="what it runs: a model as model.name takes it ('tiny', a local Hugging Face "
+                                   "folder such as `flywheel export` writes, a hub id), or 'policy': the run's own "
+                                   "weights (see version)")
+    version: int | None = Field(None, ge=0, description="with model = 'policy': the weights version it serves (0: "
+                                "the weights the run starts from, after any warm-up: the reference of a KL term); "
+                                "unset: the newest, following the run as it trains")
+    context: str | None = Field(None, description="privileged context only the teacher sees (self-distillation): a "
+                                "system message put first in the task's prompt, where {answer} becomes the "
+                                "environment's reference answer for the task; unset: the student's own context")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="dtype of its weights")
+    max_batch_size: int = Field(32, ge=1, description="sequences it scores in one forward pass")
+
+    @model_validator(mode="after")
+    def _check(self) -> TeacherConfig:
+        if not self.model.strip():
+            raise ValueError("model: give a model ('tiny', a folder, a hub id) or 'policy'")
+        if self.version is not None and self.model != "policy":
+            raise ValueError(f"version={self.version}: only a teacher of model = 'policy' (the run's own weights) "
+                             f"has versions; model={self.model!r} is fixed")
+        if self.context is not None:
+            try:
+                self.context.format(answer="")
+            except (KeyError, IndexError, ValueError) as exc:
+                raise ValueError(f"context: {{answer}} is the only field it may name (write {{{{ and }}}} for "
+                                 f"braces): {exc!r}") from None
+        return self
+
+
+class KLConfig(_Section):
+    """A KL term toward a teacher: each sampled token's advantage gets ``-coef`` x (the sampled
+    logprob - the teacher's), the per-token estimate of the KL to it, less the term's mean over
+    the step's sampled tokens; with the teacher ``{model = "policy", version = 0}``, a KL to the
+    weights the run starts from."""
+
+    teacher: str = Field(description="the teacher (a [teachers.<name>] table) it keeps the policy near")
+    coef: float = Field(0.05, gt=0, allow_inf_nan=False, description="the term's weight")
+
+
 class TrainerConfig(_Section):
     """The RL algorithm and its optimizer."""
 
@@ -422,6 +497,8 @@ class TrainerConfig(_Section):
                         description="Echo: the weight of the mean cross-entropy on environment tokens (tool "
                                     "results and user turns after the model's first answer: the spans it did not "
                                     "sample) added to the RL loss on the sampled ones, whose weight is 1; 0: off")
+    kl: KLConfig | None = Field(None, description="a KL term toward a teacher ({teacher = \"reference\", coef = "
+                                "0.05}), added to every sampled token's advantage; unset: none")
     engine: EngineConfig = Field(TorchEngineConfig(), description="where the model and optimizer live, and how a "
                                                                   "step updates them")
     lr: float = Field(1e-3, ge=0, description="learning rate (AdamW)")
@@ -506,6 +583,7 @@ class EnvConfig(_Section):
     loss: LossConfig | None = Field(None, description="its own loss (a part, as trainer.loss); unset: trainer.loss")
     echo: float | None = Field(None, ge=0, allow_inf_nan=False,
                                description="its own echo weight (as trainer.echo); unset: trainer.echo")
+    kl: KLConfig | None = Field(None, description="its own KL term (as trainer.kl); unset: trainer.kl")
 
     @model_validator(mode="after")
     def _check(self) -> EnvConfig:
@@ -590,6 +668,9 @@ class RunConfig(_Section):
                                    description="the RL algorithm (advantage, loss) and where and how it trains "
                                                "(engine, optimizer, steps)")
     inference: InferenceConfig = Field(InferenceConfig(), description="how inference hosts the run's policy")
+    teachers: dict[str, TeacherConfig] = Field(default_factory=dict, description="models inference hosts for the "
+                                               "run and never trains, by name: their logprobs of the policy's "
+                                               "samples are signals for on-policy distillation and KL terms")
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
@@ -600,6 +681,7 @@ class RunConfig(_Section):
                              f"group_size={self.group_size}: a step trains on whole groups")
         self._check_envs()
         self._check_evals()
+        self._check_teachers()
         for name, weight in self.scorers.items():
             if weight < 0:
                 raise ValueError(f"scorers.{name}={weight}: weights are not negative")
@@ -631,6 +713,51 @@ class RunConfig(_Section):
                              "each of several")
         elif not self.env or any(c.isspace() for c in self.env):
             raise ValueError(f"env={self.env!r}: give an environment id, e.g. reverse_text or owner/name@1.0")
+
+    def _check_teachers(self) -> None:
+        for name in self.teachers:
+            if not TEACHER_NAME.fullmatch(name):
+                raise ValueError(f"teachers.{name}: a teacher's name is 1 to 64 letters, digits, '-' or '_' (it "
+                                 "names its signals' subjects)")
+        named: set[str] = set()
+        for where, env in self._env_fields():
+            for field, teacher in self._teacher_refs(where, env):
+                if teacher not in self.teachers:
+                    have = ", ".join(self.teachers) or "none"
+                    raise ValueError(f"{field}: teacher {teacher!r} is not a [teachers.<name>] table of the run "
+                                     f"(it has {have}); add [teachers.{teacher}] with its model")
+                named.add(teacher)
+        unused = [name for name in self.teachers if name not in named]
+        if unused:
+            raise ValueError(f"teachers.{unused[0]}: no advantage (type = \"opd\") or kl term names it, so its "
+                             "signals would go unread; name it or remove the table")
+
+    def _teacher_refs(self, where: str, env: EnvConfig) -> list[tuple[str, str]]:
+        """(field, teacher) for each teacher ``env``'s training reads, with where it is named."""
+        refs = []
+        advantage_at = f"{where}advantage" if env.advantage is not None else "trainer.advantage"
+        refs += [(f"{advantage_at}.teacher", teacher) for teacher, _ in self.advantage_of(env).token_terms()]
+        kl = self.kl_of(env)
+        if kl is not None:
+            refs.append((f"{where}kl.teacher" if env.kl is not None else "trainer.kl.teacher", kl.teacher))
+        return refs
+
+    def token_terms_of(self, env: EnvConfig) -> list[tuple[str, float]]:
+        """The per-token terms of ``env``'s advantages, (teacher, coef) each: ``coef`` x (the
+        teacher's logprob - the sampled logprob) on every sampled token (its advantage's, then
+        its KL term's)."""
+        kl = self.kl_of(env)
+        return self.advantage_of(env).token_terms() + ([(kl.teacher, kl.coef)] if kl is not None else [])
+
+    @property
+    def teacher_versions(self) -> set[int]:
+        """Versions of the run's own weights its teachers serve (``model = "policy"``, ``version``
+        set), which the trainer keeps for the run's life."""
+        return {t.version for t in self.teachers.values() if t.model == "policy" and t.version is not None}
+
+    def teachers_of(self, env: EnvConfig) -> list[str]:
+        """The teachers whose signals ``env``'s rollouts wait for before they are trained."""
+        return list(dict.fromkeys(teacher for teacher, _ in self.token_terms_of(env)))
 
     def _check_evals(self) -> None:
         repeat = _repeat([spec.label for spec in self.evals])
@@ -704,6 +831,9 @@ class RunConfig(_Section):
 
     def echo_of(self, env: EnvConfig) -> float:
         return env.echo if env.echo is not None else self.trainer.echo
+
+    def kl_of(self, env: EnvConfig) -> KLConfig | None:
+        return env.kl if env.kl is not None else self.trainer.kl
 
     def sampling_of(self, env: EnvConfig) -> SamplingConfig:
         """The sampling of ``env``'s tasks: the run's ``[sampling]`` with the keys the

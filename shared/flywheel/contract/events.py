@@ -40,7 +40,9 @@ Schema evolution (tested against stored encodings of version 1 in tests/unit/dat
     recomputes logprobs at (None on older rollouts: their readers take the run's); version 7
     added the run owner's notes (``RunState.notes``, ``num_notes``); version 8 added the
     reward of each environment of a run with several (``RunState.env_scorers``), the weight
-    versions kept for its evals (``RunState.pinned_versions``) and the status ``paused``.
+    versions kept for its evals (``RunState.pinned_versions``) and the status ``paused``;
+    version 10 added :class:`Signal` (a teacher's logprobs of a rollout's tokens) on the
+    SIGNALS stream.
 
 Identities
     ``run`` (a training or eval run, owned by a ``tenant``), ``task`` (one row of a task
@@ -73,7 +75,7 @@ from typing import Any, Generic, Literal, TypeVar, overload
 
 import msgspec
 
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 
 JSON = "application/json"
 MSGPACK = "application/msgpack"
@@ -359,6 +361,38 @@ class Score(Event, frozen=True, kw_only=True, tag="score"):
         return f"scores.{self.run}.{self.env}.{self.scorer}"
 
 
+class Signal(Event, frozen=True, kw_only=True, tag="signal"):
+    """Per-token values for one rollout from one source: a teacher's logprobs of the tokens the
+    policy sampled, each in exactly the context it was sampled in.
+
+    Sent by: teachers (hosted by inference). Read by: trainer, which joins them with rollouts as
+    it joins scores. Subject: ``signals.<run>.<env>.<source>``, where ``source`` is the
+    teacher's name in the run config (``[teachers.<name>]``). ``values`` maps the id of each
+    node of the rollout's trace graph that holds sampled tokens to one value per token of
+    that node's span (aligned with its ``token_ids``; a token the policy did not sample has
+    0.0). A node's context is the branch from its root, the same in every branch that shares
+    it, so a node's values do not depend on the branch it is read in. ``temperature`` is the
+    one the values were computed at (the rollout's sampling temperature), ``model`` what
+    computed them (a model and, for the policy's own weights, ``@v<version>``). ``error`` is
+    set (and ``values`` empty) when the source could not compute them for this rollout; readers
+    then treat the rollout as unusable, as for a scorer's error. The event id is
+    ``<rollout>.<source>``.
+    """
+
+    run: str
+    env: str
+    rollout_id: str
+    group_id: str
+    source: str
+    values: dict[str, list[float]] = {}
+    temperature: float = 1.0
+    model: str = ""
+    error: str | None = None
+
+    def subject(self) -> str:
+        return f"signals.{self.run}.{self.env}.{self.source}"
+
+
 class WeightUpdate(Event, frozen=True, kw_only=True, tag="weight_update"):
     """New policy weights are available, with what the trainer tells the run.
 
@@ -486,11 +520,11 @@ class ServiceHeartbeat(_Struct, frozen=True, kw_only=True):
     info: dict[str, Any] = {}
 
 
-AnyEvent = Task | Rollout | TraceNode | Score | WeightUpdate | DeadLetter
+AnyEvent = Task | Rollout | TraceNode | Score | Signal | WeightUpdate | DeadLetter
 
 EVENT_TYPES: dict[str, type[Event]] = {
     cls.__struct_config__.tag: cls  # type: ignore[misc]  # each class below sets tag= to a str
-    for cls in (Task, Rollout, TraceNode, Score, WeightUpdate, DeadLetter)
+    for cls in (Task, Rollout, TraceNode, Score, Signal, WeightUpdate, DeadLetter)
 }
 
 # --- encoding -----------------------------------------------------------------------------

@@ -183,11 +183,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train CONFIG's model (its [sft] steps, batch size and learning rate; trainer.engine) on a JSON "
                     "Lines file: chats ({\"messages\": [...]}, every assistant message learned) or lines of the "
                     "trace API's export (GET /v1/rollouts/export?min_reward=...; with tokens=true the sampled "
-                    "tokens are learned exactly). Writes DATA_DIR/runs/RUN (checkpoints, metrics.jsonl, "
+                    "tokens are learned exactly); without one, on the environments' reference answers (as a run's "
+                    "warm-up learns them). Writes DATA_DIR/runs/RUN (checkpoints, metrics.jsonl, "
                     "summary.json, loss.png) like a training run, so `flywheel export RUN` takes the weights away. "
                     "Needs no running service.")
     sft.add_argument("config", help="run config (TOML)")
-    sft.add_argument("--data", metavar="FILE", help="the JSON Lines file (default: sft.data of the config)")
+    sft.add_argument("--data", metavar="FILE", help="the JSON Lines file (default: sft.data of the config; neither: "
+                                                    "the environments' reference answers)")
     sft.add_argument("--run-id", help="the job's run id (default: the config's run)")
     sft.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config value, e.g. --set sft.steps=50 (JSON values; repeatable)")

@@ -90,7 +90,8 @@ class Progress:
         return row
 
 
-DROP_REASONS = {"stale": "stale", "scorer_error": "scorer error", "rollout_error": "rollout error"}
+DROP_REASONS = {"stale": "stale", "scorer_error": "scorer error", "rollout_error": "rollout error",
+                "signal_error": "teacher error"}
 
 
 def format_dropped(row: dict[str, float]) -> str:
@@ -693,5 +694,23 @@ def main_job(config_path: str, settings: Settings, run_id: str | None = None,
     named = RunConfig.from_toml(config_path).run
     # A new run gets the time in its id; --resume without --run-id means the run the config names.
     cfg = config_with(config_path, overrides or {}, run_id or (named if resume else new_run_id(named)))
-    return asyncio.run(MainJob(cfg, settings, resume=resume, stop_on_exit=stop).run())
+    return asyncio.run(MainJob(local_teachers(cfg), settings, resume=resume, stop_on_exit=stop).run())
+
+
+def local_teachers(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with each teacher whose model is a folder (a path: absolute, or from ``.``) made
+    absolute, as every service reads it; a ValueError naming the teacher for a folder that is not
+    there. A model name ('tiny'), a hub id and 'policy' (the run's own weights) are found where the
+    teacher runs."""
+    data = cfg.model_dump()
+    for name, teacher in cfg.teachers.items():
+        path = Path(teacher.model).expanduser()
+        if not (path.is_absolute() or teacher.model.startswith(".")):
+            continue
+        if not (path / "config.json").exists():
+            raise ValueError(f"teachers.{name}.model={teacher.model!r}: no model folder there (no config.json); give "
+                             "a Hugging Face model folder, e.g. one `flywheel export RUN DIR` wrote, a model name "
+                             "such as 'tiny', or 'policy' (the run's own weights)")
+        data["teachers"][name]["model"] = str(path.resolve())
+    return RunConfig.parse(data) if cfg.teachers else cfg
 

@@ -353,7 +353,7 @@ class ServiceProcess(Process):
 def child_env(settings: Settings) -> dict[str, str]:
     """This environment plus every setting as ``FLYWHEEL_*``, resolved (absolute data folder,
     concrete NATS, database and gateway URLs), so every child reads the same values; a
-    section's fields as ``FLYWHEEL_<SECTION>__<FIELD>`` (JSON values)."""
+    section's fields as ``FLYWHEEL_<SECTION>__<FIELD>`` (JSON values, text as it is)."""
     values = settings.model_dump(mode="json", exclude=set(SECTIONS)) | {
         "data_dir": str(settings.data_dir.resolve()),
         "nats_url": settings.resolved_nats_url,
@@ -364,7 +364,9 @@ def child_env(settings: Settings) -> dict[str, str]:
     env.update({f"FLYWHEEL_{name.upper()}": str(value) for name, value in values.items() if value is not None})
     for section in SECTIONS:
         fields = getattr(settings, section).model_dump(mode="json")
-        env.update({f"FLYWHEEL_{section.upper()}__{name.upper()}": json.dumps(value) for name, value in fields.items()})
+        # Text as it is (a text field is read verbatim, so JSON quotes would stay in it), the rest as JSON.
+        env.update({f"FLYWHEEL_{section.upper()}__{name.upper()}": value if isinstance(value, str)
+                    else json.dumps(value) for name, value in fields.items()})
     env["PYTHONUNBUFFERED"] = "1"  # logs reach the file as they are written
     if settings.torch_threads is not None:
         # Also for the BLAS pools torch starts before it reads the setting.

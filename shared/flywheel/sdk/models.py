@@ -28,6 +28,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -134,15 +135,22 @@ def resolve_model(name: str, data_dir: str | Path) -> Path | str:
     return name
 
 
+# transformers builds a model on the meta device under process-wide state: two from_pretrained at
+# once in threads fail ("Cannot copy out of meta tensor"), so models load one at a time in a
+# process (inference loads a run's policy and a teacher's model in worker threads).
+_LOADING = threading.Lock()
+
+
 def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu") -> tuple[Any, Any]:
-    """(model in eval mode, tokenizer) from an HF folder or hub id."""
+    """(model in eval mode, tokenizer) from an HF folder or hub id; one load at a time per process."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype={dtype!r}: choose float32, bfloat16 or float16")
-    tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(
-        device)  # type: ignore[arg-type]  # transformers wraps .to (functools.wraps); typeshed's _Wrapped binds no self
+    with _LOADING:
+        tok = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(
+            device)  # type: ignore[arg-type]  # transformers wraps .to (functools.wraps); typeshed's _Wrapped binds no self
     model.eval()
     if tok.chat_template is None:
         raise ValueError(f"model {path}: its tokenizer has no chat template")
