@@ -2,15 +2,24 @@
 policy's sampled tokens go out as :class:`flywheel.contract.events.Signal` events (SIGNALS).
 
 - What a signal holds (:func:`teacher_signals`, pure): for each branch of a rollout's trace
-  graph, its tokens joined in node order go through one forward pass of the teacher
-  (sequences batched, at most ``max_batch_size`` a pass, right-padded with an attention
-  mask), and token ``t`` gets ``log_softmax(logits[t - 1] / temperature)[token t]`` in
-  float32, at the temperature the rollout was sampled with (the run's ``[sampling]`` where
-  the rollout does not say), the first token of a sequence 0.0. Only nodes holding sampled
-  tokens get values, one per token of their span (0.0 where the loss mask is off), and a
-  node shared by several branches gets them once: its context is its ancestors, the same in
-  every branch, so the first branch that reaches it computes them (a branch is cut after
-  the last node it still has to compute).
+  graph, its tokens joined in node order are one sequence (a row) of the teacher's forward,
+  and token ``t`` gets ``log_softmax(logits[t - 1] / temperature)[token t]`` in float32, at
+  the temperature the rollout was sampled with (the run's ``[sampling]`` where the rollout
+  does not say), the first token of a sequence 0.0. Only nodes holding sampled tokens get
+  values, one per token of their span (0.0 where the loss mask is off), and a node shared by
+  several branches gets them once: its context is its ancestors, the same in every branch,
+  so the first branch that reaches it computes them (a branch is cut after the last node it
+  still has to compute).
+- How it is computed (:func:`_forward`): rows in passes of at most ``max_batch_size``, rows
+  that begin with the same prompt side by side (a group's samples, a rollout's retries).
+  Within a pass, what rows share (all before the context of their first value: the prompt
+  but its last token) is run once, left-padded, and each row goes on from a copy of its
+  keys and values, right-padded and without its last token (only a target); logits are kept
+  from the first position that predicts a value, and the log-softmax is taken only where a
+  value is read. The values are those of
+  a plain forward on each whole row (the tests hold them to 1e-4). A model whose forward
+  takes no positions, cache or ``logits_to_keep`` (not a transformers causal LM) is run on
+  whole rows, right-padded, as the trainer does.
 - Privileged context (``context``, self-distillation): the first request's prompt (the
   nodes before the first sampled one, and that node's tokens before its first sampled
   token: the generation prompt) is replaced by the render of ``[system: context with
@@ -102,7 +111,7 @@ class Request:
 class Usage:
     """What a call of :func:`teacher_signals` computed."""
 
-    num_tokens: int = 0  # through the forward
+    num_tokens: int = 0  # of the rows through the forward (a shared prompt counted in each, as the trainer does)
     num_sampled_tokens: int = 0  # valued: sampled tokens of the nodes that got values
 
 
@@ -112,6 +121,17 @@ class _Row:
     token_ids: list[int]
     temperature: float
     starts: list[tuple[events.Node, int]]  # each node it computes, with the position of its span's first token
+    # the positions it values, ascending: each sampled token of those nodes' spans (but position 0, valued 0.0)
+    needed: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.needed = [start + j for node, start in self.starts if node.tokens is not None
+                       for j, sampled in enumerate(node.tokens.loss_mask) if sampled and start + j > 0]
+
+    def prefix_length(self) -> int:
+        """How many leading tokens rows beginning the same way can share: all before the
+        context of its first value (the logits that predict it are the remainder's)."""
+        return max(self.needed[0] - 1, 0) if self.needed else 0
 
 
 def context_of(tok: Any, env: Environment, task: dict[str, Any], context: str) -> Context:
@@ -165,33 +185,114 @@ def _rows(index: int, request: Request) -> list[_Row]:
     return rows
 
 
+# Float32 logits one slice of the log-softmax holds at most (a model of 150k tokens: ~900 positions).
+LOG_SOFTMAX_ELEMENTS = 1 << 27
+
+
+def can_share_prefixes(model: Any) -> bool:
+    """Whether ``model`` can go on from a computed prefix: its forward takes explicit positions,
+    a key/value cache and ``logits_to_keep`` (every transformers causal LM does; a model of the
+    user's own may not, and is then run on whole rows). The trainer decides the same way."""
+    from flywheel.sdk import models
+
+    params = models.forward_params(model)
+    return {"position_ids", "use_cache", "logits_to_keep"} <= params.keys() and (
+        "cache" in params or "past_key_values" in params)
+
+
 def _forward(model: Any, rows: Sequence[_Row], max_batch_size: int) -> list[list[float]]:
-    """Each row's value per position: ``log_softmax(logits[t - 1] / temperature)[token t]``
-    (float32; 0.0 at position 0), in forward passes of at most ``max_batch_size`` rows of
-    similar length, right-padded."""
+    """Each row's values at its ``needed`` positions, in order: ``log_softmax(logits[t - 1] /
+    temperature)[token t]`` (float32), in forward passes of at most ``max_batch_size`` rows,
+    those that begin the same way side by side, longest first (see the module docstring)."""
     import torch
 
+    from flywheel.sdk import models
+
     device = next(model.parameters()).device
-    order = sorted(range(len(rows)), key=lambda i: -len(rows[i].token_ids))
+    share = can_share_prefixes(model)
+    # Whole rows keep no cache (use_cache=False where the forward takes it).
+    whole = {"use_cache": False} if share or "use_cache" in models.forward_params(model) else {}
+    keys = [tuple(row.token_ids[:row.prefix_length()]) if share else () for row in rows]
+    families: dict[tuple[int, ...], list[int]] = {}
+    for i in sorted((i for i, row in enumerate(rows) if row.needed), key=lambda i: -len(rows[i].token_ids)):
+        families.setdefault(keys[i], []).append(i)
+    order = [i for family in families.values() for i in family]  # families by their longest member
     out: list[list[float]] = [[] for _ in rows]
     with torch.no_grad():
         for at in range(0, len(order), max_batch_size):
             chunk = order[at:at + max_batch_size]
-            width = len(rows[chunk[0]].token_ids)
+            distinct = list(dict.fromkeys(keys[i] for i in chunk))
+            # Each row from the end of its prefix (0: whole) to the context of its last value (the
+            # last value's token is only a target), right-padded.
+            begins = [len(keys[i]) for i in chunk]
+            width = max(rows[i].needed[-1] - begin for i, begin in zip(chunk, begins, strict=True))
             input_ids = torch.zeros((len(chunk), width), dtype=torch.long)
             mask = torch.zeros((len(chunk), width), dtype=torch.long)
-            for b, i in enumerate(chunk):
-                n = len(rows[i].token_ids)
-                input_ids[b, :n] = torch.tensor(rows[i].token_ids, dtype=torch.long)
-                mask[b, :n] = 1
-            input_ids = input_ids.to(device)
-            logits = model(input_ids=input_ids, attention_mask=mask.to(device), use_cache=False).logits
-            for b, i in enumerate(chunk):  # row by row: one row's float32 logits at a time
-                n = len(rows[i].token_ids)
-                scaled = logits[b, :n - 1].float() / rows[i].temperature
-                picked = torch.log_softmax(scaled, dim=-1).gather(-1, input_ids[b, 1:n, None]).squeeze(-1)
-                out[i] = [0.0, *picked.tolist()]
+            at_row, at_column, targets, temperatures = [], [], [], []
+            for b, (i, begin) in enumerate(zip(chunk, begins, strict=True)):
+                row = rows[i]
+                end = row.needed[-1]
+                input_ids[b, :end - begin] = torch.tensor(row.token_ids[begin:end], dtype=torch.long)
+                mask[b, :end - begin] = 1
+                at_row += [b] * len(row.needed)
+                at_column += [p - 1 - begin for p in row.needed]
+                targets += [row.token_ids[p] for p in row.needed]
+                temperatures += [row.temperature] * len(row.needed)
+            input_ids, mask = input_ids.to(device), mask.to(device)
+            num_logits = width - min(at_column)  # from the first column that predicts a value
+            if not share:
+                logits = model(input_ids=input_ids, attention_mask=mask, **whole).logits
+            elif not any(distinct):
+                logits = model(input_ids=input_ids, attention_mask=mask, logits_to_keep=num_logits, **whole).logits
+            else:
+                logits = _after_prefixes(model, [keys[i] for i in chunk], distinct, input_ids, mask, num_logits)
+            index_b = torch.tensor(at_row, dtype=torch.long, device=device)
+            index_c = torch.tensor(at_column, dtype=torch.long, device=device) - (width - logits.shape[1])
+            target_ids = torch.tensor(targets, dtype=torch.long, device=device)[:, None]
+            scale = torch.tensor(temperatures, dtype=torch.float32, device=device)[:, None]
+            step = max(1, LOG_SOFTMAX_ELEMENTS // logits.shape[-1])
+            picked = []
+            for lo in range(0, len(at_row), step):  # a bounded slice of float32 logits at a time
+                scaled = logits[index_b[lo:lo + step], index_c[lo:lo + step]].float() / scale[lo:lo + step]
+                picked.append(scaled.gather(-1, target_ids[lo:lo + step]).squeeze(-1) - scaled.logsumexp(-1))
+            values = torch.cat(picked).tolist()
+            taken = 0
+            for i in chunk:
+                out[i] = values[taken:taken + len(rows[i].needed)]
+                taken += len(rows[i].needed)
     return out
+
+
+def _after_prefixes(model: Any, row_keys: list[tuple[int, ...]], distinct: list[tuple[int, ...]],
+                    input_ids: Any, mask: Any, num_logits: int) -> Any:
+    """The last ``num_logits`` columns' logits of the rows (``input_ids``, right-padded), each going
+    on from its prefix (``row_keys``; ``distinct``: those prefixes, each computed once)."""
+    import torch
+
+    from flywheel.sdk import models
+
+    device = input_ids.device
+    longest = max(len(key) for key in distinct)
+    prefix_ids = torch.zeros((len(distinct), longest), dtype=torch.long)
+    prefix_mask = torch.zeros((len(distinct), longest), dtype=torch.long)
+    for f, key in enumerate(distinct):  # left-padded: each ends where its rows go on
+        if key:
+            prefix_ids[f, longest - len(key):] = torch.tensor(key, dtype=torch.long)
+            prefix_mask[f, longest - len(key):] = 1
+    prefix_ids, prefix_mask = prefix_ids.to(device), prefix_mask.to(device)
+    cache_arg = models.cache_argument(model)
+    positions = (prefix_mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=prefix_ids, attention_mask=prefix_mask, position_ids=positions, use_cache=True,
+                logits_to_keep=1)
+    cache = getattr(out, cache_arg)  # the output field has the argument's name
+    index = {key: f for f, key in enumerate(distinct)}
+    of_row = torch.tensor([index[key] for key in row_keys], dtype=torch.long, device=device)
+    if len(distinct) < len(row_keys):  # else each row has its own, in order
+        cache.batch_select_indices(of_row)
+    lengths = torch.tensor([len(key) for key in row_keys], dtype=torch.long, device=device)
+    positions = lengths[:, None] + torch.arange(input_ids.shape[1], device=device)[None, :]
+    return model(input_ids=input_ids, attention_mask=torch.cat([prefix_mask[of_row], mask], dim=-1),
+                 position_ids=positions, use_cache=True, logits_to_keep=num_logits, **{cache_arg: cache}).logits
 
 
 def teacher_signals(model: Any, requests: Sequence[Request], *, source: str, model_name: str,
@@ -229,12 +330,13 @@ def teacher_signals(model: Any, requests: Sequence[Request], *, source: str, mod
     computed = _forward(model, rows, max_batch_size) if rows else []
     values: dict[int, dict[str, list[float]]] = {}
     usage = Usage(num_tokens=sum(len(row.token_ids) for row in rows))
-    for row, logprobs in zip(rows, computed, strict=True):
+    for row, row_values in zip(rows, computed, strict=True):
         node_values = values.setdefault(row.request, {})
+        taken = iter(row_values)  # in the order of row.needed
         for node, start in row.starts:
             assert node.tokens is not None  # a sampled node has tokens
             mask = node.tokens.loss_mask
-            node_values[node.id] = [logprobs[start + j] if sampled and start + j > 0 else 0.0
+            node_values[node.id] = [next(taken) if sampled and start + j > 0 else 0.0
                                     for j, sampled in enumerate(mask)]
             usage.num_sampled_tokens += sum(mask)
     signals = []

@@ -490,3 +490,21 @@ def test_an_eval_whose_environment_does_not_load_is_refused_before_the_run_start
     missing = RunConfig.from_toml_text('run = "r"\n[[envs]]\nid = "reverse_text"\n[[envs]]\nid = "no_such_env"\n')
     with pytest.raises(ValueError, match="no_such_env"):
         prepare_run(missing)
+
+
+def test_a_teachers_local_folder_becomes_absolute_and_a_missing_one_is_refused(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from flywheel.ops.run import local_teachers
+
+    (tmp_path / "expert").mkdir()
+    (tmp_path / "expert" / "config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+
+    def cfg(model: str) -> RunConfig:
+        return RunConfig.parse({"run": "r", "env": "reverse_text", "teachers": {"t": {"model": model}},
+                                "trainer": {"advantage": {"type": "opd", "teacher": "t"}}})
+
+    assert local_teachers(cfg("./expert")).teachers["t"].model == str(tmp_path / "expert")
+    assert local_teachers(cfg("tiny")).teachers["t"].model == "tiny"  # a name, found where the teacher runs
+    with pytest.raises(ValueError, match=r"teachers\.t\.model='\./gone': no model folder there"):
+        local_teachers(cfg("./gone"))

@@ -1,7 +1,8 @@
 """A teacher's values (flywheel_inference.teacher.teacher_signals) on the tiny model, against its
 own plain forward pass: rollouts built as the interception endpoint builds them (the real
-tokenizer, multi-turn, a retry that branches), the privileged context that replaces the
-prompt, and the rollouts that get an error signal instead of values."""
+tokenizer, multi-turn, a retry that branches), rows of one prompt that compute it once, a
+model that can only run whole rows, the privileged context that replaces the prompt, and the
+rollouts that get an error signal instead of values."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from flywheel.sdk.environment import load_environment
 from flywheel.sdk.tracegraph import TokenLayerError, TraceGraph, branches, join_tokens
 from flywheel_inference.completion import Completion
 from flywheel_inference.interception import Renderer, record
-from flywheel_inference.teacher import Request, context_of, teacher_signals
+from flywheel_inference.teacher import Request, can_share_prefixes, context_of, teacher_signals
 
 TOLERANCE = 1e-4
 
@@ -125,6 +126,94 @@ def test_values_equal_the_models_own_forward_on_every_branch_shared_nodes_once(t
     first = sampled_nodes(rollout)[0]
     assert first.tokens is not None and not first.tokens.loss_mask[0]
     assert signal.values[first.id][0] == 0.0 and all(v < 0 for v in signal.values[first.id][-3:])
+
+
+OTHER_PROMPT = [events.Message(role="system", content="Reverse the text."),
+                events.Message(role="user", content="hgfedcba")]
+
+
+def group(tok: Any, prompt: list[events.Message], num_samples: int, first_seed: int,
+          temperature: float) -> list[Request]:
+    """A group's rollouts: answers of different lengths to one prompt."""
+    requests = []
+    for s in range(num_samples):
+        chat = Conversation(tok, seed=first_seed + s)
+        chat.call(prompt, num_tokens=3 + s)
+        requests.append(Request(chat.rollout(f"ro{first_seed + s}", temperature), temperature))
+    return requests
+
+
+def hand_made(rollout_id: str, token_ids: list[int], loss_mask: list[bool]) -> Request:
+    """A rollout of one node whose tokens are sampled from its first or second on (nothing before
+    them to share)."""
+    span = events.TokenSpan(token_ids=token_ids, logprobs=[-1.0] * len(token_ids), loss_mask=loss_mask)
+    node = events.Node(id=rollout_id, message=events.Message(role="assistant"), tokens=span)
+    return Request(events.Rollout(id=rollout_id, run="r", env="e", task_id="t", group_id="t", nodes=[node]), 1.0)
+
+
+def mixed(tok: Any) -> list[Request]:
+    """Two groups (8 and 5 samples), a multi-turn rollout of the first group's prompt, and rollouts
+    with nothing to share: 17 rows with 4 distinct prefixes (one empty), and a rollout whose
+    only sampled token is its first (valued 0.0, no row)."""
+    return [*group(tok, PROMPT, 8, 0, 0.7), *group(tok, OTHER_PROMPT, 5, 100, 1.3),
+            Request(multi_turn(tok, PROMPT, seed=7, rollout_id="mt"), 1.0),
+            hand_made("second", [5, 6, 7, 8], [False, True, True, True]),
+            hand_made("first", [9], [True])]
+
+
+class WholeRows(torch.nn.Module):
+    """A causal LM of the user's own: its forward takes no positions, cache or logits_to_keep."""
+
+    def __init__(self, model: Any) -> None:
+        super().__init__()
+        self.inner = model
+        self.config = model.config
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        embeddings: torch.nn.Module = self.inner.get_input_embeddings()
+        return embeddings
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Any:
+        return self.inner(input_ids=input_ids, attention_mask=attention_mask)
+
+
+def test_rows_of_one_prompt_compute_it_once_with_the_values_of_a_plain_forward(tiny: tuple[Any, Any]) -> None:
+    model, tok = tiny
+    requests = mixed(tok)
+    assert can_share_prefixes(model)
+    shapes: list[tuple[int, ...]] = []
+    hook = model.register_forward_pre_hook(lambda _, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)),
+                                           with_kwargs=True)
+    try:
+        signals, usage = teacher_signals(model, requests, source="t", model_name="tiny", max_batch_size=64)
+    finally:
+        hook.remove()
+    # One pass: the 4 distinct prefixes (left-padded), then the 17 rows from them, none running its
+    # prompt again (whole, the longest would be as wide as its branch).
+    longest = max(len(join_tokens(b).token_ids) for r in requests for b in branches(r.rollout.nodes))
+    assert [shape[0] for shape in shapes] == [4, 17]
+    assert shapes[1][1] <= longest - len(models.render_prompt(tok, PROMPT))
+    for request, signal in zip(requests, signals, strict=True):
+        assert signal.error is None
+        assert_close(signal.values, expected_values(model, request.rollout, request.temperature))
+    assert signals[-1].values == {"first": [0.0]}
+    assert usage.num_sampled_tokens == sum(sum(n.tokens.loss_mask) for r in requests
+                                           for n in sampled_nodes(r.rollout) if n.tokens)
+    # In passes of 5 rows, a group is split between passes: the values are the same.
+    few, few_usage = teacher_signals(model, requests, source="t", model_name="tiny", max_batch_size=5)
+    for signal, again in zip(signals, few, strict=True):
+        assert_close(again.values, signal.values)
+    assert few_usage == usage
+
+
+def test_a_model_that_takes_whole_rows_only_gets_the_same_values(tiny: tuple[Any, Any]) -> None:
+    model, tok = tiny
+    whole = WholeRows(model)
+    assert not can_share_prefixes(whole)
+    requests = mixed(tok)
+    signals, _ = teacher_signals(whole, requests, source="t", model_name="tiny", max_batch_size=4)
+    for request, signal in zip(requests, signals, strict=True):
+        assert_close(signal.values, expected_values(model, request.rollout, request.temperature))
 
 
 def test_a_branch_past_the_teachers_positions_gets_an_error_signal_and_the_others_values(

@@ -89,3 +89,15 @@ def test_batches_shuffle_each_epoch_and_cover_every_example_once_an_epoch() -> N
     assert [next(batches(10, 4, seed=3)) for _ in range(1)] == steps[:1]  # seeded
     small = batches(3, 8, seed=0)
     assert sorted(next(small)[1]) == [0, 1, 2]  # less than a batch: all of it each step
+
+
+def test_without_data_the_job_learns_the_environments_reference_answers(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from flywheel.contract.config import RunConfig
+    from flywheel_trainer.sft import run
+
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "tiny").symlink_to(tiny_model_dir)
+    cfg = RunConfig.parse({"run": "ref", "env": "reverse_text", "sft": {"steps": 3, "batch_size": 4}})
+    summary = run(cfg, tmp_path, None, 4)
+    assert summary["data"] == "reference answers" and summary["examples"] == 12 and summary["steps"] == 3
+    assert (tmp_path / "runs" / "ref" / "checkpoint").exists()

@@ -459,7 +459,7 @@ class TeacherConfig(_Section):
                                 "system message put first in the task's prompt, where {answer} becomes the "
                                 "environment's reference answer for the task; unset: the student's own context")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="dtype of its weights")
-    max_batch_size: int = Field(32, ge=1, description="sequences it scores in one forward pass")
+    max_batch_size: int = Field(64, ge=1, description="sequences it scores in one forward pass")
 
     @model_validator(mode="after")
     def _check(self) -> TeacherConfig:

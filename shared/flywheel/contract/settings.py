@@ -70,10 +70,10 @@ class InferenceSettings(_Section):
                                       "complete once it has run this long (0: from its first call), so a live "
                                       "viewer follows it. A rollout that ends sooner sends its nodes only in its "
                                       "rollout event: no trace message per call where rollouts are short.")
-    teacher_max_in_flight: int = Field(64, ge=1, description="Rollouts one teacher of a run holds at once in one "
+    teacher_max_in_flight: int = Field(128, ge=1, description="Rollouts one teacher of a run holds at once in one "
                                        "process, being scored or waiting for its model (or for the weights "
                                        "version it serves): the bound of its durable consumer.")
-    teacher_batch_size: int = Field(16, ge=1, description="Rollouts a teacher takes from the bus at once and "
+    teacher_batch_size: int = Field(64, ge=1, description="Rollouts a teacher takes from the bus at once and "
                                     "scores together, in forward passes of its max_batch_size sequences; at "
                                     "most teacher_max_in_flight.")
     teacher_device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where teachers' models run "

@@ -114,6 +114,9 @@ def format_step(row: dict[str, float], num_steps: int, in_flight: int | None, me
         shown = " (" + ", ".join(f"{name} {get(f'env.{name}.reward_mean')}" for name in envs) + ")" + shown
     if "echo_loss" in row:  # the cross-entropy on the environment's tokens (trainer.echo)
         shown += f"  echo loss {get('echo_loss')}"
+    for key in row:  # each teacher's per-token KL estimate (opd, trainer.kl)
+        if key.startswith("teacher.") and key.endswith(".kl"):
+            shown += f"  kl {key.removeprefix('teacher.').removesuffix('.kl')} {get(key)}"
     return (f"step {int(row['step']):>3}/{num_steps}  reward {get('reward_mean')}{shown}  "
             f"staleness {get('staleness_mean', '{:.2f}')} (max {get('staleness_max', '{:.0f}')})  "
             f"dropped {format_dropped(row)}  tokens/s {get('tokens_per_s', '{:.0f}')}  "
@@ -135,10 +138,14 @@ def summarize(progress: Progress, cfg: RunConfig, run_dir: Path, metrics: Sequen
         values = [s[f"env.{name}.reward_mean"] for s in progress.steps if f"env.{name}.reward_mean" in s]
         quarters[f"env.{name}.reward_first"] = sum(values[:k]) / len(values[:k]) if values[:k] else None
         quarters[f"env.{name}.reward_last"] = sum(values[-k:]) / len(values[-k:]) if values[-k:] else None
-    echo = [s["echo_loss"] for s in progress.steps if "echo_loss" in s]
-    if echo:  # trainer.echo: how well the policy predicts its environment, at the start and the end
-        quarters["echo_loss_first"] = sum(echo[:k]) / len(echo[:k])
-        quarters["echo_loss_last"] = sum(echo[-k:]) / len(echo[-k:])
+    for key in ["echo_loss", *sorted({key for s in progress.steps for key in s
+                                      if key.startswith("teacher.") and key.endswith(".kl")})]:
+        # trainer.echo: how well the policy predicts its environment; a teacher's KL estimate: how
+        # far the policy is from it; each at the start and the end
+        values = [s[key] for s in progress.steps if key in s]
+        if values:
+            quarters[f"{key}_first"] = sum(values[:k]) / len(values[:k])
+            quarters[f"{key}_last"] = sum(values[-k:]) / len(values[-k:])
     dropped = {f"num_dropped_{key}": sum(s.get(f"num_dropped_{key}", 0.0) for s in progress.steps)
                for key in DROP_REASONS}
     return {
@@ -594,9 +601,10 @@ class MainJob:
         with no live process, no inference replica, no weights yet; and the messages of the run
         dead-lettered so far."""
         try:
-            live = {beat.service for beat in await read_heartbeats(self.bus)}
+            beats = await read_heartbeats(self.bus)
         except (TimeoutError, nats.errors.Error):
             return []
+        live = {beat.service for beat in beats}
         missing = []
         if "orchestrator" not in live:
             missing.append("an orchestrator to own the run (none is running: is `flywheel up` running?)")
@@ -612,6 +620,12 @@ class MainJob:
                 missing.append(f"scorer {name!r}: no process runs it (start it with {commands})")
         if "inference" not in live:
             missing.append("an inference replica (none is running)")
+        hosted = {name for beat in beats if beat.service == "inference"
+                  for name in beat.info.get("teachers", {}).get(self.cfg.run, {})}
+        for name, teacher in self.cfg.teachers.items():
+            if name not in hosted and "inference" in live:
+                missing.append(f"teacher {name!r} ({teacher.model}): no inference replica hosts it yet (it loads "
+                               "its model once the run is running; its log says why it does not)")
         if not self.seen_weights:
             missing.append("weights version 0 (the trainer has not published its first weights)")
         if self.num_dead_letters:
