@@ -143,6 +143,7 @@ def rl_step(engine: Engine, groups: list[list[Scored]], pad_id: int, cfg: RunCon
     token_advantages: list[list[float]] = []  # by sequence, aligned with its tokens
     envs_of: list[str] = []  # by sequence: its rollout's environment
     teacher_gap: dict[str, list[float]] = {}  # teacher -> [sum of sampled - teacher logprob, tokens]
+    with_terms = bool(run_terms) or any(terms_of.values())
     for group in groups:
         env = group[0].rollout.env
         advantage_fn = advantage_fns.get(env, run_advantage)
@@ -152,7 +153,9 @@ def rl_step(engine: Engine, groups: list[list[Scored]], pad_id: int, cfg: RunCon
             # that does not say.
             temperature = (scored.rollout.sampling or cfg.sampling).temperature
             sequences_here = sequences_of(scored.rollout)  # one per branch of its trace graph
-            by_token = _token_terms(scored, sequences_here, terms, teacher_gap)
+            # A run without teacher terms carries no per-token part at all.
+            by_token = (_token_terms(scored, sequences_here, terms, teacher_gap) if with_terms
+                        else [[] for _ in sequences_here])
             for sequence, per_token in zip(sequences_here, by_token, strict=True):
                 sequences.append(sequence)
                 advantages.append(advantage)
@@ -162,7 +165,8 @@ def rl_step(engine: Engine, groups: list[list[Scored]], pad_id: int, cfg: RunCon
                 token_advantages.append(per_token)
                 envs_of.append(env)
 
-    _center(sequences, token_advantages, envs_of)
+    if with_terms:
+        _center(sequences, token_advantages, envs_of)
 
     def token_loss(logprobs: torch.Tensor, batch: Batch, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         kinds = [loss_of[i] for i in indices]
