@@ -1,7 +1,7 @@
 """A teacher's signal against the trainer it feeds, and on-policy distillation against GRPO.
 
     python benchmarks/teacher.py --json out/teacher.json [--steps 40] [--teacher-sft-steps 600]
-                                 [--teacher DIR] [--compare-grpo] [--threshold 0.45]
+                                 [--teacher DIR] [--compare-grpo] [--threshold 0.45] [--set KEY=VALUE ...]
 
 It makes the teacher as the example config says (``flywheel sft`` on the reference answers of
 reverse-text, ``--teacher-sft-steps`` steps, then ``flywheel export``; or takes ``--teacher DIR``),
@@ -133,19 +133,21 @@ def main() -> None:
     parser.add_argument("--teacher", help="a teacher model folder to use instead of making one")
     parser.add_argument("--compare-grpo", action="store_true", help="also train the same start with GRPO")
     parser.add_argument("--threshold", type=float, default=0.45, help="the reward both runs race to")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a run config override for both runs (repeatable), e.g. trainer.lr=3e-3")
     args = parser.parse_args()
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="flywheel-teacher-") as tmp:
         data_dir = Path(tmp)
         teacher = Path(args.teacher).resolve() if args.teacher else make_teacher(data_dir, args.teacher_sft_steps)
-        opd, teachers = run(OPD, "opd", data_dir, args.steps, f"teachers.expert.model={teacher}")
+        opd, teachers = run(OPD, "opd", data_dir, args.steps, f"teachers.expert.model={teacher}", *args.set)
         counters = teachers.get("expert", {})
         if not counters.get("busy_s"):
             raise SystemExit(f"no teacher counters in the inference heartbeats: {teachers}")
         teacher_tps = counters["num_tokens"] / counters["busy_s"]
         trainer_tps = sum(m["num_tokens"] / m["step_s"] for m in opd) / len(opd)
         figures: dict[str, Any] = {
-            "steps": args.steps, "teacher": str(teacher),
+            "steps": args.steps, "teacher": str(teacher), "overrides": args.set,
             "teacher_tokens_per_s": teacher_tps, "trainer_tokens_per_s": trainer_tps,
             "teacher_vs_trainer": teacher_tps / trainer_tps,
             "teacher_busy_fraction": counters["busy_s"] / sum(m["step_s"] + m.get("wait_s", 0.0) for m in opd),
@@ -156,7 +158,7 @@ def main() -> None:
             from flywheel.contract.config import RunConfig
 
             warmup = RunConfig.from_toml(OPD).sft.steps  # the same start: the OPD example's warm-up
-            grpo, _ = run(GRPO, "grpo", data_dir, args.steps, f"sft.steps={warmup}")
+            grpo, _ = run(GRPO, "grpo", data_dir, args.steps, f"sft.steps={warmup}", *args.set)
             figures["grpo_reward_first"], figures["grpo_reward_last"] = quarter_means(grpo)
             figures["threshold"] = args.threshold
             figures["opd_steps_to"], figures["opd_seconds_to"] = reaches(opd, args.threshold)

@@ -36,14 +36,16 @@ reverse KL the term drives down.
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from flywheel.contract.config import EnvConfig, LossPart, RunConfig
+from flywheel.contract.config import EnvConfig, LossPart, RunConfig, SFTTerm
 from flywheel.sdk import models
 from flywheel.sdk.environment import Environment
 from flywheel_trainer.advantages import ADVANTAGES
@@ -63,22 +65,27 @@ TokenLoss = Callable[[torch.Tensor, Batch, list[int]], tuple[torch.Tensor, torch
 def train_step(engine: Engine, sequences: list[Tokens], advantages: list[float], pad_id: int,
                micro_batch_size: int, temperatures: list[float], token_loss: TokenLoss,
                echo_weights: list[float] | None = None,
-               token_advantages: list[list[float]] | None = None) -> dict[str, float]:
+               token_advantages: list[list[float]] | None = None,
+               sft_rows: SFTRows | None = None) -> dict[str, float]:
     """One optimizer step over ``sequences``, each recomputed at its temperature (what it was
     sampled at); returns the step's figures. ``echo_weights``: by sequence, the weight of the
     mean cross-entropy on its environment tokens (``Tokens.env_mask``) added to the loss on its
     loss-mask tokens (None: no echo term). ``token_advantages``: by sequence, a per-token part of
-    its advantage, aligned with its tokens (None: none)."""
+    its advantage, aligned with its tokens (None: none). ``sft_rows``: examples whose loss-mask
+    tokens' mean cross-entropy, each row times its weight, joins the loss (an SFT term)."""
     started = time.perf_counter()
     num_loss_tokens = sum(sum(s.loss_mask[1:]) for s in sequences)
     num_env_tokens = 0 if echo_weights is None else sum(
         sum(s.env_mask[1:]) for s, weight in zip(sequences, echo_weights, strict=True) if weight > 0)
+    num_sft_tokens = 0 if sft_rows is None else sum(sum(s.loss_mask[1:]) for s in sft_rows.rows)
     num_tokens = sum(len(s.token_ids) for s in sequences)
     figures = {"loss": 0.0, "num_loss_tokens": float(num_loss_tokens), "num_tokens": float(num_tokens),
                "num_sequences": float(len(sequences))}
     if echo_weights is not None:
         figures.update(echo_loss=0.0, num_env_tokens=float(num_env_tokens))
-    if num_loss_tokens == 0 and num_env_tokens == 0:
+    if sft_rows is not None:
+        figures.update(sft_term_loss=0.0, num_sft_tokens=float(num_sft_tokens))
+    if num_loss_tokens == 0 and num_env_tokens == 0 and num_sft_tokens == 0:
         log.warning("step with no loss tokens (%d sequences): weights unchanged", len(sequences))
         figures.update(grad_norm=0.0, step_s=time.perf_counter() - started)
         return figures
@@ -106,6 +113,8 @@ def train_step(engine: Engine, sequences: list[Tokens], advantages: list[float],
         figures["loss"] += float(loss.detach())
         flagged += float((flags & mask).sum())
         diff_sum += float(((logprobs.detach() - batch.old_logprobs).abs() * mask).sum())
+    if sft_rows is not None and num_sft_tokens:
+        _sft_term(engine, sft_rows, pad_id, micro_batch_size, num_sft_tokens, share, figures)
     figures["grad_norm"] = engine.step()
     figures["clip_fraction"] = flagged / max(num_loss_tokens, 1)
     # How far the trainer's logprobs are from the sampler's on the loss tokens: ~0 on
@@ -116,11 +125,30 @@ def train_step(engine: Engine, sequences: list[Tokens], advantages: list[float],
     return figures
 
 
+def _sft_term(engine: Engine, sft_rows: SFTRows, pad_id: int, micro_batch_size: int, num_sft_tokens: int,
+              share: bool, figures: dict[str, float]) -> None:
+    """The SFT term's backward passes (its rows' weighted mean cross-entropy at temperature 1),
+    into the gradient the step's RL loss left; its mean cross-entropy into ``figures``."""
+    for indices in micro_batches(sft_rows.rows, micro_batch_size):
+        batch = pad([sft_rows.rows[i] for i in indices], [0.0] * len(indices), pad_id, engine.device,
+                    share_prefixes=share)
+        weights = torch.tensor([sft_rows.weights[i] for i in indices], dtype=torch.float32, device=engine.device)
+        with engine.autocast():
+            logprobs = target_logprobs(batch_logits(engine.model, batch), batch, None)
+        nll = -logprobs * batch.loss_mask  # [B, T-1]: 0 off the answers' tokens
+        loss = (nll.sum(-1) * weights).sum() / num_sft_tokens
+        engine.backward(loss)
+        figures["loss"] += float(loss.detach())
+        figures["sft_term_loss"] += float(nll.detach().sum()) / num_sft_tokens
+
+
 def rl_step(engine: Engine, groups: list[list[Scored]], pad_id: int, cfg: RunConfig,
-            micro_batch_size: int, envs: Mapping[str, EnvConfig] | None = None) -> dict[str, float]:
+            micro_batch_size: int, envs: Mapping[str, EnvConfig] | None = None,
+            sft_rows: SFTRows | None = None) -> dict[str, float]:
     """One RL step on whole groups: advantages, importance-weighted loss, engine step.
     ``envs``: the run's environments by their name in subjects (a rollout's ``env``), whose
-    own advantage and loss its groups take; a rollout of another takes the run's."""
+    own advantage and loss its groups take; a rollout of another takes the run's. ``sft_rows``:
+    the step's SFT term (:class:`SFTSupply`), if the run has one."""
     envs = envs or {}
     advantage_fns = {name: cfg.advantage_of(env).bind(ADVANTAGES) for name, env in envs.items()}
     run_advantage = cfg.trainer.advantage.bind(ADVANTAGES)
@@ -185,7 +213,7 @@ def rl_step(engine: Engine, groups: list[list[Scored]], pad_id: int, cfg: RunCon
     any_terms = any(teacher_gap)
     figures = train_step(engine, sequences, advantages, pad_id, micro_batch_size, temperatures, token_loss,
                          echo_weights if any(w > 0 for w in echo_weights) else None,
-                         token_advantages if any_terms else None)
+                         token_advantages if any_terms else None, sft_rows)
     figures["advantage_abs_mean"] = sum(abs(a) for a in advantages) / len(advantages)
     for teacher, (gap, count) in teacher_gap.items():
         # The per-token estimate of KL(policy || teacher) on the sampled tokens: OPD drives it down.
@@ -264,6 +292,53 @@ def reference_steps(tok: Any, envs: Sequence[Environment], cfg: RunConfig) -> li
     tasks = [(envs[i], next(rows[i])) for i in schedule]
     return [[reference_tokens(tok, env, row) for env, row in tasks[step * size:(step + 1) * size]]
             for step in range(cfg.sft.steps)]
+
+
+@dataclass
+class SFTRows:
+    """One step's SFT-term examples, and each one's weight (its environment's term's)."""
+
+    rows: list[Tokens]
+    weights: list[float]
+
+
+class SFTSupply:
+    """Each step's SFT-term rows: for every environment with a term (``[[envs]] sft_term``, else
+    ``trainer.sft_term``), ``batch_size`` examples drawn from its reference answers (a pool of up
+    to :attr:`POOL` tasks in the run's seeded order) or from the term's ``data`` file. Which ones
+    follows from the run's task seed, the environment and the step alone, so a resumed run draws
+    what it would have drawn."""
+
+    POOL = 1024  # reference answers per environment to draw from
+
+    def __init__(self, tok: Any, envs: Mapping[str, tuple[EnvConfig, Environment]], cfg: RunConfig,
+                 max_positions: int | None = None) -> None:
+        self.seed = cfg.task_seed
+        self.pools: list[tuple[str, list[Tokens], SFTTerm]] = []
+        for name, (env_cfg, env) in envs.items():
+            term = cfg.sft_term_of(env_cfg)
+            if term is None:
+                continue
+            if term.data:
+                examples = load_examples(Path(term.data), tok, max_positions)
+            else:
+                tasks = env.load_tasks(min(self.POOL, term.batch_size * cfg.trainer.num_steps), seed=cfg.task_seed)
+                examples = [reference_tokens(tok, env, task) for task in tasks]
+            self.pools.append((name, examples, term))
+
+    def __bool__(self) -> bool:
+        return bool(self.pools)
+
+    def rows(self, step: int) -> SFTRows:
+        """Step ``step``'s rows (the same for the same step, in any process)."""
+        rows: list[Tokens] = []
+        weights: list[float] = []
+        for name, examples, term in self.pools:
+            drawn = random.Random(f"{self.seed}/{name}/{step}").sample(range(len(examples)),
+                                                                      min(term.batch_size, len(examples)))
+            rows += [examples[i] for i in drawn]
+            weights += [term.weight] * len(drawn)
+        return SFTRows(rows, weights)
 
 
 def sft_warmup(model: torch.nn.Module, tok: Any, envs: Sequence[Environment], cfg: RunConfig,

@@ -59,7 +59,7 @@ from flywheel.sdk.environment import RunEnvironment, load_run_environments
 from flywheel.sdk.scoring import reward_definition
 from flywheel_trainer.engines import Engine, build_engine
 from flywheel_trainer.join import BadRollout, Joiner, Take
-from flywheel_trainer.learner import rl_step, seed_torch, sft_warmup
+from flywheel_trainer.learner import SFTSupply, rl_step, seed_torch, sft_warmup
 from flywheel_trainer.ledger import CheckpointState, Journal, RunFolder
 
 log = logging.getLogger(__name__)
@@ -144,6 +144,7 @@ class Trainer:
         self.step = resume[1].step if resume else 0
         self.version = resume[1].version if resume else 0
         self.checkpointed_step = self.step if resume else -1
+        self.sft_supply: SFTSupply | None = None  # the run's SFT term, built with the model (_start)
 
     @classmethod
     async def open(cls, bus: Bus, data_dir: Path, run_id: str, options: TrainerSettings) -> Trainer:
@@ -273,6 +274,10 @@ class Trainer:
             envs = [found.env for found in self.environments.values()]
             figures = await asyncio.to_thread(sft_warmup, model, tok, envs, cfg, self.options.micro_batch_size)
         engine = await asyncio.to_thread(build_engine, model, cfg.trainer, cfg.model.dtype)
+        supply = await asyncio.to_thread(SFTSupply, tok, {name: (found.config, found.env) for name, found in
+                                                          self.environments.items()}, cfg,
+                                         getattr(model.config, "max_position_embeddings", None))
+        self.sft_supply = supply if supply else None
         if self.resume is None:
             self.folder.metrics.append({"step": 0, "version": 0, **figures})
             data = await asyncio.to_thread(engine.weights)
@@ -299,7 +304,9 @@ class Trainer:
 
         def compute() -> tuple[dict[str, float], bytes]:
             envs = {name: found.config for name, found in self.environments.items()}
-            return rl_step(engine, take.groups, pad_id, cfg, self.options.micro_batch_size, envs), engine.weights()
+            sft_rows = self.sft_supply.rows(self.step + 1) if self.sft_supply is not None else None
+            return (rl_step(engine, take.groups, pad_id, cfg, self.options.micro_batch_size, envs, sft_rows),
+                    engine.weights())
 
         figures, data = await asyncio.to_thread(compute)
         self.step += 1

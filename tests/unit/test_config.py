@@ -348,7 +348,9 @@ def test_set_overrides_reach_a_part_given_by_its_name() -> None:
     apply_override(data, "trainer.engine.zero_stage", 2)
     apply_override(data, "trainer.lr", 0.0)
     apply_override(data, "rewards.exact.weight", 0.5)
+    apply_override(data, "trainer.sft_term.weight", 0.5)  # a table the config leaves unset (None)
     cfg = RunConfig.parse(data)
+    assert cfg.trainer.sft_term is not None and cfg.trainer.sft_term.weight == 0.5
     assert cfg.trainer.engine.type == "deepspeed"
     assert cfg.trainer.engine.zero_stage == 2  # type: ignore[union-attr]  # a DeepSpeedEngineConfig: checked above
     assert cfg.trainer.lr == 0.0 and cfg.rewards["exact"].weight == 0.5
@@ -490,6 +492,24 @@ def test_an_eval_whose_environment_does_not_load_is_refused_before_the_run_start
     missing = RunConfig.from_toml_text('run = "r"\n[[envs]]\nid = "reverse_text"\n[[envs]]\nid = "no_such_env"\n')
     with pytest.raises(ValueError, match="no_such_env"):
         prepare_run(missing)
+
+
+def test_an_sft_term_or_warm_up_on_an_environment_without_reference_answers_is_refused_before_it_starts() -> None:
+    from flywheel.sdk.environment import prepare_run
+
+    wordle = 'run = "r"\n[[envs]]\nid = "reverse_text"\n[[envs]]\nid = "wordle"\n'
+    with pytest.raises(ValueError, match=r"envs\.1\.sft_term: environment 'wordle' defines no reference answers"):
+        prepare_run(RunConfig.from_toml_text(wordle + "sft_term = {weight = 0.1}\n"))
+    with pytest.raises(ValueError, match=r"trainer\.sft_term: environment 'wordle' defines no reference answers"):
+        prepare_run(RunConfig.from_toml_text(wordle + "[trainer]\nsft_term = {weight = 0.1}\n"))
+    with pytest.raises(ValueError, match=r"sft\.steps=5: environment 'wordle' defines no reference answers"):
+        prepare_run(RunConfig.from_toml_text(wordle + "[sft]\nsteps = 5\n"))
+    # With data to learn instead, or on reverse-text's own answers, it is accepted.
+    prepare_run(RunConfig.from_toml_text(wordle + 'sft_term = {weight = 0.1, data = "chats.jsonl"}\n'))
+    prepare_run(RunConfig.from_toml_text(wordle.replace("[[envs]]\nid = \"wordle\"\n", "")
+                                         + "sft_term = {weight = 0.1}\n"))
+    with pytest.raises(ValueError, match=r"sft_term\.weight"):
+        RunConfig.from_toml_text('run = "r"\nenv = "reverse_text"\n[trainer]\nsft_term = {weight = 0}\n')
 
 
 def test_a_teachers_local_folder_becomes_absolute_and_a_missing_one_is_refused(tmp_path: Path,

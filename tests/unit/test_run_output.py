@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from flywheel.contract.config import RunConfig
 from flywheel.ops.run import Progress, format_dropped, format_step, summarize
 from flywheel_trainer.join import Joiner
@@ -20,15 +22,20 @@ def test_the_step_line_counts_every_drop_by_reason_and_shows_the_metrics() -> No
     assert line.endswith("in flight 16  t 12.0s")  # fractions of a second: early steps are sub-second
     assert format_dropped({"num_dropped_rollout_error": 1.0}) == "1 (rollout error 1)"
     assert format_dropped({}) == "0"
+    # A run's added terms, each by its name: echo, the SFT term, a teacher's KL estimate.
+    terms = format_step(row | {"echo_loss": 2.5, "sft_term_loss": 0.75, "teacher.expert.kl": 1.25}, 10, None)
+    assert "  echo loss 2.500  sft loss 0.750  kl expert 1.250  staleness" in terms
 
 
 def test_the_summary_has_drops_by_reason_and_each_metric_first_and_last(tmp_path: Path) -> None:
     progress = Progress()
     for step in range(8):
         progress.steps.append({"step": float(step), "elapsed_s": float(step), "reward_mean": 0.1 * step,
-                               "scores.exact": 0.0 if step < 4 else 1.0, "num_dropped_scorer_error": 1.0})
+                               "scores.exact": 0.0 if step < 4 else 1.0, "num_dropped_scorer_error": 1.0,
+                               "sft_term_loss": 2.0 - 0.2 * step})
     summary = summarize(progress, RunConfig(run="r", env="reverse_text"), tmp_path, metrics=["exact"])
     assert (summary["exact_first"], summary["exact_last"]) == (0.0, 1.0)
+    assert (summary["sft_term_loss_first"], summary["sft_term_loss_last"]) == pytest.approx((1.9, 0.7))  # quarters
     assert (summary["num_dropped_stale"], summary["num_dropped_scorer_error"], summary["num_dropped_rollout_error"]) \
         == (0.0, 8.0, 0.0)
 

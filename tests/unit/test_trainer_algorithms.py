@@ -14,7 +14,7 @@ from flywheel.contract.config import BY_PATH, ClippedLoss, EnginePart, GroupMean
 from flywheel_trainer.advantages import ADVANTAGES, group_mean, leave_one_out
 from flywheel_trainer.engines import ENGINES, Engine
 from flywheel_trainer.join import Tokens
-from flywheel_trainer.learner import train_step
+from flywheel_trainer.learner import SFTRows, train_step
 from flywheel_trainer.losses import LOSSES
 
 
@@ -177,6 +177,33 @@ def test_echo_is_cross_entropy_on_the_environments_tokens_only_beside_the_rl_los
     assert both["loss"] == pytest.approx(rl["loss"] + 0.5 * expected.item(), abs=1e-6)
     train_step(engine, seqs, [1.0, -1.0], 0, 2, [1.0, 1.0], policy_gradient, echo_weights=[0.0, 0.0])
     assert torch.allclose(engine.grads[0], rl_and_echo - echo_grads[0], atol=1e-6)
+
+
+def test_an_sft_term_adds_its_rows_weighted_cross_entropy_to_the_rl_steps_gradient() -> None:
+    seqs = echo_sequences()
+    # Two examples: answers 9 after 8 (one token), then 10 and 11 after 9 and 10 (two), weights 0.5 and 2.
+    rows = SFTRows([Tokens([1, 8, 9], [0.0] * 3, [False, False, True]),
+                    Tokens([1, 9, 10, 11], [0.0] * 4, [False, False, True, True])], [0.5, 2.0])
+    engine = RecordingEngine(Bigram())
+    figures = train_step(engine, seqs, [0.0, 0.0], 0, 2, [1.0, 1.0], no_rl, sft_rows=rows)
+    term_grads = engine.grads
+    # By hand: each answer token's negative log-likelihood times its row's weight, over the term's 3 tokens.
+    model = Bigram()
+    logprobs = torch.log_softmax(model.table(torch.tensor([8, 9, 10])), dim=-1)
+    nll = -torch.stack([logprobs[0, 9], logprobs[1, 10], logprobs[2, 11]])
+    (0.5 * nll[0] + 2.0 * nll[1:].sum()).div(3).backward()
+    assert figures["num_sft_tokens"] == 3 and figures["sft_term_loss"] == pytest.approx(nll.mean().item(), abs=1e-6)
+    assert torch.allclose(term_grads[0], model.table.weight.grad, atol=1e-6)  # type: ignore[arg-type]
+    # Cut into micro-batches of one: the same gradient.
+    train_step(engine, seqs, [0.0, 0.0], 0, 1, [1.0, 1.0], no_rl, sft_rows=rows)
+    assert torch.allclose(engine.grads[0], term_grads[0], atol=1e-6)
+    # Beside the RL loss, in the same step: the two gradients add up.
+    both = train_step(engine, seqs, [1.0, -1.0], 0, 2, [1.0, 1.0], policy_gradient, sft_rows=rows)
+    together = engine.grads[0]
+    rl = train_step(engine, seqs, [1.0, -1.0], 0, 2, [1.0, 1.0], policy_gradient)
+    assert torch.allclose(together, engine.grads[0] + term_grads[0], atol=1e-6)
+    assert both["loss"] == pytest.approx(rl["loss"] + figures["loss"], abs=1e-6)
+    assert "sft_term_loss" not in rl
 
 
 def test_a_step_without_environment_tokens_trains_its_rl_loss_alone() -> None:

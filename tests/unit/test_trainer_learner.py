@@ -19,7 +19,7 @@ from flywheel.sdk.environment import load_environment
 from flywheel_trainer.batch import micro_batches, pad, token_logprobs
 from flywheel_trainer.engines import TorchEngine
 from flywheel_trainer.join import Scored, Tokens, tokens_of
-from flywheel_trainer.learner import reference_tokens, rl_step, sft_warmup
+from flywheel_trainer.learner import SFTSupply, reference_tokens, rl_step, sft_warmup
 from tests.unit.test_trainer_join import make_rollout
 
 MICRO_BATCH_SIZE = TrainerSettings().micro_batch_size
@@ -186,3 +186,36 @@ def test_sft_warmup_teaches_the_reference_answers(tiny_model_dir: Path) -> None:
     start = cross_entropy()
     figures = sft_warmup(model, tok, [env], cfg, MICRO_BATCH_SIZE)
     assert figures["sft_steps"] == 8 and cross_entropy() < start - 0.5
+
+
+def test_the_sft_terms_rows_follow_from_the_step_and_teach_the_reference_answers_during_rl(
+        tiny_model_dir: Path) -> None:
+    model, tok = models.load_model(tiny_model_dir)
+    cfg = RunConfig.from_toml_text(
+        'run = "t"\ngroup_size = 2\n[[envs]]\nid = "reverse_text"\nsft_term = {weight = 1.0, batch_size = 16}\n'
+        '[[envs]]\nid = "arithmetic"\n[trainer]\nnum_steps = 4\nlr = 3e-3\nbatch_size = 2\n')
+    envs = {env.id: (env, load_environment(env.id)) for env in cfg.environments}
+    supply = SFTSupply(tok, envs, cfg)
+    assert [name for name, _, _ in supply.pools] == ["reverse_text"]  # arithmetic has no term
+    first = supply.rows(1)
+    assert len(first.rows) == 16 and first.weights == [1.0] * 16
+    assert [r.token_ids for r in SFTSupply(tok, envs, cfg).rows(1).rows] == [r.token_ids for r in first.rows]
+    assert [r.token_ids for r in supply.rows(2).rows] != [r.token_ids for r in first.rows]
+    held_out = [reference_tokens(tok, envs["reverse_text"][1], row) for row in
+                envs["reverse_text"][1].load_tasks(8, seed=123)]
+
+    def cross_entropy() -> float:
+        batch = pad(held_out, [0.0] * len(held_out), tok.pad_token_id)
+        with torch.no_grad():
+            return float(-token_logprobs(model, batch)[batch.loss_mask].mean())
+
+    # RL steps whose groups teach nothing (equal rewards: zero advantages): the term alone moves the model.
+    rollouts = sampled_rollouts(model, tok, 2, 1.0)
+    groups = [[Scored(r, reward=0.5, staleness=0) for r in rollouts]]
+    engine = TorchEngine(model, cfg.trainer, "float32")
+    start = cross_entropy()
+    for step in range(1, 5):
+        figures = rl_step(engine, groups, tok.pad_token_id, cfg, MICRO_BATCH_SIZE,
+                          {env.id: env for env in cfg.environments}, supply.rows(step))
+        assert figures["num_sft_tokens"] > 0 and figures["sft_term_loss"] > 0
+    assert cross_entropy() < start - 0.3

@@ -487,6 +487,18 @@ class KLConfig(_Section):
     coef: float = Field(0.05, gt=0, allow_inf_nan=False, description="the term's weight")
 
 
+class SFTTerm(_Section):
+    """A supervised term in every RL step: the mean cross-entropy on ``batch_size`` examples'
+    answers, times ``weight``, added to the step's RL loss in the same backward pass and
+    optimizer step (the RL loss's own weight is 1). Keeps a behaviour RL would wear away (a
+    format, the warm-up's skills) or mixes demonstrations into RL."""
+
+    weight: float = Field(gt=0, allow_inf_nan=False, description="the term's weight against the RL loss's 1")
+    batch_size: int = Field(8, ge=1, description="examples in each step's term")
+    data: str | None = Field(None, description="a JSON Lines file of chats or a trace API export (as sft.data) to "
+                                               "draw them from; unset: the environment's reference answers")
+
+
 class TrainerConfig(_Section):
     """The RL algorithm and its optimizer."""
 
@@ -499,6 +511,9 @@ class TrainerConfig(_Section):
                                     "sample) added to the RL loss on the sampled ones, whose weight is 1; 0: off")
     kl: KLConfig | None = Field(None, description="a KL term toward a teacher ({teacher = \"reference\", coef = "
                                 "0.05}), added to every sampled token's advantage; unset: none")
+    sft_term: SFTTerm | None = Field(None, description="a supervised term in every step ({weight = 0.1, batch_size "
+                                     "= 8}: cross-entropy on each environment's reference answers, or on data); "
+                                     "unset: none")
     engine: EngineConfig = Field(TorchEngineConfig(), description="where the model and optimizer live, and how a "
                                                                   "step updates them")
     lr: float = Field(1e-3, ge=0, description="learning rate (AdamW)")
@@ -584,6 +599,8 @@ class EnvConfig(_Section):
     echo: float | None = Field(None, ge=0, allow_inf_nan=False,
                                description="its own echo weight (as trainer.echo); unset: trainer.echo")
     kl: KLConfig | None = Field(None, description="its own KL term (as trainer.kl); unset: trainer.kl")
+    sft_term: SFTTerm | None = Field(None, description="its own supervised term (as trainer.sft_term, on its own "
+                                     "reference answers or data); unset: trainer.sft_term")
 
     @model_validator(mode="after")
     def _check(self) -> EnvConfig:
@@ -834,6 +851,9 @@ class RunConfig(_Section):
 
     def kl_of(self, env: EnvConfig) -> KLConfig | None:
         return env.kl if env.kl is not None else self.trainer.kl
+
+    def sft_term_of(self, env: EnvConfig) -> SFTTerm | None:
+        return env.sft_term if env.sft_term is not None else self.trainer.sft_term
 
     def sampling_of(self, env: EnvConfig) -> SamplingConfig:
         """The sampling of ``env``'s tasks: the run's ``[sampling]`` with the keys the

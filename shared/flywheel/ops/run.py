@@ -114,6 +114,8 @@ def format_step(row: dict[str, float], num_steps: int, in_flight: int | None, me
         shown = " (" + ", ".join(f"{name} {get(f'env.{name}.reward_mean')}" for name in envs) + ")" + shown
     if "echo_loss" in row:  # the cross-entropy on the environment's tokens (trainer.echo)
         shown += f"  echo loss {get('echo_loss')}"
+    if "sft_term_loss" in row:  # the cross-entropy of the step's SFT term (trainer.sft_term)
+        shown += f"  sft loss {get('sft_term_loss')}"
     for key in row:  # each teacher's per-token KL estimate (opd, trainer.kl)
         if key.startswith("teacher.") and key.endswith(".kl"):
             shown += f"  kl {key.removeprefix('teacher.').removesuffix('.kl')} {get(key)}"
@@ -138,10 +140,10 @@ def summarize(progress: Progress, cfg: RunConfig, run_dir: Path, metrics: Sequen
         values = [s[f"env.{name}.reward_mean"] for s in progress.steps if f"env.{name}.reward_mean" in s]
         quarters[f"env.{name}.reward_first"] = sum(values[:k]) / len(values[:k]) if values[:k] else None
         quarters[f"env.{name}.reward_last"] = sum(values[-k:]) / len(values[-k:]) if values[-k:] else None
-    for key in ["echo_loss", *sorted({key for s in progress.steps for key in s
+    for key in ["echo_loss", "sft_term_loss", *sorted({key for s in progress.steps for key in s
                                       if key.startswith("teacher.") and key.endswith(".kl")})]:
-        # trainer.echo: how well the policy predicts its environment; a teacher's KL estimate: how
-        # far the policy is from it; each at the start and the end
+        # trainer.echo: how well the policy predicts its environment; the SFT term's cross-entropy;
+        # a teacher's KL estimate: how far the policy is from it; each at the start and the end
         values = [s[key] for s in progress.steps if key in s]
         if values:
             quarters[f"{key}_first"] = sum(values[:k]) / len(values[:k])
@@ -692,8 +694,9 @@ def apply_override(data: dict[str, Any], dotted: str, value: Any) -> None:
             continue
         if isinstance(section.get(key), str):
             section[key] = {"type": section[key]}
-        if key not in section:
-            section[key] = {}  # a table the config may not have yet ([rewards.x], [env_args])
+        if section.get(key) is None:
+            # a table the config may not have yet ([rewards.x], [env_args]) or leaves unset (trainer.kl)
+            section[key] = {}
         section = section[key]
         if not isinstance(section, dict | list):
             raise ValueError(f"--set {dotted}: {'.'.join(parents[:i + 1])} is a value, not a table")

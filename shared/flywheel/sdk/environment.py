@@ -641,6 +641,18 @@ def prepare_run(cfg: RunConfig) -> tuple[RunConfig, dict[str, RunEnvironment]]:
     is refused here, before anything starts), its own sampling settings written in as
     defaults under the config's (:meth:`flywheel.contract.config.RunConfig.with_sampling_defaults`)."""
     environments = load_run_environments(cfg)
+    for i, found in enumerate(environments.values()):
+        # What learns reference answers needs them: refused here, not after the trainer loaded its model.
+        term = cfg.sft_term_of(found.config)
+        where = f"envs.{i}.sft_term" if found.config.sft_term is not None else "trainer.sft_term"
+        if term is not None and term.data is None and found.env.reference is None:
+            raise ValueError(f"{where}: environment {found.config.id!r} defines no reference answers (no "
+                             f"reference(task)) for its SFT term to learn; give the term data (a JSON Lines file "
+                             "of chats) or remove it")
+        if cfg.sft.steps and cfg.sft.data is None and found.env.reference is None:
+            raise ValueError(f"sft.steps={cfg.sft.steps}: environment {found.config.id!r} defines no reference "
+                             "answers (no reference(task)) for the warm-up to learn; give sft.data (a JSON Lines "
+                             "file of chats) or set sft.steps = 0")
     for i, spec in enumerate(cfg.evals):  # evals load where they run, in the orchestrator; refused here first
         try:
             load_environment(spec.id, EnvironmentOverrides(args=dict(spec.args)))
