@@ -1,8 +1,9 @@
 """A run on two environments with two evals through ``flywheel run`` against ``flywheel up``
 (the real services): tasks of both, mixed by weight; each environment's rollouts scored with
 its own rewards (the trainer's join and the trace store's reward alike); per-environment
-metrics, summary and plot; the evals run on the weights of steps 0 and the last, served as
-``RUN@STEP``, recorded as eval runs linked to the run, their weights let go afterwards.
+metrics, summary and plot; one environment's SFT term in every step; the evals run on the
+weights of steps 0 and the last, served as ``RUN@STEP``, recorded as eval runs linked to the
+run, their weights let go afterwards.
 Whether reward rises against an lr = 0 control is the slow tier's claim (tests/e2e/test_learning.py);
 this one checks the plumbing, in a few steps."""
 
@@ -35,7 +36,9 @@ def test_a_run_on_two_environments_mixes_scores_and_reports_each(
             "--inference-port", str(ports["inference"]), "--set", f"trainer.num_steps={NUM_STEPS}",
             "--set", "sft.steps=10", "--set", "trainer.batch_size=64", "--set", "envs.0.weight=3",
             "--set", "evals.0.num_tasks=6",
-            "--set", "evals.1.num_tasks=6"]
+            "--set", "evals.1.num_tasks=6",
+            # arithmetic's own SFT term: 4 of its reference answers learned in every step
+            "--set", "envs.1.sft_term.weight=0.5", "--set", "envs.1.sft_term.batch_size=4"]
     done = subprocess.run(argv, capture_output=True, text=True, env=clean_env, cwd=ROOT, timeout=300, check=False)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     out = done.stdout
@@ -45,7 +48,7 @@ def test_a_run_on_two_environments_mixes_scores_and_reports_each(
     assert published is not None, out
     total, reverse, arithmetic = (int(n) for n in published.groups())
     assert reverse + arithmetic == total and reverse == 3 * arithmetic  # 3 : 1, as the weights say
-    assert re.search(r"^step +1/4 +reward \S+ \(reverse_text \S+, arithmetic \S+\)", out, re.M), out
+    assert re.search(r"^step +1/4 +reward \S+ \(reverse_text \S+, arithmetic \S+\).*  sft loss \d", out, re.M), out
 
     run_dir = data_dir / "runs" / "mix"
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
@@ -56,6 +59,7 @@ def test_a_run_on_two_environments_mixes_scores_and_reports_each(
         # Each environment's scores are over its own rollouts: arithmetic's metric is not
         # diluted by reverse_text's rollouts, which never get one.
         assert 0.0 <= m["scores.formatted"] <= 1.0 and "scores.similarity" in m
+        assert m["sft_term_loss"] > 0 and m["num_sft_tokens"] >= 4  # the SFT term's rows, in every step
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["env"] == "reverse_text + arithmetic"
     assert {"env.reverse_text.reward_last", "env.arithmetic.reward_last"} <= set(summary)
