@@ -1039,7 +1039,18 @@ def _field(name: str, f: FieldInfo, indent: str = "") -> list[str]:
         lines.append(f"{indent}  - `type = \"{tag}\"`: {doc}")
         lines += [line for key, g in variant.model_fields.items() if key != "type"
                   for line in _field(key, g, indent + "    ")]
+    table = None if parts else _table(f.annotation)
+    if table is not None:  # a table of its own (trainer.kl, an environment's sampling): its keys
+        lines += [line for key, g in table.model_fields.items() for line in _field(key, g, indent + "  ")]
     return lines
+
+
+def _table(tp: Any) -> type[BaseModel] | None:
+    """The model of a field that is one table (``X`` or ``X | None``), else None."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        models = [a for a in typing.get_args(tp) if a is not type(None)]
+        tp = models[0] if len(models) == 1 else None
+    return tp if isinstance(tp, type) and issubclass(tp, BaseModel) else None
 
 
 def _doc(model: type[BaseModel]) -> str:
