@@ -93,10 +93,11 @@ def line_examples(tok: Any, row: Any, where: str) -> list[Tokens]:
     return chat_examples(tok, chat, tools, where)
 
 
-def load_examples(path: Path, tok: Any, max_positions: int | None = None) -> list[Tokens]:
-    """Every sequence of the data file; DataError naming the line for one that cannot be learned."""
+def load_examples(path: Path, tok: Any, max_positions: int | None = None, field: str = "sft.data") -> list[Tokens]:
+    """Every sequence of the data file (the config's ``field``); DataError naming the line for one
+    that cannot be learned."""
     if not path.exists():
-        raise DataError(f"sft.data={str(path)!r}: no such file (a JSON Lines file of chats or a trace API export)")
+        raise DataError(f"{field}={str(path)!r}: no such file (a JSON Lines file of chats or a trace API export)")
     examples = []
     with open(path, encoding="utf-8") as f:
         for number, text in enumerate(f, 1):
@@ -113,7 +114,7 @@ def load_examples(path: Path, tok: Any, max_positions: int | None = None) -> lis
                                     f"{max_positions} positions; shorten it or use a model with a longer context")
                 examples.append(example)
     if not examples:
-        raise DataError(f"sft.data={str(path)!r}: no assistant message to learn from in any line")
+        raise DataError(f"{field}={str(path)!r}: no assistant message to learn from in any line")
     return examples
 
 

@@ -315,12 +315,13 @@ class SFTSupply:
                  max_positions: int | None = None) -> None:
         self.seed = cfg.task_seed
         self.pools: list[tuple[str, list[Tokens], SFTTerm]] = []
-        for name, (env_cfg, env) in envs.items():
+        for index, (name, (env_cfg, env)) in enumerate(envs.items()):
             term = cfg.sft_term_of(env_cfg)
             if term is None:
                 continue
             if term.data:
-                examples = load_examples(Path(term.data), tok, max_positions)
+                field = f"envs.{index}.sft_term.data" if env_cfg.sft_term is not None else "trainer.sft_term.data"
+                examples = load_examples(Path(term.data), tok, max_positions, field)
             else:
                 tasks = env.load_tasks(min(self.POOL, term.batch_size * cfg.trainer.num_steps), seed=cfg.task_seed)
                 examples = [reference_tokens(tok, env, task) for task in tasks]

@@ -528,3 +528,25 @@ def test_a_teachers_local_folder_becomes_absolute_and_a_missing_one_is_refused(t
     assert local_teachers(cfg("tiny")).teachers["t"].model == "tiny"  # a name, found where the teacher runs
     with pytest.raises(ValueError, match=r"teachers\.t\.model='\./gone': no model folder there"):
         local_teachers(cfg("./gone"))
+
+
+def test_data_files_become_absolute_and_a_missing_one_is_refused_naming_its_field(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from flywheel.ops.run import local_data
+
+    (tmp_path / "chats.jsonl").write_text("{}\n")
+    monkeypatch.chdir(tmp_path)
+    two = 'run = "r"\n[[envs]]\nid = "reverse_text"\n[[envs]]\nid = "arithmetic"\n'
+    cfg = local_data(RunConfig.from_toml_text(two + 'sft_term = {weight = 0.1, data = "chats.jsonl"}\n'
+                                              '[sft]\nsteps = 3\ndata = "./chats.jsonl"\n'))
+    assert cfg.envs[1].sft_term is not None and cfg.envs[1].sft_term.data == str(tmp_path / "chats.jsonl")
+    assert cfg.sft.data == str(tmp_path / "chats.jsonl")
+    plain = RunConfig.from_toml_text(two)
+    assert local_data(plain) is plain  # nothing to resolve: the config as it was
+    with pytest.raises(ValueError, match=r"envs\.0\.sft_term\.data='gone\.jsonl': no such file"):
+        local_data(RunConfig.from_toml_text(two.replace('id = "reverse_text"\n', 'id = "reverse_text"\n'
+                                                        'sft_term = {weight = 0.1, data = "gone.jsonl"}\n')))
+    with pytest.raises(ValueError, match=r"trainer\.sft_term\.data='gone\.jsonl': no such file"):
+        local_data(RunConfig.from_toml_text(two + '[trainer]\nsft_term = {weight = 0.1, data = "gone.jsonl"}\n'))
+    with pytest.raises(ValueError, match=r"sft\.data='gone\.jsonl': no such file"):
+        local_data(RunConfig.from_toml_text(two + '[sft]\ndata = "gone.jsonl"\n'))

@@ -711,7 +711,27 @@ def main_job(config_path: str, settings: Settings, run_id: str | None = None,
     named = RunConfig.from_toml(config_path).run
     # A new run gets the time in its id; --resume without --run-id means the run the config names.
     cfg = config_with(config_path, overrides or {}, run_id or (named if resume else new_run_id(named)))
-    return asyncio.run(MainJob(local_teachers(cfg), settings, resume=resume, stop_on_exit=stop).run())
+    return asyncio.run(MainJob(local_data(local_teachers(cfg)), settings, resume=resume, stop_on_exit=stop).run())
+
+
+def local_data(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with each data file it names (``sft.data``, the SFT terms' ``data``) made absolute, as
+    the trainer reads it wherever it runs from; a ValueError naming the field for a file that is
+    not there, before anything starts."""
+    data = cfg.model_dump()
+    tables = [("sft", data["sft"]), ("trainer.sft_term", data["trainer"]["sft_term"]),
+              *((f"envs.{i}.sft_term", env["sft_term"]) for i, env in enumerate(data["envs"]))]
+    changed = False
+    for where, table in tables:
+        if not table or not table.get("data"):
+            continue
+        path = Path(table["data"]).expanduser()
+        if not path.is_file():
+            raise ValueError(f"{where}.data={table['data']!r}: no such file; give a JSON Lines file of chats or a "
+                             "trace API export (`GET /v1/rollouts/export`)")
+        table["data"] = str(path.resolve())
+        changed = True
+    return RunConfig.parse(data) if changed else cfg
 
 
 def local_teachers(cfg: RunConfig) -> RunConfig:
