@@ -491,6 +491,7 @@ class Stack:
         try:
             await self._start()
             if not self.stopping.is_set():
+                await self._beat_now()  # whoever reads "Flywheel is up" then finds every process running
                 self._say_ready()
                 self.ready.set()
                 await self._supervise()
@@ -657,6 +658,16 @@ class Stack:
                     f"the wait doubles, up to {self.max_backoff_s:g}s)")
         self.say(f"{process.name} (pid {process.last_pid}) {what}{after}; {plan}; {process.log_tail()}")
         return delay_s
+
+    async def _beat_now(self) -> None:
+        """Publish the current view at once (a bus that is away: the next beat carries it)."""
+        if self.heartbeat is None:
+            return
+        self.heartbeat.info = self.view()
+        try:
+            await self.heartbeat.beat()
+        except nats.errors.Error:
+            pass  # the bus is away this moment: the Service's next beat carries the view (it logs the failure)
 
     async def _publish_changes(self, stopping: asyncio.Event) -> None:
         """A task of the stack's heartbeat: beat as soon as the view changed, so ``flywheel
