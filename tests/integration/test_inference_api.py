@@ -228,7 +228,7 @@ async def test_tokens_reach_the_client_while_the_answer_is_still_sampled(
 
     def slow(self: TransformersBackend, prompts: Any, sampling: Any, seeds: Any = None, on_token: Any = None) -> Any:
         def each(row: int, token_id: int, logprob: float) -> None:
-            time.sleep(0.01)  # sleep: a bigger model's time per token, in the backend's thread
+            time.sleep(0.01)  # noqa: sleep - a bigger model's time per token, in the backend's thread
             on_token(row, token_id, logprob)
 
         out = generate(self, prompts, sampling, seeds, each if on_token is not None else None)

@@ -202,7 +202,7 @@ async def test_sync_rewards_run_in_threads_and_a_slow_one_times_out(pool: Thread
         return 1.0
 
     def slow() -> float:
-        time.sleep(0.5)  # sleep: a slow reward, longer than its timeout
+        time.sleep(0.5)  # noqa: sleep - a slow reward, longer than its timeout
         return 1.0
 
     ticks = 0
@@ -210,7 +210,7 @@ async def test_sync_rewards_run_in_threads_and_a_slow_one_times_out(pool: Thread
     async def ticker() -> None:
         nonlocal ticks
         while True:
-            await asyncio.sleep(0.01)  # sleep: counts event-loop turns while a reward blocks its thread
+            await asyncio.sleep(0.01)  # noqa: sleep - counts event-loop turns while a reward blocks its thread
             ticks += 1
 
     s = scorer(pool, Rewards(sync_reward=sync_reward, async_reward=async_reward, slow=slow), reward_timeout_s=0.2)
