@@ -1,7 +1,8 @@
 """``/v1/traces``: a rollout's trace graph, one branch of it, and a live stream of it.
 
 - ``GET /v1/traces/{rollout}``: every node with its parent (the message layer; the token
-  layer with ``?tokens=true``) and the leaves, one per branch (sub-agents, retries). Once
+  layer with ``?tokens=true``, and the teachers' logprobs of the sampled tokens where the
+  run names teachers) and the leaves, one per branch (sub-agents, retries). Once
   the rollout is recorded its graph is exactly the nodes the rollout lists, in its order
   (live nodes of an attempt that inference abandoned are dropped, see
   :meth:`flywheel_gateway.store.Store.record`), and ``final_leaf`` is its last node. While
@@ -45,7 +46,14 @@ from flywheel.contract import events
 from flywheel.contract.bus import HEADER_MSG_ID, Bus, Replay, Undecodable, decode_message
 from flywheel.sdk.tracegraph import ROWS, join_tokens, leaves, walk
 from flywheel_gateway.deps import BusDep, NodeIdPath, RolloutIdPath, StoreDep, StreamedRolloutIdPath
-from flywheel_gateway.models import BranchPublic, NodePublic, RolloutPublic, TokenLayerPublic, TracePublic
+from flywheel_gateway.models import (
+    BranchPublic,
+    NodePublic,
+    RolloutPublic,
+    SignalPublic,
+    TokenLayerPublic,
+    TracePublic,
+)
 from flywheel_gateway.responses import ERROR_RESPONSES
 from flywheel_gateway.store import Store
 
@@ -71,12 +79,13 @@ async def get_trace(rollout_id: RolloutIdPath, store: StoreDep, tokens: bool = F
     """The nodes of the rollout's graph in order, each with its parent; live nodes show before
     the rollout finishes. Once it is recorded, the graph is exactly the rollout's nodes and
     ``final_leaf`` its last one. ``?tokens=true`` adds each node's token ids, logprobs and
-    loss mask."""
+    loss mask, and each teacher's logprobs of the sampled tokens (``signals``)."""
     nodes = await _trace(store, rollout_id, tokens)
     finished = await store.has_rollout(rollout_id)
+    signals = [SignalPublic.model_validate(row) for row in await store.get_signals(rollout_id)] if tokens else None
     return TracePublic(rollout_id=rollout_id, finished=finished, nodes=[NodePublic.model_validate(n) for n in nodes],
                        leaves=[n["id"] for n in leaves(nodes, ROWS)],
-                       final_leaf=nodes[-1]["id"] if finished and nodes else None)
+                       final_leaf=nodes[-1]["id"] if finished and nodes else None, signals=signals)
 
 
 @router.get("/{rollout_id}/branches/{node_id}", response_model=BranchPublic)

@@ -333,6 +333,16 @@ class NodePublic(BaseModel):
         None, description="The token layer; only with ?tokens=true, and null for a node without tokens.")
 
 
+class SignalPublic(BaseModel):
+    source: str = Field(description="The teacher's name in the run config ([teachers.<name>]).")
+    model: str = Field(description="What computed the values (a model; the run's own weights as RUN@vVERSION).")
+    temperature: float = Field(description="The temperature the values are at (the rollout's sampling).")
+    values: dict[str, list[float]] = Field(
+        description="By node id (those holding sampled tokens): the teacher's logprob of each token of the node's "
+                    "span, in the context it was sampled in; 0.0 where the policy did not sample the token.")
+    error: str | None = Field(None, description="Why the teacher could not value the rollout (then no values).")
+
+
 class TracePublic(BaseModel):
     rollout_id: str
     finished: bool = Field(description="Whether the rollout itself is recorded; false while only live nodes are.")
@@ -341,6 +351,9 @@ class TracePublic(BaseModel):
                                           "(sub-agent, retry); pick one for /v1/traces/{rollout_id}/branches/{leaf}.")
     final_leaf: str | None = Field(description="The rollout's last node, the end of the branch rewards read; null "
                                                "until the rollout is recorded.")
+    signals: list[SignalPublic] | None = Field(
+        None, description="With ?tokens=true: each teacher's logprobs of the sampled tokens (runs that name "
+                          "teachers), aligned with the nodes' token spans.")
 
 
 class TokenLayerPublic(BaseModel):

@@ -1,4 +1,4 @@
-"""The recorder: every stream on the bus (but SIGNALS), written into the trace store.
+"""The recorder: every stream on the bus, written into the trace store.
 
 One durable pull consumer per stream (``recorder-tasks``, ``recorder-rollouts``, ...), in
 batch mode: each batch the bus hands over is one :meth:`Store.record` call, so one
@@ -31,10 +31,8 @@ from flywheel.contract.settings import RecorderSettings, Settings
 from flywheel_gateway.migrate import migrate
 from flywheel_gateway.store import Store, UnrecordableEvent
 
-# What the trace store keeps: every stream but SIGNALS, a teacher's per-token logprobs, which
-# are the trainer's input (as large as the rollouts' token layer again) and not yet a table of
-# the store.
-RECORDED_STREAMS = tuple(s for s in STREAMS if s != "SIGNALS")
+# What the trace store keeps: every stream (a teacher's signals without their top-k lists).
+RECORDED_STREAMS = tuple(STREAMS)
 
 
 def build(bus: Bus, store: Store, config: RecorderSettings,

@@ -178,6 +178,25 @@ scores = sa.Table(
     sa.UniqueConstraint("rollout_id", "scorer", name="uq_scores_rollout_scorer"),
 )
 
+# A teacher's per-token logprobs of a rollout's sampled tokens (SIGNALS): ``values`` maps each
+# node holding sampled tokens to one value per token of its span. One per teacher per rollout.
+# The top-k lists a dense distillation term reads are not kept (k times the values' size).
+signals = sa.Table(
+    "signals",
+    metadata,
+    sa.Column("id", sa.String, primary_key=True),
+    sa.Column("run", sa.String, nullable=False),
+    sa.Column("env", sa.String, nullable=False),
+    sa.Column("rollout_id", sa.String, nullable=False),
+    sa.Column("source", sa.String, nullable=False),
+    sa.Column("model", sa.String, nullable=False),
+    sa.Column("temperature", sa.Float, nullable=False),
+    sa.Column("values", Json, nullable=False),
+    sa.Column("error", sa.Text, nullable=True),
+    sa.Column("created_at", UTCDateTime, nullable=False),
+    sa.UniqueConstraint("rollout_id", "source", name="uq_signals_rollout_source"),
+)
+
 weight_updates = sa.Table(
     "weight_updates",
     metadata,

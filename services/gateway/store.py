@@ -281,6 +281,7 @@ class _Rows:
     rollout_nodes: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     trace_links: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     scores: dict[str, dict[str, Any]] = field(default_factory=dict)
+    signals: dict[str, dict[str, Any]] = field(default_factory=dict)
     weight_updates: dict[str, dict[str, Any]] = field(default_factory=dict)
     run_metrics: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)
     dead_letters: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -334,6 +335,13 @@ class _Rows:
             "error": sc.error, "created_at": sc.created_at,
         })
 
+    def add_signal(self, sg: events.Signal) -> None:
+        self.signals.setdefault(sg.id, {
+            "id": sg.id, "run": sg.run, "env": sg.env, "rollout_id": sg.rollout_id, "source": sg.source,
+            "model": sg.model, "temperature": sg.temperature, "values": sg.values, "error": sg.error,
+            "created_at": sg.created_at,
+        })
+
     def add_weight_update(self, w: events.WeightUpdate) -> None:
         self.weight_updates.setdefault(w.id, {
             "id": w.id, "run": w.run, "version": w.version, "uri": w.uri, "sha256": w.sha256,
@@ -363,6 +371,7 @@ _ADDERS: dict[type, Any] = {
     events.Rollout: _Rows.add_rollout,
     events.TraceNode: _Rows.add_trace_node,
     events.Score: _Rows.add_score,
+    events.Signal: _Rows.add_signal,
     events.WeightUpdate: _Rows.add_weight_update,
     events.DeadLetter: _Rows.add_dead_letter,
 }
@@ -379,7 +388,7 @@ def _ids() -> sa.BindParameter[Any]:
 
 
 # The tables recording inserts into with executemany, every row ON CONFLICT DO NOTHING.
-_RECORDED_TABLES = (s.runs, s.tasks, s.scores, s.weight_updates, s.run_metrics, s.dead_letters, s.nodes,
+_RECORDED_TABLES = (s.runs, s.tasks, s.scores, s.signals, s.weight_updates, s.run_metrics, s.dead_letters, s.nodes,
                     s.rollout_nodes)
 # PostgreSQL: transaction-scoped advisory locks on the rollouts a batch touches, in one order.
 _LOCK_ROLLOUTS = sa.text("SELECT pg_advisory_xact_lock(k) FROM (SELECT DISTINCT hashtextextended(x, 0) AS k "
@@ -507,6 +516,7 @@ class Store:
         self._insert_new(conn, s.runs, new_runs)
         self._insert_new(conn, s.tasks, list(rows.tasks.values()))
         self._insert_new(conn, s.scores, list(rows.scores.values()))
+        self._insert_new(conn, s.signals, list(rows.signals.values()))
         # The rollouts recorded now for the first time (a copy of one in the store changes
         # nothing), as stored; under the locks, so no other writer records them meanwhile.
         new_rollouts: set[str] = set()
@@ -795,6 +805,15 @@ class Store:
                 found = await conn.scalar(sa.select(s.rollouts.c.id).where(s.rollouts.c.id == rollout_id))
                 return [] if found is not None else None
         return rows
+
+
+    async def get_signals(self, rollout_id: str) -> list[dict[str, Any]]:
+        """The teachers' signals recorded for a rollout, by source."""
+        g = s.signals.c
+        query = (sa.select(g.source, g.model, g.temperature, g["values"], g.error)
+                 .where(g.rollout_id == self._text(rollout_id)).order_by(g.source))
+        async with self.engine.connect() as conn:
+            return [dict(row) for row in (await conn.execute(query)).mappings()]
 
 
 def export_record(row: dict[str, Any], scores: list[dict[str, Any]], tokens: bool) -> dict[str, Any]:

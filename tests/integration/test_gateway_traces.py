@@ -444,6 +444,37 @@ async def test_filters_follow_what_the_recorder_records(app: FastAPI, client: ht
         await asyncio.gather(*running)
 
 
+async def test_a_teachers_signal_on_the_bus_shows_beside_the_token_layer(app: FastAPI, client: httpx.AsyncClient,
+                                                                           store: Store) -> None:
+    """A signal on SIGNALS, recorded by the recorder's consumer: ``?tokens=true`` gives the
+    teacher's values by node beside the token layer; without tokens there are none."""
+    bus: Bus = app.state.bus
+    r = rollout("ro1")
+    answer = r.nodes[-1]
+    assert answer.tokens is not None
+    signal = events.Signal(id="ro1.expert", run=r.run, env=r.env, rollout_id="ro1", group_id=r.group_id,
+                           source="expert", values={answer.id: [-0.5] * len(answer.tokens.token_ids)},
+                           temperature=1.0, model="teacher-model")
+    consumers = recorder.build(bus, store, RecorderSettings(), streams=("ROLLOUTS", "SIGNALS"))
+    running = [asyncio.ensure_future(c.run()) for c in consumers]
+    try:
+        await bus.publish_many([signal, r], events.MSGPACK)
+
+        async def recorded() -> bool:
+            trace = await client.get("/v1/traces/ro1", params={"tokens": "true"})
+            return trace.status_code == 200 and bool(trace.json()["signals"])
+
+        await until(recorded, what="the rollout and its signal to be recorded")
+    finally:
+        for c in consumers:
+            c.stop()
+        await asyncio.gather(*running)
+    trace = (await client.get("/v1/traces/ro1", params={"tokens": "true"})).json()
+    assert trace["signals"] == [{"source": "expert", "model": "teacher-model", "temperature": 1.0,
+                                 "values": {answer.id: [-0.5] * len(answer.tokens.token_ids)}, "error": None}]
+    assert (await client.get("/v1/traces/ro1")).json()["signals"] is None
+
+
 async def test_a_rollout_rolled_out_again_shows_only_its_published_attempt(app: FastAPI, client: httpx.AsyncClient,
                                                                           store: Store) -> None:
     """Inference killed mid-rollout: the redelivered task's second attempt publishes the

@@ -132,7 +132,7 @@ async def test_migrate_is_idempotent_and_matches_the_models(database_url: str) -
     assert await current_revision(database_url) is None
     await asyncio.gather(migrate(database_url), migrate(database_url))  # two processes starting at once
     await migrate(database_url)
-    assert await current_revision(database_url) == "0008"
+    assert await current_revision(database_url) == "0009"
 
     diffs: list[object] = []
     primary_keys: dict[str, list[str]] = {}
@@ -153,7 +153,7 @@ async def test_migrate_is_idempotent_and_matches_the_models(database_url: str) -
 
 # Tables today's store writes that came after an older revision: a test that records under an
 # older revision has them for the time being (empty, so the reward comes out as it did then).
-LATER_TABLES = [schema.run_scorers, schema.run_envs]
+LATER_TABLES = [schema.run_scorers, schema.run_envs, schema.signals]
 
 
 async def open_at(database_url: str, revision: str) -> Store:
@@ -416,7 +416,8 @@ async def test_revision_0007_gives_the_scorers_recorded_before_every_environment
         assert await reward(s, "ro1") == 0.5
     finally:
         await s.close()
-    await run_exclusively(database_url, schema.run_envs.drop)  # open_at's, of a later revision
+    for table in (schema.run_envs, schema.signals):  # open_at's, of later revisions
+        await run_exclusively(database_url, table.drop)
     await run_exclusively(database_url, lambda conn: command.downgrade(alembic_config(conn), "0006"))
     assert await current_revision(database_url) == "0006"
     s = Store.open(database_url)
@@ -486,6 +487,25 @@ async def test_nodes_are_shared_across_rollouts(store: Store) -> None:
     without_tokens = await store.get_trace("ro2")
     assert without_tokens is not None and "tokens" not in without_tokens[0]
     assert await store.get_trace("unknown") is None
+
+
+async def test_a_teachers_signals_are_recorded_once_per_rollout_and_source(store: Store) -> None:
+    r = rollout("ro1", answer="4")
+    answer = r.nodes[-1].id
+
+    def signal(source: str, values: list[float], error: str | None = None) -> events.Signal:
+        return events.Signal(id=f"ro1.{source}", run=r.run, env=r.env, rollout_id="ro1", group_id=r.group_id,
+                             source=source, values={} if error else {answer: values}, temperature=0.7,
+                             model="teacher-model", error=error, top_ids={answer: [[1, 2]] * len(values)},
+                             top_logprobs={answer: [[-0.1, -2.5]] * len(values)}, created_at=T0)
+
+    await store.record([signal("expert", [-0.5, -0.25, -1.0, -2.0]), r])
+    await store.record([signal("expert", [0.0] * 4), signal("bad", [], error="too long")])  # a redelivery: kept
+    assert await store.get_signals("ro1") == [
+        {"source": "bad", "model": "teacher-model", "temperature": 0.7, "values": {}, "error": "too long"},
+        {"source": "expert", "model": "teacher-model", "temperature": 0.7,
+         "values": {answer: [-0.5, -0.25, -1.0, -2.0]}, "error": None}]
+    assert await store.get_signals("unknown") == []
 
 
 async def test_live_trace_nodes_then_the_rollout(store: Store) -> None:
