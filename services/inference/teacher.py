@@ -20,6 +20,10 @@ policy's sampled tokens go out as :class:`flywheel.contract.events.Signal` event
   a plain forward on each whole row (the tests hold them to 1e-4). A model whose forward
   takes no positions, cache or ``logits_to_keep`` (not a transformers causal LM) is run on
   whole rows, right-padded, as the trainer does.
+- Top-k (a dense on-policy distillation term reads the teacher:
+  :meth:`flywheel.contract.config.RunConfig.top_k_of`): at each valued position the ``k``
+  largest entries of the same log-softmax and their token ids, likeliest first, beside the
+  value (``Signal.top_ids``, ``Signal.top_logprobs``).
 - Privileged context (``context``, self-distillation): the first request's prompt (the
   nodes before the first sampled one, and that node's tokens before its first sampled
   token: the generation prompt) is replaced by the render of ``[system: context with
@@ -42,16 +46,16 @@ policy's sampled tokens go out as :class:`flywheel.contract.events.Signal` event
 
 Failures: a rollout whose token layer is inconsistent is dead-lettered (Reject); one with
 status ``error`` is acked without a signal (the trainer drops it anyway). A signal carries an
-error (and no values) when the rollout cannot be valued: a sequence longer than the
-teacher's positions, a token outside its vocabulary, a changed prompt under a context, an
-environment whose reference answer or prompt fails, a weights version that is no longer in
-the run's bucket or does not verify. A version not published yet is waited for, logged
-every ``WAIT_LOG_S`` (the consumer keeps the deliveries alive meanwhile). Anything else (a
-model that does not load, the bus) fails the delivery, which the bus retries with backoff
-before dead-lettering it. A teacher's consumer that dies stops the host, and the process
-with it. Delivery is at least once: a signal's id is ``<rollout>.<teacher>``, so a rollout
-valued twice is stored once. Not covered: a teacher whose tokenizer differs from the
-policy's (its values would be of other tokens; only a vocabulary too small is caught).
+error (and no values) when the rollout cannot be valued: a signal larger than the bus takes
+(:func:`fit_payload`), a sequence longer than the teacher's positions, a token outside its
+vocabulary, a changed prompt under a context, an environment whose reference answer or prompt
+fails, a weights version that is no longer in the run's bucket or does not verify. A version
+not published yet is waited for, logged every ``WAIT_LOG_S`` (the consumer keeps the
+deliveries alive meanwhile). Anything else (a model that does not load, the bus) fails the
+delivery, which the bus retries with backoff before dead-lettering it. A teacher's consumer
+that dies stops the host, and the process with it. Delivery is at least once: a signal's id is
+``<rollout>.<teacher>``, so a rollout valued twice is stored once. Not covered: a teacher whose
+tokenizer differs from the policy's (its values would be of other tokens; only a vocabulary too small is caught).
 """
 
 from __future__ import annotations
@@ -61,11 +65,12 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import nats.js.errors
 
 from flywheel.contract import events, weights
@@ -200,10 +205,21 @@ def can_share_prefixes(model: Any) -> bool:
         "cache" in params or "past_key_values" in params)
 
 
-def _forward(model: Any, rows: Sequence[_Row], max_batch_size: int) -> list[list[float]]:
+@dataclass
+class _Computed:
+    """A row's values at its ``needed`` positions, in order, and with a top-k, the ``k``
+    likeliest tokens at each of those positions and their logprobs, likeliest first."""
+
+    values: list[float] = field(default_factory=list)
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
+
+
+def _forward(model: Any, rows: Sequence[_Row], max_batch_size: int, top_k: int = 0) -> list[_Computed]:
     """Each row's values at its ``needed`` positions, in order: ``log_softmax(logits[t - 1] /
     temperature)[token t]`` (float32), in forward passes of at most ``max_batch_size`` rows,
-    those that begin the same way side by side, longest first (see the module docstring)."""
+    those that begin the same way side by side, longest first (see the module docstring);
+    with ``top_k``, the ``top_k`` largest entries of the same log-softmax too."""
     import torch
 
     from flywheel.sdk import models
@@ -217,7 +233,7 @@ def _forward(model: Any, rows: Sequence[_Row], max_batch_size: int) -> list[list
     for i in sorted((i for i, row in enumerate(rows) if row.needed), key=lambda i: -len(rows[i].token_ids)):
         families.setdefault(keys[i], []).append(i)
     order = [i for family in families.values() for i in family]  # families by their longest member
-    out: list[list[float]] = [[] for _ in rows]
+    out = [_Computed() for _ in rows]
     with torch.no_grad():
         for at in range(0, len(order), max_batch_size):
             chunk = order[at:at + max_batch_size]
@@ -251,15 +267,25 @@ def _forward(model: Any, rows: Sequence[_Row], max_batch_size: int) -> list[list
             target_ids = torch.tensor(targets, dtype=torch.long, device=device)[:, None]
             scale = torch.tensor(temperatures, dtype=torch.float32, device=device)[:, None]
             step = max(1, LOG_SOFTMAX_ELEMENTS // logits.shape[-1])
-            picked = []
+            k = min(top_k, logits.shape[-1])
+            picked, top_values, top_indices = [], [], []
             for lo in range(0, len(at_row), step):  # a bounded slice of float32 logits at a time
                 scaled = logits[index_b[lo:lo + step], index_c[lo:lo + step]].float() / scale[lo:lo + step]
-                picked.append(scaled.gather(-1, target_ids[lo:lo + step]).squeeze(-1) - scaled.logsumexp(-1))
+                normalizer = scaled.logsumexp(-1)
+                picked.append(scaled.gather(-1, target_ids[lo:lo + step]).squeeze(-1) - normalizer)
+                if k:
+                    top = scaled.topk(k, dim=-1)
+                    top_values.append(top.values - normalizer[:, None])
+                    top_indices.append(top.indices)
             values = torch.cat(picked).tolist()
+            tops = (torch.cat(top_indices).tolist(), torch.cat(top_values).tolist()) if k else ([], [])
             taken = 0
             for i in chunk:
-                out[i] = values[taken:taken + len(rows[i].needed)]
-                taken += len(rows[i].needed)
+                n = len(rows[i].needed)
+                out[i].values = values[taken:taken + n]
+                if k:
+                    out[i].top_ids, out[i].top_logprobs = tops[0][taken:taken + n], tops[1][taken:taken + n]
+                taken += n
     return out
 
 
@@ -296,9 +322,10 @@ def _after_prefixes(model: Any, row_keys: list[tuple[int, ...]], distinct: list[
 
 
 def teacher_signals(model: Any, requests: Sequence[Request], *, source: str, model_name: str,
-                    max_batch_size: int) -> tuple[list[events.Signal], Usage]:
+                    max_batch_size: int, top_k: int = 0) -> tuple[list[events.Signal], Usage]:
     """One Signal per request, from ``source`` (the teacher's name) computed by ``model`` (a
-    causal LM; ``model_name`` goes on the signals), and what it computed. A request that
+    causal LM; ``model_name`` goes on the signals), and what it computed; with ``top_k``, each
+    valued token's ``top_k`` likeliest tokens too (``Signal.top_ids``). A request that
     cannot be valued gets a signal with an error and no values; a rollout whose token layer
     is inconsistent raises :class:`TokenLayerError` (check with ``join_tokens(strict=True)``
     first)."""
@@ -327,26 +354,60 @@ def teacher_signals(model: Any, requests: Sequence[Request], *, source: str, mod
                              f"vocabulary ({model_name}: {vocab_size} tokens); a teacher shares the policy's tokenizer")
         else:
             rows += found
-    computed = _forward(model, rows, max_batch_size) if rows else []
+    computed = _forward(model, rows, max_batch_size, top_k) if rows else []
     values: dict[int, dict[str, list[float]]] = {}
+    top_ids: dict[int, dict[str, list[list[int]]]] = {}
+    top_logprobs: dict[int, dict[str, list[list[float]]]] = {}
     usage = Usage(num_tokens=sum(len(row.token_ids) for row in rows))
-    for row, row_values in zip(rows, computed, strict=True):
+    for row, row_computed in zip(rows, computed, strict=True):
         node_values = values.setdefault(row.request, {})
-        taken = iter(row_values)  # in the order of row.needed
+        at = 0  # into row_computed, in the order of row.needed
         for node, start in row.starts:
             assert node.tokens is not None  # a sampled node has tokens
             mask = node.tokens.loss_mask
-            node_values[node.id] = [next(taken) if sampled and start + j > 0 else 0.0
-                                    for j, sampled in enumerate(mask)]
+            taken = [j for j, sampled in enumerate(mask) if sampled and start + j > 0]
+            node_values[node.id] = [0.0] * len(mask)
+            ids: list[list[int]] = [[] for _ in mask]
+            logprobs: list[list[float]] = [[] for _ in mask]
+            for offset, j in enumerate(taken, start=at):
+                node_values[node.id][j] = row_computed.values[offset]
+                if top_k:
+                    ids[j], logprobs[j] = row_computed.top_ids[offset], row_computed.top_logprobs[offset]
+            if top_k:
+                top_ids.setdefault(row.request, {})[node.id] = ids
+                top_logprobs.setdefault(row.request, {})[node.id] = logprobs
+            at += len(taken)
             usage.num_sampled_tokens += sum(mask)
     signals = []
     for index, request in enumerate(requests):
         r = request.rollout
+        failed = index in errors
         signals.append(events.Signal(
             id=f"{r.id}.{source}", run=r.run, env=r.env, rollout_id=r.id, group_id=r.group_id, source=source,
-            values={} if index in errors else values.get(index, {}), temperature=request.temperature,
-            model=model_name, error=errors.get(index)))
+            values={} if failed else values.get(index, {}), temperature=request.temperature,
+            model=model_name, error=errors.get(index), top_ids={} if failed else top_ids.get(index, {}),
+            top_logprobs={} if failed else top_logprobs.get(index, {})))
     return signals, usage
+
+
+def fit_payload(signals: Sequence[events.Signal], size_of: Callable[[events.Signal], int],
+                max_payload: int) -> list[events.Signal]:
+    """``signals``, each one larger than the bus takes (``size_of`` it over ``max_payload``: the
+    server would drop the connection that sent it) replaced by the same signal with an error
+    saying so, and no values: its rollout is dropped as a teacher's error, never waited for."""
+    out = []
+    for signal in signals:
+        size = size_of(signal)
+        if size <= max_payload:
+            out.append(signal)
+            continue
+        top_k = max((len(ids) for node in signal.top_ids.values() for ids in node), default=0)
+        hint = f"lower the top_k of the part that reads it ({top_k} now) or " if top_k else ""
+        out.append(msgspec.structs.replace(
+            signal, values={}, top_ids={}, top_logprobs={},
+            error=f"rollout {signal.rollout_id}: its signal is {size} bytes, more than the bus takes "
+                  f"({max_payload}, nats-server's max_payload); {hint}raise max_payload"))
+    return out
 
 
 # --- models and weights -------------------------------------------------------------------------
@@ -510,6 +571,8 @@ class Teacher:
             started = time.monotonic()
             signals, usage = await asyncio.to_thread(self._compute, loaded, rollouts, model_name, error)
             busy_s = time.monotonic() - started
+        signals = fit_payload(signals, functools.partial(self.bus.published_size, content_type=events.MSGPACK),
+                              self.bus.nc.max_payload)
         await self.bus.publish_many(signals, events.MSGPACK)
         self.counters.add(signals, usage, busy_s)
         self.info.update(vars(self.counters))
@@ -520,7 +583,8 @@ class Teacher:
         requests = [self._request(loaded.tok, r, error) for r in rollouts]
         with loaded.thread_lock:
             return teacher_signals(loaded.model, requests, source=self.name, model_name=model_name,
-                                   max_batch_size=self.config.max_batch_size)
+                                   max_batch_size=self.config.max_batch_size,
+                                   top_k=self.run_config.top_k_of(self.name))
 
     def _request(self, tok: Any, rollout: events.Rollout, error: str | None) -> Request:
         temperature = (rollout.sampling or self.run_config.sampling).temperature

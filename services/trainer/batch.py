@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from flywheel.sdk import models
-from flywheel_trainer.join import Tokens
+from flywheel_trainer.join import Tokens, TopK
 
 
 @dataclass
@@ -47,6 +47,30 @@ class Prefix:
     lengths: torch.Tensor  # [B] long: that prefix's real tokens (the row's first position)
 
 
+@dataclass(frozen=True)
+class DenseRow:
+    """One sequence's dense distillation target: the teacher's top-k at its positions, the term's
+    weight, and which KL (see :func:`flywheel_trainer.losses.top_k_divergence`)."""
+
+    top: TopK
+    coef: float
+    forward: bool
+
+
+@dataclass
+class DenseTargets:
+    """The dense term's targets at the ``N`` target positions that have one (a row's sampled
+    tokens), gathered: where they are and what the teacher gave."""
+
+    rows: torch.Tensor  # [N] long: the batch row
+    columns: torch.Tensor  # [N] long: the target position (a column of the [B, T-1] tensors)
+    top_ids: torch.Tensor  # [N, K] long
+    top_logprobs: torch.Tensor  # [N, K] float32
+    valid: torch.Tensor  # [N, K] bool: real entries (a row may give fewer than K)
+    coef: torch.Tensor  # [N] float32: its row's term weight
+    forward: torch.Tensor  # [N] bool: its row's KL direction
+
+
 @dataclass
 class Batch:
     input_ids: torch.Tensor  # [B, T] long, right-padded (after the prefix, when there is one)
@@ -61,6 +85,7 @@ class Batch:
     # [B, T-1] float32, by target token: a per-token part added to each row's advantage (a
     # teacher's term: on-policy distillation, KL); None: none
     token_advantages: torch.Tensor | None = None
+    dense: DenseTargets | None = None  # a teacher's top-k at the sampled positions; None: no dense term
 
     def advantages_by_token(self) -> torch.Tensor:
         """Each target token's advantage: ``[B, 1]`` (the row's) or ``[B, T-1]`` (with a per-token part)."""
@@ -94,14 +119,16 @@ def _prefix_key(s: Tokens) -> tuple[int, ...]:
 
 def pad(sequences: list[Tokens], advantages: list[float], pad_id: int, device: torch.device | str = "cpu",
         temperatures: list[float] | None = None, share_prefixes: bool = True,
-        echo_weights: list[float] | None = None, token_advantages: list[list[float]] | None = None) -> Batch:
+        echo_weights: list[float] | None = None, token_advantages: list[list[float]] | None = None,
+        dense: list[DenseRow | None] | None = None) -> Batch:
     """Right-pad ``sequences`` into one :class:`Batch` on ``device``; ``temperatures``: what each
     was sampled at (None: 1.0 each, as for reference answers). When some of them begin with
     the same prompt (``share_prefixes``), that prompt becomes a :class:`Prefix`, computed once,
     and the rows hold the rest. ``echo_weights``: each sequence's echo weight; where one is
     above 0 its environment tokens go into ``env_mask`` (None or all 0: no ``env_mask``).
     ``token_advantages``: each sequence's per-token part of its advantage, aligned with its
-    tokens (None: none)."""
+    tokens (None: none). ``dense``: each sequence's dense distillation target, or None (None
+    or all None: no dense term)."""
     temperatures = temperatures if temperatures is not None else [1.0] * len(sequences)
     echo = echo_weights is not None and any(w > 0 for w in echo_weights)
     assert sequences and len(sequences) == len(advantages) == len(temperatures)
@@ -144,6 +171,7 @@ def pad(sequences: list[Tokens], advantages: list[float], pad_id: int, device: t
             assert not any(s.env_mask[:start]), "an environment token in a shared prefix"
             env_mask[i, :n] = torch.tensor(s.env_mask[start:], dtype=torch.bool)
     return Batch(
+        dense=_dense_targets(sequences, starts, dense, device) if dense is not None and any(dense) else None,
         input_ids=input_ids.to(device),
         attention_mask=attention_mask.to(device),
         loss_mask=loss_mask[:, 1:].to(device),
@@ -156,6 +184,39 @@ def pad(sequences: list[Tokens], advantages: list[float], pad_id: int, device: t
         if echo and echo_weights is not None else None,
         token_advantages=by_token[:, 1:].to(device) if by_token is not None else None,
     )
+
+
+def _dense_targets(sequences: list[Tokens], starts: list[int], dense: list[DenseRow | None],
+                   device: torch.device | str) -> DenseTargets:
+    """The gathered dense targets of the rows (each row's tokens from ``starts``: after a shared
+    prefix, which holds no sampled token); a token's top-k predicts it, so it sits at target
+    column ``position - 1``."""
+    rows, columns, ids, logprobs, coef, forward = [], [], [], [], [], []
+    for i, (s, start, target) in enumerate(zip(sequences, starts, dense, strict=True)):
+        if target is None:
+            continue
+        assert len(target.top.ids) == len(s.token_ids), "a top-k list for each token"
+        for position in range(start + 1, len(s.token_ids)):
+            if s.loss_mask[position] and target.top.ids[position]:
+                rows.append(i)
+                columns.append(position - start - 1)
+                ids.append(target.top.ids[position])
+                logprobs.append(target.top.logprobs[position])
+                coef.append(target.coef)
+                forward.append(target.forward)
+    k = max((len(x) for x in ids), default=1)
+    top_ids = torch.zeros((len(ids), k), dtype=torch.long)
+    top_logprobs = torch.zeros((len(ids), k), dtype=torch.float32)
+    valid = torch.zeros((len(ids), k), dtype=torch.bool)
+    for n, (x, y) in enumerate(zip(ids, logprobs, strict=True)):
+        top_ids[n, :len(x)] = torch.tensor(x, dtype=torch.long)
+        top_logprobs[n, :len(y)] = torch.tensor(y, dtype=torch.float32)
+        valid[n, :len(x)] = True
+    return DenseTargets(rows=torch.tensor(rows, dtype=torch.long, device=device),
+                        columns=torch.tensor(columns, dtype=torch.long, device=device),
+                        top_ids=top_ids.to(device), top_logprobs=top_logprobs.to(device), valid=valid.to(device),
+                        coef=torch.tensor(coef, dtype=torch.float32, device=device),
+                        forward=torch.tensor(forward, dtype=torch.bool, device=device))
 
 
 def micro_batches(sequences: list[Tokens], size: int) -> list[list[int]]:

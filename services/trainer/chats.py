@@ -1,5 +1,6 @@
 """Chats and trace API exports as sequences to learn: what ``flywheel sft`` and a warm-up on
-``sft.data`` train on (see :mod:`flywheel_trainer.sft` for the file's lines).
+``sft.data`` or ``sft.dataset`` train on (see :mod:`flywheel_trainer.sft` for the file's lines;
+a ``datasets`` dataset's rows are the same).
 
 A chat's assistant messages are each one sequence: the messages before it as the model's chat
 template renders them with a generation prompt (the context inference gives), then the
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from flywheel.contract import events
+from flywheel.contract.config import SFTConfig
 from flywheel.sdk import models
 from flywheel.sdk.messages import message_from_dict
 from flywheel_trainer.join import Tokens
@@ -98,7 +100,7 @@ def load_examples(path: Path, tok: Any, max_positions: int | None = None, field:
     that cannot be learned."""
     if not path.exists():
         raise DataError(f"{field}={str(path)!r}: no such file (a JSON Lines file of chats or a trace API export)")
-    examples = []
+    examples: list[Tokens] = []
     with open(path, encoding="utf-8") as f:
         for number, text in enumerate(f, 1):
             if not text.strip():
@@ -108,14 +110,69 @@ def load_examples(path: Path, tok: Any, max_positions: int | None = None, field:
                 row = json.loads(text)
             except json.JSONDecodeError as exc:
                 raise DataError(f"{where}: not JSON ({exc.msg} at column {exc.colno})") from None
-            for example in line_examples(tok, row, where):
-                if max_positions is not None and len(example.token_ids) > max_positions:
-                    raise DataError(f"{where}: {len(example.token_ids)} tokens, more than the model's "
-                                    f"{max_positions} positions; shorten it or use a model with a longer context")
-                examples.append(example)
+            examples += _fitting(line_examples(tok, row, where), max_positions, where)
     if not examples:
         raise DataError(f"{field}={str(path)!r}: no assistant message to learn from in any line")
     return examples
+
+
+def load_dataset_examples(name: str, split: str, tok: Any, max_positions: int | None = None,
+                          field: str = "sft.dataset") -> list[Tokens]:
+    """Every sequence of a ``datasets`` dataset's ``split``, each row as a line of a data file
+    (:func:`line_examples`); DataError naming the row for one that cannot be learned, and the
+    dataset for one that cannot be loaded."""
+    rows = open_dataset(name, split, field)
+    examples: list[Tokens] = []
+    for index, row in enumerate(rows):
+        where = f"{name}[{split}][{index}]"
+        examples += _fitting(line_examples(tok, row, where), max_positions, where)
+    if not examples:
+        raise DataError(f"{field}={name!r} (split {split!r}): no assistant message to learn from in any row")
+    return examples
+
+
+def open_dataset(name: str, split: str, field: str = "sft.dataset") -> Any:
+    """The rows of ``split`` of the dataset ``name``: a folder :meth:`datasets.Dataset.save_to_disk`
+    wrote (a dataset, or a dict of splits), else whatever :func:`datasets.load_dataset` takes (a
+    hub id, a folder of JSON Lines or Parquet files). DataError saying why it cannot be loaded."""
+    import datasets
+
+    path = Path(name).expanduser()
+    saved = path.is_dir() and any((path / f).exists() for f in ("dataset_dict.json", "dataset_info.json"))
+    try:
+        if saved:
+            loaded = datasets.load_from_disk(str(path))
+            if isinstance(loaded, datasets.DatasetDict):
+                if split not in loaded:
+                    raise DataError(f"{field}={name!r}: no split {split!r}; it has {', '.join(loaded)} (sft.split)")
+                return loaded[split]
+            return loaded
+        return datasets.load_dataset(name, split=split)
+    except DataError:
+        raise
+    except ValueError as exc:  # datasets' unknown split
+        raise DataError(f"{field}={name!r}, split {split!r}: {exc} (sft.split)") from None
+    except Exception as exc:  # datasets raises many kinds (not found, offline, bad files): each is the user's to fix
+        raise DataError(f"{field}={name!r}: could not load it ({type(exc).__name__}: {exc}); give a hub id this "
+                        "machine can reach, a folder that Dataset.save_to_disk wrote, a folder of JSON Lines or "
+                        "Parquet files, or a JSON Lines file as sft.data") from None
+
+
+def _fitting(examples: list[Tokens], max_positions: int | None, where: str) -> list[Tokens]:
+    """``examples``, refused with ``where`` when one is longer than the model's positions."""
+    for example in examples:
+        if max_positions is not None and len(example.token_ids) > max_positions:
+            raise DataError(f"{where}: {len(example.token_ids)} tokens, more than the model's "
+                            f"{max_positions} positions; shorten it or use a model with a longer context")
+    return examples
+
+
+def sft_examples(sft: SFTConfig, tok: Any, max_positions: int | None) -> list[Tokens]:
+    """The examples of ``[sft]``'s ``data`` file or ``dataset`` (one of them is set)."""
+    if sft.dataset:
+        return load_dataset_examples(sft.dataset, sft.split, tok, max_positions)
+    assert sft.data, "sft.data or sft.dataset"
+    return load_examples(Path(sft.data), tok, max_positions)
 
 
 def batches(num_examples: int, batch_size: int, seed: int) -> Iterator[tuple[int, list[int]]]:

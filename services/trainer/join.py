@@ -39,12 +39,15 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 import msgspec
 
 from flywheel.contract import events
 from flywheel.sdk.scoring import rollout_reward
 from flywheel.sdk.tracegraph import TokenLayerError, Tokens, branches, join_tokens
+
+T = TypeVar("T")
 
 DROP_REASONS = ("stale", "scorer_error", "rollout_error", "signal_error")
 
@@ -121,19 +124,49 @@ def signal_values(rollout: events.Rollout, signal: events.Signal) -> list[list[f
     """A signal's per-node values laid out as :func:`sequences_of`'s sequences, token by token
     (0.0 where the signal has no value: a node without sampled tokens). BadRollout when a node's
     values do not match its span's length."""
-    out: list[list[float]] = []
+    return _laid_out(rollout, signal, "values", signal.values, 0.0)
+
+
+@dataclass(frozen=True)
+class TopK:
+    """A teacher's likeliest tokens at each position of one sequence, aligned with its tokens
+    (an empty list where it gave none: a token the policy did not sample)."""
+
+    ids: list[list[int]]
+    logprobs: list[list[float]]
+
+
+def signal_top(rollout: events.Rollout, signal: events.Signal) -> list[TopK]:
+    """A signal's top-k tokens (``Signal.top_ids``, ``top_logprobs``) laid out as
+    :func:`sequences_of`'s sequences. BadRollout when a node's lists do not match its span's
+    length, or a token's ids and logprobs differ in number."""
+    ids = _laid_out(rollout, signal, "top_ids", signal.top_ids, [])
+    logprobs = _laid_out(rollout, signal, "top_logprobs", signal.top_logprobs, [])
+    for sequence_ids, sequence_logprobs in zip(ids, logprobs, strict=True):
+        for j, (a, b) in enumerate(zip(sequence_ids, sequence_logprobs, strict=True)):
+            if len(a) != len(b):
+                raise BadRollout(f"signal {signal.id}: token {j} of a branch has {len(a)} top ids but "
+                                 f"{len(b)} top logprobs")
+    return [TopK(a, b) for a, b in zip(ids, logprobs, strict=True)]
+
+
+def _laid_out(rollout: events.Rollout, signal: events.Signal, what: str, by_node: Mapping[str, list[T]],
+              default: T) -> list[list[T]]:
+    """``by_node`` (a field of ``signal``, ``what``) laid out as :func:`sequences_of`'s sequences,
+    ``default`` at the tokens of a node it does not name."""
+    out: list[list[T]] = []
     for branch, tokens in _trained_branches(rollout):
-        values: list[float] = []
+        laid: list[T] = []
         for node in branch:
             if node.tokens is None:
                 continue
             n = len(node.tokens.token_ids)
-            given = signal.values.get(node.id)
+            given = by_node.get(node.id)
             if given is not None and len(given) != n:
-                raise BadRollout(f"signal {signal.id}: node {node.id} has {n} tokens but {len(given)} values")
-            values += given if given is not None else [0.0] * n
-        assert len(values) == len(tokens.token_ids)
-        out.append(values)
+                raise BadRollout(f"signal {signal.id}: node {node.id} has {n} tokens but {len(given)} {what}")
+            laid += given if given is not None else [default] * n
+        assert len(laid) == len(tokens.token_ids)
+        out.append(laid)
     return out
 
 
@@ -253,8 +286,10 @@ class Joiner:
             if signal.error is None and rollout.status != "error":
                 try:
                     signal_values(rollout, signal)
+                    signal_top(rollout, signal)
                 except BadRollout as exc:
-                    held[source] = msgspec.structs.replace(signal, values={}, error=str(exc))
+                    held[source] = msgspec.structs.replace(signal, values={}, top_ids={}, top_logprobs={},
+                                                           error=str(exc))
 
     def set_version(self, version: int) -> None:
         """The weights being trained are now ``version``: drop what became stale."""

@@ -49,11 +49,20 @@ from flywheel.contract.config import EnvConfig, LossPart, RunConfig, SFTTerm
 from flywheel.sdk import models
 from flywheel.sdk.environment import Environment
 from flywheel_trainer.advantages import ADVANTAGES
-from flywheel_trainer.batch import Batch, batch_logits, can_share_prefixes, micro_batches, pad, target_logprobs
-from flywheel_trainer.chats import batches, load_examples
+from flywheel_trainer.batch import (
+    Batch,
+    DenseRow,
+    DenseTargets,
+    batch_logits,
+    can_share_prefixes,
+    micro_batches,
+    pad,
+    target_logprobs,
+)
+from flywheel_trainer.chats import batches, load_examples, sft_examples
 from flywheel_trainer.engines import Engine, TorchEngine
-from flywheel_trainer.join import Scored, Tokens, sequences_of, signal_values
-from flywheel_trainer.losses import LOSSES
+from flywheel_trainer.join import Scored, Tokens, TopK, sequences_of, signal_top, signal_values
+from flywheel_trainer.losses import LOSSES, top_k_divergence
 
 log = logging.getLogger(__name__)
 
@@ -66,13 +75,16 @@ def train_step(engine: Engine, sequences: list[Tokens], advantages: list[float],
                micro_batch_size: int, temperatures: list[float], token_loss: TokenLoss,
                echo_weights: list[float] | None = None,
                token_advantages: list[list[float]] | None = None,
-               sft_rows: SFTRows | None = None) -> dict[str, float]:
+               sft_rows: SFTRows | None = None, dense: list[DenseRow | None] | None = None) -> dict[str, float]:
     """One optimizer step over ``sequences``, each recomputed at its temperature (what it was
     sampled at); returns the step's figures. ``echo_weights``: by sequence, the weight of the
     mean cross-entropy on its environment tokens (``Tokens.env_mask``) added to the loss on its
     loss-mask tokens (None: no echo term). ``token_advantages``: by sequence, a per-token part of
     its advantage, aligned with its tokens (None: none). ``sft_rows``: examples whose loss-mask
-    tokens' mean cross-entropy, each row times its weight, joins the loss (an SFT term)."""
+    tokens' mean cross-entropy, each row times its weight, joins the loss (an SFT term).
+    ``dense``: by sequence, its dense distillation target or None: each sampled position's
+    divergence to the teacher's top-k, times its weight, joins the loss, normalised as the
+    policy-gradient loss is."""
     started = time.perf_counter()
     num_loss_tokens = sum(sum(s.loss_mask[1:]) for s in sequences)
     num_env_tokens = 0 if echo_weights is None else sum(
@@ -85,6 +97,8 @@ def train_step(engine: Engine, sequences: list[Tokens], advantages: list[float],
         figures.update(echo_loss=0.0, num_env_tokens=float(num_env_tokens))
     if sft_rows is not None:
         figures.update(sft_term_loss=0.0, num_sft_tokens=float(num_sft_tokens))
+    if dense is not None:
+        figures.update(distill_loss=0.0)
     if num_loss_tokens == 0 and num_env_tokens == 0 and num_sft_tokens == 0:
         log.warning("step with no loss tokens (%d sequences): weights unchanged", len(sequences))
         figures.update(grad_norm=0.0, step_s=time.perf_counter() - started)
@@ -95,7 +109,8 @@ def train_step(engine: Engine, sequences: list[Tokens], advantages: list[float],
         batch = pad([sequences[i] for i in indices], [advantages[i] for i in indices], pad_id, engine.device,
                     [temperatures[i] for i in indices], share_prefixes=share,
                     echo_weights=None if echo_weights is None else [echo_weights[i] for i in indices],
-                    token_advantages=None if token_advantages is None else [token_advantages[i] for i in indices])
+                    token_advantages=None if token_advantages is None else [token_advantages[i] for i in indices],
+                    dense=None if dense is None else [dense[i] for i in indices])
         with engine.autocast():
             logits = batch_logits(engine.model, batch)
             logprobs = target_logprobs(logits, batch, batch.temperatures)
@@ -109,6 +124,10 @@ def train_step(engine: Engine, sequences: list[Tokens], advantages: list[float],
             nll = -plain * batch.env_mask  # [B, T-1]: 0 off the environment's tokens
             loss = loss + (nll.sum(-1) * batch.echo_weights).sum() / num_env_tokens
             figures["echo_loss"] += float(nll.detach().sum()) / num_env_tokens
+        if batch.dense is not None:
+            divergence = _dense_divergence(logits, batch, batch.dense)
+            loss = loss + (divergence * batch.dense.coef).sum() / max(num_loss_tokens, 1)
+            figures["distill_loss"] += float(divergence.detach().sum()) / max(num_loss_tokens, 1)
         engine.backward(loss)
         figures["loss"] += float(loss.detach())
         flagged += float((flags & mask).sum())
@@ -123,6 +142,15 @@ def train_step(engine: Engine, sequences: list[Tokens], advantages: list[float],
     figures["step_s"] = time.perf_counter() - started
     figures["tokens_per_s"] = num_tokens / figures["step_s"]
     return figures
+
+
+def _dense_divergence(logits: torch.Tensor, batch: Batch, dense: DenseTargets) -> torch.Tensor:
+    """The divergence to the teacher's top-k at each of ``dense``'s positions ``[N]``, the policy's
+    distribution at its row's temperature (the teacher's values are at the same one); the
+    log-softmax is taken at those positions only."""
+    picked = logits[dense.rows, dense.columns].float() / batch.temperatures[dense.rows, None]
+    return top_k_divergence(torch.log_softmax(picked, dim=-1), dense.top_ids, dense.top_logprobs, dense.valid,
+                            dense.forward)
 
 
 def _sft_term(engine: Engine, sft_rows: SFTRows, pad_id: int, micro_batch_size: int, num_sft_tokens: int,
@@ -169,6 +197,9 @@ def rl_step(engine: Engine, groups: list[list[Scored]], pad_id: int, cfg: RunCon
     run_terms = cfg.trainer.advantage.token_terms() + (
         [(cfg.trainer.kl.teacher, cfg.trainer.kl.coef)] if cfg.trainer.kl is not None else [])
     token_advantages: list[list[float]] = []  # by sequence, aligned with its tokens
+    dense_of = {name: cfg.advantage_of(env).dense_term() for name, env in envs.items()}
+    run_dense = cfg.trainer.advantage.dense_term()
+    dense: list[DenseRow | None] = []  # by sequence: its dense distillation target
     envs_of: list[str] = []  # by sequence: its rollout's environment
     teacher_gap: dict[str, list[float]] = {}  # teacher -> [sum of sampled - teacher logprob, tokens]
     with_terms = bool(run_terms) or any(terms_of.values())
@@ -184,7 +215,15 @@ def rl_step(engine: Engine, groups: list[list[Scored]], pad_id: int, cfg: RunCon
             # A run without teacher terms carries no per-token part at all.
             by_token = (_token_terms(scored, sequences_here, terms, teacher_gap) if with_terms
                         else [[] for _ in sequences_here])
-            for sequence, per_token in zip(sequences_here, by_token, strict=True):
+            term = dense_of.get(env, run_dense)
+            tops: list[TopK | None] = [None] * len(sequences_here)
+            if term is not None:
+                signal = scored.signals[term.teacher]
+                tops = list(signal_top(scored.rollout, signal))
+                _add_gap(sequences_here, signal_values(scored.rollout, signal),
+                         teacher_gap.setdefault(term.teacher, [0.0, 0.0]))
+            for sequence, per_token, top in zip(sequences_here, by_token, tops, strict=True):
+                dense.append(None if top is None or term is None else DenseRow(top, term.coef, term.forward))
                 sequences.append(sequence)
                 advantages.append(advantage)
                 temperatures.append(temperature)
@@ -210,10 +249,10 @@ def rl_step(engine: Engine, groups: list[list[Scored]], pad_id: int, cfg: RunCon
             flags[rows] = part_flags.to(flags.dtype)
         return per_token, flags
 
-    any_terms = any(teacher_gap)
+    any_terms = with_terms and any(teacher_gap)
     figures = train_step(engine, sequences, advantages, pad_id, micro_batch_size, temperatures, token_loss,
                          echo_weights if any(w > 0 for w in echo_weights) else None,
-                         token_advantages if any_terms else None, sft_rows)
+                         token_advantages if any_terms else None, sft_rows, dense if any(dense) else None)
     figures["advantage_abs_mean"] = sum(abs(a) for a in advantages) / len(advantages)
     for teacher, (gap, count) in teacher_gap.items():
         # The per-token estimate of KL(policy || teacher) on the sampled tokens: OPD drives it down.
@@ -245,16 +284,22 @@ def _token_terms(scored: Scored, sequences: list[Tokens], terms: list[tuple[str,
     (0 elsewhere); adds each teacher's gap and token count to ``gap``."""
     out = [[0.0] * len(s.token_ids) for s in sequences]
     for teacher, coef in terms:
-        totals = gap.setdefault(teacher, [0.0, 0.0])
-        for sequence, teacher_logprobs, per_token in zip(
-                sequences, signal_values(scored.rollout, scored.signals[teacher]), out, strict=True):
+        values = signal_values(scored.rollout, scored.signals[teacher])
+        _add_gap(sequences, values, gap.setdefault(teacher, [0.0, 0.0]))
+        for sequence, teacher_logprobs, per_token in zip(sequences, values, out, strict=True):
             for j, trained in enumerate(sequence.loss_mask):
                 if trained:
-                    diff = sequence.logprobs[j] - teacher_logprobs[j]
-                    per_token[j] -= coef * diff
-                    totals[0] += diff
-                    totals[1] += 1.0
+                    per_token[j] -= coef * (sequence.logprobs[j] - teacher_logprobs[j])
     return out
+
+
+def _add_gap(sequences: list[Tokens], teacher_logprobs: list[list[float]], totals: list[float]) -> None:
+    """Add to ``totals`` ([sum, count]) (the sampled - the teacher's logprob) of every sampled token."""
+    for sequence, values in zip(sequences, teacher_logprobs, strict=True):
+        for j, trained in enumerate(sequence.loss_mask):
+            if trained:
+                totals[0] += sequence.logprobs[j] - values[j]
+                totals[1] += 1.0
 
 
 def seed_torch(seed: int) -> None:
@@ -346,12 +391,12 @@ def sft_warmup(model: torch.nn.Module, tok: Any, envs: Sequence[Environment], cf
                micro_batch_size: int) -> dict[str, float]:
     """``cfg.sft.steps`` steps of cross-entropy on reference answers, with an optimizer of its
     own; ``envs``: the run's environments in its config's order, mixed by their weights. With
-    ``sft.data``, on that file's chats instead (as ``flywheel sft`` learns them)."""
+    ``sft.data`` or ``sft.dataset``, on those chats instead (as ``flywheel sft`` learns them)."""
     assert cfg.sft.steps > 0
     engine = TorchEngine(model, cfg.trainer.model_copy(update={"lr": cfg.sft.lr}), cfg.model.dtype)
     size = cfg.sft.batch_size
-    if cfg.sft.data:
-        examples = load_examples(Path(cfg.sft.data), tok, getattr(model.config, "max_position_embeddings", None))
+    if cfg.sft.data or cfg.sft.dataset:
+        examples = sft_examples(cfg.sft, tok, getattr(model.config, "max_position_embeddings", None))
         drawn = batches(len(examples), size, cfg.task_seed)
         steps = [[examples[i] for i in next(drawn)[1]] for _ in range(cfg.sft.steps)]
     else:

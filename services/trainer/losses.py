@@ -20,8 +20,9 @@ sums the loss over loss-mask tokens and divides by the number of loss tokens in 
 optimizer step, so a long completion weighs more than a short one token for token, and
 micro-batches add up to the same gradient as one big batch.
 
-Not covered: KL penalties against a reference model, entropy bonuses, sequence-level
-ratios (GSPO).
+:func:`top_k_divergence` is the dense on-policy distillation term (an ``opd`` advantage with
+a ``*_top_k`` estimate), which the learner adds beside these. Not covered: entropy bonuses,
+sequence-level ratios (GSPO).
 """
 
 from __future__ import annotations
@@ -50,3 +51,32 @@ def masked(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch
 
 
 LOSSES: dict[str, LossFn] = {"clipped": clipped, "masked": masked}
+
+TAIL_FLOOR = 1e-6  # the least probability a distribution's tail bucket (what its top-k leave) is given
+
+
+def top_k_divergence(logprobs: torch.Tensor, top_ids: torch.Tensor, top_logprobs: torch.Tensor,
+                     valid: torch.Tensor, forward: torch.Tensor) -> torch.Tensor:
+    """The KL between a teacher's and the policy's distributions at each of ``N`` positions, over
+    the teacher's top-k tokens and one bucket for the rest of the vocabulary (each side's
+    probability outside those tokens, at least :data:`TAIL_FLOOR`): KL(teacher || policy) where
+    ``forward``, else KL(policy || teacher); ``[N]``.
+
+    ``logprobs``: the policy's log-softmax ``[N, V]``; ``top_ids``, ``top_logprobs``: the
+    teacher's tokens and logprobs ``[N, K]``; ``valid``: ``[N, K]`` which of those are real (a
+    teacher may give fewer than ``K``); ``forward``: ``[N]`` bool. Differentiable in
+    ``logprobs``. The forward KL is cross-entropy to the teacher's distribution (less its
+    entropy): mode-covering; the reverse KL is mode-seeking, the exact form of what the sampled
+    estimate (``estimate = "sampled"``) approximates with one token."""
+    student = torch.where(valid, logprobs.gather(-1, top_ids), torch.zeros_like(top_logprobs))
+    teacher = torch.where(valid, top_logprobs, torch.zeros_like(top_logprobs))
+
+    def with_tail(lp: torch.Tensor) -> torch.Tensor:
+        mass = (lp.exp() * valid).sum(-1)
+        return torch.cat([lp, torch.log((1.0 - mass).clamp(min=TAIL_FLOOR))[:, None]], dim=-1)
+
+    student_b, teacher_b = with_tail(student), with_tail(teacher)
+    real = torch.cat([valid, torch.ones_like(valid[:, :1])], dim=-1)
+    forward_kl = (teacher_b.exp() * (teacher_b - student_b) * real).sum(-1)
+    reverse_kl = (student_b.exp() * (student_b - teacher_b) * real).sum(-1)
+    return torch.where(forward, forward_kl, reverse_kl)

@@ -22,8 +22,11 @@ It writes ``<data_dir>/runs/<run>/`` as a training run does: ``config.json``,
 ``trainer.keep_checkpoints`` kept: ``flywheel export RUN`` takes the weights away),
 ``metrics.jsonl`` (one line a step: ``loss``, tokens, ``epoch``), ``summary.json`` and
 ``loss.png``. No bus and no other service: the job runs where the data and the model are.
-Not covered: ``datasets`` datasets by name (write one out as JSON Lines), resuming a job
-part way (run it again under a new id), packing several examples into one row.
+A ``datasets`` dataset (``sft.dataset``, or ``--dataset``: a hub id, a folder that
+``Dataset.save_to_disk`` wrote, a folder of JSON Lines or Parquet files; ``sft.split``,
+``--split``) is read row by row as lines of a file. Not covered: resuming a job part way (run
+it again under a new id), packing several examples into one row, a dataset's other shapes
+(prompt and completion columns: write them as chats).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from flywheel.contract.settings import Settings
 from flywheel.ops.run import config_with, parse_sets, save_plot
 from flywheel.sdk import models
 from flywheel.sdk.environment import EnvironmentLoadError, load_run_environments
-from flywheel_trainer.chats import DataError, batches, load_examples
+from flywheel_trainer.chats import DataError, batches, sft_examples
 from flywheel_trainer.engines import build_engine
 from flywheel_trainer.join import Tokens
 from flywheel_trainer.learner import reference_steps, seed_torch, sft_step
@@ -64,9 +67,9 @@ def plot_loss(steps: Sequence[Mapping[str, Any]], path: Path, title: str) -> Pat
     return save_plot(fig, ax, path, title, "step", "cross-entropy per learned token")
 
 
-def run(cfg: RunConfig, data_dir: Path, data: Path | None, micro_batch_size: int) -> dict[str, Any]:
-    """The job (see the module's docstring); its summary. ``data`` None: the environments'
-    reference answers."""
+def run(cfg: RunConfig, data_dir: Path, micro_batch_size: int) -> dict[str, Any]:
+    """The job (see the module's docstring); its summary. Without ``sft.data`` or ``sft.dataset``:
+    the environments' reference answers."""
     assert cfg.sft.steps > 0
     folder = RunFolder(data_dir, cfg.run, cfg.trainer.keep_checkpoints)
     if folder.checkpoints.latest() is not None or folder.metrics.path.exists():
@@ -75,8 +78,11 @@ def run(cfg: RunConfig, data_dir: Path, data: Path | None, micro_batch_size: int
     started = time.perf_counter()
     seed_torch(cfg.task_seed)
     model, tok = models.load_model(models.resolve_model(cfg.model.name, data_dir), "float32")
+    data = cfg.sft.data or (f"{cfg.sft.dataset} (split {cfg.sft.split})" if cfg.sft.dataset else None)
     if data is not None:
-        examples = load_examples(data, tok, getattr(model.config, "max_position_embeddings", None))
+        if cfg.sft.dataset:  # a hub id may take a while to fetch, or to fail to
+            print(f"sft {cfg.run}: loading the dataset {data}", flush=True)
+        examples = sft_examples(cfg.sft, tok, getattr(model.config, "max_position_embeddings", None))
         source = f"{len(examples)} examples from {data}"
         drawn = batches(len(examples), cfg.sft.batch_size, cfg.task_seed)
         steps: Iterator[tuple[int, list[Tokens]]] = ((epoch, [examples[i] for i in indices])
@@ -108,7 +114,7 @@ def run(cfg: RunConfig, data_dir: Path, data: Path | None, micro_batch_size: int
             folder.checkpoints.write(CheckpointState(step=step, version=step), engine.weights(), engine.save)
     k = max(1, len(lines) // 4)
     summary = {
-        "run": cfg.run, "kind": "sft", "model": cfg.model.name, "data": str(data) if data else "reference answers",
+        "run": cfg.run, "kind": "sft", "model": cfg.model.name, "data": data or "reference answers",
         "examples": len(examples),
         "steps": len(lines), "epochs": lines[-1]["epoch"] + 1,
         "loss_first": sum(s["loss"] for s in lines[:k]) / k, "loss_last": sum(s["loss"] for s in lines[-k:]) / k,
@@ -126,8 +132,11 @@ def main(argv: list[str] | None = None) -> int:
                     "export; writes the run folder (checkpoints, metrics, summary, loss plot). Other settings come "
                     "from FLYWHEEL_* environment variables.")
     parser.add_argument("config", help="the run config (TOML): model, [sft], trainer.engine and checkpoints")
-    parser.add_argument("--data", help="the JSON Lines file (default: sft.data of the config; neither: the "
-                                       "environments' reference answers, as the warm-up learns them)")
+    parser.add_argument("--data", help="the JSON Lines file (default: sft.data of the config; neither it nor a "
+                                       "dataset: the environments' reference answers, as the warm-up learns them)")
+    parser.add_argument("--dataset", help="a `datasets` dataset instead: a hub id, a folder Dataset.save_to_disk "
+                                          "wrote, or a folder of JSON Lines or Parquet files (default: sft.dataset)")
+    parser.add_argument("--split", help="the dataset's split (default: sft.split, 'train')")
     parser.add_argument("--run-id", help="the job's run id (default: the config's run)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config value, e.g. --set sft.steps=50 (JSON values; repeatable)")
@@ -137,12 +146,18 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_with(args.config, parse_sets(args.set), args.run_id)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
-    data = args.data or cfg.sft.data
+    if args.data and args.dataset:
+        parser.error("--data and --dataset: give one of them")
+    if args.data or args.dataset or args.split:  # the command line's source replaces the config's
+        data, dataset = (args.data, None) if args.data else (None, args.dataset) if args.dataset else (
+            cfg.sft.data, cfg.sft.dataset)
+        cfg = cfg.model_copy(update={"sft": cfg.sft.model_copy(update={
+            "data": data, "dataset": dataset, "split": args.split or cfg.sft.split})})
     if not cfg.sft.steps:
         parser.error("sft.steps is 0: give the number of steps (--set sft.steps=200)")
     setup_logging(settings.log_level)
     try:
-        summary = run(cfg, Path(settings.data_dir), Path(data) if data else None, settings.trainer.micro_batch_size)
+        summary = run(cfg, Path(settings.data_dir), settings.trainer.micro_batch_size)
     except (DataError, EnvironmentLoadError, ValueError) as exc:
         print(f"flywheel sft: error: {exc}", file=sys.stderr)
         return 2

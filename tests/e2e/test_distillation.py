@@ -1,61 +1,107 @@
 """On-policy distillation through the real command: a teacher made by ``flywheel sft`` and
-``flywheel export``, hosted by inference beside the student, its logprobs on the SIGNALS stream,
-joined by the trainer, against a control run that cannot learn (``trainer.lr = 0``).
+``flywheel export``, hosted by inference beside the student, its top-k on the SIGNALS stream,
+joined by the trainer; against GRPO from the same start.
 
 The student is the tiny model after the example's short warm-up (reward near 0.3); the teacher
-is the tiny model after a long one (greedy reward near 0.95 at 600 steps). Measured on 100 steps
-(one run): reward, first quarter 0.277, last quarter 0.354, the teacher's per-token KL estimate
-3.06 -> 2.51; the control 0.299 -> 0.290 and 3.05 -> 3.07. On this task GRPO from the same
-start gained as much in as many steps (``benchmarks/teacher.py --compare-grpo``): the student
-seldom samples the right letter where it is wrong, and a teacher's logprob of the sampled token
-is all the signal it gets.
+is the tiny model after a long one (greedy reward near 0.95 at 600 steps). OPD trains 200 steps
+at lr 3e-3, GRPO 400. Measured (``benchmarks/teacher.py --steps 200 --compare-grpo --threshold
+0.6 --set trainer.lr=3e-3``): OPD (forward KL over the teacher's top 16) reached a 10-step mean
+reward of 0.6 at step 87, 25 s after its first step, and ended its last quarter at 0.845; GRPO
+never reached it (0.287 -> 0.305, first to last quarter). Other OPD runs: steps 90, 101 (27 s)
+and 132; GRPO's 200 steps took 36 s in the run of step 101.
+
+The experts-then-distill recipe runs as its example's comments say, each expert shortened to
+60 RL steps and the distillation to 60 steps.
 """
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from datetime import datetime
 from pathlib import Path
 
 import pytest
 
+from benchmarks.teacher import reaches
 from tests.e2e.test_learning import ROOT, flywheel_run
 
 OPD = ROOT / "examples" / "reverse-text-opd.toml"
-TEACHER_SFT_STEPS = 500
-OPD_STEPS = 100
-MIN_REWARD_MARGIN = 0.03  # over the control's last quarter (measured: 0.064)
-MAX_KL_RATIO = 0.9  # the teacher KL's last quarter over its first (measured: 0.82)
+GRPO = ROOT / "examples" / "reverse-text.toml"
+TEACHER_SFT_STEPS = 600
+STEPS = 200
+# GRPO's steps are quicker (no teacher to wait for): it runs longer, so that OPD, to be sooner,
+# must reach the reward before GRPO's last step in time as well as in steps.
+GRPO_STEPS = 400
+THRESHOLD = 0.6  # the 10-step mean reward OPD must reach first (measured: steps 87, 90 and 132)
 
 
-def quarters(metrics: list[dict], key: str) -> tuple[float, float]:
-    k = max(1, len(metrics) // 4)
-    values = [m[key] for m in metrics]
-    return sum(values[:k]) / k, sum(values[-k:]) / k
+def seconds(metrics: list[dict]) -> float:
+    """From the first step to the last."""
+    return (datetime.fromisoformat(metrics[-1]["time"]) - datetime.fromisoformat(metrics[0]["time"])).total_seconds()
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
-def test_on_policy_distillation_moves_the_student_toward_its_teacher_beyond_a_control(tmp_path: Path) -> None:
+def test_on_policy_distillation_reaches_the_reward_sooner_than_grpo_from_the_same_start(tmp_path: Path) -> None:
     data_dir = tmp_path / "teacher"
-    for argv in (["sft", str(ROOT / "examples" / "reverse-text.toml"), "--run-id", "teacher", "--data-dir",
-                  str(data_dir), "--set", f"sft.steps={TEACHER_SFT_STEPS}", "--set",
-                  f"trainer.checkpoint_every={TEACHER_SFT_STEPS}"],
+    for argv in (["sft", str(GRPO), "--run-id", "teacher", "--data-dir", str(data_dir), "--set",
+                  f"sft.steps={TEACHER_SFT_STEPS}", "--set", f"trainer.checkpoint_every={TEACHER_SFT_STEPS}"],
                  ["export", "teacher", str(tmp_path / "teacher-model"), "--data-dir", str(data_dir)]):
         done = subprocess.run([sys.executable, "-m", "flywheel.ops.cli", *argv], capture_output=True, text=True,
                               timeout=600, cwd=ROOT, check=False)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     teacher = f"teachers.expert.model={tmp_path / 'teacher-model'}"
-    opd, opd_metrics = flywheel_run(tmp_path, "opd", teacher, config=OPD, num_steps=OPD_STEPS)
-    control, control_metrics = flywheel_run(tmp_path, "opd-control", teacher, "trainer.lr=0", config=OPD,
-                                            num_steps=OPD_STEPS)
-    for metrics in (opd_metrics, control_metrics):
-        assert [m["step"] for m in metrics] == list(range(1, OPD_STEPS + 1))
-        assert all("teacher.expert.kl" in m and m["num_dropped_signal_error"] == 0 for m in metrics)
-    kl_first, kl_last = quarters(opd_metrics, "teacher.expert.kl")
-    control_kl_first, control_kl_last = quarters(control_metrics, "teacher.expert.kl")
-    print(f"OPD: reward {opd['reward_first']:.3f} -> {opd['reward_last']:.3f}, teacher KL {kl_first:.2f} -> "
-          f"{kl_last:.2f}; control: reward {control['reward_first']:.3f} -> {control['reward_last']:.3f}, teacher KL "
-          f"{control_kl_first:.2f} -> {control_kl_last:.2f}")
-    assert kl_last <= MAX_KL_RATIO * kl_first, (kl_first, kl_last)
-    assert opd["reward_last"] >= control["reward_last"] + MIN_REWARD_MARGIN, (opd, control)
+    opd, opd_metrics = flywheel_run(tmp_path, "opd", teacher, config=OPD, num_steps=STEPS)
+    # GRPO from the same start: the OPD example's warm-up and learning rate.
+    grpo, grpo_metrics = flywheel_run(tmp_path, "grpo", "sft.steps=60", "trainer.lr=3e-3", config=GRPO,
+                                      num_steps=GRPO_STEPS)
+    assert [m["step"] for m in opd_metrics] == list(range(1, STEPS + 1))
+    assert [m["step"] for m in grpo_metrics] == list(range(1, GRPO_STEPS + 1))
+    assert all("distill_loss" in m and "teacher.expert.kl" in m and m["num_dropped_signal_error"] == 0
+               for m in opd_metrics)
+    opd_step, opd_s = reaches(opd_metrics, THRESHOLD)
+    grpo_step, grpo_s = reaches(grpo_metrics, THRESHOLD)
+    print(f"OPD: reward {opd['reward_first']:.3f} -> {opd['reward_last']:.3f}, {THRESHOLD} at step {opd_step} "
+          f"({opd_s} s); GRPO: {grpo['reward_first']:.3f} -> {grpo['reward_last']:.3f}, at step {grpo_step} "
+          f"({grpo_s} s; {seconds(grpo_metrics):.0f} s in all)")
+    assert opd_step is not None and opd_s is not None, "OPD never reached the threshold"
+    assert grpo_step is None or opd_step < grpo_step
+    # Sooner in time too: before GRPO reached it, or before GRPO's last step where it never did.
+    assert opd_s < (grpo_s if grpo_s is not None else seconds(grpo_metrics))
+
+
+DISTILL = ROOT / "examples" / "distill-experts.toml"
+EXPERT_STEPS = 60  # each expert's RL steps after its warm-up (the example's comments: the configs' own)
+DISTILL_STEPS = 60
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_the_experts_then_distill_recipe_runs_end_to_end(tmp_path: Path) -> None:
+    """The example's commands, shortened: an RL expert per domain, exported, then one student
+    distilled from both in one run, each environment from its own expert's top-k."""
+    experts = {"reverse": ("reverse-text", ROOT / "examples" / "reverse-text.toml"),
+               "arithmetic": ("arithmetic", ROOT / "examples" / "arithmetic.toml")}
+    sets = []
+    for teacher, (name, config) in experts.items():
+        run_id = f"expert-{name}"
+        flywheel_run(tmp_path, run_id, config=config, num_steps=EXPERT_STEPS)
+        model = tmp_path / f"{run_id}-model"
+        done = subprocess.run([sys.executable, "-m", "flywheel.ops.cli", "export", run_id, str(model),
+                               "--data-dir", str(tmp_path / run_id)], capture_output=True, text=True, timeout=600,
+                              cwd=ROOT, check=False)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        sets.append(f"teachers.{teacher}.model={model}")
+    summary, metrics = flywheel_run(tmp_path, "distill", *sets, config=DISTILL, num_steps=DISTILL_STEPS)
+    assert [m["step"] for m in metrics] == list(range(1, DISTILL_STEPS + 1))
+    for m in metrics:
+        assert m["num_dropped_signal_error"] == 0 and m["distill_loss"] > 0
+        assert "teacher.reverse.kl" in m and "teacher.arithmetic.kl" in m
+        assert "env.reverse_text.reward_mean" in m and "env.arithmetic.reward_mean" in m
+    k = DISTILL_STEPS // 4
+    first = sum(m["distill_loss"] for m in metrics[:k]) / k
+    last = sum(m["distill_loss"] for m in metrics[-k:]) / k
+    print(f"distill: reward {summary['reward_first']:.3f} -> {summary['reward_last']:.3f}, distill loss "
+          f"{first:.3f} -> {last:.3f}")
+    assert last < first

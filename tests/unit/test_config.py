@@ -550,3 +550,30 @@ def test_data_files_become_absolute_and_a_missing_one_is_refused_naming_its_fiel
         local_data(RunConfig.from_toml_text(two + '[trainer]\nsft_term = {weight = 0.1, data = "gone.jsonl"}\n'))
     with pytest.raises(ValueError, match=r"sft\.data='gone\.jsonl': no such file"):
         local_data(RunConfig.from_toml_text(two + '[sft]\ndata = "gone.jsonl"\n'))
+
+
+def test_an_opd_part_names_a_teacher_of_the_run_and_a_dense_one_asks_it_for_its_top_k() -> None:
+    def cfg(advantage: dict, teachers: dict | None = None, **more: object) -> RunConfig:
+        return RunConfig.parse({"run": "r", "env": "reverse_text", "teachers": teachers or {"t": {"model": "tiny"}},
+                                "trainer": {"advantage": advantage}, **more})
+
+    sampled = cfg({"type": "opd", "teacher": "t"})
+    assert sampled.top_k_of("t") == 0 and sampled.teachers_of(sampled.environments[0]) == ["t"]
+    dense = cfg({"type": "opd", "teacher": "t", "estimate": "reverse_top_k", "top_k": 8})
+    term = dense.trainer.advantage.dense_term()
+    assert term is not None and (term.teacher, term.forward, term.top_k) == ("t", False, 8)
+    assert dense.top_k_of("t") == 8 and dense.teachers_of(dense.environments[0]) == ["t"]
+    assert dense.trainer.advantage.token_terms() == [] and dense.trainer.advantage.kwargs() == {
+        "reward_weight": 0.0, "normalize_std": False}
+    with pytest.raises(ValueError, match=r"trainer\.advantage\.teacher: teacher 'u' is not a \[teachers.<name>\]"):
+        cfg({"type": "opd", "teacher": "u", "estimate": "forward_top_k"})
+    with pytest.raises(ValueError, match=r"trainer\.advantage\.top_k: Input should be greater than or equal to 1"):
+        cfg({"type": "opd", "teacher": "t", "estimate": "forward_top_k", "top_k": 0})
+    with pytest.raises(ValueError, match=r"trainer\.advantage\.estimate: Input should be .sampled., .forward_top_k."):
+        cfg({"type": "opd", "teacher": "t", "estimate": "dense"})
+    # Per environment: each asks for its own top-k of one teacher; the teacher computes the most.
+    envs = RunConfig.parse({"run": "r", "teachers": {"t": {"model": "tiny"}}, "envs": [
+        {"id": "reverse_text", "advantage": {"type": "opd", "teacher": "t", "estimate": "forward_top_k", "top_k": 4}},
+        {"id": "arithmetic", "advantage": {"type": "opd", "teacher": "t", "estimate": "forward_top_k", "top_k": 12}},
+        {"id": "wordle"}]})
+    assert envs.top_k_of("t") == 12 and [envs.teachers_of(e) for e in envs.environments] == [["t"], ["t"], []]

@@ -22,9 +22,10 @@ def test_the_step_line_counts_every_drop_by_reason_and_shows_the_metrics() -> No
     assert line.endswith("in flight 16  t 12.0s")  # fractions of a second: early steps are sub-second
     assert format_dropped({"num_dropped_rollout_error": 1.0}) == "1 (rollout error 1)"
     assert format_dropped({}) == "0"
-    # A run's added terms, each by its name: echo, the SFT term, a teacher's KL estimate.
-    terms = format_step(row | {"echo_loss": 2.5, "sft_term_loss": 0.75, "teacher.expert.kl": 1.25}, 10, None)
-    assert "  echo loss 2.500  sft loss 0.750  kl expert 1.250  staleness" in terms
+    # A run's added terms, each by its name: echo, the SFT term, dense distillation, a teacher's KL estimate.
+    terms = format_step(row | {"echo_loss": 2.5, "sft_term_loss": 0.75, "distill_loss": 0.5,
+                               "teacher.expert.kl": 1.25}, 10, None)
+    assert "  echo loss 2.500  sft loss 0.750  distill loss 0.500  kl expert 1.250  staleness" in terms
 
 
 def test_the_summary_has_drops_by_reason_and_each_metric_first_and_last(tmp_path: Path) -> None:

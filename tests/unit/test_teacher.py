@@ -128,6 +128,40 @@ def test_values_equal_the_models_own_forward_on_every_branch_shared_nodes_once(t
     assert signal.values[first.id][0] == 0.0 and all(v < 0 for v in signal.values[first.id][-3:])
 
 
+def test_the_top_k_equal_the_models_own_forward_at_every_sampled_position(tiny: tuple[Any, Any]) -> None:
+    """With a top-k each sampled token also gets the k largest entries of the model's own
+    log-softmax in its place (ids and logprobs, likeliest first, at the rollout's temperature),
+    in shared-prefix passes as in whole rows; other tokens get empty lists, and the values are
+    those without a top-k."""
+    model, tok = tiny
+    requests = [Request(multi_turn(tok, PROMPT), 0.7), *mixed(tok)]
+    plain, _ = teacher_signals(model, requests, source="t", model_name="tiny", max_batch_size=64)
+    for runner, size in ((model, 64), (WholeRows(model), 3)):
+        signals, _ = teacher_signals(runner, requests, source="t", model_name="tiny", max_batch_size=size, top_k=5)
+        for request, signal, without in zip(requests, signals, plain, strict=True):
+            assert_close(signal.values, without.values)
+            assert signal.top_ids.keys() == signal.top_logprobs.keys() == signal.values.keys()
+            for branch in branches(request.rollout.nodes):
+                ids = join_tokens(branch).token_ids
+                with torch.no_grad():
+                    logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+                expected = torch.log_softmax(logits / request.temperature, dim=-1).topk(5, dim=-1)
+                start = 0
+                for node in branch:
+                    assert node.tokens is not None
+                    for j, sampled in enumerate(node.tokens.loss_mask):
+                        if node.id in signal.top_ids:
+                            got_ids, got = signal.top_ids[node.id][j], signal.top_logprobs[node.id][j]
+                            if not sampled or start + j == 0:
+                                assert got_ids == got == []
+                            else:
+                                assert got_ids == expected.indices[start + j - 1].tolist()
+                                assert max(abs(a - b) for a, b in zip(
+                                    got, expected.values[start + j - 1].tolist(), strict=True)) < TOLERANCE
+                    start += len(node.tokens.token_ids)
+    assert all(not s.top_ids and not s.top_logprobs for s in plain)
+
+
 OTHER_PROMPT = [events.Message(role="system", content="Reverse the text."),
                 events.Message(role="user", content="hgfedcba")]
 
@@ -285,3 +319,24 @@ def test_a_rollout_whose_prompt_is_not_the_environments_gets_an_error_signal(tin
                                        source="t", model_name="tiny", max_batch_size=4)
     assert signal.values == {} and signal.error is not None and "first prompt is not the render" in signal.error
     assert usage.num_tokens == 0
+
+
+def test_a_signal_larger_than_the_bus_takes_becomes_an_error_that_says_what_to_lower(tiny: tuple[Any, Any]) -> None:
+    from flywheel_inference.teacher import fit_payload
+
+    model, tok = tiny
+    requests = [Request(multi_turn(tok, PROMPT), 0.7), Request(multi_turn(tok, PROMPT, seed=1, rollout_id="ro2"), 1.0)]
+    signals, _ = teacher_signals(model, requests, source="t", model_name="tiny", max_batch_size=64, top_k=8)
+    def size_of(signal: events.Signal) -> int:  # the payload (the bus adds its headers)
+        return len(events.encode(signal, events.MSGPACK))
+
+    sizes = [size_of(s) for s in signals]
+    assert fit_payload(signals, size_of, max(sizes)) == signals  # all fit: unchanged
+    fitted = fit_payload(signals, size_of, min(sizes))
+    big = sizes.index(max(sizes))
+    assert fitted[1 - big] == signals[1 - big]
+    too_big = fitted[big]
+    assert too_big.values == too_big.top_ids == too_big.top_logprobs == {} and too_big.id == signals[big].id
+    assert too_big.error is not None and too_big.error.startswith(
+        f"rollout {too_big.rollout_id}: its signal is {max(sizes)} bytes, more than the bus takes ({min(sizes)}, "
+        "nats-server's max_payload); lower the top_k of the part that reads it (8 now) or raise max_payload")

@@ -363,3 +363,105 @@ def test_opd_gives_each_sampled_token_the_teachers_logprob_less_the_sampled_one_
     # Without teachers a step has no per-token part and no teacher figure.
     grads, figures = grads_of_rl({})
     assert same(grads, grads_by_hand([0.5, -0.5])) and not any(k.startswith("teacher.") for k in figures)
+
+
+def test_top_k_divergence_is_the_exact_kl_when_the_top_k_hold_the_whole_vocabulary() -> None:
+    """With every token in the top-k the tail bucket is empty: the forward and reverse KL of
+    the two distributions, to float rounding; fewer valid entries than K change nothing."""
+    from flywheel_trainer.losses import top_k_divergence
+
+    torch.manual_seed(1)
+    student = torch.log_softmax(torch.randn(3, 5), -1)
+    teacher = torch.log_softmax(torch.randn(3, 5), -1)
+    top = teacher.topk(5, -1)
+    valid = torch.ones(3, 5, dtype=torch.bool)
+    forward = (teacher.exp() * (teacher - student)).sum(-1)
+    reverse = (student.exp() * (student - teacher)).sum(-1)
+    both = torch.tensor([True, False, True])
+    got = top_k_divergence(student, top.indices, top.values, valid, both)
+    assert torch.allclose(got, torch.where(both, forward, reverse), atol=1e-4)
+    # One padding column (invalid) beside the five: the same, and a finite gradient.
+    ids = torch.cat([top.indices, torch.zeros(3, 1, dtype=torch.long)], -1)
+    logprobs = torch.cat([top.values, torch.full((3, 1), 7.0)], -1)
+    padded_valid = torch.cat([valid, torch.zeros(3, 1, dtype=torch.bool)], -1)
+    leaf = student.clone().requires_grad_(True)
+    padded = top_k_divergence(leaf, ids, logprobs, padded_valid, both)
+    padded.sum().backward()
+    assert torch.allclose(padded, got, atol=1e-5) and leaf.grad is not None and torch.isfinite(leaf.grad).all()
+    # Equal distributions: 0 either way.
+    assert torch.allclose(top_k_divergence(teacher, top.indices, top.values, valid, both), torch.zeros(3), atol=1e-5)
+
+
+def test_top_k_divergence_with_a_tail_bucket_is_the_kl_of_the_bucketed_distributions() -> None:
+    from flywheel_trainer.losses import top_k_divergence
+
+    student = torch.log(torch.tensor([[0.1, 0.2, 0.3, 0.4]]))
+    teacher_top = torch.log(torch.tensor([[0.7, 0.2]]))  # tokens 0 and 1; the rest 0.1
+    ids = torch.tensor([[0, 1]])
+    valid = torch.ones(1, 2, dtype=torch.bool)
+    p = torch.tensor([0.7, 0.2, 0.1])
+    q = torch.tensor([0.1, 0.2, 0.7])
+    forward = top_k_divergence(student, ids, teacher_top, valid, torch.tensor([True]))
+    reverse = top_k_divergence(student, ids, teacher_top, valid, torch.tensor([False]))
+    assert float(forward) == pytest.approx(float((p * (p / q).log()).sum()), abs=1e-5)
+    assert float(reverse) == pytest.approx(float((q * (q / p).log()).sum()), abs=1e-5)
+
+
+def test_dense_opd_adds_the_top_k_divergence_at_sampled_positions_and_moves_the_policy_to_the_teacher() -> None:
+    """An opd advantage with a top-k estimate: the step's loss is the weighted mean divergence over
+    the sampled tokens (the prompt's positions get none), the rewards' part stays at its weight,
+    and steps on it bring the policy's distribution over those tokens to the teacher's."""
+    from flywheel.contract.config import RunConfig
+    from flywheel_trainer.engines import TorchEngine
+    from flywheel_trainer.join import Scored, sequences_of
+    from flywheel_trainer.learner import rl_step
+    from flywheel_trainer.losses import top_k_divergence
+    from tests.unit.test_trainer_join import make_rollout, make_signal
+
+    vocab = 12
+    target = torch.log_softmax(torch.linspace(3.0, -3.0, vocab), -1)  # the teacher's, whatever the context
+    top = target.topk(4)
+    rollouts = [make_rollout(f"r{i}", "g", index=i, completion=[5 + i, 6 + i], logprobs=[-1.0, -1.0])
+                for i in range(2)]
+
+    def with_top(rollout: events.Rollout) -> events.Signal:
+        """The teacher's value -1.0 and its top-4 at each sampled token."""
+        spans = {n.id: n.tokens.loss_mask for n in rollout.nodes if n.tokens is not None and any(n.tokens.loss_mask)}
+        return msgspec.structs.replace(
+            make_signal(rollout, value=-1.0),
+            top_ids={n: [top.indices.tolist() if m else [] for m in mask] for n, mask in spans.items()},
+            top_logprobs={n: [top.values.tolist() if m else [] for m in mask] for n, mask in spans.items()})
+
+    groups = [[Scored(r, reward, 0, signals={"t": with_top(r)}) for r, reward in zip(rollouts, (1.0, 0.0),
+                                                                                        strict=True)]]
+    cfg = RunConfig.parse({"run": "r", "env": "reverse_text", "group_size": 2, "teachers": {"t": {"model": "m"}},
+                           "trainer": {"batch_size": 2, "lr": 0.05, "advantage": {
+                               "type": "opd", "teacher": "t", "estimate": "forward_top_k", "top_k": 4}}})
+    assert cfg.top_k_of("t") == 4 and cfg.teachers_of(cfg.environments[0]) == ["t"]
+    envs = {"reverse_text": cfg.environments[0]}
+    model = Bigram(vocab)
+    figures = rl_step(RecordingEngine(model), groups, 0, cfg, 2, envs)
+    # The loss is the distillation term alone (reward_weight 0): its mean over the 4 sampled tokens.
+    expected = []
+    with torch.no_grad():
+        for s in (seq for r in rollouts for seq in sequences_of(r)):
+            logits = model(torch.tensor([s.token_ids]), None).logits[0]
+            for position, sampled in enumerate(s.loss_mask):
+                if sampled:
+                    expected.append(float(top_k_divergence(torch.log_softmax(logits[position - 1:position], -1),
+                                                           top.indices[None], top.values[None],
+                                                           torch.ones(1, 4, dtype=torch.bool),
+                                                           torch.tensor([True]))))
+    assert figures["distill_loss"] == pytest.approx(sum(expected) / 4, abs=1e-5)
+    assert figures["loss"] == pytest.approx(figures["distill_loss"], abs=1e-5)
+    assert figures["teacher.t.kl"] == pytest.approx(0.0)  # sampled -1.0, teacher's value -1.0
+    # Trained on it, the policy's next-token distribution after token 5 comes to the teacher's top-4.
+    engine = TorchEngine(model, cfg.trainer, "float32")
+    first = figures["distill_loss"]
+    for _ in range(200):
+        figures = rl_step(engine, groups, 0, cfg, 2, envs)
+    assert figures["distill_loss"] < first / 10
+    with torch.no_grad():
+        learned = torch.softmax(model(torch.tensor([[5]]), None).logits[0, 0], -1)
+    # The teacher's top-4 probabilities, and the rest as one bucket (how it is spread is not learned).
+    assert torch.allclose(learned[top.indices], top.values.exp(), atol=0.02)

@@ -312,6 +312,29 @@ def test_a_teachers_error_or_a_signal_that_does_not_fit_drops_the_rollout() -> N
     assert [s.rollout.id for s in take.groups[0]] == ["c"]
 
 
+def test_a_signals_top_k_that_does_not_fit_its_rollout_drops_it() -> None:
+    from flywheel_trainer.join import signal_top
+
+    joiner = Joiner({"exact": 1.0}, max_off_policy_steps=1, signals=["t"])
+    a, b, c = (make_rollout(x, "g", index=i, group_size=3) for i, x in enumerate("abc"))
+    last = a.nodes[-1].id
+    fits = msgspec.structs.replace(make_signal(a), top_ids={last: [[1, 2], [3, 4]]},
+                                   top_logprobs={last: [[-0.1, -2.0], [-0.5, -1.0]]})
+    assert [t.ids[-2:] for t in signal_top(a, fits)] == [[[1, 2], [3, 4]]]
+    assert signal_top(a, fits)[0].ids[:4] == [[]] * 4  # the prompt's tokens: none
+    short = msgspec.structs.replace(make_signal(b), top_ids={b.nodes[-1].id: [[1]]},
+                                    top_logprobs={b.nodes[-1].id: [[-0.1]]})  # 1 token's of 2
+    uneven = msgspec.structs.replace(make_signal(c), top_ids={c.nodes[-1].id: [[1, 2], [3]]},
+                                     top_logprobs={c.nodes[-1].id: [[-0.1, -2.0], [-0.5, -1.0]]})
+    for r, signal in ((a, fits), (b, short), (c, uneven)):
+        joiner.add_signal(signal)
+        joiner.add_rollout(r)
+        joiner.add_score(make_score(r, "exact", 1.0))
+    take = joiner.take(1)
+    assert take is not None and take.dropped == {"b": "signal_error", "c": "signal_error"}
+    assert [s.rollout.id for s in take.groups[0]] == ["a"]
+
+
 def test_each_environment_waits_for_its_own_teachers_and_signals_are_journaled() -> None:
     joiner = Joiner({"exact": 1.0}, max_off_policy_steps=1, env_scorers={"x": {"exact": 1.0}, "y": {"exact": 1.0}},
                     env_signals={"x": ["t"], "y": []})

@@ -98,6 +98,66 @@ def test_without_data_the_job_learns_the_environments_reference_answers(tiny_mod
     (tmp_path / "models").mkdir()
     (tmp_path / "models" / "tiny").symlink_to(tiny_model_dir)
     cfg = RunConfig.parse({"run": "ref", "env": "reverse_text", "sft": {"steps": 3, "batch_size": 4}})
-    summary = run(cfg, tmp_path, None, 4)
+    summary = run(cfg, tmp_path, 4)
     assert summary["data"] == "reference answers" and summary["examples"] == 12 and summary["steps"] == 3
     assert (tmp_path / "runs" / "ref" / "checkpoint").exists()
+
+
+def chat(text: str) -> dict:
+    return {"messages": [{"role": "system", "content": "Reverse the text."}, {"role": "user", "content": text},
+                         {"role": "assistant", "content": text[::-1]}]}
+
+
+def test_a_datasets_dataset_is_learned_row_by_row_as_lines_of_a_file(tok: object, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A folder Dataset.save_to_disk wrote (a dict of splits, or one dataset) and a folder of JSON
+    Lines files give the sequences the same rows give in a file; a missing split, a row that
+    cannot be learned and a dataset that cannot be loaded are refused, naming what to fix."""
+    import datasets
+
+    from flywheel_trainer.chats import load_dataset_examples
+
+    rows = [chat(t) for t in ("abc", "dcba", "ef")]
+    from_file = load_examples(write(tmp_path, *rows), tok)
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows),
+                          "test": datasets.Dataset.from_list(rows[:1])}).save_to_disk(str(tmp_path / "saved"))
+    assert load_dataset_examples(str(tmp_path / "saved"), "train", tok) == from_file
+    assert load_dataset_examples(str(tmp_path / "saved"), "test", tok) == from_file[:1]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "one"))
+    assert load_dataset_examples(str(tmp_path / "one"), "train", tok) == from_file
+    (tmp_path / "files").mkdir()
+    (tmp_path / "files" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert load_dataset_examples(str(tmp_path / "files"), "train", tok) == from_file
+    with pytest.raises(DataError, match=r"sft.dataset='.*saved': no split 'validation'; it has train, test"):
+        load_dataset_examples(str(tmp_path / "saved"), "validation", tok)
+    datasets.Dataset.from_list([*rows, {"messages": [{"role": "assistant", "content": "x"}]}]).save_to_disk(
+        str(tmp_path / "bad"))
+    with pytest.raises(DataError, match=r"bad\[train\]\[3\]: the chat starts with an assistant message"):
+        load_dataset_examples(str(tmp_path / "bad"), "train", tok)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(DataError, match=r"sft.dataset='nobody/no-such-dataset': could not load it"):
+        load_dataset_examples("nobody/no-such-dataset", "train", tok)
+
+
+def test_the_job_learns_a_dataset_named_on_its_command_line(tiny_model_dir: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    import datasets
+
+    from flywheel.contract.config import RunConfig
+    from flywheel_trainer.sft import main
+
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "tiny").symlink_to(tiny_model_dir)
+    datasets.Dataset.from_list([chat(t) for t in ("abc", "dcba", "ef", "ghij")]).save_to_disk(str(tmp_path / "ds"))
+    config = tmp_path / "sft.toml"
+    config.write_text('run = "ds"\nenv = "reverse_text"\n[sft]\nsteps = 2\nbatch_size = 2\n')
+    monkeypatch.setenv("FLYWHEEL_DATA_DIR", str(tmp_path))
+    assert main([str(config), "--dataset", str(tmp_path / "ds")]) == 0
+    summary = json.loads((tmp_path / "runs" / "ds" / "summary.json").read_text())
+    assert summary["data"] == f"{tmp_path / 'ds'} (split train)" and summary["examples"] == 4
+    with pytest.raises(SystemExit):
+        main([str(config), "--run-id", "both", "--data", "x.jsonl", "--dataset", "y"])
+    assert "--data and --dataset: give one of them" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"sft: Value error, data='a.jsonl' and dataset='b': give one of them"):
+        RunConfig.parse({"run": "r", "env": "reverse_text", "sft": {"data": "a.jsonl", "dataset": "b"}})

@@ -55,6 +55,7 @@ import tomllib
 import types
 import typing
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
@@ -70,6 +71,7 @@ T = TypeVar("T")
 
 # The tag of every union's user-part variant: a ``type`` with a colon is a path to import.
 BY_PATH = "package.module:Name"
+MAX_TOP_K = 256  # a teacher's likeliest tokens per position at most (they ride in its signal events)
 
 
 class _Section(BaseModel):
@@ -199,6 +201,29 @@ class AdvantagePart(Part):
         ``coef`` x (the teacher's logprob - the sampled logprob); none for a rewards-only part."""
         return []
 
+    def dense_term(self) -> DenseTerm | None:
+        """The loss term it adds beside the policy-gradient loss: a divergence to a teacher's
+        distribution over its top-k tokens at every sampled position; none for most parts."""
+        return None
+
+    def teachers(self) -> list[str]:
+        """The teachers it reads."""
+        dense = self.dense_term()
+        return [teacher for teacher, _ in self.token_terms()] + ([dense.teacher] if dense is not None else [])
+
+
+@dataclass(frozen=True)
+class DenseTerm:
+    """On-policy distillation over the teacher's top ``top_k`` tokens at each sampled position
+    (the rest of the vocabulary one more bucket): ``coef`` x KL(teacher || policy) when
+    ``forward``, else KL(policy || teacher), each position's divergence averaged over the step's
+    sampled tokens like the policy-gradient loss."""
+
+    teacher: str
+    coef: float
+    forward: bool
+    top_k: int
+
 
 class GroupMeanAdvantage(AdvantagePart):
     """The group's mean reward is each rollout's baseline (GRPO)."""
@@ -215,25 +240,43 @@ class LeaveOneOutAdvantage(AdvantagePart):
 
 
 class OnPolicyDistillation(AdvantagePart):
-    """On-policy distillation: each sampled token's advantage is ``coef`` x (the teacher's logprob
-    of it minus the one the policy sampled it with: the negative of a per-token estimate of the
-    reverse KL to the teacher), less that term's mean over the step's sampled tokens (a baseline),
-    plus ``reward_weight`` x the group-mean advantage of the rewards."""
+    """On-policy distillation: the policy's own samples, valued by a teacher. With ``estimate =
+    "sampled"``, each sampled token's advantage is ``coef`` x (the teacher's logprob of it minus
+    the one the policy sampled it with: the negative of a one-sample estimate of the reverse KL
+    to the teacher), less that term's mean over the step's sampled tokens (a baseline). With
+    ``"forward_top_k"`` or ``"reverse_top_k"`` the teacher also sends its ``top_k`` likeliest
+    tokens at each sampled position, and the loss gets ``coef`` x the KL between the two
+    distributions over those tokens (the rest of the vocabulary one bucket), forward
+    KL(teacher || policy) or reverse KL(policy || teacher), at every position: the whole
+    distribution, not one sampled token. Either way plus ``reward_weight`` x the group-mean
+    advantage of the rewards."""
 
     type: Literal["opd"] = Field("opd", description="picks this variant")
     teacher: str = Field(description="the teacher (a [teachers.<name>] table) whose logprobs it distills")
     coef: float = Field(1.0, gt=0, allow_inf_nan=False, description="weight of the teacher's per-token term")
+    estimate: Literal["sampled", "forward_top_k", "reverse_top_k"] = Field(
+        "sampled", description="'sampled': the teacher's logprob of each sampled token in its advantage; "
+        "'forward_top_k' / 'reverse_top_k': a loss term, the forward or reverse KL over the teacher's "
+        "top_k tokens at each sampled position (dense, less noisy)")
+    top_k: int = Field(16, ge=1, le=MAX_TOP_K, description="with a *_top_k estimate: how many of the teacher's "
+                                                           "likeliest tokens each position carries")
     reward_weight: float = Field(0.0, ge=0, allow_inf_nan=False,
                                  description="weight of the rewards' group-mean advantage added to every token "
                                              "(0: distillation alone)")
     normalize_std: bool = Field(False, description="divide the rewards' part by the std of the group's rewards")
 
     def token_terms(self) -> list[tuple[str, float]]:
-        return [(self.teacher, self.coef)]
+        return [(self.teacher, self.coef)] if self.estimate == "sampled" else []
+
+    def dense_term(self) -> DenseTerm | None:
+        if self.estimate == "sampled":
+            return None
+        return DenseTerm(self.teacher, self.coef, self.estimate == "forward_top_k", self.top_k)
 
     def kwargs(self) -> dict[str, Any]:
-        """The rewards' part only: the per-token term is the trainer's (:meth:`token_terms`)."""
-        return self.model_dump(exclude={"type", "teacher", "coef"})
+        """The rewards' part only: the teacher's terms are the trainer's (:meth:`token_terms`,
+        :meth:`dense_term`)."""
+        return self.model_dump(exclude={"type", "teacher", "coef", "estimate", "top_k"})
 
 
 class AdvantageFromPath(FromPath, AdvantagePart):
@@ -438,6 +481,17 @@ class SFTConfig(_Section):
     data: str | None = Field(None, description="a JSON Lines file of chats or a trace API export to learn from "
                                                "(`flywheel sft`; in a training run, the warm-up learns it instead of "
                                                "the environment's reference answers)")
+    dataset: str | None = Field(None, description="instead of data: a `datasets` dataset of the same rows (a "
+                                                  "'messages' column, 'tools' beside it where calls need them): a hub "
+                                                  "id, a folder that Dataset.save_to_disk wrote, or a folder of "
+                                                  "JSON Lines or Parquet files")
+    split: str = Field("train", description="the split of dataset to learn")
+
+    @model_validator(mode="after")
+    def _check(self) -> SFTConfig:
+        if self.data and self.dataset:
+            raise ValueError(f"data={self.data!r} and dataset={self.dataset!r}: give one of them")
+        return self
 
 
 TEACHER_NAME = re.compile(r"[-_a-zA-Z0-9]{1,64}")
@@ -753,7 +807,7 @@ class RunConfig(_Section):
         """(field, teacher) for each teacher ``env``'s training reads, with where it is named."""
         refs = []
         advantage_at = f"{where}advantage" if env.advantage is not None else "trainer.advantage"
-        refs += [(f"{advantage_at}.teacher", teacher) for teacher, _ in self.advantage_of(env).token_terms()]
+        refs += [(f"{advantage_at}.teacher", teacher) for teacher in self.advantage_of(env).teachers()]
         kl = self.kl_of(env)
         if kl is not None:
             refs.append((f"{where}kl.teacher" if env.kl is not None else "trainer.kl.teacher", kl.teacher))
@@ -774,7 +828,14 @@ class RunConfig(_Section):
 
     def teachers_of(self, env: EnvConfig) -> list[str]:
         """The teachers whose signals ``env``'s rollouts wait for before they are trained."""
-        return list(dict.fromkeys(teacher for teacher, _ in self.token_terms_of(env)))
+        kl = self.kl_of(env)
+        return list(dict.fromkeys(self.advantage_of(env).teachers() + ([kl.teacher] if kl is not None else [])))
+
+    def top_k_of(self, teacher: str) -> int:
+        """How many likeliest tokens per sampled position ``teacher``'s signals carry: the most any
+        environment's dense term reading it asks for (0: none does, values only)."""
+        terms = [self.advantage_of(env).dense_term() for _, env in self._env_fields()]
+        return max((term.top_k for term in terms if term is not None and term.teacher == teacher), default=0)
 
     def _check_evals(self) -> None:
         repeat = _repeat([spec.label for spec in self.evals])

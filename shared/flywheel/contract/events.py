@@ -42,7 +42,8 @@ Schema evolution (tested against stored encodings of version 1 in tests/unit/dat
     reward of each environment of a run with several (``RunState.env_scorers``), the weight
     versions kept for its evals (``RunState.pinned_versions``) and the status ``paused``;
     version 10 added :class:`Signal` (a teacher's logprobs of a rollout's tokens) on the
-    SIGNALS stream.
+    SIGNALS stream; version 11 added ``Signal.top_ids`` and ``Signal.top_logprobs`` (a
+    teacher's likeliest tokens at each sampled position).
 
 Identities
     ``run`` (a training or eval run, owned by a ``tenant``), ``task`` (one row of a task
@@ -75,7 +76,7 @@ from typing import Any, Generic, Literal, TypeVar, overload
 
 import msgspec
 
-SCHEMA_VERSION = 10
+SCHEMA_VERSION = 11
 
 JSON = "application/json"
 MSGPACK = "application/msgpack"
@@ -377,6 +378,11 @@ class Signal(Event, frozen=True, kw_only=True, tag="signal"):
     set (and ``values`` empty) when the source could not compute them for this rollout; readers
     then treat the rollout as unusable, as for a scorer's error. The event id is
     ``<rollout>.<source>``.
+
+    ``top_ids`` and ``top_logprobs`` (when the run's training asks the source for its top-k
+    tokens: a dense on-policy distillation term) map the same nodes to, for each token of the
+    span, the source's ``k`` likeliest next tokens in that token's place and their logprobs
+    (at ``temperature``), likeliest first; an empty list where the token has no value.
     """
 
     run: str
@@ -385,6 +391,8 @@ class Signal(Event, frozen=True, kw_only=True, tag="signal"):
     group_id: str
     source: str
     values: dict[str, list[float]] = {}
+    top_ids: dict[str, list[list[int]]] = {}
+    top_logprobs: dict[str, list[list[float]]] = {}
     temperature: float = 1.0
     model: str = ""
     error: str | None = None

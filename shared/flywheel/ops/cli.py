@@ -188,8 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "summary.json, loss.png) like a training run, so `flywheel export RUN` takes the weights away. "
                     "Needs no running service.")
     sft.add_argument("config", help="run config (TOML)")
-    sft.add_argument("--data", metavar="FILE", help="the JSON Lines file (default: sft.data of the config; neither: "
-                                                    "the environments' reference answers)")
+    sft.add_argument("--data", metavar="FILE", help="the JSON Lines file (default: sft.data of the config; neither "
+                                                    "it nor a dataset: the environments' reference answers)")
+    sft.add_argument("--dataset", metavar="NAME", help="a `datasets` dataset of the same rows instead: a hub id, a "
+                                                       "folder Dataset.save_to_disk wrote, or a folder of JSON Lines "
+                                                       "or Parquet files (default: sft.dataset of the config)")
+    sft.add_argument("--split", help="the dataset's split (default: sft.split, 'train')")
     sft.add_argument("--run-id", help="the job's run id (default: the config's run)")
     sft.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config value, e.g. --set sft.steps=50 (JSON values; repeatable)")
@@ -404,6 +408,8 @@ def cmd_sft(args: argparse.Namespace) -> int:
 
     argv = [sys.executable, "-m", "flywheel_trainer.sft", args.config]
     argv += ["--data", args.data] if args.data else []
+    argv += ["--dataset", args.dataset] if args.dataset else []
+    argv += ["--split", args.split] if args.split else []
     argv += ["--run-id", args.run_id] if args.run_id else []
     for item in args.set:
         argv += ["--set", item]

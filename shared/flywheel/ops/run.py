@@ -116,6 +116,8 @@ def format_step(row: dict[str, float], num_steps: int, in_flight: int | None, me
         shown += f"  echo loss {get('echo_loss')}"
     if "sft_term_loss" in row:  # the cross-entropy of the step's SFT term (trainer.sft_term)
         shown += f"  sft loss {get('sft_term_loss')}"
+    if "distill_loss" in row:  # the dense distillation term's mean divergence (opd, estimate *_top_k)
+        shown += f"  distill loss {get('distill_loss')}"
     for key in row:  # each teacher's per-token KL estimate (opd, trainer.kl)
         if key.startswith("teacher.") and key.endswith(".kl"):
             shown += f"  kl {key.removeprefix('teacher.').removesuffix('.kl')} {get(key)}"
@@ -717,7 +719,7 @@ def main_job(config_path: str, settings: Settings, run_id: str | None = None,
 def local_data(cfg: RunConfig) -> RunConfig:
     """``cfg`` with each data file it names (``sft.data``, the SFT terms' ``data``) made absolute, as
     the trainer reads it wherever it runs from; a ValueError naming the field for a file that is
-    not there, before anything starts."""
+    not there, before anything starts. A local ``sft.dataset`` folder is made absolute too."""
     data = cfg.model_dump()
     tables = [("sft", data["sft"]), ("trainer.sft_term", data["trainer"]["sft_term"]),
               *((f"envs.{i}.sft_term", env["sft_term"]) for i, env in enumerate(data["envs"]))]
@@ -730,6 +732,10 @@ def local_data(cfg: RunConfig) -> RunConfig:
             raise ValueError(f"{where}.data={table['data']!r}: no such file; give a JSON Lines file of chats or a "
                              "trace API export (`GET /v1/rollouts/export`)")
         table["data"] = str(path.resolve())
+        changed = True
+    dataset = data["sft"].get("dataset")
+    if dataset and Path(dataset).expanduser().exists():  # a local folder; else a hub id, found where it is read
+        data["sft"]["dataset"] = str(Path(dataset).expanduser().resolve())
         changed = True
     return RunConfig.parse(data) if changed else cfg
 
