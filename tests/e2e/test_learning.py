@@ -82,7 +82,12 @@ def test_reward_rises_beyond_a_control_run_with_learning_rate_zero(tmp_path: Pat
 TWO_ENVS = ROOT / "examples" / "two-envs.toml"
 SFT_STEPS = 100
 MIN_SFT_GAIN = 0.1
-TWO_ENV_STEPS = 150
+TWO_ENV_STEPS = 200
+# Each environment's last-quarter reward over its control's: after the 1000-step warm-up
+# reverse-text starts near 0.88, so RL sharpens a good policy; measured margins, 150 steps:
+# reverse-text 0.026 to 0.090, arithmetic 0.028 to 0.115; 200 steps: 0.046 and 0.101,
+# 0.106 and 0.112 (the controls hold the warm-up's level: 0.877-0.879, 0.394-0.423).
+MIN_TWO_ENV_MARGIN = 0.03
 EVAL_EVERY = 50
 
 
@@ -113,9 +118,9 @@ def test_a_detached_run_on_two_environments_finishes_with_its_evals(
         clean_env: dict[str, str]) -> None:
     """The issue's acceptance run: the run finishes by itself after `flywheel run` is killed,
     every step trains both environments, every eval comes at its step, and each environment's
-    reward (last quarter) ends above an lr = 0 control's. Measured on 150 steps after the
-    example's 1000-step warm-up: reverse-text 0.962 (control 0.879) and arithmetic (correct plus
-    closeness) 0.538 (control 0.423)."""
+    reward (last quarter) ends above an lr = 0 control's. Measured on 200 steps after the
+    example's 1000-step warm-up (two runs): reverse-text 0.923 and 0.978 (control 0.877) and
+    arithmetic (correct plus closeness) 0.529 and 0.535 (control 0.394-0.423)."""
     _, output, ports = stack
     output.wait_for(r"^Flywheel is up", 120)
     data_dir = tmp_path / "data"  # the stack's: its orchestrator writes the run folders there
@@ -126,7 +131,7 @@ def test_a_detached_run_on_two_environments_finishes_with_its_evals(
     for env in ("reverse_text", "arithmetic"):
         key = f"env.{env}.reward_last"
         print(f"{env}, last quarter: learning {summary[key]:.3f}, control {control[key]:.3f}")
-        assert summary[key] >= control[key] + MIN_MARGIN_OVER_CONTROL, (env, summary, control)
+        assert summary[key] >= control[key] + MIN_TWO_ENV_MARGIN, (env, summary, control)
     assert not (control_dir / "evals.jsonl").exists()
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
     assert [m["step"] for m in metrics] == list(range(1, TWO_ENV_STEPS + 1))
