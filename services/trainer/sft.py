@@ -148,11 +148,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     if args.data and args.dataset:
         parser.error("--data and --dataset: give one of them")
-    if args.data or args.dataset or args.split:  # the command line's source replaces the config's
-        data, dataset = (args.data, None) if args.data else (None, args.dataset) if args.dataset else (
-            cfg.sft.data, cfg.sft.dataset)
-        cfg = cfg.model_copy(update={"sft": cfg.sft.model_copy(update={
-            "data": data, "dataset": dataset, "split": args.split or cfg.sft.split})})
+    update: dict[str, Any] = {}
+    if args.data or args.dataset:  # the command line's source replaces the config's
+        update.update(data=args.data, dataset=args.dataset)
+    if args.split:
+        update["split"] = args.split
+    if update:
+        cfg = cfg.model_copy(update={"sft": cfg.sft.model_copy(update=update)})
     if not cfg.sft.steps:
         parser.error("sft.steps is 0: give the number of steps (--set sft.steps=200)")
     setup_logging(settings.log_level)
