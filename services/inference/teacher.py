@@ -145,9 +145,8 @@ def context_of(tok: Any, env: Environment, task: dict[str, Any], context: str) -
     reference answer). Raises what the environment raises."""
     from flywheel.sdk import models
 
-    messages = env.prompt_messages(task)
-    system = events.Message(role="system", content=context.format(answer=env.reference_answer(task)))
-    return Context(models.render_prompt(tok, messages), models.render_prompt(tok, [system, *messages]))
+    return Context(models.render_prompt(tok, env.prompt_messages(task)),
+                   models.render_prompt(tok, env.privileged_messages(task, context)))
 
 
 def _rows(index: int, request: Request) -> list[_Row]:

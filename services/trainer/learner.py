@@ -319,9 +319,11 @@ def sft_step(engine: Engine, sequences: list[Tokens], pad_id: int, micro_batch_s
                       _cross_entropy)
 
 
-def reference_tokens(tok: Any, env: Environment, task: dict[str, Any]) -> Tokens:
-    """The prompt as inference renders it, then the reference answer and end of turn, to learn."""
-    prompt = models.render_prompt(tok, env.prompt_messages(task))
+def reference_tokens(tok: Any, env: Environment, task: dict[str, Any], context: str | None = None) -> Tokens:
+    """The prompt as inference renders it (with a privileged ``context`` first, as a
+    self-distillation teacher sees it), then the reference answer and end of turn, to learn."""
+    messages = env.prompt_messages(task) if context is None else env.privileged_messages(task, context)
+    prompt = models.render_prompt(tok, messages)
     answer = tok.encode(env.reference_answer(task), add_special_tokens=False) + [tok.eos_token_id]
     return Tokens(token_ids=prompt + answer, logprobs=[0.0] * (len(prompt) + len(answer)),
                   loss_mask=[False] * len(prompt) + [True] * len(answer))
@@ -329,14 +331,18 @@ def reference_tokens(tok: Any, env: Environment, task: dict[str, Any]) -> Tokens
 
 def reference_steps(tok: Any, envs: Sequence[Environment], cfg: RunConfig) -> list[list[Tokens]]:
     """``cfg.sft.steps`` batches of ``cfg.sft.batch_size`` reference answers to learn, the
-    environments (in the config's order) mixed by their weights, tasks in the run's seeded order."""
+    environments (in the config's order) mixed by their weights, tasks in the run's seeded order;
+    with ``sft.context``, a seeded ``sft.context_share`` of them shown with that context."""
     size = cfg.sft.batch_size
     schedule = cfg.env_schedule(cfg.sft.steps * size)
     rows = {i: iter(env.load_tasks(schedule.count(i), seed=cfg.task_seed)) for i, env in enumerate(envs)
             if schedule.count(i)}
     tasks = [(envs[i], next(rows[i])) for i in schedule]
-    return [[reference_tokens(tok, env, row) for env, row in tasks[step * size:(step + 1) * size]]
-            for step in range(cfg.sft.steps)]
+    shown = random.Random(f"{cfg.task_seed}/sft-context")
+    contexts = [cfg.sft.context if cfg.sft.context is not None and shown.random() < cfg.sft.context_share else None
+                for _ in tasks]
+    examples = [reference_tokens(tok, env, row, context) for (env, row), context in zip(tasks, contexts, strict=True)]
+    return [examples[step * size:(step + 1) * size] for step in range(cfg.sft.steps)]
 
 
 @dataclass

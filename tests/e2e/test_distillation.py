@@ -10,6 +10,10 @@ reward of 0.6 at step 87, 25 s after its first step, and ended its last quarter 
 never reached it (0.287 -> 0.305, first to last quarter). Other OPD runs: steps 90, 101 (27 s)
 and 132; GRPO's 200 steps took 36 s in the run of step 101.
 
+Self-distillation runs its example: the policy's frozen starting weights shown the reversed
+answer teach the policy without it. Measured (150 steps): mean reward of the last 20 steps
+0.654, 0.672, 0.713 (first 20: 0.46-0.48) against 0.485-0.487 for the lr=0 control.
+
 The experts-then-distill recipe runs as its example's comments say, each expert shortened to
 60 RL steps and the distillation to 60 steps.
 """
@@ -69,6 +73,32 @@ def test_on_policy_distillation_reaches_the_reward_sooner_than_grpo_from_the_sam
     assert grpo_step is None or opd_step < grpo_step
     # Sooner in time too: before GRPO reached it, or before GRPO's last step where it never did.
     assert opd_s < (grpo_s if grpo_s is not None else seconds(grpo_metrics))
+
+
+SELF_DISTILL = ROOT / "examples" / "reverse-text-self-distill.toml"
+SELF_STEPS = 150
+MIN_SELF_GAIN = 0.08  # over the control, last 20 steps' mean reward (measured: 0.654-0.713 vs 0.485-0.487)
+
+
+def last_mean(metrics: list[dict], k: int = 20) -> float:
+    return sum(m["reward_mean"] for m in metrics[-k:]) / k
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_self_distillation_from_the_policy_shown_the_answer_learns_against_an_lr_0_control(tmp_path: Path) -> None:
+    learned, metrics = flywheel_run(tmp_path, "self", config=SELF_DISTILL, num_steps=SELF_STEPS)
+    control, control_metrics = flywheel_run(tmp_path, "control", "trainer.lr=0", config=SELF_DISTILL,
+                                            num_steps=SELF_STEPS)
+    for m in metrics + control_metrics:
+        assert m["num_dropped_signal_error"] == 0 and "teacher.hinted.kl" in m
+    first = sum(m["reward_mean"] for m in metrics[:20]) / 20
+    print(f"self-distillation: first 20 steps {first:.3f}, last 20 {last_mean(metrics):.3f}; "
+          f"control {last_mean(control_metrics):.3f}")
+    assert last_mean(metrics) > last_mean(control_metrics) + MIN_SELF_GAIN
+    # The student came closer to its teacher; the control did not.
+    assert learned["teacher.hinted.kl_last"] < learned["teacher.hinted.kl_first"] - 0.3
+    assert control["teacher.hinted.kl_last"] > control["teacher.hinted.kl_first"] - 0.3
 
 
 DISTILL = ROOT / "examples" / "distill-experts.toml"

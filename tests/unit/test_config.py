@@ -47,6 +47,9 @@ def test_every_checked_in_config_parses(path: Path) -> None:
     ({"run": "r", "env": "e", "trainer": {"lr": -1}}, "trainer.lr"),
     ({"run": "r", "env": "e", "sampling": {"temprature": 1}}, "sampling.temprature"),
     ({"env": "e"}, "run"),
+    ({"run": "r", "env": "e", "sft": {"context": "{answer}", "data": "c.jsonl"}},
+     "sft: Value error, context='{answer}'"),
+    ({"run": "r", "env": "e", "sft": {"context_share": 1.5}}, "sft.context_share"),
 ])
 def test_bad_values_name_the_field(data: dict, field: str) -> None:
     with pytest.raises(ValueError) as err:

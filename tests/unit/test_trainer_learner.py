@@ -19,7 +19,7 @@ from flywheel.sdk.environment import load_environment
 from flywheel_trainer.batch import micro_batches, pad, token_logprobs
 from flywheel_trainer.engines import TorchEngine
 from flywheel_trainer.join import Scored, Tokens, tokens_of
-from flywheel_trainer.learner import SFTSupply, reference_tokens, rl_step, sft_warmup
+from flywheel_trainer.learner import SFTSupply, reference_steps, reference_tokens, rl_step, sft_warmup
 from tests.unit.test_trainer_join import make_rollout
 
 MICRO_BATCH_SIZE = TrainerSettings().micro_batch_size
@@ -186,6 +186,31 @@ def test_sft_warmup_teaches_the_reference_answers(tiny_model_dir: Path) -> None:
     start = cross_entropy()
     figures = sft_warmup(model, tok, [env], cfg, MICRO_BATCH_SIZE)
     assert figures["sft_steps"] == 8 and cross_entropy() < start - 0.5
+
+
+def test_a_warm_up_context_comes_first_in_its_share_of_the_reference_answers(tiny_model_dir: Path) -> None:
+    _, tok = models.load_model(tiny_model_dir)
+    env = load_environment("reverse_text")
+    task = env.load_tasks(1, seed=0)[0]
+    hinted = reference_tokens(tok, env, task, "Answer: {answer}")
+    plain = reference_tokens(tok, env, task)
+    text = tok.decode(hinted.token_ids)
+    assert text.index(f"Answer: {task['text'][::-1]}") < text.index("Reverse the text.")
+    # The same answer to learn, after a longer prompt.
+    assert sum(hinted.loss_mask) == sum(plain.loss_mask)
+    assert hinted.token_ids[-sum(plain.loss_mask):] == plain.token_ids[-sum(plain.loss_mask):]
+
+    def shown(share: float) -> list[bool]:
+        cfg = RunConfig(run="t", env="reverse_text", sft={"steps": 4, "batch_size": 16, "context": "Answer: {answer}",
+                                                          "context_share": share})
+        return [len(row.token_ids) > len(reference_tokens(tok, env, row_task).token_ids)
+                for step, rows in enumerate(reference_steps(tok, [env], cfg))
+                for row, row_task in zip(rows, env.load_tasks(64, seed=cfg.task_seed)[step * 16:(step + 1) * 16],
+                                         strict=True)]
+
+    assert all(shown(1.0)) and not any(shown(0.0))
+    half = shown(0.5)
+    assert 16 < sum(half) < 48 and half == shown(0.5)  # about half, the same ones each time
 
 
 def test_the_sft_terms_rows_follow_from_the_step_and_teach_the_reference_answers_during_rl(

@@ -486,11 +486,20 @@ class SFTConfig(_Section):
                                                   "id, a folder that Dataset.save_to_disk wrote, or a folder of "
                                                   "JSON Lines or Parquet files")
     split: str = Field("train", description="the split of dataset to learn")
+    context: str | None = Field(None, description="a privileged context put first, as a system message, in a share "
+                                "of the warm-up's reference answers ({answer} becomes the answer): teaches a model "
+                                "to use the context a self-distillation teacher is given, as a pretrained model "
+                                "already can")
+    context_share: float = Field(0.5, ge=0, le=1, description="the share of the warm-up's reference answers shown "
+                                 "with context")
 
     @model_validator(mode="after")
     def _check(self) -> SFTConfig:
         if self.data and self.dataset:
             raise ValueError(f"data={self.data!r} and dataset={self.dataset!r}: give one of them")
+        if self.context is not None and (self.data or self.dataset):
+            raise ValueError(f"context={self.context!r}: a context is put into the environment's reference answers; "
+                             "with data or dataset, write it into those chats instead")
         return self
 
 

@@ -434,6 +434,12 @@ class Environment:
         assert self.harness is not None
         return self.harness.initial_messages(self, task)
 
+    def privileged_messages(self, task: dict[str, Any], context: str) -> list[events.Message]:
+        """:meth:`prompt_messages` with a privileged ``context`` first, as a system message
+        (``{answer}`` in it becomes :meth:`reference_answer`): what a self-distillation teacher sees."""
+        system = events.Message(role="system", content=context.format(answer=self.reference_answer(task)))
+        return [system, *self.prompt_messages(task)]
+
     def reference_answer(self, task: dict[str, Any]) -> str:
         if self.reference is None:
             raise EnvironmentLoadError(f"environment {self.name!r} defines no reference(task): it cannot be used "
