@@ -144,18 +144,24 @@ def open_dataset(name: str, split: str, field: str = "sft.dataset") -> Any:
             loaded = datasets.load_from_disk(str(path))
             if isinstance(loaded, datasets.DatasetDict):
                 if split not in loaded:
-                    raise DataError(f"{field}={name!r}: no split {split!r}; it has {', '.join(loaded)} (sft.split)")
+                    raise DataError(f"{field}={name!r}: no split {split!r}; it has {', '.join(loaded)} "
+                                    f"({_split_field(field)})")
                 return loaded[split]
             return loaded
         return datasets.load_dataset(name, split=split)
     except DataError:
         raise
     except ValueError as exc:  # datasets' unknown split
-        raise DataError(f"{field}={name!r}, split {split!r}: {exc} (sft.split)") from None
+        raise DataError(f"{field}={name!r}, split {split!r}: {exc} ({_split_field(field)})") from None
     except Exception as exc:  # datasets raises many kinds (not found, offline, bad files): each is the user's to fix
         raise DataError(f"{field}={name!r}: could not load it ({type(exc).__name__}: {exc}); give a hub id this "
                         "machine can reach, a folder that Dataset.save_to_disk wrote, a folder of JSON Lines or "
                         "Parquet files, or a JSON Lines file as sft.data") from None
+
+
+def _split_field(field: str) -> str:
+    """The config field that picks the split of the dataset named in ``field`` (its sibling)."""
+    return field.rsplit(".", 1)[0] + ".split"
 
 
 def _fitting(examples: list[Tokens], max_positions: int | None, where: str) -> list[Tokens]:

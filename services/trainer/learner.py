@@ -59,7 +59,7 @@ from flywheel_trainer.batch import (
     pad,
     target_logprobs,
 )
-from flywheel_trainer.chats import batches, load_examples, sft_examples
+from flywheel_trainer.chats import batches, load_dataset_examples, load_examples, sft_examples
 from flywheel_trainer.engines import Engine, TorchEngine
 from flywheel_trainer.join import Scored, Tokens, TopK, sequences_of, signal_top, signal_values
 from flywheel_trainer.losses import LOSSES, top_k_divergence
@@ -356,7 +356,7 @@ class SFTRows:
 class SFTSupply:
     """Each step's SFT-term rows: for every environment with a term (``[[envs]] sft_term``, else
     ``trainer.sft_term``), ``batch_size`` examples drawn from its reference answers (a pool of up
-    to :attr:`POOL` tasks in the run's seeded order) or from the term's ``data`` file. Which ones
+    to :attr:`POOL` tasks in the run's seeded order) or from the term's ``data`` file or ``dataset``. Which ones
     follows from the run's task seed, the environment and the step alone, so a resumed run draws
     what it would have drawn."""
 
@@ -370,9 +370,11 @@ class SFTSupply:
             term = cfg.sft_term_of(env_cfg)
             if term is None:
                 continue
+            field = f"envs.{index}.sft_term" if env_cfg.sft_term is not None else "trainer.sft_term"
             if term.data:
-                field = f"envs.{index}.sft_term.data" if env_cfg.sft_term is not None else "trainer.sft_term.data"
-                examples = load_examples(Path(term.data), tok, max_positions, field)
+                examples = load_examples(Path(term.data), tok, max_positions, f"{field}.data")
+            elif term.dataset:
+                examples = load_dataset_examples(term.dataset, term.split, tok, max_positions, f"{field}.dataset")
             else:
                 tasks = env.load_tasks(min(self.POOL, term.batch_size * cfg.trainer.num_steps), seed=cfg.task_seed)
                 examples = [reference_tokens(tok, env, task) for task in tasks]

@@ -105,6 +105,44 @@ async def test_one_signal_per_rollout_equal_to_a_direct_forward_a_malformed_one_
     assert "rollout malformed: its token layer is inconsistent" in letter.reason and "2 token ids" in letter.reason
 
 
+async def test_a_signal_over_the_servers_max_payload_becomes_an_error_signal_and_the_host_goes_on(
+        tmp_path: Path, tiny_model_dir: Path, tiny: tuple[Any, Any]) -> None:
+    """A teacher's top 256 over a multi-turn rollout is larger than this server takes: publishing
+    it would cost the host its connection. Its signal says so instead, naming top_k; the next
+    run's signal (no top-k) still arrives whole on the same connection."""
+    _, tok = tiny
+    big = [multi_turn(tok, PROMPT, seed=i, rollout_id=f"big{i}", run="big") for i in range(2)]
+    small = multi_turn(tok, PROMPT, seed=2, rollout_id="small", run="small")
+    max_payload = 16 * 1024
+    sampled = sum(sum(n.tokens.loss_mask) for n in big[0].nodes if n.tokens is not None)
+    assert len(msgspec.msgpack.encode(big[0])) < max_payload < sampled * 256 * 4  # 4 bytes a top logprob at least
+    server = NatsServer(tmp_path / "nats", max_payload=max_payload).start()
+    bus = await Bus.connect(server.url, name="test")
+    try:
+        assert bus.nc.max_payload == max_payload
+        top = {"type": "opd", "teacher": "t", "estimate": "forward_top_k", "top_k": 256}
+        for run, advantage in (("big", top), ("small", {"type": "opd", "teacher": "t"})):
+            cfg = RunConfig(run=run, env="reverse_text", trainer={"advantage": advantage},
+                            teachers={"t": {"model": "tiny"}})
+            await register_run(bus, run, config=cfg.model_dump())
+        async with hosting(server.url, data_dir_of(tiny_model_dir)) as host:
+            await bus.publish_many(big, events.MSGPACK)
+            await until(lambda: _is(bus, "SIGNALS", 2), timeout_s=60, what="the big run's error signals")
+            await bus.publish(small, events.MSGPACK)
+            await until(lambda: _is(bus, "SIGNALS", 3), timeout_s=60, what="the small run's signal")
+            assert host.info["teachers"]["big"]["t"]["num_errors"] == 2
+        signals = {s.rollout_id: s for s in await stored(bus, "SIGNALS", events.Signal)}
+        for r in big:
+            error = signals[r.id].error
+            assert error is not None and f"more than the bus takes ({max_payload}, nats-server's max_payload)" in error
+            assert "lower the top_k of the part that reads it (256 now)" in error and not signals[r.id].values
+        assert signals["small"].error is None and signals["small"].values
+        assert await count(bus, "DEAD") == 0
+    finally:
+        await bus.close()
+        server.stop()
+
+
 async def _is(bus: Bus, stream: str, n: int) -> bool:
     return await count(bus, stream) == n
 

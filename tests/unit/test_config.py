@@ -553,6 +553,16 @@ def test_data_files_become_absolute_and_a_missing_one_is_refused_naming_its_fiel
         local_data(RunConfig.from_toml_text(two + '[trainer]\nsft_term = {weight = 0.1, data = "gone.jsonl"}\n'))
     with pytest.raises(ValueError, match=r"sft\.data='gone\.jsonl': no such file"):
         local_data(RunConfig.from_toml_text(two + '[sft]\ndata = "gone.jsonl"\n'))
+    # A dataset folder here becomes absolute, in the warm-up and in each term; a hub id stays as it is.
+    (tmp_path / "chats").mkdir()
+    cfg = local_data(RunConfig.from_toml_text(two + 'sft_term = {weight = 0.1, dataset = "chats"}\n[sft]\nsteps = 3\n'
+                                              'dataset = "./chats"\n[trainer]\nsft_term = {weight = 0.1, dataset = '
+                                              '"someone/chats"}\n'))
+    assert cfg.envs[1].sft_term is not None and cfg.envs[1].sft_term.dataset == str(tmp_path / "chats")
+    assert cfg.sft.dataset == str(tmp_path / "chats")
+    assert cfg.trainer.sft_term is not None and cfg.trainer.sft_term.dataset == "someone/chats"
+    with pytest.raises(ValueError, match=r"trainer\.sft_term: Value error, data='a\.jsonl' and dataset='b': give one"):
+        RunConfig.from_toml_text(two + '[trainer]\nsft_term = {weight = 0.1, data = "a.jsonl", dataset = "b"}\n')
 
 
 def test_an_opd_part_names_a_teacher_of_the_run_and_a_dense_one_asks_it_for_its_top_k() -> None:

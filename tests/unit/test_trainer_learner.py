@@ -17,6 +17,7 @@ from flywheel.contract.settings import TrainerSettings
 from flywheel.sdk import models
 from flywheel.sdk.environment import load_environment
 from flywheel_trainer.batch import micro_batches, pad, token_logprobs
+from flywheel_trainer.chats import DataError
 from flywheel_trainer.engines import TorchEngine
 from flywheel_trainer.join import Scored, Tokens, tokens_of
 from flywheel_trainer.learner import SFTSupply, reference_steps, reference_tokens, rl_step, sft_warmup
@@ -244,3 +245,26 @@ def test_the_sft_terms_rows_follow_from_the_step_and_teach_the_reference_answers
                           {env.id: env for env in cfg.environments}, supply.rows(step))
         assert figures["num_sft_tokens"] > 0 and figures["sft_term_loss"] > 0
     assert cross_entropy() < start - 0.3
+
+
+def test_an_sft_term_draws_its_rows_from_a_datasets_dataset(tiny_model_dir: Path, tmp_path: Path) -> None:
+    import datasets
+
+    _, tok = models.load_model(tiny_model_dir)
+    rows = [{"messages": [{"role": "user", "content": t}, {"role": "assistant", "content": t[::-1]}]}
+            for t in ("abc", "dcba", "ef", "ghij")]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:3]),
+                          "extra": datasets.Dataset.from_list(rows[3:])}).save_to_disk(str(tmp_path / "chats"))
+
+    def supply(term: str) -> SFTSupply:
+        cfg = RunConfig.from_toml_text(f'run = "t"\n[[envs]]\nid = "reverse_text"\nsft_term = {term}\n')
+        return SFTSupply(tok, {env.id: (env, load_environment(env.id)) for env in cfg.environments}, cfg)
+
+    drawn = supply(f'{{weight = 1.0, dataset = "{tmp_path / "chats"}"}}').rows(1).rows
+    texts = {tok.decode(r.token_ids) for r in drawn}
+    assert len(texts) == 3 and any("cba" in t for t in texts) and not any("jihg" in t for t in texts)
+    (extra,) = supply(f'{{weight = 1.0, dataset = "{tmp_path / "chats"}", split = "extra"}}').rows(1).rows
+    assert "jihg" in tok.decode(extra.token_ids)
+    with pytest.raises(DataError, match=r"envs\.0\.sft_term\.dataset='.*chats': no split 'test'; it has train, "
+                                        r"extra \(envs\.0\.sft_term\.split\)"):
+        supply(f'{{weight = 1.0, dataset = "{tmp_path / "chats"}", split = "test"}}')

@@ -560,6 +560,15 @@ class SFTTerm(_Section):
     batch_size: int = Field(8, ge=1, description="examples in each step's term")
     data: str | None = Field(None, description="a JSON Lines file of chats or a trace API export (as sft.data) to "
                                                "draw them from; unset: the environment's reference answers")
+    dataset: str | None = Field(None, description="instead of data: a `datasets` dataset of the same rows (as "
+                                                  "sft.dataset) to draw them from")
+    split: str = Field("train", description="the split of dataset to draw from")
+
+    @model_validator(mode="after")
+    def _check(self) -> SFTTerm:
+        if self.data and self.dataset:
+            raise ValueError(f"data={self.data!r} and dataset={self.dataset!r}: give one of them")
+        return self
 
 
 class TrainerConfig(_Section):

@@ -71,8 +71,11 @@ class NatsServer:
         host: str = "127.0.0.1",
         monitor_port: int | None = None,
         log_file: str | Path | None = None,
+        max_payload: int | None = None,
     ) -> None:
+        """``max_payload``: the largest message in bytes the server takes (unset: its default, 1 MiB)."""
         self.store_dir = Path(store_dir)
+        self.max_payload = max_payload
         self.host = host
         self.port = port or free_port(host)
         self.monitor_port = monitor_port
@@ -95,6 +98,10 @@ class NatsServer:
         cmd = [find_binary(), "-a", self.host, "-p", str(self.port), "-js", "-sd", str(self.store_dir)]
         if self.monitor_port:
             cmd += ["-m", str(self.monitor_port)]
+        if self.max_payload is not None:  # a setting of the config file only, not of the command line
+            conf = self.store_dir / "nats-server.conf"
+            conf.write_text(f"max_payload: {self.max_payload}\n")
+            cmd += ["-c", str(conf)]
         log = open(self.log_file, "ab")
         try:
             self.process = subprocess.Popen(

@@ -719,12 +719,16 @@ def main_job(config_path: str, settings: Settings, run_id: str | None = None,
 def local_data(cfg: RunConfig) -> RunConfig:
     """``cfg`` with each data file it names (``sft.data``, the SFT terms' ``data``) made absolute, as
     the trainer reads it wherever it runs from; a ValueError naming the field for a file that is
-    not there, before anything starts. A local ``sft.dataset`` folder is made absolute too."""
+    not there, before anything starts. A local ``dataset`` folder of each is made absolute too."""
     data = cfg.model_dump()
     tables = [("sft", data["sft"]), ("trainer.sft_term", data["trainer"]["sft_term"]),
               *((f"envs.{i}.sft_term", env["sft_term"]) for i, env in enumerate(data["envs"]))]
     changed = False
     for where, table in tables:
+        dataset = (table or {}).get("dataset")
+        if dataset and Path(dataset).expanduser().exists():  # a local folder; else a hub id, found where it is read
+            table["dataset"] = str(Path(dataset).expanduser().resolve())
+            changed = True
         if not table or not table.get("data"):
             continue
         path = Path(table["data"]).expanduser()
@@ -732,10 +736,6 @@ def local_data(cfg: RunConfig) -> RunConfig:
             raise ValueError(f"{where}.data={table['data']!r}: no such file; give a JSON Lines file of chats or a "
                              "trace API export (`GET /v1/rollouts/export`)")
         table["data"] = str(path.resolve())
-        changed = True
-    dataset = data["sft"].get("dataset")
-    if dataset and Path(dataset).expanduser().exists():  # a local folder; else a hub id, found where it is read
-        data["sft"]["dataset"] = str(Path(dataset).expanduser().resolve())
         changed = True
     return RunConfig.parse(data) if changed else cfg
 

@@ -651,14 +651,14 @@ def prepare_run(cfg: RunConfig) -> tuple[RunConfig, dict[str, RunEnvironment]]:
         # What learns reference answers needs them: refused here, not after the trainer loaded its model.
         term = cfg.sft_term_of(found.config)
         where = f"envs.{i}.sft_term" if found.config.sft_term is not None else "trainer.sft_term"
-        if term is not None and term.data is None and found.env.reference is None:
+        if term is not None and not (term.data or term.dataset) and found.env.reference is None:
             raise ValueError(f"{where}: environment {found.config.id!r} defines no reference answers (no "
                              f"reference(task)) for its SFT term to learn; give the term data (a JSON Lines file "
-                             "of chats) or remove it")
-        if cfg.sft.steps and cfg.sft.data is None and found.env.reference is None:
+                             "of chats) or a dataset, or remove it")
+        if cfg.sft.steps and not (cfg.sft.data or cfg.sft.dataset) and found.env.reference is None:
             raise ValueError(f"sft.steps={cfg.sft.steps}: environment {found.config.id!r} defines no reference "
                              "answers (no reference(task)) for the warm-up to learn; give sft.data (a JSON Lines "
-                             "file of chats) or set sft.steps = 0")
+                             "file of chats) or sft.dataset, or set sft.steps = 0")
     for i, spec in enumerate(cfg.evals):  # evals load where they run, in the orchestrator; refused here first
         try:
             load_environment(spec.id, EnvironmentOverrides(args=dict(spec.args)))
