@@ -53,7 +53,16 @@ class Engine(Protocol):
 
 
 def adamw(model: torch.nn.Module, cfg: TrainerConfig) -> torch.optim.AdamW:
-    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    """Over the parameters that train (a LoRA model's adapter alone)."""
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
+                             weight_decay=cfg.weight_decay)
+
+
+def with_adapter(model: torch.nn.Module, cfg: TrainerConfig) -> torch.nn.Module:
+    """``model`` as the run trains it: with the LoRA adapter of ``trainer.adapter``, else as it is."""
+    if cfg.adapter is None:
+        return model
+    return models.add_adapter(model, cfg.adapter.rank, cfg.adapter.alpha, cfg.adapter.target_modules)
 
 
 class TorchEngine:

@@ -57,7 +57,7 @@ from flywheel.contract.settings import Settings, TrainerSettings
 from flywheel.sdk import models
 from flywheel.sdk.environment import RunEnvironment, load_run_environments
 from flywheel.sdk.scoring import reward_definition
-from flywheel_trainer.engines import Engine, build_engine
+from flywheel_trainer.engines import Engine, build_engine, with_adapter
 from flywheel_trainer.join import BadRollout, Joiner, Take
 from flywheel_trainer.learner import SFTSupply, rl_step, seed_torch, sft_warmup
 from flywheel_trainer.ledger import CheckpointState, Journal, RunFolder
@@ -269,6 +269,7 @@ class Trainer:
         if cfg.seed is not None:
             seed_torch(cfg.seed)
         model, tok = await asyncio.to_thread(models.load_model, path, "float32")
+        model = await asyncio.to_thread(with_adapter, model, cfg.trainer)  # the warm-up trains the adapter too
         figures: dict[str, Any] = {}
         if self.resume is None and cfg.sft.steps:
             envs = [found.env for found in self.environments.values()]

@@ -47,7 +47,7 @@ from flywheel.ops.run import config_with, parse_sets, save_plot
 from flywheel.sdk import models
 from flywheel.sdk.environment import EnvironmentLoadError, load_run_environments
 from flywheel_trainer.chats import DataError, batches, sft_examples
-from flywheel_trainer.engines import build_engine
+from flywheel_trainer.engines import build_engine, with_adapter
 from flywheel_trainer.join import Tokens
 from flywheel_trainer.learner import reference_steps, seed_torch, sft_step
 from flywheel_trainer.ledger import RunFolder
@@ -78,6 +78,7 @@ def run(cfg: RunConfig, data_dir: Path, micro_batch_size: int) -> dict[str, Any]
     started = time.perf_counter()
     seed_torch(cfg.task_seed)
     model, tok = models.load_model(models.resolve_model(cfg.model.name, data_dir), "float32")
+    model = with_adapter(model, cfg.trainer)
     data = cfg.sft.data or (f"{cfg.sft.dataset} (split {cfg.sft.split})" if cfg.sft.dataset else None)
     if data is not None:
         if cfg.sft.dataset:  # a hub id may take a while to fetch, or to fail to

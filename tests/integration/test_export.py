@@ -21,7 +21,7 @@ import torch
 from flywheel.contract.checkpoints import Checkpoints, CheckpointState, run_folder
 from flywheel.contract.config import RunConfig
 from flywheel.sdk import models
-from flywheel_trainer.engines import TorchEngine
+from flywheel_trainer.engines import TorchEngine, with_adapter
 
 ROOT = Path(__file__).parents[2]
 RUN = "export-me"
@@ -111,3 +111,39 @@ def test_an_exported_run_loads_in_transformers_with_the_trainers_logprobs(tmp_pa
     assert done.returncode == 1 and "'no-such-run'" in done.stderr and "--data-dir" in done.stderr
     done = flywheel("export", RUN, str(out), "--data-dir", str(data_dir))
     assert done.returncode == 1 and "not an empty folder" in done.stderr
+
+
+@pytest.mark.timeout(600)
+def test_a_lora_run_exports_a_peft_adapter_folder_or_the_merged_model_with_the_trainers_logprobs(
+        tmp_path: Path, tiny_model_dir: Path) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    data_dir = tmp_path / "data"
+    cfg = RunConfig.parse({"run": RUN, "env": "reverse_text", "model": {"name": str(tiny_model_dir)},
+                           "trainer": {"lr": 3e-2, "adapter": {"rank": 4, "alpha": 8, "target_modules": ["q_proj",
+                                                                                                        "up_proj"]}}})
+    folder = run_folder(data_dir, RUN)
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(cfg.model_dump()))
+    model, tok = models.load_model(tiny_model_dir, "float32")
+    engine = TorchEngine(with_adapter(model, cfg.trainer), cfg.trainer, "float32")
+    train_a_little(engine, tok, 3)
+    Checkpoints(folder / "checkpoint").write(CheckpointState(step=1, version=1), engine.weights(), engine.save)
+
+    done = flywheel("export", RUN, str(tmp_path / "adapter"), "--data-dir", str(data_dir))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "its LoRA adapter" in done.stdout
+    assert json.loads((tmp_path / "adapter" / "flywheel-export.json").read_text())["kind"] == "adapter"
+    assert not (tmp_path / "adapter" / "model.safetensors").exists()
+    adapted = PeftModel.from_pretrained(models.load_model(tiny_model_dir, "float32")[0], tmp_path / "adapter").eval()
+    done = flywheel("export", RUN, str(tmp_path / "merged"), "--merged", "--data-dir", str(data_dir))
+    assert done.returncode == 0, done.stdout + done.stderr
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    base, _ = models.load_model(tiny_model_dir, "float32")
+
+    ids = torch.tensor([tok.encode("Reverse the text: flywheel -> leehwylf")])
+    trainers = token_logprobs(engine.module, ids, 4)
+    for exported in (adapted, merged):
+        assert (token_logprobs(exported, ids, 4) - trainers).abs().max().item() <= 1e-4
+    assert (token_logprobs(base, ids, 4) - trainers).abs().max().item() > 1e-2  # the adapter moved it

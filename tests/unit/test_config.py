@@ -50,6 +50,12 @@ def test_every_checked_in_config_parses(path: Path) -> None:
     ({"run": "r", "env": "e", "sft": {"context": "{answer}", "data": "c.jsonl"}},
      "sft: Value error, context='{answer}'"),
     ({"run": "r", "env": "e", "sft": {"context_share": 1.5}}, "sft.context_share"),
+    ({"run": "r", "env": "e", "trainer": {"adapter": {"rank": 0}}}, "trainer.adapter.rank"),
+    ({"run": "r", "env": "e", "trainer": {"adapter": {"target_modules": []}}}, "trainer.adapter.target_modules"),
+    ({"run": "r", "env": "e", "trainer": {"adapter": {}}, "inference": {"backend": "vllm"}},
+     "trainer.adapter: inference.backend = 'vllm' does not load adapters yet"),
+    ({"run": "r", "env": "e", "trainer": {"adapter": {}, "engine": "deepspeed"}},
+     "trainer.adapter: the deepspeed engine does not train adapters yet"),
 ])
 def test_bad_values_name_the_field(data: dict, field: str) -> None:
     with pytest.raises(ValueError) as err:
@@ -515,22 +521,26 @@ def test_an_sft_term_or_warm_up_on_an_environment_without_reference_answers_is_r
         RunConfig.from_toml_text('run = "r"\nenv = "reverse_text"\n[trainer]\nsft_term = {weight = 0}\n')
 
 
-def test_a_teachers_local_folder_becomes_absolute_and_a_missing_one_is_refused(tmp_path: Path,
-                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    from flywheel.ops.run import local_teachers
+def test_local_model_folders_become_absolute_and_a_missing_one_is_refused(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from flywheel.ops.run import local_models
 
     (tmp_path / "expert").mkdir()
     (tmp_path / "expert" / "config.json").write_text("{}")
     monkeypatch.chdir(tmp_path)
 
-    def cfg(model: str) -> RunConfig:
+    def cfg(model: str, policy: str = "tiny") -> RunConfig:
         return RunConfig.parse({"run": "r", "env": "reverse_text", "teachers": {"t": {"model": model}},
-                                "trainer": {"advantage": {"type": "opd", "teacher": "t"}}})
+                                "model": {"name": policy}, "trainer": {"advantage": {"type": "opd", "teacher": "t"}}})
 
-    assert local_teachers(cfg("./expert")).teachers["t"].model == str(tmp_path / "expert")
-    assert local_teachers(cfg("tiny")).teachers["t"].model == "tiny"  # a name, found where the teacher runs
+    assert local_models(cfg("./expert")).teachers["t"].model == str(tmp_path / "expert")
+    assert local_models(cfg("tiny")).teachers["t"].model == "tiny"  # a name, found where the teacher runs
     with pytest.raises(ValueError, match=r"teachers\.t\.model='\./gone': no model folder there"):
-        local_teachers(cfg("./gone"))
+        local_models(cfg("./gone"))
+    assert local_models(cfg("tiny", "./expert")).model.name == str(tmp_path / "expert")
+    assert local_models(cfg("tiny", "tiny")).model.name == "tiny"
+    with pytest.raises(ValueError, match=r"model\.name='\./gone': no model folder there .*such as 'tiny'$"):
+        local_models(cfg("tiny", "./gone"))
 
 
 def test_data_files_become_absolute_and_a_missing_one_is_refused_naming_its_field(

@@ -146,7 +146,7 @@ def test_the_rules_catch_what_they_are_for(tmp_path: Path) -> None:
 HEAVY = {"torch", "transformers", "tokenizers", "safetensors", "accelerate", "numpy", "gguf", "vllm", "deepspeed",
          "fastapi", "starlette", "uvicorn", "httpx", "openai", "mcp", "sqlalchemy", "alembic", "aiosqlite", "asyncpg",
          "docker", "matplotlib", "datasets", "pyarrow", "bm25s", "opentelemetry", "yaml", "nats", "pydantic",
-         "pydantic_settings"}
+         "pydantic_settings", "peft"}
 # Any other import inside a function says why, on its line or in the comment just above it.
 REASON = "imported here:"
 

@@ -18,7 +18,7 @@ from safetensors.torch import load
 
 from flywheel.contract.config import RunConfig
 from flywheel.sdk import models
-from flywheel_trainer.engines import Engine, TorchEngine, build_engine
+from flywheel_trainer.engines import Engine, TorchEngine, build_engine, with_adapter
 from flywheel_trainer.join import Scored
 from flywheel_trainer.learner import rl_step
 from tests.unit.test_trainer_join import make_rollout
@@ -54,6 +54,28 @@ def test_torch_engine_resumes_from_its_checkpoint_exactly(tiny_model_dir: Path, 
     engine.save(tmp_path / "engine")
     steps(engine, cfg, 1)  # Adam moments matter: a fresh optimizer would step differently
     resumed = build(cfg, tiny_model_dir)
+    resumed.load(tmp_path / "engine")
+    steps(resumed, cfg, 1)
+    assert resumed.weights() == engine.weights()
+
+
+def test_a_lora_engine_trains_the_adapter_alone_and_resumes_from_its_checkpoint_exactly(tiny_model_dir: Path,
+                                                                                        tmp_path: Path) -> None:
+    cfg = config("torch", adapter={"rank": 4, "alpha": 8})
+
+    def lora() -> Engine:
+        model, _ = models.load_model(tiny_model_dir)
+        return build_engine(with_adapter(model, cfg.trainer), cfg.trainer, cfg.model.dtype)
+
+    engine = lora()
+    before = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+    steps(engine, cfg, 2)
+    moved = {name for name, p in engine.module.named_parameters() if not torch.equal(p, before[name])}
+    assert moved and all(".lora_" in name for name in moved)  # the base stays as it was
+    assert models.is_adapter(engine.weights())
+    engine.save(tmp_path / "engine")
+    steps(engine, cfg, 1)
+    resumed = lora()
     resumed.load(tmp_path / "engine")
     steps(resumed, cfg, 1)
     assert resumed.weights() == engine.weights()

@@ -571,8 +571,24 @@ class SFTTerm(_Section):
         return self
 
 
+class AdapterConfig(_Section):
+    """A LoRA adapter: the run trains only low-rank matrices A (rank x in) and B (out x rank)
+    beside each target linear layer of a frozen base model, whose output gains
+    (alpha / rank) x B A x; weight updates carry the adapter alone."""
+
+    rank: int = Field(8, ge=1, le=1024, description="the rank of each A and B")
+    alpha: int = Field(16, ge=1, description="the scale's numerator: B A is scaled by alpha / rank")
+    target_modules: list[str] = Field(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                                      min_length=1, description="names (the last part of the module path) of the "
+                                      "linear layers that get an adapter")
+
+
 class TrainerConfig(_Section):
     """The RL algorithm and its optimizer."""
+
+    adapter: AdapterConfig | None = Field(None, description="train a LoRA adapter over the frozen base model "
+                                          "([trainer.adapter] rank, alpha, target_modules) instead of every weight; "
+                                          "unset: full weights")
 
     advantage: AdvantageConfig = Field(GroupMeanAdvantage(), description="how a group's rewards become one "
                                                                          "advantage per rollout")
@@ -784,6 +800,12 @@ class RunConfig(_Section):
         if self.replace_rewards and not self.scorers:
             raise ValueError("replace_rewards = true needs scorers: name the scorers that make the reward, "
                              "e.g. scorers = {my_scorer = 1.0}")
+        if self.trainer.adapter is not None and isinstance(self.trainer.engine, DeepSpeedEngineConfig):
+            raise ValueError("trainer.adapter: the deepspeed engine does not train adapters yet (its steps differ "
+                             "from torch's on one); use engine = 'torch' for a LoRA run")
+        if self.trainer.adapter is not None and isinstance(self.inference.backend, VLLMBackendConfig):
+            raise ValueError("trainer.adapter: inference.backend = 'vllm' does not load adapters yet; use the "
+                             "transformers backend for a LoRA run, or train full weights")
         return self
 
     def _check_envs(self) -> None:

@@ -211,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--step", type=int, metavar="N",
                         help="the trainer step to export (default: the newest checkpoint; trainer.keep_checkpoints "
                              "says how many are kept)")
+    export.add_argument("--merged", action="store_true",
+                        help="a LoRA run (trainer.adapter): the base model with the adapter merged in, instead of "
+                             "the adapter folder")
     _add_settings(export, ("data_dir",))
     export.set_defaults(func=cmd_export)
 
@@ -419,8 +422,10 @@ def cmd_sft(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from flywheel.ops.export import export
 
-    done = export(args.run, args.dir, settings_from(args).data_dir, step=args.step)
-    print(f"exported run {done['run']} at step {done['step']} (weights version {done['version']}, sha256 "
+    done = export(args.run, args.dir, settings_from(args).data_dir, step=args.step, merged=args.merged)
+    what = {"adapter": "its LoRA adapter", "merged": "its base model with its LoRA adapter merged in"}.get(
+        done["kind"], "its weights")
+    print(f"exported run {done['run']} at step {done['step']}, {what} (weights version {done['version']}, sha256 "
           f"{done['weights_sha256'][:16]}...) to {args.dir}")
     return 0
 

@@ -8,6 +8,11 @@ checkpoint the run's trainer kept (``trainer.keep_checkpoints``, newest by defau
 trained them, put into the run's base model (``model.name`` of the run's config) and
 saved by ``save_pretrained``: the same logprobs as the trainer computed.
 
+A LoRA run (``trainer.adapter``) exports its adapter as a standard peft folder instead
+(``adapter_config.json``, ``adapter_model.safetensors``, the tokenizer):
+``PeftModel.from_pretrained(base, DIR)`` loads it over the base model; ``merged=True``
+(``--merged``) writes the base model with the adapter merged in, a plain model folder.
+
 Beside them, ``flywheel-export.json`` says where they come from: run, step, weights
 version, the sha256 of the weights, environment and base model.
 
@@ -31,9 +36,11 @@ from flywheel.contract.config import RunConfig
 PROVENANCE_FILE = "flywheel-export.json"
 
 
-def export(run: str, out_dir: str | Path, data_dir: str | Path, step: int | None = None) -> dict[str, Any]:
+def export(run: str, out_dir: str | Path, data_dir: str | Path, step: int | None = None,
+           merged: bool = False) -> dict[str, Any]:
     """Write run ``run``'s weights at ``step`` (None: its newest checkpoint) to ``out_dir`` as a
-    Hugging Face model folder; returns what ``flywheel-export.json`` says.
+    Hugging Face model folder (a LoRA run's: an adapter folder, unless ``merged``); returns what
+    ``flywheel-export.json`` says.
 
     ValueError, naming what is missing, for a run folder or a step that is not there, and for
     an ``out_dir`` that exists and is not empty (nothing is overwritten)."""
@@ -68,7 +75,7 @@ def export(run: str, out_dir: str | Path, data_dir: str | Path, step: int | None
     # Written beside, then renamed: a folder that exists is a complete export.
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        _write(cfg, data_dir, data, tmp)
+        provenance["kind"] = _write(cfg, data_dir, data, tmp, merged)
         (tmp / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
         if out.exists():
             out.rmdir()  # empty, checked above
@@ -79,10 +86,33 @@ def export(run: str, out_dir: str | Path, data_dir: str | Path, step: int | None
     return provenance
 
 
-def _write(cfg: RunConfig, data_dir: str | Path, data: bytes, out: Path) -> None:
+def _write(cfg: RunConfig, data_dir: str | Path, data: bytes, out: Path, merged: bool) -> str:
+    """The folder's files; what it holds: "model", "adapter" or "merged"."""
     from flywheel.sdk import models
 
     model, tok = models.load_model(models.resolve_model(cfg.model.name, data_dir), "float32")
+    tok.save_pretrained(out)
+    if models.is_adapter(data) and not merged:
+        _write_adapter(data, cfg.model.name, out)
+        return "adapter"
     models.load_weights(model, data)
     model.save_pretrained(out, safe_serialization=True)
-    tok.save_pretrained(out)
+    return "merged" if models.is_adapter(data) else "model"
+
+
+def _write_adapter(data: bytes, base_model: str, out: Path) -> None:
+    """A peft adapter folder of an adapter blob (:func:`flywheel.sdk.models.save_weights` of a LoRA model)."""
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    from flywheel.sdk import models
+
+    pairs, _ = models.adapter_parts(data)
+    meta = models.adapter_metadata(data)
+    LoraConfig(r=meta["rank"], lora_alpha=meta["alpha"], target_modules=meta["target_modules"],
+               bias="none", task_type="CAUSAL_LM", base_model_name_or_path=base_model).save_pretrained(str(out))
+    state = {}
+    for module, (a, b) in pairs.items():
+        state[f"base_model.model.{module}.lora_A.weight"] = a.contiguous()
+        state[f"base_model.model.{module}.lora_B.weight"] = b.contiguous()
+    save_file(state, str(out / "adapter_model.safetensors"))

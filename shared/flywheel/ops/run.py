@@ -713,7 +713,7 @@ def main_job(config_path: str, settings: Settings, run_id: str | None = None,
     named = RunConfig.from_toml(config_path).run
     # A new run gets the time in its id; --resume without --run-id means the run the config names.
     cfg = config_with(config_path, overrides or {}, run_id or (named if resume else new_run_id(named)))
-    return asyncio.run(MainJob(local_data(local_teachers(cfg)), settings, resume=resume, stop_on_exit=stop).run())
+    return asyncio.run(MainJob(local_data(local_models(cfg)), settings, resume=resume, stop_on_exit=stop).run())
 
 
 def local_data(cfg: RunConfig) -> RunConfig:
@@ -740,20 +740,24 @@ def local_data(cfg: RunConfig) -> RunConfig:
     return RunConfig.parse(data) if changed else cfg
 
 
-def local_teachers(cfg: RunConfig) -> RunConfig:
-    """``cfg`` with each teacher whose model is a folder (a path: absolute, or from ``.``) made
-    absolute, as every service reads it; a ValueError naming the teacher for a folder that is not
-    there. A model name ('tiny'), a hub id and 'policy' (the run's own weights) are found where the
-    teacher runs."""
+def local_models(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with each model that is a folder (a path: absolute, or from ``.``), the run's own
+    (``model.name``) and its teachers', made absolute, as every service reads it; a ValueError
+    naming the field for a folder that is not there. A model name ('tiny'), a hub id and 'policy'
+    (a teacher of the run's own weights) are found where the model is loaded."""
     data = cfg.model_dump()
-    for name, teacher in cfg.teachers.items():
-        path = Path(teacher.model).expanduser()
-        if not (path.is_absolute() or teacher.model.startswith(".")):
+    fields = [("model.name", data["model"], "name"),
+              *((f"teachers.{name}.model", data["teachers"][name], "model") for name in cfg.teachers)]
+    changed = False
+    for where, table, key in fields:
+        path = Path(table[key]).expanduser()
+        if not (path.is_absolute() or table[key].startswith(".")):
             continue
         if not (path / "config.json").exists():
-            raise ValueError(f"teachers.{name}.model={teacher.model!r}: no model folder there (no config.json); give "
-                             "a Hugging Face model folder, e.g. one `flywheel export RUN DIR` wrote, a model name "
-                             "such as 'tiny', or 'policy' (the run's own weights)")
-        data["teachers"][name]["model"] = str(path.resolve())
-    return RunConfig.parse(data) if cfg.teachers else cfg
+            raise ValueError(f"{where}={table[key]!r}: no model folder there (no config.json); give a Hugging Face "
+                             "model folder, e.g. one `flywheel export RUN DIR` wrote, a model name such as 'tiny'"
+                             + (", or 'policy' (the run's own weights)" if where.startswith("teachers.") else ""))
+        table[key] = str(path.resolve())
+        changed = True
+    return RunConfig.parse(data) if changed else cfg
 

@@ -29,9 +29,10 @@ import os
 import shutil
 import tempfile
 import threading
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers.utils import logging as hf_logging
@@ -189,8 +190,10 @@ def render_prompt(tok: Any, messages: Sequence[events.Message], tools: Sequence[
 
 def forward_params(model: torch.nn.Module) -> Mapping[str, inspect.Parameter]:
     """The keyword arguments ``model``'s forward takes (a DeepSpeed engine passes its keywords
-    on to the module it wraps: that module's)."""
-    return inspect.signature(getattr(model, "module", model).forward).parameters
+    on to the module it wraps, a LoRA model to its base model: theirs)."""
+    model = getattr(model, "module", model)
+    base = getattr(model, "get_base_model", None)
+    return inspect.signature((base() if base is not None else model).forward).parameters
 
 
 def cache_argument(model: torch.nn.Module) -> str:
@@ -204,10 +207,109 @@ def _storage_key(t: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]
     return (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
 
 
+# --- LoRA adapters ------------------------------------------------------------------------------
+# A run with trainer.adapter trains a peft LoRA model; its weights travel as the adapter alone:
+# safetensors of each target module's lora_A and lora_B (keys "<module path>.lora_A.weight",
+# the module path as in the base model), the metadata saying rank, alpha and the targets.
+# Loading one into a plain model of the same base merges it: W = W0 + (alpha / rank) B A,
+# from the base weights W0 kept aside the first time, so versions never accumulate.
+
+ADAPTER_FORMAT = "flywheel-lora"
+_PEFT_PREFIX = "base_model.model."
+
+
+def add_adapter(model: torch.nn.Module, rank: int, alpha: int, target_modules: Sequence[str]) -> torch.nn.Module:
+    """``model`` (its weights frozen) with a LoRA adapter on ``target_modules`` (peft); B starts
+    at zero, so the adapted model computes what the base does. ValueError naming the targets
+    when none of them is a module of the model."""
+    from peft import LoraConfig, get_peft_model
+
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    if not names & set(target_modules):
+        raise ValueError(f"trainer.adapter.target_modules={list(target_modules)}: none is a module of this model; "
+                         f"its linear layers are named {sorted(n for n in names if n.endswith('proj'))}")
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(target_modules), bias="none",
+                        task_type="CAUSAL_LM")
+    with warnings.catch_warnings():
+        # peft asks the model about gradient checkpointing by the name transformers 5 deprecated: noise in every log.
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return get_peft_model(model, config)
+
+
+def is_adapter(data: bytes) -> bool:
+    """Whether safetensors bytes hold a LoRA adapter (:func:`save_weights` of an adapted model)."""
+    return bool(adapter_metadata(data))
+
+
+def adapter_metadata(data: bytes) -> dict[str, Any]:
+    """An adapter blob's rank, alpha and target_modules; {} for other safetensors bytes. (They
+    ride in the header's ``__metadata__`` under one key, a JSON text: safetensors writes that
+    map in no fixed order, and one key keeps equal adapters byte for byte equal.)"""
+    size = int.from_bytes(data[:8], "little")
+    if size <= 0 or size > len(data) - 8:
+        return {}
+    try:
+        meta = json.loads(data[8:8 + size]).get("__metadata__") or {}
+        return dict(json.loads(meta.get(ADAPTER_FORMAT, "{}")))
+    except ValueError:
+        return {}
+
+
+def _adapter_blob(model: torch.nn.Module) -> bytes:
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save
+
+    config = cast(Any, model).peft_config["default"]
+    state = {name.removeprefix(_PEFT_PREFIX): tensor.detach().to("cpu", torch.float32).contiguous().clone()
+             for name, tensor in get_peft_model_state_dict(model).items()}
+    meta = {"rank": config.r, "alpha": config.lora_alpha, "target_modules": sorted(config.target_modules)}
+    return save(state, metadata={ADAPTER_FORMAT: json.dumps(meta, sort_keys=True)})
+
+
+def adapter_parts(data: bytes) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], float]:
+    """An adapter blob's (A, B) by module path, and its scale alpha / rank."""
+    from safetensors.torch import load
+
+    meta = adapter_metadata(data)
+    state = load(data)
+    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for name in state:
+        if name.endswith(".lora_A.weight"):
+            module = name.removesuffix(".lora_A.weight")
+            b = state.get(f"{module}.lora_B.weight")
+            if b is None:
+                raise ValueError(f"adapter weights: {module} has lora_A and no lora_B")
+            pairs[module] = (state[name], b)
+    return pairs, meta["alpha"] / meta["rank"]
+
+
+def _merge_adapter(model: torch.nn.Module, data: bytes) -> None:
+    """Set each adapted linear layer of the plain ``model`` to its base weight + scale x B A."""
+    pairs, scale = adapter_parts(data)
+    modules = dict(model.named_modules())
+    base: dict[str, torch.Tensor] = model.__dict__.setdefault("_flywheel_base_weights", {})
+    with torch.no_grad():
+        for name, (a, b) in pairs.items():
+            module = modules.get(name)
+            weight = getattr(module, "weight", None)
+            if weight is None or tuple(weight.shape) != (b.shape[0], a.shape[1]):
+                raise ValueError(f"adapter weights do not fit the model: {name} is not a linear layer of shape "
+                                 f"{(b.shape[0], a.shape[1])} here")
+            if name not in base:
+                base[name] = weight.detach().clone()
+            weight.copy_((base[name].float() + scale * (b @ a)).to(weight.dtype))
+        for name in set(base) - set(pairs):  # adapted before, not now: back to the base
+            modules[name].weight.copy_(base.pop(name))
+
+
 def save_weights(model: torch.nn.Module) -> bytes:
     """The state dict as safetensors bytes; a tensor tied to another (embeddings and LM
-    head) is written once, under the first name it has."""
+    head) is written once, under the first name it has. A LoRA model (:func:`add_adapter`):
+    its adapter alone."""
     from safetensors.torch import save
+
+    if hasattr(model, "peft_config"):
+        return _adapter_blob(model)
 
     state: dict[str, torch.Tensor] = {}
     seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
@@ -223,9 +325,15 @@ def save_weights(model: torch.nn.Module) -> bytes:
 def load_weights(model: torch.nn.Module, data: bytes) -> None:
     """Load safetensors bytes from :func:`save_weights` into ``model`` in place.
 
-    Strict but for tied tensors: a name left out must share its storage with one loaded."""
+    Strict but for tied tensors: a name left out must share its storage with one loaded. An
+    adapter is merged into the base weights (see :func:`add_adapter`); full weights become the
+    new base."""
     from safetensors.torch import load
 
+    if is_adapter(data):
+        _merge_adapter(model, data)
+        return
+    model.__dict__.pop("_flywheel_base_weights", None)
     state = load(data)
     with torch.no_grad():
         missing, unexpected = model.load_state_dict(state, strict=False)
