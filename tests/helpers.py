@@ -8,6 +8,10 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
+    import torch
+
     from flywheel.sdk.environment import Environment
 
 
@@ -31,3 +35,19 @@ def num_tasks(env: Environment) -> int:
 
     assert isinstance(env.tasks, TaskSet) and env.tasks.size is not None, f"{env.name}: no fixed task set"
     return env.tasks.size
+
+
+def random_adapter(model_dir: Path, rank: int, targets: list[str], seed: int, std: float = 0.3) -> torch.nn.Module:
+    """The model at ``model_dir`` with a LoRA adapter (alpha 2 x rank) whose A and B are random
+    (B not zero: it changes what is sampled), in eval mode."""
+    import torch
+
+    from flywheel.sdk import models
+
+    model = models.add_adapter(models.load_model(model_dir)[0], rank, 2 * rank, targets)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * std)
+    return model.eval()

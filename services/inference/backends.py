@@ -32,7 +32,12 @@ machine). Both the backend and the inference service on it are tested on CPU
 (``tests/vllm``).
 
 ``generate``'s ``on_token`` is called with each row's token as it is sampled (streaming).
-Not covered: LoRA adapters, top-k, and logprobs of the alternatives (``top_logprobs``).
+
+LoRA adapters: the transformers backend keeps any number of them over its base weights
+(:attr:`TransformersBackend.adapters`, :mod:`flywheel_inference.adapters`), and
+``generate(..., adapters=[name per row])`` samples each row with its own; runs on one base
+share one backend that way. Not covered: top-k, logprobs of the alternatives
+(``top_logprobs``), and adapters on the vLLM backend.
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ from flywheel_inference.completion import Backend, Completion, OnRowToken, check
 if TYPE_CHECKING:
     import torch
     from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+    from flywheel_inference.adapters import AdapterSlots
 
 def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
     """Every id that ends a sequence: the tokenizer's EOS and the generation config's."""
@@ -104,6 +111,16 @@ class TransformersBackend:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
         self.max_positions: int | None = getattr(model.config, "max_position_embeddings", None)
         self._cache_arg = models.cache_argument(model)
+        self._adapters: AdapterSlots | None = None
+
+    @property
+    def adapters(self) -> AdapterSlots:
+        """The LoRA adapters loaded over this backend's weights (none until one is loaded)."""
+        if self._adapters is None:
+            from flywheel_inference.adapters import AdapterSlots
+
+            self._adapters = AdapterSlots(self.model)
+        return self._adapters
 
     @classmethod
     def build(cls, path: Path | str, dtype: str, device: str = "cpu") -> TransformersBackend:
@@ -122,25 +139,36 @@ class TransformersBackend:
         self.version = version
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: events.Sampling,
-                 seeds: Sequence[int | None] | None = None, on_token: OnRowToken | None = None) -> list[Completion]:
+                 seeds: Sequence[int | None] | None = None, on_token: OnRowToken | None = None,
+                 adapters: Sequence[str | None] | None = None) -> list[Completion]:
+        """``adapters``: per row, the name of a loaded adapter to sample it with (None: the weights alone)."""
         import torch
 
         sampling.check()
         longest = check_prompts(prompts, sampling, self.max_positions)
+        if adapters is not None and len(adapters) != len(prompts):
+            raise ValueError(f"adapters: {len(adapters)} given for {len(prompts)} prompts")
         if not prompts:
             return []
         # Each row's uniforms, one per token it may sample, drawn up front from its own generator.
         uniforms = torch.stack([torch.rand(sampling.max_tokens, generator=torch.Generator().manual_seed(s))
                                 for s in row_seeds(sampling, len(prompts), seeds)])
-        with torch.inference_mode():
-            return self._generate(prompts, sampling, uniforms, longest, on_token)
+        names = list(adapters) if adapters is not None and any(a is not None for a in adapters) else None
+        if names is not None:
+            self.adapters.set_rows(names)  # fails here, naming the adapter, if one is not loaded
+        try:
+            with torch.inference_mode():
+                return self._generate(prompts, sampling, uniforms, longest, on_token, names)
+        finally:
+            if self._adapters is not None:
+                self._adapters.clear()
 
-    def _generate(self, prompts: Sequence[Sequence[int]], sampling: events.Sampling,
-                  uniforms: torch.Tensor, longest: int, on_token: OnRowToken | None) -> list[Completion]:
+    def _generate(self, prompts: Sequence[Sequence[int]], sampling: events.Sampling, uniforms: torch.Tensor,
+                  longest: int, on_token: OnRowToken | None, adapters: list[str | None] | None) -> list[Completion]:
         import torch
 
         num_rows = len(prompts)
-        logits, cache, mask = self._prefill(prompts, longest)
+        logits, cache, mask = self._prefill(prompts, longest, adapters)
         next_position = mask.sum(-1, keepdim=True)  # per row: where its next token goes
         rows = list(range(num_rows))  # the original index of each row still in the batch
         token_ids: list[list[int]] = [[] for _ in range(num_rows)]
@@ -167,6 +195,8 @@ class TransformersBackend:
                 cache.batch_select_indices(index)
                 mask, next_position, picked = mask[index], next_position[index], picked[index]
                 rows = [rows[j] for j in keep]
+                if adapters is not None:
+                    self.adapters.set_rows([adapters[r] for r in rows])
             mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=-1)
             out = self.model(input_ids=picked[:, None], attention_mask=mask, position_ids=next_position,
                              use_cache=True, logits_to_keep=1, **{self._cache_arg: cache})
@@ -175,19 +205,23 @@ class TransformersBackend:
         assert all(c is not None for c in results)
         return results  # type: ignore[return-value]  # the assert above: no None is left
 
-    def _prefill(self, prompts: Sequence[Sequence[int]],
-                 longest: int) -> tuple[torch.Tensor, DynamicCache, torch.Tensor]:
-        """Run each distinct prompt once (a group's samples share one): the logits of its last
-        position, the cache and the attention mask, then one row per prompt in ``prompts``
-        (rows of one prompt get copies of its keys and values)."""
+    def _prefill(self, prompts: Sequence[Sequence[int]], longest: int,
+                 adapters: list[str | None] | None) -> tuple[torch.Tensor, DynamicCache, torch.Tensor]:
+        """Run each distinct prompt once (a group's samples share one; a prompt under two
+        adapters is two): the logits of its last position, the cache and the attention mask,
+        then one row per prompt in ``prompts`` (rows of one prompt get copies of its keys and
+        values)."""
         import torch
         from transformers import DynamicCache
 
-        keys = [tuple(p) for p in prompts]
+        names = adapters if adapters is not None else [None] * len(prompts)
+        keys = [(name, tuple(p)) for name, p in zip(names, prompts, strict=True)]
         distinct = list(dict.fromkeys(keys))
+        if adapters is not None:
+            self.adapters.set_rows([name for name, _ in distinct])
         input_ids = torch.full((len(distinct), longest), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(distinct), longest), dtype=torch.long)
-        for i, prompt in enumerate(distinct):
+        for i, (_, prompt) in enumerate(distinct):
             input_ids[i, longest - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
             mask[i, longest - len(prompt):] = 1
         input_ids, mask = input_ids.to(self.device), mask.to(self.device)
@@ -201,6 +235,8 @@ class TransformersBackend:
             of_row = torch.tensor([index[key] for key in keys], device=self.device)
             cache.batch_select_indices(of_row)
             logits, mask = logits[of_row], mask[of_row]
+        if adapters is not None:
+            self.adapters.set_rows(adapters)
         return logits, cache, mask
 
     def _finished(self, token_ids: list[int], logprobs: list[float], stop: Sequence[str],

@@ -24,8 +24,13 @@ possibly with a huge version number). A load that fails:
 
 A fetch that fails with :class:`TransientFetchError` (the server restarting, a timeout) is
 tried again ``len(retry_s)`` times with backoff before it counts as failed; a blob that
-does not verify is not retried. Not covered: LoRA adapters, several runs sharing one base
-model, a bogus update whose blob does verify (it loads like any other).
+does not verify is not retried. Not covered: a bogus update whose blob does verify (it loads
+like any other).
+
+Runs on one base model (LoRA runs, :mod:`flywheel_inference.adapters`) share one
+:class:`Batcher`: their requests join one queue and batch together, each row with its run's
+adapter, and a swap of any of them takes the shared lock. A run with its own model has a
+batcher of its own.
 
 Streaming: a request may pass ``on_token``, called on the event loop with each token as its
 batch samples it (the backend calls back from its thread, between tokens; a backend whose
@@ -43,6 +48,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import msgspec
 
@@ -78,6 +84,7 @@ class Sampled:
 
 @dataclass
 class _Request:
+    policy: Policy  # whose weights (version, adapter) sample it
     prompt: Sequence[int]
     sampling: events.Sampling
     key: bytes  # the sampling settings without the seed: requests with equal keys batch together
@@ -90,30 +97,130 @@ def _batch_key(sampling: events.Sampling) -> bytes:
     return msgspec.json.encode(msgspec.structs.replace(sampling, seed=None))
 
 
+class Batcher:
+    """One backend's batching loop: the queued requests of every policy on it, taken oldest
+    first, up to ``max_batch_size`` with the same sampling settings per batch, generated in a
+    worker thread under :attr:`lock` (which weight swaps take too). Each row is sampled with
+    its policy's adapter, if it has one, and its result carries its policy's version."""
+
+    def __init__(self, backend: Backend, max_batch_size: int) -> None:
+        self.backend = backend
+        self.max_batch_size = max_batch_size
+        self.lock = asyncio.Lock()  # one batch or one swap at a time
+        self._queue: deque[_Request] = deque()
+        self._queued = asyncio.Event()
+        self._task = asyncio.ensure_future(self._batches())
+        self._task.add_done_callback(_loop_ended)
+
+    def submit(self, requests: Sequence[_Request]) -> None:
+        self._queue.extend(requests)
+        self._queued.set()
+
+    async def close(self) -> None:
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+
+    def _take_batch(self) -> list[_Request]:
+        """The oldest request and up to ``max_batch_size - 1`` more with the same settings."""
+        key = self._queue[0].key
+        batch: list[_Request] = []
+        rest: deque[_Request] = deque()
+        while self._queue:
+            r = self._queue.popleft()
+            if r.future.done():  # its caller gave up (cancelled)
+                continue
+            (batch if r.key == key and len(batch) < self.max_batch_size else rest).append(r)
+        self._queue = rest
+        return batch
+
+    async def _batches(self) -> None:
+        while True:
+            while not self._queue:
+                self._queued.clear()
+                await self._queued.wait()
+            batch = self._take_batch()
+            if not batch:
+                continue
+            async with self.lock:
+                for r in [r for r in batch if r.policy.closed]:  # released while queued: the rest go on
+                    r.future.set_exception(WeightsUnavailable(f"run {r.policy.run!r}: its policy was released "
+                                                              "(the run ended) before this request was sampled"))
+                batch = [r for r in batch if not r.policy.closed]
+                if not batch:
+                    continue
+                versions = [r.policy.version for r in batch]
+                assert None not in versions, "sampled before the first weights were loaded"
+                started = time.monotonic()
+                try:
+                    completions = await self._generate(batch)
+                except Exception as exc:
+                    for r in batch:
+                        if not r.future.done():
+                            r.future.set_exception(exc)
+                    continue
+            elapsed_s = time.monotonic() - started
+            for r, c, version in zip(batch, completions, versions, strict=True):
+                if not r.future.done():
+                    r.future.set_result(Sampled(c, cast(int, version), elapsed_s))
+
+    async def _generate(self, batch: list[_Request]) -> list[Completion]:
+        prompts, sampling, seeds = [r.prompt for r in batch], batch[0].sampling, [r.seed for r in batch]
+        streams = [r.on_token for r in batch]
+        generate: Callable[..., list[Completion]] = self.backend.generate
+        adapters = [r.policy.adapter for r in batch]
+        if any(a is not None for a in adapters):
+            generate = functools.partial(generate, adapters=adapters)
+        if not any(streams):
+            return await asyncio.to_thread(generate, prompts, sampling, seeds)
+        if not _takes_on_token(self.backend.generate):  # a backend of the user's own may predate streaming
+            completions = await asyncio.to_thread(generate, prompts, sampling, seeds)
+            for stream, c in zip(streams, completions, strict=True):
+                if stream is not None:
+                    for token_id, logprob in zip(c.token_ids, c.logprobs, strict=True):
+                        stream(token_id, logprob)
+            return completions
+        loop = asyncio.get_running_loop()
+
+        def on_token(row: int, token_id: int, logprob: float) -> None:  # in the backend's thread
+            stream = streams[row]
+            if stream is not None:
+                loop.call_soon_threadsafe(stream, token_id, logprob)
+
+        return await asyncio.to_thread(generate, prompts, sampling, seeds, on_token)
+
+
+def _loop_ended(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("a batching loop died", exc_info=task.exception())
+
+
 class Policy:
     def __init__(self, run: str, backend: Backend, fetch: FetchWeights, max_batch_size: int,
                  on_loaded: OnLoaded | None = None, on_error: Callable[[str], None] | None = None,
-                 retry_s: Sequence[float] = (0.5, 1.0, 2.0, 4.0)) -> None:
+                 retry_s: Sequence[float] = (0.5, 1.0, 2.0, 4.0), batcher: Batcher | None = None,
+                 adapter: str | None = None) -> None:
         """``fetch`` gets an update's verified blob; ``on_loaded(update)`` runs after each load,
         ``on_error(message)`` after each failed one; ``retry_s`` are the delays before each
-        new try of a fetch that failed with :class:`TransientFetchError`."""
+        new try of a fetch that failed with :class:`TransientFetchError`. ``batcher``: the
+        shared base's batching loop (``backend`` is then the run's view on that base and
+        ``adapter`` the name its rows are sampled with); None: a batcher of its own on ``backend``."""
         self.run = run
         self.backend = backend
-        self.max_batch_size = max_batch_size
+        self.adapter = adapter
+        self.closed = False
+        self.last_used = time.monotonic()  # when it was last asked to sample (or built)
         self.load_error: str | None = None  # why the last load failed; None once one succeeds
         self._fetch = fetch
         self._on_loaded = on_loaded
         self._on_error = on_error
         self._retry_s = tuple(retry_s)
-        self._lock = asyncio.Lock()  # one batch or one swap at a time
-        self._queue: deque[_Request] = deque()
-        self._queued = asyncio.Event()
+        self._owns_batcher = batcher is None
+        self._batcher = batcher if batcher is not None else Batcher(backend, max_batch_size)
         self._offers: dict[int, events.WeightUpdate] = {}  # version -> update, in arrival order: not tried yet
         self._offered = asyncio.Event()
         self._loaded = asyncio.Event()  # set once the first weights are loaded
-        self._tasks = [asyncio.ensure_future(self._batches()), asyncio.ensure_future(self._updates())]
-        for t in self._tasks:
-            t.add_done_callback(self._loop_ended)
+        self._updating = asyncio.ensure_future(self._updates())
+        self._updating.add_done_callback(self._loop_ended)
 
     def _loop_ended(self, task: asyncio.Task[None]) -> None:
         if not task.cancelled() and task.exception() is not None:
@@ -124,10 +231,16 @@ class Policy:
         return self.backend.version
 
     async def close(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        await asyncio.to_thread(self.backend.close)
+        """Stop loading weights and release the backend (on a shared base: evict the run's adapter)."""
+        self.closed = True
+        self._updating.cancel()
+        await asyncio.gather(self._updating, return_exceptions=True)
+        if self._owns_batcher:
+            await self._batcher.close()
+            await asyncio.to_thread(self.backend.close)
+            return
+        async with self._batcher.lock:
+            await asyncio.to_thread(self.backend.close)
 
     # --- weights ------------------------------------------------------------------------------
 
@@ -150,7 +263,7 @@ class Policy:
         return self.version
 
     async def swap(self, data: bytes, version: int) -> None:
-        async with self._lock:
+        async with self._batcher.lock:
             await asyncio.to_thread(self.backend.swap, data, version)
 
     async def load(self, update: events.WeightUpdate) -> None:
@@ -215,15 +328,15 @@ class Policy:
         """
         self.check(prompts, sampling)
         self.check_ready()
+        self.last_used = time.monotonic()
         seeds = seeds if seeds is not None else [None if sampling.seed is None else sampling.seed + i
                                                  for i in range(len(prompts))]
         loop = asyncio.get_running_loop()
         key = _batch_key(sampling)
-        requests = [_Request(p, sampling, key, s, loop.create_future(),
+        requests = [_Request(self, p, sampling, key, s, loop.create_future(),
                              None if on_token is None else functools.partial(on_token, i))
                     for i, (p, s) in enumerate(zip(prompts, seeds, strict=True))]
-        self._queue.extend(requests)
-        self._queued.set()
+        self._batcher.submit(requests)
         return list(await asyncio.gather(*(r.future for r in requests)))
 
     def check_ready(self) -> None:
@@ -243,65 +356,6 @@ class Policy:
             if limit is not None and len(prompt) + sampling.max_tokens > limit:
                 raise ValueError(f"sampling.max_tokens={sampling.max_tokens} plus the prompt ({len(prompt)} tokens) "
                                  f"exceeds the model's context of {limit} positions")
-
-    def _take_batch(self) -> list[_Request]:
-        """The oldest request and up to ``max_batch_size - 1`` more with the same settings."""
-        key = self._queue[0].key
-        batch: list[_Request] = []
-        rest: deque[_Request] = deque()
-        while self._queue:
-            r = self._queue.popleft()
-            if r.future.done():  # its caller gave up (cancelled)
-                continue
-            (batch if r.key == key and len(batch) < self.max_batch_size else rest).append(r)
-        self._queue = rest
-        return batch
-
-    async def _batches(self) -> None:
-        while True:
-            while not self._queue:
-                self._queued.clear()
-                await self._queued.wait()
-            batch = self._take_batch()
-            if not batch:
-                continue
-            async with self._lock:
-                version = self.version
-                assert version is not None, "sampled before the first weights were loaded"
-                started = time.monotonic()
-                streams = [r.on_token for r in batch]
-                try:
-                    completions = await self._generate(batch, streams)
-                except Exception as exc:
-                    for r in batch:
-                        if not r.future.done():
-                            r.future.set_exception(exc)
-                    continue
-            elapsed_s = time.monotonic() - started
-            for r, c in zip(batch, completions, strict=True):
-                if not r.future.done():
-                    r.future.set_result(Sampled(c, version, elapsed_s))
-
-    async def _generate(self, batch: list[_Request],
-                        streams: list[Callable[[int, float], None] | None]) -> list[Completion]:
-        prompts, sampling, seeds = [r.prompt for r in batch], batch[0].sampling, [r.seed for r in batch]
-        if not any(streams):
-            return await asyncio.to_thread(self.backend.generate, prompts, sampling, seeds)
-        if not _takes_on_token(self.backend.generate):  # a backend of the user's own may predate streaming
-            completions = await asyncio.to_thread(self.backend.generate, prompts, sampling, seeds)
-            for stream, c in zip(streams, completions, strict=True):
-                if stream is not None:
-                    for token_id, logprob in zip(c.token_ids, c.logprobs, strict=True):
-                        stream(token_id, logprob)
-            return completions
-        loop = asyncio.get_running_loop()
-
-        def on_token(row: int, token_id: int, logprob: float) -> None:  # in the backend's thread
-            stream = streams[row]
-            if stream is not None:
-                loop.call_soon_threadsafe(stream, token_id, logprob)
-
-        return await asyncio.to_thread(self.backend.generate, prompts, sampling, seeds, on_token)
 
 
 def _takes_on_token(generate: Callable[..., object]) -> bool:

@@ -18,6 +18,14 @@
   No rollout is sampled before the run's first weights (version 0, published by the
   trainer after any warm-up) are loaded, so inference and trainer start from the same
   weights.
+- A run that trains an adapter (``trainer.adapter``) is hosted on the shared base of its
+  model (:class:`SharedBase`: one backend per model, dtype and backend settings, loaded for
+  the first such run): the run's policy is a view that loads its adapter there, and one
+  batching loop takes every such run's requests, each row with its run's adapter
+  (:mod:`flywheel_inference.adapters`). An ended run's adapter is evicted once nothing has
+  sampled from it for ``EVICT_IDLE_S`` and its rollouts are done; the base goes with its
+  last adapter. A backend that keeps no adapters side by side (one of the user's own) gets
+  a copy per run, the adapter merged in. The heartbeat's ``shared_bases`` lists them.
 - Run states come from a watcher on the runs bucket, which keeps every run's current
   state; a task is checked against it when it arrives (:func:`flywheel.contract.runs.end_of`).
   When a run ends (finished, failed, stopped, or abandoned: its owner's lease expired,
@@ -71,12 +79,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import nats.errors
 import nats.js.errors
@@ -96,7 +105,7 @@ from flywheel_inference.admission import Admission, RunEnded
 from flywheel_inference.backends import build_backend
 from flywheel_inference.completion import Backend
 from flywheel_inference.interception import Interception, Session
-from flywheel_inference.policy import MAX_OFFERED, Policy, TransientFetchError
+from flywheel_inference.policy import MAX_OFFERED, Batcher, OnLoaded, Policy, TransientFetchError
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +115,9 @@ WEIGHTS_WATCHER = "inference-weights"  # the weights watcher's name on its dead 
 # within a few ack waits, so the last few thousand are plenty.
 MAX_RECORDED_TASKS = 4096
 LEASE_CHECK_S = 1.0  # how often hosted runs are checked for an expired owner's lease
+# An ended LoRA run's adapter leaves the shared base once nothing has sampled from it for this long
+# (the API may still serve the run's last weights: a burst of eval requests keeps it loaded).
+EVICT_IDLE_S = 30.0
 
 
 class UnknownRun(LookupError):
@@ -146,6 +158,24 @@ class HostedRun:
 BuildBackend = Callable[[RunConfig], Backend]
 
 
+@dataclass
+class SharedBase:
+    """One loaded base model shared by the LoRA runs on it: its backend (holding their
+    adapters), one batching loop for all of them, and the names (runs, ``RUN@STEP``
+    snapshots) whose adapters it holds."""
+
+    model: str
+    backend: Backend
+    batcher: Batcher
+    names: set[str] = field(default_factory=set)
+
+    def counters(self) -> dict[str, Any]:
+        slots = getattr(self.backend, "adapters", None)
+        loaded = getattr(slots, "adapters", {})
+        return {"model": self.model, "adapters": sorted(self.names),
+                "adapter_bytes": sum(a.num_bytes for a in loaded.values())}
+
+
 def _fetch_is_transient(exc: Exception) -> bool:
     """A fetch failure worth another try: the server restarting or slow. A blob that is missing
     or does not verify (ValueError) stays so."""
@@ -155,10 +185,10 @@ def _fetch_is_transient(exc: Exception) -> bool:
 
 
 K = TypeVar("K")
+T = TypeVar("T")
 
 
-async def _once(pending: dict[K, asyncio.Future[HostedRun]], key: K,
-                make: Callable[[], Coroutine[Any, Any, HostedRun]]) -> HostedRun:
+async def _once(pending: dict[K, asyncio.Future[T]], key: K, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
     """``make()`` started once for ``key`` however many callers ask meanwhile; each waits for it
     (shielded: a caller that gives up does not cancel it for the others)."""
     if key not in pending:
@@ -190,6 +220,8 @@ class Worker:
         self._environments: dict[tuple[str, str], Environment] = {}
         self._snapshots: OrderedDict[tuple[str, int], HostedRun] = OrderedDict()  # (run, step), least recent first
         self._loading: dict[tuple[str, int], asyncio.Future[HostedRun]] = {}
+        self._bases: dict[tuple[str, str, str], SharedBase] = {}  # (model, dtype, backend) -> its LoRA runs' base
+        self._base_loading: dict[tuple[str, str, str], asyncio.Future[SharedBase | Backend]] = {}
         self.interception = Interception()
         self._asgi_client: Any = None
 
@@ -219,6 +251,9 @@ class Worker:
         for loading in self._loading.values():
             loading.cancel()
         await asyncio.gather(*(hosted.policy.close() for hosted in [*self._runs.values(), *self._snapshots.values()]))
+        for base in self._bases.values():
+            await base.batcher.close()
+            await asyncio.to_thread(base.backend.close)
 
     # --- runs ---------------------------------------------------------------------------------
 
@@ -239,8 +274,6 @@ class Worker:
     async def _start(self, run: str) -> HostedRun:
         cfg = await self.run_config(run)
         num_issued = await self._num_rollouts_published(run)
-        log.info("run %s: loading model %s (%s backend)", run, cfg.model.name, cfg.inference.backend)
-        backend = await asyncio.to_thread(self._build, cfg)
         admission = Admission.for_run(cfg, num_issued=num_issued, on_change=self._refresh_info)
         admission.num_skipped = self._num_skipped.pop(run, 0)
         state = self._states.get(run)
@@ -253,8 +286,7 @@ class Worker:
                 self._runs[run].stop_stale()
             self._refresh_info()  # the policy version, even when the admission bound stays
 
-        policy = Policy(run, backend, self._fetch, cfg.inference.max_batch_size, on_loaded=loaded,
-                        on_error=lambda _: self._refresh_info())
+        policy = await self._policy(run, cfg, on_loaded=loaded, on_error=lambda _: self._refresh_info())
         hosted = HostedRun(cfg, policy, admission)
         self._runs[run] = hosted
         self._refresh_info()
@@ -298,8 +330,7 @@ class Worker:
         update = max(matching, key=lambda u: u.version)
         log.info("run %s: loading the weights of step %d (version %d) to serve as %s@%d", run, step, update.version,
                  run, step)
-        backend = await asyncio.to_thread(self._build, cfg)
-        policy = Policy(f"{run}@{step}", backend, self._fetch, cfg.inference.max_batch_size)
+        policy = await self._policy(f"{run}@{step}", cfg)
         try:
             await policy.load(update)
         except BaseException:
@@ -309,8 +340,64 @@ class Worker:
         self._snapshots[run, step] = snapshot
         while len(self._snapshots) > self.config.snapshots_kept:
             _, dropped = self._snapshots.popitem(last=False)
-            await dropped.policy.close()
+            await self._close_policy(dropped.policy)
         return snapshot
+
+    async def _policy(self, name: str, cfg: RunConfig, on_loaded: OnLoaded | None = None,
+                      on_error: Callable[[str], None] | None = None) -> Policy:
+        """The policy of run (or snapshot) ``name``. A run that trains an adapter gets a view on
+        the shared base of its model (loaded once for every such run, and batched together);
+        any other run, or one whose backend keeps no adapters, a backend of its own."""
+        if cfg.trainer.adapter is not None:
+            key = (cfg.model.name, cfg.model.dtype, cfg.inference.backend.model_dump_json())
+            base: SharedBase | Backend
+            if key in self._bases:
+                base = self._bases[key]
+            else:
+                base = await _once(self._base_loading, key, lambda: self._load_base(key, cfg))
+            if isinstance(base, SharedBase):
+                # imported here: torch, loaded only once a LoRA run is hosted
+                from flywheel_inference.adapters import AdapterView
+
+                base.names.add(name)
+                base.batcher.max_batch_size = max(base.batcher.max_batch_size, cfg.inference.max_batch_size)
+                log.info("run %s: adapter on the shared base %s (with %s)", name, cfg.model.name,
+                         ", ".join(sorted(base.names - {name})) or "no other run yet")
+                self._refresh_info()
+                return Policy(name, AdapterView(cast(Any, base.backend), name), self._fetch,
+                              cfg.inference.max_batch_size, on_loaded=on_loaded, on_error=on_error,
+                              batcher=base.batcher, adapter=name)
+            backend = base
+        else:
+            log.info("run %s: loading model %s (%s backend)", name, cfg.model.name, cfg.inference.backend)
+            backend = await asyncio.to_thread(self._build, cfg)
+        return Policy(name, backend, self._fetch, cfg.inference.max_batch_size, on_loaded=on_loaded,
+                      on_error=on_error)
+
+    async def _load_base(self, key: tuple[str, str, str], cfg: RunConfig) -> SharedBase | Backend:
+        """The shared base of ``key``, loaded now; a backend that keeps no adapters side by side
+        (a backend of the user's own) is returned as it is, for the run alone (it merges them)."""
+        log.info("loading model %s (%s backend) as a shared base for LoRA runs", cfg.model.name,
+                 cfg.inference.backend)
+        backend = await asyncio.to_thread(self._build, cfg)
+        if not hasattr(backend, "adapters"):
+            return backend
+        base = self._bases[key] = SharedBase(cfg.model.name, backend, Batcher(backend, cfg.inference.max_batch_size))
+        return base
+
+    async def _close_policy(self, policy: Policy) -> None:
+        """Close ``policy``; a shared base whose last adapter it held is closed too."""
+        await policy.close()
+        for key, base in list(self._bases.items()):
+            if getattr(policy.backend, "base", None) is not base.backend:
+                continue
+            base.names.discard(policy.run)
+            if not base.names:
+                log.info("shared base %s: no adapter left on it; unloaded", base.model)
+                del self._bases[key]
+                await base.batcher.close()
+                await asyncio.to_thread(base.backend.close)
+        self._refresh_info()
 
     async def _num_rollouts_published(self, run: str) -> int:
         info = await self.bus.js.stream_info("ROLLOUTS", subjects_filter=f"rollouts.{run}.>")
@@ -335,6 +422,7 @@ class Worker:
         """Keep the heartbeat's counters current (called on every change of a run's counters)."""
         runs: dict[str, Any] = {run: {"num_skipped": n} for run, n in self._num_skipped.items()}
         self.info["runs"] = runs | {run: hosted.counters() for run, hosted in self._runs.items()}
+        self.info["shared_bases"] = [base.counters() for base in self._bases.values()]
 
     # --- weights ------------------------------------------------------------------------------
 
@@ -396,6 +484,13 @@ class Worker:
         if reason != hosted.admission.ended:
             log.info("run %s: %s", run, f"{reason}; its waiting tasks are released" if reason else "takes tasks again")
         await hosted.admission.set_ended(reason)
+        idle_s = time.monotonic() - hosted.policy.last_used
+        if reason is not None and hosted.policy.adapter is not None and not hosted.live and idle_s >= EVICT_IDLE_S:
+            # An ended LoRA run gives its place on the shared base back; it is hosted again
+            # (its last adapter loaded) if it is resumed or asked for on the API.
+            del self._runs[run]
+            log.info("run %s: its adapter is evicted from the shared base", run)
+            await self._close_policy(hosted.policy)
 
     async def _run_state(self, run: str, fresh: bool = False) -> events.RunState:
         """The run's current state (the watcher's; read from the bucket when ``fresh`` or when

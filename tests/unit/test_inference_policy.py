@@ -4,6 +4,7 @@ failure is tried again with backoff, a blob that does not verify is not."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -12,7 +13,7 @@ import pytest
 
 from flywheel.contract import events
 from flywheel_inference.completion import Completion, OnRowToken
-from flywheel_inference.policy import Policy, TransientFetchError, WeightsUnavailable
+from flywheel_inference.policy import Batcher, Policy, TransientFetchError, WeightsUnavailable
 from tests.helpers import until
 
 if TYPE_CHECKING:
@@ -152,3 +153,40 @@ async def test_a_flood_of_bogus_versions_does_not_push_out_a_real_update_that_co
     policy.offer(update(1))
     await until(lambda: policy.version == 1, what="version 1, after the flood")
     assert len(store.fetched) <= 1 + 8  # version 0, then at most the last few offered
+
+
+class SharedFakeBackend(FakeBackend):
+    """Records the adapters of each batch; row i's token is the length of its adapter's name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[list[str | None]] = []
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: events.Sampling,
+                 seeds: Sequence[int | None] | None = None, on_token: OnRowToken | None = None,
+                 adapters: Sequence[str | None] | None = None) -> list[Completion]:
+        names: list[str | None] = list(adapters) if adapters is not None else [None] * len(prompts)
+        self.batches.append(names)
+        return [Completion([len(n or "")], [0.0], "length", "x") for n in names]
+
+
+async def test_runs_on_one_batcher_batch_together_each_with_its_adapter_and_version(store: FakeStore) -> None:
+    shared = SharedFakeBackend()
+    batcher = Batcher(shared, max_batch_size=8)
+    short, long = (Policy(name, FakeBackend(), store.fetch, 8, batcher=batcher, adapter=name)
+                   for name in ("a", "bbb"))
+    short.offer(update(0))
+    long.offer(update(2))
+    await until(lambda: (short.version, long.version) == (0, 2), what="both runs' weights")
+    out = await asyncio.gather(short.sample([[5], [6]], SAMPLING), long.sample([[7]], SAMPLING))
+    assert shared.batches == [["a", "a", "bbb"]]  # one batch, each row with its run's adapter
+    assert [(s.completion.token_ids, s.version) for s in out[0] + out[1]] == [([1], 0), ([1], 0), ([3], 2)]
+    # A run released while its rows wait: they fail, saying so; the other run's rows are sampled.
+    pending = asyncio.ensure_future(short.sample([[5]], SAMPLING))
+    kept = asyncio.ensure_future(long.sample([[7]], SAMPLING))
+    await short.close()
+    with pytest.raises(WeightsUnavailable, match="'a': its policy was released"):
+        await pending
+    assert (await kept)[0].completion.token_ids == [3]
+    await long.close()
+    await batcher.close()
