@@ -21,7 +21,9 @@ import msgspec
 from fastapi import APIRouter, HTTPException, Query
 from fastapi.responses import StreamingResponse
 
-from flywheel_gateway.deps import RolloutIdPath, StoreDep
+from flywheel.contract.keys import Caller
+from flywheel_gateway.auth import CallerDep, check_rollout, listing_tenant
+from flywheel_gateway.deps import BusDep, RolloutIdPath, StoreDep
 from flywheel_gateway.models import RolloutDetail, RolloutExportQuery, RolloutFilters, RolloutListQuery, RolloutPage
 from flywheel_gateway.responses import ERROR_RESPONSES, refuse_inverted_range
 from flywheel_gateway.store import RolloutFilter
@@ -32,27 +34,30 @@ JSONL = "application/jsonl"
 log = logging.getLogger(__name__)
 
 
-def to_filter(query: RolloutFilters) -> RolloutFilter:
-    """The store's filter for ``query``; a 422 naming the parameter for an inverted range."""
+def to_filter(query: RolloutFilters, who: Caller) -> RolloutFilter:
+    """The store's filter for ``query`` (with an API key: its tenant's runs alone); a 422 naming
+    the parameter for an inverted range."""
     refuse_inverted_range("min_reward", query.min_reward, "max_reward", query.max_reward)
     refuse_inverted_range("min_policy_version", query.min_policy_version, "max_policy_version",
                           query.max_policy_version)
     refuse_inverted_range("created_after", query.created_after, "created_before", query.created_before)
-    return RolloutFilter(**query.model_dump(include=set(RolloutFilters.model_fields)))
+    return RolloutFilter(**query.model_dump(include=set(RolloutFilters.model_fields)),
+                         tenant=listing_tenant(who, None))
 
 
 @router.get("", response_model=RolloutPage)
-async def list_rollouts(store: StoreDep, query: Annotated[RolloutListQuery, Query()]) -> RolloutPage:
+async def list_rollouts(store: StoreDep, who: CallerDep, query: Annotated[RolloutListQuery, Query()]) -> RolloutPage:
     """Recorded rollouts, newest first (in recording order). A cursor continues only the
     listing it came from: pass the same filters with it. Rollouts recorded while you page
     never shift a page; they show at the head of a new listing."""
-    page = await store.list_rollouts(to_filter(query), cursor=query.cursor, limit=query.limit)
+    page = await store.list_rollouts(to_filter(query, who), cursor=query.cursor, limit=query.limit)
     return RolloutPage.model_validate(page, from_attributes=True)
 
 
 @router.get("/export", response_class=StreamingResponse,
             responses={200: {"content": {JSONL: {}}, "description": "One JSON object a line."}})
-async def export_rollouts(store: StoreDep, query: Annotated[RolloutExportQuery, Query()]) -> StreamingResponse:
+async def export_rollouts(store: StoreDep, who: CallerDep,
+                          query: Annotated[RolloutExportQuery, Query()]) -> StreamingResponse:
     """Every rollout the filters keep, newest first, as JSON Lines: its fields, ``reward`` and
     ``scores``, ``task_data``, ``metrics``, ``state``, and ``messages``, the messages of its
     final branch (root to its last node, the branch rewards read: the whole conversation
@@ -65,7 +70,7 @@ async def export_rollouts(store: StoreDep, query: Annotated[RolloutExportQuery, 
     away part way), the stream ends with one last line ``{"error": "..."}`` naming what
     failed and how many rollouts were sent: an export whose last line is an object with
     ``error`` and no ``id`` is cut; one without such a line is complete."""
-    filters = to_filter(query)
+    filters = to_filter(query, who)
     records = aiter(store.export_rollouts(filters, tokens=query.tokens))
     first = await anext(records, None)  # a database that is down fails here: a 503, not a cut 200
     return StreamingResponse(_lines(first, records), media_type=JSONL)
@@ -90,8 +95,9 @@ async def _lines(first: dict[str, Any] | None, records: AsyncIterator[dict[str, 
 
 
 @router.get("/{rollout_id}", response_model=RolloutDetail)
-async def get_rollout(rollout_id: RolloutIdPath, store: StoreDep) -> RolloutDetail:
+async def get_rollout(rollout_id: RolloutIdPath, store: StoreDep, bus: BusDep, who: CallerDep) -> RolloutDetail:
     """One rollout with its scores (its trace graph is at /v1/traces/{rollout_id})."""
+    await check_rollout(who, store, bus, rollout_id)
     rollout = await store.get_rollout(rollout_id)
     if rollout is None:
         raise HTTPException(404, f"rollout {rollout_id!r} not found (a rollout shows here once the recorder has "

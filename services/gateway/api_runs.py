@@ -30,7 +30,9 @@ from fastapi import APIRouter, HTTPException, Query
 
 from flywheel.contract import runs
 from flywheel.contract.bus import Bus
-from flywheel_gateway.deps import BusDep, CursorQuery, LimitQuery, RunIdPath, StoreDep, TenantDep, TenantQuery
+from flywheel.contract.keys import Caller
+from flywheel_gateway.auth import CallerDep, check_run, listing_tenant
+from flywheel_gateway.deps import BusDep, CursorQuery, LimitQuery, RunIdPath, StoreDep, TenantQuery
 from flywheel_gateway.models import INT32_MAX, RunDetail, RunMetricsPublic, RunPage, StepMetricsPublic
 from flywheel_gateway.responses import CONFLICT_RESPONSE, ERROR_RESPONSES
 from flywheel_gateway.store import MAX_PAGE_LIMIT, Store
@@ -44,10 +46,11 @@ def _not_found(run: str) -> HTTPException:
 
 
 @router.get("", response_model=RunPage)
-async def list_runs(store: StoreDep, limit: LimitQuery = 50, cursor: CursorQuery = None,
+async def list_runs(store: StoreDep, who: CallerDep, limit: LimitQuery = 50, cursor: CursorQuery = None,
                     tenant: TenantQuery = None) -> RunPage:
-    """Runs the trace store knows, newest first; ``tenant`` keeps one tenant's."""
-    page = await store.list_runs(tenant=tenant, cursor=cursor, limit=limit)
+    """Runs the trace store knows, newest first; ``tenant`` keeps one tenant's (with an API key:
+    its own, always)."""
+    page = await store.list_runs(tenant=listing_tenant(who, tenant), cursor=cursor, limit=limit)
     return RunPage.model_validate(page, from_attributes=True)
 
 
@@ -56,11 +59,13 @@ async def get_run_metrics(
     run_id: RunIdPath,
     store: StoreDep,
     bus: BusDep,
+    who: CallerDep,
     since_step: Annotated[int | None, Query(ge=-1, le=INT32_MAX, description="Only steps after this one (-1: from "
                                                                           "the first, as leaving it out).")] = None,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE_LIMIT, description="Steps at most.")] = 100,
 ) -> RunMetricsPublic:
     """The run's recorded steps in ascending order, each with the trainer's metrics."""
+    await check_run(who, store, bus, run_id)
     if not await store.has_run(run_id) and not await _in_bucket(bus, run_id):
         raise _not_found(run_id)
     steps = await store.list_run_metrics(run_id, since_step=since_step, limit=limit)
@@ -74,7 +79,7 @@ async def _in_bucket(bus: Bus, run_id: str) -> bool:
         return True  # the key is there; its value is another matter
 
 
-async def _change(run_id: str, store: Store, bus: Bus, change: Awaitable[object]) -> RunDetail:
+async def _change(run_id: str, store: Store, bus: Bus, change: Awaitable[object], who: Caller) -> RunDetail:
     """Await ``change`` of the run's state, then the run as it is: 404 for a run the bucket does
     not know, 409 for one the change refuses (another tenant's: RunConflict, mapped by the app;
     a ValueError naming why)."""
@@ -86,42 +91,46 @@ async def _change(run_id: str, store: Store, bus: Bus, change: Awaitable[object]
         raise
     except ValueError as exc:
         raise HTTPException(409, str(exc)) from None
-    return await get_run(run_id, store, bus)
+    return await get_run(run_id, store, bus, who)
 
 
 @router.post("/{run_id:path}/stop", response_model=RunDetail, responses={409: CONFLICT_RESPONSE})
-async def stop_run(run_id: RunIdPath, store: StoreDep, bus: BusDep, tenant: TenantDep = "default") -> RunDetail:
+async def stop_run(run_id: RunIdPath, store: StoreDep, bus: BusDep, who: CallerDep) -> RunDetail:
     """Stop the run: it takes no more tasks, and its owner stops its trainer (which checkpoints
     first) within seconds; ``flywheel runs resume RUN`` goes on from there. A run that ended
     already is left as it is. 404 for a run the bucket does not know; 409 for another tenant's."""
-    by = f"the gateway's API (tenant {tenant!r})"
-    return await _change(run_id, store, bus, runs.stop_run(bus, run_id, by=by, tenant=tenant))
+    await check_run(who, store, bus, run_id)
+    by = f"the gateway's API (tenant {who.tenant!r})"
+    return await _change(run_id, store, bus, runs.stop_run(bus, run_id, by=by, tenant=who.tenant), who)
 
 
 @router.post("/{run_id:path}/pause", response_model=RunDetail, responses={409: CONFLICT_RESPONSE})
-async def pause_run(run_id: RunIdPath, store: StoreDep, bus: BusDep, tenant: TenantDep = "default") -> RunDetail:
+async def pause_run(run_id: RunIdPath, store: StoreDep, bus: BusDep, who: CallerDep) -> RunDetail:
     """Pause the run: its owner stops its trainer (which checkpoints first) within seconds and
     holds the run, its queued tasks kept; ``POST /v1/runs/RUN/resume`` goes on. A paused run is
     left as it is. 404 for a run the bucket does not know; 409 for another tenant's, and for one
     that ended (the detail says how)."""
-    by = f"the gateway's API (tenant {tenant!r})"
-    return await _change(run_id, store, bus, runs.pause_run(bus, run_id, by=by, tenant=tenant))
+    await check_run(who, store, bus, run_id)
+    by = f"the gateway's API (tenant {who.tenant!r})"
+    return await _change(run_id, store, bus, runs.pause_run(bus, run_id, by=by, tenant=who.tenant), who)
 
 
 @router.post("/{run_id:path}/resume", response_model=RunDetail, responses={409: CONFLICT_RESPONSE})
-async def resume_run(run_id: RunIdPath, store: StoreDep, bus: BusDep, tenant: TenantDep = "default") -> RunDetail:
+async def resume_run(run_id: RunIdPath, store: StoreDep, bus: BusDep, who: CallerDep) -> RunDetail:
     """Resume a paused, stopped, failed or abandoned run: an orchestrator takes it (a paused one's
     owner keeps it) and goes on from its last checkpoint. 404 for a run the bucket does not
     know; 409 for another tenant's, and for one that finished, is still running, or is no
     training run (the detail says which)."""
-    return await _change(run_id, store, bus, runs.resume_run(bus, run_id, tenant=tenant))
+    await check_run(who, store, bus, run_id)
+    return await _change(run_id, store, bus, runs.resume_run(bus, run_id, tenant=who.tenant), who)
 
 
 @router.get("/{run_id:path}", response_model=RunDetail, responses={409: CONFLICT_RESPONSE})
-async def get_run(run_id: RunIdPath, store: StoreDep, bus: BusDep) -> RunDetail:
+async def get_run(run_id: RunIdPath, store: StoreDep, bus: BusDep, who: CallerDep) -> RunDetail:
     """The run: tenant, live status (``abandoned`` when its owner's lease expired) and config,
     when and why it ended, its owner and lease, latest step and version, counts, latest
     reward mean. 409 when the run's entry in the run-state bucket does not decode."""
+    await check_run(who, store, bus, run_id)
     recorded = await store.get_run(run_id)
     state = await runs.get_run(bus, run_id)  # BadRunState: a 409 naming the key
     if state is None:

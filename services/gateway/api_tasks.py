@@ -20,6 +20,7 @@ from fastapi.exceptions import RequestValidationError
 
 from flywheel.contract import events
 from flywheel.contract.bus import Bus
+from flywheel_gateway.auth import CallerDep, check_run, listing_tenant
 from flywheel_gateway.deps import (
     BusDep,
     CursorQuery,
@@ -29,7 +30,6 @@ from flywheel_gateway.deps import (
     RunsDep,
     StoreDep,
     TaskIdPath,
-    TenantDep,
 )
 from flywheel_gateway.models import TaskCreate, TaskPage, TaskPublic, TasksAccepted, TasksCreate
 from flywheel_gateway.responses import CONFLICT_RESPONSE, ERROR_RESPONSES, TOO_LARGE_RESPONSE
@@ -38,8 +38,8 @@ router = APIRouter(prefix="/v1/tasks", tags=["tasks"], responses=ERROR_RESPONSES
 
 @router.post("", status_code=202, response_model=TasksAccepted,
              responses={409: CONFLICT_RESPONSE, 413: TOO_LARGE_RESPONSE})
-async def create_tasks(body: Annotated[TasksCreate, Body()], bus: BusDep, runs: RunsDep,
-                       tenant: TenantDep = "default") -> TasksAccepted:
+async def create_tasks(body: Annotated[TasksCreate, Body()], bus: BusDep, runs: RunsDep, store: StoreDep,
+                       who: CallerDep) -> TasksAccepted:
     """Publish one task or a list of tasks to ``tasks.<run>.<env>``.
 
     Answers once JetStream has stored every task (202: they are queued, not yet run).
@@ -50,7 +50,9 @@ async def create_tasks(body: Annotated[TasksCreate, Body()], bus: BusDep, runs: 
     creates: list[TaskCreate] = body if isinstance(body, list) else [body]
     tasks = _tasks(creates, "tasks" if isinstance(body, list) else "task")
     _refuse_oversized(tasks, bus, "tasks" if isinstance(body, list) else "task")
-    await runs.admit((t.run for t in tasks), tenant)
+    for run in dict.fromkeys(t.run for t in tasks):
+        await check_run(who, store, bus, run)
+    await runs.admit((t.run for t in tasks), who.tenant)
     await bus.publish_many(tasks)
     return TasksAccepted(ids=[t.id for t in tasks])
 
@@ -95,16 +97,17 @@ def _refuse_oversized(tasks: list[events.Task], bus: Bus, name: str) -> None:
 
 
 @router.get("", response_model=TaskPage)
-async def list_tasks(store: StoreDep, limit: LimitQuery = 50, cursor: CursorQuery = None,
+async def list_tasks(store: StoreDep, who: CallerDep, limit: LimitQuery = 50, cursor: CursorQuery = None,
                      run: RunQuery = None, env: EnvQuery = None) -> TaskPage:
-    """Recorded tasks, newest first."""
-    page = await store.list_tasks(run=run, env=env, cursor=cursor, limit=limit)
+    """Recorded tasks, newest first (with an API key: its tenant's)."""
+    page = await store.list_tasks(run=run, env=env, cursor=cursor, limit=limit, tenant=listing_tenant(who, None))
     return TaskPage.model_validate(page, from_attributes=True)
 
 
 @router.get("/{task_id}", response_model=TaskPublic)
-async def get_task(task_id: TaskIdPath, store: StoreDep) -> TaskPublic:
+async def get_task(task_id: TaskIdPath, store: StoreDep, bus: BusDep, who: CallerDep) -> TaskPublic:
     task = await store.get_task(task_id)
     if task is None:
         raise HTTPException(404, f"task {task_id!r} not found (a task shows here once the recorder has stored it)")
+    await check_run(who, store, bus, task["run"])
     return TaskPublic.model_validate(task)

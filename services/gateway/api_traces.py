@@ -45,6 +45,7 @@ from nats.aio.msg import Msg
 from flywheel.contract import events
 from flywheel.contract.bus import HEADER_MSG_ID, Bus, Replay, Undecodable, decode_message
 from flywheel.sdk.tracegraph import ROWS, join_tokens, leaves, walk
+from flywheel_gateway.auth import CallerDep, check_rollout
 from flywheel_gateway.deps import BusDep, NodeIdPath, RolloutIdPath, StoreDep, StreamedRolloutIdPath
 from flywheel_gateway.models import (
     BranchPublic,
@@ -75,11 +76,13 @@ async def _trace(store: Store, rollout_id: str, tokens: bool) -> list[dict[str, 
 
 
 @router.get("/{rollout_id}", response_model=TracePublic)
-async def get_trace(rollout_id: RolloutIdPath, store: StoreDep, tokens: bool = False) -> TracePublic:
+async def get_trace(rollout_id: RolloutIdPath, store: StoreDep, bus: BusDep, who: CallerDep,
+                    tokens: bool = False) -> TracePublic:
     """The nodes of the rollout's graph in order, each with its parent; live nodes show before
     the rollout finishes. Once it is recorded, the graph is exactly the rollout's nodes and
     ``final_leaf`` its last one. ``?tokens=true`` adds each node's token ids, logprobs and
     loss mask, and each teacher's logprobs of the sampled tokens (``signals``)."""
+    await check_rollout(who, store, bus, rollout_id)
     nodes = await _trace(store, rollout_id, tokens)
     finished = await store.has_rollout(rollout_id)
     signals = [SignalPublic.model_validate(row) for row in await store.get_signals(rollout_id)] if tokens else None
@@ -89,11 +92,12 @@ async def get_trace(rollout_id: RolloutIdPath, store: StoreDep, tokens: bool = F
 
 
 @router.get("/{rollout_id}/branches/{node_id}", response_model=BranchPublic)
-async def get_branch(rollout_id: RolloutIdPath, node_id: NodeIdPath, store: StoreDep,
+async def get_branch(rollout_id: RolloutIdPath, node_id: NodeIdPath, store: StoreDep, bus: BusDep, who: CallerDep,
                      tokens: bool = False) -> BranchPublic:
     """The branch from the root to ``node_id`` (a leaf of /v1/traces/{rollout_id}, or any node
     of the rollout), root first. ``?tokens=true`` adds each node's token layer and the
     branch's, concatenated."""
+    await check_rollout(who, store, bus, rollout_id)
     nodes = await _trace(store, rollout_id, tokens)
     if not any(n["id"] == node_id for n in nodes):
         raise HTTPException(404, f"node {node_id!r} is not in the trace of rollout {rollout_id!r}; its leaves are "
@@ -106,11 +110,12 @@ async def get_branch(rollout_id: RolloutIdPath, node_id: NodeIdPath, store: Stor
 
 @router.get("/{rollout_id}/stream", response_class=StreamingResponse,
             responses={200: {"content": {EVENT_STREAM: {}}, "description": "Server-sent events: node..., rollout."}})
-async def stream_trace(rollout_id: StreamedRolloutIdPath, store: StoreDep, bus: BusDep,
+async def stream_trace(rollout_id: StreamedRolloutIdPath, store: StoreDep, bus: BusDep, who: CallerDep,
                        tokens: bool = False) -> StreamingResponse:
     """Follow a rollout: ``node`` events (a node as in /v1/traces, ``position`` in arrival
     order), then one ``rollout`` event when it lands, then the end. ``reward`` in it is null
     while no score is recorded (scores come after the rollout)."""
+    await check_rollout(who, store, bus, rollout_id)
     if await store.has_rollout(rollout_id):
         stream = _replay_recorded(store, rollout_id, tokens)
     else:

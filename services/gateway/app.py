@@ -6,29 +6,40 @@ closes them in reverse. Nothing is created at import time, so tests build an app
 test with their own settings. Request bodies are bounded by ``gateway_max_body_bytes``
 (:mod:`flywheel_gateway.body_limit`).
 
-Not covered: authentication, rate limits, the environment hub and web pages.
+Who may call what is :mod:`flywheel_gateway.auth`: API keys (``auth = "keys"``) or an open
+API on loopback only; ``create_app`` refuses to build an open app for a host that is not one.
+
+Not covered: rate limits, the environment hub and web pages.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 
 from flywheel.contract.bus import Bus
+from flywheel.contract.keys import KeyCheck
 from flywheel.contract.service import Service
 from flywheel.contract.settings import Settings
 from flywheel_gateway import api_health, api_rollouts, api_runs, api_tasks, api_traces
+from flywheel_gateway.auth import caller, check_open
 from flywheel_gateway.body_limit import BodyLimit
 from flywheel_gateway.migrate import migrate
 from flywheel_gateway.responses import install_error_handlers
 from flywheel_gateway.runs import RunRegistry
 from flywheel_gateway.store import Store
 
+log = logging.getLogger(__name__)
+
 
 def create_app(settings: Settings) -> FastAPI:
+    if settings.auth == "open":
+        check_open("the gateway", settings.gateway_host)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with AsyncExitStack() as stack:
@@ -41,6 +52,10 @@ def create_app(settings: Settings) -> FastAPI:
             app.state.store = store
             app.state.bus = bus
             app.state.runs = RunRegistry(bus, store)
+            app.state.keys = KeyCheck(bus) if settings.auth == "keys" else None
+            if settings.auth == "open":
+                log.warning("the gateway's API runs open (auth = \"open\"): no API keys, every caller on this "
+                            "machine may read and change every tenant's runs; set FLYWHEEL_AUTH=keys to require them")
             # A heartbeat like every service's, for `flywheel status`; uvicorn owns the signals.
             service = Service("gateway", bus, info={"url": settings.resolved_gateway_url}, handle_signals=False)
             beating = asyncio.ensure_future(service.run())
@@ -57,8 +72,9 @@ def create_app(settings: Settings) -> FastAPI:
         version="0.1.0",
         lifespan=lifespan,
     )
-    for module in (api_tasks, api_runs, api_rollouts, api_traces, api_health):
-        app.include_router(module.router)
+    for module in (api_tasks, api_runs, api_rollouts, api_traces):
+        app.include_router(module.router, dependencies=[Depends(caller)])
+    app.include_router(api_health.router)
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_body_bytes=settings.gateway_max_body_bytes)
     return app

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import Depends, Header, Path, Query, Request
+from fastapi import Depends, Path, Query, Request
 from pydantic import AfterValidator
 
 from flywheel.contract.bus import Bus
 from flywheel.contract.runs import MAX_NAME_CHARS
+from flywheel_gateway.auth import CallerDep
 from flywheel_gateway.models import (
     MAX_CURSOR_CHARS,
     MAX_ID_CHARS,
@@ -48,8 +49,14 @@ _RUN_ID = {"max_length": MAX_NAME_CHARS, "json_schema_extra": {"pattern": RUN_ID
 _TOKEN = {"max_length": MAX_NAME_CHARS, "json_schema_extra": {"pattern": TOKEN_PATTERN}}
 _ID = {"min_length": 1, "max_length": MAX_ID_CHARS}
 
-TenantDep = Annotated[str, Header(alias="Flywheel-Tenant", description="Tenant that owns new runs.", **_RUN_ID),
-                      AfterValidator(tenant_name)]
+
+
+def _tenant(who: CallerDep) -> str:
+    return who.tenant
+
+
+# The caller's tenant: the API key's, or (open) the Flywheel-Tenant header's (flywheel_gateway.auth).
+TenantDep = Annotated[str, Depends(_tenant)]
 TenantQuery = Annotated[str | None, Query(description="Only this tenant's runs.", **_RUN_ID),
                         AfterValidator(lambda v: v if v is None else tenant_name(v))]
 LimitQuery = Annotated[int, Query(ge=1, le=MAX_PAGE_LIMIT, description="Items per page.")]

@@ -181,6 +181,7 @@ class RolloutFilter:
     env: str | None = None
     status: str | None = None
     error: bool | None = None
+    tenant: str | None = None  # only the runs of this tenant
     policy_version: int | None = None
     min_policy_version: int | None = None
     max_policy_version: int | None = None
@@ -199,6 +200,7 @@ class RolloutFilter:
                 sa.exists().where(s.run_envs.c.run == c.run, s.run_envs.c.env == c.env,
                                   _is_env_id(s.run_envs.c.env_id, v)))),
             (self.status, lambda v: c.status == v),
+            (self.tenant, lambda v: c.run.in_(sa.select(s.runs.c.id).where(s.runs.c.tenant == v))),
             (self.error, lambda v: _has_error() if v else sa.not_(_has_error())),
             (self.policy_version, lambda v: c.policy_version == v),
             (self.min_policy_version, lambda v: c.policy_version >= v),
@@ -667,10 +669,12 @@ class Store:
         return Page(items, next_cursor)
 
     async def list_tasks(self, run: str | None = None, env: str | None = None, cursor: str | None = None,
-                         limit: int = 50) -> Page:
+                         limit: int = 50, tenant: str | None = None) -> Page:
         c = s.tasks.c
         where = [c.run == self._text(run)] if run is not None else []
         where += [c.env == self._text(env)] if env is not None else []
+        where += [c.run.in_(sa.select(s.runs.c.id).where(s.runs.c.tenant == self._text(tenant)))] \
+            if tenant is not None else []
         return await self._page("tasks", s.tasks, _columns(s.tasks), where, cursor, limit)
 
     async def get_task(self, task_id: str) -> dict[str, Any] | None:
@@ -777,6 +781,16 @@ class Store:
         found["latest_version"] = step["version"] if step else None
         found["reward_mean"] = step["metrics"].get("reward_mean") if step else None
         return found
+
+    async def run_tenant(self, run_id: str) -> str | None:
+        """The tenant the store has for the run (None: no such run recorded)."""
+        async with self.engine.connect() as conn:
+            return await conn.scalar(sa.select(s.runs.c.tenant).where(s.runs.c.id == self._text(run_id)))
+
+    async def rollout_run(self, rollout_id: str) -> str | None:
+        """The run of a recorded rollout (None: not recorded)."""
+        async with self.engine.connect() as conn:
+            return await conn.scalar(sa.select(s.rollouts.c.run).where(s.rollouts.c.id == self._text(rollout_id)))
 
     async def has_run(self, run_id: str) -> bool:
         async with self.engine.connect() as conn:

@@ -77,6 +77,7 @@ STREAMS: dict[str, list[str]] = {
 }
 RUNS_BUCKET = "flywheel-runs"
 SERVICES_BUCKET = "flywheel-services"
+KEYS_BUCKET = "flywheel-keys"  # API keys by id (flywheel.contract.keys)
 # Weight versions live in one object-store bucket a run, "flywheel-weights-<run>" (see
 # flywheel.contract.weights): JetStream frees a stream's disk from its head, so a run that
 # drops its oldest versions frees their space only in a stream of its own.
@@ -216,6 +217,8 @@ class Bus:
             KeyValueConfig(bucket=RUNS_BUCKET, history=8, storage=StorageType.FILE)))
         await self.retry(lambda: self.js.create_key_value(
             KeyValueConfig(bucket=SERVICES_BUCKET, history=1, ttl=SERVICE_HEARTBEAT_TTL_S, storage=StorageType.FILE)))
+        await self.retry(lambda: self.js.create_key_value(
+            KeyValueConfig(bucket=KEYS_BUCKET, history=4, storage=StorageType.FILE)))
 
     async def _ensure_stream(self, cfg: StreamConfig) -> None:
         try:
@@ -228,6 +231,9 @@ class Bus:
 
     async def runs_kv(self) -> KeyValue:
         return await self.retry(lambda: self.js.key_value(RUNS_BUCKET))
+
+    async def keys_kv(self) -> KeyValue:
+        return await self.retry(lambda: self.js.key_value(KEYS_BUCKET))
 
     async def services_kv(self) -> KeyValue:
         return await self.retry(lambda: self.js.key_value(SERVICES_BUCKET))

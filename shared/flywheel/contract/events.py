@@ -528,6 +528,24 @@ class ServiceHeartbeat(_Struct, frozen=True, kw_only=True):
     info: dict[str, Any] = {}
 
 
+class ApiKey(_Struct, frozen=True, kw_only=True):
+    """A tenant's API key, kept in the keys KV bucket under its ``id`` (not a stream event). The
+    secret itself is never stored: ``sha256`` is the hash of the whole key, which is shown once
+    when it is made (:mod:`flywheel.contract.keys`).
+
+    Written by: ``flywheel keys`` (create, revoke). Read by: the gateway and inference, on
+    every request that carries a key.
+    """
+
+    id: str
+    tenant: str
+    scopes: list[Literal["read", "write", "admin"]]
+    sha256: str
+    name: str = ""
+    created_at: datetime = msgspec.field(default_factory=utc_now)
+    revoked_at: datetime | None = None
+
+
 AnyEvent = Task | Rollout | TraceNode | Score | Signal | WeightUpdate | DeadLetter
 
 EVENT_TYPES: dict[str, type[Event]] = {
@@ -541,7 +559,7 @@ _json_encoder = msgspec.json.Encoder()
 _msgpack_encoder = msgspec.msgpack.Encoder()
 
 
-def encode(event: Event | RunState | ServiceHeartbeat, content_type: str = JSON) -> bytes:
+def encode(event: Event | RunState | ServiceHeartbeat | ApiKey, content_type: str = JSON) -> bytes:
     if content_type == MSGPACK:
         return _msgpack_encoder.encode(event)
     if content_type == JSON:

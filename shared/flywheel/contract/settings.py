@@ -164,6 +164,12 @@ class Settings(BaseSettings):
                                              "unset).")
     database_url: str | None = Field(None, description="SQLAlchemy async URL of the trace store. Unset: SQLite in "
                                                        "data_dir.")
+    auth: Literal["open", "keys"] = Field("open", description="keys: every HTTP API call (gateway, inference) "
+                                          "needs a tenant's API key (`flywheel keys create`); open: no keys, every "
+                                          "caller may do everything, allowed on loopback addresses only (a service "
+                                          "listening elsewhere refuses to start open).")
+    api_key: str | None = Field(None, description="The API key the Python client (TraceAPI) sends to a gateway "
+                                                  "that wants keys (`flywheel keys create` prints one).")
     gateway_host: str = Field("127.0.0.1", description="Address the gateway's HTTP API listens on.")
     gateway_port: int = Field(8420, description="Port the gateway's HTTP API listens on.")
     gateway_url: str | None = Field(None, description="Where clients reach the gateway. Unset: "

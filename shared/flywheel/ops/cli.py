@@ -7,6 +7,7 @@
     flywheel run CONFIG.toml                      a training run, start to finish (flywheel.ops.run)
     flywheel run --help-config                    every run config field, generated from the config model
     flywheel runs list | follow RUN | pause RUN | stop RUN | resume RUN   the stack's runs (flywheel.ops.runs)
+    flywheel keys create --tenant T [--scope S ...] | list | revoke ID   tenants' API keys (flywheel.ops.keys)
     flywheel export RUN [--step N] DIR            a run's checkpoint as a Hugging Face folder (flywheel.ops.export)
     flywheel model tiny|smollm2 DIR               build or convert a model into an HF folder
     flywheel scorer MODULE:FUNCTION --env ENV     a custom scorer, as its own consumer
@@ -177,6 +178,33 @@ def build_parser() -> argparse.ArgumentParser:
     resume.add_argument("run", metavar="RUN")
     _add_settings(resume, tuple(SETTING_OPTIONS))
     resume.set_defaults(func=cmd_runs_resume)
+
+    keys = commands.add_parser("keys", help="tenants' API keys: create, list, revoke",
+                               description="API keys of the gateway's and inference's HTTP APIs (settings: auth = "
+                                           "\"keys\"), kept hashed in the keys bucket on the bus.")
+    keys_commands = keys.add_subparsers(dest="keys_command", required=True, metavar="COMMAND")
+    create = keys_commands.add_parser("create", help="make a key; it is printed once",
+                                      description="Make an API key of TENANT and print it (once: only its hash is "
+                                                  "kept). Scopes: read (GET), write (tasks, run changes, sampling), "
+                                                  "admin (the tenant's keys); read and write without --scope.")
+    create.add_argument("--tenant", required=True)
+    create.add_argument("--scope", action="append", dest="scopes", choices=("read", "write", "admin"),
+                        help="a scope of the key (repeat for more)")
+    create.add_argument("--name", default="", help="what the key is for, shown by `flywheel keys list`")
+    _add_settings(create, NATS_SETTINGS)
+    create.set_defaults(func=cmd_keys_create)
+    keys_list = keys_commands.add_parser("list", help="every key: id, tenant, scopes, revoked",
+                                         description="Every API key (never the key itself): id, tenant, scopes, "
+                                                     "name, when made and revoked.")
+    keys_list.add_argument("--tenant", help="only this tenant's keys")
+    _add_settings(keys_list, NATS_SETTINGS)
+    keys_list.set_defaults(func=cmd_keys_list)
+    revoke = keys_commands.add_parser("revoke", help="revoke a key by its id",
+                                      description="Revoke the key with id ID (`flywheel keys list`): the gateway "
+                                                  "and inference refuse it within seconds.")
+    revoke.add_argument("key_id", metavar="ID")
+    _add_settings(revoke, NATS_SETTINGS)
+    revoke.set_defaults(func=cmd_keys_revoke)
 
     sft = commands.add_parser(
         "sft", help="supervised fine-tuning on chats or a trace API export, as a job of its own",
@@ -402,6 +430,28 @@ def cmd_runs_resume(args: argparse.Namespace) -> int:
     from flywheel.ops.runs import resume_command
 
     resume_command(settings_from(args), args.run)
+    return 0
+
+
+def cmd_keys_create(args: argparse.Namespace) -> int:
+    from flywheel.ops.keys import create_command
+
+    asyncio.run(create_command(settings_from(args), args.tenant, args.scopes or ["read", "write"], args.name,
+                               sys.stdout))
+    return 0
+
+
+def cmd_keys_list(args: argparse.Namespace) -> int:
+    from flywheel.ops.keys import list_command
+
+    asyncio.run(list_command(settings_from(args), args.tenant, sys.stdout))
+    return 0
+
+
+def cmd_keys_revoke(args: argparse.Namespace) -> int:
+    from flywheel.ops.keys import revoke_command
+
+    asyncio.run(revoke_command(settings_from(args), args.key_id, sys.stdout))
     return 0
 
 

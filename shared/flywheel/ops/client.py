@@ -273,12 +273,17 @@ class TraceAPI:
     raises :class:`GatewayError` with the gateway's message.
     """
 
-    def __init__(self, url: str | None = None, *, timeout_s: float = 30.0) -> None:
-        if url is None:
+    def __init__(self, url: str | None = None, *, timeout_s: float = 30.0, api_key: str | None = None) -> None:
+        """``url`` and ``api_key`` (a tenant's key, for a gateway that wants keys): the settings'
+        ``gateway_url`` and ``api_key`` when not given."""
+        if url is None or api_key is None:
             from flywheel.contract.settings import Settings
 
-            url = Settings().resolved_gateway_url
-        self.http = httpx.AsyncClient(base_url=url, timeout=timeout_s)
+            settings = Settings()
+            url = url if url is not None else settings.resolved_gateway_url
+            api_key = api_key if api_key is not None else settings.api_key
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.AsyncClient(base_url=url, timeout=timeout_s, headers=headers)
 
     async def __aenter__(self) -> TraceAPI:
         return self

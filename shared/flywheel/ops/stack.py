@@ -583,6 +583,9 @@ class Stack:
             "Flywheel is up. Ctrl-C stops it.",
             f"  gateway   {gateway}",
             f"  API docs  {gateway}/docs",
+            "  API keys  " + ("none: the API runs open, for callers on this machine only (auth = open; "
+                              "FLYWHEEL_AUTH=keys wants keys)" if self.settings.auth == "open"
+                              else "required (auth = keys): `flywheel keys create --tenant T` makes one"),
             f"  NATS      {self.nats_url} ({nats_owner})",
             f"  data      {self.data_dir}",
             f"  logs      {self.log_dir}",

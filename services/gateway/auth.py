@@ -1,0 +1,133 @@
+"""Who calls the gateway, and what of whose they may touch.
+
+With ``auth = "keys"`` (settings) every route but ``/healthz`` (a probe's, which shows no
+data) wants an API key (``Authorization: Bearer fw_...``, :mod:`flywheel.contract.keys`):
+none, a malformed, unknown or revoked one is a 401; a key without the scope a request needs
+(``read`` for GET, ``write`` for the rest) is a 403, and so is anything of another tenant
+(a run, its tasks, rollouts and traces), while listings show the key's tenant's alone. A
+``Flywheel-Tenant`` header that names another tenant than the key's is a 403 too.
+
+With ``auth = "open"`` (the embedded stack on one machine: ``flywheel run``, ``flywheel up``)
+there are no keys: every request may do everything, as the tenant its ``Flywheel-Tenant``
+header names (``default`` without one). The gateway refuses to start open unless it listens
+on a loopback address only (:func:`check_open`), and says at start that it runs open.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Annotated
+
+from fastapi import Depends, Header, HTTPException, Request, Security
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import AfterValidator
+
+from flywheel.contract import runs
+from flywheel.contract.bus import Bus
+from flywheel.contract.keys import SCOPES, Caller, KeyCheck, KeyRefused
+from flywheel.contract.runs import MAX_NAME_CHARS
+from flywheel_gateway.models import RUN_ID_PATTERN, tenant_name
+from flywheel_gateway.store import Store
+
+bearer = HTTPBearer(auto_error=False, scheme_name="APIKey",
+                    description="A tenant's API key, fw_<id>_<secret> (`flywheel keys create`); not needed when the "
+                                "gateway runs open (auth = \"open\", loopback only).")
+_ALL = frozenset(SCOPES)
+READ_METHODS = ("GET", "HEAD", "OPTIONS")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_open(service: str, host: str) -> None:
+    """ValueError unless an API that runs open (no keys) listens on a loopback address only."""
+    if not is_loopback(host):
+        raise ValueError(f"{service}: auth = \"open\" (no API keys) while listening on {host!r}, which is not a "
+                         f"loopback address: anyone who reaches it could read and change every tenant's runs. Set "
+                         f"FLYWHEEL_AUTH=keys (and make keys with `flywheel keys create --tenant T`), or listen on "
+                         f"127.0.0.1")
+
+
+async def caller(
+    request: Request,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Security(bearer)] = None,
+    tenant: Annotated[str | None, Header(alias="Flywheel-Tenant", max_length=MAX_NAME_CHARS,
+                                         json_schema_extra={"pattern": RUN_ID_PATTERN},
+                                         description="The tenant (open API); with a key, its own or left out."),
+                      AfterValidator(lambda v: v if v is None else tenant_name(v))] = None,
+) -> Caller:
+    """The request's caller: the key's tenant and scopes (401/403 as the module says), or,
+    open, the header's tenant with every scope."""
+    check: KeyCheck | None = request.app.state.keys
+    if check is None:
+        return Caller(tenant or "default", _ALL)
+    try:
+        found = await check.caller(credentials.credentials if credentials is not None else None)
+    except KeyRefused as exc:
+        raise HTTPException(401, str(exc), headers={"WWW-Authenticate": "Bearer"}) from None
+    if tenant is not None and tenant != found.tenant:
+        raise HTTPException(403, f"Flywheel-Tenant names {tenant!r}, and API key {found.key_id} is tenant "
+                                 f"{found.tenant!r}'s: leave the header out, or use a key of {tenant!r}")
+    scope = "read" if request.method in READ_METHODS else "write"
+    if not found.allows(scope):
+        raise HTTPException(403, f"API key {found.key_id} has the scopes {', '.join(sorted(found.scopes))}; "
+                                 f"{request.method} {request.url.path} needs {scope!r}")
+    return found
+
+
+CallerDep = Annotated[Caller, Depends(caller)]
+
+
+def _other_tenant(what: str, who: Caller) -> HTTPException:
+    return HTTPException(403, f"{what} belongs to another tenant than API key {who.key_id}'s ({who.tenant!r})")
+
+
+def check_tenant(who: Caller, tenant: str | None, what: str) -> None:
+    """403 when ``tenant`` (the owner of ``what``; None: unknown) is not the keyed caller's."""
+    if who.key_id is not None and tenant is not None and tenant != who.tenant:
+        raise _other_tenant(what, who)
+
+
+def listing_tenant(who: Caller, asked: str | None) -> str | None:
+    """The tenant a listing keeps: the keyed caller's own (403 for another asked for); open: the one asked."""
+    if who.key_id is None:
+        return asked
+    check_tenant(who, asked, f"tenant {asked!r}")
+    return who.tenant
+
+
+async def run_tenant(store: Store, bus: Bus, run_id: str) -> str | None:
+    """Who owns the run: the run-state bucket's tenant (it owns it), else the store's copy; None
+    for a run neither knows."""
+    try:
+        state = await runs.get_run(bus, run_id)
+    except runs.BadRunState:
+        state = None
+    if state is not None:
+        return state.tenant
+    return await store.run_tenant(run_id)
+
+
+async def check_run(who: Caller, store: Store, bus: Bus, run_id: str) -> None:
+    """403 when the run belongs to another tenant than the keyed caller's."""
+    if who.key_id is not None:
+        check_tenant(who, await run_tenant(store, bus, run_id), f"run {run_id!r}")
+
+
+async def check_rollout(who: Caller, store: Store, bus: Bus, rollout_id: str) -> None:
+    """403 when the rollout (recorded, or live on the bus) is of another tenant's run."""
+    if who.key_id is None:
+        return
+    run = await store.rollout_run(rollout_id)
+    if run is None:  # not recorded yet: its live trace nodes name the run in their subject
+        info = await bus.js.stream_info("TRACES", subjects_filter=f"traces.*.{rollout_id}")
+        subjects = list(info.state.subjects or {})
+        run = subjects[0].split(".")[1] if subjects else None
+    if run is not None:
+        check_tenant(who, await run_tenant(store, bus, run), f"rollout {rollout_id!r}")
