@@ -52,7 +52,7 @@ def create_app(settings: Settings) -> FastAPI:
             app.state.store = store
             app.state.bus = bus
             app.state.runs = RunRegistry(bus, store)
-            app.state.keys = KeyCheck(bus) if settings.auth == "keys" else None
+            app.state.keys = KeyCheck(bus, service_token=settings.service_token) if settings.auth == "keys" else None
             if settings.auth == "open":
                 log.warning("the gateway's API runs open (auth = \"open\"): no API keys, every caller on this "
                             "machine may read and change every tenant's runs; set FLYWHEEL_AUTH=keys to require them")

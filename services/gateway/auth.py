@@ -15,7 +15,6 @@ on a loopback address only (:func:`check_open`), and says at start that it runs 
 
 from __future__ import annotations
 
-import ipaddress
 from typing import Annotated
 
 from fastapi import Depends, Header, HTTPException, Request, Security
@@ -24,7 +23,7 @@ from pydantic import AfterValidator
 
 from flywheel.contract import runs
 from flywheel.contract.bus import Bus
-from flywheel.contract.keys import SCOPES, Caller, KeyCheck, KeyRefused
+from flywheel.contract.keys import SCOPES, Caller, KeyCheck, KeyRefused, ScopeRefused, is_loopback
 from flywheel.contract.runs import MAX_NAME_CHARS
 from flywheel_gateway.models import RUN_ID_PATTERN, tenant_name
 from flywheel_gateway.store import Store
@@ -33,16 +32,6 @@ bearer = HTTPBearer(auto_error=False, scheme_name="APIKey",
                     description="A tenant's API key, fw_<id>_<secret> (`flywheel keys create`); not needed when the "
                                 "gateway runs open (auth = \"open\", loopback only).")
 _ALL = frozenset(SCOPES)
-READ_METHODS = ("GET", "HEAD", "OPTIONS")
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def check_open(service: str, host: str) -> None:
@@ -68,17 +57,12 @@ async def caller(
     if check is None:
         return Caller(tenant or "default", _ALL)
     try:
-        found = await check.caller(credentials.credentials if credentials is not None else None)
+        return await check.authorize(credentials.credentials if credentials is not None else None, request.method,
+                                     request.url.path, tenant)
     except KeyRefused as exc:
         raise HTTPException(401, str(exc), headers={"WWW-Authenticate": "Bearer"}) from None
-    if tenant is not None and tenant != found.tenant:
-        raise HTTPException(403, f"Flywheel-Tenant names {tenant!r}, and API key {found.key_id} is tenant "
-                                 f"{found.tenant!r}'s: leave the header out, or use a key of {tenant!r}")
-    scope = "read" if request.method in READ_METHODS else "write"
-    if not found.allows(scope):
-        raise HTTPException(403, f"API key {found.key_id} has the scopes {', '.join(sorted(found.scopes))}; "
-                                 f"{request.method} {request.url.path} needs {scope!r}")
-    return found
+    except ScopeRefused as exc:
+        raise HTTPException(403, str(exc)) from None
 
 
 CallerDep = Annotated[Caller, Depends(caller)]
@@ -90,13 +74,13 @@ def _other_tenant(what: str, who: Caller) -> HTTPException:
 
 def check_tenant(who: Caller, tenant: str | None, what: str) -> None:
     """403 when ``tenant`` (the owner of ``what``; None: unknown) is not the keyed caller's."""
-    if who.key_id is not None and tenant is not None and tenant != who.tenant:
+    if not who.sees(tenant):
         raise _other_tenant(what, who)
 
 
 def listing_tenant(who: Caller, asked: str | None) -> str | None:
     """The tenant a listing keeps: the keyed caller's own (403 for another asked for); open: the one asked."""
-    if who.key_id is None:
+    if who.key_id is None or who.service:
         return asked
     check_tenant(who, asked, f"tenant {asked!r}")
     return who.tenant
@@ -116,13 +100,13 @@ async def run_tenant(store: Store, bus: Bus, run_id: str) -> str | None:
 
 async def check_run(who: Caller, store: Store, bus: Bus, run_id: str) -> None:
     """403 when the run belongs to another tenant than the keyed caller's."""
-    if who.key_id is not None:
+    if who.key_id is not None and not who.service:
         check_tenant(who, await run_tenant(store, bus, run_id), f"run {run_id!r}")
 
 
 async def check_rollout(who: Caller, store: Store, bus: Bus, rollout_id: str) -> None:
     """403 when the rollout (recorded, or live on the bus) is of another tenant's run."""
-    if who.key_id is None:
+    if who.key_id is None or who.service:
         return
     run = await store.rollout_run(rollout_id)
     if run is None:  # not recorded yet: its live trace nodes name the run in their subject

@@ -11,6 +11,12 @@ the run's configured sampling. Every choice carries the sampled tokens' log-prob
 shape, whether or not ``logprobs`` was asked for; ``system_fingerprint`` names the policy
 version that answered. ``GET /healthz`` reports NATS and the per-run counters.
 
+With ``auth = "keys"`` (settings) these routes want a tenant's API key
+(:mod:`flywheel.contract.keys`): 401 without a good one, 403 without the scope (``write``
+to sample, ``read`` for ``/v1/models``) or for a run of another tenant; ``/v1/models`` lists
+the key's tenant's runs. The deployment's ``service_token`` sees every tenant's (the
+orchestrator's evals). The interception endpoint keeps its own per-rollout keys.
+
 Errors use OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``): 400 for a
 request that cannot be served (naming the field), 404 for an unknown run, 503 while the
 run has no weights loaded. Chat requests take OpenAI messages with tool calls and tool
@@ -30,14 +36,16 @@ import time
 from collections.abc import Callable
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
 
 from flywheel.contract import events
 from flywheel.contract.config import StopStrings, sampling_field
-from flywheel.contract.runs import end_of, list_runs
+from flywheel.contract.keys import SCOPES, Caller, KeyCheck, KeyRefused, ScopeRefused
+from flywheel.contract.runs import BadRunState, end_of, get_run, list_runs
 from flywheel.sdk.messages import message_dict, message_from_dict
 from flywheel_inference import interception
 from flywheel_inference.completion import Completion
@@ -69,6 +77,28 @@ def _worker(request: Request) -> Worker:
 
 
 WorkerDep = Annotated[Worker, Depends(_worker)]
+bearer = HTTPBearer(auto_error=False, scheme_name="APIKey",
+                    description="A tenant's API key, fw_<id>_<secret> (`flywheel keys create`); not needed when "
+                                "inference runs open (auth = \"open\", loopback only).")
+
+
+async def _caller(request: Request,
+                  credentials: Annotated[HTTPAuthorizationCredentials | None, Security(bearer)] = None) -> Caller:
+    """The key's tenant and scopes (401 without a good key, 403 without the scope); open: anyone, everything."""
+    check: KeyCheck | None = request.app.state.keys
+    if check is None:
+        return OPEN
+    try:
+        return await check.authorize(credentials.credentials if credentials is not None else None, request.method,
+                                     request.url.path)
+    except KeyRefused as exc:
+        raise ApiError(401, str(exc), code="invalid_api_key") from None
+    except ScopeRefused as exc:
+        raise ApiError(403, str(exc), code="insufficient_scope") from None
+
+
+CallerDep = Annotated[Caller, Depends(_caller)]
+OPEN = Caller("default", frozenset(SCOPES))  # every caller of an open API (auth = "open")
 
 
 class _SamplingRequest(BaseModel):
@@ -150,7 +180,17 @@ class CompletionRequest(_SamplingRequest):
             raise ApiError(400, "echo=true is not supported", "echo")
 
 
-async def _hosted(worker: Worker, model: str) -> HostedRun:
+async def _hosted(worker: Worker, model: str, who: Caller) -> HostedRun:
+    run = model.partition("@")[0]
+    state = None
+    if who.key_id is not None and not who.service:
+        try:
+            state = await get_run(worker.bus, run)
+        except BadRunState:
+            pass
+    if state is not None and not who.sees(state.tenant):
+        raise ApiError(403, f"model {model!r}: run {run!r} belongs to another tenant than API key {who.key_id}'s "
+                            f"({who.tenant!r})", "model", "model_not_found")
     try:
         return await worker.served(model)
     except UnknownRun as exc:
@@ -220,12 +260,13 @@ def _chat_ending(c: Completion, tools: bool) -> Ending:
 
 
 @router.post("/v1/chat/completions", response_model=None)
-async def chat_completions(body: ChatCompletionRequest, worker: WorkerDep) -> dict[str, Any] | StreamingResponse:
+async def chat_completions(body: ChatCompletionRequest, worker: WorkerDep,
+                           who: CallerDep) -> dict[str, Any] | StreamingResponse:
     from flywheel.sdk import models
 
     body.refuse_unsupported()
     messages = body.chat_messages()
-    hosted = await _hosted(worker, body.model)
+    hosted = await _hosted(worker, body.model, who)
     tok = hosted.policy.backend.tokenizer
     tools = body.offered_tools
     prompt = models.render_prompt(tok, messages, tools)
@@ -246,9 +287,10 @@ async def chat_completions(body: ChatCompletionRequest, worker: WorkerDep) -> di
 
 
 @router.post("/v1/completions", response_model=None)
-async def completions(body: CompletionRequest, worker: WorkerDep) -> dict[str, Any] | StreamingResponse:
+async def completions(body: CompletionRequest, worker: WorkerDep,
+                      who: CallerDep) -> dict[str, Any] | StreamingResponse:
     body.refuse_unsupported()
-    hosted = await _hosted(worker, body.model)
+    hosted = await _hosted(worker, body.model, who)
     tok = hosted.policy.backend.tokenizer
     prompt = tok.encode(body.prompt, add_special_tokens=False) if isinstance(body.prompt, str) else body.prompt
     sampling = body.sampling(hosted.sampling)
@@ -269,21 +311,26 @@ async def completions(body: CompletionRequest, worker: WorkerDep) -> dict[str, A
 
 
 @router.get("/v1/models")
-async def list_models(worker: WorkerDep) -> JSONResponse:
+async def list_models(worker: WorkerDep, who: CallerDep) -> JSONResponse:
     """The models a client may name, in OpenAI's shape: the training runs registered and not
-    ended (a model is a run id; the run's config says which weights and sampling)."""
-    runs = [s for s in await list_runs(worker.bus) if s.kind == "train" and s.config and end_of(s) is None]
+    ended (a model is a run id; the run's config says which weights and sampling), with an API
+    key its tenant's alone."""
+    runs = [s for s in await list_runs(worker.bus)
+            if s.kind == "train" and s.config and end_of(s) is None and who.sees(s.tenant)]
     return JSONResponse({"object": "list", "data": [
         {"id": s.id, "object": "model", "created": int(s.created_at.timestamp()), "owned_by": s.tenant}
         for s in sorted(runs, key=lambda s: s.id)]})
 
 
 @router.get("/healthz")
-async def healthz(worker: WorkerDep) -> JSONResponse:
-    """200 while connected to NATS, with the counters of every run this replica hosts."""
+async def healthz(worker: WorkerDep, request: Request) -> JSONResponse:
+    """200 while connected to NATS, with (open: no API keys) the counters of every run this
+    replica hosts; with keys it names no run (a probe's, it asks for no key)."""
     connected = worker.bus.nc.is_connected
-    body = {"status": "ok" if connected else "unavailable", "nats": "ok" if connected else "down: not connected",
-            "runs": worker.info["runs"]}
+    body: dict[str, Any] = {"status": "ok" if connected else "unavailable",
+                            "nats": "ok" if connected else "down: not connected"}
+    if request.app.state.keys is None:
+        body["runs"] = worker.info["runs"]
     return JSONResponse(body, status_code=200 if connected else 503)
 
 

@@ -4,7 +4,8 @@
 NATS, builds the :class:`~flywheel_inference.worker.Worker` and runs it under a
 :class:`flywheel.contract.service.Service` (the task consumer, the weight and run-state
 watchers, the runs' teachers: :class:`~flywheel_inference.teacher.TeacherHost`, the
-heartbeat) beside the HTTP server, which owns the signals. At stop it stops the service
+heartbeat) beside the HTTP server, which owns the signals. With ``auth = "keys"`` the
+OpenAI API wants a tenant's key (:mod:`flywheel_inference.api`). At stop it stops the service
 (in-flight tasks finish or are handed back), closes the policies and drains the connection. If the
 worker dies while the server is up, ``app.state.worker_failed`` is set and ``on_worker_exit``
 is called (the entry point uses it to stop the server and exit non-zero, instead of
@@ -21,6 +22,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from flywheel.contract.bus import Bus
+from flywheel.contract.keys import KeyCheck, is_loopback
 from flywheel.contract.settings import Settings
 from flywheel_inference import api
 from flywheel_inference.teacher import TeacherHost
@@ -32,7 +34,13 @@ log = logging.getLogger(__name__)
 def create_app(settings: Settings, url: str | None = None,
                on_worker_exit: Callable[[], None] | None = None) -> FastAPI:
     """``url`` is where this server is reached (shown in the heartbeat; program harnesses get it).
-    The worker's bounds are the settings' ``inference`` section."""
+    The worker's bounds are the settings' ``inference`` section. Open (``auth = "open"``, no API
+    keys) is refused unless it listens on a loopback address (``inference_host``)."""
+    if settings.auth == "open" and not is_loopback(settings.inference_host):
+        raise ValueError(f"inference: auth = \"open\" (no API keys) while listening on {settings.inference_host!r}, "
+                         "which is not a loopback address: anyone who reaches it could sample every tenant's runs. "
+                         "Set FLYWHEEL_AUTH=keys (and make keys with `flywheel keys create --tenant T`), or listen "
+                         "on 127.0.0.1")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -42,6 +50,10 @@ def create_app(settings: Settings, url: str | None = None,
         service.add_task(TeacherHost(bus, settings.data_dir, settings.inference, worker.info).run)
         app.state.worker = worker
         app.state.interception = worker.interception
+        app.state.keys = KeyCheck(bus, service_token=settings.service_token) if settings.auth == "keys" else None
+        if settings.auth == "open":
+            log.warning("inference's OpenAI API runs open (auth = \"open\"): no API keys, every caller on this "
+                        "machine may sample from every run; set FLYWHEEL_AUTH=keys to require them")
         running = asyncio.ensure_future(service.run())
         stopping = False
 

@@ -413,8 +413,9 @@ class Interception:
         try:
             return self.sessions[key]
         except KeyError:
-            raise InterceptionError(404, "unknown rollout key: the rollout has ended or the URL is wrong", None,
-                                    "rollout_not_found") from None
+            # The rollout key is the endpoint's credential: an unknown one is refused as a bad key is.
+            raise InterceptionError(401, "unknown rollout key: the rollout has ended or the URL is wrong", None,
+                                    "invalid_rollout_key") from None
 
 
 # --- HTTP ---------------------------------------------------------------------------------

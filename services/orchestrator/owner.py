@@ -412,6 +412,7 @@ class RunOwner:
         run_id = f"{cfg.run}-eval-{spec.label}-{step}"
         settings = self.settings
         eval_cfg = EvalConfig(env=spec.id, model=f"{cfg.run}@{step}", base_url=settings.resolved_inference_url,
+                              api_key=settings.service_token,
                               out=self.run_dir / "evals" / f"{spec.label}-{step}.jsonl",
                               num_tasks=spec.num_tasks, num_rollouts=spec.num_rollouts, resume=True,
                               env_args=dict(spec.args), seed=spec.seed, record=True, run_id=run_id,

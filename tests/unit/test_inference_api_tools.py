@@ -13,7 +13,7 @@ import pytest
 
 from flywheel.contract import events
 from flywheel.sdk import models
-from flywheel_inference.api import ApiError, ChatCompletionRequest, chat_completions
+from flywheel_inference.api import OPEN, ApiError, ChatCompletionRequest, chat_completions
 from flywheel_inference.completion import Completion
 from flywheel_inference.policy import OnToken, Sampled
 
@@ -52,7 +52,7 @@ class ScriptedHosted:
 
 
 async def chat(body: ChatCompletionRequest, hosted: ScriptedHosted) -> dict[str, Any]:
-    answer = await chat_completions(body, ScriptedWorker(hosted))  # type: ignore[arg-type]  # scripted, as a Worker
+    answer = await chat_completions(body, ScriptedWorker(hosted), OPEN)  # type: ignore[arg-type]  # scripted, as a Worker
     assert isinstance(answer, dict)  # not streamed
     return answer
 
@@ -109,5 +109,5 @@ async def test_what_the_api_does_not_take_is_refused_naming_the_field(tok: Any, 
     body = ChatCompletionRequest.model_validate({"model": "r1", "messages": [{"role": "user", "content": "x"}],
                                                  **fields})
     with pytest.raises(ApiError, match=message) as caught:
-        await chat_completions(body, ScriptedWorker(ScriptedHosted(tok, ["x"])))  # type: ignore[arg-type]  # scripted
+        await chat_completions(body, ScriptedWorker(ScriptedHosted(tok, ["x"])), OPEN)  # type: ignore[arg-type]  # scripted
     assert caught.value.param == param and caught.value.status == 400

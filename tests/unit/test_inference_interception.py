@@ -263,7 +263,7 @@ async def test_in_process_requests_get_what_http_requests_get(tok: Any) -> None:
         for client in (direct, over_http):
             # An unknown key: OpenAI's error shape; a body the request model refuses: FastAPI's 422.
             gone = await client.post("http://x/intercept/nope/v1/chat/completions", json=chat)
-            assert gone.status_code == 404 and gone.json()["error"]["code"] == "rollout_not_found"
+            assert gone.status_code == 401 and gone.json()["error"]["code"] == "invalid_rollout_key"
             bad = await client.post(f"http://x/intercept/{keys[0]}/v1/chat/completions", json={"messages": []})
             assert bad.status_code == 422 and bad.json()["detail"][0]["loc"] == ["body", "messages"]
             # Streaming goes through the app, as over HTTP.

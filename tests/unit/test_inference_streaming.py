@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from flywheel.sdk import models
-from flywheel_inference.api import ChatCompletionRequest, chat_completions
+from flywheel_inference.api import OPEN, ChatCompletionRequest, chat_completions
 from flywheel_inference.streaming import TextStream
 from tests.unit.test_inference_api_tools import TOOL, ScriptedHosted, ScriptedWorker, chat
 
@@ -56,7 +56,7 @@ async def test_a_streamed_tool_call_assembles_to_the_whole_answer(tok: Any) -> N
     body = {"model": "r1", "messages": [{"role": "user", "content": "2 + 2?"}], "tools": [TOOL]}
     whole = (await chat(ChatCompletionRequest.model_validate(body), ScriptedHosted(tok, texts)))["choices"][0]
     response = await chat_completions(ChatCompletionRequest.model_validate(body | {"stream": True}),
-                                      ScriptedWorker(ScriptedHosted(tok, texts)))  # type: ignore[arg-type]  # scripted
+                                      ScriptedWorker(ScriptedHosted(tok, texts)), OPEN)  # type: ignore[arg-type]  # scripted
     events = [line async for line in response.body_iterator]  # type: ignore[union-attr]  # streamed: a StreamingResponse
     assert events[-1] == "data: [DONE]\n\n"
     chunks = [json.loads(str(e).removeprefix("data: ")) for e in events[:-1]]

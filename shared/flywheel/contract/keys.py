@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import re
 import secrets
 import time
@@ -39,10 +40,25 @@ SCOPES: tuple[Scope, ...] = ("read", "write", "admin")
 _TOKEN = re.compile(r"fw_([0-9a-f]{16})_([A-Za-z0-9_-]{20,})")
 _decoder = events.Decoder(events.ApiKey)
 CACHE_S = 5.0  # how long a service may go on trusting what it read of a key
+READ_METHODS = ("GET", "HEAD", "OPTIONS")  # need the read scope; every other method needs write
 
 
 class KeyRefused(PermissionError):
     """The key is missing, malformed, unknown or revoked; the message says which (never the key)."""
+
+
+class ScopeRefused(PermissionError):
+    """The key is good, and lacks the scope the request needs (or names another tenant)."""
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a listening address reaches this machine alone (an open API may listen only there)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def digest(token: str) -> str:
@@ -106,21 +122,43 @@ class Caller:
     tenant: str
     scopes: frozenset[str]
     key_id: str | None = None  # None: the API runs open (no keys)
+    service: bool = False  # the deployment's own services (settings.service_token): every tenant's
 
     def allows(self, scope: str) -> bool:
         return scope in self.scopes
 
+    def sees(self, tenant: str | None) -> bool:
+        """Whether this caller may touch what ``tenant`` owns (None: unknown, so nobody's)."""
+        return self.key_id is None or self.service or tenant is None or tenant == self.tenant
+
 
 class KeyCheck:
     """Turns a request's key into its :class:`Caller`, reading the keys bucket at most every
-    ``ttl_s`` per key."""
+    ``ttl_s`` per key. ``service_token`` (the settings' ``service_token``, when set) is the
+    deployment's own services' credential: it sees every tenant's runs."""
 
-    def __init__(self, bus: Bus, ttl_s: float = CACHE_S) -> None:
+    def __init__(self, bus: Bus, ttl_s: float = CACHE_S, service_token: str | None = None) -> None:
         self.bus = bus
         self.ttl_s = ttl_s
+        self._service_digest = digest(service_token) if service_token else None
         self._seen: dict[str, tuple[float, events.ApiKey | None]] = {}
 
+    async def authorize(self, token: str | None, method: str, what: str, tenant: str | None = None) -> Caller:
+        """The caller of a request (``method`` on ``what``, with the ``Flywheel-Tenant`` header
+        ``tenant`` if it had one): KeyRefused (a 401) or ScopeRefused (a 403) saying why."""
+        found = await self.caller(token)
+        if tenant is not None and tenant != found.tenant and not found.service:
+            raise ScopeRefused(f"Flywheel-Tenant names {tenant!r}, and API key {found.key_id} is tenant "
+                               f"{found.tenant!r}'s: leave the header out, or use a key of {tenant!r}")
+        scope = "read" if method in READ_METHODS else "write"
+        if not found.allows(scope):
+            raise ScopeRefused(f"API key {found.key_id} has the scopes {', '.join(sorted(found.scopes))}; "
+                               f"{method} {what} needs {scope!r}")
+        return found
+
     async def caller(self, token: str | None) -> Caller:
+        if token and self._service_digest is not None and hmac.compare_digest(digest(token), self._service_digest):
+            return Caller("*", frozenset(SCOPES), "service", service=True)
         if not token:
             raise KeyRefused("no API key: send it as 'Authorization: Bearer fw_...' (`flywheel keys create` makes one)")
         match = _TOKEN.fullmatch(token)

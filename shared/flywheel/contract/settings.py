@@ -170,6 +170,9 @@ class Settings(BaseSettings):
                                           "listening elsewhere refuses to start open).")
     api_key: str | None = Field(None, description="The API key the Python client (TraceAPI) sends to a gateway "
                                                   "that wants keys (`flywheel keys create` prints one).")
+    service_token: str | None = Field(None, description="With auth = keys: a secret the deployment's own services "
+                                                        "share, which sees every tenant's runs (the orchestrator's "
+                                                        "evals call inference with it). Unset: none is accepted.")
     gateway_host: str = Field("127.0.0.1", description="Address the gateway's HTTP API listens on.")
     gateway_port: int = Field(8420, description="Port the gateway's HTTP API listens on.")
     gateway_url: str | None = Field(None, description="Where clients reach the gateway. Unset: "

@@ -370,7 +370,7 @@ def _heartbeat(now: datetime, beat: events.ServiceHeartbeat) -> dict[str, Any]:
     # A heartbeat lingers for its TTL after its process died; two missed beats mark it stale.
     return {"instance": beat.instance, "pid": beat.pid, "host": beat.host, "status": beat.status,
             "age_s": _seconds(now, beat.updated_at), "stale": _seconds(now, beat.updated_at) > 2 * HEARTBEAT_INTERVAL_S,
-            "uptime_s": _seconds(now, beat.started_at)}
+            "uptime_s": _seconds(now, beat.started_at), "info": beat.info}
 
 
 class _ProcessView(msgspec.Struct):
