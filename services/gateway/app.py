@@ -22,11 +22,11 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from fastapi import Depends, FastAPI
 
 from flywheel.contract.bus import Bus
-from flywheel.contract.keys import KeyCheck
+from flywheel.contract.keys import KeyCheck, check_open
 from flywheel.contract.service import Service
 from flywheel.contract.settings import Settings
 from flywheel_gateway import api_health, api_rollouts, api_runs, api_tasks, api_traces
-from flywheel_gateway.auth import caller, check_open
+from flywheel_gateway.auth import caller
 from flywheel_gateway.body_limit import BodyLimit
 from flywheel_gateway.migrate import migrate
 from flywheel_gateway.responses import install_error_handlers

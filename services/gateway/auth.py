@@ -10,7 +10,7 @@ none, a malformed, unknown or revoked one is a 401; a key without the scope a re
 With ``auth = "open"`` (the embedded stack on one machine: ``flywheel run``, ``flywheel up``)
 there are no keys: every request may do everything, as the tenant its ``Flywheel-Tenant``
 header names (``default`` without one). The gateway refuses to start open unless it listens
-on a loopback address only (:func:`check_open`), and says at start that it runs open.
+on a loopback address only (:func:`flywheel.contract.keys.check_open`), and says at start that it runs open.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pydantic import AfterValidator
 
 from flywheel.contract import runs
 from flywheel.contract.bus import Bus
-from flywheel.contract.keys import SCOPES, Caller, KeyCheck, KeyRefused, ScopeRefused, is_loopback
+from flywheel.contract.keys import SCOPES, Caller, KeyCheck, KeyRefused, ScopeRefused
 from flywheel.contract.runs import MAX_NAME_CHARS
 from flywheel_gateway.models import RUN_ID_PATTERN, tenant_name
 from flywheel_gateway.store import Store
@@ -32,15 +32,6 @@ bearer = HTTPBearer(auto_error=False, scheme_name="APIKey",
                     description="A tenant's API key, fw_<id>_<secret> (`flywheel keys create`); not needed when the "
                                 "gateway runs open (auth = \"open\", loopback only).")
 _ALL = frozenset(SCOPES)
-
-
-def check_open(service: str, host: str) -> None:
-    """ValueError unless an API that runs open (no keys) listens on a loopback address only."""
-    if not is_loopback(host):
-        raise ValueError(f"{service}: auth = \"open\" (no API keys) while listening on {host!r}, which is not a "
-                         f"loopback address: anyone who reaches it could read and change every tenant's runs. Set "
-                         f"FLYWHEEL_AUTH=keys (and make keys with `flywheel keys create --tenant T`), or listen on "
-                         f"127.0.0.1")
 
 
 async def caller(

@@ -22,7 +22,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from flywheel.contract.bus import Bus
-from flywheel.contract.keys import KeyCheck, is_loopback
+from flywheel.contract.keys import KeyCheck, check_open
 from flywheel.contract.settings import Settings
 from flywheel_inference import api
 from flywheel_inference.teacher import TeacherHost
@@ -36,11 +36,8 @@ def create_app(settings: Settings, url: str | None = None,
     """``url`` is where this server is reached (shown in the heartbeat; program harnesses get it).
     The worker's bounds are the settings' ``inference`` section. Open (``auth = "open"``, no API
     keys) is refused unless it listens on a loopback address (``inference_host``)."""
-    if settings.auth == "open" and not is_loopback(settings.inference_host):
-        raise ValueError(f"inference: auth = \"open\" (no API keys) while listening on {settings.inference_host!r}, "
-                         "which is not a loopback address: anyone who reaches it could sample every tenant's runs. "
-                         "Set FLYWHEEL_AUTH=keys (and make keys with `flywheel keys create --tenant T`), or listen "
-                         "on 127.0.0.1")
+    if settings.auth == "open":
+        check_open("inference", settings.inference_host)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

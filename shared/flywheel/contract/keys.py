@@ -61,6 +61,15 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def check_open(service: str, host: str) -> None:
+    """ValueError unless an API that runs open (no keys) listens on a loopback address only."""
+    if not is_loopback(host):
+        raise ValueError(f"{service}: auth = \"open\" (no API keys) while listening on {host!r}, which is not a "
+                         f"loopback address: anyone who reaches it could read, change and sample every tenant's "
+                         f"runs. Set FLYWHEEL_AUTH=keys (and make keys with `flywheel keys create --tenant T`), or "
+                         f"listen on 127.0.0.1")
+
+
 def digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
