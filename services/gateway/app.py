@@ -25,7 +25,7 @@ from flywheel.contract.bus import Bus
 from flywheel.contract.keys import KeyCheck, check_open
 from flywheel.contract.service import Service
 from flywheel.contract.settings import Settings
-from flywheel_gateway import api_health, api_rollouts, api_runs, api_tasks, api_traces
+from flywheel_gateway import api_health, api_rollouts, api_runs, api_tasks, api_traces, api_usage
 from flywheel_gateway.auth import caller
 from flywheel_gateway.body_limit import BodyLimit
 from flywheel_gateway.migrate import migrate
@@ -52,6 +52,7 @@ def create_app(settings: Settings) -> FastAPI:
             app.state.store = store
             app.state.bus = bus
             app.state.runs = RunRegistry(bus, store)
+            app.state.prices = settings.prices
             app.state.keys = KeyCheck(bus, service_token=settings.service_token) if settings.auth == "keys" else None
             if settings.auth == "open":
                 log.warning("the gateway's API runs open (auth = \"open\"): no API keys, every caller on this "
@@ -72,7 +73,7 @@ def create_app(settings: Settings) -> FastAPI:
         version="0.1.0",
         lifespan=lifespan,
     )
-    for module in (api_tasks, api_runs, api_rollouts, api_traces):
+    for module in (api_tasks, api_runs, api_rollouts, api_traces, api_usage):
         app.include_router(module.router, dependencies=[Depends(caller)])
     app.include_router(api_health.router)
     install_error_handlers(app)

@@ -23,7 +23,18 @@ import re
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag
+from pydantic import (
+    AfterValidator,
+    AwareDatetime,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationInfo,
+    field_validator,
+)
 
 from flywheel.contract import events
 from flywheel.contract.config import SamplingConfig
@@ -422,6 +433,94 @@ class RunMetricsPublic(BaseModel):
 
 
 # --- errors and health --------------------------------------------------------------------
+
+
+class UsageQuery(BaseModel):
+    """Query parameters of the usage report; unknown parameters are refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tenant: Annotated[str, Field(max_length=MAX_NAME_CHARS, json_schema_extra=_schema(RUN_ID_PATTERN)),
+                      AfterValidator(tenant_name)] | None = Field(
+        None, description="Only this tenant's (with an API key: its own, always).")
+    run: TokenFilter | None = Field(None, description="Only this run's.")
+    since: Instant | None = Field(None, description="Counts made at or after this time, RFC 3339 with an offset.")
+    until: Instant | None = Field(None, description="Counts made before this time (exclusive), RFC 3339 with an "
+                                                    "offset.")
+    recount: bool = Field(False, description="With run: count the run's tokens again from its stored traces, "
+                                             "beside the metered figures.")
+
+    @field_validator("until")
+    @classmethod
+    def _after_since(cls, until: datetime | None, info: ValidationInfo) -> datetime | None:
+        since = info.data.get("since")
+        if until is not None and since is not None and until <= since:
+            raise ValueError(f"{until.isoformat()} is not after since={since.isoformat()}: give a range that holds "
+                             "some time")
+        return until
+
+    @field_validator("recount")
+    @classmethod
+    def _of_a_run(cls, recount: bool, info: ValidationInfo) -> bool:
+        if recount and info.data.get("run") is None:
+            raise ValueError("recount=true needs run: the recount is of one run's stored traces")
+        return recount
+
+
+class UsageRowPublic(BaseModel):
+    tenant: str = Field(description="Who pays: the API key's tenant for API requests, else the run's owner.")
+    run: str
+    source: Literal["rollout", "trainer", "sft", "api", "sandbox"] = Field(
+        description="rollout: a rollout's model calls; trainer: a training step; sft: the SFT warm-up; api: a "
+                    "request to inference's OpenAI API; sandbox: a rollout's sandbox.")
+    num_counts: int = Field(description="Counts summed (rollouts, steps, requests).")
+    num_calls: int = Field(description="Model calls of the rollouts.")
+    prompt_tokens: int = Field(description="Every model call's whole prompt.")
+    sampled_tokens: int
+    trained_tokens: int = Field(description="Sampled tokens under the loss of the steps.")
+    sft_tokens: int = Field(description="Reference answers' tokens under the SFT loss.")
+    sandbox_s: float = Field(description="Seconds the sandboxes were alive.")
+    cost: float = Field(description="By the price table, in its currency.")
+
+
+class UsageTotalsPublic(BaseModel):
+    num_calls: int
+    prompt_tokens: int
+    sampled_tokens: int
+    trained_tokens: int
+    sft_tokens: int
+    sandbox_s: float
+    cost: float
+
+
+class PricesPublic(BaseModel):
+    currency: str
+    prompt_per_mtok: float
+    sampled_per_mtok: float
+    trained_per_mtok: float = Field(description="For trained and SFT tokens alike.")
+    sandbox_per_hour: float
+
+
+class UsageRecountPublic(BaseModel):
+    """A run's tokens counted again from the trace store: the model calls of its rollouts and
+    the sampled tokens of the rollouts its steps trained."""
+
+    num_calls: int
+    prompt_tokens: int
+    sampled_tokens: int
+    trained_tokens: int
+    matches: bool = Field(description="Whether the metered figures (sources rollout and trainer) equal these.")
+
+
+class UsageReport(BaseModel):
+    tenant: str | None
+    run: str | None
+    since: datetime | None
+    until: datetime | None
+    prices: PricesPublic
+    items: list[UsageRowPublic] = Field(description="By tenant, run and source.")
+    totals: UsageTotalsPublic
+    recount: UsageRecountPublic | None = None
 
 
 class ErrorPublic(BaseModel):

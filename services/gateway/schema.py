@@ -237,3 +237,35 @@ dead_letters = sa.Table(
     sa.Column("headers", Json, nullable=False),
     sa.Column("created_at", UTCDateTime, nullable=False),
 )
+
+# Metering: what each run used, one row per count (a rollout's model calls, recorded with the
+# rollout it rode in; a trainer step's; an API request's; a sandbox's). ``tenant`` is who pays where the
+# count names one (an API caller's key); NULL: the run's owner (``runs.tenant``).
+usage = sa.Table(
+    "usage",
+    metadata,
+    sa.Column("id", sa.String, primary_key=True),
+    sa.Column("run", sa.String, nullable=False),
+    sa.Column("source", sa.String, nullable=False),  # rollout, trainer, sft, api
+    sa.Column("tenant", sa.String, nullable=True),
+    sa.Column("step", sa.Integer, nullable=True),
+    sa.Column("rollout_id", sa.String, nullable=True),
+    sa.Column("num_calls", sa.Integer, nullable=False),
+    sa.Column("prompt_tokens", sa.BigInteger, nullable=False),
+    sa.Column("sampled_tokens", sa.BigInteger, nullable=False),
+    sa.Column("trained_tokens", sa.BigInteger, nullable=False),
+    sa.Column("sft_tokens", sa.BigInteger, nullable=False),
+    sa.Column("sandbox_s", sa.Float, nullable=False),
+    sa.Column("created_at", UTCDateTime, nullable=False),
+    sa.Index("ix_usage_run_created_at", "run", "created_at"),
+    sa.Index("ix_usage_created_at", "created_at"),
+)
+
+# Which step trained each rollout (from the trainer's usage events): the first record wins.
+trained_rollouts = sa.Table(
+    "trained_rollouts",
+    metadata,
+    sa.Column("rollout_id", sa.String, primary_key=True),
+    sa.Column("run", sa.String, nullable=False, index=True),
+    sa.Column("step", sa.Integer, nullable=False),
+)

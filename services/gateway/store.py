@@ -287,6 +287,9 @@ class _Rows:
     weight_updates: dict[str, dict[str, Any]] = field(default_factory=dict)
     run_metrics: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)
     dead_letters: dict[str, dict[str, Any]] = field(default_factory=dict)
+    usage: dict[str, dict[str, Any]] = field(default_factory=dict)
+    rollout_usage: dict[str, dict[str, Any]] = field(default_factory=dict)  # by rollout: kept if it is new
+    trained_rollouts: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def add(self, event: events.Event) -> None:
         adder = _ADDERS.get(type(event))
@@ -319,6 +322,19 @@ class _Rows:
             self._add_node(node)
             self.rollout_nodes.setdefault((r.id, node.id),
                                           {"rollout_id": r.id, "node_id": node.id, "position": position})
+        if r.usage is not None:
+            u = r.usage
+            self.rollout_usage[r.id] = _usage_row(
+                f"rollout.{r.id}", r.run, "rollout", r.created_at, rollout_id=r.id, num_calls=u.num_calls,
+                prompt_tokens=u.prompt_tokens, sampled_tokens=u.sampled_tokens)
+
+    def add_usage(self, u: events.Usage) -> None:
+        self.usage.setdefault(u.id, _usage_row(
+            u.id, u.run, u.source, u.created_at, tenant=u.tenant or None, step=u.step, prompt_tokens=u.prompt_tokens,
+            sampled_tokens=u.sampled_tokens, trained_tokens=u.trained_tokens, sft_tokens=u.sft_tokens,
+            sandbox_s=u.sandbox_s, rollout_id=u.rollout_id))
+        for rollout_id in u.rollout_ids:
+            self.trained_rollouts.setdefault(rollout_id, {"rollout_id": rollout_id, "run": u.run, "step": u.step or 0})
 
     def add_trace_node(self, t: events.TraceNode) -> None:
         self._add_node(t.node)
@@ -376,7 +392,18 @@ _ADDERS: dict[type, Any] = {
     events.Signal: _Rows.add_signal,
     events.WeightUpdate: _Rows.add_weight_update,
     events.DeadLetter: _Rows.add_dead_letter,
+    events.Usage: _Rows.add_usage,
 }
+
+
+def _usage_row(id: str, run: str, source: str, created_at: datetime, tenant: str | None = None,
+               step: int | None = None, rollout_id: str | None = None, num_calls: int = 0, prompt_tokens: int = 0,
+               sampled_tokens: int = 0, trained_tokens: int = 0, sft_tokens: int = 0,
+               sandbox_s: float = 0.0) -> dict[str, Any]:
+    return {"id": id, "run": run, "source": source, "tenant": tenant, "step": step, "rollout_id": rollout_id,
+            "num_calls": num_calls, "prompt_tokens": prompt_tokens, "sampled_tokens": sampled_tokens,
+            "trained_tokens": trained_tokens, "sft_tokens": sft_tokens, "sandbox_s": sandbox_s,
+            "created_at": created_at}
 
 
 def _chunks(items: Sequence[str], size: int = _IN_CHUNK) -> Iterable[Sequence[str]]:
@@ -391,7 +418,7 @@ def _ids() -> sa.BindParameter[Any]:
 
 # The tables recording inserts into with executemany, every row ON CONFLICT DO NOTHING.
 _RECORDED_TABLES = (s.runs, s.tasks, s.scores, s.signals, s.weight_updates, s.run_metrics, s.dead_letters, s.nodes,
-                    s.rollout_nodes)
+                    s.rollout_nodes, s.usage, s.trained_rollouts)
 # PostgreSQL: transaction-scoped advisory locks on the rollouts a batch touches, in one order.
 _LOCK_ROLLOUTS = sa.text("SELECT pg_advisory_xact_lock(k) FROM (SELECT DISTINCT hashtextextended(x, 0) AS k "
                          "FROM unnest(CAST(:ids AS text[])) AS x ORDER BY k) AS keys")
@@ -525,8 +552,13 @@ class Store:
         if rows.rollouts:
             new_rollouts.update(conn.scalars(self._insert_new_rollouts, self._storable(list(rows.rollouts.values()))))
         for table, values in ((s.weight_updates, rows.weight_updates), (s.run_metrics, rows.run_metrics),
-                              (s.dead_letters, rows.dead_letters)):
+                              (s.dead_letters, rows.dead_letters), (s.usage, rows.usage),
+                              (s.trained_rollouts, rows.trained_rollouts)):
             self._insert_new(conn, table, list(values.values()))
+        # A rollout's usage with the rollout recorded, never with a later copy of it: the counts
+        # are the stored graph's.
+        self._insert_new(conn, s.usage, [row for rollout_id, row in rows.rollout_usage.items()
+                                          if self._text(rollout_id) in new_rollouts])
         # Sorted, so that concurrent PostgreSQL writers wait on shared nodes in one order.
         self._insert_new(conn, s.nodes, [rows.nodes[k] for k in sorted(rows.nodes)])
         # A rollout recorded now replaces its live graph with exactly the nodes it lists, in
@@ -821,6 +853,53 @@ class Store:
         return rows
 
 
+    async def usage(self, tenant: str | None = None, run: str | None = None, since: datetime | None = None,
+                    until: datetime | None = None) -> list[dict[str, Any]]:
+        """What was used, summed by tenant, run and source (``rollout``, ``trainer``, ``sft``,
+        ``api``, ``sandbox``), of counts made at or after ``since`` and before ``until``; the tenant is the
+        one a count names (an API caller's key), else the run's owner."""
+        u = s.usage.c
+        payer = sa.func.coalesce(u.tenant, s.runs.c.tenant, "default")
+        where = [(tenant, lambda v: payer == v), (run, lambda v: u.run == v),
+                 (since, lambda v: u.created_at >= v), (until, lambda v: u.created_at < v)]
+        query = (sa.select(payer.label("tenant"), u.run, u.source, sa.func.count().label("num_counts"),
+                           *(sa.func.sum(c).label(c.name) for c in _USAGE_SUMS),
+                           sa.func.sum(u.sandbox_s).label("sandbox_s"))
+                 .select_from(s.usage.outerjoin(s.runs, s.runs.c.id == u.run))
+                 .where(*(make(self._text(v) if isinstance(v, str) else v) for v, make in where if v is not None))
+                 .group_by(payer, u.run, u.source).order_by(payer, u.run, u.source))
+        async with self.engine.connect() as conn:
+            return [{**row, **{c.name: int(row[c.name] or 0) for c in _USAGE_SUMS},
+                     "sandbox_s": float(row["sandbox_s"] or 0.0)}
+                    for row in (await conn.execute(query)).mappings()]
+
+    async def recount_usage(self, run: str) -> dict[str, int]:
+        """A training run's tokens counted again from what the store holds, to check the metered
+        ones against: each model call of its rollouts (an answer node with sampled tokens: its
+        prompt is every token of the branch before them) and the sampled tokens of the rollouts a
+        step trained (each node's once, as the trainer trains them). An eval run's rollouts are
+        metered as API requests of the run it evaluates, so they are not recounted here."""
+        run = self._text(run)
+        rn, n, r, t = s.rollout_nodes.c, s.nodes.c, s.rollouts.c, s.trained_rollouts.c
+        of_run = (sa.select(rn.rollout_id, n.id, n.parent_id, n.tokens)
+                  .join_from(s.rollout_nodes, s.nodes, n.id == rn.node_id)
+                  .join(s.rollouts, r.id == rn.rollout_id)
+                  .where(r.run == run, r.run.in_(sa.select(s.runs.c.id).where(s.runs.c.kind == "train")))
+                  .order_by(rn.rollout_id, rn.position))
+        counts = {"num_calls": 0, "prompt_tokens": 0, "sampled_tokens": 0, "trained_tokens": 0}
+        async with self.engine.connect() as conn:
+            trained = set((await conn.scalars(sa.select(t.rollout_id).where(t.run == run))).all())
+            graph: dict[str, tuple[str | None, list[int], list[bool]]] = {}
+            current: str | None = None
+            for row in await conn.execute(of_run):
+                if row.rollout_id != current:
+                    _recount_graph(graph, current in trained, counts)
+                    graph, current = {}, row.rollout_id
+                tokens = row.tokens or {}
+                graph[row.id] = (row.parent_id, tokens.get("token_ids", []), tokens.get("loss_mask", []))
+            _recount_graph(graph, current in trained, counts)
+        return counts
+
     async def get_signals(self, rollout_id: str) -> list[dict[str, Any]]:
         """The teachers' signals recorded for a rollout, by source."""
         g = s.signals.c
@@ -828,6 +907,37 @@ class Store:
                  .where(g.rollout_id == self._text(rollout_id)).order_by(g.source))
         async with self.engine.connect() as conn:
             return [dict(row) for row in (await conn.execute(query)).mappings()]
+
+
+_USAGE_SUMS = (s.usage.c.num_calls, s.usage.c.prompt_tokens, s.usage.c.sampled_tokens, s.usage.c.trained_tokens,
+               s.usage.c.sft_tokens)
+
+
+def _recount_graph(graph: dict[str, tuple[str | None, list[int], list[bool]]], trained: bool,
+                   counts: dict[str, int]) -> None:
+    """Add one rollout's model calls (and, ``trained``, its trained tokens) to ``counts``:
+    ``graph`` maps each of its nodes to (parent, token ids, loss mask)."""
+    length: dict[str, int] = {}  # tokens of the branch up to and including a node
+
+    def through(node: str | None) -> int:
+        chain: list[str] = []
+        while node is not None and node not in length and node in graph:
+            chain.append(node)
+            node = graph[node][0]
+        total = length.get(node, 0) if node is not None else 0
+        for each in reversed(chain):
+            total += len(graph[each][1])
+            length[each] = total
+        return total
+
+    for parent, _, loss_mask in graph.values():
+        sampled = sum(loss_mask)
+        if not sampled:
+            continue
+        counts["num_calls"] += 1
+        counts["prompt_tokens"] += through(parent) + loss_mask.index(True)
+        counts["sampled_tokens"] += sampled
+        counts["trained_tokens"] += sampled if trained else 0
 
 
 def export_record(row: dict[str, Any], scores: list[dict[str, Any]], tokens: bool) -> dict[str, Any]:

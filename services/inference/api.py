@@ -17,6 +17,10 @@ to sample, ``read`` for ``/v1/models``) or for a run of another tenant; ``/v1/mo
 the key's tenant's runs. The deployment's ``service_token`` sees every tenant's (the
 orchestrator's evals). The interception endpoint keeps its own per-rollout keys.
 
+Every request that samples is metered: a :class:`~flywheel.contract.events.Usage` (source
+``api``: the prompt once, every choice's tokens) goes on the bus once it is answered, its
+tenant the key's (open, or the deployment's token: the run's owner).
+
 Errors use OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``): 400 for a
 request that cannot be served (naming the field), 404 for an unknown run, 503 while the
 run has no weights loaded. Chat requests take OpenAI messages with tool calls and tool
@@ -32,6 +36,7 @@ and prompts given as lists of prompts.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from typing import Annotated, Any
@@ -62,8 +67,10 @@ from flywheel_inference.streaming import (
 )
 from flywheel_inference.worker import HostedRun, UnknownRun, Worker
 
+log = logging.getLogger(__name__)
 router = APIRouter()
 MAX_CHOICES = 64
+_metering: set[asyncio.Future[Any]] = set()  # usage publishes under way (held: the loop keeps weak refs)
 
 
 class ApiError(Exception):
@@ -200,12 +207,34 @@ async def _hosted(worker: Worker, model: str, who: Caller) -> HostedRun:
         raise ApiError(400, f"model {model!r}: {exc}", "model") from exc
 
 
-async def _sample(hosted: HostedRun, prompt: list[int], sampling: events.Sampling, n: int) -> list[Sampled]:
+async def _sample(worker: Worker, who: Caller, hosted: HostedRun, prompt: list[int], sampling: events.Sampling,
+                  n: int) -> list[Sampled]:
     _check(hosted, prompt, sampling)
     try:
-        return await hosted.policy.sample([prompt] * n, sampling)
+        sampled = await hosted.policy.sample([prompt] * n, sampling)
     except WeightsUnavailable as exc:
         raise ApiError(503, str(exc)) from exc
+    _meter(worker, who, hosted, prompt, sampled)
+    return sampled
+
+
+def _meter(worker: Worker, who: Caller, hosted: HostedRun, prompt: list[int], sampled: list[Sampled]) -> None:
+    """Publish what an answered request used, off the response's path (a bus that is down is
+    retried by the bus layer; what still fails is logged, naming the run)."""
+    usage = events.Usage(run=hosted.config.run, source="api",
+                         tenant=who.tenant if who.key_id is not None and not who.service else "",
+                         prompt_tokens=len(prompt),
+                         sampled_tokens=sum(len(s.completion.token_ids) for s in sampled))
+
+    def done(task: asyncio.Future[Any]) -> None:
+        _metering.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("run %s: could not publish the usage of an API request (%d prompt, %d sampled tokens): %s",
+                        usage.run, usage.prompt_tokens, usage.sampled_tokens, task.exception())
+
+    task = asyncio.ensure_future(worker.bus.publish(usage))
+    _metering.add(task)
+    task.add_done_callback(done)
 
 
 def _check(hosted: HostedRun, prompt: list[int], sampling: events.Sampling) -> None:
@@ -219,8 +248,9 @@ def _check(hosted: HostedRun, prompt: list[int], sampling: events.Sampling) -> N
         raise ApiError(503, str(exc)) from exc
 
 
-async def _streamed(hosted: HostedRun, body: _SamplingRequest, prompt: list[int], sampling: events.Sampling,
-                    chat: bool, ending: Callable[[Completion], Ending], tools: bool = False) -> StreamingResponse:
+async def _streamed(worker: Worker, who: Caller, hosted: HostedRun, body: _SamplingRequest, prompt: list[int],
+                    sampling: events.Sampling, chat: bool, ending: Callable[[Completion], Ending],
+                    tools: bool = False) -> StreamingResponse:
     """The answers as server-sent events, each token sent once its text is safe to show."""
     _check(hosted, prompt, sampling)
     tok = hosted.policy.backend.tokenizer
@@ -229,6 +259,7 @@ async def _streamed(hosted: HostedRun, body: _SamplingRequest, prompt: list[int]
 
     async def endings() -> tuple[list[Ending], dict[str, int], str]:
         sampled = await job
+        _meter(worker, who, hosted, prompt, sampled)
         return [ending(s.completion) for s in sampled], _usage(prompt, sampled), _fingerprint(sampled)
 
     writer = ChunkWriter(chat, f"{'chatcmpl' if chat else 'cmpl'}-{events.new_id()}", int(time.time()), body.model,
@@ -272,9 +303,9 @@ async def chat_completions(body: ChatCompletionRequest, worker: WorkerDep,
     prompt = models.render_prompt(tok, messages, tools)
     sampling = body.sampling(hosted.sampling, body.max_completion_tokens)
     if body.stream:
-        return await _streamed(hosted, body, prompt, sampling, True, lambda c: _chat_ending(c, bool(tools)),
-                               bool(tools))
-    sampled = await _sample(hosted, prompt, sampling, body.n)
+        return await _streamed(worker, who, hosted, body, prompt, sampling, True,
+                               lambda c: _chat_ending(c, bool(tools)), bool(tools))
+    sampled = await _sample(worker, who, hosted, prompt, sampling, body.n)
     choices = []
     for i, s in enumerate(sampled):
         c = s.completion
@@ -295,8 +326,9 @@ async def completions(body: CompletionRequest, worker: WorkerDep,
     prompt = tok.encode(body.prompt, add_special_tokens=False) if isinstance(body.prompt, str) else body.prompt
     sampling = body.sampling(hosted.sampling)
     if body.stream:
-        return await _streamed(hosted, body, prompt, sampling, False, lambda c: Ending(c.text, c.finish_reason))
-    sampled = await _sample(hosted, prompt, sampling, body.n)
+        return await _streamed(worker, who, hosted, body, prompt, sampling, False,
+                               lambda c: Ending(c.text, c.finish_reason))
+    sampled = await _sample(worker, who, hosted, prompt, sampling, body.n)
     choices = []
     for i, s in enumerate(sampled):
         c = s.completion

@@ -291,6 +291,7 @@ class Session:
     num_calls: int = 0
     num_rerenders: int = 0
     num_completion_tokens: int = 0
+    num_call_prompt_tokens: int = 0  # every call's whole prompt (metering; see usage())
     generation_s: float = 0.0
     truncated: bool = False
     versions: list[int] = field(default_factory=list)
@@ -332,6 +333,7 @@ class Session:
         self.num_calls += 1
         self.num_rerenders += plan.rerendered
         self.num_completion_tokens += len(c.token_ids)
+        self.num_call_prompt_tokens += len(plan.prompt_ids)
         self.generation_s += sampled.generation_s
         self.truncated |= c.finish_reason == "length"
         self.versions.append(sampled.version)
@@ -381,6 +383,11 @@ class Session:
         self.close()
         if self._publishing is not None:
             await self._publishing
+
+    def usage(self) -> events.RolloutUsage:
+        """What this rollout's calls cost, as counted while they were sampled."""
+        return events.RolloutUsage(num_calls=self.num_calls, prompt_tokens=self.num_call_prompt_tokens,
+                                   sampled_tokens=self.num_completion_tokens)
 
     def metrics(self) -> dict[str, float]:
         prompt_tokens = sum(len(n.tokens.token_ids) - sum(n.tokens.loss_mask) for n in self.graph.nodes.values()

@@ -649,7 +649,7 @@ class Worker:
         session = self.interception.open(task.run, rid, hosted.policy, sampling, publish,
                                          live_after_s=self.config.live_trace_after_s)
         base_url, http_client = self._interception_url(session.key)
-        ctx = RolloutContext(task=dict(task.data), base_url=base_url, api_key=session.key, model=task.run,
+        ctx = RolloutContext(task=dict(task.data), base_url=base_url, api_key=session.key, model=task.run, run=task.run,
                              index=index, timeout_s=self.config.rollout_timeout_s, http_client=http_client,
                              rollout_id=rid, sandbox_client=SandboxClient(self.bus))
         stop: asyncio.Future[str] = asyncio.get_running_loop().create_future()
@@ -665,7 +665,7 @@ class Worker:
             policy_version=min(session.versions, default=hosted.policy.version or 0), task_data=task.data,
             nodes=session.graph.ordered(), status=outcome.status, error=outcome.error,
             metrics=session.metrics() | {"rollout_s": outcome.elapsed_s}, group_size=task.num_rollouts,
-            state=outcome.state, sampling=sampling)
+            state=outcome.state, sampling=sampling, usage=session.usage())
 
     def _interception_url(self, key: str) -> tuple[str, Any]:
         """(base URL, http client) of a rollout. The URL is this server's when it has one (a

@@ -10,6 +10,10 @@ is wrong (a field that does not validate, a spec asking for network the service 
 allow, an unknown or expired sandbox, a file over the limit, the caps, too many requests in
 flight) and the service keeps serving. On SIGTERM it stops taking requests, destroys every
 sandbox it holds (requests in flight then answer kind ``gone``) and leaves.
+
+Metering: a sandbox labelled with a run (``flywheel-run``: a rollout's sandbox session is)
+is a :class:`~flywheel.contract.events.Usage` of source ``sandbox`` once it is destroyed,
+however that happens: its seconds alive, and its rollout.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any
 import msgspec
 from nats.aio.msg import Msg
 
+from flywheel.contract import events
 from flywheel.contract.bus import Bus
 from flywheel.contract.service import Service
 from flywheel.contract.settings import Settings
@@ -29,6 +34,8 @@ from flywheel.sdk.sandbox import (
     POOLED_OPS,
     QUEUE_GROUP,
     REQUEST_TYPES,
+    ROLLOUT_LABEL,
+    RUN_LABEL,
     SERVICE_NAME,
     ErrorReply,
     SandboxError,
@@ -37,7 +44,7 @@ from flywheel.sdk.sandbox import (
 )
 from flywheel_sandbox.backend_docker import DockerBackend, DockerConfig
 from flywheel_sandbox.backends import LocalBackend
-from flywheel_sandbox.sessions import ManagerConfig, SessionManager
+from flywheel_sandbox.sessions import ManagerConfig, Session, SessionManager
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +69,8 @@ class SandboxResponder:
             "destroy_by_label": lambda r: manager.destroy_by_label(r.labels),
         }
         self.in_flight: set[asyncio.Task[None]] = set()
+        self.metering: set[asyncio.Future[None]] = set()  # usage publishes under way
+        manager.on_destroyed = self.meter
         self.num_requests = 0
         self.ready = asyncio.Event()  # set once every subject is subscribed
 
@@ -80,8 +89,30 @@ class SandboxResponder:
         await self.drain()  # answered before the bus closes: the manager is destroying their sandboxes
 
     async def drain(self) -> None:
-        """Wait for requests in flight (after the manager destroyed their sandboxes, they end soon)."""
+        """Wait for requests in flight (after the manager destroyed their sandboxes, they end soon),
+        and for the usage of the sandboxes destroyed to be on the bus."""
         await asyncio.gather(*self.in_flight, return_exceptions=True)
+        await asyncio.gather(*self.metering, return_exceptions=True)
+
+    def meter(self, session: Session, seconds: float) -> None:
+        """Publish a destroyed sandbox's seconds, if a run is named on it (off the request's path; a
+        publish that fails is logged, naming the run and the sandbox)."""
+        run = session.spec.labels.get(RUN_LABEL)
+        if not run:
+            return
+        usage = events.Usage(id=f"sandbox.{session.id}", run=run, source="sandbox", sandbox_s=round(seconds, 3),
+                             rollout_id=session.spec.labels.get(ROLLOUT_LABEL))
+
+        async def publish() -> None:
+            try:
+                await self.bus.publish(usage)
+            except Exception as exc:  # metering must never take the sandbox service down
+                log.warning("run %s: could not publish the usage of sandbox %s (%.1f s): %s", run, session.id,
+                            seconds, exc)
+
+        task = asyncio.ensure_future(publish())
+        self.metering.add(task)
+        task.add_done_callback(self.metering.discard)
 
     def _callback(self, op: str) -> Callable[[Msg], Awaitable[None]]:
         async def on_message(msg: Msg) -> None:

@@ -103,6 +103,8 @@ class SessionManager:
         self._pool_filling = 0
         self._background: set[asyncio.Task[None]] = set()  # destroys and stops under way, held till done
         self.closed = False
+        # Told of every sandbox destroyed, however (request, expiry, shutdown), with its seconds alive.
+        self.on_destroyed: Callable[[Session, float], None] | None = None
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -337,6 +339,8 @@ class SessionManager:
     async def _destroy(self, session: Session, reason: str) -> None:
         if self.sessions.pop(session.id, None) is None:
             return
+        if self.on_destroyed is not None:
+            self.on_destroyed(session, self.clock() - session.created_at)
         self.tombstones[session.id] = reason
         if session.key is not None and self.keys.get(session.key) == session.id:
             del self.keys[session.key]

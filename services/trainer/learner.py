@@ -411,8 +411,11 @@ def sft_warmup(model: torch.nn.Module, tok: Any, envs: Sequence[Environment], cf
         steps = reference_steps(tok, envs, cfg)
     started = time.perf_counter()
     figures: dict[str, float] = {}
+    num_tokens = 0
     for step, sequences in enumerate(steps):
         figures = sft_step(engine, sequences, tok.pad_token_id, micro_batch_size)
+        num_tokens += int(figures["num_loss_tokens"])
         log.info("sft step %d/%d: loss %.4f", step + 1, cfg.sft.steps, figures["loss"])
     model.eval()
-    return {"sft_steps": float(cfg.sft.steps), "sft_loss": figures["loss"], "sft_s": time.perf_counter() - started}
+    return {"sft_steps": float(cfg.sft.steps), "sft_loss": figures["loss"], "sft_s": time.perf_counter() - started,
+            "sft_tokens": float(num_tokens)}

@@ -125,8 +125,9 @@ class Trainer:
     def __init__(self, bus: Bus, cfg: RunConfig, environments: dict[str, RunEnvironment], data_dir: Path,
                  joiner: Joiner,
                  journal: Journal, resume: tuple[Path, CheckpointState] | None, published_version: int,
-                 options: TrainerSettings) -> None:
+                 options: TrainerSettings, tenant: str = "") -> None:
         self.bus = bus
+        self.tenant = tenant  # the run's owner, who pays for its training (metering)
         self.cfg = cfg
         self.data_dir = data_dir
         self.folder = RunFolder(data_dir, cfg.run, cfg.trainer.keep_checkpoints)
@@ -194,7 +195,8 @@ class Trainer:
             log.info("run %s: resuming from %s (step %d, version %d); %d journal entries replayed, %d rollouts "
                      "buffered", run_id, resume[0], resume[1].step, resume[1].version, len(replayed),
                      joiner.num_buffered)
-        return cls(bus, cfg, environments, data_dir, joiner, journal, resume, published or 0, options)
+        return cls(bus, cfg, environments, data_dir, joiner, journal, resume, published or 0, options,
+                   tenant=state.tenant)
 
     def close(self) -> None:
         self.journal.close()
@@ -295,6 +297,9 @@ class Trainer:
                 self.version = self.published_version + 1
                 self.joiner.set_version(self.version)
         await self._publish(data, _numbers(figures))
+        if self.resume is None and figures.get("sft_tokens"):
+            await self.bus.publish(events.Usage(id=f"{cfg.run}.sft", run=cfg.run, source="sft", tenant=self.tenant,
+                                                step=0, sft_tokens=int(figures["sft_tokens"])))
         await trainer_started(self.bus, cfg.run, trainer_step=self.step, policy_version=self.version)
         # Any id pads: padding is masked out of attention and loss.
         return engine, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -319,6 +324,12 @@ class Trainer:
         if self.step % cfg.trainer.checkpoint_every == 0 or self.step == cfg.trainer.num_steps:
             await self._checkpoint(engine, data)
         await self._publish(data, figures)
+        # What the step trained, counted once whatever is redelivered: a step done again after a
+        # crash has the same id.
+        await self.bus.publish(events.Usage(
+            id=f"{cfg.run}.trainer.{self.step}", run=cfg.run, source="trainer", tenant=self.tenant, step=self.step,
+            trained_tokens=int(figures["num_loss_tokens"]), sft_tokens=int(figures.get("num_sft_tokens", 0)),
+            rollout_ids=take.trained_ids))
         self.joiner.set_version(self.version)
         await update_run(self.bus, cfg.run, trainer_step=self.step, policy_version=self.version)
         log.info("run %s: step %d/%d, version %d: loss %.4f, reward %.3f, %d rollouts (%d stale dropped), %.2fs",

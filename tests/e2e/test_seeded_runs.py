@@ -8,7 +8,9 @@ of the step before, so nothing depends on timing but the batches inference happe
 form. A different batch changes the float rounding of the logits (the last bits of the
 logprobs), not, in practice, a sampled token: the rewards must be equal step for step,
 and the logprobs close. A third run with another seed must differ, so the test would see
-a seed that changed nothing.
+a seed that changed nothing. The first run's metered usage (``GET /v1/usage``) must equal,
+token for token, a recount from its stored traces, and its trained tokens the trainer's own
+figures.
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import httpx
 
 from tests.e2e.test_up import Output
 
@@ -38,6 +43,20 @@ def seeded_run(run: str, seed: int, data_dir: Path, ports: dict[str, int], env: 
     return [line for line in lines if line["step"] > 0]
 
 
+def metered(gateway: str, run: str, steps: list[dict], timeout_s: float = 60.0) -> dict:
+    """The run's usage report once the recorder has stored everything its steps trained (the
+    recorder catches up after the run's end): the metered rollouts' tokens equal the recount
+    from the stored traces, and the trained tokens the trainer's figures."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        report = httpx.get(f"{gateway}/v1/usage", params={"run": run, "recount": "true"}, timeout=10).json()
+        trained = sum(item["trained_tokens"] for item in report["items"] if item["source"] == "trainer")
+        if report["recount"]["matches"] and trained == sum(m["num_loss_tokens"] for m in steps):
+            return report
+        assert time.monotonic() < deadline, report
+        time.sleep(1)
+
+
 def test_two_runs_of_one_seed_give_the_same_rewards(
         tmp_path: Path, stack: tuple[subprocess.Popen[str], Output, dict[str, int]], clean_env: dict[str, str]) -> None:
     _, output, ports = stack
@@ -56,6 +75,18 @@ def test_two_runs_of_one_seed_give_the_same_rewards(
         assert abs(a["loss"] - b["loss"]) <= 1e-5, (a, b)
         assert a["staleness_max"] == b["staleness_max"] == 0
     assert [m["reward_mean"] for m in other] != rewards
+
+    # Metering: every rollout's model calls and every step's trained tokens, recounted from the trace store.
+    report = metered(f"http://127.0.0.1:{ports['gateway']}", "seeded-a", first)
+    sources = {item["source"]: item for item in report["items"]}
+    assert {"rollout", "trainer", "sft"} <= set(sources), report
+    assert sources["trainer"]["num_counts"] == NUM_STEPS and sources["sft"]["sft_tokens"] > 0
+    recount = report["recount"]
+    assert recount["trained_tokens"] == sum(m["num_loss_tokens"] for m in first)
+    assert (sources["rollout"]["num_calls"], sources["rollout"]["prompt_tokens"],
+            sources["rollout"]["sampled_tokens"]) == (recount["num_calls"], recount["prompt_tokens"],
+                                                      recount["sampled_tokens"])
+    assert recount["sampled_tokens"] >= recount["trained_tokens"] > 0
 
     # The trainer's last checkpoint exports as a model transformers loads (tests/integration/test_export.py
     # checks the logprobs).

@@ -43,7 +43,7 @@ async def test_ensure_is_idempotent(nats_server: NatsServer) -> None:
     a = await Bus.connect(nats_server.url, "a")
     b = await Bus.connect(nats_server.url, "b")  # ensures again over existing streams
     names = {s.config.name for s in await a.js.streams_info()}
-    assert {"TASKS", "ROLLOUTS", "TRACES", "SCORES", "SIGNALS", "WEIGHTS", "DEAD"} <= names
+    assert {"TASKS", "ROLLOUTS", "TRACES", "SCORES", "SIGNALS", "WEIGHTS", "USAGE", "DEAD"} <= names
     info = await a.js.stream_info("TASKS")
     assert info.config.storage == "file"
     await (await b.runs_kv()).put("r1", b"{}")

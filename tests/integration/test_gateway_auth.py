@@ -46,7 +46,8 @@ async def owned(keyed_app: FastAPI) -> dict[str, Any]:
     await (await bus.runs_kv()).put(RUN, events.encode(state))
     await store.upsert_runs([state])
     task = events.Task(id=TASK, run=RUN, env="math", data={"q": "2+2"})
-    await store.record([task, rollout(ROLLOUT, task_id=TASK, run=RUN)])
+    await store.record([task, rollout(ROLLOUT, task_id=TASK, run=RUN),
+                        events.Usage(run=RUN, source="trainer", step=1, trained_tokens=4, rollout_ids=[ROLLOUT])])
     made = {name: (await keys.create_key(bus, tenant, scopes))[0]
             for name, tenant, scopes in [("a", "a", ["read", "write"]), ("b", "b", ["read", "write", "admin"]),
                                          ("a_read", "a", ["read"])]}
@@ -85,7 +86,7 @@ async def test_every_route_refuses_no_key_and_another_tenants_key(keyed_app: Fas
             assert response.status_code == 401, (method, url, key, response.text)
             assert response.headers["www-authenticate"] == "Bearer"
         other = await call(keyed_app, method, url, body, owned["keys"]["b"])
-        if method == "GET" and url in ("/v1/runs", "/v1/tasks", "/v1/rollouts", "/v1/rollouts/export"):
+        if method == "GET" and url in ("/v1/runs", "/v1/tasks", "/v1/rollouts", "/v1/rollouts/export", "/v1/usage"):
             assert other.status_code == 200, (url, other.text)  # the caller's own: nothing of a's
             assert RUN not in other.text and ROLLOUT not in other.text and TASK not in other.text, (url, other.text)
         else:
@@ -107,6 +108,11 @@ async def test_every_route_refuses_no_key_and_another_tenants_key(keyed_app: Fas
     assert [r["id"] for r in runs.json()["items"]] == [RUN]
     asked = await call(keyed_app, "GET", "/v1/runs?tenant=a", None, owned["keys"]["b"])
     assert asked.status_code == 403, asked.text
+    usage = await call(keyed_app, "GET", "/v1/usage", None, owned["keys"]["a"])
+    assert [(u["run"], u["trained_tokens"]) for u in usage.json()["items"]] == [(RUN, 4)]
+    for asked_url in (f"/v1/usage?run={RUN}", "/v1/usage?tenant=a"):
+        asked = await call(keyed_app, "GET", asked_url, None, owned["keys"]["b"])
+        assert asked.status_code == 403 and "another tenant" in asked.json()["detail"], asked.text
     headed = await call(keyed_app, "GET", "/v1/runs", None, owned["keys"]["b"])
     assert headed.status_code == 200
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=keyed_app), base_url="http://gateway") as client:

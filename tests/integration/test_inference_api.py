@@ -15,6 +15,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
+from flywheel.contract import events
 from flywheel.contract.bus import Bus
 from flywheel.contract.settings import Settings
 from flywheel.ops.natsserver import NatsServer
@@ -190,9 +191,20 @@ async def test_a_streamed_answer_is_the_same_answer_token_by_token(served: tuple
     await publish_weights(bus, "r1", 0, base)
     await until(lambda: app.state.worker.info["runs"]["r1"]["policy_version"] == 0, what="version 0 loaded")
 
+    metered: list[events.Usage] = []
+
+    async def meter(msg: Any) -> None:
+        metered.append(events.Decoder(events.Usage).decode(msg.data))
+
+    sub = await bus.nc.subscribe("usage.r1.api", cb=meter)
     whole = (await client.post("/v1/chat/completions", json=chat)).json()
     chunks = chunks_of(await client.post("/v1/chat/completions", json=chat | {
         "stream": True, "stream_options": {"include_usage": True}}))
+    # Each request is metered once, streamed or not: the prompt once, every choice's tokens.
+    await until(lambda: len(metered) == 2, what="two usage events")
+    await sub.unsubscribe()
+    assert [(u.run, u.source, u.prompt_tokens, u.sampled_tokens) for u in metered] == [
+        ("r1", "api", whole["usage"]["prompt_tokens"], whole["usage"]["completion_tokens"])] * 2
     assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
     assert [c["choices"][0]["delta"] for c in chunks[:2]] == [{"role": "assistant", "content": ""}] * 2
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]

@@ -19,14 +19,25 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
 
+from flywheel.contract import events
 from flywheel.contract.bus import Bus
 from flywheel.contract.service import read_heartbeats
 from flywheel.ops.natsserver import NatsServer
-from flywheel.sdk.sandbox import WORKDIR, ErrorReply, SandboxClient, SandboxError, SandboxSpec, subject
+from flywheel.sdk.sandbox import (
+    ROLLOUT_LABEL,
+    RUN_LABEL,
+    WORKDIR,
+    ErrorReply,
+    SandboxClient,
+    SandboxError,
+    SandboxSpec,
+    subject,
+)
 from flywheel_sandbox.backends import LocalBackend
 from tests.helpers import until
 from tests.sandbox_service import ServedSandboxClient, backend_named, serving
@@ -157,6 +168,25 @@ async def test_one_shot_run_leaves_no_sandbox(client: ServedSandboxClient) -> No
                                                     "    def test_add(self):\n        self.assertEqual(1 + 1, 2)\n"})
     assert result.exit_code == 0 and result.stdout == "OK\n"
     assert not client.manager.sessions
+
+
+async def test_a_sandbox_labelled_with_a_run_is_metered_once_destroyed(bus: Bus, client: ServedSandboxClient) -> None:
+    metered: list[events.Usage] = []
+
+    async def meter(msg: Any) -> None:
+        metered.append(events.Decoder(events.Usage).decode(msg.data))
+
+    sub = await bus.nc.subscribe("usage.>", cb=meter)
+    labelled = await client.create(SandboxSpec(labels={RUN_LABEL: "r1", ROLLOUT_LABEL: "ro1"}))
+    plain = await client.create(SandboxSpec())
+    await client.exec(labelled, "sleep 0.3")
+    assert await client.destroy(labelled) and await client.destroy(plain)
+    await until(lambda: len(metered) == 1, what="the labelled sandbox's usage")
+    await asyncio.sleep(0.2)  # noqa: sleep - room for a second (wrong) usage event to arrive
+    await sub.unsubscribe()
+    (usage,) = metered  # the unlabelled one names no run: not metered
+    assert (usage.run, usage.source, usage.rollout_id, usage.id) == ("r1", "sandbox", "ro1", f"sandbox.{labelled}")
+    assert 0.3 <= usage.sandbox_s < 30
 
 
 async def test_idempotent_create_and_destroy(client: ServedSandboxClient) -> None:

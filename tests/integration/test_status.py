@@ -60,7 +60,7 @@ async def test_status_shows_services_streams_and_consumer_lag(bus: Bus, nats_ser
         tasks_stream = next(s for s in report["streams"] if s["stream"] == "TASKS")
         assert tasks_stream["messages"] == 5 and tasks_stream["bytes"] > 0 and tasks_stream["consumers"] == 1
         assert [s["stream"] for s in report["streams"]] == [
-            "TASKS", "ROLLOUTS", "TRACES", "SCORES", "SIGNALS", "WEIGHTS", "DEAD"]
+            "TASKS", "ROLLOUTS", "TRACES", "SCORES", "SIGNALS", "WEIGHTS", "USAGE", "DEAD"]
         [lag] = report["consumers"]
         assert lag == {"stream": "TASKS", "consumer": "inference", "num_pending": 3, "num_ack_pending": 2,
                        "num_redelivered": 0, "num_waiting": lag["num_waiting"]}

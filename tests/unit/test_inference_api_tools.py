@@ -16,6 +16,7 @@ from flywheel.sdk import models
 from flywheel_inference.api import OPEN, ApiError, ChatCompletionRequest, chat_completions
 from flywheel_inference.completion import Completion
 from flywheel_inference.policy import OnToken, Sampled
+from tests.helpers import until
 
 TOOL = {"type": "function", "function": {"name": "add", "description": "add two numbers",
                                          "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}
@@ -28,8 +29,10 @@ class ScriptedHosted:
         self.policy = self
         self.backend = type("B", (), {"tokenizer": tok})()
         self.sampling = events.Sampling()
+        self.config = type("C", (), {"run": "r1"})()
         self.texts = texts
         self.prompts: list[list[int]] = []
+        self.metered: list[events.Usage] = []  # what the API published of each request (metering)
 
     def check(self, prompts: Any, sampling: events.Sampling) -> None:
         sampling.check()
@@ -60,6 +63,10 @@ async def chat(body: ChatCompletionRequest, hosted: ScriptedHosted) -> dict[str,
 class ScriptedWorker:
     def __init__(self, hosted: ScriptedHosted) -> None:
         self.hosted = hosted
+        self.bus = self  # publishes the usage events into hosted.metered
+
+    async def publish(self, event: events.Usage) -> None:
+        self.hosted.metered.append(event)
 
     async def served(self, model: str) -> ScriptedHosted:
         return self.hosted
@@ -80,6 +87,10 @@ async def test_a_sampled_tool_call_comes_back_as_tool_calls(tok: Any) -> None:
     assert call["type"] == "function" and call["function"]["name"] == "add"
     assert json.loads(call["function"]["arguments"]) == {"a": 2} and call["id"].startswith("call_")
     assert '"name": "add"' in tok.decode(hosted.prompts[0])  # the tools were rendered into the prompt
+    await until(lambda: len(hosted.metered) == 1, what="the request's usage")
+    (usage,) = hosted.metered
+    assert (usage.run, usage.source, usage.prompt_tokens, usage.sampled_tokens) == (
+        "r1", "api", answer["usage"]["prompt_tokens"], answer["usage"]["completion_tokens"])
 
     # The call and its result go back in, as an OpenAI client sends them; the answer is text.
     hosted.texts = ["4"]

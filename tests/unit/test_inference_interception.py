@@ -93,6 +93,13 @@ def assert_exact(graph: TraceGraph, policy: ScriptedPolicy) -> None:
             assert len(span.logprobs) == len(span.token_ids) == len(span.loss_mask)
 
 
+def assert_metered(session: Any, policy: ScriptedPolicy) -> None:
+    """The rollout's metered usage is what the model was given and sampled, call by call."""
+    assert session.usage() == events.RolloutUsage(num_calls=len(policy.prompts),
+                                                  prompt_tokens=sum(map(len, policy.prompts)),
+                                                  sampled_tokens=sum(map(len, policy.sampled)))
+
+
 async def test_a_tool_call_conversation_extends_the_sampled_tokens(tok: Any) -> None:
     call_text = '<tool_call>{"name": "add", "arguments": {"a": 2}}</tool_call>'
     policy = ScriptedPolicy(tok, [call_text, "four"])
@@ -111,6 +118,7 @@ async def test_a_tool_call_conversation_extends_the_sampled_tokens(tok: Any) -> 
     rendered = models.render_prompt(tok, second, TOOLS)
     assert tok.decode(policy.prompts[1]) == tok.decode(rendered)
     assert_exact(session.graph, policy)
+    assert_metered(session, policy)
     assert [n.message.role for n in session.graph.branch(final.id)] == ["system", "user", "assistant", "tool",
                                                                           "assistant"]
     await session.flush()
@@ -127,6 +135,7 @@ async def test_a_truncated_answer_is_closed_by_the_template_before_the_next_turn
     bridge = policy.prompts[1][len(policy.prompts[0]) + len(policy.sampled[0]):]
     assert tok.decode(bridge).startswith("<|im_end|>\n<|im_start|>user\ngo on")
     assert_exact(session.graph, policy)
+    assert_metered(session, policy)
 
 
 async def test_a_retry_is_a_sibling_branch_and_both_are_exact(tok: Any) -> None:
@@ -138,6 +147,7 @@ async def test_a_retry_is_a_sibling_branch_and_both_are_exact(tok: Any) -> None:
     assert a.parent_id == b.parent_id and a.id != b.id and len(session.graph.leaves()) == 2
     assert policy.prompts[0] == policy.prompts[1]
     assert_exact(session.graph, policy)
+    assert_metered(session, policy)
 
 
 async def test_history_the_template_rewrites_is_re_rendered_as_a_new_branch_and_counted(tok: Any) -> None:
@@ -159,6 +169,7 @@ async def test_history_the_template_rewrites_is_re_rendered_as_a_new_branch_and_
     assert policy.prompts[1] == tok.encode(dropping(tok, [*first, a.message, msg("user", "again")], None, True),
                                            add_special_tokens=False)
     assert_exact(session.graph, policy)
+    assert_metered(session, policy)
 
 
 async def test_a_prompt_past_the_context_is_an_openai_error_and_marks_the_rollout_truncated(tok: Any) -> None:

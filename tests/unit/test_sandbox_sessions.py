@@ -31,7 +31,7 @@ from flywheel.sdk.sandbox import (
     subject,
 )
 from flywheel_sandbox.backends import AgentChannel, AgentGone, encode_b64, pool_key
-from flywheel_sandbox.sessions import SessionManager
+from flywheel_sandbox.sessions import Session, SessionManager
 from tests.helpers import until
 from tests.sandbox_service import manager_config
 
@@ -201,10 +201,18 @@ async def test_ttl_and_idle_ttl_each_on_its_own(manager: SessionManager, clock: 
     manager.reap()
     await settle()
     assert set(manager.sessions) == {short_ttl, short_idle}
+    destroyed: dict[str, float] = {}
+
+    def on_destroyed(session: Session, seconds: float) -> None:
+        assert session.id not in destroyed
+        destroyed[session.id] = seconds
+
+    manager.on_destroyed = on_destroyed
     clock.now += 2.5  # 10.5 s after creation, 6.5 s after the exec
     manager.reap()
     await settle()
     assert not manager.sessions
+    assert destroyed == {short_ttl: 10.5, short_idle: 10.5}  # told once each, with its seconds alive (metering)
     for sid, why in ((short_ttl, "ttl_s=10 passed"), (short_idle, "idle for idle_ttl_s=5")):
         with pytest.raises(SandboxError) as gone:
             await manager.exec(ExecRequest(id=sid, cmd="echo x"))

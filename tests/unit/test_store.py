@@ -132,7 +132,7 @@ async def test_migrate_is_idempotent_and_matches_the_models(database_url: str) -
     assert await current_revision(database_url) is None
     await asyncio.gather(migrate(database_url), migrate(database_url))  # two processes starting at once
     await migrate(database_url)
-    assert await current_revision(database_url) == "0009"
+    assert await current_revision(database_url) == "0010"
 
     diffs: list[object] = []
     primary_keys: dict[str, list[str]] = {}
@@ -902,3 +902,71 @@ async def test_the_env_filter_takes_the_name_in_subjects_or_the_id_a_run_was_con
     await store.upsert_runs([msgspec.structs.replace(several, env_ids={"math": "acme/math@2.0", "code": "acme/code"})])
     await store.upsert_runs([events.RunState(id="r4", created_at=T0)])
     assert await ids("acme/math@1.2") == {"ro1"} and await ids("acme/math@2.0") == {"ro4"}
+
+
+# --- metering -----------------------------------------------------------------------------
+
+
+def span(parent: events.Node | None, message: events.Message, prompt: list[int],
+         sampled: list[int] = ()) -> events.Node:  # type: ignore[assignment]  # a tuple default: never mutated
+    """A node whose span is ``prompt`` tokens (not sampled) then ``sampled`` ones, as an answer's is."""
+    ids = list(prompt) + list(sampled)
+    tokens = events.TokenSpan(token_ids=ids, logprobs=[0.0] * len(prompt) + [-0.5] * len(sampled),
+                              loss_mask=[False] * len(prompt) + [True] * len(sampled),
+                              policy_version=1 if sampled else None)
+    parent_id = parent.id if parent else None
+    return events.Node(id=events.node_id(parent_id, message, tokens), parent_id=parent_id, message=message,
+                       tokens=tokens)
+
+
+def tool_conversation() -> tuple[list[events.Node], events.RolloutUsage]:
+    """system, user, an answer calling a tool (then a retry of it), the tool's result, the final
+    answer: three model calls, with the prompt of each as the interception endpoint builds it."""
+    system = span(None, events.Message(role="system", content="s"), [1, 2, 3])
+    user = span(system, events.Message(role="user", content="q"), [4, 5])
+    call = span(user, events.Message(role="assistant", content="c"), [6, 7], [8, 9, 10])
+    retry = span(user, events.Message(role="assistant", content="r"), [6, 7], [11])
+    result = span(call, events.Message(role="tool", content="4"), [12, 13, 14, 15])
+    final = span(result, events.Message(role="assistant", content="f"), [16], [17, 18])
+    # Prompts: 5 + 2, 5 + 2 (the retry), 5 + 5 + 4 + 1.
+    return [system, user, call, retry, result, final], events.RolloutUsage(num_calls=3, prompt_tokens=7 + 7 + 15,
+                                                                          sampled_tokens=3 + 1 + 2)
+
+
+async def test_usage_is_summed_by_tenant_run_and_source_and_counted_once(store: Store) -> None:
+    nodes, counted = tool_conversation()
+    first = events.Rollout(id="ro1", run="r1", env="math", task_id="t1", group_id="t1", nodes=nodes, usage=counted,
+                           created_at=T0)
+    # A later copy of the rollout (a redelivery) with other counts changes nothing: the stored graph's stand.
+    again = msgspec.structs.replace(first, usage=events.RolloutUsage(num_calls=9, prompt_tokens=99, sampled_tokens=9))
+    plain = rollout("ro2", run="r1")  # published before metering: no usage, nothing counted for it
+    step = events.Usage(id="r1.trainer.1", run="r1", source="trainer", step=1, trained_tokens=6 + 4, sft_tokens=5,
+                        rollout_ids=["ro1", "ro2"], created_at=T0 + timedelta(seconds=5))
+    api = events.Usage(id="api-1", run="r1", source="api", tenant="acme", prompt_tokens=40, sampled_tokens=8,
+                       created_at=T0 + timedelta(seconds=10))
+    sandbox = events.Usage(id="sandbox.b1@h", run="r1", source="sandbox", sandbox_s=2.5, rollout_id="ro1",
+                           created_at=T0 + timedelta(seconds=3))
+    await store.upsert_runs([events.RunState(id="r1", tenant="team", created_at=T0)])
+    await store.record([first, plain, step, api, sandbox, sandbox])
+    await store.record([again, step, msgspec.structs.replace(step, trained_tokens=1)])
+
+    rows = await store.usage()
+    by_source = {row["source"]: row for row in rows}
+    assert [(row["tenant"], row["run"], row["source"]) for row in rows] == [
+        ("acme", "r1", "api"), ("team", "r1", "rollout"), ("team", "r1", "sandbox"), ("team", "r1", "trainer")]
+    assert by_source["rollout"] | {} == {"tenant": "team", "run": "r1", "source": "rollout", "num_counts": 1,
+                                         "num_calls": 3, "prompt_tokens": 29, "sampled_tokens": 6, "trained_tokens": 0,
+                                         "sft_tokens": 0, "sandbox_s": 0.0}
+    assert by_source["sandbox"]["sandbox_s"] == 2.5 and by_source["sandbox"]["num_counts"] == 1
+    assert (by_source["trainer"]["trained_tokens"], by_source["trainer"]["sft_tokens"]) == (10, 5)
+    assert (by_source["api"]["prompt_tokens"], by_source["api"]["sampled_tokens"]) == (40, 8)
+    assert [row["source"] for row in await store.usage(tenant="team")] == ["rollout", "sandbox", "trainer"]
+    assert [row["source"] for row in await store.usage(since=T0 + timedelta(seconds=5),
+                                                       until=T0 + timedelta(seconds=10))] == ["trainer"]
+    assert await store.usage(run="r2") == []
+
+    # The recount reads the stored graphs alone: ro1's three calls and ro2's one (5 prompt and 4
+    # sampled tokens, which ro2 did not meter: the recount would show it), and the sampled tokens
+    # of both trained rollouts, each node's once.
+    assert await store.recount_usage("r1") == {"num_calls": 4, "prompt_tokens": 29 + 5, "sampled_tokens": 6 + 4,
+                                              "trained_tokens": 6 + 4}

@@ -73,6 +73,7 @@ STREAMS: dict[str, list[str]] = {
     "SCORES": ["scores.>"],
     "SIGNALS": ["signals.>"],
     "WEIGHTS": ["weights.>"],
+    "USAGE": ["usage.>"],
     "DEAD": ["dead.>"],
 }
 RUNS_BUCKET = "flywheel-runs"

@@ -43,7 +43,8 @@ Schema evolution (tested against stored encodings of version 1 in tests/unit/dat
     versions kept for its evals (``RunState.pinned_versions``) and the status ``paused``;
     version 10 added :class:`Signal` (a teacher's logprobs of a rollout's tokens) on the
     SIGNALS stream; version 11 added ``Signal.top_ids`` and ``Signal.top_logprobs`` (a
-    teacher's likeliest tokens at each sampled position).
+    teacher's likeliest tokens at each sampled position); version 12 added metering: a
+    rollout's model calls and tokens (``Rollout.usage``) and :class:`Usage` on the USAGE stream.
 
 Identities
     ``run`` (a training or eval run, owned by a ``tenant``), ``task`` (one row of a task
@@ -76,7 +77,7 @@ from typing import Any, Generic, Literal, TypeVar, overload
 
 import msgspec
 
-SCHEMA_VERSION = 11
+SCHEMA_VERSION = 12
 
 JSON = "application/json"
 MSGPACK = "application/msgpack"
@@ -263,6 +264,16 @@ def rollout_id(run: str, task: str, index: int) -> str:
     return hashlib.sha256(f"{run}\x00{task}\x00{index}".encode()).hexdigest()[:32]
 
 
+class RolloutUsage(_Struct, frozen=True, kw_only=True):
+    """What a rollout's model calls cost, counted by inference call by call: ``prompt_tokens``
+    is each call's whole prompt (what the model was given, as an API bills it, however much of
+    it a cache held), ``sampled_tokens`` what the calls sampled."""
+
+    num_calls: int = 0
+    prompt_tokens: int = 0
+    sampled_tokens: int = 0
+
+
 # --- events -------------------------------------------------------------------------------
 
 
@@ -311,6 +322,9 @@ class Rollout(Event, frozen=True, kw_only=True, tag="rollout"):
     # What it was sampled with (the task's or the run's settings, its own seed); None where
     # not known (older rollouts, `flywheel eval`'s endpoint), and readers take the run's.
     sampling: Sampling | None = None
+    # Its model calls' tokens (metering). They travel with the rollout, so they count exactly
+    # once with it whatever is redelivered or rolled out again; None on older rollouts.
+    usage: RolloutUsage | None = None
 
     def subject(self) -> str:
         return f"rollouts.{self.run}.{self.env}"
@@ -430,6 +444,37 @@ class WeightUpdate(Event, frozen=True, kw_only=True, tag="weight_update"):
         return f"weights.{self.run}"
 
 
+class Usage(Event, frozen=True, kw_only=True, tag="usage"):
+    """What a run used that its rollouts do not carry (metering), counted where it happened.
+
+    Sent by: the trainer (``source`` ``trainer``, one a step: ``trained_tokens`` are the
+    tokens under the loss of the rollouts it trained, ``rollout_ids``; ``sft_tokens`` those
+    of the reference answers its SFT term trained on; ``sft``, once, for the warm-up),
+    inference's OpenAI API (``api``, one a request: the prompt once, every choice's
+    tokens), and the sandbox service (``sandbox``, one a sandbox labelled with a run, once it
+    is destroyed: ``sandbox_s``, its seconds alive, and its ``rollout_id``). A rollout's own
+    tokens travel in :attr:`Rollout.usage`. Read by: the recorder, billing. Subject:
+    ``usage.<run>.<source>``. The event id is the count's own (a trainer step's is
+    ``<run>.trainer.<step>``, a sandbox's ``sandbox.<id>``), so a count made again after a
+    crash counts once. ``tenant`` is who pays: the run's owner, or the caller of the API.
+    """
+
+    run: str
+    source: Literal["trainer", "sft", "api", "sandbox"]
+    tenant: str = ""
+    step: int | None = None
+    prompt_tokens: int = 0
+    sampled_tokens: int = 0
+    trained_tokens: int = 0
+    sft_tokens: int = 0
+    rollout_ids: list[str] = []
+    sandbox_s: float = 0.0
+    rollout_id: str | None = None
+
+    def subject(self) -> str:
+        return f"usage.{self.run}.{self.source}"
+
+
 class DeadLetter(Event, frozen=True, kw_only=True, tag="dead_letter"):
     """A message that could not be processed, with the reason.
 
@@ -546,11 +591,11 @@ class ApiKey(_Struct, frozen=True, kw_only=True):
     revoked_at: datetime | None = None
 
 
-AnyEvent = Task | Rollout | TraceNode | Score | Signal | WeightUpdate | DeadLetter
+AnyEvent = Task | Rollout | TraceNode | Score | Signal | WeightUpdate | Usage | DeadLetter
 
 EVENT_TYPES: dict[str, type[Event]] = {
     cls.__struct_config__.tag: cls  # type: ignore[misc]  # each class below sets tag= to a str
-    for cls in (Task, Rollout, TraceNode, Score, Signal, WeightUpdate, DeadLetter)
+    for cls in (Task, Rollout, TraceNode, Score, Signal, WeightUpdate, Usage, DeadLetter)
 }
 
 # --- encoding -----------------------------------------------------------------------------

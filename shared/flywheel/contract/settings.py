@@ -153,6 +153,21 @@ class SandboxSettings(_Section):
                                 "one says it was destroyed and why (not that it is unknown).")
 
 
+class PriceSettings(_Section):
+    """The gateway's price table, turning metered tokens into cost in ``GET /v1/usage``
+    (section ``[prices]``): a price per million tokens of each kind, in ``currency``. Zero:
+    the report gives tokens and a cost of 0."""
+
+    currency: str = Field("USD", min_length=1, description="What the prices are in (a label: the report repeats it).")
+    prompt_per_mtok: NonNegativeFloat = Field(0.0, description="Price of a million prompt tokens: every model "
+                                              "call's whole prompt, in rollouts and on the OpenAI API.")
+    sampled_per_mtok: NonNegativeFloat = Field(0.0, description="Price of a million sampled tokens.")
+    trained_per_mtok: NonNegativeFloat = Field(0.0, description="Price of a million trained tokens: the tokens "
+                                               "under the loss in a training step (a rollout's sampled tokens, "
+                                               "and reference answers of SFT).")
+    sandbox_per_hour: NonNegativeFloat = Field(0.0, description="Price of an hour of a rollout's sandbox.")
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="FLYWHEEL_", env_nested_delimiter="__", extra="forbid")
 
@@ -215,6 +230,8 @@ class Settings(BaseSettings):
     recorder: RecorderSettings = Field(default_factory=RecorderSettings, description="The recorder's batching.")
     sandbox: SandboxSettings = Field(default_factory=SandboxSettings,
                                      description="The sandbox service's limits on requests, output and files.")
+    prices: PriceSettings = Field(default_factory=PriceSettings, description="The price table of the gateway's "
+                                  "usage report.")
 
     @classmethod
     def load(cls, **overrides: object) -> Settings:

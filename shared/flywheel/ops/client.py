@@ -327,6 +327,11 @@ class TraceAPI:
                     num_lines += 1
         return num_lines
 
+    async def usage(self, **filters: Any) -> dict[str, Any]:
+        """``GET /v1/usage``: tokens used by tenant, run and source, and their cost (filters
+        ``tenant``, ``run``, ``since``, ``until``; ``recount=True`` with ``run``)."""
+        return await self._get("/v1/usage", **filters)
+
     async def trace(self, rollout_id: str, *, tokens: bool = False) -> dict[str, Any]:
         return await self._get(f"/v1/traces/{rollout_id}", tokens=tokens)
 

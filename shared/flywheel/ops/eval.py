@@ -651,6 +651,7 @@ class Evaluation:
             recording = self.proxy.open(rid, sampling)
             ctx = RolloutContext(task=row, base_url=self.proxy.base_url(rid), api_key=HARNESS_API_KEY,
                                  model=self.cfg.model, index=index, timeout_s=self.cfg.timeout_s, rollout_id=rid,
+                                 run=self.run_id,
                                  sandbox_client=self.sandbox)
 
             def forget() -> None:  # the rollout is over: calls that still come are not its own

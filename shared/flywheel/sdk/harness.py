@@ -64,6 +64,7 @@ class RolloutContext:
     timeout_s: float = 600.0
     http_client: Any = None  # an httpx.AsyncClient to reach base_url through (e.g. in-process ASGI)
     rollout_id: str = ""
+    run: str = ""  # the run it is a rollout of (inference, eval); its sandbox is metered to it
     # A flywheel.sdk.sandbox.SandboxClient where a sandbox service is reachable (flywheel.sdk.sandbox_tools uses it).
     sandbox_client: SandboxClient | None = None
     resources: dict[str, Any] = field(default_factory=dict)  # per-rollout objects of tools; not recorded

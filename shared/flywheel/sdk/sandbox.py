@@ -44,6 +44,10 @@ if TYPE_CHECKING:
     from flywheel.contract.bus import Bus
 
 QUEUE_GROUP = "sandbox"
+# Labels a rollout's sandbox carries (sandbox_tools): the service meters a sandbox's seconds to
+# the run its RUN_LABEL names.
+RUN_LABEL = "flywheel-run"
+ROLLOUT_LABEL = "flywheel-rollout"
 SERVICE_NAME = "sandbox"
 WORKDIR = "/work"
 # The sandbox id carries the replica that holds it: "<hex>@<instance>".

@@ -45,14 +45,13 @@ from typing import TYPE_CHECKING, TypeVar
 import msgspec
 
 from flywheel.sdk.harness import RolloutContext, Tool, ToolError
-from flywheel.sdk.sandbox import ExecResult, SandboxClient, SandboxError, SandboxSpec
+from flywheel.sdk.sandbox import ROLLOUT_LABEL, RUN_LABEL, ExecResult, SandboxClient, SandboxError, SandboxSpec
 from flywheel.sdk.sandbox_test_runner import collect_tests
 
 if TYPE_CHECKING:
     from flywheel.contract.bus import Bus
 
 T = TypeVar("T")
-ROLLOUT_LABEL = "flywheel-rollout"
 SESSION_RESOURCE = "flywheel.sdk.sandbox_tools.session"
 NO_SERVICE = "start the sandbox service (flywheel up) or set nats_url"
 # Errors of the service itself (not of what the model ran): the rollout fails rather than go on.
@@ -106,7 +105,8 @@ async def sandbox_session(ctx: RolloutContext, spec: SandboxSpec | None = None) 
     if pending is None:
         spec = spec or SandboxSpec()
         label = ctx.rollout_id or f"local-{secrets.token_hex(8)}"
-        spec = msgspec.structs.replace(spec, labels={**spec.labels, ROLLOUT_LABEL: label})
+        run = {RUN_LABEL: ctx.run} if ctx.run else {}  # metered to the run (sandbox seconds)
+        spec = msgspec.structs.replace(spec, labels={**spec.labels, ROLLOUT_LABEL: label, **run})
         ended = asyncio.Event()
         pending = asyncio.ensure_future(when_there_is_room(functools.partial(client.create, spec), ended))
         ctx.resources[SESSION_RESOURCE] = pending
