@@ -25,7 +25,7 @@ from flywheel.contract.bus import Bus
 from flywheel.contract.keys import KeyCheck, check_open
 from flywheel.contract.service import Service
 from flywheel.contract.settings import Settings
-from flywheel_gateway import api_health, api_rollouts, api_runs, api_tasks, api_traces, api_usage
+from flywheel_gateway import api_health, api_keys, api_rollouts, api_runs, api_tasks, api_traces, api_usage
 from flywheel_gateway.auth import caller
 from flywheel_gateway.body_limit import BodyLimit
 from flywheel_gateway.migrate import migrate
@@ -73,7 +73,7 @@ def create_app(settings: Settings) -> FastAPI:
         version="0.1.0",
         lifespan=lifespan,
     )
-    for module in (api_tasks, api_runs, api_rollouts, api_traces, api_usage):
+    for module in (api_tasks, api_runs, api_rollouts, api_traces, api_usage, api_keys):
         app.include_router(module.router, dependencies=[Depends(caller)])
     app.include_router(api_health.router)
     install_error_handlers(app)

@@ -3,7 +3,7 @@
 With ``auth = "keys"`` (settings) every route but ``/healthz`` (a probe's, which shows no
 data) wants an API key (``Authorization: Bearer fw_...``, :mod:`flywheel.contract.keys`):
 none, a malformed, unknown or revoked one is a 401; a key without the scope a request needs
-(``read`` for GET, ``write`` for the rest) is a 403, and so is anything of another tenant
+(``read`` for GET, ``write`` for the rest, ``admin`` for ``/v1/keys``) is a 403, and so is anything of another tenant
 (a run, its tasks, rollouts and traces), while listings show the key's tenant's alone. A
 ``Flywheel-Tenant`` header that names another tenant than the key's is a 403 too.
 
@@ -32,6 +32,7 @@ bearer = HTTPBearer(auto_error=False, scheme_name="APIKey",
                     description="A tenant's API key, fw_<id>_<secret> (`flywheel keys create`); not needed when the "
                                 "gateway runs open (auth = \"open\", loopback only).")
 _ALL = frozenset(SCOPES)
+KEYS_PATH = "/v1/keys"  # the tenant's keys (flywheel_gateway.api_keys): the admin scope, whatever the method
 
 
 async def caller(
@@ -48,8 +49,10 @@ async def caller(
     if check is None:
         return Caller(tenant or "default", _ALL)
     try:
+        path = request.url.path
+        admin = path == KEYS_PATH or path.startswith(f"{KEYS_PATH}/")
         return await check.authorize(credentials.credentials if credentials is not None else None, request.method,
-                                     request.url.path, tenant)
+                                     path, tenant, scope="admin" if admin else None)
     except KeyRefused as exc:
         raise HTTPException(401, str(exc), headers={"WWW-Authenticate": "Bearer"}) from None
     except ScopeRefused as exc:

@@ -523,6 +523,40 @@ class UsageReport(BaseModel):
     recount: UsageRecountPublic | None = None
 
 
+class ApiKeyCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    scopes: list[Literal["read", "write", "admin"]] = Field(min_length=1, max_length=3, description="read: GET; "
+                                                            "write: publish tasks, change runs, sample; admin: keys.")
+    name: str = Field("", max_length=200, description="For people: what the key is for.")
+    tenant: Annotated[str, Field(max_length=MAX_NAME_CHARS, json_schema_extra=_schema(RUN_ID_PATTERN)),
+                      AfterValidator(tenant_name)] | None = Field(
+        None, description="Whose key: with an API key, its own tenant (the default); the service token and an "
+                          "open gateway name it.")
+
+
+class ApiKeyPublic(BaseModel):
+    id: str
+    tenant: str
+    scopes: list[str]
+    name: str
+    created_at: datetime
+    revoked_at: datetime | None
+
+    @classmethod
+    def of(cls, record: events.ApiKey) -> ApiKeyPublic:
+        return cls(id=record.id, tenant=record.tenant, scopes=list(record.scopes), name=record.name,
+                   created_at=record.created_at, revoked_at=record.revoked_at)
+
+
+class ApiKeyCreated(ApiKeyPublic):
+    key: str = Field(description="The key itself, fw_<id>_<secret>: shown this once, stored nowhere.")
+
+
+class ApiKeyPage(BaseModel):
+    items: list[ApiKeyPublic]
+
+
 class ErrorPublic(BaseModel):
     detail: str
 

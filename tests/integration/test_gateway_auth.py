@@ -50,20 +50,21 @@ async def owned(keyed_app: FastAPI) -> dict[str, Any]:
                         events.Usage(run=RUN, source="trainer", step=1, trained_tokens=4, rollout_ids=[ROLLOUT])])
     made = {name: (await keys.create_key(bus, tenant, scopes))[0]
             for name, tenant, scopes in [("a", "a", ["read", "write"]), ("b", "b", ["read", "write", "admin"]),
-                                         ("a_read", "a", ["read"])]}
-    return {"keys": made, "node": rollout(ROLLOUT).nodes[-1].id}
+                                         ("a_read", "a", ["read"]), ("a_admin", "a", ["admin"])]}
+    return {"keys": made, "node": rollout(ROLLOUT).nodes[-1].id,
+            "key_ids": {name: key.split("_")[1] for name, key in made.items()}}
 
 
-def requests(app: FastAPI, node: str) -> list[tuple[str, str, Any]]:
+def requests(app: FastAPI, node: str, key_id: str) -> list[tuple[str, str, Any]]:
     """(method, url, json body) for every operation of the OpenAPI, its path parameters naming a's things."""
-    values = {"run_id": RUN, "rollout_id": ROLLOUT, "task_id": TASK, "node_id": node}
+    values = {"run_id": RUN, "rollout_id": ROLLOUT, "task_id": TASK, "node_id": node, "key_id": key_id}
+    bodies = {("post", "/v1/tasks"): [{"run": RUN, "env": "math", "data": {"q": "3+3"}}],
+              ("post", "/v1/keys"): {"scopes": ["read"], "tenant": "a"}}
     out = []
     for path, operations in app.openapi()["paths"].items():
         url = re.sub(r"\{(\w+)(:path)?\}", lambda m: values[m.group(1)], path)
         for method in operations:
-            body = [{"run": RUN, "env": "math", "data": {"q": "3+3"}}] if (method, path) == ("post", "/v1/tasks") \
-                else None
-            out.append((method.upper(), url, body))
+            out.append((method.upper(), url, bodies.get((method, path))))
     return out
 
 
@@ -75,7 +76,8 @@ async def call(app: FastAPI, method: str, url: str, body: Any, key: str | None) 
 
 async def test_every_route_refuses_no_key_and_another_tenants_key(keyed_app: FastAPI, owned: dict[str, Any]) -> None:
     bus: Bus = keyed_app.state.bus
-    walked = requests(keyed_app, owned["node"])
+    walked = requests(keyed_app, owned["node"], owned["key_ids"]["a"])
+    a_key_ids = [key_id for name, key_id in owned["key_ids"].items() if name != "b"]
     assert {url for _, url, _ in walked} >= {f"/v1/runs/{RUN}", f"/v1/traces/{ROLLOUT}/stream", "/v1/tasks"}
     tasks_before = (await bus.js.stream_info("TASKS")).state.messages
     for method, url, body in walked:
@@ -86,15 +88,18 @@ async def test_every_route_refuses_no_key_and_another_tenants_key(keyed_app: Fas
             assert response.status_code == 401, (method, url, key, response.text)
             assert response.headers["www-authenticate"] == "Bearer"
         other = await call(keyed_app, method, url, body, owned["keys"]["b"])
-        if method == "GET" and url in ("/v1/runs", "/v1/tasks", "/v1/rollouts", "/v1/rollouts/export", "/v1/usage"):
+        if method == "GET" and url in ("/v1/runs", "/v1/tasks", "/v1/rollouts", "/v1/rollouts/export", "/v1/usage",
+                                       "/v1/keys"):
             assert other.status_code == 200, (url, other.text)  # the caller's own: nothing of a's
             assert RUN not in other.text and ROLLOUT not in other.text and TASK not in other.text, (url, other.text)
+            assert not any(key_id in other.text for key_id in a_key_ids), (url, other.text)
         else:
             assert other.status_code == 403, (method, url, other.text)
             assert "another tenant" in other.json()["detail"], other.text
-        if method != "GET":
+        needs = "admin" if url.startswith("/v1/keys") else "write" if method != "GET" else None
+        if needs is not None:
             read_only = await call(keyed_app, method, url, body, owned["keys"]["a_read"])
-            assert read_only.status_code == 403 and "needs 'write'" in read_only.json()["detail"], read_only.text
+            assert read_only.status_code == 403 and f"needs '{needs}'" in read_only.json()["detail"], read_only.text
     # Nothing was written: no task published, the run as it was.
     assert (await bus.js.stream_info("TASKS")).state.messages == tasks_before
     state = await get_run(bus, RUN)
@@ -140,3 +145,24 @@ async def test_an_open_gateway_listens_on_loopback_only(nats_server: NatsServer,
         create_app(Settings(nats_url=nats_server.url, data_dir=tmp_path, gateway_host="0.0.0.0"))
     create_app(Settings(nats_url=nats_server.url, data_dir=tmp_path, gateway_host="0.0.0.0", auth="keys"))
     create_app(Settings(nats_url=nats_server.url, data_dir=tmp_path, gateway_host="::1"))
+
+
+async def test_an_admin_key_makes_lists_and_revokes_its_tenants_keys(keyed_app: FastAPI, owned: dict[str, Any]) -> None:
+    admin = owned["keys"]["a_admin"]
+    made = await call(keyed_app, "POST", "/v1/keys", {"scopes": ["read"], "name": "ci"}, admin)
+    assert made.status_code == 201, made.text
+    new = made.json()
+    assert (new["tenant"], new["scopes"], new["name"], new["revoked_at"]) == ("a", ["read"], "ci", None)
+    assert (await call(keyed_app, "GET", f"/v1/runs/{RUN}", None, new["key"])).status_code == 200
+    assert (await call(keyed_app, "GET", f"/v1/runs/{RUN}", None, admin)).status_code == 403  # admin is not read
+    listed = (await call(keyed_app, "GET", "/v1/keys", None, admin)).json()["items"]
+    assert {k["id"] for k in listed} == {owned["key_ids"][name] for name in ("a", "a_read", "a_admin")} | {new["id"]}
+    assert all("key" not in k and "sha256" not in k for k in listed)  # no secret, not even its hash
+    revoked = await call(keyed_app, "DELETE", f"/v1/keys/{new['id']}", None, admin)
+    assert revoked.status_code == 200 and revoked.json()["revoked_at"] is not None
+    refused = await call(keyed_app, "GET", f"/v1/runs/{RUN}", None, new["key"])
+    assert refused.status_code == 401 and "revoked" in refused.json()["detail"]
+    unknown = await call(keyed_app, "DELETE", "/v1/keys/0123456789abcdef", None, admin)
+    assert unknown.status_code == 404 and "0123456789abcdef" in unknown.json()["detail"]
+    bad = await call(keyed_app, "POST", "/v1/keys", {"scopes": ["root"]}, admin)
+    assert bad.status_code == 422 and "scopes" in bad.text

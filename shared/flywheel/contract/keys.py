@@ -12,8 +12,9 @@ revoked key keeps its entry (``revoked_at``) and is refused from then on; a serv
 checks keys (:class:`KeyCheck`) holds what it read for at most ``ttl_s`` (5 s), so a
 revocation takes hold within that.
 
-Who makes keys: an operator, with access to the bus (``flywheel keys create --tenant T``);
-the first key of a deployment comes that way.
+Who makes keys: an operator, with access to the bus (``flywheel keys create --tenant T``),
+and a tenant's ``admin`` keys over the gateway (``/v1/keys``: make, list, revoke its own); the
+first key of a deployment comes from the operator.
 """
 
 from __future__ import annotations
@@ -152,14 +153,16 @@ class KeyCheck:
         self._service_digest = digest(service_token) if service_token else None
         self._seen: dict[str, tuple[float, events.ApiKey | None]] = {}
 
-    async def authorize(self, token: str | None, method: str, what: str, tenant: str | None = None) -> Caller:
+    async def authorize(self, token: str | None, method: str, what: str, tenant: str | None = None,
+                        scope: Scope | None = None) -> Caller:
         """The caller of a request (``method`` on ``what``, with the ``Flywheel-Tenant`` header
-        ``tenant`` if it had one): KeyRefused (a 401) or ScopeRefused (a 403) saying why."""
+        ``tenant`` if it had one), which needs ``scope`` (None: ``read`` for reading methods,
+        ``write`` for the rest): KeyRefused (a 401) or ScopeRefused (a 403) saying why."""
         found = await self.caller(token)
         if tenant is not None and tenant != found.tenant and not found.service:
             raise ScopeRefused(f"Flywheel-Tenant names {tenant!r}, and API key {found.key_id} is tenant "
                                f"{found.tenant!r}'s: leave the header out, or use a key of {tenant!r}")
-        scope = "read" if method in READ_METHODS else "write"
+        scope = scope or ("read" if method in READ_METHODS else "write")
         if not found.allows(scope):
             raise ScopeRefused(f"API key {found.key_id} has the scopes {', '.join(sorted(found.scopes))}; "
                                f"{method} {what} needs {scope!r}")
