@@ -15,6 +15,8 @@ from flywheel.ops.natsserver import free_port
 from tests.e2e.test_up import Output
 from tests.e2e.test_up_supervisor import alive
 
+LOG_LINES_SHOWN = 60  # of each service's log, after a test of the stack
+
 
 @pytest.fixture
 def clean_env() -> dict[str, str]:
@@ -24,7 +26,8 @@ def clean_env() -> dict[str, str]:
 
 @pytest.fixture
 def stack(tmp_path: Path, clean_env: dict[str, str]) -> Iterator[tuple[subprocess.Popen[str], Output, dict[str, int]]]:
-    """``flywheel up`` on free ports; after the test, it and every process it printed are stopped."""
+    """``flywheel up`` on free ports; after the test, it and every process it printed are stopped,
+    and the last lines of each service's log are printed (pytest shows them when the test failed)."""
     ports = {"nats": free_port(), "gateway": free_port(), "inference": free_port()}
     up = subprocess.Popen([sys.executable, "-m", "flywheel.ops.cli", "up", "--data-dir", str(tmp_path / "data"),
                            "--nats-port", str(ports["nats"]), "--gateway-port", str(ports["gateway"]),
@@ -45,3 +48,6 @@ def stack(tmp_path: Path, clean_env: dict[str, str]) -> Iterator[tuple[subproces
             pid = int(match.group(1))
             if alive(pid):  # only when the stack failed to stop it: it is ours either way
                 os.kill(pid, signal.SIGKILL)
+        for log in sorted((tmp_path / "data" / "logs").glob("*.log")):
+            lines = log.read_text(errors="replace").splitlines()
+            print(f"--- last lines of {log.name} ---", *lines[-LOG_LINES_SHOWN:], sep="\n")

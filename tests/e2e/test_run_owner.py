@@ -28,6 +28,7 @@ import pytest
 from flywheel.contract import events
 from flywheel.contract.bus import Bus
 from flywheel.contract.runs import end_of, get_run
+from flywheel.ops.run import STOP_TIMEOUT_S
 from tests.e2e.test_up import READY_TIMEOUT_S, Output, poll
 from tests.e2e.test_up_supervisor import alive
 
@@ -67,7 +68,7 @@ def flywheel(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess[str
 
 def finish(proc: subprocess.Popen[str], output: Output) -> None:
     output.wait_for(rf"^step\s+{NUM_STEPS}/{NUM_STEPS}", STEP_TIMEOUT_S)
-    assert proc.wait(60) == 0, output.text
+    assert output.exit_status(proc, 60) == 0, output.text
 
 
 def state(nats_port: int, run: str) -> events.RunState:
@@ -141,7 +142,7 @@ def test_trainer_restart_detach_stop_resume_and_takeover(stack, tmp_path: Path, 
     proc, output = start_run("detached", data_dir, ports, clean_env)
     output.wait_for(r"^step\s+1/", STEP_TIMEOUT_S)
     proc.send_signal(signal.SIGINT)
-    assert proc.wait(30) == 0, output.text
+    assert output.exit_status(proc, 30) == 0, output.text
     output.wait_for(r"^run detached: no longer following it; it goes on \(`flywheel runs follow detached`", 1)
     follower, followed = runs_command("follow", "detached", data_dir, ports, clean_env)
     assert follower.wait(STEP_TIMEOUT_S) == 0, followed.text
@@ -167,7 +168,7 @@ def test_trainer_restart_detach_stop_resume_and_takeover(stack, tmp_path: Path, 
     resumed.wait_for(rf"run held: resuming at step \d+ of {held_steps} \(paused by flywheel runs pause", 60)
     for follower, followed in ((resumer, resumed), (proc, output)):
         followed.wait_for(rf"^step\s+{held_steps}/{held_steps}", STEP_TIMEOUT_S)
-        assert follower.wait(60) == 0, followed.text
+        assert followed.exit_status(follower, 60) == 0, followed.text
     output.wait_for(r"run held: resumed: starting the trainer again", 1)
     assert steps_trained(data_dir, "held") == [(i, i) for i in range(held_steps + 1)]
 
@@ -175,7 +176,8 @@ def test_trainer_restart_detach_stop_resume_and_takeover(stack, tmp_path: Path, 
     proc, output = start_run("interrupted", data_dir, ports, clean_env, "--stop")
     output.wait_for(r"^step\s+2/", STEP_TIMEOUT_S)
     proc.send_signal(signal.SIGINT)
-    assert proc.wait(60) == 0, output.text
+    # Seconds as a rule; `flywheel run` itself gives up on the owner after STOP_TIMEOUT_S, saying so.
+    assert output.exit_status(proc, STOP_TIMEOUT_S + 30) == 0, output.text
     stopped = state(ports["nats"], "interrupted")
     assert stopped.status == "stopped" and "stopped by flywheel-run" in (stopped.reason or ""), stopped
     assert stopped.owner is None  # its owner stopped the trainer and let go before `flywheel run` exited
@@ -193,7 +195,7 @@ def test_trainer_restart_detach_stop_resume_and_takeover(stack, tmp_path: Path, 
     output.wait_for(r"run interrupted: resuming at step \d+ of 8 \(run 'interrupted' stopped at", 60)
     follower, followed = runs_command("follow", "interrupted", data_dir, ports, clean_env)
     finish(proc, output)
-    assert follower.wait(30) == 0, followed.text
+    assert followed.exit_status(follower, 30) == 0, followed.text
     followed.wait_for(rf"^step\s+{NUM_STEPS}/{NUM_STEPS}\s", 1)
     followed.wait_for(r"^run interrupted: finished", 1)
     assert steps_trained(data_dir, "interrupted") == every_step
@@ -206,7 +208,7 @@ def test_trainer_restart_detach_stop_resume_and_takeover(stack, tmp_path: Path, 
     assert refused.returncode == 1 and "is still running" in refused.stderr, refused.stderr
     stopping = flywheel("runs", "stop", "stopped-elsewhere", "--nats-port", str(ports["nats"]), env=clean_env)
     assert stopping.returncode == 0 and "stopped by flywheel runs stop" in stopping.stdout, stopping.stdout
-    assert proc.wait(60) == 0, output.text
+    assert output.exit_status(proc, 60) == 0, output.text
     output.wait_for(r"run stopped-elsewhere: stopped \(stopped by flywheel runs stop", 1)
     poll(lambda: state(ports["nats"], "stopped-elsewhere").owner is None, 30, "its owner to let go of it")
     listed = flywheel("runs", "list", "--nats-port", str(ports["nats"]), env=clean_env)

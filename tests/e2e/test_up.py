@@ -51,15 +51,27 @@ class Output:
         while len(found := self.matching(pattern)) < count:
             if self.ended:
                 raise AssertionError(f"the process ended before printing {pattern!r}; output:\n" + self.text)
-            try:
-                line = self._queue.get(timeout=max(deadline - time.monotonic(), 0.01))
-            except queue.Empty:
-                raise AssertionError(f"no line like {pattern!r} within {timeout_s}s; output:\n" + self.text) from None
-            if line is None:
-                self.ended = True
-            else:
-                self.lines.append(line)
+            self._read_next(deadline, f"no line like {pattern!r} within {timeout_s}s")
         return found[:count]
+
+    def exit_status(self, proc: subprocess.Popen[str], timeout_s: float) -> int:
+        """The process's exit status, once it exited and printed its last line; an
+        AssertionError with everything it printed if it did not within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while not self.ended:
+            self._read_next(deadline, f"the process did not exit within {timeout_s}s")
+        return proc.wait(max(deadline - time.monotonic(), 5.0))
+
+    def _read_next(self, deadline: float, failure: str) -> None:
+        """One more line (or the end of the output), by ``deadline``; else AssertionError(failure)."""
+        try:
+            line = self._queue.get(timeout=max(deadline - time.monotonic(), 0.01))
+        except queue.Empty:
+            raise AssertionError(f"{failure}; output:\n" + self.text) from None
+        if line is None:
+            self.ended = True
+        else:
+            self.lines.append(line)
 
     def matching(self, pattern: str) -> list[re.Match[str]]:
         return [m for line in self.lines if (m := re.search(pattern, line))]
@@ -153,7 +165,7 @@ def test_up_publish_status_restart_and_stop(stack: tuple[subprocess.Popen[str], 
     assert views[0]["failing"] == []
 
     up.send_signal(signal.SIGINT)
-    assert up.wait(60) == 0, output.text
+    assert output.exit_status(up, 60) == 0, output.text
     output.wait_for(r"^stopped nats-server$", 5)
     for name, pid in [*pids.items(), ("restarted recorder", restarted)]:
         def gone(pid: int = pid) -> bool:
