@@ -70,7 +70,6 @@ from flywheel_inference.worker import HostedRun, UnknownRun, Worker
 log = logging.getLogger(__name__)
 router = APIRouter()
 MAX_CHOICES = 64
-_metering: set[asyncio.Future[Any]] = set()  # usage publishes under way (held: the loop keeps weak refs)
 
 
 class ApiError(Exception):
@@ -225,16 +224,8 @@ def _meter(worker: Worker, who: Caller, hosted: HostedRun, prompt: list[int], sa
                          tenant=who.tenant if who.key_id is not None and not who.service else "",
                          prompt_tokens=len(prompt),
                          sampled_tokens=sum(len(s.completion.token_ids) for s in sampled))
-
-    def done(task: asyncio.Future[Any]) -> None:
-        _metering.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("run %s: could not publish the usage of an API request (%d prompt, %d sampled tokens): %s",
-                        usage.run, usage.prompt_tokens, usage.sampled_tokens, task.exception())
-
-    task = asyncio.ensure_future(worker.bus.publish(usage))
-    _metering.add(task)
-    task.add_done_callback(done)
+    worker.bus.publish_soon(usage, f"the usage of an API request of run {usage.run} ({usage.prompt_tokens} prompt, "
+                                   f"{usage.sampled_tokens} sampled tokens)")
 
 
 def _check(hosted: HostedRun, prompt: list[int], sampling: events.Sampling) -> None:

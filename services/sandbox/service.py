@@ -69,7 +69,6 @@ class SandboxResponder:
             "destroy_by_label": lambda r: manager.destroy_by_label(r.labels),
         }
         self.in_flight: set[asyncio.Task[None]] = set()
-        self.metering: set[asyncio.Future[None]] = set()  # usage publishes under way
         manager.on_destroyed = self.meter
         self.num_requests = 0
         self.ready = asyncio.Event()  # set once every subject is subscribed
@@ -92,7 +91,7 @@ class SandboxResponder:
         """Wait for requests in flight (after the manager destroyed their sandboxes, they end soon),
         and for the usage of the sandboxes destroyed to be on the bus."""
         await asyncio.gather(*self.in_flight, return_exceptions=True)
-        await asyncio.gather(*self.metering, return_exceptions=True)
+        await self.bus.wait_published()
 
     def meter(self, session: Session, seconds: float) -> None:
         """Publish a destroyed sandbox's seconds, if a run is named on it (off the request's path; a
@@ -102,17 +101,7 @@ class SandboxResponder:
             return
         usage = events.Usage(id=f"sandbox.{session.id}", run=run, source="sandbox", sandbox_s=round(seconds, 3),
                              rollout_id=session.spec.labels.get(ROLLOUT_LABEL))
-
-        async def publish() -> None:
-            try:
-                await self.bus.publish(usage)
-            except Exception as exc:  # metering must never take the sandbox service down
-                log.warning("run %s: could not publish the usage of sandbox %s (%.1f s): %s", run, session.id,
-                            seconds, exc)
-
-        task = asyncio.ensure_future(publish())
-        self.metering.add(task)
-        task.add_done_callback(self.metering.discard)
+        self.bus.publish_soon(usage, f"the usage of sandbox {session.id} of run {run} ({seconds:.1f} s)")
 
     def _callback(self, op: str) -> Callable[[Msg], Awaitable[None]]:
         async def on_message(msg: Msg) -> None:

@@ -590,3 +590,39 @@ async def test_listing_runs_and_heartbeats_misses_none_while_one_is_rewritten(bu
     assert await bus.kv_keys("flywheel-services") == ["scorer.1", "scorer.2", "scorer.3", "scorer.gone"]
     with pytest.raises(nats.js.errors.BucketNotFoundError):
         await bus.kv_keys("no-such-bucket")
+
+
+async def test_a_subject_the_server_refuses_fails_at_once_naming_it_and_the_user(tmp_path) -> None:
+    """A user whose permissions lack a subject: its publish there is refused by the server (which
+    only says so on the side, the ack never comes); the bus raises PermissionDenied after the
+    first wait for the ack instead of retrying until publish_timeout_s, and what it may publish
+    still goes through."""
+    from flywheel.contract.bus import PermissionDenied
+
+    config = """authorization {
+      users = [
+        {user: admin, password: admin-secret}
+        {user: scorer, password: scorer-secret,
+         permissions: {publish: {allow: [">"], deny: ["weights.>", "tasks.denied.>"]}, subscribe: {allow: [">"]}}}
+      ]
+    }"""
+    server = NatsServer(tmp_path / "nats", config=config).start()
+    try:
+        admin = await Bus.connect(f"nats://admin:admin-secret@{server.host}:{server.port}", "admin")
+        scorer = await Bus.connect(f"nats://scorer:scorer-secret@{server.host}:{server.port}", "scorer",
+                                   BusConfig(publish_timeout_s=30, request_timeout_s=1), ensure=False)
+        try:
+            started = time.monotonic()
+            with pytest.raises(PermissionDenied, match=r"user 'scorer' the publish to 'weights\.r1'"):
+                await scorer.publish_raw("weights.r1", b"{}", {"Nats-Msg-Id": "w1"})
+            with pytest.raises(PermissionDenied, match=r"user 'scorer' the publish to 'tasks\.denied\."):
+                await scorer.publish_many([task(i, run="denied") for i in range(3)])
+            assert time.monotonic() - started < 10  # not publish_timeout_s of retries each
+            assert len(await scorer.publish_many([task(i) for i in range(3)])) == 3
+            assert (await admin.js.stream_info("TASKS")).state.messages == 3
+            assert (await admin.js.stream_info("WEIGHTS")).state.messages == 0
+        finally:
+            await scorer.close()
+            await admin.close()
+    finally:
+        server.stop()

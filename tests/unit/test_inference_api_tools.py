@@ -65,7 +65,8 @@ class ScriptedWorker:
         self.hosted = hosted
         self.bus = self  # publishes the usage events into hosted.metered
 
-    async def publish(self, event: events.Usage) -> None:
+    def publish_soon(self, event: events.Usage, what: str) -> None:
+        assert event.run in what  # the failure it would log names the run
         self.hosted.metered.append(event)
 
     async def served(self, model: str) -> ScriptedHosted:

@@ -30,11 +30,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, ClassVar, TypeVar
+from urllib.parse import urlsplit
 
 import msgspec
 import nats
@@ -97,6 +99,10 @@ DEAD_LETTER_REASON_CHARS = 2000
 DEAD_LETTER_HEADERS = 16
 DEAD_LETTER_HEADER_CHARS = 256
 WATCH_HEARTBEAT_S = 1.0  # idle heartbeat of a watch's ordered consumer
+# Closing drains: a subscription's messages nobody will read (a watch left without being closed)
+# would hold a process's exit for nats-py's default of 30 s; what matters is flushed in far less.
+DRAIN_TIMEOUT_S = 5
+MAX_DENIALS_KEPT = 64  # the server's latest refusals a connection remembers (Bus.check_denied)
 
 _TRANSIENT_PUBLISH_ERRORS = (
     nats.errors.TimeoutError,
@@ -106,6 +112,14 @@ _TRANSIENT_PUBLISH_ERRORS = (
     nats.errors.OutboundBufferLimitError,
     asyncio.TimeoutError,
 )
+
+
+class PermissionDenied(PermissionError):
+    """The NATS server refused this connection's user a subject (its permissions lack it): not
+    transient, so not retried."""
+
+
+_DENIED = re.compile(r"permissions violation for (publish|subscription) to \"?([^\"'\s]+)", re.IGNORECASE)
 
 
 def stream_of(subject: str) -> str:
@@ -154,6 +168,10 @@ class Bus:
         # header work and spans entirely (about 10 us a message).
         self.tracer: trace.Tracer | None = (
             None if isinstance(provider, trace.ProxyTracerProvider) else provider.get_tracer("flywheel.contract.bus"))
+        # publish_soon's publishes under way (held here: the loop keeps only weak references)
+        self.soon: set[asyncio.Future[PubAck]] = set()
+        self.denials: list[tuple[float, str, str]] = []  # what the server refused this connection, newest last
+        self.user = "(no user)"  # the NATS user this connection logs in as, for messages
 
     @classmethod
     async def connect(cls, url: str, name: str, config: BusConfig | None = None, ensure: bool = True,
@@ -164,12 +182,18 @@ class Bus:
         delay_s = 0.05
         connected = False
         last_error: BaseException | None = None
+        denials: list[tuple[float, str, str]] = []  # (when, publish or subscription, subject) the server refused
 
         async def on_error(exc: Exception) -> None:
             # Before the first connection a failure is expected (the server may be starting)
             # and ends in the ConnectionError below; once connected, each is worth a warning.
             nonlocal last_error
             last_error = exc
+            if found := _DENIED.search(str(exc)):
+                # The server says so and drops the message; the publish itself only times out
+                # waiting for its ack, so the waiting op looks this up (Bus.retry).
+                denials.append((time.monotonic(), found.group(1).lower(), found.group(2)))
+                del denials[:-MAX_DENIALS_KEPT]
             log.log(logging.WARNING if connected else logging.DEBUG, "nats: %s", exc)
 
         while True:
@@ -183,6 +207,7 @@ class Bus:
                     allow_reconnect=True,
                     max_reconnect_attempts=-1,
                     reconnect_time_wait=0.25,
+                    drain_timeout=DRAIN_TIMEOUT_S,
                     error_cb=on_error,
                     disconnected_cb=_log_disconnected,
                     reconnected_cb=_log_reconnected,
@@ -197,6 +222,8 @@ class Bus:
                 await asyncio.sleep(delay_s)
                 delay_s = min(delay_s * 2, 1.0)
         bus = cls(nc, config, tracer_provider)
+        bus.denials = denials
+        bus.user = urlsplit(url if "://" in url else f"nats://{url}").username or "(no user)"
         if ensure:
             await bus.ensure()
         return bus
@@ -293,6 +320,25 @@ class Bus:
             headers = self.headers_for(event, content_type)
             return await self.retry(lambda: self.js.publish(subject, payload, headers=headers))
 
+    def publish_soon(self, event: events.Event, what: str) -> None:
+        """Publish ``event`` in the background, off the caller's path (a usage count beside a
+        response): retried as :meth:`publish`; a failure is logged naming ``what`` (the event, for
+        people), never raised. :meth:`wait_published` and :meth:`close` wait for them."""
+        def done(task: asyncio.Future[PubAck]) -> None:
+            self.soon.discard(task)
+            if not task.cancelled() and task.exception() is not None:
+                log.warning("bus: could not publish %s: %s", what, task.exception())
+
+        task = asyncio.ensure_future(self.publish(event))
+        self.soon.add(task)
+        task.add_done_callback(done)
+
+    async def wait_published(self) -> None:
+        """Until what :meth:`publish_soon` started is on the bus or given up (each is bounded by
+        ``publish_timeout_s``)."""
+        if self.soon:
+            await asyncio.wait(list(self.soon))
+
     async def publish_raw(self, subject: str, payload: bytes, headers: dict[str, str]) -> PubAck:
         """Publish bytes as they are (tools, tests, other-language bridges). Retried likewise."""
         return await self.retry(lambda: self.js.publish(subject, payload, headers=headers))
@@ -304,6 +350,7 @@ class Bus:
         transiently is published again with the same id (deduplicated by the server).
         """
         pending: list[tuple[str, bytes, dict[str, str], asyncio.Future[PubAck]]] = []
+        started = time.monotonic()
         for event in batch:
             subject = event.subject()
             headers = self.headers_for(event, content_type)
@@ -326,6 +373,8 @@ class Bus:
                 # nats-py's bound on unacknowledged publishes.
                 for *_, fut in pending:
                     fut.cancel()
+        if any(fut.cancelled() for *_, fut in pending):
+            self.check_denied(started)
         acks: list[PubAck] = []
         for subject, payload, headers, fut in pending:
             if fut.cancelled() or _is_transient(fut.exception()):
@@ -340,20 +389,35 @@ class Bus:
         deadline = time.monotonic() + self.config.publish_timeout_s
         delay_s = 0.05
         while True:
+            started = time.monotonic()
             try:
                 return await op()
             except Exception as exc:
+                self.check_denied(started)
                 if not _is_transient(exc) or time.monotonic() + delay_s > deadline:
                     raise
                 log.debug("bus: transient %s, retrying in %.2fs", type(exc).__name__, delay_s)
                 await asyncio.sleep(delay_s)
                 delay_s = min(delay_s * 2, 2.0)
 
+    def check_denied(self, since: float) -> None:
+        """PermissionDenied, naming the subject and the user, when the server refused this
+        connection something since ``since`` (``time.monotonic()``): what timed out then was
+        refused, and trying again cannot help."""
+        refused = [(what, subject) for when, what, subject in self.denials if when >= since]
+        if refused:
+            what, subject = refused[-1]
+            raise PermissionDenied(
+                f"NATS refused user {self.user!r} the {what} to {subject!r}: that user's permissions (in the "
+                "server's config) lack the subject; a service publishing where it should not, or a user given "
+                "too little")
+
     async def close(self) -> None:
         """Drain (let what was published and received finish), or just close when the server is
         gone already: shutting down must not fail because NATS did first."""
         if self.nc.is_closed:
             return
+        await self.wait_published()
         try:
             await self.nc.drain()
         except (TimeoutError, nats.errors.ConnectionReconnectingError, nats.errors.ConnectionClosedError,

@@ -72,10 +72,14 @@ class NatsServer:
         monitor_port: int | None = None,
         log_file: str | Path | None = None,
         max_payload: int | None = None,
+        config: str = "",
     ) -> None:
-        """``max_payload``: the largest message in bytes the server takes (unset: its default, 1 MiB)."""
+        """``max_payload``: the largest message in bytes the server takes (unset: its default, 1 MiB);
+        ``config``: more of nats-server's config file (an ``authorization`` block of users and
+        their subject permissions, say)."""
         self.store_dir = Path(store_dir)
         self.max_payload = max_payload
+        self.config = config
         self.host = host
         self.port = port or free_port(host)
         self.monitor_port = monitor_port
@@ -98,9 +102,11 @@ class NatsServer:
         cmd = [find_binary(), "-a", self.host, "-p", str(self.port), "-js", "-sd", str(self.store_dir)]
         if self.monitor_port:
             cmd += ["-m", str(self.monitor_port)]
-        if self.max_payload is not None:  # a setting of the config file only, not of the command line
+        if self.max_payload is not None or self.config:  # settings of the config file only, not of the command line
             conf = self.store_dir / "nats-server.conf"
-            conf.write_text(f"max_payload: {self.max_payload}\n")
+            lines = [f"max_payload: {self.max_payload}"] if self.max_payload is not None else []
+            conf.write_text("\n".join([*lines, self.config]) + "\n")
+            conf.chmod(0o600)  # it may hold passwords
             cmd += ["-c", str(conf)]
         log = open(self.log_file, "ab")
         try:
