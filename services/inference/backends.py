@@ -36,8 +36,8 @@ machine). Both the backend and the inference service on it are tested on CPU
 LoRA adapters: the transformers backend keeps any number of them over its base weights
 (:attr:`TransformersBackend.adapters`, :mod:`flywheel_inference.adapters`), and
 ``generate(..., adapters=[name per row])`` samples each row with its own; runs on one base
-share one backend that way. Not covered: top-k, logprobs of the alternatives
-(``top_logprobs``), and adapters on the vLLM backend.
+share one backend that way (the vLLM backend too, with vLLM's LoRA support). Not covered:
+top-k, logprobs of the alternatives (``top_logprobs``).
 """
 
 from __future__ import annotations
@@ -263,12 +263,13 @@ class TransformersBackend:
 BackendBuilder = Callable[..., Backend]
 
 
-def _build_vllm(path: Path | str, dtype: str) -> Backend:
+def _build_vllm(path: Path | str, dtype: str, max_loras: int, max_lora_rank: int, lora: bool = False) -> Backend:
     # Imported here: vllm is only in .venv-vllm (scripts/setup-vllm.sh) or on a GPU
     # machine; without it, building fails with a message naming the package.
     from flywheel_inference.backend_vllm import VLLMBackend
 
-    return VLLMBackend.build(path, dtype)
+    return VLLMBackend.build(path, dtype, max_loras=max_loras, max_lora_rank=max_lora_rank) if lora else (
+        VLLMBackend.build(path, dtype))
 
 
 BACKENDS: dict[str, BackendBuilder] = {
@@ -277,8 +278,12 @@ BACKENDS: dict[str, BackendBuilder] = {
 }
 
 
-def build_backend(backend: BackendPart | str, path: Path | str, dtype: str) -> Backend:
+def build_backend(backend: BackendPart | str, path: Path | str, dtype: str, lora: bool = False) -> Backend:
     """The backend a run config's ``inference.backend`` (or a bare type name) names, on the
-    model at ``path``."""
+    model at ``path``. ``lora``: it is the shared base of LoRA runs (vLLM's engine starts with
+    LoRA on; the transformers backend keeps adapters whatever, a backend of the user's own
+    merges them into a copy)."""
     part = InferenceConfig(backend=backend).backend if isinstance(backend, str) else backend
+    if lora and part.type == "vllm":
+        return part.bind(BACKENDS)(path, dtype, lora=True)
     return part.bind(BACKENDS)(path, dtype)

@@ -233,7 +233,7 @@ class Worker:
             from flywheel.sdk import models
 
             return build_backend(cfg.inference.backend, models.resolve_model(cfg.model.name, data_dir),
-                                 cfg.model.dtype)
+                                 cfg.model.dtype, lora=cfg.trainer.adapter is not None)
 
         return cls(bus, build, config, url)
 

@@ -52,8 +52,8 @@ def test_every_checked_in_config_parses(path: Path) -> None:
     ({"run": "r", "env": "e", "sft": {"context_share": 1.5}}, "sft.context_share"),
     ({"run": "r", "env": "e", "trainer": {"adapter": {"rank": 0}}}, "trainer.adapter.rank"),
     ({"run": "r", "env": "e", "trainer": {"adapter": {"target_modules": []}}}, "trainer.adapter.target_modules"),
-    ({"run": "r", "env": "e", "trainer": {"adapter": {}}, "inference": {"backend": "vllm"}},
-     "trainer.adapter: inference.backend = 'vllm' does not load adapters yet"),
+    ({"run": "r", "env": "e", "trainer": {"adapter": {"rank": 128}}, "inference": {"backend": "vllm"}},
+     "trainer.adapter.rank=128 is over inference.backend.max_lora_rank=64"),
     ({"run": "r", "env": "e", "trainer": {"adapter": {}, "engine": "deepspeed"}},
      "trainer.adapter: the deepspeed engine does not train adapters yet"),
 ])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, cast
 
 import msgspec
 import pytest
@@ -14,6 +15,7 @@ import torch
 
 from flywheel.contract import events
 from flywheel.sdk import models
+from flywheel_inference.adapters import AdapterView
 from flywheel_inference.backend_vllm import VLLMBackend, vllm_available
 from flywheel_inference.backends import BACKENDS, build_backend
 from tests.backend_checks import (
@@ -22,6 +24,7 @@ from tests.backend_checks import (
     check_tokens_are_called_back_as_sampled,
     full_forward_logprobs,
 )
+from tests.helpers import random_adapter
 
 needs_vllm = (pytest.mark.vllm,
               pytest.mark.skipif(not vllm_available(),
@@ -169,3 +172,72 @@ class TestEngine:
         assert [c.token_ids for c in restored] == [c.token_ids for c in before]
         assert [lp for c in restored for lp in c.logprobs] == pytest.approx([lp for c in before for lp in c.logprobs],
                                                                              abs=1e-5)
+
+
+@pytest.fixture(scope="module")
+def lora_backend(tiny_model_dir: Path) -> Iterator[VLLMBackend]:
+    b = build_backend("vllm", tiny_model_dir, "float32", lora=True)
+    assert isinstance(b, VLLMBackend)
+    yield b
+    b.close()
+
+
+def adapter(model_dir: Path, seed: int, targets: list[str], rank: int) -> tuple[bytes, torch.nn.Module]:
+    """A random adapter's blob and the peft model it came from (the trainer's view of it)."""
+    model = random_adapter(model_dir, rank, targets, seed)
+    return models.save_weights(model), model
+
+
+def mean_logprob_diff(model: torch.nn.Module, prompt: list[int], completion: Any, temperature: float) -> float:
+    return float((full_forward_logprobs(model, prompt, completion.token_ids, temperature)
+                  - torch.tensor(completion.logprobs)).abs().mean())
+
+
+@needs_vllm[0]
+@needs_vllm[1]
+class TestLora:
+    """Many runs' adapters on one vLLM engine (the shared base of LoRA runs)."""
+
+    def test_each_row_samples_with_its_own_adapter_with_the_trainers_logprobs(
+            self, lora_backend: VLLMBackend, tiny_model_dir: Path, reference: torch.nn.Module) -> None:
+        blobs = {"a": adapter(tiny_model_dir, 1, ["q_proj", "v_proj", "down_proj"], 4),
+                 "b": adapter(tiny_model_dir, 2, ["o_proj", "up_proj"], 8)}
+        for name, (blob, _) in blobs.items():
+            lora_backend.adapters.load(name, blob)
+        prompts = [PROMPTS[i % 3] for i in range(9)]
+        names: list[str | None] = [["a", "b", None][i // 3] for i in range(9)]
+        mixed = lora_backend.generate(prompts, events.Sampling(temperature=0.8, max_tokens=10, seed=5), adapters=names)
+        for i, row_adapter in enumerate(names):
+            model = blobs[row_adapter][1] if row_adapter is not None else reference
+            assert mean_logprob_diff(model, prompts[i], mixed[i], 0.8) <= 1e-3, (i, row_adapter)
+        # Each adapter changes what is sampled: the same prompt and seed differ across them.
+        alone = lora_backend.generate([PROMPTS[0]] * 3, events.Sampling(temperature=0.8, max_tokens=10, seed=5),
+                                      seeds=[5, 5, 5], adapters=["a", "b", None])
+        assert len({tuple(c.token_ids) for c in alone}) == 3, [c.token_ids for c in alone]
+        # A view (one run's backend on the base) swaps its own adapter alone.
+        view = AdapterView(cast(Any, lora_backend), "a")
+        new_blob, new_model = adapter(tiny_model_dir, 3, ["q_proj", "v_proj", "down_proj"], 4)
+        view.swap(new_blob, 7)
+        assert view.version == 7 and sorted(lora_backend.adapters.adapters) == ["a", "b"]
+        (c,) = view.generate([PROMPTS[1]], events.Sampling(temperature=0.9, max_tokens=8, seed=2))
+        assert mean_logprob_diff(new_model, PROMPTS[1], c, 0.9) <= 1e-3
+        (c,) = lora_backend.generate([PROMPTS[1]], events.Sampling(temperature=0.9, max_tokens=8, seed=2),
+                                     adapters=["b"])
+        assert mean_logprob_diff(blobs["b"][1], PROMPTS[1], c, 0.9) <= 1e-3  # b untouched by a's swap
+        view.close()
+        assert sorted(lora_backend.adapters.adapters) == ["b"]
+        with pytest.raises(KeyError, match=r"adapter 'a' is not loaded on this base \(loaded: \['b'\]\)"):
+            lora_backend.generate([PROMPTS[0]], events.Sampling(max_tokens=4), adapters=["a"])
+        lora_backend.adapters.evict("b")
+        assert not any(lora_backend.adapters.folder.iterdir())  # each version's folder went with it
+
+    def test_full_weights_an_over_rank_adapter_and_an_engine_without_lora_are_refused(
+            self, lora_backend: VLLMBackend, backend: VLLMBackend, tiny_model_dir: Path,
+            reference: torch.nn.Module) -> None:
+        with pytest.raises(ValueError, match=r"adapter 'x': the weights are full model weights"):
+            lora_backend.adapters.load("x", models.save_weights(reference))
+        big, _ = adapter(tiny_model_dir, 4, ["q_proj"], 128)
+        with pytest.raises(ValueError, match=r"rank 128, over inference\.backend\.max_lora_rank=64"):
+            lora_backend.adapters.load("x", big)
+        assert "x" not in lora_backend.adapters.adapters
+        assert not hasattr(backend, "adapters")  # started without LoRA: a worker merges adapters into a copy

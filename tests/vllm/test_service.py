@@ -95,3 +95,79 @@ async def test_a_vllm_run_is_rolled_out_and_takes_new_weights(nats_server: NatsS
         service.stop()
         await running
         await worker.close()
+
+
+async def test_two_lora_runs_share_one_vllm_engine_each_with_its_own_adapter(nats_server: NatsServer, bus: Bus,
+                                                                             tiny_model_dir: Path,
+                                                                             tmp_path: Path) -> None:
+    """Two runs that train adapters over the same base, backend vLLM: one engine, both adapters
+    in it; every rollout's logprobs are its own run's adapted model's, not the other's; a new
+    adapter version of one run leaves the other's alone."""
+    import torch
+
+    from flywheel.contract.settings import InferenceSettings
+    from flywheel_inference.worker import Worker
+    from tests.backend_checks import full_forward_logprobs
+    from tests.helpers import random_adapter
+
+    targets = ["q_proj", "v_proj", "up_proj"]
+    cfgs = {run: RunConfig.parse({"run": run, "env": "reverse_text", "group_size": 4,
+                                  "model": {"name": str(tiny_model_dir)},
+                                  "sampling": {"max_tokens": 8, "temperature": 1.0},
+                                  "inference": {"backend": "vllm"},
+                                  "trainer": {"batch_size": 8, "max_off_policy_steps": 4,
+                                              "adapter": {"rank": 4, "alpha": 8, "target_modules": targets}}})
+            for run in ("la", "lb")}
+    for run, cfg in cfgs.items():
+        await (await bus.runs_kv()).put(run, events.encode(events.RunState(id=run, config=cfg.model_dump())))
+    adapted = {seed: random_adapter(tiny_model_dir, 4, targets, seed) for seed in (1, 2, 3)}
+
+    async def publish(run: str, version: int, model: torch.nn.Module) -> None:
+        uri, sha, size = await weights.put(bus, run, version, models.save_weights(model))
+        await bus.publish(events.WeightUpdate(run=run, version=version, uri=uri, sha256=sha, size_bytes=size,
+                                              trainer_step=version))
+
+    def logprob_gap(rollout: events.Rollout, model: torch.nn.Module) -> float:
+        span = rollout.nodes[-1].tokens
+        assert span is not None
+        prompt = [t for t, m in zip(span.token_ids, span.loss_mask, strict=True) if not m]
+        head = [t for n in rollout.nodes[:-1] if n.tokens is not None for t in n.tokens.token_ids]
+        expected = full_forward_logprobs(model, head + prompt, span.token_ids[len(prompt):], 1.0)
+        return float((expected - torch.tensor(span.logprobs[len(prompt):])).abs().mean())
+
+    def tasks(tag: str) -> list[events.Task]:
+        return [events.Task(id=f"{run}-{tag}{i}", run=run, env="reverse_text", data={"text": "abcdef"[: 2 + i]},
+                            num_rollouts=4) for i in range(2) for run in cfgs]
+
+    await publish("la", 0, adapted[1])
+    await publish("lb", 0, adapted[2])
+    wbus = await Bus.connect(nats_server.url, name="inference")
+    worker = Worker.with_backends(wbus, tmp_path / "data", InferenceSettings(backoff_s=(0.5,), max_deliver=50))
+    service = worker.service(handle_signals=False)
+    running = asyncio.ensure_future(service.run())
+    try:
+        await bus.publish_many(tasks("v0-"))
+
+        async def count_is(n: int) -> bool:
+            return len(await rollouts(bus)) == n
+
+        await until(lambda: count_is(16), timeout_s=240, what="16 rollouts of the two LoRA runs on vLLM")
+        (base,) = worker.info["shared_bases"]
+        assert base["adapters"] == ["la", "lb"] and base["adapter_bytes"] > 0
+        for r in await rollouts(bus):
+            own, other = (adapted[1], adapted[2]) if r.run == "la" else (adapted[2], adapted[1])
+            assert r.status != "error" and r.policy_version == 0, r
+            assert logprob_gap(r, own) <= 1e-3 < 1e-2 <= logprob_gap(r, other), (r.run, r.id)
+
+        await publish("la", 1, adapted[3])
+        await until(lambda: worker.info["runs"]["la"]["policy_version"] == 1, what="la's version 1 loaded")
+        await bus.publish_many(tasks("v1-"))
+        await until(lambda: count_is(32), timeout_s=240, what="16 more rollouts")
+        for r in [r for r in await rollouts(bus) if "v1-" in r.task_id]:
+            own = adapted[3] if r.run == "la" else adapted[2]
+            assert r.policy_version == (1 if r.run == "la" else 0)
+            assert logprob_gap(r, own) <= 1e-3, (r.run, r.id)
+    finally:
+        service.stop()
+        await running
+        await worker.close()

@@ -384,6 +384,10 @@ class VLLMBackendConfig(BackendPart):
     """An in-process vLLM engine (vllm on a GPU, or .venv-vllm on CPU)."""
 
     type: Literal["vllm"] = Field("vllm", description="picks this variant")
+    max_loras: int = Field(4, ge=1, le=256, description="LoRA runs (trainer.adapter) on one base: how many "
+                           "adapters one batch may hold (vLLM's max_loras); more runs take turns")
+    max_lora_rank: int = Field(64, ge=1, le=512, description="LoRA runs on one base: the largest adapter rank they "
+                               "may have (vLLM sizes its LoRA buffers by it)")
 
 
 class BackendFromPath(FromPath, BackendPart):
@@ -803,9 +807,11 @@ class RunConfig(_Section):
         if self.trainer.adapter is not None and isinstance(self.trainer.engine, DeepSpeedEngineConfig):
             raise ValueError("trainer.adapter: the deepspeed engine does not train adapters yet (its steps differ "
                              "from torch's on one); use engine = 'torch' for a LoRA run")
-        if self.trainer.adapter is not None and isinstance(self.inference.backend, VLLMBackendConfig):
-            raise ValueError("trainer.adapter: inference.backend = 'vllm' does not load adapters yet; use the "
-                             "transformers backend for a LoRA run, or train full weights")
+        if self.trainer.adapter is not None and isinstance(self.inference.backend, VLLMBackendConfig) \
+                and self.trainer.adapter.rank > self.inference.backend.max_lora_rank:
+            raise ValueError(f"trainer.adapter.rank={self.trainer.adapter.rank} is over inference.backend."
+                             f"max_lora_rank={self.inference.backend.max_lora_rank}, the largest the vLLM engine "
+                             "takes: raise max_lora_rank or lower the rank")
         return self
 
     def _check_envs(self) -> None:

@@ -93,26 +93,8 @@ def _write(cfg: RunConfig, data_dir: str | Path, data: bytes, out: Path, merged:
     model, tok = models.load_model(models.resolve_model(cfg.model.name, data_dir), "float32")
     tok.save_pretrained(out)
     if models.is_adapter(data) and not merged:
-        _write_adapter(data, cfg.model.name, out)
+        models.write_adapter_folder(data, out, cfg.model.name)
         return "adapter"
     models.load_weights(model, data)
     model.save_pretrained(out, safe_serialization=True)
     return "merged" if models.is_adapter(data) else "model"
-
-
-def _write_adapter(data: bytes, base_model: str, out: Path) -> None:
-    """A peft adapter folder of an adapter blob (:func:`flywheel.sdk.models.save_weights` of a LoRA model)."""
-    from peft import LoraConfig
-    from safetensors.torch import save_file
-
-    from flywheel.sdk import models
-
-    pairs, _ = models.adapter_parts(data)
-    meta = models.adapter_metadata(data)
-    LoraConfig(r=meta["rank"], lora_alpha=meta["alpha"], target_modules=meta["target_modules"],
-               bias="none", task_type="CAUSAL_LM", base_model_name_or_path=base_model).save_pretrained(str(out))
-    state = {}
-    for module, (a, b) in pairs.items():
-        state[f"base_model.model.{module}.lora_A.weight"] = a.contiguous()
-        state[f"base_model.model.{module}.lora_B.weight"] = b.contiguous()
-    save_file(state, str(out / "adapter_model.safetensors"))

@@ -283,6 +283,23 @@ def adapter_parts(data: bytes) -> tuple[dict[str, tuple[torch.Tensor, torch.Tens
     return pairs, meta["alpha"] / meta["rank"]
 
 
+def write_adapter_folder(data: bytes, out: str | Path, base_model: str) -> None:
+    """A standard peft adapter folder (``adapter_config.json``, ``adapter_model.safetensors``)
+    of an adapter blob: what ``PeftModel.from_pretrained`` and vLLM's LoRA load."""
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    pairs, _ = adapter_parts(data)
+    meta = adapter_metadata(data)
+    LoraConfig(r=meta["rank"], lora_alpha=meta["alpha"], target_modules=meta["target_modules"],
+               bias="none", task_type="CAUSAL_LM", base_model_name_or_path=base_model).save_pretrained(str(out))
+    state = {}
+    for module, (a, b) in pairs.items():
+        state[f"base_model.model.{module}.lora_A.weight"] = a.contiguous()
+        state[f"base_model.model.{module}.lora_B.weight"] = b.contiguous()
+    save_file(state, str(Path(out) / "adapter_model.safetensors"))
+
+
 def _merge_adapter(model: torch.nn.Module, data: bytes) -> None:
     """Set each adapted linear layer of the plain ``model`` to its base weight + scale x B A."""
     pairs, scale = adapter_parts(data)
