@@ -53,6 +53,7 @@ from typing import Any
 
 from flywheel.contract import events
 from flywheel.contract.config import RunConfig
+from flywheel.contract.settings import Settings
 from flywheel.ops.natsserver import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -322,9 +323,9 @@ def main() -> None:
             wait_steps(run, at, STEPS_BETWEEN_EVENTS, RECOVERY_TIMEOUT_S)
         run.wait_for(rf"^step\s+{args.steps}/{args.steps}", 1800)
         result["finished"] = run_proc.wait(120) == 0
-        leftover = asyncio.run(leftover_tasks(f"nats://127.0.0.1:{ports['nats']}", group_size))
-        result.update(asyncio.run(collect(f"nats://127.0.0.1:{ports['nats']}", f"http://127.0.0.1:{ports['gateway']}",
-                                          data_dir, leftover)))
+        nats_url = Settings(data_dir=data_dir, nats_port=ports["nats"]).resolved_nats_url  # the stack's operator
+        leftover = asyncio.run(leftover_tasks(nats_url, group_size))
+        result.update(asyncio.run(collect(nats_url, f"http://127.0.0.1:{ports['gateway']}", data_dir, leftover)))
     finally:
         result["elapsed_s"] = round(time.monotonic() - started, 1)
         recoveries = [e["recovery_s"] for e in event_log if e["recovery_s"] is not None]

@@ -62,10 +62,12 @@ def make_teacher(data_dir: Path, steps: int) -> Path:
     return out
 
 
-async def watch_teacher(nats_url: str, run: str, proc: subprocess.Popen[str], found: dict[str, Any]) -> None:
+async def watch_teacher(data_dir: Path, nats_port: int, run: str, proc: subprocess.Popen[str],
+                        found: dict[str, Any]) -> None:
     """Keep the newest counters of ``run``'s teachers from the inference heartbeats until ``proc`` ends."""
     from flywheel.contract.bus import Bus
     from flywheel.contract.service import read_heartbeats
+    from flywheel.contract.settings import Settings
 
     logging.getLogger("flywheel.contract.bus").setLevel(logging.ERROR)  # the stack starts and stops under it
     bus: Bus | None = None
@@ -73,6 +75,8 @@ async def watch_teacher(nats_url: str, run: str, proc: subprocess.Popen[str], fo
         await asyncio.sleep(1.0)
         try:
             if bus is None:
+                # The stack `flywheel run` started logs its operator in with a password it made in data_dir.
+                nats_url = Settings(data_dir=data_dir, nats_port=nats_port).resolved_nats_url
                 bus = await asyncio.wait_for(Bus.connect(nats_url, name="teacher-benchmark", ensure=False), 10)
             for beat in await asyncio.wait_for(read_heartbeats(bus), 5):
                 if beat.service == "inference":
@@ -100,7 +104,7 @@ def run(config: Path, run_id: str, data_dir: Path, steps: int, *sets: str) -> tu
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
         teachers: dict[str, Any] = {}
-        asyncio.run(watch_teacher(f"nats://127.0.0.1:{nats_port}", run_id, proc, teachers))
+        asyncio.run(watch_teacher(data_dir, nats_port, run_id, proc, teachers))
         if proc.wait():
             log.seek(0)
             raise SystemExit(f"run {run_id} failed:\n{log.read()[-4000:]}")

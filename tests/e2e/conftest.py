@@ -19,9 +19,11 @@ LOG_LINES_SHOWN = 60  # of each service's log, after a test of the stack
 
 
 @pytest.fixture
-def clean_env() -> dict[str, str]:
-    """This environment without the caller's Flywheel settings (the test passes its own)."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_") or k == "FLYWHEEL_NATS_SERVER_BIN"}
+def clean_env(tmp_path: Path) -> dict[str, str]:
+    """This environment without the caller's Flywheel settings (the test passes its own), the
+    data folder the ``stack`` fixture's: commands find the NATS operator's login there."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_") or k == "FLYWHEEL_NATS_SERVER_BIN"} | {
+        "FLYWHEEL_DATA_DIR": str(tmp_path / "data")}
 
 
 @pytest.fixture

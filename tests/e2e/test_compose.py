@@ -38,10 +38,12 @@ from typing import TypeVar
 import httpx
 import pytest
 
+from flywheel.contract import natsusers
 from flywheel.contract.bus import Bus
 from flywheel.ops.natsserver import free_port
 from flywheel.sdk.sandbox import ExecResult, SandboxClient
 from tests.docker_engine import REPO_ROOT, DockerEngine, cache_dir
+from tests.e2e.test_up import refused_as_scorer
 
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(1800)]
 
@@ -189,11 +191,16 @@ class Deployment:
 
     def num_dead_letters(self) -> int:
         """Messages in the DEAD stream, read by ``flywheel status`` from this machine."""
-        nats_url = f"nats://127.0.0.1:{self.env['FLYWHEEL_NATS_PORT']}"
         proc = subprocess.run([str(Path(sys.executable).with_name("flywheel")), "status", "--json",
-                               "--nats-url", nats_url, "--gateway-url", self.gateway],
+                               "--nats-url", self.operator_url, "--gateway-url", self.gateway],
                               capture_output=True, text=True, timeout=60, check=True)
         return next(s["messages"] for s in json.loads(proc.stdout)["streams"] if s["stream"] == "DEAD")
+
+    @property
+    def operator_url(self) -> str:
+        """The deployment's nats-server, logging in as the operator (the command line's user)."""
+        url = f"nats://127.0.0.1:{self.env['FLYWHEEL_NATS_PORT']}"
+        return natsusers.with_user(url, natsusers.OPERATOR, self.env[natsusers.password_variable(natsusers.OPERATOR)])
 
     def sandboxes(self) -> set[str]:
         """Ids of the engine's sandbox containers (the sandbox service labels them)."""
@@ -219,7 +226,8 @@ def deployment(docker_engine: DockerEngine, debian_base: str, images: dict[str, 
     ports = {name: str(free_port()) for name in ("FLYWHEEL_NATS_PORT", "NATS_MONITOR_PORT", "POSTGRES_PORT",
                                                   "FLYWHEEL_GATEWAY_PORT", "FLYWHEEL_INFERENCE_PORT")}
     # The sandbox service starts its containers in this engine, from the base (it has python3).
-    env = {**docker_engine.env, **images, **ports, "POSTGRES_PASSWORD": secrets.token_hex(12),
+    passwords = {natsusers.password_variable(user): secrets.token_urlsafe(16) for user in natsusers.USERS}
+    env = {**docker_engine.env, **images, **ports, **passwords, "POSTGRES_PASSWORD": secrets.token_hex(12),
            "RUN_CONFIG": str(run_config), "DOCKER_SOCKET": str(docker_engine.socket),
            "FLYWHEEL_SANDBOX_IMAGE": debian_base}
     # Settings of the test process itself must not leak into the containers' interpolation.
@@ -252,7 +260,7 @@ def wait_for(what: str, deployment: Deployment, timeout_s: float, check: Callabl
 
 async def run_in_sandbox(deployment: Deployment, cmd: str) -> ExecResult:
     """One command in a sandbox of the deployed sandbox service (docker backend), as a verifier runs it."""
-    bus = await Bus.connect(f"nats://127.0.0.1:{deployment.env['FLYWHEEL_NATS_PORT']}", "compose-smoke", ensure=False)
+    bus = await Bus.connect(deployment.operator_url, "compose-smoke", ensure=False)
     try:
         return await SandboxClient(bus).run(cmd, timeout_s=60.0)
     finally:
@@ -274,6 +282,9 @@ def test_cpu_profile_scores_published_tasks(deployment: Deployment) -> None:
 
     result = asyncio.run(run_in_sandbox(deployment, "python3 -c 'print(6 * 7)'"))
     assert (result.exit_code, result.stdout) == (0, "42\n"), result
+    # Its nats-server has a user a service: the scorer's cannot publish weights; no login, no bus.
+    asyncio.run(refused_as_scorer(int(deployment.env["FLYWHEEL_NATS_PORT"]),
+                                  deployment.env[natsusers.password_variable("scorer")]))
 
     with httpx.Client(base_url=deployment.gateway, timeout=10.0) as http:
         health = http.get("/healthz")

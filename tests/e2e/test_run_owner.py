@@ -29,7 +29,7 @@ from flywheel.contract import events
 from flywheel.contract.bus import Bus
 from flywheel.contract.runs import end_of, get_run
 from flywheel.ops.run import STOP_TIMEOUT_S
-from tests.e2e.test_up import READY_TIMEOUT_S, Output, poll
+from tests.e2e.test_up import READY_TIMEOUT_S, Output, nats_login, poll
 from tests.e2e.test_up_supervisor import alive
 
 ROOT = Path(__file__).parents[2]
@@ -71,9 +71,9 @@ def finish(proc: subprocess.Popen[str], output: Output) -> None:
     assert output.exit_status(proc, 60) == 0, output.text
 
 
-def state(nats_port: int, run: str) -> events.RunState:
+def state(nats_url: str, run: str) -> events.RunState:
     async def read() -> events.RunState:
-        bus = await Bus.connect(f"nats://127.0.0.1:{nats_port}", "test-run-owner", ensure=False)
+        bus = await Bus.connect(nats_url, "test-run-owner", ensure=False)
         try:
             found = await get_run(bus, run)
         finally:
@@ -84,10 +84,10 @@ def state(nats_port: int, run: str) -> events.RunState:
     return asyncio.run(read())
 
 
-def publish_garbage(nats_port: int, subject: str) -> None:
+def publish_garbage(nats_url: str, subject: str) -> None:
     """A message that is no event, where the run's weight updates go."""
     async def publish() -> None:
-        bus = await Bus.connect(f"nats://127.0.0.1:{nats_port}", "test-run-owner", ensure=False)
+        bus = await Bus.connect(nats_url, "test-run-owner", ensure=False)
         try:
             await bus.publish_raw(subject, b"\x00 not a weight update", {"Nats-Msg-Id": f"garbage-{subject}"})
         finally:
@@ -119,6 +119,7 @@ def test_trainer_restart_detach_stop_resume_and_takeover(stack, tmp_path: Path, 
     _, up_output, ports = stack
     up_output.wait_for(r"^Flywheel is up", READY_TIMEOUT_S)
     data_dir = tmp_path / "data"
+    nats = nats_login(data_dir, ports["nats"])
     every_step = [(i, i) for i in range(NUM_STEPS + 1)]
 
     # A trainer SIGKILLed mid-run is restarted by its owner and resumes from its checkpoint;
@@ -127,12 +128,12 @@ def test_trainer_restart_detach_stop_resume_and_takeover(stack, tmp_path: Path, 
     proc, output = start_run("killed-trainer", data_dir, ports, clean_env)
     output.wait_for(r"^step\s+2/", STEP_TIMEOUT_S)
     trainer_pid = int(output.wait_for(r"trainer pid (\d+)", 5)[0].group(1))
-    publish_garbage(ports["nats"], "weights.killed-trainer")
+    publish_garbage(nats, "weights.killed-trainer")
     os.kill(trainer_pid, signal.SIGKILL)
     output.wait_for(r"the trainer \(pid \d+\) exited with signal SIGKILL; restarting it", 30)
     finish(proc, output)
     assert steps_trained(data_dir, "killed-trainer") == every_step
-    finished = state(ports["nats"], "killed-trainer")
+    finished = state(nats, "killed-trainer")
     # The run's reward as registered, for every reader (trainer, trace store); its owner let go.
     assert finished.status == "finished" and finished.scorers == {"similarity": 1.0, "exact": 0.0}
     assert finished.owner is None and (data_dir / "runs" / "killed-trainer" / "summary.json").exists()
@@ -160,7 +161,7 @@ def test_trainer_restart_detach_stop_resume_and_takeover(stack, tmp_path: Path, 
     assert pausing.returncode == 0 and "its owner stops its trainer" in pausing.stdout, pausing.stdout + pausing.stderr
     output.wait_for(r"^run held: paused \(paused by flywheel runs pause", 10)
     poll(lambda: not alive(trainer_pid), 30, "the paused run's trainer to stop")
-    held = state(ports["nats"], "held")
+    held = state(nats, "held")
     assert held.status == "paused" and held.owner is not None and held.trainer_step < held_steps, held
     listed = flywheel("runs", "list", "--nats-port", str(ports["nats"]), env=clean_env)
     assert re.search(rf"^held\s+train\s+paused\s+\d+/{held_steps}", listed.stdout, re.M), listed.stdout
@@ -178,7 +179,7 @@ def test_trainer_restart_detach_stop_resume_and_takeover(stack, tmp_path: Path, 
     proc.send_signal(signal.SIGINT)
     # Seconds as a rule; `flywheel run` itself gives up on the owner after STOP_TIMEOUT_S, saying so.
     assert output.exit_status(proc, STOP_TIMEOUT_S + 30) == 0, output.text
-    stopped = state(ports["nats"], "interrupted")
+    stopped = state(nats, "interrupted")
     assert stopped.status == "stopped" and "stopped by flywheel-run" in (stopped.reason or ""), stopped
     assert stopped.owner is None  # its owner stopped the trainer and let go before `flywheel run` exited
     end = end_of(stopped)
@@ -210,7 +211,7 @@ def test_trainer_restart_detach_stop_resume_and_takeover(stack, tmp_path: Path, 
     assert stopping.returncode == 0 and "stopped by flywheel runs stop" in stopping.stdout, stopping.stdout
     assert output.exit_status(proc, 60) == 0, output.text
     output.wait_for(r"run stopped-elsewhere: stopped \(stopped by flywheel runs stop", 1)
-    poll(lambda: state(ports["nats"], "stopped-elsewhere").owner is None, 30, "its owner to let go of it")
+    poll(lambda: state(nats, "stopped-elsewhere").owner is None, 30, "its owner to let go of it")
     listed = flywheel("runs", "list", "--nats-port", str(ports["nats"]), env=clean_env)
     assert listed.returncode == 0 and re.search(r"stopped-elsewhere\s+train\s+stopped\s+\d+/1000", listed.stdout), (
         listed.stdout)
@@ -225,18 +226,18 @@ def test_trainer_restart_detach_stop_resume_and_takeover(stack, tmp_path: Path, 
     proc, output = start_run("orphaned", data_dir, ports, clean_env)
     output.wait_for(r"^step\s+2/", STEP_TIMEOUT_S)
     trainer_pid = int(output.wait_for(r"trainer pid (\d+)", 5)[0].group(1))
-    first_owner = state(ports["nats"], "orphaned").owner
+    first_owner = state(nats, "orphaned").owner
     os.kill(orchestrator_pid(first_owner), signal.SIGKILL)
     poll(lambda: not alive(trainer_pid), 10, "the orphaned trainer to die with its orchestrator")
     proc.kill()
     proc.wait()
-    poll(lambda: state(ports["nats"], "orphaned").owner not in (None, first_owner), 60,
+    poll(lambda: state(nats, "orphaned").owner not in (None, first_owner), 60,
          "a new orchestrator to take the run over")
     proc, output = start_run("orphaned", data_dir, ports, clean_env, "--resume")
     output.wait_for(r"run orphaned is (created|running) \(owner orchestrator ", 30)
     finish(proc, output)
     assert steps_trained(data_dir, "orphaned") == every_step
-    assert state(ports["nats"], "orphaned").status == "finished"
+    assert state(nats, "orphaned").status == "finished"
 
 
 def start_up(data_dir: Path, ports: dict[str, int], env: dict[str, str]) -> tuple[subprocess.Popen[str], Output]:

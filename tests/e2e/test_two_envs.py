@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.e2e.test_up import Output
+from tests.e2e.test_up import Output, nats_login
 
 ROOT = Path(__file__).parents[2]
 CONFIG = ROOT / "examples" / "two-envs.toml"
@@ -92,7 +92,7 @@ def test_a_run_on_two_environments_mixes_scores_and_reports_each(
         rollouts = httpx.get(f"{gateway}/v1/rollouts", params={"run": row["run"]}, timeout=10).json()["items"]
         assert len(rollouts) == 6 and {r["reward"] is not None for r in rollouts} == {True}
     assert {"eval.arithmetic-medium.last", "eval.reverse_text.last"} <= set(summary)
-    pinned, kept = asyncio.run(pins_and_versions(f"nats://127.0.0.1:{ports['nats']}", "mix"))
+    pinned, kept = asyncio.run(pins_and_versions(nats_login(data_dir, ports["nats"]), "mix"))
     assert pinned == [] and 0 not in kept  # step 0's weights let go once evaluated, and dropped
 
 

@@ -11,6 +11,7 @@ in test_up_supervisor.py.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import queue
@@ -24,7 +25,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import pytest
 
+from flywheel.contract import natsusers
+from flywheel.contract.bus import Bus, BusConfig, NatsRefused, PermissionDenied
+from flywheel.contract.settings import Settings
 from tests.e2e.test_up_supervisor import alive
 
 READY_TIMEOUT_S = 120.0  # the gateway imports FastAPI, SQLAlchemy and Alembic and migrates
@@ -81,6 +86,27 @@ class Output:
         return "\n".join(self.lines)
 
 
+async def refused_as_scorer(nats_port: int, password: str) -> None:
+    """On a stack's nats-server, the scorer's user cannot publish weights (nothing lands), and a
+    connection without a login is refused, saying what to give."""
+    url = f"nats://127.0.0.1:{nats_port}"
+    scorer = await Bus.connect(natsusers.with_user(url, "scorer", password), "test-scorer",
+                               BusConfig(request_timeout_s=1), ensure=False)
+    try:
+        with pytest.raises(PermissionDenied, match=r"NATS refused user 'scorer' the publish to 'weights\.e2e'"):
+            await scorer.publish_raw("weights.e2e", b"{}", {"Nats-Msg-Id": "forged"})
+        assert (await scorer.js.stream_info("WEIGHTS")).state.messages == 0
+    finally:
+        await scorer.close()
+    with pytest.raises(NatsRefused, match=r"refused the login \(no user given\).*--data-dir"):
+        await Bus.connect(url, "test-anonymous", BusConfig(connect_timeout_s=5), ensure=False)
+
+
+def nats_login(data_dir: Path, nats_port: int) -> str:
+    """The URL of a ``flywheel up`` stack's nats-server, logging in as its operator."""
+    return Settings(data_dir=data_dir, nats_port=nats_port).resolved_nats_url
+
+
 def poll(check: Callable[[], bool], timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not check():
@@ -101,9 +127,10 @@ def test_up_publish_status_restart_and_stop(stack: tuple[subprocess.Popen[str], 
     pids = {m.group(1): int(m.group(2)) for m in output.matching(r"^started (\S+) \(pid (\d+)\)")}
     assert set(pids) == {"nats-server", "gateway", "orchestrator", "recorder", "scorer", "inference", "sandbox"}
     gateway = f"http://127.0.0.1:{ports['gateway']}"
-    nats_url = f"nats://127.0.0.1:{ports['nats']}"
     output.wait_for(rf"^  gateway   {gateway}$", 1)
-    output.wait_for(rf"^  NATS      {nats_url} \(pid {pids['nats-server']}\)$", 1)
+    # A user a service; the operator's password is not shown.
+    operator = rf"nats://operator:\*\*\*@127\.0\.0\.1:{ports['nats']}"
+    output.wait_for(rf"^  NATS      {operator} \(pid {pids['nats-server']}\)$", 1)
 
     rows = tmp_path / "rows.jsonl"
     rows.write_text('{"text": "abc"}\n{"text": "hello"}\n{"id": "t-3", "text": "flywheel"}\n')
@@ -145,6 +172,13 @@ def test_up_publish_status_restart_and_stop(stack: tuple[subprocess.Popen[str], 
     assert re.search(r"^TASKS +recorder-tasks +0 +0 +0$", table.stdout, re.M), table.stdout
     process_row = rf"^recorder +{pids['recorder']} +running +0 +- +\S+/recorder.log$"
     assert re.search(process_row, table.stdout, re.M), table.stdout
+
+    # A user a service: what a service does not publish, its user cannot; no login, no bus; no
+    # password in what status shows.
+    passwords = natsusers.read(tmp_path / "data")
+    assert passwords is not None and (tmp_path / "data" / natsusers.USERS_FILE).stat().st_mode & 0o077 == 0
+    assert not any(password in status.stdout + table.stdout for password in passwords.values())
+    asyncio.run(refused_as_scorer(ports["nats"], passwords["scorer"]))
 
     os.kill(pids["recorder"], signal.SIGKILL)
     output.wait_for(rf"^recorder \(pid {pids['recorder']}\) exited unexpectedly with signal SIGKILL after [\d.]+s "

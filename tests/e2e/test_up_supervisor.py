@@ -286,7 +286,7 @@ async def test_embedded_nats_server_is_started_and_stopped(tmp_path: Path) -> No
     running = await start(stack, out)
     [pid] = started_pids(out, "nats-server")
     assert port_open("127.0.0.1", cfg.nats_port) and alive(pid)
-    assert f"  NATS      nats://127.0.0.1:{cfg.nats_port} (pid {pid})" in out.getvalue()
+    assert f"  NATS      nats://operator:***@127.0.0.1:{cfg.nats_port} (pid {pid})" in out.getvalue()
     assert (tmp_path / "data" / "nats" / "jetstream").is_dir()
     assert "Server is ready" in (tmp_path / "data" / "logs" / "nats-server.log").read_text()
     stack.stopping.set()

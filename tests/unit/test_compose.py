@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
+from flywheel.contract import natsusers
 from flywheel.contract.settings import SECTIONS, Settings
 
 COMPOSE_DIR = Path(__file__).resolve().parents[2] / "compose"
@@ -56,8 +57,13 @@ def services() -> dict[str, dict[str, Any]]:
     return merged
 
 
-def compose_config(*args: str, password: str | None = "secret") -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != "POSTGRES_PASSWORD"}
+NATS_PASSWORDS = {natsusers.password_variable(user): f"{user}-secret" for user in natsusers.USERS}
+
+
+def compose_config(*args: str, password: str | None = "secret",
+                   nats_passwords: dict[str, str] = NATS_PASSWORDS) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "POSTGRES_PASSWORD" and k not in NATS_PASSWORDS}
+    env |= nats_passwords
     if password is not None:
         env["POSTGRES_PASSWORD"] = password
     return subprocess.run(["docker-compose", "--project-directory", str(COMPOSE_DIR), *args, "config"],
@@ -93,6 +99,34 @@ def test_docker_compose_config_refuses_a_missing_password() -> None:
     proc = compose_config("-f", str(COMPOSE_DIR / FILES[0]), password=None)
     assert proc.returncode != 0
     assert "set POSTGRES_PASSWORD" in proc.stderr
+
+
+@needs_compose
+def test_docker_compose_config_refuses_a_missing_nats_password() -> None:
+    missing = {k: v for k, v in NATS_PASSWORDS.items() if k != "NATS_SCORER_PASSWORD"}
+    proc = compose_config("-f", str(COMPOSE_DIR / FILES[0]), nats_passwords=missing)
+    assert proc.returncode != 0
+    assert "set NATS_SCORER_PASSWORD (in compose/.env)" in proc.stderr
+
+
+def test_nats_conf_is_the_users_table_and_each_service_logs_in_as_its_own_user() -> None:
+    """compose/nats.conf is natsusers.server_config with a $VARIABLE a password; the nats
+    container gets every variable, each Flywheel service its own user and that user's alone."""
+    text = (COMPOSE_DIR / "nats.conf").read_text()
+    body = "\n".join(line for line in text.splitlines() if not line.startswith("#"))
+    assert body == natsusers.server_config({u: "$" + natsusers.password_variable(u) for u in natsusers.USERS}), (
+        "compose/nats.conf is out of date: write natsusers.server_config of $NATS_<USER>_PASSWORD there")
+    specs = services()
+    assert set(specs["nats"]["environment"]) == set(NATS_PASSWORDS)
+    assert "./nats.conf:/etc/nats/nats.conf:ro" in specs["nats"]["volumes"]
+    expected = {"gateway": "gateway", "recorder": "recorder", "scorer": "scorer", "sandbox": "sandbox",
+                "inference": "inference", "inference-cpu": "inference", "trainer": "orchestrator",
+                "trainer-cpu": "orchestrator"}
+    for service, user in expected.items():
+        env = specs[service]["environment"]
+        assert (env["FLYWHEEL_NATS_USER"], env["FLYWHEEL_NATS_PASSWORD"]) == (
+            user, "${" + natsusers.password_variable(user) + "}"), service
+    assert set(expected) | {"nats", "postgres"} == set(specs)
 
 
 def test_every_flywheel_variable_is_a_setting() -> None:

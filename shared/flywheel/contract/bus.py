@@ -62,7 +62,7 @@ from nats.js.object_store import ObjectStore
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 
-from flywheel.contract import events
+from flywheel.contract import events, natsusers
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -112,6 +112,10 @@ _TRANSIENT_PUBLISH_ERRORS = (
     nats.errors.OutboundBufferLimitError,
     asyncio.TimeoutError,
 )
+
+
+class NatsRefused(ConnectionError):
+    """The NATS server refused the login (no user, or a user or password it does not know)."""
 
 
 class PermissionDenied(PermissionError):
@@ -183,6 +187,7 @@ class Bus:
         connected = False
         last_error: BaseException | None = None
         denials: list[tuple[float, str, str]] = []  # (when, publish or subscription, subject) the server refused
+        refused = asyncio.Event()  # the server refused the login
 
         async def on_error(exc: Exception) -> None:
             # Before the first connection a failure is expected (the server may be starting)
@@ -194,31 +199,55 @@ class Bus:
                 # waiting for its ack, so the waiting op looks this up (Bus.retry).
                 denials.append((time.monotonic(), found.group(1).lower(), found.group(2)))
                 del denials[:-MAX_DENIALS_KEPT]
+            if isinstance(exc, nats.errors.AuthorizationError) or "authorization violation" in str(exc).lower():
+                refused.set()
             log.log(logging.WARNING if connected else logging.DEBUG, "nats: %s", exc)
 
         while True:
+            # nats.connect retries a first connection forever (max_reconnect_attempts=-1): the
+            # deadline is enforced here, and a refused login ends it at once (a retry cannot help).
+            connecting = asyncio.ensure_future(nats.connect(
+                url,
+                name=name,
+                connect_timeout=2,
+                allow_reconnect=True,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.25,
+                drain_timeout=DRAIN_TIMEOUT_S,
+                error_cb=on_error,
+                disconnected_cb=_log_disconnected,
+                reconnected_cb=_log_reconnected,
+            ))
+            refusal = asyncio.ensure_future(refused.wait())
             try:
-                # nats.connect retries a first connection forever (max_reconnect_attempts=-1):
-                # the deadline is enforced here.
-                nc = await asyncio.wait_for(nats.connect(
-                    url,
-                    name=name,
-                    connect_timeout=2,
-                    allow_reconnect=True,
-                    max_reconnect_attempts=-1,
-                    reconnect_time_wait=0.25,
-                    drain_timeout=DRAIN_TIMEOUT_S,
-                    error_cb=on_error,
-                    disconnected_cb=_log_disconnected,
-                    reconnected_cb=_log_reconnected,
-                ), timeout=max(deadline - time.monotonic(), 0.1))
+                await asyncio.wait([connecting, refusal], timeout=max(deadline - time.monotonic(), 0.1),
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                refusal.cancel()
+                if not connecting.done():
+                    connecting.cancel()
+                    await asyncio.gather(connecting, return_exceptions=True)
+            if refused.is_set() and not (connecting.done() and not connecting.cancelled()
+                                         and connecting.exception() is None):
+                user = urlsplit(url).username
+                raise NatsRefused(
+                    f"NATS at {natsusers.redacted(url)} refused the login"
+                    + (f" of user {user!r}" if user else " (no user given)") + f": {last_error}. `flywheel up` runs "
+                    "its nats-server with a user a service: give commands the data folder it was started with "
+                    f"(--data-dir; {natsusers.USERS_FILE} there holds the operator's login), or a FLYWHEEL_NATS_URL "
+                    "with a user and password the server knows")
+            try:
+                if connecting.cancelled():
+                    raise TimeoutError
+                nc = connecting.result()
                 connected = True
                 break
             except (TimeoutError, nats.errors.NoServersError, OSError) as exc:
                 if time.monotonic() + delay_s > deadline:
-                    raise ConnectionError(f"cannot reach NATS at {url} within {config.connect_timeout_s:g}s "
-                                          f"({last_error or exc}); is nats-server running? `flywheel up` starts "
-                                          "one; FLYWHEEL_NATS_URL points elsewhere") from exc
+                    raise ConnectionError(f"cannot reach NATS at {natsusers.redacted(url)} within "
+                                          f"{config.connect_timeout_s:g}s ({last_error or exc}); is nats-server "
+                                          "running? `flywheel up` starts one; FLYWHEEL_NATS_URL points elsewhere"
+                                          ) from exc
                 await asyncio.sleep(delay_s)
                 delay_s = min(delay_s * 2, 1.0)
         bus = cls(nc, config, tracer_provider)
@@ -315,10 +344,10 @@ class Bus:
         payload = events.encode(event, content_type)
         if self.tracer is None:
             headers = self.headers_for(event, content_type)
-            return await self.retry(lambda: self.js.publish(subject, payload, headers=headers))
+            return await self.retry(lambda: self.js.publish(subject, payload, headers=headers), subject)
         with self.tracer.start_as_current_span(f"publish {subject}", kind=trace.SpanKind.PRODUCER):
             headers = self.headers_for(event, content_type)
-            return await self.retry(lambda: self.js.publish(subject, payload, headers=headers))
+            return await self.retry(lambda: self.js.publish(subject, payload, headers=headers), subject)
 
     def publish_soon(self, event: events.Event, what: str) -> None:
         """Publish ``event`` in the background, off the caller's path (a usage count beside a
@@ -341,7 +370,7 @@ class Bus:
 
     async def publish_raw(self, subject: str, payload: bytes, headers: dict[str, str]) -> PubAck:
         """Publish bytes as they are (tools, tests, other-language bridges). Retried likewise."""
-        return await self.retry(lambda: self.js.publish(subject, payload, headers=headers))
+        return await self.retry(lambda: self.js.publish(subject, payload, headers=headers), subject)
 
     async def publish_many(self, batch: Iterable[events.Event], content_type: str = events.JSON) -> list[PubAck]:
         """Publish many events concurrently (bounded by ``max_publish_in_flight``).
@@ -374,18 +403,20 @@ class Bus:
                 for *_, fut in pending:
                     fut.cancel()
         if any(fut.cancelled() for *_, fut in pending):
-            self.check_denied(started)
+            self.check_denied(started, [subject for subject, *_, fut in pending if fut.cancelled()])
         acks: list[PubAck] = []
         for subject, payload, headers, fut in pending:
             if fut.cancelled() or _is_transient(fut.exception()):
-                acks.append(await self.retry(functools.partial(self.js.publish, subject, payload, headers=headers)))
+                acks.append(await self.retry(functools.partial(self.js.publish, subject, payload, headers=headers),
+                                             subject))
             else:
                 acks.append(fut.result())  # raises what is not transient
         return acks
 
-    async def retry(self, op: Callable[[], Awaitable[T]]) -> T:
+    async def retry(self, op: Callable[[], Awaitable[T]], subject: str | None = None) -> T:
         """``op()``, tried again with backoff while it fails transiently (the server restarting,
-        JetStream not ready, a timeout) until ``publish_timeout_s``; other errors propagate."""
+        JetStream not ready, a timeout) until ``publish_timeout_s``; other errors propagate, and
+        PermissionDenied when the server refused ``subject`` (None: anything) meanwhile."""
         deadline = time.monotonic() + self.config.publish_timeout_s
         delay_s = 0.05
         while True:
@@ -393,18 +424,21 @@ class Bus:
             try:
                 return await op()
             except Exception as exc:
-                self.check_denied(started)
+                self.check_denied(started, [subject] if subject is not None else ())
                 if not _is_transient(exc) or time.monotonic() + delay_s > deadline:
                     raise
                 log.debug("bus: transient %s, retrying in %.2fs", type(exc).__name__, delay_s)
                 await asyncio.sleep(delay_s)
                 delay_s = min(delay_s * 2, 2.0)
 
-    def check_denied(self, since: float) -> None:
+    def check_denied(self, since: float, subjects: Iterable[str] = ()) -> None:
         """PermissionDenied, naming the subject and the user, when the server refused this
-        connection something since ``since`` (``time.monotonic()``): what timed out then was
-        refused, and trying again cannot help."""
-        refused = [(what, subject) for when, what, subject in self.denials if when >= since]
+        connection one of ``subjects`` (none given: anything) since ``since``
+        (``time.monotonic()``): what timed out then was refused, and trying again cannot help.
+        (The client reads the server's word in lower case: a subject given is named as given.)"""
+        given = {subject.lower(): subject for subject in subjects}
+        refused = [(what, given.get(subject, subject)) for when, what, subject in self.denials
+                   if when >= since and (not given or subject in given)]
         if refused:
             what, subject = refused[-1]
             raise PermissionDenied(

@@ -30,6 +30,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
+from flywheel.contract import natsusers
+
 # One rollout's harness, in inference and in `flywheel eval` (flywheel.sdk.rollout), so that an
 # environment gets the same rules in both.
 ROLLOUT_TIMEOUT_S = 600.0
@@ -177,6 +179,10 @@ class Settings(BaseSettings):
                                                    "starts its own.")
     nats_port: int = Field(4233, description="Port of the nats-server that `flywheel up` starts (when nats_url is "
                                              "unset).")
+    nats_user: str | None = Field(None, description="The NATS user to log in as (with nats_password); a deployment "
+                                                    "gives each service its own (flywheel.contract.natsusers). Unset: "
+                                                    "the user in nats_url, or the operator of `flywheel up`'s server.")
+    nats_password: str | None = Field(None, description="The password of nats_user.")
     database_url: str | None = Field(None, description="SQLAlchemy async URL of the trace store. Unset: SQLite in "
                                                        "data_dir.")
     auth: Literal["open", "keys"] = Field("open", description="keys: every HTTP API call (gateway, inference) "
@@ -274,7 +280,14 @@ class Settings(BaseSettings):
 
     @property
     def resolved_nats_url(self) -> str:
-        return self.nats_url or f"nats://127.0.0.1:{self.nats_port}"
+        """``nats_url`` (unset: the nats-server ``flywheel up`` runs for ``data_dir``), logging in as
+        ``nats_user``, or else on that server as its operator when the stack made users
+        (:mod:`flywheel.contract.natsusers`)."""
+        url = self.nats_url or f"nats://127.0.0.1:{self.nats_port}"
+        if self.nats_user:
+            return natsusers.with_user(url, self.nats_user, self.nats_password or "")
+        passwords = None if self.nats_url else natsusers.read(self.data_dir)
+        return natsusers.with_user(url, natsusers.OPERATOR, passwords[natsusers.OPERATOR]) if passwords else url
 
     @property
     def resolved_database_url(self) -> str:

@@ -38,6 +38,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from flywheel.contract import natsusers
 from flywheel.ops.scaffold import scaffold
 from flywheel.ops.tables import size, table
 
@@ -572,7 +573,7 @@ async def collect_status(nats_url: str, gateway_url: str) -> dict[str, Any]:
     config = BusConfig(connect_timeout_s=STATUS_CONNECT_TIMEOUT_S)
     async with await Client.connect(nats_url, name="flywheel-status", config=config, ensure=False) as fw:
         report = await fw.status()
-    return {"nats_url": nats_url, "gateway": await gateway_health(gateway_url), **report}
+    return {"nats_url": natsusers.redacted(nats_url), "gateway": await gateway_health(gateway_url), **report}
 
 
 def cmd_tasks_publish(args: argparse.Namespace) -> int:

@@ -47,8 +47,8 @@ from urllib.parse import urlsplit
 import nats.errors
 import nats.js.errors
 
-from flywheel.contract import events
-from flywheel.contract.bus import Bus, BusConfig, watch
+from flywheel.contract import events, natsusers
+from flywheel.contract.bus import Bus, BusConfig, NatsRefused, watch
 from flywheel.contract.config import RunConfig
 from flywheel.contract.runs import (
     ENDED_STATUSES,
@@ -243,6 +243,8 @@ async def nats_answers(url: str) -> bool:
     writer.close()
     try:
         bus = await Bus.connect(url, "flywheel-run-probe", BusConfig(connect_timeout_s=1.0), ensure=False)
+    except NatsRefused:
+        raise  # a server answers, and refuses this login: starting another on its port cannot help
     except ConnectionError:
         return False
     await bus.close()
@@ -307,7 +309,8 @@ class MainJob:
         stack: Stack | None = None
         url = self.settings.resolved_nats_url
         if not await nats_answers(url):
-            self.say(f"no NATS at {url}: starting the embedded stack (it stops with this command, and the run with it)")
+            self.say(f"no NATS at {natsusers.redacted(url)}: starting the embedded stack (it stops with this "
+                     "command, and the run with it)")
             self.stop_on_exit = True
             services = {name: spec for name, spec in SERVICES.items()}
             stack = Stack(self.settings, out=self.out, services=services, start_timeout_s=self.start_timeout_s)
@@ -452,7 +455,8 @@ class MainJob:
             if not missing:
                 return
             if time.monotonic() > deadline or self.stopping.is_set():
-                raise StackError(f"no live {', '.join(missing)} service on {self.settings.resolved_nats_url}: "
+                where = natsusers.redacted(self.settings.resolved_nats_url)
+                raise StackError(f"no live {', '.join(missing)} service on {where}: "
                                  "start them with `flywheel up`, or let `flywheel run` start the stack "
                                  "(it does when no NATS answers)")
             await asyncio.sleep(0.5)

@@ -30,7 +30,7 @@ from typing import Any, TextIO
 
 import nats.errors
 
-from flywheel.contract import events
+from flywheel.contract import events, natsusers
 from flywheel.contract.bus import Bus, watch
 from flywheel.contract.checkpoints import run_folder
 from flywheel.contract.config import RunConfig
@@ -46,8 +46,9 @@ async def connect(settings: Settings, what: str) -> Bus:
     """The bus, or a ConnectionError saying that no stack answers, for ``what``."""
     url = settings.resolved_nats_url
     if not await nats_answers(url):
-        raise ConnectionError(f"no NATS at {url}: {what} needs the stack that runs the runs (`flywheel up`, or the "
-                              "one `flywheel run` started); give --nats-url or --nats-port of that stack")
+        raise ConnectionError(f"no NATS at {natsusers.redacted(url)}: {what} needs the stack that runs the runs "
+                              "(`flywheel up`, or the one `flywheel run` started); give --nats-url or --nats-port "
+                              "of that stack")
     return await Bus.connect(url, "flywheel-runs")
 
 

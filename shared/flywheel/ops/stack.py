@@ -53,7 +53,7 @@ from typing import Any, TextIO
 
 import nats.errors
 
-from flywheel.contract import events
+from flywheel.contract import events, natsusers
 from flywheel.contract.bus import Bus
 from flywheel.contract.service import Service, read_heartbeats
 from flywheel.contract.settings import SECTIONS, Settings
@@ -356,7 +356,8 @@ def child_env(settings: Settings) -> dict[str, str]:
     section's fields as ``FLYWHEEL_<SECTION>__<FIELD>`` (JSON values, text as it is)."""
     values = settings.model_dump(mode="json", exclude=set(SECTIONS)) | {
         "data_dir": str(settings.data_dir.resolve()),
-        "nats_url": settings.resolved_nats_url,
+        # The server, not the login: a child logs in as its own user (nats_user, nats_password).
+        "nats_url": settings.nats_url or f"nats://127.0.0.1:{settings.nats_port}",
         "database_url": settings.resolved_database_url,
         "gateway_url": settings.resolved_gateway_url,
     }
@@ -431,6 +432,9 @@ class Stack:
         self.out = out
         self.data_dir = settings.data_dir.resolve()
         self.log_dir = self.data_dir / "logs"
+        # A nats-server of its own runs with a user a service (flywheel.contract.natsusers):
+        # their passwords are made before the URLs, which carry them.
+        self.nats_passwords = natsusers.load_or_create(self.data_dir) if settings.nats_url is None else None
         self.nats_url = settings.resolved_nats_url
         self.local_gateway_url = f"http://{local_host(settings.gateway_host)}:{settings.gateway_port}"
         self.start_timeout_s = start_timeout_s
@@ -445,7 +449,7 @@ class Stack:
         self.bus: Bus | None = None
         self.nats: NatsProcess | None = None
         env = child_env(settings)
-        self.services = [ServiceProcess(name, spec, env, self.log_dir / f"{name}.log")
+        self.services = [ServiceProcess(name, spec, env | self._nats_login(name), self.log_dir / f"{name}.log")
                          for name, spec in (SERVICES if services is None else services).items()]
         for service in self.services:
             service.backoff = self._backoff()
@@ -456,6 +460,14 @@ class Stack:
         # Awaited before the stack stops anything (with why it stops, None on a plain stop):
         # whoever works on the bus while the stack runs winds down first, the bus still there.
         self.before_shutdown: Callable[[BaseException | None], Awaitable[None]] | None = None
+
+    def _nats_login(self, service: str) -> dict[str, str]:
+        """The environment that logs ``service`` into the stack's own nats-server as its user
+        (a service without one of its own, as the operator); nothing for a server of nats_url."""
+        if self.nats_passwords is None:
+            return {}
+        user = service if service in natsusers.PUBLISH else natsusers.OPERATOR
+        return {"FLYWHEEL_NATS_USER": user, "FLYWHEEL_NATS_PASSWORD": self.nats_passwords[user]}
 
     def _backoff(self) -> RestartBackoff:
         return RestartBackoff(first_delay_s=self.restart_backoff_s, max_delay_s=self.max_backoff_s,
@@ -468,8 +480,9 @@ class Stack:
         """The supervisor's view, as its heartbeat carries it to ``flywheel status``: every
         process it runs (the nats-server first when it started one), with the policy."""
         processes = ([self.nats] if self.nats is not None else []) + self.services
-        return {"nats_url": self.nats_url, "log_dir": str(self.log_dir), "restart_backoff_s": self.restart_backoff_s,
-                "max_backoff_s": self.max_backoff_s, "healthy_after_s": self.healthy_after_s,
+        return {"nats_url": natsusers.redacted(self.nats_url), "log_dir": str(self.log_dir),
+                "restart_backoff_s": self.restart_backoff_s, "max_backoff_s": self.max_backoff_s,
+                "healthy_after_s": self.healthy_after_s,
                 "processes": [p.view() for p in processes]}
 
     def _changed(self) -> None:
@@ -508,17 +521,20 @@ class Stack:
     async def _start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if self.settings.nats_url is None:
+            assert self.nats_passwords is not None
             server = NatsServer(self.data_dir / "nats", port=self.settings.nats_port,
-                                log_file=self.log_dir / "nats-server.log")
+                                log_file=self.log_dir / "nats-server.log",
+                                config=natsusers.server_config(self.nats_passwords))
             self.nats = NatsProcess(server)
             self.nats.backoff = self._backoff()
             await self.nats.launch()
             self.nats.state = "running"
             self.nats.healthy_at, self.nats.healthy_since = time.monotonic(), events.utc_now()
             self.started.append(self.nats)
-            self.say(f"started nats-server (pid {self.nats.pid}) on {self.nats_url}, store {server.store_dir}")
+            self.say(f"started nats-server (pid {self.nats.pid}) on {natsusers.redacted(self.nats_url)}, store "
+                     f"{server.store_dir}, a user a service ({natsusers.USERS_FILE} in the data folder)")
         else:
-            self.say(f"using the NATS server at {self.nats_url} (nats_url)")
+            self.say(f"using the NATS server at {natsusers.redacted(self.nats_url)} (nats_url)")
         self.bus = await Bus.connect(self.nats_url, name="flywheel-up")
         # Service.run closes the bus when it ends: _shutdown stops it after the services.
         self.heartbeat = Service(STACK_SERVICE, self.bus, info=self.view(), handle_signals=False)
@@ -586,7 +602,7 @@ class Stack:
             "  API keys  " + ("none: the API runs open, for callers on this machine only (auth = open; "
                               "FLYWHEEL_AUTH=keys wants keys)" if self.settings.auth == "open"
                               else "required (auth = keys): `flywheel keys create --tenant T` makes one"),
-            f"  NATS      {self.nats_url} ({nats_owner})",
+            f"  NATS      {natsusers.redacted(self.nats_url)} ({nats_owner})",
             f"  data      {self.data_dir}",
             f"  logs      {self.log_dir}",
         ]))

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import msgspec
 
+from flywheel.contract import natsusers
 from flywheel.sdk.harness import RolloutContext, Tool, ToolError
 from flywheel.sdk.sandbox import ROLLOUT_LABEL, RUN_LABEL, ExecResult, SandboxClient, SandboxError, SandboxSpec
 from flywheel.sdk.sandbox_test_runner import collect_tests
@@ -255,7 +256,8 @@ async def connect(nats_url: str, timeout_s: float = 2.0) -> tuple[Bus, SandboxCl
         bus = await Bus.connect(nats_url, "flywheel-sandbox-tools", BusConfig(connect_timeout_s=timeout_s),
                                 ensure=False)
     except ConnectionError as exc:
-        raise SandboxUnavailable(f"cannot reach NATS at {nats_url} for the sandbox service: {NO_SERVICE}") from exc
+        raise SandboxUnavailable(f"cannot reach NATS at {natsusers.redacted(nats_url)} for the sandbox service "
+                                 f"({exc}): {NO_SERVICE}") from exc
     return bus, SandboxClient(bus)
 
 

@@ -1,0 +1,96 @@
+"""The NATS users against a real nats-server running natsusers.server_config: each service's
+user can do what every service does (connect and ensure the streams, beat, read runs, consume)
+and publish what that service publishes; everything else it publishes is refused, at once,
+naming the subject and the user."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from flywheel.contract import natsusers
+from flywheel.contract.bus import Bus, BusConfig, PermissionDenied
+from flywheel.contract.runs import get_run
+from flywheel.ops.natsserver import NatsServer
+
+# A subject of each kind a service might publish to, and the users that may.
+SUBJECTS = {
+    "tasks.r1.echo": {"orchestrator", "gateway"},
+    "rollouts.r1.echo": {"orchestrator", "inference"},
+    "traces.r1.echo": {"orchestrator", "inference"},
+    "scores.r1.echo": {"orchestrator", "scorer"},
+    "signals.r1.echo": {"orchestrator", "inference"},
+    "weights.r1": {"orchestrator"},
+    "usage.r1.sandbox": {"orchestrator", "inference", "sandbox"},
+    "dead.TASKS": {"orchestrator", "gateway", "recorder", "inference", "scorer", "sandbox"},
+    "$KV.flywheel-runs.r1": {"orchestrator", "gateway"},
+    "$KV.flywheel-keys.k1": {"gateway"},
+}
+
+
+@pytest.fixture
+def users_server(tmp_path: Path):
+    passwords = natsusers.load_or_create(tmp_path)
+    server = NatsServer(tmp_path / "nats", config=natsusers.server_config(passwords)).start()
+    try:
+        yield server, passwords
+    finally:
+        server.stop()
+
+
+async def publishes(bus: Bus, subject: str) -> bool:
+    """Whether the server takes a publish of ``user`` to ``subject`` (False: refused)."""
+    try:
+        await bus.publish_raw(subject, b"{}", {"Nats-Msg-Id": f"{bus.user}-{subject}"})
+    except PermissionDenied as exc:
+        assert f"user {bus.user!r}" in str(exc) and repr(subject) in str(exc), exc
+        return False
+    return True
+
+
+@pytest.mark.parametrize("user", list(natsusers.PUBLISH))
+async def test_each_user_does_its_service_s_work_and_publishes_only_its_subjects(users_server, user: str) -> None:
+    server, passwords = users_server
+    operator = await Bus.connect(natsusers.with_user(server.url, natsusers.OPERATOR, passwords["operator"]), "op")
+    try:
+        # What every service does: connect and ensure the streams, beat, read a run, consume.
+        bus = await Bus.connect(natsusers.with_user(server.url, user, passwords[user]), user,
+                                BusConfig(request_timeout_s=0.5, publish_timeout_s=5))
+        try:
+            await (await bus.services_kv()).put(f"{user}.test", b"{}")
+            assert await get_run(bus, "nope") is None
+            consumer = await bus.js.pull_subscribe("tasks.>", durable=f"test-{user}", stream="TASKS")
+            with pytest.raises(TimeoutError):
+                await consumer.fetch(1, timeout=0.2)
+            taken = dict(zip(SUBJECTS, await asyncio.gather(*(publishes(bus, s) for s in SUBJECTS)), strict=True))
+            assert taken == {s: user in allowed for s, allowed in SUBJECTS.items()}
+            if user != "orchestrator":
+                with pytest.raises(PermissionDenied, match=r"(?i)the publish to .\$JS\.API\.STREAM\.PURGE\.TASKS"):
+                    await bus.retry(lambda: bus.js.purge_stream("TASKS"))
+        finally:
+            await bus.close()
+        # What was refused never reached a stream.
+        assert (await operator.js.stream_info("WEIGHTS")).state.messages == (1 if user == "orchestrator" else 0)
+    finally:
+        await operator.close()
+
+
+def test_the_passwords_file_is_its_owners_alone_and_a_broken_one_is_named(tmp_path: Path) -> None:
+    made = natsusers.load_or_create(tmp_path)
+    assert set(made) == set(natsusers.USERS) and len(set(made.values())) == len(made)
+    assert (tmp_path / natsusers.USERS_FILE).stat().st_mode & 0o777 == 0o600
+    assert natsusers.load_or_create(tmp_path) == made == natsusers.read(tmp_path)  # made once
+    (tmp_path / natsusers.USERS_FILE).write_text('{"operator": "x"}')
+    with pytest.raises(ValueError, match=r"nats-users\.json has no password for NATS user\(s\) orchestrator"):
+        natsusers.read(tmp_path)
+    assert natsusers.read(tmp_path / "elsewhere") is None
+
+
+def test_urls_carry_the_login_and_show_no_password() -> None:
+    url = natsusers.with_user("nats://127.0.0.1:4222", "scorer", "s3cret")
+    assert url == "nats://scorer:s3cret@127.0.0.1:4222"
+    assert natsusers.with_user(url, "gateway", "other") == "nats://gateway:other@127.0.0.1:4222"
+    assert natsusers.redacted(url) == "nats://scorer:***@127.0.0.1:4222"
+    assert natsusers.redacted("nats://127.0.0.1:4222") == "nats://127.0.0.1:4222"
