@@ -268,8 +268,7 @@ def _build_vllm(path: Path | str, dtype: str, max_loras: int, max_lora_rank: int
     # machine; without it, building fails with a message naming the package.
     from flywheel_inference.backend_vllm import VLLMBackend
 
-    return VLLMBackend.build(path, dtype, max_loras=max_loras, max_lora_rank=max_lora_rank) if lora else (
-        VLLMBackend.build(path, dtype))
+    return VLLMBackend.build(path, dtype, max_loras=max_loras if lora else None, max_lora_rank=max_lora_rank)
 
 
 BACKENDS: dict[str, BackendBuilder] = {

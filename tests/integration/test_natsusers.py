@@ -94,3 +94,17 @@ def test_urls_carry_the_login_and_show_no_password() -> None:
     assert natsusers.with_user(url, "gateway", "other") == "nats://gateway:other@127.0.0.1:4222"
     assert natsusers.redacted(url) == "nats://scorer:***@127.0.0.1:4222"
     assert natsusers.redacted("nats://127.0.0.1:4222") == "nats://127.0.0.1:4222"
+
+
+async def test_a_password_with_url_characters_logs_in(tmp_path: Path) -> None:
+    """A deployment's own password may hold what a URL quotes: it reaches the server as it is."""
+    passwords = {user: f"{user}-p@ss/w:rd %x?#" for user in natsusers.USERS}
+    server = NatsServer(tmp_path / "nats", config=natsusers.server_config(passwords)).start()
+    try:
+        url = natsusers.with_user(server.url, "scorer", passwords["scorer"])
+        assert natsusers.split_login(url) == (server.url, "scorer", passwords["scorer"])
+        bus = await Bus.connect(url, "test", ensure=False)
+        assert bus.user == "scorer"
+        await bus.close()
+    finally:
+        server.stop()

@@ -36,7 +36,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequen
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, ClassVar, TypeVar
-from urllib.parse import urlsplit
 
 import msgspec
 import nats
@@ -203,11 +202,14 @@ class Bus:
                 refused.set()
             log.log(logging.WARNING if connected else logging.DEBUG, "nats: %s", exc)
 
+        # The login goes as options: nats-py would send a URL's user and password still %-quoted.
+        server, user, password = natsusers.split_login(url)
+        login = {"user": user, "password": password} if user is not None else {}
         while True:
             # nats.connect retries a first connection forever (max_reconnect_attempts=-1): the
             # deadline is enforced here, and a refused login ends it at once (a retry cannot help).
             connecting = asyncio.ensure_future(nats.connect(
-                url,
+                server,
                 name=name,
                 connect_timeout=2,
                 allow_reconnect=True,
@@ -217,6 +219,7 @@ class Bus:
                 error_cb=on_error,
                 disconnected_cb=_log_disconnected,
                 reconnected_cb=_log_reconnected,
+                **login,
             ))
             refusal = asyncio.ensure_future(refused.wait())
             try:
@@ -227,32 +230,30 @@ class Bus:
                 if not connecting.done():
                     connecting.cancel()
                     await asyncio.gather(connecting, return_exceptions=True)
-            if refused.is_set() and not (connecting.done() and not connecting.cancelled()
-                                         and connecting.exception() is None):
-                user = urlsplit(url).username
+            if connecting.done() and not connecting.cancelled() and connecting.exception() is None:
+                nc = connecting.result()
+                connected = True
+                break
+            if refused.is_set():
                 raise NatsRefused(
                     f"NATS at {natsusers.redacted(url)} refused the login"
                     + (f" of user {user!r}" if user else " (no user given)") + f": {last_error}. `flywheel up` runs "
                     "its nats-server with a user a service: give commands the data folder it was started with "
-                    f"(--data-dir; {natsusers.USERS_FILE} there holds the operator's login), or a FLYWHEEL_NATS_URL "
-                    "with a user and password the server knows")
-            try:
-                if connecting.cancelled():
-                    raise TimeoutError
-                nc = connecting.result()
-                connected = True
-                break
-            except (TimeoutError, nats.errors.NoServersError, OSError) as exc:
-                if time.monotonic() + delay_s > deadline:
-                    raise ConnectionError(f"cannot reach NATS at {natsusers.redacted(url)} within "
-                                          f"{config.connect_timeout_s:g}s ({last_error or exc}); is nats-server "
-                                          "running? `flywheel up` starts one; FLYWHEEL_NATS_URL points elsewhere"
-                                          ) from exc
-                await asyncio.sleep(delay_s)
-                delay_s = min(delay_s * 2, 1.0)
+                    f"(--data-dir; {natsusers.USERS_FILE} there holds the operator's login), or nats_user and "
+                    "nats_password (or a FLYWHEEL_NATS_URL with them) that the server knows")
+            failure = None if connecting.cancelled() else connecting.exception()
+            if failure is not None and not isinstance(failure, (nats.errors.NoServersError, OSError)):
+                raise failure
+            if time.monotonic() + delay_s > deadline:
+                raise ConnectionError(f"cannot reach NATS at {natsusers.redacted(url)} within "
+                                      f"{config.connect_timeout_s:g}s ({last_error or failure or 'timed out'}); is "
+                                      "nats-server running? `flywheel up` starts one; FLYWHEEL_NATS_URL points "
+                                      "elsewhere") from failure
+            await asyncio.sleep(delay_s)
+            delay_s = min(delay_s * 2, 1.0)
         bus = cls(nc, config, tracer_provider)
         bus.denials = denials
-        bus.user = urlsplit(url if "://" in url else f"nats://{url}").username or "(no user)"
+        bus.user = user or "(no user)"
         if ensure:
             await bus.ensure()
         return bus

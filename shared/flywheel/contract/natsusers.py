@@ -29,7 +29,7 @@ import os
 import secrets
 from collections.abc import Mapping
 from pathlib import Path
-from urllib.parse import quote, urlsplit, urlunsplit
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 USERS_FILE = "nats-users.json"
 OPERATOR = "operator"  # the stack itself and the command line: no restriction
@@ -105,6 +105,16 @@ def load_or_create(data_dir: str | Path) -> dict[str, str]:
     with os.fdopen(fd, "w") as f:
         json.dump(passwords, f, indent=2)
     return passwords
+
+
+def split_login(url: str) -> tuple[str, str | None, str | None]:
+    """``url`` without its login, and the user and password it carried (unquoted; None: none)."""
+    parts = urlsplit(url if "://" in url else f"nats://{url}")
+    if parts.username is None:
+        return url, None, None
+    netloc = (parts.hostname or "127.0.0.1") + (f":{parts.port}" if parts.port else "")
+    server = urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+    return server, unquote(parts.username), unquote(parts.password or "")
 
 
 def with_user(url: str, user: str, password: str) -> str:

@@ -279,11 +279,16 @@ class Settings(BaseSettings):
         return v
 
     @property
+    def nats_server_url(self) -> str:
+        """Where the NATS server is, without a login: ``nats_url``, or ``flywheel up``'s own."""
+        return self.nats_url or f"nats://127.0.0.1:{self.nats_port}"
+
+    @property
     def resolved_nats_url(self) -> str:
         """``nats_url`` (unset: the nats-server ``flywheel up`` runs for ``data_dir``), logging in as
         ``nats_user``, or else on that server as its operator when the stack made users
         (:mod:`flywheel.contract.natsusers`)."""
-        url = self.nats_url or f"nats://127.0.0.1:{self.nats_port}"
+        url = self.nats_server_url
         if self.nats_user:
             return natsusers.with_user(url, self.nats_user, self.nats_password or "")
         passwords = None if self.nats_url else natsusers.read(self.data_dir)

@@ -357,7 +357,7 @@ def child_env(settings: Settings) -> dict[str, str]:
     values = settings.model_dump(mode="json", exclude=set(SECTIONS)) | {
         "data_dir": str(settings.data_dir.resolve()),
         # The server, not the login: a child logs in as its own user (nats_user, nats_password).
-        "nats_url": settings.nats_url or f"nats://127.0.0.1:{settings.nats_port}",
+        "nats_url": settings.nats_server_url,
         "database_url": settings.resolved_database_url,
         "gateway_url": settings.resolved_gateway_url,
     }
