@@ -70,7 +70,9 @@ async def test_completions_from_the_current_policy_with_logprobs(served: tuple[F
         content = choice["logprobs"]["content"]
         assert choice["index"] == i and choice["message"]["role"] == "assistant"
         assert 1 <= len(content) <= 5 and all(t["logprob"] <= 0 and t["top_logprobs"] == [] for t in content)
-        assert choice["finish_reason"] == ("length" if len(content) == 5 else "stop")
+        # Stopped before max_tokens (5) at EOS or a stop string, or at it: by length, unless the last token is EOS.
+        ended_at_eos = content[-1]["token"] == tok.eos_token
+        assert choice["finish_reason"] == ("length" if len(content) == 5 and not ended_at_eos else "stop"), content
         num_tokens += len(content)
     prompt = models.render_prompt(tok, load_environment("reverse_text").prompt_messages({"text": "abc"}))
     assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": num_tokens,

@@ -4,6 +4,7 @@ agrees with the run config's backend variants, and a user's backend by path is b
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,13 @@ import torch
 from flywheel.contract import events
 from flywheel.contract.config import BY_PATH, BackendPart, InferenceConfig, RunConfig, variants
 from flywheel.sdk import models
-from flywheel_inference.backends import BACKENDS, TransformersBackend, build_backend, sample_rows
+from flywheel_inference.backends import (
+    BACKENDS,
+    NUCLEUS_CANDIDATES,
+    TransformersBackend,
+    build_backend,
+    sample_rows,
+)
 from flywheel_inference.completion import Backend
 from tests.backend_checks import (
     PROMPTS,
@@ -78,6 +85,16 @@ def test_top_p_samples_only_from_the_nucleus() -> None:
     assert abs(counts[0].item() / 4000 - 0.5 / 0.8) < 0.03
     everything = torch.bincount(sample_rows(logprobs, 1.0, uniforms), minlength=3) / 4000
     assert torch.allclose(everything, probs, atol=0.03)
+
+
+def test_a_nucleus_wider_than_the_candidates_is_sampled_from_the_whole_vocabulary() -> None:
+    vocab = 3 * NUCLEUS_CANDIDATES  # flat: the nucleus of top_p 0.9 holds 90% of the vocabulary
+    logprobs = torch.full((4000, vocab), -math.log(vocab))
+    uniforms = torch.rand(4000, generator=torch.Generator().manual_seed(1))
+    picks = sample_rows(logprobs, 0.9, uniforms)
+    assert len(set(picks.tolist())) > 2 * NUCLEUS_CANDIDATES  # not only the first candidates
+    peaked = torch.cat([torch.tensor([[0.7, 0.25]]), torch.full((1, vocab - 2), 0.05 / (vocab - 2))], -1).log()
+    assert set(sample_rows(peaked.expand(4000, vocab), 0.9, uniforms).tolist()) == {0, 1}
 
 
 def test_a_tiny_top_p_is_greedy_and_keeps_the_untruncated_logprob(backend: TransformersBackend) -> None:
