@@ -32,15 +32,17 @@ def blobs(tiny_model_dir: Path) -> Blobs:
     return {"a": adapter_blob(tiny_model_dir, 1), "b": adapter_blob(tiny_model_dir, 2, ["o_proj", "up_proj"], 8)}
 
 
-def test_each_row_samples_with_its_own_adapter_as_the_adapted_model_alone(tiny_model_dir: Path,
-                                                                          blobs: Blobs) -> None:
+@pytest.mark.parametrize("interleaved", [False, True], ids=["rows-by-adapter", "rows-interleaved"])
+def test_each_row_samples_with_its_own_adapter_as_the_adapted_model_alone(tiny_model_dir: Path, blobs: Blobs,
+                                                                          interleaved: bool) -> None:
     shared = TransformersBackend.build(tiny_model_dir, "float32")
     for name, (blob, _) in blobs.items():
         shared.adapters.load(name, blob)
     sampling = events.Sampling(temperature=0.8, max_tokens=10, seed=5)
-    # The same prompt under every adapter and the base, interleaved, in one batch.
-    prompts = [PROMPTS[i % 3] for i in range(9)]
-    names: list[str | None] = [["a", "b", None][i // 3] for i in range(9)]
+    # Every prompt under every adapter and the base, in one batch: each adapter's rows one
+    # after another (a slice of the batch each) or interleaved (an index each).
+    prompts = [PROMPTS[(i // 3 if interleaved else i) % 3] for i in range(9)]
+    names: list[str | None] = [["a", "b", None][i % 3 if interleaved else i // 3] for i in range(9)]
     mixed = shared.generate(prompts, sampling, adapters=names)
     for kept in ("a", "b", None):
         rows = [i for i, n in enumerate(names) if n == kept]
