@@ -2,8 +2,9 @@
 
 Every sampling request for the run (rollouts of any task, HTTP requests) joins one queue;
 the loop takes up to ``max_batch_size`` queued sequences with the same sampling settings
-and generates them as one batch in a worker thread, so the event loop keeps serving the
-bus and HTTP meanwhile. Weight swaps take the same lock as a batch, so new weights load
+and generates them as one batch on the process's compute thread
+(:func:`flywheel.contract.service.compute`), so the event loop keeps serving the bus and
+HTTP meanwhile. Weight swaps take the same lock as a batch, so new weights load
 between batches and never in the middle of a sequence; each result carries the version
 that produced it.
 
@@ -53,6 +54,7 @@ from typing import cast
 import msgspec
 
 from flywheel.contract import events
+from flywheel.contract.service import compute
 from flywheel_inference.completion import Backend, Completion
 
 log = logging.getLogger(__name__)
@@ -99,8 +101,8 @@ def _batch_key(sampling: events.Sampling) -> bytes:
 
 class Batcher:
     """One backend's batching loop: the queued requests of every policy on it, taken oldest
-    first, up to ``max_batch_size`` with the same sampling settings per batch, generated in a
-    worker thread under :attr:`lock` (which weight swaps take too). Each row is sampled with
+    first, up to ``max_batch_size`` with the same sampling settings per batch, generated on the
+    compute thread under :attr:`lock` (which weight swaps take too). Each row is sampled with
     its policy's adapter, if it has one, and its result carries its policy's version."""
 
     def __init__(self, backend: Backend, max_batch_size: int) -> None:
@@ -171,9 +173,9 @@ class Batcher:
         if any(a is not None for a in adapters):
             generate = functools.partial(generate, adapters=adapters)
         if not any(streams):
-            return await asyncio.to_thread(generate, prompts, sampling, seeds)
+            return await compute(generate, prompts, sampling, seeds)
         if not _takes_on_token(self.backend.generate):  # a backend of the user's own may predate streaming
-            completions = await asyncio.to_thread(generate, prompts, sampling, seeds)
+            completions = await compute(generate, prompts, sampling, seeds)
             for stream, c in zip(streams, completions, strict=True):
                 if stream is not None:
                     for token_id, logprob in zip(c.token_ids, c.logprobs, strict=True):
@@ -186,7 +188,7 @@ class Batcher:
             if stream is not None:
                 loop.call_soon_threadsafe(stream, token_id, logprob)
 
-        return await asyncio.to_thread(generate, prompts, sampling, seeds, on_token)
+        return await compute(generate, prompts, sampling, seeds, on_token)
 
 
 def _loop_ended(task: asyncio.Task[None]) -> None:
@@ -237,10 +239,10 @@ class Policy:
         await asyncio.gather(self._updating, return_exceptions=True)
         if self._owns_batcher:
             await self._batcher.close()
-            await asyncio.to_thread(self.backend.close)
+            await compute(self.backend.close)
             return
         async with self._batcher.lock:
-            await asyncio.to_thread(self.backend.close)
+            await compute(self.backend.close)
 
     # --- weights ------------------------------------------------------------------------------
 
@@ -264,7 +266,7 @@ class Policy:
 
     async def swap(self, data: bytes, version: int) -> None:
         async with self._batcher.lock:
-            await asyncio.to_thread(self.backend.swap, data, version)
+            await compute(self.backend.swap, data, version)
 
     async def load(self, update: events.WeightUpdate) -> None:
         """Fetch (retrying what is transient) and load ``update`` now; raises what failed."""

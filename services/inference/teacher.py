@@ -35,7 +35,7 @@ policy's sampled tokens go out as :class:`flywheel.contract.events.Signal` event
   and shared by runs; or ``policy``, the run's own model with the weights of ``version``
   from its weight updates (watched on ``weights.<run>``), or with its newest weights, swapped
   between batches (never during one). Each model has one lock: one batch or weight swap at a
-  time, the forward in a worker thread so the event loop goes on.
+  time, the forward on the compute thread so the event loop goes on.
 - Hosting (:class:`TeacherHost`, a task of the inference Service): every run that has not
   ended and whose config names teachers gets one durable pull consumer per teacher,
   ``teacher-<run>-<name>`` on ROLLOUTS, filtered on the environments whose training reads
@@ -77,6 +77,7 @@ from flywheel.contract import events, weights
 from flywheel.contract.bus import Bus, Consumer, Delivery, Reject, watch
 from flywheel.contract.config import RunConfig, TeacherConfig
 from flywheel.contract.runs import end_of, watch_runs
+from flywheel.contract.service import compute
 from flywheel.contract.settings import InferenceSettings
 from flywheel.sdk.environment import Environment, RunEnvironment, load_run_environments
 from flywheel.sdk.tracegraph import TokenLayerError, branches, join_tokens
@@ -444,7 +445,7 @@ class Models:
         loaded = self._loaded.get(key)
         if loaded is None:
             if key not in self._loading:
-                self._loading[key] = asyncio.ensure_future(asyncio.to_thread(self._load, name, dtype))
+                self._loading[key] = asyncio.ensure_future(compute(self._load, name, dtype))
             future = self._loading[key]
             try:
                 loaded = await asyncio.shield(future)
@@ -568,7 +569,7 @@ class Teacher:
             version = loaded.version if loaded.version is not None else c.version
             model_name = f"{self.run}@v{version}" if c.model == POLICY else c.model
             started = time.monotonic()
-            signals, usage = await asyncio.to_thread(self._compute, loaded, rollouts, model_name, error)
+            signals, usage = await compute(self._compute, loaded, rollouts, model_name, error)
             busy_s = time.monotonic() - started
         signals = fit_payload(signals, functools.partial(self.bus.published_size, content_type=events.MSGPACK),
                               self.bus.nc.max_payload)
@@ -578,7 +579,7 @@ class Teacher:
 
     def _compute(self, loaded: Loaded, rollouts: Sequence[events.Rollout], model_name: str,
                  error: str | None) -> tuple[list[events.Signal], Usage]:
-        """(In a worker thread.) The rollouts' signals; each says ``error`` when it is set."""
+        """(On the compute thread.) The rollouts' signals; each says ``error`` when it is set."""
         requests = [self._request(loaded.tok, r, error) for r in rollouts]
         with loaded.thread_lock:
             return teacher_signals(loaded.model, requests, source=self.name, model_name=model_name,
@@ -662,7 +663,7 @@ class Teacher:
             with loaded.thread_lock:
                 models.load_weights(loaded.model, data)
 
-        await asyncio.to_thread(swap)
+        await compute(swap)
         loaded.version = update.version
         log.info("teacher %s of run %s: weights version %d loaded", self.name, self.run, update.version)
         return True

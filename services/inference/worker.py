@@ -95,7 +95,7 @@ from flywheel.contract import events, weights
 from flywheel.contract.bus import RUNS_BUCKET, Bus, Consumer, Delivery, Reject, watch
 from flywheel.contract.config import RunConfig
 from flywheel.contract.runs import BadRunState, end_of, get_run, watch_runs
-from flywheel.contract.service import Service
+from flywheel.contract.service import Service, compute
 from flywheel.contract.settings import InferenceSettings
 from flywheel.sdk.environment import Environment, EnvironmentLoadError, load_for_run
 from flywheel.sdk.harness import RolloutContext
@@ -253,7 +253,7 @@ class Worker:
         await asyncio.gather(*(hosted.policy.close() for hosted in [*self._runs.values(), *self._snapshots.values()]))
         for base in self._bases.values():
             await base.batcher.close()
-            await asyncio.to_thread(base.backend.close)
+            await compute(base.backend.close)
 
     # --- runs ---------------------------------------------------------------------------------
 
@@ -370,7 +370,7 @@ class Worker:
             backend = base
         else:
             log.info("run %s: loading model %s (%s backend)", name, cfg.model.name, cfg.inference.backend)
-            backend = await asyncio.to_thread(self._build, cfg)
+            backend = await compute(self._build, cfg)
         return Policy(name, backend, self._fetch, cfg.inference.max_batch_size, on_loaded=on_loaded,
                       on_error=on_error)
 
@@ -379,7 +379,7 @@ class Worker:
         (a backend of the user's own) is returned as it is, for the run alone (it merges them)."""
         log.info("loading model %s (%s backend) as a shared base for LoRA runs", cfg.model.name,
                  cfg.inference.backend)
-        backend = await asyncio.to_thread(self._build, cfg)
+        backend = await compute(self._build, cfg)
         if not hasattr(backend, "adapters"):
             return backend
         base = self._bases[key] = SharedBase(cfg.model.name, backend, Batcher(backend, cfg.inference.max_batch_size))
@@ -396,7 +396,7 @@ class Worker:
                 log.info("shared base %s: no adapter left on it; unloaded", base.model)
                 del self._bases[key]
                 await base.batcher.close()
-                await asyncio.to_thread(base.backend.close)
+                await compute(base.backend.close)
         self._refresh_info()
 
     async def _num_rollouts_published(self, run: str) -> int:

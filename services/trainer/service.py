@@ -17,7 +17,7 @@ durable batch consumers plus one training task under a :class:`flywheel.contract
 - The training task loads the model; on a fresh run it runs the SFT warm-up, writes
   checkpoint 0 and publishes weights version 0; on a restart it loads the latest
   checkpoint and publishes its weights again. Then, step by step: take
-  ``trainer.batch_size / group_size`` done groups, train (in a worker thread, so
+  ``trainer.batch_size / group_size`` done groups, train (on the compute thread, so
   heartbeats and acks go on), append the metrics line, checkpoint (every
   ``checkpoint_every`` steps and at the last), put the weights in the object store,
   publish the :class:`~flywheel.contract.events.WeightUpdate` (the step's figures in
@@ -52,7 +52,7 @@ from flywheel.contract import events, weights
 from flywheel.contract.bus import Bus, Consumer, Delivery, Reject, Undecodable, decode_message
 from flywheel.contract.config import RunConfig
 from flywheel.contract.runs import get_run, pin_version, trainer_started, update_run
-from flywheel.contract.service import Service
+from flywheel.contract.service import Service, compute
 from flywheel.contract.settings import Settings, TrainerSettings
 from flywheel.sdk import models
 from flywheel.sdk.environment import RunEnvironment, load_run_environments
@@ -258,7 +258,7 @@ class Trainer:
             take = await self._next_take(stopping)
             if take is None:  # stopping: what is buffered stays in the journal
                 if self.checkpointed_step < self.step:
-                    await self._checkpoint(engine, await asyncio.to_thread(engine.weights))  # a restart redoes nothing
+                    await self._checkpoint(engine, await compute(engine.weights))  # a restart redoes nothing
                 return
             await self._step(engine, pad_id, take, wait_s=time.perf_counter() - waited)
         await update_run(self.bus, self.cfg.run, status="finished", ended_at=events.utc_now())
@@ -270,24 +270,24 @@ class Trainer:
         path = models.resolve_model(cfg.model.name, self.data_dir)
         if cfg.seed is not None:
             seed_torch(cfg.seed)
-        model, tok = await asyncio.to_thread(models.load_model, path, "float32")
-        model = await asyncio.to_thread(with_adapter, model, cfg.trainer)  # the warm-up trains the adapter too
+        model, tok = await compute(models.load_model, path, "float32")
+        model = await compute(with_adapter, model, cfg.trainer)  # the warm-up trains the adapter too
         figures: dict[str, Any] = {}
         if self.resume is None and cfg.sft.steps:
             envs = [found.env for found in self.environments.values()]
-            figures = await asyncio.to_thread(sft_warmup, model, tok, envs, cfg, self.options.micro_batch_size)
-        engine = await asyncio.to_thread(build_engine, model, cfg.trainer, cfg.model.dtype)
-        supply = await asyncio.to_thread(SFTSupply, tok, {name: (found.config, found.env) for name, found in
+            figures = await compute(sft_warmup, model, tok, envs, cfg, self.options.micro_batch_size)
+        engine = await compute(build_engine, model, cfg.trainer, cfg.model.dtype)
+        supply = await compute(SFTSupply, tok, {name: (found.config, found.env) for name, found in
                                                           self.environments.items()}, cfg,
                                          getattr(model.config, "max_position_embeddings", None))
         self.sft_supply = supply if supply else None
         if self.resume is None:
             self.folder.metrics.append({"step": 0, "version": 0, **figures})
-            data = await asyncio.to_thread(engine.weights)
+            data = await compute(engine.weights)
             await self._checkpoint(engine, data)
         else:
-            await asyncio.to_thread(engine.load, self.resume[0] / "engine")
-            data = await asyncio.to_thread(engine.weights)
+            await compute(engine.load, self.resume[0] / "engine")
+            data = await compute(engine.weights)
             figures = next(m for m in reversed(self.folder.metrics.read()) if m["step"] == self.step)
             if self.published_version > self.version:
                 # Steps after this checkpoint were published, then lost: never reuse their versions.
@@ -308,13 +308,13 @@ class Trainer:
         """Train on ``take``, then record, checkpoint and publish the new version."""
         cfg = self.cfg
 
-        def compute() -> tuple[dict[str, float], bytes]:
+        def train_step() -> tuple[dict[str, float], bytes]:
             envs = {name: found.config for name, found in self.environments.items()}
             sft_rows = self.sft_supply.rows(self.step + 1) if self.sft_supply is not None else None
             return (rl_step(engine, take.groups, pad_id, cfg, self.options.micro_batch_size, envs, sft_rows),
                     engine.weights())
 
-        figures, data = await asyncio.to_thread(compute)
+        figures, data = await compute(train_step)
         self.step += 1
         self.version += 1
         figures.update(take_figures(take, self.joiner), wait_s=wait_s)
@@ -366,7 +366,7 @@ class Trainer:
         """Engine state and the weights (``data``, as published), then what the run consumed; then
         the journal keeps only the rest."""
         state = CheckpointState(step=self.step, version=self.version, trained=self.trained, dropped=self.dropped)
-        await asyncio.to_thread(self.folder.checkpoints.write, state, data, engine.save)
+        await compute(self.folder.checkpoints.write, state, data, engine.save)
         self.journal.rewrite(self.joiner.buffered_events())
         self.checkpointed_step = self.step
 
