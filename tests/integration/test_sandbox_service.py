@@ -28,6 +28,7 @@ from flywheel.contract import events
 from flywheel.contract.bus import Bus
 from flywheel.contract.service import read_heartbeats
 from flywheel.ops.natsserver import NatsServer
+from flywheel.sdk.environment import GroupReward, Reward
 from flywheel.sdk.sandbox import (
     ROLLOUT_LABEL,
     RUN_LABEL,
@@ -38,9 +39,11 @@ from flywheel.sdk.sandbox import (
     SandboxSpec,
     subject,
 )
+from flywheel.sdk.scoring import Scoring
 from flywheel_sandbox.backends import LocalBackend
 from tests.helpers import until
 from tests.sandbox_service import ServedSandboxClient, backend_named, serving
+from tests.scripted_openai import make_rollout
 
 
 @pytest.fixture
@@ -187,6 +190,34 @@ async def test_a_sandbox_labelled_with_a_run_is_metered_once_destroyed(bus: Bus,
     (usage,) = metered  # the unlabelled one names no run: not metered
     assert (usage.run, usage.source, usage.rollout_id, usage.id) == ("r1", "sandbox", "ro1", f"sandbox.{labelled}")
     assert 0.3 <= usage.sandbox_s < 30
+
+
+async def test_sandboxes_a_reward_makes_are_metered_to_the_rollouts_run(bus: Bus,
+                                                                       client: ServedSandboxClient) -> None:
+    metered: list[events.Usage] = []
+
+    async def meter(msg: Any) -> None:
+        metered.append(events.Decoder(events.Usage).decode(msg.data))
+
+    async def passes(completion: str) -> float:  # a verifier's one-shot sandbox
+        return float((await client.run(["python3", "-c", f"print({completion!r})"])).exit_code == 0)
+
+    async def same_answers(completions: list[str]) -> list[float]:  # a group reward's session sandbox
+        async with client.session() as box:
+            await client.exec(box, "true")
+        return [1.0] * len(completions)
+
+    sub = await bus.nc.subscribe("usage.>", cb=meter)
+    group = [msgspec.structs.replace(make_rollout("e", {"id": "t"}, [{"role": "assistant", "content": "hi"}],
+                                                  index=i), run="r7") for i in range(2)]
+    scored = await Scoring().score_group([Reward(passes), GroupReward(same_answers)], group)
+    assert [[s.value for s in row] for row in scored] == [[1.0, 1.0], [1.0, 1.0]]
+    await until(lambda: len(metered) == 3, what="the usage of the rewards' three sandboxes")
+    await sub.unsubscribe()
+    assert all((u.run, u.source) == ("r7", "sandbox") and u.sandbox_s > 0 for u in metered)
+    # Each rollout's reward sandbox names its rollout; the group reward's names none.
+    assert sorted(u.rollout_id or "" for u in metered) == sorted(["", *(r.id for r in group)])
+    assert not client.manager.sessions
 
 
 async def test_idempotent_create_and_destroy(client: ServedSandboxClient) -> None:

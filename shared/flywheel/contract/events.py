@@ -450,13 +450,14 @@ class Usage(Event, frozen=True, kw_only=True, tag="usage"):
     Sent by: the trainer (``source`` ``trainer``, one a step: ``trained_tokens`` are the
     tokens under the loss of the rollouts it trained, ``rollout_ids``; ``sft_tokens`` those
     of the reference answers its SFT term trained on; ``sft``, once, for the warm-up),
-    inference's OpenAI API (``api``, one a request: the prompt once, every choice's
-    tokens), and the sandbox service (``sandbox``, one a sandbox labelled with a run, once it
-    is destroyed: ``sandbox_s``, its seconds alive, and its ``rollout_id``). A rollout's own
-    tokens travel in :attr:`Rollout.usage`. Read by: the recorder, billing. Subject:
-    ``usage.<run>.<source>``. The event id is the count's own (a trainer step's is
-    ``<run>.trainer.<step>``, a sandbox's ``sandbox.<id>``), so a count made again after a
-    crash counts once. ``tenant`` is who pays: the run's owner, or the caller of the API.
+    inference's OpenAI API (``api``, one a request: the prompt once, every choice's tokens), and
+    the sandbox service (``sandbox``, one a sandbox labelled with a run, a rollout's or one a
+    reward made while scoring it, once it is destroyed: ``sandbox_s``, its seconds alive, and
+    its ``rollout_id``). A rollout's own tokens travel in :attr:`Rollout.usage`. Read by: the
+    recorder, billing. Subject: ``usage.<run>.<source>``. The event id is the count's own (a
+    trainer step's is ``<run>.trainer.<step>``, a sandbox's ``sandbox.<id>``), so a count made
+    again after a crash counts once. ``tenant`` is who pays: the run's owner, or the caller of
+    the API.
     """
 
     run: str

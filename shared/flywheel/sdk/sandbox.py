@@ -34,8 +34,9 @@ Not covered: streaming output while a command runs, and interactive terminals.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import re
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import msgspec
@@ -49,6 +50,11 @@ QUEUE_GROUP = "sandbox"
 RUN_LABEL = "flywheel-run"
 ROLLOUT_LABEL = "flywheel-rollout"
 SERVICE_NAME = "sandbox"
+# Labels every sandbox made in this context gets (under the spec's own): the run, and the
+# rollout, whose work is under way. The scorer sets them around each reward (metered_to), so a
+# sandbox a reward makes (run_tests, a verifier of its own) is metered to the rollout's run.
+_METERED_TO: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar("flywheel_sandbox_metered_to",
+                                                                                       default=None)
 WORKDIR = "/work"
 # The sandbox id carries the replica that holds it: "<hex>@<instance>".
 INSTANCE_TOKEN = re.compile(r"[^A-Za-z0-9_-]")
@@ -56,6 +62,25 @@ INSTANCE_TOKEN = re.compile(r"[^A-Za-z0-9_-]")
 REQUEST_MARGIN_S = 10.0
 
 T = TypeVar("T")
+
+
+@contextlib.contextmanager
+def metered_to(run: str, rollout_id: str | None = None) -> Iterator[None]:
+    """Within this block (and the tasks it starts), sandboxes this process's clients make are
+    labelled with ``run`` and ``rollout_id``, so the sandbox service meters their seconds to
+    the run. An empty ``run`` labels nothing."""
+    labels = {RUN_LABEL: run} | ({ROLLOUT_LABEL: rollout_id} if rollout_id else {}) if run else {}
+    token = _METERED_TO.set(labels)
+    try:
+        yield
+    finally:
+        _METERED_TO.reset(token)
+
+
+def _metered(spec: SandboxSpec | None) -> SandboxSpec:
+    spec = spec or SandboxSpec()
+    labels = _METERED_TO.get()
+    return msgspec.structs.replace(spec, labels={**labels, **spec.labels}) if labels else spec
 
 Positive = Annotated[float, msgspec.Meta(gt=0)]
 Count = Annotated[int, msgspec.Meta(ge=1)]
@@ -278,7 +303,7 @@ class SandboxClient:
 
     async def create(self, spec: SandboxSpec | None = None, idempotency_key: str | None = None) -> str:
         """Start a sandbox (from the warm pool when the spec allows); returns its id."""
-        request = CreateRequest(spec=spec or SandboxSpec(), idempotency_key=idempotency_key)
+        request = CreateRequest(spec=_metered(spec), idempotency_key=idempotency_key)
         reply = await self._request("create", request, self.request_timeout_s)
         return reply.id
 
@@ -324,7 +349,7 @@ class SandboxClient:
         """One shot for verifiers: a fresh sandbox, ``files`` written, ``cmd`` run, sandbox gone."""
         encoded = {path: (d.encode() if isinstance(d, str) else d) for path, d in (files or {}).items()}
         data = stdin.encode() if isinstance(stdin, str) else stdin
-        request = RunRequest(cmd=cmd, files=encoded, spec=spec or SandboxSpec(), stdin=data, timeout_s=timeout_s)
+        request = RunRequest(cmd=cmd, files=encoded, spec=_metered(spec), stdin=data, timeout_s=timeout_s)
         return await self._request("run", request, timeout_s + self.request_timeout_s)
 
     @contextlib.asynccontextmanager

@@ -33,6 +33,7 @@ from flywheel.contract import events
 # The scorer's `reward_timeout_s` and eval's, unless set: one default for both, written in the settings.
 from flywheel.contract.settings import REWARD_TIMEOUT_S
 from flywheel.sdk.environment import GroupReward, Reward, Value, off_the_loop
+from flywheel.sdk.sandbox import metered_to
 
 if TYPE_CHECKING:
     from flywheel.contract.config import RunConfig
@@ -76,9 +77,12 @@ class Scoring:
                    ids: list[str]) -> Value | list[Value] | str:
         kind = "group reward" if isinstance(reward, GroupReward) else "reward"
         deadline = asyncio.timeout(self.timeout_s)
+        rollouts = arg if isinstance(arg, list) else [arg]
         try:
-            async with deadline:
-                return await self.runnable(reward)(arg)  # type: ignore[arg-type]  # a list only for a GroupReward
+            # Sandboxes the reward makes are metered to the run (and the rollout, when it scores one).
+            with metered_to(rollouts[0].run if rollouts else "", ids[0] if len(ids) == 1 else None):
+                async with deadline:
+                    return await self.runnable(reward)(arg)  # type: ignore[arg-type]  # a list only for a GroupReward
         except Exception as exc:
             if deadline.expired():
                 error = f"{kind} {reward.name!r} timed out after {self.timeout_s:g}s"
