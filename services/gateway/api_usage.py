@@ -9,9 +9,9 @@ the settings' ``[prices]`` (per million tokens, per sandbox hour). ``recount=tru
 run's tokens again from its stored traces (every model call of its rollouts, the sampled
 tokens of the rollouts its steps trained), beside the metered figures: they are equal when
 nothing was lost or counted twice on the way. With an API key, a tenant sees its own usage
-alone. A rollout's sandbox seconds are metered by the sandbox service (the run is a label of
-the sandbox); the trace store has nothing to recount them from. Not covered: sandboxes a
-reward function starts in the scorer (they name no run).
+alone. Sandbox seconds (a rollout's sandbox, and those its rewards start in the scorer) are
+metered by the sandbox service (the run is a label of the sandbox); the trace store has
+nothing to recount them from.
 """
 
 from __future__ import annotations
