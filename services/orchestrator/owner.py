@@ -78,6 +78,7 @@ log = logging.getLogger(__name__)
 MAX_RESTARTS_WITHOUT_PROGRESS = 5  # trainer restarts with no new step in between before the run fails
 STATE_CHECK_S = 1.0  # how often the owner reads its run's state (a stop, another owner)
 TRAINER_STOP_S = 15.0  # a trainer asked to stop gets this long to checkpoint
+WATCH_END_S = 5.0  # a cancelled watch of the run's weights gets this long to unsubscribe
 EVAL_FIGURES = ("reward_mean", "reward_stderr", "pass@1", "num_tasks", "num_rollouts", "num_errors")  # in evals.jsonl
 
 
@@ -330,8 +331,13 @@ class RunOwner:
                     log.warning("run %s: publishing tasks failed (%s: %s)", self.cfg.run, type(exc).__name__, exc)
             return None
         finally:
+            # Its unsubscribe is a request to the bus: bounded, so a busy or restarting server
+            # never holds the run's release (the owner lets go after this).
             watching.cancel()
-            await asyncio.gather(watching, return_exceptions=True)
+            done, _ = await asyncio.wait([watching], timeout=WATCH_END_S)
+            if not done:
+                log.warning("run %s: the watch of its weights did not end within %gs; going on without it",
+                            self.cfg.run, WATCH_END_S)
 
     async def _pause_or_go_on(self, trainer: TrainerSupervisor, state: events.RunState) -> None:
         """The run was paused (stop the trainer; it checkpoints first) or resumed (start it again:
