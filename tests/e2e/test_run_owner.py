@@ -146,7 +146,7 @@ def test_trainer_restart_detach_stop_resume_and_takeover(stack, tmp_path: Path, 
     assert output.exit_status(proc, 30) == 0, output.text
     output.wait_for(r"^run detached: no longer following it; it goes on \(`flywheel runs follow detached`", 1)
     follower, followed = runs_command("follow", "detached", data_dir, ports, clean_env)
-    assert follower.wait(STEP_TIMEOUT_S) == 0, followed.text
+    assert followed.exit_status(follower, STEP_TIMEOUT_S) == 0, followed.text
     followed.wait_for(r"^run detached: finished", 1)
     assert steps_trained(data_dir, "detached") == every_step
 
@@ -278,7 +278,7 @@ def test_a_run_survives_every_process_and_nats_server_killed(tmp_path: Path, cle
     try:
         up_output.wait_for(r"^Flywheel is up", READY_TIMEOUT_S)
         follower, followed = runs_command("follow", "survivor", data_dir, ports, clean_env)
-        assert follower.wait(STEP_TIMEOUT_S) == 0, followed.text
+        assert followed.exit_status(follower, STEP_TIMEOUT_S) == 0, followed.text
         followed.wait_for(r"^run survivor: finished", 1)
         assert steps_trained(data_dir, "survivor") == [(i, i) for i in range(NUM_STEPS + 1)]
         checkpoint = data_dir / "runs" / "survivor" / "checkpoint"

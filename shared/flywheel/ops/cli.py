@@ -150,8 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     follow = runs_commands.add_parser("follow", help="print a run's steps and status changes until it ends",
                                       description="Print RUN's steps (a line each, as `flywheel run` does) and "
                                                   "status changes until it ends. Ctrl-C stops following, not the "
-                                                  "run. Exits 0 when it finished, 1 when it failed, stopped or "
-                                                  "was abandoned.")
+                                                  "run. Exits 0 when it finished, 1 when it failed or was stopped. "
+                                                  "An abandoned run (its owner gone) is followed until an "
+                                                  "orchestrator takes it over, saying so.")
     follow.add_argument("run", metavar="RUN")
     _add_settings(follow, NATS_SETTINGS)
     follow.set_defaults(func=cmd_runs_follow)

@@ -5,7 +5,8 @@
   step, owner;
 - ``follow RUN``: the run's steps (those its weight updates still hold, then each new one, the
   line ``flywheel run`` prints), its owner's notes from now on (evals' results among them)
-  and its status changes, until it ends and its owner lets go; Ctrl-C only detaches;
+  and its status changes, until it ends and its owner lets go (an abandoned run is followed,
+  saying so, until an orchestrator takes it over); Ctrl-C only detaches;
 - ``pause RUN``: marks the run paused (:func:`flywheel.contract.runs.pause_run`); its owner
   stops the trainer (it checkpoints first) and holds the run with its queued tasks until
   ``resume RUN``;
@@ -185,7 +186,10 @@ async def _print_steps(bus: Bus, run: str, num_steps: int, stopping: asyncio.Eve
 
 async def _until_ended(bus: Bus, run: str, status: str, num_notes: int, detached: asyncio.Event, out: TextIO) -> str:
     """Say the owner's notes from ``num_notes`` on and each status change of the run; return its
-    status once it ended (and its owner let go: its last notes are its evals), ``detached`` on Ctrl-C."""
+    status once it ended (and its owner let go: its last notes are its evals), ``detached`` on Ctrl-C.
+    An abandoned run (its owner's lease ran out) has not ended: an orchestrator takes it over, and
+    until one does this says it waits for that (as ``flywheel run`` does)."""
+    said_abandoned = False
     while not detached.is_set():
         try:
             state = await get_run(bus, run)
@@ -203,7 +207,13 @@ async def _until_ended(bus: Bus, run: str, status: str, num_notes: int, detached
                 status = now
             held = state.owner is not None and (state.lease_expires_at is None
                                                 or state.lease_expires_at > events.utc_now())
-            if end_of(state) is not None and not held:
+            end = end_of(state)
+            if end is not None and end.status == "abandoned":
+                if not said_abandoned:
+                    print(f"run {run}: {end.reason}; waiting for an orchestrator to take it over", file=out,
+                          flush=True)
+                    said_abandoned = True
+            elif end is not None and not held:
                 await asyncio.sleep(FOLLOW_STATE_S)  # time for the steps watch to print the last step
                 return status
         try:
