@@ -269,3 +269,42 @@ trained_rollouts = sa.Table(
     sa.Column("run", sa.String, nullable=False, index=True),
     sa.Column("step", sa.Integer, nullable=False),
 )
+
+# The environment hub: environments by id (owner/name), their versions (immutable once pushed)
+# and each version's package files. The files live here, beside their metadata, so a push is
+# one transaction: a refused one stores nothing, and a version never lacks its files.
+hub_environments = sa.Table(
+    "hub_environments",
+    metadata,
+    sa.Column("id", sa.String, primary_key=True),  # owner/name
+    sa.Column("owner", sa.String, nullable=False),  # the tenant that owns it
+    sa.Column("private", sa.Boolean, nullable=False),
+    sa.Column("forked_from", sa.String, nullable=True),  # owner/name@version it was forked from
+    sa.Column("created_at", UTCDateTime, nullable=False),
+    sa.Index("ix_hub_environments_owner", "owner"),
+)
+
+hub_versions = sa.Table(
+    "hub_versions",
+    metadata,
+    sa.Column("env_id", sa.String, primary_key=True),
+    sa.Column("version", sa.String, primary_key=True),
+    sa.Column("sha256", sa.String, nullable=False),  # the wheel's: the version's content hash
+    sa.Column("summary", sa.String, nullable=False),
+    sa.Column("readme", sa.Text, nullable=False),
+    sa.Column("pushed_by", sa.String, nullable=True),  # the API key's id; NULL: an open gateway
+    sa.Column("created_at", UTCDateTime, nullable=False),
+)
+
+hub_files = sa.Table(
+    "hub_files",
+    metadata,
+    sa.Column("filename", sa.String, primary_key=True),  # a wheel's or sdist's name: it names project and version
+    sa.Column("env_id", sa.String, nullable=False),
+    sa.Column("version", sa.String, nullable=False),
+    sa.Column("kind", sa.String, nullable=False),  # wheel, sdist
+    sa.Column("sha256", sa.String, nullable=False),
+    sa.Column("size_bytes", sa.Integer, nullable=False),
+    sa.Column("data", sa.LargeBinary, nullable=False),
+    sa.Index("ix_hub_files_env_id_version", "env_id", "version"),
+)

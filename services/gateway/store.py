@@ -73,6 +73,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from flywheel.contract import events
 from flywheel.sdk.tracegraph import ROWS, final_branch, join_tokens
 from flywheel_gateway import schema as s
+from flywheel_gateway.hub import HubRefused, Package
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 MAX_PAGE_LIMIT = 1000
@@ -87,6 +88,10 @@ _T = TypeVar("_T")
 
 class InvalidCursor(ValueError):
     """A pagination cursor that this store did not hand out (or for another listing)."""
+
+
+class HubConflict(ValueError):
+    """A hub version (or package file) that exists already: versions are immutable."""
 
 
 class UnrecordableEvent(ValueError):
@@ -899,6 +904,104 @@ class Store:
                 graph[row.id] = (row.parent_id, tokens.get("token_ids", []), tokens.get("loss_mask", []))
             _recount_graph(graph, current in trained, counts)
         return counts
+
+    # --- the environment hub ---------------------------------------------------------------
+
+    async def hub_push(self, package: Package, owner: str, private: bool, pushed_by: str | None,
+                       forked_from: str | None = None) -> dict[str, Any]:
+        """Store a checked push (:func:`flywheel_gateway.hub.inspect_package`) in one transaction:
+        the environment (made on its first push, owned by ``owner``), the version and its files.
+        HubRefused when the environment is another tenant's; HubConflict when the version (or one
+        of its file names) exists: versions are immutable. Nothing is stored then."""
+        h, v, f = s.hub_environments.c, s.hub_versions.c, s.hub_files.c
+        now = datetime.now(UTC)
+        env_id, version = package.env_id, package.version
+
+        def write(conn: sa.Connection) -> dict[str, Any]:
+            found = conn.execute(sa.select(h.owner).where(h.id == env_id)).first()
+            if found is None:
+                conn.execute(sa.insert(s.hub_environments).values(id=env_id, owner=owner, private=private,
+                                                                   forked_from=forked_from, created_at=now))
+            elif found.owner != owner:
+                raise HubRefused(f"environment {env_id!r} belongs to tenant {found.owner!r}; push it under an "
+                                 f"owner of your own (fork it: {owner}/<name>)")
+            if conn.execute(sa.select(v.version).where(v.env_id == env_id, v.version == version)).first():
+                raise HubConflict(f"{env_id}@{version} exists: a pushed version never changes; push a new version")
+            names = [file.filename for file in package.files]
+            taken = conn.execute(sa.select(f.filename).where(f.filename.in_(names))).scalars().all()
+            if taken:
+                raise HubConflict(f"file {taken[0]} exists on the hub; push a new version")
+            conn.execute(sa.insert(s.hub_versions).values(
+                env_id=env_id, version=version, sha256=package.sha256, summary=package.summary,
+                readme=package.readme, pushed_by=pushed_by, created_at=now))
+            conn.execute(sa.insert(s.hub_files), [
+                {"filename": file.filename, "env_id": env_id, "version": version, "kind": file.kind,
+                 "sha256": file.sha256, "size_bytes": len(file.data), "data": file.data} for file in package.files])
+            return {"env_id": env_id, "version": version, "sha256": package.sha256, "created_at": now}
+
+        try:
+            return await self._write(write)
+        except sa.exc.IntegrityError as exc:  # the same version pushed at the same moment
+            raise HubConflict(f"{env_id}@{version} exists: a pushed version never changes; push a new "
+                              "version") from exc
+
+    async def hub_environment(self, env_id: str) -> dict[str, Any] | None:
+        """An environment of the hub with its versions (newest first) and their files (no content);
+        None when there is none of that id."""
+        h, v, f = s.hub_environments.c, s.hub_versions.c, s.hub_files.c
+        async with self.engine.connect() as conn:
+            env = (await conn.execute(sa.select(s.hub_environments).where(h.id == env_id))).mappings().first()
+            if env is None:
+                return None
+            versions = [dict(row) for row in (await conn.execute(
+                sa.select(v.version, v.sha256, v.summary, v.readme, v.pushed_by, v.created_at)
+                .where(v.env_id == env_id))).mappings()]
+            files = (await conn.execute(sa.select(f.filename, f.version, f.kind, f.sha256, f.size_bytes)
+                                        .where(f.env_id == env_id).order_by(f.filename))).mappings().all()
+        for version in versions:
+            version["files"] = [{k: row[k] for k in ("filename", "kind", "sha256", "size_bytes")}
+                                for row in files if row["version"] == version["version"]]
+        versions.sort(key=lambda row: tuple(int(part) for part in row["version"].split(".")), reverse=True)
+        return {**env, "versions": versions}
+
+    async def hub_environments(self, viewer: str | None) -> list[dict[str, Any]]:
+        """The hub's environments ``viewer`` may see (the public ones and its own; None: every
+        one), by id, each with its newest version."""
+        h, v = s.hub_environments.c, s.hub_versions.c
+        query = sa.select(s.hub_environments).order_by(h.id)
+        if viewer is not None:
+            query = query.where(sa.or_(h.private.is_(False), h.owner == viewer))
+        async with self.engine.connect() as conn:
+            envs = [dict(row) for row in (await conn.execute(query)).mappings()]
+            versions = (await conn.execute(sa.select(v.env_id, v.version, v.summary).where(
+                v.env_id.in_([env["id"] for env in envs])))).mappings().all()
+        newest: dict[str, dict[str, Any]] = {}
+        for row in versions:
+            key = tuple(int(part) for part in row["version"].split("."))
+            if row["env_id"] not in newest or key > newest[row["env_id"]]["key"]:
+                newest[row["env_id"]] = {"key": key, "version": row["version"], "summary": row["summary"]}
+        return [{**env, "latest_version": newest.get(env["id"], {}).get("version"),
+                 "summary": newest.get(env["id"], {}).get("summary", "")} for env in envs]
+
+    async def hub_file(self, filename: str) -> dict[str, Any] | None:
+        """A package file with its content and its environment's owner and visibility; None when
+        the hub has no file of that name."""
+        h, f = s.hub_environments.c, s.hub_files.c
+        query = (sa.select(f.filename, f.env_id, f.version, f.kind, f.sha256, f.size_bytes, f.data, h.owner, h.private)
+                 .join_from(s.hub_files, s.hub_environments, h.id == f.env_id).where(f.filename == filename))
+        async with self.engine.connect() as conn:
+            row = (await conn.execute(query)).mappings().first()
+        return dict(row) if row is not None else None
+
+    async def hub_set_private(self, env_id: str, private: bool) -> bool:
+        """Make an environment private or public; False when there is none of that id."""
+        h = s.hub_environments.c
+
+        def write(conn: sa.Connection) -> bool:
+            return conn.execute(sa.update(s.hub_environments).where(h.id == env_id)
+                                .values(private=private)).rowcount > 0
+
+        return await self._write(write)
 
     async def get_signals(self, rollout_id: str) -> list[dict[str, Any]]:
         """The teachers' signals recorded for a rollout, by source."""
