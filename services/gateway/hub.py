@@ -112,7 +112,7 @@ def inspect_package(env_id: str, version: str, files: Mapping[str, bytes], max_f
             checked.append(PackageFile(filename, "wheel", data))
         elif filename.endswith(".tar.gz"):
             _check_name(filename, project, version, *_sdist_name(filename))
-            _check_sdist(filename, data, f"{filename.removesuffix('.tar.gz')}")
+            _check_sdist(filename, data, filename.removesuffix(".tar.gz"))
             checked.append(PackageFile(filename, "sdist", data))
         else:
             raise HubRefused(f"{filename}: not a wheel (.whl) or an sdist (.tar.gz); push what `python -m build` "
