@@ -1,0 +1,2 @@
+#!/bin/bash
+grep -cx "$TARGET_WORD" /app/data/words.txt > /app/count.txt
