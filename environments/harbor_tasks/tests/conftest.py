@@ -1,4 +1,4 @@
-"""The fixture ``sandbox`` (tests/sandbox_fixtures.py) for harbor's tests: tests/conftest.py,
+"""The fixture ``sandbox`` (tests/sandbox_fixtures.py) for harbor_tasks' tests: tests/conftest.py,
 which registers it for the tests under tests/, does not reach the environments."""
 
 from tests.sandbox_fixtures import sandbox

@@ -5,23 +5,23 @@ The package it writes (``dest``)::
 
     pyproject.toml      distribution OWNER-NAME; registers OWNER/NAME under flywheel.environments
     README.md           what it holds, how to evaluate it, what each task does not carry over
-    PKG/__init__.py     load_environment(**args): harbor.load_environment on its own tasks
+    PKG/__init__.py     load_environment(**args): harbor_tasks.load_environment on its own tasks
     PKG/tasks/ID/...    the task folders, copied as they are (package data)
 
 ``PKG`` is ``OWNER_NAME`` with '-' as '_'. The tasks are read (and refused, naming the folder
 and the field, where they do not load) before anything is written, so a package that is
-written loads. It depends on ``flywheel-rl[environments]``, which provides the ``harbor`` module.
+written loads. It depends on ``flywheel-rl[environments]``, which provides the ``harbor_tasks``
+module.
 """
 
 from __future__ import annotations
 
-import re
 import shutil
 from pathlib import Path
 
-from .folders import CACHE, read_tasks, task_folders
+from flywheel.contract.hub import ENV_PART
 
-PART = re.compile(r"[a-z][a-z0-9_-]{0,63}")  # an owner or a name, as the environment hub takes them
+from .folders import CACHE, read_tasks, task_folders
 
 PYPROJECT = '''\
 [build-system]
@@ -50,9 +50,10 @@ packages = ["{pkg}"]
 MODULE = '''\
 """{owner}/{name}: {num_tasks} Harbor tasks (the folders under tasks/) as a Flywheel environment.
 
-Written by ``harbor.convert``: the harness, the verifier and what is not carried over from
-Harbor are those of the ``harbor`` module. Keyword arguments go to
-``harbor.load_environment`` (max_turns, command_timeout_s, memory_mb, disk_mb, network, image).
+Written by ``harbor_tasks.convert``: the harness, the verifier and what is not carried over
+from Harbor are those of the ``harbor_tasks`` module. Keyword arguments go to
+``harbor_tasks.load_environment`` (max_turns, command_timeout_s, memory_mb, disk_mb, network,
+image).
 """
 
 from __future__ import annotations
@@ -60,21 +61,21 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import harbor
+import harbor_tasks
 from flywheel.sdk.environment import Environment
 
 TASKS = Path(__file__).with_name("tasks")
 
 
 def load_environment(**args: Any) -> Environment:
-    return harbor.load_environment(str(TASKS), name="{owner}-{name}", **args)
+    return harbor_tasks.load_environment(str(TASKS), name="{owner}-{name}", **args)
 '''
 
 README = '''\
 # {owner}/{name}
 
-{num_tasks} Harbor tasks as a Flywheel environment, written by `harbor.convert` from the task
-folders under `{pkg}/tasks/`. Per rollout, the model works in the task's sandbox with a `bash`
+{num_tasks} Harbor tasks as a Flywheel environment, written by `harbor_tasks.convert` from the
+task folders under `{pkg}/tasks/`. Per rollout, the model works in the task's sandbox with a `bash`
 tool; then the task's `tests/test.sh` runs there and the reward file it writes is the reward.
 
 ```sh
@@ -82,7 +83,7 @@ pip install .                    # registers {owner}/{name}
 flywheel eval {owner}/{name} --model RUN_OR_MODEL -n {num_tasks} -r 4
 ```
 
-In a run config: `env = "{owner}/{name}"`, and `[env_args]` for `harbor.load_environment`'s
+In a run config: `env = "{owner}/{name}"`, and `[env_args]` for `harbor_tasks.load_environment`'s
 arguments (`max_turns`, `command_timeout_s`, `memory_mb`, `disk_mb`, `network`, `image`).
 
 ## Tasks
@@ -95,7 +96,7 @@ def convert(src: str | Path, dest: str | Path, owner: str, name: str, version: s
     """Write the environment package ``OWNER/NAME`` of the Harbor tasks at ``src`` (a task folder
     or a folder of them) into the folder ``dest`` (new, or empty); returns ``dest``."""
     for field, value in (("owner", owner), ("name", name)):
-        if not PART.fullmatch(value):
+        if not ENV_PART.fullmatch(value):
             raise ValueError(f"{field} {value!r}: use a lowercase letter, then up to 63 lowercase letters, digits, "
                              "'-' or '_'")
     dest = Path(dest)

@@ -1,4 +1,4 @@
-"""harbor: Harbor task folders (tests/tasks: a file to write, a word to count with reward.json)
+"""harbor_tasks: Harbor task folders (tests/tasks: a file to write, a word to count with reward.json)
 read into rows, malformed folders refused naming the folder and the field, the Dockerfile and
 path mapping; against a real sandbox service (local backend) over a real nats-server: each
 task's solution reaches reward 1 and an untouched workspace 0, rollouts through the harness
@@ -18,14 +18,14 @@ from typing import Any
 
 import pytest
 
-import harbor
+import harbor_tasks
 from flywheel.contract.bus import Bus
 from flywheel.ops.eval import EvalConfig, Evaluation, read_results
 from flywheel.ops.natsserver import NatsServer
 from flywheel.sdk.environment import EnvironmentLoadError, RewardError, load_environment, resolve
 from flywheel.sdk.sandbox import SandboxSpec
 from flywheel.sdk.sandbox_tools import SandboxUnavailable
-from harbor.folders import map_paths, read_environment, read_task
+from harbor_tasks.folders import map_paths, read_environment, read_task
 from tests.sandbox_fixtures import sandboxed_rollout
 from tests.sandbox_service import ServedSandboxClient, backend_named, serving
 from tests.scripted_openai import ScriptedOpenAI, ScriptEntry, tool_call
@@ -35,7 +35,7 @@ TASKS = Path(__file__).parent / "tasks"
 
 @pytest.fixture(scope="module")
 def env():
-    return harbor.load_environment(str(TASKS), max_turns=4)
+    return harbor_tasks.load_environment(str(TASKS), max_turns=4)
 
 
 @pytest.fixture(scope="module")
@@ -64,13 +64,13 @@ def test_load_reads_each_task_folder_into_a_row(env, rows) -> None:
     assert "bash" in system.content and "/work" in system.content and user.content == hello["instruction"]
     assert "/work/data/words.txt" in rows["word-count"]["instruction"]
     assert env.weights == {"verifier": 1.0, "verifier_timed_out": 0.0, "agent_timed_out": 0.0, "num_commands": 0.0}
-    single = harbor.load_environment(str(TASKS / "hello-file"))
+    single = harbor_tasks.load_environment(str(TASKS / "hello-file"))
     assert [row["id"] for row in single.load_tasks(1)] == ["hello-file"]
-    assert resolve("harbor") is harbor.load_environment  # by module name; flywheel/harbor by entry point
+    assert resolve("harbor_tasks") is harbor_tasks.load_environment  # module name; flywheel/harbor-tasks: entry point
 
 
 def test_what_a_task_carries_over_and_what_it_does_not() -> None:
-    task = harbor.read_tasks(TASKS)["word-count"]
+    task = harbor_tasks.read_tasks(TASKS)["word-count"]
     assert task.workdir == "/app" and task.env == {"TARGET_WORD": "flywheel"}
     assert sorted(task.files) == ["NOTES.md", "data/words.txt"]
     assert task.files["data/words.txt"].data.count(b"flywheel\n") == 3
@@ -82,7 +82,7 @@ def test_what_a_task_carries_over_and_what_it_does_not() -> None:
     notes = " | ".join(task.not_carried)
     for said in ("docker_image", "RUN instruction", "CMD", "JUDGE_KEY"):
         assert said in notes, (said, notes)
-    hello = harbor.read_tasks(TASKS)["hello-file"]
+    hello = harbor_tasks.read_tasks(TASKS)["hello-file"]
     assert (hello.cpus, hello.memory_mb, hello.files) == (1, 512, {})
     assert hello.sandbox_spec(SandboxSpec(memory_mb=2048)).memory_mb == 512
 
@@ -157,21 +157,21 @@ def test_a_malformed_task_folder_is_refused_naming_it_and_the_field(tmp_path: Pa
     shutil.copytree(TASKS, tmp_path / "tasks")
     broken = tmp_path / "tasks" / "word-count"
     breaks(broken)
-    with pytest.raises(EnvironmentLoadError, match=rf"harbor: task folder {broken}: .*{said}"):
-        harbor.load_environment(str(tmp_path / "tasks"))
+    with pytest.raises(EnvironmentLoadError, match=rf"harbor_tasks: task folder {broken}: .*{said}"):
+        harbor_tasks.load_environment(str(tmp_path / "tasks"))
 
 
 def test_a_path_without_tasks_is_refused(tmp_path: Path) -> None:
     with pytest.raises(EnvironmentLoadError, match="is not a folder"):
-        harbor.load_environment(str(tmp_path / "nowhere"))
+        harbor_tasks.load_environment(str(tmp_path / "nowhere"))
     with pytest.raises(EnvironmentLoadError, match="holds no task folders"):
-        harbor.load_environment(str(tmp_path))
+        harbor_tasks.load_environment(str(tmp_path))
     with pytest.raises(EnvironmentLoadError, match="max_turns=0"):
-        harbor.load_environment(str(TASKS), max_turns=0)
+        harbor_tasks.load_environment(str(TASKS), max_turns=0)
 
 
 def test_a_row_from_another_version_of_the_folder_is_refused(env, rows) -> None:
-    assert isinstance(env.harness, harbor.HarborHarness)
+    assert isinstance(env.harness, harbor_tasks.HarborHarness)
     assert env.harness.task_of(rows["hello-file"]).id == "hello-file"
     with pytest.raises(ValueError, match="changed since this row was made"):
         env.harness.task_of({**rows["hello-file"], "digest": "0" * 64})
@@ -184,14 +184,14 @@ def test_a_row_from_another_version_of_the_folder_is_refused(env, rows) -> None:
 
 async def test_each_solution_reaches_its_reward_and_an_untouched_workspace_does_not(
         sandbox: ServedSandboxClient) -> None:
-    tasks = harbor.read_tasks(TASKS)
-    hello, count = [await harbor.run_solution(tasks[name], sandbox) for name in ("hello-file", "word-count")]
+    tasks = harbor_tasks.read_tasks(TASKS)
+    hello, count = [await harbor_tasks.run_solution(tasks[name], sandbox) for name in ("hello-file", "word-count")]
     assert hello.rewards == {"reward": 1.0} and hello.error is None and not hello.timed_out
     assert count.rewards == {"reward": 1.0, "off_by": 0.0}
     for task in tasks.values():
         async with sandbox.session(task.sandbox_spec(SandboxSpec())) as box:
-            await harbor.stage(sandbox, box, task.files, "/work")
-            verdict = await harbor.verify(sandbox, box, task)
+            await harbor_tasks.stage(sandbox, box, task.files, "/work")
+            verdict = await harbor_tasks.verify(sandbox, box, task)
         assert verdict.rewards["reward"] == 0.0 and verdict.error is None, task.id
     assert not sandbox.manager.sessions
 
@@ -222,7 +222,7 @@ async def test_the_agent_is_stopped_at_its_timeout_and_still_verified(tmp_path: 
                                                                       sandbox: ServedSandboxClient) -> None:
     make_task(tmp_path / "tasks" / "quick", "[ -f /app/done ] && echo 1 > /logs/verifier/reward.txt || echo 0 > "
                                   "/logs/verifier/reward.txt\n", toml="[agent]\ntimeout_sec = 0.001\n")
-    env = harbor.load_environment(str(tmp_path / "tasks"), max_turns=5)
+    env = harbor_tasks.load_environment(str(tmp_path / "tasks"), max_turns=5)
     script: list[ScriptEntry] = [tool_call("bash", command="touch done"), tool_call("bash", command="rm done"),
                                  "Done."]
     rollout, server = await sandboxed_rollout(env, env.load_tasks(1)[0], script, sandbox)
@@ -238,22 +238,22 @@ async def test_a_verifier_without_a_reward_is_an_error_and_one_past_its_timeout_
     make_task(tmp_path / "tasks" / "no-reward-key", "echo '{\"accuracy\": 0.5}' > /logs/verifier/reward.json\n")
     make_task(tmp_path / "tasks" / "slow", "sleep 30; echo 1 > /logs/verifier/reward.txt\n",
               toml="[verifier]\ntimeout_sec = 0.5\n")
-    tasks = harbor.read_tasks(tmp_path / "tasks")
+    tasks = harbor_tasks.read_tasks(tmp_path / "tasks")
     verdicts = {}
     for name, task in tasks.items():
         async with sandbox.session() as box:
-            verdicts[name] = dataclasses.asdict(await harbor.verify(sandbox, box, task))
+            verdicts[name] = dataclasses.asdict(await harbor_tasks.verify(sandbox, box, task))
     assert verdicts["silent"]["exit_code"] == 3 and verdicts["silent"]["output"] == "checking\n"
     with pytest.raises(RewardError, match=r"silent: tests/test.sh wrote no reward file.*checking"):
-        harbor.verifier({"verifier": verdicts["silent"]})
+        harbor_tasks.verifier({"verifier": verdicts["silent"]})
     with pytest.raises(RewardError, match=r"reward.txt holds 'maybe\\n', not a number"):
-        harbor.verifier({"verifier": verdicts["garbled"]})
+        harbor_tasks.verifier({"verifier": verdicts["garbled"]})
     with pytest.raises(RewardError, match=r"has no 'reward' \(it has \['accuracy'\]\)"):
-        harbor.verifier({"verifier": verdicts["no-reward-key"]})
+        harbor_tasks.verifier({"verifier": verdicts["no-reward-key"]})
     slow = {"verifier": verdicts["slow"]}
-    assert (harbor.verifier(slow), harbor.verifier_timed_out(slow)) == (0.0, 1.0)
+    assert (harbor_tasks.verifier(slow), harbor_tasks.verifier_timed_out(slow)) == (0.0, 1.0)
     with pytest.raises(RewardError, match="no verifier verdict"):
-        harbor.verifier({})
+        harbor_tasks.verifier({})
 
 
 def solve(body: dict[str, Any]) -> Any:
@@ -271,7 +271,7 @@ async def test_flywheel_eval_runs_the_tasks_and_scores_them(tmp_path: Path, requ
         bus = await Bus.connect(server.url, name="test-harbor-eval")
         try:
             async with backend_named("local", request) as backend, serving(bus, backend) as sandbox:
-                env = harbor.load_environment(str(TASKS))
+                env = harbor_tasks.load_environment(str(TASKS))
                 with ScriptedOpenAI({"agent": [solve] * 8}) as model:
                     cfg = EvalConfig(env=env.name, model="agent", base_url=model.base_url, out=tmp_path / "out.jsonl",
                                      num_tasks=2, num_rollouts=2, concurrency=2)
@@ -300,7 +300,7 @@ async def test_no_sandbox_service_fails_the_rollout_with_what_to_do(env, rows) -
 
 
 def test_convert_writes_a_package_that_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    dest = harbor.convert(TASKS, tmp_path / "pkg", owner="acme", name="terminal-tasks")
+    dest = harbor_tasks.convert(TASKS, tmp_path / "pkg", owner="acme", name="terminal-tasks")
     project = tomllib.loads((dest / "pyproject.toml").read_text())
     assert project["project"]["name"] == "acme-terminal-tasks"
     assert project["project"]["entry-points"]["flywheel.environments"] == {
@@ -324,13 +324,13 @@ def test_convert_writes_a_package_that_loads(tmp_path: Path, monkeypatch: pytest
 
 def test_convert_refuses_before_writing(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="owner 'Acme'"):
-        harbor.convert(TASKS, tmp_path / "a", owner="Acme", name="x")
+        harbor_tasks.convert(TASKS, tmp_path / "a", owner="Acme", name="x")
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "f").write_text("")
     with pytest.raises(ValueError, match="not an empty folder"):
-        harbor.convert(TASKS, tmp_path / "full", owner="acme", name="x")
+        harbor_tasks.convert(TASKS, tmp_path / "full", owner="acme", name="x")
     make_task(tmp_path / "src" / "bad", toml="[verifier]\ntimeout_sec = \"soon\"\n")
     with pytest.raises(EnvironmentLoadError, match=r"\[verifier\] timeout_sec"):
-        harbor.convert(tmp_path / "src", tmp_path / "out", owner="acme", name="x")
+        harbor_tasks.convert(tmp_path / "src", tmp_path / "out", owner="acme", name="x")
     assert not (tmp_path / "out").exists()
     assert read_task(make_task(tmp_path / "src2" / "ok")).id == "ok"

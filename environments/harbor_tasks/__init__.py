@@ -1,4 +1,4 @@
-"""harbor: Harbor task folders (the Harbor framework's format, successor of Terminal-Bench's) as a
+"""harbor_tasks: Harbor task folders (the Harbor framework's format, successor of Terminal-Bench's) as a
 Flywheel environment, in eval and in training.
 
 ``load_environment(path)`` reads a Harbor task folder, or a folder of them, at load: each task
@@ -51,8 +51,8 @@ timeouts. A verifier that runs past a sandbox's limit of one command (3600 s) is
 
 To see which tasks work in this sandbox, run their solutions (an oracle that does not reach
 reward 1 here needs something above): ``await run_solution(task, client)`` for each task of
-:func:`read_tasks`. The Harbor framework's own package is also named ``harbor``: the two do not
-share a Python environment.
+:func:`read_tasks`. The Harbor framework's own Python package is named ``harbor``, hence this
+module's name, ``harbor_tasks``: the two can be installed side by side.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ SYSTEM_PROMPT = (
     "folder persist between calls, shell variables and background processes do not. Your working folder is /work. "
     "You are an unprivileged user (no root, no system packages){network}. When the task is done, reply without "
     "calling a tool: your work is then checked by the task's tests.")
-AGENT_DEADLINE = "harbor.agent_deadline"  # ctx.resources: when the agent's [agent] timeout_sec is up
+AGENT_DEADLINE = "harbor_tasks.agent_deadline"  # ctx.resources: when the agent's [agent] timeout_sec is up
 STAGING = "/tmp/harbor-"  # + a fresh token: where /tests, /logs and /solution are staged
 # Reads what the verifier left (run in the sandbox: its reward files and its output's tail).
 READ_VERDICT = """
@@ -167,12 +167,13 @@ async def verify(client: SandboxClient, box: str, task: HarborTask) -> Verdict:
     await stage(client, box, task.staged(task.tests, root), f"{root}/tests")
     made = await client.exec(box, ["mkdir", "-p", logs, f"{root}/logs/agent"], timeout_s=30)
     if made.exit_code != 0:
-        raise RuntimeError(f"harbor: task {task.id}: making the verifier's log folder failed: {made.stderr[-500:]}")
+        raise RuntimeError(f"harbor_tasks: task {task.id}: making the verifier's log folder failed: "
+                           f"{made.stderr[-500:]}")
     run = await client.exec(box, f"bash {root}/tests/test.sh > {logs}/test-stdout.txt 2>&1", cwd=WORKDIR,
                             env=task.verifier_env, timeout_s=task.verifier_timeout_s)
     read = await client.exec(box, ["python3", "-c", READ_VERDICT, logs], timeout_s=30)
     if read.exit_code != 0:
-        raise RuntimeError(f"harbor: task {task.id}: reading the verifier's files failed ({read.exit_code}): "
+        raise RuntimeError(f"harbor_tasks: task {task.id}: reading the verifier's files failed ({read.exit_code}): "
                            f"{read.stderr[-500:]}")
     found = json.loads(read.stdout)
     if run.timed_out:
@@ -189,7 +190,7 @@ async def run_solution(task: HarborTask, client: SandboxClient, spec: SandboxSpe
     rollout's (from ``spec``), then its verifier. A solution that does not reach its reward
     here shows the task needs what the sandbox lacks (``task.not_carried`` says what)."""
     if "solve.sh" not in task.solution:
-        raise ValueError(f"harbor: task {task.id} ({task.folder}) has no solution/solve.sh")
+        raise ValueError(f"harbor_tasks: task {task.id} ({task.folder}) has no solution/solve.sh")
     async with client.session(task.sandbox_spec(spec or SandboxSpec())) as box:
         await stage(client, box, task.files, WORKDIR)
         root = staging_root()
@@ -227,10 +228,10 @@ class HarborHarness:
     def task_of(self, row: Mapping[str, Any]) -> HarborTask:
         task = self.tasks.get(row.get("id", ""))
         if task is None:
-            raise ValueError(f"harbor: no task {row.get('id')!r} among the {len(self.tasks)} loaded")
+            raise ValueError(f"harbor_tasks: no task {row.get('id')!r} among the {len(self.tasks)} loaded")
         if task.digest != row.get("digest"):
-            raise ValueError(f"harbor: task {task.id!r}: its folder ({task.folder}) changed since this row was made; "
-                             "start the run again to use what it holds now")
+            raise ValueError(f"harbor_tasks: task {task.id!r}: its folder ({task.folder}) changed since this row was "
+                             "made; start the run again to use what it holds now")
         return task
 
     async def run(self, env: Environment, ctx: RolloutContext) -> None:
@@ -249,19 +250,21 @@ class HarborHarness:
 def _verdict(state: dict[str, Any]) -> dict[str, Any]:
     verdict = state.get("verifier")
     if not isinstance(verdict, dict):
-        raise RewardError("harbor: the rollout has no verifier verdict (its harness ended before the verifier ran)")
+        raise RewardError("harbor_tasks: the rollout has no verifier verdict (its harness ended before the verifier "
+                          "ran)")
     return verdict
 
 
 def verifier(state: dict) -> float:
     verdict = _verdict(state)
     if verdict["error"]:
-        raise RewardError(f"harbor: {verdict['error']}; the verifier's output ends: {verdict['output'][-500:]!r}")
+        raise RewardError(f"harbor_tasks: {verdict['error']}; the verifier's output ends: {verdict['output'][-500:]!r}")
     if verdict["timed_out"]:
         return 0.0
     if "reward" not in verdict["rewards"]:
-        raise RewardError(f"harbor: the verifier's reward.json has no 'reward' (it has {sorted(verdict['rewards'])}); "
-                          "combine them with a reward of your own ([rewards.verifier] function)")
+        raise RewardError(f"harbor_tasks: the verifier's reward.json has no 'reward' (it has "
+                          f"{sorted(verdict['rewards'])}); combine them with a reward of your own ([rewards.verifier] "
+                          "function)")
     return float(verdict["rewards"]["reward"])
 
 
@@ -281,7 +284,7 @@ def instruction(task: dict[str, Any]) -> str:
     return task["instruction"]
 
 
-def load_environment(path: str, name: str = "harbor", max_turns: int = 50, command_timeout_s: float = 120.0,
+def load_environment(path: str, name: str = "harbor_tasks", max_turns: int = 50, command_timeout_s: float = 120.0,
                      memory_mb: int = 1024, disk_mb: int = 512, network: bool = False,
                      image: str | None = None) -> Environment:
     """``path``: a Harbor task folder or a folder of them (absolute, or relative to each
@@ -289,17 +292,17 @@ def load_environment(path: str, name: str = "harbor", max_turns: int = 50, comma
     rollout; ``command_timeout_s``: each bash call's limit; ``memory_mb`` (where a task sets
     none), ``disk_mb``, ``network`` and ``image`` (docker backend): the sandbox's."""
     if max_turns < 1 or not 0 < command_timeout_s <= MAX_COMMAND_S:
-        raise EnvironmentLoadError(f"harbor: max_turns={max_turns}, command_timeout_s={command_timeout_s}: at least "
-                                   f"1 turn, and 0 to {MAX_COMMAND_S:g} s a command")
+        raise EnvironmentLoadError(f"harbor_tasks: max_turns={max_turns}, command_timeout_s={command_timeout_s}: at "
+                                   f"least 1 turn, and 0 to {MAX_COMMAND_S:g} s a command")
     spec = SandboxSpec(memory_mb=memory_mb, disk_mb=disk_mb, network=network, image=image)
     try:
         msgspec.convert(msgspec.structs.asdict(spec), SandboxSpec)
     except msgspec.ValidationError as exc:
-        raise EnvironmentLoadError(f"harbor: memory_mb={memory_mb}, disk_mb={disk_mb}: {exc}") from None
+        raise EnvironmentLoadError(f"harbor_tasks: memory_mb={memory_mb}, disk_mb={disk_mb}: {exc}") from None
     tasks = read_tasks(path)
     for task in tasks.values():
         if task.not_carried:
-            log.warning("harbor: task %s: not carried over: %s", task.id, "; ".join(task.not_carried))
+            log.warning("harbor_tasks: task %s: not carried over: %s", task.id, "; ".join(task.not_carried))
     tools = SandboxTools(spec=spec, timeout_s=command_timeout_s)
     prompt = SYSTEM_PROMPT.format(network="" if network else ", no network")
     chat = ChatHarness(system_prompt=prompt, tools=tools.tools("bash"), max_turns=max_turns, stop=agent_out_of_time)

@@ -154,7 +154,7 @@ def field_name(loc: tuple[int | str, ...]) -> str:
 
 
 def read_config(folder: Path) -> tuple[TaskConfig, dict[str, Any]]:
-    where = f"harbor: task folder {folder}"
+    where = f"harbor_tasks: task folder {folder}"
     path = folder / "task.toml"
     if not path.is_file():
         raise EnvironmentLoadError(f"{where}: no task.toml (every Harbor task has one; an empty file will do)")
@@ -440,7 +440,7 @@ def digest(folder: Path) -> str:
 
 def read_task(folder: Path) -> HarborTask:
     """One task folder; :class:`EnvironmentLoadError` naming the folder and what to fix."""
-    where = f"harbor: task folder {folder}"
+    where = f"harbor_tasks: task folder {folder}"
     instruction_path = folder / "instruction.md"
     if not instruction_path.is_file():
         raise EnvironmentLoadError(f"{where}: no instruction.md (the task as the agent reads it)")
@@ -480,13 +480,14 @@ def is_task(folder: Path) -> bool:
 def task_folders(path: Path) -> list[Path]:
     """``path`` itself when it is a task folder, else its folders (hidden ones aside)."""
     if not path.is_dir():
-        raise EnvironmentLoadError(f"harbor: {path} is not a folder: give a Harbor task folder or a folder of them")
+        raise EnvironmentLoadError(f"harbor_tasks: {path} is not a folder: give a Harbor task folder or a folder of "
+                                   "them")
     if is_task(path):
         return [path]
     folders = [p for p in sorted(path.iterdir()) if p.is_dir() and not p.name.startswith(".")]
     if not folders:
-        raise EnvironmentLoadError(f"harbor: {path} holds no task folders (each has instruction.md, task.toml and "
-                                   "tests/test.sh)")
+        raise EnvironmentLoadError(f"harbor_tasks: {path} holds no task folders (each has instruction.md, task.toml "
+                                   "and tests/test.sh)")
     return folders
 
 
