@@ -9,7 +9,9 @@ test with their own settings. Request bodies are bounded by ``gateway_max_body_b
 Who may call what is :mod:`flywheel_gateway.auth`: API keys (``auth = "keys"``) or an open
 API on loopback only; ``create_app`` refuses to build an open app for a host that is not one.
 
-Not covered: rate limits, the environment hub and web pages.
+The environment hub and its package index: :mod:`flywheel_gateway.api_hub`.
+
+Not covered: rate limits and web pages.
 """
 
 from __future__ import annotations
@@ -25,7 +27,16 @@ from flywheel.contract.bus import Bus
 from flywheel.contract.keys import KeyCheck, check_open
 from flywheel.contract.service import Service
 from flywheel.contract.settings import Settings
-from flywheel_gateway import api_health, api_keys, api_rollouts, api_runs, api_tasks, api_traces, api_usage
+from flywheel_gateway import (
+    api_health,
+    api_hub,
+    api_keys,
+    api_rollouts,
+    api_runs,
+    api_tasks,
+    api_traces,
+    api_usage,
+)
 from flywheel_gateway.auth import caller
 from flywheel_gateway.body_limit import BodyLimit
 from flywheel_gateway.migrate import migrate
@@ -53,6 +64,7 @@ def create_app(settings: Settings) -> FastAPI:
             app.state.bus = bus
             app.state.runs = RunRegistry(bus, store)
             app.state.prices = settings.prices
+            app.state.hub_max_file_bytes = settings.gateway_max_body_bytes
             app.state.keys = KeyCheck(bus, service_token=settings.service_token) if settings.auth == "keys" else None
             if settings.auth == "open":
                 log.warning("the gateway's API runs open (auth = \"open\"): no API keys, every caller on this "
@@ -69,12 +81,13 @@ def create_app(settings: Settings) -> FastAPI:
     app = FastAPI(
         title="Flywheel gateway",
         summary="Publish tasks to the bus; read runs and their metrics, and the recorded tasks, rollouts, scores "
-                "and trace graphs.",
+                "and trace graphs; push, install and evaluate environments on the hub.",
         version="0.1.0",
         lifespan=lifespan,
     )
-    for module in (api_tasks, api_runs, api_rollouts, api_traces, api_usage, api_keys):
-        app.include_router(module.router, dependencies=[Depends(caller)])
+    for router in (api_tasks.router, api_runs.router, api_rollouts.router, api_traces.router, api_usage.router,
+                   api_keys.router, api_hub.router, api_hub.index):
+        app.include_router(router, dependencies=[Depends(caller)])
     app.include_router(api_health.router)
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_body_bytes=settings.gateway_max_body_bytes)

@@ -1,7 +1,8 @@
 """Who calls the gateway, and what of whose they may touch.
 
 With ``auth = "keys"`` (settings) every route but ``/healthz`` (a probe's, which shows no
-data) wants an API key (``Authorization: Bearer fw_...``, :mod:`flywheel.contract.keys`):
+data) wants an API key (``Authorization: Bearer fw_...``, :mod:`flywheel.contract.keys`; or
+as the password of HTTP Basic credentials, as pip sends an index's):
 none, a malformed, unknown or revoked one is a 401; a key without the scope a request needs
 (``read`` for GET, ``write`` for the rest, ``admin`` for ``/v1/keys``) is a 403, and so is anything of another tenant
 (a run, its tasks, rollouts and traces), while listings show the key's tenant's alone. A
@@ -15,6 +16,8 @@ on a loopback address only (:func:`flywheel.contract.keys.check_open`), and says
 
 from __future__ import annotations
 
+import base64
+import binascii
 from typing import Annotated
 
 from fastapi import Depends, Header, HTTPException, Request, Security
@@ -32,6 +35,7 @@ bearer = HTTPBearer(auto_error=False, scheme_name="APIKey",
                     description="A tenant's API key, fw_<id>_<secret> (`flywheel keys create`); not needed when the "
                                 "gateway runs open (auth = \"open\", loopback only).")
 _ALL = frozenset(SCOPES)
+INDEX_PATH = "/hub/"  # the hub's package index (flywheel_gateway.api_hub): HTTP Basic too, for pip
 KEYS_PATH = "/v1/keys"  # the tenant's keys (flywheel_gateway.api_keys): the admin scope, whatever the method
 
 
@@ -48,15 +52,30 @@ async def caller(
     check: KeyCheck | None = request.app.state.keys
     if check is None:
         return Caller(tenant or "default", _ALL)
+    path = request.url.path
+    token = credentials.credentials if credentials is not None else basic_password(request)
     try:
-        path = request.url.path
         admin = path == KEYS_PATH or path.startswith(f"{KEYS_PATH}/")
-        return await check.authorize(credentials.credentials if credentials is not None else None, request.method,
-                                     path, tenant, scope="admin" if admin else None)
+        return await check.authorize(token, request.method, path, tenant, scope="admin" if admin else None)
     except KeyRefused as exc:
-        raise HTTPException(401, str(exc), headers={"WWW-Authenticate": "Bearer"}) from None
+        # pip reads only a Basic challenge, and then sends the credentials it has for the index.
+        challenge = 'Basic realm="flywheel hub"' if path.startswith(INDEX_PATH) else "Bearer"
+        raise HTTPException(401, str(exc), headers={"WWW-Authenticate": challenge}) from None
     except ScopeRefused as exc:
         raise HTTPException(403, str(exc)) from None
+
+
+def basic_password(request: Request) -> str | None:
+    """The password of HTTP Basic credentials (``Authorization: Basic``), where package
+    installers put the key (``https://key:<KEY>@host/hub/simple``); None without them."""
+    scheme, _, encoded = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "basic":
+        return None
+    try:
+        _, colon, password = base64.b64decode(encoded.strip(), validate=True).decode().partition(":")
+    except (binascii.Error, UnicodeDecodeError):
+        return ""  # a malformed key: refused as one
+    return password if colon else ""
 
 
 CallerDep = Annotated[Caller, Depends(caller)]

@@ -18,7 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 def too_large_detail(max_body_bytes: int) -> str:
     return (f"the request body is larger than the gateway's limit of {max_body_bytes} bytes "
-            "(setting gateway_max_body_bytes); send fewer tasks per request")
+            "(setting gateway_max_body_bytes); send fewer tasks per request, or push a smaller package")
 
 
 class BodyLimit:

@@ -1,11 +1,12 @@
 """The environment hub's packages: what a pushed version must hold, checked before anything is stored.
 
-An environment on the hub is ``owner/name`` (the owner is a tenant); its package is a Python
-distribution named ``owner-name`` (so ``pip install --index-url <gateway>/hub/simple
-owner-name`` finds it by the standard simple API) that registers ``owner/name`` under the
-``flywheel.environments`` entry points (so a run config's ``env = "owner/name"`` resolves
-once it is installed). A version is semantic (``MAJOR.MINOR.PATCH``), which is also a valid
-Python version, and is immutable once pushed: its content hash is the wheel's sha256.
+An environment on the hub is ``owner/name`` (the owner is a tenant; :mod:`flywheel.contract.hub`
+has the names); its package is a Python distribution named ``owner-name`` (so ``pip install
+--index-url <gateway>/hub/simple owner-name`` finds it by the standard simple API) that
+registers ``owner/name`` under the ``flywheel.environments`` entry points (so a run config's
+``env = "owner/name"`` resolves once it is installed). A version is semantic
+(``MAJOR.MINOR.PATCH``), which is also a valid Python version, and is immutable once pushed:
+its content hash is the wheel's sha256.
 
 :func:`inspect_package` reads a push: exactly one wheel and at most one sdist of that project
 and version. It refuses, naming the file and what to fix, a file name that is not a wheel's
@@ -43,14 +44,7 @@ from packaging.utils import (
     parse_wheel_filename,
 )
 
-ENTRY_POINT_GROUP = "flywheel.environments"
-SEMVER = re.compile(r"(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)")
-# An owner (a tenant) and a name: lower-case letters, digits, '-' and '_', starting with a letter.
-ENV_PART = re.compile(r"[a-z][a-z0-9_-]{0,63}")
-
-
-class HubRefused(ValueError):
-    """A push, or an environment id, the hub does not take; the message names what and why."""
+from flywheel.contract.hub import ENTRY_POINT_GROUP, HubRefused, check_version, project_name
 
 
 @dataclass(frozen=True)
@@ -80,27 +74,11 @@ class Package:
         return next(f.sha256 for f in self.files if f.kind == "wheel")
 
 
-def check_env_id(env_id: str) -> tuple[str, str]:
-    """``owner/name`` split in two; HubRefused naming the id when it is not one."""
-    owner, slash, name = env_id.partition("/")
-    if not slash or not ENV_PART.fullmatch(owner) or not ENV_PART.fullmatch(name):
-        raise HubRefused(f"environment id {env_id!r}: an id is owner/name, each part lower-case letters, digits, "
-                         "'-' and '_', starting with a letter (at most 64 characters)")
-    return owner, name
-
-
-def project_name(env_id: str) -> str:
-    """The distribution an environment's package must be: ``owner-name``, normalized (PEP 503)."""
-    owner, name = check_env_id(env_id)
-    return canonicalize_name(f"{owner}-{name}")
-
-
 def inspect_package(env_id: str, version: str, files: Mapping[str, bytes], max_file_bytes: int) -> Package:
     """The push of ``files`` (file name -> content) as version ``version`` of ``env_id``, checked
     as the module says; HubRefused naming the file and the fix otherwise."""
     project = project_name(env_id)
-    if not SEMVER.fullmatch(version):
-        raise HubRefused(f"version {version!r}: a hub version is MAJOR.MINOR.PATCH (e.g. 0.1.0)")
+    check_version(version)
     checked: list[PackageFile] = []
     summary, readme = "", ""
     for filename, data in files.items():

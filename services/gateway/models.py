@@ -557,6 +557,102 @@ class ApiKeyPage(BaseModel):
     items: list[ApiKeyPublic]
 
 
+class HubFilePublic(BaseModel):
+    filename: str
+    kind: Literal["wheel", "sdist"]
+    sha256: str
+    size_bytes: int
+    url: str = Field(description="Where to download it (the package index's link).")
+
+
+class HubVersionPublic(BaseModel):
+    env_id: str
+    version: str
+    sha256: str = Field(description="The version's content hash: its wheel's sha256 (a run pins it).")
+    summary: str = ""
+    pushed_by: str | None = Field(None, description="The API key's id; null from an open gateway.")
+    created_at: datetime
+    files: list[HubFilePublic] = []
+
+
+class HubVersionDetail(HubVersionPublic):
+    readme: str = Field("", description="The package's README, as pushed.")
+
+
+class HubForkPublic(BaseModel):
+    id: str
+    owner: str
+    forked_from: str = Field(description="owner/name@version it was forked from.")
+
+
+class HubEnvironmentPublic(BaseModel):
+    id: str = Field(description="owner/name")
+    owner: str
+    project: str = Field(description="Its package's name on the index: pip install --index-url <gateway>/hub/simple "
+                                     "<project>.")
+    private: bool
+    forked_from: str | None = Field(None, description="owner/name@version it was forked from (its lineage).")
+    latest_version: str | None = None
+    summary: str = ""
+    created_at: datetime
+
+
+class HubEnvironmentPage(BaseModel):
+    items: list[HubEnvironmentPublic]
+
+
+class HubEnvironmentDetail(HubEnvironmentPublic):
+    readme: str = Field("", description="The newest version's README.")
+    versions: list[HubVersionDetail] = Field(description="Newest first.")
+    forks: list[HubForkPublic] = Field(description="Forks the caller may see.")
+
+
+class HubVisibility(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    private: bool = Field(description="true: seen, installed and evaluated by the owner's keys alone.")
+
+
+class HubEvalCreate(BaseModel):
+    """An eval's summary, as ``flywheel eval`` writes it (``*.summary.json``), for one version."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    version: str = Field(max_length=64, json_schema_extra={"pattern": r"^[0-9]+\.[0-9]+\.[0-9]+$"},
+                         description="The environment version evaluated.")
+    model: str = Field(min_length=1, max_length=500, description="The model evaluated.")
+    num_tasks: int = Field(ge=1, le=2**31 - 1)
+    num_rollouts: int = Field(ge=1, le=2**31 - 1)
+    reward_mean: float | None = Field(None, allow_inf_nan=False)
+    reward_stderr: float | None = Field(None, ge=0, allow_inf_nan=False)
+    pass_at: dict[Annotated[str, Field(pattern=r"^pass@[1-9][0-9]{0,3}$")],
+                  Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] | None] = Field(
+        default_factory=dict, max_length=64, description="pass@k by k, as 'pass@1': 0.5.")
+    prompt_tokens: int = Field(0, ge=0, le=2**62)
+    completion_tokens: int = Field(0, ge=0, le=2**62)
+    summary: dict[str, Any] = Field(default_factory=dict, description="The rest of the eval's summary, kept as is.")
+
+
+class HubEvalPublic(BaseModel):
+    id: int
+    env_id: str
+    version: str
+    model: str
+    reward_mean: float | None
+    reward_stderr: float | None
+    pass_at: dict[str, float | None]
+    num_tasks: int
+    num_rollouts: int
+    prompt_tokens: int
+    completion_tokens: int
+    tenant: str = Field(description="Who pushed it.")
+    created_at: datetime
+
+
+class HubEvalPage(BaseModel):
+    items: list[HubEvalPublic] = Field(description="The leaderboard: best reward first.")
+
+
 class ErrorPublic(BaseModel):
     detail: str
 

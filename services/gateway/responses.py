@@ -75,11 +75,15 @@ def unprocessable(errors: Sequence[dict[str, Any]]) -> JSONResponse:
                         status_code=422)
 
 
+def refuse_field(source: str, name: str, message: str) -> RequestValidationError:
+    """A 422 on one field (``source``: body, query, path, ...), in the API's one error shape."""
+    return RequestValidationError([{"loc": (source, name), "type": "value_error", "msg": message}])
+
+
 def refuse_inverted_range(low_name: str, low: Any, high_name: str, high: Any) -> None:
     """A 422 on ``low_name`` when both bounds are given and ``low`` is above ``high``."""
     if low is not None and high is not None and low > high:
-        raise RequestValidationError([{"loc": ("query", low_name), "type": "value_error",
-                                       "msg": f"is greater than {high_name} ({low} > {high})"}])
+        raise refuse_field("query", low_name, f"is greater than {high_name} ({low} > {high})")
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -278,6 +278,8 @@ hub_environments = sa.Table(
     metadata,
     sa.Column("id", sa.String, primary_key=True),  # owner/name
     sa.Column("owner", sa.String, nullable=False),  # the tenant that owns it
+    # Its package's distribution name, normalized (owner-name): what the package index serves it as.
+    sa.Column("project", sa.String, nullable=False, unique=True),
     sa.Column("private", sa.Boolean, nullable=False),
     sa.Column("forked_from", sa.String, nullable=True),  # owner/name@version it was forked from
     sa.Column("created_at", UTCDateTime, nullable=False),
@@ -307,4 +309,27 @@ hub_files = sa.Table(
     sa.Column("size_bytes", sa.Integer, nullable=False),
     sa.Column("data", sa.LargeBinary, nullable=False),
     sa.Index("ix_hub_files_env_id_version", "env_id", "version"),
+)
+
+# Evals pushed to an environment version (`flywheel eval --push`): its leaderboard. The
+# figures a leaderboard sorts and shows are columns; the whole summary is kept beside them.
+hub_evals = sa.Table(
+    "hub_evals",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("env_id", sa.String, nullable=False),
+    sa.Column("version", sa.String, nullable=False),
+    sa.Column("model", sa.String, nullable=False),
+    sa.Column("reward_mean", sa.Float, nullable=True),  # NULL: no rollout was scored
+    sa.Column("reward_stderr", sa.Float, nullable=True),
+    sa.Column("pass_at", Json, nullable=False),  # {"pass@1": ..., "pass@k": ...}
+    sa.Column("num_tasks", sa.Integer, nullable=False),
+    sa.Column("num_rollouts", sa.Integer, nullable=False),
+    sa.Column("prompt_tokens", sa.Integer, nullable=False),
+    sa.Column("completion_tokens", sa.Integer, nullable=False),
+    sa.Column("tenant", sa.String, nullable=False),  # who pushed it
+    sa.Column("pushed_by", sa.String, nullable=True),  # the API key's id; NULL: an open gateway
+    sa.Column("summary", Json, nullable=False),
+    sa.Column("created_at", UTCDateTime, nullable=False),
+    sa.Index("ix_hub_evals_env_id_version", "env_id", "version"),
 )

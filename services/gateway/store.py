@@ -71,9 +71,10 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from flywheel.contract import events
+from flywheel.contract.hub import HubRefused, project_name, semver_key
 from flywheel.sdk.tracegraph import ROWS, final_branch, join_tokens
 from flywheel_gateway import schema as s
-from flywheel_gateway.hub import HubRefused, Package
+from flywheel_gateway.hub import Package
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 MAX_PAGE_LIMIT = 1000
@@ -92,6 +93,11 @@ class InvalidCursor(ValueError):
 
 class HubConflict(ValueError):
     """A hub version (or package file) that exists already: versions are immutable."""
+
+
+def _like_prefix(text: str) -> str:
+    """``text`` with LIKE's wildcards escaped (escape character '\\')."""
+    return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
 
 
 class UnrecordableEvent(ValueError):
@@ -920,8 +926,14 @@ class Store:
         def write(conn: sa.Connection) -> dict[str, Any]:
             found = conn.execute(sa.select(h.owner).where(h.id == env_id)).first()
             if found is None:
-                conn.execute(sa.insert(s.hub_environments).values(id=env_id, owner=owner, private=private,
-                                                                   forked_from=forked_from, created_at=now))
+                project = project_name(env_id)
+                same = conn.execute(sa.select(h.id).where(h.project == project)).scalar()
+                if same is not None:
+                    raise HubRefused(f"environment {env_id!r}: its package name {project!r} is {same!r}'s already "
+                                     "(names are compared with '-', '_' and '.' alike); choose another name")
+                conn.execute(sa.insert(s.hub_environments).values(id=env_id, owner=owner, project=project,
+                                                                   private=private, forked_from=forked_from,
+                                                                   created_at=now))
             elif found.owner != owner:
                 raise HubRefused(f"environment {env_id!r} belongs to tenant {found.owner!r}; push it under an "
                                  f"owner of your own (fork it: {owner}/<name>)")
@@ -958,11 +970,14 @@ class Store:
                 .where(v.env_id == env_id))).mappings()]
             files = (await conn.execute(sa.select(f.filename, f.version, f.kind, f.sha256, f.size_bytes)
                                         .where(f.env_id == env_id).order_by(f.filename))).mappings().all()
+            forks = (await conn.execute(sa.select(h.id, h.owner, h.private, h.forked_from)
+                                        .where(h.forked_from.like(f"{_like_prefix(env_id)}@%", escape="\\"))
+                                        .order_by(h.id))).mappings().all()
         for version in versions:
             version["files"] = [{k: row[k] for k in ("filename", "kind", "sha256", "size_bytes")}
                                 for row in files if row["version"] == version["version"]]
-        versions.sort(key=lambda row: tuple(int(part) for part in row["version"].split(".")), reverse=True)
-        return {**env, "versions": versions}
+        versions.sort(key=lambda row: semver_key(row["version"]), reverse=True)
+        return {**env, "versions": versions, "forks": [dict(row) for row in forks]}
 
     async def hub_environments(self, viewer: str | None) -> list[dict[str, Any]]:
         """The hub's environments ``viewer`` may see (the public ones and its own; None: every
@@ -977,11 +992,23 @@ class Store:
                 v.env_id.in_([env["id"] for env in envs])))).mappings().all()
         newest: dict[str, dict[str, Any]] = {}
         for row in versions:
-            key = tuple(int(part) for part in row["version"].split("."))
+            key = semver_key(row["version"])
             if row["env_id"] not in newest or key > newest[row["env_id"]]["key"]:
                 newest[row["env_id"]] = {"key": key, "version": row["version"], "summary": row["summary"]}
         return [{**env, "latest_version": newest.get(env["id"], {}).get("version"),
                  "summary": newest.get(env["id"], {}).get("summary", "")} for env in envs]
+
+    async def hub_project(self, project: str) -> dict[str, Any] | None:
+        """The environment whose package is ``project`` (normalized), with every file of every
+        version (no content); None when there is none."""
+        h, f = s.hub_environments.c, s.hub_files.c
+        async with self.engine.connect() as conn:
+            env = (await conn.execute(sa.select(s.hub_environments).where(h.project == project))).mappings().first()
+            if env is None:
+                return None
+            files = (await conn.execute(sa.select(f.filename, f.version, f.kind, f.sha256, f.size_bytes)
+                                        .where(f.env_id == env["id"]).order_by(f.filename))).mappings().all()
+        return {**env, "files": [dict(row) for row in files]}
 
     async def hub_file(self, filename: str) -> dict[str, Any] | None:
         """A package file with its content and its environment's owner and visibility; None when
@@ -1002,6 +1029,35 @@ class Store:
                                 .values(private=private)).rowcount > 0
 
         return await self._write(write)
+
+    async def hub_add_eval(self, env_id: str, version: str, figures: dict[str, Any], tenant: str,
+                           pushed_by: str | None) -> dict[str, Any]:
+        """Attach an eval to a version of an environment: a row of its leaderboard. ``figures``:
+        the ``hub_evals`` columns an eval fills (model, reward_mean, reward_stderr, pass_at,
+        num_tasks, num_rollouts, prompt_tokens, completion_tokens, summary). LookupError when the
+        version is not on the hub."""
+        v = s.hub_versions.c
+        row = {**figures, "env_id": env_id, "version": version, "tenant": tenant, "pushed_by": pushed_by,
+               "created_at": datetime.now(UTC)}
+
+        def write(conn: sa.Connection) -> dict[str, Any]:
+            if conn.execute(sa.select(v.version).where(v.env_id == env_id, v.version == version)).first() is None:
+                raise LookupError(f"{env_id}@{version} is not on the hub")
+            key = conn.execute(sa.insert(s.hub_evals).values(**row)).inserted_primary_key
+            assert key is not None  # an INSERT of one row has its primary key
+            return {"id": key[0], **row}
+
+        return await self._write(write)
+
+    async def hub_evals(self, env_id: str, version: str | None = None) -> list[dict[str, Any]]:
+        """The evals pushed to an environment (one version's, when given): best reward first."""
+        e = s.hub_evals.c
+        query = sa.select(s.hub_evals).where(e.env_id == env_id)
+        if version is not None:
+            query = query.where(e.version == version)
+        query = query.order_by(e.reward_mean.desc().nulls_last(), e.created_at)
+        async with self.engine.connect() as conn:
+            return [dict(row) for row in (await conn.execute(query)).mappings()]
 
     async def get_signals(self, rollout_id: str) -> list[dict[str, Any]]:
         """The teachers' signals recorded for a rollout, by source."""

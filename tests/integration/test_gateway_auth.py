@@ -20,13 +20,17 @@ from flywheel.contract.runs import get_run
 from flywheel.contract.settings import Settings
 from flywheel.ops.natsserver import NatsServer
 from flywheel_gateway.app import create_app
+from flywheel_gateway.hub import inspect_package
 from flywheel_gateway.store import Store
+from tests.unit.test_hub import wheel
 from tests.unit.test_store import rollout
 
 RUN = "owned-by-a"
 ROLLOUT = "rollout-of-a"
 TASK = "task-of-a"
 OPEN_PATHS = {"/healthz"}  # a probe's: no tenant's data
+HUB_ENV = "a/quiz"
+HUB_WHEEL = "a_quiz-0.1.0-py3-none-any.whl"
 
 
 @pytest.fixture
@@ -48,6 +52,9 @@ async def owned(keyed_app: FastAPI) -> dict[str, Any]:
     task = events.Task(id=TASK, run=RUN, env="math", data={"q": "2+2"})
     await store.record([task, rollout(ROLLOUT, task_id=TASK, run=RUN),
                         events.Usage(run=RUN, source="trainer", step=1, trained_tokens=4, rollout_ids=[ROLLOUT])])
+    # A private environment of a's on the hub.
+    package = inspect_package(HUB_ENV, "0.1.0", dict([wheel("a_quiz", "0.1.0", HUB_ENV)]), 1 << 20)
+    await store.hub_push(package, "a", private=True, pushed_by=None)
     made = {name: (await keys.create_key(bus, tenant, scopes))[0]
             for name, tenant, scopes in [("a", "a", ["read", "write"]), ("b", "b", ["read", "write", "admin"]),
                                          ("a_read", "a", ["read"]), ("a_admin", "a", ["admin"])]}
@@ -57,7 +64,8 @@ async def owned(keyed_app: FastAPI) -> dict[str, Any]:
 
 def requests(app: FastAPI, node: str, key_id: str) -> list[tuple[str, str, Any]]:
     """(method, url, json body) for every operation of the OpenAPI, its path parameters naming a's things."""
-    values = {"run_id": RUN, "rollout_id": ROLLOUT, "task_id": TASK, "node_id": node, "key_id": key_id}
+    values = {"run_id": RUN, "rollout_id": ROLLOUT, "task_id": TASK, "node_id": node, "key_id": key_id,
+              "owner": "a", "name": "quiz", "project": "a-quiz", "filename": HUB_WHEEL}
     bodies = {("post", "/v1/tasks"): [{"run": RUN, "env": "math", "data": {"q": "3+3"}}],
               ("post", "/v1/keys"): {"scopes": ["read"], "tenant": "a"}}
     out = []
@@ -86,12 +94,14 @@ async def test_every_route_refuses_no_key_and_another_tenants_key(keyed_app: Fas
         for key in (None, "fw_0123456789abcdef_not-a-real-key-at-all", "not a key"):
             response = await call(keyed_app, method, url, body, key)
             assert response.status_code == 401, (method, url, key, response.text)
-            assert response.headers["www-authenticate"] == "Bearer"
+            challenge = 'Basic realm="flywheel hub"' if url.startswith("/hub/") else "Bearer"  # pip's index
+            assert response.headers["www-authenticate"] == challenge
         other = await call(keyed_app, method, url, body, owned["keys"]["b"])
         if method == "GET" and url in ("/v1/runs", "/v1/tasks", "/v1/rollouts", "/v1/rollouts/export", "/v1/usage",
-                                       "/v1/keys"):
+                                       "/v1/keys", "/v1/hub/environments", "/hub/simple/"):
             assert other.status_code == 200, (url, other.text)  # the caller's own: nothing of a's
             assert RUN not in other.text and ROLLOUT not in other.text and TASK not in other.text, (url, other.text)
+            assert HUB_ENV not in other.text and "a-quiz" not in other.text, (url, other.text)
             assert not any(key_id in other.text for key_id in a_key_ids), (url, other.text)
         else:
             assert other.status_code == 403, (method, url, other.text)
@@ -106,7 +116,8 @@ async def test_every_route_refuses_no_key_and_another_tenants_key(keyed_app: Fas
     assert state is not None and state.status == "running" and state.tenant == "a"
 
     # The owner reads its own, and a listing names only the caller's tenant.
-    for url in (f"/v1/runs/{RUN}", f"/v1/rollouts/{ROLLOUT}", f"/v1/traces/{ROLLOUT}", f"/v1/tasks/{TASK}"):
+    for url in (f"/v1/runs/{RUN}", f"/v1/rollouts/{ROLLOUT}", f"/v1/traces/{ROLLOUT}", f"/v1/tasks/{TASK}",
+                f"/v1/hub/environments/{HUB_ENV}", f"/hub/files/{HUB_WHEEL}"):
         response = await call(keyed_app, "GET", url, None, owned["keys"]["a"])
         assert response.status_code == 200, (url, response.text)
     runs = await call(keyed_app, "GET", "/v1/runs", None, owned["keys"]["a"])

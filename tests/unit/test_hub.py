@@ -3,13 +3,16 @@ trace store keeps environments, immutable versions and their files (on SQLite an
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import io
 import tarfile
 import zipfile
 
 import pytest
 
-from flywheel_gateway.hub import HubRefused, inspect_package, project_name
+from flywheel.contract.hub import HubRefused, project_name
+from flywheel_gateway.hub import inspect_package
 from flywheel_gateway.store import HubConflict, Store
 
 ENV = "acme/word-quiz"
@@ -20,17 +23,27 @@ def wheel(project: str = "acme_word_quiz", version: str = "0.1.0", env_id: str =
           extra: dict[str, bytes] | None = None, entry_points: str | None = None) -> tuple[str, bytes]:
     """A wheel as a build backend writes one (the files pip and the hub read)."""
     info = f"{project}-{version}.dist-info"
+    module = project.replace("-", "_")
+    members = {
+        f"{module}/__init__.py": b"def load_environment(**args): ...\n",
+        f"{info}/METADATA": (f"Metadata-Version: 2.1\nName: {project}\nVersion: {version}\n"
+                             "Summary: Answer a question with a word.\n\n# word-quiz\n\nThe README.\n").encode(),
+        f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        f"{info}/entry_points.txt": (entry_points if entry_points is not None else
+                                     f"[flywheel.environments]\n{env_id} = {module}:load_environment\n").encode(),
+        **(extra or {}),
+    }
+    record = "".join(f"{name},sha256={_digest(data)},{len(data)}\n" for name, data in members.items())
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w") as archive:
-        archive.writestr("word_quiz/__init__.py", "def load_environment(**args): ...\n")
-        archive.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {project}\nVersion: {version}\n"
-                                             "Summary: Answer a question with a word.\n\n# word-quiz\n\nThe README.\n")
-        archive.writestr(f"{info}/entry_points.txt", entry_points if entry_points is not None else
-                         f"[flywheel.environments]\n{env_id} = word_quiz:load_environment\n")
-        archive.writestr(f"{info}/RECORD", "")
-        for name, data in (extra or {}).items():
+        for name, data in members.items():
             archive.writestr(name, data)
+        archive.writestr(f"{info}/RECORD", record + f"{info}/RECORD,,\n")
     return f"{project}-{version}-py3-none-any.whl", buffer.getvalue()
+
+
+def _digest(data: bytes) -> str:
+    return base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
 
 
 def sdist(project: str = "acme_word_quiz", version: str = "0.1.0",
