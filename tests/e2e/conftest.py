@@ -39,17 +39,22 @@ def stack(tmp_path: Path, clean_env: dict[str, str]) -> Iterator[tuple[subproces
     try:
         yield up, output, ports
     finally:
-        if up.poll() is None:
-            up.send_signal(signal.SIGINT)
-            try:
-                up.wait(30)
-            except subprocess.TimeoutExpired:
-                up.kill()
-                up.wait()
-        for match in output.matching(r"^started \S+ \(pid (\d+)\)"):
-            pid = int(match.group(1))
-            if alive(pid):  # only when the stack failed to stop it: it is ours either way
-                os.kill(pid, signal.SIGKILL)
-        for log in sorted((tmp_path / "data" / "logs").glob("*.log")):
-            lines = log.read_text(errors="replace").splitlines()
-            print(f"--- last lines of {log.name} ---", *lines[-LOG_LINES_SHOWN:], sep="\n")
+        stop_stack(up, output, tmp_path / "data")
+
+
+def stop_stack(up: subprocess.Popen[str], output: Output, data_dir: Path) -> None:
+    """Stop ``flywheel up`` and every process it printed; print the last lines of each service's log."""
+    if up.poll() is None:
+        up.send_signal(signal.SIGINT)
+        try:
+            up.wait(30)
+        except subprocess.TimeoutExpired:
+            up.kill()
+            up.wait()
+    for match in output.matching(r"^started \S+ \(pid (\d+)\)"):
+        pid = int(match.group(1))
+        if alive(pid):  # only when the stack failed to stop it: it is ours either way
+            os.kill(pid, signal.SIGKILL)
+    for log in sorted((data_dir / "logs").glob("*.log")):
+        lines = log.read_text(errors="replace").splitlines()
+        print(f"--- last lines of {log.name} ---", *lines[-LOG_LINES_SHOWN:], sep="\n")

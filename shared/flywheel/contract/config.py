@@ -759,6 +759,9 @@ class RunConfig(_Section):
                                          "and the trainer's random state; with trainer.max_off_policy_steps = 0 "
                                          "two runs of one seed train on the same rollouts. Unset: task order "
                                          "0, sampling from fresh entropy")
+    hub_pins: dict[str, str] = Field(default_factory=dict, description="environment id (owner/name@version) -> "
+                                     "sha256 of its wheel on the hub: written when the run is registered, for every "
+                                     "hub environment not installed there; each service installs exactly that file")
     scorers: dict[str, float] = Field(default_factory=dict, description="scorer name -> weight, added to the "
                                       "environment's rewards and metrics (a name of theirs sets its weight); a "
                                       "custom scorer named here must be running (`flywheel scorer`)")

@@ -13,6 +13,8 @@
     flywheel scorer MODULE:FUNCTION --env ENV     a custom scorer, as its own consumer
     flywheel eval ENV --model NAME [-n N -r R -c C]   an environment against an OpenAI-compatible endpoint
     flywheel env init NAME | flywheel env list    scaffold an environment package; installed environments
+    flywheel env push | install | fork | show     the environment hub: upload, install by id, fork, leaderboard
+    flywheel env import harbor SRC OWNER/NAME     Harbor task folders as an environment package
 
 Settings come from :class:`flywheel.contract.settings.Settings` (``FLYWHEEL_*`` variables, the TOML
 file named by ``FLYWHEEL_CONFIG``); an option such as ``--nats-url`` overrides the setting of
@@ -20,7 +22,7 @@ the same name. At import time this module loads only the standard library and tw
 modules of its own (tables, the scaffold), so ``--help`` is fast (a test holds it to that);
 each command imports what else it needs when it runs.
 
-Not covered: anything that needs the gateway's HTTP API (traces): use the API.
+Not covered: reading traces over the gateway's HTTP API from here: use the API or flywheel.ops.client.TraceAPI.
 """
 
 from __future__ import annotations
@@ -320,10 +322,14 @@ def build_parser() -> argparse.ArgumentParser:
                                "records them")
     evaluate.add_argument("--run-id", help="the eval run's id, which its task and rollout ids derive from (default "
                                           "eval-ENV-UTC time; with --resume, the run --out holds)")
-    _add_settings(evaluate, ("data_dir", "inference_host", "inference_port") + NATS_SETTINGS)
+    evaluate.add_argument("--push", action="store_true",
+                          help="attach the summary to the environment's version on the hub (its leaderboard): ENV "
+                               "is an owner/name installed from the hub; the gateway is gateway_url, its key "
+                               "FLYWHEEL_API_KEY")
+    _add_settings(evaluate, ("data_dir", "inference_host", "inference_port", "gateway_url") + NATS_SETTINGS)
     evaluate.set_defaults(func=cmd_eval)
 
-    env = commands.add_parser("env", help="environment packages: scaffold one, list the installed ones",
+    env = commands.add_parser("env", help="environment packages: scaffold, list, push to the hub, install, fork",
                               description="Work with environment packages.")
     env_commands = env.add_subparsers(dest="env_command", required=True, metavar="COMMAND")
     init = env_commands.add_parser(
@@ -340,6 +346,69 @@ def build_parser() -> argparse.ArgumentParser:
                                       description="Every environment registered under the flywheel.environments "
                                                   "entry points, with its package's version.")
     listing.set_defaults(func=cmd_env_list)
+    hub_note = ("The gateway is the settings' gateway_url; a gateway that wants API keys gets the one in "
+                "FLYWHEEL_API_KEY.")
+    pushing = env_commands.add_parser(
+        "push", help="build, check and upload an environment package to the hub",
+        description="Build DIR's package (python -m build: a wheel and an sdist), check the built wheel in a process "
+                    "of its own (load_environment with its defaults, a few task rows against its schema, every reward "
+                    "on a rollout answering with the reference answer), and upload it as the version in its "
+                    "pyproject.toml. A version that exists, a package that does not load or a name of another "
+                    "tenant is refused, and nothing is stored. " + hub_note)
+    pushing.add_argument("dir", metavar="DIR", nargs="?", default=".", help="the package's folder (default: here)")
+    pushing.add_argument("--private", action="store_true",
+                         help="a new environment is seen by its owner's keys alone (default: public)")
+    pushing.add_argument("--no-scoring", action="store_true",
+                         help="skip the dry scoring (rewards that need a sandbox or a model)")
+    _add_settings(pushing, ("gateway_url",))
+    pushing.set_defaults(func=cmd_env_push)
+    installing = env_commands.add_parser(
+        "install", help="install an environment from the hub by id",
+        description="Download ID's wheel (owner/name@version; the newest version without @version), check its "
+                    "sha256 against the hub's, and pip install it (its dependencies from pip's usual index). " +
+                    hub_note)
+    installing.add_argument("spec", metavar="ID", help="owner/name or owner/name@version")
+    _add_settings(installing, ("gateway_url",))
+    installing.set_defaults(func=cmd_env_install)
+    forking = env_commands.add_parser(
+        "fork", help="copy an environment on the hub under a new id, with its lineage",
+        description="Download ID's sdist (owner/name[@version]) into DIR/NEW_NAME, rename it to NEW_ID (its "
+                    "distribution, entry point and module) and push it with its lineage; then edit and push new "
+                    "versions as usual. " + hub_note)
+    forking.add_argument("spec", metavar="ID", help="owner/name or owner/name@version to fork")
+    forking.add_argument("new_id", metavar="NEW_ID", help="new-owner/new-name (the new owner: your tenant)")
+    forking.add_argument("--dir", default=".", help="where to write the fork's folder (default: here)")
+    forking.add_argument("--private", action="store_true", help="the fork is seen by its owner's keys alone")
+    forking.add_argument("--no-scoring", action="store_true", help="skip the dry scoring of the push")
+    _add_settings(forking, ("gateway_url",))
+    forking.set_defaults(func=cmd_env_fork)
+    showing = env_commands.add_parser(
+        "show", help="an environment on the hub: versions, lineage, forks, leaderboard",
+        description="Show ID's versions (newest first, with their sha256), what it was forked from, its forks and "
+                    "the evals pushed to it (flywheel eval --push), best first; without ID, the environments on the "
+                    "hub the key sees. " + hub_note)
+    showing.add_argument("spec", metavar="ID", nargs="?", help="owner/name")
+    _add_settings(showing, ("gateway_url",))
+    showing.set_defaults(func=cmd_env_show)
+    importing = env_commands.add_parser(
+        "import", help="turn tasks of another format into an environment package",
+        description="Write DIR/NAME, an environment package registering OWNER/NAME, from tasks in another format: "
+                    "harbor, Harbor task folders (SRC: a task folder, or a folder of them; each runs in a sandbox "
+                    "with a bash tool, rewarded by its own tests/test.sh; what is not carried over is listed in the "
+                    "package's README). Then: flywheel env push DIR/NAME.")
+    importing.add_argument("format", choices=["harbor"], help="the tasks' format")
+    importing.add_argument("src", metavar="SRC", help="the tasks")
+    importing.add_argument("new_id", metavar="OWNER/NAME", help="the new environment's id (OWNER: your tenant)")
+    importing.add_argument("--dir", default=".", help="where to write NAME/ (default: here)")
+    importing.set_defaults(func=cmd_env_import)
+    visibility = env_commands.add_parser(
+        "visibility", help="make an environment on the hub public or private",
+        description="Private: seen, installed and evaluated by its owner's keys alone; public: by every key. " +
+                    hub_note)
+    visibility.add_argument("spec", metavar="ID", help="owner/name (yours)")
+    visibility.add_argument("setting", choices=["public", "private"])
+    _add_settings(visibility, ("gateway_url",))
+    visibility.set_defaults(func=cmd_env_visibility)
 
     schema = commands.add_parser("schema", help="print the JSON Schema of every event",
                                  description="Print (or write) the JSON Schema of every event on the bus.")
@@ -537,12 +606,107 @@ def cmd_eval(args: argparse.Namespace) -> int:
     summary = asyncio.run(run_eval(cfg, settings.resolved_nats_url))  # --record, and sandboxes where NATS answers
     print(format_summary(summary))
     print(f"results: {summary['results']}" + (f"  run: {summary['run']}" if summary["run"] else ""))
+    if args.push:
+        from flywheel.ops.hub import Hub
+        from flywheel.sdk.environment import available
+
+        env_id = args.env.partition("@")[0]
+        if summary["num_errors"] == summary["num_rollouts"]:
+            raise ValueError(f"--push: every rollout of the eval failed ({summary['num_errors']} errors; see "
+                             f"{summary['results']}): nothing worth a leaderboard row was pushed")
+        version = available().get(env_id)
+        if version is None:
+            raise ValueError(f"--push: {env_id!r} is not an installed hub environment (owner/name): nothing to "
+                             "attach the eval to")
+        with Hub(settings.resolved_gateway_url) as hub:
+            row = hub.push_eval(env_id, version, summary)
+        print(f"pushed to the hub: {env_id}@{version}'s leaderboard (eval {row['id']})")
     return 0
 
 
 def cmd_env_init(args: argparse.Namespace) -> int:
     folder = scaffold(args.name, Path(args.dir), owner=args.owner)
     print(f"created {folder}: pip install -e {folder} && pytest {folder}")
+    return 0
+
+
+def cmd_env_push(args: argparse.Namespace) -> int:
+    from flywheel.ops.hub import Hub, push
+
+    with Hub(settings_from(args).resolved_gateway_url) as hub:
+        pushed = push(Path(args.dir), hub, private=args.private, scoring=not args.no_scoring)
+    print(f"pushed {pushed['env_id']}@{pushed['version']} (sha256 {pushed['sha256']})")
+    return 0
+
+
+def cmd_env_install(args: argparse.Namespace) -> int:
+    from flywheel.ops.hub import Hub, install
+
+    with Hub(settings_from(args).resolved_gateway_url) as hub:
+        env_id, version, sha256 = install(args.spec, hub)
+    print(f"installed {env_id}@{version} (sha256 {sha256})")
+    return 0
+
+
+def cmd_env_fork(args: argparse.Namespace) -> int:
+    from flywheel.ops.hub import Hub, fork
+
+    with Hub(settings_from(args).resolved_gateway_url) as hub:
+        folder, pushed = fork(args.spec, args.new_id, hub, Path(args.dir), private=args.private,
+                              scoring=not args.no_scoring)
+    print(f"pushed {pushed['env_id']}@{pushed['version']}, forked from {args.spec}; edit {folder} and push new "
+          "versions with flywheel env push")
+    return 0
+
+
+def cmd_env_show(args: argparse.Namespace) -> int:
+    from flywheel.ops.hub import Hub
+
+    with Hub(settings_from(args).resolved_gateway_url) as hub:
+        if args.spec is None:
+            rows = [[e["id"], e["latest_version"] or "-", "private" if e["private"] else "public",
+                     e["forked_from"] or "", e["summary"]] for e in hub.environments()]
+            print(table(rows, ["environment", "version", "visibility", "forked from", "summary"]) if rows else
+                  "no environments on the hub yet (flywheel env push)")
+            return 0
+        env = hub.environment(args.spec)
+        evals = hub.evals(args.spec)
+    print(f"{env['id']} ({'private' if env['private'] else 'public'}; pip install --index-url "
+          f"{hub.url}/hub/simple {env['project']})")
+    if env["forked_from"]:
+        print(f"forked from {env['forked_from']}")
+    if env["forks"]:
+        print("forks: " + ", ".join(fork["id"] for fork in env["forks"]))
+    print(table([[v["version"], v["sha256"][:16], str(v["created_at"])[:19], v["summary"]] for v in env["versions"]],
+                ["version", "sha256", "pushed", "summary"]))
+    if evals:
+        def num(value: float | None) -> str:
+            return "-" if value is None else f"{value:.3f}"
+
+        print("leaderboard:")
+        print(table([[e["model"], e["version"], num(e["reward_mean"]), num(e["reward_stderr"]),
+                      " ".join(f"{k} {num(v)}" for k, v in e["pass_at"].items()),
+                      str(e["prompt_tokens"] + e["completion_tokens"]), str(e["created_at"])[:10]] for e in evals],
+                    ["model", "version", "reward", "stderr", "pass@k", "tokens", "date"]))
+    return 0
+
+
+def cmd_env_import(args: argparse.Namespace) -> int:
+    from flywheel.contract.hub import check_env_id
+    from harbor_tasks import convert
+
+    owner, name = check_env_id(args.new_id)
+    folder = convert(args.src, Path(args.dir) / name, owner, name)
+    print(f"wrote {folder}, environment {args.new_id}: flywheel env push {folder}")
+    return 0
+
+
+def cmd_env_visibility(args: argparse.Namespace) -> int:
+    from flywheel.ops.hub import Hub
+
+    with Hub(settings_from(args).resolved_gateway_url) as hub:
+        env = hub.set_private(args.spec, args.setting == "private")
+    print(f"{env['id']} is {'private' if env['private'] else 'public'}")
     return 0
 
 
@@ -680,10 +844,11 @@ def _duration(seconds: float) -> str:
 
 def _is_user_error(exc: Exception) -> bool:
     """Errors whose message says what to fix: shown without a traceback."""
+    from flywheel.ops.hub import HubError
     from flywheel.ops.stack import StackError
 
     return isinstance(exc, (ValueError, ConnectionError, FileNotFoundError, IsADirectoryError,
-                            PermissionError, StackError))
+                            PermissionError, StackError, HubError))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -367,7 +367,7 @@ class MainJob:
         self._bus = bus = await Bus.connect(self.settings.resolved_nats_url, "flywheel-run")
         try:
             # The environments' sampling settings are defaults under the config's own.
-            cfg, self.environments = prepare_run(cfg)
+            cfg, self.environments = prepare_run(cfg, self.settings.resolved_gateway_url)
             self.cfg = cfg
             if check_services:
                 await self._check_services()

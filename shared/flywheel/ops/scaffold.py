@@ -2,7 +2,8 @@
 
 The package it writes (``NAME/``)::
 
-    pyproject.toml          the distribution; registers OWNER/NAME under the flywheel.environments entry points
+    pyproject.toml          the distribution OWNER-NAME; registers OWNER/NAME under the flywheel.environments
+                            entry points (what `flywheel env push` sends to the hub)
     README.md               what the environment is, how to test, evaluate and train on it
     PKG/__init__.py         load_environment(): tasks from tasks.jsonl, a chat harness, rewards
     PKG/tasks.jsonl         the task rows (question, answer)
@@ -15,10 +16,9 @@ answer of the group. Every file is meant to be edited; nothing here is generated
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
-_NAME = re.compile(r"[a-z][a-z0-9_-]{0,63}")
+from flywheel.contract.hub import ENV_PART
 
 PYPROJECT = '''\
 [build-system]
@@ -26,7 +26,7 @@ requires = ["setuptools>=69"]
 build-backend = "setuptools.build_meta"
 
 [project]
-name = "{name}"
+name = "{owner}-{name}"
 version = "0.1.0"
 description = "A Flywheel environment: {name}."
 requires-python = ">=3.11"
@@ -210,6 +210,10 @@ flywheel env list                # {owner}/{name} is listed
 flywheel eval {owner}/{name} --model RUN_OR_MODEL -n 6 -r 4
 ```
 
+On the hub (the gateway's; `{owner}` is your tenant): `flywheel env push` builds, checks and
+uploads this folder as the version in `pyproject.toml`; elsewhere, `flywheel env install
+{owner}/{name}` installs it, and a run config naming it gets it installed on every service.
+
 In a run config:
 
 ```toml
@@ -224,11 +228,12 @@ weight = 1.0
 
 def scaffold(name: str, where: Path, owner: str = "local") -> Path:
     """Write the package ``where/name``; refuses a bad name or an existing folder."""
-    if not _NAME.fullmatch(name):
+    if not ENV_PART.fullmatch(name):
         raise ValueError(f"NAME {name!r}: use a lowercase letter, then up to 63 lowercase letters, digits, '_' "
                          "or '-' (it names the package and the environment)")
-    if not re.fullmatch(r"[-_a-zA-Z0-9]{1,64}", owner):
-        raise ValueError(f"--owner {owner!r}: use letters, digits, '-' or '_'")
+    if not ENV_PART.fullmatch(owner):
+        raise ValueError(f"--owner {owner!r}: use a lowercase letter, then up to 63 lowercase letters, digits, '_' "
+                         "or '-' (your tenant on the hub)")
     folder = where / name
     if folder.exists():
         raise ValueError(f"{folder} exists already: choose another NAME or --dir")

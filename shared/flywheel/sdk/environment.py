@@ -49,6 +49,7 @@ import importlib
 import importlib.metadata
 import inspect
 import json
+import logging
 import math
 import os
 import random
@@ -61,6 +62,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from flywheel.contract import events
+from flywheel.contract.hub import ENTRY_POINT_GROUP
 from flywheel.sdk import tracegraph
 from flywheel.sdk.harness import ChatHarness, Harness
 from flywheel.sdk.messages import message_dict, message_from_dict
@@ -68,7 +70,8 @@ from flywheel.sdk.messages import message_dict, message_from_dict
 if TYPE_CHECKING:
     from flywheel.contract.config import EnvConfig, RunConfig
 
-ENTRY_POINT_GROUP = "flywheel.environments"
+log = logging.getLogger(__name__)
+
 REWARD_PARAMETERS = ("completion", "messages", "task", "state", "rollout")
 GROUP_PARAMETERS = ("completions", "messages_list", "tasks", "task", "states", "rollouts")
 
@@ -485,6 +488,7 @@ class EnvironmentOverrides:
 
     args: dict[str, Any] = field(default_factory=dict)
     rewards: dict[str, RewardOverride] = field(default_factory=dict)
+    sha256: str | None = None  # a hub environment's pinned wheel (RunConfig.hub_pins), installed when missing
 
 
 def import_object(spec: str, where: str) -> Any:
@@ -532,16 +536,41 @@ def refresh_installed() -> None:
             site.addsitedir(folder)
 
 
-def resolve(env_id: str) -> Callable[..., Environment]:
+class EnvironmentVersionMismatch(EnvironmentLoadError):
+    """The environment is installed, at another version than the one asked for."""
+
+
+def resolve(env_id: str, sha256: str | None = None) -> Callable[..., Environment]:
     """The ``load_environment`` function of ``env_id``: a module name, or ``owner/name[@version]``
     registered under the ``flywheel.environments`` entry-point group. An environment not found
     is looked for once more after :func:`refresh_installed`, so a service that started before
-    its package was installed finds it."""
+    its package was installed finds it. An ``owner/name`` not installed (or not at the version
+    asked for) is installed from the environment hub (the settings' gateway), its wheel checked
+    against the hub's sha256 and ``sha256`` when a run pinned one."""
     try:
         return _resolve(env_id)
     except EnvironmentNotInstalled:
         refresh_installed()
+    except EnvironmentVersionMismatch:
+        pass
+    try:
         return _resolve(env_id)
+    except (EnvironmentNotInstalled, EnvironmentVersionMismatch) as exc:
+        if "/" not in env_id:
+            raise
+        _install_from_hub(env_id, sha256, exc)
+    return _resolve(env_id)
+
+
+def _install_from_hub(env_id: str, sha256: str | None, missing: EnvironmentLoadError) -> None:
+    from flywheel.ops.hub import Hub, HubError, ensure_installed
+
+    try:
+        with Hub() as hub:
+            log.info("environment %s is not installed here: installing it from the hub at %s", env_id, hub.url)
+            ensure_installed(env_id, sha256, hub)
+    except (HubError, ValueError) as exc:
+        raise EnvironmentNotInstalled(f"{missing}; nor could the hub install it: {exc}") from exc
 
 
 def _resolve(env_id: str) -> Callable[..., Environment]:
@@ -551,8 +580,9 @@ def _resolve(env_id: str) -> Callable[..., Environment]:
         ep = eps[name]
         installed = ep.dist.version if ep.dist else None
         if version and installed != version:
-            raise EnvironmentLoadError(f"environment {env_id!r}: version {installed} is installed, not {version}; "
-                                       f"install the wanted one (pip install '<package>=={version}')")
+            raise EnvironmentVersionMismatch(f"environment {env_id!r}: version {installed} is installed, not "
+                                             f"{version}; install the wanted one (pip install '<package>=={version}', "
+                                             f"or flywheel env install {env_id} from the hub)")
         target = ep.load()
         return target if not inspect.ismodule(target) else _module_loader(target, env_id)
     if "/" in name:
@@ -579,7 +609,7 @@ def _module_loader(module: Any, env_id: str) -> Callable[..., Environment]:
 
 def load_environment(env_id: str, overrides: EnvironmentOverrides | None = None) -> Environment:
     """Find ``env_id``, build its :class:`Environment` with the overrides' args, apply reward overrides."""
-    loader = resolve(env_id)
+    loader = resolve(env_id, overrides.sha256 if overrides else None)
     args = dict(overrides.args) if overrides else {}
     try:
         env = loader(**args)
@@ -633,7 +663,7 @@ def load_run_environments(config: RunConfig | Mapping[str, Any]) -> dict[str, Ru
     cfg = _run_config(config)
     found: dict[str, RunEnvironment] = {}
     for env_cfg in cfg.environments:
-        env = load_environment(env_cfg.id, overrides_of(env_cfg))
+        env = load_environment(env_cfg.id, overrides_of(env_cfg, cfg.hub_pins.get(env_cfg.id)))
         name = subject_name(env_cfg.id, env)
         if name in found:
             raise ValueError(f"environments {found[name].config.id!r} and {env_cfg.id!r} of run {cfg.run!r} both "
@@ -642,10 +672,13 @@ def load_run_environments(config: RunConfig | Mapping[str, Any]) -> dict[str, Ru
     return found
 
 
-def prepare_run(cfg: RunConfig) -> tuple[RunConfig, dict[str, RunEnvironment]]:
+def prepare_run(cfg: RunConfig, gateway_url: str | None = None) -> tuple[RunConfig, dict[str, RunEnvironment]]:
     """A run config as it is registered, and its environments: each loaded (what does not load
     is refused here, before anything starts), its own sampling settings written in as
-    defaults under the config's (:meth:`flywheel.contract.config.RunConfig.with_sampling_defaults`)."""
+    defaults under the config's (:meth:`flywheel.contract.config.RunConfig.with_sampling_defaults`).
+    Hub environments not installed here are pinned and installed first
+    (:func:`pin_hub_environments`, from the hub at ``gateway_url``; default: the settings')."""
+    cfg = pin_hub_environments(cfg, gateway_url)
     environments = load_run_environments(cfg)
     for i, found in enumerate(environments.values()):
         # What learns reference answers needs them: refused here, not after the trainer loaded its model.
@@ -661,11 +694,49 @@ def prepare_run(cfg: RunConfig) -> tuple[RunConfig, dict[str, RunEnvironment]]:
                              "file of chats) or sft.dataset, or set sft.steps = 0")
     for i, spec in enumerate(cfg.evals):  # evals load where they run, in the orchestrator; refused here first
         try:
-            load_environment(spec.id, EnvironmentOverrides(args=dict(spec.args)))
+            load_environment(spec.id, EnvironmentOverrides(args=dict(spec.args), sha256=cfg.hub_pins.get(spec.id)))
         except Exception as exc:  # whatever its module raised, it does not load: say so and where
             raise ValueError(f"evals.{i} ({spec.label}): {type(exc).__name__}: {exc}") from exc
     cfg = cfg.with_sampling_defaults({found.config.id: found.env.sampling for found in environments.values()})
     return cfg, environments
+
+
+def pin_hub_environments(cfg: RunConfig, gateway_url: str | None = None) -> RunConfig:
+    """The run config with each ``owner/name[@version]`` it names (environments and evals) that
+    is not installed here at that version pinned to a version on the environment hub (at
+    ``gateway_url``; default: the settings'), and installed here: its id becomes
+    ``owner/name@version`` (the newest, when none is given) and ``hub_pins`` records its
+    wheel's sha256, so every service of the run installs exactly that file. Ids installed
+    here stay as they are (a package being developed is the one a run uses)."""
+    ids = [*(env.id for env in cfg.environments), *(spec.id for spec in cfg.evals)]
+    wanted = {i for i in ids if "/" in i and i not in cfg.hub_pins}
+    have = available()
+    missing = {i for i in wanted if have.get(i.partition("@")[0]) is None
+               or (i.partition("@")[2] not in ("", have[i.partition("@")[0]]))}
+    if not missing:
+        return cfg
+    from flywheel.ops.hub import Hub, HubError, ensure_installed
+
+    pinned: dict[str, str] = {}
+    pins = dict(cfg.hub_pins)
+    with Hub(gateway_url) as hub:
+        for env_id in sorted(missing):
+            try:
+                name, record = hub.version(env_id)
+                pinned[env_id] = f"{name}@{record['version']}"
+                pins[pinned[env_id]] = record["sha256"]
+                log.info("run %s: environment %s pinned to %s (sha256 %s) from the hub at %s", cfg.run, env_id,
+                         pinned[env_id], record["sha256"], hub.url)
+                ensure_installed(pinned[env_id], record["sha256"], hub)
+            except (HubError, ValueError) as exc:
+                raise EnvironmentNotInstalled(f"environment {env_id!r} is not installed here, and the hub could "
+                                              f"not pin and install it: {exc}") from exc
+    update: dict[str, Any] = {"hub_pins": pins}
+    if cfg.env is not None:
+        update["env"] = pinned.get(cfg.env, cfg.env)
+    update["envs"] = [e.model_copy(update={"id": pinned.get(e.id, e.id)}) for e in cfg.envs]
+    update["evals"] = [e.model_copy(update={"id": pinned.get(e.id, e.id)}) for e in cfg.evals]
+    return cfg.model_copy(update=update)
 
 
 def load_for_run(config: RunConfig | Mapping[str, Any], name: str | None = None) -> Environment:
@@ -679,10 +750,11 @@ def load_for_run(config: RunConfig | Mapping[str, Any], name: str | None = None)
     if name is None or len(environments) == 1:
         if len(environments) > 1:
             raise ValueError(f"run {cfg.run!r} has {len(environments)} environments ({cfg.env_ids}); name one")
-        return load_environment(environments[0].id, overrides_of(environments[0]))
+        return load_environment(environments[0].id, overrides_of(environments[0],
+                                                                 cfg.hub_pins.get(environments[0].id)))
     for env_cfg in environments:
         if env_cfg.id == name:
-            return load_environment(env_cfg.id, overrides_of(env_cfg))
+            return load_environment(env_cfg.id, overrides_of(env_cfg, cfg.hub_pins.get(env_cfg.id)))
     found = load_run_environments(cfg).get(name)
     if found is None:
         raise EnvironmentLoadError(f"run {cfg.run!r} has no environment named {name!r}; its environments are "
@@ -696,7 +768,9 @@ def _run_config(config: RunConfig | Mapping[str, Any]) -> RunConfig:
     return config if isinstance(config, RunConfig) else RunConfig.parse(dict(config), source="run config")
 
 
-def overrides_of(env: EnvConfig) -> EnvironmentOverrides:
-    """What a run changes in one of its environments: its ``args`` and ``rewards`` tables."""
+def overrides_of(env: EnvConfig, sha256: str | None = None) -> EnvironmentOverrides:
+    """What a run changes in one of its environments: its ``args`` and ``rewards`` tables (and,
+    for a hub environment, the ``sha256`` the run pinned)."""
     return EnvironmentOverrides(args=dict(env.args), rewards={
-        name: RewardOverride(weight=r.weight, function=r.function, group=r.group) for name, r in env.rewards.items()})
+        name: RewardOverride(weight=r.weight, function=r.function, group=r.group) for name, r in env.rewards.items()},
+        sha256=sha256)

@@ -1,0 +1,416 @@
+"""The environment hub from the user's side: push, install, fork, and evals on the hub.
+
+``flywheel env push [DIR]`` reads ``DIR/pyproject.toml`` (its ``[project]`` name must be
+``owner-name`` and it must register ``owner/name`` under the ``flywheel.environments`` entry
+points), builds a wheel and an sdist with the standard tooling (``python -m build``), checks
+the built wheel in a process of its own (installed into a scratch folder: what the package
+holds, not what the source folder holds, is checked): :func:`dry_check` loads the environment
+with its defaults, checks a few task rows against its schema, renders their prompts and runs
+every reward on a rollout answering with the reference answer (or nothing); then uploads both
+files, which the gateway checks again and stores, immutable.
+
+``flywheel env install owner/name[@version]`` downloads the version's wheel (the newest
+version without ``@``), checks its sha256 against the hub's record of it (and against
+``sha256`` when a run pinned one), and installs it with pip (its dependencies from the usual
+index). :func:`ensure_installed` does the same for a service whose run names an environment
+that is not installed.
+
+``flywheel env fork owner/name[@version] new-owner/new-name`` downloads the version's sdist
+into a folder, renames it (distribution, entry point, and the module when the old name would
+clash with the parent's once both are installed), and pushes it with its lineage
+(``forked_from``); edit it and push new versions as usual.
+
+The gateway and the key come from the settings (``gateway_url``, ``api_key``;
+``FLYWHEEL_API_KEY``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from flywheel.contract.hub import ENTRY_POINT_GROUP, HubRefused, check_env_id, check_version, project_name
+
+DRY_CHECK_ROWS = 3
+
+
+class HubError(RuntimeError):
+    """The hub refused a request, or a step of a push or an install failed; the message says why."""
+
+
+@dataclass(frozen=True)
+class Project:
+    """An environment package's folder, as its pyproject.toml names it."""
+
+    folder: Path
+    env_id: str
+    version: str
+    module: str  # the entry point's module
+
+    @property
+    def project(self) -> str:
+        return project_name(self.env_id)
+
+
+def read_project(folder: Path) -> Project:
+    """The environment a package folder holds; HubError naming the field to fix otherwise."""
+    path = folder / "pyproject.toml"
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise HubError(f"{path}: not found; give the folder of an environment package (`flywheel env init` "
+                       "makes one)") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise HubError(f"{path}: not valid TOML ({exc})") from None
+    project = data.get("project", {})
+    registered = project.get("entry-points", {}).get(ENTRY_POINT_GROUP, {})
+    if len(registered) != 1:
+        raise HubError(f"{path}: [project.entry-points.\"{ENTRY_POINT_GROUP}\"] registers "
+                       f"{sorted(registered) or 'nothing'}; a package pushed to the hub registers exactly one "
+                       "environment, \"owner/name\"")
+    ((env_id, target),) = registered.items()
+    try:
+        check_env_id(env_id)
+        version = check_version(str(project.get("version", "")))
+    except HubRefused as exc:
+        raise HubError(f"{path}: {exc}") from None
+    wanted = project_name(env_id)
+    if project_name_of(project.get("name", "")) != wanted:
+        raise HubError(f"{path}: [project] name is {project.get('name')!r}; the package of {env_id} must be named "
+                       f"{wanted!r} (the hub serves it under that name)")
+    return Project(folder, env_id, version, str(target).split(":")[0].split(".")[0])
+
+
+def project_name_of(name: str) -> str:
+    from packaging.utils import canonicalize_name
+
+    return canonicalize_name(name)
+
+
+def build(project: Project, out: Path) -> list[Path]:
+    """A wheel and an sdist of the folder, made by ``python -m build`` (an isolated build, as
+    any builder makes them) into ``out``."""
+    done = subprocess.run([sys.executable, "-m", "build", "--outdir", str(out), str(project.folder)],
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise HubError(f"building {project.folder} failed (python -m build):\n{_tail(done)}")
+    files = sorted(p for p in out.iterdir() if p.suffix == ".whl" or p.name.endswith(".tar.gz"))
+    if not any(p.suffix == ".whl" for p in files):
+        raise HubError(f"building {project.folder} made no wheel: {[p.name for p in files]}")
+    return files
+
+
+def _tail(done: subprocess.CompletedProcess[str], chars: int = 3000) -> str:
+    return (done.stdout + done.stderr)[-chars:]
+
+
+def check_built(wheel: Path, env_id: str, scoring: bool = True) -> dict[str, Any]:
+    """Install ``wheel`` into a scratch folder and run :func:`dry_check` on it in a process of
+    its own; its report, or HubError saying what failed."""
+    with tempfile.TemporaryDirectory(prefix="flywheel-check-") as scratch:
+        installed = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target",
+                                    scratch, str(wheel)], capture_output=True, text=True, check=False)
+        if installed.returncode != 0:
+            raise HubError(f"{wheel.name} does not install:\n{_tail(installed)}")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([scratch, *filter(None, [os.environ.get("PYTHONPATH")])])}
+        argv = [sys.executable, "-m", "flywheel.ops.hub", "check", env_id] + ([] if scoring else ["--no-scoring"])
+        done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=scratch, check=False)
+    lines = done.stdout.strip().splitlines()
+    try:
+        report = json.loads(lines[-1]) if lines else None
+    except json.JSONDecodeError:
+        report = None
+    if done.returncode != 0 or not isinstance(report, dict):
+        raise HubError(f"{wheel.name}: the check of {env_id} did not finish:\n{_tail(done)}")
+    if report.get("errors"):
+        raise HubError(f"{wheel.name} does not pass its check, so it is not pushed:\n  " +
+                       "\n  ".join(report["errors"]))
+    return report
+
+
+def dry_check(env_id: str, scoring: bool = True, num_rows: int = DRY_CHECK_ROWS) -> dict[str, Any]:
+    """What a push checks of an installed environment: it loads with its defaults, a few task
+    rows fit its schema and render as prompts, and (``scoring``) every reward runs on a rollout
+    per row answering with the reference answer, or with nothing where it has none. A report:
+    ``errors`` (empty when it passes), ``rows``, ``rewards`` (name -> values)."""
+    import asyncio
+
+    from flywheel.contract import events
+    from flywheel.sdk.environment import load_environment
+    from flywheel.sdk.scoring import Scoring
+    from flywheel.sdk.tracegraph import rollout_from_messages
+
+    errors: list[str] = []
+    try:
+        env = load_environment(env_id)
+        rows = env.load_tasks(num_rows)
+    except Exception as exc:  # the report names whatever the package's own code raised
+        return {"errors": [f"load_environment({env_id!r}) with its defaults failed: {type(exc).__name__}: {exc}"],
+                "rows": 0, "rewards": {}}
+    rollouts = []
+    for i, row in enumerate(rows):
+        try:
+            env.check_task(row)
+            messages = env.prompt_messages(row)
+            answer = env.reference_answer(row) if env.reference is not None else ""
+        except Exception as exc:  # as above
+            errors.append(f"task row {i}: {type(exc).__name__}: {exc}")
+            continue
+        rollouts.append(rollout_from_messages(run="hub-check", env=env.name, task_id=f"check-{i}", task_data=row,
+                                              index=i, group_size=len(rows), messages=[
+                                                  *messages, events.Message(role="assistant", content=answer)]))
+    rewards: dict[str, list[float]] = {}
+    if scoring and rollouts:
+        scored = asyncio.run(Scoring().score_group(env._rewards(), rollouts))
+        for rollout, scores in zip(rollouts, scored, strict=True):
+            for score in scores:
+                if score.error:
+                    errors.append(f"task row {rollout.task_id.removeprefix('check-')}: {score.error}")
+                rewards.setdefault(score.scorer, []).append(score.value)
+    if not rows:
+        errors.append("the environment has no task rows")
+    return {"errors": errors, "rows": len(rows), "rewards": rewards}
+
+
+class Hub:
+    """The gateway's hub API (``/v1/hub``), with the settings' gateway URL and key unless given."""
+
+    def __init__(self, url: str | None = None, api_key: str | None = None, timeout_s: float = 120.0) -> None:
+        if url is None or api_key is None:
+            from flywheel.contract.settings import Settings
+
+            settings = Settings()
+            url = url if url is not None else settings.resolved_gateway_url
+            # A service of a deployment that wants keys: its service token sees every tenant's.
+            api_key = api_key if api_key is not None else settings.api_key or settings.service_token
+        self.url = url.rstrip("/")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> Hub:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+        try:
+            response = self.http.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise HubError(f"the gateway at {self.url} did not answer ({type(exc).__name__}: {exc}); is it up "
+                           "(flywheel up, or the deployment's), and is gateway_url right?") from None
+        if response.status_code >= 400:
+            try:
+                detail = response.json().get("detail", response.text)
+            except ValueError:
+                detail = response.text
+            raise HubError(f"{method} {path}: {response.status_code}: {detail}")
+        return response
+
+    def environment(self, env_id: str) -> dict[str, Any]:
+        check_env_id(env_id)
+        return self._call("GET", f"/v1/hub/environments/{env_id}").json()
+
+    def environments(self) -> list[dict[str, Any]]:
+        return self._call("GET", "/v1/hub/environments").json()["items"]
+
+    def push(self, env_id: str, version: str, files: list[Path], private: bool = False,
+             forked_from: str | None = None) -> dict[str, Any]:
+        form: dict[str, str] = {"version": version, "private": "true" if private else "false"}
+        if forked_from:
+            form["forked_from"] = forked_from
+        uploads = [("files", (p.name, p.read_bytes(), "application/octet-stream")) for p in files]
+        return self._call("POST", f"/v1/hub/environments/{env_id}/versions", data=form, files=uploads).json()
+
+    def set_private(self, env_id: str, private: bool) -> dict[str, Any]:
+        return self._call("PATCH", f"/v1/hub/environments/{env_id}", json={"private": private}).json()
+
+    def download(self, url: str) -> bytes:
+        return self._call("GET", url.split("#")[0]).content
+
+    def push_eval(self, env_id: str, version: str, summary: dict[str, Any]) -> dict[str, Any]:
+        body = {"version": version, "model": summary["model"], "num_tasks": summary["num_tasks"],
+                "num_rollouts": summary["num_rollouts"], "reward_mean": summary.get("reward_mean"),
+                "reward_stderr": summary.get("reward_stderr"),
+                "pass_at": {k: v for k, v in summary.items() if k.startswith("pass@")},
+                "prompt_tokens": summary.get("prompt_tokens", 0),
+                "completion_tokens": summary.get("completion_tokens", 0),
+                "summary": {k: v for k, v in summary.items() if k not in ("results",)}}
+        return self._call("POST", f"/v1/hub/environments/{env_id}/evals", json=body).json()
+
+    def evals(self, env_id: str, version: str | None = None) -> list[dict[str, Any]]:
+        params = {"version": version} if version else {}
+        return self._call("GET", f"/v1/hub/environments/{env_id}/evals", params=params).json()["items"]
+
+    def version(self, spec: str) -> tuple[str, dict[str, Any]]:
+        """``owner/name[@version]`` -> (env id, that version's record; the newest without ``@``)."""
+        env_id, at, version = spec.partition("@")
+        env = self.environment(env_id)
+        if not env["versions"]:
+            raise HubError(f"{env_id} has no version on the hub yet")
+        if not at:
+            return env_id, env["versions"][0]
+        for row in env["versions"]:
+            if row["version"] == version:
+                return env_id, row
+        known = ", ".join(row["version"] for row in env["versions"])
+        raise HubError(f"{env_id}@{version} is not on the hub (its versions: {known})")
+
+
+# --- the commands ---------------------------------------------------------------------------
+
+
+def push(folder: Path, hub: Hub, private: bool = False, scoring: bool = True, forked_from: str | None = None,
+         say: Any = print) -> dict[str, Any]:
+    """Build, check and upload the package in ``folder``; the hub's record of the version."""
+    project = read_project(folder)
+    with tempfile.TemporaryDirectory(prefix="flywheel-push-") as out:
+        say(f"building {project.env_id} {project.version} (python -m build) ...")
+        files = build(project, Path(out))
+        wheel = next(p for p in files if p.suffix == ".whl")
+        say(f"checking {wheel.name}: load_environment, the task schema" + (", a dry scoring" if scoring else "") +
+            " ...")
+        report = check_built(wheel, project.env_id, scoring)
+        say(f"  {report['rows']} task rows; rewards: " +
+            (", ".join(f"{name} {values}" for name, values in report["rewards"].items()) or "not run"))
+        say(f"uploading {', '.join(p.name for p in files)} to {hub.url} ...")
+        return hub.push(project.env_id, project.version, files, private=private, forked_from=forked_from)
+
+
+def install(spec: str, hub: Hub, sha256: str | None = None, say: Any = print) -> tuple[str, str, str]:
+    """Install ``owner/name[@version]`` from the hub, its wheel checked against the hub's
+    sha256 (and ``sha256`` when pinned); (env id, version, sha256)."""
+    env_id, record = hub.version(spec)
+    if sha256 is not None and record["sha256"] != sha256:
+        raise HubError(f"{env_id}@{record['version']} on the hub has sha256 {record['sha256']}, not the pinned "
+                       f"{sha256}: it is not the package the run was started with")
+    (wheel,) = [f for f in record["files"] if f["kind"] == "wheel"]
+    data = hub.download(wheel["url"])
+    found = hashlib.sha256(data).hexdigest()
+    if found != record["sha256"]:
+        raise HubError(f"{wheel['filename']}: downloaded sha256 {found}, the hub recorded {record['sha256']}; "
+                       "not installed")
+    with tempfile.TemporaryDirectory(prefix="flywheel-install-") as scratch:
+        path = Path(scratch) / wheel["filename"]
+        path.write_bytes(data)
+        say(f"installing {env_id} {record['version']} ({wheel['filename']}, sha256 {found[:12]}...)")
+        done = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", str(path)], capture_output=True,
+                              text=True, check=False)
+    if done.returncode != 0:
+        raise HubError(f"pip install {wheel['filename']} failed:\n{_tail(done)}")
+    return env_id, record["version"], found
+
+
+def ensure_installed(env_id: str, sha256: str | None = None, hub: Hub | None = None) -> bool:
+    """Install a hub environment (``owner/name[@version]``) unless it is installed at that
+    version already; True when it installed it. For the services: a run whose config names a
+    hub environment gets it wherever it is loaded."""
+    from flywheel.sdk.environment import available, refresh_installed
+
+    name, _, version = env_id.partition("@")
+    have = available().get(name)
+    if have is not None and (not version or have == version):
+        return False
+    own = hub is None
+    hub = hub or Hub()
+    try:
+        install(env_id, hub, sha256)
+    finally:
+        if own:
+            hub.close()
+    refresh_installed()
+    return True
+
+
+def fork(spec: str, new_id: str, hub: Hub, where: Path, private: bool = False, scoring: bool = True,
+         say: Any = print) -> tuple[Path, dict[str, Any]]:
+    """Copy ``owner/name[@version]``'s sdist into ``where/<new name>`` renamed to ``new_id``, and
+    push it with its lineage; (the folder, the hub's record of the fork's version)."""
+    _, new_name = check_env_id(new_id)
+    env_id, record = hub.version(spec)
+    folder = where / new_name
+    if folder.exists():
+        raise HubError(f"{folder} exists already: fork into another folder (--dir)")
+    sdists = [f for f in record["files"] if f["kind"] == "sdist"]
+    if not sdists:
+        raise HubError(f"{env_id}@{record['version']} has no sdist (source) to fork from; its owner pushes one "
+                       "with `flywheel env push`")
+    data = hub.download(sdists[0]["url"])
+    if hashlib.sha256(data).hexdigest() != sdists[0]["sha256"]:
+        raise HubError(f"{sdists[0]['filename']}: the download does not match the hub's sha256")
+    with tempfile.TemporaryDirectory(prefix="flywheel-fork-") as scratch:
+        sdist = Path(scratch) / sdists[0]["filename"]
+        sdist.write_bytes(data)
+        with tarfile.open(sdist, "r:gz") as archive:
+            archive.extractall(Path(scratch) / "src", filter="data")
+        (root,) = list((Path(scratch) / "src").iterdir())
+        for generated in [root / "PKG-INFO", *root.glob("*.egg-info")]:
+            shutil.rmtree(generated) if generated.is_dir() else generated.unlink()
+        where.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(root, folder)
+    rename(folder, env_id, new_id)
+    say(f"forked {env_id}@{record['version']} into {folder} as {new_id}")
+    pushed = push(folder, hub, private=private, scoring=scoring, forked_from=f"{env_id}@{record['version']}",
+                  say=say)
+    return folder, pushed
+
+
+def rename(folder: Path, old_id: str, new_id: str) -> None:
+    """Rename a package folder's environment ``old_id`` to ``new_id``: the distribution, the
+    entry point, the README's mentions, and the module when the new id's module name differs
+    (so parent and fork install side by side)."""
+    project = read_project(folder)
+    pyproject = folder / "pyproject.toml"
+    text = pyproject.read_text()
+    text = re.sub(r'(?m)^(name\s*=\s*)"[^"]*"', lambda m: f'{m.group(1)}"{project_name(new_id)}"', text, count=1)
+    text = text.replace(f'"{old_id}"', f'"{new_id}"')
+    pyproject.write_text(text)
+    new_module = new_id.replace("/", "_").replace("-", "_")
+    old_module = project.module
+    if (folder / old_module).is_dir() and old_module != new_module:
+        (folder / old_module).rename(folder / new_module)
+        old = re.escape(old_module)
+        # The module's name where a package names it: quoted whole ("qa", "qa:load_environment",
+        # "qa.sub"), as a package-data key, and in imports. Not every word "qa" in the text.
+        quoted = re.compile(rf"""(["'])({old})([:.]|\1)""")
+        key = re.compile(rf"(?m)^{old}(\s*=)")
+        imports = re.compile(rf"(?m)^(\s*(?:from|import)\s+){old}\b")
+        for path in [pyproject, *folder.rglob("*.py")]:
+            text = quoted.sub(lambda m: f"{m.group(1)}{new_module}{m.group(3)}", path.read_text())
+            path.write_text(imports.sub(rf"\g<1>{new_module}", key.sub(rf"{new_module}\1", text)))
+        for path in (folder / "tests").glob(f"*{old_module}*.py") if (folder / "tests").is_dir() else []:
+            path.rename(path.with_name(path.name.replace(old_module, new_module)))
+    for path in [folder / "README.md", *folder.rglob("*.py")]:
+        if path.is_file():
+            path.write_text(path.read_text().replace(old_id, new_id))
+
+
+def main(argv: list[str]) -> int:
+    """``python -m flywheel.ops.hub check ENV_ID [--no-scoring]``: :func:`dry_check`'s report,
+    as the last line of output (JSON). What a push runs on the package it built."""
+    if len(argv) < 2 or argv[0] != "check":
+        print("usage: python -m flywheel.ops.hub check ENV_ID [--no-scoring]", file=sys.stderr)
+        return 2
+    report = dry_check(argv[1], scoring="--no-scoring" not in argv)
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,80 @@
+"""The hub's client side (flywheel.ops.hub): what a package folder must say, how a fork renames
+one, and the check a push runs on the wheel it built (in a process of its own)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flywheel.ops.hub import HubError, check_built, read_project, rename
+from flywheel.ops.scaffold import scaffold
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Path:
+    return scaffold("qa", tmp_path / "src", owner="acme")
+
+
+def test_a_scaffolded_folder_is_an_environment_of_its_owner(folder: Path) -> None:
+    project = read_project(folder)
+    assert (project.env_id, project.version, project.module, project.project) == ("acme/qa", "0.1.0", "qa",
+                                                                                  "acme-qa")
+
+
+@pytest.mark.parametrize(("old", "new", "said"), [
+    ('name = "acme-qa"', 'name = "qa"', r"\[project\] name is 'qa'; the package of acme/qa must be named 'acme-qa'"),
+    ('version = "0.1.0"', 'version = "1.0"', r"version '1\.0': a hub version is MAJOR\.MINOR\.PATCH"),
+    ('"acme/qa" = "qa:load_environment"', '"acme/qa" = "qa:load_environment"\n"acme/b" = "qa:load_environment"',
+     r"registers \['acme/b', 'acme/qa'\]; a package pushed to the hub registers exactly one"),
+    ('"acme/qa" = ', '"Acme/QA" = ', r"environment id 'Acme/QA': an id is owner/name"),
+])
+def test_a_folder_that_does_not_name_its_environment_right_is_refused(folder: Path, old: str, new: str,
+                                                                      said: str) -> None:
+    pyproject = folder / "pyproject.toml"
+    assert old in pyproject.read_text()
+    pyproject.write_text(pyproject.read_text().replace(old, new))
+    with pytest.raises(HubError, match=said):
+        read_project(folder)
+
+
+def test_no_pyproject_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(HubError, match=r"pyproject.toml: not found; give the folder of an environment package"):
+        read_project(tmp_path)
+
+
+def test_a_fork_renames_distribution_entry_point_and_module(folder: Path) -> None:
+    rename(folder, "acme/qa", "bob/qa")
+    project = read_project(folder)
+    assert (project.env_id, project.project, project.module) == ("bob/qa", "bob-qa", "bob_qa")
+    assert (folder / "bob_qa" / "__init__.py").exists() and not (folder / "qa").exists()
+    assert (folder / "tests" / "test_bob_qa.py").exists()
+    pyproject = (folder / "pyproject.toml").read_text()
+    assert 'packages = ["bob_qa"]' in pyproject and 'bob_qa = ["tasks.jsonl"]' in pyproject
+    assert "acme/qa" not in (folder / "README.md").read_text()
+
+
+def wheel_of(folder: Path, out: Path) -> Path:
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w",
+                    str(out), str(folder)], check=True, timeout=180)
+    (wheel,) = out.glob("*.whl")
+    return wheel
+
+
+def test_the_check_runs_a_built_package_and_refuses_one_whose_reward_fails(folder: Path, tmp_path: Path) -> None:
+    report = check_built(wheel_of(folder, tmp_path / "good"), "acme/qa")
+    assert report["errors"] == [] and report["rows"] == 3, report
+    assert report["rewards"]["correct"] == [1.0, 1.0, 1.0] and set(report["rewards"]) == {"correct", "length"}
+    module = folder / "qa" / "__init__.py"
+    module.write_text(module.read_text().replace("def correct(completion: str, task: dict) -> float:\n",
+                                                 "def correct(completion: str, task: dict) -> float:\n"
+                                                 "    raise KeyError('answer_text')\n"))
+    broken = wheel_of(folder, tmp_path / "broken")
+    with pytest.raises(HubError, match=r"(?s)does not pass its check.*task row 0: reward 'correct' failed: KeyError"):
+        check_built(broken, "acme/qa")
+    assert check_built(broken, "acme/qa", scoring=False)["errors"] == []
+    (folder / "qa" / "tasks.jsonl").write_text("")  # a package without its task rows does not load
+    with pytest.raises(HubError, match=r"does not pass its check"):
+        check_built(wheel_of(folder, tmp_path / "empty"), "acme/qa")
