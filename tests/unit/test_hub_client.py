@@ -78,3 +78,21 @@ def test_the_check_runs_a_built_package_and_refuses_one_whose_reward_fails(folde
     (folder / "qa" / "tasks.jsonl").write_text("")  # a package without its task rows does not load
     with pytest.raises(HubError, match=r"does not pass its check"):
         check_built(wheel_of(folder, tmp_path / "empty"), "acme/qa")
+
+
+def test_a_package_that_does_not_import_is_refused(folder: Path, tmp_path: Path) -> None:
+    module = folder / "qa" / "__init__.py"
+    module.write_text(module.read_text() + "\nimport a_module_nobody_installed\n")
+    with pytest.raises(HubError, match=r"(?s)load_environment\('acme/qa'\) with its defaults failed: "
+                                       r"ModuleNotFoundError: No module named 'a_module_nobody_installed'"):
+        check_built(wheel_of(folder, tmp_path / "wheel"), "acme/qa")
+
+
+def test_harbor_task_folders_import_as_a_package_to_push(tmp_path: Path) -> None:
+    from flywheel.ops.cli import main
+
+    tasks = Path(__file__).resolve().parents[2] / "environments" / "harbor_tasks" / "tests" / "tasks"
+    assert main(["env", "import", "harbor", str(tasks), "acme/terminal", "--dir", str(tmp_path)]) == 0
+    project = read_project(tmp_path / "terminal")
+    assert (project.env_id, project.project, project.version) == ("acme/terminal", "acme-terminal", "0.1.0")
+    assert main(["env", "import", "harbor", str(tasks), "Acme/x", "--dir", str(tmp_path)]) == 1
