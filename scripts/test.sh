@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Set up, then run the default test suite (everything not marked slow, gpu, docker or vllm).
+# Set up, then run the default test suite (everything not marked slow, gpu, docker, vllm or browser).
 #   scripts/test.sh            the default suite
 #   scripts/test.sh --slow     only the slow tier
 #   scripts/test.sh --vllm     only the vLLM tier, in .venv-vllm (scripts/setup-vllm.sh)
 #   scripts/test.sh --docker   only the docker tier: a private Docker engine (root; scripts/setup-docker.sh
 #                              installs it), the compose deployment brought up and torn down
+#   scripts/test.sh --browser  only the browser tier: the web pages in Debian's headless Chromium, driven by
+#                              Playwright (scripts/setup-browser.sh installs both; chromium needs root)
 #   scripts/test.sh -k bus     extra arguments go to pytest
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,15 +17,20 @@ if [ "${1:-}" = "--vllm" ]; then
     exec .venv-vllm/bin/python -m pytest -m vllm tests/vllm "$@"
 fi
 scripts/setup.sh
-markers="not slow and not gpu and not docker and not vllm"
+markers="not slow and not gpu and not docker and not vllm and not browser"
 if [ "${1:-}" = "--docker" ]; then
     shift
     scripts/setup-docker.sh
-    markers="docker and not gpu and not vllm"
+    markers="docker and not gpu and not vllm and not browser"
 fi
 if [ "${1:-}" = "--slow" ]; then
-    markers="slow and not gpu and not docker and not vllm"
+    markers="slow and not gpu and not docker and not vllm and not browser"
     shift
+fi
+if [ "${1:-}" = "--browser" ]; then
+    shift
+    scripts/setup-browser.sh
+    markers="browser and not gpu and not docker and not vllm"
 fi
 # pytest exits 5 when no test ran; that is a failure here, and `set -e` makes it one.
 exec .venv/bin/python -m pytest -m "$markers" "$@"

@@ -9,9 +9,10 @@ test with their own settings. Request bodies are bounded by ``gateway_max_body_b
 Who may call what is :mod:`flywheel_gateway.auth`: API keys (``auth = "keys"``) or an open
 API on loopback only; ``create_app`` refuses to build an open app for a host that is not one.
 
-The environment hub and its package index: :mod:`flywheel_gateway.api_hub`.
+The environment hub and its package index: :mod:`flywheel_gateway.api_hub`. Web pages (runs, a
+run's reward curve, a rollout's trace): :mod:`flywheel_gateway.web`.
 
-Not covered: rate limits and web pages.
+Not covered: rate limits.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from flywheel_gateway import (
     api_tasks,
     api_traces,
     api_usage,
+    web,
 )
 from flywheel_gateway.auth import caller
 from flywheel_gateway.body_limit import BodyLimit
@@ -88,6 +90,8 @@ def create_app(settings: Settings) -> FastAPI:
     for router in (api_tasks.router, api_runs.router, api_rollouts.router, api_traces.router, api_usage.router,
                    api_keys.router, api_hub.router, api_hub.index):
         app.include_router(router, dependencies=[Depends(caller)])
+    app.include_router(web.router, dependencies=[Depends(caller)])  # the web pages: the API's keys, no schema
+    app.mount("/static", web.static_files(), name="static")
     app.include_router(api_health.router)
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_body_bytes=settings.gateway_max_body_bytes)

@@ -1,0 +1,237 @@
+// The gateway's pages: the run page's reward curve and figures, the trace page's token layer
+// and live reload. Plain script, no build step and no dependencies: it reads the JSON API with
+// the page's own credentials (the browser's headers), and the page's data-* attributes.
+"use strict";
+
+(function () {
+  const body = document.body;
+  const SVG = "http://www.w3.org/2000/svg";
+  const COLORS = ["#1f6feb", "#d9480f", "#2f9e44", "#9c36b5", "#e8590c", "#0c8599", "#c2255c"];
+  const MAX_STEPS = 1000; // the metrics API's largest page
+
+  async function getJSON(url) {
+    const response = await fetch(url, { headers: { Accept: "application/json" } });
+    if (!response.ok) {
+      let detail = response.statusText;
+      try { detail = (await response.json()).detail; } catch (_) { /* not JSON: keep the status text */ }
+      throw new Error(`${url}: ${response.status} ${detail}`);
+    }
+    return response.json();
+  }
+
+  function showProblem(error) {
+    let box = document.getElementById("problem");
+    if (!box) {
+      box = document.createElement("p");
+      box.id = "problem";
+      box.className = "error";
+      document.querySelector("main").prepend(box);
+    }
+    box.hidden = error === null;
+    if (error !== null) box.textContent = String(error.message || error);
+  }
+
+  function svg(name, attributes, text) {
+    const element = document.createElementNS(SVG, name);
+    for (const [key, value] of Object.entries(attributes)) element.setAttribute(key, value);
+    if (text !== undefined) element.textContent = text;
+    return element;
+  }
+
+  const pathOf = (id) => id.split("/").map(encodeURIComponent).join("/");
+  const fixed = (value, digits) => (value === undefined || value === null ? "–" : Number(value).toFixed(digits));
+
+  // --- the run page -------------------------------------------------------------------------
+
+  // Series to draw: the reward, each environment's where the run has several, and eval points.
+  function seriesOf(steps) {
+    const lines = new Map([["reward", []]]);
+    const evals = new Map();
+    for (const step of steps) {
+      for (const [key, value] of Object.entries(step.metrics)) {
+        let match;
+        if (key === "reward_mean") lines.get("reward").push([step.step, value]);
+        else if ((match = /^env\.(.+)\.reward_mean$/.exec(key))) {
+          if (!lines.has(match[1])) lines.set(match[1], []);
+          lines.get(match[1]).push([step.step, value]);
+        } else if ((match = /^eval\.(.+)\.reward_mean$/.exec(key))) {
+          if (!evals.has(match[1])) evals.set(match[1], []);
+          evals.get(match[1]).push([step.step, value]);
+        }
+      }
+    }
+    return { lines, evals };
+  }
+
+  function drawChart(chart, legend, steps) {
+    const { lines, evals } = seriesOf(steps);
+    const points = [...lines.values(), ...evals.values()].flat();
+    if (points.length === 0) return;
+    const [width, height, left, right, top, bottom] = [720, 260, 52, 12, 12, 30];
+    let [x0, x1] = [Math.min(...points.map((p) => p[0])), Math.max(...points.map((p) => p[0]))];
+    let [y0, y1] = [Math.min(...points.map((p) => p[1])), Math.max(...points.map((p) => p[1]))];
+    if (x0 === x1) { x0 -= 1; x1 += 1; }
+    if (y0 === y1) { y0 -= 0.5; y1 += 0.5; }
+    const x = (v) => left + ((v - x0) / (x1 - x0)) * (width - left - right);
+    const y = (v) => height - bottom - ((v - y0) / (y1 - y0)) * (height - top - bottom);
+    chart.replaceChildren();
+    chart.setAttribute("data-num-steps", String(steps.length));
+    chart.append(svg("line", { x1: left, y1: height - bottom, x2: width - right, y2: height - bottom, class: "axis" }));
+    chart.append(svg("line", { x1: left, y1: top, x2: left, y2: height - bottom, class: "axis" }));
+    for (let i = 0; i <= 4; i++) {
+      const value = y0 + ((y1 - y0) * i) / 4;
+      chart.append(svg("line", { x1: left, y1: y(value), x2: width - right, y2: y(value), class: "grid" }));
+      chart.append(svg("text", { x: left - 6, y: y(value) + 4, "text-anchor": "end", class: "tick" }, value.toFixed(2)));
+    }
+    for (const value of [x0, x1]) {
+      chart.append(svg("text", { x: x(value), y: height - 10, "text-anchor": "middle", class: "tick" }, String(value)));
+    }
+    chart.append(svg("text", { x: (left + width) / 2, y: height - 10, "text-anchor": "middle", class: "tick" }, "step"));
+    legend.replaceChildren();
+    let color = 0;
+    for (const [name, line] of lines) {
+      if (line.length === 0) continue;
+      const stroke = COLORS[color++ % COLORS.length];
+      chart.append(svg("polyline", {
+        points: line.map(([s, v]) => `${x(s).toFixed(1)},${y(v).toFixed(1)}`).join(" "),
+        fill: "none", stroke, "stroke-width": name === "reward" ? 2.5 : 1.5,
+        "data-series": name, "data-num-points": line.length,
+      }));
+      const item = document.createElement("span");
+      item.className = "legend-item";
+      item.style.setProperty("--color", stroke);
+      item.textContent = name;
+      legend.append(item);
+    }
+    for (const [name, evalPoints] of evals) {
+      const stroke = COLORS[color++ % COLORS.length];
+      for (const [s, v] of evalPoints) {
+        chart.append(svg("circle", { cx: x(s), cy: y(v), r: 4, fill: stroke, "data-eval": name },));
+      }
+      const item = document.createElement("span");
+      item.className = "legend-item eval";
+      item.style.setProperty("--color", stroke);
+      item.textContent = `eval ${name}`;
+      legend.append(item);
+    }
+  }
+
+  function showFigures(steps) {
+    if (steps.length === 0) return;
+    const latest = steps[steps.length - 1];
+    const m = latest.metrics;
+    const set = (name, text) => { document.querySelector(`[data-figure="${name}"]`).textContent = text; };
+    set("step", String(latest.step));
+    set("version", String(latest.version));
+    set("reward", fixed(m.reward_mean, 3));
+    if (m.staleness_mean !== undefined) set("staleness", `${fixed(m.staleness_mean, 2)} / ${fixed(m.staleness_max, 0)}`);
+    if (m.step_s !== undefined) set("step_s", fixed(m.step_s, 2));
+    const reasons = {};
+    for (const step of steps) {
+      for (const [key, value] of Object.entries(step.metrics)) {
+        if (key.startsWith("num_dropped_")) reasons[key.slice(12)] = (reasons[key.slice(12)] || 0) + value;
+      }
+    }
+    const total = Object.values(reasons).reduce((a, b) => a + b, 0);
+    if (Object.keys(reasons).length) {
+      const parts = Object.entries(reasons).filter(([, n]) => n > 0).map(([why, n]) => `${why.replace("_", " ")} ${n}`);
+      set("dropped", `${total}${parts.length ? ` (${parts.join(", ")})` : ""}`);
+    }
+  }
+
+  function runPage() {
+    const run = body.dataset.run;
+    const pollMs = Number(body.dataset.pollMs) || 2000;
+    const chart = document.getElementById("reward-chart");
+    const legend = document.getElementById("legend");
+    const steps = [];
+    let last = -1;
+    async function poll() {
+      try {
+        let added = 0;
+        for (;;) {
+          const page = await getJSON(`/v1/runs/${pathOf(run)}/metrics?since_step=${last}&limit=${MAX_STEPS}`);
+          steps.push(...page.items);
+          added += page.items.length;
+          if (page.items.length) last = page.items[page.items.length - 1].step;
+          if (page.items.length < MAX_STEPS) break;
+        }
+        if (added) { drawChart(chart, legend, steps); showFigures(steps); }
+        showProblem(null);
+      } catch (error) {
+        showProblem(error);
+      }
+      setTimeout(poll, pollMs);
+    }
+    poll();
+  }
+
+  // --- the trace page -----------------------------------------------------------------------
+
+  function tokenSpans(tokens) {
+    const box = document.createDocumentFragment();
+    const head = document.createElement("div");
+    head.className = "note";
+    const version = tokens.policy_version === null ? "not sampled" : `policy version ${tokens.policy_version}`;
+    head.textContent = `${tokens.token_ids.length} tokens · ${version}`;
+    box.append(head);
+    tokens.token_ids.forEach((id, i) => {
+      const logprob = tokens.logprobs[i];
+      const trained = Boolean(tokens.loss_mask[i]);
+      const span = document.createElement("span");
+      span.className = trained ? "tok trained" : "tok";
+      span.textContent = String(id);
+      if (logprob !== undefined) {
+        const p = Math.exp(logprob);
+        span.style.background = `rgba(220, 53, 69, ${(1 - p).toFixed(3)})`;
+        span.dataset.logprob = String(logprob);
+      }
+      span.title = `token ${id} · logprob ${logprob === undefined ? "–" : logprob.toFixed(4)} · ` +
+        `${trained ? "trained on" : "not trained on"} · ${version}`;
+      box.append(span, " ");
+    });
+    return box;
+  }
+
+  async function loadTokens(rollout) {
+    for (const branch of document.querySelectorAll(".branch")) {
+      const leaf = branch.dataset.leaf;
+      const page = await getJSON(`/v1/traces/${encodeURIComponent(rollout)}/branches/${encodeURIComponent(leaf)}?tokens=true`);
+      for (const node of page.nodes) {
+        const box = branch.querySelector(`[data-node="${CSS.escape(node.id)}"] .tokens`);
+        if (!box) continue;
+        box.replaceChildren(node.tokens ? tokenSpans(node.tokens) : "no token layer recorded");
+      }
+      branch.dataset.tokens = "loaded";
+    }
+  }
+
+  function tracePage() {
+    const rollout = body.dataset.rollout;
+    const toggle = document.getElementById("show-tokens");
+    let loaded = null;
+    toggle.addEventListener("change", async () => {
+      try {
+        if (toggle.checked && loaded === null) loaded = loadTokens(rollout);
+        if (toggle.checked) await loaded;
+        for (const box of document.querySelectorAll(".tokens")) box.hidden = !toggle.checked;
+        body.dataset.tokens = toggle.checked ? "shown" : "hidden";
+        showProblem(null);
+      } catch (error) {
+        loaded = null;
+        showProblem(error);
+      }
+    });
+    if (body.dataset.finished !== "true") {
+      // A running rollout: reload once the live stream brings a node this page lacks, or the rollout lands.
+      const shown = Number(body.dataset.numNodes);
+      let seen = 0;
+      const stream = new EventSource(`/v1/traces/${encodeURIComponent(rollout)}/stream`);
+      stream.addEventListener("node", () => { if (++seen > shown) { stream.close(); location.reload(); } });
+      stream.addEventListener("rollout", () => { stream.close(); location.reload(); });
+    }
+  }
+
+  if (body.dataset.page === "run") runPage();
+  if (body.dataset.page === "trace") tracePage();
+})();

@@ -1,0 +1,158 @@
+"""Web pages of the gateway: the runs, a run's live reward curve, a rollout's trace.
+
+Server-rendered HTML (Jinja2 templates in ``templates/``) and one hand-written script,
+``static/web.js``, with its stylesheet: no npm, nothing to build, and nothing fetched from
+outside, so the pages work offline and ship inside the package. The script draws what
+changes (the reward curve, the token layer) from the JSON API, with the page's own
+credentials.
+
+- ``/runs``: the runs a caller sees, as ``GET /v1/runs`` lists them, each with its status,
+  environment(s), latest step and reward (``GET /v1/runs/{run}``).
+- ``/runs/{run}``: the run, its figures, its latest rollouts; the script draws the reward per
+  environment (and ``eval.<label>.reward_mean`` points where the metrics have them) and
+  polls ``GET /v1/runs/{run}/metrics`` every ``POLL_S`` seconds for new steps.
+- ``/rollouts/{rollout}``: each branch of the trace graph with its messages, tool calls and
+  results, the rewards by scorer; on demand the token layer of each branch
+  (``GET /v1/traces/{rollout}/branches/{leaf}?tokens=true``): every token id shaded by its
+  logprob, its loss mask and policy version. A rollout still running reloads as its live
+  trace stream (``/v1/traces/{rollout}/stream``) brings new nodes.
+
+Who may see what is the API's: every page has the ``caller`` dependency
+(:mod:`flywheel_gateway.auth`), so with ``auth = "keys"`` the browser sends the key as
+``Authorization: Bearer`` like any client, and the script's calls carry it the same way; a
+page of another tenant's run or rollout is a 403. The pages stay out of the OpenAPI schema
+(they are not API). Every error a page meets (no key, another tenant's, a malformed id, not
+found) is a page that says what is wrong, with the API's status code, never a 500.
+
+Not covered: a login form (a browser sends no bearer header of its own: use the open API on
+loopback, or a proxy or browser extension that adds it), the hub and usage pages, filters
+of the rollouts listing.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Coroutine, Mapping
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, HTTPException, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, RedirectResponse
+from fastapi.routing import APIRoute
+from fastapi.staticfiles import StaticFiles
+from fastapi.templating import Jinja2Templates
+
+from flywheel.contract import runs
+from flywheel_gateway import api_runs, api_traces
+from flywheel_gateway.auth import CallerDep, listing_tenant
+from flywheel_gateway.deps import BusDep, RolloutIdPath, RunIdPath, StoreDep
+from flywheel_gateway.models import NodePublic, RunDetail
+from flywheel_gateway.responses import field_message, field_path
+from flywheel_gateway.runs import RunConflict
+from flywheel_gateway.store import RolloutFilter
+
+HERE = Path(__file__).parent
+POLL_S = 2.0  # how often the run page asks for new steps
+NUM_RUNS = 100  # runs on the list page
+NUM_ROLLOUTS = 50  # latest rollouts on a run page
+
+
+@functools.cache
+def _templates() -> Jinja2Templates:
+    return Jinja2Templates(directory=HERE / "templates")
+
+
+def static_files() -> StaticFiles:
+    """The script and stylesheet, mounted by the app at ``/static``."""
+    return StaticFiles(directory=HERE / "static")
+
+
+def message_page(request: Request, status: int, message: str, headers: Mapping[str, str] | None = None) -> Response:
+    return _templates().TemplateResponse(request, "message.html", {"status": status, "message": message},
+                                         status_code=status, headers=headers)
+
+
+class PageRoute(APIRoute):
+    """A route whose errors (its dependencies' too: the key, the path) are pages, not JSON."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def page(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except RequestValidationError as exc:
+                detail = "; ".join(f"{field_path(e['loc'])}: {field_message(e)}" for e in exc.errors())
+                return message_page(request, 422, detail)
+            except HTTPException as exc:
+                return message_page(request, exc.status_code, str(exc.detail), headers=exc.headers)
+            except (RunConflict, runs.BadRunState) as exc:
+                return message_page(request, 409, str(exc))
+
+        return page
+
+
+router = APIRouter(route_class=PageRoute, include_in_schema=False, default_response_class=HTMLResponse)
+
+
+def env_ids(run: RunDetail) -> list[str]:
+    """The run's environment ids: its config's ``[[envs]]``, else its one environment."""
+    envs = (run.config or {}).get("envs") or []
+    if envs:
+        return [str(e.get("id")) for e in envs if isinstance(e, dict)]
+    return [run.env] if run.env else []
+
+
+@router.get("/")
+async def home() -> Response:
+    return RedirectResponse("/runs")
+
+
+@router.get("/runs")
+async def runs_page(request: Request, store: StoreDep, bus: BusDep, who: CallerDep) -> Response:
+    page = await store.list_runs(tenant=listing_tenant(who, None), limit=NUM_RUNS)
+    rows = []
+    for listed in page.items:
+        try:
+            run = await api_runs.get_run(listed["id"], store, bus, who)
+        except (HTTPException, runs.BadRunState) as exc:  # one unreadable run does not hide the others
+            rows.append({"id": listed["id"], "status": "unreadable", "why": str(getattr(exc, "detail", exc)),
+                         "envs": [listed["env"]] if listed["env"] else [], "step": None, "reward": None})
+            continue
+        rows.append({"id": run.id, "status": run.status or "unknown", "why": run.reason, "envs": env_ids(run),
+                     "step": run.latest_step, "reward": run.reward_mean})
+    return _templates().TemplateResponse(request, "runs.html", {"runs": rows, "more": page.next_cursor is not None})
+
+
+@router.get("/runs/{run_id:path}")
+async def run_page(request: Request, run_id: RunIdPath, store: StoreDep, bus: BusDep, who: CallerDep) -> Response:
+    run = await api_runs.get_run(run_id, store, bus, who)
+    rollouts = await store.list_rollouts(RolloutFilter(run=run_id), limit=NUM_ROLLOUTS)
+    return _templates().TemplateResponse(request, "run.html", {
+        "run": run, "envs": env_ids(run), "rollouts": rollouts.items, "more": rollouts.next_cursor is not None,
+        "poll_ms": int(POLL_S * 1000)})
+
+
+@router.get("/rollouts/{rollout_id}")
+async def trace_page(request: Request, rollout_id: RolloutIdPath, store: StoreDep, bus: BusDep,
+                     who: CallerDep) -> Response:
+    trace = await api_traces.get_trace(rollout_id, store, bus, who)
+    rollout = await store.get_rollout(rollout_id)
+    by_id = {n.id: n for n in trace.nodes}
+    final = trace.final_leaf
+    branches = []
+    seen: set[str] = set()
+    for number, leaf in enumerate(sorted(trace.leaves, key=lambda leaf: leaf != final), start=1):
+        path: list[NodePublic] = []
+        at: str | None = leaf
+        while at is not None and at in by_id:
+            path.append(by_id[at])
+            at = by_id[at].parent_id
+        path.reverse()
+        shared = sum(1 for n in path if n.id in seen)  # leading nodes an earlier branch already showed
+        seen.update(n.id for n in path)
+        branches.append({"number": number, "leaf": leaf, "final": leaf == final, "nodes": path, "shared": shared,
+                         "complete": at is None})
+    return _templates().TemplateResponse(request, "trace.html", {
+        "trace": trace, "rollout": rollout, "branches": branches})

@@ -1,0 +1,197 @@
+"""The gateway's web pages in headless Chromium (Debian's, driven by Playwright), served for real
+against a real nats-server under API keys: a run's reward curve grows on its page as the
+trainer's steps are recorded; a multi-turn tool-calling rollout's trace page shows its
+branches and, with tokens on, the tokens of GET /v1/traces/{id}; another tenant's key sees none
+of it. Each page's screenshot is written under the test's tmp_path (two are in docs/img)."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import httpx
+import pytest
+
+from flywheel.contract import events, keys
+from flywheel.contract.bus import Bus
+from flywheel_gateway.store import Store
+from tests.browser.conftest import Gateway
+
+if TYPE_CHECKING:
+    from playwright.async_api import Browser, Page
+
+pytestmark = pytest.mark.browser
+
+RUN = "team/web-run"
+ROLLOUT = "rollout-tools"
+ENVS = ("reverse_text", "arithmetic")
+WAIT_MS = 15_000
+
+
+async def owned(gateway: Gateway) -> dict[str, str]:
+    """Tenant a's run of two environments; read keys of a and of b."""
+    bus: Bus = gateway.app.state.bus
+    store: Store = gateway.app.state.store
+    config = {"run": RUN, "envs": [{"id": f"flywheel/{env}"} for env in ENVS]}
+    state = events.RunState(id=RUN, tenant="a", status="running", config=config)
+    await (await bus.runs_kv()).put(RUN, events.encode(state))
+    await store.upsert_runs([state])
+    return {name: (await keys.create_key(bus, tenant, ["read"]))[0] for name, tenant in [("a", "a"), ("b", "b")]}
+
+
+def step(number: int) -> events.WeightUpdate:
+    """A trainer step as the recorder stores it: a weight update with the step's figures."""
+    reward = {env: min(1.0, 0.1 + 0.05 * number * (i + 1)) for i, env in enumerate(ENVS)}
+    metrics = {f"env.{env}.reward_mean": value for env, value in reward.items()}
+    metrics |= {"reward_mean": sum(reward.values()) / len(reward), "staleness_mean": 0.5, "staleness_max": 1.0,
+                "num_dropped_stale": float(number % 2), "num_dropped_scorer_error": 0.0, "step_s": 1.25}
+    if number % 5 == 0:
+        metrics["eval.held_out.reward_mean"] = reward[ENVS[0]] - 0.05
+    return events.WeightUpdate(id=f"{RUN}-{number}", run=RUN, version=number, uri="file:///weights",
+                               sha256="0" * 64, size_bytes=1, trainer_step=number, metrics=metrics)
+
+
+def span(token_ids: list[int], sampled: bool) -> events.TokenSpan:
+    logprobs = [-(i % 7) * 0.4 if sampled else 0.0 for i in range(len(token_ids))]
+    return events.TokenSpan(token_ids=token_ids, logprobs=logprobs, loss_mask=[sampled] * len(token_ids),
+                            policy_version=4 if sampled else None)
+
+
+def chain(parent: events.Node | None, *messages: tuple[events.Message, list[int]]) -> list[events.Node]:
+    nodes = []
+    for message, token_ids in messages:
+        tokens = span(token_ids, message.role == "assistant")
+        parent_id = parent.id if parent else None
+        parent = events.Node(id=events.node_id(parent_id, message, tokens), parent_id=parent_id, message=message,
+                             tokens=tokens)
+        nodes.append(parent)
+    return nodes
+
+
+def tool_rollout() -> events.Rollout:
+    """Two turns with a tool call each, and a retried first answer: two branches."""
+    call = events.ToolCall(id="call_1", name="lookup", arguments='{"city": "Paris"}')
+    again = events.ToolCall(id="call_2", name="convert", arguments='{"celsius": 21}')
+    system, user = chain(None, (events.Message(role="system", content="Use the tools."), [1, 2, 3]),
+                         (events.Message(role="user", content="How warm is Paris, in Fahrenheit?"), [4, 5, 6, 7]))
+    retried = chain(user, (events.Message(role="assistant", content="I think 70."), [80, 81, 82]))
+    final = chain(user,
+                  (events.Message(role="assistant", tool_calls=[call]), list(range(100, 112))),
+                  (events.Message(role="tool", tool_call_id="call_1", name="lookup", content="21 C"), [20, 21]),
+                  (events.Message(role="assistant", tool_calls=[again]), list(range(120, 130))),
+                  (events.Message(role="tool", tool_call_id="call_2", name="convert", content="69.8 F"), [30, 31]),
+                  (events.Message(role="assistant", content="It is 69.8 °F in Paris."), list(range(140, 152))))
+    return events.Rollout(id=ROLLOUT, run=RUN, env=ENVS[0], task_id="t1", group_id="g1", index=0, policy_version=4,
+                          nodes=[system, user, *retried, *final], status="completed", metrics={"num_turns": 3.0})
+
+
+async def page_of(browser: Browser, gateway: Gateway, key: str | None) -> Page:
+    """A page whose every request, the script's fetch calls too, carries the key as a bearer token."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    context = await browser.new_context(base_url=gateway.url, extra_http_headers=headers,
+                                        viewport={"width": 1100, "height": 900})
+    return await context.new_page()
+
+
+async def test_the_run_page_draws_a_reward_curve_that_grows(browser: Browser, gateway: Gateway,
+                                                            screenshots: Path) -> None:
+    from playwright.async_api import expect
+
+    made = await owned(gateway)
+    store: Store = gateway.app.state.store
+    await store.record([step(n) for n in range(1, 11)])
+    page = await page_of(browser, gateway, made["a"])
+    runs = await page.goto("/runs")
+    assert runs is not None and runs.status == 200
+    row = page.locator(f'tr[data-run="{RUN}"]')
+    await expect(row).to_contain_text("running")
+    await expect(row).to_contain_text("flywheel/reverse_text + flywheel/arithmetic")
+    await expect(row.locator("td.num").first).to_have_text("10")
+    await page.screenshot(path=screenshots / "runs.png")
+
+    started = time.monotonic()
+    await page.goto(f"/runs/{RUN}")
+    reward = page.locator('#reward-chart polyline[data-series="reward"]')
+    await expect(reward).to_have_attribute("data-num-points", "10", timeout=WAIT_MS)
+    drawn_ms = (time.monotonic() - started) * 1000
+    for env in ENVS:
+        await expect(page.locator(f'#reward-chart polyline[data-series="{env}"]')).to_have_attribute(
+            "data-num-points", "10")
+    await expect(page.locator("#reward-chart circle[data-eval='held_out']")).to_have_count(2)
+    await expect(page.locator('[data-figure="staleness"]')).to_have_text("0.50 / 1")
+    await expect(page.locator('[data-figure="dropped"]')).to_have_text("5 (stale 5)")
+
+    await store.record([step(n) for n in range(11, 16)])  # the trainer goes on while the page is open
+    await expect(reward).to_have_attribute("data-num-points", "15", timeout=WAIT_MS)
+    await expect(page.locator('[data-figure="step"]')).to_have_text("15")
+    points = (await reward.get_attribute("points") or "").split()
+    assert len(points) == 15 and float(points[-1].split(",")[1]) < float(points[0].split(",")[1])  # rising
+    await page.screenshot(path=screenshots / "run.png", full_page=True)
+    print(f"run page drawn in {drawn_ms:.0f} ms")
+
+
+async def test_a_trace_page_shows_branches_and_the_apis_tokens(browser: Browser, gateway: Gateway,
+                                                               screenshots: Path) -> None:
+    from playwright.async_api import expect
+
+    made = await owned(gateway)
+    store: Store = gateway.app.state.store
+    rollout = tool_rollout()
+    await store.record([rollout, events.Score(id="s1", run=RUN, env=ENVS[0], rollout_id=ROLLOUT, group_id="g1",
+                                              scorer="exact", value=1.0, components={"format": 1.0})])
+    page = await page_of(browser, gateway, made["a"])
+    await page.goto(f"/runs/{RUN}")
+    await page.click(f'a[href="/rollouts/{ROLLOUT}"]')
+    started = time.monotonic()
+    await expect(page.locator(".branch")).to_have_count(2)
+    loaded_ms = (time.monotonic() - started) * 1000
+    final = page.locator(".branch", has_text="final")
+    await expect(final.locator(".message-node")).to_have_count(7)
+    await expect(final.locator(".tool-call")).to_have_count(2)
+    await expect(final.locator(".tool-call").first).to_contain_text('lookup({"city": "Paris"})')
+    await expect(final.locator(".message-node.tool").last).to_contain_text("69.8 F")
+    await expect(page.locator("#scores")).to_contain_text("exact")
+
+    await page.check("#show-tokens")
+    await expect(page.locator("body")).to_have_attribute("data-tokens", "shown", timeout=WAIT_MS)
+    async with httpx.AsyncClient(base_url=gateway.url, headers={"Authorization": f"Bearer {made['a']}"}) as client:
+        trace = (await client.get(f"/v1/traces/{ROLLOUT}", params={"tokens": "true"})).json()
+    assert len(trace["nodes"]) == 8 and len(trace["leaves"]) == 2
+    for node in trace["nodes"]:
+        shown = await page.locator(f'[data-node="{node["id"]}"]').first.locator(".tok").all_text_contents()
+        assert shown == [str(t) for t in node["tokens"]["token_ids"]], node["message"]
+    sampled = page.locator(".tok.trained").first
+    assert math.isclose(float(await sampled.get_attribute("data-logprob") or "nan"), 0.0)
+    assert "policy version 4" in (await final.locator(".message-node.assistant .tokens .note").first.inner_text())
+    await page.screenshot(path=screenshots / "trace.png", full_page=True)
+    await page.uncheck("#show-tokens")
+    await expect(page.locator(".tokens").first).to_be_hidden()
+    print(f"trace page shown in {loaded_ms:.0f} ms")
+
+
+async def test_another_tenants_key_sees_none_of_it(browser: Browser, gateway: Gateway, screenshots: Path) -> None:
+    from playwright.async_api import expect
+
+    made = await owned(gateway)
+    store: Store = gateway.app.state.store
+    await store.record([step(1), tool_rollout()])
+    page = await page_of(browser, gateway, made["b"])
+    listed = await page.goto("/runs")
+    assert listed is not None and listed.status == 200
+    await expect(page.locator("main")).to_contain_text("No runs yet")
+    for url, what in ((f"/runs/{RUN}", "run"), (f"/rollouts/{ROLLOUT}", "rollout")):
+        refused = await page.goto(url)
+        assert refused is not None and refused.status == 403, url
+        await expect(page.locator("#message")).to_contain_text(f"{what} '")
+        await expect(page.locator("#message")).to_contain_text("belongs to another tenant")
+        assert await page.locator(".branch, #reward-chart").count() == 0
+    await page.screenshot(path=screenshots / "refused.png")
+    # The script's own calls, from b's page, are refused too.
+    status = await page.evaluate(f"fetch('/v1/runs/{RUN}/metrics').then(r => r.status)")
+    assert status == 403
+    anonymous = await page_of(browser, gateway, None)
+    refused = await anonymous.goto(f"/runs/{RUN}")
+    assert refused is not None and refused.status == 401
+    await expect(anonymous.locator("#message")).to_contain_text("API key")

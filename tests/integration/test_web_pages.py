@@ -1,0 +1,98 @@
+"""The gateway's web pages (flywheel_gateway.web) without a browser, against a real nats-server:
+under API keys they refuse no key (401) and another tenant's run and rollout (403), and a
+listing shows the caller's own runs alone; bad ids and missing things are message pages, never
+a 500; the pages stay out of the OpenAPI schema, so the schema's walks do not cover them here.
+The browser tier (tests/browser) drives them in Chromium."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from flywheel.contract import events, keys
+from flywheel.contract.bus import Bus
+from flywheel.contract.settings import Settings
+from flywheel.ops.natsserver import NatsServer
+from flywheel_gateway.app import create_app
+from flywheel_gateway.store import Store
+from tests.unit.test_store import rollout
+
+RUN = "team/owned-by-a"
+ROLLOUT = "rollout-of-a"
+PAGES = ["/runs", f"/runs/{RUN}", f"/rollouts/{ROLLOUT}"]
+
+
+@pytest.fixture
+async def keyed_app(nats_server: NatsServer, tmp_path: Path) -> AsyncIterator[FastAPI]:
+    application = create_app(Settings(nats_url=nats_server.url, data_dir=tmp_path / "data", auth="keys"))
+    async with application.router.lifespan_context(application):
+        yield application
+
+
+@pytest.fixture
+async def owned(keyed_app: FastAPI) -> dict[str, str]:
+    """Tenant a's run with a step and a rollout; keys of a and of b."""
+    bus: Bus = keyed_app.state.bus
+    store: Store = keyed_app.state.store
+    state = events.RunState(id=RUN, tenant="a", status="running")
+    await (await bus.runs_kv()).put(RUN, events.encode(state))
+    await store.upsert_runs([state])
+    await store.record([rollout(ROLLOUT, run=RUN),
+                        events.WeightUpdate(run=RUN, version=1, uri="file:///w", sha256="0" * 64, size_bytes=1,
+                                            trainer_step=1, metrics={"reward_mean": 0.25})])
+    return {name: (await keys.create_key(bus, tenant, ["read"]))[0] for name, tenant in [("a", "a"), ("b", "b")]}
+
+
+async def get(app: FastAPI, url: str, key: str | None) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as client:
+        return await client.get(url, headers=headers)
+
+
+async def test_pages_take_the_apis_keys_and_tenants(keyed_app: FastAPI, owned: dict[str, Any]) -> None:
+    paths = keyed_app.openapi()["paths"]
+    assert not any(path == "/runs" or path.startswith(("/runs/", "/rollouts/")) for path in paths)
+    for url in PAGES:
+        for key in (None, "not a key"):
+            refused = await get(keyed_app, url, key)
+            assert refused.status_code == 401, (url, refused.text)
+            assert refused.headers["content-type"].startswith("text/html") and "API key" in refused.text
+            assert refused.headers["www-authenticate"] == "Bearer"
+        mine = await get(keyed_app, url, owned["a"])
+        assert mine.status_code == 200 and RUN in mine.text, (url, mine.text)
+    listed = await get(keyed_app, "/runs", owned["b"])
+    assert listed.status_code == 200 and RUN not in listed.text and "No runs yet" in listed.text
+    for url in PAGES[1:]:
+        other = await get(keyed_app, url, owned["b"])
+        assert other.status_code == 403 and "another tenant" in other.text, (url, other.text)
+        assert ROLLOUT not in other.text.replace(f"rollout &#39;{ROLLOUT}&#39;", "")  # named in the refusal only
+    run = (await get(keyed_app, f"/runs/{RUN}", owned["a"])).text
+    assert f'href="/rollouts/{ROLLOUT}"' in run and 'data-run="team/owned-by-a"' in run
+    trace = (await get(keyed_app, f"/rollouts/{ROLLOUT}", owned["a"])).text
+    assert trace.count('class="branch"') == 1 and "2+2?" in trace and f'href="/runs/{RUN}"' in trace
+
+
+async def test_bad_input_is_a_message_page_never_a_500(keyed_app: FastAPI, owned: dict[str, Any]) -> None:
+    key = owned["a"]
+    cases = {
+        "/runs/bad.id": (422, "run_id: must be letters, digits"),
+        "/runs/" + "r" * 129: (422, "run_id: "),
+        "/runs/%00": (422, "run_id: "),
+        "/runs/%F0%9F%94%A5": (422, "run_id: "),
+        "/runs/no-such-run": (404, "run &#39;no-such-run&#39; not found"),
+        "/rollouts/no-such-rollout": (404, "no trace recorded for rollout"),
+        "/rollouts/" + "x" * 1025: (422, "rollout_id: "),
+        "/rollouts/%00%FF": (404, "no trace recorded"),
+        f"/runs/{RUN}?limit=-1&x=%00": (200, RUN),  # query strings the pages do not read are ignored
+    }
+    for url, (status, text) in cases.items():
+        response = await get(keyed_app, url, key)
+        assert response.status_code == status and text in response.text, (url, response.status_code, response.text)
+        assert response.headers["content-type"].startswith("text/html"), url
+    assert (await get(keyed_app, "/static/web.js", None)).status_code == 200  # no tenant's data: no key
+    assert (await get(keyed_app, "/", key)).headers["location"] == "/runs"
