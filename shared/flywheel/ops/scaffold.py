@@ -143,7 +143,7 @@ def test_it_loads_by_module_name_with_its_tasks() -> None:
 
 def test_it_is_found_by_id_once_installed() -> None:
     try:
-        importlib.metadata.distribution("{name}")
+        importlib.metadata.distribution("{owner}-{name}")
     except importlib.metadata.PackageNotFoundError:
         pytest.skip("not installed: pip install -e . registers {owner}/{name}")
     assert resolve("{owner}/{name}") is load
