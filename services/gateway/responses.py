@@ -91,11 +91,15 @@ def install_error_handlers(app: FastAPI) -> None:
         return unprocessable(exc.errors())
 
     async def on_http(request: Request, exc: StarletteHTTPException) -> Response:
-        # FastAPI answers a body that is not UTF-8 text with a bare 400; it is invalid JSON like any other.
+        # FastAPI answers a body that is not UTF-8 text, or a form it cannot parse, with a bare 400:
+        # an invalid body, answered as any other (422, naming the body).
         cause = exc.__cause__
         if exc.status_code == 400 and isinstance(cause, UnicodeDecodeError):
             return unprocessable([{"loc": ("body", cause.start), "type": "json_invalid",
                                    "ctx": {"error": f"not UTF-8 text: {cause.reason}"}}])
+        if exc.status_code == 400:  # a body the framework could not parse (malformed multipart, ...)
+            return unprocessable([{"loc": ("body",), "type": "value_error",
+                                   "msg": f"{exc.detail}; send a well-formed body"}])
         return await http_exception_handler(request, exc)
 
     async def on_cursor(_: Request, exc: InvalidCursor) -> JSONResponse:

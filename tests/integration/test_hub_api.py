@@ -154,6 +154,9 @@ async def test_an_upload_over_the_limit_is_refused_before_it_is_read(open_app: F
         chunked = await http.post(f"{BASE}/{ENV}/versions", content=a_gigabyte(), headers={
             "Content-Type": "multipart/form-data; boundary=x"})
         assert chunked.status_code == 413, chunked.text
+        malformed = await http.post(f"{BASE}/{ENV}/versions", content=b"not multipart at all", headers={
+            "Content-Type": "multipart/form-data; boundary=x"})
+        assert malformed.status_code == 422 and malformed.json()["errors"][0]["field"] == "body", malformed.text
         assert (await http.get(f"{BASE}")).json()["items"] == []
 
 

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from flywheel.ops.hub import HubError, check_built, read_project, rename
+from flywheel.ops.hub import check_built, read_project, rename
 from flywheel.ops.scaffold import scaffold
+from flywheel.sdk.hub import HubError
 
 
 @pytest.fixture

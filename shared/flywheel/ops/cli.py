@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from flywheel.contract import natsusers
+from flywheel.contract.hub import check_env_id
 from flywheel.ops.scaffold import scaffold
 from flywheel.ops.tables import size, table
 
@@ -607,8 +608,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     print(format_summary(summary))
     print(f"results: {summary['results']}" + (f"  run: {summary['run']}" if summary["run"] else ""))
     if args.push:
-        from flywheel.ops.hub import Hub
+        # imported here: --help loads no msgspec, pydantic or nats (tests/unit/test_cli.py)
         from flywheel.sdk.environment import available
+        from flywheel.sdk.hub import Hub
 
         env_id = args.env.partition("@")[0]
         if summary["num_errors"] == summary["num_rollouts"]:
@@ -631,7 +633,8 @@ def cmd_env_init(args: argparse.Namespace) -> int:
 
 
 def cmd_env_push(args: argparse.Namespace) -> int:
-    from flywheel.ops.hub import Hub, push
+    from flywheel.ops.hub import push
+    from flywheel.sdk.hub import Hub
 
     with Hub(settings_from(args).resolved_gateway_url) as hub:
         pushed = push(Path(args.dir), hub, private=args.private, scoring=not args.no_scoring)
@@ -640,7 +643,7 @@ def cmd_env_push(args: argparse.Namespace) -> int:
 
 
 def cmd_env_install(args: argparse.Namespace) -> int:
-    from flywheel.ops.hub import Hub, install
+    from flywheel.sdk.hub import Hub, install
 
     with Hub(settings_from(args).resolved_gateway_url) as hub:
         env_id, version, sha256 = install(args.spec, hub)
@@ -649,7 +652,8 @@ def cmd_env_install(args: argparse.Namespace) -> int:
 
 
 def cmd_env_fork(args: argparse.Namespace) -> int:
-    from flywheel.ops.hub import Hub, fork
+    from flywheel.ops.hub import fork
+    from flywheel.sdk.hub import Hub
 
     with Hub(settings_from(args).resolved_gateway_url) as hub:
         folder, pushed = fork(args.spec, args.new_id, hub, Path(args.dir), private=args.private,
@@ -660,7 +664,7 @@ def cmd_env_fork(args: argparse.Namespace) -> int:
 
 
 def cmd_env_show(args: argparse.Namespace) -> int:
-    from flywheel.ops.hub import Hub
+    from flywheel.sdk.hub import Hub
 
     with Hub(settings_from(args).resolved_gateway_url) as hub:
         if args.spec is None:
@@ -692,7 +696,7 @@ def cmd_env_show(args: argparse.Namespace) -> int:
 
 
 def cmd_env_import(args: argparse.Namespace) -> int:
-    from flywheel.contract.hub import check_env_id
+    # imported here: the Harbor bridge only for this command
     from harbor_tasks import convert
 
     owner, name = check_env_id(args.new_id)
@@ -702,7 +706,7 @@ def cmd_env_import(args: argparse.Namespace) -> int:
 
 
 def cmd_env_visibility(args: argparse.Namespace) -> int:
-    from flywheel.ops.hub import Hub
+    from flywheel.sdk.hub import Hub
 
     with Hub(settings_from(args).resolved_gateway_url) as hub:
         env = hub.set_private(args.spec, args.setting == "private")
@@ -844,8 +848,8 @@ def _duration(seconds: float) -> str:
 
 def _is_user_error(exc: Exception) -> bool:
     """Errors whose message says what to fix: shown without a traceback."""
-    from flywheel.ops.hub import HubError
     from flywheel.ops.stack import StackError
+    from flywheel.sdk.hub import HubError
 
     return isinstance(exc, (ValueError, ConnectionError, FileNotFoundError, IsADirectoryError,
                             PermissionError, StackError, HubError))

@@ -9,11 +9,9 @@ with its defaults, checks a few task rows against its schema, renders their prom
 every reward on a rollout answering with the reference answer (or nothing); then uploads both
 files, which the gateway checks again and stores, immutable.
 
-``flywheel env install owner/name[@version]`` downloads the version's wheel (the newest
-version without ``@``), checks its sha256 against the hub's record of it (and against
-``sha256`` when a run pinned one), and installs it with pip (its dependencies from the usual
-index). :func:`ensure_installed` does the same for a service whose run names an environment
-that is not installed.
+``flywheel env install owner/name[@version]`` is :func:`flywheel.sdk.hub.install`: the
+version's wheel (the newest without ``@``), checked against the hub's sha256, installed with
+pip.
 
 ``flywheel env fork owner/name[@version] new-owner/new-name`` downloads the version's sdist
 into a folder, renames it (distribution, entry point, and the module when the old name would
@@ -26,6 +24,7 @@ The gateway and the key come from the settings (``gateway_url``, ``api_key``;
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
@@ -40,15 +39,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
+from packaging.utils import canonicalize_name
 
+from flywheel.contract import events
 from flywheel.contract.hub import ENTRY_POINT_GROUP, HubRefused, check_env_id, check_version, project_name
+from flywheel.sdk.environment import load_environment
+from flywheel.sdk.hub import Hub, HubError, output_tail
+from flywheel.sdk.scoring import Scoring
+from flywheel.sdk.tracegraph import rollout_from_messages
 
 DRY_CHECK_ROWS = 3
-
-
-class HubError(RuntimeError):
-    """The hub refused a request, or a step of a push or an install failed; the message says why."""
 
 
 @dataclass(frozen=True)
@@ -88,16 +88,10 @@ def read_project(folder: Path) -> Project:
     except HubRefused as exc:
         raise HubError(f"{path}: {exc}") from None
     wanted = project_name(env_id)
-    if project_name_of(project.get("name", "")) != wanted:
+    if canonicalize_name(project.get("name", "")) != wanted:
         raise HubError(f"{path}: [project] name is {project.get('name')!r}; the package of {env_id} must be named "
                        f"{wanted!r} (the hub serves it under that name)")
     return Project(folder, env_id, version, str(target).split(":")[0].split(".")[0])
-
-
-def project_name_of(name: str) -> str:
-    from packaging.utils import canonicalize_name
-
-    return canonicalize_name(name)
 
 
 def build(project: Project, out: Path) -> list[Path]:
@@ -106,15 +100,11 @@ def build(project: Project, out: Path) -> list[Path]:
     done = subprocess.run([sys.executable, "-m", "build", "--outdir", str(out), str(project.folder)],
                           capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        raise HubError(f"building {project.folder} failed (python -m build):\n{_tail(done)}")
+        raise HubError(f"building {project.folder} failed (python -m build):\n{output_tail(done)}")
     files = sorted(p for p in out.iterdir() if p.suffix == ".whl" or p.name.endswith(".tar.gz"))
     if not any(p.suffix == ".whl" for p in files):
         raise HubError(f"building {project.folder} made no wheel: {[p.name for p in files]}")
     return files
-
-
-def _tail(done: subprocess.CompletedProcess[str], chars: int = 3000) -> str:
-    return (done.stdout + done.stderr)[-chars:]
 
 
 def check_built(wheel: Path, env_id: str, scoring: bool = True) -> dict[str, Any]:
@@ -124,7 +114,7 @@ def check_built(wheel: Path, env_id: str, scoring: bool = True) -> dict[str, Any
         installed = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target",
                                     scratch, str(wheel)], capture_output=True, text=True, check=False)
         if installed.returncode != 0:
-            raise HubError(f"{wheel.name} does not install:\n{_tail(installed)}")
+            raise HubError(f"{wheel.name} does not install:\n{output_tail(installed)}")
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([scratch, *filter(None, [os.environ.get("PYTHONPATH")])])}
         argv = [sys.executable, "-m", "flywheel.ops.hub", "check", env_id] + ([] if scoring else ["--no-scoring"])
         done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=scratch, check=False)
@@ -134,7 +124,7 @@ def check_built(wheel: Path, env_id: str, scoring: bool = True) -> dict[str, Any
     except json.JSONDecodeError:
         report = None
     if done.returncode != 0 or not isinstance(report, dict):
-        raise HubError(f"{wheel.name}: the check of {env_id} did not finish:\n{_tail(done)}")
+        raise HubError(f"{wheel.name}: the check of {env_id} did not finish:\n{output_tail(done)}")
     if report.get("errors"):
         raise HubError(f"{wheel.name} does not pass its check, so it is not pushed:\n  " +
                        "\n  ".join(report["errors"]))
@@ -146,13 +136,6 @@ def dry_check(env_id: str, scoring: bool = True, num_rows: int = DRY_CHECK_ROWS)
     rows fit its schema and render as prompts, and (``scoring``) every reward runs on a rollout
     per row answering with the reference answer, or with nothing where it has none. A report:
     ``errors`` (empty when it passes), ``rows``, ``rewards`` (name -> values)."""
-    import asyncio
-
-    from flywheel.contract import events
-    from flywheel.sdk.environment import load_environment
-    from flywheel.sdk.scoring import Scoring
-    from flywheel.sdk.tracegraph import rollout_from_messages
-
     errors: list[str] = []
     try:
         env = load_environment(env_id)
@@ -185,94 +168,6 @@ def dry_check(env_id: str, scoring: bool = True, num_rows: int = DRY_CHECK_ROWS)
     return {"errors": errors, "rows": len(rows), "rewards": rewards}
 
 
-class Hub:
-    """The gateway's hub API (``/v1/hub``), with the settings' gateway URL and key unless given."""
-
-    def __init__(self, url: str | None = None, api_key: str | None = None, timeout_s: float = 120.0) -> None:
-        if url is None or api_key is None:
-            from flywheel.contract.settings import Settings
-
-            settings = Settings()
-            url = url if url is not None else settings.resolved_gateway_url
-            # A service of a deployment that wants keys: its service token sees every tenant's.
-            api_key = api_key if api_key is not None else settings.api_key or settings.service_token
-        self.url = url.rstrip("/")
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
-
-    def close(self) -> None:
-        self.http.close()
-
-    def __enter__(self) -> Hub:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def _call(self, method: str, path: str, **kwargs: Any) -> Any:
-        try:
-            response = self.http.request(method, path, **kwargs)
-        except httpx.HTTPError as exc:
-            raise HubError(f"the gateway at {self.url} did not answer ({type(exc).__name__}: {exc}); is it up "
-                           "(flywheel up, or the deployment's), and is gateway_url right?") from None
-        if response.status_code >= 400:
-            try:
-                detail = response.json().get("detail", response.text)
-            except ValueError:
-                detail = response.text
-            raise HubError(f"{method} {path}: {response.status_code}: {detail}")
-        return response
-
-    def environment(self, env_id: str) -> dict[str, Any]:
-        check_env_id(env_id)
-        return self._call("GET", f"/v1/hub/environments/{env_id}").json()
-
-    def environments(self) -> list[dict[str, Any]]:
-        return self._call("GET", "/v1/hub/environments").json()["items"]
-
-    def push(self, env_id: str, version: str, files: list[Path], private: bool = False,
-             forked_from: str | None = None) -> dict[str, Any]:
-        form: dict[str, str] = {"version": version, "private": "true" if private else "false"}
-        if forked_from:
-            form["forked_from"] = forked_from
-        uploads = [("files", (p.name, p.read_bytes(), "application/octet-stream")) for p in files]
-        return self._call("POST", f"/v1/hub/environments/{env_id}/versions", data=form, files=uploads).json()
-
-    def set_private(self, env_id: str, private: bool) -> dict[str, Any]:
-        return self._call("PATCH", f"/v1/hub/environments/{env_id}", json={"private": private}).json()
-
-    def download(self, url: str) -> bytes:
-        return self._call("GET", url.split("#")[0]).content
-
-    def push_eval(self, env_id: str, version: str, summary: dict[str, Any]) -> dict[str, Any]:
-        body = {"version": version, "model": summary["model"], "num_tasks": summary["num_tasks"],
-                "num_rollouts": summary["num_rollouts"], "reward_mean": summary.get("reward_mean"),
-                "reward_stderr": summary.get("reward_stderr"),
-                "pass_at": {k: v for k, v in summary.items() if k.startswith("pass@")},
-                "prompt_tokens": summary.get("prompt_tokens", 0),
-                "completion_tokens": summary.get("completion_tokens", 0),
-                "summary": {k: v for k, v in summary.items() if k not in ("results",)}}
-        return self._call("POST", f"/v1/hub/environments/{env_id}/evals", json=body).json()
-
-    def evals(self, env_id: str, version: str | None = None) -> list[dict[str, Any]]:
-        params = {"version": version} if version else {}
-        return self._call("GET", f"/v1/hub/environments/{env_id}/evals", params=params).json()["items"]
-
-    def version(self, spec: str) -> tuple[str, dict[str, Any]]:
-        """``owner/name[@version]`` -> (env id, that version's record; the newest without ``@``)."""
-        env_id, at, version = spec.partition("@")
-        env = self.environment(env_id)
-        if not env["versions"]:
-            raise HubError(f"{env_id} has no version on the hub yet")
-        if not at:
-            return env_id, env["versions"][0]
-        for row in env["versions"]:
-            if row["version"] == version:
-                return env_id, row
-        known = ", ".join(row["version"] for row in env["versions"])
-        raise HubError(f"{env_id}@{version} is not on the hub (its versions: {known})")
-
-
 # --- the commands ---------------------------------------------------------------------------
 
 
@@ -291,51 +186,6 @@ def push(folder: Path, hub: Hub, private: bool = False, scoring: bool = True, fo
             (", ".join(f"{name} {values}" for name, values in report["rewards"].items()) or "not run"))
         say(f"uploading {', '.join(p.name for p in files)} to {hub.url} ...")
         return hub.push(project.env_id, project.version, files, private=private, forked_from=forked_from)
-
-
-def install(spec: str, hub: Hub, sha256: str | None = None, say: Any = print) -> tuple[str, str, str]:
-    """Install ``owner/name[@version]`` from the hub, its wheel checked against the hub's
-    sha256 (and ``sha256`` when pinned); (env id, version, sha256)."""
-    env_id, record = hub.version(spec)
-    if sha256 is not None and record["sha256"] != sha256:
-        raise HubError(f"{env_id}@{record['version']} on the hub has sha256 {record['sha256']}, not the pinned "
-                       f"{sha256}: it is not the package the run was started with")
-    (wheel,) = [f for f in record["files"] if f["kind"] == "wheel"]
-    data = hub.download(wheel["url"])
-    found = hashlib.sha256(data).hexdigest()
-    if found != record["sha256"]:
-        raise HubError(f"{wheel['filename']}: downloaded sha256 {found}, the hub recorded {record['sha256']}; "
-                       "not installed")
-    with tempfile.TemporaryDirectory(prefix="flywheel-install-") as scratch:
-        path = Path(scratch) / wheel["filename"]
-        path.write_bytes(data)
-        say(f"installing {env_id} {record['version']} ({wheel['filename']}, sha256 {found[:12]}...)")
-        done = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", str(path)], capture_output=True,
-                              text=True, check=False)
-    if done.returncode != 0:
-        raise HubError(f"pip install {wheel['filename']} failed:\n{_tail(done)}")
-    return env_id, record["version"], found
-
-
-def ensure_installed(env_id: str, sha256: str | None = None, hub: Hub | None = None) -> bool:
-    """Install a hub environment (``owner/name[@version]``) unless it is installed at that
-    version already; True when it installed it. For the services: a run whose config names a
-    hub environment gets it wherever it is loaded."""
-    from flywheel.sdk.environment import available, refresh_installed
-
-    name, _, version = env_id.partition("@")
-    have = available().get(name)
-    if have is not None and (not version or have == version):
-        return False
-    own = hub is None
-    hub = hub or Hub()
-    try:
-        install(env_id, hub, sha256)
-    finally:
-        if own:
-            hub.close()
-    refresh_installed()
-    return True
 
 
 def fork(spec: str, new_id: str, hub: Hub, where: Path, private: bool = False, scoring: bool = True,

@@ -69,6 +69,7 @@ from flywheel.sdk.messages import message_dict, message_from_dict
 
 if TYPE_CHECKING:
     from flywheel.contract.config import EnvConfig, RunConfig
+    from flywheel.sdk.hub import Hub
 
 log = logging.getLogger(__name__)
 
@@ -563,14 +564,30 @@ def resolve(env_id: str, sha256: str | None = None) -> Callable[..., Environment
 
 
 def _install_from_hub(env_id: str, sha256: str | None, missing: EnvironmentLoadError) -> None:
-    from flywheel.ops.hub import Hub, HubError, ensure_installed
+    # imported here: the hub's HTTP client only when an environment is missing
+    from flywheel.sdk.hub import Hub, HubError
 
     try:
         with Hub() as hub:
             log.info("environment %s is not installed here: installing it from the hub at %s", env_id, hub.url)
-            ensure_installed(env_id, sha256, hub)
+            ensure_installed(env_id, hub, sha256)
     except (HubError, ValueError) as exc:
         raise EnvironmentNotInstalled(f"{missing}; nor could the hub install it: {exc}") from exc
+
+
+def ensure_installed(env_id: str, hub: Hub, sha256: str | None = None) -> bool:
+    """Install a hub environment (``owner/name[@version]``) from ``hub`` unless it is installed
+    at that version already; True when it installed it (and this process sees it now)."""
+    # imported here: the hub's HTTP client only when an environment is missing
+    from flywheel.sdk.hub import install
+
+    name, _, version = env_id.partition("@")
+    have = available().get(name)
+    if have is not None and (not version or have == version):
+        return False
+    install(env_id, hub, sha256)
+    refresh_installed()
+    return True
 
 
 def _resolve(env_id: str) -> Callable[..., Environment]:
@@ -715,7 +732,8 @@ def pin_hub_environments(cfg: RunConfig, gateway_url: str | None = None) -> RunC
                or (i.partition("@")[2] not in ("", have[i.partition("@")[0]]))}
     if not missing:
         return cfg
-    from flywheel.ops.hub import Hub, HubError, ensure_installed
+    # imported here: the hub's HTTP client only for a run naming a hub environment not installed
+    from flywheel.sdk.hub import Hub, HubError
 
     pinned: dict[str, str] = {}
     pins = dict(cfg.hub_pins)
@@ -727,7 +745,7 @@ def pin_hub_environments(cfg: RunConfig, gateway_url: str | None = None) -> RunC
                 pins[pinned[env_id]] = record["sha256"]
                 log.info("run %s: environment %s pinned to %s (sha256 %s) from the hub at %s", cfg.run, env_id,
                          pinned[env_id], record["sha256"], hub.url)
-                ensure_installed(pinned[env_id], record["sha256"], hub)
+                ensure_installed(pinned[env_id], hub, record["sha256"])
             except (HubError, ValueError) as exc:
                 raise EnvironmentNotInstalled(f"environment {env_id!r} is not installed here, and the hub could "
                                               f"not pin and install it: {exc}") from exc
