@@ -117,7 +117,7 @@ def _files(request: Request, rows: list[dict[str, Any]]) -> list[HubFilePublic]:
             for row in rows]
 
 
-def _detail(request: Request, env: dict[str, Any], who: Caller) -> HubEnvironmentDetail:
+def get_environment_detail(request: Request, env: dict[str, Any], who: Caller) -> HubEnvironmentDetail:
     versions = [HubVersionDetail(env_id=env["id"], **{k: v for k, v in row.items() if k != "files"},
                                  files=_files(request, row["files"])) for row in env["versions"]]
     newest = versions[0] if versions else None
@@ -140,7 +140,7 @@ async def list_environments(store: StoreDep, who: CallerDep) -> HubEnvironmentPa
 async def get_environment(request: Request, env: VisibleEnv, who: CallerDep) -> HubEnvironmentDetail:
     """The environment with its versions (newest first), each with its files and README, its
     lineage (``forked_from``) and its forks."""
-    return _detail(request, env, who)
+    return get_environment_detail(request, env, who)
 
 
 @router.patch("/environments/{owner}/{name}", response_model=HubEnvironmentDetail)
@@ -149,7 +149,7 @@ async def set_visibility(request: Request, body: HubVisibility, env_id: OwnedEnv
     """Make the environment private or public (its owner's keys)."""
     if not await store.hub_set_private(env_id, body.private):
         raise HTTPException(404, f"no environment {env_id!r} on the hub; push a version first")
-    return _detail(request, await _visible(env_id, store, who), who)
+    return get_environment_detail(request, await _visible(env_id, store, who), who)
 
 
 @router.post("/environments/{owner}/{name}/versions", response_model=HubVersionPublic, status_code=201,

@@ -24,8 +24,12 @@ page of another tenant's run or rollout is a 403. The pages stay out of the Open
 (they are not API). Every error a page meets (no key, another tenant's, a malformed id, not
 found) is a page that says what is wrong, with the API's status code, never a 500.
 
+- ``/environments``: the hub's environments the caller sees; ``/environments/{owner}/{name}``:
+  one with its README, versions (sha256, files), lineage and forks, and its leaderboard.
+- ``/usage``: the caller's tenant's usage by run and source, with its cost by the price table.
+
 Not covered: a login form (a browser sends no bearer header of its own: use the open API on
-loopback, or a proxy or browser extension that adds it), the hub and usage pages, filters
+loopback, or a proxy or browser extension that adds it), usage over time as a chart, filters
 of the rollouts listing.
 """
 
@@ -44,10 +48,11 @@ from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
 from flywheel.contract import runs
-from flywheel_gateway import api_runs, api_traces
+from flywheel_gateway import api_hub, api_runs, api_traces, api_usage
+from flywheel_gateway.api_hub import NamePath, OwnerPath
 from flywheel_gateway.auth import CallerDep, listing_tenant
 from flywheel_gateway.deps import BusDep, RolloutIdPath, RunIdPath, StoreDep
-from flywheel_gateway.models import NodePublic, RunDetail
+from flywheel_gateway.models import NodePublic, RunDetail, UsageQuery
 from flywheel_gateway.responses import field_message, field_path
 from flywheel_gateway.runs import RunConflict
 from flywheel_gateway.store import RolloutFilter
@@ -156,3 +161,24 @@ async def trace_page(request: Request, rollout_id: RolloutIdPath, store: StoreDe
                          "complete": at is None})
     return _templates().TemplateResponse(request, "trace.html", {
         "trace": trace, "rollout": rollout, "branches": branches})
+
+
+@router.get("/environments")
+async def environments_page(request: Request, store: StoreDep, who: CallerDep) -> Response:
+    listed = await api_hub.list_environments(store, who)
+    return _templates().TemplateResponse(request, "environments.html", {"environments": listed.items})
+
+
+@router.get("/environments/{owner}/{name}")
+async def environment_page(request: Request, owner: OwnerPath, name: NamePath, store: StoreDep,
+                           who: CallerDep) -> Response:
+    env = await api_hub.visible_env(owner, name, store, who)
+    detail = api_hub.get_environment_detail(request, env, who)
+    board = await api_hub.list_evals(env, store)
+    return _templates().TemplateResponse(request, "environment.html", {"env": detail, "evals": board.items})
+
+
+@router.get("/usage")
+async def usage_page(request: Request, store: StoreDep, bus: BusDep, who: CallerDep) -> Response:
+    report = await api_usage.usage(request, store, bus, who, UsageQuery())
+    return _templates().TemplateResponse(request, "usage.html", {"report": report})

@@ -195,3 +195,41 @@ async def test_another_tenants_key_sees_none_of_it(browser: Browser, gateway: Ga
     refused = await anonymous.goto(f"/runs/{RUN}")
     assert refused is not None and refused.status == 401
     await expect(anonymous.locator("#message")).to_contain_text("API key")
+
+
+async def test_hub_and_usage_pages(browser: Browser, gateway: Gateway, screenshots: Path) -> None:
+    from playwright.async_api import expect
+
+    from flywheel_gateway.hub import inspect_package
+    from tests.unit.test_hub import wheel
+
+    made = await owned(gateway)
+    store: Store = gateway.app.state.store
+    for env_id, forked_from in (("a/quiz", None), ("a/quiz-hard", "a/quiz@0.1.0")):
+        project = env_id.replace("/", "_").replace("-", "_")
+        package = inspect_package(env_id, "0.1.0", dict([wheel(project, "0.1.0", env_id)]), 1 << 20)
+        await store.hub_push(package, "a", private=env_id == "a/quiz-hard", pushed_by=None, forked_from=forked_from)
+    for model, reward in (("small", 0.25), ("large", 0.75)):
+        await store.hub_add_eval("a/quiz", "0.1.0", {
+            "model": model, "reward_mean": reward, "reward_stderr": 0.04, "pass_at": {"pass@1": reward},
+            "num_tasks": 16, "num_rollouts": 32, "prompt_tokens": 900, "completion_tokens": 300, "summary": {}},
+            "a", None)
+    await store.record([events.Usage(run=RUN, source="trainer", step=1, trained_tokens=4096)])
+    page = await page_of(browser, gateway, made["a"])
+    await page.goto("/environments")
+    await expect(page.locator("#environments tbody tr")).to_have_count(2)
+    await page.click('a[href="/environments/a/quiz"]')
+    await expect(page.locator("#leaderboard tbody tr").first).to_contain_text("large")
+    await expect(page.locator("#forks")).to_contain_text("a/quiz-hard")
+    await expect(page.locator("#readme")).to_contain_text("The README.")
+    await page.screenshot(path=screenshots / "environment.png", full_page=True)
+    await page.goto("/usage")
+    await expect(page.locator("#usage")).to_contain_text("4096")
+    await page.screenshot(path=screenshots / "usage.png")
+    other = await page_of(browser, gateway, made["b"])
+    await other.goto("/environments")
+    await expect(other.locator("#environments tbody tr")).to_have_count(1)  # a's public one alone
+    refused = await other.goto("/environments/a/quiz-hard")
+    assert refused is not None and refused.status == 403
+    await other.goto("/environments/a/quiz")
+    await expect(other.locator("#forks")).to_have_count(0)  # the private fork is not shown to b

@@ -19,7 +19,9 @@ from flywheel.contract.bus import Bus
 from flywheel.contract.settings import Settings
 from flywheel.ops.natsserver import NatsServer
 from flywheel_gateway.app import create_app
+from flywheel_gateway.hub import inspect_package
 from flywheel_gateway.store import Store
+from tests.unit.test_hub import wheel
 from tests.unit.test_store import rollout
 
 RUN = "team/owned-by-a"
@@ -96,3 +98,27 @@ async def test_bad_input_is_a_message_page_never_a_500(keyed_app: FastAPI, owned
         assert response.headers["content-type"].startswith("text/html"), url
     assert (await get(keyed_app, "/static/web.js", None)).status_code == 200  # no tenant's data: no key
     assert (await get(keyed_app, "/", key)).headers["location"] == "/runs"
+
+
+async def test_hub_and_usage_pages_show_the_callers_own_and_the_public(keyed_app: FastAPI,
+                                                                       owned: dict[str, Any]) -> None:
+    store: Store = keyed_app.state.store
+    package = inspect_package("a/quiz", "0.1.0", dict([wheel("a_quiz", "0.1.0", "a/quiz")]), 1 << 20)
+    await store.hub_push(package, "a", private=True, pushed_by=None)
+    await store.hub_add_eval("a/quiz", "0.1.0", {
+        "model": "tiny-model", "reward_mean": 0.625, "reward_stderr": 0.05, "pass_at": {"pass@1": 0.5},
+        "num_tasks": 8, "num_rollouts": 16, "prompt_tokens": 10, "completion_tokens": 5, "summary": {}}, "a", None)
+    await store.record([events.Usage(run=RUN, source="trainer", step=1, trained_tokens=4096, rollout_ids=[ROLLOUT])])
+    for url in ("/environments", "/environments/a/quiz", "/usage"):
+        assert (await get(keyed_app, url, None)).status_code == 401, url
+    page = (await get(keyed_app, "/environments/a/quiz", owned["a"])).text
+    assert "tiny-model" in page and "0.625" in page and "# word-quiz" in page and "a_quiz-0.1.0" in page, page
+    assert 'href="/environments/a/quiz"' in (await get(keyed_app, "/environments", owned["a"])).text
+    other = await get(keyed_app, "/environments/a/quiz", owned["b"])
+    assert other.status_code == 403 and "tiny-model" not in other.text
+    assert "a/quiz" not in (await get(keyed_app, "/environments", owned["b"])).text
+    assert (await get(keyed_app, "/environments/A/quiz", owned["a"])).status_code == 422
+    assert (await get(keyed_app, "/environments/a/nothing", owned["a"])).status_code == 404
+    usage = (await get(keyed_app, "/usage", owned["a"])).text
+    assert "4096" in usage and f'href="/runs/{RUN}"' in usage, usage
+    assert "4096" not in (await get(keyed_app, "/usage", owned["b"])).text
