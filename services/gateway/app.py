@@ -91,6 +91,7 @@ def create_app(settings: Settings) -> FastAPI:
                    api_keys.router, api_hub.router, api_hub.index):
         app.include_router(router, dependencies=[Depends(caller)])
     app.include_router(web.router, dependencies=[Depends(caller)])  # the web pages: the API's keys, no schema
+    app.include_router(web.login_router)  # the pages' login: it takes the key
     app.mount("/static", web.static_files(), name="static")
     app.include_router(api_health.router)
     install_error_handlers(app)

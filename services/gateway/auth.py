@@ -2,7 +2,8 @@
 
 With ``auth = "keys"`` (settings) every route but ``/healthz`` (a probe's, which shows no
 data) wants an API key (``Authorization: Bearer fw_...``, :mod:`flywheel.contract.keys`; or
-as the password of HTTP Basic credentials, as pip sends an index's):
+as the password of HTTP Basic credentials, as pip sends an index's; or, for GET alone, in the
+cookie the web pages' login sets):
 none, a malformed, unknown or revoked one is a 401; a key without the scope a request needs
 (``read`` for GET, ``write`` for the rest, ``admin`` for ``/v1/keys``) is a 403, and so is anything of another tenant
 (a run, its tasks, rollouts and traces), while listings show the key's tenant's alone. A
@@ -35,6 +36,11 @@ bearer = HTTPBearer(auto_error=False, scheme_name="APIKey",
                     description="A tenant's API key, fw_<id>_<secret> (`flywheel keys create`); not needed when the "
                                 "gateway runs open (auth = \"open\", loopback only).")
 _ALL = frozenset(SCOPES)
+# The web pages' login (flywheel_gateway.web: /login) keeps the key in this cookie, HttpOnly and
+# SameSite=Strict; it is taken for reading methods alone, so no other site can make a browser
+# change anything with it, and a script on a page never reads it.
+KEY_COOKIE = "flywheel_key"
+READING_METHODS = ("GET", "HEAD")
 INDEX_PATH = "/hub/"  # the hub's package index (flywheel_gateway.api_hub): HTTP Basic too, for pip
 KEYS_PATH = "/v1/keys"  # the tenant's keys (flywheel_gateway.api_keys): the admin scope, whatever the method
 
@@ -54,6 +60,8 @@ async def caller(
         return Caller(tenant or "default", _ALL)
     path = request.url.path
     token = credentials.credentials if credentials is not None else basic_password(request)
+    if token is None and request.method in READING_METHODS:
+        token = request.cookies.get(KEY_COOKIE)  # the web pages' login: for reading alone
     try:
         admin = path == KEYS_PATH or path.startswith(f"{KEYS_PATH}/")
         return await check.authorize(token, request.method, path, tenant, scope="admin" if admin else None)

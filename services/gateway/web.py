@@ -28,9 +28,12 @@ found) is a page that says what is wrong, with the API's status code, never a 50
   one with its README, versions (sha256, files), lineage and forks, and its leaderboard.
 - ``/usage``: the caller's tenant's usage by run and source, with its cost by the price table.
 
-Not covered: a login form (a browser sends no bearer header of its own: use the open API on
-loopback, or a proxy or browser extension that adds it), usage over time as a chart, filters
-of the rollouts listing.
+A person signs in at ``/login`` with an API key: it is checked, then kept in an HttpOnly,
+SameSite=Strict cookie (Secure over HTTPS) that the gateway takes for reading alone (GET), so
+the pages and their script's calls carry it and nothing another site makes a browser send can
+change anything; ``/logout`` forgets it. Clients send the key as a bearer header as before.
+
+Not covered: usage over time as a chart, filters of the rollouts listing.
 """
 
 from __future__ import annotations
@@ -48,9 +51,10 @@ from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
 from flywheel.contract import runs
+from flywheel.contract.keys import KeyCheck, KeyRefused, ScopeRefused
 from flywheel_gateway import api_hub, api_runs, api_traces, api_usage
 from flywheel_gateway.api_hub import NamePath, OwnerPath
-from flywheel_gateway.auth import CallerDep, listing_tenant
+from flywheel_gateway.auth import KEY_COOKIE, CallerDep, listing_tenant
 from flywheel_gateway.deps import BusDep, RolloutIdPath, RunIdPath, StoreDep
 from flywheel_gateway.models import NodePublic, RunDetail, UsageQuery
 from flywheel_gateway.responses import field_message, field_path
@@ -99,6 +103,9 @@ class PageRoute(APIRoute):
 
 
 router = APIRouter(route_class=PageRoute, include_in_schema=False, default_response_class=HTMLResponse)
+# The login: the one page without the caller dependency (it takes the key).
+login_router = APIRouter(route_class=PageRoute, include_in_schema=False, default_response_class=HTMLResponse)
+LOGIN_S = 8 * 3600  # how long a login lasts
 
 
 def env_ids(run: RunDetail) -> list[str]:
@@ -182,3 +189,35 @@ async def environment_page(request: Request, owner: OwnerPath, name: NamePath, s
 async def usage_page(request: Request, store: StoreDep, bus: BusDep, who: CallerDep) -> Response:
     report = await api_usage.usage(request, store, bus, who, UsageQuery())
     return _templates().TemplateResponse(request, "usage.html", {"report": report})
+
+
+@login_router.get("/login")
+async def login_page(request: Request) -> Response:
+    return _templates().TemplateResponse(request, "login.html", {"open": request.app.state.keys is None,
+                                                                 "message": None})
+
+
+@login_router.post("/login")
+async def login(request: Request) -> Response:
+    """Check the key, then keep it in the login cookie and go to the runs."""
+    check: KeyCheck | None = request.app.state.keys
+    if check is None:
+        return RedirectResponse("/runs", status_code=303)
+    form = await request.form()
+    key = str(form.get("key") or "").strip()
+    try:
+        await check.authorize(key, "GET", "/runs")
+    except (KeyRefused, ScopeRefused) as exc:
+        return _templates().TemplateResponse(request, "login.html", {"open": False, "message": str(exc)},
+                                             status_code=401)
+    response = RedirectResponse("/runs", status_code=303)
+    response.set_cookie(KEY_COOKIE, key, httponly=True, samesite="strict", secure=request.url.scheme == "https",
+                        path="/", max_age=LOGIN_S)
+    return response
+
+
+@login_router.get("/logout")
+async def logout() -> Response:
+    response = RedirectResponse("/login", status_code=303)
+    response.delete_cookie(KEY_COOKIE, path="/")
+    return response

@@ -233,3 +233,25 @@ async def test_hub_and_usage_pages(browser: Browser, gateway: Gateway, screensho
     assert refused is not None and refused.status == 403
     await other.goto("/environments/a/quiz")
     await expect(other.locator("#forks")).to_have_count(0)  # the private fork is not shown to b
+
+
+async def test_a_person_signs_in_and_the_pages_read_with_the_key(browser: Browser, gateway: Gateway) -> None:
+    from playwright.async_api import expect
+
+    made = await owned(gateway)
+    store: Store = gateway.app.state.store
+    await store.record([step(n) for n in range(1, 4)])
+    page = await page_of(browser, gateway, None)  # a person's browser: no header of its own
+    refused = await page.goto(f"/runs/{RUN}")
+    assert refused is not None and refused.status == 401
+    await page.click('a[href="/login"] >> nth=-1')
+    await page.fill("#key", made["a"])
+    await page.click("#login button")
+    await expect(page.locator(f'tr[data-run="{RUN}"]')).to_be_visible()
+    await page.goto(f"/runs/{RUN}")
+    await expect(page.locator('#reward-chart polyline[data-series="reward"]')).to_have_attribute(
+        "data-num-points", "3", timeout=WAIT_MS)  # the script's reads carry the login too
+    assert (await page.context.cookies())[0]["httpOnly"] is True
+    await page.goto("/logout")
+    after = await page.goto(f"/runs/{RUN}")
+    assert after is not None and after.status == 401

@@ -122,3 +122,28 @@ async def test_hub_and_usage_pages_show_the_callers_own_and_the_public(keyed_app
     usage = (await get(keyed_app, "/usage", owned["a"])).text
     assert "4096" in usage and f'href="/runs/{RUN}"' in usage, usage
     assert "4096" not in (await get(keyed_app, "/usage", owned["b"])).text
+
+
+async def test_a_person_signs_in_with_a_key_kept_for_reading_alone(keyed_app: FastAPI, owned: dict[str, Any]) -> None:
+    bus: Bus = keyed_app.state.bus
+    writer, _ = await keys.create_key(bus, "a", ["read", "write"])
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=keyed_app), base_url="http://gateway") as client:
+        assert "Sign in with an API key" in (await client.get("/runs")).text
+        form = await client.get("/login")
+        assert form.status_code == 200 and 'name="key"' in form.text
+        wrong = await client.post("/login", data={"key": "fw_0123456789abcdef_not-a-real-key-at-all"})
+        assert wrong.status_code == 401 and "API key" in wrong.text and 'id="message"' in wrong.text, wrong.text
+        assert "flywheel_key" not in wrong.headers.get("set-cookie", "")
+        signed = await client.post("/login", data={"key": writer})
+        assert signed.status_code == 303 and signed.headers["location"] == "/runs"
+        cookie = signed.headers["set-cookie"]
+        assert "HttpOnly" in cookie and "SameSite=strict" in cookie.replace("Strict", "strict"), cookie
+        runs = await client.get("/runs")  # the client keeps the cookie, as a browser does
+        assert runs.status_code == 200 and RUN in runs.text
+        assert (await client.get(f"/v1/runs/{RUN}")).status_code == 200  # the pages' script reads the API
+        # Never for a change: a write with the cookie alone is refused, as with no key.
+        stop = await client.post(f"/v1/runs/{RUN}/stop")
+        assert stop.status_code == 401, stop.text
+        out = await client.get("/logout")
+        assert out.status_code == 303
+        assert (await client.get("/runs")).status_code == 401
