@@ -49,17 +49,17 @@ from fastapi.responses import HTMLResponse, RedirectResponse
 from fastapi.routing import APIRoute
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
+from pydantic import ValidationError
 
 from flywheel.contract import runs
 from flywheel.contract.keys import KeyCheck, KeyRefused, ScopeRefused
-from flywheel_gateway import api_hub, api_runs, api_traces, api_usage
+from flywheel_gateway import api_hub, api_rollouts, api_runs, api_traces, api_usage
 from flywheel_gateway.api_hub import NamePath, OwnerPath
 from flywheel_gateway.auth import KEY_COOKIE, CallerDep, listing_tenant
 from flywheel_gateway.deps import BusDep, RolloutIdPath, RunIdPath, StoreDep
-from flywheel_gateway.models import NodePublic, RunDetail, UsageQuery
+from flywheel_gateway.models import NodePublic, RolloutFilters, RunDetail, UsageQuery
 from flywheel_gateway.responses import field_message, field_path
 from flywheel_gateway.runs import RunConflict
-from flywheel_gateway.store import RolloutFilter
 
 HERE = Path(__file__).parent
 POLL_S = 2.0  # how often the run page asks for new steps
@@ -137,13 +137,29 @@ async def runs_page(request: Request, store: StoreDep, bus: BusDep, who: CallerD
     return _templates().TemplateResponse(request, "runs.html", {"runs": rows, "more": page.next_cursor is not None})
 
 
+FILTERS = ("env", "status", "error", "min_reward", "max_reward", "min_policy_version", "max_policy_version")
+
+
+def rollout_filters(request: Request, run_id: str) -> RolloutFilters:
+    """The run page's rollout filters from its query string (the trace API's, as its form sends
+    them: an empty field is no filter; parameters the page does not read are left alone); a
+    bad value is a 422 page naming it."""
+    given = {name: request.query_params[name] for name in FILTERS if request.query_params.get(name, "") != ""}
+    try:
+        return RolloutFilters.model_validate({**given, "run": run_id})
+    except ValidationError as exc:
+        raise RequestValidationError([{**e, "loc": ("query", *e["loc"])} for e in exc.errors()]) from None
+
+
 @router.get("/runs/{run_id:path}")
 async def run_page(request: Request, run_id: RunIdPath, store: StoreDep, bus: BusDep, who: CallerDep) -> Response:
     run = await api_runs.get_run(run_id, store, bus, who)
-    rollouts = await store.list_rollouts(RolloutFilter(run=run_id), limit=NUM_ROLLOUTS)
+    filters = rollout_filters(request, run_id)
+    rollouts = await store.list_rollouts(api_rollouts.to_filter(filters, who), limit=NUM_ROLLOUTS)
+    chosen = filters.model_dump(include=set(FILTERS), exclude_none=True)
     return _templates().TemplateResponse(request, "run.html", {
         "run": run, "envs": env_ids(run), "rollouts": rollouts.items, "more": rollouts.next_cursor is not None,
-        "poll_ms": int(POLL_S * 1000)})
+        "poll_ms": int(POLL_S * 1000), "filters": chosen})
 
 
 @router.get("/rollouts/{rollout_id}")

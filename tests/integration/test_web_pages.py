@@ -147,3 +147,18 @@ async def test_a_person_signs_in_with_a_key_kept_for_reading_alone(keyed_app: Fa
         out = await client.get("/logout")
         assert out.status_code == 303
         assert (await client.get("/runs")).status_code == 401
+
+
+async def test_the_run_page_filters_its_rollouts_as_the_trace_api_does(keyed_app: FastAPI,
+                                                                       owned: dict[str, Any]) -> None:
+    store: Store = keyed_app.state.store
+    await store.record([rollout("rollout-late", run=RUN, policy_version=7)])
+    page = (await get(keyed_app, f"/runs/{RUN}?min_policy_version=5&env=&reward=", owned["a"])).text
+    assert 'href="/rollouts/rollout-late"' in page and f'href="/rollouts/{ROLLOUT}"' not in page, page
+    assert 'name="min_policy_version" value="5"' in page
+    none = (await get(keyed_app, f"/runs/{RUN}?min_policy_version=99", owned["a"])).text
+    assert "No rollouts match these filters" in none
+    for query, said in (("min_reward=lots", "min_reward: "), ("error=perhaps", "error: "), ("status=lost", "status: "),
+                        ("min_reward=0.9&max_reward=0.1", "min_reward: is greater")):
+        bad = await get(keyed_app, f"/runs/{RUN}?{query}", owned["a"])
+        assert bad.status_code == 422 and said in bad.text, (query, bad.text)
