@@ -43,6 +43,7 @@ from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any
 
+import nats.js.errors
 from fastapi import APIRouter, HTTPException, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, RedirectResponse
@@ -51,8 +52,10 @@ from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 from pydantic import ValidationError
 
-from flywheel.contract import runs
+from flywheel.contract import events, runs
+from flywheel.contract.bus import Bus
 from flywheel.contract.keys import KeyCheck, KeyRefused, ScopeRefused
+from flywheel.contract.service import HEARTBEAT_INTERVAL_S, read_heartbeats
 from flywheel_gateway import api_hub, api_rollouts, api_runs, api_traces, api_usage
 from flywheel_gateway.api_hub import NamePath, OwnerPath
 from flywheel_gateway.auth import KEY_COOKIE, CallerDep, listing_tenant
@@ -65,6 +68,7 @@ HERE = Path(__file__).parent
 POLL_S = 2.0  # how often the run page asks for new steps
 NUM_RUNS = 100  # runs on the list page
 NUM_ROLLOUTS = 50  # latest rollouts on a run page
+RUN_STREAMS = ("TASKS", "ROLLOUTS", "SCORES", "SIGNALS")  # a run's events, stream by stream, as the run page shows their lag
 
 
 @functools.cache
@@ -157,9 +161,33 @@ async def run_page(request: Request, run_id: RunIdPath, store: StoreDep, bus: Bu
     filters = rollout_filters(request, run_id)
     rollouts = await store.list_rollouts(api_rollouts.to_filter(filters, who), limit=NUM_ROLLOUTS)
     chosen = filters.model_dump(include=set(FILTERS), exclude_none=True)
+    services, consumers = await health_of(bus)
     return _templates().TemplateResponse(request, "run.html", {
         "run": run, "envs": env_ids(run), "rollouts": rollouts.items, "more": rollouts.next_cursor is not None,
-        "poll_ms": int(POLL_S * 1000), "filters": chosen})
+        "poll_ms": int(POLL_S * 1000), "filters": chosen, "services": services, "consumers": consumers})
+
+
+async def health_of(bus: Bus) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The services beating now (each instance's heartbeat age; stale after two missed) and the
+    consumers of the streams a run's events pass through, with their lag: what a run waits on."""
+    now = events.utc_now()
+    try:
+        beats = await read_heartbeats(bus)
+    except nats.js.errors.BucketNotFoundError:
+        beats = []
+    services = [{"service": b.service, "instance": b.instance, "age_s": (now - b.updated_at).total_seconds(),
+                 "stale": (now - b.updated_at).total_seconds() > 2 * HEARTBEAT_INTERVAL_S}
+                for b in sorted(beats, key=lambda b: (b.service, b.instance))]
+    consumers = []
+    for stream in RUN_STREAMS:
+        try:
+            infos = await bus.js.consumers_info(stream)
+        except nats.js.errors.NotFoundError:
+            continue
+        consumers += [{"stream": stream, "consumer": c.name, "num_pending": c.num_pending or 0,
+                       "num_ack_pending": c.num_ack_pending or 0, "num_redelivered": c.num_redelivered or 0}
+                      for c in sorted(infos, key=lambda c: c.name)]
+    return services, consumers
 
 
 @router.get("/rollouts/{rollout_id}")

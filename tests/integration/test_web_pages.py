@@ -75,6 +75,7 @@ async def test_pages_take_the_apis_keys_and_tenants(keyed_app: FastAPI, owned: d
         assert ROLLOUT not in other.text.replace(f"rollout &#39;{ROLLOUT}&#39;", "")  # named in the refusal only
     run = (await get(keyed_app, f"/runs/{RUN}", owned["a"])).text
     assert f'href="/rollouts/{ROLLOUT}"' in run and 'data-run="team/owned-by-a"' in run
+    assert '<table id="services">' in run and "<td>gateway</td>" in run, run  # what the run waits on, beating
     trace = (await get(keyed_app, f"/rollouts/{ROLLOUT}", owned["a"])).text
     assert trace.count('class="branch"') == 1 and "2+2?" in trace and f'href="/runs/{RUN}"' in trace
 

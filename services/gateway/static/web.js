@@ -126,6 +126,10 @@
     set("reward", fixed(m.reward_mean, 3));
     if (m.staleness_mean !== undefined) set("staleness", `${fixed(m.staleness_mean, 2)} / ${fixed(m.staleness_max, 0)}`);
     if (m.step_s !== undefined) set("step_s", fixed(m.step_s, 2));
+    const rate = [];
+    if (m.tokens_per_s !== undefined) rate.push(`${fixed(m.tokens_per_s, 0)} tokens`);
+    if (m.num_rollouts !== undefined && m.step_s) rate.push(`${fixed(m.num_rollouts / m.step_s, 1)} rollouts`);
+    if (rate.length) set("throughput", rate.join(", "));
     const reasons = {};
     for (const step of steps) {
       for (const [key, value] of Object.entries(step.metrics)) {
