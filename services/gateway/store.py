@@ -825,6 +825,21 @@ class Store:
         found["reward_mean"] = step["metrics"].get("reward_mean") if step else None
         return found
 
+    async def latest_steps(self, run_ids: list[str]) -> dict[str, dict[str, Any]]:
+        """Each run's latest recorded step (``step``, ``version``, ``reward_mean``), in one query;
+        runs without a step are left out."""
+        if not run_ids:
+            return {}
+        m = s.run_metrics.c
+        ids = [self._text(run_id) for run_id in run_ids]
+        newest = sa.select(m.run, sa.func.max(m.step).label("step")).where(m.run.in_(ids)).group_by(m.run).subquery()
+        query = sa.select(m.run, m.step, m.version, m.metrics).join(
+            newest, sa.and_(m.run == newest.c.run, m.step == newest.c.step))
+        async with self.engine.connect() as conn:
+            rows = (await conn.execute(query)).mappings().all()
+        return {row["run"]: {"step": row["step"], "version": row["version"],
+                             "reward_mean": (row["metrics"] or {}).get("reward_mean")} for row in rows}
+
     async def run_tenant(self, run_id: str) -> str | None:
         """The tenant the store has for the run (None: no such run recorded)."""
         async with self.engine.connect() as conn:

@@ -60,7 +60,7 @@ from flywheel_gateway import api_hub, api_rollouts, api_runs, api_traces, api_us
 from flywheel_gateway.api_hub import NamePath, OwnerPath
 from flywheel_gateway.auth import KEY_COOKIE, CallerDep, listing_tenant
 from flywheel_gateway.deps import BusDep, RolloutIdPath, RunIdPath, StoreDep
-from flywheel_gateway.models import NodePublic, RolloutFilters, RunDetail, UsageQuery
+from flywheel_gateway.models import NodePublic, RolloutFilters, UsageQuery
 from flywheel_gateway.responses import field_message, field_path
 from flywheel_gateway.runs import RunConflict
 
@@ -68,7 +68,8 @@ HERE = Path(__file__).parent
 POLL_S = 2.0  # how often the run page asks for new steps
 NUM_RUNS = 100  # runs on the list page
 NUM_ROLLOUTS = 50  # latest rollouts on a run page
-RUN_STREAMS = ("TASKS", "ROLLOUTS", "SCORES", "SIGNALS")  # a run's events, stream by stream, as the run page shows their lag
+# The streams a run's events pass through, whose consumers' lag the run page shows.
+RUN_STREAMS = ("TASKS", "ROLLOUTS", "SCORES", "SIGNALS")
 
 
 @functools.cache
@@ -112,12 +113,12 @@ login_router = APIRouter(route_class=PageRoute, include_in_schema=False, default
 LOGIN_S = 8 * 3600  # how long a login lasts
 
 
-def env_ids(run: RunDetail) -> list[str]:
-    """The run's environment ids: its config's ``[[envs]]``, else its one environment."""
-    envs = (run.config or {}).get("envs") or []
+def env_ids(config: Mapping[str, Any] | None, env: str | None) -> list[str]:
+    """A run's environment ids: its config's ``[[envs]]``, else its one environment."""
+    envs = (config or {}).get("envs") or []
     if envs:
         return [str(e.get("id")) for e in envs if isinstance(e, dict)]
-    return [run.env] if run.env else []
+    return [env] if env else []
 
 
 @router.get("/")
@@ -127,17 +128,26 @@ async def home() -> Response:
 
 @router.get("/runs")
 async def runs_page(request: Request, store: StoreDep, bus: BusDep, who: CallerDep) -> Response:
+    """The newest runs, each with its live status (the run-state bucket) and latest step (one
+    query for all of them: the page does not count each run's rollouts)."""
     page = await store.list_runs(tenant=listing_tenant(who, None), limit=NUM_RUNS)
+    latest = await store.latest_steps([listed["id"] for listed in page.items])
     rows = []
     for listed in page.items:
+        step = latest.get(listed["id"], {})
+        row = {"id": listed["id"], "envs": env_ids(None, listed["env"]), "step": step.get("step"),
+               "reward": step.get("reward_mean"), "status": "unknown", "why": None}
         try:
-            run = await api_runs.get_run(listed["id"], store, bus, who)
-        except (HTTPException, runs.BadRunState) as exc:  # one unreadable run does not hide the others
-            rows.append({"id": listed["id"], "status": "unreadable", "why": str(getattr(exc, "detail", exc)),
-                         "envs": [listed["env"]] if listed["env"] else [], "step": None, "reward": None})
-            continue
-        rows.append({"id": run.id, "status": run.status or "unknown", "why": run.reason, "envs": env_ids(run),
-                     "step": run.latest_step, "reward": run.reward_mean})
+            state = await runs.get_run(bus, listed["id"])
+        except runs.BadRunState as exc:  # one unreadable run does not hide the others
+            row.update(status="unreadable", why=str(exc))
+        else:
+            if state is not None:
+                end = runs.end_of(state)
+                row.update(envs=env_ids(state.config, listed["env"]) or row["envs"],
+                           status=end.status if end is not None else state.status,
+                           why=end.reason if end is not None else state.reason if state.status == "paused" else None)
+        rows.append(row)
     return _templates().TemplateResponse(request, "runs.html", {"runs": rows, "more": page.next_cursor is not None})
 
 
@@ -163,8 +173,9 @@ async def run_page(request: Request, run_id: RunIdPath, store: StoreDep, bus: Bu
     chosen = filters.model_dump(include=set(FILTERS), exclude_none=True)
     services, consumers = await health_of(bus)
     return _templates().TemplateResponse(request, "run.html", {
-        "run": run, "envs": env_ids(run), "rollouts": rollouts.items, "more": rollouts.next_cursor is not None,
-        "poll_ms": int(POLL_S * 1000), "filters": chosen, "services": services, "consumers": consumers})
+        "run": run, "envs": env_ids(run.config, run.env), "rollouts": rollouts.items,
+        "more": rollouts.next_cursor is not None, "poll_ms": int(POLL_S * 1000), "filters": chosen,
+        "services": services, "consumers": consumers})
 
 
 async def health_of(bus: Bus) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

@@ -787,6 +787,10 @@ async def test_weight_updates_record_one_metrics_row_per_step(store: Store) -> N
     assert await store.list_run_metrics("nope") == []
     with pytest.raises(ValueError, match="limit"):
         await store.list_run_metrics("r1", limit=0)
+    latest = await store.latest_steps(["r1", "r2", "nope"])  # the runs page's one query
+    assert latest == {"r1": {"step": 3, "version": 4, "reward_mean": pytest.approx(0.3)},
+                      "r2": {"step": 0, "version": 1, "reward_mean": None}}
+    assert await store.latest_steps([]) == {}
 
 
 async def test_run_detail_has_counts_and_the_latest_step(store: Store) -> None:
