@@ -93,3 +93,13 @@ async def server(nats_server: NatsServer, tmp_path: Path, monkeypatch: pytest.Mo
 def long_tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model with room for tool lists and policies in its prompts (8192 positions)."""
     return models.build_tiny(tmp_path_factory.mktemp("model") / "tiny-8k", max_positions=8192)
+
+
+@pytest.fixture
+async def keyed_app(nats_server: NatsServer, tmp_path: Path) -> AsyncIterator[FastAPI]:
+    """The gateway with API keys (auth = "keys"), its lifespan running, against the test's
+    nats-server; a revoked key shows at once (no cache)."""
+    application = create_gateway_app(Settings(nats_url=nats_server.url, data_dir=tmp_path / "data", auth="keys"))
+    async with application.router.lifespan_context(application):
+        application.state.keys.ttl_s = 0.0
+        yield application

@@ -6,7 +6,6 @@ own alone); a revoked key is refused; an open gateway refuses a non-loopback add
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +31,6 @@ OPEN_PATHS = {"/healthz"}  # a probe's: no tenant's data
 HUB_ENV = "a/quiz"
 HUB_WHEEL = "a_quiz-0.1.0-py3-none-any.whl"
 
-
-@pytest.fixture
-async def keyed_app(nats_server: NatsServer, tmp_path: Path) -> AsyncIterator[FastAPI]:
-    application = create_app(Settings(nats_url=nats_server.url, data_dir=tmp_path / "data", auth="keys"))
-    async with application.router.lifespan_context(application):
-        application.state.keys.ttl_s = 0.0  # a revocation shows at once here
-        yield application
 
 
 @pytest.fixture

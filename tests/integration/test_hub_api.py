@@ -36,13 +36,6 @@ async def open_app(nats_server: NatsServer, tmp_path: Path) -> AsyncIterator[Fas
         yield application
 
 
-@pytest.fixture
-async def keyed_app(nats_server: NatsServer, tmp_path: Path) -> AsyncIterator[FastAPI]:
-    application = create_app(Settings(nats_url=nats_server.url, data_dir=tmp_path / "data", auth="keys"))
-    async with application.router.lifespan_context(application):
-        application.state.keys.ttl_s = 0.0
-        yield application
-
 
 def client(app: FastAPI, key: str | None = None, **headers: str) -> httpx.AsyncClient:
     if key:

@@ -6,8 +6,6 @@ The browser tier (tests/browser) drives them in Chromium."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -16,9 +14,6 @@ from fastapi import FastAPI
 
 from flywheel.contract import events, keys
 from flywheel.contract.bus import Bus
-from flywheel.contract.settings import Settings
-from flywheel.ops.natsserver import NatsServer
-from flywheel_gateway.app import create_app
 from flywheel_gateway.hub import inspect_package
 from flywheel_gateway.store import Store
 from tests.unit.test_hub import wheel
@@ -28,12 +23,6 @@ RUN = "team/owned-by-a"
 ROLLOUT = "rollout-of-a"
 PAGES = ["/runs", f"/runs/{RUN}", f"/rollouts/{ROLLOUT}"]
 
-
-@pytest.fixture
-async def keyed_app(nats_server: NatsServer, tmp_path: Path) -> AsyncIterator[FastAPI]:
-    application = create_app(Settings(nats_url=nats_server.url, data_dir=tmp_path / "data", auth="keys"))
-    async with application.router.lifespan_context(application):
-        yield application
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from flywheel.contract.bus import Bus
 from flywheel.ops.eval import EvalConfig, Evaluation, read_results
 from flywheel.ops.natsserver import NatsServer
 from flywheel.sdk.environment import EnvironmentLoadError, RewardError, load_environment, resolve
-from flywheel.sdk.sandbox import SandboxSpec
+from flywheel.sdk.sandbox import WORKDIR, SandboxSpec
 from flywheel.sdk.sandbox_tools import SandboxUnavailable
 from harbor_tasks.folders import map_paths, read_environment, read_task
 from tests.sandbox_fixtures import sandboxed_rollout
@@ -59,10 +59,10 @@ def make_task(folder: Path, test_sh: str = "echo 1 > /logs/verifier/reward.txt\n
 def test_load_reads_each_task_folder_into_a_row(env, rows) -> None:
     assert set(rows) == {"hello-file", "word-count"}
     hello = rows["hello-file"]
-    assert hello["instruction"] == "Create a file named `hello.txt` in `/work` whose only line is `Hello`.\n"
+    assert hello["instruction"] == f"Create a file named `hello.txt` in `{WORKDIR}` whose only line is `Hello`.\n"
     system, user = env.prompt_messages(hello)
-    assert "bash" in system.content and "/work" in system.content and user.content == hello["instruction"]
-    assert "/work/data/words.txt" in rows["word-count"]["instruction"]
+    assert "bash" in system.content and WORKDIR in system.content and user.content == hello["instruction"]
+    assert f"{WORKDIR}/data/words.txt" in rows["word-count"]["instruction"]
     assert env.weights == {"verifier": 1.0, "verifier_timed_out": 0.0, "agent_timed_out": 0.0, "num_commands": 0.0}
     single = harbor_tasks.load_environment(str(TASKS / "hello-file"))
     assert [row["id"] for row in single.load_tasks(1)] == ["hello-file"]
@@ -75,7 +75,7 @@ def test_what_a_task_carries_over_and_what_it_does_not() -> None:
     assert sorted(task.files) == ["NOTES.md", "data/words.txt"]
     assert task.files["data/words.txt"].data.count(b"flywheel\n") == 3
     assert task.verifier_env == {"EXPECTED": "3"} and task.verifier_timeout_s == 20 and task.agent_timeout_s == 300
-    assert "/work/count.txt" in task.tests["test.sh"].data.decode()
+    assert f"{WORKDIR}/count.txt" in task.tests["test.sh"].data.decode()
     staged = task.staged(task.tests, "/tmp/harbor-x")["test.sh"].data.decode()
     assert "/tmp/harbor-x/logs/verifier/reward.json" in staged and "/logs/verifier" not in staged.replace(
         "/tmp/harbor-x/logs/verifier", "")
@@ -127,15 +127,15 @@ def test_a_dockerfile_last_stage_is_followed(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("text", "mapped"), [
-    ("cat /app/x.txt", "cat /work/x.txt"),
-    ("cd /app; ls /app/", "cd /work; ls /work/"),
-    ("Write it to /app.", "Write it to /work."),
-    ("`/app` and \"/app/a b\"", "`/work` and \"/work/a b\""),
+    ("cat /app/x.txt", f"cat {WORKDIR}/x.txt"),
+    ("cd /app; ls /app/", f"cd {WORKDIR}; ls {WORKDIR}/"),
+    ("Write it to /app.", f"Write it to {WORKDIR}."),
+    ("`/app` and \"/app/a b\"", f"`{WORKDIR}` and \"{WORKDIR}/a b\""),
     ("/apple /app.tar /x/app ./app ~/app $HOME/app", "/apple /app.tar /x/app ./app ~/app $HOME/app"),
     ("python3 /tests/test_outputs.py > /logs/verifier/out", "python3 /T/tests/test_outputs.py > /T/logs/verifier/out"),
 ])
 def test_paths_are_mapped_by_whole_components(text: str, mapped: str) -> None:
-    assert map_paths(text, {"/app": "/work", "/tests": "/T/tests", "/logs": "/T/logs"}) == mapped
+    assert map_paths(text, {"/app": WORKDIR, "/tests": "/T/tests", "/logs": "/T/logs"}) == mapped
 
 
 @pytest.mark.parametrize(("breaks", "said"), [
@@ -190,7 +190,7 @@ async def test_each_solution_reaches_its_reward_and_an_untouched_workspace_does_
     assert count.rewards == {"reward": 1.0, "off_by": 0.0}
     for task in tasks.values():
         async with sandbox.session(task.sandbox_spec(SandboxSpec())) as box:
-            await harbor_tasks.stage(sandbox, box, task.files, "/work")
+            await harbor_tasks.stage(sandbox, box, task.files, f"{WORKDIR}")
             verdict = await harbor_tasks.verify(sandbox, box, task)
         assert verdict.rewards["reward"] == 0.0 and verdict.error is None, task.id
     assert not sandbox.manager.sessions
