@@ -20,32 +20,9 @@ import shutil
 from pathlib import Path
 
 from flywheel.contract.hub import ENV_PART
+from flywheel.ops.scaffold import pyproject
 
 from .folders import CACHE, read_tasks, task_folders
-
-PYPROJECT = '''\
-[build-system]
-requires = ["setuptools>=69"]
-build-backend = "setuptools.build_meta"
-
-[project]
-name = "{owner}-{name}"
-version = "{version}"
-description = "Harbor tasks as a Flywheel environment: {owner}/{name} ({num_tasks} tasks)."
-readme = "README.md"
-requires-python = ">=3.11"
-dependencies = ["flywheel-rl[environments]"]
-
-# `flywheel eval {owner}/{name}` and a run config's `env = "{owner}/{name}"` find it here.
-[project.entry-points."flywheel.environments"]
-"{owner}/{name}" = "{pkg}:load_environment"
-
-[tool.setuptools]
-packages = ["{pkg}"]
-
-[tool.setuptools.package-data]
-{pkg} = ["tasks/**/*", "tasks/**/.*"]
-'''
 
 MODULE = '''\
 """{owner}/{name}: {num_tasks} Harbor tasks (the folders under tasks/) as a Flywheel environment.
@@ -112,7 +89,9 @@ def convert(src: str | Path, dest: str | Path, owner: str, name: str, version: s
         lines.append(f"- `{task.id}`: {first[:100]}")
         lines += [f"  - not carried over: {note}" for note in task.not_carried]
     values = {"owner": owner, "name": name, "pkg": pkg, "version": version, "num_tasks": len(tasks)}
-    (dest / "pyproject.toml").write_text(PYPROJECT.format(**values))
+    (dest / "pyproject.toml").write_text(pyproject(
+        owner, name, pkg, f"Harbor tasks as a Flywheel environment: {owner}/{name} ({len(tasks)} tasks).",
+        ["tasks/**/*", "tasks/**/.*"], version))
     (dest / "README.md").write_text(README.format(**values, tasks="\n".join(lines)))
     (dest / pkg / "__init__.py").write_text(MODULE.format(**values))
     return dest

@@ -16,6 +16,7 @@ answer of the group. Every file is meant to be edited; nothing here is generated
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from flywheel.contract.hub import ENV_PART
@@ -27,8 +28,9 @@ build-backend = "setuptools.build_meta"
 
 [project]
 name = "{owner}-{name}"
-version = "0.1.0"
-description = "A Flywheel environment: {name}."
+version = "{version}"
+description = "{description}"
+readme = "README.md"
 requires-python = ">=3.11"
 dependencies = ["flywheel-rl[environments]"]
 
@@ -40,12 +42,23 @@ dependencies = ["flywheel-rl[environments]"]
 packages = ["{pkg}"]
 
 [tool.setuptools.package-data]
-{pkg} = ["tasks.jsonl"]
-
+{pkg} = {package_data}
+'''
+PYTEST = '''
 [tool.pytest.ini_options]
 asyncio_mode = "auto"
 asyncio_default_fixture_loop_scope = "function"
 '''
+
+
+def pyproject(owner: str, name: str, pkg: str, description: str, package_data: list[str],
+              version: str = "0.1.0") -> str:
+    """The pyproject.toml of an environment package: the distribution ``owner-name`` (what the
+    hub serves), registering ``owner/name`` under the flywheel.environments entry points, with
+    ``package_data`` (globs) shipped beside the module ``pkg``."""
+    return PYPROJECT.format(owner=owner, name=name, pkg=pkg, version=version, description=description,
+                            package_data=json.dumps(package_data))
+
 
 MODULE = '''\
 """{name}: answer a question with a word.
@@ -240,7 +253,7 @@ def scaffold(name: str, where: Path, owner: str = "local") -> Path:
     pkg = name.replace("-", "_")
     values = {"name": name, "pkg": pkg, "owner": owner}
     files = {
-        "pyproject.toml": PYPROJECT.format(**values),
+        "pyproject.toml": pyproject(owner, name, pkg, f"A Flywheel environment: {name}.", ["tasks.jsonl"]) + PYTEST,
         "README.md": README.format(**values),
         f"{pkg}/__init__.py": MODULE.format(**values),
         f"{pkg}/tasks.jsonl": TASKS,
