@@ -4,7 +4,8 @@ Metering counts are made where the work happens and travel on the bus: a rollout
 calls in the rollout itself (inference counts each call's whole prompt and its sampled
 tokens), a training step's trained tokens and an API request's tokens as ``usage`` events
 (:class:`flywheel.contract.events.Usage`). The recorder keeps them in the trace store; this
-route sums them by tenant, run and source over a time range, and turns tokens into cost by
+route sums them by tenant, run and source over a time range (``/v1/usage/over-time``: by time
+bucket, for a chart), and turns tokens into cost by
 the settings' ``[prices]`` (per million tokens, per sandbox hour). ``recount=true`` with a run counts the
 run's tokens again from its stored traces (every model call of its rollouts, the sampled
 tokens of the rollouts its steps trained), beside the metered figures: they are equal when
@@ -16,6 +17,7 @@ nothing to recount them from.
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
@@ -25,11 +27,15 @@ from flywheel_gateway.auth import CallerDep, check_run, listing_tenant
 from flywheel_gateway.deps import BusDep, StoreDep
 from flywheel_gateway.models import (
     PricesPublic,
+    UsageBucketPublic,
+    UsageOverTimeQuery,
+    UsageOverTimeReport,
     UsageQuery,
     UsageRecountPublic,
     UsageReport,
     UsageRowPublic,
     UsageTotalsPublic,
+    bucket_seconds,
 )
 from flywheel_gateway.responses import ERROR_RESPONSES
 
@@ -68,3 +74,31 @@ async def usage(request: Request, store: StoreDep, bus: BusDep, who: CallerDep,
         recount = UsageRecountPublic(**again, matches=again == metered)
     return UsageReport(tenant=tenant, run=query.run, since=query.since, until=query.until,
                        prices=PricesPublic(**prices.model_dump()), items=items, totals=totals, recount=recount)
+
+
+@router.get("/over-time", response_model=UsageOverTimeReport)
+async def usage_over_time(request: Request, store: StoreDep, bus: BusDep, who: CallerDep,
+                          query: Annotated[UsageOverTimeQuery, Query()]) -> UsageOverTimeReport:
+    """Tokens used and their cost by time bucket: every bucket from ``since`` (default: 7 days
+    before ``until``) to ``until`` (default: now), in time order, a bucket without counts as
+    zeros; tenants, runs and sources together."""
+    tenant = listing_tenant(who, query.tenant)
+    if query.run is not None:
+        await check_run(who, store, bus, query.run)
+    prices: PriceSettings = request.app.state.prices
+    since, until = query.resolved()
+    seconds = bucket_seconds(query.bucket)
+    rows = {row["start"]: row for row in await store.usage_over_time(seconds, tenant=tenant, run=query.run,
+                                                                      since=since, until=until)}
+    zero = dict.fromkeys(("num_counts", *_SUMMED), 0)
+    items = []
+    start = datetime.fromtimestamp(int(since.timestamp()) // seconds * seconds, UTC)
+    while start < until:
+        row = rows.get(start, zero)
+        summed = {name: row[name] for name in ("num_counts", *_SUMMED)}
+        items.append(UsageBucketPublic(**summed, start=start, end=start + timedelta(seconds=seconds),
+                                       cost=cost(prices, row["prompt_tokens"], row["sampled_tokens"],
+                                                 row["trained_tokens"] + row["sft_tokens"], row["sandbox_s"])))
+        start += timedelta(seconds=seconds)
+    return UsageOverTimeReport(tenant=tenant, run=query.run, since=since, until=until, bucket=query.bucket,
+                               bucket_s=seconds, prices=PricesPublic(**prices.model_dump()), items=items)

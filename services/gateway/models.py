@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import re
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -435,8 +435,8 @@ class RunMetricsPublic(BaseModel):
 # --- errors and health --------------------------------------------------------------------
 
 
-class UsageQuery(BaseModel):
-    """Query parameters of the usage report; unknown parameters are refused."""
+class _UsageScope(BaseModel):
+    """Whose usage, and when: the query parameters both usage reports take."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -447,8 +447,6 @@ class UsageQuery(BaseModel):
     since: Instant | None = Field(None, description="Counts made at or after this time, RFC 3339 with an offset.")
     until: Instant | None = Field(None, description="Counts made before this time (exclusive), RFC 3339 with an "
                                                     "offset.")
-    recount: bool = Field(False, description="With run: count the run's tokens again from its stored traces, "
-                                             "beside the metered figures.")
 
     @field_validator("until")
     @classmethod
@@ -459,12 +457,76 @@ class UsageQuery(BaseModel):
                              "some time")
         return until
 
+
+class UsageQuery(_UsageScope):
+    """Query parameters of the usage report; unknown parameters are refused."""
+
+    recount: bool = Field(False, description="With run: count the run's tokens again from its stored traces, "
+                                             "beside the metered figures.")
+
     @field_validator("recount")
     @classmethod
     def _of_a_run(cls, recount: bool, info: ValidationInfo) -> bool:
         if recount and info.data.get("run") is None:
             raise ValueError("recount=true needs run: the recount is of one run's stored traces")
         return recount
+
+
+BUCKET_UNITS = {"m": 60, "h": 3600, "d": 86400}
+BUCKET_PATTERN = r"^[1-9][0-9]{0,3}[mhd]$"
+MAX_BUCKETS = 1000  # in the range of one usage-over-time report
+USAGE_RANGE = timedelta(days=7)  # the range of a usage-over-time report that names no since
+USAGE_EPOCH, USAGE_END = datetime(1970, 1, 1, tzinfo=UTC), datetime(9000, 1, 1, tzinfo=UTC)
+
+
+def bucket_seconds(bucket: str) -> int:
+    """'15m' -> 900, '1h' -> 3600, '1d' -> 86400; ValueError naming the form otherwise."""
+    if not re.fullmatch(BUCKET_PATTERN, bucket):
+        raise ValueError(f"{bucket!r} is not a bucket: give minutes, hours or days as 15m, 1h, 1d (1 to 9999 of "
+                         "them)")
+    return int(bucket[:-1]) * BUCKET_UNITS[bucket[-1]]
+
+
+class UsageOverTimeQuery(_UsageScope):
+    """Query parameters of the usage over time; unknown parameters are refused. ``until``
+    defaults to now, ``since`` to 7 days before ``until``."""
+
+    bucket: Annotated[str, Field(max_length=5, json_schema_extra=_schema(BUCKET_PATTERN))] = Field(
+        "1h", description="The length of a bucket: minutes, hours or days (15m, 1h, 1d). Buckets start at whole "
+                          f"multiples of it from the Unix epoch (a day's at 00:00 UTC); at most {MAX_BUCKETS} in the "
+                          "range.")
+
+    @field_validator("since", "until")
+    @classmethod
+    def _in_unix_time(cls, value: datetime | None) -> datetime | None:
+        if value is not None and not USAGE_EPOCH <= value < USAGE_END:
+            raise ValueError(f"{value.isoformat()} is out of range: usage over time is from {USAGE_EPOCH.year} (the "
+                             f"Unix epoch) to {USAGE_END.year}")
+        return value
+
+    @field_validator("bucket")
+    @classmethod
+    def _few_enough(cls, bucket: str, info: ValidationInfo) -> str:
+        seconds = bucket_seconds(bucket)
+        if "since" not in info.data or "until" not in info.data:
+            return bucket  # the range is refused already
+        since, until = usage_range(info.data["since"], info.data["until"])
+        first = int(since.timestamp()) // seconds
+        num_buckets = -(-int(until.timestamp()) // seconds) - first
+        if num_buckets > MAX_BUCKETS:
+            raise ValueError(f"{bucket} buckets from {since.isoformat()} to {until.isoformat()} are {num_buckets}; at "
+                             f"most {MAX_BUCKETS}: take longer buckets or a shorter range (since, until)")
+        return bucket
+
+    def resolved(self) -> tuple[datetime, datetime]:
+        """``since`` and ``until`` with their defaults."""
+        return usage_range(self.since, self.until)
+
+
+def usage_range(since: datetime | None, until: datetime | None) -> tuple[datetime, datetime]:
+    """A usage range with its defaults: until now, since 7 days before until."""
+    until = until or datetime.now(UTC)
+    return since or max(until - USAGE_RANGE, USAGE_EPOCH), until
 
 
 class UsageRowPublic(BaseModel):
@@ -521,6 +583,27 @@ class UsageReport(BaseModel):
     items: list[UsageRowPublic] = Field(description="By tenant, run and source.")
     totals: UsageTotalsPublic
     recount: UsageRecountPublic | None = None
+
+
+class UsageBucketPublic(UsageTotalsPublic):
+    """What was used in one time bucket, with its cost by the price table."""
+
+    start: datetime = Field(description="Inclusive.")
+    end: datetime = Field(description="Exclusive.")
+    num_counts: int = Field(description="Counts summed (rollouts, steps, requests).")
+
+
+class UsageOverTimeReport(BaseModel):
+    tenant: str | None
+    run: str | None
+    since: datetime
+    until: datetime
+    bucket: str
+    bucket_s: int
+    prices: PricesPublic
+    items: list[UsageBucketPublic] = Field(description="Every bucket of the range in time order, those without "
+                                                       "counts too (zero); the first and the last may reach beyond it "
+                                                       "(only counts within it are summed).")
 
 
 class ApiKeyCreate(BaseModel):

@@ -879,25 +879,53 @@ class Store:
         return rows
 
 
+    def _usage_query(self, keys: dict[str, sa.ColumnElement[Any]], tenant: str | None, run: str | None,
+                     since: datetime | None, until: datetime | None) -> sa.Select[Any]:
+        """Usage counts summed by ``keys`` (named), of the tenant's and run's counts made at or
+        after ``since`` and before ``until``."""
+        u = s.usage.c
+        where = [(tenant, lambda v: _PAYER == v), (run, lambda v: u.run == v),
+                 (since, lambda v: u.created_at >= v), (until, lambda v: u.created_at < v)]
+        return (sa.select(*(key.label(name) for name, key in keys.items()), sa.func.count().label("num_counts"),
+                          *(sa.func.sum(c).label(c.name) for c in _USAGE_SUMS),
+                          sa.func.sum(u.sandbox_s).label("sandbox_s"))
+                .select_from(s.usage.outerjoin(s.runs, s.runs.c.id == u.run))
+                .where(*(make(self._text(v) if isinstance(v, str) else v) for v, make in where if v is not None))
+                .group_by(*keys.values()).order_by(*keys.values()))
+
+    async def _summed_usage(self, query: sa.Select[Any]) -> list[dict[str, Any]]:
+        async with self.engine.connect() as conn:
+            return [{**row, **{c.name: int(row[c.name] or 0) for c in _USAGE_SUMS},
+                     "sandbox_s": float(row["sandbox_s"] or 0.0)}
+                    for row in (await conn.execute(query)).mappings()]
+
     async def usage(self, tenant: str | None = None, run: str | None = None, since: datetime | None = None,
                     until: datetime | None = None) -> list[dict[str, Any]]:
         """What was used, summed by tenant, run and source (``rollout``, ``trainer``, ``sft``,
         ``api``, ``sandbox``), of counts made at or after ``since`` and before ``until``; the tenant is the
         one a count names (an API caller's key), else the run's owner."""
         u = s.usage.c
-        payer = sa.func.coalesce(u.tenant, s.runs.c.tenant, "default")
-        where = [(tenant, lambda v: payer == v), (run, lambda v: u.run == v),
-                 (since, lambda v: u.created_at >= v), (until, lambda v: u.created_at < v)]
-        query = (sa.select(payer.label("tenant"), u.run, u.source, sa.func.count().label("num_counts"),
-                           *(sa.func.sum(c).label(c.name) for c in _USAGE_SUMS),
-                           sa.func.sum(u.sandbox_s).label("sandbox_s"))
-                 .select_from(s.usage.outerjoin(s.runs, s.runs.c.id == u.run))
-                 .where(*(make(self._text(v) if isinstance(v, str) else v) for v, make in where if v is not None))
-                 .group_by(payer, u.run, u.source).order_by(payer, u.run, u.source))
-        async with self.engine.connect() as conn:
-            return [{**row, **{c.name: int(row[c.name] or 0) for c in _USAGE_SUMS},
-                     "sandbox_s": float(row["sandbox_s"] or 0.0)}
-                    for row in (await conn.execute(query)).mappings()]
+        keys = {"tenant": _PAYER, "run": u.run, "source": u.source}
+        return await self._summed_usage(self._usage_query(keys, tenant, run, since, until))
+
+    async def usage_over_time(self, bucket_s: int, tenant: str | None = None, run: str | None = None,
+                              since: datetime | None = None, until: datetime | None = None) -> list[dict[str, Any]]:
+        """What was used, summed by time bucket: buckets of ``bucket_s`` whole seconds from the
+        Unix epoch (a day's start at 00:00 UTC), each row's ``start`` its bucket's; buckets
+        without counts are left out. Filters as :meth:`usage`."""
+        if bucket_s < 1:
+            raise ValueError(f"bucket_s must be a whole number of seconds >= 1, got {bucket_s}")
+        created = s.usage.c.created_at
+        if self.dialect == "postgresql":
+            seconds: sa.ColumnElement[int] = sa.cast(sa.func.floor(sa.extract("epoch", created)), sa.BigInteger)
+        else:  # SQLite keeps the UTC wall time as text; its fraction dropped, strftime would round it up
+            seconds = sa.cast(sa.func.strftime("%s", sa.func.substr(created, 1, 19)), sa.BigInteger)
+        # A literal, not a parameter: the same expression in SELECT and GROUP BY.
+        bucket = seconds // sa.literal_column(str(int(bucket_s)), sa.BigInteger)
+        rows = await self._summed_usage(self._usage_query({"bucket": bucket}, tenant, run, since, until))
+        for row in rows:
+            row["start"] = datetime.fromtimestamp(row.pop("bucket") * bucket_s, UTC)
+        return rows
 
     async def recount_usage(self, run: str) -> dict[str, int]:
         """A training run's tokens counted again from what the store holds, to check the metered
@@ -1083,6 +1111,8 @@ class Store:
             return [dict(row) for row in (await conn.execute(query)).mappings()]
 
 
+# Who pays for a usage count: the tenant it names (an API caller's key), else the run's owner.
+_PAYER = sa.func.coalesce(s.usage.c.tenant, s.runs.c.tenant, "default")
 _USAGE_SUMS = (s.usage.c.num_calls, s.usage.c.prompt_tokens, s.usage.c.sampled_tokens, s.usage.c.trained_tokens,
                s.usage.c.sft_tokens)
 

@@ -26,14 +26,17 @@ found) is a page that says what is wrong, with the API's status code, never a 50
 
 - ``/environments``: the hub's environments the caller sees; ``/environments/{owner}/{name}``:
   one with its README, versions (sha256, files), lineage and forks, and its leaderboard.
-- ``/usage``: the caller's tenant's usage by run and source, with its cost by the price table.
+- ``/usage``: the caller's tenant's tokens (prompt, sampled, trained) and cost over time, a bar
+  chart each by time bucket (``GET /v1/usage/over-time``, embedded in the page and drawn by the
+  script), and by run and source, with its cost by the price table; ``since``, ``until`` and
+  ``bucket`` in the query string (a form) choose the range (the last 7 days by default).
 
 A person signs in at ``/login`` with an API key: it is checked, then kept in an HttpOnly,
 SameSite=Strict cookie (Secure over HTTPS) that the gateway takes for reading alone (GET), so
 the pages and their script's calls carry it and nothing another site makes a browser send can
 change anything; ``/logout`` forgets it. Clients send the key as a bearer header as before.
 
-Not covered: usage over time as a chart, filters of the rollouts listing.
+Not covered: filters of the rollouts listing.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import nats.js.errors
 from fastapi import APIRouter, HTTPException, Request, Response
@@ -50,7 +53,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse
 from fastapi.routing import APIRoute
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from flywheel.contract import events, runs
 from flywheel.contract.bus import Bus
@@ -60,7 +63,7 @@ from flywheel_gateway import api_hub, api_rollouts, api_runs, api_traces, api_us
 from flywheel_gateway.api_hub import NamePath, OwnerPath
 from flywheel_gateway.auth import KEY_COOKIE, CallerDep, listing_tenant
 from flywheel_gateway.deps import BusDep, RolloutIdPath, RunIdPath, StoreDep
-from flywheel_gateway.models import NodePublic, RolloutFilters, UsageQuery
+from flywheel_gateway.models import NodePublic, RolloutFilters, UsageOverTimeQuery, UsageQuery
 from flywheel_gateway.responses import field_message, field_path
 from flywheel_gateway.runs import RunConflict
 
@@ -70,6 +73,7 @@ NUM_RUNS = 100  # runs on the list page
 NUM_ROLLOUTS = 50  # latest rollouts on a run page
 # The streams a run's events pass through, whose consumers' lag the run page shows.
 RUN_STREAMS = ("TASKS", "ROLLOUTS", "SCORES", "SIGNALS")
+Query = TypeVar("Query", bound=BaseModel)
 
 
 @functools.cache
@@ -154,13 +158,13 @@ async def runs_page(request: Request, store: StoreDep, bus: BusDep, who: CallerD
 FILTERS = ("env", "status", "error", "min_reward", "max_reward", "min_policy_version", "max_policy_version")
 
 
-def rollout_filters(request: Request, run_id: str) -> RolloutFilters:
-    """The run page's rollout filters from its query string (the trace API's, as its form sends
-    them: an empty field is no filter; parameters the page does not read are left alone); a
-    bad value is a 422 page naming it."""
-    given = {name: request.query_params[name] for name in FILTERS if request.query_params.get(name, "") != ""}
+def page_query(request: Request, model: type[Query], names: tuple[str, ...], **fixed: Any) -> Query:
+    """A page's query parameters ``names`` as ``model`` takes them (as its form sends them: an
+    empty field is none; parameters the page does not read are left alone), with ``fixed``;
+    a bad value is a 422 page naming it."""
+    given = {name: request.query_params[name] for name in names if request.query_params.get(name, "") != ""}
     try:
-        return RolloutFilters.model_validate({**given, "run": run_id})
+        return model.model_validate({**given, **fixed})
     except ValidationError as exc:
         raise RequestValidationError([{**e, "loc": ("query", *e["loc"])} for e in exc.errors()]) from None
 
@@ -168,7 +172,7 @@ def rollout_filters(request: Request, run_id: str) -> RolloutFilters:
 @router.get("/runs/{run_id:path}")
 async def run_page(request: Request, run_id: RunIdPath, store: StoreDep, bus: BusDep, who: CallerDep) -> Response:
     run = await api_runs.get_run(run_id, store, bus, who)
-    filters = rollout_filters(request, run_id)
+    filters = page_query(request, RolloutFilters, FILTERS, run=run_id)
     rollouts = await store.list_rollouts(api_rollouts.to_filter(filters, who), limit=NUM_ROLLOUTS)
     chosen = filters.model_dump(include=set(FILTERS), exclude_none=True)
     services, consumers = await health_of(bus)
@@ -240,10 +244,21 @@ async def environment_page(request: Request, owner: OwnerPath, name: NamePath, s
     return _templates().TemplateResponse(request, "environment.html", {"env": detail, "evals": board.items})
 
 
+USAGE_FIELDS = ("since", "until", "bucket")
+
+
 @router.get("/usage")
 async def usage_page(request: Request, store: StoreDep, bus: BusDep, who: CallerDep) -> Response:
-    report = await api_usage.usage(request, store, bus, who, UsageQuery())
-    return _templates().TemplateResponse(request, "usage.html", {"report": report})
+    """The tenant's usage over a range (``since``, ``until``, RFC 3339; default the last 7 days)
+    by ``bucket`` (15m, 1h, 1d) for the charts, and by run and source for the table."""
+    query = page_query(request, UsageOverTimeQuery, USAGE_FIELDS)
+    since, until = query.resolved()
+    over_time = await api_usage.usage_over_time(request, store, bus, who,
+                                                query.model_copy(update={"since": since, "until": until}))
+    report = await api_usage.usage(request, store, bus, who, UsageQuery(since=since, until=until))
+    given = {name: request.query_params.get(name, "") for name in USAGE_FIELDS}
+    return _templates().TemplateResponse(request, "usage.html", {
+        "report": report, "over_time": over_time.model_dump(mode="json"), "given": given})
 
 
 @login_router.get("/login")

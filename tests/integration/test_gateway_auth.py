@@ -90,6 +90,7 @@ async def test_every_route_refuses_no_key_and_another_tenants_key(keyed_app: Fas
             assert response.headers["www-authenticate"] == challenge
         other = await call(keyed_app, method, url, body, owned["keys"]["b"])
         if method == "GET" and url in ("/v1/runs", "/v1/tasks", "/v1/rollouts", "/v1/rollouts/export", "/v1/usage",
+                                       "/v1/usage/over-time",
                                        "/v1/keys", "/v1/hub/environments", "/hub/simple/"):
             assert other.status_code == 200, (url, other.text)  # the caller's own: nothing of a's
             assert RUN not in other.text and ROLLOUT not in other.text and TASK not in other.text, (url, other.text)

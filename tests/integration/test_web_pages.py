@@ -6,6 +6,8 @@ The browser tier (tests/browser) drives them in Chromium."""
 
 from __future__ import annotations
 
+import json
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
@@ -152,3 +154,40 @@ async def test_the_run_page_filters_its_rollouts_as_the_trace_api_does(keyed_app
                         ("min_reward=0.9&max_reward=0.1", "min_reward: is greater")):
         bad = await get(keyed_app, f"/runs/{RUN}?{query}", owned["a"])
         assert bad.status_code == 422 and said in bad.text, (query, bad.text)
+
+
+async def test_usage_over_time_by_bucket_in_the_api_and_on_the_page(keyed_app: FastAPI, owned: dict[str, Any]) -> None:
+    store: Store = keyed_app.state.store
+    keyed_app.state.prices = keyed_app.state.prices.model_copy(update={"trained_per_mtok": 2.0})
+    day = datetime(2026, 11, 2, tzinfo=UTC)
+    await store.record([events.Usage(id=f"u{i}", run=RUN, source="trainer", step=i, trained_tokens=1000 * i,
+                                     created_at=day + timedelta(hours=i)) for i in (1, 3)])
+    query = f"since={day.isoformat()}&until={(day + timedelta(hours=4)).isoformat()}".replace("+", "%2B")
+    report = (await get(keyed_app, f"/v1/usage/over-time?{query}", owned["a"])).json()
+    assert (report["tenant"], report["bucket"], report["bucket_s"]) == ("a", "1h", 3600)
+    assert [(b["start"], b["trained_tokens"], b["cost"]) for b in report["items"]] == [
+        ("2026-11-02T00:00:00Z", 0, 0.0), ("2026-11-02T01:00:00Z", 1000, 0.002), ("2026-11-02T02:00:00Z", 0, 0.0),
+        ("2026-11-02T03:00:00Z", 3000, 0.006)]
+    daily = (await get(keyed_app, f"/v1/usage/over-time?{query}&bucket=1d", owned["a"])).json()["items"]
+    assert [(b["start"], b["end"], b["trained_tokens"]) for b in daily] == [
+        ("2026-11-02T00:00:00Z", "2026-11-03T00:00:00Z", 4000)]
+    assert len((await get(keyed_app, "/v1/usage/over-time", owned["a"])).json()["items"]) in (168, 169)  # 7 days
+    assert (await get(keyed_app, f"/v1/usage/over-time?{query}", owned["b"])).json()["items"][1]["trained_tokens"] == 0
+
+    page = await get(keyed_app, f"/usage?{query}&bucket=", owned["a"])
+    assert page.status_code == 200 and 'id="tokens-chart"' in page.text and 'data-page="usage"' in page.text
+    data = page.text.split('<script type="application/json" id="usage-data">')[1].split("</script>")[0]
+    assert json.loads(data)["items"] == report["items"]
+    assert "From 2026-11-02 00:00:00 to 2026-11-02 04:00:00 UTC, by 1h" in page.text
+    assert "4000" in page.text  # the table, over the same range
+    assert "4000" not in (await get(keyed_app, "/usage?since=2026-11-03T00:00:00Z", owned["a"])).text
+    cases = {"bucket=1w": "bucket: &#39;1w&#39; is not a bucket", "bucket=0h": "bucket: ",
+             "bucket=1m&since=2026-01-01T00:00:00Z&until=2026-02-01T00:00:00Z": "bucket: 1m buckets from",
+             "since=yesterday": "since: ", "since=2026-01-01T00:00:00": "since: input should have timezone",
+             "since=1900-01-01T00:00:00Z": "since: 1900-01-01T00:00:00+00:00 is out of range",
+             "since=2026-01-02T00:00:00Z&until=2026-01-01T00:00:00Z": "until: 2026-01-01T00:00:00+00:00 is not after"}
+    for bad, said in cases.items():
+        shown = await get(keyed_app, f"/usage?{bad}", owned["a"])
+        assert shown.status_code == 422 and said in shown.text, (bad, shown.text)
+        api = await get(keyed_app, f"/v1/usage/over-time?{bad}", owned["a"])
+        assert api.status_code == 422 and api.json()["detail"].startswith(said.split(":")[0] + ": "), (bad, api.text)

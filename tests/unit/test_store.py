@@ -933,3 +933,27 @@ async def test_usage_is_summed_by_tenant_run_and_source_and_counted_once(store: 
     # of both trained rollouts, each node's once.
     assert await store.recount_usage("r1") == {"num_calls": 4, "prompt_tokens": 29 + 5, "sampled_tokens": 6 + 4,
                                               "trained_tokens": 6 + 4}
+
+
+async def test_usage_over_time_is_summed_by_bucket_from_the_epoch(store: Store) -> None:
+    day = datetime(2026, 11, 2, tzinfo=UTC)  # a bucket of a day starts at 00:00 UTC
+    await store.upsert_runs([events.RunState(id="r1", tenant="team", created_at=T0),
+                             events.RunState(id="r2", tenant="other", created_at=T0)])
+    counts = [events.Usage(id=f"u{i}", run=run, source="trainer", step=i, trained_tokens=tokens, created_at=at)
+              for i, (run, tokens, at) in enumerate([
+                  ("r1", 1, day - timedelta(microseconds=1)), ("r1", 2, day), ("r1", 4, day + timedelta(hours=23)),
+                  ("r1", 8, day + timedelta(days=2, seconds=30.5)), ("r2", 16, day)])]
+    await store.record([*counts, events.Usage(id="api", run="r1", source="api", tenant="acme", prompt_tokens=7,
+                                              sampled_tokens=3, created_at=day + timedelta(hours=1))])
+    rows = await store.usage_over_time(86400, tenant="team")
+    assert [(row["start"], row["trained_tokens"], row["num_counts"]) for row in rows] == [
+        (day - timedelta(days=1), 1, 1), (day, 2 + 4, 2), (day + timedelta(days=2), 8, 1)]
+    assert rows[0]["start"].tzinfo is UTC and rows[0]["sandbox_s"] == 0.0 and rows[0]["prompt_tokens"] == 0
+    hourly = await store.usage_over_time(3600, since=day, until=day + timedelta(hours=2))
+    assert [(row["start"], row["trained_tokens"], row["prompt_tokens"]) for row in hourly] == [
+        (day, 2 + 16, 0), (day + timedelta(hours=1), 0, 7)]
+    assert [row["trained_tokens"] for row in await store.usage_over_time(60, run="r1", since=day + timedelta(days=2))
+            ] == [8]
+    assert await store.usage_over_time(60, tenant="nobody") == []
+    with pytest.raises(ValueError, match="bucket_s must be"):
+        await store.usage_over_time(0)

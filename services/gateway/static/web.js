@@ -63,30 +63,44 @@
     return { lines, evals };
   }
 
-  function drawChart(chart, legend, steps) {
-    const { lines, evals } = seriesOf(steps);
-    const points = [...lines.values(), ...evals.values()].flat();
-    if (points.length === 0) return;
-    const [width, height, left, right, top, bottom] = [720, 260, 52, 12, 12, 30];
-    let [x0, x1] = [Math.min(...points.map((p) => p[0])), Math.max(...points.map((p) => p[0]))];
-    let [y0, y1] = [Math.min(...points.map((p) => p[1])), Math.max(...points.map((p) => p[1]))];
-    if (x0 === x1) { x0 -= 1; x1 += 1; }
-    if (y0 === y1) { y0 -= 0.5; y1 += 0.5; }
+  // Axes, grid and ticks of a chart of viewBox width x height; the scale of (x0..x1, y0..y1).
+  function frame(chart, { x0, x1, y0, y1, height = 260, yDigits = 2, xLabels, xName }) {
+    const [width, left, right, top, bottom] = [720, 64, 12, 12, 30];
     const x = (v) => left + ((v - x0) / (x1 - x0)) * (width - left - right);
     const y = (v) => height - bottom - ((v - y0) / (y1 - y0)) * (height - top - bottom);
     chart.replaceChildren();
-    chart.setAttribute("data-num-steps", String(steps.length));
     chart.append(svg("line", { x1: left, y1: height - bottom, x2: width - right, y2: height - bottom, class: "axis" }));
     chart.append(svg("line", { x1: left, y1: top, x2: left, y2: height - bottom, class: "axis" }));
     for (let i = 0; i <= 4; i++) {
       const value = y0 + ((y1 - y0) * i) / 4;
       chart.append(svg("line", { x1: left, y1: y(value), x2: width - right, y2: y(value), class: "grid" }));
-      chart.append(svg("text", { x: left - 6, y: y(value) + 4, "text-anchor": "end", class: "tick" }, value.toFixed(2)));
+      chart.append(svg("text", { x: left - 6, y: y(value) + 4, "text-anchor": "end", class: "tick" }, value.toFixed(yDigits)));
     }
-    for (const value of [x0, x1]) {
-      chart.append(svg("text", { x: x(value), y: height - 10, "text-anchor": "middle", class: "tick" }, String(value)));
+    for (const [value, label] of xLabels) {
+      chart.append(svg("text", { x: x(value), y: height - 10, "text-anchor": "middle", class: "tick" }, label));
     }
-    chart.append(svg("text", { x: (left + width) / 2, y: height - 10, "text-anchor": "middle", class: "tick" }, "step"));
+    chart.append(svg("text", { x: (left + width) / 2, y: height - 10, "text-anchor": "middle", class: "tick" }, xName));
+    return { x, y };
+  }
+
+  function legendItem(legend, name, stroke, className) {
+    const item = document.createElement("span");
+    item.className = className ? `legend-item ${className}` : "legend-item";
+    item.style.setProperty("--color", stroke);
+    item.textContent = name;
+    legend.append(item);
+  }
+
+  function drawChart(chart, legend, steps) {
+    const { lines, evals } = seriesOf(steps);
+    const points = [...lines.values(), ...evals.values()].flat();
+    if (points.length === 0) return;
+    let [x0, x1] = [Math.min(...points.map((p) => p[0])), Math.max(...points.map((p) => p[0]))];
+    let [y0, y1] = [Math.min(...points.map((p) => p[1])), Math.max(...points.map((p) => p[1]))];
+    if (x0 === x1) { x0 -= 1; x1 += 1; }
+    if (y0 === y1) { y0 -= 0.5; y1 += 0.5; }
+    const { x, y } = frame(chart, { x0, x1, y0, y1, xLabels: [x0, x1].map((v) => [v, String(v)]), xName: "step" });
+    chart.setAttribute("data-num-steps", String(steps.length));
     legend.replaceChildren();
     let color = 0;
     for (const [name, line] of lines) {
@@ -97,22 +111,14 @@
         fill: "none", stroke, "stroke-width": name === "reward" ? 2.5 : 1.5,
         "data-series": name, "data-num-points": line.length,
       }));
-      const item = document.createElement("span");
-      item.className = "legend-item";
-      item.style.setProperty("--color", stroke);
-      item.textContent = name;
-      legend.append(item);
+      legendItem(legend, name, stroke);
     }
     for (const [name, evalPoints] of evals) {
       const stroke = COLORS[color++ % COLORS.length];
       for (const [s, v] of evalPoints) {
         chart.append(svg("circle", { cx: x(s), cy: y(v), r: 4, fill: stroke, "data-eval": name },));
       }
-      const item = document.createElement("span");
-      item.className = "legend-item eval";
-      item.style.setProperty("--color", stroke);
-      item.textContent = `eval ${name}`;
-      legend.append(item);
+      legendItem(legend, `eval ${name}`, stroke, "eval");
     }
   }
 
@@ -236,6 +242,47 @@
     }
   }
 
+  // --- the usage page -----------------------------------------------------------------------
+
+  // Bars by time bucket: each bucket's series stacked, from zero.
+  function drawBars(chart, legend, buckets, series, yDigits) {
+    const totals = buckets.map((b) => series.reduce((sum, [key]) => sum + b[key], 0));
+    const top = Math.max(...totals) || 1;
+    const n = buckets.length;
+    const day = (i) => buckets[Math.min(i, n - 1)].start.slice(0, 16).replace("T", " ");
+    const { x, y } = frame(chart, {
+      x0: 0, x1: n, y0: 0, y1: top, height: 220, yDigits,
+      xLabels: [[0, day(0)], [n, n > 1 ? day(n - 1) : ""]], xName: "UTC",
+    });
+    chart.setAttribute("data-num-buckets", String(n));
+    legend.replaceChildren();
+    series.forEach(([, name], i) => legendItem(legend, name, COLORS[i % COLORS.length]));
+    buckets.forEach((bucket, i) => {
+      let base = 0;
+      series.forEach(([key, name], s) => {
+        const value = bucket[key];
+        if (!value) return;
+        const rect = svg("rect", {
+          x: x(i) + 0.5, width: Math.max(x(i + 1) - x(i) - 1, 0.5), y: y(base + value), height: y(base) - y(base + value),
+          fill: COLORS[s % COLORS.length], "data-series": key, "data-value": value, "data-start": bucket.start,
+        });
+        rect.append(svg("title", {}, `${bucket.start} · ${name} ${fixed(value, yDigits)}`));
+        chart.append(rect);
+        base += value;
+      });
+    });
+  }
+
+  function usagePage() {
+    const report = JSON.parse(document.getElementById("usage-data").textContent);
+    const buckets = report.items.map((b) => ({ ...b, trained: b.trained_tokens + b.sft_tokens }));
+    drawBars(document.getElementById("tokens-chart"), document.getElementById("tokens-legend"), buckets,
+      [["prompt_tokens", "prompt"], ["sampled_tokens", "sampled"], ["trained", "trained"]], 0);
+    drawBars(document.getElementById("cost-chart"), document.getElementById("cost-legend"), buckets,
+      [["cost", `cost (${report.prices.currency})`]], 4);
+  }
+
   if (body.dataset.page === "run") runPage();
+  if (body.dataset.page === "usage") usagePage();
   if (body.dataset.page === "trace") tracePage();
 })();
