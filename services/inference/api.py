@@ -52,7 +52,7 @@ from flywheel.contract.config import StopStrings, sampling_field
 from flywheel.contract.keys import SCOPES, Caller, KeyCheck, KeyRefused, ScopeRefused
 from flywheel.contract.runs import BadRunState, end_of, get_run, list_runs
 from flywheel.sdk.messages import message_dict, message_from_dict
-from flywheel_inference import interception
+from flywheel_inference import agent_apis, interception
 from flywheel_inference.completion import Completion
 from flywheel_inference.interception import openai_error, parse_tool_calls
 from flywheel_inference.policy import Sampled, WeightsUnavailable
@@ -358,18 +358,24 @@ async def healthz(worker: WorkerDep, request: Request) -> JSONResponse:
 
 
 class RolloutKeyAsBearer:
-    """ASGI middleware: a harness given a rollout key instead of a URL. ``/v1/chat/completions``
-    with ``Authorization: Bearer fw-...`` is that rollout's interception endpoint. (Plain ASGI,
-    not ``BaseHTTPMiddleware``, which costs a task per request.)"""
+    """ASGI middleware: a harness given a rollout key instead of a URL. ``/v1/chat/completions``,
+    ``/v1/responses`` or ``/v1/messages`` with ``Authorization: Bearer fw-...`` (or, as the
+    ``anthropic`` SDK sends it, ``x-api-key: fw-...``) is that rollout's interception endpoint.
+    (Plain ASGI, not ``BaseHTTPMiddleware``, which costs a task per request.)"""
+
+    PATHS = ("/v1/chat/completions", "/v1/responses", "/v1/messages")
 
     def __init__(self, app: Any) -> None:
         self.app = app
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"] == "/v1/chat/completions":
-            auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-            if auth.startswith("Bearer fw-"):
-                scope = {**scope, "path": f"/intercept/{auth.removeprefix('Bearer ').strip()}/v1/chat/completions"}
+        if scope["type"] == "http" and scope["path"] in self.PATHS:
+            headers = dict(scope["headers"])
+            key = headers.get(b"authorization", b"").decode("latin-1").removeprefix("Bearer ").strip()
+            if not key.startswith("fw-"):
+                key = headers.get(b"x-api-key", b"").decode("latin-1").strip()
+            if key.startswith("fw-"):
+                scope = {**scope, "path": f"/intercept/{key}{scope['path']}"}
         await self.app(scope, receive, send)
 
 
@@ -387,6 +393,7 @@ def install(app: FastAPI) -> None:
     app.add_middleware(RolloutKeyAsBearer)
     app.include_router(router)
     interception.install(app)
+    agent_apis.install(app)
     app.add_exception_handler(ApiError,
                               on_api_error)  # type: ignore[arg-type]  # typed for Exception; gets only that class
     app.add_exception_handler(RequestValidationError,

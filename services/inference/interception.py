@@ -296,6 +296,8 @@ class Session:
     truncated: bool = False
     versions: list[int] = field(default_factory=list)
     prompts: list[list[int]] = field(default_factory=list)  # what the model was given, call by call
+    # The Responses API's stored responses (id -> the conversation they end), for previous_response_id.
+    responses: dict[str, list[events.Message]] = field(default_factory=dict)
     _tools_key: str | None = None
     _renderer: Renderer | None = None
     _publishing: asyncio.Future[None] | None = None

@@ -677,10 +677,11 @@ class Worker:
             import httpx
             from fastapi import FastAPI
 
-            from flywheel_inference import interception
+            from flywheel_inference import agent_apis, interception
 
             app = FastAPI()
             interception.install(app)
+            agent_apis.install(app)
             app.state.interception = self.interception
             self._asgi_client = httpx.AsyncClient(
                 transport=interception.InProcessTransport(app, self.interception), timeout=None)

@@ -1,7 +1,8 @@
 """A harness written with the plain `openai` SDK, run unchanged as a program, yields
 training-ready rollouts through the interception endpoint of a real inference server (HTTP on
 a free port, real nats-server, the tiny model): three turns, tool calls in its history, one
-streamed request, and the token spans of every branch exactly what the model was given."""
+streamed request, and the token spans of every branch exactly what the model was given. The
+same for agents on the Responses API and on the Messages API."""
 
 from __future__ import annotations
 
@@ -63,6 +64,35 @@ async def test_an_openai_sdk_program_yields_training_ready_exact_rollouts(
     traces: list[events.TraceNode] = await stored(bus, "TRACES", events.TraceNode)
     for r in rollouts:
         assert {t.node.id for t in traces if t.rollout_id == r.id} == {n.id for n in r.nodes}
+
+
+async def test_responses_and_messages_sdk_programs_yield_exact_rollouts(
+        bus: Bus, long_tiny_model: Path, server: Served) -> None:
+    """The same, for an agent on the openai SDK's Responses API (stateful, previous_response_id)
+    and one on the anthropic SDK's Messages API, each streaming one turn."""
+    await create_run(bus, long_tiny_model, env="sdk_agents", group_size=1,
+                     trainer={"batch_size": 2, "max_off_policy_steps": 0})
+    base, _ = models.load_model(long_tiny_model)
+    await publish_weights(bus, "r1", 0, base)
+    await bus.publish_many([events.Task(id=api, run="r1", env="sdk_agents", data={"text": "abc", "api": api})
+                            for api in ("responses", "messages")])
+    await until(lambda: count_is(bus, "ROLLOUTS", 2), timeout_s=120, what="2 rollouts")
+    rollouts: list[events.Rollout] = await stored(bus, "ROLLOUTS", events.Rollout)
+    assert sorted(r.task_id for r in rollouts) == ["messages", "responses"]
+    for r in rollouts:
+        assert r.status in ("completed", "truncated"), (r.task_id, r.error, r.state.get("stdout"))
+        assert r.metrics["num_calls"] == 3 and r.metrics["num_rerenders"] == 0, r.task_id
+        assert len(r.state["answers"]) == 3 and r.state["usage_prompt_tokens"] > 0
+        (branch,) = branches(r.nodes)  # every turn extended the one conversation
+        assert [n.message.role for n in branch] == ["system", "user", "assistant", "tool", "assistant", "user",
+                                                    "assistant", "user", "assistant", "user", "assistant"]
+        assert branch[2].message.tool_calls[0].id == "c0"
+        for node in (n for n in r.nodes if n.tokens and any(n.tokens.loss_mask)):
+            upto = branch[:branch.index(node) + 1]
+            ids = [t for n in upto for t in span_of(n).token_ids]
+            assert ids[:-sum(span_of(node).loss_mask)] in server.prompts
+        (sequence,) = sequences_of(r)
+        assert sum(sequence.loss_mask) == r.metrics["num_completion_tokens"]
 
 
 async def test_a_failing_harness_is_an_error_rollout_and_a_bad_row_a_dead_letter(

@@ -474,7 +474,8 @@ async def call_by_name(fn: Callable[..., Any], available: Mapping[str, Any]) -> 
 @dataclass
 class ProgramHarness:
     """Runs ``argv`` once per rollout with ``OPENAI_BASE_URL``, ``OPENAI_API_KEY`` and
-    ``OPENAI_MODEL`` set to the rollout's own, the task as JSON on stdin (and in
+    ``OPENAI_MODEL`` set to the rollout's own (and ``ANTHROPIC_BASE_URL``, ``ANTHROPIC_API_KEY``
+    for programs written with the ``anthropic`` SDK), the task as JSON on stdin (and in
     ``FLYWHEEL_TASK``). A non-zero exit or a run past ``timeout_s`` (the process is killed) is the
     rollout's error. If the program's last stdout line is a JSON object it becomes the state;
     the stdout tail is kept in ``state["stdout"]`` either way. ``initial_messages`` (for SFT views)
@@ -491,7 +492,8 @@ class ProgramHarness:
     async def run(self, env: Environment, ctx: RolloutContext) -> None:
         argv = [sys.executable if a == "{python}" else a for a in self.argv]
         child_env = {**os.environ, **self.env, "OPENAI_BASE_URL": ctx.base_url, "OPENAI_API_KEY": ctx.api_key,
-                     "OPENAI_MODEL": ctx.model, "FLYWHEEL_TASK": json.dumps(ctx.task)}
+                     "OPENAI_MODEL": ctx.model, "ANTHROPIC_BASE_URL": ctx.base_url.removesuffix("/v1"),
+                     "ANTHROPIC_API_KEY": ctx.api_key, "FLYWHEEL_TASK": json.dumps(ctx.task)}
         proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE,
                                                     stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
                                                     env=child_env, cwd=self.cwd, start_new_session=True)
