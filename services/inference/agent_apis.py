@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
-from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from fastapi import APIRouter, FastAPI, Request
@@ -44,8 +42,6 @@ from flywheel_inference.interception import InterceptionError, Session, openai_e
 from flywheel_inference.streaming import TextStream, TokenQueue, chat_logprobs, decode
 
 router = APIRouter()
-
-LOGPROBS = "message.output_text.logprobs"
 
 
 def install(app: FastAPI) -> None:
@@ -64,20 +60,25 @@ def _recorded(session: Session) -> Any:
     return lambda: wire.recorded_tool_calls(session.graph.nodes.values())
 
 
-def _sse(kind: str, data: Mapping[str, Any]) -> str:
-    return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
-
-
 class _Events(Protocol):
-    """The server-sent events of one streamed answer, in one API's shape."""
+    """The server-sent events of one streamed answer, in one API's shape (:mod:`flywheel.sdk.wire`)."""
 
     def start(self) -> str: ...
     def text(self, delta: str) -> str: ...
-    def end(self, answer: events.Node, completion: Any, num_prompt: int) -> str: ...
+    def end(self, answer: events.Message, finish_reason: str, usage: tuple[int, int],
+            logprobs: list[dict[str, Any]] | None = None) -> str: ...
     def error(self, message: str) -> str: ...
 
 
-async def _streamed(session: Session, call: wire.ChatCall, writer: _Events) -> StreamingResponse:
+def logprobs(session: Session, completion: Any) -> list[dict[str, Any]]:
+    """Each sampled token's text, logprob and bytes, as the Responses API gives them."""
+    texts = [decode(session.policy.backend.tokenizer, [i], False) for i in completion.token_ids]
+    content: list[dict[str, Any]] = chat_logprobs(texts, completion.logprobs)["content"]
+    return content
+
+
+async def _streamed(session: Session, call: wire.ChatCall, writer: _Events,
+                    want_logprobs: bool = False) -> StreamingResponse:
     """Sample ``call`` token by token into ``writer``'s events. A failure before the first token
     raises (an error response); after it, the stream ends with the API's error event."""
     tokens = TokenQueue()
@@ -99,7 +100,8 @@ async def _streamed(session: Session, call: wire.ChatCall, writer: _Events) -> S
         rest = shown.finish(answer.message.content)
         if rest:
             yield writer.text(rest)
-        yield writer.end(answer, completion, num_prompt)
+        yield writer.end(answer.message, completion.finish_reason, (num_prompt, len(completion.token_ids)),
+                         logprobs(session, completion) if want_logprobs else None)
 
     return StreamingResponse(stream(), media_type="text/event-stream")
 
@@ -107,110 +109,17 @@ async def _streamed(session: Session, call: wire.ChatCall, writer: _Events) -> S
 # --- Responses ------------------------------------------------------------------------------
 
 
-@dataclass
-class _ResponseTurn:
-    """One Responses request being answered: what it continues and how to store its answer."""
-
-    session: Session
-    body: Mapping[str, Any]
-    conversation: list[events.Message]
-    ident: str = field(default_factory=wire.response_id)
-    created: int = field(default_factory=lambda: int(time.time()))
-
-    @property
-    def model(self) -> str:
-        model = self.body.get("model")
-        return model if isinstance(model, str) else self.session.run
-
-    def response(self, output: list[dict[str, Any]], finish_reason: str | None = None,
-                 usage: tuple[int, int] | None = None) -> dict[str, Any]:
-        return wire.response_body(self.body, ident=self.ident, created=self.created, model=self.model, output=output,
-                                  finish_reason=finish_reason, usage=usage, sampling=self.session.sampling)
-
-    def keep(self, answer: events.Message) -> None:
-        if self.body.get("store") is not False:
-            self.session.responses[self.ident] = [*self.conversation, answer]
-
-    def logprobs(self, completion: Any) -> list[dict[str, Any]] | None:
-        include = self.body.get("include") or []
-        if not isinstance(include, list) or LOGPROBS not in include:
-            return None
-        tok = self.session.policy.backend.tokenizer
-        texts = [decode(tok, [i], False) for i in completion.token_ids]
-        content: list[dict[str, Any]] = chat_logprobs(texts, completion.logprobs)["content"]
-        return content
-
-
-@dataclass
-class _ResponseEvents:
-    """``response.*`` server-sent events of one streamed response."""
-
-    turn: _ResponseTurn
-    seq: int = 0
-    item: dict[str, Any] | None = None  # the message item whose text is being streamed
-
-    def _event(self, kind: str, **fields: Any) -> str:
-        data = {"type": kind, "sequence_number": self.seq, **fields}
-        self.seq += 1
-        return _sse(kind, data)
-
-    def start(self) -> str:
-        response = self.turn.response([])
-        return self._event("response.created", response=response) + self._event("response.in_progress",
-                                                                                 response=response)
-
-    def text(self, delta: str) -> str:
-        head = ""
-        if self.item is None:
-            self.item = wire.response_message_item("", status="in_progress")
-            head = (self._event("response.output_item.added", output_index=0, item=self.item)
-                    + self._event("response.content_part.added", item_id=self.item["id"], output_index=0,
-                                  content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
-        return head + self._event("response.output_text.delta", item_id=self.item["id"], output_index=0,
-                                  content_index=0, delta=delta, logprobs=[])
-
-    def end(self, answer: events.Node, completion: Any, num_prompt: int) -> str:
-        out, output = "", []
-        message = answer.message
-        if self.item is not None:
-            done = wire.response_message_item(message.content, logprobs=self.turn.logprobs(completion),
-                                              item_id=self.item["id"])
-            part = done["content"][0]
-            out += (self._event("response.output_text.done", item_id=done["id"], output_index=0, content_index=0,
-                                text=message.content, logprobs=part.get("logprobs", []))
-                    + self._event("response.content_part.done", item_id=done["id"], output_index=0,
-                                  content_index=0, part=part)
-                    + self._event("response.output_item.done", output_index=0, item=done))
-            output.append(done)
-        for call in message.tool_calls:
-            index, item = len(output), wire.response_call_item(call)
-            out += (self._event("response.output_item.added", output_index=index,
-                                item=wire.response_call_item(call, "in_progress"))
-                    + self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                                  delta=call.arguments)
-                    + self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                  name=call.name, arguments=call.arguments)
-                    + self._event("response.output_item.done", output_index=index, item=item))
-            output.append(item)
-        response = self.turn.response(output, completion.finish_reason, (num_prompt, len(completion.token_ids)))
-        self.turn.keep(message)
-        kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
-        return out + self._event(kind, response=response)
-
-    def error(self, message: str) -> str:
-        return self._event("error", code="server_error", message=message, param=None)
-
-
 async def respond(session: Session, body: Any) -> Response:
     """A Responses request's answer, whole or streamed."""
     call, conversation = wire.responses_call(body, session.responses.get, _recorded(session))
-    turn = _ResponseTurn(session, body, conversation)
+    model = body.get("model")
+    turn = wire.ResponseTurn(body, conversation, session.responses, model if isinstance(model, str) else session.run,
+                             session.sampling)
     if call.stream:
-        return await _streamed(session, call, _ResponseEvents(turn))
+        return await _streamed(session, call, wire.ResponseEvents(turn), turn.wants_logprobs)
     answer, completion, num_prompt = await session.chat(call.messages, call.tools, call.max_tokens)
-    turn.keep(answer.message)
-    output = wire.response_output(answer.message, turn.logprobs(completion))
-    return JSONResponse(turn.response(output, completion.finish_reason, (num_prompt, len(completion.token_ids))))
+    return JSONResponse(turn.answered(answer.message, completion.finish_reason, (num_prompt, len(completion.token_ids)),
+                                      logprobs(session, completion) if turn.wants_logprobs else None))
 
 
 @router.post("/intercept/{key}/v1/responses", response_model=None)
@@ -224,54 +133,6 @@ async def intercepted_responses(key: str, request: Request) -> Response:
 # --- Messages -------------------------------------------------------------------------------
 
 
-@dataclass
-class _MessageEvents:
-    """Anthropic's server-sent events of one streamed message."""
-
-    model: str
-    ident: str = field(default_factory=wire.message_id)
-    blocks: int = 0  # content blocks started
-    text_open: bool = False
-
-    def start(self) -> str:
-        message = wire.message_body(ident=self.ident, model=self.model, content=[], stop=None, usage=(0, 0))
-        return _sse("message_start", {"type": "message_start", "message": message})
-
-    def _close_text(self) -> str:
-        if not self.text_open:
-            return ""
-        self.text_open = False
-        return _sse("content_block_stop", {"type": "content_block_stop", "index": self.blocks - 1})
-
-    def text(self, delta: str) -> str:
-        head = ""
-        if not self.text_open:
-            head = _sse("content_block_start", {"type": "content_block_start", "index": self.blocks,
-                                                "content_block": {"type": "text", "text": ""}})
-            self.text_open, self.blocks = True, self.blocks + 1
-        return head + _sse("content_block_delta", {"type": "content_block_delta", "index": self.blocks - 1,
-                                                   "delta": {"type": "text_delta", "text": delta}})
-
-    def end(self, answer: events.Node, completion: Any, num_prompt: int) -> str:
-        out = self._close_text()
-        for call in answer.message.tool_calls:
-            index, self.blocks = self.blocks, self.blocks + 1
-            block = wire.tool_use_block(call)
-            out += (_sse("content_block_start", {"type": "content_block_start", "index": index,
-                                                 "content_block": wire.tool_use_block(call, whole=False)})
-                    + _sse("content_block_delta", {"type": "content_block_delta", "index": index, "delta": {
-                        "type": "input_json_delta", "partial_json": json.dumps(block["input"])}})
-                    + _sse("content_block_stop", {"type": "content_block_stop", "index": index}))
-        stop = wire.stop_reason(answer.message, completion.finish_reason)
-        usage = {"input_tokens": num_prompt, "output_tokens": len(completion.token_ids)}
-        return (out + _sse("message_delta", {"type": "message_delta", "usage": usage,
-                                             "delta": {"stop_reason": stop, "stop_sequence": None}})
-                + _sse("message_stop", {"type": "message_stop"}))
-
-    def error(self, message: str) -> str:
-        return _sse("error", wire.anthropic_error(500, message))
-
-
 def anthropic_error(status: int, message: str) -> JSONResponse:
     return JSONResponse(wire.anthropic_error(status, message), status_code=status)
 
@@ -283,7 +144,7 @@ async def intercepted_messages(key: str, request: Request) -> Response:
         body = await _json(request)
         call = wire.messages_call(body, _recorded(session))
         if call.stream:
-            return await _streamed(session, call, _MessageEvents(body["model"]))
+            return await _streamed(session, call, wire.MessageEvents(body["model"]))
         answer, completion, num_prompt = await session.chat(call.messages, call.tools, call.max_tokens)
     except (wire.WireError, InterceptionError) as exc:
         return anthropic_error(exc.status, exc.message)

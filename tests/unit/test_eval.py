@@ -202,6 +202,81 @@ class StreamingHarness(ChatHarness):
                 messages.append({"role": "tool", "tool_call_id": call_param["id"], "content": str(add(**args))})
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+async def test_the_proxy_records_responses_and_messages_agents_as_chat_calls(
+        proxy: RecordingProxy, upstream: tuple[Upstream, Served], stream: bool) -> None:
+    """Agents on the Responses API (stateful) and the Messages API through the proxy: each call
+    goes upstream as a chat completion and is recorded as one; the tool loop is one branch."""
+    import anthropic
+    import httpx2
+
+    ai = openai.AsyncOpenAI(base_url=proxy.base_url("resp"), api_key="harness-key", max_retries=0)
+    tools: list[Any] = [{"type": "function", "name": "add", "parameters": {"type": "object"}}]
+    first = await ai.responses.create(model="m", instructions="Use the tool.", input="what is 2 + 3?", tools=tools)
+    (call,) = first.output
+    assert call.type == "function_call" and call.call_id == "call_1"
+    follow: dict[str, Any] = {
+        "model": "m", "instructions": "Use the tool.", "previous_response_id": first.id, "tools": tools,
+        "input": [{"type": "function_call_output", "call_id": "call_1", "output": "5"}]}
+    if stream:
+        text = "".join([e.delta async for e in await ai.responses.create(**follow, stream=True)
+                        if e.type == "response.output_text.delta"])
+    else:
+        text = (await ai.responses.create(**follow)).output_text
+    assert text == "the sum is 5"
+
+    async with httpx2.AsyncClient() as http:
+        claude = anthropic.AsyncAnthropic(base_url=proxy.base_url("msg").removesuffix("/v1"), api_key="harness-key",
+                                          http_client=http, max_retries=0)
+        schema: list[Any] = [{"name": "add", "input_schema": {"type": "object"}}]
+        messages: list[Any] = [{"role": "user", "content": "what is 2 + 3?"}]
+        reply = await claude.messages.create(model="m", max_tokens=16, system="Use the tool.", messages=messages,
+                                             tools=schema)
+        (use,) = reply.content
+        assert use.type == "tool_use" and use.input == {"a": 2, "b": 3} and reply.stop_reason == "tool_use"
+        messages += [{"role": "assistant", "content": [b.model_dump() for b in reply.content]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "5"}]}]
+        final: Any
+        if stream:
+            async with claude.messages.stream(model="m", max_tokens=16, system="Use the tool.", messages=messages,
+                                              tools=schema) as events_stream:
+                pieces = [t async for t in events_stream.text_stream]
+                final = await events_stream.get_final_message()
+            assert len(pieces) > 1  # relayed as the upstream streamed it
+        else:
+            final = await claude.messages.create(model="m", max_tokens=16, system="Use the tool.", messages=messages,
+                                                 tools=schema)
+        assert final.content[0].type == "text" and final.content[0].text == "the sum is 5"
+        assert final.usage.input_tokens == 7 and final.usage.output_tokens == 3
+
+    for key in ("resp", "msg"):
+        recording = proxy.take(key)
+        assert recording.graph.last is not None
+        branch = recording.graph.branch(recording.graph.last.id)
+        assert [(n.message.role, n.message.content) for n in branch] == [
+            ("system", "Use the tool."), ("user", "what is 2 + 3?"), ("assistant", ""), ("tool", "5"),
+            ("assistant", "the sum is 5")], key
+        assert len(recording.graph.nodes) == 5 and recording.tokens() == {"prompt_tokens": 14, "completion_tokens": 6}
+    assert all(r["model"] == "m" and r["max_tokens"] <= 16 for r in upstream[0].requests[2:])
+
+
+async def test_malformed_responses_and_messages_requests_get_their_apis_errors_at_the_proxy(
+        proxy: RecordingProxy) -> None:
+    import httpx
+
+    async with httpx.AsyncClient(base_url=proxy.url) as http:
+        bad = await http.post("/r/k/v1/responses", json={"model": "m", "input": "hi", "previous_response_id": "x"})
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == "previous_response_not_found"
+        bad = await http.post("/r/k/v1/messages", json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+        assert bad.status_code == 400 and bad.json() == {"type": "error", "error": {
+            "type": "invalid_request_error", "message": "max_tokens: Field required"}}
+        upstream_refused = await http.post("/r/k/v1/messages", json={
+            "model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "bad request"}]})
+        assert upstream_refused.status_code == 400
+        assert upstream_refused.json()["error"] == {"type": "invalid_request_error",
+                                                    "message": "upstream: no such thing"}
+
+
 async def test_transient_failures_are_retried_and_errors_pass_through(proxy: RecordingProxy,
                                                                       upstream: tuple[Upstream, Served]) -> None:
     upstream[0].num_failures = 2

@@ -5,7 +5,8 @@ unchanged: its harness gets a per-rollout base URL, exactly as inside the infere
 only here the URL is a local **recording proxy** (:class:`RecordingProxy`) in front of the
 endpoint under evaluation (the local inference service by default, with the run id as the
 model; or any OpenAI-compatible server). The proxy forwards ``/chat/completions`` (streaming
-included) and records each request's messages and the answer into a
+included), takes ``/responses`` and ``/messages`` (the OpenAI Responses and Anthropic Messages
+APIs, translated by :mod:`flywheel.sdk.wire`) as chat completions upstream, and records each request's messages and the answer into a
 :class:`flywheel.sdk.tracegraph.TraceGraph` per rollout (the message layer; upstream logprobs and
 usage are kept per call), retrying transient upstream failures (429, 5xx, connection errors)
 with backoff before anything reaches the harness.
@@ -48,7 +49,7 @@ import random
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -58,9 +59,10 @@ import msgspec
 
 from flywheel.contract import events
 from flywheel.ops.tables import table
+from flywheel.sdk import wire
 from flywheel.sdk.environment import Environment, EnvironmentOverrides, load_environment, messages_of, subject_name
 from flywheel.sdk.harness import RolloutContext
-from flywheel.sdk.messages import message_from_dict
+from flywheel.sdk.messages import message_dict, message_from_dict
 from flywheel.sdk.rollout import ROLLOUT_TIMEOUT_S, run_harness
 from flywheel.sdk.sandbox import SandboxClient
 from flywheel.sdk.sandbox_tools import SandboxUnavailable, use_client
@@ -88,6 +90,7 @@ class Recording:
     graph: TraceGraph = field(default_factory=TraceGraph)
     calls: list[dict[str, Any]] = field(default_factory=list)
     sampling: events.Sampling | None = None  # imposed on each of its calls (None: sent as the harness sent it)
+    responses: dict[str, list[events.Message]] = field(default_factory=dict)  # Responses API, by id
 
     def add(self, messages: list[events.Message], completion: Mapping[str, Any]) -> None:
         """The request's messages below the longest matching path, then each choice below them."""
@@ -205,6 +208,34 @@ def eval_sampling(env: Environment, given: Mapping[str, Any]) -> events.Sampling
     return sampling
 
 
+async def _json_body(request: Any) -> Any:
+    try:
+        return json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise wire.WireError(f"the request body is not JSON: {exc}", "body") from exc
+
+
+def _recorded(recording: Recording) -> Callable[[], Mapping[str, str]]:
+    return lambda: wire.recorded_tool_calls(recording.graph.nodes.values())
+
+
+def _openai_upstream_error(status: int, content: bytes) -> Any:
+    from starlette.responses import Response
+
+    return Response(content, status_code=status, media_type="application/json")
+
+
+def _anthropic_upstream_error(status: int, content: bytes) -> Any:
+    """The upstream's error (OpenAI's shape, or text) in the Messages API's shape."""
+    from starlette.responses import JSONResponse
+
+    try:
+        message = json.loads(content)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = content.decode(errors="replace")[:500]
+    return JSONResponse(wire.anthropic_error(status, f"upstream: {message}"), status_code=status)
+
+
 class RecordingProxy:
     """Forwards ``/r/<key>/v1/chat/completions`` to ``upstream`` and records every call of each key.
 
@@ -261,15 +292,108 @@ class RecordingProxy:
             return Response(response.content, status_code=response.status_code,
                             media_type=response.headers.get("content-type"))
 
+        async def responses(request: Request) -> Response:
+            recording = self.recordings.setdefault(request.path_params["key"], Recording())
+            try:
+                body = await _json_body(request)
+                call, conversation = wire.responses_call(body, recording.responses.get, _recorded(recording))
+            except wire.WireError as exc:
+                return JSONResponse({"error": {"message": exc.message, "type": "invalid_request_error",
+                                               "param": exc.param, "code": exc.code}}, status_code=exc.status)
+            model = body.get("model")
+            turn = wire.ResponseTurn(body, conversation, recording.responses, model if isinstance(model, str) else "",
+                                     recording.sampling)
+            return await self._translated(request.path_params["key"], call, model, turn.answered,
+                                          wire.ResponseEvents(turn), _openai_upstream_error)
+
+        async def messages(request: Request) -> Response:
+            recording = self.recordings.setdefault(request.path_params["key"], Recording())
+            try:
+                body = await _json_body(request)
+                call = wire.messages_call(body, _recorded(recording))
+            except wire.WireError as exc:
+                return JSONResponse(wire.anthropic_error(exc.status, exc.message), status_code=exc.status)
+            model = body["model"]
+
+            def whole(answer: events.Message, finish_reason: str, usage: tuple[int, int]) -> dict[str, Any]:
+                return wire.message_body(ident=wire.message_id(), model=model, content=wire.message_content(answer),
+                                         stop=wire.stop_reason(answer, finish_reason), usage=usage)
+
+            return await self._translated(request.path_params["key"], call, model, whole, wire.MessageEvents(model),
+                                          _anthropic_upstream_error)
+
         return Starlette(routes=[Route("/r/{key}/v1/chat/completions", chat, methods=["POST"]),
+                                 Route("/r/{key}/v1/responses", responses, methods=["POST"]),
+                                 Route("/r/{key}/v1/messages", messages, methods=["POST"]),
                                  Route("/r/{key}/v1/models", list_models, methods=["GET"])])
+
+    def _prepared(self, key: str, body: dict[str, Any]) -> tuple[Recording, dict[str, Any]]:
+        """The recording of ``key`` and ``body`` with its sampling imposed."""
+        recording = self.recordings.setdefault(key, Recording())
+        if recording.sampling is not None:
+            body = impose_sampling(body, recording.sampling.with_seed_offset(7919 * len(recording.calls)))
+        return recording, body
+
+    async def _translated(self, key: str, call: wire.ChatCall, model: Any,
+                          whole: Callable[[events.Message, str, tuple[int, int]], dict[str, Any]],
+                          writer: wire.ResponseEvents | wire.MessageEvents,
+                          upstream_error: Callable[[int, bytes], Any]) -> Any:
+        """A Responses or Messages request (already a chat ``call``) sent upstream as a chat
+        completion and recorded as one; the answer goes back in the request's API shape, whole
+        (``whole``) or, when streamed, as ``writer``'s events with the text relayed as it comes."""
+        from starlette.responses import JSONResponse, StreamingResponse
+
+        chat: dict[str, Any] = {"model": model, "messages": [message_dict(m) for m in call.messages]}
+        if call.tools:
+            chat["tools"] = call.tools
+        if call.max_tokens is not None:
+            chat["max_tokens"] = call.max_tokens
+        if call.stream:
+            chat |= {"stream": True, "stream_options": {"include_usage": True}}
+        recording, chat = self._prepared(key, chat)
+        response = await self._send("POST", "/chat/completions", chat, stream=call.stream)
+        if response.status_code != 200:
+            content = await response.aread()
+            await response.aclose()
+            return upstream_error(response.status_code, content)
+
+        def answer_of(completion: Mapping[str, Any]) -> tuple[events.Message, str, tuple[int, int]]:
+            recording.add(call.messages, completion)
+            choice = (completion.get("choices") or [{}])[0]
+            answer = message_from_dict({"content": "", **(choice.get("message") or {}), "role": "assistant"})
+            usage = completion.get("usage") or {}
+            return (answer, choice.get("finish_reason") or "stop",
+                    (int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)))
+
+        if not call.stream:
+            return JSONResponse(whole(*answer_of(json.loads(response.content))))
+
+        async def relay() -> AsyncIterator[str]:
+            stream, sent = _Stream(), 0
+            yield writer.start()
+            try:
+                async for data in response.aiter_raw():
+                    stream.feed(data)
+                    text = (stream.choices.get(0) or {"message": {"content": ""}})["message"]["content"]
+                    if len(text) > sent:
+                        yield writer.text(text[sent:])
+                        sent = len(text)
+                stream.feed(b"\n")
+                answer, finish_reason, usage = answer_of(stream.completion())
+                if len(answer.content) > sent:
+                    yield writer.text(answer.content[sent:])
+                yield writer.end(answer, finish_reason, usage)
+            except Exception as exc:  # the upstream broke off: the client hears why
+                yield writer.error(f"upstream {self.upstream}: {type(exc).__name__}: {exc}")
+            finally:
+                await response.aclose()
+
+        return StreamingResponse(relay(), status_code=200, media_type="text/event-stream")
 
     async def _forward(self, key: str, body: dict[str, Any], messages: list[events.Message]) -> Any:
         from starlette.responses import Response, StreamingResponse
 
-        recording = self.recordings.setdefault(key, Recording())
-        if recording.sampling is not None:
-            body = impose_sampling(body, recording.sampling.with_seed_offset(7919 * len(recording.calls)))
+        recording, body = self._prepared(key, body)
         streaming = bool(body.get("stream"))
         response = await self._send("POST", "/chat/completions", body, stream=streaming)
         if response.status_code != 200 or not streaming:

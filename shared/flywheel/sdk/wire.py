@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import json
 import secrets
+import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from flywheel.contract import events
@@ -242,7 +243,7 @@ def response_output(answer: events.Message, logprobs: list[dict[str, Any]] | Non
 
 
 def response_body(body: Mapping[str, Any], *, ident: str, created: int, model: str, output: list[dict[str, Any]],
-                  finish_reason: str | None, usage: tuple[int, int] | None, sampling: events.Sampling
+                  finish_reason: str | None, usage: tuple[int, int] | None, sampling: events.Sampling | None
                   ) -> dict[str, Any]:
     """A ``response`` object; ``finish_reason`` None: still in progress, "length": incomplete."""
     if finish_reason is None:
@@ -256,7 +257,8 @@ def response_body(body: Mapping[str, Any], *, ident: str, created: int, model: s
         "incomplete_details": incomplete, "instructions": body.get("instructions"),
         "max_output_tokens": body.get("max_output_tokens"), "model": model, "output": output,
         "parallel_tool_calls": True, "previous_response_id": body.get("previous_response_id"),
-        "store": body.get("store") is not False, "temperature": sampling.temperature, "top_p": sampling.top_p,
+        "store": body.get("store") is not False, "temperature": sampling.temperature if sampling else None,
+        "top_p": sampling.top_p if sampling else None,
         "text": {"format": {"type": "text"}}, "tool_choice": body.get("tool_choice", "auto"),
         "tools": body.get("tools") or [], "truncation": "disabled", "metadata": body.get("metadata") or {},
         "usage": None if usage is None else {
@@ -379,3 +381,148 @@ def anthropic_error_type(status: int) -> str:
 def anthropic_error(status: int, message: str) -> dict[str, Any]:
     """The body of an error in the Messages API's shape."""
     return {"type": "error", "error": {"type": anthropic_error_type(status), "message": message}}
+
+
+# --- answers, whole or as each API's server-sent events --------------------------------------
+
+LOGPROBS = "message.output_text.logprobs"  # what a Responses request puts in ``include`` for logprobs
+
+
+def sse(kind: str, data: Mapping[str, Any]) -> str:
+    return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
+
+
+@dataclass
+class ResponseTurn:
+    """One Responses request being answered: its body, the conversation it continues (without
+    instructions) and where its answer is kept for a later ``previous_response_id``."""
+
+    body: Mapping[str, Any]
+    conversation: list[events.Message]
+    kept: dict[str, list[events.Message]]  # the rollout's stored responses
+    model: str
+    sampling: events.Sampling | None = None  # what it was sampled with, where known
+    ident: str = field(default_factory=response_id)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def wants_logprobs(self) -> bool:
+        include = self.body.get("include") or []
+        return isinstance(include, list) and LOGPROBS in include
+
+    def response(self, output: list[dict[str, Any]], finish_reason: str | None = None,
+                 usage: tuple[int, int] | None = None) -> dict[str, Any]:
+        return response_body(self.body, ident=self.ident, created=self.created, model=self.model, output=output,
+                             finish_reason=finish_reason, usage=usage, sampling=self.sampling)
+
+    def answered(self, answer: events.Message, finish_reason: str, usage: tuple[int, int],
+                 logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """The whole response to ``answer``, which is kept unless the request said ``store: false``."""
+        if self.body.get("store") is not False:
+            self.kept[self.ident] = [*self.conversation, answer]
+        return self.response(response_output(answer, logprobs), finish_reason, usage)
+
+
+@dataclass
+class ResponseEvents:
+    """``response.*`` server-sent events of one streamed response: text deltas as they come,
+    then each function call whole, then ``response.completed`` (or ``response.incomplete``)."""
+
+    turn: ResponseTurn
+    seq: int = 0
+    item: dict[str, Any] | None = None  # the message item whose text is being streamed
+
+    def _event(self, kind: str, **fields: Any) -> str:
+        data = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return sse(kind, data)
+
+    def start(self) -> str:
+        response = self.turn.response([])
+        return self._event("response.created", response=response) + self._event("response.in_progress",
+                                                                                 response=response)
+
+    def text(self, delta: str) -> str:
+        head = ""
+        if self.item is None:
+            self.item = response_message_item("", status="in_progress")
+            head = (self._event("response.output_item.added", output_index=0, item=self.item)
+                    + self._event("response.content_part.added", item_id=self.item["id"], output_index=0,
+                                  content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
+        return head + self._event("response.output_text.delta", item_id=self.item["id"], output_index=0,
+                                  content_index=0, delta=delta, logprobs=[])
+
+    def end(self, answer: events.Message, finish_reason: str, usage: tuple[int, int],
+            logprobs: list[dict[str, Any]] | None = None) -> str:
+        response = self.turn.answered(answer, finish_reason, usage, logprobs)
+        out = ""
+        for index, item in enumerate(response["output"]):
+            if item["type"] == "message":
+                if self.item is None:  # no text was streamed before the end
+                    out += self.text("")
+                assert self.item is not None
+                item["id"] = self.item["id"]
+                part = item["content"][0]
+                out += (self._event("response.output_text.done", item_id=item["id"], output_index=index,
+                                    content_index=0, text=part["text"], logprobs=part.get("logprobs", []))
+                        + self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                                      content_index=0, part=part))
+            else:
+                out += (self._event("response.output_item.added", output_index=index, item={
+                            **item, "arguments": "", "status": "in_progress"})
+                        + self._event("response.function_call_arguments.delta", item_id=item["id"],
+                                      output_index=index, delta=item["arguments"])
+                        + self._event("response.function_call_arguments.done", item_id=item["id"],
+                                      output_index=index, name=item["name"], arguments=item["arguments"]))
+            out += self._event("response.output_item.done", output_index=index, item=item)
+        kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+        return out + self._event(kind, response=response)
+
+    def error(self, message: str) -> str:
+        return self._event("error", code="server_error", message=message, param=None)
+
+
+@dataclass
+class MessageEvents:
+    """Anthropic's server-sent events of one streamed message: ``message_start``, a text block
+    as the text comes, each tool call a ``tool_use`` block, ``message_delta``, ``message_stop``."""
+
+    model: str
+    ident: str = field(default_factory=message_id)
+    blocks: int = 0  # content blocks started
+    text_open: bool = False
+
+    def start(self) -> str:
+        message = message_body(ident=self.ident, model=self.model, content=[], stop=None, usage=(0, 0))
+        return sse("message_start", {"type": "message_start", "message": message})
+
+    def text(self, delta: str) -> str:
+        head = ""
+        if not self.text_open:
+            head = sse("content_block_start", {"type": "content_block_start", "index": self.blocks,
+                                               "content_block": {"type": "text", "text": ""}})
+            self.text_open, self.blocks = True, self.blocks + 1
+        return head + sse("content_block_delta", {"type": "content_block_delta", "index": self.blocks - 1,
+                                                  "delta": {"type": "text_delta", "text": delta}})
+
+    def end(self, answer: events.Message, finish_reason: str, usage: tuple[int, int],
+            logprobs: list[dict[str, Any]] | None = None) -> str:
+        out = ""
+        if self.text_open:
+            self.text_open = False
+            out += sse("content_block_stop", {"type": "content_block_stop", "index": self.blocks - 1})
+        for call in answer.tool_calls:
+            index, self.blocks = self.blocks, self.blocks + 1
+            block = tool_use_block(call)
+            out += (sse("content_block_start", {"type": "content_block_start", "index": index,
+                                                "content_block": tool_use_block(call, whole=False)})
+                    + sse("content_block_delta", {"type": "content_block_delta", "index": index, "delta": {
+                        "type": "input_json_delta", "partial_json": json.dumps(block["input"])}})
+                    + sse("content_block_stop", {"type": "content_block_stop", "index": index}))
+        counts = {"input_tokens": usage[0], "output_tokens": usage[1]}
+        delta = {"stop_reason": stop_reason(answer, finish_reason), "stop_sequence": None}
+        return (out + sse("message_delta", {"type": "message_delta", "usage": counts, "delta": delta})
+                + sse("message_stop", {"type": "message_stop"}))
+
+    def error(self, message: str) -> str:
+        return sse("error", anthropic_error(500, message))
