@@ -152,3 +152,16 @@ async def intercepted_messages(key: str, request: Request) -> Response:
         ident=wire.message_id(), model=body["model"], content=wire.message_content(answer.message),
         stop=wire.stop_reason(answer.message, completion.finish_reason),
         usage=(num_prompt, len(completion.token_ids))))
+
+
+@router.post("/intercept/{key}/v1/messages/count_tokens", response_model=None)
+async def intercepted_count_tokens(key: str, request: Request) -> Response:
+    """The Messages API's token count: the prompt the model would be given for this request now."""
+    try:
+        session: Session = request.app.state.interception.get(key)
+        body = await _json(request)
+        # count_tokens takes no max_tokens; the request is otherwise a message request's.
+        call = wire.messages_call({"max_tokens": 1, **body} if isinstance(body, dict) else body, _recorded(session))
+    except (wire.WireError, InterceptionError) as exc:
+        return anthropic_error(exc.status, exc.message)
+    return JSONResponse({"input_tokens": session.prompt_length(call.messages, call.tools)})

@@ -363,7 +363,7 @@ class RolloutKeyAsBearer:
     ``anthropic`` SDK sends it, ``x-api-key: fw-...``) is that rollout's interception endpoint.
     (Plain ASGI, not ``BaseHTTPMiddleware``, which costs a task per request.)"""
 
-    PATHS = ("/v1/chat/completions", "/v1/responses", "/v1/messages")
+    PATHS = ("/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens")
 
     def __init__(self, app: Any) -> None:
         self.app = app

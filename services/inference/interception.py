@@ -307,17 +307,27 @@ class Session:
     _go_live_timer: asyncio.TimerHandle | None = None
     _closed: bool = False
 
+    def prompt_length(self, messages: list[events.Message], tools: list[dict[str, Any]] | None) -> int:
+        """How many tokens the model would be given for ``messages`` now (nothing is sampled or recorded)."""
+        return len(self._plan(messages, tools, remember=False).prompt_ids)
+
+    def _plan(self, messages: list[events.Message], tools: list[dict[str, Any]] | None, remember: bool) -> Plan:
+        """How ``messages`` extend the graph. A call with other tools than the last one's does not
+        extend it (the tools are in the prompt's first turn); ``remember`` makes these the last."""
+        if self._renderer is None:
+            self._renderer = Renderer.of(self.policy.backend.tokenizer)
+        tools_key = json.dumps(tools, sort_keys=True) if tools else ""
+        tools_ok = self._tools_key is None or self._tools_key == tools_key
+        if remember:
+            self._tools_key = tools_key
+        return self._renderer.plan(self.graph, messages, tools or None, tools_ok)
+
     async def chat(self, messages: list[events.Message], tools: list[dict[str, Any]] | None,
                    max_tokens: int | None,
                    on_token: Callable[[int, int, float], None] | None = None) -> tuple[events.Node, Any, int]:
         """Sample the answer to ``messages``; returns (assistant node, completion, prompt length).
         ``on_token(0, token_id, logprob)`` is called with each token as it is sampled."""
-        if self._renderer is None:
-            self._renderer = Renderer.of(self.policy.backend.tokenizer)
-        tools_key = json.dumps(tools, sort_keys=True) if tools else ""
-        tools_ok = self._tools_key is None or self._tools_key == tools_key
-        self._tools_key = tools_key
-        plan = self._renderer.plan(self.graph, messages, tools or None, tools_ok)
+        plan = self._plan(messages, tools, remember=True)
         sampling = self.sampling
         if max_tokens is not None and max_tokens < sampling.max_tokens:
             sampling = msgspec.structs.replace(sampling, max_tokens=max_tokens)

@@ -168,6 +168,10 @@ async def test_a_messages_agent_with_tools_yields_exact_tokens_whole_and_streame
         texts = [text async for text in stream.text_stream]
         final = await stream.get_final_message()
     assert "".join(texts) == "done" and len(texts) >= 2 and final.content[0].type == "text"
+    # count_tokens (as Claude Code asks before a turn): the prompt the last call was given.
+    counted = await client.messages.count_tokens(model="m", system="Use tools.", messages=messages,
+                                                 tools=MESSAGES_TOOLS)
+    assert counted.input_tokens == len(served.policy.prompts[2])
     assert final.stop_reason == "end_turn" and final.usage.output_tokens == len(served.policy.sampled[2])
     served.assert_exact()
     roles = [n.message.role for n in served.session.graph.branch(served.session.graph.last.id)]  # type: ignore[union-attr]
