@@ -8,8 +8,8 @@ model; or any OpenAI-compatible server). The proxy forwards ``/chat/completions`
 included), takes ``/responses`` and ``/messages`` (the OpenAI Responses and Anthropic Messages
 APIs, translated by :mod:`flywheel.sdk.wire`) as chat completions upstream, and records each
 request's messages and the answer into a :class:`flywheel.sdk.tracegraph.TraceGraph` per
-rollout (the message layer; upstream logprobs and usage are kept per call), retrying transient upstream failures (429, 5xx, connection errors)
-with backoff before anything reaches the harness.
+rollout (the message layer; upstream logprobs and usage are kept per call), retrying transient
+upstream failures (429, 5xx, connection errors) with backoff before anything reaches the harness.
 
 The run: ``num_tasks`` rows of the task set, ``num_rollouts`` rollouts of each (one group, so
 group rewards apply), at most ``concurrency`` rollouts at once. Each rollout runs as in
