@@ -12,7 +12,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import openai
 import pytest
@@ -105,14 +105,22 @@ class Upstream:
         yield b"data: [DONE]\n\n"
 
 
-@pytest.fixture
-async def upstream() -> AsyncIterator[tuple[Upstream, Served]]:
-    scripted = Upstream()
+U = TypeVar("U", bound=Upstream)
+
+
+async def serving(scripted: U) -> AsyncIterator[tuple[U, Served]]:
+    """A scripted upstream served on a free port for a fixture's life."""
     served = await serve(scripted.app)
     try:
         yield scripted, served
     finally:
         await served.stop()
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[tuple[Upstream, Served]]:
+    async for pair in serving(Upstream()):
+        yield pair
 
 
 @pytest.fixture

@@ -284,9 +284,17 @@ def build_parser() -> argparse.ArgumentParser:
                     "the model is a run id). Writes one rollout a line to a JSONL file and prints a summary: "
                     "reward mean and standard error, pass@k, errors, tokens.")
     evaluate.add_argument("env", metavar="ENV", help="environment id: a module name or owner/name[@version]")
-    evaluate.add_argument("--model", required=True, metavar="NAME_OR_URL",
-                          help="the model name sent (a run id for the local inference service); a URL instead "
-                               "evaluates the first model that endpoint lists")
+    which = evaluate.add_mutually_exclusive_group(required=True)
+    which.add_argument("--model", metavar="NAME_OR_URL",
+                       help="the model name sent (a run id for the local inference service); a URL instead "
+                            "evaluates the first model that endpoint lists")
+    which.add_argument("--models", metavar="A,B[@URL],...",
+                       help="compare models side by side on the same tasks: each at --base-url, or NAME@URL at its "
+                            "own endpoint; writes a report (markdown, JSON, PNG: reward +- stderr, pass@k, tokens, "
+                            "cost, paired significance) beside the results")
+    evaluate.add_argument("--prices", metavar="FILE.toml",
+                          help="with --models: price per million tokens of each model, a table per model name "
+                               "(prompt_per_mtok, completion_per_mtok)")
     evaluate.add_argument("--base-url", metavar="URL",
                           help="the OpenAI-compatible endpoint, ending in /v1 (default: the local inference "
                                "service, http://INFERENCE_HOST:INFERENCE_PORT/v1)")
@@ -589,7 +597,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if not isinstance(env_args, dict):
         raise ValueError(f"--env-args {args.env_args!r}: give a JSON object of keyword arguments")
     api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
-    base_url, model = args.base_url, args.model
+    base_url, model = args.base_url, args.model or ""
+    if args.models is not None:
+        for flag, given in (("--out", args.out), ("--push", args.push), ("--run-id", args.run_id),
+                            ("--resume", args.resume)):
+            if given:
+                raise ValueError(f"{flag} is for one model; with --models each model's results go to "
+                                 "DATA_DIR/evals/ENV-MODEL.jsonl and the report beside them")
+    elif args.prices is not None:
+        raise ValueError("--prices is for --models (a price table per model)")
     if model.startswith(("http://", "https://")):
         base_url = base_url or model
         model = asyncio.run(resolve_model(model, api_key))
@@ -604,6 +620,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
                          ("temperature", args.temperature), ("top_p", args.top_p), ("max_tokens", args.max_tokens),
                          ("stop", args.stop), ("seed", args.sampling_seed)) if value is not None},
                      send_sampling=not args.endpoint_sampling)
+    if args.models is not None:
+        # imported here: matplotlib draws the report, and only a comparison needs it
+        from flywheel.ops.compare import compare, parse_models, read_prices
+
+        specs = parse_models(args.models, base_url)
+        prices = read_prices(Path(args.prices) if args.prices else None, specs)
+        report = asyncio.run(compare(cfg, specs, prices, settings.data_dir / "evals", settings.resolved_nats_url))
+        print(Path(report["markdown"]).read_text())
+        print(f"report: {report['markdown']} (and .json, .png)")
+        return 0
     summary = asyncio.run(run_eval(cfg, settings.resolved_nats_url))  # --record, and sandboxes where NATS answers
     print(format_summary(summary))
     print(f"results: {summary['results']}" + (f"  run: {summary['run']}" if summary["run"] else ""))
