@@ -17,20 +17,30 @@ Run ids may contain ``/``, so the routes take the rest of the path as the id
 (``/v1/runs/team/a/metrics`` is run ``team/a``). ``POST /v1/runs/RUN/stop`` and
 ``.../resume`` stop and resume a run as ``flywheel runs stop`` and ``resume`` do (the
 orchestrator that owns it acts on its state). Not covered: creating runs from a config over
-HTTP (``flywheel run`` registers them), deleting runs, and pushing metrics to clients (they
-poll with ``since_step``).
+HTTP (``flywheel run`` registers them), and deleting runs.
+
+``GET /v1/runs/RUN/stream`` follows a run over server-sent events (:mod:`flywheel_gateway.sse`):
+its status, its steps as the recorder stores them, and its end. It reads the store and the
+run-state bucket every ``STREAM_POLL_S`` on the server (the store is what the recorder
+writes; a step is there once it is recorded), so a client holds one connection instead of
+polling ``/metrics`` with ``since_step`` (which still works). A stream lasts ``STREAM_MAX_S``
+at most (a run that is created and never runs would hold it forever).
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Awaitable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Query
+from fastapi.responses import StreamingResponse
 
-from flywheel.contract import runs
+from flywheel.contract import events, runs
 from flywheel.contract.bus import Bus
 from flywheel.contract.keys import Caller
+from flywheel_gateway import sse
 from flywheel_gateway.auth import CallerDep, check_run, listing_tenant
 from flywheel_gateway.deps import BusDep, CursorQuery, LimitQuery, RunIdPath, StoreDep, TenantQuery
 from flywheel_gateway.models import INT32_MAX, RunDetail, RunMetricsPublic, RunPage, StepMetricsPublic
@@ -38,6 +48,10 @@ from flywheel_gateway.responses import CONFLICT_RESPONSE, ERROR_RESPONSES
 from flywheel_gateway.store import MAX_PAGE_LIMIT, Store
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"], responses=ERROR_RESPONSES)
+SinceStepQuery = Annotated[int | None, Query(ge=-1, le=INT32_MAX, description="Only steps after this one (-1: from "
+                                                                              "the first, as leaving it out).")]
+STREAM_POLL_S = 1.0  # how often a run's stream reads the store for new steps and the bucket for its status
+STREAM_MAX_S = 3600.0  # a run's stream closes after this long (no end event): the client goes on with since_step
 
 
 def _not_found(run: str) -> HTTPException:
@@ -60,8 +74,7 @@ async def get_run_metrics(
     store: StoreDep,
     bus: BusDep,
     who: CallerDep,
-    since_step: Annotated[int | None, Query(ge=-1, le=INT32_MAX, description="Only steps after this one (-1: from "
-                                                                          "the first, as leaving it out).")] = None,
+    since_step: SinceStepQuery = None,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE_LIMIT, description="Steps at most.")] = 100,
 ) -> RunMetricsPublic:
     """The run's recorded steps in ascending order, each with the trainer's metrics."""
@@ -70,6 +83,67 @@ async def get_run_metrics(
         raise _not_found(run_id)
     steps = await store.list_run_metrics(run_id, since_step=since_step, limit=limit)
     return RunMetricsPublic(run=run_id, items=[StepMetricsPublic.model_validate(step) for step in steps])
+
+
+@router.get("/{run_id:path}/stream", response_class=StreamingResponse,
+            responses={**sse.responses("status, steps..., end."), 409: CONFLICT_RESPONSE})
+async def stream_run(run_id: RunIdPath, store: StoreDep, bus: BusDep, who: CallerDep,
+                     since_step: SinceStepQuery = None) -> StreamingResponse:
+    """Follow a run: ``status`` (``status``, ``reason``) first and whenever it changes;
+    ``steps`` (as /metrics answers them) with every recorded step after ``since_step``, then
+    with each new one as the recorder stores it; once the run has ended (finished, failed,
+    stopped, abandoned; or a run the run-state bucket does not know) and its steps are sent,
+    ``end`` (its last status) and the end of the stream. A stream closes without ``end`` after
+    an hour: ask again with ``since_step``, the last step received. 409 when the run's entry
+    in the bucket does not decode."""
+    await check_run(who, store, bus, run_id)
+    state = await runs.get_run(bus, run_id)  # BadRunState: a 409 naming the key
+    if state is None and not await store.has_run(run_id):
+        raise _not_found(run_id)
+    return sse.event_stream(_follow(store, bus, run_id, since_step))
+
+
+async def _follow(store: Store, bus: Bus, run_id: str, since_step: int | None) -> sse.Events:
+    """The run's stream: the store read for new steps, and the bucket for the run's status, every
+    ``STREAM_POLL_S`` (the status first: once it says ended, the steps read after it are the last)."""
+    last = -1 if since_step is None else since_step
+    shown: dict[str, Any] | None = None
+    quiet_s = 0.0
+    deadline = time.monotonic() + STREAM_MAX_S
+    while time.monotonic() < deadline:
+        try:
+            status = _status(await runs.get_run(bus, run_id))
+        except runs.BadRunState as exc:  # rewritten by something else meanwhile: nothing more to follow
+            status = {"status": "unreadable", "reason": str(exc), "ended": True}
+        sent = False
+        if status != shown:
+            shown = status
+            sent = True
+            yield "status", {k: status[k] for k in ("status", "reason")}
+        while steps := await store.list_run_metrics(run_id, since_step=last, limit=MAX_PAGE_LIMIT):
+            last = steps[-1]["step"]
+            sent = True
+            yield "steps", RunMetricsPublic(run=run_id, items=[StepMetricsPublic.model_validate(s) for s in steps]
+                                            ).model_dump(mode="json")
+        if status["ended"]:
+            yield "end", {k: status[k] for k in ("status", "reason")}
+            return
+        quiet_s = 0.0 if sent else quiet_s + STREAM_POLL_S
+        if quiet_s >= sse.KEEPALIVE_S:
+            quiet_s = 0.0
+            yield None
+        await asyncio.sleep(STREAM_POLL_S)
+
+
+def _status(state: events.RunState | None) -> dict[str, Any]:
+    """A run's live status and why (paused, ended), and whether it ended; a run the bucket does
+    not know (its events published straight to the bus) has no status and is not followed."""
+    if state is None:
+        return {"status": None, "reason": None, "ended": True}
+    end = runs.end_of(state)
+    if end is not None:
+        return {"status": end.status, "reason": end.reason, "ended": True}
+    return {"status": state.status, "reason": state.reason if state.status == "paused" else None, "ended": False}
 
 
 async def _in_bucket(bus: Bus, run_id: str) -> bool:
@@ -141,11 +215,11 @@ async def get_run(run_id: RunIdPath, store: StoreDep, bus: BusDep, who: CallerDe
         recorded = {"id": run_id, "created_at": state.created_at, "num_tasks": 0, "num_rollouts": 0,
                     "num_scored_rollouts": 0, "latest_step": None, "latest_version": None, "reward_mean": None}
     end = runs.end_of(state)
+    status = _status(state)
     live: dict[str, Any] = {
-        "status": end.status if end is not None else state.status, "config": state.config,
-        "ended_at": end.since if end is not None else None,
-        "reason": end.reason if end is not None else state.reason if state.status == "paused" else None,
-        "owner": state.owner, "lease_expires_at": state.lease_expires_at,
+        "status": status["status"], "reason": status["reason"], "config": state.config,
+        "ended_at": end.since if end is not None else None, "owner": state.owner,
+        "lease_expires_at": state.lease_expires_at,
     }
     # The bucket owns the tenant: the store's copy may predate it (an event recorded first).
     return RunDetail.model_validate({**recorded, "tenant": state.tenant, "kind": state.kind, **live})

@@ -12,7 +12,8 @@
 - ``GET /v1/traces/{rollout}/stream``: server-sent events. ``node`` for every trace node
   already published for the rollout, then for each new one as inference publishes it; then
   one ``rollout`` (the rollout's fields) when the rollout itself lands, and the stream ends.
-  A comment line every ``KEEPALIVE_S`` keeps proxies from closing a quiet stream.
+  A comment line every ``KEEPALIVE_S`` keeps proxies from closing a quiet stream
+  (:mod:`flywheel_gateway.sse` frames the events).
 
 The live stream reads the bus, not the store: an ordered consumer on the rollout's
 ``traces.<run>.<rollout>`` subject from the start, and a headers-only one on
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
 from datetime import timedelta
 from typing import Any
 
@@ -45,6 +45,7 @@ from nats.aio.msg import Msg
 from flywheel.contract import events
 from flywheel.contract.bus import HEADER_MSG_ID, Bus, Replay, Undecodable, decode_message
 from flywheel.sdk.tracegraph import ROWS, join_tokens, leaves, walk
+from flywheel_gateway import sse
 from flywheel_gateway.auth import CallerDep, check_rollout
 from flywheel_gateway.deps import BusDep, NodeIdPath, RolloutIdPath, StoreDep, StreamedRolloutIdPath
 from flywheel_gateway.models import (
@@ -60,11 +61,9 @@ from flywheel_gateway.store import Store
 
 router = APIRouter(prefix="/v1/traces", tags=["traces"], responses=ERROR_RESPONSES)
 
-KEEPALIVE_S = 15.0
 # The rollout is published after its first trace node; its stream may be led by another
 # server of a cluster, whose clock may differ: watch from this much earlier.
 CLOCK_SKEW_S = 30.0
-EVENT_STREAM = "text/event-stream"
 log = logging.getLogger(__name__)
 
 
@@ -108,8 +107,7 @@ async def get_branch(rollout_id: RolloutIdPath, node_id: NodeIdPath, store: Stor
                         tokens=TokenLayerPublic(**vars(join_tokens(branch, ROWS))) if tokens else None)
 
 
-@router.get("/{rollout_id}/stream", response_class=StreamingResponse,
-            responses={200: {"content": {EVENT_STREAM: {}}, "description": "Server-sent events: node..., rollout."}})
+@router.get("/{rollout_id}/stream", response_class=StreamingResponse, responses=sse.responses("node..., rollout."))
 async def stream_trace(rollout_id: StreamedRolloutIdPath, store: StoreDep, bus: BusDep, who: CallerDep,
                        tokens: bool = False) -> StreamingResponse:
     """Follow a rollout: ``node`` events (a node as in /v1/traces, ``position`` in arrival
@@ -128,22 +126,10 @@ async def stream_trace(rollout_id: StreamedRolloutIdPath, store: StoreDep, bus: 
             raise HTTPException(404, f"no trace of rollout {rollout_id!r} on the bus or in the store; a rollout shows "
                                      "once inference publishes its first trace node (when it has run for the "
                                      "inference setting live_trace_after_s) or once it lands")
-    return StreamingResponse(_server_sent(stream), media_type=EVENT_STREAM,
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return sse.event_stream(stream)
 
 
-async def _server_sent(stream: AsyncIterator[tuple[str, Any] | None]) -> AsyncIterator[bytes]:
-    """SSE framing: ``event:`` and ``data:`` (JSON) per event; None is a keep-alive comment."""
-    encoder = msgspec.json.Encoder()
-    async for item in stream:
-        if item is None:
-            yield b": keepalive\n\n"
-        else:
-            name, data = item
-            yield b"event: " + name.encode() + b"\ndata: " + encoder.encode(data) + b"\n\n"
-
-
-async def _replay_recorded(store: Store, rollout_id: str, tokens: bool) -> AsyncIterator[tuple[str, Any] | None]:
+async def _replay_recorded(store: Store, rollout_id: str, tokens: bool) -> sse.Events:
     for node in await _trace(store, rollout_id, tokens):
         yield "node", NodePublic.model_validate(node).model_dump(mode="json")
     rollout = await store.get_rollout(rollout_id)
@@ -172,8 +158,7 @@ def _rollout_public(r: events.Rollout) -> dict[str, Any]:
                          num_tokens=num_tokens, created_at=r.created_at).model_dump(mode="json")
 
 
-async def _follow_live(bus: Bus, first: Any, rollout_id: str,
-                       tokens: bool) -> AsyncIterator[tuple[str, Any] | None]:
+async def _follow_live(bus: Bus, first: Any, rollout_id: str, tokens: bool) -> sse.Events:
     subject: str = first.subject
     run = subject.split(".")[1]
     node_decoder: events.Decoder[events.TraceNode] = events.Decoder(events.TraceNode)
@@ -202,7 +187,7 @@ async def _follow_live(bus: Bus, first: Any, rollout_id: str,
         try:
             rollout: events.Rollout | None = None
             while rollout is None:
-                done, _ = await asyncio.wait({next_trace, next_landed}, timeout=KEEPALIVE_S,
+                done, _ = await asyncio.wait({next_trace, next_landed}, timeout=sse.KEEPALIVE_S,
                                              return_when=asyncio.FIRST_COMPLETED)
                 if not done:
                     yield None

@@ -10,7 +10,9 @@ credentials.
   environment(s), latest step and reward (``GET /v1/runs/{run}``).
 - ``/runs/{run}``: the run, its figures, its latest rollouts; the script draws the reward per
   environment (and ``eval.<label>.reward_mean`` points where the metrics have them) and
-  polls ``GET /v1/runs/{run}/metrics`` every ``POLL_S`` seconds for new steps.
+  follows ``GET /v1/runs/{run}/stream`` (server-sent events: new steps, the status, the end);
+  where the stream fails (a proxy that buffers it) it polls ``GET /v1/runs/{run}/metrics``
+  every ``POLL_S`` seconds instead.
 - ``/rollouts/{rollout}``: each branch of the trace graph with its messages, tool calls and
   results, the rewards by scorer; on demand the token layer of each branch
   (``GET /v1/traces/{rollout}/branches/{leaf}?tokens=true``): every token id shaded by its
@@ -68,7 +70,7 @@ from flywheel_gateway.responses import field_message, field_path
 from flywheel_gateway.runs import RunConflict
 
 HERE = Path(__file__).parent
-POLL_S = 2.0  # how often the run page asks for new steps
+POLL_S = 2.0  # how often the run page asks for new steps where its stream fails
 NUM_RUNS = 100  # runs on the list page
 NUM_ROLLOUTS = 50  # latest rollouts on a run page
 # The streams a run's events pass through, whose consumers' lag the run page shows.

@@ -128,8 +128,24 @@ async def test_the_run_page_draws_a_reward_curve_that_grows(browser: Browser, ga
     await expect(page.locator('[data-figure="step"]')).to_have_text("15")
     points = (await reward.get_attribute("points") or "").split()
     assert len(points) == 15 and float(points[-1].split(",")[1]) < float(points[0].split(",")[1])  # rising
+    await expect(page.locator("body")).to_have_attribute("data-live", "stream")  # not polling
     await page.screenshot(path=screenshots / "run.png", full_page=True)
     print(f"run page drawn in {drawn_ms:.0f} ms")
+
+    # Where the stream fails (a proxy that buffers it), the page polls the metrics instead.
+    polled = await page_of(browser, gateway, made["a"])
+    await polled.route("**/stream?*", lambda route: route.abort())
+    await polled.goto(f"/runs/{RUN}")
+    await expect(polled.locator("body")).to_have_attribute("data-live", "polling", timeout=WAIT_MS)
+    await store.record([step(16)])
+    await expect(polled.locator('#reward-chart polyline[data-series="reward"]')).to_have_attribute(
+        "data-num-points", "16", timeout=WAIT_MS)
+    # The run ends: the stream says so and closes.
+    await (await gateway.app.state.bus.runs_kv()).put(RUN, events.encode(events.RunState(
+        id=RUN, tenant="a", status="finished", config={"run": RUN})))
+    await expect(page.locator("h1 .status")).to_have_text("finished", timeout=WAIT_MS)
+    await expect(page.locator("body")).to_have_attribute("data-live", "ended")
+    await expect(reward).to_have_attribute("data-num-points", "16")
 
 
 async def test_a_trace_page_shows_branches_and_the_apis_tokens(browser: Browser, gateway: Gateway,

@@ -1,14 +1,15 @@
 """Fixtures shared by the integration tests (tests/conftest.py gives each test its nats-server
-and bus, and the sandbox service of tests/sandbox_fixtures.py): the gateway app in process,
-inference workers, an inference server on HTTP, and a tiny model with long prompts. A module may
-define a fixture of the same name to override one (test_interception.py builds a shorter
-model; test_recorder_kill.py and test_sandbox_service.py have a store and a client of their
-own)."""
+and bus, and the sandbox service of tests/sandbox_fixtures.py): the gateway app in process
+(and served on HTTP, for streams), inference workers, an inference server on HTTP, and a tiny
+model with long prompts. A module may define a fixture of the same name to override one
+(test_interception.py builds a shorter model; test_recorder_kill.py and
+test_sandbox_service.py have a store and a client of their own)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,27 @@ async def client(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
 async def store(app: FastAPI) -> Store:
     """The gateway app's store."""
     return app.state.store
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield  # SIGTERM and SIGINT stay the test process's (a hung test can still be stopped)
+
+
+@pytest.fixture
+async def gateway_url(app: FastAPI) -> AsyncIterator[str]:
+    """The app (started by the ``app`` fixture) served by uvicorn on a free port: for streams,
+    which the ASGI transport does not deliver as they go."""
+    port = free_port()
+    server = _Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off", log_level="warning"))
+    serving = asyncio.ensure_future(server.serve())
+    await until(lambda: server.started, what="uvicorn to start")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await serving
 
 
 # --- inference ------------------------------------------------------------------------------

@@ -78,7 +78,8 @@ async def test_every_route_refuses_no_key_and_another_tenants_key(keyed_app: Fas
     bus: Bus = keyed_app.state.bus
     walked = requests(keyed_app, owned["node"], owned["key_ids"]["a"])
     a_key_ids = [key_id for name, key_id in owned["key_ids"].items() if name != "b"]
-    assert {url for _, url, _ in walked} >= {f"/v1/runs/{RUN}", f"/v1/traces/{ROLLOUT}/stream", "/v1/tasks"}
+    assert {url for _, url, _ in walked} >= {f"/v1/runs/{RUN}", f"/v1/runs/{RUN}/stream", "/v1/usage/over-time",
+                                            f"/v1/traces/{ROLLOUT}/stream", "/v1/tasks"}
     tasks_before = (await bus.js.stream_info("TASKS")).state.messages
     for method, url, body in walked:
         if url in OPEN_PATHS:

@@ -12,12 +12,15 @@ from datetime import timedelta
 from typing import Any
 
 import httpx
+import msgspec
+import pytest
 from fastapi import FastAPI
 
 from flywheel.contract import events
 from flywheel.contract.config import RunConfig
 from flywheel.contract.settings import RecorderSettings
-from flywheel_gateway import recorder
+from flywheel.ops.client import server_sent_events
+from flywheel_gateway import api_runs, recorder
 from flywheel_gateway.store import Store
 from tests.helpers import until
 from tests.integration.test_gateway_api import unprocessable
@@ -228,3 +231,50 @@ async def test_a_run_is_paused_and_resumed_over_http(app: FastAPI, client: httpx
     ended = await client.post("/v1/runs/done/pause")
     assert ended.status_code == 409 and "only a run that goes on can be paused" in ended.json()["detail"]
     assert (await client.post("/v1/runs/nope/pause")).status_code == 404
+
+
+async def test_a_runs_stream_sends_its_steps_as_they_are_recorded_then_its_end(
+        app: FastAPI, gateway_url: str, store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(api_runs, "STREAM_POLL_S", 0.05)
+    state = events.RunState(id="team/r1", tenant="acme", status="running")
+    await put_state(app, state)
+    await store.record([weight_update("team/r1", i, {"reward_mean": i / 10}) for i in range(3)])
+    async with httpx.AsyncClient(base_url=gateway_url, timeout=10) as http:
+        async with http.stream("GET", "/v1/runs/team/r1/stream") as response:
+            assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+            received = server_sent_events(response)
+            assert await anext(received) == ("status", {"status": "running", "reason": None})
+            name, first = await anext(received)
+            assert (name, first["run"], [s["step"] for s in first["items"]]) == ("steps", "team/r1", [0, 1, 2])
+            assert first["items"][1] == {"step": 1, "version": 2, "metrics": {"reward_mean": 0.1},
+                                         "created_at": "2026-11-01T12:01:00Z"}
+            await store.record([weight_update("team/r1", 3, {"reward_mean": 0.3})])  # the trainer goes on
+            name, more = await anext(received)
+            assert (name, [s["step"] for s in more["items"]]) == ("steps", [3])
+            await put_state(app, msgspec.structs.replace(state, status="paused", reason="by a person"))
+            assert await anext(received) == ("status", {"status": "paused", "reason": "by a person"})
+            await store.record([weight_update("team/r1", 4, {"reward_mean": 0.4})])
+            await put_state(app, msgspec.structs.replace(state, status="finished"))
+            rest = [item async for item in received]  # the stream ends with the run
+        assert sorted(name for name, _ in rest) == ["end", "status", "steps"] and rest[-1][0] == "end"
+        assert [s["step"] for name, data in rest if name == "steps" for s in data["items"]] == [4]
+        assert rest[-1][1] == {"status": "finished", "reason": rest[-1][1]["reason"]} and rest[-1][1]["reason"]
+        # Resuming after a step; a run the bucket does not know (published straight to the bus) ends at once.
+        async with http.stream("GET", "/v1/runs/team/r1/stream", params={"since_step": 3}) as response:
+            again = [(name, data) async for name, data in server_sent_events(response)]
+        assert [name for name, _ in again] == ["status", "steps", "end"]
+        assert [s["step"] for s in again[1][1]["items"]] == [4]
+        await store.record([weight_update("bus-only", 0, {"reward_mean": 0.5})])
+        async with http.stream("GET", "/v1/runs/bus-only/stream") as response:
+            alone = [(name, data) async for name, data in server_sent_events(response)]
+        assert alone[0] == ("status", {"status": None, "reason": None}) and alone[-1][0] == "end"
+        # A stream closes after STREAM_MAX_S without an end: the client asks again with since_step.
+        monkeypatch.setattr(api_runs, "STREAM_MAX_S", 0.2)
+        await put_state(app, events.RunState(id="created", tenant="acme"))  # made by POST /v1/tasks, never run
+        async with http.stream("GET", "/v1/runs/created/stream") as response:
+            assert [name async for name, _ in server_sent_events(response)] == ["status"]
+        missing = await http.get("/v1/runs/nobody/stream")
+        assert missing.status_code == 404 and "run 'nobody' not found" in missing.json()["detail"]
+        for params, said in (({"since_step": -2}, "since_step: "), ({"since_step": "x"}, "since_step: ")):
+            bad = await http.get("/v1/runs/team/r1/stream", params=params)
+            assert bad.status_code == 422 and bad.json()["detail"].startswith(said), bad.text

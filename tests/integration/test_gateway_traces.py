@@ -13,11 +13,10 @@ open is checked as ``flywheel up`` runs it. Not covered: the store's PostgreSQL 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import signal
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,6 @@ import httpx
 import msgspec
 import pytest
 import sqlalchemy as sa
-import uvicorn
 from fastapi import FastAPI
 
 from flywheel.contract import events
@@ -34,7 +32,7 @@ from flywheel.contract.bus import Bus
 from flywheel.contract.settings import RecorderSettings
 from flywheel.ops.client import GatewayError, TraceAPI, server_sent_events
 from flywheel.ops.natsserver import NatsServer, free_port
-from flywheel_gateway import recorder
+from flywheel_gateway import recorder, sse
 from flywheel_gateway.store import Store
 from tests.helpers import until
 from tests.integration.test_gateway_api import unprocessable
@@ -212,26 +210,6 @@ async def test_graph_leaves_and_a_branch_with_both_layers(client: httpx.AsyncCli
 # --- the live stream ----------------------------------------------------------------------
 
 
-class _Server(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield  # SIGTERM and SIGINT stay the test process's (a hung test can still be stopped)
-
-
-@pytest.fixture
-async def gateway_url(app: FastAPI) -> AsyncIterator[str]:
-    """The app (started by the ``app`` fixture) served by uvicorn on a free port."""
-    port = free_port()
-    server = _Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off", log_level="warning"))
-    serving = asyncio.ensure_future(server.serve())
-    await until(lambda: server.started, what="uvicorn to start")
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await serving
-
-
 def message(role: str, content: str) -> dict[str, Any]:
     return {"role": role, "content": content, "tool_calls": [], "tool_call_id": None, "name": None}
 
@@ -368,9 +346,7 @@ async def test_client_reads_filters_exports_and_follows(app: FastAPI, gateway_ur
 
 
 async def test_a_quiet_stream_sends_keepalives(app: FastAPI, gateway_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from flywheel_gateway import api_traces
-
-    monkeypatch.setattr(api_traces, "KEEPALIVE_S", 0.05)
+    monkeypatch.setattr(sse, "KEEPALIVE_S", 0.05)
     await app.state.bus.publish(live("ro1", conversation("4")[0]))
     async with httpx.AsyncClient(base_url=gateway_url, timeout=10) as http, \
             http.stream("GET", "/v1/traces/ro1/stream") as response:

@@ -12,7 +12,8 @@ run ``st run http://HOST:PORT/openapi.json`` (all phases, stateful included).
 
 Not covered: schemathesis' stateful phase (links between operations), request bodies
 larger than the schema bounds (tests/integration/test_gateway_api.py tests the size
-limits), and the live stream beyond its 404 (no rollout the fuzzer names is on the bus).
+limits), the live trace stream beyond its 404 (no rollout the fuzzer names is on the bus),
+and a run's stream beyond its first second.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from schemathesis.specs.openapi.checks import (
 from flywheel.contract import events
 from flywheel.contract.settings import Settings
 from flywheel.ops.natsserver import NatsServer, free_port
+from flywheel_gateway import api_runs
 from flywheel_gateway.app import create_app
 from flywheel_gateway.migrate import migrate
 from flywheel_gateway.store import Store
@@ -57,10 +59,13 @@ START_TIMEOUT_S = 30.0
 
 
 @pytest.fixture
-def gateway_url(nats_server: NatsServer, tmp_path: Path) -> Iterator[str]:
+def gateway_url(nats_server: NatsServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """The gateway served by uvicorn on a free port, in a thread with its own event loop
     (schemathesis calls it synchronously), its store holding a few tasks, rollouts and scores
-    for the listings to show."""
+    for the listings to show. A run's stream ends within a second: the runs that POST
+    /v1/tasks creates never run, and their streams would stay open (schemathesis reads a
+    response to its end)."""
+    monkeypatch.setattr(api_runs, "STREAM_MAX_S", 1.0)
     settings = Settings(nats_url=nats_server.url, data_dir=tmp_path / "data")
     asyncio.run(_record(settings.resolved_database_url, [task(1), rollout("ro1"), rollout("ro2", policy_version=0),
                                                           score("s1", "ro1", 1.0)]))

@@ -154,26 +154,50 @@
     const pollMs = Number(body.dataset.pollMs) || 2000;
     const chart = document.getElementById("reward-chart");
     const legend = document.getElementById("legend");
+    const badge = document.querySelector("h1 .status");
     const steps = [];
     let last = -1;
+    function add(items) {
+      const added = items.filter((step) => step.step > last);
+      if (added.length === 0) return;
+      steps.push(...added);
+      last = added[added.length - 1].step;
+      drawChart(chart, legend, steps);
+      showFigures(steps);
+    }
+    // Polling GET /metrics: where the stream cannot be had (a proxy that buffers it, an old gateway).
     async function poll() {
       try {
-        let added = 0;
         for (;;) {
           const page = await getJSON(`/v1/runs/${pathOf(run)}/metrics?since_step=${last}&limit=${MAX_STEPS}`);
-          steps.push(...page.items);
-          added += page.items.length;
-          if (page.items.length) last = page.items[page.items.length - 1].step;
+          add(page.items);
           if (page.items.length < MAX_STEPS) break;
         }
-        if (added) { drawChart(chart, legend, steps); showFigures(steps); }
         showProblem(null);
       } catch (error) {
         showProblem(error);
       }
       setTimeout(poll, pollMs);
     }
-    poll();
+    // The run's stream: its steps as they are recorded, its status, its end.
+    body.dataset.live = "stream";
+    const stream = new EventSource(`/v1/runs/${pathOf(run)}/stream?since_step=${last}`);
+    stream.addEventListener("steps", (event) => { add(JSON.parse(event.data).items); showProblem(null); });
+    stream.addEventListener("status", (event) => {
+      const { status, reason } = JSON.parse(event.data);
+      badge.textContent = status || "unknown";
+      badge.className = `status ${status || "unknown"}`;
+      badge.title = reason || "";
+    });
+    stream.addEventListener("end", () => { stream.close(); body.dataset.live = "ended"; });
+    stream.addEventListener("error", () => {
+      // Closed by the server after "end" never gets here; any other error: poll instead (no reconnecting
+      // EventSource, whose reconnection would send every step again).
+      if (body.dataset.live !== "stream") return;
+      stream.close();
+      body.dataset.live = "polling";
+      poll();
+    });
   }
 
   // --- the trace page -----------------------------------------------------------------------
