@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import httpx
+import msgspec
 import pytest
 
 from flywheel.contract import events, keys
@@ -185,6 +186,54 @@ async def test_a_trace_page_shows_branches_and_the_apis_tokens(browser: Browser,
     await page.uncheck("#show-tokens")
     await expect(page.locator(".tokens").first).to_be_hidden()
     print(f"trace page shown in {loaded_ms:.0f} ms")
+
+
+async def test_a_running_rollouts_trace_page_grows_without_a_reload(browser: Browser, gateway: Gateway,
+                                                                     screenshots: Path) -> None:
+    """Inference publishes a running rollout's trace nodes (TraceNode events, once it has run
+    for live_trace_after_s), which the recorder stores: the page draws what is stored, then
+    adds each new node of the live stream in place; the rollout landing reloads it, scored."""
+    from playwright.async_api import expect
+
+    made = await owned(gateway)
+    bus: Bus = gateway.app.state.bus
+    store: Store = gateway.app.state.store
+    final = tool_rollout()
+    nodes = [n for n in final.nodes if n.message.content != "I think 70."]  # the branch that ends final
+    live = "rollout-live"
+
+    async def publish(*published: events.Node) -> None:  # as inference and the recorder do
+        traced = [events.TraceNode(run=RUN, rollout_id=live, node=n) for n in published]
+        await bus.publish_many(traced, events.MSGPACK)
+        await store.record(traced)
+
+    await publish(*nodes[:3])
+    page = await page_of(browser, gateway, made["a"])
+    await page.goto(f"/rollouts/{live}")
+    await expect(page.locator("#running")).to_be_visible()
+    await expect(page.locator("body")).to_have_attribute("data-live", "following")
+    await expect(page.locator(".message-node")).to_have_count(3)
+    await page.evaluate("window.notReloaded = true")
+    await publish(nodes[3])  # the tool's result
+    added = page.locator(f'[data-node="{nodes[3].id}"]')
+    await expect(added).to_contain_text("21 C", timeout=WAIT_MS)
+    await expect(added).to_contain_text("result of call_1")
+    await publish(nodes[4])  # the next call
+    await expect(page.locator(".message-node")).to_have_count(5, timeout=WAIT_MS)
+    await expect(page.locator(".message-node").last.locator(".tool-call")).to_contain_text('convert({"celsius": 21})')
+    await expect(page.locator(".branch .num-messages")).to_have_text("5")
+    assert await page.evaluate("window.notReloaded") is True  # drawn in place
+    await page.screenshot(path=screenshots / "trace-live.png", full_page=True)
+    await page.check("#show-tokens")  # the new nodes' tokens come from the API like the others'
+    await expect(added.locator(".tok")).to_have_count(2, timeout=WAIT_MS)
+
+    landed = msgspec.structs.replace(final, id=live, nodes=nodes)
+    await store.record([landed, events.Score(id="s-live", run=RUN, env=ENVS[0], rollout_id=live, group_id="g1",
+                                             scorer="exact", value=1.0)])
+    await bus.publish(landed, events.MSGPACK)  # recorded first: the page reloads once the stream brings it
+    await expect(page.locator("#scores")).to_contain_text("exact", timeout=WAIT_MS)  # reloaded once it landed
+    await expect(page.locator("#running")).to_have_count(0)
+    await expect(page.locator(".message-node")).to_have_count(len(nodes))
 
 
 async def test_another_tenants_key_sees_none_of_it(browser: Browser, gateway: Gateway, screenshots: Path) -> None:

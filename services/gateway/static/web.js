@@ -257,13 +257,59 @@
       }
     });
     if (body.dataset.finished !== "true") {
-      // A running rollout: reload once the live stream brings a node this page lacks, or the rollout lands.
-      const shown = Number(body.dataset.numNodes);
-      let seen = 0;
+      // A running rollout: its live stream replays the nodes shown, then brings new ones. A node that
+      // extends a branch is added to it in place; one that starts a branch, or the rollout landing
+      // (its rewards, its final branch), reloads the page, which the server draws.
+      body.dataset.live = "following";
       const stream = new EventSource(`/v1/traces/${encodeURIComponent(rollout)}/stream`);
-      stream.addEventListener("node", () => { if (++seen > shown) { stream.close(); location.reload(); } });
+      stream.addEventListener("node", (event) => {
+        const node = JSON.parse(event.data);
+        if (document.querySelector(`[data-node="${CSS.escape(node.id)}"]`)) return;
+        const branch = [...document.querySelectorAll(".branch")].find((b) => b.dataset.leaf === node.parent_id);
+        if (!branch) { stream.close(); location.reload(); return; }
+        branch.append(messageNode(node, toggle.checked));
+        branch.dataset.leaf = node.id;
+        const count = branch.querySelector(".num-messages");
+        count.textContent = String(Number(count.textContent) + 1);
+        loaded = null; // the token layer of the new node is not loaded yet
+        if (toggle.checked) toggle.dispatchEvent(new Event("change"));
+      });
       stream.addEventListener("rollout", () => { stream.close(); location.reload(); });
+      stream.addEventListener("error", () => {
+        stream.close();
+        body.dataset.live = "lost";
+        showProblem(new Error("the live trace stream was lost: reload the page to follow the rollout again"));
+      });
     }
+  }
+
+  // A message of the trace as the trace page's template draws it (trace.html).
+  function messageNode(node, showTokens) {
+    const { role, name, tool_call_id: callId, content, tool_calls: calls } = node.message;
+    const element = (tag, className, text) => {
+      const made = document.createElement(tag);
+      if (className) made.className = className;
+      if (text !== undefined) made.textContent = text;
+      return made;
+    };
+    const article = element("article", `message-node ${role}`);
+    article.dataset.node = node.id;
+    const header = element("header");
+    header.append(element("span", "role", role));
+    if (name) header.append(" ", element("span", "name", name));
+    if (callId) header.append(" ", element("span", "note", `result of ${callId}`));
+    article.append(header);
+    if (content) article.append(element("pre", "content", content));
+    for (const call of calls) {
+      const line = element("div", "tool-call");
+      line.append(element("span", "name", call.name), "(", element("code", null, call.arguments), ") ",
+        element("span", "note", call.id));
+      article.append(line);
+    }
+    const tokens = element("div", "tokens");
+    tokens.hidden = !showTokens;
+    article.append(tokens);
+    return article;
   }
 
   // --- the usage page -----------------------------------------------------------------------
