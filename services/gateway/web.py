@@ -6,8 +6,9 @@ outside, so the pages work offline and ship inside the package. The script draws
 changes (the reward curve, the token layer) from the JSON API, with the page's own
 credentials.
 
-- ``/runs``: the runs a caller sees, as ``GET /v1/runs`` lists them, each with its status,
-  environment(s), latest step and reward (``GET /v1/runs/{run}``).
+- ``/runs``: the runs a caller sees, as ``GET /v1/runs`` lists them, newest first, ``NUM_RUNS``
+  a page (``?before=``: the older ones, the cursor the page links to), each with its status,
+  environment(s), latest step and reward.
 - ``/runs/{run}``: the run, its figures, its latest rollouts; the script draws the reward per
   environment (and ``eval.<label>.reward_mean`` points where the metrics have them) and
   follows ``GET /v1/runs/{run}/stream`` (server-sent events: new steps, the status, the end);
@@ -64,10 +65,11 @@ from flywheel.contract.service import HEARTBEAT_INTERVAL_S, read_heartbeats
 from flywheel_gateway import api_hub, api_rollouts, api_runs, api_traces, api_usage
 from flywheel_gateway.api_hub import NamePath, OwnerPath
 from flywheel_gateway.auth import KEY_COOKIE, CallerDep, listing_tenant
-from flywheel_gateway.deps import BusDep, RolloutIdPath, RunIdPath, StoreDep
+from flywheel_gateway.deps import BusDep, CursorQuery, RolloutIdPath, RunIdPath, StoreDep
 from flywheel_gateway.models import NodePublic, RolloutFilters, UsageOverTimeQuery, UsageQuery
-from flywheel_gateway.responses import field_message, field_path
+from flywheel_gateway.responses import field_message, field_path, refuse_field
 from flywheel_gateway.runs import RunConflict
+from flywheel_gateway.store import InvalidCursor
 
 HERE = Path(__file__).parent
 POLL_S = 2.0  # how often the run page asks for new steps where its stream fails
@@ -133,10 +135,15 @@ async def home() -> Response:
 
 
 @router.get("/runs")
-async def runs_page(request: Request, store: StoreDep, bus: BusDep, who: CallerDep) -> Response:
-    """The newest runs, each with its live status (the run-state bucket) and latest step (one
-    query for all of them: the page does not count each run's rollouts)."""
-    page = await store.list_runs(tenant=listing_tenant(who, None), limit=NUM_RUNS)
+async def runs_page(request: Request, store: StoreDep, bus: BusDep, who: CallerDep,
+                    before: CursorQuery = None) -> Response:
+    """The newest ``NUM_RUNS`` runs, or those older than ``before`` (the cursor the page links
+    to), each with its live status (the run-state bucket) and latest step (one query for all
+    of them: the page does not count each run's rollouts)."""
+    try:
+        page = await store.list_runs(tenant=listing_tenant(who, None), cursor=before or None, limit=NUM_RUNS)
+    except InvalidCursor as exc:
+        raise refuse_field("query", "before", f"{exc}; follow the page's link to older runs") from None
     latest = await store.latest_steps([listed["id"] for listed in page.items])
     rows = []
     for listed in page.items:
@@ -154,7 +161,8 @@ async def runs_page(request: Request, store: StoreDep, bus: BusDep, who: CallerD
                            status=end.status if end is not None else state.status,
                            why=end.reason if end is not None else state.reason if state.status == "paused" else None)
         rows.append(row)
-    return _templates().TemplateResponse(request, "runs.html", {"runs": rows, "more": page.next_cursor is not None})
+    return _templates().TemplateResponse(request, "runs.html", {"runs": rows, "older": page.next_cursor,
+                                                                "paged": bool(before)})
 
 
 FILTERS = ("env", "status", "error", "min_reward", "max_reward", "min_policy_version", "max_policy_version")

@@ -6,7 +6,9 @@ The browser tier (tests/browser) drives them in Chromium."""
 
 from __future__ import annotations
 
+import html
 import json
+import re
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -16,10 +18,11 @@ from fastapi import FastAPI
 
 from flywheel.contract import events, keys
 from flywheel.contract.bus import Bus
+from flywheel_gateway import web
 from flywheel_gateway.hub import inspect_package
 from flywheel_gateway.store import Store
 from tests.unit.test_hub import wheel
-from tests.unit.test_store import rollout
+from tests.unit.test_store import T0, rollout
 
 RUN = "team/owned-by-a"
 ROLLOUT = "rollout-of-a"
@@ -191,3 +194,25 @@ async def test_usage_over_time_by_bucket_in_the_api_and_on_the_page(keyed_app: F
         assert shown.status_code == 422 and said in shown.text, (bad, shown.text)
         api = await get(keyed_app, f"/v1/usage/over-time?{bad}", owned["a"])
         assert api.status_code == 422 and api.json()["detail"].startswith(said.split(":")[0] + ": "), (bad, api.text)
+
+
+async def test_the_runs_page_pages_to_older_runs(keyed_app: FastAPI, owned: dict[str, Any],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(web, "NUM_RUNS", 2)
+    store: Store = keyed_app.state.store
+    await store.upsert_runs([events.RunState(id=f"team/older-{i}", tenant="a", created_at=T0 + timedelta(minutes=i))
+                             for i in range(3)])
+    shown: list[str] = []
+    url: str | None = "/runs"
+    while url is not None:
+        page = await get(keyed_app, url, owned["a"])
+        assert page.status_code == 200, page.text
+        shown += re.findall(r'<tr data-run="([^"]+)">', page.text)
+        assert ('id="newest"' in page.text) == (url != "/runs")
+        older = re.search(r'href="(/runs\?before=[^"]+)" id="older"', page.text)
+        url = html.unescape(older.group(1)) if older else None
+    assert shown == [RUN, "team/older-2", "team/older-1", "team/older-0"]  # newest first, each once
+    for bad in ("/runs?before=nonsense", "/runs?before=" + "x" * 2000):
+        refused = await get(keyed_app, bad, owned["a"])
+        assert refused.status_code == 422 and "before: " in refused.text, refused.text
+    assert (await get(keyed_app, "/runs?before=", owned["a"])).status_code == 200  # an empty field is none
