@@ -17,8 +17,9 @@ credentials.
 - ``/rollouts/{rollout}``: each branch of the trace graph with its messages, tool calls and
   results, the rewards by scorer; on demand the token layer of each branch
   (``GET /v1/traces/{rollout}/branches/{leaf}?tokens=true``): every token id shaded by its
-  logprob, its loss mask and policy version. A rollout still running reloads as its live
-  trace stream (``/v1/traces/{rollout}/stream``) brings new nodes.
+  logprob, its loss mask and policy version. A rollout still running follows its live trace
+  stream (``/v1/traces/{rollout}/stream``): a node that extends a branch is drawn into it in
+  place; one that starts a branch, or the rollout landing, reloads the page.
 
 Who may see what is the API's: every page has the ``caller`` dependency
 (:mod:`flywheel_gateway.auth`), so with ``auth = "keys"`` the browser sends the key as
