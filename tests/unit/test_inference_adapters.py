@@ -84,6 +84,29 @@ def test_a_view_swaps_its_adapter_alone_and_evicting_it_leaves_the_others(tiny_m
     assert [c.token_ids for c in run_b.generate(PROMPTS, sampling)] == with_b
 
 
+
+def test_a_new_version_of_an_adapter_replaces_the_old_one_in_place_or_not(tiny_model_dir: Path, blobs: Blobs) -> None:
+    """A new version of the same shapes is written into the old one's tensors; one that adapts
+    other layers (or another rank) replaces them: either way rows sample as the new version alone."""
+    shared = TransformersBackend.build(tiny_model_dir, "float32")
+    view = AdapterView(shared, "run")
+    sampling = events.Sampling(temperature=0.8, max_tokens=8, seed=2)
+    newer = adapter_blob(tiny_model_dir, 7)  # a's layers and rank, other values
+    view.swap(blobs["a"][0], 0)
+    before = shared.adapters.adapters["run"].layers
+    for version, (blob, model) in enumerate([newer, blobs["b"], blobs["a"]], start=1):
+        view.swap(blob, version)
+        if version == 1:  # same layers and shapes: the same tensors, new values
+            after = shared.adapters.adapters["run"].layers
+            assert all(after[p][0] is before[p][0] and after[p][1] is before[p][1] for p in before)
+        mixed = view.generate(PROMPTS, sampling)
+        alone = TransformersBackend.build(tiny_model_dir, "float32")
+        alone.swap(blob, 1)
+        assert [c.token_ids for c in alone.generate(PROMPTS, sampling)] == [c.token_ids for c in mixed], version
+        for prompt, c in zip(PROMPTS, mixed, strict=True):
+            expected = full_forward_logprobs(model, prompt, c.token_ids, 0.8)
+            assert torch.allclose(expected, torch.tensor(c.logprobs), atol=1e-4), version
+
 def _narrow_adapter(model: torch.nn.Module) -> bytes:
     """An adapter blob whose o_proj layers have the wrong input width."""
     from safetensors.torch import load, save
