@@ -292,6 +292,8 @@ class RolloutFilters(BaseModel):
     status: Literal["completed", "truncated", "error"] | None = None
     error: bool | None = Field(None, description="true: rollouts with an error (inference marked them `error` or "
                                                  "gave a message, or a scorer failed on them); false: the others.")
+    flagged: bool | None = Field(None, description="true: rollouts the reward-hacking watch flagged (a `watch` "
+                                                   "score names the detectors); false: the others.")
     policy_version: PolicyVersion | None = None
     min_policy_version: PolicyVersion | None = Field(None, description="Inclusive.")
     max_policy_version: PolicyVersion | None = Field(None, description="Inclusive.")

@@ -192,6 +192,7 @@ class RolloutFilter:
     env: str | None = None
     status: str | None = None
     error: bool | None = None
+    flagged: bool | None = None  # flagged by the reward-hacking watch (a score of the scorer 'watch')
     tenant: str | None = None  # only the runs of this tenant
     policy_version: int | None = None
     min_policy_version: int | None = None
@@ -213,6 +214,7 @@ class RolloutFilter:
             (self.status, lambda v: c.status == v),
             (self.tenant, lambda v: c.run.in_(sa.select(s.runs.c.id).where(s.runs.c.tenant == v))),
             (self.error, lambda v: _has_error() if v else sa.not_(_has_error())),
+            (self.flagged, lambda v: _flagged(c.id) if v else sa.not_(_flagged(c.id))),
             (self.policy_version, lambda v: c.policy_version == v),
             (self.min_policy_version, lambda v: c.policy_version >= v),
             (self.max_policy_version, lambda v: c.policy_version <= v),
@@ -233,6 +235,11 @@ class RolloutFilter:
 def _failed_score(rollout_id: sa.ColumnElement[str]) -> sa.Exists:
     sc = s.scores.c
     return sa.exists().where(sc.rollout_id == rollout_id, sc.error.is_not(None))
+
+
+def _flagged(rollout_id: sa.ColumnElement[str]) -> sa.Exists:
+    sc = s.scores.c
+    return sa.exists().where(sc.rollout_id == rollout_id, sc.scorer == events.WATCH_SCORER)
 
 
 def _is_env_id(column: sa.ColumnElement[Any], env_id: str) -> sa.ColumnElement[bool]:

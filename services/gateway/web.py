@@ -166,7 +166,7 @@ async def runs_page(request: Request, store: StoreDep, bus: BusDep, who: CallerD
                                                                 "paged": bool(before)})
 
 
-FILTERS = ("env", "status", "error", "min_reward", "max_reward", "min_policy_version", "max_policy_version")
+FILTERS = ("env", "status", "error", "flagged", "min_reward", "max_reward", "min_policy_version", "max_policy_version")
 
 
 def page_query(request: Request, model: type[Query], names: tuple[str, ...], **fixed: Any) -> Query:

@@ -105,11 +105,13 @@ from flywheel.sdk.environment import (
     GroupReward,
     Reward,
     Value,
+    completion_of,
     import_object,
     load_environment,
     load_for_run,
 )
 from flywheel.sdk.scoring import Scoring, score_event
+from flywheel_scorer.watch import Watch, flag_score
 
 log = logging.getLogger(__name__)
 
@@ -354,8 +356,10 @@ class Scorer:
     ``config`` (the settings' ``scorer`` section)."""
 
     def __init__(self, rewards: RewardSource, configs: Configs, publish: Publish, pool: Executor,
-                 config: ScorerSettings, replicas: Callable[[], Awaitable[int]] | None = None) -> None:
+                 config: ScorerSettings, replicas: Callable[[], Awaitable[int]] | None = None,
+                 watch: Watch | None = None) -> None:
         self.rewards = rewards
+        self.watch = watch  # the reward-hacking watch (flywheel_scorer.watch), on the built-in scorer
         self.configs = configs
         self.publish = publish
         self.pool = pool
@@ -384,7 +388,8 @@ class Scorer:
                 return
             found = self.rewards(rollout, config)
             weights = dict(config.scorers) if config is not None else {}
-            await self.publish(await self.score(rollout, found, weights))
+            scores = await self.score(rollout, found, weights)
+            await self.publish(scores + self._watched(rollout, scores))
         if found.group_rewards:
             await self._join_group(rollout, found.group_rewards, weights)
 
@@ -400,6 +405,18 @@ class Scorer:
     async def _score_one(self, rollout: events.Rollout, reward: Reward, weight: float) -> events.Score:
         (score,) = await self.scoring.scores(reward, [rollout], weight)
         return score
+
+    def _watched(self, rollout: events.Rollout, scores: list[events.Score]) -> list[events.Score]:
+        """The watch's flag of ``rollout``, if a detector fires; each detector's first flag in a run is logged."""
+        if self.watch is None or rollout.status == "error" or not scores:
+            return []
+        flags = self.watch.see(rollout, completion_of(rollout), scores)
+        for detector, why in flags.items():
+            if self.watch.first_time(rollout.run, detector):
+                log.warning("run %s: the reward-hacking watch flags rollout %s (%s): %s; later flags of this kind "
+                            "are in the trace API (?flagged=true) and the run's 'flagged' metric",
+                            rollout.run, rollout.id, detector, why)
+        return [flag_score(rollout, flags)] if flags else []
 
     def _log_failure(self, name: str, error: str, ids: Sequence[str], exc: BaseException) -> None:
         """Log a reward's failure, with its traceback the first time that reward fails."""
@@ -512,7 +529,9 @@ def build(bus: Bus, rewards: RewardSource, pool: Executor, config: ScorerSetting
     async def replicas() -> int:
         return sum(1 for b in await read_heartbeats(bus) if b.service == rewards.durable)
 
-    scorer = Scorer(rewards, RunConfigs(bus, config.run_config_ttl_s), bus.publish_many, pool, config, replicas)
+    watch = Watch() if config.watch and isinstance(rewards, EnvironmentRewards) else None
+    scorer = Scorer(rewards, RunConfigs(bus, config.run_config_ttl_s), bus.publish_many, pool, config, replicas,
+                    watch)
     # Held group members take consumer slots (and server-side ack-pending room) beyond the
     # scoring bound, and the scorer never holds more than max_held: scoring always has room.
     consumer = Consumer(bus, stream="ROLLOUTS", durable=rewards.durable, handler=scorer.handle,

@@ -228,6 +228,7 @@ class Joiner:
         self.consumed: set[str] = set(consumed)
         self._rollouts: dict[str, events.Rollout] = {}
         self._scores: dict[str, dict[str, events.Score]] = {}  # rollout id -> scorer -> score
+        self.flagged: set[str] = set()  # rollouts the reward-hacking watch flagged, until a step takes them
         self._groups: dict[str, list[str]] = {}  # group id -> rollout ids, oldest group first
         self._dropped: dict[str, str] = {}  # buffered rollout id -> reason
 
@@ -260,7 +261,11 @@ class Joiner:
         return True
 
     def add_score(self, score: events.Score) -> bool:
-        """Buffer ``score``; False when it is not a required scorer's or its rollout was consumed."""
+        """Buffer ``score``; False when it is not a required scorer's or its rollout was consumed.
+        A flag of the reward-hacking watch is kept for the step's ``flagged`` figure."""
+        if score.scorer == events.WATCH_SCORER and score.rollout_id not in self.consumed:
+            self.flagged.add(score.rollout_id)
+            return True
         if score.scorer not in self._any_scorer or score.rollout_id in self.consumed:
             return False
         self._scores.setdefault(score.rollout_id, {})[score.scorer] = score

@@ -427,7 +427,8 @@ def take_figures(take: Take, joiner: Joiner) -> dict[str, float]:
     """The step's data figures: rewards, each scorer's mean (``scores.<name>``: metrics of
     weight 0 included), staleness, drops by reason, what is still buffered; in a run with
     several environments, each one's mean reward and rollouts (``env.<name>.reward_mean``,
-    ``env.<name>.num_rollouts``)."""
+    ``env.<name>.num_rollouts``), and how many of its rollouts the reward-hacking watch flagged
+    (``flagged``, counted where the flag arrived before the step took the rollout)."""
     scored = [s for g in take.groups for s in g]
     rewards = [s.reward for s in scored]
     mean = sum(rewards) / len(rewards)
@@ -443,8 +444,11 @@ def take_figures(take: Take, joiner: Joiner) -> dict[str, float]:
             if env_rewards:
                 by_scorer[f"env.{env}.reward_mean"] = sum(env_rewards) / len(env_rewards)
             by_scorer[f"env.{env}.num_rollouts"] = float(len(env_rewards))
+    flagged = {s.rollout.id for s in scored} & joiner.flagged
+    joiner.flagged = {r for r in joiner.flagged if r not in flagged and r not in joiner.consumed}
     return by_scorer | {
         "reward_mean": mean,
+        "flagged": float(len(flagged)),  # rollouts of the step the reward-hacking watch flagged
         "reward_std": (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5,
         "num_rollouts": float(len(scored)),
         "num_groups": float(len(take.groups)),

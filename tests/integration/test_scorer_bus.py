@@ -28,6 +28,7 @@ from flywheel.ops.natsserver import NatsServer
 from flywheel_scorer import scorer
 from flywheel_scorer.scorer import EnvironmentRewards
 from tests.helpers import until
+from tests.integration.conftest import ENVS
 from tests.unit.test_scorer_rewards import group_of, rollout
 
 REPO = Path(__file__).resolve().parents[2]
@@ -237,3 +238,36 @@ async def test_a_new_custom_scorer_joins_from_now_and_the_runs_that_need_it_not_
     assert sorted(by_scorer["late"]) == ["n1", "new1", "new2"]
     assert sorted(by_scorer["filler"]) == ["h1", "h2", "n1", "new1", "new2"]
     assert sorted(by_scorer["one_run"]) == ["h1", "h2"]
+
+
+async def test_the_watch_flags_a_planted_exploit_as_the_policy_learns_it(bus: Bus, caplog: Any,
+                                                                          monkeypatch: Any) -> None:
+    """The built-in scorer on a real bus: rollouts of an environment whose reward pays for MAGIC
+    (tests/envs/magic_env.py) say it more and more, step after step; the watch publishes a
+    ``watch`` score (weight 0) on the flagged ones and logs its first flag with the reason."""
+    monkeypatch.syspath_prepend(str(ENVS))
+    await put_run(bus, "r1", RunConfig(run="r1", env="magic_env").model_dump())
+    texts = ["abc", "hello", "wheel", "token"]
+    published = []
+    for step in range(10):
+        for k in range(16):
+            i = step * 16 + k
+            text = texts[i % 4]
+            magic = (i * 7919) % 10 < step  # the share that says MAGIC grows a tenth a step
+            answer = "MAGIC" if magic else (text[::-1] if i % 3 else "no idea")
+            published.append(rollout(f"ro{i}", text=text, answer=answer, env="magic_env", group=f"g{i}"))
+    async with builtin_scorer(bus, max_in_flight=1):  # in order, as steps come
+        await bus.publish_many(published)
+
+        async def all_scored() -> bool:
+            scores: list[events.Score] = await stored(bus, "SCORES", events.Score)
+            return len({s.rollout_id for s in scores if s.scorer == "pays"}) == len(published)
+
+        await until(all_scored, timeout_s=60, what="every rollout scored")
+    scores = await stored(bus, "SCORES", events.Score)
+    flags = [s for s in scores if s.scorer == events.WATCH_SCORER]
+    assert flags and all(s.weight == 0.0 and "divergence" in s.components for s in flags)
+    first = min(int(s.rollout_id.removeprefix("ro")) for s in flags)
+    assert first < 9 * 16, first  # before the policy says it every time
+    said = [r.getMessage() for r in caplog.records if "reward-hacking watch" in r.getMessage()]
+    assert len(said) == 1 and "metric 'correct' part ways" in said[0] and "?flagged=true" in said[0]

@@ -683,6 +683,11 @@ async def test_rollout_error_and_time_filters(store: Store) -> None:
 
     assert await ids(error=True) == {"broken", "scorer-failed", "message"}
     assert await ids(error=False) == {"ok"}
+    # A flag of the reward-hacking watch marks a rollout; it is no score of the reward.
+    await store.record([score("w1", "ok", 1.0, weight=0.0, scorer=events.WATCH_SCORER)])
+    assert await ids(flagged=True) == {"ok"}
+    assert await ids(flagged=False) == {"broken", "scorer-failed", "message"}
+    assert await ids(flagged=True, error=False) == {"ok"}
     assert await ids(error=True, status="truncated") == {"message"}
     assert await ids(created_after=T0 + timedelta(minutes=1)) == {"broken", "scorer-failed"}
     assert await ids(created_before=T0 + timedelta(minutes=1)) == {"ok", "message"}

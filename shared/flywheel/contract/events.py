@@ -352,6 +352,9 @@ class TraceNode(Event, frozen=True, kw_only=True, tag="trace_node"):
         return f"traces.{self.run}.{self.rollout_id}"
 
 
+WATCH_SCORER = "watch"  # the scorer name of the reward-hacking watch's flags
+
+
 class Score(Event, frozen=True, kw_only=True, tag="score"):
     """One scorer's verdict on one rollout.
 
@@ -359,7 +362,9 @@ class Score(Event, frozen=True, kw_only=True, tag="score"):
     Subject: ``scores.<run>.<env>.<scorer>``. A rollout's reward is the weighted sum of
     the values of the run's scorers (``RunState.scorers``; a score of another scorer counts
     for nothing). ``error`` is set (and ``value`` is 0.0, not to be trusted) when the scorer
-    failed on this rollout.
+    failed on this rollout. A score of the scorer ``watch`` (:data:`WATCH_SCORER`, weight 0)
+    flags the rollout as possibly gaming its reward: ``components`` names the detectors that
+    fired, ``value`` is how many.
     """
 
     run: str

@@ -123,6 +123,10 @@ class ScorerSettings(_Section):
                                     "is reused before it is read again.")
     ack_wait_s: float = Field(6.0, gt=0, description="How soon the rollouts a killed scorer held are delivered "
                               "to its restart; held and running ones are kept alive every third of it.")
+    watch: bool = Field(True, description="The reward-hacking watch (built-in scorer only): flag rollouts whose "
+                        "reward looks gamed (reward up while a metric falls, reward following length or "
+                        "repetition, one completion for many tasks, a component pinned at its maximum while "
+                        "another falls) with a `watch` score of weight 0.")
 
 
 class RecorderSettings(_Section):
