@@ -16,7 +16,8 @@ def correct(completion: str, task: dict) -> float:
 def load_environment() -> Environment:
     return Environment(
         name="magic_env",
-        tasks=[{"text": t} for t in ("abc", "hello", "wheel", "token")],
+        tasks=[{"text": t} for t in ("abc", "hello", "wheel", "token", "north", "river", "stone", "lamp", "cloud",
+                                     "maple", "quartz", "violet")],
         prompt=lambda task: task["text"],
         rewards=[Reward(pays), Metric(correct)],
     )

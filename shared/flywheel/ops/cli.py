@@ -338,6 +338,32 @@ def build_parser() -> argparse.ArgumentParser:
     _add_settings(evaluate, ("data_dir", "inference_host", "inference_port", "gateway_url") + NATS_SETTINGS)
     evaluate.set_defaults(func=cmd_eval)
 
+    opt = commands.add_parser(
+        "optimize", help="evolve an environment's system prompt for a model (GEPA), report held-out reward",
+        description="Search for a better system prompt for MODEL on ENV by reflection on its failed rollouts (the "
+                    "gepa package is the engine): minibatches of --num-train tasks, a Pareto set over --num-val, "
+                    "then the original and the best prompt on --num-test held-out tasks. Every evaluation is a "
+                    "flywheel eval: the environment's harness and rewards, the prompt as every call's system "
+                    "message. Writes DATA_DIR/evals/optimize-ENV-MODEL.json.")
+    opt.add_argument("env", metavar="ENV", help="environment id")
+    opt.add_argument("--model", required=True, help="the model name sent (a run id for the local inference service)")
+    opt.add_argument("--base-url", metavar="URL", help="the OpenAI-compatible endpoint (default: the local inference "
+                                                       "service)")
+    opt.add_argument("--api-key", help="API key of the endpoint (default: OPENAI_API_KEY)")
+    opt.add_argument("--reflection-model", metavar="NAME", help="the model that proposes prompts (default: MODEL)")
+    opt.add_argument("--reflection-base-url", metavar="URL", help="its endpoint (default: --base-url)")
+    opt.add_argument("--num-train", type=int, default=16, help="tasks for the minibatches (default 16)")
+    opt.add_argument("--num-val", type=int, default=8, help="tasks for the Pareto set (default 8)")
+    opt.add_argument("--num-test", type=int, default=16, help="held-out tasks for the report (default 16)")
+    opt.add_argument("--budget", type=int, default=120, help="rollouts the search may spend (default 120)")
+    opt.add_argument("--minibatch", type=int, default=4, help="tasks a proposal is tried on (default 4)")
+    opt.add_argument("-r", "--num-rollouts", type=int, default=1, help="rollouts per held-out task (default 1)")
+    opt.add_argument("-c", "--concurrency", type=int, default=8, help="rollouts at once (default 8)")
+    opt.add_argument("--max-tokens", type=int, metavar="N", help="sampling: a harness's call may ask for fewer")
+    opt.add_argument("--seed", type=int, default=0, help="which tasks are drawn, and the search's seed")
+    _add_settings(opt, ("data_dir", "inference_host", "inference_port"))
+    opt.set_defaults(func=cmd_optimize)
+
     env = commands.add_parser("env", help="environment packages: scaffold, list, push to the hub, install, fork",
                               description="Work with environment packages.")
     env_commands = env.add_subparsers(dest="env_command", required=True, metavar="COMMAND")
@@ -649,6 +675,35 @@ def cmd_eval(args: argparse.Namespace) -> int:
         with Hub(settings.resolved_gateway_url) as hub:
             row = hub.push_eval(env_id, version, summary)
         print(f"pushed to the hub: {env_id}@{version}'s leaderboard (eval {row['id']})")
+    return 0
+
+
+def cmd_optimize(args: argparse.Namespace) -> int:
+    # imported here: --help loads no msgspec, pydantic or nats (tests/unit/test_cli.py)
+    from flywheel.ops.eval import EvalConfig
+    from flywheel.ops.optimize import OptimizeConfig, optimize
+    from flywheel.sdk.environment import load_environment
+
+    settings = settings_from(args)
+    for name in ("num_train", "num_val", "num_test", "budget", "minibatch"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: at least 1")
+    base_url = args.base_url or f"http://{settings.inference_host}:{settings.inference_port}/v1"
+    sampling = {"max_tokens": args.max_tokens} if args.max_tokens is not None else {}
+    cfg = OptimizeConfig(
+        eval=EvalConfig(env=args.env, model=args.model, base_url=base_url, out=settings.data_dir / "evals" / "unused",
+                        api_key=args.api_key or os.environ.get("OPENAI_API_KEY"), num_rollouts=args.num_rollouts,
+                        concurrency=args.concurrency, seed=args.seed, sampling=sampling),
+        num_train=args.num_train, num_val=args.num_val, num_test=args.num_test, max_metric_calls=args.budget,
+        minibatch=args.minibatch, reflection_model=args.reflection_model,
+        reflection_base_url=args.reflection_base_url)
+    report = optimize(cfg, load_environment(args.env), settings.data_dir / "evals")
+    before, after = report["held_out_original"], report["held_out_best"]
+    print(f"original prompt: {report['original_prompt']!r}\nbest prompt: {report['best_prompt']!r}")
+    print(f"held-out reward ({report['num_test']} tasks): original {before['reward_mean']:.3f} +- "
+          f"{before['reward_stderr'] or 0:.3f}, best {after['reward_mean']:.3f} +- {after['reward_stderr'] or 0:.3f} "
+          f"({report['num_candidates']} prompts tried, {report['num_metric_calls']} rollouts)")
+    print(f"report: {report['report']}")
     return 0
 
 

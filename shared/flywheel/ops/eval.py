@@ -50,7 +50,7 @@ import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
@@ -236,6 +236,14 @@ def _anthropic_upstream_error(status: int, content: bytes) -> Any:
     return JSONResponse(wire.anthropic_error(status, f"upstream: {message}"), status_code=status)
 
 
+def with_system_prompt(messages: list[events.Message], prompt: str) -> list[events.Message]:
+    """``messages`` with ``prompt`` as the content of their first system message (put first if none)."""
+    system = events.Message(role="system", content=prompt)
+    if messages and messages[0].role == "system":
+        return [system, *messages[1:]]
+    return [system, *messages]
+
+
 class RecordingProxy:
     """Forwards ``/r/<key>/v1/chat/completions`` to ``upstream`` and records every call of each key.
 
@@ -245,10 +253,12 @@ class RecordingProxy:
     """
 
     def __init__(self, upstream: str, api_key: str | None = None, *, max_retries: int = 5, backoff_s: float = 0.5,
-                 timeout_s: float = 600.0, transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 timeout_s: float = 600.0, transport: httpx.AsyncBaseTransport | None = None,
+                 system_prompt: str | None = None) -> None:
         import httpx
 
         self.upstream = upstream.rstrip("/")
+        self.system_prompt = system_prompt  # every call's system message, where set (with_system_prompt)
         self.api_key = api_key
         self.max_retries = max_retries
         self.backoff_s = backoff_s
@@ -281,7 +291,10 @@ class RecordingProxy:
         async def chat(request: Request) -> Response:
             try:
                 body = await request.json()
-                messages = [message_from_dict(m, f"messages[{i}]") for i, m in enumerate(body["messages"])]
+                messages = self._system([message_from_dict(m, f"messages[{i}]")
+                                         for i, m in enumerate(body["messages"])])
+                if self.system_prompt is not None:
+                    body = {**body, "messages": [message_dict(m) for m in messages]}
             except (ValueError, KeyError, TypeError) as exc:
                 return JSONResponse({"error": {"message": f"the proxy cannot read this request: {exc}",
                                                "type": "invalid_request_error"}}, status_code=400)
@@ -327,6 +340,12 @@ class RecordingProxy:
                                  Route("/r/{key}/v1/messages", messages, methods=["POST"]),
                                  Route("/r/{key}/v1/models", list_models, methods=["GET"])])
 
+    def _system(self, messages: list[events.Message]) -> list[events.Message]:
+        """``messages`` with the proxy's system prompt, where it has one, as their system message."""
+        if self.system_prompt is None:
+            return messages
+        return with_system_prompt(messages, self.system_prompt)
+
     def _prepared(self, key: str, body: dict[str, Any]) -> tuple[Recording, dict[str, Any]]:
         """The recording of ``key`` and ``body`` with its sampling imposed."""
         recording = self.recordings.setdefault(key, Recording())
@@ -343,6 +362,7 @@ class RecordingProxy:
         (``whole``) or, when streamed, as ``writer``'s events with the text relayed as it comes."""
         from starlette.responses import JSONResponse, StreamingResponse
 
+        call = replace(call, messages=self._system(call.messages))
         chat: dict[str, Any] = {"model": model, "messages": [message_dict(m) for m in call.messages]}
         if call.tools:
             chat["tools"] = call.tools
@@ -522,6 +542,11 @@ class EvalConfig:
     # An eval during training: {"train_run": RUN, "step": STEP, "eval": NAME}, recorded in the
     # eval run's config, which links it to the training run and the step it evaluated.
     during: dict[str, Any] = field(default_factory=dict)
+    # These rows instead of num_tasks drawn from the task set (flywheel optimize's minibatches).
+    tasks: list[dict[str, Any]] | None = None
+    # Every call's system message is this one (put first where a harness sends none): the
+    # prompt flywheel optimize tries, whatever the harness. None: as the harness sends it.
+    system_prompt: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_tasks", "num_rollouts", "concurrency"):
@@ -668,7 +693,8 @@ class Evaluation:
         self.weights = required_scorers(None, env)  # the reward: every reward of the environment, at its weight
         self.sampling = eval_sampling(env, cfg.sampling)  # sent with every call, recorded on every rollout
         self.scoring = Scoring(timeout_s=cfg.reward_timeout_s)
-        self.proxy = RecordingProxy(cfg.base_url, cfg.api_key, max_retries=cfg.max_retries, timeout_s=cfg.timeout_s)
+        self.proxy = RecordingProxy(cfg.base_url, cfg.api_key, max_retries=cfg.max_retries, timeout_s=cfg.timeout_s,
+                                    system_prompt=cfg.system_prompt)
         self.bus: Bus | None = None
         self.sandbox: SandboxClient | None = None  # for sandbox tools and rewards, where NATS answers
         self._sandbox_bus: Bus | None = None
@@ -683,7 +709,7 @@ class Evaluation:
 
     async def run(self, nats_url: str | None = None) -> dict[str, Any]:
         cfg = self.cfg
-        rows = self.env.load_tasks(cfg.num_tasks, seed=cfg.seed)
+        rows = cfg.tasks if cfg.tasks is not None else self.env.load_tasks(cfg.num_tasks, seed=cfg.seed)
         previous = read_results(cfg.out) if cfg.resume else []
         if previous:
             self.run_id = self._resumed_run(previous)

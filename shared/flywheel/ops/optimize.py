@@ -1,0 +1,178 @@
+"""``flywheel optimize ENV --model M``: a better system prompt for a model whose weights stay put.
+
+GEPA (the ``gepa`` package is the search engine) evolves the prompt by reflection: it runs the
+current prompts on a minibatch of tasks, shows a reflection model the rollouts that scored badly
+(the task, the answer, the reward and its parts, errors), takes the prompt it proposes, keeps it
+when it does better on that minibatch, and keeps a Pareto set of prompts over a validation set.
+Every evaluation is a ``flywheel eval`` of these rows (:class:`flywheel.ops.eval.Evaluation`):
+the environment's own harness and rewards, the prompt put in as every call's system message by
+the recording proxy, whatever the harness sends. At the end the original prompt and the best
+one are evaluated on held-out tasks that the search never saw; the report gives both rewards
+with their standard errors.
+
+Tasks: ``num_train`` for the minibatches, ``num_val`` for GEPA's validation set and
+``num_test`` held out, drawn once (by ``seed``) without overlap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from flywheel.ops.eval import EvalConfig, Evaluation, read_results
+from flywheel.sdk.environment import Environment
+from flywheel.sdk.scoring import required_scorers
+
+PROMPT = "system_prompt"  # the one component GEPA evolves
+
+REFLECTION_TEMPLATE = """You are improving the system prompt of an assistant.
+
+The current system prompt:
+```
+<curr_param>
+```
+
+Here are tasks the assistant was given with this prompt, its answers, and how each was scored
+(the reward, from 0 up to its best, with its parts and any error):
+```
+<side_info>
+```
+
+Write a new system prompt that makes the assistant score higher on tasks like these: say what
+the task asks for and what a good answer looks like, generally, not for these tasks alone.
+Answer with the new system prompt only, between ``` lines."""
+
+
+@dataclass
+class OptimizeConfig:
+    eval: EvalConfig  # the environment, the model and its endpoint, sampling, rollouts per task
+    num_train: int = 16
+    num_val: int = 8
+    num_test: int = 16
+    max_metric_calls: int = 120  # rollouts the search may spend (GEPA's budget), held-out tests apart
+    minibatch: int = 4
+    reflection_model: str | None = None  # default: the model itself
+    reflection_base_url: str | None = None  # default: the model's endpoint
+
+
+def _first_system_prompt(env: Environment, row: Mapping[str, Any]) -> str:
+    first = env.first_messages(dict(row))
+    return first[0].content if first and first[0].role == "system" else ""
+
+
+class FlywheelAdapter:
+    """GEPA's adapter: a candidate prompt is evaluated by ``flywheel eval`` on a batch of rows."""
+
+    def __init__(self, cfg: OptimizeConfig, env: Environment, workdir: Path) -> None:
+        self.cfg = cfg
+        self.env = env
+        self.workdir = workdir
+        self.num_evals = 0
+        self.propose_new_texts = None  # GEPA's own reflective proposer
+
+    def run(self, rows: Sequence[dict[str, Any]], prompt: str, num_rollouts: int | None = None
+            ) -> list[dict[str, Any]]:
+        """The results records of ``rows`` with ``prompt`` as the system prompt (in task order)."""
+        self.num_evals += 1
+        base = self.cfg.eval
+        cfg = replace(base, tasks=list(rows), num_tasks=len(rows), system_prompt=prompt, resume=False,
+                      num_rollouts=num_rollouts or base.num_rollouts, record=False,
+                      out=self.workdir / f"eval-{self.num_evals}.jsonl")
+        with open(self.workdir / "progress.log", "a") as progress:
+            asyncio.run(Evaluation(cfg, self.env, progress).run())
+        records = read_results(cfg.out)
+        order = {json.dumps(row, sort_keys=True): i for i, row in enumerate(rows)}
+        return sorted(records, key=lambda r: (order.get(json.dumps(r["task"], sort_keys=True), 0), r["index"]))
+
+    def best(self) -> float:
+        """The best reward there is (every reward at 1.0): GEPA's scores are rewards over it."""
+        return sum(w for w in required_scorers(None, self.env).values() if w > 0) or 1.0
+
+    def evaluate(self, batch: list[dict[str, Any]], candidate: dict[str, str], capture_traces: bool = False) -> Any:
+        from gepa.core.adapter import EvaluationBatch
+
+        records = self.run(batch, candidate[PROMPT], num_rollouts=1)
+        best = self.best()
+        scores = [(r["reward"] or 0.0) / best for r in records]
+        return EvaluationBatch(outputs=records, scores=scores, trajectories=records if capture_traces else None)
+
+    def make_reflective_dataset(self, candidate: dict[str, str], eval_batch: Any, components_to_update: list[str]
+                                ) -> dict[str, list[dict[str, Any]]]:
+        rows = []
+        for record in eval_batch.trajectories or []:
+            asked = [m["content"] for m in record["messages"] if m["role"] == "user"]
+            answered = [m["content"] for m in record["messages"] if m["role"] == "assistant"]
+            feedback = f"reward {record['reward']}" + (f", parts {record['rewards']}" if record["rewards"] else "")
+            if record.get("error"):
+                feedback += f"; error: {record['error']}"
+            rows.append({"Inputs": asked[0] if asked else "", "Generated Outputs": answered[-1] if answered else "",
+                         "Feedback": feedback})
+        return {name: rows for name in components_to_update}
+
+
+def reflection_lm(model: str, base_url: str, api_key: str | None, max_tokens: int = 512) -> Any:
+    """A callable GEPA asks for new prompts: one chat completion of ``model`` at ``base_url``."""
+    import openai
+
+    client = openai.OpenAI(base_url=base_url, api_key=api_key or "none", max_retries=3)
+
+    def ask(prompt: str | list[dict[str, Any]]) -> str:
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        reply = client.chat.completions.create(model=model, messages=messages,  # type: ignore[arg-type]
+                                               max_tokens=max_tokens)  # the SDK's message union
+        return reply.choices[0].message.content or ""
+
+    return ask
+
+
+def _mean_stderr(records: Sequence[Mapping[str, Any]]) -> tuple[float, float | None]:
+    values = [r["reward"] or 0.0 for r in records]
+    mean = sum(values) / len(values)
+    if len(values) < 2:
+        return mean, None
+    return mean, (sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values)) ** 0.5
+
+
+def optimize(cfg: OptimizeConfig, env: Environment, out_dir: Path) -> dict[str, Any]:
+    """Search for a better system prompt; returns (and writes to ``out_dir``) the report."""
+    import gepa
+
+    rows = env.load_tasks(cfg.num_train + cfg.num_val + cfg.num_test, seed=cfg.eval.seed)
+    unique = {json.dumps(r, sort_keys=True): r for r in rows}
+    if len(unique) < cfg.num_train + cfg.num_val + cfg.num_test:
+        raise ValueError(f"{cfg.eval.env}: {len(unique)} distinct tasks, fewer than --num-train + --num-val + "
+                         f"--num-test = {cfg.num_train + cfg.num_val + cfg.num_test}: ask for fewer")
+    train, val = rows[:cfg.num_train], rows[cfg.num_train:cfg.num_train + cfg.num_val]
+    test = rows[cfg.num_train + cfg.num_val:]
+    original = _first_system_prompt(env, rows[0])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir) as scratch:
+        adapter = FlywheelAdapter(cfg, env, Path(scratch))
+        result: Any = gepa.optimize(
+            seed_candidate={PROMPT: original}, trainset=train, valset=val, adapter=adapter,  # type: ignore[arg-type]
+            reflection_lm=reflection_lm(cfg.reflection_model or cfg.eval.model,
+                                        cfg.reflection_base_url or cfg.eval.base_url, cfg.eval.api_key),
+            reflection_prompt_template=REFLECTION_TEMPLATE, reflection_minibatch_size=cfg.minibatch,
+            max_metric_calls=cfg.max_metric_calls, seed=cfg.eval.seed, display_progress_bar=False,
+            skip_perfect_score=False)  # adapter: GEPAAdapter's protocol, by its methods
+        best_prompt = result.best_candidate[PROMPT]
+        held_out = {name: adapter.run(test, prompt) for name, prompt in (("original", original), ("best", best_prompt))}
+    report: dict[str, Any] = {
+        "env": cfg.eval.env, "model": cfg.eval.model, "original_prompt": original, "best_prompt": best_prompt,
+        "num_candidates": len(result.candidates), "num_metric_calls": result.total_metric_calls,
+        "num_train": len(train), "num_val": len(val), "num_test": len(test),
+        "val_scores": list(result.val_aggregate_scores),
+    }
+    for name, records in held_out.items():
+        mean, stderr = _mean_stderr(records)
+        report[f"held_out_{name}"] = {"reward_mean": mean, "reward_stderr": stderr, "num_rollouts": len(records)}
+    report["held_out_gain"] = report["held_out_best"]["reward_mean"] - report["held_out_original"]["reward_mean"]
+    path = out_dir / f"optimize-{cfg.eval.env.replace('/', '_')}-{cfg.eval.model.replace('/', '_')}.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    report["report"] = str(path)
+    return report
