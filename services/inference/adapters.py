@@ -19,8 +19,9 @@ of adapters, but each row then pays for all of them: 15% of a batch on SmolLM2-1
 four rank-16 adapters, against half that by segments.) Loading a new version of an adapter
 writes it into the old version's tensors where the shapes are the same (no allocation: 24 ms
 against 29 ms for a SmolLM2-135M rank-16 adapter), else replaces them; the caller (the
-batching loop's lock) keeps loads and evictions from happening during a forward pass. A backend's ``generate(..., adapters=...)`` sets the rows
-(:meth:`AdapterSlots.set_rows`) before each forward pass.
+batching loop's lock) keeps loads and evictions from happening during a forward pass. A
+backend's ``generate(..., adapters=...)`` sets the rows (:meth:`AdapterSlots.set_rows`)
+before each forward pass.
 
 :class:`AdapterView` is one run's :class:`~flywheel_inference.completion.Backend` on a
 shared base: its swaps load that run's adapter, its version is the run's, and its close
