@@ -55,6 +55,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from flywheel.contract import events
+from flywheel.sdk.hooks import Blocked, CallHooks
 from flywheel.sdk.messages import message_dict, message_from_dict
 from flywheel.sdk.tracegraph import TraceGraph
 from flywheel_inference.policy import WeightsUnavailable
@@ -134,6 +135,7 @@ def parse_tool_calls(text: str) -> tuple[str, list[events.ToolCall]]:
 
 K = TypeVar("K")
 V = TypeVar("V")
+T = TypeVar("T")
 RENDER_CACHE_SIZE = 4096  # texts and token lists a Renderer keeps
 _MESSAGES = msgspec.json.Encoder()
 
@@ -298,6 +300,7 @@ class Session:
     prompts: list[list[int]] = field(default_factory=list)  # what the model was given, call by call
     # The Responses API's stored responses (id -> the conversation they end), for previous_response_id.
     responses: dict[str, list[events.Message]] = field(default_factory=dict)
+    hooks: CallHooks = field(default_factory=CallHooks)  # the environment's hooks on each call
     _tools_key: str | None = None
     _renderer: Renderer | None = None
     _publishing: asyncio.Future[None] | None = None
@@ -326,7 +329,11 @@ class Session:
                    max_tokens: int | None,
                    on_token: Callable[[int, int, float], None] | None = None) -> tuple[events.Node, Any, int]:
         """Sample the answer to ``messages``; returns (assistant node, completion, prompt length).
-        ``on_token(0, token_id, logprob)`` is called with each token as it is sampled."""
+        ``on_token(0, token_id, logprob)`` is called with each token as it is sampled. The
+        environment's request hooks see (and may rewrite or block) ``messages`` first; its
+        response hooks see the answer."""
+        if self.hooks:
+            messages = self._hooked(lambda: self.hooks.before(messages))
         plan = self._plan(messages, tools, remember=True)
         sampling = self.sampling
         if max_tokens is not None and max_tokens < sampling.max_tokens:
@@ -354,7 +361,19 @@ class Session:
         answer = created[-1] if created else self.graph.last
         assert answer is not None
         self._publish_in_order([events.TraceNode(run=self.run, rollout_id=self.rollout_id, node=n) for n in created])
+        if self.hooks:
+            self._hooked(lambda: self.hooks.after(messages, answer.message))
         return answer, c, len(plan.prompt_ids)
+
+    @staticmethod
+    def _hooked(run: Callable[[], T]) -> T:
+        """A hook's outcome; a block or a failing hook is the API's error, naming the hook."""
+        try:
+            return run()
+        except Blocked as exc:
+            raise InterceptionError(400, str(exc), "messages", "blocked_by_environment") from exc
+        except Exception as exc:
+            raise InterceptionError(500, f"the environment's hook failed: {type(exc).__name__}: {exc}") from exc
 
     def _publish_in_order(self, nodes: list[events.TraceNode]) -> None:
         """Publish off the request's path, each call's nodes after the previous call's, once

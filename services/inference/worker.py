@@ -648,6 +648,7 @@ class Worker:
 
         session = self.interception.open(task.run, rid, hosted.policy, sampling, publish,
                                          live_after_s=self.config.live_trace_after_s)
+        session.hooks = env.call_hooks(task.data)
         base_url, http_client = self._interception_url(session.key)
         ctx = RolloutContext(task=dict(task.data), base_url=base_url, api_key=session.key, model=task.run, run=task.run,
                              index=index, timeout_s=self.config.rollout_timeout_s, http_client=http_client,
@@ -664,7 +665,8 @@ class Worker:
             id=rid, run=task.run, env=task.env, task_id=task.id, group_id=task.id, index=index,
             policy_version=min(session.versions, default=hosted.policy.version or 0), task_data=task.data,
             nodes=session.graph.ordered(), status=outcome.status, error=outcome.error,
-            metrics=session.metrics() | {"rollout_s": outcome.elapsed_s}, group_size=task.num_rollouts,
+            metrics=session.metrics() | session.hooks.metrics() | {"rollout_s": outcome.elapsed_s},
+            group_size=task.num_rollouts,
             state=outcome.state, sampling=sampling, usage=session.usage())
 
     def _interception_url(self, key: str) -> tuple[str, Any]:

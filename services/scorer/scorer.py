@@ -110,6 +110,7 @@ from flywheel.sdk.environment import (
     load_environment,
     load_for_run,
 )
+from flywheel.sdk.hooks import FLAG_METRIC, hook_flags
 from flywheel.sdk.scoring import Scoring, score_event
 from flywheel_scorer.watch import Watch, flag_score
 
@@ -411,6 +412,9 @@ class Scorer:
         if self.watch is None or rollout.status == "error" or not scores:
             return []
         flags = self.watch.see(rollout, completion_of(rollout), scores)
+        for hook in hook_flags(rollout.metrics):  # the environment's own hooks flagged calls of it
+            num = rollout.metrics[FLAG_METRIC + hook]
+            flags[f"hook:{hook}"] = f"the environment's hook {hook!r} flagged {num:g} of its calls"
         for detector, why in flags.items():
             if self.watch.first_time(rollout.run, detector):
                 log.warning("run %s: the reward-hacking watch flags rollout %s (%s): %s; later flags of this kind "

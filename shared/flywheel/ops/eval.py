@@ -62,6 +62,7 @@ from flywheel.ops.tables import table
 from flywheel.sdk import wire
 from flywheel.sdk.environment import Environment, EnvironmentOverrides, load_environment, messages_of, subject_name
 from flywheel.sdk.harness import RolloutContext
+from flywheel.sdk.hooks import Blocked, CallHooks
 from flywheel.sdk.messages import message_dict, message_from_dict
 from flywheel.sdk.rollout import ROLLOUT_TIMEOUT_S, run_harness
 from flywheel.sdk.sandbox import SandboxClient
@@ -91,6 +92,7 @@ class Recording:
     calls: list[dict[str, Any]] = field(default_factory=list)
     sampling: events.Sampling | None = None  # imposed on each of its calls (None: sent as the harness sent it)
     responses: dict[str, list[events.Message]] = field(default_factory=dict)  # Responses API, by id
+    hooks: CallHooks = field(default_factory=CallHooks)  # the environment's hooks on each call
 
     def add(self, messages: list[events.Message], completion: Mapping[str, Any]) -> None:
         """The request's messages below the longest matching path, then each choice below them."""
@@ -100,8 +102,11 @@ class Recording:
             parent = self.graph.add(parent, message)[0].id
         choices = sorted(completion.get("choices") or [], key=lambda c: c.get("index", 0))
         for choice in choices:
-            answer = {"content": "", **(choice.get("message") or {}), "role": "assistant"}
-            self.graph.add(parent, message_from_dict(answer, "choices[].message"))
+            answer = message_from_dict({"content": "", **(choice.get("message") or {}), "role": "assistant"},
+                                       "choices[].message")
+            self.graph.add(parent, answer)
+            if self.hooks:
+                self.hooks.after(messages, answer)
         self.calls.append({"usage": completion.get("usage") or {},
                            "finish_reasons": [c.get("finish_reason") for c in choices],
                            "logprobs": [c.get("logprobs") for c in choices if c.get("logprobs")]})
@@ -219,21 +224,40 @@ def _recorded(recording: Recording) -> Callable[[], Mapping[str, str]]:
     return lambda: wire.recorded_tool_calls(recording.graph.nodes.values())
 
 
-def _openai_upstream_error(status: int, content: bytes) -> Any:
-    from starlette.responses import Response
+class _OpenAIErrors:
+    """Errors a Responses agent gets from the proxy: the upstream's as they came, the proxy's own
+    (a hook's block) in OpenAI's shape."""
 
-    return Response(content, status_code=status, media_type="application/json")
+    @staticmethod
+    def upstream(status: int, content: bytes) -> Any:
+        from starlette.responses import Response
+
+        return Response(content, status_code=status, media_type="application/json")
+
+    @staticmethod
+    def refused(status: int, message: str, code: str) -> Any:
+        from starlette.responses import JSONResponse
+
+        return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": "messages",
+                                       "code": code}}, status_code=status)
 
 
-def _anthropic_upstream_error(status: int, content: bytes) -> Any:
-    """The upstream's error (OpenAI's shape, or text) in the Messages API's shape."""
-    from starlette.responses import JSONResponse
+class _AnthropicErrors:
+    """Errors a Messages agent gets from the proxy, in the Messages API's shape."""
 
-    try:
-        message = json.loads(content)["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        message = content.decode(errors="replace")[:500]
-    return JSONResponse(wire.anthropic_error(status, f"upstream: {message}"), status_code=status)
+    @staticmethod
+    def upstream(status: int, content: bytes) -> Any:
+        try:
+            message = json.loads(content)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = content.decode(errors="replace")[:500]
+        return _AnthropicErrors.refused(status, f"upstream: {message}", "")
+
+    @staticmethod
+    def refused(status: int, message: str, code: str) -> Any:
+        from starlette.responses import JSONResponse
+
+        return JSONResponse(wire.anthropic_error(status, message), status_code=status)
 
 
 def with_system_prompt(messages: list[events.Message], prompt: str) -> list[events.Message]:
@@ -272,10 +296,10 @@ class RecordingProxy:
         """The OpenAI base URL a rollout's harness gets."""
         return f"{self.url}/r/{key}/v1"
 
-    def open(self, key: str, sampling: events.Sampling | None = None) -> Recording:
+    def open(self, key: str, sampling: events.Sampling | None = None, hooks: CallHooks | None = None) -> Recording:
         """A new recording for ``key``, filled as its calls pass through; ``sampling`` is sent
-        with each of them (:func:`impose_sampling`)."""
-        recording = self.recordings[key] = Recording(sampling=sampling)
+        with each of them (:func:`impose_sampling`); ``hooks`` (the environment's) see each call."""
+        recording = self.recordings[key] = Recording(sampling=sampling, hooks=hooks or CallHooks())
         return recording
 
     def take(self, key: str) -> Recording:
@@ -291,10 +315,12 @@ class RecordingProxy:
         async def chat(request: Request) -> Response:
             try:
                 body = await request.json()
-                messages = self._system([message_from_dict(m, f"messages[{i}]")
-                                         for i, m in enumerate(body["messages"])])
-                if self.system_prompt is not None:
+                given = [message_from_dict(m, f"messages[{i}]") for i, m in enumerate(body["messages"])]
+                messages = self._system(given, request.path_params["key"])
+                if messages != given:
                     body = {**body, "messages": [message_dict(m) for m in messages]}
+            except Blocked as exc:
+                return _OpenAIErrors.refused(400, str(exc), "blocked_by_environment")
             except (ValueError, KeyError, TypeError) as exc:
                 return JSONResponse({"error": {"message": f"the proxy cannot read this request: {exc}",
                                                "type": "invalid_request_error"}}, status_code=400)
@@ -317,7 +343,7 @@ class RecordingProxy:
             turn = wire.ResponseTurn(body, conversation, recording.responses, model if isinstance(model, str) else "",
                                      recording.sampling)
             return await self._translated(request.path_params["key"], call, model, turn.answered,
-                                          wire.ResponseEvents(turn), _openai_upstream_error)
+                                          wire.ResponseEvents(turn), _OpenAIErrors)
 
         async def messages(request: Request) -> Response:
             recording = self.recordings.setdefault(request.path_params["key"], Recording())
@@ -333,18 +359,20 @@ class RecordingProxy:
                                          stop=wire.stop_reason(answer, finish_reason), usage=usage)
 
             return await self._translated(request.path_params["key"], call, model, whole, wire.MessageEvents(model),
-                                          _anthropic_upstream_error)
+                                          _AnthropicErrors)
 
         return Starlette(routes=[Route("/r/{key}/v1/chat/completions", chat, methods=["POST"]),
                                  Route("/r/{key}/v1/responses", responses, methods=["POST"]),
                                  Route("/r/{key}/v1/messages", messages, methods=["POST"]),
                                  Route("/r/{key}/v1/models", list_models, methods=["GET"])])
 
-    def _system(self, messages: list[events.Message]) -> list[events.Message]:
-        """``messages`` with the proxy's system prompt, where it has one, as their system message."""
-        if self.system_prompt is None:
-            return messages
-        return with_system_prompt(messages, self.system_prompt)
+    def _system(self, messages: list[events.Message], key: str) -> list[events.Message]:
+        """``messages`` as they go upstream: with the proxy's system prompt, where it has one,
+        then through the rollout's request hooks (raises :class:`flywheel.sdk.hooks.Blocked`)."""
+        if self.system_prompt is not None:
+            messages = with_system_prompt(messages, self.system_prompt)
+        recording = self.recordings.get(key)
+        return recording.hooks.before(messages) if recording is not None and recording.hooks else messages
 
     def _prepared(self, key: str, body: dict[str, Any]) -> tuple[Recording, dict[str, Any]]:
         """The recording of ``key`` and ``body`` with its sampling imposed."""
@@ -356,13 +384,16 @@ class RecordingProxy:
     async def _translated(self, key: str, call: wire.ChatCall, model: Any,
                           whole: Callable[[events.Message, str, tuple[int, int]], dict[str, Any]],
                           writer: wire.ResponseEvents | wire.MessageEvents,
-                          upstream_error: Callable[[int, bytes], Any]) -> Any:
+                          errors: type[_OpenAIErrors | _AnthropicErrors]) -> Any:
         """A Responses or Messages request (already a chat ``call``) sent upstream as a chat
         completion and recorded as one; the answer goes back in the request's API shape, whole
         (``whole``) or, when streamed, as ``writer``'s events with the text relayed as it comes."""
         from starlette.responses import JSONResponse, StreamingResponse
 
-        call = replace(call, messages=self._system(call.messages))
+        try:
+            call = replace(call, messages=self._system(call.messages, key))
+        except Blocked as exc:
+            return errors.refused(400, str(exc), "blocked_by_environment")
         chat: dict[str, Any] = {"model": model, "messages": [message_dict(m) for m in call.messages]}
         if call.tools:
             chat["tools"] = call.tools
@@ -375,7 +406,7 @@ class RecordingProxy:
         if response.status_code != 200:
             content = await response.aread()
             await response.aclose()
-            return upstream_error(response.status_code, content)
+            return errors.upstream(response.status_code, content)
 
         def answer_of(completion: Mapping[str, Any]) -> tuple[events.Message, str, tuple[int, int]]:
             recording.add(call.messages, completion)
@@ -781,7 +812,7 @@ class Evaluation:
                             "env": cfg.env, "model": cfg.model, "task": row, "messages": messages_of(rollout),
                             "state": rollout.state, "status": rollout.status, "error": rollout.error,
                             **scored_fields(scores),
-                            "usage": recording.tokens(), "calls": recording.calls,
+                            "usage": recording.tokens(), "calls": recording.calls, "flags": recording.hooks.flags,
                             "sampling": msgspec.structs.asdict(rollout.sampling) if rollout.sampling else None,
                             "reward": rollout_reward(rollout.status, scores, self.weights)})
         async with self._write:
@@ -798,7 +829,7 @@ class Evaluation:
         # As inference seeds a group's rollouts; None: the endpoint's own defaults (send_sampling off).
         sampling = self.sampling.with_seed_offset(index) if self.cfg.send_sampling else None
         async with self._slots:
-            recording = self.proxy.open(rid, sampling)
+            recording = self.proxy.open(rid, sampling, self.env.call_hooks(row))
             ctx = RolloutContext(task=row, base_url=self.proxy.base_url(rid), api_key=HARNESS_API_KEY,
                                  model=self.cfg.model, index=index, timeout_s=self.cfg.timeout_s, rollout_id=rid,
                                  run=self.run_id,

@@ -65,6 +65,7 @@ from flywheel.contract import events
 from flywheel.contract.hub import ENTRY_POINT_GROUP
 from flywheel.sdk import tracegraph
 from flywheel.sdk.harness import ChatHarness, Harness
+from flywheel.sdk.hooks import CallHooks, RequestHook, ResponseHook
 from flywheel.sdk.messages import message_dict, message_from_dict
 
 if TYPE_CHECKING:
@@ -378,6 +379,13 @@ class Environment:
     sampling: dict[str, Any] = field(default_factory=dict)
     version: str = "0.0.0"
     description: str = ""
+    # Hooks on every model call of a rollout (flywheel.sdk.hooks): rewrite, block or flag requests; flag answers.
+    request_hooks: Sequence[RequestHook] = ()
+    response_hooks: Sequence[ResponseHook] = ()
+
+    def call_hooks(self, task: Mapping[str, Any]) -> CallHooks:
+        """The hooks of one rollout of ``task``."""
+        return CallHooks(self.request_hooks, self.response_hooks, task)
 
     def __post_init__(self) -> None:
         if not isinstance(self.tasks, TaskSet):
