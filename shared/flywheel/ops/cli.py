@@ -682,7 +682,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     # imported here: --help loads no msgspec, pydantic or nats (tests/unit/test_cli.py)
     from flywheel.ops.eval import EvalConfig
     from flywheel.ops.optimize import OptimizeConfig, optimize
-    from flywheel.sdk.environment import load_environment
+    from flywheel.sdk.environment import load_environment  # imported here: as the two above
 
     settings = settings_from(args)
     for name in ("num_train", "num_val", "num_test", "budget", "minibatch"):

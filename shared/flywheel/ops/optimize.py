@@ -24,6 +24,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import gepa
+from gepa.core.adapter import EvaluationBatch
+
 from flywheel.ops.eval import EvalConfig, Evaluation, read_results
 from flywheel.sdk.environment import Environment
 from flywheel.sdk.scoring import required_scorers
@@ -94,8 +97,6 @@ class FlywheelAdapter:
         return sum(w for w in required_scorers(None, self.env).values() if w > 0) or 1.0
 
     def evaluate(self, batch: list[dict[str, Any]], candidate: dict[str, str], capture_traces: bool = False) -> Any:
-        from gepa.core.adapter import EvaluationBatch
-
         records = self.run(batch, candidate[PROMPT], num_rollouts=1)
         best = self.best()
         scores = [(r["reward"] or 0.0) / best for r in records]
@@ -140,8 +141,6 @@ def _mean_stderr(records: Sequence[Mapping[str, Any]]) -> tuple[float, float | N
 
 def optimize(cfg: OptimizeConfig, env: Environment, out_dir: Path) -> dict[str, Any]:
     """Search for a better system prompt; returns (and writes to ``out_dir``) the report."""
-    import gepa
-
     rows = env.load_tasks(cfg.num_train + cfg.num_val + cfg.num_test, seed=cfg.eval.seed)
     unique = {json.dumps(r, sort_keys=True): r for r in rows}
     if len(unique) < cfg.num_train + cfg.num_val + cfg.num_test:
