@@ -27,9 +27,10 @@ trend.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import statistics
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -43,7 +44,8 @@ class Seen:
     """What the watch keeps of one scored rollout."""
 
     task: str  # the task id
-    text: str  # the completion, whitespace-normalized
+    digest: bytes  # of the completion, whitespace-normalized (the window keeps no whole texts)
+    preview: str  # its first characters, for a flag's reason
     length: int  # completion characters
     repetition: float  # share of its word trigrams that repeat an earlier one
     reward: float  # the weighted sum of the trained rewards (weight > 0)
@@ -73,7 +75,8 @@ def seen_of(rollout: events.Rollout, completion: str, scores: Iterable[events.Sc
         for name, value in s.components.items():
             parts[f"{s.scorer}.{name}"] = value
     text = " ".join(completion.split())
-    return Seen(rollout.task_id, text, len(text), repetition(text), reward, checks, parts)
+    digest = hashlib.blake2b(text.encode(), digest_size=16).digest()
+    return Seen(rollout.task_id, digest, text[:60], len(text), repetition(text), reward, checks, parts)
 
 
 RECENT = 32  # rollouts that make "now" in a trend, once the window holds twice as many
@@ -133,12 +136,16 @@ class Watch:
     max_repetition: float = 0.5  # share of repeated word trigrams
     repetition_correlation: float = 0.5
     saturated: float = 0.99
-    runs: dict[str, RunWindow] = field(default_factory=dict)
+    max_runs: int = 64  # runs watched at once: the one not seen longest is forgotten
+    runs: OrderedDict[str, RunWindow] = field(default_factory=OrderedDict)
 
     def see(self, rollout: events.Rollout, completion: str, scores: Iterable[events.Score]
             ) -> dict[str, str]:
         """Add a scored rollout to its run's window; returns the detectors that flag it, each with why."""
         run = self.runs.setdefault(rollout.run, RunWindow(self.window))
+        self.runs.move_to_end(rollout.run)
+        while len(self.runs) > self.max_runs:
+            self.runs.popitem(last=False)
         seen = seen_of(rollout, completion, scores)
         run.add(seen)
         flags: dict[str, str] = {}
@@ -159,12 +166,12 @@ class Watch:
         return first
 
     def _identical(self, items: list[Seen], seen: Seen, flags: dict[str, str]) -> None:
-        if len(seen.text) < self.min_identical_chars or seen.reward <= 0:
+        if seen.length < self.min_identical_chars or seen.reward <= 0:
             return
-        same = [s for s in items if s.text == seen.text]
+        same = [s for s in items if s.digest == seen.digest]
         tasks = {s.task for s in same}
         if len(tasks) >= self.min_identical_tasks and seen.reward >= statistics.median(s.reward for s in items):
-            flags["identical"] = (f"the same completion ({seen.text[:60]!r}) answers {len(tasks)} different tasks "
+            flags["identical"] = (f"the same completion ({seen.preview!r}) answers {len(tasks)} different tasks "
                                   f"in the run's recent rollouts, paid {seen.reward:.3g}")
 
     def _repetition(self, items: list[Seen], seen: Seen, flags: dict[str, str]) -> None:

@@ -111,8 +111,9 @@ def test_a_flag_is_a_weight_zero_watch_score_naming_the_detectors() -> None:
     assert flag.subject() == "scores.r1.e.watch"
 
 
-def test_runs_have_their_own_windows() -> None:
-    watch = Watch()
+def test_runs_have_their_own_windows_and_the_oldest_is_forgotten() -> None:
+    watch = Watch(max_runs=2)
     for i in range(3):
         r = rollout(i, run=f"run{i}")
         assert watch.see(r, "the same long answer here", [score(r, "s", 1.0)]) == {}
+    assert list(watch.runs) == ["run1", "run2"]
