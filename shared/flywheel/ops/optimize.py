@@ -86,8 +86,7 @@ class FlywheelAdapter:
         cfg = replace(base, tasks=list(rows), num_tasks=len(rows), system_prompt=prompt, resume=False,
                       num_rollouts=num_rollouts or base.num_rollouts, record=False,
                       out=self.workdir / f"eval-{self.num_evals}.jsonl")
-        with open(self.workdir / "progress.log", "a") as progress:
-            asyncio.run(Evaluation(cfg, self.env, progress).run())
+        asyncio.run(Evaluation(cfg, self.env).run())  # its progress line on stderr: the user sees what it waits on
         records = read_results(cfg.out)
         order = {json.dumps(row, sort_keys=True): i for i, row in enumerate(rows)}
         return sorted(records, key=lambda r: (order.get(json.dumps(r["task"], sort_keys=True), 0), r["index"]))
