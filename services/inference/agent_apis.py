@@ -29,7 +29,6 @@ run's and ignored, as on the chat route; a request may only lower the token limi
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
@@ -47,13 +46,6 @@ router = APIRouter()
 def install(app: FastAPI) -> None:
     """The Responses and Messages routes on ``app``, answering from ``app.state.interception``."""
     app.include_router(router)
-
-
-async def _json(request: Request) -> Any:
-    try:
-        return json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise wire.WireError(f"the request body is not JSON: {exc}", "body") from exc
 
 
 def _recorded(session: Session) -> Any:
@@ -125,7 +117,7 @@ async def respond(session: Session, body: Any) -> Response:
 @router.post("/intercept/{key}/v1/responses", response_model=None)
 async def intercepted_responses(key: str, request: Request) -> Response:
     try:
-        return await respond(request.app.state.interception.get(key), await _json(request))
+        return await respond(request.app.state.interception.get(key), wire.parse_body(await request.body()))
     except wire.WireError as exc:
         return openai_error(exc.status, exc.message, exc.param, exc.code)
 
@@ -141,7 +133,7 @@ def anthropic_error(status: int, message: str) -> JSONResponse:
 async def intercepted_messages(key: str, request: Request) -> Response:
     try:
         session: Session = request.app.state.interception.get(key)
-        body = await _json(request)
+        body = wire.parse_body(await request.body())
         call = wire.messages_call(body, _recorded(session))
         if call.stream:
             return await _streamed(session, call, wire.MessageEvents(body["model"]))
@@ -159,7 +151,7 @@ async def intercepted_count_tokens(key: str, request: Request) -> Response:
     """The Messages API's token count: the prompt the model would be given for this request now."""
     try:
         session: Session = request.app.state.interception.get(key)
-        body = await _json(request)
+        body = wire.parse_body(await request.body())
         # count_tokens takes no max_tokens; the request is otherwise a message request's.
         call = wire.messages_call({"max_tokens": 1, **body} if isinstance(body, dict) else body, _recorded(session))
     except (wire.WireError, InterceptionError) as exc:

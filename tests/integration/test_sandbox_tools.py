@@ -13,7 +13,7 @@ import pytest
 from flywheel.sdk import sandbox_tools
 from flywheel.sdk.environment import Environment, Reward, TaskSet
 from flywheel.sdk.harness import ChatHarness, RolloutContext, ToolError
-from flywheel.sdk.sandbox import SandboxClient, SandboxSpec
+from flywheel.sdk.sandbox import WORKDIR, SandboxClient, SandboxSpec
 from flywheel.sdk.sandbox_tools import (
     ROLLOUT_LABEL,
     SandboxTools,
@@ -61,7 +61,7 @@ async def test_bash_and_python_share_a_session_that_ends_with_the_rollout(sandbo
     ctx = context(sandbox)
     assert not sandbox.manager.sessions  # lazy: nothing until the first call
     assert await tools.bash("mkdir -p src && cd src && echo 'x = 6 * 7' > lib.py && pwd", ctx) == \
-        "exit code 0\n--- stdout ---\n/work/src"
+        f"exit code 0\n--- stdout ---\n{WORKDIR}/src"
     assert await tools.python("from lib import x\nprint(x)", ctx) == "exit code 0\n--- stdout ---\n42"
     assert await tools.bash("true", ctx) == "exit code 0\n(no output)"
     failed = await tools.bash("echo to-err >&2; exit 3", ctx)

@@ -213,13 +213,6 @@ def eval_sampling(env: Environment, given: Mapping[str, Any]) -> events.Sampling
     return sampling
 
 
-async def _json_body(request: Any) -> Any:
-    try:
-        return json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise wire.WireError(f"the request body is not JSON: {exc}", "body") from exc
-
-
 def _recorded(recording: Recording) -> Callable[[], Mapping[str, str]]:
     return lambda: wire.recorded_tool_calls(recording.graph.nodes.values())
 
@@ -334,7 +327,7 @@ class RecordingProxy:
         async def responses(request: Request) -> Response:
             recording = self.recordings.setdefault(request.path_params["key"], Recording())
             try:
-                body = await _json_body(request)
+                body = wire.parse_body(await request.body())
                 call, conversation = wire.responses_call(body, recording.responses.get, _recorded(recording))
             except wire.WireError as exc:
                 return JSONResponse({"error": {"message": exc.message, "type": "invalid_request_error",
@@ -348,7 +341,7 @@ class RecordingProxy:
         async def messages(request: Request) -> Response:
             recording = self.recordings.setdefault(request.path_params["key"], Recording())
             try:
-                body = await _json_body(request)
+                body = wire.parse_body(await request.body())
                 call = wire.messages_call(body, _recorded(recording))
             except wire.WireError as exc:
                 return JSONResponse(wire.anthropic_error(exc.status, exc.message), status_code=exc.status)
@@ -617,7 +610,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def _mean_stderr(values: Sequence[float]) -> tuple[float | None, float | None]:
+def mean_stderr(values: Sequence[float]) -> tuple[float | None, float | None]:
     if not values:
         return None, None
     mean = sum(values) / len(values)
@@ -631,11 +624,11 @@ def summarize(records: Sequence[Mapping[str, Any]], weights: Mapping[str, float]
               pass_threshold: float) -> dict[str, Any]:
     """Reward mean and standard error (overall and per reward), pass@k, errors, tokens."""
     rewards = [r["reward"] for r in records if r.get("reward") is not None]
-    mean, stderr = _mean_stderr(rewards)
+    mean, stderr = mean_stderr(rewards)
     per_reward = {}
     for name in weights:
         values = [r["rewards"][name] for r in records if name in r.get("rewards", {})]
-        m, s = _mean_stderr(values)
+        m, s = mean_stderr(values)
         per_reward[name] = {"mean": m, "stderr": s, "weight": weights[name], "num": len(values)}
     by_task: dict[str, list[bool]] = {}
     for r in records:

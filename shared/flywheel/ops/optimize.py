@@ -27,7 +27,7 @@ from typing import Any
 import gepa
 from gepa.core.adapter import EvaluationBatch
 
-from flywheel.ops.eval import EvalConfig, Evaluation, read_results
+from flywheel.ops.eval import EvalConfig, Evaluation, mean_stderr, read_results
 from flywheel.sdk.environment import Environment
 from flywheel.sdk.scoring import required_scorers
 
@@ -130,14 +130,6 @@ def reflection_lm(model: str, base_url: str, api_key: str | None, max_tokens: in
     return ask
 
 
-def _mean_stderr(records: Sequence[Mapping[str, Any]]) -> tuple[float, float | None]:
-    values = [r["reward"] or 0.0 for r in records]
-    mean = sum(values) / len(values)
-    if len(values) < 2:
-        return mean, None
-    return mean, (sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values)) ** 0.5
-
-
 def optimize(cfg: OptimizeConfig, env: Environment, out_dir: Path) -> dict[str, Any]:
     """Search for a better system prompt; returns (and writes to ``out_dir``) the report."""
     rows = env.load_tasks(cfg.num_train + cfg.num_val + cfg.num_test, seed=cfg.eval.seed)
@@ -167,7 +159,7 @@ def optimize(cfg: OptimizeConfig, env: Environment, out_dir: Path) -> dict[str, 
         "val_scores": list(result.val_aggregate_scores),
     }
     for name, records in held_out.items():
-        mean, stderr = _mean_stderr(records)
+        mean, stderr = mean_stderr([r["reward"] or 0.0 for r in records])
         report[f"held_out_{name}"] = {"reward_mean": mean, "reward_stderr": stderr, "num_rollouts": len(records)}
     report["held_out_gain"] = report["held_out_best"]["reward_mean"] - report["held_out_original"]["reward_mean"]
     path = out_dir / f"optimize-{cfg.eval.env.replace('/', '_')}-{cfg.eval.model.replace('/', '_')}.json"

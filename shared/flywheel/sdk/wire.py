@@ -44,6 +44,14 @@ class ChatCall:
     stream: bool
 
 
+def parse_body(raw: bytes) -> Any:
+    """A request body as JSON; a WireError naming the body when it is not."""
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise WireError(f"the request body is not JSON: {exc}", "body") from exc
+
+
 def _object(value: Any, where: str) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
         raise WireError(f"{where}: expected an object, got {type(value).__name__}", where)
