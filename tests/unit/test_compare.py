@@ -43,6 +43,7 @@ async def test_two_models_on_the_same_tasks_make_one_report(upstream: tuple[TwoM
     good, weak = report["models"]
     assert good["summary"]["reward_mean"] > weak["summary"]["reward_mean"]
     assert good["summary"]["pass@1"] == 1.0 and weak["summary"]["pass@1"] == 0.0
+    assert good["first_error"] is None and weak["first_error"] is None
     assert good["cost"] == pytest.approx((good["summary"]["prompt_tokens"] * 2 + good["summary"]["completion_tokens"]
                                           * 10) / 1e6) and weak["cost"] is None
     # The same tasks for both: the paired comparison spans all six.
@@ -100,3 +101,14 @@ def test_eval_models_mistakes_name_the_option(args: list[str], said: str, tmp_pa
 
     assert main(["eval", "reverse_text", "--data-dir", str(tmp_path), *args]) == 1
     assert said in capsys.readouterr().err
+
+
+def test_the_report_says_why_a_models_rollouts_failed() -> None:
+    from flywheel.ops.compare import markdown
+
+    summary = {"reward_mean": None, "reward_stderr": None, "pass@1": 0.0, "prompt_tokens": 0,
+               "completion_tokens": 0, "num_errors": 2}
+    text = markdown({"env": "e", "num_tasks": 2, "num_rollouts": 1, "seed": 0, "pairs": [], "models": [
+        {"model": "down", "summary": summary, "cost": None, "results": "r.jsonl",
+         "first_error": "harness failed: ModelCallError: unreachable"}]})
+    assert "- down: 2 rollouts failed; the first: harness failed: ModelCallError: unreachable (all in r.jsonl)" in text

@@ -139,9 +139,11 @@ async def compare(base: EvalConfig, models: Sequence[ModelSpec], prices: Mapping
         cfg = replace(base, model=spec.name, base_url=spec.base_url,
                       out=out_dir / f"{slug(base.env)}-{slug(spec.name)}.jsonl")
         summary = await run_eval(cfg, nats_url)
-        rewards[spec.name] = task_rewards(read_results(cfg.out))
+        records = read_results(cfg.out)
+        rewards[spec.name] = task_rewards(records)
+        first_error = next((r["error"] for r in records if r.get("error")), None)
         rows.append({"model": spec.name, "base_url": spec.base_url, "results": str(cfg.out),
-                     "cost": cost(summary, prices.get(spec.name)), "summary": summary})
+                     "cost": cost(summary, prices.get(spec.name)), "summary": summary, "first_error": first_error})
     pairs = [{"a": a.name, "b": b.name, **paired(rewards[a.name], rewards[b.name], base.seed)}
              for a, b in itertools.combinations(models, 2)]
     report: dict[str, Any] = {"env": base.env, "num_tasks": base.num_tasks, "num_rollouts": base.num_rollouts,
@@ -173,6 +175,10 @@ def markdown(report: Mapping[str, Any]) -> str:
         lines.append(f"| {row['model']} | {reward} | " + " | ".join(_num(s[k]) for k in ks)
                      + f" | {s['prompt_tokens']} | {s['completion_tokens']} | {_num(row['cost'], 4)} | "
                        f"{s['num_errors']} |")
+    failed = [row for row in report["models"] if row.get("first_error")]
+    if failed:
+        lines += ["", *(f"- {row['model']}: {row['summary']['num_errors']} rollouts failed; the first: "
+                        f"{row['first_error']} (all in {row['results']})" for row in failed)]
     lines += ["", ("Paired over the tasks both models answered (per-task mean reward, a minus b; p: sign-flip "
                    "permutation test, two-sided):"), "",
               "| a | b | tasks | mean diff ± stderr | p |", "|---|---|---|---|---|"]
