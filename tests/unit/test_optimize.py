@@ -76,3 +76,13 @@ def test_gepa_finds_a_prompt_that_beats_the_original_on_held_out_tasks(
     assert report["held_out_gain"] == 1.0 and report["num_candidates"] >= 2
     assert scripted.reflections and "no idea" in scripted.reflections[0]  # it was shown the failed answers
     assert Path(report["report"]).exists() and report["num_metric_calls"] <= 24 + 2
+
+
+def test_an_endpoint_that_fails_every_rollout_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(ENVS))
+    cfg = OptimizeConfig(eval=EvalConfig(env="magic_env", model="m", base_url=f"http://127.0.0.1:{free_port()}/v1",
+                                         out=tmp_path / "unused", max_retries=0),
+                         num_train=1, num_val=1, num_test=1, max_metric_calls=2, minibatch=1)
+    refused = r"every held-out rollout of m at http://127\.0\.0\.1:\d+/v1 failed.*ConnectError"
+    with pytest.raises(ValueError, match=refused):
+        optimize(cfg, load_environment("magic_env"), tmp_path / "evals")

@@ -152,6 +152,10 @@ def optimize(cfg: OptimizeConfig, env: Environment, out_dir: Path) -> dict[str, 
             skip_perfect_score=False)  # adapter: GEPAAdapter's protocol, by its methods
         best_prompt = result.best_candidate[PROMPT]
         held_out = {name: adapter.run(test, prompt) for name, prompt in (("original", original), ("best", best_prompt))}
+    errors = [r["error"] for records in held_out.values() for r in records if r.get("error")]
+    if len(errors) == sum(map(len, held_out.values())):
+        raise ValueError(f"every held-out rollout of {cfg.eval.model} at {cfg.eval.base_url} failed, so there is "
+                         f"nothing to compare; the first: {errors[0]}")
     report: dict[str, Any] = {
         "env": cfg.eval.env, "model": cfg.eval.model, "original_prompt": original, "best_prompt": best_prompt,
         "num_candidates": len(result.candidates), "num_metric_calls": result.total_metric_calls,
@@ -160,7 +164,8 @@ def optimize(cfg: OptimizeConfig, env: Environment, out_dir: Path) -> dict[str, 
     }
     for name, records in held_out.items():
         mean, stderr = mean_stderr([r["reward"] or 0.0 for r in records])
-        report[f"held_out_{name}"] = {"reward_mean": mean, "reward_stderr": stderr, "num_rollouts": len(records)}
+        report[f"held_out_{name}"] = {"reward_mean": mean, "reward_stderr": stderr, "num_rollouts": len(records),
+                                      "num_errors": sum(1 for r in records if r.get("error"))}
     report["held_out_gain"] = report["held_out_best"]["reward_mean"] - report["held_out_original"]["reward_mean"]
     path = out_dir / f"optimize-{cfg.eval.env.replace('/', '_')}-{cfg.eval.model.replace('/', '_')}.json"
     path.write_text(json.dumps(report, indent=2) + "\n")
