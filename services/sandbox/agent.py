@@ -10,7 +10,8 @@ length, then a JSON object. One request at a time, one reply each:
           "stderr_truncated": false, "timed_out": false, "duration_s": 0.01}
     {"op": "write_file", "path": ..., "data": B64, "mode": 420}   -> {"ok": true, "size_bytes": N}
     {"op": "read_file", "path": ..., "max_bytes": N}               -> {"ok": true, "data": B64}
-    {"op": "configure", "env": {...}, "workdir": "/work", "limits": {...}} -> {"ok": true}
+    {"op": "configure", "env": {...}, "workdir": "/work", "limits": {...},
+     "model_port": 8377, "model_socket": "/run/flywheel/model.sock"} -> {"ok": true}
     errors                                                        -> {"ok": false, "error": "..."}
 
 Why a resident agent: an exec then costs a fork of bash, not a new sandbox (a few ms, not
@@ -26,6 +27,12 @@ read its file descriptors. On the local backend they can still kill it, which en
 sandbox (the service then reports it gone); on docker it is PID 1, which the kernel shields
 from signals sent inside. The service enforces every timeout again from outside, so a hung
 or killed agent never holds a command past its deadline.
+
+A sandbox configured with ``model_port`` (its spec has a ``model_url``) has one way out: a
+thread of the agent listens on ``127.0.0.1:model_port`` in the sandbox's own loopback and
+copies each connection, both ways, to the Unix socket the service bound in at
+``model_socket``, where the service's relay forwards requests to the model endpoint and
+nothing else (``relay.py``).
 """
 
 import base64
@@ -34,9 +41,11 @@ import os
 import resource
 import selectors
 import signal
+import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 
 READ_CHUNK = 65536
@@ -64,6 +73,8 @@ def make_undumpable():
 class Agent:
     def __init__(self):
         self.env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/work", "LANG": "C.UTF-8"}
+        if os.environ.get("PYTHONPATH"):  # the backend's shared packages (the agent itself, run -I, ignores them)
+            self.env["PYTHONPATH"] = os.environ["PYTHONPATH"]
         self.cwd = "/work"
 
     def configure(self, req):
@@ -76,6 +87,12 @@ class Agent:
         for key, value in (req.get("limits") or {}).items():
             resource.setrlimit(RLIMITS[key], (value, value))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        if req.get("model_port"):
+            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(("127.0.0.1", int(req["model_port"])))
+            listener.listen(64)
+            threading.Thread(target=ModelForwarder(listener, req["model_socket"]).run, daemon=True).start()
         return {"ok": True}
 
     @staticmethod
@@ -255,6 +272,116 @@ class Agent:
         if len(data) > max_bytes:
             return {"ok": False, "error": f"{req['path']}: larger than {max_bytes} bytes", "kind": "too_large"}
         return {"ok": True, "data": _b64(data)}
+
+
+class ModelForwarder:
+    """Copies each connection to the model port, both ways, to the service's relay socket: one
+    thread, non-blocking sockets, a selector (threads per connection would count against the
+    sandbox's process limit). When one side is done sending, the other is shut down for writing
+    once all it sent is through; a pair is closed when both directions are done or either fails."""
+
+    def __init__(self, listener, socket_path):
+        self.listener = listener
+        self.socket_path = socket_path
+        self.selector = selectors.DefaultSelector()
+        self.peer = {}  # socket -> the socket it is paired with
+        self.pending = {}  # socket -> bytes still to write to it
+        self.eof = set()  # sockets that will send nothing more
+        self.shut = set()  # sockets shut down for writing
+
+    def run(self):
+        self.listener.setblocking(False)
+        self.selector.register(self.listener, selectors.EVENT_READ)
+        while True:
+            for key, mask in self.selector.select():
+                sock = key.fileobj
+                if sock is self.listener:
+                    self._accept()
+                    continue
+                try:
+                    if mask & selectors.EVENT_READ and sock in self.peer:
+                        self._read(sock)
+                    if mask & selectors.EVENT_WRITE and sock in self.peer:
+                        self._flush(sock)
+                except OSError:
+                    self._close(sock)
+
+    def _accept(self):
+        try:
+            client, _ = self.listener.accept()
+        except OSError:
+            return
+        relay = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            relay.connect(self.socket_path)
+        except OSError:
+            client.close()
+            relay.close()
+            return
+        for sock, other in ((client, relay), (relay, client)):
+            sock.setblocking(False)
+            self.peer[sock], self.pending[sock] = other, b""
+            self.selector.register(sock, selectors.EVENT_READ)
+
+    def _read(self, sock):
+        try:
+            data = sock.recv(READ_CHUNK)
+        except BlockingIOError:
+            return
+        if not data:
+            self.eof.add(sock)
+        self.pending[self.peer[sock]] += data
+        self._flush(self.peer[sock])
+        self._watch(sock)
+
+    def _flush(self, sock):
+        """Write what is pending to ``sock``; shut it for writing once its peer is done."""
+        data = self.pending[sock]
+        if data:
+            try:
+                data = data[sock.send(data):]
+            except BlockingIOError:
+                pass
+            self.pending[sock] = data
+        if not data and self.peer[sock] in self.eof and sock not in self.shut:
+            sock.shutdown(socket.SHUT_WR)
+            self.shut.add(sock)
+        if all(s in self.eof and s in self.shut for s in (sock, self.peer[sock])):
+            self._close(sock)
+            return
+        self._watch(sock)
+
+    def _watch(self, sock):
+        if sock not in self.peer:
+            return
+        events = 0 if sock in self.eof else selectors.EVENT_READ
+        if self.pending[sock]:
+            events |= selectors.EVENT_WRITE
+        try:
+            self.selector.get_key(sock)
+            registered = True
+        except KeyError:
+            registered = False
+        if events and registered:
+            self.selector.modify(sock, events)
+        elif events:
+            self.selector.register(sock, events)
+        elif registered:
+            self.selector.unregister(sock)
+
+    def _close(self, sock):
+        """Close ``sock`` and its peer, and forget both."""
+        for s in (sock, self.peer.get(sock)):
+            if s is None or s not in self.peer:
+                continue
+            try:
+                self.selector.unregister(s)
+            except (KeyError, ValueError):
+                pass
+            s.close()
+            del self.peer[s], self.pending[s]
+            self.eof.discard(s)
+            self.shut.discard(s)
 
 
 def _b64(data):

@@ -160,6 +160,11 @@ class DockerBackend:
     async def start(self, spec: SandboxSpec) -> DockerBox:
         import docker.errors
 
+        if spec.model_url is not None:
+            # The relay's socket would have to be a folder the engine's host and this service share.
+            raise SandboxError("invalid_request", "spec.model_url: the docker backend has no model relay yet; run the "
+                                                  "sandbox service with the local backend (setting "
+                                                  "sandbox_backend=local) for sandboxes that reach a model")
         try:
             container, sock = await self.run(functools.partial(self._create, spec))
         except docker.errors.ImageNotFound as exc:

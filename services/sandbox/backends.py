@@ -46,12 +46,15 @@ import shutil
 import signal
 import struct
 import subprocess
+import sys
+import sysconfig
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from flywheel.sdk.sandbox import WORKDIR, SandboxError, SandboxSpec
+from flywheel_sandbox.relay import SOCKET_DIR, ModelRelay
 
 log = logging.getLogger(__name__)
 
@@ -59,13 +62,15 @@ AGENT_PATH = Path(__file__).parent / "agent.py"
 # The agent's source arrives on its stdin ("<length>\n<source>"), then the frames follow.
 AGENT_BOOTSTRAP = "import sys; b = sys.stdin.buffer; exec(compile(b.read(int(b.readline())), 'agent.py', 'exec'))"
 MiB = 1024 * 1024
-# Processes of the sandbox beyond the spec's: bubblewrap's init, the agent, bash.
-EXTRA_PIDS = 4
+# Processes (and threads) of the sandbox beyond the spec's: bubblewrap's init, the agent, its
+# model forwarder thread (a spec with a model_url), bash.
+EXTRA_PIDS = 5
 # Memory the agent and bubblewrap need on top of what the spec gives the commands.
 AGENT_MEMORY_BYTES = 48 * MiB
 # The only places a sandbox can write, each a tmpfs of spec.disk_mb (both backends); /dev/shm
 # is there for POSIX shared memory and semaphores (Python's multiprocessing needs it).
 WRITABLE = (WORKDIR, "/tmp", "/dev/shm")
+PYTHON_PATH_DIR = "/opt/python"  # where setting sandbox_python_path's folders are bound
 
 
 class BackendUnavailable(Exception):
@@ -132,7 +137,7 @@ class Backend(Protocol):
 
 
 def pool_key(spec: SandboxSpec) -> tuple[Any, ...]:
-    return (spec.image, spec.cpu, spec.memory_mb, spec.pids, spec.disk_mb, spec.network)
+    return (spec.image, spec.cpu, spec.memory_mb, spec.pids, spec.disk_mb, spec.network, spec.model_url)
 
 
 def agent_argv(python: str) -> list[str]:
@@ -322,6 +327,7 @@ class LocalConfig:
     num_uids: int = 4096
     start_timeout_s: float = 10.0
     use_cgroups: bool = True
+    python_path: tuple[str, ...] = ()  # host folders bound read-only at /opt/python/<i>, on PYTHONPATH
 
 
 @dataclass
@@ -331,6 +337,7 @@ class LocalBox:
     uid: int
     cgroup: str
     backend: LocalBackend
+    relay: ModelRelay | None = None
     stderr_tail: bytearray = field(default_factory=bytearray)
     stopped: bool = False
 
@@ -351,6 +358,8 @@ class LocalBox:
 
     async def _clean_up(self) -> None:
         await self.process.wait()
+        if self.relay is not None:
+            await self.relay.close()
         for _ in range(400):
             if self.backend.cgroups.kill_and_remove(self.cgroup):
                 break
@@ -385,8 +394,13 @@ class LocalBackend:
         self._free_uids = list(range(self.config.uid_base + self.config.num_uids - 1, self.config.uid_base - 1, -1))
         self._counter = 0
         self._cleanups: set[asyncio.Task[None]] = set()
-        log.info("local sandbox backend: %s, cgroup controllers %s, tmpfs size limits %s", bwrap,
-                 sorted(self.cgroups.roots) or "none (rlimits only)", "yes" if self.has_size else "no")
+        for folder in self.config.python_path:
+            if not Path(folder).is_dir():
+                raise BackendUnavailable(f"setting sandbox_python_path names {folder!r}, which is not a folder here: "
+                                         "give folders of Python packages, auto, or nothing")
+        log.info("local sandbox backend: %s, cgroup controllers %s, tmpfs size limits %s, python path %s", bwrap,
+                 sorted(self.cgroups.roots) or "none (rlimits only)", "yes" if self.has_size else "no",
+                 list(self.config.python_path) or "none")
         if not self.privileged and "pids" not in self.cgroups.roots:
             log.warning("local sandbox backend not run as root: sandboxes run as this user, with no process "
                         "limit (RLIMIT_NPROC would count all of this user's processes); run the service as root "
@@ -411,7 +425,7 @@ class LocalBackend:
     def release_uid(self, uid: int) -> None:
         self._free_uids.append(uid)
 
-    def argv(self, spec: SandboxSpec) -> list[str]:
+    def argv(self, spec: SandboxSpec, relay: ModelRelay | None = None) -> list[str]:
         args = [self.bwrap, "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session",
                 "--hostname", "sandbox"]
         if spec.network:
@@ -431,6 +445,11 @@ class LocalBackend:
         for name in etc:
             args += ["--ro-bind-try", name, name]
         args += ["--proc", "/proc", "--dev", "/dev"]
+        if relay is not None:  # the model relay's socket: the sandbox's one way out (relay.py)
+            args += ["--ro-bind", str(relay.folder), SOCKET_DIR]
+        inside = [f"{PYTHON_PATH_DIR}/{i}" for i in range(len(self.config.python_path))]
+        for folder, at in zip(self.config.python_path, inside, strict=True):
+            args += ["--ro-bind", folder, at]
         for mount in WRITABLE:
             if self.has_size:
                 args += ["--size", str(spec.disk_mb * MiB)]
@@ -439,7 +458,10 @@ class LocalBackend:
         # mount point is made, both go read-only, so only the tmpfs mounts above take writes.
         args += ["--remount-ro", "/dev", "--remount-ro", "/"]
         args += ["--chdir", WORKDIR, "--clearenv", "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin",
-                 "--setenv", "HOME", WORKDIR, "--"]
+                 "--setenv", "HOME", WORKDIR]
+        if inside:
+            args += ["--setenv", "PYTHONPATH", ":".join(inside)]
+        args.append("--")
         return args + agent_argv(self.config.python)
 
     async def start(self, spec: SandboxSpec) -> LocalBox:
@@ -458,6 +480,16 @@ class LocalBackend:
             self.release_uid(uid)
             raise SandboxError("failed", f"cannot set up the sandbox's cgroups: {exc}") from exc
         privileged = self.privileged
+        relay = None
+        if spec.model_url is not None:
+            relay = ModelRelay(spec.model_url, timeout_s=spec.ttl_s)
+            try:
+                await relay.start()
+            except OSError as exc:
+                await relay.close()
+                self.cgroups.kill_and_remove(cgroup)
+                self.release_uid(uid)
+                raise SandboxError("failed", f"cannot open the sandbox's model relay: {exc}") from exc
 
         def enter() -> None:  # in the child, before exec: join the cgroups, then become the sandbox's user
             pid = str(os.getpid()).encode()
@@ -470,13 +502,18 @@ class LocalBackend:
                 os.setresgid(uid, uid, uid)
                 os.setresuid(uid, uid, uid)
 
-        process = await Child.start(self.argv(spec), enter)
+        try:
+            process = await Child.start(self.argv(spec, relay), enter)
+        except BaseException:
+            if relay is not None:
+                await relay.close()
+            raise
 
         async def write(data: bytes) -> None:
             process.stdin.write(data)
             await process.stdin.drain()
 
-        box = LocalBox(process, AgentChannel(process.stdout.readexactly, write), uid, cgroup, self)
+        box = LocalBox(process, AgentChannel(process.stdout.readexactly, write), uid, cgroup, self, relay)
         process.stdin.write(agent_preamble())
         drain = asyncio.ensure_future(_drain(process.stderr, box.stderr_tail))
         try:
@@ -490,6 +527,24 @@ class LocalBackend:
     async def close(self) -> None:
         await asyncio.gather(*self._cleanups)
         self.cgroups.close()
+
+
+def python_path(setting: str, python: str = "/usr/bin/python3") -> tuple[str, ...]:
+    """The folders setting ``sandbox_python_path`` names: ``auto`` is this process's own
+    site-packages when ``python`` (the sandbox's) has this Python's minor version (compiled
+    packages load then), else none."""
+    if setting != "auto":
+        return tuple(folder for folder in setting.split(":") if folder)
+    try:
+        theirs = subprocess.run([python, "-c", "import sys; print(sys.version_info[:2])"], capture_output=True,
+                                text=True, check=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ()
+    if theirs != str(sys.version_info[:2]):
+        log.info("sandbox_python_path=auto: %s is Python %s, this is %s: no packages are shared", python, theirs,
+                 sys.version_info[:2])
+        return ()
+    return tuple(dict.fromkeys(sysconfig.get_path(name) for name in ("purelib", "platlib")))
 
 
 async def _drain(stream: asyncio.StreamReader | None, tail: bytearray, keep: int = 4096) -> None:

@@ -43,7 +43,7 @@ from flywheel.sdk.sandbox import (
     subject,
 )
 from flywheel_sandbox.backend_docker import DockerBackend, DockerConfig
-from flywheel_sandbox.backends import LocalBackend
+from flywheel_sandbox.backends import LocalBackend, LocalConfig, python_path
 from flywheel_sandbox.sessions import ManagerConfig, Session, SessionManager
 
 log = logging.getLogger(__name__)
@@ -140,7 +140,7 @@ def build_backend(settings: Settings) -> Any:
     """The backend named by setting ``sandbox_backend`` (its heavy imports only when chosen)."""
     if settings.sandbox_backend == "docker":
         return DockerBackend(DockerConfig(image=settings.sandbox_image))
-    return LocalBackend()
+    return LocalBackend(LocalConfig(python_path=python_path(settings.sandbox_python_path)))
 
 
 def manager_config(settings: Settings) -> ManagerConfig:

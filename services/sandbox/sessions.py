@@ -41,6 +41,7 @@ import msgspec
 
 from flywheel.contract.settings import SandboxSettings
 from flywheel.sdk.sandbox import (
+    MODEL_PORT,
     WORKDIR,
     Created,
     Destroyed,
@@ -56,6 +57,9 @@ from flywheel.sdk.sandbox import (
     instance_token,
 )
 from flywheel_sandbox.backends import AgentGone, Backend, Box, decode_b64, encode_b64
+from flywheel_sandbox.relay import SOCKET_DIR, SOCKET_NAME
+
+MODEL_SOCKET = f"{SOCKET_DIR}/{SOCKET_NAME}"
 
 log = logging.getLogger(__name__)
 
@@ -230,7 +234,9 @@ class SessionManager:
             box = self._take_pooled(spec) or await self._start(spec)
             try:
                 await box.channel.call({"op": "configure", "env": spec.env, "workdir": WORKDIR,
-                                        "limits": self.backend.limits(spec)})
+                                        "limits": self.backend.limits(spec),
+                                        **({"model_port": MODEL_PORT, "model_socket": MODEL_SOCKET}
+                                           if spec.model_url is not None else {})})
                 for path, data in spec.files.items():
                     await self._write(box, path, data, 0o644)
             except (SandboxError, AgentGone):

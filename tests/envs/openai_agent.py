@@ -2,12 +2,15 @@
 
 It reads its task as JSON on stdin and the endpoint from the standard OPENAI_* variables, holds a
 three-turn conversation (a few-shot tool-call exchange in its history, tools offered, one
-streamed request), and prints what it ended with as a JSON line.
+streamed request), and prints what it ended with as a JSON line (with, given PROBE_URL, whether
+it could fetch that URL too).
 """
 
 import json
 import os
 import sys
+import urllib.error
+import urllib.request
 from typing import cast
 
 from openai import OpenAI
@@ -44,4 +47,13 @@ messages.append({"role": "user", "content": "last"})
 reply = client.chat.completions.create(model=model, messages=messages, tools=tools, max_tokens=4)
 answers.append(reply.choices[0].message.content or "")
 assert reply.usage is not None, "the server reports no usage"
-print(json.dumps({"answers": answers, "usage_prompt_tokens": reply.usage.prompt_tokens}))
+state = {"answers": answers, "usage_prompt_tokens": reply.usage.prompt_tokens}
+if os.environ.get("PROBE_URL"):  # somewhere else to reach, to show whether it can
+    try:
+        urllib.request.urlopen(os.environ["PROBE_URL"], timeout=5).close()
+        state["probe"] = "reached"
+    except urllib.error.HTTPError:  # an answer, whatever its status
+        state["probe"] = "reached"
+    except OSError as exc:
+        state["probe"] = f"refused: {exc}"
+print(json.dumps(state))

@@ -13,11 +13,15 @@ import pytest
 from flywheel.contract import events
 from flywheel.contract.bus import Bus
 from flywheel.sdk import models
+from flywheel.sdk.environment import GroupReward, Reward, load_environment
+from flywheel.sdk.scoring import Scoring
 from flywheel.sdk.tracegraph import branches
+from flywheel_sandbox.backends import LocalBackend, LocalConfig, python_path
 from flywheel_trainer.join import sequences_of
 from tests.helpers import until
 from tests.integration.services import Served
 from tests.integration.test_inference_worker import count_is, create_run, publish_weights, span_of, stored
+from tests.sandbox_service import serving
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +68,49 @@ async def test_an_openai_sdk_program_yields_training_ready_exact_rollouts(
     traces: list[events.TraceNode] = await stored(bus, "TRACES", events.TraceNode)
     for r in rollouts:
         assert {t.node.id for t in traces if t.rollout_id == r.id} == {n.id for n in r.nodes}
+
+
+async def test_an_openai_sdk_program_runs_alike_in_a_subprocess_and_in_a_sandbox(
+        bus: Bus, long_tiny_model: Path, server: Served) -> None:
+    """Runtimes: the same agent in two runs, one run with runtime subprocess, one with sandbox
+    (a sandbox service on the bus, local backend, sharing this Python's packages): under the
+    same seeds, the same answers and rewards. Outside a sandbox the agent reaches the inference
+    server's own address; inside one, only its interception URL (through the model relay)."""
+    probe = f"{server.url}/health"
+    backend = LocalBackend(LocalConfig(python_path=python_path("auto")))
+    async with serving(bus, backend, warm_pool=0, max_alive=4):
+        for run, runtime in (("r-sub", "subprocess"), ("r-box", "sandbox")):
+            await create_run(bus, long_tiny_model, run=run, env="openai_sdk_agent", env_args={"probe_url": probe},
+                             runtime=runtime, group_size=2, trainer={"batch_size": 4, "max_off_policy_steps": 0})
+            await publish_weights(bus, run, 0, models.load_model(long_tiny_model)[0])
+            sampling = events.Sampling(temperature=1.0, top_p=1.0, max_tokens=4, seed=7)
+            await bus.publish_many([events.Task(id=f"{run}-t{i}", run=run, env="openai_sdk_agent", data={"text": text},
+                                                num_rollouts=2, sampling=sampling)
+                                    for i, text in enumerate(["abc", "cab"])])
+        await until(lambda: count_is(bus, "ROLLOUTS", 8), timeout_s=180, what="4 rollouts of each run")
+    await backend.close()
+    rollouts: list[events.Rollout] = await stored(bus, "ROLLOUTS", events.Rollout)
+    runs = {run: {(r.task_id.removeprefix(f"{run}-"), r.index): r for r in rollouts if r.run == run}
+            for run in ("r-sub", "r-box")}
+    for run, by_key in runs.items():
+        for r in by_key.values():
+            assert r.status in ("completed", "truncated"), (run, r.error, r.state.get("stdout"))
+            assert r.metrics["num_calls"] == 3
+    assert runs["r-sub"].keys() == runs["r-box"].keys() and len(runs["r-sub"]) == 4
+    env = load_environment("openai_sdk_agent")
+    keys = sorted(runs["r-sub"])
+    env_rewards = [r for r in env.rewards if isinstance(r, (Reward, GroupReward))]
+    rewards = {run: [[s.value for s in scores] for scores in await Scoring().score_group(
+        env_rewards, [runs[run][key] for key in keys])] for run in runs}
+    assert rewards["r-sub"] == rewards["r-box"] == [[1.0]] * 4
+    for key in keys:
+        outside, inside = runs["r-sub"][key], runs["r-box"][key]
+        assert inside.state["answers"] == outside.state["answers"], key
+        # Training-ready alike: the same tokens under the loss, recorded by the same interception.
+        (seq_in,), (seq_out,) = sequences_of(inside), sequences_of(outside)
+        assert (seq_in.token_ids, seq_in.loss_mask) == (seq_out.token_ids, seq_out.loss_mask), key
+        assert outside.state["probe"] == "reached"
+        assert inside.state["probe"].startswith("refused"), inside.state["probe"]
 
 
 async def test_responses_and_messages_sdk_programs_yield_exact_rollouts(

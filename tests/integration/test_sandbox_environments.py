@@ -3,7 +3,8 @@ nats-server: in a training run, the inference service hands each rollout's harne
 client over its own bus (the ctf harness plants its flag; the sandbox is gone once the rollout
 is published; the tiny model answers nonsense, so this checks the plumbing); in ``flywheel
 eval``, harnesses and rewards reach the service where NATS answers, and a rollout that needs
-a sandbox fails with what to start where it does not."""
+a sandbox fails with what to start where it does not, and ``--runtime sandbox`` runs a program
+harness inside each rollout's sandbox."""
 
 from __future__ import annotations
 
@@ -18,11 +19,13 @@ import coding
 import ctf
 from flywheel.contract import events
 from flywheel.contract.bus import Bus
-from flywheel.ops.eval import EvalConfig, Evaluation, read_results
+from flywheel.ops.eval import EvalConfig, Evaluation, read_results, run_eval
 from flywheel.ops.natsserver import NatsServer
 from flywheel.sdk import models
 from flywheel.sdk.environment import GroupReward, Reward
+from flywheel_sandbox.backends import LocalBackend, LocalConfig, python_path
 from tests.helpers import until
+from tests.integration.conftest import ENVS
 from tests.integration.services import Served
 from tests.integration.test_inference_worker import count_is, create_run, publish_weights, stored
 from tests.sandbox_service import backend_named, serving
@@ -85,3 +88,29 @@ async def test_eval_hands_sandboxes_to_harnesses_and_rewards(bus: Bus, nats_serv
     summary = await Evaluation(cfg, ctf_env, io.StringIO()).run("nats://127.0.0.1:1")
     (record,) = read_results(cfg.out)
     assert summary["num_errors"] == 1 and "start the sandbox service (flywheel up) or set nats_url" in record["error"]
+
+
+async def test_eval_runs_a_program_harness_in_its_sandbox_by_runtime(bus: Bus, nats_server: NatsServer,
+                                                                    tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """``flywheel eval --runtime sandbox``: an openai-SDK program written for a subprocess runs in
+    each rollout's sandbox, its calls relayed to the eval's recording proxy, the endpoint itself
+    out of its reach."""
+    monkeypatch.syspath_prepend(str(ENVS))
+    backend = LocalBackend(LocalConfig(python_path=python_path("auto")))
+    try:
+        async with serving(bus, backend, warm_pool=0) as sandbox:
+            with ScriptedOpenAI({"agent": ["one", "two", "three"] * 2}) as model:
+                cfg = EvalConfig(env="openai_sdk_agent", model="agent", base_url=model.base_url,
+                                 out=tmp_path / "boxed.jsonl", num_tasks=2, concurrency=1, runtime="sandbox",
+                                 env_args={"probe_url": f"{model.base_url}/models"})
+                summary = await run_eval(cfg, nats_server.url, io.StringIO())
+            assert not sandbox.manager.sessions and len(sandbox.manager.tombstones) == 2  # one a rollout, gone
+    finally:
+        await backend.close()
+    records = read_results(cfg.out)
+    assert summary["runtime"] == "sandbox" and summary["num_errors"] == 0 and summary["pass@1"] == 1.0, records
+    for record in records:
+        assert record["state"]["answers"] == ["one", "two", "three"]
+        assert record["state"]["probe"].startswith("refused"), record["state"]["probe"]
+        assert [m["role"] for m in record["messages"]][-2:] == ["user", "assistant"]

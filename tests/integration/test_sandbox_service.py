@@ -2,7 +2,8 @@
 
 Covers: sessions that keep files and folder between execs, argv commands, stdin and env,
 output truncation, files in and out, the one-shot run, network refused unless setting
-``sandbox_allow_network`` allows it (and what it gives then), idempotent create, destroy and
+``sandbox_allow_network`` allows it (and what it gives then), a model URL as a sandbox's one
+way out (the model relay), idempotent create, destroy and
 destroy by label across two replicas, each timeout on its own (exec timeout, TTL, idle TTL),
 the caps, clear error replies to bad requests with the service still serving, and
 ``python -m flywheel_sandbox`` as a process (heartbeat, clean stop on SIGTERM).
@@ -16,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -43,7 +45,7 @@ from flywheel.sdk.scoring import Scoring
 from flywheel_sandbox.backends import LocalBackend
 from tests.helpers import until
 from tests.sandbox_service import ServedSandboxClient, backend_named, serving
-from tests.scripted_openai import make_rollout
+from tests.scripted_openai import ScriptedOpenAI, make_rollout
 
 
 @pytest.fixture
@@ -156,6 +158,58 @@ async def test_network_when_the_service_allows_it_shares_the_host_network(bus: B
     finally:
         server.close()
         await server.wait_closed()
+
+
+MODEL_CLIENT = """
+import http.client, json, socket, sys
+conn = http.client.HTTPConnection("127.0.0.1", 8377, timeout=10)
+def post(path, body):
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json", "Authorization": "Bearer k"})
+    r = conn.getresponse()
+    return r.status, r.read().decode()
+for _ in range(2):  # two requests on one kept-alive connection
+    status, text = post("/v1/chat/completions", {"model": "agent", "messages": [{"role": "user", "content": "hi"}]})
+    print(status, json.loads(text)["choices"][0]["message"]["content"])
+status, text = post("/v1/chat/completions", {"model": "agent", "stream": True,
+                                             "messages": [{"role": "user", "content": "hi"}]})
+print(status, "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                      for line in text.splitlines() if line.startswith("data: {")))
+for path in ("/v2/models", "/v1/../secret", "/v1/%2e%2e/secret"):
+    conn = http.client.HTTPConnection("127.0.0.1", 8377, timeout=10)
+    status, text = post(path, {})
+    print(status, "reaches only its model endpoint" in text)
+try:
+    socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=2).close()
+    print("CONNECTED")
+except OSError as e:
+    print("refused")
+"""
+
+
+async def test_a_model_url_is_the_one_way_out_of_a_sandbox(client: ServedSandboxClient) -> None:
+    """``spec.model_url``: a program inside reaches that endpoint (kept-alive and streamed
+    answers) at MODEL_BASE_URL, and nothing else: no other path of it, no climbing out of
+    its prefix, not the host's port it is served on."""
+    with ScriptedOpenAI({"agent": ["one", "two", "three"]}) as server:
+        spec = SandboxSpec(model_url=server.base_url)
+        result = await client.run(["python3", "client.py", str(server.port)], files={"client.py": MODEL_CLIENT},
+                                  spec=spec)
+        assert result.exit_code == 0, result
+        assert result.stdout.splitlines() == ["200 one", "200 two", "200 three", "403 True", "403 True", "403 True",
+                                              "refused"], result
+        assert len(server.requests) == 3 and server.requests[2]["stream"] is True
+        assert server.requests[0]["messages"] == [{"role": "user", "content": "hi"}]
+        without = await client.run(["python3", "client.py", str(server.port)], files={"client.py": MODEL_CLIENT})
+        # Without a model_url nothing listens on the port: the first request fails.
+        assert without.exit_code == 1 and without.stdout == "" and len(server.requests) == 3, without
+    assert not client.manager.sessions
+    assert not list(Path(tempfile.gettempdir()).glob("flywheel-relay-*")), "a relay's folder outlived its sandbox"
+
+
+async def test_a_bad_model_url_is_refused_naming_the_field(bus: Bus, client: ServedSandboxClient) -> None:
+    refused = await raw(bus, "create", b'{"spec": {"model_url": "file:///etc/passwd"}}')
+    assert refused.kind == "invalid_request" and "$.spec.model_url" in refused.error, refused.error
+    assert (await client.run("echo still serving")).stdout == "still serving\n"
 
 
 async def test_output_is_cut_and_flagged(client: ServedSandboxClient) -> None:

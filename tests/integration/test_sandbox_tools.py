@@ -10,12 +10,11 @@ from typing import Any
 
 import pytest
 
-from flywheel.sdk import sandbox_tools
+from flywheel.sdk import sandbox as sandbox_sdk
 from flywheel.sdk.environment import Environment, Reward, TaskSet
 from flywheel.sdk.harness import ChatHarness, RolloutContext, ToolError
-from flywheel.sdk.sandbox import WORKDIR, SandboxClient, SandboxSpec
+from flywheel.sdk.sandbox import ROLLOUT_LABEL, WORKDIR, SandboxClient, SandboxSpec
 from flywheel.sdk.sandbox_tools import (
-    ROLLOUT_LABEL,
     SandboxTools,
     SandboxUnavailable,
     connect,
@@ -215,7 +214,7 @@ async def test_at_the_cap_a_test_run_waits_for_room_then_gives_up(sandbox: Serve
     assert not waiting.done()
     await ctx.close()  # room again
     assert (await waiting).all_passed
-    monkeypatch.setattr(sandbox_tools, "CAPACITY_WAIT_S", 0.2)
+    monkeypatch.setattr(sandbox_sdk, "CAPACITY_WAIT_S", 0.2)
     ctx = context(sandbox)
     await sandbox_session(ctx)
     with pytest.raises(SandboxUnavailable, match="sandbox_max_alive"):
@@ -231,6 +230,6 @@ async def test_a_rollout_that_ends_while_its_sandbox_waits_for_room_leaves_none(
     await until(lambda: bool(late.resources), what="the late rollout asking for its sandbox")
     starting.cancel()  # its harness is stopped (a rollout timeout) while the create waits for room
     await late.close()
-    assert late.resources[sandbox_tools.SESSION_RESOURCE].exception().kind == "capacity"
+    assert late.resources[sandbox_sdk.SESSION_RESOURCE].exception().kind == "capacity"
     await holder.close()
     assert not sandbox.manager.sessions

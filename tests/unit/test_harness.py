@@ -1,6 +1,7 @@
 """The harnesses against a scripted OpenAI-compatible server (a real HTTP endpoint, a scripted
 model): the chat harness's tool loop with function and MCP tools, stop conditions, turns and
-truncation; the program harness's environment, state and timeout (its process group killed)."""
+truncation; the program harness's environment, state, timeout (its process group killed), own
+files, and runtimes as an environment or a run config swaps them."""
 
 from __future__ import annotations
 
@@ -8,13 +9,16 @@ import asyncio
 import os
 import sys
 import textwrap
+import typing
 from pathlib import Path
 
 import pytest
 from mcp.server.mcpserver import MCPServer
 
-from flywheel.sdk.environment import Environment, Reward
-from flywheel.sdk.harness import ChatHarness, ProgramHarness, RolloutContext, Tool
+from flywheel.contract.config import RunConfig, Runtime
+from flywheel.sdk.environment import Environment, EnvironmentLoadError, Reward, overrides_of
+from flywheel.sdk.harness import RUNTIMES, ChatHarness, ProgramHarness, RolloutContext, Tool
+from flywheel.sdk.sandbox import SandboxUnavailable
 from tests.scripted_openai import ScriptedOpenAI, tool_call
 
 
@@ -150,4 +154,47 @@ async def test_a_failing_program_is_an_error_naming_its_exit(tmp_path: Path) -> 
     harness = ProgramHarness([sys.executable, "-c", "import sys; print('bad', file=sys.stderr); sys.exit(3)"])
     with ScriptedOpenAI({"agent": []}) as server:
         with pytest.raises(RuntimeError, match="exited with 3: bad"):
+            await harness.run(env_with(harness), ctx_for(server))
+
+
+async def test_a_program_s_own_files_are_written_where_it_runs() -> None:
+    """``files`` travel with the program: the subprocess runtime runs it in a fresh folder that
+    holds them, so one relative argv serves every runtime."""
+    harness = ProgramHarness(["{python}", "agent.py"], files={
+        "agent.py": "import json, os, pathlib\nprint(json.dumps({'data': pathlib.Path('data/x.txt').read_text(), "
+                    "'cwd': os.getcwd()}))\n",
+        "data/x.txt": b"bytes too"})
+    with ScriptedOpenAI({"agent": []}) as server:
+        ctx = ctx_for(server)
+        await harness.run(env_with(harness), ctx)
+    assert ctx.state["data"] == "bytes too" and not Path(ctx.state["cwd"]).exists()  # the folder went with it
+
+
+async def test_runtimes_are_swapped_by_name_and_only_for_a_program() -> None:
+    program = env_with(ProgramHarness(["{python}", "agent.py"]))
+    boxed = program.with_runtime("sandbox")
+    assert isinstance(boxed.harness, ProgramHarness) and boxed.harness.runtime == "sandbox"
+    assert isinstance(program.harness, ProgramHarness) and program.harness.runtime == "subprocess"  # a copy
+    assert program.with_runtime(None) is program
+    assert boxed.rewards == program.rewards and boxed.name == program.name
+    with pytest.raises(EnvironmentLoadError, match="'docker': a program harness runs in one of subprocess, sandbox"):
+        program.with_runtime("docker")
+    with pytest.raises(EnvironmentLoadError, match="has a ChatHarness, which runs in the process that runs its"):
+        env_with(ChatHarness()).with_runtime("sandbox")
+    with pytest.raises(ValueError, match="runtime='vm'"):
+        ProgramHarness(["x"], runtime="vm")
+    # A run config says it per environment (or at the top for its one environment).
+    assert typing.get_args(Runtime) == RUNTIMES
+    cfg = RunConfig.parse({"run": "r", "env": "reverse_text", "runtime": "sandbox"})
+    assert overrides_of(cfg.environments[0]).runtime == "sandbox"
+    with pytest.raises(ValueError, match="runtime: a run with \\[\\[envs\\]\\] names its environments there"):
+        RunConfig.parse({"run": "r", "runtime": "sandbox", "envs": [{"id": "reverse_text"}]})
+    with pytest.raises(ValueError, match="runtime"):
+        RunConfig.parse({"run": "r", "env": "reverse_text", "runtime": "vm"})
+
+
+async def test_the_sandbox_runtime_without_a_sandbox_service_says_what_to_start() -> None:
+    harness = ProgramHarness(["{python}", "agent.py"], runtime="sandbox", files={"agent.py": "print(1)"})
+    with ScriptedOpenAI({"agent": []}) as server:
+        with pytest.raises(SandboxUnavailable, match=r"start the sandbox service \(flywheel up\) or set nats_url"):
             await harness.run(env_with(harness), ctx_for(server))

@@ -671,12 +671,19 @@ class RewardConfig(_Section):
         return self
 
 
+Runtime = Literal["subprocess", "sandbox"]  # flywheel.sdk.harness.RUNTIMES (a test holds them equal)
+RUNTIME_DESCRIPTION = ("where its program harness runs: subprocess (a child of inference) or sandbox (inside the "
+                       "rollout's sandbox, reaching only its own model endpoint); unset: the environment's own "
+                       "choice. A chat harness runs in the inference process and takes none.")
+
+
 class EnvConfig(_Section):
     """``[[envs]]``: one environment of a run that trains on several (a run with one may write
     it as the top-level ``env``, ``[env_args]`` and ``[rewards.<name>]`` instead)."""
 
     id: str = Field(description="environment id: a module name (reverse_text) or owner/name[@version]")
     args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of its load_environment")
+    runtime: Runtime | None = Field(None, description=RUNTIME_DESCRIPTION)
     weight: float = Field(1.0, gt=0, allow_inf_nan=False,
                           description="its share of the run's tasks, against the other environments' weights")
     rewards: dict[str, RewardConfig] = Field(default_factory=dict,
@@ -744,6 +751,7 @@ class RunConfig(_Section):
     env: str | None = Field(None, description="the run's environment, for a run with one: a module name "
                                               "(reverse_text) or owner/name[@version]; several: [[envs]]")
     env_args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of env's load_environment")
+    runtime: Runtime | None = Field(None, description=RUNTIME_DESCRIPTION.replace("its program", "env's program"))
     rewards: dict[str, RewardConfig] = Field(default_factory=dict,
                                              description="env's rewards: a table per reward (by its name) to change "
                                                          "its weight, swap its function, or add a reward")
@@ -819,10 +827,10 @@ class RunConfig(_Section):
 
     def _check_envs(self) -> None:
         if self.envs:
-            given = [name for name in ("env", "env_args", "rewards") if getattr(self, name)]
+            given = [name for name in ("env", "env_args", "runtime", "rewards") if getattr(self, name)]
             if given:
                 raise ValueError(f"{', '.join(given)}: a run with [[envs]] names its environments there; move "
-                                 "them into an [[envs]] table (id, args, rewards)")
+                                 "them into an [[envs]] table (id, args, runtime, rewards)")
             repeat = _repeat([env.id for env in self.envs])
             if repeat is not None:
                 first, i = repeat
@@ -919,7 +927,7 @@ class RunConfig(_Section):
         if self.envs:
             return list(self.envs)
         assert self.env is not None
-        return [EnvConfig(id=self.env, args=self.env_args, rewards=self.rewards)]
+        return [EnvConfig(id=self.env, args=self.env_args, runtime=self.runtime, rewards=self.rewards)]
 
     def environment(self, env_id: str) -> EnvConfig:
         """The run's environment of id ``env_id``; ValueError naming the ids it has."""

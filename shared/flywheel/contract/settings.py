@@ -226,6 +226,12 @@ class Settings(BaseSettings):
     sandbox_warm_pool: int = Field(4, ge=0, description="Sandboxes of the default spec kept started, for fast creates.")
     sandbox_allow_network: bool = Field(False, description="Whether a sandbox may ask for network (a spec with "
                                                            "network=true); off, such a request is refused.")
+    sandbox_python_path: str = Field(
+        "auto", description="Folders of Python packages the local backend binds read-only into every sandbox, on "
+                            "PYTHONPATH, for what the host's /usr Python lacks (the openai or anthropic SDK of an "
+                            "agent run in a sandbox): folders separated by ':', or auto (the service's own "
+                            "site-packages when its Python has the minor version of /usr/bin/python3, else none), "
+                            "or empty for none.")
     run_lease_s: float = Field(60.0, gt=0, description="How long a run outlives its owner (an orchestrator): past "
                                                        "this without a renewal the run is abandoned (its queued "
                                                        "tasks stop holding inference) and another orchestrator may "

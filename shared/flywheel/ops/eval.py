@@ -552,6 +552,7 @@ class EvalConfig:
     resume: bool = False
     pass_threshold: float | None = None
     env_args: dict[str, Any] = field(default_factory=dict)
+    runtime: str | None = None  # where a program harness runs (subprocess, sandbox); None: the environment's own
     seed: int = 0
     max_retries: int = 5
     timeout_s: float = 600.0  # one model call
@@ -774,6 +775,7 @@ class Evaluation:
                    **summarize(records, self.weights, cfg.num_rollouts, self.pass_threshold),
                    "elapsed_s": time.monotonic() - started, "num_upstream_retries": self.proxy.num_retries,
                    "sampling": msgspec.structs.asdict(self.sampling) if cfg.send_sampling else None,
+                   "runtime": getattr(self.env.harness, "runtime", "process"),
                    "results": str(cfg.out)}
         return summary
 
@@ -895,7 +897,7 @@ async def resolve_model(base_url: str, api_key: str | None) -> str:
 
 async def run_eval(cfg: EvalConfig, nats_url: str | None = None, progress_out: TextIO = sys.stderr) -> dict[str, Any]:
     """Load the environment, run the eval, return the summary (also written beside the results)."""
-    env = load_environment(cfg.env, _overrides(cfg.env_args))
+    env = load_environment(cfg.env, _overrides(cfg.env_args)).with_runtime(cfg.runtime)
     summary = await Evaluation(cfg, env, progress_out).run(nats_url)
     cfg.out.with_suffix(".summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

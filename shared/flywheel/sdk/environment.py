@@ -64,7 +64,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 from flywheel.contract import events
 from flywheel.contract.hub import ENTRY_POINT_GROUP
 from flywheel.sdk import tracegraph
-from flywheel.sdk.harness import ChatHarness, Harness
+from flywheel.sdk.harness import RUNTIMES, ChatHarness, Harness, ProgramHarness
 from flywheel.sdk.hooks import CallHooks, RequestHook, ResponseHook
 from flywheel.sdk.messages import message_dict, message_from_dict
 
@@ -458,8 +458,23 @@ class Environment:
                                        "for SFT")
         return self.reference(task)
 
+    def with_runtime(self, runtime: str | None) -> Environment:
+        """This environment with its program harness run in ``runtime`` (``subprocess`` or
+        ``sandbox``; a copy); None: as it is. A harness that is not a program is an error."""
+        if runtime is None or getattr(self.harness, "runtime", None) == runtime:
+            return self
+        if not isinstance(self.harness, ProgramHarness):
+            raise EnvironmentLoadError(f"runtime={runtime!r}: environment {self.name!r} has a "
+                                       f"{type(self.harness).__name__}, which runs in the process that runs its "
+                                       "rollouts; only a program harness (ProgramHarness) takes a runtime")
+        if runtime not in RUNTIMES:
+            raise EnvironmentLoadError(f"runtime={runtime!r}: a program harness runs in one of {', '.join(RUNTIMES)}")
+        return dataclasses.replace(self, harness=dataclasses.replace(self.harness, runtime=runtime))
+
     def with_overrides(self, overrides: EnvironmentOverrides | None) -> Environment:
-        """This environment with a run config's reward swaps and weights applied (a copy)."""
+        """This environment with a run config's runtime, reward swaps and weights applied (a copy)."""
+        if overrides is not None and overrides.runtime is not None:
+            return self.with_runtime(overrides.runtime).with_overrides(dataclasses.replace(overrides, runtime=None))
         if overrides is None or not overrides.rewards:
             return self
         by_name = {r.name: r for r in self._rewards()}
@@ -478,9 +493,7 @@ class Environment:
                                            f"(it has {sorted(by_name)}); give `function` to add one")
             elif spec.weight is not None:
                 by_name[name] = type(current)(current.fn, weight=spec.weight, name=name, weights=current.weights)
-        return Environment(name=self.name, tasks=self.tasks, rewards=list(by_name.values()), harness=self.harness,
-                           prompt=self.prompt, reference=self.reference, sampling=self.sampling,
-                           version=self.version, description=self.description)
+        return dataclasses.replace(self, rewards=list(by_name.values()))  # hooks and the rest kept
 
 
 @dataclass(frozen=True)
@@ -498,6 +511,7 @@ class EnvironmentOverrides:
     args: dict[str, Any] = field(default_factory=dict)
     rewards: dict[str, RewardOverride] = field(default_factory=dict)
     sha256: str | None = None  # a hub environment's pinned wheel (RunConfig.hub_pins), installed when missing
+    runtime: str | None = None  # where its program harness runs (ProgramHarness.runtime); None: its own
 
 
 def import_object(spec: str, where: str) -> Any:
@@ -799,4 +813,4 @@ def overrides_of(env: EnvConfig, sha256: str | None = None) -> EnvironmentOverri
     for a hub environment, the ``sha256`` the run pinned)."""
     return EnvironmentOverrides(args=dict(env.args), rewards={
         name: RewardOverride(weight=r.weight, function=r.function, group=r.group) for name, r in env.rewards.items()},
-        sha256=sha256)
+        sha256=sha256, runtime=env.runtime)

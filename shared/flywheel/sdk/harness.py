@@ -11,9 +11,11 @@ point: the same harness runs in evaluation, in training and in deployment.
   messages, then a loop of model turns: tool calls are executed and answered (tools are Python
   functions or MCP servers), an ``env_response`` (e.g. a game's feedback) or a user simulator
   may answer a plain reply, until a stop condition, ``max_turns`` or a truncated answer.
-- :class:`ProgramHarness`: any program that speaks the OpenAI chat API (written with the
-  ``openai`` SDK, a CLI agent) runs unchanged as a subprocess, pointed at its base URL by the
-  standard ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` variables, the task as JSON on stdin.
+- :class:`ProgramHarness`: any program that speaks the OpenAI chat, Responses or Anthropic
+  Messages API (written with the ``openai`` or ``anthropic`` SDK, a CLI agent) runs unchanged,
+  pointed at its base URL by the standard ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` variables,
+  the task as JSON on stdin: as a subprocess, or inside the rollout's sandbox, where that URL is
+  the only thing it reaches (its ``runtime``).
 - :class:`UserSimulator`: a model behind an MCP server that plays the user.
 
 What the harness records in ``ctx.state`` (a JSON object) travels with the rollout and reaches
@@ -25,19 +27,25 @@ rollout timeout, what an error is and the state's check are the same in both.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import logging
 import os
 import signal
 import sys
+import tempfile
 import typing
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
+
+import msgspec
 
 from flywheel.contract import events
 from flywheel.sdk.messages import message_dict, message_from_dict
+from flywheel.sdk.sandbox import MODEL_BASE_URL, SandboxSpec, sandbox_session
 
 if TYPE_CHECKING:
     import openai
@@ -471,6 +479,9 @@ async def call_by_name(fn: Callable[..., Any], available: Mapping[str, Any]) -> 
 # --- the program harness ------------------------------------------------------------------
 
 
+RUNTIMES = ("subprocess", "sandbox")
+
+
 @dataclass
 class ProgramHarness:
     """Runs ``argv`` once per rollout with ``OPENAI_BASE_URL``, ``OPENAI_API_KEY`` and
@@ -479,36 +490,48 @@ class ProgramHarness:
     ``FLYWHEEL_TASK``). A non-zero exit or a run past ``timeout_s`` (the process is killed) is the
     rollout's error. If the program's last stdout line is a JSON object it becomes the state;
     the stdout tail is kept in ``state["stdout"]`` either way. ``initial_messages`` (for SFT views)
-    are the environment's first messages."""
+    are the environment's first messages.
+
+    Where it runs is the ``runtime``: ``subprocess`` (a child of the process running the rollout:
+    inference, or ``flywheel eval``) or ``sandbox`` (inside the rollout's sandbox, with its tools:
+    no network, its base URL reaching its own model endpoint and nothing else, through the
+    sandbox service's model relay; ``sandbox`` is its spec). ``files`` (name: text, bytes or a
+    path to read) are the program's own, written where it runs (a fresh folder, or the sandbox's
+    workdir), so one ``argv`` (``["{python}", "agent.py"]``; ``{python}`` is this Python, or the
+    sandbox's ``python3``) serves both runtimes."""
 
     argv: Sequence[str]
     env: Mapping[str, str] = field(default_factory=dict)
     timeout_s: float = 600.0
     cwd: str | None = None
+    runtime: str = "subprocess"
+    sandbox: SandboxSpec | None = None
+    files: Mapping[str, str | bytes | os.PathLike[str]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.runtime not in RUNTIMES:
+            raise ValueError(f"runtime={self.runtime!r}: a program harness runs in one of {', '.join(RUNTIMES)}")
 
     def initial_messages(self, env: Environment, task: dict[str, Any]) -> list[events.Message]:
         return env.first_messages(task)
 
+    def program_files(self) -> dict[str, bytes]:
+        return {name: data.encode() if isinstance(data, str) else data if isinstance(data, bytes)
+                else Path(data).read_bytes() for name, data in self.files.items()}
+
+    def child_env(self, ctx: RolloutContext, base_url: str) -> dict[str, str]:
+        """What the program is told: its endpoint (as the OpenAI and Anthropic SDKs read it), key, model, task."""
+        return {**self.env, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": ctx.api_key, "OPENAI_MODEL": ctx.model,
+                "ANTHROPIC_BASE_URL": base_url.removesuffix("/v1"), "ANTHROPIC_API_KEY": ctx.api_key,
+                "FLYWHEEL_TASK": json.dumps(ctx.task)}
+
     async def run(self, env: Environment, ctx: RolloutContext) -> None:
-        argv = [sys.executable if a == "{python}" else a for a in self.argv]
-        child_env = {**os.environ, **self.env, "OPENAI_BASE_URL": ctx.base_url, "OPENAI_API_KEY": ctx.api_key,
-                     "OPENAI_MODEL": ctx.model, "ANTHROPIC_BASE_URL": ctx.base_url.removesuffix("/v1"),
-                     "ANTHROPIC_API_KEY": ctx.api_key, "FLYWHEEL_TASK": json.dumps(ctx.task)}
-        proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE,
-                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                                                    env=child_env, cwd=self.cwd, start_new_session=True)
-        try:
-            out, err = await asyncio.wait_for(proc.communicate(json.dumps(ctx.task).encode()), self.timeout_s)
-        except TimeoutError:
-            _kill_group(proc.pid)
-            await proc.wait()
-            raise TimeoutError(f"program {argv[0]} ran past timeout_s={self.timeout_s} and was killed") from None
-        finally:
-            if proc.returncode is None:
-                _kill_group(proc.pid)
-        text = out.decode(errors="replace")
-        ctx.state["stdout"] = text[-4000:]
-        lines = text.strip().splitlines()
+        if self.runtime == "sandbox":
+            code, out, err = await self._in_sandbox(ctx)
+        else:
+            code, out, err = await self._in_subprocess(ctx)
+        ctx.state["stdout"] = out[-4000:]
+        lines = out.strip().splitlines()
         if lines:
             try:
                 last = json.loads(lines[-1])
@@ -516,9 +539,46 @@ class ProgramHarness:
                 last = None
             if isinstance(last, dict):
                 ctx.state.update(last)
-        if proc.returncode != 0:
-            raise RuntimeError(f"program {argv[0]} exited with {proc.returncode}: "
-                               f"{err.decode(errors='replace')[-2000:].strip()}")
+        if code != 0:
+            where = " in its sandbox" if self.runtime == "sandbox" else ""
+            raise RuntimeError(f"program {self.argv[0]} exited with {code}{where}: {err[-2000:].strip()}")
+
+    async def _in_subprocess(self, ctx: RolloutContext) -> tuple[int, str, str]:
+        argv = [sys.executable if a == "{python}" else a for a in self.argv]
+        with contextlib.ExitStack() as stack:
+            cwd = self.cwd
+            if self.files:
+                cwd = stack.enter_context(tempfile.TemporaryDirectory(prefix="flywheel-program-"))
+                for name, data in self.program_files().items():
+                    (Path(cwd) / name).parent.mkdir(parents=True, exist_ok=True)
+                    (Path(cwd) / name).write_bytes(data)
+            proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE,
+                                                        stdout=asyncio.subprocess.PIPE,
+                                                        stderr=asyncio.subprocess.PIPE,
+                                                        env={**os.environ, **self.child_env(ctx, ctx.base_url)},
+                                                        cwd=cwd, start_new_session=True)
+            try:
+                out, err = await asyncio.wait_for(proc.communicate(json.dumps(ctx.task).encode()), self.timeout_s)
+            except TimeoutError:
+                _kill_group(proc.pid)
+                await proc.wait()
+                raise TimeoutError(f"program {argv[0]} ran past timeout_s={self.timeout_s} and was killed") from None
+            finally:
+                if proc.returncode is None:
+                    _kill_group(proc.pid)
+        assert proc.returncode is not None  # communicate() returned: the program has exited
+        return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")
+
+    async def _in_sandbox(self, ctx: RolloutContext) -> tuple[int, str, str]:
+        spec = self.sandbox or SandboxSpec()
+        spec = msgspec.structs.replace(spec, model_url=ctx.base_url, files={**spec.files, **self.program_files()})
+        client, box = await sandbox_session(ctx, spec)
+        argv = ["python3" if a == "{python}" else a for a in self.argv]
+        result = await client.exec(box, argv, env=self.child_env(ctx, MODEL_BASE_URL), stdin=json.dumps(ctx.task),
+                                   timeout_s=self.timeout_s)
+        if result.timed_out:
+            raise TimeoutError(f"program {argv[0]} ran past timeout_s={self.timeout_s} in its sandbox and was killed")
+        return result.exit_code, result.stdout, result.stderr
 
 
 def _kill_group(pid: int) -> None:

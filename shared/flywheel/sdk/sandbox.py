@@ -33,16 +33,20 @@ Not covered: streaming output while a command runs, and interactive terminals.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
+import functools
 import re
-from collections.abc import AsyncIterator, Iterator, Mapping
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import msgspec
 
 if TYPE_CHECKING:
     from flywheel.contract.bus import Bus
+    from flywheel.sdk.harness import RolloutContext
 
 QUEUE_GROUP = "sandbox"
 # Labels a rollout's sandbox carries (sandbox_tools): the service meters a sandbox's seconds to
@@ -60,6 +64,11 @@ WORKDIR = "/work"
 INSTANCE_TOKEN = re.compile(r"[^A-Za-z0-9_-]")
 # Spare seconds a request waits beyond the command's own timeout (start, transfer).
 REQUEST_MARGIN_S = 10.0
+# A sandbox given a spec.model_url reaches it, and nothing else, at MODEL_BASE_URL in its own
+# loopback: requests under MODEL_PREFIX go to model_url with the prefix taken off.
+MODEL_PORT = 8377
+MODEL_PREFIX = "/v1"
+MODEL_BASE_URL = f"http://127.0.0.1:{MODEL_PORT}{MODEL_PREFIX}"
 
 T = TypeVar("T")
 
@@ -102,7 +111,12 @@ class SandboxSpec(_Message, frozen=True):
     (``/work``, ``/tmp``, ``/dev/shm``; the rest is read-only); ``files`` are written into the
     workdir (relative paths) before the first exec; ``labels`` select sandboxes for bulk
     destroy. ``network=True`` is refused (kind ``invalid_request``) unless the service runs
-    with setting ``sandbox_allow_network`` on."""
+    with setting ``sandbox_allow_network`` on.
+
+    ``model_url`` (an http(s) base URL, e.g. a rollout's interception URL ending in ``/v1``):
+    the one place a sandbox without network reaches. Programs inside call it at
+    :data:`MODEL_BASE_URL` (``http://127.0.0.1:8377/v1``); the service relays requests under
+    ``/v1`` to it, streamed, and refuses any other path (local backend)."""
 
     image: str | None = None
     cpu: Annotated[float, msgspec.Meta(gt=0, le=64)] = 1.0
@@ -112,6 +126,7 @@ class SandboxSpec(_Message, frozen=True):
     ttl_s: Positive = 3600.0
     idle_ttl_s: Positive = 600.0
     network: bool = False
+    model_url: Annotated[str, msgspec.Meta(pattern=r"^https?://[^/\s]+(/\S*)?$", max_length=2048)] | None = None
     env: dict[str, str] = {}
     files: dict[str, bytes] = {}
     labels: dict[str, str] = {}
@@ -360,3 +375,77 @@ class SandboxClient:
             yield box
         finally:
             await self.destroy(box)
+
+
+# --- the rollout's session ------------------------------------------------------------------
+
+SESSION_RESOURCE = "flywheel.sdk.sandbox_tools.session"
+NO_SERVICE = "start the sandbox service (flywheel up) or set nats_url"
+# Errors of the service itself (not of what the model ran): the rollout fails rather than go on.
+SERVICE_FAILURES = frozenset({"unavailable", "capacity", "not_found"})
+# How long a create waits while the service is at its cap of live sandboxes (then the error stands).
+CAPACITY_WAIT_S = 120.0
+
+
+class SandboxUnavailable(RuntimeError):
+    """The sandbox service cannot serve this rollout; the message says what to start or set."""
+
+
+def service_unavailable(exc: SandboxError) -> SandboxUnavailable:
+    return SandboxUnavailable(f"sandbox service: {exc.error} ({NO_SERVICE})")
+
+
+async def when_there_is_room(start: Callable[[], Awaitable[T]], give_up: asyncio.Event | None = None) -> T:
+    """``start()`` (a create or a one-shot run), tried again with backoff while the service is at
+    its cap of live sandboxes, for up to :data:`CAPACITY_WAIT_S` or until ``give_up`` is set: many
+    rollouts or rewards at once wait for sandboxes to free up rather than fail. An attempt under
+    way is never cut short (the sandbox it makes must be known to be destroyed)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + CAPACITY_WAIT_S
+    give_up = give_up or asyncio.Event()
+    delay_s = 0.05
+    while True:
+        try:
+            return await start()
+        except SandboxError as exc:
+            if exc.kind != "capacity" or loop.time() + delay_s > deadline or give_up.is_set():
+                raise
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(give_up.wait(), delay_s)
+        delay_s = min(delay_s * 2, 1.0)
+
+
+# --- the rollout's session ------------------------------------------------------------------
+
+
+async def sandbox_session(ctx: RolloutContext, spec: SandboxSpec | None = None) -> tuple[SandboxClient, str]:
+    """The rollout's sandbox (client and id), created from ``spec`` on the first call and
+    destroyed when the rollout's context closes. Later calls return the same one (their
+    ``spec`` is not looked at)."""
+    client = ctx.sandbox_client
+    if client is None:
+        raise SandboxUnavailable(f"no sandbox service for this rollout: {NO_SERVICE}")
+    pending: asyncio.Future[str] | None = ctx.resources.get(SESSION_RESOURCE)
+    if pending is None:
+        spec = spec or SandboxSpec()
+        label = ctx.rollout_id or f"local-{secrets.token_hex(8)}"
+        run = {RUN_LABEL: ctx.run} if ctx.run else {}  # metered to the run (sandbox seconds)
+        spec = msgspec.structs.replace(spec, labels={**spec.labels, ROLLOUT_LABEL: label, **run})
+        ended = asyncio.Event()
+        pending = asyncio.ensure_future(when_there_is_room(functools.partial(client.create, spec), ended))
+        ctx.resources[SESSION_RESOURCE] = pending
+
+        async def destroy_session() -> None:
+            ended.set()  # a create still waiting for room stops waiting; one under way finishes
+            try:
+                box = await pending
+            except SandboxError:
+                return  # never made
+            await client.destroy(box)
+
+        ctx.on_close(destroy_session)
+    try:
+        return client, await asyncio.shield(pending)
+    except SandboxError as exc:
+        raise service_unavailable(exc) if exc.kind in SERVICE_FAILURES else SandboxUnavailable(
+            f"the rollout's sandbox could not be created: {exc}") from exc

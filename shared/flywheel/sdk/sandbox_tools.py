@@ -13,7 +13,7 @@ and said to be. A bad call (empty or oversized input) or a sandbox the model's o
 killed is answered as a tool error the model can read; a missing sandbox service fails the
 rollout (:class:`SandboxUnavailable`), so it is recorded as an error, never scored as the
 model's failure. A service at its cap of live sandboxes makes a create (or a test run) wait
-for room, up to :data:`CAPACITY_WAIT_S`, before that error.
+for room, up to :data:`flywheel.sdk.sandbox.CAPACITY_WAIT_S`, before that error.
 
 The tools reach the service through ``ctx.sandbox_client``, which whoever runs the harness
 sets: the inference service over its bus, ``flywheel eval`` where NATS is reachable.
@@ -37,95 +37,35 @@ import re
 import secrets
 import signal
 import weakref
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from flywheel.contract import natsusers
 from flywheel.sdk.harness import RolloutContext, Tool, ToolError
-from flywheel.sdk.sandbox import ROLLOUT_LABEL, RUN_LABEL, ExecResult, SandboxClient, SandboxError, SandboxSpec
+from flywheel.sdk.sandbox import (  # the rollout's session lives beside the client; its names stay importable here
+    NO_SERVICE,
+    SERVICE_FAILURES,
+    ExecResult,
+    SandboxClient,
+    SandboxError,
+    SandboxSpec,
+    SandboxUnavailable,
+    sandbox_session,
+    service_unavailable,
+    when_there_is_room,
+)
 from flywheel.sdk.sandbox_test_runner import collect_tests
 
 if TYPE_CHECKING:
     from flywheel.contract.bus import Bus
 
-T = TypeVar("T")
-SESSION_RESOURCE = "flywheel.sdk.sandbox_tools.session"
-NO_SERVICE = "start the sandbox service (flywheel up) or set nats_url"
-# Errors of the service itself (not of what the model ran): the rollout fails rather than go on.
-SERVICE_FAILURES = frozenset({"unavailable", "capacity", "not_found"})
 MAX_INPUT_CHARS = 100_000  # a command or program; NATS carries about 1 MB a message
 RUNNER_FILE = "flywheel_test_runner.py"
 CONNECT_TIMEOUT_S = 2.0  # how long default_client waits for NATS
-# How long a create waits while the service is at its cap of live sandboxes (then the error stands).
-CAPACITY_WAIT_S = 120.0
-
-
-class SandboxUnavailable(RuntimeError):
-    """The sandbox service cannot serve this rollout; the message says what to start or set."""
-
-
-def _unavailable(exc: SandboxError) -> SandboxUnavailable:
-    return SandboxUnavailable(f"sandbox service: {exc.error} ({NO_SERVICE})")
-
-
-async def when_there_is_room(start: Callable[[], Awaitable[T]], give_up: asyncio.Event | None = None) -> T:
-    """``start()`` (a create or a one-shot run), tried again with backoff while the service is at
-    its cap of live sandboxes, for up to :data:`CAPACITY_WAIT_S` or until ``give_up`` is set: many
-    rollouts or rewards at once wait for sandboxes to free up rather than fail. An attempt under
-    way is never cut short (the sandbox it makes must be known to be destroyed)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + CAPACITY_WAIT_S
-    give_up = give_up or asyncio.Event()
-    delay_s = 0.05
-    while True:
-        try:
-            return await start()
-        except SandboxError as exc:
-            if exc.kind != "capacity" or loop.time() + delay_s > deadline or give_up.is_set():
-                raise
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(give_up.wait(), delay_s)
-        delay_s = min(delay_s * 2, 1.0)
-
-
-# --- the rollout's session ------------------------------------------------------------------
-
-
-async def sandbox_session(ctx: RolloutContext, spec: SandboxSpec | None = None) -> tuple[SandboxClient, str]:
-    """The rollout's sandbox (client and id), created from ``spec`` on the first call and
-    destroyed when the rollout's context closes. Later calls return the same one (their
-    ``spec`` is not looked at)."""
-    client = ctx.sandbox_client
-    if client is None:
-        raise SandboxUnavailable(f"no sandbox service for this rollout: {NO_SERVICE}")
-    pending: asyncio.Future[str] | None = ctx.resources.get(SESSION_RESOURCE)
-    if pending is None:
-        spec = spec or SandboxSpec()
-        label = ctx.rollout_id or f"local-{secrets.token_hex(8)}"
-        run = {RUN_LABEL: ctx.run} if ctx.run else {}  # metered to the run (sandbox seconds)
-        spec = msgspec.structs.replace(spec, labels={**spec.labels, ROLLOUT_LABEL: label, **run})
-        ended = asyncio.Event()
-        pending = asyncio.ensure_future(when_there_is_room(functools.partial(client.create, spec), ended))
-        ctx.resources[SESSION_RESOURCE] = pending
-
-        async def destroy_session() -> None:
-            ended.set()  # a create still waiting for room stops waiting; one under way finishes
-            try:
-                box = await pending
-            except SandboxError:
-                return  # never made
-            await client.destroy(box)
-
-        ctx.on_close(destroy_session)
-    try:
-        return client, await asyncio.shield(pending)
-    except SandboxError as exc:
-        raise _unavailable(exc) if exc.kind in SERVICE_FAILURES else SandboxUnavailable(
-            f"the rollout's sandbox could not be created: {exc}") from exc
 
 
 def cut(text: str, max_chars: int) -> tuple[str, bool]:
@@ -222,7 +162,7 @@ class SandboxTools:
             result = await client.exec(box, cmd, stdin=stdin, timeout_s=self.timeout_s)
         except SandboxError as exc:
             if exc.kind in SERVICE_FAILURES:
-                raise _unavailable(exc) from exc
+                raise service_unavailable(exc) from exc
             raise ToolError(f"the sandbox could not run it: {exc.error}") from None
         counts = ctx.state.setdefault("sandbox_calls", {})
         counts[what] = counts.get(what, 0) + 1
@@ -388,7 +328,7 @@ async def run_tests(files: Mapping[str, str | bytes], test_file: str = "test_sol
             client.run, command, files=written, spec=spec, stdin=nonce + "\n" if names else "", timeout_s=timeout_s))
     except SandboxError as exc:
         if exc.kind in SERVICE_FAILURES:
-            raise _unavailable(exc) from exc
+            raise service_unavailable(exc) from exc
         raise
     output = (result.stdout[-2000:] + ("\n" + result.stderr[-2000:] if result.stderr else "")).strip()
     if names:
