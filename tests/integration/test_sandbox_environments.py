@@ -4,7 +4,8 @@ client over its own bus (the ctf harness plants its flag; the sandbox is gone on
 is published; the tiny model answers nonsense, so this checks the plumbing); in ``flywheel
 eval``, harnesses and rewards reach the service where NATS answers, and a rollout that needs
 a sandbox fails with what to start where it does not, and ``--runtime sandbox`` runs a program
-harness inside each rollout's sandbox."""
+harness inside each rollout's sandbox; the RLM harness (long_context) in training and in eval,
+its sub-calls recorded as sub-agent branches."""
 
 from __future__ import annotations
 
@@ -17,13 +18,16 @@ import pytest
 
 import coding
 import ctf
+import long_context
 from flywheel.contract import events
 from flywheel.contract.bus import Bus
 from flywheel.ops.eval import EvalConfig, Evaluation, read_results, run_eval
 from flywheel.ops.natsserver import NatsServer
 from flywheel.sdk import models
 from flywheel.sdk.environment import GroupReward, Reward
+from flywheel.sdk.tracegraph import branches
 from flywheel_sandbox.backends import LocalBackend, LocalConfig, python_path
+from flywheel_trainer.join import sequences_of
 from tests.helpers import until
 from tests.integration.conftest import ENVS
 from tests.integration.services import Served
@@ -48,6 +52,28 @@ async def test_ctf_rollouts_in_training_plant_their_flag_and_leave_no_sandbox(
             assert len(r.state["flag_sha256"]) == 64 and r.state["submissions"] == []  # planted in its sandbox
         assert rollouts[0].state["flag_sha256"] != rollouts[1].state["flag_sha256"]  # a flag per rollout
         assert not sandbox.manager.sessions and len(sandbox.manager.tombstones) == 2  # both made, both destroyed
+
+
+async def test_rlm_rollouts_in_training_use_their_sandbox_and_are_training_ready(
+        bus: Bus, long_tiny_model: Path, server: Served, request: pytest.FixtureRequest) -> None:
+    """long_context in a training run on the tiny model: each rollout gets a sandbox holding its
+    table (the tiny model writes no working code, so the harness nudges it until max_turns),
+    every turn is recorded, and the rollout gives training sequences."""
+    args: dict[str, Any] = {"num_tasks": 2, "num_records": 40, "max_turns": 2}
+    (row,) = long_context.load_environment(**args).load_tasks(1)
+    async with backend_named("local", request) as backend, serving(bus, backend, warm_pool=0) as sandbox:
+        await create_run(bus, long_tiny_model, env="long_context", env_args=args, group_size=2,
+                         sampling={"max_tokens": 12}, trainer={"batch_size": 2, "max_off_policy_steps": 0})
+        await publish_weights(bus, "r1", 0, models.load_model(long_tiny_model)[0])
+        await bus.publish(events.Task(id="t0", run="r1", env="long_context", data=row, num_rollouts=2))
+        await until(lambda: count_is(bus, "ROLLOUTS", 2), timeout_s=180, what="2 rollouts")
+        rollouts = await stored(bus, "ROLLOUTS", events.Rollout)
+        for r in rollouts:
+            assert r.status in ("completed", "truncated"), r.error
+            assert r.state["turns"] >= 1 and r.metrics["num_calls"] >= 1
+            assert row["context"] not in str([n.message.content for n in r.nodes])  # the table stayed in the REPL
+            assert sequences_of(r)
+        assert not sandbox.manager.sessions and len(sandbox.manager.tombstones) == 2  # one a rollout, both gone
 
 
 def solve_coding(tasks: list[dict[str, Any]]) -> Any:
@@ -114,3 +140,48 @@ async def test_eval_runs_a_program_harness_in_its_sandbox_by_runtime(bus: Bus, n
         assert record["state"]["answers"] == ["one", "two", "three"]
         assert record["state"]["probe"].startswith("refused"), record["state"]["probe"]
         assert [m["role"] for m in record["messages"]][-2:] == ["user", "assistant"]
+
+
+async def test_rlm_sub_calls_are_sub_agent_branches_of_the_recorded_trace(bus: Bus, nats_server: NatsServer,
+                                                                          tmp_path: Path,
+                                                                          request: pytest.FixtureRequest) -> None:
+    """long_context in ``flywheel eval --record``: the REPL's ``llm_query`` leaves the sandbox
+    through its relay to the eval's recording proxy, so the published rollout's trace graph has
+    the conversation and, beside it, the sub-call as a root of its own, both with tokens, ready
+    to train like a training run's."""
+    env = long_context.load_environment(num_tasks=2, num_records=40, kinds=["needle"])
+    (task,) = env.load_tasks(1)
+    code = ("```repl\nlines = context.splitlines()\n"
+            "answer = llm_query('Read this and say the amount: ' + lines[0])\nprint(answer)\n```")
+    async with backend_named("local", request) as backend, serving(bus, backend, warm_pool=0) as sandbox:
+        with ScriptedOpenAI({"agent": [code, "17", "FINAL_VAR(answer)"]}) as model:
+            cfg = EvalConfig(env="long_context", model="agent", base_url=model.base_url, out=tmp_path / "rlm.jsonl",
+                             num_tasks=1, concurrency=1, record=True, run_id="rlm-eval",
+                             env_args={"num_tasks": 2, "num_records": 40, "kinds": ["needle"]})
+            summary = await Evaluation(cfg, env, io.StringIO()).run(nats_server.url)
+        assert not sandbox.manager.sessions
+    assert summary["num_errors"] == 0, read_results(cfg.out)
+    (record,) = read_results(cfg.out)
+    assert record["state"]["answer"] == "17" and record["state"]["sub_calls"] == 1 and len(record["calls"]) == 3
+    await until(lambda: count_is(bus, "ROLLOUTS", 1), what="the eval's rollout on the bus")
+    (rollout,) = await stored(bus, "ROLLOUTS", events.Rollout)
+    roots = [n for n in rollout.nodes if n.parent_id is None]
+    assert len(roots) == 2, [n.message for n in roots]
+    sub = next(b for b in branches(rollout.nodes) if b[0].message.content.startswith("Read this and say"))
+    assert [n.message.role for n in sub] == ["user", "assistant"] and sub[1].message.content == "17"
+    main = next(b for b in branches(rollout.nodes) if b[0].message.role == "system")
+    assert main[-1].message.content == "FINAL_VAR(answer)" and task["context"] not in main[1].message.content
+
+
+async def test_eval_swaps_in_a_command_line_as_the_harness(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``flywheel eval reverse_text --harness CMD``: an agent the environment never heard of, run
+    as its harness; the summary says which."""
+    agent = ENVS / "openai_agent.py"
+    with ScriptedOpenAI({"agent": ["a", "b", "c"] * 2}) as model:
+        cfg = EvalConfig(env="reverse_text", model="agent", base_url=model.base_url, out=tmp_path / "swapped.jsonl",
+                         num_tasks=2, concurrency=1, harness=f"{{python}} {agent}")
+        summary = await run_eval(cfg, "nats://127.0.0.1:1", io.StringIO())
+    assert summary["num_errors"] == 0 and summary["harness"] == f"{{python}} {agent}", read_results(cfg.out)
+    assert summary["runtime"] == "subprocess"
+    for record in read_results(cfg.out):
+        assert record["state"]["answers"] == ["a", "b", "c"] and record["messages"][-1]["content"] == "c"

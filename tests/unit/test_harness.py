@@ -198,3 +198,18 @@ async def test_the_sandbox_runtime_without_a_sandbox_service_says_what_to_start(
     with ScriptedOpenAI({"agent": []}) as server:
         with pytest.raises(SandboxUnavailable, match=r"start the sandbox service \(flywheel up\) or set nats_url"):
             await harness.run(env_with(harness), ctx_for(server))
+
+
+def test_a_command_line_swaps_the_harness_in_eval_or_a_run_config() -> None:
+    env = env_with(ChatHarness())
+    swapped = env.with_harness("{python} 'my agent.py' --fast").with_runtime("sandbox")
+    assert isinstance(swapped.harness, ProgramHarness)
+    assert list(swapped.harness.argv) == ["{python}", "my agent.py", "--fast"] and swapped.harness.runtime == "sandbox"
+    assert env.with_harness(None) is env and isinstance(env.harness, ChatHarness)
+    for bad, says in (("", "give a command line"), ("agent 'unclosed", "not a command line")):
+        with pytest.raises(EnvironmentLoadError, match=says):
+            env.with_harness(bad)
+    cfg = RunConfig.parse({"run": "r", "envs": [{"id": "reverse_text", "harness": "codex exec", "runtime": "sandbox"}]})
+    overrides = overrides_of(cfg.environments[0])
+    assert (overrides.harness, overrides.runtime) == ("codex exec", "sandbox")
+    assert RunConfig.parse({"run": "r", "env": "reverse_text", "harness": "x"}).environments[0].harness == "x"

@@ -672,6 +672,9 @@ class RewardConfig(_Section):
 
 
 Runtime = Literal["subprocess", "sandbox"]  # flywheel.sdk.harness.RUNTIMES (a test holds them equal)
+HARNESS_DESCRIPTION = ("a command line run as its harness in place of its own (a program harness: any agent that "
+                       "speaks the OpenAI or Anthropic API, pointed at the rollout's endpoint by OPENAI_BASE_URL "
+                       "and the like); {python} is this Python; unset: the environment's own harness")
 RUNTIME_DESCRIPTION = ("where its program harness runs: subprocess (a child of inference) or sandbox (inside the "
                        "rollout's sandbox, reaching only its own model endpoint); unset: the environment's own "
                        "choice. A chat harness runs in the inference process and takes none.")
@@ -683,6 +686,7 @@ class EnvConfig(_Section):
 
     id: str = Field(description="environment id: a module name (reverse_text) or owner/name[@version]")
     args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of its load_environment")
+    harness: str | None = Field(None, min_length=1, description=HARNESS_DESCRIPTION)
     runtime: Runtime | None = Field(None, description=RUNTIME_DESCRIPTION)
     weight: float = Field(1.0, gt=0, allow_inf_nan=False,
                           description="its share of the run's tasks, against the other environments' weights")
@@ -751,6 +755,7 @@ class RunConfig(_Section):
     env: str | None = Field(None, description="the run's environment, for a run with one: a module name "
                                               "(reverse_text) or owner/name[@version]; several: [[envs]]")
     env_args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of env's load_environment")
+    harness: str | None = Field(None, min_length=1, description=HARNESS_DESCRIPTION.replace("as its", "as env's"))
     runtime: Runtime | None = Field(None, description=RUNTIME_DESCRIPTION.replace("its program", "env's program"))
     rewards: dict[str, RewardConfig] = Field(default_factory=dict,
                                              description="env's rewards: a table per reward (by its name) to change "
@@ -827,10 +832,10 @@ class RunConfig(_Section):
 
     def _check_envs(self) -> None:
         if self.envs:
-            given = [name for name in ("env", "env_args", "runtime", "rewards") if getattr(self, name)]
+            given = [name for name in ("env", "env_args", "harness", "runtime", "rewards") if getattr(self, name)]
             if given:
                 raise ValueError(f"{', '.join(given)}: a run with [[envs]] names its environments there; move "
-                                 "them into an [[envs]] table (id, args, runtime, rewards)")
+                                 "them into an [[envs]] table (id, args, harness, runtime, rewards)")
             repeat = _repeat([env.id for env in self.envs])
             if repeat is not None:
                 first, i = repeat
@@ -927,7 +932,8 @@ class RunConfig(_Section):
         if self.envs:
             return list(self.envs)
         assert self.env is not None
-        return [EnvConfig(id=self.env, args=self.env_args, runtime=self.runtime, rewards=self.rewards)]
+        return [EnvConfig(id=self.env, args=self.env_args, harness=self.harness, runtime=self.runtime,
+                          rewards=self.rewards)]
 
     def environment(self, env_id: str) -> EnvConfig:
         """The run's environment of id ``env_id``; ValueError naming the ids it has."""

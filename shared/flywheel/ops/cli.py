@@ -313,6 +313,10 @@ def build_parser() -> argparse.ArgumentParser:
                                "weights, every reward at 1.0)")
     evaluate.add_argument("--env-args", metavar="JSON", default="{}", help="keyword arguments of load_environment")
     evaluate.add_argument("--seed", type=int, default=0, help="which tasks are drawn (default 0)")
+    evaluate.add_argument("--harness", metavar="CMD",
+                          help="a command line to run as the harness, in place of the environment's own: any agent "
+                               "that speaks the OpenAI or Anthropic API, given the rollout's endpoint in "
+                               "OPENAI_BASE_URL and the like and the task as JSON on stdin ({python}: this Python)")
     evaluate.add_argument("--runtime", metavar="R",
                           help="where a program harness runs: subprocess, or sandbox (inside the rollout's sandbox, "
                                "reaching only its own model endpoint; needs the sandbox service); default: the "
@@ -645,7 +649,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     cfg = EvalConfig(env=args.env, model=model, base_url=base_url, out=out, api_key=api_key,
                      num_tasks=args.num_tasks, num_rollouts=args.num_rollouts, concurrency=args.concurrency,
                      resume=args.resume, pass_threshold=args.pass_threshold, env_args=env_args, seed=args.seed,
-                     runtime=args.runtime,
+                     harness=args.harness, runtime=args.runtime,
                      max_retries=args.max_retries, record=args.record, run_id=args.run_id,
                      sampling={name: value for name, value in (
                          ("temperature", args.temperature), ("top_p", args.top_p), ("max_tokens", args.max_tokens),

@@ -552,6 +552,7 @@ class EvalConfig:
     resume: bool = False
     pass_threshold: float | None = None
     env_args: dict[str, Any] = field(default_factory=dict)
+    harness: str | None = None  # a command line run as the harness (a program harness); None: the environment's own
     runtime: str | None = None  # where a program harness runs (subprocess, sandbox); None: the environment's own
     seed: int = 0
     max_retries: int = 5
@@ -775,6 +776,7 @@ class Evaluation:
                    **summarize(records, self.weights, cfg.num_rollouts, self.pass_threshold),
                    "elapsed_s": time.monotonic() - started, "num_upstream_retries": self.proxy.num_retries,
                    "sampling": msgspec.structs.asdict(self.sampling) if cfg.send_sampling else None,
+                   "harness": " ".join(getattr(self.env.harness, "argv", ())) or type(self.env.harness).__name__,
                    "runtime": getattr(self.env.harness, "runtime", "process"),
                    "results": str(cfg.out)}
         return summary
@@ -897,7 +899,7 @@ async def resolve_model(base_url: str, api_key: str | None) -> str:
 
 async def run_eval(cfg: EvalConfig, nats_url: str | None = None, progress_out: TextIO = sys.stderr) -> dict[str, Any]:
     """Load the environment, run the eval, return the summary (also written beside the results)."""
-    env = load_environment(cfg.env, _overrides(cfg.env_args)).with_runtime(cfg.runtime)
+    env = load_environment(cfg.env, _overrides(cfg.env_args)).with_harness(cfg.harness).with_runtime(cfg.runtime)
     summary = await Evaluation(cfg, env, progress_out).run(nats_url)
     cfg.out.with_suffix(".summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

@@ -53,6 +53,7 @@ import logging
 import math
 import os
 import random
+import shlex
 import site
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -471,10 +472,24 @@ class Environment:
             raise EnvironmentLoadError(f"runtime={runtime!r}: a program harness runs in one of {', '.join(RUNTIMES)}")
         return dataclasses.replace(self, harness=dataclasses.replace(self.harness, runtime=runtime))
 
+    def with_harness(self, command: str | None) -> Environment:
+        """This environment with ``command`` (a command line; ``{python}`` is this Python) run as
+        its harness, a :class:`ProgramHarness` (a copy); None: as it is."""
+        if command is None:
+            return self
+        try:
+            argv = shlex.split(command)
+        except ValueError as exc:
+            raise EnvironmentLoadError(f"harness={command!r}: not a command line ({exc})") from None
+        if not argv:
+            raise EnvironmentLoadError(f"harness={command!r}: give a command line, e.g. '{{python}} agent.py'")
+        return dataclasses.replace(self, harness=ProgramHarness(argv))
+
     def with_overrides(self, overrides: EnvironmentOverrides | None) -> Environment:
-        """This environment with a run config's runtime, reward swaps and weights applied (a copy)."""
-        if overrides is not None and overrides.runtime is not None:
-            return self.with_runtime(overrides.runtime).with_overrides(dataclasses.replace(overrides, runtime=None))
+        """This environment with a run config's harness, runtime, reward swaps and weights applied (a copy)."""
+        if overrides is not None and (overrides.harness is not None or overrides.runtime is not None):
+            swapped = self.with_harness(overrides.harness).with_runtime(overrides.runtime)
+            return swapped.with_overrides(dataclasses.replace(overrides, harness=None, runtime=None))
         if overrides is None or not overrides.rewards:
             return self
         by_name = {r.name: r for r in self._rewards()}
@@ -511,6 +526,7 @@ class EnvironmentOverrides:
     args: dict[str, Any] = field(default_factory=dict)
     rewards: dict[str, RewardOverride] = field(default_factory=dict)
     sha256: str | None = None  # a hub environment's pinned wheel (RunConfig.hub_pins), installed when missing
+    harness: str | None = None  # a command line run as its harness (a ProgramHarness); None: its own
     runtime: str | None = None  # where its program harness runs (ProgramHarness.runtime); None: its own
 
 
@@ -813,4 +829,4 @@ def overrides_of(env: EnvConfig, sha256: str | None = None) -> EnvironmentOverri
     for a hub environment, the ``sha256`` the run pinned)."""
     return EnvironmentOverrides(args=dict(env.args), rewards={
         name: RewardOverride(weight=r.weight, function=r.function, group=r.group) for name, r in env.rewards.items()},
-        sha256=sha256, runtime=env.runtime)
+        sha256=sha256, harness=env.harness, runtime=env.runtime)
