@@ -76,6 +76,32 @@ async def test_rlm_rollouts_in_training_use_their_sandbox_and_are_training_ready
         assert not sandbox.manager.sessions and len(sandbox.manager.tombstones) == 2  # one a rollout, both gone
 
 
+async def test_rlm_sub_calls_in_training_are_sampled_recorded_and_trained(
+        bus: Bus, long_tiny_model: Path, server: Served, request: pytest.FixtureRequest,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sub-calls through real inference: the REPL's two llm_query calls leave the sandbox through
+    its relay to the rollout's interception URL, where the policy samples them; the rollout's
+    trace graph has them as roots of their own with the sampled tokens, and the trainer gets a
+    sequence for each, its sampled tokens under the loss."""
+    monkeypatch.syspath_prepend(str(ENVS))
+    async with backend_named("local", request) as backend, serving(bus, backend, warm_pool=0) as sandbox:
+        await create_run(bus, long_tiny_model, env="rlm_subcalls", group_size=1, sampling={"max_tokens": 6},
+                         trainer={"batch_size": 1, "max_off_policy_steps": 0})
+        await publish_weights(bus, "r1", 0, models.load_model(long_tiny_model)[0])
+        await bus.publish(events.Task(id="t0", run="r1", env="rlm_subcalls", data={"question": "How many lines?",
+                                                                                  "context": "line\n" * 500}))
+        await until(lambda: count_is(bus, "ROLLOUTS", 1), timeout_s=120, what="the rollout")
+        (rollout,) = await stored(bus, "ROLLOUTS", events.Rollout)
+        assert not sandbox.manager.sessions
+    assert rollout.status in ("completed", "truncated"), rollout.error
+    assert rollout.state["sub_calls"] == 2 and rollout.metrics["num_calls"] == 3
+    roots = sorted(n.message.content for n in rollout.nodes if n.parent_id is None and n.message.role == "user")
+    assert roots == ["Say a word.", "Say another word."]
+    sequences = sequences_of(rollout)
+    assert len(sequences) == 3 and all(sum(s.loss_mask) > 0 for s in sequences)
+    assert sum(sum(s.loss_mask) for s in sequences) == rollout.metrics["num_completion_tokens"]
+
+
 def solve_coding(tasks: list[dict[str, Any]]) -> Any:
     def reply(body: dict[str, Any]) -> str:
         asked = body["messages"][-1]["content"]

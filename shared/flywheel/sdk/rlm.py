@@ -12,7 +12,9 @@ sees the question and the input's size, and answers in turns of code:
   sub-agent (a root of its own) whose tokens are trained with the rest; in ``flywheel eval``
   the recording proxy keeps it the same way;
 - ``FINAL(answer)`` ends the rollout with that answer, ``FINAL_VAR(name)`` with the REPL
-  variable's value (as ``str``); either lands in ``state["answer"]``.
+  variable's value (as ``str``); either lands in ``state["answer"]``;
+- ``preamble`` (code) runs before the first turn, its output added to the first prompt (a
+  look at the input's start, say).
 
 The REPL keeps its variables between turns: each turn replays the earlier cells (their
 output dropped) and runs the new one, with every ``llm_query`` answer of the earlier cells
@@ -138,6 +140,7 @@ class RLMHarness:
     max_output_chars: int = 2000
     exec_timeout_s: float = 60.0
     sub_max_tokens: int | None = None
+    preamble: str | None = None
     _chat: ChatHarness = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -156,21 +159,27 @@ class RLMHarness:
             raise TypeError(f"the RLM harness's context is {type(text).__name__}; it takes a string")
         return text
 
-    async def _setup(self, task: dict[str, Any], state: dict[str, Any], ctx: RolloutContext) -> None:
+    async def _setup(self, task: dict[str, Any], state: dict[str, Any], ctx: RolloutContext,
+                     messages: list[dict[str, Any]]) -> None:
         spec = self.spec or SandboxSpec()
         files = {**spec.files, REPL_FILE: REPL_SOURCE.encode(), CONTEXT_FILE: self.long_input(task).encode()}
         await sandbox_session(ctx, msgspec.structs.replace(spec, model_url=ctx.base_url, files=files))
         state["cells"] = state["sub_calls"] = 0
+        if self.preamble:
+            messages.append({"role": "user", "content": await self._run_cell(ctx, state, self.preamble)})
+
+    async def _run_cell(self, ctx: RolloutContext, state: dict[str, Any], code: str) -> str:
+        state["cells"] += 1
+        client, box = await sandbox_session(ctx)
+        await client.write_file(box, f"{CELLS_DIR}/{state['cells']:04d}.py", code + "\n")
+        output = await self._repl(ctx, state, [])
+        assert output is not None  # only an answer's read (answer=True) gives None
+        return output
 
     async def _respond(self, messages: list[dict[str, Any]], state: dict[str, Any], ctx: RolloutContext) -> str | None:
         text = messages[-1].get("content") or ""
         code = "\n".join(block.strip("\n") for block in _CODE.findall(text))
-        output = None
-        if code:
-            state["cells"] += 1
-            client, box = await sandbox_session(ctx)
-            await client.write_file(box, f"{CELLS_DIR}/{state['cells']:04d}.py", code + "\n")
-            output = await self._repl(ctx, state, [])
+        output = await self._run_cell(ctx, state, code) if code else None
         # An answer after the code (the model may compute it first): FINAL_VAR reads the REPL.
         prose = _CODE.sub("", text)  # what the code says is not an answer
         final_var = _FINAL_VAR.search(prose)
