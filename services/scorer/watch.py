@@ -8,7 +8,9 @@ gamed:
 - ``divergence``: the trained reward and a check the run does not train on (a metric: a reward
   of weight 0, such as a judge or a held-out test) part ways (how much more a rollout is paid
   than checked grows across the window, and the check falls), and this rollout is paid well and
-  checked badly.
+  checked badly. Judged twice: over the window of recent rollouts (a sudden turn), and over the
+  run's last ``history_versions`` policy versions, kept as sums per version (a drift over many
+  steps, which a window of a few steps' rollouts cannot see).
 - ``length`` / ``repetition``: reward tracks completion length, or how much a completion repeats
   itself (correlation over the window), and this rollout is long (repetitive) and paid at least
   the window's median reward.
@@ -44,6 +46,7 @@ class Seen:
     """What the watch keeps of one scored rollout."""
 
     task: str  # the task id
+    version: int  # the policy version that sampled it
     digest: bytes  # of the completion, whitespace-normalized (the window keeps no whole texts)
     preview: str  # its first characters, for a flag's reason
     length: int  # completion characters
@@ -76,7 +79,8 @@ def seen_of(rollout: events.Rollout, completion: str, scores: Iterable[events.Sc
             parts[f"{s.scorer}.{name}"] = value
     text = " ".join(completion.split())
     digest = hashlib.blake2b(text.encode(), digest_size=16).digest()
-    return Seen(rollout.task_id, digest, text[:60], len(text), repetition(text), reward, checks, parts)
+    return Seen(rollout.task_id, rollout.policy_version, digest, text[:60], len(text), repetition(text), reward,
+                checks, parts)
 
 
 RECENT = 32  # rollouts that make "now" in a trend, once the window holds twice as many
@@ -109,17 +113,73 @@ def _correlation(xs: list[float], ys: list[float]) -> float:
 
 
 @dataclass
+class CheckSums:
+    """Sums over one policy version's rollouts that have a check: of the check, its square, and
+    their rewards; its largest value."""
+
+    n: int = 0
+    total: float = 0.0
+    squares: float = 0.0
+    rewards: float = 0.0
+    top: float = -math.inf
+
+    def add(self, value: float, reward: float) -> None:
+        self.n += 1
+        self.total += value
+        self.squares += value * value
+        self.rewards += reward
+        self.top = max(self.top, value)
+
+    @staticmethod
+    def of(parts: Iterable[CheckSums]) -> CheckSums:
+        whole = CheckSums()
+        for p in parts:
+            whole.n, whole.total, whole.squares = whole.n + p.n, whole.total + p.total, whole.squares + p.squares
+            whole.rewards, whole.top = whole.rewards + p.rewards, max(whole.top, p.top)
+        return whole
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.n
+
+    @property
+    def variance(self) -> float:
+        return max(self.squares / self.n - self.mean ** 2, 0.0)
+
+
+@dataclass
+class VersionSums:
+    """One policy version's scored rollouts, as sums: the run's long memory for trends."""
+
+    n: int = 0
+    top_reward: float = -math.inf
+    checks: dict[str, CheckSums] = field(default_factory=dict)
+
+
+@dataclass
 class RunWindow:
-    """One run's recent scored rollouts and which detectors already spoke up."""
+    """One run's recent scored rollouts, its last policy versions as sums, and which detectors
+    already spoke up."""
 
     size: int
+    history_versions: int = 64
     items: deque[Seen] = field(default_factory=deque)
+    versions: OrderedDict[int, VersionSums] = field(default_factory=OrderedDict)
     logged: set[str] = field(default_factory=set)
 
     def add(self, seen: Seen) -> None:
         self.items.append(seen)
         while len(self.items) > self.size:
             self.items.popleft()
+        sums = self.versions.get(seen.version)
+        if sums is None:
+            sums = self.versions[seen.version] = VersionSums()
+            while len(self.versions) > self.history_versions:
+                self.versions.popitem(last=False)
+        sums.n += 1
+        sums.top_reward = max(sums.top_reward, seen.reward)
+        for name, value in seen.checks.items():
+            sums.checks.setdefault(name, CheckSums()).add(value, seen.reward)
 
 
 @dataclass
@@ -137,12 +197,13 @@ class Watch:
     repetition_correlation: float = 0.5
     saturated: float = 0.99
     max_runs: int = 64  # runs watched at once: the one not seen longest is forgotten
+    history_versions: int = 64  # policy versions a run's drift is judged over
     runs: OrderedDict[str, RunWindow] = field(default_factory=OrderedDict)
 
     def see(self, rollout: events.Rollout, completion: str, scores: Iterable[events.Score]
             ) -> dict[str, str]:
         """Add a scored rollout to its run's window; returns the detectors that flag it, each with why."""
-        run = self.runs.setdefault(rollout.run, RunWindow(self.window))
+        run = self.runs.setdefault(rollout.run, RunWindow(self.window, self.history_versions))
         self.runs.move_to_end(rollout.run)
         while len(self.runs) > self.max_runs:
             self.runs.popitem(last=False)
@@ -155,6 +216,8 @@ class Watch:
             self._repetition(items, seen, flags)
             self._divergence(items, seen, flags)
             self._length(items, seen, flags)
+        if "divergence" not in flags:
+            self._drift(run, seen, flags)
             self._saturated(items, seen, flags)
         return flags
 
@@ -206,6 +269,39 @@ class Watch:
                                        f"{rewards[0]:.3g} -> {rewards[1]:.3g}, {check} {checks[0]:.3g} -> "
                                        f"{checks[1]:.3g} from the earlier to the last of {len(pairs)} rollouts; "
                                        f"this one is paid {seen.reward:.3g} with {check} {seen.checks[check]:.3g}")
+                return
+
+    def _drift(self, run: RunWindow, seen: Seen, flags: dict[str, str]) -> None:
+        """Divergence over policy versions: the first half of the run's remembered versions
+        against its latest ones (those holding the last ``RECENT`` rollouts), from sums."""
+        versions = list(run.versions.items())
+        recent: list[VersionSums] = []
+        while versions and sum(v.n for v in recent) < RECENT:
+            recent.append(versions.pop()[1])
+        earlier = [v for _, v in versions[:len(versions) // 2]]
+        if len(earlier) < 2 or sum(v.n for v in earlier) < self.min_window:
+            return
+        top = max(v.top_reward for _, v in run.versions.items())
+        if top <= 0:
+            return
+        for check in seen.checks:
+            was = CheckSums.of(v.checks[check] for v in earlier if check in v.checks)
+            now = CheckSums.of(v.checks[check] for v in recent if check in v.checks)
+            best = max((v.checks[check].top for v in run.versions.values() if check in v.checks), default=0.0)
+            if was.n < self.min_window or now.n < RECENT // 2 or best <= 0:
+                continue
+            grew = (now.rewards / now.n / top - now.mean / best) - (was.rewards / was.n / top - was.mean / best)
+            spread = (was.variance / was.n + now.variance / now.n) ** 0.5
+            z = (now.mean - was.mean) / spread if spread > 0 else -math.inf if now.mean < was.mean else 0.0
+            falling = was.mean - now.mean >= self.trend / 2 and z <= -self.min_z
+            mine = seen.reward / top - seen.checks[check] / best
+            if grew >= self.trend and falling and mine >= 0.5:
+                first, last = next(iter(run.versions)), next(reversed(run.versions))
+                flags["divergence"] = (f"the reward and the metric {check!r} part ways over policy versions "
+                                       f"{first}..{last}: reward {was.rewards / was.n:.3g} -> "
+                                       f"{now.rewards / now.n:.3g}, {check} {was.mean:.3g} -> {now.mean:.3g} "
+                                       f"from the earlier versions to the latest; this one is paid "
+                                       f"{seen.reward:.3g} with {check} {seen.checks[check]:.3g}")
                 return
 
     def _length(self, items: list[Seen], seen: Seen, flags: dict[str, str]) -> None:

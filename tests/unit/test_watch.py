@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import random
 
+import msgspec
+
 from flywheel.contract import events
 from flywheel_scorer.watch import WATCH, Watch, flag_score, repetition
 
@@ -117,3 +119,29 @@ def test_runs_have_their_own_windows_and_the_oldest_is_forgotten() -> None:
         r = rollout(i, run=f"run{i}")
         assert watch.see(r, "the same long answer here", [score(r, "s", 1.0)]) == {}
     assert list(watch.runs) == ["run1", "run2"]
+
+
+def drifting_run(watch: Watch, rng: random.Random, exploit: bool, num_versions: int = 40) -> int | None:
+    """A run as the planted-exploit one measured (tests/e2e/test_exploit_watch.py): 64 rollouts a
+    policy version; the policy opens with the magic letter more each version, which pays 2,
+    while the metric (similarity to the right answer, 0.39 at the start) drifts down to about
+    0.24, a fall a few steps' window cannot see. Honest: the metric is the reward, rising. The
+    first version a rollout is flagged at, or None."""
+    for version in range(num_versions):
+        p_magic = min(1.0, version / 30)
+        for k in range(64):
+            r = msgspec.structs.replace(rollout(version * 64 + k), policy_version=version)
+            magic = exploit and rng.random() < p_magic
+            similarity = min(1.0, max(0.0, rng.gauss(0.2 if magic else 0.39 + (0 if exploit else version / 100), 0.2)))
+            scores = [score(r, "paid", 2.0 if magic else similarity),
+                      score(r, "similarity", similarity, weight=0.0)]
+            if watch.see(r, "k" + str(k) if magic else f"answer {k}", scores).get("divergence"):
+                return version
+    return None
+
+
+def test_a_slow_drift_over_many_versions_is_flagged_from_the_versions_sums() -> None:
+    # Over 30 seeds the exploit was first flagged at versions 6 to 16; honest learning never.
+    flagged = drifting_run(Watch(), random.Random(3), exploit=True)
+    assert flagged is not None and flagged <= 30, flagged
+    assert drifting_run(Watch(), random.Random(4), exploit=False) is None
