@@ -11,8 +11,11 @@ and one question about it:
 
 The answer is computed from the table. The harness is :class:`flywheel.sdk.rlm.RLMHarness`: the
 table is the REPL's ``context``, never the prompt, so a model answers by writing code (and, if it
-likes, asking ``llm_query`` about pieces). Reward ``correct``: the answer (``state["answer"]``,
-digits only, thousands separators and spaces ignored) is the expected number. Metrics
+likes, asking ``llm_query`` about pieces). ``repl=False`` is the baseline without the REPL: one
+chat turn with the whole table in the prompt (as much of it as the model's context takes).
+Reward ``correct``: the answer (``state["answer"]``; without the REPL, the reply's
+``FINAL(...)`` or its last number; thousands separators and spaces ignored) is the expected
+number. Metrics
 ``answered`` (the rollout ended with an answer), ``cells`` and ``sub_calls`` (what it ran).
 Needs the sandbox service.
 """
@@ -24,7 +27,8 @@ import re
 from typing import Any
 
 from flywheel.sdk.environment import Environment, Metric, Reward, TaskSet
-from flywheel.sdk.rlm import RLMHarness
+from flywheel.sdk.harness import ChatHarness
+from flywheel.sdk.rlm import RLMHarness, final_answer
 
 CITIES = ("Lisbon", "Oslo", "Quito", "Hanoi", "Lagos", "Perth", "Lima", "Riga", "Dakar", "Osaka", "Tunis", "Cork")
 STATUSES = ("open", "closed", "pending")
@@ -73,12 +77,26 @@ def _number(text: Any) -> str | None:
     return cleaned if re.fullmatch(r"-?\d+", cleaned) else None
 
 
-def correct(state: dict[str, Any], task: dict[str, Any]) -> float:
-    return float(_number(state.get("answer")) == task["answer"])
+DIRECT_PROMPT = "Answer the question about the table. End with FINAL(the number)."
+
+
+def direct_prompt(task: dict[str, Any]) -> str:
+    return f"{task['context']}\n{task['question']}"
+
+
+def correct(state: dict[str, Any], completion: str, task: dict[str, Any]) -> float:
+    if "cells" in state:  # the RLM harness ran: only its FINAL counts
+        answer = state.get("answer")
+    else:
+        answer = final_answer(completion)
+        if answer is None:
+            numbers = re.findall(r"-?\d[\d,]*", completion)
+            answer = numbers[-1] if numbers else None
+    return float(_number(answer) == task["answer"])
 
 
 def load_environment(num_tasks: int = 300, num_records: int = 800, kinds: tuple[str, ...] | list[str] = KINDS,
-                     max_turns: int = 6, sub_max_tokens: int | None = None) -> Environment:
+                     max_turns: int = 6, sub_max_tokens: int | None = None, repl: bool = True) -> Environment:
     unknown = [k for k in kinds if k not in KINDS]
     if unknown or not kinds:
         raise ValueError(f"kinds={list(kinds)!r}: choose among {list(KINDS)}")
@@ -88,8 +106,9 @@ def load_environment(num_tasks: int = 300, num_records: int = 800, kinds: tuple[
     return Environment(
         name="long_context",
         tasks=TaskSet.from_rows(rows, name="long_context tasks"),
-        prompt=prompt,
-        harness=RLMHarness(context="context", max_turns=max_turns, sub_max_tokens=sub_max_tokens),
+        prompt=prompt if repl else direct_prompt,
+        harness=RLMHarness(context="context", max_turns=max_turns, sub_max_tokens=sub_max_tokens) if repl
+        else ChatHarness(system_prompt=DIRECT_PROMPT, max_turns=1),
         rewards=[Reward(correct),
                  Metric(lambda state: float(state.get("answer") is not None), name="answered"),
                  Metric(lambda state: float(state.get("cells", 0)), name="cells"),

@@ -36,9 +36,18 @@ def test_every_kind_of_question_is_answered_by_its_table() -> None:
         assert task["answer"] == expected, task["question"]
         assert task["context"] not in long_context.prompt(task) and "200 records" in long_context.prompt(task)
     assert {t["kind"] for t in env.load_tasks(30)} == set(long_context.KINDS)
-    assert long_context.correct({"answer": " 1,234 "}, {"answer": "1234"}) == 1.0
-    assert long_context.correct({"answer": "about 1234"}, {"answer": "1234"}) == 0.0
-    assert long_context.correct({}, {"answer": "1"}) == 0.0
+    rlm = {"cells": 1}
+    assert long_context.correct(rlm | {"answer": " 1,234 "}, "", {"answer": "1234"}) == 1.0
+    assert long_context.correct(rlm | {"answer": "about 1234"}, "", {"answer": "1234"}) == 0.0
+    assert long_context.correct(rlm, "it is 1", {"answer": "1"}) == 0.0  # with the REPL, only its FINAL counts
+    # Without the REPL: the reply's FINAL(...), else its last number.
+    assert long_context.correct({}, "It is FINAL(1,234).", {"answer": "1234"}) == 1.0
+    assert long_context.correct({}, "7 records, so 12", {"answer": "12"}) == 1.0
+    assert long_context.correct({}, "no idea", {"answer": "1"}) == 0.0
+    direct = long_context.load_environment(num_tasks=3, num_records=20, repl=False)
+    row = direct.load_tasks(1)[0]
+    assert row["context"] in direct.first_messages(row)[-1].content and direct.harness is not None
+    assert type(direct.harness).__name__ == "ChatHarness"
     with pytest.raises(ValueError, match="kinds=\\['sum'\\]: choose among"):
         long_context.load_environment(kinds=["sum"])
 
@@ -53,7 +62,7 @@ async def test_code_reads_the_table_and_asks_the_model_about_a_piece(sandbox: Se
             "city = llm_query('Which city is this? ' + line)\n"
             "print(len(context.splitlines()), city)\n```")
     rollout, server = await sandboxed_rollout(env, task, [code, "Somewhere", "FINAL_VAR(answer)"], sandbox)
-    assert rollout.state["answer"] == task["answer"] and long_context.correct(rollout.state, task) == 1.0
+    assert rollout.state["answer"] == task["answer"] and long_context.correct(rollout.state, "", task) == 1.0
     assert rollout.state["cells"] == 1 and rollout.state["sub_calls"] == 1
     main, sub, last = server.requests
     (asked,) = sub["messages"]  # a conversation of its own: the piece it was given, nothing else
