@@ -464,12 +464,13 @@ class Environment:
         ``sandbox``; a copy); None: as it is. A harness that is not a program is an error."""
         if runtime is None or getattr(self.harness, "runtime", None) == runtime:
             return self
+        if runtime not in RUNTIMES:
+            raise EnvironmentLoadError(f"runtime={runtime!r}: a program harness runs in one of {', '.join(RUNTIMES)}")
         if not isinstance(self.harness, ProgramHarness):
             raise EnvironmentLoadError(f"runtime={runtime!r}: environment {self.name!r} has a "
                                        f"{type(self.harness).__name__}, which runs in the process that runs its "
-                                       "rollouts; only a program harness (ProgramHarness) takes a runtime")
-        if runtime not in RUNTIMES:
-            raise EnvironmentLoadError(f"runtime={runtime!r}: a program harness runs in one of {', '.join(RUNTIMES)}")
+                                       "rollouts; only a program harness (ProgramHarness) takes a runtime, or "
+                                       "give one with --harness (a run config's harness)")
         return dataclasses.replace(self, harness=dataclasses.replace(self.harness, runtime=runtime))
 
     def with_harness(self, command: str | None) -> Environment:
