@@ -58,9 +58,17 @@ async def test_a_waiting_run_names_the_scorer_replica_and_weights_it_lacks(bus: 
                                  "MODULE:FUNCTION --env reverse_text --name nospace`)")
     assert missing[3:] == ["an inference replica (none is running)",
                            "weights version 0 (the trainer has not published its first weights)"]
-    for service in ("orchestrator", "scorer", "scorer-nospace", "inference"):
+    for service in ("orchestrator", "scorer", "scorer-nospace"):
         await beat(bus, service)
     job.seen_weights = True
+    # Published weights that no replica hosting the run has loaded yet (a large model's take a while).
+    await beat(bus, "inference", 1, {"runs": {"waits": {"policy_version": None, "weights_error": None}}})
+    assert (await job._missing()) == [("an inference replica with the run's weights (published; none has loaded "
+                                       "them yet: a large model's take a while; the inference log says how far it "
+                                       "is)")]
+    await beat(bus, "inference", 1, {"runs": {"waits": {"policy_version": None, "weights_error": "sha256 mismatch"}}})
+    assert "none has loaded them yet: sha256 mismatch" in (await job._missing())[0]
+    await beat(bus, "inference", 1, {"runs": {"waits": {"policy_version": 0}}})
     assert await job._missing() == []
 
 

@@ -636,6 +636,13 @@ class MainJob:
                                "its model once the run is running; its log says why it does not)")
         if not self.seen_weights:
             missing.append("weights version 0 (the trainer has not published its first weights)")
+        hosting = [b.info["runs"][self.cfg.run] for b in beats if b.service == "inference"
+                   and isinstance(b.info.get("runs"), dict) and isinstance(b.info["runs"].get(self.cfg.run), dict)]
+        if self.seen_weights and hosting and all(h.get("policy_version") is None for h in hosting):
+            errors = sorted({str(h["weights_error"]) for h in hosting if h.get("weights_error")})
+            missing.append("an inference replica with the run's weights (published; none has loaded them yet"
+                           + (f": {'; '.join(errors)}" if errors else ": a large model's take a while; the "
+                              "inference log says how far it is") + ")")
         if self.num_dead_letters:
             missing.append(f"rollouts that will not come: {self.num_dead_letters} of the run's messages were "
                            "dead-lettered (reasons above)")
