@@ -22,10 +22,14 @@ and reports messages/s for publish-and-consume together (timed from the first en
 the last ack), the median of the rounds, and this process's CPU time per message (less
 noisy than wall time where other work shares the cores; nats-server's CPU is not in it).
 The recorder figure is rollout events/s from a full ROLLOUTS stream into a fresh SQLite
-trace store.
+trace store. The weights figure is a weight blob's trip through the object store, MB/s: put as
+the trainer does, then read as inference does (``flywheel.contract.weights.get``, checked), against
+a plain ``nats-server`` read of the same object (nats-py's ``ObjectStore.get``, which joins chunks
+by copying: quadratic in the blob's size).
 
 Keys: ``raw_msgs_per_s``, ``bus_msgs_per_s``, ``ratio`` (for the 1 KB payload, the
-headline), ``by_size`` (every size, with ``*_cpu_us_per_msg``), ``recorder_events_per_s``.
+headline), ``by_size`` (every size, with ``*_cpu_us_per_msg``), ``recorder_events_per_s``,
+``weights_get_mb_per_s`` and ``weights_get_vs_nats_py`` (at ``--weights-mb``, 128 by default).
 Targets: ratio at least 0.85 at 1 KB (larger payloads are dominated by the server and
 the socket, and vary more from round to round); recorder at least 2,000 rollout events/s.
 """
@@ -35,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -45,7 +50,7 @@ from typing import Any
 import msgspec
 import nats
 
-from flywheel.contract import events
+from flywheel.contract import events, weights
 from flywheel.contract.bus import Bus, BusConfig, Consumer, Delivery
 from flywheel.ops.natsserver import NatsServer
 
@@ -205,18 +210,47 @@ async def measure_recorder(url: str, data_dir: Path, num_rollouts: int) -> float
     return rate
 
 
+async def measure_weights(url: str, megabytes: int) -> dict[str, float]:
+    """Put a blob of ``megabytes`` as the trainer does; get it back as inference does, and with
+    nats-py's own get; MB/s of each (the blob is random, so nothing compresses)."""
+    bus = await Bus.connect(url, name="bench-weights")
+    blob = os.urandom(megabytes * 2**20)
+    started = time.perf_counter()
+    uri, sha, size = await weights.put(bus, "bench", 0, blob)
+    put_s = time.perf_counter() - started
+    update = events.WeightUpdate(run="bench", version=0, uri=uri, sha256=sha, size_bytes=size)
+    started = time.perf_counter()
+    assert await weights.get(bus, update) == blob
+    get_s = time.perf_counter() - started
+    store = await bus.weights_store(uri.split("/")[2])
+    started = time.perf_counter()
+    assert (await store.get(uri.split("/", 3)[3])).data == blob
+    plain_s = time.perf_counter() - started
+    await bus.close()
+    figures = {"weights_mb": megabytes, "weights_put_mb_per_s": megabytes / put_s,
+               "weights_get_mb_per_s": megabytes / get_s, "nats_py_get_mb_per_s": megabytes / plain_s,
+               "weights_get_vs_nats_py": plain_s / get_s}
+    print(f"weights: {megabytes} MB put {figures['weights_put_mb_per_s']:.0f} MB/s, get "
+          f"{figures['weights_get_mb_per_s']:.0f} MB/s ({figures['weights_get_vs_nats_py']:.1f}x nats-py's get, "
+          f"{figures['nats_py_get_mb_per_s']:.1f} MB/s)")
+    return figures
+
+
 async def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--messages", type=int, default=20000, help="messages per round for the 1 KB payload")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds of each side per payload size")
     parser.add_argument("--rollouts", type=int, default=10000, help="rollout events for the recorder figure")
+    parser.add_argument("--weights-mb", type=int, default=128, help="size of the weight blob sent through the "
+                        "object store")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         server = NatsServer(Path(tmp) / "nats").start()
         try:
             by_size = await measure_bus(server.url, args.messages, args.rounds)
             recorder = await measure_recorder(server.url, Path(tmp), args.rollouts)
+            blob = await measure_weights(server.url, args.weights_mb)
         finally:
             server.stop()
     head = by_size["1KB"]
@@ -226,6 +260,7 @@ async def main() -> int:
         "ratio": head["ratio"],
         "by_size": by_size,
         "recorder_events_per_s": recorder,
+        **blob,
         "targets": {"ratio": TARGET_RATIO, "recorder_events_per_s": TARGET_RECORDER_EVENTS_PER_S},
     }
     ok = head["ratio"] >= TARGET_RATIO and recorder >= TARGET_RECORDER_EVENTS_PER_S
