@@ -87,15 +87,17 @@ class Output:
 
 
 async def refused_as_scorer(nats_port: int, password: str) -> None:
-    """On a stack's nats-server, the scorer's user cannot publish weights (nothing lands), and a
-    connection without a login is refused, saying what to give."""
+    """On a stack's nats-server, the scorer's user cannot publish weights (nothing lands on the
+    forged subject), and a connection without a login is refused, saying what to give."""
     url = f"nats://127.0.0.1:{nats_port}"
     scorer = await Bus.connect(natsusers.with_user(url, "scorer", password), "test-scorer",
                                BusConfig(request_timeout_s=1), ensure=False)
     try:
         with pytest.raises(PermissionDenied, match=r"NATS refused user 'scorer' the publish to 'weights\.e2e'"):
             await scorer.publish_raw("weights.e2e", b"{}", {"Nats-Msg-Id": "forged"})
-        assert (await scorer.js.stream_info("WEIGHTS")).state.messages == 0
+        # Only the forged subject is looked at: a deployment's own trainer publishes weights.
+        forged = await scorer.js.stream_info("WEIGHTS", subjects_filter="weights.e2e")
+        assert not forged.state.subjects, forged.state.subjects
     finally:
         await scorer.close()
     with pytest.raises(NatsRefused, match=r"refused the login \(no user given\).*--data-dir"):

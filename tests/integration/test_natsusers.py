@@ -6,6 +6,9 @@ naming the subject and the user."""
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -108,3 +111,38 @@ async def test_a_password_with_url_characters_logs_in(tmp_path: Path) -> None:
         await bus.close()
     finally:
         server.stop()
+
+
+# What nats-server would read as another kind of value were it not quoted: a date, a size, a
+# number, a variable, a boolean; and quotes and backslashes.
+AWKWARD = ("12-ab", "5Kb", "7", "1.5J", "$HOME", "true", 'a"b\\c')
+
+
+@pytest.mark.parametrize("password", AWKWARD)
+async def test_the_deployments_config_takes_any_password_from_the_environment(
+        tmp_path: Path, password: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``python -m flywheel.contract.natsusers FILE`` (what the compose nats container runs at
+    start) writes each NATS_<USER>_PASSWORD as the string it is: the server starts and the
+    scorer logs in with it, where a ``$VARIABLE`` reference of such a value stops the server."""
+    for user in natsusers.USERS:
+        monkeypatch.setenv(natsusers.password_variable(user), password if user == "scorer" else f"x{user}")
+    config = tmp_path / "nats.conf"
+    assert natsusers.main([str(config)]) == 0
+    assert config.stat().st_mode & 0o777 == 0o600
+    server = NatsServer(tmp_path / "nats", config=config.read_text()).start()
+    try:
+        bus = await Bus.connect(natsusers.with_user(server.url, "scorer", password), "test", ensure=False)
+        assert bus.user == "scorer"
+        await bus.close()
+    finally:
+        server.stop()
+
+
+def test_the_deployments_config_names_a_missing_password(tmp_path: Path) -> None:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("NATS_")}
+    environ |= {natsusers.password_variable(user): "pw" for user in natsusers.USERS if user != "sandbox"}
+    proc = subprocess.run([sys.executable, "-m", "flywheel.contract.natsusers", str(tmp_path / "nats.conf")],
+                          env=environ, capture_output=True, text=True, check=False)
+    assert proc.returncode == 1
+    assert "set NATS_SANDBOX_PASSWORD (in compose/.env)" in proc.stderr
+    assert not (tmp_path / "nats.conf").exists()

@@ -110,15 +110,18 @@ def test_docker_compose_config_refuses_a_missing_nats_password() -> None:
 
 
 def test_nats_conf_is_the_users_table_and_each_service_logs_in_as_its_own_user() -> None:
-    """compose/nats.conf is natsusers.server_config with a $VARIABLE a password; the nats
-    container gets every variable, each Flywheel service its own user and that user's alone."""
-    text = (COMPOSE_DIR / "nats.conf").read_text()
-    body = "\n".join(line for line in text.splitlines() if not line.startswith("#"))
-    assert body == natsusers.server_config({u: "$" + natsusers.password_variable(u) for u in natsusers.USERS}), (
-        "compose/nats.conf is out of date: write natsusers.server_config of $NATS_<USER>_PASSWORD there")
+    """The nats container writes natsusers.server_config from its environment at start and runs
+    nats-server on it; it gets every password, each Flywheel service its own user and that
+    user's password alone."""
     specs = services()
     assert set(specs["nats"]["environment"]) == set(NATS_PASSWORDS)
-    assert "./nats.conf:/etc/nats/nats.conf:ro" in specs["nats"]["volumes"]
+    commands = {name: " ".join(load(name)["services"]["nats"]["command"]) for name in FILES
+                if "command" in load(name)["services"].get("nats", {})}
+    assert set(commands) == {"docker-compose.yml", "docker-compose.host.yml"}
+    for name, command in commands.items():
+        written = re.search(r"python3 -m flywheel\.contract\.natsusers (\S+) && exec nats-server .*--config (\S+)",
+                            command, re.S)
+        assert written and written.group(1) == written.group(2), (name, command)
     expected = {"gateway": "gateway", "recorder": "recorder", "scorer": "scorer", "sandbox": "sandbox",
                 "inference": "inference", "inference-cpu": "inference", "trainer": "orchestrator",
                 "trainer-cpu": "orchestrator"}

@@ -8,8 +8,11 @@ as its own user (``nats_user``, ``nats_password``), and every command run with t
 ``data_dir`` (``flywheel status``, ``runs``, ``tasks publish``, ``run``) as ``operator``, which
 may do everything. On one machine the services run as one OS user, who can read that file:
 there the users keep a service's mistakes off other services' subjects. The compose
-deployment gives each container its own password alone (``compose/nats.conf`` is
-:func:`server_config` with ``$NATS_<USER>_PASSWORD`` passwords, read from the environment).
+deployment gives each container its own password alone: its nats container writes
+:func:`server_config` at start from the ``NATS_<USER>_PASSWORD`` variables of its environment
+(``python -m flywheel.contract.natsusers FILE``), each a quoted literal. Not the server's own
+``$VARIABLE`` references: nats-server reads such a variable's value as a config value, so a
+password such as ``12-ab`` is taken for a date and refused, and ``5Kb`` becomes a number.
 
 What a user may publish is the table below (:data:`PUBLISH`), and every user but ``operator``
 and ``orchestrator`` is denied deleting or purging streams. Subscriptions are not restricted:
@@ -27,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
@@ -60,12 +64,11 @@ def password_variable(user: str) -> str:
 
 
 def server_config(passwords: Mapping[str, str]) -> str:
-    """nats-server's ``authorization`` block for every user of :data:`USERS` with its password
-    (a literal, or a ``$VARIABLE`` the server reads from its environment)."""
+    """nats-server's ``authorization`` block for every user of :data:`USERS` with its password,
+    each a quoted literal (what nats-server reads as the string it is, whatever its characters)."""
     lines = ["authorization {", "  users = ["]
     for user in USERS:
-        password = passwords[user]
-        shown = password if password.startswith("$") else json.dumps(password)
+        shown = json.dumps(passwords[user])
         if user == OPERATOR:
             lines.append(f"    {{user: {user}, password: {shown}}}")
             continue
@@ -132,3 +135,35 @@ def redacted(url: str) -> str:
         return url
     netloc = f"{parts.username}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+def environment_passwords(environ: Mapping[str, str]) -> dict[str, str]:
+    """Every user's password from its ``NATS_<USER>_PASSWORD`` variable in ``environ``; a
+    ValueError naming each one missing or empty."""
+    missing = [password_variable(user) for user in USERS if not environ.get(password_variable(user))]
+    if missing:
+        raise ValueError(f"set {', '.join(missing)} (in compose/.env): the NATS password of each user; "
+                         "compose/.env.example shows a line that makes them")
+    return {user: environ[password_variable(user)] for user in USERS}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m flywheel.contract.natsusers FILE``: nats-server's users with the passwords of
+    this environment, written to FILE (mode 0600), for a deployment's nats container."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m flywheel.contract.natsusers FILE", file=sys.stderr)
+        return 2
+    try:
+        config = server_config(environment_passwords(os.environ))
+    except ValueError as exc:
+        print(f"nats users: {exc}", file=sys.stderr)
+        return 1
+    fd = os.open(args[0], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(config + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
