@@ -114,6 +114,9 @@ def orchestrator_pid(owner: str | None) -> int:
     return int(found.group(1))
 
 
+# Slow tier: about 100-150 s on two cores, the longest of the default tier; the default tier
+# keeps the run's survival of every process killed (test_a_run_survives_every_process_...).
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_trainer_restart_detach_stop_resume_and_takeover(stack, tmp_path: Path, clean_env: dict[str, str]) -> None:
     _, up_output, ports = stack

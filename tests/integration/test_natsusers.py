@@ -16,6 +16,7 @@ import pytest
 from flywheel.contract import natsusers
 from flywheel.contract.bus import Bus, BusConfig, PermissionDenied
 from flywheel.contract.runs import get_run
+from flywheel.contract.settings import Settings
 from flywheel.ops.natsserver import NatsServer
 
 # A subject of each kind a service might publish to, and the users that may.
@@ -97,6 +98,18 @@ def test_urls_carry_the_login_and_show_no_password() -> None:
     assert natsusers.with_user(url, "gateway", "other") == "nats://gateway:other@127.0.0.1:4222"
     assert natsusers.redacted(url) == "nats://scorer:***@127.0.0.1:4222"
     assert natsusers.redacted("nats://127.0.0.1:4222") == "nats://127.0.0.1:4222"
+
+
+def test_a_clusters_urls_each_carry_the_login() -> None:
+    nodes = "nats://127.0.0.1:4222,nats://127.0.0.1:4223"
+    url = natsusers.with_user(nodes, "scorer", "s,3cret")
+    assert url == "nats://scorer:s%2C3cret@127.0.0.1:4222,nats://scorer:s%2C3cret@127.0.0.1:4223"
+    assert natsusers.split_login(url) == (nodes, "scorer", "s,3cret")
+    assert natsusers.redacted(url) == "nats://scorer:***@127.0.0.1:4222,nats://scorer:***@127.0.0.1:4223"
+    settings = Settings(nats_port=4300, nats_cluster=3, data_dir=Path("/nonexistent"))
+    assert settings.nats_server_url == "nats://127.0.0.1:4300,nats://127.0.0.1:4301,nats://127.0.0.1:4302"
+    with pytest.raises(ValueError, match=r"nats_url must start with nats://.*'127\.0\.0\.1:4223'"):
+        Settings(nats_url="nats://127.0.0.1:4222,127.0.0.1:4223")
 
 
 async def test_a_password_with_url_characters_logs_in(tmp_path: Path) -> None:

@@ -271,7 +271,7 @@ def test_defaults_in_option_help_match_the_settings() -> None:
         if stated := re.search(r"\(default (\S+)\)", help_text):
             assert stated.group(1) == str(Settings.model_fields[name].default), name
             num_stated += 1
-    assert num_stated == 15
+    assert num_stated == 16
 
 
 def test_model_tiny_writes_a_loadable_hf_folder(tmp_path, capsys) -> None:

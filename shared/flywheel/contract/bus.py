@@ -122,6 +122,8 @@ class PermissionDenied(PermissionError):
     transient, so not retried."""
 
 
+NO_PEERS_FOR_PLACEMENT = 10005  # JetStream's error code: "no suitable peers for placement"
+STREAM_EXISTS_OTHERWISE = 10058  # "stream name already in use with a different configuration"
 _DENIED = re.compile(r"permissions violation for (publish|subscription) to \"?([^\"'\s]+)", re.IGNORECASE)
 
 
@@ -138,8 +140,11 @@ def stream_of(subject: str) -> str:
 def _is_transient(exc: BaseException | None) -> bool:
     if isinstance(exc, _TRANSIENT_PUBLISH_ERRORS):
         return True
-    # JetStream answers 503 while it is starting or has lost its meta leader.
-    return isinstance(exc, nats.js.errors.ServiceUnavailableError)
+    # JetStream answers 503 while it is starting or has lost its meta leader; a cluster whose
+    # nodes have not all met yet has no peers to place a replicated stream on (10005).
+    return (isinstance(exc, nats.js.errors.ServiceUnavailableError)
+            # (nats-py's KeyNotFoundError and kin are APIErrors built without an err_code)
+            or (isinstance(exc, nats.js.errors.APIError) and getattr(exc, "err_code", None) == NO_PEERS_FOR_PLACEMENT))
 
 
 @dataclass
@@ -153,6 +158,10 @@ class BusConfig:
     request_timeout_s: float = 5.0
     max_publish_in_flight: int = 4000
     connect_timeout_s: float = 30.0
+    # Copies of each stream, KV bucket and object store on a cluster's nodes (3 keeps every
+    # one through a node's loss). None: as many as the streams already have, 1 for new ones,
+    # so the services of a cluster the stack (or an operator) set up keep its replication.
+    replicas: int | None = None
 
 
 class Bus:
@@ -175,6 +184,7 @@ class Bus:
         self.soon: set[asyncio.Future[PubAck]] = set()
         self.denials: list[tuple[float, str, str]] = []  # what the server refused this connection, newest last
         self.user = "(no user)"  # the NATS user this connection logs in as, for messages
+        self.replicas = config.replicas or 1  # what ensure() and weights_store(create=True) make (ensure reads it)
 
     @classmethod
     async def connect(cls, url: str, name: str, config: BusConfig | None = None, ensure: bool = True,
@@ -209,7 +219,7 @@ class Bus:
             # nats.connect retries a first connection forever (max_reconnect_attempts=-1): the
             # deadline is enforced here, and a refused login ends it at once (a retry cannot help).
             connecting = asyncio.ensure_future(nats.connect(
-                server,
+                server.split(","),
                 name=name,
                 connect_timeout=2,
                 allow_reconnect=True,
@@ -259,7 +269,10 @@ class Bus:
         return bus
 
     async def ensure(self) -> None:
-        """Create (or update) every stream, KV bucket and the object store. Idempotent."""
+        """Create (or update) every stream and KV bucket, each with :attr:`replicas` copies.
+        Idempotent."""
+        given = self.config.replicas
+        self.replicas = given if given is not None else await self.retry(self._existing_replicas)
         for name, subjects in STREAMS.items():
             cfg = StreamConfig(
                 name=name,
@@ -269,21 +282,40 @@ class Bus:
                 max_age=self.config.stream_max_age_s,
                 max_bytes=self.config.stream_max_bytes,
                 duplicate_window=self.config.duplicate_window_s,
+                num_replicas=self.replicas,
             )
             await self.retry(functools.partial(self._ensure_stream, cfg))
-        await self.retry(lambda: self.js.create_key_value(
-            KeyValueConfig(bucket=RUNS_BUCKET, history=8, storage=StorageType.FILE)))
-        await self.retry(lambda: self.js.create_key_value(
-            KeyValueConfig(bucket=SERVICES_BUCKET, history=1, ttl=SERVICE_HEARTBEAT_TTL_S, storage=StorageType.FILE)))
-        await self.retry(lambda: self.js.create_key_value(
-            KeyValueConfig(bucket=KEYS_BUCKET, history=4, storage=StorageType.FILE)))
+        for bucket, history, ttl in ((RUNS_BUCKET, 8, None), (SERVICES_BUCKET, 1, SERVICE_HEARTBEAT_TTL_S),
+                                     (KEYS_BUCKET, 4, None)):
+            kv = KeyValueConfig(bucket=bucket, history=history, ttl=ttl, storage=StorageType.FILE,
+                                replicas=self.replicas)
+            await self.retry(functools.partial(self._ensure_bucket, kv))
+
+    async def _existing_replicas(self) -> int:
+        """The replicas of the streams already there (1 when there are none yet)."""
+        try:
+            found = (await self.js.stream_info(next(iter(STREAMS)))).config.num_replicas
+        except nats.js.errors.NotFoundError:
+            return 1
+        return found or 1
+
+    async def _ensure_bucket(self, cfg: KeyValueConfig) -> None:
+        try:
+            await self.js.create_key_value(cfg)
+        except nats.js.errors.BadRequestError as exc:
+            # There with another config (its replicas, say): its stream brought to this one.
+            if exc.err_code != STREAM_EXISTS_OTHERWISE:
+                raise
+            info = await self.js.stream_info(f"KV_{cfg.bucket}")
+            info.config.num_replicas = cfg.replicas
+            await self.js.update_stream(info.config)
 
     async def _ensure_stream(self, cfg: StreamConfig) -> None:
         try:
             await self.js.add_stream(cfg)
         except nats.js.errors.BadRequestError as exc:
-            # 10058: exists with a different config; bring it to ours.
-            if exc.err_code != 10058:
+            # Exists with a different config; bring it to ours.
+            if exc.err_code != STREAM_EXISTS_OTHERWISE:
                 raise
             await self.js.update_stream(cfg)
 
@@ -313,7 +345,7 @@ class Bus:
         """The weights bucket ``bucket`` (``create``: made when missing, as the trainer does)."""
         if create:
             return await self.retry(lambda: self.js.create_object_store(
-                bucket, ObjectStoreConfig(storage=StorageType.FILE)))
+                bucket, ObjectStoreConfig(storage=StorageType.FILE, replicas=self.replicas)))
         return await self.retry(lambda: self.js.object_store(bucket))
 
     # --- publishing ---------------------------------------------------------------------

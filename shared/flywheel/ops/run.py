@@ -233,14 +233,20 @@ def save_plot(fig: Any, ax: Any, path: Path, title: str, xlabel: str, ylabel: st
 
 
 async def nats_answers(url: str) -> bool:
+    """Whether a NATS server (any node of a cluster's comma-separated URLs) answers at ``url``
+    and takes its login; NatsRefused when it answers and refuses it."""
     # A refused TCP connection answers at once; the NATS client's own connect waits out its timeout.
-    parsed = urlsplit(url)
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(parsed.hostname or "127.0.0.1", parsed.port or 4222),
-                                           1.0)
-    except (OSError, TimeoutError):
+    for part in url.split(","):
+        parsed = urlsplit(part.strip())
+        try:
+            _, writer = await asyncio.wait_for(
+                asyncio.open_connection(parsed.hostname or "127.0.0.1", parsed.port or 4222), 1.0)
+        except (OSError, TimeoutError):
+            continue
+        writer.close()
+        break
+    else:
         return False
-    writer.close()
     try:
         bus = await Bus.connect(url, "flywheel-run-probe", BusConfig(connect_timeout_s=1.0), ensure=False)
     except NatsRefused:

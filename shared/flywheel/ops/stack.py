@@ -54,10 +54,10 @@ from typing import Any, TextIO
 import nats.errors
 
 from flywheel.contract import events, natsusers
-from flywheel.contract.bus import Bus
+from flywheel.contract.bus import Bus, BusConfig
 from flywheel.contract.service import Service, read_heartbeats
 from flywheel.contract.settings import SECTIONS, Settings
-from flywheel.ops.natsserver import NatsServer, die_with_parent, port_open
+from flywheel.ops.natsserver import NatsCluster, NatsServer, die_with_parent, port_open
 
 # The service name of the stack's own heartbeat, whose info is its view of the processes.
 STACK_SERVICE = "stack"
@@ -261,7 +261,7 @@ class NatsProcess(Process):
 
     def __init__(self, server: NatsServer) -> None:
         super().__init__()
-        self.name = "nats-server"
+        self.name = f"nats-server-{server.server_name}" if server.server_name else "nats-server"
         self.server = server
         self.log_path = server.log_file
 
@@ -279,7 +279,7 @@ class NatsProcess(Process):
         try:
             await asyncio.to_thread(self.server.start)
         except (RuntimeError, TimeoutError) as exc:
-            raise StackError(f"nats-server did not start: {exc}\n{self.log_tail()}") from exc
+            raise StackError(f"{self.name} did not start: {exc}\n{self.log_tail()}") from exc
         self.last_pid = self.pid
 
     async def health(self, stack: Stack) -> str | None:
@@ -387,9 +387,11 @@ def check_ports(settings: Settings) -> None:
         if settings.nats_port == settings.gateway_port:
             problems.append(f"nats_port and gateway_port are both {settings.nats_port}; change one "
                             "(--nats-port / FLYWHEEL_NATS_PORT or --gateway-port / FLYWHEEL_GATEWAY_PORT)")
-        elif port_open("127.0.0.1", settings.nats_port):
-            problems.append(f"port {settings.nats_port} (nats_port) is taken: choose a free one with --nats-port / "
-                            "FLYWHEEL_NATS_PORT, or use the NATS server there with --nats-url / FLYWHEEL_NATS_URL")
+        for port in settings.nats_ports:
+            if port_open("127.0.0.1", port):
+                node = "nats_port" if port == settings.nats_port else f"nats_port+{port - settings.nats_port}"
+                problems.append(f"port {port} ({node}) is taken: choose a free one with --nats-port / "
+                                "FLYWHEEL_NATS_PORT, or use the NATS server there with --nats-url / FLYWHEEL_NATS_URL")
     if port_open(local_host(settings.inference_host), settings.inference_port):
         problems.append(f"port {settings.inference_port} (inference_port) is taken: choose a free one with "
                         "--inference-port / FLYWHEEL_INFERENCE_PORT")
@@ -447,7 +449,7 @@ class Stack:
         self.ready = asyncio.Event()  # set once everything started is healthy
         self.bus_ready = asyncio.Event()  # set once the bus answers (the services may still be starting)
         self.bus: Bus | None = None
-        self.nats: NatsProcess | None = None
+        self.nats_nodes: list[NatsProcess] = []  # the nats-server it started, a process a node of its cluster
         env = child_env(settings)
         self.services = [ServiceProcess(name, spec, env | self._nats_login(name), self.log_dir / f"{name}.log")
                          for name, spec in (SERVICES if services is None else services).items()]
@@ -479,7 +481,7 @@ class Stack:
     def view(self) -> dict[str, Any]:
         """The supervisor's view, as its heartbeat carries it to ``flywheel status``: every
         process it runs (the nats-server first when it started one), with the policy."""
-        processes = ([self.nats] if self.nats is not None else []) + self.services
+        processes = [*self.nats_nodes, *self.services]
         return {"nats_url": natsusers.redacted(self.nats_url), "log_dir": str(self.log_dir),
                 "restart_backoff_s": self.restart_backoff_s, "max_backoff_s": self.max_backoff_s,
                 "healthy_after_s": self.healthy_after_s,
@@ -522,20 +524,32 @@ class Stack:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if self.settings.nats_url is None:
             assert self.nats_passwords is not None
-            server = NatsServer(self.data_dir / "nats", port=self.settings.nats_port,
-                                log_file=self.log_dir / "nats-server.log",
-                                config=natsusers.server_config(self.nats_passwords))
-            self.nats = NatsProcess(server)
-            self.nats.backoff = self._backoff()
-            await self.nats.launch()
-            self.nats.state = "running"
-            self.nats.healthy_at, self.nats.healthy_since = time.monotonic(), events.utc_now()
-            self.started.append(self.nats)
-            self.say(f"started nats-server (pid {self.nats.pid}) on {natsusers.redacted(self.nats_url)}, store "
-                     f"{server.store_dir}, a user a service ({natsusers.USERS_FILE} in the data folder)")
+            config = natsusers.server_config(self.nats_passwords)
+            if self.settings.nats_cluster == 1:
+                servers = [NatsServer(self.data_dir / "nats", port=self.settings.nats_port,
+                                      log_file=self.log_dir / "nats-server.log", config=config)]
+            else:
+                servers = NatsCluster(self.data_dir / "nats-cluster", self.settings.nats_cluster,
+                                      ports=self.settings.nats_ports, log_dir=self.log_dir, config=config).nodes
+            for server in servers:
+                node = NatsProcess(server)
+                node.backoff = self._backoff()
+                await node.launch()
+                node.state = "running"
+                node.healthy_at, node.healthy_since = time.monotonic(), events.utc_now()
+                self.nats_nodes.append(node)
+                self.started.append(node)
+                self.say(f"started {node.name} (pid {node.pid}) on {natsusers.redacted(server.url)}, store "
+                         f"{server.store_dir}, a user a service ({natsusers.USERS_FILE} in the data folder)")
         else:
             self.say(f"using the NATS server at {natsusers.redacted(self.nats_url)} (nats_url)")
-        self.bus = await Bus.connect(self.nats_url, name="flywheel-up")
+        # Its own cluster keeps every stream on each node, and so does a cluster of nats_url given
+        # nats_cluster; else a server of nats_url keeps what its streams have.
+        replicas = self.settings.nats_cluster if self.nats_nodes or self.settings.nats_cluster > 1 else None
+        if replicas and replicas > 1:
+            self.say(f"waiting for the {replicas} NATS nodes to elect a JetStream leader, then every stream is kept "
+                     f"on each node")
+        self.bus = await Bus.connect(self.nats_url, name="flywheel-up", config=BusConfig(replicas=replicas))
         # Service.run closes the bus when it ends: _shutdown stops it after the services.
         self.heartbeat = Service(STACK_SERVICE, self.bus, info=self.view(), handle_signals=False)
         self.heartbeat.add_task(self._publish_changes)
@@ -594,7 +608,8 @@ class Stack:
 
     def _say_ready(self) -> None:
         gateway = self.settings.resolved_gateway_url
-        nats_owner = f"pid {self.nats.pid}" if self.nats else "existing server"
+        pids = ", ".join(str(node.pid) for node in self.nats_nodes)
+        nats_owner = ("pid " if len(self.nats_nodes) == 1 else "pids ") + pids if self.nats_nodes else "existing server"
         self.say("\n".join([
             "Flywheel is up. Ctrl-C stops it.",
             f"  gateway   {gateway}",
@@ -703,7 +718,7 @@ class Stack:
                 pass  # NATS is restarting: the Service's next beat carries the view (it logs the failure)
 
     async def _shutdown(self) -> None:
-        services = [p for p in self.started if p is not self.nats]
+        services = [p for p in self.started if p not in self.nats_nodes]
         if self.started:
             self.say("stopping: " + ", ".join(p.name for p in reversed(self.started)))
         try:
@@ -716,10 +731,10 @@ class Stack:
             if self.bus is not None:
                 await self._close_bus(self.bus)  # Service.run closed it already unless it failed
         finally:  # the server goes last, and whatever happened above
-            if self.nats is not None and self.nats in self.started:
-                await self.nats.stop(self.stop_timeout_s)
-                self.nats.state = "stopped"
-                self.say("stopped nats-server")
+            for node in self.nats_nodes:
+                await node.stop(self.stop_timeout_s)
+                node.state = "stopped"
+                self.say(f"stopped {node.name}")
 
     async def _stop_heartbeat(self) -> None:
         """Remove the stack's heartbeat (and close the bus: Service.run does both)."""
