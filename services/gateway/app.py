@@ -60,7 +60,7 @@ def create_app(settings: Settings) -> FastAPI:
             await migrate(url)
             store = Store.open(url)
             stack.push_async_callback(store.close)
-            bus = await Bus.connect(settings.resolved_nats_url, name="gateway")
+            bus = await Bus.for_settings(settings, "gateway")
             stack.push_async_callback(bus.close)
             app.state.store = store
             app.state.bus = bus

@@ -74,7 +74,7 @@ async def run(settings: Settings) -> None:
     await migrate(url)
     store = Store.open(url)
     try:
-        bus = await Bus.connect(settings.resolved_nats_url, name="recorder")
+        bus = await Bus.for_settings(settings, "recorder")
         database = sa.make_url(url).render_as_string(hide_password=True)
         service = Service("recorder", bus, info={"database": database})
         for consumer in build(bus, store, settings.recorder):

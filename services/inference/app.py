@@ -41,7 +41,7 @@ def create_app(settings: Settings, url: str | None = None,
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        bus = await Bus.connect(settings.resolved_nats_url, name="inference")
+        bus = await Bus.for_settings(settings, "inference")
         worker = Worker.with_backends(bus, settings.data_dir, settings.inference, url)
         service = worker.service(handle_signals=False)
         service.add_task(TeacherHost(bus, settings.data_dir, settings.inference, worker.info).run)

@@ -128,7 +128,7 @@ async def submit(bus: Bus, path: str) -> None:
 
 async def run(settings: Settings, run_configs: Sequence[str] = ()) -> None:
     """Composition root: bus, the runs given, service, orchestrator; runs until a signal."""
-    bus = await Bus.connect(settings.resolved_nats_url, name=SERVICE_NAME)
+    bus = await Bus.for_settings(settings, SERVICE_NAME)
     for path in run_configs:
         await submit(bus, path)
     service = Service(SERVICE_NAME, bus, info={"runs": []})

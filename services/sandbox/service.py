@@ -154,7 +154,7 @@ def manager_config(settings: Settings) -> ManagerConfig:
 async def run(settings: Settings) -> None:
     """Composition root: backend, bus, manager, responder, service; runs until a signal."""
     backend = build_backend(settings)
-    bus = await Bus.connect(settings.resolved_nats_url, name=SERVICE_NAME)
+    bus = await Bus.for_settings(settings, SERVICE_NAME)
     service = Service(SERVICE_NAME, bus, info={"backend": backend.name,
                                                "allow_network": settings.sandbox_allow_network})
     manager = SessionManager(backend, service.instance, manager_config(settings))

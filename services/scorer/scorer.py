@@ -549,7 +549,7 @@ async def run(settings: Settings, rewards: RewardSource) -> None:
     """Composition root of a scorer process: connect, score until a signal, shut down; its bounds are
     the settings' ``scorer`` section."""
     config = settings.scorer
-    bus = await Bus.connect(settings.resolved_nats_url, name=rewards.durable)
+    bus = await Bus.for_settings(settings, rewards.durable)
     service = Service(rewards.durable, bus, info={"subjects": rewards.filter_subject or "rollouts.>"})
     pool = ThreadPoolExecutor(config.num_threads, thread_name_prefix=rewards.durable)
     try:

@@ -70,7 +70,7 @@ WAITING_LOG_S = 30.0  # how often a trainer waiting for data says what it holds
 async def run(settings: Settings, run_id: str, handle_signals: bool = True) -> None:
     """Composition root of ``python -m flywheel_trainer --run RUN``: train until the run is done or a
     signal, within the bounds of the settings' ``trainer`` section."""
-    bus = await Bus.connect(settings.resolved_nats_url, name=f"trainer-{run_id}")
+    bus = await Bus.for_settings(settings, f"trainer-{run_id}")
     try:
         trainer = await Trainer.open(bus, Path(settings.data_dir), run_id, settings.trainer)
     except BaseException:

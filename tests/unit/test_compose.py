@@ -225,3 +225,30 @@ def test_requirements_script_expands_extras() -> None:
     assert not any(line.startswith("flywheel-rl") for line in lines)
     bad = subprocess.run([sys.executable, script, pyproject, "nope"], capture_output=True, text=True, check=False)
     assert bad.returncode != 0 and "extra 'nope'" in bad.stderr
+
+
+@needs_compose
+@pytest.mark.parametrize("profile", PROFILES)
+def test_the_cluster_override_routes_three_nodes_and_gives_every_service_each(profile: str) -> None:
+    """docker-compose.cluster.yml (bridge network): three nats nodes, each named once and routed to
+    the other two, each writing its users' config; every Flywheel service lists all three and
+    makes its streams with three replicas."""
+    proc = compose_config("-f", str(COMPOSE_DIR / FILES[0]), "-f", str(COMPOSE_DIR / FILES[1]),
+                          "-f", str(COMPOSE_DIR / "docker-compose.cluster.yml"), "--profile", profile)
+    assert proc.returncode == 0, proc.stderr
+    config = yaml.safe_load(proc.stdout)["services"]
+    nodes = {"nats": "n1", "nats-2": "n2", "nats-3": "n3"}
+    for service, name in nodes.items():
+        command = " ".join(config[service]["command"])
+        assert "python3 -m flywheel.contract.natsusers /tmp/nats-users.conf && exec nats-server" in command
+        assert re.search(rf"--name {name} --cluster_name flywheel --cluster nats://0\.0\.0\.0:6222 ", command), command
+        routes = re.search(r"--routes (\S+)", command)
+        assert routes is not None, command
+        assert set(routes.group(1).split(",")) == {f"nats://{other}:6222" for other in nodes if other != service}
+        assert set(config[service]["environment"]) == set(NATS_PASSWORDS), service
+    flywheel_services = [s for s, spec in config.items() if "FLYWHEEL_DATA_DIR" in spec.get("environment", {})]
+    assert len(flywheel_services) >= 6, flywheel_services
+    for service in flywheel_services:
+        env = config[service]["environment"]
+        assert env["FLYWHEEL_NATS_URL"].split(",") == [f"nats://{node}:4222" for node in nodes], service
+        assert env["FLYWHEEL_NATS_CLUSTER"] == "3", service

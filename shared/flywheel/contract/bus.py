@@ -35,7 +35,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import msgspec
 import nats
@@ -62,6 +62,9 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 
 from flywheel.contract import events, natsusers
+
+if TYPE_CHECKING:
+    from flywheel.contract.settings import Settings
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -267,6 +270,13 @@ class Bus:
         if ensure:
             await bus.ensure()
         return bus
+
+    @classmethod
+    async def for_settings(cls, settings: Settings, name: str) -> Bus:
+        """A service's connection: its login from ``settings``, its streams made with
+        ``nats_cluster`` replicas when that is above 1 (else as many as they already have)."""
+        replicas = settings.nats_cluster if settings.nats_cluster > 1 else None
+        return await cls.connect(settings.resolved_nats_url, name, BusConfig(replicas=replicas))
 
     async def ensure(self) -> None:
         """Create (or update) every stream and KV bucket, each with :attr:`replicas` copies.
