@@ -70,7 +70,7 @@ async def test_status_shows_services_streams_and_consumer_lag(bus: Bus, nats_ser
         assert f"NATS     {nats_server.url}  ok" in out
         assert f"gateway  {no_gateway}  unreachable (ConnectError" in out
         assert any(line.startswith("scorer ") and f" {os.getpid()}  ok " in line for line in out.splitlines())
-        assert re.search(r"^TASKS +5 +[\d.]+ (B|KiB) +1$", out, re.M), out
+        assert re.search(r"^TASKS +5 +[\d.]+ (B|KiB) +1 +1$", out, re.M), out
         assert re.search(r"^TASKS +inference +3 +2 +0$", out, re.M), out
     finally:
         release.set()

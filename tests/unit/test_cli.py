@@ -195,8 +195,10 @@ REPORT = {
          ]},
     ],
     "streams": [
-        {"stream": "TASKS", "messages": 12, "bytes": 1536, "consumers": 2},
-        {"stream": "ROLLOUTS", "messages": 0, "bytes": 0, "consumers": 1},
+        {"stream": "TASKS", "messages": 12, "bytes": 1536, "consumers": 2, "replicas": 3, "leader": "n2",
+         "replicas_behind": ["n3"]},
+        {"stream": "ROLLOUTS", "messages": 0, "bytes": 0, "consumers": 1, "replicas": 1, "leader": None,
+         "replicas_behind": []},
     ],
     "consumers": [
         {"stream": "TASKS", "consumer": "inference", "num_pending": 7, "num_ack_pending": 3, "num_redelivered": 1,
@@ -230,9 +232,9 @@ def test_status_tables() -> None:
         "recorder  vm-1234   1234  stale   19.0s      1m15s",
     ]
     assert streams.splitlines() == [
-        "STREAM    MESSAGES  SIZE     CONSUMERS",
-        "TASKS           12  1.5 KiB          2",
-        "ROLLOUTS         0  0 B              1",
+        "STREAM    MESSAGES  SIZE     CONSUMERS  REPLICAS",
+        "TASKS           12  1.5 KiB          2  3 (leader n2; behind: n3)",
+        "ROLLOUTS         0  0 B              1  1",
     ]
     assert consumers.splitlines() == [
         "STREAM  CONSUMER        PENDING  ACK PENDING  REDELIVERED",

@@ -498,6 +498,15 @@ def settings_from(args: argparse.Namespace) -> Any:
 # --- commands -----------------------------------------------------------------------------
 
 
+def _replicas(stream: dict[str, Any]) -> str:
+    """A stream's copies as the status table shows them: ``1``, or ``3 (leader n2)``, naming
+    the nodes that are offline or not caught up."""
+    if stream["replicas"] == 1 or stream["leader"] is None:
+        return str(stream["replicas"])
+    behind = f"; behind: {', '.join(stream['replicas_behind'])}" if stream["replicas_behind"] else ""
+    return f"{stream['replicas']} (leader {stream['leader']}{behind})"
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from flywheel.ops import stack
 
@@ -887,8 +896,8 @@ def format_status(report: dict[str, Any]) -> str:
     parts.append(table(services, ["SERVICE", "INSTANCE", "PID", "STATUS", "LAST BEAT", "UP"])
                  if services else "no services running (no heartbeats in the services KV bucket)")
     parts += [format_stack(stack) for stack in report["stacks"]]
-    streams = [[s["stream"], s["messages"], size(s["bytes"]), s["consumers"]] for s in report["streams"]]
-    parts.append(table(streams, ["STREAM", "MESSAGES", "SIZE", "CONSUMERS"])
+    streams = [[s["stream"], s["messages"], size(s["bytes"]), s["consumers"], _replicas(s)] for s in report["streams"]]
+    parts.append(table(streams, ["STREAM", "MESSAGES", "SIZE", "CONSUMERS", "REPLICAS"])
                  if streams else "no Flywheel streams yet (nothing has connected with `flywheel up` or a service)")
     consumers = [[c["stream"], c["consumer"], c["num_pending"], c["num_ack_pending"], c["num_redelivered"]]
                  for c in report["consumers"]]

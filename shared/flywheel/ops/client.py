@@ -235,8 +235,12 @@ class Client:
             info = existing.get(name)
             if info is None:
                 continue
+            placed = info.cluster
+            peers = (placed.replicas or []) if placed else []
+            behind = sorted(str(p.name) for p in peers if p.offline or not p.current)
             streams.append({"stream": name, "messages": info.state.messages, "bytes": info.state.bytes,
-                            "consumers": info.state.consumer_count})
+                            "consumers": info.state.consumer_count, "replicas": info.config.num_replicas or 1,
+                            "leader": placed.leader if placed else None, "replicas_behind": behind})
             for c in sorted(await self.bus.js.consumers_info(name), key=lambda c: c.name):
                 consumers.append({"stream": name, "consumer": c.name, "num_pending": c.num_pending or 0,
                                   "num_ack_pending": c.num_ack_pending or 0,
