@@ -1,6 +1,6 @@
 """Chaos: one real training run while Flywheel's processes are killed and nats-server restarts.
 
-    python benchmarks/chaos.py --json out/chaos.json [--kills 20] [--nats-restarts 3] [--seed 0]
+    python benchmarks/chaos.py --json out/chaos.json [--kills 20] [--nats-restarts 3] [--seed 0] [--cluster 3]
 
 Starts ``flywheel up`` (its own nats-server, gateway, orchestrator, recorder, scorer, sandbox,
 inference; a temporary data folder, free ports), then ``flywheel run examples/reverse-text.toml``
@@ -26,10 +26,15 @@ When the run has ended it checks, from the bus, the run folder and the trace API
 - ``max_recovery_s``: over the events, seconds from the kill to the next trained step
   (target at most 15); ``events`` lists each one.
 
+With ``--cluster 3`` the stack runs three nats-server nodes (``flywheel up --cluster 3``, every
+stream on each node) and each NATS event kills (SIGTERM and SIGKILL in turn) one node picked at
+random; the stack restarts it and it catches up from the others.
+
 Figures move from run to run on a shared machine; the keys that must be 0 must be 0 every
 time. Not covered: killing ``flywheel up`` or the orchestrator (the supervisors: an
 orchestrator's death leaves the run to the next one once its lease ran out, 60 s here;
-``tests/e2e/test_run_owner.py`` covers it with a 3 s lease), several replicas of a service.
+``tests/e2e/test_run_owner.py`` covers it with a 3 s lease), several replicas of a service
+(inference replicas do not yet share one admission bound).
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ from typing import Any
 from flywheel.contract import events
 from flywheel.contract.config import RunConfig
 from flywheel.contract.settings import Settings
-from flywheel.ops.natsserver import free_port
+from flywheel.ops.natsserver import free_port, port_open
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples" / "reverse-text.toml"
@@ -270,6 +275,7 @@ def main() -> None:
     parser.add_argument("--nats-restarts", type=int, default=3, help="nats-server restarts (SIGTERM, SIGKILL, ...)")
     parser.add_argument("--steps", type=int, default=300, help="trainer.num_steps of the run")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cluster", type=int, default=1, help="nats-server nodes (3: a JetStream cluster)")
     parser.add_argument("--verbose", action="store_true", help="echo the stack's and the run's output")
     args = parser.parse_args()
     rng = random.Random(args.seed)
@@ -279,15 +285,17 @@ def main() -> None:
 
     data_dir = Path(tempfile.mkdtemp(prefix="flywheel-chaos-"))
     ports = {"nats": free_port(), "gateway": free_port(), "inference": free_port()}
+    while any(port_open("127.0.0.1", ports["nats"] + i) for i in range(1, args.cluster)):  # a node a port
+        ports["nats"] = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_") or k == "FLYWHEEL_NATS_SERVER_BIN"}
     common = ["--data-dir", str(data_dir), "--nats-port", str(ports["nats"]), "--gateway-port", str(ports["gateway"]),
-              "--inference-port", str(ports["inference"])]
+              "--inference-port", str(ports["inference"]), "--nats-cluster", str(args.cluster)]
     flywheel = [sys.executable, "-m", "flywheel.ops.cli"]
     up_proc = subprocess.Popen([*flywheel, "up", *common], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, env=env, cwd=ROOT)
     up = Lines(up_proc, "up" if args.verbose else None)
     run_proc: subprocess.Popen[str] | None = None
-    result: dict[str, Any] = {"kills": 0, "nats_restarts": 0, "finished": False}
+    result: dict[str, Any] = {"kills": 0, "nats_restarts": 0, "finished": False, "nats_nodes": args.cluster}
     event_log: list[dict[str, Any]] = []
     started = time.monotonic()
     try:
@@ -305,7 +313,8 @@ def main() -> None:
                 break
             pids = latest_pids(up, run)
             if kind == "nats":
-                target, sig = "nats-server", nats_signals[result["nats_restarts"] % 2]
+                target = "nats-server" if args.cluster == 1 else f"nats-server-n{rng.randint(1, args.cluster)}"
+                sig = nats_signals[result["nats_restarts"] % 2]
             else:
                 target, sig = rng.choice([s for s in SERVICES if s in pids]), signal.SIGKILL
             at = time.monotonic()
@@ -323,7 +332,8 @@ def main() -> None:
             wait_steps(run, at, STEPS_BETWEEN_EVENTS, RECOVERY_TIMEOUT_S)
         run.wait_for(rf"^step\s+{args.steps}/{args.steps}", 1800)
         result["finished"] = run_proc.wait(120) == 0
-        nats_url = Settings(data_dir=data_dir, nats_port=ports["nats"]).resolved_nats_url  # the stack's operator
+        nats_url = Settings(data_dir=data_dir, nats_port=ports["nats"],  # the stack's operator
+                            nats_cluster=args.cluster).resolved_nats_url
         leftover = asyncio.run(leftover_tasks(nats_url, group_size))
         result.update(asyncio.run(collect(nats_url, f"http://127.0.0.1:{ports['gateway']}", data_dir, leftover)))
     finally:
