@@ -31,13 +31,21 @@ each independent (one failing does not stop the others):
 
 On the device machine nothing is installed: this script makes the repository's packages
 importable from the checkout itself (:func:`ensure_importable`), and the packages missing
-from that image travel as wheels in ``.whl`` (msgspec, pydantic and its parts, deepspeed and
-hjson), installed to /tmp/site at the start of the call. To prepare them here (Python 3.12
-wheels for the device's interpreter; deepspeed as a pure-Python wheel built locally)::
+from that image travel as wheels in ``.whl`` (what the packages import beyond torch and
+transformers: msgspec, pydantic and pydantic-settings, fastapi, nats-py, opentelemetry, httpx,
+deepspeed and their parts, about 8 MB), installed to /tmp/site at the start of the call. To
+prepare them here (Python 3.12 wheels for the device's interpreter; deepspeed as a pure-Python
+wheel built locally)::
 
     echo /.whl/ >> .git/info/exclude
     .venv/bin/pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl \
-        msgspec pydantic pydantic-core annotated-types typing-inspection typing-extensions hjson
+        msgspec pydantic pydantic-core annotated-types typing-inspection typing-extensions hjson \
+        pydantic-settings python-dotenv fastapi starlette anyio sniffio idna annotated-doc \
+        python-multipart nats-py msgpack h11 httpx httpcore certifi protobuf \
+        googleapis-common-protos opentelemetry-api opentelemetry-sdk \
+        opentelemetry-semantic-conventions opentelemetry-proto opentelemetry-exporter-otlp-proto-http \
+        opentelemetry-exporter-otlp-proto-common opentelemetry-exporter-otlp-common \
+        opentelemetry-exporter-http-transport httpx2 httpcore2 truststore
     .venv/bin/pip wheel --no-deps --no-build-isolation -w .whl deepspeed==0.19.8
 
 and run, carrying ``.whl``, with about 420 s of time::
