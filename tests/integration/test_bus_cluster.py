@@ -26,6 +26,13 @@ def cluster(tmp_path: Path) -> Iterator[NatsCluster]:
         nodes.stop()
 
 
+async def all_current(bus: Bus, stream: str) -> bool:
+    """Whether every peer of ``stream`` on the cluster is online and caught up."""
+    placed = (await bus.retry(lambda: bus.js.stream_info(stream))).cluster
+    peers = (placed.replicas or []) if placed is not None else []
+    return len(peers) == 2 and all(p.current and not p.offline for p in peers)
+
+
 def task(i: int) -> events.Task:
     return events.Task(id=f"t{i}", run="r1", env="echo", data={"i": i})
 
@@ -40,6 +47,12 @@ async def test_every_stream_is_on_each_node_and_a_leaders_death_loses_nothing(cl
     # bring every stream down to one copy).
     service = await Bus.connect(cluster.nodes[2].url, "service")
     try:
+        # A stream brought from one copy to three is replicated in the background: the leader may
+        # die only once its peers are current, or nothing holds the stream (that is the bound).
+        deadline = asyncio.get_running_loop().time() + 60
+        while not await all_current(producer, "TASKS"):
+            assert asyncio.get_running_loop().time() < deadline, "TASKS's new replicas did not catch up in 60 s"
+            await asyncio.sleep(0.2)
         assert service.replicas == 3
         for stream in ("TASKS", "ROLLOUTS", "WEIGHTS", "KV_flywheel-runs", "KV_flywheel-services"):
             assert (await producer.js.stream_info(stream)).config.num_replicas == 3, stream
