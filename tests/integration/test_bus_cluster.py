@@ -49,10 +49,7 @@ async def test_every_stream_is_on_each_node_and_a_leaders_death_loses_nothing(cl
     try:
         # A stream brought from one copy to three is replicated in the background: the leader may
         # die only once its peers are current, or nothing holds the stream (that is the bound).
-        deadline = asyncio.get_running_loop().time() + 60
-        while not await all_current(producer, "TASKS"):
-            assert asyncio.get_running_loop().time() < deadline, "TASKS's new replicas did not catch up in 60 s"
-            await asyncio.sleep(0.2)
+        await until(lambda: all_current(producer, "TASKS"), timeout_s=60, what="TASKS's new replicas to catch up")
         assert service.replicas == 3
         for stream in ("TASKS", "ROLLOUTS", "WEIGHTS", "KV_flywheel-runs", "KV_flywheel-services"):
             assert (await producer.js.stream_info(stream)).config.num_replicas == 3, stream
@@ -89,14 +86,7 @@ async def test_every_stream_is_on_each_node_and_a_leaders_death_loses_nothing(cl
         await asyncio.to_thread(killed.start)
         node_bus = await Bus.connect(killed.url, "rejoined", ensure=False)
         try:
-            async def caught_up() -> bool:
-                peers = (await node_bus.js.stream_info("TASKS")).cluster
-                return peers is not None and all(p.current and not p.offline for p in peers.replicas or [])
-
-            deadline = asyncio.get_running_loop().time() + 30
-            while not await node_bus.retry(caught_up):
-                assert asyncio.get_running_loop().time() < deadline, "the restarted node did not catch up in 30 s"
-                await asyncio.sleep(0.2)
+            await until(lambda: all_current(node_bus, "TASKS"), timeout_s=30, what="the restarted node to catch up")
         finally:
             await node_bus.close()
         consumer.stop()
