@@ -83,14 +83,15 @@ def warm_model(work: Path, sft_steps: int) -> Path:
     from flywheel.contract.config import RunConfig
     from flywheel.sdk import models
     from flywheel.sdk.environment import load_for_run
-    from flywheel_trainer.learner import sft_warmup
+    from flywheel_trainer.learner import sft_warmup, warmup_steps
 
     out = work / "warm-model"
     torch.manual_seed(0)
     cfg = RunConfig.parse({"run": "warm", "env": "reverse_text",
                            "sft": {"steps": sft_steps, "batch_size": 32, "lr": 3e-3}}, source="warm-up")
     model, tok = models.load_model(models.resolve_model("tiny", work / "data"))
-    figures = sft_warmup(model, tok, [load_for_run(cfg)], cfg, micro_batch_size=32)
+    figures = sft_warmup(model, warmup_steps(model, tok, [load_for_run(cfg)], cfg), tok.pad_token_id, cfg,
+                         micro_batch_size=32)
     model.save_pretrained(out)
     tok.save_pretrained(out)
     print(f"warm-up: {sft_steps} SFT steps, loss {figures['sft_loss']:.3f}, saved to {out}", flush=True)

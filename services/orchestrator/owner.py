@@ -5,7 +5,8 @@ A :class:`RunOwner` lives in the orchestrator from the moment it claims a run
 
 1. keeps the lease (renewed every third of ``run_lease_s``; a renewal that finds another
    owner ends this one at once, without writing anything);
-2. starts the run's trainer (``python -m flywheel_trainer --run RUN``, log in the run folder;
+2. starts the run's trainer (``python -m flywheel_trainer --run RUN``, under torch's launcher
+   with the setting ``trainer.ranks`` above 1, log in the run folder;
    once a trainer of the run left by a dead owner has stopped beating, so two never share the
    run folder) and keeps it running: a trainer that dies is started again with backoff and resumes from
    its checkpoint and journal; after ``MAX_RESTARTS_WITHOUT_PROGRESS`` restarts without a new
@@ -96,7 +97,13 @@ class TrainerSupervisor:
 
     def __init__(self, owner: RunOwner) -> None:
         self.owner = owner
-        spec = ServiceSpec(("-m", "flywheel_trainer", "--run", owner.cfg.run), heartbeat_of("trainer"))
+        argv: tuple[str, ...] = ("-m", "flywheel_trainer", "--run", owner.cfg.run)
+        ranks = owner.settings.trainer.ranks
+        if ranks > 1:  # torch's launcher starts the ranks, and stops them all when one dies; its
+            # options end at "--" (it would read --run as an abbreviation of its --run-path)
+            argv = ("-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "-m",
+                    "flywheel_trainer", "--", *argv[2:])
+        spec = ServiceSpec(argv, heartbeat_of("trainer"))
         self.process = ServiceProcess("trainer", spec, child_env(owner.settings), owner.run_dir / "trainer.log")
         self.backoff = RestartBackoff(first_delay_s=1.0, max_delay_s=20.0, healthy_after_s=1.0)
         self.progressed_since_start = False

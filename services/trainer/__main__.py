@@ -6,6 +6,9 @@ settings (NATS URL, data folder; micro-batch size and bounds: section ``trainer`
 transformers and the trainer's parts are imported only once the arguments are parsed, so
 ``--help`` is instant. Exits 0 when the run has trained all its steps, or on SIGTERM/SIGINT
 (a later start resumes from the last checkpoint).
+
+Started by torch's launcher (``WORLD_SIZE`` above 1: the setting ``trainer.ranks``), rank 0 is
+the trainer service and every other rank follows it (:mod:`flywheel_trainer.ranks`).
 """
 
 from __future__ import annotations
@@ -33,9 +36,13 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging(settings.log_level)
     setup_tracing("trainer")
 
-    from flywheel_trainer import service
+    from flywheel_trainer import ranks, service
 
-    asyncio.run(service.run(settings, args.run))
+    team = ranks.start()
+    if not team.leader:
+        ranks.follow(team, service.RankWork(settings.trainer).calls())
+        return
+    asyncio.run(service.run(settings, args.run, ranks=team))
 
 
 if __name__ == "__main__":

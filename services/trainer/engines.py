@@ -17,11 +17,21 @@ clipping), ``engine.weights()`` for the blob inference loads, ``engine.save(fold
   fused optimizers compile for a minute first). Gradient accumulation is the caller's:
   ``managed_gradient_accumulation`` is off, so ``backward`` only accumulates and ``step``
   is the boundary. With ``model.dtype = "bfloat16"`` DeepSpeed trains in bf16 with float32
-  master weights. One process here: the rank variables default to a world of one (gloo on
-  CPU, nccl on a GPU); a ``WORLD_SIZE`` above 1 is refused, because one trainer process
-  consumes the bus and nothing yet hands other ranks their share.
+  master weights. The rank variables default to a world of one (gloo on CPU, nccl on a GPU).
 
-Not covered: multi-rank DeepSpeed, tensor/pipeline parallelism, LoRA, CPU offload.
+On several ranks (:mod:`flywheel_trainer.ranks`) each rank backpropagates its share of a
+step's micro-batches and the engine sums the gradients over the ranks before it clips them:
+``torch`` with one all-reduce of the flattened gradients in :meth:`TorchEngine.step` (what
+DDP does, without its per-backward hooks, since a rank's number of micro-batches varies);
+``deepspeed`` with ZeRO's own reduction, its loss times the world size (DeepSpeed averages
+over ranks, the learner's loss is already normalised by the whole step's tokens). ZeRO 2 and
+3 gather and reduce parameters during each forward and backward, in buckets filled in the
+order gradients arrive, so every rank makes as many passes, each the same graph: whole rows
+(``same_graph_on_every_rank``: no prompt computed once for its rows, which is a second
+forward), and :meth:`Engine.idle_backward`, a rank's pass with no micro-batch left (a zero
+loss on a two-token row). On ZeRO 2 an odd pass of another shape gave wrong sums silently.
+
+Not covered: tensor/pipeline parallelism, LoRA on DeepSpeed, CPU offload.
 """
 
 from __future__ import annotations
@@ -37,15 +47,21 @@ import torch
 from flywheel.contract.config import TrainerConfig
 from flywheel.ops.natsserver import free_port
 from flywheel.sdk import models
+from flywheel_trainer.ranks import current_ranks
 
 
 class Engine(Protocol):
     model: torch.nn.Module  # call for a forward pass (the module itself, or DeepSpeed's engine around it)
     module: torch.nn.Module  # the model itself
     device: torch.device
+    # Read on several ranks only (an engine of the user's own that never runs on more may lack
+    # it): every pass must be the same graph on every rank (whole rows, no shared prefix), as
+    # ZeRO 2 and 3 gather and reduce parameters in the order their hooks fire.
+    same_graph_on_every_rank: bool
 
     def autocast(self) -> contextlib.AbstractContextManager[None]: ...
     def backward(self, loss: torch.Tensor) -> None: ...
+    def idle_backward(self) -> None: ...  # a rank's pass with no micro-batch left (several ranks only)
     def step(self) -> float: ...
     def weights(self) -> bytes: ...
     def save(self, folder: Path) -> None: ...
@@ -73,6 +89,11 @@ class TorchEngine:
         self.optimizer = adamw(model, cfg)
         self.max_grad_norm = cfg.max_grad_norm
         self.autocast_dtype = torch.bfloat16 if dtype == "bfloat16" and self.device.type == "cuda" else None
+        self.ranks = current_ranks()
+        self.same_graph_on_every_rank = False
+        if self.ranks.world_size > 1:  # every rank starts from rank 0's weights (its warm-up's)
+            for tensor in self.module.state_dict().values():
+                torch.distributed.broadcast(tensor, src=0)
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:
         if self.autocast_dtype is None:
@@ -82,7 +103,12 @@ class TorchEngine:
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
+    def idle_backward(self) -> None:
+        pass  # gradients meet only in step()
+
     def step(self) -> float:
+        if self.ranks.world_size > 1:
+            sum_gradients([p for p in self.module.parameters() if p.requires_grad])
         norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -92,6 +118,8 @@ class TorchEngine:
         return models.save_weights(self.module)
 
     def save(self, folder: Path) -> None:
+        if not self.ranks.leader:
+            return  # every rank holds the same state: rank 0 writes it
         folder.mkdir(parents=True)
         torch.save({"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}, folder / "engine.pt")
 
@@ -110,9 +138,6 @@ class DeepSpeedEngine:
         for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
                             ("MASTER_PORT", str(free_port()))):
             os.environ.setdefault(name, value)
-        if os.environ["WORLD_SIZE"] != "1":
-            raise ValueError("trainer.engine.type='deepspeed' runs as one process "
-                             f"(WORLD_SIZE={os.environ['WORLD_SIZE']}); multi-rank training is not supported yet")
         deepspeed.init_distributed("nccl" if torch.cuda.is_available() else "gloo")
         self.stage = zero_stage
         config: dict[str, Any] = {
@@ -133,16 +158,30 @@ class DeepSpeedEngine:
         self.module = self.engine.module
         self.module.eval()  # no dropout: the recomputed logprobs are the sampler's
         self.device = torch.device(self.engine.device)
+        self.ranks = current_ranks()
+        self.same_graph_on_every_rank = self.ranks.world_size > 1 and self.stage >= 2
         self._deepspeed = deepspeed
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()  # bf16, when asked for, is DeepSpeed's own
 
     def backward(self, loss: torch.Tensor) -> None:
-        self.engine.backward(loss, scale_wrt_gas=False)
+        # DeepSpeed averages gradients over ranks; the loss is normalised over the whole step.
+        self.engine.backward(loss * self.ranks.world_size, scale_wrt_gas=False)
+
+    def idle_backward(self) -> None:
+        if self.stage >= 2:  # ZeRO 2 and 3 reduce in every backward: every rank makes as many
+            logits = self.engine(input_ids=torch.zeros((1, 2), dtype=torch.long, device=self.device)).logits
+            self.engine.backward(logits.sum() * 0.0, scale_wrt_gas=False)
 
     def step(self) -> float:
-        norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.max_grad_norm) if self.stage == 0 else None
+        norm = None
+        if self.stage == 0:
+            if self.ranks.world_size > 1:
+                # Clipping needs the reduced gradients; DeepSpeed's own average in step() then
+                # leaves them as they are (every rank holds the same).
+                sum_gradients([p for p in self.module.parameters() if p.requires_grad], average=True)
+            norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.max_grad_norm)
         self.engine.step()
         if norm is None:
             norm = self.engine.get_global_grad_norm()
@@ -161,6 +200,23 @@ class DeepSpeedEngine:
     def load(self, folder: Path) -> None:
         path, _ = self.engine.load_checkpoint(str(folder), tag=self.CHECKPOINT_TAG)
         assert path is not None, f"no DeepSpeed checkpoint in {folder}"
+
+
+def sum_gradients(parameters: list[torch.nn.Parameter], average: bool = False) -> None:
+    """Each parameter's gradient summed (or averaged) over the ranks, in one all-reduce of
+    them flattened; a parameter without a gradient counts as zeros (a rank whose micro-batches
+    never reached it)."""
+    grads = []
+    for p in parameters:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grads.append(p.grad)
+    flat = torch._utils._flatten_dense_tensors(grads)
+    torch.distributed.all_reduce(flat)
+    if average:
+        flat /= torch.distributed.get_world_size()
+    for grad, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
+        grad.copy_(reduced)
 
 
 # (model, the [trainer] section, model.dtype, **the variant's fields) -> Engine

@@ -63,6 +63,7 @@ from flywheel_trainer.chats import batches, load_dataset_examples, load_examples
 from flywheel_trainer.engines import Engine, TorchEngine
 from flywheel_trainer.join import Scored, Tokens, TopK, sequences_of, signal_top, signal_values
 from flywheel_trainer.losses import LOSSES, top_k_divergence
+from flywheel_trainer.ranks import current_ranks, sum_over_ranks
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +105,20 @@ def train_step(engine: Engine, sequences: list[Tokens], advantages: list[float],
         figures.update(grad_norm=0.0, step_s=time.perf_counter() - started)
         return figures
     flagged = diff_sum = 0.0
-    share = can_share_prefixes(engine.model)
-    for indices in micro_batches(sequences, micro_batch_size):
+    # Every micro-batch of the step, the RL loss's then the SFT term's; on several ranks each
+    # takes every world_size-th, and one with fewer makes idle passes (see flywheel_trainer.ranks).
+    passes = [(False, indices) for indices in micro_batches(sequences, micro_batch_size)]
+    if sft_rows is not None and num_sft_tokens:
+        passes += [(True, indices) for indices in micro_batches(sft_rows.rows, micro_batch_size)]
+    ranks = current_ranks()
+    rank, world_size = ranks.rank, ranks.world_size
+    share = can_share_prefixes(engine.model) and not (world_size > 1 and engine.same_graph_on_every_rank)
+    mine = passes[rank::world_size]
+    for is_sft, indices in mine:
+        if is_sft:
+            assert sft_rows is not None
+            _sft_term(engine, sft_rows, indices, pad_id, num_sft_tokens, share, figures)
+            continue
         batch = pad([sequences[i] for i in indices], [advantages[i] for i in indices], pad_id, engine.device,
                     [temperatures[i] for i in indices], share_prefixes=share,
                     echo_weights=None if echo_weights is None else [echo_weights[i] for i in indices],
@@ -132,8 +145,12 @@ def train_step(engine: Engine, sequences: list[Tokens], advantages: list[float],
         figures["loss"] += float(loss.detach())
         flagged += float((flags & mask).sum())
         diff_sum += float(((logprobs.detach() - batch.old_logprobs).abs() * mask).sum())
-    if sft_rows is not None and num_sft_tokens:
-        _sft_term(engine, sft_rows, pad_id, micro_batch_size, num_sft_tokens, share, figures)
+    for _ in range(-(-len(passes) // world_size) - len(mine)):
+        engine.idle_backward()
+    if world_size > 1:
+        summed = [k for k in ("loss", "echo_loss", "sft_term_loss", "distill_loss") if k in figures]
+        *totals, flagged, diff_sum = sum_over_ranks([figures[k] for k in summed] + [flagged, diff_sum])
+        figures.update(zip(summed, totals, strict=True))
     figures["grad_norm"] = engine.step()
     figures["clip_fraction"] = flagged / max(num_loss_tokens, 1)
     # How far the trainer's logprobs are from the sampler's on the loss tokens: ~0 on
@@ -153,21 +170,21 @@ def _dense_divergence(logits: torch.Tensor, batch: Batch, dense: DenseTargets) -
                             dense.forward)
 
 
-def _sft_term(engine: Engine, sft_rows: SFTRows, pad_id: int, micro_batch_size: int, num_sft_tokens: int,
+def _sft_term(engine: Engine, sft_rows: SFTRows, indices: list[int], pad_id: int, num_sft_tokens: int,
               share: bool, figures: dict[str, float]) -> None:
-    """The SFT term's backward passes (its rows' weighted mean cross-entropy at temperature 1),
-    into the gradient the step's RL loss left; its mean cross-entropy into ``figures``."""
-    for indices in micro_batches(sft_rows.rows, micro_batch_size):
-        batch = pad([sft_rows.rows[i] for i in indices], [0.0] * len(indices), pad_id, engine.device,
-                    share_prefixes=share)
-        weights = torch.tensor([sft_rows.weights[i] for i in indices], dtype=torch.float32, device=engine.device)
-        with engine.autocast():
-            logprobs = target_logprobs(batch_logits(engine.model, batch), batch, None)
-        nll = -logprobs * batch.loss_mask  # [B, T-1]: 0 off the answers' tokens
-        loss = (nll.sum(-1) * weights).sum() / num_sft_tokens
-        engine.backward(loss)
-        figures["loss"] += float(loss.detach())
-        figures["sft_term_loss"] += float(nll.detach().sum()) / num_sft_tokens
+    """One backward pass of the SFT term (the weighted mean cross-entropy at temperature 1 of
+    its rows ``indices``), into the gradient the step's RL loss left; its mean cross-entropy
+    into ``figures``."""
+    batch = pad([sft_rows.rows[i] for i in indices], [0.0] * len(indices), pad_id, engine.device,
+                share_prefixes=share)
+    weights = torch.tensor([sft_rows.weights[i] for i in indices], dtype=torch.float32, device=engine.device)
+    with engine.autocast():
+        logprobs = target_logprobs(batch_logits(engine.model, batch), batch, None)
+    nll = -logprobs * batch.loss_mask  # [B, T-1]: 0 off the answers' tokens
+    loss = (nll.sum(-1) * weights).sum() / num_sft_tokens
+    engine.backward(loss)
+    figures["loss"] += float(loss.detach())
+    figures["sft_term_loss"] += float(nll.detach().sum()) / num_sft_tokens
 
 
 def rl_step(engine: Engine, groups: list[list[Scored]], pad_id: int, cfg: RunConfig,
@@ -395,25 +412,28 @@ class SFTSupply:
         return SFTRows(rows, weights)
 
 
-def sft_warmup(model: torch.nn.Module, tok: Any, envs: Sequence[Environment], cfg: RunConfig,
-               micro_batch_size: int) -> dict[str, float]:
-    """``cfg.sft.steps`` steps of cross-entropy on reference answers, with an optimizer of its
-    own; ``envs``: the run's environments in its config's order, mixed by their weights. With
-    ``sft.data`` or ``sft.dataset``, on those chats instead (as ``flywheel sft`` learns them)."""
+def warmup_steps(model: torch.nn.Module, tok: Any, envs: Sequence[Environment], cfg: RunConfig) -> list[list[Tokens]]:
+    """The warm-up's ``cfg.sft.steps`` batches: reference answers, ``envs`` (the run's
+    environments in its config's order) mixed by their weights; with ``sft.data`` or
+    ``sft.dataset``, those chats instead (as ``flywheel sft`` learns them)."""
     assert cfg.sft.steps > 0
-    engine = TorchEngine(model, cfg.trainer.model_copy(update={"lr": cfg.sft.lr}), cfg.model.dtype)
-    size = cfg.sft.batch_size
     if cfg.sft.data or cfg.sft.dataset:
         examples = sft_examples(cfg.sft, tok, getattr(model.config, "max_position_embeddings", None))
-        drawn = batches(len(examples), size, cfg.task_seed)
-        steps = [[examples[i] for i in next(drawn)[1]] for _ in range(cfg.sft.steps)]
-    else:
-        steps = reference_steps(tok, envs, cfg)
+        drawn = batches(len(examples), cfg.sft.batch_size, cfg.task_seed)
+        return [[examples[i] for i in next(drawn)[1]] for _ in range(cfg.sft.steps)]
+    return reference_steps(tok, envs, cfg)
+
+
+def sft_warmup(model: torch.nn.Module, steps: list[list[Tokens]], pad_id: int, cfg: RunConfig,
+               micro_batch_size: int) -> dict[str, float]:
+    """A step of cross-entropy on each batch of ``steps`` (:func:`warmup_steps`), with an
+    optimizer of its own; on several ranks, each takes its share of every step's micro-batches."""
+    engine = TorchEngine(model, cfg.trainer.model_copy(update={"lr": cfg.sft.lr}), cfg.model.dtype)
     started = time.perf_counter()
     figures: dict[str, float] = {}
     num_tokens = 0
     for step, sequences in enumerate(steps):
-        figures = sft_step(engine, sequences, tok.pad_token_id, micro_batch_size)
+        figures = sft_step(engine, sequences, pad_id, micro_batch_size)
         num_tokens += int(figures["num_loss_tokens"])
         log.info("sft step %d/%d: loss %.4f", step + 1, cfg.sft.steps, figures["loss"])
     model.eval()

@@ -33,6 +33,11 @@ sets of weights. A WeightUpdate's event id is ``<run>-v<version>-<sha256 prefix>
 publishing the same weights again (a restart) is deduplicated. A graceful stop (SIGTERM,
 SIGINT) checkpoints the last step first, so only a crash ever redoes steps.
 
+On several data-parallel ranks (the setting ``trainer.ranks``, :mod:`flywheel_trainer.ranks`)
+this is rank 0; every piece of model work it does (open the engine, a step, the weights, a
+checkpoint's engine state, a resume) goes through its :class:`~flywheel_trainer.ranks.Team`, so
+each follower (:class:`RankWork`) does the same on its own engine at the same time.
+
 Not covered: several trainer processes for one run (one per run; nothing stops a second
 one), training several runs in one process.
 """
@@ -42,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,21 +64,23 @@ from flywheel.sdk import models
 from flywheel.sdk.environment import RunEnvironment, load_run_environments
 from flywheel.sdk.scoring import reward_definition
 from flywheel_trainer.engines import Engine, build_engine, with_adapter
-from flywheel_trainer.join import BadRollout, Joiner, Take
-from flywheel_trainer.learner import SFTSupply, rl_step, seed_torch, sft_warmup
+from flywheel_trainer.join import BadRollout, Joiner, Take, Tokens
+from flywheel_trainer.learner import SFTSupply, rl_step, seed_torch, sft_warmup, warmup_steps
 from flywheel_trainer.ledger import CheckpointState, Journal, RunFolder
+from flywheel_trainer.ranks import Ranks, Team, share
 
 log = logging.getLogger(__name__)
 
 WAITING_LOG_S = 30.0  # how often a trainer waiting for data says what it holds
 
 
-async def run(settings: Settings, run_id: str, handle_signals: bool = True) -> None:
+async def run(settings: Settings, run_id: str, handle_signals: bool = True, ranks: Ranks | None = None) -> None:
     """Composition root of ``python -m flywheel_trainer --run RUN``: train until the run is done or a
-    signal, within the bounds of the settings' ``trainer`` section."""
+    signal, within the bounds of the settings' ``trainer`` section. ``ranks``: this process is
+    rank 0 of them (None: the only one)."""
     bus = await Bus.for_settings(settings, f"trainer-{run_id}")
     try:
-        trainer = await Trainer.open(bus, Path(settings.data_dir), run_id, settings.trainer)
+        trainer = await Trainer.open(bus, Path(settings.data_dir), run_id, settings.trainer, ranks or Ranks())
     except BaseException:
         await bus.close()
         raise
@@ -83,6 +91,10 @@ async def run(settings: Settings, run_id: str, handle_signals: bool = True) -> N
     try:
         await service.run()
     finally:
+        try:
+            await compute(trainer.team.stop)
+        except RuntimeError as exc:  # a follower died: the launcher stops the rest
+            log.warning("run %s: could not stop the other trainer ranks: %s", run_id, exc)
         trainer.close()
 
 
@@ -125,7 +137,7 @@ class Trainer:
     def __init__(self, bus: Bus, cfg: RunConfig, environments: dict[str, RunEnvironment], data_dir: Path,
                  joiner: Joiner,
                  journal: Journal, resume: tuple[Path, CheckpointState] | None, published_version: int,
-                 options: TrainerSettings, tenant: str = "") -> None:
+                 options: TrainerSettings, tenant: str = "", ranks: Ranks | None = None) -> None:
         self.bus = bus
         self.tenant = tenant  # the run's owner, who pays for its training (metering)
         self.cfg = cfg
@@ -146,9 +158,13 @@ class Trainer:
         self.version = resume[1].version if resume else 0
         self.checkpointed_step = self.step if resume else -1
         self.sft_supply: SFTSupply | None = None  # the run's SFT term, built with the model (_start)
+        # The model work, done on every rank at once (rank 0 alone warms up).
+        self.work = RankWork(options, self._warmup_steps)
+        self.team = Team(ranks or Ranks(), self.work.calls())
 
     @classmethod
-    async def open(cls, bus: Bus, data_dir: Path, run_id: str, options: TrainerSettings) -> Trainer:
+    async def open(cls, bus: Bus, data_dir: Path, run_id: str, options: TrainerSettings,
+                   ranks: Ranks | None = None) -> Trainer:
         """Read the run's config and state, then what the run folder holds (checkpoint, journal)."""
         state = await get_run(bus, run_id)
         if state is None:
@@ -196,7 +212,7 @@ class Trainer:
                      "buffered", run_id, resume[0], resume[1].step, resume[1].version, len(replayed),
                      joiner.num_buffered)
         return cls(bus, cfg, environments, data_dir, joiner, journal, resume, published or 0, options,
-                   tenant=state.tenant)
+                   tenant=state.tenant, ranks=ranks)
 
     def close(self) -> None:
         self.journal.close()
@@ -258,36 +274,34 @@ class Trainer:
             take = await self._next_take(stopping)
             if take is None:  # stopping: what is buffered stays in the journal
                 if self.checkpointed_step < self.step:
-                    await self._checkpoint(engine, await compute(engine.weights))  # a restart redoes nothing
+                    await self._checkpoint(engine, await compute(self.team.call, "weights"))  # nothing redone
                 return
             await self._step(engine, pad_id, take, wait_s=time.perf_counter() - waited)
         await update_run(self.bus, self.cfg.run, status="finished", ended_at=events.utc_now())
         log.info("run %s: finished after %d steps", self.cfg.run, self.step)
 
+    def _warmup_steps(self, model: Any, tok: Any) -> list[list[Tokens]]:
+        return warmup_steps(model, tok, [found.env for found in self.environments.values()], self.cfg)
+
     async def _start(self) -> tuple[Engine, int]:
         """Load the model; warm up, checkpoint and publish version 0, or resume and publish again."""
         cfg = self.cfg
         path = models.resolve_model(cfg.model.name, self.data_dir)
-        if cfg.seed is not None:
-            seed_torch(cfg.seed)
-        model, tok = await compute(models.load_model, path, "float32")
-        model = await compute(with_adapter, model, cfg.trainer)  # the warm-up trains the adapter too
-        figures: dict[str, Any] = {}
-        if self.resume is None and cfg.sft.steps:
-            envs = [found.env for found in self.environments.values()]
-            figures = await compute(sft_warmup, model, tok, envs, cfg, self.options.micro_batch_size)
-        engine = await compute(build_engine, model, cfg.trainer, cfg.model.dtype)
+        warm_up = self.resume is None and cfg.sft.steps > 0
+        tok, figures = await compute(self.team.call, "open", cfg, path, warm_up)
+        engine = self.work.engine()
+        model = engine.module
         supply = await compute(SFTSupply, tok, {name: (found.config, found.env) for name, found in
                                                           self.environments.items()}, cfg,
                                          getattr(model.config, "max_position_embeddings", None))
         self.sft_supply = supply if supply else None
         if self.resume is None:
             self.folder.metrics.append({"step": 0, "version": 0, **figures})
-            data = await compute(engine.weights)
+            data = await compute(self.team.call, "weights")
             await self._checkpoint(engine, data)
         else:
-            await compute(engine.load, self.resume[0] / "engine")
-            data = await compute(engine.weights)
+            await compute(self.team.call, "load", self.resume[0] / "engine")
+            data = await compute(self.team.call, "weights")
             figures = next(m for m in reversed(self.folder.metrics.read()) if m["step"] == self.step)
             if self.published_version > self.version:
                 # Steps after this checkpoint were published, then lost: never reuse their versions.
@@ -301,8 +315,7 @@ class Trainer:
             await self.bus.publish(events.Usage(id=f"{cfg.run}.sft", run=cfg.run, source="sft", tenant=self.tenant,
                                                 step=0, sft_tokens=int(figures["sft_tokens"])))
         await trainer_started(self.bus, cfg.run, trainer_step=self.step, policy_version=self.version)
-        # Any id pads: padding is masked out of attention and loss.
-        return engine, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        return engine, pad_token_id(tok)
 
     async def _step(self, engine: Engine, pad_id: int, take: Take, wait_s: float) -> None:
         """Train on ``take``, then record, checkpoint and publish the new version."""
@@ -311,8 +324,9 @@ class Trainer:
         def train_step() -> tuple[dict[str, float], bytes]:
             envs = {name: found.config for name, found in self.environments.items()}
             sft_rows = self.sft_supply.rows(self.step + 1) if self.sft_supply is not None else None
-            return (rl_step(engine, take.groups, pad_id, cfg, self.options.micro_batch_size, envs, sft_rows),
-                    engine.weights())
+            return (self.team.call("rl_step", take.groups, pad_id, cfg, self.options.micro_batch_size, envs,
+                                   sft_rows),
+                    self.team.call("weights"))
 
         figures, data = await compute(train_step)
         self.step += 1
@@ -366,7 +380,7 @@ class Trainer:
         """Engine state and the weights (``data``, as published), then what the run consumed; then
         the journal keeps only the rest."""
         state = CheckpointState(step=self.step, version=self.version, trained=self.trained, dropped=self.dropped)
-        await compute(self.folder.checkpoints.write, state, data, engine.save)
+        await compute(self.folder.checkpoints.write, state, data, lambda folder: self.team.call("save", folder))
         self.journal.rewrite(self.joiner.buffered_events())
         self.checkpointed_step = self.step
 
@@ -410,6 +424,52 @@ class Trainer:
             if version not in pinned:
                 await weights.delete(self.bus, self.cfg.run, version)
                 self._held.discard(version)
+
+
+def pad_token_id(tok: Any) -> int:
+    """Any id pads: padding is masked out of attention and loss."""
+    return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+
+class RankWork:
+    """The model work of one rank, by name (:meth:`calls`): rank 0 runs it through its
+    :class:`~flywheel_trainer.ranks.Team`, a follower (:func:`flywheel_trainer.ranks.follow`)
+    when rank 0 calls it. ``warmup_steps``: rank 0's (model, tokenizer) -> the warm-up's
+    batches, which it shares with the followers (None on a follower)."""
+
+    def __init__(self, options: TrainerSettings,
+                 warmup_steps: Callable[[Any, Any], list[list[Tokens]]] | None = None) -> None:
+        self.options = options
+        self.warmup_steps = warmup_steps
+        self._engine: Engine | None = None
+
+    def open(self, cfg: RunConfig, path: Path, warm_up: bool) -> tuple[Any, dict[str, Any]]:
+        """Load the model, warm it up (``warm_up``: data-parallel like a step, on rank 0's
+        batches), build the engine (every rank starts from rank 0's weights); the tokenizer and
+        the warm-up's figures."""
+        if cfg.seed is not None:
+            seed_torch(cfg.seed)
+        model, tok = models.load_model(path, "float32")
+        model = with_adapter(model, cfg.trainer)  # the warm-up trains the adapter too
+        figures: dict[str, Any] = {}
+        if warm_up:
+            steps = share(self.warmup_steps(model, tok) if self.warmup_steps is not None else None)
+            figures = sft_warmup(model, steps, pad_token_id(tok), cfg, self.options.micro_batch_size)
+        self._engine = build_engine(model, cfg.trainer, cfg.model.dtype)
+        return tok, figures
+
+    def engine(self) -> Engine:
+        assert self._engine is not None, "the engine is opened first"
+        return self._engine
+
+    def calls(self) -> dict[str, Callable[..., Any]]:
+        return {
+            "open": self.open,
+            "load": lambda folder: self.engine().load(folder),
+            "save": lambda folder: self.engine().save(folder),
+            "weights": lambda: self.engine().weights(),
+            "rl_step": lambda *args: rl_step(self.engine(), *args),
+        }
 
 
 def signal_definition(cfg: RunConfig, environments: dict[str, RunEnvironment]

@@ -252,3 +252,9 @@ def test_the_cluster_override_routes_three_nodes_and_gives_every_service_each(pr
         env = config[service]["environment"]
         assert env["FLYWHEEL_NATS_URL"].split(",") == [f"nats://{node}:4222" for node in nodes], service
         assert env["FLYWHEEL_NATS_CLUSTER"] == "3", service
+
+
+def test_the_trainer_services_start_trainer_ranks_ranks() -> None:
+    """``TRAINER_RANKS=N docker compose up``: each run's trainer runs N data-parallel ranks."""
+    for service in ("trainer", "trainer-cpu"):
+        assert services()[service]["environment"]["FLYWHEEL_TRAINER__RANKS"] == "${TRAINER_RANKS:-1}", service

@@ -75,6 +75,7 @@ class RecordingEngine:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = self.module = model
         self.device = torch.device("cpu")
+        self.same_graph_on_every_rank = False
         self.grads: list[torch.Tensor] = []
 
     def autocast(self) -> torch.autocast:
@@ -82,6 +83,9 @@ class RecordingEngine:
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
+
+    def idle_backward(self) -> None:
+        raise AssertionError("one rank never makes an idle pass")
 
     def step(self) -> float:
         self.grads = [p.grad.clone() for p in self.module.parameters() if p.grad is not None]

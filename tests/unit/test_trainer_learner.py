@@ -20,7 +20,14 @@ from flywheel_trainer.batch import micro_batches, pad, token_logprobs
 from flywheel_trainer.chats import DataError
 from flywheel_trainer.engines import TorchEngine
 from flywheel_trainer.join import Scored, Tokens, tokens_of
-from flywheel_trainer.learner import SFTSupply, reference_steps, reference_tokens, rl_step, sft_warmup
+from flywheel_trainer.learner import (
+    SFTSupply,
+    reference_steps,
+    reference_tokens,
+    rl_step,
+    sft_warmup,
+    warmup_steps,
+)
 from tests.unit.test_trainer_join import make_rollout
 
 MICRO_BATCH_SIZE = TrainerSettings().micro_batch_size
@@ -185,7 +192,7 @@ def test_sft_warmup_teaches_the_reference_answers(tiny_model_dir: Path) -> None:
             return float(-token_logprobs(model, batch)[batch.loss_mask].mean())
 
     start = cross_entropy()
-    figures = sft_warmup(model, tok, [env], cfg, MICRO_BATCH_SIZE)
+    figures = sft_warmup(model, warmup_steps(model, tok, [env], cfg), tok.pad_token_id, cfg, MICRO_BATCH_SIZE)
     assert figures["sft_steps"] == 8 and cross_entropy() < start - 0.5
 
 

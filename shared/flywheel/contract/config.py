@@ -336,7 +336,7 @@ class EnginePart(Part):
     KIND: ClassVar[str] = "an engine"
     FIELD: ClassVar[str] = "trainer.engine"
     CALL: ClassVar[tuple[str, ...]] = ("model", "trainer", "dtype")
-    METHODS: ClassVar[tuple[str, ...]] = ("autocast", "backward", "step", "weights", "save", "load")
+    METHODS: ClassVar[tuple[str, ...]] = ("autocast", "backward", "idle_backward", "step", "weights", "save", "load")
 
 
 class TorchEngineConfig(EnginePart):

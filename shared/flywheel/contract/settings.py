@@ -90,6 +90,9 @@ class TrainerSettings(_Section):
 
     micro_batch_size: int = Field(16, ge=1, description="Sequences per forward and backward pass: bounds "
                                   "activation memory; the gradient does not depend on it.")
+    ranks: int = Field(1, ge=1, description="Data-parallel ranks of each run's trainer, on this machine: above 1 "
+                       "the run's owner starts it with torch's launcher (gloo on CPU, NCCL with one GPU a rank); "
+                       "each rank takes a share of a step's micro-batches, the step is the same as on one rank.")
     max_buffered_rollouts: int = Field(4096, ge=1, description="Rollouts the trainer holds before its rollout "
                                        "consumer waits (the backlog stays in NATS). At least the run's "
                                        "trainer.batch_size plus inference.max_rollouts_in_flight, or groups "
