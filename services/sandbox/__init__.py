@@ -29,7 +29,7 @@ What is not isolated: the kernel is shared with the host (no seccomp filter and 
 kernel exploit escapes); the local backend shows the host's ``/usr`` (readable, not
 writable) and limits CPU time only where it may create cgroups; where the service allows
 network, a spec with ``network=True`` gets it (local: the host's network namespace, loopback
-services included; docker: the engine's default bridge); a spec with a ``model_url`` (local
+services included; docker: the engine's default bridge); a spec with a ``model_url`` (either
 backend) reaches that URL's paths, through the service's model relay (``relay.py``), and no
 other; the packages of setting ``sandbox_python_path`` are readable (local backend; by
 default the service's own site-packages); the commands of one sandbox run as

@@ -10,7 +10,11 @@ command cannot kill it with a signal) from the image's ``python3``, with:
   ``/dev`` itself is root's and not writable by the sandbox's user;
 - memory (swap included), pids and CPU limits from the spec;
 - a non-root user (``DockerConfig.user``), every capability dropped, ``no-new-privileges``;
-- the agent's rlimits on each command (file size, open files, CPU seconds).
+- the agent's rlimits on each command (file size, open files, CPU seconds);
+- with a ``model_url``, the folder of its model relay's socket (``relay.py``) bound read-only
+  at :data:`~flywheel_sandbox.relay.SOCKET_DIR`: the engine binds a path of its own host, so
+  the relay's folder (setting ``sandbox_relay_dir``) must be one the engine's host sees at
+  the same path (the service on that host, or compose's shared bind).
 
 The agent's frames travel over the container's attached stdin/stdout (the engine's
 multiplexed stream, demultiplexed here). Destroying a sandbox removes its container with
@@ -43,6 +47,7 @@ from flywheel_sandbox.backends import (
     pool_key,
     start_failed,
 )
+from flywheel_sandbox.relay import SOCKET_DIR, ModelRelay
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +62,7 @@ class DockerConfig:
     python: str = "python3"
     start_timeout_s: float = 30.0
     labels: dict[str, str] = field(default_factory=lambda: {"flywheel.sdk.sandbox": "1"})
+    relay_dir: str | None = None  # setting sandbox_relay_dir: where model relays make their sockets
 
 
 @dataclass
@@ -68,6 +74,7 @@ class DockerBox:
     demux: asyncio.Task[None]
     backend: DockerBackend
     stderr_tail: bytearray = field(default_factory=bytearray)
+    relay: ModelRelay | None = None
     stopped: bool = False
 
     @property
@@ -81,7 +88,14 @@ class DockerBox:
         self.stopped = True
         self.writer.close()
         self.demux.cancel()
-        self.backend.track(self.backend.run(self._remove))
+        self.backend.track(self._remove_then_close_relay())
+
+    async def _remove_then_close_relay(self) -> None:
+        try:
+            await self.backend.run(self._remove)
+        finally:
+            if self.relay is not None:
+                await self.relay.close()
 
     def _remove(self) -> None:
         import docker.errors
@@ -135,7 +149,7 @@ class DockerBackend:
         self._cleanups.add(task)
         task.add_done_callback(self._cleanups.discard)
 
-    def _create(self, spec: SandboxSpec) -> tuple[Any, socket.socket]:
+    def _create(self, spec: SandboxSpec, relay: ModelRelay | None) -> tuple[Any, socket.socket]:
         memory = spec.memory_mb * MiB + AGENT_MEMORY_BYTES
         tmpfs = f"size={spec.disk_mb}m,mode=1777,exec,nosuid,nodev"  # docker mounts noexec unless told
         container = self.client.containers.create(
@@ -145,8 +159,9 @@ class DockerBackend:
             network_mode="bridge" if spec.network else "none", mem_limit=memory, memswap_limit=memory,
             pids_limit=spec.pids + EXTRA_PIDS, nano_cpus=int(spec.cpu * 1e9), cap_drop=["ALL"],
             security_opt=["no-new-privileges"], environment={"HOME": WORKDIR}, hostname="sandbox",
-            labels=self.labels, auto_remove=True)  # gone by itself too when the agent exits (its
-            # stdin closes when this service dies)
+            # auto_remove: gone by itself too when the agent exits (its stdin closes when this service dies)
+            labels=self.labels, auto_remove=True,
+            volumes={str(relay.folder): {"bind": SOCKET_DIR, "mode": "ro"}} if relay is not None else None)
         assert container.id is not None  # a created container has its id
         try:
             raw = self.client.api.attach_socket(container.id, params={"stdin": 1, "stdout": 1, "stderr": 1,
@@ -160,17 +175,26 @@ class DockerBackend:
     async def start(self, spec: SandboxSpec) -> DockerBox:
         import docker.errors
 
+        relay = None
         if spec.model_url is not None:
-            # The relay's socket would have to be a folder the engine's host and this service share.
-            raise SandboxError("invalid_request", "spec.model_url: the docker backend has no model relay yet; run the "
-                                                  "sandbox service with the local backend (setting "
-                                                  "sandbox_backend=local) for sandboxes that reach a model")
+            relay = ModelRelay(spec.model_url, timeout_s=spec.ttl_s, parent=self.config.relay_dir)
+            try:
+                await relay.start()
+            except OSError as exc:
+                await relay.close()
+                raise SandboxError("failed", f"cannot open the sandbox's model relay in {relay.folder.parent} "
+                                             f"(setting sandbox_relay_dir): {exc}") from exc
         try:
-            container, sock = await self.run(functools.partial(self._create, spec))
-        except docker.errors.ImageNotFound as exc:
-            raise SandboxError("invalid_request", f"spec.image={spec.image!r}: no such image in the engine") from exc
-        except docker.errors.APIError as exc:
-            raise SandboxError("failed", f"the engine could not start the sandbox: {exc}") from exc
+            container, sock = await self.run(functools.partial(self._create, spec, relay))
+        except Exception as exc:
+            if relay is not None:
+                await relay.close()
+            if isinstance(exc, docker.errors.ImageNotFound):
+                raise SandboxError("invalid_request",
+                                   f"spec.image={spec.image!r}: no such image in the engine") from exc
+            if isinstance(exc, docker.errors.APIError):
+                raise SandboxError("failed", f"the engine could not start the sandbox: {exc}") from exc
+            raise
         sock.setblocking(False)
         reader, writer = await asyncio.open_connection(sock=sock)
         agent_out = asyncio.StreamReader(limit=2**24)
@@ -181,7 +205,7 @@ class DockerBackend:
             writer.write(data)
             await writer.drain()
 
-        box = DockerBox(container, AgentChannel(agent_out.readexactly, write), sock, writer, demux, self, tail)
+        box = DockerBox(container, AgentChannel(agent_out.readexactly, write), sock, writer, demux, self, tail, relay)
         writer.write(agent_preamble())
         try:
             await asyncio.wait_for(box.channel.read_frame(), self.config.start_timeout_s)

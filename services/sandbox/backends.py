@@ -328,6 +328,7 @@ class LocalConfig:
     start_timeout_s: float = 10.0
     use_cgroups: bool = True
     python_path: tuple[str, ...] = ()  # host folders bound read-only at /opt/python/<i>, on PYTHONPATH
+    relay_dir: str | None = None  # setting sandbox_relay_dir: where model relays make their sockets
 
 
 @dataclass
@@ -482,7 +483,7 @@ class LocalBackend:
         privileged = self.privileged
         relay = None
         if spec.model_url is not None:
-            relay = ModelRelay(spec.model_url, timeout_s=spec.ttl_s)
+            relay = ModelRelay(spec.model_url, timeout_s=spec.ttl_s, parent=self.config.relay_dir)
             try:
                 await relay.start()
             except OSError as exc:

@@ -44,9 +44,12 @@ HOP_HEADERS = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"
 class ModelRelay:
     """Serves one sandbox's socket; :meth:`close` stops it and removes its folder."""
 
-    def __init__(self, model_url: str, timeout_s: float) -> None:
+    def __init__(self, model_url: str, timeout_s: float, parent: str | None = None) -> None:
         self.model_url = model_url.rstrip("/")
-        self.folder = Path(tempfile.mkdtemp(prefix="flywheel-relay-"))
+        # Its own folder, in ``parent`` (setting sandbox_relay_dir; None: the system's temporary folder).
+        if parent is not None:
+            os.makedirs(parent, exist_ok=True)
+        self.folder = Path(tempfile.mkdtemp(prefix="flywheel-relay-", dir=parent))
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=30.0))
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.Task[None]] = set()

@@ -139,8 +139,9 @@ class SandboxResponder:
 def build_backend(settings: Settings) -> Any:
     """The backend named by setting ``sandbox_backend`` (its heavy imports only when chosen)."""
     if settings.sandbox_backend == "docker":
-        return DockerBackend(DockerConfig(image=settings.sandbox_image))
-    return LocalBackend(LocalConfig(python_path=python_path(settings.sandbox_python_path)))
+        return DockerBackend(DockerConfig(image=settings.sandbox_image, relay_dir=settings.sandbox_relay_dir))
+    return LocalBackend(LocalConfig(python_path=python_path(settings.sandbox_python_path),
+                                    relay_dir=settings.sandbox_relay_dir))
 
 
 def manager_config(settings: Settings) -> ManagerConfig:

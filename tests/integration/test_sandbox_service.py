@@ -190,6 +190,17 @@ async def test_a_model_url_is_the_one_way_out_of_a_sandbox(client: ServedSandbox
     """``spec.model_url``: a program inside reaches that endpoint (kept-alive and streamed
     answers) at MODEL_BASE_URL, and nothing else: no other path of it, no climbing out of
     its prefix, not the host's port it is served on."""
+    await only_the_model_url(client)
+
+
+@pytest.mark.docker
+async def test_a_model_url_is_the_one_way_out_of_a_docker_sandbox(bus: Bus, request: pytest.FixtureRequest) -> None:
+    """The same through the docker backend: the relay's folder bound into the container."""
+    async with backend_named("docker", request) as docker_backend, serving(bus, docker_backend, warm_pool=0) as c:
+        await only_the_model_url(c)
+
+
+async def only_the_model_url(client: ServedSandboxClient) -> None:
     with ScriptedOpenAI({"agent": ["one", "two", "three"]}) as server:
         spec = SandboxSpec(model_url=server.base_url)
         result = await client.run(["python3", "client.py", str(server.port)], files={"client.py": MODEL_CLIENT},
@@ -203,7 +214,8 @@ async def test_a_model_url_is_the_one_way_out_of_a_sandbox(client: ServedSandbox
         # Without a model_url nothing listens on the port: the first request fails.
         assert without.exit_code == 1 and without.stdout == "" and len(server.requests) == 3, without
     assert not client.manager.sessions
-    assert not list(Path(tempfile.gettempdir()).glob("flywheel-relay-*")), "a relay's folder outlived its sandbox"
+    await until(lambda: not list(Path(tempfile.gettempdir()).glob("flywheel-relay-*")),
+                what="each relay's folder to go with its sandbox")
 
 
 async def test_a_bad_model_url_is_refused_naming_the_field(bus: Bus, client: ServedSandboxClient) -> None:

@@ -258,3 +258,9 @@ def test_the_trainer_services_start_trainer_ranks_ranks() -> None:
     """``TRAINER_RANKS=N docker compose up``: each run's trainer runs N data-parallel ranks."""
     for service in ("trainer", "trainer-cpu"):
         assert services()[service]["environment"]["FLYWHEEL_TRAINER__RANKS"] == "${TRAINER_RANKS:-1}", service
+
+
+def test_the_sandbox_services_relay_folder_has_one_path_in_its_container_and_on_the_engines_host() -> None:
+    spec = services()["sandbox"]
+    folder = spec["environment"]["FLYWHEEL_SANDBOX_RELAY_DIR"]
+    assert f"{folder}:{folder}" in spec["volumes"]

@@ -239,6 +239,11 @@ class Settings(BaseSettings):
                             "agent run in a sandbox): folders separated by ':', or auto (the service's own "
                             "site-packages when its Python has the minor version of /usr/bin/python3, else none), "
                             "or empty for none.")
+    sandbox_relay_dir: str | None = Field(
+        None, description="Folder where the sandbox service makes the Unix socket of each sandbox's model relay (a "
+                          "spec with a model_url). The docker backend binds it into the container, so the engine's "
+                          "host must see it at the same path (compose binds one); unset: the system's temporary "
+                          "folder.")
     run_lease_s: float = Field(60.0, gt=0, description="How long a run outlives its owner (an orchestrator): past "
                                                        "this without a renewal the run is abandoned (its queued "
                                                        "tasks stop holding inference) and another orchestrator may "
