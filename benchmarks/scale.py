@@ -13,8 +13,9 @@ Key: ``cluster_vs_single`` (cluster msgs/s ÷ one node's; target at least 0.5), 
 ``single_msgs_per_s``, ``cluster_msgs_per_s`` and each round's figures.
 
 Not measured here yet: ``replicas_2_vs_1`` (two inference replicas against one on the async
-benchmark's workload) needs inference replicas to share one admission bound, which they do
-not yet.
+benchmark's workload, each pinned to a core of its own): the replicas now share one
+admission bound (``tests/e2e/test_inference_replicas.py``), but this script does not start
+them yet.
 """
 
 from __future__ import annotations

@@ -40,25 +40,158 @@ When the run ends (finished, failed, stopped, or abandoned by its owner:
 :func:`flywheel.contract.runs.end_of`), every waiting task is released with :class:`RunEnded` at
 once, so it stops holding the consumer's slots; a run that is resumed takes tasks again.
 
-Not covered: a bound shared by several replicas (each replica keeps its own count once
-started, from the stream's count when it first sees the run).
+Replicas share the budget (:class:`SharedIssued`): the run's issued rollouts over every
+inference replica are one entry of the bus's admission bucket, ``published`` (rollouts the bus
+stored) plus what each replica ``holds`` (admitted, not yet published), changed only by
+compare-and-set; a group is admitted when the shared total fits, so N replicas together never
+issue more than one would. A replica's holding carries a lease it renews while it holds
+anything (:data:`LEASE_S`): a killed replica's holding stops counting once its lease runs out
+(its tasks are redelivered and admitted again elsewhere), and ``published`` is brought up to
+the stream's count whenever a replica renews, so a replica killed between publishing and
+recording it costs nothing for long. A replica joining mid-run counts what the others hold
+from its first admission. The local counters above still bound this replica (they never
+exceed the shared ones).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
+import json
+import logging
+import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import nats.errors
+import nats.js.errors
+from nats.js.kv import KeyValue
+
 from flywheel.contract import events
+from flywheel.contract.bus import Bus
 from flywheel.contract.config import RunConfig
+
+log = logging.getLogger(__name__)
+
+LEASE_S = 15.0  # a replica's holding counts this long after its last renewal
+RENEW_S = LEASE_S / 3
+RETRY_S = 0.5  # a group refused by the shared total asks again this often (others may have published)
 
 
 class RunEnded(Exception):
     """The run ended (the message says how and when): its remaining tasks are not sampled."""
+
+
+class SharedIssued:
+    """One run's issued rollouts over every inference replica, in the admission bucket (key: the
+    run): ``{"published": P, "held": {replica: [n, lease_until]}}``, read and written by
+    compare-and-set. ``published(run)``: the ROLLOUTS stream's count for the run (the truth the
+    entry is brought up to)."""
+
+    def __init__(self, bus: Bus, run: str, replica: str, published: Callable[[str], Awaitable[int]]) -> None:
+        self.bus = bus
+        self.run = run
+        self.replica = replica
+        self._published = published
+        self.held = 0  # what this replica holds, as it last wrote it
+        self._renewing: asyncio.Task[None] | None = None
+        self._bucket: KeyValue | None = None
+
+    async def total(self) -> int:
+        """Published plus every live holding: the run's issued rollouts now."""
+        entry, _ = await self._read()
+        return _total(entry, time.time())
+
+    async def reserve(self, n: int, max_issued: int) -> bool:
+        """Hold ``n`` more if the shared total then stays within ``max_issued``; False if not."""
+        def change(entry: dict[str, Any], now: float) -> bool:
+            if _total(entry, now) + n > max_issued:
+                return False
+            entry["held"][self.replica] = [self.held + n, now + LEASE_S]
+            return True
+
+        if not await self._update(change):
+            return False
+        self.held += n
+        if self._renewing is None or self._renewing.done():
+            self._renewing = asyncio.ensure_future(self._renew())
+        return True
+
+    async def release(self, n: int, stored: int) -> None:
+        """``n`` held come off this replica's holding; ``stored`` of them the bus stored (published)."""
+        self.held = max(self.held - n, 0)  # what a failed write leaves, renewals (or the lease) mend
+
+        def change(entry: dict[str, Any], now: float) -> bool:
+            entry["published"] += stored
+            entry["held"][self.replica] = [self.held, now + LEASE_S]
+            return True
+
+        try:
+            await self._update(change)
+        except (nats.errors.Error, TimeoutError) as exc:
+            log.warning("run %s: could not give back %d admitted rollouts on the bus (%s); they count until this "
+                        "replica's lease is renewed or runs out", self.run, n, exc)
+
+    async def close(self) -> None:
+        if self._renewing is not None:
+            self._renewing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._renewing
+
+    async def _renew(self) -> None:
+        """While this replica holds anything: renew its lease, and bring ``published`` up to the stream."""
+        while self.held > 0:
+            await asyncio.sleep(RENEW_S)
+            try:
+                await self._update(functools.partial(self._renewed, await self._published(self.run)))
+            except (nats.errors.Error, TimeoutError) as exc:
+                log.warning("run %s: could not renew this replica's admission lease: %s", self.run, exc)
+
+    async def _kv(self) -> KeyValue:
+        if self._bucket is None:
+            self._bucket = await self.bus.admission_kv()
+        return self._bucket
+
+    def _renewed(self, count: int, entry: dict[str, Any], now: float) -> bool:
+        entry["published"] = max(entry["published"], count)
+        entry["held"][self.replica] = [self.held, now + LEASE_S]
+        return True
+
+    async def _read(self) -> tuple[dict[str, Any], int | None]:
+        kv = await self._kv()
+        try:
+            found = await kv.get(self.run)
+        except nats.js.errors.KeyNotFoundError:
+            return {"published": await self._published(self.run), "held": {}}, None
+        return json.loads(found.value or b"{}"), found.revision
+
+    async def _update(self, change: Callable[[dict[str, Any], float], bool]) -> bool:
+        """Apply ``change`` to the entry (it returns False to leave it), by compare-and-set
+        until no other replica wrote in between; dead holdings are dropped on the way."""
+        kv = await self._kv()
+        while True:
+            entry, revision = await self._read()
+            now = time.time()
+            entry["held"] = {r: v for r, v in entry["held"].items() if (v[1] > now and v[0] > 0) or r == self.replica}
+            if not change(entry, now):
+                return False
+            data = json.dumps(entry).encode()
+            try:
+                if revision is None:
+                    await kv.create(self.run, data)
+                else:
+                    await kv.update(self.run, data, last=revision)
+                return True
+            except nats.js.errors.KeyWrongLastSequenceError:
+                continue  # another replica wrote first (or made the entry): read again
+
+
+def _total(entry: dict[str, Any], now: float) -> int:
+    return int(entry["published"]) + sum(int(n) for n, until in entry["held"].values() if until > now)
 
 
 @dataclass
@@ -87,15 +220,17 @@ class Admission:
     ended: str | None = None  # why the run takes no tasks (RunEnd's reason); None while it does
     num_skipped: int = 0  # rollouts of tasks left over when the run ended
     on_change: Callable[[], None] | None = None  # called after every change of the counters
+    shared: SharedIssued | None = None  # the bound shared with the other replicas (None: this one's alone)
     _changed: asyncio.Condition = field(default_factory=asyncio.Condition, repr=False)
     _queue: deque[object] = field(default_factory=deque, repr=False)  # tasks waiting for budget, in order
     _places: deque[object] = field(default_factory=deque, repr=False)  # rollouts waiting for a place, in order
 
     @classmethod
-    def for_run(cls, cfg: RunConfig, num_issued: int = 0, on_change: Callable[[], None] | None = None) -> Admission:
+    def for_run(cls, cfg: RunConfig, num_issued: int = 0, on_change: Callable[[], None] | None = None,
+                shared: SharedIssued | None = None) -> Admission:
         return cls(batch_size=cfg.trainer.batch_size, max_off_policy_steps=cfg.trainer.max_off_policy_steps,
                    max_in_flight=cfg.inference.max_rollouts_in_flight, spare=cfg.inference.spare_rollouts,
-                   num_issued=num_issued, on_change=on_change)
+                   num_issued=num_issued, on_change=on_change, shared=shared)
 
     def _counted(self) -> None:
         if self.on_change is not None:
@@ -157,19 +292,32 @@ class Admission:
             self.num_waiting += n
             self._queue.append(ticket)
             self._counted()
-            try:
-                await self._changed.wait_for(lambda: self.ended is not None or (self._queue[0] is ticket
-                                                                                 and self.fits(n)))
-            finally:
+        admitted = False
+        try:
+            while True:
+                async with self._changed:
+                    await self._changed.wait_for(lambda: self.ended is not None or (self._queue[0] is ticket
+                                                                                     and self.fits(n)))
+                    if self.ended is not None:
+                        self.num_skipped += n
+                        self._counted()
+                        raise RunEnded(self.ended)
+                    bound = self.max_issued
+                # First in line and within this replica's bound: within the run's, over every replica?
+                if self.shared is None or await self.shared.reserve(n, bound):
+                    admitted = True
+                    break
+                async with self._changed:  # until the bound moves, or the others may have published
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._changed.wait(), RETRY_S)
+        finally:
+            async with self._changed:
+                if admitted:
+                    self.num_issued += n
                 self.num_waiting -= n
                 self._queue.remove(ticket)
                 self._changed.notify_all()  # the next in line may fit now
-            if self.ended is not None:
-                self.num_skipped += n
                 self._counted()
-                raise RunEnded(self.ended)
-            self.num_issued += n
-            self._counted()
         slot = Slot(n)
         failed = False
         try:
@@ -183,6 +331,8 @@ class Admission:
             # Published: what the bus did not store (it was there already) comes back. Never
             # published (the block raised first): all of it comes back.
             stored = slot.num_stored if slot.num_stored is not None else 0 if failed else n
+            if self.shared is not None:
+                await self.shared.release(n, stored)
             async with self._changed:
                 self.num_issued -= n - stored
                 self._changed.notify_all()

@@ -79,6 +79,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import secrets
+import socket
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Sequence
@@ -101,7 +104,7 @@ from flywheel.sdk.environment import Environment, EnvironmentLoadError, load_for
 from flywheel.sdk.harness import RolloutContext
 from flywheel.sdk.rollout import run_harness
 from flywheel.sdk.sandbox import SandboxClient
-from flywheel_inference.admission import Admission, RunEnded
+from flywheel_inference.admission import Admission, RunEnded, SharedIssued
 from flywheel_inference.backends import build_backend
 from flywheel_inference.completion import Backend
 from flywheel_inference.interception import Interception, Session
@@ -224,6 +227,8 @@ class Worker:
         self._base_loading: dict[tuple[str, str, str], asyncio.Future[SharedBase | Backend]] = {}
         self.interception = Interception()
         self._asgi_client: Any = None
+        # This process among the replicas that share each run's admission bound (SharedIssued).
+        self.replica = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
 
     @classmethod
     def with_backends(cls, bus: Bus, data_dir: Path, config: InferenceSettings, url: str | None = None) -> Worker:
@@ -251,6 +256,9 @@ class Worker:
         for loading in self._loading.values():
             loading.cancel()
         await asyncio.gather(*(hosted.policy.close() for hosted in [*self._runs.values(), *self._snapshots.values()]))
+        for hosted in self._runs.values():
+            if hosted.admission.shared is not None:
+                await hosted.admission.shared.close()
         for base in self._bases.values():
             await base.batcher.close()
             await compute(base.backend.close)
@@ -274,7 +282,8 @@ class Worker:
     async def _start(self, run: str) -> HostedRun:
         cfg = await self.run_config(run)
         num_issued = await self._num_rollouts_published(run)
-        admission = Admission.for_run(cfg, num_issued=num_issued, on_change=self._refresh_info)
+        shared = SharedIssued(self.bus, run, self.replica, self._num_rollouts_published)
+        admission = Admission.for_run(cfg, num_issued=num_issued, on_change=self._refresh_info, shared=shared)
         admission.num_skipped = self._num_skipped.pop(run, 0)
         state = self._states.get(run)
         end = end_of(state) if state is not None else None

@@ -83,6 +83,7 @@ STREAMS: dict[str, list[str]] = {
 RUNS_BUCKET = "flywheel-runs"
 SERVICES_BUCKET = "flywheel-services"
 KEYS_BUCKET = "flywheel-keys"  # API keys by id (flywheel.contract.keys)
+ADMISSION_BUCKET = "flywheel-admission"  # each run's issued rollouts over every inference replica
 # Weight versions live in one object-store bucket a run, "flywheel-weights-<run>" (see
 # flywheel.contract.weights): JetStream frees a stream's disk from its head, so a run that
 # drops its oldest versions frees their space only in a stream of its own.
@@ -296,7 +297,7 @@ class Bus:
             )
             await self.retry(functools.partial(self._ensure_stream, cfg))
         for bucket, history, ttl in ((RUNS_BUCKET, 8, None), (SERVICES_BUCKET, 1, SERVICE_HEARTBEAT_TTL_S),
-                                     (KEYS_BUCKET, 4, None)):
+                                     (KEYS_BUCKET, 4, None), (ADMISSION_BUCKET, 1, None)):
             kv = KeyValueConfig(bucket=bucket, history=history, ttl=ttl, storage=StorageType.FILE,
                                 replicas=self.replicas)
             await self.retry(functools.partial(self._ensure_bucket, kv))
@@ -337,6 +338,9 @@ class Bus:
 
     async def services_kv(self) -> KeyValue:
         return await self.retry(lambda: self.js.key_value(SERVICES_BUCKET))
+
+    async def admission_kv(self) -> KeyValue:
+        return await self.retry(lambda: self.js.key_value(ADMISSION_BUCKET))
 
     async def kv_keys(self, bucket: str) -> list[str]:
         """Every key the KV bucket holds now, sorted (a deleted key stays listed until purged:
