@@ -1,6 +1,7 @@
-"""The bus on a three-node JetStream cluster against one node, on this machine.
+"""Past one process: the bus on a three-node JetStream cluster against one node, and two
+inference replicas against one, on this machine.
 
-    python benchmarks/scale.py --json out/scale.json [--messages 20000] [--rounds 5]
+    python benchmarks/scale.py --json out/scale.json [--messages 20000] [--rounds 5] [--replica-rounds 2]
 
 Publish and consume rate through Flywheel's bus layer (``benchmarks/bus.py``'s ``bus`` side:
 ``Bus.publish_many`` then a ``Consumer`` acking every event, 1 KB events) on one nats-server
@@ -12,10 +13,14 @@ second node; all three nodes share this machine's cores here.
 Key: ``cluster_vs_single`` (cluster msgs/s ÷ one node's; target at least 0.5), with
 ``single_msgs_per_s``, ``cluster_msgs_per_s`` and each round's figures.
 
-Not measured here yet: ``replicas_2_vs_1`` (two inference replicas against one on the async
-benchmark's workload, each pinned to a core of its own): the replicas now share one
-admission bound (``tests/e2e/test_inference_replicas.py``), but this script does not start
-them yet.
+Then ``replicas_2_vs_1``: the asynchronous run of ``benchmarks/async_vs_sync.py`` (its
+heavy-tailed workload, settings and figures) on a stack with one inference replica and on one
+with two, each replica pinned to a core of its own (``sched_setaffinity``: core ``i`` mod
+the cores there are), in alternating rounds; each round is a fresh stack and run. The
+replicas share the run's admission bound and each has ``max_rollouts_in_flight`` places. Key:
+``replicas_2_vs_1`` (one replica's seconds a step ÷ two replicas', medians; target at least
+1.7), with each round's figures. On a machine of two cores the trainer, scorer and
+nats-server share the replicas' cores. ``--replica-rounds 0`` skips it.
 """
 
 from __future__ import annotations
@@ -23,17 +28,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
+import async_vs_sync  # type: ignore[import-not-found]  # benchmarks/async_vs_sync.py, on sys.path when run
 from bus import bus_round, make_tasks  # type: ignore[import-not-found]  # benchmarks/bus.py, on sys.path when run
 
 from flywheel.contract.bus import Bus, BusConfig
 from flywheel.ops.natsserver import NatsCluster, NatsServer
 
 TARGET = 0.5
+TARGET_REPLICAS = 1.7
 PAYLOAD_BYTES = 1024
 
 
@@ -59,17 +68,94 @@ async def measure(messages: int, rounds: int) -> dict[str, object]:
             "payload_bytes": PAYLOAD_BYTES, "replicas": 3, "targets": {"cluster_vs_single": TARGET}}
 
 
+def serve_pinned(core: int, port: int) -> None:
+    """``scale.py --serve-inference CORE PORT``: an inference replica on one core, as async_vs_sync serves it."""
+    os.sched_setaffinity(0, {core % (os.cpu_count() or 1)})
+    import flywheel.contract.service
+
+    flywheel.contract.service.HEARTBEAT_INTERVAL_S = async_vs_sync.HEARTBEAT_S
+    from flywheel_inference.__main__ import main
+
+    main(["--port", str(port)])
+
+
+async def replicas_round(num_replicas: int, round_: int) -> dict[str, Any]:
+    """One stack with ``num_replicas`` pinned inference replicas, one async run of async_vs_sync's workload."""
+    from flywheel.contract.settings import Settings
+    from flywheel.ops.natsserver import free_port
+    from flywheel.ops.stack import SERVICES, ServiceSpec, Stack, heartbeat_of
+
+    bench = argparse.Namespace(steps=16, batch_size=32, group_size=8, slots=32, max_tokens=48, sft_steps=30)
+    if str(async_vs_sync.ENVS) not in sys.path:  # its environment: here (the run's tasks) and in the services
+        sys.path.insert(0, str(async_vs_sync.ENVS))
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(async_vs_sync.ENVS),
+                                                               os.environ.get("PYTHONPATH")) if p)
+    data_dir = Path(tempfile.mkdtemp(prefix=f"flywheel-scale-{num_replicas}-"))
+    settings = Settings(data_dir=data_dir, nats_port=free_port(), gateway_port=free_port(),
+                        inference_port=free_port())
+    replicas = {f"inference-{i}": ServiceSpec((str(Path(__file__).resolve()), "--serve-inference", str(i),
+                                               str(settings.inference_port if i == 0 else free_port())),
+                                              heartbeat_of("inference")) for i in range(num_replicas)}
+    out = (data_dir / "benchmark.log").open("a")
+    stack = Stack(settings, out=out, services={"orchestrator": SERVICES["orchestrator"],
+                                               "scorer": SERVICES["scorer"], **replicas})
+    stack_task = asyncio.ensure_future(stack.run())
+    await asyncio.wait([stack_task, asyncio.ensure_future(stack.ready.wait())], return_when=asyncio.FIRST_COMPLETED)
+    if stack_task.done():
+        await stack_task
+        raise RuntimeError(f"the stack stopped before it was ready; see {data_dir}")
+    bus = await Bus.connect(settings.resolved_nats_url, "benchmark-scale")
+    try:
+        cfg = async_vs_sync.run_config("async", 1, bench.batch_size, bench, f"{num_replicas}r{round_}")
+        result: dict[str, Any] = await async_vs_sync.one_run(cfg, settings, bus, out)
+    finally:
+        await bus.close()
+        stack.stopping.set()
+        await stack_task
+        out.close()
+    print(f"round {round_ + 1}: {num_replicas} inference replica(s): {result['step_s']:.2f} s/step, "
+          f"dropped {result['dropped_fraction']:.0%}, busy {result['inference_busy']:.2f} (of one replica's places)",
+          flush=True)
+    return result
+
+
+async def measure_replicas(rounds: int) -> dict[str, Any]:
+    one: list[dict[str, Any]] = []
+    two: list[dict[str, Any]] = []
+    for r in range(rounds):  # alternated, so drift on a shared machine hits both alike
+        one.append(await replicas_round(1, r))
+        two.append(await replicas_round(2, r))
+    one_s = statistics.median(x["step_s"] for x in one)
+    two_s = statistics.median(x["step_s"] for x in two)
+    return {"replicas_2_vs_1": one_s / two_s, "one_replica_step_s": one_s, "two_replicas_step_s": two_s,
+            "replica_rounds": {"one": one, "two": two}}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--messages", type=int, default=20000, help="1 KB events per round")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds of each")
+    parser.add_argument("--replica-rounds", type=int, default=2, help="alternating rounds of one and two inference "
+                        "replicas (0: not measured)")
+    parser.add_argument("--serve-inference", nargs=2, type=int, metavar=("CORE", "PORT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.serve_inference:
+        serve_pinned(*args.serve_inference)
+        return 0
     result = asyncio.run(measure(args.messages, args.rounds))
     ratio = result["cluster_vs_single"]
     assert isinstance(ratio, float)
     print(f"cluster_vs_single {ratio:.2f} (median of {args.rounds} rounds; target >= {TARGET}: "
           f"{'met' if ratio >= TARGET else 'NOT met'})")
+    if args.replica_rounds:
+        replicas = asyncio.run(measure_replicas(args.replica_rounds))
+        result.update(replicas)
+        result["targets"]["replicas_2_vs_1"] = TARGET_REPLICAS  # type: ignore[index]
+        r2 = replicas["replicas_2_vs_1"]
+        print(f"replicas_2_vs_1 {r2:.2f} (one replica {replicas['one_replica_step_s']:.2f} s/step, two "
+              f"{replicas['two_replicas_step_s']:.2f}; median of {args.replica_rounds} rounds; target >= "
+              f"{TARGET_REPLICAS}: {'met' if r2 >= TARGET_REPLICAS else 'NOT met'})")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")
