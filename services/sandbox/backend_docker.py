@@ -47,7 +47,7 @@ from flywheel_sandbox.backends import (
     pool_key,
     start_failed,
 )
-from flywheel_sandbox.relay import SOCKET_DIR, ModelRelay
+from flywheel_sandbox.relay import SOCKET_DIR, ModelRelay, open_relay
 
 log = logging.getLogger(__name__)
 
@@ -177,13 +177,7 @@ class DockerBackend:
 
         relay = None
         if spec.model_url is not None:
-            relay = ModelRelay(spec.model_url, timeout_s=spec.ttl_s, parent=self.config.relay_dir)
-            try:
-                await relay.start()
-            except OSError as exc:
-                await relay.close()
-                raise SandboxError("failed", f"cannot open the sandbox's model relay in {relay.folder.parent} "
-                                             f"(setting sandbox_relay_dir): {exc}") from exc
+            relay = await open_relay(spec.model_url, spec.ttl_s, self.config.relay_dir)
         try:
             container, sock = await self.run(functools.partial(self._create, spec, relay))
         except Exception as exc:

@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from flywheel.sdk.sandbox import WORKDIR, SandboxError, SandboxSpec
-from flywheel_sandbox.relay import SOCKET_DIR, ModelRelay
+from flywheel_sandbox.relay import SOCKET_DIR, ModelRelay, open_relay
 
 log = logging.getLogger(__name__)
 
@@ -483,14 +483,12 @@ class LocalBackend:
         privileged = self.privileged
         relay = None
         if spec.model_url is not None:
-            relay = ModelRelay(spec.model_url, timeout_s=spec.ttl_s, parent=self.config.relay_dir)
             try:
-                await relay.start()
-            except OSError as exc:
-                await relay.close()
+                relay = await open_relay(spec.model_url, spec.ttl_s, self.config.relay_dir)
+            except SandboxError:
                 self.cgroups.kill_and_remove(cgroup)
                 self.release_uid(uid)
-                raise SandboxError("failed", f"cannot open the sandbox's model relay: {exc}") from exc
+                raise
 
         def enter() -> None:  # in the child, before exec: join the cgroups, then become the sandbox's user
             pid = str(os.getpid()).encode()

@@ -26,7 +26,7 @@ from pathlib import Path
 import h11
 import httpx
 
-from flywheel.sdk.sandbox import MODEL_PREFIX
+from flywheel.sdk.sandbox import MODEL_PREFIX, SandboxError
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,21 @@ MAX_REQUEST_BYTES = 64 * 1024 * 1024  # one request's body (a long conversation'
 # Per connection, not forwarded: they describe the hop, not the request or its answer.
 HOP_HEADERS = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
                          b"trailer", b"transfer-encoding", b"upgrade", b"host", b"content-length"})
+
+
+async def open_relay(model_url: str, timeout_s: float, parent: str | None) -> ModelRelay:
+    """A started relay for one sandbox, its folder in ``parent`` (setting sandbox_relay_dir);
+    a SandboxError naming that folder and the setting when it cannot open."""
+    relay = None
+    try:
+        relay = ModelRelay(model_url, timeout_s=timeout_s, parent=parent)
+        await relay.start()
+    except OSError as exc:
+        if relay is not None:
+            await relay.close()
+        raise SandboxError("failed", f"cannot open the sandbox's model relay in {parent or tempfile.gettempdir()} "
+                                     f"(setting sandbox_relay_dir): {exc}") from exc
+    return relay
 
 
 class ModelRelay:
