@@ -72,7 +72,7 @@ import nats.js.errors
 from nats.js.kv import KeyValue
 
 from flywheel.contract import events
-from flywheel.contract.bus import Bus
+from flywheel.contract.bus import Bus, wait_at_most
 from flywheel.contract.config import RunConfig
 
 log = logging.getLogger(__name__)
@@ -308,8 +308,7 @@ class Admission:
                     admitted = True
                     break
                 async with self._changed:  # until the bound moves, or the others may have published
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._changed.wait(), RETRY_S)
+                    await wait_at_most(self._changed.wait(), RETRY_S)
         finally:
             async with self._changed:
                 if admitted:

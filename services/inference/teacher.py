@@ -74,7 +74,7 @@ import msgspec
 import nats.js.errors
 
 from flywheel.contract import events, weights
-from flywheel.contract.bus import Bus, Consumer, Delivery, Reject, watch
+from flywheel.contract.bus import Bus, Consumer, Delivery, Reject, wait_at_most, watch
 from flywheel.contract.config import RunConfig, TeacherConfig
 from flywheel.contract.runs import end_of, watch_runs
 from flywheel.contract.service import compute
@@ -488,10 +488,7 @@ class RunWeights:
 
     async def changed(self, timeout_s: float) -> None:
         """Until a new update is seen, or ``timeout_s``."""
-        try:
-            await asyncio.wait_for(self._changed.wait(), timeout_s)
-        except TimeoutError:
-            pass
+        await wait_at_most(self._changed.wait(), timeout_s)
 
     async def watch(self, bus: Bus, run: str, stopping: asyncio.Event) -> None:
         async for update in watch(bus, f"weights.{run}", events.WeightUpdate, stopping, watcher=WEIGHTS_WATCHER):

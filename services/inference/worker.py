@@ -95,7 +95,7 @@ import nats.js.errors
 from nats.js.api import PubAck
 
 from flywheel.contract import events, weights
-from flywheel.contract.bus import RUNS_BUCKET, Bus, Consumer, Delivery, Reject, watch
+from flywheel.contract.bus import RUNS_BUCKET, Bus, Consumer, Delivery, Reject, wait_at_most, watch
 from flywheel.contract.config import RunConfig
 from flywheel.contract.runs import BadRunState, end_of, get_run, watch_runs
 from flywheel.contract.service import Service, compute
@@ -479,10 +479,7 @@ class Worker:
         while not stopping.is_set():
             for run in list(self._runs):
                 await self._check_end(run)
-            try:
-                await asyncio.wait_for(stopping.wait(), LEASE_CHECK_S)
-            except TimeoutError:
-                pass
+            await wait_at_most(stopping.wait(), LEASE_CHECK_S)
 
     async def _check_end(self, run: str) -> None:
         hosted, state = self._runs.get(run), self._states.get(run)

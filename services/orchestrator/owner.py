@@ -53,7 +53,7 @@ from typing import Any
 import nats.errors
 
 from flywheel.contract import events, weights
-from flywheel.contract.bus import SERVICE_HEARTBEAT_TTL_S, Bus, watch
+from flywheel.contract.bus import SERVICE_HEARTBEAT_TTL_S, Bus, wait_at_most, watch
 from flywheel.contract.checkpoints import run_folder
 from flywheel.contract.config import EvalSpec, RunConfig
 from flywheel.contract.runs import add_note, get_run, release_run, renew_lease, unpin_version, update_run
@@ -325,9 +325,8 @@ class RunOwner:
                     if state is not None and state.owner != self.name:
                         lost.set()
                         break
-                try:
-                    update = await asyncio.wait_for(updates.get(), 0.5)
-                except TimeoutError:
+                update = await wait_at_most(updates.get(), 0.5)
+                if update is None:
                     continue
                 if self.progress.add(update) is not None:
                     trainer.progressed()

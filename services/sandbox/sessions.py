@@ -39,6 +39,7 @@ from typing import Any
 
 import msgspec
 
+from flywheel.contract.bus import wait_at_most
 from flywheel.contract.settings import SandboxSettings
 from flywheel.sdk.sandbox import (
     MODEL_PORT,
@@ -118,10 +119,7 @@ class SessionManager:
         try:
             while not stopping.is_set():
                 self.reap()
-                try:
-                    await asyncio.wait_for(stopping.wait(), self.config.limits.reap_interval_s)
-                except TimeoutError:
-                    pass
+                await wait_at_most(stopping.wait(), self.config.limits.reap_interval_s)
         finally:
             filler.cancel()
             await asyncio.gather(filler, return_exceptions=True)

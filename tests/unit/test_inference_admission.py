@@ -208,3 +208,37 @@ async def test_a_rollout_waiting_for_a_place_is_released_when_the_run_ends() -> 
     hold.set()
     await running
     assert a.num_in_flight == 0 and a.num_waiting == 0
+
+
+class RefusingBound:
+    """A shared bound (the other replicas hold everything): refuses every group, counting asks."""
+
+    def __init__(self) -> None:
+        self.asks = 0
+
+    async def reserve(self, n: int, max_issued: int) -> bool:
+        self.asks += 1
+        return False
+
+    async def release(self, n: int, stored: int) -> None:
+        raise AssertionError("nothing was reserved")
+
+
+async def test_a_group_the_shared_bound_refuses_stops_when_cancelled_as_the_bound_moves() -> None:
+    shared = RefusingBound()
+    a = Admission(batch_size=4, max_off_policy_steps=0, max_in_flight=8, shared=shared)  # type: ignore[arg-type]
+    await a.advance(0)
+
+    async def enter() -> None:
+        async with a.slot(2):
+            raise AssertionError("admitted past a refusing bound")
+
+    waiting = asyncio.ensure_future(enter())
+    await until(lambda: shared.asks >= 1, what="the shared bound asked")
+    await asyncio.sleep(0)  # noqa: sleep - one turn: the refused group is in its retry wait
+    await a.advance(1)  # the bound moves: the retry wait ends in this turn ...
+    waiting.cancel()  # ... and the task is cancelled in the same one (shutdown, or a lost consumer)
+    with pytest.raises(asyncio.CancelledError):  # not TimeoutError: a swallowed cancel retries forever
+        async with asyncio.timeout(10):
+            await waiting
+    assert a.num_waiting == 0 and a.num_issued == 0

@@ -700,12 +700,18 @@ async def watch(bus: Bus, subject: str, event_type: type[T], stopping: asyncio.E
             pass
 
 
-async def _wait(event: asyncio.Event, timeout_s: float) -> None:
-    """Wait for ``event`` at most ``timeout_s``."""
+async def wait_at_most(aw: Awaitable[T], timeout_s: float) -> T | None:
+    """``aw``'s result, or None once ``timeout_s`` passed first (``aw`` is then cancelled):
+    for waits on an event, a condition or a queue inside a loop. Not ``asyncio.wait_for``: on
+    Python 3.11 it returns the result of a wait that completes in the same turn as the task is
+    cancelled, swallowing the cancellation, and a cancelled task that loops on such waits
+    then runs on, unseen (a consumer that does not stop, a waiting admission that retries
+    forever)."""
     try:
-        await asyncio.wait_for(event.wait(), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            return await aw
     except TimeoutError:
-        pass
+        return None
 
 
 # --- consuming ----------------------------------------------------------------------------
@@ -875,7 +881,7 @@ class Consumer:
                 except nats.errors.Error as exc:
                     # Server restarting, leader change: the client reconnects by itself.
                     log.warning("consumer %s: fetch failed (%s); retrying", self.durable, exc)
-                    await _wait(self._stopping, 0.25)
+                    await wait_at_most(self._stopping.wait(), 0.25)
                     continue
                 self._dispatch(msgs)
         finally:
@@ -893,10 +899,7 @@ class Consumer:
         await self._until_free(1)
         low_water = max(1, self.batch_size // 4)
         if self.max_in_flight - self._in_flight < low_water:
-            try:
-                await asyncio.wait_for(self._until_free(low_water), 0.005)
-            except TimeoutError:
-                pass
+            await wait_at_most(self._until_free(low_water), 0.005)
         return 0 if self._stopping.is_set() else self.max_in_flight - self._in_flight
 
     async def _until_free(self, n: int) -> None:
@@ -935,7 +938,7 @@ class Consumer:
         deadline = time.monotonic() + self.grace_s
         while self._in_flight and (left_s := deadline - time.monotonic()) > 0:
             self._slot_freed.clear()
-            await _wait(self._slot_freed, left_s)
+            await wait_at_most(self._slot_freed.wait(), left_s)
         for w in self._workers:
             w.cancel()
         await asyncio.gather(*self._workers, return_exceptions=True)

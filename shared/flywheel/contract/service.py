@@ -27,7 +27,7 @@ import nats.errors
 import nats.js.errors
 
 from flywheel.contract import events
-from flywheel.contract.bus import SERVICE_HEARTBEAT_TTL_S, SERVICES_BUCKET, Bus, Consumer
+from flywheel.contract.bus import SERVICE_HEARTBEAT_TTL_S, SERVICES_BUCKET, Bus, Consumer, wait_at_most
 
 log = logging.getLogger(__name__)
 
@@ -143,10 +143,7 @@ class Service:
                 await self.beat("ok")
             except nats.errors.Error as exc:
                 log.warning("%s: heartbeat failed: %s", self.name, exc)
-            try:
-                await asyncio.wait_for(self.stopping.wait(), HEARTBEAT_INTERVAL_S)
-            except TimeoutError:
-                pass
+            await wait_at_most(self.stopping.wait(), HEARTBEAT_INTERVAL_S)
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()

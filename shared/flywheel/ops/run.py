@@ -48,7 +48,7 @@ import nats.errors
 import nats.js.errors
 
 from flywheel.contract import events, natsusers
-from flywheel.contract.bus import Bus, BusConfig, NatsRefused, watch
+from flywheel.contract.bus import Bus, BusConfig, NatsRefused, wait_at_most, watch
 from flywheel.contract.config import RunConfig
 from flywheel.contract.runs import (
     ENDED_STATUSES,
@@ -485,9 +485,8 @@ class MainJob:
                     if ended is not None and (ended != "finished" or self._last_step() >= cfg.trainer.num_steps
                                               or self.owner is None):
                         return ended
-                try:
-                    update = await asyncio.wait_for(updates.get(), STATE_CHECK_S)
-                except TimeoutError:
+                update = await wait_at_most(updates.get(), STATE_CHECK_S)
+                if update is None:
                     if time.monotonic() - last_step_s > QUIET_STEP_S and self.status != "paused":
                         await self._say_waiting(time.monotonic() - last_step_s)
                         last_step_s = time.monotonic()

@@ -32,7 +32,7 @@ from typing import Any, TextIO
 import nats.errors
 
 from flywheel.contract import events, natsusers
-from flywheel.contract.bus import Bus, watch
+from flywheel.contract.bus import Bus, wait_at_most, watch
 from flywheel.contract.checkpoints import run_folder
 from flywheel.contract.config import RunConfig
 from flywheel.contract.runs import check_resumable, end_of, get_run, list_runs, new_notes, pause_run, stop_run
@@ -216,9 +216,6 @@ async def _until_ended(bus: Bus, run: str, status: str, num_notes: int, detached
             elif end is not None and not held:
                 await asyncio.sleep(FOLLOW_STATE_S)  # time for the steps watch to print the last step
                 return status
-        try:
-            await asyncio.wait_for(detached.wait(), FOLLOW_STATE_S)
-        except TimeoutError:
-            pass
+        await wait_at_most(detached.wait(), FOLLOW_STATE_S)
     print(f"run {run}: no longer following (the run goes on; `flywheel runs follow {run}` again)", file=out)
     return "detached"

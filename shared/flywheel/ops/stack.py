@@ -54,7 +54,7 @@ from typing import Any, TextIO
 import nats.errors
 
 from flywheel.contract import events, natsusers
-from flywheel.contract.bus import Bus, BusConfig
+from flywheel.contract.bus import Bus, BusConfig, wait_at_most
 from flywheel.contract.service import Service, read_heartbeats
 from flywheel.contract.settings import SECTIONS, Settings
 from flywheel.ops.natsserver import NatsCluster, NatsServer, die_with_parent, port_open
@@ -404,11 +404,7 @@ def check_ports(settings: Settings) -> None:
 
 async def wait_set(event: asyncio.Event, timeout_s: float) -> bool:
     """Wait for ``event`` at most ``timeout_s``; True when it is set."""
-    try:
-        await asyncio.wait_for(event.wait(), timeout_s)
-    except TimeoutError:
-        return False
-    return True
+    return await wait_at_most(event.wait(), timeout_s) is not None
 
 
 class Stack:

@@ -410,8 +410,9 @@ async def when_there_is_room(start: Callable[[], Awaitable[T]], give_up: asyncio
         except SandboxError as exc:
             if exc.kind != "capacity" or loop.time() + delay_s > deadline or give_up.is_set():
                 raise
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(give_up.wait(), delay_s)
+        with contextlib.suppress(TimeoutError):  # asyncio.timeout, not wait_for: see bus.wait_at_most
+            async with asyncio.timeout(delay_s):
+                await give_up.wait()
         delay_s = min(delay_s * 2, 1.0)
 
 
