@@ -98,6 +98,10 @@ class SharedIssued:
         self.replica = replica
         self._published = published
         self.held = 0  # what this replica holds, as it last wrote it
+        # One change of the entry at a time in this replica: ``held`` moves with the write. A
+        # release that ran between a reservation's write and its ``held += n`` would write the
+        # old ``held`` back, and the other replicas would admit n more than the bound.
+        self._writing = asyncio.Lock()
         self._renewing: asyncio.Task[None] | None = None
         self._bucket: KeyValue | None = None
 
@@ -114,24 +118,25 @@ class SharedIssued:
             entry["held"][self.replica] = [self.held + n, now + LEASE_S]
             return True
 
-        if not await self._update(change):
-            return False
-        self.held += n
+        async with self._writing:
+            if not await self._update(change):
+                return False
+            self.held += n
         if self._renewing is None or self._renewing.done():
             self._renewing = asyncio.ensure_future(self._renew())
         return True
 
     async def release(self, n: int, stored: int) -> None:
         """``n`` held come off this replica's holding; ``stored`` of them the bus stored (published)."""
-        self.held = max(self.held - n, 0)  # what a failed write leaves, renewals (or the lease) mend
-
         def change(entry: dict[str, Any], now: float) -> bool:
             entry["published"] += stored
             entry["held"][self.replica] = [self.held, now + LEASE_S]
             return True
 
         try:
-            await self._update(change)
+            async with self._writing:
+                self.held = max(self.held - n, 0)  # what a failed write leaves, renewals (or the lease) mend
+                await self._update(change)
         except (nats.errors.Error, TimeoutError) as exc:
             log.warning("run %s: could not give back %d admitted rollouts on the bus (%s); they count until this "
                         "replica's lease is renewed or runs out", self.run, n, exc)
@@ -147,7 +152,9 @@ class SharedIssued:
         while self.held > 0:
             await asyncio.sleep(RENEW_S)
             try:
-                await self._update(functools.partial(self._renewed, await self._published(self.run)))
+                count = await self._published(self.run)
+                async with self._writing:
+                    await self._update(functools.partial(self._renewed, count))
             except (nats.errors.Error, TimeoutError) as exc:
                 log.warning("run %s: could not renew this replica's admission lease: %s", self.run, exc)
 

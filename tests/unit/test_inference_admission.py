@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
+from typing import Any
 
+import nats.js.errors
 import pytest
 
 from flywheel.contract.config import RunConfig
-from flywheel_inference.admission import Admission, RunEnded
+from flywheel_inference.admission import Admission, RunEnded, SharedIssued
 from tests.helpers import until
 
 
@@ -242,3 +245,42 @@ async def test_a_group_the_shared_bound_refuses_stops_when_cancelled_as_the_boun
         async with asyncio.timeout(10):
             await waiting
     assert a.num_waiting == 0 and a.num_issued == 0
+
+
+class YieldingBucket:
+    """The admission bucket's compare-and-set, in memory; every write yields to the loop once it
+    is stored (as the bus's reply does), so other tasks of the replica run in between."""
+
+    def __init__(self) -> None:
+        self.value: bytes | None = None
+        self.revision = 0
+
+    async def get(self, key: str) -> Any:
+        if self.value is None:
+            raise nats.js.errors.KeyNotFoundError
+        return SimpleNamespace(value=self.value, revision=self.revision)
+
+    async def create(self, key: str, value: bytes) -> int:
+        return await self.update(key, value, last=0)
+
+    async def update(self, key: str, value: bytes, last: int) -> int:
+        if last != self.revision:
+            raise nats.js.errors.KeyWrongLastSequenceError
+        self.value, self.revision = value, self.revision + 1
+        await asyncio.sleep(0)  # noqa: sleep - the reply's turn: the write is stored, its caller not yet resumed
+        return self.revision
+
+
+async def test_a_release_between_a_reservations_write_and_its_count_loses_nothing() -> None:
+    """A group's release that runs while another group's reservation waits for its reply must not
+    write the replica's holding back without that reservation (the others would admit past the bound)."""
+    async def published(_: str) -> int:
+        return 0
+
+    shared = SharedIssued(None, "r", "a", published)  # type: ignore[arg-type]
+    shared._bucket = YieldingBucket()  # type: ignore[assignment]
+    assert await shared.reserve(4, 8)
+    await asyncio.gather(shared.reserve(4, 8), shared.release(4, 4))  # the second group in, the first published
+    assert shared.held == 4 and await shared.total() == 8  # 4 published, 4 held: not 4 with the holding lost
+    assert not await shared.reserve(1, 8)
+    await shared.close()
