@@ -546,7 +546,7 @@ class Teacher:
 
     def subjects(self) -> list[str]:
         """The rollout subjects of the environments whose training reads this teacher."""
-        return [f"rollouts.{self.run}.{env}" for env, found in self.environments.items()
+        return [f"rollouts.{self.run}.{env}.*" for env, found in self.environments.items()
                 if self.name in self.run_config.teachers_of(found.config)]
 
     async def handle(self, deliveries: list[Delivery]) -> None:

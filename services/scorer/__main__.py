@@ -54,13 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
                              "by name, returns a number (or a dict of numbers); sync or async")
     custom.add_argument("--env", metavar="ENV",
                         help="the environment whose rollouts it scores, as named in their subjects "
-                             "(rollouts.RUN.ENV)")
+                             "(rollouts.RUN.ENV.PARTITION)")
     custom.add_argument("--name", help="scorer name in Scores and subjects (default: the function's name)")
     custom.add_argument("--weight", type=float,
                         help="weight of its scores where the run's config does not set one (default 1.0)")
     custom.add_argument("--group", action="store_true",
                         help="a group reward: sees every rollout of a group at once, returns one value per rollout "
-                             "(run one process per durable: replicas would split groups)")
+                             "(replicas split the rollout partitions, never a group)")
     custom.add_argument("--run", action="append", default=[], metavar="RUN",
                         help="a run whose rollouts it scores, all of them (repeat for more); default: rollouts from "
                              "now on, and those of runs still going whose reward names this scorer (when its "

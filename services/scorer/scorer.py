@@ -3,15 +3,19 @@
 Two kinds of scorer process, one consumer loop (:class:`flywheel.contract.bus.Consumer` in handler
 mode):
 
-- the built-in scorer (durable ``scorer``, all of ``rollouts.>``): the rewards and metrics of
+- the built-in scorer (durable ``scorer``, every rollout): the rewards and metrics of
   each rollout's environment, as its run loads it (:func:`flywheel.sdk.environment.load_for_run`:
   the environment of the run config, ``env`` or the ``[[envs]]`` table named by the rollout,
   with its args and reward overrides), or by the
   subject's environment name for a run without a config (tasks published straight to the bus);
-- a custom scorer (durable ``scorer-<name>``, ``rollouts.*.<env>``): one user function,
+- a custom scorer (durable ``scorer-<name>``, ``rollouts.*.<env>.*``): one user function,
   for one environment.
 
-Processes with the same durable share its work: that is how per-rollout scoring scales out.
+Processes of one scorer (its replicas) share its work by partitions: a rollout's subject ends in
+its group's partition, every member of a group in the same one, and each partition is consumed
+by one replica at a time (durable ``<durable>-p<k>``; :mod:`flywheel_scorer.partitions` splits
+them over the live replicas and hands them on when one joins or dies). That is how scoring,
+group rewards included, scales out.
 Rollouts of an eval run (``RunState.kind == "eval"``, from ``flywheel eval --record``) come
 with their own scores: they are acked, not scored again.
 
@@ -43,13 +47,9 @@ value and ``error`` naming the missing indices and why (readers treat a score wi
 as unusable, so the trainer drops those rollouts rather than train on a partial group). A
 member that arrives after its group was scored gets a Score with ``error`` saying so.
 
-Limitation: a group reward needs the whole group in one scorer process. Replicas sharing a
-durable split a stream's rollouts between them, so a group can be split too: its halves
-then wait for ``group_timeout_s`` and are scored incomplete (with the errors above, never a
-silent value; the error says how many processes share the durable when there are several).
-Run one built-in scorer process for runs whose environments have group rewards, or give each
-such environment its own single-process custom scorer; scale the per-rollout rewards with more
-custom scorer processes on their own durables.
+When a partition goes to another replica, the members of its groups held here are handed back
+at once (nak) and redelivered to the new owner, where the group forms again whole; a member
+still being scored here when its partition goes is handed back as it joins its group.
 
 Failures, each where it belongs:
 
@@ -94,10 +94,10 @@ from typing import Any, Protocol
 import msgspec
 
 from flywheel.contract import events
-from flywheel.contract.bus import Bus, Consumer, Delivery, Reject
+from flywheel.contract.bus import Bus, Consumer, Delivery, HandBack, Reject
 from flywheel.contract.config import RunConfig
 from flywheel.contract.runs import end_of, get_run, list_runs, scorers_of
-from flywheel.contract.service import Service, read_heartbeats
+from flywheel.contract.service import Service
 from flywheel.contract.settings import ScorerSettings, Settings
 from flywheel.sdk.environment import (
     Environment,
@@ -112,6 +112,7 @@ from flywheel.sdk.environment import (
 )
 from flywheel.sdk.hooks import FLAG_METRIC, hook_flags
 from flywheel.sdk.scoring import Scoring, score_event
+from flywheel_scorer.partitions import Partitions, partition_filter
 from flywheel_scorer.watch import Watch, flag_score
 
 log = logging.getLogger(__name__)
@@ -261,7 +262,7 @@ def custom_reward(function: str, env: str, name: str | None = None, weight: floa
                          "subjects and its consumer)")
     if not _NAME.fullmatch(env):
         raise ValueError(f"--env {env!r}: use the environment's name as in its rollouts' subjects "
-                         "(rollouts.<run>.<env>): letters, digits, '-' or '_'")
+                         "(rollouts.<run>.<env>.<partition>): letters, digits, '-' or '_'")
     if not (math.isfinite(weight) and weight >= 0):
         raise ValueError(f"--weight {weight}: a weight is a finite number, not negative")
     try:
@@ -357,8 +358,8 @@ class Scorer:
     ``config`` (the settings' ``scorer`` section)."""
 
     def __init__(self, rewards: RewardSource, configs: Configs, publish: Publish, pool: Executor,
-                 config: ScorerSettings, replicas: Callable[[], Awaitable[int]] | None = None,
-                 watch: Watch | None = None) -> None:
+                 config: ScorerSettings, watch: Watch | None = None,
+                 owns: Callable[[str], bool] | None = None) -> None:
         self.rewards = rewards
         self.watch = watch  # the reward-hacking watch (flywheel_scorer.watch), on the built-in scorer
         self.configs = configs
@@ -368,7 +369,8 @@ class Scorer:
         self.scoring = Scoring(pool, config.reward_timeout_s, on_failure=self._log_failure)
         self.max_held = config.max_held
         self.group_timeout_s = config.group_timeout_s
-        self.replicas = replicas or _one  # live processes on this scorer's durable
+        # Whether this process scores a group's partition now (flywheel_scorer.partitions); None: every group.
+        self.owns = owns
         self._scoring = asyncio.Semaphore(config.max_in_flight)
         self._groups: OrderedDict[tuple[str, str], _Group] = OrderedDict()  # oldest first
         self._closed: OrderedDict[tuple[str, str], set[str]] = OrderedDict()  # group -> rollout ids scored
@@ -431,6 +433,8 @@ class Scorer:
     # --- groups -------------------------------------------------------------------------
 
     async def _join_group(self, rollout: events.Rollout, rewards: list[GroupReward], weights: dict[str, float]) -> None:
+        if self.owns is not None and not self.owns(rollout.group_id):
+            raise HandBack(f"group {rollout.group_id}: its partition went to another scorer replica")
         key = (rollout.run, rollout.group_id)
         if key in self._closed:
             if rollout.id not in self._closed[key]:  # scored already otherwise: a redelivery, nothing new
@@ -458,8 +462,7 @@ class Scorer:
         while not group.done.done():
             remaining = group.started_s + self.group_timeout_s - time.monotonic()
             if remaining <= 0 and not group.closing:
-                reason = f"the rest did not arrive within group_timeout_s={self.group_timeout_s:g}s"
-                await self._close(group, reason + await self._split_hint())
+                await self._close(group, f"the rest did not arrive within group_timeout_s={self.group_timeout_s:g}s")
                 break
             handing_back = asyncio.ensure_future(self._handing_back.wait())
             try:
@@ -471,14 +474,6 @@ class Scorer:
             if self._handing_back.is_set() and not group.done.done():
                 raise asyncio.CancelledError  # the consumer hands the delivery back (nak) for a redelivery
         group.done.result()  # a publish that failed fails every member: the bus retries them
-
-    async def _split_hint(self) -> str:
-        """Why a group may never complete here: other processes on this durable took some of it."""
-        num = await self.replicas()
-        if num <= 1:
-            return ""
-        return (f"; {num} scorer processes share this durable and a group split between them cannot complete: "
-                "run one process where environments have group rewards")
 
     async def _close(self, group: _Group, incomplete: str | None) -> None:
         """Run the group rewards on the members that arrived, publish their Scores, release the members."""
@@ -516,33 +511,45 @@ class Scorer:
                 else score_event(r, reward.name, weight, f"{error}; {o}")
                 for r, o in zip(members, outcomes, strict=True)]
 
+    def hand_back(self, partition: int) -> None:
+        """The groups of ``partition`` held now stop waiting: their members are handed back (another
+        replica scores the partition from now on, and the group forms again there)."""
+        for key, group in list(self._groups.items()):
+            if not group.closing and events.partition_of(key[1]) == partition:
+                del self._groups[key]
+                group.done.set_exception(HandBack(f"group {key[1]}: its partition went to another scorer replica"))
+                group.done.exception()  # retrieved by every waiter; marked retrieved so none is left unseen
+
     async def hand_back_on(self, stopping: asyncio.Event) -> None:
         """A background task: once ``stopping`` is set, held deliveries stop waiting and are handed back."""
         await stopping.wait()
         self._handing_back.set()
 
 
-async def _one() -> int:
-    return 1
-
-
 def build(bus: Bus, rewards: RewardSource, pool: Executor, config: ScorerSettings,
-          start_time: datetime | None = None) -> tuple[Consumer, Scorer]:
-    """The durable consumer of ROLLOUTS that scores with ``rewards``, and its scorer, within ``config``;
-    a new durable starts at ``start_time`` (None: the stream's first rollout)."""
-    async def replicas() -> int:
-        return sum(1 for b in await read_heartbeats(bus) if b.service == rewards.durable)
-
+          start_time: datetime | None = None, replica: str | None = None) -> tuple[Partitions, Scorer]:
+    """The consumers of ROLLOUTS that score with ``rewards`` (one a partition this replica takes:
+    :mod:`flywheel_scorer.partitions`), and their scorer, within ``config``; a new durable starts
+    at ``start_time`` (None: the stream's first rollout)."""
     watch = Watch() if config.watch and isinstance(rewards, EnvironmentRewards) else None
-    scorer = Scorer(rewards, RunConfigs(bus, config.run_config_ttl_s), bus.publish_many, pool, config, replicas,
-                    watch)
-    # Held group members take consumer slots (and server-side ack-pending room) beyond the
-    # scoring bound, and the scorer never holds more than max_held: scoring always has room.
-    consumer = Consumer(bus, stream="ROLLOUTS", durable=rewards.durable, handler=scorer.handle,
-                        event_type=events.Rollout, filter_subject=rewards.filter_subject,
+    scorer = Scorer(rewards, RunConfigs(bus, config.run_config_ttl_s), bus.publish_many, pool, config, watch)
+
+    def consumer_for(k: int) -> Consumer:
+        # Held group members take consumer slots (and server-side ack-pending room) beyond the
+        # scoring bound, and the scorer never holds more than max_held: scoring always has room.
+        return Consumer(bus, stream="ROLLOUTS", durable=f"{rewards.durable}-p{k}", handler=scorer.handle,
+                        event_type=events.Rollout, filter_subject=partition_filter(rewards.filter_subject, k),
                         max_in_flight=config.max_in_flight + config.max_held, batch_size=config.max_in_flight,
                         ack_wait_s=config.ack_wait_s, start_time=start_time)
-    return consumer, scorer
+
+    def joined(consumer: Consumer) -> None:
+        said = rewards.joined(consumer.created, start_time)
+        if said:  # on the user's screen: what it scores, from when
+            log.info("%s", said)
+
+    partitions = Partitions(bus, rewards.durable, consumer_for, scorer.hand_back, replica, on_first=joined)
+    scorer.owns = partitions.owns
+    return partitions, scorer
 
 
 async def run(settings: Settings, rewards: RewardSource) -> None:
@@ -554,12 +561,8 @@ async def run(settings: Settings, rewards: RewardSource) -> None:
     pool = ThreadPoolExecutor(config.num_threads, thread_name_prefix=rewards.durable)
     try:
         start = await rewards.start_time(bus)
-        consumer, scorer = build(bus, rewards, pool, config, start)
-        await consumer.ensure()
-        said = rewards.joined(consumer.created, start)
-        if said:  # on the user's screen: what it scores, from when
-            log.info("%s", said)
-        service.add(consumer)
+        partitions, scorer = build(bus, rewards, pool, config, start, service.instance)
+        service.add_task(partitions.serve)
         service.add_task(scorer.hand_back_on)
         await service.run()  # finishes or hands back the rollouts in flight, then drains the bus
     finally:

@@ -24,7 +24,7 @@ import pytest
 from fastapi import FastAPI
 
 from flywheel.contract import events
-from flywheel.contract.bus import Bus
+from flywheel.contract.bus import Bus, Consumer
 from flywheel.contract.config import RunConfig
 from flywheel.contract.runs import register_run
 from flywheel.contract.settings import InferenceSettings, RecorderSettings, ScorerSettings
@@ -36,6 +36,7 @@ from flywheel_gateway import recorder
 from flywheel_gateway.recorder import mirror_runs
 from flywheel_gateway.store import Store
 from flywheel_scorer import scorer
+from flywheel_scorer.partitions import Partitions
 from flywheel_scorer.scorer import EnvironmentRewards
 from tests.helpers import until
 from tests.integration.services import Workers
@@ -78,6 +79,7 @@ async def in_training(app: FastAPI, client: httpx.AsyncClient, store: Store, bus
     rows = env.load_tasks(env.tasks.size)  # each row once
     stopping = asyncio.Event()
     with ThreadPoolExecutor(4) as pool:
+        consumers: list[Consumer | Partitions]
         consumers = [*recorder.build(bus, store, RecorderSettings(), streams=("ROLLOUTS", "SCORES")),
                      scorer.build(bus, EnvironmentRewards(), pool,
                                   ScorerSettings(reward_timeout_s=REWARD_TIMEOUT_S))[0]]

@@ -22,7 +22,7 @@ from flywheel.ops.natsserver import NatsServer
 # A subject of each kind a service might publish to, and the users that may.
 SUBJECTS = {
     "tasks.r1.echo": {"orchestrator", "gateway"},
-    "rollouts.r1.echo": {"orchestrator", "inference"},
+    "rollouts.r1.echo.3": {"orchestrator", "inference"},
     "traces.r1.echo": {"orchestrator", "inference"},
     "scores.r1.echo": {"orchestrator", "scorer"},
     "signals.r1.echo": {"orchestrator", "inference"},
@@ -31,6 +31,8 @@ SUBJECTS = {
     "dead.TASKS": {"orchestrator", "gateway", "recorder", "inference", "scorer", "sandbox"},
     "$KV.flywheel-runs.r1": {"orchestrator", "gateway"},
     "$KV.flywheel-keys.k1": {"gateway"},
+    "$KV.flywheel-admission.r1": {"orchestrator", "inference"},
+    "$KV.flywheel-partitions.scorer.partition.3": {"orchestrator", "scorer"},
 }
 
 

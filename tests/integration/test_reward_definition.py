@@ -22,7 +22,7 @@ import pytest
 from fastapi import FastAPI
 
 from flywheel.contract import events
-from flywheel.contract.bus import Bus
+from flywheel.contract.bus import Bus, Consumer
 from flywheel.contract.config import RunConfig
 from flywheel.contract.runs import register_run
 from flywheel.contract.settings import RecorderSettings, ScorerSettings, Settings
@@ -33,6 +33,7 @@ from flywheel_gateway import recorder
 from flywheel_gateway.recorder import mirror_runs
 from flywheel_gateway.store import Store
 from flywheel_scorer import scorer
+from flywheel_scorer.partitions import Partitions
 from flywheel_scorer.scorer import EnvironmentRewards, custom_reward
 from flywheel_trainer import service
 from flywheel_trainer.ledger import RunFolder
@@ -59,6 +60,7 @@ async def test_the_trace_api_reward_is_the_trainers_with_a_custom_scorer_on_the_
     stopping = asyncio.Event()
     pool = ThreadPoolExecutor(4)
     bounds = ScorerSettings(max_in_flight=8)
+    consumers: list[Consumer | Partitions]
     consumers = [*recorder.build(bus, store, RecorderSettings(), streams=("ROLLOUTS", "SCORES")),
                  scorer.build(bus, EnvironmentRewards(), pool, bounds)[0],
                  scorer.build(bus, custom_reward(f"{__name__}:brevity", "reverse_text"), pool, bounds)[0]]

@@ -20,12 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from flywheel.contract import events
-from flywheel.contract.bus import Bus, Consumer
+from flywheel.contract.bus import Bus
 from flywheel.contract.config import RunConfig
 from flywheel.contract.service import read_heartbeats
 from flywheel.contract.settings import ScorerSettings
 from flywheel.ops.natsserver import NatsServer
 from flywheel_scorer import scorer
+from flywheel_scorer.partitions import Partitions
 from flywheel_scorer.scorer import EnvironmentRewards
 from tests.helpers import until
 from tests.integration.conftest import ENVS
@@ -40,15 +41,21 @@ def answer_length(completion: str) -> float:
 
 
 @asynccontextmanager
-async def builtin_scorer(bus: Bus, **bounds: Any) -> AsyncIterator[Consumer]:
+async def builtin_scorer(bus: Bus, **bounds: Any) -> AsyncIterator[Partitions]:
     with ThreadPoolExecutor(2) as pool:
-        consumer, _ = scorer.build(bus, EnvironmentRewards(), pool, ScorerSettings(**{"max_in_flight": 8, **bounds}))
-        running = asyncio.ensure_future(consumer.run())
+        partitions, _ = scorer.build(bus, EnvironmentRewards(), pool, ScorerSettings(**{"max_in_flight": 8, **bounds}))
+        running = asyncio.ensure_future(partitions.run())
         try:
-            yield consumer
+            yield partitions
         finally:
-            consumer.stop()
+            partitions.stop()
             await running
+
+
+async def pending(bus: Bus, durable: str = "scorer") -> tuple[int, int]:
+    """Redelivered and ack-pending rollouts over the partition consumers of ``durable``."""
+    infos = [await bus.js.consumer_info("ROLLOUTS", f"{durable}-p{k}") for k in range(events.ROLLOUT_PARTITIONS)]
+    return sum(i.num_redelivered or 0 for i in infos), sum(i.num_ack_pending or 0 for i in infos)
 
 
 async def stored(bus: Bus, stream: str, type_: Any) -> list[Any]:
@@ -111,8 +118,9 @@ async def test_builtin_and_custom_scorers_both_score_every_rollout(bus: Bus, nat
     assert all(sc.error is None and sc.group_id == "g1" for sc in scores.values())
     assert scores["ro4.answer_length"].subject() == "scores.r2.reverse_text.answer_length"
     for durable in ("scorer", "scorer-answer_length"):
-        info = await bus.js.consumer_info("ROLLOUTS", durable)
-        assert info.num_ack_pending == 0 and info.num_pending == 0, durable
+        for k in range(events.ROLLOUT_PARTITIONS):
+            info = await bus.js.consumer_info("ROLLOUTS", f"{durable}-p{k}")
+            assert info.num_ack_pending == 0 and info.num_pending == 0, (durable, k)
 
 
 async def test_interleaved_groups_are_held_until_complete_and_never_deadlock(bus: Bus) -> None:
@@ -128,8 +136,7 @@ async def test_interleaved_groups_are_held_until_complete_and_never_deadlock(bus
     scores = [sc for sc in await stored(bus, "SCORES", events.Score) if sc.scorer == "shortest"]
     assert len(scores) == 12 and all(sc.error is None for sc in scores)
     assert {sc.rollout_id for sc in scores if sc.value == 1.0} == {f"g{g}-2" for g in range(4)}
-    info = await bus.js.consumer_info("ROLLOUTS", "scorer")
-    assert info.num_ack_pending == 0 and info.num_redelivered == 0
+    assert await pending(bus) == (0, 0)
 
 
 async def test_a_held_member_is_kept_alive_past_ack_wait_not_redelivered(bus: Bus) -> None:
@@ -147,8 +154,7 @@ async def test_a_held_member_is_kept_alive_past_ack_wait_not_redelivered(bus: Bu
         held_since = time.monotonic()
 
         async def held_past_ack_wait() -> bool:  # two and a half ack waits: in_progress keeps it ours
-            info = await bus.js.consumer_info("ROLLOUTS", "scorer")
-            assert (info.num_redelivered, info.num_ack_pending, consumer.stats.acked) == (0, 1, 0)
+            assert (*await pending(bus), consumer.stats.acked) == (0, 1, 0)
             return time.monotonic() - held_since > 2.5
 
         await until(held_past_ack_wait, what="the first member held for two ack waits")
@@ -157,7 +163,7 @@ async def test_a_held_member_is_kept_alive_past_ack_wait_not_redelivered(bus: Bu
     scores = {sc.id: sc for sc in await stored(bus, "SCORES", events.Score) if sc.scorer == "shortest"}
     assert {k: (v.value, v.error) for k, v in scores.items()} == {"g1-0.shortest": (0.0, None),
                                                                   "g1-1.shortest": (1.0, None)}
-    assert (await bus.js.consumer_info("ROLLOUTS", "scorer")).num_redelivered == 0
+    assert (await pending(bus))[0] == 0
 
 
 async def test_what_can_never_be_scored_is_dead_lettered_and_scoring_goes_on(bus: Bus) -> None:
@@ -167,11 +173,11 @@ async def test_what_can_never_be_scored_is_dead_lettered_and_scoring_goes_on(bus
         await until(lambda: consumer.stats.dead_lettered == 2 and consumer.stats.acked == 1,
                     what="two dead letters and one scored rollout")
     letters = {letter.original_subject: letter for letter in await stored(bus, "DEAD", events.DeadLetter)}
-    assert letters["rollouts.r1.no_such_env"].reason.startswith(
+    assert letters[rollout("lost", env="no_such_env").subject()].reason.startswith(
         "rejected: environment 'no_such_env': no module 'no_such_env'")
-    assert letters["rollouts.broken.reverse_text"].reason.startswith(
+    assert letters[rollout("odd", run="broken").subject()].reason.startswith(
         "rejected: run 'broken': config: run: Field required")
-    assert {letter.consumer for letter in letters.values()} == {"scorer"}
+    assert {letter.consumer.rsplit("-p", 1)[0] for letter in letters.values()} == {"scorer"}
     assert sorted(sc.id for sc in await stored(bus, "SCORES", events.Score)) == ["ro1.exact", "ro1.similarity"]
 
 
@@ -180,25 +186,26 @@ async def test_a_rollout_scored_again_publishes_nothing_new(bus: Bus) -> None:
     for _ in range(2):  # the second time as after a crash before the acks: every rollout again
         async with builtin_scorer(bus) as consumer:
             await until(lambda: consumer.stats.acked == 2, what="both rollouts scored")
-        await bus.js.delete_consumer("ROLLOUTS", "scorer")
+        for k in range(events.ROLLOUT_PARTITIONS):
+            await bus.js.delete_consumer("ROLLOUTS", f"scorer-p{k}")
     assert await num_messages(bus, "SCORES") == 4
 
 
 @asynccontextmanager
-async def custom_scorer(bus: Bus, name: str, **options: Any) -> AsyncIterator[tuple[Consumer, str]]:
+async def custom_scorer(bus: Bus, name: str, **options: Any) -> AsyncIterator[tuple[Partitions, str]]:
     """A custom scorer of answer_length (named ``name``) started as its composition root starts
     it: where a new durable begins, then the line it says at start."""
     custom = scorer.custom_reward(f"{__name__}:answer_length", "reverse_text", name=name, **options)
     start = await custom.start_time(bus)
     with ThreadPoolExecutor(2) as pool:
-        consumer, _ = scorer.build(bus, custom, pool, ScorerSettings(max_in_flight=8), start)
-        await consumer.ensure()
-        said = custom.joined(consumer.created, start)
-        running = asyncio.ensure_future(consumer.run())
+        partitions, _ = scorer.build(bus, custom, pool, ScorerSettings(max_in_flight=8), start)
+        running = asyncio.ensure_future(partitions.run())
         try:
-            yield consumer, said
+            await until(lambda: len(partitions.owned) == events.ROLLOUT_PARTITIONS, what="every partition claimed")
+            said = custom.joined(partitions.owned[0].consumer.created, start)
+            yield partitions, said
         finally:
-            consumer.stop()
+            partitions.stop()
             await running
 
 

@@ -84,7 +84,7 @@ async def test_one_signal_per_rollout_equal_to_a_direct_forward_a_malformed_one_
         await until(lambda: _is(bus, "DEAD", 1), what="the malformed rollout's dead letter")
         info = await bus.js.consumer_info("ROLLOUTS", "teacher-tr-t")
         assert info.num_ack_pending == 0 and info.num_pending == 0
-        assert info.config.filter_subject == "rollouts.tr.reverse_text" and info.config.inactive_threshold == 3600
+        assert info.config.filter_subject == "rollouts.tr.reverse_text.*" and info.config.inactive_threshold == 3600
         counters = host.info["teachers"]["tr"]["t"]
         assert (counters["model"], counters["num_signals"], counters["num_errors"]) == ("tiny", len(rollouts), 0)
         assert counters["num_tokens"] > counters["num_sampled_tokens"] > 0 and counters["busy_s"] > 0
@@ -101,7 +101,7 @@ async def test_one_signal_per_rollout_equal_to_a_direct_forward_a_malformed_one_
             "tr", "reverse_text", r.id, "t", "tiny", temperature, None)
         assert_close(s.values, expected_values(model, r, temperature))
     (letter,) = await stored(bus, "DEAD", events.DeadLetter)
-    assert letter.consumer == "teacher-tr-t" and letter.original_subject == "rollouts.tr.reverse_text"
+    assert letter.consumer == "teacher-tr-t" and letter.original_subject.startswith("rollouts.tr.reverse_text.")
     assert "rollout malformed: its token layer is inconsistent" in letter.reason and "2 token ids" in letter.reason
 
 

@@ -78,7 +78,8 @@ def test_subjects_and_message_ids() -> None:
     d = events.Decoder()
     task, rollout, node, score, weights, dead = (d.decode(json.dumps(e).encode()) for e in V1["json"])
     assert task.subject() == "tasks.run-1.reverse-text"
-    assert rollout.subject() == "rollouts.run-1.reverse-text"
+    assert rollout.subject() == "rollouts.run-1.reverse-text.3"  # its group's partition: 3 of 8 for "g-1"
+    assert {events.partition_of(f"g{i}") for i in range(64)} == set(range(events.ROLLOUT_PARTITIONS))
     assert node.subject() == "traces.run-1.ro-1" and node.msg_id == f"ro-1.{node.node.id}"
     assert score.subject() == "scores.run-1.reverse-text.exact"
     assert weights.subject() == "weights.run-1"

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from flywheel.contract import events
-from flywheel.contract.bus import Delivery, Reject
+from flywheel.contract.bus import Delivery, HandBack, Reject
 from flywheel.contract.config import RunConfig
 from flywheel.contract.settings import ScorerSettings
 from flywheel.sdk.environment import GroupReward, Reward, shortest_correct_reward
@@ -281,14 +281,27 @@ async def test_an_incomplete_group_is_scored_after_its_timeout_with_the_missing_
     assert published[-1].rollout_id == "g1-1" and published[-1].error == (
         "group reward 'shortest': group g1 was scored without this rollout (index 1), which arrived after it")
 
-    async def two() -> int:
-        return 2
 
-    published.clear()
-    s.replicas = two  # another process on this durable took the rest of the group: the error says so
-    await s.handle(delivery(group_of(2, ["a"], group="g2")[0]))
-    assert published[0].error.endswith("2 scorer processes share this durable and a group split between them "
-                                       "cannot complete: run one process where environments have group rewards")
+
+async def test_a_partition_given_up_hands_back_its_held_members_and_later_arrivals(pool: ThreadPoolExecutor) -> None:
+    """Another replica takes the partition: the members held here stop waiting (HandBack: the
+    consumer naks them, for the new owner), nothing is scored incomplete, and a member of that
+    partition that joins its group afterwards is handed back too."""
+    published = Published()
+    owned = set(range(events.ROLLOUT_PARTITIONS))
+    s = scorer(pool, Rewards(GroupReward(shortest)), published=published)
+    s.owns = lambda group_id: events.partition_of(group_id) in owned
+    members = group_of(3, ["cba", "cb", "c"])
+    partition = events.partition_of(members[0].group_id)
+    held = asyncio.ensure_future(s.handle(delivery(members[0])))
+    await until(lambda: s.num_held == 1, what="the first member held for its group")
+    owned.discard(partition)
+    s.hand_back(partition)
+    with pytest.raises(HandBack, match="its partition went to another scorer replica"):
+        await held
+    with pytest.raises(HandBack):
+        await s.handle(delivery(members[1]))
+    assert s.num_held == 0 and [sc.scorer for sc in published] == []  # the group reward: never scored here
 
 
 async def test_held_rollouts_are_bounded_the_oldest_group_goes_first(pool: ThreadPoolExecutor) -> None:

@@ -84,6 +84,10 @@ RUNS_BUCKET = "flywheel-runs"
 SERVICES_BUCKET = "flywheel-services"
 KEYS_BUCKET = "flywheel-keys"  # API keys by id (flywheel.contract.keys)
 ADMISSION_BUCKET = "flywheel-admission"  # each run's issued rollouts over every inference replica
+# Which replica of a scorer consumes which rollout partition, and which replicas are live: every
+# entry is a lease its writer renews; the server removes one not renewed for PARTITION_LEASE_S.
+PARTITIONS_BUCKET = "flywheel-partitions"
+PARTITION_LEASE_S = 6.0
 # Weight versions live in one object-store bucket a run, "flywheel-weights-<run>" (see
 # flywheel.contract.weights): JetStream frees a stream's disk from its head, so a run that
 # drops its oldest versions frees their space only in a stream of its own.
@@ -297,7 +301,8 @@ class Bus:
             )
             await self.retry(functools.partial(self._ensure_stream, cfg))
         for bucket, history, ttl in ((RUNS_BUCKET, 8, None), (SERVICES_BUCKET, 1, SERVICE_HEARTBEAT_TTL_S),
-                                     (KEYS_BUCKET, 4, None), (ADMISSION_BUCKET, 1, None)):
+                                     (KEYS_BUCKET, 4, None), (ADMISSION_BUCKET, 1, None),
+                                     (PARTITIONS_BUCKET, 1, PARTITION_LEASE_S)):
             kv = KeyValueConfig(bucket=bucket, history=history, ttl=ttl, storage=StorageType.FILE,
                                 replicas=self.replicas)
             await self.retry(functools.partial(self._ensure_bucket, kv))
@@ -341,6 +346,9 @@ class Bus:
 
     async def admission_kv(self) -> KeyValue:
         return await self.retry(lambda: self.js.key_value(ADMISSION_BUCKET))
+
+    async def partitions_kv(self) -> KeyValue:
+        return await self.retry(lambda: self.js.key_value(PARTITIONS_BUCKET))
 
     async def kv_keys(self, bucket: str) -> list[str]:
         """Every key the KV bucket holds now, sorted (a deleted key stays listed until purged:
@@ -721,6 +729,12 @@ class Reject(Exception):
     """Raised by a handler for a message that can never succeed: dead-lettered at once."""
 
 
+class HandBack(Exception):
+    """Raised by a handler for a message this process should not finish (another consumer of
+    its durable takes it on: a scorer replica that gave up the message's partition): handed
+    back at once, for an immediate redelivery (which counts as a delivery)."""
+
+
 @dataclass(slots=True)
 class Delivery:
     """One decoded message handed to a handler."""
@@ -808,6 +822,7 @@ class Consumer:
         self.inactive_threshold_s = inactive_threshold_s
         self.stats = ConsumerStats()
         self._stopping = asyncio.Event()
+        self.fetching_ended = asyncio.Event()  # set once run() fetches no more (stopping, before the drain)
         self._in_flight = 0  # messages fetched and not finished
         self._wanted_free = 1  # free slots the loop waits for: workers wake it only then
         self._slot_freed = asyncio.Event()
@@ -826,7 +841,7 @@ class Consumer:
                 lambda: self.bus.js.consumer_info(self.stream, self.durable))).config
         except nats.js.errors.NotFoundError:
             existing = None
-        self.created = existing is None
+        self.created = bool(self.created) or existing is None  # a second ensure() finds what the first made
         subjects = [self.filter_subject] if isinstance(self.filter_subject, str) else self.filter_subject
         deliver: DeliverPolicy | None
         start_time: datetime | None
@@ -885,6 +900,7 @@ class Consumer:
                     continue
                 self._dispatch(msgs)
         finally:
+            self.fetching_ended.set()
             keepalive.cancel()
             await self._drain_in_flight()
             try:
@@ -1038,6 +1054,11 @@ class Consumer:
     async def _failed(self, d: Delivery, exc: Exception) -> None:
         if isinstance(exc, Reject):
             await self._dead_letter(d.msg, f"rejected: {exc}")
+            return
+        if isinstance(exc, HandBack):
+            await d.msg.nak()
+            self._unfinished.pop(id(d.msg), None)
+            self.stats.handed_back += 1
             return
         if d.num_delivered >= self.max_deliver:
             await self._dead_letter(d.msg, f"failed on delivery {d.num_delivered} of {self.max_deliver}: "

@@ -294,11 +294,23 @@ class Task(Event, frozen=True, kw_only=True, tag="task"):
         return f"tasks.{self.run}.{self.env}"
 
 
+# A rollout's subject ends in its group's partition (rollouts.<run>.<env>.<partition>), so a
+# consumer of some partitions sees whole groups: scorer replicas split the partitions between
+# them, never a group. Fixed: publishers and consumers must agree on it.
+ROLLOUT_PARTITIONS = 8
+
+
+def partition_of(group_id: str) -> int:
+    """The partition (0 .. ROLLOUT_PARTITIONS - 1) of every rollout of group ``group_id``."""
+    return int.from_bytes(hashlib.blake2b(group_id.encode(), digest_size=4).digest(), "big") % ROLLOUT_PARTITIONS
+
+
 class Rollout(Event, frozen=True, kw_only=True, tag="rollout"):
     """A finished rollout with its whole trace graph (message and token layers).
 
     Sent by: inference. Read by: every scorer (one durable each), trainer, recorder.
-    Subject: ``rollouts.<run>.<env>``. ``id`` is the rollout id. ``policy_version`` is
+    Subject: ``rollouts.<run>.<env>.<partition>``, the partition :func:`partition_of` its
+    ``group_id`` (so every member of a group shares it). ``id`` is the rollout id. ``policy_version`` is
     the version when the rollout started; each node's tokens carry their own.
     ``nodes`` holds every node of the graph, parents before children; the last one ends the
     final branch (the one rewards read). A single-turn rollout is one chain; retries,
@@ -327,7 +339,7 @@ class Rollout(Event, frozen=True, kw_only=True, tag="rollout"):
     usage: RolloutUsage | None = None
 
     def subject(self) -> str:
-        return f"rollouts.{self.run}.{self.env}"
+        return f"rollouts.{self.run}.{self.env}.{partition_of(self.group_id)}"
 
 
 class TraceNode(Event, frozen=True, kw_only=True, tag="trace_node"):

@@ -39,6 +39,7 @@ USERS_FILE = "nats-users.json"
 OPERATOR = "operator"  # the stack itself and the command line: no restriction
 RUNS_KV, SERVICES_KV, KEYS_KV = "$KV.flywheel-runs.>", "$KV.flywheel-services.>", "$KV.flywheel-keys.>"
 ADMISSION_KV = "$KV.flywheel-admission.>"  # each run's issued rollouts, shared by the inference replicas
+PARTITIONS_KV = "$KV.flywheel-partitions.>"  # which scorer replica consumes which rollout partition
 # What every service publishes: JetStream API requests (its consumers, the KV reads), acks and
 # flow control, its heartbeat, dead letters, replies to requests.
 COMMON = ("$JS.API.>", "$JS.ACK.>", "$JS.FC.>", SERVICES_KV, "dead.>", "_INBOX.>")
@@ -48,7 +49,7 @@ PUBLISH: dict[str, tuple[str, ...]] = {
     "gateway": (*COMMON, "tasks.>", RUNS_KV, KEYS_KV),  # published tasks, runs' stop/pause/resume, API keys
     "recorder": COMMON,  # reads every stream into the trace store
     "inference": (*COMMON, "rollouts.>", "traces.>", "signals.>", "usage.>", "sandbox.>", ADMISSION_KV),
-    "scorer": (*COMMON, "scores.>", "sandbox.>"),  # custom scorers too
+    "scorer": (*COMMON, "scores.>", "sandbox.>", PARTITIONS_KV),  # custom scorers too
     "sandbox": (*COMMON, "usage.>"),
 }
 DENY: dict[str, tuple[str, ...]] = {
