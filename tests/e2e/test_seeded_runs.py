@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.e2e.test_up import Output
 
@@ -57,6 +58,7 @@ def metered(gateway: str, run: str, steps: list[dict], timeout_s: float = 60.0) 
         time.sleep(1)  # noqa: sleep - the interval of a poll bounded by timeout_s (the recorder catching up)
 
 
+@pytest.mark.slow  # two runs of 10 steps, a minute on two cores: the slow tier
 def test_two_runs_of_one_seed_give_the_same_rewards(
         tmp_path: Path, stack: tuple[subprocess.Popen[str], Output, dict[str, int]], clean_env: dict[str, str]) -> None:
     _, output, ports = stack
