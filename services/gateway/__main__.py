@@ -51,10 +51,10 @@ def main(argv: list[str] | None = None) -> None:
         settings = Settings.load()
     except ValueError as exc:
         parser.error(str(exc))
-    from flywheel.contract.service import setup_logging, setup_tracing
+    from flywheel.contract.service import setup_logging, setup_telemetry
 
     setup_logging(settings.log_level)
-    setup_tracing(f"gateway-{args.command}")
+    setup_telemetry(f"gateway-{args.command}", settings)
     COMMANDS[args.command][0](settings)
 
 

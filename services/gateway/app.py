@@ -26,6 +26,7 @@ from fastapi import Depends, FastAPI
 
 from flywheel.contract.bus import Bus
 from flywheel.contract.keys import KeyCheck, check_open
+from flywheel.contract.metrics import ObservedHTTP
 from flywheel.contract.service import Service
 from flywheel.contract.settings import Settings
 from flywheel_gateway import (
@@ -96,4 +97,5 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(api_health.router)
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_body_bytes=settings.gateway_max_body_bytes)
+    app.add_middleware(ObservedHTTP)  # outermost: spans and figures cover the body limit's answers too
     return app

@@ -23,6 +23,7 @@ from fastapi import FastAPI
 
 from flywheel.contract.bus import Bus
 from flywheel.contract.keys import KeyCheck, check_open
+from flywheel.contract.metrics import ObservedHTTP
 from flywheel.contract.settings import Settings
 from flywheel_inference import api
 from flywheel_inference.teacher import TeacherHost
@@ -77,4 +78,5 @@ def create_app(settings: Settings, url: str | None = None,
                   summary="OpenAI-compatible completions from each run's current policy.",
                   version="0.1.0", lifespan=lifespan)
     api.install(app)
+    app.add_middleware(ObservedHTTP)
     return app

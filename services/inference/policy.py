@@ -52,12 +52,15 @@ from dataclasses import dataclass
 from typing import cast
 
 import msgspec
+from opentelemetry import trace
 
 from flywheel.contract import events
 from flywheel.contract.service import compute
 from flywheel_inference.completion import Backend, Completion
 
 log = logging.getLogger(__name__)
+# A span a sampled batch, linked to the spans (rollouts) whose requests it holds; no-op unless tracing is set up.
+TRACER = trace.get_tracer(__name__)
 
 FetchWeights = Callable[[events.WeightUpdate], Awaitable[bytes]]
 OnLoaded = Callable[[events.WeightUpdate], Awaitable[None]]
@@ -93,6 +96,7 @@ class _Request:
     seed: int | None
     future: asyncio.Future[Sampled]
     on_token: Callable[[int, float], None] | None = None  # (token id, logprob), on the event loop
+    caller: trace.SpanContext | None = None  # the span that asked (its rollout's trace): the batch's span links it
 
 
 def _batch_key(sampling: events.Sampling) -> bytes:
@@ -153,8 +157,11 @@ class Batcher:
                 versions = [r.policy.version for r in batch]
                 assert None not in versions, "sampled before the first weights were loaded"
                 started = time.monotonic()
+                links = [trace.Link(c) for c in {r.caller for r in batch if r.caller is not None}]
                 try:
-                    completions = await self._generate(batch)
+                    with TRACER.start_as_current_span("sample batch", links=links,
+                                                      attributes={"flywheel.batch_size": len(batch)}):
+                        completions = await self._generate(batch)
                 except Exception as exc:
                     for r in batch:
                         if not r.future.done():
@@ -335,8 +342,10 @@ class Policy:
                                                  for i in range(len(prompts))]
         loop = asyncio.get_running_loop()
         key = _batch_key(sampling)
+        caller = trace.get_current_span().get_span_context()
         requests = [_Request(self, p, sampling, key, s, loop.create_future(),
-                             None if on_token is None else functools.partial(on_token, i))
+                             None if on_token is None else functools.partial(on_token, i),
+                             caller if caller.is_valid else None)
                     for i, (p, s) in enumerate(zip(prompts, seeds, strict=True))]
         self._batcher.submit(requests)
         return list(await asyncio.gather(*(r.future for r in requests)))

@@ -94,7 +94,7 @@ import nats.errors
 import nats.js.errors
 from nats.js.api import PubAck
 
-from flywheel.contract import events, weights
+from flywheel.contract import events, metrics, weights
 from flywheel.contract.bus import RUNS_BUCKET, Bus, Consumer, Delivery, Reject, wait_at_most, watch
 from flywheel.contract.config import RunConfig
 from flywheel.contract.runs import BadRunState, end_of, get_run, watch_runs
@@ -431,6 +431,11 @@ class Worker:
         """Keep the heartbeat's counters current (called on every change of a run's counters)."""
         runs: dict[str, Any] = {run: {"num_skipped": n} for run, n in self._num_skipped.items()}
         self.info["runs"] = runs | {run: hosted.counters() for run, hosted in self._runs.items()}
+        for run, hosted in self._runs.items():
+            admission = hosted.admission
+            for counter, value in (("issued", admission.num_issued), ("in_flight", admission.num_in_flight),
+                                   ("waiting", admission.num_waiting), ("max_issued", admission.max_issued)):
+                metrics.ADMISSION.labels(run, counter).set(value)
         self.info["shared_bases"] = [base.counters() for base in self._bases.values()]
 
     # --- weights ------------------------------------------------------------------------------
@@ -619,6 +624,10 @@ class Worker:
             await asyncio.gather(*rollouts, return_exceptions=True)
             raise
         acks = await self.bus.publish_many(results, events.MSGPACK)
+        for done in results:
+            metrics.ROLLOUTS.labels(done.run, done.status).inc()
+            if done.usage is not None:
+                metrics.TOKENS.labels(done.run).inc(done.usage.sampled_tokens)
         return await self._num_stored(results, acks)
 
     async def _num_stored(self, rollouts: Sequence[events.Rollout], acks: Sequence[PubAck]) -> int:

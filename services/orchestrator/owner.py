@@ -79,6 +79,9 @@ log = logging.getLogger(__name__)
 MAX_RESTARTS_WITHOUT_PROGRESS = 5  # trainer restarts with no new step in between before the run fails
 STATE_CHECK_S = 1.0  # how often the owner reads its run's state (a stop, another owner)
 TRAINER_STOP_S = 15.0  # a trainer asked to stop gets this long to checkpoint
+# A run's trainer serves its metrics at the orchestrator's metrics_port + this + its slot (the
+# lowest free among the orchestrator's runs): past the ports `flywheel up` gives its services.
+TRAINER_METRICS_OFFSET = 10
 WATCH_END_S = 5.0  # a cancelled watch of the run's weights gets this long to unsubscribe
 EVAL_FIGURES = ("reward_mean", "reward_stderr", "pass@1", "num_tasks", "num_rollouts", "num_errors")  # in evals.jsonl
 
@@ -104,7 +107,8 @@ class TrainerSupervisor:
             argv = ("-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "-m",
                     "flywheel_trainer", "--", *argv[2:])
         spec = ServiceSpec(argv, heartbeat_of("trainer"))
-        self.process = ServiceProcess("trainer", spec, child_env(owner.settings), owner.run_dir / "trainer.log")
+        settings = owner.settings.model_copy(update={"metrics_port": owner.trainer_metrics_port})
+        self.process = ServiceProcess("trainer", spec, child_env(settings), owner.run_dir / "trainer.log")
         self.backoff = RestartBackoff(first_delay_s=1.0, max_delay_s=20.0, healthy_after_s=1.0)
         self.progressed_since_start = False
 
@@ -150,9 +154,16 @@ class TrainerSupervisor:
 class RunOwner:
     """Owns one claimed run until it ends, is stopped, or is lost to another owner."""
 
-    def __init__(self, bus: Bus, settings: Settings, state: events.RunState, name: str) -> None:
+    def __init__(self, bus: Bus, settings: Settings, state: events.RunState, name: str,
+                 metrics_slot: int = 0) -> None:
         self.bus = bus
         self.settings = settings
+        # Where its trainer serves its Prometheus figures: TRAINER_METRICS_OFFSET + the lowest slot
+        # free among the orchestrator's runs past the orchestrator's own port (0: a free port).
+        self.metrics_slot = metrics_slot
+        self.trainer_metrics_port = (None if settings.metrics_port is None else
+                                     settings.metrics_port and settings.metrics_port + TRAINER_METRICS_OFFSET
+                                     + metrics_slot)
         self.name = name  # the owner's name in the run state: the orchestrator instance
         self.cfg = RunConfig.parse(state.config, source=f"run {state.id!r} config")
         self.run_dir = run_folder(settings.data_dir.resolve(), state.id)

@@ -93,7 +93,9 @@ class Orchestrator:
             if claimed is None:
                 continue  # another orchestrator was first, or it ended meanwhile
             try:
-                owner = RunOwner(self.bus, self.settings, claimed, self.name)
+                slots = {o.metrics_slot for o, _ in self.owners.values()}
+                slot = min(set(range(len(slots) + 1)) - slots)
+                owner = RunOwner(self.bus, self.settings, claimed, self.name, slot)
             except ValueError as exc:  # its stored config no longer parses: said on the run, which is failed
                 await self._refuse(claimed.id, str(exc))
                 continue

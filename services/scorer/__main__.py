@@ -108,7 +108,7 @@ def main(argv: Sequence[str] | None = None, settings: Settings | None = None) ->
     elif args.env is None:
         parser.error("--function needs --env ENV: the environment whose rollouts it scores")
 
-    from flywheel.contract.service import setup_logging, setup_tracing
+    from flywheel.contract.service import setup_logging, setup_telemetry
     from flywheel_scorer import scorer
 
     try:
@@ -126,7 +126,7 @@ def main(argv: Sequence[str] | None = None, settings: Settings | None = None) ->
                                            runs=args.run, backfill=args.backfill)
     except ValueError as exc:
         parser.error(str(exc))
-    setup_tracing(rewards.durable)
+    setup_telemetry(rewards.durable, settings)
     try:
         asyncio.run(scorer.run(settings, rewards))
     except ConnectionError as exc:  # NATS unreachable: the message says what to check

@@ -41,6 +41,7 @@ import nats.errors
 import nats.js.errors
 from nats.js.kv import KeyValue
 
+from flywheel.contract import metrics
 from flywheel.contract.bus import PARTITION_LEASE_S, PARTITIONS_BUCKET, Bus, Consumer, ConsumerStats, wait_at_most
 from flywheel.contract.events import ROLLOUT_PARTITIONS, partition_of
 
@@ -209,6 +210,7 @@ class Partitions:
             self.on_first = None
         self._consumers.append(consumer)
         self.owned[k] = _Owned(consumer, asyncio.ensure_future(consumer.run()), revision)
+        metrics.PARTITIONS.labels(self.durable).set(len(self.owned))
 
     def _say_waiting(self, kv: KeyValue, k: int) -> None:
         """A partition of this replica's share is still another's: say so once it waits a lease long."""
@@ -220,6 +222,7 @@ class Partitions:
 
     async def _give_up(self, kv: KeyValue, k: int, lapsed: bool = False) -> None:
         owned = self.owned.pop(k)  # owns() is False from here: its groups' new arrivals are handed back
+        metrics.PARTITIONS.labels(self.durable).set(len(self.owned))
         owned.consumer.stop()
         # The held members go back once nothing more is fetched (a fetch under way would bring
         # them straight back here), and before the drain, which waits for them.

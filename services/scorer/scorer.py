@@ -80,20 +80,22 @@ forms a new group and is scored incomplete after the timeout).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
 
 import msgspec
+from opentelemetry import trace
 
-from flywheel.contract import events
+from flywheel.contract import events, metrics
 from flywheel.contract.bus import Bus, Consumer, Delivery, HandBack, Reject
 from flywheel.contract.config import RunConfig
 from flywheel.contract.runs import end_of, get_run, list_runs, scorers_of
@@ -359,7 +361,7 @@ class Scorer:
 
     def __init__(self, rewards: RewardSource, configs: Configs, publish: Publish, pool: Executor,
                  config: ScorerSettings, watch: Watch | None = None,
-                 owns: Callable[[str], bool] | None = None) -> None:
+                 owns: Callable[[str], bool] | None = None, tracer: trace.Tracer | None = None) -> None:
         self.rewards = rewards
         self.watch = watch  # the reward-hacking watch (flywheel_scorer.watch), on the built-in scorer
         self.configs = configs
@@ -371,6 +373,7 @@ class Scorer:
         self.group_timeout_s = config.group_timeout_s
         # Whether this process scores a group's partition now (flywheel_scorer.partitions); None: every group.
         self.owns = owns
+        self.tracer = tracer or trace.NoOpTracer()  # a span a reward run, under the rollout's trace
         self._scoring = asyncio.Semaphore(config.max_in_flight)
         self._groups: OrderedDict[tuple[str, str], _Group] = OrderedDict()  # oldest first
         self._closed: OrderedDict[tuple[str, str], set[str]] = OrderedDict()  # group -> rollout ids scored
@@ -406,7 +409,8 @@ class Scorer:
                                            for r in found.rewards)))
 
     async def _score_one(self, rollout: events.Rollout, reward: Reward, weight: float) -> events.Score:
-        (score,) = await self.scoring.scores(reward, [rollout], weight)
+        with self._timed(reward.name, rollout.id):
+            (score,) = await self.scoring.scores(reward, [rollout], weight)
         return score
 
     def _watched(self, rollout: events.Rollout, scores: list[events.Score]) -> list[events.Score]:
@@ -501,7 +505,8 @@ class Scorer:
 
     async def _score_group(self, members: list[events.Rollout], reward: GroupReward, weight: float, group: _Group,
                            incomplete: str | None) -> list[events.Score]:
-        outcomes = await self.scoring.run(reward, members)
+        with self._timed(reward.name, members[0].group_id):
+            outcomes = await self.scoring.run(reward, members)
         if incomplete is None:
             return [score_event(r, reward.name, weight, o) for r, o in zip(members, outcomes, strict=True)]
         error = (f"group reward {reward.name!r}: group {members[0].group_id} scored incomplete, missing "
@@ -520,6 +525,17 @@ class Scorer:
                 group.done.set_exception(HandBack(f"group {key[1]}: its partition went to another scorer replica"))
                 group.done.exception()  # retrieved by every waiter; marked retrieved so none is left unseen
 
+    @contextlib.contextmanager
+    def _timed(self, reward: str, what: str) -> Iterator[None]:
+        """A reward's run: a span (under the rollout's own trace, carried in by the bus) and its time."""
+        started = time.monotonic()
+        with self.tracer.start_as_current_span(f"reward {reward}", attributes={"flywheel.reward": reward,
+                                                                               "flywheel.scored": what}):
+            try:
+                yield
+            finally:
+                metrics.REWARD_SECONDS.labels(reward).observe(time.monotonic() - started)
+
     async def hand_back_on(self, stopping: asyncio.Event) -> None:
         """A background task: once ``stopping`` is set, held deliveries stop waiting and are handed back."""
         await stopping.wait()
@@ -532,7 +548,8 @@ def build(bus: Bus, rewards: RewardSource, pool: Executor, config: ScorerSetting
     :mod:`flywheel_scorer.partitions`), and their scorer, within ``config``; a new durable starts
     at ``start_time`` (None: the stream's first rollout)."""
     watch = Watch() if config.watch and isinstance(rewards, EnvironmentRewards) else None
-    scorer = Scorer(rewards, RunConfigs(bus, config.run_config_ttl_s), bus.publish_many, pool, config, watch)
+    scorer = Scorer(rewards, RunConfigs(bus, config.run_config_ttl_s), bus.publish_many, pool, config, watch,
+                    tracer=bus.tracer_of(__name__))
 
     def consumer_for(k: int) -> Consumer:
         # Held group members take consumer slots (and server-side ack-pending room) beyond the

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 
 from flywheel.contract.settings import Settings
 
@@ -31,10 +32,12 @@ def main(argv: list[str] | None = None) -> None:
         settings = Settings.load()
     except ValueError as exc:
         parser.error(str(exc))
-    from flywheel.contract.service import setup_logging, setup_tracing
+    if int(os.environ.get("RANK", "0")) > 0:  # a follower rank of torch's launcher: rank 0 serves the figures
+        settings = settings.model_copy(update={"metrics_port": None})
+    from flywheel.contract.service import setup_logging, setup_telemetry
 
     setup_logging(settings.log_level)
-    setup_tracing("trainer")
+    setup_telemetry("trainer", settings)
 
     from flywheel_trainer import ranks, service
 

@@ -54,7 +54,7 @@ from typing import Any
 import nats.errors
 import nats.js.errors
 
-from flywheel.contract import events, weights
+from flywheel.contract import events, metrics, weights
 from flywheel.contract.bus import Bus, Consumer, Delivery, Reject, Undecodable, decode_message
 from flywheel.contract.config import RunConfig
 from flywheel.contract.runs import get_run, pin_version, trainer_started, update_run
@@ -328,10 +328,17 @@ class Trainer:
                                    sft_rows),
                     self.team.call("weights"))
 
-        figures, data = await compute(train_step)
+        attributes: dict[str, str | int] = {"flywheel.run": cfg.run, "flywheel.step": self.step + 1}
+        with self.bus.tracer_of(__name__).start_as_current_span("train step", attributes=attributes) as span:
+            figures, data = await compute(train_step)
+            span.set_attribute("flywheel.num_rollouts", len(take.trained_ids))
         self.step += 1
         self.version += 1
         figures.update(take_figures(take, self.joiner), wait_s=wait_s)
+        metrics.STEP_SECONDS.labels(cfg.run).observe(figures["step_s"])
+        metrics.VERSION.labels(cfg.run).set(self.version)
+        metrics.ROLLOUTS_TRAINED.labels(cfg.run, "trained").inc(len(take.trained_ids))
+        metrics.ROLLOUTS_TRAINED.labels(cfg.run, "dropped").inc(len(take.dropped))
         self.trained[self.step] = take.trained_ids
         self.dropped.update(take.dropped)
         self.folder.metrics.append({"step": self.step, "version": self.version, **figures})

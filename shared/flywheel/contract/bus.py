@@ -28,6 +28,7 @@ Not covered here: process signals and heartbeats (see :mod:`flywheel.contract.se
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import re
@@ -61,7 +62,7 @@ from nats.js.object_store import ObjectStore
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 
-from flywheel.contract import events, natsusers
+from flywheel.contract import events, metrics, natsusers
 
 if TYPE_CHECKING:
     from flywheel.contract.settings import Settings
@@ -186,8 +187,9 @@ class Bus:
         provider = tracer_provider or trace.get_tracer_provider()
         # Without a configured tracer provider there is no trace to carry: skip the
         # header work and spans entirely (about 10 us a message).
+        self.tracer_provider = None if isinstance(provider, trace.ProxyTracerProvider) else provider
         self.tracer: trace.Tracer | None = (
-            None if isinstance(provider, trace.ProxyTracerProvider) else provider.get_tracer("flywheel.contract.bus"))
+            None if self.tracer_provider is None else self.tracer_provider.get_tracer("flywheel.contract.bus"))
         # publish_soon's publishes under way (held here: the loop keeps only weak references)
         self.soon: set[asyncio.Future[PubAck]] = set()
         self.denials: list[tuple[float, str, str]] = []  # what the server refused this connection, newest last
@@ -385,6 +387,11 @@ class Bus:
             propagate.inject(headers)
         return headers
 
+    def tracer_of(self, name: str) -> trace.Tracer:
+        """A tracer for a service's own spans (scoring, a training step), under the bus's tracer
+        provider, so they join the traces the bus carries; a no-op one when tracing is off."""
+        return trace.NoOpTracer() if self.tracer_provider is None else self.tracer_provider.get_tracer(name)
+
     def published_size(self, event: events.Event, content_type: str = events.JSON) -> int:
         """Bytes the NATS server counts against its max payload (``nc.max_payload``) for
         ``event``: payload and headers. Over it the server drops the publisher's connection,
@@ -399,10 +406,13 @@ class Bus:
         payload = events.encode(event, content_type)
         if self.tracer is None:
             headers = self.headers_for(event, content_type)
-            return await self.retry(lambda: self.js.publish(subject, payload, headers=headers), subject)
-        with self.tracer.start_as_current_span(f"publish {subject}", kind=trace.SpanKind.PRODUCER):
-            headers = self.headers_for(event, content_type)
-            return await self.retry(lambda: self.js.publish(subject, payload, headers=headers), subject)
+            ack = await self.retry(lambda: self.js.publish(subject, payload, headers=headers), subject)
+        else:
+            with self.tracer.start_as_current_span(f"publish {subject}", kind=trace.SpanKind.PRODUCER):
+                headers = self.headers_for(event, content_type)
+                ack = await self.retry(lambda: self.js.publish(subject, payload, headers=headers), subject)
+        metrics.PUBLISHED.labels(ack.stream).inc()
+        return ack
 
     def publish_soon(self, event: events.Event, what: str) -> None:
         """Publish ``event`` in the background, off the caller's path (a usage count beside a
@@ -466,6 +476,8 @@ class Bus:
                                              subject))
             else:
                 acks.append(fut.result())  # raises what is not transient
+        for ack in acks:
+            metrics.PUBLISHED.labels(ack.stream).inc()
         return acks
 
     async def retry(self, op: Callable[[], Awaitable[T]], subject: str | None = None) -> T:
@@ -759,6 +771,17 @@ class ConsumerStats:
     handed_back: int = 0
 
 
+class _ConsumerMetrics:
+    """A consumer's Prometheus figures (flywheel.contract.metrics), its labels bound once."""
+
+    def __init__(self, durable: str) -> None:
+        self.acked, self.naked, self.dead_lettered, self.handed_back = (
+            metrics.MESSAGES.labels(durable, outcome) for outcome in ("acked", "naked", "dead_lettered", "handed_back"))
+        self.in_flight = metrics.IN_FLIGHT.labels(durable)
+        self.pending = metrics.PENDING.labels(durable)
+        self.handle_seconds = metrics.HANDLE_SECONDS.labels(durable)
+
+
 class Consumer:
     """A durable pull consumer on one stream, driven by one loop.
 
@@ -821,6 +844,7 @@ class Consumer:
         # for consumers that belong to something that ends, like one run's trainer.
         self.inactive_threshold_s = inactive_threshold_s
         self.stats = ConsumerStats()
+        self._metrics = _ConsumerMetrics(durable)
         self._stopping = asyncio.Event()
         self.fetching_ended = asyncio.Event()  # set once run() fetches no more (stopping, before the drain)
         self._in_flight = 0  # messages fetched and not finished
@@ -926,6 +950,9 @@ class Consumer:
 
     def _dispatch(self, msgs: list[Msg]) -> None:
         self._in_flight += len(msgs)
+        self._metrics.in_flight.set(self._in_flight)
+        with contextlib.suppress(ValueError, IndexError, nats.errors.Error):  # a reply without the counts: no figure
+            self._metrics.pending.set(msgs[-1].metadata.num_pending or 0)
         now = time.monotonic()
         for m in msgs:
             self._unfinished[id(m)] = (m, now)
@@ -943,6 +970,7 @@ class Consumer:
                 log.exception("consumer %s: internal error", self.durable)
             finally:
                 self._in_flight -= len(msgs)
+                self._metrics.in_flight.set(self._in_flight)
                 if self.max_in_flight - self._in_flight >= self._wanted_free:
                     self._slot_freed.set()
             next_unit = asyncio.get_running_loop().create_future()
@@ -965,6 +993,7 @@ class Consumer:
             try:
                 await m.nak()
                 self.stats.handed_back += 1
+                self._metrics.handed_back.inc()
             except nats.errors.Error:
                 pass
         self._unfinished.clear()
@@ -1014,14 +1043,18 @@ class Consumer:
 
     async def _call(self, ds: list[Delivery]) -> None:
         tracer = self.bus.tracer
-        if tracer is None:
-            return await self._handle(ds)
-        token = otel_context.attach(propagate.extract(ds[0].headers))
+        started = time.monotonic()
         try:
-            with tracer.start_as_current_span(f"process {ds[0].subject}", kind=trace.SpanKind.CONSUMER):
-                await self._handle(ds)
+            if tracer is None:
+                return await self._handle(ds)
+            token = otel_context.attach(propagate.extract(ds[0].headers))
+            try:
+                with tracer.start_as_current_span(f"process {ds[0].subject}", kind=trace.SpanKind.CONSUMER):
+                    await self._handle(ds)
+            finally:
+                otel_context.detach(token)
         finally:
-            otel_context.detach(token)
+            self._metrics.handle_seconds.observe(time.monotonic() - started)
 
     def _handle(self, ds: list[Delivery]) -> Awaitable[None]:
         # A plain function returning the handler's awaitable: one coroutine less a message.
@@ -1050,6 +1083,7 @@ class Consumer:
         await m.ack()
         self._unfinished.pop(id(m), None)
         self.stats.acked += 1
+        self._metrics.acked.inc()
 
     async def _failed(self, d: Delivery, exc: Exception) -> None:
         if isinstance(exc, Reject):
@@ -1059,6 +1093,7 @@ class Consumer:
             await d.msg.nak()
             self._unfinished.pop(id(d.msg), None)
             self.stats.handed_back += 1
+            self._metrics.handed_back.inc()
             return
         if d.num_delivered >= self.max_deliver:
             await self._dead_letter(d.msg, f"failed on delivery {d.num_delivered} of {self.max_deliver}: "
@@ -1070,6 +1105,7 @@ class Consumer:
         await d.msg.nak(delay=delay_s)
         self._unfinished.pop(id(d.msg), None)
         self.stats.naked += 1
+        self._metrics.naked.inc()
 
     async def _dead_letter(self, m: Msg, reason: str) -> None:
         num_delivered, stream_seq = delivery_counts(m.reply)
@@ -1081,3 +1117,4 @@ class Consumer:
         await m.term()
         self._unfinished.pop(id(m), None)
         self.stats.dead_lettered += 1
+        self._metrics.dead_lettered.inc()

@@ -20,14 +20,17 @@ import signal
 import socket
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 import msgspec
 import nats.errors
 import nats.js.errors
 
-from flywheel.contract import events
+from flywheel.contract import events, metrics
 from flywheel.contract.bus import SERVICE_HEARTBEAT_TTL_S, SERVICES_BUCKET, Bus, Consumer, wait_at_most
+
+if TYPE_CHECKING:
+    from flywheel.contract.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +71,17 @@ async def compute(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
     service goes through here, so a process has one team."""
     call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
     return await asyncio.get_running_loop().run_in_executor(_COMPUTE_THREAD, call)
+
+
+def setup_telemetry(service_name: str, settings: Settings) -> bool:
+    """Serve Prometheus metrics on ``settings.metrics_port`` (:mod:`flywheel.contract.metrics`;
+    unset: not served), and export traces as :func:`setup_tracing` says. Returns whether
+    tracing is on."""
+    try:
+        metrics.serve(settings.metrics_port)
+    except OSError as exc:  # the service goes on without its figures; the log says why
+        log.error("%s: %s", service_name, exc)
+    return setup_tracing(service_name)
 
 
 def setup_tracing(service_name: str) -> bool:
@@ -134,8 +148,13 @@ class Service:
         beat = events.ServiceHeartbeat(service=self.name, instance=self.instance, pid=os.getpid(),
                                        host=socket.gethostname(),
                                        status=status,  # type: ignore[arg-type]  # callers pass "ok", a Literal value
-                                       started_at=self.started_at, info=self.info)
+                                       started_at=self.started_at, info=self._info())
         await kv.put(self.key, events.encode(beat))
+
+    def _info(self) -> dict[str, Any]:
+        """``info``, plus the port this process serves its Prometheus metrics on, if it does."""
+        port = metrics.served_port()
+        return self.info if port is None else {**self.info, "metrics_port": port}
 
     async def _heartbeat(self) -> None:
         while not self.stopping.is_set():

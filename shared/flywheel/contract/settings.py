@@ -248,6 +248,13 @@ class Settings(BaseSettings):
                                                        "this without a renewal the run is abandoned (its queued "
                                                        "tasks stop holding inference) and another orchestrator may "
                                                        "take it over.")
+    metrics_port: int | None = Field(
+        None, ge=0, le=65535, description="Port each service process serves its Prometheus metrics on, at /metrics "
+                                          "(queue depth and lag of each consumer, tokens sampled, admission, "
+                                          "scoring and step times, HTTP requests). Unset: not served; 0: a free "
+                                          "port, named in the process's heartbeat (flywheel status). `flywheel up` "
+                                          "gives its services this port and the ports after it, in start order, and "
+                                          "a run's trainer a free one.")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level of every "
                                                                                    "service process.")
     inference: InferenceSettings = Field(default_factory=InferenceSettings,

@@ -375,6 +375,14 @@ def child_env(settings: Settings) -> dict[str, str]:
     return env
 
 
+def metrics_port(settings: Settings, index: int) -> dict[str, str]:
+    """The environment that gives the ``index``-th service of a stack its own metrics port:
+    ``metrics_port`` plus ``index`` (0 stays 0: each picks a free one); nothing when unset."""
+    if settings.metrics_port is None:
+        return {}
+    return {"FLYWHEEL_METRICS_PORT": str(settings.metrics_port and settings.metrics_port + index)}
+
+
 def local_host(host: str) -> str:
     """Where this machine reaches a server bound to ``host``."""
     return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
@@ -447,8 +455,9 @@ class Stack:
         self.bus: Bus | None = None
         self.nats_nodes: list[NatsProcess] = []  # the nats-server it started, a process a node of its cluster
         env = child_env(settings)
-        self.services = [ServiceProcess(name, spec, env | self._nats_login(name), self.log_dir / f"{name}.log")
-                         for name, spec in (SERVICES if services is None else services).items()]
+        self.services = [ServiceProcess(name, spec, env | self._nats_login(name) | metrics_port(settings, i),
+                                        self.log_dir / f"{name}.log")
+                         for i, (name, spec) in enumerate((SERVICES if services is None else services).items())]
         for service in self.services:
             service.backoff = self._backoff()
         self.started: list[Process] = []  # in start order; stopped in reverse
