@@ -171,7 +171,8 @@ class Partitions:
                 await self._give_up(kv, k)
                 raise RuntimeError(f"{self.durable}: partition {k}'s consumer stopped: {failed!r}") from failed
         await kv.put(self._member_key, json.dumps({"replica": self.replica}).encode())
-        mine = share(await self._members(kv), self.replica)
+        members = await self._members(kv)
+        mine = share(members, self.replica)
         for k in sorted(self.owned):
             if k not in mine:
                 log.info("%s: partition %d goes to another replica; handing it over", self.durable, k)
@@ -184,8 +185,12 @@ class Partitions:
                 log.warning("%s: partition %d's lease lapsed (this replica was stalled past %.0fs); another replica "
                             "may have it: giving it up", self.durable, k, PARTITION_LEASE_S)
                 await self._give_up(kv, k, lapsed=True)
-        for k in sorted(mine - set(self.owned)):
+        before = set(self.owned)
+        for k in sorted(mine - before):
             await self._claim(kv, k)
+        if set(self.owned) != before:
+            log.info("%s: this replica consumes partitions %s of %d (%d live replicas)", self.durable,
+                     sorted(self.owned), ROLLOUT_PARTITIONS, len(set(members) | {self.replica}))
 
     def _lease(self) -> bytes:
         return json.dumps({"owner": self.replica}).encode()

@@ -177,7 +177,7 @@ REPORT = {
     "gateway": {"url": "http://127.0.0.1:8420", "ok": True, "status_code": 200, "detail": {"status": "ok"}},
     "services": [
         {"service": "gateway", "instance": "vm-10", "pid": 10, "host": "vm", "status": "ok", "age_s": 1.25,
-         "stale": False, "uptime_s": 3725.0},
+         "stale": False, "uptime_s": 3725.0, "info": {"metrics_port": 9464}},
         {"service": "recorder", "instance": "vm-1234", "pid": 1234, "host": "vm", "status": "ok", "age_s": 19.0,
          "stale": True, "uptime_s": 75.0},
     ],
@@ -227,9 +227,9 @@ def test_status_tables() -> None:
          "see /d/logs/inference.log"),
     ]
     assert services.splitlines() == [
-        "SERVICE   INSTANCE   PID  STATUS  LAST BEAT  UP",
-        "gateway   vm-10       10  ok      1.2s       1h02m",
-        "recorder  vm-1234   1234  stale   19.0s      1m15s",
+        "SERVICE   INSTANCE   PID  STATUS  LAST BEAT  UP     METRICS",
+        "gateway   vm-10       10  ok      1.2s       1h02m  vm:9464/metrics",
+        "recorder  vm-1234   1234  stale   19.0s      1m15s  -",
     ]
     assert streams.splitlines() == [
         "STREAM    MESSAGES  SIZE     CONSUMERS  REPLICAS",

@@ -881,6 +881,12 @@ def cmd_schema(args: argparse.Namespace) -> int:
 # --- status tables ------------------------------------------------------------------------
 
 
+def _metrics_at(service: dict[str, Any]) -> str:
+    """Where a service instance serves its Prometheus figures (setting metrics_port), or "-"."""
+    port = (service.get("info") or {}).get("metrics_port")
+    return "-" if port is None else f"{service.get('host') or '?'}:{port}/metrics"
+
+
 def format_status(report: dict[str, Any]) -> str:
     """The status report as readable tables (``--json`` prints ``report`` itself)."""
     gateway = report["gateway"]
@@ -892,8 +898,8 @@ def format_status(report: dict[str, Any]) -> str:
         gateway_state = f"unhealthy (HTTP {gateway['status_code']}: {gateway['detail']})"
     parts = [table([["NATS", report["nats_url"], "ok"], ["gateway", gateway["url"], gateway_state]])]
     services = [[s["service"], s["instance"], s["pid"], "stale" if s["stale"] else s["status"], f"{s['age_s']:.1f}s",
-                 _duration(s["uptime_s"])] for s in report["services"]]
-    parts.append(table(services, ["SERVICE", "INSTANCE", "PID", "STATUS", "LAST BEAT", "UP"])
+                 _duration(s["uptime_s"]), _metrics_at(s)] for s in report["services"]]
+    parts.append(table(services, ["SERVICE", "INSTANCE", "PID", "STATUS", "LAST BEAT", "UP", "METRICS"])
                  if services else "no services running (no heartbeats in the services KV bucket)")
     parts += [format_stack(stack) for stack in report["stacks"]]
     streams = [[s["stream"], s["messages"], size(s["bytes"]), s["consumers"], _replicas(s)] for s in report["streams"]]
