@@ -202,10 +202,14 @@ class DockerBackend:
         box = DockerBox(container, AgentChannel(agent_out.readexactly, write), sock, writer, demux, self, tail, relay)
         writer.write(agent_preamble())
         try:
-            await asyncio.wait_for(box.channel.read_frame(), self.config.start_timeout_s)
+            async with asyncio.timeout(self.config.start_timeout_s):
+                await box.channel.read_frame()
         except (TimeoutError, AgentGone) as exc:
             await box.stop()
             raise start_failed(tail, exc) from exc
+        except BaseException:  # cancelled while it started (the service stopping): no container is left running
+            await box.stop()
+            raise
         return box
 
     async def close(self) -> None:

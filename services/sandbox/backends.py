@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import functools
 import json
 import logging
@@ -48,6 +49,7 @@ import struct
 import subprocess
 import sys
 import sysconfig
+import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -190,14 +192,27 @@ class Child:
                 argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                 preexec_fn=preexec_fn)  # noqa: PLW1509  # on purpose: the child joins its cgroups, takes its uid
 
-        popen = await loop.run_in_executor(None, spawn)
+        spawning = loop.run_in_executor(None, spawn)
+        try:
+            popen = await asyncio.shield(spawning)
+        except asyncio.CancelledError:  # the spawn goes on in its thread: what it starts is killed
+            def kill_when_spawned(done: asyncio.Future[subprocess.Popen[bytes]]) -> None:
+                if not done.cancelled() and done.exception() is None:
+                    _kill_and_reap(done.result())
+
+            spawning.add_done_callback(kill_when_spawned)
+            raise
         assert popen.stdin is not None and popen.stdout is not None and popen.stderr is not None
-        readers = []
-        for pipe in (popen.stdout, popen.stderr):
-            reader = asyncio.StreamReader(limit=2**24)
-            await loop.connect_read_pipe(functools.partial(asyncio.StreamReaderProtocol, reader), pipe)
-            readers.append(reader)
-        transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, popen.stdin)
+        try:
+            readers = []
+            for pipe in (popen.stdout, popen.stderr):
+                reader = asyncio.StreamReader(limit=2**24)
+                await loop.connect_read_pipe(functools.partial(asyncio.StreamReaderProtocol, reader), pipe)
+                readers.append(reader)
+            transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, popen.stdin)
+        except BaseException:  # cancelled (the service stopping) before the box exists: nothing left running
+            _kill_and_reap(popen)
+            raise
         writer = asyncio.StreamWriter(transport, protocol, None, loop)
         return cls(popen, readers[0], writer, readers[1])
 
@@ -219,6 +234,13 @@ class Child:
 
     async def wait(self) -> int:
         return await self.exited
+
+
+def _kill_and_reap(popen: subprocess.Popen[bytes]) -> None:
+    """SIGKILL a sandbox's bubblewrap that no box holds, and reap it in a thread."""
+    with contextlib.suppress(ProcessLookupError):
+        popen.kill()
+    threading.Thread(target=popen.wait, name="flywheel-reap", daemon=True).start()
 
 
 # --- cgroups (v1) -------------------------------------------------------------------------
@@ -516,11 +538,15 @@ class LocalBackend:
         process.stdin.write(agent_preamble())
         drain = asyncio.ensure_future(_drain(process.stderr, box.stderr_tail))
         try:
-            await asyncio.wait_for(box.channel.read_frame(), self.config.start_timeout_s)
+            async with asyncio.timeout(self.config.start_timeout_s):
+                await box.channel.read_frame()
         except (TimeoutError, AgentGone) as exc:
             await box.stop()
             await asyncio.wait([drain], timeout=1.0)  # bubblewrap's last words say what went wrong
             raise start_failed(box.stderr_tail, exc) from exc
+        except BaseException:  # cancelled while it started (the service stopping): nothing is left running
+            await box.stop()
+            raise
         return box
 
     async def close(self) -> None:

@@ -278,7 +278,8 @@ class SessionManager:
             session = self.get(sandbox_id)  # it may have gone while this waited
             session.busy = True
             try:
-                return await asyncio.wait_for(session.box.channel.call(request), timeout_s)
+                async with asyncio.timeout(timeout_s):  # not wait_for: see flywheel.contract.bus.wait_at_most
+                    return await session.box.channel.call(request)
             except TimeoutError:
                 reason = f"its agent did not answer within {timeout_s:g} s, so the service killed it"
                 await self._destroy(session, reason)

@@ -449,3 +449,28 @@ def test_a_backend_that_cannot_run_fails_at_start_saying_why(env: dict[str, str]
     out = subprocess.run([sys.executable, "-m", "flywheel_sandbox"], env={**os.environ, **env}, capture_output=True,
                          text=True, timeout=60, check=False)
     assert out.returncode == 1 and says in out.stderr, out.stderr
+
+
+async def test_a_start_cancelled_while_the_agent_boots_leaves_nothing_running(
+        backend: LocalBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A warm-pool start cancelled by the service stopping, while the sandbox's agent has not
+    answered yet: the sandbox is killed, not left running (nor handed to the pool after all)."""
+    import psutil
+
+    from flywheel_sandbox import backends
+
+    silent = b"import time\ntime.sleep(600)\n"  # an agent that never answers its first frame
+    monkeypatch.setattr(backends, "agent_preamble", lambda: b"%d\n" % len(silent) + silent)
+    me = psutil.Process()
+
+    def sandboxes() -> list[psutil.Process]:
+        return [p for p in me.children() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+                and "bwrap" in p.name()]
+
+    before = {p.pid for p in sandboxes()}
+    starting = asyncio.ensure_future(backend.start(SandboxSpec()))
+    await until(lambda: bool({p.pid for p in sandboxes()} - before), what="the sandbox's process running")
+    starting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await starting
+    await until(lambda: not {p.pid for p in sandboxes()} - before, what="the sandbox's process gone")

@@ -558,7 +558,8 @@ class ProgramHarness:
                                                         env={**os.environ, **self.child_env(ctx, ctx.base_url)},
                                                         cwd=cwd, start_new_session=True)
             try:
-                out, err = await asyncio.wait_for(proc.communicate(json.dumps(ctx.task).encode()), self.timeout_s)
+                async with asyncio.timeout(self.timeout_s):  # not wait_for: see flywheel.contract.bus.wait_at_most
+                    out, err = await proc.communicate(json.dumps(ctx.task).encode())
             except TimeoutError:
                 _kill_group(proc.pid)
                 await proc.wait()

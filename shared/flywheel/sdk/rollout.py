@@ -93,7 +93,12 @@ async def run_harness(env: Environment, ctx: RolloutContext, endpoint: Endpoint,
     assert env.harness is not None
     error: str | None = None
     started = time.monotonic()
-    harness = asyncio.ensure_future(asyncio.wait_for(env.harness.run(env, ctx), timeout_s))
+    async def bounded() -> Any:  # asyncio.timeout, not wait_for: see flywheel.contract.bus.wait_at_most
+        assert env.harness is not None
+        async with asyncio.timeout(timeout_s):
+            return await env.harness.run(env, ctx)
+
+    harness = asyncio.ensure_future(bounded())
     try:
         if stop is not None:
             either: list[asyncio.Future[Any]] = [harness, stop]
