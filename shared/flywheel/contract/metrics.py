@@ -62,18 +62,18 @@ HTTP_SECONDS = Histogram("flywheel_http_request_seconds", "Time to answer an HTT
 _served: dict[str, int] = {}  # "port": the port this process serves /metrics on, once it does
 
 
-def serve(port: int | None) -> int | None:
-    """Serve ``/metrics`` on ``port`` (0: a free one) on every address, once a process; returns
-    the port (None when ``port`` is None: not served). A port in use is an OSError naming it."""
+def serve(port: int | None, host: str = "127.0.0.1") -> int | None:
+    """Serve ``/metrics`` on ``host``:``port`` (0: a free port), once a process; returns the
+    port (None when ``port`` is None: not served). A port in use is an OSError naming it."""
     if port is None or "port" in _served:
         return _served.get("port")
     try:
-        server, _ = start_http_server(port)
+        server, _ = start_http_server(port, addr=host)
     except OSError as exc:
         raise OSError(f"metrics_port {port}: cannot serve /metrics there ({exc}); choose a free port, or 0 for any "
                       "(FLYWHEEL_METRICS_PORT)") from exc
     _served["port"] = int(server.server_port)
-    log.info("metrics at http://0.0.0.0:%d/metrics", _served["port"])
+    log.info("metrics at http://%s:%d/metrics", host, _served["port"])
     return _served["port"]
 
 

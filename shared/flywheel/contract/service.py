@@ -78,7 +78,7 @@ def setup_telemetry(service_name: str, settings: Settings) -> bool:
     unset: not served), and export traces as :func:`setup_tracing` says. Returns whether
     tracing is on."""
     try:
-        metrics.serve(settings.metrics_port)
+        metrics.serve(settings.metrics_port, settings.metrics_host)
     except OSError as exc:  # the service goes on without its figures; the log says why
         log.error("%s: %s", service_name, exc)
     return setup_tracing(service_name)

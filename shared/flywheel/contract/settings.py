@@ -255,6 +255,9 @@ class Settings(BaseSettings):
                                           "port, named in the process's heartbeat (flywheel status). `flywheel up` "
                                           "gives its services this port and the ports after it, in start order, and "
                                           "a run's trainer a free one.")
+    metrics_host: str = Field("127.0.0.1", description="Address the metrics of metrics_port listen on (0.0.0.0: "
+                                                       "every address, for a scraper on another machine or "
+                                                       "container).")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level of every "
                                                                                    "service process.")
     inference: InferenceSettings = Field(default_factory=InferenceSettings,
