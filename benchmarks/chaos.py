@@ -1,6 +1,7 @@
 """Chaos: one real training run while Flywheel's processes are killed and nats-server restarts.
 
     python benchmarks/chaos.py --json out/chaos.json [--kills 20] [--nats-restarts 3] [--seed 0] [--cluster 3]
+                                                     [--replicas 2]
 
 Starts ``flywheel up`` (its own nats-server, gateway, orchestrator, recorder, scorer, sandbox,
 inference; a temporary data folder, free ports), then ``flywheel run examples/reverse-text.toml``
@@ -30,11 +31,17 @@ With ``--cluster 3`` the stack runs three nats-server nodes (``flywheel up --clu
 stream on each node) and each NATS event kills (SIGTERM and SIGKILL in turn) one node picked at
 random; the stack restarts it and it catches up from the others.
 
+With ``--replicas N`` there are N replicas of inference and of the scorer: ``flywheel up``'s one
+of each, and N - 1 more each that the benchmark starts (and, killed, starts again at once, as a
+supervisor would); kills pick among every replica. The inference replicas share the run's
+admission bound, the scorer replicas split the rollout partitions (a killed one's pass on once
+its leases lapse).
+
 Figures move from run to run on a shared machine; the keys that must be 0 must be 0 every
 time. Not covered: killing ``flywheel up`` or the orchestrator (the supervisors: an
 orchestrator's death leaves the run to the next one once its lease ran out, 60 s here;
-``tests/e2e/test_run_owner.py`` covers it with a 3 s lease), several replicas of a service
-(inference replicas do not yet share one admission bound).
+``tests/e2e/test_run_owner.py`` covers it with a 3 s lease), replicas of the gateway, recorder
+and sandbox.
 """
 
 from __future__ import annotations
@@ -276,6 +283,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300, help="trainer.num_steps of the run")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cluster", type=int, default=1, help="nats-server nodes (3: a JetStream cluster)")
+    parser.add_argument("--replicas", type=int, default=1, help="replicas of inference and of the scorer")
     parser.add_argument("--verbose", action="store_true", help="echo the stack's and the run's output")
     args = parser.parse_args()
     rng = random.Random(args.seed)
@@ -295,11 +303,26 @@ def main() -> None:
                                text=True, env=env, cwd=ROOT)
     up = Lines(up_proc, "up" if args.verbose else None)
     run_proc: subprocess.Popen[str] | None = None
-    result: dict[str, Any] = {"kills": 0, "nats_restarts": 0, "finished": False, "nats_nodes": args.cluster}
+    result: dict[str, Any] = {"kills": 0, "nats_restarts": 0, "finished": False, "nats_nodes": args.cluster,
+                              "replicas": args.replicas}
+    extra: dict[str, subprocess.Popen[bytes]] = {}  # "inference-2", "scorer-2", ...: the replicas beyond up's
+    extra_env = env | {"FLYWHEEL_DATA_DIR": str(data_dir), "FLYWHEEL_NATS_PORT": str(ports["nats"]),
+                       "FLYWHEEL_NATS_CLUSTER": str(args.cluster)}
+
+    def start_extra(name: str) -> None:
+        service = name.rsplit("-", 1)[0]
+        argv = [sys.executable, "-m", f"flywheel_{service}"]
+        if service == "inference":
+            argv += ["--port", str(free_port())]
+        with (data_dir / f"{name}.log").open("a") as log:
+            extra[name] = subprocess.Popen(argv, env=extra_env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     event_log: list[dict[str, Any]] = []
     started = time.monotonic()
     try:
         up.wait_for(r"^Flywheel is up", 180)
+        for i in range(2, args.replicas + 1):
+            for service in ("inference", "scorer"):
+                start_extra(f"{service}-{i}")
         run_proc = subprocess.Popen([*flywheel, "run", str(CONFIG), "--run-id", RUN, *common,
                                      "--set", f"trainer.num_steps={args.steps}"],
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
@@ -311,14 +334,17 @@ def main() -> None:
                 print(f"chaos: the run is at its last steps; {len(plan) - len(event_log)} events not done",
                       flush=True)
                 break
-            pids = latest_pids(up, run)
+            pids = latest_pids(up, run) | {name: proc.pid for name, proc in extra.items() if proc.poll() is None}
             if kind == "nats":
                 target = "nats-server" if args.cluster == 1 else f"nats-server-n{rng.randint(1, args.cluster)}"
                 sig = nats_signals[result["nats_restarts"] % 2]
             else:
-                target, sig = rng.choice([s for s in SERVICES if s in pids]), signal.SIGKILL
+                target, sig = rng.choice([s for s in (*SERVICES, *extra) if s in pids]), signal.SIGKILL
             at = time.monotonic()
             os.kill(pids[target], sig)
+            if target in extra:  # the benchmark supervises the replicas it started: one starts again at once
+                extra[target].wait()
+                start_extra(target)
             result["nats_restarts" if kind == "nats" else "kills"] += 1
             try:
                 recovered = wait_steps(run, at, 1, RECOVERY_TIMEOUT_S)
@@ -343,7 +369,8 @@ def main() -> None:
         result["median_recovery_s"] = sorted(recoveries)[len(recoveries) // 2] if recoveries else None
         result["events"] = event_log
         result["data_dir"] = str(data_dir)
-        for proc in (run_proc, up_proc):
+        stopping: list[subprocess.Popen[Any] | None] = [run_proc, *extra.values(), up_proc]
+        for proc in stopping:
             if proc is not None and proc.poll() is None:
                 proc.send_signal(signal.SIGINT)
                 try:
