@@ -46,6 +46,7 @@ async def builtin_scorer(bus: Bus, **bounds: Any) -> AsyncIterator[Partitions]:
         partitions, _ = scorer.build(bus, EnvironmentRewards(), pool, ScorerSettings(**{"max_in_flight": 8, **bounds}))
         running = asyncio.ensure_future(partitions.run())
         try:
+            await until(lambda: len(partitions.owned) == events.ROLLOUT_PARTITIONS, what="every partition claimed")
             yield partitions
         finally:
             partitions.stop()
