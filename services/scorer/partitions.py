@@ -29,10 +29,7 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import re
-import secrets
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,16 +41,12 @@ from nats.js.kv import KeyValue
 from flywheel.contract import metrics
 from flywheel.contract.bus import PARTITION_LEASE_S, PARTITIONS_BUCKET, Bus, Consumer, ConsumerStats, wait_at_most
 from flywheel.contract.events import ROLLOUT_PARTITIONS, partition_of
+from flywheel.contract.service import instance_name
 
 log = logging.getLogger(__name__)
 
 ROUND_S = PARTITION_LEASE_S / 3  # leases renewed, and shares worked out, this often
 _TOKEN = re.compile(r"[^-_A-Za-z0-9]")
-
-
-def replica_name() -> str:
-    """A name for this process among the replicas (host, pid, and a random part)."""
-    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
 def partition_filter(subjects: str | list[str] | None, k: int) -> str | list[str]:
@@ -89,7 +82,7 @@ class Partitions:
                  on_first: Callable[[Consumer], None] | None = None) -> None:
         self.bus = bus
         self.durable = durable
-        self.replica = replica or replica_name()
+        self.replica = replica or instance_name()
         self.consumer_for = consumer_for
         self.hand_back = hand_back
         self.on_first = on_first  # called with the first partition's consumer once it is bound
@@ -111,10 +104,6 @@ class Partitions:
         """The outcomes of every partition consumer this replica ran, summed."""
         return ConsumerStats(**{f: sum(getattr(c.stats, f) for c in self._consumers)
                                 for f in ("acked", "naked", "dead_lettered", "handed_back")})
-
-    @property
-    def stopping(self) -> bool:
-        return self._stopping.is_set()
 
     async def serve(self, stopping: asyncio.Event) -> None:
         """:meth:`run` until ``stopping`` is set (a service's background task)."""
@@ -199,7 +188,7 @@ class Partitions:
         try:
             revision = await kv.create(self._partition_key(k), self._lease())
         except nats.js.errors.KeyWrongLastSequenceError:
-            self._say_waiting(kv, k)
+            self._say_waiting(k)
             return
         self._waiting_since.pop(k, None)
         self._said_waiting.discard(k)
@@ -217,7 +206,7 @@ class Partitions:
         self.owned[k] = _Owned(consumer, asyncio.ensure_future(consumer.run()), revision)
         metrics.PARTITIONS.labels(self.durable).set(len(self.owned))
 
-    def _say_waiting(self, kv: KeyValue, k: int) -> None:
+    def _say_waiting(self, k: int) -> None:
         """A partition of this replica's share is still another's: say so once it waits a lease long."""
         since = self._waiting_since.setdefault(k, time.monotonic())
         if time.monotonic() - since > PARTITION_LEASE_S and k not in self._said_waiting:

@@ -106,6 +106,12 @@ def setup_tracing(service_name: str) -> bool:
     return True
 
 
+def instance_name() -> str:
+    """A name for this process among the instances of its service: host, pid, and a random part
+    (two containers on the host network may both be pid 1 on one host name)."""
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
 class Service:
     """Runs consumers and background tasks until a signal, then shuts down once."""
 
@@ -115,9 +121,7 @@ class Service:
         self.name = name
         self.handle_signals = handle_signals
         self.bus = bus
-        # Host and pid say where it runs; the random part keeps two instances apart where both
-        # are pid 1 on one host name (containers on the host network).
-        self.instance = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+        self.instance = instance_name()
         self.info = info or {}
         self.consumers: list[Consumer] = []
         self.tasks: list[Callable[[asyncio.Event], Awaitable[None]]] = []
