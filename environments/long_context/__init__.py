@@ -2,7 +2,7 @@
 
 Each task is a table of ``num_records`` records, one a line
 (``record 0412 | city: Lisbon | amount: 37 | status: open``; about 60 characters each, so the
-default 800 records are some 48,000 characters, about 12,000 tokens), generated from a seed,
+default 800 records are some 44,000 characters, about 17,000 tokens of SmolLM2), generated from a seed,
 and one question about it:
 
 - ``needle``: the amount of one record (found by its number);
@@ -12,16 +12,24 @@ and one question about it:
 The answer is computed from the table. The harness is :class:`flywheel.sdk.rlm.RLMHarness`: the
 table is the REPL's ``context``, never the prompt, so a model answers by writing code (and, if it
 likes, asking ``llm_query`` about pieces). ``repl=False`` is the baseline without the REPL: one
-chat turn with the whole table in the prompt (as much of it as the model's context takes).
+chat turn with the table in the prompt, whole, or cut to its first ``max_table_chars``
+characters so that it fits the model's context (the prompt then says how many records it shows).
+``shots=N`` puts N worked examples before the question (``examples``): for the REPL, a
+question, the code that answers it (``solution_code``), the REPL's output and ``FINAL``; without
+it, a small table, a question and ``FINAL``. Their tables come from seeds no task uses; their
+kinds alternate, the question's kind last. A model too small to write REPL code from the
+instructions alone copies the pattern (SmolLM2-135M does; the README gives its figures).
+
 Reward ``correct``: the answer (``state["answer"]``; without the REPL, the reply's
 ``FINAL(...)`` or its last number; thousands separators and spaces ignored) is the expected
-number. Metrics
-``answered`` (the rollout ended with an answer), ``cells`` and ``sub_calls`` (what it ran).
+number. Metrics ``answered`` (the rollout ended with an answer), ``cells`` and ``sub_calls``
+(what it ran).
 Needs the sandbox service.
 """
 
 from __future__ import annotations
 
+import functools
 import random
 import re
 from typing import Any
@@ -70,6 +78,44 @@ def prompt(task: dict[str, Any]) -> str:
             f"{lines} records, one a line, like\n{task['context'].splitlines()[0]}")
 
 
+_AMOUNT = 'int(line.split("amount: ")[1].split(" |")[0])'
+
+
+def solution_code(task: dict[str, Any]) -> str:
+    """Python that prints the answer of ``task`` from the REPL's ``context``: what an example shows."""
+    question = task["question"]
+    if task["kind"] == "needle":
+        (number,) = re.findall(r"record (\d{4})", question)
+        return (f'for line in context.splitlines():\n    if line.startswith("record {number} "):\n'
+                f'        print({_AMOUNT})')
+    if task["kind"] == "count":
+        ((city, status),) = re.findall(r"city (\w+) and status (\w+)", question)
+        return (f'print(sum(1 for line in context.splitlines() if "city: {city} |" in line '
+                f'and "status: {status}" in line))')
+    (city,) = re.findall(r"city (\w+)\?", question)
+    return f'print(sum({_AMOUNT} for line in context.splitlines() if "city: {city} |" in line))'
+
+
+EXAMPLE_SEED = 1_000_000  # examples' tables: seeds past any task's
+
+
+def examples(shots: int, repl: bool, kind: str) -> list[dict[str, Any]]:
+    """``shots`` worked examples as chat messages, kinds alternating, those of ``kind`` (the
+    question's) last, nearest the question (see the module's doc)."""
+    messages: list[dict[str, Any]] = []
+    picked = [KINDS[i % len(KINDS)] for i in range(shots)]
+    for i, shown in sorted(enumerate(picked), key=lambda pair: (pair[1] == kind, pair[0])):
+        task = make_task(EXAMPLE_SEED + i, 200 if repl else 12, shown)
+        if repl:
+            messages += [{"role": "user", "content": prompt(task)},
+                         {"role": "assistant", "content": f"```repl\n{solution_code(task)}\n```"},
+                         {"role": "user", "content": f"REPL output:\n{task['answer']}"}]
+        else:
+            messages.append({"role": "user", "content": direct_prompt(task)})
+        messages.append({"role": "assistant", "content": f"FINAL({task['answer']})"})
+    return messages
+
+
 def _number(text: Any) -> str | None:
     if not isinstance(text, str):
         return None
@@ -80,8 +126,18 @@ def _number(text: Any) -> str | None:
 DIRECT_PROMPT = "Answer the question about the table. End with FINAL(the number)."
 
 
-def direct_prompt(task: dict[str, Any]) -> str:
-    return f"{task['context']}\n{task['question']}"
+def direct_prompt(task: dict[str, Any], max_table_chars: int | None = None) -> str:
+    """The table, then the question. ``max_table_chars``: the table's first whole records up to
+    that many characters, and a line that says how many of how many were shown."""
+    table_text = task["context"]
+    if max_table_chars is not None and len(table_text) > max_table_chars:
+        lines = table_text.splitlines(keepends=True)
+        kept, size = 0, 0
+        while kept < len(lines) and size + len(lines[kept]) <= max_table_chars:
+            size += len(lines[kept])
+            kept += 1
+        table_text = "".join(lines[:kept]) + f"(the first {kept} of {len(lines)} records; the rest did not fit)\n"
+    return f"{table_text}\n{task['question']}"
 
 
 def correct(state: dict[str, Any], completion: str, task: dict[str, Any]) -> float:
@@ -96,17 +152,24 @@ def correct(state: dict[str, Any], completion: str, task: dict[str, Any]) -> flo
 
 
 def load_environment(num_tasks: int = 300, num_records: int = 800, kinds: tuple[str, ...] | list[str] = KINDS,
-                     max_turns: int = 6, sub_max_tokens: int | None = None, repl: bool = True) -> Environment:
+                     max_turns: int = 6, sub_max_tokens: int | None = None, repl: bool = True,
+                     shots: int = 0, max_table_chars: int | None = None) -> Environment:
     unknown = [k for k in kinds if k not in KINDS]
     if unknown or not kinds:
         raise ValueError(f"kinds={list(kinds)!r}: choose among {list(KINDS)}")
     if num_records < 10:
         raise ValueError(f"num_records={num_records}: at least 10")
+    if not 0 <= shots <= 30:
+        raise ValueError(f"shots={shots}: from 0 to 30 worked examples")
     rows = [make_task(seed, num_records, kinds[seed % len(kinds)]) for seed in range(num_tasks)]
+    if max_table_chars is not None and (repl or max_table_chars < 100):
+        raise ValueError(f"max_table_chars={max_table_chars}: only without the REPL (repl=false), at least 100")
+    question = prompt if repl else functools.partial(direct_prompt, max_table_chars=max_table_chars)
     return Environment(
         name="long_context",
         tasks=TaskSet.from_rows(rows, name="long_context tasks"),
-        prompt=prompt if repl else direct_prompt,
+        prompt=(lambda task: [*examples(shots, repl, task["kind"]), {"role": "user", "content": question(task)}])
+        if shots else question,
         harness=RLMHarness(context="context", max_turns=max_turns, sub_max_tokens=sub_max_tokens) if repl
         else ChatHarness(system_prompt=DIRECT_PROMPT, max_turns=1),
         rewards=[Reward(correct),

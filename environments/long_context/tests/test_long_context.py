@@ -7,6 +7,8 @@ against the tables they come with."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
 
 import pytest
@@ -50,6 +52,42 @@ def test_every_kind_of_question_is_answered_by_its_table() -> None:
     assert type(direct.harness).__name__ == "ChatHarness"
     with pytest.raises(ValueError, match="kinds=\\['sum'\\]: choose among"):
         long_context.load_environment(kinds=["sum"])
+
+
+def test_worked_examples_run_to_their_answers_and_the_cut_table_says_so() -> None:
+    """Each example's code, run on its table as the REPL runs it, prints the answer it shows;
+    the question's kind comes last; the baseline's table is cut at whole records."""
+    env = long_context.load_environment(num_tasks=6, num_records=60, shots=7)
+    for task in env.load_tasks(6):
+        messages = [m.content for m in env.first_messages(task)]
+        assert len(messages) == 7 * 4 + 1 and messages[-1] == long_context.prompt(task)
+        shown_kinds = []
+        for question, reply, output, final in zip(*[iter(messages[:-1])] * 4, strict=True):
+            shown = next(t for i in range(7) for k in long_context.KINDS
+                         if (t := long_context.make_task(long_context.EXAMPLE_SEED + i, 200, k))["question"]
+                         in question and long_context.prompt(t) == question)
+            (code,) = re.findall(r"```repl\n(.*)\n```", reply, re.DOTALL)
+            printed = io.StringIO()
+            with contextlib.redirect_stdout(printed):
+                exec(code, {"context": shown["context"]})  # the environment's own example code, as the REPL runs it
+            assert printed.getvalue().strip() == shown["answer"] and output == f"REPL output:\n{shown['answer']}"
+            assert final == f"FINAL({shown['answer']})"
+            shown_kinds.append(shown["kind"])
+        assert shown_kinds[-2:] == [task["kind"]] * 2 and sorted(shown_kinds) == sorted(
+            long_context.KINDS[i % 3] for i in range(7))
+    direct = long_context.load_environment(num_tasks=2, num_records=100, repl=False, shots=2, max_table_chars=500)
+    task = direct.load_tasks(1)[0]
+    *shots, asked = [m.content for m in direct.first_messages(task)]
+    assert len(shots) == 4 and shots[1].startswith("FINAL(") and "record 0012 |" in shots[0]
+    records = asked.split("(the first ")[0].splitlines()
+    lines = task["context"].splitlines(keepends=True)
+    assert records == [line.rstrip("\n") for line in lines[:len(records)]]  # whole records, from the first
+    assert len("".join(lines[:len(records)])) <= 500 < len("".join(lines[:len(records) + 1]))
+    assert f"(the first {len(records)} of 100 records; the rest did not fit)" in asked and task["question"] in asked
+    with pytest.raises(ValueError, match="max_table_chars=500: only without the REPL"):
+        long_context.load_environment(max_table_chars=500)
+    with pytest.raises(ValueError, match="shots=31: from 0 to 30"):
+        long_context.load_environment(shots=31)
 
 
 async def test_code_reads_the_table_and_asks_the_model_about_a_piece(sandbox: ServedSandboxClient) -> None:
