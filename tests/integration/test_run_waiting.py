@@ -48,6 +48,29 @@ async def test_in_flight_is_what_the_replicas_are_generating_for_the_run(bus: Bu
     assert await job._in_flight() == 32  # being generated, on both replicas; not waiting, not another run's
 
 
+async def test_a_quiet_run_says_what_inference_holds_back_and_the_bound(bus: Bus, nats_server: NatsServer,
+                                                                         tmp_path: Path) -> None:
+    job, out = job_on(bus, nats_server, tmp_path)
+    job.seen_weights = True
+    for service in ("orchestrator", "scorer"):
+        await beat(bus, service)
+    await beat(bus, "inference", 1, {"runs": {"waits": {"num_in_flight": 0, "num_waiting": 0, "max_issued": 96,
+                                                        "policy_version": 2}}})
+    await job._say_waiting(31.0)
+    assert out.getvalue() == ("run waits: no new step for 31s; rollouts in flight in inference: 0; its owner's last "
+                              "note: (none)\n")
+    # Two replicas hold rollouts back at the shared bound: the screen says so, and what moves it.
+    await beat(bus, "inference", 1, {"runs": {"waits": {"num_in_flight": 0, "num_waiting": 16, "max_issued": 96,
+                                                        "policy_version": 2}}})
+    await beat(bus, "inference", 2, {"runs": {"waits": {"num_in_flight": 0, "num_waiting": 8, "max_issued": 96,
+                                                        "policy_version": 2}}})
+    await job._say_waiting(32.0)
+    assert out.getvalue().splitlines()[-1] == (
+        "run waits: no new step for 32s; rollouts in flight in inference: 0; 24 waiting there for admission or a "
+        "place (the staleness bound: 96 rollouts issued over every replica until the trainer's next step); its "
+        "owner's last note: (none)")
+
+
 async def test_a_waiting_run_names_the_scorer_replica_and_weights_it_lacks(bus: Bus, nats_server: NatsServer,
                                                                           tmp_path: Path) -> None:
     job, _ = job_on(bus, nats_server, tmp_path, scorers={"nospace": 0.5})

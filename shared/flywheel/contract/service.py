@@ -173,7 +173,8 @@ class Service:
         signals = (signal.SIGTERM, signal.SIGINT) if self.handle_signals else ()
         for sig in signals:
             loop.add_signal_handler(sig, self.stop)
-        log.info("%s: running (%d consumers)", self.name, len(self.consumers))
+        # a task may hold consumers of its own (the scorer's partitions): both counts are said
+        log.info("%s: running (%d consumers, %d tasks)", self.name, len(self.consumers), len(self.tasks))
         workers = [asyncio.ensure_future(c.run()) for c in self.consumers]
         workers += [asyncio.ensure_future(fn(self.stopping)) for fn in self.tasks]
         beat = asyncio.ensure_future(self._heartbeat())

@@ -607,7 +607,24 @@ class MainJob:
         self.say(f"run {self.cfg.run}: no new step for {quiet_s:.0f}s"
                  + (f"; waiting for {'; '.join(missing)}" if missing else "")
                  + f"; rollouts in flight in inference: {in_flight if in_flight is not None else 'unknown'}"
+                 + await self._admission_wait()
                  + f"; its owner's last note: {self.last_note or '(none)'}")
+
+    async def _admission_wait(self) -> str:
+        """The rollouts the replicas hold back, and the bound that moves when the trainer steps."""
+        try:
+            beats = await read_heartbeats(self.bus)
+        except (TimeoutError, nats.errors.Error):
+            return ""
+        hosting = [b.info["runs"][self.cfg.run] for b in beats if b.service == "inference"
+                   and isinstance(b.info.get("runs"), dict) and isinstance(b.info["runs"].get(self.cfg.run), dict)]
+        waiting = sum(h["num_waiting"] for h in hosting if isinstance(h.get("num_waiting"), int))
+        bounds = [h for h in hosting if isinstance(h.get("max_issued"), int)]
+        if not waiting or not bounds:
+            return ""
+        bound = max(bounds, key=lambda h: h["max_issued"])
+        return (f"; {waiting} waiting there for admission or a place (the staleness bound: {bound['max_issued']} "
+                "rollouts issued over every replica until the trainer's next step)")
 
     async def _missing(self) -> list[str]:
         """What the run needs and does not have: an orchestrator to own it, a scorer of its reward
