@@ -198,7 +198,9 @@ def plot(report: Mapping[str, Any], path: Path) -> None:
     names = [row["model"] for row in report["models"]]
     means = [row["summary"]["reward_mean"] or 0.0 for row in report["models"]]
     errors = [row["summary"]["reward_stderr"] or 0.0 for row in report["models"]]
-    fig, ax = plt.subplots(figsize=(max(4.0, 1.4 * len(names)), 3.2))
+    # a bar's width in inches holds its name (run ids run to 30 characters and more)
+    per_bar = max(1.4, 0.085 * max(len(name) for name in names))
+    fig, ax = plt.subplots(figsize=(max(4.0, per_bar * len(names)), 3.2))
     ax.bar(names, means, yerr=errors, capsize=6, color="#4c72b0")
     ax.set_ylabel("reward (mean ± stderr)")
     ax.set_title(f"{report['env']}: {report['num_tasks']} tasks x {report['num_rollouts']}")
