@@ -19,8 +19,10 @@ replica that dies stops renewing: its leases lapse within ``PARTITION_LEASE_S``,
 next round counts it gone and claims its partitions, and what it had fetched and not acked is
 redelivered after the durable's ack wait (the setting ``scorer.ack_wait_s``).
 
-A handed-back message counts as a delivery on the server (a rollout handed back at every one
-of several rebalances in a row could reach the consumer's ``max_deliver``).
+A handed-back message counts as a delivery on the server, so a partition's consumer allows
+``HANDBACK_ALLOWANCE`` deliveries beyond the usual ``MAX_DELIVER``: a rollout handed back at
+several rebalances in a row is not dead-lettered for it (one that fails is, a few deliveries
+later than elsewhere).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from flywheel.contract.service import instance_name
 log = logging.getLogger(__name__)
 
 ROUND_S = PARTITION_LEASE_S / 3  # leases renewed, and shares worked out, this often
+HANDBACK_ALLOWANCE = 4  # deliveries a partition's consumer allows beyond MAX_DELIVER: hand-backs at rebalances
 _TOKEN = re.compile(r"[^-_A-Za-z0-9]")
 
 

@@ -96,7 +96,7 @@ import msgspec
 from opentelemetry import trace
 
 from flywheel.contract import events, metrics
-from flywheel.contract.bus import Bus, Consumer, Delivery, HandBack, Reject
+from flywheel.contract.bus import MAX_DELIVER, Bus, Consumer, Delivery, HandBack, Reject
 from flywheel.contract.config import RunConfig
 from flywheel.contract.runs import end_of, get_run, list_runs, scorers_of
 from flywheel.contract.service import Service
@@ -114,7 +114,7 @@ from flywheel.sdk.environment import (
 )
 from flywheel.sdk.hooks import FLAG_METRIC, hook_flags
 from flywheel.sdk.scoring import Scoring, score_event
-from flywheel_scorer.partitions import Partitions, partition_filter
+from flywheel_scorer.partitions import HANDBACK_ALLOWANCE, Partitions, partition_filter
 from flywheel_scorer.watch import Watch, flag_score
 
 log = logging.getLogger(__name__)
@@ -557,7 +557,8 @@ def build(bus: Bus, rewards: RewardSource, pool: Executor, config: ScorerSetting
         return Consumer(bus, stream="ROLLOUTS", durable=f"{rewards.durable}-p{k}", handler=scorer.handle,
                         event_type=events.Rollout, filter_subject=partition_filter(rewards.filter_subject, k),
                         max_in_flight=config.max_in_flight + config.max_held, batch_size=config.max_in_flight,
-                        ack_wait_s=config.ack_wait_s, start_time=start_time)
+                        max_deliver=MAX_DELIVER + HANDBACK_ALLOWANCE, ack_wait_s=config.ack_wait_s,
+                        start_time=start_time)
 
     def joined(consumer: Consumer) -> None:
         said = rewards.joined(consumer.created, start_time)

@@ -17,12 +17,12 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from flywheel.contract import events
-from flywheel.contract.bus import PARTITION_LEASE_S, Bus
+from flywheel.contract.bus import MAX_DELIVER, PARTITION_LEASE_S, Bus
 from flywheel.contract.config import RunConfig
 from flywheel.contract.settings import ScorerSettings
 from flywheel.ops.natsserver import NatsServer
 from flywheel_scorer import scorer
-from flywheel_scorer.partitions import Partitions
+from flywheel_scorer.partitions import HANDBACK_ALLOWANCE, Partitions
 from flywheel_scorer.scorer import EnvironmentRewards
 from tests.helpers import until
 from tests.integration.test_scorer_bus import put_run, stored
@@ -79,6 +79,8 @@ async def test_replicas_split_the_partitions_hand_over_held_members_and_take_a_d
             await until(lambda: owned(a, b) == [{0, 2, 4, 6}, {1, 3, 5, 7}], timeout_s=15,
                         what="the partitions split between the two replicas")
             assert a.stats.handed_back == 4  # the members a held in b's partitions went back, for b
+            # a hand-back is a delivery on the server: partition consumers allow a few beyond the usual
+            assert {c.max_deliver for c in a._consumers} == {MAX_DELIVER + HANDBACK_ALLOWANCE}
             await bus.publish_many([r for g in first for r in g[1:]] + [r for g in second for r in g])
 
             async def scored(n: int) -> bool:

@@ -741,6 +741,9 @@ class Reject(Exception):
     """Raised by a handler for a message that can never succeed: dead-lettered at once."""
 
 
+MAX_DELIVER = 5  # a consumer's deliveries of a message before it is dead-lettered, unless told otherwise
+
+
 class HandBack(Exception):
     """Raised by a handler for a message this process should not finish (another consumer of
     its durable takes it on: a scorer replica that gave up the message's partition): handed
@@ -805,7 +808,7 @@ class Consumer:
         filter_subject: str | Sequence[str] | None = None,
         max_in_flight: int = 64,
         batch_size: int = 64,
-        max_deliver: int = 5,
+        max_deliver: int = MAX_DELIVER,
         backoff_s: Sequence[float] = (0.5, 2.0, 5.0, 15.0),
         ack_wait_s: float = 30.0,
         grace_s: float = 10.0,
