@@ -29,6 +29,7 @@ class PromptSensitive:
 
     def __init__(self) -> None:
         self.reflections: list[str] = []
+        self.temperatures: dict[str, set[float | None]] = {"reflection": set(), "rollout": set()}
         self.app = FastAPI()
         self.app.post("/v1/chat/completions")(self.chat)
 
@@ -36,7 +37,9 @@ class PromptSensitive:
         body = await request.json()
         messages = body["messages"]
         last = messages[-1]["content"]
-        if "You are improving the system prompt" in last:
+        reflecting = "You are improving the system prompt" in last
+        self.temperatures["reflection" if reflecting else "rollout"].add(body.get("temperature"))
+        if reflecting:
             self.reflections.append(last)
             answer = "```\nReverse the user's text, letter by letter.\n```" if "reward 0" in last else "```\nHi.\n```"
         else:
@@ -67,8 +70,10 @@ def test_gepa_finds_a_prompt_that_beats_the_original_on_held_out_tasks(
         upstream: tuple[PromptSensitive, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(ENVS))
     scripted, url = upstream
-    cfg = OptimizeConfig(eval=EvalConfig(env="magic_env", model="m", base_url=url, out=tmp_path / "unused"),
-                         num_train=4, num_val=2, num_test=4, max_metric_calls=24, minibatch=2)
+    cfg = OptimizeConfig(eval=EvalConfig(env="magic_env", model="m", base_url=url, out=tmp_path / "unused",
+                                         sampling={"temperature": 0.0}),
+                         num_train=4, num_val=2, num_test=4, max_metric_calls=24, minibatch=2,
+                         reflection_temperature=0.3)
     report = optimize(cfg, load_environment("magic_env"), tmp_path / "evals")
     assert report["original_prompt"] == ""
     assert "reverse" in report["best_prompt"].lower()
@@ -76,6 +81,7 @@ def test_gepa_finds_a_prompt_that_beats_the_original_on_held_out_tasks(
     assert report["held_out_gain"] == 1.0 and report["num_candidates"] >= 2
     assert scripted.reflections and "no idea" in scripted.reflections[0]  # it was shown the failed answers
     assert Path(report["report"]).exists() and report["num_metric_calls"] <= 24 + 2
+    assert scripted.temperatures == {"reflection": {0.3}, "rollout": {0.0}}  # --reflection-temperature, --temperature
 
 
 def test_an_endpoint_that_fails_every_rollout_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

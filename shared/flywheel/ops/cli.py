@@ -370,6 +370,10 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("-r", "--num-rollouts", type=int, default=1, help="rollouts per held-out task (default 1)")
     opt.add_argument("-c", "--concurrency", type=int, default=8, help="rollouts at once (default 8)")
     opt.add_argument("--max-tokens", type=int, metavar="N", help="sampling: a harness's call may ask for fewer")
+    opt.add_argument("--temperature", type=float, metavar="T", help="sampling temperature of the rollouts (default: "
+                                                                     "the environment's; 0: greedy)")
+    opt.add_argument("--reflection-temperature", type=float, metavar="T", help="the reflection model's temperature "
+                     "(default: its endpoint's; a small model proposes gibberish at 1)")
     opt.add_argument("--seed", type=int, default=0, help="which tasks are drawn, and the search's seed")
     _add_settings(opt, ("data_dir", "inference_host", "inference_port"))
     opt.set_defaults(func=cmd_optimize)
@@ -710,14 +714,17 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: at least 1")
     base_url = args.base_url or f"http://{settings.inference_host}:{settings.inference_port}/v1"
-    sampling = {"max_tokens": args.max_tokens} if args.max_tokens is not None else {}
+    for name in ("temperature", "reflection_temperature"):
+        if getattr(args, name) is not None and not 0 <= getattr(args, name) <= 2:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: from 0 to 2")
+    sampling = {name: getattr(args, name) for name in ("max_tokens", "temperature") if getattr(args, name) is not None}
     cfg = OptimizeConfig(
         eval=EvalConfig(env=args.env, model=args.model, base_url=base_url, out=settings.data_dir / "evals" / "unused",
                         api_key=args.api_key or os.environ.get("OPENAI_API_KEY"), num_rollouts=args.num_rollouts,
                         concurrency=args.concurrency, seed=args.seed, sampling=sampling),
         num_train=args.num_train, num_val=args.num_val, num_test=args.num_test, max_metric_calls=args.budget,
         minibatch=args.minibatch, reflection_model=args.reflection_model,
-        reflection_base_url=args.reflection_base_url)
+        reflection_base_url=args.reflection_base_url, reflection_temperature=args.reflection_temperature)
     report = optimize(cfg, load_environment(args.env), settings.data_dir / "evals")
     before, after = report["held_out_original"], report["held_out_best"]
     print(f"original prompt: {report['original_prompt']!r}\nbest prompt: {report['best_prompt']!r}")

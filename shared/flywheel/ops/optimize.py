@@ -61,6 +61,7 @@ class OptimizeConfig:
     minibatch: int = 4
     reflection_model: str | None = None  # default: the model itself
     reflection_base_url: str | None = None  # default: the model's endpoint
+    reflection_temperature: float | None = None  # default: the endpoint's
 
 
 def _first_system_prompt(env: Environment, row: Mapping[str, Any]) -> str:
@@ -115,8 +116,10 @@ class FlywheelAdapter:
         return {name: rows for name in components_to_update}
 
 
-def reflection_lm(model: str, base_url: str, api_key: str | None, max_tokens: int = 512) -> Any:
-    """A callable GEPA asks for new prompts: one chat completion of ``model`` at ``base_url``."""
+def reflection_lm(model: str, base_url: str, api_key: str | None, max_tokens: int = 512,
+                  temperature: float | None = None) -> Any:
+    """A callable GEPA asks for new prompts: one chat completion of ``model`` at ``base_url``
+    (at ``temperature``; None: the endpoint's default)."""
     import openai
 
     client = openai.OpenAI(base_url=base_url, api_key=api_key or "none", max_retries=3)
@@ -124,7 +127,8 @@ def reflection_lm(model: str, base_url: str, api_key: str | None, max_tokens: in
     def ask(prompt: str | list[dict[str, Any]]) -> str:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         reply = client.chat.completions.create(model=model, messages=messages,  # type: ignore[arg-type]
-                                               max_tokens=max_tokens)  # the SDK's message union
+                                               max_tokens=max_tokens,  # the SDK's message union
+                                               temperature=openai.omit if temperature is None else temperature)
         return reply.choices[0].message.content or ""
 
     return ask
@@ -146,7 +150,8 @@ def optimize(cfg: OptimizeConfig, env: Environment, out_dir: Path) -> dict[str, 
         result: Any = gepa.optimize(
             seed_candidate={PROMPT: original}, trainset=train, valset=val, adapter=adapter,  # type: ignore[arg-type]
             reflection_lm=reflection_lm(cfg.reflection_model or cfg.eval.model,
-                                        cfg.reflection_base_url or cfg.eval.base_url, cfg.eval.api_key),
+                                        cfg.reflection_base_url or cfg.eval.base_url, cfg.eval.api_key,
+                                        temperature=cfg.reflection_temperature),
             reflection_prompt_template=REFLECTION_TEMPLATE, reflection_minibatch_size=cfg.minibatch,
             max_metric_calls=cfg.max_metric_calls, seed=cfg.eval.seed, display_progress_bar=False,
             skip_perfect_score=False)  # adapter: GEPAAdapter's protocol, by its methods
