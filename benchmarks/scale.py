@@ -2,6 +2,7 @@
 inference replicas against one, on this machine.
 
     python benchmarks/scale.py --json out/scale.json [--messages 20000] [--rounds 5] [--replica-rounds 2]
+                               [--replica-off-policy 2]
 
 Publish and consume rate through Flywheel's bus layer (``benchmarks/bus.py``'s ``bus`` side:
 ``Bus.publish_many`` then a ``Consumer`` acking every event, 1 KB events) on one nats-server
@@ -17,10 +18,15 @@ Then ``replicas_2_vs_1``: the asynchronous run of ``benchmarks/async_vs_sync.py`
 heavy-tailed workload, settings and figures) on a stack with one inference replica and on one
 with two, each replica pinned to a core of its own (``sched_setaffinity``: core ``i`` mod
 the cores there are), in alternating rounds; each round is a fresh stack and run. The
-replicas share the run's admission bound and each has ``max_rollouts_in_flight`` places. Key:
-``replicas_2_vs_1`` (one replica's seconds a step ÷ two replicas', medians; target at least
-1.7), with each round's figures. On a machine of two cores the trainer, scorer and
-nats-server share the replicas' cores. ``--replica-rounds 0`` skips it.
+replicas share the run's admission bound and each has ``max_rollouts_in_flight`` places (32).
+Replicas add places, so the run's staleness bound must leave room for them, or the bound,
+not the replicas, is what the figure measures: ``--replica-off-policy`` (the runs'
+``trainer.max_off_policy_steps``, 2 by default) gives a bound of 128 rollouts issued ahead of
+the trainer (3 batches of 32 plus one batch of spares), above two replicas' 64 places and
+the groups waiting for the trainer; at 1 (96) two replicas were held to 0.56-0.76 of their
+places. Key: ``replicas_2_vs_1`` (one replica's seconds a step ÷ two replicas', medians;
+target at least 1.7), with each round's figures and the setting. On a machine of two cores
+the trainer, scorer and nats-server share the replicas' cores. ``--replica-rounds 0`` skips it.
 """
 
 from __future__ import annotations
@@ -79,7 +85,7 @@ def serve_pinned(core: int, port: int) -> None:
     main(["--port", str(port)])
 
 
-async def replicas_round(num_replicas: int, round_: int) -> dict[str, Any]:
+async def replicas_round(num_replicas: int, round_: int, off_policy: int) -> dict[str, Any]:
     """One stack with ``num_replicas`` pinned inference replicas, one async run of async_vs_sync's workload."""
     from flywheel.contract.settings import Settings
     from flywheel.ops.natsserver import free_port
@@ -106,7 +112,7 @@ async def replicas_round(num_replicas: int, round_: int) -> dict[str, Any]:
         raise RuntimeError(f"the stack stopped before it was ready; see {data_dir}")
     bus = await Bus.connect(settings.resolved_nats_url, "benchmark-scale")
     try:
-        cfg = async_vs_sync.run_config("async", 1, bench.batch_size, bench, f"{num_replicas}r{round_}")
+        cfg = async_vs_sync.run_config("async", off_policy, bench.batch_size, bench, f"{num_replicas}r{round_}")
         result: dict[str, Any] = await async_vs_sync.one_run(cfg, settings, bus, out)
     finally:
         await bus.close()
@@ -119,16 +125,16 @@ async def replicas_round(num_replicas: int, round_: int) -> dict[str, Any]:
     return result
 
 
-async def measure_replicas(rounds: int) -> dict[str, Any]:
+async def measure_replicas(rounds: int, off_policy: int) -> dict[str, Any]:
     one: list[dict[str, Any]] = []
     two: list[dict[str, Any]] = []
     for r in range(rounds):  # alternated, so drift on a shared machine hits both alike
-        one.append(await replicas_round(1, r))
-        two.append(await replicas_round(2, r))
+        one.append(await replicas_round(1, r, off_policy))
+        two.append(await replicas_round(2, r, off_policy))
     one_s = statistics.median(x["step_s"] for x in one)
     two_s = statistics.median(x["step_s"] for x in two)
     return {"replicas_2_vs_1": one_s / two_s, "one_replica_step_s": one_s, "two_replicas_step_s": two_s,
-            "replica_rounds": {"one": one, "two": two}}
+            "replica_max_off_policy_steps": off_policy, "replica_rounds": {"one": one, "two": two}}
 
 
 def main() -> int:
@@ -138,6 +144,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds of each")
     parser.add_argument("--replica-rounds", type=int, default=2, help="alternating rounds of one and two inference "
                         "replicas (0: not measured)")
+    parser.add_argument("--replica-off-policy", type=int, default=2, help="trainer.max_off_policy_steps of the "
+                        "replica runs (2: a bound above two replicas' places)")
     parser.add_argument("--serve-inference", nargs=2, type=int, metavar=("CORE", "PORT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_inference:
@@ -149,7 +157,7 @@ def main() -> int:
     print(f"cluster_vs_single {ratio:.2f} (median of {args.rounds} rounds; target >= {TARGET}: "
           f"{'met' if ratio >= TARGET else 'NOT met'})")
     if args.replica_rounds:
-        replicas = asyncio.run(measure_replicas(args.replica_rounds))
+        replicas = asyncio.run(measure_replicas(args.replica_rounds, args.replica_off_policy))
         result.update(replicas)
         result["targets"]["replicas_2_vs_1"] = TARGET_REPLICAS  # type: ignore[index]
         r2 = replicas["replicas_2_vs_1"]
