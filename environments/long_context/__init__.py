@@ -22,7 +22,7 @@ instructions alone copies the pattern (SmolLM2-135M does; the README gives its f
 
 Reward ``correct``: the answer (``state["answer"]``; without the REPL, the reply's
 ``FINAL(...)`` or its last number; thousands separators and spaces ignored) is the expected
-number. Metrics ``answered`` (the rollout ended with an answer), ``cells`` and ``sub_calls``
+number. Metrics ``answered`` (the rollout ended with a ``FINAL``), ``cells`` and ``sub_calls``
 (what it ran).
 Needs the sandbox service.
 """
@@ -151,6 +151,13 @@ def correct(state: dict[str, Any], completion: str, task: dict[str, Any]) -> flo
     return float(_number(answer) == task["answer"])
 
 
+def answered(state: dict[str, Any], completion: str) -> float:
+    """1 when the rollout ended with an answer: the RLM's FINAL, or the baseline reply's FINAL."""
+    if "cells" in state:
+        return float(state.get("answer") is not None)
+    return float(final_answer(completion) is not None)
+
+
 def load_environment(num_tasks: int = 300, num_records: int = 800, kinds: tuple[str, ...] | list[str] = KINDS,
                      max_turns: int = 6, sub_max_tokens: int | None = None, repl: bool = True,
                      shots: int = 0, max_table_chars: int | None = None) -> Environment:
@@ -173,7 +180,7 @@ def load_environment(num_tasks: int = 300, num_records: int = 800, kinds: tuple[
         harness=RLMHarness(context="context", max_turns=max_turns, sub_max_tokens=sub_max_tokens) if repl
         else ChatHarness(system_prompt=DIRECT_PROMPT, max_turns=1),
         rewards=[Reward(correct),
-                 Metric(lambda state: float(state.get("answer") is not None), name="answered"),
+                 Metric(answered),
                  Metric(lambda state: float(state.get("cells", 0)), name="cells"),
                  Metric(lambda state: float(state.get("sub_calls", 0)), name="sub_calls")],
         description="questions over a table far longer than the model's context, answered with code (RLM)",

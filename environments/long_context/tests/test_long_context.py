@@ -46,6 +46,8 @@ def test_every_kind_of_question_is_answered_by_its_table() -> None:
     assert long_context.correct({}, "It is FINAL(1,234).", {"answer": "1234"}) == 1.0
     assert long_context.correct({}, "7 records, so 12", {"answer": "12"}) == 1.0
     assert long_context.correct({}, "no idea", {"answer": "1"}) == 0.0
+    assert long_context.answered(rlm | {"answer": "3"}, "") == 1.0 and long_context.answered(rlm, "FINAL(3)") == 0.0
+    assert long_context.answered({}, "so FINAL(3)") == 1.0 and long_context.answered({}, "3") == 0.0
     direct = long_context.load_environment(num_tasks=3, num_records=20, repl=False)
     row = direct.load_tasks(1)[0]
     assert row["context"] in direct.first_messages(row)[-1].content and direct.harness is not None
