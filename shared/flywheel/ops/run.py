@@ -616,8 +616,7 @@ class MainJob:
             beats = await read_heartbeats(self.bus)
         except (TimeoutError, nats.errors.Error):
             return ""
-        hosting = [b.info["runs"][self.cfg.run] for b in beats if b.service == "inference"
-                   and isinstance(b.info.get("runs"), dict) and isinstance(b.info["runs"].get(self.cfg.run), dict)]
+        hosting = self._hosting(beats)
         waiting = sum(h["num_waiting"] for h in hosting if isinstance(h.get("num_waiting"), int))
         bounds = [h for h in hosting if isinstance(h.get("max_issued"), int)]
         if not waiting or not bounds:
@@ -658,8 +657,7 @@ class MainJob:
                                "its model once the run is running; its log says why it does not)")
         if not self.seen_weights:
             missing.append("weights version 0 (the trainer has not published its first weights)")
-        hosting = [b.info["runs"][self.cfg.run] for b in beats if b.service == "inference"
-                   and isinstance(b.info.get("runs"), dict) and isinstance(b.info["runs"].get(self.cfg.run), dict)]
+        hosting = self._hosting(beats)
         if self.seen_weights and hosting and all(h.get("policy_version") is None for h in hosting):
             errors = sorted({str(h["weights_error"]) for h in hosting if h.get("weights_error")})
             missing.append("an inference replica with the run's weights (published; none has loaded them yet"
@@ -669,6 +667,11 @@ class MainJob:
             missing.append(f"rollouts that will not come: {self.num_dead_letters} of the run's messages were "
                            "dead-lettered (reasons above)")
         return missing
+
+    def _hosting(self, beats: list[events.ServiceHeartbeat]) -> list[dict[str, Any]]:
+        """The run's counters in each inference replica's heartbeat that reports the run."""
+        return [b.info["runs"][self.cfg.run] for b in beats if b.service == "inference"
+                and isinstance(b.info.get("runs"), dict) and isinstance(b.info["runs"].get(self.cfg.run), dict)]
 
     async def _in_flight(self) -> int | None:
         """Rollouts of the run being generated now, summed over the inference replicas' heartbeats
