@@ -168,9 +168,9 @@ def load_environment(num_tasks: int = 300, num_records: int = 800, kinds: tuple[
         raise ValueError(f"num_records={num_records}: at least 10")
     if not 0 <= shots <= 30:
         raise ValueError(f"shots={shots}: from 0 to 30 worked examples")
-    rows = [make_task(seed, num_records, kinds[seed % len(kinds)]) for seed in range(num_tasks)]
     if max_table_chars is not None and (repl or max_table_chars < 100):
         raise ValueError(f"max_table_chars={max_table_chars}: only without the REPL (repl=false), at least 100")
+    rows = [make_task(seed, num_records, kinds[seed % len(kinds)]) for seed in range(num_tasks)]
     question = prompt if repl else functools.partial(direct_prompt, max_table_chars=max_table_chars)
     return Environment(
         name="long_context",

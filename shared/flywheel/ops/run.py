@@ -602,21 +602,17 @@ class MainJob:
     async def _say_waiting(self, quiet_s: float) -> None:
         """What the run waits for, on the user's screen: what is missing (an orchestrator, a scorer,
         a replica, weights), the owner's last note and the queues."""
-        in_flight = await self._in_flight()
+        hosting = await self._hosting_now()
+        in_flight = self._in_flight_of(hosting) if hosting is not None else None
         missing = await self._missing()
         self.say(f"run {self.cfg.run}: no new step for {quiet_s:.0f}s"
                  + (f"; waiting for {'; '.join(missing)}" if missing else "")
                  + f"; rollouts in flight in inference: {in_flight if in_flight is not None else 'unknown'}"
-                 + await self._admission_wait()
+                 + self._admission_wait(hosting or [])
                  + f"; its owner's last note: {self.last_note or '(none)'}")
 
-    async def _admission_wait(self) -> str:
+    def _admission_wait(self, hosting: list[dict[str, Any]]) -> str:
         """The rollouts the replicas hold back, and the bound that moves when the trainer steps."""
-        try:
-            beats = await read_heartbeats(self.bus)
-        except (TimeoutError, nats.errors.Error):
-            return ""
-        hosting = self._hosting(beats)
         waiting = sum(h["num_waiting"] for h in hosting if isinstance(h.get("num_waiting"), int))
         bounds = [h for h in hosting if isinstance(h.get("max_issued"), int)]
         if not waiting or not bounds:
@@ -673,17 +669,23 @@ class MainJob:
         return [b.info["runs"][self.cfg.run] for b in beats if b.service == "inference"
                 and isinstance(b.info.get("runs"), dict) and isinstance(b.info["runs"].get(self.cfg.run), dict)]
 
+    async def _hosting_now(self) -> list[dict[str, Any]] | None:
+        """:meth:`_hosting` of the live heartbeats; None when they cannot be read."""
+        try:
+            return self._hosting(await read_heartbeats(self.bus))
+        except (TimeoutError, nats.errors.Error):
+            return None
+
     async def _in_flight(self) -> int | None:
         """Rollouts of the run being generated now, summed over the inference replicas' heartbeats
         (admitted and not finished; tasks waiting for admission are not in flight); None when no
         replica reports the run."""
-        try:
-            beats = await read_heartbeats(self.bus)
-        except (TimeoutError, nats.errors.Error):
-            return None
-        counts = [b.info.get("runs", {}).get(self.cfg.run, {}).get("num_in_flight") for b in beats
-                  if b.service == "inference"]
-        counts = [c for c in counts if isinstance(c, int)]
+        hosting = await self._hosting_now()
+        return self._in_flight_of(hosting) if hosting is not None else None
+
+    @staticmethod
+    def _in_flight_of(hosting: list[dict[str, Any]]) -> int | None:
+        counts = [h["num_in_flight"] for h in hosting if isinstance(h.get("num_in_flight"), int)]
         return sum(counts) if counts else None
 
 
