@@ -67,8 +67,8 @@ async def test_a_quiet_run_says_what_inference_holds_back_and_the_bound(bus: Bus
     await job._say_waiting(32.0)
     assert out.getvalue().splitlines()[-1] == (
         "run waits: no new step for 32s; rollouts in flight in inference: 0; 24 waiting there for admission or a "
-        "place (the staleness bound: 96 rollouts issued over every replica until the trainer's next step); its "
-        "owner's last note: (none)")
+        "place (the staleness bound: 96 rollouts issued since the run began, over every replica, until the trainer's "
+        "next step); its owner's last note: (none)")
 
 
 async def test_a_waiting_run_names_the_scorer_replica_and_weights_it_lacks(bus: Bus, nats_server: NatsServer,

@@ -619,7 +619,7 @@ class MainJob:
             return ""
         bound = max(bounds, key=lambda h: h["max_issued"])
         return (f"; {waiting} waiting there for admission or a place (the staleness bound: {bound['max_issued']} "
-                "rollouts issued over every replica until the trainer's next step)")
+                "rollouts issued since the run began, over every replica, until the trainer's next step)")
 
     async def _missing(self) -> list[str]:
         """What the run needs and does not have: an orchestrator to own it, a scorer of its reward
