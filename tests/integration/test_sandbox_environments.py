@@ -130,7 +130,8 @@ async def test_eval_hands_sandboxes_to_harnesses_and_rewards(bus: Bus, nats_serv
                                  num_tasks=n, concurrency=1)
                 summary = await Evaluation(cfg, env, io.StringIO()).run(nats_server.url)
                 records = read_results(cfg.out)
-                assert summary["num_errors"] == 0 and summary["num_reward_errors"] == 0, records
+                assert summary["num_errors"] == 0 and summary["num_reward_errors"] == 0, \
+                    [(r["task_id"], r["error"], r["reward_errors"]) for r in records]
                 reward = env.rewards[0]
                 assert isinstance(reward, Reward | GroupReward)  # the Environment wraps a plain function
                 assert summary["pass@1"] == 1.0 and all(r["rewards"][reward.name] == 1.0 for r in records)
