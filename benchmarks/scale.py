@@ -2,7 +2,7 @@
 inference replicas against one, on this machine.
 
     python benchmarks/scale.py --json out/scale.json [--messages 20000] [--rounds 5] [--replica-rounds 2]
-                               [--replica-off-policy 2]
+                               [--replica-off-policy 5 [2 ...]]
 
 Publish and consume rate through Flywheel's bus layer (``benchmarks/bus.py``'s ``bus`` side:
 ``Bus.publish_many`` then a ``Consumer`` acking every event, 1 KB events) on one nats-server
@@ -19,14 +19,19 @@ heavy-tailed workload, settings and figures) on a stack with one inference repli
 with two, each replica pinned to a core of its own (``sched_setaffinity``: core ``i`` mod
 the cores there are), in alternating rounds; each round is a fresh stack and run. The
 replicas share the run's admission bound and each has ``max_rollouts_in_flight`` places (32).
-Replicas add places, so the run's staleness bound must leave room for them, or the bound,
-not the replicas, is what the figure measures: ``--replica-off-policy`` (the runs'
-``trainer.max_off_policy_steps``, 2 by default) gives a bound of 128 rollouts issued ahead of
-the trainer (3 batches of 32 plus one batch of spares), above two replicas' 64 places and
-the groups waiting for the trainer; at 1 (96) two replicas were held to 0.56-0.76 of their
-places. Key: ``replicas_2_vs_1`` (one replica's seconds a step ÷ two replicas', medians;
-target at least 1.7), with each round's figures and the setting. On a machine of two cores
-the trainer, scorer and nats-server share the replicas' cores. ``--replica-rounds 0`` skips it.
+
+The runs' staleness bound (``trainer.max_off_policy_steps``, ``--replica-off-policy``) decides
+what the figure measures. A rollout may arrive that many trainer steps after it was sampled;
+the environment's turn is heavy-tailed (the slowest of a group's 8 waits: median 0.9 s, one
+group in ten past 3.3 s), and two replicas make the steps shorter, so the same number of steps
+is fewer seconds and more of the tail is stopped or dropped as stale: at 2 steps, two replicas
+dropped 24-27% of their rollouts against one replica's 17-20%, and the ratio was 1.32 to 1.46.
+At 5 steps the window covers most of the tail for both (drops 9-10% against 6%) and the ratio
+was 1.73 to 1.83. The first setting given is the one ``replicas_2_vs_1`` reports (5 by
+default); every setting given is measured, its ratio in ``replicas_2_vs_1_by_off_policy``. Key:
+``replicas_2_vs_1`` (one replica's seconds a step ÷ two replicas', medians; target at least
+1.7), with each round's figures and the setting. On a machine of two cores the trainer, scorer
+and nats-server share the replicas' cores. ``--replica-rounds 0`` skips it.
 """
 
 from __future__ import annotations
@@ -120,7 +125,7 @@ async def replicas_round(num_replicas: int, round_: int, off_policy: int) -> dic
         await stack_task
         out.close()
     print(f"round {round_ + 1}: {num_replicas} inference replica(s): {result['step_s']:.2f} s/step, "
-          f"dropped {result['dropped_fraction']:.0%}, busy {result['inference_busy']:.2f} (of one replica's places)",
+          f"dropped {result['dropped_fraction']:.0%}, busy {result['inference_busy']:.2f} (of each replica's places)",
           flush=True)
     return result
 
@@ -133,8 +138,17 @@ async def measure_replicas(rounds: int, off_policy: int) -> dict[str, Any]:
         two.append(await replicas_round(2, r, off_policy))
     one_s = statistics.median(x["step_s"] for x in one)
     two_s = statistics.median(x["step_s"] for x in two)
+    print(f"max_off_policy_steps {off_policy}: replicas_2_vs_1 {one_s / two_s:.2f} (one replica {one_s:.2f} s/step, "
+          f"two {two_s:.2f}; median of {rounds} rounds)", flush=True)
     return {"replicas_2_vs_1": one_s / two_s, "one_replica_step_s": one_s, "two_replicas_step_s": two_s,
             "replica_max_off_policy_steps": off_policy, "replica_rounds": {"one": one, "two": two}}
+
+
+async def sweep_replicas(rounds: int, settings: list[int]) -> dict[str, Any]:
+    """:func:`measure_replicas` at each staleness bound; the first one's figures are the result's own."""
+    measured = [await measure_replicas(rounds, off_policy) for off_policy in settings]
+    ratios = {str(m["replica_max_off_policy_steps"]): m["replicas_2_vs_1"] for m in measured}
+    return {**measured[0], "replicas_2_vs_1_by_off_policy": ratios, "replica_sweep": measured[1:]}
 
 
 def main() -> int:
@@ -144,8 +158,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds of each")
     parser.add_argument("--replica-rounds", type=int, default=2, help="alternating rounds of one and two inference "
                         "replicas (0: not measured)")
-    parser.add_argument("--replica-off-policy", type=int, default=2, help="trainer.max_off_policy_steps of the "
-                        "replica runs (2: a bound above two replicas' places)")
+    parser.add_argument("--replica-off-policy", type=int, nargs="+", default=[5], help="trainer.max_off_policy_steps "
+                        "of the replica runs, one or more (each measured; the first is the key's)")
     parser.add_argument("--serve-inference", nargs=2, type=int, metavar=("CORE", "PORT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_inference:
@@ -157,13 +171,16 @@ def main() -> int:
     print(f"cluster_vs_single {ratio:.2f} (median of {args.rounds} rounds; target >= {TARGET}: "
           f"{'met' if ratio >= TARGET else 'NOT met'})")
     if args.replica_rounds:
-        replicas = asyncio.run(measure_replicas(args.replica_rounds, args.replica_off_policy))
+        if min(args.replica_off_policy) < 0:
+            parser.error(f"--replica-off-policy {args.replica_off_policy}: steps from 0 up")
+        replicas = asyncio.run(sweep_replicas(args.replica_rounds, args.replica_off_policy))
         result.update(replicas)
         result["targets"]["replicas_2_vs_1"] = TARGET_REPLICAS  # type: ignore[index]
         r2 = replicas["replicas_2_vs_1"]
         print(f"replicas_2_vs_1 {r2:.2f} (one replica {replicas['one_replica_step_s']:.2f} s/step, two "
               f"{replicas['two_replicas_step_s']:.2f}; median of {args.replica_rounds} rounds; target >= "
-              f"{TARGET_REPLICAS}: {'met' if r2 >= TARGET_REPLICAS else 'NOT met'})")
+              f"{TARGET_REPLICAS}: {'met' if r2 >= TARGET_REPLICAS else 'NOT met'}; max_off_policy_steps "
+              f"{args.replica_off_policy[0]})")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")
