@@ -14,7 +14,7 @@ version that answered. ``GET /healthz`` reports NATS and the per-run counters.
 With ``auth = "keys"`` (settings) these routes want a tenant's API key
 (:mod:`flywheel.contract.keys`): 401 without a good one, 403 without the scope (``write``
 to sample, ``read`` for ``/v1/models``) or for a run of another tenant; ``/v1/models`` lists
-the key's tenant's runs. The deployment's ``service_token`` sees every tenant's (the
+the key's tenant's runs, running or ended. The deployment's ``service_token`` sees every tenant's (the
 orchestrator's evals). The interception endpoint keeps its own per-rollout keys.
 
 Every request that samples is metered: a :class:`~flywheel.contract.events.Usage` (source
@@ -335,14 +335,20 @@ async def completions(body: CompletionRequest, worker: WorkerDep,
 
 @router.get("/v1/models")
 async def list_models(worker: WorkerDep, who: CallerDep) -> JSONResponse:
-    """The models a client may name, in OpenAI's shape: the training runs registered and not
-    ended (a model is a run id; the run's config says which weights and sampling), with an API
-    key its tenant's alone."""
-    runs = [s for s in await list_runs(worker.bus)
-            if s.kind == "train" and s.config and end_of(s) is None and who.sees(s.tenant)]
+    """The models a client may name, in OpenAI's shape: the training runs registered, running or
+    ended (a model is a run id; the run's config says which weights and sampling; an ended run
+    answers from its last weights), with an API key its tenant's alone: the running ones first
+    (a client that takes the first model gets a live run). Each also has the run's ``status``
+    (``abandoned`` for a run whose owner let its lease lapse)."""
+    runs = [s for s in await list_runs(worker.bus) if s.kind == "train" and s.config and who.sees(s.tenant)]
     return JSONResponse({"object": "list", "data": [
-        {"id": s.id, "object": "model", "created": int(s.created_at.timestamp()), "owned_by": s.tenant}
-        for s in sorted(runs, key=lambda s: s.id)]})
+        {"id": s.id, "object": "model", "created": int(s.created_at.timestamp()), "owned_by": s.tenant,
+         "status": _status(s)} for s in sorted(runs, key=lambda s: (end_of(s) is not None, s.id))]})
+
+
+def _status(state: events.RunState) -> str:
+    end = end_of(state)
+    return state.status if end is None else end.status
 
 
 @router.get("/healthz")

@@ -51,9 +51,9 @@ async def test_completions_from_the_current_policy_with_logprobs(served: tuple[F
     assert "'r1'" in error["message"] and error["param"] == "model" and error["code"] == "model_not_found"
 
     assert (await client.get("/v1/models")).json() == {"object": "list", "data": []}
-    await create_run(bus, tiny_model_dir)
+    cfg = await create_run(bus, tiny_model_dir)
     (model,) = (await client.get("/v1/models")).json()["data"]
-    assert (model["id"], model["object"]) == ("r1", "model")  # a run id is a model name
+    assert (model["id"], model["object"], model["status"]) == ("r1", "model", "created")  # a run id is a model name
     error = error_of(await client.post("/v1/chat/completions", json=chat), 503)
     assert "no weights loaded yet" in error["message"]
     base, tok = models.load_model(tiny_model_dir)
@@ -98,6 +98,19 @@ async def test_completions_from_the_current_policy_with_logprobs(served: tuple[F
 
     health = await client.get("/healthz")
     assert health.status_code == 200 and health.json()["runs"]["r1"]["policy_version"] == 0
+
+    # A finished run is still a model: listed with its status, answering from its last weights.
+    finished = events.RunState(id="r1", status="finished", config=cfg.model_dump())
+    await (await bus.runs_kv()).put("r1", events.encode(finished))
+    await until(lambda: app.state.worker.info["runs"]["r1"].get("ended") is not None,
+                what="the worker to see the run end")
+    (model,) = (await client.get("/v1/models")).json()["data"]
+    assert (model["id"], model["status"]) == ("r1", "finished")
+    after = await client.post("/v1/chat/completions", json=chat | {"temperature": 0})
+    assert after.status_code == 200 and after.json()["system_fingerprint"] == "policy-v0", after.text
+    await create_run(bus, tiny_model_dir, run="r2")
+    listed = (await client.get("/v1/models")).json()["data"]
+    assert [(m["id"], m["status"]) for m in listed] == [("r2", "created"), ("r1", "finished")]  # live runs first
 
 
 async def test_requests_that_cannot_be_served_name_the_field(served: tuple[FastAPI, httpx.AsyncClient]) -> None:
