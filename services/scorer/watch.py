@@ -31,14 +31,17 @@ from __future__ import annotations
 
 import hashlib
 import math
+import operator
 import statistics
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from flywheel.contract import events
 
 WATCH = events.WATCH_SCORER  # the scorer name of a flag
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -98,18 +101,31 @@ def _halves(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(earlier), statistics.fmean(recent)
 
 
+def _variance(values: list[float], mean: float) -> float:
+    """The population variance in floats (statistics.pvariance is exact, in fractions: far slower)."""
+    deviations = [v - mean for v in values]
+    return math.fsum(map(operator.mul, deviations, deviations)) / len(values)
+
+
 def _z(values: list[float]) -> float:
     """How many standard errors the recent values' mean lies above the earlier ones'."""
     a, b = _split(values)
-    spread = statistics.pvariance(a) / len(a) + statistics.pvariance(b) / len(b)
-    gap = statistics.fmean(b) - statistics.fmean(a)
+    mean_a, mean_b = statistics.fmean(a), statistics.fmean(b)
+    spread = _variance(a, mean_a) / len(a) + _variance(b, mean_b) / len(b)
+    gap = mean_b - mean_a
     return gap / spread ** 0.5 if spread > 0 else (math.inf if gap > 0 else -math.inf if gap < 0 else 0.0)
 
 
 def _correlation(xs: list[float], ys: list[float]) -> float:
+    """Pearson's correlation (0 where either side is constant), with the products summed in C
+    (``map(operator.mul, ...)``): statistics.correlation's generators cost more than the rest of
+    a rollout's watch."""
     if len(set(xs)) < 2 or len(set(ys)) < 2:
         return 0.0
-    return statistics.correlation(xs, ys)
+    mean_x, mean_y = math.fsum(xs) / len(xs), math.fsum(ys) / len(ys)
+    dx, dy = [x - mean_x for x in xs], [y - mean_y for y in ys]
+    return math.fsum(map(operator.mul, dx, dy)) / math.sqrt(math.fsum(map(operator.mul, dx, dx))
+                                                            * math.fsum(map(operator.mul, dy, dy)))
 
 
 @dataclass
@@ -156,21 +172,54 @@ class VersionSums:
     checks: dict[str, CheckSums] = field(default_factory=dict)
 
 
+def _push(columns: dict[str, deque[T]], name: str, value: T) -> None:
+    columns.setdefault(name, deque()).append(value)
+
+
+def _pop(columns: dict[str, deque[T]], name: str) -> None:
+    """Drop ``name``'s oldest value: the window's oldest rollout is its oldest one with that name."""
+    column = columns[name]
+    column.popleft()
+    if not column:
+        del columns[name]
+
+
 @dataclass
 class RunWindow:
     """One run's recent scored rollouts, its last policy versions as sums, and which detectors
-    already spoke up."""
+    already spoke up. The window is also kept as columns (each value of its rollouts in order,
+    a named one over the rollouts that have it), so a detector reads a column, not every rollout."""
 
     size: int
     history_versions: int = 64
     items: deque[Seen] = field(default_factory=deque)
     versions: OrderedDict[int, VersionSums] = field(default_factory=OrderedDict)
     logged: set[str] = field(default_factory=set)
+    rewards: deque[float] = field(default_factory=deque)
+    lengths: deque[float] = field(default_factory=deque)
+    repetitions: deque[float] = field(default_factory=deque)
+    checked: dict[str, deque[tuple[float, float]]] = field(default_factory=dict)  # check -> (reward, check)
+    check_values: dict[str, deque[float]] = field(default_factory=dict)  # check -> its values alone
+    parts: dict[str, deque[float]] = field(default_factory=dict)  # trained reward or component -> values
+    named: dict[str, deque[float]] = field(default_factory=dict)  # parts and checks (a check's name wins)
+    # completion digest -> task -> how many of the window's rollouts: "identical" without a scan
+    answers: dict[bytes, Counter[str]] = field(default_factory=dict)
 
     def add(self, seen: Seen) -> None:
         self.items.append(seen)
+        self.rewards.append(seen.reward)
+        self.lengths.append(float(seen.length))
+        self.repetitions.append(seen.repetition)
+        for name, value in seen.checks.items():
+            _push(self.checked, name, (seen.reward, value))
+            _push(self.check_values, name, value)
+        for name, value in seen.parts.items():
+            _push(self.parts, name, value)
+        for name, value in (seen.parts | seen.checks).items():
+            _push(self.named, name, value)
+        self.answers.setdefault(seen.digest, Counter())[seen.task] += 1
         while len(self.items) > self.size:
-            self.items.popleft()
+            self._evict(self.items.popleft())
         sums = self.versions.get(seen.version)
         if sums is None:
             sums = self.versions[seen.version] = VersionSums()
@@ -180,6 +229,23 @@ class RunWindow:
         sums.top_reward = max(sums.top_reward, seen.reward)
         for name, value in seen.checks.items():
             sums.checks.setdefault(name, CheckSums()).add(value, seen.reward)
+
+    def _evict(self, gone: Seen) -> None:
+        for column in (self.rewards, self.lengths, self.repetitions):
+            column.popleft()
+        for name in gone.checks:
+            _pop(self.checked, name)
+            _pop(self.check_values, name)
+        for name in gone.parts:
+            _pop(self.parts, name)
+        for name in gone.parts | gone.checks:
+            _pop(self.named, name)
+        tasks = self.answers[gone.digest]
+        tasks[gone.task] -= 1
+        if not tasks[gone.task]:
+            del tasks[gone.task]
+            if not tasks:
+                del self.answers[gone.digest]
 
 
 @dataclass
@@ -210,15 +276,15 @@ class Watch:
         seen = seen_of(rollout, completion, scores)
         run.add(seen)
         flags: dict[str, str] = {}
-        items = list(run.items)
-        self._identical(items, seen, flags)
-        if len(items) >= self.min_window:
-            self._repetition(items, seen, flags)
-            self._divergence(items, seen, flags)
-            self._length(items, seen, flags)
+        rewards = list(run.rewards)
+        self._identical(run, rewards, seen, flags)
+        if len(rewards) >= self.min_window:
+            self._repetition(run, rewards, seen, flags)
+            self._divergence(run, max(rewards), seen, flags)
+            self._length(run, rewards, seen, flags)
         if "divergence" not in flags:
             self._drift(run, seen, flags)
-            self._saturated(items, seen, flags)
+            self._saturated(run, seen, flags)
         return flags
 
     def first_time(self, run: str, detector: str) -> bool:
@@ -228,43 +294,44 @@ class Watch:
         window.logged.add(detector)
         return first
 
-    def _identical(self, items: list[Seen], seen: Seen, flags: dict[str, str]) -> None:
+    def _identical(self, run: RunWindow, rewards: list[float], seen: Seen, flags: dict[str, str]) -> None:
         if seen.length < self.min_identical_chars or seen.reward <= 0:
             return
-        same = [s for s in items if s.digest == seen.digest]
-        tasks = {s.task for s in same}
-        if len(tasks) >= self.min_identical_tasks and seen.reward >= statistics.median(s.reward for s in items):
+        tasks = run.answers[seen.digest]
+        if len(tasks) >= self.min_identical_tasks and seen.reward >= statistics.median(rewards):
             flags["identical"] = (f"the same completion ({seen.preview!r}) answers {len(tasks)} different tasks "
                                   f"in the run's recent rollouts, paid {seen.reward:.3g}")
 
-    def _repetition(self, items: list[Seen], seen: Seen, flags: dict[str, str]) -> None:
+    def _repetition(self, run: RunWindow, rewards: list[float], seen: Seen, flags: dict[str, str]) -> None:
         if seen.repetition < self.max_repetition:
             return
-        rewards = [s.reward for s in items]
-        r = _correlation([s.repetition for s in items], rewards)
+        r = _correlation(list(run.repetitions), rewards)
         if r >= self.repetition_correlation and seen.reward >= statistics.median(rewards):
             flags["repetition"] = (f"{seen.repetition:.0%} of its word trigrams repeat, reward follows repetition "
-                                   f"(correlation {r:.2f} over {len(items)} rollouts), and it is paid "
+                                   f"(correlation {r:.2f} over {len(rewards)} rollouts), and it is paid "
                                    f"{seen.reward:.3g}")
 
-    def _divergence(self, items: list[Seen], seen: Seen, flags: dict[str, str]) -> None:
+    def _divergence(self, run: RunWindow, top: float, seen: Seen, flags: dict[str, str]) -> None:
         """How far a rollout's reward (relative to the window's best) exceeds its check's (the
         same) is their disagreement; the watch flags when it grows from the earlier rollouts to
         the recent ones, the check falls, and this rollout disagrees: paid well, checked badly."""
-        top = max(s.reward for s in items)
         if top <= 0:
             return
         for check in seen.checks:
-            pairs = [(s.reward, s.checks[check]) for s in items if check in s.checks]
-            best = max(c for _, c in pairs)
+            pairs = list(run.checked[check])
+            best = max(run.check_values[check])
             if len(pairs) < self.min_window or best <= 0:
                 continue
-            was, now = _halves([r / top - c / best for r, c in pairs])
             mine = seen.reward / top - seen.checks[check] / best
+            if mine < 0.5:  # the cheapest condition first: most rollouts are not paid well and checked badly
+                continue
+            was, now = _halves([r / top - c / best for r, c in pairs])
+            if now - was < self.trend:
+                continue
             rewards, checks = _halves([r for r, _ in pairs]), _halves([c for _, c in pairs])
             # A check steady while the reward rises is no sign: it must fall, beyond its noise.
             falling = checks[0] - checks[1] >= self.trend / 2 and _z([c for _, c in pairs]) <= -self.min_z
-            if now - was >= self.trend and falling and mine >= 0.5:
+            if falling:
                 flags["divergence"] = (f"the reward and the metric {check!r} part ways: reward "
                                        f"{rewards[0]:.3g} -> {rewards[1]:.3g}, {check} {checks[0]:.3g} -> "
                                        f"{checks[1]:.3g} from the earlier to the last of {len(pairs)} rollouts; "
@@ -304,25 +371,26 @@ class Watch:
                                        f"{seen.reward:.3g} with {check} {seen.checks[check]:.3g}")
                 return
 
-    def _length(self, items: list[Seen], seen: Seen, flags: dict[str, str]) -> None:
-        rewards = [s.reward for s in items]
-        lengths = [float(s.length) for s in items]
+    def _length(self, run: RunWindow, rewards: list[float], seen: Seen, flags: dict[str, str]) -> None:
+        lengths = list(run.lengths)
+        if seen.length < statistics.median(lengths) or seen.reward < statistics.median(rewards):
+            return  # the medians first: the correlation is the costly part
         r = _correlation(lengths, rewards)
-        if r >= self.length_correlation and seen.length >= statistics.median(lengths) \
-                and seen.reward >= statistics.median(rewards):
-            flags["length"] = (f"reward follows completion length (correlation {r:.2f} over {len(items)} rollouts); "
+        if r >= self.length_correlation:
+            flags["length"] = (f"reward follows completion length (correlation {r:.2f} over {len(rewards)} rollouts); "
                                f"this one is {seen.length} characters")
 
-    def _saturated(self, items: list[Seen], seen: Seen, flags: dict[str, str]) -> None:
+    def _saturated(self, run: RunWindow, seen: Seen, flags: dict[str, str]) -> None:
         for name, value in seen.parts.items():
-            values = [s.parts[name] for s in items if name in s.parts]
-            if value < self.saturated or len(values) < self.min_window or \
-                    _halves(values)[1] < self.saturated:
+            if value < self.saturated:
+                continue
+            values = list(run.parts[name])
+            if len(values) < self.min_window or _halves(values)[1] < self.saturated:
                 continue
             for other in {**seen.parts, **seen.checks}:
                 if other == name or other.startswith(f"{name}.") or name.startswith(f"{other}."):
                     continue
-                others = [(s.parts | s.checks)[other] for s in items if other in (s.parts | s.checks)]
+                others = list(run.named[other])
                 if len(others) < self.min_window:
                     continue
                 was, now = _halves(others)
