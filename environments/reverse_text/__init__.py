@@ -50,7 +50,7 @@ def load_environment() -> Environment:
         harness=ChatHarness(system_prompt=SYSTEM_PROMPT, max_turns=1),
         prompt=prompt,
         reference=reference,
-        rewards=[Reward(similarity), Metric(exact)],
+        rewards=[Reward(similarity, inline=True), Metric(exact, inline=True)],  # string comparisons: microseconds
         version="0.1.0",
         description=__doc__.split("\n\n")[0],
     )

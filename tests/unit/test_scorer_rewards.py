@@ -22,7 +22,7 @@ from flywheel.contract import events
 from flywheel.contract.bus import Delivery, HandBack, Reject
 from flywheel.contract.config import RunConfig
 from flywheel.contract.settings import ScorerSettings
-from flywheel.sdk.environment import GroupReward, Reward, shortest_correct_reward
+from flywheel.sdk.environment import EnvironmentLoadError, GroupReward, Reward, shortest_correct_reward
 from flywheel_scorer.__main__ import main
 from flywheel_scorer.scorer import (
     EnvironmentRewards,
@@ -223,6 +223,35 @@ async def test_sync_rewards_run_in_threads_and_a_slow_one_times_out(pool: Thread
     assert threads["sync"] != threading.main_thread().name and threads["async"] == threading.main_thread().name
     assert scores["slow"].error == "reward 'slow' timed out after 0.2s" and scores["slow"].value == 0.0
     assert scores["sync_reward"].error is None and scores["async_reward"].error is None
+
+
+async def test_an_inline_reward_runs_on_the_loop_and_one_that_holds_it_is_named_once(
+        pool: ThreadPoolExecutor, caplog: pytest.LogCaptureFixture) -> None:
+    threads: list[str] = []
+
+    def quick(completion: str) -> float:
+        threads.append(threading.current_thread().name)
+        return float(completion == "cba")
+
+    def heavy(completion: str) -> float:
+        time.sleep(0.03)  # noqa: sleep - a call that holds the event loop past INLINE_WARN_S
+        return 1.0
+
+    rewards = Rewards()
+    rewards.set = RewardSet([Reward(quick, inline=True), Reward(heavy, inline=True)], [])
+    s = scorer(pool, rewards)
+    for rid in ("a", "b"):
+        scores = {sc.scorer: sc for sc in await s.score(rollout(rid, text="cba"))}
+        assert (scores["quick"].value, scores["heavy"].value) == (1.0, 1.0), scores
+    assert threads == [threading.main_thread().name] * 2  # no thread hop
+    held = [r.message for r in caplog.records if "held the event loop" in r.message]
+    assert len(held) == 1 and "reward 'heavy' is inline=True" in held[0] and "drop inline=True" in held[0], held
+
+    async def judged(completion: str) -> float:
+        return 1.0
+
+    with pytest.raises(EnvironmentLoadError, match="reward 'judged': inline=True is for sync functions"):
+        Reward(judged, inline=True)
 
 
 # --- group rewards ------------------------------------------------------------------------

@@ -240,7 +240,13 @@ class Value:
 
 @dataclass
 class _Weighted:
-    """A named reward function with its weight and the weights of its components."""
+    """A named reward function with its weight and the weights of its components.
+
+    A sync function runs in a worker thread, so a slow one does not stall the scorer; the hop
+    costs about 80 µs of CPU a call. ``inline=True`` says the function takes microseconds and
+    does no I/O (a string comparison, a parse): it runs on the event loop instead. It cannot
+    then be cut short at ``reward_timeout_s``, and the scorer logs a warning naming it when a
+    call holds the loop longer than :data:`flywheel.sdk.scoring.INLINE_WARN_S` (10 ms)."""
 
     KIND: ClassVar[str]
     PARAMETERS: ClassVar[tuple[str, ...]]
@@ -249,6 +255,7 @@ class _Weighted:
     weight: float = 1.0
     name: str = ""
     weights: dict[str, float] = field(default_factory=dict)
+    inline: bool = False
 
     def __post_init__(self) -> None:
         self.name = self.name or getattr(self.fn, "__name__", "")
@@ -256,6 +263,9 @@ class _Weighted:
             raise EnvironmentLoadError(f"{self.KIND} {self.fn!r}: give it a name "
                                        f"({type(self).__name__}(fn, name=...))")
         _check_weight(self.name, self.weight)
+        if self.inline and _is_async(self.fn):
+            raise EnvironmentLoadError(f"{self.KIND} {self.name!r}: inline=True is for sync functions; an async one "
+                                       "runs on the event loop already: drop inline")
         self.parameters = _parameters(self.fn, self.PARAMETERS, self.KIND, self.name)
 
 
@@ -276,9 +286,9 @@ class Reward(_Weighted):
         return Value(*_number(value, self.name, self.weights))
 
 
-def Metric(fn: Callable[..., Any], name: str = "") -> Reward:
-    """A reward of weight 0: recorded with the rollout, not trained on."""
-    return Reward(fn, weight=0.0, name=name)
+def Metric(fn: Callable[..., Any], name: str = "", inline: bool = False) -> Reward:
+    """A reward of weight 0: recorded with the rollout, not trained on (``inline``: see :class:`Reward`)."""
+    return Reward(fn, weight=0.0, name=name, inline=inline)
 
 
 @dataclass
@@ -304,13 +314,18 @@ class GroupReward(_Weighted):
 AnyReward = TypeVar("AnyReward", Reward, GroupReward)
 
 
-def off_the_loop(reward: AnyReward, executor: Executor | None = None) -> AnyReward:
-    """``reward`` itself when its function is async, else a copy whose sync function runs in
-    ``executor`` (None: asyncio's default), so a slow reward does not stall the event loop."""
-    fn = reward.fn
+def _is_async(fn: Callable[..., Any]) -> bool:
     # An object whose __call__ is async: its method is read to ask that, not whether fn is callable.
-    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
-            getattr(fn, "__call__", None)):  # noqa: B004  # reads the method to ask if it is async, not callable()
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None))  # noqa: B004  # reads the method to ask if it is async, not callable()
+
+
+def off_the_loop(reward: AnyReward, executor: Executor | None = None) -> AnyReward:
+    """``reward`` itself when its function is async or ``inline``, else a copy whose sync
+    function runs in ``executor`` (None: asyncio's default), so a slow reward does not stall
+    the event loop."""
+    fn = reward.fn
+    if reward.inline or _is_async(fn):
         return reward
 
     @functools.wraps(fn)

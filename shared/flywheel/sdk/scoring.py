@@ -4,7 +4,9 @@
 run (the scorer service, ``flywheel eval``), so an environment scores the same in both:
 
 - a reward runs once per rollout, a group reward once on the whole group, each under
-  ``timeout_s``; sync functions run in an executor, so a slow one does not stall the loop;
+  ``timeout_s``; sync functions run in an executor, so a slow one does not stall the loop,
+  unless the reward says ``inline=True`` (microseconds, no I/O: it skips the thread hop; a
+  call that holds the loop past :data:`INLINE_WARN_S` is logged, naming the reward, once);
 - a reward that raises, returns something other than a finite number (or a dict of them),
   a group reward that returns a list of the wrong length, or one that runs past its
   timeout gives that rollout a :class:`flywheel.contract.events.Score` with ``error`` and
@@ -24,6 +26,8 @@ it returns; the rollout is scored as timed out all the same).
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Executor
 from typing import TYPE_CHECKING
@@ -34,6 +38,11 @@ from flywheel.contract import events
 from flywheel.contract.settings import REWARD_TIMEOUT_S
 from flywheel.sdk.environment import GroupReward, Reward, Value, off_the_loop
 from flywheel.sdk.sandbox import metered_to
+
+log = logging.getLogger(__name__)
+
+# An inline reward's call that holds the event loop longer than this is logged (once per reward).
+INLINE_WARN_S = 0.01
 
 if TYPE_CHECKING:
     from flywheel.contract.config import RunConfig
@@ -55,6 +64,7 @@ class Scoring:
         self.timeout_s = timeout_s
         self.on_failure = on_failure
         self._runnable: dict[int, tuple[Reward | GroupReward, Reward | GroupReward]] = {}  # id -> (reward, runnable)
+        self._slow_inline: set[str] = set()  # inline rewards already logged as holding the loop
 
     def runnable(self, reward: Reward | GroupReward) -> Reward | GroupReward:
         """``reward`` itself when it is async, else a copy whose function runs in the executor (made once)."""
@@ -82,6 +92,8 @@ class Scoring:
             # Sandboxes the reward makes are metered to the run (and the rollout, when it scores one).
             with metered_to(rollouts[0].run if rollouts else "", ids[0] if len(ids) == 1 else None):
                 async with deadline:
+                    if reward.inline:
+                        return await self._inline(reward, arg)
                     return await self.runnable(reward)(arg)  # type: ignore[arg-type]  # a list only for a GroupReward
         except Exception as exc:
             if deadline.expired():
@@ -91,6 +103,19 @@ class Scoring:
             if self.on_failure is not None:
                 self.on_failure(reward.name, error, ids, exc)
             return error
+
+    async def _inline(self, reward: Reward | GroupReward, arg: events.Rollout | list[events.Rollout]
+                      ) -> Value | list[Value]:
+        started = time.perf_counter()
+        try:
+            return await reward(arg)  # type: ignore[arg-type]  # a list only for a GroupReward
+        finally:
+            held = time.perf_counter() - started
+            if held > INLINE_WARN_S and reward.name not in self._slow_inline:
+                self._slow_inline.add(reward.name)
+                log.warning("%s %r is inline=True but held the event loop %.0f ms on one call (more than %.0f ms): "
+                            "other rollouts waited meanwhile; drop inline=True so it runs in a thread",
+                            reward.KIND, reward.name, held * 1000, INLINE_WARN_S * 1000)
 
     async def scores(self, reward: Reward | GroupReward, rollouts: Sequence[events.Rollout],
                      weight: float) -> list[events.Score]:
