@@ -165,14 +165,14 @@ def main() -> int:
     if args.serve_inference:
         serve_pinned(*args.serve_inference)
         return 0
+    if min(args.replica_off_policy) < 0:
+        parser.error(f"--replica-off-policy {' '.join(map(str, args.replica_off_policy))}: steps from 0 up")
     result = asyncio.run(measure(args.messages, args.rounds))
     ratio = result["cluster_vs_single"]
     assert isinstance(ratio, float)
     print(f"cluster_vs_single {ratio:.2f} (median of {args.rounds} rounds; target >= {TARGET}: "
           f"{'met' if ratio >= TARGET else 'NOT met'})")
     if args.replica_rounds:
-        if min(args.replica_off_policy) < 0:
-            parser.error(f"--replica-off-policy {args.replica_off_policy}: steps from 0 up")
         replicas = asyncio.run(sweep_replicas(args.replica_rounds, args.replica_off_policy))
         result.update(replicas)
         result["targets"]["replicas_2_vs_1"] = TARGET_REPLICAS  # type: ignore[index]
