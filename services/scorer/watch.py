@@ -297,7 +297,7 @@ class Watch:
     def _identical(self, run: RunWindow, rewards: list[float], seen: Seen, flags: dict[str, str]) -> None:
         if seen.length < self.min_identical_chars or seen.reward <= 0:
             return
-        tasks = run.answers[seen.digest]
+        tasks = run.answers.get(seen.digest, Counter())  # absent only where the window holds nothing
         if len(tasks) >= self.min_identical_tasks and seen.reward >= statistics.median(rewards):
             flags["identical"] = (f"the same completion ({seen.preview!r}) answers {len(tasks)} different tasks "
                                   f"in the run's recent rollouts, paid {seen.reward:.3g}")
