@@ -198,8 +198,8 @@ class RunWindow:
     rewards: deque[float] = field(default_factory=deque)
     lengths: deque[float] = field(default_factory=deque)
     repetitions: deque[float] = field(default_factory=deque)
-    checked: dict[str, deque[tuple[float, float]]] = field(default_factory=dict)  # check -> (reward, check)
-    check_values: dict[str, deque[float]] = field(default_factory=dict)  # check -> its values alone
+    check_values: dict[str, deque[float]] = field(default_factory=dict)  # check -> its values
+    check_rewards: dict[str, deque[float]] = field(default_factory=dict)  # check -> those rollouts' rewards
     parts: dict[str, deque[float]] = field(default_factory=dict)  # trained reward or component -> values
     named: dict[str, deque[float]] = field(default_factory=dict)  # parts and checks (a check's name wins)
     # completion digest -> task -> how many of the window's rollouts: "identical" without a scan
@@ -211,8 +211,8 @@ class RunWindow:
         self.lengths.append(float(seen.length))
         self.repetitions.append(seen.repetition)
         for name, value in seen.checks.items():
-            _push(self.checked, name, (seen.reward, value))
             _push(self.check_values, name, value)
+            _push(self.check_rewards, name, seen.reward)
         for name, value in seen.parts.items():
             _push(self.parts, name, value)
         for name, value in (seen.parts | seen.checks).items():
@@ -234,8 +234,8 @@ class RunWindow:
         for column in (self.rewards, self.lengths, self.repetitions):
             column.popleft()
         for name in gone.checks:
-            _pop(self.checked, name)
             _pop(self.check_values, name)
+            _pop(self.check_rewards, name)
         for name in gone.parts:
             _pop(self.parts, name)
         for name in gone.parts | gone.checks:
@@ -318,23 +318,23 @@ class Watch:
         if top <= 0:
             return
         for check in seen.checks:
-            pairs = list(run.checked[check])
-            best = max(run.check_values[check])
-            if len(pairs) < self.min_window or best <= 0:
+            values, paid = list(run.check_values[check]), list(run.check_rewards[check])
+            best = max(values)
+            if len(values) < self.min_window or best <= 0:
                 continue
             mine = seen.reward / top - seen.checks[check] / best
             if mine < 0.5:  # the cheapest condition first: most rollouts are not paid well and checked badly
                 continue
-            was, now = _halves([r / top - c / best for r, c in pairs])
+            was, now = _halves([r / top - c / best for r, c in zip(paid, values, strict=True)])
             if now - was < self.trend:
                 continue
-            rewards, checks = _halves([r for r, _ in pairs]), _halves([c for _, c in pairs])
+            rewards, checks = _halves(paid), _halves(values)
             # A check steady while the reward rises is no sign: it must fall, beyond its noise.
-            falling = checks[0] - checks[1] >= self.trend / 2 and _z([c for _, c in pairs]) <= -self.min_z
+            falling = checks[0] - checks[1] >= self.trend / 2 and _z(values) <= -self.min_z
             if falling:
                 flags["divergence"] = (f"the reward and the metric {check!r} part ways: reward "
                                        f"{rewards[0]:.3g} -> {rewards[1]:.3g}, {check} {checks[0]:.3g} -> "
-                                       f"{checks[1]:.3g} from the earlier to the last of {len(pairs)} rollouts; "
+                                       f"{checks[1]:.3g} from the earlier to the last of {len(values)} rollouts; "
                                        f"this one is paid {seen.reward:.3g} with {check} {seen.checks[check]:.3g}")
                 return
 
