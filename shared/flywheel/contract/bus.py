@@ -9,7 +9,8 @@ What lives here, once:
   stored once; transient failures (server restarting, no JetStream yet) are retried with
   backoff until ``publish_timeout_s``. OpenTelemetry context travels in the headers.
 - :class:`Consumer`: a durable pull consumer with bounded in-flight work (server-side
-  ``max_ack_pending`` plus a local bound), ack on success, nak with backoff on a failure,
+  ``max_ack_pending`` plus a local bound; its pull requests, one open at a time, answered on
+  an inbox of its own, each message handed on as it arrives: :class:`_Pull`), ack on success, nak with backoff on a failure,
   ``in_progress`` while long work runs, and a dead letter on ``dead.<stream>`` (then term)
   after the last allowed delivery, or at once for a payload that does not decode, is not
   the consumer's event type, or was published on another subject than its own, or a
@@ -785,6 +786,101 @@ class _ConsumerMetrics:
         self.handle_seconds = metrics.HANDLE_SECONDS.labels(durable)
 
 
+class _Pull:
+    """A durable's pull requests, one open at a time, answered on an inbox of its own.
+
+    Does what nats-py's ``PullSubscription.fetch`` does, cheaper: fetch waits on every message
+    of a batch through a task, a timer and a uuid of its own (``next_msg``), about as much
+    CPU as the rest of a message's handling, and its lingering request holds what arrives
+    until the batch fills or the timeout passes. Here the inbox's callback takes each message
+    as the client reads it, and the messages of one read go to ``on_msgs`` together at the
+    end of the loop's turn, while the request stays open for the rest.
+
+    :meth:`next` asks for ``n`` messages: ``no_wait`` (what the stream has now, then status
+    404) after a request that brought some, else a lingering request (``expires``) that
+    waits for them. It returns once ``n`` came, on a status that ends the request (404 no
+    messages, 408 expired, 409 and 503 refused), or ``expires_s`` plus a margin after it was
+    sent (a server restart loses a request without a word). Each request answers on
+    ``<inbox>.<k>``: a status that comes late, for a request that ended here already, is
+    told apart and ignored. A message counts against the open request (the server names
+    none), so it is handed on whenever it comes.
+    """
+
+    LOST_AFTER_S = 0.5  # past expires: a request the server did not answer is taken as lost
+
+    def __init__(self, nc: NATS, stream: str, durable: str, on_msgs: Callable[[list[Msg]], None]) -> None:
+        self.nc = nc
+        self.subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}"
+        self.on_msgs = on_msgs
+        self.inbox = ""
+        self._sub: Any = None
+        self._k = 0  # the open request's number (its reply subject's last token)
+        self._remaining = 0  # messages the open request may still bring
+        self._brought = 0  # messages the open (or last) request brought
+        self._ended = asyncio.Event()
+        self._status: tuple[str, str] | None = None  # the status that ended the last request
+        self._arrived: list[Msg] = []  # this turn's messages, handed on at its end
+        self._flush_soon: asyncio.Handle | None = None
+
+    async def start(self) -> None:
+        self.inbox = self.nc.new_inbox()
+        self._sub = await self.nc.subscribe(f"{self.inbox}.*", cb=self._on_msg)
+
+    async def next(self, n: int, expires_s: float) -> tuple[str, str] | None:
+        """Ask for ``n`` messages and wait until the request ends; its ending status (code,
+        description) when the server refused it (409, 503), else None."""
+        self._k += 1
+        body: dict[str, Any] = {"batch": n}
+        if self._brought:  # the stream had messages: take what it has now
+            body["no_wait"] = True
+        else:
+            body["expires"] = int(expires_s * 1e9)
+        self._remaining, self._brought, self._status = n, 0, None
+        self._ended.clear()
+        await self.nc.publish(self.subject, msgspec.json.encode(body), reply=f"{self.inbox}.{self._k}")
+        await wait_at_most(self._ended.wait(), expires_s + self.LOST_AFTER_S)
+        self._remaining = 0
+        self._hand_on()
+        return self._status
+
+    async def close(self) -> None:
+        """Stop listening and hand on what came. Called once no request is open, so nothing more
+        is on its way (after a failed request, what the server still sends is redelivered once
+        ``ack_wait`` has passed)."""
+        if self._sub is not None:
+            sub, self._sub = self._sub, None
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+        self._hand_on()
+
+    async def _on_msg(self, msg: Msg) -> None:
+        headers = msg.headers
+        status = headers.get("Status") if headers and not msg.data else None
+        if status is None:
+            self._arrived.append(msg)
+            if self._flush_soon is None:
+                self._flush_soon = asyncio.get_running_loop().call_soon(self._hand_on)
+            self._brought += 1
+            if self._remaining > 0:
+                self._remaining -= 1
+                if self._remaining == 0:
+                    self._ended.set()
+            return
+        if status == "100" or msg.subject != f"{self.inbox}.{self._k}":
+            return  # a heartbeat, or the end of a request that ended here already
+        if status not in ("404", "408"):
+            self._status = (status, (headers or {}).get("Description", ""))
+        self._ended.set()
+
+    def _hand_on(self) -> None:
+        if self._flush_soon is not None:
+            self._flush_soon.cancel()
+            self._flush_soon = None
+        if self._arrived:
+            msgs, self._arrived = self._arrived, []
+            self.on_msgs(msgs)
+
+
 class Consumer:
     """A durable pull consumer on one stream, driven by one loop.
 
@@ -905,7 +1001,8 @@ class Consumer:
 
     async def run(self) -> None:
         await self.ensure()
-        psub = await self.bus.js.pull_subscribe_bind(durable=self.durable, stream=self.stream)
+        pull = _Pull(self.bus.nc, self.stream, self.durable, self._dispatch)
+        await pull.start()
         keepalive = asyncio.ensure_future(self._keep_alive())
         try:
             while not self._stopping.is_set():
@@ -913,27 +1010,22 @@ class Consumer:
                 if free == 0:
                     continue
                 try:
-                    msgs = await psub.fetch(min(free, self.batch_size), timeout=self.fetch_timeout_s)
-                except (TimeoutError, nats.errors.TimeoutError):
-                    continue
+                    refused = await pull.next(min(free, self.batch_size), self.fetch_timeout_s)
                 except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError):
                     if self._stopping.is_set() or self.bus.nc.is_closed:
                         break
                     raise
                 except nats.errors.Error as exc:
-                    # Server restarting, leader change: the client reconnects by itself.
-                    log.warning("consumer %s: fetch failed (%s); retrying", self.durable, exc)
+                    refused = ("", str(exc))
+                if refused is not None:
+                    # Server restarting, leader change, the durable gone: asking again at once would spin.
+                    log.warning("consumer %s: pull refused (%s %s); retrying", self.durable, *refused)
                     await wait_at_most(self._stopping.wait(), 0.25)
-                    continue
-                self._dispatch(msgs)
         finally:
             self.fetching_ended.set()
             keepalive.cancel()
+            await pull.close()
             await self._drain_in_flight()
-            try:
-                await psub.unsubscribe()
-            except nats.errors.Error:
-                pass
 
     async def _wait_for_slots(self) -> int:
         """Wait for free slots. Fetch one message at a time only when few are freeing:
@@ -959,7 +1051,8 @@ class Consumer:
         now = time.monotonic()
         for m in msgs:
             self._unfinished[id(m)] = (m, now)
-        for unit in [msgs] if self.batch_handler is not None else [[m] for m in msgs]:
+        size = self.batch_size if self.batch_handler is not None else 1
+        for unit in [msgs] if len(msgs) <= size else [msgs[i:i + size] for i in range(0, len(msgs), size)]:
             if self._idle:
                 self._idle.pop().set_result(unit)
             else:
