@@ -288,14 +288,15 @@ def check_rl_loop(model_dir: Path, device: str, dtype: str, num_steps: int, max_
     backend = TransformersBackend.build(model_dir, dtype, device)
     backend.swap(engine.weights(), 0)
     sampler = Sampler(backend, cfg)
-    micro_batch_size = TrainerSettings().micro_batch_size
+    settings = TrainerSettings()
     steps = []
     for step in range(1, num_steps + 1):
         t: dict[str, float] = {}
         with timed(device, t, "generate_s"):
             groups = sampler.groups(cfg.groups_per_step, seed=10 + step)
         with timed(device, t, "train_s"):
-            figures = rl_step(engine, groups, backend.pad_id, cfg, micro_batch_size)
+            figures = rl_step(engine, groups, backend.pad_id, cfg, settings.micro_batch_size,
+                              micro_batch_tokens=settings.micro_batch_tokens)
         with timed(device, t, "weights_s"):
             data = engine.weights()
         with timed(device, t, "swap_s"):
@@ -341,7 +342,8 @@ def check_deepspeed(model_dir: Path, device: str, dtype: str, stage: int, num_st
     for _ in range(num_steps):
         t: dict[str, float] = {}
         with timed(device, t, "step_s"):
-            figures = rl_step(engine, groups, pad_id, cfg, TrainerSettings().micro_batch_size)
+            figures = rl_step(engine, groups, pad_id, cfg, TrainerSettings().micro_batch_size,
+                              micro_batch_tokens=TrainerSettings().micro_batch_tokens)
         losses.append(figures["loss"])
         step_s.append(t["step_s"])
     with timed(device, t, "weights_s"):
@@ -419,8 +421,8 @@ def main() -> None:
             initial = engine.weights()
             backend.swap(initial, 0)
             fixed["groups"] = (Sampler(backend, cfg).groups(cfg.groups_per_step, seed=99), backend.pad_id)
-            losses = [rl_step(engine, fixed["groups"][0], backend.pad_id, cfg,
-                                  TrainerSettings().micro_batch_size)["loss"]
+            losses = [rl_step(engine, fixed["groups"][0], backend.pad_id, cfg, TrainerSettings().micro_batch_size,
+                              micro_batch_tokens=TrainerSettings().micro_batch_tokens)["loss"]
                       for _ in range(args.steps)]
             fixed["reference"] = {"losses": losses, "weights": engine.weights(), "initial_weights": initial}
             return {"ok": all(math.isfinite(x) for x in losses), "losses": losses}

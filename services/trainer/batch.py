@@ -219,14 +219,30 @@ def _dense_targets(sequences: list[Tokens], starts: list[int], dense: list[Dense
                         forward=torch.tensor(forward, dtype=torch.bool, device=device))
 
 
-def micro_batches(sequences: list[Tokens], size: int) -> list[list[int]]:
-    """Indices of ``sequences`` in micro-batches of at most ``size``: sequences that begin with
-    the same prompt side by side (so a micro-batch computes that prompt once), longest first."""
+def micro_batches(sequences: list[Tokens], size: int, max_tokens: int | None = None,
+                  min_passes: int = 1) -> list[list[int]]:
+    """Indices of ``sequences`` in micro-batches of at most ``size`` sequences and, given
+    ``max_tokens``, at most that many padded tokens (rows times the longest; one sequence
+    longer than that is a micro-batch of its own): sequences that begin with the same prompt
+    side by side (so a micro-batch computes that prompt once), longest first. ``min_passes``:
+    at least that many micro-batches when there are that many sequences (one for each rank)."""
     families: dict[tuple[int, ...], list[int]] = {}
     for i in sorted(range(len(sequences)), key=lambda i: -len(sequences[i].token_ids)):
         families.setdefault(_prefix_key(sequences[i]), []).append(i)
     order = [i for family in families.values() for i in family]  # families by their longest member
-    return [order[i:i + size] for i in range(0, len(order), size)]
+    size = max(1, min(size, -(-len(order) // max(min_passes, 1))))
+    cut: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i in order:
+        n = len(sequences[i].token_ids)
+        if current and (len(current) == size or (max_tokens is not None
+                                                  and max(longest, n) * (len(current) + 1) > max_tokens)):
+            cut.append(current)
+            current, longest = [], 0
+        current.append(i)
+        longest = max(longest, n)
+    return cut + [current] if current else cut
 
 
 def token_logprobs(model: torch.nn.Module, batch: Batch) -> torch.Tensor:

@@ -7,8 +7,9 @@ with, and steps the engine once. :func:`sft_warmup` trains on the environment's 
 answers with cross-entropy on the completion tokens only, before RL and before version 0
 is published, so inference and trainer start from the same weights.
 
-Both go through :func:`train_step`: micro-batches of ``micro_batch_size`` sequences (the
-setting ``trainer.micro_batch_size``), one backward each, the loss normalised by the number
+Both go through :func:`train_step`: micro-batches of at most ``micro_batch_size`` sequences
+and ``micro_batch_tokens`` padded tokens (the settings ``trainer.micro_batch_size`` and
+``trainer.micro_batch_tokens``), one backward each, the loss normalised by the number
 of loss tokens in the whole step (not per micro-batch), so the gradient does not depend on
 how the step was cut. Runs in a worker thread of the service: nothing here touches the
 event loop.
@@ -76,7 +77,8 @@ def train_step(engine: Engine, sequences: list[Tokens], advantages: list[float],
                micro_batch_size: int, temperatures: list[float], token_loss: TokenLoss,
                echo_weights: list[float] | None = None,
                token_advantages: list[list[float]] | None = None,
-               sft_rows: SFTRows | None = None, dense: list[DenseRow | None] | None = None) -> dict[str, float]:
+               sft_rows: SFTRows | None = None, dense: list[DenseRow | None] | None = None,
+               micro_batch_tokens: int | None = None) -> dict[str, float]:
     """One optimizer step over ``sequences``, each recomputed at its temperature (what it was
     sampled at); returns the step's figures. ``echo_weights``: by sequence, the weight of the
     mean cross-entropy on its environment tokens (``Tokens.env_mask``) added to the loss on its
@@ -85,7 +87,8 @@ def train_step(engine: Engine, sequences: list[Tokens], advantages: list[float],
     tokens' mean cross-entropy, each row times its weight, joins the loss (an SFT term).
     ``dense``: by sequence, its dense distillation target or None: each sampled position's
     divergence to the teacher's top-k, times its weight, joins the loss, normalised as the
-    policy-gradient loss is."""
+    policy-gradient loss is. ``micro_batch_tokens``: a pass's padded tokens at most (None: no
+    bound but ``micro_batch_size``)."""
     started = time.perf_counter()
     num_loss_tokens = sum(sum(s.loss_mask[1:]) for s in sequences)
     num_env_tokens = 0 if echo_weights is None else sum(
@@ -107,11 +110,13 @@ def train_step(engine: Engine, sequences: list[Tokens], advantages: list[float],
     flagged = diff_sum = 0.0
     # Every micro-batch of the step, the RL loss's then the SFT term's; on several ranks each
     # takes every world_size-th, and one with fewer makes idle passes (see flywheel_trainer.ranks).
-    passes = [(False, indices) for indices in micro_batches(sequences, micro_batch_size)]
-    if sft_rows is not None and num_sft_tokens:
-        passes += [(True, indices) for indices in micro_batches(sft_rows.rows, micro_batch_size)]
     ranks = current_ranks()
     rank, world_size = ranks.rank, ranks.world_size
+    passes = [(False, indices) for indices in micro_batches(sequences, micro_batch_size, micro_batch_tokens,
+                                                            world_size)]
+    if sft_rows is not None and num_sft_tokens:
+        passes += [(True, indices) for indices in micro_batches(sft_rows.rows, micro_batch_size, micro_batch_tokens,
+                                                                world_size)]
     share = can_share_prefixes(engine.model) and not (world_size > 1 and engine.same_graph_on_every_rank)
     mine = passes[rank::world_size]
     for is_sft, indices in mine:
@@ -189,7 +194,7 @@ def _sft_term(engine: Engine, sft_rows: SFTRows, indices: list[int], pad_id: int
 
 def rl_step(engine: Engine, groups: list[list[Scored]], pad_id: int, cfg: RunConfig,
             micro_batch_size: int, envs: Mapping[str, EnvConfig] | None = None,
-            sft_rows: SFTRows | None = None) -> dict[str, float]:
+            sft_rows: SFTRows | None = None, micro_batch_tokens: int | None = None) -> dict[str, float]:
     """One RL step on whole groups: advantages, importance-weighted loss, engine step.
     ``envs``: the run's environments by their name in subjects (a rollout's ``env``), whose
     own advantage and loss its groups take; a rollout of another takes the run's. ``sft_rows``:
@@ -269,7 +274,8 @@ def rl_step(engine: Engine, groups: list[list[Scored]], pad_id: int, cfg: RunCon
     any_terms = with_terms and any(teacher_gap)
     figures = train_step(engine, sequences, advantages, pad_id, micro_batch_size, temperatures, token_loss,
                          echo_weights if any(w > 0 for w in echo_weights) else None,
-                         token_advantages if any_terms else None, sft_rows, dense if any(dense) else None)
+                         token_advantages if any_terms else None, sft_rows, dense if any(dense) else None,
+                         micro_batch_tokens)
     figures["advantage_abs_mean"] = sum(abs(a) for a in advantages) / len(advantages)
     for teacher, (gap, count) in teacher_gap.items():
         # The per-token estimate of KL(policy || teacher) on the sampled tokens: OPD drives it down.
@@ -329,11 +335,12 @@ def _cross_entropy(logprobs: torch.Tensor, batch: Batch, indices: list[int]) -> 
     return -logprobs, torch.zeros_like(batch.loss_mask)
 
 
-def sft_step(engine: Engine, sequences: list[Tokens], pad_id: int, micro_batch_size: int) -> dict[str, float]:
+def sft_step(engine: Engine, sequences: list[Tokens], pad_id: int, micro_batch_size: int,
+             micro_batch_tokens: int | None = None) -> dict[str, float]:
     """One supervised step: cross-entropy on the loss-mask tokens of ``sequences`` (temperature 1),
     the warm-up's and ``flywheel sft``'s."""
     return train_step(engine, sequences, [0.0] * len(sequences), pad_id, micro_batch_size, [1.0] * len(sequences),
-                      _cross_entropy)
+                      _cross_entropy, micro_batch_tokens=micro_batch_tokens)
 
 
 def reference_tokens(tok: Any, env: Environment, task: dict[str, Any], context: str | None = None) -> Tokens:
@@ -425,7 +432,7 @@ def warmup_steps(model: torch.nn.Module, tok: Any, envs: Sequence[Environment], 
 
 
 def sft_warmup(model: torch.nn.Module, steps: list[list[Tokens]], pad_id: int, cfg: RunConfig,
-               micro_batch_size: int) -> dict[str, float]:
+               micro_batch_size: int, micro_batch_tokens: int | None = None) -> dict[str, float]:
     """A step of cross-entropy on each batch of ``steps`` (:func:`warmup_steps`), with an
     optimizer of its own; on several ranks, each takes its share of every step's micro-batches."""
     engine = TorchEngine(model, cfg.trainer.model_copy(update={"lr": cfg.sft.lr}), cfg.model.dtype)
@@ -433,7 +440,7 @@ def sft_warmup(model: torch.nn.Module, steps: list[list[Tokens]], pad_id: int, c
     figures: dict[str, float] = {}
     num_tokens = 0
     for step, sequences in enumerate(steps):
-        figures = sft_step(engine, sequences, pad_id, micro_batch_size)
+        figures = sft_step(engine, sequences, pad_id, micro_batch_size, micro_batch_tokens)
         num_tokens += int(figures["num_loss_tokens"])
         log.info("sft step %d/%d: loss %.4f", step + 1, cfg.sft.steps, figures["loss"])
     model.eval()

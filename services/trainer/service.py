@@ -325,7 +325,7 @@ class Trainer:
             envs = {name: found.config for name, found in self.environments.items()}
             sft_rows = self.sft_supply.rows(self.step + 1) if self.sft_supply is not None else None
             return (self.team.call("rl_step", take.groups, pad_id, cfg, self.options.micro_batch_size, envs,
-                                   sft_rows),
+                                   sft_rows, self.options.micro_batch_tokens),
                     self.team.call("weights"))
 
         attributes: dict[str, str | int] = {"flywheel.run": cfg.run, "flywheel.step": self.step + 1}
@@ -461,7 +461,8 @@ class RankWork:
         figures: dict[str, Any] = {}
         if warm_up:
             steps = share(self.warmup_steps(model, tok) if self.warmup_steps is not None else None)
-            figures = sft_warmup(model, steps, pad_token_id(tok), cfg, self.options.micro_batch_size)
+            figures = sft_warmup(model, steps, pad_token_id(tok), cfg, self.options.micro_batch_size,
+                                 self.options.micro_batch_tokens)
         self._engine = build_engine(model, cfg.trainer, cfg.model.dtype)
         return tok, figures
 

@@ -67,7 +67,8 @@ def plot_loss(steps: Sequence[Mapping[str, Any]], path: Path, title: str) -> Pat
     return save_plot(fig, ax, path, title, "step", "cross-entropy per learned token")
 
 
-def run(cfg: RunConfig, data_dir: Path, micro_batch_size: int) -> dict[str, Any]:
+def run(cfg: RunConfig, data_dir: Path, micro_batch_size: int, micro_batch_tokens: int | None = None
+        ) -> dict[str, Any]:
     """The job (see the module's docstring); its summary. Without ``sft.data`` or ``sft.dataset``:
     the environments' reference answers."""
     assert cfg.sft.steps > 0
@@ -102,7 +103,7 @@ def run(cfg: RunConfig, data_dir: Path, micro_batch_size: int) -> dict[str, Any]
     lines: list[dict[str, Any]] = []
     for step in range(1, cfg.sft.steps + 1):
         epoch, sequences = next(steps)
-        figures = sft_step(engine, sequences, tok.pad_token_id, micro_batch_size)
+        figures = sft_step(engine, sequences, tok.pad_token_id, micro_batch_size, micro_batch_tokens)
         line = {"step": step, "version": step, "epoch": epoch, "loss": figures["loss"],
                 "num_loss_tokens": figures["num_loss_tokens"], "num_tokens": figures["num_tokens"],
                 "grad_norm": figures["grad_norm"], "step_s": figures["step_s"],
@@ -160,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("sft.steps is 0: give the number of steps (--set sft.steps=200)")
     setup_logging(settings.log_level)
     try:
-        summary = run(cfg, Path(settings.data_dir), settings.trainer.micro_batch_size)
+        summary = run(cfg, Path(settings.data_dir), settings.trainer.micro_batch_size,
+                      settings.trainer.micro_batch_tokens)
     except (DataError, EnvironmentLoadError, ValueError) as exc:
         print(f"flywheel sft: error: {exc}", file=sys.stderr)
         return 2

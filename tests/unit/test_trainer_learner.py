@@ -77,6 +77,18 @@ def test_padding_shifts_masks_and_logprobs_onto_the_target_tokens() -> None:
     assert cut == [[1, 3], [0, 4], [2]]  # longest first
 
 
+def test_micro_batches_are_bounded_by_padded_tokens_and_give_each_rank_a_pass() -> None:
+    lengths = [3, 7, 1, 5, 2, 2]
+    seqs = [Tokens([0] * n, [0.0] * n, [False] * n) for n in lengths]
+    # Longest first: 7 + 5 pad to 14 tokens, so 7 goes alone under 12; a sequence longer than
+    # the bound still gets a pass of its own.
+    assert micro_batches(seqs, 100, max_tokens=12) == [[1], [3, 0], [4, 5, 2]]
+    assert micro_batches(seqs, 100, max_tokens=4) == [[1], [3], [0], [4, 5], [2]]
+    assert micro_batches(seqs, 100) == [[1, 3, 0, 4, 5, 2]]
+    assert micro_batches(seqs, 100, min_passes=2) == [[1, 3, 0], [4, 5, 2]]  # one pass for each of two ranks
+    assert micro_batches(seqs, 100, min_passes=10) == [[i] for i in (1, 3, 0, 4, 5, 2)]
+
+
 def test_micro_batches_keep_the_sequences_of_one_prompt_together() -> None:
     def seq(prompt: list[int], n: int) -> Tokens:
         return Tokens(prompt + [9] * n, [0.0] * (len(prompt) + n), [False] * len(prompt) + [True] * n)

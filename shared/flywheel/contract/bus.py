@@ -10,11 +10,11 @@ What lives here, once:
   backoff until ``publish_timeout_s``. OpenTelemetry context travels in the headers.
 - :class:`Consumer`: a durable pull consumer with bounded in-flight work (server-side
   ``max_ack_pending`` plus a local bound; its pull requests, one open at a time, answered on
-  an inbox of its own, each message handed on as it arrives: :class:`_Pull`), ack on success, nak with backoff on a failure,
-  ``in_progress`` while long work runs, and a dead letter on ``dead.<stream>`` (then term)
-  after the last allowed delivery, or at once for a payload that does not decode, is not
-  the consumer's event type, or was published on another subject than its own, or a
-  handler that raises :class:`Reject`. ``stop()`` stops pulling, lets in-flight work finish
+  an inbox of its own, each message handed on as it arrives: :class:`_Pull`), ack on success,
+  nak with backoff on a failure, ``in_progress`` while long work runs, and a dead letter on
+  ``dead.<stream>`` (then term) after the last allowed delivery, or at once for a payload
+  that does not decode, is not the consumer's event type, or was published on another
+  subject than its own, or a handler that raises :class:`Reject`. ``stop()`` stops pulling, lets in-flight work finish
   for ``grace_s``, hands back (nak) what is left.
 - :class:`Replay`: an ordered consumer for readers that only look (a live trace viewer);
   :func:`watch` on top of it decodes, and skips (with a dead letter) what does not decode.

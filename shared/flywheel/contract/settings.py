@@ -88,8 +88,12 @@ class TrainerSettings(_Section):
     The algorithm (batch size, learning rate, loss, ...) is the run config's ``[trainer]``,
     not this."""
 
-    micro_batch_size: int = Field(16, ge=1, description="Sequences per forward and backward pass: bounds "
-                                  "activation memory; the gradient does not depend on it.")
+    micro_batch_size: int = Field(128, ge=1, description="Sequences per forward and backward pass, at most: with "
+                                  "micro_batch_tokens it bounds activation memory; the gradient does not depend on "
+                                  "it. Several ranks get a pass each at least.")
+    micro_batch_tokens: int = Field(8192, ge=1, description="Padded tokens per forward and backward pass, at most "
+                                    "(rows times the longest; a longer sequence gets a pass of its own): short "
+                                    "sequences share a pass, long ones are not cut mid-way.")
     ranks: int = Field(1, ge=1, description="Data-parallel ranks of each run's trainer, on this machine: above 1 "
                        "the run's owner starts it with torch's launcher (gloo on CPU, NCCL with one GPU a rank); "
                        "each rank takes a share of a step's micro-batches, the step is the same as on one rank.")
