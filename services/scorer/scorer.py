@@ -405,6 +405,8 @@ class Scorer:
         if found is None:
             found = self.rewards(rollout, None)
         weights = weights or {}
+        if all(r.inline for r in found.rewards):  # none leaves the loop: one after another, no task each
+            return [await self._score_one(rollout, r, weights.get(r.name, r.weight)) for r in found.rewards]
         return list(await asyncio.gather(*(self._score_one(rollout, r, weights.get(r.name, r.weight))
                                            for r in found.rewards)))
 

@@ -80,6 +80,9 @@ class Scoring:
         if isinstance(reward, GroupReward):
             outcome = await self._run(reward, list(rollouts), [r.id for r in rollouts])
             return list(outcome) if isinstance(outcome, list) else [outcome] * len(rollouts)
+        if len(rollouts) == 1:  # the scorer's case: nothing to run beside it, so no task
+            outcome = await self._run(reward, rollouts[0], [rollouts[0].id])
+            return [outcome]  # type: ignore[list-item]  # a Reward on one rollout gives no list
         return list(await asyncio.gather(  # type: ignore[arg-type]  # a Reward on one rollout gives no list
             *(self._run(reward, r, [r.id]) for r in rollouts)))
 
