@@ -5,11 +5,12 @@ Each case runs this file as a script under torch's launcher (``python -m torch.d
 --standalone --nproc-per-node N``), on CPU with gloo, once with one rank and once with two:
 three RL steps on the same two groups (three micro-batches a step, so one rank backpropagates
 two and the other one, then an idle pass), then rank 0 writes the weights and figures. The
-weights must agree within 1e-5 and the step figures (summed over ranks) within float
+weights must agree within 2e-5 and the step figures (summed over ranks) within float
 rounding. The ranks add the micro-batches' gradients in another order, and Adam divides each
 gradient by its own running scale, so a rounding difference in a near-zero gradient becomes
 a fraction of a step: the learning rate here (1e-3) keeps a step near the tolerance's scale
-(at 1e-2 the weights differ by 2e-5). DeepSpeed ZeRO 0-3 are ``slow``: the first DeepSpeed
+(at 1e-2 the weights differ by 2e-5; ZeRO 2's bucketed reduction, summing in an order of
+its own, gave 1.16e-5 at 1e-3 on one machine and under 1e-5 on another). DeepSpeed ZeRO 0-3 are ``slow``: the first DeepSpeed
 process group JIT-builds a C++ op (over a minute on a cold cache).
 """
 
@@ -24,7 +25,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).parents[2]
-ATOL = 1e-5
+ATOL = 2e-5
 
 
 def launch(engine: str | dict, num_ranks: int, model_dir: Path, out: Path) -> tuple[bytes, list[dict[str, float]]]:
@@ -47,7 +48,7 @@ def compare(engine: str | dict, model_dir: Path, tmp_path: Path) -> None:
     worst = max(float((a[k] - b[k]).abs().max()) for k in a)
     assert worst <= ATOL, f"weights differ by up to {worst:.2e} after 3 steps"
     moved = max(float((a[k] - load((tmp_path / "one.safetensors.start").read_bytes())[k]).abs().max()) for k in a)
-    assert moved > 100 * ATOL  # the steps changed the weights: equal weights say something
+    assert moved > 50 * ATOL  # the steps changed the weights: equal weights say something
     for e, g in zip(one_figures, two_figures, strict=True):
         for key in ("loss", "grad_norm", "clip_fraction", "logprob_diff_abs_mean", "num_loss_tokens"):
             assert g[key] == pytest.approx(e[key], rel=1e-4, abs=1e-6), key
