@@ -10,8 +10,9 @@ rounding. The ranks add the micro-batches' gradients in another order, and Adam 
 gradient by its own running scale, so a rounding difference in a near-zero gradient becomes
 a fraction of a step: the learning rate here (1e-3) keeps a step near the tolerance's scale
 (at 1e-2 the weights differ by 2e-5; ZeRO 2's bucketed reduction, summing in an order of
-its own, gave 1.16e-5 at 1e-3 on one machine and under 1e-5 on another). DeepSpeed ZeRO 0-3 are ``slow``: the first DeepSpeed
-process group JIT-builds a C++ op (over a minute on a cold cache).
+its own, gave 1.16e-5 at 1e-3 on one machine and under 1e-5 on another). DeepSpeed ZeRO 0-3
+are ``slow``: the first DeepSpeed process group JIT-builds a C++ op (over a minute on a cold
+cache).
 """
 
 from __future__ import annotations
