@@ -47,6 +47,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, Generic, TypeVar
+from urllib.parse import urlsplit
 
 import httpx
 import msgspec
@@ -193,6 +194,15 @@ class Renderer:
         # same messages, and a turn's render is the next turn's prefix.
         self._texts: LRU[tuple[bytes, str, bool], str] = LRU(RENDER_CACHE_SIZE)
         self._ids: LRU[str, list[int]] = LRU(RENDER_CACHE_SIZE)
+        self._token_texts: dict[int, str] = {}  # at most one entry a token of the vocabulary
+
+    def token_texts(self, token_ids: Sequence[int]) -> list[str]:
+        """Each token's text alone (what OpenAI's logprobs name a token), decoded once per token id."""
+        texts = self._token_texts
+        for t in token_ids:
+            if t not in texts:
+                texts[t] = self.tok.decode([t])
+        return [texts[t] for t in token_ids]
 
     def text(self, messages: Sequence[events.Message], tools: list[dict[str, Any]] | None,
              generation_prompt: bool = False) -> str:
@@ -501,7 +511,7 @@ async def answer(session: Session, body: InterceptedChat) -> Response:
         return await _streamed(session, body, messages, max_tokens, ChunkWriter(True, ident, created, model, tok))
     node, c, num_prompt = await session.chat(messages, body.tools, max_tokens)
     ending, usage, fingerprint = _ended(node, c, num_prompt)
-    logprobs = chat_logprobs([tok.decode([i]) for i in c.token_ids], c.logprobs)
+    logprobs = chat_logprobs(Renderer.of(tok).token_texts(c.token_ids), c.logprobs)
     # Encoded here (msgspec), not by FastAPI's generic encoder: the logprobs make it long.
     return Response(msgspec.json.encode({
         "id": ident, "object": "chat.completion", "created": created, "model": model,
@@ -539,26 +549,48 @@ class InProcessTransport(httpx.AsyncBaseTransport):
     calls, with the same request model and the same response bytes, skipping the web
     framework's routing and middleware (on a small model they cost more CPU than the answer).
     Everything else (streaming, ``/models``, a body the request model refuses, so its 422
-    keeps FastAPI's shape) goes through ``app`` as it would over HTTP."""
+    keeps FastAPI's shape) goes through ``app`` as it would over HTTP.
+
+    :meth:`post` is the same for a caller that has the request's bytes already
+    (:meth:`flywheel.sdk.harness.RolloutContext.chat`): it skips the HTTP client too, whose
+    work per request (URL parsing, headers, cookies) cost inference more CPU than the
+    handler it reaches."""
 
     def __init__(self, app: FastAPI, interception: Interception) -> None:
         self.app = httpx.ASGITransport(app=app)
         self.interception = interception
 
+    async def _answered(self, method: str, path: str, content: bytes) -> Response | None:
+        """The answer to a non-streaming chat completion, straight from :func:`answer`; None
+        for anything else (the app answers it)."""
+        match = _CHAT_PATH.fullmatch(path)
+        if method != "POST" or match is None:
+            return None
+        try:
+            body = InterceptedChat.model_validate_json(content)
+        except ValidationError:
+            return None
+        if body.stream:
+            return None
+        try:
+            return await answer(self.interception.get(match.group(1)), body)
+        except InterceptionError as exc:
+            return openai_error(exc.status, exc.message, exc.param, exc.code)
+
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        match = _CHAT_PATH.fullmatch(request.url.path)
-        if request.method == "POST" and match is not None:
-            try:
-                body = InterceptedChat.model_validate_json(await request.aread())
-            except ValidationError:
-                body = None
-            if body is not None and not body.stream:
-                try:
-                    response = await answer(self.interception.get(match.group(1)), body)
-                except InterceptionError as exc:
-                    response = openai_error(exc.status, exc.message, exc.param, exc.code)
-                return httpx.Response(response.status_code, headers=response.headers.raw, content=bytes(response.body))
+        response = await self._answered(request.method, request.url.path, await request.aread())
+        if response is not None:
+            return httpx.Response(response.status_code, headers=response.headers.raw, content=bytes(response.body))
         return await self.app.handle_async_request(request)
+
+    async def post(self, url: str, content: bytes) -> tuple[int, bytes]:
+        """(status, body) of a POST of ``content`` (JSON) to ``url``, as over HTTP."""
+        response = await self._answered("POST", urlsplit(url).path, content)
+        if response is not None:
+            return response.status_code, bytes(response.body)
+        request = httpx.Request("POST", url, content=content, headers={"Content-Type": "application/json"})
+        answered = await self.app.handle_async_request(request)
+        return answered.status_code, await answered.aread()
 
     async def aclose(self) -> None:
         await self.app.aclose()

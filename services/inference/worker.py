@@ -227,6 +227,8 @@ class Worker:
         self._base_loading: dict[tuple[str, str, str], asyncio.Future[SharedBase | Backend]] = {}
         self.interception = Interception()
         self._asgi_client: Any = None
+        self._in_process: Any = None  # the in-process transport behind _asgi_client
+        self._info_due = False  # a write of the counters is scheduled (_refresh_info)
         # This process among the replicas that share each run's admission bound (SharedIssued).
         self.replica = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
 
@@ -428,7 +430,15 @@ class Worker:
         return self._environments[run, env]
 
     def _refresh_info(self) -> None:
-        """Keep the heartbeat's counters current (called on every change of a run's counters)."""
+        """Keep the heartbeat's counters current. Called on every change of a run's counters (a
+        rollout makes three), it writes them once per turn of the event loop, however many
+        changes the turn made: writing them is not free, and nothing reads them within a turn."""
+        if not self._info_due:
+            self._info_due = True
+            asyncio.get_running_loop().call_soon(self._write_info)
+
+    def _write_info(self) -> None:
+        self._info_due = False
         runs: dict[str, Any] = {run: {"num_skipped": n} for run, n in self._num_skipped.items()}
         self.info["runs"] = runs | {run: hosted.counters() for run, hosted in self._runs.items()}
         for run, hosted in self._runs.items():
@@ -664,10 +674,10 @@ class Worker:
         session = self.interception.open(task.run, rid, hosted.policy, sampling, publish,
                                          live_after_s=self.config.live_trace_after_s)
         session.hooks = env.call_hooks(task.data)
-        base_url, http_client = self._interception_url(session.key)
+        base_url, http_client, post = self._interception_url(session.key)
         ctx = RolloutContext(task=dict(task.data), base_url=base_url, api_key=session.key, model=task.run, run=task.run,
                              index=index, timeout_s=self.config.rollout_timeout_s, http_client=http_client,
-                             rollout_id=rid, sandbox_client=SandboxClient(self.bus))
+                             post=post, rollout_id=rid, sandbox_client=SandboxClient(self.bus))
         stop: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         hosted.live[rid] = (session, stop)
         try:
@@ -684,11 +694,12 @@ class Worker:
             group_size=task.num_rollouts,
             state=outcome.state, sampling=sampling, usage=session.usage())
 
-    def _interception_url(self, key: str) -> tuple[str, Any]:
-        """(base URL, http client) of a rollout. The URL is this server's when it has one (a
-        program harness needs a real one); in-process harnesses share one client that reaches
-        the interception routes in process (no socket: :class:`~flywheel_inference.interception.InProcessTransport`),
-        whatever host the URL names."""
+    def _interception_url(self, key: str) -> tuple[str, Any, Any]:
+        """(base URL, http client, in-process post) of a rollout. The URL is this server's when it
+        has one (a program harness needs a real one); in-process harnesses share one client that
+        reaches the interception routes in process (no socket:
+        :class:`~flywheel_inference.interception.InProcessTransport`), whatever host the URL
+        names, and the transport's ``post`` for :meth:`~flywheel.sdk.harness.RolloutContext.chat`."""
         if self._asgi_client is None:
             # Imported here, not at the top: building a worker (tests, tools) needs no web stack.
             import httpx
@@ -700,7 +711,7 @@ class Worker:
             interception.install(app)
             agent_apis.install(app)
             app.state.interception = self.interception
-            self._asgi_client = httpx.AsyncClient(
-                transport=interception.InProcessTransport(app, self.interception), timeout=None)
+            self._in_process = interception.InProcessTransport(app, self.interception)
+            self._asgi_client = httpx.AsyncClient(transport=self._in_process, timeout=None)
         url = self.url or "http://inference"
-        return f"{url}/intercept/{key}/v1", self._asgi_client
+        return f"{url}/intercept/{key}/v1", self._asgi_client, self._in_process.post

@@ -6,6 +6,7 @@ retries branch, a template that rewrites history is re-rendered and counted."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any, Literal
@@ -15,6 +16,7 @@ from transformers import AutoTokenizer
 
 from flywheel.contract import events
 from flywheel.sdk import models
+from flywheel.sdk.harness import ModelCallError, RolloutContext
 from flywheel.sdk.tracegraph import TraceGraph
 from flywheel_inference.completion import Completion
 from flywheel_inference.interception import Interception, InterceptionError, Renderer, parse_tool_calls
@@ -250,7 +252,7 @@ async def test_in_process_requests_get_what_http_requests_get(tok: Any) -> None:
 
     from flywheel_inference import interception
 
-    policy = ScriptedPolicy(tok, ["cba", "cba", "xyz", "xyz"])
+    policy = ScriptedPolicy(tok, ["cba", "cba", "cba", "xyz", "xyz"])
     registry = Interception()
     app = FastAPI()
     interception.install(app)
@@ -259,18 +261,29 @@ async def test_in_process_requests_get_what_http_requests_get(tok: Any) -> None:
     async def publish(nodes: list[events.TraceNode]) -> None:
         pass
 
-    keys = [registry.open("r1", f"ro{i}", policy, events.Sampling(max_tokens=16), publish).key for i in range(2)]
+    keys = [registry.open("r1", f"ro{i}", policy, events.Sampling(max_tokens=16), publish).key for i in range(3)]
     chat = {"model": "m", "messages": [{"role": "user", "content": "abc"}]}
     bodies = []
-    async with (httpx.AsyncClient(transport=interception.InProcessTransport(app, registry)) as direct,
+    transport = interception.InProcessTransport(app, registry)
+    async with (httpx.AsyncClient(transport=transport) as direct,
                 httpx.AsyncClient(transport=httpx.ASGITransport(app=app)) as over_http):
         for client, key in ((direct, keys[0]), (over_http, keys[1])):
             response = await client.post(f"http://x/intercept/{key}/v1/chat/completions", json=chat)
             assert response.status_code == 200 and response.headers["content-type"] == "application/json"
             body = response.json()
             bodies.append({k: v for k, v in body.items() if k not in ("id", "created")})
-        assert bodies[0] == bodies[1] and bodies[0]["choices"][0]["message"]["content"] == "cba"
-        assert policy.prompts[0] == policy.prompts[1]
+        # A harness's chat through the transport's post: no HTTP client, the same answer.
+        ctx = RolloutContext(task={}, base_url=f"http://x/intercept/{keys[2]}/v1", api_key=keys[2], model="m",
+                             post=transport.post)
+        body = await ctx.chat(messages=chat["messages"])
+        bodies.append({k: v for k, v in body.items() if k not in ("id", "created")})
+        assert bodies[0] == bodies[1] == bodies[2] and bodies[0]["choices"][0]["message"]["content"] == "cba"
+        assert policy.prompts[0] == policy.prompts[1] == policy.prompts[2]
+        # Its refusals are the endpoint's, as over HTTP: an unknown key (OpenAI's error), a refused body (422).
+        with pytest.raises(ModelCallError, match="answered 401: unknown rollout key"):
+            await dataclasses.replace(ctx, base_url="http://x/intercept/nope/v1").chat(messages=chat["messages"])
+        status, refused = await transport.post(f"http://x/intercept/{keys[2]}/v1/chat/completions", b'{"messages": []}')
+        assert status == 422 and json.loads(refused)["detail"][0]["loc"] == ["body", "messages"]
         for client in (direct, over_http):
             # An unknown key: OpenAI's error shape; a body the request model refuses: FastAPI's 422.
             gone = await client.post("http://x/intercept/nope/v1/chat/completions", json=chat)

@@ -71,6 +71,11 @@ class RolloutContext:
     state: dict[str, Any] = field(default_factory=dict)  # JSON; reaches rewards as `state`
     timeout_s: float = 600.0
     http_client: Any = None  # an httpx.AsyncClient to reach base_url through (e.g. in-process ASGI)
+    # Where the endpoint lives in this process (inference's own harnesses): ``post(url, body)``
+    # answers a POST of JSON bytes with (status, response bytes), the same bytes as over HTTP,
+    # without an HTTP client's work per request. :meth:`chat` uses it; ``client()`` still goes
+    # through ``http_client``.
+    post: Callable[[str, bytes], Awaitable[tuple[int, bytes]]] | None = None
     rollout_id: str = ""
     run: str = ""  # the run it is a rollout of (inference, eval); its sandbox is metered to it
     # A flywheel.sdk.sandbox.SandboxClient where a sandbox service is reachable (flywheel.sdk.sandbox_tools uses it).
@@ -99,22 +104,29 @@ class RolloutContext:
         rollout's endpoint; returns the response as a dict. The wire form only, no SDK: the chat
         harness calls this once a turn, and in training every rollout does, so it is kept light.
         A non-2xx answer raises :class:`ModelCallError` with the endpoint's message."""
-        import httpx
+        url = f"{self.base_url.rstrip('/')}/chat/completions"
+        if self.post is not None:
+            # The JSON httpx would send (its encoder's settings), so both paths refuse the same bodies.
+            content = json.dumps({"model": self.model, **body}, ensure_ascii=False, separators=(",", ":"),
+                                 allow_nan=False).encode()
+            status, answer = await self.post(url, content)
+        else:
+            import httpx
 
-        if self.http_client is None:
-            self.http_client = httpx.AsyncClient(timeout=self.timeout_s)
-            self._owns_http_client = True
-        response = await self.http_client.post(f"{self.base_url.rstrip('/')}/chat/completions",
-                                               json={"model": self.model, **body},
-                                               headers={"Authorization": f"Bearer {self.api_key}"},
-                                               timeout=self.timeout_s)
-        if response.status_code >= 400:
+            if self.http_client is None:
+                self.http_client = httpx.AsyncClient(timeout=self.timeout_s)
+                self._owns_http_client = True
+            response = await self.http_client.post(url, json={"model": self.model, **body},
+                                                   headers={"Authorization": f"Bearer {self.api_key}"},
+                                                   timeout=self.timeout_s)
+            status, answer = response.status_code, response.content
+        if status >= 400:
             try:
-                message = response.json()["error"]["message"]
+                message = json.loads(answer)["error"]["message"]
             except (ValueError, KeyError, TypeError):
-                message = response.text[:2000]
-            raise ModelCallError(f"the model endpoint answered {response.status_code}: {message}")
-        return response.json()
+                message = answer.decode(errors="replace")[:2000]
+            raise ModelCallError(f"the model endpoint answered {status}: {message}")
+        return json.loads(answer)
 
     async def close(self) -> None:
         """Release the rollout's resources (see :meth:`on_close`), then its model client. A release
