@@ -260,7 +260,7 @@ async def _streamed(worker: Worker, who: Caller, hosted: HostedRun, body: _Sampl
 
 
 def _tokens(tok: Any, token_ids: list[int]) -> list[str]:
-    return [tok.decode([t]) for t in token_ids]
+    return interception.Renderer.of(tok).token_texts(token_ids)
 
 
 def _usage(prompt: list[int], sampled: list[Sampled]) -> dict[str, int]:
