@@ -184,6 +184,15 @@ class Scored:
     staleness: int
     scores: dict[str, float] = field(default_factory=dict)  # each required scorer's value (metrics too)
     signals: dict[str, events.Signal] = field(default_factory=dict)  # each required teacher's, by its name
+    _sequences: list[Tokens] | None = field(default=None, repr=False)  # the joiner's, from its check
+
+    @property
+    def sequences(self) -> list[Tokens]:
+        """:func:`sequences_of` the rollout, computed once."""
+        if self._sequences is None:
+            object.__setattr__(self, "_sequences", sequences_of(self.rollout))  # a cache: frozen for its fields
+        assert self._sequences is not None
+        return self._sequences
 
 
 @dataclass
@@ -231,15 +240,16 @@ class Joiner:
         self.flagged: set[str] = set()  # rollouts the reward-hacking watch flagged, until a step takes them
         self._groups: dict[str, list[str]] = {}  # group id -> rollout ids, oldest group first
         self._dropped: dict[str, str] = {}  # buffered rollout id -> reason
+        self._sequences: dict[str, list[Tokens]] = {}  # buffered rollout id -> its sequences (check's)
 
     # --- input ------------------------------------------------------------------------
 
-    def check(self, rollout: events.Rollout) -> None:
-        """Raise :class:`BadRollout` for a rollout that can never be trained (before any side effect)."""
+    def check(self, rollout: events.Rollout) -> list[Tokens]:
+        """Raise :class:`BadRollout` for a rollout that can never be trained (before any side
+        effect); its sequences (:func:`sequences_of`; none for a rollout that failed) otherwise."""
         if rollout.group_size < 1:
             raise BadRollout(f"rollout {rollout.id}: group_size={rollout.group_size}")
-        if rollout.status != "error":
-            sequences_of(rollout)
+        sequences = sequences_of(rollout) if rollout.status != "error" else []
         members = self._groups.get(rollout.group_id, [])
         if members and rollout.id not in self._rollouts:
             size = self._rollouts[members[0]].group_size
@@ -248,12 +258,14 @@ class Joiner:
                                  f"{rollout.group_id} has group_size={size}")
             if len(members) >= size:
                 raise BadRollout(f"rollout {rollout.id}: group {rollout.group_id} already has its {size} rollouts")
+        return sequences
 
-    def add_rollout(self, rollout: events.Rollout) -> bool:
-        """Buffer ``rollout``; False when it was consumed or is buffered already."""
+    def add_rollout(self, rollout: events.Rollout, sequences: list[Tokens] | None = None) -> bool:
+        """Buffer ``rollout``; False when it was consumed or is buffered already. ``sequences``:
+        what :meth:`check` returned for it (None: it is checked here)."""
         if rollout.id in self.consumed or rollout.id in self._rollouts:
             return False
-        self.check(rollout)
+        self._sequences[rollout.id] = self.check(rollout) if sequences is None else sequences
         self._rollouts[rollout.id] = rollout
         self._groups.setdefault(rollout.group_id, []).append(rollout.id)
         self._check_signals(rollout.id)
@@ -408,7 +420,8 @@ class Joiner:
                     rollout = self._rollouts[m]
                     scored.append(Scored(rollout, self.reward(m), self.version - rollout.policy_version,
                                          {name: self._scores[m][name].value for name in self.required(m)},
-                                         {name: self._signals[m][name] for name in self.required_signals(m)}))
+                                         {name: self._signals[m][name] for name in self.required_signals(m)},
+                                         self._sequences[m]))
             if scored:
                 take.groups.append(scored)
             self._consume(group_id)
@@ -424,6 +437,7 @@ class Joiner:
     def _consume(self, group_id: str) -> None:
         for m in self._groups.pop(group_id):
             del self._rollouts[m]
+            del self._sequences[m]
             self._scores.pop(m, None)
             self._signals.pop(m, None)
             self._dropped.pop(m, None)

@@ -62,7 +62,7 @@ from flywheel_trainer.batch import (
 )
 from flywheel_trainer.chats import batches, load_dataset_examples, load_examples, sft_examples
 from flywheel_trainer.engines import Engine, TorchEngine
-from flywheel_trainer.join import Scored, Tokens, TopK, sequences_of, signal_top, signal_values
+from flywheel_trainer.join import Scored, Tokens, TopK, signal_top, signal_values
 from flywheel_trainer.losses import LOSSES, top_k_divergence
 from flywheel_trainer.ranks import current_ranks, sum_over_ranks
 
@@ -233,7 +233,7 @@ def rl_step(engine: Engine, groups: list[list[Scored]], pad_id: int, cfg: RunCon
             # What the rollout was sampled at (a task may set its own); the run's for a rollout
             # that does not say.
             temperature = (scored.rollout.sampling or cfg.sampling).temperature
-            sequences_here = sequences_of(scored.rollout)  # one per branch of its trace graph
+            sequences_here = scored.sequences  # one per branch of its trace graph
             # A run without teacher terms carries no per-token part at all.
             by_token = (_token_terms(scored, sequences_here, terms, teacher_gap) if with_terms
                         else [[] for _ in sequences_here])

@@ -244,11 +244,11 @@ class Trainer:
             await self.room.wait()
         rollouts: list[events.Rollout] = [d.event for d in deliveries]
         try:
-            for r in rollouts:
-                self.joiner.check(r)
+            checked = [self.joiner.check(r) for r in rollouts]
         except BadRollout as exc:
             raise Reject(str(exc)) from exc  # the bus retries the batch one by one: only this one is rejected
-        self.journal.append([r for r in rollouts if self.joiner.add_rollout(r)])
+        self.journal.append([r for r, sequences in zip(rollouts, checked, strict=True)
+                             if self.joiner.add_rollout(r, sequences)])
         self.arrived.set()
 
     async def on_scores(self, deliveries: list[Delivery]) -> None:
