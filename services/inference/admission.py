@@ -228,9 +228,17 @@ class Admission:
     num_skipped: int = 0  # rollouts of tasks left over when the run ended
     on_change: Callable[[], None] | None = None  # called after every change of the counters
     shared: SharedIssued | None = None  # the bound shared with the other replicas (None: this one's alone)
-    _changed: asyncio.Condition = field(default_factory=asyncio.Condition, repr=False)
+    # Two conditions on one lock: tasks waiting for budget wake when the budget moves, rollouts waiting
+    # for a place when a place frees (a place changes three times a rollout: waking every waiting
+    # task then cost more than the rest of admission).
+    _changed: asyncio.Condition = field(init=False, repr=False)  # the budget
+    _place_freed: asyncio.Condition = field(init=False, repr=False)
     _queue: deque[object] = field(default_factory=deque, repr=False)  # tasks waiting for budget, in order
     _places: deque[object] = field(default_factory=deque, repr=False)  # rollouts waiting for a place, in order
+
+    def __post_init__(self) -> None:
+        lock = asyncio.Lock()
+        self._changed, self._place_freed = asyncio.Condition(lock), asyncio.Condition(lock)
 
     @classmethod
     def for_run(cls, cfg: RunConfig, num_issued: int = 0, on_change: Callable[[], None] | None = None,
@@ -279,6 +287,7 @@ class Admission:
             if reason != self.ended:
                 self.ended = reason
                 self._changed.notify_all()
+                self._place_freed.notify_all()
                 self._counted()
 
     def skip(self, n: int) -> None:
@@ -350,17 +359,17 @@ class Admission:
         runs; places go first come first served. Raises RunEnded when the run ends while the
         rollout waits."""
         ticket = object()
-        async with self._changed:
+        async with self._place_freed:
             self.num_waiting += 1
             self._places.append(ticket)
             self._counted()
             try:
-                await self._changed.wait_for(lambda: self.ended is not None or (
+                await self._place_freed.wait_for(lambda: self.ended is not None or (
                     self._places[0] is ticket and self.num_in_flight < self.max_in_flight))
             finally:
                 self.num_waiting -= 1
                 self._places.remove(ticket)
-                self._changed.notify_all()
+                self._place_freed.notify_all()
             if self.ended is not None:
                 self._counted()
                 raise RunEnded(self.ended)
@@ -369,9 +378,9 @@ class Admission:
         try:
             yield
         finally:
-            async with self._changed:
+            async with self._place_freed:
                 self.num_in_flight -= 1
-                self._changed.notify_all()
+                self._place_freed.notify_all()
                 self._counted()
 
     def counters(self) -> dict[str, Any]:
