@@ -157,7 +157,7 @@ async def collect(nats_url: str, gateway_url: str, data_dir: Path, num_left_over
     import msgspec
     import nats.errors
 
-    from flywheel.contract.bus import Bus
+    from flywheel.contract.bus import Bus, decode_events
 
     bus = await Bus.connect(nats_url, "chaos-check", ensure=False)
     decoder = events.Decoder(events.Rollout)
@@ -169,8 +169,8 @@ async def collect(nats_url: str, gateway_url: str, data_dir: Path, num_left_over
                 msg = await sub.next_msg(timeout=3.0)
             except nats.errors.TimeoutError:
                 break
-            r = decoder.decode(msg.data, (msg.headers or {}).get("Content-Type"))
-            rollouts.setdefault(r.id, r)
+            for r in decode_events(decoder, msg):  # a group's rollouts travel as one batch message
+                rollouts.setdefault(r.id, r)
         await sub.unsubscribe()
         tasks: dict[str, int] = {}
         sub = await bus.js.subscribe(f"tasks.{RUN}.>", ordered_consumer=True, headers_only=True)

@@ -104,7 +104,7 @@ async def engine_round(backend: Any, sampling: Any, seqs: list[tuple[list[int], 
 async def service_round(bus: Any, shared: SharedBackend, label: str, rows: list[dict[str, Any]],
                         args: argparse.Namespace, sampling: Any) -> dict[str, Any]:
     from flywheel.contract import events
-    from flywheel.contract.bus import HEADER_CONTENT_TYPE
+    from flywheel.contract.bus import decode_events, num_events
 
     expected = len(rows) * args.group_size
     received: list[Any] = []
@@ -113,7 +113,7 @@ async def service_round(bus: Any, shared: SharedBackend, label: str, rows: list[
 
     async def on_rollout(msg: Any) -> None:
         received.append(msg)
-        if len(received) == expected:
+        if sum(num_events(m) for m in received) == expected:  # a group's rollouts come as one message
             last[0] = time.monotonic()
             done.set()
 
@@ -128,7 +128,7 @@ async def service_round(bus: Any, shared: SharedBackend, label: str, rows: list[
     elapsed = last[0] - began
     await sub.unsubscribe()
     decoder = events.Decoder(events.Rollout)
-    rollouts = [decoder.decode(m.data, (m.headers or {}).get(HEADER_CONTENT_TYPE)) for m in received]
+    rollouts = [r for m in received for r in decode_events(decoder, m)]  # a group's rollouts: one message
     num_tokens = 0
     for r in rollouts:
         answer = r.nodes[-1].tokens
@@ -147,7 +147,7 @@ def _with_seed(sampling: Any, seed: int) -> Any:
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
     from flywheel.contract import events, weights
-    from flywheel.contract.bus import Bus
+    from flywheel.contract.bus import Bus, EventCount
     from flywheel.contract.config import RunConfig
     from flywheel.contract.settings import InferenceSettings
     from flywheel.ops.natsserver import NatsServer
@@ -203,8 +203,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                   f"ratio {s['tokens_per_s'] / e['tokens_per_s']:.3f}; the service's time in the engine "
                   f"{s['generate_s']:.2f}s over {len(s['batch_sizes'])} batches (engine side "
                   f"{-(-len(seqs) // args.batch_size)})", flush=True)
-        info = await bus.js.stream_info("ROLLOUTS", subjects_filter=f"rollouts.{RUN}.>")
-        stored = sum((info.state.subjects or {}).values())
+        stored = await EventCount(bus, "ROLLOUTS", f"rollouts.{RUN}.>").now()
         if stored != len(seqs) * (args.rounds + 1):
             raise RuntimeError(f"{stored} rollouts stored, expected {len(seqs) * (args.rounds + 1)}")
     finally:

@@ -18,10 +18,11 @@
 The live stream reads the bus, not the store: an ordered consumer on the rollout's
 ``traces.<run>.<rollout>`` subject from the start, and a headers-only one on
 ``rollouts.<run>.>`` from a little before the first trace node, watching for the rollout's
-id (its payload is fetched once it shows). When the rollout is already recorded, the stream
+id (its payload is fetched once it shows; a batch message, a group's rollouts, is fetched to
+see whether it holds it). When the rollout is already recorded, the stream
 replays it from the store instead (the bus keeps traces for its retention only). A client
 that disconnects ends both consumers (:class:`flywheel.contract.bus.Replay`). A message that does not
-decode as the event its subject promises (:func:`flywheel.contract.bus.decode_message`) is logged and
+decode as the events its subject promises (:func:`flywheel.contract.bus.decode_events`) is logged and
 skipped; it never ends the stream (the recorder dead-letters it).
 
 Not covered: resuming a stream (``Last-Event-ID``; a client that reconnects gets every node
@@ -43,7 +44,7 @@ from fastapi.responses import StreamingResponse
 from nats.aio.msg import Msg
 
 from flywheel.contract import events
-from flywheel.contract.bus import HEADER_MSG_ID, Bus, Replay, Undecodable, decode_message
+from flywheel.contract.bus import HEADER_MSG_ID, Bus, Replay, Undecodable, decode_events
 from flywheel.sdk.tracegraph import ROWS, join_tokens, leaves, walk
 from flywheel_gateway import sse
 from flywheel_gateway.auth import CallerDep, check_rollout
@@ -166,18 +167,21 @@ async def _follow_live(bus: Bus, first: Any, rollout_id: str, tokens: bool) -> s
     sent: set[str] = set()
     last_seq = 0
 
-    def node_event(msg: Msg) -> tuple[str, Any] | None:
+    def node_events(msg: Msg) -> list[tuple[str, Any]]:
+        """The message's nodes not sent yet (a model call's nodes come as one batch)."""
         nonlocal last_seq
         last_seq = msg.metadata.sequence.stream
         try:
-            node = decode_message(node_decoder, msg).node
+            found = decode_events(node_decoder, msg)
         except Undecodable as exc:
             log.warning("trace stream of %s: skipping %s seq %d: %s", rollout_id, msg.subject, last_seq, exc)
-            return None
-        if node.id in sent:  # republished past the bus's duplicate window
-            return None
-        sent.add(node.id)
-        return "node", _node_public(node, len(sent) - 1, tokens)
+            return []
+        items = []
+        for node in (t.node for t in found):
+            if node.id not in sent:  # else republished past the bus's duplicate window
+                sent.add(node.id)
+                items.append(("node", _node_public(node, len(sent) - 1, tokens)))
+        return items
 
     async with (Replay(bus, subject) as traces,
                 Replay(bus, f"rollouts.{run}.>", start_time=first.time - timedelta(seconds=CLOCK_SKEW_S),
@@ -194,15 +198,18 @@ async def _follow_live(bus: Bus, first: Any, rollout_id: str, tokens: bool) -> s
                 if next_trace in done:
                     msg = next_trace.result()
                     next_trace = asyncio.ensure_future(traces.next())
-                    if (item := node_event(msg)) is not None:
+                    for item in node_events(msg):
                         yield item
                 if next_landed in done:
                     msg = next_landed.result()
                     next_landed = asyncio.ensure_future(landed.next())
-                    if (msg.headers or {}).get(HEADER_MSG_ID) == rollout_id:
+                    headers = msg.headers or {}
+                    # The rollout alone, or a batch (its group's rollouts) that may hold it: read it.
+                    if headers.get(HEADER_MSG_ID) == rollout_id or events.BATCH_HEADER in headers:
                         raw = await bus.js.get_msg("ROLLOUTS", msg.metadata.sequence.stream)
                         try:
-                            rollout = decode_message(rollout_decoder, raw)
+                            rollout = next((r for r in decode_events(rollout_decoder, raw) if r.id == rollout_id),
+                                           None)
                         except Undecodable as exc:  # not the rollout: keep waiting for it
                             log.warning("trace stream of %s: skipping %s seq %d: %s", rollout_id, raw.subject,
                                         raw.seq, exc)
@@ -211,7 +218,7 @@ async def _follow_live(bus: Bus, first: Any, rollout_id: str, tokens: bool) -> s
             while last_seq < end_seq:
                 msg = await next_trace
                 next_trace = asyncio.ensure_future(traces.next())
-                if (item := node_event(msg)) is not None:
+                for item in node_events(msg):
                     yield item
             for node in rollout.nodes:  # nodes the rollout has that were never published live
                 if node.id not in sent:

@@ -570,7 +570,7 @@ class Teacher:
             busy_s = time.monotonic() - started
         signals = fit_payload(signals, functools.partial(self.bus.published_size, content_type=events.MSGPACK),
                               self.bus.nc.max_payload)
-        await self.bus.publish_many(signals, events.MSGPACK)
+        await self.bus.publish_many(signals, events.MSGPACK, together=True)
         self.counters.add(signals, usage, busy_s)
         self.info.update(vars(self.counters))
 

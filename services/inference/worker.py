@@ -95,7 +95,7 @@ import nats.js.errors
 from nats.js.api import PubAck
 
 from flywheel.contract import events, metrics, weights
-from flywheel.contract.bus import RUNS_BUCKET, Bus, Consumer, Delivery, Reject, wait_at_most, watch
+from flywheel.contract.bus import RUNS_BUCKET, Bus, Consumer, Delivery, EventCount, Reject, wait_at_most, watch
 from flywheel.contract.config import RunConfig
 from flywheel.contract.runs import BadRunState, end_of, get_run, watch_runs
 from flywheel.contract.service import Service, compute
@@ -229,6 +229,7 @@ class Worker:
         self._asgi_client: Any = None
         self._in_process: Any = None  # the in-process transport behind _asgi_client
         self._info_due = False  # a write of the counters is scheduled (_refresh_info)
+        self._rollouts_on_bus: dict[str, EventCount] = {}  # by run: its rollouts in the ROLLOUTS stream
         # This process among the replicas that share each run's admission bound (SharedIssued).
         self.replica = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
 
@@ -411,8 +412,10 @@ class Worker:
         self._refresh_info()
 
     async def _num_rollouts_published(self, run: str) -> int:
-        info = await self.bus.js.stream_info("ROLLOUTS", subjects_filter=f"rollouts.{run}.>")
-        return sum((info.state.subjects or {}).values())
+        """The run's rollouts in the ROLLOUTS stream (a group's batch counts its rollouts)."""
+        if run not in self._rollouts_on_bus:
+            self._rollouts_on_bus[run] = EventCount(self.bus, "ROLLOUTS", f"rollouts.{run}.>")
+        return await self._rollouts_on_bus[run].now()
 
     async def _fetch(self, update: events.WeightUpdate) -> bytes:
         try:
@@ -633,7 +636,7 @@ class Worker:
                 rollout.cancel()
             await asyncio.gather(*rollouts, return_exceptions=True)
             raise
-        acks = await self.bus.publish_many(results, events.MSGPACK)
+        acks = await self.bus.publish_many(results, events.MSGPACK, together=True)  # the group: one message
         for done in results:
             metrics.ROLLOUTS.labels(done.run, done.status).inc()
             if done.usage is not None:
@@ -641,20 +644,26 @@ class Worker:
         return await self._num_stored(results, acks)
 
     async def _num_stored(self, rollouts: Sequence[events.Rollout], acks: Sequence[PubAck]) -> int:
-        """How many of ``rollouts`` this publish stored. A duplicate's ack names the stored copy:
-        the same bytes are this publish's own (its ack was lost and it was sent again); other
-        bytes were sampled by an earlier delivery of the task (another process, or before a restart)."""
+        """How many of ``rollouts`` this publish stored (a batch's share its ack). A duplicate's
+        ack names the stored copy: the same bytes are this publish's own (its ack was lost and it
+        was sent again); other bytes were sampled by an earlier delivery of the task (another
+        process, or before a restart)."""
         num_stored = 0
+        by_message: dict[int, tuple[PubAck, list[events.Rollout]]] = {}
         for rollout, ack in zip(rollouts, acks, strict=True):
+            by_message.setdefault(ack.seq, (ack, []))[1].append(rollout)
+        for ack, members in by_message.values():
             if not ack.duplicate:
-                num_stored += 1
+                num_stored += len(members)
                 continue
             try:
                 stored = await self.bus.js.get_msg(ack.stream, ack.seq)
             except nats.js.errors.NotFoundError:  # gone already (the stream's limits): not this one's
                 continue
-            if stored.data == events.encode(rollout, events.MSGPACK):
-                num_stored += 1
+            ours = (events.encode_many(members, events.MSGPACK) if len(members) > 1
+                    else events.encode(members[0], events.MSGPACK))
+            if stored.data == ours:
+                num_stored += len(members)
         if num_stored < len(rollouts):
             log.info("task %s: %d of its %d rollouts were on the bus already (an earlier delivery); not counted",
                      rollouts[0].task_id, len(rollouts) - num_stored, len(rollouts))
@@ -669,7 +678,7 @@ class Worker:
 
         async def publish(nodes: list[events.TraceNode]) -> None:
             if nodes:
-                await self.bus.publish_many(nodes, events.MSGPACK)
+                await self.bus.publish_many(nodes, events.MSGPACK, together=True)  # a call's: one message
 
         session = self.interception.open(task.run, rid, hosted.policy, sampling, publish,
                                          live_after_s=self.config.live_trace_after_s)

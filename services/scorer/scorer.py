@@ -550,7 +550,7 @@ def build(bus: Bus, rewards: RewardSource, pool: Executor, config: ScorerSetting
     :mod:`flywheel_scorer.partitions`), and their scorer, within ``config``; a new durable starts
     at ``start_time`` (None: the stream's first rollout)."""
     watch = Watch() if config.watch and isinstance(rewards, EnvironmentRewards) else None
-    scorer = Scorer(rewards, RunConfigs(bus, config.run_config_ttl_s), bus.publish_many, pool, config, watch,
+    scorer = Scorer(rewards, RunConfigs(bus, config.run_config_ttl_s), bus.publish_together, pool, config, watch,
                     tracer=bus.tracer_of(__name__))
 
     def consumer_for(k: int) -> Consumer:

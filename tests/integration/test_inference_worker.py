@@ -11,7 +11,7 @@ import msgspec
 import torch
 
 from flywheel.contract import events, weights
-from flywheel.contract.bus import HEADER_CONTENT_TYPE, Bus, Delivery
+from flywheel.contract.bus import Bus, Delivery, read_stream
 from flywheel.contract.config import RunConfig
 from flywheel.contract.settings import InferenceSettings
 from flywheel.sdk import models
@@ -46,14 +46,8 @@ def perturbed(model_dir: Path, seed: int) -> torch.nn.Module:
 
 
 async def stored(bus: Bus, stream: str, type_: Any) -> list[Any]:
-    info = await bus.js.stream_info(stream)
-    decoder = events.Decoder(type_)
-    out = []
-    for seq in range(info.state.first_seq, info.state.last_seq + 1) if info.state.messages else ():
-        msg = await bus.js.get_msg(stream, seq)
-        assert msg.data is not None, f"{stream} message {seq} has no payload"
-        out.append(decoder.decode(msg.data, (msg.headers or {}).get(HEADER_CONTENT_TYPE)))
-    return out
+    """The events ``stream`` holds (a group's rollouts travel as one batch message)."""
+    return await read_stream(bus, stream, type_)
 
 
 def span_of(node: events.Node) -> events.TokenSpan:
@@ -63,7 +57,8 @@ def span_of(node: events.Node) -> events.TokenSpan:
 
 
 async def count(bus: Bus, stream: str) -> int:
-    return (await bus.js.stream_info(stream)).state.messages
+    """Events in ``stream``, not messages."""
+    return len(await read_stream(bus, stream))
 
 
 async def test_tasks_become_groups_of_rollouts_with_trace_nodes(bus: Bus, tiny_model_dir: Path,

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from flywheel.contract import events
-from flywheel.contract.bus import Bus
+from flywheel.contract.bus import Bus, read_stream
 from flywheel.contract.config import RunConfig
 from flywheel.contract.service import read_heartbeats
 from flywheel.contract.settings import ScorerSettings
@@ -60,18 +60,12 @@ async def pending(bus: Bus, durable: str = "scorer") -> tuple[int, int]:
 
 
 async def stored(bus: Bus, stream: str, type_: Any) -> list[Any]:
-    state = (await bus.js.stream_info(stream)).state
-    decoder = events.Decoder(type_)
-    out = []
-    for seq in range(state.first_seq, state.last_seq + 1) if state.messages else ():
-        data = (await bus.js.get_msg(stream, seq)).data
-        assert data is not None, f"{stream} message {seq} has no payload"
-        out.append(decoder.decode(data))
-    return out
+    """The events ``stream`` holds (a scorer's scores of one turn travel as one batch message)."""
+    return await read_stream(bus, stream, type_)
 
 
-async def num_messages(bus: Bus, stream: str) -> int:
-    return (await bus.js.stream_info(stream)).state.messages
+async def num_events(bus: Bus, stream: str) -> int:
+    return len(await read_stream(bus, stream))
 
 
 async def put_run(bus: Bus, run: str, config: dict[str, Any]) -> None:
@@ -100,7 +94,7 @@ async def test_builtin_and_custom_scorers_both_score_every_rollout(bus: Bus, nat
                                    + [rollout("ro4", answer="cba", run="r2")])
 
             async def all_scored() -> bool:
-                return await num_messages(bus, "SCORES") == 4 * 3
+                return await num_events(bus, "SCORES") == 4 * 3
 
             await until(all_scored, what="three scores for each of four rollouts")
     finally:
@@ -148,7 +142,7 @@ async def test_a_held_member_is_kept_alive_past_ack_wait_not_redelivered(bus: Bu
         await bus.publish(first)
 
         async def scored() -> bool:
-            return await num_messages(bus, "SCORES") > 0
+            return await num_events(bus, "SCORES") > 0
 
         await until(scored, what="the first member's own scores")
 
@@ -189,7 +183,7 @@ async def test_a_rollout_scored_again_publishes_nothing_new(bus: Bus) -> None:
             await until(lambda: consumer.stats.acked == 2, what="both rollouts scored")
         for k in range(events.ROLLOUT_PARTITIONS):
             await bus.js.delete_consumer("ROLLOUTS", f"scorer-p{k}")
-    assert await num_messages(bus, "SCORES") == 4
+    assert await num_events(bus, "SCORES") == 4
 
 
 @asynccontextmanager

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from flywheel.contract import events, weights
-from flywheel.contract.bus import HEADER_CONTENT_TYPE, Bus
+from flywheel.contract.bus import Bus, read_stream
 from flywheel.contract.config import RunConfig
 from flywheel.ops.natsserver import NatsServer
 from flywheel.sdk import models
@@ -24,14 +24,7 @@ pytestmark = [pytest.mark.vllm,
 
 
 async def rollouts(bus: Bus) -> list[events.Rollout]:
-    info = await bus.js.stream_info("ROLLOUTS")
-    decoder = events.Decoder(events.Rollout)
-    out = []
-    for seq in range(info.state.first_seq, info.state.last_seq + 1) if info.state.messages else ():
-        msg = await bus.js.get_msg("ROLLOUTS", seq)
-        assert msg.data is not None
-        out.append(decoder.decode(msg.data, (msg.headers or {}).get(HEADER_CONTENT_TYPE)))
-    return out
+    return await read_stream(bus, "ROLLOUTS", events.Rollout)  # a group's rollouts are one batch message
 
 
 async def publish_weights(bus: Bus, version: int, data: bytes) -> None:

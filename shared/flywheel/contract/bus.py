@@ -8,6 +8,8 @@ What lives here, once:
 - :meth:`Bus.publish`: every publish carries ``Nats-Msg-Id`` (the event id), so a retry is
   stored once; transient failures (server restarting, no JetStream yet) are retried with
   backoff until ``publish_timeout_s``. OpenTelemetry context travels in the headers.
+  :meth:`Bus.publish_many` with ``together`` and :meth:`Bus.publish_together` send the events
+  of one subject as one batch message (see "Batches" in :mod:`flywheel.contract.events`).
 - :class:`Consumer`: a durable pull consumer with bounded in-flight work (server-side
   ``max_ack_pending`` plus a local bound; its pull requests, one open at a time, answered on
   an inbox of its own, each message handed on as it arrives: :class:`_Pull`), ack on success,
@@ -15,7 +17,9 @@ What lives here, once:
   ``dead.<stream>`` (then term) after the last allowed delivery, or at once for a payload
   that does not decode, is not the consumer's event type, or was published on another
   subject than its own, or a handler that raises :class:`Reject`. ``stop()`` stops pulling, lets in-flight work finish
-  for ``grace_s``, hands back (nak) what is left.
+  for ``grace_s``, hands back (nak) what is left. A batch message's events reach the handler
+  one :class:`Delivery` each, and the message is settled by their outcomes together
+  (:meth:`Consumer._settle`).
 - :class:`Replay`: an ordered consumer for readers that only look (a live trace viewer);
   :func:`watch` on top of it decodes, and skips (with a dead letter) what does not decode.
 - :func:`dead_letter`: the one way a dead letter is made, bounded (a capped excerpt of the
@@ -192,7 +196,9 @@ class Bus:
         self.tracer: trace.Tracer | None = (
             None if self.tracer_provider is None else self.tracer_provider.get_tracer("flywheel.contract.bus"))
         # publish_soon's publishes under way (held here: the loop keeps only weak references)
-        self.soon: set[asyncio.Future[PubAck]] = set()
+        self.soon: set[asyncio.Future[Any]] = set()
+        # publish_together's callers of this turn, by content type: (their events, their acks' future)
+        self._together: dict[str, list[tuple[list[events.Event], asyncio.Future[list[PubAck]]]]] = {}
         self.denials: list[tuple[float, str, str]] = []  # what the server refused this connection, newest last
         self.user = "(no user)"  # the NATS user this connection logs in as, for messages
         self.replicas = config.replicas or 1  # what ensure() and weights_store(create=True) make (ensure reads it)
@@ -397,9 +403,7 @@ class Bus:
         """Bytes the NATS server counts against its max payload (``nc.max_payload``) for
         ``event``: payload and headers. Over it the server drops the publisher's connection,
         so check before publishing what a user sent."""
-        headers = self.headers_for(event, content_type)
-        return (len(events.encode(event, content_type)) + _HEADER_FRAME_BYTES
-                + sum(len(k.encode()) + len(v.encode()) + 4 for k, v in headers.items()))
+        return _message_size(events.encode(event, content_type), self.headers_for(event, content_type))
 
     async def publish(self, event: events.Event, content_type: str = events.JSON) -> PubAck:
         """Publish one event and wait for JetStream to store it (retried on transient errors)."""
@@ -438,18 +442,41 @@ class Bus:
         """Publish bytes as they are (tools, tests, other-language bridges). Retried likewise."""
         return await self.retry(lambda: self.js.publish(subject, payload, headers=headers), subject)
 
-    async def publish_many(self, batch: Iterable[events.Event], content_type: str = events.JSON) -> list[PubAck]:
-        """Publish many events concurrently (bounded by ``max_publish_in_flight``).
+    async def publish_many(self, batch: Iterable[events.Event], content_type: str = events.JSON,
+                           together: bool = False) -> list[PubAck]:
+        """Publish many events concurrently (bounded by ``max_publish_in_flight``); their acks, one
+        an event, in order.
 
-        Each one is acknowledged by JetStream before this returns; one whose publish fails
-        transiently is published again with the same id (deduplicated by the server).
+        ``together``: the events of one subject go as one batch message (see "Batches" in
+        :mod:`flywheel.contract.events`; each of its events gets the batch's ack), unless the
+        batch would not fit the server's max payload: those go one a message. Each message is
+        acknowledged by JetStream before this returns; one whose publish fails transiently is
+        published again with the same id (deduplicated by the server).
         """
+        # subject, payload, headers, and the places in ``batch`` of the events it carries
+        messages: list[tuple[str, bytes, dict[str, str], list[int]]] = []
+        if together:
+            by_subject: dict[str, list[tuple[int, events.Event]]] = {}
+            for i, event in enumerate(batch):
+                by_subject.setdefault(event.subject(), []).append((i, event))
+            for subject, numbered in by_subject.items():
+                members = [e for _, e in numbered]
+                if len(members) > 1:
+                    headers = self.headers_for(members[0], content_type)
+                    headers[HEADER_MSG_ID] = events.batch_msg_id(members)
+                    headers[events.BATCH_HEADER] = str(len(members))
+                    payload = events.encode_many(members, content_type)
+                    if self._fits(payload, headers):
+                        messages.append((subject, payload, headers, [i for i, _ in numbered]))
+                        continue
+                messages += [(subject, events.encode(e, content_type), self.headers_for(e, content_type), [i])
+                             for i, e in numbered]
+        else:
+            messages = [(e.subject(), events.encode(e, content_type), self.headers_for(e, content_type), [i])
+                        for i, e in enumerate(batch)]
         pending: list[tuple[str, bytes, dict[str, str], asyncio.Future[PubAck]]] = []
         started = time.monotonic()
-        for event in batch:
-            subject = event.subject()
-            headers = self.headers_for(event, content_type)
-            payload = events.encode(event, content_type)
+        for subject, payload, headers, _ in messages:
             try:
                 fut = await self.js.publish_async(subject, payload, headers=headers)
             except _TRANSIENT_PUBLISH_ERRORS + (nats.js.errors.TooManyStalledMsgsError,):
@@ -470,16 +497,54 @@ class Bus:
                     fut.cancel()
         if any(fut.cancelled() for *_, fut in pending):
             self.check_denied(started, [subject for subject, *_, fut in pending if fut.cancelled()])
-        acks: list[PubAck] = []
-        for subject, payload, headers, fut in pending:
+        acks: dict[int, PubAck] = {}
+        for (subject, payload, headers, fut), (*_, places) in zip(pending, messages, strict=True):
             if fut.cancelled() or _is_transient(fut.exception()):
-                acks.append(await self.retry(functools.partial(self.js.publish, subject, payload, headers=headers),
-                                             subject))
+                ack = await self.retry(functools.partial(self.js.publish, subject, payload, headers=headers), subject)
             else:
-                acks.append(fut.result())  # raises what is not transient
-        for ack in acks:
+                ack = fut.result()  # raises what is not transient
             metrics.PUBLISHED.labels(ack.stream).inc()
-        return acks
+            acks.update((i, ack) for i in places)
+        return [acks[i] for i in range(len(acks))]
+
+    def _fits(self, payload: bytes, headers: dict[str, str]) -> bool:
+        """Whether a message fits the server's max payload (headers count against it)."""
+        return _message_size(payload, headers) <= self.nc.max_payload
+
+    async def publish_together(self, batch: Sequence[events.Event], content_type: str = events.JSON) -> list[PubAck]:
+        """:meth:`publish_many` with ``together``, over every call made in the same turn of the
+        event loop: callers that each have a few events (a scorer's rollouts, scored side by side)
+        send them in one batch message a subject. Returns this call's acks, once all are stored;
+        raises what their publish raised."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[list[PubAck]] = loop.create_future()
+        waiting = self._together.setdefault(content_type, [])
+        waiting.append((list(batch), done))
+        if len(waiting) == 1:
+            loop.call_soon(self._publish_together, content_type)
+        return await done
+
+    def _publish_together(self, content_type: str) -> None:
+        waiting = self._together.pop(content_type)
+
+        def answer(task: asyncio.Future[list[PubAck]]) -> None:
+            start = 0
+            for batch, done in waiting:
+                if done.done():  # its caller gave up waiting: its events went anyway
+                    pass
+                elif task.cancelled():
+                    done.cancel()
+                elif task.exception() is not None:
+                    done.set_exception(task.exception())  # type: ignore[arg-type]  # not None: the line above
+                else:
+                    done.set_result(task.result()[start:start + len(batch)])
+                start += len(batch)
+
+        events_of_turn = [e for batch, _ in waiting for e in batch]
+        task = asyncio.ensure_future(self.publish_many(events_of_turn, content_type, together=True))
+        self.soon.add(task)  # held until done, as publish_soon's
+        task.add_done_callback(self.soon.discard)
+        task.add_done_callback(answer)
 
     async def retry(self, op: Callable[[], Awaitable[T]], subject: str | None = None) -> T:
         """``op()``, tried again with backoff while it fails transiently (the server restarting,
@@ -528,6 +593,11 @@ class Bus:
             await self.nc.close()
 
 
+def _message_size(payload: bytes, headers: dict[str, str]) -> int:
+    """Bytes of a message the NATS server counts against its max payload: payload and headers."""
+    return len(payload) + _HEADER_FRAME_BYTES + sum(len(k.encode()) + len(v.encode()) + 4 for k, v in headers.items())
+
+
 async def _log_disconnected() -> None:
     log.info("nats: disconnected")
 
@@ -554,20 +624,24 @@ async def watch_bucket(kv: KeyValue, stopping: asyncio.Event) -> AsyncIterator[t
 
 
 def dead_letter(*, stream: str, stream_seq: int, subject: str, consumer: str, num_delivered: int, reason: str,
-                payload: bytes | None, headers: dict[str, str] | None) -> events.DeadLetter:
-    """The dead letter of one message, bounded whatever the message's size.
+                payload: bytes | None, headers: dict[str, str] | None,
+                batch_index: int | None = None) -> events.DeadLetter:
+    """The dead letter of one message (or of its event at ``batch_index``, whose ``payload`` is
+    then that event alone), bounded whatever the message's size.
 
-    Its id is ``<stream>.<stream_seq>.<consumer>``: the same consumer dead-lettering the same
-    message again (a watcher that restarted) publishes the same id, kept once."""
+    Its id is ``<stream>.<stream_seq>.<consumer>`` (then ``.<batch_index>``): the same consumer
+    dead-lettering the same message again (a watcher that restarted) publishes the same id,
+    kept once."""
     payload = payload or b""
     if len(reason) > DEAD_LETTER_REASON_CHARS:
         reason = reason[:DEAD_LETTER_REASON_CHARS] + f"... ({len(reason)} characters)"
     kept = {k[:DEAD_LETTER_HEADER_CHARS]: str(v)[:DEAD_LETTER_HEADER_CHARS]
             for k, v in list((headers or {}).items())[:DEAD_LETTER_HEADERS]}
+    letter_id = f"{stream}.{stream_seq}.{consumer}" + (f".{batch_index}" if batch_index is not None else "")
     return events.DeadLetter(
-        id=f"{stream}.{stream_seq}.{consumer}", stream=stream, original_subject=subject[:DEAD_LETTER_HEADER_CHARS],
+        id=letter_id, stream=stream, original_subject=subject[:DEAD_LETTER_HEADER_CHARS],
         consumer=consumer, num_delivered=num_delivered, reason=reason, payload=payload[:DEAD_LETTER_EXCERPT_BYTES],
-        headers=kept, stream_seq=stream_seq, payload_size_bytes=len(payload))
+        headers=kept, stream_seq=stream_seq, payload_size_bytes=len(payload), batch_index=batch_index)
 
 
 async def publish_dead_letter(bus: Bus, letter: events.DeadLetter) -> bool:
@@ -609,6 +683,48 @@ def decode_message(decoder: events.Decoder[Any], msg: Msg | RawStreamMsg) -> Any
         raise Undecodable(f"payload does not decode as {_type_name(decoder.type)}: {exc}") from None
     check_subject(event, msg.subject or "")
     return event
+
+
+def decode_events(decoder: events.Decoder[Any], msg: Msg | RawStreamMsg) -> list[Any]:
+    """The events in ``msg``: its one event, or a batch's (a ``Flywheel-Batch`` header: an array of
+    events of the message's subject, in order), each checked against its subject;
+    :class:`Undecodable` with the reason."""
+    headers = msg.headers or {}
+    count = headers.get(events.BATCH_HEADER)
+    if count is None:
+        return [decode_message(decoder, msg)]
+    try:
+        batch = decoder.decode_many(msg.data or b"", headers.get(HEADER_CONTENT_TYPE))
+    except msgspec.DecodeError as exc:  # ValidationError included
+        raise Undecodable(f"batch payload does not decode as an array of {_type_name(decoder.type)}: {exc}") from None
+    if not batch or count.strip() != str(len(batch)):
+        raise Undecodable(f"a batch of {len(batch)} events whose {events.BATCH_HEADER} header says {count!r}: "
+                          "a batch holds at least one event, and its header counts them")
+    for i, event in enumerate(batch):
+        try:
+            check_subject(event, msg.subject or "")
+        except Undecodable as exc:
+            raise Undecodable(f"event {i} of the batch: {exc}") from None
+    return batch
+
+
+async def read_stream(bus: Bus, stream: str, event_type: Any = events.AnyEvent) -> list[Any]:
+    """Every event ``stream`` holds now, in stream order (a batch's in its order), decoded: for
+    tools, audits and tests that look at a whole stream, one request a message. A message that
+    does not decode raises :class:`Undecodable` naming its sequence."""
+    decoder: events.Decoder[Any] = events.Decoder(event_type)
+    state = (await bus.js.stream_info(stream)).state
+    out: list[Any] = []
+    for seq in range(state.first_seq, state.last_seq + 1) if state.messages else ():
+        try:
+            msg = await bus.js.get_msg(stream, seq)
+        except nats.js.errors.NotFoundError:  # deleted from the middle of the stream
+            continue
+        try:
+            out += decode_events(decoder, msg)
+        except Undecodable as exc:
+            raise Undecodable(f"{stream} message {seq}: {exc}") from None
+    return out
 
 
 def delivery_counts(reply: str) -> tuple[int, int]:
@@ -674,6 +790,50 @@ class Replay:
             log.debug("replay %s: consumer not deleted: %s", self.subject, exc)
 
 
+def num_events(msg: Msg | RawStreamMsg) -> int:
+    """How many events ``msg`` holds, from its headers alone (a batch's count, else one)."""
+    count = (msg.headers or {}).get(events.BATCH_HEADER)
+    return 1 if count is None else int(count)
+
+
+class EventCount:
+    """How many events ``stream`` holds on ``subject`` (a filter): its messages, a batch counting
+    its events. Counted from the messages' headers (the server sends no payloads), and kept:
+    each :meth:`now` reads only the messages stored since the last one."""
+
+    def __init__(self, bus: Bus, stream: str, subject: str) -> None:
+        self.bus = bus
+        self.stream = stream
+        self.subject = subject
+        self.num_messages = 0  # counted so far
+        self.total = 0  # their events
+        self.last_seq = 0  # the last one counted
+        self._lock = asyncio.Lock()  # one count at a time: two would count the new messages twice
+
+    async def now(self) -> int:
+        async with self._lock:
+            info = await self.bus.retry(lambda: self.bus.js.stream_info(self.stream, subjects_filter=self.subject))
+            new = sum((info.state.subjects or {}).values()) - self.num_messages
+            if new <= 0:  # nothing new (or the stream's limits removed old ones: what was counted stays)
+                return self.total
+            config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=self.last_seq + 1,
+                                    headers_only=True)
+            sub = await self.bus.js.subscribe(self.subject, stream=self.stream, config=config, ordered_consumer=True)
+            try:
+                for _ in range(new):
+                    try:
+                        msg = await sub.next_msg(timeout=self.bus.config.request_timeout_s)
+                    except nats.errors.TimeoutError:  # one was removed meanwhile: counted next time
+                        break
+                    self.num_messages += 1
+                    self.total += num_events(msg)
+                    self.last_seq = msg.metadata.sequence.stream
+            finally:
+                with contextlib.suppress(nats.errors.Error):
+                    await sub.unsubscribe()
+            return self.total
+
+
 async def watch(bus: Bus, subject: str, event_type: type[T], stopping: asyncio.Event, *, watcher: str,
                 last_per_subject: bool = False, start_time: datetime | None = None,
                 poll_s: float = 0.5) -> AsyncIterator[T]:
@@ -705,7 +865,7 @@ async def watch(bus: Bus, subject: str, event_type: type[T], stopping: asyncio.E
             except nats.errors.TimeoutError:
                 continue
             try:
-                event = decode_message(decoder, msg)
+                found = decode_events(decoder, msg)
             except Undecodable as exc:
                 md = msg.metadata
                 log.warning("%s: skipping %s seq %d: %s", watcher, msg.subject, md.sequence.stream, exc)
@@ -713,7 +873,8 @@ async def watch(bus: Bus, subject: str, event_type: type[T], stopping: asyncio.E
                     stream=md.stream, stream_seq=md.sequence.stream, subject=msg.subject, consumer=watcher,
                     num_delivered=md.num_delivered, reason=str(exc), payload=msg.data, headers=msg.headers))
                 continue
-            yield event
+            for event in found:
+                yield event
     finally:
         try:
             await sub.unsubscribe()
@@ -753,7 +914,7 @@ class HandBack(Exception):
 
 @dataclass(slots=True)
 class Delivery:
-    """One decoded message handed to a handler."""
+    """One decoded event handed to a handler: a message's, or one of a batch message's."""
 
     event: Any
     subject: str
@@ -761,6 +922,7 @@ class Delivery:
     num_delivered: int
     headers: dict[str, str]
     msg: Msg = field(repr=False)
+    batch_index: int | None = None  # its place in a batch message (None: the message holds it alone)
 
 
 Handler = Callable[[Delivery], Awaitable[None]]
@@ -1097,10 +1259,12 @@ class Consumer:
     # --- per-message outcome --------------------------------------------------------------
 
     async def _process_batch(self, msgs: list[Msg]) -> None:
+        """Decode ``msgs`` into deliveries (a batch message gives one per event), run the handler
+        on them, then settle each message by the outcomes of its events."""
         good: list[Delivery] = []
         for m in msgs:
             try:
-                event = decode_message(self.decoder, m)
+                found = decode_events(self.decoder, m)
             except Undecodable as exc:
                 await self._dead_letter(m, str(exc))
                 continue
@@ -1109,33 +1273,40 @@ class Consumer:
                 await self._dead_letter(m, f"delivered {num_delivered} times (max_deliver={self.max_deliver}) "
                                            "without an outcome: the handler crashed or timed out")
                 continue
-            good.append(Delivery(event, m.subject, stream_seq, num_delivered, m.headers or {}, m))
+            batched = events.BATCH_HEADER in (m.headers or {})
+            good += [Delivery(event, m.subject, stream_seq, num_delivered, m.headers or {}, m, i if batched else None)
+                     for i, event in enumerate(found)]
         if not good:
             return
-        try:
-            await self._call(good)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            if len(good) > 1:
-                # Isolate the failing message(s): retry one by one.
-                for d in good:
-                    await self._process_one(d)
-                return
-            await self._failed(good[0], exc)
-            return
-        for d in good:
-            await self._ack(d.msg)
+        outcomes: list[Exception | None]
+        if self.batch_handler is None:
+            # One handler call an event; a batch message's events run side by side, as messages do.
+            outcomes = list(await asyncio.gather(*(self._attempt(d) for d in good)))
+        else:
+            failed = await self._attempt_all(good)
+            # Isolate the failing event(s): retry one by one.
+            outcomes = [failed] if len(good) == 1 else [None] * len(good) if failed is None else [
+                await self._attempt(d) for d in good]
+        start = 0
+        while start < len(good):  # each message's deliveries are adjacent
+            end = start + 1
+            while end < len(good) and good[end].msg is good[start].msg:
+                end += 1
+            await self._settle(good[start:end], outcomes[start:end])
+            start = end
 
-    async def _process_one(self, d: Delivery) -> None:
+    async def _attempt(self, d: Delivery) -> Exception | None:
+        return await self._attempt_all([d])
+
+    async def _attempt_all(self, ds: list[Delivery]) -> Exception | None:
+        """What the handler raised on ``ds`` (None: it succeeded)."""
         try:
-            await self._call([d])
+            await self._call(ds)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            await self._failed(d, exc)
-            return
-        await self._ack(d.msg)
+            return exc
+        return None
 
     async def _call(self, ds: list[Delivery]) -> None:
         tracer = self.bus.tracer
@@ -1181,27 +1352,60 @@ class Consumer:
         self.stats.acked += 1
         self._metrics.acked.inc()
 
-    async def _failed(self, d: Delivery, exc: Exception) -> None:
-        if isinstance(exc, Reject):
-            await self._dead_letter(d.msg, f"rejected: {exc}")
+    async def _settle(self, ds: list[Delivery], outcomes: list[Exception | None]) -> None:
+        """One message's outcome from its events' (``ds``, all of it): acked when each succeeded;
+        handed back when one was (:class:`HandBack`); delivered again with backoff while one
+        failed otherwise and deliveries are left (the handler sees every event of it again: it
+        is idempotent); else each failed event is dead-lettered (:class:`Reject`: at once) and the
+        message is done."""
+        m, d = ds[0].msg, ds[0]
+        failures = [(d, exc) for d, exc in zip(ds, outcomes, strict=True) if exc is not None]
+        if not failures:
+            await self._ack(m)
             return
-        if isinstance(exc, HandBack):
-            await d.msg.nak()
-            self._unfinished.pop(id(d.msg), None)
+        if any(isinstance(exc, HandBack) for _, exc in failures):
+            await m.nak()
+            self._unfinished.pop(id(m), None)
             self.stats.handed_back += 1
             self._metrics.handed_back.inc()
             return
-        if d.num_delivered >= self.max_deliver:
-            await self._dead_letter(d.msg, f"failed on delivery {d.num_delivered} of {self.max_deliver}: "
-                                           f"{type(exc).__name__}: {exc}")
+        again = [exc for _, exc in failures if not isinstance(exc, Reject)]
+        if again and d.num_delivered < self.max_deliver:
+            delay_s = self.backoff_s[min(d.num_delivered - 1, len(self.backoff_s) - 1)]
+            log.warning("consumer %s: %s on %s (delivery %d), retry in %.1fs", self.durable,
+                        type(again[0]).__name__, d.subject, d.num_delivered, delay_s)
+            await m.nak(delay=delay_s)
+            self._unfinished.pop(id(m), None)
+            self.stats.naked += 1
+            self._metrics.naked.inc()
             return
-        delay_s = self.backoff_s[min(d.num_delivered - 1, len(self.backoff_s) - 1)]
-        log.warning("consumer %s: %s on %s (delivery %d), retry in %.1fs",
-                    self.durable, type(exc).__name__, d.subject, d.num_delivered, delay_s)
-        await d.msg.nak(delay=delay_s)
-        self._unfinished.pop(id(d.msg), None)
-        self.stats.naked += 1
-        self._metrics.naked.inc()
+        reasons = [f"rejected: {exc}" if isinstance(exc, Reject) else
+                   f"failed on delivery {d.num_delivered} of {self.max_deliver}: {type(exc).__name__}: {exc}"
+                   for _, exc in failures]
+        if d.batch_index is None:  # the message held one event
+            await self._dead_letter(m, reasons[0])
+            return
+        for (failed, _), reason in zip(failures, reasons, strict=True):
+            await self._dead_letter_event(failed, reason)
+        if len(failures) == len(ds):
+            await m.term()
+            self._unfinished.pop(id(m), None)
+        else:
+            await self._ack(m)  # the rest of it was handled
+
+    async def _dead_letter_event(self, d: Delivery, reason: str) -> None:
+        """The dead letter of one event of a batch message: it alone, as it would travel alone."""
+        log.error("consumer %s: dead letter for event %d of %s seq %d: %s", self.durable, d.batch_index, d.subject,
+                  d.stream_seq, reason[:DEAD_LETTER_REASON_CHARS])
+        content_type = d.headers.get(HEADER_CONTENT_TYPE, events.JSON)
+        # Its own headers: the batch's, less what makes it a batch, and its own id.
+        headers = {k: v for k, v in d.headers.items() if k != events.BATCH_HEADER} | {HEADER_MSG_ID: d.event.msg_id}
+        await publish_dead_letter(self.bus, dead_letter(
+            stream=self.stream, stream_seq=d.stream_seq, subject=d.subject, consumer=self.durable,
+            num_delivered=d.num_delivered, reason=reason, payload=events.encode(d.event, content_type),
+            headers=headers, batch_index=d.batch_index))
+        self.stats.dead_lettered += 1
+        self._metrics.dead_lettered.inc()
 
     async def _dead_letter(self, m: Msg, reason: str) -> None:
         num_delivered, stream_seq = delivery_counts(m.reply)

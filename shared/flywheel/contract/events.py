@@ -14,6 +14,16 @@ Wire encoding
     ``application/json`` (also assumed when the header is missing) or
     ``application/msgpack``. :func:`json_schema` exports a JSON Schema for every event.
 
+Batches
+    A message may carry several events of one subject, in order: its ``Flywheel-Batch``
+    header (:data:`BATCH_HEADER`) gives how many, and its payload is an array of them, each
+    encoded as it would be alone (:func:`encode_many`). Its ``Nats-Msg-Id`` is
+    :func:`batch_msg_id` of its events, so the same events published again together are
+    stored once. Inference sends a group's rollouts as one, a scorer the scores it made in
+    the same turn: each event crosses the bus, and each reader's loop, once per batch
+    instead of once per event. Every reader takes both forms
+    (:func:`flywheel.contract.bus.decode_events`).
+
 Schema evolution (tested against stored encodings of version 1 in tests/unit/data)
     1. A new field always has a default and is added after the existing ones.
     2. A field's type never changes, and a field is never renamed or removed; deprecate it
@@ -44,7 +54,8 @@ Schema evolution (tested against stored encodings of version 1 in tests/unit/dat
     version 10 added :class:`Signal` (a teacher's logprobs of a rollout's tokens) on the
     SIGNALS stream; version 11 added ``Signal.top_ids`` and ``Signal.top_logprobs`` (a
     teacher's likeliest tokens at each sampled position); version 12 added metering: a
-    rollout's model calls and tokens (``Rollout.usage``) and :class:`Usage` on the USAGE stream.
+    rollout's model calls and tokens (``Rollout.usage``) and :class:`Usage` on the USAGE stream;
+    version 13 added ``DeadLetter.batch_index``, the place of a dead-lettered event in its batch.
 
 Identities
     ``run`` (a training or eval run, owned by a ``tenant``), ``task`` (one row of a task
@@ -72,12 +83,13 @@ import json
 import math
 import random
 import uuid
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any, Generic, Literal, TypeVar, overload
 
 import msgspec
 
-SCHEMA_VERSION = 12
+SCHEMA_VERSION = 13
 
 JSON = "application/json"
 MSGPACK = "application/msgpack"
@@ -513,6 +525,9 @@ class DeadLetter(Event, frozen=True, kw_only=True, tag="dead_letter"):
     headers: dict[str, str] = {}
     stream_seq: int = 0  # the original's sequence in ``stream`` (0: not known)
     payload_size_bytes: int = 0  # the original body's size; above len(payload) when cut
+    # The event's place in its batch (a message of several events): ``payload`` is then that
+    # event alone, encoded as it would travel alone. None: the whole message.
+    batch_index: int | None = None
 
     def subject(self) -> str:
         return f"dead.{self.stream}"
@@ -630,6 +645,25 @@ def encode(event: Event | RunState | ServiceHeartbeat | ApiKey, content_type: st
     raise ValueError(f"content_type must be {JSON!r} or {MSGPACK!r}, got {content_type!r}")
 
 
+# A message holding several events of one subject says how many here (see "Batches" above).
+BATCH_HEADER = "Flywheel-Batch"
+
+
+def encode_many(batch: Sequence[Event], content_type: str = JSON) -> bytes:
+    """The payload of a batch message: an array of ``batch``'s events, each as :func:`encode` gives it."""
+    if content_type == MSGPACK:
+        return _msgpack_encoder.encode(batch)
+    if content_type == JSON:
+        return _json_encoder.encode(batch)
+    raise ValueError(f"content_type must be {JSON!r} or {MSGPACK!r}, got {content_type!r}")
+
+
+def batch_msg_id(batch: Sequence[Event]) -> str:
+    """The ``Nats-Msg-Id`` of a batch message: a digest of its events' own ids, in order."""
+    digest = hashlib.sha256("\n".join(e.msg_id for e in batch).encode()).hexdigest()
+    return f"batch-{digest[:32]}"
+
+
 class Decoder(Generic[T]):
     """Decodes one event type (or a union) from either wire encoding. Build once, reuse."""
 
@@ -643,6 +677,8 @@ class Decoder(Generic[T]):
         self.type = type_
         self._json = msgspec.json.Decoder(type_)
         self._msgpack = msgspec.msgpack.Decoder(type_)
+        self._json_many = msgspec.json.Decoder(list[type_])
+        self._msgpack_many = msgspec.msgpack.Decoder(list[type_])
 
     def decode(self, data: bytes, content_type: str | None = None) -> T:
         """Decode ``data``; raises msgspec.DecodeError / ValidationError with the reason."""
@@ -650,6 +686,14 @@ class Decoder(Generic[T]):
             return self._json.decode(data)
         if content_type == MSGPACK:
             return self._msgpack.decode(data)
+        raise msgspec.DecodeError(f"unknown Content-Type {content_type!r}; use {JSON} or {MSGPACK}")
+
+    def decode_many(self, data: bytes, content_type: str | None = None) -> list[T]:
+        """Decode a batch message's payload (an array of events; see :func:`encode_many`)."""
+        if content_type is None or content_type.startswith(JSON):
+            return self._json_many.decode(data)
+        if content_type == MSGPACK:
+            return self._msgpack_many.decode(data)
         raise msgspec.DecodeError(f"unknown Content-Type {content_type!r}; use {JSON} or {MSGPACK}")
 
 

@@ -868,8 +868,8 @@ class Evaluation:
 
     async def _publish(self, rollouts: list[events.Rollout], scored: list[list[events.Score]]) -> None:
         assert self.bus is not None
-        await self.bus.publish_many(rollouts, events.MSGPACK)
-        await self.bus.publish_many([s for scores in scored for s in scores])
+        await self.bus.publish_many(rollouts, events.MSGPACK, together=True)
+        await self.bus.publish_many([s for scores in scored for s in scores], together=True)
 
     async def _close_bus(self) -> None:
         from flywheel.contract.runs import update_run
