@@ -11,7 +11,9 @@ Why a journal: the trainer acknowledges a rollout or score to NATS as soon as it
 appended here and fsynced, so nothing waits on the bus for the slow path (a step, a
 checkpoint) and a restart does not wait for redeliveries. A checkpoint is written to a
 temporary folder, renamed into place, then named in ``latest`` (each an atomic rename),
-and only then is the journal rewritten with what is still unconsumed. Resuming = the
+and only then may the journal be compacted: rewritten with what is still unconsumed, once
+it holds :data:`COMPACT_FACTOR` times as many entries as that (and :data:`COMPACT_MIN_ENTRIES`),
+not at every checkpoint, which rewrote about as much as it kept. Resuming = the
 latest checkpoint plus every journal entry whose rollout that checkpoint did not consume:
 work received before a crash is neither lost nor trained twice, and rollouts trained by
 steps after the last checkpoint are trained again (their steps never happened, as far as
@@ -47,6 +49,8 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Entry = events.Rollout | events.Score | events.Signal  # what the journal holds: what the join takes in
+COMPACT_FACTOR = 8  # a checkpoint compacts the journal once it holds this many times what is unconsumed
+COMPACT_MIN_ENTRIES = 4096  # ... and at least this many entries
 
 
 def read_lines(path: Path, decode: Callable[[bytes], T]) -> list[T]:
@@ -77,6 +81,7 @@ class Journal:
         self.path = path
         self._file: BinaryIO | None = None
         self._decoder: events.Decoder[Entry] = events.Decoder(Entry)
+        self.num_entries = 0  # lines written since it was opened (rewritten): what it holds
 
     def replay(self) -> list[Entry]:
         return read_lines(self.path, self._decoder.decode)
@@ -87,6 +92,15 @@ class Journal:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(self.path, b"".join(events.encode(e) + b"\n" for e in entries))
         self._file = open(self.path, "ab")
+        self.num_entries = len(entries)
+
+    def compact(self, entries: list[Entry]) -> bool:
+        """:meth:`rewrite` with ``entries`` (what is still unconsumed) if the journal has grown
+        enough past them to be worth it (see the module's docstring); whether it did."""
+        if self.num_entries < max(COMPACT_FACTOR * len(entries), COMPACT_MIN_ENTRIES):
+            return False
+        self.rewrite(entries)
+        return True
 
     def append(self, entries: list[Entry]) -> None:
         assert self._file is not None, "Journal.rewrite() opens the journal before the first append()"
@@ -95,6 +109,7 @@ class Journal:
         self._file.write(b"".join(events.encode(e) + b"\n" for e in entries))
         self._file.flush()
         os.fsync(self._file.fileno())
+        self.num_entries += len(entries)
 
     def close(self) -> None:
         if self._file is not None:

@@ -385,10 +385,11 @@ class Trainer:
 
     async def _checkpoint(self, engine: Engine, data: bytes) -> None:
         """Engine state and the weights (``data``, as published), then what the run consumed; then
-        the journal keeps only the rest."""
+        the journal may keep only the rest (:meth:`Journal.compact`: a resume skips what the
+        checkpoint consumed either way)."""
         state = CheckpointState(step=self.step, version=self.version, trained=self.trained, dropped=self.dropped)
         await compute(self.folder.checkpoints.write, state, data, lambda folder: self.team.call("save", folder))
-        self.journal.rewrite(self.joiner.buffered_events())
+        self.journal.compact(self.joiner.buffered_events())
         self.checkpointed_step = self.step
 
     async def _publish(self, data: bytes, figures: dict[str, float]) -> None:

@@ -9,6 +9,7 @@ import msgspec
 import pytest
 
 from flywheel.contract.checkpoints import WEIGHTS_FILE
+from flywheel_trainer import ledger
 from flywheel_trainer.ledger import CheckpointState, Journal, RunFolder
 from tests.unit.test_trainer_join import make_rollout, make_score
 
@@ -92,3 +93,19 @@ def test_metrics_keep_until_forgets_the_steps_a_crash_lost(tmp_path: Path) -> No
     # Each line carries the wall-clock time it was written: steps line up with other clocks.
     times = [datetime.fromisoformat(m["time"]) for m in metrics.read()]
     assert times == sorted(times) and all(t.tzinfo is not None for t in times)
+
+
+def test_a_checkpoint_compacts_the_journal_only_once_it_outgrew_what_is_unconsumed(tmp_path: Path,
+                                                                                  monkeypatch) -> None:
+    monkeypatch.setattr(ledger, "COMPACT_MIN_ENTRIES", 10)
+    journal = Journal(tmp_path / "journal.jsonl")
+    journal.rewrite([])
+    rollouts = [make_rollout(f"r{i}", "g") for i in range(12)]
+    journal.append(rollouts[:9])
+    assert not journal.compact(rollouts[8:9])  # 9 entries: under the floor, kept as they are
+    assert len(journal.replay()) == 9
+    journal.append(rollouts[9:])
+    assert not journal.compact(rollouts[10:])  # 12 entries, 2 unconsumed: under 8 x 2
+    assert journal.compact(rollouts[11:])  # 12 entries, 1 unconsumed: rewritten with it
+    assert [e.id for e in journal.replay()] == ["r11"] and journal.num_entries == 1
+    journal.close()
