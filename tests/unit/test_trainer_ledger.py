@@ -100,7 +100,7 @@ def test_a_checkpoint_compacts_the_journal_only_once_it_outgrew_what_is_unconsum
     monkeypatch.setattr(ledger, "COMPACT_MIN_ENTRIES", 10)
     journal = Journal(tmp_path / "journal.jsonl")
     journal.rewrite([])
-    rollouts = [make_rollout(f"r{i}", "g") for i in range(12)]
+    rollouts: list[ledger.Entry] = [make_rollout(f"r{i}", "g") for i in range(12)]
     journal.append(rollouts[:9])
     assert not journal.compact(rollouts[8:9])  # 9 entries: under the floor, kept as they are
     assert len(journal.replay()) == 9
