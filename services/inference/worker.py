@@ -331,8 +331,7 @@ class Worker:
 
     async def _load_snapshot(self, run: str, step: int) -> HostedRun:
         cfg = await self.run_config(run)
-        kept = set(await weights.versions(self.bus, run))
-        updates = [u for u in await weights.updates(self.bus, run) if u.version in kept]
+        updates = await weights.kept_updates(self.bus, await weights.updates(self.bus, run))
         matching = [u for u in updates if u.trainer_step == step]
         if not matching:
             steps = sorted({u.trainer_step for u in updates})

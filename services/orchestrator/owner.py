@@ -403,13 +403,14 @@ class RunOwner:
         # with a later version.
         for version in self.cfg.teacher_versions:
             await unpin_version(self.bus, self.cfg.run, version)
-        kept = await weights.versions(self.bus, self.cfg.run)
+        folder = self.settings.trainer.weights_dir
+        kept = await weights.versions(self.bus, self.cfg.run, folder)
         state = await get_run(self.bus, self.cfg.run)
         if kept and state is not None:
             newest = kept[-self.settings.trainer.weight_versions_kept:]
             for version in kept:
                 if version not in newest and version not in state.pinned_versions:
-                    await weights.delete(self.bus, self.cfg.run, version)
+                    await weights.delete(self.bus, self.cfg.run, version, folder)
 
     async def _run_evals(self) -> None:
         """The run's evals, one step at a time, as they are queued; a pinned version is let go

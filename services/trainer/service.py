@@ -400,7 +400,8 @@ class Trainer:
         # when a teacher serves it.
         if self.cfg.evals_at(self.step) or self.version in self.cfg.teacher_versions:
             await pin_version(self.bus, self.cfg.run, self.version)
-        uri, sha256, size_bytes = await weights.put(self.bus, self.cfg.run, self.version, data)
+        uri, sha256, size_bytes = await weights.put(self.bus, self.cfg.run, self.version, data,
+                                                    self.options.weights_dir)
         await self.bus.publish(events.WeightUpdate(
             id=f"{self.cfg.run}-v{self.version}-{sha256[:16]}", run=self.cfg.run, version=self.version, uri=uri,
             sha256=sha256, size_bytes=size_bytes, trainer_step=self.step, metrics=figures,
@@ -421,7 +422,7 @@ class Trainer:
         all after it), then tracked."""
         oldest_kept = self.version - self.options.weight_versions_kept + 1
         if self._held is None:
-            self._held = set(await weights.versions(self.bus, self.cfg.run))
+            self._held = set(await weights.versions(self.bus, self.cfg.run, self.options.weights_dir))
         self._held.add(self.version)
         older = sorted(v for v in self._held if v < oldest_kept)
         if not older:
@@ -430,7 +431,7 @@ class Trainer:
         pinned = set(state.pinned_versions) if state is not None else set()
         for version in older:
             if version not in pinned:
-                await weights.delete(self.bus, self.cfg.run, version)
+                await weights.delete(self.bus, self.cfg.run, version, self.options.weights_dir)
                 self._held.discard(version)
 
 

@@ -1,6 +1,8 @@
-"""Weight blobs through the JetStream object store, verified on the way back."""
+"""Weight blobs through the JetStream object store or a folder of files, verified on the way back."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import msgspec
 import nats.js.errors
@@ -46,3 +48,27 @@ async def test_delete_purges_a_version_and_leaves_the_others(bus: Bus) -> None:
     assert await weights.versions(bus, "no-such-run") == []
     assert not await weights.delete(bus, "run-2", 0)  # gone already
     assert not await weights.delete(bus, "run-2", 7)  # never put
+
+
+async def test_a_folder_keeps_versions_as_files_that_readers_find_by_their_uri(bus: Bus, tmp_path: Path) -> None:
+    folder = tmp_path / "weights"
+    updates = []
+    for version in (0, 1, 2):
+        uri, sha, size = await weights.put(bus, "run-3", version, bytes([version]) * 100_000, folder)
+        updates.append(events.WeightUpdate(run="run-3", version=version, uri=uri, sha256=sha, size_bytes=size))
+    assert updates[1].uri == (folder / "run-3" / "00000001.safetensors").as_uri()
+    assert await weights.get(bus, updates[1]) == b"\x01" * 100_000  # read by its URI alone, verified
+    with pytest.raises(ValueError, match="sha256"):
+        await weights.get(bus, msgspec.structs.replace(updates[1], sha256="0" * 64))
+    assert sorted(p.name for p in (folder / "run-3").iterdir()) == [  # whole files, no temporary left
+        "00000000.safetensors", "00000001.safetensors", "00000002.safetensors"]
+    assert await weights.delete(bus, "run-3", 0, folder) and not await weights.delete(bus, "run-3", 0, folder)
+    assert await weights.versions(bus, "run-3", folder) == [1, 2]
+    assert await weights.versions(bus, "run-4", folder) == []  # no files of that run
+    assert await weights.versions(bus, "run-3") == []  # and nothing in its bucket
+    # What readers keep: a file that is there; an object in the run's bucket.
+    in_bucket = await weights.put(bus, "run-3", 9, b"\x09" * 1000)
+    bucket_update = events.WeightUpdate(run="run-3", version=9, uri=in_bucket[0], sha256=in_bucket[1],
+                                        size_bytes=in_bucket[2])
+    kept = await weights.kept_updates(bus, [*updates, bucket_update])
+    assert [u.version for u in kept] == [1, 2, 9]

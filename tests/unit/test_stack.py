@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from flywheel.contract.settings import Settings
-from flywheel.ops.stack import RestartBackoff, metrics_port
+from flywheel.ops.stack import RestartBackoff, Stack, child_env, metrics_port
 
 
 def test_restart_backoff_doubles_in_a_crash_loop_and_resets_after_a_healthy_stretch() -> None:
@@ -23,3 +23,16 @@ def test_each_service_of_a_stack_serves_its_figures_on_its_own_port() -> None:
     assert metrics_port(Settings(metrics_port=0), 4) == {"FLYWHEEL_METRICS_PORT": "0"}  # each a free one
     assert metrics_port(Settings(), 4) == {}  # not served
 
+
+
+def test_a_stack_with_a_nats_server_of_its_own_passes_weights_through_files(tmp_path) -> None:
+    own = Stack(Settings(data_dir=tmp_path))
+    folder = tmp_path.resolve() / "weights"
+    assert own.settings.trainer.weights_dir == folder
+    assert all(s.env["FLYWHEEL_TRAINER__WEIGHTS_DIR"] == str(folder) for s in own.services)
+    # A NATS of the user's: services may run elsewhere, so the weights stay in the bus's object store,
+    # and the unset setting stays unset in the services' environment (not the text "null").
+    theirs = Stack(Settings(data_dir=tmp_path, nats_url="nats://127.0.0.1:4222"))
+    assert theirs.settings.trainer.weights_dir is None
+    assert all("FLYWHEEL_TRAINER__WEIGHTS_DIR" not in s.env for s in theirs.services)
+    assert "FLYWHEEL_TRAINER__WEIGHTS_DIR" not in child_env(Settings())

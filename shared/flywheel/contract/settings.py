@@ -112,6 +112,13 @@ class TrainerSettings(_Section):
                                       "bucket (each is a full copy of the model); publishing a new one drops "
                                       "the oldest. Inference loads the newest, so a few cover a replica that "
                                       "is still fetching the one before.")
+    weights_dir: Path | None = Field(None, description="A folder the run's weight versions go to as files "
+                                     "(<folder>/<run>/<version>.safetensors, file:// URIs in the updates), which "
+                                     "every inference process must see at the same path: one machine, or a volume "
+                                     "they all mount. Unset: the run's JetStream object store bucket. `flywheel up` "
+                                     "with a nats-server of its own (no nats_url) sets data_dir/weights: the "
+                                     "object store costs its clients and the server about as much CPU again as "
+                                     "writing and reading the file.")
 
 
 class ScorerSettings(_Section):

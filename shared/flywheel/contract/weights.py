@@ -2,19 +2,24 @@
 
 A :class:`flywheel.contract.events.WeightUpdate` carries a URI, a sha256 and a size, never the
 weights themselves. By default blobs live in the run's JetStream object store bucket
-``flywheel-weights-<run>`` (``nats-os://flywheel-weights-<run>/<version>.safetensors``), so
-the embedded stack needs nothing but NATS; ``file://`` URIs serve a volume shared by trainer
-and inference. The trainer keeps the last few versions of its run (the trainer setting
-``weight_versions_kept``; :func:`delete` purges older ones as it publishes): a version is a
-full copy of the model, and JetStream frees a stream's disk from its head, which is why each
-run has a bucket of its own. Not covered: ``s3://`` (add a reader to ``READERS``).
+``flywheel-weights-<run>`` (``nats-os://flywheel-weights-<run>/<version>.safetensors``), so a
+deployment needs nothing but NATS; with a folder (the trainer setting ``weights_dir``, which
+``flywheel up`` sets on one machine) they are files, ``<folder>/<run>/<version>.safetensors``
+(``file://`` URIs), written whole before their update is published, for a folder every
+inference process sees at that path. The trainer keeps the last few versions of its run (the
+trainer setting ``weight_versions_kept``; :func:`delete` purges older ones as it publishes): a
+version is a full copy of the model, and JetStream frees a stream's disk from its head, which
+is why each run has a bucket of its own. Readers go by the URI, whatever the store
+(:func:`get`, :func:`kept_updates`). Not covered: ``s3://`` (add a reader to ``READERS``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import io
+import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from urllib.parse import urlparse
@@ -34,19 +39,39 @@ def _name(version: int) -> str:
     return f"{version:08d}.safetensors"
 
 
-async def put(bus: Bus, run: str, version: int, data: bytes) -> tuple[str, str, int]:
-    """Store ``data`` as the weights of ``run`` at ``version``; returns (uri, sha256, size_bytes)."""
+def _write_whole(path: Path, data: bytes) -> None:
+    """``data`` at ``path``, renamed into place: a reader sees no file or the whole of it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+async def put(bus: Bus, run: str, version: int, data: bytes, folder: Path | None = None) -> tuple[str, str, int]:
+    """Store ``data`` as the weights of ``run`` at ``version``, in the run's bucket or, given a
+    ``folder`` (``weights_dir``), as a file there; returns (uri, sha256, size_bytes)."""
     bucket, name = bucket_of(run), _name(version)
+    if folder is not None:
+        path = (folder / run / name).absolute()
+        await asyncio.to_thread(_write_whole, path, data)  # a big model's file takes a while: off the loop
+        return path.as_uri(), hashlib.sha256(data).hexdigest(), len(data)
     store = await bus.weights_store(bucket, create=True)
     await bus.retry(lambda: store.put(name, data))  # a put again replaces the object whole
     return f"nats-os://{bucket}/{name}", hashlib.sha256(data).hexdigest(), len(data)
 
 
-async def delete(bus: Bus, run: str, version: int) -> bool:
+async def delete(bus: Bus, run: str, version: int, folder: Path | None = None) -> bool:
     """Purge the weights of ``run`` at ``version``, chunks and metadata both (the object
     store's own delete leaves a tombstone, a live message that keeps the stream's head, and
-    so its disk, where it is); False when there were none (never put, or purged already)."""
+    so its disk, where it is), or its file in ``folder``; False when there were none (never
+    put, or purged already)."""
     bucket, name = bucket_of(run), _name(version)
+    if folder is not None:
+        try:
+            (folder / run / name).unlink()
+        except FileNotFoundError:
+            return False
+        return True
     try:
         store = await bus.weights_store(bucket)
         info = await bus.retry(lambda: store.get_info(name))
@@ -60,8 +85,11 @@ async def delete(bus: Bus, run: str, version: int) -> bool:
     return True
 
 
-async def versions(bus: Bus, run: str) -> list[int]:
-    """The versions of ``run`` in its bucket, ascending (none: ``[]``)."""
+async def versions(bus: Bus, run: str, folder: Path | None = None) -> list[int]:
+    """The versions of ``run`` in its bucket (or its files in ``folder``), ascending (none: ``[]``)."""
+    if folder is not None:
+        names = [p.name.split(".", 1)[0] for p in (folder / run).glob("*.safetensors")]
+        return sorted(int(n) for n in names if n.isdigit())
     try:
         store = await bus.weights_store(bucket_of(run))
         infos = await bus.retry(lambda: store.list(ignore_deletes=True))
@@ -117,7 +145,24 @@ async def _read_object_store(bus: Bus, uri: str) -> bytes:
 
 
 async def _read_file(bus: Bus, uri: str) -> bytes:
-    return Path(urlparse(uri).path).read_bytes()
+    return await asyncio.to_thread(Path(urlparse(uri).path).read_bytes)
+
+
+async def kept_updates(bus: Bus, updates: list[events.WeightUpdate]) -> list[events.WeightUpdate]:
+    """Those of ``updates`` (of one run) whose blob is still kept: in the run's bucket, or as its file."""
+    in_bucket: set[int] | None = None
+    kept = []
+    for update in updates:
+        parsed = urlparse(update.uri)
+        if parsed.scheme == "file":
+            if Path(parsed.path).exists():
+                kept.append(update)
+            continue
+        if in_bucket is None:
+            in_bucket = set(await versions(bus, update.run))
+        if update.version in in_bucket:
+            kept.append(update)
+    return kept
 
 
 READERS: dict[str, Callable[[Bus, str], Awaitable[bytes]]] = {"nats-os": _read_object_store, "file": _read_file}

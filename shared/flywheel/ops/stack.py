@@ -366,8 +366,9 @@ def child_env(settings: Settings) -> dict[str, str]:
     for section in SECTIONS:
         fields = getattr(settings, section).model_dump(mode="json")
         # Text as it is (a text field is read verbatim, so JSON quotes would stay in it), the rest as JSON.
+        # Unset (None) stays unset: "null" would be read back as the text (a path named "null").
         env.update({f"FLYWHEEL_{section.upper()}__{name.upper()}": value if isinstance(value, str)
-                    else json.dumps(value) for name, value in fields.items()})
+                    else json.dumps(value) for name, value in fields.items() if value is not None})
     env["PYTHONUNBUFFERED"] = "1"  # logs reach the file as they are written
     if settings.torch_threads is not None:
         # Also for the BLAS pools torch starts before it reads the setting.
@@ -434,9 +435,13 @@ class Stack:
         healthy_after_s: float = 30.0,
         poll_interval_s: float = 0.25,
     ) -> None:
+        self.data_dir = settings.data_dir.resolve()
+        if settings.nats_url is None and settings.trainer.weights_dir is None:
+            # Its own nats-server: every service is on this machine, and weights go through files.
+            trainer = settings.trainer.model_copy(update={"weights_dir": self.data_dir / "weights"})
+            settings = settings.model_copy(update={"trainer": trainer})
         self.settings = settings
         self.out = out
-        self.data_dir = settings.data_dir.resolve()
         self.log_dir = self.data_dir / "logs"
         # A nats-server of its own runs with a user a service (flywheel.contract.natsusers):
         # their passwords are made before the URLs, which carry them.
