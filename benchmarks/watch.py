@@ -14,7 +14,8 @@ Keys: ``us_per_rollout`` (the headline), ``cpu_s_per_step`` (times 128 rollouts)
 ``flagged`` (rollouts any detector flagged: the stream games nothing, but noise trips the
 divergence detector now and then, 1 of 7,424 rollouts at seed 0), ``rollouts``.
 
-Measured here: 85 us of CPU a rollout, 0.011 CPU-s a step (two runs).
+Measured here: 71 us of CPU a rollout, 0.009 CPU-s a step; 94 us for the code before its medians
+were kept sorted and the drift check tested the rollout first, the same hour.
 """
 
 from __future__ import annotations

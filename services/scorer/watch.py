@@ -29,6 +29,7 @@ trend.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import math
 import operator
@@ -99,6 +100,12 @@ def _halves(values: list[float]) -> tuple[float, float]:
     """The mean of the earlier values and of the recent ones (:func:`_split`)."""
     earlier, recent = _split(values)
     return statistics.fmean(earlier), statistics.fmean(recent)
+
+
+def _median(ordered: list[float]) -> float:
+    """The median of sorted values, as statistics.median gives it (the mean of the middle two when even)."""
+    i = len(ordered) // 2
+    return ordered[i] if len(ordered) % 2 else (ordered[i - 1] + ordered[i]) / 2
 
 
 def _variance(values: list[float], mean: float) -> float:
@@ -197,6 +204,9 @@ class RunWindow:
     logged: set[str] = field(default_factory=set)
     rewards: deque[float] = field(default_factory=deque)
     lengths: deque[float] = field(default_factory=deque)
+    # The same two, sorted, kept as rollouts enter and leave: their medians without a sort a rollout.
+    sorted_rewards: list[float] = field(default_factory=list)
+    sorted_lengths: list[float] = field(default_factory=list)
     repetitions: deque[float] = field(default_factory=deque)
     check_values: dict[str, deque[float]] = field(default_factory=dict)  # check -> its values
     check_rewards: dict[str, deque[float]] = field(default_factory=dict)  # check -> those rollouts' rewards
@@ -209,6 +219,8 @@ class RunWindow:
         self.items.append(seen)
         self.rewards.append(seen.reward)
         self.lengths.append(float(seen.length))
+        bisect.insort(self.sorted_rewards, seen.reward)
+        bisect.insort(self.sorted_lengths, float(seen.length))
         self.repetitions.append(seen.repetition)
         for name, value in seen.checks.items():
             _push(self.check_values, name, value)
@@ -233,6 +245,8 @@ class RunWindow:
     def _evict(self, gone: Seen) -> None:
         for column in (self.rewards, self.lengths, self.repetitions):
             column.popleft()
+        for ordered, value in ((self.sorted_rewards, gone.reward), (self.sorted_lengths, float(gone.length))):
+            del ordered[bisect.bisect_left(ordered, value)]
         for name in gone.checks:
             _pop(self.check_values, name)
             _pop(self.check_rewards, name)
@@ -298,7 +312,7 @@ class Watch:
         if seen.length < self.min_identical_chars or seen.reward <= 0:
             return
         tasks = run.answers.get(seen.digest, Counter())  # absent only where the window holds nothing
-        if len(tasks) >= self.min_identical_tasks and seen.reward >= statistics.median(rewards):
+        if len(tasks) >= self.min_identical_tasks and seen.reward >= _median(run.sorted_rewards):
             flags["identical"] = (f"the same completion ({seen.preview!r}) answers {len(tasks)} different tasks "
                                   f"in the run's recent rollouts, paid {seen.reward:.3g}")
 
@@ -306,7 +320,7 @@ class Watch:
         if seen.repetition < self.max_repetition:
             return
         r = _correlation(list(run.repetitions), rewards)
-        if r >= self.repetition_correlation and seen.reward >= statistics.median(rewards):
+        if r >= self.repetition_correlation and seen.reward >= _median(run.sorted_rewards):
             flags["repetition"] = (f"{seen.repetition:.0%} of its word trigrams repeat, reward follows repetition "
                                    f"(correlation {r:.2f} over {len(rewards)} rollouts), and it is paid "
                                    f"{seen.reward:.3g}")
@@ -352,17 +366,18 @@ class Watch:
         if top <= 0:
             return
         for check in seen.checks:
+            best = max((v.checks[check].top for v in run.versions.values() if check in v.checks), default=0.0)
+            if best <= 0 or seen.reward / top - seen.checks[check] / best < 0.5:
+                continue  # the cheapest condition first: this rollout is not paid well and checked badly
             was = CheckSums.of(v.checks[check] for v in earlier if check in v.checks)
             now = CheckSums.of(v.checks[check] for v in recent if check in v.checks)
-            best = max((v.checks[check].top for v in run.versions.values() if check in v.checks), default=0.0)
-            if was.n < self.min_window or now.n < RECENT // 2 or best <= 0:
+            if was.n < self.min_window or now.n < RECENT // 2:
                 continue
             grew = (now.rewards / now.n / top - now.mean / best) - (was.rewards / was.n / top - was.mean / best)
             spread = (was.variance / was.n + now.variance / now.n) ** 0.5
             z = (now.mean - was.mean) / spread if spread > 0 else -math.inf if now.mean < was.mean else 0.0
             falling = was.mean - now.mean >= self.trend / 2 and z <= -self.min_z
-            mine = seen.reward / top - seen.checks[check] / best
-            if grew >= self.trend and falling and mine >= 0.5:
+            if grew >= self.trend and falling:
                 first, last = next(iter(run.versions)), next(reversed(run.versions))
                 flags["divergence"] = (f"the reward and the metric {check!r} part ways over policy versions "
                                        f"{first}..{last}: reward {was.rewards / was.n:.3g} -> "
@@ -372,10 +387,9 @@ class Watch:
                 return
 
     def _length(self, run: RunWindow, rewards: list[float], seen: Seen, flags: dict[str, str]) -> None:
-        lengths = list(run.lengths)
-        if seen.length < statistics.median(lengths) or seen.reward < statistics.median(rewards):
+        if seen.length < _median(run.sorted_lengths) or seen.reward < _median(run.sorted_rewards):
             return  # the medians first: the correlation is the costly part
-        r = _correlation(lengths, rewards)
+        r = _correlation(list(run.lengths), rewards)
         if r >= self.length_correlation:
             flags["length"] = (f"reward follows completion length (correlation {r:.2f} over {len(rewards)} rollouts); "
                                f"this one is {seen.length} characters")
