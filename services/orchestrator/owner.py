@@ -202,19 +202,21 @@ class RunOwner:
         ending: dict[str, Any] | None = None  # the state's end, when this owner ends the run
         evaluating: asyncio.Future[None] | None = None
         try:
-            self.environments = await asyncio.to_thread(load_run_environments, cfg)
-            self.rows = [[] for _ in self.environments]
             if self.first_step or self.first_task:
                 await self.note(f"taken over by {self.name} at step {self.first_step} of {cfg.trainer.num_steps}")
-            scorers, env_scorers = reward_definition(cfg, self.environments)
-            await update_run(self.bus, cfg.run, scorers=scorers, env_scorers=env_scorers,
-                             env_ids=config_ids(self.environments))
             await self._wait_for_previous_trainer()
             trainer = TrainerSupervisor(self)
             if self.paused:
                 await self.note(f"{self.name} holds the run paused; `flywheel runs resume {cfg.run}` goes on")
             else:
+                # First: the trainer's start-up (imports, the model, version 0) is the run's longest
+                # wait, and it loads the environments itself.
                 await trainer.start()
+            self.environments = await asyncio.to_thread(load_run_environments, cfg)
+            self.rows = [[] for _ in self.environments]
+            scorers, env_scorers = reward_definition(cfg, self.environments)
+            await update_run(self.bus, cfg.run, scorers=scorers, env_scorers=env_scorers,
+                             env_ids=config_ids(self.environments))
             await self._publish_tasks()
             if cfg.evals:
                 evaluating = asyncio.ensure_future(self._run_evals())
