@@ -22,16 +22,19 @@ with their own scores: they are acked, not scored again.
 Each reward gives one :class:`flywheel.contract.events.Score` with id ``<rollout>.<scorer>`` (its
 value, and its components when the function returned a dict), so a redelivered rollout
 scored again publishes the same ids, which JetStream (within its duplicate window) and the
-readers (one score per rollout and scorer) keep once. Metrics (weight 0) are scored like
+readers (one score per rollout and scorer) keep once. The rollouts of one batch message (a
+group, as inference publishes it) publish their Scores as one batch message, in the
+message's order, once each is scored: delivered again, the message gives the same batch
+with the same id (``_Message``). Metrics (weight 0) are scored like
 rewards. The weight is the run config's ``scorers`` entry where it names the scorer, else
 the reward's weight in the run's environment (overrides applied).
 
 Group rewards (:class:`flywheel.sdk.environment.GroupReward`) see every rollout of a group
 (``Rollout.group_id``, ``group_size``, ``index``). A rollout's own rewards are published as
-soon as it arrives; its delivery is then *held* (unacked, kept alive with ``in_progress``,
-so it is not redelivered) until the rest of its group is here. The arrival that completes
-the group runs the group rewards once and publishes one Score per rollout; then every held
-delivery of the group is acked. Bounds, so holding can never deadlock the consumer:
+soon as it is scored (with its message's siblings); its delivery is then *held* (unacked,
+kept alive with ``in_progress``, so it is not redelivered) until the rest of its group is
+here. The arrival that completes the group runs the group rewards once and publishes one
+Score per rollout; then every held delivery of the group is acked. Bounds, so holding can never deadlock the consumer:
 
 - the consumer lets ``max_in_flight + max_held`` rollouts be unacked (server side too), and
   scoring itself runs at most ``max_in_flight`` rollouts at once;
@@ -81,6 +84,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import re
@@ -355,6 +359,44 @@ class _Group:
         return [i for i in range(self.size) if i not in present]
 
 
+class _Message:
+    """The Scores of one delivered batch message's rollouts (a group, as inference publishes it),
+    published as one batch once each rollout gave its own, in the message's order: the same
+    message delivered again (after a crash before its ack) publishes the same batch, with the
+    same id, which JetStream keeps once. A rollout that fails gives nothing (its siblings'
+    Scores go without it; the message is delivered again and its batch then differs, so the
+    readers' one score per rollout and scorer is what keeps the duplicates out)."""
+
+    def __init__(self, size: int, publish: Publish, done: Callable[[], object]) -> None:
+        self.parts: list[list[events.Score]] = [[] for _ in range(size)]
+        self.left = size
+        self.publish = publish
+        self.done = done
+        self.published: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def give(self, index: int, scores: list[events.Score]) -> None:
+        """Add the Scores of the rollout at ``index``; the last one publishes the batch."""
+        self.parts[index] = scores
+        self.left -= 1
+        if self.left == 0:
+            self.done()
+            task = asyncio.ensure_future(self.publish([s for part in self.parts for s in part]))
+            task.add_done_callback(self._published)
+
+    async def stored(self) -> None:
+        """Until the batch is stored; raises what its publish raised."""
+        await asyncio.shield(self.published)
+
+    def _published(self, task: asyncio.Future[Any]) -> None:
+        if task.cancelled():
+            self.published.set_exception(RuntimeError("the scores' publish was cancelled"))
+        elif task.exception() is not None:
+            self.published.set_exception(task.exception())  # type: ignore[arg-type]  # not None: the test above
+        else:
+            self.published.set_result(None)
+        self.published.exception()  # retrieved: a sibling that failed waits on it no more
+
+
 class Scorer:
     """Scores rollouts with the rewards of ``rewards`` and publishes the Scores, within the bounds of
     ``config`` (the settings' ``scorer`` section)."""
@@ -377,6 +419,7 @@ class Scorer:
         self._scoring = asyncio.Semaphore(config.max_in_flight)
         self._groups: OrderedDict[tuple[str, str], _Group] = OrderedDict()  # oldest first
         self._closed: OrderedDict[tuple[str, str], set[str]] = OrderedDict()  # group -> rollout ids scored
+        self._messages: dict[tuple[int, int], _Message] = {}  # batch messages being scored, by (id, stream seq)
         self._handing_back = asyncio.Event()
         self._traced: set[str] = set()  # rewards whose failure was logged with its traceback
 
@@ -387,17 +430,42 @@ class Scorer:
 
     async def handle(self, delivery: Delivery) -> None:
         rollout: events.Rollout = delivery.event
-        async with self._scoring:
-            try:
-                config = await self.configs(rollout.run)
-            except NotScored:
-                return
-            found = self.rewards(rollout, config)
-            weights = dict(config.scorers) if config is not None else {}
-            scores = await self.score(rollout, found, weights)
-            await self.publish(scores + self._watched(rollout, scores))
-        if found.group_rewards:
+        together = self._message_of(delivery)
+        try:
+            async with self._scoring:
+                try:
+                    config = await self.configs(rollout.run)
+                except NotScored:
+                    scores = []
+                    found = None
+                else:
+                    found = self.rewards(rollout, config)
+                    weights = dict(config.scorers) if config is not None else {}
+                    scores = await self.score(rollout, found, weights)
+                    scores += self._watched(rollout, scores)
+        except BaseException:
+            if together is not None:
+                together.give(delivery.batch_index or 0, [])  # its siblings' scores go without it
+            raise
+        if together is None:
+            if scores:
+                await self.publish(scores)
+        else:
+            together.give(delivery.batch_index or 0, scores)
+            await together.stored()
+        if found is not None and found.group_rewards:
             await self._join_group(rollout, found.group_rewards, weights)
+
+    def _message_of(self, delivery: Delivery) -> _Message | None:
+        """What the rollouts of ``delivery``'s message publish together (None: the message holds it alone)."""
+        if delivery.batch_index is None:
+            return None
+        key = (id(delivery.msg), delivery.stream_seq)
+        message = self._messages.get(key)
+        if message is None:
+            size = int(delivery.headers.get(events.BATCH_HEADER, 1))
+            message = self._messages[key] = _Message(size, self.publish, lambda: self._messages.pop(key, None))
+        return message
 
     async def score(self, rollout: events.Rollout, found: RewardSet | None = None,
                     weights: dict[str, float] | None = None) -> list[events.Score]:
@@ -550,7 +618,8 @@ def build(bus: Bus, rewards: RewardSource, pool: Executor, config: ScorerSetting
     :mod:`flywheel_scorer.partitions`), and their scorer, within ``config``; a new durable starts
     at ``start_time`` (None: the stream's first rollout)."""
     watch = Watch() if config.watch and isinstance(rewards, EnvironmentRewards) else None
-    scorer = Scorer(rewards, RunConfigs(bus, config.run_config_ttl_s), bus.publish_together, pool, config, watch,
+    publish = functools.partial(bus.publish_many, together=True)
+    scorer = Scorer(rewards, RunConfigs(bus, config.run_config_ttl_s), publish, pool, config, watch,
                     tracer=bus.tracer_of(__name__))
 
     def consumer_for(k: int) -> Consumer:

@@ -183,21 +183,6 @@ async def test_a_batch_that_does_not_hold_up_is_dead_lettered_whole(bus: Bus, he
     assert seen == ["t5"] and why in letter.reason and letter.batch_index is None and letter.payload == payload
 
 
-async def test_publish_together_sends_one_turns_events_as_one_message_a_subject(bus: Bus) -> None:
-    def score(rollout: str, scorer: str) -> events.Score:
-        return events.Score(id=f"{rollout}.{scorer}", run="r1", env="e", rollout_id=rollout, group_id="g",
-                            scorer=scorer, value=1.0)
-
-    calls = [[score(f"ro{i}", "similarity"), score(f"ro{i}", "exact")] for i in range(6)]
-    acks = await asyncio.gather(*(bus.publish_together(c) for c in calls))
-    assert await messages(bus, "SCORES") == 2  # one a scorer, six scores each
-    assert [len(a) for a in acks] == [2] * 6 and {a[0].seq for a in acks} == {1} and {a[1].seq for a in acks} == {2}
-    later = await bus.publish_together([score("ro9", "exact")])  # another turn: a message of its own
-    assert later[0].seq == 3
-    stored = await read_stream(bus, "SCORES", events.Score)
-    assert sorted(s.id for s in stored) == sorted(s.id for c in calls for s in c) + ["ro9.exact"]
-
-
 async def test_a_watch_yields_each_event_of_a_batch(bus: Bus) -> None:
     await bus.publish_many([task(i) for i in range(3)], together=True)
     stopping = asyncio.Event()

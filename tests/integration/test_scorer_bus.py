@@ -177,13 +177,17 @@ async def test_what_can_never_be_scored_is_dead_lettered_and_scoring_goes_on(bus
 
 
 async def test_a_rollout_scored_again_publishes_nothing_new(bus: Bus) -> None:
-    await bus.publish_many([rollout("ro1"), rollout("ro2", answer="c")])
+    await bus.publish_many([rollout("ro1"), rollout("ro2", answer="c")])  # a message each
+    group = group_of(6, ["cba", "c", "cb", "x", "cba", "abc"], group="g2")
+    await bus.publish_many(group, events.MSGPACK, together=True)  # one message, as inference publishes a group
     for _ in range(2):  # the second time as after a crash before the acks: every rollout again
-        async with builtin_scorer(bus) as consumer:
-            await until(lambda: consumer.stats.acked == 2, what="both rollouts scored")
+        async with builtin_scorer(bus, max_in_flight=2) as consumer:  # fewer slots than the group has rollouts
+            await until(lambda: consumer.stats.acked == 3, what="the three messages scored")
         for k in range(events.ROLLOUT_PARTITIONS):
             await bus.js.delete_consumer("ROLLOUTS", f"scorer-p{k}")
-    assert await num_events(bus, "SCORES") == 4
+    assert await num_events(bus, "SCORES") == 2 * 8  # similarity and exact, each rollout
+    # Two messages a rollout alone, two for the group's (a subject a scorer): the same again were kept once.
+    assert (await bus.js.stream_info("SCORES")).state.messages == 2 * 2 + 2
 
 
 @asynccontextmanager

@@ -70,7 +70,7 @@ class Published(list):
 
 
 def scorer(pool: ThreadPoolExecutor, rewards: Any = None, configured: dict[str, RunConfig] | None = None,
-           published: Published | None = None, **kwargs: Any) -> Scorer:
+           published: Any = None, **kwargs: Any) -> Scorer:
     async def configs(run: str) -> RunConfig | None:
         return (configured or {}).get(run)
 
@@ -260,6 +260,54 @@ async def test_an_inline_reward_runs_on_the_loop_and_one_that_holds_it_is_named_
 def group_of(n: int, answers: list[str], group: str = "g1", run: str = "r1") -> list[events.Rollout]:
     return [rollout(f"{group}-{i}", answer=a, group=group, index=i, group_size=n, run=run)
             for i, a in enumerate(answers)]
+
+
+class Calls(list):
+    """Each publish call's scores, a list a call."""
+
+    async def __call__(self, scores: Any) -> None:
+        await asyncio.sleep(0)
+        self.append(list(scores))
+
+
+def batch_delivery(r: events.Rollout, msg: object, index: int, size: int) -> Delivery:
+    return Delivery(event=r, subject=r.subject(), stream_seq=7, num_delivered=1,
+                    headers={events.BATCH_HEADER: str(size)}, msg=msg, batch_index=index)  # type: ignore[arg-type]
+
+
+async def test_a_batch_messages_rollouts_publish_their_scores_together_in_its_order(pool: ThreadPoolExecutor) -> None:
+    calls = Calls()
+    slow = threading.Event()
+
+    def similar(completion: str) -> float:
+        if completion == "slow":
+            slow.wait(5)
+        return float(completion == "cba")
+
+    rewards = Rewards(similar=similar)
+
+    def source(r: events.Rollout, config: RunConfig | None) -> RewardSet:
+        if r.env == "no_such_env":
+            raise Reject(f"environment {r.env!r}: not here")
+        return rewards(r, config)
+
+    s = scorer(pool, source, published=calls, max_in_flight=1)  # fewer slots than rollouts
+    members = group_of(3, ["slow", "cba", "x"])
+    msg = object()
+    handled = [asyncio.ensure_future(s.handle(batch_delivery(r, msg, i, 3))) for i, r in enumerate(members)]
+    await asyncio.sleep(0.1)
+    assert calls == [] and not any(h.done() for h in handled)  # the first is still being scored
+    slow.set()
+    await asyncio.gather(*handled)
+    assert [[sc.id for sc in call] for call in calls] == [["g1-0.similar", "g1-1.similar", "g1-2.similar"]]
+
+    calls.clear()  # one that can never be scored: the rest go without it, it is dead-lettered
+    members[1] = rollout("g1-1", env="no_such_env", index=1, group_size=3)
+    msg = object()
+    outcomes = await asyncio.gather(*(s.handle(batch_delivery(r, msg, i, 3)) for i, r in enumerate(members)),
+                                    return_exceptions=True)
+    assert [type(o).__name__ for o in outcomes] == ["NoneType", "Reject", "NoneType"]
+    assert [[sc.id for sc in call] for call in calls] == [["g1-0.similar", "g1-2.similar"]]
 
 
 async def test_a_group_reward_waits_for_the_whole_group_then_scores_each_rollout(pool: ThreadPoolExecutor) -> None:

@@ -8,7 +8,7 @@ What lives here, once:
 - :meth:`Bus.publish`: every publish carries ``Nats-Msg-Id`` (the event id), so a retry is
   stored once; transient failures (server restarting, no JetStream yet) are retried with
   backoff until ``publish_timeout_s``. OpenTelemetry context travels in the headers.
-  :meth:`Bus.publish_many` with ``together`` and :meth:`Bus.publish_together` send the events
+  :meth:`Bus.publish_many` with ``together`` sends the events
   of one subject as one batch message (see "Batches" in :mod:`flywheel.contract.events`).
 - :class:`Consumer`: a durable pull consumer with bounded in-flight work (server-side
   ``max_ack_pending`` plus a local bound; its pull requests, one open at a time, answered on
@@ -197,8 +197,6 @@ class Bus:
             None if self.tracer_provider is None else self.tracer_provider.get_tracer("flywheel.contract.bus"))
         # publish_soon's publishes under way (held here: the loop keeps only weak references)
         self.soon: set[asyncio.Future[Any]] = set()
-        # publish_together's callers of this turn, by content type: (their events, their acks' future)
-        self._together: dict[str, list[tuple[list[events.Event], asyncio.Future[list[PubAck]]]]] = {}
         self.denials: list[tuple[float, str, str]] = []  # what the server refused this connection, newest last
         self.user = "(no user)"  # the NATS user this connection logs in as, for messages
         self.replicas = config.replicas or 1  # what ensure() and weights_store(create=True) make (ensure reads it)
@@ -510,41 +508,6 @@ class Bus:
     def _fits(self, payload: bytes, headers: dict[str, str]) -> bool:
         """Whether a message fits the server's max payload (headers count against it)."""
         return _message_size(payload, headers) <= self.nc.max_payload
-
-    async def publish_together(self, batch: Sequence[events.Event], content_type: str = events.JSON) -> list[PubAck]:
-        """:meth:`publish_many` with ``together``, over every call made in the same turn of the
-        event loop: callers that each have a few events (a scorer's rollouts, scored side by side)
-        send them in one batch message a subject. Returns this call's acks, once all are stored;
-        raises what their publish raised."""
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[list[PubAck]] = loop.create_future()
-        waiting = self._together.setdefault(content_type, [])
-        waiting.append((list(batch), done))
-        if len(waiting) == 1:
-            loop.call_soon(self._publish_together, content_type)
-        return await done
-
-    def _publish_together(self, content_type: str) -> None:
-        waiting = self._together.pop(content_type)
-
-        def answer(task: asyncio.Future[list[PubAck]]) -> None:
-            start = 0
-            for batch, done in waiting:
-                if done.done():  # its caller gave up waiting: its events went anyway
-                    pass
-                elif task.cancelled():
-                    done.cancel()
-                elif task.exception() is not None:
-                    done.set_exception(task.exception())  # type: ignore[arg-type]  # not None: the line above
-                else:
-                    done.set_result(task.result()[start:start + len(batch)])
-                start += len(batch)
-
-        events_of_turn = [e for batch, _ in waiting for e in batch]
-        task = asyncio.ensure_future(self.publish_many(events_of_turn, content_type, together=True))
-        self.soon.add(task)  # held until done, as publish_soon's
-        task.add_done_callback(self.soon.discard)
-        task.add_done_callback(answer)
 
     async def retry(self, op: Callable[[], Awaitable[T]], subject: str | None = None) -> T:
         """``op()``, tried again with backoff while it fails transiently (the server restarting,

@@ -19,8 +19,8 @@ Batches
     header (:data:`BATCH_HEADER`) gives how many, and its payload is an array of them, each
     encoded as it would be alone (:func:`encode_many`). Its ``Nats-Msg-Id`` is
     :func:`batch_msg_id` of its events, so the same events published again together are
-    stored once. Inference sends a group's rollouts as one, a scorer the scores it made in
-    the same turn: each event crosses the bus, and each reader's loop, once per batch
+    stored once. Inference sends a group's rollouts as one, a scorer the scores of such a
+    message's rollouts: each event crosses the bus, and each reader's loop, once per batch
     instead of once per event. Every reader takes both forms
     (:func:`flywheel.contract.bus.decode_events`).
 
