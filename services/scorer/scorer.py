@@ -34,7 +34,8 @@ Group rewards (:class:`flywheel.sdk.environment.GroupReward`) see every rollout 
 soon as it is scored (with its message's siblings); its delivery is then *held* (unacked,
 kept alive with ``in_progress``, so it is not redelivered) until the rest of its group is
 here. The arrival that completes the group runs the group rewards once and publishes one
-Score per rollout; then every held delivery of the group is acked. Bounds, so holding can never deadlock the consumer:
+Score per rollout; then every held delivery of the group is acked. Bounds, so holding can
+never deadlock the consumer:
 
 - the consumer lets ``max_in_flight + max_held`` rollouts be unacked (server side too), and
   scoring itself runs at most ``max_in_flight`` rollouts at once;

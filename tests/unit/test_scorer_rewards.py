@@ -266,7 +266,6 @@ class Calls(list):
     """Each publish call's scores, a list a call."""
 
     async def __call__(self, scores: Any) -> None:
-        await asyncio.sleep(0)
         self.append(list(scores))
 
 
@@ -278,10 +277,12 @@ def batch_delivery(r: events.Rollout, msg: object, index: int, size: int) -> Del
 async def test_a_batch_messages_rollouts_publish_their_scores_together_in_its_order(pool: ThreadPoolExecutor) -> None:
     calls = Calls()
     slow = threading.Event()
+    scored: list[str] = []  # completions scored so far (from the pool's threads)
 
     def similar(completion: str) -> float:
         if completion == "slow":
             slow.wait(5)
+        scored.append(completion)
         return float(completion == "cba")
 
     rewards = Rewards(similar=similar)
@@ -291,12 +292,13 @@ async def test_a_batch_messages_rollouts_publish_their_scores_together_in_its_or
             raise Reject(f"environment {r.env!r}: not here")
         return rewards(r, config)
 
-    s = scorer(pool, source, published=calls, max_in_flight=1)  # fewer slots than rollouts
+    s = scorer(pool, source, published=calls, max_in_flight=2)  # fewer slots than rollouts
     members = group_of(3, ["slow", "cba", "x"])
     msg = object()
     handled = [asyncio.ensure_future(s.handle(batch_delivery(r, msg, i, 3))) for i, r in enumerate(members)]
-    await asyncio.sleep(0.1)
-    assert calls == [] and not any(h.done() for h in handled)  # the first is still being scored
+    # The third gets a slot while the first holds one: the second gave its slot back to wait for the batch.
+    await until(lambda: sorted(scored) == ["cba", "x"], what="the second and third rollouts scored")
+    assert calls == [] and not any(h.done() for h in handled)  # the first is still being scored: nothing goes
     slow.set()
     await asyncio.gather(*handled)
     assert [[sc.id for sc in call] for call in calls] == [["g1-0.similar", "g1-1.similar", "g1-2.similar"]]
