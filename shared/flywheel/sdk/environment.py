@@ -781,6 +781,8 @@ def pin_hub_environments(cfg: RunConfig, gateway_url: str | None = None) -> RunC
     here stay as they are (a package being developed is the one a run uses)."""
     ids = [*(env.id for env in cfg.environments), *(spec.id for spec in cfg.evals)]
     wanted = {i for i in ids if "/" in i and i not in cfg.hub_pins}
+    if not wanted:
+        return cfg
     have = available()
     missing = {i for i in wanted if have.get(i.partition("@")[0]) is None
                or (i.partition("@")[2] not in ("", have[i.partition("@")[0]]))}
