@@ -1,14 +1,17 @@
 """The recorder: every stream on the bus, written into the trace store.
 
 One durable pull consumer per stream (``recorder-tasks``, ``recorder-rollouts``, ...), in
-batch mode: each batch the bus hands over is one :meth:`Store.record` call, so one
-transaction and one ``executemany`` per table, however many events it holds. Recording is
-idempotent, so a batch redelivered after a crash (the recorder is killed between the
-write and the ack) changes nothing. A batch that fails is retried by the bus layer,
-message by message; a message that keeps failing, or that can never be recorded (an
-event without a time zone), goes to ``dead.<stream>``, which the recorder records too (a
-dead letter is never dead-lettered again). Batch size, in-flight bound and ack wait are the
-settings' ``recorder`` section (:class:`flywheel.contract.settings.RecorderSettings`).
+batch mode. The batches the bus hands over, from every stream, are written together
+(:class:`GroupCommit`): a write waits ``linger_s`` for more, then takes everything that came
+meanwhile in one :meth:`Store.record` call, so one transaction and one ``executemany`` per
+table, however many events and messages it holds; each batch is acknowledged once its write
+committed. Recording is idempotent, so a batch redelivered after a crash (the recorder is
+killed between the write and the ack) changes nothing. A batch that fails is retried by the
+bus layer, message by message; a message that keeps failing, or that can never be recorded
+(an event without a time zone), goes to ``dead.<stream>``, which the recorder records too (a
+dead letter is never dead-lettered again); it fails its own batch only, not those written
+with it. Batch size, in-flight bound, ack wait and linger are the settings' ``recorder``
+section (:class:`flywheel.contract.settings.RecorderSettings`).
 
 The runs table mirrors the run-state KV bucket (:func:`mirror_runs`): a run's tenant is
 whatever registered it said, not a default. Not covered: retention (the store keeps everything) and live viewers
@@ -20,11 +23,12 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import sqlalchemy as sa
 
 from flywheel.contract import events
-from flywheel.contract.bus import STREAMS, Bus, Consumer, Delivery, Reject
+from flywheel.contract.bus import STREAMS, Bus, Consumer, Delivery, Reject, wait_at_most
 from flywheel.contract.runs import watch_runs
 from flywheel.contract.service import Service
 from flywheel.contract.settings import RecorderSettings, Settings
@@ -35,17 +39,84 @@ from flywheel_gateway.store import Store, UnrecordableEvent
 RECORDED_STREAMS = tuple(STREAMS)
 
 
+@dataclass
+class GroupCommit:
+    """Batches of events written together: :meth:`record` returns once its batch is committed,
+    in a transaction with whatever else came within ``linger_s`` of the first batch waiting (or
+    until ``max_events`` wait). A batch that holds an event the store can never record fails
+    alone: that write is done again batch by batch, so only its caller sees the error. Any
+    other error (the database's) fails every batch of the write; each is retried by its caller."""
+
+    store: Store
+    linger_s: float
+    max_events: int
+    _waiting: list[tuple[list[events.Event], asyncio.Future[None]]] = field(default_factory=list)
+    _num_waiting: int = 0
+    _full: asyncio.Event = field(default_factory=asyncio.Event)
+    _writes: set[asyncio.Task[None]] = field(default_factory=set)  # held: the loop keeps weak references
+
+    async def record(self, batch: list[events.Event]) -> None:
+        if self.linger_s <= 0:
+            await self.store.record(batch)
+            return
+        done = asyncio.get_running_loop().create_future()
+        if not self._waiting:
+            write = asyncio.ensure_future(self._write_soon())
+            self._writes.add(write)
+            write.add_done_callback(self._writes.discard)
+        self._waiting.append((batch, done))
+        self._num_waiting += len(batch)
+        if self._num_waiting >= self.max_events:
+            self._full.set()
+        await done
+
+    async def _write_soon(self) -> None:
+        await wait_at_most(self._full.wait(), self.linger_s)
+        waiting, self._waiting, self._num_waiting = self._waiting, [], 0
+        self._full.clear()
+        try:
+            await self.store.record([e for batch, _ in waiting for e in batch])
+        except UnrecordableEvent:
+            for batch, done in waiting:  # which one: each by itself (recording is idempotent)
+                try:
+                    await self.store.record(batch)
+                except Exception as exc:
+                    _settle(done, exc)
+                else:
+                    _settle(done, None)
+        except Exception as exc:  # the database's: nothing is known written
+            for _, done in waiting:
+                _settle(done, exc)
+        except BaseException:  # stopped mid-write
+            for _, done in waiting:
+                done.cancel()
+            raise
+        else:
+            for _, done in waiting:
+                _settle(done, None)
+
+
+def _settle(done: asyncio.Future[None], error: Exception | None) -> None:
+    if done.done():  # its caller gave up waiting (stopped): the write stands, nobody to tell
+        return
+    if error is None:
+        done.set_result(None)
+    else:
+        done.set_exception(error)
+
+
 def build(bus: Bus, store: Store, config: RecorderSettings,
           streams: Sequence[str] = RECORDED_STREAMS) -> list[Consumer]:
     """One durable batch consumer per stream of ``streams`` (every recorded stream, unless a test
-    records fewer), each writing ``store``, batched as ``config`` says."""
+    records fewer), all writing ``store`` through one :class:`GroupCommit`, batched as ``config`` says."""
     unknown = set(streams) - set(STREAMS)
     if unknown:
         raise ValueError(f"streams: {sorted(unknown)} are not Flywheel streams; choose from {sorted(STREAMS)}")
+    writer = GroupCommit(store, config.linger_s, config.batch_size)
 
     async def record(deliveries: list[Delivery]) -> None:
         try:
-            await store.record([d.event for d in deliveries])
+            await writer.record([d.event for d in deliveries])
         except UnrecordableEvent as exc:
             # The bus layer retries the batch message by message, so only this one is rejected.
             raise Reject(str(exc)) from exc

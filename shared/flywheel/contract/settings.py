@@ -153,6 +153,12 @@ class RecorderSettings(_Section):
     max_in_flight: int = Field(512, ge=1, description="Events delivered and not yet recorded, per stream.")
     ack_wait_s: float = Field(10.0, gt=0, description="How soon what a killed recorder had received and not "
                               "recorded is delivered again (a batch still being written is kept alive).")
+    # While a run trains, messages trickle in (a group's rollouts, then its scores), mostly one per
+    # fetch. Measured on SQLite with a training run's messages: 2.7 ms of CPU a message written one
+    # transaction each, 1.4 ms sixteen to a transaction.
+    linger_s: float = Field(0.1, ge=0, description="How long a write waits for more events, from every stream, "
+                            "before it goes: what arrives meanwhile is written in the same transaction (0: each "
+                            "fetched batch at once). The trace store lags the bus by this much at most.")
 
 
 class SandboxSettings(_Section):
