@@ -104,6 +104,10 @@ class SharedIssued:
         self._writing = asyncio.Lock()
         self._renewing: asyncio.Task[None] | None = None
         self._bucket: KeyValue | None = None
+        # The entry as this replica last read or wrote it, with its revision: a change is written
+        # on it by compare-and-set without reading first, which fails only when another replica
+        # wrote since (then it is read again). Alone, a replica makes one round trip a change, not two.
+        self._last: tuple[dict[str, Any], int] | None = None
 
     async def total(self) -> int:
         """Published plus every live holding: the run's issued rollouts now."""
@@ -178,23 +182,40 @@ class SharedIssued:
 
     async def _update(self, change: Callable[[dict[str, Any], float], bool]) -> bool:
         """Apply ``change`` to the entry (it returns False to leave it), by compare-and-set
-        until no other replica wrote in between; dead holdings are dropped on the way."""
+        until no other replica wrote in between; dead holdings are dropped on the way. The
+        entry this replica last saw is tried first; a refusal is only ever made on the entry as
+        the bus holds it now, read afresh."""
         kv = await self._kv()
         while True:
-            entry, revision = await self._read()
+            if self._last is None:
+                entry, revision = await self._read()
+                fresh = True
+                if revision is not None:
+                    self._last = ({"published": entry["published"], "held": dict(entry["held"])}, revision)
+            else:
+                (seen, seen_revision), fresh = self._last, False
+                entry, revision = {"published": seen["published"], "held": dict(seen["held"])}, seen_revision
             now = time.time()
             entry["held"] = {r: v for r, v in entry["held"].items() if (v[1] > now and v[0] > 0) or r == self.replica}
             if not change(entry, now):
-                return False
+                if fresh:
+                    return False
+                self._last = None  # what this replica saw may be old: judge again on what the bus holds
+                continue
             data = json.dumps(entry).encode()
             try:
                 if revision is None:
-                    await kv.create(self.run, data)
+                    written = await kv.create(self.run, data)
                 else:
-                    await kv.update(self.run, data, last=revision)
-                return True
+                    written = await kv.update(self.run, data, last=revision)
             except nats.js.errors.KeyWrongLastSequenceError:
-                continue  # another replica wrote first (or made the entry): read again
+                self._last = None  # another replica wrote first (or made the entry): read again
+                continue
+            except BaseException:
+                self._last = None  # not known whether it was written
+                raise
+            self._last = (entry, written)
+            return True
 
 
 def _total(entry: dict[str, Any], now: float) -> int:

@@ -109,3 +109,30 @@ async def test_racing_replicas_never_issue_more_than_the_bound(bus: Bus) -> None
     await asyncio.gather(*tasks, return_exceptions=True)
     for r in replicas:
         await r.shared.close()  # type: ignore[union-attr]
+
+
+
+async def test_a_replica_writes_on_the_entry_it_saw_and_refuses_only_on_a_fresh_read(bus: Bus) -> None:
+    a, b = SharedIssued(bus, "cached-run", "a", published), SharedIssued(bus, "cached-run", "b", published)
+    reads = 0
+    read = a._read
+
+    async def counted() -> tuple[dict, int | None]:
+        nonlocal reads
+        reads += 1
+        return await read()
+
+    a._read = counted  # type: ignore[method-assign]  # counts a's reads of the entry, each a round trip
+    for _ in range(3):  # alone: each change is one compare-and-set on the entry a saw last
+        assert await a.reserve(2, 16)
+        await a.release(2, 2)
+    assert reads == 1
+    assert await b.reserve(6, 16)  # b holds 6: 12 issued
+    assert not await a.reserve(6, 16)  # a's write fails (b wrote since), a reads: 18 > 16, refused
+    assert reads == 2
+    await b.release(6, 0)  # b gives its 6 back (the bus stored none): 6 issued
+    assert await a.reserve(6, 16)  # a saw 18: it reads again before refusing, and fits
+    assert reads == 3
+    assert await b.total() == 12
+    await a.close()
+    await b.close()
