@@ -214,6 +214,11 @@ class RunWindow:
     named: dict[str, deque[float]] = field(default_factory=dict)  # parts and checks (a check's name wins)
     # completion digest -> task -> how many of the window's rollouts: "identical" without a scan
     answers: dict[bytes, Counter[str]] = field(default_factory=dict)
+    # The largest reward, and each check's largest value, over the remembered versions: kept as
+    # rollouts come, counted again only when a version is forgotten (the drift check reads them
+    # for every rollout).
+    top_reward: float = -math.inf
+    check_tops: dict[str, float] = field(default_factory=dict)
 
     def add(self, seen: Seen) -> None:
         self.items.append(seen)
@@ -235,12 +240,23 @@ class RunWindow:
         sums = self.versions.get(seen.version)
         if sums is None:
             sums = self.versions[seen.version] = VersionSums()
-            while len(self.versions) > self.history_versions:
-                self.versions.popitem(last=False)
+            if len(self.versions) > self.history_versions:
+                while len(self.versions) > self.history_versions:
+                    self.versions.popitem(last=False)
+                self._count_tops()
         sums.n += 1
         sums.top_reward = max(sums.top_reward, seen.reward)
+        self.top_reward = max(self.top_reward, seen.reward)
         for name, value in seen.checks.items():
             sums.checks.setdefault(name, CheckSums()).add(value, seen.reward)
+            self.check_tops[name] = max(self.check_tops.get(name, -math.inf), value)
+
+    def _count_tops(self) -> None:
+        self.top_reward = max((v.top_reward for v in self.versions.values()), default=-math.inf)
+        self.check_tops = {}
+        for version in self.versions.values():
+            for name, sums in version.checks.items():
+                self.check_tops[name] = max(self.check_tops.get(name, -math.inf), sums.top)
 
     def _evict(self, gone: Seen) -> None:
         for column in (self.rewards, self.lengths, self.repetitions):
@@ -355,20 +371,22 @@ class Watch:
     def _drift(self, run: RunWindow, seen: Seen, flags: dict[str, str]) -> None:
         """Divergence over policy versions: the first half of the run's remembered versions
         against its latest ones (those holding the last ``RECENT`` rollouts), from sums."""
-        versions = list(run.versions.items())
-        recent: list[VersionSums] = []
-        while versions and sum(v.n for v in recent) < RECENT:
-            recent.append(versions.pop()[1])
-        earlier = [v for _, v in versions[:len(versions) // 2]]
-        if len(earlier) < 2 or sum(v.n for v in earlier) < self.min_window:
-            return
-        top = max(v.top_reward for _, v in run.versions.items())
+        top = run.top_reward
         if top <= 0:
             return
-        for check in seen.checks:
-            best = max((v.checks[check].top for v in run.versions.values() if check in v.checks), default=0.0)
-            if best <= 0 or seen.reward / top - seen.checks[check] / best < 0.5:
-                continue  # the cheapest condition first: this rollout is not paid well and checked badly
+        # The cheapest condition first: most rollouts are not paid well and checked badly.
+        suspect = [(check, best) for check, best in ((c, run.check_tops.get(c, 0.0)) for c in seen.checks)
+                   if best > 0 and seen.reward / top - seen.checks[check] / best >= 0.5]
+        if not suspect:
+            return
+        versions = list(run.versions.values())
+        recent: list[VersionSums] = []
+        while versions and sum(v.n for v in recent) < RECENT:
+            recent.append(versions.pop())
+        earlier = versions[:len(versions) // 2]
+        if len(earlier) < 2 or sum(v.n for v in earlier) < self.min_window:
+            return
+        for check, best in suspect:
             was = CheckSums.of(v.checks[check] for v in earlier if check in v.checks)
             now = CheckSums.of(v.checks[check] for v in recent if check in v.checks)
             if was.n < self.min_window or now.n < RECENT // 2:

@@ -9,7 +9,7 @@ import random
 import msgspec
 
 from flywheel.contract import events
-from flywheel_scorer.watch import WATCH, Watch, flag_score, repetition
+from flywheel_scorer.watch import WATCH, RunWindow, Seen, Watch, flag_score, repetition
 
 
 def rollout(i: int, task: str | None = None, run: str = "r1") -> events.Rollout:
@@ -145,3 +145,17 @@ def test_a_slow_drift_over_many_versions_is_flagged_from_the_versions_sums() -> 
     flagged = drifting_run(Watch(), random.Random(3), exploit=True)
     assert flagged is not None and flagged <= 30, flagged
     assert drifting_run(Watch(), random.Random(4), exploit=False) is None
+
+
+def test_the_tops_over_versions_follow_the_versions_remembered() -> None:
+    """The largest reward and check over the remembered versions, kept as rollouts come, equal
+    a count over those versions, also once the oldest are forgotten."""
+    window = RunWindow(size=8, history_versions=3)
+    rng = random.Random(0)
+    for i in range(40):
+        reward, check = rng.random() * (10 - i // 4), rng.random() * (10 - i // 4)
+        window.add(Seen(task=f"t{i}", version=i // 4, digest=bytes([i]), preview="", length=5, repetition=0.0,
+                        reward=reward, checks={"exact": check}, parts={"similarity": reward}))
+        assert window.top_reward == max(v.top_reward for v in window.versions.values())
+        assert window.check_tops == {"exact": max(v.checks["exact"].top for v in window.versions.values())}
+    assert list(window.versions) == [7, 8, 9]
