@@ -2,6 +2,7 @@
 
     scripts/setup-trl.sh                       # once: TRL in its own venv (.venv-trl)
     python benchmarks/vs_trl.py --json out/vs_trl.json [--seeds 0,1,2] [--steps 120] [--sync] [--verbose]
+    python benchmarks/vs_trl.py --json out/ab.json --baseline main --workloads plain --seeds 0,1
 
 Same machine, same SFT-warmed tiny model, same tasks (reverse-text), same reward, same
 algorithm as far as TRL allows (group-mean advantages without std scaling, clipped
@@ -46,6 +47,13 @@ Ratios (Flywheel asynchronous over TRL, means over seeds; targets in brackets):
 1.0), ``time_to_threshold_ratio_latency`` (at most 0.6), ``startup_s_ratio`` (plain; at most
 1.5), and ``step_s_ratio_plain``, ``step_s_ratio_latency``; with ``--sync`` the same with a
 ``sync_`` prefix. A ratio over runs where the threshold was never reached is null.
+
+``--baseline REV`` also runs Flywheel as it is at git revision ``REV`` (its files, from ``git
+archive``, imported ahead of the installed tree: the same venv and dependencies), in turn with
+the others on the same warm-up, so two versions of Flywheel are compared within one hour's
+load: ``baseline_cpu_s_per_step_ratio``, ``baseline_startup_s_ratio`` and
+``baseline_step_s_ratio_plain`` are this tree over that revision (asynchronous, plain), and
+each run's ``cpu_s_per_step_by_process`` shows where a change went.
 """
 
 from __future__ import annotations
@@ -60,6 +68,7 @@ import sys
 import tempfile
 import threading
 import time
+import tomllib
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -198,15 +207,31 @@ loss = {{type = "clipped", clip_eps = 0.2}}
 """)
 
 
+def checkout(rev: str, where: Path) -> Path:
+    """Flywheel's files at git revision ``rev`` under ``where``, and a folder of links by import
+    name to its packages (pyproject.toml's package-dir), to put first on PYTHONPATH; returns the links."""
+    tree, links = where / "tree", where / "imports"
+    tree.mkdir(parents=True)
+    links.mkdir()
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    folders = tomllib.loads((tree / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    for name, folder in folders.items():
+        (links / name).symlink_to(tree / folder, target_is_directory=True)
+    return links
+
+
 def run_flywheel(work: Path, model: Path, seed: int, workload: str, off_policy: int,
-                 args: argparse.Namespace) -> dict[str, Any]:
+                 args: argparse.Namespace, code: Path | None = None) -> dict[str, Any]:
+    """One ``flywheel run``; ``code``: a folder of Flywheel's packages to import instead of the
+    installed ones (:func:`checkout`)."""
     from flywheel.ops.natsserver import free_port
 
-    name = f"fw{off_policy}-{workload}-{seed}"
+    name = f"fw{off_policy}-{workload}-{seed}{'-baseline' if code else ''}"
     config, data_dir = work / f"{name}.toml", work / name
     flywheel_config(config, name, model, seed, workload, off_policy, args)
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
-    env.update(PYTHONPATH=os.pathsep.join(p for p in (str(ENVS), os.environ.get("PYTHONPATH")) if p),
+    env.update(PYTHONPATH=os.pathsep.join(p for p in (str(code or ""), str(ENVS), os.environ.get("PYTHONPATH")) if p),
                FLYWHEEL_TORCH_THREADS="1")
     argv = [sys.executable, "-m", "flywheel.ops.cli", "run", str(config), "--run-id", name,
             "--data-dir", str(data_dir), "--nats-port", str(free_port()), "--gateway-port", str(free_port()),
@@ -265,7 +290,13 @@ def ratio(runs: list[dict[str, Any]], system: str, workload: str, key: str) -> f
 
 def summarize(runs: list[dict[str, Any]], systems: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for system in systems:
+    if "flywheel_baseline" in systems:
+        for key, field in (("cpu_s_per_step_ratio", "cpu_s_per_step"), ("startup_s_ratio", "startup_s"),
+                           ("step_s_ratio_plain", "step_s")):
+            ours = mean_of(runs, "flywheel_async", "plain", field)
+            base = mean_of(runs, "flywheel_baseline", "plain", field)
+            out[f"baseline_{key}"] = None if ours is None or not base else ours / base
+    for system in [s for s in systems if s != "flywheel_baseline"]:
         prefix = "" if system == "flywheel_async" else "sync_"
         out[f"{prefix}cpu_s_per_step_ratio"] = ratio(runs, system, "plain", "cpu_s_per_step")
         out[f"{prefix}time_to_threshold_ratio_plain"] = ratio(runs, system, "plain", "time_to_threshold_s")
@@ -289,6 +320,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--workloads", default="plain,latency")
     p.add_argument("--sync", action="store_true", help="also run Flywheel synchronously (max_off_policy_steps 0)")
+    p.add_argument("--baseline", metavar="REV", help="also run Flywheel as it is at git revision REV (asynchronous), "
+                   "in turn with the others: baseline_* keys are this tree over it")
     p.add_argument("--sft-steps", type=int, default=100)
     p.add_argument("--group-size", type=int, default=16)
     p.add_argument("--prompts-per-step", type=int, default=8)
@@ -309,10 +342,12 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ENVS))
     seeds = [int(s) for s in args.seeds.split(",")]
     workloads = args.workloads.split(",")
-    systems = ["flywheel_async"] + (["flywheel_sync"] if args.sync else [])
+    systems = (["flywheel_async"] + (["flywheel_sync"] if args.sync else [])
+               + (["flywheel_baseline"] if args.baseline else []))
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="vs-trl-") as tmp:
         work = Path(tmp)
+        baseline = checkout(args.baseline, work / "baseline") if args.baseline else None
         model = warm_model(work, args.sft_steps)
         for n, seed in enumerate(seeds):
             tasks = work / f"tasks-{seed}.jsonl"
@@ -325,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
                     started = time.monotonic()
                     if system == "trl":
                         result = run_trl(work, model, tasks, seed, workload, args)
+                    elif system == "flywheel_baseline":
+                        result = run_flywheel(work, model, seed, workload, 1, args, code=baseline)
                     else:
                         result = run_flywheel(work, model, seed, workload, int(system == "flywheel_async"), args)
                     runs.append({"system": system, "workload": workload, "seed": seed, **result})
@@ -340,7 +377,9 @@ def main(argv: list[str] | None = None) -> int:
     for key, target in TARGETS.items():
         value = out[key]
         print(f"{key}: {'n/a' if value is None else f'{value:.3f}'} (target {target})")
-    for key in ("step_s_ratio_plain", "step_s_ratio_latency"):
+    for key in ("step_s_ratio_plain", "step_s_ratio_latency") + (
+            ("baseline_cpu_s_per_step_ratio", "baseline_startup_s_ratio", "baseline_step_s_ratio_plain")
+            if args.baseline else ()):
         print(f"{key}: {out[key] if out[key] is None else round(out[key], 3)}")
     return 0
 
