@@ -14,6 +14,7 @@ import pytest
 from flywheel.contract import events
 from flywheel_gateway.recorder import GroupCommit
 from flywheel_gateway.store import UnrecordableEvent
+from tests.helpers import until
 
 
 class Store:
@@ -25,7 +26,6 @@ class Store:
         self.down = False
 
     async def record(self, batch: list[Any]) -> None:
-        await asyncio.sleep(0)
         ids = [e.id for e in batch]
         if "bad" in ids:
             raise UnrecordableEvent("event 'bad' cannot be recorded")
@@ -50,9 +50,9 @@ async def test_batches_arriving_within_the_linger_share_one_write() -> None:
 
 async def test_a_batch_returns_only_once_its_write_is_done() -> None:
     store = Store()
-    writer = GroupCommit(store, linger_s=0.05, max_events=100)  # type: ignore[arg-type]  # the stand-in
+    writer = GroupCommit(store, linger_s=0.5, max_events=100)  # type: ignore[arg-type]  # the stand-in
     first = asyncio.ensure_future(writer.record([task("a")]))
-    await asyncio.sleep(0.01)
+    await until(lambda: len(writer._waiting) == 1, what="the batch waiting for its write")
     assert not first.done() and store.writes == []  # lingering: nothing written, nothing acknowledged
     await first
     assert store.writes == [["a"]]
@@ -90,10 +90,10 @@ async def test_a_database_error_fails_every_batch_of_the_write() -> None:
 
 async def test_a_caller_that_stops_waiting_leaves_the_others_written() -> None:
     store = Store()
-    writer = GroupCommit(store, linger_s=0.05, max_events=100)  # type: ignore[arg-type]  # the stand-in
+    writer = GroupCommit(store, linger_s=0.5, max_events=100)  # type: ignore[arg-type]  # the stand-in
     gone = asyncio.ensure_future(writer.record([task("a")]))
     kept = asyncio.ensure_future(writer.record([task("b")]))
-    await asyncio.sleep(0.01)
+    await until(lambda: len(writer._waiting) == 2, what="both batches waiting for their write")
     gone.cancel()
     await kept
     with pytest.raises(asyncio.CancelledError):
