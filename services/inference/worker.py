@@ -98,7 +98,7 @@ from flywheel.contract import events, metrics, weights
 from flywheel.contract.bus import RUNS_BUCKET, Bus, Consumer, Delivery, EventCount, Reject, wait_at_most, watch
 from flywheel.contract.config import RunConfig
 from flywheel.contract.runs import BadRunState, end_of, get_run, watch_runs
-from flywheel.contract.service import Service, compute
+from flywheel.contract.service import Service, compute, freeze_heap
 from flywheel.contract.settings import InferenceSettings
 from flywheel.sdk.environment import Environment, EnvironmentLoadError, load_for_run
 from flywheel.sdk.harness import RolloutContext
@@ -382,6 +382,7 @@ class Worker:
         else:
             log.info("run %s: loading model %s (%s backend)", name, cfg.model.name, cfg.inference.backend)
             backend = await compute(self._build, cfg)
+            freeze_heap()  # the model and what loading it imported
         return Policy(name, backend, self._fetch, cfg.inference.max_batch_size, on_loaded=on_loaded,
                       on_error=on_error)
 
@@ -391,6 +392,7 @@ class Worker:
         log.info("loading model %s (%s backend) as a shared base for LoRA runs", cfg.model.name,
                  cfg.inference.backend)
         backend = await compute(self._build, cfg)
+        freeze_heap()  # the model and what loading it imported
         if not hasattr(backend, "adapters"):
             return backend
         base = self._bases[key] = SharedBase(cfg.model.name, backend, Batcher(backend, cfg.inference.max_batch_size))

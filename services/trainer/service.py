@@ -58,7 +58,7 @@ from flywheel.contract import events, metrics, weights
 from flywheel.contract.bus import Bus, Consumer, Delivery, Reject, Undecodable, decode_message
 from flywheel.contract.config import RunConfig
 from flywheel.contract.runs import get_run, pin_version, trainer_started, update_run
-from flywheel.contract.service import Service, compute
+from flywheel.contract.service import Service, compute, freeze_heap
 from flywheel.contract.settings import Settings, TrainerSettings
 from flywheel.sdk import models
 from flywheel.sdk.environment import RunEnvironment, load_run_environments
@@ -466,6 +466,7 @@ class RankWork:
             figures = sft_warmup(model, steps, pad_token_id(tok), cfg, self.options.micro_batch_size,
                                  self.options.micro_batch_tokens)
         self._engine = build_engine(model, cfg.trainer, cfg.model.dtype)
+        freeze_heap()  # the model, the engine and what building them imported
         return tok, figures
 
     def engine(self) -> Engine:
