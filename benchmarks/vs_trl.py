@@ -120,13 +120,15 @@ def write_tasks(path: Path, num: int, seed: int) -> None:
 
 # --- one run of each system ----------------------------------------------------------------------
 
-SERVICE_OF = re.compile(r"flywheel_(\w+)|(nats-server)|flywheel\.ops\.cli")
+SERVICE_OF = re.compile(r"(?P<fork>flywheel\.ops\.forkserver|fork server)|flywheel_(?P<service>\w+)"
+                        r"|(?P<nats>nats-server)|flywheel\.ops\.cli")
 
 
 def tree_cpu_s(pid: int) -> dict[str, float]:
     """User + system CPU seconds of ``pid`` and every process below it (alive now), by process:
-    a service's name (``inference``, ``trainer``, ``gateway``...), ``nats-server``, ``run``
-    (the ``flywheel run`` process itself) or ``other``."""
+    a service's name (``inference``, ``trainer``, ``gateway``...), ``nats-server``,
+    ``fork-server`` (its two processes, :mod:`flywheel.ops.forkserver`), ``run`` (the ``flywheel
+    run`` process itself) or ``other``."""
     import psutil
 
     by_process: dict[str, float] = {}
@@ -141,7 +143,8 @@ def tree_cpu_s(pid: int) -> dict[str, float]:
         except psutil.NoSuchProcess:
             continue
         match = SERVICE_OF.search(cmdline)
-        name = "other" if match is None else match.group(1) or match.group(2) or "run"
+        name = ("other" if match is None else "fork-server" if match["fork"]
+                else match["service"] or match["nats"] or "run")
         if name == "gateway" and cmdline.split()[-1:] == ["recorder"]:
             name = "recorder"  # the gateway's second process
         by_process[name] = by_process.get(name, 0.0) + t.user + t.system

@@ -106,9 +106,12 @@ class TrainerSupervisor:
             # options end at "--" (it would read --run as an abbreviation of its --run-path)
             argv = ("-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "-m",
                     "flywheel_trainer", "--", *argv[2:])
-        spec = ServiceSpec(argv, heartbeat_of("trainer"))
+        # One rank: forked from the fork server of a stack on this machine, when there is one
+        # (flywheel.ops.forkserver), torch and transformers imported already.
+        spec = ServiceSpec(argv, heartbeat_of("trainer"), fork_level="torch" if ranks == 1 else None)
         settings = owner.settings.model_copy(update={"metrics_port": owner.trainer_metrics_port})
-        self.process = ServiceProcess("trainer", spec, child_env(settings), owner.run_dir / "trainer.log")
+        self.process = ServiceProcess("trainer", spec, child_env(settings), owner.run_dir / "trainer.log",
+                                      settings.data_dir if settings.fork_services else None)
         self.backoff = RestartBackoff(first_delay_s=1.0, max_delay_s=20.0, healthy_after_s=1.0)
         self.progressed_since_start = False
 

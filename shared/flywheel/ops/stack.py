@@ -6,25 +6,28 @@ and settings a deployment uses; only where they run differs.
 What it does, in order:
 
 1. refuses to start when a port it needs is taken, naming the setting to change;
-2. starts a nats-server with JetStream (store in ``<data_dir>/nats``, port ``nats_port``)
+2. starts the fork server (setting ``fork_services``, :mod:`flywheel.ops.forkserver`): the
+   services, and the trainer of a run the orchestrator starts, are forks of it, their
+   packages imported once while the rest starts;
+3. starts a nats-server with JetStream (store in ``<data_dir>/nats``, port ``nats_port``)
    unless ``nats_url`` names an existing server, which is then used as it is;
-3. starts each service of :data:`SERVICES` in order (the gateway first: it runs the
+4. starts each service of :data:`SERVICES` in order (the gateway first: it runs the
    database migrations) and waits until it is healthy, within ``start_timeout_s``; a service
    that dies or stays unhealthy stops the stack with the tail of its log: at start-up that
    is a configuration error to show at once;
-4. supervises, never giving up: a process that exits (or, restarted, stays unhealthy) is
+5. supervises, never giving up: a process that exits (or, restarted, stays unhealthy) is
    reported with the tail of its log and started again, while the rest keep serving. A
    process that had stayed healthy ``healthy_after_s`` is restarted at once, so a run it
    serves recovers fast; exits in a row before that (a crash loop: a message that crashes
    inference each time it is redelivered) wait ``restart_backoff_s``, then twice as long
    each time, up to ``max_backoff_s`` (:class:`RestartBackoff`). One failing service never
    stops the bus or the others;
-5. publishes its view, every process with its pid, state, restarts, last exit, next try
+6. publishes its view, every process with its pid, state, restarts, last exit, next try
    and log, as the ``info`` of a heartbeat of its own (service ``stack`` in the services KV
    bucket), renewed at each change: ``flywheel status`` shows it;
-6. on SIGINT or SIGTERM stops the services in reverse order (SIGTERM, then SIGKILL after
-   ``stop_timeout_s``), removes its heartbeat, then stops the nats-server it started: only
-   the processes it started.
+7. on SIGINT or SIGTERM stops the services in reverse order (SIGTERM, then SIGKILL after
+   ``stop_timeout_s``), removes its heartbeat, then stops the fork server and the
+   nats-server it started: only the processes it started.
 
 Every child gets the same ``FLYWHEEL_*`` environment (NATS URL, database URL, data folder,
 ports), so they agree with each other and with ``flywheel status``. Each writes its log to
@@ -42,7 +45,6 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -57,6 +59,7 @@ from flywheel.contract import events, natsusers
 from flywheel.contract.bus import Bus, BusConfig, wait_at_most
 from flywheel.contract.service import Service, read_heartbeats
 from flywheel.contract.settings import SECTIONS, Settings
+from flywheel.ops import forkserver
 from flywheel.ops.natsserver import NatsCluster, NatsServer, die_with_parent, port_open
 
 # The service name of the stack's own heartbeat, whose info is its view of the processes.
@@ -82,6 +85,9 @@ class ServiceSpec:
     # they are off a training step's path (sampling, scoring, training), so on a machine of a
     # few cores they yield the CPU to it, at start-up (model loads) as in every step.
     nice: int = 0
+    # The fork server's level it is forked from (flywheel.ops.forkserver): "base", or "torch" for
+    # a service that imports torch; None: always its own interpreter.
+    fork_level: str | None = "base"
 
 
 async def gateway_health(url: str, timeout_s: float = 2.0) -> dict[str, Any]:
@@ -130,7 +136,7 @@ SERVICES: dict[str, ServiceSpec] = {
     "recorder": ServiceSpec(("-m", "flywheel_gateway", "recorder"), heartbeat_of("recorder"), nice=5),
     "scorer": ServiceSpec(("-m", "flywheel_scorer"), heartbeat_of("scorer")),
     "sandbox": ServiceSpec(("-m", "flywheel_sandbox"), heartbeat_of("sandbox")),
-    "inference": ServiceSpec(("-m", "flywheel_inference"), heartbeat_of("inference")),
+    "inference": ServiceSpec(("-m", "flywheel_inference"), heartbeat_of("inference"), fork_level="torch"),
 }
 
 
@@ -294,15 +300,19 @@ class NatsProcess(Process):
 
 class ServiceProcess(Process):
     """A service child: its own session (so a terminal's Ctrl-C reaches only the stack,
-    which then stops the services in order), its log file, the shared environment."""
+    which then stops the services in order), its log file, the shared environment. With
+    ``fork_from`` (a data folder), forked by that stack's fork server when it has one
+    (:mod:`flywheel.ops.forkserver`), else started as its own interpreter."""
 
-    def __init__(self, name: str, spec: ServiceSpec, env: dict[str, str], log_path: Path) -> None:
+    def __init__(self, name: str, spec: ServiceSpec, env: dict[str, str], log_path: Path,
+                 fork_from: Path | None = None) -> None:
         super().__init__()
         self.name = name
         self.spec = spec
         self.env = env
         self.log_path = log_path
-        self.popen: subprocess.Popen[bytes] | None = None
+        self.fork_from = fork_from
+        self.popen: forkserver.Child | None = None
 
     @property
     def argv(self) -> list[str]:
@@ -321,13 +331,11 @@ class ServiceProcess(Process):
         self._mark_log()
         with self.log_path.open("ab") as log:
             log.write(f"--- flywheel up: {' '.join(self.argv)}\n".encode())
-            log.flush()
-            # Popen returns once the child has exec'd (milliseconds); the supervisor needs a Popen (poll, signals
-            # to its group), not asyncio's Process. die_with_parent must run in the child: no other way sets
-            # PR_SET_PDEATHSIG.
-            self.popen = subprocess.Popen(  # noqa: ASYNC220 - a fork and exec, see above
-                self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                start_new_session=True, preexec_fn=die_with_parent)  # noqa: PLW1509 - see above
+        # The supervisor needs a Popen-like child (poll, signals to its group), not asyncio's Process.
+        level = self.spec.fork_level
+        fork = None if self.fork_from is None or level is None else (self.fork_from, level)
+        self.popen = await forkserver.launch(list(self.spec.argv), self.env, self.log_path, fork,
+                                             preexec_fn=die_with_parent)
         self.last_pid = self.popen.pid
         if self.spec.nice and hasattr(os, "setpriority"):
             try:
@@ -463,8 +471,12 @@ class Stack:
         self.bus: Bus | None = None
         self.nats_nodes: list[NatsProcess] = []  # the nats-server it started, a process a node of its cluster
         env = child_env(settings)
+        # Started first, so its imports overlap the rest of the start (flywheel.ops.forkserver).
+        self.fork_server = (forkserver.ForkServer(self.data_dir, env, self.log_dir / "fork-server.log")
+                            if settings.fork_services else None)
+        fork_from = self.data_dir if self.fork_server is not None else None
         self.services = [ServiceProcess(name, spec, env | self._nats_login(name) | metrics_port(settings, i),
-                                        self.log_dir / f"{name}.log")
+                                        self.log_dir / f"{name}.log", fork_from)
                          for i, (name, spec) in enumerate((SERVICES if services is None else services).items())]
         for service in self.services:
             service.backoff = self._backoff()
@@ -535,6 +547,8 @@ class Stack:
 
     async def _start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        if self.fork_server is not None:
+            self._start_fork_server(self.fork_server)
         if self.settings.nats_url is None:
             assert self.nats_passwords is not None
             config = natsusers.server_config(self.nats_passwords)
@@ -588,6 +602,19 @@ class Stack:
             for launch in launches:
                 launch.cancel()
             await asyncio.gather(*launches, return_exceptions=True)
+
+    def _start_fork_server(self, server: forkserver.ForkServer) -> None:
+        if not server.usable:
+            self.say(f"no fork server (fork_services): this system or the socket path {server.folder} does not allow "
+                     "one; each service imports its packages itself")
+            self.fork_server = None
+            for service in self.services:
+                service.fork_from = None
+            return
+        server.start(preexec_fn=die_with_parent)
+        assert server.process is not None
+        self.say(f"started the fork server (pid {server.process.pid}): the services are forks of it, their packages "
+                 f"imported once (fork_services); log {server.log_path}")
 
     async def _launch_healthy(self, process: Process) -> None:
         """Launch and wait until healthy (or until a stop is asked). Raises ProcessDied, or
@@ -743,7 +770,9 @@ class Stack:
             await self._stop_heartbeat()
             if self.bus is not None:
                 await self._close_bus(self.bus)  # Service.run closed it already unless it failed
-        finally:  # the server goes last, and whatever happened above
+        finally:  # the servers go last, and whatever happened above
+            if self.fork_server is not None:
+                await asyncio.to_thread(self.fork_server.stop)
             for node in self.nats_nodes:
                 await node.stop(self.stop_timeout_s)
                 node.state = "stopped"
