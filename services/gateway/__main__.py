@@ -51,9 +51,10 @@ def main(argv: list[str] | None = None) -> None:
         settings = Settings.load()
     except ValueError as exc:
         parser.error(str(exc))
-    from flywheel.contract.service import setup_logging, setup_telemetry
+    from flywheel.contract.service import enable_heap_freeze, setup_logging, setup_telemetry
 
     setup_logging(settings.log_level)
+    enable_heap_freeze()
     setup_telemetry(f"gateway-{args.command}", settings)
     COMMANDS[args.command][0](settings)
 

@@ -24,7 +24,7 @@ def main(argv: Sequence[str] | None = None, settings: Settings | None = None) ->
                     "network is refused; limits on requests, output and files: FLYWHEEL_SANDBOX__<FIELD>).")
     parser.parse_args(argv)
 
-    from flywheel.contract.service import setup_logging, setup_telemetry
+    from flywheel.contract.service import enable_heap_freeze, setup_logging, setup_telemetry
     from flywheel_sandbox import service
 
     # imported here: --help loads no backend (their probes and the docker client come with them)
@@ -35,6 +35,7 @@ def main(argv: Sequence[str] | None = None, settings: Settings | None = None) ->
     except ValueError as exc:
         parser.error(str(exc))
     setup_logging(settings.log_level)
+    enable_heap_freeze()
     setup_telemetry("sandbox", settings)
     try:
         asyncio.run(service.run(settings))

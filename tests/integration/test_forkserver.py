@@ -128,3 +128,19 @@ async def test_a_socket_left_by_a_killed_stack_is_passed_over(tmp_path: Path) ->
     assert forkserver.socket_path(tmp_path, "base").exists()
     child = await launch(["-m", "tests.forked_child", "0"], env_of(), tmp_path / "c.log", (tmp_path, "base"))
     assert isinstance(child, subprocess.Popen) and await asyncio.to_thread(child.wait, 20) == 0
+
+
+async def test_a_machine_with_a_gpu_has_no_torch_level(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    device = tmp_path / "nvidiactl"
+    device.touch()
+    monkeypatch.setattr(forkserver, "ACCELERATOR_DEVICES", (str(device),))
+    fork = ForkServer(tmp_path, env_of(), tmp_path / "fork-server.log", MODULES)
+    fork.start()
+    try:
+        assert not forkserver.socket_path(tmp_path, "torch").exists()
+        child = await launch(["-m", "tests.forked_child", "0"], env_of(), tmp_path / "t.log", (tmp_path, "torch"))
+        assert isinstance(child, subprocess.Popen) and await asyncio.to_thread(child.wait, 20) == 0
+        child = await launch(["-m", "tests.forked_child", "0"], env_of(), tmp_path / "b.log", (tmp_path, "base"))
+        assert isinstance(child, Forked) and await asyncio.to_thread(child.wait, 20) == 0
+    finally:
+        fork.stop()

@@ -34,7 +34,8 @@ How:
 When the server cannot serve a request (no server: a deployment, a stack of an older
 version, a data folder whose socket path is too long; another interpreter or PYTHONPATH
 than the server's), :func:`launch` starts the command as its own interpreter, as before.
-The setting ``fork_services = false`` always does.
+The setting ``fork_services = false`` always does, and a machine with a GPU
+(:data:`ACCELERATOR_DEVICES`) has no torch level.
 
 Not covered: modules a service imports later than its start, by what it is asked (a run's
 environment, another model's code), are imported by that service itself.
@@ -83,6 +84,10 @@ TORCH_MODULES = (
     "flywheel.sdk.models", "flywheel_inference.worker", "flywheel_inference.app", "flywheel_trainer.service",
 )
 LEVELS = ("base", "torch")
+# Where one is, the torch level is left out: a GPU runtime that a parent touched (transformers
+# asks torch whether CUDA is there) does not work in its forks, so inference and the trainer
+# start their own interpreters on such a machine.
+ACCELERATOR_DEVICES = ("/dev/nvidiactl", "/dev/kfd")
 MAX_SOCKET_PATH = 100  # bytes; Linux's limit is 108 with the terminating NUL
 
 
@@ -211,6 +216,7 @@ class ForkServer:
         self.modules = modules  # what each level imports
         self.process: subprocess.Popen[bytes] | None = None
         self.sockets: list[socket.socket] = []
+        self.levels = LEVELS if not any(os.path.exists(d) for d in ACCELERATOR_DEVICES) else LEVELS[:1]
 
     @property
     def usable(self) -> bool:
@@ -225,6 +231,8 @@ class ForkServer:
         for level in LEVELS:
             path = self.folder / f"{level}.sock"
             path.unlink(missing_ok=True)
+            if level not in self.levels:
+                continue
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.bind(str(path))
             sock.listen(64)
@@ -232,7 +240,7 @@ class ForkServer:
         fds = [s.fileno() for s in self.sockets]
         with self.log_path.open("ab") as log_file:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "flywheel.ops.forkserver", *(str(fd) for fd in fds),
+                [sys.executable, "-m", "flywheel.ops.forkserver", *(str(fd) for fd in fds), *(["-1"] * (2 - len(fds))),
                  *(",".join(modules) for modules in self.modules)], stdin=subprocess.DEVNULL,
                 stdout=log_file, stderr=subprocess.STDOUT, env=self.env, pass_fds=fds, start_new_session=True,
                 preexec_fn=preexec_fn)  # noqa: PLW1509 - PR_SET_PDEATHSIG: only the child can set it
@@ -422,19 +430,25 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m flywheel.ops.forkserver",
                                      description="The embedded stack's fork server (started by `flywheel up`).")
     parser.add_argument("base_fd", type=int, help="the listening socket of the base level")
-    parser.add_argument("torch_fd", type=int, help="the listening socket of the torch level")
+    parser.add_argument("torch_fd", type=int, help="the listening socket of the torch level (-1: none)")
     parser.add_argument("base_modules", help="what the base level imports, comma-separated")
     parser.add_argument("torch_modules", help="what the torch level imports on top, comma-separated")
     args = parser.parse_args(argv)
-    base, torch_level = socket.socket(fileno=args.base_fd), socket.socket(fileno=args.torch_fd)
+    base = socket.socket(fileno=args.base_fd)
     # Two servers from the start, each importing its level once it is first asked for a service
     # (a stack of services that need no torch never imports it), so torch's import, the longest
     # on the way to the first step, runs beside the base level's, on another core.
-    if os.fork() == 0:
-        base.close()
-        die_with_parent()
-        _serve(torch_level, "torch", args.torch_modules)
-    torch_level.close()
+    if args.torch_fd >= 0:
+        torch_level = socket.socket(fileno=args.torch_fd)
+        if os.fork() == 0:
+            try:
+                base.close()
+                die_with_parent()
+                _serve(torch_level, "torch", args.torch_modules)
+            finally:  # it serves until killed; a failure ends this process, never runs the base level
+                traceback.print_exc()
+                os._exit(1)
+        torch_level.close()
     _serve(base, "base", args.base_modules)
 
 
