@@ -51,13 +51,15 @@ def main(argv: list[str] | None = None) -> None:
         settings = Settings.load()
     except ValueError as exc:
         parser.error(str(exc))
-    from flywheel.contract.service import enable_heap_freeze, setup_logging, setup_telemetry
+    from flywheel.contract.service import setup_logging, setup_telemetry
 
     setup_logging(settings.log_level)
-    enable_heap_freeze()
     setup_telemetry(f"gateway-{args.command}", settings)
     COMMANDS[args.command][0](settings)
 
 
 if __name__ == "__main__":
+    from flywheel.contract.heap import enable_heap_freeze
+
+    enable_heap_freeze()  # this process is the service's own (not a test calling main())
     main()

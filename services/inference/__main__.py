@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, help="HTTP port (setting inference_port, default 8421)")
     args = parser.parse_args(argv)
 
-    from flywheel.contract.service import enable_heap_freeze, setup_logging, setup_telemetry, setup_torch_threads
+    from flywheel.contract.service import setup_logging, setup_telemetry, setup_torch_threads
 
     try:
         settings = Settings.load()
@@ -34,7 +34,6 @@ def main(argv: list[str] | None = None) -> None:
     args.host = args.host or settings.inference_host
     args.port = args.port or settings.inference_port
     setup_logging(settings.log_level)
-    enable_heap_freeze()
     setup_telemetry("inference", settings)
     setup_torch_threads(settings.torch_threads)
 
@@ -56,4 +55,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    from flywheel.contract.heap import enable_heap_freeze
+
+    enable_heap_freeze()  # this process is the service's own (not a test calling main())
     main()

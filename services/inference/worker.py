@@ -97,8 +97,9 @@ from nats.js.api import PubAck
 from flywheel.contract import events, metrics, weights
 from flywheel.contract.bus import RUNS_BUCKET, Bus, Consumer, Delivery, EventCount, Reject, wait_at_most, watch
 from flywheel.contract.config import RunConfig
+from flywheel.contract.heap import freeze_heap
 from flywheel.contract.runs import BadRunState, end_of, get_run, watch_runs
-from flywheel.contract.service import Service, compute, freeze_heap
+from flywheel.contract.service import Service, compute
 from flywheel.contract.settings import InferenceSettings
 from flywheel.sdk.environment import Environment, EnvironmentLoadError, load_for_run
 from flywheel.sdk.harness import RolloutContext

@@ -25,7 +25,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "finished or runs (a deployment's runs, as compose gives them)")
     args = parser.parse_args(argv)
 
-    from flywheel.contract.service import enable_heap_freeze, setup_logging, setup_telemetry
+    from flywheel.contract.service import setup_logging, setup_telemetry
     from flywheel.contract.settings import Settings
     from flywheel_orchestrator import service
 
@@ -34,7 +34,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     setup_logging(settings.log_level)
-    enable_heap_freeze()
     setup_telemetry("orchestrator", settings)
     try:
         asyncio.run(service.run(settings, run_configs=args.run_config))
@@ -45,4 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from flywheel.contract.heap import enable_heap_freeze
+
+    enable_heap_freeze()  # this process is the service's own (not a test calling main())
     raise SystemExit(main())

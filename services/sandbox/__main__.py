@@ -24,7 +24,7 @@ def main(argv: Sequence[str] | None = None, settings: Settings | None = None) ->
                     "network is refused; limits on requests, output and files: FLYWHEEL_SANDBOX__<FIELD>).")
     parser.parse_args(argv)
 
-    from flywheel.contract.service import enable_heap_freeze, setup_logging, setup_telemetry
+    from flywheel.contract.service import setup_logging, setup_telemetry
     from flywheel_sandbox import service
 
     # imported here: --help loads no backend (their probes and the docker client come with them)
@@ -35,7 +35,6 @@ def main(argv: Sequence[str] | None = None, settings: Settings | None = None) ->
     except ValueError as exc:
         parser.error(str(exc))
     setup_logging(settings.log_level)
-    enable_heap_freeze()
     setup_telemetry("sandbox", settings)
     try:
         asyncio.run(service.run(settings))
@@ -47,4 +46,7 @@ def main(argv: Sequence[str] | None = None, settings: Settings | None = None) ->
 
 
 if __name__ == "__main__":
+    from flywheel.contract.heap import enable_heap_freeze
+
+    enable_heap_freeze()  # this process is the service's own (not a test calling main())
     raise SystemExit(main())

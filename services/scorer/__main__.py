@@ -108,7 +108,7 @@ def main(argv: Sequence[str] | None = None, settings: Settings | None = None) ->
     elif args.env is None:
         parser.error("--function needs --env ENV: the environment whose rollouts it scores")
 
-    from flywheel.contract.service import enable_heap_freeze, setup_logging, setup_telemetry
+    from flywheel.contract.service import setup_logging, setup_telemetry
     from flywheel_scorer import scorer
 
     try:
@@ -116,7 +116,6 @@ def main(argv: Sequence[str] | None = None, settings: Settings | None = None) ->
     except ValueError as exc:
         parser.error(str(exc))
     setup_logging(settings.log_level)
-    enable_heap_freeze()
     try:
         settings = settings.model_copy(update={"scorer": scorer_bounds(args, settings)})
         if args.function is None:
@@ -137,4 +136,7 @@ def main(argv: Sequence[str] | None = None, settings: Settings | None = None) ->
 
 
 if __name__ == "__main__":
+    from flywheel.contract.heap import enable_heap_freeze
+
+    enable_heap_freeze()  # this process is the service's own (not a test calling main())
     raise SystemExit(main())

@@ -34,10 +34,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(exc))
     if int(os.environ.get("RANK", "0")) > 0:  # a follower rank of torch's launcher: rank 0 serves the figures
         settings = settings.model_copy(update={"metrics_port": None})
-    from flywheel.contract.service import enable_heap_freeze, setup_logging, setup_telemetry
+    from flywheel.contract.service import setup_logging, setup_telemetry
 
     setup_logging(settings.log_level)
-    enable_heap_freeze()
     setup_telemetry("trainer", settings)
 
     from flywheel_trainer import ranks, service
@@ -50,4 +49,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    from flywheel.contract.heap import enable_heap_freeze
+
+    enable_heap_freeze()  # this process is the service's own (not a test calling main())
     main()

@@ -57,8 +57,9 @@ import nats.js.errors
 from flywheel.contract import events, metrics, weights
 from flywheel.contract.bus import Bus, Consumer, Delivery, Reject, Undecodable, decode_message
 from flywheel.contract.config import RunConfig
+from flywheel.contract.heap import freeze_heap
 from flywheel.contract.runs import get_run, pin_version, trainer_started, update_run
-from flywheel.contract.service import Service, compute, freeze_heap
+from flywheel.contract.service import Service, compute
 from flywheel.contract.settings import Settings, TrainerSettings
 from flywheel.sdk import models
 from flywheel.sdk.environment import RunEnvironment, load_run_environments

@@ -24,8 +24,10 @@ async def test_a_service_dying_at_start_fails_the_run_with_the_stacks_reason(
     monkeypatch.setattr(run_module, "SERVICES", services)
     cfg = RunConfig.parse({"run": "doomed", "env": "reverse_text", "sft": {"steps": 0},
                            "trainer": {"num_steps": 2}})
+    # Each service its own interpreter: the orchestrator then claims the run before the stack
+    # notices inference's exit (a fork server imports its base level before the first fork).
     settings = Settings(data_dir=tmp_path, nats_port=free_port(), gateway_port=free_port(),
-                        inference_port=free_port())
+                        inference_port=free_port(), fork_services=False)
     out = io.StringIO()
     with pytest.raises(StackError, match="inference exited with code 3 during start-up"):
         await MainJob(cfg, settings, out=out).run()

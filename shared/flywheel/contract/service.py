@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
-import gc
 import logging
 import os
 import secrets
@@ -29,6 +28,7 @@ import nats.js.errors
 
 from flywheel.contract import events, metrics
 from flywheel.contract.bus import SERVICE_HEARTBEAT_TTL_S, SERVICES_BUCKET, Bus, Consumer, wait_at_most
+from flywheel.contract.heap import freeze_heap
 
 if TYPE_CHECKING:
     from flywheel.contract.settings import Settings
@@ -52,30 +52,6 @@ def setup_torch_threads(num_threads: int | None) -> None:
     import torch
 
     torch.set_num_threads(num_threads)
-
-
-# freeze_heap: set by a service's entry point (enable_heap_freeze), never where a service is embedded.
-_PROCESS = {"freeze_heap": False}
-
-
-def enable_heap_freeze() -> None:
-    """Called by a service's entry point (its ``__main__``): the process is the service's own, so
-    :func:`freeze_heap` takes effect in it. A process that runs a service beside other work (a
-    test, a tool) keeps the collector as it is."""
-    _PROCESS["freeze_heap"] = True
-
-
-def freeze_heap() -> None:
-    """Leave every object alive now out of the cyclic garbage collector's future passes
-    (:func:`gc.freeze`), in a service's own process (:func:`enable_heap_freeze`). A service's
-    heap is mostly what it imported and loaded once (torch and transformers hold millions of
-    objects): without this, each full collection walks all of it again, about 0.15 CPU-s a time
-    in inference, a tenth of its CPU over a run. Called when a service starts
-    (:meth:`Service.run`) and after a model is loaded; the objects made afterwards are
-    collected as usual. What is frozen is never collected as cyclic garbage, so it is called
-    on what stays for the process's life, not on work in progress."""
-    if _PROCESS["freeze_heap"]:
-        gc.freeze()
 
 
 P = ParamSpec("P")

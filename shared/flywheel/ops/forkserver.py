@@ -263,6 +263,7 @@ class ForkServer:
 
 def _title(text: str) -> None:
     with contextlib.suppress(ImportError):
+        # imported here: optional (the embedded extra); without it, ps shows the server's command
         import setproctitle
 
         setproctitle.setproctitle(text)

@@ -7,17 +7,17 @@ import gc
 
 import pytest
 
-from flywheel.contract import service
+from flywheel.contract import heap
 
 
 def test_the_heap_is_frozen_only_in_a_services_own_process(monkeypatch: pytest.MonkeyPatch) -> None:
     gc.unfreeze()
-    service.freeze_heap()
+    heap.freeze_heap()
     assert gc.get_freeze_count() == 0
-    monkeypatch.setitem(service._PROCESS, "freeze_heap", True)  # what enable_heap_freeze sets in a service's main
-    kept = [[] for _ in range(10)]  # containers the collector tracks, alive now
+    monkeypatch.setitem(heap._PROCESS, "freeze_heap", True)  # what enable_heap_freeze sets in a service's main
+    kept: list[list[int]] = [[] for _ in range(10)]  # containers the collector tracks, alive now
     try:
-        service.freeze_heap()
+        heap.freeze_heap()
         assert gc.get_freeze_count() >= len(kept)
     finally:
         gc.unfreeze()
