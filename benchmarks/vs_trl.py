@@ -40,7 +40,7 @@ Figures per run (``runs`` in the JSON, every run, never only the best):
 - ``rewards``: the reward of every step;
 - Flywheel only: ``cpu_s_per_step_by_process`` (the same CPU seconds, by process:
   ``inference``, ``trainer``, ``gateway``, ``recorder``, ``scorer``, ``sandbox``,
-  ``nats-server``, ``run``), ``num_dropped_stale``, ``staleness_mean``.
+  ``nats-server``, ``fork-server``, ``run``), ``num_dropped_stale``, ``staleness_mean``.
 
 Ratios (Flywheel asynchronous over TRL, means over seeds; targets in brackets):
 ``cpu_s_per_step_ratio`` (plain; at most 1.2), ``time_to_threshold_ratio_plain`` (at most

@@ -34,8 +34,9 @@ ports), so they agree with each other and with ``flywheel status``. Each writes 
 ``<data_dir>/logs/<name>.log``.
 
 Not covered: several replicas of a service (deploy with compose/ for that), services on
-other machines, and cleaning up after ``flywheel up`` itself is killed with SIGKILL (its
-children then keep running; stop them by the pids it printed).
+other machines. A SIGKILL of ``flywheel up`` itself reaches its children as SIGTERM on Linux
+(the parent-death signal, :func:`flywheel.ops.natsserver.die_with_parent`); elsewhere they
+keep running: stop them by the pids it printed.
 """
 
 from __future__ import annotations
