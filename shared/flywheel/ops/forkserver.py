@@ -163,11 +163,10 @@ async def _wait_gone(pid: int) -> None:
         os.close(fd)
 
 
-async def launch(argv: list[str], env: dict[str, str], log_path: Path, fork: tuple[Path, str] | None,
-                 preexec_fn: Any = None) -> Child:
+async def launch(argv: list[str], env: dict[str, str], log_path: Path, fork: tuple[Path, str] | None) -> Child:
     """Start ``python ARGV`` (``argv`` after the interpreter) with ``env``, its output appended
-    to ``log_path``, in a new session: forked by the fork server of ``fork`` (data folder,
-    level) when there is one that takes it, else exec'd (``preexec_fn`` runs in that child)."""
+    to ``log_path``, in a new session, dying with this process: forked by the fork server of
+    ``fork`` (data folder, level) when there is one that takes it, else exec'd."""
     if fork is not None and argv[:1] == ["-m"]:  # a module: what a fork can run
         forked = await _ask(argv, env, log_path, *fork)
         if forked is not None:
@@ -176,12 +175,12 @@ async def launch(argv: list[str], env: dict[str, str], log_path: Path, fork: tup
         # Popen returns once the child has exec'd (milliseconds).
         return subprocess.Popen(  # noqa: ASYNC220 - a fork and exec, see above
             [sys.executable, *argv], stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, env=env,
-            start_new_session=True, preexec_fn=preexec_fn)  # noqa: PLW1509 - PR_SET_PDEATHSIG: set in the child only
+            start_new_session=True, preexec_fn=die_with_parent)  # noqa: PLW1509 - PR_SET_PDEATHSIG: set in the child only
 
 
 async def _ask(argv: list[str], env: dict[str, str], log_path: Path, data_dir: Path, level: str) -> Forked | None:
     path = socket_path(data_dir, level)
-    if len(str(path).encode()) > MAX_SOCKET_PATH or not path.exists():
+    if not path.exists():  # no server made it (a deployment; a path too long for a socket)
         return None
     try:
         reader, writer = await asyncio.open_unix_connection(str(path))
@@ -210,12 +209,12 @@ class ForkServer:
 
     def __init__(self, data_dir: Path, env: dict[str, str], log_path: Path,
                  modules: tuple[tuple[str, ...], tuple[str, ...]] = (BASE_MODULES, TORCH_MODULES)) -> None:
+        self.data_dir = data_dir
         self.folder = socket_dir(data_dir)
         self.env = env
         self.log_path = log_path
         self.modules = modules  # what each level imports
         self.process: subprocess.Popen[bytes] | None = None
-        self.sockets: list[socket.socket] = []
         self.levels = LEVELS if not any(os.path.exists(d) for d in ACCELERATOR_DEVICES) else LEVELS[:1]
 
     @property
@@ -223,28 +222,28 @@ class ForkServer:
         """Whether this machine and data folder allow one: Linux (pidfds, peer credentials) and a
         socket path within the limit."""
         return (hasattr(os, "pidfd_open") and hasattr(socket, "SO_PEERCRED")
-                and len(str(self.folder / "torch.sock").encode()) <= MAX_SOCKET_PATH)
+                and len(str(socket_path(self.data_dir, "torch")).encode()) <= MAX_SOCKET_PATH)
 
-    def start(self, preexec_fn: Any = None) -> None:
+    def start(self) -> None:
+        """Bind the sockets and start the server on them (it dies with this process)."""
         self.folder.mkdir(parents=True, exist_ok=True)
         self.folder.chmod(0o700)
+        sockets: dict[str, socket.socket] = {}
         for level in LEVELS:
-            path = self.folder / f"{level}.sock"
+            path = socket_path(self.data_dir, level)
             path.unlink(missing_ok=True)
-            if level not in self.levels:
-                continue
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.bind(str(path))
-            sock.listen(64)
-            self.sockets.append(sock)
-        fds = [s.fileno() for s in self.sockets]
+            if level in self.levels:
+                sockets[level] = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sockets[level].bind(str(path))
+                sockets[level].listen(64)
+        fds = {level: sock.fileno() for level, sock in sockets.items()}
         with self.log_path.open("ab") as log_file:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "flywheel.ops.forkserver", *(str(fd) for fd in fds), *(["-1"] * (2 - len(fds))),
+                [sys.executable, "-m", "flywheel.ops.forkserver", str(fds["base"]), str(fds.get("torch", -1)),
                  *(",".join(modules) for modules in self.modules)], stdin=subprocess.DEVNULL,
-                stdout=log_file, stderr=subprocess.STDOUT, env=self.env, pass_fds=fds, start_new_session=True,
-                preexec_fn=preexec_fn)  # noqa: PLW1509 - PR_SET_PDEATHSIG: only the child can set it
-        for sock in self.sockets:  # the server has them; a connection made now waits for it
+                stdout=log_file, stderr=subprocess.STDOUT, env=self.env, pass_fds=list(fds.values()),
+                start_new_session=True, preexec_fn=die_with_parent)  # noqa: PLW1509 - PR_SET_PDEATHSIG: in the child
+        for sock in sockets.values():  # the server has them; a connection made now waits for it
             sock.close()
 
     def stop(self) -> None:
@@ -256,7 +255,7 @@ class ForkServer:
                 self.process.kill()
                 self.process.wait()
         for level in LEVELS:
-            (self.folder / f"{level}.sock").unlink(missing_ok=True)
+            socket_path(self.data_dir, level).unlink(missing_ok=True)
 
 
 # --- the server ----------------------------------------------------------------------------------
@@ -285,9 +284,8 @@ class _Running:
 
 
 class _Server:
-    def __init__(self, listener: socket.socket, level: str) -> None:
+    def __init__(self, listener: socket.socket) -> None:
         self.listener = listener
-        self.level = level
         self.selector = selectors.DefaultSelector()
         self.selector.register(listener, selectors.EVENT_READ, ("accept", None))
         self.children: dict[int, _Running] = {}
@@ -458,7 +456,7 @@ def _serve(listener: socket.socket, level: str, modules: str) -> None:
     select.select([listener], [], [])  # the first request waits in the queue meanwhile
     _preload(tuple(filter(None, modules.split(","))))
     print(f"fork server: {level} level ready (pid {os.getpid()})", flush=True)
-    _Server(listener, level).serve()
+    _Server(listener).serve()
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ from flywheel.contract.bus import Bus, BusConfig, wait_at_most
 from flywheel.contract.service import Service, read_heartbeats
 from flywheel.contract.settings import SECTIONS, Settings
 from flywheel.ops import forkserver
-from flywheel.ops.natsserver import NatsCluster, NatsServer, die_with_parent, port_open
+from flywheel.ops.natsserver import NatsCluster, NatsServer, port_open
 
 # The service name of the stack's own heartbeat, whose info is its view of the processes.
 STACK_SERVICE = "stack"
@@ -335,8 +335,7 @@ class ServiceProcess(Process):
         # The supervisor needs a Popen-like child (poll, signals to its group), not asyncio's Process.
         level = self.spec.fork_level
         fork = None if self.fork_from is None or level is None else (self.fork_from, level)
-        self.popen = await forkserver.launch(list(self.spec.argv), self.env, self.log_path, fork,
-                                             preexec_fn=die_with_parent)
+        self.popen = await forkserver.launch(list(self.spec.argv), self.env, self.log_path, fork)
         self.last_pid = self.popen.pid
         if self.spec.nice and hasattr(os, "setpriority"):
             try:
@@ -612,7 +611,7 @@ class Stack:
             for service in self.services:
                 service.fork_from = None
             return
-        server.start(preexec_fn=die_with_parent)
+        server.start()
         assert server.process is not None
         self.say(f"started the fork server (pid {server.process.pid}): the services are forks of it, their packages "
                  f"imported once (fork_services); log {server.log_path}")
