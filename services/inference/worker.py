@@ -100,10 +100,12 @@ from flywheel.contract.config import RunConfig
 from flywheel.contract.heap import freeze_heap
 from flywheel.contract.runs import BadRunState, end_of, get_run, watch_runs
 from flywheel.contract.service import Service, compute
-from flywheel.contract.settings import InferenceSettings
-from flywheel.sdk.environment import Environment, EnvironmentLoadError, load_for_run
-from flywheel.sdk.harness import RolloutContext
-from flywheel.sdk.rollout import run_harness
+from flywheel.contract.settings import InferenceSettings, WorkersSettings
+from flywheel.runtime.channel import RemoteError
+from flywheel.runtime.environments import RolloutLink, WorkerEnvironment, WorkerError, WorkerPool
+from flywheel.runtime.runs import load_for_run
+from flywheel.sdk.environment import EnvironmentLoadError
+from flywheel.sdk.rollout import Ran, conclude
 from flywheel.sdk.sandbox import SandboxClient
 from flywheel_inference.admission import Admission, RunEnded, SharedIssued
 from flywheel_inference.backends import build_backend
@@ -206,13 +208,19 @@ async def _once(pending: dict[K, asyncio.Future[T]], key: K, make: Callable[[], 
 
 
 class Worker:
-    def __init__(self, bus: Bus, build: BuildBackend, config: InferenceSettings, url: str | None = None) -> None:
+    def __init__(self, bus: Bus, build: BuildBackend, config: InferenceSettings, url: str | None = None,
+                 pool: WorkerPool | None = None) -> None:
         """``config``: the settings' ``inference`` section. ``url``: where this process's HTTP
-        server is reached (None: none), which program harnesses get as their base URL."""
+        server is reached (None: none); the programs of program harnesses reach their rollout's
+        endpoint there through their sandbox's model relay. ``pool``: the environment workers
+        harnesses, hooks and prompts run in (None: a pool of default settings)."""
         self.bus = bus
         self.config = config
         self.url = url
-        self.info: dict[str, Any] = {"runs": {}, "url": url}  # the heartbeat's info: counters per run
+        self.pool = pool or WorkerPool(WorkersSettings(), Path(".flywheel"), name="inference",
+                                       sandbox=SandboxClient(bus))
+        # the heartbeat's info: counters per run, environment workers
+        self.info: dict[str, Any] = {"runs": {}, "url": url, "workers": self.pool.info}
         self._build = build
         self._runs: dict[str, HostedRun] = {}
         self._starting: dict[str, asyncio.Future[HostedRun]] = {}
@@ -221,7 +229,8 @@ class Worker:
         self._published: dict[str, OrderedDict[str, None]] = {}  # per run: tasks whose group went out
         self._in_flight: dict[tuple[str, str], asyncio.Event] = {}  # (run, task id) -> set when handled
         self._num_skipped: dict[str, int] = {}  # rollouts of skipped tasks of runs not hosted here
-        self._environments: dict[tuple[str, str], Environment] = {}
+        self._environments: dict[tuple[str, str], WorkerEnvironment] = {}
+        self._environments_loading: dict[tuple[str, str], asyncio.Future[WorkerEnvironment]] = {}
         self._snapshots: OrderedDict[tuple[str, int], HostedRun] = OrderedDict()  # (run, step), least recent first
         self._loading: dict[tuple[str, int], asyncio.Future[HostedRun]] = {}
         self._bases: dict[tuple[str, str, str], SharedBase] = {}  # (model, dtype, backend) -> its LoRA runs' base
@@ -235,8 +244,10 @@ class Worker:
         self.replica = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
 
     @classmethod
-    def with_backends(cls, bus: Bus, data_dir: Path, config: InferenceSettings, url: str | None = None) -> Worker:
-        """A worker that builds each run's backend from its config (model resolved under ``data_dir``)."""
+    def with_backends(cls, bus: Bus, data_dir: Path, config: InferenceSettings, url: str | None = None,
+                      workers: WorkersSettings | None = None) -> Worker:
+        """A worker that builds each run's backend from its config (model resolved under ``data_dir``),
+        its environments in workers of ``workers`` (None: the defaults)."""
 
         def build(cfg: RunConfig) -> Backend:
             from flywheel.sdk import models
@@ -244,7 +255,8 @@ class Worker:
             return build_backend(cfg.inference.backend, models.resolve_model(cfg.model.name, data_dir),
                                  cfg.model.dtype, lora=cfg.trainer.adapter is not None)
 
-        return cls(bus, build, config, url)
+        pool = WorkerPool(workers or WorkersSettings(), data_dir, name="inference", sandbox=SandboxClient(bus))
+        return cls(bus, build, config, url, pool)
 
     def consumer(self) -> Consumer:
         c = self.config
@@ -253,6 +265,7 @@ class Worker:
                         backoff_s=c.backoff_s, grace_s=c.grace_s)
 
     async def close(self) -> None:
+        await self.pool.close()
         if self._asgi_client is not None:
             await self._asgi_client.aclose()
         for starting in self._starting.values():
@@ -427,12 +440,20 @@ class Worker:
                 raise TransientFetchError(f"{type(exc).__name__}: {exc}") from exc
             raise
 
-    def environment(self, run: str, env: str, config: RunConfig) -> Environment:
+    async def environment(self, run: str, env: str, config: RunConfig) -> WorkerEnvironment:
         """The run's environment ``env`` (a task's), loaded once as every service loads it (its
-        config's id, args, rewards)."""
-        if (run, env) not in self._environments:
-            self._environments[run, env] = load_for_run(config, env)
-        return self._environments[run, env]
+        config's id, args, rewards), in workers of the run's tenant."""
+        key = (run, env)
+        if key in self._environments:
+            return self._environments[key]
+
+        async def load() -> WorkerEnvironment:
+            state = self._states.get(run) or await get_run(self.bus, run)
+            tenant = state.tenant if state is not None else ""
+            found = self._environments[key] = await load_for_run(self.pool, config, env, tenant)
+            return found
+
+        return await _once(self._environments_loading, key, load)
 
     def _refresh_info(self) -> None:
         """Keep the heartbeat's counters current. Called on every change of a run's counters (a
@@ -581,17 +602,16 @@ class Worker:
         except (UnknownRun, ValueError) as exc:  # deleted meanwhile, or a config that does not parse
             raise Reject(str(exc)) from exc
         try:
-            env = self.environment(task.run, task.env, hosted.config)
-        except EnvironmentLoadError as exc:
+            env = await self.environment(task.run, task.env, hosted.config)
+        except (EnvironmentLoadError, ValueError) as exc:
             raise Reject(str(exc)) from exc
         try:
-            env.check_task(task.data)
-            messages = env.prompt_messages(task.data)
+            messages = await env.prompt_messages(task.data)
         except EnvironmentLoadError as exc:
             raise Reject(str(exc)) from exc
-        except Exception as exc:
+        except RemoteError as exc:  # the environment's own code raised (a worker that died: retried)
             raise Reject(f"environment {task.env!r}: its first messages for this task failed: "
-                         f"{type(exc).__name__}: {exc}") from exc
+                         f"{exc.kind}: {exc}") from exc
         sampling = task.sampling or hosted.sampling
         prompt_ids = models.render_prompt(hosted.policy.backend.tokenizer, messages)
         try:
@@ -621,7 +641,7 @@ class Worker:
             self._num_skipped[task.run] = self._num_skipped.get(task.run, 0) + task.num_rollouts
             self._refresh_info()
 
-    async def _roll_out(self, task: events.Task, env: Environment, sampling: events.Sampling,
+    async def _roll_out(self, task: events.Task, env: WorkerEnvironment, sampling: events.Sampling,
                         hosted: HostedRun) -> int:
         """Run the environment's harness once per rollout of the group, each against its own
         interception URL, and publish the group's rollouts together once all have ended;
@@ -671,10 +691,11 @@ class Worker:
                      rollouts[0].task_id, len(rollouts) - num_stored, len(rollouts))
         return num_stored
 
-    async def _one_rollout(self, task: events.Task, index: int, env: Environment, sampling: events.Sampling,
+    async def _one_rollout(self, task: events.Task, index: int, env: WorkerEnvironment, sampling: events.Sampling,
                            hosted: HostedRun) -> events.Rollout:
-        """One rollout of the group, run as everywhere (:func:`flywheel.sdk.rollout.run_harness`)
-        against its own interception session, whose trace nodes go out before the rollout."""
+        """One rollout of the group, its harness run in a worker of the environment (by the rules
+        of :mod:`flywheel.sdk.rollout`), against its own interception session, whose trace nodes go
+        out before the rollout."""
         rid = events.rollout_id(task.run, task.id, index)
         sampling = sampling.with_seed_offset(index)
 
@@ -684,24 +705,32 @@ class Worker:
 
         session = self.interception.open(task.run, rid, hosted.policy, sampling, publish,
                                          live_after_s=self.config.live_trace_after_s)
-        session.hooks = env.call_hooks(task.data)
         base_url, http_client, post = self._interception_url(session.key)
-        ctx = RolloutContext(task=dict(task.data), base_url=base_url, api_key=session.key, model=task.run, run=task.run,
-                             index=index, timeout_s=self.config.rollout_timeout_s, http_client=http_client,
-                             post=post, rollout_id=rid, sandbox_client=SandboxClient(self.bus))
+        link = RolloutLink(rid, task.run, base_url=base_url, api_key=session.key, post=post, http_client=http_client,
+                           sandbox=self.pool.sandbox)
         stop: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         hosted.live[rid] = (session, stop)
         try:
-            outcome = await run_harness(env, ctx, session, self.config.rollout_timeout_s,
-                                        on_end=lambda: self.interception.close(session.key), stop=stop)
+            try:
+                running = await env.start_rollout(link)
+            except WorkerError as exc:  # no worker for it: this rollout fails, saying why
+                ran = Ran(f"environment worker failed: {exc}", {}, False, 0.0)
+            else:
+                if running.hooks:
+                    session.hooks = running.hooks
+                stop.add_done_callback(lambda done: running.stop(done.result()))
+                ran = await running.run(task.data, model=task.run, index=index, timeout_s=self.config.rollout_timeout_s)
         finally:
             del hosted.live[rid]
+            self.interception.close(session.key)
+        outcome = conclude(ran, session, rid, index)
         await session.flush()  # its trace nodes before the rollout
+        hooks = session.hooks.metrics() if session.hooks else {}
         return events.Rollout(
             id=rid, run=task.run, env=task.env, task_id=task.id, group_id=task.id, index=index,
             policy_version=min(session.versions, default=hosted.policy.version or 0), task_data=task.data,
             nodes=session.graph.ordered(), status=outcome.status, error=outcome.error,
-            metrics=session.metrics() | session.hooks.metrics() | {"rollout_s": outcome.elapsed_s},
+            metrics=session.metrics() | hooks | {"rollout_s": outcome.elapsed_s},
             group_size=task.num_rollouts,
             state=outcome.state, sampling=sampling, usage=session.usage())
 

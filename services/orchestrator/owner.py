@@ -71,7 +71,8 @@ from flywheel.ops.stack import (
     heartbeat_of,
     wait_set,
 )
-from flywheel.sdk.environment import RunEnvironment, config_ids, load_run_environments
+from flywheel.runtime.environments import WorkerPool
+from flywheel.runtime.runs import RunEnvironment, config_ids, load_run_environments
 from flywheel.sdk.scoring import reward_definition
 
 log = logging.getLogger(__name__)
@@ -157,10 +158,13 @@ class TrainerSupervisor:
 class RunOwner:
     """Owns one claimed run until it ends, is stopped, or is lost to another owner."""
 
-    def __init__(self, bus: Bus, settings: Settings, state: events.RunState, name: str,
+    def __init__(self, bus: Bus, settings: Settings, state: events.RunState, name: str, pool: WorkerPool,
                  metrics_slot: int = 0) -> None:
+        """``pool``: the environment workers its task sets and evals run in."""
         self.bus = bus
         self.settings = settings
+        self.pool = pool
+        self.tenant = state.tenant
         # Where its trainer serves its Prometheus figures: TRAINER_METRICS_OFFSET + the lowest slot
         # free among the orchestrator's runs past the orchestrator's own port (0: a free port).
         self.metrics_slot = metrics_slot
@@ -215,7 +219,7 @@ class RunOwner:
                 # First: the trainer's start-up (imports, the model, version 0) is the run's longest
                 # wait, and it loads the environments itself.
                 await trainer.start()
-            self.environments = await asyncio.to_thread(load_run_environments, cfg)
+            self.environments = await load_run_environments(self.pool, cfg, self.tenant)
             self.rows = [[] for _ in self.environments]
             scorers, env_scorers = reward_definition(cfg, self.environments)
             await update_run(self.bus, cfg.run, scorers=scorers, env_scorers=env_scorers,
@@ -448,7 +452,8 @@ class RunOwner:
                               sampling=cfg.eval_sampling(spec),
                               during={"train_run": cfg.run, "step": step, "name": spec.label})
         try:
-            summary = await run_eval(eval_cfg, settings.resolved_nats_url, progress_out=io.StringIO())
+            summary = await run_eval(eval_cfg, settings.resolved_nats_url, progress_out=io.StringIO(), pool=self.pool,
+                                     tenant=self.tenant)
         except Exception as exc:  # the environment does not load, inference refuses, ...: said, training goes on
             log.exception("run %s: eval %s of step %d failed", cfg.run, spec.label, step)
             await self.note(f"eval {spec.label} of step {step} failed: {type(exc).__name__}: {exc}")
@@ -529,7 +534,7 @@ class RunOwner:
         for i, found in enumerate(envs):
             needed = schedule.count(i)
             if len(self.rows[i]) < needed:
-                self.rows[i] = await asyncio.to_thread(found.env.load_tasks, 2 * needed, seed=cfg.task_seed)
+                self.rows[i] = await found.env.load_tasks(2 * needed, seed=cfg.task_seed)
         seen = [0] * len(envs)
         tasks = []
         for position, i in enumerate(schedule):

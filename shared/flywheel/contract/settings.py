@@ -127,7 +127,8 @@ class ScorerSettings(_Section):
     max_in_flight: int = Field(64, ge=1, description="Rollouts being scored at once.")
     max_held: int = Field(1024, ge=1, description="Rollouts held (unacked) waiting for the rest of their group; "
                           "one more, and the oldest incomplete group is scored with what arrived.")
-    num_threads: int = Field(8, ge=1, description="Threads that run sync reward functions.")
+    num_threads: int = Field(8, ge=1, description="Threads that run sync reward functions, in each environment "
+                             "worker (set by its first scoring).")
     reward_timeout_s: float = Field(REWARD_TIMEOUT_S, gt=0, description="How long one reward function may run "
                                     "before its score is an error (the same default as `flywheel eval`).")
     group_timeout_s: float = Field(300.0, gt=0, description="A group still incomplete this long after its first "
@@ -177,6 +178,41 @@ class SandboxSettings(_Section):
                                    "warm pool is topped up.")
     num_tombstones: int = Field(4096, ge=0, description="Destroyed sandboxes remembered, so that a request for "
                                 "one says it was destroyed and why (not that it is unknown).")
+
+
+class WorkersSettings(_Section):
+    """Environment workers: the sandboxed processes environment code runs in, started by every
+    process that needs an environment (section ``[workers]``)."""
+
+    isolation: Literal["bubblewrap", "none"] = Field("bubblewrap", description="How a worker is isolated: "
+                                                     "bubblewrap (no network, no credential, read-only view of the "
+                                                     "packages it runs, an unprivileged user of its own when the "
+                                                     "service runs as root), or none (a plain process that sees "
+                                                     "this machine's files: only for your own code on a machine "
+                                                     "only you use).")
+    memory_mb: int = Field(2048, ge=64, description="Memory of one worker, every process in it together (a memory "
+                        "cgroup where one can be made; else the address space of each process).")
+    pids: int = Field(256, ge=8, description="Processes and threads of one worker.")
+    cpu: NonNegativeFloat = Field(0.0, description="CPU cores one worker may use (a cpu cgroup where one can be "
+                                  "made); 0: no cap.")
+    disk_mb: int = Field(512, ge=1, description="Size of each of a worker's writable folders (/work, /tmp, "
+                         "/dev/shm; each a tmpfs, counted in its memory).")
+    read_only: tuple[str, ...] = Field((), description="Host folders every worker sees, read-only, besides its "
+                                       "interpreter and packages: where environments read files given in their args "
+                                       "(a task file, a folder of tasks). A folder closed to other users stays "
+                                       "unseen where the services run as root (workers run as users of their own).")
+    start_timeout_s: float = Field(60.0, gt=0, description="How long a worker may take to start and answer.")
+    idle_s: float = Field(300.0, gt=0, description="A worker with nothing to do this long is stopped (started "
+                          "again when its environment is next needed).")
+    max_per_environment: int = Field(2, ge=1, description="Workers of one environment version (per tenant) in "
+                                     "one process: another starts when each one holds max_calls calls.")
+    max_calls: int = Field(256, ge=1, description="Calls (rollouts, scorings, ...) one worker holds before its "
+                           "environment gets another worker, up to max_per_environment.")
+    unresponsive_s: float = Field(30.0, gt=0, description="A worker whose event loop does not answer for this "
+                                  "long (environment code blocking it) is killed; its calls fail, each saying so.")
+    uid_base: int = Field(300_000, ge=1000, description="First of the user ids workers run as (when the service "
+                          "runs as root): each worker takes one of num_uids, never one another process holds.")
+    num_uids: int = Field(4096, ge=1, description="How many user ids from uid_base workers may take.")
 
 
 class PriceSettings(_Section):
@@ -290,6 +326,8 @@ class Settings(BaseSettings):
     recorder: RecorderSettings = Field(default_factory=RecorderSettings, description="The recorder's batching.")
     sandbox: SandboxSettings = Field(default_factory=SandboxSettings,
                                      description="The sandbox service's limits on requests, output and files.")
+    workers: WorkersSettings = Field(default_factory=WorkersSettings,
+                                     description="Environment workers: isolation, limits, scaling.")
     prices: PriceSettings = Field(default_factory=PriceSettings, description="The price table of the gateway's "
                                   "usage report.")
 

@@ -63,7 +63,8 @@ from flywheel.contract.runs import (
 from flywheel.contract.service import read_heartbeats
 from flywheel.contract.settings import Settings
 from flywheel.ops.stack import SERVICES, Stack, StackError
-from flywheel.sdk.environment import RunEnvironment, config_ids, prepare_run
+from flywheel.runtime.environments import WorkerPool
+from flywheel.runtime.runs import RunEnvironment, config_ids, prepare_run
 from flywheel.sdk.scoring import describe_reward, reward_definition
 
 RUN_SERVICES = ("orchestrator", "inference", "scorer")  # what a training run needs
@@ -371,9 +372,13 @@ class MainJob:
         not start."""
         cfg = self.cfg
         self._bus = bus = await Bus.connect(self.settings.resolved_nats_url, "flywheel-run")
+        # The run's environments load here only to be checked (and their sampling read), in
+        # workers like everywhere: never in this process.
+        pool = WorkerPool(self.settings.workers, self.settings.data_dir, name="run")
         try:
             # The environments' sampling settings are defaults under the config's own.
-            cfg, self.environments = prepare_run(cfg, self.settings.resolved_gateway_url)
+            cfg, self.environments = await prepare_run(pool, cfg, self.settings.resolved_gateway_url, cfg.tenant)
+            await pool.close()
             self.cfg = cfg
             if check_services:
                 await self._check_services()
@@ -383,6 +388,7 @@ class MainJob:
                 return summary
             outcome = await self._follow()
         finally:
+            await pool.close()
             await bus.close()
         return self._finish(outcome)
 
