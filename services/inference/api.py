@@ -13,9 +13,12 @@ version that answered. ``GET /healthz`` reports NATS and the per-run counters.
 
 With ``auth = "keys"`` (settings) these routes want a tenant's API key
 (:mod:`flywheel.contract.keys`): 401 without a good one, 403 without the scope (``write``
-to sample, ``read`` for ``/v1/models``) or for a run of another tenant; ``/v1/models`` lists
-the key's tenant's runs, running or ended. The deployment's ``service_token`` sees every tenant's (the
-orchestrator's evals). The interception endpoint keeps its own per-rollout keys.
+to sample, ``read`` for ``/v1/models``); ``/v1/models`` lists the key's tenant's runs, running
+or ended. A ``model`` that is another tenant's run, or a run whose state does not decode (its
+owner cannot be read, so it is nobody's), is the 404 of a run that does not exist, the same
+body, so a key learns nothing of other tenants' run ids. The deployment's ``service_token``
+sees every tenant's (the orchestrator's evals). The interception endpoint keeps its own
+per-rollout keys.
 
 The key (or the rollout key) is checked from the headers before anything reads the body
 (:class:`Authenticate`), and a body above the setting ``inference.max_body_bytes`` is refused
@@ -232,17 +235,23 @@ class CompletionRequest(_SamplingRequest):
             raise ApiError(400, "echo=true is not supported", "echo")
 
 
+def _no_such_model(model: str) -> ApiError:
+    """What a key gets for a model it may not use: a run that does not exist, another tenant's,
+    one whose owner cannot be read; alike, so that nothing tells them apart."""
+    return ApiError(404, f"model {model!r}: no run of that id; the model is a run id of your tenant, or RUN@STEP",
+                    "model", "model_not_found")
+
+
 async def _hosted(worker: Worker, model: str, who: Caller) -> HostedRun:
     run = model.partition("@")[0]
-    state = None
     if who.key_id is not None and not who.service:
+        # Read on every request, even for a run hosted already: its owner is the bucket's word now.
         try:
             state = await get_run(worker.bus, run)
-        except BadRunState:
-            pass
-    if state is not None and not who.sees(state.tenant):
-        raise ApiError(403, f"model {model!r}: run {run!r} belongs to another tenant than API key {who.key_id}'s "
-                            f"({who.tenant!r})", "model", "model_not_found")
+        except BadRunState:  # its owner cannot be read: nobody's, refused to every key
+            state = None
+        if state is None or not who.sees(state.tenant):
+            raise _no_such_model(model)
     try:
         return await worker.served(model)
     except UnknownRun as exc:
