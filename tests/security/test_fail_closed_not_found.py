@@ -60,8 +60,8 @@ BODIES = {("PATCH", "/v1/hub/environments/{owner}/{name}"): {"private": False},
 def routes_of(app: FastAPI) -> list[tuple[str, str]]:
     """(method, path) of every route of ``app`` that FastAPI handles (API and pages, the included
     routers' too), as the app's own table lists them."""
-    return [(method, ctx.path) for ctx in iter_route_contexts(app.routes) if isinstance(ctx.original_route, APIRoute)
-            for method in sorted((ctx.methods or set()) - {"HEAD"})]
+    return [(method, str(ctx.path)) for ctx in iter_route_contexts(app.routes)
+            if isinstance(ctx.original_route, APIRoute) for method in sorted((ctx.methods or set()) - {"HEAD"})]
 
 
 def fill(path: str, values: dict[str, str]) -> str:
@@ -146,6 +146,7 @@ async def test_inference_answers_another_tenants_model_as_a_missing_one(nats_ser
             if path in NAMES_NOTHING:
                 continue
             walked_routes.add((method, path))
+            pairs: list[tuple[str, str, dict[str, Any] | None, dict[str, Any] | None, dict[str, str]]]
             if "{key}" in path:
                 pairs = [(path.replace("{key}", ended), path.replace("{key}", "fw-never-made"),
                           None, None, {"fw-never-made": ended})]

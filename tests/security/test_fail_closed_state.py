@@ -41,6 +41,7 @@ async def test_inference_refuses_a_run_whose_owner_it_cannot_read(nats_server: N
         assert missing.status_code == 404, missing.text
         kv = await bus.runs_kv()
         registered = (await kv.get(RUN)).value
+        assert registered is not None
         for broken in ("undecodable", "deleted"):
             if broken == "undecodable":
                 await kv.put(RUN, NOT_A_RUN_STATE)
