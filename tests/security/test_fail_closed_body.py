@@ -149,4 +149,6 @@ async def test_bodies_are_not_read_without_a_key_nor_above_the_limit(nats_server
                 print(f"{what}: {answer.status} after {answer.elapsed_s:.2f}s, {answer.num_sent >> 20} MiB of "
                       f"{BODY_BYTES >> 20} sent; peak RSS {before['VmRSS'] >> 20} -> {after['VmHWM'] >> 20} MiB")
                 assert growth < RSS_BOUND_BYTES, (what, growth)
-                assert answer.num_sent < BODY_BYTES // 4, (what, answer.num_sent)
+                # Answered before the client got far (what the kernel's buffers took meanwhile: tens
+                # of MiB at most here; before the fix all 300 MiB were read, then parsed).
+                assert answer.num_sent < BODY_BYTES // 2, (what, answer.num_sent)
