@@ -151,9 +151,10 @@ async def check_run(who: Caller, store: Store, bus: Bus, run_id: str,
 
 async def check_new_or_own_run(who: Caller, store: Store, bus: Bus, run_id: str) -> None:
     """For a request that creates the run when it is new (``POST /v1/tasks``): nothing when the
-    run is new or the keyed caller's tenant's; a 409 when the id is another tenant's run's, or a
-    run's whose owner cannot be read. Run ids are one namespace, so that an id is taken shows,
-    as a taken user name shows at a sign-up; the answer names no owner and nothing of the run."""
+    run is new or the keyed caller's tenant's; a 409 when the id is taken by another tenant's run
+    or by a run whose owner cannot be read. Run ids are one namespace, so that an id is taken
+    shows, as a taken user name shows at a sign-up; the answer names no owner and nothing of the
+    run."""
     if who.key_id is None or who.service:
         return
     try:

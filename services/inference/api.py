@@ -456,8 +456,8 @@ def install(app: FastAPI, max_body_bytes: int) -> None:
         problems = [(".".join(str(p) for p in e["loc"][1:]) or "body", e["msg"]) for e in exc.errors()]
         return openai_error(400, "; ".join(f"{field}: {msg}" for field, msg in problems), problems[0][0])
 
-    # Outermost first: a rollout key in the header becomes its path, then the key is checked,
-    # then the body is bounded, all before a route reads the body.
+    # Each middleware added wraps those before it: a request meets RolloutKeyAsBearer (a rollout
+    # key in the header becomes its path), then Authenticate, then BodyLimit, then the routes.
     app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes,
                        refuse=lambda detail: openai_error(413, detail, None, "request_too_large"),
                        detail=too_large_detail("inference", max_body_bytes, "inference.max_body_bytes",
