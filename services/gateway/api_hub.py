@@ -6,10 +6,13 @@ An environment is ``owner/name``; its owner is a tenant. Pushing a version
 (``POST /v1/hub/environments/{owner}/{name}/versions``, multipart: ``version``, the wheel and
 the sdist as ``files``) wants the ``write`` scope and a key of the owner (an open gateway:
 any owner); :func:`flywheel_gateway.hub.inspect_package` checks the files and the store keeps
-them in one transaction, so a refused push (422), a version that exists (409) or an
-environment of another tenant (403) stores nothing. Private environments are seen, downloaded
-and evaluated by their owner's keys alone (another tenant's key gets a 403 on each of its
-routes, and listings leave them out); public ones by every key. ``PATCH`` switches one.
+them in one transaction, so a refused push (422), a version that exists (409) or an owner
+other than the key's tenant (403, whether or not the environment exists) stores nothing.
+Private environments are seen, downloaded and evaluated by their owner's keys alone: to
+another tenant's key each of its routes, the package index's pages and its files answer the
+404 of one that does not exist, the same body, and listings leave them out; public ones are
+seen by every key. ``PATCH`` switches one (its owner's keys: another owner's is a 403, whether
+or not it exists).
 Evals (``flywheel eval --push``) attach an eval's summary to a version; ``GET .../evals`` is
 the environment's leaderboard.
 
@@ -78,19 +81,16 @@ def _viewer(who: Caller) -> str | None:
     return None if who.key_id is None or who.service else who.tenant
 
 
-def _refused(who: Caller, env_id: str) -> HTTPException:
-    return HTTPException(403, f"environment {env_id!r} is private and belongs to another tenant than API key "
-                              f"{who.key_id}'s ({who.tenant!r})")
+def _env_not_found(env_id: str) -> HTTPException:
+    return HTTPException(404, f"no environment {env_id!r} on the hub; GET /v1/hub/environments lists them")
 
 
 async def _visible(env_id: str, store: Store, who: Caller) -> dict[str, Any]:
-    """The environment, when the caller may see it: 404 when there is none, 403 when it is
-    another tenant's private one."""
+    """The environment, when the caller may see it: 404 when there is none, and the same 404
+    when it is another tenant's private one."""
     env = await store.hub_environment(env_id)
-    if env is None:
-        raise HTTPException(404, f"no environment {env_id!r} on the hub; GET /v1/hub/environments lists them")
-    if env["private"] and not who.sees(env["owner"]):
-        raise _refused(who, env_id)
+    if env is None or (env["private"] and not who.sees(env["owner"])):
+        raise _env_not_found(env_id)
     return env
 
 
@@ -99,11 +99,13 @@ async def visible_env(owner: OwnerPath, name: NamePath, store: StoreDep, who: Ca
 
 
 def owned_env_id(owner: OwnerPath, name: NamePath, who: CallerDep) -> str:
-    """The id of an environment the caller may change: a keyed tenant its own alone (403 otherwise)."""
+    """The id of an environment the caller may change: a keyed tenant its own alone. Another
+    owner is a 403 by the name alone, the same whether or not that environment exists."""
     env_id = _env_id(owner, name)
     if not who.sees(owner):
-        raise HTTPException(403, f"environment {env_id!r} belongs to another tenant than API key {who.key_id}'s "
-                                 f"({who.tenant!r}): push under your own owner ({who.tenant}/{name}), or fork it")
+        raise HTTPException(403, f"owner {owner!r} is not API key {who.key_id}'s tenant ({who.tenant!r}): a key "
+                                 f"changes its own tenant's environments alone; push under your own owner "
+                                 f"({who.tenant}/{name}), or fork it")
     return env_id
 
 
@@ -263,11 +265,9 @@ async def simple_project(request: Request, project: ProjectPath, store: StoreDep
     if normal != project:  # PEP 503: redirect to the normalized name
         return RedirectResponse(str(request.url_for("simple_project", project=normal)), status_code=301)
     env = await store.hub_project(project)
-    if env is None:
+    if env is None or (env["private"] and not who.sees(env["owner"])):  # another tenant's private: as none
         raise HTTPException(404, f"no project {project!r} on the hub (an environment owner/name is project "
                                  "owner-name)")
-    if env["private"] and not who.sees(env["owner"]):
-        raise _refused(who, env["id"])
     links = [(str(request.url_for("download", filename=row["filename"])), row) for row in env["files"]]
     if _wants_json(request):
         return JSONResponse({"meta": {"api-version": "1.0"}, "name": project, "files": [
@@ -282,9 +282,7 @@ async def simple_project(request: Request, project: ProjectPath, store: StoreDep
 async def download(filename: FilenamePath, store: StoreDep, who: CallerDep) -> Response:
     """A package file, as pushed."""
     row = await store.hub_file(filename)
-    if row is None:
+    if row is None or (row["private"] and not who.sees(row["owner"])):  # another tenant's private: as none
         raise HTTPException(404, f"no file {filename!r} on the hub")
-    if row["private"] and not who.sees(row["owner"]):
-        raise _refused(who, row["env_id"])
     return Response(row["data"], media_type="application/octet-stream",
                     headers={"Content-Disposition": f'attachment; filename="{filename}"'})

@@ -77,6 +77,6 @@ def create_app(settings: Settings, url: str | None = None,
     app = FastAPI(title="Flywheel inference",
                   summary="OpenAI-compatible completions from each run's current policy.",
                   version="0.1.0", lifespan=lifespan)
-    api.install(app)
+    api.install(app, settings.inference.max_body_bytes)
     app.add_middleware(ObservedHTTP)
     return app

@@ -73,6 +73,7 @@ from flywheel_inference.streaming import (
 
 router = APIRouter()
 
+UNKNOWN_ROLLOUT_KEY = "unknown rollout key: the rollout has ended or the URL is wrong"
 _TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 
 
@@ -463,8 +464,7 @@ class Interception:
             return self.sessions[key]
         except KeyError:
             # The rollout key is the endpoint's credential: an unknown one is refused as a bad key is.
-            raise InterceptionError(401, "unknown rollout key: the rollout has ended or the URL is wrong", None,
-                                    "invalid_rollout_key") from None
+            raise InterceptionError(401, UNKNOWN_ROLLOUT_KEY, None, "invalid_rollout_key") from None
 
 
 # --- HTTP ---------------------------------------------------------------------------------

@@ -22,8 +22,8 @@ A :class:`RunOwner` lives in the orchestrator from the moment it claims a run
 4. runs the run's evals (``[[evals]]``) as their steps' weights come out: each through
    ``flywheel eval``'s machinery (:func:`flywheel.ops.eval.run_eval`) against inference's
    OpenAI API with ``model = RUN@STEP`` (the weights of that step, which the trainer keeps
-   pinned until the eval is done), recorded as an eval run ``RUN-eval-NAME-STEP`` linked to
-   the run and step, one eval at a time beside training; each result is a note, a line of
+   pinned until the eval is done), recorded as an eval run ``RUN-eval-NAME-STEP`` of the
+   run's tenant, linked to the run and step, one eval at a time beside training; each result is a note, a line of
    ``evals.jsonl`` in the run folder and a point in ``reward.png``. Evals whose weights are
    still pinned when an owner claims the run, or when its trainer finishes, are run then;
    the run is let go once they are done;
@@ -173,6 +173,7 @@ class RunOwner:
                                      + metrics_slot)
         self.name = name  # the owner's name in the run state: the orchestrator instance
         self.cfg = RunConfig.parse(state.config, source=f"run {state.id!r} config")
+        self.tenant = state.tenant  # the run's owner, whose are its eval runs too
         self.run_dir = run_folder(settings.data_dir.resolve(), state.id)
         self.stopping = asyncio.Event()  # set by the orchestrator when it stops
         self.environments: dict[str, RunEnvironment] = {}  # by name in subjects, in the config's order
@@ -449,6 +450,7 @@ class RunOwner:
                               out=self.run_dir / "evals" / f"{spec.label}-{step}.jsonl",
                               num_tasks=spec.num_tasks, num_rollouts=spec.num_rollouts, resume=True,
                               env_args=dict(spec.args), seed=spec.seed, record=True, run_id=run_id,
+                              tenant=self.tenant,
                               sampling=cfg.eval_sampling(spec),
                               during={"train_run": cfg.run, "step": step, "name": spec.label})
         try:

@@ -80,6 +80,9 @@ class InferenceSettings(_Section):
                                     "most teacher_max_in_flight.")
     teacher_device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where teachers' models run "
                                                            "(auto: cuda when there is one, else cpu).")
+    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="Largest request body the OpenAI API "
+                                "and the interception endpoint read; a larger one is refused with 413 before it "
+                                "is parsed (and a request without a good key before any of it is read).")
 
 
 class TrainerSettings(_Section):

@@ -31,6 +31,10 @@ reward at 1.0), harness and reward errors, tokens from the upstream's usage.
 
 ``record`` publishes the rollouts and their scores on the bus under a run of kind ``eval``
 (registered in the runs bucket), so the gateway's recorder stores them beside training runs.
+The eval run belongs to the tenant of the run it evaluates (``during``'s training run, or the
+run a ``model`` of ``RUN`` or ``RUN@STEP`` names on this bus), so its owner sees it; else to
+``tenant`` (``default`` unset). A run it evaluates whose state does not decode refuses the
+recording (its owner cannot be told), as a ``tenant`` that is not that run's does.
 Where NATS answers, harnesses get a sandbox client (``RolloutContext.sandbox_client``) and
 rewards reach the sandbox service through it (:mod:`flywheel.sdk.sandbox_tools`).
 
@@ -571,6 +575,8 @@ class EvalConfig:
     # An eval during training: {"train_run": RUN, "step": STEP, "eval": NAME}, recorded in the
     # eval run's config, which links it to the training run and the step it evaluated.
     during: dict[str, Any] = field(default_factory=dict)
+    # The eval run's tenant (record); None: the evaluated run's, else "default" (see the module).
+    tenant: str | None = None
     # These rows instead of num_tasks drawn from the task set (flywheel optimize's minibatches).
     tasks: list[dict[str, Any]] | None = None
     # Every call's system message is this one (put first where a harness sends none): the
@@ -882,10 +888,30 @@ class Evaluation:
         if nats_url is None:
             raise ValueError("--record needs NATS: set FLYWHEEL_NATS_URL or start `flywheel up`")
         self.bus = await Bus.connect(nats_url, "flywheel-eval")
-        await register_run(self.bus, self.run_id, kind="eval", config={
+        await register_run(self.bus, self.run_id, await self._tenant(), kind="eval", config={
             "eval": {"env": self.cfg.env, "model": self.cfg.model, "base_url": self.cfg.base_url,
                      "num_tasks": self.cfg.num_tasks, "num_rollouts": self.cfg.num_rollouts, **self.cfg.during}},
                            scorers=self.weights)
+
+    async def _tenant(self) -> str:
+        """The eval run's tenant: the evaluated run's (the training run ``during`` names, else the
+        run the model names, where the bus holds one), else the config's, else ``default``.
+        BadRunState when the evaluated run's state does not decode; ValueError for a config's
+        tenant that is not the evaluated run's."""
+        from flywheel.contract.runs import get_run, is_key  # imported here: with the bus, as above
+
+        assert self.bus is not None
+        trained = self.cfg.during.get("train_run")
+        evaluated = str(trained) if trained else self.cfg.model.partition("@")[0]
+        state = await get_run(self.bus, evaluated) if is_key(evaluated) else None
+        if state is None:
+            if trained:
+                raise ValueError(f"the training run {evaluated!r} this eval is of is not in the runs bucket")
+            return self.cfg.tenant or "default"
+        if self.cfg.tenant is not None and self.cfg.tenant != state.tenant:
+            raise ValueError(f"tenant={self.cfg.tenant!r}, but the run this eval is of ({evaluated!r}) is tenant "
+                             f"{state.tenant!r}'s: an eval of a run belongs to the run's tenant")
+        return state.tenant
 
     async def _open_sandbox(self, nats_url: str | None) -> None:
         """The sandbox service's client, over the recording bus or a connection of its own, where
