@@ -16,15 +16,17 @@ or not it exists).
 Evals (``flywheel eval --push``) attach an eval's summary to a version; ``GET .../evals`` is
 the environment's leaderboard.
 
-The index serves what pip asks for: ``pip install --index-url <gateway>/hub/simple
-owner-name`` (with a key in the URL, ``https://key:<KEY>@host/hub/simple``, for a gateway that
-wants keys: the index takes HTTP Basic credentials, the key as the password, and answers a
-missing one with a Basic challenge). Links carry each file's sha256, so pip checks what it
-downloads.
+The index serves what pip asks for: ``pip install --only-binary :all: --index-url
+<gateway>/hub/simple owner-name`` (with a key in the URL, ``https://key:<KEY>@host/hub/simple``,
+for a gateway that wants keys: the index takes HTTP Basic credentials, the key as the password,
+and answers a missing one with a Basic challenge). It lists each version's wheel alone, never
+its sdist, so pip cannot fall back to building one; links carry each file's sha256, so pip
+checks what it downloads.
 """
 
 from __future__ import annotations
 
+import asyncio
 import html
 from typing import Annotated, Any
 
@@ -169,9 +171,10 @@ async def push_version(
     forked_from: Annotated[str | None, Form(max_length=200, description="owner/name@version this environment was "
                                                                          "forked from (its first push).")] = None,
 ) -> HubVersionPublic:
-    """Push a version: checked (names, version, archives, entry point), then stored with its
-    content hash, immutable from then on. Refused, naming the file and the fix, with nothing
-    stored: a package that does not check (422), a version or file that exists (409)."""
+    """Push a version: checked (names, version, archives, what the wheel installs, sizes: the
+    hub's rules, README "The environment hub"), then stored with its content hash, immutable
+    from then on. Refused, naming the file and the fix, with nothing stored: a package that
+    does not check (422), a version or file that exists (409)."""
     if forked_from is not None:
         parent, at, parent_version = forked_from.partition("@")
         owner_of, _, name_of = parent.partition("/")
@@ -186,7 +189,10 @@ async def push_version(
             raise refuse_field("body", "files", f"{name!r} is given twice")
         contents[name] = await upload.read()
     try:
-        package = inspect_package(env_id, version, contents, request.app.state.hub_max_file_bytes)
+        # In a thread: inflating and hashing a package's members takes a while (up to the hub's
+        # size limits), and the event loop serves every other request meanwhile.
+        package = await asyncio.to_thread(inspect_package, env_id, version, contents,
+                                          request.app.state.hub_max_file_bytes)
         stored = await store.hub_push(package, env_id.partition("/")[0], private, who.key_id, forked_from)
     except HubConflict as exc:
         raise HTTPException(409, str(exc)) from None
@@ -260,7 +266,8 @@ async def simple_projects(request: Request, store: StoreDep, who: CallerDep) -> 
 @index.get("/simple/{project}/", response_class=Response, responses={**_INDEX_PAGE, 301: {
     "description": "The project's normalized name (PEP 503)."}})
 async def simple_project(request: Request, project: ProjectPath, store: StoreDep, who: CallerDep) -> Response:
-    """One project's files, each linked with its sha256 (PEP 503 HTML, or PEP 691 JSON)."""
+    """One project's wheels, each linked with its sha256 (PEP 503 HTML, or PEP 691 JSON); sdists
+    are not listed (they are kept for reading: the API and /hub/files serve them)."""
     normal = canonicalize_name(project)
     if normal != project:  # PEP 503: redirect to the normalized name
         return RedirectResponse(str(request.url_for("simple_project", project=normal)), status_code=301)
@@ -268,7 +275,10 @@ async def simple_project(request: Request, project: ProjectPath, store: StoreDep
     if env is None or (env["private"] and not who.sees(env["owner"])):  # another tenant's private: as none
         raise HTTPException(404, f"no project {project!r} on the hub (an environment owner/name is project "
                                  "owner-name)")
-    links = [(str(request.url_for("download", filename=row["filename"])), row) for row in env["files"]]
+    # Wheels alone: pip never sees an sdist here, so no install from this index builds one (and
+    # runs its build backend) when it cannot take the wheel.
+    links = [(str(request.url_for("download", filename=row["filename"])), row) for row in env["files"]
+             if row["kind"] == "wheel"]
     if _wants_json(request):
         return JSONResponse({"meta": {"api-version": "1.0"}, "name": project, "files": [
             {"filename": row["filename"], "url": url, "hashes": {"sha256": row["sha256"]}, "size": row["size_bytes"]}

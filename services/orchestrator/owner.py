@@ -164,7 +164,6 @@ class RunOwner:
         self.bus = bus
         self.settings = settings
         self.pool = pool
-        self.tenant = state.tenant
         # Where its trainer serves its Prometheus figures: TRAINER_METRICS_OFFSET + the lowest slot
         # free among the orchestrator's runs past the orchestrator's own port (0: a free port).
         self.metrics_slot = metrics_slot
@@ -454,8 +453,7 @@ class RunOwner:
                               sampling=cfg.eval_sampling(spec),
                               during={"train_run": cfg.run, "step": step, "name": spec.label})
         try:
-            summary = await run_eval(eval_cfg, settings.resolved_nats_url, progress_out=io.StringIO(), pool=self.pool,
-                                     tenant=self.tenant)
+            summary = await run_eval(eval_cfg, settings.resolved_nats_url, progress_out=io.StringIO(), pool=self.pool)
         except Exception as exc:  # the environment does not load, inference refuses, ...: said, training goes on
             log.exception("run %s: eval %s of step %d failed", cfg.run, spec.label, step)
             await self.note(f"eval {spec.label} of step {step} failed: {type(exc).__name__}: {exc}")

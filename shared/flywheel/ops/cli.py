@@ -414,7 +414,8 @@ def build_parser() -> argparse.ArgumentParser:
     installing = env_commands.add_parser(
         "install", help="install an environment from the hub by id",
         description="Download ID's wheel (owner/name@version; the newest version without @version), check its "
-                    "sha256 against the hub's, and pip install it (its dependencies from pip's usual index). " +
+                    "sha256 against the hub's and its content by the hub's rules, and pip install that file, wheels "
+                    "only (its dependencies as wheels from pip's usual index; no sdist is ever built). " +
                     hub_note)
     installing.add_argument("spec", metavar="ID", help="owner/name or owner/name@version")
     _add_settings(installing, ("gateway_url",))
@@ -785,8 +786,8 @@ def cmd_env_show(args: argparse.Namespace) -> int:
             return 0
         env = hub.environment(args.spec)
         evals = hub.evals(args.spec)
-    print(f"{env['id']} ({'private' if env['private'] else 'public'}; pip install --index-url "
-          f"{hub.url}/hub/simple {env['project']})")
+    print(f"{env['id']} ({'private' if env['private'] else 'public'}; pip install --only-binary :all: "
+          f"--index-url {hub.url}/hub/simple {env['project']})")
     if env["forked_from"]:
         print(f"forked from {env['forked_from']}")
     if env["forks"]:

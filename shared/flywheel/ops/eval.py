@@ -954,9 +954,10 @@ async def resolve_model(base_url: str, api_key: str | None) -> str:
 
 
 async def run_eval(cfg: EvalConfig, nats_url: str | None = None, progress_out: TextIO = sys.stderr,
-                   pool: WorkerPool | None = None, tenant: str = "") -> dict[str, Any]:
-    """Load the environment in a worker of ``tenant`` (in ``pool``, or a pool of this eval's own,
-    of the settings' workers section), run the eval, return the summary (also written beside the results)."""
+                   pool: WorkerPool | None = None) -> dict[str, Any]:
+    """Load the environment in a worker of the eval's tenant (``cfg.tenant``, else ``default``;
+    in ``pool``, or a pool of this eval's own, of the settings' workers section), run the eval,
+    return the summary (also written beside the results)."""
     own = pool is None
     if pool is None:
         from flywheel.contract.settings import Settings
@@ -965,7 +966,7 @@ async def run_eval(cfg: EvalConfig, nats_url: str | None = None, progress_out: T
         pool = WorkerPool(settings.workers, settings.data_dir, name="eval")
     try:
         overrides = EnvironmentOverrides(args=dict(cfg.env_args), harness=cfg.harness, runtime=cfg.runtime)
-        env = await load_environment(pool, cfg.env, overrides, tenant)
+        env = await load_environment(pool, cfg.env, overrides, cfg.tenant or "default")
         summary = await Evaluation(cfg, env, progress_out).run(nats_url)
     finally:
         if own:
