@@ -58,8 +58,9 @@ async def dead_letters(bus: Bus, consumer: str | None = None) -> list[events.Dea
 
 
 async def nothing_held(bus: Bus) -> bool:
-    info = await bus.js.consumer_info("TASKS", "inference")
-    return info.num_ack_pending == 0 and info.num_pending == 0
+    """No task queued or held by inference's consumers: its screen's and each run's."""
+    infos = await bus.js.consumers_info("TASKS")
+    return all(info.num_ack_pending == 0 and info.num_pending == 0 for info in infos)
 
 
 async def serving(bus: Bus) -> bool:
@@ -275,7 +276,7 @@ async def test_a_second_delivery_of_a_task_in_flight_waits_for_the_first(
     await publish_again(bus, task(0))
 
     async def both_held() -> bool:
-        return (await bus.js.consumer_info("TASKS", "inference")).num_ack_pending == 2
+        return (await bus.js.consumer_info("TASKS", "inference-r1")).num_ack_pending == 2
 
     await until(both_held, what="both copies delivered")
     await until(lambda: run_info(worker).get("num_waiting") == 4, what="one copy waiting for weights")
@@ -319,8 +320,8 @@ async def test_a_killed_replica_s_tasks_reach_the_next_one_within_seconds(
         async def held() -> bool:  # no weights yet: the process holds every task, waiting
             assert proc.returncode is None, log_path.read_text()[-3000:]
             try:
-                return (await bus.js.consumer_info("TASKS", "inference")).num_ack_pending == 4
-            except nats.js.errors.NotFoundError:  # the process has not made its consumer yet
+                return (await bus.js.consumer_info("TASKS", "inference-r1")).num_ack_pending == 4
+            except nats.js.errors.NotFoundError:  # the process has not made the run's consumer yet
                 return False
 
         await until(held, timeout_s=60, what="the process to hold the four tasks")
