@@ -21,9 +21,9 @@ waits alone:
 - A run that ended: its consumer goes on until its durable holds nothing more (leftover tasks
   are acked and counted as skipped, a task published after the end is acked there, the screen
   dead-letters it), then stops; a task of an ended run that reaches the screen starts it
-  again for as long (a replica that starts after the end skips the leftovers too). A finished run's durable is deleted then (a finished run is
-  never resumed); a stopped, failed or abandoned one's is kept, so that a resumed run goes on
-  where its tasks stood.
+  again for as long (a replica that starts after the end skips the leftovers too). A
+  finished run's durable is deleted then (a finished run is never resumed); a stopped,
+  failed or abandoned one's is kept, so that a resumed run goes on where its tasks stood.
 
 A consumer of a run that fails (what :meth:`flywheel.contract.bus.Consumer.run` raises) stops
 the process, as the screen's would.
