@@ -163,6 +163,19 @@ async def test_tasks_of_a_run_that_is_unknown_has_no_config_or_a_bad_state_are_d
     assert await serving(bus)
 
 
+async def test_a_payload_on_a_run_s_task_subject_that_is_no_task_is_dead_lettered_once(
+        bus: Bus, tiny_model_dir: Path, start_worker: Workers) -> None:
+    # Both the screen and the run's own consumer read it: the screen's letter is the one.
+    await create_run(bus, tiny_model_dir)
+    worker = await start_worker()
+    await until(lambda: "r1" in worker.tasks.runs(), what="the run's task consumer")
+    await bus.publish_raw("tasks.r1.reverse_text", b"\xff not a task",
+                          {HEADER_CONTENT_TYPE: events.JSON, HEADER_MSG_ID: "garbage"})
+    await until(lambda: nothing_held(bus), what="the payload done with by both consumers")
+    (letter,) = await dead_letters(bus)
+    assert letter.consumer == "inference" and "does not decode" in letter.reason, letter
+
+
 async def test_tasks_of_an_ended_run_are_skipped_when_left_over_and_dead_lettered_when_published_after(
         bus: Bus, tiny_model_dir: Path, start_worker: Workers) -> None:
     cfg = await create_run(bus, tiny_model_dir)
