@@ -1,12 +1,13 @@
 """The inference worker: tasks in, trace nodes and rollouts out, weight updates applied.
 
-- Tasks come from one durable pull consumer on TASKS (``inference``), shared by every
-  replica, within the bounds of the settings' ``inference`` section
-  (:class:`flywheel.contract.settings.InferenceSettings`). Its ack wait is short
+- Tasks come from a durable pull consumer on TASKS per run (``inference-<run>``), shared by
+  every replica, behind a screen of every task (``inference``) that dead-letters what no run can
+  take (:mod:`flywheel_inference.run_tasks`), within the bounds of the settings' ``inference``
+  section (:class:`flywheel.contract.settings.InferenceSettings`). Their ack wait is short
   (``ack_wait_s``, 5 s; the bus layer sends ``in_progress``
   every third of it for a task still being worked on, so a long rollout is not
   redelivered): the tasks a killed replica held reach another one within seconds instead
-  of blocking the durable's ``max_ack_pending``. A task is rolled out ``num_rollouts``
+  of blocking the run's ``max_ack_pending``. A task is rolled out ``num_rollouts``
   times as one group: the run's environment (loaded as every service loads it,
   :func:`flywheel.sdk.environment.load_for_run`) runs its harness once per rollout, each
   against its own interception URL (:mod:`flywheel_inference.interception`), which samples
@@ -30,8 +31,8 @@
   state; a task is checked against it when it arrives (:func:`flywheel.contract.runs.end_of`).
   When a run ends (finished, failed, stopped, or abandoned: its owner's lease expired,
   which is checked every ``LEASE_CHECK_S`` since nothing writes the state when an owner
-  dies), its waiting tasks are released at once (acked, counted as ``num_skipped``), so
-  they stop holding the consumer's slots and other runs get inference.
+  dies), its waiting tasks are released at once (acked, counted as ``num_skipped``), and
+  its consumer stops once its leftover tasks are skipped too.
 - Weight updates come from an ordered consumer on WEIGHTS (:func:`flywheel.contract.bus.watch`)
   that starts at the last message of every run's subject, so each replica sees every
   update and a late one catches up; a payload there that is not an update of that run
@@ -52,14 +53,15 @@ published (the last ``MAX_RECORDED_TASKS`` per run) and acks such a task again w
 rolling it out, and a second delivery of a task still in flight here waits for the first
 one's outcome instead of running it twice.
 
-A task waiting for its run's admission holds one of the consumer's ``max_tasks_in_flight``
-slots, so a run far ahead of its trainer can delay other runs' tasks (the bound is per
-process, not per run). A run's config is read once, when the run is first seen.
+A task waiting for its run's admission holds one of its run's ``max_tasks_in_flight`` slots,
+never another run's; a rollout holds a place of its run and one of its tenant's
+(``tenant_max_rollouts_in_flight``, over the tenant's runs in this process). A run's config
+is read once, when the run is first seen.
 
 Failures: a task that can never succeed is dead-lettered at once with the reason: its run
 is not in the runs bucket, has no config, or its state does not decode (a run is
 registered with its config before its tasks are published, so waiting cannot help); it
-was published after its run ended; its environment does not load; its row does not match
+was published after its run ended (these by the screen); its environment does not load; its row does not match
 the task set's schema; bad sampling settings; a group larger than the admission bounds. A
 task left over from before its run ended is acked and counted as skipped. Anything else
 (the model fails to build, the bus fails) fails the delivery, which the bus retries with
@@ -95,10 +97,10 @@ import nats.js.errors
 from nats.js.api import PubAck
 
 from flywheel.contract import events, metrics, weights
-from flywheel.contract.bus import RUNS_BUCKET, Bus, Consumer, Delivery, EventCount, Reject, wait_at_most, watch
+from flywheel.contract.bus import RUNS_BUCKET, Bus, Delivery, EventCount, Reject, wait_at_most, watch
 from flywheel.contract.config import RunConfig
 from flywheel.contract.heap import freeze_heap
-from flywheel.contract.runs import BadRunState, end_of, get_run, watch_runs
+from flywheel.contract.runs import BadRunState, RunEnd, end_of, get_run, watch_runs
 from flywheel.contract.service import Service, compute
 from flywheel.contract.settings import InferenceSettings, WorkersSettings
 from flywheel.runtime.channel import RemoteError
@@ -107,15 +109,15 @@ from flywheel.runtime.runs import load_for_run
 from flywheel.sdk.environment import EnvironmentLoadError
 from flywheel.sdk.rollout import Ran, conclude
 from flywheel.sdk.sandbox import SandboxClient
-from flywheel_inference.admission import Admission, RunEnded, SharedIssued
+from flywheel_inference.admission import Admission, RunEnded, SharedIssued, TenantPlaces
 from flywheel_inference.backends import build_backend
 from flywheel_inference.completion import Backend
 from flywheel_inference.interception import Interception, Session
 from flywheel_inference.policy import MAX_OFFERED, Batcher, OnLoaded, Policy, TransientFetchError
+from flywheel_inference.run_tasks import RunTasks
 
 log = logging.getLogger(__name__)
 
-DURABLE = "inference"
 WEIGHTS_WATCHER = "inference-weights"  # the weights watcher's name on its dead letters
 # Task ids whose group this process published, remembered per run: a redelivery comes
 # within a few ack waits, so the last few thousand are plenty.
@@ -124,6 +126,12 @@ LEASE_CHECK_S = 1.0  # how often hosted runs are checked for an expired owner's 
 # An ended LoRA run's adapter leaves the shared base once nothing has sampled from it for this long
 # (the API may still serve the run's last weights: a burst of eval requests keeps it loaded).
 EVICT_IDLE_S = 30.0
+
+
+def _published_after(task: events.Task, end: RunEnd) -> bool:
+    """Whether ``task`` was published after its run ended (not left over from before)."""
+    created_at = task.created_at if task.created_at.tzinfo else task.created_at.replace(tzinfo=UTC)
+    return created_at >= end.since
 
 
 class UnknownRun(LookupError):
@@ -240,6 +248,8 @@ class Worker:
         self._in_process: Any = None  # the in-process transport behind _asgi_client
         self._info_due = False  # a write of the counters is scheduled (_refresh_info)
         self._rollouts_on_bus: dict[str, EventCount] = {}  # by run: its rollouts in the ROLLOUTS stream
+        self._tenants: dict[str, TenantPlaces] = {}  # each tenant's rollout places in this process
+        self.tasks = RunTasks(bus, config, self.handle, self.screen)  # the screen and each run's task consumer
         # This process among the replicas that share each run's admission bound (SharedIssued).
         self.replica = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
 
@@ -257,12 +267,6 @@ class Worker:
 
         pool = WorkerPool(workers or WorkersSettings(), data_dir, name="inference", sandbox=SandboxClient(bus))
         return cls(bus, build, config, url, pool)
-
-    def consumer(self) -> Consumer:
-        c = self.config
-        return Consumer(self.bus, stream="TASKS", durable=DURABLE, handler=self.handle, event_type=events.Task,
-                        max_in_flight=c.max_tasks_in_flight, ack_wait_s=c.ack_wait_s, max_deliver=c.max_deliver,
-                        backoff_s=c.backoff_s, grace_s=c.grace_s)
 
     async def close(self) -> None:
         await self.pool.close()
@@ -300,9 +304,13 @@ class Worker:
         cfg = await self.run_config(run)
         num_issued = await self._num_rollouts_published(run)
         shared = SharedIssued(self.bus, run, self.replica, self._num_rollouts_published)
-        admission = Admission.for_run(cfg, num_issued=num_issued, on_change=self._refresh_info, shared=shared)
+        state = self._states.get(run) or await get_run(self.bus, run)
+        tenant = state.tenant if state is not None else events.RunState(id=run).tenant
+        if tenant not in self._tenants:
+            self._tenants[tenant] = TenantPlaces(tenant, self.config.tenant_max_rollouts_in_flight)
+        admission = Admission.for_run(cfg, num_issued=num_issued, on_change=self._refresh_info, shared=shared,
+                                      tenant=self._tenants[tenant])
         admission.num_skipped = self._num_skipped.pop(run, 0)
-        state = self._states.get(run)
         end = end_of(state) if state is not None else None
         admission.ended = end.reason if end is not None else None
 
@@ -494,9 +502,11 @@ class Worker:
             await self.on_weight_update(update)
 
     def service(self, handle_signals: bool = True) -> Service:
-        """The process's Service: the TASKS consumer, the weights and run-state watchers, the lease check."""
+        """The process's Service: the TASKS consumers (the screen, each run's), the weights and
+        run-state watchers, the lease check."""
         service = Service("inference", self.bus, info=self.info, handle_signals=handle_signals)
-        service.add(self.consumer())
+        service.add(self.tasks.screen())
+        service.add_task(self.tasks.run)
         service.add_task(self.watch_weights)
         service.add_task(self.watch_runs)
         service.add_task(self.watch_leases)
@@ -510,6 +520,7 @@ class Worker:
 
         async def on_state(state: events.RunState) -> None:
             self._states[state.id] = state
+            self._follow(state.id)
             await self._check_end(state.id)
 
         await watch_runs(self.bus, stopping, on_state)
@@ -518,9 +529,22 @@ class Worker:
         """Every LEASE_CHECK_S, end the hosted runs whose owner's lease expired: a dead owner
         writes nothing, so no state change announces it."""
         while not stopping.is_set():
+            for run in self.tasks.runs():
+                self._follow(run)
             for run in list(self._runs):
                 await self._check_end(run)
             await wait_at_most(stopping.wait(), LEASE_CHECK_S)
+
+    def _follow(self, run: str) -> None:
+        """Consume the run's tasks here while it goes on; once it ended, until its durable is empty."""
+        state = self._states.get(run)
+        if state is None or not state.config:
+            return
+        end = end_of(state)
+        if end is None:
+            self.tasks.serve(run)
+        else:
+            self.tasks.end(run, finished=state.status == "finished")
 
     async def _check_end(self, run: str) -> None:
         hosted, state = self._runs.get(run), self._states.get(run)
@@ -578,25 +602,44 @@ class Worker:
             del self._in_flight[key]
             done.set()
 
-    async def _handle(self, task: events.Task) -> None:
-        from flywheel.sdk import models
+    async def screen(self, delivery: Delivery) -> None:
+        """The screen's delivery of a task (every task passes it): what no run can take is
+        dead-lettered (Reject); a run that goes on is consumed here; its consumer does the rest."""
+        task: events.Task = delivery.event
+        end = await self._run_end(task)
+        if end is None:
+            self.tasks.serve(task.run)
+            return
+        self.tasks.drain(task.run, finished=end.status == "finished")  # its consumer skips (and counts) leftovers
+        if _published_after(task, end):
+            raise Reject(f"task {task.id} was published at {task.created_at.isoformat()}, after the run ended: "
+                         f"{end.reason}. An ended run takes no tasks: register a new run (`flywheel run CONFIG`) "
+                         "and publish the task to it")
 
+    async def _run_end(self, task: events.Task) -> RunEnd | None:
+        """How the task's run ended (None: it goes on); Reject when it cannot take tasks, and never will."""
         end = end_of(await self._run_state(task.run))
         if end is not None:  # confirmed by a fresh read: the watcher may not have seen a resume yet
             state = await self._run_state(task.run, fresh=True)
             cached = self._states.get(task.run)
             if cached is None or cached.updated_at <= state.updated_at:
                 self._states[task.run] = state
+                self._follow(task.run)
                 await self._check_end(task.run)
             end = end_of(state)
+        return end
+
+    async def _handle(self, task: events.Task) -> None:
+        from flywheel.sdk import models
+
+        end = await self._run_end(task)
         if end is not None:
-            created_at = task.created_at if task.created_at.tzinfo else task.created_at.replace(tzinfo=UTC)
-            if created_at < end.since:  # left over from the task supply
+            if _published_after(task, end):
+                log.info("task %s: published after its run ended (%s); the screen dead-letters it", task.id,
+                         end.reason)
+            else:  # left over from the task supply
                 self._skip(task, end.reason)
-                return
-            raise Reject(f"task {task.id} was published at {task.created_at.isoformat()}, after the run ended: "
-                         f"{end.reason}. An ended run takes no tasks: register a new run (`flywheel run CONFIG`) "
-                         "and publish the task to it")
+            return
         try:
             hosted = await self.hosted(task.run)
         except (UnknownRun, ValueError) as exc:  # deleted meanwhile, or a config that does not parse

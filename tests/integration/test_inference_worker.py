@@ -211,9 +211,9 @@ async def test_tasks_left_when_the_run_ends_are_released_not_held(
     await (await bus.runs_kv()).put("r1", events.encode(finished))
     await until(lambda: worker.info["runs"]["r1"]["num_skipped"] == 8, timeout_s=15, what="the waiting groups skipped")
 
-    async def nothing_held() -> bool:
-        info = await bus.js.consumer_info("TASKS", "inference")
-        return info.num_ack_pending == 0 and info.num_pending == 0
+    async def nothing_held() -> bool:  # the screen's and the run's consumer
+        infos = await bus.js.consumers_info("TASKS")
+        return all(info.num_ack_pending == 0 and info.num_pending == 0 for info in infos)
 
     await until(nothing_held, timeout_s=15, what="the leftover tasks acked")
     await bus.publish(events.Task(id="late", run="r1", env="reverse_text", data={"text": "ab"}, num_rollouts=4))

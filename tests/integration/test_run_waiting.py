@@ -74,6 +74,16 @@ async def test_a_quiet_run_says_what_inference_holds_back_and_the_bound(bus: Bus
         "run waits: no new step for 32s; rollouts in flight in inference: 0; 24 waiting there for admission or a "
         "place (the staleness bound: 96 rollouts issued since the run began, over every replica, until the trainer's "
         "next step); its owner's last note: (none)")
+    # The tenant's other runs take its quota of one replica: the screen names the quota.
+    await beat(bus, "inference", 2, {"runs": {"waits": {"num_in_flight": 0, "num_waiting": 0, "max_issued": 96,
+                                                        "tenant": "alice", "num_waiting_tenant": 5,
+                                                        "tenant_in_flight": 256, "tenant_max_in_flight": 256}}})
+    await job._say_waiting(33.0)
+    assert out.getvalue().splitlines()[-1] == (
+        "run waits: no new step for 33s; rollouts in flight in inference: 0; 16 waiting there for admission or a "
+        "place (the staleness bound: 96 rollouts issued since the run began, over every replica, until the trainer's "
+        "next step); 5 waiting there for a place under tenant alice's quota (its runs roll out 256 at once in a "
+        "replica, inference.tenant_max_rollouts_in_flight = 256); its owner's last note: (none)")
 
 
 async def test_a_waiting_run_names_the_scorer_replica_and_weights_it_lacks(bus: Bus, nats_server: NatsServer,

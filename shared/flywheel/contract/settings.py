@@ -51,10 +51,17 @@ class InferenceSettings(_Section):
     snapshots_kept: int = Field(2, ge=1, description="Weights of past steps (`model = RUN@STEP` on the OpenAI "
                                 "API, which evals during training use) kept loaded, each in a model of its own; "
                                 "the least recently used beyond these is unloaded.")
-    max_tasks_in_flight: int = Field(32, ge=1, description="Tasks one inference process handles at once, each "
-                                     "rolling out its group or waiting for its run's admission: enough for "
-                                     "several groups to share a batch. A run far ahead of its trainer holds "
-                                     "these slots while it waits.")
+    max_tasks_in_flight: int = Field(32, ge=1, description="Tasks of one run that inference holds at once, each "
+                                     "rolling out its group or waiting for the run's admission: enough for "
+                                     "several groups to share a batch. Each run has slots of its own (a consumer "
+                                     "of its tasks, shared by the replicas): a run that waits (paused, far ahead "
+                                     "of its trainer, flooded with tasks) holds only its own.")
+    tenant_max_rollouts_in_flight: int = Field(256, ge=1, description="Rollouts of one tenant's runs rolled out "
+                                               "at once in one inference process, all its runs together (each run "
+                                               "is bounded by its config's inference.max_rollouts_in_flight too): "
+                                               "the tenant's quota, so that one tenant's runs, however many or "
+                                               "slow, leave places to the others'. A rollout over it waits, and "
+                                               "its run's screen says so.")
     ack_wait_s: float = Field(5.0, gt=0, description="How soon the tasks a process held when it died are "
                               "delivered to another one. A task still being rolled out is kept alive every "
                               "third of it, so a long rollout is not redelivered.")

@@ -618,14 +618,22 @@ class MainJob:
                  + f"; its owner's last note: {self.last_note or '(none)'}")
 
     def _admission_wait(self, hosting: list[dict[str, Any]]) -> str:
-        """The rollouts the replicas hold back, and the bound that moves when the trainer steps."""
+        """The rollouts the replicas hold back, and the bound that moves when the trainer steps;
+        those that wait for a place under the tenant's quota, and the quota."""
         waiting = sum(h["num_waiting"] for h in hosting if isinstance(h.get("num_waiting"), int))
         bounds = [h for h in hosting if isinstance(h.get("max_issued"), int)]
-        if not waiting or not bounds:
-            return ""
-        bound = max(bounds, key=lambda h: h["max_issued"])
-        return (f"; {waiting} waiting there for admission or a place (the staleness bound: {bound['max_issued']} "
-                "rollouts issued since the run began, over every replica, until the trainer's next step)")
+        said = ""
+        if waiting and bounds:
+            bound = max(bounds, key=lambda h: h["max_issued"])
+            said = (f"; {waiting} waiting there for admission or a place (the staleness bound: {bound['max_issued']} "
+                    "rollouts issued since the run began, over every replica, until the trainer's next step)")
+        quota = [h for h in hosting if isinstance(h.get("num_waiting_tenant"), int) and h["num_waiting_tenant"] > 0]
+        if quota:
+            full = max(quota, key=lambda h: h["num_waiting_tenant"])
+            said += (f"; {sum(h['num_waiting_tenant'] for h in quota)} waiting there for a place under tenant "
+                     f"{full.get('tenant')}'s quota (its runs roll out {full.get('tenant_in_flight')} at once in a "
+                     f"replica, inference.tenant_max_rollouts_in_flight = {full.get('tenant_max_in_flight')})")
+        return said
 
     async def _missing(self) -> list[str]:
         """What the run needs and does not have: an orchestrator to own it, a scorer of its reward
