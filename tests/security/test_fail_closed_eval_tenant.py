@@ -20,6 +20,7 @@ from flywheel.contract.runs import get_run
 from flywheel.contract.settings import Settings
 from flywheel.ops.natsserver import NatsServer
 from flywheel_orchestrator.owner import RunOwner
+from tests.helpers import worker_pool
 from tests.scripted_openai import ScriptedOpenAI
 from tests.security.fail_closed import SERVICE_TOKEN, call, keyed_gateway, make_keys
 
@@ -36,8 +37,9 @@ async def test_a_runs_eval_runs_are_its_tenants(nats_server: NatsServer, bus: Bu
         # The orchestrator's run owner, as it runs the evals of a step's weights.
         settings = Settings(nats_url=nats_server.url, data_dir=tmp_path / "data", auth="keys",
                             service_token=SERVICE_TOKEN, inference_url=model.base_url)
-        owner = RunOwner(bus, settings, state, "orchestrator-test")
-        await owner._eval(cfg.evals[0], step)
+        async with worker_pool("orchestrator") as workers:
+            owner = RunOwner(bus, settings, state, "orchestrator-test", workers)
+            await owner._eval(cfg.evals[0], step)
         # flywheel eval --record of the run's model, as a user runs it.
         env = os.environ | {"FLYWHEEL_NATS_URL": nats_server.url, "FLYWHEEL_DATA_DIR": str(tmp_path / "cli")}
         proc = await asyncio.create_subprocess_exec(
