@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -59,3 +61,15 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from flywheel.sdk import models
 
     return Path(models.resolve_model("tiny", tmp_path_factory.mktemp("data")))
+
+
+@pytest.fixture
+def readable() -> Iterator[Path]:
+    """A temporary folder other users may read (pytest's own are closed to them): data that
+    environment workers, users of their own, read."""
+    folder = Path(tempfile.mkdtemp(prefix="flywheel-readable-"))
+    folder.chmod(0o755)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

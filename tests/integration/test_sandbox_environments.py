@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import io
 import json
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -105,18 +102,6 @@ async def test_rlm_sub_calls_in_training_are_sampled_recorded_and_trained(
     assert sum(sum(s.loss_mask) for s in sequences) == rollout.metrics["num_completion_tokens"]
 
 
-@pytest.fixture
-def shared() -> Iterator[Path]:
-    """A temporary folder that environment workers (users of their own) may read: pytest's own
-    temporary folders are closed to other users."""
-    folder = Path(tempfile.mkdtemp(prefix="flywheel-shared-"))
-    folder.chmod(0o755)
-    try:
-        yield folder
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-
-
 def solve_coding(tasks: list[dict[str, Any]]) -> Any:
     def reply(body: dict[str, Any]) -> str:
         asked = body["messages"][-1]["content"]
@@ -131,9 +116,9 @@ def submit_found(body: dict[str, Any]) -> dict[str, Any]:
 
 
 async def test_eval_hands_sandboxes_to_harnesses_and_rewards(bus: Bus, nats_server: NatsServer, tmp_path: Path,
-                                                             shared: Path, request: pytest.FixtureRequest) -> None:
+                                                             readable: Path, request: pytest.FixtureRequest) -> None:
     # The task file, where the workers see it (setting workers.read_only).
-    one_ctf = shared / "ctf.jsonl"
+    one_ctf = readable / "ctf.jsonl"
     one_ctf.write_text(json.dumps({"id": "notes", "challenge": "hidden_backup", "prompt": "Find the notes."}) + "\n")
     one_ctf.chmod(0o644)
     rows = coding.load_environment(tools=False).load_tasks(2)  # the rows the eval draws (same number, same seed)
@@ -141,7 +126,7 @@ async def test_eval_hands_sandboxes_to_harnesses_and_rewards(bus: Bus, nats_serv
               "player": [tool_call("bash", command="grep -r remember projects"), submit_found]}
     args: dict[str, dict[str, Any]] = {"coding": {"tools": False}, "ctf": {"tasks_file": str(one_ctf)}}
     async with backend_named("local", request) as backend, serving(bus, backend) as sandbox, \
-            worker_pool("eval", read_only=(str(shared),)) as workers:
+            worker_pool("eval", read_only=(str(readable),)) as workers:
         with ScriptedOpenAI(script) as model:
             for env_id, name, n in (("coding", "coder", 2), ("ctf", "player", 1)):
                 env = await runs.load_environment(workers, env_id, EnvironmentOverrides(args=args[env_id]))

@@ -393,7 +393,10 @@ def build_parser() -> argparse.ArgumentParser:
     init.set_defaults(func=cmd_env_init)
     listing = env_commands.add_parser("list", help="installed environments and their versions",
                                       description="Every environment registered under the flywheel.environments "
-                                                  "entry points, with its package's version.")
+                                                  "entry points, with its package's version and where it is "
+                                                  "installed: this Python's environment, or a folder of its own "
+                                                  "in the data dir (hub environments).")
+    _add_settings(listing, ("data_dir",))
     listing.set_defaults(func=cmd_env_list)
     hub_note = ("The gateway is the settings' gateway_url; a gateway that wants API keys gets the one in "
                 "FLYWHEEL_API_KEY.")
@@ -414,11 +417,13 @@ def build_parser() -> argparse.ArgumentParser:
     installing = env_commands.add_parser(
         "install", help="install an environment from the hub by id",
         description="Download ID's wheel (owner/name@version; the newest version without @version), check its "
-                    "sha256 against the hub's and its content by the hub's rules, and pip install that file, wheels "
-                    "only (its dependencies as wheels from pip's usual index; no sdist is ever built). " +
-                    hub_note)
+                    "sha256 against the hub's and its content by the hub's rules, and pip install that file into a "
+                    "folder of its own in the data dir (environments/OWNER-NAME-VERSION), with the dependencies "
+                    "this Python's environment does not satisfy, wheels only (from pip's usual index; no sdist is "
+                    "ever built). Never into this Python's environment: environment workers put the folder first "
+                    "on their path. " + hub_note)
     installing.add_argument("spec", metavar="ID", help="owner/name or owner/name@version")
-    _add_settings(installing, ("gateway_url",))
+    _add_settings(installing, ("gateway_url", "data_dir"))
     installing.set_defaults(func=cmd_env_install)
     forking = env_commands.add_parser(
         "fork", help="copy an environment on the hub under a new id, with its lineage",
@@ -687,6 +692,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     print(f"results: {summary['results']}" + (f"  run: {summary['run']}" if summary["run"] else ""))
     if args.push:
         # imported here: --help loads no msgspec, pydantic or nats (tests/unit/test_cli.py)
+        from flywheel.runtime import installs
+
+        # imported here: as above
         from flywheel.sdk.environment import available
         from flywheel.sdk.hub import Hub
 
@@ -694,7 +702,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if summary["num_errors"] == summary["num_rollouts"]:
             raise ValueError(f"--push: every rollout of the eval failed ({summary['num_errors']} errors; see "
                              f"{summary['results']}): nothing worth a leaderboard row was pushed")
-        version = available().get(env_id)
+        version = available().get(env_id) or next(iter(installs.installed(settings.data_dir).get(env_id, {})), None)
         if version is None:
             raise ValueError(f"--push: {env_id!r} is not an installed hub environment (owner/name): nothing to "
                              "attach the eval to")
@@ -754,11 +762,16 @@ def cmd_env_push(args: argparse.Namespace) -> int:
 
 
 def cmd_env_install(args: argparse.Namespace) -> int:
-    from flywheel.sdk.hub import Hub, install
+    # imported here: --help loads no msgspec, pydantic or nats (tests/unit/test_cli.py)
+    from flywheel.runtime import installs
 
-    with Hub(settings_from(args).resolved_gateway_url) as hub:
-        env_id, version, sha256 = install(args.spec, hub)
-    print(f"installed {env_id}@{version} (sha256 {sha256})")
+    settings = settings_from(args)
+    folder = installs.ensure(args.spec, settings.data_dir, gateway_url=settings.resolved_gateway_url)
+    if folder is None:
+        print(f"{args.spec} is installed in this Python's environment already: runs use it as it is")
+    else:
+        print(f"{args.spec} is installed in {folder}, a folder of its own: its environment workers put it first "
+              "on their path")
     return 0
 
 
@@ -827,13 +840,18 @@ def cmd_env_visibility(args: argparse.Namespace) -> int:
 
 def cmd_env_list(args: argparse.Namespace) -> int:
     # imported here: --help loads no msgspec, pydantic or nats (tests/unit/test_cli.py)
+    from flywheel.runtime import installs
+
+    # imported here: as above
     from flywheel.sdk.environment import available
 
-    found = available()
-    if not found:
+    rows = [[name, version, "this Python's environment"] for name, version in available().items()]
+    rows += [[name, version, str(folder)] for name, versions in installs.installed(settings_from(args).data_dir).items()
+             for version, folder in versions.items()]
+    if not rows:
         print("no environments installed (packages register them under the flywheel.environments entry points)")
         return 0
-    print(table(sorted(found.items()), ["environment", "version"]))
+    print(table(sorted(rows), ["environment", "version", "installed in"]))
     return 0
 
 

@@ -47,7 +47,7 @@ from flywheel.contract import events
 from flywheel.contract.hub import ENTRY_POINT_GROUP, HubRefused, check_env_id, check_version, project_name
 from flywheel.contract.hubpackage import check_sdist, check_wheel
 from flywheel.sdk.environment import load_environment
-from flywheel.sdk.hub import Hub, HubError, output_tail
+from flywheel.sdk.hub import Hub, HubError, install_wheel, output_tail
 from flywheel.sdk.scoring import Scoring
 from flywheel.sdk.tracegraph import rollout_from_messages
 
@@ -123,13 +123,15 @@ def check_files(project: Project, files: list[Path]) -> None:
 
 
 def check_built(wheel: Path, env_id: str, scoring: bool = True) -> dict[str, Any]:
-    """Install ``wheel`` into a scratch folder and run :func:`dry_check` on it in a process of
-    its own; its report, or HubError saying what failed."""
+    """Install ``wheel`` into a scratch folder, as a worker's folder is installed (with what it
+    requires that this environment lacks), and run :func:`dry_check` on it in a process of its
+    own; its report, or HubError saying what failed."""
+    requires = check_wheel(wheel.name, wheel.read_bytes(), env_id, wheel.name.split("-")[1]).requires
     with tempfile.TemporaryDirectory(prefix="flywheel-check-") as scratch:
-        installed = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target",
-                                    scratch, str(wheel)], capture_output=True, text=True, check=False)
-        if installed.returncode != 0:
-            raise HubError(f"{wheel.name} does not install:\n{output_tail(installed)}")
+        try:
+            install_wheel(wheel, requires, Path(scratch))
+        except HubError as exc:
+            raise HubError(f"{wheel.name} does not install: {exc}") from None
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([scratch, *filter(None, [os.environ.get("PYTHONPATH")])])}
         argv = [sys.executable, "-m", "flywheel.ops.hub", "check", env_id] + ([] if scoring else ["--no-scoring"])
         done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=scratch, check=False)

@@ -280,7 +280,7 @@ class Worker:
             info = EnvironmentInfo(name=name, rewards=[RewardInfo(name=name, weight=spec.weight, group=spec.group)])
             loaded = _Loaded(None, {name: reward}, info)
         else:
-            env = load_environment(spec.env_id, spec.overrides(), install=False)
+            env = load_environment(spec.env_id, spec.overrides())
             rewards = {r.name: r for r in env.rewards if isinstance(r, Reward | GroupReward)}
             loaded = _Loaded(env, rewards, environment_info(env))
         handle = next(self._handles)

@@ -446,7 +446,7 @@ class Sandboxed:
 
     child: Child
     stderr_tail: bytearray
-    release: Callable[[], None]
+    release: Callable[[], bool]  # gives back what it held; False while its cgroup still has members
     _drain: asyncio.Task[None] | None = None
     _stopped: bool = False
 
@@ -479,7 +479,11 @@ class Sandboxed:
         await self.child.wait()
         if self._drain is not None:
             await asyncio.wait([self._drain], timeout=1.0)
-        self.release()
+        for _ in range(400):  # the kernel reaps the tree's last members a moment after bubblewrap
+            if self.release():
+                return
+            await asyncio.sleep(0.005)  # polling interval while the kernel reaps the members
+        log.warning("sandboxed process %d: its cgroup still has members after kill", self.pid)
 
 
 class Isolation:
@@ -547,17 +551,18 @@ class Isolation:
         else:
             full = list(argv)
 
-        def release() -> None:
-            if procs:
-                self.cgroups.kill_and_remove(cgroup)
+        def release() -> bool:
+            if procs and not self.cgroups.kill_and_remove(cgroup):
+                return False
             if lease is not None:
                 lease.release()
+            return True
 
         try:
             # bubblewrap itself gets nothing of this process's environment either (--clearenv is for inside).
             child = await Child.start(full, enter, env={"PATH": os.defpath} if self.kind == "bubblewrap" else env)
         except BaseException:
-            release()
+            release()  # nothing was started in its cgroup
             raise
         tail = bytearray()
         started = Sandboxed(child, tail, release)

@@ -5,7 +5,8 @@ environments here (:func:`load_run_environments`, :func:`load_for_run`), so they
 train on the same rewards: each environment of the run config (its ``[[envs]]``, or its one
 ``env``) with the run's args and reward overrides, in a worker of the run's tenant
 (:class:`flywheel.runtime.environments.WorkerPool`). A hub environment (``owner/name[@version]``)
-not installed here is installed from the hub first, by this process, never by the worker.
+not installed here is installed from the hub first, into a folder of its own, by this process,
+never by the worker (:mod:`flywheel.runtime.installs`).
 """
 
 from __future__ import annotations
@@ -15,18 +16,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from flywheel.runtime import installs
 from flywheel.runtime.environments import WorkerEnvironment, WorkerPool
 from flywheel.runtime.envworker import LoadSpec
-from flywheel.sdk.environment import (
-    EnvironmentLoadError,
-    EnvironmentNotInstalled,
-    EnvironmentOverrides,
-    available,
-    ensure_installed,
-    overrides_of,
-    pin_hub_environments,
-    subject_name,
-)
+from flywheel.sdk.environment import EnvironmentLoadError, EnvironmentOverrides, overrides_of, subject_name
 
 if TYPE_CHECKING:
     from flywheel.contract.config import EnvConfig, RunConfig
@@ -56,32 +49,13 @@ def config_ids(environments: Mapping[str, RunEnvironment]) -> dict[str, str]:
     return {name: found.config.id for name, found in environments.items()} if len(environments) > 1 else {}
 
 
-def _install(env_id: str, sha256: str | None) -> None:
-    """A hub environment installed here (from the settings' hub) when it is not, at its version.
-    Only package metadata is read: nothing of the environment is imported in this process."""
-    if "/" not in env_id:
-        return
-    name, _, version = env_id.partition("@")
-    have = available().get(name)
-    if have is not None and (not version or have == version):
-        return
-    # imported here: the hub's HTTP client only when an environment is missing
-    from flywheel.sdk.hub import Hub, HubError
-
-    try:
-        with Hub() as hub:
-            ensure_installed(env_id, hub, sha256)
-    except (HubError, ValueError) as exc:
-        raise EnvironmentNotInstalled(f"environment {env_id!r} is not installed here, nor could the hub install "
-                                      f"it: {exc}") from exc
-
-
 async def load_environment(pool: WorkerPool, env_id: str, overrides: EnvironmentOverrides | None = None,
                            tenant: str = "") -> WorkerEnvironment:
-    """``env_id`` with ``overrides`` loaded in a worker of ``tenant`` (installed from the hub first
-    when it is a hub id missing here); EnvironmentLoadError saying why when it does not load."""
-    await asyncio.to_thread(_install, env_id, overrides.sha256 if overrides else None)
-    return await pool.load(LoadSpec.of(env_id, overrides), tenant)
+    """``env_id`` with ``overrides`` loaded in a worker of ``tenant`` (a hub environment installed
+    from the hub into its folder first when missing: :func:`flywheel.runtime.installs.ensure`);
+    EnvironmentLoadError saying why when it does not load."""
+    folder = await asyncio.to_thread(installs.ensure, env_id, pool.data_dir, overrides.sha256 if overrides else None)
+    return await pool.load(LoadSpec.of(env_id, overrides), tenant, str(folder) if folder is not None else None)
 
 
 async def load_run_environments(pool: WorkerPool, config: RunConfig | Mapping[str, Any], tenant: str = ""
@@ -131,9 +105,8 @@ async def prepare_run(pool: WorkerPool, cfg: RunConfig, gateway_url: str | None 
     is refused here, before anything starts), its own sampling settings written in as
     defaults under the config's (:meth:`flywheel.contract.config.RunConfig.with_sampling_defaults`).
     Hub environments not installed here are pinned and installed first
-    (:func:`flywheel.sdk.environment.pin_hub_environments`, from the hub at ``gateway_url``;
-    default: the settings')."""
-    cfg = await asyncio.to_thread(pin_hub_environments, cfg, gateway_url)
+    (:func:`flywheel.runtime.installs.pin`, from the hub at ``gateway_url``; default: the settings')."""
+    cfg = await asyncio.to_thread(installs.pin, cfg, pool.data_dir, gateway_url)
     environments = await load_run_environments(pool, cfg, tenant)
     for i, found in enumerate(environments.values()):
         # What learns reference answers needs them: refused here, not after the trainer loaded its model.

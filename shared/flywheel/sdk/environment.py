@@ -70,8 +70,7 @@ from flywheel.sdk.hooks import CallHooks, RequestHook, ResponseHook
 from flywheel.sdk.messages import message_dict, message_from_dict
 
 if TYPE_CHECKING:
-    from flywheel.contract.config import EnvConfig, RunConfig
-    from flywheel.sdk.hub import Hub
+    from flywheel.contract.config import EnvConfig
 
 log = logging.getLogger(__name__)
 
@@ -595,54 +594,17 @@ class EnvironmentVersionMismatch(EnvironmentLoadError):
     """The environment is installed, at another version than the one asked for."""
 
 
-def resolve(env_id: str, sha256: str | None = None, install: bool = True) -> Callable[..., Environment]:
+def resolve(env_id: str) -> Callable[..., Environment]:
     """The ``load_environment`` function of ``env_id``: a module name, or ``owner/name[@version]``
     registered under the ``flywheel.environments`` entry-point group. An environment not found
-    is looked for once more after :func:`refresh_installed`, so a service that started before
-    its package was installed finds it. An ``owner/name`` not installed (or not at the version
-    asked for) is installed from the environment hub (the settings' gateway), its wheel checked
-    against the hub's sha256 and ``sha256`` when a run pinned one; not with ``install`` False
-    (an environment worker, which installs nothing: its host does)."""
+    is looked for once more after :func:`refresh_installed`, so a process that started before
+    its package was installed finds it. Nothing is installed here: a hub environment is
+    installed by the host of its workers, into a folder of its own (:mod:`flywheel.runtime.installs`)."""
     try:
         return _resolve(env_id)
     except EnvironmentNotInstalled:
         refresh_installed()
-    except EnvironmentVersionMismatch:
-        pass
-    try:
-        return _resolve(env_id)
-    except (EnvironmentNotInstalled, EnvironmentVersionMismatch) as exc:
-        if "/" not in env_id or not install:
-            raise
-        _install_from_hub(env_id, sha256, exc)
     return _resolve(env_id)
-
-
-def _install_from_hub(env_id: str, sha256: str | None, missing: EnvironmentLoadError) -> None:
-    # imported here: the hub's HTTP client only when an environment is missing
-    from flywheel.sdk.hub import Hub, HubError
-
-    try:
-        with Hub() as hub:
-            log.info("environment %s is not installed here: installing it from the hub at %s", env_id, hub.url)
-            ensure_installed(env_id, hub, sha256)
-    except (HubError, ValueError) as exc:
-        raise EnvironmentNotInstalled(f"{missing}; nor could the hub install it: {exc}") from exc
-
-
-def ensure_installed(env_id: str, hub: Hub, sha256: str | None = None) -> bool:
-    """Install a hub environment (``owner/name[@version]``) from ``hub`` unless it is installed
-    at that version already; True when it installed it (and this process sees it now)."""
-    # imported here: the hub's HTTP client only when an environment is missing
-    from flywheel.sdk.hub import install
-
-    name, _, version = env_id.partition("@")
-    have = available().get(name)
-    if have is not None and (not version or have == version):
-        return False
-    install(env_id, hub, sha256)
-    refresh_installed()
-    return True
 
 
 def _resolve(env_id: str) -> Callable[..., Environment]:
@@ -654,7 +616,8 @@ def _resolve(env_id: str) -> Callable[..., Environment]:
         if version and installed != version:
             raise EnvironmentVersionMismatch(f"environment {env_id!r}: version {installed} is installed, not "
                                              f"{version}; install the wanted one (pip install '<package>=={version}', "
-                                             f"or flywheel env install {env_id} from the hub)")
+                                             f"or flywheel env install {env_id} from the hub, into a folder of its "
+                                             "own)")
         target = ep.load()
         return target if not inspect.ismodule(target) else _module_loader(target, env_id)
     if "/" in name:
@@ -679,10 +642,10 @@ def _module_loader(module: Any, env_id: str) -> Callable[..., Environment]:
     return fn
 
 
-def load_environment(env_id: str, overrides: EnvironmentOverrides | None = None, install: bool = True) -> Environment:
-    """Find ``env_id``, build its :class:`Environment` with the overrides' args, apply reward
-    overrides (``install``: see :func:`resolve`)."""
-    loader = resolve(env_id, overrides.sha256 if overrides else None, install)
+def load_environment(env_id: str, overrides: EnvironmentOverrides | None = None) -> Environment:
+    """Find ``env_id`` (:func:`resolve`), build its :class:`Environment` with the overrides' args,
+    apply reward overrides."""
+    loader = resolve(env_id)
     args = dict(overrides.args) if overrides else {}
     try:
         env = loader(**args)
@@ -706,47 +669,6 @@ def subject_name(env_id: str, name: str) -> str:
     if not any(c in env_id for c in "/@."):
         return check_token("env", env_id)
     return check_token(f"environment {env_id!r}: its name", name)
-
-
-def pin_hub_environments(cfg: RunConfig, gateway_url: str | None = None) -> RunConfig:
-    """The run config with each ``owner/name[@version]`` it names (environments and evals) that
-    is not installed here at that version pinned to a version on the environment hub (at
-    ``gateway_url``; default: the settings'), and installed here: its id becomes
-    ``owner/name@version`` (the newest, when none is given) and ``hub_pins`` records its
-    wheel's sha256, so every service of the run installs exactly that file. Ids installed
-    here stay as they are (a package being developed is the one a run uses)."""
-    ids = [*(env.id for env in cfg.environments), *(spec.id for spec in cfg.evals)]
-    wanted = {i for i in ids if "/" in i and i not in cfg.hub_pins}
-    if not wanted:
-        return cfg
-    have = available()
-    missing = {i for i in wanted if have.get(i.partition("@")[0]) is None
-               or (i.partition("@")[2] not in ("", have[i.partition("@")[0]]))}
-    if not missing:
-        return cfg
-    # imported here: the hub's HTTP client only for a run naming a hub environment not installed
-    from flywheel.sdk.hub import Hub, HubError
-
-    pinned: dict[str, str] = {}
-    pins = dict(cfg.hub_pins)
-    with Hub(gateway_url) as hub:
-        for env_id in sorted(missing):
-            try:
-                name, record = hub.version(env_id)
-                pinned[env_id] = f"{name}@{record['version']}"
-                pins[pinned[env_id]] = record["sha256"]
-                log.info("run %s: environment %s pinned to %s (sha256 %s) from the hub at %s", cfg.run, env_id,
-                         pinned[env_id], record["sha256"], hub.url)
-                ensure_installed(pinned[env_id], hub, record["sha256"])
-            except (HubError, ValueError) as exc:
-                raise EnvironmentNotInstalled(f"environment {env_id!r} is not installed here, and the hub could "
-                                              f"not pin and install it: {exc}") from exc
-    update: dict[str, Any] = {"hub_pins": pins}
-    if cfg.env is not None:
-        update["env"] = pinned.get(cfg.env, cfg.env)
-    update["envs"] = [e.model_copy(update={"id": pinned.get(e.id, e.id)}) for e in cfg.envs]
-    update["evals"] = [e.model_copy(update={"id": pinned.get(e.id, e.id)}) for e in cfg.evals]
-    return cfg.model_copy(update=update)
 
 
 def overrides_of(env: EnvConfig, sha256: str | None = None) -> EnvironmentOverrides:

@@ -5,25 +5,28 @@ version's wheel, checks its sha256 against the hub's record (and against a pinne
 its content by the hub's rules (:mod:`flywheel.contract.hubpackage`), and installs that file
 with pip, wheels only (its dependencies from pip's usual index): no install builds an sdist.
 ``flywheel env`` commands (:mod:`flywheel.ops.hub`) and the services, which install the hub
-environments a run names (:func:`flywheel.sdk.environment.resolve`), use it. The gateway and the key come from the
+environments a run names (:mod:`flywheel.runtime.installs`: each version in a folder of its own,
+never into the services' environment), use it. The gateway and the key come from the
 settings (``gateway_url``; ``api_key``, else a deployment's ``service_token``).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
+import importlib.metadata
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
-from flywheel.contract.hub import HubRefused, check_env_id, project_name
-from flywheel.contract.hubpackage import Wheel, check_wheel
+from flywheel.contract.hub import HubRefused, check_env_id
+from flywheel.contract.hubpackage import check_wheel
 
 
 class HubError(RuntimeError):
@@ -122,12 +125,14 @@ class Hub:
         raise HubError(f"{env_id}@{version} is not on the hub (its versions: {known})")
 
 
-def install(spec: str, hub: Hub, sha256: str | None = None, say: Callable[[str], Any] = print) -> tuple[str, str, str]:
-    """Install ``owner/name[@version]`` from the hub: its wheel alone, checked against the hub's
-    sha256 (and ``sha256`` when pinned) and by the hub's package rules, refused where it would
-    overwrite or shadow a module another package installed, then given to pip with
-    ``--only-binary :all:`` so that no sdist is ever built (the wheel's dependencies too come as
-    wheels, from pip's usual index); (env id, version, sha256)."""
+def install(spec: str, hub: Hub, folder: Path, sha256: str | None = None, say: Callable[[str], Any] = print
+            ) -> tuple[str, str, str]:
+    """Install ``owner/name[@version]`` from the hub into ``folder``, a folder of its own (an
+    environment worker puts it first on its path; nothing is installed into this Python's
+    environment): its wheel alone, checked against the hub's sha256 (and ``sha256`` when pinned)
+    and by the hub's package rules, then its dependencies that this Python's environment does
+    not satisfy (:func:`unsatisfied`), all with ``--only-binary :all:``, so that no sdist is
+    ever built. The folder appears whole or not at all. (env id, version, sha256)."""
     env_id, record = hub.version(spec)
     version = record["version"]
     if sha256 is not None and record["sha256"] != sha256:
@@ -148,60 +153,50 @@ def install(spec: str, hub: Hub, sha256: str | None = None, say: Callable[[str],
         contents = check_wheel(wheel["filename"], data, env_id, version)
     except HubRefused as exc:
         raise HubError(f"{exc}; not installed") from None
-    python = sys.executable  # the environment pip installs into, and the one checked for clashes
-    clashes = _clashes(python, project_name(env_id), contents)
-    if clashes:
-        raise HubError(f"{env_id}@{version} would overwrite or shadow what another package installed in {python}'s "
-                       "environment, so its code would run where that package's is imported: " + "; ".join(clashes[:5])
-                       + "; not installed (install it into an environment of its own)")
-    with tempfile.TemporaryDirectory(prefix="flywheel-install-") as scratch:
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".installing-", dir=folder.parent) as scratch:
         path = Path(scratch) / wheel["filename"]
         path.write_bytes(data)
-        say(f"installing {env_id} {version} ({wheel['filename']}, sha256 {found[:12]}...)")
-        done = subprocess.run([python, "-m", "pip", "install", "--quiet", "--no-input", "--disable-pip-version-check",
-                               "--only-binary", ":all:", str(path)], capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise HubError(f"pip install {wheel['filename']} failed (wheels only: a dependency with no wheel for this "
-                       f"platform is not built from source):\n{output_tail(done)}")
+        target = Path(scratch) / "target"
+        say(f"installing {env_id} {version} ({wheel['filename']}, sha256 {found[:12]}...) into {folder}")
+        install_wheel(path, contents.requires, target)
+        target.chmod(0o755)  # environment workers run as users of their own: they read it
+        target.rename(folder)
     return env_id, version, found
 
 
-# Run by the Python that pip installs with (isolated: no PYTHONPATH, no user site), so it sees
-# what that environment holds: a path of the wheel's that exists there and is no file of this
-# project's installed version, or a module of the wheel's that it imports from elsewhere (the
-# standard library, an editable install, a .pth-added folder), is a clash.
-_CLASHES = r"""
-import importlib.metadata, importlib.util, json, re, sys, sysconfig
-from pathlib import Path
-
-asked = json.load(sys.stdin)
-purelib = Path(sysconfig.get_paths()["purelib"])
-own = [d for d in importlib.metadata.distributions(path=[str(purelib)])
-       if re.sub(r"[-_.]+", "-", d.metadata["Name"] or "").lower() == asked["project"]]
-own_files = {str(f) for d in own for f in d.files or []}  # PackagePath: posix, as RECORD
-own_modules = {f.split("/")[0].split(".")[0] for f in own_files}
-clashes = [f"{path} is there already ({purelib / path})" for path in asked["files"]
-           if path not in own_files and (purelib / path).exists()]
-for name in asked["modules"]:
-    if name in own_modules:
-        continue
-    try:
-        spec = importlib.util.find_spec(name)
-    except (ImportError, ValueError) as exc:
-        clashes.append(f"module {name} does not resolve ({exc})")
-        continue
-    if spec is not None and spec.origin not in (None, "namespace"):
-        clashes.append(f"module {name} is {spec.origin}")
-print(json.dumps(clashes))
-"""
+def install_wheel(wheel: Path, requires: Sequence[str], target: Path) -> None:
+    """``wheel`` (checked already) and the requirements of its ``Requires-Dist`` lines that this
+    Python's environment does not satisfy (:func:`unsatisfied`), with their own, into ``target``
+    (``pip install --target``), wheels only: no sdist is ever built."""
+    pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-input", "--disable-pip-version-check",
+           "--only-binary", ":all:", "--target", str(target)]
+    needed = unsatisfied(requires)
+    for argv in ([*pip, "--no-deps", str(wheel)], [*pip, *needed] if needed else None):
+        if argv is None:
+            continue
+        done = subprocess.run(argv, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise HubError(f"pip install {wheel.name} failed (wheels only: a dependency with no wheel for this "
+                           f"platform is not built from source):\n{output_tail(done)}")
 
 
-def _clashes(python: str, project: str, wheel: Wheel) -> list[str]:
-    asked = {"project": project, "files": [f for f in wheel.files if ".dist-info/" not in f],
-             "modules": wheel.modules}
-    done = subprocess.run([python, "-I", "-c", _CLASHES], input=json.dumps(asked), capture_output=True, text=True,
-                          check=False)
-    if done.returncode != 0:
-        raise HubError(f"checking what {python}'s environment holds failed:\n{output_tail(done)}")
-    found: list[str] = json.loads(done.stdout)
-    return found
+def unsatisfied(requires: Sequence[str]) -> list[str]:
+    """Of a wheel's ``Requires-Dist`` lines, those this Python's environment does not satisfy (a
+    version pinned elsewhere, a package not installed): what its own folder must hold. The
+    platform itself (``flywheel-rl``) is always there."""
+    out = []
+    for line in requires:
+        req = Requirement(line)
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue  # an extra's, or another platform's
+        if canonicalize_name(req.name) == "flywheel-rl":
+            continue
+        try:
+            have = importlib.metadata.version(req.name)
+        except importlib.metadata.PackageNotFoundError:
+            out.append(str(req))
+            continue
+        if not req.specifier.contains(have, prereleases=True):
+            out.append(str(req))
+    return out
