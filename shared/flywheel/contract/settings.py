@@ -211,6 +211,9 @@ class Settings(BaseSettings):
                                                     "gives each service its own (flywheel.contract.natsusers). Unset: "
                                                     "the user in nats_url, or the operator of `flywheel up`'s server.")
     nats_password: str | None = Field(None, description="The password of nats_user.")
+    nats_trainer_password: str | None = Field(None, description="The orchestrator's: the password of NATS user "
+                                              "`trainer`, the login of the trainers it starts (never its own). Unset "
+                                              "where the orchestrator logs in as a user: it refuses to start.")
     database_url: str | None = Field(None, description="SQLAlchemy async URL of the trace store. Unset: SQLite in "
                                                        "data_dir.")
     auth: Literal["open", "keys"] = Field("open", description="keys: every HTTP API call (gateway, inference) "
