@@ -683,11 +683,14 @@ class TeacherHost:
     """Hosts every run's teachers in this process (see the module docstring): a task of the
     inference Service (:meth:`run`)."""
 
-    def __init__(self, bus: Bus, data_dir: Path, settings: InferenceSettings, info: dict[str, Any]) -> None:
+    def __init__(self, bus: Bus, data_dir: Path, settings: InferenceSettings, info: dict[str, Any],
+                 trusted_modules: Sequence[str] = ()) -> None:
         """``settings``: the settings' ``inference`` section; ``info``: the heartbeat's, where
-        ``info["teachers"]`` gets each run's teachers' counters."""
+        ``info["teachers"]`` gets each run's teachers' counters; ``trusted_modules``: the setting,
+        where a run config's parts by path may come from."""
         self.bus = bus
         self.settings = settings
+        self.trusted_modules = trusted_modules
         self.info = info
         self.info.setdefault("teachers", {})
         self.models = Models(data_dir, settings.teacher_device)
@@ -740,7 +743,7 @@ class TeacherHost:
         if end is not None or not state.config:
             return
         try:
-            cfg = RunConfig.parse(state.config, source=f"run {run!r} config")
+            cfg = RunConfig.parse(state.config, source=f"run {run!r} config", trusted_modules=self.trusted_modules)
             if not cfg.teachers:
                 return
             environments = await asyncio.to_thread(load_run_environments, cfg)

@@ -206,11 +206,14 @@ async def _once(pending: dict[K, asyncio.Future[T]], key: K, make: Callable[[], 
 
 
 class Worker:
-    def __init__(self, bus: Bus, build: BuildBackend, config: InferenceSettings, url: str | None = None) -> None:
+    def __init__(self, bus: Bus, build: BuildBackend, config: InferenceSettings, url: str | None = None,
+                 trusted_modules: Sequence[str] = ()) -> None:
         """``config``: the settings' ``inference`` section. ``url``: where this process's HTTP
-        server is reached (None: none), which program harnesses get as their base URL."""
+        server is reached (None: none), which program harnesses get as their base URL.
+        ``trusted_modules``: the setting, where a run config's parts by path may come from."""
         self.bus = bus
         self.config = config
+        self.trusted_modules = trusted_modules
         self.url = url
         self.info: dict[str, Any] = {"runs": {}, "url": url}  # the heartbeat's info: counters per run
         self._build = build
@@ -235,7 +238,8 @@ class Worker:
         self.replica = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
 
     @classmethod
-    def with_backends(cls, bus: Bus, data_dir: Path, config: InferenceSettings, url: str | None = None) -> Worker:
+    def with_backends(cls, bus: Bus, data_dir: Path, config: InferenceSettings, url: str | None = None,
+                      trusted_modules: Sequence[str] = ()) -> Worker:
         """A worker that builds each run's backend from its config (model resolved under ``data_dir``)."""
 
         def build(cfg: RunConfig) -> Backend:
@@ -244,7 +248,7 @@ class Worker:
             return build_backend(cfg.inference.backend, models.resolve_model(cfg.model.name, data_dir),
                                  cfg.model.dtype, lora=cfg.trainer.adapter is not None)
 
-        return cls(bus, build, config, url)
+        return cls(bus, build, config, url, trusted_modules)
 
     def consumer(self) -> Consumer:
         c = self.config
@@ -275,7 +279,7 @@ class Worker:
             raise UnknownRun(f"run {run!r} is not in the runs bucket")
         if not state.config:
             raise ValueError(f"run {run!r} has no config yet (RunState.config is empty); `flywheel run` writes it")
-        return RunConfig.parse(state.config, source=f"run {run!r} config")
+        return RunConfig.parse(state.config, source=f"run {run!r} config", trusted_modules=self.trusted_modules)
 
     async def hosted(self, run: str) -> HostedRun:
         """The run's config, policy and admission counters, built on first use (once)."""

@@ -34,6 +34,7 @@ from flywheel.contract.runs import (
 )
 from flywheel.contract.service import Service
 from flywheel.contract.settings import Settings
+from flywheel.ops.stack import trainer_env
 from flywheel.sdk.environment import config_ids, prepare_run
 from flywheel.sdk.scoring import reward_definition
 from flywheel_orchestrator.owner import RunOwner
@@ -111,10 +112,10 @@ class Orchestrator:
         self.service.info["runs"] = sorted(self.owners)
 
 
-async def submit(bus: Bus, path: str) -> None:
+async def submit(bus: Bus, path: str, trusted_modules: Sequence[str] = ()) -> None:
     """Own the run of the config at ``path`` from the start (``--run-config``): registered when new,
     made claimable again when it stopped, failed or was abandoned; left alone otherwise."""
-    cfg, environments = prepare_run(RunConfig.from_toml(path))
+    cfg, environments = prepare_run(RunConfig.from_toml(path, trusted_modules))
     config = cfg.model_dump()
     scorers, env_scorers = reward_definition(cfg, environments)
     state, created = await register_run(bus, cfg.run, cfg.tenant, config=config, scorers=scorers,
@@ -130,9 +131,10 @@ async def submit(bus: Bus, path: str) -> None:
 
 async def run(settings: Settings, run_configs: Sequence[str] = ()) -> None:
     """Composition root: bus, the runs given, service, orchestrator; runs until a signal."""
+    trainer_env(settings)  # the trainers' login is there (a ValueError says what to set)
     bus = await Bus.for_settings(settings, SERVICE_NAME)
     for path in run_configs:
-        await submit(bus, path)
+        await submit(bus, path, settings.trusted_modules)
     service = Service(SERVICE_NAME, bus, info={"runs": []})
     orchestrator = Orchestrator(bus, settings, service)
     service.add_task(orchestrator.serve)

@@ -47,7 +47,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +81,8 @@ async def run(settings: Settings, run_id: str, handle_signals: bool = True, rank
     rank 0 of them (None: the only one)."""
     bus = await Bus.for_settings(settings, f"trainer-{run_id}")
     try:
-        trainer = await Trainer.open(bus, Path(settings.data_dir), run_id, settings.trainer, ranks or Ranks())
+        trainer = await Trainer.open(bus, Path(settings.data_dir), run_id, settings.trainer, ranks or Ranks(),
+                                     settings.trusted_modules)
     except BaseException:
         await bus.close()
         raise
@@ -165,15 +166,16 @@ class Trainer:
 
     @classmethod
     async def open(cls, bus: Bus, data_dir: Path, run_id: str, options: TrainerSettings,
-                   ranks: Ranks | None = None) -> Trainer:
-        """Read the run's config and state, then what the run folder holds (checkpoint, journal)."""
+                   ranks: Ranks | None = None, trusted_modules: Sequence[str] = ()) -> Trainer:
+        """Read the run's config and state (its parts by path only from ``trusted_modules``, the
+        setting), then what the run folder holds (checkpoint, journal)."""
         state = await get_run(bus, run_id)
         if state is None:
             raise ValueError(f"run {run_id!r} is not in the runs KV bucket; "
                              "`flywheel run` registers it with its config")
         if not state.config:
             raise ValueError(f"run {run_id!r} has no config (RunState.config is empty); `flywheel run` writes it")
-        cfg = RunConfig.parse(state.config, source=f"run {run_id!r} config")
+        cfg = RunConfig.parse(state.config, source=f"run {run_id!r} config", trusted_modules=trusted_modules)
         if cfg.run != run_id:
             raise ValueError(f"run {run_id!r}: its stored config says run={cfg.run!r}; they must be the same")
         environments = load_run_environments(cfg)

@@ -214,6 +214,11 @@ class Settings(BaseSettings):
     nats_trainer_password: str | None = Field(None, description="The orchestrator's: the password of NATS user "
                                               "`trainer`, the login of the trainers it starts (never its own). Unset "
                                               "where the orchestrator logs in as a user: it refuses to start.")
+    trusted_modules: list[str] = Field(default_factory=list, description="Modules (and their submodules) whose "
+                                       "objects a run config may name by import path (`type = \"mypkg.losses:"
+                                       "my_loss\"`): the services that read a run's config import them, holding a "
+                                       "NATS login, so only code the operator trusts. Default: none, only the "
+                                       "built-in types.")
     database_url: str | None = Field(None, description="SQLAlchemy async URL of the trace store. Unset: SQLite in "
                                                        "data_dir.")
     auth: Literal["open", "keys"] = Field("open", description="keys: every HTTP API call (gateway, inference) "

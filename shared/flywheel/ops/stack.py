@@ -374,7 +374,9 @@ def child_env(settings: Settings) -> dict[str, str]:
         "gateway_url": settings.resolved_gateway_url,
     }
     env = dict(os.environ)
-    env.update({f"FLYWHEEL_{name.upper()}": str(value) for name, value in values.items() if value is not None})
+    # A list (trusted_modules) as JSON, which is how it is read back; the rest as text.
+    env.update({f"FLYWHEEL_{name.upper()}": json.dumps(value) if isinstance(value, list) else str(value)
+                for name, value in values.items() if value is not None})
     for section in SECTIONS:
         fields = getattr(settings, section).model_dump(mode="json")
         # Text as it is (a text field is read verbatim, so JSON quotes would stay in it), the rest as JSON.
