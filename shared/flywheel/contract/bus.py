@@ -326,8 +326,7 @@ class Bus:
             kv = KeyValueConfig(bucket=bucket, history=history, ttl=ttl, storage=StorageType.FILE,
                                 replicas=self.replicas)
             await self.retry(functools.partial(self._ensure_bucket, kv))
-        await self.retry(lambda: self.js.create_object_store(
-            WEIGHTS_BUCKET, ObjectStoreConfig(storage=StorageType.FILE, replicas=self.replicas)))
+        await self.retry(self._ensure_weights_store)
 
     async def require(self) -> None:
         """:class:`NotProvisioned` naming the first stream or bucket this connection's user works
@@ -338,16 +337,18 @@ class Bus:
         prefix = f"{natsusers.API}.STREAM.INFO."
         names = ([g.removeprefix(prefix) for g in granted if g.startswith(prefix)] if granted is not None else
                  [*STREAMS, *(f"KV_{b}" for b in BUCKETS), f"OBJ_{WEIGHTS_BUCKET}"])
-        for name in names:
-            try:
-                await self.retry(functools.partial(self.js.stream_info, name))
-            except nats.js.errors.NotFoundError:
+        found = await asyncio.gather(*(self.retry(functools.partial(self.js.stream_info, name)) for name in names),
+                                     return_exceptions=True)  # at once: a service's start waits for these
+        for name, info in zip(names, found, strict=True):
+            if isinstance(info, nats.js.errors.NotFoundError):
                 kind = ("KV bucket " + name[3:] if name.startswith("KV_") else "object store " + name[4:]
                         if name.startswith("OBJ_") else "stream " + name)
                 raise NotProvisioned(
                     f"the NATS {kind} does not exist, and user {self.user!r} may not make it: the operator makes the "
                     "bus's streams and buckets (`flywheel up` does at start; a deployment runs `python -m "
-                    "flywheel.ops.provision` as the operator first, as compose's nats-init service does)") from None
+                    "flywheel.ops.provision` as the operator first, as compose's nats-init service does)")
+            if isinstance(info, BaseException):
+                raise info
 
     async def _existing_replicas(self) -> int:
         """The replicas of the streams already there (1 when there are none yet)."""
@@ -366,6 +367,18 @@ class Bus:
                 raise
             info = await self.js.stream_info(f"KV_{cfg.bucket}")
             info.config.num_replicas = cfg.replicas
+            await self.js.update_stream(info.config)
+
+    async def _ensure_weights_store(self) -> None:
+        try:
+            await self.js.create_object_store(WEIGHTS_BUCKET, ObjectStoreConfig(storage=StorageType.FILE,
+                                                                                replicas=self.replicas))
+        except nats.js.errors.BadRequestError as exc:
+            # There with another config (its replicas): its stream brought to this one.
+            if exc.err_code != STREAM_EXISTS_OTHERWISE:
+                raise
+            info = await self.js.stream_info(f"OBJ_{WEIGHTS_BUCKET}")
+            info.config.num_replicas = self.replicas
             await self.js.update_stream(info.config)
 
     async def _ensure_stream(self, cfg: StreamConfig) -> None:

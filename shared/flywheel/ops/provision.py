@@ -10,6 +10,7 @@ there already is brought to its configuration.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import sys
 
@@ -33,7 +34,9 @@ async def provision(settings: Settings) -> str:
         await bus.close()
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(prog="python -m flywheel.ops.provision", description=__doc__.split("\n\n")[0],
+                            epilog="Settings from FLYWHEEL_* (the NATS URL and the operator's login).").parse_args(argv)
     try:
         print(asyncio.run(provision(Settings.load())))
     except (ConnectionError, ValueError) as exc:
