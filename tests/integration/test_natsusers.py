@@ -40,9 +40,10 @@ SUBJECTS = {
     "$O.flywheel-weights.C.x": {"trainer"},
 }
 # A consumer each user pulls from, with its filter.
-DURABLES = {"orchestrator": None, "trainer": ("ROLLOUTS", "trainer-r1-rollouts", "rollouts.r1.>"),
-            "gateway": None, "recorder": ("TASKS", "recorder-tasks", None), "inference": ("TASKS", "inference", None),
-            "scorer": ("ROLLOUTS", "scorer-p3", "rollouts.*.*.3"), "sandbox": None}
+DURABLES: dict[str, tuple[str, str, str | None] | None] = {
+    "orchestrator": None, "trainer": ("ROLLOUTS", "trainer-r1-rollouts", "rollouts.r1.>"), "gateway": None,
+    "recorder": ("TASKS", "recorder-tasks", None), "inference": ("TASKS", "inference", None),
+    "scorer": ("ROLLOUTS", "scorer-p3", "rollouts.*.*.3"), "sandbox": None}
 
 
 @pytest.fixture
@@ -77,8 +78,9 @@ async def test_each_user_does_its_service_s_work_and_publishes_only_its_subjects
             await (await bus.services_kv()).put(f"{user}.test", b"{}")
             if user != "sandbox":  # which reads no runs
                 assert await get_run(bus, "nope") is None
-            if DURABLES[user] is not None:
-                stream, durable, subject = DURABLES[user]
+            pulls = DURABLES[user]
+            if pulls is not None:
+                stream, durable, subject = pulls
                 # As flywheel.contract.bus.Consumer makes its durable, then pulls from it.
                 await bus.js.add_consumer(stream, ConsumerConfig(durable_name=durable, filter_subject=subject,
                                                                  ack_policy=AckPolicy.EXPLICIT))

@@ -223,7 +223,7 @@ async def test_each_service_user_is_refused_every_admin_operation_but_its_allow_
     before = await _snapshot(bus_.operator)
     nc = await bus_.login(user)
     try:
-        answered = {}
+        answered: dict[str, bool] = {}
         for last in (False, True):
             tried = [label for label in ops if _changes_consumer(label) == last]
             answers = await asyncio.gather(*(_answered(nc, *ops[label]) for label in tried))
@@ -349,5 +349,5 @@ async def test_the_sandbox_services_answer_goes_back_to_its_caller_never_into_a_
         await sandbox.close()
     await bus_.operator.nc.publish(f"{API}.INFO", b"", reply="$KV.flywheel-runs.control")
     await until(lambda: _has_key(bus_.operator, "control"), what="the operator's reply-subject write")
-    state = events.Decoder(events.RunState).decode((await (await bus_.operator.runs_kv()).get("RUN")).value)
+    state = events.Decoder(events.RunState).decode((await (await bus_.operator.runs_kv()).get("RUN")).value or b"")
     assert state.id == "RUN" and state.tenant == "bob"

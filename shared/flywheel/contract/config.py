@@ -177,7 +177,7 @@ class FromPath(Part):
     parsed and checked to be this kind of part; ``args`` are its keyword arguments."""
 
     type: str = Field(description="'package.module:Name' of your own part, importable wherever the run config "
-                                  "is read")
+                                  "is read, from a module of the setting trusted_modules")
     args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments it is called with")
 
     @model_validator(mode="after")
@@ -1192,6 +1192,7 @@ def _field(name: str, f: FieldInfo, indent: str = "") -> list[str]:
             doc += f" Called as `Name({', '.join(variant.CALL)}, **args)`."
             if variant.METHODS:
                 doc += f" Methods: {', '.join(variant.METHODS)}."
+            doc += f" Its module must be one the setting `{TRUSTED_MODULES}` lists (or inside one)."
         lines.append(f"{indent}  - `type = \"{tag}\"`: {doc}")
         lines += [line for key, g in variant.model_fields.items() if key != "type"
                   for line in _field(key, g, indent + "    ")]

@@ -30,8 +30,8 @@ The shape, one NATS account a user:
   ack) to whatever reply subject the request names, checked against no permission of the
   requester (``nc.publish("$JS.API.INFO", b"", reply="$KV.flywheel-runs.RUN")`` stores the
   server's JSON as that run's state, whatever the user's publish and subscribe permissions).
-  Here such an answer is published in the requester's own account, where no stream is; it
-  reaches ``FLYWHEEL`` only on a subject that user may publish itself.
+  Here such an answer is published in the requester's own account, where no stream is, and
+  goes no further (measured: not even on a subject that user may publish to ``FLYWHEEL``).
 - Messages a JetStream consumer pushes (the watches of a KV bucket, of WEIGHTS, a live trace)
   go to the user's own inbox prefix (:func:`inbox_prefix`, ``_INBOX_<user>``), which ``FLYWHEEL``
   exports to that account alone: no service sees another's deliveries or replies. A client of
