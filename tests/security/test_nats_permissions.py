@@ -306,15 +306,22 @@ async def test_no_reply_subject_write_lands_in_a_kv_bucket_or_a_stream(bus_: Bus
         await nc.close()
     await op.nc.publish(f"{API}.INFO", b"", reply="$KV.flywheel-runs.control")
     await until(lambda: _has_key(op, "control"), what="the operator's reply-subject write")
+    published = Counter(stream_of(s) for s in requests if not s.startswith("$"))  # its own events, once each
+    expected = {s: n + published[s] for s, (_, n) in before["streams"].items() if s != "KV_flywheel-runs"}
+    await until(lambda: _stored(op, expected), what="the user's own events stored")
     after = await _snapshot(op)
     print(f"\n{user}: {len(requests)} requests x {len(REPLY_TARGETS)} reply subjects in KV buckets, streams and the "
           "object store, and consumers delivering into a KV key: none landed")
     assert after["run"] == before["run"]
     assert after["keys"] == before["keys"]
-    published = Counter(stream_of(s) for s in requests if not s.startswith("$"))  # its own events, once each
-    assert {s: n for s, (_, n) in after["streams"].items() if s != "KV_flywheel-runs"} == {
-        s: n + published[s] for s, (_, n) in before["streams"].items() if s != "KV_flywheel-runs"}
+    assert {s: n for s, (_, n) in after["streams"].items() if s != "KV_flywheel-runs"} == expected
     assert [k for k in await op.kv_keys("flywheel-runs") if k != "control"] == ["RUN"]
+
+
+async def _stored(op: Bus, counts: dict[str, int]) -> bool:
+    """Whether each stream of ``counts`` holds at least that many messages."""
+    held = {s: (await op.js.stream_info(s)).state.messages for s in counts}
+    return all(held[s] >= n for s, n in counts.items())
 
 
 async def _has_key(op: Bus, key: str) -> bool:
