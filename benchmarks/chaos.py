@@ -255,6 +255,8 @@ async def collect(nats_url: str, gateway_url: str, data_dir: Path, num_left_over
 async def leftover_tasks(nats_url: str, group_size: int, settle_s: float = 60.0) -> int:
     """Tasks of the run left over when it ended: those inference skipped (its heartbeat counts
     their rollouts) and those still queued, once the inference consumer has settled."""
+    import nats.js.errors
+
     from flywheel.contract.bus import Bus
     from flywheel.contract.service import read_heartbeats
 
@@ -262,8 +264,11 @@ async def leftover_tasks(nats_url: str, group_size: int, settle_s: float = 60.0)
     try:
         deadline = time.monotonic() + settle_s
         while True:
-            info = await bus.js.consumer_info("TASKS", "inference")
-            queued = (info.num_pending or 0) + (info.num_ack_pending or 0)
+            try:  # the run's task consumer; inference deletes it once a finished run's tasks are done with
+                info = await bus.js.consumer_info("TASKS", f"inference-{RUN}")
+                queued = (info.num_pending or 0) + (info.num_ack_pending or 0)
+            except nats.js.errors.NotFoundError:
+                queued = 0
             if queued == 0 or time.monotonic() > deadline:
                 break
             await asyncio.sleep(1.0)

@@ -59,6 +59,7 @@ each run's ``cpu_s_per_step_by_process`` shows where a change went.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import re
@@ -90,17 +91,18 @@ def warm_model(work: Path, sft_steps: int) -> Path:
     import torch
 
     from flywheel.contract.config import RunConfig
+    from flywheel.contract.settings import WorkersSettings
     from flywheel.sdk import models
-    from flywheel.sdk.environment import load_for_run
     from flywheel_trainer.learner import sft_warmup, warmup_steps
+    from flywheel_trainer.sft import references
 
     out = work / "warm-model"
     torch.manual_seed(0)
     cfg = RunConfig.parse({"run": "warm", "env": "reverse_text",
                            "sft": {"steps": sft_steps, "batch_size": 32, "lr": 3e-3}}, source="warm-up")
     model, tok = models.load_model(models.resolve_model("tiny", work / "data"))
-    figures = sft_warmup(model, warmup_steps(model, tok, [load_for_run(cfg)], cfg), tok.pad_token_id, cfg,
-                         micro_batch_size=32)
+    examples = asyncio.run(references(cfg, WorkersSettings(), work / "data"))  # from the environment's workers
+    figures = sft_warmup(model, warmup_steps(model, tok, examples, cfg), tok.pad_token_id, cfg, micro_batch_size=32)
     model.save_pretrained(out)
     tok.save_pretrained(out)
     print(f"warm-up: {sft_steps} SFT steps, loss {figures['sft_loss']:.3f}, saved to {out}", flush=True)

@@ -14,6 +14,12 @@ from flywheel.ops.natsserver import NatsServer
 if TYPE_CHECKING:
     from flywheel.contract.bus import Bus
 
+# Environment workers see the folders on this process's path, but its working folder only where
+# PYTHONPATH names it (it holds a user's own files): the tests' own reward functions and
+# environments (tests.*) are imported by workers from this checkout.
+REPO = Path(__file__).resolve().parents[1]
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+
 # Fixtures defined in modules of their own, for every test under tests/: the docker tier's
 # session engine and base image (docker_engine, debian_base) and a real sandbox service
 # (sandbox). The environments' tests reach ``sandbox`` through their own conftest.py.

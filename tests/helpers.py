@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import tempfile
 import time
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     import torch
 
+    from flywheel.runtime.environments import WorkerPool
     from flywheel.sdk.environment import Environment
+    from flywheel.sdk.sandbox import SandboxClient
 
 
 async def until(cond: Callable[[], bool | Awaitable[bool]], timeout_s: float = 15.0, what: str = "condition") -> None:
@@ -51,3 +54,19 @@ def random_adapter(model_dir: Path, rank: int, targets: list[str], seed: int, st
             if "lora_" in name:
                 p.copy_(torch.randn(p.shape, generator=generator) * std)
     return model.eval()
+
+
+@contextlib.asynccontextmanager
+async def worker_pool(name: str = "test", sandbox: SandboxClient | None = None, **settings: Any
+                      ) -> AsyncIterator[WorkerPool]:
+    """A real pool of environment workers (sandboxed processes) over a data folder of its own,
+    with the ``workers`` settings given; every worker stopped after."""
+    from flywheel.contract.settings import WorkersSettings
+    from flywheel.runtime.environments import WorkerPool
+
+    with tempfile.TemporaryDirectory(prefix="flywheel-test-data-") as data:
+        pool = WorkerPool(WorkersSettings(**settings), Path(data), name=name, sandbox=sandbox)
+        try:
+            yield pool
+        finally:
+            await pool.close()

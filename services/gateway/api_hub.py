@@ -6,22 +6,27 @@ An environment is ``owner/name``; its owner is a tenant. Pushing a version
 (``POST /v1/hub/environments/{owner}/{name}/versions``, multipart: ``version``, the wheel and
 the sdist as ``files``) wants the ``write`` scope and a key of the owner (an open gateway:
 any owner); :func:`flywheel_gateway.hub.inspect_package` checks the files and the store keeps
-them in one transaction, so a refused push (422), a version that exists (409) or an
-environment of another tenant (403) stores nothing. Private environments are seen, downloaded
-and evaluated by their owner's keys alone (another tenant's key gets a 403 on each of its
-routes, and listings leave them out); public ones by every key. ``PATCH`` switches one.
+them in one transaction, so a refused push (422), a version that exists (409) or an owner
+other than the key's tenant (403, whether or not the environment exists) stores nothing.
+Private environments are seen, downloaded and evaluated by their owner's keys alone: to
+another tenant's key each of its routes, the package index's pages and its files answer the
+404 of one that does not exist, the same body, and listings leave them out; public ones are
+seen by every key. ``PATCH`` switches one (its owner's keys: another owner's is a 403, whether
+or not it exists).
 Evals (``flywheel eval --push``) attach an eval's summary to a version; ``GET .../evals`` is
 the environment's leaderboard.
 
-The index serves what pip asks for: ``pip install --index-url <gateway>/hub/simple
-owner-name`` (with a key in the URL, ``https://key:<KEY>@host/hub/simple``, for a gateway that
-wants keys: the index takes HTTP Basic credentials, the key as the password, and answers a
-missing one with a Basic challenge). Links carry each file's sha256, so pip checks what it
-downloads.
+The index serves what pip asks for: ``pip install --only-binary :all: --index-url
+<gateway>/hub/simple owner-name`` (with a key in the URL, ``https://key:<KEY>@host/hub/simple``,
+for a gateway that wants keys: the index takes HTTP Basic credentials, the key as the password,
+and answers a missing one with a Basic challenge). It lists each version's wheel alone, never
+its sdist, so pip cannot fall back to building one; links carry each file's sha256, so pip
+checks what it downloads.
 """
 
 from __future__ import annotations
 
+import asyncio
 import html
 from typing import Annotated, Any
 
@@ -78,19 +83,16 @@ def _viewer(who: Caller) -> str | None:
     return None if who.key_id is None or who.service else who.tenant
 
 
-def _refused(who: Caller, env_id: str) -> HTTPException:
-    return HTTPException(403, f"environment {env_id!r} is private and belongs to another tenant than API key "
-                              f"{who.key_id}'s ({who.tenant!r})")
+def _env_not_found(env_id: str) -> HTTPException:
+    return HTTPException(404, f"no environment {env_id!r} on the hub; GET /v1/hub/environments lists them")
 
 
 async def _visible(env_id: str, store: Store, who: Caller) -> dict[str, Any]:
-    """The environment, when the caller may see it: 404 when there is none, 403 when it is
-    another tenant's private one."""
+    """The environment, when the caller may see it: 404 when there is none, and the same 404
+    when it is another tenant's private one."""
     env = await store.hub_environment(env_id)
-    if env is None:
-        raise HTTPException(404, f"no environment {env_id!r} on the hub; GET /v1/hub/environments lists them")
-    if env["private"] and not who.sees(env["owner"]):
-        raise _refused(who, env_id)
+    if env is None or (env["private"] and not who.sees(env["owner"])):
+        raise _env_not_found(env_id)
     return env
 
 
@@ -99,11 +101,13 @@ async def visible_env(owner: OwnerPath, name: NamePath, store: StoreDep, who: Ca
 
 
 def owned_env_id(owner: OwnerPath, name: NamePath, who: CallerDep) -> str:
-    """The id of an environment the caller may change: a keyed tenant its own alone (403 otherwise)."""
+    """The id of an environment the caller may change: a keyed tenant its own alone. Another
+    owner is a 403 by the name alone, the same whether or not that environment exists."""
     env_id = _env_id(owner, name)
     if not who.sees(owner):
-        raise HTTPException(403, f"environment {env_id!r} belongs to another tenant than API key {who.key_id}'s "
-                                 f"({who.tenant!r}): push under your own owner ({who.tenant}/{name}), or fork it")
+        raise HTTPException(403, f"owner {owner!r} is not API key {who.key_id}'s tenant ({who.tenant!r}): a key "
+                                 f"changes its own tenant's environments alone; push under your own owner "
+                                 f"({who.tenant}/{name}), or fork it")
     return env_id
 
 
@@ -167,9 +171,10 @@ async def push_version(
     forked_from: Annotated[str | None, Form(max_length=200, description="owner/name@version this environment was "
                                                                          "forked from (its first push).")] = None,
 ) -> HubVersionPublic:
-    """Push a version: checked (names, version, archives, entry point), then stored with its
-    content hash, immutable from then on. Refused, naming the file and the fix, with nothing
-    stored: a package that does not check (422), a version or file that exists (409)."""
+    """Push a version: checked (names, version, archives, what the wheel installs, sizes: the
+    hub's rules, README "The environment hub"), then stored with its content hash, immutable
+    from then on. Refused, naming the file and the fix, with nothing stored: a package that
+    does not check (422), a version or file that exists (409)."""
     if forked_from is not None:
         parent, at, parent_version = forked_from.partition("@")
         owner_of, _, name_of = parent.partition("/")
@@ -184,7 +189,10 @@ async def push_version(
             raise refuse_field("body", "files", f"{name!r} is given twice")
         contents[name] = await upload.read()
     try:
-        package = inspect_package(env_id, version, contents, request.app.state.hub_max_file_bytes)
+        # In a thread: inflating and hashing a package's members takes a while (up to the hub's
+        # size limits), and the event loop serves every other request meanwhile.
+        package = await asyncio.to_thread(inspect_package, env_id, version, contents,
+                                          request.app.state.hub_max_file_bytes)
         stored = await store.hub_push(package, env_id.partition("/")[0], private, who.key_id, forked_from)
     except HubConflict as exc:
         raise HTTPException(409, str(exc)) from None
@@ -258,17 +266,19 @@ async def simple_projects(request: Request, store: StoreDep, who: CallerDep) -> 
 @index.get("/simple/{project}/", response_class=Response, responses={**_INDEX_PAGE, 301: {
     "description": "The project's normalized name (PEP 503)."}})
 async def simple_project(request: Request, project: ProjectPath, store: StoreDep, who: CallerDep) -> Response:
-    """One project's files, each linked with its sha256 (PEP 503 HTML, or PEP 691 JSON)."""
+    """One project's wheels, each linked with its sha256 (PEP 503 HTML, or PEP 691 JSON); sdists
+    are not listed (they are kept for reading: the API and /hub/files serve them)."""
     normal = canonicalize_name(project)
     if normal != project:  # PEP 503: redirect to the normalized name
         return RedirectResponse(str(request.url_for("simple_project", project=normal)), status_code=301)
     env = await store.hub_project(project)
-    if env is None:
+    if env is None or (env["private"] and not who.sees(env["owner"])):  # another tenant's private: as none
         raise HTTPException(404, f"no project {project!r} on the hub (an environment owner/name is project "
                                  "owner-name)")
-    if env["private"] and not who.sees(env["owner"]):
-        raise _refused(who, env["id"])
-    links = [(str(request.url_for("download", filename=row["filename"])), row) for row in env["files"]]
+    # Wheels alone: pip never sees an sdist here, so no install from this index builds one (and
+    # runs its build backend) when it cannot take the wheel.
+    links = [(str(request.url_for("download", filename=row["filename"])), row) for row in env["files"]
+             if row["kind"] == "wheel"]
     if _wants_json(request):
         return JSONResponse({"meta": {"api-version": "1.0"}, "name": project, "files": [
             {"filename": row["filename"], "url": url, "hashes": {"sha256": row["sha256"]}, "size": row["size_bytes"]}
@@ -282,9 +292,7 @@ async def simple_project(request: Request, project: ProjectPath, store: StoreDep
 async def download(filename: FilenamePath, store: StoreDep, who: CallerDep) -> Response:
     """A package file, as pushed."""
     row = await store.hub_file(filename)
-    if row is None:
+    if row is None or (row["private"] and not who.sees(row["owner"])):  # another tenant's private: as none
         raise HTTPException(404, f"no file {filename!r} on the hub")
-    if row["private"] and not who.sees(row["owner"]):
-        raise _refused(who, row["env_id"])
     return Response(row["data"], media_type="application/octet-stream",
                     headers={"Content-Disposition": f'attachment; filename="{filename}"'})

@@ -4,10 +4,11 @@
 answers with the key itself, once: the keys bucket keeps its sha256 alone. ``GET /v1/keys``
 lists the tenant's keys (ids, scopes, names, when made and revoked; never a secret) and
 ``DELETE /v1/keys/{id}`` revokes one (kept, marked revoked; services that check keys see it
-within 5 s). Every route wants the ``admin`` scope, whatever its method; a key of another
-tenant is a 403, an id no tenant has a 404. The deployment's service token, and an open
-gateway, name the tenant in the body or the query (``tenant``); the first key of a deployment
-comes from ``flywheel keys create``, run where NATS is reached.
+within 5 s). Every route wants the ``admin`` scope, whatever its method; a key id of another
+tenant is a 404, exactly as an id no tenant has; making a key of another tenant is a 403. The
+deployment's service token, and an open gateway, name the tenant in the body or the query
+(``tenant``); the first key of a deployment comes from ``flywheel keys create``, run where
+NATS is reached.
 """
 
 from __future__ import annotations
@@ -56,8 +57,9 @@ async def list_keys(bus: BusDep, who: CallerDep, tenant: TenantQuery = None) -> 
 @router.delete("/{key_id}", response_model=ApiKeyPublic)
 async def revoke_key(key_id: KeyIdPath, bus: BusDep, who: CallerDep) -> ApiKeyPublic:
     """Revoke a key of the tenant (revoking one twice changes nothing)."""
+    not_found = HTTPException(404, f"no API key with id {key_id!r}; GET /v1/keys lists the tenant's")
     record = await keys.get_key(bus, key_id)
     if record is None:
-        raise HTTPException(404, f"no API key with id {key_id!r}; GET /v1/keys lists the tenant's")
-    check_tenant(who, record.tenant, f"API key {key_id}")
+        raise not_found
+    check_tenant(who, record.tenant, not_found)  # another tenant's key: as one that does not exist
     return ApiKeyPublic.of(await keys.revoke_key(bus, key_id))

@@ -18,11 +18,11 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 import msgspec
-from fastapi import APIRouter, HTTPException, Query
+from fastapi import APIRouter, Query
 from fastapi.responses import StreamingResponse
 
 from flywheel.contract.keys import Caller
-from flywheel_gateway.auth import CallerDep, check_rollout, listing_tenant
+from flywheel_gateway.auth import CallerDep, check_rollout, listing_tenant, rollout_not_found
 from flywheel_gateway.deps import BusDep, RolloutIdPath, StoreDep
 from flywheel_gateway.models import RolloutDetail, RolloutExportQuery, RolloutFilters, RolloutListQuery, RolloutPage
 from flywheel_gateway.responses import ERROR_RESPONSES, refuse_inverted_range
@@ -96,10 +96,10 @@ async def _lines(first: dict[str, Any] | None, records: AsyncIterator[dict[str, 
 
 @router.get("/{rollout_id}", response_model=RolloutDetail)
 async def get_rollout(rollout_id: RolloutIdPath, store: StoreDep, bus: BusDep, who: CallerDep) -> RolloutDetail:
-    """One rollout with its scores (its trace graph is at /v1/traces/{rollout_id})."""
+    """One rollout with its scores (its trace graph is at /v1/traces/{rollout_id}); another
+    tenant's, to a key, is a 404 as one not recorded is."""
     await check_rollout(who, store, bus, rollout_id)
     rollout = await store.get_rollout(rollout_id)
     if rollout is None:
-        raise HTTPException(404, f"rollout {rollout_id!r} not found (a rollout shows here once the recorder has "
-                                 "stored it)")
+        raise rollout_not_found(rollout_id)
     return RolloutDetail.model_validate(rollout)

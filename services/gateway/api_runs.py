@@ -11,7 +11,9 @@ owner stopped renewing its lease shows ``abandoned``, with ``ended_at`` (when th
 expired) and ``reason``. A run whose entry in the bucket does not decode (something other
 than Flywheel wrote it) is a 409 naming the key and what to do, not a run without state: its
 tenant and status are unknown, and showing it like a run published straight to the bus
-would hide the problem. Its metrics, which come from the store alone, are still served.
+would hide the problem. Its metrics, which come from the store alone, are still served. Both
+to the operator alone (an open gateway, the service token): a tenant's key gets the 404 of a
+run that does not exist for it, as for another tenant's run (:mod:`flywheel_gateway.auth`).
 
 Run ids may contain ``/``, so the routes take the rest of the path as the id
 (``/v1/runs/team/a/metrics`` is run ``team/a``). ``POST /v1/runs/RUN/stop`` and
@@ -41,7 +43,7 @@ from flywheel.contract import events, runs
 from flywheel.contract.bus import Bus
 from flywheel.contract.keys import Caller
 from flywheel_gateway import sse
-from flywheel_gateway.auth import CallerDep, check_run, listing_tenant
+from flywheel_gateway.auth import CallerDep, check_run, listing_tenant, run_not_found
 from flywheel_gateway.deps import BusDep, CursorQuery, LimitQuery, RunIdPath, StoreDep, TenantQuery
 from flywheel_gateway.models import INT32_MAX, RunDetail, RunMetricsPublic, RunPage, StepMetricsPublic
 from flywheel_gateway.responses import CONFLICT_RESPONSE, ERROR_RESPONSES
@@ -52,11 +54,6 @@ SinceStepQuery = Annotated[int | None, Query(ge=-1, le=INT32_MAX, description="O
                                                                               "the first, as leaving it out).")]
 STREAM_POLL_S = 1.0  # how often a run's stream reads the store for new steps and the bucket for its status
 STREAM_MAX_S = 3600.0  # a run's stream closes after this long (no end event): the client goes on with since_step
-
-
-def _not_found(run: str) -> HTTPException:
-    return HTTPException(404, f"run {run!r} not found (a run shows here once it is created, or once the recorder "
-                              "has stored one of its events)")
 
 
 @router.get("", response_model=RunPage)
@@ -80,7 +77,7 @@ async def get_run_metrics(
     """The run's recorded steps in ascending order, each with the trainer's metrics."""
     await check_run(who, store, bus, run_id)
     if not await store.has_run(run_id) and not await _in_bucket(bus, run_id):
-        raise _not_found(run_id)
+        raise run_not_found(run_id)
     steps = await store.list_run_metrics(run_id, since_step=since_step, limit=limit)
     return RunMetricsPublic(run=run_id, items=[StepMetricsPublic.model_validate(step) for step in steps])
 
@@ -99,7 +96,7 @@ async def stream_run(run_id: RunIdPath, store: StoreDep, bus: BusDep, who: Calle
     await check_run(who, store, bus, run_id)
     state = await runs.get_run(bus, run_id)  # BadRunState: a 409 naming the key
     if state is None and not await store.has_run(run_id):
-        raise _not_found(run_id)
+        raise run_not_found(run_id)
     return sse.event_stream(_follow(store, bus, run_id, since_step))
 
 
@@ -155,12 +152,12 @@ async def _in_bucket(bus: Bus, run_id: str) -> bool:
 
 async def _change(run_id: str, store: Store, bus: Bus, change: Awaitable[object], who: Caller) -> RunDetail:
     """Await ``change`` of the run's state, then the run as it is: 404 for a run the bucket does
-    not know, 409 for one the change refuses (another tenant's: RunConflict, mapped by the app;
+    not know, 409 for one the change refuses (another tenant's, open: RunConflict, mapped by the app;
     a ValueError naming why)."""
     try:
         await change
     except runs.RunNotFound:
-        raise _not_found(run_id) from None
+        raise run_not_found(run_id) from None
     except runs.RunConflict:
         raise
     except ValueError as exc:
@@ -172,7 +169,8 @@ async def _change(run_id: str, store: Store, bus: Bus, change: Awaitable[object]
 async def stop_run(run_id: RunIdPath, store: StoreDep, bus: BusDep, who: CallerDep) -> RunDetail:
     """Stop the run: it takes no more tasks, and its owner stops its trainer (which checkpoints
     first) within seconds; ``flywheel runs resume RUN`` goes on from there. A run that ended
-    already is left as it is. 404 for a run the bucket does not know; 409 for another tenant's."""
+    already is left as it is. 404 for a run the bucket does not know (and, to a key, another
+tenant's); 409 for another tenant's on an open gateway."""
     await check_run(who, store, bus, run_id)
     by = f"the gateway's API (tenant {who.tenant!r})"
     return await _change(run_id, store, bus, runs.stop_run(bus, run_id, by=by, tenant=who.tenant), who)
@@ -182,8 +180,8 @@ async def stop_run(run_id: RunIdPath, store: StoreDep, bus: BusDep, who: CallerD
 async def pause_run(run_id: RunIdPath, store: StoreDep, bus: BusDep, who: CallerDep) -> RunDetail:
     """Pause the run: its owner stops its trainer (which checkpoints first) within seconds and
     holds the run, its queued tasks kept; ``POST /v1/runs/RUN/resume`` goes on. A paused run is
-    left as it is. 404 for a run the bucket does not know; 409 for another tenant's, and for one
-    that ended (the detail says how)."""
+    left as it is. 404 for a run the bucket does not know (and, to a key, another tenant's);
+    409 for another tenant's on an open gateway, and for one that ended (the detail says how)."""
     await check_run(who, store, bus, run_id)
     by = f"the gateway's API (tenant {who.tenant!r})"
     return await _change(run_id, store, bus, runs.pause_run(bus, run_id, by=by, tenant=who.tenant), who)
@@ -194,7 +192,7 @@ async def resume_run(run_id: RunIdPath, store: StoreDep, bus: BusDep, who: Calle
     """Resume a paused, stopped, failed or abandoned run: an orchestrator takes it (a paused one's
     owner keeps it) and goes on from its last checkpoint. 404 for a run the bucket does not
     know; 409 for another tenant's, and for one that finished, is still running, or is no
-    training run (the detail says which)."""
+    training run (the detail says which); to a key, another tenant's run is a 404."""
     await check_run(who, store, bus, run_id)
     return await _change(run_id, store, bus, runs.resume_run(bus, run_id, tenant=who.tenant), who)
 
@@ -209,7 +207,7 @@ async def get_run(run_id: RunIdPath, store: StoreDep, bus: BusDep, who: CallerDe
     state = await runs.get_run(bus, run_id)  # BadRunState: a 409 naming the key
     if state is None:
         if recorded is None:
-            raise _not_found(run_id)
+            raise run_not_found(run_id)
         return RunDetail.model_validate({**recorded, "status": None, "config": None})
     if recorded is None:  # created in the bucket, nothing of it recorded yet
         recorded = {"id": run_id, "created_at": state.created_at, "num_tasks": 0, "num_rollouts": 0,

@@ -1,14 +1,14 @@
 """``/v1/tasks``: publish tasks to the bus, read the recorded ones.
 
-A POST is checked whole before anything of it is published: the fields (422), the size of
-each task against the bus's max payload (413: a task too large is refused for good, it is
-not worth a retry), and every run it names (409: another tenant's run, or a run that has
-ended). A task without an ``id`` gets the one every producer derives
-(:func:`flywheel.contract.events.task_id`: the data's own string ``"id"``, else a hash of the
-run, env, data and its position in the request, from 1), so a POST retried without ids is
-stored once, as a file published twice is. Not covered: partial acceptance (a request is
-published whole or not at all, as far as the gateway decides; a bus failure part way leaves
-the rest to a retry, which the bus deduplicates by task id).
+A POST is checked whole before anything of it is published: the fields (422), the size of each
+task against the bus's max payload (413: a task too large is refused for good, it is not worth a
+retry), and every run it names (409: another tenant's run, or a run that has ended; to a key,
+the 409 of another tenant's run names no owner). A task without an ``id`` gets the one every
+producer derives (:func:`flywheel.contract.events.task_id`: the data's own string ``"id"``, else
+a hash of the run, env, data and its position in the request, from 1), so a POST retried without
+ids is stored once, as a file published twice is. Not covered: partial acceptance (a request is
+published whole or not at all, as far as the gateway decides; a bus failure part way leaves the
+rest to a retry, which the bus deduplicates by task id).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from fastapi.exceptions import RequestValidationError
 
 from flywheel.contract import events
 from flywheel.contract.bus import Bus
-from flywheel_gateway.auth import CallerDep, check_run, listing_tenant
+from flywheel_gateway.auth import CallerDep, check_new_or_own_run, check_run, listing_tenant
 from flywheel_gateway.deps import (
     BusDep,
     CursorQuery,
@@ -51,7 +51,7 @@ async def create_tasks(body: Annotated[TasksCreate, Body()], bus: BusDep, runs: 
     tasks = _tasks(creates, "tasks" if isinstance(body, list) else "task")
     _refuse_oversized(tasks, bus, "tasks" if isinstance(body, list) else "task")
     for run in dict.fromkeys(t.run for t in tasks):
-        await check_run(who, store, bus, run)
+        await check_new_or_own_run(who, store, bus, run)
     await runs.admit((t.run for t in tasks), who.tenant)
     await bus.publish_many(tasks)
     return TasksAccepted(ids=[t.id for t in tasks])
@@ -106,8 +106,10 @@ async def list_tasks(store: StoreDep, who: CallerDep, limit: LimitQuery = 50, cu
 
 @router.get("/{task_id}", response_model=TaskPublic)
 async def get_task(task_id: TaskIdPath, store: StoreDep, bus: BusDep, who: CallerDep) -> TaskPublic:
+    """A recorded task (another tenant's, to a key, is a 404 as one not recorded is)."""
+    not_found = HTTPException(404, f"task {task_id!r} not found (a task shows here once the recorder has stored it)")
     task = await store.get_task(task_id)
     if task is None:
-        raise HTTPException(404, f"task {task_id!r} not found (a task shows here once the recorder has stored it)")
-    await check_run(who, store, bus, task["run"])
+        raise not_found
+    await check_run(who, store, bus, task["run"], not_found)
     return TaskPublic.model_validate(task)

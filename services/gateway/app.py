@@ -4,7 +4,7 @@ At start (the lifespan, before the server takes requests) it migrates the trace 
 opens it, connects to NATS (ensuring the streams) and builds the run registry; at stop it
 closes them in reverse. Nothing is created at import time, so tests build an app per
 test with their own settings. Request bodies are bounded by ``gateway_max_body_bytes``
-(:mod:`flywheel_gateway.body_limit`).
+(:mod:`flywheel.contract.bodylimit`).
 
 Who may call what is :mod:`flywheel_gateway.auth`: API keys (``auth = "keys"``) or an open
 API on loopback only; ``create_app`` refuses to build an open app for a host that is not one.
@@ -23,7 +23,9 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 
 from fastapi import Depends, FastAPI
+from fastapi.responses import JSONResponse
 
+from flywheel.contract.bodylimit import BodyLimit, too_large_detail
 from flywheel.contract.bus import Bus
 from flywheel.contract.keys import KeyCheck, check_open
 from flywheel.contract.metrics import ObservedHTTP
@@ -41,7 +43,6 @@ from flywheel_gateway import (
     web,
 )
 from flywheel_gateway.auth import caller
-from flywheel_gateway.body_limit import BodyLimit
 from flywheel_gateway.migrate import migrate
 from flywheel_gateway.responses import install_error_handlers
 from flywheel_gateway.runs import RunRegistry
@@ -96,6 +97,9 @@ def create_app(settings: Settings) -> FastAPI:
     app.mount("/static", web.static_files(), name="static")
     app.include_router(api_health.router)
     install_error_handlers(app)
-    app.add_middleware(BodyLimit, max_body_bytes=settings.gateway_max_body_bytes)
+    limit = settings.gateway_max_body_bytes
+    app.add_middleware(BodyLimit, max_body_bytes=limit, refuse=lambda detail: JSONResponse({"detail": detail}, 413),
+                       detail=too_large_detail("the gateway", limit, "gateway_max_body_bytes",
+                                               "send fewer tasks per request, or push a smaller package"))
     app.add_middleware(ObservedHTTP)  # outermost: spans and figures cover the body limit's answers too
     return app

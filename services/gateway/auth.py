@@ -5,9 +5,16 @@ data) wants an API key (``Authorization: Bearer fw_...``, :mod:`flywheel.contrac
 as the password of HTTP Basic credentials, as pip sends an index's; or, for GET alone, in the
 cookie the web pages' login sets):
 none, a malformed, unknown or revoked one is a 401; a key without the scope a request needs
-(``read`` for GET, ``write`` for the rest, ``admin`` for ``/v1/keys``) is a 403, and so is anything of another tenant
-(a run, its tasks, rollouts and traces), while listings show the key's tenant's alone. A
-``Flywheel-Tenant`` header that names another tenant than the key's is a 403 too.
+(``read`` for GET, ``write`` for the rest, ``admin`` for ``/v1/keys``) is a 403, and so is a
+``Flywheel-Tenant`` header, or a listing's ``tenant``, that names another tenant than the key's.
+Listings show the key's tenant's alone.
+
+Anything of another tenant (a run, its tasks, rollouts and traces, a key, a private
+environment) is a 404 exactly like one that does not exist: the same status and the same
+body, so a key learns nothing of which ids other tenants use. Each check fails closed: a run
+whose owner cannot be read (its state in the run-state bucket does not decode; a rollout
+whose run is not known) is nobody's, and refused to every key; only the deployment's
+service token and an open gateway see it (and get the 409 that names the broken key).
 
 With ``auth = "open"`` (the embedded stack on one machine: ``flywheel run``, ``flywheel up``)
 there are no keys: every request may do everything, as the tenant its ``Flywheel-Tenant``
@@ -89,50 +96,87 @@ def basic_password(request: Request) -> str | None:
 CallerDep = Annotated[Caller, Depends(caller)]
 
 
-def _other_tenant(what: str, who: Caller) -> HTTPException:
-    return HTTPException(403, f"{what} belongs to another tenant than API key {who.key_id}'s ({who.tenant!r})")
+def run_not_found(run: str) -> HTTPException:
+    """What a run route answers for a run it does not show: one that does not exist, and (to a
+    key) one of another tenant or one whose owner cannot be read, alike."""
+    return HTTPException(404, f"run {run!r} not found (a run shows here once it is created, or once the recorder "
+                              "has stored one of its events)")
 
 
-def check_tenant(who: Caller, tenant: str | None, what: str) -> None:
-    """403 when ``tenant`` (the owner of ``what``; None: unknown) is not the keyed caller's."""
+def rollout_not_found(rollout: str) -> HTTPException:
+    return HTTPException(404, f"rollout {rollout!r} not found (a rollout shows here once the recorder has stored "
+                              "it, or once inference publishes its first trace node)")
+
+
+def check_tenant(who: Caller, tenant: str | None, not_found: HTTPException) -> None:
+    """``not_found`` unless the caller may see what ``tenant`` owns (None: an owner that cannot
+    be read, nobody's: refused to every key)."""
     if not who.sees(tenant):
-        raise _other_tenant(what, who)
+        raise not_found
 
 
 def listing_tenant(who: Caller, asked: str | None) -> str | None:
-    """The tenant a listing keeps: the keyed caller's own (403 for another asked for); open: the one asked."""
+    """The tenant a listing keeps: the keyed caller's own (403 for another asked for, whether or
+    not it exists); open: the one asked."""
     if who.key_id is None or who.service:
         return asked
-    check_tenant(who, asked, f"tenant {asked!r}")
+    if asked is not None and asked != who.tenant:
+        raise HTTPException(403, f"API key {who.key_id} is tenant {who.tenant!r}'s: it lists its own tenant's "
+                                 f"alone, not {asked!r}'s; leave tenant out")
     return who.tenant
 
 
 async def run_tenant(store: Store, bus: Bus, run_id: str) -> str | None:
-    """Who owns the run: the run-state bucket's tenant (it owns it), else the store's copy; None
-    for a run neither knows."""
+    """Who owns the run, for a tenant check: the run-state bucket's tenant (it owns it), else,
+    for a run the bucket does not hold, the store's copy; None for a run neither knows, and for
+    one whose entry in the bucket does not decode (the store's copy may predate the entry, so it
+    is not taken instead: the check fails closed)."""
     try:
         state = await runs.get_run(bus, run_id)
     except runs.BadRunState:
-        state = None
+        return None
     if state is not None:
         return state.tenant
     return await store.run_tenant(run_id)
 
 
-async def check_run(who: Caller, store: Store, bus: Bus, run_id: str) -> None:
-    """403 when the run belongs to another tenant than the keyed caller's."""
+async def check_run(who: Caller, store: Store, bus: Bus, run_id: str,
+                    not_found: HTTPException | None = None) -> None:
+    """``not_found`` (default: :func:`run_not_found`) unless the keyed caller's tenant owns the
+    run; a run of another tenant, one that does not exist and one whose owner cannot be read
+    are refused alike."""
     if who.key_id is not None and not who.service:
-        check_tenant(who, await run_tenant(store, bus, run_id), f"run {run_id!r}")
+        check_tenant(who, await run_tenant(store, bus, run_id), not_found or run_not_found(run_id))
+
+
+async def check_new_or_own_run(who: Caller, store: Store, bus: Bus, run_id: str) -> None:
+    """For a request that creates the run when it is new (``POST /v1/tasks``): nothing when the
+    run is new or the keyed caller's tenant's; a 409 when the id is taken by another tenant's run
+    or by a run whose owner cannot be read. Run ids are one namespace, so that an id is taken
+    shows, as a taken user name shows at a sign-up; the answer names no owner and nothing of the
+    run."""
+    if who.key_id is None or who.service:
+        return
+    try:
+        state = await runs.get_run(bus, run_id)
+    except runs.BadRunState:
+        owner: str | None = None
+    else:
+        owner = state.tenant if state is not None else await store.run_tenant(run_id)
+        if owner is None:
+            return  # a new run: the registry creates it, the caller's
+    if owner != who.tenant:
+        raise HTTPException(409, f"run {run_id!r} is taken: the id is another tenant's run; name another run")
 
 
 async def check_rollout(who: Caller, store: Store, bus: Bus, rollout_id: str) -> None:
-    """403 when the rollout (recorded, or live on the bus) is of another tenant's run."""
+    """:func:`rollout_not_found` unless the rollout (recorded, or live on the bus) is of a run of
+    the keyed caller's tenant."""
     if who.key_id is None or who.service:
         return
     run = await store.rollout_run(rollout_id)
-    if run is None:  # not recorded yet: its live trace nodes name the run in their subject
+    if run is None and runs.is_token(rollout_id):  # not recorded yet: its live trace nodes name the run
         info = await bus.js.stream_info("TRACES", subjects_filter=f"traces.*.{rollout_id}")
         subjects = list(info.state.subjects or {})
         run = subjects[0].split(".")[1] if subjects else None
-    if run is not None:
-        check_tenant(who, await run_tenant(store, bus, run), f"rollout {rollout_id!r}")
+    check_tenant(who, None if run is None else await run_tenant(store, bus, run), rollout_not_found(rollout_id))

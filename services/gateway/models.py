@@ -673,8 +673,8 @@ class HubForkPublic(BaseModel):
 class HubEnvironmentPublic(BaseModel):
     id: str = Field(description="owner/name")
     owner: str
-    project: str = Field(description="Its package's name on the index: pip install --index-url <gateway>/hub/simple "
-                                     "<project>.")
+    project: str = Field(description="Its package's name on the index: pip install --only-binary :all: --index-url "
+                                     "<gateway>/hub/simple <project>.")
     private: bool
     forked_from: str | None = Field(None, description="owner/name@version it was forked from (its lineage).")
     latest_version: str | None = None

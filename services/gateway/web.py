@@ -23,10 +23,11 @@ credentials.
 
 Who may see what is the API's: every page has the ``caller`` dependency
 (:mod:`flywheel_gateway.auth`), so with ``auth = "keys"`` the browser sends the key as
-``Authorization: Bearer`` like any client, and the script's calls carry it the same way; a
-page of another tenant's run or rollout is a 403. The pages stay out of the OpenAPI schema
-(they are not API). Every error a page meets (no key, another tenant's, a malformed id, not
-found) is a page that says what is wrong, with the API's status code, never a 500.
+``Authorization: Bearer`` like any client, and the script's calls carry it the same way; a page
+of another tenant's run, rollout or private environment is the 404 of one that does not exist.
+The pages stay out of the OpenAPI schema (they are not API). Every error a page meets (no key,
+another tenant's, a malformed id, not found) is a page that says what is wrong, with the API's
+status code, never a 500.
 
 - ``/environments``: the hub's environments the caller sees; ``/environments/{owner}/{name}``:
   one with its README, versions (sha256, files), lineage and forks, and its leaderboard.

@@ -25,7 +25,12 @@ rolled out at once, counted rollout by rollout (:meth:`Admission.rollout`): a ro
 a place when it starts and gives it back when its harness ends, not when its whole group
 does, so the rollouts that finished early do not keep the slow ones' siblings from
 starting. A group is admitted whole against the budget above (the trainer takes whole
-groups) and its rollouts then start as places free up, first come first served.
+groups) and its rollouts then start as places free up, first come first served. A rollout
+that has its run's place then takes one of its tenant's (:class:`TenantPlaces`: at most
+the setting ``inference.tenant_max_rollouts_in_flight`` over all the tenant's runs in this
+process, first come first served among them), so one tenant's runs, however many or slow,
+cannot take every place of the process; it waits for the tenant's place holding only its
+run's, which no other run needs. Places are per process; the budget above is the run's.
 
 "Issued" counts what reached the bus, by rollout id, never attempts: it starts from the
 number of rollouts already in the ROLLOUTS stream for the run when the run is first seen
@@ -38,7 +43,10 @@ group that fails before it is published gives its whole allowance back.
 
 When the run ends (finished, failed, stopped, or abandoned by its owner:
 :func:`flywheel.contract.runs.end_of`), every waiting task is released with :class:`RunEnded` at
-once, so it stops holding the consumer's slots; a run that is resumed takes tasks again.
+once, so it stops holding its consumer's slots; a run that is resumed takes tasks again. A
+waiting task holds a slot of its own run's consumer only
+(:mod:`flywheel_inference.run_tasks`): a run that waits, paused or far ahead of its trainer,
+never holds the slots of another.
 
 Replicas share the budget (:class:`SharedIssued`): the run's issued rollouts over every
 inference replica are one entry of the bus's admission bucket, ``published`` (rollouts the bus
@@ -223,6 +231,48 @@ def _total(entry: dict[str, Any], now: float) -> int:
 
 
 @dataclass
+class TenantPlaces:
+    """The rollouts of one tenant's runs being rolled out in this process: at most ``limit``
+    (``inference.tenant_max_rollouts_in_flight``), taken first come first served by the
+    tenant's runs (:meth:`Admission.rollout` takes one after its run's place)."""
+
+    tenant: str
+    limit: int
+    num_in_flight: int = 0
+    num_waiting: int = 0
+    _freed: asyncio.Condition = field(default_factory=asyncio.Condition, repr=False)
+    _queue: deque[object] = field(default_factory=deque, repr=False)
+
+    async def take(self, ended: Callable[[], str | None]) -> None:
+        """Wait for a place; RunEnded when the rollout's run ends first (``ended()``: why, or None)."""
+        ticket = object()
+        async with self._freed:
+            self.num_waiting += 1
+            self._queue.append(ticket)
+            try:
+                await self._freed.wait_for(lambda: ended() is not None or (
+                    self._queue[0] is ticket and self.num_in_flight < self.limit))
+            finally:
+                self.num_waiting -= 1
+                self._queue.remove(ticket)
+                self._freed.notify_all()
+            reason = ended()
+            if reason is not None:
+                raise RunEnded(reason)
+            self.num_in_flight += 1
+
+    async def give(self) -> None:
+        async with self._freed:
+            self.num_in_flight -= 1
+            self._freed.notify_all()
+
+    async def wake(self) -> None:
+        """A run of the tenant ended: its rollouts waiting here leave (RunEnded)."""
+        async with self._freed:
+            self._freed.notify_all()
+
+
+@dataclass
 class Slot:
     """One group's admission: ``n`` rollouts, of which the bus stored ``num_stored`` once
     the group is published (None until then: all ``n`` count)."""
@@ -249,6 +299,9 @@ class Admission:
     num_skipped: int = 0  # rollouts of tasks left over when the run ended
     on_change: Callable[[], None] | None = None  # called after every change of the counters
     shared: SharedIssued | None = None  # the bound shared with the other replicas (None: this one's alone)
+    tenant: TenantPlaces | None = None  # the places of the run's tenant in this process (None: no quota)
+    num_waiting_tenant: int = 0  # rollouts that hold the run's place and wait for one of the tenant's
+    _num_placed: int = 0  # the run's places taken: rolling out, or waiting for the tenant's place
     # Two conditions on one lock: tasks waiting for budget wake when the budget moves, rollouts waiting
     # for a place when a place frees (a place changes three times a rollout: waking every waiting
     # task then cost more than the rest of admission).
@@ -263,10 +316,10 @@ class Admission:
 
     @classmethod
     def for_run(cls, cfg: RunConfig, num_issued: int = 0, on_change: Callable[[], None] | None = None,
-                shared: SharedIssued | None = None) -> Admission:
+                shared: SharedIssued | None = None, tenant: TenantPlaces | None = None) -> Admission:
         return cls(batch_size=cfg.trainer.batch_size, max_off_policy_steps=cfg.trainer.max_off_policy_steps,
                    max_in_flight=cfg.inference.max_rollouts_in_flight, spare=cfg.inference.spare_rollouts,
-                   num_issued=num_issued, on_change=on_change, shared=shared)
+                   num_issued=num_issued, on_change=on_change, shared=shared, tenant=tenant)
 
     def _counted(self) -> None:
         if self.on_change is not None:
@@ -310,6 +363,8 @@ class Admission:
                 self._changed.notify_all()
                 self._place_freed.notify_all()
                 self._counted()
+        if reason is not None and self.tenant is not None:
+            await self.tenant.wake()
 
     def skip(self, n: int) -> None:
         """Count ``n`` rollouts of a task left over from before the run ended (never sampled)."""
@@ -376,9 +431,9 @@ class Admission:
 
     @asynccontextmanager
     async def rollout(self) -> AsyncIterator[None]:
-        """Hold one of the run's ``max_in_flight`` places while one rollout of an admitted group
-        runs; places go first come first served. Raises RunEnded when the run ends while the
-        rollout waits."""
+        """Hold one of the run's ``max_in_flight`` places, then one of its tenant's, while one
+        rollout of an admitted group runs; places go first come first served. Raises RunEnded
+        when the run ends while the rollout waits."""
         ticket = object()
         async with self._place_freed:
             self.num_waiting += 1
@@ -386,7 +441,7 @@ class Admission:
             self._counted()
             try:
                 await self._place_freed.wait_for(lambda: self.ended is not None or (
-                    self._places[0] is ticket and self.num_in_flight < self.max_in_flight))
+                    self._places[0] is ticket and self._num_placed < self.max_in_flight))
             finally:
                 self.num_waiting -= 1
                 self._places.remove(ticket)
@@ -394,17 +449,33 @@ class Admission:
             if self.ended is not None:
                 self._counted()
                 raise RunEnded(self.ended)
+            self._num_placed += 1
+        try:
+            if self.tenant is not None:
+                self.num_waiting_tenant += 1
+                self._counted()
+                try:
+                    await self.tenant.take(lambda: self.ended)
+                finally:
+                    self.num_waiting_tenant -= 1
             self.num_in_flight += 1
             self._counted()
-        try:
-            yield
+            try:
+                yield
+            finally:
+                self.num_in_flight -= 1
+                if self.tenant is not None:
+                    await self.tenant.give()
         finally:
             async with self._place_freed:
-                self.num_in_flight -= 1
+                self._num_placed -= 1
                 self._place_freed.notify_all()
                 self._counted()
 
     def counters(self) -> dict[str, Any]:
+        tenant = {} if self.tenant is None else {
+            "tenant": self.tenant.tenant, "num_waiting_tenant": self.num_waiting_tenant,
+            "tenant_in_flight": self.tenant.num_in_flight, "tenant_max_in_flight": self.tenant.limit}
         return {"trainer_step": self.trainer_step, "num_dropped": self.num_dropped, "max_issued": self.max_issued,
                 "num_issued": self.num_issued, "num_in_flight": self.num_in_flight, "num_waiting": self.num_waiting,
-                "num_skipped": self.num_skipped, "ended": self.ended}
+                "num_skipped": self.num_skipped, "ended": self.ended, **tenant}

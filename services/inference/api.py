@@ -13,9 +13,17 @@ version that answered. ``GET /healthz`` reports NATS and the per-run counters.
 
 With ``auth = "keys"`` (settings) these routes want a tenant's API key
 (:mod:`flywheel.contract.keys`): 401 without a good one, 403 without the scope (``write``
-to sample, ``read`` for ``/v1/models``) or for a run of another tenant; ``/v1/models`` lists
-the key's tenant's runs, running or ended. The deployment's ``service_token`` sees every tenant's (the
-orchestrator's evals). The interception endpoint keeps its own per-rollout keys.
+to sample, ``read`` for ``/v1/models``); ``/v1/models`` lists the key's tenant's runs, running
+or ended. A ``model`` that is another tenant's run, or a run whose state does not decode (its
+owner cannot be read, so it is nobody's), is the 404 of a run that does not exist, the same
+body, so a key learns nothing of other tenants' run ids. The deployment's ``service_token``
+sees every tenant's (the orchestrator's evals). The interception endpoint keeps its own
+per-rollout keys.
+
+The key (or the rollout key) is checked from the headers before anything reads the body
+(:class:`Authenticate`), and a body above the setting ``inference.max_body_bytes`` is refused
+with 413 before it is parsed (:mod:`flywheel.contract.bodylimit`): a caller without a key
+cannot make the service read, hold or parse what it sends.
 
 Every request that samples is metered: a :class:`~flywheel.contract.events.Usage` (source
 ``api``: the prompt once, every choice's tokens) goes on the bus once it is answered, its
@@ -46,8 +54,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.datastructures import Headers
 
 from flywheel.contract import events
+from flywheel.contract.bodylimit import BodyLimit, BodyTooLarge, too_large_detail
 from flywheel.contract.config import StopStrings, sampling_field
 from flywheel.contract.keys import SCOPES, Caller, KeyCheck, KeyRefused, ScopeRefused
 from flywheel.contract.runs import BadRunState, end_of, get_run, list_runs
@@ -89,22 +99,61 @@ bearer = HTTPBearer(auto_error=False, scheme_name="APIKey",
 
 
 async def _caller(request: Request,
-                  credentials: Annotated[HTTPAuthorizationCredentials | None, Security(bearer)] = None) -> Caller:
-    """The key's tenant and scopes (401 without a good key, 403 without the scope); open: anyone, everything."""
-    check: KeyCheck | None = request.app.state.keys
-    if check is None:
-        return OPEN
-    try:
-        return await check.authorize(credentials.credentials if credentials is not None else None, request.method,
-                                     request.url.path)
-    except KeyRefused as exc:
-        raise ApiError(401, str(exc), code="invalid_api_key") from None
-    except ScopeRefused as exc:
-        raise ApiError(403, str(exc), code="insufficient_scope") from None
+                  _: Annotated[HTTPAuthorizationCredentials | None, Security(bearer)] = None) -> Caller:
+    """The caller :class:`Authenticate` settled from the request's key before its body was read
+    (the ``Security`` parameter puts the scheme in the OpenAPI schema)."""
+    caller: Caller = request.state.caller
+    return caller
 
 
 CallerDep = Annotated[Caller, Depends(_caller)]
 OPEN = Caller("default", frozenset(SCOPES))  # every caller of an open API (auth = "open")
+NO_KEY_PATHS = ("/healthz", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")  # nothing of a tenant's
+
+
+class Authenticate:
+    """ASGI middleware: who calls, settled from the headers before anything reads the body, so a
+    request without a good key is answered (401; 403 without the scope) having read none of it.
+    ``/intercept/<key>/...`` wants a live rollout key (its own credential: 401 otherwise, as the
+    endpoint answers); ``NO_KEY_PATHS`` want nothing; every other path a tenant's API key (open:
+    none), whose :class:`~flywheel.contract.keys.Caller` the routes get as ``request.state.caller``.
+    (Plain ASGI, not ``BaseHTTPMiddleware``, which would buffer the body it is here to leave unread.)"""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        path: str = scope.get("path", "")
+        if scope["type"] != "http" or path in NO_KEY_PATHS:
+            await self.app(scope, receive, send)
+            return
+        state = scope["app"].state
+        refused: JSONResponse | None = None
+        if path.startswith("/intercept/"):
+            if path.split("/")[2] not in state.interception.sessions:
+                refused = openai_error(401, interception.UNKNOWN_ROLLOUT_KEY, None, "invalid_rollout_key")
+        else:
+            refused = await self._authorize(scope, state.keys)
+        if refused is not None:
+            await refused(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    @staticmethod
+    async def _authorize(scope: dict[str, Any], check: KeyCheck | None) -> JSONResponse | None:
+        """Puts the caller in the request's state; the refusal when the key is not good enough."""
+        caller = OPEN
+        if check is not None:
+            scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
+            try:
+                caller = await check.authorize(token.strip() if scheme.lower() == "bearer" else None,
+                                               scope["method"], scope["path"])
+            except KeyRefused as exc:
+                return openai_error(401, str(exc), None, "invalid_api_key")
+            except ScopeRefused as exc:
+                return openai_error(403, str(exc), None, "insufficient_scope")
+        scope.setdefault("state", {})["caller"] = caller
+        return None
 
 
 class _SamplingRequest(BaseModel):
@@ -186,17 +235,23 @@ class CompletionRequest(_SamplingRequest):
             raise ApiError(400, "echo=true is not supported", "echo")
 
 
+def _no_such_model(model: str) -> ApiError:
+    """What a key gets for a model it may not use: a run that does not exist, another tenant's,
+    one whose owner cannot be read; alike, so that nothing tells them apart."""
+    return ApiError(404, f"model {model!r}: no run of that id; the model is a run id of your tenant, or RUN@STEP",
+                    "model", "model_not_found")
+
+
 async def _hosted(worker: Worker, model: str, who: Caller) -> HostedRun:
     run = model.partition("@")[0]
-    state = None
     if who.key_id is not None and not who.service:
+        # Read on every request, even for a run hosted already: its owner is the bucket's word now.
         try:
             state = await get_run(worker.bus, run)
-        except BadRunState:
-            pass
-    if state is not None and not who.sees(state.tenant):
-        raise ApiError(403, f"model {model!r}: run {run!r} belongs to another tenant than API key {who.key_id}'s "
-                            f"({who.tenant!r})", "model", "model_not_found")
+        except BadRunState:  # its owner cannot be read: nobody's, refused to every key
+            state = None
+        if state is None or not who.sees(state.tenant):
+            raise _no_such_model(model)
     try:
         return await worker.served(model)
     except UnknownRun as exc:
@@ -385,17 +440,29 @@ class RolloutKeyAsBearer:
         await self.app(scope, receive, send)
 
 
-def install(app: FastAPI) -> None:
-    """The routes and the OpenAI error shape. They answer from ``app.state.worker`` and its
-    rollouts' sessions, ``app.state.interception``, which the composition root sets at start."""
+def install(app: FastAPI, max_body_bytes: int) -> None:
+    """The routes, the OpenAI error shape, the key check before the body and the body limit
+    (``max_body_bytes``). They answer from ``app.state.worker`` and its rollouts' sessions,
+    ``app.state.interception``, and check keys with ``app.state.keys``, which the composition
+    root sets at start."""
 
     async def on_api_error(_: Request, exc: ApiError) -> JSONResponse:
         return openai_error(exc.status, exc.message, exc.param, exc.code)
+
+    async def on_too_large(_: Request, exc: BodyTooLarge) -> JSONResponse:
+        return openai_error(413, str(exc.detail), None, "request_too_large")
 
     async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         problems = [(".".join(str(p) for p in e["loc"][1:]) or "body", e["msg"]) for e in exc.errors()]
         return openai_error(400, "; ".join(f"{field}: {msg}" for field, msg in problems), problems[0][0])
 
+    # Each middleware added wraps those before it: a request meets RolloutKeyAsBearer (a rollout
+    # key in the header becomes its path), then Authenticate, then BodyLimit, then the routes.
+    app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes,
+                       refuse=lambda detail: openai_error(413, detail, None, "request_too_large"),
+                       detail=too_large_detail("inference", max_body_bytes, "inference.max_body_bytes",
+                                               "send a shorter prompt or fewer messages"))
+    app.add_middleware(Authenticate)
     app.add_middleware(RolloutKeyAsBearer)
     app.include_router(router)
     interception.install(app)
@@ -404,3 +471,5 @@ def install(app: FastAPI) -> None:
                               on_api_error)  # type: ignore[arg-type]  # typed for Exception; gets only that class
     app.add_exception_handler(RequestValidationError,
                               on_validation)  # type: ignore[arg-type]  # typed for Exception; gets only that class
+    app.add_exception_handler(BodyTooLarge,
+                              on_too_large)  # type: ignore[arg-type]  # typed for Exception; gets only that class

@@ -43,9 +43,10 @@ def create_app(settings: Settings, url: str | None = None,
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         bus = await Bus.for_settings(settings, "inference")
-        worker = Worker.with_backends(bus, settings.data_dir, settings.inference, url, settings.trusted_modules)
+        worker = Worker.with_backends(bus, settings.data_dir, settings.inference, url, settings.workers,
+                                      settings.trusted_modules)
         service = worker.service(handle_signals=False)
-        service.add_task(TeacherHost(bus, settings.data_dir, settings.inference, worker.info,
+        service.add_task(TeacherHost(bus, settings.data_dir, settings.inference, worker.info, worker.pool,
                                      settings.trusted_modules).run)
         app.state.worker = worker
         app.state.interception = worker.interception
@@ -78,6 +79,6 @@ def create_app(settings: Settings, url: str | None = None,
     app = FastAPI(title="Flywheel inference",
                   summary="OpenAI-compatible completions from each run's current policy.",
                   version="0.1.0", lifespan=lifespan)
-    api.install(app)
+    api.install(app, settings.inference.max_body_bytes)
     app.add_middleware(ObservedHTTP)
     return app

@@ -44,7 +44,7 @@ import re
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, Generic, TypeVar
 from urllib.parse import urlsplit
@@ -56,7 +56,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from flywheel.contract import events
-from flywheel.sdk.hooks import Blocked, CallHooks
+from flywheel.runtime.environments import Hooks
+from flywheel.sdk.hooks import Blocked
 from flywheel.sdk.messages import message_dict, message_from_dict
 from flywheel.sdk.tracegraph import TraceGraph
 from flywheel_inference.policy import WeightsUnavailable
@@ -72,6 +73,7 @@ from flywheel_inference.streaming import (
 
 router = APIRouter()
 
+UNKNOWN_ROLLOUT_KEY = "unknown rollout key: the rollout has ended or the URL is wrong"
 _TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 
 
@@ -310,7 +312,7 @@ class Session:
     prompts: list[list[int]] = field(default_factory=list)  # what the model was given, call by call
     # The Responses API's stored responses (id -> the conversation they end), for previous_response_id.
     responses: dict[str, list[events.Message]] = field(default_factory=dict)
-    hooks: CallHooks = field(default_factory=CallHooks)  # the environment's hooks on each call
+    hooks: Hooks | None = None  # the environment's hooks on each call (run in its worker)
     _tools_key: str | None = None
     _renderer: Renderer | None = None
     _publishing: asyncio.Future[None] | None = None
@@ -343,7 +345,7 @@ class Session:
         environment's request hooks see (and may rewrite or block) ``messages`` first; its
         response hooks see the answer."""
         if self.hooks:
-            messages = self._hooked(lambda: self.hooks.before(messages))
+            messages = await self._hooked(self.hooks.before(messages))
         plan = self._plan(messages, tools, remember=True)
         sampling = self.sampling
         if max_tokens is not None and max_tokens < sampling.max_tokens:
@@ -372,14 +374,14 @@ class Session:
         assert answer is not None
         self._publish_in_order([events.TraceNode(run=self.run, rollout_id=self.rollout_id, node=n) for n in created])
         if self.hooks:
-            self._hooked(lambda: self.hooks.after(messages, answer.message))
+            await self._hooked(self.hooks.after(messages, answer.message))
         return answer, c, len(plan.prompt_ids)
 
     @staticmethod
-    def _hooked(run: Callable[[], T]) -> T:
+    async def _hooked(call: Awaitable[T]) -> T:
         """A hook's outcome; a block or a failing hook is the API's error, naming the hook."""
         try:
-            return run()
+            return await call
         except Blocked as exc:
             raise InterceptionError(400, str(exc), "messages", "blocked_by_environment") from exc
         except Exception as exc:
@@ -462,8 +464,7 @@ class Interception:
             return self.sessions[key]
         except KeyError:
             # The rollout key is the endpoint's credential: an unknown one is refused as a bad key is.
-            raise InterceptionError(401, "unknown rollout key: the rollout has ended or the URL is wrong", None,
-                                    "invalid_rollout_key") from None
+            raise InterceptionError(401, UNKNOWN_ROLLOUT_KEY, None, "invalid_rollout_key") from None
 
 
 # --- HTTP ---------------------------------------------------------------------------------

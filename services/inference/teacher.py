@@ -79,7 +79,10 @@ from flywheel.contract.config import RunConfig, TeacherConfig
 from flywheel.contract.runs import end_of, watch_runs
 from flywheel.contract.service import compute
 from flywheel.contract.settings import InferenceSettings
-from flywheel.sdk.environment import Environment, RunEnvironment, load_run_environments
+from flywheel.runtime.channel import RemoteError
+from flywheel.runtime.environments import WorkerError, WorkerPool
+from flywheel.runtime.runs import RunEnvironment, load_run_environments
+from flywheel.sdk.environment import EnvironmentLoadError
 from flywheel.sdk.tracegraph import TokenLayerError, branches, join_tokens
 
 log = logging.getLogger(__name__)
@@ -140,14 +143,14 @@ class _Row:
         return max(self.needed[0] - 1, 0) if self.needed else 0
 
 
-def context_of(tok: Any, env: Environment, task: dict[str, Any], context: str) -> Context:
-    """The first prompt of ``env``'s rollouts of ``task``, as rendered by ``tok`` without and
-    with the teacher's ``context`` (a system message first, ``{answer}`` the environment's
-    reference answer). Raises what the environment raises."""
+def context_of(tok: Any, student: Sequence[events.Message], teacher: Sequence[events.Message]) -> Context:
+    """The first prompt of a rollout's task as rendered by ``tok``: its environment's first
+    messages (``student``), and the same with the teacher's context (a system message first,
+    ``{answer}`` the environment's reference answer: ``teacher``), both from the environment's
+    worker (:meth:`flywheel.runtime.environments.WorkerEnvironment.privileged_messages`)."""
     from flywheel.sdk import models
 
-    return Context(models.render_prompt(tok, env.prompt_messages(task)),
-                   models.render_prompt(tok, env.privileged_messages(task, context)))
+    return Context(models.render_prompt(tok, list(student)), models.render_prompt(tok, list(teacher)))
 
 
 def _rows(index: int, request: Request) -> list[_Row]:
@@ -566,7 +569,8 @@ class Teacher:
             version = loaded.version if loaded.version is not None else c.version
             model_name = f"{self.run}@v{version}" if c.model == POLICY else c.model
             started = time.monotonic()
-            signals, usage = await compute(self._compute, loaded, rollouts, model_name, error)
+            contexts = await self._contexts(rollouts) if error is None and c.context is not None else {}
+            signals, usage = await compute(self._compute, loaded, rollouts, model_name, error, contexts)
             busy_s = time.monotonic() - started
         signals = fit_payload(signals, functools.partial(self.bus.published_size, content_type=events.MSGPACK),
                               self.bus.nc.max_payload)
@@ -574,25 +578,48 @@ class Teacher:
         self.counters.add(signals, usage, busy_s)
         self.info.update(vars(self.counters))
 
-    def _compute(self, loaded: Loaded, rollouts: Sequence[events.Rollout], model_name: str,
-                 error: str | None) -> tuple[list[events.Signal], Usage]:
+    async def _contexts(self, rollouts: Sequence[events.Rollout]
+                        ) -> dict[str, tuple[list[events.Message], list[events.Message]] | str]:
+        """Each rollout's first messages without and with the teacher's context, from its
+        environment's worker; or the error text its environment gave."""
+        assert self.config.context is not None
+        out: dict[str, tuple[list[events.Message], list[events.Message]] | str] = {}
+        by_env: dict[str, list[events.Rollout]] = {}
+        for r in rollouts:
+            by_env.setdefault(r.env, []).append(r)
+        for name, members in by_env.items():
+            env = self.environments[name].env
+            tasks = [r.task_data for r in members]
+            try:
+                plain = await env.privileged_messages(tasks, None)
+                shown = await env.privileged_messages(tasks, self.config.context)
+            except (WorkerError, RemoteError, EnvironmentLoadError) as exc:
+                plain = shown = [f"{type(exc).__name__}: {exc}"] * len(members)
+            for r, student, teacher in zip(members, plain, shown, strict=True):
+                failed = next((m for m in (student, teacher) if isinstance(m, str)), None)
+                out[r.id] = (f"teacher {self.name!r}: the context of rollout {r.id} failed in environment "
+                             f"{env.name!r}: {failed}") if failed is not None else (student, teacher)  # type: ignore[assignment]  # both lists here
+        return out
+
+    def _compute(self, loaded: Loaded, rollouts: Sequence[events.Rollout], model_name: str, error: str | None,
+                 contexts: Mapping[str, tuple[list[events.Message], list[events.Message]] | str]
+                 ) -> tuple[list[events.Signal], Usage]:
         """(On the compute thread.) The rollouts' signals; each says ``error`` when it is set."""
-        requests = [self._request(loaded.tok, r, error) for r in rollouts]
+        requests = [self._request(loaded.tok, r, error, contexts.get(r.id)) for r in rollouts]
         with loaded.thread_lock:
             return teacher_signals(loaded.model, requests, source=self.name, model_name=model_name,
                                    max_batch_size=self.config.max_batch_size,
                                    top_k=self.run_config.top_k_of(self.name))
 
-    def _request(self, tok: Any, rollout: events.Rollout, error: str | None) -> Request:
+    def _request(self, tok: Any, rollout: events.Rollout, error: str | None,
+                 context: tuple[list[events.Message], list[events.Message]] | str | None) -> Request:
         temperature = (rollout.sampling or self.run_config.sampling).temperature
         if error is not None or self.config.context is None:
             return Request(rollout, temperature, error=error)
-        env = self.environments[rollout.env].env
-        try:
-            return Request(rollout, temperature, context_of(tok, env, rollout.task_data, self.config.context))
-        except Exception as exc:  # the environment's own code: its error goes on the signal
-            return Request(rollout, temperature, error=f"teacher {self.name!r}: the context of rollout {rollout.id} "
-                           f"failed in environment {env.name!r}: {type(exc).__name__}: {exc}")
+        if context is None or isinstance(context, str):
+            return Request(rollout, temperature, error=context or f"teacher {self.name!r}: no context of rollout "
+                           f"{rollout.id}")
+        return Request(rollout, temperature, context_of(tok, *context))
 
     async def _prepare(self, loaded: Loaded) -> str | None:
         """Give a policy teacher's model the weights it computes with (under ``loaded.lock``):
@@ -684,13 +711,15 @@ class TeacherHost:
     inference Service (:meth:`run`)."""
 
     def __init__(self, bus: Bus, data_dir: Path, settings: InferenceSettings, info: dict[str, Any],
-                 trusted_modules: Sequence[str] = ()) -> None:
+                 pool: WorkerPool, trusted_modules: Sequence[str] = ()) -> None:
         """``settings``: the settings' ``inference`` section; ``info``: the heartbeat's, where
-        ``info["teachers"]`` gets each run's teachers' counters; ``trusted_modules``: the setting,
-        where a run config's parts by path may come from."""
+        ``info["teachers"]`` gets each run's teachers' counters; ``pool``: the environment workers
+        that give the first messages teachers see; ``trusted_modules``: the setting, where a run
+        config's parts by path may come from."""
         self.bus = bus
-        self.settings = settings
         self.trusted_modules = trusted_modules
+        self.pool = pool
+        self.settings = settings
         self.info = info
         self.info.setdefault("teachers", {})
         self.models = Models(data_dir, settings.teacher_device)
@@ -746,7 +775,7 @@ class TeacherHost:
             cfg = RunConfig.parse(state.config, source=f"run {run!r} config", trusted_modules=self.trusted_modules)
             if not cfg.teachers:
                 return
-            environments = await asyncio.to_thread(load_run_environments, cfg)
+            environments = await load_run_environments(self.pool, cfg, state.tenant)
         except Exception as exc:  # a config or an environment that does not load here: said, and tried again
             reason = f"{type(exc).__name__}: {exc}"
             if self._refused.get(run) != reason:

@@ -1,12 +1,13 @@
 """The inference worker: tasks in, trace nodes and rollouts out, weight updates applied.
 
-- Tasks come from one durable pull consumer on TASKS (``inference``), shared by every
-  replica, within the bounds of the settings' ``inference`` section
-  (:class:`flywheel.contract.settings.InferenceSettings`). Its ack wait is short
+- Tasks come from a durable pull consumer on TASKS per run (``inference-<run>``), shared by
+  every replica, behind a screen of every task (``inference``) that dead-letters what no run can
+  take (:mod:`flywheel_inference.run_tasks`), within the bounds of the settings' ``inference``
+  section (:class:`flywheel.contract.settings.InferenceSettings`). Their ack wait is short
   (``ack_wait_s``, 5 s; the bus layer sends ``in_progress``
   every third of it for a task still being worked on, so a long rollout is not
   redelivered): the tasks a killed replica held reach another one within seconds instead
-  of blocking the durable's ``max_ack_pending``. A task is rolled out ``num_rollouts``
+  of blocking the run's ``max_ack_pending``. A task is rolled out ``num_rollouts``
   times as one group: the run's environment (loaded as every service loads it,
   :func:`flywheel.sdk.environment.load_for_run`) runs its harness once per rollout, each
   against its own interception URL (:mod:`flywheel_inference.interception`), which samples
@@ -30,8 +31,8 @@
   state; a task is checked against it when it arrives (:func:`flywheel.contract.runs.end_of`).
   When a run ends (finished, failed, stopped, or abandoned: its owner's lease expired,
   which is checked every ``LEASE_CHECK_S`` since nothing writes the state when an owner
-  dies), its waiting tasks are released at once (acked, counted as ``num_skipped``), so
-  they stop holding the consumer's slots and other runs get inference.
+  dies), its waiting tasks are released at once (acked, counted as ``num_skipped``), and
+  its consumer stops once its leftover tasks are skipped too.
 - Weight updates come from an ordered consumer on WEIGHTS (:func:`flywheel.contract.bus.watch`)
   that starts at the last message of every run's subject, so each replica sees every
   update and a late one catches up; a payload there that is not an update of that run
@@ -52,14 +53,15 @@ published (the last ``MAX_RECORDED_TASKS`` per run) and acks such a task again w
 rolling it out, and a second delivery of a task still in flight here waits for the first
 one's outcome instead of running it twice.
 
-A task waiting for its run's admission holds one of the consumer's ``max_tasks_in_flight``
-slots, so a run far ahead of its trainer can delay other runs' tasks (the bound is per
-process, not per run). A run's config is read once, when the run is first seen.
+A task waiting for its run's admission holds one of its run's ``max_tasks_in_flight`` slots,
+never another run's; a rollout holds a place of its run and one of its tenant's
+(``tenant_max_rollouts_in_flight``, over the tenant's runs in this process). A run's config
+is read once, when the run is first seen.
 
 Failures: a task that can never succeed is dead-lettered at once with the reason: its run
 is not in the runs bucket, has no config, or its state does not decode (a run is
 registered with its config before its tasks are published, so waiting cannot help); it
-was published after its run ended; its environment does not load; its row does not match
+was published after its run ended (these by the screen); its environment does not load; its row does not match
 the task set's schema; bad sampling settings; a group larger than the admission bounds. A
 task left over from before its run ended is acked and counted as skipped. Anything else
 (the model fails to build, the bus fails) fails the delivery, which the bus retries with
@@ -95,25 +97,27 @@ import nats.js.errors
 from nats.js.api import PubAck
 
 from flywheel.contract import events, metrics, weights
-from flywheel.contract.bus import RUNS_BUCKET, Bus, Consumer, Delivery, EventCount, Reject, wait_at_most, watch
+from flywheel.contract.bus import RUNS_BUCKET, Bus, Delivery, EventCount, Reject, wait_at_most, watch
 from flywheel.contract.config import RunConfig
 from flywheel.contract.heap import freeze_heap
-from flywheel.contract.runs import BadRunState, end_of, get_run, watch_runs
+from flywheel.contract.runs import BadRunState, RunEnd, end_of, get_run, watch_runs
 from flywheel.contract.service import Service, compute
-from flywheel.contract.settings import InferenceSettings
-from flywheel.sdk.environment import Environment, EnvironmentLoadError, load_for_run
-from flywheel.sdk.harness import RolloutContext
-from flywheel.sdk.rollout import run_harness
+from flywheel.contract.settings import InferenceSettings, WorkersSettings
+from flywheel.runtime.channel import RemoteError
+from flywheel.runtime.environments import RolloutLink, WorkerEnvironment, WorkerError, WorkerPool
+from flywheel.runtime.runs import load_for_run
+from flywheel.sdk.environment import EnvironmentLoadError
+from flywheel.sdk.rollout import Ran, conclude
 from flywheel.sdk.sandbox import SandboxClient
-from flywheel_inference.admission import Admission, RunEnded, SharedIssued
+from flywheel_inference.admission import Admission, RunEnded, SharedIssued, TenantPlaces
 from flywheel_inference.backends import build_backend
 from flywheel_inference.completion import Backend
 from flywheel_inference.interception import Interception, Session
 from flywheel_inference.policy import MAX_OFFERED, Batcher, OnLoaded, Policy, TransientFetchError
+from flywheel_inference.run_tasks import RunTasks
 
 log = logging.getLogger(__name__)
 
-DURABLE = "inference"
 WEIGHTS_WATCHER = "inference-weights"  # the weights watcher's name on its dead letters
 # Task ids whose group this process published, remembered per run: a redelivery comes
 # within a few ack waits, so the last few thousand are plenty.
@@ -122,6 +126,12 @@ LEASE_CHECK_S = 1.0  # how often hosted runs are checked for an expired owner's 
 # An ended LoRA run's adapter leaves the shared base once nothing has sampled from it for this long
 # (the API may still serve the run's last weights: a burst of eval requests keeps it loaded).
 EVICT_IDLE_S = 30.0
+
+
+def _published_after(task: events.Task, end: RunEnd) -> bool:
+    """Whether ``task`` was published after its run ended (not left over from before)."""
+    created_at = task.created_at if task.created_at.tzinfo else task.created_at.replace(tzinfo=UTC)
+    return created_at >= end.since
 
 
 class UnknownRun(LookupError):
@@ -207,15 +217,20 @@ async def _once(pending: dict[K, asyncio.Future[T]], key: K, make: Callable[[], 
 
 class Worker:
     def __init__(self, bus: Bus, build: BuildBackend, config: InferenceSettings, url: str | None = None,
-                 trusted_modules: Sequence[str] = ()) -> None:
+                 pool: WorkerPool | None = None, trusted_modules: Sequence[str] = ()) -> None:
         """``config``: the settings' ``inference`` section. ``url``: where this process's HTTP
-        server is reached (None: none), which program harnesses get as their base URL.
-        ``trusted_modules``: the setting, where a run config's parts by path may come from."""
+        server is reached (None: none); the programs of program harnesses reach their rollout's
+        endpoint there through their sandbox's model relay. ``pool``: the environment workers
+        harnesses, hooks and prompts run in (None: a pool of default settings). ``trusted_modules``:
+        the setting, where a run config's parts by path may come from."""
         self.bus = bus
         self.config = config
         self.trusted_modules = trusted_modules
         self.url = url
-        self.info: dict[str, Any] = {"runs": {}, "url": url}  # the heartbeat's info: counters per run
+        self.pool = pool or WorkerPool(WorkersSettings(), Path(".flywheel"), name="inference",
+                                       sandbox=SandboxClient(bus))
+        # the heartbeat's info: counters per run, environment workers
+        self.info: dict[str, Any] = {"runs": {}, "url": url, "workers": self.pool.info}
         self._build = build
         self._runs: dict[str, HostedRun] = {}
         self._starting: dict[str, asyncio.Future[HostedRun]] = {}
@@ -224,7 +239,8 @@ class Worker:
         self._published: dict[str, OrderedDict[str, None]] = {}  # per run: tasks whose group went out
         self._in_flight: dict[tuple[str, str], asyncio.Event] = {}  # (run, task id) -> set when handled
         self._num_skipped: dict[str, int] = {}  # rollouts of skipped tasks of runs not hosted here
-        self._environments: dict[tuple[str, str], Environment] = {}
+        self._environments: dict[tuple[str, str], WorkerEnvironment] = {}
+        self._environments_loading: dict[tuple[str, str], asyncio.Future[WorkerEnvironment]] = {}
         self._snapshots: OrderedDict[tuple[str, int], HostedRun] = OrderedDict()  # (run, step), least recent first
         self._loading: dict[tuple[str, int], asyncio.Future[HostedRun]] = {}
         self._bases: dict[tuple[str, str, str], SharedBase] = {}  # (model, dtype, backend) -> its LoRA runs' base
@@ -234,13 +250,16 @@ class Worker:
         self._in_process: Any = None  # the in-process transport behind _asgi_client
         self._info_due = False  # a write of the counters is scheduled (_refresh_info)
         self._rollouts_on_bus: dict[str, EventCount] = {}  # by run: its rollouts in the ROLLOUTS stream
+        self._tenants: dict[str, TenantPlaces] = {}  # each tenant's rollout places in this process
+        self.tasks = RunTasks(bus, config, self.handle, self.screen)  # the screen and each run's task consumer
         # This process among the replicas that share each run's admission bound (SharedIssued).
         self.replica = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
 
     @classmethod
     def with_backends(cls, bus: Bus, data_dir: Path, config: InferenceSettings, url: str | None = None,
-                      trusted_modules: Sequence[str] = ()) -> Worker:
-        """A worker that builds each run's backend from its config (model resolved under ``data_dir``)."""
+                      workers: WorkersSettings | None = None, trusted_modules: Sequence[str] = ()) -> Worker:
+        """A worker that builds each run's backend from its config (model resolved under ``data_dir``),
+        its environments in workers of ``workers`` (None: the defaults)."""
 
         def build(cfg: RunConfig) -> Backend:
             from flywheel.sdk import models
@@ -248,15 +267,11 @@ class Worker:
             return build_backend(cfg.inference.backend, models.resolve_model(cfg.model.name, data_dir),
                                  cfg.model.dtype, lora=cfg.trainer.adapter is not None)
 
-        return cls(bus, build, config, url, trusted_modules)
-
-    def consumer(self) -> Consumer:
-        c = self.config
-        return Consumer(self.bus, stream="TASKS", durable=DURABLE, handler=self.handle, event_type=events.Task,
-                        max_in_flight=c.max_tasks_in_flight, ack_wait_s=c.ack_wait_s, max_deliver=c.max_deliver,
-                        backoff_s=c.backoff_s, grace_s=c.grace_s)
+        pool = WorkerPool(workers or WorkersSettings(), data_dir, name="inference", sandbox=SandboxClient(bus))
+        return cls(bus, build, config, url, pool, trusted_modules)
 
     async def close(self) -> None:
+        await self.pool.close()
         if self._asgi_client is not None:
             await self._asgi_client.aclose()
         for starting in self._starting.values():
@@ -291,9 +306,13 @@ class Worker:
         cfg = await self.run_config(run)
         num_issued = await self._num_rollouts_published(run)
         shared = SharedIssued(self.bus, run, self.replica, self._num_rollouts_published)
-        admission = Admission.for_run(cfg, num_issued=num_issued, on_change=self._refresh_info, shared=shared)
+        state = self._states.get(run) or await get_run(self.bus, run)
+        tenant = state.tenant if state is not None else events.RunState(id=run).tenant
+        if tenant not in self._tenants:
+            self._tenants[tenant] = TenantPlaces(tenant, self.config.tenant_max_rollouts_in_flight)
+        admission = Admission.for_run(cfg, num_issued=num_issued, on_change=self._refresh_info, shared=shared,
+                                      tenant=self._tenants[tenant])
         admission.num_skipped = self._num_skipped.pop(run, 0)
-        state = self._states.get(run)
         end = end_of(state) if state is not None else None
         admission.ended = end.reason if end is not None else None
 
@@ -431,12 +450,20 @@ class Worker:
                 raise TransientFetchError(f"{type(exc).__name__}: {exc}") from exc
             raise
 
-    def environment(self, run: str, env: str, config: RunConfig) -> Environment:
+    async def environment(self, run: str, env: str, config: RunConfig) -> WorkerEnvironment:
         """The run's environment ``env`` (a task's), loaded once as every service loads it (its
-        config's id, args, rewards)."""
-        if (run, env) not in self._environments:
-            self._environments[run, env] = load_for_run(config, env)
-        return self._environments[run, env]
+        config's id, args, rewards), in workers of the run's tenant."""
+        key = (run, env)
+        if key in self._environments:
+            return self._environments[key]
+
+        async def load() -> WorkerEnvironment:
+            state = self._states.get(run) or await get_run(self.bus, run)
+            tenant = state.tenant if state is not None else ""
+            found = self._environments[key] = await load_for_run(self.pool, config, env, tenant)
+            return found
+
+        return await _once(self._environments_loading, key, load)
 
     def _refresh_info(self) -> None:
         """Keep the heartbeat's counters current. Called on every change of a run's counters (a
@@ -477,9 +504,11 @@ class Worker:
             await self.on_weight_update(update)
 
     def service(self, handle_signals: bool = True) -> Service:
-        """The process's Service: the TASKS consumer, the weights and run-state watchers, the lease check."""
+        """The process's Service: the TASKS consumers (the screen, each run's), the weights and
+        run-state watchers, the lease check."""
         service = Service("inference", self.bus, info=self.info, handle_signals=handle_signals)
-        service.add(self.consumer())
+        service.add(self.tasks.screen())
+        service.add_task(self.tasks.run)
         service.add_task(self.watch_weights)
         service.add_task(self.watch_runs)
         service.add_task(self.watch_leases)
@@ -493,6 +522,7 @@ class Worker:
 
         async def on_state(state: events.RunState) -> None:
             self._states[state.id] = state
+            self._follow(state.id)
             await self._check_end(state.id)
 
         await watch_runs(self.bus, stopping, on_state)
@@ -501,9 +531,22 @@ class Worker:
         """Every LEASE_CHECK_S, end the hosted runs whose owner's lease expired: a dead owner
         writes nothing, so no state change announces it."""
         while not stopping.is_set():
+            for run in self.tasks.runs():
+                self._follow(run)
             for run in list(self._runs):
                 await self._check_end(run)
             await wait_at_most(stopping.wait(), LEASE_CHECK_S)
+
+    def _follow(self, run: str) -> None:
+        """Consume the run's tasks here while it goes on; once it ended, until its durable is empty."""
+        state = self._states.get(run)
+        if state is None or not state.config:
+            return
+        end = end_of(state)
+        if end is None:
+            self.tasks.serve(run)
+        else:
+            self.tasks.end(run, finished=state.status == "finished")
 
     async def _check_end(self, run: str) -> None:
         hosted, state = self._runs.get(run), self._states.get(run)
@@ -561,41 +604,59 @@ class Worker:
             del self._in_flight[key]
             done.set()
 
-    async def _handle(self, task: events.Task) -> None:
-        from flywheel.sdk import models
+    async def screen(self, delivery: Delivery) -> None:
+        """The screen's delivery of a task (every task passes it): what no run can take is
+        dead-lettered (Reject); a run that goes on is consumed here; its consumer does the rest."""
+        task: events.Task = delivery.event
+        end = await self._run_end(task)
+        if end is None:
+            self.tasks.serve(task.run)
+            return
+        self.tasks.drain(task.run, finished=end.status == "finished")  # its consumer skips (and counts) leftovers
+        if _published_after(task, end):
+            raise Reject(f"task {task.id} was published at {task.created_at.isoformat()}, after the run ended: "
+                         f"{end.reason}. An ended run takes no tasks: register a new run (`flywheel run CONFIG`) "
+                         "and publish the task to it")
 
+    async def _run_end(self, task: events.Task) -> RunEnd | None:
+        """How the task's run ended (None: it goes on); Reject when it cannot take tasks, and never will."""
         end = end_of(await self._run_state(task.run))
         if end is not None:  # confirmed by a fresh read: the watcher may not have seen a resume yet
             state = await self._run_state(task.run, fresh=True)
             cached = self._states.get(task.run)
             if cached is None or cached.updated_at <= state.updated_at:
                 self._states[task.run] = state
+                self._follow(task.run)
                 await self._check_end(task.run)
             end = end_of(state)
+        return end
+
+    async def _handle(self, task: events.Task) -> None:
+        from flywheel.sdk import models
+
+        end = await self._run_end(task)
         if end is not None:
-            created_at = task.created_at if task.created_at.tzinfo else task.created_at.replace(tzinfo=UTC)
-            if created_at < end.since:  # left over from the task supply
+            if _published_after(task, end):
+                log.info("task %s: published after its run ended (%s); the screen dead-letters it", task.id,
+                         end.reason)
+            else:  # left over from the task supply
                 self._skip(task, end.reason)
-                return
-            raise Reject(f"task {task.id} was published at {task.created_at.isoformat()}, after the run ended: "
-                         f"{end.reason}. An ended run takes no tasks: register a new run (`flywheel run CONFIG`) "
-                         "and publish the task to it")
+            return
         try:
             hosted = await self.hosted(task.run)
         except (UnknownRun, ValueError) as exc:  # deleted meanwhile, or a config that does not parse
             raise Reject(str(exc)) from exc
         try:
-            env = self.environment(task.run, task.env, hosted.config)
-        except EnvironmentLoadError as exc:
+            env = await self.environment(task.run, task.env, hosted.config)
+        except (EnvironmentLoadError, ValueError) as exc:
             raise Reject(str(exc)) from exc
         try:
-            env.check_task(task.data)
-            messages = env.prompt_messages(task.data)
+            messages = await env.prompt_messages(task.data)
         except EnvironmentLoadError as exc:
             raise Reject(str(exc)) from exc
-        except Exception as exc:
+        except RemoteError as exc:  # the environment's own code raised (a worker that died: retried)
             raise Reject(f"environment {task.env!r}: its first messages for this task failed: "
-                         f"{type(exc).__name__}: {exc}") from exc
+                         f"{exc.kind}: {exc}") from exc
         sampling = task.sampling or hosted.sampling
         prompt_ids = models.render_prompt(hosted.policy.backend.tokenizer, messages)
         try:
@@ -625,7 +686,7 @@ class Worker:
             self._num_skipped[task.run] = self._num_skipped.get(task.run, 0) + task.num_rollouts
             self._refresh_info()
 
-    async def _roll_out(self, task: events.Task, env: Environment, sampling: events.Sampling,
+    async def _roll_out(self, task: events.Task, env: WorkerEnvironment, sampling: events.Sampling,
                         hosted: HostedRun) -> int:
         """Run the environment's harness once per rollout of the group, each against its own
         interception URL, and publish the group's rollouts together once all have ended;
@@ -675,10 +736,11 @@ class Worker:
                      rollouts[0].task_id, len(rollouts) - num_stored, len(rollouts))
         return num_stored
 
-    async def _one_rollout(self, task: events.Task, index: int, env: Environment, sampling: events.Sampling,
+    async def _one_rollout(self, task: events.Task, index: int, env: WorkerEnvironment, sampling: events.Sampling,
                            hosted: HostedRun) -> events.Rollout:
-        """One rollout of the group, run as everywhere (:func:`flywheel.sdk.rollout.run_harness`)
-        against its own interception session, whose trace nodes go out before the rollout."""
+        """One rollout of the group, its harness run in a worker of the environment (by the rules
+        of :mod:`flywheel.sdk.rollout`), against its own interception session, whose trace nodes go
+        out before the rollout."""
         rid = events.rollout_id(task.run, task.id, index)
         sampling = sampling.with_seed_offset(index)
 
@@ -688,24 +750,32 @@ class Worker:
 
         session = self.interception.open(task.run, rid, hosted.policy, sampling, publish,
                                          live_after_s=self.config.live_trace_after_s)
-        session.hooks = env.call_hooks(task.data)
         base_url, http_client, post = self._interception_url(session.key)
-        ctx = RolloutContext(task=dict(task.data), base_url=base_url, api_key=session.key, model=task.run, run=task.run,
-                             index=index, timeout_s=self.config.rollout_timeout_s, http_client=http_client,
-                             post=post, rollout_id=rid, sandbox_client=SandboxClient(self.bus))
+        link = RolloutLink(rid, task.run, base_url=base_url, api_key=session.key, post=post, http_client=http_client,
+                           sandbox=self.pool.sandbox)
         stop: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         hosted.live[rid] = (session, stop)
         try:
-            outcome = await run_harness(env, ctx, session, self.config.rollout_timeout_s,
-                                        on_end=lambda: self.interception.close(session.key), stop=stop)
+            try:
+                running = await env.start_rollout(link)
+            except WorkerError as exc:  # no worker for it: this rollout fails, saying why
+                ran = Ran(f"environment worker failed: {exc}", {}, False, 0.0)
+            else:
+                if running.hooks:
+                    session.hooks = running.hooks
+                stop.add_done_callback(lambda done: running.stop(done.result()))
+                ran = await running.run(task.data, model=task.run, index=index, timeout_s=self.config.rollout_timeout_s)
         finally:
             del hosted.live[rid]
+            self.interception.close(session.key)
+        outcome = conclude(ran, session, rid, index)
         await session.flush()  # its trace nodes before the rollout
+        hooks = session.hooks.metrics() if session.hooks else {}
         return events.Rollout(
             id=rid, run=task.run, env=task.env, task_id=task.id, group_id=task.id, index=index,
             policy_version=min(session.versions, default=hosted.policy.version or 0), task_data=task.data,
             nodes=session.graph.ordered(), status=outcome.status, error=outcome.error,
-            metrics=session.metrics() | session.hooks.metrics() | {"rollout_s": outcome.elapsed_s},
+            metrics=session.metrics() | hooks | {"rollout_s": outcome.elapsed_s},
             group_size=task.num_rollouts,
             state=outcome.state, sampling=sampling, usage=session.usage())
 

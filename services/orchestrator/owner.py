@@ -22,8 +22,8 @@ A :class:`RunOwner` lives in the orchestrator from the moment it claims a run
 4. runs the run's evals (``[[evals]]``) as their steps' weights come out: each through
    ``flywheel eval``'s machinery (:func:`flywheel.ops.eval.run_eval`) against inference's
    OpenAI API with ``model = RUN@STEP`` (the weights of that step, which the trainer keeps
-   pinned until the eval is done), recorded as an eval run ``RUN-eval-NAME-STEP`` linked to
-   the run and step, one eval at a time beside training; each result is a note, a line of
+   pinned until the eval is done), recorded as an eval run ``RUN-eval-NAME-STEP`` of the
+   run's tenant, linked to the run and step, one eval at a time beside training; each result is a note, a line of
    ``evals.jsonl`` in the run folder and a point in ``reward.png``. Evals whose weights are
    still pinned when an owner claims the run, or when its trainer finishes, are run then;
    the run is let go once they are done;
@@ -71,7 +71,8 @@ from flywheel.ops.stack import (
     trainer_env,
     wait_set,
 )
-from flywheel.sdk.environment import RunEnvironment, config_ids, load_run_environments
+from flywheel.runtime.environments import WorkerPool
+from flywheel.runtime.runs import RunEnvironment, config_ids, load_run_environments
 from flywheel.sdk.scoring import reward_definition
 
 log = logging.getLogger(__name__)
@@ -158,10 +159,12 @@ class TrainerSupervisor:
 class RunOwner:
     """Owns one claimed run until it ends, is stopped, or is lost to another owner."""
 
-    def __init__(self, bus: Bus, settings: Settings, state: events.RunState, name: str,
+    def __init__(self, bus: Bus, settings: Settings, state: events.RunState, name: str, pool: WorkerPool,
                  metrics_slot: int = 0) -> None:
+        """``pool``: the environment workers its task sets and evals run in."""
         self.bus = bus
         self.settings = settings
+        self.pool = pool
         # Where its trainer serves its Prometheus figures: TRAINER_METRICS_OFFSET + the lowest slot
         # free among the orchestrator's runs past the orchestrator's own port (0: a free port).
         self.metrics_slot = metrics_slot
@@ -171,6 +174,7 @@ class RunOwner:
         self.name = name  # the owner's name in the run state: the orchestrator instance
         self.cfg = RunConfig.parse(state.config, source=f"run {state.id!r} config",
                                    trusted_modules=settings.trusted_modules)
+        self.tenant = state.tenant  # the run's owner, whose are its eval runs too
         self.run_dir = run_folder(settings.data_dir.resolve(), state.id)
         self.stopping = asyncio.Event()  # set by the orchestrator when it stops
         self.environments: dict[str, RunEnvironment] = {}  # by name in subjects, in the config's order
@@ -217,7 +221,7 @@ class RunOwner:
                 # First: the trainer's start-up (imports, the model, version 0) is the run's longest
                 # wait, and it loads the environments itself.
                 await trainer.start()
-            self.environments = await asyncio.to_thread(load_run_environments, cfg)
+            self.environments = await load_run_environments(self.pool, cfg, self.tenant)
             self.rows = [[] for _ in self.environments]
             scorers, env_scorers = reward_definition(cfg, self.environments)
             await update_run(self.bus, cfg.run, scorers=scorers, env_scorers=env_scorers,
@@ -447,10 +451,11 @@ class RunOwner:
                               out=self.run_dir / "evals" / f"{spec.label}-{step}.jsonl",
                               num_tasks=spec.num_tasks, num_rollouts=spec.num_rollouts, resume=True,
                               env_args=dict(spec.args), seed=spec.seed, record=True, run_id=run_id,
+                              tenant=self.tenant,
                               sampling=cfg.eval_sampling(spec),
                               during={"train_run": cfg.run, "step": step, "name": spec.label})
         try:
-            summary = await run_eval(eval_cfg, settings.resolved_nats_url, progress_out=io.StringIO())
+            summary = await run_eval(eval_cfg, settings.resolved_nats_url, progress_out=io.StringIO(), pool=self.pool)
         except Exception as exc:  # the environment does not load, inference refuses, ...: said, training goes on
             log.exception("run %s: eval %s of step %d failed", cfg.run, spec.label, step)
             await self.note(f"eval {spec.label} of step {step} failed: {type(exc).__name__}: {exc}")
@@ -531,7 +536,7 @@ class RunOwner:
         for i, found in enumerate(envs):
             needed = schedule.count(i)
             if len(self.rows[i]) < needed:
-                self.rows[i] = await asyncio.to_thread(found.env.load_tasks, 2 * needed, seed=cfg.task_seed)
+                self.rows[i] = await found.env.load_tasks(2 * needed, seed=cfg.task_seed)
         seen = [0] * len(envs)
         tasks = []
         for position, i in enumerate(schedule):

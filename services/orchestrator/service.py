@@ -35,7 +35,9 @@ from flywheel.contract.runs import (
 from flywheel.contract.service import Service
 from flywheel.contract.settings import Settings
 from flywheel.ops.stack import trainer_env
-from flywheel.sdk.environment import config_ids, prepare_run
+from flywheel.runtime.environments import WorkerPool
+from flywheel.runtime.runs import config_ids, prepare_run
+from flywheel.sdk.sandbox import SandboxClient
 from flywheel.sdk.scoring import reward_definition
 from flywheel_orchestrator.owner import RunOwner
 
@@ -46,10 +48,12 @@ SCAN_S = 1.0  # how often the run-state bucket is read for runs that need an own
 
 
 class Orchestrator:
-    def __init__(self, bus: Bus, settings: Settings, service: Service) -> None:
+    def __init__(self, bus: Bus, settings: Settings, service: Service, pool: WorkerPool) -> None:
+        """``pool``: the environment workers the runs' task sets and evals run in."""
         self.bus = bus
         self.settings = settings
         self.service = service
+        self.pool = pool
         self.owners: dict[str, tuple[RunOwner, asyncio.Task[None]]] = {}
 
     @property
@@ -96,7 +100,7 @@ class Orchestrator:
             try:
                 slots = {o.metrics_slot for o, _ in self.owners.values()}
                 slot = min(set(range(len(slots) + 1)) - slots)
-                owner = RunOwner(self.bus, self.settings, claimed, self.name, slot)
+                owner = RunOwner(self.bus, self.settings, claimed, self.name, self.pool, slot)
             except ValueError as exc:  # its stored config no longer parses: said on the run, which is failed
                 await self._refuse(claimed.id, str(exc))
                 continue
@@ -112,10 +116,11 @@ class Orchestrator:
         self.service.info["runs"] = sorted(self.owners)
 
 
-async def submit(bus: Bus, path: str, trusted_modules: Sequence[str] = ()) -> None:
+async def submit(bus: Bus, pool: WorkerPool, path: str, trusted_modules: Sequence[str] = ()) -> None:
     """Own the run of the config at ``path`` from the start (``--run-config``): registered when new,
     made claimable again when it stopped, failed or was abandoned; left alone otherwise."""
-    cfg, environments = prepare_run(RunConfig.from_toml(path, trusted_modules))
+    given = RunConfig.from_toml(path, trusted_modules)
+    cfg, environments = await prepare_run(pool, given, tenant=given.tenant)
     config = cfg.model_dump()
     scorers, env_scorers = reward_definition(cfg, environments)
     state, created = await register_run(bus, cfg.run, cfg.tenant, config=config, scorers=scorers,
@@ -130,12 +135,16 @@ async def submit(bus: Bus, path: str, trusted_modules: Sequence[str] = ()) -> No
 
 
 async def run(settings: Settings, run_configs: Sequence[str] = ()) -> None:
-    """Composition root: bus, the runs given, service, orchestrator; runs until a signal."""
+    """Composition root: bus, environment workers, the runs given, service, orchestrator; runs until a signal."""
     trainer_env(settings)  # the trainers' login is there (a ValueError says what to set)
     bus = await Bus.for_settings(settings, SERVICE_NAME)
-    for path in run_configs:
-        await submit(bus, path, settings.trusted_modules)
-    service = Service(SERVICE_NAME, bus, info={"runs": []})
-    orchestrator = Orchestrator(bus, settings, service)
-    service.add_task(orchestrator.serve)
-    await service.run()
+    pool = WorkerPool(settings.workers, settings.data_dir, name=SERVICE_NAME, sandbox=SandboxClient(bus))
+    try:
+        for path in run_configs:
+            await submit(bus, pool, path, settings.trusted_modules)
+        service = Service(SERVICE_NAME, bus, info={"runs": [], "workers": pool.info})
+        orchestrator = Orchestrator(bus, settings, service, pool)
+        service.add_task(orchestrator.serve)
+        await service.run()
+    finally:
+        await pool.close()

@@ -1,13 +1,14 @@
 """Sandbox: runs untrusted, model-written code for tools and verifiers, over NATS request/reply.
 
-    agent.py           the process inside each sandbox that runs commands (stdlib only)
-    backends.py        the agent channel, the local backend (bubblewrap), cgroups
+    backends.py        the local backend (bubblewrap)
     backend_docker.py  the docker backend (docker SDK)
     sessions.py        live sandboxes: TTL, idle TTL, exec timeout, warm pool, caps
     service.py         the NATS responder on sandbox.*, and the composition root
     __main__.py        ``python -m flywheel_sandbox``
 
-The client and the messages are in :mod:`flywheel.sdk.sandbox`.
+The client and the messages are in :mod:`flywheel.sdk.sandbox`; the process inside each sandbox
+(``agent.py``), the agent channel, bubblewrap's command line, cgroups and the model relay
+(``relay.py``) are in :mod:`flywheel.runtime`, which environment workers share.
 
 What is isolated, on both backends: a sandbox has no network (only its own loopback; the
 host's loopback services, NATS and PostgreSQL included, are unreachable), and a spec asking

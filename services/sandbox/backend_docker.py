@@ -34,20 +34,10 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
+from flywheel.runtime.isolation import AgentChannel, AgentGone, MiB, agent_argv, agent_preamble
+from flywheel.runtime.relay import SOCKET_DIR, ModelRelay, open_relay
 from flywheel.sdk.sandbox import WORKDIR, SandboxError, SandboxSpec
-from flywheel_sandbox.backends import (
-    AGENT_MEMORY_BYTES,
-    EXTRA_PIDS,
-    AgentChannel,
-    AgentGone,
-    BackendUnavailable,
-    MiB,
-    agent_argv,
-    agent_preamble,
-    pool_key,
-    start_failed,
-)
-from flywheel_sandbox.relay import SOCKET_DIR, ModelRelay, open_relay
+from flywheel_sandbox.backends import AGENT_MEMORY_BYTES, EXTRA_PIDS, BackendUnavailable, pool_key, start_failed
 
 log = logging.getLogger(__name__)
 

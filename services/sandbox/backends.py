@@ -37,77 +37,46 @@ host's network namespace, loopback services included).
 from __future__ import annotations
 
 import asyncio
-import base64
-import contextlib
-import functools
-import json
 import logging
 import os
 import shutil
-import signal
-import struct
 import subprocess
 import sys
 import sysconfig
-import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from flywheel.runtime.isolation import (
+    AgentChannel,
+    AgentGone,
+    Cgroups,
+    Child,
+    MiB,
+    View,
+    agent_argv,
+    agent_preamble,
+    bwrap_argv,
+    drain_tail,
+)
+from flywheel.runtime.relay import SOCKET_DIR, ModelRelay, open_relay
 from flywheel.sdk.sandbox import WORKDIR, SandboxError, SandboxSpec
-from flywheel_sandbox.relay import SOCKET_DIR, ModelRelay, open_relay
 
 log = logging.getLogger(__name__)
 
-AGENT_PATH = Path(__file__).parent / "agent.py"
-# The agent's source arrives on its stdin ("<length>\n<source>"), then the frames follow.
-AGENT_BOOTSTRAP = "import sys; b = sys.stdin.buffer; exec(compile(b.read(int(b.readline())), 'agent.py', 'exec'))"
-MiB = 1024 * 1024
 # Processes (and threads) of the sandbox beyond the spec's: bubblewrap's init, the agent, its
 # model forwarder thread (a spec with a model_url), bash.
 EXTRA_PIDS = 5
 # Memory the agent and bubblewrap need on top of what the spec gives the commands.
 AGENT_MEMORY_BYTES = 48 * MiB
-# The only places a sandbox can write, each a tmpfs of spec.disk_mb (both backends); /dev/shm
-# is there for POSIX shared memory and semaphores (Python's multiprocessing needs it).
-WRITABLE = (WORKDIR, "/tmp", "/dev/shm")
+# The only places a sandbox can write, each a tmpfs of spec.disk_mb (both backends): WRITABLE;
+# /dev/shm is there for POSIX shared memory and semaphores (Python's multiprocessing needs it).
 PYTHON_PATH_DIR = "/opt/python"  # where setting sandbox_python_path's folders are bound
 
 
 class BackendUnavailable(Exception):
     """The backend cannot run here (a program or engine is missing); the message says what to install."""
-
-
-class AgentGone(Exception):
-    """The agent stopped answering (killed, crashed or the box was destroyed)."""
-
-
-class AgentChannel:
-    """Length-prefixed JSON frames to and from the agent; one call at a time."""
-
-    def __init__(self, read_exactly: Callable[[int], Awaitable[bytes]],
-                 write: Callable[[bytes], Awaitable[None]]) -> None:
-        self._read_exactly = read_exactly
-        self._write = write
-        self._lock = asyncio.Lock()
-
-    async def read_frame(self) -> dict[str, Any]:
-        try:
-            header = await self._read_exactly(4)
-            body = await self._read_exactly(struct.unpack(">I", header)[0])
-        except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
-            raise AgentGone(f"the sandbox's agent is gone ({type(exc).__name__})") from exc
-        return json.loads(body)
-
-    async def call(self, request: dict[str, Any]) -> dict[str, Any]:
-        body = json.dumps(request).encode()
-        async with self._lock:
-            try:
-                await self._write(struct.pack(">I", len(body)) + body)
-            except (ConnectionError, OSError) as exc:
-                raise AgentGone(f"the sandbox's agent is gone ({type(exc).__name__})") from exc
-            return await self.read_frame()
 
 
 class Box(Protocol):
@@ -142,200 +111,10 @@ def pool_key(spec: SandboxSpec) -> tuple[Any, ...]:
     return (spec.image, spec.cpu, spec.memory_mb, spec.pids, spec.disk_mb, spec.network, spec.model_url)
 
 
-def agent_argv(python: str) -> list[str]:
-    """Starts the agent; then send :func:`agent_preamble` on its stdin."""
-    return [python, "-I", "-S", "-c", AGENT_BOOTSTRAP]
-
-
-def agent_preamble() -> bytes:
-    source = AGENT_PATH.read_bytes()
-    return b"%d\n" % len(source) + source
-
-
 def start_failed(stderr_tail: bytearray, exc: BaseException) -> SandboxError:
     """The error for a sandbox whose agent never said it was ready: the sandbox's last words."""
     said = bytes(stderr_tail).decode(errors="replace")[-1000:]
     return SandboxError("failed", f"the sandbox did not start: {said or repr(exc)}")
-
-
-def decode_b64(text: str) -> bytes:
-    return base64.b64decode(text) if text else b""
-
-
-def encode_b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
-
-
-class Child:
-    """A process started off the event loop, with asyncio pipes and an exit future.
-
-    ``subprocess.Popen`` blocks until the child has exec'd; joining cgroup v1 groups in the
-    child takes milliseconds (the kernel waits for an RCU grace period), so the start runs
-    in a thread and the loop keeps answering other sandboxes meanwhile.
-    """
-
-    def __init__(self, popen: subprocess.Popen[bytes], stdout: asyncio.StreamReader, stdin: asyncio.StreamWriter,
-                 stderr: asyncio.StreamReader) -> None:
-        self.popen = popen
-        self.stdout, self.stdin, self.stderr = stdout, stdin, stderr
-        loop = asyncio.get_running_loop()
-        self.exited: asyncio.Future[int] = loop.create_future()
-        self._pidfd = os.pidfd_open(popen.pid)
-        loop.add_reader(self._pidfd, self._on_exit)
-
-    @classmethod
-    async def start(cls, argv: list[str], preexec_fn: Callable[[], None]) -> Child:
-        loop = asyncio.get_running_loop()
-
-        def spawn() -> subprocess.Popen[bytes]:
-            return subprocess.Popen(
-                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                preexec_fn=preexec_fn)  # noqa: PLW1509  # on purpose: the child joins its cgroups, takes its uid
-
-        spawning = loop.run_in_executor(None, spawn)
-        try:
-            popen = await asyncio.shield(spawning)
-        except asyncio.CancelledError:  # the spawn goes on in its thread: what it starts is killed
-            def kill_when_spawned(done: asyncio.Future[subprocess.Popen[bytes]]) -> None:
-                if not done.cancelled() and done.exception() is None:
-                    _kill_and_reap(done.result())
-
-            spawning.add_done_callback(kill_when_spawned)
-            raise
-        assert popen.stdin is not None and popen.stdout is not None and popen.stderr is not None
-        try:
-            readers = []
-            for pipe in (popen.stdout, popen.stderr):
-                reader = asyncio.StreamReader(limit=2**24)
-                await loop.connect_read_pipe(functools.partial(asyncio.StreamReaderProtocol, reader), pipe)
-                readers.append(reader)
-            transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, popen.stdin)
-        except BaseException:  # cancelled (the service stopping) before the box exists: nothing left running
-            _kill_and_reap(popen)
-            raise
-        writer = asyncio.StreamWriter(transport, protocol, None, loop)
-        return cls(popen, readers[0], writer, readers[1])
-
-    def _on_exit(self) -> None:
-        loop = asyncio.get_running_loop()
-        loop.remove_reader(self._pidfd)
-        os.close(self._pidfd)
-        self._pidfd = -1
-        if not self.exited.done():
-            self.exited.set_result(self.popen.wait())
-
-    @property
-    def returncode(self) -> int | None:
-        return self.exited.result() if self.exited.done() else None
-
-    def kill(self) -> None:
-        if self._pidfd >= 0:  # not reaped yet, so the pid is still this process
-            signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
-
-    async def wait(self) -> int:
-        return await self.exited
-
-
-def _kill_and_reap(popen: subprocess.Popen[bytes]) -> None:
-    """SIGKILL a sandbox's bubblewrap that no box holds, and reap it in a thread."""
-    with contextlib.suppress(ProcessLookupError):
-        popen.kill()
-    threading.Thread(target=popen.wait, name="flywheel-reap", daemon=True).start()
-
-
-# --- cgroups (v1) -------------------------------------------------------------------------
-
-
-@dataclass
-class Cgroups:
-    """Per-sandbox cgroup v1 folders under this process's own cgroup, one per controller found."""
-
-    roots: dict[str, Path]  # controller -> our folder ("flywheel-sandbox-<pid>")
-
-    @classmethod
-    def detect(cls, controllers: tuple[str, ...] = ("memory", "pids", "cpu")) -> Cgroups:
-        own: dict[str, str] = {}
-        for line in Path("/proc/self/cgroup").read_text().splitlines():
-            _, names, path = line.split(":", 2)
-            for name in names.split(","):
-                own[name] = path
-        roots: dict[str, Path] = {}
-        for line in Path("/proc/self/mountinfo").read_text().splitlines():
-            left, _, right = line.partition(" - ")
-            fields, rfields = left.split(), right.split()
-            if not rfields or rfields[0] != "cgroup":
-                continue
-            options = set(rfields[-1].split(","))
-            for controller in controllers:
-                if controller in options and controller in own and controller not in roots:
-                    mount_root, mount_point = fields[3], fields[4]
-                    rel = os.path.relpath(own[controller], mount_root)
-                    parent = Path(mount_point) / (rel if rel != "." else "")
-                    folder = parent / f"flywheel-sandbox-{os.getpid()}"
-                    try:
-                        folder.mkdir(exist_ok=True)
-                    except OSError:
-                        continue
-                    roots[controller] = folder
-                    _remove_stale(parent)
-        return cls(roots)
-
-    def make(self, name: str, spec: SandboxSpec) -> list[Path]:
-        """The sandbox's folders with its limits written; the ``cgroup.procs`` files to join."""
-        values = {
-            "memory": {"memory.limit_in_bytes": spec.memory_mb * MiB + AGENT_MEMORY_BYTES},
-            "pids": {"pids.max": spec.pids + EXTRA_PIDS},
-            "cpu": {"cpu.cfs_period_us": 100_000, "cpu.cfs_quota_us": int(spec.cpu * 100_000)},
-        }
-        procs = []
-        for controller, root in self.roots.items():
-            folder = root / name
-            folder.mkdir(exist_ok=True)
-            for key, value in values[controller].items():
-                (folder / key).write_text(str(value))
-            procs.append(folder / "cgroup.procs")
-        return procs
-
-    def kill_and_remove(self, name: str) -> bool:
-        """SIGKILL every member, then remove the folders; False while members remain."""
-        done = True
-        for root in self.roots.values():
-            folder = root / name
-            if not folder.exists():
-                continue
-            for pid in (folder / "cgroup.procs").read_text().split():
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            try:
-                folder.rmdir()
-            except OSError:  # members not reaped yet
-                done = False
-        return done
-
-    def close(self) -> None:
-        for root in self.roots.values():
-            try:
-                root.rmdir()
-            except OSError as exc:
-                log.warning("cannot remove %s: %s", root, exc)
-
-
-def _remove_stale(parent: Path) -> None:
-    """Folders of services that died without cleaning up (SIGKILL): empty once their
-    sandboxes died with them, so removable."""
-    for folder in parent.glob("flywheel-sandbox-*"):
-        pid = folder.name.rsplit("-", 1)[1]
-        if not pid.isdigit() or Path("/proc", pid).exists():
-            continue
-        try:
-            for leaf in folder.iterdir():
-                if leaf.is_dir():
-                    leaf.rmdir()
-            folder.rmdir()
-        except OSError:  # a member still alive: leave it
-            pass
 
 
 # --- local backend --------------------------------------------------------------------------
@@ -412,7 +191,8 @@ class LocalBackend:
         help_text = subprocess.run([bwrap, "--help"], capture_output=True, text=True, check=False).stdout
         self.has_size = "--size" in help_text
         self.has_disable_userns = "--disable-userns" in help_text
-        self.cgroups = Cgroups.detect() if self.config.use_cgroups and os.geteuid() == 0 else Cgroups({})
+        use_cgroups = self.config.use_cgroups and os.geteuid() == 0
+        self.cgroups = Cgroups.detect("flywheel-sandbox") if use_cgroups else Cgroups({})
         self.privileged = os.geteuid() == 0
         self._free_uids = list(range(self.config.uid_base + self.config.num_uids - 1, self.config.uid_base - 1, -1))
         self._counter = 0
@@ -449,43 +229,16 @@ class LocalBackend:
         self._free_uids.append(uid)
 
     def argv(self, spec: SandboxSpec, relay: ModelRelay | None = None) -> list[str]:
-        args = [self.bwrap, "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session",
-                "--hostname", "sandbox"]
-        if spec.network:
-            args.append("--share-net")
-        if self.has_disable_userns:
-            args.append("--disable-userns")
-        args += ["--ro-bind", "/usr", "/usr"]
-        for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
-            path = Path("/") / top
-            if path.is_symlink():
-                args += ["--symlink", os.readlink(path), str(path)]
-            elif path.is_dir():
-                args += ["--ro-bind", str(path), str(path)]
-        etc = ["/etc/ld.so.cache", "/etc/alternatives"]
-        if spec.network:
-            etc += ["/etc/resolv.conf", "/etc/hosts", "/etc/ssl", "/etc/ca-certificates"]
-        for name in etc:
-            args += ["--ro-bind-try", name, name]
-        args += ["--proc", "/proc", "--dev", "/dev"]
+        binds: list[tuple[str, str]] = []
         if relay is not None:  # the model relay's socket: the sandbox's one way out (relay.py)
-            args += ["--ro-bind", str(relay.folder), SOCKET_DIR]
+            binds.append((str(relay.folder), SOCKET_DIR))
         inside = [f"{PYTHON_PATH_DIR}/{i}" for i in range(len(self.config.python_path))]
-        for folder, at in zip(self.config.python_path, inside, strict=True):
-            args += ["--ro-bind", folder, at]
-        for mount in WRITABLE:
-            if self.has_size:
-                args += ["--size", str(spec.disk_mb * MiB)]
-            args += ["--tmpfs", mount]
-        # bubblewrap builds the root (and /dev) as tmpfs the sandbox's user owns: once every
-        # mount point is made, both go read-only, so only the tmpfs mounts above take writes.
-        args += ["--remount-ro", "/dev", "--remount-ro", "/"]
-        args += ["--chdir", WORKDIR, "--clearenv", "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin",
-                 "--setenv", "HOME", WORKDIR]
-        if inside:
-            args += ["--setenv", "PYTHONPATH", ":".join(inside)]
-        args.append("--")
-        return args + agent_argv(self.config.python)
+        binds += list(zip(self.config.python_path, inside, strict=True))
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": WORKDIR} | (
+            {"PYTHONPATH": ":".join(inside)} if inside else {})
+        return bwrap_argv(self.bwrap, View(binds=tuple(binds), disk_mb=spec.disk_mb), env,
+                          agent_argv(self.config.python), has_size=self.has_size,
+                          has_disable_userns=self.has_disable_userns, network=spec.network)
 
     async def start(self, spec: SandboxSpec) -> LocalBox:
         if spec.image is not None:
@@ -498,7 +251,8 @@ class LocalBackend:
         self._counter += 1
         cgroup = f"sb-{self._counter}-{uid}"
         try:
-            procs = self.cgroups.make(cgroup, spec)
+            procs = self.cgroups.make(cgroup, spec.memory_mb * MiB + AGENT_MEMORY_BYTES, spec.pids + EXTRA_PIDS,
+                                      spec.cpu)
         except OSError as exc:
             self.release_uid(uid)
             raise SandboxError("failed", f"cannot set up the sandbox's cgroups: {exc}") from exc
@@ -536,7 +290,7 @@ class LocalBackend:
 
         box = LocalBox(process, AgentChannel(process.stdout.readexactly, write), uid, cgroup, self, relay)
         process.stdin.write(agent_preamble())
-        drain = asyncio.ensure_future(_drain(process.stderr, box.stderr_tail))
+        drain = asyncio.ensure_future(drain_tail(process.stderr, box.stderr_tail))
         try:
             async with asyncio.timeout(self.config.start_timeout_s):
                 await box.channel.read_frame()
@@ -570,15 +324,6 @@ def python_path(setting: str, python: str = "/usr/bin/python3") -> tuple[str, ..
                  sys.version_info[:2])
         return ()
     return tuple(dict.fromkeys(sysconfig.get_path(name) for name in ("purelib", "platlib")))
-
-
-async def _drain(stream: asyncio.StreamReader | None, tail: bytearray, keep: int = 4096) -> None:
-    """Keep the last ``keep`` bytes of a stream (the sandbox's stderr: bubblewrap's errors)."""
-    if stream is None:
-        return
-    while chunk := await stream.read(4096):
-        tail += chunk
-        del tail[:-keep]
 
 
 BACKENDS: dict[str, Callable[..., Backend]] = {"local": LocalBackend}

@@ -41,6 +41,8 @@ import msgspec
 
 from flywheel.contract.bus import wait_at_most
 from flywheel.contract.settings import SandboxSettings
+from flywheel.runtime.isolation import AgentGone, decode_b64, encode_b64
+from flywheel.runtime.relay import SOCKET_DIR, SOCKET_NAME
 from flywheel.sdk.sandbox import (
     MODEL_PORT,
     WORKDIR,
@@ -57,8 +59,7 @@ from flywheel.sdk.sandbox import (
     WriteFileRequest,
     instance_token,
 )
-from flywheel_sandbox.backends import AgentGone, Backend, Box, decode_b64, encode_b64
-from flywheel_sandbox.relay import SOCKET_DIR, SOCKET_NAME
+from flywheel_sandbox.backends import Backend, Box
 
 MODEL_SOCKET = f"{SOCKET_DIR}/{SOCKET_NAME}"
 

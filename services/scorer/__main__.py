@@ -14,8 +14,9 @@ FLYWHEEL_* (see :mod:`flywheel.contract.settings`) unless the caller passes its 
 bounds' options below win over them.
 
 Heavy imports wait until the arguments are parsed, so ``--help`` is instant; a custom
-scorer's function and environment are loaded before connecting, so a mistake in either
-fails at once with a message naming the option.
+scorer's options are checked before connecting, and its function and environment are loaded
+(in an environment worker, never in this process) before anything is scored, so a mistake in
+either fails at once with a message naming the option.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     bounds.add_argument("--max-in-flight", type=_at_least_one, metavar="N",
                         help="rollouts scored at once (setting scorer.max_in_flight)")
     bounds.add_argument("--threads", type=_at_least_one, metavar="N",
-                        help="threads that run sync reward functions (setting scorer.num_threads)")
+                        help="threads that run sync reward functions in each environment worker (setting "
+                             "scorer.num_threads)")
     bounds.add_argument("--max-held", type=_at_least_one, metavar="N",
                         help="rollouts held waiting for the rest of their group; beyond it the oldest group is "
                              "scored with what arrived (setting scorer.max_held)")
@@ -132,6 +134,8 @@ def main(argv: Sequence[str] | None = None, settings: Settings | None = None) ->
     except ConnectionError as exc:  # NATS unreachable: the message says what to check
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 1
+    except ValueError as exc:  # a custom scorer's function or environment that does not load, in its worker
+        parser.error(str(exc))
     return 0
 
 

@@ -1,10 +1,15 @@
 """The scorer: a rollout's rewards, run as functions and published as one Score per reward.
 
+The functions are environment code, so they never run here: they run in the environment's
+workers (:mod:`flywheel.runtime.environments`: sandboxed processes of the run's tenant, with
+no credential), which this process starts and asks; a worker that dies fails the rewards it
+was running, each with an error saying so, and the next rollout gets a new worker.
+
 Two kinds of scorer process, one consumer loop (:class:`flywheel.contract.bus.Consumer` in handler
 mode):
 
 - the built-in scorer (durable ``scorer``, every rollout): the rewards and metrics of
-  each rollout's environment, as its run loads it (:func:`flywheel.sdk.environment.load_for_run`:
+  each rollout's environment, as its run loads it (:func:`flywheel.runtime.runs.load_for_run`:
   the environment of the run config, ``env`` or the ``[[envs]]`` table named by the rollout,
   with its args and reward overrides), or by the
   subject's environment name for a run without a config (tasks published straight to the bus);
@@ -58,41 +63,37 @@ still being scored here when its partition goes is handed back as it joins its g
 Failures, each where it belongs:
 
 - a reward that raises, returns something other than a finite number (or, for a group
-  reward, a list of the wrong length), or runs past ``reward_timeout_s``: a Score with
-  ``error`` saying so and value 0.0, recorded on that rollout (readers treat it as unusable,
-  never as a zero); the rollout's other rewards are unaffected and the service goes on
-  (:class:`flywheel.sdk.scoring.Scoring` runs rewards by these rules, as ``flywheel eval`` does);
+  reward, a list of the wrong length), or runs past ``reward_timeout_s``, or whose worker
+  dies: a Score with ``error`` saying so and value 0.0, recorded on that rollout (readers
+  treat it as unusable, never as a zero); the rollout's other rewards are unaffected and the
+  service goes on (:class:`flywheel.sdk.scoring.Scoring` runs rewards by these rules in the
+  worker, as it does for ``flywheel eval``);
 - an environment that does not load, or a run config that does not parse: the rollout is
   dead-lettered (:class:`flywheel.contract.bus.Reject`) with the reason, as no retry can succeed;
 - the bus failing (reading the run config, publishing): the error propagates and the bus
   layer retries the rollout with backoff (a held group member too; the group forms again).
 
-Sync reward functions run in a thread pool, async ones on the event loop. Whether a function
-is cheap cannot be known in advance (a judge model over HTTP, a regex over a long answer,
-a test suite), and one blocking call on the loop stalls every rollout in flight with its
-acks and ``in_progress`` signals. The hop to a thread costs about 0.1 ms a reward (two busy
-cores), against a rollout that took a model generation. A CPU-bound reward holds the GIL
-in its thread too: scale it with more processes on the same durable, not more threads.
+In the worker, sync reward functions run in a thread pool, async ones on its event loop, so
+a slow one does not stall the others; a rollout's per-rollout rewards go to the worker in one
+call, a group's group rewards in another. A CPU-bound reward holds its worker's GIL: the
+environment gets another worker when one is busy (setting ``workers.max_per_environment``),
+and more scorer processes on the same durable scale it further.
 
 Every rollout is scored whatever its status (an errored rollout gets scores too; the
-trainer decides what it trains on). Not covered: stopping a sync reward that never returns
-(the timeout reports it, but its thread runs on and keeps the process from exiting until
-it returns), and remembering scored groups across a restart (a late member after a restart
-forms a new group and is scored incomplete after the timeout).
+trainer decides what it trains on). Not covered: remembering scored groups across a restart
+(a late member after a restart forms a new group and is scored incomplete after the timeout).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import math
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterator, Sequence
-from concurrent.futures import Executor, ThreadPoolExecutor
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
@@ -106,19 +107,13 @@ from flywheel.contract.config import RunConfig
 from flywheel.contract.runs import end_of, get_run, list_runs, scorers_of
 from flywheel.contract.service import Service
 from flywheel.contract.settings import ScorerSettings, Settings
-from flywheel.sdk.environment import (
-    Environment,
-    EnvironmentLoadError,
-    GroupReward,
-    Reward,
-    Value,
-    completion_of,
-    import_object,
-    load_environment,
-    load_for_run,
-)
+from flywheel.runtime.environments import WorkerEnvironment, WorkerError, WorkerPool
+from flywheel.runtime.envworker import LoadSpec, RewardOutcome
+from flywheel.runtime.runs import load_environment, load_for_run
+from flywheel.sdk.environment import EnvironmentLoadError, Value, completion_of
 from flywheel.sdk.hooks import FLAG_METRIC, hook_flags
-from flywheel.sdk.scoring import Scoring, score_event
+from flywheel.sdk.sandbox import SandboxClient
+from flywheel.sdk.scoring import score_event
 from flywheel_scorer.partitions import HANDBACK_ALLOWANCE, Partitions, partition_filter
 from flywheel_scorer.watch import Watch, flag_score
 
@@ -131,19 +126,29 @@ _NAME = re.compile(r"[-_A-Za-z0-9]{1,128}")
 _NUM_CLOSED_GROUPS = 10_000
 
 Publish = Callable[[Sequence[events.Event]], Awaitable[Any]]
-Configs = Callable[[str], Awaitable[RunConfig | None]]
 
 
 @dataclass(frozen=True)
 class RewardSet:
-    """What one rollout is scored with: per-rollout rewards (metrics included) and group rewards."""
+    """What one rollout is scored with: the environment (in its workers) whose rewards they are,
+    the names of its per-rollout rewards (metrics included) and group rewards, each one's own weight."""
 
-    rewards: list[Reward]
-    group_rewards: list[GroupReward] = field(default_factory=list)
+    env: WorkerEnvironment | None = None
+    rewards: list[str] = field(default_factory=list)
+    group_rewards: list[str] = field(default_factory=list)
+    weights: dict[str, float] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, env: Environment) -> RewardSet:
-        return cls(list(env.rollout_rewards.values()), list(env.group_rewards.values()))
+    def of(cls, env: WorkerEnvironment) -> RewardSet:
+        return cls(env, env.info.rollout_rewards, env.info.group_rewards, env.weights)
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What a scorer needs of a rollout's run: its config (None: registered without one) and tenant."""
+
+    config: RunConfig | None
+    tenant: str = ""
 
 
 class RewardSource(Protocol):
@@ -152,15 +157,17 @@ class RewardSource(Protocol):
     durable: str
     filter_subject: str | list[str] | None
 
-    async def start_time(self, bus: Bus) -> datetime | None:
-        """Where a new durable starts in the stream (None: its first rollout)."""
+    async def start(self, bus: Bus, pool: WorkerPool) -> datetime | None:
+        """Get ready to score with ``pool``'s workers (a custom scorer loads its function now: a
+        mistake is a ValueError naming the option); where a new durable starts in the stream
+        (None: its first rollout)."""
         ...
 
     def joined(self, created: bool | None, start: datetime | None) -> str | None:
         """Its consumer is bound (``created``: its durable is new): what it scores, to say at start."""
         ...
 
-    def __call__(self, rollout: events.Rollout, config: RunConfig | None) -> RewardSet: ...
+    async def __call__(self, rollout: events.Rollout, run: RunInfo) -> RewardSet: ...
 
 
 class EnvironmentRewards:
@@ -169,31 +176,31 @@ class EnvironmentRewards:
     durable = BUILTIN_DURABLE
     filter_subject: str | list[str] | None = None
 
-    async def start_time(self, bus: Bus) -> datetime | None:
+    def __init__(self) -> None:
+        self.pool: WorkerPool | None = None
+        # Loaded once per run (its overrides are its own) or per environment name (runs without a config).
+        self._by_run: dict[tuple[str, str], RewardSet] = {}
+        self._by_env: dict[tuple[str, str], RewardSet] = {}
+
+    async def start(self, bus: Bus, pool: WorkerPool) -> datetime | None:
+        self.pool = pool
         return None  # every rollout of every run needs its environment's rewards
 
     def joined(self, created: bool | None, start: datetime | None) -> str | None:
         return None
 
-    def __init__(self) -> None:
-        # Loaded on the loop's thread, once per run (its overrides are its own) or per
-        # environment name (runs without a config): an import runs the module's top-level
-        # code, which may assume the main thread (signal handlers, for one).
-        self._by_run: dict[tuple[str, str], RewardSet] = {}
-        self._by_env: dict[tuple[str, str], RewardSet] = {}
-
-    def __call__(self, rollout: events.Rollout, config: RunConfig | None) -> RewardSet:
+    async def __call__(self, rollout: events.Rollout, run: RunInfo) -> RewardSet:
+        assert self.pool is not None, "start() first"
+        config = run.config
         cache = self._by_run if config is not None else self._by_env
-        key = (rollout.run if config is not None else "", rollout.env)
+        key = (rollout.run if config is not None else run.tenant, rollout.env)
         found = cache.get(key)
         if found is None:
-            env_id = rollout.env
             try:
-                env = load_for_run(config, rollout.env) if config is not None else load_environment(rollout.env)
-            except EnvironmentLoadError as exc:
+                env = (await load_for_run(self.pool, config, rollout.env, run.tenant) if config is not None
+                       else await load_environment(self.pool, rollout.env, tenant=run.tenant))
+            except (EnvironmentLoadError, ValueError) as exc:  # no retry loads it better: dead-lettered, saying why
                 raise Reject(str(exc)) from exc
-            except Exception as exc:  # the module's own code failed: no retry imports it better
-                raise Reject(f"environment {env_id!r} failed to load: {type(exc).__name__}: {exc}") from exc
             found = cache[key] = RewardSet.of(env)
         return found
 
@@ -208,31 +215,49 @@ class CustomReward:
     made before now are passed over). A durable that exists goes on where it stopped.
     """
 
-    def __init__(self, env: str, reward: Reward | GroupReward, runs: Sequence[str] = (),
-                 backfill: bool = False) -> None:
-        self.env = env
-        self.reward = reward
+    def __init__(self, function: str, env: str, name: str | None = None, weight: float = 1.0, group: bool = False,
+                 runs: Sequence[str] = (), backfill: bool = False) -> None:
+        self.function, self.env, self.weight, self.group = function, env, weight, group
+        self.name = name or function.rpartition(":")[2]
         self.runs = tuple(runs)
         self.backfill = backfill
-        self.durable = f"scorer-{reward.name}"
+        self.durable = f"scorer-{self.name}"
         self.filter_subject: str | list[str] | None = (
             [f"rollouts.{run}.{env}" for run in self.runs] if self.runs else f"rollouts.*.{env}")
-        self._set = RewardSet([reward]) if isinstance(reward, Reward) else RewardSet([], [reward])
+        self._set = RewardSet()
         # Joining from now: rollouts made before this, of runs not in _needing, are passed over.
         self._joined_at: datetime | None = None
         self._needing: set[str] = set()
 
-    async def start_time(self, bus: Bus) -> datetime | None:
+    async def start(self, bus: Bus, pool: WorkerPool) -> datetime | None:
+        await self.load(pool)
         if self.runs or self.backfill:
             return None
-        needing = [s for s in await list_runs(bus) if self.reward.name in scorers_of(s, self.env) and end_of(s) is None]
+        needing = [s for s in await list_runs(bus) if self.name in scorers_of(s, self.env) and end_of(s) is None]
         self._joined_at, self._needing = events.utc_now(), {s.id for s in needing}
         return min([self._joined_at, *(s.created_at for s in needing)])
+
+    async def load(self, pool: WorkerPool) -> None:
+        """Its function and its environment, loaded in workers and checked; a ValueError names the option."""
+        try:
+            loaded = await pool.load(LoadSpec(function=self.function, name=self.name, weight=self.weight,
+                                              group=self.group))
+        except EnvironmentLoadError as exc:
+            raise ValueError(f"--function {self.function!r}: {exc}; install the module or put it on PYTHONPATH"
+                             ) from None
+        try:
+            environment = await load_environment(pool, self.env)
+        except EnvironmentLoadError as exc:
+            raise ValueError(f"--env {self.env!r}: {exc}") from exc
+        if self.name in environment.weights:
+            raise ValueError(f"--name {self.name!r}: environment {self.env!r} has a reward of that name already (the "
+                             "built-in scorer publishes it); give this scorer another name")
+        self._set = RewardSet.of(loaded)
 
     def joined(self, created: bool | None, start: datetime | None) -> str:
         if not created:  # the durable goes on where it stopped: everything it is given is new to it
             self._joined_at = None
-        what = f"{self.durable} scores {self.reward.name!r} on {self.filter_subject}"
+        what = f"{self.durable} scores {self.name!r} on {self.filter_subject}"
         if not created:
             return f"{what}: its durable exists, so it goes on where it stopped"
         if self.runs:
@@ -242,54 +267,35 @@ class CustomReward:
         return (f"{what}: rollouts from {start.isoformat(timespec='seconds')} on (now, or the start of a run still "
                 "going whose reward names it); --backfill scores the stored history, --run RUN a run's rollouts")
 
-    def __call__(self, rollout: events.Rollout, config: RunConfig | None) -> RewardSet:
+    async def __call__(self, rollout: events.Rollout, run: RunInfo) -> RewardSet:
         if self._joined_at is not None and rollout.created_at < self._joined_at and rollout.run not in self._needing:
-            return RewardSet([])  # from before this scorer joined, of a run that does not need it
+            return RewardSet()  # from before this scorer joined, of a run that does not need it
         return self._set
-
-
-def load_function(spec: str) -> Callable[..., Any]:
-    """``MODULE:FUNCTION`` -> the function; a ValueError names what to fix."""
-    try:
-        fn = import_object(spec, "--function")
-    except EnvironmentLoadError as exc:
-        raise ValueError(f"{exc}; install the module or put it on PYTHONPATH") from None
-    if not callable(fn):
-        raise ValueError(f"--function {spec!r}: {fn!r} is not a function")
-    return fn
 
 
 def custom_reward(function: str, env: str, name: str | None = None, weight: float = 1.0,
                   group: bool = False, runs: Sequence[str] = (), backfill: bool = False) -> CustomReward:
-    """The custom scorer of ``function`` for ``env``, checked before any rollout arrives."""
-    fn = load_function(function)
-    name = getattr(fn, "__name__", "") if name is None else name
-    if not _NAME.fullmatch(name):
-        raise ValueError(f"--name {name!r}: use 1 to 128 letters, digits, '-' or '_' (it names the scorer in "
+    """The custom scorer of ``function`` for ``env``, its options checked; its function and
+    environment are loaded (and checked) by :meth:`CustomReward.start`, before any rollout."""
+    module, _, attr = function.partition(":")
+    if not module or not attr:
+        raise ValueError(f"--function {function!r}: write it as 'package.module:name'")
+    checked = attr if name is None else name
+    if not _NAME.fullmatch(checked):
+        raise ValueError(f"--name {checked!r}: use 1 to 128 letters, digits, '-' or '_' (it names the scorer in "
                          "subjects and its consumer)")
     if not _NAME.fullmatch(env):
         raise ValueError(f"--env {env!r}: use the environment's name as in its rollouts' subjects "
                          "(rollouts.<run>.<env>.<partition>): letters, digits, '-' or '_'")
     if not (math.isfinite(weight) and weight >= 0):
         raise ValueError(f"--weight {weight}: a weight is a finite number, not negative")
-    try:
-        environment = load_environment(env)
-    except EnvironmentLoadError as exc:
-        raise ValueError(f"--env {env!r}: {exc}") from exc
-    if name in environment.weights:
-        raise ValueError(f"--name {name!r}: environment {env!r} has a reward of that name already (the built-in "
-                         "scorer publishes it); give this scorer another name")
-    try:
-        reward = (GroupReward if group else Reward)(fn, weight=weight, name=name)
-    except EnvironmentLoadError as exc:
-        raise ValueError(str(exc)) from exc
     if runs and backfill:
         raise ValueError("--run and --backfill: choose one (--run scores the runs named, --backfill every stored "
                          "rollout)")
     for run in runs:
         if not _NAME.fullmatch(run):
             raise ValueError(f"--run {run!r}: a run id is letters, digits, '-' or '_'")
-    return CustomReward(env, reward, runs, backfill)
+    return CustomReward(function, env, name, weight, group, runs, backfill)
 
 
 class NotScored(Exception):
@@ -310,21 +316,21 @@ def run_config(state: events.RunState, trusted_modules: Sequence[str] = ()) -> R
 
 
 class RunConfigs:
-    """Each run's config, read from the run-state bucket and kept ``ttl_s``.
+    """Each run's config and tenant, read from the run-state bucket and kept ``ttl_s``.
 
     A run's config is written when the run is created, so one read per run every few seconds
     serves every rollout in between; a config written after a run's first rollouts takes
     effect within ``ttl_s``. A run without state in the bucket (tasks published straight to
-    the bus) has no config: its environment's own rewards and weights.
+    the bus) has no config: its environment's own rewards and weights, in the workers of no tenant.
     """
 
     def __init__(self, bus: Bus, ttl_s: float, trusted_modules: Sequence[str] = ()) -> None:
         self.bus = bus
         self.ttl_s = ttl_s
         self.trusted_modules = trusted_modules  # the setting: where a config's parts by path may come from
-        self._cache: dict[str, tuple[float, Any]] = {}  # run -> (when read, config, None or NotScored)
+        self._cache: dict[str, tuple[float, Any]] = {}  # run -> (when read, RunInfo or NotScored)
 
-    async def __call__(self, run: str) -> RunConfig | None:
+    async def __call__(self, run: str) -> RunInfo:
         now = time.monotonic()
         cached = self._cache.get(run)
         if cached is not None and now - cached[0] < self.ttl_s:
@@ -336,12 +342,13 @@ class RunConfigs:
         except msgspec.DecodeError as exc:  # ValidationError included
             raise Reject(f"run {run!r}: its run-state entry does not decode ({exc})") from exc
         try:
-            config = run_config(state, self.trusted_modules) if state is not None else None
+            info = (RunInfo(run_config(state, self.trusted_modules), state.tenant) if state is not None
+                    else RunInfo(None))
         except NotScored:
             self._cache[run] = (now, NotScored)
             raise
-        self._cache[run] = (now, config)
-        return config
+        self._cache[run] = (now, info)
+        return info
 
 
 @dataclass
@@ -350,8 +357,8 @@ class _Group:
 
     key: tuple[str, str]  # (run, group id)
     size: int
-    rewards: list[GroupReward]
-    weights: dict[str, float]
+    found: RewardSet  # its group rewards are found.group_rewards
+    weights: dict[str, float]  # the run's weights, over found's own
     started_s: float = field(default_factory=time.monotonic)
     members: dict[str, events.Rollout] = field(default_factory=dict)  # rollout id -> rollout
     done: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
@@ -401,19 +408,18 @@ class _Message:
 
 
 class Scorer:
-    """Scores rollouts with the rewards of ``rewards`` and publishes the Scores, within the bounds of
-    ``config`` (the settings' ``scorer`` section)."""
+    """Scores rollouts with the rewards of ``rewards`` (run in environment workers) and publishes
+    the Scores, within the bounds of ``config`` (the settings' ``scorer`` section)."""
 
-    def __init__(self, rewards: RewardSource, configs: Configs, publish: Publish, pool: Executor,
+    def __init__(self, rewards: RewardSource, configs: Callable[[str], Awaitable[RunInfo]], publish: Publish,
                  config: ScorerSettings, watch: Watch | None = None,
                  owns: Callable[[str], bool] | None = None, tracer: trace.Tracer | None = None) -> None:
         self.rewards = rewards
         self.watch = watch  # the reward-hacking watch (flywheel_scorer.watch), on the built-in scorer
         self.configs = configs
         self.publish = publish
-        self.pool = pool
         self.reward_timeout_s = config.reward_timeout_s
-        self.scoring = Scoring(pool, config.reward_timeout_s, on_failure=self._log_failure)
+        self.num_threads = config.num_threads
         self.max_held = config.max_held
         self.group_timeout_s = config.group_timeout_s
         # Whether this process scores a group's partition now (flywheel_scorer.partitions); None: every group.
@@ -424,7 +430,7 @@ class Scorer:
         self._closed: OrderedDict[tuple[str, str], set[str]] = OrderedDict()  # group -> rollout ids scored
         self._messages: dict[tuple[int, int], _Message] = {}  # batch messages being scored, by (id, stream seq)
         self._handing_back = asyncio.Event()
-        self._traced: set[str] = set()  # rewards whose failure was logged with its traceback
+        self._failed: set[str] = set()  # rewards whose first failure was logged in full
 
     @property
     def num_held(self) -> int:
@@ -437,13 +443,13 @@ class Scorer:
         try:
             async with self._scoring:
                 try:
-                    config = await self.configs(rollout.run)
+                    run = await self.configs(rollout.run)
                 except NotScored:
                     scores = []
                     found = None
                 else:
-                    found = self.rewards(rollout, config)
-                    weights = dict(config.scorers) if config is not None else {}
+                    found = await self.rewards(rollout, run)
+                    weights = dict(run.config.scorers) if run.config is not None else {}
                     scores = await self.score(rollout, found, weights)
                     scores += self._watched(rollout, scores)
         except BaseException:
@@ -457,7 +463,7 @@ class Scorer:
             together.give(delivery.batch_index or 0, scores)
             await together.stored()
         if found is not None and found.group_rewards:
-            await self._join_group(rollout, found.group_rewards, weights)
+            await self._join_group(rollout, found, weights)
 
     def _message_of(self, delivery: Delivery) -> _Message | None:
         """What the rollouts of ``delivery``'s message publish together (None: the message holds it alone)."""
@@ -472,19 +478,36 @@ class Scorer:
 
     async def score(self, rollout: events.Rollout, found: RewardSet | None = None,
                     weights: dict[str, float] | None = None) -> list[events.Score]:
-        """One Score per per-rollout reward, in the rewards' order; raises Reject for what can never be scored."""
+        """One Score per per-rollout reward, in the rewards' order, each at the run's weight for it
+        (``weights``) or its own; raises Reject for what can never be scored. ``found``: the
+        rollout's rewards (None: as for a run without a config)."""
         if found is None:
-            found = self.rewards(rollout, None)
+            found = await self.rewards(rollout, RunInfo(None))
+        if not found.rewards or found.env is None:
+            return []
         weights = weights or {}
-        if all(r.inline for r in found.rewards):  # none leaves the loop: one after another, no task each
-            return [await self._score_one(rollout, r, weights.get(r.name, r.weight)) for r in found.rewards]
-        return list(await asyncio.gather(*(self._score_one(rollout, r, weights.get(r.name, r.weight))
-                                           for r in found.rewards)))
+        (outcomes,) = await self._outcomes(found.env.score, [rollout], found.rewards)
+        return [score_event(rollout, o.name, weights.get(o.name, found.weights[o.name]), _outcome(o))
+                for o in outcomes]
 
-    async def _score_one(self, rollout: events.Rollout, reward: Reward, weight: float) -> events.Score:
-        with self._timed(reward.name, rollout.id):
-            (score,) = await self.scoring.scores(reward, [rollout], weight)
-        return score
+    async def _outcomes(self, run: Callable[..., Awaitable[list[list[RewardOutcome]]]],
+                        rollouts: list[events.Rollout], names: list[str]) -> list[list[RewardOutcome]]:
+        """``names`` run on ``rollouts`` in their environment's worker; a worker that fails them
+        (it died) gives each an error saying so. Each failure is logged; each reward's time counted."""
+        what = rollouts[0].id if len(rollouts) == 1 else rollouts[0].group_id
+        with self.tracer.start_as_current_span(f"rewards {', '.join(names)}", attributes={
+                "flywheel.rewards": ",".join(names), "flywheel.scored": what}):
+            try:
+                outcomes = await run(rollouts, names, self.reward_timeout_s, threads=self.num_threads)
+            except WorkerError as exc:
+                outcomes = [[RewardOutcome(name=name, error=f"its environment worker failed: {exc}") for name in names]
+                            for _ in rollouts]
+        for row, rollout in zip(outcomes, rollouts, strict=True):
+            for o in row:
+                metrics.REWARD_SECONDS.labels(o.name).observe(o.elapsed_s)
+                if o.error is not None:
+                    self._log_failure(o.name, o.error, [rollout.id])
+        return outcomes
 
     def _watched(self, rollout: events.Rollout, scores: list[events.Score]) -> list[events.Score]:
         """The watch's flag of ``rollout``, if a detector fires; each detector's first flag in a run is logged."""
@@ -501,28 +524,29 @@ class Scorer:
                             rollout.run, rollout.id, detector, why)
         return [flag_score(rollout, flags)] if flags else []
 
-    def _log_failure(self, name: str, error: str, ids: Sequence[str], exc: BaseException) -> None:
-        """Log a reward's failure, with its traceback the first time that reward fails."""
-        first = name not in self._traced
-        self._traced.add(name)
-        log.warning("rollouts %s: %s", ",".join(ids), error, exc_info=exc if first else None)
+    def _log_failure(self, name: str, error: str, ids: Sequence[str]) -> None:
+        """Log a reward's failure: a warning the first time a reward fails, then at debug."""
+        first = name not in self._failed
+        self._failed.add(name)
+        log.log(logging.WARNING if first else logging.DEBUG, "rollouts %s: %s%s", ",".join(ids), error,
+                "; its later failures are logged at debug level and recorded on their scores" if first else "")
 
     # --- groups -------------------------------------------------------------------------
 
-    async def _join_group(self, rollout: events.Rollout, rewards: list[GroupReward], weights: dict[str, float]) -> None:
+    async def _join_group(self, rollout: events.Rollout, found: RewardSet, weights: dict[str, float]) -> None:
         if self.owns is not None and not self.owns(rollout.group_id):
             raise HandBack(f"group {rollout.group_id}: its partition went to another scorer replica")
         key = (rollout.run, rollout.group_id)
         if key in self._closed:
             if rollout.id not in self._closed[key]:  # scored already otherwise: a redelivery, nothing new
-                await self.publish([score_event(rollout, g.name, weights.get(g.name, g.weight),
-                                                f"group reward {g.name!r}: group {rollout.group_id} was scored "
+                await self.publish([score_event(rollout, g, weights.get(g, found.weights[g]),
+                                                f"group reward {g!r}: group {rollout.group_id} was scored "
                                                 f"without this rollout (index {rollout.index}), which arrived after it")
-                                    for g in rewards])
+                                    for g in found.group_rewards])
             return
         group = self._groups.get(key)
         if group is None:
-            group = self._groups[key] = _Group(key, max(rollout.group_size, 1), rewards, weights)
+            group = self._groups[key] = _Group(key, max(rollout.group_size, 1), found, weights)
         group.members[rollout.id] = rollout
         if len(group.members) >= group.size:
             await self._close(group, None)
@@ -561,9 +585,7 @@ class Scorer:
         members = sorted(group.members.values(), key=lambda r: r.index)
         try:
             async with self._scoring:
-                scores = [s for g in group.rewards
-                          for s in await self._score_group(members, g, group.weights.get(g.name, g.weight), group,
-                                                           incomplete)]
+                scores = await self._score_group(members, group, incomplete)
                 await self.publish(scores)
         except BaseException as exc:
             self._groups.pop(group.key, None)
@@ -576,18 +598,26 @@ class Scorer:
             self._closed.popitem(last=False)
         group.done.set_result(None)
 
-    async def _score_group(self, members: list[events.Rollout], reward: GroupReward, weight: float, group: _Group,
-                           incomplete: str | None) -> list[events.Score]:
-        with self._timed(reward.name, members[0].group_id):
-            outcomes = await self.scoring.run(reward, members)
-        if incomplete is None:
-            return [score_event(r, reward.name, weight, o) for r, o in zip(members, outcomes, strict=True)]
-        error = (f"group reward {reward.name!r}: group {members[0].group_id} scored incomplete, missing "
-                 f"rollout indices {group.missing()} of {group.size}: {incomplete}")
-        log.warning("%s", error)
-        return [score_event(r, reward.name, weight, error, o) if isinstance(o, Value)
-                else score_event(r, reward.name, weight, f"{error}; {o}")
-                for r, o in zip(members, outcomes, strict=True)]
+    async def _score_group(self, members: list[events.Rollout], group: _Group, incomplete: str | None
+                           ) -> list[events.Score]:
+        """Every group reward of ``group`` on the members that arrived, reward by reward."""
+        found = group.found
+        assert found.env is not None
+        outcomes = await self._outcomes(found.env.score_group, members, found.group_rewards)
+        scores: list[events.Score] = []
+        for i, name in enumerate(found.group_rewards):
+            weight = group.weights.get(name, found.weights[name])
+            if incomplete is None:
+                scores += [score_event(r, name, weight, _outcome(o[i])) for r, o in zip(members, outcomes, strict=True)]
+                continue
+            error = (f"group reward {name!r}: group {members[0].group_id} scored incomplete, missing "
+                     f"rollout indices {group.missing()} of {group.size}: {incomplete}")
+            log.warning("%s", error)
+            for r, o in zip(members, outcomes, strict=True):
+                outcome = _outcome(o[i])
+                scores.append(score_event(r, name, weight, error, outcome) if isinstance(outcome, Value)
+                              else score_event(r, name, weight, f"{error}; {outcome}"))
+        return scores
 
     def hand_back(self, partition: int) -> None:
         """The groups of ``partition`` held now stop waiting: their members are handed back (another
@@ -598,32 +628,20 @@ class Scorer:
                 group.done.set_exception(HandBack(f"group {key[1]}: its partition went to another scorer replica"))
                 group.done.exception()  # retrieved by every waiter; marked retrieved so none is left unseen
 
-    @contextlib.contextmanager
-    def _timed(self, reward: str, what: str) -> Iterator[None]:
-        """A reward's run: a span (under the rollout's own trace, carried in by the bus) and its time."""
-        started = time.monotonic()
-        with self.tracer.start_as_current_span(f"reward {reward}", attributes={"flywheel.reward": reward,
-                                                                               "flywheel.scored": what}):
-            try:
-                yield
-            finally:
-                metrics.REWARD_SECONDS.labels(reward).observe(time.monotonic() - started)
-
     async def hand_back_on(self, stopping: asyncio.Event) -> None:
         """A background task: once ``stopping`` is set, held deliveries stop waiting and are handed back."""
         await stopping.wait()
         self._handing_back.set()
 
 
-def build(bus: Bus, rewards: RewardSource, pool: Executor, config: ScorerSettings,
-          start_time: datetime | None = None, replica: str | None = None,
-          trusted_modules: Sequence[str] = ()) -> tuple[Partitions, Scorer]:
+def build(bus: Bus, rewards: RewardSource, config: ScorerSettings, start_time: datetime | None = None,
+          replica: str | None = None, trusted_modules: Sequence[str] = ()) -> tuple[Partitions, Scorer]:
     """The consumers of ROLLOUTS that score with ``rewards`` (one a partition this replica takes:
     :mod:`flywheel_scorer.partitions`), and their scorer, within ``config``; a new durable starts
     at ``start_time`` (None: the stream's first rollout)."""
     watch = Watch() if config.watch and isinstance(rewards, EnvironmentRewards) else None
     publish = functools.partial(bus.publish_many, together=True)
-    scorer = Scorer(rewards, RunConfigs(bus, config.run_config_ttl_s, trusted_modules), publish, pool, config, watch,
+    scorer = Scorer(rewards, RunConfigs(bus, config.run_config_ttl_s, trusted_modules), publish, config, watch,
                     tracer=bus.tracer_of(__name__))
 
     def consumer_for(k: int) -> Consumer:
@@ -647,17 +665,26 @@ def build(bus: Bus, rewards: RewardSource, pool: Executor, config: ScorerSetting
 
 async def run(settings: Settings, rewards: RewardSource) -> None:
     """Composition root of a scorer process: connect, score until a signal, shut down; its bounds are
-    the settings' ``scorer`` section."""
+    the settings' ``scorer`` section, its environment workers the ``workers`` section. A custom
+    scorer whose function or environment does not load raises ValueError before anything is scored."""
     config = settings.scorer
     bus = await Bus.for_settings(settings, rewards.durable)
-    service = Service(rewards.durable, bus, info={"subjects": rewards.filter_subject or "rollouts.>"})
-    pool = ThreadPoolExecutor(config.num_threads, thread_name_prefix=rewards.durable)
+    pool = WorkerPool(settings.workers, settings.data_dir, name=rewards.durable, sandbox=SandboxClient(bus))
+    service = Service(rewards.durable, bus, info={"subjects": rewards.filter_subject or "rollouts.>",
+                                                  "workers": pool.info})
     try:
-        start = await rewards.start_time(bus)
-        partitions, scorer = build(bus, rewards, pool, config, start, service.instance, settings.trusted_modules)
+        start = await rewards.start(bus, pool)
+        partitions, scorer = build(bus, rewards, config, start, service.instance, settings.trusted_modules)
         service.add_task(partitions.serve)
         service.add_task(scorer.hand_back_on)
         await service.run()  # finishes or hands back the rollouts in flight, then drains the bus
     finally:
-        # Nothing is in flight any more, bar a reward thread past its timeout: not waited for.
-        pool.shutdown(wait=False, cancel_futures=True)
+        await pool.close()
+
+
+def _outcome(outcome: RewardOutcome) -> Value | str:
+    """A worker's outcome of one reward as :func:`flywheel.sdk.scoring.score_event` takes it."""
+    if outcome.error is not None:
+        return outcome.error
+    assert outcome.value is not None  # the host checked: a finite value, or an error
+    return Value(outcome.value, dict(outcome.components))

@@ -46,9 +46,10 @@ from typing import Any
 
 import torch
 
+from flywheel.contract import events
 from flywheel.contract.config import EnvConfig, LossPart, RunConfig, SFTTerm
+from flywheel.runtime.environments import WorkerEnvironment
 from flywheel.sdk import models
-from flywheel.sdk.environment import Environment
 from flywheel_trainer.advantages import ADVANTAGES
 from flywheel_trainer.batch import (
     Batch,
@@ -343,30 +344,63 @@ def sft_step(engine: Engine, sequences: list[Tokens], pad_id: int, micro_batch_s
                       _cross_entropy, micro_batch_tokens=micro_batch_tokens)
 
 
-def reference_tokens(tok: Any, env: Environment, task: dict[str, Any], context: str | None = None) -> Tokens:
-    """The prompt as inference renders it (with a privileged ``context`` first, as a
-    self-distillation teacher sees it), then the reference answer and end of turn, to learn."""
-    messages = env.prompt_messages(task) if context is None else env.privileged_messages(task, context)
-    prompt = models.render_prompt(tok, messages)
-    answer = tok.encode(env.reference_answer(task), add_special_tokens=False) + [tok.eos_token_id]
-    return Tokens(token_ids=prompt + answer, logprobs=[0.0] * (len(prompt) + len(answer)),
-                  loss_mask=[False] * len(prompt) + [True] * len(answer))
+Example = tuple[list[events.Message], str]  # a task's first messages (a context first, if any) and its reference answer
 
 
-def reference_steps(tok: Any, envs: Sequence[Environment], cfg: RunConfig) -> list[list[Tokens]]:
-    """``cfg.sft.steps`` batches of ``cfg.sft.batch_size`` reference answers to learn, the
-    environments (in the config's order) mixed by their weights, tasks in the run's seeded order;
-    with ``sft.context``, a seeded ``sft.context_share`` of them shown with that context."""
-    size = cfg.sft.batch_size
-    schedule = cfg.env_schedule(cfg.sft.steps * size)
-    rows = {i: iter(env.load_tasks(schedule.count(i), seed=cfg.task_seed)) for i, env in enumerate(envs)
+def reference_tokens(tok: Any, messages: Sequence[events.Message], answer: str) -> Tokens:
+    """The prompt as inference renders it (``messages``: the task's first messages, with a
+    privileged context first, as a self-distillation teacher sees them), then the reference
+    ``answer`` and end of turn, to learn."""
+    prompt = models.render_prompt(tok, list(messages))
+    ids = tok.encode(answer, add_special_tokens=False) + [tok.eos_token_id]
+    return Tokens(token_ids=prompt + ids, logprobs=[0.0] * (len(prompt) + len(ids)),
+                  loss_mask=[False] * len(prompt) + [True] * len(ids))
+
+
+async def reference_examples(envs: Sequence[WorkerEnvironment], cfg: RunConfig) -> list[Example]:
+    """The warm-up's ``cfg.sft.steps`` x ``cfg.sft.batch_size`` reference examples, from the
+    environments' workers: the environments (in the config's order) mixed by their weights, tasks
+    in the run's seeded order; with ``sft.context``, a seeded ``sft.context_share`` of them shown
+    with that context."""
+    schedule = cfg.env_schedule(cfg.sft.steps * cfg.sft.batch_size)
+    rows = {i: iter(await env.load_tasks(schedule.count(i), seed=cfg.task_seed)) for i, env in enumerate(envs)
             if schedule.count(i)}
-    tasks = [(envs[i], next(rows[i])) for i in schedule]
+    tasks = [(i, next(rows[i])) for i in schedule]
     shown = random.Random(f"{cfg.task_seed}/sft-context")
     contexts = [cfg.sft.context if cfg.sft.context is not None and shown.random() < cfg.sft.context_share else None
                 for _ in tasks]
-    examples = [reference_tokens(tok, env, row, context) for (env, row), context in zip(tasks, contexts, strict=True)]
-    return [examples[step * size:(step + 1) * size] for step in range(cfg.sft.steps)]
+    examples: list[Example | None] = [None] * len(tasks)
+    for i, env in enumerate(envs):
+        places = [n for n, (which, _) in enumerate(tasks) if which == i]
+        if places:
+            found = await env.references([tasks[n][1] for n in places], [contexts[n] for n in places])
+            for n, example in zip(places, found, strict=True):
+                examples[n] = example
+    return [e for e in examples if e is not None]
+
+
+def reference_steps(tok: Any, examples: Sequence[Example], cfg: RunConfig) -> list[list[Tokens]]:
+    """``examples`` (:func:`reference_examples`) as the warm-up's ``cfg.sft.steps`` batches of
+    ``cfg.sft.batch_size`` token rows."""
+    size = cfg.sft.batch_size
+    rows = [reference_tokens(tok, messages, answer) for messages, answer in examples]
+    return [rows[step * size:(step + 1) * size] for step in range(cfg.sft.steps)]
+
+
+async def term_references(environments: Mapping[str, tuple[EnvConfig, WorkerEnvironment]], cfg: RunConfig
+                          ) -> dict[str, list[Example]]:
+    """The reference examples each environment's SFT term draws from (:class:`SFTSupply`), from
+    its workers: up to :attr:`SFTSupply.POOL` tasks in the run's seeded order, for each term that
+    has neither ``data`` nor ``dataset``."""
+    out: dict[str, list[Example]] = {}
+    for name, (env_cfg, env) in environments.items():
+        term = cfg.sft_term_of(env_cfg)
+        if term is None or term.data or term.dataset:
+            continue
+        tasks = await env.load_tasks(min(SFTSupply.POOL, term.batch_size * cfg.trainer.num_steps),
+                                     seed=cfg.task_seed)
+        out[name] = await env.references(tasks)
+    return out
 
 
 @dataclass
@@ -380,17 +414,17 @@ class SFTRows:
 class SFTSupply:
     """Each step's SFT-term rows: for every environment with a term (``[[envs]] sft_term``, else
     ``trainer.sft_term``), ``batch_size`` examples drawn from its reference answers (a pool of up
-    to :attr:`POOL` tasks in the run's seeded order) or from the term's ``data`` file or ``dataset``. Which ones
-    follows from the run's task seed, the environment and the step alone, so a resumed run draws
-    what it would have drawn."""
+    to :attr:`POOL` tasks in the run's seeded order: :func:`term_references`) or from the term's
+    ``data`` file or ``dataset``. Which ones follows from the run's task seed, the environment and
+    the step alone, so a resumed run draws what it would have drawn."""
 
     POOL = 1024  # reference answers per environment to draw from
 
-    def __init__(self, tok: Any, envs: Mapping[str, tuple[EnvConfig, Environment]], cfg: RunConfig,
-                 max_positions: int | None = None) -> None:
+    def __init__(self, tok: Any, envs: Mapping[str, EnvConfig], references: Mapping[str, Sequence[Example]],
+                 cfg: RunConfig, max_positions: int | None = None) -> None:
         self.seed = cfg.task_seed
         self.pools: list[tuple[str, list[Tokens], SFTTerm]] = []
-        for index, (name, (env_cfg, env)) in enumerate(envs.items()):
+        for index, (name, env_cfg) in enumerate(envs.items()):
             term = cfg.sft_term_of(env_cfg)
             if term is None:
                 continue
@@ -400,8 +434,7 @@ class SFTSupply:
             elif term.dataset:
                 examples = load_dataset_examples(term.dataset, term.split, tok, max_positions, f"{field}.dataset")
             else:
-                tasks = env.load_tasks(min(self.POOL, term.batch_size * cfg.trainer.num_steps), seed=cfg.task_seed)
-                examples = [reference_tokens(tok, env, task) for task in tasks]
+                examples = [reference_tokens(tok, messages, answer) for messages, answer in references[name]]
             self.pools.append((name, examples, term))
 
     def __bool__(self) -> bool:
@@ -419,16 +452,16 @@ class SFTSupply:
         return SFTRows(rows, weights)
 
 
-def warmup_steps(model: torch.nn.Module, tok: Any, envs: Sequence[Environment], cfg: RunConfig) -> list[list[Tokens]]:
-    """The warm-up's ``cfg.sft.steps`` batches: reference answers, ``envs`` (the run's
-    environments in its config's order) mixed by their weights; with ``sft.data`` or
-    ``sft.dataset``, those chats instead (as ``flywheel sft`` learns them)."""
+def warmup_steps(model: torch.nn.Module, tok: Any, examples: Sequence[Example], cfg: RunConfig
+                 ) -> list[list[Tokens]]:
+    """The warm-up's ``cfg.sft.steps`` batches: reference ``examples`` (:func:`reference_examples`);
+    with ``sft.data`` or ``sft.dataset``, those chats instead (as ``flywheel sft`` learns them)."""
     assert cfg.sft.steps > 0
     if cfg.sft.data or cfg.sft.dataset:
-        examples = sft_examples(cfg.sft, tok, getattr(model.config, "max_position_embeddings", None))
-        drawn = batches(len(examples), cfg.sft.batch_size, cfg.task_seed)
-        return [[examples[i] for i in next(drawn)[1]] for _ in range(cfg.sft.steps)]
-    return reference_steps(tok, envs, cfg)
+        chats = sft_examples(cfg.sft, tok, getattr(model.config, "max_position_embeddings", None))
+        drawn = batches(len(chats), cfg.sft.batch_size, cfg.task_seed)
+        return [[chats[i] for i in next(drawn)[1]] for _ in range(cfg.sft.steps)]
+    return reference_steps(tok, examples, cfg)
 
 
 def sft_warmup(model: torch.nn.Module, steps: list[list[Tokens]], pad_id: int, cfg: RunConfig,

@@ -60,13 +60,23 @@ from flywheel.contract.config import RunConfig
 from flywheel.contract.heap import freeze_heap
 from flywheel.contract.runs import get_run, pin_version, trainer_started, update_run
 from flywheel.contract.service import Service, compute
-from flywheel.contract.settings import Settings, TrainerSettings
+from flywheel.contract.settings import Settings, TrainerSettings, WorkersSettings
+from flywheel.runtime.environments import WorkerPool
+from flywheel.runtime.runs import RunEnvironment, load_run_environments
 from flywheel.sdk import models
-from flywheel.sdk.environment import RunEnvironment, load_run_environments
 from flywheel.sdk.scoring import reward_definition
 from flywheel_trainer.engines import Engine, build_engine, with_adapter
 from flywheel_trainer.join import BadRollout, Joiner, Take, Tokens
-from flywheel_trainer.learner import SFTSupply, rl_step, seed_torch, sft_warmup, warmup_steps
+from flywheel_trainer.learner import (
+    Example,
+    SFTSupply,
+    reference_examples,
+    rl_step,
+    seed_torch,
+    sft_warmup,
+    term_references,
+    warmup_steps,
+)
 from flywheel_trainer.ledger import CheckpointState, Journal, RunFolder
 from flywheel_trainer.ranks import Ranks, Team, share
 
@@ -80,13 +90,15 @@ async def run(settings: Settings, run_id: str, handle_signals: bool = True, rank
     signal, within the bounds of the settings' ``trainer`` section. ``ranks``: this process is
     rank 0 of them (None: the only one)."""
     bus = await Bus.for_settings(settings, f"trainer-{run_id}")
+    pool = WorkerPool(settings.workers, settings.data_dir, name=f"trainer-{run_id}")
     try:
-        trainer = await Trainer.open(bus, Path(settings.data_dir), run_id, settings.trainer, ranks or Ranks(),
+        trainer = await Trainer.open(bus, Path(settings.data_dir), run_id, settings.trainer, ranks or Ranks(), pool,
                                      settings.trusted_modules)
     except BaseException:
+        await pool.close()
         await bus.close()
         raise
-    service = Service("trainer", bus, info={"run": run_id}, handle_signals=handle_signals)
+    service = Service("trainer", bus, info={"run": run_id, "workers": pool.info}, handle_signals=handle_signals)
     for consumer in trainer.consumers():
         service.add(consumer)
     service.add_task(trainer.train)
@@ -98,6 +110,7 @@ async def run(settings: Settings, run_id: str, handle_signals: bool = True, rank
         except RuntimeError as exc:  # a follower died: the launcher stops the rest
             log.warning("run %s: could not stop the other trainer ranks: %s", run_id, exc)
         trainer.close()
+        await pool.close()
 
 
 async def last_published_version(bus: Bus, run: str) -> int | None:
@@ -160,15 +173,18 @@ class Trainer:
         self.version = resume[1].version if resume else 0
         self.checkpointed_step = self.step if resume else -1
         self.sft_supply: SFTSupply | None = None  # the run's SFT term, built with the model (_start)
+        self._warmup_examples: list[Example] = []  # the warm-up's reference answers (_start)
         # The model work, done on every rank at once (rank 0 alone warms up).
         self.work = RankWork(options, self._warmup_steps)
         self.team = Team(ranks or Ranks(), self.work.calls())
 
     @classmethod
     async def open(cls, bus: Bus, data_dir: Path, run_id: str, options: TrainerSettings,
-                   ranks: Ranks | None = None, trusted_modules: Sequence[str] = ()) -> Trainer:
+                   ranks: Ranks | None = None, pool: WorkerPool | None = None,
+                   trusted_modules: Sequence[str] = ()) -> Trainer:
         """Read the run's config and state (its parts by path only from ``trusted_modules``, the
-        setting), then what the run folder holds (checkpoint, journal)."""
+        setting), then what the run folder holds (checkpoint, journal); its environments load in
+        ``pool``'s workers (None: a pool of default settings)."""
         state = await get_run(bus, run_id)
         if state is None:
             raise ValueError(f"run {run_id!r} is not in the runs KV bucket; "
@@ -178,7 +194,8 @@ class Trainer:
         cfg = RunConfig.parse(state.config, source=f"run {run_id!r} config", trusted_modules=trusted_modules)
         if cfg.run != run_id:
             raise ValueError(f"run {run_id!r}: its stored config says run={cfg.run!r}; they must be the same")
-        environments = load_run_environments(cfg)
+        pool = pool or WorkerPool(WorkersSettings(), data_dir, name=f"trainer-{run_id}")
+        environments = await load_run_environments(pool, cfg, state.tenant)
         min_buffer = cfg.trainer.batch_size + cfg.inference.max_rollouts_in_flight
         if options.max_buffered_rollouts < min_buffer:
             raise ValueError(f"setting trainer.max_buffered_rollouts={options.max_buffered_rollouts} is below "
@@ -284,19 +301,22 @@ class Trainer:
         log.info("run %s: finished after %d steps", self.cfg.run, self.step)
 
     def _warmup_steps(self, model: Any, tok: Any) -> list[list[Tokens]]:
-        return warmup_steps(model, tok, [found.env for found in self.environments.values()], self.cfg)
+        return warmup_steps(model, tok, self._warmup_examples, self.cfg)
 
     async def _start(self) -> tuple[Engine, int]:
         """Load the model; warm up, checkpoint and publish version 0, or resume and publish again."""
         cfg = self.cfg
         path = models.resolve_model(cfg.model.name, self.data_dir)
         warm_up = self.resume is None and cfg.sft.steps > 0
+        if warm_up and not (cfg.sft.data or cfg.sft.dataset):  # reference answers, from the environments' workers
+            self._warmup_examples = await reference_examples([found.env for found in self.environments.values()], cfg)
         tok, figures = await compute(self.team.call, "open", cfg, path, warm_up)
         engine = self.work.engine()
         model = engine.module
-        supply = await compute(SFTSupply, tok, {name: (found.config, found.env) for name, found in
-                                                          self.environments.items()}, cfg,
-                                         getattr(model.config, "max_position_embeddings", None))
+        references = await term_references({name: (found.config, found.env) for name, found in
+                                            self.environments.items()}, cfg)
+        supply = await compute(SFTSupply, tok, {name: found.config for name, found in self.environments.items()},
+                               references, cfg, getattr(model.config, "max_position_embeddings", None))
         self.sft_supply = supply if supply else None
         if self.resume is None:
             self.folder.metrics.append({"step": 0, "version": 0, **figures})

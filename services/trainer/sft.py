@@ -32,6 +32,7 @@ it again under a new id), packing several examples into one row, a dataset's oth
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 import time
@@ -42,14 +43,16 @@ from typing import Any
 from flywheel.contract.checkpoints import CheckpointState
 from flywheel.contract.config import RunConfig
 from flywheel.contract.service import setup_logging
-from flywheel.contract.settings import Settings
+from flywheel.contract.settings import Settings, WorkersSettings
 from flywheel.ops.run import config_with, parse_sets, save_plot
+from flywheel.runtime.environments import WorkerPool
+from flywheel.runtime.runs import load_run_environments
 from flywheel.sdk import models
-from flywheel.sdk.environment import EnvironmentLoadError, load_run_environments
+from flywheel.sdk.environment import EnvironmentLoadError
 from flywheel_trainer.chats import DataError, batches, sft_examples
 from flywheel_trainer.engines import build_engine, with_adapter
 from flywheel_trainer.join import Tokens
-from flywheel_trainer.learner import reference_steps, seed_torch, sft_step
+from flywheel_trainer.learner import Example, reference_examples, reference_steps, seed_torch, sft_step
 from flywheel_trainer.ledger import RunFolder
 
 
@@ -67,10 +70,21 @@ def plot_loss(steps: Sequence[Mapping[str, Any]], path: Path, title: str) -> Pat
     return save_plot(fig, ax, path, title, "step", "cross-entropy per learned token")
 
 
-def run(cfg: RunConfig, data_dir: Path, micro_batch_size: int, micro_batch_tokens: int | None = None
-        ) -> dict[str, Any]:
+async def references(cfg: RunConfig, workers: WorkersSettings, data_dir: Path) -> list[Example]:
+    """The warm-up's reference examples of the run's environments, from their workers."""
+    pool = WorkerPool(workers, data_dir, name="sft")
+    try:
+        envs = [found.env for found in (await load_run_environments(pool, cfg, cfg.tenant)).values()]
+        return await reference_examples(envs, cfg)
+    finally:
+        await pool.close()
+
+
+def run(cfg: RunConfig, data_dir: Path, micro_batch_size: int, micro_batch_tokens: int | None = None,
+        workers: WorkersSettings | None = None) -> dict[str, Any]:
     """The job (see the module's docstring); its summary. Without ``sft.data`` or ``sft.dataset``:
-    the environments' reference answers."""
+    the environments' reference answers (their environments in workers of ``workers``; None: the
+    defaults)."""
     assert cfg.sft.steps > 0
     folder = RunFolder(data_dir, cfg.run, cfg.trainer.keep_checkpoints)
     if folder.checkpoints.latest() is not None or folder.metrics.path.exists():
@@ -90,9 +104,9 @@ def run(cfg: RunConfig, data_dir: Path, micro_batch_size: int, micro_batch_token
         steps: Iterator[tuple[int, list[Tokens]]] = ((epoch, [examples[i] for i in indices])
                                                      for epoch, indices in drawn)
     else:
-        envs = [found.env for found in load_run_environments(cfg).values()]
+        given = asyncio.run(references(cfg, workers or WorkersSettings(), data_dir))
         source = f"the reference answers of {cfg.env_ids}"
-        examples = [t for batch in reference_steps(tok, envs, cfg) for t in batch]
+        examples = [t for batch in reference_steps(tok, given, cfg) for t in batch]
         steps = ((0, examples[i:i + cfg.sft.batch_size]) for i in range(0, len(examples), cfg.sft.batch_size))
     folder.root.mkdir(parents=True, exist_ok=True)
     (folder.root / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2) + "\n")
@@ -162,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(settings.log_level)
     try:
         summary = run(cfg, Path(settings.data_dir), settings.trainer.micro_batch_size,
-                      settings.trainer.micro_batch_tokens)
+                      settings.trainer.micro_batch_tokens, settings.workers)
     except (DataError, EnvironmentLoadError, ValueError) as exc:
         print(f"flywheel sft: error: {exc}", file=sys.stderr)
         return 2

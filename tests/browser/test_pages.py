@@ -247,15 +247,15 @@ async def test_another_tenants_key_sees_none_of_it(browser: Browser, gateway: Ga
     assert listed is not None and listed.status == 200
     await expect(page.locator("main")).to_contain_text("No runs yet")
     for url, what in ((f"/runs/{RUN}", "run"), (f"/rollouts/{ROLLOUT}", "rollout")):
-        refused = await page.goto(url)
-        assert refused is not None and refused.status == 403, url
+        refused = await page.goto(url)  # as one that does not exist
+        assert refused is not None and refused.status == 404, url
         await expect(page.locator("#message")).to_contain_text(f"{what} '")
-        await expect(page.locator("#message")).to_contain_text("belongs to another tenant")
+        await expect(page.locator("#message")).to_contain_text("not found")
         assert await page.locator(".branch, #reward-chart").count() == 0
     await page.screenshot(path=screenshots / "refused.png")
     # The script's own calls, from b's page, are refused too.
     status = await page.evaluate(f"fetch('/v1/runs/{RUN}/metrics').then(r => r.status)")
-    assert status == 403
+    assert status == 404
     anonymous = await page_of(browser, gateway, None)
     refused = await anonymous.goto(f"/runs/{RUN}")
     assert refused is not None and refused.status == 401
@@ -301,7 +301,7 @@ async def test_hub_and_usage_pages(browser: Browser, gateway: Gateway, screensho
     await other.goto("/environments")
     await expect(other.locator("#environments tbody tr")).to_have_count(1)  # a's public one alone
     refused = await other.goto("/environments/a/quiz-hard")
-    assert refused is not None and refused.status == 403
+    assert refused is not None and refused.status == 404
     await other.goto("/environments/a/quiz")
     await expect(other.locator("#forks")).to_have_count(0)  # the private fork is not shown to b
 

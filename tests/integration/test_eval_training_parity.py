@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +28,9 @@ from flywheel.contract.config import RunConfig
 from flywheel.contract.runs import register_run
 from flywheel.contract.settings import InferenceSettings, RecorderSettings, ScorerSettings
 from flywheel.ops.eval import EvalConfig, Evaluation, read_results
+from flywheel.runtime import runs
 from flywheel.sdk import models
-from flywheel.sdk.environment import TaskSet, load_for_run
+from flywheel.sdk.environment import TaskSet, load_environment
 from flywheel.sdk.scoring import required_scorers
 from flywheel_gateway import recorder
 from flywheel_gateway.recorder import mirror_runs
@@ -38,7 +38,7 @@ from flywheel_gateway.store import Store
 from flywheel_scorer import scorer
 from flywheel_scorer.partitions import Partitions
 from flywheel_scorer.scorer import EnvironmentRewards
-from tests.helpers import until
+from tests.helpers import until, worker_pool
 from tests.integration.services import Workers
 from tests.integration.test_inference_worker import publish_weights
 from tests.scripted_openai import ScriptedOpenAI
@@ -70,7 +70,7 @@ async def in_training(app: FastAPI, client: httpx.AsyncClient, store: Store, bus
     cfg = RunConfig(run="r1", env="parity_env", group_size=NUM_ROLLOUTS, model={"name": str(model_dir)},
                     sampling={"max_tokens": 4},
                     trainer={"batch_size": len(MODES) * NUM_ROLLOUTS, "max_off_policy_steps": 0})
-    env = load_for_run(cfg)
+    env = load_environment("parity_env")
     await register_run(bus, "r1", config=cfg.model_dump(), scorers=required_scorers(cfg, env))
     base, _ = models.load_model(model_dir)
     await publish_weights(bus, "r1", 0, base)
@@ -78,11 +78,12 @@ async def in_training(app: FastAPI, client: httpx.AsyncClient, store: Store, bus
     assert isinstance(env.tasks, TaskSet) and env.tasks.size is not None  # a list of rows
     rows = env.load_tasks(env.tasks.size)  # each row once
     stopping = asyncio.Event()
-    with ThreadPoolExecutor(4) as pool:
+    async with worker_pool("scorer") as workers:
+        rewards = EnvironmentRewards()
+        await rewards.start(bus, workers)
         consumers: list[Consumer | Partitions]
         consumers = [*recorder.build(bus, store, RecorderSettings(), streams=("ROLLOUTS", "SCORES")),
-                     scorer.build(bus, EnvironmentRewards(), pool,
-                                  ScorerSettings(reward_timeout_s=REWARD_TIMEOUT_S))[0]]
+                     scorer.build(bus, rewards, ScorerSettings(reward_timeout_s=REWARD_TIMEOUT_S))[0]]
         running = [asyncio.ensure_future(c.run()) for c in consumers]
         mirroring = asyncio.ensure_future(mirror_runs(bus, store, stopping))
         try:
@@ -110,15 +111,15 @@ async def in_training(app: FastAPI, client: httpx.AsyncClient, store: Store, bus
 
 
 async def in_eval(tmp_path: Path) -> dict[tuple[str, int], dict[str, Any]]:
-    from flywheel.sdk.environment import load_environment
-
     env = load_environment("parity_env")
     assert isinstance(env.tasks, TaskSet) and env.tasks.size is not None  # a list of rows
     with ScriptedOpenAI({"agent": ["noise"] * 100}) as server:
         cfg = EvalConfig(env="parity_env", model="agent", base_url=server.base_url, out=tmp_path / "eval.jsonl",
                          num_tasks=env.tasks.size, num_rollouts=NUM_ROLLOUTS,
                          rollout_timeout_s=ROLLOUT_TIMEOUT_S, reward_timeout_s=REWARD_TIMEOUT_S)
-        await Evaluation(cfg, env, (tmp_path / "progress.txt").open("w")).run()
+        async with worker_pool("eval") as workers:
+            loaded = await runs.load_environment(workers, "parity_env")
+            await Evaluation(cfg, loaded, (tmp_path / "progress.txt").open("w")).run()
     out = {}
     for r in read_results(cfg.out):
         scores = [{"scorer": name, "value": value, "error": None} for name, value in r["rewards"].items()]

@@ -1,7 +1,9 @@
 """API keys on the gateway, against a real nats-server and the store: every route of its OpenAPI
 is walked with no key, a malformed one, another tenant's key and a read-only key, and none
-reads or writes the owner's data (the right 401 or 403 each time; listings show the caller's
-own alone); a revoked key is refused; an open gateway refuses a non-loopback address."""
+reads or writes the owner's data (401 without a good key, 403 without the scope; another
+tenant's things are 404s, as tests/security/test_fail_closed_not_found.py checks in detail;
+listings show the caller's own alone); a revoked key is refused; an open gateway refuses a
+non-loopback address."""
 
 from __future__ import annotations
 
@@ -97,9 +99,16 @@ async def test_every_route_refuses_no_key_and_another_tenants_key(keyed_app: Fas
             assert RUN not in other.text and ROLLOUT not in other.text and TASK not in other.text, (url, other.text)
             assert HUB_ENV not in other.text and "a-quiz" not in other.text, (url, other.text)
             assert not any(key_id in other.text for key_id in a_key_ids), (url, other.text)
+        elif (method, url) == ("POST", "/v1/tasks"):  # it would create the run: its id is taken
+            assert other.status_code == 409 and "taken" in other.json()["detail"], other.text
+            assert "'a'" not in other.text, other.text  # the owner goes unnamed
+        elif (method, url) in (("PATCH", f"/v1/hub/environments/{HUB_ENV}"),
+                               ("POST", f"/v1/hub/environments/{HUB_ENV}/versions")):
+            assert other.status_code == 403 and "is not API key" in other.json()["detail"], other.text
+        elif method == "POST" and url == "/v1/keys":  # a key of another tenant
+            assert other.status_code == 403 and "makes keys of 'b' alone" in other.json()["detail"], other.text
         else:
-            assert other.status_code == 403, (method, url, other.text)
-            assert "another tenant" in other.json()["detail"], other.text
+            assert other.status_code == 404, (method, url, other.text)
         needs = "admin" if url.startswith("/v1/keys") else "write" if method != "GET" else None
         if needs is not None:
             read_only = await call(keyed_app, method, url, body, owned["keys"]["a_read"])
@@ -117,12 +126,13 @@ async def test_every_route_refuses_no_key_and_another_tenants_key(keyed_app: Fas
     runs = await call(keyed_app, "GET", "/v1/runs", None, owned["keys"]["a"])
     assert [r["id"] for r in runs.json()["items"]] == [RUN]
     asked = await call(keyed_app, "GET", "/v1/runs?tenant=a", None, owned["keys"]["b"])
-    assert asked.status_code == 403, asked.text
+    assert asked.status_code == 403 and "lists its own tenant's alone" in asked.json()["detail"], asked.text
     usage = await call(keyed_app, "GET", "/v1/usage", None, owned["keys"]["a"])
     assert [(u["run"], u["trained_tokens"]) for u in usage.json()["items"]] == [(RUN, 4)]
-    for asked_url in (f"/v1/usage?run={RUN}", "/v1/usage?tenant=a"):
-        asked = await call(keyed_app, "GET", asked_url, None, owned["keys"]["b"])
-        assert asked.status_code == 403 and "another tenant" in asked.json()["detail"], asked.text
+    asked = await call(keyed_app, "GET", f"/v1/usage?run={RUN}", None, owned["keys"]["b"])
+    assert asked.status_code == 404 and "not found" in asked.json()["detail"], asked.text
+    asked = await call(keyed_app, "GET", "/v1/usage?tenant=a", None, owned["keys"]["b"])
+    assert asked.status_code == 403 and "lists its own tenant's alone" in asked.json()["detail"], asked.text
     headed = await call(keyed_app, "GET", "/v1/runs", None, owned["keys"]["b"])
     assert headed.status_code == 200
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=keyed_app), base_url="http://gateway") as client:

@@ -174,13 +174,16 @@ async def test_a_private_environment_shows_nothing_to_another_tenant(keyed_app: 
                                   ("GET", "/hub/simple/acme-word-quiz/", None),
                                   ("GET", f"/hub/files/{wheel_name}", None)]:
             refused = await b.request(method, url, json=body)
-            assert refused.status_code == 403 and "another tenant" in refused.json()["detail"], (url, refused.text)
+            if method == "PATCH":  # another owner's name: refused whether or not it exists
+                assert refused.status_code == 403 and "is not API key" in refused.json()["detail"], refused.text
+            else:  # as an environment that does not exist
+                assert refused.status_code == 404 and "no " in refused.json()["detail"], (url, refused.text)
             anonymous = await none.request(method, url, json=body)
             assert anonymous.status_code == 401, (url, anonymous.text)
         assert (await b.get(f"{BASE}")).json()["items"] == []
         assert "acme-word-quiz" not in (await b.get("/hub/simple/")).text
         forked = await push(b, "bob/word-quiz", forked_from=f"{ENV}@0.1.0")
-        assert forked.status_code == 403, forked.text  # a lineage one cannot see is not claimed
+        assert forked.status_code == 404, forked.text  # a lineage one cannot see is not claimed
         assert (await none.get("/hub/simple/")).headers["www-authenticate"] == 'Basic realm="flywheel hub"'
         assert (await none.get(f"{BASE}")).headers["www-authenticate"] == "Bearer"
 

@@ -1,7 +1,8 @@
 """API keys on inference's OpenAI API, against a real nats-server and the tiny model: every route
 of its OpenAPI walked with no key, a bad one, another tenant's key and a read-only one is
-refused with the right 401 or 403 and samples nothing of the owner's run; the owner's key and
-the deployment's service token are served; an open inference refuses a non-loopback address."""
+refused (401 without a good key, 403 without the scope, another tenant's run as a run that does
+not exist: 404) and samples nothing of the owner's run; the owner's key and the deployment's
+service token are served; an open inference refuses a non-loopback address."""
 
 from __future__ import annotations
 
@@ -73,7 +74,7 @@ async def test_every_route_refuses_no_key_and_another_tenants_key(keyed: tuple[F
                 if key == made["b"] and path == "/v1/models":
                     assert response.status_code == 200 and response.json()["data"] == [], response.text
                     continue
-                expected = 403 if key == made["b"] and not path.startswith("/intercept/") else 401
+                expected = 404 if key == made["b"] and not path.startswith("/intercept/") else 401
                 assert response.status_code == expected, (method, url, key, response.text)
                 assert "choices" not in response.text
             if method == "post" and not path.startswith("/intercept/"):

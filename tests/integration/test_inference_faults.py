@@ -58,8 +58,9 @@ async def dead_letters(bus: Bus, consumer: str | None = None) -> list[events.Dea
 
 
 async def nothing_held(bus: Bus) -> bool:
-    info = await bus.js.consumer_info("TASKS", "inference")
-    return info.num_ack_pending == 0 and info.num_pending == 0
+    """No task queued or held by inference's consumers: its screen's and each run's."""
+    infos = await bus.js.consumers_info("TASKS")
+    return all(info.num_ack_pending == 0 and info.num_pending == 0 for info in infos)
 
 
 async def serving(bus: Bus) -> bool:
@@ -160,6 +161,19 @@ async def test_tasks_of_a_run_that_is_unknown_has_no_config_or_a_bad_state_are_d
     assert "not a run state" in letters["bad"].reason
     await until(lambda: nothing_held(bus), what="nothing held")
     assert await serving(bus)
+
+
+async def test_a_payload_on_a_run_s_task_subject_that_is_no_task_is_dead_lettered_once(
+        bus: Bus, tiny_model_dir: Path, start_worker: Workers) -> None:
+    # Both the screen and the run's own consumer read it: the screen's letter is the one.
+    await create_run(bus, tiny_model_dir)
+    worker = await start_worker()
+    await until(lambda: "r1" in worker.tasks.runs(), what="the run's task consumer")
+    await bus.publish_raw("tasks.r1.reverse_text", b"\xff not a task",
+                          {HEADER_CONTENT_TYPE: events.JSON, HEADER_MSG_ID: "garbage"})
+    await until(lambda: nothing_held(bus), what="the payload done with by both consumers")
+    (letter,) = await dead_letters(bus)
+    assert letter.consumer == "inference" and "does not decode" in letter.reason, letter
 
 
 async def test_tasks_of_an_ended_run_are_skipped_when_left_over_and_dead_lettered_when_published_after(
@@ -275,7 +289,7 @@ async def test_a_second_delivery_of_a_task_in_flight_waits_for_the_first(
     await publish_again(bus, task(0))
 
     async def both_held() -> bool:
-        return (await bus.js.consumer_info("TASKS", "inference")).num_ack_pending == 2
+        return (await bus.js.consumer_info("TASKS", "inference-r1")).num_ack_pending == 2
 
     await until(both_held, what="both copies delivered")
     await until(lambda: run_info(worker).get("num_waiting") == 4, what="one copy waiting for weights")
@@ -319,8 +333,8 @@ async def test_a_killed_replica_s_tasks_reach_the_next_one_within_seconds(
         async def held() -> bool:  # no weights yet: the process holds every task, waiting
             assert proc.returncode is None, log_path.read_text()[-3000:]
             try:
-                return (await bus.js.consumer_info("TASKS", "inference")).num_ack_pending == 4
-            except nats.js.errors.NotFoundError:  # the process has not made its consumer yet
+                return (await bus.js.consumer_info("TASKS", "inference-r1")).num_ack_pending == 4
+            except nats.js.errors.NotFoundError:  # the process has not made the run's consumer yet
                 return False
 
         await until(held, timeout_s=60, what="the process to hold the four tasks")

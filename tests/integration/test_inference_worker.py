@@ -186,7 +186,8 @@ async def test_a_corrupt_blob_is_not_loaded_and_the_next_good_one_is(bus: Bus, t
     await until(lambda: worker.info["runs"].get("r1", {}).get("weights_error") is not None, what="the failed load")
     error = worker.info["runs"]["r1"]["weights_error"]
     assert "weights version 1" in error and "sha256" in error and "no weights loaded yet" in error, error
-    assert worker.info["runs"]["r1"]["num_waiting"] == 4
+    # (its environment loads in a worker first, so the task reaches the admission's queue a little later)
+    await until(lambda: worker.info["runs"]["r1"]["num_waiting"] == 4, what="the task waiting for weights")
     assert await count(bus, "ROLLOUTS") == 0 and await count(bus, "DEAD") == 0
     await publish_weights(bus, "r1", 2, base)
     await until(lambda: count_is(bus, "ROLLOUTS", 4), timeout_s=30, what="the task, once version 2 loads")
@@ -210,9 +211,9 @@ async def test_tasks_left_when_the_run_ends_are_released_not_held(
     await (await bus.runs_kv()).put("r1", events.encode(finished))
     await until(lambda: worker.info["runs"]["r1"]["num_skipped"] == 8, timeout_s=15, what="the waiting groups skipped")
 
-    async def nothing_held() -> bool:
-        info = await bus.js.consumer_info("TASKS", "inference")
-        return info.num_ack_pending == 0 and info.num_pending == 0
+    async def nothing_held() -> bool:  # the screen's and the run's consumer
+        infos = await bus.js.consumers_info("TASKS")
+        return all(info.num_ack_pending == 0 and info.num_pending == 0 for info in infos)
 
     await until(nothing_held, timeout_s=15, what="the leftover tasks acked")
     await bus.publish(events.Task(id="late", run="r1", env="reverse_text", data={"text": "ab"}, num_rollouts=4))
@@ -236,6 +237,12 @@ async def test_a_rollout_that_goes_stale_while_its_environment_works_is_stopped_
                                   num_rollouts=4))
     await until(lambda: worker.info.get("runs", {}).get("r1", {}).get("num_in_flight") == 4,
                 timeout_s=30, what="the group's four rollouts in their environment's turn")
+
+    async def sampled() -> bool:  # each made its model call (its worker may take a moment to start)
+        nodes = await stored(bus, "TRACES", events.TraceNode)
+        return sum(t.node.message.role == "assistant" for t in nodes) == 4
+
+    await until(sampled, timeout_s=30, what="the four rollouts' model calls")
     await publish_weights(bus, "r1", 1, perturbed(tiny_model_dir, seed=1))
     await until(lambda: count_is(bus, "ROLLOUTS", 4), timeout_s=15, what="the stale group published")
     rollouts: list[events.Rollout] = await stored(bus, "ROLLOUTS", events.Rollout)

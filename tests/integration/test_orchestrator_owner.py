@@ -18,6 +18,7 @@ from flywheel.contract.settings import Settings
 from flywheel.ops.natsserver import NatsServer
 from flywheel_orchestrator.owner import RunOwner
 from tests.helpers import until
+from tests.inprocess import InProcessPool
 
 
 async def beat(bus: Bus, key: str, pid: int, run: str) -> None:
@@ -31,7 +32,8 @@ async def test_a_run_taken_over_waits_for_the_previous_trainer(bus: Bus, nats_se
     await register_run(bus, "r", config={"run": "r", "env": "reverse_text"})
     state = await claim_run(bus, "r", "orchestrator me", 60.0)
     assert state is not None
-    owner = RunOwner(bus, Settings(nats_url=nats_server.url, data_dir=tmp_path), state, "orchestrator me")
+    owner = RunOwner(bus, Settings(nats_url=nats_server.url, data_dir=tmp_path), state, "orchestrator me",
+                     InProcessPool())
     gone = await asyncio.create_subprocess_exec(sys.executable, "-c", "pass")
     await gone.wait()
     await beat(bus, "gone", gone.pid, "r")  # killed: its heartbeat lingers, it does not count

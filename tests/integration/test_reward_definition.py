@@ -13,7 +13,6 @@ rollout of ``reverse_text`` a step (group size 1, batch size 1), so each step's
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -27,7 +26,7 @@ from flywheel.contract.config import RunConfig
 from flywheel.contract.runs import register_run
 from flywheel.contract.settings import RecorderSettings, ScorerSettings, Settings
 from flywheel.ops.natsserver import NatsServer
-from flywheel.sdk.environment import load_for_run
+from flywheel.sdk.environment import load_environment
 from flywheel.sdk.scoring import required_scorers
 from flywheel_gateway import recorder
 from flywheel_gateway.recorder import mirror_runs
@@ -37,7 +36,7 @@ from flywheel_scorer.partitions import Partitions
 from flywheel_scorer.scorer import EnvironmentRewards, custom_reward
 from flywheel_trainer import service
 from flywheel_trainer.ledger import RunFolder
-from tests.helpers import until
+from tests.helpers import until, worker_pool
 from tests.integration.test_trainer_bus import wait_for_version, weight_updates
 from tests.unit.test_trainer_join import make_rollout
 
@@ -55,15 +54,18 @@ async def test_the_trace_api_reward_is_the_trainers_with_a_custom_scorer_on_the_
         nats_server: NatsServer, tiny_model_dir: Path, tmp_path: Path) -> None:
     cfg = RunConfig(run=RUN, env="reverse_text", group_size=1, model={"name": str(tiny_model_dir)},
                     trainer={"batch_size": 1, "num_steps": len(TEXTS), "max_off_policy_steps": 10})
-    env = load_for_run(cfg)
+    env = load_environment("reverse_text")
     await register_run(bus, RUN, config=cfg.model_dump(), scorers=required_scorers(cfg, env))
     stopping = asyncio.Event()
-    pool = ThreadPoolExecutor(4)
+    pooled = worker_pool("scorer")
+    workers = await pooled.__aenter__()
     bounds = ScorerSettings(max_in_flight=8)
+    builtin, custom = EnvironmentRewards(), custom_reward(f"{__name__}:brevity", "reverse_text")
+    await builtin.start(bus, workers)
+    await custom.start(bus, workers)
     consumers: list[Consumer | Partitions]
     consumers = [*recorder.build(bus, store, RecorderSettings(), streams=("ROLLOUTS", "SCORES")),
-                 scorer.build(bus, EnvironmentRewards(), pool, bounds)[0],
-                 scorer.build(bus, custom_reward(f"{__name__}:brevity", "reverse_text"), pool, bounds)[0]]
+                 scorer.build(bus, builtin, bounds)[0], scorer.build(bus, custom, bounds)[0]]
     running = [asyncio.ensure_future(c.run()) for c in consumers]
     mirroring = asyncio.ensure_future(mirror_runs(bus, store, stopping))
     settings = Settings(nats_url=nats_server.url, data_dir=tmp_path / "data")
@@ -90,7 +92,7 @@ async def test_the_trace_api_reward_is_the_trainers_with_a_custom_scorer_on_the_
         await asyncio.gather(*running, mirroring)
         if not trainer.done():
             trainer.cancel()
-        pool.shutdown(wait=False)
+        await pooled.__aexit__(None, None, None)
 
     latest = RunFolder(settings.data_dir, RUN).checkpoints.latest()
     assert latest is not None  # the run saved a checkpoint

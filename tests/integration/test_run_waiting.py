@@ -14,18 +14,23 @@ from flywheel.contract.config import RunConfig
 from flywheel.contract.settings import Settings
 from flywheel.ops.natsserver import NatsServer
 from flywheel.ops.run import MainJob
-from flywheel.sdk.environment import load_run_environments
+from flywheel.runtime.runs import load_run_environments
 from flywheel.sdk.scoring import required_scorers
 from tests.helpers import until
+from tests.inprocess import InProcessPool
 
 
-def job_on(bus: Bus, nats_server: NatsServer, tmp_path: Path, **config: object) -> tuple[MainJob, io.StringIO]:
-    """A run's follower as `flywheel run` builds it, connected, its environment loaded, its screen a buffer."""
+async def job_on(bus: Bus, nats_server: NatsServer, tmp_path: Path, **config: object
+                 ) -> tuple[MainJob, io.StringIO]:
+    """A run's follower as `flywheel run` builds it, connected, its environment loaded (in workers
+    in this process), its screen a buffer."""
     cfg = RunConfig.parse({"run": "waits", "env": "reverse_text", **config})
     out = io.StringIO()
     job = MainJob(cfg, Settings(nats_url=nats_server.url, data_dir=tmp_path), out=out)
     job._bus = bus
-    job.environments = load_run_environments(cfg)
+    pool = InProcessPool()
+    job.environments = await load_run_environments(pool, cfg)
+    await pool.close()
     job.required = required_scorers(cfg, job.environments["reverse_text"].env)
     return job, out
 
@@ -39,7 +44,7 @@ async def beat(bus: Bus, service: str, instance: int = 1, info: dict | None = No
 
 async def test_in_flight_is_what_the_replicas_are_generating_for_the_run(bus: Bus, nats_server: NatsServer,
                                                                         tmp_path: Path) -> None:
-    job, _ = job_on(bus, nats_server, tmp_path)
+    job, _ = await job_on(bus, nats_server, tmp_path)
     assert await job._in_flight() is None  # no replica reports the run
     await beat(bus, "inference", 1, {"runs": {"waits": {"num_in_flight": 24, "num_waiting": 40}, "other": {
         "num_in_flight": 7}}})
@@ -50,7 +55,7 @@ async def test_in_flight_is_what_the_replicas_are_generating_for_the_run(bus: Bu
 
 async def test_a_quiet_run_says_what_inference_holds_back_and_the_bound(bus: Bus, nats_server: NatsServer,
                                                                          tmp_path: Path) -> None:
-    job, out = job_on(bus, nats_server, tmp_path)
+    job, out = await job_on(bus, nats_server, tmp_path)
     job.seen_weights = True
     for service in ("orchestrator", "scorer"):
         await beat(bus, service)
@@ -69,11 +74,21 @@ async def test_a_quiet_run_says_what_inference_holds_back_and_the_bound(bus: Bus
         "run waits: no new step for 32s; rollouts in flight in inference: 0; 24 waiting there for admission or a "
         "place (the staleness bound: 96 rollouts issued since the run began, over every replica, until the trainer's "
         "next step); its owner's last note: (none)")
+    # The tenant's other runs take its quota of one replica: the screen names the quota.
+    await beat(bus, "inference", 2, {"runs": {"waits": {"num_in_flight": 0, "num_waiting": 0, "max_issued": 96,
+                                                        "tenant": "alice", "num_waiting_tenant": 5,
+                                                        "tenant_in_flight": 256, "tenant_max_in_flight": 256}}})
+    await job._say_waiting(33.0)
+    assert out.getvalue().splitlines()[-1] == (
+        "run waits: no new step for 33s; rollouts in flight in inference: 0; 16 waiting there for admission or a "
+        "place (the staleness bound: 96 rollouts issued since the run began, over every replica, until the trainer's "
+        "next step); 5 waiting there for a place under tenant alice's quota (its runs roll out 256 at once in a "
+        "replica, inference.tenant_max_rollouts_in_flight = 256); its owner's last note: (none)")
 
 
 async def test_a_waiting_run_names_the_scorer_replica_and_weights_it_lacks(bus: Bus, nats_server: NatsServer,
                                                                           tmp_path: Path) -> None:
-    job, _ = job_on(bus, nats_server, tmp_path, scorers={"nospace": 0.5})
+    job, _ = await job_on(bus, nats_server, tmp_path, scorers={"nospace": 0.5})
     missing = await job._missing()
     assert missing[0] == "an orchestrator to own the run (none is running: is `flywheel up` running?)"
     assert missing[1].startswith("the built-in scorer (no process scores reverse_text's rewards")
@@ -97,7 +112,7 @@ async def test_a_waiting_run_names_the_scorer_replica_and_weights_it_lacks(bus: 
 
 async def test_the_runs_dead_letters_are_said_with_their_reason(bus: Bus, nats_server: NatsServer,
                                                                tmp_path: Path) -> None:
-    job, out = job_on(bus, nats_server, tmp_path)
+    job, out = await job_on(bus, nats_server, tmp_path)
     watching = asyncio.ensure_future(job._watch_dead_letters())
     try:
         for seq, subject in enumerate(["tasks.other.reverse_text", "tasks.waits.reverse_text"], 1):

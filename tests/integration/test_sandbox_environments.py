@@ -11,24 +11,27 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 import coding
-import ctf
 import long_context
 from flywheel.contract import events
 from flywheel.contract.bus import Bus
 from flywheel.ops.eval import EvalConfig, Evaluation, read_results, run_eval
 from flywheel.ops.natsserver import NatsServer
+from flywheel.runtime import runs
 from flywheel.sdk import models
-from flywheel.sdk.environment import GroupReward, Reward
+from flywheel.sdk.environment import EnvironmentOverrides
 from flywheel.sdk.tracegraph import branches
 from flywheel_sandbox.backends import LocalBackend, LocalConfig, python_path
 from flywheel_trainer.join import sequences_of
-from tests.helpers import until
+from tests.helpers import until, worker_pool
 from tests.integration.conftest import ENVS
 from tests.integration.services import Served
 from tests.integration.test_inference_worker import count_is, create_run, publish_weights, stored
@@ -102,6 +105,18 @@ async def test_rlm_sub_calls_in_training_are_sampled_recorded_and_trained(
     assert sum(sum(s.loss_mask) for s in sequences) == rollout.metrics["num_completion_tokens"]
 
 
+@pytest.fixture
+def shared() -> Iterator[Path]:
+    """A temporary folder that environment workers (users of their own) may read: pytest's own
+    temporary folders are closed to other users."""
+    folder = Path(tempfile.mkdtemp(prefix="flywheel-shared-"))
+    folder.chmod(0o755)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def solve_coding(tasks: list[dict[str, Any]]) -> Any:
     def reply(body: dict[str, Any]) -> str:
         asked = body["messages"][-1]["content"]
@@ -116,29 +131,32 @@ def submit_found(body: dict[str, Any]) -> dict[str, Any]:
 
 
 async def test_eval_hands_sandboxes_to_harnesses_and_rewards(bus: Bus, nats_server: NatsServer, tmp_path: Path,
-                                                             request: pytest.FixtureRequest) -> None:
-    one_ctf = tmp_path / "ctf.jsonl"
+                                                             shared: Path, request: pytest.FixtureRequest) -> None:
+    # The task file, where the workers see it (setting workers.read_only).
+    one_ctf = shared / "ctf.jsonl"
     one_ctf.write_text(json.dumps({"id": "notes", "challenge": "hidden_backup", "prompt": "Find the notes."}) + "\n")
-    code_env, ctf_env = coding.load_environment(tools=False), ctf.load_environment(tasks_file=str(one_ctf))
-    rows = code_env.load_tasks(2)  # the rows the eval draws (same number, same seed)
+    one_ctf.chmod(0o644)
+    rows = coding.load_environment(tools=False).load_tasks(2)  # the rows the eval draws (same number, same seed)
     script = {"coder": [solve_coding(rows)] * 2,
               "player": [tool_call("bash", command="grep -r remember projects"), submit_found]}
-    async with backend_named("local", request) as backend, serving(bus, backend) as sandbox:
+    args: dict[str, dict[str, Any]] = {"coding": {"tools": False}, "ctf": {"tasks_file": str(one_ctf)}}
+    async with backend_named("local", request) as backend, serving(bus, backend) as sandbox, \
+            worker_pool("eval", read_only=(str(shared),)) as workers:
         with ScriptedOpenAI(script) as model:
-            for env, name, n in ((code_env, "coder", 2), (ctf_env, "player", 1)):
+            for env_id, name, n in (("coding", "coder", 2), ("ctf", "player", 1)):
+                env = await runs.load_environment(workers, env_id, EnvironmentOverrides(args=args[env_id]))
                 cfg = EvalConfig(env=env.name, model=name, base_url=model.base_url, out=tmp_path / f"{name}.jsonl",
                                  num_tasks=n, concurrency=1)
                 summary = await Evaluation(cfg, env, io.StringIO()).run(nats_server.url)
                 records = read_results(cfg.out)
                 assert summary["num_errors"] == 0 and summary["num_reward_errors"] == 0, \
                     [(r["task_id"], r["error"], r["reward_errors"]) for r in records]
-                reward = env.rewards[0]
-                assert isinstance(reward, Reward | GroupReward)  # the Environment wraps a plain function
-                assert summary["pass@1"] == 1.0 and all(r["rewards"][reward.name] == 1.0 for r in records)
+                reward = env.info.rewards[0].name
+                assert summary["pass@1"] == 1.0 and all(r["rewards"][reward] == 1.0 for r in records)
         assert not sandbox.manager.sessions and sandbox.manager.tombstones  # one-shot test runs and a session
-    cfg = EvalConfig(env="ctf", model="player", base_url="http://127.0.0.1:9/v1", out=tmp_path / "none.jsonl",
-                     num_tasks=1, max_retries=0)
-    summary = await Evaluation(cfg, ctf_env, io.StringIO()).run("nats://127.0.0.1:1")
+        cfg = EvalConfig(env="ctf", model="player", base_url="http://127.0.0.1:9/v1", out=tmp_path / "none.jsonl",
+                         num_tasks=1, max_retries=0)
+        summary = await Evaluation(cfg, env, io.StringIO()).run("nats://127.0.0.1:1")
     (record,) = read_results(cfg.out)
     assert summary["num_errors"] == 1 and "start the sandbox service (flywheel up) or set nats_url" in record["error"]
 
@@ -176,8 +194,7 @@ async def test_rlm_sub_calls_are_sub_agent_branches_of_the_recorded_trace(bus: B
     through its relay to the eval's recording proxy, so the published rollout's trace graph has
     the conversation and, beside it, the sub-call as a root of its own, both with tokens, ready
     to train like a training run's."""
-    env = long_context.load_environment(num_tasks=2, num_records=40, kinds=["needle"])
-    (task,) = env.load_tasks(1)
+    (task,) = long_context.load_environment(num_tasks=2, num_records=40, kinds=["needle"]).load_tasks(1)
     code = ("```repl\nlines = context.splitlines()\n"
             "answer = llm_query('Read this and say the amount: ' + lines[0])\nprint(answer)\n```")
     async with backend_named("local", request) as backend, serving(bus, backend, warm_pool=0) as sandbox:
@@ -185,7 +202,7 @@ async def test_rlm_sub_calls_are_sub_agent_branches_of_the_recorded_trace(bus: B
             cfg = EvalConfig(env="long_context", model="agent", base_url=model.base_url, out=tmp_path / "rlm.jsonl",
                              num_tasks=1, concurrency=1, record=True, run_id="rlm-eval",
                              env_args={"num_tasks": 2, "num_records": 40, "kinds": ["needle"]})
-            summary = await Evaluation(cfg, env, io.StringIO()).run(nats_server.url)
+            summary = await run_eval(cfg, nats_server.url, io.StringIO())
         assert not sandbox.manager.sessions
     assert summary["num_errors"] == 0, read_results(cfg.out)
     (record,) = read_results(cfg.out)
@@ -202,8 +219,10 @@ async def test_rlm_sub_calls_are_sub_agent_branches_of_the_recorded_trace(bus: B
 
 async def test_eval_swaps_in_a_command_line_as_the_harness(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``flywheel eval reverse_text --harness CMD``: an agent the environment never heard of, run
-    as its harness; the summary says which."""
+    as its harness (in a sandbox of each rollout's own, seeing what the workers see: the agent's
+    folder is one of setting workers.read_only); the summary says which."""
     agent = ENVS / "openai_agent.py"
+    monkeypatch.setenv("FLYWHEEL_WORKERS__READ_ONLY", json.dumps([str(ENVS)]))
     with ScriptedOpenAI({"agent": ["a", "b", "c"] * 2}) as model:
         cfg = EvalConfig(env="reverse_text", model="agent", base_url=model.base_url, out=tmp_path / "swapped.jsonl",
                          num_tasks=2, concurrency=1, harness=f"{{python}} {agent}")

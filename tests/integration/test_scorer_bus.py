@@ -14,7 +14,6 @@ import signal
 import sys
 import time
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ from flywheel.ops.natsserver import NatsServer
 from flywheel_scorer import scorer
 from flywheel_scorer.partitions import Partitions
 from flywheel_scorer.scorer import EnvironmentRewards
-from tests.helpers import until
+from tests.helpers import until, worker_pool
 from tests.integration.conftest import ENVS
 from tests.unit.test_scorer_rewards import group_of, rollout
 
@@ -42,8 +41,10 @@ def answer_length(completion: str) -> float:
 
 @asynccontextmanager
 async def builtin_scorer(bus: Bus, **bounds: Any) -> AsyncIterator[Partitions]:
-    with ThreadPoolExecutor(2) as pool:
-        partitions, _ = scorer.build(bus, EnvironmentRewards(), pool, ScorerSettings(**{"max_in_flight": 8, **bounds}))
+    async with worker_pool("scorer") as workers:
+        rewards = EnvironmentRewards()
+        await rewards.start(bus, workers)
+        partitions, _ = scorer.build(bus, rewards, ScorerSettings(**{"max_in_flight": 8, **bounds}))
         running = asyncio.ensure_future(partitions.run())
         try:
             await until(lambda: len(partitions.owned) == events.ROLLOUT_PARTITIONS, what="every partition claimed")
@@ -195,9 +196,9 @@ async def custom_scorer(bus: Bus, name: str, **options: Any) -> AsyncIterator[tu
     """A custom scorer of answer_length (named ``name``) started as its composition root starts
     it: where a new durable begins, then the line it says at start."""
     custom = scorer.custom_reward(f"{__name__}:answer_length", "reverse_text", name=name, **options)
-    start = await custom.start_time(bus)
-    with ThreadPoolExecutor(2) as pool:
-        partitions, _ = scorer.build(bus, custom, pool, ScorerSettings(max_in_flight=8), start)
+    async with worker_pool("scorer-custom") as workers:
+        start = await custom.start(bus, workers)
+        partitions, _ = scorer.build(bus, custom, ScorerSettings(max_in_flight=8), start)
         running = asyncio.ensure_future(partitions.run())
         try:
             await until(lambda: len(partitions.owned) == events.ROLLOUT_PARTITIONS, what="every partition claimed")

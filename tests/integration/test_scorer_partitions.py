@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from flywheel.contract import events
@@ -24,7 +23,7 @@ from flywheel.ops.natsserver import NatsServer
 from flywheel_scorer import scorer
 from flywheel_scorer.partitions import HANDBACK_ALLOWANCE, Partitions
 from flywheel_scorer.scorer import EnvironmentRewards
-from tests.helpers import until
+from tests.helpers import until, worker_pool
 from tests.integration.test_scorer_bus import put_run, stored
 from tests.unit.test_scorer_rewards import group_of
 
@@ -44,10 +43,11 @@ def groups_over_every_partition(prefix: str) -> list[list[events.Rollout]]:
 @asynccontextmanager
 async def replica(url: str, name: str) -> AsyncIterator[tuple[Partitions, scorer.Scorer, Bus]]:
     bus = await Bus.connect(url, name=name)
-    with ThreadPoolExecutor(2) as pool:
+    async with worker_pool(name) as workers:
+        rewards = EnvironmentRewards()
+        await rewards.start(bus, workers)
         # A group split between replicas would be scored incomplete after 20 s, well within the test.
-        partitions, scoring = scorer.build(bus, EnvironmentRewards(), pool, ScorerSettings(group_timeout_s=20.0),
-                                     replica=name)
+        partitions, scoring = scorer.build(bus, rewards, ScorerSettings(group_timeout_s=20.0), replica=name)
         running = asyncio.ensure_future(partitions.run())
         try:
             yield partitions, scoring, bus

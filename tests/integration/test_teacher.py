@@ -31,7 +31,7 @@ from flywheel.contract.settings import InferenceSettings
 from flywheel.ops.natsserver import NatsServer, free_port
 from flywheel.sdk import models
 from flywheel_inference.teacher import TeacherHost
-from tests.helpers import until
+from tests.helpers import until, worker_pool
 from tests.integration.test_inference_worker import count, stored
 from tests.unit.test_teacher import PROMPT, assert_close, expected_values, multi_turn
 
@@ -42,17 +42,19 @@ REPO = Path(__file__).resolve().parents[2]
 async def hosting(nats_url: str, data_dir: Path, **settings: Any) -> AsyncIterator[TeacherHost]:
     """A teacher host on its own connection, as the inference process runs it; stopped after."""
     host_bus = await Bus.connect(nats_url, name="inference")
-    host = TeacherHost(host_bus, data_dir, InferenceSettings(**{"backoff_s": (0.2,), **settings}), info={})
-    stopping = asyncio.Event()
-    running = asyncio.ensure_future(host.run(stopping))
-    try:
-        yield host
-    finally:
-        stopping.set()
+    async with worker_pool("inference") as workers:
+        host = TeacherHost(host_bus, data_dir, InferenceSettings(**{"backoff_s": (0.2,), **settings}), info={},
+                           pool=workers)
+        stopping = asyncio.Event()
+        running = asyncio.ensure_future(host.run(stopping))
         try:
-            await running
+            yield host
         finally:
-            await host_bus.close()
+            stopping.set()
+            try:
+                await running
+            finally:
+                await host_bus.close()
 
 
 @pytest.fixture(scope="module")

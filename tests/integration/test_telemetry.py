@@ -9,7 +9,6 @@ import itertools
 import os
 import signal
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -21,7 +20,7 @@ from flywheel.contract.settings import ScorerSettings
 from flywheel.ops.natsserver import NatsServer
 from flywheel_scorer import scorer
 from flywheel_scorer.scorer import EnvironmentRewards
-from tests.helpers import until
+from tests.helpers import until, worker_pool
 from tests.unit.test_scorer_rewards import rollout
 
 REPO = Path(__file__).parents[2]
@@ -109,8 +108,10 @@ async def test_one_trace_follows_a_rollout_from_its_publish_through_its_rewards_
     scoring_bus = await Bus.connect(nats_server.url, "scorer", tracer_provider=provider)
     with provider.get_tracer("test").start_as_current_span("a rollout") as root:
         await inference.publish(rollout("ro1"))
-    with ThreadPoolExecutor(2) as pool:
-        partitions, _ = scorer.build(scoring_bus, EnvironmentRewards(), pool, ScorerSettings())
+    async with worker_pool("scorer") as workers:
+        rewards = EnvironmentRewards()
+        await rewards.start(scoring_bus, workers)
+        partitions, _ = scorer.build(scoring_bus, rewards, ScorerSettings())
         running = asyncio.ensure_future(partitions.run())
         await until(lambda: partitions.stats.acked == 1, what="the rollout scored")
         partitions.stop()
@@ -122,7 +123,7 @@ async def test_one_trace_follows_a_rollout_from_its_publish_through_its_rewards_
     by_name = {s.name: s for s in spans}
     subject = rollout("ro1").subject()
     chain = [by_name["a rollout"], by_name[f"publish {subject}"], by_name[f"process {subject}"],
-             by_name["reward exact"]]
+             by_name["rewards similarity, exact"]]
     assert {s.context.trace_id for s in chain} == {root.get_span_context().trace_id}
     for parent, child in itertools.pairwise(chain):
         assert child.parent is not None and child.parent.span_id == parent.context.span_id, child.name

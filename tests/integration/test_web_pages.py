@@ -1,7 +1,8 @@
 """The gateway's web pages (flywheel_gateway.web) without a browser, against a real nats-server:
-under API keys they refuse no key (401) and another tenant's run and rollout (403), and a
-listing shows the caller's own runs alone; bad ids and missing things are message pages, never
-a 500; the pages stay out of the OpenAPI schema, so the schema's walks do not cover them here.
+under API keys they refuse no key (401) and answer another tenant's run and rollout as ones
+that do not exist (404), and a listing shows the caller's own runs alone; bad ids and missing
+things are message pages, never a 500; the pages stay out of the OpenAPI schema, so the
+schema's walks do not cover them here.
 The browser tier (tests/browser) drives them in Chromium."""
 
 from __future__ import annotations
@@ -64,8 +65,8 @@ async def test_pages_take_the_apis_keys_and_tenants(keyed_app: FastAPI, owned: d
     listed = await get(keyed_app, "/runs", owned["b"])
     assert listed.status_code == 200 and RUN not in listed.text and "No runs yet" in listed.text
     for url in PAGES[1:]:
-        other = await get(keyed_app, url, owned["b"])
-        assert other.status_code == 403 and "another tenant" in other.text, (url, other.text)
+        other = await get(keyed_app, url, owned["b"])  # as one that does not exist
+        assert other.status_code == 404 and "not found" in other.text, (url, other.text)
         assert ROLLOUT not in other.text.replace(f"rollout &#39;{ROLLOUT}&#39;", "")  # named in the refusal only
     run = (await get(keyed_app, f"/runs/{RUN}", owned["a"])).text
     assert f'href="/rollouts/{ROLLOUT}"' in run and 'data-run="team/owned-by-a"' in run
@@ -82,9 +83,9 @@ async def test_bad_input_is_a_message_page_never_a_500(keyed_app: FastAPI, owned
         "/runs/%00": (422, "run_id: "),
         "/runs/%F0%9F%94%A5": (422, "run_id: "),
         "/runs/no-such-run": (404, "run &#39;no-such-run&#39; not found"),
-        "/rollouts/no-such-rollout": (404, "no trace recorded for rollout"),
+        "/rollouts/no-such-rollout": (404, "rollout &#39;no-such-rollout&#39; not found"),
         "/rollouts/" + "x" * 1025: (422, "rollout_id: "),
-        "/rollouts/%00%FF": (404, "no trace recorded"),
+        "/rollouts/%00%FF": (404, "not found"),
         f"/runs/{RUN}?limit=-1&x=%00": (200, RUN),  # query strings the pages do not read are ignored
     }
     for url, (status, text) in cases.items():
@@ -110,7 +111,7 @@ async def test_hub_and_usage_pages_show_the_callers_own_and_the_public(keyed_app
     assert "tiny-model" in page and "0.625" in page and "# word-quiz" in page and "a_quiz-0.1.0" in page, page
     assert 'href="/environments/a/quiz"' in (await get(keyed_app, "/environments", owned["a"])).text
     other = await get(keyed_app, "/environments/a/quiz", owned["b"])
-    assert other.status_code == 403 and "tiny-model" not in other.text
+    assert other.status_code == 404 and "tiny-model" not in other.text
     assert "a/quiz" not in (await get(keyed_app, "/environments", owned["b"])).text
     assert (await get(keyed_app, "/environments/A/quiz", owned["a"])).status_code == 422
     assert (await get(keyed_app, "/environments/a/nothing", owned["a"])).status_code == 404

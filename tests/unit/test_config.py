@@ -9,6 +9,7 @@ import sys
 import typing
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import BaseModel
@@ -108,10 +109,10 @@ def test_bad_reward_tables_name_the_field(data: dict, message: str) -> None:
 def test_the_subject_token_is_the_env_or_the_environments_name() -> None:
     from flywheel.sdk.environment import load_environment, subject_name
 
-    env = load_environment("reverse_text")
-    assert subject_name("reverse_text", env) == "reverse_text"
-    assert subject_name("flywheel/reverse-text@0.1.0", env) == "reverse_text"
-    assert subject_name("pkg.module", env) == "reverse_text"
+    name = load_environment("reverse_text").name
+    assert subject_name("reverse_text", name) == "reverse_text"
+    assert subject_name("flywheel/reverse-text@0.1.0", name) == "reverse_text"
+    assert subject_name("pkg.module", name) == "reverse_text"
 
 
 def test_environment_sampling_is_a_default_under_the_runs_own() -> None:
@@ -525,33 +526,43 @@ def test_bad_evals_tables_are_refused_naming_the_field(text: str, message: str) 
         RunConfig.from_toml_text('run = "r"\nenv = "reverse_text"\n' + text)
 
 
-def test_an_eval_whose_environment_does_not_load_is_refused_before_the_run_starts() -> None:
-    from flywheel.sdk.environment import prepare_run
+async def prepare_run(cfg: RunConfig) -> Any:
+    """The run's config and environments as flywheel run prepares them, its environments in
+    workers in this process (tests/inprocess.py)."""
+    from flywheel.runtime.runs import prepare_run as prepare
+    from tests.inprocess import InProcessPool
 
+    pool = InProcessPool()
+    try:
+        return await prepare(pool, cfg)
+    finally:
+        await pool.close()
+
+
+async def test_an_eval_whose_environment_does_not_load_is_refused_before_the_run_starts() -> None:
     cfg = RunConfig.from_toml_text('run = "r"\nenv = "reverse_text"\n[[evals]]\nid = "arithmetic"\n'
                                    'args = {difficulty = "impossible"}\n')
     with pytest.raises(ValueError, match=r"evals\.0 \(arithmetic\): EnvironmentLoadError: arithmetic: "
                                          r"difficulty='impossible'"):
-        prepare_run(cfg)
+        await prepare_run(cfg)
     missing = RunConfig.from_toml_text('run = "r"\n[[envs]]\nid = "reverse_text"\n[[envs]]\nid = "no_such_env"\n')
     with pytest.raises(ValueError, match="no_such_env"):
-        prepare_run(missing)
+        await prepare_run(missing)
 
 
-def test_an_sft_term_or_warm_up_on_an_environment_without_reference_answers_is_refused_before_it_starts() -> None:
-    from flywheel.sdk.environment import prepare_run
-
+async def test_an_sft_term_or_warm_up_on_an_environment_without_reference_answers_is_refused_before_it_starts(
+        ) -> None:
     wordle = 'run = "r"\n[[envs]]\nid = "reverse_text"\n[[envs]]\nid = "wordle"\n'
     with pytest.raises(ValueError, match=r"envs\.1\.sft_term: environment 'wordle' defines no reference answers"):
-        prepare_run(RunConfig.from_toml_text(wordle + "sft_term = {weight = 0.1}\n"))
+        await prepare_run(RunConfig.from_toml_text(wordle + "sft_term = {weight = 0.1}\n"))
     with pytest.raises(ValueError, match=r"trainer\.sft_term: environment 'wordle' defines no reference answers"):
-        prepare_run(RunConfig.from_toml_text(wordle + "[trainer]\nsft_term = {weight = 0.1}\n"))
+        await prepare_run(RunConfig.from_toml_text(wordle + "[trainer]\nsft_term = {weight = 0.1}\n"))
     with pytest.raises(ValueError, match=r"sft\.steps=5: environment 'wordle' defines no reference answers"):
-        prepare_run(RunConfig.from_toml_text(wordle + "[sft]\nsteps = 5\n"))
+        await prepare_run(RunConfig.from_toml_text(wordle + "[sft]\nsteps = 5\n"))
     # With data to learn instead, or on reverse-text's own answers, it is accepted.
-    prepare_run(RunConfig.from_toml_text(wordle + 'sft_term = {weight = 0.1, data = "chats.jsonl"}\n'))
-    prepare_run(RunConfig.from_toml_text(wordle.replace("[[envs]]\nid = \"wordle\"\n", "")
-                                         + "sft_term = {weight = 0.1}\n"))
+    await prepare_run(RunConfig.from_toml_text(wordle + 'sft_term = {weight = 0.1, data = "chats.jsonl"}\n'))
+    await prepare_run(RunConfig.from_toml_text(wordle.replace("[[envs]]\nid = \"wordle\"\n", "")
+                                               + "sft_term = {weight = 0.1}\n"))
     with pytest.raises(ValueError, match=r"sft_term\.weight"):
         RunConfig.from_toml_text('run = "r"\nenv = "reverse_text"\n[trainer]\nsft_term = {weight = 0}\n')
 

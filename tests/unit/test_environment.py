@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from flywheel.contract import events
+from flywheel.contract.config import RunConfig
 from flywheel.sdk.environment import (
     Environment,
     EnvironmentLoadError,
@@ -27,7 +28,7 @@ from flywheel.sdk.environment import (
     Value,
     available,
     load_environment,
-    load_for_run,
+    overrides_of,
     resolve,
     shortest_correct_reward,
 )
@@ -193,5 +194,6 @@ async def test_overrides_change_weights_swap_functions_and_add_rewards(module: t
         with pytest.raises(EnvironmentLoadError) as err:
             env.with_overrides(EnvironmentOverrides(rewards={"nope": spec}))
         assert message in str(err.value)
-    by_run = load_for_run({"run": "r", "env": "flywheel/reverse-text", "rewards": {"exact": {"weight": 3}}})
+    by_run = load_environment("flywheel/reverse-text", overrides_of(RunConfig.parse(
+        {"run": "r", "env": "flywheel/reverse-text", "rewards": {"exact": {"weight": 3}}}).environments[0]))
     assert by_run.weights == {"similarity": 1.0, "exact": 3.0}

@@ -28,7 +28,6 @@ from openai.types.chat import (
 from flywheel.contract import events
 from flywheel.ops.eval import (
     EvalConfig,
-    Evaluation,
     RecordingProxy,
     Served,
     eval_sampling,
@@ -38,8 +37,10 @@ from flywheel.ops.eval import (
     read_results,
     serve,
 )
+from flywheel.runtime.envworker import environment_info
 from flywheel.sdk.environment import Environment, EnvironmentOverrides, TaskSet, shortest_correct_reward
 from flywheel.sdk.harness import ChatHarness, RolloutContext
+from tests.inprocess import evaluated
 
 TOOL_CALL = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
 LOGPROBS = {"content": [{"token": "5", "logprob": -0.25, "bytes": None, "top_logprobs": []}]}
@@ -333,7 +334,7 @@ async def test_an_eval_writes_results_summarizes_and_resumes(upstream: tuple[Ups
                      num_rollouts=2, concurrency=3, pass_threshold=2.0)
     progress = tmp_path / "progress.txt"
     with progress.open("w") as p:
-        summary = await Evaluation(cfg, text_env(), p).run()
+        summary = await evaluated(cfg, text_env(), p)
     records = read_results(out)
     assert len(records) == 8 and {(r["task_id"], r["index"]) for r in records} == {
         (r["task_id"], i) for r in records for i in (0, 1)}
@@ -352,10 +353,10 @@ async def test_an_eval_writes_results_summarizes_and_resumes(upstream: tuple[Ups
     # A torn group (an eval killed mid-write) is run again; complete ones are not.
     lines = out.read_text().splitlines()
     out.write_text("\n".join(lines[:5]) + "\n" + lines[5][:20])
-    resumed = await Evaluation(EvalConfig(**{**cfg.__dict__, "resume": True}), text_env(), progress.open("w")).run()
+    resumed = await evaluated(EvalConfig(**{**cfg.__dict__, "resume": True}), text_env(), progress.open("w"))
     assert len(upstream[0].requests) == num_requests + 4  # two groups of two again
     assert len(read_results(out)) == 8 and resumed["pass@1"] == summary["pass@1"]
-    again = await Evaluation(EvalConfig(**{**cfg.__dict__, "resume": True}), text_env(), progress.open("w")).run()
+    again = await evaluated(EvalConfig(**{**cfg.__dict__, "resume": True}), text_env(), progress.open("w"))
     assert len(upstream[0].requests) == num_requests + 4 and again["num_rollouts"] == 8
 
 
@@ -364,7 +365,7 @@ async def test_eval_ids_are_made_as_training_makes_them_and_resume_continues_the
     out = tmp_path / "results.jsonl"
     cfg = EvalConfig(env="texts", model="m", base_url=upstream[1].url + "/v1", out=out, num_tasks=2, num_rollouts=2)
     progress = tmp_path / "progress.txt"
-    await Evaluation(cfg, text_env(), progress.open("w")).run()
+    await evaluated(cfg, text_env(), progress.open("w"))
     records = read_results(out)
     rows = text_env().load_tasks(2, seed=0)
     (run,) = {r["run"] for r in records}
@@ -374,11 +375,11 @@ async def test_eval_ids_are_made_as_training_makes_them_and_resume_continues_the
         assert r["rollout_id"] == events.rollout_id(run, r["task_id"], r["index"])
     # --resume without --run-id goes on with the run the results file holds: nothing is asked again.
     num_requests = len(upstream[0].requests)
-    await Evaluation(EvalConfig(**{**cfg.__dict__, "resume": True}), text_env(), progress.open("w")).run()
+    await evaluated(EvalConfig(**{**cfg.__dict__, "resume": True}), text_env(), progress.open("w"))
     assert len(upstream[0].requests) == num_requests and read_results(out) == records
     with pytest.raises(ValueError, match=rf"run_id='other', but {out} holds the results of eval run {run!r}"):
-        await Evaluation(EvalConfig(**{**cfg.__dict__, "resume": True, "run_id": "other"}), text_env(),
-                         progress.open("w")).run()
+        await evaluated(EvalConfig(**{**cfg.__dict__, "resume": True, "run_id": "other"}), text_env(),
+                         progress.open("w"))
     assert read_results(out) == records  # refused before anything was rewritten
 
 
@@ -391,7 +392,7 @@ async def test_an_eval_sends_the_environments_sampling_with_the_flags_over_it_an
     out = tmp_path / "results.jsonl"
     cfg = EvalConfig(env="texts", model="m", base_url=upstream[1].url + "/v1", out=out, num_tasks=1, num_rollouts=2,
                      sampling={"temperature": 0.0, "seed": 5})
-    summary = await Evaluation(cfg, env, (tmp_path / "progress.txt").open("w")).run()
+    summary = await evaluated(cfg, env, (tmp_path / "progress.txt").open("w"))
     sent = [{k: r.get(k) for k in ("temperature", "top_p", "max_tokens", "stop", "seed")} for r in upstream[0].requests]
     assert sorted(sent, key=lambda r: int(r["seed"] or 0)) == [
         {"temperature": 0.0, "top_p": 1.0, "max_tokens": 12, "stop": ["\n"], "seed": 5 + i} for i in range(2)]
@@ -406,7 +407,7 @@ async def test_with_endpoint_sampling_calls_go_as_the_harness_sent_them(upstream
     out = tmp_path / "results.jsonl"
     cfg = EvalConfig(env="texts", model="m", base_url=upstream[1].url + "/v1", out=out, num_tasks=1,
                      send_sampling=False)
-    summary = await Evaluation(cfg, text_env(), (tmp_path / "progress.txt").open("w")).run()
+    summary = await evaluated(cfg, text_env(), (tmp_path / "progress.txt").open("w"))
     assert not {"temperature", "top_p", "max_tokens", "seed"} & set(upstream[0].requests[-1])
     assert summary["sampling"] is None and read_results(out)[0]["sampling"] is None
 
@@ -414,12 +415,12 @@ async def test_with_endpoint_sampling_calls_go_as_the_harness_sent_them(upstream
 def test_eval_sampling_names_what_is_out_of_bounds() -> None:
     env = text_env()
     with pytest.raises(ValueError, match=r"sampling\.top_p must be <= 1"):
-        eval_sampling(env, {"top_p": 2.0})
+        eval_sampling(environment_info(env), {"top_p": 2.0})
     with pytest.raises(ValueError, match=r"sampling\.temperature must be >= 0"):
-        eval_sampling(env, {"temperature": -1.0})
+        eval_sampling(environment_info(env), {"temperature": -1.0})
     env.sampling = {"temprature": 0.5}
     with pytest.raises(ValueError, match=r"environment 'texts': sampling has \['temprature'\]"):
-        eval_sampling(env, {})
+        eval_sampling(environment_info(env), {})
 
 
 def test_a_harness_may_lower_max_tokens_and_nothing_else() -> None:
@@ -432,7 +433,7 @@ def test_a_harness_may_lower_max_tokens_and_nothing_else() -> None:
 async def test_a_harness_that_fails_is_recorded_on_its_rollout(tmp_path: Path) -> None:
     cfg = EvalConfig(env="texts", model="m", base_url="http://127.0.0.1:9/v1", out=tmp_path / "r.jsonl",
                      num_tasks=1, num_rollouts=2, max_retries=0)
-    summary = await Evaluation(cfg, text_env(), (tmp_path / "p.txt").open("w")).run()
+    summary = await evaluated(cfg, text_env(), (tmp_path / "p.txt").open("w"))
     records = read_results(cfg.out)
     assert summary["num_errors"] == 2 and all(r["status"] == "error" for r in records)
     assert records[0]["error"] == ("harness failed: ModelCallError: the model endpoint answered 502: upstream "
@@ -471,7 +472,7 @@ async def test_a_multi_turn_environment_runs_unchanged_in_an_eval(tmp_path: Path
     with ScriptedOpenAI({"m": ["<guess>crane</guess>"] * 8}) as server:
         cfg = EvalConfig(env="flywheel/wordle", model="m", base_url=server.base_url, out=tmp_path / "r.jsonl",
                          num_tasks=2, num_rollouts=2)
-        summary = await Evaluation(cfg, env, (tmp_path / "p.txt").open("w")).run()
+        summary = await evaluated(cfg, env, (tmp_path / "p.txt").open("w"))
         assert server.remaining("m") == 0  # two guesses in each of four rollouts
     records = read_results(cfg.out)
     assert summary["num_rollouts"] == 4 and summary["num_errors"] == 0
@@ -509,7 +510,7 @@ async def test_an_eval_ends_rollouts_and_rewards_by_the_rules_of_training(upstre
                       prompt=lambda task: task["text"], harness=Modes(max_turns=1), rewards=[waits_on_slow])
     cfg = EvalConfig(env="modes", model="m", base_url=upstream[1].url + "/v1", out=tmp_path / "r.jsonl", num_tasks=5,
                      rollout_timeout_s=0.5, reward_timeout_s=0.5)
-    summary = await Evaluation(cfg, env, (tmp_path / "p.txt").open("w")).run()
+    summary = await evaluated(cfg, env, (tmp_path / "p.txt").open("w"))
     by_text = {r["task"]["text"]: r for r in read_results(cfg.out)}
     assert {t: (r["status"], r["error"]) for t, r in by_text.items()} == {
         "ok": ("completed", None), "slow": ("completed", None),

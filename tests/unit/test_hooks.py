@@ -16,6 +16,7 @@ from flywheel.sdk.environment import Environment
 from flywheel.sdk.hooks import Block, CallHooks, Flag, hook_flags
 from flywheel_inference.interception import InterceptionError
 from flywheel_scorer.watch import Watch
+from tests.inprocess import AsyncHooks, InProcessPool
 from tests.unit.test_inference_interception import ScriptedPolicy, assert_exact, msg, session_for
 
 
@@ -51,7 +52,7 @@ def env() -> Environment:
 async def test_a_request_hook_rewrites_what_the_model_sees_and_the_trace_is_what_it_saw(tok: Any) -> None:
     policy = ScriptedPolicy(tok, ["MAGIC", "fine"])
     session, _ = session_for(policy)
-    session.hooks = env().call_hooks({"prompt": "x", "secret": "hunter2"})
+    session.hooks = AsyncHooks(env().call_hooks({"prompt": "x", "secret": "hunter2"}))
     answer, _, _ = await session.chat([msg("user", "my password is hunter2")], None, None)
     assert "hunter2" not in tok.decode(policy.prompts[0]) and "[redacted]" in tok.decode(policy.prompts[0])
     (user,) = [n for n in session.graph.nodes.values() if n.message.role == "user"]
@@ -67,7 +68,7 @@ async def test_a_request_hook_rewrites_what_the_model_sees_and_the_trace_is_what
 async def test_a_blocked_call_is_refused_naming_the_hook_and_nothing_is_sampled(tok: Any) -> None:
     policy = ScriptedPolicy(tok, ["unused"])
     session, _ = session_for(policy)
-    session.hooks = env().call_hooks({"prompt": "x", "secret": "s3"})
+    session.hooks = AsyncHooks(env().call_hooks({"prompt": "x", "secret": "s3"}))
     with pytest.raises(InterceptionError) as refused:
         await session.chat([msg("user", "please rm -rf /")], None, None)
     assert refused.value.status == 400 and refused.value.code == "blocked_by_environment"
@@ -77,7 +78,7 @@ async def test_a_blocked_call_is_refused_naming_the_hook_and_nothing_is_sampled(
 
 async def test_a_hook_that_returns_nonsense_is_an_error_naming_it(tok: Any) -> None:
     session, _ = session_for(ScriptedPolicy(tok, ["unused"]))
-    session.hooks = CallHooks([lambda messages, task: 42], (), {})  # type: ignore[list-item, return-value]
+    session.hooks = AsyncHooks(CallHooks([lambda messages, task: 42], (), {}))  # type: ignore[list-item, return-value]
     with pytest.raises(InterceptionError, match="hook failed: TypeError: request hook '<lambda>' returned a int"):
         await session.chat([msg("user", "hi")], None, None)
 
@@ -90,17 +91,18 @@ def test_the_watch_turns_a_rollouts_hook_flags_into_its_watch_score() -> None:
 
 
 async def test_the_scorer_publishes_a_hook_flag_as_a_watch_score() -> None:
-    from concurrent.futures import ThreadPoolExecutor
-
     from tests.unit.test_scorer_rewards import Rewards, rollout, scorer
 
-    with ThreadPoolExecutor(1) as pool:
+    pool = InProcessPool()
+    try:
         scoring = scorer(pool, Rewards(exact=lambda completion: 1.0))
         scoring.watch = Watch()
         plain = rollout("ro1")
         flagged = events.Rollout(**{f: getattr(plain, f) for f in plain.__struct_fields__ if f != "metrics"},
                                  metrics={"flags.says_magic": 1.0})
         (flag,) = scoring._watched(flagged, await scoring.score(flagged))
+    finally:
+        await pool.close()
     assert flag.scorer == events.WATCH_SCORER and flag.components == {"hook:says_magic": 1.0}
 
 
@@ -115,7 +117,7 @@ async def test_the_eval_proxy_runs_the_same_hooks(tmp_path: Path) -> None:
         listening = await serve(proxy.app())
         proxy.url = listening.url
         try:
-            recording = proxy.open("ro1", hooks=env().call_hooks({"prompt": "x", "secret": "hunter2"}))
+            recording = proxy.open("ro1", hooks=AsyncHooks(env().call_hooks({"prompt": "x", "secret": "hunter2"})))
             async with httpx.AsyncClient(base_url=proxy.url) as http:
                 ok = await http.post("/r/ro1/v1/chat/completions", json={
                     "model": "m", "messages": [{"role": "user", "content": "hunter2 abc"}]})

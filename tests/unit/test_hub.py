@@ -12,6 +12,7 @@ import zipfile
 import pytest
 
 from flywheel.contract.hub import HubRefused, project_name
+from flywheel.contract.hubpackage import MAX_MEMBERS, MAX_METADATA_BYTES, MAX_TOTAL_BYTES, check_wheel
 from flywheel_gateway.hub import inspect_package
 from flywheel_gateway.store import HubConflict, Store
 
@@ -20,26 +21,33 @@ MAX = 1 << 20
 
 
 def wheel(project: str = "acme_word_quiz", version: str = "0.1.0", env_id: str = ENV,
-          extra: dict[str, bytes] | None = None, entry_points: str | None = None) -> tuple[str, bytes]:
-    """A wheel as a build backend writes one (the files pip and the hub read)."""
+          extra: dict[str, bytes] | None = None, entry_points: str | None = None, tag: str = "py3-none-any",
+          requires: list[str] | None = None, compression: int = zipfile.ZIP_STORED,
+          recorded: dict[str, bytes] | None = None) -> tuple[str, bytes]:
+    """A wheel as a build backend writes one (the files pip and the hub read); ``extra``
+    members are listed in its RECORD like the others, with the hash and size of what
+    ``recorded`` says they hold, where it names them."""
     info = f"{project}-{version}.dist-info"
     module = project.replace("-", "_")
+    dependencies = "".join(f"Requires-Dist: {r}\n" for r in requires or [])
     members = {
         f"{module}/__init__.py": b"def load_environment(**args): ...\n",
         f"{info}/METADATA": (f"Metadata-Version: 2.1\nName: {project}\nVersion: {version}\n"
-                             "Summary: Answer a question with a word.\n\n# word-quiz\n\nThe README.\n").encode(),
-        f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+                             f"Summary: Answer a question with a word.\n{dependencies}\n"
+                             "# word-quiz\n\nThe README.\n").encode(),
+        f"{info}/WHEEL": f"Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: {tag}\n".encode(),
         f"{info}/entry_points.txt": (entry_points if entry_points is not None else
                                      f"[flywheel.environments]\n{env_id} = {module}:load_environment\n").encode(),
         **(extra or {}),
     }
-    record = "".join(f"{name},sha256={_digest(data)},{len(data)}\n" for name, data in members.items())
+    listed = {**members, **(recorded or {})}
+    record = "".join(f"{name},sha256={_digest(data)},{len(data)}\n" for name, data in listed.items())
     buffer = io.BytesIO()
-    with zipfile.ZipFile(buffer, "w") as archive:
+    with zipfile.ZipFile(buffer, "w", compression=compression) as archive:
         for name, data in members.items():
             archive.writestr(name, data)
         archive.writestr(f"{info}/RECORD", record + f"{info}/RECORD,,\n")
-    return f"{project}-{version}-py3-none-any.whl", buffer.getvalue()
+    return f"{project}-{version}-{tag}.whl", buffer.getvalue()
 
 
 def _digest(data: bytes) -> str:
@@ -149,3 +157,47 @@ async def test_another_tenant_cannot_push_to_an_environment_and_private_ones_are
         (secret, "0.1.0", "Answer a question with a word."), (ENV, "0.1.0", "Answer a question with a word.")]
     assert await store.hub_set_private(secret, False) and not await store.hub_set_private("acme/none", True)
     assert [e["id"] for e in await store.hub_environments("mallory")] == [secret, ENV]
+
+
+def test_archives_over_the_size_and_member_caps_are_refused_while_inflating() -> None:
+    # An sdist (kept for reading) whose files are each under the per-file cap but together
+    # inflate past the archive's: refused by the count of what is inflated, a chunk at a time.
+    root = "acme_word_quiz-0.1.0"
+    buffer = io.BytesIO()
+    part = b"\0" * (30 << 20)
+    with tarfile.open(fileobj=buffer, mode="w:gz", compresslevel=1) as archive:
+        for name, data in [(f"{root}/PKG-INFO", b"Name: x\n")] + [(f"{root}/part{i}", part) for i in range(5)]:
+            member = tarfile.TarInfo(name)
+            member.size = len(data)
+            archive.addfile(member, io.BytesIO(data))
+    with pytest.raises(HubRefused, match=rf"\.tar\.gz: inflates to more than {MAX_TOTAL_BYTES} bytes.*MAX_TOTAL_BYTES"):
+        push(wheel(), (f"{root}.tar.gz", buffer.getvalue()))
+    big_info = tarfile.TarInfo(f"{root}/PKG-INFO")
+    big_info.size = MAX_METADATA_BYTES + 1
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
+        archive.addfile(big_info, io.BytesIO(b"x" * big_info.size))
+    with pytest.raises(HubRefused, match=rf"member '{root}/PKG-INFO' is {MAX_METADATA_BYTES + 1} bytes.*"
+                                         "MAX_METADATA_BYTES"):
+        push(wheel(), (f"{root}.tar.gz", buffer.getvalue()))
+    many = {f"acme_word_quiz/m{i}.py": b"" for i in range(MAX_MEMBERS)}
+    with pytest.raises(HubRefused, match=rf"more than {MAX_MEMBERS} members \(MAX_MEMBERS\)"):
+        push(wheel(extra=many))
+
+
+def test_a_checked_wheel_says_what_it_installs() -> None:
+    made = wheel(extra={"acme_word_quiz/tasks.jsonl": b'{"q": 1}\n'}, requires=["numpy>=1"])
+    checked = check_wheel(*made, ENV, "0.1.0")
+    assert (checked.modules, checked.requires) == (["acme_word_quiz"], ["numpy>=1"])
+    assert "acme_word_quiz/tasks.jsonl" in checked.files and "acme_word_quiz-0.1.0.dist-info/RECORD" in checked.files
+
+
+def test_an_sdist_with_a_huge_extended_header_is_refused_before_it_is_read() -> None:
+    root = "acme_word_quiz-0.1.0"
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz", format=tarfile.PAX_FORMAT) as archive:
+        member = tarfile.TarInfo(f"{root}/PKG-INFO")
+        member.pax_headers = {"comment": "x" * (MAX_METADATA_BYTES + 1)}
+        archive.addfile(member, io.BytesIO(b""))
+    with pytest.raises(HubRefused, match=r"\.tar\.gz: an extended header \(pax or GNU long name\) of \d+ bytes"):
+        push(wheel(), (f"{root}.tar.gz", buffer.getvalue()))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from flywheel.ops.hub import check_built, read_project, rename
+from flywheel.ops.hub import check_built, check_files, read_project, rename
 from flywheel.ops.scaffold import scaffold
 from flywheel.sdk.hub import HubError
 
@@ -97,3 +97,15 @@ def test_harbor_task_folders_import_as_a_package_to_push(tmp_path: Path) -> None
     project = read_project(tmp_path / "terminal")
     assert (project.env_id, project.project, project.version) == ("acme/terminal", "acme-terminal", "0.1.0")
     assert main(["env", "import", "harbor", str(tasks), "Acme/x", "--dir", str(tmp_path)]) == 1
+
+
+def test_push_checks_what_it_built_by_the_hubs_rules_before_anything_runs(folder: Path, tmp_path: Path) -> None:
+    project = read_project(folder)
+    check_files(project, [wheel_of(folder, tmp_path / "good")])  # a scaffolded package is what the hub takes
+    pyproject = folder / "pyproject.toml"
+    pyproject.write_text(pyproject.read_text().replace("[tool.setuptools]\n",
+                                                       '[project.scripts]\nqa = "qa:load_environment"\n\n'
+                                                       "[tool.setuptools]\n"))
+    with pytest.raises(HubError, match=r"the hub would refuse what .* builds: acme_qa-0\.1\.0-py3-none-any\.whl: "
+                                       r"declares entry points of the group 'console_scripts' \(qa\)"):
+        check_files(project, [wheel_of(folder, tmp_path / "scripts")])

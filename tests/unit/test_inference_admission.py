@@ -10,7 +10,7 @@ import nats.js.errors
 import pytest
 
 from flywheel.contract.config import RunConfig
-from flywheel_inference.admission import Admission, RunEnded, SharedIssued
+from flywheel_inference.admission import Admission, RunEnded, SharedIssued, TenantPlaces
 from tests.helpers import until
 
 
@@ -211,6 +211,41 @@ async def test_a_rollout_waiting_for_a_place_is_released_when_the_run_ends() -> 
     hold.set()
     await running
     assert a.num_in_flight == 0 and a.num_waiting == 0
+
+
+async def test_a_tenant_s_runs_share_its_places_and_leave_the_other_tenants_theirs() -> None:
+    # Mallory's two runs are slow (their rollouts hold their places): together they take her
+    # quota of 3, and wait beyond it, holding only their own runs' places; Alice's run, on
+    # the same process, starts every rollout at once.
+    mallory, alice = TenantPlaces("mallory", 3), TenantPlaces("alice", 3)
+    slow = [Admission(batch_size=8, max_off_policy_steps=0, max_in_flight=4, weights_loaded=True, tenant=mallory)
+            for _ in range(2)]
+    fast = Admission(batch_size=8, max_off_policy_steps=0, max_in_flight=4, weights_loaded=True, tenant=alice)
+    hold = asyncio.Event()
+    started: list[str] = []
+
+    async def one(a: Admission, name: str) -> None:
+        async with a.rollout():
+            started.append(name)
+            await hold.wait()
+
+    rollouts = [asyncio.ensure_future(one(a, f"slow{r}")) for r, a in enumerate(slow) for _ in range(2)]
+    await until(lambda: len(started) == 3 and mallory.num_waiting == 1, what="mallory's quota taken, one waiting")
+    assert [a.num_in_flight for a in slow] == [2, 1] and slow[1].num_waiting_tenant == 1
+    assert slow[1].counters() | {"tenant": "mallory", "num_waiting_tenant": 1, "tenant_in_flight": 3,
+                                 "tenant_max_in_flight": 3} == slow[1].counters()
+    rollouts += [asyncio.ensure_future(one(fast, "fast")) for _ in range(3)]
+    await until(lambda: started.count("fast") == 3, what="alice's rollouts, all started")
+    assert alice.num_waiting == 0 and mallory.num_waiting == 1
+
+    await slow[1].set_ended("stopped by mallory")  # the waiting one leaves, with its run's place
+    with pytest.raises(RunEnded, match="stopped by mallory"):
+        await rollouts[3]
+    assert slow[1].num_waiting_tenant == 0 and mallory.num_waiting == 0
+    hold.set()
+    await asyncio.gather(*rollouts[:3], *rollouts[4:])
+    assert mallory.num_in_flight == alice.num_in_flight == 0
+    assert all(a.num_in_flight == 0 and a._num_placed == 0 for a in (*slow, fast))
 
 
 class RefusingBound:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).parents[2]
 SERVICES = sorted(p.name for p in (ROOT / "services").iterdir() if (p / "__init__.py").exists())
-LAYERS = ("contract", "sdk", "ops")  # each may import the ones before it
+LAYERS = ("contract", "sdk", "runtime", "ops")  # each may import the ones before it
 
 
 def module_name(path: Path) -> str:

@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from flywheel.ops.eval import EvalConfig
 from flywheel.ops.natsserver import free_port
 from flywheel.ops.optimize import OptimizeConfig, optimize
-from flywheel.sdk.environment import load_environment
+from tests.inprocess import InProcessPool
 from tests.integration.conftest import ENVS
 
 
@@ -74,7 +74,7 @@ def test_gepa_finds_a_prompt_that_beats_the_original_on_held_out_tasks(
                                          sampling={"temperature": 0.0}),
                          num_train=4, num_val=2, num_test=4, max_metric_calls=24, minibatch=2,
                          reflection_temperature=0.3)
-    report = optimize(cfg, load_environment("magic_env"), tmp_path / "evals")
+    report = optimize(cfg, tmp_path / "evals", InProcessPool())
     assert report["original_prompt"] == ""
     assert "reverse" in report["best_prompt"].lower()
     assert report["held_out_original"]["reward_mean"] == 0.0 and report["held_out_best"]["reward_mean"] == 1.0
@@ -91,4 +91,4 @@ def test_an_endpoint_that_fails_every_rollout_is_named(tmp_path: Path, monkeypat
                          num_train=1, num_val=1, num_test=1, max_metric_calls=2, minibatch=1)
     refused = r"every held-out rollout of m at http://127\.0\.0\.1:\d+/v1 failed.*ConnectError"
     with pytest.raises(ValueError, match=refused):
-        optimize(cfg, load_environment("magic_env"), tmp_path / "evals")
+        optimize(cfg, tmp_path / "evals", InProcessPool())

@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from flywheel.runtime.isolation import AgentChannel, AgentGone, encode_b64
 from flywheel.sdk.sandbox import (
     CreateRequest,
     ExecRequest,
@@ -30,7 +31,7 @@ from flywheel.sdk.sandbox import (
     instance_token,
     subject,
 )
-from flywheel_sandbox.backends import AgentChannel, AgentGone, encode_b64, pool_key
+from flywheel_sandbox.backends import pool_key
 from flywheel_sandbox.sessions import Session, SessionManager
 from tests.helpers import until
 from tests.sandbox_service import manager_config

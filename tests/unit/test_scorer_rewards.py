@@ -1,8 +1,9 @@
 """The scorer without a bus: rewards into Scores, weights, failures, threads, custom scorers.
 
 Hand-written fakes stand in for the bus: weights come from a dict, published Scores land
-in a list. What crosses the bus (consumers, dead letters, the run-state bucket, the
-``python -m flywheel_scorer`` process) is in tests/integration/test_scorer_bus.py.
+in a list; environments run in workers in this process (tests/inprocess.py: the worker's own
+code, no sandbox). What crosses the bus (consumers, dead letters, the run-state bucket, the
+``python -m flywheel_scorer`` process) and real workers are in tests/integration/test_scorer_bus.py.
 """
 
 from __future__ import annotations
@@ -12,8 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
@@ -22,18 +22,20 @@ from flywheel.contract import events
 from flywheel.contract.bus import Delivery, HandBack, Reject
 from flywheel.contract.config import RunConfig
 from flywheel.contract.settings import ScorerSettings
-from flywheel.sdk.environment import EnvironmentLoadError, GroupReward, Reward, shortest_correct_reward
+from flywheel.sdk.environment import Environment, EnvironmentLoadError, GroupReward, Reward, shortest_correct_reward
 from flywheel_scorer.__main__ import main
 from flywheel_scorer.scorer import (
+    CustomReward,
     EnvironmentRewards,
     NotScored,
     RewardSet,
+    RunInfo,
     Scorer,
     custom_reward,
-    load_function,
     run_config,
 )
 from tests.helpers import until
+from tests.inprocess import InProcessPool, served
 
 
 def rollout(rid: str = "ro1", text: str = "abc", answer: str = "cba", run: str = "r1",
@@ -46,22 +48,32 @@ def rollout(rid: str = "ro1", text: str = "abc", answer: str = "cba", run: str =
 
 
 class Rewards:
-    """A reward source of the given functions (per-rollout rewards of weight 1.0) and group rewards."""
+    """A reward source of the given functions (per-rollout rewards of weight 1.0) and group rewards,
+    an environment of their own served in a worker of ``pool``."""
 
     durable = "test"
     filter_subject = None
 
-    def __init__(self, *group: GroupReward, **fns: Callable[..., Any]) -> None:
-        self.set = RewardSet([Reward(fn, name=name) for name, fn in fns.items()], list(group))
+    def __init__(self, *group: Reward | GroupReward, **fns: Callable[..., Any]) -> None:
+        self.env = Environment(name="test_rewards", tasks=[{"text": "abc"}],
+                               rewards=[*(Reward(fn, name=name) for name, fn in fns.items()), *group])
+        self.pool: InProcessPool | None = None
+        self.found: RewardSet | None = None
 
-    def __call__(self, rollout: events.Rollout, config: RunConfig | None) -> RewardSet:
-        return self.set
+    async def __call__(self, rollout: events.Rollout, run: RunInfo) -> RewardSet:
+        assert self.pool is not None
+        if self.found is None:
+            self.found = RewardSet.of(await served(self.env, self.pool))
+        return self.found
 
 
 @pytest.fixture
-def pool() -> Iterator[ThreadPoolExecutor]:
-    with ThreadPoolExecutor(2) as p:
-        yield p
+async def pool() -> AsyncIterator[InProcessPool]:
+    workers = InProcessPool()
+    try:
+        yield workers
+    finally:
+        await workers.close()
 
 
 class Published(list):
@@ -69,13 +81,14 @@ class Published(list):
         self.extend(scores)
 
 
-def scorer(pool: ThreadPoolExecutor, rewards: Any = None, configured: dict[str, RunConfig] | None = None,
+def scorer(pool: InProcessPool, rewards: Any = None, configured: dict[str, RunConfig] | None = None,
            published: Any = None, **kwargs: Any) -> Scorer:
-    async def configs(run: str) -> RunConfig | None:
-        return (configured or {}).get(run)
+    async def configs(run: str) -> RunInfo:
+        return RunInfo((configured or {}).get(run), "default")
 
-    return Scorer(rewards or EnvironmentRewards(), configs, published if published is not None else Published(),
-                  pool, ScorerSettings(**kwargs))
+    rewards = rewards or EnvironmentRewards()
+    rewards.pool = pool  # what their start() would set
+    return Scorer(rewards, configs, published if published is not None else Published(), ScorerSettings(**kwargs))
 
 
 def delivery(r: events.Rollout) -> Delivery:
@@ -86,7 +99,7 @@ def delivery(r: events.Rollout) -> Delivery:
 # --- the built-in scorer ------------------------------------------------------------------
 
 
-async def test_reverse_text_rollouts_get_one_score_per_reward_and_metric(pool: ThreadPoolExecutor) -> None:
+async def test_reverse_text_rollouts_get_one_score_per_reward_and_metric(pool: InProcessPool) -> None:
     s = scorer(pool)
     right, partial = await s.score(rollout("ro1", answer="cba")), await s.score(rollout("ro2", answer="cbx"))
     assert [(sc.id, sc.scorer, sc.value, sc.weight) for sc in right] == [
@@ -97,7 +110,7 @@ async def test_reverse_text_rollouts_get_one_score_per_reward_and_metric(pool: T
         assert sc.subject() == f"scores.r1.reverse_text.{sc.scorer}"
 
 
-async def test_ids_are_deterministic(pool: ThreadPoolExecutor) -> None:
+async def test_ids_are_deterministic(pool: InProcessPool) -> None:
     s = scorer(pool)
     first, again = await s.score(rollout("ro1")), await s.score(rollout("ro1", answer="other"))
     assert [sc.id for sc in first] == [sc.id for sc in again] == ["ro1.similarity", "ro1.exact"]
@@ -113,7 +126,7 @@ def parts(completion: str) -> dict[str, float]:
     return {"length": float(len(completion)), "has_c": float("c" in completion)}
 
 
-async def test_the_run_config_sets_weights_swaps_functions_and_adds_rewards(pool: ThreadPoolExecutor) -> None:
+async def test_the_run_config_sets_weights_swaps_functions_and_adds_rewards(pool: InProcessPool) -> None:
     cfg = RunConfig.parse({"run": "r1", "env": "reverse_text", "scorers": {"exact": 2.0},
                            "rewards": {"similarity": {"function": f"{__name__}:longer", "weight": 0.5},
                                        "parts": {"function": f"{__name__}:parts"},
@@ -136,24 +149,26 @@ def shortest(completions: list[str]) -> list[float]:
     return [float(len(c) == min(map(len, completions))) for c in completions]
 
 
-async def test_rollouts_of_eval_runs_are_not_scored_again(pool: ThreadPoolExecutor) -> None:
+async def test_rollouts_of_eval_runs_are_not_scored_again(pool: InProcessPool) -> None:
     with pytest.raises(NotScored):  # flywheel eval --record publishes them with their scores
         run_config(events.RunState(id="e1", kind="eval", config={"eval": {"env": "reverse_text"}}))
 
-    async def configs(run: str) -> RunConfig | None:
+    async def configs(run: str) -> RunInfo:
         raise NotScored(run)
 
     published = Published()
-    await Scorer(EnvironmentRewards(), configs, published, pool, ScorerSettings()).handle(delivery(rollout()))
+    await Scorer(EnvironmentRewards(), configs, published, ScorerSettings()).handle(delivery(rollout()))
     assert published == []
 
 
-async def test_an_unknown_environment_is_rejected_with_the_reason(pool: ThreadPoolExecutor) -> None:
+async def test_an_unknown_environment_is_rejected_with_the_reason(pool: InProcessPool) -> None:
     with pytest.raises(Reject, match="environment 'no_such_env': no module 'no_such_env'"):
         await scorer(pool).score(rollout(env="no_such_env"))
     cfg = RunConfig.parse({"run": "r1", "env": "reverse_text", "rewards": {"exact": {"function": "nowhere:f"}}})
+    rewards = EnvironmentRewards()
+    rewards.pool = pool
     with pytest.raises(Reject, match=r"rewards.exact.function='nowhere:f': cannot import 'nowhere'"):
-        EnvironmentRewards()(rollout(), cfg)
+        await rewards(rollout(), RunInfo(cfg))
 
 
 # --- failures -----------------------------------------------------------------------------
@@ -171,7 +186,7 @@ async def async_raises(task: dict) -> float:
     raise RuntimeError(f"judge unreachable for {task['text']}")
 
 
-async def test_failing_rewards_become_score_errors_and_spare_the_others(pool: ThreadPoolExecutor) -> None:
+async def test_failing_rewards_become_score_errors_and_spare_the_others(pool: InProcessPool) -> None:
     rewards = Rewards(good=length, divides=divides, async_raises=async_raises,
                       text=lambda: "0.5", nan=lambda: float("nan"), nothing=lambda: None, boolean=lambda: True,
                       empty=lambda: {}, bad_part=lambda: {"a": 1.0, "b": "x"})
@@ -190,7 +205,7 @@ async def test_failing_rewards_become_score_errors_and_spare_the_others(pool: Th
     }
 
 
-async def test_sync_rewards_run_in_threads_and_a_slow_one_times_out(pool: ThreadPoolExecutor) -> None:
+async def test_sync_rewards_run_in_threads_and_a_slow_one_times_out(pool: InProcessPool) -> None:
     threads: dict[str, str] = {}
 
     def sync_reward() -> float:
@@ -226,7 +241,7 @@ async def test_sync_rewards_run_in_threads_and_a_slow_one_times_out(pool: Thread
 
 
 async def test_an_inline_reward_runs_on_the_loop_and_one_that_holds_it_is_named_once(
-        pool: ThreadPoolExecutor, caplog: pytest.LogCaptureFixture) -> None:
+        pool: InProcessPool, caplog: pytest.LogCaptureFixture) -> None:
     threads: list[str] = []
 
     def quick(completion: str) -> float:
@@ -237,9 +252,7 @@ async def test_an_inline_reward_runs_on_the_loop_and_one_that_holds_it_is_named_
         time.sleep(0.03)  # noqa: sleep - a call that holds the event loop past INLINE_WARN_S
         return 1.0
 
-    rewards = Rewards()
-    rewards.set = RewardSet([Reward(quick, inline=True), Reward(heavy, inline=True)], [])
-    s = scorer(pool, rewards)
+    s = scorer(pool, Rewards(Reward(quick, inline=True), Reward(heavy, inline=True)))
     for rid in ("a", "b"):
         scores = {sc.scorer: sc for sc in await s.score(rollout(rid, text="cba"))}
         assert (scores["quick"].value, scores["heavy"].value) == (1.0, 1.0), scores
@@ -274,7 +287,7 @@ def batch_delivery(r: events.Rollout, msg: object, index: int, size: int) -> Del
                     headers={events.BATCH_HEADER: str(size)}, msg=msg, batch_index=index)  # type: ignore[arg-type]
 
 
-async def test_a_batch_messages_rollouts_publish_their_scores_together_in_its_order(pool: ThreadPoolExecutor) -> None:
+async def test_a_batch_messages_rollouts_publish_their_scores_together_in_its_order(pool: InProcessPool) -> None:
     calls = Calls()
     slow = threading.Event()
     scored: list[str] = []  # completions scored so far (from the pool's threads)
@@ -287,12 +300,16 @@ async def test_a_batch_messages_rollouts_publish_their_scores_together_in_its_or
 
     rewards = Rewards(similar=similar)
 
-    def source(r: events.Rollout, config: RunConfig | None) -> RewardSet:
-        if r.env == "no_such_env":
-            raise Reject(f"environment {r.env!r}: not here")
-        return rewards(r, config)
+    class Source:
+        pool: InProcessPool | None = None
 
-    s = scorer(pool, source, published=calls, max_in_flight=2)  # fewer slots than rollouts
+        async def __call__(self, r: events.Rollout, run: RunInfo) -> RewardSet:
+            if r.env == "no_such_env":
+                raise Reject(f"environment {r.env!r}: not here")
+            rewards.pool = self.pool
+            return await rewards(r, run)
+
+    s = scorer(pool, Source(), published=calls, max_in_flight=2)  # fewer slots than rollouts
     members = group_of(3, ["slow", "cba", "x"])
     msg = object()
     handled = [asyncio.ensure_future(s.handle(batch_delivery(r, msg, i, 3))) for i, r in enumerate(members)]
@@ -312,7 +329,7 @@ async def test_a_batch_messages_rollouts_publish_their_scores_together_in_its_or
     assert [[sc.id for sc in call] for call in calls] == [["g1-0.similar", "g1-2.similar"]]
 
 
-async def test_a_group_reward_waits_for_the_whole_group_then_scores_each_rollout(pool: ThreadPoolExecutor) -> None:
+async def test_a_group_reward_waits_for_the_whole_group_then_scores_each_rollout(pool: InProcessPool) -> None:
     published = Published()
     short = shortest_correct_reward(lambda c, t: c.strip() == t["text"][::-1], weight=0.5)
     s = scorer(pool, Rewards(short, similar=lambda completion: float(completion == "cba")), published=published)
@@ -331,7 +348,7 @@ async def test_a_group_reward_waits_for_the_whole_group_then_scores_each_rollout
     assert sum(sc.scorer == "shortest_correct" for sc in published) == 3
 
 
-async def test_a_group_reward_of_the_wrong_length_or_that_raises_is_an_error_on_each(pool: ThreadPoolExecutor) -> None:
+async def test_a_group_reward_of_the_wrong_length_or_that_raises_is_an_error_on_each(pool: InProcessPool) -> None:
     published = Published()
     s = scorer(pool, Rewards(GroupReward(lambda completions: [1.0], name="short_list"),
                              GroupReward(lambda tasks: 1 / 0, name="raises"),
@@ -347,7 +364,7 @@ async def test_a_group_reward_of_the_wrong_length_or_that_raises_is_an_error_on_
     assert all(sc.value == 0.0 for sc in published)
 
 
-async def test_an_incomplete_group_is_scored_after_its_timeout_with_the_missing_named(pool: ThreadPoolExecutor) -> None:
+async def test_an_incomplete_group_is_scored_after_its_timeout_with_the_missing_named(pool: InProcessPool) -> None:
     published = Published()
     s = scorer(pool, Rewards(GroupReward(shortest)), published=published, group_timeout_s=0.2)
     members = group_of(3, ["cba", "cb", "c"])
@@ -362,7 +379,7 @@ async def test_an_incomplete_group_is_scored_after_its_timeout_with_the_missing_
 
 
 
-async def test_a_partition_given_up_hands_back_its_held_members_and_later_arrivals(pool: ThreadPoolExecutor) -> None:
+async def test_a_partition_given_up_hands_back_its_held_members_and_later_arrivals(pool: InProcessPool) -> None:
     """Another replica takes the partition: the members held here stop waiting (HandBack: the
     consumer naks them, for the new owner), nothing is scored incomplete, and a member of that
     partition that joins its group afterwards is handed back too."""
@@ -383,7 +400,7 @@ async def test_a_partition_given_up_hands_back_its_held_members_and_later_arriva
     assert s.num_held == 0 and [sc.scorer for sc in published] == []  # the group reward: never scored here
 
 
-async def test_held_rollouts_are_bounded_the_oldest_group_goes_first(pool: ThreadPoolExecutor) -> None:
+async def test_held_rollouts_are_bounded_the_oldest_group_goes_first(pool: InProcessPool) -> None:
     published = Published()
     s = scorer(pool, Rewards(GroupReward(shortest)), published=published, max_held=2)
     waiting = [asyncio.ensure_future(s.handle(delivery(group_of(3, ["a"], group=g)[0]))) for g in ("ga", "gb")]
@@ -412,12 +429,17 @@ def takes_other_things(completion: str, model: str) -> float:
     return 0.0
 
 
-async def test_a_custom_scorer_scores_its_one_function(pool: ThreadPoolExecutor) -> None:
-    custom = custom_reward(f"{__name__}:answer_length", "reverse_text")
+async def loaded(custom: CustomReward, pool: InProcessPool) -> CustomReward:
+    await custom.load(pool)
+    return custom
+
+
+async def test_a_custom_scorer_scores_its_one_function(pool: InProcessPool) -> None:
+    custom = await loaded(custom_reward(f"{__name__}:answer_length", "reverse_text"), pool)
     assert (custom.durable, custom.filter_subject) == ("scorer-answer_length", "rollouts.*.reverse_text")
     (score,) = await scorer(pool, custom).score(rollout(answer="abcd"))
     assert (score.id, score.scorer, score.value, score.weight) == ("ro1.answer_length", "answer_length", 4.0, 1.0)
-    named = custom_reward(f"{__name__}:answer_length", "reverse-text", name="brevity", weight=0.5)
+    named = await loaded(custom_reward(f"{__name__}:answer_length", "reverse-text", name="brevity", weight=0.5), pool)
     published = Published()
     cfg = RunConfig(run="r1", env="reverse_text", scorers={"brevity": 3.0})
     await scorer(pool, named, configured={"r1": cfg}, published=published).handle(delivery(rollout(answer="ab")))
@@ -425,7 +447,7 @@ async def test_a_custom_scorer_scores_its_one_function(pool: ThreadPoolExecutor)
     assert (named.durable, named.filter_subject) == ("scorer-brevity", "rollouts.*.reverse-text")
     assert [(sc.id, sc.scorer, sc.value, sc.weight) for sc in published] == [
         ("ro1.brevity", "brevity", 2.0, 3.0), ("ro1.brevity", "brevity", 3.0, 0.5)]
-    group = custom_reward(f"{__name__}:shortest", "reverse_text", group=True)
+    group = await loaded(custom_reward(f"{__name__}:shortest", "reverse_text", group=True), pool)
     published.clear()
     await asyncio.gather(*(scorer(pool, group, published=published).handle(delivery(r))
                            for r in group_of(1, ["ab"])))
@@ -433,27 +455,31 @@ async def test_a_custom_scorer_scores_its_one_function(pool: ThreadPoolExecutor)
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (("nocolon", "reverse_text"), "--function='nocolon': write it as 'package.module:name'"),
-    (("no_such_module:f", "reverse_text"), "--function='no_such_module:f': cannot import 'no_such_module'"),
-    ((f"{__name__}:missing", "reverse_text"), f"'{__name__}' has no 'missing'"),
+    (("nocolon", "reverse_text"), "--function 'nocolon': write it as 'package.module:name'"),
     ((f"{__name__}:answer_length", "reverse_text", "a.b"), "--name 'a.b': use 1 to 128 letters"),
-    ((f"{__name__}:answer_length", "reverse_text", "similarity"),
-     "--name 'similarity': environment 'reverse_text' has a reward of that name already"),
     ((f"{__name__}:answer_length", "rev*"), "--env 'rev\\*': use the environment's name"),
-    ((f"{__name__}:answer_length", "no_such_env"), "--env 'no_such_env': environment 'no_such_env': no module"),
     ((f"{__name__}:answer_length", "reverse_text", None, -1.0), "--weight -1.0: a weight is a finite number"),
-    ((f"{__name__}:takes_other_things", "reverse_text"), r"reward 'takes_other_things' .* takes \['model'\]"),
-    ((f"{__name__}:answer_length", "reverse_text", "g", 1.0, True), r"group reward 'g' .* takes \['completion'\]"),
     ((f"{__name__}:answer_length", "reverse_text", None, 1.0, False, ["r1"], True), "--run and --backfill: choose one"),
     ((f"{__name__}:answer_length", "reverse_text", None, 1.0, False, ["r 1"]), "--run 'r 1': a run id is"),
 ])
-def test_custom_scorer_mistakes_name_the_option(args: tuple[Any, ...], message: str) -> None:
+def test_custom_scorer_option_mistakes_name_the_option(args: tuple[Any, ...], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         custom_reward(*args)
 
 
-def test_load_function() -> None:
-    assert load_function(f"{__name__}:answer_length") is answer_length
+@pytest.mark.parametrize(("args", "message"), [
+    (("no_such_module:f", "reverse_text"), "--function 'no_such_module:f': .*cannot import 'no_such_module'"),
+    ((f"{__name__}:missing", "reverse_text"), f"'{__name__}' has no 'missing'"),
+    ((f"{__name__}:answer_length", "reverse_text", "similarity"),
+     "--name 'similarity': environment 'reverse_text' has a reward of that name already"),
+    ((f"{__name__}:answer_length", "no_such_env"), "--env 'no_such_env': environment 'no_such_env': no module"),
+    ((f"{__name__}:takes_other_things", "reverse_text"), r"reward 'takes_other_things' .* takes \['model'\]"),
+    ((f"{__name__}:answer_length", "reverse_text", "g", 1.0, True), r"group reward 'g' .* takes \['completion'\]"),
+])
+async def test_custom_scorer_code_mistakes_name_the_option_when_it_loads(args: tuple[Any, ...], message: str,
+                                                                         pool: InProcessPool) -> None:
+    with pytest.raises(ValueError, match=message):
+        await custom_reward(*args).load(pool)
 
 
 def test_entry_point_refuses_bad_combinations(capsys: pytest.CaptureFixture[str]) -> None:
@@ -462,7 +488,7 @@ def test_entry_point_refuses_bad_combinations(capsys: pytest.CaptureFixture[str]
                           (["--threads", "0"], "argument --threads: must be at least 1, got 0"),
                           (["--group"], "--group: only for a custom scorer"),
                           (["--run", "r1", "--backfill"], "--run, --backfill: only for a custom scorer"),
-                          (["--function", "x", "--env", "reverse_text"], "--function='x': write it as")):
+                          (["--function", "x", "--env", "reverse_text"], "--function 'x': write it as")):
         with pytest.raises(SystemExit) as exited:
             main(argv)
         assert exited.value.code == 2 and message in capsys.readouterr().err

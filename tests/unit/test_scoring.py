@@ -102,13 +102,15 @@ async def test_a_group_is_scored_by_the_error_rules_each_reward_on_its_own() -> 
         Scoring(timeout_s=0)
 
 
-def test_a_run_with_several_environments_has_a_reward_for_each() -> None:
-    from flywheel.sdk.environment import load_for_run, load_run_environments
+async def test_a_run_with_several_environments_has_a_reward_for_each() -> None:
+    from flywheel.runtime.runs import load_for_run, load_run_environments
     from flywheel.sdk.scoring import reward_definition
+    from tests.inprocess import InProcessPool
 
+    pool = InProcessPool()
     cfg = RunConfig.parse({"run": "r", "scorers": {"brevity": 0.5}, "envs": [
         {"id": "reverse_text", "rewards": {"exact": {"weight": 2}}}, {"id": "arithmetic"}]})
-    environments = load_run_environments(cfg)
+    environments = await load_run_environments(pool, cfg)
     assert list(environments) == ["reverse_text", "arithmetic"]
     assert environments["reverse_text"].env.weights["exact"] == 2.0  # its own overrides
     scorers, by_env = reward_definition(cfg, environments)
@@ -116,12 +118,13 @@ def test_a_run_with_several_environments_has_a_reward_for_each() -> None:
                       "arithmetic": {"correct": 1.0, "shortest_correct": 0.1, "formatted": 0.0, "chars": 0.0,
                                      "closeness": 0.0, "brevity": 0.5}}
     assert scorers == by_env["reverse_text"] | by_env["arithmetic"]
-    assert load_for_run(cfg, "arithmetic").name == "arithmetic"
+    assert (await load_for_run(pool, cfg, "arithmetic")).name == "arithmetic"
     with pytest.raises(ValueError, match=r"has no environment named 'wordle'; its environments are "
                                          r"reverse_text \+ arithmetic"):
-        load_for_run(cfg, "wordle")
+        await load_for_run(pool, cfg, "wordle")
     with pytest.raises(ValueError, match=r"has 2 environments \(reverse_text \+ arithmetic\); name one"):
-        load_for_run(cfg)
+        await load_for_run(pool, cfg)
     one = RunConfig.parse({"run": "r", "env": "reverse_text"})
-    assert reward_definition(one, load_run_environments(one)) == ({"similarity": 1.0, "exact": 0.0}, {})
-    assert load_for_run(one, "published-by-hand").name == "reverse_text"  # a run with one takes its own
+    assert reward_definition(one, await load_run_environments(pool, one)) == ({"similarity": 1.0, "exact": 0.0}, {})
+    assert (await load_for_run(pool, one, "published-by-hand")).name == "reverse_text"  # a run with one: its own
+    await pool.close()

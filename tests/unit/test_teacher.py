@@ -278,7 +278,7 @@ def test_the_privileged_context_replaces_the_first_prompt_and_keeps_the_rest(tin
     task = {"text": "abcd"}
     prompt = env.prompt_messages(task)
     rollout = multi_turn(tok, prompt)
-    context = context_of(tok, env, task, "The answer is {answer}.")
+    context = context_of(tok, env.prompt_messages(task), env.privileged_messages(task, "The answer is {answer}."))
     teacher_prompt = models.render_prompt(tok, [events.Message(role="system", content="The answer is dcba."),
                                                 *prompt])
     assert context.teacher == teacher_prompt
@@ -315,8 +315,9 @@ def test_a_rollout_whose_prompt_is_not_the_environments_gets_an_error_signal(tin
     task = {"text": "abcd"}
     changed = [events.Message(role="system", content="Reverse it, please."), *env.prompt_messages(task)[1:]]
     rollout = multi_turn(tok, changed)
-    (signal,), usage = teacher_signals(model, [Request(rollout, 1.0, context_of(tok, env, task, "{answer}"))],
-                                       source="t", model_name="tiny", max_batch_size=4)
+    context = context_of(tok, env.prompt_messages(task), env.privileged_messages(task, "{answer}"))
+    (signal,), usage = teacher_signals(model, [Request(rollout, 1.0, context)], source="t", model_name="tiny",
+                                       max_batch_size=4)
     assert signal.values == {} and signal.error is not None and "first prompt is not the render" in signal.error
     assert usage.num_tokens == 0
 

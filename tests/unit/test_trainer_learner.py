@@ -14,20 +14,23 @@ import torch
 from flywheel.contract import events
 from flywheel.contract.config import RunConfig
 from flywheel.contract.settings import TrainerSettings
+from flywheel.runtime.envworker import LoadSpec
 from flywheel.sdk import models
-from flywheel.sdk.environment import load_environment
 from flywheel_trainer.batch import micro_batches, pad, token_logprobs
 from flywheel_trainer.chats import DataError
 from flywheel_trainer.engines import TorchEngine
 from flywheel_trainer.join import Scored, Tokens, tokens_of
 from flywheel_trainer.learner import (
     SFTSupply,
+    reference_examples,
     reference_steps,
     reference_tokens,
     rl_step,
     sft_warmup,
+    term_references,
     warmup_steps,
 )
+from tests.inprocess import InProcessPool
 from tests.unit.test_trainer_join import make_rollout
 
 MICRO_BATCH_SIZE = TrainerSettings().micro_batch_size
@@ -191,11 +194,12 @@ def test_steps_on_a_fixed_batch_raise_the_good_completion_and_lower_the_loss(tin
         assert losses[-1] < losses[0]
 
 
-def test_sft_warmup_teaches_the_reference_answers(tiny_model_dir: Path) -> None:
+async def test_sft_warmup_teaches_the_reference_answers(tiny_model_dir: Path) -> None:
     model, tok = models.load_model(tiny_model_dir)
-    env = load_environment("reverse_text")
+    pool = InProcessPool()
+    env = await pool.load(LoadSpec(env_id="reverse_text"))
     cfg = RunConfig(run="t", env="reverse_text", sft={"steps": 8, "batch_size": 16, "lr": 3e-3})
-    held_out = [reference_tokens(tok, env, row) for row in env.load_tasks(8, seed=123)]
+    held_out = [reference_tokens(tok, *e) for e in await env.references(await env.load_tasks(8, seed=123))]
     assert tok.decode(held_out[0].token_ids).endswith("<|im_end|>")
 
     def cross_entropy() -> float:
@@ -204,50 +208,60 @@ def test_sft_warmup_teaches_the_reference_answers(tiny_model_dir: Path) -> None:
             return float(-token_logprobs(model, batch)[batch.loss_mask].mean())
 
     start = cross_entropy()
-    figures = sft_warmup(model, warmup_steps(model, tok, [env], cfg), tok.pad_token_id, cfg, MICRO_BATCH_SIZE)
+    examples = await reference_examples([env], cfg)
+    figures = sft_warmup(model, warmup_steps(model, tok, examples, cfg), tok.pad_token_id, cfg, MICRO_BATCH_SIZE)
     assert figures["sft_steps"] == 8 and cross_entropy() < start - 0.5
+    await pool.close()
 
 
-def test_a_warm_up_context_comes_first_in_its_share_of_the_reference_answers(tiny_model_dir: Path) -> None:
+async def test_a_warm_up_context_comes_first_in_its_share_of_the_reference_answers(tiny_model_dir: Path) -> None:
     _, tok = models.load_model(tiny_model_dir)
-    env = load_environment("reverse_text")
-    task = env.load_tasks(1, seed=0)[0]
-    hinted = reference_tokens(tok, env, task, "Answer: {answer}")
-    plain = reference_tokens(tok, env, task)
+    pool = InProcessPool()
+    env = await pool.load(LoadSpec(env_id="reverse_text"))
+    (task,) = await env.load_tasks(1, seed=0)
+    (hinted_example, plain_example) = await env.references([task, task], ["Answer: {answer}", None])
+    hinted, plain = reference_tokens(tok, *hinted_example), reference_tokens(tok, *plain_example)
     text = tok.decode(hinted.token_ids)
     assert text.index(f"Answer: {task['text'][::-1]}") < text.index("Reverse the text.")
     # The same answer to learn, after a longer prompt.
     assert sum(hinted.loss_mask) == sum(plain.loss_mask)
     assert hinted.token_ids[-sum(plain.loss_mask):] == plain.token_ids[-sum(plain.loss_mask):]
 
-    def shown(share: float) -> list[bool]:
+    async def shown(share: float) -> list[bool]:
         cfg = RunConfig(run="t", env="reverse_text", sft={"steps": 4, "batch_size": 16, "context": "Answer: {answer}",
                                                           "context_share": share})
-        return [len(row.token_ids) > len(reference_tokens(tok, env, row_task).token_ids)
-                for step, rows in enumerate(reference_steps(tok, [env], cfg))
-                for row, row_task in zip(rows, env.load_tasks(64, seed=cfg.task_seed)[step * 16:(step + 1) * 16],
-                                         strict=True)]
+        tasks = await env.load_tasks(64, seed=cfg.task_seed)
+        plain_rows = [reference_tokens(tok, *e) for e in await env.references(tasks)]
+        steps = reference_steps(tok, await reference_examples([env], cfg), cfg)
+        return [len(row.token_ids) > len(plain_rows[step * 16 + i].token_ids)
+                for step, rows in enumerate(steps) for i, row in enumerate(rows)]
 
-    assert all(shown(1.0)) and not any(shown(0.0))
-    half = shown(0.5)
-    assert 16 < sum(half) < 48 and half == shown(0.5)  # about half, the same ones each time
+    assert all(await shown(1.0)) and not any(await shown(0.0))
+    half = await shown(0.5)
+    assert 16 < sum(half) < 48 and half == await shown(0.5)  # about half, the same ones each time
+    await pool.close()
 
 
-def test_the_sft_terms_rows_follow_from_the_step_and_teach_the_reference_answers_during_rl(
+async def test_the_sft_terms_rows_follow_from_the_step_and_teach_the_reference_answers_during_rl(
         tiny_model_dir: Path) -> None:
     model, tok = models.load_model(tiny_model_dir)
     cfg = RunConfig.from_toml_text(
         'run = "t"\ngroup_size = 2\n[[envs]]\nid = "reverse_text"\nsft_term = {weight = 1.0, batch_size = 16}\n'
         '[[envs]]\nid = "arithmetic"\n[trainer]\nnum_steps = 4\nlr = 3e-3\nbatch_size = 2\n')
-    envs = {env.id: (env, load_environment(env.id)) for env in cfg.environments}
-    supply = SFTSupply(tok, envs, cfg)
+    pool = InProcessPool()
+    loaded = {env.id: (env, await pool.load(LoadSpec(env_id=env.id))) for env in cfg.environments}
+    references = await term_references(loaded, cfg)
+    configs = {name: env_cfg for name, (env_cfg, _) in loaded.items()}
+    supply = SFTSupply(tok, configs, references, cfg)
     assert [name for name, _, _ in supply.pools] == ["reverse_text"]  # arithmetic has no term
     first = supply.rows(1)
     assert len(first.rows) == 16 and first.weights == [1.0] * 16
-    assert [r.token_ids for r in SFTSupply(tok, envs, cfg).rows(1).rows] == [r.token_ids for r in first.rows]
+    assert [r.token_ids for r in SFTSupply(tok, configs, references, cfg).rows(1).rows] == [
+        r.token_ids for r in first.rows]
     assert [r.token_ids for r in supply.rows(2).rows] != [r.token_ids for r in first.rows]
-    held_out = [reference_tokens(tok, envs["reverse_text"][1], row) for row in
-                envs["reverse_text"][1].load_tasks(8, seed=123)]
+    env = loaded["reverse_text"][1]
+    held_out = [reference_tokens(tok, *e) for e in await env.references(await env.load_tasks(8, seed=123))]
+    await pool.close()
 
     def cross_entropy() -> float:
         batch = pad(held_out, [0.0] * len(held_out), tok.pad_token_id)
@@ -277,7 +291,7 @@ def test_an_sft_term_draws_its_rows_from_a_datasets_dataset(tiny_model_dir: Path
 
     def supply(term: str) -> SFTSupply:
         cfg = RunConfig.from_toml_text(f'run = "t"\n[[envs]]\nid = "reverse_text"\nsft_term = {term}\n')
-        return SFTSupply(tok, {env.id: (env, load_environment(env.id)) for env in cfg.environments}, cfg)
+        return SFTSupply(tok, {env.id: env for env in cfg.environments}, {}, cfg)
 
     drawn = supply(f'{{weight = 1.0, dataset = "{tmp_path / "chats"}"}}').rows(1).rows
     texts = {tok.decode(r.token_ids) for r in drawn}

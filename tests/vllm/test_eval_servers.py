@@ -21,10 +21,9 @@ from flywheel.contract import events, weights
 from flywheel.contract.bus import Bus
 from flywheel.contract.config import RunConfig
 from flywheel.contract.settings import Settings
-from flywheel.ops.eval import EvalConfig, Evaluation, read_results, serve
+from flywheel.ops.eval import EvalConfig, read_results, run_eval, serve
 from flywheel.ops.natsserver import NatsServer, free_port
 from flywheel.sdk import models
-from flywheel.sdk.environment import load_environment
 from tests.helpers import until
 
 pytestmark = [pytest.mark.vllm,
@@ -50,7 +49,7 @@ def vllm_server(model_dir: Path, port: int, log: Path) -> subprocess.Popen[bytes
 async def evaluate(base_url: str, model: str, out: Path) -> dict:
     cfg = EvalConfig(env="reverse_text", model=model, base_url=base_url, out=out, num_tasks=16, num_rollouts=4,
                      concurrency=16, sampling=dict(SAMPLING))
-    return await Evaluation(cfg, load_environment("reverse_text"), io.StringIO()).run()
+    return await run_eval(cfg, progress_out=io.StringIO())
 
 
 async def test_vllms_server_and_flywheels_inference_score_alike(nats_server: NatsServer, bus: Bus,

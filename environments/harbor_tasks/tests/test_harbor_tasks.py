@@ -20,7 +20,7 @@ import pytest
 
 import harbor_tasks
 from flywheel.contract.bus import Bus
-from flywheel.ops.eval import EvalConfig, Evaluation, read_results
+from flywheel.ops.eval import EvalConfig, read_results, run_eval
 from flywheel.ops.natsserver import NatsServer
 from flywheel.sdk.environment import EnvironmentLoadError, RewardError, load_environment, resolve
 from flywheel.sdk.sandbox import WORKDIR, SandboxSpec
@@ -271,11 +271,11 @@ async def test_flywheel_eval_runs_the_tasks_and_scores_them(tmp_path: Path, requ
         bus = await Bus.connect(server.url, name="test-harbor-eval")
         try:
             async with backend_named("local", request) as backend, serving(bus, backend) as sandbox:
-                env = harbor_tasks.load_environment(str(TASKS))
                 with ScriptedOpenAI({"agent": [solve] * 8}) as model:
-                    cfg = EvalConfig(env=env.name, model="agent", base_url=model.base_url, out=tmp_path / "out.jsonl",
-                                     num_tasks=2, num_rollouts=2, concurrency=2)
-                    summary = await Evaluation(cfg, env, io.StringIO()).run(server.url)
+                    cfg = EvalConfig(env="harbor_tasks", model="agent", base_url=model.base_url,
+                                     out=tmp_path / "out.jsonl", num_tasks=2, num_rollouts=2, concurrency=2,
+                                     env_args={"path": str(TASKS)})
+                    summary = await run_eval(cfg, server.url, io.StringIO())
                 records = read_results(cfg.out)
                 assert summary["num_errors"] == 0 and summary["num_reward_errors"] == 0, records
                 assert summary["pass@1"] == 1.0 and sorted(r["task"]["id"] for r in records) == [

@@ -1058,6 +1058,9 @@ class Consumer:
 
     ``max_deliver`` counts deliveries: after the last one fails the message goes to
     ``dead.<stream>``. ``backoff_s[i]`` is the delay before delivery ``i + 2``.
+    ``letters_undecodable=False``: a message that is not its event is terminated without a dead
+    letter of this consumer's, for a consumer whose messages another one also reads and
+    dead-letters (inference's consumer of one run's tasks, beside its screen of every task).
     """
 
     def __init__(
@@ -1080,6 +1083,7 @@ class Consumer:
         deliver_new_only: bool = False,
         start_time: datetime | None = None,
         inactive_threshold_s: float | None = None,
+        letters_undecodable: bool = True,
     ) -> None:
         if (handler is None) == (batch_handler is None):
             raise ValueError("Consumer needs exactly one of handler= or batch_handler=")
@@ -1110,6 +1114,7 @@ class Consumer:
         # The server deletes the durable after this long without a pull (None: never);
         # for consumers that belong to something that ends, like one run's trainer.
         self.inactive_threshold_s = inactive_threshold_s
+        self.letters_undecodable = letters_undecodable
         self.stats = ConsumerStats()
         self._metrics = _ConsumerMetrics(durable)
         self._stopping = asyncio.Event()
@@ -1272,7 +1277,12 @@ class Consumer:
             try:
                 found = decode_events(self.decoder, m)
             except Undecodable as exc:
-                await self._dead_letter(m, str(exc))
+                if self.letters_undecodable:
+                    await self._dead_letter(m, str(exc))
+                else:
+                    log.info("consumer %s: %s; terminated (another consumer dead-letters it)", self.durable, exc)
+                    await m.term()
+                    self._unfinished.pop(id(m), None)
                 continue
             num_delivered, stream_seq = delivery_counts(m.reply)
             if num_delivered > self.max_deliver:

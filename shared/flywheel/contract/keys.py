@@ -138,8 +138,10 @@ class Caller:
         return scope in self.scopes
 
     def sees(self, tenant: str | None) -> bool:
-        """Whether this caller may touch what ``tenant`` owns (None: unknown, so nobody's)."""
-        return self.key_id is None or self.service or tenant is None or tenant == self.tenant
+        """Whether this caller may touch what ``tenant`` owns. None is an owner that could not be
+        read (or a thing nobody owns): nobody's, so no tenant's key may touch it (a check that
+        cannot tell the owner refuses); open and the service token see everything."""
+        return self.key_id is None or self.service or (tenant is not None and tenant == self.tenant)
 
 
 class KeyCheck:

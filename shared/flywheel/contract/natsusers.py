@@ -43,8 +43,9 @@ The shape, one NATS account a user:
 Not closed by these permissions, because NATS matches whole subject tokens and a consumer's
 name is one token: a user that creates consumers whose names are made at run time (a run's
 trainer ``trainer-<run>-rollouts``, a scorer ``scorer-<name>-p<k>``, inference's teacher
-``teacher-<run>-<name>``) may create, pull from and acknowledge any consumer of those streams
-but the ones with fixed names, which are denied to it (:func:`denied`); and the
+``teacher-<run>-<name>`` and run's task consumer ``inference-<run>``) may create, pull from and
+acknowledge any consumer of those streams (inference also delete one of TASKS) but the ones
+with fixed names, which are denied to it (:func:`denied`); and the
 request that makes an ordered consumer (``$JS.API.CONSUMER.CREATE.<stream>``, which every
 watch needs) names its consumer in the body, where a name of an existing consumer updates that
 one. ``tests/security/test_nats_permissions.py`` prints what each user may do.
@@ -134,8 +135,10 @@ GRANTS: dict[str, tuple[str, ...]] = {
     # Reads every stream into the trace store (a dead letter's own is never dead-lettered), and the runs.
     "recorder": (*beats("recorder"), *kv(RUNS, watch=True),
                  *(g for s in STREAMS for g in consumes(s, f"recorder-{s.lower()}") if g != "dead.DEAD")),
+    # Its screen of every task (durable inference) and each run's (inference-<run>, deleted once a
+    # finished run's tasks are done), the teachers' consumers of rollouts.
     "inference": (*beats("inference"), *kv(RUNS, watch=True), *kv(ADMISSION, writes=">"),
-                  *consumes("TASKS", "inference"), *consumes("ROLLOUTS", "*"),  # the teachers' consumers
+                  *consumes("TASKS", "*"), f"{API}.CONSUMER.DELETE.TASKS.*", *consumes("ROLLOUTS", "*"),
                   *publishes("ROLLOUTS", "rollouts.>"), *reads("ROLLOUTS"), *watches("ROLLOUTS"),
                   *publishes("TRACES", "traces.>"), *publishes("SIGNALS", "signals.>"),
                   *publishes("USAGE", "usage.>"), *reads("WEIGHTS"), *watches("WEIGHTS"), "dead.WEIGHTS",
@@ -181,14 +184,15 @@ def allowed(user: str) -> list[str]:
 
 def denied(user: str) -> list[str]:
     """The consumers with fixed names of other users on the streams where ``user`` may use any
-    consumer name (create, pull, ack): refused to it."""
+    consumer name (create, pull, ack, delete): refused to it."""
     mine = set(GRANTS[user])
-    create = f"{API}.CONSUMER.DURABLE.CREATE."
+    create, delete = f"{API}.CONSUMER.DURABLE.CREATE.", f"{API}.CONSUMER.DELETE."
     fixed = sorted({(g.split(".")[-2], g.split(".")[-1]) for owner, grants in GRANTS.items() if owner != user
                     for g in grants if g.startswith(create) and not g.endswith(".*")})
     return [subject for stream, durable in fixed if f"{create}{stream}.*" in mine
             for subject in (f"{create}{stream}.{durable}", f"{API}.CONSUMER.MSG.NEXT.{stream}.{durable}",
-                            f"$JS.ACK.{stream}.{durable}.>")]
+                            f"$JS.ACK.{stream}.{durable}.>",
+                            *((f"{delete}{stream}.{durable}",) if f"{delete}{stream}.*" in mine else ()))]
 
 
 def account_of(user: str) -> str:

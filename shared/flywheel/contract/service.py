@@ -157,9 +157,11 @@ class Service:
         await kv.put(self.key, events.encode(beat))
 
     def _info(self) -> dict[str, Any]:
-        """``info``, plus the port this process serves its Prometheus metrics on, if it does."""
+        """``info`` (an entry that is a function: what it returns now), plus the port this process
+        serves its Prometheus metrics on, if it does."""
         port = metrics.served_port()
-        return self.info if port is None else {**self.info, "metrics_port": port}
+        info = {key: value() if callable(value) else value for key, value in self.info.items()}
+        return info if port is None else {**info, "metrics_port": port}
 
     async def _heartbeat(self) -> None:
         while not self.stopping.is_set():

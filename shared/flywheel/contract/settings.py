@@ -51,10 +51,17 @@ class InferenceSettings(_Section):
     snapshots_kept: int = Field(2, ge=1, description="Weights of past steps (`model = RUN@STEP` on the OpenAI "
                                 "API, which evals during training use) kept loaded, each in a model of its own; "
                                 "the least recently used beyond these is unloaded.")
-    max_tasks_in_flight: int = Field(32, ge=1, description="Tasks one inference process handles at once, each "
-                                     "rolling out its group or waiting for its run's admission: enough for "
-                                     "several groups to share a batch. A run far ahead of its trainer holds "
-                                     "these slots while it waits.")
+    max_tasks_in_flight: int = Field(32, ge=1, description="Tasks of one run that inference holds at once, each "
+                                     "rolling out its group or waiting for the run's admission: enough for "
+                                     "several groups to share a batch. Each run has slots of its own (a consumer "
+                                     "of its tasks, shared by the replicas): a run that waits (paused, far ahead "
+                                     "of its trainer, flooded with tasks) holds only its own.")
+    tenant_max_rollouts_in_flight: int = Field(256, ge=1, description="Rollouts of one tenant's runs rolled out "
+                                               "at once in one inference process, all its runs together (each run "
+                                               "is bounded by its config's inference.max_rollouts_in_flight too): "
+                                               "the tenant's quota, so that one tenant's runs, however many or "
+                                               "slow, leave places to the others'. A rollout over it waits, and "
+                                               "its run's screen says so.")
     ack_wait_s: float = Field(5.0, gt=0, description="How soon the tasks a process held when it died are "
                               "delivered to another one. A task still being rolled out is kept alive every "
                               "third of it, so a long rollout is not redelivered.")
@@ -80,6 +87,9 @@ class InferenceSettings(_Section):
                                     "most teacher_max_in_flight.")
     teacher_device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where teachers' models run "
                                                            "(auto: cuda when there is one, else cpu).")
+    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="Largest request body the OpenAI API "
+                                "and the interception endpoint read; a larger one is refused with 413 before it "
+                                "is parsed (and a request without a good key before any of it is read).")
 
 
 class TrainerSettings(_Section):
@@ -127,7 +137,8 @@ class ScorerSettings(_Section):
     max_in_flight: int = Field(64, ge=1, description="Rollouts being scored at once.")
     max_held: int = Field(1024, ge=1, description="Rollouts held (unacked) waiting for the rest of their group; "
                           "one more, and the oldest incomplete group is scored with what arrived.")
-    num_threads: int = Field(8, ge=1, description="Threads that run sync reward functions.")
+    num_threads: int = Field(8, ge=1, description="Threads that run sync reward functions, in each environment "
+                             "worker (set by its first scoring).")
     reward_timeout_s: float = Field(REWARD_TIMEOUT_S, gt=0, description="How long one reward function may run "
                                     "before its score is an error (the same default as `flywheel eval`).")
     group_timeout_s: float = Field(300.0, gt=0, description="A group still incomplete this long after its first "
@@ -177,6 +188,41 @@ class SandboxSettings(_Section):
                                    "warm pool is topped up.")
     num_tombstones: int = Field(4096, ge=0, description="Destroyed sandboxes remembered, so that a request for "
                                 "one says it was destroyed and why (not that it is unknown).")
+
+
+class WorkersSettings(_Section):
+    """Environment workers: the sandboxed processes environment code runs in, started by every
+    process that needs an environment (section ``[workers]``)."""
+
+    isolation: Literal["bubblewrap", "none"] = Field("bubblewrap", description="How a worker is isolated: "
+                                                     "bubblewrap (no network, no credential, read-only view of the "
+                                                     "packages it runs, an unprivileged user of its own when the "
+                                                     "service runs as root), or none (a plain process that sees "
+                                                     "this machine's files: only for your own code on a machine "
+                                                     "only you use).")
+    memory_mb: int = Field(2048, ge=64, description="Memory of one worker, every process in it together (a memory "
+                        "cgroup where one can be made; else the address space of each process).")
+    pids: int = Field(256, ge=8, description="Processes and threads of one worker.")
+    cpu: NonNegativeFloat = Field(0.0, description="CPU cores one worker may use (a cpu cgroup where one can be "
+                                  "made); 0: no cap.")
+    disk_mb: int = Field(512, ge=1, description="Size of each of a worker's writable folders (/work, /tmp, "
+                         "/dev/shm; each a tmpfs, counted in its memory).")
+    read_only: tuple[str, ...] = Field((), description="Host folders every worker sees, read-only, besides its "
+                                       "interpreter and packages: where environments read files given in their args "
+                                       "(a task file, a folder of tasks). A folder closed to other users stays "
+                                       "unseen where the services run as root (workers run as users of their own).")
+    start_timeout_s: float = Field(60.0, gt=0, description="How long a worker may take to start and answer.")
+    idle_s: float = Field(300.0, gt=0, description="A worker with nothing to do this long is stopped (started "
+                          "again when its environment is next needed).")
+    max_per_environment: int = Field(2, ge=1, description="Workers of one environment version (per tenant) in "
+                                     "one process: another starts when each one holds max_calls calls.")
+    max_calls: int = Field(256, ge=1, description="Calls (rollouts, scorings, ...) one worker holds before its "
+                           "environment gets another worker, up to max_per_environment.")
+    unresponsive_s: float = Field(30.0, gt=0, description="A worker whose event loop does not answer for this "
+                                  "long (environment code blocking it) is killed; its calls fail, each saying so.")
+    uid_base: int = Field(300_000, ge=1000, description="First of the user ids workers run as (when the service "
+                          "runs as root): each worker takes one of num_uids, never one another process holds.")
+    num_uids: int = Field(4096, ge=1, description="How many user ids from uid_base workers may take.")
 
 
 class PriceSettings(_Section):
@@ -298,6 +344,8 @@ class Settings(BaseSettings):
     recorder: RecorderSettings = Field(default_factory=RecorderSettings, description="The recorder's batching.")
     sandbox: SandboxSettings = Field(default_factory=SandboxSettings,
                                      description="The sandbox service's limits on requests, output and files.")
+    workers: WorkersSettings = Field(default_factory=WorkersSettings,
+                                     description="Environment workers: isolation, limits, scaling.")
     prices: PriceSettings = Field(default_factory=PriceSettings, description="The price table of the gateway's "
                                   "usage report.")
 

@@ -414,7 +414,8 @@ def build_parser() -> argparse.ArgumentParser:
     installing = env_commands.add_parser(
         "install", help="install an environment from the hub by id",
         description="Download ID's wheel (owner/name@version; the newest version without @version), check its "
-                    "sha256 against the hub's, and pip install it (its dependencies from pip's usual index). " +
+                    "sha256 against the hub's and its content by the hub's rules, and pip install that file, wheels "
+                    "only (its dependencies as wheels from pip's usual index; no sdist is ever built). " +
                     hub_note)
     installing.add_argument("spec", metavar="ID", help="owner/name or owner/name@version")
     _add_settings(installing, ("gateway_url",))
@@ -709,7 +710,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     # imported here: --help loads no msgspec, pydantic or nats (tests/unit/test_cli.py)
     from flywheel.ops.eval import EvalConfig
     from flywheel.ops.optimize import OptimizeConfig, optimize
-    from flywheel.sdk.environment import load_environment  # imported here: as the two above
+    from flywheel.runtime.environments import WorkerPool
 
     settings = settings_from(args)
     for name in ("num_train", "num_val", "num_test", "budget", "minibatch"):
@@ -727,7 +728,8 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         num_train=args.num_train, num_val=args.num_val, num_test=args.num_test, max_metric_calls=args.budget,
         minibatch=args.minibatch, reflection_model=args.reflection_model,
         reflection_base_url=args.reflection_base_url, reflection_temperature=args.reflection_temperature)
-    report = optimize(cfg, load_environment(args.env), settings.data_dir / "evals")
+    pool = WorkerPool(settings.workers, settings.data_dir, name="optimize")
+    report = optimize(cfg, settings.data_dir / "evals", pool)
     before, after = report["held_out_original"], report["held_out_best"]
     print(f"original prompt: {report['original_prompt']!r}\nbest prompt: {report['best_prompt']!r}")
     print(f"held-out reward ({report['num_test']} tasks): original {before['reward_mean']:.3f} +- "
@@ -786,8 +788,8 @@ def cmd_env_show(args: argparse.Namespace) -> int:
             return 0
         env = hub.environment(args.spec)
         evals = hub.evals(args.spec)
-    print(f"{env['id']} ({'private' if env['private'] else 'public'}; pip install --index-url "
-          f"{hub.url}/hub/simple {env['project']})")
+    print(f"{env['id']} ({'private' if env['private'] else 'public'}; pip install --only-binary :all: "
+          f"--index-url {hub.url}/hub/simple {env['project']})")
     if env["forked_from"]:
         print(f"forked from {env['forked_from']}")
     if env["forks"]:
@@ -910,6 +912,12 @@ def format_status(report: dict[str, Any]) -> str:
                  _duration(s["uptime_s"]), _metrics_at(s)] for s in report["services"]]
     parts.append(table(services, ["SERVICE", "INSTANCE", "PID", "STATUS", "LAST BEAT", "UP", "METRICS"])
                  if services else "no services running (no heartbeats in the services KV bucket)")
+    workers = [[s["instance"], environment, w["pid"], w["in_flight"], w["calls"]]
+               for s in report["services"] if not s["stale"]
+               for environment, running in sorted(((s.get("info") or {}).get("workers") or {}).items())
+               for w in running]
+    if workers:  # where environment code runs: each service's workers, by environment (and tenant)
+        parts.append(table(workers, ["HOST SERVICE", "ENVIRONMENT WORKER", "PID", "IN FLIGHT", "CALLS"]))
     parts += [format_stack(stack) for stack in report["stacks"]]
     streams = [[s["stream"], s["messages"], size(s["bytes"]), s["consumers"], _replicas(s)] for s in report["streams"]]
     parts.append(table(streams, ["STREAM", "MESSAGES", "SIZE", "CONSUMERS", "REPLICAS"])

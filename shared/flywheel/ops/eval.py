@@ -31,6 +31,10 @@ reward at 1.0), harness and reward errors, tokens from the upstream's usage.
 
 ``record`` publishes the rollouts and their scores on the bus under a run of kind ``eval``
 (registered in the runs bucket), so the gateway's recorder stores them beside training runs.
+The eval run belongs to the tenant of the run it evaluates (``during``'s training run, or the
+run a ``model`` of ``RUN`` or ``RUN@STEP`` names on this bus), so its owner sees it; else to
+``tenant`` (``default`` unset). A run it evaluates whose state does not decode refuses the
+recording (its owner cannot be told), as a ``tenant`` that is not that run's does.
 Where NATS answers, harnesses get a sandbox client (``RolloutContext.sandbox_client``) and
 rewards reach the sandbox service through it (:mod:`flywheel.sdk.sandbox_tools`).
 
@@ -59,16 +63,18 @@ import msgspec
 
 from flywheel.contract import events
 from flywheel.ops.tables import table
+from flywheel.runtime.environments import Hooks, RolloutLink, WorkerEnvironment, WorkerError, WorkerPool
+from flywheel.runtime.envworker import EnvironmentInfo, RewardOutcome
+from flywheel.runtime.runs import load_environment
 from flywheel.sdk import wire
-from flywheel.sdk.environment import Environment, EnvironmentOverrides, load_environment, messages_of, subject_name
-from flywheel.sdk.harness import RolloutContext
-from flywheel.sdk.hooks import Blocked, CallHooks
+from flywheel.sdk.environment import EnvironmentOverrides, Value, messages_of, subject_name
+from flywheel.sdk.hooks import Blocked
 from flywheel.sdk.messages import message_dict, message_from_dict
-from flywheel.sdk.rollout import ROLLOUT_TIMEOUT_S, run_harness
+from flywheel.sdk.rollout import ROLLOUT_TIMEOUT_S, Ran, conclude
 from flywheel.sdk.sandbox import SandboxClient
-from flywheel.sdk.sandbox_tools import SandboxUnavailable, use_client
+from flywheel.sdk.sandbox_tools import SandboxUnavailable
 from flywheel.sdk.sandbox_tools import connect as connect_sandbox
-from flywheel.sdk.scoring import REWARD_TIMEOUT_S, Scoring, required_scorers, rollout_reward
+from flywheel.sdk.scoring import REWARD_TIMEOUT_S, required_scorers, rollout_reward, score_event
 from flywheel.sdk.tracegraph import TraceGraph
 
 if TYPE_CHECKING:
@@ -92,10 +98,11 @@ class Recording:
     calls: list[dict[str, Any]] = field(default_factory=list)
     sampling: events.Sampling | None = None  # imposed on each of its calls (None: sent as the harness sent it)
     responses: dict[str, list[events.Message]] = field(default_factory=dict)  # Responses API, by id
-    hooks: CallHooks = field(default_factory=CallHooks)  # the environment's hooks on each call
+    hooks: Hooks | None = None  # the environment's hooks on each call (run in its worker)
 
-    def add(self, messages: list[events.Message], completion: Mapping[str, Any]) -> None:
-        """The request's messages below the longest matching path, then each choice below them."""
+    async def add(self, messages: list[events.Message], completion: Mapping[str, Any]) -> None:
+        """The request's messages below the longest matching path, then each choice below them
+        (its response hooks seeing each)."""
         path = self.graph.match(messages)
         parent = path[-1].id if path else None
         for message in messages[len(path):]:
@@ -106,7 +113,7 @@ class Recording:
                                        "choices[].message")
             self.graph.add(parent, answer)
             if self.hooks:
-                self.hooks.after(messages, answer)
+                await self.hooks.after(messages, answer)
         self.calls.append({"usage": completion.get("usage") or {},
                            "finish_reasons": [c.get("finish_reason") for c in choices],
                            "logprobs": [c.get("logprobs") for c in choices if c.get("logprobs")]})
@@ -194,7 +201,7 @@ def impose_sampling(body: Mapping[str, Any], sampling: events.Sampling) -> dict[
     return out
 
 
-def eval_sampling(env: Environment, given: Mapping[str, Any]) -> events.Sampling:
+def eval_sampling(env: EnvironmentInfo, given: Mapping[str, Any]) -> events.Sampling:
     """What an eval samples with: the contract's defaults, the environment's own sampling over
     them, ``given`` (the command's flags) over those, as a training run's config would. A
     temperature of 0 is taken (greedy, as OpenAI-compatible servers take it); a ValueError names
@@ -289,10 +296,10 @@ class RecordingProxy:
         """The OpenAI base URL a rollout's harness gets."""
         return f"{self.url}/r/{key}/v1"
 
-    def open(self, key: str, sampling: events.Sampling | None = None, hooks: CallHooks | None = None) -> Recording:
+    def open(self, key: str, sampling: events.Sampling | None = None, hooks: Hooks | None = None) -> Recording:
         """A new recording for ``key``, filled as its calls pass through; ``sampling`` is sent
         with each of them (:func:`impose_sampling`); ``hooks`` (the environment's) see each call."""
-        recording = self.recordings[key] = Recording(sampling=sampling, hooks=hooks or CallHooks())
+        recording = self.recordings[key] = Recording(sampling=sampling, hooks=hooks)
         return recording
 
     def take(self, key: str) -> Recording:
@@ -309,7 +316,7 @@ class RecordingProxy:
             try:
                 body = await request.json()
                 given = [message_from_dict(m, f"messages[{i}]") for i, m in enumerate(body["messages"])]
-                messages = self._system(given, request.path_params["key"])
+                messages = await self._system(given, request.path_params["key"])
                 if messages != given:
                     body = {**body, "messages": [message_dict(m) for m in messages]}
             except Blocked as exc:
@@ -359,13 +366,13 @@ class RecordingProxy:
                                  Route("/r/{key}/v1/messages", messages, methods=["POST"]),
                                  Route("/r/{key}/v1/models", list_models, methods=["GET"])])
 
-    def _system(self, messages: list[events.Message], key: str) -> list[events.Message]:
+    async def _system(self, messages: list[events.Message], key: str) -> list[events.Message]:
         """``messages`` as they go upstream: with the proxy's system prompt, where it has one,
         then through the rollout's request hooks (raises :class:`flywheel.sdk.hooks.Blocked`)."""
         if self.system_prompt is not None:
             messages = with_system_prompt(messages, self.system_prompt)
         recording = self.recordings.get(key)
-        return recording.hooks.before(messages) if recording is not None and recording.hooks else messages
+        return await recording.hooks.before(messages) if recording is not None and recording.hooks else messages
 
     def _prepared(self, key: str, body: dict[str, Any]) -> tuple[Recording, dict[str, Any]]:
         """The recording of ``key`` and ``body`` with its sampling imposed."""
@@ -384,7 +391,7 @@ class RecordingProxy:
         from starlette.responses import JSONResponse, StreamingResponse
 
         try:
-            call = replace(call, messages=self._system(call.messages, key))
+            call = replace(call, messages=await self._system(call.messages, key))
         except Blocked as exc:
             return errors.refused(400, str(exc), "blocked_by_environment")
         chat: dict[str, Any] = {"model": model, "messages": [message_dict(m) for m in call.messages]}
@@ -401,8 +408,8 @@ class RecordingProxy:
             await response.aclose()
             return errors.upstream(response.status_code, content)
 
-        def answer_of(completion: Mapping[str, Any]) -> tuple[events.Message, str, tuple[int, int]]:
-            recording.add(call.messages, completion)
+        async def answer_of(completion: Mapping[str, Any]) -> tuple[events.Message, str, tuple[int, int]]:
+            await recording.add(call.messages, completion)
             choice = (completion.get("choices") or [{}])[0]
             answer = message_from_dict({"content": "", **(choice.get("message") or {}), "role": "assistant"})
             usage = completion.get("usage") or {}
@@ -410,7 +417,7 @@ class RecordingProxy:
                     (int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)))
 
         if not call.stream:
-            return JSONResponse(whole(*answer_of(json.loads(response.content))))
+            return JSONResponse(whole(*await answer_of(json.loads(response.content))))
 
         async def relay() -> AsyncIterator[str]:
             stream, sent = _Stream(), 0
@@ -423,7 +430,7 @@ class RecordingProxy:
                         yield writer.text(text[sent:])
                         sent = len(text)
                 stream.feed(b"\n")
-                answer, finish_reason, usage = answer_of(stream.completion())
+                answer, finish_reason, usage = await answer_of(stream.completion())
                 if len(answer.content) > sent:
                     yield writer.text(answer.content[sent:])
                 yield writer.end(answer, finish_reason, usage)
@@ -444,7 +451,7 @@ class RecordingProxy:
             content = await response.aread()
             await response.aclose()
             if response.status_code == 200:
-                recording.add(messages, json.loads(content))
+                await recording.add(messages, json.loads(content))
             return Response(content, status_code=response.status_code,
                             media_type=response.headers.get("content-type", "application/json"))
 
@@ -455,7 +462,7 @@ class RecordingProxy:
                     stream.feed(data)
                     yield data
                 stream.feed(b"\n")
-                recording.add(messages, stream.completion())
+                await recording.add(messages, stream.completion())
             finally:
                 await response.aclose()
 
@@ -568,6 +575,8 @@ class EvalConfig:
     # An eval during training: {"train_run": RUN, "step": STEP, "eval": NAME}, recorded in the
     # eval run's config, which links it to the training run and the step it evaluated.
     during: dict[str, Any] = field(default_factory=dict)
+    # The eval run's tenant (record); None: the evaluated run's, else "default" (see the module).
+    tenant: str | None = None
     # These rows instead of num_tasks drawn from the task set (flywheel optimize's minibatches).
     tasks: list[dict[str, Any]] | None = None
     # Every call's system message is this one (put first where a harness sends none): the
@@ -708,21 +717,22 @@ class ProgressLine:
 
 
 class Evaluation:
-    """One ``flywheel eval``: the environment, the proxy, the results file, optionally the bus."""
+    """One ``flywheel eval``: the environment (in its workers), the proxy, the results file,
+    optionally the bus."""
 
-    def __init__(self, cfg: EvalConfig, env: Environment, progress_out: TextIO = sys.stderr) -> None:
+    def __init__(self, cfg: EvalConfig, env: WorkerEnvironment, progress_out: TextIO = sys.stderr) -> None:
         self.cfg = cfg
         self.env = env
-        self.env_name = subject_name(cfg.env, env)
+        self.env_name = subject_name(cfg.env, env.name)
         self.run_id = cfg.run_id or f"eval-{self.env_name}-{datetime.now(UTC).strftime('%Y%m%dT%H%M%S')}"
         self.progress_out = progress_out
         self.weights = required_scorers(None, env)  # the reward: every reward of the environment, at its weight
-        self.sampling = eval_sampling(env, cfg.sampling)  # sent with every call, recorded on every rollout
-        self.scoring = Scoring(timeout_s=cfg.reward_timeout_s)
+        self.sampling = eval_sampling(env.info, cfg.sampling)  # sent with every call, recorded on every rollout
         self.proxy = RecordingProxy(cfg.base_url, cfg.api_key, max_retries=cfg.max_retries, timeout_s=cfg.timeout_s,
                                     system_prompt=cfg.system_prompt)
         self.bus: Bus | None = None
         self.sandbox: SandboxClient | None = None  # for sandbox tools and rewards, where NATS answers
+        self._client: httpx.AsyncClient | None = None  # how the workers' rollouts reach the proxy
         self._sandbox_bus: Bus | None = None
         self._slots = asyncio.Semaphore(cfg.concurrency)
         self._write = asyncio.Lock()
@@ -735,7 +745,7 @@ class Evaluation:
 
     async def run(self, nats_url: str | None = None) -> dict[str, Any]:
         cfg = self.cfg
-        rows = cfg.tasks if cfg.tasks is not None else self.env.load_tasks(cfg.num_tasks, seed=cfg.seed)
+        rows = cfg.tasks if cfg.tasks is not None else await self.env.load_tasks(cfg.num_tasks, seed=cfg.seed)
         previous = read_results(cfg.out) if cfg.resume else []
         if previous:
             self.run_id = self._resumed_run(previous)
@@ -760,12 +770,16 @@ class Evaluation:
         await self._open_sandbox(nats_url)
         served = await serve(self.proxy.app())
         self.proxy.url = served.url
+        import httpx  # the workers' rollouts reach the proxy through this process
+
+        self._client = httpx.AsyncClient(timeout=None)
         started = time.monotonic()
         try:
-            with cfg.out.open("a") as out, use_client(self.sandbox):
+            with cfg.out.open("a") as out:
                 await asyncio.gather(*(self._group(tid, row, out, progress) for tid, row in todo))
         finally:
             await served.stop()
+            await self._client.aclose()
             await self.proxy.close()
             if self.bus is not None:
                 await self._close_bus()
@@ -776,8 +790,8 @@ class Evaluation:
                    **summarize(records, self.weights, cfg.num_rollouts, self.pass_threshold),
                    "elapsed_s": time.monotonic() - started, "num_upstream_retries": self.proxy.num_retries,
                    "sampling": msgspec.structs.asdict(self.sampling) if cfg.send_sampling else None,
-                   "harness": " ".join(getattr(self.env.harness, "argv", ())) or type(self.env.harness).__name__,
-                   "runtime": getattr(self.env.harness, "runtime", "process"),
+                   "harness": " ".join(self.env.info.argv) or self.env.info.harness,
+                   "runtime": self.env.info.runtime or "process",
                    "results": str(cfg.out)}
         return summary
 
@@ -801,15 +815,15 @@ class Evaluation:
         cfg = self.cfg
         results = await asyncio.gather(*(self._rollout(tid, row, i) for i in range(cfg.num_rollouts)))
         rollouts = [r for r, _ in results]
-        scored = await self.scoring.score_group(
-            self.env.rewards, rollouts)  # type: ignore[arg-type]  # Environment wrapped each callable in a Reward
+        scored = await self._scored(rollouts)
         records = []
         for (rollout, recording), scores in zip(results, scored, strict=True):
             records.append({"run": self.run_id, "task_id": tid, "index": rollout.index, "rollout_id": rollout.id,
                             "env": cfg.env, "model": cfg.model, "task": row, "messages": messages_of(rollout),
                             "state": rollout.state, "status": rollout.status, "error": rollout.error,
                             **scored_fields(scores),
-                            "usage": recording.tokens(), "calls": recording.calls, "flags": recording.hooks.flags,
+                            "usage": recording.tokens(), "calls": recording.calls,
+                            "flags": recording.hooks.flags if recording.hooks else {},
                             "sampling": msgspec.structs.asdict(rollout.sampling) if rollout.sampling else None,
                             "reward": rollout_reward(rollout.status, scores, self.weights)})
         async with self._write:
@@ -819,23 +833,45 @@ class Evaluation:
             await self._publish(rollouts, scored)
         progress.add(len(records), sum(1 for r in records if r["error"] or r["reward_errors"]))
 
+    async def _scored(self, rollouts: list[events.Rollout]) -> list[list[events.Score]]:
+        """Every reward of the environment on a group, in its workers, as the scorer scores it: per
+        rollout, one Score per reward in the environment's order (a worker that fails gives each an error)."""
+        info = self.env.info
+        timeout_s = self.cfg.reward_timeout_s
+        outcomes: dict[str, list[RewardOutcome]] = {r.id: [] for r in rollouts}
+        for run, names in ((self.env.score, info.rollout_rewards), (self.env.score_group, info.group_rewards)):
+            try:
+                got = await run(rollouts, names, timeout_s, [RolloutLink(r.id, r.run, sandbox=self.sandbox)
+                                                             for r in rollouts])
+            except WorkerError as exc:
+                got = [[RewardOutcome(name=n, error=f"its environment worker failed: {exc}") for n in names]
+                       for _ in rollouts]
+            for rollout, row in zip(rollouts, got, strict=True):
+                outcomes[rollout.id] += row
+        order = {r.name: i for i, r in enumerate(info.rewards)}
+        return [[score_event(r, o.name, self.weights.get(o.name, 0.0),
+                             o.error if o.error is not None else Value(o.value or 0.0, dict(o.components)))
+                 for o in sorted(outcomes[r.id], key=lambda o: order[o.name])] for r in rollouts]
+
     async def _rollout(self, tid: str, row: dict[str, Any], index: int) -> tuple[events.Rollout, Recording]:
-        """One rollout, run as inference runs it (:func:`flywheel.sdk.rollout.run_harness`), its
-        calls recorded by the proxy."""
+        """One rollout, its harness run in the environment's worker as inference runs it (the
+        rules of :mod:`flywheel.sdk.rollout`), its calls recorded by the proxy."""
         rid = events.rollout_id(self.run_id, tid, index)
         # As inference seeds a group's rollouts; None: the endpoint's own defaults (send_sampling off).
         sampling = self.sampling.with_seed_offset(index) if self.cfg.send_sampling else None
         async with self._slots:
-            recording = self.proxy.open(rid, sampling, self.env.call_hooks(row))
-            ctx = RolloutContext(task=row, base_url=self.proxy.base_url(rid), api_key=HARNESS_API_KEY,
-                                 model=self.cfg.model, index=index, timeout_s=self.cfg.timeout_s, rollout_id=rid,
-                                 run=self.run_id,
-                                 sandbox_client=self.sandbox)
-
-            def forget() -> None:  # the rollout is over: calls that still come are not its own
-                self.proxy.take(rid)
-
-            outcome = await run_harness(self.env, ctx, recording, self.cfg.rollout_timeout_s, on_end=forget)
+            link = RolloutLink(rid, self.run_id, base_url=self.proxy.base_url(rid), api_key=HARNESS_API_KEY,
+                               http_client=self._client, sandbox=self.sandbox)
+            try:
+                running = await self.env.start_rollout(link)
+            except WorkerError as exc:
+                recording = self.proxy.open(rid, sampling)
+                ran = Ran(f"environment worker failed: {exc}", {}, False, 0.0)
+            else:
+                recording = self.proxy.open(rid, sampling, running.hooks if running.hooks else None)
+                ran = await running.run(row, model=self.cfg.model, index=index, timeout_s=self.cfg.rollout_timeout_s)
+            self.proxy.take(rid)  # the rollout is over: calls that still come are not its own
+        outcome = conclude(ran, recording, rid, index)
         metrics = {k: float(v) for k, v in recording.tokens().items()} | {"rollout_s": outcome.elapsed_s}
         rollout = events.Rollout(id=rid, run=self.run_id, env=self.env_name, task_id=tid, group_id=tid, index=index,
                                  task_data=row, nodes=recording.graph.ordered(), status=outcome.status,
@@ -852,10 +888,30 @@ class Evaluation:
         if nats_url is None:
             raise ValueError("--record needs NATS: set FLYWHEEL_NATS_URL or start `flywheel up`")
         self.bus = await Bus.connect(nats_url, "flywheel-eval")
-        await register_run(self.bus, self.run_id, kind="eval", config={
+        await register_run(self.bus, self.run_id, await self._tenant(), kind="eval", config={
             "eval": {"env": self.cfg.env, "model": self.cfg.model, "base_url": self.cfg.base_url,
                      "num_tasks": self.cfg.num_tasks, "num_rollouts": self.cfg.num_rollouts, **self.cfg.during}},
                            scorers=self.weights)
+
+    async def _tenant(self) -> str:
+        """The eval run's tenant: the evaluated run's (the training run ``during`` names, else the
+        run the model names, where the bus holds one), else the config's, else ``default``.
+        BadRunState when the evaluated run's state does not decode; ValueError for a config's
+        tenant that is not the evaluated run's."""
+        from flywheel.contract.runs import get_run, is_key  # imported here: with the bus, as above
+
+        assert self.bus is not None
+        trained = self.cfg.during.get("train_run")
+        evaluated = str(trained) if trained else self.cfg.model.partition("@")[0]
+        state = await get_run(self.bus, evaluated) if is_key(evaluated) else None
+        if state is None:
+            if trained:
+                raise ValueError(f"the training run {evaluated!r} this eval is of is not in the runs bucket")
+            return self.cfg.tenant or "default"
+        if self.cfg.tenant is not None and self.cfg.tenant != state.tenant:
+            raise ValueError(f"tenant={self.cfg.tenant!r}, but the run this eval is of ({evaluated!r}) is tenant "
+                             f"{state.tenant!r}'s: an eval of a run belongs to the run's tenant")
+        return state.tenant
 
     async def _open_sandbox(self, nats_url: str | None) -> None:
         """The sandbox service's client, over the recording bus or a connection of its own, where
@@ -897,13 +953,23 @@ async def resolve_model(base_url: str, api_key: str | None) -> str:
     return str(response.json()["data"][0]["id"])
 
 
-async def run_eval(cfg: EvalConfig, nats_url: str | None = None, progress_out: TextIO = sys.stderr) -> dict[str, Any]:
-    """Load the environment, run the eval, return the summary (also written beside the results)."""
-    env = load_environment(cfg.env, _overrides(cfg.env_args)).with_harness(cfg.harness).with_runtime(cfg.runtime)
-    summary = await Evaluation(cfg, env, progress_out).run(nats_url)
+async def run_eval(cfg: EvalConfig, nats_url: str | None = None, progress_out: TextIO = sys.stderr,
+                   pool: WorkerPool | None = None) -> dict[str, Any]:
+    """Load the environment in a worker of the eval's tenant (``cfg.tenant``, else ``default``;
+    in ``pool``, or a pool of this eval's own, of the settings' workers section), run the eval,
+    return the summary (also written beside the results)."""
+    own = pool is None
+    if pool is None:
+        from flywheel.contract.settings import Settings
+
+        settings = Settings.load()
+        pool = WorkerPool(settings.workers, settings.data_dir, name="eval")
+    try:
+        overrides = EnvironmentOverrides(args=dict(cfg.env_args), harness=cfg.harness, runtime=cfg.runtime)
+        env = await load_environment(pool, cfg.env, overrides, cfg.tenant or "default")
+        summary = await Evaluation(cfg, env, progress_out).run(nats_url)
+    finally:
+        if own:
+            await pool.close()
     cfg.out.with_suffix(".summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
-
-
-def _overrides(args: dict[str, Any]) -> Any:
-    return EnvironmentOverrides(args=dict(args)) if args else None

@@ -3,15 +3,17 @@
 ``flywheel env push [DIR]`` reads ``DIR/pyproject.toml`` (its ``[project]`` name must be
 ``owner-name`` and it must register ``owner/name`` under the ``flywheel.environments`` entry
 points), builds a wheel and an sdist with the standard tooling (``python -m build``), checks
-the built wheel in a process of its own (installed into a scratch folder: what the package
+them by the hub's rules (:func:`check_files`: a ``py3-none-any`` wheel that installs its own
+modules alone, sizes; the gateway refuses the same), checks the built wheel in a process of its
+own (installed into a scratch folder: what the package
 holds, not what the source folder holds, is checked): :func:`dry_check` loads the environment
 with its defaults, checks a few task rows against its schema, renders their prompts and runs
 every reward on a rollout answering with the reference answer (or nothing); then uploads both
 files, which the gateway checks again and stores, immutable.
 
 ``flywheel env install owner/name[@version]`` is :func:`flywheel.sdk.hub.install`: the
-version's wheel (the newest without ``@``), checked against the hub's sha256, installed with
-pip.
+version's wheel (the newest without ``@``), checked against the hub's sha256 and rules,
+installed with pip, wheels only.
 
 ``flywheel env fork owner/name[@version] new-owner/new-name`` downloads the version's sdist
 into a folder, renames it (distribution, entry point, and the module when the old name would
@@ -43,6 +45,7 @@ from packaging.utils import canonicalize_name
 
 from flywheel.contract import events
 from flywheel.contract.hub import ENTRY_POINT_GROUP, HubRefused, check_env_id, check_version, project_name
+from flywheel.contract.hubpackage import check_sdist, check_wheel
 from flywheel.sdk.environment import load_environment
 from flywheel.sdk.hub import Hub, HubError, output_tail
 from flywheel.sdk.scoring import Scoring
@@ -105,6 +108,18 @@ def build(project: Project, out: Path) -> list[Path]:
     if not any(p.suffix == ".whl" for p in files):
         raise HubError(f"building {project.folder} made no wheel: {[p.name for p in files]}")
     return files
+
+
+def check_files(project: Project, files: list[Path]) -> None:
+    """The hub's rules on what it takes (:mod:`flywheel.contract.hubpackage`), applied to the
+    built files before anything runs or is uploaded; HubError naming the file, the member and
+    what to change otherwise."""
+    for path in files:
+        check = check_wheel if path.suffix == ".whl" else check_sdist
+        try:
+            check(path.name, path.read_bytes(), project.env_id, project.version)
+        except HubRefused as exc:
+            raise HubError(f"the hub would refuse what {project.folder} builds: {exc}") from None
 
 
 def check_built(wheel: Path, env_id: str, scoring: bool = True) -> dict[str, Any]:
@@ -179,6 +194,7 @@ def push(folder: Path, hub: Hub, private: bool = False, scoring: bool = True, fo
         say(f"building {project.env_id} {project.version} (python -m build) ...")
         files = build(project, Path(out))
         wheel = next(p for p in files if p.suffix == ".whl")
+        check_files(project, files)
         say(f"checking {wheel.name}: load_environment, the task schema" + (", a dry scoring" if scoring else "") +
             " ...")
         report = check_built(wheel, project.env_id, scoring)

@@ -19,17 +19,22 @@ from __future__ import annotations
 import asyncio
 import json
 import tempfile
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import gepa
 from gepa.core.adapter import EvaluationBatch
 
 from flywheel.ops.eval import EvalConfig, Evaluation, mean_stderr, read_results
-from flywheel.sdk.environment import Environment
+from flywheel.runtime.environments import WorkerEnvironment, WorkerPool
+from flywheel.runtime.runs import load_environment
+from flywheel.sdk.environment import EnvironmentOverrides
 from flywheel.sdk.scoring import required_scorers
+
+T = TypeVar("T")
 
 PROMPT = "system_prompt"  # the one component GEPA evolves
 
@@ -64,18 +69,32 @@ class OptimizeConfig:
     reflection_temperature: float | None = None  # default: the endpoint's
 
 
-def _first_system_prompt(env: Environment, row: Mapping[str, Any]) -> str:
-    first = env.first_messages(dict(row))
-    return first[0].content if first and first[0].role == "system" else ""
+class Loop:
+    """An event loop in a thread of its own, where the environment's workers live while GEPA (which
+    is not async) asks for evaluations: :meth:`run` runs a coroutine there and waits for it."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="flywheel-optimize", daemon=True)
+        self._thread.start()
+
+    def run(self, work: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(work, self.loop).result()
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join()
+        self.loop.close()
 
 
 class FlywheelAdapter:
     """GEPA's adapter: a candidate prompt is evaluated by ``flywheel eval`` on a batch of rows."""
 
-    def __init__(self, cfg: OptimizeConfig, env: Environment, workdir: Path) -> None:
+    def __init__(self, cfg: OptimizeConfig, env: WorkerEnvironment, workdir: Path, loop: Loop) -> None:
         self.cfg = cfg
         self.env = env
         self.workdir = workdir
+        self.loop = loop
         self.num_evals = 0
         self.propose_new_texts = None  # GEPA's own reflective proposer
 
@@ -87,7 +106,7 @@ class FlywheelAdapter:
         cfg = replace(base, tasks=list(rows), num_tasks=len(rows), system_prompt=prompt, resume=False,
                       num_rollouts=num_rollouts or base.num_rollouts, record=False,
                       out=self.workdir / f"eval-{self.num_evals}.jsonl")
-        asyncio.run(Evaluation(cfg, self.env).run())  # its progress line on stderr: the user sees what it waits on
+        self.loop.run(Evaluation(cfg, self.env).run())  # its progress line on stderr: the user sees what it waits on
         records = read_results(cfg.out)
         order = {json.dumps(row, sort_keys=True): i for i, row in enumerate(rows)}
         return sorted(records, key=lambda r: (order.get(json.dumps(r["task"], sort_keys=True), 0), r["index"]))
@@ -134,19 +153,31 @@ def reflection_lm(model: str, base_url: str, api_key: str | None, max_tokens: in
     return ask
 
 
-def optimize(cfg: OptimizeConfig, env: Environment, out_dir: Path) -> dict[str, Any]:
-    """Search for a better system prompt; returns (and writes to ``out_dir``) the report."""
-    rows = env.load_tasks(cfg.num_train + cfg.num_val + cfg.num_test, seed=cfg.eval.seed)
+def optimize(cfg: OptimizeConfig, out_dir: Path, pool: WorkerPool) -> dict[str, Any]:
+    """Search for a better system prompt; returns (and writes to ``out_dir``) the report. The
+    environment runs in ``pool``'s workers (closed at the end)."""
+    loop = Loop()
+    try:
+        env = loop.run(load_environment(pool, cfg.eval.env, EnvironmentOverrides(args=dict(cfg.eval.env_args))))
+        return _optimize(cfg, env, out_dir, loop)
+    finally:
+        loop.run(pool.close())
+        loop.close()
+
+
+def _optimize(cfg: OptimizeConfig, env: WorkerEnvironment, out_dir: Path, loop: Loop) -> dict[str, Any]:
+    rows = loop.run(env.load_tasks(cfg.num_train + cfg.num_val + cfg.num_test, seed=cfg.eval.seed))
     unique = {json.dumps(r, sort_keys=True): r for r in rows}
     if len(unique) < cfg.num_train + cfg.num_val + cfg.num_test:
         raise ValueError(f"{cfg.eval.env}: {len(unique)} distinct tasks, fewer than --num-train + --num-val + "
                          f"--num-test = {cfg.num_train + cfg.num_val + cfg.num_test}: ask for fewer")
     train, val = rows[:cfg.num_train], rows[cfg.num_train:cfg.num_train + cfg.num_val]
     test = rows[cfg.num_train + cfg.num_val:]
-    original = _first_system_prompt(env, rows[0])
+    first = loop.run(env.prompt_messages(rows[0]))
+    original = first[0].content if first and first[0].role == "system" else ""
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as scratch:
-        adapter = FlywheelAdapter(cfg, env, Path(scratch))
+        adapter = FlywheelAdapter(cfg, env, Path(scratch), loop)
         result: Any = gepa.optimize(
             seed_candidate={PROMPT: original}, trainset=train, valset=val, adapter=adapter,  # type: ignore[arg-type]
             reflection_lm=reflection_lm(cfg.reflection_model or cfg.eval.model,

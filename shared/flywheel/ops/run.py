@@ -63,7 +63,8 @@ from flywheel.contract.runs import (
 from flywheel.contract.service import read_heartbeats
 from flywheel.contract.settings import Settings
 from flywheel.ops.stack import SERVICES, Stack, StackError
-from flywheel.sdk.environment import RunEnvironment, config_ids, prepare_run
+from flywheel.runtime.environments import WorkerPool
+from flywheel.runtime.runs import RunEnvironment, config_ids, prepare_run
 from flywheel.sdk.scoring import describe_reward, reward_definition
 
 RUN_SERVICES = ("orchestrator", "inference", "scorer")  # what a training run needs
@@ -371,9 +372,13 @@ class MainJob:
         not start."""
         cfg = self.cfg
         self._bus = bus = await Bus.connect(self.settings.resolved_nats_url, "flywheel-run")
+        # The run's environments load here only to be checked (and their sampling read), in
+        # workers like everywhere: never in this process.
+        pool = WorkerPool(self.settings.workers, self.settings.data_dir, name="run")
         try:
             # The environments' sampling settings are defaults under the config's own.
-            cfg, self.environments = prepare_run(cfg, self.settings.resolved_gateway_url)
+            cfg, self.environments = await prepare_run(pool, cfg, self.settings.resolved_gateway_url, cfg.tenant)
+            await pool.close()
             self.cfg = cfg
             if check_services:
                 await self._check_services()
@@ -383,6 +388,7 @@ class MainJob:
                 return summary
             outcome = await self._follow()
         finally:
+            await pool.close()
             await bus.close()
         return self._finish(outcome)
 
@@ -612,14 +618,22 @@ class MainJob:
                  + f"; its owner's last note: {self.last_note or '(none)'}")
 
     def _admission_wait(self, hosting: list[dict[str, Any]]) -> str:
-        """The rollouts the replicas hold back, and the bound that moves when the trainer steps."""
+        """The rollouts the replicas hold back, and the bound that moves when the trainer steps;
+        those that wait for a place under the tenant's quota, and the quota."""
         waiting = sum(h["num_waiting"] for h in hosting if isinstance(h.get("num_waiting"), int))
         bounds = [h for h in hosting if isinstance(h.get("max_issued"), int)]
-        if not waiting or not bounds:
-            return ""
-        bound = max(bounds, key=lambda h: h["max_issued"])
-        return (f"; {waiting} waiting there for admission or a place (the staleness bound: {bound['max_issued']} "
-                "rollouts issued since the run began, over every replica, until the trainer's next step)")
+        said = ""
+        if waiting and bounds:
+            bound = max(bounds, key=lambda h: h["max_issued"])
+            said = (f"; {waiting} waiting there for admission or a place (the staleness bound: {bound['max_issued']} "
+                    "rollouts issued since the run began, over every replica, until the trainer's next step)")
+        quota = [h for h in hosting if isinstance(h.get("num_waiting_tenant"), int) and h["num_waiting_tenant"] > 0]
+        if quota:
+            full = max(quota, key=lambda h: h["num_waiting_tenant"])
+            said += (f"; {sum(h['num_waiting_tenant'] for h in quota)} waiting there for a place under tenant "
+                     f"{full.get('tenant')}'s quota (its runs roll out {full.get('tenant_in_flight')} at once in a "
+                     f"replica, inference.tenant_max_rollouts_in_flight = {full.get('tenant_max_in_flight')})")
+        return said
 
     async def _missing(self) -> list[str]:
         """What the run needs and does not have: an orchestrator to own it, a scorer of its reward

@@ -595,13 +595,14 @@ class EnvironmentVersionMismatch(EnvironmentLoadError):
     """The environment is installed, at another version than the one asked for."""
 
 
-def resolve(env_id: str, sha256: str | None = None) -> Callable[..., Environment]:
+def resolve(env_id: str, sha256: str | None = None, install: bool = True) -> Callable[..., Environment]:
     """The ``load_environment`` function of ``env_id``: a module name, or ``owner/name[@version]``
     registered under the ``flywheel.environments`` entry-point group. An environment not found
     is looked for once more after :func:`refresh_installed`, so a service that started before
     its package was installed finds it. An ``owner/name`` not installed (or not at the version
     asked for) is installed from the environment hub (the settings' gateway), its wheel checked
-    against the hub's sha256 and ``sha256`` when a run pinned one."""
+    against the hub's sha256 and ``sha256`` when a run pinned one; not with ``install`` False
+    (an environment worker, which installs nothing: its host does)."""
     try:
         return _resolve(env_id)
     except EnvironmentNotInstalled:
@@ -611,7 +612,7 @@ def resolve(env_id: str, sha256: str | None = None) -> Callable[..., Environment
     try:
         return _resolve(env_id)
     except (EnvironmentNotInstalled, EnvironmentVersionMismatch) as exc:
-        if "/" not in env_id:
+        if "/" not in env_id or not install:
             raise
         _install_from_hub(env_id, sha256, exc)
     return _resolve(env_id)
@@ -678,9 +679,10 @@ def _module_loader(module: Any, env_id: str) -> Callable[..., Environment]:
     return fn
 
 
-def load_environment(env_id: str, overrides: EnvironmentOverrides | None = None) -> Environment:
-    """Find ``env_id``, build its :class:`Environment` with the overrides' args, apply reward overrides."""
-    loader = resolve(env_id, overrides.sha256 if overrides else None)
+def load_environment(env_id: str, overrides: EnvironmentOverrides | None = None, install: bool = True) -> Environment:
+    """Find ``env_id``, build its :class:`Environment` with the overrides' args, apply reward
+    overrides (``install``: see :func:`resolve`)."""
+    loader = resolve(env_id, overrides.sha256 if overrides else None, install)
     args = dict(overrides.args) if overrides else {}
     try:
         env = loader(**args)
@@ -695,7 +697,7 @@ def load_environment(env_id: str, overrides: EnvironmentOverrides | None = None)
     return env.with_overrides(overrides)
 
 
-def subject_name(env_id: str, env: Environment) -> str:
+def subject_name(env_id: str, name: str) -> str:
     """The environment's name in subjects (``tasks.<run>.<env>``): ``env_id`` itself when it is a
     plain module name, else the environment's ``name`` (an id with '/', '@' or '.' is not a
     subject token)."""
@@ -703,73 +705,7 @@ def subject_name(env_id: str, env: Environment) -> str:
 
     if not any(c in env_id for c in "/@."):
         return check_token("env", env_id)
-    return check_token(f"environment {env_id!r}: its name", env.name)
-
-
-@dataclass(frozen=True)
-class RunEnvironment:
-    """One environment of a run, loaded: its name in subjects (``tasks.<run>.<name>``, each
-    rollout's ``env``), its part of the run config, and the environment with the run's
-    overrides applied."""
-
-    name: str
-    config: EnvConfig
-    env: Environment
-
-
-def config_ids(environments: Mapping[str, RunEnvironment]) -> dict[str, str]:
-    """A run's ``RunState.env_ids``: each environment's id in the run config by its name in
-    subjects, for a run with several (a run with one has it in its config's ``env``)."""
-    return {name: found.config.id for name, found in environments.items()} if len(environments) > 1 else {}
-
-
-def load_run_environments(config: RunConfig | Mapping[str, Any]) -> dict[str, RunEnvironment]:
-    """Every environment of a run (its ``[[envs]]``, or its one ``env``), by its name in
-    subjects, in the config's order; ValueError when two have one name.
-
-    The one way inference, scorer, trainer, orchestrator and ``flywheel run`` load a run's
-    environments, so they all score and train on the same rewards. ``config`` is a
-    :class:`flywheel.contract.config.RunConfig` or the dict stored in the run's state
-    (``RunState.config``)."""
-    cfg = _run_config(config)
-    found: dict[str, RunEnvironment] = {}
-    for env_cfg in cfg.environments:
-        env = load_environment(env_cfg.id, overrides_of(env_cfg, cfg.hub_pins.get(env_cfg.id)))
-        name = subject_name(env_cfg.id, env)
-        if name in found:
-            raise ValueError(f"environments {found[name].config.id!r} and {env_cfg.id!r} of run {cfg.run!r} both "
-                             f"have the name {name!r} (their tasks' subject): run them in separate runs")
-        found[name] = RunEnvironment(name, env_cfg, env)
-    return found
-
-
-def prepare_run(cfg: RunConfig, gateway_url: str | None = None) -> tuple[RunConfig, dict[str, RunEnvironment]]:
-    """A run config as it is registered, and its environments: each loaded (what does not load
-    is refused here, before anything starts), its own sampling settings written in as
-    defaults under the config's (:meth:`flywheel.contract.config.RunConfig.with_sampling_defaults`).
-    Hub environments not installed here are pinned and installed first
-    (:func:`pin_hub_environments`, from the hub at ``gateway_url``; default: the settings')."""
-    cfg = pin_hub_environments(cfg, gateway_url)
-    environments = load_run_environments(cfg)
-    for i, found in enumerate(environments.values()):
-        # What learns reference answers needs them: refused here, not after the trainer loaded its model.
-        term = cfg.sft_term_of(found.config)
-        where = f"envs.{i}.sft_term" if found.config.sft_term is not None else "trainer.sft_term"
-        if term is not None and not (term.data or term.dataset) and found.env.reference is None:
-            raise ValueError(f"{where}: environment {found.config.id!r} defines no reference answers (no "
-                             f"reference(task)) for its SFT term to learn; give the term data (a JSON Lines file "
-                             "of chats) or a dataset, or remove it")
-        if cfg.sft.steps and not (cfg.sft.data or cfg.sft.dataset) and found.env.reference is None:
-            raise ValueError(f"sft.steps={cfg.sft.steps}: environment {found.config.id!r} defines no reference "
-                             "answers (no reference(task)) for the warm-up to learn; give sft.data (a JSON Lines "
-                             "file of chats) or sft.dataset, or set sft.steps = 0")
-    for i, spec in enumerate(cfg.evals):  # evals load where they run, in the orchestrator; refused here first
-        try:
-            load_environment(spec.id, EnvironmentOverrides(args=dict(spec.args), sha256=cfg.hub_pins.get(spec.id)))
-        except Exception as exc:  # whatever its module raised, it does not load: say so and where
-            raise ValueError(f"evals.{i} ({spec.label}): {type(exc).__name__}: {exc}") from exc
-    cfg = cfg.with_sampling_defaults({found.config.id: found.env.sampling for found in environments.values()})
-    return cfg, environments
+    return check_token(f"environment {env_id!r}: its name", name)
 
 
 def pin_hub_environments(cfg: RunConfig, gateway_url: str | None = None) -> RunConfig:
@@ -811,35 +747,6 @@ def pin_hub_environments(cfg: RunConfig, gateway_url: str | None = None) -> RunC
     update["envs"] = [e.model_copy(update={"id": pinned.get(e.id, e.id)}) for e in cfg.envs]
     update["evals"] = [e.model_copy(update={"id": pinned.get(e.id, e.id)}) for e in cfg.evals]
     return cfg.model_copy(update=update)
-
-
-def load_for_run(config: RunConfig | Mapping[str, Any], name: str | None = None) -> Environment:
-    """One environment of a run, as :func:`load_run_environments` loads it: the one named
-    ``name`` (a rollout's or task's ``env``) of a run with several, or its only one (whatever
-    ``name`` says: a task published to the run by hand takes the run's environment). Loads
-    only that one where its id is its name (a module name). EnvironmentLoadError when the
-    run has no such environment; ValueError when it has several and no ``name`` is given."""
-    cfg = _run_config(config)
-    environments = cfg.environments
-    if name is None or len(environments) == 1:
-        if len(environments) > 1:
-            raise ValueError(f"run {cfg.run!r} has {len(environments)} environments ({cfg.env_ids}); name one")
-        return load_environment(environments[0].id, overrides_of(environments[0],
-                                                                 cfg.hub_pins.get(environments[0].id)))
-    for env_cfg in environments:
-        if env_cfg.id == name:
-            return load_environment(env_cfg.id, overrides_of(env_cfg, cfg.hub_pins.get(env_cfg.id)))
-    found = load_run_environments(cfg).get(name)
-    if found is None:
-        raise EnvironmentLoadError(f"run {cfg.run!r} has no environment named {name!r}; its environments are "
-                                   f"{cfg.env_ids}")
-    return found.env
-
-
-def _run_config(config: RunConfig | Mapping[str, Any]) -> RunConfig:
-    from flywheel.contract.config import RunConfig
-
-    return config if isinstance(config, RunConfig) else RunConfig.parse(dict(config), source="run config")
 
 
 def overrides_of(env: EnvConfig, sha256: str | None = None) -> EnvironmentOverrides:

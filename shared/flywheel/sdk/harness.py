@@ -492,6 +492,12 @@ async def call_by_name(fn: Callable[..., Any], available: Mapping[str, Any]) -> 
 
 
 RUNTIMES = ("subprocess", "sandbox")
+# A RolloutContext.resources entry: what runs a program harness's program instead of this
+# process (an environment worker's host, in a sandbox of the program's own), as
+# ``await runner(argv, env, files, stdin, timeout_s) -> (exit code, stdout, stderr, timed out)``.
+PROGRAM_RUNNER = "flywheel.sdk.harness.program_runner"
+# What a program started here (no runner) gets of this process's environment: these names, nothing else.
+INHERITED = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "TMPDIR", "TZ", "TERM", "PYTHONPATH", "VIRTUAL_ENV")
 
 
 @dataclass
@@ -538,8 +544,11 @@ class ProgramHarness:
                 "FLYWHEEL_TASK": json.dumps(ctx.task)}
 
     async def run(self, env: Environment, ctx: RolloutContext) -> None:
+        runner = ctx.resources.get(PROGRAM_RUNNER)
         if self.runtime == "sandbox":
             code, out, err = await self._in_sandbox(ctx)
+        elif runner is not None:
+            code, out, err = await self._by_runner(ctx, runner)
         else:
             code, out, err = await self._in_subprocess(ctx)
         ctx.state["stdout"] = out[-4000:]
@@ -567,7 +576,8 @@ class ProgramHarness:
             proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE,
                                                         stdout=asyncio.subprocess.PIPE,
                                                         stderr=asyncio.subprocess.PIPE,
-                                                        env={**os.environ, **self.child_env(ctx, ctx.base_url)},
+                                                        env={**{k: v for k, v in os.environ.items() if k in INHERITED},
+                                                             **self.child_env(ctx, ctx.base_url)},
                                                         cwd=cwd, start_new_session=True)
             try:
                 async with asyncio.timeout(self.timeout_s):  # not wait_for: see flywheel.contract.bus.wait_at_most
@@ -581,6 +591,14 @@ class ProgramHarness:
                     _kill_group(proc.pid)
         assert proc.returncode is not None  # communicate() returned: the program has exited
         return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")
+
+    async def _by_runner(self, ctx: RolloutContext, runner: Callable[..., Awaitable[tuple[int, str, str, bool]]]
+                         ) -> tuple[int, str, str]:
+        code, out, err, timed_out = await runner(list(self.argv), self.child_env(ctx, MODEL_BASE_URL),
+                                                 self.program_files(), json.dumps(ctx.task).encode(), self.timeout_s)
+        if timed_out:
+            raise TimeoutError(f"program {self.argv[0]} ran past timeout_s={self.timeout_s} and was killed")
+        return code, out, err
 
     async def _in_sandbox(self, ctx: RolloutContext) -> tuple[int, str, str]:
         spec = self.sandbox or SandboxSpec()

@@ -1,16 +1,18 @@
 """The environment hub's client: read it, download from it, install from it.
 
 :class:`Hub` speaks the gateway's hub API (``/v1/hub``); :func:`install` downloads a
-version's wheel, checks its sha256 against the hub's record (and against a pinned one), and
-installs it with pip (its dependencies from pip's usual index). ``flywheel env`` commands
-(:mod:`flywheel.ops.hub`) and the services, which install the hub environments a run names
-(:func:`flywheel.sdk.environment.resolve`), use it. The gateway and the key come from the
+version's wheel, checks its sha256 against the hub's record (and against a pinned one) and
+its content by the hub's rules (:mod:`flywheel.contract.hubpackage`), and installs that file
+with pip, wheels only (its dependencies from pip's usual index): no install builds an sdist.
+``flywheel env`` commands (:mod:`flywheel.ops.hub`) and the services, which install the hub
+environments a run names (:func:`flywheel.sdk.environment.resolve`), use it. The gateway and the key come from the
 settings (``gateway_url``; ``api_key``, else a deployment's ``service_token``).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import subprocess
 import sys
 import tempfile
@@ -20,7 +22,8 @@ from typing import Any
 
 import httpx
 
-from flywheel.contract.hub import check_env_id
+from flywheel.contract.hub import HubRefused, check_env_id, project_name
+from flywheel.contract.hubpackage import Wheel, check_wheel
 
 
 class HubError(RuntimeError):
@@ -120,24 +123,85 @@ class Hub:
 
 
 def install(spec: str, hub: Hub, sha256: str | None = None, say: Callable[[str], Any] = print) -> tuple[str, str, str]:
-    """Install ``owner/name[@version]`` from the hub, its wheel checked against the hub's
-    sha256 (and ``sha256`` when pinned); (env id, version, sha256)."""
+    """Install ``owner/name[@version]`` from the hub: its wheel alone, checked against the hub's
+    sha256 (and ``sha256`` when pinned) and by the hub's package rules, refused where it would
+    overwrite or shadow a module another package installed, then given to pip with
+    ``--only-binary :all:`` so that no sdist is ever built (the wheel's dependencies too come as
+    wheels, from pip's usual index); (env id, version, sha256)."""
     env_id, record = hub.version(spec)
+    version = record["version"]
     if sha256 is not None and record["sha256"] != sha256:
-        raise HubError(f"{env_id}@{record['version']} on the hub has sha256 {record['sha256']}, not the pinned "
+        raise HubError(f"{env_id}@{version} on the hub has sha256 {record['sha256']}, not the pinned "
                        f"{sha256}: it is not the package the run was started with")
-    (wheel,) = [f for f in record["files"] if f["kind"] == "wheel"]
+    wheels = [f for f in record["files"] if f["kind"] == "wheel"]
+    if len(wheels) != 1:
+        raise HubError(f"{env_id}@{version} has {len(wheels)} wheels on the hub ("
+                       f"{', '.join(f['filename'] for f in record['files']) or 'no files'}); a hub environment "
+                       "installs from its one wheel, never by building an sdist")
+    (wheel,) = wheels
     data = hub.download(wheel["url"])
     found = hashlib.sha256(data).hexdigest()
     if found != record["sha256"]:
         raise HubError(f"{wheel['filename']}: downloaded sha256 {found}, the hub recorded {record['sha256']}; "
                        "not installed")
+    try:
+        contents = check_wheel(wheel["filename"], data, env_id, version)
+    except HubRefused as exc:
+        raise HubError(f"{exc}; not installed") from None
+    python = sys.executable  # the environment pip installs into, and the one checked for clashes
+    clashes = _clashes(python, project_name(env_id), contents)
+    if clashes:
+        raise HubError(f"{env_id}@{version} would overwrite or shadow what another package installed in {python}'s "
+                       "environment, so its code would run where that package's is imported: " + "; ".join(clashes[:5])
+                       + "; not installed (install it into an environment of its own)")
     with tempfile.TemporaryDirectory(prefix="flywheel-install-") as scratch:
         path = Path(scratch) / wheel["filename"]
         path.write_bytes(data)
-        say(f"installing {env_id} {record['version']} ({wheel['filename']}, sha256 {found[:12]}...)")
-        done = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", str(path)], capture_output=True,
-                              text=True, check=False)
+        say(f"installing {env_id} {version} ({wheel['filename']}, sha256 {found[:12]}...)")
+        done = subprocess.run([python, "-m", "pip", "install", "--quiet", "--no-input", "--disable-pip-version-check",
+                               "--only-binary", ":all:", str(path)], capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        raise HubError(f"pip install {wheel['filename']} failed:\n{output_tail(done)}")
-    return env_id, record["version"], found
+        raise HubError(f"pip install {wheel['filename']} failed (wheels only: a dependency with no wheel for this "
+                       f"platform is not built from source):\n{output_tail(done)}")
+    return env_id, version, found
+
+
+# Run by the Python that pip installs with (isolated: no PYTHONPATH, no user site), so it sees
+# what that environment holds: a path of the wheel's that exists there and is no file of this
+# project's installed version, or a module of the wheel's that it imports from elsewhere (the
+# standard library, an editable install, a .pth-added folder), is a clash.
+_CLASHES = r"""
+import importlib.metadata, importlib.util, json, re, sys, sysconfig
+from pathlib import Path
+
+asked = json.load(sys.stdin)
+purelib = Path(sysconfig.get_paths()["purelib"])
+own = [d for d in importlib.metadata.distributions(path=[str(purelib)])
+       if re.sub(r"[-_.]+", "-", d.metadata["Name"] or "").lower() == asked["project"]]
+own_files = {str(f) for d in own for f in d.files or []}  # PackagePath: posix, as RECORD
+own_modules = {f.split("/")[0].split(".")[0] for f in own_files}
+clashes = [f"{path} is there already ({purelib / path})" for path in asked["files"]
+           if path not in own_files and (purelib / path).exists()]
+for name in asked["modules"]:
+    if name in own_modules:
+        continue
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError) as exc:
+        clashes.append(f"module {name} does not resolve ({exc})")
+        continue
+    if spec is not None and spec.origin not in (None, "namespace"):
+        clashes.append(f"module {name} is {spec.origin}")
+print(json.dumps(clashes))
+"""
+
+
+def _clashes(python: str, project: str, wheel: Wheel) -> list[str]:
+    asked = {"project": project, "files": [f for f in wheel.files if ".dist-info/" not in f],
+             "modules": wheel.modules}
+    done = subprocess.run([python, "-I", "-c", _CLASHES], input=json.dumps(asked), capture_output=True, text=True,
+                          check=False)
+    if done.returncode != 0:
+        raise HubError(f"checking what {python}'s environment holds failed:\n{output_tail(done)}")
+    found: list[str] = json.loads(done.stdout)
+    return found

@@ -81,6 +81,18 @@ def json_state(state: dict[str, Any]) -> dict[str, Any]:
         raise TypeError(f"the harness's state is not JSON: {exc}") from None
 
 
+@dataclass(frozen=True)
+class Ran:
+    """What running a harness gave, before its endpoint is asked what it saw: the error (None:
+    none), the state as JSON, whether the harness said it was cut short, how long it ran.
+    An environment worker runs the harness and returns this; its host concludes the outcome."""
+
+    error: str | None
+    state: dict[str, Any]
+    truncated: bool
+    elapsed_s: float
+
+
 async def run_harness(env: Environment, ctx: RolloutContext, endpoint: Endpoint, timeout_s: float = ROLLOUT_TIMEOUT_S,
                       on_end: Callable[[], Awaitable[None] | None] | None = None,
                       stop: asyncio.Future[str] | None = None) -> Outcome:
@@ -90,6 +102,14 @@ async def run_harness(env: Environment, ctx: RolloutContext, endpoint: Endpoint,
     ``stop``: when it gets a result (a reason) before the harness ends, the harness is
     cancelled and the rollout is an ``error`` with that reason (the caller knows it can no
     longer be used, e.g. it went stale)."""
+    ran = await run_only(env, ctx, timeout_s, on_end, stop)
+    return conclude(ran, endpoint, ctx.rollout_id, ctx.index)
+
+
+async def run_only(env: Environment, ctx: RolloutContext, timeout_s: float = ROLLOUT_TIMEOUT_S,
+                   on_end: Callable[[], Awaitable[None] | None] | None = None,
+                   stop: asyncio.Future[str] | None = None) -> Ran:
+    """:func:`run_harness` up to the endpoint's part: the harness run, ``ctx`` closed, the state checked."""
     assert env.harness is not None
     error: str | None = None
     started = time.monotonic()
@@ -124,14 +144,20 @@ async def run_harness(env: Environment, ctx: RolloutContext, endpoint: Endpoint,
         finally:
             await ctx.close()
     elapsed_s = time.monotonic() - started
-    if error is None and endpoint.num_calls == 0:
-        error = NO_MODEL_CALL
-    truncated = endpoint.truncated or bool(ctx.state.get("truncated"))
     try:
         state = json_state(ctx.state)
     except TypeError as exc:
         state, error = {}, str(exc) if error is None else f"{error}; {exc}"
+    return Ran(error, state, bool(ctx.state.get("truncated")), elapsed_s)
+
+
+def conclude(ran: Ran, endpoint: Endpoint, rollout_id: str = "", index: int = 0) -> Outcome:
+    """The rollout's outcome from what the harness gave and what its endpoint saw (the module's rules)."""
+    error = ran.error
+    if error is None and endpoint.num_calls == 0:
+        error = NO_MODEL_CALL
     if error is not None:
-        log.info("rollout %s (index %d): %s", ctx.rollout_id or "?", ctx.index, error)
+        log.info("rollout %s (index %d): %s", rollout_id or "?", index, error)
+    truncated = endpoint.truncated or ran.truncated
     status: Status = "error" if error is not None else "truncated" if truncated else "completed"
-    return Outcome(status, error, state, elapsed_s)
+    return Outcome(status, error, ran.state, ran.elapsed_s)

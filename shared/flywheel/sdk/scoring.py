@@ -30,7 +30,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Executor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from flywheel.contract import events
 
@@ -46,7 +46,24 @@ INLINE_WARN_S = 0.01
 
 if TYPE_CHECKING:
     from flywheel.contract.config import RunConfig
-    from flywheel.sdk.environment import Environment, RunEnvironment
+
+
+class Rewarded(Protocol):
+    """What the reward's definition needs of an environment (an
+    :class:`~flywheel.sdk.environment.Environment`, or one loaded in a worker): its rewards' weights."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def weights(self) -> dict[str, float]: ...
+
+
+class LoadedForRun(Protocol):
+    """One environment of a run, as :func:`reward_definition` reads it."""
+
+    @property
+    def env(self) -> Rewarded: ...
 
 Outcome = Value | str  # a reward's value on one rollout, or the error text
 OnFailure = Callable[[str, str, Sequence[str], BaseException], None]  # (reward, error text, rollout ids, exception)
@@ -149,7 +166,7 @@ def score_event(rollout: events.Rollout, name: str, weight: float, outcome: Outc
                         components=value.components if value else {}, error=error)
 
 
-def required_scorers(config: RunConfig | None, env: Environment) -> dict[str, float]:
+def required_scorers(config: RunConfig | None, env: Rewarded) -> dict[str, float]:
     """The scorers whose weighted values make a run's reward, name -> weight: the environment's
     rewards and metrics (``env`` loaded for the run, its overrides applied) with the run
     config's ``scorers`` added (one of theirs named there takes that weight), or only the
@@ -162,7 +179,7 @@ def required_scorers(config: RunConfig | None, env: Environment) -> dict[str, fl
     return env.weights | config.scorers
 
 
-def reward_definition(config: RunConfig, environments: Mapping[str, RunEnvironment]
+def reward_definition(config: RunConfig, environments: Mapping[str, LoadedForRun]
                       ) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
     """A run's reward as its state records it (``RunState.scorers``, ``env_scorers``): for one
     environment, its :func:`required_scorers` and no per-environment table; for several, each
@@ -177,7 +194,7 @@ def reward_definition(config: RunConfig, environments: Mapping[str, RunEnvironme
     return every, by_env
 
 
-def describe_reward(required: Mapping[str, float], env: Environment) -> str:
+def describe_reward(required: Mapping[str, float], env: Rewarded) -> str:
     """``required`` (:func:`required_scorers`) as a person reads it: the weighted sum, the
     metrics (weight 0, recorded and required, not trained on), and which scorers are not the
     environment's (a custom scorer that must be running)."""

@@ -41,12 +41,14 @@ HOP_HEADERS = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"
                          b"trailer", b"transfer-encoding", b"upgrade", b"host", b"content-length"})
 
 
-async def open_relay(model_url: str, timeout_s: float, parent: str | None) -> ModelRelay:
+async def open_relay(model_url: str, timeout_s: float, parent: str | None,
+                     client: httpx.AsyncClient | None = None) -> ModelRelay:
     """A started relay for one sandbox, its folder in ``parent`` (setting sandbox_relay_dir);
-    a SandboxError naming that folder and the setting when it cannot open."""
+    a SandboxError naming that folder and the setting when it cannot open. ``client``: how
+    ``model_url`` is reached (None: a client of the relay's own, over the network)."""
     relay = None
     try:
-        relay = ModelRelay(model_url, timeout_s=timeout_s, parent=parent)
+        relay = ModelRelay(model_url, timeout_s=timeout_s, parent=parent, client=client)
         await relay.start()
     except OSError as exc:
         if relay is not None:
@@ -59,13 +61,15 @@ async def open_relay(model_url: str, timeout_s: float, parent: str | None) -> Mo
 class ModelRelay:
     """Serves one sandbox's socket; :meth:`close` stops it and removes its folder."""
 
-    def __init__(self, model_url: str, timeout_s: float, parent: str | None = None) -> None:
+    def __init__(self, model_url: str, timeout_s: float, parent: str | None = None,
+                 client: httpx.AsyncClient | None = None) -> None:
         self.model_url = model_url.rstrip("/")
         # Its own folder, in ``parent`` (setting sandbox_relay_dir; None: the system's temporary folder).
         if parent is not None:
             os.makedirs(parent, exist_ok=True)
         self.folder = Path(tempfile.mkdtemp(prefix="flywheel-relay-", dir=parent))
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=30.0))
+        self._own_client = client is None
+        self.client = client or httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=30.0))
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.Task[None]] = set()
         self.forwarded = 0
@@ -84,7 +88,8 @@ class ModelRelay:
         for task in list(self._connections):
             task.cancel()
         await asyncio.gather(*self._connections, return_exceptions=True)
-        await self.client.aclose()
+        if self._own_client:
+            await self.client.aclose()
         shutil.rmtree(self.folder, ignore_errors=True)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -164,8 +169,11 @@ class ModelRelay:
             await send(h11.Response(status_code=response.status_code,
                                     headers=[(k, v) for k, v in response.headers.raw
                                              if k.lower() not in HOP_HEADERS]))
-            async for chunk in response.aiter_raw():
-                await send(h11.Data(data=chunk))
+            if response.is_stream_consumed:  # a transport that answered whole (the endpoint in this process)
+                await send(h11.Data(data=response.content))
+            else:
+                async for chunk in response.aiter_raw():
+                    await send(h11.Data(data=chunk))
             await send(h11.EndOfMessage())
         finally:
             await response.aclose()
