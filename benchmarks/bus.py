@@ -222,7 +222,7 @@ async def measure_weights(url: str, megabytes: int) -> dict[str, float]:
     started = time.perf_counter()
     assert await weights.get(bus, update) == blob
     get_s = time.perf_counter() - started
-    store = await bus.weights_store(uri.split("/")[2])
+    store = await bus.weights_store()
     started = time.perf_counter()
     assert (await store.get(uri.split("/", 3)[3])).data == blob
     plain_s = time.perf_counter() - started

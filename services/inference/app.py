@@ -43,9 +43,11 @@ def create_app(settings: Settings, url: str | None = None,
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         bus = await Bus.for_settings(settings, "inference")
-        worker = Worker.with_backends(bus, settings.data_dir, settings.inference, url, settings.workers)
+        worker = Worker.with_backends(bus, settings.data_dir, settings.inference, url, settings.workers,
+                                      settings.trusted_modules)
         service = worker.service(handle_signals=False)
-        service.add_task(TeacherHost(bus, settings.data_dir, settings.inference, worker.info, worker.pool).run)
+        service.add_task(TeacherHost(bus, settings.data_dir, settings.inference, worker.info, worker.pool,
+                                     settings.trusted_modules).run)
         app.state.worker = worker
         app.state.interception = worker.interception
         app.state.keys = KeyCheck(bus, service_token=settings.service_token) if settings.auth == "keys" else None

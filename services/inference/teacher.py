@@ -711,11 +711,13 @@ class TeacherHost:
     inference Service (:meth:`run`)."""
 
     def __init__(self, bus: Bus, data_dir: Path, settings: InferenceSettings, info: dict[str, Any],
-                 pool: WorkerPool) -> None:
+                 pool: WorkerPool, trusted_modules: Sequence[str] = ()) -> None:
         """``settings``: the settings' ``inference`` section; ``info``: the heartbeat's, where
         ``info["teachers"]`` gets each run's teachers' counters; ``pool``: the environment workers
-        that give the first messages teachers see."""
+        that give the first messages teachers see; ``trusted_modules``: the setting, where a run
+        config's parts by path may come from."""
         self.bus = bus
+        self.trusted_modules = trusted_modules
         self.pool = pool
         self.settings = settings
         self.info = info
@@ -770,7 +772,7 @@ class TeacherHost:
         if end is not None or not state.config:
             return
         try:
-            cfg = RunConfig.parse(state.config, source=f"run {run!r} config")
+            cfg = RunConfig.parse(state.config, source=f"run {run!r} config", trusted_modules=self.trusted_modules)
             if not cfg.teachers:
                 return
             environments = await load_run_environments(self.pool, cfg, state.tenant)

@@ -217,13 +217,15 @@ async def _once(pending: dict[K, asyncio.Future[T]], key: K, make: Callable[[], 
 
 class Worker:
     def __init__(self, bus: Bus, build: BuildBackend, config: InferenceSettings, url: str | None = None,
-                 pool: WorkerPool | None = None) -> None:
+                 pool: WorkerPool | None = None, trusted_modules: Sequence[str] = ()) -> None:
         """``config``: the settings' ``inference`` section. ``url``: where this process's HTTP
         server is reached (None: none); the programs of program harnesses reach their rollout's
         endpoint there through their sandbox's model relay. ``pool``: the environment workers
-        harnesses, hooks and prompts run in (None: a pool of default settings)."""
+        harnesses, hooks and prompts run in (None: a pool of default settings). ``trusted_modules``:
+        the setting, where a run config's parts by path may come from."""
         self.bus = bus
         self.config = config
+        self.trusted_modules = trusted_modules
         self.url = url
         self.pool = pool or WorkerPool(WorkersSettings(), Path(".flywheel"), name="inference",
                                        sandbox=SandboxClient(bus))
@@ -255,7 +257,7 @@ class Worker:
 
     @classmethod
     def with_backends(cls, bus: Bus, data_dir: Path, config: InferenceSettings, url: str | None = None,
-                      workers: WorkersSettings | None = None) -> Worker:
+                      workers: WorkersSettings | None = None, trusted_modules: Sequence[str] = ()) -> Worker:
         """A worker that builds each run's backend from its config (model resolved under ``data_dir``),
         its environments in workers of ``workers`` (None: the defaults)."""
 
@@ -266,7 +268,7 @@ class Worker:
                                  cfg.model.dtype, lora=cfg.trainer.adapter is not None)
 
         pool = WorkerPool(workers or WorkersSettings(), data_dir, name="inference", sandbox=SandboxClient(bus))
-        return cls(bus, build, config, url, pool)
+        return cls(bus, build, config, url, pool, trusted_modules)
 
     async def close(self) -> None:
         await self.pool.close()
@@ -292,7 +294,7 @@ class Worker:
             raise UnknownRun(f"run {run!r} is not in the runs bucket")
         if not state.config:
             raise ValueError(f"run {run!r} has no config yet (RunState.config is empty); `flywheel run` writes it")
-        return RunConfig.parse(state.config, source=f"run {run!r} config")
+        return RunConfig.parse(state.config, source=f"run {run!r} config", trusted_modules=self.trusted_modules)
 
     async def hosted(self, run: str) -> HostedRun:
         """The run's config, policy and admission counters, built on first use (once)."""

@@ -66,9 +66,9 @@ from flywheel.ops.stack import (
     RestartBackoff,
     ServiceProcess,
     ServiceSpec,
-    child_env,
     exit_text,
     heartbeat_of,
+    trainer_env,
     wait_set,
 )
 from flywheel.runtime.environments import WorkerPool
@@ -111,7 +111,8 @@ class TrainerSupervisor:
         # (flywheel.ops.forkserver), torch and transformers imported already.
         spec = ServiceSpec(argv, heartbeat_of("trainer"), fork_level="torch" if ranks == 1 else None)
         settings = owner.settings.model_copy(update={"metrics_port": owner.trainer_metrics_port})
-        self.process = ServiceProcess("trainer", spec, child_env(settings), owner.run_dir / "trainer.log",
+        # Its own NATS login, user trainer: never the orchestrator's.
+        self.process = ServiceProcess("trainer", spec, trainer_env(settings), owner.run_dir / "trainer.log",
                                       settings.data_dir if settings.fork_services else None)
         self.backoff = RestartBackoff(first_delay_s=1.0, max_delay_s=20.0, healthy_after_s=1.0)
         self.progressed_since_start = False
@@ -171,7 +172,8 @@ class RunOwner:
                                      settings.metrics_port and settings.metrics_port + TRAINER_METRICS_OFFSET
                                      + metrics_slot)
         self.name = name  # the owner's name in the run state: the orchestrator instance
-        self.cfg = RunConfig.parse(state.config, source=f"run {state.id!r} config")
+        self.cfg = RunConfig.parse(state.config, source=f"run {state.id!r} config",
+                                   trusted_modules=settings.trusted_modules)
         self.tenant = state.tenant  # the run's owner, whose are its eval runs too
         self.run_dir = run_folder(settings.data_dir.resolve(), state.id)
         self.stopping = asyncio.Event()  # set by the orchestrator when it stops

@@ -34,6 +34,7 @@ from flywheel.contract.runs import (
 )
 from flywheel.contract.service import Service
 from flywheel.contract.settings import Settings
+from flywheel.ops.stack import trainer_env
 from flywheel.runtime.environments import WorkerPool
 from flywheel.runtime.runs import config_ids, prepare_run
 from flywheel.sdk.sandbox import SandboxClient
@@ -115,10 +116,10 @@ class Orchestrator:
         self.service.info["runs"] = sorted(self.owners)
 
 
-async def submit(bus: Bus, pool: WorkerPool, path: str) -> None:
+async def submit(bus: Bus, pool: WorkerPool, path: str, trusted_modules: Sequence[str] = ()) -> None:
     """Own the run of the config at ``path`` from the start (``--run-config``): registered when new,
     made claimable again when it stopped, failed or was abandoned; left alone otherwise."""
-    given = RunConfig.from_toml(path)
+    given = RunConfig.from_toml(path, trusted_modules)
     cfg, environments = await prepare_run(pool, given, tenant=given.tenant)
     config = cfg.model_dump()
     scorers, env_scorers = reward_definition(cfg, environments)
@@ -135,11 +136,12 @@ async def submit(bus: Bus, pool: WorkerPool, path: str) -> None:
 
 async def run(settings: Settings, run_configs: Sequence[str] = ()) -> None:
     """Composition root: bus, environment workers, the runs given, service, orchestrator; runs until a signal."""
+    trainer_env(settings)  # the trainers' login is there (a ValueError says what to set)
     bus = await Bus.for_settings(settings, SERVICE_NAME)
     pool = WorkerPool(settings.workers, settings.data_dir, name=SERVICE_NAME, sandbox=SandboxClient(bus))
     try:
         for path in run_configs:
-            await submit(bus, pool, path)
+            await submit(bus, pool, path, settings.trusted_modules)
         service = Service(SERVICE_NAME, bus, info={"runs": [], "workers": pool.info})
         orchestrator = Orchestrator(bus, settings, service, pool)
         service.add_task(orchestrator.serve)

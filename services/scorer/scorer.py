@@ -302,14 +302,15 @@ class NotScored(Exception):
     """Rollouts of an eval run (``flywheel eval --record``) arrive with their scores: nothing to do."""
 
 
-def run_config(state: events.RunState) -> RunConfig | None:
-    """The run's config from its state; None for a run registered without one."""
+def run_config(state: events.RunState, trusted_modules: Sequence[str] = ()) -> RunConfig | None:
+    """The run's config from its state (its parts by path only from ``trusted_modules``); None for
+    a run registered without one."""
     if state.kind == "eval":
         raise NotScored(state.id)
     if not state.config:
         return None
     try:
-        return RunConfig.parse(dict(state.config), source=f"run {state.id!r}: config")
+        return RunConfig.parse(dict(state.config), source=f"run {state.id!r}: config", trusted_modules=trusted_modules)
     except ValueError as exc:
         raise Reject(str(exc)) from exc
 
@@ -323,9 +324,10 @@ class RunConfigs:
     the bus) has no config: its environment's own rewards and weights, in the workers of no tenant.
     """
 
-    def __init__(self, bus: Bus, ttl_s: float) -> None:
+    def __init__(self, bus: Bus, ttl_s: float, trusted_modules: Sequence[str] = ()) -> None:
         self.bus = bus
         self.ttl_s = ttl_s
+        self.trusted_modules = trusted_modules  # the setting: where a config's parts by path may come from
         self._cache: dict[str, tuple[float, Any]] = {}  # run -> (when read, RunInfo or NotScored)
 
     async def __call__(self, run: str) -> RunInfo:
@@ -340,7 +342,8 @@ class RunConfigs:
         except msgspec.DecodeError as exc:  # ValidationError included
             raise Reject(f"run {run!r}: its run-state entry does not decode ({exc})") from exc
         try:
-            info = RunInfo(run_config(state), state.tenant) if state is not None else RunInfo(None)
+            info = (RunInfo(run_config(state, self.trusted_modules), state.tenant) if state is not None
+                    else RunInfo(None))
         except NotScored:
             self._cache[run] = (now, NotScored)
             raise
@@ -632,13 +635,13 @@ class Scorer:
 
 
 def build(bus: Bus, rewards: RewardSource, config: ScorerSettings, start_time: datetime | None = None,
-          replica: str | None = None) -> tuple[Partitions, Scorer]:
+          replica: str | None = None, trusted_modules: Sequence[str] = ()) -> tuple[Partitions, Scorer]:
     """The consumers of ROLLOUTS that score with ``rewards`` (one a partition this replica takes:
     :mod:`flywheel_scorer.partitions`), and their scorer, within ``config``; a new durable starts
     at ``start_time`` (None: the stream's first rollout)."""
     watch = Watch() if config.watch and isinstance(rewards, EnvironmentRewards) else None
     publish = functools.partial(bus.publish_many, together=True)
-    scorer = Scorer(rewards, RunConfigs(bus, config.run_config_ttl_s), publish, config, watch,
+    scorer = Scorer(rewards, RunConfigs(bus, config.run_config_ttl_s, trusted_modules), publish, config, watch,
                     tracer=bus.tracer_of(__name__))
 
     def consumer_for(k: int) -> Consumer:
@@ -671,7 +674,7 @@ async def run(settings: Settings, rewards: RewardSource) -> None:
                                                   "workers": pool.info})
     try:
         start = await rewards.start(bus, pool)
-        partitions, scorer = build(bus, rewards, config, start, service.instance)
+        partitions, scorer = build(bus, rewards, config, start, service.instance, settings.trusted_modules)
         service.add_task(partitions.serve)
         service.add_task(scorer.hand_back_on)
         await service.run()  # finishes or hands back the rollouts in flight, then drains the bus

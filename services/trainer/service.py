@@ -47,7 +47,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +92,8 @@ async def run(settings: Settings, run_id: str, handle_signals: bool = True, rank
     bus = await Bus.for_settings(settings, f"trainer-{run_id}")
     pool = WorkerPool(settings.workers, settings.data_dir, name=f"trainer-{run_id}")
     try:
-        trainer = await Trainer.open(bus, Path(settings.data_dir), run_id, settings.trainer, ranks or Ranks(), pool)
+        trainer = await Trainer.open(bus, Path(settings.data_dir), run_id, settings.trainer, ranks or Ranks(), pool,
+                                     settings.trusted_modules)
     except BaseException:
         await pool.close()
         await bus.close()
@@ -179,16 +180,18 @@ class Trainer:
 
     @classmethod
     async def open(cls, bus: Bus, data_dir: Path, run_id: str, options: TrainerSettings,
-                   ranks: Ranks | None = None, pool: WorkerPool | None = None) -> Trainer:
-        """Read the run's config and state, then what the run folder holds (checkpoint, journal);
-        its environments load in ``pool``'s workers (None: a pool of default settings)."""
+                   ranks: Ranks | None = None, pool: WorkerPool | None = None,
+                   trusted_modules: Sequence[str] = ()) -> Trainer:
+        """Read the run's config and state (its parts by path only from ``trusted_modules``, the
+        setting), then what the run folder holds (checkpoint, journal); its environments load in
+        ``pool``'s workers (None: a pool of default settings)."""
         state = await get_run(bus, run_id)
         if state is None:
             raise ValueError(f"run {run_id!r} is not in the runs KV bucket; "
                              "`flywheel run` registers it with its config")
         if not state.config:
             raise ValueError(f"run {run_id!r} has no config (RunState.config is empty); `flywheel run` writes it")
-        cfg = RunConfig.parse(state.config, source=f"run {run_id!r} config")
+        cfg = RunConfig.parse(state.config, source=f"run {run_id!r} config", trusted_modules=trusted_modules)
         if cfg.run != run_id:
             raise ValueError(f"run {run_id!r}: its stored config says run={cfg.run!r}; they must be the same")
         pool = pool or WorkerPool(WorkersSettings(), data_dir, name=f"trainer-{run_id}")

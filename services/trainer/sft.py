@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         settings = Settings.load()
-        cfg = config_with(args.config, parse_sets(args.set), args.run_id)
+        cfg = config_with(args.config, parse_sets(args.set), args.run_id, settings.trusted_modules)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
     if args.data and args.dataset:

@@ -283,8 +283,8 @@ def test_cpu_profile_scores_published_tasks(deployment: Deployment) -> None:
     result = asyncio.run(run_in_sandbox(deployment, "python3 -c 'print(6 * 7)'"))
     assert (result.exit_code, result.stdout) == (0, "42\n"), result
     # Its nats-server has a user a service: the scorer's cannot publish weights; no login, no bus.
-    asyncio.run(refused_as_scorer(int(deployment.env["FLYWHEEL_NATS_PORT"]),
-                                  deployment.env[natsusers.password_variable("scorer")]))
+    passwords = {user: deployment.env[natsusers.password_variable(user)] for user in natsusers.USERS}
+    asyncio.run(refused_as_scorer(int(deployment.env["FLYWHEEL_NATS_PORT"]), passwords))
 
     with httpx.Client(base_url=deployment.gateway, timeout=10.0) as http:
         health = http.get("/healthz")

@@ -86,20 +86,25 @@ class Output:
         return "\n".join(self.lines)
 
 
-async def refused_as_scorer(nats_port: int, password: str) -> None:
+async def refused_as_scorer(nats_port: int, passwords: dict[str, str]) -> None:
     """On a stack's nats-server, the scorer's user cannot publish weights (nothing lands on the
     forged subject), and a connection without a login is refused, saying what to give."""
     url = f"nats://127.0.0.1:{nats_port}"
-    scorer = await Bus.connect(natsusers.with_user(url, "scorer", password), "test-scorer",
-                               BusConfig(request_timeout_s=1), ensure=False)
+    scorer = await Bus.connect(natsusers.with_user(url, "scorer", passwords["scorer"]), "test-scorer",
+                               BusConfig(request_timeout_s=1))  # finds the streams the stack made
     try:
         with pytest.raises(PermissionDenied, match=r"NATS refused user 'scorer' the publish to 'weights\.e2e'"):
             await scorer.publish_raw("weights.e2e", b"{}", {"Nats-Msg-Id": "forged"})
-        # Only the forged subject is looked at: a deployment's own trainer publishes weights.
-        forged = await scorer.js.stream_info("WEIGHTS", subjects_filter="weights.e2e")
-        assert not forged.state.subjects, forged.state.subjects
     finally:
         await scorer.close()
+    operator = await Bus.connect(natsusers.with_user(url, natsusers.OPERATOR, passwords[natsusers.OPERATOR]),
+                                 "test-operator", ensure=False)
+    try:
+        # Only the forged subject is looked at: a deployment's own trainer publishes weights.
+        forged = await operator.js.stream_info("WEIGHTS", subjects_filter="weights.e2e")
+        assert not forged.state.subjects, forged.state.subjects
+    finally:
+        await operator.close()
     with pytest.raises(NatsRefused, match=r"refused the login \(no user given\).*--data-dir"):
         await Bus.connect(url, "test-anonymous", BusConfig(connect_timeout_s=5), ensure=False)
 
@@ -180,7 +185,7 @@ def test_up_publish_status_restart_and_stop(stack: tuple[subprocess.Popen[str], 
     passwords = natsusers.read(tmp_path / "data")
     assert passwords is not None and (tmp_path / "data" / natsusers.USERS_FILE).stat().st_mode & 0o077 == 0
     assert not any(password in status.stdout + table.stdout for password in passwords.values())
-    asyncio.run(refused_as_scorer(ports["nats"], passwords["scorer"]))
+    asyncio.run(refused_as_scorer(ports["nats"], passwords))
 
     os.kill(pids["recorder"], signal.SIGKILL)
     output.wait_for(rf"^recorder \(pid {pids['recorder']}\) exited unexpectedly with signal SIGKILL after [\d.]+s "

@@ -85,7 +85,7 @@ async def test_payloads_on_a_weights_subject_that_are_not_its_updates_are_skippe
     await until(lambda: count_is(bus, "ROLLOUTS", 4), timeout_s=30, what="the first group")
 
     json_headers = {HEADER_CONTENT_TYPE: events.JSON}
-    other_run = events.WeightUpdate(run="r2", version=5, uri="nats-os://flywheel-weights-r2/x", sha256="0" * 64,
+    other_run = events.WeightUpdate(run="r2", version=5, uri="nats-os://flywheel-weights/r2/x", sha256="0" * 64,
                                     size_bytes=1)
     await bus.publish_raw("weights.r1", b"\xff not an event", json_headers | {HEADER_MSG_ID: "garbage"})
     await bus.publish_raw("weights.r1", events.encode(task(9)), json_headers | {HEADER_MSG_ID: "a-task"})
@@ -121,7 +121,7 @@ async def test_a_bogus_update_leaves_the_run_on_its_weights_and_a_later_real_one
     await bus.publish_many([task(0), task(1)])
     await until(lambda: count_is(bus, "ROLLOUTS", 8), timeout_s=30, what="two groups on version 0")
 
-    bogus = events.WeightUpdate(run="r1", version=10**9, uri="nats-os://flywheel-weights-r1/99999999.safetensors",
+    bogus = events.WeightUpdate(run="r1", version=10**9, uri="nats-os://flywheel-weights/r1/99999999.safetensors",
                                 sha256="0" * 64, size_bytes=123)
     await bus.publish(bogus)
     await until(lambda: "1000000000" in str(run_info(worker).get("weights_error")), what="the failed load reported")

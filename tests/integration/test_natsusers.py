@@ -1,7 +1,8 @@
 """The NATS users against a real nats-server running natsusers.server_config: each service's
-user can do what every service does (connect and ensure the streams, beat, read runs, consume)
-and publish what that service publishes; everything else it publishes is refused, at once,
-naming the subject and the user."""
+user finds the streams the operator made, does what every service does (beat, read runs,
+consume its durables) and publishes what that service publishes; everything else it publishes
+is refused, at once, naming the subject and the user. What each user may do on every stream and
+bucket, and the reply-subject writes, are tried in tests/security/test_nats_permissions.py."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from nats.js.api import AckPolicy, ConsumerConfig
 
 from flywheel.contract import natsusers
-from flywheel.contract.bus import Bus, BusConfig, PermissionDenied
+from flywheel.contract.bus import Bus, BusConfig, NotProvisioned, PermissionDenied
 from flywheel.contract.runs import get_run
 from flywheel.contract.settings import Settings
 from flywheel.ops.natsserver import NatsServer
@@ -23,17 +25,25 @@ from flywheel.ops.natsserver import NatsServer
 SUBJECTS = {
     "tasks.r1.echo": {"orchestrator", "gateway"},
     "rollouts.r1.echo.3": {"orchestrator", "inference"},
-    "traces.r1.echo": {"orchestrator", "inference"},
-    "scores.r1.echo": {"orchestrator", "scorer"},
-    "signals.r1.echo": {"orchestrator", "inference"},
-    "weights.r1": {"orchestrator"},
-    "usage.r1.sandbox": {"orchestrator", "inference", "sandbox"},
-    "dead.TASKS": {"orchestrator", "gateway", "recorder", "inference", "scorer", "sandbox"},
-    "$KV.flywheel-runs.r1": {"orchestrator", "gateway"},
+    "traces.r1.echo": {"inference"},
+    "scores.r1.echo.s": {"orchestrator", "scorer"},
+    "signals.r1.echo.t": {"inference"},
+    "weights.r1": {"trainer"},
+    "usage.r1.sandbox": {"trainer", "inference", "sandbox"},
+    "dead.TASKS": {"recorder", "inference"},
+    "dead.ROLLOUTS": {"trainer", "recorder", "inference", "scorer"},
+    "$KV.flywheel-runs.r1": {"orchestrator", "trainer", "gateway"},
     "$KV.flywheel-keys.k1": {"gateway"},
-    "$KV.flywheel-admission.r1": {"orchestrator", "inference"},
-    "$KV.flywheel-partitions.scorer.partition.3": {"orchestrator", "scorer"},
+    "$KV.flywheel-admission.r1": {"inference"},
+    "$KV.flywheel-partitions.scorer.partition.3": {"scorer"},
+    "$KV.flywheel-services.gateway.i1": {"gateway", "scorer"},  # a scorer beats under its own name
+    "$O.flywheel-weights.C.x": {"trainer"},
 }
+# A consumer each user pulls from, with its filter.
+DURABLES: dict[str, tuple[str, str, str | None] | None] = {
+    "orchestrator": None, "trainer": ("ROLLOUTS", "trainer-r1-rollouts", "rollouts.r1.>"), "gateway": None,
+    "recorder": ("TASKS", "recorder-tasks", None), "inference": ("TASKS", "inference", None),
+    "scorer": ("ROLLOUTS", "scorer-p3", "rollouts.*.*.3"), "sandbox": None}
 
 
 @pytest.fixture
@@ -56,31 +66,50 @@ async def publishes(bus: Bus, subject: str) -> bool:
     return True
 
 
-@pytest.mark.parametrize("user", list(natsusers.PUBLISH))
+@pytest.mark.parametrize("user", natsusers.SERVICE_USERS)
 async def test_each_user_does_its_service_s_work_and_publishes_only_its_subjects(users_server, user: str) -> None:
     server, passwords = users_server
     operator = await Bus.connect(natsusers.with_user(server.url, natsusers.OPERATOR, passwords["operator"]), "op")
     try:
-        # What every service does: connect and ensure the streams, beat, read a run, consume.
+        # What every service does: connect and find its streams, beat, read a run, consume.
         bus = await Bus.connect(natsusers.with_user(server.url, user, passwords[user]), user,
                                 BusConfig(request_timeout_s=0.5, publish_timeout_s=5))
         try:
             await (await bus.services_kv()).put(f"{user}.test", b"{}")
-            assert await get_run(bus, "nope") is None
-            consumer = await bus.js.pull_subscribe("tasks.>", durable=f"test-{user}", stream="TASKS")
-            with pytest.raises(TimeoutError):
-                await consumer.fetch(1, timeout=0.2)
+            if user != "sandbox":  # which reads no runs
+                assert await get_run(bus, "nope") is None
+            pulls = DURABLES[user]
+            if pulls is not None:
+                stream, durable, subject = pulls
+                # As flywheel.contract.bus.Consumer makes its durable, then pulls from it.
+                await bus.js.add_consumer(stream, ConsumerConfig(durable_name=durable, filter_subject=subject,
+                                                                 ack_policy=AckPolicy.EXPLICIT))
+                consumer = await bus.js.pull_subscribe_bind(durable, stream)
+                with pytest.raises(TimeoutError):
+                    await consumer.fetch(1, timeout=0.2)
             taken = dict(zip(SUBJECTS, await asyncio.gather(*(publishes(bus, s) for s in SUBJECTS)), strict=True))
             assert taken == {s: user in allowed for s, allowed in SUBJECTS.items()}
-            if user != "orchestrator":
-                with pytest.raises(PermissionDenied, match=r"(?i)the publish to .\$JS\.API\.STREAM\.PURGE\.TASKS"):
-                    await bus.retry(lambda: bus.js.purge_stream("TASKS"))
+            with pytest.raises(PermissionDenied, match=r"(?i)the publish to .\$JS\.API\.STREAM\.PURGE\.TASKS"):
+                await bus.retry(lambda: bus.js.purge_stream("TASKS"))
         finally:
             await bus.close()
         # What was refused never reached a stream.
-        assert (await operator.js.stream_info("WEIGHTS")).state.messages == (1 if user == "orchestrator" else 0)
+        assert (await operator.js.stream_info("WEIGHTS")).state.messages == (1 if user == "trainer" else 0)
     finally:
         await operator.close()
+
+
+async def test_a_service_finds_the_streams_made_and_names_one_missing(users_server) -> None:
+    """Only the operator makes streams: a service connecting before them stops, naming the first
+    missing one and who makes it; once the operator has made them, it connects."""
+    server, passwords = users_server
+    url = natsusers.with_user(server.url, "scorer", passwords["scorer"])
+    with pytest.raises(NotProvisioned, match=r"the NATS KV bucket flywheel-services does not exist, and user "
+                                             r"'scorer' may not make it: .*`flywheel up` does at start.*"
+                                             r"flywheel\.ops\.provision"):
+        await Bus.connect(url, "scorer")
+    await (await Bus.connect(natsusers.with_user(server.url, "operator", passwords["operator"]), "op")).close()
+    await (await Bus.connect(url, "scorer")).close()
 
 
 def test_the_passwords_file_is_its_owners_alone_and_a_broken_one_is_named(tmp_path: Path) -> None:
@@ -88,8 +117,13 @@ def test_the_passwords_file_is_its_owners_alone_and_a_broken_one_is_named(tmp_pa
     assert set(made) == set(natsusers.USERS) and len(set(made.values())) == len(made)
     assert (tmp_path / natsusers.USERS_FILE).stat().st_mode & 0o777 == 0o600
     assert natsusers.load_or_create(tmp_path) == made == natsusers.read(tmp_path)  # made once
-    (tmp_path / natsusers.USERS_FILE).write_text('{"operator": "x"}')
-    with pytest.raises(ValueError, match=r"nats-users\.json has no password for NATS user\(s\) orchestrator"):
+    # A file of a stack made before a user was added gets that user's password, the rest kept.
+    (tmp_path / natsusers.USERS_FILE).write_text('{"operator": "x", "scorer": "y"}')
+    grown = natsusers.load_or_create(tmp_path)
+    assert set(grown) == set(natsusers.USERS) and (grown["operator"], grown["scorer"]) == ("x", "y")
+    assert natsusers.read(tmp_path) == grown and (tmp_path / natsusers.USERS_FILE).stat().st_mode & 0o777 == 0o600
+    (tmp_path / natsusers.USERS_FILE).write_text('{"scorer": "y"}')
+    with pytest.raises(ValueError, match=r"nats-users\.json has no password for NATS user operator"):
         natsusers.read(tmp_path)
     assert natsusers.read(tmp_path / "elsewhere") is None
 

@@ -110,26 +110,44 @@ def test_docker_compose_config_refuses_a_missing_nats_password() -> None:
 
 
 def test_nats_conf_is_the_users_table_and_each_service_logs_in_as_its_own_user() -> None:
-    """The nats container writes natsusers.server_config from its environment at start and runs
-    nats-server on it; it gets every password, each Flywheel service its own user and that
-    user's password alone."""
+    """The nats container writes natsusers.server_config from its environment at start (moving a
+    store made before into the operator's account) and runs nats-server on it; it gets every
+    password, each Flywheel service its own user and that user's password alone, the trainer
+    service (the orchestrator) also its trainers' login, and only nats-init, which makes the
+    streams, the operator's."""
     specs = services()
     assert set(specs["nats"]["environment"]) == set(NATS_PASSWORDS)
     commands = {name: " ".join(load(name)["services"]["nats"]["command"]) for name in FILES
                 if "command" in load(name)["services"].get("nats", {})}
     assert set(commands) == {"docker-compose.yml", "docker-compose.host.yml"}
     for name, command in commands.items():
-        written = re.search(r"python3 -m flywheel\.contract\.natsusers (\S+) && exec nats-server .*--config (\S+)",
-                            command, re.S)
+        written = re.search(r"python3 -m flywheel\.contract\.natsusers (\S+) --store /nats && exec nats-server .*"
+                            r"--store_dir /nats .*--config (\S+)", command, re.S)
         assert written and written.group(1) == written.group(2), (name, command)
     expected = {"gateway": "gateway", "recorder": "recorder", "scorer": "scorer", "sandbox": "sandbox",
                 "inference": "inference", "inference-cpu": "inference", "trainer": "orchestrator",
-                "trainer-cpu": "orchestrator"}
+                "trainer-cpu": "orchestrator", "nats-init": "operator"}
     for service, user in expected.items():
         env = specs[service]["environment"]
         assert (env["FLYWHEEL_NATS_USER"], env["FLYWHEEL_NATS_PASSWORD"]) == (
             user, "${" + natsusers.password_variable(user) + "}"), service
+        passwords = {k for k, v in env.items() if "PASSWORD" in k and "NATS" in v}
+        assert passwords == {"FLYWHEEL_NATS_PASSWORD"} | ({"FLYWHEEL_NATS_TRAINER_PASSWORD"} if user == "orchestrator"
+                                                          else set()), service
+        if user == "orchestrator":
+            assert env["FLYWHEEL_NATS_TRAINER_PASSWORD"] == "${NATS_TRAINER_PASSWORD}", service
     assert set(expected) | {"nats", "postgres", "otel-collector", "prometheus"} == set(specs)  # the last two: no NATS
+
+
+def test_only_nats_init_makes_the_streams_and_every_service_waits_for_it() -> None:
+    """The services may not make streams: nats-init makes them as the operator once nats is
+    healthy, and every service that uses the bus starts after it completed."""
+    specs = load("docker-compose.yml")["services"]
+    assert specs["nats-init"]["command"] == ["python", "-m", "flywheel.ops.provision"]
+    assert specs["nats-init"]["depends_on"] == {"nats": {"condition": "service_healthy"}}
+    for service, spec in specs.items():
+        if "FLYWHEEL_NATS_USER" in spec.get("environment", {}) and service != "nats-init":
+            assert spec["depends_on"]["nats-init"] == {"condition": "service_completed_successfully"}, service
 
 
 def test_every_flywheel_variable_is_a_setting() -> None:

@@ -253,13 +253,45 @@ def user_parts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     return "user_parts_mod"
 
 
+# The modules the operator trusts in these tests (the setting trusted_modules).
+TRUSTED = ("user_parts_mod", "user_parts_broken", "user_parts_nowhere")
+
+
 def test_a_users_part_by_path_is_imported_and_checked(user_parts: str) -> None:
     cfg = RunConfig.parse({"run": "r", "env": "e", "trainer": {
         "advantage": {"type": f"{user_parts}:scaled", "args": {"scale": 2.0}},
-        "engine": f"{user_parts}:Engine"}})
+        "engine": f"{user_parts}:Engine"}}, trusted_modules=TRUSTED)
     assert cfg.trainer.advantage.bind({})([1.0, 0.5]) == [2.0, 1.0]
     assert cfg.trainer.engine.kwargs() == {}
-    assert RunConfig.parse(cfg.model_dump()) == cfg
+    assert RunConfig.parse(cfg.model_dump(), trusted_modules=TRUSTED) == cfg
+
+
+@pytest.mark.parametrize("trusted", [(), ("user_parts",), ("other", "user_parts_mod.inner")])
+def test_a_part_by_path_from_a_module_the_operator_does_not_trust_is_refused_before_it_imports(
+        user_parts: str, tmp_path: Path, trusted: tuple[str, ...]) -> None:
+    """A run config's own part runs in the services that read the config, which hold NATS logins:
+    only a module of the setting trusted_modules (or inside one) may be named; any other is
+    refused before it is imported (its code never runs), naming the field and the setting. A
+    built-in type needs no trust."""
+    ran = "import pathlib\npathlib.Path(__file__).with_suffix('.ran').touch()\n"  # were it imported
+    (tmp_path / "user_parts_mod.py").write_text(USER_PARTS + ran)
+    for field, value in (("trainer.advantage", {"advantage": f"{user_parts}:scaled"}),
+                         ("trainer.loss", {"loss": {"type": f"{user_parts}:two_args", "args": {}}}),
+                         ("trainer.engine", {"engine": f"{user_parts}:Engine"})):
+        with pytest.raises(ValueError) as err:
+            RunConfig.parse({"run": "r", "env": "e", "trainer": value}, trusted_modules=trusted)
+        assert f"{field}: Value error, type='{user_parts}:" in str(err.value)
+        assert (f"module {user_parts!r} is not among the modules the operator trusts (the setting trusted_modules, "
+                "FLYWHEEL_TRUSTED_MODULES; now ") in str(err.value)
+        assert f"add {user_parts!r} to trusted_modules where the services run, or use a built-in type" in str(err.value)
+    with pytest.raises(ValueError, match=r"inference\.backend: .*not among the modules the operator trusts"):
+        RunConfig.parse({"run": "r", "env": "e", "inference": {"backend": f"{user_parts}:Engine"}},
+                        trusted_modules=trusted)
+    assert not (tmp_path / "user_parts_mod.ran").exists()  # never imported
+    assert RunConfig.parse({"run": "r", "env": "e", "trainer": {"loss": "masked"}}).trainer.loss.type == "masked"
+    # A submodule of a trusted package is trusted; the package's name as a prefix is not enough.
+    RunConfig.parse({"run": "r", "env": "e", "trainer": {"advantage": f"{user_parts}:scaled"}},
+                    trusted_modules=("user_parts_mod",))
 
 
 @pytest.mark.parametrize(("part", "message"), [
@@ -286,14 +318,15 @@ def test_a_users_part_by_path_is_imported_and_checked(user_parts: str) -> None:
 def test_a_users_part_that_does_not_import_or_is_the_wrong_kind_is_refused(user_parts: str, part: dict,
                                                                            message: str) -> None:
     with pytest.raises(ValueError) as err:
-        RunConfig.parse({"run": "r", "env": "e", "trainer": part})
+        RunConfig.parse({"run": "r", "env": "e", "trainer": part}, trusted_modules=TRUSTED)
     assert message in str(err.value)
 
 
 def test_a_users_backend_by_path_is_checked_as_a_backend(user_parts: str) -> None:
     with pytest.raises(ValueError, match=r"inference\.backend: .*an inference backend has the methods generate, swap, "
                                          r"close; Engine lacks generate, swap, close"):
-        RunConfig.parse({"run": "r", "env": "e", "inference": {"backend": f"{user_parts}:Engine"}})
+        RunConfig.parse({"run": "r", "env": "e", "inference": {"backend": f"{user_parts}:Engine"}},
+                        trusted_modules=TRUSTED)
 
 
 # --- the reference -----------------------------------------------------------------------------

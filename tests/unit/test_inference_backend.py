@@ -189,9 +189,11 @@ def test_a_users_backend_by_path_is_built_from_the_run_config(tiny_model_dir: Pa
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "user_backend_parts.py").write_text(USER_BACKEND)
     monkeypatch.syspath_prepend(str(tmp_path))
+    trusted = ["user_backend_parts"]  # the setting trusted_modules
     cfg = RunConfig.parse({"run": "r", "env": "e", "inference": {
-        "backend": {"type": "user_backend_parts:LabelledBackend", "args": {"label": "mine"}}}})
-    backend = build_backend(RunConfig.parse(cfg.model_dump()).inference.backend, tiny_model_dir, "float32")
+        "backend": {"type": "user_backend_parts:LabelledBackend", "args": {"label": "mine"}}}}, trusted_modules=trusted)
+    backend = build_backend(RunConfig.parse(cfg.model_dump(), trusted_modules=trusted).inference.backend,
+                            tiny_model_dir, "float32")
     assert type(backend).__name__ == "LabelledBackend"
     assert backend.label == "mine"  # type: ignore[attr-defined]  # LabelledBackend (USER_BACKEND) has one
     check_one_completion_per_prompt(backend)

@@ -550,7 +550,7 @@ async def test_an_in_memory_database_is_written_on_its_own_connection() -> None:
 
 
 async def test_weight_updates_and_dead_letters(store: Store) -> None:
-    update = events.WeightUpdate(id="w1", run="r1", version=2, uri="nats-os://flywheel-weights-r1/2", sha256="ab" * 32,
+    update = events.WeightUpdate(id="w1", run="r1", version=2, uri="nats-os://flywheel-weights/r1/2", sha256="ab" * 32,
                                  size_bytes=5_000_000_000, format="lora", trainer_step=7)
     letter = events.DeadLetter(id="TASKS.9.recorder-tasks", stream="TASKS", original_subject="tasks.x.y",
                                consumer="recorder-tasks", num_delivered=1, reason="payload does not decode",

@@ -148,10 +148,12 @@ def test_a_users_advantage_loss_and_engine_by_path_drive_a_step(tiny_model_dir: 
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "user_trainer_parts.py").write_text(USER_PARTS)
     monkeypatch.syspath_prepend(str(tmp_path))
-    cfg = config({"type": "user_trainer_parts:CountingEngine", "args": {"label": "mine"}},
-                 advantage={"type": "user_trainer_parts:half_mean", "args": {"scale": 0.5}},
-                 loss={"type": "user_trainer_parts:tight_clipped", "args": {"eps": 0.1}})
-    cfg = RunConfig.parse(cfg.model_dump())  # as a service reads it from the run state
+    trusted = ["user_trainer_parts"]  # the setting trusted_modules: the operator trusts the module
+    cfg = RunConfig.parse(config("torch").model_dump() | {"trainer": config("torch").trainer.model_dump() | {
+        "engine": {"type": "user_trainer_parts:CountingEngine", "args": {"label": "mine"}},
+        "advantage": {"type": "user_trainer_parts:half_mean", "args": {"scale": 0.5}},
+        "loss": {"type": "user_trainer_parts:tight_clipped", "args": {"eps": 0.1}}}}, trusted_modules=trusted)
+    cfg = RunConfig.parse(cfg.model_dump(), trusted_modules=trusted)  # as a service reads it from the run state
     engine = build(cfg, tiny_model_dir)
     assert isinstance(engine, TorchEngine)
     assert (engine.label, engine.num_steps) == ("mine", 0)  # type: ignore[attr-defined]  # the user's engine's own

@@ -2,9 +2,11 @@
 
 What lives here, once:
 
-- :data:`STREAMS` and :meth:`Bus.ensure`: the streams, the run-state KV bucket, the
-  service-heartbeat KV bucket and the weights object store, created idempotently with file
-  storage (a server restart loses nothing).
+- :data:`STREAMS` and :meth:`Bus.ensure`: the streams, the KV buckets (run state, service
+  heartbeats, API keys, admission, scorer partitions) and the weights object store, created
+  idempotently with file storage (a server restart loses nothing), by the operator alone (the
+  stack's provisioning, the command line); a service's user finds them made
+  (:meth:`Bus.require`: :class:`NotProvisioned` names one missing).
 - :meth:`Bus.publish`: every publish carries ``Nats-Msg-Id`` (the event id), so a retry is
   stored once; transient failures (server restarting, no JetStream yet) are retried with
   backoff until ``publish_timeout_s``. OpenTelemetry context travels in the headers.
@@ -94,11 +96,15 @@ ADMISSION_BUCKET = "flywheel-admission"  # each run's issued rollouts over every
 # entry is a lease its writer renews; the server removes one not renewed for PARTITION_LEASE_S.
 PARTITIONS_BUCKET = "flywheel-partitions"
 PARTITION_LEASE_S = 6.0
-# Weight versions live in one object-store bucket a run, "flywheel-weights-<run>" (see
-# flywheel.contract.weights): JetStream frees a stream's disk from its head, so a run that
-# drops its oldest versions frees their space only in a stream of its own.
-WEIGHTS_BUCKET_PREFIX = "flywheel-weights"
+# Every run's weight versions, "<run>/<version>.safetensors" (see flywheel.contract.weights): one
+# bucket made with the rest, since only the operator makes buckets; a purged version frees its
+# disk wherever it is in the stream.
+WEIGHTS_BUCKET = "flywheel-weights"
 SERVICE_HEARTBEAT_TTL_S = 30.0
+# KV bucket -> (history, ttl_s: None keeps keys until deleted)
+BUCKETS: dict[str, tuple[int, float | None]] = {
+    RUNS_BUCKET: (8, None), SERVICES_BUCKET: (1, SERVICE_HEARTBEAT_TTL_S), KEYS_BUCKET: (4, None),
+    ADMISSION_BUCKET: (1, None), PARTITIONS_BUCKET: (1, PARTITION_LEASE_S)}
 
 HEADER_MSG_ID = "Nats-Msg-Id"
 HEADER_CONTENT_TYPE = "Content-Type"
@@ -129,6 +135,10 @@ _TRANSIENT_PUBLISH_ERRORS = (
 
 class NatsRefused(ConnectionError):
     """The NATS server refused the login (no user, or a user or password it does not know)."""
+
+
+class NotProvisioned(ConnectionError):
+    """A stream or bucket of the bus does not exist, and this connection's user may not make it."""
 
 
 class PermissionDenied(PermissionError):
@@ -204,7 +214,10 @@ class Bus:
     @classmethod
     async def connect(cls, url: str, name: str, config: BusConfig | None = None, ensure: bool = True,
                       tracer_provider: trace.TracerProvider | None = None) -> Bus:
-        """Connect (waiting up to ``connect_timeout_s`` for the server), then ensure streams."""
+        """Connect (waiting up to ``connect_timeout_s`` for the server), then, with ``ensure``,
+        make sure the streams and buckets are there: the operator (or a login the server does
+        not restrict, or none) makes them (:meth:`ensure`); a service's user, which may not,
+        finds them made (:meth:`require`)."""
         config = config or BusConfig()
         deadline = time.monotonic() + config.connect_timeout_s
         delay_s = 0.05
@@ -229,7 +242,9 @@ class Bus:
 
         # The login goes as options: nats-py would send a URL's user and password still %-quoted.
         server, user, password = natsusers.split_login(url)
-        login = {"user": user, "password": password} if user is not None else {}
+        login: dict[str, Any] = {"user": user, "password": password} if user is not None else {}
+        # A service's user gets the server's deliveries and replies on its own inbox prefix only.
+        login["inbox_prefix"] = natsusers.inbox_prefix(user)
         while True:
             # nats.connect retries a first connection forever (max_reconnect_attempts=-1): the
             # deadline is enforced here, and a refused login ends it at once (a retry cannot help).
@@ -280,7 +295,7 @@ class Bus:
         bus.denials = denials
         bus.user = user or "(no user)"
         if ensure:
-            await bus.ensure()
+            await (bus.require() if user in natsusers.SERVICE_USERS else bus.ensure())
         return bus
 
     @classmethod
@@ -291,8 +306,8 @@ class Bus:
         return await cls.connect(settings.resolved_nats_url, name, BusConfig(replicas=replicas))
 
     async def ensure(self) -> None:
-        """Create (or update) every stream and KV bucket, each with :attr:`replicas` copies.
-        Idempotent."""
+        """Create (or update) every stream, KV bucket and the weights object store, each with
+        :attr:`replicas` copies: the operator's provisioning (a service's user may not). Idempotent."""
         given = self.config.replicas
         self.replicas = given if given is not None else await self.retry(self._existing_replicas)
         for name, subjects in STREAMS.items():
@@ -307,12 +322,33 @@ class Bus:
                 num_replicas=self.replicas,
             )
             await self.retry(functools.partial(self._ensure_stream, cfg))
-        for bucket, history, ttl in ((RUNS_BUCKET, 8, None), (SERVICES_BUCKET, 1, SERVICE_HEARTBEAT_TTL_S),
-                                     (KEYS_BUCKET, 4, None), (ADMISSION_BUCKET, 1, None),
-                                     (PARTITIONS_BUCKET, 1, PARTITION_LEASE_S)):
+        for bucket, (history, ttl) in BUCKETS.items():
             kv = KeyValueConfig(bucket=bucket, history=history, ttl=ttl, storage=StorageType.FILE,
                                 replicas=self.replicas)
             await self.retry(functools.partial(self._ensure_bucket, kv))
+        await self.retry(self._ensure_weights_store)
+
+    async def require(self) -> None:
+        """:class:`NotProvisioned` naming the first stream or bucket this connection's user works
+        with (all of them for another user) that does not exist: a service's user may not make
+        them, the operator's provisioning does (``flywheel up``; in a deployment before the
+        services start, ``python -m flywheel.ops.provision``)."""
+        granted = natsusers.GRANTS.get(self.user)
+        prefix = f"{natsusers.API}.STREAM.INFO."
+        names = ([g.removeprefix(prefix) for g in granted if g.startswith(prefix)] if granted is not None else
+                 [*STREAMS, *(f"KV_{b}" for b in BUCKETS), f"OBJ_{WEIGHTS_BUCKET}"])
+        found = await asyncio.gather(*(self.retry(functools.partial(self.js.stream_info, name)) for name in names),
+                                     return_exceptions=True)  # at once: a service's start waits for these
+        for name, info in zip(names, found, strict=True):
+            if isinstance(info, nats.js.errors.NotFoundError):
+                kind = ("KV bucket " + name[3:] if name.startswith("KV_") else "object store " + name[4:]
+                        if name.startswith("OBJ_") else "stream " + name)
+                raise NotProvisioned(
+                    f"the NATS {kind} does not exist, and user {self.user!r} may not make it: the operator makes the "
+                    "bus's streams and buckets (`flywheel up` does at start; a deployment runs `python -m "
+                    "flywheel.ops.provision` as the operator first, as compose's nats-init service does)")
+            if isinstance(info, BaseException):
+                raise info
 
     async def _existing_replicas(self) -> int:
         """The replicas of the streams already there (1 when there are none yet)."""
@@ -331,6 +367,18 @@ class Bus:
                 raise
             info = await self.js.stream_info(f"KV_{cfg.bucket}")
             info.config.num_replicas = cfg.replicas
+            await self.js.update_stream(info.config)
+
+    async def _ensure_weights_store(self) -> None:
+        try:
+            await self.js.create_object_store(WEIGHTS_BUCKET, ObjectStoreConfig(storage=StorageType.FILE,
+                                                                                replicas=self.replicas))
+        except nats.js.errors.BadRequestError as exc:
+            # There with another config (its replicas): its stream brought to this one.
+            if exc.err_code != STREAM_EXISTS_OTHERWISE:
+                raise
+            info = await self.js.stream_info(f"OBJ_{WEIGHTS_BUCKET}")
+            info.config.num_replicas = self.replicas
             await self.js.update_stream(info.config)
 
     async def _ensure_stream(self, cfg: StreamConfig) -> None:
@@ -370,12 +418,9 @@ class Bus:
             raise nats.js.errors.BucketNotFoundError from None
         return sorted(subject.removeprefix(prefix) for subject in info.state.subjects or {})
 
-    async def weights_store(self, bucket: str, create: bool = False) -> ObjectStore:
-        """The weights bucket ``bucket`` (``create``: made when missing, as the trainer does)."""
-        if create:
-            return await self.retry(lambda: self.js.create_object_store(
-                bucket, ObjectStoreConfig(storage=StorageType.FILE, replicas=self.replicas)))
-        return await self.retry(lambda: self.js.object_store(bucket))
+    async def weights_store(self) -> ObjectStore:
+        """The weights object store (:data:`WEIGHTS_BUCKET`)."""
+        return await self.retry(lambda: self.js.object_store(WEIGHTS_BUCKET))
 
     # --- publishing ---------------------------------------------------------------------
 
@@ -713,7 +758,8 @@ class Replay:
     on ``subject`` from the start (or from ``start_time``), then each new one, in stream
     order. Ephemeral, unacknowledged, held in memory on the server; ``headers_only`` leaves
     the payloads on the server (read one with ``js.get_msg``). Use as ``async with``:
-    leaving unsubscribes and deletes the consumer, even when the reader is being cancelled.
+    leaving unsubscribes (the server then drops the consumer), even when the reader is being
+    cancelled.
     """
 
     _closing: ClassVar[set[asyncio.Task[None]]] = set()  # cleanups that outlive a cancelled reader
@@ -745,12 +791,9 @@ class Replay:
         await asyncio.shield(cleanup)
 
     async def _close(self, sub: Any) -> None:
+        # The server drops an ordered consumer seconds after its last subscriber left: no
+        # delete (which would need a permission to delete the stream's other consumers too).
         await sub.unsubscribe()
-        try:
-            await self.bus.js.delete_consumer(sub._stream, sub._consumer)
-        except nats.errors.Error as exc:
-            # Already gone (the server drops an ordered consumer without interest) or unreachable.
-            log.debug("replay %s: consumer not deleted: %s", self.subject, exc)
 
 
 def num_events(msg: Msg | RawStreamMsg) -> int:

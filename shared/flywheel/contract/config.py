@@ -24,7 +24,10 @@ the service that owns it (the trainer's ``ADVANTAGES``, ``LOSSES``, ``ENGINES``,
 parsed (so wherever a run config is read, the part must be importable, as the environment
 is) and checked against the small protocol its kind declares here (what its service passes
 it, and for engines and backends the methods the class has); a path that does not import
-or names the wrong kind of thing fails at load, naming the field.
+or names the wrong kind of thing fails at load, naming the field. The services that read a
+run's config hold a NATS login, so such a path is imported only from a module the operator
+trusts: one of the setting ``trusted_modules`` (or a submodule of one), which :meth:`RunConfig.parse`
+is given; any other is refused before it is imported, naming the field and the setting.
 
 The environment part: ``env`` is an environment id (a module name such as ``reverse_text``,
 or ``owner/name@version`` of an installed package), ``[env_args]`` are the keyword arguments
@@ -54,14 +57,24 @@ import textwrap
 import tomllib
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import annotated_types
 import msgspec
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    ValidationInfo,
+    model_validator,
+)
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
@@ -79,6 +92,22 @@ class _Section(BaseModel):
 
 
 # --- parts with alternatives -----------------------------------------------------------------
+
+
+TRUSTED_MODULES = "trusted_modules"  # the setting, and the key of RunConfig.parse's validation context
+
+
+def check_trusted(path: str, trusted: Sequence[str]) -> None:
+    """A ValueError unless ``path``'s module is one of ``trusted`` or inside one: a run config's
+    own part runs in the services that read the config, which hold NATS logins."""
+    module = path.partition(":")[0]
+    if not any(module == t or module.startswith(f"{t}.") for t in trusted):
+        now = ", ".join(repr(t) for t in trusted) or "none"
+        raise ValueError(
+            f"module {module!r} is not among the modules the operator trusts (the setting {TRUSTED_MODULES}, "
+            f"FLYWHEEL_TRUSTED_MODULES; now {now}): the services that read a run config import its parts while "
+            f"holding a NATS login, so a config may name code by path only from those; add "
+            f"{module.split('.')[0]!r} to {TRUSTED_MODULES} where the services run, or use a built-in type")
 
 
 def import_object(path: str) -> Any:
@@ -148,12 +177,13 @@ class FromPath(Part):
     parsed and checked to be this kind of part; ``args`` are its keyword arguments."""
 
     type: str = Field(description="'package.module:Name' of your own part, importable wherever the run config "
-                                  "is read")
+                                  "is read, from a module of the setting trusted_modules")
     args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments it is called with")
 
     @model_validator(mode="after")
-    def _check(self) -> FromPath:
+    def _check(self, info: ValidationInfo) -> FromPath:
         try:
+            check_trusted(self.type, (info.context or {}).get(TRUSTED_MODULES, ()))
             obj = import_object(self.type)
             if self.METHODS:
                 if not isinstance(obj, type):
@@ -1030,22 +1060,24 @@ class RunConfig(_Section):
         return self.trainer.batch_size // self.group_size
 
     @classmethod
-    def from_toml(cls, path: str | Path) -> RunConfig:
+    def from_toml(cls, path: str | Path, trusted_modules: Sequence[str] = ()) -> RunConfig:
         path = Path(path)
-        return cls.from_toml_text(path.read_text(), source=str(path))
+        return cls.from_toml_text(path.read_text(), source=str(path), trusted_modules=trusted_modules)
 
     @classmethod
-    def from_toml_text(cls, text: str, source: str = "config") -> RunConfig:
+    def from_toml_text(cls, text: str, source: str = "config", trusted_modules: Sequence[str] = ()) -> RunConfig:
         try:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
             raise ValueError(f"{source}: not valid TOML: {exc}") from exc
-        return cls.parse(data, source=source)
+        return cls.parse(data, source=source, trusted_modules=trusted_modules)
 
     @classmethod
-    def parse(cls, data: dict[str, Any], source: str = "config") -> RunConfig:
+    def parse(cls, data: dict[str, Any], source: str = "config", trusted_modules: Sequence[str] = ()) -> RunConfig:
+        """The config ``data`` describes; a ValueError naming each bad field. A part named by
+        import path imports only from ``trusted_modules`` (the setting of that name)."""
         try:
-            return cls.model_validate(data)
+            return cls.model_validate(data, context={TRUSTED_MODULES: tuple(trusted_modules)})
         except ValidationError as exc:
             problems = "; ".join(f"{_where(e['loc'], data)}: {_message(e)}" for e in exc.errors())
             raise ValueError(f"{source}: {problems}") from None
@@ -1160,6 +1192,7 @@ def _field(name: str, f: FieldInfo, indent: str = "") -> list[str]:
             doc += f" Called as `Name({', '.join(variant.CALL)}, **args)`."
             if variant.METHODS:
                 doc += f" Methods: {', '.join(variant.METHODS)}."
+            doc += f" Its module must be one the setting `{TRUSTED_MODULES}` lists (or inside one)."
         lines.append(f"{indent}  - `type = \"{tag}\"`: {doc}")
         lines += [line for key, g in variant.model_fields.items() if key != "type"
                   for line in _field(key, g, indent + "    ")]

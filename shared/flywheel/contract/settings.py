@@ -257,6 +257,14 @@ class Settings(BaseSettings):
                                                     "gives each service its own (flywheel.contract.natsusers). Unset: "
                                                     "the user in nats_url, or the operator of `flywheel up`'s server.")
     nats_password: str | None = Field(None, description="The password of nats_user.")
+    nats_trainer_password: str | None = Field(None, description="The orchestrator's: the password of NATS user "
+                                              "`trainer`, the login of the trainers it starts (never its own). Unset "
+                                              "where the orchestrator logs in as a user: it refuses to start.")
+    trusted_modules: list[str] = Field(default_factory=list, description="Modules (and their submodules) whose "
+                                       "objects a run config may name by import path (`type = \"mypkg.losses:"
+                                       "my_loss\"`): the services that read a run's config import them, holding a "
+                                       "NATS login, so only code the operator trusts. Default: none, only the "
+                                       "built-in types.")
     database_url: str | None = Field(None, description="SQLAlchemy async URL of the trace store. Unset: SQLite in "
                                                        "data_dir.")
     auth: Literal["open", "keys"] = Field("open", description="keys: every HTTP API call (gateway, inference) "

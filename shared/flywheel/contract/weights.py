@@ -1,16 +1,16 @@
 """Weight blobs: where the trainer puts them and how inference gets them back, verified.
 
 A :class:`flywheel.contract.events.WeightUpdate` carries a URI, a sha256 and a size, never the
-weights themselves. By default blobs live in the run's JetStream object store bucket
-``flywheel-weights-<run>`` (``nats-os://flywheel-weights-<run>/<version>.safetensors``), so a
+weights themselves. By default blobs live in the JetStream object store ``flywheel-weights``,
+one object a version of a run (``nats-os://flywheel-weights/<run>/<version>.safetensors``), so a
 deployment needs nothing but NATS; with a folder (the trainer setting ``weights_dir``, which
 ``flywheel up`` sets on one machine) they are files, ``<folder>/<run>/<version>.safetensors``
 (``file://`` URIs), written whole before their update is published, for a folder every
 inference process sees at that path. The trainer keeps the last few versions of its run (the
 trainer setting ``weight_versions_kept``; :func:`delete` purges older ones as it publishes): a
-version is a full copy of the model, and JetStream frees a stream's disk from its head, which
-is why each run has a bucket of its own. Readers go by the URI, whatever the store
-(:func:`get`, :func:`kept_updates`). Not covered: ``s3://`` (add a reader to ``READERS``).
+version is a full copy of the model, and a purged version frees its disk (the operator makes
+the bucket once, with the streams: no service may make one). Readers go by the URI, whatever
+the store (:func:`get`, :func:`kept_updates`). Not covered: ``s3://`` (add a reader to ``READERS``).
 """
 
 from __future__ import annotations
@@ -28,15 +28,16 @@ import nats.js.errors
 from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_META_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE
 
 from flywheel.contract import events
-from flywheel.contract.bus import WEIGHTS_BUCKET_PREFIX, Bus
-
-
-def bucket_of(run: str) -> str:
-    return f"{WEIGHTS_BUCKET_PREFIX}-{run}"
+from flywheel.contract.bus import WEIGHTS_BUCKET, Bus
 
 
 def _name(version: int) -> str:
     return f"{version:08d}.safetensors"
+
+
+def _object(run: str, version: int) -> str:
+    """The object of ``run``'s weights at ``version`` in the bucket."""
+    return f"{run}/{_name(version)}"
 
 
 def _write_whole(path: Path, data: bytes) -> None:
@@ -48,16 +49,16 @@ def _write_whole(path: Path, data: bytes) -> None:
 
 
 async def put(bus: Bus, run: str, version: int, data: bytes, folder: Path | None = None) -> tuple[str, str, int]:
-    """Store ``data`` as the weights of ``run`` at ``version``, in the run's bucket or, given a
+    """Store ``data`` as the weights of ``run`` at ``version``, in the weights bucket or, given a
     ``folder`` (``weights_dir``), as a file there; returns (uri, sha256, size_bytes)."""
-    bucket, name = bucket_of(run), _name(version)
     if folder is not None:
-        path = (folder / run / name).absolute()
+        path = (folder / run / _name(version)).absolute()
         await asyncio.to_thread(_write_whole, path, data)  # a big model's file takes a while: off the loop
         return path.as_uri(), hashlib.sha256(data).hexdigest(), len(data)
-    store = await bus.weights_store(bucket, create=True)
+    store = await bus.weights_store()
+    name = _object(run, version)
     await bus.retry(lambda: store.put(name, data))  # a put again replaces the object whole
-    return f"nats-os://{bucket}/{name}", hashlib.sha256(data).hexdigest(), len(data)
+    return f"nats-os://{WEIGHTS_BUCKET}/{name}", hashlib.sha256(data).hexdigest(), len(data)
 
 
 async def delete(bus: Bus, run: str, version: int, folder: Path | None = None) -> bool:
@@ -65,37 +66,39 @@ async def delete(bus: Bus, run: str, version: int, folder: Path | None = None) -
     store's own delete leaves a tombstone, a live message that keeps the stream's head, and
     so its disk, where it is), or its file in ``folder``; False when there were none (never
     put, or purged already)."""
-    bucket, name = bucket_of(run), _name(version)
     if folder is not None:
         try:
-            (folder / run / name).unlink()
+            (folder / run / _name(version)).unlink()
         except FileNotFoundError:
             return False
         return True
+    name = _object(run, version)
     try:
-        store = await bus.weights_store(bucket)
+        store = await bus.weights_store()
         info = await bus.retry(lambda: store.get_info(name))
     except nats.js.errors.NotFoundError:
         return False
-    stream = OBJ_STREAM_TEMPLATE.format(bucket=bucket)
-    meta = OBJ_META_PRE_TEMPLATE.format(bucket=bucket, obj=base64.urlsafe_b64encode(name.encode()).decode())
-    chunks = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj=info.nuid)
+    stream = OBJ_STREAM_TEMPLATE.format(bucket=WEIGHTS_BUCKET)
+    meta = OBJ_META_PRE_TEMPLATE.format(bucket=WEIGHTS_BUCKET, obj=base64.urlsafe_b64encode(name.encode()).decode())
+    chunks = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=WEIGHTS_BUCKET, obj=info.nuid)
     await bus.retry(lambda: bus.js.purge_stream(stream, subject=meta))  # first: no reader finds it half gone
     await bus.retry(lambda: bus.js.purge_stream(stream, subject=chunks))
     return True
 
 
 async def versions(bus: Bus, run: str, folder: Path | None = None) -> list[int]:
-    """The versions of ``run`` in its bucket (or its files in ``folder``), ascending (none: ``[]``)."""
+    """The versions of ``run`` in the bucket (or its files in ``folder``), ascending (none: ``[]``)."""
     if folder is not None:
         names = [p.name.split(".", 1)[0] for p in (folder / run).glob("*.safetensors")]
         return sorted(int(n) for n in names if n.isdigit())
     try:
-        store = await bus.weights_store(bucket_of(run))
+        store = await bus.weights_store()
         infos = await bus.retry(lambda: store.list(ignore_deletes=True))
-    except nats.js.errors.NotFoundError:
+    except nats.js.errors.NotFoundError:  # nats-py's "no objects" too
         return []
-    return sorted(int(info.name.split(".", 1)[0]) for info in infos if info.name.split(".", 1)[0].isdigit())
+    names = [info.name.removeprefix(f"{run}/").split(".", 1)[0] for info in infos
+             if info.name.startswith(f"{run}/") and "/" not in info.name.removeprefix(f"{run}/")]
+    return sorted(int(n) for n in names if n.isdigit())
 
 
 async def updates(bus: Bus, run: str, newest: int | None = None) -> list[events.WeightUpdate]:
@@ -133,10 +136,10 @@ async def updates(bus: Bus, run: str, newest: int | None = None) -> list[events.
 
 async def _read_object_store(bus: Bus, uri: str) -> bytes:
     parsed = urlparse(uri)
-    if not parsed.netloc.startswith(WEIGHTS_BUCKET_PREFIX):
-        raise ValueError(f"weights uri {uri!r}: bucket {parsed.netloc!r} is not a Flywheel weights bucket "
-                         f"({WEIGHTS_BUCKET_PREFIX}-<run>)")
-    store = await bus.weights_store(parsed.netloc)
+    if parsed.netloc != WEIGHTS_BUCKET:
+        raise ValueError(f"weights uri {uri!r}: bucket {parsed.netloc!r} is not Flywheel's weights bucket "
+                         f"({WEIGHTS_BUCKET})")
+    store = await bus.weights_store()
     # nats-py joins an object's chunks with bytes += (quadratic: minutes, the event loop held, for
     # the 538 MB of SmolLM2-135M); written into a buffer a chunk at a time it is linear.
     buffer = io.BytesIO()
@@ -149,7 +152,7 @@ async def _read_file(bus: Bus, uri: str) -> bytes:
 
 
 async def kept_updates(bus: Bus, updates: list[events.WeightUpdate]) -> list[events.WeightUpdate]:
-    """Those of ``updates`` (of one run) whose blob is still kept: in the run's bucket, or as its file."""
+    """Those of ``updates`` (of one run) whose blob is still kept: in the bucket, or as its file."""
     in_bucket: set[int] | None = None
     kept = []
     for update in updates:

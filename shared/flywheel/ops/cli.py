@@ -608,7 +608,9 @@ def cmd_sft(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from flywheel.ops.export import export
 
-    done = export(args.run, args.dir, settings_from(args).data_dir, step=args.step, merged=args.merged)
+    settings = settings_from(args)
+    done = export(args.run, args.dir, settings.data_dir, step=args.step, merged=args.merged,
+                  trusted_modules=settings.trusted_modules)
     what = {"adapter": "its LoRA adapter", "merged": "its base model with its LoRA adapter merged in"}.get(
         done["kind"], "its weights")
     print(f"exported run {done['run']} at step {done['step']}, {what} (weights version {done['version']}, sha256 "

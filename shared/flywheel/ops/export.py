@@ -27,6 +27,7 @@ import hashlib
 import json
 import shutil
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ PROVENANCE_FILE = "flywheel-export.json"
 
 
 def export(run: str, out_dir: str | Path, data_dir: str | Path, step: int | None = None,
-           merged: bool = False) -> dict[str, Any]:
+           merged: bool = False, trusted_modules: Sequence[str] = ()) -> dict[str, Any]:
     """Write run ``run``'s weights at ``step`` (None: its newest checkpoint) to ``out_dir`` as a
     Hugging Face model folder (a LoRA run's: an adapter folder, unless ``merged``); returns what
     ``flywheel-export.json`` says.
@@ -52,7 +53,7 @@ def export(run: str, out_dir: str | Path, data_dir: str | Path, step: int | None
     if not config_path.exists():
         raise ValueError(f"run {run!r}: no {config_path} (data_dir={str(data_dir)!r}); is it a training run of this "
                          "data folder? Give --data-dir of the machine that ran it")
-    cfg = RunConfig.parse(json.loads(config_path.read_text()), source=str(config_path))
+    cfg = RunConfig.parse(json.loads(config_path.read_text()), source=str(config_path), trusted_modules=trusted_modules)
     checkpoints = Checkpoints(folder / "checkpoint")
     kept = checkpoints.steps()
     if not kept:

@@ -721,15 +721,16 @@ def parse_sets(items: Sequence[str]) -> dict[str, Any]:
     return overrides
 
 
-def config_with(config_path: str, overrides: Mapping[str, Any], run_id: str | None = None) -> RunConfig:
+def config_with(config_path: str, overrides: Mapping[str, Any], run_id: str | None = None,
+                trusted_modules: Sequence[str] = ()) -> RunConfig:
     """The run config at ``config_path`` with ``overrides`` (see :func:`apply_override`) and,
     given, ``run_id`` as its run; ValueError naming the field for a bad value."""
-    data = RunConfig.from_toml(config_path).model_dump()
+    data = RunConfig.from_toml(config_path, trusted_modules).model_dump()
     for dotted, value in overrides.items():
         apply_override(data, dotted, value)
     if run_id:
         data["run"] = run_id
-    return RunConfig.parse(data, source=config_path)
+    return RunConfig.parse(data, source=config_path, trusted_modules=trusted_modules)
 
 
 def apply_override(data: dict[str, Any], dotted: str, value: Any) -> None:
@@ -762,13 +763,15 @@ def apply_override(data: dict[str, Any], dotted: str, value: Any) -> None:
 
 def main_job(config_path: str, settings: Settings, run_id: str | None = None,
              overrides: dict[str, Any] | None = None, resume: bool = False, stop: bool = False) -> dict[str, Any]:
-    named = RunConfig.from_toml(config_path).run
+    trusted = settings.trusted_modules
+    named = RunConfig.from_toml(config_path, trusted).run
     # A new run gets the time in its id; --resume without --run-id means the run the config names.
-    cfg = config_with(config_path, overrides or {}, run_id or (named if resume else new_run_id(named)))
-    return asyncio.run(MainJob(local_data(local_models(cfg)), settings, resume=resume, stop_on_exit=stop).run())
+    cfg = config_with(config_path, overrides or {}, run_id or (named if resume else new_run_id(named)), trusted)
+    return asyncio.run(MainJob(local_data(local_models(cfg, trusted), trusted), settings, resume=resume,
+                               stop_on_exit=stop).run())
 
 
-def local_data(cfg: RunConfig) -> RunConfig:
+def local_data(cfg: RunConfig, trusted_modules: Sequence[str] = ()) -> RunConfig:
     """``cfg`` with each data file it names (``sft.data``, the SFT terms' ``data``) made absolute, as
     the trainer reads it wherever it runs from; a ValueError naming the field for a file that is
     not there, before anything starts. A local ``dataset`` folder of each is made absolute too."""
@@ -789,10 +792,10 @@ def local_data(cfg: RunConfig) -> RunConfig:
                              "trace API export (`GET /v1/rollouts/export`)")
         table["data"] = str(path.resolve())
         changed = True
-    return RunConfig.parse(data) if changed else cfg
+    return RunConfig.parse(data, trusted_modules=trusted_modules) if changed else cfg
 
 
-def local_models(cfg: RunConfig) -> RunConfig:
+def local_models(cfg: RunConfig, trusted_modules: Sequence[str] = ()) -> RunConfig:
     """``cfg`` with each model that is a folder (a path: absolute, or from ``.``), the run's own
     (``model.name``) and its teachers', made absolute, as every service reads it; a ValueError
     naming the field for a folder that is not there. A model name ('tiny'), a hub id and 'policy'
@@ -811,5 +814,5 @@ def local_models(cfg: RunConfig) -> RunConfig:
                              + (", or 'policy' (the run's own weights)" if where.startswith("teachers.") else ""))
         table[key] = str(path.resolve())
         changed = True
-    return RunConfig.parse(data) if changed else cfg
+    return RunConfig.parse(data, trusted_modules=trusted_modules) if changed else cfg
 

@@ -134,7 +134,7 @@ async def resumable_config(settings: Settings, run: str) -> RunConfig:
     if data is None:
         raise ValueError(f"run {run!r}: no {run_folder(settings.data_dir, run) / 'config.json'} and no stack "
                          "answers to read its state from; give --data-dir (or --nats-url) of the stack that ran it")
-    return RunConfig.parse(data, source=f"run {run!r} config")
+    return RunConfig.parse(data, source=f"run {run!r} config", trusted_modules=settings.trusted_modules)
 
 
 def resume_command(settings: Settings, run: str) -> dict[str, Any]:
@@ -154,7 +154,8 @@ async def follow(settings: Settings, run: str, out: TextIO) -> str:
         state = await get_run(bus, run)
         if state is None:
             raise ValueError(f"run {run!r} is not in the runs KV bucket; `flywheel runs list` lists the runs")
-        cfg = RunConfig.parse(state.config, source=f"run {run!r} config") if state.config else None
+        cfg = (RunConfig.parse(state.config, source=f"run {run!r} config", trusted_modules=settings.trusted_modules)
+               if state.config else None)
         num_steps = cfg.trainer.num_steps if cfg is not None else 0
         print(f"run {run}: {status_of(state)}, step {state.trainer_step}/{num_steps or '?'}, owner "
               f"{state.owner or 'none'} (Ctrl-C stops following, not the run)", file=out, flush=True)

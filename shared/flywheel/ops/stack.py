@@ -30,8 +30,9 @@ What it does, in order:
    nats-server it started: only the processes it started.
 
 Every child gets the same ``FLYWHEEL_*`` environment (NATS URL, database URL, data folder,
-ports), so they agree with each other and with ``flywheel status``. Each writes its log to
-``<data_dir>/logs/<name>.log``.
+ports), so they agree with each other and with ``flywheel status``, and its own NATS login
+(:mod:`flywheel.contract.natsusers`: the stack alone, which makes the streams, is the operator).
+Each writes its log to ``<data_dir>/logs/<name>.log``.
 
 Not covered: several replicas of a service (deploy with compose/ for that), services on
 other machines. A SIGKILL of ``flywheel up`` itself reaches its children as SIGTERM on Linux
@@ -373,7 +374,9 @@ def child_env(settings: Settings) -> dict[str, str]:
         "gateway_url": settings.resolved_gateway_url,
     }
     env = dict(os.environ)
-    env.update({f"FLYWHEEL_{name.upper()}": str(value) for name, value in values.items() if value is not None})
+    # A list (trusted_modules) as JSON, which is how it is read back; the rest as text.
+    env.update({f"FLYWHEEL_{name.upper()}": json.dumps(value) if isinstance(value, list) else str(value)
+                for name, value in values.items() if value is not None})
     for section in SECTIONS:
         fields = getattr(settings, section).model_dump(mode="json")
         # Text as it is (a text field is read verbatim, so JSON quotes would stay in it), the rest as JSON.
@@ -384,6 +387,29 @@ def child_env(settings: Settings) -> dict[str, str]:
     if settings.torch_threads is not None:
         # Also for the BLAS pools torch starts before it reads the setting.
         env.setdefault("OMP_NUM_THREADS", str(settings.torch_threads))
+    return env
+
+
+def login_env(user: str, password: str) -> dict[str, str]:
+    """The environment of a child logging in to NATS as ``user``."""
+    return {"FLYWHEEL_NATS_USER": user, "FLYWHEEL_NATS_PASSWORD": password}
+
+
+def trainer_env(settings: Settings) -> dict[str, str]:
+    """:func:`child_env` for a run's trainer, started by an orchestrator with ``settings``: logged in
+    as NATS user ``trainer`` (``nats_trainer_password``), never with the orchestrator's own login
+    (no password of it, nor that of the trainer's, is left in the environment but this one). A
+    ValueError when the orchestrator logs in as a user and has no trainer password to give."""
+    env = {k: v for k, v in child_env(settings).items() if not k.startswith("FLYWHEEL_NATS_")}
+    env["FLYWHEEL_NATS_URL"] = natsusers.split_login(settings.nats_server_url)[0]
+    for name in ("nats_port", "nats_cluster"):
+        env[f"FLYWHEEL_{name.upper()}"] = str(getattr(settings, name))
+    if settings.nats_trainer_password:
+        return env | login_env(natsusers.TRAINER, settings.nats_trainer_password)
+    if natsusers.split_login(settings.resolved_nats_url)[1] is not None:
+        raise ValueError("set nats_trainer_password (FLYWHEEL_NATS_TRAINER_PASSWORD; in compose/.env "
+                         f"{natsusers.password_variable(natsusers.TRAINER)}): the orchestrator logs in to NATS as a "
+                         "user, and the trainers it starts log in as user 'trainer', never with its own login")
     return env
 
 
@@ -489,12 +515,17 @@ class Stack:
         self.before_shutdown: Callable[[BaseException | None], Awaitable[None]] | None = None
 
     def _nats_login(self, service: str) -> dict[str, str]:
-        """The environment that logs ``service`` into the stack's own nats-server as its user
-        (a service without one of its own, as the operator); nothing for a server of nats_url."""
+        """The environment that logs ``service`` into the stack's own nats-server as its user (the
+        orchestrator also gets the trainers' login; a process of another name, a login that
+        server refuses); nothing for a server of nats_url."""
         if self.nats_passwords is None:
             return {}
-        user = service if service in natsusers.PUBLISH else natsusers.OPERATOR
-        return {"FLYWHEEL_NATS_USER": user, "FLYWHEEL_NATS_PASSWORD": self.nats_passwords[user]}
+        if service not in natsusers.SERVICE_USERS:  # a login the server refuses, never the operator's
+            return login_env(service, "")
+        env = login_env(service, self.nats_passwords[service])
+        if service == "orchestrator":  # the login it gives its runs' trainers
+            env["FLYWHEEL_NATS_TRAINER_PASSWORD"] = self.nats_passwords[natsusers.TRAINER]
+        return env
 
     def _backoff(self) -> RestartBackoff:
         return RestartBackoff(first_delay_s=self.restart_backoff_s, max_delay_s=self.max_backoff_s,
@@ -553,6 +584,8 @@ class Stack:
             assert self.nats_passwords is not None
             config = natsusers.server_config(self.nats_passwords)
             if self.settings.nats_cluster == 1:
+                if natsusers.adopt_store(self.data_dir / "nats"):
+                    self.say(f"moved the streams of {self.data_dir / 'nats'} into NATS account {natsusers.ACCOUNT}")
                 servers = [NatsServer(self.data_dir / "nats", port=self.settings.nats_port,
                                       log_file=self.log_dir / "nats-server.log", config=config)]
             else:
