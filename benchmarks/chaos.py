@@ -1,14 +1,16 @@
 """Chaos: one real training run while Flywheel's processes are killed and nats-server restarts.
 
-    python benchmarks/chaos.py --json out/chaos.json [--kills 20] [--nats-restarts 3] [--seed 0] [--cluster 3]
-                                                     [--replicas 2]
+    python benchmarks/chaos.py --json out/chaos.json [--kills 20] [--worker-kills 5] [--nats-restarts 3]
+                                                     [--seed 0] [--cluster 3] [--replicas 2]
 
 Starts ``flywheel up`` (its own nats-server, gateway, orchestrator, recorder, scorer, sandbox,
 inference; a temporary data folder, free ports), then ``flywheel run examples/reverse-text.toml``
 against it. Once the run trains, it kills, one event at a time: ``--kills`` Flywheel
 processes picked at random among the services ``flywheel up`` supervises and the run's
-trainer (SIGKILL), and restarts nats-server ``--nats-restarts`` times (SIGTERM and SIGKILL
-in turn; ``flywheel up`` starts it again), in a random order. After each event it waits for
+trainer (SIGKILL), ``--worker-kills`` environment workers picked at random among those alive
+(SIGKILL: the service holding one fails its calls in flight and starts another), and restarts
+nats-server ``--nats-restarts`` times (SIGTERM and SIGKILL in turn; ``flywheel up`` starts it
+again), in a random order. After each event it waits for
 the run to train again, then for a few more steps. Nobody acts by hand: the supervisor
 restarts the services, the run's orchestrator restarts its trainer.
 
@@ -130,6 +132,36 @@ def latest_pids(up: Lines, run: Lines) -> dict[str, int]:
     if trainers:
         pids["trainer"] = int(trainers[-1][1].group(1))
     return {name: pid for name, pid in pids.items() if alive(pid)}
+
+
+def parent_of(pid: int) -> int:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
+
+
+def worker_pids(services: dict[str, int]) -> dict[str, int]:
+    """The environment workers alive now, as ``worker-<n> of <service>``: every process running
+    :func:`flywheel.runtime.envworker.main` (the Python inside its bubblewrap sandbox), named by
+    the service whose process tree holds it."""
+    owners = {pid: name for name, pid in services.items()}
+    found: dict[str, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv[0].endswith(b"bwrap") or not any(b"flywheel.runtime.envworker import main" in a for a in argv):
+            continue
+        pid, ancestor = int(entry.name), int(entry.name)
+        while ancestor > 1 and ancestor not in owners:
+            ancestor = parent_of(ancestor)
+        found[f"worker-{pid} of {owners.get(ancestor, 'another process')}"] = pid
+    return found
 
 
 def last_step(run: Lines) -> int:
@@ -284,6 +316,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--kills", type=int, default=20, help="Flywheel processes to SIGKILL")
+    parser.add_argument("--worker-kills", type=int, default=5,
+                        help="environment workers to SIGKILL (the services that hold them start new ones)")
     parser.add_argument("--nats-restarts", type=int, default=3, help="nats-server restarts (SIGTERM, SIGKILL, ...)")
     parser.add_argument("--steps", type=int, default=300, help="trainer.num_steps of the run")
     parser.add_argument("--seed", type=int, default=0)
@@ -293,7 +327,7 @@ def main() -> None:
     args = parser.parse_args()
     rng = random.Random(args.seed)
     group_size = RunConfig.from_toml(CONFIG).group_size
-    plan = ["kill"] * args.kills + ["nats"] * args.nats_restarts
+    plan = ["kill"] * args.kills + ["worker"] * args.worker_kills + ["nats"] * args.nats_restarts
     rng.shuffle(plan)
 
     data_dir = Path(tempfile.mkdtemp(prefix="flywheel-chaos-"))
@@ -308,8 +342,8 @@ def main() -> None:
                                text=True, env=env, cwd=ROOT)
     up = Lines(up_proc, "up" if args.verbose else None)
     run_proc: subprocess.Popen[str] | None = None
-    result: dict[str, Any] = {"kills": 0, "nats_restarts": 0, "finished": False, "nats_nodes": args.cluster,
-                              "replicas": args.replicas}
+    result: dict[str, Any] = {"kills": 0, "worker_kills": 0, "nats_restarts": 0, "finished": False,
+                              "nats_nodes": args.cluster, "replicas": args.replicas}
     extra: dict[str, subprocess.Popen[bytes]] = {}  # "inference-2", "scorer-2", ...: the replicas beyond up's
     extra_env = env | {"FLYWHEEL_DATA_DIR": str(data_dir), "FLYWHEEL_NATS_PORT": str(ports["nats"]),
                        "FLYWHEEL_NATS_CLUSTER": str(args.cluster)}
@@ -334,7 +368,8 @@ def main() -> None:
         run = Lines(run_proc, "run" if args.verbose else None)
         run.wait_for(r"^step\s+2/", 300)
         nats_signals = [signal.SIGTERM, signal.SIGKILL]
-        for kind in plan:
+        for planned in plan:
+            kind = planned
             if last_step(run) >= args.steps - STEPS_BETWEEN_EVENTS:
                 print(f"chaos: the run is at its last steps; {len(plan) - len(event_log)} events not done",
                       flush=True)
@@ -343,14 +378,22 @@ def main() -> None:
             if kind == "nats":
                 target = "nats-server" if args.cluster == 1 else f"nats-server-n{rng.randint(1, args.cluster)}"
                 sig = nats_signals[result["nats_restarts"] % 2]
-            else:
+            elif kind == "worker":
+                workers = worker_pids(pids)
+                if not workers:
+                    print("chaos: no environment worker alive to kill; a service kill instead", flush=True)
+                    kind = "kill"
+                else:
+                    target, sig = rng.choice(sorted(workers)), signal.SIGKILL
+                    pids[target] = workers[target]
+            if kind == "kill":
                 target, sig = rng.choice([s for s in (*SERVICES, *extra) if s in pids]), signal.SIGKILL
             at = time.monotonic()
             os.kill(pids[target], sig)
             if target in extra:  # the benchmark supervises the replicas it started: one starts again at once
                 extra[target].wait()
                 start_extra(target)
-            result["nats_restarts" if kind == "nats" else "kills"] += 1
+            result[{"nats": "nats_restarts", "worker": "worker_kills", "kill": "kills"}[kind]] += 1
             try:
                 recovered = wait_steps(run, at, 1, RECOVERY_TIMEOUT_S)
             except TimeoutError:

@@ -8,6 +8,9 @@ ARG VLLM_BASE_IMAGE=vllm/vllm-openai:latest
 FROM ${VLLM_BASE_IMAGE}
 
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+# bubblewrap: environment code runs only in environment workers, each a bubblewrap sandbox.
+RUN command -v bwrap >/dev/null || { apt-get update && apt-get install -y --no-install-recommends bubblewrap \
+        && rm -rf /var/lib/apt/lists/*; }
 COPY pyproject.toml /src/pyproject.toml
 COPY compose/requirements.py /src/compose/requirements.py
 # Everything the inference service needs except torch, constrained to the versions vLLM's

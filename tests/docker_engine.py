@@ -33,9 +33,9 @@ from typing import BinaryIO
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-BASE_IMAGE_TAG = "flywheel-local/debian-python:bookworm"
+BASE_IMAGE_TAG = "flywheel-local/debian-python-bwrap:bookworm"
 # python3-venv brings ensurepip, so an image can make a venv with pip and no network.
-BASE_PACKAGES = ("python3", "python3-venv", "ca-certificates")
+BASE_PACKAGES = ("python3", "python3-venv", "ca-certificates", "bubblewrap")
 _READY_TIMEOUT_S = 60.0
 _LOCK_TIMEOUT_S = 1800.0
 _PR_SET_PDEATHSIG = 1

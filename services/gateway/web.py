@@ -187,24 +187,31 @@ async def run_page(request: Request, run_id: RunIdPath, store: StoreDep, bus: Bu
     filters = page_query(request, RolloutFilters, FILTERS, run=run_id)
     rollouts = await store.list_rollouts(api_rollouts.to_filter(filters, who), limit=NUM_ROLLOUTS)
     chosen = filters.model_dump(include=set(FILTERS), exclude_none=True)
-    services, consumers = await health_of(bus)
+    envs = env_ids(run.config, run.env)
+    services, consumers, workers = await health_of(bus, envs, run.tenant)
     return _templates().TemplateResponse(request, "run.html", {
-        "run": run, "envs": env_ids(run.config, run.env), "rollouts": rollouts.items,
+        "run": run, "envs": envs, "rollouts": rollouts.items,
         "more": rollouts.next_cursor is not None, "poll_ms": int(POLL_S * 1000), "filters": chosen,
-        "services": services, "consumers": consumers})
+        "services": services, "consumers": consumers, "workers": workers})
 
 
-async def health_of(bus: Bus) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The services beating now (each instance's heartbeat age; stale after two missed) and the
-    consumers of the streams a run's events pass through, with their lag: what a run waits on."""
+async def health_of(bus: Bus, envs: list[str], tenant: str
+                    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """The services beating now (each instance's heartbeat age; stale after two missed), the
+    consumers of the streams a run's events pass through, with their lag, and the environment
+    workers the live services hold for ``tenant``'s ``envs`` (any version): what a run waits on."""
     now = events.utc_now()
     try:
         beats = await read_heartbeats(bus)
     except nats.js.errors.BucketNotFoundError:
         beats = []
+    beats.sort(key=lambda b: (b.service, b.instance))
     services = [{"service": b.service, "instance": b.instance, "age_s": (now - b.updated_at).total_seconds(),
-                 "stale": (now - b.updated_at).total_seconds() > 2 * HEARTBEAT_INTERVAL_S}
-                for b in sorted(beats, key=lambda b: (b.service, b.instance))]
+                 "stale": (now - b.updated_at).total_seconds() > 2 * HEARTBEAT_INTERVAL_S} for b in beats]
+    names = {env.partition("@")[0] for env in envs}
+    workers = [{"instance": b.instance, **w} for b, seen in zip(beats, services, strict=True) if not seen["stale"]
+               for w in b.info.get("workers") or [] if isinstance(w, dict)
+               and str(w.get("environment", "")).partition("@")[0] in names and w.get("tenant") in (tenant, "")]
     consumers = []
     for stream in RUN_STREAMS:
         try:
@@ -214,7 +221,7 @@ async def health_of(bus: Bus) -> tuple[list[dict[str, Any]], list[dict[str, Any]
         consumers += [{"stream": stream, "consumer": c.name, "num_pending": c.num_pending or 0,
                        "num_ack_pending": c.num_ack_pending or 0, "num_redelivered": c.num_redelivered or 0}
                       for c in sorted(infos, key=lambda c: c.name)]
-    return services, consumers
+    return services, consumers, workers
 
 
 @router.get("/rollouts/{rollout_id}")

@@ -19,6 +19,7 @@ from fastapi import FastAPI
 
 from flywheel.contract import events, keys
 from flywheel.contract.bus import Bus
+from flywheel.contract.service import Service
 from flywheel_gateway import web
 from flywheel_gateway.hub import inspect_package
 from flywheel_gateway.store import Store
@@ -217,3 +218,27 @@ async def test_the_runs_page_pages_to_older_runs(keyed_app: FastAPI, owned: dict
         refused = await get(keyed_app, bad, owned["a"])
         assert refused.status_code == 422 and "before: " in refused.text, refused.text
     assert (await get(keyed_app, "/runs?before=", owned["a"])).status_code == 200  # an empty field is none
+
+
+async def test_the_run_page_shows_its_tenants_environment_workers_alone(keyed_app: FastAPI,
+                                                                         owned: dict[str, Any]) -> None:
+    bus: Bus = keyed_app.state.bus
+    state = events.RunState(id=RUN, tenant="a", status="running",
+                            config={"run": RUN, "envs": [{"id": "acme/qa@2.0"}, {"id": "math"}]})
+    await (await bus.runs_kv()).put(RUN, events.encode(state))
+    held = [{"environment": "acme/qa@2.0", "tenant": "a", "pid": 4101, "in_flight": 2, "calls": 17, "started_at": 0},
+            {"environment": "math", "tenant": "a", "pid": 4102, "in_flight": 0, "calls": 3, "started_at": 0},
+            {"environment": "math", "tenant": "b", "pid": 4103, "in_flight": 1, "calls": 9, "started_at": 0},
+            {"environment": "arithmetic", "tenant": "a", "pid": 4104, "in_flight": 0, "calls": 1, "started_at": 0}]
+    service = Service("inference", bus, info={"workers": lambda: held}, handle_signals=False)
+    await service.beat()
+    page = (await get(keyed_app, f"/runs/{RUN}", owned["a"])).text
+    table = page[page.index('<table id="workers">'):]
+    table = table[:table.index("</table>")]
+    assert "<td>acme/qa@2.0</td>" in table and '<td class="num">4101</td>' in table
+    assert '<td class="num">17</td>' in table and '<td class="num">4102</td>' in table
+    assert "4103" not in page and "4104" not in page  # another tenant's, another environment's
+    held.clear()
+    await service.beat()
+    page = (await get(keyed_app, f"/runs/{RUN}", owned["a"])).text
+    assert '<table id="workers">' not in page and "No environment worker of this run is up" in page

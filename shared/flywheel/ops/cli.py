@@ -930,12 +930,11 @@ def format_status(report: dict[str, Any]) -> str:
                  _duration(s["uptime_s"]), _metrics_at(s)] for s in report["services"]]
     parts.append(table(services, ["SERVICE", "INSTANCE", "PID", "STATUS", "LAST BEAT", "UP", "METRICS"])
                  if services else "no services running (no heartbeats in the services KV bucket)")
-    workers = [[s["instance"], environment, w["pid"], w["in_flight"], w["calls"]]
+    workers = [[s["instance"], w["environment"], w["tenant"] or "-", w["pid"], w["in_flight"], w["calls"]]
                for s in report["services"] if not s["stale"]
-               for environment, running in sorted(((s.get("info") or {}).get("workers") or {}).items())
-               for w in running]
-    if workers:  # where environment code runs: each service's workers, by environment (and tenant)
-        parts.append(table(workers, ["HOST SERVICE", "ENVIRONMENT WORKER", "PID", "IN FLIGHT", "CALLS"]))
+               for w in (s.get("info") or {}).get("workers") or []]
+    if workers:  # where environment code runs: each service's workers, by environment and tenant
+        parts.append(table(workers, ["HOST SERVICE", "ENVIRONMENT", "TENANT", "WORKER PID", "IN FLIGHT", "CALLS"]))
     parts += [format_stack(stack) for stack in report["stacks"]]
     streams = [[s["stream"], s["messages"], size(s["bytes"]), s["consumers"], _replicas(s)] for s in report["streams"]]
     parts.append(table(streams, ["STREAM", "MESSAGES", "SIZE", "CONSUMERS", "REPLICAS"])

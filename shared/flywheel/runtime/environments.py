@@ -492,15 +492,12 @@ class WorkerPool:
                 except (ChannelClosed, RemoteError):
                     pass  # gone already: its own end says why
 
-    def info(self) -> dict[str, Any]:
-        """Workers per environment, for the service's heartbeat (``flywheel status``, the run page)."""
-        out: dict[str, Any] = {}
-        for key, workers in self._workers.items():
-            tenant, _, env_id, _ = key
-            out[f"{env_id}" + (f" ({tenant})" if tenant else "")] = [
-                {"pid": w.pid, "in_flight": w.in_flight, "calls": w.num_calls, "started_at": w.started_at}
-                for w in workers]
-        return out
+    def info(self) -> list[dict[str, Any]]:
+        """Its live workers, for the service's heartbeat (``flywheel status``, the run page): each
+        one's environment, tenant, pid, calls in flight and served, start time."""
+        return [{"environment": env_id, "tenant": tenant, "pid": w.pid, "in_flight": w.in_flight,
+                 "calls": w.num_calls, "started_at": w.started_at}
+                for (tenant, _, env_id, _), workers in sorted(self._workers.items()) for w in workers]
 
     async def close(self) -> None:
         """Stop every worker (and the programs' sites); idempotent."""
