@@ -59,6 +59,7 @@ from flywheel.runtime.isolation import (
     agent_preamble,
     bwrap_argv,
     drain_tail,
+    proc_mountable,
 )
 from flywheel.runtime.relay import SOCKET_DIR, ModelRelay, open_relay
 from flywheel.sdk.sandbox import WORKDIR, SandboxError, SandboxSpec
@@ -191,6 +192,10 @@ class LocalBackend:
         help_text = subprocess.run([bwrap, "--help"], capture_output=True, text=True, check=False).stdout
         self.has_size = "--size" in help_text
         self.has_disable_userns = "--disable-userns" in help_text
+        try:
+            self.has_proc = proc_mountable(bwrap)
+        except RuntimeError as exc:
+            raise BackendUnavailable(str(exc)) from None
         use_cgroups = self.config.use_cgroups and os.geteuid() == 0
         self.cgroups = Cgroups.detect("flywheel-sandbox") if use_cgroups else Cgroups({})
         self.privileged = os.geteuid() == 0
@@ -238,7 +243,7 @@ class LocalBackend:
             {"PYTHONPATH": ":".join(inside)} if inside else {})
         return bwrap_argv(self.bwrap, View(binds=tuple(binds), disk_mb=spec.disk_mb), env,
                           agent_argv(self.config.python), has_size=self.has_size,
-                          has_disable_userns=self.has_disable_userns, network=spec.network)
+                          has_disable_userns=self.has_disable_userns, network=spec.network, has_proc=self.has_proc)
 
     async def start(self, spec: SandboxSpec) -> LocalBox:
         if spec.image is not None:

@@ -437,10 +437,19 @@ class WorkerPool:
                 await worker.call("ping", None)
         except (TimeoutError, WorkerError, RemoteError) as exc:
             self._restarts[key] = failures + 1
+            code = None
+            if not isinstance(exc, TimeoutError):  # a channel that closed: its process is gone, or going
+                with contextlib.suppress(TimeoutError):
+                    code = await asyncio.wait_for(started.wait(), 1.0)
             await worker.kill(f"{label} did not start: {exc}")
             words = started.last_words()
-            raise WorkerError(f"{label} did not start within {s.start_timeout_s:g}s"
-                              + (f": {words[-1500:]}" if words else f" ({type(exc).__name__})")) from None
+            if isinstance(exc, TimeoutError):
+                how = f"did not answer within {s.start_timeout_s:g}s (workers.start_timeout_s)"
+            elif code is not None:
+                how = f"exited during start-up (code {code})"
+            else:
+                how = f"failed at start ({type(exc).__name__}: {exc})"
+            raise WorkerError(f"{label} {how}" + (f": {words[-1500:]}" if words else "")) from None
         self._restarts.pop(key, None)
         self._workers.setdefault(key, []).append(worker)
         log.info("%s started (pid %d)", label, worker.pid)

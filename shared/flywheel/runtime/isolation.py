@@ -388,11 +388,42 @@ def readable_by_others(path: str) -> bool:
         return False
 
 
+@functools.cache
+def proc_mountable(bwrap: str) -> bool:
+    """Whether bubblewrap can give a sandbox a /proc of its own PID namespace here. A container
+    whose /proc has paths masked (Docker's default) refuses a fresh proc mount in a user namespace:
+    sandboxes then get no /proc (none of the host's either). RuntimeError when bubblewrap cannot
+    make its namespaces at all, saying what the machine needs."""
+    def as_nobody() -> None:  # sandboxes run as users of their own, never root: probe as one
+        if os.geteuid() == 0:
+            os.setgroups([])
+            os.setresgid(65534, 65534, 65534)
+            os.setresuid(65534, 65534, 65534)
+
+    def probe(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([bwrap, "--unshare-all", "--unshare-user", "--ro-bind", "/", "/", *extra, "true"],
+                              capture_output=True, text=True, timeout=30, check=False, env={"PATH": os.defpath},
+                              preexec_fn=as_nobody)  # the probe runs as an unprivileged user
+    if probe("--proc", "/proc").returncode == 0:
+        return True
+    bare = probe()
+    if bare.returncode != 0:
+        raise RuntimeError(f"bubblewrap cannot make its namespaces on this machine: {bare.stderr.strip()[-500:]}. It "
+                           "needs unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1 and "
+                           "user.max_user_namespaces > 0); in a container, one run without the engine's default "
+                           "seccomp and AppArmor profiles (compose/docker-compose.yml: x-workers-security)")
+    log.warning("bubblewrap cannot mount a fresh /proc here (a container masks parts of its own): sandboxes get no "
+                "/proc")
+    return False
+
+
 def bwrap_argv(bwrap: str, view: View, env: Mapping[str, str], argv: Sequence[str], *, has_size: bool,
-               has_disable_userns: bool, hostname: str = "sandbox", network: bool = False) -> list[str]:
+               has_disable_userns: bool, hostname: str = "sandbox", network: bool = False,
+               has_proc: bool = True) -> list[str]:
     """bubblewrap's command line for ``argv`` in ``view`` with exactly ``env`` (see the module);
     ``network``: the host's network namespace, loopback services included (a sandbox service
-    that allows it, for a spec that asks)."""
+    that allows it, for a spec that asks); ``has_proc``: a /proc of its own PID namespace
+    (:func:`proc_mountable`), else none."""
     args = [bwrap, "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session", "--hostname", hostname]
     if network:
         args.append("--share-net")
@@ -410,7 +441,7 @@ def bwrap_argv(bwrap: str, view: View, env: Mapping[str, str], argv: Sequence[st
         etc += ["/etc/resolv.conf", "/etc/hosts", "/etc/ssl", "/etc/ca-certificates"]
     for name in etc:
         args += ["--ro-bind-try", name, name]
-    args += ["--proc", "/proc", "--dev", "/dev"]
+    args += ["--proc", "/proc", "--dev", "/dev"] if has_proc else ["--dev", "/dev"]
     # The writable folders first: a host folder bound below one of them (a checkout under /work)
     # stays visible, read-only, inside it.
     for mount in WRITABLE:
@@ -502,6 +533,7 @@ class Isolation:
         self.cgroups = Cgroups({})
         self.bwrap = ""
         self.has_size = self.has_disable_userns = False
+        self.has_proc = True
         self._counter = 0
         if kind == "bubblewrap":
             found = shutil.which("bwrap")
@@ -513,6 +545,7 @@ class Isolation:
             help_text = subprocess.run([found, "--help"], capture_output=True, text=True, check=False).stdout
             self.has_size = "--size" in help_text
             self.has_disable_userns = "--disable-userns" in help_text
+            self.has_proc = proc_mountable(found)
             if self.privileged:
                 self.cgroups = Cgroups.detect(cgroup_prefix)
 
@@ -547,7 +580,7 @@ class Isolation:
 
         if self.kind == "bubblewrap":
             full = bwrap_argv(self.bwrap, view, env, argv, has_size=self.has_size,
-                              has_disable_userns=self.has_disable_userns, hostname=name)
+                              has_disable_userns=self.has_disable_userns, hostname=name, has_proc=self.has_proc)
         else:
             full = list(argv)
 

@@ -1,0 +1,108 @@
+"""Environment workers' lifecycle, with real sandboxed worker processes (bubblewrap): a worker
+is started on first use and reused per environment version and tenant, more are started when
+the busy ones hold ``max_calls`` calls (up to ``max_per_environment``), idle ones stop, one that
+dies or whose event loop hangs fails only the calls it held, each with an error naming it, and
+the next call starts another. tests/envs/lifecycle_env.py misbehaves as each task says."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgspec
+import pytest
+
+from flywheel.runtime import environments
+from flywheel.runtime.environments import WorkerEnvironment, WorkerError, WorkerPool
+from flywheel.runtime.envworker import LoadSpec
+from flywheel.runtime.isolation import View, bwrap_argv
+from flywheel.sdk.environment import EnvironmentLoadError
+from tests.helpers import until, worker_pool
+from tests.integration.conftest import ENVS
+from tests.unit.test_store import rollout
+
+SPEC = LoadSpec.of("lifecycle_env")
+
+
+@pytest.fixture(autouse=True)
+def envs_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(ENVS))
+
+
+async def behave(env: WorkerEnvironment, *tasks: str) -> list[float | None]:
+    """Each task's ``behave`` score (one rollout each, scored together in one call)."""
+    rollouts = [msgspec.structs.replace(rollout(f"r-{i}-{what}"), task_data={"do": what})
+                for i, what in enumerate(tasks)]
+    outcomes = await env.score(rollouts, ["behave"], timeout_s=120)
+    return [row[0].value for row in outcomes]
+
+
+def pids(pool: WorkerPool, tenant: str | None = None) -> list[int]:
+    return [w["pid"] for w in pool.info() if tenant is None or w["tenant"] == tenant]
+
+
+async def test_one_worker_per_environment_and_tenant_and_a_crash_fails_only_its_own_call() -> None:
+    async with worker_pool("scorer") as pool:
+        mine = await pool.load(SPEC, "a")
+        assert await behave(mine, "nothing") == [1.0]
+        again = await pool.load(SPEC, "a")  # the same version and tenant: the same worker
+        assert await behave(again, "nothing") == [1.0]
+        theirs = await pool.load(SPEC, "b")  # another tenant's: a worker of its own
+        assert await behave(theirs, "nothing") == [1.0]
+        assert len(pids(pool, "a")) == 1 and len(pids(pool, "b")) == 1
+        assert {(w["environment"], w["tenant"]) for w in pool.info()} == {("lifecycle_env", "a"),
+                                                                          ("lifecycle_env", "b")}
+        first, other = pids(pool, "a")[0], pids(pool, "b")[0]
+
+        with pytest.raises(WorkerError) as crashed:
+            await behave(mine, "crash")
+        # The error names the worker and how it ended: what the rollout's score says.
+        assert "environment worker of lifecycle_env (tenant a)" in str(crashed.value), crashed.value
+        assert "exit status 3" in str(crashed.value), crashed.value
+        assert pids(pool, "b") == [other]  # the other tenant's worker is untouched
+        assert await behave(theirs, "nothing") == [1.0]
+        assert await behave(mine, "nothing") == [1.0]  # the next call starts another
+        assert pids(pool, "a") != [first] and len(pids(pool, "a")) == 1
+
+
+async def test_a_worker_whose_loop_hangs_is_killed_and_the_next_call_gets_another(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(environments, "PING_EVERY_S", 0.5)
+    async with worker_pool("scorer", unresponsive_s=2.0) as pool:
+        env = await pool.load(SPEC, "a")
+        assert await behave(env, "nothing") == [1.0]
+        hung = pids(pool)
+        started = time.monotonic()
+        with pytest.raises(WorkerError, match=r"did not answer for 2s \(its environment's code held its event loop\)"):
+            await behave(env, "hang")
+        assert time.monotonic() - started < 30  # not the minute it would hold
+        assert await behave(env, "nothing") == [1.0]
+        assert pids(pool) != hung
+
+
+async def test_busy_workers_scale_out_to_the_limit_and_idle_ones_stop(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(environments, "PING_EVERY_S", 0.5)
+    async with worker_pool("scorer", max_calls=1, max_per_environment=2, idle_s=2.0) as pool:
+        env = await pool.load(SPEC, "a")
+        assert await behave(env, "nothing") == [1.0]
+        # Three slow calls at once: a second worker, not a third; each call is answered.
+        results = await asyncio.gather(*(behave(env, "slow") for _ in range(3)))
+        assert results == [[1.0]] * 3
+        assert len(pids(pool)) == 2
+        await until(lambda: not pool.info(), timeout_s=30, what="the idle workers to stop")
+
+
+async def test_an_environment_that_does_not_load_says_so_and_the_pool_goes_on() -> None:
+    async with worker_pool("scorer") as pool:
+        with pytest.raises(EnvironmentLoadError, match="no_such_environment"):
+            await pool.load(LoadSpec.of("no_such_environment"), "a")
+        env = await pool.load(SPEC, "a")
+        assert await behave(env, "nothing") == [1.0]
+
+
+def test_without_a_fresh_proc_a_sandbox_gets_none_of_the_hosts() -> None:
+    view = View(read_only=(), hidden=(), binds=(), disk_mb=8)
+    full = bwrap_argv("bwrap", view, {}, ["true"], has_size=True, has_disable_userns=False)
+    assert full[full.index("--proc") + 1] == "/proc"
+    bare = bwrap_argv("bwrap", view, {}, ["true"], has_size=True, has_disable_userns=False, has_proc=False)
+    assert "--proc" not in bare and not any(a == "/proc" for a in bare)
