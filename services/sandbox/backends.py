@@ -58,8 +58,8 @@ from flywheel.runtime.isolation import (
     agent_argv,
     agent_preamble,
     bwrap_argv,
+    bwrap_features,
     drain_tail,
-    proc_mountable,
 )
 from flywheel.runtime.relay import SOCKET_DIR, ModelRelay, open_relay
 from flywheel.sdk.sandbox import WORKDIR, SandboxError, SandboxSpec
@@ -188,14 +188,12 @@ class LocalBackend:
             raise BackendUnavailable(f"the local sandbox backend runs the agent with {self.config.python}, a "
                                      "Python under /usr (the only host folder a sandbox sees): install python3 with "
                                      "the system's package manager")
-        # Only the help text matters (it names the options this bubblewrap has), not the exit status.
-        help_text = subprocess.run([bwrap, "--help"], capture_output=True, text=True, check=False).stdout
-        self.has_size = "--size" in help_text
-        self.has_disable_userns = "--disable-userns" in help_text
         try:
-            self.has_proc = proc_mountable(bwrap)
+            features = bwrap_features(bwrap)
         except RuntimeError as exc:
             raise BackendUnavailable(str(exc)) from None
+        self.has_size, self.has_disable_userns, self.has_proc = (features.size, features.disable_userns,
+                                                                 features.proc)
         use_cgroups = self.config.use_cgroups and os.geteuid() == 0
         self.cgroups = Cgroups.detect("flywheel-sandbox") if use_cgroups else Cgroups({})
         self.privileged = os.geteuid() == 0

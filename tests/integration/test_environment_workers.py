@@ -7,13 +7,16 @@ the next call starts another. tests/envs/lifecycle_env.py misbehaves as each tas
 from __future__ import annotations
 
 import asyncio
+import sysconfig
 import time
+from pathlib import Path
 
 import msgspec
 import pytest
 
+from flywheel.contract.settings import WorkersSettings
 from flywheel.runtime import environments
-from flywheel.runtime.environments import WorkerEnvironment, WorkerError, WorkerPool
+from flywheel.runtime.environments import WorkerEnvironment, WorkerError, WorkerPool, worker_layout
 from flywheel.runtime.envworker import LoadSpec
 from flywheel.runtime.isolation import View, bwrap_argv
 from flywheel.sdk.environment import EnvironmentLoadError
@@ -106,3 +109,17 @@ def test_without_a_fresh_proc_a_sandbox_gets_none_of_the_hosts() -> None:
     assert full[full.index("--proc") + 1] == "/proc"
     bare = bwrap_argv("bwrap", view, {}, ["true"], has_size=True, has_disable_userns=False, has_proc=False)
     assert "--proc" not in bare and not any(a == "/proc" for a in bare)
+
+
+def test_a_workers_view_has_its_packages_never_the_root_the_working_folder_or_the_data_dir(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.syspath_prepend("/")  # a script run from / puts / on the path
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))  # as `python -m` does: the working folder, not named in PYTHONPATH
+    monkeypatch.setenv("PYTHONPATH", str(ENVS))
+    data = tmp_path / "data"
+    layout = worker_layout(WorkersSettings(), [data])
+    assert "/" not in layout.view.read_only and str(tmp_path) not in layout.view.read_only
+    assert str(ENVS) in layout.view.read_only and str(ENVS) in layout.path
+    assert sysconfig.get_path("purelib") in layout.view.read_only
+    assert layout.view.hidden == (str(data),)

@@ -342,9 +342,14 @@ def worker_layout(settings: WorkersSettings, hidden: Sequence[Path], extra: Sequ
                            f"python{sys.version_info[0]}.{sys.version_info[1]}), or run the services with one")
     privileged = os.geteuid() == 0
     given = [os.path.realpath(p) for p in settings.read_only if os.path.isdir(p)]
+    # The root on the import path (a script run from /) would show workers every file: never.
     visible = [p for p in dict.fromkeys([*site_dirs, *path, *_editable_folders(), *given])
-               if not privileged or readable_by_others(p)]
+               if p != "/" and (not privileged or readable_by_others(p))]
     skipped = sorted(set(site_dirs + path + given) - set(visible))
+    if "/" in skipped:
+        log.warning("environment workers do not see / (it is on this process's import path): only the folders of "
+                    "their packages")
+        skipped.remove("/")
     if skipped:
         log.warning("environment workers cannot read %s (a folder above is closed to other users): their "
                     "packages are not visible to environments", ", ".join(skipped))

@@ -388,33 +388,50 @@ def readable_by_others(path: str) -> bool:
         return False
 
 
+@dataclass(frozen=True)
+class BwrapFeatures:
+    """What bubblewrap can do on this machine (:func:`bwrap_features`)."""
+
+    size: bool  # --size: a size limit on each tmpfs
+    proc: bool  # a /proc of the sandbox's own PID namespace
+    disable_userns: bool  # --disable-userns: no user namespaces made inside the sandbox
+
+
 @functools.cache
-def proc_mountable(bwrap: str) -> bool:
-    """Whether bubblewrap can give a sandbox a /proc of its own PID namespace here. A container
-    whose /proc has paths masked (Docker's default) refuses a fresh proc mount in a user namespace:
-    sandboxes then get no /proc (none of the host's either). RuntimeError when bubblewrap cannot
-    make its namespaces at all, saying what the machine needs."""
-    def as_nobody() -> None:  # sandboxes run as users of their own, never root: probe as one
+def bwrap_features(bwrap: str) -> BwrapFeatures:
+    """Probed once, as an unprivileged user (sandboxes never run as root). In a container
+    (Docker's defaults) /proc has masked paths, so the kernel refuses a fresh proc mount in a
+    user namespace, and /proc/sys is read-only, so --disable-userns cannot set its limit: sandboxes
+    then get no /proc (none of the host's either), and may make user namespaces of their own.
+    RuntimeError when bubblewrap cannot make its namespaces at all, saying what the machine needs."""
+    def as_nobody() -> None:
         if os.geteuid() == 0:
             os.setgroups([])
             os.setresgid(65534, 65534, 65534)
             os.setresuid(65534, 65534, 65534)
 
-    def probe(*extra: str) -> subprocess.CompletedProcess[str]:
+    def works(*extra: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([bwrap, "--unshare-all", "--unshare-user", "--ro-bind", "/", "/", *extra, "true"],
                               capture_output=True, text=True, timeout=30, check=False, env={"PATH": os.defpath},
                               preexec_fn=as_nobody)  # the probe runs as an unprivileged user
-    if probe("--proc", "/proc").returncode == 0:
-        return True
-    bare = probe()
+
+    bare = works()
     if bare.returncode != 0:
         raise RuntimeError(f"bubblewrap cannot make its namespaces on this machine: {bare.stderr.strip()[-500:]}. It "
                            "needs unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1 and "
                            "user.max_user_namespaces > 0); in a container, one run without the engine's default "
                            "seccomp and AppArmor profiles (compose/docker-compose.yml: x-workers-security)")
-    log.warning("bubblewrap cannot mount a fresh /proc here (a container masks parts of its own): sandboxes get no "
-                "/proc")
-    return False
+    help_text = subprocess.run([bwrap, "--help"], capture_output=True, text=True, check=False).stdout
+    found = BwrapFeatures(size="--size" in help_text, proc=works("--proc", "/proc").returncode == 0,
+                          disable_userns="--disable-userns" in help_text
+                          and works("--disable-userns").returncode == 0)
+    if not found.proc:
+        log.warning("bubblewrap cannot mount a fresh /proc here (a container masks parts of its own): sandboxes get "
+                    "no /proc")
+    if "--disable-userns" in help_text and not found.disable_userns:
+        log.warning("bubblewrap cannot use --disable-userns here (/proc/sys is read-only): sandboxes may make user "
+                    "namespaces of their own")
+    return found
 
 
 def bwrap_argv(bwrap: str, view: View, env: Mapping[str, str], argv: Sequence[str], *, has_size: bool,
@@ -423,7 +440,7 @@ def bwrap_argv(bwrap: str, view: View, env: Mapping[str, str], argv: Sequence[st
     """bubblewrap's command line for ``argv`` in ``view`` with exactly ``env`` (see the module);
     ``network``: the host's network namespace, loopback services included (a sandbox service
     that allows it, for a spec that asks); ``has_proc``: a /proc of its own PID namespace
-    (:func:`proc_mountable`), else none."""
+    (:func:`bwrap_features`), else none."""
     args = [bwrap, "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session", "--hostname", hostname]
     if network:
         args.append("--share-net")
@@ -542,10 +559,9 @@ class Isolation:
                                    "(scripts/setup.sh as root, or apt-get install bubblewrap), or, on a machine "
                                    "only you use with code you trust, set workers.isolation = \"none\"")
             self.bwrap = found
-            help_text = subprocess.run([found, "--help"], capture_output=True, text=True, check=False).stdout
-            self.has_size = "--size" in help_text
-            self.has_disable_userns = "--disable-userns" in help_text
-            self.has_proc = proc_mountable(found)
+            features = bwrap_features(found)
+            self.has_size, self.has_disable_userns, self.has_proc = (features.size, features.disable_userns,
+                                                                     features.proc)
             if self.privileged:
                 self.cgroups = Cgroups.detect(cgroup_prefix)
 
