@@ -40,7 +40,7 @@ Figures per run (``runs`` in the JSON, every run, never only the best):
 - ``rewards``: the reward of every step;
 - Flywheel only: ``cpu_s_per_step_by_process`` (the same CPU seconds, by process:
   ``inference``, ``trainer``, ``gateway``, ``recorder``, ``scorer``, ``sandbox``,
-  ``nats-server``, ``fork-server``, ``run``), ``num_dropped_stale``, ``staleness_mean``.
+  ``nats-server``, ``fork-server``, ``workers``, ``run``), ``num_dropped_stale``, ``staleness_mean``.
 
 Ratios (Flywheel asynchronous over TRL, means over seeds; targets in brackets):
 ``cpu_s_per_step_ratio`` (plain; at most 1.2), ``time_to_threshold_ratio_plain`` (at most
@@ -123,14 +123,15 @@ def write_tasks(path: Path, num: int, seed: int) -> None:
 # --- one run of each system ----------------------------------------------------------------------
 
 SERVICE_OF = re.compile(r"(?P<fork>flywheel\.ops\.forkserver|fork server)|flywheel_(?P<service>\w+)"
-                        r"|(?P<nats>nats-server)|flywheel\.ops\.cli")
+                        r"|(?P<nats>nats-server)|(?P<workers>flywheel\.runtime\.envworker)|flywheel\.ops\.cli")
 
 
 def tree_cpu_s(pid: int) -> dict[str, float]:
     """User + system CPU seconds of ``pid`` and every process below it (alive now), by process:
     a service's name (``inference``, ``trainer``, ``gateway``...), ``nats-server``,
-    ``fork-server`` (its two processes, :mod:`flywheel.ops.forkserver`), ``run`` (the ``flywheel
-    run`` process itself) or ``other``."""
+    ``fork-server`` (its two processes, :mod:`flywheel.ops.forkserver`), ``workers`` (the
+    environment workers of every service, :mod:`flywheel.runtime.envworker`), ``run`` (the
+    ``flywheel run`` process itself) or ``other``."""
     import psutil
 
     by_process: dict[str, float] = {}
@@ -145,7 +146,7 @@ def tree_cpu_s(pid: int) -> dict[str, float]:
         except psutil.NoSuchProcess:
             continue
         match = SERVICE_OF.search(cmdline)
-        name = ("other" if match is None else "fork-server" if match["fork"]
+        name = ("other" if match is None else "fork-server" if match["fork"] else "workers" if match["workers"]
                 else match["service"] or match["nats"] or "run")
         if name == "gateway" and cmdline.split()[-1:] == ["recorder"]:
             name = "recorder"  # the gateway's second process

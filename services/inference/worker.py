@@ -668,7 +668,7 @@ class Worker:
             raise Reject(f"task {task.id}: {exc}") from exc
         try:
             async with hosted.admission.slot(task.num_rollouts) as slot:
-                slot.num_stored = await self._roll_out(task, env, sampling, hosted)
+                slot.num_stored = await self._roll_out(task, env, sampling, hosted, messages)
         except RunEnded as exc:
             # Waiting when the run ended: done with, not an error (counted as num_skipped).
             log.info("task %s: not sampled: %s", task.id, exc)
@@ -687,13 +687,14 @@ class Worker:
             self._refresh_info()
 
     async def _roll_out(self, task: events.Task, env: WorkerEnvironment, sampling: events.Sampling,
-                        hosted: HostedRun) -> int:
+                        hosted: HostedRun, messages: list[events.Message]) -> int:
         """Run the environment's harness once per rollout of the group, each against its own
         interception URL, and publish the group's rollouts together once all have ended;
-        returns how many of them the bus stored (the others it had already)."""
+        returns how many of them the bus stored (the others it had already). ``messages``: the
+        task's first messages, from the environment's worker."""
         async def placed(index: int) -> events.Rollout:
             async with hosted.admission.rollout():  # one of the run's places while it runs
-                return await self._one_rollout(task, index, env, sampling, hosted)
+                return await self._one_rollout(task, index, env, sampling, hosted, messages)
 
         rollouts = [asyncio.ensure_future(placed(i)) for i in range(task.num_rollouts)]
         try:
@@ -737,10 +738,10 @@ class Worker:
         return num_stored
 
     async def _one_rollout(self, task: events.Task, index: int, env: WorkerEnvironment, sampling: events.Sampling,
-                           hosted: HostedRun) -> events.Rollout:
-        """One rollout of the group, its harness run in a worker of the environment (by the rules
-        of :mod:`flywheel.sdk.rollout`), against its own interception session, whose trace nodes go
-        out before the rollout."""
+                           hosted: HostedRun, messages: list[events.Message]) -> events.Rollout:
+        """One rollout of the group, its harness run in a worker of the environment (a plain chat
+        harness here, from the task's first ``messages``; by the rules of :mod:`flywheel.sdk.rollout`),
+        against its own interception session, whose trace nodes go out before the rollout."""
         rid = events.rollout_id(task.run, task.id, index)
         sampling = sampling.with_seed_offset(index)
 
@@ -757,7 +758,7 @@ class Worker:
         hosted.live[rid] = (session, stop)
         try:
             try:
-                running = await env.start_rollout(link)
+                running = await env.start_rollout(link, messages)
             except WorkerError as exc:  # no worker for it: this rollout fails, saying why
                 ran = Ran(f"environment worker failed: {exc}", {}, False, 0.0)
             else:

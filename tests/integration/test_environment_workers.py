@@ -2,11 +2,14 @@
 is started on first use and reused per environment version and tenant, more are started when
 the busy ones hold ``max_calls`` calls (up to ``max_per_environment``), idle ones stop, one that
 dies or whose event loop hangs fails only the calls it held, each with an error naming it, and
-the next call starts another. tests/envs/lifecycle_env.py misbehaves as each task says."""
+the next call starts another. tests/envs/lifecycle_env.py misbehaves as each task says. A
+rollout of a plain chat harness runs in its host, from the first messages its worker gave,
+exactly as it would in the worker; any other harness runs in the worker."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import sysconfig
 import time
 from pathlib import Path
@@ -16,7 +19,15 @@ import pytest
 
 from flywheel.contract.settings import WorkersSettings
 from flywheel.runtime import environments
-from flywheel.runtime.environments import WorkerEnvironment, WorkerError, WorkerPool, worker_layout
+from flywheel.runtime.environments import (
+    HostedChat,
+    RolloutLink,
+    WorkerEnvironment,
+    WorkerError,
+    WorkerPool,
+    WorkerRollout,
+    worker_layout,
+)
 from flywheel.runtime.envworker import LoadSpec
 from flywheel.runtime.isolation import View, bwrap_argv
 from flywheel.sdk.environment import EnvironmentLoadError
@@ -123,3 +134,47 @@ def test_a_workers_view_has_its_packages_never_the_root_the_working_folder_or_th
     assert str(ENVS) in layout.view.read_only and str(ENVS) in layout.path
     assert sysconfig.get_path("purelib") in layout.view.read_only
     assert layout.view.hidden == (str(data),)
+
+
+async def test_a_plain_chat_runs_in_its_host_as_in_its_worker_and_any_other_harness_in_the_worker() -> None:
+    answer = json.dumps({"choices": [{"index": 0, "finish_reason": "stop",
+                                      "message": {"role": "assistant", "content": "cba"}}]}).encode()
+    asked: list[bytes] = []
+
+    async def post(url: str, body: bytes) -> tuple[int, bytes]:
+        asked.append(body)
+        return 200, answer
+
+    async with worker_pool("inference") as pool:
+        env = await pool.load(LoadSpec.of("reverse_text"), "a")
+        assert env.info.plain_chat_turns == 1  # the platform's ChatHarness, a system prompt, nothing else
+        task = {"text": "abc"}
+        first = await env.prompt_messages(task)
+        hosted = await env.start_rollout(RolloutLink("r-1", "run", "http://model/v1", "k", post=post), first)
+        in_worker = await env.start_rollout(RolloutLink("r-2", "run", "http://model/v1", "k", post=post))
+        assert isinstance(hosted, HostedChat) and isinstance(in_worker, WorkerRollout)
+        calls = sum(w["calls"] for w in pool.info())
+        here = await hosted.run(task, model="m", index=0, timeout_s=30)
+        assert sum(w["calls"] for w in pool.info()) == calls  # no round trip to the worker
+        there = await in_worker.run(task, model="m", index=1, timeout_s=30)
+        assert here.error is None and there.error is None
+        assert here.state == there.state == {"turns": 1, "stop_reason": "done"}
+        assert asked[0] == asked[1]  # the same request, the system prompt first
+        assert json.loads(asked[0])["messages"][0] == {"role": "system", "content": "Reverse the text."}
+
+        stopped = await env.start_rollout(RolloutLink("r-3", "run", "http://model/v1", "k", post=never), first)
+        running = asyncio.ensure_future(stopped.run(task, model="m", index=2, timeout_s=30))
+        await asyncio.sleep(0.1)
+        stopped.stop("the run ended")
+        assert (await running).error == "stopped: the run ended"
+
+        flaky = await pool.load(LoadSpec.of("flaky_env"), "a")  # a harness of its own: always in its worker
+        assert flaky.info.plain_chat_turns is None
+        own = await flaky.start_rollout(RolloutLink("r-4", "run", "http://model/v1", "k", post=post),
+                                        await flaky.prompt_messages({"text": "ab", "fail": False}))
+        assert isinstance(own, WorkerRollout)
+
+
+async def never(url: str, body: bytes) -> tuple[int, bytes]:
+    await asyncio.Event().wait()
+    raise AssertionError("unreachable")

@@ -66,6 +66,11 @@ class ChannelClosed(ConnectionError):
     """The other side is gone (exited, killed, or sent what no peer sends)."""
 
 
+def _retrieved(done: asyncio.Future[None]) -> None:
+    if not done.cancelled():
+        done.exception()
+
+
 class Channel:
     """One end of a channel: ``read_exactly(n)`` and ``write(data)`` are the streams, ``handlers``
     what this end serves. :meth:`serve` reads until the streams end; :meth:`call` asks the other end."""
@@ -79,7 +84,11 @@ class Channel:
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[Any]] = {}
         self._serving: dict[int, asyncio.Task[None]] = {}
-        self._lock = asyncio.Lock()
+        self._lock = asyncio.Lock()  # one write at a time
+        # Frames sent in one turn of the event loop go out in one write (a rollout's model calls
+        # and answers come in bursts: one system call and one wake-up of the peer for each burst).
+        self._outbox: list[bytes] = []
+        self._flush: asyncio.Future[None] | None = None
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(Frame)
         self.closed: str | None = None  # why, once closed
@@ -109,14 +118,27 @@ class Channel:
             self._waiting.pop(call_id, None)
 
     async def _send(self, frame: Frame) -> None:
+        """Returns once the frame is written (with the others of its turn of the loop)."""
         body = self._encoder.encode(frame)
         if len(body) > self.max_frame_bytes:
             raise ValueError(f"a {type(frame).__name__.lower()} of {len(body)} bytes is over the channel's "
                              f"{self.max_frame_bytes} bytes a frame")
+        if self.closed is not None:
+            raise ChannelClosed(self.closed)
+        self._outbox += (_HEADER.pack(len(body)), body)
+        flush = self._flush
+        if flush is None:
+            flush = self._flush = asyncio.ensure_future(self._write_outbox())
+            flush.add_done_callback(_retrieved)  # its senders may all be cancelled meanwhile
+        await asyncio.shield(flush)
+
+    async def _write_outbox(self) -> None:
+        await asyncio.sleep(0)  # the rest of this turn's frames join
         async with self._lock:
+            data, self._outbox, self._flush = b"".join(self._outbox), [], None  # later frames: the next write
             if self.closed is not None:
                 raise ChannelClosed(self.closed)
-            await self._write(_HEADER.pack(len(body)) + body)
+            await self._write(data)
 
     async def serve(self) -> None:
         """Read frames until the streams end or break; then close (see :meth:`close`)."""

@@ -55,9 +55,17 @@ from flywheel.runtime.envworker import NUM_REWARD_THREADS, EnvironmentInfo, Hook
 from flywheel.runtime.isolation import WORKDIR, Isolation, Limits, MiB, View, readable_by_others
 from flywheel.runtime.isolation import sandbox_python as find_sandbox_python
 from flywheel.sdk import sandbox as sandbox_sdk
-from flywheel.sdk.environment import EnvironmentLoadError, EnvironmentNotInstalled, EnvironmentVersionMismatch
+from flywheel.sdk.environment import (
+    Environment,
+    EnvironmentLoadError,
+    EnvironmentNotInstalled,
+    EnvironmentVersionMismatch,
+    Reward,
+)
+from flywheel.sdk.harness import ChatHarness, RolloutContext
 from flywheel.sdk.hooks import FLAG_METRIC, Blocked
-from flywheel.sdk.rollout import Ran
+from flywheel.sdk.messages import message_dict
+from flywheel.sdk.rollout import Ran, run_only
 
 if TYPE_CHECKING:
     from flywheel.sdk.sandbox import SandboxClient
@@ -181,24 +189,25 @@ class WorkerProcess:
             self.in_flight -= 1
             self.last_used = time.monotonic()
 
-    async def handle(self, spec: LoadSpec) -> tuple[int, EnvironmentInfo]:
-        """The handle of ``spec`` loaded in this worker (loaded now, once, if it is not)."""
-        found = self.handles.get(spec.key)
+    async def handle(self, spec: LoadSpec, key: str) -> tuple[int, EnvironmentInfo]:
+        """The handle of ``spec`` (``key``: its :attr:`LoadSpec.key`) loaded in this worker
+        (loaded now, once, if it is not)."""
+        found = self.handles.get(key)
         if found is not None:
-            return found, self.pool.infos[spec.key]
-        pending = self._loading.get(spec.key)
+            return found, self.pool.infos[key]
+        pending = self._loading.get(key)
         if pending is None:
-            pending = self._loading[spec.key] = asyncio.ensure_future(self.call("load", msgspec.to_builtins(spec)))
+            pending = self._loading[key] = asyncio.ensure_future(self.call("load", msgspec.to_builtins(spec)))
         try:
             answer = await asyncio.shield(pending)
         finally:
             if pending.done():
-                self._loading.pop(spec.key, None)
+                self._loading.pop(key, None)
         if not isinstance(answer, dict) or not isinstance(answer.get("handle"), int):
             raise WorkerError(f"{self.label} answered a load with {answer!r}")
         info = msgspec.convert(answer.get("info"), EnvironmentInfo)
-        self.handles[spec.key] = answer["handle"]
-        self.pool.infos.setdefault(spec.key, info)
+        self.handles[key] = answer["handle"]
+        self.pool.infos.setdefault(key, info)
         return answer["handle"], info
 
     async def kill(self, why: str) -> None:
@@ -385,9 +394,9 @@ class WorkerPool:
         worker's message) when it cannot be. ``install_dir``: the environment's own install (its
         folder first on the worker's import path)."""
         key = (tenant, spec.function or spec.env_id.partition("@")[0], spec.env_id, install_dir or "")
-        env = WorkerEnvironment(self, key, spec, EnvironmentInfo(name=spec.env_id))
+        env = WorkerEnvironment(self, key, spec, spec.key, EnvironmentInfo(name=spec.env_id))
         await env.call("ping", None)  # a worker up, the spec loaded: its info is known
-        env.info = self.infos[spec.key]
+        env.info = self.infos[env.spec_key]
         return env
 
     def label(self, key: tuple[str, ...]) -> str:
@@ -582,6 +591,7 @@ class WorkerEnvironment:
     pool: WorkerPool
     key: tuple[str, ...]
     spec: LoadSpec
+    spec_key: str  # spec.key, made once
     info: EnvironmentInfo
 
     @property
@@ -602,7 +612,7 @@ class WorkerEnvironment:
 
     async def _on(self) -> tuple[WorkerProcess, int]:
         worker = await self.pool.worker(self.key)
-        handle, _ = await worker.handle(self.spec)
+        handle, _ = await worker.handle(self.spec, self.spec_key)
         return worker, handle
 
     async def call(self, op: str, args: dict[str, Any] | None) -> Any:
@@ -634,8 +644,14 @@ class WorkerEnvironment:
         answer = await self.call("references", {"tasks": [dict(t) for t in tasks], "contexts": contexts})
         return msgspec.convert(answer, list[tuple[list[events.Message], str]])
 
-    async def start_rollout(self, link: RolloutLink) -> WorkerRollout:
-        """A rollout of this environment to run in one of its workers, reaching ``link``."""
+    async def start_rollout(self, link: RolloutLink, first_messages: Sequence[events.Message] | None = None
+                            ) -> WorkerRollout | HostedChat:
+        """A rollout of this environment reaching ``link``, run in one of its workers; or, given the
+        task's ``first_messages`` (its :meth:`prompt_messages`) and a plain chat harness with no
+        hooks, run here (:class:`HostedChat`): the environment's own code has had its part."""
+        turns = self.info.plain_chat_turns
+        if first_messages is not None and turns is not None and not self.info.hooks:
+            return HostedChat(self.name, turns, list(first_messages), link)
         worker, handle = await self._on()
         worker.links[link.rollout_id] = link
         return WorkerRollout(self, worker, handle, link)
@@ -730,6 +746,40 @@ class WorkerHooks:
 
     def metrics(self) -> dict[str, float]:
         return {f"{FLAG_METRIC}{name}": float(n) for name, n in self.flags.items()}
+
+
+def _unused() -> float:
+    return 0.0
+
+
+class HostedChat:
+    """A rollout of a plain chat harness (:func:`flywheel.runtime.envworker.plain_chat_turns`), run by
+    its host: the platform's :class:`~flywheel.sdk.harness.ChatHarness` from the task's first
+    messages, which the environment's worker gave. Nothing of the environment's runs here, and a
+    rollout costs no round trip to a worker. The same interface as :class:`WorkerRollout`."""
+
+    hooks: WorkerHooks | None = None  # a plain chat is hosted only for an environment without hooks
+
+    def __init__(self, name: str, turns: int, first_messages: list[events.Message], link: RolloutLink) -> None:
+        # A stand-in that gives the harness the task's first messages; its row and reward are
+        # never used (an Environment has at least one of each).
+        self.env = Environment(name=name, tasks=[{}], rewards=[Reward(_unused, name="unused")],
+                               harness=ChatHarness(max_turns=turns),
+                               prompt=lambda task: [message_dict(m) for m in first_messages])
+        self.link = link
+        self._stop: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+    async def run(self, task: Mapping[str, Any], *, model: str, index: int, timeout_s: float) -> Ran:
+        link = self.link
+        ctx = RolloutContext(task=dict(task), base_url=link.base_url, api_key=link.api_key, model=model, index=index,
+                             timeout_s=timeout_s, http_client=link.http_client, post=link.post,
+                             rollout_id=link.rollout_id, run=link.run)
+        return await run_only(self.env, ctx, timeout_s, stop=self._stop)
+
+    def stop(self, reason: str) -> None:
+        """End the rollout now: its outcome is an error ``stopped: <reason>``."""
+        if not self._stop.done():
+            self._stop.set_result(reason)
 
 
 @dataclass

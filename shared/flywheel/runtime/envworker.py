@@ -59,7 +59,7 @@ from flywheel.sdk.environment import (
     import_object,
     load_environment,
 )
-from flywheel.sdk.harness import PROGRAM_RUNNER, ProgramHarness, RolloutContext
+from flywheel.sdk.harness import PROGRAM_RUNNER, ChatHarness, ProgramHarness, RolloutContext
 from flywheel.sdk.hooks import Blocked, CallHooks
 from flywheel.sdk.rollout import run_only
 from flywheel.sdk.sandbox import metered_to
@@ -100,6 +100,11 @@ class EnvironmentInfo(_Struct, frozen=True):
     argv: list[str] = []  # a program harness's command line
     runtime: str | None = None  # where a program harness runs
     hooks: bool = False  # whether it has request or response hooks
+    # Its harness's turns where it is the platform's ChatHarness with nothing of the environment's
+    # in its loop (plain_chat_turns), else None. Its host may run such a rollout itself from the
+    # task's first messages (WorkerEnvironment.start_rollout): what the worker would run is
+    # platform code only.
+    plain_chat_turns: int | None = None
 
     @property
     def weights(self) -> dict[str, float]:
@@ -174,7 +179,19 @@ def environment_info(env: Environment) -> EnvironmentInfo:
                            harness=type(harness).__name__,
                            argv=[str(a) for a in getattr(harness, "argv", ())],
                            runtime=getattr(harness, "runtime", None),
-                           hooks=bool(env.request_hooks or env.response_hooks))
+                           hooks=bool(env.request_hooks or env.response_hooks),
+                           plain_chat_turns=plain_chat_turns(harness))
+
+
+def plain_chat_turns(harness: Any) -> int | None:
+    """``harness``'s turns where it is the platform's own :class:`ChatHarness` (not a subclass) with
+    no part of the environment's in its loop (its first messages are all it takes from the
+    environment); None otherwise."""
+    if (isinstance(harness, ChatHarness) and type(harness) is ChatHarness and not harness.tools
+            and harness.env_response is None and harness.user is None and harness.stop is None
+            and harness.setup is None):
+        return harness.max_turns
+    return None
 
 
 # --- what a rollout reaches, from inside a worker ----------------------------------------------------
