@@ -26,6 +26,9 @@ def test_the_step_line_counts_every_drop_by_reason_and_shows_the_metrics() -> No
     terms = format_step(row | {"echo_loss": 2.5, "sft_term_loss": 0.75, "distill_loss": 0.5,
                                "teacher.expert.kl": 1.25}, 10, None)
     assert "  echo loss 2.500  sft loss 0.750  distill loss 0.500  kl expert 1.250  staleness" in terms
+    # A step of a run on several environments gives each one's reward, in the row's order.
+    mixed = format_step(row | {"env.reverse_text.reward_mean": 0.25, "env.arithmetic.reward_mean": 0.75}, 10, None)
+    assert mixed.startswith("step   7/10  reward 0.500 (reverse_text 0.250, arithmetic 0.750)  staleness")
 
 
 def test_the_summary_has_drops_by_reason_and_each_metric_first_and_last(tmp_path: Path) -> None:
