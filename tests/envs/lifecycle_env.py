@@ -1,6 +1,8 @@
 """lifecycle: an environment whose reward misbehaves on purpose, as its task says (``do``):
 ``crash`` ends its worker's process, ``hang`` holds its worker's event loop for a minute,
-``slow`` takes a second, anything else scores 1.0 at once. The environment workers' lifecycle
+``slow`` takes a second, ``ask`` fetches the task's ``url`` (through the worker's host: an endpoint
+the run config names, :mod:`flywheel.sdk.egress`) and scores 1.0 when it answers ``pong``,
+anything else scores 1.0 at once. The environment workers' lifecycle
 tests (tests/integration/test_environment_workers.py) import it by name with ``tests/envs``
 on ``sys.path``."""
 
@@ -11,6 +13,7 @@ import os
 import time
 from typing import Any
 
+from flywheel.sdk import egress
 from flywheel.sdk.environment import Environment, Reward, TaskSet
 
 
@@ -22,9 +25,15 @@ async def behave(task: dict[str, Any]) -> float:
         time.sleep(60)  # noqa: ASYNC251  # holds the worker's event loop, on purpose: what the test is about
     if what == "slow":
         await asyncio.sleep(1.0)
+    if what == "ask":
+        client = egress.http_client(10.0)
+        assert client is not None, "in a worker, an outside call goes through its host"
+        async with client:
+            answer = await client.get(task["url"])
+        return float(answer.text == "pong")
     return 1.0
 
 
-def load_environment() -> Environment:
+def load_environment(judge_url: str | None = None) -> Environment:  # judge_url: an endpoint it may ask
     return Environment(name="lifecycle_env", tasks=TaskSet.from_rows([{"do": "nothing"}]), prompt=lambda task: "hi",
                        rewards=[Reward(behave, name="behave")])

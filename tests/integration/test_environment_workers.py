@@ -178,3 +178,34 @@ async def test_a_plain_chat_runs_in_its_host_as_in_its_worker_and_any_other_harn
 async def never(url: str, body: bytes) -> tuple[int, bytes]:
     await asyncio.Event().wait()
     raise AssertionError("unreachable")
+
+
+async def test_environment_code_reaches_the_endpoints_its_run_config_names_and_nothing_else() -> None:
+    """A user simulator's model, a judge: a worker has no network, so its host makes the call, to an
+    URL an argument of the environment gives (or under its path) and to nothing else."""
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\nConnection: close\r\n\r\npong")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    named, other = f"http://127.0.0.1:{port}/judge", f"http://127.0.0.1:{port}/admin"
+    try:
+        async with worker_pool("scorer") as pool:
+            env = await pool.load(LoadSpec(env_id="lifecycle_env", args={"judge_url": named}), "a")
+            rollouts = [msgspec.structs.replace(rollout(f"r-{i}"), task_data={"do": "ask", "url": url})
+                        for i, url in enumerate([named + "/v1/ping", other, f"{named}/../admin"])]
+            outcomes = await env.score(rollouts, ["behave"], timeout_s=60)
+            assert outcomes[0][0].value == 1.0, outcomes[0][0]
+            for (outcome,) in outcomes[1:]:  # httpx makes .../judge/../admin .../admin before it goes
+                assert outcome.error is not None and "is not an endpoint this environment's run config names" in \
+                    outcome.error and f"{other}'" in outcome.error, outcome
+            # Another tenant's worker of the same environment, loaded without the argument, reaches nothing.
+            bare = await pool.load(LoadSpec(env_id="lifecycle_env"), "b")
+            (row,) = await bare.score(rollouts[:1], ["behave"], timeout_s=60)
+            assert row[0].error is not None and "no URL" in row[0].error, row[0]
+    finally:
+        server.close()
+        await server.wait_closed()

@@ -27,6 +27,12 @@ a scored rollout for its rewards' sandboxes):
   endpoint whatever the worker asked, and it may touch only the sandboxes it made;
 - ``program``: a program harness's program, run for the rollout in a sandbox of its own
   (:mod:`flywheel.runtime.programs`), whose one way out is the rollout's endpoint.
+
+And, for no rollout in particular, ``egress``: a request to an endpoint the run's config gives
+the environment (an argument that is an http(s) URL: a user simulator's model, a judge), to
+that URL or under its path and nothing else, made by the host with no credential of its own
+(:mod:`flywheel.sdk.egress`). Whoever writes a run config chooses those URLs: pointing one at
+a service inside a deployment lets the tenant's environment code call it from the host.
 """
 
 from __future__ import annotations
@@ -130,6 +136,32 @@ class Process(Protocol):
     async def stop(self) -> None: ...
 
 
+DEATH_WORDS_WAIT_S = 5.0  # a call whose worker's channel closed waits this long for the process's exit
+EGRESS_TIMEOUT_S = 600.0  # a call of environment code to an endpoint its run's config names
+
+
+def urls_in(value: Any) -> set[str]:
+    """The http(s) URLs among ``value``'s strings (an environment's arguments, nested or not)."""
+    if isinstance(value, str):
+        parsed = urllib.parse.urlsplit(value)
+        return {value} if parsed.scheme in ("http", "https") and parsed.netloc else set()
+    if isinstance(value, Mapping):
+        return set().union(*(urls_in(v) for v in value.values()))
+    if isinstance(value, list | tuple):
+        return set().union(*(urls_in(v) for v in value))
+    return set()
+
+
+def _under(url: str, allowed: str) -> bool:
+    """Whether ``url`` is ``allowed`` or under its path: the same scheme and host and port, the path
+    the same or below, and no ``..`` anywhere."""
+    a, b = urllib.parse.urlsplit(url), urllib.parse.urlsplit(allowed)
+    if (a.scheme, a.netloc.lower()) != (b.scheme, b.netloc.lower()) or ".." in urllib.parse.unquote(a.path).split("/"):
+        return False
+    base = b.path.rstrip("/")
+    return a.path == base or a.path.startswith(base + "/") or (not base and a.path in ("", "/"))
+
+
 class WorkerProcess:
     """One running worker: its process, the channel on its stdin and stdout, what it has loaded, its links."""
 
@@ -143,9 +175,11 @@ class WorkerProcess:
         self.last_used = time.monotonic()
         self.started_at = time.time()
         self.dead: str | None = None  # why, once it is
+        self.egress: set[str] = set()  # the URLs its environments' arguments give (egress)
+        self._egress_client: Any = None  # an httpx.AsyncClient, made on the first egress
         self.channel = Channel(read_exactly, write,
                                {"post": self._post, "http": self._http, "sandbox": self._sandbox,
-                                "program": self._program})
+                                "program": self._program, "egress": self._egress})
         self._serving = asyncio.ensure_future(self._serve())
         self._loading: dict[str, asyncio.Future[Any]] = {}
 
@@ -155,6 +189,8 @@ class WorkerProcess:
 
     async def _serve(self) -> None:
         await self.channel.serve()
+        if self._egress_client is not None:
+            await self._egress_client.aclose()
         await self.started.wait()
         code = self.started.returncode
         how = f"signal {-code}" if code is not None and code < 0 else f"exit status {code}"
@@ -180,6 +216,9 @@ class WorkerProcess:
         try:
             return await self.channel.call(op, args)
         except ChannelClosed:
+            if self.dead is None:  # its stdout ended: the process's exit (status, last words) says why, shortly
+                with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                    await asyncio.wait_for(asyncio.shield(self._serving), DEATH_WORDS_WAIT_S)
             raise WorkerError(self.dead or self.channel.closed or f"{self.label} is gone") from None
         except RemoteError as exc:
             if exc.kind in LOAD_ERRORS:
@@ -206,6 +245,7 @@ class WorkerProcess:
         if not isinstance(answer, dict) or not isinstance(answer.get("handle"), int):
             raise WorkerError(f"{self.label} answered a load with {answer!r}")
         info = msgspec.convert(answer.get("info"), EnvironmentInfo)
+        self.egress |= urls_in(spec.args)
         self.handles[key] = answer["handle"]
         self.pool.infos.setdefault(key, info)
         return answer["handle"], info
@@ -290,6 +330,24 @@ class WorkerProcess:
         if message.id not in link.boxes:
             raise sandbox_sdk.SandboxError("not_found", f"no sandbox {message.id} of rollout {link.rollout_id}")
         return message
+
+    async def _egress(self, args: Any) -> dict[str, Any]:
+        url = str(args.get("url") or "")
+        if not any(_under(url, allowed) for allowed in self.egress):
+            raise PermissionError(f"{url!r} is not an endpoint this environment's run config names (its arguments "
+                                  f"give {sorted(self.egress) or 'no URL'}); environment code reaches nothing else")
+        if self._egress_client is None:
+            import httpx
+
+            self._egress_client = httpx.AsyncClient(timeout=httpx.Timeout(EGRESS_TIMEOUT_S, connect=30.0),
+                                                    follow_redirects=False, trust_env=False)
+        hop = {"host", "content-length", "connection", "transfer-encoding", "keep-alive", "upgrade"}
+        headers = [(str(k), str(v)) for k, v in args.get("headers") or [] if str(k).lower() not in hop]
+        response = await self._egress_client.request(str(args.get("method", "GET")), url, headers=headers,
+                                                     content=bytes(args.get("body") or b""))
+        return {"status": response.status_code, "body": response.content,
+                "headers": [[k, v] for k, v in response.headers.items()
+                            if k.lower() not in ("content-length", "transfer-encoding", "content-encoding")]}
 
     async def _program(self, args: Any) -> dict[str, Any]:
         link = self._link(args.get("rollout"))

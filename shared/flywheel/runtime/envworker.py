@@ -17,7 +17,9 @@ What the host asks (each op's arguments and answer are plain msgpack values):
   reference answers for supervised steps;
 - ``roll_out``: run the harness on one task (:func:`flywheel.sdk.rollout.run_only`); its
   model calls, HTTP requests and sandbox requests go back to the host (``post``, ``http``,
-  ``sandbox``, ``program``: the host decides what each may reach, see the host module);
+  ``sandbox``, ``program``: the host decides what each may reach, see the host module), and
+  so do environment code's calls to the endpoints its run's config names (``egress``, a user
+  simulator's model: :mod:`flywheel.sdk.egress`);
   ``stop`` ends a rollout early; ``hook_before`` and ``hook_after`` run the environment's
   hooks on a model call of a rollout under way;
 - ``score``, ``score_group``: rewards and group rewards on rollouts, by the scoring core's
@@ -38,7 +40,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +49,7 @@ import msgspec
 
 from flywheel.contract import events
 from flywheel.runtime.channel import Channel
+from flywheel.sdk import egress
 from flywheel.sdk import sandbox as sandbox_sdk
 from flywheel.sdk.environment import (
     Environment,
@@ -220,23 +223,37 @@ class ChannelSandboxClient(sandbox_sdk.SandboxClient):
                                                        "timeout_s": self.request_timeout_s}))
 
 
-def channel_transport(channel: Channel) -> Any:
-    """An httpx transport that sends each request to the host (``http``): the rollout is the
-    first segment of the URL's path (``http://model.flywheel/<rollout>/v1/...``)."""
+def _transport(channel: Channel, op: str, where: Callable[[Any], dict[str, str]]) -> Any:
+    """An httpx transport that sends each request to the host as ``op``, ``where(request)`` saying where to."""
     import httpx
 
     class Transport(httpx.AsyncBaseTransport):
         async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-            _, rollout, path = request.url.raw_path.decode().split("/", 2)
             body = await request.aread()
-            answer = await channel.call("http", {"rollout": rollout, "method": request.method, "path": "/" + path,
-                                                 "headers": [[k.decode("latin-1"), v.decode("latin-1")]
-                                                             for k, v in request.headers.raw
-                                                             if k.lower() not in (b"host", b"content-length")],
-                                                 "body": body})
+            answer = await channel.call(op, {**where(request), "method": request.method,
+                                             "headers": [[k.decode("latin-1"), v.decode("latin-1")]
+                                                         for k, v in request.headers.raw
+                                                         if k.lower() not in (b"host", b"content-length")],
+                                             "body": body})
             return httpx.Response(answer["status"], headers=answer["headers"], content=answer["body"])
 
     return Transport()
+
+
+def channel_transport(channel: Channel) -> Any:
+    """An httpx transport that sends each request to the host (``http``): the rollout is the
+    first segment of the URL's path (``http://model.flywheel/<rollout>/v1/...``)."""
+    def where(request: Any) -> dict[str, str]:
+        _, rollout, path = request.url.raw_path.decode().split("/", 2)
+        return {"rollout": rollout, "path": "/" + path}
+
+    return _transport(channel, "http", where)
+
+
+def egress_transport(channel: Channel) -> Any:
+    """An httpx transport that asks the host (``egress``) to make each request: environment code's
+    calls to endpoints its run's config names (:mod:`flywheel.sdk.egress`)."""
+    return _transport(channel, "egress", lambda request: {"url": str(request.url)})
 
 
 # --- the worker -----------------------------------------------------------------------------------
@@ -481,6 +498,7 @@ async def serve(read_fd: int, write_fd: int) -> None:
 
     worker = Worker()
     channel = worker.channel = Channel(reader.readexactly, write, worker.handlers())
+    egress.use_transport(lambda: egress_transport(channel))
     await channel.serve()
 
 

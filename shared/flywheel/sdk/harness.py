@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgspec
 
 from flywheel.contract import events
+from flywheel.sdk import egress
 from flywheel.sdk.messages import message_dict, message_from_dict
 from flywheel.sdk.sandbox import MODEL_BASE_URL, SandboxSpec, sandbox_session
 
@@ -364,7 +365,8 @@ def user_simulator_server(base_url: str, model: str, instructions: Callable[[dic
                 swapped.append({"role": "user", "content": m["content"]})
             elif m.get("role") == "user":
                 swapped.append({"role": "assistant", "content": m.get("content") or ""})
-        client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key)
+        # In an environment worker (no network), through its host, to this URL of the run's config.
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, http_client=egress.http_client(600.0))
         try:
             out = await client.chat.completions.create(model=model, messages=swapped, temperature=temperature)
         finally:
