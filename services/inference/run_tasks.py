@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+from collections.abc import Callable
 
 import nats.errors
 import nats.js.errors
@@ -80,7 +81,8 @@ class RunTasks:
         self._ending.pop(run, None)
         if run in self._running or self._stopping:
             return
-        consumer = self._consumer(durable_of(run), f"tasks.{run}.>", self._handle)
+        consumer = self._consumer(durable_of(run), f"tasks.{run}.>", self._handle,
+                                  recreate_if=lambda: run not in self._ending)  # an ended run's goes
         running = asyncio.ensure_future(consumer.run())
         running.add_done_callback(functools.partial(self._ended, run))
         self._running[run] = (consumer, running)
@@ -113,12 +115,14 @@ class RunTasks:
         if self._failure is not None:
             raise self._failure
 
-    def _consumer(self, durable: str, subjects: str | None, handler: Handler) -> Consumer:
+    def _consumer(self, durable: str, subjects: str | None, handler: Handler,
+                  recreate_if: Callable[[], bool] | None = None) -> Consumer:
         c = self.config
         return Consumer(self.bus, stream="TASKS", durable=durable, filter_subject=subjects, handler=handler,
                         event_type=events.Task, max_in_flight=c.max_tasks_in_flight, ack_wait_s=c.ack_wait_s,
                         max_deliver=c.max_deliver, backoff_s=c.backoff_s, grace_s=c.grace_s,
-                        letters_undecodable=subjects is None)  # the screen letters what does not decode
+                        letters_undecodable=subjects is None,  # the screen letters what does not decode
+                        recreate_if=recreate_if)
 
     def _ended(self, run: str, future: asyncio.Future[None]) -> None:
         """A run's consumer returned: an error stops the process."""

@@ -186,6 +186,7 @@ class RunOwner:
         self.first_step = state.trainer_step
         self.paused = state.status == "paused"  # its trainer is stopped until the run is resumed
         self.num_dropped = 0  # rollouts the trainer dropped so far (each weight update says)
+        self._said_bad_count = False  # a weight update counted more drops than rollouts published (said once)
         self.progress = Progress()
         self._supplying = asyncio.Lock()
         self.evals_path = self.run_dir / "evals.jsonl"
@@ -497,6 +498,16 @@ class RunOwner:
         """Publish tasks up to what the run needs; called again as drops come in."""
         async with self._supplying:
             if num_dropped is not None:
+                # A count past every rollout published so far cannot be this run's: bounded here,
+                # where it is read (a forged or corrupt update must not make the supply loop for
+                # ever), and said once.
+                most = self.num_published * self.cfg.group_size
+                if num_dropped > most:
+                    if not self._said_bad_count:
+                        await self.note(f"a weight update says {num_dropped} rollouts were dropped, more than the "
+                                        f"{most} published so far: counted as {most}")
+                        self._said_bad_count = True
+                    num_dropped = most
                 self.num_dropped = max(self.num_dropped, num_dropped)
             await self._publish_more()
 

@@ -62,6 +62,9 @@ class Engine(Protocol):
     def autocast(self) -> contextlib.AbstractContextManager[None]: ...
     def backward(self, loss: torch.Tensor) -> None: ...
     def idle_backward(self) -> None: ...  # a rank's pass with no micro-batch left (several ranks only)
+    # The optimizer's step on this step's gradients, clipped; the norm before clipping. Gradients
+    # that are not finite (a NaN or inf anywhere) are discarded instead, the weights and the
+    # optimizer's state left as they were, and the norm returned is not finite.
     def step(self) -> float: ...
     def weights(self) -> bytes: ...
     def save(self, folder: Path) -> None: ...
@@ -110,7 +113,8 @@ class TorchEngine:
         if self.ranks.world_size > 1:
             sum_gradients([p for p in self.module.parameters() if p.requires_grad])
         norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.max_grad_norm)
-        self.optimizer.step()
+        if torch.isfinite(norm):
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
 
@@ -182,6 +186,10 @@ class DeepSpeedEngine:
                 # leaves them as they are (every rank holds the same).
                 sum_gradients([p for p in self.module.parameters() if p.requires_grad], average=True)
             norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.max_grad_norm)
+            if not torch.isfinite(norm):
+                self.engine.zero_grad()
+                return float(norm)
+        # ZeRO 1-3 in float32 find the overflow themselves: they skip the step and report inf.
         self.engine.step()
         if norm is None:
             norm = self.engine.get_global_grad_norm()

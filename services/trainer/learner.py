@@ -37,6 +37,7 @@ reverse KL the term drives down.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -68,6 +69,7 @@ from flywheel_trainer.losses import LOSSES, top_k_divergence
 from flywheel_trainer.ranks import current_ranks, sum_over_ranks
 
 log = logging.getLogger(__name__)
+LOSS_FIGURES = ("loss", "echo_loss", "sft_term_loss", "distill_loss")  # summed over micro-batches (and ranks)
 
 # (recomputed logprobs, batch, the batch's sequences by index in the step) -> (per-token
 # loss, per-token flag: clipped or masked)
@@ -154,10 +156,15 @@ def train_step(engine: Engine, sequences: list[Tokens], advantages: list[float],
     for _ in range(-(-len(passes) // world_size) - len(mine)):
         engine.idle_backward()
     if world_size > 1:
-        summed = [k for k in ("loss", "echo_loss", "sft_term_loss", "distill_loss") if k in figures]
+        summed = [k for k in LOSS_FIGURES if k in figures]
         *totals, flagged, diff_sum = sum_over_ranks([figures[k] for k in summed] + [flagged, diff_sum])
         figures.update(zip(summed, totals, strict=True))
     figures["grad_norm"] = engine.step()
+    if not all(math.isfinite(figures[k]) for k in ("grad_norm", *LOSS_FIGURES) if k in figures):
+        # The engine discarded the gradients (Engine.step): the weights stay as they were.
+        log.warning("step skipped: its loss or gradients are not finite (%s); the weights are unchanged",
+                    ", ".join(f"{k} {figures[k]}" for k in ("grad_norm", *LOSS_FIGURES) if k in figures))
+        figures["num_skipped_nonfinite"] = 1.0
     figures["clip_fraction"] = flagged / max(num_loss_tokens, 1)
     # How far the trainer's logprobs are from the sampler's on the loss tokens: ~0 on
     # policy; grows with staleness (and flags a trainer/inference mismatch when it does not).

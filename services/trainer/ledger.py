@@ -84,7 +84,16 @@ class Journal:
         self.num_entries = 0  # lines written since it was opened (rewritten): what it holds
 
     def replay(self) -> list[Entry]:
-        return read_lines(self.path, self._decoder.decode)
+        """What the journal holds, each entry's numbers checked as the bus checks them on arrival
+        (:func:`flywheel.contract.events.checked`), so a journal written before a bound existed
+        never replays a number into a crash; an entry that cannot be made safe is left out."""
+        out: list[Entry] = []
+        for entry in read_lines(self.path, self._decoder.decode):
+            try:
+                out.append(events.checked(entry))
+            except events.OutOfBounds as exc:
+                log.warning("journal %s: %s; left out", self.path, exc)
+        return out
 
     def rewrite(self, entries: list[Entry]) -> None:
         """Replace the journal with ``entries`` (what is still unconsumed), atomically."""

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -326,7 +327,12 @@ class Trainer:
             await compute(self.team.call, "load", self.resume[0] / "engine")
             data = await compute(self.team.call, "weights")
             figures = next(m for m in reversed(self.folder.metrics.read()) if m["step"] == self.step)
-            if self.published_version > self.version:
+            if self.published_version > self.version + cfg.trainer.num_steps:
+                # More versions past the checkpoint than the run has steps: not this run's trainer's.
+                log.warning("run %s: the last weight update on the bus says version %d, more than %d steps past "
+                            "checkpoint version %d; not taken", cfg.run, self.published_version,
+                            cfg.trainer.num_steps, self.version)
+            elif self.published_version > self.version:
                 # Steps after this checkpoint were published, then lost: never reuse their versions.
                 log.warning("run %s: versions %d..%d were published after checkpoint step %d and are lost; "
                             "its weights become version %d", cfg.run, self.version + 1, self.published_version,
@@ -334,6 +340,10 @@ class Trainer:
                 self.version = self.published_version + 1
                 self.joiner.set_version(self.version)
         await self._publish(data, _numbers(figures))
+        if self.resume is not None and self.step > 0:
+            # The checkpoint's step was counted when it was trained, unless the trainer died between
+            # its checkpoint and its count: counted again under the same id, which counts once.
+            await self._publish_usage(self.step, figures, self.trained.get(self.step, []))
         if self.resume is None and figures.get("sft_tokens"):
             await self.bus.publish(events.Usage(id=f"{cfg.run}.sft", run=cfg.run, source="sft", tenant=self.tenant,
                                                 step=0, sft_tokens=int(figures["sft_tokens"])))
@@ -358,6 +368,9 @@ class Trainer:
         self.step += 1
         self.version += 1
         figures.update(take_figures(take, self.joiner), wait_s=wait_s)
+        # A step whose loss or gradients were not finite changed nothing (num_skipped_nonfinite):
+        # its figures that are not finite are left out of the metrics file and the update.
+        figures = events.finite_metrics(figures)
         metrics.STEP_SECONDS.labels(cfg.run).observe(figures["step_s"])
         metrics.VERSION.labels(cfg.run).set(self.version)
         metrics.ROLLOUTS_TRAINED.labels(cfg.run, "trained").inc(len(take.trained_ids))
@@ -368,17 +381,21 @@ class Trainer:
         if self.step % cfg.trainer.checkpoint_every == 0 or self.step == cfg.trainer.num_steps:
             await self._checkpoint(engine, data)
         await self._publish(data, figures)
-        # What the step trained, counted once whatever is redelivered: a step done again after a
-        # crash has the same id.
-        await self.bus.publish(events.Usage(
-            id=f"{cfg.run}.trainer.{self.step}", run=cfg.run, source="trainer", tenant=self.tenant, step=self.step,
-            trained_tokens=int(figures["num_loss_tokens"]), sft_tokens=int(figures.get("num_sft_tokens", 0)),
-            rollout_ids=take.trained_ids))
+        await self._publish_usage(self.step, figures, take.trained_ids)
         self.joiner.set_version(self.version)
         await update_run(self.bus, cfg.run, trainer_step=self.step, policy_version=self.version)
         log.info("run %s: step %d/%d, version %d: loss %.4f, reward %.3f, %d rollouts (%d stale dropped), %.2fs",
-                 cfg.run, self.step, cfg.trainer.num_steps, self.version, figures["loss"], figures["reward_mean"],
+                 cfg.run, self.step, cfg.trainer.num_steps, self.version, figures.get("loss", math.nan),
+                 figures.get("reward_mean", math.nan),
                  figures["num_rollouts"], figures["num_dropped_stale"], figures["step_s"])
+
+    async def _publish_usage(self, step: int, figures: dict[str, float], trained_ids: list[str]) -> None:
+        """What step ``step`` trained, counted once whatever is redelivered: a step done again after
+        a crash, or counted again at a resume, has the same id."""
+        await self.bus.publish(events.Usage(
+            id=f"{self.cfg.run}.trainer.{step}", run=self.cfg.run, source="trainer", tenant=self.tenant, step=step,
+            trained_tokens=int(figures.get("num_loss_tokens", 0)), sft_tokens=int(figures.get("num_sft_tokens", 0)),
+            rollout_ids=trained_ids))
 
     async def _next_take(self, stopping: asyncio.Event) -> Take | None:
         """Wait until enough groups are done (or the service stops: None)."""

@@ -555,6 +555,19 @@ async def test_watch_runs_and_heartbeats_skip_entries_that_do_not_decode(bus: Bu
         await get_run(bus, "broken")
 
 
+async def test_a_run_state_that_does_not_decode_is_said_once_however_often_the_runs_are_listed(
+        bus: Bus, caplog: pytest.LogCaptureFixture) -> None:
+    from flywheel.contract.runs import list_runs, register_run
+
+    await (await bus.runs_kv()).put("garbled", b"not a run state")
+    await register_run(bus, "fine")
+    with caplog.at_level("WARNING", logger="flywheel.contract.runs"):
+        for _ in range(5):  # as the orchestrator lists them, every second
+            assert [s.id for s in await list_runs(bus)] == ["fine"]
+    said = [r for r in caplog.records if "'garbled'" in r.getMessage()]
+    assert len(said) == 1 and "said once" in said[0].getMessage()
+
+
 async def test_listing_runs_and_heartbeats_misses_none_while_one_is_rewritten(bus: Bus) -> None:
     # nats-py's KeyValue.keys() ends its walk early while a key is rewritten (it returned no
     # keys at all here); runs and heartbeats are rewritten every few seconds.
@@ -626,3 +639,41 @@ async def test_a_subject_the_server_refuses_fails_at_once_naming_it_and_the_user
             await admin.close()
     finally:
         server.stop()
+
+
+async def test_a_durable_deleted_under_its_consumer_is_made_again_and_nothing_is_lost(bus: Bus) -> None:
+    seen: list[str] = []
+
+    async def handle(d: Delivery) -> None:
+        seen.append(d.event.id)
+
+    await bus.publish(task(1))
+    c = Consumer(bus, stream="TASKS", durable="gone", handler=handle, event_type=events.Task)
+    t = await running(c)
+    await until(lambda: seen == ["t1"], what="the first task")
+    await bus.js.delete_consumer("TASKS", "gone")  # by hand, as `nats consumer rm` does
+    await bus.publish(task(2))
+    await until(lambda: "t2" in seen, timeout_s=10, what="a task published after the durable was deleted")
+    assert c.stats.recreated == 1
+    assert (await bus.js.consumer_info("TASKS", "gone")).config.durable_name == "gone"
+    # Made again from the stream's first message, as first made: t1 comes again (at least once).
+    assert seen.count("t2") == 1 and set(seen) == {"t1", "t2"}
+    # One that takes only new messages goes on from when it was last seen alive: nothing skipped.
+    fresh: list[str] = []
+
+    async def handle_new(d: Delivery) -> None:
+        fresh.append(d.event.id)
+
+    n = Consumer(bus, stream="TASKS", durable="new-only", handler=handle_new, event_type=events.Task,
+                 deliver_new_only=True)
+    tn = await running(n)
+    await until(lambda: n.created is not None, what="the second durable")
+    await bus.publish(task(3))
+    await until(lambda: fresh == ["t3"], what="a new task")
+    await bus.js.delete_consumer("TASKS", "new-only")
+    await bus.publish(task(4))
+    await until(lambda: "t4" in fresh, timeout_s=10, what="the task published while it was gone")
+    assert "t1" not in fresh and n.stats.recreated == 1
+    for consumer, running_task in ((c, t), (n, tn)):
+        consumer.stop()
+        await running_task

@@ -301,3 +301,24 @@ def test_an_sft_term_draws_its_rows_from_a_datasets_dataset(tiny_model_dir: Path
     with pytest.raises(DataError, match=r"envs\.0\.sft_term\.dataset='.*chats': no split 'test'; it has train, "
                                         r"extra \(envs\.0\.sft_term\.split\)"):
         supply(f'{{weight = 1.0, dataset = "{tmp_path / "chats"}", split = "test"}}')
+
+
+def test_a_step_whose_loss_is_not_finite_changes_nothing_and_says_so(tiny_model_dir: Path) -> None:
+    model, tok = models.load_model(tiny_model_dir)
+    cfg = RunConfig(run="t", env="reverse_text", group_size=4, trainer={"batch_size": 4, "lr": 3e-3})
+    rollouts = sampled_rollouts(model, tok, 4, cfg.sampling.temperature)
+    engine = TorchEngine(model, cfg.trainer, cfg.model.dtype)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    # A reward no bound let through (the join never hands one out): the advantages, the loss and
+    # the gradients are NaN.
+    poisoned = [Scored(r, reward, 0) for r, reward in zip(rollouts, [float("nan"), 0.0, 1.0, 0.0], strict=True)]
+    figures = rl_step(engine, [poisoned], tok.pad_token_id, cfg, MICRO_BATCH_SIZE)
+    assert figures["num_skipped_nonfinite"] == 1.0
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the weights stay
+    assert not engine.optimizer.state  # nor does Adam's state take a step
+    # The next step, on finite rewards, trains as usual.
+    group = [Scored(r, reward, 0) for r, reward in zip(rollouts, [1.0, 0.0, 0.0, 0.0], strict=True)]
+    figures = rl_step(engine, [group], tok.pad_token_id, cfg, MICRO_BATCH_SIZE)
+    assert "num_skipped_nonfinite" not in figures
+    assert all(torch.isfinite(v).all() for v in model.state_dict().values())
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())

@@ -76,6 +76,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+EventT = TypeVar("EventT", bound=events.Event)
 
 # Stream name -> subjects. Subject layouts are part of the contract (see events.py).
 STREAMS: dict[str, list[str]] = {
@@ -673,12 +674,18 @@ class Undecodable(ValueError):
     event type, or names another subject than the one it was published on."""
 
 
-def check_subject(event: events.Event, subject: str) -> None:
-    """Undecodable unless ``event`` belongs on ``subject`` (its own subject, from its fields)."""
+def check_subject(event: EventT, subject: str) -> EventT:
+    """``event`` with its numbers checked (:func:`flywheel.contract.events.checked`: a score, rollout
+    or signal out of bounds comes back failed); Undecodable unless it belongs on ``subject`` (its
+    own subject, from its fields) and, for other events, unless its numbers are in bounds."""
     own = event.subject()
     if own != subject:
         raise Undecodable(f"a {type(event).__name__} whose fields give the subject {own!r} was published on "
                           f"{subject!r}; publish each event on its own subject (see docs/events.md)")
+    try:
+        return events.checked(event)
+    except events.OutOfBounds as exc:
+        raise Undecodable(str(exc)) from None
 
 
 def decode_message(decoder: events.Decoder[Any], msg: Msg | RawStreamMsg) -> Any:
@@ -689,8 +696,7 @@ def decode_message(decoder: events.Decoder[Any], msg: Msg | RawStreamMsg) -> Any
         event = decoder.decode(msg.data or b"", (msg.headers or {}).get(HEADER_CONTENT_TYPE))
     except msgspec.DecodeError as exc:  # ValidationError included
         raise Undecodable(f"payload does not decode as {_type_name(decoder.type)}: {exc}") from None
-    check_subject(event, msg.subject or "")
-    return event
+    return check_subject(event, msg.subject or "")
 
 
 def decode_events(decoder: events.Decoder[Any], msg: Msg | RawStreamMsg) -> list[Any]:
@@ -710,7 +716,7 @@ def decode_events(decoder: events.Decoder[Any], msg: Msg | RawStreamMsg) -> list
                           "a batch holds at least one event, and its header counts them")
     for i, event in enumerate(batch):
         try:
-            check_subject(event, msg.subject or "")
+            batch[i] = check_subject(event, msg.subject or "")
         except Undecodable as exc:
             raise Undecodable(f"event {i} of the batch: {exc}") from None
     return batch
@@ -941,6 +947,7 @@ class ConsumerStats:
     naked: int = 0
     dead_lettered: int = 0
     handed_back: int = 0
+    recreated: int = 0  # times its durable was found deleted and made again
 
 
 class _ConsumerMetrics:
@@ -1058,6 +1065,8 @@ class Consumer:
 
     ``max_deliver`` counts deliveries: after the last one fails the message goes to
     ``dead.<stream>``. ``backoff_s[i]`` is the delay before delivery ``i + 2``.
+    A durable deleted under it (by hand, by the server) is made again when a pull is refused
+    (``recreate_if`` says when not to): the work goes on, and ``stats.recreated`` counts it.
     ``letters_undecodable=False``: a message that is not its event is terminated without a dead
     letter of this consumer's, for a consumer whose messages another one also reads and
     dead-letters (inference's consumer of one run's tasks, beside its screen of every task).
@@ -1084,6 +1093,7 @@ class Consumer:
         start_time: datetime | None = None,
         inactive_threshold_s: float | None = None,
         letters_undecodable: bool = True,
+        recreate_if: Callable[[], bool] | None = None,
     ) -> None:
         if (handler is None) == (batch_handler is None):
             raise ValueError("Consumer needs exactly one of handler= or batch_handler=")
@@ -1115,7 +1125,11 @@ class Consumer:
         # for consumers that belong to something that ends, like one run's trainer.
         self.inactive_threshold_s = inactive_threshold_s
         self.letters_undecodable = letters_undecodable
+        # Whether a durable found deleted is made again (None: always); False for one whose work
+        # is done, which another process may delete (a finished run's tasks).
+        self.recreate_if = recreate_if
         self.stats = ConsumerStats()
+        self._alive_at = events.utc_now()  # when a pull last got an answer (a deleted durable is made from it)
         self._metrics = _ConsumerMetrics(durable)
         self._stopping = asyncio.Event()
         self.fetching_ended = asyncio.Event()  # set once run() fetches no more (stopping, before the drain)
@@ -1190,15 +1204,49 @@ class Consumer:
                     raise
                 except nats.errors.Error as exc:
                     refused = ("", str(exc))
-                if refused is not None:
-                    # Server restarting, leader change, the durable gone: asking again at once would spin.
-                    log.warning("consumer %s: pull refused (%s %s); retrying", self.durable, *refused)
-                    await wait_at_most(self._stopping.wait(), 0.25)
+                if refused is None:
+                    self._alive_at = events.utc_now()
+                    continue
+                if await self._deleted():
+                    # Deleted by hand, or by the server (inactive_threshold): made again, so the
+                    # work goes on instead of a warning a pull for ever.
+                    await self._recreate()
+                    continue
+                # Server restarting, leader change: asking again at once would spin.
+                log.warning("consumer %s: pull refused (%s %s); retrying", self.durable, *refused)
+                await wait_at_most(self._stopping.wait(), 0.25)
         finally:
             self.fetching_ended.set()
             keepalive.cancel()
             await pull.close()
             await self._drain_in_flight()
+
+    async def _deleted(self) -> bool:
+        """Whether the durable is gone from its stream (False when the server cannot say now)."""
+        try:
+            await self.bus.js.consumer_info(self.stream, self.durable)
+        except nats.js.errors.NotFoundError:
+            return not self._stopping.is_set() and (self.recreate_if is None or self.recreate_if())
+        except (nats.errors.Error, TimeoutError):
+            return False
+        return False
+
+    async def _recreate(self) -> None:
+        """Make the deleted durable again, as :meth:`ensure` first made it; one that took only new
+        messages takes them from when it was last seen alive, so what was published while it was
+        gone is not skipped. What it had delivered and not acked comes again (every handler is
+        idempotent: delivery is at least once)."""
+        if self.deliver_new_only and self.start_time is None:
+            self.start_time = self._alive_at
+        self.stats.recreated += 1
+        log.warning("consumer %s: it is gone from stream %s (deleted); made again, %s", self.durable, self.stream,
+                    f"from {self.start_time.isoformat()}" if self.start_time is not None
+                    else "from the stream's first message")
+        try:
+            await self.ensure()
+        except (nats.errors.Error, TimeoutError) as exc:
+            log.warning("consumer %s: could not make it again yet (%s); trying again", self.durable, exc)
+            await wait_at_most(self._stopping.wait(), 0.25)
 
     async def _wait_for_slots(self) -> int:
         """Wait for free slots. Fetch one message at a time only when few are freeing:

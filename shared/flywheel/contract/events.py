@@ -96,6 +96,7 @@ MSGPACK = "application/msgpack"
 
 
 T = TypeVar("T")
+E = TypeVar("E", bound="Event")
 
 
 def new_id() -> str:
@@ -622,6 +623,141 @@ class ApiKey(_Struct, frozen=True, kw_only=True):
     name: str = ""
     created_at: datetime = msgspec.field(default_factory=utc_now)
     revoked_at: datetime | None = None
+
+
+# --- bounds -------------------------------------------------------------------------------
+#
+# Every number that crosses the bus is checked where it is read: the bus layer passes each
+# event it decodes through :func:`checked` (so does the trainer's journal when it replays). A
+# score, a rollout or a teacher's signal with a number out of bounds becomes one that failed,
+# with the reason in its ``error``: readers drop it (the trainer counts the rollout dropped) and
+# nothing trains on the number. Any other event out of bounds (a task, a weight update, a usage
+# count) is :class:`OutOfBounds` and goes to the dead-letter stream with the reason.
+
+SCORE_LIMIT = 1e6  # |a score's value, weight or component|: rewards far past any reward scale
+LOGPROB_MIN = -1e4  # a token's logprob: finite, at most 0 (a float's rounding allowed), not absurdly low
+LOGPROB_MAX = 1e-3
+MAX_GROUP_SIZE = 4096  # rollouts of one task (the gateway's bound on ``num_rollouts`` too)
+COUNT_LIMIT = 2**53  # a count (tokens, rollouts, bytes): exact as a float, past anything real
+METRIC_LIMIT = 1e30  # a figure for people (rollout or step metrics): finite and not absurd
+
+
+class OutOfBounds(ValueError):
+    """An event with a number outside its bounds (the message names the field and the bound)."""
+
+
+def _number_problem(name: str, value: float, low: float, high: float) -> str | None:
+    if not math.isfinite(value) or not low <= value <= high:
+        return f"{name}={value!r} is out of bounds (a finite number from {low:g} to {high:g})"
+    return None
+
+
+def _numbers_problem(name: str, values: dict[str, float] | list[float], low: float, high: float) -> str | None:
+    """The first value of ``values`` out of [low, high] or not finite, named; None: all in bounds.
+    A sum and two extremes first (C loops: a rollout's logprobs are read by every consumer)."""
+    seq = list(values.values()) if isinstance(values, dict) else values
+    if not seq or (math.isfinite(sum(seq)) and low <= min(seq) and max(seq) <= high):
+        return None
+    keys = list(values) if isinstance(values, dict) else range(len(seq))
+    for key, value in zip(keys, seq, strict=True):
+        if (problem := _number_problem(f"{name}[{key!r}]", value, low, high)) is not None:
+            return problem
+    return None  # a sum that overflowed from values each in bounds
+
+
+def _count_problem(name: str, value: int | None, low: int = 0, high: int = COUNT_LIMIT) -> str | None:
+    if value is not None and not low <= value <= high:
+        return f"{name}={value} is out of bounds (a whole number from {low} to {high})"
+    return None
+
+
+def _tokens_problem(where: str, tokens: TokenSpan | None) -> str | None:
+    if tokens is None:
+        return None
+    return (_numbers_problem(f"{where}.logprobs", tokens.logprobs, LOGPROB_MIN, LOGPROB_MAX)
+            or _count_problem(f"{where}.policy_version", tokens.policy_version, high=INT32_MAX))
+
+
+def _first(*problems: str | None) -> str | None:
+    return next((p for p in problems if p is not None), None)
+
+
+def _sampling_problem(sampling: Sampling | None) -> str | None:
+    try:
+        if sampling is not None:
+            sampling.check()
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def finite_metrics(values: dict[str, float]) -> dict[str, float]:
+    """``values`` less the figures that are not finite or are past :data:`METRIC_LIMIT`."""
+    return {k: v for k, v in values.items() if _number_problem(k, v, -METRIC_LIMIT, METRIC_LIMIT) is None}
+
+
+def checked(event: E) -> E:
+    """``event`` if its numbers are within their bounds (see "bounds" above). Otherwise a
+    :class:`Score` or :class:`Signal` comes back failed (``error`` naming the number, no values),
+    a :class:`Rollout` with status ``error`` (the bad numbers left out, so every reader can show
+    it), and any other event raises :class:`OutOfBounds` naming the field and its bound."""
+    if isinstance(event, Score):
+        problem = _first(_number_problem("value", event.value, -SCORE_LIMIT, SCORE_LIMIT),
+                         _number_problem("weight", event.weight, -SCORE_LIMIT, SCORE_LIMIT),
+                         _numbers_problem("components", event.components, -SCORE_LIMIT, SCORE_LIMIT))
+        if problem is None:
+            return event
+        return msgspec.structs.replace(
+            event, value=0.0, weight=1.0 if not math.isfinite(event.weight) else event.weight,
+            components=finite_metrics(event.components),
+            error=event.error or f"score of scorer {event.scorer!r}: {problem}; the rollout is not trained on")
+    if isinstance(event, Signal):
+        problem = _first(_number_problem("temperature", event.temperature, MIN_TEMPERATURE, 1e6),
+                         *(_numbers_problem(f"values[{n!r}]", v, LOGPROB_MIN, LOGPROB_MAX)
+                           for n, v in event.values.items()),
+                         *(_numbers_problem(f"top_logprobs[{n!r}][{i}]", row, LOGPROB_MIN, LOGPROB_MAX)
+                           for n, rows in event.top_logprobs.items() for i, row in enumerate(rows)))
+        if problem is None:
+            return event
+        return msgspec.structs.replace(
+            event, values={}, top_ids={}, top_logprobs={}, temperature=1.0,
+            error=event.error or f"signal of {event.source!r}: {problem}; the rollout is not trained on")
+    if isinstance(event, Rollout):
+        structure = _first(_count_problem("group_size", event.group_size, 1, MAX_GROUP_SIZE),
+                           _count_problem("index", event.index, 0, event.group_size - 1),
+                           _count_problem("policy_version", event.policy_version, high=INT32_MAX),
+                           _sampling_problem(event.sampling))
+        if structure is not None:
+            raise OutOfBounds(f"rollout {event.id}: {structure}")
+        problem = _first(_numbers_problem("metrics", event.metrics, -METRIC_LIMIT, METRIC_LIMIT),
+                         *(_tokens_problem(f"nodes[{i}].tokens", n.tokens) for i, n in enumerate(event.nodes)))
+        if problem is None:
+            return event
+        nodes = [n if _tokens_problem("", n.tokens) is None or n.tokens is None else msgspec.structs.replace(
+            n, tokens=msgspec.structs.replace(n.tokens, logprobs=[0.0] * len(n.tokens.logprobs), policy_version=None))
+            for n in event.nodes]
+        return msgspec.structs.replace(
+            event, status="error", nodes=nodes, metrics=finite_metrics(event.metrics),
+            error=f"rollout {event.id}: {problem}; not trained on" + (f" (and: {event.error})" if event.error else ""))
+    problem = None
+    if isinstance(event, TraceNode):
+        problem = _tokens_problem("node.tokens", event.node.tokens)
+    elif isinstance(event, Task):
+        problem = _first(_count_problem("num_rollouts", event.num_rollouts, 1, MAX_GROUP_SIZE),
+                         _sampling_problem(event.sampling))
+    elif isinstance(event, WeightUpdate):
+        problem = _first(_count_problem("version", event.version, high=INT32_MAX),
+                         _count_problem("trainer_step", event.trainer_step, high=INT32_MAX),
+                         _count_problem("size_bytes", event.size_bytes),
+                         _count_problem("num_dropped_total", event.num_dropped_total),
+                         _numbers_problem("metrics", event.metrics, -METRIC_LIMIT, METRIC_LIMIT))
+    elif isinstance(event, Usage):
+        problem = _first(*(_count_problem(name, getattr(event, name)) for name in
+                           ("step", "prompt_tokens", "sampled_tokens", "trained_tokens", "sft_tokens")),
+                         _number_problem("sandbox_s", event.sandbox_s, 0.0, 1e9))
+    if problem is not None:
+        raise OutOfBounds(f"{type(event).__name__} {event.id}: {problem}")
+    return event
 
 
 AnyEvent = Task | Rollout | TraceNode | Score | Signal | WeightUpdate | Usage | DeadLetter

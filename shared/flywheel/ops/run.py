@@ -119,6 +119,8 @@ def format_step(row: dict[str, float], num_steps: int, in_flight: int | None, me
         shown += f"  sft loss {get('sft_term_loss')}"
     if "distill_loss" in row:  # the dense distillation term's mean divergence (opd, estimate *_top_k)
         shown += f"  distill loss {get('distill_loss')}"
+    if row.get("num_skipped_nonfinite"):  # the trainer's engine discarded the step's gradients
+        shown += "  SKIPPED (loss or gradients not finite; weights unchanged)"
     for key in row:  # each teacher's per-token KL estimate (opd, trainer.kl)
         if key.startswith("teacher.") and key.endswith(".kl"):
             shown += f"  kl {key.removeprefix('teacher.').removesuffix('.kl')} {get(key)}"

@@ -748,13 +748,19 @@ class WorkerEnvironment:
         return [[_checked(o, name) for o, name in zip(row, names, strict=True)] for row in outcomes]
 
 
+def _in_bounds(value: float) -> bool:
+    return math.isfinite(value) and abs(value) <= events.SCORE_LIMIT
+
+
 def _checked(outcome: RewardOutcome, name: str) -> RewardOutcome:
     """A worker's outcome as the host takes it: its own reward's, a finite value or an error."""
     if outcome.name != name:
         return RewardOutcome(name=name, error=f"the worker answered for {outcome.name!r}, not {name!r}")
-    if outcome.error is None and (outcome.value is None or not math.isfinite(outcome.value)
-                                  or not all(math.isfinite(v) for v in outcome.components.values())):
-        return RewardOutcome(name=name, error=f"reward {name!r} gave {outcome.value!r}: not a finite number")
+    if outcome.error is None and (outcome.value is None or not _in_bounds(outcome.value)
+                                  or not all(_in_bounds(v) for v in outcome.components.values())):
+        return RewardOutcome(name=name, error=f"reward {name!r} gave {outcome.value!r} (components "
+                                              f"{outcome.components}): not a finite number within "
+                                              f"±{events.SCORE_LIMIT:g}")
     return outcome
 
 

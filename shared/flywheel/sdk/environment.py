@@ -219,6 +219,9 @@ def _number(value: Any, name: str, weights: Mapping[str, float]) -> tuple[float,
         return sum(weights.get(k, 1.0) * v for k, v in components.items()), components
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise RewardError(f"reward {name!r} returned {value!r}; a reward returns a finite float or a dict of them")
+    if abs(value) > events.SCORE_LIMIT:
+        raise RewardError(f"reward {name!r} returned {value!r}, past the bound on a score "
+                          f"(±{events.SCORE_LIMIT:g}); scale the reward down")
     return float(value), {}
 
 
