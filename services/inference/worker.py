@@ -88,10 +88,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
+import msgspec
 import nats.errors
 import nats.js.errors
 from nats.js.api import PubAck
@@ -235,6 +236,8 @@ class Worker:
         self._runs: dict[str, HostedRun] = {}
         self._starting: dict[str, asyncio.Future[HostedRun]] = {}
         self._states: dict[str, events.RunState] = {}  # every run's current state, kept by watch_runs
+        # Runs whose expired lease a fresh read confirmed: the updated_at of the state it read.
+        self._lapse_confirmed: dict[str, datetime] = {}
         self._updates: dict[str, dict[int, events.WeightUpdate]] = {}  # newest few per run not hosted yet
         self._published: dict[str, OrderedDict[str, None]] = {}  # per run: tasks whose group went out
         self._in_flight: dict[tuple[str, str], asyncio.Event] = {}  # (run, task id) -> set when handled
@@ -306,6 +309,7 @@ class Worker:
         cfg = await self.run_config(run)
         num_issued = await self._num_rollouts_published(run)
         shared = SharedIssued(self.bus, run, self.replica, self._num_rollouts_published)
+        await self._confirm_lapse(run)
         state = self._states.get(run) or await get_run(self.bus, run)
         tenant = state.tenant if state is not None else events.RunState(id=run).tenant
         if tenant not in self._tenants:
@@ -313,7 +317,7 @@ class Worker:
         admission = Admission.for_run(cfg, num_issued=num_issued, on_change=self._refresh_info, shared=shared,
                                       tenant=self._tenants[tenant])
         admission.num_skipped = self._num_skipped.pop(run, 0)
-        end = end_of(state) if state is not None else None
+        end = self._end(run) if run in self._states else end_of(state) if state is not None else None
         admission.ended = end.reason if end is not None else None
 
         async def loaded(update: events.WeightUpdate) -> None:
@@ -531,18 +535,54 @@ class Worker:
         """Every LEASE_CHECK_S, end the hosted runs whose owner's lease expired: a dead owner
         writes nothing, so no state change announces it."""
         while not stopping.is_set():
+            for run in {*self.tasks.runs(), *self._runs}:
+                await self._confirm_lapse(run)
             for run in self.tasks.runs():
                 self._follow(run)
             for run in list(self._runs):
                 await self._check_end(run)
             await wait_at_most(stopping.wait(), LEASE_CHECK_S)
 
+    def _end(self, run: str) -> RunEnd | None:
+        """How the run ended by its kept state (None: it goes on). An expired lease counts only once
+        a fresh read of the bucket confirmed it (:meth:`_confirm_lapse`): after this process was
+        paused (SIGSTOP, a VM pause, a long GC, a cut link) the kept state and the clock say every
+        lease lapsed while the owners went on renewing them, and the watcher has not caught up."""
+        state = self._states.get(run)
+        end = end_of(state) if state is not None else None
+        if state is not None and end is not None and end.status == "abandoned" \
+                and self._lapse_confirmed.get(run) != state.updated_at:
+            return None
+        return end
+
+    async def _confirm_lapse(self, run: str) -> None:
+        """Re-read the run's state from the bucket when its kept one says its lease lapsed and no
+        read confirmed that yet; the fresh state is kept (a renewed lease: the run goes on)."""
+        state = self._states.get(run)
+        end = end_of(state) if state is not None else None
+        if state is None or end is None or end.status != "abandoned":
+            return
+        if self._lapse_confirmed.get(run) == state.updated_at:
+            return
+        try:
+            fresh = await get_run(self.bus, run)
+        except (BadRunState, nats.errors.Error, TimeoutError) as exc:
+            log.warning("run %s: its lease looks expired, and its state could not be read again to confirm it (%s); "
+                        "nothing is released until it can", run, exc)
+            return
+        if fresh is None:
+            return
+        if fresh.updated_at >= state.updated_at:
+            self._states[run] = state = fresh
+        if end_of(state) is not None:
+            self._lapse_confirmed[run] = state.updated_at
+
     def _follow(self, run: str) -> None:
         """Consume the run's tasks here while it goes on; once it ended, until its durable is empty."""
         state = self._states.get(run)
         if state is None or not state.config:
             return
-        end = end_of(state)
+        end = self._end(run)
         if end is None:
             self.tasks.serve(run)
         else:
@@ -552,7 +592,7 @@ class Worker:
         hosted, state = self._runs.get(run), self._states.get(run)
         if hosted is None or state is None:
             return
-        end = end_of(state)
+        end = self._end(run)
         reason = end.reason if end is not None else None
         if reason != hosted.admission.ended:
             log.info("run %s: %s", run, f"{reason}; its waiting tasks are released" if reason else "takes tasks again")
@@ -626,6 +666,8 @@ class Worker:
             cached = self._states.get(task.run)
             if cached is None or cached.updated_at <= state.updated_at:
                 self._states[task.run] = state
+                if end_of(state) is not None:
+                    self._lapse_confirmed[task.run] = state.updated_at  # read just now
                 self._follow(task.run)
                 await self._check_end(task.run)
             end = end_of(state)
@@ -704,12 +746,32 @@ class Worker:
                 rollout.cancel()
             await asyncio.gather(*rollouts, return_exceptions=True)
             raise
-        acks = await self.bus.publish_many(results, events.MSGPACK, together=True)  # the group: one message
+        try:
+            acks = await self.bus.publish_many(results, events.MSGPACK, together=True)  # the group: one message
+        except nats.errors.MaxPayloadError:
+            # A rollout the bus cannot take (the server drops a connection that sends one): it goes
+            # as an error saying so, without its graph, so its group is done and the run goes on.
+            results = [self._fitted(r) for r in results]
+            acks = await self.bus.publish_many(results, events.MSGPACK, together=True)
         for done in results:
             metrics.ROLLOUTS.labels(done.run, done.status).inc()
             if done.usage is not None:
                 metrics.TOKENS.labels(done.run).inc(done.usage.sampled_tokens)
         return await self._num_stored(results, acks)
+
+    def _fitted(self, rollout: events.Rollout) -> events.Rollout:
+        """``rollout``, or when the bus cannot take it (over nats-server's max_payload), the same
+        rollout failed with the reason and without its trace graph, state and task row."""
+        size, most = self.bus.published_size(rollout, events.MSGPACK), self.bus.nc.max_payload
+        if size <= most:
+            return rollout
+        log.warning("rollout %s of task %s: %d bytes, more than the bus takes (%d); published as an error",
+                    rollout.id, rollout.task_id, size, most)
+        return msgspec.structs.replace(
+            rollout, status="error", nodes=[], state={}, task_data={},
+            error=f"rollout {rollout.id}: its trace graph and state are {size} bytes, more than the bus takes "
+                  f"({most} bytes, nats-server's max_payload); lower sampling.max_tokens or the harness's turns, "
+                  "or raise max_payload")
 
     async def _num_stored(self, rollouts: Sequence[events.Rollout], acks: Sequence[PubAck]) -> int:
         """How many of ``rollouts`` this publish stored (a batch's share its ack). A duplicate's

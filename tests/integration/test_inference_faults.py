@@ -35,7 +35,7 @@ from flywheel.contract.service import read_heartbeats
 from flywheel.contract.settings import InferenceSettings
 from flywheel.ops.natsserver import NatsServer, free_port
 from flywheel.sdk import models
-from flywheel_inference.worker import Worker
+from flywheel_inference.worker import LEASE_CHECK_S, Worker
 from tests.helpers import until
 from tests.integration.services import Workers
 from tests.integration.test_inference_worker import count, count_is, create_run, publish_weights, stored
@@ -231,6 +231,54 @@ async def test_waiting_tasks_are_released_when_the_owner_s_lease_expires_and_the
     await bus.publish(task("resumed"))
     await until(lambda: count_is(bus, "ROLLOUTS", 16), timeout_s=30, what="a group of the resumed run")
     assert run_info(worker)["ended"] is None
+
+
+async def test_a_process_that_resumes_after_a_pause_re_reads_a_lapsed_lease_before_it_releases_anything(
+        bus: Bus, tiny_model_dir: Path, start_worker: Workers) -> None:
+    """What a paused inference (SIGSTOP, a VM pause) finds when it resumes: a kept state whose lease
+    lapsed on the clock while its owner went on renewing it in the bucket, and a watcher that has
+    not caught up. A fresh read decides, so the waiting tasks are kept."""
+    cfg = await create_run(bus, tiny_model_dir)  # 8 rollouts per version
+    base, _ = models.load_model(tiny_model_dir)
+    await publish_weights(bus, "r1", 0, base)
+    worker = await start_worker(InferenceSettings(max_tasks_in_flight=2, backoff_s=(0.2,), max_deliver=50))
+    await bus.publish_many([task(i) for i in range(4)])
+    await until(lambda: run_info(worker).get("num_waiting") == 8, timeout_s=30, what="two groups waiting")
+    live = events.RunState(id="r1", status="running", config=cfg.model_dump(), owner="flywheel-run pid 1",
+                           lease_expires_at=events.utc_now() + timedelta(minutes=5))
+    await (await bus.runs_kv()).put("r1", events.encode(live))
+    await until(lambda: worker._states["r1"].owner == "flywheel-run pid 1", what="the watcher's copy")
+    # As the process finds it after the pause: its copy is a minute old, the lease in it lapsed.
+    worker._states["r1"] = msgspec.structs.replace(live, updated_at=live.updated_at - timedelta(minutes=1),
+                                                   lease_expires_at=events.utc_now() - timedelta(seconds=30))
+    await asyncio.sleep(3 * LEASE_CHECK_S)
+    info = run_info(worker)
+    assert info["num_skipped"] == 0 and info["num_waiting"] == 8 and info["ended"] is None
+    assert worker._states["r1"].lease_expires_at == live.lease_expires_at  # the bucket's, read again
+    # A lease that did lapse in the bucket too still ends the run: its waiting tasks go.
+    lapsed = msgspec.structs.replace(live, updated_at=events.utc_now(),
+                                     lease_expires_at=events.utc_now() + timedelta(seconds=1))
+    await (await bus.runs_kv()).put("r1", events.encode(lapsed))
+    await until(lambda: run_info(worker).get("num_skipped") == 8, what="the waiting groups released")
+
+
+async def test_a_task_whose_rollouts_the_bus_cannot_take_gives_rollouts_that_say_so(
+        bus: Bus, tiny_model_dir: Path, start_worker: Workers) -> None:
+    """A task just under the max payload is taken; each of its rollouts (which carry the task's row)
+    is over it: published as an error naming the size and the limit, so its group is done."""
+    await create_run(bus, tiny_model_dir)
+    base, _ = models.load_model(tiny_model_dir)
+    await publish_weights(bus, "r1", 0, base)
+    worker = await start_worker(InferenceSettings(backoff_s=(0.2,), max_deliver=3))
+    padding = "x" * (bus.nc.max_payload - 600)  # a field the prompt does not read: the row still fits
+    await bus.publish(events.Task(id="r1-big", run="r1", env="reverse_text", data={"text": "abcd", "padding": padding},
+                                  num_rollouts=4))
+    await until(lambda: count_is(bus, "ROLLOUTS", 4), timeout_s=60, what="the task's rollouts, as errors")
+    rollouts = await stored(bus, "ROLLOUTS", events.Rollout)
+    assert {r.status for r in rollouts} == {"error"} and all(r.nodes == [] and r.task_data == {} for r in rollouts)
+    assert all(f"more than the bus takes ({bus.nc.max_payload} bytes" in (r.error or "") for r in rollouts)
+    await until(lambda: nothing_held(bus), what="the task acked")
+    assert await dead_letters(bus) == [] and run_info(worker)["num_issued"] == 4
 
 
 # --- admission counts what reached the bus --------------------------------------------------
