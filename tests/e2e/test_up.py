@@ -30,6 +30,7 @@ import pytest
 from flywheel.contract import natsusers
 from flywheel.contract.bus import Bus, BusConfig, NatsRefused, PermissionDenied
 from flywheel.contract.settings import Settings
+from flywheel.ops.natsserver import free_port
 from tests.e2e.test_up_supervisor import alive
 
 READY_TIMEOUT_S = 120.0  # the gateway imports FastAPI, SQLAlchemy and Alembic and migrates
@@ -179,6 +180,21 @@ def test_up_publish_status_restart_and_stop(stack: tuple[subprocess.Popen[str], 
     assert re.search(r"^TASKS +recorder-tasks +0 +0 +0$", table.stdout, re.M), table.stdout
     process_row = rf"^recorder +{pids['recorder']} +running +0 +- +\S+/recorder.log$"
     assert re.search(process_row, table.stdout, re.M), table.stdout
+
+    # A second stack on the same data folder, on other ports, is refused before it opens the live
+    # JetStream store or the fork server's sockets, naming the first; the first goes on untouched.
+    other = [str(free_port()) for _ in range(3)]
+    second = subprocess.run([sys.executable, "-m", "flywheel.ops.cli", "up", "--data-dir", str(tmp_path / "data"),
+                             "--nats-port", other[0], "--gateway-port", other[1], "--inference-port", other[2]],
+                            capture_output=True, text=True, env=clean_env, timeout=60, check=False)
+    assert second.returncode != 0
+    assert f"is in use by another stack (pid {up.pid} (flywheel up), NATS port {ports['nats']}" in second.stderr, (
+        second.stdout + second.stderr)
+    assert "started" not in second.stdout, second.stdout
+    again = flywheel("status", "--json", "--nats-port", str(ports["nats"]), env=clean_env)
+    assert next(s for s in json.loads(again.stdout)["streams"] if s["stream"] == "TASKS")["messages"] == 3
+    assert [p["pid"] for p in json.loads(again.stdout)["stacks"][0]["processes"] if p["name"] == "nats-server"] == [
+        pids["nats-server"]]
 
     # A user a service: what a service does not publish, its user cannot; no login, no bus; no
     # password in what status shows.

@@ -36,3 +36,41 @@ def test_a_stack_with_a_nats_server_of_its_own_passes_weights_through_files(tmp_
     assert theirs.settings.trainer.weights_dir is None
     assert all("FLYWHEEL_TRAINER__WEIGHTS_DIR" not in s.env for s in theirs.services)
     assert "FLYWHEEL_TRAINER__WEIGHTS_DIR" not in child_env(Settings())
+
+
+def test_a_data_folder_is_held_by_one_stack_and_names_its_holder(tmp_path) -> None:
+    import os
+    import subprocess
+    import time
+    from pathlib import Path
+
+    import pytest
+
+    from flywheel.ops.stack import DataFolderLock, StackError
+
+    first = DataFolderLock(tmp_path)
+    first.acquire({"pid": os.getpid(), "command": "flywheel up", "since": "now", "ports": {"NATS": 4222}})
+    holder = rf"in use by another stack \(pid {os.getpid()} \(flywheel up\), NATS port 4222"
+    with pytest.raises(StackError, match=holder):
+        DataFolderLock(tmp_path).acquire({"pid": 1})
+    first.release()
+    # Released (or its holder gone: the system lets go of an flock with the process): free again.
+    second = DataFolderLock(tmp_path)
+    second.acquire({"pid": os.getpid()})
+    # A nats-server its last holder started, still running on the store, keeps the folder taken.
+    sleeper = subprocess.Popen(["bash", "-c", "exec -a nats-server sleep 60"])
+    for _ in range(500):  # until it has exec'd (a fresh fork shows its parent's command line)
+        if b"nats-server" in Path(f"/proc/{sleeper.pid}/cmdline").read_bytes():
+            break
+        time.sleep(0.01)
+    try:
+        second.update({"nats_pids": [sleeper.pid]})
+        assert second._fd is not None
+        os.close(second._fd)  # the holder dies without tidying up (its lock file still names the server)
+        second._fd = None
+        with pytest.raises(StackError, match=rf"nats-server of the stack that last ran on .* \(pid {sleeper.pid}\)"):
+            DataFolderLock(tmp_path).acquire({"pid": 1})
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    DataFolderLock(tmp_path).acquire({"pid": 1})  # the server gone: free

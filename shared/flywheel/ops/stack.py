@@ -5,7 +5,10 @@ and settings a deployment uses; only where they run differs.
 
 What it does, in order:
 
-1. refuses to start when a port it needs is taken, naming the setting to change;
+1. takes the data folder (:class:`DataFolderLock`: one stack a folder, so a second ``flywheel
+   up`` on it is refused, naming the first one's pid and ports, before it can open the live
+   JetStream store or the fork server's sockets), and refuses to start when a port it needs
+   is taken, naming the setting to change;
 2. starts the fork server (setting ``fork_services``, :mod:`flywheel.ops.forkserver`): the
    services, and the trainer of a run the orchestrator starts, are forks of it, their
    packages imported once while the rest starts;
@@ -44,6 +47,8 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
+import fcntl
 import json
 import os
 import signal
@@ -70,6 +75,82 @@ STACK_SERVICE = "stack"
 
 class StackError(Exception):
     """The stack cannot start or keep running; the message says why and what to change."""
+
+
+class DataFolderLock:
+    """One stack a data folder at a time: an exclusive ``flock`` on ``<data_dir>/flywheel-up.lock``,
+    held while the stack runs (the system lets go of it when the process ends, however it
+    ends), whose text says who holds it (pid, ports, since when, the nats-server it started).
+    A nats-server an earlier holder started that still runs (its holder killed, the server not
+    yet stopped) keeps the folder taken too: two servers on one JetStream store lose messages."""
+
+    FILE = "flywheel-up.lock"
+
+    def __init__(self, data_dir: Path) -> None:
+        self.path = data_dir / self.FILE
+        self._fd: int | None = None
+        self.about: dict[str, Any] = {}
+
+    def acquire(self, about: dict[str, Any]) -> None:
+        """Take the folder; StackError naming the holder when another stack has it."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise StackError(f"the data folder {self.path.parent} is in use by another stack ({self._holder()}); stop "
+                             "that one first (Ctrl-C where it runs, or `kill PID`), or give this one a folder of its "
+                             "own (--data-dir)") from None
+        previous = self._read(fd)
+        leftover = [pid for pid in previous.get("nats_pids", []) if _runs_nats_server(pid)]
+        if leftover:
+            os.close(fd)
+            raise StackError(f"the nats-server of the stack that last ran on {self.path.parent} (pid "
+                             f"{', '.join(map(str, leftover))}) is still running on its JetStream store; wait for it "
+                             "to stop, or stop it (`kill PID`), then start again")
+        self._fd = fd
+        self.update(about)
+
+    def update(self, about: dict[str, Any]) -> None:
+        """Say more about the holder (the nats-server's pids once started)."""
+        if self._fd is None:
+            return
+        self.about |= about
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, json.dumps(self.about).encode(), 0)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, 0)  # its nats-server is stopped: nothing left to wait for
+            os.close(self._fd)
+            self._fd = None
+
+    @staticmethod
+    def _read(fd: int) -> dict[str, Any]:
+        try:
+            found = json.loads(os.pread(fd, 65536, 0) or b"{}")
+        except ValueError:
+            return {}
+        return found if isinstance(found, dict) else {}
+
+    def _holder(self) -> str:
+        try:
+            about = json.loads(self.path.read_bytes() or b"{}")
+        except (OSError, ValueError):
+            about = {}
+        if not isinstance(about, dict) or "pid" not in about:
+            return "it did not say which"
+        ports = ", ".join(f"{name} port {port}" for name, port in about.get("ports", {}).items())
+        return f"pid {about['pid']} ({about.get('command', 'flywheel up')}), {ports}, since {about.get('since', '?')}"
+
+
+def _runs_nats_server(pid: int) -> bool:
+    try:
+        return b"nats-server" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
 
 
 # A health check answers None when healthy, else why not (shown when start-up times out).
@@ -473,6 +554,7 @@ class Stack:
         poll_interval_s: float = 0.25,
     ) -> None:
         self.data_dir = settings.data_dir.resolve()
+        self.lock = DataFolderLock(self.data_dir)
         if settings.nats_url is None and settings.trainer.weights_dir is None:
             # Its own nats-server: every service is on this machine, and weights go through files.
             trainer = settings.trainer.model_copy(update={"weights_dir": self.data_dir / "weights"})
@@ -554,7 +636,18 @@ class Stack:
 
         Raises StackError when start-up fails (after stopping what had started).
         """
-        check_ports(self.settings)
+        settings = self.settings
+        self.lock.acquire({"pid": os.getpid(), "command": " ".join(["flywheel", *sys.argv[1:2]]),
+                           "since": events.utc_now().isoformat(timespec="seconds"),
+                           "ports": {"NATS": settings.nats_port, "gateway": settings.gateway_port,
+                                     "inference": settings.inference_port}})
+        try:
+            check_ports(settings)
+            await self._run()
+        finally:
+            self.lock.release()
+
+    async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.stopping.set)
@@ -599,6 +692,7 @@ class Stack:
                 node.healthy_at, node.healthy_since = time.monotonic(), events.utc_now()
                 self.nats_nodes.append(node)
                 self.started.append(node)
+                self.lock.update({"nats_pids": [n.pid for n in self.nats_nodes]})
                 self.say(f"started {node.name} (pid {node.pid}) on {natsusers.redacted(server.url)}, store "
                          f"{server.store_dir}, a user a service ({natsusers.USERS_FILE} in the data folder)")
         else:
@@ -654,6 +748,8 @@ class Stack:
         NotHealthy when it still runs but is not healthy after ``start_timeout_s``."""
         began = time.monotonic()
         await process.launch()
+        if isinstance(process, NatsProcess):  # restarted: the folder's lock names its new pid
+            self.lock.update({"nats_pids": [n.pid for n in self.nats_nodes]})
         if process not in self.started:
             self.started.append(process)
         process.state = "restarting" if process.num_restarts else "starting"
