@@ -227,9 +227,14 @@ class RolloutFilter:
 
     def fingerprint(self) -> str:
         """A short digest of the filters, carried in cursors: a cursor only continues its own listing."""
-        chosen = {k: v.astimezone(UTC) if isinstance(v, datetime) else v
-                  for k, v in sorted(asdict(self).items()) if v is not None}
-        return hashlib.sha256(msgspec.json.encode(chosen)).hexdigest()[:16]
+        return fingerprint(asdict(self))
+
+
+def fingerprint(filters: dict[str, Any]) -> str:
+    """A short digest of a listing's filters (those set), carried in its cursors (see ``Store._page``)."""
+    chosen = {k: v.astimezone(UTC) if isinstance(v, datetime) else v for k, v in sorted(filters.items())
+              if v is not None}
+    return hashlib.sha256(msgspec.json.encode(chosen)).hexdigest()[:16]
 
 
 def _failed_score(rollout_id: sa.ColumnElement[str]) -> sa.Exists:
@@ -725,7 +730,8 @@ class Store:
         where += [c.env == self._text(env)] if env is not None else []
         where += [c.run.in_(sa.select(s.runs.c.id).where(s.runs.c.tenant == self._text(tenant)))] \
             if tenant is not None else []
-        return await self._page("tasks", s.tasks, _columns(s.tasks), where, cursor, limit)
+        return await self._page("tasks", s.tasks, _columns(s.tasks), where, cursor, limit,
+                                scope=fingerprint({"run": run, "env": env, "tenant": tenant}))
 
     async def get_task(self, task_id: str) -> dict[str, Any] | None:
         task_id = self._text(task_id)

@@ -611,6 +611,13 @@ async def test_bad_cursors_and_limits_are_refused(store: Store) -> None:
     assert tasks_cursor is not None
     with pytest.raises(InvalidCursor, match="tasks listing"):
         await store.list_rollouts(cursor=tasks_cursor)
+    # A cursor of one run's tasks does not continue another's (an empty page would say "no more").
+    await store.record([task(3, run="r2"), task(4, run="r2")])
+    run_cursor = (await store.list_tasks(run="r2", limit=1)).next_cursor
+    for run, env in (("r1", None), (None, None), ("r2", "code")):
+        with pytest.raises(InvalidCursor, match="other filters"):
+            await store.list_tasks(run=run, env=env, cursor=run_cursor)
+    assert [t["id"] for t in (await store.list_tasks(run="r2", cursor=run_cursor)).items] == [task(3, run="r2").id]
     for garbage in ("!!", "bm90IGpzb24", ""):
         with pytest.raises(InvalidCursor, match="not a cursor"):
             await store.list_tasks(cursor=garbage)

@@ -142,14 +142,24 @@ async def get_run(bus: Bus, run: str) -> events.RunState | None:
     return decode_state(run, entry.value) if entry.value else None
 
 
+# What list_runs said of entries that do not decode: each said once per process (a caller that
+# lists every second would say it every second), at most this many remembered.
+_SAID_BAD: set[str] = set()
+MAX_SAID_BAD = 1024
+
+
 async def list_runs(bus: Bus) -> list[events.RunState]:
-    """Every run's current state; an entry that does not decode is logged and left out."""
+    """Every run's current state; an entry that does not decode is left out, and logged once."""
     states = []
     for key in await bus.kv_keys(RUNS_BUCKET):
         try:
             state = await get_run(bus, key)
         except BadRunState as exc:
-            log.warning("%s", exc)
+            if str(exc) not in _SAID_BAD:
+                if len(_SAID_BAD) >= MAX_SAID_BAD:
+                    _SAID_BAD.clear()
+                _SAID_BAD.add(str(exc))
+                log.warning("%s (said once; it is left out of every listing until it is rewritten)", exc)
             continue
         if state is not None:
             states.append(state)
