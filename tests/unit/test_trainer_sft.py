@@ -134,7 +134,12 @@ def test_a_datasets_dataset_is_learned_row_by_row_as_lines_of_a_file(tok: object
         str(tmp_path / "bad"))
     with pytest.raises(DataError, match=r"bad\[train\]\[3\]: the chat starts with an assistant message"):
         load_dataset_examples(str(tmp_path / "bad"), "train", tok)
+    # Offline, as read at import time too: else the hub is asked, and this machine has no network to wait for.
+    import huggingface_hub.constants
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(DataError, match=r"sft.dataset='nobody/no-such-dataset': could not load it"):
         load_dataset_examples("nobody/no-such-dataset", "train", tok)
 
