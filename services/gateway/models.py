@@ -167,7 +167,7 @@ class TaskCreate(_Create):
     data: Annotated[dict[str, Any], AfterValidator(json_data)] = Field(
         description="The task row, as the environment expects it (finite numbers, integers within 64 bits).")
     id: TaskId | None = None
-    num_rollouts: int = Field(1, ge=1, le=4096)
+    num_rollouts: int = Field(1, ge=1, le=events.MAX_GROUP_SIZE)
     sampling: Sampling | None = None
 
     def to_event(self, position: int) -> events.Task:

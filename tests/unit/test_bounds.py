@@ -66,6 +66,8 @@ def test_a_rollout_with_a_logprob_that_is_not_finite_arrives_as_an_error_every_r
     assert events.checked(make_rollout("b", "g", logprobs=[0.5])).status == "error"
     fine = make_rollout("b", "g", logprobs=[-1e4, 0.0])
     assert events.checked(fine) is fine
+    greedy = msgspec.structs.replace(fine, sampling=events.Sampling(temperature=0.0))  # a greedy eval's, recorded
+    assert events.checked(greedy) is greedy
 
 
 def test_a_rollout_whose_group_cannot_be_is_undecodable() -> None:

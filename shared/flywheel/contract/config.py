@@ -755,7 +755,8 @@ class EvalSpec(_Section):
     at_start: bool = Field(True, description="also evaluate the weights the run starts from (step 0, after "
                                              "the SFT warm-up)")
     num_tasks: int = Field(32, ge=1, description="tasks of each eval (the environment's first, in its order)")
-    num_rollouts: int = Field(1, ge=1, description="rollouts of each task (pass@k for k up to it)")
+    num_rollouts: int = Field(1, ge=1, le=events.MAX_GROUP_SIZE,
+                              description="rollouts of each task (pass@k for k up to it)")
     greedy: bool = Field(True, description="sample at temperature 0 (else the run's sampling)")
     seed: int = Field(1, ge=0, le=events.INT32_MAX, description="seed of its task order: the same tasks at every "
                       "step (a generated task set draws other tasks than training's, which follows the run's seed)")
@@ -794,7 +795,8 @@ class RunConfig(_Section):
                                   "several: an [[envs]] table each (instead of env, env_args and rewards), its "
                                   "tasks mixed by weight")
     tenant: str = Field("default", description="the tenant that owns the run")
-    group_size: int = Field(8, ge=1, description="rollouts per task, compared with each other")
+    group_size: int = Field(8, ge=1, le=events.MAX_GROUP_SIZE,
+                            description="rollouts per task, compared with each other")
     num_tasks: int | None = Field(None, ge=1, description="tasks to publish; default: enough for num_steps")
     seed: int | None = Field(None, ge=0, le=events.INT32_MAX,
                              description="seeds the run: the task order, each rollout's sampling (the task at "

@@ -683,12 +683,15 @@ def _first(*problems: str | None) -> str | None:
 
 
 def _sampling_problem(sampling: Sampling | None) -> str | None:
-    try:
-        if sampling is not None:
-            sampling.check()
-    except ValueError as exc:
-        return str(exc)
-    return None
+    """Settings no reader can do arithmetic with: not finite, or negative. (What a backend samples
+    is :meth:`Sampling.check`'s, applied where settings are taken in; a rollout records 0.0 for
+    a greedy eval's temperature.)"""
+    if sampling is None:
+        return None
+    return _first(_number_problem("sampling.temperature", sampling.temperature, 0.0, 1e6),
+                  _number_problem("sampling.top_p", sampling.top_p, 0.0, 1.0),
+                  _count_problem("sampling.max_tokens", sampling.max_tokens, 0, INT32_MAX),
+                  _count_problem("sampling.seed", sampling.seed, 0, INT32_MAX))
 
 
 def finite_metrics(values: dict[str, float]) -> dict[str, float]:
@@ -712,7 +715,7 @@ def checked(event: E) -> E:
             components=finite_metrics(event.components),
             error=event.error or f"score of scorer {event.scorer!r}: {problem}; the rollout is not trained on")
     if isinstance(event, Signal):
-        problem = _first(_number_problem("temperature", event.temperature, MIN_TEMPERATURE, 1e6),
+        problem = _first(_number_problem("temperature", event.temperature, 0.0, 1e6),
                          *(_numbers_problem(f"values[{n!r}]", v, LOGPROB_MIN, LOGPROB_MAX)
                            for n, v in event.values.items()),
                          *(_numbers_problem(f"top_logprobs[{n!r}][{i}]", row, LOGPROB_MIN, LOGPROB_MAX)
