@@ -266,6 +266,38 @@ async def test_a_restart_that_stays_unhealthy_is_stopped_and_tried_again(
     assert not any(alive(pid) for pid in started_pids(out, "worker"))
 
 
+async def test_a_running_service_that_stops_being_healthy_is_stopped_and_started_again(
+        tmp_path: Path, nats_server: NatsServer) -> None:
+    """Alive but useless (a blocked event loop renews no heartbeat): found by its health check while
+    it runs, not only by its exit."""
+    marker = tmp_path / "started-once"
+    # Its first start says it is stuck a moment after it is ready; later starts stay ready.
+    worker = (f"import pathlib, time; m = pathlib.Path({str(marker)!r}); first = not m.exists(); m.touch(); "
+              "print('ready', flush=True); time.sleep(0.5); print('stuck' if first else 'fine', flush=True); "
+              "time.sleep(120)")  # noqa: sleep - the stand-in service stays up until stopped
+
+    async def until_stuck(stack: Stack, process: Process) -> str | None:
+        with process.log_path.open("rb") as f:
+            f.seek(process.log_offset)
+            text = f.read().decode()
+        return "its loop is stuck" if "\nstuck\n" in text else None if "\nready\n" in text else "not ready"
+
+    out = io.StringIO()
+    stack = Stack(settings(tmp_path, nats_server.url), out, services={"worker": python(worker, until_stuck)},
+                  restart_backoff_s=0.1, stop_timeout_s=2.0, health_every_s=0.1, unhealthy_after_s=0.5)
+    running = await start(stack, out)
+    first = started_pids(out, "worker")[0]
+    await until(lambda: len(started_pids(out, "worker")) == 2, timeout_s=15, what="the stuck worker started again")
+    assert re.search(rf"^worker \(pid {first}\) is not healthy: its loop is stuck; stopping it$", out.getvalue(), re.M)
+    assert re.search(rf"^worker \(pid {first}\) was stopped: its loop is stuck for 0.5s while it ran", out.getvalue(),
+                     re.M), out.getvalue()
+    assert not alive(first) and stack.services[0].last_exit == "not healthy"
+    await asyncio.sleep(1.5)  # noqa: sleep - the second start stays healthy: no further restart
+    assert len(started_pids(out, "worker")) == 2
+    stack.stopping.set()
+    await running
+
+
 async def test_a_service_that_ignores_sigterm_is_killed(tmp_path: Path, nats_server: NatsServer) -> None:
     out = io.StringIO()
     stubborn = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); "

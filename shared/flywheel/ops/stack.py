@@ -18,7 +18,9 @@ What it does, in order:
    database migrations) and waits until it is healthy, within ``start_timeout_s``; a service
    that dies or stays unhealthy stops the stack with the tail of its log: at start-up that
    is a configuration error to show at once;
-5. supervises, never giving up: a process that exits (or, restarted, stays unhealthy) is
+5. supervises, never giving up: a process that exits, or whose health check fails for
+   ``unhealthy_after_s`` while it runs (a blocked event loop renews no heartbeat; a JetStream
+   store that failed on a full disk refuses every request), or, restarted, stays unhealthy, is
    reported with the tail of its log and started again, while the rest keep serving. A
    process that had stayed healthy ``healthy_after_s`` is restarted at once, so a run it
    serves recovers fast; exits in a row before that (a crash loop: a message that crashes
@@ -51,6 +53,7 @@ import contextlib
 import fcntl
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -61,10 +64,11 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import nats.errors
+import nats.js.errors
 
 from flywheel.contract import events, natsusers
 from flywheel.contract.bus import Bus, BusConfig, wait_at_most
-from flywheel.contract.service import Service, read_heartbeats
+from flywheel.contract.service import HEARTBEAT_INTERVAL_S, Service, read_heartbeats
 from flywheel.contract.settings import SECTIONS, Settings
 from flywheel.ops import forkserver
 from flywheel.ops.natsserver import NatsCluster, NatsServer, port_open
@@ -198,15 +202,24 @@ async def _gateway_healthy(stack: Stack, process: Process) -> str | None:
     return f"GET {health['url']}/healthz: {answer}"
 
 
+HEARTBEAT_STALE_S = 4 * HEARTBEAT_INTERVAL_S  # a heartbeat older than this: the process's loop is stuck
+HEALTH_CHECK_TIMEOUT_S = 10.0
+
+
 def heartbeat_of(service: str) -> HealthCheck:
-    """Healthy once the services KV bucket holds an ``ok`` heartbeat from this very process."""
+    """Healthy while the services KV bucket holds an ``ok`` heartbeat from this very process, renewed
+    within the last HEARTBEAT_STALE_S (a process whose event loop is blocked renews none)."""
 
     async def check(stack: Stack, process: Process) -> str | None:
         assert stack.bus is not None
-        beats = await read_heartbeats(stack.bus)
-        if any(b.service == service and b.pid == process.pid and b.status == "ok" for b in beats):
-            return None
-        return f"no heartbeat from {service} pid {process.pid} in the services KV bucket yet"
+        beats = [b for b in await stack.heartbeats()
+                 if b.service == service and b.pid == process.pid and b.status == "ok"]
+        if not beats:
+            return f"no heartbeat from {service} pid {process.pid} in the services KV bucket yet"
+        age_s = (events.utc_now() - max(b.updated_at for b in beats)).total_seconds()
+        if age_s > HEARTBEAT_STALE_S:
+            return f"its last heartbeat is {age_s:.0f}s old (its event loop is blocked?)"
+        return None
 
     return check
 
@@ -375,7 +388,16 @@ class NatsProcess(Process):
         self.last_pid = self.pid
 
     async def health(self, stack: Stack) -> str | None:
-        return None  # start() returns once it listens
+        """Healthy while JetStream answers (start() returns once the server listens): a store that
+        failed (a full disk) leaves the server up and every stream refused until it restarts."""
+        if stack.bus is None or not stack.bus.nc.is_connected:
+            return None
+        try:
+            await stack.bus.js.account_info()
+        except nats.js.errors.APIError as exc:
+            free_mib = shutil.disk_usage(self.server.store_dir).free // 2**20
+            return f"JetStream refuses requests ({exc}; a full disk? {free_mib} MiB free where it keeps its store)"
+        return None
 
     async def stop(self, timeout_s: float) -> None:
         await asyncio.to_thread(self.server.stop, timeout_s)
@@ -538,7 +560,10 @@ class Stack:
     """Starts, supervises and stops the embedded stack. ``await run()`` until a signal.
 
     ``restart_backoff_s``, ``max_backoff_s`` and ``healthy_after_s`` set every process's
-    :class:`RestartBackoff`; ``poll_interval_s`` is how often it looks at exits and health.
+    :class:`RestartBackoff`; ``poll_interval_s`` is how often it looks at exits. Every
+    ``health_every_s`` it runs each running process's health check (a service's fresh heartbeat,
+    the gateway's ``/healthz``, nats-server's JetStream answering); one that fails it for
+    ``unhealthy_after_s`` is stopped and started again like one that exited.
     """
 
     def __init__(
@@ -552,6 +577,8 @@ class Stack:
         max_backoff_s: float = 60.0,
         healthy_after_s: float = 30.0,
         poll_interval_s: float = 0.25,
+        health_every_s: float = 5.0,
+        unhealthy_after_s: float = 60.0,
     ) -> None:
         self.data_dir = settings.data_dir.resolve()
         self.lock = DataFolderLock(self.data_dir)
@@ -573,6 +600,9 @@ class Stack:
         self.max_backoff_s = max_backoff_s
         self.healthy_after_s = healthy_after_s
         self.poll_interval_s = poll_interval_s
+        self.health_every_s = health_every_s
+        self.unhealthy_after_s = unhealthy_after_s
+        self._beats: tuple[float, list[events.ServiceHeartbeat]] | None = None  # (when read, what)
         self.stopping = asyncio.Event()
         self.ready = asyncio.Event()  # set once everything started is healthy
         self.bus_ready = asyncio.Event()  # set once the bus answers (the services may still be starting)
@@ -812,10 +842,13 @@ class Stack:
         """Start ``process`` again whenever it exits, after its backoff, until a stop is asked.
         Never gives up: while it backs off, the rest of the stack keeps serving."""
         while True:
-            returncode = await self._exit_of(process)
-            if returncode is None:
+            ended = await self._exit_of(process)
+            if ended is None:
                 return
-            last_exit, what = exit_text(returncode), f"exited unexpectedly with {exit_text(returncode)}"
+            if isinstance(ended, str):  # it runs, but its health check failed all along: stopped
+                last_exit, what = "not healthy", f"was stopped: {ended} for {self.unhealthy_after_s:g}s while it ran"
+            else:
+                last_exit, what = exit_text(ended), f"exited unexpectedly with {exit_text(ended)}"
             while True:
                 delay_s = self._back_off(process, last_exit, what)
                 if await wait_set(self.stopping, delay_s):
@@ -832,14 +865,48 @@ class Stack:
                 except StackError as exc:  # the nats-server could not start again (its port taken?)
                     last_exit, what = "did not start", str(exc)
 
-    async def _exit_of(self, process: Process) -> int | None:
-        """Wait until ``process`` exits: its exit status, or None once a stop is asked."""
+    async def _exit_of(self, process: Process) -> int | str | None:
+        """Wait until ``process`` exits (its exit status) or has failed its health check every
+        ``health_every_s`` for ``unhealthy_after_s`` while it ran (why, once it is stopped: a loop
+        that blocks, a store that failed, keep a process alive and useless); None once a stop is asked."""
+        next_check = time.monotonic() + self.health_every_s
+        unhealthy_since: float | None = None
         while not self.stopping.is_set():
             returncode = process.returncode()
             if returncode is not None:
                 return returncode
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + self.health_every_s
+                problem = await self._health_now(process)
+                if problem is None:
+                    unhealthy_since = None
+                    continue
+                unhealthy_since = unhealthy_since or now
+                if now - unhealthy_since >= self.unhealthy_after_s:
+                    self.say(f"{process.name} (pid {process.last_pid}) is not healthy: {problem}; stopping it")
+                    await process.stop(self.stop_timeout_s)
+                    return problem
             await wait_set(self.stopping, self.poll_interval_s)
         return None
+
+    async def heartbeats(self) -> list[events.ServiceHeartbeat]:
+        """The services' heartbeats, read at most once a poll interval (every process's check reads them)."""
+        assert self.bus is not None
+        now = time.monotonic()
+        if self._beats is None or now - self._beats[0] > self.poll_interval_s:
+            self._beats = (now, await read_heartbeats(self.bus))
+        return self._beats[1]
+
+    async def _health_now(self, process: Process) -> str | None:
+        """``process``'s health check now; None when healthy, or when the check cannot tell (the bus
+        away: its own restart is what the stack watches then)."""
+        if self.bus is None or not self.bus.nc.is_connected:
+            return None
+        try:
+            return await asyncio.wait_for(process.health(self), HEALTH_CHECK_TIMEOUT_S)
+        except (TimeoutError, nats.errors.Error, OSError):
+            return None
 
     def _back_off(self, process: Process, last_exit: str, what: str) -> float:
         """Record an exit, say it with the tail of the log and the next try; the wait before it."""
