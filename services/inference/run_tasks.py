@@ -41,17 +41,19 @@ import nats.js.errors
 
 from flywheel.contract import events
 from flywheel.contract.bus import Bus, Consumer, Handler, wait_at_most
+from flywheel.contract.runs import task_durable
 from flywheel.contract.settings import InferenceSettings
 
 log = logging.getLogger(__name__)
 
-SCREEN = "inference"  # the screen's durable; a run's is SCREEN-<run>
+SCREEN = "inference"  # the screen's durable; a run's is task_durable(run): inference-<run>
 CHECK_S = 1.0  # how often the consumers of ended runs are checked for what their durables still hold
 
 
 def durable_of(run: str) -> str:
-    """The durable of ``run``'s tasks (a run id is letters, digits, '-' and '_': a valid durable name)."""
-    return f"{SCREEN}-{run}"
+    """The durable of ``run``'s tasks (:func:`flywheel.contract.runs.task_durable`: ``flywheel run``
+    looks for it when the run waits)."""
+    return task_durable(run)
 
 
 class RunTasks:

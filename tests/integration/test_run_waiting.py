@@ -130,3 +130,34 @@ async def test_the_runs_dead_letters_are_said_with_their_reason(bus: Bus, nats_s
     assert job.num_dead_letters == 1
     assert (await job._missing())[-1] == ("rollouts that will not come: 1 of the run's messages were dead-lettered "
                                           "(reasons above)")
+
+
+async def test_a_waiting_run_names_what_is_wrong_on_the_bus(bus: Bus, nats_server: NatsServer, tmp_path: Path) -> None:
+    """Its tasks purged from TASKS, inference's durable of them deleted: said by name, not only
+    "no new step"; a JetStream that refuses requests too."""
+    from flywheel.contract.bus import Consumer
+    from flywheel.contract.runs import register_run, task_durable, update_run
+
+    job, _ = await job_on(bus, nats_server, tmp_path)
+    await register_run(bus, "waits")
+    assert await job._bus_trouble() == []  # nothing published yet: nothing to miss
+    await bus.publish(events.Task(run="waits", env="reverse_text", data={"text": "abc"}))
+    await update_run(bus, "waits", num_tasks_published=1)
+    consumer = Consumer(bus, stream="TASKS", durable=task_durable("waits"), filter_subject="tasks.waits.>",
+                        handler=lambda d: asyncio.sleep(0), event_type=events.Task)
+    await consumer.ensure()
+    assert await job._bus_trouble() == []
+    await bus.js.purge_stream("TASKS")
+    await bus.js.delete_consumer("TASKS", task_durable("waits"))
+    trouble = await job._bus_trouble()
+    purged = ("the run's tasks: the TASKS stream holds none of the 1 its orchestrator published (purged or "
+              "deleted?); its orchestrator publishes them again when it restarts")
+    gone = ("inference's consumer of the run's tasks (inference-waits on TASKS) is gone (deleted?): a live inference "
+            "makes it again at its next pull")
+    assert trouble == [purged, gone]
+    nats_server.stop()
+    try:
+        (said,) = await job._bus_trouble()
+        assert said.startswith("the bus's JetStream, which refuses requests") and "full disk" in said
+    finally:
+        nats_server.start()

@@ -142,6 +142,12 @@ async def get_run(bus: Bus, run: str) -> events.RunState | None:
     return decode_state(run, entry.value) if entry.value else None
 
 
+def task_durable(run: str) -> str:
+    """The durable through which inference consumes ``run``'s tasks (a run id is letters, digits,
+    '-' and '_': a valid durable name)."""
+    return f"inference-{run}"
+
+
 # What list_runs said of entries that do not decode: each said once per process (a caller that
 # lists every second would say it every second), at most this many remembered.
 _SAID_BAD: set[str] = set()

@@ -58,6 +58,7 @@ from flywheel.contract.runs import (
     register_run,
     resume_run,
     stop_run,
+    task_durable,
     update_run,
 )
 from flywheel.contract.service import read_heartbeats
@@ -678,7 +679,38 @@ class MainJob:
         if self.num_dead_letters:
             missing.append(f"rollouts that will not come: {self.num_dead_letters} of the run's messages were "
                            "dead-lettered (reasons above)")
-        return missing
+        return missing + await self._bus_trouble()
+
+    async def _bus_trouble(self) -> list[str]:
+        """What on the bus itself holds the run: JetStream refusing requests (a full disk, a store
+        that failed), inference's durable of the run's tasks gone, the run's tasks gone from TASKS."""
+        js = self.bus.js
+        try:
+            await js.account_info()
+        except (TimeoutError, nats.errors.Error) as exc:
+            said = (f"the bus's JetStream, which refuses requests ({type(exc).__name__}: {exc}): a full disk where "
+                    "nats-server keeps its store? free space there; nats-server's log says why")
+            return [said]
+        try:
+            state = await get_run(self.bus, self.cfg.run)
+            if state is None or not state.num_tasks_published:
+                return []
+            held = await js.stream_info("TASKS", subjects_filter=f"tasks.{self.cfg.run}.>")
+        except (TimeoutError, nats.errors.Error):
+            return []
+        out = []
+        if not sum((held.state.subjects or {}).values()):
+            out.append(f"the run's tasks: the TASKS stream holds none of the {state.num_tasks_published} its "
+                       "orchestrator published (purged or deleted?); its orchestrator publishes them again when it "
+                       "restarts")
+        try:
+            await js.consumer_info("TASKS", task_durable(self.cfg.run))
+        except nats.js.errors.NotFoundError:
+            out.append(f"inference's consumer of the run's tasks ({task_durable(self.cfg.run)} on TASKS) is gone "
+                       "(deleted?): a live inference makes it again at its next pull")
+        except (TimeoutError, nats.errors.Error):
+            pass
+        return out
 
     def _hosting(self, beats: list[events.ServiceHeartbeat]) -> list[dict[str, Any]]:
         """The run's counters in each inference replica's heartbeat that reports the run."""
