@@ -128,8 +128,12 @@ def test_a_workers_view_has_its_packages_never_the_root_the_working_folder_or_th
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))  # as `python -m` does: the working folder, not named in PYTHONPATH
     monkeypatch.setenv("PYTHONPATH", str(ENVS))
+    vendored = Path(sysconfig.get_path("purelib")) / "setuptools" / "_vendor"
+    if vendored.is_dir():  # what importing setuptools adds to a process's path
+        monkeypatch.syspath_prepend(str(vendored))
     data = tmp_path / "data"
     layout = worker_layout(WorkersSettings(), [data])
+    assert str(vendored) not in layout.path  # its old copies would shadow the site folder's packages
     assert "/" not in layout.view.read_only and str(tmp_path) not in layout.view.read_only
     assert str(ENVS) in layout.view.read_only and str(ENVS) in layout.path
     assert sysconfig.get_path("purelib") in layout.view.read_only

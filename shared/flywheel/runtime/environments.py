@@ -398,6 +398,11 @@ def worker_layout(settings: WorkersSettings, hidden: Sequence[Path], extra: Sequ
         if (not os.path.isdir(real) or (real == cwd and real not in explicit) or real in site_dirs or real == base
                 or real.startswith(base + "/")):
             continue
+        # A folder inside a site folder that a package added to this process's path (setuptools'
+        # _vendor, once imported): ahead of the site folders in a worker, its old copies would
+        # shadow the real packages (typing_extensions).
+        if real not in explicit and any(real.startswith(d + "/") for d in site_dirs):
+            continue
         path.append(real)
     path = [*extra, *path]
     if settings.isolation == "none":
