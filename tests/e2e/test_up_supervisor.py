@@ -272,8 +272,10 @@ async def test_a_running_service_that_stops_being_healthy_is_stopped_and_started
     it runs, not only by its exit."""
     marker = tmp_path / "started-once"
     # Its first start says it is stuck a moment after it is ready; later starts stay ready.
+    # A deliberate sleep: healthy a moment (0.5 s), then stuck, then up until stopped.
     worker = (f"import pathlib, time; m = pathlib.Path({str(marker)!r}); first = not m.exists(); m.touch(); "
-              "print('ready', flush=True); time.sleep(0.5); print('stuck' if first else 'fine', flush=True); "
+              "print('ready', flush=True); time.sleep(0.5); "  # noqa: sleep - ready a moment before it is stuck
+              "print('stuck' if first else 'fine', flush=True); "
               "time.sleep(120)")  # noqa: sleep - the stand-in service stays up until stopped
 
     async def until_stuck(stack: Stack, process: Process) -> str | None:

@@ -166,9 +166,16 @@ async def test_a_plain_chat_runs_in_its_host_as_in_its_worker_and_any_other_harn
         assert asked[0] == asked[1]  # the same request, the system prompt first
         assert json.loads(asked[0])["messages"][0] == {"role": "system", "content": "Reverse the text."}
 
+        asking = asyncio.Event()
+
+        async def never(url: str, body: bytes) -> tuple[int, bytes]:  # the model never answers
+            asking.set()
+            await asyncio.Event().wait()
+            raise AssertionError("unreachable")
+
         stopped = await env.start_rollout(RolloutLink("r-3", "run", "http://model/v1", "k", post=never), first)
         running = asyncio.ensure_future(stopped.run(task, model="m", index=2, timeout_s=30))
-        await asyncio.sleep(0.1)
+        await asyncio.wait_for(asking.wait(), 30)  # under way: waiting on its model
         stopped.stop("the run ended")
         assert (await running).error == "stopped: the run ended"
 
@@ -177,11 +184,6 @@ async def test_a_plain_chat_runs_in_its_host_as_in_its_worker_and_any_other_harn
         own = await flaky.start_rollout(RolloutLink("r-4", "run", "http://model/v1", "k", post=post),
                                         await flaky.prompt_messages({"text": "ab", "fail": False}))
         assert isinstance(own, WorkerRollout)
-
-
-async def never(url: str, body: bytes) -> tuple[int, bytes]:
-    await asyncio.Event().wait()
-    raise AssertionError("unreachable")
 
 
 async def test_environment_code_reaches_the_endpoints_its_run_config_names_and_nothing_else() -> None:

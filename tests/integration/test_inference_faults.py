@@ -251,10 +251,13 @@ async def test_a_process_that_resumes_after_a_pause_re_reads_a_lapsed_lease_befo
     # As the process finds it after the pause: its copy is a minute old, the lease in it lapsed.
     worker._states["r1"] = msgspec.structs.replace(live, updated_at=live.updated_at - timedelta(minutes=1),
                                                    lease_expires_at=events.utc_now() - timedelta(seconds=30))
-    await asyncio.sleep(3 * LEASE_CHECK_S)
+    # The lease check reads the bucket again (the live state) instead of releasing anything.
+    await until(lambda: worker._states["r1"].lease_expires_at == live.lease_expires_at, timeout_s=10 * LEASE_CHECK_S,
+                what="the kept state read again from the bucket")
+    # What was waiting still waits (the groups in flight meanwhile end), nothing released.
+    await until(lambda: run_info(worker).get("num_waiting") == 8, timeout_s=30, what="two groups waiting still")
     info = run_info(worker)
-    assert info["num_skipped"] == 0 and info["num_waiting"] == 8 and info["ended"] is None
-    assert worker._states["r1"].lease_expires_at == live.lease_expires_at  # the bucket's, read again
+    assert info["num_skipped"] == 0 and info["num_waiting"] == 8 and info["ended"] is None, str(info)
     # A lease that did lapse in the bucket too still ends the run: its waiting tasks go.
     lapsed = msgspec.structs.replace(live, updated_at=events.utc_now(),
                                      lease_expires_at=events.utc_now() + timedelta(seconds=1))

@@ -135,7 +135,7 @@ async def test_the_runs_dead_letters_are_said_with_their_reason(bus: Bus, nats_s
 async def test_a_waiting_run_names_what_is_wrong_on_the_bus(bus: Bus, nats_server: NatsServer, tmp_path: Path) -> None:
     """Its tasks purged from TASKS, inference's durable of them deleted: said by name, not only
     "no new step"; a JetStream that refuses requests too."""
-    from flywheel.contract.bus import Consumer
+    from flywheel.contract.bus import Consumer, Delivery
     from flywheel.contract.runs import register_run, task_durable, update_run
 
     job, _ = await job_on(bus, nats_server, tmp_path)
@@ -143,8 +143,11 @@ async def test_a_waiting_run_names_what_is_wrong_on_the_bus(bus: Bus, nats_serve
     assert await job._bus_trouble() == []  # nothing published yet: nothing to miss
     await bus.publish(events.Task(run="waits", env="reverse_text", data={"text": "abc"}))
     await update_run(bus, "waits", num_tasks_published=1)
+    async def ignore(delivery: Delivery) -> None:
+        pass
+
     consumer = Consumer(bus, stream="TASKS", durable=task_durable("waits"), filter_subject="tasks.waits.>",
-                        handler=lambda d: asyncio.sleep(0), event_type=events.Task)
+                        handler=ignore, event_type=events.Task)
     await consumer.ensure()
     assert await job._bus_trouble() == []
     await bus.js.purge_stream("TASKS")
