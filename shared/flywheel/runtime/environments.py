@@ -162,6 +162,21 @@ def _under(url: str, allowed: str) -> bool:
     return a.path == base or a.path.startswith(base + "/") or (not base and a.path in ("", "/"))
 
 
+HOP_HEADERS = frozenset({"host", "content-length", "connection", "transfer-encoding", "keep-alive", "upgrade"})
+
+
+async def _forward(client: Any, url: str, args: Any, drop: set[str] | frozenset[str] = frozenset(),
+                   add: Sequence[tuple[str, str]] = ()) -> dict[str, Any]:
+    """A worker's HTTP request (``args``: method, headers, body) made to ``url`` with ``client``: its
+    hop-by-hop headers and ``drop`` left out, ``add`` added; the answer as the worker takes it."""
+    headers = [(str(k), str(v)) for k, v in args.get("headers") or [] if str(k).lower() not in HOP_HEADERS | drop]
+    response = await client.request(str(args.get("method", "GET")), url, headers=[*headers, *add],
+                                    content=bytes(args.get("body") or b""))
+    return {"status": response.status_code, "body": response.content,
+            "headers": [[k, v] for k, v in response.headers.items()
+                        if k.lower() not in ("content-length", "transfer-encoding", "content-encoding")]}
+
+
 class WorkerProcess:
     """One running worker: its process, the channel on its stdin and stdout, what it has loaded, its links."""
 
@@ -278,14 +293,9 @@ class WorkerProcess:
     async def _http(self, args: Any) -> dict[str, Any]:
         link = self._link(args.get("rollout"))
         url = link.base_url.rstrip("/") + _safe_path(args.get("path"))
-        hop = {"host", "content-length", "connection", "transfer-encoding", "authorization", "keep-alive", "upgrade"}
-        headers = [(str(k), str(v)) for k, v in args.get("headers") or [] if str(k).lower() not in hop]
-        headers.append(("Authorization", f"Bearer {link.api_key}"))
-        response = await link.http_client.request(str(args.get("method", "GET")), url, headers=headers,
-                                                  content=bytes(args.get("body") or b""))
-        return {"status": response.status_code, "body": response.content,
-                "headers": [[k, v] for k, v in response.headers.items()
-                            if k.lower() not in ("content-length", "transfer-encoding", "content-encoding")]}
+        # The rollout's own key, whatever the worker sent.
+        return await _forward(link.http_client, url, args, drop={"authorization"},
+                              add=[("Authorization", f"Bearer {link.api_key}")])
 
     async def _sandbox(self, args: Any) -> bytes | int:
         link = self._link(args.get("scope"))
@@ -341,13 +351,7 @@ class WorkerProcess:
 
             self._egress_client = httpx.AsyncClient(timeout=httpx.Timeout(EGRESS_TIMEOUT_S, connect=30.0),
                                                     follow_redirects=False, trust_env=False)
-        hop = {"host", "content-length", "connection", "transfer-encoding", "keep-alive", "upgrade"}
-        headers = [(str(k), str(v)) for k, v in args.get("headers") or [] if str(k).lower() not in hop]
-        response = await self._egress_client.request(str(args.get("method", "GET")), url, headers=headers,
-                                                     content=bytes(args.get("body") or b""))
-        return {"status": response.status_code, "body": response.content,
-                "headers": [[k, v] for k, v in response.headers.items()
-                            if k.lower() not in ("content-length", "transfer-encoding", "content-encoding")]}
+        return await _forward(self._egress_client, url, args)
 
     async def _program(self, args: Any) -> dict[str, Any]:
         link = self._link(args.get("rollout"))
