@@ -186,7 +186,8 @@ async def test_a_plain_chat_runs_in_its_host_as_in_its_worker_and_any_other_harn
         assert isinstance(own, WorkerRollout)
 
 
-async def test_environment_code_reaches_the_endpoints_its_run_config_names_and_nothing_else() -> None:
+async def test_environment_code_reaches_the_endpoints_its_run_config_names_and_nothing_else(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """A user simulator's model, a judge: a worker has no network, so its host makes the call, to an
     URL an argument of the environment gives (or under its path) and to nothing else."""
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -208,6 +209,10 @@ async def test_environment_code_reaches_the_endpoints_its_run_config_names_and_n
             for (outcome,) in outcomes[1:]:  # httpx makes .../judge/../admin .../admin before it goes
                 assert outcome.error is not None and "is not an endpoint this environment's run config names" in \
                     outcome.error and f"{other}'" in outcome.error, outcome
+            # An answer past the bound is refused, not read on into the host's memory.
+            monkeypatch.setattr(environments, "EGRESS_MAX_BYTES", 3)
+            (row,) = await env.score(rollouts[:1], ["behave"], timeout_s=60)
+            assert row[0].error is not None and "answered more than 3 bytes" in row[0].error, row[0]
             # Another tenant's worker of the same environment, loaded without the argument, reaches nothing.
             bare = await pool.load(LoadSpec(env_id="lifecycle_env"), "b")
             (row,) = await bare.score(rollouts[:1], ["behave"], timeout_s=60)

@@ -137,6 +137,7 @@ class Process(Protocol):
 
 
 DEATH_WORDS_WAIT_S = 5.0  # a call whose worker's channel closed waits this long for the process's exit
+EGRESS_MAX_BYTES = 64 * 2**20  # an answer to environment code's outside call, at most
 EGRESS_TIMEOUT_S = 600.0  # a call of environment code to an endpoint its run's config names
 
 
@@ -166,13 +167,23 @@ HOP_HEADERS = frozenset({"host", "content-length", "connection", "transfer-encod
 
 
 async def _forward(client: Any, url: str, args: Any, drop: set[str] | frozenset[str] = frozenset(),
-                   add: Sequence[tuple[str, str]] = ()) -> dict[str, Any]:
+                   add: Sequence[tuple[str, str]] = (), max_bytes: int | None = None) -> dict[str, Any]:
     """A worker's HTTP request (``args``: method, headers, body) made to ``url`` with ``client``: its
-    hop-by-hop headers and ``drop`` left out, ``add`` added; the answer as the worker takes it."""
+    hop-by-hop headers and ``drop`` left out, ``add`` added; the answer as the worker takes it, its
+    body at most ``max_bytes`` (more: a ValueError naming the URL, read no further)."""
     headers = [(str(k), str(v)) for k, v in args.get("headers") or [] if str(k).lower() not in HOP_HEADERS | drop]
-    response = await client.request(str(args.get("method", "GET")), url, headers=[*headers, *add],
-                                    content=bytes(args.get("body") or b""))
-    return {"status": response.status_code, "body": response.content,
+    request = client.build_request(str(args.get("method", "GET")), url, headers=[*headers, *add],
+                                   content=bytes(args.get("body") or b""))
+    response = await client.send(request, stream=True)
+    try:
+        body = bytearray()
+        async for chunk in response.aiter_bytes():
+            body += chunk
+            if max_bytes is not None and len(body) > max_bytes:
+                raise ValueError(f"{url!r} answered more than {max_bytes} bytes; an environment takes no more")
+    finally:
+        await response.aclose()
+    return {"status": response.status_code, "body": bytes(body),
             "headers": [[k, v] for k, v in response.headers.items()
                         if k.lower() not in ("content-length", "transfer-encoding", "content-encoding")]}
 
@@ -351,7 +362,7 @@ class WorkerProcess:
 
             self._egress_client = httpx.AsyncClient(timeout=httpx.Timeout(EGRESS_TIMEOUT_S, connect=30.0),
                                                     follow_redirects=False, trust_env=False)
-        return await _forward(self._egress_client, url, args)
+        return await _forward(self._egress_client, url, args, max_bytes=EGRESS_MAX_BYTES)
 
     async def _program(self, args: Any) -> dict[str, Any]:
         link = self._link(args.get("rollout"))
