@@ -18,7 +18,10 @@ A :class:`RunOwner` lives in the orchestrator from the moment it claims a run
    task position p is of the same environment for every owner). Their count is kept in the
    run state, so a run claimed again goes on from there; a run claimed after it had ended
    or lost its owner (inference released its queued tasks then) gets tasks for the steps
-   left;
+   left. Every ``RECONCILE_S`` it compares what it believes published with what the bus
+   holds: when the TASKS stream holds none of the run's tasks (purged, deleted), or when no
+   task of the run waits or is being rolled out and no step came for ``STALL_S`` (tasks lost
+   some other way), it publishes what the run still needs, once for each such finding;
 4. runs the run's evals (``[[evals]]``) as their steps' weights come out: each through
    ``flywheel eval``'s machinery (:func:`flywheel.ops.eval.run_eval`) against inference's
    OpenAI API with ``model = RUN@STEP`` (the weights of that step, which the trainer keeps
@@ -51,12 +54,21 @@ from pathlib import Path
 from typing import Any
 
 import nats.errors
+import nats.js.errors
 
 from flywheel.contract import events, weights
 from flywheel.contract.bus import SERVICE_HEARTBEAT_TTL_S, Bus, wait_at_most, watch
 from flywheel.contract.checkpoints import run_folder
 from flywheel.contract.config import EvalSpec, RunConfig
-from flywheel.contract.runs import add_note, get_run, release_run, renew_lease, unpin_version, update_run
+from flywheel.contract.runs import (
+    add_note,
+    get_run,
+    release_run,
+    renew_lease,
+    task_durable,
+    unpin_version,
+    update_run,
+)
 from flywheel.contract.service import read_heartbeats
 from flywheel.contract.settings import Settings
 from flywheel.ops.client import make_tasks
@@ -84,6 +96,8 @@ TRAINER_STOP_S = 15.0  # a trainer asked to stop gets this long to checkpoint
 # lowest free among the orchestrator's runs): past the ports `flywheel up` gives its services.
 TRAINER_METRICS_OFFSET = 10
 WATCH_END_S = 5.0  # a cancelled watch of the run's weights gets this long to unsubscribe
+RECONCILE_S = 10.0  # how often the owner compares what it published with what TASKS holds
+STALL_S = 60.0  # no step for this long, and no task of the run waiting or in flight: tasks were lost
 EVAL_FIGURES = ("reward_mean", "reward_stderr", "pass@1", "num_tasks", "num_rollouts", "num_errors")  # in evals.jsonl
 
 
@@ -184,6 +198,10 @@ class RunOwner:
         # lost its owner): the supply counts what the run still needs from here.
         self.first_task = state.num_tasks_published
         self.first_step = state.trainer_step
+        self.trainer_step = state.trainer_step  # the newest step a weight update announced
+        self.last_step_at = time.monotonic()  # when that step came (or this owner started)
+        self.dropped_before = 0  # drops counted before the supply last started again (a reissue)
+        self._reissued_stall = False  # tasks were reissued in the present stall (once a stall)
         self.paused = state.status == "paused"  # its trainer is stopped until the run is resumed
         self.num_dropped = 0  # rollouts the trainer dropped so far (each weight update says)
         self._said_bad_count = False  # a weight update counted more drops than rollouts published (said once)
@@ -325,9 +343,16 @@ class RunOwner:
         stops (None). Restarts the trainer, replaces dropped rollouts with tasks."""
         updates: asyncio.Queue[events.WeightUpdate] = asyncio.Queue()
         watching = asyncio.ensure_future(self._watch_weights(updates))
-        last_state_s = time.monotonic()
+        last_state_s = last_reconcile_s = time.monotonic()
         try:
             while not self.stopping.is_set() and not lost.is_set():
+                if not self.paused and time.monotonic() - last_reconcile_s > RECONCILE_S:
+                    last_reconcile_s = time.monotonic()
+                    try:
+                        await self._reconcile()
+                    except (TimeoutError, nats.errors.Error) as exc:  # the bus away: compared again later
+                        log.warning("run %s: comparing its tasks with the TASKS stream failed (%s: %s)",
+                                    self.cfg.run, type(exc).__name__, exc)
                 if not self.paused and await trainer.check():
                     return None  # it finished the run and marked it so
                 if watching.done():
@@ -353,6 +378,9 @@ class RunOwner:
                     continue
                 if self.progress.add(update) is not None:
                     trainer.progressed()
+                if update.trainer_step > self.trainer_step:
+                    self.trainer_step, self.last_step_at = update.trainer_step, time.monotonic()
+                    self._reissued_stall = False
                 self._queue_evals(update.trainer_step, update.version)
                 try:
                     await self._publish_tasks(update.num_dropped_total)
@@ -511,8 +539,44 @@ class RunOwner:
                 self.num_dropped = max(self.num_dropped, num_dropped)
             await self._publish_more()
 
+    async def _reconcile(self) -> None:
+        """Compare what the owner believes published with what the bus holds, and publish what
+        the run still needs when its tasks are gone: the TASKS stream holds none of the run's
+        (purged, deleted: once, since the stream then holds the new ones), or no task of the run
+        waits or is being rolled out while no step came for ``STALL_S`` (once a stall: a new
+        step ends it). Tasks published again are new positions, so new tasks and new rollouts:
+        nothing is trained twice."""
+        if not self.num_published:
+            return
+        cfg = self.cfg
+        held = await self.bus.js.stream_info("TASKS", subjects_filter=f"tasks.{cfg.run}.>")
+        if not sum((held.state.subjects or {}).values()):
+            await self._reissue(f"the TASKS stream holds none of the {self.num_published} tasks published "
+                                "(purged or deleted)")
+            return
+        if self._reissued_stall or time.monotonic() - self.last_step_at < STALL_S:
+            return
+        try:
+            consumer = await self.bus.js.consumer_info("TASKS", task_durable(cfg.run))
+        except nats.js.errors.NotFoundError:
+            return  # no inference consumes the run's tasks yet (or it makes its consumer again)
+        if consumer.num_pending or consumer.num_ack_pending:
+            return
+        self._reissued_stall = True
+        await self._reissue(f"no step for {time.monotonic() - self.last_step_at:.0f}s and no task of the run waits "
+                            "in TASKS or is being rolled out (tasks lost?)")
+
+    async def _reissue(self, why: str) -> None:
+        """Publish tasks for the steps left, as an owner that claims the run does."""
+        async with self._supplying:
+            self.first_task, self.first_step = self.num_published, self.trainer_step
+            self.dropped_before = self.num_dropped
+            await self.note(f"{why}: publishing tasks for the {self.cfg.trainer.num_steps - self.trainer_step} "
+                            "steps left")
+            await self._publish_more()
+
     async def _publish_more(self) -> None:
-        cfg, num_dropped = self.cfg, self.num_dropped
+        cfg, num_dropped = self.cfg, self.num_dropped - self.dropped_before
         if cfg.num_tasks is not None:
             wanted = max(cfg.num_tasks, self.num_published) if self.first_task == 0 else (
                 self.first_task + cfg.num_tasks)

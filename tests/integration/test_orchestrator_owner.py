@@ -13,10 +13,11 @@ from pathlib import Path
 
 from flywheel.contract import events
 from flywheel.contract.bus import Bus
-from flywheel.contract.runs import claim_run, get_run, register_run
+from flywheel.contract.runs import claim_run, get_run, register_run, task_durable
 from flywheel.contract.settings import Settings
 from flywheel.ops.natsserver import NatsServer
-from flywheel_orchestrator.owner import RunOwner
+from flywheel.runtime.runs import load_run_environments
+from flywheel_orchestrator.owner import STALL_S, RunOwner
 from tests.helpers import until
 from tests.inprocess import InProcessPool
 
@@ -51,3 +52,63 @@ async def test_a_run_taken_over_waits_for_the_previous_trainer(bus: Bus, nats_se
     assert not waiting.done()
     await (await bus.services_kv()).delete("trainer.old")  # it stopped: its heartbeat went with it
     await asyncio.wait_for(waiting, 5)
+
+
+async def run_tasks_held(bus: Bus, run: str) -> int:
+    held = await bus.js.stream_info("TASKS", subjects_filter=f"tasks.{run}.>")
+    return sum((held.state.subjects or {}).values())
+
+
+async def test_tasks_gone_from_the_bus_are_published_again_once(bus: Bus, nats_server: NatsServer,
+                                                                tmp_path: Path) -> None:
+    """TASKS purged under a running run: the owner finds none of the run's tasks there and
+    publishes what the run still needs, at new positions (new tasks, so nothing trained twice),
+    once. Tasks lost otherwise (none waiting, none being rolled out, no step for STALL_S):
+    published again once a stall."""
+    config = {"run": "r", "env": "reverse_text", "trainer": {"num_steps": 10, "batch_size": 4}, "group_size": 2}
+    await register_run(bus, "r", config=config)
+    state = await claim_run(bus, "r", "orchestrator me", 60.0)
+    assert state is not None
+    owner = RunOwner(bus, Settings(nats_url=nats_server.url, data_dir=tmp_path), state, "orchestrator me",
+                     InProcessPool())
+    owner.environments = await load_run_environments(owner.pool, owner.cfg)
+    owner.rows = [[] for _ in owner.environments]
+    await owner._publish_tasks()
+    first = owner.num_published
+    assert first and await run_tasks_held(bus, "r") == first
+    await owner._reconcile()  # all there: nothing more
+    assert owner.num_published == first
+
+    owner.trainer_step = 4  # four steps trained, then the stream is purged
+    await bus.js.purge_stream("TASKS")
+    await owner._reconcile()
+    # The 6 steps left, with the same slack as at the start (groups of 2: 2 tasks a step).
+    needed = (10 - 4 + owner.cfg.trainer.max_off_policy_steps + 2) * owner.cfg.groups_per_step
+    assert owner.num_published == first + needed
+    assert await run_tasks_held(bus, "r") == needed
+    found = await get_run(bus, "r")
+    assert found is not None and found.num_tasks_published == first + needed
+    assert any("TASKS stream holds none of the" in n for n in found.notes)
+    before = {t.id for t in await owner._tasks(0, first)}
+    assert not before & {t.id for t in await owner._tasks(first, first + needed)}
+    await owner._reconcile()  # they are there now: once
+    assert owner.num_published == first + needed
+
+    # Every task consumed and acked, no step for STALL_S: lost some other way; reissued once.
+    durable = task_durable("r")
+    sub = await bus.js.pull_subscribe("tasks.r.>", durable=durable, stream="TASKS")
+    while (await bus.js.consumer_info("TASKS", durable)).num_pending:
+        for msg in await sub.fetch(100, timeout=2):
+            await msg.ack_sync()
+    await owner._reconcile()  # a step came recently: nothing
+    assert owner.num_published == first + needed
+    owner.last_step_at -= STALL_S
+    await owner._reconcile()
+    assert owner.num_published == first + 2 * needed
+    found = await get_run(bus, "r")
+    assert found is not None and any("no task of the run waits" in n for n in found.notes)
+    while (await bus.js.consumer_info("TASKS", durable)).num_pending:
+        for msg in await sub.fetch(100, timeout=2):
+            await msg.ack_sync()
+    await owner._reconcile()  # the same stall: once
+    assert owner.num_published == first + 2 * needed

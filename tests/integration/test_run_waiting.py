@@ -154,7 +154,7 @@ async def test_a_waiting_run_names_what_is_wrong_on_the_bus(bus: Bus, nats_serve
     await bus.js.delete_consumer("TASKS", task_durable("waits"))
     trouble = await job._bus_trouble()
     purged = ("the run's tasks: the TASKS stream holds none of the 1 its orchestrator published (purged or "
-              "deleted?); its orchestrator publishes them again when it restarts")
+              "deleted?); the run's owner publishes what the run still needs within seconds (a note says so)")
     gone = ("inference's consumer of the run's tasks (inference-waits on TASKS) is gone (deleted?): a live inference "
             "makes it again at its next pull")
     assert trouble == [purged, gone]
