@@ -11,14 +11,19 @@ the real gateway is tests/e2e/test_up.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import os
 import re
+import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import nats.errors
+import nats.js.errors
 import pytest
 
 from flywheel.contract.bus import Bus
@@ -326,3 +331,72 @@ async def test_embedded_nats_server_is_started_and_stopped(tmp_path: Path) -> No
     stack.stopping.set()
     await running
     assert not alive(pid) and not port_open("127.0.0.1", cfg.nats_port)
+
+
+@contextlib.contextmanager
+def small_disk(folder: Path, size_mib: int) -> Iterator[Path]:
+    """A file system of ``size_mib`` at ``folder`` (a tmpfs: mounting one needs root), unmounted after."""
+    folder.mkdir(parents=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", "tmpfs", str(folder)],
+                             check=False, capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"a full disk needs a small file system, and this test cannot mount one here "
+                    f"({mounted.stderr.strip() or 'mount failed'}; it needs root)")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+def fill(path: Path) -> None:
+    """Write ``path`` until its file system has no space left."""
+    with path.open("wb") as out:
+        chunk = b"\0" * 2**20
+        with contextlib.suppress(OSError):
+            while True:
+                out.write(chunk)
+                out.flush()
+
+
+async def test_a_store_that_failed_on_a_full_disk_recovers_once_space_is_freed(tmp_path: Path) -> None:
+    """A full disk: a stream whose store failed a write takes nothing more, even once space is
+    back, while JetStream still answers. The stack says "disk full" and waits (a restart does not
+    cure that), then restarts nats-server as soon as space is freed: the stream takes messages
+    again and keeps those it had."""
+    with small_disk(tmp_path / "disk", 96) as disk:
+        out = io.StringIO()
+        cfg = Settings(data_dir=disk / "data", nats_port=free_port(), gateway_port=free_port())
+        stack = Stack(cfg, out, services={}, health_every_s=0.2, restart_backoff_s=0.1)
+        running = await start(stack, out)
+        [first] = started_pids(out, "nats-server")
+        bus = await Bus.connect(stack.nats_url, name="test")
+        try:
+            for i in range(3):
+                await bus.js.publish("tasks.r.e", b"kept %d" % i)
+            fill(disk / "filler")
+            with pytest.raises((nats.errors.TimeoutError, nats.js.errors.APIError)):
+                await bus.js.publish("tasks.r.e", b"x" * 200_000, timeout=2)
+            await until(lambda: "waits: disk full" in out.getvalue(), timeout_s=10, what="the stack saying disk full")
+            [node] = stack.nats_nodes
+            assert node.state == "waiting" and node.problem and "Critical write error" in node.problem
+            assert started_pids(out, "nats-server") == [first]  # waiting: no restart on a full disk
+            (disk / "filler").unlink()
+            await until(lambda: len(started_pids(out, "nats-server")) == 2, timeout_s=10,
+                        what="nats-server restarted once space was freed")
+            assert "was stopped: a stream's store failed a write" in out.getvalue()
+
+            async def takes_messages() -> bool:
+                try:
+                    await bus.js.publish("tasks.r.e", b"after", timeout=1)
+                    return True
+                except (nats.errors.Error, TimeoutError):
+                    return False
+
+            await until(takes_messages, timeout_s=20, what="the stream taking messages again")
+            info = await bus.js.stream_info("TASKS")
+            assert info.state.messages >= 4
+            assert (await bus.js.get_msg("TASKS", 1)).data == b"kept 0"
+        finally:
+            await bus.close()
+            stack.stopping.set()
+            await running

@@ -37,6 +37,22 @@ def find_binary() -> str:
     )
 
 
+# Space a JetStream store needs to write again: less where it keeps its store is a full disk
+# (what `flywheel up` waits out before restarting a server whose store failed, and what
+# `flywheel run` names while the run waits).
+MIN_FREE_MIB = 64
+# What nats-server logs when a stream's store failed a write (a full disk): that stream takes
+# no message until the server restarts, even once space is back, while JetStream still answers.
+STORE_FAILED_MARK = "critical write error"
+
+
+def free_mib(path: Path) -> int:
+    """MiB free on the file system of ``path`` (its nearest existing folder)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free // 2**20
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))

@@ -63,6 +63,7 @@ from flywheel.contract.runs import (
 )
 from flywheel.contract.service import read_heartbeats
 from flywheel.contract.settings import Settings
+from flywheel.ops.natsserver import MIN_FREE_MIB, free_mib
 from flywheel.ops.stack import SERVICES, Stack, StackError
 from flywheel.runtime.environments import WorkerPool
 from flywheel.runtime.runs import RunEnvironment, config_ids, prepare_run
@@ -685,6 +686,12 @@ class MainJob:
         """What on the bus itself holds the run: JetStream refusing requests (a full disk, a store
         that failed), inference's durable of the run's tasks gone, the run's tasks gone from TASKS."""
         js = self.bus.js
+        store = self.settings.data_dir.resolve() / "nats"  # where `flywheel up` on this data folder keeps it
+        if store.is_dir() and (free := free_mib(store)) < MIN_FREE_MIB:
+            said = (f"disk full: {free} MiB free where nats-server keeps its store ({store}); the bus stores none of "
+                    f"the run's events until space is freed there (`flywheel up` restarts nats-server once "
+                    f"{MIN_FREE_MIB} MiB are free)")
+            return [said]
         try:
             await js.account_info()
         except (TimeoutError, nats.errors.Error) as exc:
@@ -701,8 +708,8 @@ class MainJob:
         out = []
         if not sum((held.state.subjects or {}).values()):
             out.append(f"the run's tasks: the TASKS stream holds none of the {state.num_tasks_published} its "
-                       "orchestrator published (purged or deleted?); its orchestrator publishes them again when it "
-                       "restarts")
+                       "orchestrator published (purged or deleted?); the run's owner publishes what the run still "
+                       "needs within seconds (a note says so)")
         try:
             await js.consumer_info("TASKS", task_durable(self.cfg.run))
         except nats.js.errors.NotFoundError:

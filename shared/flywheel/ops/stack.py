@@ -53,7 +53,6 @@ import contextlib
 import fcntl
 import json
 import os
-import shutil
 import signal
 import sys
 import time
@@ -71,7 +70,7 @@ from flywheel.contract.bus import Bus, BusConfig, wait_at_most
 from flywheel.contract.service import HEARTBEAT_INTERVAL_S, Service, read_heartbeats
 from flywheel.contract.settings import SECTIONS, Settings
 from flywheel.ops import forkserver
-from flywheel.ops.natsserver import NatsCluster, NatsServer, port_open
+from flywheel.ops.natsserver import MIN_FREE_MIB, STORE_FAILED_MARK, NatsCluster, NatsServer, free_mib, port_open
 
 # The service name of the stack's own heartbeat, whose info is its view of the processes.
 STACK_SERVICE = "stack"
@@ -303,7 +302,12 @@ class Process(abc.ABC):
     It also holds what the supervisor knows of it, for its screen and ``flywheel status``:
     ``state`` is ``not started``, ``starting`` (first start, not healthy yet), ``running``
     (healthy), ``backing off`` (exited; next start at ``next_start_at``), ``restarting``
-    (started again, not healthy yet) or ``stopped``.
+    (started again, not healthy yet), ``waiting`` (unhealthy for a reason a restart does not
+    cure: a full disk; ``problem`` says which) or ``stopped``.
+
+    Its health check may also say what cures a failure, in ``cure``: ``"restart"`` (at once:
+    a store that failed is cleared by a restart, and space is back) or ``"wait"`` (a restart
+    would not help: the supervisor waits, saying why, and never counts it as unhealthy time).
     """
 
     name: str
@@ -320,6 +324,8 @@ class Process(abc.ABC):
         self.healthy_at: float | None = None  # monotonic time this start became healthy
         self.healthy_since: datetime | None = None
         self.next_start_at: datetime | None = None
+        self.cure: str | None = None  # set by a failing health check: "restart", "wait", or None
+        self.problem: str | None = None  # why it waits (state "waiting"), for the screen and flywheel status
 
     @property
     @abc.abstractmethod
@@ -354,7 +360,7 @@ class Process(abc.ABC):
                 "num_failures": self.backoff.num_failures, "backoff_s": self.backoff.delay_s,
                 "last_exit": self.last_exit, "last_exit_at": _iso(self.last_exit_at),
                 "healthy_since": _iso(self.healthy_since), "next_start_at": _iso(self.next_start_at),
-                "log": str(self.log_path)}
+                "problem": self.problem, "log": str(self.log_path)}
 
 
 def _iso(when: datetime | None) -> str | None:
@@ -369,6 +375,8 @@ class NatsProcess(Process):
         self.name = f"nats-server-{server.server_name}" if server.server_name else "nats-server"
         self.server = server
         self.log_path = server.log_file
+        self._scanned = 0  # how far the log was read for a store's failure
+        self.store_failure: str | None = None  # the log's line, since this start
 
     @property
     def pid(self) -> int:
@@ -381,6 +389,8 @@ class NatsProcess(Process):
 
     async def launch(self) -> None:
         self._mark_log()
+        self._scanned = self.log_offset
+        self.store_failure = None
         try:
             await asyncio.to_thread(self.server.start)
         except (RuntimeError, TimeoutError) as exc:
@@ -388,15 +398,45 @@ class NatsProcess(Process):
         self.last_pid = self.pid
 
     async def health(self, stack: Stack) -> str | None:
-        """Healthy while JetStream answers (start() returns once the server listens): a store that
-        failed (a full disk) leaves the server up and every stream refused until it restarts."""
-        if stack.bus is None or not stack.bus.nc.is_connected:
+        """Healthy while JetStream answers and no stream's store failed a write since this start
+        (its log says so). A store that failed (a full disk) takes no message until the server
+        restarts, even once space is back, while JetStream still answers: with
+        ``MIN_FREE_MIB`` free again, the cure is a restart at once; until then, waiting (a
+        restart on a full disk cures nothing)."""
+        self.cure = None
+        self.store_failure = self.store_failure or await asyncio.to_thread(self._store_failed)
+        free = free_mib(self.server.store_dir)
+        where = f"{free} MiB free where it keeps its store ({self.server.store_dir})"
+        if self.store_failure is None:
+            if stack.bus is None or not stack.bus.nc.is_connected:
+                return None
+            try:
+                await stack.bus.js.account_info()
+                return None
+            except nats.js.errors.APIError as exc:
+                failure = f"JetStream refuses requests ({exc})"
+        else:
+            failure = f"a stream's store failed a write ({self.store_failure})"
+        if free < MIN_FREE_MIB:
+            self.cure = "wait"
+            return (f"disk full: {failure}; {where}; free space there: it restarts once {MIN_FREE_MIB} MiB are "
+                    "free")
+        self.cure = "restart" if self.store_failure is not None else None
+        return f"{failure}; {where}"
+
+    def _store_failed(self) -> str | None:
+        """The first line of this start's log, past what was read before, that says a stream's
+        store failed a write."""
+        if not self.log_path.exists():
             return None
-        try:
-            await stack.bus.js.account_info()
-        except nats.js.errors.APIError as exc:
-            free_mib = shutil.disk_usage(self.server.store_dir).free // 2**20
-            return f"JetStream refuses requests ({exc}; a full disk? {free_mib} MiB free where it keeps its store)"
+        with self.log_path.open("rb") as log:
+            log.seek(self._scanned)
+            new = log.read()
+        end = new.rfind(b"\n") + 1  # a line still being written is read whole next time
+        self._scanned += end
+        for line in new[:end].decode(errors="replace").splitlines():
+            if STORE_FAILED_MARK in line.lower():
+                return line.split(" [ERR] ", 1)[-1].strip()  # the message, without pid and time
         return None
 
     async def stop(self, timeout_s: float) -> None:
@@ -846,7 +886,8 @@ class Stack:
             if ended is None:
                 return
             if isinstance(ended, str):  # it runs, but its health check failed all along: stopped
-                last_exit, what = "not healthy", f"was stopped: {ended} for {self.unhealthy_after_s:g}s while it ran"
+                how_long = "" if process.cure == "restart" else f" for {self.unhealthy_after_s:g}s while it ran"
+                last_exit, what = "not healthy", f"was stopped: {ended}{how_long}"
             else:
                 last_exit, what = exit_text(ended), f"exited unexpectedly with {exit_text(ended)}"
             while True:
@@ -879,16 +920,31 @@ class Stack:
             if now >= next_check:
                 next_check = now + self.health_every_s
                 problem = await self._health_now(process)
-                if problem is None:
+                self._waiting(process, problem if process.cure == "wait" else None)
+                if problem is None or process.cure == "wait":  # waiting is not unhealthy time: no restart cures it
                     unhealthy_since = None
                     continue
                 unhealthy_since = unhealthy_since or now
-                if now - unhealthy_since >= self.unhealthy_after_s:
+                if process.cure == "restart" or now - unhealthy_since >= self.unhealthy_after_s:
                     self.say(f"{process.name} (pid {process.last_pid}) is not healthy: {problem}; stopping it")
                     await process.stop(self.stop_timeout_s)
                     return problem
             await wait_set(self.stopping, self.poll_interval_s)
         return None
+
+    def _waiting(self, process: Process, problem: str | None) -> None:
+        """Say once that ``process`` waits for something a restart does not cure (a full disk),
+        and once that it waits no more; its state shows it meanwhile."""
+        if problem == process.problem:
+            return
+        if problem is not None and process.problem is None:
+            self.say(f"{process.name} (pid {process.last_pid}) waits: {problem}")
+        elif problem is None:
+            self.say(f"{process.name} (pid {process.last_pid}) waits no more: {process.problem.split(';')[0]} "
+                     "is over" if process.problem else f"{process.name} waits no more")
+        process.problem = problem
+        process.state = "waiting" if problem is not None else "running"
+        self._changed()
 
     async def heartbeats(self) -> list[events.ServiceHeartbeat]:
         """The services' heartbeats, read at most once a poll interval (every process's check reads them)."""
