@@ -344,7 +344,8 @@ class Trainer:
             # The checkpoint's step was counted when it was trained, unless the trainer died between
             # its checkpoint and its count: counted again under the same id, which counts once.
             await self._publish_usage(self.step, figures, self.trained.get(self.step, []))
-        if self.resume is None and figures.get("sft_tokens"):
+        # Fresh, or resumed from checkpoint 0 (killed between it and this): the same id counts once.
+        if self.step == 0 and figures.get("sft_tokens"):
             await self.bus.publish(events.Usage(id=f"{cfg.run}.sft", run=cfg.run, source="sft", tenant=self.tenant,
                                                 step=0, sft_tokens=int(figures["sft_tokens"])))
         await trainer_started(self.bus, cfg.run, trainer_step=self.step, policy_version=self.version)
