@@ -4,9 +4,14 @@ The listing and the export take the same filters (:class:`~flywheel_gateway.mode
 applied in the database. The export streams JSON Lines, one rollout a line, read from the
 store a page at a time, so its memory does not grow with the number of rollouts. Its
 filters are checked, and its first page read, before the first byte is sent, so a bad
-filter is a 422 and a database that is down a 503; once the 200 has gone out, an error ends
-the stream with one last line ``{"error": "..."}`` (its only key; a rollout line always has
-an ``id``), so a reader can tell a cut export from a complete one.
+filter is a 422 and a database that is down a 503. The last line is always one object without
+``id`` (a rollout line always has one): ``{"end": {"num_rollouts": N}}`` once every rollout
+is sent (an empty export is that line alone), or ``{"error": "..."}`` when an error after the
+200 cut it. An export is complete only when its last line is the ``end`` line: a gateway that
+dies mid-stream (SIGKILL, out of memory) or a connection cut on the way writes neither, so a
+missing end line is as much a cut as an error line, and a reader must check for it rather
+than for an error line alone (``flywheel.ops.client.TraceAPI.export`` and ``flywheel sft``
+do).
 Not covered: exporting other formats (Parquet, a chat template applied), resuming an
 export part way.
 """
@@ -66,10 +71,12 @@ async def export_rollouts(store: StoreDep, who: CallerDep,
     ``?run=R&min_reward=1&error=false``.
 
     Filters are checked and the first page is read before the answer starts: a bad filter is
-    a 422, an unreachable database a 503. If anything fails after that (the database going
-    away part way), the stream ends with one last line ``{"error": "..."}`` naming what
-    failed and how many rollouts were sent: an export whose last line is an object with
-    ``error`` and no ``id`` is cut; one without such a line is complete."""
+    a 422, an unreachable database a 503. The last line has no ``id``: ``{"end":
+    {"num_rollouts": N}}`` when every rollout was sent (the one line of an empty export), or
+    ``{"error": "..."}`` naming what failed after the answer started (the database going away
+    part way) and how many rollouts were sent. An export is complete only when its last line
+    is the ``end`` line; an ``error`` line, or no end line at all (the gateway killed, the
+    connection cut), means it was cut: export again."""
     filters = to_filter(query, who)
     records = aiter(store.export_rollouts(filters, tokens=query.tokens))
     first = await anext(records, None)  # a database that is down fails here: a 503, not a cut 200
@@ -77,21 +84,26 @@ async def export_rollouts(store: StoreDep, who: CallerDep,
 
 
 async def _lines(first: dict[str, Any] | None, records: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+    """The export's lines: ``first`` and the rest of ``records``, then the end line, or the
+    error line where reading them failed. The end line is written last and only here, so no
+    way of dying part way (an exception, a kill) can leave one behind."""
     encoder = msgspec.json.Encoder()
-    if first is None:
-        return
-    yield encoder.encode(first) + b"\n"
-    num_sent = 1
-    try:
-        async for record in records:
-            yield encoder.encode(record) + b"\n"
-            num_sent += 1
-    except Exception as exc:
-        log.exception("export cut after %d rollouts", num_sent)
-        cause = getattr(exc, "orig", None) or exc
-        error = (f"export cut after {num_sent} rollouts: {type(cause).__name__}: {cause}; the lines above are "
-                 "complete rollouts, the rest is missing: export again")
-        yield encoder.encode({"error": error}) + b"\n"
+    num_sent = 0
+    if first is not None:
+        yield encoder.encode(first) + b"\n"
+        num_sent = 1
+        try:
+            async for record in records:
+                yield encoder.encode(record) + b"\n"
+                num_sent += 1
+        except Exception as exc:
+            log.exception("export cut after %d rollouts", num_sent)
+            cause = getattr(exc, "orig", None) or exc
+            error = (f"export cut after {num_sent} rollouts: {type(cause).__name__}: {cause}; the lines above are "
+                     "complete rollouts, the rest is missing: export again")
+            yield encoder.encode({"error": error}) + b"\n"
+            return
+    yield encoder.encode({"end": {"num_rollouts": num_sent}}) + b"\n"
 
 
 @router.get("/{rollout_id}", response_model=RolloutDetail)

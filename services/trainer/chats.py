@@ -5,8 +5,9 @@ a ``datasets`` dataset's rows are the same).
 A chat's assistant messages are each one sequence: the messages before it as the model's chat
 template renders them with a generation prompt (the context inference gives), then the
 message as the template ends it, learned up to and with its end of turn. An export line with
-its token layer is learned exactly as it was sampled. Every line that cannot be learned is a
-:class:`DataError` naming its file and line and what to do.
+its token layer is learned exactly as it was sampled; an export's closing ``{"end": ...}``
+line is skipped and its ``{"error": ...}`` line (the gateway cut it) refused. Every line that
+cannot be learned is a :class:`DataError` naming its file and line and what to do.
 """
 
 from __future__ import annotations
@@ -66,12 +67,27 @@ def chat_examples(tok: Any, messages: Sequence[events.Message], tools: Sequence[
     return out
 
 
+def _closing(row: Mapping[str, Any]) -> str | None:
+    """``"end"`` or ``"error"`` for a trace API export's last line (``{"end": {"num_rollouts":
+    N}}`` of a complete export, ``{"error": ...}`` of one the gateway cut), None for any other
+    line. Neither has an ``id`` nor ``messages``; a dataset's rows hold every column, null where
+    a line had none, so the keys alone do not tell."""
+    if row.get("id") is not None or row.get("messages") is not None:
+        return None
+    if row.get("error") is not None:
+        return "error"
+    return "end" if row.get("end") is not None else None
+
+
 def line_examples(tok: Any, row: Any, where: str) -> list[Tokens]:
     """The sequences of one line of the data file (see the module's docstring)."""
     if not isinstance(row, Mapping):
         raise DataError(f"{where}: a {type(row).__name__}, not an object with 'messages'")
-    if "error" in row and "messages" not in row:
+    closing = _closing(row)
+    if closing == "error":
         raise DataError(f"{where}: the export was cut: {row['error']} (export again)")
+    if closing == "end":
+        return []  # a complete export's last line: nothing to learn
     tokens = row.get("tokens")
     if isinstance(tokens, Mapping) and tokens.get("token_ids"):
         ids, mask = tokens["token_ids"], tokens.get("loss_mask") or []
@@ -101,6 +117,7 @@ def load_examples(path: Path, tok: Any, max_positions: int | None = None, field:
     if not path.exists():
         raise DataError(f"{field}={str(path)!r}: no such file (a JSON Lines file of chats or a trace API export)")
     examples: list[Tokens] = []
+    kinds: set[str | None] = set()  # an export of nothing is its end line alone
     with open(path, encoding="utf-8") as f:
         for number, text in enumerate(f, 1):
             if not text.strip():
@@ -111,6 +128,10 @@ def load_examples(path: Path, tok: Any, max_positions: int | None = None, field:
             except json.JSONDecodeError as exc:
                 raise DataError(f"{where}: not JSON ({exc.msg} at column {exc.colno})") from None
             examples += _fitting(line_examples(tok, row, where), max_positions, where)
+            kinds.add(_closing(row))
+    if not examples and kinds == {"end"}:
+        raise DataError(f"{field}={str(path)!r}: an export of no rollouts (its end line alone); export again with "
+                        "filters that keep some")
     if not examples:
         raise DataError(f"{field}={str(path)!r}: no assistant message to learn from in any line")
     return examples

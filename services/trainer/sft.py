@@ -14,7 +14,11 @@ make a teacher). Each line of a file is one of:
   for example ``?run=RUN&min_reward=0.8``: a run's own best rollouts): its ``messages`` are
   a chat as above; exported with ``tokens=true`` its token layer is learned exactly as it was
   sampled (the sampled tokens in the context the model saw, no re-rendering), which is what
-  rejection-sampling fine-tuning wants. A cut export's closing error line is refused.
+  rejection-sampling fine-tuning wants. A complete export's last line, ``{"end":
+  {"num_rollouts": N}}``, is skipped; a cut export's ``{"error": ...}`` line is refused
+  (export again). A file saved without the end line (a gateway killed mid-export, ``curl``
+  cut off) cannot be told here from chats or a filtered export: check the end line where
+  the file is written (``TraceAPI.export`` does).
 
 Examples are shuffled with the run's seed (``seed``, else 0) and drawn epoch after epoch.
 It writes ``<data_dir>/runs/<run>/`` as a training run does: ``config.json``,

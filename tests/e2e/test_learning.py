@@ -195,8 +195,9 @@ def sft_on_the_runs_best_rollouts(ports: dict[str, int], tmp_path: Path, env: di
     data = tmp_path / "best.jsonl"
     with urllib.request.urlopen(url, timeout=120) as response:
         data.write_bytes(response.read())
-    lines = data.read_text().splitlines()
-    assert len(lines) >= 100 and "id" in json.loads(lines[-1]), lines[-1][:300]  # not a cut export's error line
+    *lines, end = data.read_text().splitlines()
+    # Complete: its last line is the end line (a cut export's is an error line, or a rollout's).
+    assert len(lines) >= 100 and json.loads(end) == {"end": {"num_rollouts": len(lines)}}, end[:300]
     sft_dir = tmp_path / "sft"
     done = subprocess.run([sys.executable, "-m", "flywheel.ops.cli", "sft", str(CONFIG), "--data", str(data),
                            "--run-id", "best", "--data-dir", str(sft_dir), "--set", f"sft.steps={SFT_STEPS}"],

@@ -62,6 +62,14 @@ def outcome(status: str, error: str | None, state: dict[str, Any], scores: list[
             "reward_errors": {s["scorer"]: s["error"] for s in scores if s["error"] is not None}}
 
 
+async def exported(client: httpx.AsyncClient) -> list[dict[str, Any]]:
+    """Run r1's rollouts as the trace API exports them, checked complete: its last line is the end line."""
+    *lines, end = [json.loads(line) for line in
+                   (await client.get("/v1/rollouts/export", params={"run": "r1"})).text.splitlines()]
+    assert end == {"end": {"num_rollouts": len(lines)}}, end
+    return lines
+
+
 async def in_training(app: FastAPI, client: httpx.AsyncClient, store: Store, bus: Bus,
                       start_worker: Workers, model_dir: Path) -> dict[tuple[str, int], dict[str, Any]]:
     from parity_env import MODES  # type: ignore[import-not-found]  # tests/envs: on sys.path by the parity_env fixture
@@ -92,9 +100,9 @@ async def in_training(app: FastAPI, client: httpx.AsyncClient, store: Store, bus
             num_rewards = len(env.rewards)
 
             async def all_scored() -> bool:
-                lines = (await client.get("/v1/rollouts/export", params={"run": "r1"})).text.splitlines()
+                lines = await exported(client)
                 return len(lines) == len(rows) * NUM_ROLLOUTS and all(
-                    len(json.loads(line)["scores"]) == num_rewards for line in lines)
+                    len(line["scores"]) == num_rewards for line in lines)
 
             await until(all_scored, timeout_s=120, what="every rollout recorded with all its scores")
         finally:
@@ -103,8 +111,7 @@ async def in_training(app: FastAPI, client: httpx.AsyncClient, store: Store, bus
                 c.stop()
             await asyncio.gather(*running, mirroring)
     out = {}
-    for line in (await client.get("/v1/rollouts/export", params={"run": "r1"})).text.splitlines():
-        r = json.loads(line)
+    for r in await exported(client):
         out[(r["task_data"]["mode"], r["index"])] = outcome(r["status"], r["error"], r["state"], r["scores"],
                                                             r["reward"])
     return out

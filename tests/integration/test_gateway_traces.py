@@ -16,7 +16,8 @@ import asyncio
 import json
 import os
 import signal
-from collections.abc import Iterator
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from fastapi import FastAPI
 from flywheel.contract import events
 from flywheel.contract.bus import Bus
 from flywheel.contract.settings import RecorderSettings
-from flywheel.ops.client import GatewayError, TraceAPI, server_sent_events
+from flywheel.ops.client import ExportCut, GatewayError, TraceAPI, server_sent_events
 from flywheel.ops.natsserver import NatsServer, free_port
 from flywheel_gateway import recorder, sse
 from flywheel_gateway.store import Store
@@ -107,8 +108,8 @@ async def test_export_streams_jsonl_with_the_same_filters(client: httpx.AsyncCli
                        + [score(f"s{i}", f"ro{i}", i / 4) for i in range(5)])
     response = await client.get("/v1/rollouts/export", params={"min_reward": 0.5, "tokens": "true"})
     assert response.status_code == 200 and response.headers["content-type"] == "application/jsonl"
-    lines = [json.loads(line) for line in response.text.splitlines()]
-    assert [r["id"] for r in lines] == ["ro4", "ro3", "ro2"]
+    *lines, end = [json.loads(line) for line in response.text.splitlines()]
+    assert [r["id"] for r in lines] == ["ro4", "ro3", "ro2"] and end == {"end": {"num_rollouts": 3}}
     assert lines[0]["reward"] == 1.0 and lines[0]["scores"] == [
         {"scorer": "exact", "value": 1.0, "weight": 1.0, "components": {}, "error": None}]
     assert lines[0]["messages"] == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"},
@@ -117,8 +118,10 @@ async def test_export_streams_jsonl_with_the_same_filters(client: httpx.AsyncCli
                                   "loss_mask": [False] * 5 + [True] * 4}
     assert lines[0]["task_data"] == {"q": "2+2"} and lines[0]["metrics"] == {"num_turns": 1.0}
     plain = (await client.get("/v1/rollouts/export", params={"run": "r1"})).text.splitlines()
-    assert len(plain) == 5 and "tokens" not in json.loads(plain[0])
-    assert (await client.get("/v1/rollouts/export", params={"run": "nobody"})).text == ""
+    assert len(plain) == 6 and "tokens" not in json.loads(plain[0]) and json.loads(plain[-1]) == {
+        "end": {"num_rollouts": 5}}
+    # Nothing to export is still a complete export: its one line says so.
+    assert (await client.get("/v1/rollouts/export", params={"run": "nobody"})).text == '{"end":{"num_rollouts":0}}\n'
 
 
 @pytest.fixture
@@ -159,15 +162,20 @@ async def test_an_export_cut_by_the_database_says_so(client: httpx.AsyncClient, 
 
 async def test_the_python_client_raises_on_a_cut_export(client: httpx.AsyncClient, store: Store,
                                                          failing_pages: list[int], tmp_path: Path) -> None:
-    from flywheel.ops.client import GatewayError, TraceAPI
-
     await store.record([rollout(f"ro{i:03}") for i in range(150)])
     failing_pages.append(1)
     api = TraceAPI("http://gateway")
     api.http = client  # the test's app, in process
-    with pytest.raises(GatewayError, match=r"export cut after 100 rollouts.*\(100 rollouts written to"):
+    with pytest.raises(ExportCut, match=r"cut\.jsonl: the export was cut after 100 rollouts \(the gateway: export "
+                                        r"cut after 100 rollouts: OSError: disk I/O error;"):
         await api.export(tmp_path / "cut.jsonl")
-    assert len((tmp_path / "cut.jsonl").read_text().splitlines()) == 100
+    assert len((tmp_path / "cut.jsonl").read_text().splitlines()) == 100  # no end line: the file says it is cut
+    failing_pages.clear()
+    assert await api.export(tmp_path / "whole.jsonl") == 150
+    *lines, end = (tmp_path / "whole.jsonl").read_text().splitlines()  # the end line kept: the file says it is whole
+    assert len(lines) == 150 and json.loads(end) == {"end": {"num_rollouts": 150}}
+    assert await api.export(tmp_path / "none.jsonl", run="nobody") == 0
+    assert (tmp_path / "none.jsonl").read_text() == '{"end":{"num_rollouts":0}}\n'
 
 
 # --- the branch view ----------------------------------------------------------------------
@@ -334,8 +342,9 @@ async def test_client_reads_filters_exports_and_follows(app: FastAPI, gateway_ur
         with pytest.raises(GatewayError, match="min_rewrd: unknown field"):
             await anext(api.rollouts(min_rewrd=1))
         assert await api.export(tmp_path / "sft.jsonl", tokens=True, min_reward=1) == 1
-        (line,) = (tmp_path / "sft.jsonl").read_text().splitlines()
+        (line, end) = (tmp_path / "sft.jsonl").read_text().splitlines()
         assert json.loads(line)["messages"][-1] == {"role": "assistant", "content": "3"}
+        assert json.loads(end) == {"end": {"num_rollouts": 1}}
         trace = await api.trace("ro3")
         branch = await api.branch("ro3", trace["leaves"][0], tokens=True)
         assert len(branch["tokens"]["token_ids"]) == 9
@@ -412,7 +421,7 @@ async def test_filters_follow_what_the_recorder_records(app: FastAPI, client: ht
         await bus.publish(failed)
         await until_listed(["ro1"], error="true")
         assert await listed(min_reward=0.5) == [] and await listed(max_reward=0.5) == []
-        (line,) = (await client.get("/v1/rollouts/export", params={"run": "r1"})).text.splitlines()
+        (line, _end) = (await client.get("/v1/rollouts/export", params={"run": "r1"})).text.splitlines()
         assert json.loads(line)["reward"] is None and len(json.loads(line)["scores"]) == 2
     finally:
         for c in consumers:
@@ -526,5 +535,83 @@ async def test_an_open_stream_does_not_hold_up_the_gateways_shutdown(nats_server
                 returncode = await asyncio.to_thread(api.popen.wait, GRACEFUL_SHUTDOWN_S + 10)
                 assert "graceful shutdown exceeded" in api.log_path.read_text(), api.log_tail()
         assert returncode in (0, -signal.SIGTERM), api.log_tail()
+    finally:
+        await api.stop(10)
+
+
+class _KillAfterFirstChunk(httpx.AsyncByteStream):
+    """An answer's body that runs ``kill`` once its first chunk has been handed on: the gateway
+    dies mid-stream (as under the OOM killer) while the client is between two reads."""
+
+    def __init__(self, stream: httpx.AsyncByteStream, kill: Callable[[], Awaitable[None]]) -> None:
+        self.stream, self.kill = stream, kill
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        killed = False
+        async for chunk in self.stream:
+            yield chunk
+            if not killed:
+                killed = True
+                await self.kill()
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+async def test_an_export_cut_by_a_killed_gateway_is_reported_as_cut(nats_server: NatsServer, tmp_path: Path) -> None:
+    """``python -m flywheel_gateway api`` SIGKILLed after the export's first chunk: no error line
+    is written, and the client still reports the export as cut (its end line never came).
+
+    Each rollout's answer is long (3 pages of 100 rollouts, about 6 MB) and the client's socket
+    buffer small, so the gateway is still writing when it dies, not done with everything in the
+    kernel's buffers (what it had written there still arrives)."""
+    from flywheel.contract.settings import Settings
+    from flywheel.ops.stack import SERVICES, ServiceProcess, child_env
+    from flywheel_gateway.migrate import migrate
+
+    settings = Settings(nats_url=nats_server.url, data_dir=tmp_path / "data", gateway_port=free_port())
+    await migrate(settings.resolved_database_url)
+    store = Store.open(settings.resolved_database_url)
+    try:
+        await store.record([rollout(f"ro{i:03}", answer="x" * 20_000) for i in range(300)])
+    finally:
+        await store.close()
+    api = ServiceProcess("gateway", SERVICES["gateway"], child_env(settings), tmp_path / "gateway.log")
+    await api.launch()
+
+    async def kill() -> None:
+        os.kill(api.pid, signal.SIGKILL)
+        assert api.popen is not None
+        await asyncio.to_thread(api.popen.wait, 10)
+
+    class Transport(httpx.AsyncHTTPTransport):
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            response = await super().handle_async_request(request)
+            if request.url.path != "/v1/rollouts/export":
+                return response
+            assert isinstance(response.stream, httpx.AsyncByteStream)
+            return httpx.Response(response.status_code, headers=response.headers,
+                                  stream=_KillAfterFirstChunk(response.stream, kill), extensions=response.extensions)
+
+    try:
+        async with TraceAPI(settings.resolved_gateway_url) as trace_api:
+            await trace_api.http.aclose()
+            trace_api.http = httpx.AsyncClient(base_url=settings.resolved_gateway_url, timeout=30, transport=Transport(
+                socket_options=[(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)]))
+
+            async def healthy() -> bool:
+                try:
+                    return (await trace_api.http.get("/healthz")).status_code == 200
+                except httpx.TransportError:
+                    return False
+
+            await until(healthy, timeout_s=60, what="the API to answer /healthz")
+            with pytest.raises(ExportCut, match=r"cut\.jsonl: the export was cut after \d+ rollouts \(the answer broke "
+                                                r"off without the end line") as cut:
+                await trace_api.export(tmp_path / "cut.jsonl")
+        assert api.returncode() == -signal.SIGKILL
+        lines = (tmp_path / "cut.jsonl").read_text().splitlines()
+        assert 0 < cut.value.num_rollouts == len(lines) < 300
+        assert all("id" in json.loads(line) for line in lines)  # no end line: the file itself says it is cut
     finally:
         await api.stop(10)

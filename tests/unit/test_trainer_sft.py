@@ -56,6 +56,25 @@ def test_an_export_line_with_tokens_is_learned_exactly_and_one_without_as_a_chat
     assert len(line_examples(tok, calls, "x:2")) == 1
 
 
+def test_an_exports_end_line_is_skipped_and_an_error_ended_export_refused(tok: object, tmp_path: Path) -> None:
+    exported = {"id": "r1", "reward": 1.0, "error": None,
+                "messages": [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "ba"}]}
+    end = {"end": {"num_rollouts": 1}}
+    assert line_examples(tok, end, "x:2") == []  # the closing line of a complete export: nothing to learn
+    assert len(load_examples(write(tmp_path, exported, end), tok)) == 1
+    assert len(load_examples(write(tmp_path, exported, end, exported, end), tok)) == 2  # two exports, one file
+    with pytest.raises(DataError, match=r"data.jsonl:2: the export was cut: export cut after 1 rollouts; .*export "
+                                        r"again"):
+        load_examples(write(tmp_path, exported, {"error": "export cut after 1 rollouts; the rest is missing"}), tok)
+    with pytest.raises(DataError, match=r"data.jsonl': an export of no rollouts"):
+        load_examples(write(tmp_path, {"end": {"num_rollouts": 0}}), tok)
+    # A dataset's rows carry every column, null where a line had none.
+    rows = {"id": None, "reward": None, "error": None, "messages": None, "tokens": None}
+    assert line_examples(tok, {**rows, **end}, "d[train][1]") == []
+    with pytest.raises(DataError, match=r"d\[train\]\[1\]: the export was cut: database down"):
+        line_examples(tok, {**rows, "end": None, "error": "database down"}, "d[train][1]")
+
+
 def test_lines_that_cannot_be_learned_are_refused_with_their_place(tok: object, tmp_path: Path) -> None:
     with pytest.raises(DataError, match=r"data.jsonl:2: not JSON"):
         load_examples(write(tmp_path, {"messages": [{"role": "user", "content": "a"},

@@ -218,7 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train CONFIG's model (its [sft] steps, batch size and learning rate; trainer.engine) on a JSON "
                     "Lines file: chats ({\"messages\": [...]}, every assistant message learned) or lines of the "
                     "trace API's export (GET /v1/rollouts/export?min_reward=...; with tokens=true the sampled "
-                    "tokens are learned exactly); without one, on the environments' reference answers (as a run's "
+                    "tokens are learned exactly; its closing {\"end\": ...} line is skipped, and a cut export's "
+                    "{\"error\": ...} line refused); without one, on the environments' reference answers (as a run's "
                     "warm-up learns them). Writes DATA_DIR/runs/RUN (checkpoints, metrics.jsonl, "
                     "summary.json, loss.png) like a training run, so `flywheel export RUN` takes the weights away. "
                     "Needs no running service.")

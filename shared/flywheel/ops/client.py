@@ -256,6 +256,19 @@ class GatewayError(ValueError):
         self.status_code = status_code
 
 
+class ExportCut(GatewayError):
+    """An export that did not end with its ``end`` line: the gateway's error line, or the answer
+    breaking off without one (a gateway killed mid-stream, a connection cut). ``path`` holds
+    the ``num_rollouts`` rollouts that arrived, and no end line, so the file says it is cut too."""
+
+    def __init__(self, path: str | Path, num_rollouts: int, reason: str) -> None:
+        ValueError.__init__(self, f"{path}: the export was cut after {num_rollouts} rollouts ({reason}); the file "
+                                  "holds those, without the end line of a complete export: export again")
+        self.status_code = 200  # the answer had started
+        self.path = Path(path)
+        self.num_rollouts = num_rollouts
+
+
 def _query(filters: dict[str, Any]) -> dict[str, str]:
     """Query parameters as the gateway reads them: booleans lower case, times in RFC 3339."""
     out = {}
@@ -314,22 +327,46 @@ class TraceAPI:
     async def export(self, path: str | Path, *, tokens: bool = False, **filters: Any) -> int:
         """Write ``GET /v1/rollouts/export`` to ``path`` as it streams in; returns the number of rollouts.
 
-        An export the gateway had to cut (its last line is ``{"error": ...}``) raises
-        :class:`GatewayError` with the reason, once the rollouts before it are written."""
-        num_lines = 0
+        The file is what the gateway sent, its last line ``{"end": {"num_rollouts": N}}``
+        included: a file that ends with it is a complete export, whoever reads it later, and
+        one without it is not (``flywheel sft`` skips the end line). An export that ends any
+        other way raises :class:`ExportCut` (a :class:`GatewayError`) naming the file and how
+        many rollouts arrived, once they are written: the gateway's ``{"error": ...}`` line (its
+        reason), or the answer breaking off without the end line (the gateway killed, the
+        connection cut or timing out), which writes no error line at all."""
+        num_rollouts = 0
+        end_line: str | None = None  # written once the answer has closed right after it, never before
         async with self.http.stream("GET", "/v1/rollouts/export", params=_query({"tokens": tokens, **filters})) as r:
             await _raise_for(r)
             # One open, then buffered writes of the lines as the network delivers them: microseconds each.
             with Path(path).open("w", encoding="utf-8") as f:  # noqa: ASYNC230 - see above
-                async for line in r.aiter_lines():
-                    if not line:
-                        continue
-                    if line.startswith('{"error"'):  # a rollout's line starts with its id
-                        raise GatewayError(r.status_code, f"{json.loads(line)['error']} ({num_lines} rollouts "
-                                                          f"written to {path})")
-                    f.write(line + "\n")
-                    num_lines += 1
-        return num_lines
+                try:
+                    async for line in r.aiter_lines():
+                        if not line:
+                            continue
+                        if end_line is not None:
+                            raise ExportCut(path, num_rollouts, f"a line after the end line: {line[:100]!r}")
+                        # A rollout's line starts with its id (the gateway writes it first): no need to parse it.
+                        kind, value = ("rollout", None) if line.startswith('{"id"') else _line_kind(line)
+                        if kind == "error":
+                            raise ExportCut(path, num_rollouts, f"the gateway: {value}")
+                        if kind == "unknown":
+                            raise ExportCut(path, num_rollouts, "a line that is neither a rollout, the end line nor "
+                                                                f"an error line: {line[:100]!r}")
+                        if kind == "end":
+                            if not isinstance(value, dict) or value.get("num_rollouts") != num_rollouts:
+                                raise ExportCut(path, num_rollouts, f"its end line counts {value!r}")
+                            end_line = line
+                            continue
+                        num_rollouts += 1
+                        f.write(line + "\n")
+                except httpx.TransportError as exc:
+                    raise ExportCut(path, num_rollouts, f"the answer broke off without the end line: "
+                                                        f"{type(exc).__name__}: {exc}") from exc
+                if end_line is None:
+                    raise ExportCut(path, num_rollouts, "the answer closed without the end line")
+                f.write(end_line + "\n")
+        return num_rollouts
 
     async def usage(self, **filters: Any) -> dict[str, Any]:
         """``GET /v1/usage``: tokens used by tenant, run and source, and their cost (filters
@@ -359,6 +396,23 @@ async def server_sent_events(response: httpx.Response) -> AsyncIterator[tuple[st
             event = line.removeprefix("event: ")
         elif line.startswith("data: "):
             yield event, json.loads(line.removeprefix("data: "))
+
+
+def _line_kind(line: str) -> tuple[str, Any]:
+    """What an export line is: ``("rollout", None)``, ``("end", its counts)``, ``("error", its
+    reason)``, or ``("unknown", None)`` for a line that is none of them (not JSON, cut part way)."""
+    try:
+        found = json.loads(line)
+    except json.JSONDecodeError:
+        return "unknown", None
+    if not isinstance(found, dict):
+        return "unknown", None
+    if "id" in found:
+        return "rollout", None
+    for kind in ("end", "error"):
+        if kind in found and len(found) == 1:
+            return kind, found[kind]
+    return "unknown", None
 
 
 async def _raise_for(response: httpx.Response) -> None:
