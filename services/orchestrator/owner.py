@@ -205,6 +205,8 @@ class RunOwner:
         self.paused = state.status == "paused"  # its trainer is stopped until the run is resumed
         self.num_dropped = 0  # rollouts the trainer dropped so far (each weight update says)
         self._said_bad_count = False  # a weight update counted more drops than rollouts published (said once)
+        self._drops_step: int | None = None  # the step of the last update whose drop count was read
+        self._said_foreign = False  # a weight update not of the run's trainer was ignored (said once)
         self.progress = Progress()
         self._supplying = asyncio.Lock()
         self.evals_path = self.run_dir / "evals.jsonl"
@@ -376,6 +378,12 @@ class RunOwner:
                 update = await wait_at_most(updates.get(), 0.5)
                 if update is None:
                     continue
+                foreign = self.cfg.foreign_step(update.trainer_step)
+                if foreign is not None:
+                    if not self._said_foreign:
+                        await self.note(foreign)
+                        self._said_foreign = True
+                    continue
                 if self.progress.add(update) is not None:
                     trainer.progressed()
                 if update.trainer_step > self.trainer_step:
@@ -383,7 +391,7 @@ class RunOwner:
                     self._reissued_stall = False
                 self._queue_evals(update.trainer_step, update.version)
                 try:
-                    await self._publish_tasks(update.num_dropped_total)
+                    await self._publish_tasks(update.num_dropped_total, update.trainer_step)
                 except (TimeoutError, nats.errors.Error) as exc:  # published with the next update instead
                     log.warning("run %s: publishing tasks failed (%s: %s)", self.cfg.run, type(exc).__name__, exc)
             return None
@@ -522,18 +530,25 @@ class RunOwner:
                 return
             period_s = self.settings.run_lease_s / 3
 
-    async def _publish_tasks(self, num_dropped: int | None = None) -> None:
-        """Publish tasks up to what the run needs; called again as drops come in."""
+    async def _publish_tasks(self, num_dropped: int | None = None, trainer_step: int = 0) -> None:
+        """Publish tasks up to what the run needs; called again as drops come in (``num_dropped``,
+        as the update of ``trainer_step`` counts them)."""
         async with self._supplying:
             if num_dropped is not None:
-                # A count past every rollout published so far cannot be this run's: bounded here,
-                # where it is read (a forged or corrupt update must not make the supply loop for
-                # ever), and said once.
-                most = self.num_published * self.cfg.group_size
+                # Bounded here, where it is read, so that a forged or corrupt update cannot flood the
+                # supply (said once): never past every rollout published so far, and, from one
+                # update to the next, never more than inference could issue past the trainer in
+                # between (the staleness bound's rollouts for each step since).
+                cfg = self.cfg
+                most = self.num_published * cfg.group_size
+                if self._drops_step is not None:
+                    steps = max(1, trainer_step - self._drops_step) + cfg.trainer.max_off_policy_steps + 1
+                    most = min(most, self.num_dropped + steps * cfg.trainer.batch_size)
+                self._drops_step = max(self._drops_step or 0, trainer_step)
                 if num_dropped > most:
                     if not self._said_bad_count:
-                        await self.note(f"a weight update says {num_dropped} rollouts were dropped, more than the "
-                                        f"{most} published so far: counted as {most}")
+                        await self.note(f"a weight update of step {trainer_step} says {num_dropped} rollouts were "
+                                        f"dropped, more than could have been ({most}): counted as {most}")
                         self._said_bad_count = True
                     num_dropped = most
                 self.num_dropped = max(self.num_dropped, num_dropped)

@@ -112,3 +112,29 @@ async def test_tasks_gone_from_the_bus_are_published_again_once(bus: Bus, nats_s
             await msg.ack_sync()
     await owner._reconcile()  # the same stall: once
     assert owner.num_published == first + 2 * needed
+
+
+async def test_a_forged_drop_count_adds_no_more_tasks_than_could_have_been_dropped(
+        bus: Bus, nats_server: NatsServer, tmp_path: Path) -> None:
+    """Drop counts are bounded where they are read: from one update to the next, at most what
+    inference could issue past the trainer meanwhile; a step past the run's last is not of its
+    trainer at all."""
+    config = {"run": "r", "env": "reverse_text", "trainer": {"num_steps": 10, "batch_size": 4}, "group_size": 2}
+    await register_run(bus, "r", config=config)
+    state = await claim_run(bus, "r", "orchestrator me", 60.0)
+    assert state is not None
+    owner = RunOwner(bus, Settings(nats_url=nats_server.url, data_dir=tmp_path), state, "orchestrator me",
+                     InProcessPool())
+    owner.environments = await load_run_environments(owner.pool, owner.cfg)
+    owner.rows = [[] for _ in owner.environments]
+    await owner._publish_tasks()
+    await owner._publish_tasks(2, trainer_step=3)  # a real update: one group dropped
+    assert owner.num_dropped == 2
+    before = owner.num_published
+    await owner._publish_tasks(10**12, trainer_step=4)  # one step later: at most (1 + 1 + 1) x 4 more
+    most = 2 + (1 + owner.cfg.trainer.max_off_policy_steps + 1) * 4
+    assert owner.num_dropped == most
+    assert owner.num_published - before == -(-(most - 2) // 2)
+    found = await get_run(bus, "r")
+    assert found is not None and any(f"says {10**12} rollouts were dropped" in n for n in found.notes)
+    assert owner.cfg.foreign_step(11) is not None and owner.cfg.foreign_step(10) is None

@@ -975,6 +975,15 @@ class RunConfig(_Section):
         raise ValueError(f"run {self.run!r} has no environment {env_id!r}; it has "
                          f"{', '.join(e.id for e in self.environments)}")
 
+    def foreign_step(self, trainer_step: int) -> str | None:
+        """Why a weight update of step ``trainer_step`` cannot be this run's trainer's (a step past
+        the run's last: forged or corrupt), or None. Its readers ignore such an update, saying
+        why once, so that no value of it ends, floods or skews the run."""
+        if trainer_step > self.trainer.num_steps:
+            return (f"a weight update of step {trainer_step}, past the run's last ({self.trainer.num_steps}): not of "
+                    "its trainer, ignored")
+        return None
+
     def env_schedule(self, num: int) -> list[int]:
         """Which environment (index into :attr:`environments`) each of the run's first ``num``
         tasks is of: shares in proportion to the weights, interleaved evenly (smooth weighted

@@ -296,6 +296,7 @@ class MainJob:
         self.started_at = events.utc_now()  # dead letters from here on are this run's to say
         self.num_dead_letters = 0  # of the run's messages, since started_at
         self.seen_weights = False  # a weight update of the run came (version 0 at least)
+        self.said_foreign = False  # a weight update not of the run's trainer was ignored (said once)
         self.num_notes_seen = 0  # of the owner's notes (RunState.notes)
         self.last_note: str | None = None
         self.status = "created"  # as end_of sees it, last read
@@ -500,6 +501,12 @@ class MainJob:
                     if time.monotonic() - last_step_s > QUIET_STEP_S and self.status != "paused":
                         await self._say_waiting(time.monotonic() - last_step_s)
                         last_step_s = time.monotonic()
+                    continue
+                foreign = cfg.foreign_step(update.trainer_step)
+                if foreign is not None:
+                    if not self.said_foreign:
+                        self.say(f"run {cfg.run}: {foreign}")
+                        self.said_foreign = True
                     continue
                 self.seen_weights = True
                 if update.version == 0 and not self.progress.steps:
