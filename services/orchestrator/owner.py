@@ -21,7 +21,9 @@ A :class:`RunOwner` lives in the orchestrator from the moment it claims a run
    left. Every ``RECONCILE_S`` it compares what it believes published with what the bus
    holds: when the TASKS stream holds none of the run's tasks (purged, deleted), or when no
    task of the run waits or is being rolled out and no step came for ``STALL_S`` (tasks lost
-   some other way), it publishes what the run still needs, once for each such finding;
+   some other way), or when its lease lapsed before it could renew it (the bus refusing
+   writes: inference released the tasks it held), it publishes what the run still needs,
+   once for each such finding;
 4. runs the run's evals (``[[evals]]``) as their steps' weights come out: each through
    ``flywheel eval``'s machinery (:func:`flywheel.ops.eval.run_eval`) against inference's
    OpenAI API with ``model = RUN@STEP`` (the weights of that step, which the trainer keeps
@@ -202,6 +204,8 @@ class RunOwner:
         self.last_step_at = time.monotonic()  # when that step came (or this owner started)
         self.dropped_before = 0  # drops counted before the supply last started again (a reissue)
         self._reissued_stall = False  # tasks were reissued in the present stall (once a stall)
+        self.lease_expires_at = state.lease_expires_at  # as this owner last renewed it
+        self.lease_lapsed_at: datetime | None = None  # a lapse found at a renewal, until tasks are reissued
         self.paused = state.status == "paused"  # its trainer is stopped until the run is resumed
         self.num_dropped = 0  # rollouts the trainer dropped so far (each weight update says)
         self._said_bad_count = False  # a weight update counted more drops than rollouts published (said once)
@@ -348,6 +352,11 @@ class RunOwner:
         last_state_s = last_reconcile_s = time.monotonic()
         try:
             while not self.stopping.is_set() and not lost.is_set():
+                if self.lease_lapsed_at is not None and not self.paused:
+                    lapsed_at, self.lease_lapsed_at = self.lease_lapsed_at, None
+                    await self._reissue(f"the run's lease lapsed at {lapsed_at.isoformat(timespec='seconds')} "
+                                        "before its owner could renew it (the bus refused writes?): inference "
+                                        "released the tasks it held")
                 if not self.paused and time.monotonic() - last_reconcile_s > RECONCILE_S:
                     last_reconcile_s = time.monotonic()
                     try:
@@ -517,6 +526,7 @@ class RunOwner:
         period_s = self.settings.run_lease_s / 3
         while True:
             await asyncio.sleep(period_s)
+            lapsed = self.lease_expires_at is not None and events.utc_now() > self.lease_expires_at
             try:
                 renewed = await renew_lease(self.bus, self.cfg.run, self.name, self.settings.run_lease_s)
             except (TimeoutError, nats.errors.Error) as exc:
@@ -528,6 +538,9 @@ class RunOwner:
                 log.warning("run %s: another owner holds the run now; letting go of it", self.cfg.run)
                 lost.set()
                 return
+            if lapsed:  # inference may have released the tasks it held meanwhile (the run looked abandoned)
+                self.lease_lapsed_at = self.lease_expires_at
+            self.lease_expires_at = renewed.lease_expires_at
             period_s = self.settings.run_lease_s / 3
 
     async def _publish_tasks(self, num_dropped: int | None = None, trainer_step: int = 0) -> None:

@@ -9,6 +9,7 @@ import asyncio
 import os
 import socket
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 from flywheel.contract import events
@@ -138,3 +139,23 @@ async def test_a_forged_drop_count_adds_no_more_tasks_than_could_have_been_dropp
     found = await get_run(bus, "r")
     assert found is not None and any(f"says {10**12} rollouts were dropped" in n for n in found.notes)
     assert owner.cfg.foreign_step(11) is not None and owner.cfg.foreign_step(10) is None
+
+
+async def test_a_lease_renewed_after_it_lapsed_is_found(bus: Bus, nats_server: NatsServer, tmp_path: Path) -> None:
+    """An owner that could not renew its lease in time (the bus refusing writes: a full disk)
+    and renews it later finds the lapse: inference may have released the run's tasks
+    meanwhile, and the owner publishes them again."""
+    await register_run(bus, "r", config={"run": "r", "env": "reverse_text"})
+    state = await claim_run(bus, "r", "orchestrator me", 1.0)
+    assert state is not None
+    owner = RunOwner(bus, Settings(nats_url=nats_server.url, data_dir=tmp_path, run_lease_s=1.0), state,
+                     "orchestrator me", InProcessPool())
+    renewing = asyncio.ensure_future(owner._renew_lease(asyncio.Event()))
+    try:
+        await asyncio.sleep(0.8)  # noqa: sleep - renewed in time, twice: no lapse
+        assert owner.lease_lapsed_at is None
+        owner.lease_expires_at = events.utc_now() - timedelta(seconds=1)  # as if the last renewals had failed
+        await until(lambda: owner.lease_lapsed_at is not None, timeout_s=5, what="the lapse found")
+    finally:
+        renewing.cancel()
+        await asyncio.gather(renewing, return_exceptions=True)

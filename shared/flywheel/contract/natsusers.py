@@ -122,7 +122,8 @@ GRANTS: dict[str, tuple[str, ...]] = {
     # versions kept for them (purged at a run's end).
     "orchestrator": (*beats("orchestrator"), *kv(RUNS, writes=">", watch=True), *publishes("TASKS", "tasks.>"),
                      *publishes("ROLLOUTS", "rollouts.>"), *publishes("SCORES", "scores.>"), *reads("WEIGHTS"),
-                     *watches("WEIGHTS"), "dead.WEIGHTS", *objects(WEIGHTS), f"{API}.STREAM.PURGE.OBJ_{WEIGHTS}"),
+                     *watches("WEIGHTS"), "dead.WEIGHTS", *objects(WEIGHTS), f"{API}.STREAM.PURGE.OBJ_{WEIGHTS}",
+                     f"{API}.CONSUMER.INFO.TASKS.*"),  # whether a run's tasks wait or are being rolled out
     # A run's trainer: its consumers, weights (events and blobs), usage, its run's state.
     "trainer": (*beats("trainer"), *kv(RUNS, writes=">"), *consumes("ROLLOUTS", "*"), *consumes("SCORES", "*"),
                 *consumes("SIGNALS", "*"), *reads("WEIGHTS"), *publishes("WEIGHTS", "weights.>"),
