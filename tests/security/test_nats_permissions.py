@@ -358,3 +358,15 @@ async def test_the_sandbox_services_answer_goes_back_to_its_caller_never_into_a_
     await until(lambda: _has_key(bus_.operator, "control"), what="the operator's reply-subject write")
     state = events.Decoder(events.RunState).decode((await (await bus_.operator.runs_kv()).get("RUN")).value or b"")
     assert state.id == "RUN" and state.tenant == "bob"
+
+
+async def test_the_orchestrator_reads_a_runs_task_consumer(bus_: Bus_) -> None:
+    """A run's owner asks whether its tasks wait or are being rolled out (its stall check): the
+    info of inference's durable of the run's tasks, which its login may read, not change."""
+    await bus_.operator.js.add_consumer("TASKS", durable_name="inference-r1", filter_subject="tasks.r1.>")
+    nc = await bus_.login("orchestrator")
+    try:
+        info = await nc.jetstream().consumer_info("TASKS", "inference-r1", timeout=TIMEOUT_S)
+        assert info.num_pending == 1  # the fixture's task of run r1
+    finally:
+        await nc.close()
