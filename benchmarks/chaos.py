@@ -2,6 +2,7 @@
 
     python benchmarks/chaos.py --json out/chaos.json [--kills 20] [--worker-kills 5] [--nats-restarts 3]
                                                      [--seed 0] [--cluster 3] [--replicas 2]
+    python benchmarks/chaos.py --faults extended --json out/chaos-extended.json
 
 Starts ``flywheel up`` (its own nats-server, gateway, orchestrator, recorder, scorer, sandbox,
 inference; a temporary data folder, free ports), then ``flywheel run examples/reverse-text.toml``
@@ -29,6 +30,18 @@ When the run has ended it checks, from the bus, the run folder and the trace API
 - ``max_recovery_s``: over the events, seconds from the kill to the next trained step
   (target at most 15); ``events`` lists each one.
 
+With ``--faults extended`` the events are instead faults no process exit makes, each once, in
+a random order: a score of NaN (msgpack) and one of 1e300 (plain JSON) for a rollout of the run;
+inference paused (SIGSTOP) past the run's lease (``run_lease_s`` 15 s here), then SIGCONT; the
+durable consumer of the run's tasks deleted; the TASKS stream purged; a forged weight update
+with huge counts (version 10**6, 10**12 rollouts dropped, naming no weights that exist); the
+data folder's disk filled and freed (the data folder is a size-limited tmpfs when this machine
+lets the benchmark mount one; else this event is left out, and said); and a second ``flywheel
+up`` on the same data folder with other ports, which must be refused. A pause's recovery
+counts from SIGCONT, a full disk's from the moment space is freed. ``needed_a_hand`` counts
+the events after which the run did not train again by itself within the recovery timeout
+(the target is 0, and max recovery at most 30 s).
+
 With ``--cluster 3`` the stack runs three nats-server nodes (``flywheel up --cluster 3``, every
 stream on each node) and each NATS event kills (SIGTERM and SIGKILL in turn) one node picked at
 random; the stack restarts it and it catches up from the others.
@@ -55,6 +68,7 @@ import os
 import queue
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -76,6 +90,11 @@ RUN = "chaos"
 SERVICES = ("gateway", "recorder", "scorer", "sandbox", "inference", "trainer")
 STEPS_BETWEEN_EVENTS = 6
 RECOVERY_TIMEOUT_S = 180.0
+EXTENDED = ("nan-score", "huge-score", "pause", "consumer", "purge", "forged-update", "disk", "second-up")
+LEASE_S = 15.0  # the run lease of an extended run: a pause of PAUSE_S outlives it
+PAUSE_S = 25.0
+DISK_MIB = 4096  # the size-limited data folder of an extended run
+DISK_FULL_S = 15.0  # how long the disk stays full
 
 
 class Lines:
@@ -284,6 +303,85 @@ async def collect(nats_url: str, gateway_url: str, data_dir: Path, num_left_over
     }
 
 
+async def inject(kind: str, nats_url: str) -> str:
+    """One fault made on the bus (the stack's operator login); what was done, for the log."""
+    import nats.js.errors
+    from nats.js.api import DeliverPolicy
+
+    from flywheel.contract.bus import Bus, decode_events
+    from flywheel.contract.runs import get_run, task_durable
+
+    bus = await Bus.connect(nats_url, "chaos-faults", ensure=False)
+    try:
+        if kind in ("nan-score", "huge-score"):
+            sub = await bus.js.subscribe(f"rollouts.{RUN}.>", ordered_consumer=True, deliver_policy=DeliverPolicy.LAST)
+            rollout = decode_events(events.Decoder(events.Rollout), await sub.next_msg(timeout=10))[-1]
+            await sub.unsubscribe()
+            state = await get_run(bus, RUN)
+            scorer = next(iter(state.scorers)) if state is not None and state.scorers else "reward"
+            value, content_type = (float("nan"), events.MSGPACK) if kind == "nan-score" else (1e300, events.JSON)
+            score = events.Score(run=RUN, env=rollout.env, rollout_id=rollout.id, group_id=rollout.group_id,
+                                 scorer=scorer, value=value)
+            await bus.js.publish(score.subject(), events.encode(score, content_type),
+                                 headers={"Nats-Msg-Id": score.msg_id, "Content-Type": content_type})
+            return f"score {value!r} ({content_type}) from {scorer} for rollout {rollout.id}"
+        if kind == "consumer":
+            await bus.js.delete_consumer("TASKS", task_durable(RUN))
+            return f"deleted consumer {task_durable(RUN)} of TASKS"
+        if kind == "purge":
+            await bus.js.purge_stream("TASKS")
+            return "purged TASKS"
+        if kind == "forged-update":
+            forged = events.WeightUpdate(run=RUN, version=10**6, uri="file:///nonexistent/forged.safetensors",
+                                         sha256="0" * 64, size_bytes=1, trainer_step=10**6,
+                                         num_dropped_total=10**12)
+            await bus.js.publish(forged.subject(), events.encode(forged), headers={"Nats-Msg-Id": forged.msg_id})
+            return "forged weight update: version 10**6, 10**12 dropped"
+        raise ValueError(kind)
+    except nats.js.errors.NotFoundError as exc:
+        return f"{kind}: nothing to act on ({exc})"
+    finally:
+        await bus.close()
+
+
+def mount_small_disk(folder: Path, size_mib: int) -> str | None:
+    """Mount a tmpfs of ``size_mib`` at ``folder``; None when done, else why not."""
+    folder.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", "tmpfs", str(folder)],
+                          check=False, capture_output=True, text=True)
+    return None if done.returncode == 0 else (done.stderr.strip() or f"mount exited {done.returncode}")
+
+
+def fill_disk(path: Path) -> int:
+    """Write ``path`` until its file system is full; MiB written."""
+    written = 0
+    with path.open("wb") as out:
+        chunk = b"\0" * 2**20
+        try:
+            while True:
+                out.write(chunk)
+                out.flush()
+                written += 1
+        except OSError:
+            pass
+    return written
+
+
+def second_up(flywheel: list[str], data_dir: Path, env: dict[str, str]) -> str:
+    """A second ``flywheel up`` on the data folder, other ports: refused, naming the first."""
+    argv = [*flywheel, "up", "--data-dir", str(data_dir), "--nats-port", str(free_port()), "--gateway-port",
+            str(free_port()), "--inference-port", str(free_port())]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=60, check=False)
+    except subprocess.TimeoutExpired as exc:
+        raise RuntimeError("a second flywheel up on the same data folder was not refused within 60s") from exc
+    said = (done.stdout + done.stderr).strip()
+    if done.returncode == 0 or "in use by another stack" not in said:
+        raise RuntimeError(f"a second flywheel up on the same data folder was not refused (exit {done.returncode}): "
+                           f"{said[-400:]}")
+    return f"second flywheel up refused (exit {done.returncode}): {said.splitlines()[-1][:160]}"
+
+
 async def leftover_tasks(nats_url: str, group_size: int, settle_s: float = 60.0) -> int:
     """Tasks of the run left over when it ended: those inference skipped (its heartbeat counts
     their rollouts) and those still queued, once the inference consumer has settled."""
@@ -312,6 +410,45 @@ async def leftover_tasks(nats_url: str, group_size: int, settle_s: float = 60.0)
         await bus.close()
 
 
+def recover(run: Lines, at: float, target: str, how: str, event_log: list[dict[str, Any]],
+            result: dict[str, Any]) -> bool:
+    """Wait for the run to train again after an event at ``at`` (then a few more steps); logged.
+    False when it did not within RECOVERY_TIMEOUT_S: it needed a hand."""
+    try:
+        recovered = wait_steps(run, at, 1, RECOVERY_TIMEOUT_S)
+    except TimeoutError:
+        event_log.append({"target": target, "signal": how, "recovery_s": None})
+        result["needed_a_hand"] += 1
+        return False
+    event_log.append({"target": target, "signal": how, "at_step": last_step(run),
+                      "recovery_s": round(recovered - at, 2)})
+    print(f"chaos: {how} {target}: trained again after {recovered - at:.1f}s", flush=True)
+    wait_steps(run, at, STEPS_BETWEEN_EVENTS, RECOVERY_TIMEOUT_S)
+    return True
+
+
+def extended_fault(kind: str, pids: dict[str, int], nats_url: str, data_dir: Path, flywheel: list[str],
+                   env: dict[str, str]) -> tuple[float, str]:
+    """Make one extended fault; when its recovery starts counting (a pause: at SIGCONT; a full
+    disk: once freed), and what was done."""
+    if kind == "pause":
+        os.kill(pids["inference"], signal.SIGSTOP)
+        time.sleep(PAUSE_S)  # noqa: sleep - the pause itself: inference stopped past the run's lease
+        os.kill(pids["inference"], signal.SIGCONT)
+        return time.monotonic(), f"inference (pid {pids['inference']}) paused {PAUSE_S:g}s, lease {LEASE_S:g}s"
+    if kind == "disk":
+        filler = data_dir / "chaos-filler"
+        mib = fill_disk(filler)
+        time.sleep(DISK_FULL_S)  # noqa: sleep - the disk stays full this long
+        filler.unlink()
+        return time.monotonic(), f"data folder's disk filled ({mib} MiB) for {DISK_FULL_S:g}s, then freed"
+    if kind == "second-up":
+        at = time.monotonic()
+        return at, second_up(flywheel, data_dir, env)
+    at = time.monotonic()
+    return at, asyncio.run(inject(kind, nats_url))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, help="write the figures here")
@@ -319,7 +456,9 @@ def main() -> None:
     parser.add_argument("--worker-kills", type=int, default=5,
                         help="environment workers to SIGKILL (the services that hold them start new ones)")
     parser.add_argument("--nats-restarts", type=int, default=3, help="nats-server restarts (SIGTERM, SIGKILL, ...)")
-    parser.add_argument("--steps", type=int, default=300, help="trainer.num_steps of the run")
+    parser.add_argument("--steps", type=int, help="trainer.num_steps of the run (300; 120 with --faults extended)")
+    parser.add_argument("--faults", choices=("kills", "extended"), default="kills",
+                        help="kills: processes killed, nats-server restarted; extended: the faults no exit makes")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cluster", type=int, default=1, help="nats-server nodes (3: a JetStream cluster)")
     parser.add_argument("--replicas", type=int, default=1, help="replicas of inference and of the scorer")
@@ -327,14 +466,24 @@ def main() -> None:
     args = parser.parse_args()
     rng = random.Random(args.seed)
     group_size = RunConfig.from_toml(CONFIG).group_size
-    plan = ["kill"] * args.kills + ["worker"] * args.worker_kills + ["nats"] * args.nats_restarts
+    extended = args.faults == "extended"
+    steps = args.steps or (120 if extended else 300)
+    plan = (list(EXTENDED) if extended else
+            ["kill"] * args.kills + ["worker"] * args.worker_kills + ["nats"] * args.nats_restarts)
     rng.shuffle(plan)
 
     data_dir = Path(tempfile.mkdtemp(prefix="flywheel-chaos-"))
+    small_disk = extended and mount_small_disk(data_dir, DISK_MIB) is None
+    if extended and not small_disk:
+        print(f"chaos: cannot mount a size-limited data folder here ({mount_small_disk(data_dir, DISK_MIB)}): the "
+              "disk event is left out", flush=True)
+        plan.remove("disk")
     ports = {"nats": free_port(), "gateway": free_port(), "inference": free_port()}
     while any(port_open("127.0.0.1", ports["nats"] + i) for i in range(1, args.cluster)):  # a node a port
         ports["nats"] = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_") or k == "FLYWHEEL_NATS_SERVER_BIN"}
+    if extended:
+        env["FLYWHEEL_RUN_LEASE_S"] = str(LEASE_S)
     common = ["--data-dir", str(data_dir), "--nats-port", str(ports["nats"]), "--gateway-port", str(ports["gateway"]),
               "--inference-port", str(ports["inference"]), "--nats-cluster", str(args.cluster)]
     flywheel = [sys.executable, "-m", "flywheel.ops.cli"]
@@ -342,8 +491,10 @@ def main() -> None:
                                text=True, env=env, cwd=ROOT)
     up = Lines(up_proc, "up" if args.verbose else None)
     run_proc: subprocess.Popen[str] | None = None
-    result: dict[str, Any] = {"kills": 0, "worker_kills": 0, "nats_restarts": 0, "finished": False,
-                              "nats_nodes": args.cluster, "replicas": args.replicas}
+    result: dict[str, Any] = {"faults": args.faults, "kills": 0, "worker_kills": 0, "nats_restarts": 0,
+                              "finished": False, "needed_a_hand": 0, "nats_nodes": args.cluster,
+                              "replicas": args.replicas}
+    nats_url = ""  # the stack's operator, once it made its logins
     extra: dict[str, subprocess.Popen[bytes]] = {}  # "inference-2", "scorer-2", ...: the replicas beyond up's
     extra_env = env | {"FLYWHEEL_DATA_DIR": str(data_dir), "FLYWHEEL_NATS_PORT": str(ports["nats"]),
                        "FLYWHEEL_NATS_CLUSTER": str(args.cluster)}
@@ -359,22 +510,30 @@ def main() -> None:
     started = time.monotonic()
     try:
         up.wait_for(r"^Flywheel is up", 180)
+        nats_url = Settings(data_dir=data_dir, nats_port=ports["nats"], nats_cluster=args.cluster).resolved_nats_url
         for i in range(2, args.replicas + 1):
             for service in ("inference", "scorer"):
                 start_extra(f"{service}-{i}")
         run_proc = subprocess.Popen([*flywheel, "run", str(CONFIG), "--run-id", RUN, *common,
-                                     "--set", f"trainer.num_steps={args.steps}"],
+                                     "--set", f"trainer.num_steps={steps}"],
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
         run = Lines(run_proc, "run" if args.verbose else None)
         run.wait_for(r"^step\s+2/", 300)
         nats_signals = [signal.SIGTERM, signal.SIGKILL]
         for planned in plan:
             kind = planned
-            if last_step(run) >= args.steps - STEPS_BETWEEN_EVENTS:
+            if last_step(run) >= steps - STEPS_BETWEEN_EVENTS:
                 print(f"chaos: the run is at its last steps; {len(plan) - len(event_log)} events not done",
                       flush=True)
                 break
             pids = latest_pids(up, run) | {name: proc.pid for name, proc in extra.items() if proc.poll() is None}
+            if kind in EXTENDED:
+                at, what = extended_fault(kind, pids, nats_url, data_dir, [*flywheel], env)
+                result.setdefault("extended", {})[kind] = what
+                print(f"chaos: {what}", flush=True)
+                if not recover(run, at, kind, "-", event_log, result):
+                    raise TimeoutError(f"the run did not train again within {RECOVERY_TIMEOUT_S:g}s of {kind}")
+                continue
             if kind == "nats":
                 target = "nats-server" if args.cluster == 1 else f"nats-server-n{rng.randint(1, args.cluster)}"
                 sig = nats_signals[result["nats_restarts"] % 2]
@@ -394,20 +553,10 @@ def main() -> None:
                 extra[target].wait()
                 start_extra(target)
             result[{"nats": "nats_restarts", "worker": "worker_kills", "kill": "kills"}[kind]] += 1
-            try:
-                recovered = wait_steps(run, at, 1, RECOVERY_TIMEOUT_S)
-            except TimeoutError:
-                event_log.append({"target": target, "signal": sig.name, "recovery_s": None})
-                raise
-            event_log.append({"target": target, "signal": sig.name, "at_step": last_step(run),
-                              "recovery_s": round(recovered - at, 2)})
-            print(f"chaos: {sig.name} {target} (pid {pids[target]}): trained again after {recovered - at:.1f}s",
-                  flush=True)
-            wait_steps(run, at, STEPS_BETWEEN_EVENTS, RECOVERY_TIMEOUT_S)
-        run.wait_for(rf"^step\s+{args.steps}/{args.steps}", 1800)
+            if not recover(run, at, target, sig.name, event_log, result):
+                raise TimeoutError(f"the run did not train again within {RECOVERY_TIMEOUT_S:g}s of the event")
+        run.wait_for(rf"^step\s+{steps}/{steps}", 1800)
         result["finished"] = run_proc.wait(120) == 0
-        nats_url = Settings(data_dir=data_dir, nats_port=ports["nats"],  # the stack's operator
-                            nats_cluster=args.cluster).resolved_nats_url
         leftover = asyncio.run(leftover_tasks(nats_url, group_size))
         result.update(asyncio.run(collect(nats_url, f"http://127.0.0.1:{ports['gateway']}", data_dir, leftover)))
     finally:
@@ -429,6 +578,13 @@ def main() -> None:
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(result, indent=2) + "\n")
+        if small_disk:  # its logs are kept beside it, the tmpfs goes
+            kept = data_dir.with_name(data_dir.name + "-logs")
+            shutil.copytree(data_dir / "logs", kept, dirs_exist_ok=True)
+            for log in (data_dir / "runs").glob("*/*.log"):
+                shutil.copy2(log, kept / f"{log.parent.name}-{log.name}")
+            subprocess.run(["umount", "-l", str(data_dir)], check=False)
+            print(f"chaos: the data folder was a tmpfs, unmounted; its logs are in {kept}", flush=True)
 
 
 if __name__ == "__main__":
