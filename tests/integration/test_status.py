@@ -109,7 +109,7 @@ async def test_status_shows_the_stacks_view_naming_the_failing_process(
         assert by_name["scorer"] | {"log": None} == {
             "name": "scorer", "pid": 1200, "state": "running", "num_restarts": 0, "num_failures": 0, "backoff_s": 0.0,
             "last_exit": None, "last_exit_at": None, "healthy_since": None, "next_start_at": None,
-            "next_start_in_s": None, "log": None}
+            "next_start_in_s": None, "problem": None, "log": None}
         assert by_name["scorer"]["log"] == str(tmp_path.resolve() / "logs" / "scorer.log")
         failing = by_name["inference"]
         assert (failing["pid"], failing["num_restarts"], failing["num_failures"], failing["backoff_s"],
