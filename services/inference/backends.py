@@ -32,6 +32,9 @@ machine). Both the backend and the inference service on it are tested on CPU
 (``tests/vllm``).
 
 ``generate``'s ``on_token`` is called with each row's token as it is sampled (streaming).
+The transformers backend also opens sessions (:meth:`TransformersBackend.session`): batches
+that rows join and leave between tokens (continuous batching, :class:`DecodeSession`);
+``generate`` is one session with every row added at the start.
 
 LoRA adapters: the transformers backend keeps any number of them over its base weights
 (:attr:`TransformersBackend.adapters`, :mod:`flywheel_inference.adapters`), and
@@ -43,6 +46,7 @@ top-k, logprobs of the alternatives (``top_logprobs``).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -145,6 +149,11 @@ class TransformersBackend:
     def close(self) -> None:
         pass  # the model is plain process memory
 
+    def clear_adapters(self) -> None:
+        """Sample the next forward with the weights alone (no adapter set on any row)."""
+        if self._adapters is not None:
+            self._adapters.clear()
+
     def swap(self, data: bytes, version: int) -> None:
         from flywheel.sdk import models
 
@@ -155,68 +164,22 @@ class TransformersBackend:
                  seeds: Sequence[int | None] | None = None, on_token: OnRowToken | None = None,
                  adapters: Sequence[str | None] | None = None) -> list[Completion]:
         """``adapters``: per row, the name of a loaded adapter to sample it with (None: the weights alone)."""
-        import torch
-
-        sampling.check()
-        longest = check_prompts(prompts, sampling, self.max_positions)
-        if adapters is not None and len(adapters) != len(prompts):
-            raise ValueError(f"adapters: {len(adapters)} given for {len(prompts)} prompts")
-        if not prompts:
-            return []
-        # Each row's uniforms, one per token it may sample, drawn up front from its own generator.
-        uniforms = torch.stack([torch.rand(sampling.max_tokens, generator=torch.Generator().manual_seed(s))
-                                for s in row_seeds(sampling, len(prompts), seeds)])
-        names = list(adapters) if adapters is not None and any(a is not None for a in adapters) else None
-        if names is not None:
-            self.adapters.set_rows(names)  # fails here, naming the adapter, if one is not loaded
+        session = self.session(sampling, on_token)
         try:
-            with torch.inference_mode():
-                return self._generate(prompts, sampling, uniforms, longest, on_token, names)
+            session.add(prompts, seeds, adapters)
+            results: list[Completion | None] = [None] * len(prompts)
+            while session.num_rows:
+                for row, completion in session.step():
+                    results[row] = completion
         finally:
-            if self._adapters is not None:
-                self._adapters.clear()
-
-    def _generate(self, prompts: Sequence[Sequence[int]], sampling: events.Sampling, uniforms: torch.Tensor,
-                  longest: int, on_token: OnRowToken | None, adapters: list[str | None] | None) -> list[Completion]:
-        import torch
-
-        num_rows = len(prompts)
-        logits, cache, mask = self._prefill(prompts, longest, adapters)
-        next_position = mask.sum(-1, keepdim=True)  # per row: where its next token goes
-        rows = list(range(num_rows))  # the original index of each row still in the batch
-        token_ids: list[list[int]] = [[] for _ in range(num_rows)]
-        logprobs: list[list[float]] = [[] for _ in range(num_rows)]
-        results: list[Completion | None] = [None] * num_rows
-        for step in range(sampling.max_tokens):
-            step_logprobs = torch.log_softmax(logits.float() / sampling.temperature, dim=-1)
-            picked = sample_rows(step_logprobs, sampling.top_p, uniforms[rows, step])
-            picked_logprobs = step_logprobs.gather(-1, picked[:, None])[:, 0]
-            keep: list[int] = []
-            last_step = step == sampling.max_tokens - 1
-            for j, (r, tok, lp) in enumerate(zip(rows, picked.tolist(), picked_logprobs.tolist(), strict=True)):
-                token_ids[r].append(tok)
-                logprobs[r].append(lp)
-                if on_token is not None:
-                    on_token(r, tok, lp)
-                results[r] = self._finished(token_ids[r], logprobs[r], sampling.stop, last_step)
-                if results[r] is None:
-                    keep.append(j)
-            if not keep:
-                break
-            if len(keep) < len(rows):
-                index = torch.tensor(keep, device=self.device)
-                cache.batch_select_indices(index)
-                mask, next_position, picked = mask[index], next_position[index], picked[index]
-                rows = [rows[j] for j in keep]
-                if adapters is not None:
-                    self.adapters.set_rows([adapters[r] for r in rows])
-            mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=-1)
-            out = self.model(input_ids=picked[:, None], attention_mask=mask, position_ids=next_position,
-                             use_cache=True, logits_to_keep=1, **{self._cache_arg: cache})
-            logits = out.logits[:, -1, :]
-            next_position = next_position + 1
+            session.close()
         assert all(c is not None for c in results)
         return results  # type: ignore[return-value]  # the assert above: no None is left
+
+    def session(self, sampling: events.Sampling, on_token: OnRowToken | None = None) -> DecodeSession:
+        """A batch that rows may join between its steps (continuous batching): see :class:`DecodeSession`."""
+        sampling.check()
+        return DecodeSession(self, sampling, on_token)
 
     def _prefill(self, prompts: Sequence[Sequence[int]], longest: int,
                  adapters: list[str | None] | None) -> tuple[torch.Tensor, DynamicCache, torch.Tensor]:
@@ -270,6 +233,180 @@ class TransformersBackend:
         text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
         assert isinstance(text, str)  # one sequence of ids decodes to one string (a batch to a list)
         return text
+
+
+@dataclass
+class _Row:
+    """One sequence of a :class:`DecodeSession`: its caller's index, its uniforms (one per token
+    it may sample), its adapter, and what it sampled so far."""
+
+    index: int
+    uniforms: torch.Tensor
+    adapter: str | None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+
+class DecodeSession:
+    """Rows sampled together one token at a time, which rows may join between steps
+    (continuous batching): a joining row's prompt is prefilled (a group's samples share it)
+    and its keys and values are merged into the batch's cache, left-padded to the same length
+    (the attention mask hides the padding; each row keeps its own position ids), so it is
+    sampled in the same forward as the rows already running. A finished row leaves at once,
+    its completion returned by the :meth:`step` that finished it, and padding no row needs any
+    more is cut off. Rows of one session share the sampling settings (the caller batches by
+    them); each row's random numbers are its own seed's, as in :meth:`TransformersBackend.generate`.
+    Runs on the caller's thread; the caller holds the backend (no weight swap meanwhile).
+    """
+
+    def __init__(self, backend: TransformersBackend, sampling: events.Sampling, on_token: OnRowToken | None) -> None:
+        self.backend = backend
+        self.sampling = sampling
+        self.on_token = on_token
+        self.rows: list[_Row] = []
+        self.cache: DynamicCache | None = None
+        self.mask: torch.Tensor | None = None  # [rows, cache length] long, 1 on real tokens
+        self.next_position: torch.Tensor | None = None  # [rows, 1]: where each row's next token goes
+        self.logits: torch.Tensor | None = None  # [rows, vocab]: each row's next-token logits
+        self._added = 0  # rows added so far: the index of the next one
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.rows)
+
+    @property
+    def can_join(self) -> bool:
+        """Whether rows may join while others run: the cache's layers are plain (a sliding-window
+        layer keeps a rolling window the merge does not align)."""
+        from transformers.cache_utils import DynamicLayer
+
+        return self.cache is None or all(type(layer) is DynamicLayer for layer in self.cache.layers)
+
+    def add(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int | None] | None = None,
+            adapters: Sequence[str | None] | None = None) -> list[int]:
+        """Prefill ``prompts`` and join them to the batch; their indices (in the order added,
+        counted over the session: what :meth:`step` returns them with)."""
+        import torch
+
+        backend, sampling = self.backend, self.sampling
+        longest = check_prompts(prompts, sampling, backend.max_positions)
+        if adapters is not None and len(adapters) != len(prompts):
+            raise ValueError(f"adapters: {len(adapters)} given for {len(prompts)} prompts")
+        if not prompts:
+            return []
+        if self.rows and not self.can_join:
+            raise RuntimeError("this model's cache cannot take rows while others run (a sliding-window layer)")
+        uniforms = [torch.rand(sampling.max_tokens, generator=torch.Generator().manual_seed(s))
+                    for s in row_seeds(sampling, len(prompts), seeds)]
+        names = list(adapters) if adapters is not None and any(a is not None for a in adapters) else None
+        if names is not None:
+            backend.adapters.set_rows(names)  # fails here, naming the adapter, if one is not loaded
+        try:
+            with torch.inference_mode():
+                logits, cache, mask = backend._prefill(prompts, longest, names)
+        finally:
+            backend.clear_adapters()
+        indices = list(range(self._added, self._added + len(prompts)))
+        self._added += len(prompts)
+        new_rows = [_Row(i, u, None if names is None else names[j])
+                    for j, (i, u) in enumerate(zip(indices, uniforms, strict=True))]
+        position = mask.sum(-1, keepdim=True)
+        if self.cache is None or self.mask is None or self.next_position is None or self.logits is None:
+            self.cache, self.mask, self.next_position, self.logits = cache, mask, position, logits
+        else:
+            self.mask = _join_caches(self.cache, self.mask, cache, mask)
+            self.next_position = torch.cat([self.next_position, position])
+            self.logits = torch.cat([self.logits, logits])
+        self.rows += new_rows
+        return indices
+
+    def step(self) -> list[tuple[int, Completion]]:
+        """Sample one token for every row, then run the rows that go on one position further;
+        the rows that finished, with their completions."""
+        import torch
+
+        assert self.cache is not None and self.mask is not None and self.next_position is not None
+        assert self.logits is not None
+        backend, sampling = self.backend, self.sampling
+        done: list[tuple[int, Completion]] = []
+        with torch.inference_mode():
+            step_logprobs = torch.log_softmax(self.logits.float() / sampling.temperature, dim=-1)
+            uniforms = torch.stack([r.uniforms[len(r.token_ids)] for r in self.rows])
+            picked = sample_rows(step_logprobs, sampling.top_p, uniforms)
+            picked_logprobs = step_logprobs.gather(-1, picked[:, None])[:, 0]
+            keep: list[int] = []
+            for j, (row, tok, lp) in enumerate(zip(self.rows, picked.tolist(), picked_logprobs.tolist(), strict=True)):
+                row.token_ids.append(tok)
+                row.logprobs.append(lp)
+                if self.on_token is not None:
+                    self.on_token(row.index, tok, lp)
+                finished = backend._finished(row.token_ids, row.logprobs, sampling.stop,
+                                             len(row.token_ids) == sampling.max_tokens)
+                if finished is None:
+                    keep.append(j)
+                else:
+                    done.append((row.index, finished))
+            if not keep:
+                self.close()
+                return done
+            mask, next_position = self.mask, self.next_position
+            if len(keep) < len(self.rows):
+                index = torch.tensor(keep, device=backend.device)
+                self.cache.batch_select_indices(index)
+                mask, next_position, picked = mask[index], next_position[index], picked[index]
+                self.rows = [self.rows[j] for j in keep]
+                mask = _trim_padding(self.cache, mask)
+            names = [r.adapter for r in self.rows]
+            if any(n is not None for n in names):
+                backend.adapters.set_rows(names)
+            try:
+                mask = torch.cat([mask, mask.new_ones((len(self.rows), 1))], dim=-1)
+                out = backend.model(input_ids=picked[:, None], attention_mask=mask, position_ids=next_position,
+                                    use_cache=True, logits_to_keep=1, **{backend._cache_arg: self.cache})
+            finally:
+                backend.clear_adapters()
+        self.logits, self.mask, self.next_position = out.logits[:, -1, :], mask, next_position + 1
+        return done
+
+    def close(self) -> None:
+        """Drop the batch (its cache); rows not finished are abandoned."""
+        self.rows, self.cache, self.mask, self.next_position, self.logits = [], None, None, None, None
+
+
+def _join_caches(cache: DynamicCache, mask: torch.Tensor, joining: DynamicCache, joining_mask: torch.Tensor
+                 ) -> torch.Tensor:
+    """Append ``joining``'s rows to ``cache`` in place, the shorter of the two left-padded to the
+    other's length (keys and values of zeros, masked out); the joined attention mask."""
+    import torch
+
+    length, joining_length = mask.shape[1], joining_mask.shape[1]
+    width = max(length, joining_length)
+
+    def left_pad(t: torch.Tensor, by: int) -> torch.Tensor:  # [B, H, S, D] or [B, S]
+        if not by:
+            return t
+        shape = list(t.shape)
+        shape[-2 if t.dim() == 4 else -1] = by
+        return torch.cat([t.new_zeros(shape), t], dim=-2 if t.dim() == 4 else -1)
+
+    for layer, other in zip(cache.layers, joining.layers, strict=True):
+        layer.keys = torch.cat([left_pad(layer.keys, width - length), left_pad(other.keys, width - joining_length)])
+        layer.values = torch.cat([left_pad(layer.values, width - length),
+                                  left_pad(other.values, width - joining_length)])
+    return torch.cat([left_pad(mask, width - length), left_pad(joining_mask, width - joining_length)])
+
+
+def _trim_padding(cache: DynamicCache, mask: torch.Tensor) -> torch.Tensor:
+    """Cut the leading cache positions that no remaining row attends to (left padding of rows
+    that have left); the trimmed mask."""
+    real = mask.any(0).nonzero()
+    start = int(real[0]) if len(real) else 0
+    if start == 0:
+        return mask
+    for layer in cache.layers:
+        layer.keys = layer.keys[..., start:, :]
+        layer.values = layer.values[..., start:, :]
+    return mask[:, start:]
 
 
 # (model folder or hub id, model.dtype, **the variant's fields) -> Backend

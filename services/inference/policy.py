@@ -4,9 +4,13 @@ Every sampling request for the run (rollouts of any task, HTTP requests) joins o
 the loop takes up to ``max_batch_size`` queued sequences with the same sampling settings
 and generates them as one batch on the process's compute thread
 (:func:`flywheel.contract.service.compute`), so the event loop keeps serving the bus and
-HTTP meanwhile. Weight swaps take the same lock as a batch, so new weights load
-between batches and never in the middle of a sequence; each result carries the version
-that produced it.
+HTTP meanwhile. On a backend with sessions (the transformers backend,
+:class:`flywheel_inference.backends.DecodeSession`) the batch is continuous: requests of the
+same settings queued while it runs join it between tokens, up to ``max_batch_size`` rows,
+and each is answered as soon as its row finishes, so a multi-turn rollout's next call never
+waits for another's long completion. Weight swaps take the same lock as a batch, and a
+batch takes no more rows once a swap waits, so new weights load between batches and never
+in the middle of a sequence; each result carries the version that produced it.
 
 Weight updates are offered as they are seen (:meth:`Policy.offer`); the newest wins, so a
 burst of versions loads only the last. Anyone can publish on a weights subject, so an
@@ -49,7 +53,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import msgspec
 from opentelemetry import trace
@@ -113,6 +117,9 @@ class Batcher:
         self.backend = backend
         self.max_batch_size = max_batch_size
         self.lock = asyncio.Lock()  # one batch or one swap at a time
+        self.swaps_waiting = 0  # weight swaps waiting for the lock: a running batch takes no more rows
+        self.running_key: bytes | None = None  # the sampling settings of the batch running now, if rows may join it
+        self._joinable = False  # a request that may join the running batch is queued (read on the compute thread)
         self._queue: deque[_Request] = deque()
         self._queued = asyncio.Event()
         self._task = asyncio.ensure_future(self._batches())
@@ -120,22 +127,27 @@ class Batcher:
 
     def submit(self, requests: Sequence[_Request]) -> None:
         self._queue.extend(requests)
+        if self.running_key is not None and any(r.key == self.running_key for r in requests):
+            self._joinable = True
         self._queued.set()
 
     async def close(self) -> None:
         self._task.cancel()
         await asyncio.gather(self._task, return_exceptions=True)
 
-    def _take_batch(self) -> list[_Request]:
-        """The oldest request and up to ``max_batch_size - 1`` more with the same settings."""
-        key = self._queue[0].key
+    def _take_batch(self, key: bytes | None = None, room: int | None = None) -> list[_Request]:
+        """The oldest request and up to ``max_batch_size - 1`` more with the same settings; with
+        ``key``, up to ``room`` requests of those settings (rows joining a running batch)."""
+        if key is None:
+            key = self._queue[0].key
+        room = self.max_batch_size if room is None else room
         batch: list[_Request] = []
         rest: deque[_Request] = deque()
         while self._queue:
             r = self._queue.popleft()
             if r.future.done():  # its caller gave up (cancelled)
                 continue
-            (batch if r.key == key and len(batch) < self.max_batch_size else rest).append(r)
+            (batch if r.key == key and len(batch) < room else rest).append(r)
         self._queue = rest
         return batch
 
@@ -158,6 +170,11 @@ class Batcher:
                 assert None not in versions, "sampled before the first weights were loaded"
                 started = time.monotonic()
                 links = [trace.Link(c) for c in {r.caller for r in batch if r.caller is not None}]
+                if hasattr(self.backend, "session"):  # rows join and leave between tokens
+                    with TRACER.start_as_current_span("sample batch", links=links,
+                                                      attributes={"flywheel.batch_size": len(batch)}):
+                        await self._continuous(batch)
+                    continue
                 try:
                     with TRACER.start_as_current_span("sample batch", links=links,
                                                       attributes={"flywheel.batch_size": len(batch)}):
@@ -171,6 +188,66 @@ class Batcher:
             for r, c, version in zip(batch, completions, versions, strict=True):
                 if not r.future.done():
                     r.future.set_result(Sampled(c, cast(int, version), elapsed_s))
+
+    async def _continuous(self, batch: list[_Request]) -> None:
+        """Sample ``batch`` as a batch that queued requests of the same settings join between
+        tokens, while there is room and no weight swap waits; each request is answered as soon
+        as its row finishes (its generation time: from joining to finishing). Under the lock."""
+        loop = asyncio.get_running_loop()
+        key, sampling = batch[0].key, batch[0].sampling
+        rows: dict[int, tuple[_Request, float, int]] = {}  # session row -> (request, joined at, version)
+
+        def on_token(row: int, token_id: int, logprob: float) -> None:  # in the backend's thread
+            stream = rows[row][0].on_token
+            if stream is not None:
+                loop.call_soon_threadsafe(stream, token_id, logprob)
+
+        session = self.backend.session(sampling, on_token)  # type: ignore[attr-defined]  # checked by the caller
+        waiting = batch
+        try:
+            while True:
+                waiting = [r for r in waiting if not r.future.done()]
+                if waiting:
+                    adapters = [r.policy.adapter for r in waiting]
+                    indices = await compute(session.add, [r.prompt for r in waiting], [r.seed for r in waiting],
+                                            adapters if any(a is not None for a in adapters) else None)
+                    joined = time.monotonic()
+                    for i, r in zip(indices, waiting, strict=True):
+                        rows[i] = (r, joined, cast(int, r.policy.version))
+                if not session.num_rows:
+                    return
+                self.running_key = key if session.can_join else None
+                self._joinable = any(r.key == key for r in self._queue)
+                for i, completion in await compute(self._run, session):
+                    r, joined, version = rows.pop(i)
+                    if not r.future.done():
+                        r.future.set_result(Sampled(completion, version, time.monotonic() - joined))
+                room = self.max_batch_size - session.num_rows
+                if not session.num_rows or self.swaps_waiting or not session.can_join or room <= 0:
+                    waiting = []
+                    if not session.num_rows:
+                        return
+                    continue
+                waiting = [r for r in self._take_batch(key, room) if not r.policy.closed] if self._queue else []
+        except Exception as exc:
+            for r, _, _ in rows.values():
+                if not r.future.done():
+                    r.future.set_exception(exc)
+            for r in waiting:
+                if not r.future.done():
+                    r.future.set_exception(exc)
+        finally:
+            self.running_key = None
+            session.close()
+
+    def _run(self, session: Any) -> list[tuple[int, Completion]]:
+        """Steps of ``session`` until a row finishes, or a request that may join is queued (on the
+        compute thread)."""
+        while session.num_rows:
+            done = session.step()
+            if done or (self._joinable and session.num_rows < self.max_batch_size and not self.swaps_waiting):
+                return done
+        return []
 
     async def _generate(self, batch: list[_Request]) -> list[Completion]:
         prompts, sampling, seeds = [r.prompt for r in batch], batch[0].sampling, [r.seed for r in batch]
@@ -272,8 +349,15 @@ class Policy:
         return self.version
 
     async def swap(self, data: bytes, version: int) -> None:
-        async with self._batcher.lock:
+        self._batcher.swaps_waiting += 1  # the running batch takes no more rows: it ends, then the swap
+        try:
+            await self._batcher.lock.acquire()
+        finally:
+            self._batcher.swaps_waiting -= 1
+        try:
             await compute(self.backend.swap, data, version)
+        finally:
+            self._batcher.lock.release()
 
     async def load(self, update: events.WeightUpdate) -> None:
         """Fetch (retrying what is transient) and load ``update`` now; raises what failed."""

@@ -21,11 +21,17 @@ prompt computes that prompt once instead of 16 times, forward and backward. The 
 are the same as on whole rows (tests hold them and the gradients to float rounding). Not
 covered: packing several sequences into one row (it needs per-sequence attention masks
 the default attention path does not take).
+
+:func:`loss_logprobs` computes the same logprobs at the loss's positions alone: the output
+embedding and the softmax over the vocabulary (for a model of SmolLM2's size, a third of a
+step's memory) skip the padding and the tokens no loss reads. It needs a model whose logits
+are its head applied to its body (:func:`split_head`); others run whole.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -265,6 +271,45 @@ def target_logprobs(logits: torch.Tensor, batch: Batch, temperatures: torch.Tens
     return torch.log_softmax(scaled, dim=-1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
 
 
+# Causal LMs whose logits are exactly their output embedding applied to their body's last
+# hidden states (no logit scaling or soft-capping after it): their logits can be computed at
+# the positions the loss reads alone.
+HEAD_AFTER_BODY = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+
+def split_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
+    """``model``'s body (its hidden states after the final norm) and head (the output
+    embedding), when its logits are exactly ``head(body(...))``; None otherwise (then the
+    whole forward runs)."""
+    config = getattr(model, "config", None)
+    body = getattr(model, "model", None)
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if getattr(config, "model_type", None) not in HEAD_AFTER_BODY or body is None or type(head) is not torch.nn.Linear:
+        return None
+    return body, head
+
+
+def loss_logprobs(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    """What :func:`token_logprobs` gives, computed at the loss's positions alone (0 elsewhere):
+    the output embedding and the softmax over the vocabulary, the largest tensors of a step,
+    skip the padding and every token the loss does not read. ``[B, T-1]`` float32. A model
+    whose head is not a plain projection of its body runs whole (:func:`split_head`)."""
+    parts = split_head(model)
+    if parts is None:
+        return token_logprobs(model, batch)
+    body, head = parts
+    if batch.prefix is None:
+        hidden = body(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+    else:
+        hidden = _hidden_after_prefix(model, body, batch, batch.prefix)
+    rows, columns = batch.loss_mask.nonzero(as_tuple=True)
+    logits = head(hidden[rows, columns]).float() / batch.temperatures[rows, None]
+    picked = torch.log_softmax(logits, dim=-1).gather(-1, batch.input_ids[rows, columns + 1, None]).squeeze(-1)
+    out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32, device=picked.device)
+    return out.index_put((rows, columns), picked)
+
+
 def can_share_prefixes(model: torch.nn.Module) -> bool:
     """Whether ``model`` can go on from a computed prefix: its forward takes explicit
     positions, a key/value cache and ``logits_to_keep`` (every transformers causal LM does;
@@ -274,8 +319,9 @@ def can_share_prefixes(model: torch.nn.Module) -> bool:
         "cache" in params or "past_key_values" in params)
 
 
-def _logits_after_prefix(model: torch.nn.Module, batch: Batch, prefix: Prefix) -> torch.Tensor:
-    """The rows' logits (but the last position's), each row going on from its prefix's keys and values."""
+def _prefix_cache(model: torch.nn.Module, batch: Batch, prefix: Prefix) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """The prefixes run once, their keys and values given to each row; with the rows'
+    positions and attention mask (prefix and row)."""
     cache_arg = models.cache_argument(model)
     prefix_positions = (prefix.attention_mask.cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=prefix.input_ids, attention_mask=prefix.attention_mask, position_ids=prefix_positions,
@@ -285,6 +331,21 @@ def _logits_after_prefix(model: torch.nn.Module, batch: Batch, prefix: Prefix) -
     width = batch.input_ids.shape[1]
     positions = prefix.lengths[:, None] + torch.arange(width, device=batch.input_ids.device)[None, :]
     mask = torch.cat([prefix.attention_mask[prefix.of_row], batch.attention_mask], dim=-1)
+    return cache, positions, mask
+
+
+def _logits_after_prefix(model: torch.nn.Module, batch: Batch, prefix: Prefix) -> torch.Tensor:
+    """The rows' logits (but the last position's), each row going on from its prefix's keys and values."""
+    cache, positions, mask = _prefix_cache(model, batch, prefix)
     out = model(input_ids=batch.input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                logits_to_keep=width, **{cache_arg: cache})
+                logits_to_keep=batch.input_ids.shape[1], **{models.cache_argument(model): cache})
     return out.logits[:, :-1]
+
+
+def _hidden_after_prefix(model: torch.nn.Module, body: torch.nn.Module, batch: Batch, prefix: Prefix
+                         ) -> torch.Tensor:
+    """The rows' last hidden states, each row going on from its prefix's keys and values."""
+    cache, positions, mask = _prefix_cache(model, batch, prefix)
+    out = body(input_ids=batch.input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
+               **{models.cache_argument(body): cache})
+    return out.last_hidden_state

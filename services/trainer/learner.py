@@ -58,6 +58,7 @@ from flywheel_trainer.batch import (
     DenseTargets,
     batch_logits,
     can_share_prefixes,
+    loss_logprobs,
     micro_batches,
     pad,
     target_logprobs,
@@ -133,11 +134,14 @@ def train_step(engine: Engine, sequences: list[Tokens], advantages: list[float],
                     token_advantages=None if token_advantages is None else [token_advantages[i] for i in indices],
                     dense=None if dense is None else [dense[i] for i in indices])
         with engine.autocast():
-            logits = batch_logits(engine.model, batch)
-            logprobs = target_logprobs(logits, batch, batch.temperatures)
-            # Echo predicts the environment's tokens under the model's own distribution.
-            plain = None if batch.env_mask is None else (
-                logprobs if bool((batch.temperatures == 1.0).all()) else target_logprobs(logits, batch, None))
+            if batch.env_mask is None and batch.dense is None:  # the loss reads its tokens' logprobs alone
+                logits, logprobs, plain = None, loss_logprobs(engine.model, batch), None
+            else:
+                logits = batch_logits(engine.model, batch)
+                logprobs = target_logprobs(logits, batch, batch.temperatures)
+                # Echo predicts the environment's tokens under the model's own distribution.
+                plain = None if batch.env_mask is None else (
+                    logprobs if bool((batch.temperatures == 1.0).all()) else target_logprobs(logits, batch, None))
         per_token, flags = token_loss(logprobs, batch, indices)
         mask = batch.loss_mask
         loss = (per_token * mask).sum() / max(num_loss_tokens, 1)
@@ -146,6 +150,7 @@ def train_step(engine: Engine, sequences: list[Tokens], advantages: list[float],
             loss = loss + (nll.sum(-1) * batch.echo_weights).sum() / num_env_tokens
             figures["echo_loss"] += float(nll.detach().sum()) / num_env_tokens
         if batch.dense is not None:
+            assert logits is not None  # computed whole for the dense term
             divergence = _dense_divergence(logits, batch, batch.dense)
             loss = loss + (divergence * batch.dense.coef).sum() / max(num_loss_tokens, 1)
             figures["distill_loss"] += float(divergence.detach().sum()) / max(num_loss_tokens, 1)

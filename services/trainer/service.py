@@ -369,6 +369,10 @@ class Trainer:
         self.step += 1
         self.version += 1
         figures.update(take_figures(take, self.joiner), wait_s=wait_s)
+        # What inference sampled for this step (the completions of its rollouts) over the step's
+        # cycle (waiting for them, then training): the sampling rate the run sees.
+        sampled = sum(s.rollout.metrics.get("num_completion_tokens", 0.0) for g in take.groups for s in g)
+        figures.update(sampled_tokens=sampled, sampled_tokens_per_s=sampled / max(wait_s + figures["step_s"], 1e-6))
         # A step whose loss or gradients were not finite changed nothing (num_skipped_nonfinite):
         # its figures that are not finite are left out of the metrics file and the update.
         figures = events.finite_metrics(figures)

@@ -131,7 +131,8 @@ async def test_trainer_publishes_version_0_then_a_version_a_step_and_counts_what
     assert last["num_dropped_stale"] == 2 and last["num_dropped_scorer_error"] == 1
     assert last["staleness_max"] == 0 and updates[2].metrics["staleness_mean"] == 0.5
     assert updates[2].metrics["staleness_max"] == 1
-    for key in ("loss", "reward_mean", "reward_std", "tokens_per_s", "step_s", "grad_norm", "logprob_diff_abs_mean"):
+    for key in ("loss", "reward_mean", "reward_std", "tokens_per_s", "sampled_tokens_per_s", "step_s", "grad_norm",
+                "logprob_diff_abs_mean"):
         assert all(key in u.metrics for u in updates[1:]), key
 
     state = await get_run(bus, RUN)

@@ -17,6 +17,7 @@ from flywheel_inference.backends import (
     BACKENDS,
     NUCLEUS_CANDIDATES,
     TransformersBackend,
+    _trim_padding,
     build_backend,
     sample_rows,
 )
@@ -73,6 +74,44 @@ def test_samples_of_one_prompt_share_its_prefill_and_sample_as_if_alone(backend:
         assert c.logprobs == pytest.approx(alone.logprobs, abs=1e-4)
         expected = full_forward_logprobs(backend.model, prompt, c.token_ids, 0.9)
         assert torch.allclose(torch.tensor(c.logprobs), expected, atol=1e-4)
+
+
+def test_rows_that_join_a_running_batch_sample_as_if_alone(backend: TransformersBackend) -> None:
+    """Continuous batching: a row that joins after others have sampled some tokens (its prompt
+    shorter or longer than theirs, so one side is left-padded), and rows that leave early,
+    sample what they would alone, within float rounding, and their logprobs are the full
+    forward's."""
+    sampling = events.Sampling(temperature=0.9, max_tokens=10, seed=5)
+    alone = [backend.generate([p], sampling, seeds=[40 + i])[0] for i, p in enumerate(PROMPTS)]
+    session = backend.session(sampling)
+    got: dict[int, list[int]] = {}
+    session.add(PROMPTS[:1], seeds=[40])
+    for _ in range(3):  # the first row runs a few tokens alone
+        got.update((i, c.token_ids) for i, c in session.step())
+    session.add(PROMPTS[1:], seeds=[40 + i for i in range(1, len(PROMPTS))])
+    while session.num_rows:
+        for i, c in session.step():
+            got[i] = c.token_ids
+            assert torch.allclose(full_forward_logprobs(backend.model, PROMPTS[i], c.token_ids, 0.9),
+                                  torch.tensor(c.logprobs), atol=1e-4)
+    assert [got[i] for i in range(len(PROMPTS))] == [c.token_ids for c in alone]
+    assert session.cache is None  # every row left: the batch's cache is dropped
+
+
+def test_a_batch_keeps_no_padding_its_rows_do_not_need(backend: TransformersBackend) -> None:
+    """A short prompt joins a long one (left-padded to its length); once the long row is gone,
+    the padding only it needed is cut from the cache."""
+    session = backend.session(events.Sampling(max_tokens=8, seed=1))
+    long_prompt, short_prompt = list(range(3, 40)), [5, 6, 7]
+    session.add([long_prompt])
+    session.add([short_prompt])
+    assert session.cache is not None and session.mask is not None
+    assert session.mask.shape[1] == len(long_prompt)
+    short_row = torch.tensor([1])
+    session.cache.batch_select_indices(short_row)  # the long row left
+    mask = _trim_padding(session.cache, session.mask[short_row])
+    assert mask.shape[1] == len(short_prompt) and session.cache.get_seq_length() == len(short_prompt)
+    session.close()
 
 
 def test_top_p_samples_only_from_the_nucleus() -> None:

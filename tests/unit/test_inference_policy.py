@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -14,6 +15,7 @@ import pytest
 from flywheel.contract import events
 from flywheel_inference.completion import Completion, OnRowToken
 from flywheel_inference.policy import Batcher, Policy, TransientFetchError, WeightsUnavailable
+from tests.backend_checks import PROMPTS
 from tests.helpers import until
 
 if TYPE_CHECKING:
@@ -190,3 +192,29 @@ async def test_runs_on_one_batcher_batch_together_each_with_its_adapter_and_vers
     assert (await kept)[0].completion.token_ids == [3]
     await long.close()
     await batcher.close()
+
+
+async def test_a_request_joins_the_batch_running_on_the_transformers_backend(tiny_model_dir: Path) -> None:
+    """Continuous batching: a request queued while a batch of the same settings runs joins it
+    between tokens (its first token comes before the running row's last), and each row is
+    answered when it finishes."""
+    from flywheel_inference.backends import TransformersBackend
+
+    backend = TransformersBackend.build(tiny_model_dir, "float32")
+    backend.version = 0  # as if version 0 were loaded
+
+    async def no_fetch(u: events.WeightUpdate) -> bytes:
+        raise AssertionError("no weights are fetched here")
+
+    policy = Policy("r", backend, no_fetch, max_batch_size=8)
+    sampling = events.Sampling(max_tokens=48, seed=3)
+    order: list[str] = []
+    first = asyncio.ensure_future(policy.sample([PROMPTS[0]], sampling, on_token=lambda i, t, lp: order.append("a")))
+    await until(lambda: len(order) >= 3, what="the first request's batch running")
+    second = asyncio.ensure_future(policy.sample([PROMPTS[1]], sampling, on_token=lambda i, t, lp: order.append("b")))
+    (a,), (b,) = await first, await second
+    assert a.completion.finish_reason == "length"  # it ran all along (no early EOS at this seed)
+    last_a = len(order) - 1 - order[::-1].index("a")
+    assert order.index("b") < last_a, order
+    assert order.count("b") == len(b.completion.token_ids) and b.version == 0
+    await policy.close()

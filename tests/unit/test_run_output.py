@@ -15,10 +15,11 @@ from tests.unit.test_trainer_join import make_rollout, make_score
 
 def test_the_step_line_counts_every_drop_by_reason_and_shows_the_metrics() -> None:
     row = {"step": 7.0, "elapsed_s": 12.0, "reward_mean": 0.5, "scores.exact": 0.25, "staleness_mean": 0.5,
-           "staleness_max": 1.0, "num_dropped_stale": 1.0, "num_dropped_scorer_error": 2.0, "tokens_per_s": 900.0}
+           "staleness_max": 1.0, "num_dropped_stale": 1.0, "num_dropped_scorer_error": 2.0, "tokens_per_s": 900.0,
+           "sampled_tokens_per_s": 250.0}
     line = format_step(row, 10, 16, metrics=["exact"])
     assert line.startswith("step   7/10  reward 0.500  exact 0.250  staleness 0.50 (max 1)  "
-                           "dropped 3 (stale 1, scorer error 2)  ")
+                           "dropped 3 (stale 1, scorer error 2)  tokens/s train 900 sample 250  ")
     assert line.endswith("in flight 16  t 12.0s")  # fractions of a second: early steps are sub-second
     assert format_dropped({"num_dropped_rollout_error": 1.0}) == "1 (rollout error 1)"
     assert format_dropped({}) == "0"

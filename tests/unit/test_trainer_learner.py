@@ -16,7 +16,7 @@ from flywheel.contract.config import RunConfig
 from flywheel.contract.settings import TrainerSettings
 from flywheel.runtime.envworker import LoadSpec
 from flywheel.sdk import models
-from flywheel_trainer.batch import micro_batches, pad, token_logprobs
+from flywheel_trainer.batch import loss_logprobs, micro_batches, pad, token_logprobs
 from flywheel_trainer.chats import DataError
 from flywheel_trainer.engines import TorchEngine
 from flywheel_trainer.join import Scored, Tokens, tokens_of
@@ -122,19 +122,21 @@ def test_a_shared_prefix_gives_the_logprobs_and_gradients_of_whole_rows(tiny_mod
     seqs.append(Tokens(ids(6), [0.0] * 6, [False] * 6))
     temperatures = [1.0, 0.7, 1.0, 0.9, 1.0, 1.0, 1.0]
     results = []
-    for share in (True, False):
+    # Each way: a shared prefix or whole rows, the head on every position or on the loss's alone.
+    for share, only_loss in ((True, False), (False, False), (True, True), (False, True)):
         model.zero_grad()
         batch = pad(seqs, [1.0] * len(seqs), tok.pad_token_id, temperatures=temperatures, share_prefixes=share)
         assert (batch.prefix is not None) == share
-        logprobs = token_logprobs(model, batch)[batch.loss_mask]
+        logprobs = (loss_logprobs if only_loss else token_logprobs)(model, batch)[batch.loss_mask]
         logprobs.sum().backward()
         results.append((logprobs.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
-    (shared, shared_grads), (whole, whole_grads) = results
-    assert shared.numel() == whole.numel() == sum(sum(s.loss_mask) for s in seqs)
-    assert float((shared - whole).abs().max()) <= 1e-5
-    assert len(shared_grads) == len(whole_grads) > 0
-    for a, b in zip(shared_grads, whole_grads, strict=True):
-        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+    (whole, whole_grads) = results[1]
+    assert whole.numel() == sum(sum(s.loss_mask) for s in seqs)
+    for logprobs, grads in results:
+        assert float((logprobs - whole).abs().max()) <= 1e-5
+        assert len(grads) == len(whole_grads) > 0
+        for a, b in zip(grads, whole_grads, strict=True):
+            assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

@@ -136,6 +136,7 @@
     if (m.tokens_per_s !== undefined) rate.push(`${fixed(m.tokens_per_s, 0)} tokens`);
     if (m.num_rollouts !== undefined && m.step_s) rate.push(`${fixed(m.num_rollouts / m.step_s, 1)} rollouts`);
     if (rate.length) set("throughput", rate.join(", "));
+    if (m.sampled_tokens_per_s !== undefined) set("sampled", `${fixed(m.sampled_tokens_per_s, 0)} tokens`);
     const reasons = {};
     for (const step of steps) {
       for (const [key, value] of Object.entries(step.metrics)) {

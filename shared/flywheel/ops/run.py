@@ -128,7 +128,8 @@ def format_step(row: dict[str, float], num_steps: int, in_flight: int | None, me
             shown += f"  kl {key.removeprefix('teacher.').removesuffix('.kl')} {get(key)}"
     return (f"step {int(row['step']):>3}/{num_steps}  reward {get('reward_mean')}{shown}  "
             f"staleness {get('staleness_mean', '{:.2f}')} (max {get('staleness_max', '{:.0f}')})  "
-            f"dropped {format_dropped(row)}  tokens/s {get('tokens_per_s', '{:.0f}')}  "
+            f"dropped {format_dropped(row)}  tokens/s train {get('tokens_per_s', '{:.0f}')} "
+            f"sample {get('sampled_tokens_per_s', '{:.0f}')}  "
             f"in flight {in_flight if in_flight is not None else '-'}  t {row['elapsed_s']:.1f}s")
 
 
