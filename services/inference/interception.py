@@ -57,6 +57,7 @@ import httpx
 import msgspec
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from flywheel.contract import events
@@ -381,7 +382,11 @@ class Session:
         tools_ok = self._tools_key is None or self._tools_key == tools_key
         if remember:
             self._tools_key = tools_key
-        return self._renderer.plan(self.graph, messages, tools or None, tools_ok)
+        try:
+            return self._renderer.plan(self.graph, messages, tools or None, tools_ok)
+        except TemplateError as exc:  # the request, not the server: e.g. Llama 3.1 takes one tool call per turn
+            raise InterceptionError(400, f"the model's chat template refused the messages: {exc}", "messages",
+                                    "chat_template_error") from exc
 
     async def chat(self, messages: list[events.Message], tools: list[dict[str, Any]] | None,
                    max_tokens: int | None,

@@ -370,3 +370,19 @@ async def test_a_request_ending_at_the_first_of_results_rendered_together_gets_i
             s.policy.prompts[0] + s.policy.sampled[0])  # the sampled answer is kept: the branch starts after it
         assert s.after_answer(0, 2) == ("\n<|im_start|>user\n<tool_response>\n4\n</tool_response><|im_end|>\n"
                                         "<|im_start|>assistant\n")
+
+
+async def test_a_request_the_template_refuses_is_an_openai_error_naming_it(folders: dict[str, Path]) -> None:
+    # Llama 3.1 takes one tool call per assistant turn; a conversation with two is refused by
+    # the template: the agent gets a 400 in OpenAI's shape saying so, nothing is sampled.
+    two_calls = [{"id": f"call_{i}", "type": "function", "function": {"name": "add", "arguments": "{}"}}
+                 for i in range(2)]
+    messages: list[Any] = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "",
+                                                                "tool_calls": two_calls},
+                           {"role": "tool", "tool_call_id": "call_0", "content": "0"},
+                           {"role": "tool", "tool_call_id": "call_1", "content": "0"}]
+    async for s in served(folders, "llama3", ["x"]):
+        with pytest.raises(openai.BadRequestError) as err:
+            await s.client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
+        assert err.value.code == "chat_template_error" and "only supports single tool-calls" in err.value.message
+        assert s.policy.prompts == [] and s.session.graph.nodes == {}
