@@ -272,11 +272,11 @@ class Renderer:
         turn, closed after the last), or that the template refuses alone, gets none: its
         text is encoded with the next message's."""
         k = len(path)
-        base: list[int] = [t for n in path for t in (n.tokens.token_ids if n.tokens else [])]
         full = self.text(messages, tools, generation_prompt=True)
         history = self._history(path, messages[:k], tools, full, as_seen)
         if history is None:
             return None
+        base: list[int] = [t for n in path for t in (n.tokens.token_ids if n.tokens else [])]
         start, pending = history  # pending: text before ``start`` that the path's tokens lack
         new: list[tuple[events.Message, list[int]]] = []
         for j in range(k, len(messages)):
