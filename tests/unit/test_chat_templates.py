@@ -3,7 +3,8 @@ tool calls, Qwen3's that drops earlier reasoning, Llama 3's header tokens; see
 :mod:`tests.chat_templates`) through the interception routes, driven by an agent written with
 the `openai` SDK, multi-turn with tools. A scripted policy samples what the test chooses (tool
 calls happen) as real token ids of the tokenizer, and its completion's text is decoded from
-them as the backends decode it.
+them as the backends decode it. Some conversations run streamed too, the agent putting each
+reply together from its chunks.
 
 For each conversation: no spurious branch (a linear conversation whose history the template
 renders stably is one chain, with no re-render); the sampled branch is the one trained (the
@@ -76,6 +77,9 @@ class TokenPolicy(ScriptedPolicy):
         ids = tok.encode(entry, add_special_tokens=False) + [tok.eos_token_id] if isinstance(entry, str) else entry
         self.prompts.append(list(prompts[0]))
         self.sampled.append(ids)
+        for token_id in ids:
+            if on_token is not None:
+                on_token(0, token_id, LOGPROB)
         text = tok.decode(ids, skip_special_tokens=True)
         finish: Literal["stop", "length"] = "stop" if ids[-1] == tok.eos_token_id else "length"
         return [Sampled(Completion(token_ids=ids, logprobs=[LOGPROB] * len(ids), finish_reason=finish, text=text),
@@ -85,8 +89,8 @@ class TokenPolicy(ScriptedPolicy):
 class Served:
     """The interception routes in an app, one open rollout, and an `openai` SDK client for it."""
 
-    def __init__(self, tok: Any, script: list[str | list[int]]) -> None:
-        self.tok = tok
+    def __init__(self, tok: Any, script: list[str | list[int]], stream: bool = False) -> None:
+        self.tok, self.stream = tok, stream
         self.policy = TokenPolicy(tok, script)
         registry = Interception()
         app = FastAPI()
@@ -107,8 +111,7 @@ class Served:
         gives it, answer its tool calls (``run_tool`` may also read a call from its text), then
         the next user turn; returns the conversation."""
         while True:
-            reply = await self.client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
-            message = reply.choices[0].message.model_dump(exclude_none=True)
+            message = await (self._streamed(messages) if self.stream else self._whole(messages))
             messages.append(message)
             results = [{"role": "tool", "tool_call_id": c["id"], "content": str(sum(json.loads(
                 c["function"]["arguments"]).values()))} for c in message.get("tool_calls", [])] or run_tool(message)
@@ -118,6 +121,25 @@ class Served:
                 messages.append({"role": "user", "content": next_user.pop(0)})
             else:
                 return messages
+
+    async def _whole(self, messages: list[Any]) -> dict[str, Any]:
+        reply = await self.client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
+        return reply.choices[0].message.model_dump(exclude_none=True)
+
+    async def _streamed(self, messages: list[Any]) -> dict[str, Any]:
+        """The reply's message put together from its chunks, as a streaming agent does."""
+        content, calls = "", dict[int, dict[str, Any]]()
+        async for chunk in await self.client.chat.completions.create(model="policy", messages=messages, tools=TOOLS,
+                                                                     stream=True):
+            delta = chunk.choices[0].delta if chunk.choices else None
+            content += (delta.content or "") if delta else ""
+            for c in (delta.tool_calls or []) if delta else []:
+                call = calls.setdefault(c.index, {"id": "", "type": "function",
+                                                  "function": {"name": "", "arguments": ""}})
+                call["id"] += c.id or ""
+                call["function"]["name"] += (c.function.name or "") if c.function else ""
+                call["function"]["arguments"] += (c.function.arguments or "") if c.function else ""
+        return {"role": "assistant", "content": content} | ({"tool_calls": list(calls.values())} if calls else {})
 
     def rollout(self) -> events.Rollout:
         """The rollout inference publishes: the graph's nodes, the final answer last."""
@@ -161,8 +183,9 @@ class Served:
             self.after(call)  # each prompt extends the one before with what was sampled, unchanged
 
 
-async def served(folders: dict[str, Path], name: str, script: list[str | list[int]]) -> AsyncIterator[Served]:
-    s = Served(AutoTokenizer.from_pretrained(folders[name]), script)
+async def served(folders: dict[str, Path], name: str, script: list[str | list[int]], stream: bool = False
+                 ) -> AsyncIterator[Served]:
+    s = Served(AutoTokenizer.from_pretrained(folders[name]), script, stream)
     try:
         yield s
     finally:
@@ -202,12 +225,13 @@ async def test_smollm2s_own_template_multi_turn_with_a_tool_is_one_chain_trained
         assert s.tok.decode(prompt[len(prompt) - 1 - prompt[::-1].index(im_start):]) == "<|im_start|>assistant\n"
 
 
-async def test_qwen25_parallel_tool_calls_are_one_chain_trained_exactly(folders: dict[str, Path]) -> None:
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_qwen25_parallel_tool_calls_are_one_chain_trained_exactly(folders: dict[str, Path], stream: bool) -> None:
     # Qwen2.5 puts consecutive tool results in one user turn and closes it after the last one:
     # rendering up to the first result is not a prefix of rendering both. That is no rewrite of
     # the history the model saw: the two results' nodes extend the branch, no re-render.
     calls = hermes("add", a=2, b=2) + "\n" + hermes("add", a=3, b=4)
-    async for s in served(folders, "qwen2.5", [calls, "4 and 7", hermes("add", a=1, b=1), "2"]):
+    async for s in served(folders, "qwen2.5", [calls, "4 and 7", hermes("add", a=1, b=1), "2"], stream):
         messages = await s.agent([{"role": "system", "content": "Use the tools."},
                                   {"role": "user", "content": "2+2 and 3+4?"}], ["and 1+1?"])
         assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool", "tool", "assistant", "user",
@@ -284,14 +308,16 @@ async def test_qwen3_dropping_earlier_reasoning_is_one_genuine_re_render_and_bot
         assert all(ids.count(think) == 1 for ids in policy.sampled)
 
 
-async def test_qwen3_reasoning_within_one_query_and_a_final_answer_are_one_chain(folders: dict[str, Path]) -> None:
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_qwen3_reasoning_within_one_query_and_a_final_answer_are_one_chain(folders: dict[str, Path],
+                                                                                 stream: bool) -> None:
     # Without a new user query the template never drops reasoning: tool call after tool call is one chain.
     script: list[str | list[int]] = [
         "<think>\nAdd first.\n</think>\n\n" + hermes("add", a=2, b=2),
         "<think>\nNow add again.\n</think>\n\n" + hermes("add", a=4, b=3),
         "<think>\nDone.\n</think>\n\n7",
     ]
-    async for s in served(folders, "qwen3", script):
+    async for s in served(folders, "qwen3", script, stream):
         messages = await s.agent([{"role": "system", "content": "Use the tools."},
                                   {"role": "user", "content": "2+2+3?"}], [])
         assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool", "assistant", "tool",
