@@ -423,3 +423,30 @@ async def test_a_request_the_template_refuses_is_an_openai_error_naming_it(folde
             await s.client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
         assert err.value.code == "chat_template_error" and "only supports single tool-calls" in err.value.message
         assert s.policy.prompts == [] and s.session.graph.nodes == {}
+
+
+async def test_qwen3_a_chat_of_several_queries_re_renders_once_a_query_each_time_from_where_it_changed(
+        folders: dict[str, Path]) -> None:
+    # Every new user query drops the reasoning of the answer before it: one re-render a query.
+    # Each new branch leaves the last one at that answer (the deepest message still rendered as
+    # before), so the questions are shared and each branch's last answer is the sampled one.
+    script: list[str | list[int]] = [f"<think>\nStep {i}.\n</think>\n\nAnswer {i}." for i in range(3)]
+    async for s in served(folders, "qwen3", script):
+        await s.agent([{"role": "user", "content": "q0"}], ["q1", "q2"])
+        session, policy = s.session, s.policy
+        assert session.num_rerenders == 2
+        assert_exact(session.graph, policy)
+        rollout = s.rollout()
+        branches = tracegraph.branches(rollout.nodes)
+        assert [[n.message.role for n in b] for b in branches] == [
+            ["user", "assistant"], ["user", "assistant", "user", "assistant"],
+            ["user", "assistant", "user", "assistant", "user", "assistant"]]
+        assert branches[0][0].id == branches[1][0].id == branches[2][0].id  # one root, the first question
+        assert branches[1][:3] == branches[2][:3]  # the second question hangs below the re-rendered answer 0
+        for i, branch in enumerate(branches):
+            assert tracegraph.join_tokens(branch).token_ids == policy.prompts[i] + policy.sampled[i]
+            assert "Step" not in s.tok.decode(policy.prompts[i])  # earlier reasoning is dropped ...
+            assert s.tok.decode(policy.sampled[i]).startswith(f"<think>\nStep {i}.")  # ... never the newest
+        assert [[t for t, m in zip(q.token_ids, q.loss_mask, strict=True) if m] for q in sequences_of(rollout)] == [
+            policy.sampled[0], policy.sampled[1], policy.sampled[2]]
+        assert tracegraph.final_branch(rollout.nodes) == branches[2]
