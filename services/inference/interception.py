@@ -14,10 +14,14 @@ rollout's trace graph. The harness does not know it is doing RL.
   sampled answer (e.g. ``\\n`` after ``<|im_end|>``), then the new messages rendered as the
   template renders them after the matched ones, then the generation prompt. So the model
   sees its own sampled tokens again, not a re-tokenization of their text, and concatenating
-  a branch's spans gives exactly the tokens the model saw. Only when the template is not
-  prefix-stable (rendering the matched messages is not a prefix of rendering all of them, as
-  with templates that rewrite earlier turns) is the whole conversation re-rendered as a new
-  branch; each such call is counted in ``num_rerenders``.
+  a branch's spans gives exactly the tokens the model saw. Only when the template rewrites
+  the matched history (rendering it is not a prefix of rendering the whole request, nor is
+  the text the model saw there: Qwen3 drops earlier reasoning) is the conversation
+  re-rendered, as a new branch from the deepest matched message the template still renders
+  as before; each such call is counted in ``num_rerenders``. New messages that the template
+  renders only together (Qwen's consecutive tool results share one user turn) or refuses
+  alone (Llama 3.1's system message, with tools) extend the branch too: such a message's
+  node has no tokens of its own, its text is on the next message's node.
 - **Nodes** carry both layers: the new messages' nodes hold the tokens they add (loss mask
   False, logprob 0.0); the assistant node holds the generation prompt (not trained) and the
   sampled tokens (trained, with their logprobs and the policy version). Once a rollout
@@ -53,6 +57,7 @@ import httpx
 import msgspec
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from flywheel.contract import events
@@ -233,40 +238,82 @@ class Renderer:
 
     def plan(self, graph: TraceGraph, messages: list[events.Message], tools: list[dict[str, Any]] | None,
              tools_ok: bool) -> Plan:
+        """The request's prompt: the matched branch extended when the template renders its
+        history as before; otherwise re-rendered from the deepest message of it the template
+        still renders as before (a root, at worst), counted as a re-render."""
         path = graph.match(messages) if tools_ok else []
-        plan = self._extend(path, messages, tools)
-        if plan is None:
-            plan = self._extend([], messages, tools) or self._whole(messages, tools)
-            plan.rerendered = True
-        return plan
+        for k in range(len(path), -1, -1):
+            plan = self._extend(path[:k], messages, tools, as_seen=k == len(path))
+            if plan is not None:
+                plan.rerendered = k < len(path)
+                return plan
+        raise AssertionError("a plan from no path always exists")
 
-    def _whole(self, messages: list[events.Message], tools: list[dict[str, Any]] | None) -> Plan:
-        """The whole render on the answer's node, when not even a render from scratch splits by message."""
-        prefix = self.encode(self.text(messages, tools, generation_prompt=True))
-        return Plan(None, [(m, []) for m in messages], prefix, prefix, rerendered=True)
+    def _probe(self, messages: Sequence[events.Message], tools: list[dict[str, Any]] | None) -> str | None:
+        """The render of ``messages`` without a generation prompt, or None where the template
+        refuses them alone (Llama 3.1 puts the tools in the first user message, so a system
+        message alone raises). Only a probe: a render of a whole request still raises."""
+        try:
+            return self.text(messages, tools)
+        except Exception:  # a template raises what it likes: TemplateError, TypeError, KeyError...
+            return None
 
     def _extend(self, path: list[events.Node], messages: list[events.Message],
-                tools: list[dict[str, Any]] | None) -> Plan | None:
+                tools: list[dict[str, Any]] | None, as_seen: bool = False) -> Plan | None:
+        """The plan that extends ``path`` (matching ``messages[:len(path)]``) with the rest, or
+        None when the template renders that history otherwise now.
+
+        The history is as before when rendering it alone is a prefix of rendering the whole
+        request; or (``as_seen``) when the text the model saw on ``path``, its sampled tokens
+        decoded, is: Qwen3 renders a last answer with an empty ``<think>`` block it drops once
+        the answer is history, so an answer sampled without one is history exactly as seen.
+        Each new message's node gets the tokens of its render's increment; a message whose
+        render is not a prefix of the whole (Qwen's consecutive tool results share one user
+        turn, closed after the last), or that the template refuses alone, gets none: its
+        text is encoded with the next message's."""
         k = len(path)
-        base: list[int] = [t for n in path for t in (n.tokens.token_ids if n.tokens else [])]
-        previous = self.text(messages[:k], tools) if k else ""
-        pieces: list[str] = []
-        for j in range(k, len(messages)):
-            current = self.text(messages[:j + 1], tools)
-            if not current.startswith(previous):
-                return None  # the template rewrites what came before: extension would be wrong
-            pieces.append(current[len(previous):])
-            previous = current
         full = self.text(messages, tools, generation_prompt=True)
-        if not full.startswith(previous):
+        history = self._history(path, messages[:k], tools, full, as_seen)
+        if history is None:
             return None
-        bridge = self.bridge(path[-1]) if path else ""
+        base: list[int] = [t for n in path for t in (n.tokens.token_ids if n.tokens else [])]
+        start, pending = history  # pending: text before ``start`` that the path's tokens lack
         new: list[tuple[events.Message, list[int]]] = []
-        for j, piece in enumerate(pieces):
-            new.append((messages[k + j], self.encode((bridge if j == 0 else "") + piece)))
-        prefix = self.encode((bridge if not pieces else "") + full[len(previous):])
+        for j in range(k, len(messages)):
+            current = self._probe(messages[:j + 1], tools)
+            if current is None or len(current) < start or not full.startswith(current):
+                new.append((messages[j], []))  # its text goes with the next message's
+                continue
+            new.append((messages[j], self.encode(pending + full[start:len(current)])))
+            pending, start = "", len(current)
+        prefix = self.encode(pending + full[start:])
         prompt_ids = base + [t for _, ids in new for t in ids] + prefix
         return Plan(path[-1].id if path else None, new, prefix, prompt_ids, rerendered=False)
+
+    def _history(self, path: list[events.Node], history: list[events.Message], tools: list[dict[str, Any]] | None,
+                 full: str, as_seen: bool) -> tuple[int, str] | None:
+        """Where the text after ``path``'s history begins in ``full``, and the text the path's
+        tokens lack before that (the template's closing of a sampled answer: :meth:`bridge`);
+        None when ``full`` does not render that history as before."""
+        if not path:
+            return 0, ""
+        # A trailing node without tokens had its text encoded with the message after it, which
+        # is not on the path: extending here would leave that text out.
+        for i in range(len(path) - 1, -1, -1):
+            node = path[i]
+            if node.tokens is None or node.tokens.token_ids:
+                break
+            if self._probe(history[:i + 1], tools) != (self._probe(history[:i], tools) if i else ""):
+                return None
+        previous = self._probe(history, tools)
+        if previous is not None and full.startswith(previous):
+            return len(previous), self.bridge(path[-1])
+        if as_seen:
+            ids = [t for n in path for t in (n.tokens.token_ids if n.tokens else [])]
+            seen = self.tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            if full.startswith(seen):
+                return len(seen), ""
+        return None
 
 
 def record(graph: TraceGraph, plan: Plan, completion: Any, version: int, parse_tools: bool = False
@@ -335,7 +382,11 @@ class Session:
         tools_ok = self._tools_key is None or self._tools_key == tools_key
         if remember:
             self._tools_key = tools_key
-        return self._renderer.plan(self.graph, messages, tools or None, tools_ok)
+        try:
+            return self._renderer.plan(self.graph, messages, tools or None, tools_ok)
+        except TemplateError as exc:  # the request, not the server: e.g. Llama 3.1 takes one tool call per turn
+            raise InterceptionError(400, f"the model's chat template refused the messages: {exc}", "messages",
+                                    "chat_template_error") from exc
 
     async def chat(self, messages: list[events.Message], tools: list[dict[str, Any]] | None,
                    max_tokens: int | None,

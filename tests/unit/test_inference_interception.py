@@ -170,6 +170,12 @@ async def test_history_the_template_rewrites_is_re_rendered_as_a_new_branch_and_
     assert session.num_rerenders == 1
     assert policy.prompts[1] == tok.encode(dropping(tok, [*first, a.message, msg("user", "again")], None, True),
                                            add_special_tokens=False)
+    # The new branch starts below the last message the template still renders as before (the question):
+    # one root, and the dropped answer's node there holds no tokens.
+    roots = [n for n in session.graph.nodes.values() if n.parent_id is None]
+    assert len(roots) == 1 and len(session.graph.leaves()) == 2
+    dropped = [n for n in session.graph.children(roots[0].id) if n.id != a.id]
+    assert [n.message for n in dropped] == [a.message] and dropped[0].tokens and dropped[0].tokens.token_ids == []
     assert_exact(session.graph, policy)
     assert_metered(session, policy)
 
