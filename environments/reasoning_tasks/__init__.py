@@ -5,7 +5,9 @@ seed (``leg_counting``, ``basic_arithmetic``, ``maze``, ``sudoku``, ``knights_kn
 hundred more) and scores an answer with each task's own ``score_answer``. ``task`` names one;
 ``config`` holds that task's own settings (its difficulty and sizes: the fields of its config
 dataclass, e.g. ``{"min_animals": 2, "max_animals": 4}`` for ``leg_counting``), passed to
-``reasoning_gym.create_dataset``. It is an optional extra: ``pip install 'flywheel-rl[reasoning]'``.
+``reasoning_gym.create_dataset``. ``task = "composite"`` mixes several, each a table of ``name``,
+``weight`` and ``config`` in ``config.datasets``. It is an optional extra: ``pip install
+'flywheel-rl[reasoning]'``.
 
 The model thinks, then gives its final answer inside ``<answer>...</answer>`` (reasoning-gym's
 own system prompt says so; ``system_prompt`` swaps it, by the name of one of reasoning-gym's
@@ -18,13 +20,14 @@ Splits: reasoning-gym draws item ``i`` of a dataset of seed ``s`` from ``Random(
 split is a range of those seeds. ``split = "train"`` takes its seeds from ``[0, 2**31)`` and
 ``split = "test"`` (the held-out split, for evals) from ``[2**31, 2**32)``: no item of one is an
 item of the other. Within a split, a run's task seed ``n`` starts at the split's start plus
-``(n mod 2048) * 2**20``, so seeds 0 to 2047 give disjoint sets of up to 2**20 tasks each. A
+``(n mod 2048) * 2**20``, so seeds 0 to 2047 give disjoint sets of tasks (up to 2**20 - 1024 each:
+the rest is a composite's margin, whose part ``k`` draws from ``Random(s + k + 1 + i)``). A
 task drawn from a fixed pool rather than generated (``arc_agi``, ``rearc``, ``codeio``...) can
 be drawn by both splits, and a small configuration space can generate one question twice.
 
 A row holds the question, the answer (``""`` where the task has no single one), and what
 regenerates its reasoning-gym entry for scoring (``task``, ``seed``, ``size``, ``index``): the
-entry's ``metadata`` (what many tasks score with) holds tuples and sets that a JSON row would
+entry's ``metadata`` (what many tasks score with) holds tuples and other values a JSON row would
 not keep, so the scorer rebuilds the entry rather than carry it, and checks that its question is
 the row's (rows made by another reasoning-gym version, or another ``config``, are an error).
 One chat turn, no tools. ``reference(task)`` is the answer in its tags, for a supervised warm-up.
@@ -46,7 +49,10 @@ from flywheel.sdk.harness import ChatHarness
 EXTRA = "reasoning"  # flywheel-rl[reasoning]: the reasoning-gym version the tests passed with
 SPLITS = {"train": 0, "test": 2**31}  # where each split's seeds start; each is 2**31 seeds long
 SPLIT_SEEDS = 2**31
-WINDOW = 2**20  # seeds (tasks) per run seed, within a split
+WINDOW = 2**20  # seeds per run seed, within a split
+# Tasks one call may ask for: a composite's part i draws item j from Random(seed + i + 1 + j), so
+# a window keeps a margin for the parts (reasoning-gym has about a hundred tasks).
+MAX_TASKS = WINDOW - 1024
 SCHEMA = {"question": str, "answer": str, "task": str, "seed": int, "size": int, "index": int}
 
 
@@ -97,29 +103,47 @@ def config_fields(task: str) -> dict[str, Any]:
 def _check(task: str, config: Mapping[str, Any], split: str) -> None:
     if split not in SPLITS:
         raise EnvironmentLoadError(f"reasoning_tasks: split={split!r}; use one of {', '.join(SPLITS)}")
+    _check_task(task, config, "task", "config")
+    try:
+        _dataset(task, _frozen(config), 0, 1)
+    except Exception as exc:  # a setting out of its range: the task's own check says which
+        raise EnvironmentLoadError(f"reasoning_tasks: {task} with config {dict(config)!r}: "
+                                   f"{exc or type(exc).__name__}") from exc
+
+
+def _check_task(task: Any, config: Any, task_at: str, config_at: str) -> None:
+    """Refuse a task that reasoning-gym does not have, a config that is not a table, a key that
+    is not one of the task's settings, and seed or size (the split's); a composite's parts too."""
     names = task_names()
     if not isinstance(task, str) or task not in names:
         close = difflib.get_close_matches(str(task), names, n=3)
         hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
-        raise EnvironmentLoadError(f"reasoning_tasks: task={task!r} is not a reasoning-gym {_version()} task{hint}; "
-                                   f"the tasks: {', '.join(names)}")
+        raise EnvironmentLoadError(f"reasoning_tasks: {task_at}={task!r} is not a reasoning-gym {_version()} "
+                                   f"task{hint}; the tasks: {', '.join(names)}")
     if not isinstance(config, Mapping):
-        raise EnvironmentLoadError(f"reasoning_tasks: config={config!r}; it is a table of {task}'s settings")
+        raise EnvironmentLoadError(f"reasoning_tasks: {config_at}={config!r}; it is a table of {task}'s settings")
     fields = config_fields(task)
     own = sorted(k for k in config if k in ("seed", "size"))
     if own:
-        raise EnvironmentLoadError(f"reasoning_tasks: config sets {', '.join(own)}; the split and the run's task "
-                                   "seed choose them (split = \"train\" or \"test\")")
+        raise EnvironmentLoadError(f"reasoning_tasks: {config_at} sets {', '.join(own)}; the split and the run's "
+                                   "task seed choose them (split = \"train\" or \"test\")")
     unknown = sorted(k for k in config if k not in fields)
     if unknown:
         settings = ", ".join(f"{k} (default {v!r})" for k, v in fields.items()) or "none"
-        raise EnvironmentLoadError(f"reasoning_tasks: config key(s) {', '.join(map(repr, unknown))} are not "
+        raise EnvironmentLoadError(f"reasoning_tasks: {config_at} key(s) {', '.join(map(repr, unknown))} are not "
                                    f"settings of {task!r}; its settings: {settings}")
-    try:
-        _dataset(task, _frozen(config), 0, 1)
-    except (AssertionError, ValueError, TypeError, KeyError) as exc:
-        raise EnvironmentLoadError(f"reasoning_tasks: {task} with config {dict(config)!r}: "
-                                   f"{exc or type(exc).__name__}") from exc
+    if task == "composite":
+        parts = config.get("datasets")
+        if not isinstance(parts, list) or not parts:
+            raise EnvironmentLoadError(f"reasoning_tasks: {config_at}.datasets={parts!r}; a composite mixes a list "
+                                       "of tasks: datasets = [{name = \"leg_counting\", weight = 1, config = {...}}, "
+                                       "...]")
+        for i, part in enumerate(parts):
+            where = f"{config_at}.datasets[{i}]"
+            if not isinstance(part, Mapping) or "name" not in part or set(part) - {"name", "weight", "config"}:
+                raise EnvironmentLoadError(f"reasoning_tasks: {where}={part!r}; each part is a table of name, weight "
+                                           "(default 1) and config (default {})")
+            _check_task(part["name"], part.get("config", {}), f"{where}.name", f"{where}.config")
 
 
 def _frozen(config: Mapping[str, Any]) -> str:
@@ -129,7 +153,13 @@ def _frozen(config: Mapping[str, Any]) -> str:
 
 @functools.lru_cache(maxsize=32)
 def _dataset(task: str, config_key: str, seed: int, size: int) -> Any:
-    return _reasoning_gym().create_dataset(task, seed=seed, size=size, **json.loads(config_key))
+    config = json.loads(config_key)
+    if task == "composite":  # its parts as reasoning-gym's own specs
+        from reasoning_gym.composite import DatasetSpec
+
+        config["datasets"] = [DatasetSpec(name=part["name"], weight=part.get("weight", 1),
+                                          config=dict(part.get("config", {}))) for part in config["datasets"]]
+    return _reasoning_gym().create_dataset(task, seed=seed, size=size, **config)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -146,8 +176,8 @@ def generate(task: str, config: Mapping[str, Any], split: str):
     key = _frozen(config)
 
     def rows(num: int, seed: int) -> list[dict[str, Any]]:
-        if num > WINDOW:
-            raise EnvironmentLoadError(f"reasoning_tasks: {num} tasks asked for at once; at most {WINDOW} a seed")
+        if num > MAX_TASKS:
+            raise EnvironmentLoadError(f"reasoning_tasks: {num} tasks asked for at once; at most {MAX_TASKS} a seed")
         start = first_seed(split, seed)
         dataset = _dataset(task, key, start, num)
         out = []

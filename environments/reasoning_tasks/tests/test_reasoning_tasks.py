@@ -95,6 +95,24 @@ async def test_partial_credit_is_reasoning_gyms() -> None:
     assert 0 < got["score"] < 1 and got["correct"] == 0.0 and got["format"] == 1.0
 
 
+async def test_a_composite_mixes_tasks_each_with_its_config() -> None:
+    parts = [{"name": "leg_counting", "weight": 1, "config": LEGS}, {"name": "basic_arithmetic", "weight": 3}]
+    env = reasoning_tasks.load_environment(task="composite", config={"datasets": parts})
+    rows = env.load_tasks(40, seed=0)
+    legs = [r for r in rows if "legs" in r["question"]]
+    assert 0 < len(legs) < 20  # about one in four
+    for row in rows:
+        assert row["task"] == "composite"
+        assert (await rewards(env, row, f"<answer>{row['answer']}</answer>"))["correct"] == 1.0
+    with pytest.raises(EnvironmentLoadError, match=r"config.datasets\[1\].config key\(s\) 'legs' are not settings of "
+                                                   "'basic_arithmetic'"):
+        reasoning_tasks.load_environment(task="composite", config={"datasets": [parts[0], {
+            "name": "basic_arithmetic", "config": {"legs": 2}}]})
+    with pytest.raises(EnvironmentLoadError, match=r"config.datasets\[0\].config sets seed"):
+        reasoning_tasks.load_environment(task="composite",
+                                         config={"datasets": [{"name": "gcd", "config": {"seed": 1}}]})
+
+
 async def test_a_row_of_another_config_is_an_error_not_a_zero() -> None:
     env = reasoning_tasks.load_environment(task="leg_counting", config=LEGS)
     row = reasoning_tasks.load_environment(task="leg_counting").load_tasks(1, seed=0)[0]
