@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,7 +21,7 @@ from flywheel.sdk.environment import EnvironmentLoadError
 from tests.helpers import worker_pool
 from tests.scripted_openai import ScriptedOpenAI, make_rollout
 
-ARGS = {"task": "leg_counting", "config": {"min_animals": 2, "max_animals": 3}, "split": "test"}
+ARGS: dict[str, Any] = {"task": "leg_counting", "config": {"min_animals": 2, "max_animals": 3}, "split": "test"}
 
 
 async def test_reasoning_tasks_roll_out_and_score_in_a_worker() -> None:
