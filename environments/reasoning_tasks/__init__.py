@@ -40,6 +40,7 @@ import difflib
 import functools
 import importlib.metadata
 import json
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -162,9 +163,15 @@ def _dataset(task: str, config_key: str, seed: int, size: int) -> Any:
     return _reasoning_gym().create_dataset(task, seed=seed, size=size, **config)
 
 
+# Sync rewards run on several threads, and some tasks generate an item with numpy's global
+# random state (np.random.seed, then draws): one item at a time, or two would mix their draws.
+_GENERATING = threading.Lock()
+
+
 @functools.lru_cache(maxsize=4096)
 def _entry(task: str, config_key: str, seed: int, size: int, index: int) -> dict[str, Any]:
-    return dict(_dataset(task, config_key, seed, size)[index])
+    with _GENERATING:
+        return dict(_dataset(task, config_key, seed, size)[index])
 
 
 def first_seed(split: str, seed: int) -> int:
@@ -179,10 +186,9 @@ def generate(task: str, config: Mapping[str, Any], split: str):
         if num > MAX_TASKS:
             raise EnvironmentLoadError(f"reasoning_tasks: {num} tasks asked for at once; at most {MAX_TASKS} a seed")
         start = first_seed(split, seed)
-        dataset = _dataset(task, key, start, num)
         out = []
         for i in range(num):
-            entry = dataset[i]
+            entry = _entry(task, key, start, num, i)
             answer = entry.get("answer")
             out.append({"question": entry["question"], "answer": "" if answer is None else str(answer),
                         "task": task, "seed": start, "size": num, "index": i})
