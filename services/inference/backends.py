@@ -57,6 +57,7 @@ from flywheel_inference.completion import Backend, Completion, OnRowToken, check
 if TYPE_CHECKING:
     import torch
     from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+    from transformers.cache_utils import DynamicLayer
 
     from flywheel_inference.adapters import AdapterSlots
 
@@ -355,7 +356,8 @@ class DecodeSession:
                 self.cache.batch_select_indices(index)
                 mask, next_position, picked = mask[index], next_position[index], picked[index]
                 self.rows = [self.rows[j] for j in keep]
-                mask = _trim_padding(self.cache, mask)
+                if self.can_join:  # plain layers: the padding no row needs is cut
+                    mask = _trim_padding(self.cache, mask)
             names = [r.adapter for r in self.rows]
             if any(n is not None for n in names):
                 backend.adapters.set_rows(names)
@@ -389,11 +391,23 @@ def _join_caches(cache: DynamicCache, mask: torch.Tensor, joining: DynamicCache,
         shape[-2 if t.dim() == 4 else -1] = by
         return torch.cat([t.new_zeros(shape), t], dim=-2 if t.dim() == 4 else -1)
 
-    for layer, other in zip(cache.layers, joining.layers, strict=True):
-        layer.keys = torch.cat([left_pad(layer.keys, width - length), left_pad(other.keys, width - joining_length)])
-        layer.values = torch.cat([left_pad(layer.values, width - length),
-                                  left_pad(other.values, width - joining_length)])
+    for (layer, keys, values), (_, other_keys, other_values) in zip(_layers(cache), _layers(joining), strict=True):
+        layer.keys = torch.cat([left_pad(keys, width - length), left_pad(other_keys, width - joining_length)])
+        layer.values = torch.cat([left_pad(values, width - length), left_pad(other_values, width - joining_length)])
     return torch.cat([left_pad(mask, width - length), left_pad(joining_mask, width - joining_length)])
+
+
+def _layers(cache: DynamicCache) -> list[tuple[DynamicLayer, torch.Tensor, torch.Tensor]]:
+    """Each layer of ``cache`` with its keys and values; RuntimeError for a layer that is not a
+    plain one holding them (:attr:`DecodeSession.can_join` keeps sessions off such caches)."""
+    from transformers.cache_utils import DynamicLayer
+
+    found = []
+    for layer in cache.layers:
+        if type(layer) is not DynamicLayer or layer.keys is None or layer.values is None:
+            raise RuntimeError(f"a cache layer of type {type(layer).__name__} cannot be joined or trimmed")
+        found.append((layer, layer.keys, layer.values))
+    return found
 
 
 def _trim_padding(cache: DynamicCache, mask: torch.Tensor) -> torch.Tensor:
@@ -403,9 +417,8 @@ def _trim_padding(cache: DynamicCache, mask: torch.Tensor) -> torch.Tensor:
     start = int(real[0]) if len(real) else 0
     if start == 0:
         return mask
-    for layer in cache.layers:
-        layer.keys = layer.keys[..., start:, :]
-        layer.values = layer.values[..., start:, :]
+    for layer, keys, values in _layers(cache):
+        layer.keys, layer.values = keys[..., start:, :], values[..., start:, :]
     return mask[:, start:]
 
 
