@@ -281,8 +281,12 @@ def split_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear
     """``model``'s body (its hidden states after the final norm) and head (the output
     embedding), when its logits are exactly ``head(body(...))``; None otherwise (then the
     whole forward runs)."""
+    from transformers import PreTrainedModel
+
     config = getattr(model, "config", None)
     body = getattr(model, "model", None)
+    if not isinstance(model, PreTrainedModel) or not isinstance(body, PreTrainedModel):
+        return None  # wrapped (a LoRA model: its head and body are the adapter's), or of the user's own
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
     if getattr(config, "model_type", None) not in HEAD_AFTER_BODY or body is None or type(head) is not torch.nn.Linear:
@@ -290,12 +294,13 @@ def split_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear
     return body, head
 
 
-def loss_logprobs(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+def loss_logprobs(model: torch.nn.Module, batch: Batch, module: torch.nn.Module | None = None) -> torch.Tensor:
     """What :func:`token_logprobs` gives, computed at the loss's positions alone (0 elsewhere):
     the output embedding and the softmax over the vocabulary, the largest tensors of a step,
-    skip the padding and every token the loss does not read. ``[B, T-1]`` float32. A model
-    whose head is not a plain projection of its body runs whole (:func:`split_head`)."""
-    parts = split_head(model)
+    skip the padding and every token the loss does not read. ``[B, T-1]`` float32. ``module``:
+    the model ``model`` runs, when ``model`` wraps it (DeepSpeed's engine). A model whose head
+    is not a plain projection of its body runs whole (:func:`split_head`)."""
+    parts = split_head(model if module is None else module)
     if parts is None:
         return token_logprobs(model, batch)
     body, head = parts

@@ -58,6 +58,9 @@ class Engine(Protocol):
     # it): every pass must be the same graph on every rank (whole rows, no shared prefix), as
     # ZeRO 2 and 3 gather and reduce parameters in the order their hooks fire.
     same_graph_on_every_rank: bool
+    # Read where present (False when missing, so an engine of the user's own needs none):
+    # ``head_at_loss_positions``, the head and the softmax over the vocabulary may run at the
+    # loss's positions alone (flywheel_trainer.batch.loss_logprobs), outside the engine's forward.
 
     def autocast(self) -> contextlib.AbstractContextManager[None]: ...
     def backward(self, loss: torch.Tensor) -> None: ...
@@ -94,6 +97,7 @@ class TorchEngine:
         self.autocast_dtype = torch.bfloat16 if dtype == "bfloat16" and self.device.type == "cuda" else None
         self.ranks = current_ranks()
         self.same_graph_on_every_rank = False
+        self.head_at_loss_positions = True
         if self.ranks.world_size > 1:  # every rank starts from rank 0's weights (its warm-up's)
             for tensor in self.module.state_dict().values():
                 torch.distributed.broadcast(tensor, src=0)
@@ -164,6 +168,9 @@ class DeepSpeedEngine:
         self.device = torch.device(self.engine.device)
         self.ranks = current_ranks()
         self.same_graph_on_every_rank = self.ranks.world_size > 1 and self.stage >= 2
+        # ZeRO 3 gathers each parameter around the engine's own forward (a head called outside it
+        # gave another loss), and several ranks of ZeRO 2 need every pass the same graph.
+        self.head_at_loss_positions = self.stage < 2 or (self.stage == 2 and self.ranks.world_size == 1)
         self._deepspeed = deepspeed
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:

@@ -134,8 +134,9 @@ def train_step(engine: Engine, sequences: list[Tokens], advantages: list[float],
                     token_advantages=None if token_advantages is None else [token_advantages[i] for i in indices],
                     dense=None if dense is None else [dense[i] for i in indices])
         with engine.autocast():
-            if batch.env_mask is None and batch.dense is None:  # the loss reads its tokens' logprobs alone
-                logits, logprobs, plain = None, loss_logprobs(engine.model, batch), None
+            if batch.env_mask is None and batch.dense is None and getattr(engine, "head_at_loss_positions", False):
+                # the loss reads its tokens' logprobs alone
+                logits, logprobs, plain = None, loss_logprobs(engine.model, batch, engine.module), None
             else:
                 logits = batch_logits(engine.model, batch)
                 logprobs = target_logprobs(logits, batch, batch.temperatures)

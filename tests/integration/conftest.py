@@ -24,7 +24,7 @@ from flywheel.sdk import models
 from flywheel_gateway.app import create_app as create_gateway_app
 from flywheel_gateway.store import Store
 from flywheel_inference.app import create_app as create_inference_app
-from flywheel_inference.backends import TransformersBackend
+from flywheel_inference.backends import DecodeSession
 from tests.helpers import until
 from tests.integration.services import Served, Workers
 
@@ -93,13 +93,13 @@ async def server(nats_server: NatsServer, tmp_path: Path, monkeypatch: pytest.Mo
     """The inference app served over HTTP on a free loopback port (test environments importable)."""
     monkeypatch.syspath_prepend(str(ENVS))
     seen: list[list[int]] = []
-    generate = TransformersBackend.generate
+    add = DecodeSession.add  # every batch's rows (generate's, and those that join a running batch)
 
-    def recording(self: TransformersBackend, prompts: Any, *args: Any, **kwargs: Any) -> Any:
+    def recording(self: DecodeSession, prompts: Any, *args: Any, **kwargs: Any) -> Any:
         seen.extend(list(p) for p in prompts)
-        return generate(self, prompts, *args, **kwargs)
+        return add(self, prompts, *args, **kwargs)
 
-    monkeypatch.setattr(TransformersBackend, "generate", recording)
+    monkeypatch.setattr(DecodeSession, "add", recording)
     port = free_port()
     app = create_inference_app(Settings(nats_url=nats_server.url, data_dir=tmp_path / "data"),
                                url=f"http://127.0.0.1:{port}")

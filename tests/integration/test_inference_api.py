@@ -22,7 +22,7 @@ from flywheel.ops.natsserver import NatsServer
 from flywheel.sdk import models
 from flywheel.sdk.environment import load_environment
 from flywheel_inference.app import create_app
-from flywheel_inference.backends import TransformersBackend
+from flywheel_inference.backends import DecodeSession
 from tests.helpers import until
 from tests.integration.services import Served
 from tests.integration.test_inference_worker import create_run, publish_weights
@@ -250,19 +250,17 @@ async def test_a_streamed_answer_is_the_same_answer_token_by_token(served: tuple
 async def test_tokens_reach_the_client_while_the_answer_is_still_sampled(
         server: Served, bus: Bus, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Over HTTP (uvicorn): the first text arrives before the backend has finished the answer."""
-    generate = TransformersBackend.generate
+    step = DecodeSession.step
     finished_at: list[float] = []
 
-    def slow(self: TransformersBackend, prompts: Any, sampling: Any, seeds: Any = None, on_token: Any = None) -> Any:
-        def each(row: int, token_id: int, logprob: float) -> None:
-            time.sleep(0.01)  # noqa: sleep - a bigger model's time per token, in the backend's thread
-            on_token(row, token_id, logprob)
+    def slow(self: DecodeSession) -> Any:
+        time.sleep(0.01)  # noqa: sleep - a bigger model's time per token, in the backend's thread
+        done = step(self)
+        if done and not self.num_rows:  # the batch's last row finished
+            finished_at.append(time.monotonic())
+        return done
 
-        out = generate(self, prompts, sampling, seeds, each if on_token is not None else None)
-        finished_at.append(time.monotonic())
-        return out
-
-    monkeypatch.setattr(TransformersBackend, "generate", slow)
+    monkeypatch.setattr(DecodeSession, "step", slow)
     await create_run(bus, tiny_model_dir)
     base, _ = models.load_model(tiny_model_dir)
     await publish_weights(bus, "r1", 0, base)

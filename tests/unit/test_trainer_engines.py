@@ -18,7 +18,7 @@ from safetensors.torch import load
 
 from flywheel.contract.config import RunConfig
 from flywheel.sdk import models
-from flywheel_trainer.engines import Engine, TorchEngine, build_engine, with_adapter
+from flywheel_trainer.engines import DeepSpeedEngine, Engine, TorchEngine, build_engine, with_adapter
 from flywheel_trainer.join import Scored
 from flywheel_trainer.learner import rl_step
 from tests.unit.test_trainer_join import make_rollout
@@ -97,8 +97,12 @@ def test_deepspeed_zero_steps_like_torch_and_resumes_from_its_checkpoint(
         world_of_one: None, stage: int, tiny_model_dir: Path, tmp_path: Path) -> None:
     reference_cfg, cfg = config("torch"), config({"type": "deepspeed", "zero_stage": stage})
     reference = build(reference_cfg, tiny_model_dir)
-    expected = steps(reference, reference_cfg, 2)
     engine = build(cfg, tiny_model_dir)
+    # ZeRO 3 runs the whole head: so does the reference here (the two ways differ by float
+    # rounding, which Adam makes a weight difference past this test's bound).
+    assert isinstance(reference, TorchEngine) and isinstance(engine, DeepSpeedEngine)
+    reference.head_at_loss_positions = engine.head_at_loss_positions
+    expected = steps(reference, reference_cfg, 2)
     got = steps(engine, cfg, 2)
     for e, g in zip(expected, got, strict=True):
         assert g["loss"] == pytest.approx(e["loss"], abs=1e-5)
