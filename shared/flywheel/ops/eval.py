@@ -50,6 +50,7 @@ import contextlib
 import json
 import math
 import random
+import re
 import socket
 import sys
 import time
@@ -631,21 +632,65 @@ def mean_stderr(values: Sequence[float]) -> tuple[float | None, float | None]:
     return mean, math.sqrt(var / len(values))
 
 
+MAX_EXAMPLE_CHARS = 500  # an error kind's example message, cut to this
+
+
+def error_kind(message: str) -> str:
+    """A rollout's (or reward's) error message as its kind, so that errors of one cause group
+    together: its first clause (up to ``": "`` or ``"; "``), with the exception type after a
+    prefix kept (``harness failed: NotFoundError``), quoted values, ``=values`` and numbers
+    blanked (``the harness ran past rollout_timeout_s``)."""
+    text = (message.strip().splitlines() or ["(no message)"])[0]
+    parts = re.split(r": |; ", text)
+    kind = parts[0]
+    if len(parts) > 1 and re.fullmatch(r"[A-Z][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", parts[1]):
+        kind += ": " + parts[1]  # an exception's type, after a prefix that says where it was raised
+    kind = re.sub(r"'[^']*'|\"[^\"]*\"", "'...'", kind)
+    kind = re.sub(r"=\S+", "", kind)
+    kind = re.sub(r"\d+", "N", kind)
+    return kind[:200] or "(no message)"
+
+
+def error_kinds(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The errors of ``records`` by kind (:func:`error_kind`), most frequent first: each with its
+    ``count`` and one ``example`` message (the first seen) and its ``rollout_id``. A rollout's
+    error is ``rollout``'s; a reward's is ``reward NAME``'s."""
+    kinds: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in records:
+        found = [("rollout", r["error"])] if r.get("error") else []
+        found += [(f"reward {name}", message) for name, message in (r.get("reward_errors") or {}).items()]
+        for where, message in found:
+            text = str(message)
+            key = (where, error_kind(text))
+            entry = kinds.setdefault(key, {"where": where, "kind": key[1], "count": 0,
+                                           "example": text[:MAX_EXAMPLE_CHARS], "rollout_id": r.get("rollout_id")})
+            entry["count"] += 1
+    return sorted(kinds.values(), key=lambda e: (-e["count"], e["where"], e["kind"]))
+
+
 def summarize(records: Sequence[Mapping[str, Any]], weights: Mapping[str, float], num_rollouts: int,
               pass_threshold: float) -> dict[str, Any]:
-    """Reward mean and standard error (overall and per reward), pass@k, errors, tokens."""
-    rewards = [r["reward"] for r in records if r.get("reward") is not None]
+    """Reward mean and standard error (overall and per reward), pass@k, errors by kind, tokens.
+
+    Every figure of the rewards (their means, standard errors and pass@k) is over the rollouts
+    without an error (``num_scored``; an errored rollout's harness never finished, so what its
+    rewards say of it is not the model's): ``reward_mean`` also leaves out a rollout one of whose
+    rewards failed (its reward is not known), each reward's ``num`` says how many it is over."""
+    scored = [r for r in records if not r.get("error")]
+    rewards = [r["reward"] for r in scored if r.get("reward") is not None]
     mean, stderr = mean_stderr(rewards)
     per_reward = {}
     for name in weights:
-        values = [r["rewards"][name] for r in records if name in r.get("rewards", {})]
+        values = [r["rewards"][name] for r in scored if name in r.get("rewards", {})]
         m, s = mean_stderr(values)
         per_reward[name] = {"mean": m, "stderr": s, "weight": weights[name], "num": len(values)}
     by_task: dict[str, list[bool]] = {}
     for r in records:
+        by_task.setdefault(r["task_id"], [])
+    for r in scored:
         # A hair of tolerance: weighted sums of floats (0.1 + 0.2) should pass a threshold they meet.
         passed = r.get("reward") is not None and r["reward"] >= pass_threshold - 1e-9
-        by_task.setdefault(r["task_id"], []).append(passed)
+        by_task[r["task_id"]].append(passed)
     pass_k = {}
     for k in range(1, num_rollouts + 1):
         groups = [g for g in by_task.values() if len(g) >= k]
@@ -653,13 +698,16 @@ def summarize(records: Sequence[Mapping[str, Any]], weights: Mapping[str, float]
     return {
         "num_tasks": len(by_task),
         "num_rollouts": len(records),
+        "num_scored": len(scored),
+        "num_rewarded": len(rewards),
         "reward_mean": mean,
         "reward_stderr": stderr,
         "pass_threshold": pass_threshold,
         **pass_k,
         "rewards": per_reward,
-        "num_errors": sum(1 for r in records if r.get("error")),
+        "num_errors": len(records) - len(scored),
         "num_reward_errors": sum(1 for r in records if r.get("reward_errors")),
+        "errors": error_kinds(records),
         "num_truncated": sum(1 for r in records if r.get("status") == "truncated"),
         "prompt_tokens": sum(r.get("usage", {}).get("prompt_tokens", 0) for r in records),
         "completion_tokens": sum(r.get("usage", {}).get("completion_tokens", 0) for r in records),
@@ -679,6 +727,16 @@ def format_summary(summary: Mapping[str, Any]) -> str:
     rows += [[k, num(summary[k]), ""] for k in ("num_tasks", "num_rollouts", "num_errors", "num_reward_errors",
                                                  "num_truncated", "prompt_tokens", "completion_tokens")]
     text = table(rows, ["", "mean", "stderr"]) + f"\npass: reward >= {summary['pass_threshold']:g}"
+    if "num_scored" in summary:
+        text += (f"\nrewards and pass@k are over the {summary['num_scored']} of {summary['num_rollouts']} rollouts "
+                 f"without an error" + (f" ({summary['num_errors']} errored, left out)" if summary["num_errors"]
+                                        else "")
+                 + (f"; reward over the {summary['num_rewarded']} whose every reward was computed"
+                    if summary.get("num_rewarded", summary["num_scored"]) != summary["num_scored"] else ""))
+    if summary.get("errors"):
+        text += "\nerrors by kind:"
+        for e in summary["errors"]:
+            text += f"\n  {e['count']:>5} x {e['where']}: {e['kind']}\n        e.g. {e['example']}"
     if summary.get("sampling"):
         given = {k: v for k, v in summary["sampling"].items() if v not in (None, [])}
         text += "\nsampled with: " + ", ".join(f"{k} {v}" for k, v in given.items())
