@@ -329,6 +329,11 @@ class Worker:
         policy = await self._policy(run, cfg, on_loaded=loaded, on_error=lambda _: self._refresh_info())
         hosted = HostedRun(cfg, policy, admission)
         self._runs[run] = hosted
+        if state is not None and state.kind == "eval":
+            # An eval's model: no trainer publishes its weights; it is served as its folder holds it.
+            policy.serve_as_built()
+            self._refresh_info()
+            return hosted
         self._refresh_info()
         seen = self._updates.pop(run, {})
         for update in sorted(seen.values() or await weights.updates(self.bus, run, MAX_OFFERED),
@@ -598,6 +603,12 @@ class Worker:
             log.info("run %s: %s", run, f"{reason}; its waiting tasks are released" if reason else "takes tasks again")
         await hosted.admission.set_ended(reason)
         idle_s = time.monotonic() - hosted.policy.last_used
+        if reason is not None and state.kind == "eval" and not hosted.live and idle_s >= EVICT_IDLE_S:
+            # An ended eval's model (``flywheel eval --model NAME``) is unloaded; asked for again, it loads again.
+            del self._runs[run]
+            log.info("run %s: the eval has ended; its model is unloaded", run)
+            await self._close_policy(hosted.policy)
+            return
         if reason is not None and hosted.policy.adapter is not None and not hosted.live and idle_s >= EVICT_IDLE_S:
             # An ended LoRA run gives its place on the shared base back; it is hosted again
             # (its last adapter loaded) if it is resumed or asked for on the API.
