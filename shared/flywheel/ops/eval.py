@@ -583,6 +583,9 @@ class EvalConfig:
     # Every call's system message is this one (put first where a harness sends none): the
     # prompt flywheel optimize tries, whatever the harness. None: as the harness sends it.
     system_prompt: str | None = None
+    # The name the endpoint knows the model by, where it is not ``model``: the run the local
+    # stack's inference serves a model no training run trained as (flywheel.ops.evalmodel).
+    served_as: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_tasks", "num_rollouts", "concurrency"):
@@ -844,7 +847,8 @@ class Evaluation:
             if self._sandbox_bus is not None:
                 await self._sandbox_bus.close()
         records = [r for r in read_results(cfg.out) if r["task_id"] in wanted]
-        summary = {"env": cfg.env, "model": cfg.model, "run": self.run_id if cfg.record else None,
+        summary = {"env": cfg.env, "model": cfg.model, "served_as": cfg.served_as,
+                   "run": self.run_id if cfg.record else None,
                    **summarize(records, self.weights, cfg.num_rollouts, self.pass_threshold),
                    "elapsed_s": time.monotonic() - started, "num_upstream_retries": self.proxy.num_retries,
                    "sampling": msgspec.structs.asdict(self.sampling) if cfg.send_sampling else None,
@@ -927,7 +931,8 @@ class Evaluation:
                 ran = Ran(f"environment worker failed: {exc}", {}, False, 0.0)
             else:
                 recording = self.proxy.open(rid, sampling, running.hooks if running.hooks else None)
-                ran = await running.run(row, model=self.cfg.model, index=index, timeout_s=self.cfg.rollout_timeout_s)
+                ran = await running.run(row, model=self.cfg.served_as or self.cfg.model, index=index,
+                                        timeout_s=self.cfg.rollout_timeout_s)
             self.proxy.take(rid)  # the rollout is over: calls that still come are not its own
         outcome = conclude(ran, recording, rid, index)
         metrics = {k: float(v) for k, v in recording.tokens().items()} | {"rollout_s": outcome.elapsed_s}
@@ -960,7 +965,7 @@ class Evaluation:
 
         assert self.bus is not None
         trained = self.cfg.during.get("train_run")
-        evaluated = str(trained) if trained else self.cfg.model.partition("@")[0]
+        evaluated = str(trained) if trained else (self.cfg.served_as or self.cfg.model).partition("@")[0]
         state = await get_run(self.bus, evaluated) if is_key(evaluated) else None
         if state is None:
             if trained:

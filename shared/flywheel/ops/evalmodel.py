@@ -1,0 +1,221 @@
+"""``flywheel eval ENV --model NAME``: any model, served for the eval by the local stack's inference.
+
+``--model`` without ``--base-url`` names what the local inference service serves: a run
+(``RUN``, ``RUN@STEP``: the run's weights), or a model no training run trained: a name that a
+run config's ``model.name`` takes (``tiny``, ``tiny-long``, ``smollm2``:
+:data:`flywheel.sdk.models.BUILDERS`) or a Hugging Face model folder. A run of that id wins, as
+before. For a model, the eval registers a run of kind ``eval`` of its own in the runs bucket
+(``model-NAME-TIME``; its config names the model as a training run's would, the folder made
+absolute), under the eval's tenant, so inference's tenancy applies unchanged: only keys of that
+tenant may sample from it. Inference hosts such a run as any run named on its API, from the
+run's config, but serves the model's own weights as version 0 (no trainer publishes any for an
+eval) and unloads it once the eval run has ended and nothing asked for it for a while
+(:class:`flywheel_inference.worker.Worker`). The eval asks for one token first, saying on
+the screen while inference loads the model (a first request builds ``tiny`` or converts
+``smollm2`` once into the data folder), then runs with the run id as the model sent; the
+summary names the model as given and the run it was served as (``served_as``). The run is
+marked finished when the eval ends, however it ends.
+
+No NATS at the settings' URL: for a model, the eval starts the embedded stack's nats-server,
+inference and sandbox itself (as ``flywheel run`` starts the whole stack), and stops them at the
+end; for a run there is nothing to serve it from, which it says.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import secrets
+import sys
+import time
+from collections.abc import AsyncIterator, Coroutine
+from dataclasses import replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
+
+from flywheel.ops.eval import EvalConfig, run_eval
+
+if TYPE_CHECKING:
+    from flywheel.contract.bus import Bus
+    from flywheel.contract.settings import Settings
+
+READY_TIMEOUT_S = 600.0  # inference starting and loading the model, at most (smollm2's first conversion included)
+SAY_EVERY_S = 5.0  # how often a wait says it still waits
+EVAL_SERVICES = ("sandbox", "inference")  # what an eval of a model needs of the embedded stack
+
+
+def model_name(given: str) -> str | None:
+    """What a run config's ``model.name`` would say for ``--model given``: a model name it takes
+    (``tiny``, ``smollm2``, ...) as it is, a Hugging Face folder (one with a ``config.json``) as
+    an absolute path, as every service reads it; None for anything else (a run id)."""
+    from flywheel.sdk.models import BUILDERS
+
+    if given in BUILDERS:
+        return given
+    path = Path(given).expanduser()
+    if (path / "config.json").is_file():
+        return str(path.resolve())
+    return None
+
+
+def served_run_id(name: str) -> str:
+    """A new run id to serve model ``name`` as: ``model-<its name or folder's name>-<UTC time>-<hex>``."""
+    slug = re.sub(r"[^-_a-zA-Z0-9]+", "_", Path(name).name or name).strip("_")[:64] or "model"
+    return f"model-{slug}-{datetime.now(UTC).strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(2)}"
+
+
+async def register_model(bus: Bus, run: str, name: str, env: str, tenant: str) -> None:
+    """Register ``run``, of kind eval and of ``tenant``, whose config has inference serve model ``name``."""
+    from flywheel.contract.config import ModelConfig, RunConfig
+    from flywheel.contract.runs import register_run
+
+    config = RunConfig(run=run, env=env, tenant=tenant, model=ModelConfig(name=name))
+    await register_run(bus, run, tenant, config=config.model_dump(), kind="eval")
+
+
+async def wait_until_served(base_url: str, run: str, label: str, api_key: str | None, out: TextIO,
+                            timeout_s: float = READY_TIMEOUT_S) -> float:
+    """Wait for inference at ``base_url`` to answer, then ask it for one token of ``run`` (its
+    first request makes inference load the model) until it answers, saying every few seconds
+    what it waits for; returns the seconds it waited. ValueError with inference's answer when
+    it refuses the model (400, 404), TimeoutError naming what it waited for after ``timeout_s``."""
+    import httpx
+
+    root = base_url.rstrip("/").removesuffix("/v1")
+    body = {"model": run, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "temperature": 0}
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    started = time.monotonic()
+    said_at = started
+    print(f"inference loads model {label} for this eval (served as {run})...", file=out, flush=True)
+
+    async def waited_for(what: str, call: Coroutine[Any, Any, httpx.Response]) -> httpx.Response:
+        nonlocal said_at
+        request = asyncio.ensure_future(call)
+        try:
+            while True:
+                done, _ = await asyncio.wait([request], timeout=1.0)
+                now = time.monotonic()
+                if done:
+                    return request.result()
+                if now - started > timeout_s:
+                    raise TimeoutError(f"--model {label}: waited {timeout_s:.0f}s for {what}; see inference's log "
+                                       "(DATA_DIR/logs/inference.log under flywheel up)")
+                if now - said_at >= SAY_EVERY_S:
+                    said_at = now
+                    print(f"  waiting for {what}: {now - started:.0f}s", file=out, flush=True)
+        finally:
+            request.cancel()
+            with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+                await request
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0)) as client:
+        while True:
+            try:
+                await waited_for(f"inference at {root} to start", client.get(root + "/healthz"))
+                response = await waited_for("inference to load the model",
+                                            client.post(base_url.rstrip("/") + "/chat/completions", json=body,
+                                                        headers=headers))
+            except httpx.TransportError:  # not listening yet (the stack is starting), or restarted
+                await asyncio.sleep(1.0)
+                continue
+            if response.status_code == 200:
+                waited_s = time.monotonic() - started
+                print(f"model {label} is served ({waited_s:.0f}s)", file=out, flush=True)
+                return waited_s
+            if response.status_code in (502, 503, 504):  # a proxy in front, or no weights yet: wait
+                await asyncio.sleep(1.0)
+                continue
+            raise ValueError(f"--model {label}: inference at {base_url} refused to serve it as {run} "
+                             f"({response.status_code}: {_message(response)})")
+
+
+def _message(response: Any) -> str:
+    try:
+        return str(response.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return str(response.text)[:500]
+
+
+@contextlib.asynccontextmanager
+async def embedded_stack(settings: Settings, out: TextIO) -> AsyncIterator[None]:
+    """The embedded stack's nats-server and :data:`EVAL_SERVICES`, started here (the bus ready on
+    entry; inference may still be starting) and stopped on exit."""
+    from flywheel.ops.stack import SERVICES, Stack, StackError
+
+    stack = Stack(settings, out=out, services={name: SERVICES[name] for name in EVAL_SERVICES})
+    task = asyncio.ensure_future(stack.run())
+    bus_ready = asyncio.ensure_future(stack.bus_ready.wait())
+    await asyncio.wait([task, bus_ready], return_when=asyncio.FIRST_COMPLETED)
+    bus_ready.cancel()
+    if task.done():
+        await task  # raises StackError with the reason
+        raise StackError("the embedded stack stopped before it was ready")
+    try:
+        yield
+    finally:
+        stack.stopping.set()
+        await task
+
+
+async def run_local_eval(cfg: EvalConfig, settings: Settings, progress_out: TextIO = sys.stderr) -> dict[str, Any]:
+    """``flywheel eval`` against the local stack's inference (``cfg.base_url``): of a run as
+    ever, or of a model no training run trained, served for it (the module's rules)."""
+    from flywheel.contract.natsusers import redacted
+    from flywheel.ops.run import nats_answers
+
+    name = model_name(cfg.model)
+    run = cfg.model.partition("@")[0]
+    if not await nats_answers(settings.resolved_nats_url):
+        if name is None:
+            raise ValueError(f"--model {cfg.model}: no NATS at {redacted(settings.resolved_nats_url)}, so no local "
+                             "inference serves the run: start the stack (flywheel up), or give --base-url for "
+                             "another endpoint")
+        print(f"no NATS at {redacted(settings.resolved_nats_url)}: starting the embedded stack's nats-server, "
+              "inference and sandbox for this eval (they stop with it)", file=progress_out, flush=True)
+        async with embedded_stack(settings, progress_out):
+            return await _eval_model(cfg, settings, name, progress_out)
+    if await _is_run(settings.resolved_nats_url, run):
+        return await run_eval(cfg, settings.resolved_nats_url, progress_out)
+    if name is None:
+        from flywheel.sdk.models import BUILDERS
+
+        raise ValueError(f"--model {cfg.model}: no run {run!r} in the runs bucket, no model of that name "
+                         f"({', '.join(BUILDERS)}) and no Hugging Face folder there (a folder with a config.json): "
+                         "give a run id (RUN or RUN@STEP; `flywheel runs list` lists them), a model name or "
+                         "folder, or --base-url for another endpoint")
+    return await _eval_model(cfg, settings, name, progress_out)
+
+
+async def _is_run(nats_url: str, run: str) -> bool:
+    """Whether the runs bucket has a run ``run`` (a model's name that is also a run's id means the run)."""
+    from flywheel.contract.bus import Bus
+    from flywheel.contract.runs import get_run, is_key
+
+    if not is_key(run):
+        return False
+    bus = await Bus.connect(nats_url, "flywheel-eval")
+    try:
+        return await get_run(bus, run) is not None
+    finally:
+        await bus.close()
+
+
+async def _eval_model(cfg: EvalConfig, settings: Settings, name: str, progress_out: TextIO) -> dict[str, Any]:
+    from flywheel.contract import events
+    from flywheel.contract.bus import Bus
+    from flywheel.contract.runs import update_run
+
+    nats_url = settings.resolved_nats_url
+    run = served_run_id(name)
+    bus = await Bus.connect(nats_url, "flywheel-eval")
+    try:
+        await register_model(bus, run, name, cfg.env, cfg.tenant or "default")
+        try:
+            await wait_until_served(cfg.base_url, run, cfg.model, cfg.api_key, progress_out)
+            return await run_eval(replace(cfg, served_as=run), nats_url, progress_out)
+        finally:
+            await update_run(bus, run, status="finished", ended_at=events.utc_now())
+    finally:
+        await bus.close()
