@@ -29,11 +29,11 @@ import re
 import secrets
 import sys
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import Coroutine
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 from flywheel.ops.eval import EvalConfig, run_eval
 
@@ -42,8 +42,10 @@ if TYPE_CHECKING:
     from flywheel.contract.settings import Settings
 
 READY_TIMEOUT_S = 600.0  # inference starting and loading the model, at most (smollm2's first conversion included)
+FINISH_TIMEOUT_S = 5.0  # marking the model's run finished, and closing the bus, at most
 SAY_EVERY_S = 5.0  # how often a wait says it still waits
 EVAL_SERVICES = ("sandbox", "inference")  # what an eval of a model needs of the embedded stack
+T = TypeVar("T")
 
 
 def model_name(given: str) -> str | None:
@@ -118,6 +120,13 @@ async def wait_until_served(base_url: str, run: str, label: str, api_key: str | 
                                             client.post(base_url.rstrip("/") + "/chat/completions", json=body,
                                                         headers=headers))
             except httpx.TransportError:  # not listening yet (the stack is starting), or restarted
+                now = time.monotonic()
+                if now - started > timeout_s:
+                    raise TimeoutError(f"--model {label}: waited {timeout_s:.0f}s for inference at {root} to "
+                                       "start; see its log (DATA_DIR/logs/inference.log under flywheel up)") from None
+                if now - said_at >= SAY_EVERY_S:
+                    said_at = now
+                    print(f"  waiting for inference at {root} to start: {now - started:.0f}s", file=out, flush=True)
                 await asyncio.sleep(1.0)
                 continue
             if response.status_code == 200:
@@ -138,25 +147,40 @@ def _message(response: Any) -> str:
         return str(response.text)[:500]
 
 
-@contextlib.asynccontextmanager
-async def embedded_stack(settings: Settings, out: TextIO) -> AsyncIterator[None]:
-    """The embedded stack's nats-server and :data:`EVAL_SERVICES`, started here (the bus ready on
-    entry; inference may still be starting) and stopped on exit."""
+async def beside_embedded_stack(settings: Settings, out: TextIO, job: Coroutine[Any, Any, T], results: Path) -> T:
+    """``job`` run while the embedded stack's nats-server and :data:`EVAL_SERVICES` run, started
+    here (the job starts once the bus answers; inference may still be starting) and stopped when
+    it ends. The stack takes Ctrl-C (and SIGTERM): the stack stopping (so, or failing) stops the
+    job, saying where its complete groups are (``results``)."""
     from flywheel.ops.stack import SERVICES, Stack, StackError
 
     stack = Stack(settings, out=out, services={name: SERVICES[name] for name in EVAL_SERVICES})
-    task = asyncio.ensure_future(stack.run())
+    stack_task = asyncio.ensure_future(stack.run())
     bus_ready = asyncio.ensure_future(stack.bus_ready.wait())
-    await asyncio.wait([task, bus_ready], return_when=asyncio.FIRST_COMPLETED)
+    await asyncio.wait([stack_task, bus_ready], return_when=asyncio.FIRST_COMPLETED)
     bus_ready.cancel()
-    if task.done():
-        await task  # raises StackError with the reason
+    if stack_task.done():
+        job.close()
+        await stack_task  # raises StackError with the reason
         raise StackError("the embedded stack stopped before it was ready")
+    running = asyncio.ensure_future(job)
+    stopping = asyncio.ensure_future(stack.stopping.wait())
     try:
-        yield
+        # Stopped as soon as the stack is asked to stop, while NATS still runs (it stops last).
+        await asyncio.wait([running, stack_task, stopping], return_when=asyncio.FIRST_COMPLETED)
+        if running.done():
+            return running.result()
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+        await stack_task  # raises StackError with the reason, when it failed
+        raise StackError(f"the embedded stack stopped (Ctrl-C or SIGTERM) before the eval ended: its complete "
+                         f"groups are in {results}; run it again with --resume to go on")
     finally:
+        stopping.cancel()
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
         stack.stopping.set()
-        await task
+        await stack_task
 
 
 async def run_local_eval(cfg: EvalConfig, settings: Settings, progress_out: TextIO = sys.stderr) -> dict[str, Any]:
@@ -174,8 +198,8 @@ async def run_local_eval(cfg: EvalConfig, settings: Settings, progress_out: Text
                              "another endpoint")
         print(f"no NATS at {redacted(settings.resolved_nats_url)}: starting the embedded stack's nats-server, "
               "inference and sandbox for this eval (they stop with it)", file=progress_out, flush=True)
-        async with embedded_stack(settings, progress_out):
-            return await _eval_model(cfg, settings, name, progress_out)
+        return await beside_embedded_stack(settings, progress_out, _eval_model(cfg, settings, name, progress_out),
+                                           cfg.out)
     if await _is_run(settings.resolved_nats_url, run):
         return await run_eval(cfg, settings.resolved_nats_url, progress_out)
     if name is None:
@@ -216,6 +240,14 @@ async def _eval_model(cfg: EvalConfig, settings: Settings, name: str, progress_o
             await wait_until_served(cfg.base_url, run, cfg.model, cfg.api_key, progress_out)
             return await run_eval(replace(cfg, served_as=run), nats_url, progress_out)
         finally:
-            await update_run(bus, run, status="finished", ended_at=events.utc_now())
+            try:  # bounded: NATS may be gone (the embedded stack stopped), and the bus would retry
+                await asyncio.wait_for(update_run(bus, run, status="finished", ended_at=events.utc_now()),
+                                       FINISH_TIMEOUT_S)
+            except Exception as exc:
+                print(f"the run {run} that served {cfg.model} could not be marked finished ({type(exc).__name__}: "
+                      f"{exc}): inference keeps its model loaded until it restarts", file=progress_out, flush=True)
     finally:
-        await bus.close()
+        try:
+            await asyncio.wait_for(bus.close(), FINISH_TIMEOUT_S)
+        except Exception:  # NATS is gone: nothing is left to flush
+            await bus.nc.close()
