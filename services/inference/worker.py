@@ -27,6 +27,10 @@
   sampled from it for ``EVICT_IDLE_S`` and its rollouts are done; the base goes with its
   last adapter. A backend that keeps no adapters side by side (one of the user's own) gets
   a copy per run, the adapter merged in. The heartbeat's ``shared_bases`` lists them.
+- A run of kind ``eval`` with a config is a model served for ``flywheel eval --model NAME``
+  (:mod:`flywheel.ops.evalmodel`): hosted from its config's model as any run, but no trainer
+  publishes its weights, so its policy serves the model's own as version 0; once the eval run
+  ended and nothing sampled from it for ``EVICT_IDLE_S``, it is unloaded.
 - Run states come from a watcher on the runs bucket, which keeps every run's current
   state; a task is checked against it when it arrives (:func:`flywheel.contract.runs.end_of`).
   When a run ends (finished, failed, stopped, or abandoned: its owner's lease expired,

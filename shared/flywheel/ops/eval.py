@@ -27,7 +27,9 @@ in it already. Task and rollout ids are made as every producer makes them
 from the eval run's id. The summary: reward mean
 and standard error (and per reward), pass@k for k in 1..num_rollouts (a rollout passes when
 its reward reaches ``pass_threshold``, by default the sum of the reward weights: every
-reward at 1.0), harness and reward errors, tokens from the upstream's usage.
+reward at 1.0), each over the rollouts without an error (``num_scored``), the errors by kind
+(:func:`error_kind`: each with its count and an example), tokens from the upstream's usage.
+Any model on the local stack, with no training run: :mod:`flywheel.ops.evalmodel`.
 
 ``record`` publishes the rollouts and their scores on the bus under a run of kind ``eval``
 (registered in the runs bucket), so the gateway's recorder stores them beside training runs.
@@ -1016,11 +1018,16 @@ async def resolve_model(base_url: str, api_key: str | None) -> str:
     return str(response.json()["data"][0]["id"])
 
 
+Serving = Callable[["EvalConfig"], contextlib.AbstractAsyncContextManager["EvalConfig"]]
+
+
 async def run_eval(cfg: EvalConfig, nats_url: str | None = None, progress_out: TextIO = sys.stderr,
-                   pool: WorkerPool | None = None) -> dict[str, Any]:
+                   pool: WorkerPool | None = None, serving: Serving | None = None) -> dict[str, Any]:
     """Load the environment in a worker of the eval's tenant (``cfg.tenant``, else ``default``;
     in ``pool``, or a pool of this eval's own, of the settings' workers section), run the eval,
-    return the summary (also written beside the results)."""
+    return the summary (also written beside the results). ``serving``: entered once the
+    environment loaded and the sampling is checked, it gives the config the eval runs with (the
+    model served for it: :mod:`flywheel.ops.evalmodel`) and is left when the eval ends."""
     own = pool is None
     if pool is None:
         from flywheel.contract.settings import Settings
@@ -1030,7 +1037,13 @@ async def run_eval(cfg: EvalConfig, nats_url: str | None = None, progress_out: T
     try:
         overrides = EnvironmentOverrides(args=dict(cfg.env_args), harness=cfg.harness, runtime=cfg.runtime)
         env = await load_environment(pool, cfg.env, overrides, cfg.tenant or "default")
-        summary = await Evaluation(cfg, env, progress_out).run(nats_url)
+        evaluation = Evaluation(cfg, env, progress_out)
+        if serving is None:
+            summary = await evaluation.run(nats_url)
+        else:
+            async with serving(cfg) as served:
+                evaluation.cfg = served
+                summary = await evaluation.run(nats_url)
     finally:
         if own:
             await pool.close()

@@ -16,6 +16,7 @@ the screen while inference loads the model (a first request builds ``tiny`` or c
 summary names the model as given and the run it was served as (``served_as``). The run is
 marked finished when the eval ends, however it ends.
 
+All this once the environment loaded (an environment that does not load is said first).
 No NATS at the settings' URL: for a model, the eval starts the embedded stack's nats-server,
 inference and sandbox itself (as ``flywheel run`` starts the whole stack), and stops them at the
 end; for a run there is nothing to serve it from, which it says.
@@ -29,11 +30,11 @@ import re
 import secrets
 import sys
 import time
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO, TypeVar
+from typing import TYPE_CHECKING, Any, TextIO
 
 from flywheel.ops.eval import EvalConfig, run_eval
 
@@ -45,7 +46,6 @@ READY_TIMEOUT_S = 600.0  # inference starting and loading the model, at most (sm
 FINISH_TIMEOUT_S = 5.0  # marking the model's run finished, and closing the bus, at most
 SAY_EVERY_S = 5.0  # how often a wait says it still waits
 EVAL_SERVICES = ("sandbox", "inference")  # what an eval of a model needs of the embedded stack
-T = TypeVar("T")
 
 
 def model_name(given: str) -> str | None:
@@ -147,11 +147,13 @@ def _message(response: Any) -> str:
         return str(response.text)[:500]
 
 
-async def beside_embedded_stack(settings: Settings, out: TextIO, job: Coroutine[Any, Any, T], results: Path) -> T:
-    """``job`` run while the embedded stack's nats-server and :data:`EVAL_SERVICES` run, started
-    here (the job starts once the bus answers; inference may still be starting) and stopped when
-    it ends. The stack takes Ctrl-C (and SIGTERM): the stack stopping (so, or failing) stops the
-    job, saying where its complete groups are (``results``)."""
+@contextlib.asynccontextmanager
+async def embedded_stack(settings: Settings, out: TextIO, results: Path) -> AsyncIterator[None]:
+    """The embedded stack's nats-server and :data:`EVAL_SERVICES`, started on entry (the body runs
+    once the bus answers; inference may still be starting), stopped on exit. The stack takes
+    Ctrl-C (and SIGTERM): the stack asked to stop (so, or failing) stops the body at once, while
+    NATS still runs (it stops last), with a StackError saying where the eval's complete groups
+    are (``results``)."""
     from flywheel.ops.stack import SERVICES, Stack, StackError
 
     stack = Stack(settings, out=out, services={name: SERVICES[name] for name in EVAL_SERVICES})
@@ -160,48 +162,65 @@ async def beside_embedded_stack(settings: Settings, out: TextIO, job: Coroutine[
     await asyncio.wait([stack_task, bus_ready], return_when=asyncio.FIRST_COMPLETED)
     bus_ready.cancel()
     if stack_task.done():
-        job.close()
         await stack_task  # raises StackError with the reason
         raise StackError("the embedded stack stopped before it was ready")
-    running = asyncio.ensure_future(job)
-    stopping = asyncio.ensure_future(stack.stopping.wait())
+    body = asyncio.current_task()
+    assert body is not None
+    stopped = False
+
+    def stop_the_body(waited: asyncio.Future[Any]) -> None:
+        nonlocal stopped
+        if not waited.cancelled():
+            stopped = True
+            body.cancel()
+
+    watcher = asyncio.ensure_future(stack.stopping.wait())
+    watcher.add_done_callback(stop_the_body)
     try:
-        # Stopped as soon as the stack is asked to stop, while NATS still runs (it stops last).
-        await asyncio.wait([running, stack_task, stopping], return_when=asyncio.FIRST_COMPLETED)
-        if running.done():
-            return running.result()
-        running.cancel()
-        await asyncio.gather(running, return_exceptions=True)
+        yield
+    except asyncio.CancelledError:
+        if not stopped:
+            raise
+        body.uncancel()
+        stack.stopping.set()
         await stack_task  # raises StackError with the reason, when it failed
         raise StackError(f"the embedded stack stopped (Ctrl-C or SIGTERM) before the eval ended: its complete "
-                         f"groups are in {results}; run it again with --resume to go on")
+                         f"groups are in {results}; run it again with --resume to go on") from None
     finally:
-        stopping.cancel()
-        running.cancel()
-        await asyncio.gather(running, return_exceptions=True)
+        watcher.cancel()
         stack.stopping.set()
         await stack_task
 
 
 async def run_local_eval(cfg: EvalConfig, settings: Settings, progress_out: TextIO = sys.stderr) -> dict[str, Any]:
     """``flywheel eval`` against the local stack's inference (``cfg.base_url``): of a run as
-    ever, or of a model no training run trained, served for it (the module's rules)."""
+    ever, or of a model no training run trained, served for it (the module's rules), once the
+    environment loaded."""
+    return await run_eval(cfg, settings.resolved_nats_url, progress_out,
+                          serving=lambda given: _served(given, settings, progress_out))
+
+
+@contextlib.asynccontextmanager
+async def _served(cfg: EvalConfig, settings: Settings, progress_out: TextIO) -> AsyncIterator[EvalConfig]:
     from flywheel.contract.natsusers import redacted
     from flywheel.ops.run import nats_answers
 
     name = model_name(cfg.model)
     run = cfg.model.partition("@")[0]
-    if not await nats_answers(settings.resolved_nats_url):
+    url = settings.resolved_nats_url
+    if not await nats_answers(url):
         if name is None:
-            raise ValueError(f"--model {cfg.model}: no NATS at {redacted(settings.resolved_nats_url)}, so no local "
-                             "inference serves the run: start the stack (flywheel up), or give --base-url for "
-                             "another endpoint")
-        print(f"no NATS at {redacted(settings.resolved_nats_url)}: starting the embedded stack's nats-server, "
-              "inference and sandbox for this eval (they stop with it)", file=progress_out, flush=True)
-        return await beside_embedded_stack(settings, progress_out, _eval_model(cfg, settings, name, progress_out),
-                                           cfg.out)
-    if await _is_run(settings.resolved_nats_url, run):
-        return await run_eval(cfg, settings.resolved_nats_url, progress_out)
+            raise ValueError(f"--model {cfg.model}: no NATS at {redacted(url)}, so no local inference serves the "
+                             "run: start the stack (flywheel up), or give --base-url for another endpoint")
+        print(f"no NATS at {redacted(url)}: starting the embedded stack's nats-server, inference and sandbox for "
+              "this eval (they stop with it)", file=progress_out, flush=True)
+        async with embedded_stack(settings, progress_out, cfg.out), _model(cfg, settings, name,
+                                                                            progress_out) as served:
+            yield served
+        return
+    if await _is_run(url, run):
+        yield cfg
+        return
     if name is None:
         from flywheel.sdk.models import BUILDERS
 
@@ -209,7 +228,8 @@ async def run_local_eval(cfg: EvalConfig, settings: Settings, progress_out: Text
                          f"({', '.join(BUILDERS)}) and no Hugging Face folder there (a folder with a config.json): "
                          "give a run id (RUN or RUN@STEP; `flywheel runs list` lists them), a model name or "
                          "folder, or --base-url for another endpoint")
-    return await _eval_model(cfg, settings, name, progress_out)
+    async with _model(cfg, settings, name, progress_out) as served:
+        yield served
 
 
 async def _is_run(nats_url: str, run: str) -> bool:
@@ -226,19 +246,21 @@ async def _is_run(nats_url: str, run: str) -> bool:
         await bus.close()
 
 
-async def _eval_model(cfg: EvalConfig, settings: Settings, name: str, progress_out: TextIO) -> dict[str, Any]:
+@contextlib.asynccontextmanager
+async def _model(cfg: EvalConfig, settings: Settings, name: str, progress_out: TextIO) -> AsyncIterator[EvalConfig]:
+    """Model ``name`` served by inference as a run of kind eval of the eval's tenant while the
+    eval runs (the config it runs with names the run), the run marked finished after."""
     from flywheel.contract import events
     from flywheel.contract.bus import Bus
     from flywheel.contract.runs import update_run
 
-    nats_url = settings.resolved_nats_url
     run = served_run_id(name)
-    bus = await Bus.connect(nats_url, "flywheel-eval")
+    bus = await Bus.connect(settings.resolved_nats_url, "flywheel-eval")
     try:
         await register_model(bus, run, name, cfg.env, cfg.tenant or "default")
         try:
             await wait_until_served(cfg.base_url, run, cfg.model, cfg.api_key, progress_out)
-            return await run_eval(replace(cfg, served_as=run), nats_url, progress_out)
+            yield replace(cfg, served_as=run)
         finally:
             try:  # bounded: NATS may be gone (the embedded stack stopped), and the bus would retry
                 await asyncio.wait_for(update_run(bus, run, status="finished", ended_at=events.utc_now()),
