@@ -19,6 +19,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +32,8 @@ from flywheel.contract import keys
 from flywheel.contract.bus import Bus
 from flywheel.contract.runs import get_run
 from flywheel.contract.settings import Settings
-from flywheel.ops.eval import Served, serve
-from flywheel.ops.evalmodel import register_model
+from flywheel.ops.eval import EvalConfig, Served, serve
+from flywheel.ops.evalmodel import eval_tenant, register_model
 from flywheel.ops.natsserver import NatsServer
 from flywheel.sdk import models
 from flywheel_inference.app import create_app
@@ -143,6 +144,11 @@ async def test_a_model_served_for_an_eval_is_its_tenants_alone(nats_server: Nats
             assert own.json()["system_fingerprint"] == "policy-v0"  # the folder's own weights
             listed = await client.get("/v1/models", headers={"Authorization": f"Bearer {key_a}"})
             assert "model-tiny-x" not in listed.text  # /v1/models lists training runs
+    # flywheel eval serves a model for the tenant of the key it calls inference with (verified).
+    cfg = EvalConfig(env="reverse_text", model="tiny", base_url=served.url + "/v1", out=tmp_path / "r.jsonl")
+    assert await eval_tenant(bus, replace(cfg, api_key=key_b)) == "b"
+    assert await eval_tenant(bus, replace(cfg, api_key=key_b[:-4] + "AAAA")) == "default"  # not b's secret
+    assert await eval_tenant(bus, replace(cfg, api_key=key_b, tenant="c")) == "c"  # the eval's own, given
 
 
 async def test_a_model_that_is_neither_a_run_nor_a_model_is_refused_naming_what_to_give(

@@ -6,7 +6,8 @@ run config's ``model.name`` takes (``tiny``, ``tiny-long``, ``smollm2``:
 :data:`flywheel.sdk.models.BUILDERS`) or a Hugging Face model folder. A run of that id wins, as
 before. For a model, the eval registers a run of kind ``eval`` of its own in the runs bucket
 (``model-NAME-TIME``; its config names the model as a training run's would, the folder made
-absolute), under the eval's tenant, so inference's tenancy applies unchanged: only keys of that
+absolute), under the eval's tenant (the tenant of the API key it calls inference with, where
+inference wants keys), so inference's tenancy applies unchanged: only keys of that
 tenant may sample from it. Inference hosts such a run as any run named on its API, from the
 run's config, but serves the model's own weights as version 0 (no trainer publishes any for an
 eval) and unloads it once the eval run has ended and nothing asked for it for a while
@@ -246,6 +247,23 @@ async def _is_run(nats_url: str, run: str) -> bool:
         await bus.close()
 
 
+async def eval_tenant(bus: Bus, cfg: EvalConfig) -> str:
+    """The tenant a model is served for: the eval's (``cfg.tenant``), else that of the API key it
+    calls inference with (a tenant's key, ``fw_<id>_<secret>``, that the keys bucket holds), so
+    that key may sample from it; else ``default`` (inference runs open)."""
+    import hmac
+
+    from flywheel.contract import keys
+
+    if cfg.tenant is not None:
+        return cfg.tenant
+    match = re.fullmatch(r"fw_([0-9a-f]{16})_[A-Za-z0-9_-]{20,}", cfg.api_key or "")
+    record = await keys.get_key(bus, match.group(1)) if match else None
+    if record is not None and cfg.api_key and hmac.compare_digest(keys.digest(cfg.api_key), record.sha256):
+        return record.tenant
+    return "default"
+
+
 @contextlib.asynccontextmanager
 async def _model(cfg: EvalConfig, settings: Settings, name: str, progress_out: TextIO) -> AsyncIterator[EvalConfig]:
     """Model ``name`` served by inference as a run of kind eval of the eval's tenant while the
@@ -257,7 +275,7 @@ async def _model(cfg: EvalConfig, settings: Settings, name: str, progress_out: T
     run = served_run_id(name)
     bus = await Bus.connect(settings.resolved_nats_url, "flywheel-eval")
     try:
-        await register_model(bus, run, name, cfg.env, cfg.tenant or "default")
+        await register_model(bus, run, name, cfg.env, await eval_tenant(bus, cfg))
         try:
             await wait_until_served(cfg.base_url, run, cfg.model, cfg.api_key, progress_out)
             yield replace(cfg, served_as=run)
