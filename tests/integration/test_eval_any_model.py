@@ -94,7 +94,7 @@ async def test_eval_of_the_tiny_model_serves_it_with_no_training_run(nats_server
     data = tmp_path / "data"
     async with inference(nats_server, data) as (app, served):
         code, stdout, stderr = await flywheel_eval(served, data, nats_server.url, "--model", "tiny", "-n", "4",
-                                                   "-r", "2", "--max-tokens", "8")
+                                                   "-r", "2", "--max-tokens", "8", "--record")
         assert code == 0, stderr
         assert "inference loads model tiny for this eval (served as model-tiny-" in stderr
         assert "model tiny is served" in stderr
@@ -107,6 +107,9 @@ async def test_eval_of_the_tiny_model_serves_it_with_no_training_run(nats_server
         state = await get_run(bus, summary["served_as"])
         assert state is not None and (state.kind, state.tenant, state.status) == ("eval", "default", "finished")
         assert state.config["model"]["name"] == "tiny"
+        recorded = await get_run(bus, summary["run"])  # --record: the eval run, of the served model's tenant
+        assert recorded is not None and (recorded.kind, recorded.tenant) == ("eval", "default")
+        assert recorded.config["eval"]["served_as"] == summary["served_as"]
         # The eval ended: inference unloads its model (asked for again, it would load again).
         await until(lambda: summary["served_as"] not in app.state.worker.info["runs"], timeout_s=30,
                     what="the ended eval's model unloaded")

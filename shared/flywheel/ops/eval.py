@@ -954,7 +954,8 @@ class Evaluation:
             raise ValueError("--record needs NATS: set FLYWHEEL_NATS_URL or start `flywheel up`")
         self.bus = await Bus.connect(nats_url, "flywheel-eval")
         await register_run(self.bus, self.run_id, await self._tenant(), kind="eval", config={
-            "eval": {"env": self.cfg.env, "model": self.cfg.model, "base_url": self.cfg.base_url,
+            "eval": {"env": self.cfg.env, "model": self.cfg.model, "served_as": self.cfg.served_as,
+                     "base_url": self.cfg.base_url,
                      "num_tasks": self.cfg.num_tasks, "num_rollouts": self.cfg.num_rollouts, **self.cfg.during}},
                            scorers=self.weights)
 
