@@ -20,6 +20,7 @@ import sys
 import tempfile
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +29,9 @@ import pytest
 from fastapi import FastAPI
 
 import flywheel_inference.worker as worker_module
-from flywheel.contract import keys
+from flywheel.contract import events, keys
 from flywheel.contract.bus import Bus
-from flywheel.contract.runs import get_run
+from flywheel.contract.runs import get_run, update_run
 from flywheel.contract.settings import Settings
 from flywheel.ops.eval import EvalConfig, Served, serve
 from flywheel.ops.evalmodel import eval_tenant, register_model
@@ -106,6 +107,7 @@ async def test_eval_of_the_tiny_model_serves_it_with_no_training_run(nats_server
         assert f"served as: {summary['served_as']}" in stdout
         state = await get_run(bus, summary["served_as"])
         assert state is not None and (state.kind, state.tenant, state.status) == ("eval", "default", "finished")
+        assert state.owner is None and state.lease_expires_at is None  # the eval held it, and let it go
         assert state.config["model"]["name"] == "tiny"
         recorded = await get_run(bus, summary["run"])  # --record: the eval run, of the served model's tenant
         assert recorded is not None and (recorded.kind, recorded.tenant) == ("eval", "default")
@@ -152,6 +154,24 @@ async def test_a_model_served_for_an_eval_is_its_tenants_alone(nats_server: Nats
     assert await eval_tenant(bus, replace(cfg, api_key=key_b)) == "b"
     assert await eval_tenant(bus, replace(cfg, api_key=key_b[:-4] + "AAAA")) == "default"  # not b's secret
     assert await eval_tenant(bus, replace(cfg, api_key=key_b, tenant="c")) == "c"  # the eval's own, given
+
+
+async def test_the_model_of_an_eval_that_died_is_unloaded_once_its_lease_lapsed(
+        nats_server: NatsServer, bus: Bus, tmp_path: Path, tiny_model_dir: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(worker_module, "EVICT_IDLE_S", 0.0)
+    async with inference(nats_server, tmp_path / "data") as (app, served):
+        await register_model(bus, "model-tiny-y", str(tiny_model_dir), "reverse_text", "default")
+        # Held by an eval killed -9: its lease is never renewed.
+        await update_run(bus, "model-tiny-y", owner="an eval killed -9",
+                         lease_expires_at=events.utc_now() + timedelta(seconds=2))
+        async with httpx.AsyncClient(base_url=served.url) as client:
+            answered = await client.post("/v1/chat/completions", json={
+                "model": "model-tiny-y", "messages": [{"role": "user", "content": "abc"}], "max_tokens": 3})
+        assert answered.status_code == 200, answered.text
+        assert "model-tiny-y" in app.state.worker.info["runs"]
+        await until(lambda: "model-tiny-y" not in app.state.worker.info["runs"], timeout_s=30,
+                    what="the abandoned eval's model unloaded")
 
 
 async def test_a_model_that_is_neither_a_run_nor_a_model_is_refused_naming_what_to_give(

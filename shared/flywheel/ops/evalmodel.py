@@ -14,8 +14,9 @@ eval) and unloads it once the eval run has ended and nothing asked for it for a 
 (:class:`flywheel_inference.worker.Worker`). The eval asks for one token first, saying on
 the screen while inference loads the model (a first request builds ``tiny`` or converts
 ``smollm2`` once into the data folder), then runs with the run id as the model sent; the
-summary names the model as given and the run it was served as (``served_as``). The run is
-marked finished when the eval ends, however it ends.
+summary names the model as given and the run it was served as (``served_as``). The eval holds
+the run with a lease it renews (``LEASE_S``) and marks it finished when it ends, however it ends;
+an eval that dies leaves the lease to lapse, and inference unloads the model then too.
 
 All this once the environment loaded (an environment that does not load is said first).
 No NATS at the settings' URL: for a model, the eval starts the embedded stack's nats-server,
@@ -27,13 +28,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import os
 import re
 import secrets
+import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import replace
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -43,9 +47,14 @@ if TYPE_CHECKING:
     from flywheel.contract.bus import Bus
     from flywheel.contract.settings import Settings
 
+log = logging.getLogger(__name__)
+
 READY_TIMEOUT_S = 600.0  # inference starting and loading the model, at most (smollm2's first conversion included)
 FINISH_TIMEOUT_S = 5.0  # marking the model's run finished, and closing the bus, at most
 SAY_EVERY_S = 5.0  # how often a wait says it still waits
+# The eval holds its model's run with a lease this long, renewed every third of it: an eval that
+# dies (kill -9) leaves a run whose lease lapses, and inference unloads its model.
+LEASE_S = 60.0
 EVAL_SERVICES = ("sandbox", "inference")  # what an eval of a model needs of the embedded stack
 
 
@@ -264,6 +273,20 @@ async def eval_tenant(bus: Bus, cfg: EvalConfig) -> str:
     return "default"
 
 
+async def _renew(bus: Bus, run: str, owner: str) -> None:
+    """Renew ``owner``'s lease on the model's run every third of it, until cancelled; a renewal
+    that fails is tried again at the next (the lease lapsing unloads the model, which the next
+    request loads again)."""
+    from flywheel.contract.runs import renew_lease
+
+    while True:
+        await asyncio.sleep(LEASE_S / 3)  # a deliberate sleep - the lease's pace
+        try:
+            await asyncio.wait_for(renew_lease(bus, run, owner, LEASE_S), LEASE_S / 3)
+        except Exception as exc:
+            log.warning("run %s: its lease could not be renewed (%s: %s)", run, type(exc).__name__, exc)
+
+
 @contextlib.asynccontextmanager
 async def _model(cfg: EvalConfig, settings: Settings, name: str, progress_out: TextIO) -> AsyncIterator[EvalConfig]:
     """Model ``name`` served by inference as a run of kind eval of the eval's tenant while the
@@ -276,13 +299,18 @@ async def _model(cfg: EvalConfig, settings: Settings, name: str, progress_out: T
     bus = await Bus.connect(settings.resolved_nats_url, "flywheel-eval")
     try:
         await register_model(bus, run, name, cfg.env, await eval_tenant(bus, cfg))
+        owner = f"flywheel-eval pid {os.getpid()} on {socket.gethostname()}"
+        await update_run(bus, run, owner=owner, lease_expires_at=events.utc_now() + timedelta(seconds=LEASE_S))
+        renewing = asyncio.ensure_future(_renew(bus, run, owner))
         try:
             await wait_until_served(cfg.base_url, run, cfg.model, cfg.api_key, progress_out)
             yield replace(cfg, served_as=run)
         finally:
+            renewing.cancel()
+            await asyncio.gather(renewing, return_exceptions=True)
             try:  # bounded: NATS may be gone (the embedded stack stopped), and the bus would retry
-                await asyncio.wait_for(update_run(bus, run, status="finished", ended_at=events.utc_now()),
-                                       FINISH_TIMEOUT_S)
+                await asyncio.wait_for(update_run(bus, run, status="finished", ended_at=events.utc_now(), owner=None,
+                                                  lease_expires_at=None), FINISH_TIMEOUT_S)
             except Exception as exc:
                 print(f"the run {run} that served {cfg.model} could not be marked finished ({type(exc).__name__}: "
                       f"{exc}): inference keeps its model loaded until it restarts", file=progress_out, flush=True)
