@@ -1019,7 +1019,8 @@ async def resolve_model(base_url: str, api_key: str | None) -> str:
     return str(response.json()["data"][0]["id"])
 
 
-Serving = Callable[["EvalConfig"], contextlib.AbstractAsyncContextManager["EvalConfig"]]
+# The eval's config (the model as served) and NATS URL (a stack started for it: its login), from its given config.
+Serving = Callable[["EvalConfig"], contextlib.AbstractAsyncContextManager[tuple["EvalConfig", str | None]]]
 
 
 async def run_eval(cfg: EvalConfig, nats_url: str | None = None, progress_out: TextIO = sys.stderr,
@@ -1028,7 +1029,8 @@ async def run_eval(cfg: EvalConfig, nats_url: str | None = None, progress_out: T
     in ``pool``, or a pool of this eval's own, of the settings' workers section), run the eval,
     return the summary (also written beside the results). ``serving``: entered once the
     environment loaded and the sampling is checked, it gives the config the eval runs with (the
-    model served for it: :mod:`flywheel.ops.evalmodel`) and is left when the eval ends."""
+    model served for it: :mod:`flywheel.ops.evalmodel`) and its NATS URL (instead of
+    ``nats_url``), and is left when the eval ends."""
     own = pool is None
     if pool is None:
         from flywheel.contract.settings import Settings
@@ -1042,9 +1044,9 @@ async def run_eval(cfg: EvalConfig, nats_url: str | None = None, progress_out: T
         if serving is None:
             summary = await evaluation.run(nats_url)
         else:
-            async with serving(cfg) as served:
+            async with serving(cfg) as (served, served_nats_url):
                 evaluation.cfg = served
-                summary = await evaluation.run(nats_url)
+                summary = await evaluation.run(served_nats_url)
     finally:
         if own:
             await pool.close()

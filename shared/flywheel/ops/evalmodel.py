@@ -211,7 +211,8 @@ async def run_local_eval(cfg: EvalConfig, settings: Settings, progress_out: Text
 
 
 @contextlib.asynccontextmanager
-async def _served(cfg: EvalConfig, settings: Settings, progress_out: TextIO) -> AsyncIterator[EvalConfig]:
+async def _served(cfg: EvalConfig, settings: Settings,
+                  progress_out: TextIO) -> AsyncIterator[tuple[EvalConfig, str | None]]:
     from flywheel.contract.natsusers import redacted
     from flywheel.ops.run import nats_answers
 
@@ -226,10 +227,10 @@ async def _served(cfg: EvalConfig, settings: Settings, progress_out: TextIO) -> 
               "this eval (they stop with it)", file=progress_out, flush=True)
         async with embedded_stack(settings, progress_out, cfg.out), _model(cfg, settings, name,
                                                                             progress_out) as served:
-            yield served
+            yield served, settings.resolved_nats_url  # with the login the stack made (a new data folder's)
         return
     if await _is_run(url, run):
-        yield cfg
+        yield cfg, url
         return
     if name is None:
         from flywheel.sdk.models import BUILDERS
@@ -239,7 +240,7 @@ async def _served(cfg: EvalConfig, settings: Settings, progress_out: TextIO) -> 
                          "give a run id (RUN or RUN@STEP; `flywheel runs list` lists them), a model name or "
                          "folder, or --base-url for another endpoint")
     async with _model(cfg, settings, name, progress_out) as served:
-        yield served
+        yield served, url
 
 
 async def _is_run(nats_url: str, run: str) -> bool:
