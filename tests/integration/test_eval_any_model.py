@@ -133,6 +133,20 @@ async def test_eval_of_smollm2_on_a_few_tasks(nats_server: NatsServer, tmp_path:
     assert summary["completion_tokens"] > 0
 
 
+async def test_models_compared_side_by_side_are_each_served(nats_server: NatsServer, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    async with inference(nats_server, data) as (_, served):
+        code, stdout, stderr = await flywheel_eval(served, data, nats_server.url, "--models", "tiny,tiny-long",
+                                                   "-n", "2", "--max-tokens", "4")
+    assert code == 0, stderr
+    assert "inference loads model tiny for this eval" in stderr and "model tiny-long is served" in stderr
+    report = json.loads((data / "evals" / "compare-reverse_text.json").read_text())
+    assert [row["model"] for row in report["models"]] == ["tiny", "tiny-long"]
+    for row in report["models"]:
+        assert row["summary"]["num_errors"] == 0 and row["summary"]["reward_mean"] is not None, row
+        assert row["summary"]["served_as"].startswith(f"model-{row['model']}-")
+
+
 async def test_a_model_served_for_an_eval_is_its_tenants_alone(nats_server: NatsServer, bus: Bus, tmp_path: Path,
                                                                tiny_model_dir: Path) -> None:
     async with inference(nats_server, tmp_path / "data", auth="keys") as (app, served):

@@ -690,7 +690,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
         specs = parse_models(args.models, base_url)
         prices = read_prices(Path(args.prices) if args.prices else None, specs)
-        report = asyncio.run(compare(cfg, specs, prices, settings.data_dir / "evals", settings.resolved_nats_url))
+        serving = None
+        if local:  # each model at the local stack's inference: a run, or any model served for the eval
+            from flywheel.ops.evalmodel import local_serving
+
+            serving = local_serving(settings)
+        report = asyncio.run(compare(cfg, specs, prices, settings.data_dir / "evals", settings.resolved_nats_url,
+                                     serving))
         print(Path(report["markdown"]).read_text())
         print(f"report: {report['markdown']} (and .json, .png)")
         return 0

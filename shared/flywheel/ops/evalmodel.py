@@ -41,7 +41,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from flywheel.ops.eval import EvalConfig, run_eval
+from flywheel.ops.eval import EvalConfig, Serving, run_eval
 
 if TYPE_CHECKING:
     from flywheel.contract.bus import Bus
@@ -206,8 +206,12 @@ async def run_local_eval(cfg: EvalConfig, settings: Settings, progress_out: Text
     """``flywheel eval`` against the local stack's inference (``cfg.base_url``): of a run as
     ever, or of a model no training run trained, served for it (the module's rules), once the
     environment loaded."""
-    return await run_eval(cfg, settings.resolved_nats_url, progress_out,
-                          serving=lambda given: _served(given, settings, progress_out))
+    return await run_eval(cfg, settings.resolved_nats_url, progress_out, serving=local_serving(settings, progress_out))
+
+
+def local_serving(settings: Settings, progress_out: TextIO = sys.stderr) -> Serving:
+    """What serves an eval's model on the local stack (:func:`flywheel.ops.eval.run_eval`'s ``serving``)."""
+    return lambda given: _served(given, settings, progress_out)
 
 
 @contextlib.asynccontextmanager
