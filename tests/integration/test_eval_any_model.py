@@ -136,7 +136,7 @@ async def test_eval_of_smollm2_on_a_few_tasks(nats_server: NatsServer, tmp_path:
 async def test_models_compared_side_by_side_are_each_served(nats_server: NatsServer, tmp_path: Path) -> None:
     data = tmp_path / "data"
     async with inference(nats_server, data) as (_, served):
-        code, stdout, stderr = await flywheel_eval(served, data, nats_server.url, "--models", "tiny,tiny-long",
+        code, _, stderr = await flywheel_eval(served, data, nats_server.url, "--models", "tiny,tiny-long",
                                                    "-n", "2", "--max-tokens", "4")
     assert code == 0, stderr
     assert "inference loads model tiny for this eval" in stderr and "model tiny-long is served" in stderr
