@@ -5,7 +5,8 @@ run named by ``model`` (the run id; 404 naming it when the runs bucket has no su
 sampled through the same batching queue as the run's rollouts; a finished run's answers
 with its last weights, and ``model = RUN@STEP`` with the weights of trainer step STEP while
 the run keeps them (the newest few and those its evals are pinned to; 404 naming the steps
-it keeps otherwise), loaded in a model of their own. Sampling fields override
+it keeps otherwise), loaded in a model of their own; a run of kind ``eval`` that
+``flywheel eval --model NAME`` registered answers with its model's own weights. Sampling fields override
 the run's configured sampling. Every choice carries the sampled tokens' log-probabilities
 (``log_softmax(logits / temperature)``, as the trainer computes them) in the standard
 shape, whether or not ``logprobs`` was asked for; ``system_fingerprint`` names the policy

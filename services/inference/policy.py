@@ -348,6 +348,15 @@ class Policy:
         assert self.version is not None
         return self.version
 
+    def serve_as_built(self) -> None:
+        """Serve the weights the backend was built with, as version 0: a model no trainer
+        publishes weights for (an eval's base model, :meth:`flywheel_inference.worker.Worker.hosted`)."""
+        if self.version is None:
+            self.backend.version = 0
+        self.load_error = None
+        self._loaded.set()
+        log.info("run %s: serving the model's own weights (as version 0)", self.run)
+
     async def swap(self, data: bytes, version: int) -> None:
         self._batcher.swaps_waiting += 1  # the running batch takes no more rows: it ends, then the swap
         try:

@@ -27,6 +27,10 @@
   sampled from it for ``EVICT_IDLE_S`` and its rollouts are done; the base goes with its
   last adapter. A backend that keeps no adapters side by side (one of the user's own) gets
   a copy per run, the adapter merged in. The heartbeat's ``shared_bases`` lists them.
+- A run of kind ``eval`` with a config is a model served for ``flywheel eval --model NAME``
+  (:mod:`flywheel.ops.evalmodel`): hosted from its config's model as any run, but no trainer
+  publishes its weights, so its policy serves the model's own as version 0; once the eval run
+  ended and nothing sampled from it for ``EVICT_IDLE_S``, it is unloaded.
 - Run states come from a watcher on the runs bucket, which keeps every run's current
   state; a task is checked against it when it arrives (:func:`flywheel.contract.runs.end_of`).
   When a run ends (finished, failed, stopped, or abandoned: its owner's lease expired,
@@ -329,6 +333,11 @@ class Worker:
         policy = await self._policy(run, cfg, on_loaded=loaded, on_error=lambda _: self._refresh_info())
         hosted = HostedRun(cfg, policy, admission)
         self._runs[run] = hosted
+        if state is not None and state.kind == "eval":
+            # An eval's model: no trainer publishes its weights; it is served as its folder holds it.
+            policy.serve_as_built()
+            self._refresh_info()
+            return hosted
         self._refresh_info()
         seen = self._updates.pop(run, {})
         for update in sorted(seen.values() or await weights.updates(self.bus, run, MAX_OFFERED),
@@ -598,6 +607,12 @@ class Worker:
             log.info("run %s: %s", run, f"{reason}; its waiting tasks are released" if reason else "takes tasks again")
         await hosted.admission.set_ended(reason)
         idle_s = time.monotonic() - hosted.policy.last_used
+        if reason is not None and state.kind == "eval" and not hosted.live and idle_s >= EVICT_IDLE_S:
+            # An ended eval's model (``flywheel eval --model NAME``) is unloaded; asked for again, it loads again.
+            del self._runs[run]
+            log.info("run %s: the eval has ended; its model is unloaded", run)
+            await self._close_policy(hosted.policy)
+            return
         if reason is not None and hosted.policy.adapter is not None and not hosted.live and idle_s >= EVICT_IDLE_S:
             # An ended LoRA run gives its place on the shared base back; it is hosted again
             # (its last adapter loaded) if it is resumed or asked for on the API.

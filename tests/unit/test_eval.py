@@ -439,7 +439,10 @@ async def test_a_harness_that_fails_is_recorded_on_its_rollout(tmp_path: Path) -
     assert records[0]["error"] == ("harness failed: ModelCallError: the model endpoint answered 502: upstream "
                                    "http://127.0.0.1:9/v1 unreachable after 1 tries: ConnectError: All connection "
                                    "attempts failed")
-    assert summary["pass@1"] == 0.0
+    # Nothing was scored: no pass rate (errored rollouts are left out of every figure of the rewards).
+    assert summary["pass@1"] is None and summary["num_scored"] == 0
+    assert [(e["kind"], e["count"]) for e in summary["errors"] if e["where"] == "rollout"] == [
+        ("harness failed: ModelCallError", 2)]
 
 
 @pytest.mark.parametrize(("args", "message"), [

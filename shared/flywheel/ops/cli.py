@@ -289,8 +289,11 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("env", metavar="ENV", help="environment id: a module name or owner/name[@version]")
     which = evaluate.add_mutually_exclusive_group(required=True)
     which.add_argument("--model", metavar="NAME_OR_URL",
-                       help="the model name sent (a run id for the local inference service); a URL instead "
-                            "evaluates the first model that endpoint lists")
+                       help="without --base-url, what the local stack's inference serves: a run id (RUN, "
+                            "RUN@STEP), or any model, served for the eval with no training run: a model name "
+                            "(tiny, smollm2) or a Hugging Face folder (the stack is started when none runs); with "
+                            "--base-url, the model name sent; a URL instead evaluates the first model that "
+                            "endpoint lists")
     which.add_argument("--models", metavar="A,B[@URL],...",
                        help="compare models side by side on the same tasks: each at --base-url, or NAME@URL at its "
                             "own endpoint; writes a report (markdown, JSON, PNG: reward +- stderr, pass@k, tokens, "
@@ -668,6 +671,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if model.startswith(("http://", "https://")):
         base_url = base_url or model
         model = asyncio.run(resolve_model(model, api_key))
+    local = not base_url  # the local stack's inference serves the model
     base_url = base_url or f"http://{settings.inference_host}:{settings.inference_port}/v1"
     slug = re.sub(r"[^-_.a-zA-Z0-9]+", "_", f"{args.env}-{model}")
     out = Path(args.out) if args.out else settings.data_dir / "evals" / f"{slug}.jsonl"
@@ -686,13 +690,25 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
         specs = parse_models(args.models, base_url)
         prices = read_prices(Path(args.prices) if args.prices else None, specs)
-        report = asyncio.run(compare(cfg, specs, prices, settings.data_dir / "evals", settings.resolved_nats_url))
+        serving = None
+        if local:  # each model at the local stack's inference: a run, or any model served for the eval
+            from flywheel.ops.evalmodel import local_serving
+
+            serving = local_serving(settings)
+        report = asyncio.run(compare(cfg, specs, prices, settings.data_dir / "evals", settings.resolved_nats_url,
+                                     serving))
         print(Path(report["markdown"]).read_text())
         print(f"report: {report['markdown']} (and .json, .png)")
         return 0
-    summary = asyncio.run(run_eval(cfg, settings.resolved_nats_url))  # --record, and sandboxes where NATS answers
+    if local:  # the local stack's inference: a run, or any model served for the eval
+        from flywheel.ops.evalmodel import run_local_eval
+
+        summary = asyncio.run(run_local_eval(cfg, settings))
+    else:
+        summary = asyncio.run(run_eval(cfg, settings.resolved_nats_url))  # --record, and sandboxes where NATS answers
     print(format_summary(summary))
-    print(f"results: {summary['results']}" + (f"  run: {summary['run']}" if summary["run"] else ""))
+    print(f"results: {summary['results']}" + (f"  run: {summary['run']}" if summary["run"] else "")
+          + (f"  served as: {summary['served_as']}" if summary.get("served_as") else ""))
     if args.push:
         # imported here: --help loads no msgspec, pydantic or nats (tests/unit/test_cli.py)
         from flywheel.runtime import installs

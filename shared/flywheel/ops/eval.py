@@ -27,7 +27,9 @@ in it already. Task and rollout ids are made as every producer makes them
 from the eval run's id. The summary: reward mean
 and standard error (and per reward), pass@k for k in 1..num_rollouts (a rollout passes when
 its reward reaches ``pass_threshold``, by default the sum of the reward weights: every
-reward at 1.0), harness and reward errors, tokens from the upstream's usage.
+reward at 1.0), each over the rollouts without an error (``num_scored``), the errors by kind
+(:func:`error_kind`: each with its count and an example), tokens from the upstream's usage.
+Any model on the local stack, with no training run: :mod:`flywheel.ops.evalmodel`.
 
 ``record`` publishes the rollouts and their scores on the bus under a run of kind ``eval``
 (registered in the runs bucket), so the gateway's recorder stores them beside training runs.
@@ -50,6 +52,7 @@ import contextlib
 import json
 import math
 import random
+import re
 import socket
 import sys
 import time
@@ -582,6 +585,9 @@ class EvalConfig:
     # Every call's system message is this one (put first where a harness sends none): the
     # prompt flywheel optimize tries, whatever the harness. None: as the harness sends it.
     system_prompt: str | None = None
+    # The name the endpoint knows the model by, where it is not ``model``: the run the local
+    # stack's inference serves a model no training run trained as (flywheel.ops.evalmodel).
+    served_as: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_tasks", "num_rollouts", "concurrency"):
@@ -631,21 +637,65 @@ def mean_stderr(values: Sequence[float]) -> tuple[float | None, float | None]:
     return mean, math.sqrt(var / len(values))
 
 
+MAX_EXAMPLE_CHARS = 500  # an error kind's example message, cut to this
+
+
+def error_kind(message: str) -> str:
+    """A rollout's (or reward's) error message as its kind, so that errors of one cause group
+    together: its first clause (up to ``": "`` or ``"; "``), with the exception type after a
+    prefix kept (``harness failed: NotFoundError``), quoted values, ``=values`` and numbers
+    blanked (``the harness ran past rollout_timeout_s``)."""
+    text = (message.strip().splitlines() or ["(no message)"])[0]
+    parts = re.split(r": |; ", text)
+    kind = parts[0]
+    if len(parts) > 1 and re.fullmatch(r"[A-Z][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", parts[1]):
+        kind += ": " + parts[1]  # an exception's type, after a prefix that says where it was raised
+    kind = re.sub(r"'[^']*'|\"[^\"]*\"", "'...'", kind)
+    kind = re.sub(r"=\S+", "", kind)
+    kind = re.sub(r"\d+", "N", kind)
+    return kind[:200] or "(no message)"
+
+
+def error_kinds(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The errors of ``records`` by kind (:func:`error_kind`), most frequent first: each with its
+    ``count`` and one ``example`` message (the first seen) and its ``rollout_id``. A rollout's
+    error is ``rollout``'s; a reward's is ``reward NAME``'s."""
+    kinds: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in records:
+        found = [("rollout", r["error"])] if r.get("error") else []
+        found += [(f"reward {name}", message) for name, message in (r.get("reward_errors") or {}).items()]
+        for where, message in found:
+            text = str(message)
+            key = (where, error_kind(text))
+            entry = kinds.setdefault(key, {"where": where, "kind": key[1], "count": 0,
+                                           "example": text[:MAX_EXAMPLE_CHARS], "rollout_id": r.get("rollout_id")})
+            entry["count"] += 1
+    return sorted(kinds.values(), key=lambda e: (-e["count"], e["where"], e["kind"]))
+
+
 def summarize(records: Sequence[Mapping[str, Any]], weights: Mapping[str, float], num_rollouts: int,
               pass_threshold: float) -> dict[str, Any]:
-    """Reward mean and standard error (overall and per reward), pass@k, errors, tokens."""
-    rewards = [r["reward"] for r in records if r.get("reward") is not None]
+    """Reward mean and standard error (overall and per reward), pass@k, errors by kind, tokens.
+
+    Every figure of the rewards (their means, standard errors and pass@k) is over the rollouts
+    without an error (``num_scored``; an errored rollout's harness never finished, so what its
+    rewards say of it is not the model's): ``reward_mean`` also leaves out a rollout one of whose
+    rewards failed (its reward is not known), each reward's ``num`` says how many it is over."""
+    scored = [r for r in records if not r.get("error")]
+    rewards = [r["reward"] for r in scored if r.get("reward") is not None]
     mean, stderr = mean_stderr(rewards)
     per_reward = {}
     for name in weights:
-        values = [r["rewards"][name] for r in records if name in r.get("rewards", {})]
+        values = [r["rewards"][name] for r in scored if name in r.get("rewards", {})]
         m, s = mean_stderr(values)
         per_reward[name] = {"mean": m, "stderr": s, "weight": weights[name], "num": len(values)}
     by_task: dict[str, list[bool]] = {}
     for r in records:
+        by_task.setdefault(r["task_id"], [])
+    for r in scored:
         # A hair of tolerance: weighted sums of floats (0.1 + 0.2) should pass a threshold they meet.
         passed = r.get("reward") is not None and r["reward"] >= pass_threshold - 1e-9
-        by_task.setdefault(r["task_id"], []).append(passed)
+        by_task[r["task_id"]].append(passed)
     pass_k = {}
     for k in range(1, num_rollouts + 1):
         groups = [g for g in by_task.values() if len(g) >= k]
@@ -653,13 +703,16 @@ def summarize(records: Sequence[Mapping[str, Any]], weights: Mapping[str, float]
     return {
         "num_tasks": len(by_task),
         "num_rollouts": len(records),
+        "num_scored": len(scored),
+        "num_rewarded": len(rewards),
         "reward_mean": mean,
         "reward_stderr": stderr,
         "pass_threshold": pass_threshold,
         **pass_k,
         "rewards": per_reward,
-        "num_errors": sum(1 for r in records if r.get("error")),
+        "num_errors": len(records) - len(scored),
         "num_reward_errors": sum(1 for r in records if r.get("reward_errors")),
+        "errors": error_kinds(records),
         "num_truncated": sum(1 for r in records if r.get("status") == "truncated"),
         "prompt_tokens": sum(r.get("usage", {}).get("prompt_tokens", 0) for r in records),
         "completion_tokens": sum(r.get("usage", {}).get("completion_tokens", 0) for r in records),
@@ -679,6 +732,16 @@ def format_summary(summary: Mapping[str, Any]) -> str:
     rows += [[k, num(summary[k]), ""] for k in ("num_tasks", "num_rollouts", "num_errors", "num_reward_errors",
                                                  "num_truncated", "prompt_tokens", "completion_tokens")]
     text = table(rows, ["", "mean", "stderr"]) + f"\npass: reward >= {summary['pass_threshold']:g}"
+    if "num_scored" in summary:
+        text += (f"\nrewards and pass@k are over the {summary['num_scored']} of {summary['num_rollouts']} rollouts "
+                 f"without an error" + (f" ({summary['num_errors']} errored, left out)" if summary["num_errors"]
+                                        else "")
+                 + (f"; reward over the {summary['num_rewarded']} whose every reward was computed"
+                    if summary.get("num_rewarded", summary["num_scored"]) != summary["num_scored"] else ""))
+    if summary.get("errors"):
+        text += "\nerrors by kind:"
+        for e in summary["errors"]:
+            text += f"\n  {e['count']:>5} x {e['where']}: {e['kind']}\n        e.g. {e['example']}"
     if summary.get("sampling"):
         given = {k: v for k, v in summary["sampling"].items() if v not in (None, [])}
         text += "\nsampled with: " + ", ".join(f"{k} {v}" for k, v in given.items())
@@ -786,7 +849,8 @@ class Evaluation:
             if self._sandbox_bus is not None:
                 await self._sandbox_bus.close()
         records = [r for r in read_results(cfg.out) if r["task_id"] in wanted]
-        summary = {"env": cfg.env, "model": cfg.model, "run": self.run_id if cfg.record else None,
+        summary = {"env": cfg.env, "model": cfg.model, "served_as": cfg.served_as,
+                   "run": self.run_id if cfg.record else None,
                    **summarize(records, self.weights, cfg.num_rollouts, self.pass_threshold),
                    "elapsed_s": time.monotonic() - started, "num_upstream_retries": self.proxy.num_retries,
                    "sampling": msgspec.structs.asdict(self.sampling) if cfg.send_sampling else None,
@@ -869,7 +933,8 @@ class Evaluation:
                 ran = Ran(f"environment worker failed: {exc}", {}, False, 0.0)
             else:
                 recording = self.proxy.open(rid, sampling, running.hooks if running.hooks else None)
-                ran = await running.run(row, model=self.cfg.model, index=index, timeout_s=self.cfg.rollout_timeout_s)
+                ran = await running.run(row, model=self.cfg.served_as or self.cfg.model, index=index,
+                                        timeout_s=self.cfg.rollout_timeout_s)
             self.proxy.take(rid)  # the rollout is over: calls that still come are not its own
         outcome = conclude(ran, recording, rid, index)
         metrics = {k: float(v) for k, v in recording.tokens().items()} | {"rollout_s": outcome.elapsed_s}
@@ -889,7 +954,8 @@ class Evaluation:
             raise ValueError("--record needs NATS: set FLYWHEEL_NATS_URL or start `flywheel up`")
         self.bus = await Bus.connect(nats_url, "flywheel-eval")
         await register_run(self.bus, self.run_id, await self._tenant(), kind="eval", config={
-            "eval": {"env": self.cfg.env, "model": self.cfg.model, "base_url": self.cfg.base_url,
+            "eval": {"env": self.cfg.env, "model": self.cfg.model, "served_as": self.cfg.served_as,
+                     "base_url": self.cfg.base_url,
                      "num_tasks": self.cfg.num_tasks, "num_rollouts": self.cfg.num_rollouts, **self.cfg.during}},
                            scorers=self.weights)
 
@@ -902,7 +968,7 @@ class Evaluation:
 
         assert self.bus is not None
         trained = self.cfg.during.get("train_run")
-        evaluated = str(trained) if trained else self.cfg.model.partition("@")[0]
+        evaluated = str(trained) if trained else (self.cfg.served_as or self.cfg.model).partition("@")[0]
         state = await get_run(self.bus, evaluated) if is_key(evaluated) else None
         if state is None:
             if trained:
@@ -953,11 +1019,18 @@ async def resolve_model(base_url: str, api_key: str | None) -> str:
     return str(response.json()["data"][0]["id"])
 
 
+# The eval's config (the model as served) and NATS URL (a stack started for it: its login), from its given config.
+Serving = Callable[["EvalConfig"], contextlib.AbstractAsyncContextManager[tuple["EvalConfig", str | None]]]
+
+
 async def run_eval(cfg: EvalConfig, nats_url: str | None = None, progress_out: TextIO = sys.stderr,
-                   pool: WorkerPool | None = None) -> dict[str, Any]:
+                   pool: WorkerPool | None = None, serving: Serving | None = None) -> dict[str, Any]:
     """Load the environment in a worker of the eval's tenant (``cfg.tenant``, else ``default``;
     in ``pool``, or a pool of this eval's own, of the settings' workers section), run the eval,
-    return the summary (also written beside the results)."""
+    return the summary (also written beside the results). ``serving``: entered once the
+    environment loaded and the sampling is checked, it gives the config the eval runs with (the
+    model served for it: :mod:`flywheel.ops.evalmodel`) and its NATS URL (instead of
+    ``nats_url``), and is left when the eval ends."""
     own = pool is None
     if pool is None:
         from flywheel.contract.settings import Settings
@@ -967,7 +1040,13 @@ async def run_eval(cfg: EvalConfig, nats_url: str | None = None, progress_out: T
     try:
         overrides = EnvironmentOverrides(args=dict(cfg.env_args), harness=cfg.harness, runtime=cfg.runtime)
         env = await load_environment(pool, cfg.env, overrides, cfg.tenant or "default")
-        summary = await Evaluation(cfg, env, progress_out).run(nats_url)
+        evaluation = Evaluation(cfg, env, progress_out)
+        if serving is None:
+            summary = await evaluation.run(nats_url)
+        else:
+            async with serving(cfg) as (served, served_nats_url):
+                evaluation.cfg = served
+                summary = await evaluation.run(served_nats_url)
     finally:
         if own:
             await pool.close()

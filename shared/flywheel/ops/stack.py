@@ -849,13 +849,16 @@ class Stack:
         gateway = self.settings.resolved_gateway_url
         pids = ", ".join(str(node.pid) for node in self.nats_nodes)
         nats_owner = ("pid " if len(self.nats_nodes) == 1 else "pids ") + pids if self.nats_nodes else "existing server"
+        # A stack of some services (flywheel eval's) has no gateway to name.
+        with_gateway = any(service.name == "gateway" for service in self.services)
+        inference = f"http://{local_host(self.settings.inference_host)}:{self.settings.inference_port}"
         self.say("\n".join([
             "Flywheel is up. Ctrl-C stops it.",
-            f"  gateway   {gateway}",
-            f"  API docs  {gateway}/docs",
+            *([f"  gateway   {gateway}", f"  API docs  {gateway}/docs"] if with_gateway else []),
             "  API keys  " + ("none: the API runs open, for callers on this machine only (auth = open; "
                               "FLYWHEEL_AUTH=keys wants keys)" if self.settings.auth == "open"
                               else "required (auth = keys): `flywheel keys create --tenant T` makes one"),
+            *([] if with_gateway else [f"  inference {inference}/v1"]),
             f"  NATS      {natsusers.redacted(self.nats_url)} ({nats_owner})",
             f"  data      {self.data_dir}",
             f"  logs      {self.log_dir}",
