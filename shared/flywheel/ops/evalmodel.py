@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import os
 import re
@@ -41,6 +42,8 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
+from flywheel.contract import events
+from flywheel.contract.natsusers import redacted
 from flywheel.ops.eval import EvalConfig, Serving, run_eval
 
 if TYPE_CHECKING:
@@ -217,7 +220,6 @@ def local_serving(settings: Settings, progress_out: TextIO = sys.stderr) -> Serv
 @contextlib.asynccontextmanager
 async def _served(cfg: EvalConfig, settings: Settings,
                   progress_out: TextIO) -> AsyncIterator[tuple[EvalConfig, str | None]]:
-    from flywheel.contract.natsusers import redacted
     from flywheel.ops.run import nats_answers
 
     name = model_name(cfg.model)
@@ -265,8 +267,6 @@ async def eval_tenant(bus: Bus, cfg: EvalConfig) -> str:
     """The tenant a model is served for: the eval's (``cfg.tenant``), else that of the API key it
     calls inference with (a tenant's key, ``fw_<id>_<secret>``, that the keys bucket holds), so
     that key may sample from it; else ``default`` (inference runs open)."""
-    import hmac
-
     from flywheel.contract import keys
 
     if cfg.tenant is not None:
@@ -296,7 +296,6 @@ async def _renew(bus: Bus, run: str, owner: str) -> None:
 async def _model(cfg: EvalConfig, settings: Settings, name: str, progress_out: TextIO) -> AsyncIterator[EvalConfig]:
     """Model ``name`` served by inference as a run of kind eval of the eval's tenant while the
     eval runs (the config it runs with names the run), the run marked finished after."""
-    from flywheel.contract import events
     from flywheel.contract.bus import Bus
     from flywheel.contract.runs import update_run
 
