@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import Counter
 
@@ -677,3 +678,28 @@ async def test_a_durable_deleted_under_its_consumer_is_made_again_and_nothing_is
     for consumer, running_task in ((c, t), (n, tn)):
         consumer.stop()
         await running_task
+
+
+async def test_a_consumer_started_while_the_bus_is_away_waits_for_it_and_says_so(
+        nats_server: NatsServer, caplog: pytest.LogCaptureFixture) -> None:
+    """A service that starts while the bus does not answer (a loaded machine, a server
+    restarting) waits past its retry budget for its consumer, saying so once: it never exits."""
+    caplog.set_level(logging.INFO, logger="flywheel.contract.bus")
+    bus = await Bus.connect(nats_server.url, "late", BusConfig(publish_timeout_s=0.5))
+    seen: list[str] = []
+
+    async def handle(d: Delivery) -> None:
+        seen.append(d.event.id)
+
+    await asyncio.to_thread(nats_server.stop)
+    c = Consumer(bus, stream="TASKS", durable="late", handler=handle)
+    t = asyncio.ensure_future(c.run())
+    await until(lambda: "the bus does not answer yet" in caplog.text, timeout_s=20, what="the wait said")
+    assert not t.done()  # past publish_timeout_s, still waiting
+    await asyncio.to_thread(nats_server.start)
+    await until(lambda: "the bus answers; consuming" in caplog.text, timeout_s=30, what="the consumer made")
+    await bus.publish(task(1))
+    await until(lambda: len(seen) == 1, timeout_s=30, what="the task consumed")
+    c.stop()
+    await t
+    await bus.close()

@@ -172,6 +172,9 @@ def _is_transient(exc: BaseException | None) -> bool:
             or (isinstance(exc, nats.js.errors.APIError) and getattr(exc, "err_code", None) == NO_PEERS_FOR_PLACEMENT))
 
 
+ENSURE_RETRY_S = 1.0  # a consumer whose making timed out tries again after this long
+
+
 @dataclass
 class BusConfig:
     """How the bus connects and stores. Defaults suit one machine; raise limits deployed."""
@@ -1177,6 +1180,26 @@ class Consumer:
         )
         await self.bus.retry(lambda: self.bus.js.add_consumer(self.stream, cfg))
 
+    async def _ensure_patiently(self) -> None:
+        """:meth:`ensure`, tried again while the bus answers too slowly for it (a loaded machine,
+        a server restarting: past ``publish_timeout_s``), saying so once, until it succeeds or a
+        stop is asked: a service that starts while the bus is slow waits for it, never exits."""
+        said = False
+        while True:
+            try:
+                await self.ensure()
+                if said:
+                    log.info("consumer %s on %s: the bus answers; consuming", self.durable, self.stream)
+                return
+            except Exception as exc:
+                if not _is_transient(exc) or self._stopping.is_set():
+                    raise
+                if not said:
+                    log.warning("consumer %s on %s: the bus does not answer yet (%s: %s); trying again until it "
+                                "does", self.durable, self.stream, type(exc).__name__, exc)
+                    said = True
+                await asyncio.sleep(ENSURE_RETRY_S)
+
     def stop(self) -> None:
         """Stop pulling; :meth:`run` then finishes in-flight work and returns."""
         self._stopping.set()
@@ -1187,7 +1210,7 @@ class Consumer:
         return self._stopping.is_set()
 
     async def run(self) -> None:
-        await self.ensure()
+        await self._ensure_patiently()
         pull = _Pull(self.bus.nc, self.stream, self.durable, self._dispatch)
         await pull.start()
         keepalive = asyncio.ensure_future(self._keep_alive())
