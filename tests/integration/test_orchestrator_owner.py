@@ -60,12 +60,8 @@ async def run_tasks_held(bus: Bus, run: str) -> int:
     return sum((held.state.subjects or {}).values())
 
 
-async def test_tasks_gone_from_the_bus_are_published_again_once(bus: Bus, nats_server: NatsServer,
-                                                                tmp_path: Path) -> None:
-    """TASKS purged under a running run: the owner finds none of the run's tasks there and
-    publishes what the run still needs, at new positions (new tasks, so nothing trained twice),
-    once. Tasks lost otherwise (none waiting, none being rolled out, no step for STALL_S):
-    published again once a stall."""
+async def supplying_owner(bus: Bus, nats_server: NatsServer, tmp_path: Path) -> RunOwner:
+    """The owner of a claimed run "r" of 10 steps of 4 rollouts (groups of 2), its environment loaded."""
     config = {"run": "r", "env": "reverse_text", "trainer": {"num_steps": 10, "batch_size": 4}, "group_size": 2}
     await register_run(bus, "r", config=config)
     state = await claim_run(bus, "r", "orchestrator me", 60.0)
@@ -74,6 +70,16 @@ async def test_tasks_gone_from_the_bus_are_published_again_once(bus: Bus, nats_s
                      InProcessPool())
     owner.environments = await load_run_environments(owner.pool, owner.cfg)
     owner.rows = [[] for _ in owner.environments]
+    return owner
+
+
+async def test_tasks_gone_from_the_bus_are_published_again_once(bus: Bus, nats_server: NatsServer,
+                                                                tmp_path: Path) -> None:
+    """TASKS purged under a running run: the owner finds none of the run's tasks there and
+    publishes what the run still needs, at new positions (new tasks, so nothing trained twice),
+    once. Tasks lost otherwise (none waiting, none being rolled out, no step for STALL_S):
+    published again once a stall."""
+    owner = await supplying_owner(bus, nats_server, tmp_path)
     await owner._publish_tasks()
     first = owner.num_published
     assert first and await run_tasks_held(bus, "r") == first
@@ -120,14 +126,7 @@ async def test_a_forged_drop_count_adds_no_more_tasks_than_could_have_been_dropp
     """Drop counts are bounded where they are read: from one update to the next, at most what
     inference could issue past the trainer meanwhile; a step past the run's last is not of its
     trainer at all."""
-    config = {"run": "r", "env": "reverse_text", "trainer": {"num_steps": 10, "batch_size": 4}, "group_size": 2}
-    await register_run(bus, "r", config=config)
-    state = await claim_run(bus, "r", "orchestrator me", 60.0)
-    assert state is not None
-    owner = RunOwner(bus, Settings(nats_url=nats_server.url, data_dir=tmp_path), state, "orchestrator me",
-                     InProcessPool())
-    owner.environments = await load_run_environments(owner.pool, owner.cfg)
-    owner.rows = [[] for _ in owner.environments]
+    owner = await supplying_owner(bus, nats_server, tmp_path)
     await owner._publish_tasks()
     await owner._publish_tasks(2, trainer_step=3)  # a real update: one group dropped
     assert owner.num_dropped == 2

@@ -167,16 +167,10 @@ async def embedded_stack(settings: Settings, out: TextIO, results: Path) -> Asyn
     Ctrl-C (and SIGTERM): the stack asked to stop (so, or failing) stops the body at once, while
     NATS still runs (it stops last), with a StackError saying where the eval's complete groups
     are (``results``)."""
-    from flywheel.ops.stack import SERVICES, Stack, StackError
+    from flywheel.ops.stack import SERVICES, Stack, StackError, start_until_bus
 
     stack = Stack(settings, out=out, services={name: SERVICES[name] for name in EVAL_SERVICES})
-    stack_task = asyncio.ensure_future(stack.run())
-    bus_ready = asyncio.ensure_future(stack.bus_ready.wait())
-    await asyncio.wait([stack_task, bus_ready], return_when=asyncio.FIRST_COMPLETED)
-    bus_ready.cancel()
-    if stack_task.done():
-        await stack_task  # raises StackError with the reason
-        raise StackError("the embedded stack stopped before it was ready")
+    stack_task = await start_until_bus(stack)
     body = asyncio.current_task()
     assert body is not None
     stopped = False

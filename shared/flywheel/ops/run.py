@@ -64,7 +64,7 @@ from flywheel.contract.runs import (
 from flywheel.contract.service import read_heartbeats
 from flywheel.contract.settings import Settings
 from flywheel.ops.natsserver import MIN_FREE_MIB, free_mib
-from flywheel.ops.stack import SERVICES, Stack, StackError
+from flywheel.ops.stack import SERVICES, Stack, StackError, start_until_bus
 from flywheel.runtime.environments import WorkerPool
 from flywheel.runtime.runs import RunEnvironment, config_ids, prepare_run
 from flywheel.sdk.scoring import describe_reward, reward_definition
@@ -327,16 +327,10 @@ class MainJob:
             self.stop_on_exit = True
             services = {name: spec for name, spec in SERVICES.items()}
             stack = Stack(self.settings, out=self.out, services=services, start_timeout_s=self.start_timeout_s)
-            stack_task = asyncio.ensure_future(stack.run())
             # The run starts as soon as the bus answers: the orchestrator starts its trainer,
             # which loads the model while the other services start (what the run still waits
             # for, it says).
-            bus_ready = asyncio.ensure_future(stack.bus_ready.wait())
-            await asyncio.wait([stack_task, bus_ready], return_when=asyncio.FIRST_COMPLETED)
-            bus_ready.cancel()
-            if stack_task.done():
-                await stack_task  # raises StackError with the reason
-                raise StackError("the embedded stack stopped before it was ready")
+            stack_task = await start_until_bus(stack)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.stopping.set)

@@ -505,6 +505,19 @@ class ServiceProcess(Process):
             await asyncio.sleep(0.05)
 
 
+async def start_until_bus(stack: Stack) -> asyncio.Task[None]:
+    """Start ``stack`` and return its running task once its bus answers (its services may still
+    be starting: what waits on them says so); StackError with the reason when it stops first."""
+    running = asyncio.create_task(stack.run())
+    bus_ready = asyncio.ensure_future(stack.bus_ready.wait())
+    await asyncio.wait([running, bus_ready], return_when=asyncio.FIRST_COMPLETED)
+    bus_ready.cancel()
+    if running.done():
+        await running  # raises StackError with the reason
+        raise StackError("the embedded stack stopped before it was ready")
+    return running
+
+
 def child_env(settings: Settings) -> dict[str, str]:
     """This environment plus every setting as ``FLYWHEEL_*``, resolved (absolute data folder,
     concrete NATS, database and gateway URLs), so every child reads the same values; a
