@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Set up, then run the default test suite (everything not marked slow, gpu, docker, vllm or browser).
+# Set up, then run the default test suite (everything not marked slow, long, gpu, docker, vllm or browser).
 #   scripts/test.sh            the default suite
+#   scripts/test.sh --long     only the long tier (end-to-end fault and recovery checks; CI runs it)
 #   scripts/test.sh --slow     only the slow tier
 #   scripts/test.sh --vllm     only the vLLM tier, in .venv-vllm (scripts/setup-vllm.sh)
 #   scripts/test.sh --docker   only the docker tier: a private Docker engine (root; scripts/setup-docker.sh
@@ -17,11 +18,15 @@ if [ "${1:-}" = "--vllm" ]; then
     exec .venv-vllm/bin/python -m pytest -m vllm tests/vllm "$@"
 fi
 scripts/setup.sh
-markers="not slow and not gpu and not docker and not vllm and not browser"
+markers="not slow and not long and not gpu and not docker and not vllm and not browser"
 if [ "${1:-}" = "--docker" ]; then
     shift
     scripts/setup-docker.sh
     markers="docker and not gpu and not vllm and not browser"
+fi
+if [ "${1:-}" = "--long" ]; then
+    markers="long and not slow and not gpu and not docker and not vllm and not browser"
+    shift
 fi
 if [ "${1:-}" = "--slow" ]; then
     markers="slow and not gpu and not docker and not vllm and not browser"

@@ -18,6 +18,7 @@ def flywheel(*args: str, env: dict[str, str] | None = None, cwd: Path | None = N
                           env=env, cwd=cwd, timeout=120, check=False)
 
 
+@pytest.mark.long
 def test_a_scaffolded_environment_installs_and_passes_its_own_tests(tmp_path: Path) -> None:
     made = flywheel("env", "init", "qa-env", "--owner", "acme", "--dir", str(tmp_path))
     assert made.returncode == 0, made.stderr

@@ -13,9 +13,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from flywheel.ops.natsserver import free_port
 
 
+@pytest.mark.long
 def test_eval_of_a_model_starts_the_stack_when_none_runs(tmp_path: Path, clean_env: dict[str, str]) -> None:
     data, out = tmp_path / "data", tmp_path / "tiny.jsonl"
     ports = {"nats": free_port(), "inference": free_port()}

@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parents[2]
 
 
+@pytest.mark.long
 def test_gpu_check_runs_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "gpu_check.json"
     done = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--device", "cpu", "--zero-stages", "",

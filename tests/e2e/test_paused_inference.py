@@ -102,6 +102,7 @@ def stopped_resumed() -> Iterator[list[int]]:
 
 # About 45 s on two cores (the stack, the SFT warm-up, 12 steps and the 15 s pause): the default tier.
 @pytest.mark.timeout(600)
+@pytest.mark.long
 def test_inference_stopped_longer_than_the_run_lease_keeps_the_runs_waiting_tasks(
         stack: tuple[subprocess.Popen[str], Output, dict[str, int]], tmp_path: Path, clean_env: dict[str, str],
         stopped_resumed: list[int]) -> None:

@@ -12,12 +12,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.e2e.test_up import Output
 
 ROOT = Path(__file__).parents[2]
 NUM_STEPS = 3
 
 
+@pytest.mark.long
 def test_the_rlm_environment_trains_end_to_end(
         tmp_path: Path, stack: tuple[subprocess.Popen[str], Output, dict[str, int]], clean_env: dict[str, str]) -> None:
     _, output, ports = stack

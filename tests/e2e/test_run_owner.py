@@ -252,6 +252,7 @@ def start_up(data_dir: Path, ports: dict[str, int], env: dict[str, str]) -> tupl
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.long
 def test_a_run_survives_every_process_and_nats_server_killed(tmp_path: Path, clean_env: dict[str, str]) -> None:
     """SIGKILL to every process at once (nats-server, each service, the trainer, `flywheel up`,
     `flywheel run`); the stack started again on the same data folder takes the run over by

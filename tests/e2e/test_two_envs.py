@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.e2e.test_up import Output, nats_login
 
@@ -26,6 +27,7 @@ NUM_STEPS = 4
 READY_TIMEOUT_S = 120
 
 
+@pytest.mark.long
 def test_a_run_on_two_environments_mixes_scores_and_reports_each(
         tmp_path: Path, stack: tuple[subprocess.Popen[str], Output, dict[str, int]], clean_env: dict[str, str]) -> None:
     _, output, ports = stack

@@ -128,6 +128,7 @@ def flywheel(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess[str
                           timeout=60, check=False)
 
 
+@pytest.mark.long
 def test_up_publish_status_restart_and_stop(stack: tuple[subprocess.Popen[str], Output, dict[str, int]],
                                             tmp_path: Path, clean_env: dict[str, str]) -> None:
     up, output, ports = stack

@@ -298,6 +298,7 @@ async def test_a_watch_from_a_start_time_goes_on_after_a_server_restart(nats_ser
         await bus.close()
 
 
+@pytest.mark.long
 async def test_publish_many_survives_a_server_restart_mid_batch(nats_server: NatsServer) -> None:
     bus = await Bus.connect(nats_server.url, "producer", BusConfig(publish_timeout_s=30, request_timeout_s=2))
     for attempt in range(3):  # the restart must land while acks are outstanding; try a few timings

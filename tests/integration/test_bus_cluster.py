@@ -37,6 +37,7 @@ def task(i: int) -> events.Task:
     return events.Task(id=f"t{i}", run="r1", env="echo", data={"i": i})
 
 
+@pytest.mark.long
 async def test_every_stream_is_on_each_node_and_a_leaders_death_loses_nothing(cluster: NatsCluster) -> None:
     # Streams and buckets made with one copy are brought to three by a bus asked for three.
     single = await Bus.connect(cluster.url, "single", BusConfig(replicas=1))

@@ -135,6 +135,7 @@ async def in_eval(tmp_path: Path) -> dict[tuple[str, int], dict[str, Any]]:
     return out
 
 
+@pytest.mark.long
 async def test_an_environment_ends_and_scores_the_same_in_eval_and_in_training(
         app: FastAPI, client: httpx.AsyncClient, store: Store, bus: Bus,
         start_worker: Workers, tiny_model_dir: Path, tmp_path: Path, parity_env: None) -> None:

@@ -53,6 +53,7 @@ def train_a_little(engine: TorchEngine, tok: object, steps: int) -> None:
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.long
 def test_an_exported_run_loads_in_transformers_with_the_trainers_logprobs(tmp_path: Path,
                                                                          tiny_model_dir: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -114,6 +115,7 @@ def test_an_exported_run_loads_in_transformers_with_the_trainers_logprobs(tmp_pa
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.long
 def test_a_lora_run_exports_a_peft_adapter_folder_or_the_merged_model_with_the_trainers_logprobs(
         tmp_path: Path, tiny_model_dir: Path) -> None:
     from peft import PeftModel

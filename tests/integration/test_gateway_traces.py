@@ -304,6 +304,7 @@ async def test_unknown_and_bad_rollout_ids(client: httpx.AsyncClient) -> None:
     assert (await unprocessable(client, "GET", "/v1/traces/a*b/stream")).startswith("rollout_id: ")
 
 
+@pytest.mark.long
 async def test_a_client_that_leaves_ends_its_consumers(app: FastAPI, gateway_url: str) -> None:
     bus: Bus = app.state.bus
     system, user, _ = conversation("4")
@@ -507,6 +508,7 @@ async def test_a_rollout_rolled_out_again_shows_only_its_published_attempt(app: 
 # --- the gateway process ------------------------------------------------------------------
 
 
+@pytest.mark.long
 async def test_an_open_stream_does_not_hold_up_the_gateways_shutdown(nats_server: NatsServer, bus: Bus,
                                                                      tmp_path: Path) -> None:
     """``python -m flywheel_gateway api`` as ``flywheel up`` runs it: SIGTERM with a live stream open."""

@@ -70,6 +70,7 @@ async def test_an_openai_sdk_program_yields_training_ready_exact_rollouts(
         assert {t.node.id for t in traces if t.rollout_id == r.id} == {n.id for n in r.nodes}
 
 
+@pytest.mark.long
 async def test_an_openai_sdk_program_runs_alike_in_a_subprocess_and_in_a_sandbox(
         bus: Bus, long_tiny_model: Path, server: Served) -> None:
     """Runtimes: the same agent in two runs, one run with runtime subprocess, one with sandbox

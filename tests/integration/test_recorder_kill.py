@@ -87,6 +87,7 @@ async def task_ids(store: Store) -> list[str]:
         return list((await conn.scalars(sa.select(schema.tasks.c.id))).all())
 
 
+@pytest.mark.long
 async def test_every_task_is_recorded_once_across_a_recorder_kill(
         processes: dict[str, ServiceProcess], settings: Settings, store: Store) -> None:
     api, recorder = await start(processes["gateway"]), await start(processes["recorder"])

@@ -49,6 +49,7 @@ def brevity(completion: str) -> float:
     return 10.0 / (1 + len(completion))
 
 
+@pytest.mark.long
 async def test_the_trace_api_reward_is_the_trainers_with_a_custom_scorer_on_the_run(
         app: FastAPI, client: httpx.AsyncClient, store: Store, bus: Bus,
         nats_server: NatsServer, tiny_model_dir: Path, tmp_path: Path) -> None:

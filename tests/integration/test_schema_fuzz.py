@@ -93,6 +93,7 @@ async def _record(url: str, batch: list[events.Event]) -> None:
         await store.close()
 
 
+@pytest.mark.long
 def test_the_gateway_answers_what_its_schema_says(gateway_url: str) -> None:
     schema = schemathesis.openapi.from_url(f"{gateway_url}/openapi.json")
     statuses: Counter[int] = Counter()

@@ -18,6 +18,8 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from flywheel.contract import events
 from flywheel.contract.bus import Bus, read_stream
 from flywheel.contract.config import RunConfig
@@ -73,6 +75,7 @@ async def put_run(bus: Bus, run: str, config: dict[str, Any]) -> None:
     await (await bus.runs_kv()).put(run, events.encode(events.RunState(id=run, config=config)))
 
 
+@pytest.mark.long
 async def test_builtin_and_custom_scorers_both_score_every_rollout(bus: Bus, nats_server: NatsServer,
                                                                    tmp_path: Path) -> None:
     await put_run(bus, "r1", RunConfig(run="r1", env="reverse_text", scorers={"exact": 0.5, "answer_length": 2.0})
@@ -209,6 +212,7 @@ async def custom_scorer(bus: Bus, name: str, **options: Any) -> AsyncIterator[tu
             await running
 
 
+@pytest.mark.long
 async def test_a_new_custom_scorer_joins_from_now_and_the_runs_that_need_it_not_the_whole_history(
         bus: Bus) -> None:
     kv = await bus.runs_kv()

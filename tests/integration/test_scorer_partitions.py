@@ -15,6 +15,8 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import pytest
+
 from flywheel.contract import events
 from flywheel.contract.bus import MAX_DELIVER, PARTITION_LEASE_S, Bus
 from flywheel.contract.config import RunConfig
@@ -65,6 +67,7 @@ async def group_scores(bus: Bus) -> dict[str, events.Score]:
     return {sc.rollout_id: sc for sc in await stored(bus, "SCORES", events.Score) if sc.scorer == "shortest"}
 
 
+@pytest.mark.long
 async def test_replicas_split_the_partitions_hand_over_held_members_and_take_a_dead_ones(
         bus: Bus, nats_server: NatsServer) -> None:
     await put_run(bus, "r1", RunConfig(run="r1", env="reverse_text", rewards={

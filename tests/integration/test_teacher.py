@@ -249,6 +249,7 @@ class Inference:
         await asyncio.wait_for(self.proc.wait(), 30)
 
 
+@pytest.mark.long
 async def test_every_rollout_gets_exactly_one_signal_across_a_sigkill_of_the_inference_process(
         bus: Bus, nats_server: NatsServer, tiny_model_dir: Path, tiny: tuple[Any, Any], tmp_path: Path) -> None:
     _, tok = tiny

@@ -27,6 +27,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from flywheel.contract import weights
 from flywheel.contract.bus import Bus
 from flywheel.contract.runs import get_run, register_run
@@ -99,6 +101,7 @@ async def all_acknowledged(bus: Bus, run: str = RUN) -> bool:
     return True
 
 
+@pytest.mark.long
 async def test_every_rollout_is_trained_exactly_once_across_two_sigkills(
         bus: Bus, nats_server: NatsServer, tiny_model_dir: Path, tmp_path: Path) -> None:
     trainer, inference, settings = await new_run(bus, nats_server, tiny_model_dir, tmp_path, RUN,
@@ -148,6 +151,7 @@ async def test_every_rollout_is_trained_exactly_once_across_two_sigkills(
     assert "resuming from" in trainer.log_path.read_text()
 
 
+@pytest.mark.long
 async def test_a_kill_after_an_unsaved_step_never_reuses_its_version_and_sigterm_saves_first(
         bus: Bus, nats_server: NatsServer, tiny_model_dir: Path, tmp_path: Path) -> None:
     run = "trainer-lossy"

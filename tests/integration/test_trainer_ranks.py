@@ -55,6 +55,7 @@ def compare(engine: str | dict, model_dir: Path, tmp_path: Path) -> None:
             assert g[key] == pytest.approx(e[key], rel=1e-4, abs=1e-6), key
 
 
+@pytest.mark.long
 def test_two_torch_ranks_step_like_one(tiny_model_dir: Path, tmp_path: Path) -> None:
     compare("torch", tiny_model_dir, tmp_path)
 

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import httpx
 import nats.js.errors
+import pytest
 
 from flywheel.contract import events
 from flywheel.contract.bus import Bus, decode_message
@@ -81,6 +82,7 @@ async def life(trainer: TrainerProcess) -> None:
     assert await trainer.wait(timeout_s=90) == 0, trainer.log_path.read_text()[-3000:]
 
 
+@pytest.mark.long
 async def test_a_resumed_trainer_counts_its_checkpoints_step_again_and_it_is_billed_once(
         bus: Bus, nats_server: NatsServer, tiny_model_dir: Path, tmp_path: Path, client: httpx.AsyncClient,
         store: Store) -> None:

@@ -64,6 +64,7 @@ def wheel_of(folder: Path, out: Path) -> Path:
     return wheel
 
 
+@pytest.mark.long
 def test_the_check_runs_a_built_package_and_refuses_one_whose_reward_fails(folder: Path, tmp_path: Path) -> None:
     report = check_built(wheel_of(folder, tmp_path / "good"), "acme/qa")
     assert report["errors"] == [] and report["rows"] == 3, report

@@ -34,6 +34,7 @@ def answer(code: str) -> str:
     return f"Here is my solution.\n```python\n{code}```\nIt handles the edge cases."
 
 
+@pytest.mark.long
 async def test_every_reference_solution_passes_and_a_stub_does_not(tasks, sandbox: ServedSandboxClient) -> None:
     assert 20 <= len(tasks) <= 40
     slots = asyncio.Semaphore(4)
