@@ -18,9 +18,14 @@ a micro-batch and little compute goes to padding. Within a micro-batch, :func:`p
 what several rows share (the prompt but its last token) in a :class:`Prefix`: it is run
 once, and each row goes on from its keys and values, so a group of 16 samples of one
 prompt computes that prompt once instead of 16 times, forward and backward. The logprobs
-are the same as on whole rows (tests hold them and the gradients to float rounding). Not
-covered: packing several sequences into one row (it needs per-sequence attention masks
-the default attention path does not take).
+are the same as on whole rows (tests hold them and the gradients to float rounding).
+
+:func:`pack` lays a micro-batch out with no padding (``trainer.pack``): each family (a prompt
+and the rows that go on from it) is one row, the prompt once, each row's tokens after it at
+the positions they have in their own sequence, under a tree mask (a token sees its prompt
+and the earlier tokens of its own row). No compute goes to padding, and no key/value cache
+is needed (so it composes with activation checkpointing); attention covers each packed row
+whole, the masked part included, which costs more than padding saves when a family is long.
 
 :func:`loss_logprobs` computes the same logprobs at the loss's positions alone: the output
 embedding and the softmax over the vocabulary (for a model of SmolLM2's size, a third of a
@@ -354,3 +359,87 @@ def _hidden_after_prefix(model: torch.nn.Module, body: torch.nn.Module, batch: B
     out = body(input_ids=batch.input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
                **{models.cache_argument(body): cache})
     return out.last_hidden_state
+
+
+@dataclass
+class Packed:
+    """A micro-batch's real tokens without padding: each family (a shared prefix and the rows
+    that go on from it; a row without one alone) is one packed row, the families right-padded
+    to the longest. A token attends to the earlier tokens of its own segment and to the whole
+    prefix its row goes on from (a tree mask), at the position it has in its own sequence, so
+    each row computes exactly what it computes alone."""
+
+    input_ids: torch.Tensor  # [K, L] long
+    position_ids: torch.Tensor  # [K, L] long
+    mask: torch.Tensor  # [K, 1, L, L] bool: True where a query may attend
+    at: torch.Tensor  # [B, T] long: each batch position's place in the flattened [K * L] (where attention_mask)
+
+
+def pack(batch: Batch) -> Packed:
+    """The tokens of ``batch`` (and its prefixes) as packed rows: see :class:`Packed`."""
+    device = batch.input_ids.device
+    rows, width = batch.input_ids.shape
+    lengths = batch.attention_mask.sum(-1).tolist()
+    # segments: (family, token ids, first position, parent segment or -1)
+    segments: list[tuple[int, torch.Tensor, int, int]] = []
+    row_segment: list[int] = []
+    if batch.prefix is not None:
+        p = batch.prefix
+        for f in range(p.input_ids.shape[0]):
+            segments.append((f, p.input_ids[f][p.attention_mask[f].bool()], 0, -1))
+        for b in range(rows):
+            f = int(p.of_row[b])
+            row_segment.append(len(segments))
+            segments.append((f, batch.input_ids[b, :lengths[b]], int(p.lengths[b]), f))
+    else:
+        for b in range(rows):
+            row_segment.append(len(segments))
+            segments.append((b, batch.input_ids[b, :lengths[b]], 0, -1))
+    families = sorted({s[0] for s in segments})
+    family_row = {f: k for k, f in enumerate(families)}
+    sizes = [0] * len(families)
+    starts: list[int] = []
+    for f, ids, _, _ in segments:
+        starts.append(sizes[family_row[f]])
+        sizes[family_row[f]] += len(ids)
+    length = max(sizes)
+    input_ids = torch.zeros((len(families), length), dtype=torch.long, device=device)
+    position_ids = torch.zeros((len(families), length), dtype=torch.long, device=device)
+    segment_of = torch.full((len(families), length), -2, dtype=torch.long, device=device)  # -2: padding
+    parent_of = torch.full((len(families), length), -3, dtype=torch.long, device=device)
+    for s, ((f, ids, first, parent), start) in enumerate(zip(segments, starts, strict=True)):
+        k, n = family_row[f], len(ids)
+        input_ids[k, start:start + n] = ids
+        position_ids[k, start:start + n] = torch.arange(first, first + n, device=device)
+        segment_of[k, start:start + n] = s
+        parent_of[k, start:start + n] = parent
+    causal = torch.ones((length, length), dtype=torch.bool, device=device).tril()
+    same = (segment_of[:, :, None] == segment_of[:, None, :]) & causal
+    to_parent = parent_of[:, :, None] == segment_of[:, None, :]
+    mask = (same | to_parent)[:, None]  # padding (one segment) attends to earlier padding: no empty softmax
+    at = torch.zeros((rows, width), dtype=torch.long, device=device)
+    for b in range(rows):
+        s = row_segment[b]
+        at[b, :lengths[b]] = family_row[segments[s][0]] * length + starts[s] + torch.arange(lengths[b], device=device)
+    return Packed(input_ids=input_ids, position_ids=position_ids, mask=mask, at=at)
+
+
+def packed_loss_logprobs(model: torch.nn.Module, batch: Batch, module: torch.nn.Module | None = None
+                         ) -> torch.Tensor:
+    """:func:`loss_logprobs` with the body run on the micro-batch packed (:func:`pack`): no
+    compute on padding, each shared prefix once, at the cost of attention over each packed row
+    (its masked-out part included). A model whose head is not a plain projection of its body
+    runs whole, padded (:func:`split_head`)."""
+    parts = split_head(model if module is None else module)
+    if parts is None:
+        return token_logprobs(model, batch)
+    body, head = parts
+    packed = pack(batch)
+    hidden = body(input_ids=packed.input_ids, attention_mask=packed.mask,
+                  position_ids=packed.position_ids).last_hidden_state
+    rows, columns = batch.loss_mask.nonzero(as_tuple=True)
+    picked_hidden = hidden.reshape(-1, hidden.shape[-1])[packed.at[rows, columns]]
+    logits = head(picked_hidden).float() / batch.temperatures[rows, None]
+    picked = torch.log_softmax(logits, dim=-1).gather(-1, batch.input_ids[rows, columns + 1, None]).squeeze(-1)
+    out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32, device=picked.device)
+    return out.index_put((rows, columns), picked)

@@ -60,7 +60,9 @@ class Engine(Protocol):
     same_graph_on_every_rank: bool
     # Read where present (False when missing, so an engine of the user's own needs none):
     # ``head_at_loss_positions``, the head and the softmax over the vocabulary may run at the
-    # loss's positions alone (flywheel_trainer.batch.loss_logprobs), outside the engine's forward.
+    # loss's positions alone (flywheel_trainer.batch.loss_logprobs), outside the engine's forward;
+    # ``activation_checkpointing``, the decoder layers recompute their forward in the backward
+    # (then no prefix is shared through a key/value cache, which a recomputed layer drops).
 
     def autocast(self) -> contextlib.AbstractContextManager[None]: ...
     def backward(self, loss: torch.Tensor) -> None: ...
@@ -72,6 +74,30 @@ class Engine(Protocol):
     def weights(self) -> bytes: ...
     def save(self, folder: Path) -> None: ...
     def load(self, folder: Path) -> None: ...
+
+
+def checkpoint_layers(model: torch.nn.Module, cfg: TrainerConfig) -> bool:
+    """With ``trainer.activation_checkpointing``, make ``model``'s decoder layers keep only their
+    input in the forward and recompute themselves in the backward (transformers' own
+    checkpointing, non-reentrant). It runs only on layers in training mode: the layers alone
+    are put in it, so dropout elsewhere stays off (the recomputed logprobs are the sampler's).
+    Whether it is on."""
+    if not cfg.activation_checkpointing:
+        return False
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    enable = getattr(model, "gradient_checkpointing_enable", None)
+    if not callable(enable):
+        raise ValueError(f"trainer.activation_checkpointing = true needs a transformers model; "
+                         f"{type(model).__name__} has no gradient_checkpointing_enable: set it to false")
+    enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if not layers:
+        raise ValueError(f"trainer.activation_checkpointing = true: {type(model).__name__} has no decoder layers "
+                         "transformers can checkpoint; set it to false")
+    for layer in layers:
+        layer.training = True  # the layer's own flag only: its submodules (dropout) stay in eval mode
+    return True
 
 
 def adamw(model: torch.nn.Module, cfg: TrainerConfig) -> torch.optim.AdamW:
@@ -92,6 +118,7 @@ class TorchEngine:
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.module = self.model = model.to(device=self.device, dtype=torch.float32)
         self.module.eval()  # no dropout: the recomputed logprobs are the sampler's
+        self.activation_checkpointing = checkpoint_layers(self.module, cfg)
         self.optimizer = adamw(model, cfg)
         self.max_grad_norm = cfg.max_grad_norm
         self.autocast_dtype = torch.bfloat16 if dtype == "bfloat16" and self.device.type == "cuda" else None
@@ -165,6 +192,7 @@ class DeepSpeedEngine:
         self.model = self.engine
         self.module = self.engine.module
         self.module.eval()  # no dropout: the recomputed logprobs are the sampler's
+        self.activation_checkpointing = checkpoint_layers(self.module, cfg)
         self.device = torch.device(self.engine.device)
         self.ranks = current_ranks()
         self.same_graph_on_every_rank = self.ranks.world_size > 1 and self.stage >= 2

@@ -60,6 +60,7 @@ from flywheel_trainer.batch import (
     can_share_prefixes,
     loss_logprobs,
     micro_batches,
+    packed_loss_logprobs,
     pad,
     target_logprobs,
 )
@@ -82,7 +83,7 @@ def train_step(engine: Engine, sequences: list[Tokens], advantages: list[float],
                echo_weights: list[float] | None = None,
                token_advantages: list[list[float]] | None = None,
                sft_rows: SFTRows | None = None, dense: list[DenseRow | None] | None = None,
-               micro_batch_tokens: int | None = None) -> dict[str, float]:
+               micro_batch_tokens: int | None = None, pack: bool = False) -> dict[str, float]:
     """One optimizer step over ``sequences``, each recomputed at its temperature (what it was
     sampled at); returns the step's figures. ``echo_weights``: by sequence, the weight of the
     mean cross-entropy on its environment tokens (``Tokens.env_mask``) added to the loss on its
@@ -92,7 +93,8 @@ def train_step(engine: Engine, sequences: list[Tokens], advantages: list[float],
     ``dense``: by sequence, its dense distillation target or None: each sampled position's
     divergence to the teacher's top-k, times its weight, joins the loss, normalised as the
     policy-gradient loss is. ``micro_batch_tokens``: a pass's padded tokens at most (None: no
-    bound but ``micro_batch_size``)."""
+    bound but ``micro_batch_size``). ``pack``: the loss's logprobs from the micro-batch packed
+    (``trainer.pack``: :func:`flywheel_trainer.batch.packed_loss_logprobs`)."""
     started = time.perf_counter()
     num_loss_tokens = sum(sum(s.loss_mask[1:]) for s in sequences)
     num_env_tokens = 0 if echo_weights is None else sum(
@@ -121,7 +123,9 @@ def train_step(engine: Engine, sequences: list[Tokens], advantages: list[float],
     if sft_rows is not None and num_sft_tokens:
         passes += [(True, indices) for indices in micro_batches(sft_rows.rows, micro_batch_size, micro_batch_tokens,
                                                                 world_size)]
-    share = can_share_prefixes(engine.model) and not (world_size > 1 and engine.same_graph_on_every_rank)
+    # A prefix is shared through a key/value cache (which checkpointed layers drop), or packed.
+    share = (can_share_prefixes(engine.model) and not (world_size > 1 and engine.same_graph_on_every_rank)
+             and (pack or not getattr(engine, "activation_checkpointing", False)))
     mine = passes[rank::world_size]
     for is_sft, indices in mine:
         if is_sft:
@@ -136,7 +140,8 @@ def train_step(engine: Engine, sequences: list[Tokens], advantages: list[float],
         with engine.autocast():
             if batch.env_mask is None and batch.dense is None and getattr(engine, "head_at_loss_positions", False):
                 # the loss reads its tokens' logprobs alone
-                logits, logprobs, plain = None, loss_logprobs(engine.model, batch, engine.module), None
+                at_loss = packed_loss_logprobs if pack else loss_logprobs
+                logits, logprobs, plain = None, at_loss(engine.model, batch, engine.module), None
             else:
                 logits = batch_logits(engine.model, batch)
                 logprobs = target_logprobs(logits, batch, batch.temperatures)
@@ -289,7 +294,7 @@ def rl_step(engine: Engine, groups: list[list[Scored]], pad_id: int, cfg: RunCon
     figures = train_step(engine, sequences, advantages, pad_id, micro_batch_size, temperatures, token_loss,
                          echo_weights if any(w > 0 for w in echo_weights) else None,
                          token_advantages if any_terms else None, sft_rows, dense if any(dense) else None,
-                         micro_batch_tokens)
+                         micro_batch_tokens, cfg.trainer.pack)
     figures["advantage_abs_mean"] = sum(abs(a) for a in advantages) / len(advantages)
     for teacher, (gap, count) in teacher_gap.items():
         # The per-token estimate of KL(policy || teacher) on the sampled tokens: OPD drives it down.
@@ -350,11 +355,11 @@ def _cross_entropy(logprobs: torch.Tensor, batch: Batch, indices: list[int]) -> 
 
 
 def sft_step(engine: Engine, sequences: list[Tokens], pad_id: int, micro_batch_size: int,
-             micro_batch_tokens: int | None = None) -> dict[str, float]:
+             micro_batch_tokens: int | None = None, pack: bool = False) -> dict[str, float]:
     """One supervised step: cross-entropy on the loss-mask tokens of ``sequences`` (temperature 1),
     the warm-up's and ``flywheel sft``'s."""
     return train_step(engine, sequences, [0.0] * len(sequences), pad_id, micro_batch_size, [1.0] * len(sequences),
-                      _cross_entropy, micro_batch_tokens=micro_batch_tokens)
+                      _cross_entropy, micro_batch_tokens=micro_batch_tokens, pack=pack)
 
 
 Example = tuple[list[events.Message], str]  # a task's first messages (a context first, if any) and its reference answer
@@ -486,7 +491,7 @@ def sft_warmup(model: torch.nn.Module, steps: list[list[Tokens]], pad_id: int, c
     figures: dict[str, float] = {}
     num_tokens = 0
     for step, sequences in enumerate(steps):
-        figures = sft_step(engine, sequences, pad_id, micro_batch_size, micro_batch_tokens)
+        figures = sft_step(engine, sequences, pad_id, micro_batch_size, micro_batch_tokens, cfg.trainer.pack)
         num_tokens += int(figures["num_loss_tokens"])
         log.info("sft step %d/%d: loss %.4f", step + 1, cfg.sft.steps, figures["loss"])
     model.eval()

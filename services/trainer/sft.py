@@ -121,7 +121,8 @@ def run(cfg: RunConfig, data_dir: Path, micro_batch_size: int, micro_batch_token
     lines: list[dict[str, Any]] = []
     for step in range(1, cfg.sft.steps + 1):
         epoch, sequences = next(steps)
-        figures = sft_step(engine, sequences, tok.pad_token_id, micro_batch_size, micro_batch_tokens)
+        figures = sft_step(engine, sequences, tok.pad_token_id, micro_batch_size, micro_batch_tokens,
+                           cfg.trainer.pack)
         line = {"step": step, "version": step, "epoch": epoch, "loss": figures["loss"],
                 "num_loss_tokens": figures["num_loss_tokens"], "num_tokens": figures["num_tokens"],
                 "grad_norm": figures["grad_norm"], "step_s": figures["step_s"],

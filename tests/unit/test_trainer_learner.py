@@ -16,7 +16,7 @@ from flywheel.contract.config import RunConfig
 from flywheel.contract.settings import TrainerSettings
 from flywheel.runtime.envworker import LoadSpec
 from flywheel.sdk import models
-from flywheel_trainer.batch import loss_logprobs, micro_batches, pad, token_logprobs
+from flywheel_trainer.batch import loss_logprobs, micro_batches, pack, packed_loss_logprobs, pad, token_logprobs
 from flywheel_trainer.chats import DataError
 from flywheel_trainer.engines import TorchEngine
 from flywheel_trainer.join import Scored, Tokens, tokens_of
@@ -105,7 +105,7 @@ def test_micro_batches_keep_the_sequences_of_one_prompt_together() -> None:
     assert pad([seqs[i] for i in (2, 0, 4)], [0.0] * 3, pad_id=0, share_prefixes=False).prefix is None
 
 
-def test_a_shared_prefix_gives_the_logprobs_and_gradients_of_whole_rows(tiny_model_dir: Path) -> None:
+def test_a_shared_prefix_and_packed_rows_give_the_logprobs_and_gradients_of_whole_rows(tiny_model_dir: Path) -> None:
     """Prompts of several lengths, each with completions of several lengths, one prompt alone,
     one sequence with nothing to train: run once per prompt or on whole rows, the same numbers."""
     model, tok = models.load_model(tiny_model_dir)
@@ -122,12 +122,15 @@ def test_a_shared_prefix_gives_the_logprobs_and_gradients_of_whole_rows(tiny_mod
     seqs.append(Tokens(ids(6), [0.0] * 6, [False] * 6))
     temperatures = [1.0, 0.7, 1.0, 0.9, 1.0, 1.0, 1.0]
     results = []
-    # Each way: a shared prefix or whole rows, the head on every position or on the loss's alone.
-    for share, only_loss in ((True, False), (False, False), (True, True), (False, True)):
+    # Each way: a shared prefix or whole rows; the head on every position, on the loss's alone,
+    # or on the loss's alone with the rows packed (no padding; a prefix once in its family's row).
+    ways = {"whole": token_logprobs, "loss": loss_logprobs, "packed": packed_loss_logprobs}
+    for share, way in ((True, "whole"), (False, "whole"), (True, "loss"), (False, "loss"), (True, "packed"),
+                       (False, "packed")):
         model.zero_grad()
         batch = pad(seqs, [1.0] * len(seqs), tok.pad_token_id, temperatures=temperatures, share_prefixes=share)
         assert (batch.prefix is not None) == share
-        logprobs = (loss_logprobs if only_loss else token_logprobs)(model, batch)[batch.loss_mask]
+        logprobs = ways[way](model, batch)[batch.loss_mask]
         logprobs.sum().backward()
         results.append((logprobs.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
     (whole, whole_grads) = results[1]
@@ -137,6 +140,48 @@ def test_a_shared_prefix_gives_the_logprobs_and_gradients_of_whole_rows(tiny_mod
         assert len(grads) == len(whole_grads) > 0
         for a, b in zip(grads, whole_grads, strict=True):
             assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_packed_rows_hold_each_token_once_at_its_own_position_seeing_its_prompt_and_itself() -> None:
+    seqs = [Tokens([1, 2, 3, 4, 5], [0.0] * 5, [False] * 3 + [True] * 2),
+            Tokens([1, 2, 3, 6], [0.0] * 4, [False] * 3 + [True]),
+            Tokens([7, 8, 9], [0.0] * 3, [False, True, True])]
+    batch = pad(seqs, [0.0] * 3, pad_id=0)
+    packed = pack(batch)
+    # Two families: the prompt [1, 2] then its rows [3, 4, 5] and [3, 6]; the row [7, 8, 9] alone.
+    assert packed.input_ids.tolist() == [[1, 2, 3, 4, 5, 3, 6], [7, 8, 9, 0, 0, 0, 0]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4, 2, 3], [0, 1, 2, 0, 0, 0, 0]]
+    mask = packed.mask[:, 0].int().tolist()
+    assert mask[0][5] == [1, 1, 0, 0, 0, 1, 0]  # the second row's first token: its prompt and itself
+    assert mask[0][6] == [1, 1, 0, 0, 0, 1, 1]
+    assert mask[0][4] == [1, 1, 1, 1, 1, 0, 0]
+    assert mask[1][2] == [1, 1, 1, 0, 0, 0, 0] and mask[1][5][:3] == [0, 0, 0]  # no real token sees padding
+    flat = packed.input_ids.flatten()
+    for row in range(3):  # each batch position maps to the packed place holding its token
+        n = int(batch.attention_mask[row].sum())
+        assert flat[packed.at[row, :n]].tolist() == batch.input_ids[row, :n].tolist()
+
+
+@pytest.mark.parametrize("options", [{"pack": True}, {"activation_checkpointing": True},
+                                     {"pack": True, "activation_checkpointing": True}])
+def test_packing_and_activation_checkpointing_step_as_the_default_does(tiny_model_dir: Path,
+                                                                       options: dict[str, bool]) -> None:
+    # The step's loss and gradient norm, then the next step's loss (after the first update).
+    steps = []
+    for trainer in ({}, options):
+        model, tok = models.load_model(tiny_model_dir)
+        cfg = RunConfig(run="t", env="reverse_text", group_size=4,
+                        trainer={"batch_size": 4, "lr": 1e-3, **trainer})
+        rollouts = sampled_rollouts(model, tok, 4, 1.0)
+        engine = TorchEngine(model, cfg.trainer, cfg.model.dtype)
+        assert engine.activation_checkpointing == cfg.trainer.activation_checkpointing
+        group = [Scored(r, reward, 0) for r, reward in zip(rollouts, [1.0, 0.0, 0.5, 0.0], strict=True)]
+        steps.append([rl_step(engine, [group], tok.pad_token_id, cfg, MICRO_BATCH_SIZE) for _ in range(2)])
+    (default_first, default_second), (first, second) = steps
+    assert first["loss"] == pytest.approx(default_first["loss"], rel=1e-4, abs=1e-6)
+    assert first["grad_norm"] == pytest.approx(default_first["grad_norm"], rel=1e-4)
+    assert second["loss"] == pytest.approx(default_second["loss"], rel=1e-3, abs=1e-5)
+    assert second["loss"] != pytest.approx(first["loss"], rel=1e-3)  # the first step moved the weights
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
