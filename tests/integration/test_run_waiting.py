@@ -164,3 +164,11 @@ async def test_a_waiting_run_names_what_is_wrong_on_the_bus(bus: Bus, nats_serve
         assert said.startswith("the bus's JetStream, which refuses requests") and "full disk" in said
     finally:
         nats_server.start()
+
+
+async def test_a_run_that_warms_up_first_says_so_while_it_waits_for_its_first_weights(
+        bus: Bus, nats_server: NatsServer, tmp_path: Path) -> None:
+    job, _ = await job_on(bus, nats_server, tmp_path, sft={"steps": 10})
+    assert (await job._missing())[-1] == (
+        "weights version 0 (the trainer has not published its first weights; it first warms the model up with "
+        "sft.steps = 10 supervised steps, which its log counts)")

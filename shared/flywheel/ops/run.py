@@ -672,7 +672,9 @@ class MainJob:
                 missing.append(f"teacher {name!r} ({teacher.model}): no inference replica hosts it yet (it loads "
                                "its model once the run is running; its log says why it does not)")
         if not self.seen_weights:
-            missing.append("weights version 0 (the trainer has not published its first weights)")
+            warm_up = (f"; it first warms the model up with sft.steps = {self.cfg.sft.steps} supervised steps, "
+                       "which its log counts" if self.cfg.sft.steps else "")
+            missing.append(f"weights version 0 (the trainer has not published its first weights{warm_up})")
         hosting = self._hosting(beats)
         if self.seen_weights and hosting and all(h.get("policy_version") is None for h in hosting):
             errors = sorted({str(h["weights_error"]) for h in hosting if h.get("weights_error")})
