@@ -20,12 +20,13 @@ once, and each row goes on from its keys and values, so a group of 16 samples of
 prompt computes that prompt once instead of 16 times, forward and backward. The logprobs
 are the same as on whole rows (tests hold them and the gradients to float rounding).
 
-:func:`pack` lays a micro-batch out with no padding (``trainer.pack``): each family (a prompt
-and the rows that go on from it) is one row, the prompt once, each row's tokens after it at
-the positions they have in their own sequence, under a tree mask (a token sees its prompt
-and the earlier tokens of its own row). No compute goes to padding, and no key/value cache
-is needed (so it composes with activation checkpointing); attention covers each packed row
-whole, the masked part included, which costs more than padding saves when a family is long.
+:func:`pack` lays a micro-batch out as one row with no padding (``trainer.pack``): the rows'
+sequences in a token trie, so every beginning they share (a group's prompt, a system prompt
+all prompts start with, the history a rollout's branches share) is computed once, each token
+at the position it has in its own sequence, under a tree mask (a token sees the tokens before
+it on its own path). No compute goes to padding, and no key/value cache is needed (so it
+composes with activation checkpointing); attention covers the packed row whole, the masked
+part included, which costs more than padding saves when a micro-batch is long.
 
 :func:`loss_logprobs` computes the same logprobs at the loss's positions alone: the output
 embedding and the softmax over the vocabulary (for a model of SmolLM2's size, a third of a
@@ -361,84 +362,83 @@ def _hidden_after_prefix(model: torch.nn.Module, body: torch.nn.Module, batch: B
     return out.last_hidden_state
 
 
+MAX_PACKED_TOKENS = 4096  # a packed micro-batch's distinct tokens at most (its mask is this squared)
+
+
 @dataclass
 class Packed:
-    """A micro-batch's real tokens without padding: each family (a shared prefix and the rows
-    that go on from it; a row without one alone) is one packed row, the families right-padded
-    to the longest. A token attends to the earlier tokens of its own segment and to the whole
-    prefix its row goes on from (a tree mask), at the position it has in its own sequence, so
-    each row computes exactly what it computes alone."""
+    """A micro-batch's tokens as one row, each distinct token once: the rows' sequences (a
+    shared prefix and the row after it) laid in a token trie, so whatever rows begin with alike
+    (a group's prompt, a system prompt every prompt starts with, the history a rollout's
+    branches share, two equal completions) is computed once. A token attends to itself and to
+    the tokens before it on its own path (a tree mask), at the position it has in its sequence,
+    so each row computes exactly what it computes alone."""
 
-    input_ids: torch.Tensor  # [K, L] long
-    position_ids: torch.Tensor  # [K, L] long
-    mask: torch.Tensor  # [K, 1, L, L] bool: True where a query may attend
-    at: torch.Tensor  # [B, T] long: each batch position's place in the flattened [K * L] (where attention_mask)
+    input_ids: torch.Tensor  # [1, N] long
+    position_ids: torch.Tensor  # [1, N] long
+    mask: torch.Tensor  # [1, 1, N, N] bool: True where a query may attend
+    at: torch.Tensor  # [B, T] long: each batch position's place in the packed row (where attention_mask)
 
 
-def pack(batch: Batch) -> Packed:
-    """The tokens of ``batch`` (and its prefixes) as packed rows: see :class:`Packed`."""
+def pack(batch: Batch) -> Packed | None:
+    """The tokens of ``batch`` (its prefixes included) as one packed row (see :class:`Packed`);
+    None when they hold more than :data:`MAX_PACKED_TOKENS` distinct tokens."""
     device = batch.input_ids.device
     rows, width = batch.input_ids.shape
     lengths = batch.attention_mask.sum(-1).tolist()
-    # segments: (family, token ids, first position, parent segment or -1)
-    segments: list[tuple[int, torch.Tensor, int, int]] = []
-    row_segment: list[int] = []
+    heads: list[list[int]] = [[] for _ in range(rows)]
     if batch.prefix is not None:
         p = batch.prefix
-        for f in range(p.input_ids.shape[0]):
-            segments.append((f, p.input_ids[f][p.attention_mask[f].bool()], 0, -1))
-        for b in range(rows):
-            f = int(p.of_row[b])
-            row_segment.append(len(segments))
-            segments.append((f, batch.input_ids[b, :lengths[b]], int(p.lengths[b]), f))
-    else:
-        for b in range(rows):
-            row_segment.append(len(segments))
-            segments.append((b, batch.input_ids[b, :lengths[b]], 0, -1))
-    families = sorted({s[0] for s in segments})
-    family_row = {f: k for k, f in enumerate(families)}
-    sizes = [0] * len(families)
-    starts: list[int] = []
-    for f, ids, _, _ in segments:
-        starts.append(sizes[family_row[f]])
-        sizes[family_row[f]] += len(ids)
-    length = max(sizes)
-    input_ids = torch.zeros((len(families), length), dtype=torch.long, device=device)
-    position_ids = torch.zeros((len(families), length), dtype=torch.long, device=device)
-    segment_of = torch.full((len(families), length), -2, dtype=torch.long, device=device)  # -2: padding
-    parent_of = torch.full((len(families), length), -3, dtype=torch.long, device=device)
-    for s, ((f, ids, first, parent), start) in enumerate(zip(segments, starts, strict=True)):
-        k, n = family_row[f], len(ids)
-        input_ids[k, start:start + n] = ids
-        position_ids[k, start:start + n] = torch.arange(first, first + n, device=device)
-        segment_of[k, start:start + n] = s
-        parent_of[k, start:start + n] = parent
-    causal = torch.ones((length, length), dtype=torch.bool, device=device).tril()
-    same = (segment_of[:, :, None] == segment_of[:, None, :]) & causal
-    to_parent = parent_of[:, :, None] == segment_of[:, None, :]
-    mask = (same | to_parent)[:, None]  # padding (one segment) attends to earlier padding: no empty softmax
-    at = torch.zeros((rows, width), dtype=torch.long, device=device)
+        real = [p.input_ids[f][p.attention_mask[f].bool()].tolist() for f in range(p.input_ids.shape[0])]
+        heads = [real[int(f)] for f in p.of_row.tolist()]
+    # The trie: node i + 1 is packed token i (node 0, the root, holds none); a node comes after its parent.
+    children: list[dict[int, int]] = [{}]
+    parent, token, depth = [-1], [-1], [-1]
+    at = torch.zeros((rows, width), dtype=torch.long)
     for b in range(rows):
-        s = row_segment[b]
-        at[b, :lengths[b]] = family_row[segments[s][0]] * length + starts[s] + torch.arange(lengths[b], device=device)
-    return Packed(input_ids=input_ids, position_ids=position_ids, mask=mask, at=at)
+        node, head = 0, heads[b]
+        for k, t in enumerate(head + batch.input_ids[b, :lengths[b]].tolist()):
+            child = children[node].get(t)
+            if child is None:
+                child = children[node][t] = len(parent)
+                children.append({})
+                parent.append(node)
+                token.append(t)
+                depth.append(depth[node] + 1)
+            node = child
+            if k >= len(head):
+                at[b, k - len(head)] = node - 1
+        if len(parent) - 1 > MAX_PACKED_TOKENS:
+            return None
+    n = len(parent) - 1
+    sees = torch.zeros((n, n), dtype=torch.bool)
+    for i in range(n):  # a token sees what its parent sees, and itself
+        if parent[i + 1] > 0:
+            sees[i] = sees[parent[i + 1] - 1]
+        sees[i, i] = True
+    return Packed(input_ids=torch.tensor([token[1:]], dtype=torch.long, device=device),
+                  position_ids=torch.tensor([depth[1:]], dtype=torch.long, device=device),
+                  mask=sees.to(device)[None, None], at=at.to(device))
 
 
 def packed_loss_logprobs(model: torch.nn.Module, batch: Batch, module: torch.nn.Module | None = None
                          ) -> torch.Tensor:
     """:func:`loss_logprobs` with the body run on the micro-batch packed (:func:`pack`): no
-    compute on padding, each shared prefix once, at the cost of attention over each packed row
-    (its masked-out part included). A model whose head is not a plain projection of its body
-    runs whole, padded (:func:`split_head`)."""
+    compute on padding, every shared beginning once, at the cost of attention over the packed
+    row (its masked-out part included). A model whose head is not a plain projection of its
+    body runs whole, padded (:func:`split_head`); a micro-batch of more distinct tokens than
+    :data:`MAX_PACKED_TOKENS`, padded (:func:`loss_logprobs`)."""
     parts = split_head(model if module is None else module)
     if parts is None:
         return token_logprobs(model, batch)
-    body, head = parts
     packed = pack(batch)
+    if packed is None:
+        return loss_logprobs(model, batch, module)
+    body, head = parts
     hidden = body(input_ids=packed.input_ids, attention_mask=packed.mask,
-                  position_ids=packed.position_ids).last_hidden_state
+                  position_ids=packed.position_ids).last_hidden_state[0]
     rows, columns = batch.loss_mask.nonzero(as_tuple=True)
-    picked_hidden = hidden.reshape(-1, hidden.shape[-1])[packed.at[rows, columns]]
+    picked_hidden = hidden[packed.at[rows, columns]]
     logits = head(picked_hidden).float() / batch.temperatures[rows, None]
     picked = torch.log_softmax(logits, dim=-1).gather(-1, batch.input_ids[rows, columns + 1, None]).squeeze(-1)
     out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32, device=picked.device)

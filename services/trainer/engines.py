@@ -86,11 +86,14 @@ def checkpoint_layers(model: torch.nn.Module, cfg: TrainerConfig) -> bool:
         return False
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    enable = getattr(model, "gradient_checkpointing_enable", None)
-    if not callable(enable):
+    enable = getattr(model, "activation_checkpointing_enable", None)  # transformers 5's name
+    if callable(enable):
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    elif callable(enable := getattr(model, "gradient_checkpointing_enable", None)):
+        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
         raise ValueError(f"trainer.activation_checkpointing = true needs a transformers model; "
-                         f"{type(model).__name__} has no gradient_checkpointing_enable: set it to false")
-    enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                         f"{type(model).__name__} has no activation_checkpointing_enable: set it to false")
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     if not layers:
         raise ValueError(f"trainer.activation_checkpointing = true: {type(model).__name__} has no decoder layers "

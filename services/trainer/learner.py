@@ -123,9 +123,10 @@ def train_step(engine: Engine, sequences: list[Tokens], advantages: list[float],
     if sft_rows is not None and num_sft_tokens:
         passes += [(True, indices) for indices in micro_batches(sft_rows.rows, micro_batch_size, micro_batch_tokens,
                                                                 world_size)]
-    # A prefix is shared through a key/value cache (which checkpointed layers drop), or packed.
+    # A prefix is shared through a key/value cache, which checkpointed layers drop (packing finds
+    # shared beginnings in whole rows itself).
     share = (can_share_prefixes(engine.model) and not (world_size > 1 and engine.same_graph_on_every_rank)
-             and (pack or not getattr(engine, "activation_checkpointing", False)))
+             and not getattr(engine, "activation_checkpointing", False))
     mine = passes[rank::world_size]
     for is_sft, indices in mine:
         if is_sft:

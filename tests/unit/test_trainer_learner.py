@@ -142,24 +142,42 @@ def test_a_shared_prefix_and_packed_rows_give_the_logprobs_and_gradients_of_whol
             assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
 
 
-def test_packed_rows_hold_each_token_once_at_its_own_position_seeing_its_prompt_and_itself() -> None:
+def test_a_packed_micro_batch_holds_each_shared_beginning_once_and_each_token_sees_its_own_path() -> None:
     seqs = [Tokens([1, 2, 3, 4, 5], [0.0] * 5, [False] * 3 + [True] * 2),
             Tokens([1, 2, 3, 6], [0.0] * 4, [False] * 3 + [True]),
-            Tokens([7, 8, 9], [0.0] * 3, [False, True, True])]
-    batch = pad(seqs, [0.0] * 3, pad_id=0)
-    packed = pack(batch)
-    # Two families: the prompt [1, 2] then its rows [3, 4, 5] and [3, 6]; the row [7, 8, 9] alone.
-    assert packed.input_ids.tolist() == [[1, 2, 3, 4, 5, 3, 6], [7, 8, 9, 0, 0, 0, 0]]
-    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4, 2, 3], [0, 1, 2, 0, 0, 0, 0]]
-    mask = packed.mask[:, 0].int().tolist()
-    assert mask[0][5] == [1, 1, 0, 0, 0, 1, 0]  # the second row's first token: its prompt and itself
-    assert mask[0][6] == [1, 1, 0, 0, 0, 1, 1]
-    assert mask[0][4] == [1, 1, 1, 1, 1, 0, 0]
-    assert mask[1][2] == [1, 1, 1, 0, 0, 0, 0] and mask[1][5][:3] == [0, 0, 0]  # no real token sees padding
-    flat = packed.input_ids.flatten()
-    for row in range(3):  # each batch position maps to the packed place holding its token
-        n = int(batch.attention_mask[row].sum())
-        assert flat[packed.at[row, :n]].tolist() == batch.input_ids[row, :n].tolist()
+            Tokens([1, 7, 8], [0.0] * 3, [False, True, True]),
+            Tokens([1, 2, 3, 6], [0.0] * 4, [False] * 3 + [True])]  # the same as the second
+    for share in (True, False):  # the prompt [1, 2] as a prefix of its rows, or whole rows: one layout
+        batch = pad(seqs, [0.0] * 4, pad_id=0, share_prefixes=share)
+        packed = pack(batch)
+        assert packed is not None
+        # Longest first (micro-batch order is the caller's): [1, 2, 3, 4, 5], then 6 after 3, then 7, 8 after 1.
+        order = packed.input_ids[0].tolist()
+        assert sorted(order) == [1, 2, 3, 4, 5, 6, 7, 8], order
+        place = {t: i for i, t in enumerate(order)}
+        assert packed.position_ids[0].tolist() == [{1: 0, 2: 1, 3: 2, 4: 3, 5: 4, 6: 3, 7: 1, 8: 2}[t] for t in order]
+        sees = packed.mask[0, 0]
+        for t, path in {6: [1, 2, 3, 6], 8: [1, 7, 8], 5: [1, 2, 3, 4, 5]}.items():
+            assert sorted(order[j] for j in sees[place[t]].nonzero().flatten().tolist()) == path
+        for row in range(len(seqs)):  # each batch position maps to the packed token it is
+            n = int(batch.attention_mask[row].sum())
+            assert packed.input_ids[0, packed.at[row, :n]].tolist() == batch.input_ids[row, :n].tolist()
+            start = 0 if batch.prefix is None else int(batch.prefix.lengths[row])
+            assert packed.position_ids[0, packed.at[row, :n]].tolist() == list(range(start, start + n))
+
+
+def test_a_micro_batch_too_large_to_pack_runs_padded(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from flywheel_trainer import batch as batches
+
+    model, tok = models.load_model(tiny_model_dir)
+    seqs = [Tokens(list(range(3, 3 + n)), [0.0] * n, [False] * 2 + [True] * (n - 2)) for n in (6, 9)]
+    batch = pad(seqs, [0.0] * 2, tok.pad_token_id, temperatures=[1.0, 1.0])
+    monkeypatch.setattr(batches, "MAX_PACKED_TOKENS", 8)
+    assert pack(batch) is None  # 9 distinct tokens
+    with torch.no_grad():
+        assert torch.equal(packed_loss_logprobs(model, batch), loss_logprobs(model, batch))
+    monkeypatch.setattr(batches, "MAX_PACKED_TOKENS", 9)
+    assert pack(batch) is not None
 
 
 @pytest.mark.parametrize("options", [{"pack": True}, {"activation_checkpointing": True},
