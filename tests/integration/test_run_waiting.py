@@ -8,9 +8,12 @@ import asyncio
 import io
 from pathlib import Path
 
+import pytest
+
 from flywheel.contract import events
 from flywheel.contract.bus import Bus, dead_letter, publish_dead_letter
 from flywheel.contract.config import RunConfig
+from flywheel.contract.runs import update_run
 from flywheel.contract.settings import Settings
 from flywheel.ops.natsserver import NatsServer
 from flywheel.ops.run import MainJob
@@ -172,3 +175,28 @@ async def test_a_run_that_warms_up_first_says_so_while_it_waits_for_its_first_we
     assert (await job._missing())[-1] == (
         "weights version 0 (the trainer has not published its first weights; it first warms the model up with "
         "sft.steps = 10 supervised steps, which its log counts)")
+
+
+async def test_after_the_last_step_the_run_waits_for_an_owner_that_renews_its_lease_and_says_so(
+        bus: Bus, nats_server: NatsServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A real model's last evals take minutes: while its owner holds a live lease, the run waits.
+    from datetime import timedelta
+
+    from flywheel.ops import run as run_module
+
+    monkeypatch.setattr(run_module, "RELEASE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(run_module, "QUIET_STEP_S", 0.5)
+    job, out = await job_on(bus, nats_server, tmp_path)
+    kv = await bus.runs_kv()
+    await kv.put("waits", events.encode(events.RunState(
+        id="waits", status="finished", owner="orchestrator o1",
+        lease_expires_at=events.utc_now() + timedelta(seconds=60))))
+    waiting = asyncio.ensure_future(job._await_end())
+    await asyncio.sleep(2.0)  # sleep: four times the bound an owner without a lease gets
+    assert not waiting.done()
+    assert "waiting for its owner (orchestrator o1) to end the run and write its summary" in out.getvalue()
+    await update_run(bus, "waits", owner=None, lease_expires_at=None)
+    await asyncio.wait_for(waiting, 5)
+    # An owner whose lease lapsed gets RELEASE_TIMEOUT_S from its last note, then the run goes on.
+    await update_run(bus, "waits", owner="orchestrator o2", lease_expires_at=events.utc_now() - timedelta(seconds=1))
+    await asyncio.wait_for(job._await_end(), 5)

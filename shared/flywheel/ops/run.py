@@ -74,8 +74,8 @@ QUIET_STEP_S = 30.0  # no step for this long: say what the run waits for
 STOP_TIMEOUT_S = 60.0  # a run stopping because its embedded stack failed gets this long, bus still up
 NUM_LETTERS_SAID = 5  # dead letters of the run said one by one; after these, a count now and then
 STATE_CHECK_S = 1.0  # how often the run's state is read (notes, status)
-RELEASE_TIMEOUT_S = 30.0  # after the last step: how long the owner may take to write the summary and let go,
-# from its last note (its last evals may take longer, each ending with a note)
+RELEASE_TIMEOUT_S = 30.0  # after the last step: how long an owner whose lease lapsed may take to let go, from
+# its last note (an owner that renews its lease is waited for: its last evals may take minutes)
 
 
 @dataclass
@@ -302,6 +302,7 @@ class MainJob:
         self.last_note: str | None = None
         self.status = "created"  # as end_of sees it, last read
         self.owner: str | None = None  # the run's owner, last read
+        self.owner_live = False  # whether that owner's lease had not expired, last read
         self._bus: Bus | None = None
 
     @property
@@ -534,6 +535,8 @@ class MainJob:
             self.last_note = note
         self.num_notes_seen = state.num_notes
         self.owner = state.owner
+        self.owner_live = (state.owner is not None and state.lease_expires_at is not None
+                           and state.lease_expires_at > events.utc_now())
         end = end_of(state)
         status = end.status if end is not None else state.status
         if status != self.status:
@@ -549,16 +552,26 @@ class MainJob:
         return status if status in ENDED_STATUSES else None
 
     async def _await_end(self) -> None:
-        """After the last step: until the owner let go of the run (its summary is written), bounded
-        (a new note of the owner, the result of an eval it waits for, gives it the bound again)."""
+        """After the last step: until the owner let go of the run (its summary is written). While
+        the owner renews its lease (its last evals can take minutes on a real model) this waits,
+        saying so every QUIET_STEP_S; once no owner holds a live lease, for RELEASE_TIMEOUT_S more
+        at most (a new note gives it the bound again)."""
         deadline = time.monotonic() + RELEASE_TIMEOUT_S
+        said_at = time.monotonic()
         while time.monotonic() < deadline:
             seen = self.num_notes_seen
             await self._read_state()
-            if self.num_notes_seen != seen:
-                deadline = time.monotonic() + RELEASE_TIMEOUT_S
             if self.status in ENDED_STATUSES and self.owner is None:
                 return
+            now = time.monotonic()
+            if self.num_notes_seen != seen or self.owner_live:
+                deadline = now + RELEASE_TIMEOUT_S
+            if self.num_notes_seen != seen:
+                said_at = now
+            elif now - said_at >= QUIET_STEP_S:
+                self.say(f"run {self.cfg.run}: training finished; waiting for its owner ({self.owner or 'none'}) to "
+                         f"end the run and write its summary; its last note: {self.last_note or '(none)'}")
+                said_at = now
             await asyncio.sleep(0.2)
 
     async def _on_exit(self) -> str:
