@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import socket
+
+import pytest
+
 from flywheel.contract.settings import Settings
-from flywheel.ops.stack import RestartBackoff, Stack, child_env, metrics_port
+from flywheel.ops.natsserver import free_port
+from flywheel.ops.stack import RestartBackoff, Stack, StackError, check_ports, child_env, metrics_port
 
 
 def test_restart_backoff_doubles_in_a_crash_loop_and_resets_after_a_healthy_stretch() -> None:
@@ -74,3 +79,14 @@ def test_a_data_folder_is_held_by_one_stack_and_names_its_holder(tmp_path) -> No
         sleeper.kill()
         sleeper.wait()
     DataFolderLock(tmp_path).acquire({"pid": 1})  # the server gone: free
+
+
+def test_a_taken_port_is_refused_only_for_a_service_the_stack_starts() -> None:
+    # `flywheel eval --model` starts no gateway: a gateway on its port elsewhere is no obstacle.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        settings = Settings(nats_port=free_port(), inference_port=free_port(), gateway_port=taken.getsockname()[1])
+        check_ports(settings, {"inference", "sandbox"})
+        with pytest.raises(StackError, match=r"\(gateway_port\) is taken: choose a free one with --gateway-port"):
+            check_ports(settings, {"gateway", "inference"})

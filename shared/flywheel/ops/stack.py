@@ -56,7 +56,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -582,8 +582,9 @@ def local_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 
 
-def check_ports(settings: Settings) -> None:
-    """Raise StackError naming the setting to change when a port the stack needs is taken."""
+def check_ports(settings: Settings, services: Collection[str] = ("gateway", "inference")) -> None:
+    """Raise StackError naming the setting to change when a port the stack needs is taken
+    (the gateway's and inference's only when ``services`` start them)."""
     problems = []
     if settings.nats_url is None:
         if settings.nats_port == settings.gateway_port:
@@ -594,10 +595,10 @@ def check_ports(settings: Settings) -> None:
                 node = "nats_port" if port == settings.nats_port else f"nats_port+{port - settings.nats_port}"
                 problems.append(f"port {port} ({node}) is taken: choose a free one with --nats-port / "
                                 "FLYWHEEL_NATS_PORT, or use the NATS server there with --nats-url / FLYWHEEL_NATS_URL")
-    if port_open(local_host(settings.inference_host), settings.inference_port):
+    if "inference" in services and port_open(local_host(settings.inference_host), settings.inference_port):
         problems.append(f"port {settings.inference_port} (inference_port) is taken: choose a free one with "
                         "--inference-port / FLYWHEEL_INFERENCE_PORT")
-    if port_open(local_host(settings.gateway_host), settings.gateway_port):
+    if "gateway" in services and port_open(local_host(settings.gateway_host), settings.gateway_port):
         problems.append(f"port {settings.gateway_port} (gateway_port) is taken: choose a free one with "
                         "--gateway-port / FLYWHEEL_GATEWAY_PORT")
     if problems:
@@ -725,7 +726,7 @@ class Stack:
                            "ports": {"NATS": settings.nats_port, "gateway": settings.gateway_port,
                                      "inference": settings.inference_port}})
         try:
-            check_ports(settings)
+            check_ports(settings, {service.name for service in self.services})
             await self._run()
         finally:
             self.lock.release()
