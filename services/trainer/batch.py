@@ -362,27 +362,92 @@ def _hidden_after_prefix(model: torch.nn.Module, body: torch.nn.Module, batch: B
     return out.last_hidden_state
 
 
-MAX_PACKED_TOKENS = 4096  # a packed micro-batch's distinct tokens at most (its mask is this squared)
+# A packed row's tokens at most, unless one sequence alone is longer: attention covers a row
+# whole (what its mask hides included), which grows as its square, so sequences that share
+# nothing past this go to rows of their own (one row of SmolLM2's 1,224 benchmark tokens
+# took 1.3 times as long as two of about 600).
+PACK_ROW_TOKENS = 1024
+MAX_PACKED_TOKENS = 4096  # a packed row's tokens at most (a longer sequence runs padded)
 
 
 @dataclass
 class Packed:
-    """A micro-batch's tokens as one row, each distinct token once: the rows' sequences (a
-    shared prefix and the row after it) laid in a token trie, so whatever rows begin with alike
-    (a group's prompt, a system prompt every prompt starts with, the history a rollout's
-    branches share, two equal completions) is computed once. A token attends to itself and to
-    the tokens before it on its own path (a tree mask), at the position it has in its sequence,
-    so each row computes exactly what it computes alone."""
+    """A micro-batch's tokens in rows without padding between sequences: the sequences (a
+    shared prefix and the row after it) laid in a token trie per row, so whatever rows of one
+    packed row begin with alike (a group's prompt, a system prompt every prompt starts with, the
+    history a rollout's branches share, two equal completions) is computed once. A token
+    attends to itself and to the tokens before it on its own path (a tree mask), at the
+    position it has in its sequence, so each sequence computes exactly what it computes alone.
+    The sequences of one prompt stay in one packed row; prompts go to rows first-fit, largest
+    first, a new row when none has room under :data:`PACK_ROW_TOKENS`."""
 
-    input_ids: torch.Tensor  # [1, N] long
-    position_ids: torch.Tensor  # [1, N] long
-    mask: torch.Tensor  # [1, 1, N, N] bool: True where a query may attend
-    at: torch.Tensor  # [B, T] long: each batch position's place in the packed row (where attention_mask)
+    input_ids: torch.Tensor  # [K, L] long (the rows right-padded to the longest)
+    position_ids: torch.Tensor  # [K, L] long
+    mask: torch.Tensor  # [K, 1, L, L] bool: True where a query may attend (padding: itself alone)
+    at: torch.Tensor  # [B, T] long: each batch position's place in the flattened [K * L] (where attention_mask)
 
 
-def pack(batch: Batch) -> Packed | None:
-    """The tokens of ``batch`` (its prefixes included) as one packed row (see :class:`Packed`);
-    None when they hold more than :data:`MAX_PACKED_TOKENS` distinct tokens."""
+class _Trie:
+    """One packed row's tokens: node i + 1 is token i (node 0, the root, holds none); a node
+    comes after its parent."""
+
+    def __init__(self) -> None:
+        self.children: list[dict[int, int]] = [{}]
+        self.parent, self.token, self.depth = [-1], [-1], [-1]
+
+    def __len__(self) -> int:
+        return len(self.parent) - 1
+
+    @classmethod
+    def copy_of(cls, trie: _Trie) -> _Trie:
+        out = cls()
+        out.children = [dict(c) for c in trie.children]
+        out.parent, out.token, out.depth = list(trie.parent), list(trie.token), list(trie.depth)
+        return out
+
+    def add_all(self, sequences: list[list[int]]) -> int:
+        """Lay every one of ``sequences`` in; how many tokens they added."""
+        before = len(self)
+        for ids in sequences:
+            self.add(ids)
+        return len(self) - before
+
+    def add(self, ids: list[int]) -> list[int]:
+        """Lay ``ids`` in; the token index of each."""
+        node, places = 0, []
+        for t in ids:
+            child = self.children[node].get(t)
+            if child is None:
+                child = self.children[node][t] = len(self.parent)
+                self.children.append({})
+                self.parent.append(node)
+                self.token.append(t)
+                self.depth.append(self.depth[node] + 1)
+            node = child
+            places.append(node - 1)
+        return places
+
+    def sees(self) -> torch.Tensor:
+        """[n, n] bool: a token sees what its parent sees, and itself."""
+        n = len(self)
+        out = torch.zeros((n, n), dtype=torch.bool)
+        for i in range(n):
+            if self.parent[i + 1] > 0:
+                out[i] = out[self.parent[i + 1] - 1]
+            out[i, i] = True
+        return out
+
+
+def _family_tokens(sequences: list[list[int]]) -> int:
+    """The tokens of ``sequences`` laid in one trie."""
+    return _Trie().add_all(sequences)
+
+
+def pack(batch: Batch, row_tokens: int | None = None) -> Packed | None:
+    """The tokens of ``batch`` (its prefixes included) as packed rows of ``row_tokens`` at most
+    (default :data:`PACK_ROW_TOKENS`; see :class:`Packed`); None when one sequence is longer
+    than :data:`MAX_PACKED_TOKENS`."""
+    row_tokens = PACK_ROW_TOKENS if row_tokens is None else row_tokens
     device = batch.input_ids.device
     rows, width = batch.input_ids.shape
     lengths = batch.attention_mask.sum(-1).tolist()
@@ -391,34 +456,42 @@ def pack(batch: Batch) -> Packed | None:
         p = batch.prefix
         real = [p.input_ids[f][p.attention_mask[f].bool()].tolist() for f in range(p.input_ids.shape[0])]
         heads = [real[int(f)] for f in p.of_row.tolist()]
-    # The trie: node i + 1 is packed token i (node 0, the root, holds none); a node comes after its parent.
-    children: list[dict[int, int]] = [{}]
-    parent, token, depth = [-1], [-1], [-1]
+    sequences = [heads[b] + batch.input_ids[b, :lengths[b]].tolist() for b in range(rows)]
+    if any(len(ids) > MAX_PACKED_TOKENS for ids in sequences):
+        return None
+    # Families (the sequences of one prompt: up to a row's first trained token) stay whole; they
+    # go to rows first-fit, largest first, each row one trie (what families share, once).
+    families: dict[tuple[int, ...], list[int]] = {}
+    for b, ids in enumerate(sequences):
+        trained = batch.loss_mask[b].nonzero()
+        first = len(heads[b]) + (int(trained[0]) if len(trained) else lengths[b])
+        families.setdefault(tuple(ids[:first + 1]), []).append(b)
+    sizes = {key: _family_tokens([sequences[b] for b in members]) for key, members in families.items()}
+    tries: list[_Trie] = []
+    placed: dict[int, tuple[int, list[int]]] = {}  # batch row: its packed row, its tokens' places there
+    for key in sorted(families, key=lambda k: -sizes[k]):
+        members = families[key]
+        fits = [k for k, trie in enumerate(tries)
+                if len(trie) + _Trie.copy_of(trie).add_all([sequences[b] for b in members]) <= row_tokens]
+        if not fits:
+            tries.append(_Trie())
+            fits = [len(tries) - 1]
+        for b in members:
+            placed[b] = (fits[0], tries[fits[0]].add(sequences[b])[len(heads[b]):])
+    length = max(len(trie) for trie in tries)
+    input_ids = torch.zeros((len(tries), length), dtype=torch.long)
+    position_ids = torch.zeros((len(tries), length), dtype=torch.long)
+    mask = torch.eye(length, dtype=torch.bool).repeat(len(tries), 1, 1)  # padding sees itself: no empty softmax
+    for k, trie in enumerate(tries):
+        n = len(trie)
+        input_ids[k, :n] = torch.tensor(trie.token[1:], dtype=torch.long)
+        position_ids[k, :n] = torch.tensor(trie.depth[1:], dtype=torch.long)
+        mask[k, :n, :n] = trie.sees()
     at = torch.zeros((rows, width), dtype=torch.long)
-    for b in range(rows):
-        node, head = 0, heads[b]
-        for k, t in enumerate(head + batch.input_ids[b, :lengths[b]].tolist()):
-            child = children[node].get(t)
-            if child is None:
-                child = children[node][t] = len(parent)
-                children.append({})
-                parent.append(node)
-                token.append(t)
-                depth.append(depth[node] + 1)
-            node = child
-            if k >= len(head):
-                at[b, k - len(head)] = node - 1
-        if len(parent) - 1 > MAX_PACKED_TOKENS:
-            return None
-    n = len(parent) - 1
-    sees = torch.zeros((n, n), dtype=torch.bool)
-    for i in range(n):  # a token sees what its parent sees, and itself
-        if parent[i + 1] > 0:
-            sees[i] = sees[parent[i + 1] - 1]
-        sees[i, i] = True
-    return Packed(input_ids=torch.tensor([token[1:]], dtype=torch.long, device=device),
-                  position_ids=torch.tensor([depth[1:]], dtype=torch.long, device=device),
-                  mask=sees.to(device)[None, None], at=at.to(device))
+    for b, (k, places) in placed.items():
+        at[b, :len(places)] = k * length + torch.tensor(places, dtype=torch.long)
+    return Packed(input_ids=input_ids.to(device), position_ids=position_ids.to(device), mask=mask[:, None].to(device),
+                  at=at.to(device))
 
 
 def packed_loss_logprobs(model: torch.nn.Module, batch: Batch, module: torch.nn.Module | None = None
@@ -426,7 +499,7 @@ def packed_loss_logprobs(model: torch.nn.Module, batch: Batch, module: torch.nn.
     """:func:`loss_logprobs` with the body run on the micro-batch packed (:func:`pack`): no
     compute on padding, every shared beginning once, at the cost of attention over the packed
     row (its masked-out part included). A model whose head is not a plain projection of its
-    body runs whole, padded (:func:`split_head`); a micro-batch of more distinct tokens than
+    body runs whole, padded (:func:`split_head`); a micro-batch with a sequence longer than
     :data:`MAX_PACKED_TOKENS`, padded (:func:`loss_logprobs`)."""
     parts = split_head(model if module is None else module)
     if parts is None:
@@ -436,9 +509,9 @@ def packed_loss_logprobs(model: torch.nn.Module, batch: Batch, module: torch.nn.
         return loss_logprobs(model, batch, module)
     body, head = parts
     hidden = body(input_ids=packed.input_ids, attention_mask=packed.mask,
-                  position_ids=packed.position_ids).last_hidden_state[0]
+                  position_ids=packed.position_ids).last_hidden_state
     rows, columns = batch.loss_mask.nonzero(as_tuple=True)
-    picked_hidden = hidden[packed.at[rows, columns]]
+    picked_hidden = hidden.reshape(-1, hidden.shape[-1])[packed.at[rows, columns]]
     logits = head(picked_hidden).float() / batch.temperatures[rows, None]
     picked = torch.log_softmax(logits, dim=-1).gather(-1, batch.input_ids[rows, columns + 1, None]).squeeze(-1)
     out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32, device=picked.device)

@@ -16,7 +16,7 @@ from flywheel.contract.config import RunConfig
 from flywheel.contract.settings import TrainerSettings
 from flywheel.runtime.envworker import LoadSpec
 from flywheel.sdk import models
-from flywheel_trainer.batch import loss_logprobs, micro_batches, pack, packed_loss_logprobs, pad, token_logprobs
+from flywheel_trainer.batch import Batch, loss_logprobs, micro_batches, pack, packed_loss_logprobs, pad, token_logprobs
 from flywheel_trainer.chats import DataError
 from flywheel_trainer.engines import TorchEngine
 from flywheel_trainer.join import Scored, Tokens, tokens_of
@@ -105,6 +105,17 @@ def test_micro_batches_keep_the_sequences_of_one_prompt_together() -> None:
     assert pad([seqs[i] for i in (2, 0, 4)], [0.0] * 3, pad_id=0, share_prefixes=False).prefix is None
 
 
+def packed_in_rows_of_12(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    from flywheel_trainer import batch as batches
+
+    original = batches.PACK_ROW_TOKENS
+    batches.PACK_ROW_TOKENS = 12
+    try:
+        return packed_loss_logprobs(model, batch)
+    finally:
+        batches.PACK_ROW_TOKENS = original
+
+
 def test_a_shared_prefix_and_packed_rows_give_the_logprobs_and_gradients_of_whole_rows(tiny_model_dir: Path) -> None:
     """Prompts of several lengths, each with completions of several lengths, one prompt alone,
     one sequence with nothing to train: run once per prompt or on whole rows, the same numbers."""
@@ -124,9 +135,10 @@ def test_a_shared_prefix_and_packed_rows_give_the_logprobs_and_gradients_of_whol
     results = []
     # Each way: a shared prefix or whole rows; the head on every position, on the loss's alone,
     # or on the loss's alone with the rows packed (no padding; a prefix once in its family's row).
-    ways = {"whole": token_logprobs, "loss": loss_logprobs, "packed": packed_loss_logprobs}
+    ways = {"whole": token_logprobs, "loss": loss_logprobs, "packed": packed_loss_logprobs,
+            "packed in rows of 12": packed_in_rows_of_12}
     for share, way in ((True, "whole"), (False, "whole"), (True, "loss"), (False, "loss"), (True, "packed"),
-                       (False, "packed")):
+                       (False, "packed"), (True, "packed in rows of 12")):
         model.zero_grad()
         batch = pad(seqs, [1.0] * len(seqs), tok.pad_token_id, temperatures=temperatures, share_prefixes=share)
         assert (batch.prefix is not None) == share
@@ -159,11 +171,15 @@ def test_a_packed_micro_batch_holds_each_shared_beginning_once_and_each_token_se
         sees = packed.mask[0, 0]
         for t, path in {6: [1, 2, 3, 6], 8: [1, 7, 8], 5: [1, 2, 3, 4, 5]}.items():
             assert sorted(order[j] for j in sees[place[t]].nonzero().flatten().tolist()) == path
-        for row in range(len(seqs)):  # each batch position maps to the packed token it is
-            n = int(batch.attention_mask[row].sum())
-            assert packed.input_ids[0, packed.at[row, :n]].tolist() == batch.input_ids[row, :n].tolist()
-            start = 0 if batch.prefix is None else int(batch.prefix.lengths[row])
-            assert packed.position_ids[0, packed.at[row, :n]].tolist() == list(range(start, start + n))
+        for row_tokens in (1024, 6):  # one packed row, or a new row past 6 tokens
+            packed = pack(batch, row_tokens)
+            assert packed is not None and packed.input_ids.shape[0] == (1 if row_tokens == 1024 else 2)
+            flat_ids, flat_positions = packed.input_ids.flatten(), packed.position_ids.flatten()
+            for row in range(len(seqs)):  # each batch position maps to the packed token it is
+                n = int(batch.attention_mask[row].sum())
+                assert flat_ids[packed.at[row, :n]].tolist() == batch.input_ids[row, :n].tolist()
+                start = 0 if batch.prefix is None else int(batch.prefix.lengths[row])
+                assert flat_positions[packed.at[row, :n]].tolist() == list(range(start, start + n))
 
 
 def test_a_micro_batch_too_large_to_pack_runs_padded(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -173,7 +189,7 @@ def test_a_micro_batch_too_large_to_pack_runs_padded(tiny_model_dir: Path, monke
     seqs = [Tokens(list(range(3, 3 + n)), [0.0] * n, [False] * 2 + [True] * (n - 2)) for n in (6, 9)]
     batch = pad(seqs, [0.0] * 2, tok.pad_token_id, temperatures=[1.0, 1.0])
     monkeypatch.setattr(batches, "MAX_PACKED_TOKENS", 8)
-    assert pack(batch) is None  # 9 distinct tokens
+    assert pack(batch) is None  # a sequence of 9 tokens
     with torch.no_grad():
         assert torch.equal(packed_loss_logprobs(model, batch), loss_logprobs(model, batch))
     monkeypatch.setattr(batches, "MAX_PACKED_TOKENS", 9)
