@@ -34,14 +34,14 @@ MIN_MARGIN_OVER_CONTROL = 0.05
 
 
 def flywheel_run(tmp_path: Path, name: str, *overrides: str, config: Path = CONFIG,
-                 num_steps: int = NUM_STEPS) -> tuple[dict, list[dict]]:
+                 num_steps: int = NUM_STEPS, timeout_s: float = 900) -> tuple[dict, list[dict]]:
     data_dir = tmp_path / name
     argv = [sys.executable, "-m", "flywheel.ops.cli", "run", str(config), "--run-id", name, "--data-dir", str(data_dir),
             "--nats-port", str(free_port()), "--gateway-port", str(free_port()),
             "--inference-port", str(free_port()), "--set", f"trainer.num_steps={num_steps}"]
     for item in overrides:
         argv += ["--set", item]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=ROOT, check=False)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT, check=False)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     run_dir = data_dir / "runs" / name
     summary = json.loads((run_dir / "summary.json").read_text())
