@@ -124,7 +124,7 @@ async def test_the_runs_dead_letters_are_said_with_their_reason(bus: Bus, nats_s
                 reason="rejected: environment 'reverse_text' failed to load: ModuleNotFoundError: No module named 'x'",
                 payload=b"{}", headers=None))
         await until(lambda: "gave up on" in out.getvalue(), what="the run's dead letter said")
-        await asyncio.sleep(0.5)  # sleep: the other run's letter, were it said, would be by now
+        await asyncio.sleep(0.5)  # noqa: sleep - the other run's letter, were it said, would be by now
     finally:
         watching.cancel()
         await asyncio.gather(watching, return_exceptions=True)
