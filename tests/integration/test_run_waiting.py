@@ -192,7 +192,7 @@ async def test_after_the_last_step_the_run_waits_for_an_owner_that_renews_its_le
         id="waits", status="finished", owner="orchestrator o1",
         lease_expires_at=events.utc_now() + timedelta(seconds=60))))
     waiting = asyncio.ensure_future(job._await_end())
-    await asyncio.sleep(2.0)  # sleep: four times the bound an owner without a lease gets
+    await asyncio.sleep(2.0)  # noqa: sleep - four times the bound an owner without a lease gets
     assert not waiting.done()
     assert "waiting for its owner (orchestrator o1) to end the run and write its summary" in out.getvalue()
     await update_run(bus, "waits", owner=None, lease_expires_at=None)
