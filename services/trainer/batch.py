@@ -20,13 +20,14 @@ once, and each row goes on from its keys and values, so a group of 16 samples of
 prompt computes that prompt once instead of 16 times, forward and backward. The logprobs
 are the same as on whole rows (tests hold them and the gradients to float rounding).
 
-:func:`pack` lays a micro-batch out as one row with no padding (``trainer.pack``): the rows'
-sequences in a token trie, so every beginning they share (a group's prompt, a system prompt
-all prompts start with, the history a rollout's branches share) is computed once, each token
-at the position it has in its own sequence, under a tree mask (a token sees the tokens before
-it on its own path). No compute goes to padding, and no key/value cache is needed (so it
-composes with activation checkpointing); attention covers the packed row whole, the masked
-part included, which costs more than padding saves when a micro-batch is long.
+:func:`pack` lays a micro-batch out with no padding between sequences (``trainer.pack``):
+the sequences of one prompt in one packed row, prompts sharing rows up to
+:data:`PACK_ROW_TOKENS`, each row a token trie, so every beginning its sequences share (a
+group's prompt, a system prompt all prompts start with, the history a rollout's branches
+share) is computed once, each token at the position it has in its own sequence, under a tree
+mask (a token sees the tokens before it on its own path). No key/value cache is needed (so it
+composes with activation checkpointing); attention covers each packed row whole, the masked
+part included, which is why rows are bounded.
 
 :func:`loss_logprobs` computes the same logprobs at the loss's positions alone: the output
 embedding and the softmax over the vocabulary (for a model of SmolLM2's size, a third of a
@@ -438,11 +439,6 @@ class _Trie:
         return out
 
 
-def _family_tokens(sequences: list[list[int]]) -> int:
-    """The tokens of ``sequences`` laid in one trie."""
-    return _Trie().add_all(sequences)
-
-
 def pack(batch: Batch, row_tokens: int | None = None) -> Packed | None:
     """The tokens of ``batch`` (its prefixes included) as packed rows of ``row_tokens`` at most
     (default :data:`PACK_ROW_TOKENS`; see :class:`Packed`); None when one sequence is longer
@@ -466,18 +462,18 @@ def pack(batch: Batch, row_tokens: int | None = None) -> Packed | None:
         trained = batch.loss_mask[b].nonzero()
         first = len(heads[b]) + (int(trained[0]) if len(trained) else lengths[b])
         families.setdefault(tuple(ids[:first + 1]), []).append(b)
-    sizes = {key: _family_tokens([sequences[b] for b in members]) for key, members in families.items()}
+    sizes = {key: _Trie().add_all([sequences[b] for b in members]) for key, members in families.items()}
     tries: list[_Trie] = []
     placed: dict[int, tuple[int, list[int]]] = {}  # batch row: its packed row, its tokens' places there
     for key in sorted(families, key=lambda k: -sizes[k]):
         members = families[key]
-        fits = [k for k, trie in enumerate(tries)
-                if len(trie) + _Trie.copy_of(trie).add_all([sequences[b] for b in members]) <= row_tokens]
-        if not fits:
+        k = next((k for k, trie in enumerate(tries)
+                  if len(trie) + _Trie.copy_of(trie).add_all([sequences[b] for b in members]) <= row_tokens), None)
+        if k is None:
+            k = len(tries)
             tries.append(_Trie())
-            fits = [len(tries) - 1]
         for b in members:
-            placed[b] = (fits[0], tries[fits[0]].add(sequences[b])[len(heads[b]):])
+            placed[b] = (k, tries[k].add(sequences[b])[len(heads[b]):])
     length = max(len(trie) for trie in tries)
     input_ids = torch.zeros((len(tries), length), dtype=torch.long)
     position_ids = torch.zeros((len(tries), length), dtype=torch.long)

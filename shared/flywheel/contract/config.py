@@ -647,13 +647,13 @@ class TrainerConfig(_Section):
     checkpoint_every: int = Field(1, ge=1, description="steps between checkpoints (and at the last step)")
     keep_checkpoints: int = Field(2, ge=1, description="checkpoints kept, newest first (engine state and weights "
                                   "each; `flywheel export --step` takes any of them); older ones are deleted")
-    pack: bool = Field(False, description="run each micro-batch packed: its sequences in one row with no "
-                       "padding, every beginning they share (a group's prompt, a system prompt, the history a "
-                       "rollout's branches share) computed once, each token attending to its own sequence's; saves "
-                       "what padding and repeated prompts cost, at the cost of attention over the whole row "
-                       "(benchmarks/loss_logprobs.py measures both). Needs a model whose logits are its head on its "
-                       "body (Llama, Mistral, Qwen2/3: SmolLM2 is one); others, and micro-batches of more than 4096 "
-                       "distinct tokens, run padded")
+    pack: bool = Field(False, description="run each micro-batch packed: no padding between sequences, a "
+                       "prompt's sequences in one row (rows of up to 1,024 tokens), every beginning they share (a "
+                       "group's prompt, a system prompt, the history a rollout's branches share) computed once, "
+                       "each token attending to its own sequence's; saves what padding and repeated prompts cost, "
+                       "at the cost of attention over each whole row (benchmarks/loss_logprobs.py measures both). "
+                       "Needs a model whose logits are its head on its body (Llama, Mistral, Qwen2/3: SmolLM2 is "
+                       "one); others, and micro-batches with a sequence of more than 4,096 tokens, run padded")
     activation_checkpointing: bool = Field(False, description="keep only each decoder layer's input in the "
                                            "forward and recompute the layer in the backward: less memory for "
                                            "about a third more compute (transformers models)")

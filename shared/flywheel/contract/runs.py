@@ -289,7 +289,7 @@ def check_resumable(state: events.RunState | None, run: str) -> events.RunState:
     if state.status == "finished":
         raise ValueError(f"run {run!r} finished already; start a new run to train further")
     now = events.utc_now()
-    if state.status in ENDED_STATUSES and state.owner and state.lease_expires_at and state.lease_expires_at > now:
+    if state.status in ENDED_STATUSES and lease_held(state, now):
         raise ValueError(f"run {run!r} is {state.status}, but its owner {state.owner} is still stopping it (its "
                          "trainer checkpoints first); try again in a few seconds")
     if end_of(state, now) is None and state.status != "paused":
@@ -300,12 +300,18 @@ def check_resumable(state: events.RunState | None, run: str) -> events.RunState:
     return state
 
 
+def lease_held(state: events.RunState, now: datetime | None = None) -> bool:
+    """Whether an owner holds ``state``'s run: one is named and its lease has not expired."""
+    return (state.owner is not None and state.lease_expires_at is not None
+            and state.lease_expires_at >= (now or events.utc_now()))
+
+
 def claimable(state: events.RunState, now: datetime | None = None) -> bool:
     """Whether an orchestrator may take ``state``'s run: a training run with a config, not ended
     (finished, failed, stopped), whose owner is none or let its lease expire."""
     if state.kind != "train" or not state.config or state.status in ENDED_STATUSES:
         return False
-    return state.owner is None or state.lease_expires_at is None or state.lease_expires_at < (now or events.utc_now())
+    return not lease_held(state, now)
 
 
 async def _swap(bus: Bus, run: str, change: Callable[[events.RunState], events.RunState | None]

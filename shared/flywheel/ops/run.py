@@ -54,6 +54,7 @@ from flywheel.contract.runs import (
     ENDED_STATUSES,
     end_of,
     get_run,
+    lease_held,
     new_notes,
     register_run,
     resume_run,
@@ -535,8 +536,7 @@ class MainJob:
             self.last_note = note
         self.num_notes_seen = state.num_notes
         self.owner = state.owner
-        self.owner_live = (state.owner is not None and state.lease_expires_at is not None
-                           and state.lease_expires_at > events.utc_now())
+        self.owner_live = lease_held(state)
         end = end_of(state)
         status = end.status if end is not None else state.status
         if status != self.status:
