@@ -8,7 +8,7 @@ own score is 1) at the last step at least MIN_GAIN above step 0's.
 
 Measured on two cores, seeds 0, 1 and 2: held-out accuracy 0.52, 0.52, 0.58 at step 0 and
 0.78, 0.70, 0.77 at step 30 (gains of 19 to 27 points; an eval's standard error is about 6); this
-test took 8.5 minutes on an idle machine. The README's SmolLM2 section has the curves.
+test took 8.5 minutes on an idle machine. docs/environments.md has the table by step.
 """
 
 from __future__ import annotations
