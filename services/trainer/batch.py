@@ -368,7 +368,7 @@ def _hidden_after_prefix(model: torch.nn.Module, body: torch.nn.Module, batch: B
 # nothing past this go to rows of their own (one row of SmolLM2's 1,224 benchmark tokens
 # took 1.3 times as long as two of about 600).
 PACK_ROW_TOKENS = 1024
-MAX_PACKED_TOKENS = 4096  # a packed row's tokens at most (a longer sequence runs padded)
+MAX_PACKED_TOKENS = 4096  # a packed row's tokens at most (its mask is this squared); past it, padded
 
 
 @dataclass
@@ -441,8 +441,8 @@ class _Trie:
 
 def pack(batch: Batch, row_tokens: int | None = None) -> Packed | None:
     """The tokens of ``batch`` (its prefixes included) as packed rows of ``row_tokens`` at most
-    (default :data:`PACK_ROW_TOKENS`; see :class:`Packed`); None when one sequence is longer
-    than :data:`MAX_PACKED_TOKENS`."""
+    (default :data:`PACK_ROW_TOKENS`; see :class:`Packed`); None when a row would hold more
+    than :data:`MAX_PACKED_TOKENS` (one prompt's sequences are never split)."""
     row_tokens = PACK_ROW_TOKENS if row_tokens is None else row_tokens
     device = batch.input_ids.device
     rows, width = batch.input_ids.shape
@@ -453,8 +453,6 @@ def pack(batch: Batch, row_tokens: int | None = None) -> Packed | None:
         real = [p.input_ids[f][p.attention_mask[f].bool()].tolist() for f in range(p.input_ids.shape[0])]
         heads = [real[int(f)] for f in p.of_row.tolist()]
     sequences = [heads[b] + batch.input_ids[b, :lengths[b]].tolist() for b in range(rows)]
-    if any(len(ids) > MAX_PACKED_TOKENS for ids in sequences):
-        return None
     # Families (the sequences of one prompt: up to a row's first trained token) stay whole; they
     # go to rows first-fit, largest first, each row one trie (what families share, once).
     families: dict[tuple[int, ...], list[int]] = {}
@@ -475,6 +473,8 @@ def pack(batch: Batch, row_tokens: int | None = None) -> Packed | None:
         for b in members:
             placed[b] = (k, tries[k].add(sequences[b])[len(heads[b]):])
     length = max(len(trie) for trie in tries)
+    if length > MAX_PACKED_TOKENS:  # one prompt's sequences alone (a large group of long ones)
+        return None
     input_ids = torch.zeros((len(tries), length), dtype=torch.long)
     position_ids = torch.zeros((len(tries), length), dtype=torch.long)
     mask = torch.eye(length, dtype=torch.bool).repeat(len(tries), 1, 1)  # padding sees itself: no empty softmax
@@ -495,7 +495,7 @@ def packed_loss_logprobs(model: torch.nn.Module, batch: Batch, module: torch.nn.
     """:func:`loss_logprobs` with the body run on the micro-batch packed (:func:`pack`): no
     compute on padding, every shared beginning once, at the cost of attention over the packed
     row (its masked-out part included). A model whose head is not a plain projection of its
-    body runs whole, padded (:func:`split_head`); a micro-batch with a sequence longer than
+    body runs whole, padded (:func:`split_head`); a micro-batch whose packed row would pass
     :data:`MAX_PACKED_TOKENS`, padded (:func:`loss_logprobs`)."""
     parts = split_head(model if module is None else module)
     if parts is None:

@@ -194,6 +194,12 @@ def test_a_micro_batch_too_large_to_pack_runs_padded(tiny_model_dir: Path, monke
         assert torch.equal(packed_loss_logprobs(model, batch), loss_logprobs(model, batch))
     monkeypatch.setattr(batches, "MAX_PACKED_TOKENS", 9)
     assert pack(batch) is not None
+    # A prompt's sequences stay in one row: four of 5 tokens sharing 2 make a row of 14.
+    monkeypatch.setattr(batches, "MAX_PACKED_TOKENS", 13)
+    family = [Tokens([1, 2, *range(10 + 3 * i, 13 + 3 * i)], [0.0] * 5, [False] * 2 + [True] * 3) for i in range(4)]
+    assert pack(pad(family, [0.0] * 4, tok.pad_token_id, share_prefixes=False), row_tokens=4) is None
+    monkeypatch.setattr(batches, "MAX_PACKED_TOKENS", 14)
+    assert pack(pad(family, [0.0] * 4, tok.pad_token_id, share_prefixes=False), row_tokens=4) is not None
 
 
 @pytest.mark.parametrize("options", [{"pack": True}, {"activation_checkpointing": True},

@@ -653,7 +653,7 @@ class TrainerConfig(_Section):
                        "each token attending to its own sequence's; saves what padding and repeated prompts cost, "
                        "at the cost of attention over each whole row (benchmarks/loss_logprobs.py measures both). "
                        "Needs a model whose logits are its head on its body (Llama, Mistral, Qwen2/3: SmolLM2 is "
-                       "one); others, and micro-batches with a sequence of more than 4,096 tokens, run padded")
+                       "one); others, and micro-batches where one prompt's sequences pass 4,096 tokens, run padded")
     activation_checkpointing: bool = Field(False, description="keep only each decoder layer's input in the "
                                            "forward and recompute the layer in the backward: less memory for "
                                            "about a third more compute (transformers models)")
