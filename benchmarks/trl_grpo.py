@@ -1,8 +1,8 @@
-"""Baseline: Hugging Face TRL's GRPOTrainer on the reverse-text task, on CPU, step by step.
+"""Baseline: Hugging Face TRL's GRPOTrainer on reverse-text or a reasoning-gym task, on CPU, step by step.
 
     .venv-trl/bin/python benchmarks/trl_grpo.py --model DIR --tasks TASKS.jsonl --seed S --steps N \\
-        --out OUT.jsonl [--latency none|lognormal] [--group-size 16] [--prompts-per-step 8] \\
-        [--lr 5e-4] [--max-tokens 16] [--threads 1]
+        --out OUT.jsonl [--reward reverse-text|reasoning-gym] [--latency none|lognormal] \\
+        [--group-size 16] [--prompts-per-step 8] [--lr 5e-4] [--max-tokens 16] [--threads 1]
 
 The other half of a comparison with Flywheel: the same model, tasks, reward and GRPO
 algorithm, trained by TRL instead (``.venv-trl``, built by ``scripts/setup-trl.sh``). This
@@ -22,9 +22,18 @@ Inputs:
 
   Conversational prompts: TRL renders them with the chat template and the generation prompt.
 
-Reward: ``difflib.SequenceMatcher(None, completion.strip(), text[::-1]).ratio()``, the
-content of the assistant message; ``exact`` (``completion.strip() == text[::-1]``) is a
-second reward function of weight 0, so TRL logs it without training on it.
+Reward (``--reward reverse-text``, the default): ``difflib.SequenceMatcher(None,
+completion.strip(), text[::-1]).ratio()``, the content of the assistant message; ``exact``
+(``completion.strip() == text[::-1]``) is a second reward function of weight 0, so TRL logs it
+without training on it.
+
+``--reward reasoning-gym``: the tasks are reasoning-gym's, a row ``{"prompt": [...], "rg":
+"<JSON>"}`` whose ``rg`` names the item (``task``, ``config``, ``seed``, ``size``, ``index``,
+``question``: Flywheel's ``reasoning_tasks`` rows); the reward ``score`` regenerates the item
+(``reasoning_gym.create_dataset(task, seed=seed, size=size, **config)[index]``, its question
+checked) and scores the text of the reply's last ``<answer>...</answer>`` with the task's own
+``score_answer`` (no tags, or an answer its scorer cannot read, scores 0), as Flywheel's
+environment does; ``correct`` (the score is 1) has weight 0. A ``composite`` task is not read.
 
 ``--latency lognormal`` makes each completion's reward wait ``min(1.0, exp(N(ln 0.05, 1.0)))``
 seconds (median 50 ms, capped at 1 s; seeded by ``f"{seed}-{step}-{index}"``: the same waits
@@ -54,7 +63,10 @@ Keys:
 - ``reward``: mean reward of the step's completions (``--prompts-per-step`` x
   ``--group-size``, 128 by default), as TRL logs it (``rewards/similarity/mean``, or
   ``rewards/similarity_after_wait/mean`` with ``--latency lognormal``);
-- ``exact``: the fraction of those completions that are exactly the reversed text;
+- ``exact``: the fraction of those completions that are exactly the reversed text (with
+  ``--reward reasoning-gym``: that are correct);
+- ``completion_tokens``: tokens of the step's completions (TRL's ``completions/mean_length``
+  times their number): what the step trained on;
 - ``cpu_s``: user + system CPU seconds of this process since it started, all threads
   (``getrusage(RUSAGE_SELF)``);
 - ``rss_mb``: resident memory of the process now, MiB; ``peak_rss_mb``: its peak so far;
@@ -91,7 +103,9 @@ from typing import Any  # noqa: E402
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="Hugging Face model folder with a chat template")
-    p.add_argument("--tasks", required=True, help="JSONL of {prompt: [messages], text}")
+    p.add_argument("--tasks", required=True, help="JSONL of {prompt: [messages], text} (or rg: see --reward)")
+    p.add_argument("--reward", choices=["reverse-text", "reasoning-gym"], default="reverse-text",
+                   help="what scores a completion (see the module's docs)")
     p.add_argument("--seed", type=int, required=True, help="seeds TRL (sampling, task order) and the latencies")
     p.add_argument("--steps", type=int, required=True, help="optimizer steps")
     p.add_argument("--out", required=True, help="JSONL written: a start line, one line per step, an end line")
@@ -125,14 +139,16 @@ LATENCY_SIGMA = 1.0  # lognormal: sigma of the log of the wait
 LATENCY_CAP_S = 1.0  # no wait is longer
 
 
-def load_tasks(path: str) -> datasets.Dataset:
-    """The tasks in the file's order: columns ``prompt`` (messages) and ``text``."""
+def load_tasks(path: str, reward: str) -> datasets.Dataset:
+    """The tasks in the file's order: columns ``prompt`` (messages) and ``text`` (reverse-text)
+    or ``rg`` (reasoning-gym: the item, as JSON text)."""
+    column = "text" if reward == "reverse-text" else "rg"
     rows = []
     with open(path, encoding="utf-8") as f:
         for line in f:
             if line.strip():
                 row = json.loads(line)
-                rows.append({"prompt": row["prompt"], "text": row["text"]})
+                rows.append({"prompt": row["prompt"], column: row[column]})
     return datasets.Dataset.from_list(rows)
 
 
@@ -148,6 +164,50 @@ def _similarity(completion: list[dict] | str, text: str) -> float:
 def exact(completions: list, text: list[str], **kwargs: Any) -> list[float]:
     """Logged as ``rewards/exact/mean``; weight 0: not trained on."""
     return [float(_content(c).strip() == t[::-1]) for c, t in zip(completions, text, strict=True)]
+
+
+_RG_DATASETS: dict[str, Any] = {}
+
+
+def _rg_score(completion: str, item: dict) -> float:
+    """reasoning-gym's ``score_answer`` of the reply's last answer tags on the item ``item`` names."""
+    import reasoning_gym  # in .venv-trl (and .venv's reasoning extra)
+    from reasoning_gym.utils import extract_answer
+
+    key = json.dumps([item["task"], item["config"], item["seed"], item["size"]], sort_keys=True)
+    if key not in _RG_DATASETS:
+        _RG_DATASETS[key] = reasoning_gym.create_dataset(item["task"], seed=item["seed"], size=item["size"],
+                                                         **item["config"])
+    dataset = _RG_DATASETS[key]
+    entry = dataset[item["index"]]
+    if entry["question"] != item["question"]:
+        raise ValueError(f"reasoning-gym generates another question for {item}: another version or config")
+    answer = extract_answer(completion)
+    if answer is None:
+        return 0.0
+    try:
+        return float(dataset.score_answer(answer, entry))
+    except Exception:  # an answer its scorer cannot read is a wrong one (as in Flywheel's environment)
+        return 0.0
+
+
+def score(completions: list, rg: list[str], **kwargs: Any) -> list[float]:
+    """reasoning-gym's score of each completion: the reward trained on."""
+    return [_rg_score(_content(c), json.loads(r)) for c, r in zip(completions, rg, strict=True)]
+
+
+def correct(completions: list, rg: list[str], **kwargs: Any) -> list[float]:
+    """Logged as ``rewards/correct/mean``; weight 0: not trained on."""
+    return [float(_rg_score(_content(c), json.loads(r)) == 1.0) for c, r in zip(completions, rg, strict=True)]
+
+
+def reward_functions(args: argparse.Namespace) -> list[Callable[..., Any]]:
+    """The reward TRL trains on, then the metric it logs at weight 0."""
+    if args.reward == "reasoning-gym":
+        if args.latency != "none":
+            raise SystemExit("--latency lognormal is for --reward reverse-text")
+        return [score, correct]
+    return [make_similarity(args.latency, args.seed), exact]
 
 
 def make_similarity(latency: str, seed: int) -> Callable[..., Any]:
@@ -219,7 +279,7 @@ def grpo_config(args: argparse.Namespace, output_dir: str) -> GRPOConfig:
         loss_type="dapo",
         epsilon=0.2,
         mask_truncated_completions=False,
-        reward_weights=[1.0, 0.0],  # similarity, exact (a metric)
+        reward_weights=[1.0, 0.0],  # the reward (similarity or score), then its metric (exact or correct)
         # CPU, float32, one process, no vLLM; no activation (gradient) checkpointing: GRPOConfig
         # turns it on by default; Flywheel does not use it, and it only costs time on a model
         # this small. (`gradient_checkpointing` is the deprecated name in transformers 5.)
@@ -267,9 +327,11 @@ class StepLog(TrainerCallback):
     """Writes the JSONL lines: the time and resources at each step's end, the rewards from
     the log line TRL writes right after it (logging_steps=1), matched by step number."""
 
-    def __init__(self, path: str, reward_name: str):
+    def __init__(self, path: str, reward_name: str, metric_name: str, batch: int):
         self.out = open(path, "w", encoding="utf-8")  # closed by on_train_end
         self.reward_key = f"rewards/{reward_name}/mean"
+        self.metric_key = f"rewards/{metric_name}/mean"
+        self.batch = batch
         self.at_step_end: dict[int, dict] = {}
 
     def _write(self, record: dict) -> None:
@@ -292,7 +354,8 @@ class StepLog(TrainerCallback):
         step = state.global_step
         now = self.at_step_end.pop(step)
         record = {"step": step, "t": now["t"], "reward": logs[self.reward_key],
-                  "exact": logs["rewards/exact/mean"], "cpu_s": now["cpu_s"], "rss_mb": now["rss_mb"],
+                  "exact": logs[self.metric_key], "cpu_s": now["cpu_s"], "rss_mb": now["rss_mb"],
+                  "completion_tokens": round(logs["completions/mean_length"] * self.batch),
                   "peak_rss_mb": round(peak_rss_mb(), 1)}
         self._write(record)
         print(f"step {step}: t {record['t']:.2f}s reward {record['reward']:.4f} exact {record['exact']:.3f} "
@@ -309,15 +372,16 @@ def main(args: argparse.Namespace) -> None:
           f"{torch.get_num_threads()} thread(s)", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    similarity = make_similarity(args.latency, args.seed)
+    rewards = reward_functions(args)
+    log = StepLog(args.out, rewards[0].__name__, rewards[1].__name__, args.prompts_per_step * args.group_size)
     with tempfile.TemporaryDirectory(prefix="trl_grpo-") as output_dir:
         trainer = GRPOTrainer(
             model=model,
-            reward_funcs=[similarity, exact],
+            reward_funcs=rewards,
             args=grpo_config(args, output_dir),
-            train_dataset=load_tasks(args.tasks),
+            train_dataset=load_tasks(args.tasks, args.reward),
             processing_class=tokenizer,
-            callbacks=[StepLog(args.out, similarity.__name__)],
+            callbacks=[log],
         )
         # With disable_tqdm the trainer prints every log dict; stdout keeps the step lines only.
         trainer.remove_callback(PrinterCallback)

@@ -3,6 +3,7 @@
     scripts/setup-trl.sh                       # once: TRL in its own venv (.venv-trl)
     python benchmarks/vs_trl.py --json out/vs_trl.json [--seeds 0,1,2] [--steps 120] [--sync] [--verbose]
     python benchmarks/vs_trl.py --json out/ab.json --baseline main --workloads plain --seeds 0,1
+    python benchmarks/vs_trl.py --json out/vs_trl_smollm2.json --model smollm2 --env chain_sum --seeds 0
 
 Same machine, same SFT-warmed tiny model, same tasks (reverse-text), same reward, same
 algorithm as far as TRL allows (group-mean advantages without std scaling, clipped
@@ -16,6 +17,16 @@ launch:
   (nats-server, gateway, recorder, scorer, sandbox, inference) and the run's trainer;
   asynchronous (``trainer.max_off_policy_steps = 1``, as shipped), and with ``--sync``
   also synchronous (``0``).
+
+``--model smollm2 --env TASK`` compares on a real model and a reasoning-gym task instead:
+SmolLM2-135M-Instruct after a short SFT warm-up on the task's reference answers (Flywheel's
+``sft_warmup``), the task's items from the same generator and seeds on both sides
+(``flywheel/reasoning-tasks`` on Flywheel; ``benchmarks/trl_grpo.py --reward reasoning-gym``
+on TRL, which regenerates each item and scores it with the task's own ``score_answer``), the
+settings of ``examples/smollm2-chain-sum.toml`` (4 prompts x 8 samples per step, 16 new
+tokens, lr 1e-5, ``--task-config`` the task's settings; Flywheel packs its rows, as the
+example does): ``PRESETS`` holds each model's defaults, any flag overrides them. Only the
+``plain`` workload (the latency workload is reverse-text's).
 
 Two workloads: ``plain`` (the reward is instant) and ``latency`` (each reward waits a
 lognormal time, median 50 ms, capped at 1 s, as a remote judge or a sandbox would:
@@ -37,16 +48,21 @@ Figures per run (``runs`` in the JSON, every run, never only the best):
 - ``steps_to_threshold``, ``time_to_threshold_s``: the first step at which the rolling
   mean reward (``--window`` steps) reaches ``--threshold``, and the wall seconds from the
   end of the first step to it (null when never reached);
-- ``rewards``: the reward of every step;
+- ``rewards``: the reward of every step; ``step_end_s``: when each step ended (seconds since
+  the launch), so a threshold can be read again from the JSON;
+- ``trained_tokens_per_s``: completion tokens trained per wall second after the first step
+  (Flywheel: the loss tokens of its steps; TRL: its completions' mean length times their number);
 - Flywheel only: ``cpu_s_per_step_by_process`` (the same CPU seconds, by process:
   ``inference``, ``trainer``, ``gateway``, ``recorder``, ``scorer``, ``sandbox``,
   ``nats-server``, ``fork-server``, ``workers``, ``run``), ``num_dropped_stale``, ``staleness_mean``.
 
 Ratios (Flywheel asynchronous over TRL, means over seeds; targets in brackets):
-``cpu_s_per_step_ratio`` (plain; at most 1.2), ``time_to_threshold_ratio_plain`` (at most
-1.0), ``time_to_threshold_ratio_latency`` (at most 0.6), ``startup_s_ratio`` (plain; at most
+``cpu_s_per_step_ratio`` (plain; at most 1.0), ``time_to_threshold_ratio_plain`` (at most
+0.5), ``time_to_threshold_ratio_latency`` (at most 0.4), ``startup_s_ratio`` (plain; at most
 1.5), and ``step_s_ratio_plain``, ``step_s_ratio_latency``; with ``--sync`` the same with a
-``sync_`` prefix. A ratio over runs where the threshold was never reached is null.
+``sync_`` prefix. A ratio over runs where the threshold was never reached is null. With
+``--env TASK``, ``time_to_threshold_ratio`` is ``time_to_threshold_ratio_plain`` (the only
+workload). ``trained_tokens_per_s`` (means by system) is in ``means``.
 
 ``--baseline REV`` also runs Flywheel as it is at git revision ``REV`` (its files, from ``git
 archive``, imported ahead of the installed tree: the same venv and dependencies), in turn with
@@ -79,15 +95,36 @@ ENVS = ROOT / "benchmarks" / "envs"
 TRL_PYTHON = ROOT / ".venv-trl" / "bin" / "python"
 TRL_SCRIPT = ROOT / "benchmarks" / "trl_grpo.py"
 ENV_OF = {"plain": "reverse_text", "latency": "slow_reverse_text"}
-TARGETS = {"cpu_s_per_step_ratio": 1.2, "time_to_threshold_ratio_plain": 1.0,
-           "time_to_threshold_ratio_latency": 0.6, "startup_s_ratio": 1.5}
+TARGETS = {"cpu_s_per_step_ratio": 1.0, "time_to_threshold_ratio_plain": 0.5,
+           "time_to_threshold_ratio_latency": 0.4, "startup_s_ratio": 1.5}
+# Each model's defaults (a flag overrides any): tiny from the reverse-text comparison, smollm2
+# from examples/smollm2-chain-sum.toml; the threshold of smollm2 on chain_sum is about halfway
+# from its first steps' reward to its last's (see docs/benchmarks.md).
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {"env": "reverse_text", "steps": 120, "sft_steps": 100, "sft_lr": 3e-3, "sft_batch_size": 32,
+             "group_size": 16, "prompts_per_step": 8, "lr": 5e-4, "max_tokens": 16, "threshold": 0.45,
+             "window": 10, "pack": False},
+    "smollm2": {"env": "chain_sum", "steps": 30, "sft_steps": 10, "sft_lr": 2e-5, "sft_batch_size": 16,
+                "group_size": 8, "prompts_per_step": 4, "lr": 1e-5, "max_tokens": 16, "threshold": 0.6,
+                "window": 5, "pack": True,
+                "task_config": '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}'},
+}
 STEP_LINE = re.compile(r"^step\s+(\d+)/(\d+)\s")
 
 
 # --- the shared start: a warmed model and the task files ---------------------------------------
 
-def warm_model(work: Path, sft_steps: int) -> Path:
-    """The tiny model after ``sft_steps`` of Flywheel's SFT warm-up, saved as a Hugging Face folder."""
+def env_of(args: argparse.Namespace, workload: str) -> tuple[str, dict[str, Any]]:
+    """The environment id and arguments of a Flywheel run of ``workload``."""
+    if args.env == "reverse_text":
+        return ENV_OF[workload], {}
+    return "flywheel/reasoning-tasks", {"task": args.env, "config": json.loads(args.task_config),
+                                        "system_prompt": args.system_prompt, "max_tokens": args.max_tokens}
+
+
+def warm_model(work: Path, args: argparse.Namespace) -> Path:
+    """The model after ``--sft-steps`` of Flywheel's SFT warm-up on the environment's reference
+    answers, saved as a Hugging Face folder."""
     import torch
 
     from flywheel.contract.config import RunConfig
@@ -98,26 +135,41 @@ def warm_model(work: Path, sft_steps: int) -> Path:
 
     out = work / "warm-model"
     torch.manual_seed(0)
-    cfg = RunConfig.parse({"run": "warm", "env": "reverse_text",
-                           "sft": {"steps": sft_steps, "batch_size": 32, "lr": 3e-3}}, source="warm-up")
-    model, tok = models.load_model(models.resolve_model("tiny", work / "data"))
+    env, env_args = env_of(args, "plain")
+    cfg = RunConfig.parse({"run": "warm", "env": env, "env_args": env_args,
+                           "sft": {"steps": args.sft_steps, "batch_size": args.sft_batch_size, "lr": args.sft_lr}},
+                          source="warm-up")
+    model, tok = models.load_model(models.resolve_model(args.model, work / "data"))
     examples = asyncio.run(references(cfg, WorkersSettings(), work / "data"))  # from the environment's workers
-    figures = sft_warmup(model, warmup_steps(model, tok, examples, cfg), tok.pad_token_id, cfg, micro_batch_size=32)
+    figures = sft_warmup(model, warmup_steps(model, tok, examples, cfg), tok.pad_token_id, cfg,
+                         micro_batch_size=args.sft_batch_size)
     model.save_pretrained(out)
     tok.save_pretrained(out)
-    print(f"warm-up: {sft_steps} SFT steps, loss {figures['sft_loss']:.3f}, saved to {out}", flush=True)
+    print(f"warm-up: {args.model}, {args.sft_steps} SFT steps, loss {figures['sft_loss']:.3f}, saved to {out}",
+          flush=True)
     return out
 
 
-def write_tasks(path: Path, num: int, seed: int) -> None:
-    """reverse-text's first ``num`` tasks of ``seed`` (Flywheel's task order for that seed), as TRL reads them."""
-    import reverse_text
+def write_tasks(path: Path, num: int, seed: int, args: argparse.Namespace) -> None:
+    """The environment's first ``num`` tasks of ``seed`` (Flywheel's tasks for that seed), as TRL
+    reads them (``benchmarks/trl_grpo.py``)."""
+    if args.env == "reverse_text":
+        import reverse_text
 
-    env = reverse_text.load_environment()
+        env = reverse_text.load_environment()
+    else:
+        import reasoning_tasks
+
+        env = reasoning_tasks.load_environment(**env_of(args, "plain")[1])
     with path.open("w") as f:
         for row in env.load_tasks(num, seed=seed):
             messages = [{"role": m.role, "content": m.content} for m in env.prompt_messages(row)]
-            f.write(json.dumps({"prompt": messages, "text": row["text"]}) + "\n")
+            if args.env == "reverse_text":
+                f.write(json.dumps({"prompt": messages, "text": row["text"]}) + "\n")
+            else:
+                item = {k: row[k] for k in ("task", "seed", "size", "index", "question")}
+                f.write(json.dumps({"prompt": messages,
+                                    "rg": json.dumps(item | {"config": json.loads(args.task_config)})}) + "\n")
 
 
 # --- one run of each system ----------------------------------------------------------------------
@@ -154,16 +206,18 @@ def tree_cpu_s(pid: int) -> dict[str, float]:
     return by_process
 
 
-def figures(times: list[float], rewards: list[float], cpu_first: float, cpu_last: float,
+def figures(times: list[float], rewards: list[float], tokens: list[float], cpu_first: float, cpu_last: float,
             args: argparse.Namespace) -> dict[str, Any]:
-    """A run's figures from its steps' end times (seconds since launch), rewards and CPU seconds
-    at the first and the last step."""
+    """A run's figures from its steps' end times (seconds since launch), rewards, trained tokens
+    and CPU seconds at the first and the last step."""
     n = len(times)
     out: dict[str, Any] = {"num_steps": n, "startup_s": times[0], "step_s": (times[-1] - times[0]) / (n - 1),
                            "cpu_s_per_step": (cpu_last - cpu_first) / (n - 1),
+                           "trained_tokens_per_s": sum(tokens[1:]) / (times[-1] - times[0]),
                            "steps_to_threshold": None, "time_to_threshold_s": None,
                            "reward_first": statistics.fmean(rewards[:args.window]),
-                           "reward_last": statistics.fmean(rewards[-args.window:]), "rewards": rewards}
+                           "reward_last": statistics.fmean(rewards[-args.window:]), "rewards": rewards,
+                           "step_end_s": [round(t, 3) for t in times]}
     for i in range(args.window - 1, n):
         if statistics.fmean(rewards[i - args.window + 1:i + 1]) >= args.threshold:
             out["steps_to_threshold"], out["time_to_threshold_s"] = i + 1, times[i] - times[0]
@@ -177,19 +231,23 @@ def run_trl(work: Path, model: Path, tasks: Path, seed: int, workload: str, args
             "--steps", str(args.steps), "--out", str(out),
             "--latency", "lognormal" if workload == "latency" else "none",
             "--lr", str(args.lr), "--max-tokens", str(args.max_tokens), "--group-size", str(args.group_size),
-            "--prompts-per-step", str(args.prompts_per_step), "--threads", "1"]
+            "--prompts-per-step", str(args.prompts_per_step), "--threads", "1",
+            "--reward", "reverse-text" if args.env == "reverse_text" else "reasoning-gym"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout_s, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"TRL run failed ({done.returncode}): {done.stderr[-3000:]}")
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     steps = [line for line in lines if "step" in line]
-    return figures([s["t"] for s in steps], [s["reward"] for s in steps], steps[0]["cpu_s"], steps[-1]["cpu_s"], args)
+    return figures([s["t"] for s in steps], [s["reward"] for s in steps], [s["completion_tokens"] for s in steps],
+                   steps[0]["cpu_s"], steps[-1]["cpu_s"], args)
 
 
 def flywheel_config(path: Path, run: str, model: Path, seed: int, workload: str, off_policy: int,
                     args: argparse.Namespace) -> None:
+    env, env_args = env_of(args, workload)
     path.write_text(f"""run = "{run}"
-env = "{ENV_OF[workload]}"
+env = "{env}"
+env_args = {toml_inline(env_args)}
 group_size = {args.group_size}
 seed = {seed}
 
@@ -208,9 +266,19 @@ batch_size = {args.group_size * args.prompts_per_step}
 num_steps = {args.steps}
 lr = {args.lr}
 max_off_policy_steps = {off_policy}
+pack = {str(args.pack).lower()}
 advantage = {{type = "group_mean", normalize_std = false}}
 loss = {{type = "clipped", clip_eps = 0.2}}
 """)
+
+
+def toml_inline(value: Any) -> str:
+    """``value`` (tables, strings, numbers, booleans) as a TOML inline value."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k)} = {toml_inline(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return json.dumps(value)  # a JSON string or number is a TOML one too
 
 
 def checkout(rev: str, where: Path) -> Path:
@@ -273,8 +341,8 @@ def run_flywheel(work: Path, model: Path, seed: int, workload: str, off_policy: 
     times = [datetime.fromisoformat(s["time"]).timestamp() - launched_wall for s in steps]
     per_step = {name: (cpu[args.steps].get(name, 0.0) - cpu[1].get(name, 0.0)) / (len(steps) - 1)
                 for name in cpu[args.steps]}
-    return figures(times, [s["reward_mean"] for s in steps], sum(cpu[1].values()), sum(cpu[args.steps].values()),
-                   args) | {
+    return figures(times, [s["reward_mean"] for s in steps], [s["num_loss_tokens"] for s in steps],
+                   sum(cpu[1].values()), sum(cpu[args.steps].values()), args) | {
         "cpu_s_per_step_by_process": per_step,
         "num_dropped_stale": sum(s["num_dropped_stale"] for s in steps),
         "staleness_mean": statistics.fmean(s["staleness_mean"] for s in steps)}
@@ -314,8 +382,9 @@ def summarize(runs: list[dict[str, Any]], systems: list[str]) -> dict[str, Any]:
     for system in ["trl", *systems]:
         for workload in ENV_OF:
             means[f"{system}/{workload}"] = {key: mean_of(runs, system, workload, key) for key in (
-                "startup_s", "step_s", "cpu_s_per_step", "steps_to_threshold", "time_to_threshold_s", "reward_first",
-                "reward_last")}
+                "startup_s", "step_s", "cpu_s_per_step", "trained_tokens_per_s", "steps_to_threshold",
+                "time_to_threshold_s", "reward_first", "reward_last")}
+    out["time_to_threshold_ratio"] = out.get("time_to_threshold_ratio_plain")
     return out | {"means": means}
 
 
@@ -323,21 +392,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", required=True, help="write the figures here")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
-    p.add_argument("--steps", type=int, default=120)
-    p.add_argument("--workloads", default="plain,latency")
+    p.add_argument("--model", default="tiny", choices=sorted(PRESETS), help="the model; its defaults: PRESETS")
+    p.add_argument("--env", help="reverse_text, or a reasoning-gym task's name (default: the model's preset)")
+    p.add_argument("--task-config", help="the reasoning-gym task's settings, as JSON (default: the preset's)")
+    p.add_argument("--system-prompt", default="direct", help="reasoning-gym's system prompt by name, or text")
+    p.add_argument("--steps", type=int)
+    p.add_argument("--workloads", help="plain,latency (reverse_text) or plain (default: all the env has)")
     p.add_argument("--sync", action="store_true", help="also run Flywheel synchronously (max_off_policy_steps 0)")
     p.add_argument("--baseline", metavar="REV", help="also run Flywheel as it is at git revision REV (asynchronous), "
                    "in turn with the others: baseline_* keys are this tree over it")
-    p.add_argument("--sft-steps", type=int, default=100)
-    p.add_argument("--group-size", type=int, default=16)
-    p.add_argument("--prompts-per-step", type=int, default=8)
-    p.add_argument("--lr", type=float, default=5e-4)
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--threshold", type=float, default=0.45, help="rolling mean reward to reach")
-    p.add_argument("--window", type=int, default=10, help="steps in the rolling mean")
-    p.add_argument("--timeout-s", type=float, default=1800.0, help="per run")
+    p.add_argument("--sft-steps", type=int)
+    p.add_argument("--sft-lr", type=float)
+    p.add_argument("--sft-batch-size", type=int)
+    p.add_argument("--group-size", type=int)
+    p.add_argument("--prompts-per-step", type=int)
+    p.add_argument("--lr", type=float)
+    p.add_argument("--max-tokens", type=int)
+    p.add_argument("--pack", action=argparse.BooleanOptionalAction, help="Flywheel packs its rows (trainer.pack)")
+    p.add_argument("--threshold", type=float, help="rolling mean reward to reach")
+    p.add_argument("--window", type=int, help="steps in the rolling mean")
+    p.add_argument("--timeout-s", type=float, default=3600.0, help="per run")
     p.add_argument("--verbose", action="store_true")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for key, value in PRESETS[args.model].items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    args.task_config = args.task_config or "{}"
+    if args.workloads is None:
+        args.workloads = "plain,latency" if args.env == "reverse_text" else "plain"
+    if args.env != "reverse_text" and args.workloads != "plain":
+        p.error(f"--workloads {args.workloads}: a reasoning-gym task has the plain workload only")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -354,10 +439,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="vs-trl-") as tmp:
         work = Path(tmp)
         baseline = checkout(args.baseline, work / "baseline") if args.baseline else None
-        model = warm_model(work, args.sft_steps)
+        model = warm_model(work, args)
         for n, seed in enumerate(seeds):
             tasks = work / f"tasks-{seed}.jsonl"
-            write_tasks(tasks, 4 * args.steps * args.prompts_per_step, seed)
+            write_tasks(tasks, 4 * args.steps * args.prompts_per_step, seed, args)
             for workload in workloads:
                 order = ["trl", *systems]
                 if n % 2:
@@ -381,8 +466,13 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     for key, target in TARGETS.items():
+        if key == "time_to_threshold_ratio_latency" and "latency" not in workloads:
+            continue
         value = out[key]
         print(f"{key}: {'n/a' if value is None else f'{value:.3f}'} (target {target})")
+    for system in ["trl", *systems]:
+        value = out["means"][f"{system}/plain"]["trained_tokens_per_s"]
+        print(f"trained_tokens_per_s {system}: {'n/a' if value is None else f'{value:.1f}'}")
     for key in ("step_s_ratio_plain", "step_s_ratio_latency") + (
             ("baseline_cpu_s_per_step_ratio", "baseline_startup_s_ratio", "baseline_step_s_ratio_plain")
             if args.baseline else ()):

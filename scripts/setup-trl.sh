@@ -24,5 +24,8 @@ fi
 # sides run the same model code.
 "${PIP[@]}" install "torch==2.13.0" "trl==1.16.0" "transformers==5.24.0" \
     "accelerate==1.15.0" "datasets==5.2.0"
-"$VENV/bin/python" -c "import trl"
+# reasoning-gym, the version .venv has (pyproject's "reasoning" extra): the TRL side of a
+# comparison on a reasoning task scores with the same task generators and score_answer.
+"${PIP[@]}" install "reasoning-gym==0.1.25"
+"$VENV/bin/python" -c "import trl, reasoning_gym"
 echo "$want" > "$stamp"
