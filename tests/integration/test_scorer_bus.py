@@ -122,6 +122,10 @@ async def test_builtin_and_custom_scorers_both_score_every_rollout(bus: Bus, nat
             assert info.num_ack_pending == 0 and info.num_pending == 0, (durable, k)
 
 
+async def shortest_scores(bus: Bus) -> list[events.Score]:
+    return [sc for sc in await stored(bus, "SCORES", events.Score) if sc.scorer == "shortest"]
+
+
 async def test_interleaved_groups_are_held_until_complete_and_never_deadlock(bus: Bus) -> None:
     """Four groups of three, their members interleaved on the stream, through a consumer that
     scores two rollouts at once and holds at most eight: every group is scored whole."""
@@ -132,7 +136,13 @@ async def test_interleaved_groups_are_held_until_complete_and_never_deadlock(bus
     async with builtin_scorer(bus, max_in_flight=2, max_held=8) as consumer:
         await bus.publish_many(interleaved)
         await until(lambda: consumer.stats.acked == 12, what="every rollout scored and acked")
-    scores = [sc for sc in await stored(bus, "SCORES", events.Score) if sc.scorer == "shortest"]
+
+        async def all_scored() -> bool:
+            return len(await shortest_scores(bus)) == 12
+
+        # A group's scores go out as one batch, which can land on the stream a moment after the acks.
+        await until(all_scored, what="the 12 group scores on SCORES")
+    scores = await shortest_scores(bus)
     assert len(scores) == 12 and all(sc.error is None for sc in scores)
     assert {sc.rollout_id for sc in scores if sc.value == 1.0} == {f"g{g}-2" for g in range(4)}
     assert await pending(bus) == (0, 0)

@@ -724,7 +724,8 @@ class EnvConfig(_Section):
     """``[[envs]]``: one environment of a run that trains on several (a run with one may write
     it as the top-level ``env``, ``[env_args]`` and ``[rewards.<name>]`` instead)."""
 
-    id: str = Field(description="environment id: a module name (reverse_text) or owner/name[@version]")
+    id: str = Field(description="environment id: a module name (reverse_text), owner/name[@version], "
+                                "verifiers:TASKSET (a verifiers taskset) or openenv:PACKAGE (an OpenEnv environment)")
     args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of its load_environment")
     harness: str | None = Field(None, min_length=1, description=HARNESS_DESCRIPTION)
     runtime: Runtime | None = Field(None, description=RUNTIME_DESCRIPTION)
@@ -756,7 +757,8 @@ class EvalSpec(_Section):
     """``[[evals]]``: an environment evaluated while the run trains, every so many steps, on
     the weights of that step (served by inference as ``RUN@STEP``), alongside training."""
 
-    id: str = Field(description="environment id: a module name (arithmetic) or owner/name[@version]; a training "
+    id: str = Field(description="environment id: a module name (arithmetic), owner/name[@version], verifiers:"
+                                "TASKSET or openenv:PACKAGE; a training "
                                 "environment's held-out split is its id with the args that pick it")
     name: str | None = Field(None, description="the eval's name in notes, metrics and its eval runs "
                                                "(RUN-eval-NAME-STEP); default: its id's last part")
@@ -794,7 +796,8 @@ class RunConfig(_Section):
 
     run: str = Field(description="run id: letters, digits, '-', '_'")
     env: str | None = Field(None, description="the run's environment, for a run with one: a module name "
-                                              "(reverse_text) or owner/name[@version]; several: [[envs]]")
+                                              "(reverse_text), owner/name[@version], verifiers:TASKSET or "
+                                              "openenv:PACKAGE; several: [[envs]]")
     env_args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of env's load_environment")
     harness: str | None = Field(None, min_length=1, description=HARNESS_DESCRIPTION.replace("as its", "as env's"))
     runtime: Runtime | None = Field(None, description=RUNTIME_DESCRIPTION.replace("its program", "env's program"))

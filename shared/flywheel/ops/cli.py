@@ -286,7 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "harness, against any OpenAI-compatible endpoint (default: the local inference service, where "
                     "the model is a run id). Writes one rollout a line to a JSONL file and prints a summary: "
                     "reward mean and standard error, pass@k, errors, tokens.")
-    evaluate.add_argument("env", metavar="ENV", help="environment id: a module name or owner/name[@version]")
+    evaluate.add_argument("env", metavar="ENV", help="environment id: a module name, owner/name[@version], "
+                          "verifiers:TASKSET or openenv:PACKAGE")
     which = evaluate.add_mutually_exclusive_group(required=True)
     which.add_argument("--model", metavar="NAME_OR_URL",
                        help="without --base-url, what the local stack's inference serves: a run id (RUN, "
@@ -419,14 +420,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_settings(pushing, ("gateway_url",))
     pushing.set_defaults(func=cmd_env_push)
     installing = env_commands.add_parser(
-        "install", help="install an environment from the hub by id",
-        description="Download ID's wheel (owner/name@version; the newest version without @version), check its "
-                    "sha256 against the hub's and its content by the hub's rules, and pip install that file into a "
-                    "folder of its own in the data dir (environments/OWNER-NAME-VERSION), with the dependencies "
-                    "this Python's environment does not satisfy, wheels only (from pip's usual index; no sdist is "
-                    "ever built). Never into this Python's environment: environment workers put the folder first "
-                    "on their path. " + hub_note)
-    installing.add_argument("spec", metavar="ID", help="owner/name or owner/name@version")
+        "install", help="install an environment from the hub by id, or a verifiers taskset",
+        description="verifiers:PACKAGE or openenv:PACKAGE (a requirement, a wheel or a project folder) installs "
+                    "a verifiers taskset or an OpenEnv environment and what it needs that this Python's environment "
+                    "does not satisfy (verifiers, openenv-core) into a folder of its own "
+                    "(environments/verifiers-NAME, environments/openenv-NAME); runs name it env = \"verifiers:NAME\" "
+                    "or \"openenv:NAME\". "
+                    "Otherwise: download ID's wheel (owner/name@version; the newest version without @version), "
+                    "check its sha256 against the hub's and its content by the hub's rules, and pip install that "
+                    "file into a folder of its own in the data dir (environments/OWNER-NAME-VERSION), with the "
+                    "dependencies this Python's environment does not satisfy, wheels only (from pip's usual index; "
+                    "no sdist is ever built). Never into this Python's environment: environment workers put the "
+                    "folder first on their path. " + hub_note)
+    installing.add_argument("spec", metavar="ID", help="owner/name, owner/name@version, verifiers:PACKAGE or "
+                            "openenv:PACKAGE")
     _add_settings(installing, ("gateway_url", "data_dir"))
     installing.set_defaults(func=cmd_env_install)
     forking = env_commands.add_parser(
@@ -696,7 +703,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
             serving = local_serving(settings)
         report = asyncio.run(compare(cfg, specs, prices, settings.data_dir / "evals", settings.resolved_nats_url,
-                                     serving))
+                                     serving, settings))
         print(Path(report["markdown"]).read_text())
         print(f"report: {report['markdown']} (and .json, .png)")
         return 0
@@ -705,7 +712,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
         summary = asyncio.run(run_local_eval(cfg, settings))
     else:
-        summary = asyncio.run(run_eval(cfg, settings.resolved_nats_url))  # --record, and sandboxes where NATS answers
+        # --record, and sandboxes where NATS answers
+        summary = asyncio.run(run_eval(cfg, settings.resolved_nats_url, settings=settings))
     print(format_summary(summary))
     print(f"results: {summary['results']}" + (f"  run: {summary['run']}" if summary["run"] else "")
           + (f"  served as: {summary['served_as']}" if summary.get("served_as") else ""))
@@ -785,6 +793,11 @@ def cmd_env_install(args: argparse.Namespace) -> int:
     from flywheel.runtime import installs
 
     settings = settings_from(args)
+    prefix = installs.bridged_kind(args.spec)
+    if prefix is not None:
+        name, place = installs.install_bridged(prefix, args.spec.removeprefix(prefix), settings.data_dir, say=print)
+        print(f"{name} is installed in {place}, a folder of its own: env = \"{prefix}{name}\" runs it")
+        return 0
     folder = installs.ensure(args.spec, settings.data_dir, gateway_url=settings.resolved_gateway_url)
     if folder is None:
         print(f"{args.spec} is installed in this Python's environment already: runs use it as it is")

@@ -27,9 +27,12 @@ import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flywheel.ops.eval import EvalConfig, Serving, read_results, run_eval
+
+if TYPE_CHECKING:
+    from flywheel.contract.settings import Settings
 
 PRICE_KEYS = ("prompt_per_mtok", "completion_per_mtok")
 EXACT_UP_TO = 16  # tasks; above, the permutation test draws
@@ -130,17 +133,19 @@ def slug(text: str) -> str:
 
 
 async def compare(base: EvalConfig, models: Sequence[ModelSpec], prices: Mapping[str, Mapping[str, float]],
-                  out_dir: Path, nats_url: str | None = None, serving: Serving | None = None) -> dict[str, Any]:
+                  out_dir: Path, nats_url: str | None = None, serving: Serving | None = None,
+                  settings: Settings | None = None) -> dict[str, Any]:
     """Evaluate each model as ``base`` says (its model, URL and results file replaced), then
     write the report beside the results: ``compare-ENV.md``, ``.json`` and ``.png``. ``serving``
     serves each model at ``base``'s URL (the local stack's inference: any model,
-    :mod:`flywheel.ops.evalmodel`)."""
+    :mod:`flywheel.ops.evalmodel`); ``settings``: whose workers and data dir load the environment."""
     out_dir.mkdir(parents=True, exist_ok=True)
     rows, rewards = [], {}
     for spec in models:
         cfg = replace(base, model=spec.name, base_url=spec.base_url,
                       out=out_dir / f"{slug(base.env)}-{slug(spec.name)}.jsonl")
-        summary = await run_eval(cfg, nats_url, serving=serving if spec.base_url == base.base_url else None)
+        summary = await run_eval(cfg, nats_url, serving=serving if spec.base_url == base.base_url else None,
+                                 settings=settings)
         records = read_results(cfg.out)
         rewards[spec.name] = task_rewards(records)
         first_error = next((r["error"] for r in records if r.get("error")), None)

@@ -85,6 +85,7 @@ if TYPE_CHECKING:
     from starlette.applications import Starlette
 
     from flywheel.contract.bus import Bus
+    from flywheel.contract.settings import Settings
 
 RETRY_STATUS = (408, 409, 429, 500, 502, 503, 504)
 HARNESS_API_KEY = "flywheel-eval"  # what the harness sends to the proxy; the proxy holds the real key
@@ -1024,9 +1025,11 @@ Serving = Callable[["EvalConfig"], contextlib.AbstractAsyncContextManager[tuple[
 
 
 async def run_eval(cfg: EvalConfig, nats_url: str | None = None, progress_out: TextIO = sys.stderr,
-                   pool: WorkerPool | None = None, serving: Serving | None = None) -> dict[str, Any]:
+                   pool: WorkerPool | None = None, serving: Serving | None = None,
+                   settings: Settings | None = None) -> dict[str, Any]:
     """Load the environment in a worker of the eval's tenant (``cfg.tenant``, else ``default``;
-    in ``pool``, or a pool of this eval's own, of the settings' workers section), run the eval,
+    in ``pool``, or a pool of this eval's own, of ``settings``' workers section and data dir
+    (default: :meth:`Settings.load`)), run the eval,
     return the summary (also written beside the results). ``serving``: entered once the
     environment loaded and the sampling is checked, it gives the config the eval runs with (the
     model served for it: :mod:`flywheel.ops.evalmodel`) and its NATS URL (instead of
@@ -1035,7 +1038,7 @@ async def run_eval(cfg: EvalConfig, nats_url: str | None = None, progress_out: T
     if pool is None:
         from flywheel.contract.settings import Settings
 
-        settings = Settings.load()
+        settings = settings or Settings.load()
         pool = WorkerPool(settings.workers, settings.data_dir, name="eval")
     try:
         overrides = EnvironmentOverrides(args=dict(cfg.env_args), harness=cfg.harness, runtime=cfg.runtime)

@@ -203,7 +203,8 @@ async def run_local_eval(cfg: EvalConfig, settings: Settings, progress_out: Text
     """``flywheel eval`` against the local stack's inference (``cfg.base_url``): of a run as
     ever, or of a model no training run trained, served for it (the module's rules), once the
     environment loaded."""
-    return await run_eval(cfg, settings.resolved_nats_url, progress_out, serving=local_serving(settings, progress_out))
+    return await run_eval(cfg, settings.resolved_nats_url, progress_out, serving=local_serving(settings, progress_out),
+                          settings=settings)
 
 
 def local_serving(settings: Settings, progress_out: TextIO = sys.stderr) -> Serving:

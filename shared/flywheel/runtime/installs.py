@@ -17,14 +17,23 @@ from __future__ import annotations
 
 import fcntl
 import importlib.metadata
+import importlib.util
+import json
 import logging
+import shutil
+import subprocess
+import sys
+import tempfile
+import tomllib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
 from flywheel.contract.hub import ENTRY_POINT_GROUP, project_name
-from flywheel.sdk.environment import EnvironmentNotInstalled, available
+from flywheel.sdk.environment import OPENENV_PREFIX, VERIFIERS_PREFIX, EnvironmentNotInstalled, available
 
 if TYPE_CHECKING:
     from flywheel.contract.config import RunConfig
@@ -79,6 +88,8 @@ def ensure(env_id: str, data_dir: Path, sha256: str | None = None, gateway_url: 
     installed from the hub (at ``gateway_url``; default: the settings') when missing, the wheel
     checked against ``sha256`` when the run pinned one. EnvironmentNotInstalled saying why when
     it cannot be."""
+    if bridged_kind(env_id) is not None:
+        return bridged_folder(env_id, data_dir)
     if "/" not in env_id:
         return None
     name, _, version = env_id.partition("@")
@@ -108,6 +119,119 @@ def ensure(env_id: str, data_dir: Path, sha256: str | None = None, gateway_url: 
         raise EnvironmentNotInstalled(f"environment {env_id!r} is not installed here, nor could the hub install it: "
                                       f"{exc}") from exc
     return target
+
+
+# --- environments of other formats (verifiers, OpenEnv) -------------------------------------------------
+
+# prefix of their ids -> (the distribution such a package depends on, the module that shows it is there)
+BRIDGED = {VERIFIERS_PREFIX: ("verifiers", "verifiers"), OPENENV_PREFIX: ("openenv-core", "openenv")}
+MARKER = "flywheel-bridged.json"  # in such a package's folder: what was installed, written last
+
+
+def bridged_kind(env_id: str) -> str | None:
+    """The prefix of ``env_id`` when it names a package of another format (``verifiers:``, ``openenv:``)."""
+    return next((prefix for prefix in BRIDGED if env_id.startswith(prefix)), None)
+
+
+def bridged_place(prefix: str, name: str, data_dir: Path) -> Path:
+    return root(data_dir) / f"{prefix.rstrip(':')}-{canonicalize_name(name)}"
+
+
+def _importable(prefix: str, name: str) -> bool:
+    """Whether the services' environment holds the format's package and ``name``'s module (one being developed)."""
+    module = name.replace("-", "_").lower()
+    try:
+        return (importlib.util.find_spec(BRIDGED[prefix][1]) is not None
+                and importlib.util.find_spec(module) is not None)
+    except (ImportError, ValueError):
+        return False
+
+
+def bridged_folder(env_id: str, data_dir: Path) -> Path | None:
+    """The folder a worker of ``verifiers:NAME`` or ``openenv:NAME`` puts first on its path: None
+    where the services' environment holds the package and its format's; else its folder of its
+    own (:func:`install_bridged`). EnvironmentNotInstalled saying how to install it when it is neither."""
+    prefix = bridged_kind(env_id)
+    assert prefix is not None
+    name = env_id.removeprefix(prefix).partition("@")[0]
+    folder = bridged_place(prefix, name, data_dir)
+    if (folder / MARKER).is_file():
+        return folder
+    if _importable(prefix, name):
+        return None
+    raise EnvironmentNotInstalled(f"environment {env_id!r}: the package {name!r} is not installed here: flywheel env "
+                                  f"install {prefix}<its package: a name, a wheel or a project folder> (into a folder "
+                                  f"of its own, with {BRIDGED[prefix][0]})")
+
+
+def install_bridged(prefix: str, spec: str, data_dir: Path, say: Any = log.info) -> tuple[str, Path]:
+    """Install a package of another format (``prefix``: ``verifiers:`` for a verifiers taskset,
+    ``openenv:`` for an OpenEnv environment; ``spec``: a requirement such as ``vf-echo==0.1``, a
+    wheel, or a project folder) and what it needs that the services' environment does not
+    satisfy (the format's own package, its pins: :func:`flywheel.sdk.hub.overlay`), into a
+    folder of its own; a second install of the same package replaces the first once the new one
+    is whole. (its name, the folder)."""
+    # imported here: the hub's HTTP client only for an install
+    from flywheel.sdk.hub import HubError, output_tail, overlay
+
+    needs = BRIDGED[prefix][0]
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        try:
+            name = str(tomllib.loads((path / "pyproject.toml").read_text())["project"]["name"])
+        except (OSError, KeyError, tomllib.TOMLDecodeError) as exc:
+            raise EnvironmentNotInstalled(f"{spec}: a project folder to install has a pyproject.toml with [project] "
+                                          f"name ({type(exc).__name__}: {exc})") from exc
+        source = str(path.resolve())
+    elif path.suffix == ".whl" and path.is_file():
+        name, source = path.name.split("-")[0], str(path.resolve())
+    else:
+        try:
+            name, source = Requirement(spec).name, spec
+        except InvalidRequirement as exc:
+            raise EnvironmentNotInstalled(f"{spec!r} is neither a package requirement, a wheel nor a project "
+                                          f"folder: {exc}") from exc
+    folder = bridged_place(prefix, name, data_dir)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    folder.parent.chmod(0o755)
+    pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-input", "--disable-pip-version-check",
+           "--prefer-binary", "--no-deps", "--target"]
+    with open(folder.parent / f".lock-{folder.name}", "w") as lock, \
+            tempfile.TemporaryDirectory(prefix=".installing-", dir=folder.parent) as scratch:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        target = Path(scratch) / "target"
+        say(f"installing {name} ({source}) into {folder}")
+        done = subprocess.run([*pip, str(target), source], capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise EnvironmentNotInstalled(f"pip install {source} failed:\n{output_tail(done)}")
+        dists = [d for d in importlib.metadata.distributions(path=[str(target)])
+                 if canonicalize_name(d.metadata["Name"]) == canonicalize_name(name)]
+        if not dists:
+            raise EnvironmentNotInstalled(f"{source} installed no package named {name!r}")
+        requires = [r for r in dists[0].requires or [] if (marker := Requirement(r).marker) is None
+                    or marker.evaluate({"extra": ""})]
+        if not any(canonicalize_name(Requirement(r).name) == needs for r in requires):
+            raise EnvironmentNotInstalled(f"{name} does not depend on {needs}: it is not a {prefix.rstrip(':')} "
+                                          "package (a Flywheel environment installs with flywheel env install "
+                                          "owner/name)")
+        try:
+            needed = overlay(requires)
+        except HubError as exc:
+            raise EnvironmentNotInstalled(str(exc)) from exc
+        if needed:
+            done = subprocess.run([*pip, str(target), *needed], capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                raise EnvironmentNotInstalled(f"pip install {' '.join(needed)} (what {name} needs) failed:\n"
+                                              f"{output_tail(done)}")
+        (target / MARKER).write_text(json.dumps({"package": name, "format": prefix.rstrip(":"), "source": source,
+                                                 "version": dists[0].version, "installed": needed}) + "\n")
+        target.chmod(0o755)  # environment workers run as users of their own: they read it
+        old = Path(scratch) / "old"
+        if folder.exists():
+            folder.rename(old)
+        target.rename(folder)
+        shutil.rmtree(old, ignore_errors=True)
+    return name, folder
 
 
 def hub_version(hub: Any, env_id: str) -> tuple[str, str, str]:

@@ -35,7 +35,9 @@ on that rollout's score, never a silent zero.
 
 Environments are found by id (:func:`resolve`): a module name (``reverse_text``), or
 ``owner/name`` / ``owner/name@version`` registered by an installed package under the
-``flywheel.environments`` entry-point group. A run config can swap a reward's function,
+``flywheel.environments`` entry-point group, ``verifiers:<taskset id>``, a verifiers taskset
+(:mod:`flywheel.sdk.verifiers_bridge`), or ``openenv:<package>``, an OpenEnv environment
+(:mod:`flywheel.sdk.openenv_bridge`). A run config can swap a reward's function,
 change its weight, add one, and pass arguments to ``load_environment`` without touching the
 environment's code (:class:`EnvironmentOverrides`).
 """
@@ -68,6 +70,12 @@ from flywheel.sdk import tracegraph
 from flywheel.sdk.harness import RUNTIMES, ChatHarness, Harness, ProgramHarness
 from flywheel.sdk.hooks import CallHooks, RequestHook, ResponseHook
 from flywheel.sdk.messages import message_dict, message_from_dict
+
+VERIFIERS_PREFIX = "verifiers:"  # env = "verifiers:<taskset id>"
+OPENENV_PREFIX = "openenv:"  # env = "openenv:<package>"
+# Packages of other formats by the prefix of their ids: the module of each one's bridge, whose
+# load_environment(name, **args) builds the environment.
+FORMATS = {VERIFIERS_PREFIX: "flywheel.sdk.verifiers_bridge", OPENENV_PREFIX: "flywheel.sdk.openenv_bridge"}
 
 if TYPE_CHECKING:
     from flywheel.contract.config import EnvConfig
@@ -610,7 +618,27 @@ def resolve(env_id: str) -> Callable[..., Environment]:
     return _resolve(env_id)
 
 
+def import_format(module: str, distribution: str, prefix: str) -> Any:
+    """``module`` of another format's library (verifiers, openenv-core), as a bridge imports it in
+    an environment's worker; a load error saying how to install it where it is missing."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and exc.name.split(".")[0] != module.split(".")[0]:
+            raise  # the library is there and a dependency of it is not: its own error says which
+        raise EnvironmentLoadError(f"{distribution} is not installed for this environment: install its package with "
+                                   f"its dependencies into a folder of its own: flywheel env install "
+                                   f"{prefix}<package or path>") from exc
+
+
 def _resolve(env_id: str) -> Callable[..., Environment]:
+    prefix = next((p for p in FORMATS if env_id.startswith(p)), None)
+    if prefix is not None:  # a package of another format, through its bridge (a module, as any environment)
+        name = env_id.removeprefix(prefix).partition("@")[0]
+        if not name:
+            raise EnvironmentLoadError(f"environment {env_id!r}: name the package after {prefix!r}, e.g. "
+                                       f"{prefix}my-env")
+        return functools.partial(importlib.import_module(FORMATS[prefix]).load_environment, name)
     name, _, version = env_id.partition("@")
     eps = _entry_points()
     if name in eps:
@@ -669,7 +697,7 @@ def subject_name(env_id: str, name: str) -> str:
     subject token)."""
     from flywheel.contract.runs import check_token
 
-    if not any(c in env_id for c in "/@."):
+    if not any(c in env_id for c in "/@.:"):
         return check_token("env", env_id)
     return check_token(f"environment {env_id!r}: its name", name)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import json
 import subprocess
 import sys
 import tempfile
@@ -199,4 +200,48 @@ def unsatisfied(requires: Sequence[str]) -> list[str]:
             continue
         if not req.specifier.contains(have, prereleases=True):
             out.append(str(req))
+    return out
+
+
+def overlay(requires: Sequence[str]) -> list[str]:
+    """The packages (``name==version``) a folder of its own must hold so that, first on the path
+    ahead of this Python's environment, ``requires`` are met with all they depend on: pip resolves
+    them as if nothing were installed (``--dry-run --report``); a package this environment holds
+    at a version every requirement of it in that resolution accepts is left out (the worker
+    imports the platform's copy), any other is kept at the version pip chose. So a folder holds
+    what differs (verifiers and its pins), not a second copy of pydantic or numpy."""
+    if not requires:
+        return []
+    with tempfile.TemporaryDirectory(prefix="flywheel-resolve-") as scratch:
+        report = Path(scratch) / "report.json"
+        done = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-input",
+                               "--disable-pip-version-check", "--prefer-binary", "--dry-run", "--ignore-installed",
+                               "--report", str(report), *requires], capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise HubError(f"pip could not resolve {' '.join(requires)}:\n{output_tail(done)}")
+        items = json.loads(report.read_text())["install"]
+    wanted: dict[str, list[Requirement]] = {}
+    for line in requires:
+        req = Requirement(line)
+        wanted.setdefault(canonicalize_name(req.name), []).append(req)
+    for item in items:
+        extras = set(item.get("requested_extras") or [])
+        for line in item["metadata"].get("requires_dist") or []:
+            req = Requirement(line)
+            if req.marker is not None and not any(req.marker.evaluate({"extra": e}) for e in extras | {""}):
+                continue
+            wanted.setdefault(canonicalize_name(req.name), []).append(req)
+    out = []
+    for item in items:
+        name, version = item["metadata"]["name"], item["metadata"]["version"]
+        key = canonicalize_name(name)
+        if key == "flywheel-rl":
+            continue
+        try:
+            have = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            have = None
+        if have is not None and all(r.specifier.contains(have, prereleases=True) for r in wanted.get(key, [])):
+            continue
+        out.append(f"{name}=={version}")
     return out

@@ -1,0 +1,3 @@
+from vf_echo.taskset import VfEchoTaskset
+
+__all__ = ["VfEchoTaskset"]

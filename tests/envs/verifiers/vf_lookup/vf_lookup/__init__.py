@@ -1,0 +1,3 @@
+from vf_lookup.taskset import VfLookupTaskset
+
+__all__ = ["VfLookupTaskset"]
