@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -211,3 +212,30 @@ def test_a_taskset_s_folder_holds_verifiers_and_its_pins_and_nothing_the_service
     assert held["vf-echo"] == "0.1.0" and held["verifiers"] == "0.4.0"
     assert held["mcp"] == "2.0.0" != importlib.metadata.version("mcp")  # the pin the services do not satisfy
     assert "pydantic" not in held and "numpy" not in held  # the services' copies serve
+
+
+@pytest.mark.long  # installs verifiers into a folder of its own (about 20 s)
+def test_a_verifiers_reward_cannot_leave_its_sandbox(tmp_path: Path) -> None:
+    """A taskset's reward tries to read a file of the data dir, reach the model server's own port
+    on the host (only its endpoint, through the relay, is the way out), reach the internet and
+    write into its package's folder: each attempt fails, and the rollout is still scored."""
+    with installed(f"verifiers:{TASKSETS / 'vf_escape'}") as data, ScriptedOpenAI({"agent": ["hi"]}) as server:
+        secret = data / "secret.txt"
+        secret.write_text("the data dir's")
+        secret.chmod(0o644)  # readable by anyone who can see it: only the sandbox stands in the way
+        port = int(server.base_url.rsplit(":", 1)[1].split("/")[0])
+        with socket.create_connection(("127.0.0.1", port), timeout=3):
+            pass  # outside a sandbox the port answers, and the file reads: the attempts aim at real things
+        assert secret.read_text()
+        out = tmp_path / "escape.jsonl"
+        done = cli("eval", "verifiers:vf-escape", "--base-url", server.base_url, "--model", "agent", "-n", "1",
+                   "--data-dir", str(data), "--out", str(out), "--env-args",
+                   json.dumps({"taskset": {"secret_file": str(secret), "host_port": port}}))
+        assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+        (record,) = [json.loads(line) for line in out.read_text().splitlines()]
+        assert record["error"] is None, record["error"]
+        assert {k: record["rewards"][k] for k in ("read_host_file", "reached_host_port", "reached_internet",
+                                                  "wrote_own_package")} == dict.fromkeys(
+            ("read_host_file", "reached_host_port", "reached_internet", "wrote_own_package"), 0.0)
+        assert record["rewards"]["verifiers"] == 0.0
+        assert not list(folder(data, "vf-escape").rglob("planted.txt"))

@@ -1,0 +1,3 @@
+from vf_escape.taskset import VfEscapeTaskset
+
+__all__ = ["VfEscapeTaskset"]
