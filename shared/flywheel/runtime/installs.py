@@ -168,9 +168,9 @@ def install_bridged(prefix: str, spec: str, data_dir: Path, say: Any = log.info)
     """Install a package of another format (``prefix``: ``verifiers:`` for a verifiers taskset,
     ``openenv:`` for an OpenEnv environment; ``spec``: a requirement such as ``vf-echo==0.1``, a
     wheel, or a project folder) and what it needs that the services' environment does not
-    satisfy (the format's own package, its pins: :func:`flywheel.sdk.hub.overlay`), into a
-    folder of its own; a second install of the same package replaces the first once the new one
-    is whole. (its name, the folder)."""
+    satisfy (the format's own package, its pins: :func:`flywheel.sdk.hub.overlay`; wheels only, but
+    a project folder, which is built), into a folder of its own; a second install of the same
+    package replaces the first once the new one is whole. (its name, the folder)."""
     # imported here: the hub's HTTP client only for an install
     from flywheel.sdk.hub import HubError, output_tail, overlay
 
@@ -194,14 +194,18 @@ def install_bridged(prefix: str, spec: str, data_dir: Path, say: Any = log.info)
     folder = bridged_place(prefix, name, data_dir)
     folder.parent.mkdir(parents=True, exist_ok=True)
     folder.parent.chmod(0o755)
+    # Wheels only (no sdist's build backend runs here), but for a project folder the user names:
+    # building their own package is what installing it means.
     pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-input", "--disable-pip-version-check",
-           "--prefer-binary", "--no-deps", "--target"]
+           "--no-deps", "--target"]
+    wheels_only = ["--only-binary", ":all:"]
     with open(folder.parent / f".lock-{folder.name}", "w") as lock, \
             tempfile.TemporaryDirectory(prefix=".installing-", dir=folder.parent) as scratch:
         fcntl.flock(lock, fcntl.LOCK_EX)
         target = Path(scratch) / "target"
         say(f"installing {name} ({source}) into {folder}")
-        done = subprocess.run([*pip, str(target), source], capture_output=True, text=True, check=False)
+        done = subprocess.run([*pip, str(target), *([] if path.is_dir() else wheels_only), source],
+                              capture_output=True, text=True, check=False)
         if done.returncode != 0:
             raise EnvironmentNotInstalled(f"pip install {source} failed:\n{output_tail(done)}")
         dists = [d for d in importlib.metadata.distributions(path=[str(target)])
@@ -219,7 +223,8 @@ def install_bridged(prefix: str, spec: str, data_dir: Path, say: Any = log.info)
         except HubError as exc:
             raise EnvironmentNotInstalled(str(exc)) from exc
         if needed:
-            done = subprocess.run([*pip, str(target), *needed], capture_output=True, text=True, check=False)
+            done = subprocess.run([*pip, str(target), *wheels_only, *needed], capture_output=True, text=True,
+                                  check=False)
             if done.returncode != 0:
                 raise EnvironmentNotInstalled(f"pip install {' '.join(needed)} (what {name} needs) failed:\n"
                                               f"{output_tail(done)}")

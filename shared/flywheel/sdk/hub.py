@@ -209,14 +209,18 @@ def overlay(requires: Sequence[str]) -> list[str]:
     them as if nothing were installed (``--dry-run --report``); a package this environment holds
     at a version every requirement of it in that resolution accepts is left out (the worker
     imports the platform's copy), any other is kept at the version pip chose. So a folder holds
-    what differs (verifiers and its pins), not a second copy of pydantic or numpy."""
+    what differs (verifiers and its pins), not a second copy of pydantic or numpy. Wheels only,
+    as every install of a dependency here: no sdist is built. The platform (``flywheel-rl``) is
+    left out, as in :func:`unsatisfied`."""
+    requires = [r for r in requires if canonicalize_name(Requirement(r).name) != "flywheel-rl"]
     if not requires:
         return []
     with tempfile.TemporaryDirectory(prefix="flywheel-resolve-") as scratch:
         report = Path(scratch) / "report.json"
         done = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-input",
-                               "--disable-pip-version-check", "--prefer-binary", "--dry-run", "--ignore-installed",
-                               "--report", str(report), *requires], capture_output=True, text=True, check=False)
+                               "--disable-pip-version-check", "--only-binary", ":all:", "--dry-run",
+                               "--ignore-installed", "--report", str(report), *requires],
+                              capture_output=True, text=True, check=False)
         if done.returncode != 0:
             raise HubError(f"pip could not resolve {' '.join(requires)}:\n{output_tail(done)}")
         items = json.loads(report.read_text())["install"]
