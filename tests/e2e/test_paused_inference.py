@@ -100,7 +100,7 @@ def stopped_resumed() -> Iterator[list[int]]:
             os.kill(pid, signal.SIGCONT)
 
 
-# About 45 s on two cores (the stack, the SFT warm-up, 12 steps and the 15 s pause): the default tier.
+# About 35 s on two cores (the stack, the SFT warm-up, 40 steps and the 15 s pause): the long tier.
 @pytest.mark.timeout(600)
 @pytest.mark.long
 def test_inference_stopped_longer_than_the_run_lease_keeps_the_runs_waiting_tasks(
