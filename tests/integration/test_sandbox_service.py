@@ -30,6 +30,7 @@ from flywheel.contract import events
 from flywheel.contract.bus import Bus
 from flywheel.contract.service import read_heartbeats
 from flywheel.ops.natsserver import NatsServer
+from flywheel.runtime import relay
 from flywheel.sdk.environment import GroupReward, Reward
 from flywheel.sdk.sandbox import (
     ROLLOUT_LABEL,
@@ -201,6 +202,10 @@ async def test_a_model_url_is_the_one_way_out_of_a_docker_sandbox(bus: Bus, requ
 
 
 async def only_the_model_url(client: ServedSandboxClient) -> None:
+    def relays() -> set[Path]:
+        return set(Path(tempfile.gettempdir()).glob(f"{relay.PREFIX}*"))
+
+    before = relays()  # other processes' (a service killed by an earlier test leaves its folders)
     with ScriptedOpenAI({"agent": ["one", "two", "three"]}) as server:
         spec = SandboxSpec(model_url=server.base_url)
         result = await client.run(["python3", "client.py", str(server.port)], files={"client.py": MODEL_CLIENT},
@@ -214,8 +219,7 @@ async def only_the_model_url(client: ServedSandboxClient) -> None:
         # Without a model_url nothing listens on the port: the first request fails.
         assert without.exit_code == 1 and without.stdout == "" and len(server.requests) == 3, without
     assert not client.manager.sessions
-    await until(lambda: not list(Path(tempfile.gettempdir()).glob("flywheel-relay-*")),
-                what="each relay's folder to go with its sandbox")
+    await until(lambda: not relays() - before, what="each relay's folder to go with its sandbox")
 
 
 async def test_a_bad_model_url_is_refused_naming_the_field(bus: Bus, client: ServedSandboxClient) -> None:

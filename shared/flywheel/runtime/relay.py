@@ -18,7 +18,9 @@ import contextlib
 import logging
 import os
 import shutil
+import socket
 import tempfile
+import time
 import urllib.parse
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -36,6 +38,7 @@ SOCKET_DIR = "/run/flywheel"  # where the socket's folder is bound inside the sa
 SOCKET_NAME = "model.sock"
 READ_CHUNK = 65536
 MAX_REQUEST_BYTES = 64 * 1024 * 1024  # one request's body (a long conversation's messages fit)
+PREFIX = "flywheel-relay-"  # + a random part: each relay's folder
 # Per connection, not forwarded: they describe the hop, not the request or its answer.
 HOP_HEADERS = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
                          b"trailer", b"transfer-encoding", b"upgrade", b"host", b"content-length"})
@@ -58,6 +61,33 @@ async def open_relay(model_url: str, timeout_s: float, parent: str | None,
     return relay
 
 
+def remove_stale(parent: Path) -> None:
+    """Remove relay folders left in ``parent`` by processes that died without closing their
+    relays (SIGKILL): nothing listens on their sockets. Asked of the socket, not of a process
+    id, so replicas sharing the folder from other PID namespaces keep theirs. Once a process,
+    for each parent."""
+    if parent in _swept:
+        return
+    _swept.add(parent)
+    for folder in parent.glob(f"{PREFIX}*"):
+        path = folder / SOCKET_NAME
+        try:
+            if not path.exists():  # a folder whose relay never started: stale once it is a minute old
+                if time.time() - folder.stat().st_mtime > 60:
+                    shutil.rmtree(folder, ignore_errors=True)
+                continue
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                probe.settimeout(1.0)
+                probe.connect(str(path))
+        except ConnectionRefusedError:
+            shutil.rmtree(folder, ignore_errors=True)
+        except OSError:  # another user's, or busy: left alone
+            continue
+
+
+_swept: set[Path] = set()
+
+
 class ModelRelay:
     """Serves one sandbox's socket; :meth:`close` stops it and removes its folder."""
 
@@ -67,7 +97,8 @@ class ModelRelay:
         # Its own folder, in ``parent`` (setting sandbox_relay_dir; None: the system's temporary folder).
         if parent is not None:
             os.makedirs(parent, exist_ok=True)
-        self.folder = Path(tempfile.mkdtemp(prefix="flywheel-relay-", dir=parent))
+        remove_stale(Path(parent or tempfile.gettempdir()))
+        self.folder = Path(tempfile.mkdtemp(prefix=PREFIX, dir=parent))
         self._own_client = client is None
         self.client = client or httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=30.0))
         self._server: asyncio.Server | None = None
