@@ -37,17 +37,23 @@ environment/Dockerfile's last stage, ``WORKDIR``, ``ENV`` and ``COPY``/``ADD`` o
 files into the workdir; without a Dockerfile, every file of environment/ in the workdir;
 solution/solve.sh (:func:`run_solution`, Harbor's oracle check).
 
-Not carried over (each task's list is logged at load): the Dockerfile's ``RUN`` steps, ``FROM``
-image and ``CMD``/``ENTRYPOINT`` (the sandbox's system is the host's ``/usr`` on the local
-backend, or the one ``image`` on the docker backend: a task that needs packages installed
-needs an image that has them), and copies from other stages, URLs or outside the workdir;
+A task whose Dockerfile has ``RUN`` steps runs in the image it builds (``build_images``, on by
+default): the sandbox service builds environment/ once (``sandbox.build``, docker backend; the
+local backend refuses, naming the docker backend), and the rollout's sandbox runs from that
+image; its files are still put in ``/work``. reward.json's other named numbers are components
+of the metric ``verifier_rewards``.
+
+Not carried over (each task's list is logged at load): with ``build_images=False`` (or without
+``RUN`` steps) the Dockerfile's ``RUN`` steps and ``FROM`` image (the sandbox's system is then
+the host's ``/usr`` on the local backend, or the one ``image`` on the docker backend);
+``CMD``/``ENTRYPOINT``, copies from other stages, URLs or outside the workdir;
 ``[environment] docker_image``; multi-container tasks (docker-compose.yaml: no services);
 network policies (the sandbox has no network unless ``network=True`` and the sandbox service
 allows it, so a test.sh that downloads its test tools fails there); root (one unprivileged
 user; ``[agent]``/``[verifier]`` ``user``); processes that outlive a command (servers); GPUs,
 MCP servers, healthchecks, host variables (``[environment] env``, ``${VAR}`` values), a
-separate verifier environment, artifacts, multi-step and Windows tasks (refused), build
-timeouts. A verifier that runs past a sandbox's limit of one command (3600 s) is refused.
+separate verifier environment, artifacts, multi-step and Windows tasks (refused), a task's own
+build timeout. A verifier that runs past a sandbox's limit of one command (3600 s) is refused.
 
 To see which tasks work in this sandbox, run their solutions (an oracle that does not reach
 reward 1 here needs something above): ``await run_solution(task, client)`` for each task of
@@ -71,7 +77,7 @@ import msgspec
 from flywheel.contract import events
 from flywheel.sdk.environment import Environment, EnvironmentLoadError, Metric, Reward, RewardError, TaskSet
 from flywheel.sdk.harness import ChatHarness, RolloutContext
-from flywheel.sdk.sandbox import WORKDIR, SandboxClient, SandboxSpec
+from flywheel.sdk.sandbox import NO_SERVICE, WORKDIR, SandboxClient, SandboxError, SandboxSpec, SandboxUnavailable
 from flywheel.sdk.sandbox_tools import SandboxTools, sandbox_session
 
 from .folders import MAX_COMMAND_S, File, HarborTask, read_tasks
@@ -88,6 +94,7 @@ SYSTEM_PROMPT = (
     "You are an unprivileged user (no root, no system packages){network}. When the task is done, reply without "
     "calling a tool: your work is then checked by the task's tests.")
 AGENT_DEADLINE = "harbor_tasks.agent_deadline"  # ctx.resources: when the agent's [agent] timeout_sec is up
+BUILD_TIMEOUT_S = 3600.0  # a task's image build: the sandbox service's own bound (sandbox.build_timeout_s) rules
 STAGING = "/tmp/harbor-"  # + a fresh token: where /tests, /logs and /solution are staged
 # Reads what the verifier left (run in the sandbox: its reward files and its output's tail).
 READ_VERDICT = """
@@ -185,13 +192,18 @@ async def verify(client: SandboxClient, box: str, task: HarborTask) -> Verdict:
     return Verdict(rewards, run.exit_code, False, found["output"])
 
 
-async def run_solution(task: HarborTask, client: SandboxClient, spec: SandboxSpec | None = None) -> Verdict:
+async def run_solution(task: HarborTask, client: SandboxClient, spec: SandboxSpec | None = None,
+                       build_images: bool = True) -> Verdict:
     """Harbor's oracle check: the task's solution/solve.sh in a fresh sandbox made as a
-    rollout's (from ``spec``), then its verifier. A solution that does not reach its reward
-    here shows the task needs what the sandbox lacks (``task.not_carried`` says what)."""
+    rollout's (from ``spec``; in the task's own image where it needs one and ``build_images``),
+    then its verifier. A solution that does not reach its reward here shows the task needs
+    what the sandbox lacks (``task.notes(build_images)`` says what)."""
     if "solve.sh" not in task.solution:
         raise ValueError(f"harbor_tasks: task {task.id} ({task.folder}) has no solution/solve.sh")
-    async with client.session(task.sandbox_spec(spec or SandboxSpec())) as box:
+    spec = task.sandbox_spec(spec or SandboxSpec())
+    if task.image_context is not None and build_images:
+        spec = msgspec.structs.replace(spec, image=await build_image(client, task))
+    async with client.session(spec) as box:
         await stage(client, box, task.files, WORKDIR)
         root = staging_root()
         await stage(client, box, task.staged(task.solution, root), f"{root}/solution")
@@ -201,6 +213,24 @@ async def run_solution(task: HarborTask, client: SandboxClient, spec: SandboxSpe
 
 
 # --- the harness ----------------------------------------------------------------------------
+
+
+async def build_image(client: SandboxClient, task: HarborTask) -> str:
+    """``task``'s environment/ built by the sandbox service (docker backend); its image's tag."""
+    assert task.image_context is not None
+    try:
+        built = await client.build(task.image_context, timeout_s=BUILD_TIMEOUT_S)
+    except SandboxError as exc:
+        if exc.kind == "unsupported":
+            raise RuntimeError(f"harbor_tasks: task {task.id} needs the image its environment/Dockerfile builds "
+                               f"({task.runs} RUN step{'s' * (task.runs > 1)}): {exc.error}; or load the "
+                               "environment with build_images=false to run it without them") from None
+        raise RuntimeError(f"harbor_tasks: task {task.id}: building its image failed ({exc.kind}): "
+                           f"{exc.error}") from None
+    log.info("harbor_tasks: task %s runs in image %s (%s, %.0f MB)", task.id, built.image,
+             "built before" if built.cached else f"built in {built.duration_s:.0f} s", built.size_mb)
+    return built.image
+
 
 
 def agent_out_of_time(ctx: RolloutContext) -> bool:
@@ -216,11 +246,14 @@ def agent_out_of_time(ctx: RolloutContext) -> bool:
 class HarborHarness:
     """Per rollout: the task's sandbox with its environment files, ``chat`` (an agent with a
     ``bash`` tool in that sandbox), then the task's verifier in the same sandbox; the verdict
-    goes in ``state["verifier"]``. ``spec`` is the sandbox every task starts from."""
+    goes in ``state["verifier"]``. ``spec`` is the sandbox every task starts from; a task whose
+    Dockerfile has RUN steps runs in its own image, built once (``build_images``)."""
 
     tasks: Mapping[str, HarborTask]
     spec: SandboxSpec
     chat: ChatHarness
+    build_images: bool = True
+    _images: dict[str, asyncio.Future[str]] = dataclasses.field(default_factory=dict)
 
     def initial_messages(self, env: Environment, task: dict[str, Any]) -> list[events.Message]:
         return self.chat.initial_messages(env, task)
@@ -234,9 +267,23 @@ class HarborHarness:
                              "made; start the run again to use what it holds now")
         return task
 
+    async def image(self, ctx: RolloutContext, task: HarborTask) -> str:
+        """The tag of ``task``'s image, built by the sandbox service once for this process's
+        rollouts of it (a failed build is asked again by the next rollout)."""
+        pending = self._images.get(task.digest)
+        if pending is None or (pending.done() and (pending.cancelled() or pending.exception() is not None)):
+            if ctx.sandbox_client is None:
+                raise SandboxUnavailable(f"no sandbox service for this rollout: {NO_SERVICE}")
+            pending = asyncio.ensure_future(build_image(ctx.sandbox_client, task))
+            self._images[task.digest] = pending
+        return await asyncio.shield(pending)
+
     async def run(self, env: Environment, ctx: RolloutContext) -> None:
         task = self.task_of(ctx.task)
-        client, box = await sandbox_session(ctx, task.sandbox_spec(self.spec))
+        spec = task.sandbox_spec(self.spec)
+        if task.image_context is not None and self.build_images:
+            spec = msgspec.structs.replace(spec, image=await self.image(ctx, task))
+        client, box = await sandbox_session(ctx, spec)
         await stage(client, box, task.files, WORKDIR)
         if task.agent_timeout_s is not None:
             ctx.resources[AGENT_DEADLINE] = asyncio.get_running_loop().time() + task.agent_timeout_s
@@ -268,6 +315,12 @@ def verifier(state: dict) -> float:
     return float(verdict["rewards"]["reward"])
 
 
+def verifier_rewards(state: dict) -> float | dict[str, float]:
+    """reward.json's named numbers besides ``reward``, as components (0.0 when it has none)."""
+    named = {k: v for k, v in _verdict(state)["rewards"].items() if k != "reward"}
+    return named or 0.0
+
+
 def verifier_timed_out(state: dict) -> float:
     return float(_verdict(state)["timed_out"])
 
@@ -286,11 +339,14 @@ def instruction(task: dict[str, Any]) -> str:
 
 def load_environment(path: str, name: str = "harbor_tasks", max_turns: int = 50, command_timeout_s: float = 120.0,
                      memory_mb: int = 1024, disk_mb: int = 512, network: bool = False,
-                     image: str | None = None) -> Environment:
+                     image: str | None = None, build_images: bool = True) -> Environment:
     """``path``: a Harbor task folder or a folder of them (absolute, or relative to each
     process's working folder); ``name``: the environment's name; ``max_turns``: model calls per
     rollout; ``command_timeout_s``: each bash call's limit; ``memory_mb`` (where a task sets
-    none), ``disk_mb``, ``network`` and ``image`` (docker backend): the sandbox's."""
+    none), ``disk_mb``, ``network`` and ``image`` (docker backend): the sandbox's.
+    ``build_images``: a task whose Dockerfile has RUN steps runs in the image it builds (docker
+    backend; the local backend refuses it, saying so); false: it runs in ``image`` (or the
+    local sandbox) with its files carried over and its RUN steps not run."""
     if max_turns < 1 or not 0 < command_timeout_s <= MAX_COMMAND_S:
         raise EnvironmentLoadError(f"harbor_tasks: max_turns={max_turns}, command_timeout_s={command_timeout_s}: at "
                                    f"least 1 turn, and 0 to {MAX_COMMAND_S:g} s a command")
@@ -301,17 +357,18 @@ def load_environment(path: str, name: str = "harbor_tasks", max_turns: int = 50,
         raise EnvironmentLoadError(f"harbor_tasks: memory_mb={memory_mb}, disk_mb={disk_mb}: {exc}") from None
     tasks = read_tasks(path)
     for task in tasks.values():
-        if task.not_carried:
-            log.warning("harbor_tasks: task %s: not carried over: %s", task.id, "; ".join(task.not_carried))
+        if task.notes(build_images):
+            log.warning("harbor_tasks: task %s: not carried over: %s", task.id, "; ".join(task.notes(build_images)))
     tools = SandboxTools(spec=spec, timeout_s=command_timeout_s)
     prompt = SYSTEM_PROMPT.format(network="" if network else ", no network")
     chat = ChatHarness(system_prompt=prompt, tools=tools.tools("bash"), max_turns=max_turns, stop=agent_out_of_time)
     return Environment(
         name=name,
         tasks=TaskSet.from_rows([task.row() for task in tasks.values()], schema=SCHEMA, name=f"{name} tasks"),
-        harness=HarborHarness(tasks, spec, chat),
+        harness=HarborHarness(tasks, spec, chat, build_images),
         prompt=instruction,
-        rewards=[Reward(verifier), Metric(verifier_timed_out), Metric(agent_timed_out), Metric(num_commands)],
+        rewards=[Reward(verifier), Metric(verifier_rewards), Metric(verifier_timed_out), Metric(agent_timed_out),
+                 Metric(num_commands)],
         sampling={"max_tokens": 2048},
         description=f"{len(tasks)} Harbor task{'s' * (len(tasks) != 1)} from {path}",
     )

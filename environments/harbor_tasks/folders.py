@@ -19,9 +19,11 @@ under ``/tmp`` when the verifier (or the solution) runs.
 
 Of the Dockerfile, the last stage's ``WORKDIR``, ``ENV`` (values without ``$``) and ``COPY`` /
 ``ADD`` of files of environment/ into the workdir (heredocs included) are carried over; what is
-not (``RUN``, ``CMD``, copies from other stages, URLs or outside the workdir) is listed in the
-task's ``not_carried``. Without a Dockerfile or compose file, every file of environment/ is put
-in the workdir, as Harbor does.
+not (``CMD``, copies from other stages, URLs or outside the workdir) is listed in the task's
+``not_carried``. A Dockerfile with ``RUN`` steps means the task needs its image: environment/
+is kept as a build context (``image_context``), which the docker sandbox backend builds.
+Without a Dockerfile or compose file, every file of environment/ is put in the workdir, as
+Harbor does.
 
 A folder that is not a usable task is refused with :class:`EnvironmentLoadError`, naming the
 folder and the file or field: no instruction.md, task.toml or tests/test.sh, a task.toml that
@@ -47,12 +49,15 @@ import msgspec
 import pydantic
 
 from flywheel.sdk.environment import EnvironmentLoadError
-from flywheel.sdk.sandbox import WORKDIR, SandboxSpec
+from flywheel.sdk.sandbox import WORKDIR, SandboxSpec, context_archive
 
 HARBOR_WORKDIR = "/app"  # the workdir of Harbor's task templates, where a Dockerfile names none
 # Harbor's fixed paths inside the container, staged under a fresh folder of /tmp here.
 STAGED = ("/tests", "/logs", "/solution")
 MAX_COMMAND_S = 3600.0  # the longest command a sandbox runs (ExecRequest.timeout_s)
+# The largest build context a build request carries: a NATS message (1 MiB by default) holds it
+# base64-encoded, with room for the rest of the request.
+MAX_CONTEXT_BYTES = 700 * 1024
 CACHE = "__pycache__"
 COMPOSE_FILES = ("docker-compose.yaml", "docker-compose.yml", "compose.yaml", "compose.yml")
 ARCHIVE = re.compile(r"\.(tar|tar\.gz|tgz|tar\.bz2|tbz2|tar\.xz|txz)$")
@@ -88,6 +93,16 @@ class HarborTask:
     memory_mb: int | None
     digest: str  # sha256 of the folder's files: a row made from another version is refused
     not_carried: tuple[str, ...] = ()
+    runs: int = 0  # RUN steps of the Dockerfile's last stage
+    # environment/ as a build context (a tar archive), where the task needs its image (RUN steps)
+    image_context: bytes | None = field(default=None, repr=False)
+
+    def notes(self, build_images: bool) -> tuple[str, ...]:
+        """What is not carried over, as the task runs: with its image built, or without."""
+        if not self.runs or build_images:
+            return self.not_carried
+        runs = f"{self.runs} RUN instruction{'s' * (self.runs > 1)}"
+        return (*self.not_carried, f"environment/Dockerfile: {runs} not run (build_images=false)")
 
     def row(self) -> dict[str, Any]:
         return {"id": self.id, "instruction": self.instruction, "digest": self.digest}
@@ -329,15 +344,15 @@ class _Build:
         return matched
 
 
-def read_environment(folder: Path, where: str) -> tuple[str, dict[str, File], dict[str, str], list[str]]:
-    """(workdir, files in it, ENV, notes) of the task's environment/ folder."""
+def read_environment(folder: Path, where: str) -> tuple[str, dict[str, File], dict[str, str], list[str], int]:
+    """(workdir, files in it, ENV, notes, number of RUN steps) of the task's environment/ folder."""
     context = folder / "environment"
     dockerfile = context / "Dockerfile"
     notes = [f"environment/{name}: its services are not started" for name in COMPOSE_FILES
              if (context / name).is_file()]
     if not dockerfile.is_file():
         files = {rel: f for rel, f in read_tree(context).items() if rel not in COMPOSE_FILES}
-        return HARBOR_WORKDIR, files, {}, notes
+        return HARBOR_WORKDIR, files, {}, notes, 0
     build = _Build(context, where)
     try:
         text = dockerfile.read_text()
@@ -361,8 +376,6 @@ def read_environment(folder: Path, where: str) -> tuple[str, dict[str, File], di
             num_runs += 1
         elif keyword in ("CMD", "ENTRYPOINT"):
             build.notes.append(f"{keyword}: no process is started with the sandbox")
-    if num_runs:
-        build.notes.append(f"environment/Dockerfile: {num_runs} RUN instruction{'s' * (num_runs > 1)} not run")
     workdir = build.workdir or HARBOR_WORKDIR
     files = {}
     for path, f in build.placed.items():
@@ -371,7 +384,7 @@ def read_environment(folder: Path, where: str) -> tuple[str, dict[str, File], di
             build.notes.append(f"environment/Dockerfile copies to {path}, outside the workdir {workdir}: not there")
         else:
             files[rel] = f
-    return workdir, files, build.env, notes + build.notes
+    return workdir, files, build.env, notes + build.notes, num_runs
 
 
 # --- files and paths ------------------------------------------------------------------------
@@ -452,7 +465,18 @@ def read_task(folder: Path) -> HarborTask:
     tests = read_tree(folder / "tests")
     if "test.sh" not in tests:
         raise EnvironmentLoadError(f"{where}: no tests/test.sh (the verifier, which writes the reward)")
-    workdir, files, env, notes = read_environment(folder, where)
+    workdir, files, env, notes, num_runs = read_environment(folder, where)
+    image_context = None
+    if num_runs:  # the task needs its image: what RUN installs is there only once built
+        try:
+            image_context = context_archive(folder / "environment")
+        except ValueError as exc:
+            raise EnvironmentLoadError(f"{where}: environment/ cannot be sent as a build context: {exc}") from None
+        if len(image_context) > MAX_CONTEXT_BYTES:
+            raise EnvironmentLoadError(f"{where}: environment/ is {len(image_context) // 1024} KiB as a build "
+                                       f"context, over the {MAX_CONTEXT_BYTES // 1024} KiB one build request carries "
+                                       "(a NATS message): move large data into the task's files another way, or "
+                                       "build the image yourself and pass it as image")
     notes = config_notes(config, raw) + notes
     verifier_env = literal_env(config.verifier.env, "[verifier] env", notes)
     solution_env = literal_env(config.solution.env, "[solution] env", notes)
@@ -464,7 +488,8 @@ def read_task(folder: Path) -> HarborTask:
         solution={rel: rewrite(f, to_work) for rel, f in read_tree(folder / "solution").items()},
         verifier_timeout_s=config.verifier.timeout_sec, verifier_env=verifier_env, solution_env=solution_env,
         agent_timeout_s=config.agent.timeout_sec, cpus=config.environment.cpus,
-        memory_mb=config.environment.memory_mb, digest=digest(folder), not_carried=tuple(notes))
+        memory_mb=config.environment.memory_mb, digest=digest(folder), not_carried=tuple(notes), runs=num_runs,
+        image_context=image_context)
     try:
         msgspec.convert(msgspec.structs.asdict(task.sandbox_spec(SandboxSpec())), SandboxSpec)
     except msgspec.ValidationError as exc:

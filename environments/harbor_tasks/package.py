@@ -87,7 +87,10 @@ def convert(src: str | Path, dest: str | Path, owner: str, name: str, version: s
     for task in tasks.values():
         first = next((line.strip("# ") for line in task.instruction.splitlines() if line.strip()), "")
         lines.append(f"- `{task.id}`: {first[:100]}")
-        lines += [f"  - not carried over: {note}" for note in task.not_carried]
+        if task.runs:
+            lines.append(f"  - runs in the image its environment/Dockerfile builds ({task.runs} RUN step"
+                         f"{'s' * (task.runs > 1)}): the docker sandbox backend; build_images=false runs it without")
+        lines += [f"  - not carried over: {note}" for note in task.notes(build_images=False)]
     values = {"owner": owner, "name": name, "pkg": pkg, "version": version, "num_tasks": len(tasks)}
     (dest / "pyproject.toml").write_text(pyproject(
         owner, name, pkg, f"Harbor tasks as a Flywheel environment: {owner}/{name} ({len(tasks)} tasks).",

@@ -11,6 +11,8 @@ command cannot kill it with a signal) from the image's ``python3``, with:
 - memory (swap included), pids and CPU limits from the spec;
 - a non-root user (``DockerConfig.user``), every capability dropped, ``no-new-privileges``;
 - the agent's rlimits on each command (file size, open files, CPU seconds);
+- the image ``sandbox_image`` names, or a spec's own: one a caller built from its Dockerfile
+  (``sandbox.build``, images.py) among them;
 - with a ``model_url``, the folder of its model relay's socket (``relay.py``) bound read-only
   at :data:`~flywheel_sandbox.relay.SOCKET_DIR`: the engine binds a path of its own host, so
   the relay's folder (setting ``sandbox_relay_dir``) must be one the engine's host sees at
@@ -34,10 +36,12 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
+from flywheel.contract.settings import SandboxSettings
 from flywheel.runtime.isolation import AgentChannel, AgentGone, MiB, agent_argv, agent_preamble
 from flywheel.runtime.relay import SOCKET_DIR, ModelRelay, open_relay
-from flywheel.sdk.sandbox import WORKDIR, SandboxError, SandboxSpec
+from flywheel.sdk.sandbox import WORKDIR, BuildRequest, Built, SandboxError, SandboxSpec
 from flywheel_sandbox.backends import AGENT_MEMORY_BYTES, EXTRA_PIDS, BackendUnavailable, pool_key, start_failed
+from flywheel_sandbox.images import ImageBuilder
 
 log = logging.getLogger(__name__)
 
@@ -123,9 +127,13 @@ class DockerBackend:
         # Its own containers carry this too, so they can be told from other services' (and listed).
         self.owner = secrets.token_hex(8)
         self.labels = {**self.config.labels, "flywheel.sdk.sandbox.owner": self.owner}
+        self.builder = ImageBuilder(self.client, self.config.base_url)
 
     def pool_key(self, spec: SandboxSpec) -> tuple[Any, ...]:
         return pool_key(spec)
+
+    async def build(self, request: BuildRequest, limits: SandboxSettings) -> Built:
+        return await self.builder.build(request, limits)
 
     def limits(self, spec: SandboxSpec) -> dict[str, int]:
         # No RLIMIT_NPROC: every container's user is the same host uid; the pids cgroup limits each one.

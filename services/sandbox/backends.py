@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from flywheel.contract.settings import SandboxSettings
 from flywheel.runtime.isolation import (
     AgentChannel,
     AgentGone,
@@ -62,7 +63,7 @@ from flywheel.runtime.isolation import (
     drain_tail,
 )
 from flywheel.runtime.relay import SOCKET_DIR, ModelRelay, open_relay
-from flywheel.sdk.sandbox import WORKDIR, SandboxError, SandboxSpec
+from flywheel.sdk.sandbox import WORKDIR, BuildRequest, Built, SandboxError, SandboxSpec
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +104,9 @@ class Backend(Protocol):
 
     def pool_key(self, spec: SandboxSpec) -> tuple[Any, ...]:
         """Specs with equal keys can share a warm-pool box (env, files, labels are applied later)."""
+
+    async def build(self, request: BuildRequest, limits: SandboxSettings) -> Built:
+        """The image of ``request``'s context within ``limits``, or a SandboxError saying why not."""
 
     async def close(self) -> None:
         """Release what the backend holds (cgroup folders); boxes are stopped before."""
@@ -160,9 +164,9 @@ class LocalBox:
         self.backend.track(self._clean_up())
 
     async def _clean_up(self) -> None:
-        await self.process.wait()
-        if self.relay is not None:
+        if self.relay is not None:  # first: its folder goes at once, however long the kernel takes to reap
             await self.relay.close()
+        await self.process.wait()
         for _ in range(400):
             if self.backend.cgroups.kill_and_remove(self.cgroup):
                 break
@@ -305,6 +309,12 @@ class LocalBackend:
             await box.stop()
             raise
         return box
+
+    async def build(self, request: BuildRequest, limits: SandboxSettings) -> Built:
+        raise SandboxError("unsupported", f"this sandbox service runs the local backend, which runs no images: an "
+                                          f"image built from a Dockerfile ({request.dockerfile}) needs the docker "
+                                          "backend (run the sandbox service with setting sandbox_backend = "
+                                          "\"docker\")")
 
     async def close(self) -> None:
         await asyncio.gather(*self._cleanups)

@@ -1,8 +1,9 @@
 """The sandbox service on NATS: request/reply on ``sandbox.*``, and its composition root.
 
-``sandbox.create`` and ``sandbox.run`` are served in the queue group ``sandbox``, so
-replicas share new sandboxes; the other operations arrive on ``sandbox.<instance>.<op>``,
-the replica that holds the sandbox (its id names it). Every request is handled in its own
+``sandbox.create``, ``sandbox.run`` and ``sandbox.build`` are served in the queue group
+``sandbox``, so replicas share new sandboxes (replicas that build images share one engine);
+the other operations arrive on ``sandbox.<instance>.<op>``, the replica that holds the
+sandbox (its id names it). Every request is handled in its own
 task, so a long exec never holds up other sandboxes; one sandbox runs one request at a time.
 
 A request that cannot be done gets an :class:`~flywheel.sdk.sandbox.ErrorReply` naming what
@@ -67,6 +68,7 @@ class SandboxResponder:
             "read_file": manager.read_file,
             "destroy": lambda r: manager.destroy(r.id),
             "destroy_by_label": lambda r: manager.destroy_by_label(r.labels),
+            "build": manager.build,
         }
         self.in_flight: set[asyncio.Task[None]] = set()
         manager.on_destroyed = self.meter

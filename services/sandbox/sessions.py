@@ -46,6 +46,8 @@ from flywheel.runtime.relay import SOCKET_DIR, SOCKET_NAME
 from flywheel.sdk.sandbox import (
     MODEL_PORT,
     WORKDIR,
+    BuildRequest,
+    Built,
     Created,
     Destroyed,
     ExecRequest,
@@ -332,6 +334,11 @@ class SessionManager:
         chosen = [s for s in self.sessions.values() if all(s.spec.labels.get(k) == v for k, v in labels.items())]
         await asyncio.gather(*(self._destroy(s, f"destroyed by label {labels}") for s in chosen))
         return Destroyed(count=len(chosen))
+
+    async def build(self, req: BuildRequest) -> Built:
+        if self.closed:
+            raise SandboxError("gone", "the sandbox service is stopping")
+        return await self.backend.build(req, self.config.limits)
 
     async def run(self, req: RunRequest) -> ExecResult:
         self._check_files(req.files)

@@ -18,8 +18,11 @@ from typing import Any
 import msgspec
 import pytest
 
+from flywheel.contract.settings import SandboxSettings
 from flywheel.runtime.isolation import AgentChannel, AgentGone, encode_b64
 from flywheel.sdk.sandbox import (
+    BuildRequest,
+    Built,
     CreateRequest,
     ExecRequest,
     ReadFileRequest,
@@ -27,6 +30,7 @@ from flywheel.sdk.sandbox import (
     SandboxError,
     SandboxSpec,
     WriteFileRequest,
+    build_tag,
     instance_of,
     instance_token,
     subject,
@@ -110,6 +114,7 @@ class FakeBackend:
 
     def __init__(self) -> None:
         self.started: list[FakeBox] = []
+        self.built: list[BuildRequest] = []
 
     async def start(self, spec: SandboxSpec) -> FakeBox:
         box = FakeBox(spec)
@@ -121,6 +126,10 @@ class FakeBackend:
 
     def pool_key(self, spec: SandboxSpec) -> tuple[Any, ...]:
         return pool_key(spec)
+
+    async def build(self, request: BuildRequest, limits: SandboxSettings) -> Built:
+        self.built.append(request)
+        return Built(image=build_tag(request.context), cached=len(self.built) > 1, size_mb=1.0, duration_s=0.0)
 
     async def close(self) -> None:
         pass
@@ -379,3 +388,13 @@ def test_entry_point_help_is_fast_and_imports_no_backend() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=False)
     assert out.returncode == 0, out.stderr
     assert "sandbox_backend" in out.stdout
+
+
+async def test_a_build_goes_to_the_backend_with_the_service_limits_until_it_stops(manager: SessionManager) -> None:
+    request = BuildRequest(context=b"ctx")
+    built = await manager.build(request)
+    assert built.image == build_tag(b"ctx") and manager.backend.built == [request]  # type: ignore[attr-defined]
+    await manager.close("the sandbox service stopped")
+    with pytest.raises(SandboxError, match="stopping") as stopped:
+        await manager.build(request)
+    assert stopped.value.kind == "gone"

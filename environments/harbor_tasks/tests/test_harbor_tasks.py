@@ -23,7 +23,7 @@ from flywheel.contract.bus import Bus
 from flywheel.ops.eval import EvalConfig, read_results, run_eval
 from flywheel.ops.natsserver import NatsServer
 from flywheel.sdk.environment import EnvironmentLoadError, RewardError, load_environment, resolve
-from flywheel.sdk.sandbox import WORKDIR, SandboxSpec
+from flywheel.sdk.sandbox import WORKDIR, SandboxSpec, context_archive
 from flywheel.sdk.sandbox_tools import SandboxUnavailable
 from harbor_tasks.folders import map_paths, read_environment, read_task
 from tests.sandbox_fixtures import sandboxed_rollout
@@ -35,7 +35,8 @@ TASKS = Path(__file__).parent / "tasks"
 
 @pytest.fixture(scope="module")
 def env():
-    return harbor_tasks.load_environment(str(TASKS), max_turns=4)
+    # The local sandbox: the tasks' RUN steps (apt-get, pip: network) are not run, as they need not be here.
+    return harbor_tasks.load_environment(str(TASKS), max_turns=4, build_images=False)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +64,8 @@ def test_load_reads_each_task_folder_into_a_row(env, rows) -> None:
     system, user = env.prompt_messages(hello)
     assert "bash" in system.content and WORKDIR in system.content and user.content == hello["instruction"]
     assert f"{WORKDIR}/data/words.txt" in rows["word-count"]["instruction"]
-    assert env.weights == {"verifier": 1.0, "verifier_timed_out": 0.0, "agent_timed_out": 0.0, "num_commands": 0.0}
+    assert env.weights == {"verifier": 1.0, "verifier_rewards": 0.0, "verifier_timed_out": 0.0, "agent_timed_out": 0.0,
+                           "num_commands": 0.0}
     single = harbor_tasks.load_environment(str(TASKS / "hello-file"))
     assert [row["id"] for row in single.load_tasks(1)] == ["hello-file"]
     assert resolve("harbor_tasks") is harbor_tasks.load_environment  # module name; flywheel/harbor-tasks: entry point
@@ -79,9 +81,12 @@ def test_what_a_task_carries_over_and_what_it_does_not() -> None:
     staged = task.staged(task.tests, "/tmp/harbor-x")["test.sh"].data.decode()
     assert "/tmp/harbor-x/logs/verifier/reward.json" in staged and "/logs/verifier" not in staged.replace(
         "/tmp/harbor-x/logs/verifier", "")
-    notes = " | ".join(task.not_carried)
-    for said in ("docker_image", "RUN instruction", "CMD", "JUDGE_KEY"):
+    notes = " | ".join(task.notes(build_images=False))
+    for said in ("docker_image", "1 RUN instruction not run (build_images=false)", "CMD", "JUDGE_KEY"):
         assert said in notes, (said, notes)
+    # Built, the image holds what RUN installs: environment/ is kept as its build context.
+    assert "RUN" not in " | ".join(task.notes(build_images=True)) and task.runs == 1
+    assert task.image_context == context_archive(TASKS / "word-count" / "environment")
     hello = harbor_tasks.read_tasks(TASKS)["hello-file"]
     assert (hello.cpus, hello.memory_mb, hello.files) == (1, 512, {})
     assert hello.sandbox_spec(SandboxSpec(memory_mb=2048)).memory_mb == 512
@@ -110,19 +115,19 @@ def test_a_dockerfile_last_stage_is_followed(tmp_path: Path) -> None:
         "COPY a.csv /etc/a.csv\n"
         "RUN apt-get update \\\n  && apt-get install -y curl\n"
         "RUN <<EOF\nCOPY not an instruction\nEOF\n")
-    workdir, files, envs, notes = read_environment(tmp_path / "t", "here")
-    assert workdir == "/srv/project"
+    workdir, files, envs, notes, runs = read_environment(tmp_path / "t", "here")
+    assert workdir == "/srv/project" and runs == 2
     assert sorted(files) == ["a.csv", "bin/run.sh", "data/a.csv", "data/b.csv", "src/pkg/mod.py"]
     assert files["bin/run.sh"].mode == 0o755
     assert envs == {"A": "1", "B": "two words", "OLD": "old form"}
     text = " | ".join(notes)
-    for said in ("ENV PATH", "--from=build", "https://example.com/x.tar.gz", "/etc/a.csv", "2 RUN instructions"):
+    for said in ("ENV PATH", "--from=build", "https://example.com/x.tar.gz", "/etc/a.csv"):
         assert said in text, (said, text)
     (context / "Dockerfile").write_text("FROM debian\nWORKDIR /app\nCOPY missing.txt .\n")
     with pytest.raises(EnvironmentLoadError, match=r"here: environment/Dockerfile copies 'missing.txt'"):
         read_environment(tmp_path / "t", "here")
     (context / "Dockerfile").unlink()  # no Dockerfile: environment/ goes to the workdir as it is
-    workdir, files, envs, notes = read_environment(tmp_path / "t", "here")
+    workdir, files, envs, notes, runs = read_environment(tmp_path / "t", "here")
     assert workdir == "/app" and sorted(files) == ["a.csv", "b.csv", "run.sh", "src/pkg/mod.py"]
 
 
@@ -185,7 +190,8 @@ def test_a_row_from_another_version_of_the_folder_is_refused(env, rows) -> None:
 async def test_each_solution_reaches_its_reward_and_an_untouched_workspace_does_not(
         sandbox: ServedSandboxClient) -> None:
     tasks = harbor_tasks.read_tasks(TASKS)
-    hello, count = [await harbor_tasks.run_solution(tasks[name], sandbox) for name in ("hello-file", "word-count")]
+    hello, count = [await harbor_tasks.run_solution(tasks[name], sandbox, build_images=False)
+                    for name in ("hello-file", "word-count")]
     assert hello.rewards == {"reward": 1.0} and hello.error is None and not hello.timed_out
     assert count.rewards == {"reward": 1.0, "off_by": 0.0}
     for task in tasks.values():
@@ -205,8 +211,8 @@ async def test_rollouts_are_rewarded_by_the_task_own_verifier(env, rows, sandbox
     rollout, server = await sandboxed_rollout(env, rows["hello-file"], right, sandbox)
     assert [t["function"]["name"] for t in server.requests_for("agent")[0]["tools"]] == ["bash"]
     assert rollout.state["verifier"]["rewards"] == {"reward": 1.0}
-    assert await rewards(env, rollout) == {"verifier": 1.0, "verifier_timed_out": 0.0, "agent_timed_out": 0.0,
-                                           "num_commands": 1.0}
+    assert await rewards(env, rollout) == {"verifier": 1.0, "verifier_rewards": 0.0, "verifier_timed_out": 0.0,
+                                           "agent_timed_out": 0.0, "num_commands": 1.0}
     wrong: list[ScriptEntry] = [tool_call("bash", command="echo Goodbye > hello.txt"), "Done."]
     rollout, _ = await sandboxed_rollout(env, rows["hello-file"], wrong, sandbox)
     assert (await rewards(env, rollout))["verifier"] == 0.0
@@ -215,6 +221,8 @@ async def test_rollouts_are_rewarded_by_the_task_own_verifier(env, rows, sandbox
     rollout, _ = await sandboxed_rollout(env, rows["word-count"], counted, sandbox)
     assert rollout.state["verifier"]["rewards"] == {"reward": 1.0, "off_by": 0.0}
     assert (await rewards(env, rollout))["verifier"] == 1.0
+    # reward.json's other named numbers are components.
+    assert (await env.rollout_rewards["verifier_rewards"](rollout)).components == {"off_by": 0.0}
     assert not sandbox.manager.sessions  # each rollout's sandbox ended with it
 
 
@@ -227,8 +235,8 @@ async def test_the_agent_is_stopped_at_its_timeout_and_still_verified(tmp_path: 
                                  "Done."]
     rollout, server = await sandboxed_rollout(env, env.load_tasks(1)[0], script, sandbox)
     assert len(server.requests_for("agent")) == 1 and rollout.state["stop_reason"] == "stop"
-    assert await rewards(env, rollout) == {"verifier": 1.0, "verifier_timed_out": 0.0, "agent_timed_out": 1.0,
-                                           "num_commands": 1.0}
+    assert await rewards(env, rollout) == {"verifier": 1.0, "verifier_rewards": 0.0, "verifier_timed_out": 0.0,
+                                           "agent_timed_out": 1.0, "num_commands": 1.0}
 
 
 async def test_a_verifier_without_a_reward_is_an_error_and_one_past_its_timeout_a_zero(
@@ -274,7 +282,7 @@ async def test_flywheel_eval_runs_the_tasks_and_scores_them(tmp_path: Path, requ
                 with ScriptedOpenAI({"agent": [solve] * 8}) as model:
                     cfg = EvalConfig(env="harbor_tasks", model="agent", base_url=model.base_url,
                                      out=tmp_path / "out.jsonl", num_tasks=2, num_rollouts=2, concurrency=2,
-                                     env_args={"path": str(TASKS)})
+                                     env_args={"path": str(TASKS), "build_images": False})
                     summary = await run_eval(cfg, server.url, io.StringIO())
                 records = read_results(cfg.out)
                 assert summary["num_errors"] == 0 and summary["num_reward_errors"] == 0, records
@@ -286,6 +294,16 @@ async def test_flywheel_eval_runs_the_tasks_and_scores_them(tmp_path: Path, requ
             await bus.close()
     finally:
         server.stop()
+
+
+async def test_a_task_that_needs_its_image_is_refused_by_the_local_backend_naming_docker(
+        rows, sandbox: ServedSandboxClient) -> None:
+    env = harbor_tasks.load_environment(str(TASKS), max_turns=4)  # build_images: the default
+    with pytest.raises(RuntimeError, match=r"task word-count needs the image its environment/Dockerfile builds "
+                                           r"\(1 RUN step\): this sandbox service runs the local backend.*"
+                                           r"sandbox_backend = \"docker\".*build_images=false"):
+        await sandboxed_rollout(env, rows["word-count"], ["Done."], sandbox)
+    assert not sandbox.manager.sessions
 
 
 async def test_no_sandbox_service_fails_the_rollout_with_what_to_do(env, rows) -> None:

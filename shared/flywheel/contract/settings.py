@@ -188,6 +188,14 @@ class SandboxSettings(_Section):
                                    "warm pool is topped up.")
     num_tombstones: int = Field(4096, ge=0, description="Destroyed sandboxes remembered, so that a request for "
                                 "one says it was destroyed and why (not that it is unknown).")
+    build_timeout_s: float = Field(600.0, gt=0, le=3600, description="Longest image build (docker backend, a "
+                                   "build request's Dockerfile): past it the build is stopped and the request "
+                                   "answered with an error that says so.")
+    build_max_mb: int = Field(4096, ge=1, description="Largest image a build may make (docker backend); a bigger "
+                              "one is removed and the request answered with its size and this limit.")
+    build_network: bool = Field(False, description="Whether a build's RUN steps reach the network (the engine's "
+                                "default network). Off: they have none, as a sandbox has none; a Dockerfile that "
+                                "downloads (apt-get, pip) then fails and says where.")
 
 
 class WorkersSettings(_Section):

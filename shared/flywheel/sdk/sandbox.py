@@ -23,10 +23,18 @@ it returns). Errors come back as :class:`SandboxError` with a ``kind`` (``not_fo
 Subjects (JSON bodies, the Structs below; every reply is tagged, an error is
 :class:`ErrorReply`):
 
-- ``sandbox.create``, ``sandbox.run``: queue group ``sandbox``, so replicas share the load.
+- ``sandbox.create``, ``sandbox.run``, ``sandbox.build``: queue group ``sandbox``, so replicas
+  share the load.
 - ``sandbox.<instance>.<op>`` for ``exec``, ``write_file``, ``read_file``, ``destroy`` and
   ``destroy_by_label``: a sandbox lives in one replica, and its id says which
   (``<hex>@<instance>``).
+
+An image of one's own (the docker backend): :meth:`SandboxClient.build` sends a build context
+(a tar archive, :func:`context_archive` makes one of a folder with a Dockerfile) and gets an
+image tag named by the context's content hash, which a ``SandboxSpec(image=...)`` then uses. The
+service builds each context once (a second build of the same bytes answers ``cached``), within
+its time and size bounds and with no network unless its settings allow it; the local backend
+refuses with a message naming the backend that builds.
 
 Not covered: streaming output while a command runs, and interactive terminals.
 """
@@ -37,9 +45,13 @@ import asyncio
 import contextlib
 import contextvars
 import functools
+import hashlib
+import io
 import re
 import secrets
+import tarfile
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import msgspec
@@ -189,6 +201,18 @@ class RunRequest(_Message, frozen=True):
     timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 30.0
 
 
+class BuildRequest(_Message, frozen=True):
+    """caller -> ``sandbox.build``: an image built from ``context`` (a tar archive holding
+    ``dockerfile``), for ``SandboxSpec.image``. ``timeout_s``: at most the service's own bound
+    (setting ``sandbox.build_timeout_s``)."""
+
+    context: Annotated[bytes, msgspec.Meta(min_length=1)]
+    # A path inside the context: no leading '/', no '..' segment.
+    dockerfile: Annotated[str, msgspec.Meta(pattern=r"^(?!(.*/)?\.\.(/|$))[A-Za-z0-9._-][A-Za-z0-9._/-]*$",
+                                            max_length=255)] = "Dockerfile"
+    timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 600.0
+
+
 class Created(_Reply, frozen=True, tag="created"):
     """``sandbox.create`` -> caller."""
 
@@ -225,6 +249,16 @@ class Destroyed(_Reply, frozen=True, tag="destroyed"):
     count: int
 
 
+class Built(_Reply, frozen=True, tag="built"):
+    """``sandbox.build`` -> caller: the image's tag (``flywheel-build:<hash>``), whether it was
+    built before (``cached``), its size and how long this request took."""
+
+    image: str
+    cached: bool
+    size_mb: float
+    duration_s: float
+
+
 class ErrorReply(_Reply, frozen=True, tag="error"):
     """Any request -> caller, when it cannot be done; ``error`` says why and what to do."""
 
@@ -240,11 +274,12 @@ REQUEST_TYPES: dict[str, type[_Message]] = {
     "read_file": ReadFileRequest,
     "destroy": DestroyRequest,
     "destroy_by_label": DestroyByLabelRequest,
+    "build": BuildRequest,
 }
-POOLED_OPS = ("create", "run")  # queue group subjects; the rest go to the replica holding the sandbox
+POOLED_OPS = ("create", "run", "build")  # queue group subjects; the rest go to the replica holding the sandbox
 REPLY_TYPES: dict[str, type[_Reply]] = {
     "create": Created, "run": ExecResult, "exec": ExecResult, "write_file": FileWritten,
-    "read_file": FileData, "destroy": Destroyed, "destroy_by_label": Destroyed,
+    "read_file": FileData, "destroy": Destroyed, "destroy_by_label": Destroyed, "build": Built,
 }
 
 
@@ -367,6 +402,13 @@ class SandboxClient:
         request = RunRequest(cmd=cmd, files=encoded, spec=_metered(spec), stdin=data, timeout_s=timeout_s)
         return await self._request("run", request, timeout_s + self.request_timeout_s)
 
+    async def build(self, context: bytes, dockerfile: str = "Dockerfile", timeout_s: float = 600.0) -> Built:
+        """The image of ``context`` (a tar archive; :func:`context_archive`), built once by the
+        service (docker backend); ``Built.image`` goes in ``SandboxSpec.image``."""
+        request = BuildRequest(context=context, dockerfile=dockerfile, timeout_s=timeout_s)
+        built: Built = await self._request("build", request, timeout_s + self.request_timeout_s)
+        return built
+
     @contextlib.asynccontextmanager
     async def session(self, spec: SandboxSpec | None = None) -> AsyncIterator[str]:
         """``async with client.session(spec) as box:`` a sandbox destroyed on the way out."""
@@ -375,6 +417,38 @@ class SandboxClient:
             yield box
         finally:
             await self.destroy(box)
+
+
+def context_archive(folder: Path) -> bytes:
+    """``folder`` (a build context: a Dockerfile and what it copies) as a tar archive that is the
+    same bytes for the same files: sorted, no times or owners, modes kept; symbolic links and
+    other special files are refused (a ValueError naming the path)."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for path in sorted(folder.rglob("*")):
+            rel = path.relative_to(folder).as_posix()
+            if path.is_symlink() or not (path.is_file() or path.is_dir()):
+                raise ValueError(f"{path}: a build context holds plain files and folders only")
+            info = tarfile.TarInfo(rel)
+            info.mode = path.stat().st_mode & 0o777
+            if path.is_dir():
+                info.type = tarfile.DIRTYPE
+                tar.addfile(info)
+            else:
+                data = path.read_bytes()
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+def build_tag(context: bytes, dockerfile: str = "Dockerfile") -> str:
+    """The tag the service gives the image of ``context``: its content hash, so the same files
+    are built once."""
+    digest = hashlib.sha256(dockerfile.encode() + b"\0" + context).hexdigest()
+    return f"{BUILD_REPOSITORY}:{digest[:48]}"
+
+
+BUILD_REPOSITORY = "flywheel-build"
 
 
 # --- the rollout's session ------------------------------------------------------------------
