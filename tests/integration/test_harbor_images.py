@@ -11,6 +11,7 @@ in its image, fails where the image is not built, and a second run reuses the im
 
 from __future__ import annotations
 
+import io
 import time
 from pathlib import Path
 
@@ -18,11 +19,14 @@ import pytest
 
 import harbor_tasks
 from flywheel.contract.bus import Bus
+from flywheel.contract.settings import Settings, WorkersSettings
+from flywheel.ops.eval import EvalConfig, read_results, run_eval
+from flywheel.ops.natsserver import NatsServer
 from flywheel.sdk.sandbox import SandboxError, SandboxSpec, build_tag, context_archive
 from tests.helpers import until
 from tests.sandbox_fixtures import sandboxed_rollout
 from tests.sandbox_service import backend_named, serving
-from tests.scripted_openai import ScriptEntry, tool_call
+from tests.scripted_openai import ScriptedOpenAI, ScriptEntry, tool_call
 
 pytestmark = pytest.mark.docker
 
@@ -126,3 +130,31 @@ async def test_a_harbor_task_runs_in_the_image_its_dockerfile_builds(bus: Bus, t
         rollout, _ = await sandboxed_rollout(again, again.load_tasks(1)[0], answer, c, rollout_id="again")
         assert rollout.state["verifier"]["rewards"] == {"reward": 1.0}
         assert not c.manager.sessions
+
+
+async def test_flywheel_eval_runs_a_task_in_its_image_through_environment_workers(
+        tmp_path: Path, readable: Path, request: pytest.FixtureRequest) -> None:
+    """The path of a run: the environment in its worker, the build request through the host."""
+    base = request.getfixturevalue("debian_base")
+    harbor_task(readable / "count", base, install=True)
+    settings = Settings(workers=WorkersSettings(read_only=(str(readable),)))  # where workers read the tasks
+    server = NatsServer(tmp_path / "nats").start()
+    try:
+        bus = await Bus.connect(server.url, name="test-harbor-images-eval")
+        try:
+            async with backend_named("docker", request) as docker_backend, \
+                    serving(bus, docker_backend, warm_pool=0) as sandbox:
+                answer = tool_call("bash", command="grep -cx flywheel words.txt > count.txt")
+                with ScriptedOpenAI({"agent": [answer, "Done."] * 2}) as model:
+                    cfg = EvalConfig(env="harbor_tasks", model="agent", base_url=model.base_url,
+                                     out=tmp_path / "out.jsonl", num_tasks=1, num_rollouts=2, concurrency=1,
+                                     env_args={"path": str(readable)})
+                    summary = await run_eval(cfg, server.url, io.StringIO(), settings=settings)
+                records = read_results(cfg.out)
+                assert summary["num_errors"] == 0 and summary["num_reward_errors"] == 0, records
+                assert [r["state"]["verifier"]["rewards"] for r in records] == [{"reward": 1.0}] * 2, records
+                assert not sandbox.manager.sessions
+        finally:
+            await bus.close()
+    finally:
+        server.stop()
