@@ -11,8 +11,9 @@ program and reports its exit, output and whether it ran out of time; the sandbox
 the program ends.
 
 ``{python}`` in the command line is the worker's interpreter, and any Python started inside
-finds the worker's packages (a ``sitecustomize`` on its ``PYTHONPATH`` adds them), so one
-command serves ``flywheel eval`` and training alike.
+finds the worker's packages and only those (a ``sitecustomize`` on its ``PYTHONPATH`` takes
+the interpreter's own package folders off the path, as a worker runs without them, and adds
+the worker's), so one command serves ``flywheel eval`` and training alike.
 """
 
 from __future__ import annotations
@@ -50,6 +51,24 @@ MAX_FILES_BYTES = 64 * 1024 * 1024
 GRACE_S = 10.0  # past its timeout_s, the sandbox is killed from outside
 
 
+# The sandbox's Pythons start without -S (a program starts others, which must find the same
+# packages): this takes off the path the interpreter's own package folders (Debian's
+# dist-packages: a distribution's certifi points at /etc/ssl, which a sandbox does not see) and
+# forgets what their .pth files imported already, then puts the worker's on it, its
+# environment's own folder first.
+SITECUSTOMIZE = """\
+import site, sys
+own = [p for p in sys.path if p.rstrip("/").endswith(("site-packages", "dist-packages"))]
+sys.path[:] = [p for p in sys.path if p not in own]
+for name, module in list(sys.modules.items()):
+    if any((getattr(module, "__file__", None) or "").startswith(p.rstrip("/") + "/") for p in own):
+        del sys.modules[name]
+for d in {site_dirs!r}:
+    site.addsitedir(d)
+sys.path[1:1] = {path!r}
+"""
+
+
 class ProgramError(RuntimeError):
     """A program's sandbox could not be run; the message says why."""
 
@@ -68,9 +87,8 @@ class Programs:
         found = self._sites.get(key)
         if found is None:
             found = self._sites[key] = tempfile.TemporaryDirectory(prefix="flywheel-site-")
-            Path(found.name, "sitecustomize.py").write_text(
-                f"import site, sys\nfor d in {list(layout.site_dirs)!r}: site.addsitedir(d)\n"
-                f"sys.path[1:1] = {list(layout.path)!r}\n")
+            Path(found.name, "sitecustomize.py").write_text(SITECUSTOMIZE.format(site_dirs=list(layout.site_dirs),
+                                                                                 path=list(layout.path)))
             Path(found.name).chmod(0o755)
             Path(found.name, "sitecustomize.py").chmod(0o644)
         return found.name
