@@ -94,7 +94,7 @@ SYSTEM_PROMPT = (
     "You are an unprivileged user (no root, no system packages){network}. When the task is done, reply without "
     "calling a tool: your work is then checked by the task's tests.")
 AGENT_DEADLINE = "harbor_tasks.agent_deadline"  # ctx.resources: when the agent's [agent] timeout_sec is up
-BUILD_TIMEOUT_S = 3600.0  # a task's image build: the sandbox service's own bound (sandbox.build_timeout_s) rules
+BUILD_TIMEOUT_S = 600.0  # a task's image build, by default (the sandbox service's sandbox.build_timeout_s bounds it)
 STAGING = "/tmp/harbor-"  # + a fresh token: where /tests, /logs and /solution are staged
 # Reads what the verifier left (run in the sandbox: its reward files and its output's tail).
 READ_VERDICT = """
@@ -215,11 +215,14 @@ async def run_solution(task: HarborTask, client: SandboxClient, spec: SandboxSpe
 # --- the harness ----------------------------------------------------------------------------
 
 
-async def build_image(client: SandboxClient, task: HarborTask) -> str:
-    """``task``'s environment/ built by the sandbox service (docker backend); its image's tag."""
+async def build_image(client: SandboxClient, task: HarborTask, timeout_s: float = BUILD_TIMEOUT_S) -> str:
+    """``task``'s environment/ built by the sandbox service (docker backend), within ``timeout_s``
+    (and the service's own bound); its image's tag."""
     assert task.image_context is not None
+    log.info("harbor_tasks: task %s needs its image: asking the sandbox service to build environment/ (%d KiB; a "
+             "first build may take minutes, later ones find it)", task.id, len(task.image_context) // 1024)
     try:
-        built = await client.build(task.image_context, timeout_s=BUILD_TIMEOUT_S)
+        built = await client.build(task.image_context, timeout_s=timeout_s)
     except SandboxError as exc:
         if exc.kind == "unsupported":
             raise RuntimeError(f"harbor_tasks: task {task.id} needs the image its environment/Dockerfile builds "
@@ -253,6 +256,7 @@ class HarborHarness:
     spec: SandboxSpec
     chat: ChatHarness
     build_images: bool = True
+    build_timeout_s: float = BUILD_TIMEOUT_S
     _images: dict[str, asyncio.Future[str]] = dataclasses.field(default_factory=dict)
 
     def initial_messages(self, env: Environment, task: dict[str, Any]) -> list[events.Message]:
@@ -274,7 +278,7 @@ class HarborHarness:
         if pending is None or (pending.done() and (pending.cancelled() or pending.exception() is not None)):
             if ctx.sandbox_client is None:
                 raise SandboxUnavailable(f"no sandbox service for this rollout: {NO_SERVICE}")
-            pending = asyncio.ensure_future(build_image(ctx.sandbox_client, task))
+            pending = asyncio.ensure_future(build_image(ctx.sandbox_client, task, self.build_timeout_s))
             self._images[task.digest] = pending
         return await asyncio.shield(pending)
 
@@ -339,14 +343,18 @@ def instruction(task: dict[str, Any]) -> str:
 
 def load_environment(path: str, name: str = "harbor_tasks", max_turns: int = 50, command_timeout_s: float = 120.0,
                      memory_mb: int = 1024, disk_mb: int = 512, network: bool = False,
-                     image: str | None = None, build_images: bool = True) -> Environment:
+                     image: str | None = None, build_images: bool = True,
+                     build_timeout_s: float = BUILD_TIMEOUT_S) -> Environment:
     """``path``: a Harbor task folder or a folder of them (absolute, or relative to each
     process's working folder); ``name``: the environment's name; ``max_turns``: model calls per
     rollout; ``command_timeout_s``: each bash call's limit; ``memory_mb`` (where a task sets
     none), ``disk_mb``, ``network`` and ``image`` (docker backend): the sandbox's.
     ``build_images``: a task whose Dockerfile has RUN steps runs in the image it builds (docker
     backend; the local backend refuses it, saying so); false: it runs in ``image`` (or the
-    local sandbox) with its files carried over and its RUN steps not run."""
+    local sandbox) with its files carried over and its RUN steps not run. ``build_timeout_s``: the
+    longest build (at most the sandbox service's setting ``sandbox.build_timeout_s``)."""
+    if not 0 < build_timeout_s <= MAX_COMMAND_S:
+        raise EnvironmentLoadError(f"harbor_tasks: build_timeout_s={build_timeout_s}: 0 to {MAX_COMMAND_S:g} s")
     if max_turns < 1 or not 0 < command_timeout_s <= MAX_COMMAND_S:
         raise EnvironmentLoadError(f"harbor_tasks: max_turns={max_turns}, command_timeout_s={command_timeout_s}: at "
                                    f"least 1 turn, and 0 to {MAX_COMMAND_S:g} s a command")
@@ -365,7 +373,7 @@ def load_environment(path: str, name: str = "harbor_tasks", max_turns: int = 50,
     return Environment(
         name=name,
         tasks=TaskSet.from_rows([task.row() for task in tasks.values()], schema=SCHEMA, name=f"{name} tasks"),
-        harness=HarborHarness(tasks, spec, chat, build_images),
+        harness=HarborHarness(tasks, spec, chat, build_images, build_timeout_s),
         prompt=instruction,
         rewards=[Reward(verifier), Metric(verifier_rewards), Metric(verifier_timed_out), Metric(agent_timed_out),
                  Metric(num_commands)],

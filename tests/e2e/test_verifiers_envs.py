@@ -104,14 +104,16 @@ ECHO_REPLIES = {"apple": "apple", "river": "I would rather not say that word", "
 ECHO_EXPECTED = {"apple": 1.5, "river": 0.0, "stone": 1.0, "cloud": 1.5}
 
 
+def echo_reply(body: dict[str, Any]) -> str:
+    """The scripted model's reply to a vf-echo task: ECHO_REPLIES of the word it asks for."""
+    word = re.search(r"Say the word (\w+)", body["messages"][-1]["content"])
+    assert word is not None, body["messages"]
+    return ECHO_REPLIES[word.group(1)]
+
+
 @pytest.mark.long  # installs verifiers into a folder (about 20 s), then runs the CLI
 def test_a_single_turn_verifiers_taskset_evaluates_with_verifiers_own_rewards(data_dir: Path, tmp_path: Path) -> None:
-    def reply(body: dict[str, Any]) -> str:
-        word = re.search(r"Say the word (\w+)", body["messages"][-1]["content"])
-        assert word is not None, body["messages"]
-        return ECHO_REPLIES[word.group(1)]
-
-    with ScriptedOpenAI({"agent": [reply] * 4}) as server:
+    with ScriptedOpenAI({"agent": [echo_reply] * 4}) as server:
         out = tmp_path / "echo.jsonl"
         records = evaluate(data_dir, "verifiers:vf-echo", server, out, num=4)
     assert sorted(r["task"]["word"] for r in records) == sorted(ECHO_EXPECTED)

@@ -12,6 +12,7 @@ in its image, fails where the image is not built, and a second run reuses the im
 from __future__ import annotations
 
 import io
+import socket
 import time
 from pathlib import Path
 
@@ -56,6 +57,17 @@ async def test_an_image_is_built_once_and_sandboxes_run_from_it(bus: Bus, tmp_pa
                              spec=SandboxSpec(image=first.image))
         assert result.stdout.splitlines()[:2] == ["hi", "65534"], result  # the sandbox's user, its read-only root
         assert "Read-only file system" in result.stdout, result
+        # A build's steps are a stranger's code: no network, not even this host's loopback.
+        with socket.socket() as listening:
+            listening.bind(("127.0.0.1", 0))
+            listening.listen()
+            port = listening.getsockname()[1]
+            probe = (f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=3); "
+                     "print('REACHED THE HOST')")
+            reaching = context(tmp_path / "reach",
+                               f"FROM {base}\nRUN echo {time.time_ns()} && python3 -c \"{probe}\"\n")
+            with pytest.raises(SandboxError, match=r"(?s)the image build failed.*(Connection refused|unreachable)"):
+                await c.build(reaching)
         failing = context(tmp_path / "bad", f"FROM {base}\nRUN echo about to fail && false\n")
         with pytest.raises(SandboxError, match=r"(?s)the image build failed: .*returned a non-zero code.*"
                                                r"about to fail") as failed:

@@ -413,6 +413,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "pyproject.toml. A version that exists, a package that does not load or a name of another "
                     "tenant is refused, and nothing is stored. " + hub_note)
     pushing.add_argument("dir", metavar="DIR", nargs="?", default=".", help="the package's folder (default: here)")
+    pushing.add_argument("--as", dest="as_id", metavar="OWNER/NAME",
+                         help="for a verifiers or OpenEnv package (unmodified): the hub id it goes under")
     pushing.add_argument("--private", action="store_true",
                          help="a new environment is seen by its owner's keys alone (default: public)")
     pushing.add_argument("--no-scoring", action="store_true",
@@ -783,7 +785,7 @@ def cmd_env_push(args: argparse.Namespace) -> int:
     from flywheel.sdk.hub import Hub
 
     with Hub(settings_from(args).resolved_gateway_url) as hub:
-        pushed = push(Path(args.dir), hub, private=args.private, scoring=not args.no_scoring)
+        pushed = push(Path(args.dir), hub, private=args.private, scoring=not args.no_scoring, as_id=args.as_id)
     print(f"pushed {pushed['env_id']}@{pushed['version']} (sha256 {pushed['sha256']})")
     return 0
 

@@ -11,6 +11,16 @@ with its defaults, checks a few task rows against its schema, renders their prom
 every reward on a rollout answering with the reference answer (or nothing); then uploads both
 files, which the gateway checks again and stores, immutable.
 
+``flywheel env push DIR --as owner/name`` takes a package of another format too, unmodified: a
+verifiers taskset or an OpenEnv environment (its ``[project]`` depends on ``verifiers`` or
+``openenv-core``). :func:`wrap` makes it a hub package: the modules its own wheel holds, as they
+are, beside a module of the hub package's own whose ``load_environment(**args)`` runs it through
+its bridge (``flywheel.sdk.verifiers_bridge``, ``flywheel.sdk.openenv_bridge``), its
+dependencies (the format's library among them) and the ``owner/name`` entry point. Installed,
+its folder holds what it needs that the services do not (:func:`flywheel.sdk.hub.overlay`);
+its rewards run inside its episodes, so the push's dry check loads it and reads its tasks, and
+scores nothing.
+
 ``flywheel env install owner/name[@version]`` is :func:`flywheel.sdk.hub.install`: the
 version's wheel (the newest without ``@``), checked against the hub's sha256 and rules,
 installed with pip, wheels only.
@@ -37,10 +47,12 @@ import sys
 import tarfile
 import tempfile
 import tomllib
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 
 from flywheel.contract import events
@@ -189,8 +201,21 @@ def dry_check(env_id: str, scoring: bool = True, num_rows: int = DRY_CHECK_ROWS)
 
 
 def push(folder: Path, hub: Hub, private: bool = False, scoring: bool = True, forked_from: str | None = None,
-         say: Any = print) -> dict[str, Any]:
-    """Build, check and upload the package in ``folder``; the hub's record of the version."""
+         say: Any = print, as_id: str | None = None) -> dict[str, Any]:
+    """Build, check and upload the package in ``folder``; the hub's record of the version.
+    ``as_id``: the hub id of a package of another format (verifiers, OpenEnv), wrapped first."""
+    kind = bridged_format(folder)
+    if kind is not None:
+        if as_id is None:
+            raise HubError(f"{folder} is a {kind.rstrip(':')} package: give the hub id it goes under (flywheel env "
+                           "push DIR --as owner/name)")
+        with tempfile.TemporaryDirectory(prefix="flywheel-wrap-") as scratch:
+            wrapped = wrap(folder, as_id, Path(scratch), say=say)
+            say(f"{kind.rstrip(':')} package: its rewards run inside its episodes, so the dry check scores nothing")
+            return push(wrapped, hub, private=private, scoring=False, forked_from=forked_from, say=say)
+    if as_id is not None:
+        raise HubError(f"--as {as_id}: {folder} is a Flywheel environment package, whose pyproject.toml names its "
+                       "id; --as is for a verifiers or OpenEnv package")
     project = read_project(folder)
     with tempfile.TemporaryDirectory(prefix="flywheel-push-") as out:
         say(f"building {project.env_id} {project.version} (python -m build) ...")
@@ -267,6 +292,138 @@ def rename(folder: Path, old_id: str, new_id: str) -> None:
     for path in [folder / "README.md", *folder.rglob("*.py")]:
         if path.is_file():
             path.write_text(path.read_text().replace(old_id, new_id))
+
+
+# --- packages of other formats ----------------------------------------------------------------------
+
+WRAPPED_PYPROJECT = """\
+[build-system]
+requires = ["setuptools>=68"]
+build-backend = "setuptools.build_meta"
+
+[project]
+name = {project}
+version = {version}
+description = {description}
+readme = "README.md"
+requires-python = {python}
+dependencies = {dependencies}
+
+[project.entry-points."flywheel.environments"]
+{env_id} = "{module}:load_environment"
+
+[tool.setuptools]
+py-modules = {py_modules}
+include-package-data = true
+
+[tool.setuptools.packages.find]
+where = ["."]
+include = {include}
+
+[tool.setuptools.package-data]
+"*" = ["*", "**/*"]
+"""
+WRAPPED_MODULE = """\
+\"\"\"{env_id}: the {kind} package {name} {version}, unmodified, as a Flywheel environment.\"\"\"
+
+from typing import Any
+
+from flywheel.sdk.environment import Environment
+
+NAME = {name!r}
+
+
+def load_environment(**args: Any) -> Environment:
+    from {bridge} import load_environment as bridged
+
+    return bridged(NAME, **args)
+"""
+
+
+def bridged_format(folder: Path) -> str | None:
+    """``verifiers:`` or ``openenv:`` when ``folder``'s pyproject.toml is a package of that format
+    (it depends on the format's library and registers no Flywheel environment); else None."""
+    from flywheel.runtime.installs import BRIDGED
+
+    try:
+        project = tomllib.loads((folder / "pyproject.toml").read_text()).get("project", {})
+    except (OSError, tomllib.TOMLDecodeError):
+        return None
+    if project.get("entry-points", {}).get(ENTRY_POINT_GROUP):
+        return None
+    names = {canonicalize_name(Requirement(line).name) for line in project.get("dependencies", [])
+             if _is_requirement(line)}
+    return next((prefix for prefix, (library, _) in BRIDGED.items() if library in names), None)
+
+
+def _is_requirement(line: str) -> bool:
+    try:
+        Requirement(line)
+    except InvalidRequirement:
+        return False
+    return True
+
+
+def wrap(folder: Path, env_id: str, out: Path, say: Any = print) -> Path:
+    """A hub package of the verifiers or OpenEnv package in ``folder``, written into ``out/<name>``:
+    the modules its own wheel holds (built by its own build backend), unchanged, a module whose
+    ``load_environment`` runs it through its bridge, its dependencies and README, ``env_id``'s
+    distribution and entry point. The folder it wrote."""
+    from flywheel.sdk.environment import FORMATS
+
+    kind = bridged_format(folder)
+    if kind is None:
+        raise HubError(f"{folder}: not a verifiers or OpenEnv package (its [project] depends on neither verifiers "
+                       "nor openenv-core)")
+    try:
+        owner, name = check_env_id(env_id)
+    except HubRefused as exc:
+        raise HubError(f"--as: {exc}") from None
+    project = tomllib.loads((folder / "pyproject.toml").read_text())["project"]
+    try:
+        version = check_version(str(project.get("version", "")))
+    except HubRefused as exc:
+        raise HubError(f"{folder / 'pyproject.toml'}: {exc}; the hub version is the package's own") from None
+    built = out / "built"
+    say(f"building {project['name']} {version} with its own build backend ...")
+    done = subprocess.run([sys.executable, "-m", "build", "--wheel", "--outdir", str(built), str(folder)],
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise HubError(f"building {folder} failed (python -m build --wheel):\n{output_tail(done)}")
+    (wheel,) = built.glob("*.whl")
+    dest = out / name
+    module = f"{owner}_{name}_{kind.rstrip(':')}".replace("-", "_")
+    tops: set[str] = set()
+    with zipfile.ZipFile(wheel) as archive:
+        for member in archive.namelist():
+            top = member.split("/", 1)[0]
+            if top.endswith((".dist-info", ".data")) or member.endswith("/"):
+                continue
+            if top.endswith(".pth"):
+                raise HubError(f"{wheel.name} installs {member}, a .pth file (run at every interpreter start): the "
+                               "hub takes no such package")
+            tops.add(top)
+            archive.extract(member, dest)
+    if f"{module}.py" in tops or module in tops:
+        raise HubError(f"{folder} has a module {module!r}, the name of the module its hub package adds: push it "
+                       "under another id")
+    (dest / f"{module}.py").write_text(WRAPPED_MODULE.format(env_id=env_id, kind=kind.rstrip(":"),
+                                                             name=str(project["name"]), version=version,
+                                                             bridge=FORMATS[kind]))
+    given = project.get("readme", "README.md")  # a file's name, or a table naming one
+    readme = folder / (given if isinstance(given, str) else str(given.get("file", "README.md")))
+    intro = (f"# {env_id}\n\nThe {kind.rstrip(':')} package `{project['name']}` {version}, unmodified, as a "
+             f"Flywheel environment: `env = \"{env_id}\"`; `[env_args]` are its bridge's ({FORMATS[kind]}).\n\n")
+    (dest / "README.md").write_text(intro + (readme.read_text() if readme.is_file() else ""))
+    packages = sorted(top for top in tops if not top.endswith(".py"))
+    (dest / "pyproject.toml").write_text(WRAPPED_PYPROJECT.format(
+        project=json.dumps(project_name(env_id)), version=json.dumps(version),
+        description=json.dumps(f"{project['name']} {version} ({kind.rstrip(':')}) as a Flywheel environment"),
+        python=json.dumps(str(project.get("requires-python", ">=3.11"))),
+        dependencies=json.dumps(list(project.get("dependencies", []))), env_id=json.dumps(env_id), module=module,
+        py_modules=json.dumps(sorted([module, *(top[:-3] for top in tops if top.endswith(".py"))])),
+        include=json.dumps(sorted({*packages, *(f"{p}.*" for p in packages)}))))
+    return dest
 
 
 def main(argv: list[str]) -> int:

@@ -131,9 +131,9 @@ def install(spec: str, hub: Hub, folder: Path, sha256: str | None = None, say: C
     """Install ``owner/name[@version]`` from the hub into ``folder``, a folder of its own (an
     environment worker puts it first on its path; nothing is installed into this Python's
     environment): its wheel alone, checked against the hub's sha256 (and ``sha256`` when pinned)
-    and by the hub's package rules, then its dependencies that this Python's environment does
-    not satisfy (:func:`unsatisfied`), all with ``--only-binary :all:``, so that no sdist is
-    ever built. The folder appears whole or not at all. (env id, version, sha256)."""
+    and by the hub's package rules, then what its dependencies need that this Python's
+    environment does not hold (:func:`install_wheel`), all with ``--only-binary :all:``, so
+    that no sdist is ever built. The folder appears whole or not at all. (env id, version, sha256)."""
     env_id, record = hub.version(spec)
     version = record["version"]
     if sha256 is not None and record["sha256"] != sha256:
@@ -167,13 +167,15 @@ def install(spec: str, hub: Hub, folder: Path, sha256: str | None = None, say: C
 
 
 def install_wheel(wheel: Path, requires: Sequence[str], target: Path) -> None:
-    """``wheel`` (checked already) and the requirements of its ``Requires-Dist`` lines that this
-    Python's environment does not satisfy (:func:`unsatisfied`), with their own, into ``target``
-    (``pip install --target``), wheels only: no sdist is ever built."""
+    """``wheel`` (checked already) into ``target`` (``pip install --target``), and, where this
+    Python's environment does not satisfy its ``Requires-Dist`` lines (:func:`unsatisfied`),
+    the packages that must be there first on the path for them to be met (:func:`overlay`: a
+    verifiers package's pins, not a second copy of what the services hold); wheels only: no
+    sdist is ever built."""
     pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-input", "--disable-pip-version-check",
-           "--only-binary", ":all:", "--target", str(target)]
-    needed = unsatisfied(requires)
-    for argv in ([*pip, "--no-deps", str(wheel)], [*pip, *needed] if needed else None):
+           "--only-binary", ":all:", "--no-deps", "--target", str(target)]
+    needed = overlay(requires) if unsatisfied(requires) else []
+    for argv in ([*pip, str(wheel)], [*pip, *needed] if needed else None):
         if argv is None:
             continue
         done = subprocess.run(argv, capture_output=True, text=True, check=False)
