@@ -18,8 +18,15 @@ run that does not exist for it, as for another tenant's run (:mod:`flywheel_gate
 Run ids may contain ``/``, so the routes take the rest of the path as the id
 (``/v1/runs/team/a/metrics`` is run ``team/a``). ``POST /v1/runs/RUN/stop`` and
 ``.../resume`` stop and resume a run as ``flywheel runs stop`` and ``resume`` do (the
-orchestrator that owns it acts on its state). Not covered: creating runs from a config over
-HTTP (``flywheel run`` registers them), and deleting runs.
+orchestrator that owns it acts on its state). Not covered: deleting runs.
+
+``POST /v1/runs`` starts a run from a config (TOML, or a JSON object), owned by the caller's
+tenant: checked as ``flywheel run`` checks it (a 422 names each bad field; an import path is
+refused, a tenant's config names none), within the tenant's quotas (setting ``[quotas]``: a 429
+names the limit), and registered in the run-state bucket as given (``prepared`` false). The
+orchestrator that claims it loads its environments in its workers (installing hub ones),
+writes the config as registered and runs it; a config whose environments do not load fails
+the run, and its status says why (``GET /v1/runs/RUN``, its stream).
 
 ``GET /v1/runs/RUN/stream`` follows a run over server-sent events (:mod:`flywheel_gateway.sse`):
 its status, its steps as the recorder stores them, and its end. It reads the store and the
@@ -32,16 +39,21 @@ at most (a run that is created and never runs would hold it forever).
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+import tomllib
 from collections.abc import Awaitable
+from datetime import UTC, datetime
 from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Query
+from fastapi import APIRouter, HTTPException, Query, Request
 from fastapi.responses import StreamingResponse
 
 from flywheel.contract import events, runs
 from flywheel.contract.bus import Bus
+from flywheel.contract.config import RunConfig
 from flywheel.contract.keys import Caller
+from flywheel.contract.settings import QuotaSettings
 from flywheel_gateway import sse
 from flywheel_gateway.auth import CallerDep, check_run, listing_tenant, run_not_found
 from flywheel_gateway.deps import BusDep, CursorQuery, LimitQuery, RunIdPath, StoreDep, TenantQuery
@@ -63,6 +75,82 @@ async def list_runs(store: StoreDep, who: CallerDep, limit: LimitQuery = 50, cur
     its own, always)."""
     page = await store.list_runs(tenant=listing_tenant(who, tenant), cursor=cursor, limit=limit)
     return RunPage.model_validate(page, from_attributes=True)
+
+
+CONFIG_TYPES = ("application/toml", "application/json", "text/plain")
+MAX_CONFIG_BYTES = 256 * 1024
+
+
+@router.post("", response_model=RunDetail, status_code=201,
+             responses={409: CONFLICT_RESPONSE, 413: {"description": "A config over 256 KiB."},
+                        415: {"description": "A body of another type than TOML or JSON."},
+                        422: {"description": "A config that does not validate: each bad field named."},
+                        429: {"description": "Over one of the tenant's quotas, named."}},
+             openapi_extra={"requestBody": {"required": True, "content": {
+                 "application/toml": {"schema": {"type": "string"}},
+                 "application/json": {"schema": {"type": "object"}}}}})
+async def create_run(request: Request, store: StoreDep, bus: BusDep, who: CallerDep) -> RunDetail:
+    """Start a training run from its config (the body: TOML, or a JSON object), as ``flywheel run``
+    does, owned by the caller's tenant. The config's ``tenant``, when it names one, must be
+    the caller's. 201 with the run (status ``created``: an orchestrator takes it within seconds,
+    loads its environments and starts its trainer; a run whose environments do not load fails,
+    saying why); 409 when a run of that id exists."""
+    config = _config_of(request.headers.get("content-type", ""), await request.body())
+    named = config.get("tenant")
+    if named is not None and named != who.tenant:
+        raise HTTPException(403, f"the config's tenant is {named!r}, but this request is tenant {who.tenant!r}'s: "
+                                 "leave tenant out (a run is its caller's tenant's)")
+    config["tenant"] = who.tenant
+    try:
+        cfg = RunConfig.parse(config, source="the run config")
+    except ValueError as exc:
+        raise HTTPException(422, str(exc)) from None
+    await _check_quotas(request.app.state.quotas, store, bus, who.tenant)
+    state, created = await runs.get_or_create_run(bus, cfg.run, who.tenant, config=cfg.model_dump(), prepared=False)
+    if not created:  # another tenant's learns nothing of it but that the id is taken
+        said = f"exists already ({state.status})" if state.tenant == who.tenant else "is taken"
+        raise HTTPException(409, f"run {cfg.run!r} {said}; name another run (`run` in the config)")
+    await store.upsert_runs([state])
+    return await get_run(cfg.run, store, bus, who)
+
+
+def _config_of(content_type: str, body: bytes) -> dict[str, Any]:
+    """The config a request's body holds; 413/415/422 saying what is wrong with it."""
+    kind = content_type.split(";", 1)[0].strip().lower()
+    if kind not in CONFIG_TYPES:
+        raise HTTPException(415, f"Content-Type {kind or '(none)'}: send the run config as application/toml (a TOML "
+                                 "file's text) or application/json (an object)")
+    if len(body) > MAX_CONFIG_BYTES:
+        raise HTTPException(413, f"the config is {len(body)} bytes, over {MAX_CONFIG_BYTES}: a run config is a few "
+                                 "lines; data goes in files its environments read")
+    try:
+        text = body.decode()
+        parsed = json.loads(text) if kind == "application/json" else tomllib.loads(text)
+    except (UnicodeDecodeError, ValueError) as exc:
+        what = "JSON" if kind == "application/json" else "TOML"
+        raise HTTPException(422, f"the config is not valid {what}: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise HTTPException(422, f"the config is a JSON {type(parsed).__name__}, not an object of settings")
+    return parsed
+
+
+async def _check_quotas(quotas: QuotaSettings, store: Store, bus: Bus, tenant: str) -> None:
+    """429 naming the quota a new run of ``tenant`` would go over (``[quotas]``; 0: none)."""
+    if quotas.runs:
+        live = [s.id for s in await runs.list_runs(bus) if s.tenant == tenant and s.kind == "train"
+                and runs.end_of(s) is None]
+        if len(live) >= quotas.runs:
+            raise HTTPException(429, f"quota runs: tenant {tenant!r} has {len(live)} runs not ended "
+                                     f"({', '.join(sorted(live)[:5])}), its limit (setting quotas.runs = "
+                                     f"{quotas.runs}); stop one (POST /v1/runs/RUN/stop) or wait for one to end")
+    if quotas.trained_tokens_per_day:
+        today = datetime.now(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+        trained = sum(row["trained_tokens"] + row["sft_tokens"] for row in await store.usage(tenant=tenant,
+                                                                                            since=today))
+        if trained >= quotas.trained_tokens_per_day:
+            raise HTTPException(429, f"quota trained_tokens_per_day: tenant {tenant!r}'s runs trained on {trained} "
+                                     f"tokens since 00:00 UTC, its limit (setting quotas.trained_tokens_per_day = "
+                                     f"{quotas.trained_tokens_per_day}); new runs start tomorrow")
 
 
 @router.get("/{run_id:path}/metrics", response_model=RunMetricsPublic)

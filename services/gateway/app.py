@@ -68,6 +68,7 @@ def create_app(settings: Settings) -> FastAPI:
             app.state.bus = bus
             app.state.runs = RunRegistry(bus, store)
             app.state.prices = settings.prices
+            app.state.quotas = settings.quotas
             app.state.hub_max_file_bytes = settings.gateway_max_body_bytes
             app.state.keys = KeyCheck(bus, service_token=settings.service_token) if settings.auth == "keys" else None
             if settings.auth == "open":

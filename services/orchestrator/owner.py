@@ -65,6 +65,7 @@ from flywheel.contract.config import EvalSpec, RunConfig
 from flywheel.contract.runs import (
     add_note,
     get_run,
+    prepared_run,
     release_run,
     renew_lease,
     task_durable,
@@ -86,8 +87,8 @@ from flywheel.ops.stack import (
     wait_set,
 )
 from flywheel.runtime.environments import WorkerPool
-from flywheel.runtime.runs import RunEnvironment, config_ids, load_run_environments
-from flywheel.sdk.scoring import reward_definition
+from flywheel.runtime.runs import RunEnvironment, config_ids, load_run_environments, prepare_run
+from flywheel.sdk.scoring import describe_reward, reward_definition
 
 log = logging.getLogger(__name__)
 
@@ -188,8 +189,10 @@ class RunOwner:
                                      settings.metrics_port and settings.metrics_port + TRAINER_METRICS_OFFSET
                                      + metrics_slot)
         self.name = name  # the owner's name in the run state: the orchestrator instance
+        # A config registered over HTTP is its tenant's: it names no import path, trusted or not.
+        self.prepared = state.prepared
         self.cfg = RunConfig.parse(state.config, source=f"run {state.id!r} config",
-                                   trusted_modules=settings.trusted_modules)
+                                   trusted_modules=settings.trusted_modules if state.prepared else ())
         self.tenant = state.tenant  # the run's owner, whose are its eval runs too
         self.run_dir = run_folder(settings.data_dir.resolve(), state.id)
         self.stopping = asyncio.Event()  # set by the orchestrator when it stops
@@ -236,6 +239,12 @@ class RunOwner:
         ending: dict[str, Any] | None = None  # the state's end, when this owner ends the run
         evaluating: asyncio.Future[None] | None = None
         try:
+            if not self.prepared:
+                prepared = await self._prepare()
+                if prepared is None:
+                    lost.set()
+                    return
+                cfg = prepared
             if self.first_step or self.first_task:
                 await self.note(f"taken over by {self.name} at step {self.first_step} of {cfg.trainer.num_steps}")
             await self._wait_for_previous_trainer()
@@ -278,6 +287,25 @@ class RunOwner:
             lease.cancel()
             await asyncio.gather(lease, return_exceptions=True)
             await self._end(ending, lost.is_set())
+
+    async def _prepare(self) -> RunConfig | None:
+        """A run registered over HTTP: its environments loaded in this orchestrator's workers, its
+        hub environments pinned and installed, its config written as registered (as ``flywheel
+        run`` registers one); None when another owner took the run meanwhile. What does not load
+        raises, and the run fails saying why."""
+        await self.note(f"{self.name} loads its environments ({', '.join(e.id for e in self.cfg.environments)})")
+        cfg, environments = await prepare_run(self.pool, self.cfg, self.settings.resolved_gateway_url, self.tenant)
+        scorers, env_scorers = reward_definition(cfg, environments)
+        state = await prepared_run(self.bus, cfg.run, self.name, cfg.model_dump(), scorers, env_scorers,
+                                   config_ids(environments))
+        if state is None:
+            return None
+        self.cfg, self.prepared = cfg, True
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2) + "\n")
+        for name, found in environments.items():
+            await self.note(f"{name}: {describe_reward(env_scorers.get(name, scorers), found.env)}")
+        return cfg
 
     async def _wait_for_previous_trainer(self) -> None:
         """Until no other trainer of this run lives: a run taken over from a dead owner may still

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -40,6 +41,23 @@ def stack(tmp_path: Path, clean_env: dict[str, str]) -> Iterator[tuple[subproces
         yield up, output, ports
     finally:
         stop_stack(up, output, tmp_path / "data")
+
+
+@contextlib.contextmanager
+def stack_up(data: Path, env: dict[str, str], timeout_s: float = 120) -> Iterator[dict[str, int]]:
+    """``flywheel up`` with its data in ``data`` (a folder workers can read) and ``env``, on free
+    ports (yielded: nats, gateway, inference), once it says it is up; stopped after."""
+    ports = {"nats": free_port(), "gateway": free_port(), "inference": free_port()}
+    up = subprocess.Popen([sys.executable, "-m", "flywheel.ops.cli", "up", "--data-dir", str(data), "--nats-port",
+                           str(ports["nats"]), "--gateway-port", str(ports["gateway"]), "--inference-port",
+                           str(ports["inference"])], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env=env)
+    output = Output(up)
+    try:
+        output.wait_for(r"^Flywheel is up", timeout_s)
+        yield ports
+    finally:
+        stop_stack(up, output, data)
 
 
 def stop_stack(up: subprocess.Popen[str], output: Output, data_dir: Path) -> None:

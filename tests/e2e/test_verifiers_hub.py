@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import stop_stack
-from tests.e2e.test_up import Output
+from tests.e2e.conftest import stack_up
 from tests.e2e.test_verifiers_envs import ECHO_EXPECTED, TASKSETS, echo_reply
 from tests.scripted_openai import ScriptedOpenAI
 
@@ -25,12 +24,8 @@ pytestmark = pytest.mark.long  # flywheel up, a build, and an install of verifie
 
 def test_a_verifiers_taskset_is_pushed_installed_evaluated_and_ranked(tmp_path: Path, readable: Path,
                                                                       clean_env: dict[str, str]) -> None:
-    from flywheel.ops.natsserver import free_port
-
-    ports = {"nats": free_port(), "gateway": free_port(), "inference": free_port()}
     data = readable / "data"  # environment workers (users of their own) read what is installed there
     env = clean_env | {"FLYWHEEL_DATA_DIR": str(data)}
-    gateway = ["--gateway-url", f"http://127.0.0.1:{ports['gateway']}"]
 
     def flywheel(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "flywheel.ops.cli", *args], capture_output=True, text=True,
@@ -40,13 +35,8 @@ def test_a_verifiers_taskset_is_pushed_installed_evaluated_and_ranked(tmp_path: 
         assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
         return done.stdout
 
-    up = subprocess.Popen([sys.executable, "-m", "flywheel.ops.cli", "up", "--data-dir", str(data), "--nats-port",
-                           str(ports["nats"]), "--gateway-port", str(ports["gateway"]), "--inference-port",
-                           str(ports["inference"])], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          env=env)
-    output = Output(up)
-    try:
-        output.wait_for(r"^Flywheel is up", 120)
+    with stack_up(data, env) as ports:
+        gateway = ["--gateway-url", f"http://127.0.0.1:{ports['gateway']}"]
         source = TASKSETS / "vf_echo"
         plain = flywheel("env", "push", str(source), *gateway)
         assert plain.returncode == 1 and "is a verifiers package: give the hub id it goes under (flywheel env push " \
@@ -73,5 +63,3 @@ def test_a_verifiers_taskset_is_pushed_installed_evaluated_and_ranked(tmp_path: 
         assert {r["task"]["word"]: r["rewards"]["verifiers"] for r in records} == ECHO_EXPECTED
         shown = ok(flywheel("env", "show", "acme/echo", *gateway))
         assert "leaderboard:" in shown and re.search(r"^agent +0\.1\.0 ", shown, re.M), shown
-    finally:
-        stop_stack(up, output, data)

@@ -61,7 +61,8 @@ def requests(app: FastAPI, node: str, key_id: str) -> list[tuple[str, str, Any]]
     values = {"run_id": RUN, "rollout_id": ROLLOUT, "task_id": TASK, "node_id": node, "key_id": key_id,
               "owner": "a", "name": "quiz", "project": "a-quiz", "filename": HUB_WHEEL}
     bodies = {("post", "/v1/tasks"): [{"run": RUN, "env": "math", "data": {"q": "3+3"}}],
-              ("post", "/v1/keys"): {"scopes": ["read"], "tenant": "a"}}
+              ("post", "/v1/keys"): {"scopes": ["read"], "tenant": "a"},
+              ("post", "/v1/runs"): {"run": RUN, "env": "math"}}
     out = []
     for path, operations in app.openapi()["paths"].items():
         url = re.sub(r"\{(\w+)(:path)?\}", lambda m: values[m.group(1)], path)
@@ -99,7 +100,7 @@ async def test_every_route_refuses_no_key_and_another_tenants_key(keyed_app: Fas
             assert RUN not in other.text and ROLLOUT not in other.text and TASK not in other.text, (url, other.text)
             assert HUB_ENV not in other.text and "a-quiz" not in other.text, (url, other.text)
             assert not any(key_id in other.text for key_id in a_key_ids), (url, other.text)
-        elif (method, url) == ("POST", "/v1/tasks"):  # it would create the run: its id is taken
+        elif (method, url) in (("POST", "/v1/tasks"), ("POST", "/v1/runs")):  # it would create the run: its id is taken
             assert other.status_code == 409 and "taken" in other.json()["detail"], other.text
             assert "'a'" not in other.text, other.text  # the owner goes unnamed
         elif (method, url) in (("PATCH", f"/v1/hub/environments/{HUB_ENV}"),

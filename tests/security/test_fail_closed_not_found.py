@@ -49,9 +49,9 @@ QUERIES = {"run": "run_id", "tenant": "tenant"}
 # Refused by the owner in the path alone, the same whether or not that environment exists.
 BY_OWNER_NAME = {("PATCH", "/v1/hub/environments/{owner}/{name}"),
                  ("POST", "/v1/hub/environments/{owner}/{name}/versions")}
-# POST /v1/tasks creates the run it names when it is new: run ids are one namespace, so that one
+# POST /v1/tasks and POST /v1/runs create the run they name when it is new: run ids are one namespace, so that one
 # is taken shows (a 409 naming no owner), as a taken user name shows at a sign-up.
-CREATES = {("POST", "/v1/tasks")}
+CREATES = {("POST", "/v1/tasks"), ("POST", "/v1/runs")}
 BODIES = {("PATCH", "/v1/hub/environments/{owner}/{name}"): {"private": False},
           ("POST", "/v1/hub/environments/{owner}/{name}/evals"): {"version": "0.1.0", "reward_mean": 1.0,
                                                                    "num_tasks": 1, "num_rollouts": 1}}

@@ -585,6 +585,11 @@ class RunState(_Struct, frozen=True, kw_only=True):
     pinned_versions: list[int] = []
     notes: list[str] = []
     num_notes: int = 0
+    # False: registered over HTTP (POST /v1/runs) with the config as its tenant gave it. The
+    # orchestrator that claims it first loads its environments in its workers, pins its hub
+    # environments, and writes the config as registered (with `scorers`, `env_scorers`,
+    # `env_ids`); a config that does not load fails the run, saying why.
+    prepared: bool = True
 
 
 MAX_NOTES = 20  # RunState.notes kept

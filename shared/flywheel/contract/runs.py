@@ -175,10 +175,12 @@ async def list_runs(bus: Bus) -> list[events.RunState]:
 async def get_or_create_run(bus: Bus, run: str, tenant: str = "default", config: dict[str, Any] | None = None,
                             kind: str = "train", scorers: Mapping[str, float] | None = None,
                             env_scorers: Mapping[str, Mapping[str, float]] | None = None,
-                            env_ids: Mapping[str, str] | None = None) -> tuple[events.RunState, bool]:
+                            env_ids: Mapping[str, str] | None = None, prepared: bool = True
+                            ) -> tuple[events.RunState, bool]:
     """The run's state, created (owned by ``tenant``, with ``config``, of ``kind`` train or eval,
     its reward made of ``scorers``, ``env_scorers`` and ``env_ids`` for a run with several
-    environments: see :attr:`flywheel.contract.events.RunState.scorers`) if new; ``(state, created)``.
+    environments: see :attr:`flywheel.contract.events.RunState.scorers`; ``prepared`` False for
+    a config as a tenant gave it, which its orchestrator prepares) if new; ``(state, created)``.
     An existing run is returned as it is, whoever owns it."""
     check_key("run", run)
     check_key("tenant", tenant)
@@ -191,7 +193,7 @@ async def get_or_create_run(bus: Bus, run: str, tenant: str = "default", config:
                                 kind=kind,  # type: ignore[arg-type]  # callers pass "train" or "eval"
                                 scorers=dict(scorers or {}),
                                 env_scorers={env: dict(by_name) for env, by_name in (env_scorers or {}).items()},
-                                env_ids=dict(env_ids or {}))
+                                env_ids=dict(env_ids or {}), prepared=prepared)
         try:
             await kv.create(run, events.encode(state))
             return state, True
@@ -203,9 +205,11 @@ async def get_or_create_run(bus: Bus, run: str, tenant: str = "default", config:
 async def register_run(bus: Bus, run: str, tenant: str = "default", config: dict[str, Any] | None = None,
                        kind: str = "train", scorers: Mapping[str, float] | None = None,
                        env_scorers: Mapping[str, Mapping[str, float]] | None = None,
-                       env_ids: Mapping[str, str] | None = None) -> tuple[events.RunState, bool]:
+                       env_ids: Mapping[str, str] | None = None, prepared: bool = True
+                       ) -> tuple[events.RunState, bool]:
     """Like :func:`get_or_create_run`, but a run of another tenant is a :class:`RunConflict`."""
-    state, created = await get_or_create_run(bus, run, tenant, config, kind, scorers, env_scorers, env_ids)
+    state, created = await get_or_create_run(bus, run, tenant, config, kind, scorers, env_scorers, env_ids,
+                                             prepared)
     if state.tenant != tenant:
         raise RunConflict(f"run {run!r} belongs to tenant {state.tenant!r}, not {tenant!r}; "
                           "name another run or use its owner's tenant")
@@ -346,6 +350,20 @@ async def claim_run(bus: Bus, run: str, owner: str, lease_s: float) -> events.Ru
             return None
         return msgspec.structs.replace(state, owner=owner,
                                        lease_expires_at=events.utc_now() + timedelta(seconds=lease_s))
+    return await _swap(bus, run, change)
+
+
+async def prepared_run(bus: Bus, run: str, owner: str, config: dict[str, Any], scorers: Mapping[str, float],
+                       env_scorers: Mapping[str, Mapping[str, float]], env_ids: Mapping[str, str]
+                       ) -> events.RunState | None:
+    """``owner`` writes the prepared config of a run registered over HTTP (:attr:`RunState.prepared`);
+    None when it no longer holds the run."""
+    def change(state: events.RunState) -> events.RunState | None:
+        if state.owner != owner:
+            return None
+        return msgspec.structs.replace(state, config=config, scorers=dict(scorers), prepared=True,
+                                       env_scorers={env: dict(by) for env, by in env_scorers.items()},
+                                       env_ids=dict(env_ids))
     return await _swap(bus, run, change)
 
 

@@ -233,6 +233,17 @@ class WorkersSettings(_Section):
     num_uids: int = Field(4096, ge=1, description="How many user ids from uid_base workers may take.")
 
 
+class QuotaSettings(_Section):
+    """What one tenant may start over the gateway's API (section ``[quotas]``); 0: no limit. A
+    request over one is answered 429, naming it. Rollouts in flight are bounded per tenant by
+    ``inference.tenant_max_rollouts_in_flight`` (a run over it waits, and says so)."""
+
+    runs: int = Field(0, ge=0, description="Runs of one tenant not ended (created, running, paused) at once; "
+                      "POST /v1/runs past it is refused.")
+    trained_tokens_per_day: int = Field(0, ge=0, description="Tokens one tenant's runs trained on (RL and SFT) "
+                                        "since 00:00 UTC; past it POST /v1/runs is refused until the next day.")
+
+
 class PriceSettings(_Section):
     """The gateway's price table, turning metered tokens into cost in ``GET /v1/usage``
     (section ``[prices]``): a price per million tokens of each kind, in ``currency``. Zero:
@@ -356,6 +367,8 @@ class Settings(BaseSettings):
                                      description="Environment workers: isolation, limits, scaling.")
     prices: PriceSettings = Field(default_factory=PriceSettings, description="The price table of the gateway's "
                                   "usage report.")
+    quotas: QuotaSettings = Field(default_factory=QuotaSettings, description="What one tenant may start over the "
+                                  "gateway's API.")
 
     @classmethod
     def load(cls, **overrides: object) -> Settings:

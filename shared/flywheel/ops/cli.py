@@ -137,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="go on with the run named by --run-id (default: the config's own run, without a time) "
                           "where it stopped, or follow it when it still runs (same config); a run that does not "
                           "exist yet is started")
+    run.add_argument("--remote", metavar="URL",
+                     help="start the run on the gateway at URL (POST /v1/runs, the settings' api_key: its tenant's "
+                          "run) and follow it there; its orchestrators run it, reading files the config names there")
     run.add_argument("--stop", action="store_true",
                      help="Ctrl-C stops the run (its trainer checkpoints first) instead of only detaching from it "
                           "(always so when no NATS answers and this command starts the embedded stack)")
@@ -538,8 +541,18 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from flywheel.ops.run import main_job, parse_sets
+    from flywheel.ops.run import config_with, main_job, new_run_id, parse_sets
 
+    if args.remote:
+        from flywheel.ops.remote import remote_run
+
+        if args.resume or args.stop:
+            raise ValueError("--remote starts a new run and follows it: --resume and --stop are for runs of this "
+                             "machine's stack (POST /v1/runs/RUN/resume or stop on the gateway)")
+        named = config_with(args.config, {}).run
+        cfg = config_with(args.config, parse_sets(args.set), args.run_id or new_run_id(named))
+        status = asyncio.run(remote_run(args.remote, settings_from(args).api_key, cfg, sys.stdout))
+        return 0 if status in ("finished", "detached") else 1
     main_job(args.config, settings_from(args), run_id=args.run_id, overrides=parse_sets(args.set), resume=args.resume,
              stop=args.stop)
     return 0

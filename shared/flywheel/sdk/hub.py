@@ -174,7 +174,11 @@ def install_wheel(wheel: Path, requires: Sequence[str], target: Path) -> None:
     sdist is ever built."""
     pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-input", "--disable-pip-version-check",
            "--only-binary", ":all:", "--no-deps", "--target", str(target)]
-    needed = overlay(requires) if unsatisfied(requires) else []
+    try:
+        needed = overlay(requires) if unsatisfied(requires) else []
+    except HubError as exc:
+        raise HubError(f"pip install {wheel.name} failed (wheels only: a dependency with no wheel for this platform "
+                       f"is not built from source): {exc}") from None
     for argv in ([*pip, str(wheel)], [*pip, *needed] if needed else None):
         if argv is None:
             continue
