@@ -21,6 +21,9 @@ import socket
 import time
 from typing import Any
 
+import requests
+import urllib3.exceptions
+
 from flywheel.contract.settings import SandboxSettings
 from flywheel.sdk.sandbox import BuildRequest, Built, SandboxError, build_tag
 
@@ -91,8 +94,6 @@ class ImageBuilder:
     def _stream(api: Any, request: BuildRequest, tag: str, network: bool, lines: list[str]) -> str | None:
         """Run the build, collecting its output in ``lines``; the engine's error, or None."""
         import docker.errors
-        import requests
-        import urllib3.exceptions
 
         try:
             for chunk in api.build(fileobj=io.BytesIO(request.context), custom_context=True,

@@ -58,7 +58,8 @@ from packaging.utils import canonicalize_name
 from flywheel.contract import events
 from flywheel.contract.hub import ENTRY_POINT_GROUP, HubRefused, check_env_id, check_version, project_name
 from flywheel.contract.hubpackage import check_sdist, check_wheel
-from flywheel.sdk.environment import load_environment
+from flywheel.runtime.installs import BRIDGED
+from flywheel.sdk.environment import FORMATS, load_environment
 from flywheel.sdk.hub import Hub, HubError, install_wheel, output_tail
 from flywheel.sdk.scoring import Scoring
 from flywheel.sdk.tracegraph import rollout_from_messages
@@ -343,8 +344,6 @@ def load_environment(**args: Any) -> Environment:
 def bridged_format(folder: Path) -> str | None:
     """``verifiers:`` or ``openenv:`` when ``folder``'s pyproject.toml is a package of that format
     (it depends on the format's library and registers no Flywheel environment); else None."""
-    from flywheel.runtime.installs import BRIDGED
-
     try:
         project = tomllib.loads((folder / "pyproject.toml").read_text()).get("project", {})
     except (OSError, tomllib.TOMLDecodeError):
@@ -369,8 +368,6 @@ def wrap(folder: Path, env_id: str, out: Path, say: Any = print) -> Path:
     the modules its own wheel holds (built by its own build backend), unchanged, a module whose
     ``load_environment`` runs it through its bridge, its dependencies and README, ``env_id``'s
     distribution and entry point. The folder it wrote."""
-    from flywheel.sdk.environment import FORMATS
-
     kind = bridged_format(folder)
     if kind is None:
         raise HubError(f"{folder}: not a verifiers or OpenEnv package (its [project] depends on neither verifiers "
