@@ -3,7 +3,8 @@
 With ``auth = "keys"`` (settings) every route but ``/healthz`` (a probe's, which shows no
 data) wants an API key (``Authorization: Bearer fw_...``, :mod:`flywheel.contract.keys`; or
 as the password of HTTP Basic credentials, as pip sends an index's; or, for GET alone, in the
-cookie the web pages' login sets):
+cookie the web pages' login sets, and for the run list's stop, pause and resume buttons, a
+``POST`` whose ``Origin`` is the gateway's own: :func:`page_action`):
 none, a malformed, unknown or revoked one is a 401; a key without the scope a request needs
 (``read`` for GET, ``write`` for the rest, ``admin`` for ``/v1/keys``) is a 403, and so is a
 ``Flywheel-Tenant`` header, or a listing's ``tenant``, that names another tenant than the key's.
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import re
 from typing import Annotated
 
 from fastapi import Depends, Header, HTTPException, Request, Security
@@ -47,9 +49,20 @@ _ALL = frozenset(SCOPES)
 # SameSite=Strict; it is taken for reading methods alone, so no other site can make a browser
 # change anything with it, and a script on a page never reads it.
 KEY_COOKIE = "flywheel_key"
+# The run list's buttons (stop, pause, resume): the one change the login cookie makes, from a page
+# of this gateway's own (the request's Origin is the gateway's; the cookie is SameSite=Strict too).
+PAGE_ACTION = re.compile(r"^/v1/runs/.+/(stop|pause|resume)$")
 READING_METHODS = ("GET", "HEAD")
 INDEX_PATH = "/hub/"  # the hub's package index (flywheel_gateway.api_hub): HTTP Basic too, for pip
 KEYS_PATH = "/v1/keys"  # the tenant's keys (flywheel_gateway.api_keys): the admin scope, whatever the method
+
+
+def page_action(request: Request) -> bool:
+    """A run list button's request: ``POST /v1/runs/RUN/stop|pause|resume`` from a page of this
+    gateway (its ``Origin`` header names the gateway's own scheme and host; none: refused)."""
+    origin = request.headers.get("origin")
+    return (request.method == "POST" and PAGE_ACTION.match(request.url.path) is not None and origin is not None
+            and origin == f"{request.url.scheme}://{request.headers.get('host', '')}")
 
 
 async def caller(
@@ -67,8 +80,8 @@ async def caller(
         return Caller(tenant or "default", _ALL)
     path = request.url.path
     token = credentials.credentials if credentials is not None else basic_password(request)
-    if token is None and request.method in READING_METHODS:
-        token = request.cookies.get(KEY_COOKIE)  # the web pages' login: for reading alone
+    if token is None and (request.method in READING_METHODS or page_action(request)):
+        token = request.cookies.get(KEY_COOKIE)  # the web pages' login: reading, and the run list's buttons
     try:
         admin = path == KEYS_PATH or path.startswith(f"{KEYS_PATH}/")
         return await check.authorize(token, request.method, path, tenant, scope="admin" if admin else None)

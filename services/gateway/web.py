@@ -37,9 +37,11 @@ status code, never a 500.
   ``bucket`` in the query string (a form) choose the range (the last 7 days by default).
 
 A person signs in at ``/login`` with an API key: it is checked, then kept in an HttpOnly,
-SameSite=Strict cookie (Secure over HTTPS) that the gateway takes for reading alone (GET), so
-the pages and their script's calls carry it and nothing another site makes a browser send can
-change anything; ``/logout`` forgets it. Clients send the key as a bearer header as before.
+SameSite=Strict cookie (Secure over HTTPS) that the gateway takes for reading (GET) and for the
+run list's stop, pause and resume buttons, whose requests must come from a page of the gateway
+(their ``Origin`` is its own), so the pages and their script's calls carry it and nothing
+another site makes a browser send can change anything; ``/logout`` forgets it. Clients send
+the key as a bearer header as before.
 
 Not covered: filters of the rollouts listing.
 """
@@ -162,9 +164,15 @@ async def runs_page(request: Request, store: StoreDep, bus: BusDep, who: CallerD
                 row.update(envs=env_ids(state.config, listed["env"]) or row["envs"],
                            status=end.status if end is not None else state.status,
                            why=end.reason if end is not None else state.reason if state.status == "paused" else None)
+        row["actions"] = ACTIONS.get(str(row["status"]), ())
         rows.append(row)
     return _templates().TemplateResponse(request, "runs.html", {"runs": rows, "older": page.next_cursor,
                                                                 "paged": bool(before)})
+
+
+# The run list's buttons by a run's status: what POST /v1/runs/RUN/<action> does to it.
+ACTIONS = {"created": ("pause", "stop"), "running": ("pause", "stop"), "paused": ("resume", "stop"),
+           "stopped": ("resume",), "failed": ("resume",), "abandoned": ("resume",)}
 
 
 FILTERS = ("env", "status", "error", "flagged", "min_reward", "max_reward", "min_policy_version", "max_policy_version")

@@ -326,3 +326,25 @@ async def test_a_person_signs_in_and_the_pages_read_with_the_key(browser: Browse
     await page.goto("/logout")
     after = await page.goto(f"/runs/{RUN}")
     assert after is not None and after.status == 401
+
+
+async def test_the_run_list_pauses_a_run_with_the_signed_in_key(browser: Browser, gateway: Gateway) -> None:
+    from playwright.async_api import expect
+
+    await owned(gateway)
+    writer, _ = await keys.create_key(gateway.app.state.bus, "a", ["read", "write"])
+    reader, _ = await keys.create_key(gateway.app.state.bus, "a", ["read"])
+    page = await page_of(browser, gateway, None)
+    for key in (reader, writer):
+        await page.goto("/login")
+        await page.fill("#key", key)
+        await page.click("#login button")
+        row = page.locator(f'tr[data-run="{RUN}"]')
+        await expect(row.locator(".status")).to_have_text("running")
+        await row.locator('button[data-action="pause"]').click()
+        if key == reader:  # the key's scopes rule: a read key's click is refused, and the page says why
+            await expect(page.locator("#problem")).to_contain_text("needs 'write'", timeout=WAIT_MS)
+    await expect(row.locator(".status")).to_have_text("paused", timeout=WAIT_MS)  # the page reloaded
+    await expect(row.locator('button[data-action="resume"]')).to_be_visible()
+    state = await (await gateway.app.state.bus.runs_kv()).get(RUN)
+    assert msgspec.json.decode(state.value)["status"] == "paused"

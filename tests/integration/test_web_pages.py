@@ -121,7 +121,8 @@ async def test_hub_and_usage_pages_show_the_callers_own_and_the_public(keyed_app
     assert "4096" not in (await get(keyed_app, "/usage", owned["b"])).text
 
 
-async def test_a_person_signs_in_with_a_key_kept_for_reading_alone(keyed_app: FastAPI, owned: dict[str, Any]) -> None:
+async def test_a_person_signs_in_with_a_key_kept_for_reading_and_the_run_buttons(keyed_app: FastAPI,
+                                                                                 owned: dict[str, Any]) -> None:
     bus: Bus = keyed_app.state.bus
     writer, _ = await keys.create_key(bus, "a", ["read", "write"])
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=keyed_app), base_url="http://gateway") as client:
@@ -138,9 +139,21 @@ async def test_a_person_signs_in_with_a_key_kept_for_reading_alone(keyed_app: Fa
         runs = await client.get("/runs")  # the client keeps the cookie, as a browser does
         assert runs.status_code == 200 and RUN in runs.text
         assert (await client.get(f"/v1/runs/{RUN}")).status_code == 200  # the pages' script reads the API
-        # Never for a change: a write with the cookie alone is refused, as with no key.
-        stop = await client.post(f"/v1/runs/{RUN}/stop")
+        assert 'data-action="pause"' in runs.text and 'data-action="stop"' in runs.text  # its buttons, running
+        # A change with the cookie alone: only the run list's buttons, from a page of the gateway itself.
+        stop = await client.post(f"/v1/runs/{RUN}/stop")  # no Origin: not from a page
         assert stop.status_code == 401, stop.text
+        foreign = await client.post(f"/v1/runs/{RUN}/stop", headers={"Origin": "http://elsewhere.example"})
+        assert foreign.status_code == 401, foreign.text
+        tasks = await client.post("/v1/tasks", json={"run": RUN, "env": "math", "data": {}},
+                                  headers={"Origin": "http://gateway"})
+        assert tasks.status_code == 401, tasks.text  # not a button's
+        paused = await client.post(f"/v1/runs/{RUN}/pause", headers={"Origin": "http://gateway"})
+        assert paused.status_code == 200 and paused.json()["status"] == "paused", paused.text
+        assert 'data-action="resume"' in (await client.get("/runs")).text
+        # Reached the run (the key's): this one, with no config, has nothing to resume.
+        resumed = await client.post(f"/v1/runs/{RUN}/resume", headers={"Origin": "http://gateway"})
+        assert resumed.status_code == 409 and "nothing to resume" in resumed.text, resumed.text
         out = await client.get("/logout")
         assert out.status_code == 303
         assert (await client.get("/runs")).status_code == 401

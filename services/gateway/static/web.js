@@ -353,6 +353,33 @@
       [["cost", `cost (${report.prices.currency})`]], 4);
   }
 
+  // --- the run list: stop, pause, resume --------------------------------------------------
+
+  function runsPage() {
+    for (const button of document.querySelectorAll("#runs button.run-action")) {
+      button.addEventListener("click", async () => {
+        const run = button.closest("tr").dataset.run;
+        const action = button.dataset.action;
+        button.disabled = true;
+        try {
+          const response = await fetch(`/v1/runs/${pathOf(run)}/${action}`, {
+            method: "POST", headers: { Accept: "application/json" },
+          });
+          if (!response.ok) {
+            let detail = response.statusText;
+            try { detail = (await response.json()).detail; } catch (_) { /* not JSON: keep the status text */ }
+            throw new Error(`${action} ${run}: ${response.status} ${detail}`);
+          }
+          window.location.reload();
+        } catch (error) {
+          showProblem(error);
+          button.disabled = false;
+        }
+      });
+    }
+  }
+
+  if (body.dataset.page === "runs") runsPage();
   if (body.dataset.page === "run") runPage();
   if (body.dataset.page === "usage") usagePage();
   if (body.dataset.page === "trace") tracePage();
