@@ -8,7 +8,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     import torch
@@ -30,6 +30,30 @@ async def until(cond: Callable[[], bool | Awaitable[bool]], timeout_s: float = 1
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
         await asyncio.sleep(0.02)  # noqa: sleep - the polling interval of this bounded wait
+
+
+@contextlib.asynccontextmanager
+async def serving_app(app: Any, lifespan: Literal["on", "off"] = "off") -> AsyncIterator[str]:
+    """``app`` served by uvicorn on a free loopback port (its URL), in this event loop; SIGTERM and
+    SIGINT stay the test process's (a hung test can still be stopped)."""
+    import uvicorn
+
+    from flywheel.ops.natsserver import free_port
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Any:
+            yield
+
+    port = free_port()
+    server = Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan=lifespan, log_level="warning"))
+    serving = asyncio.ensure_future(server.serve())
+    await until(lambda: server.started, what="uvicorn to start")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await serving
 
 
 def num_tasks(env: Environment) -> int:

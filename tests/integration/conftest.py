@@ -8,8 +8,7 @@ test_sandbox_service.py have a store and a client of their own)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ from flywheel_gateway.app import create_app as create_gateway_app
 from flywheel_gateway.store import Store
 from flywheel_inference.app import create_app as create_inference_app
 from flywheel_inference.backends import DecodeSession
-from tests.helpers import until
+from tests.helpers import serving_app, until
 from tests.integration.services import Served, Workers
 
 ENVS = Path(__file__).parents[1] / "envs"
@@ -55,25 +54,12 @@ async def store(app: FastAPI) -> Store:
     return app.state.store
 
 
-class _Server(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield  # SIGTERM and SIGINT stay the test process's (a hung test can still be stopped)
-
-
 @pytest.fixture
 async def gateway_url(app: FastAPI) -> AsyncIterator[str]:
     """The app (started by the ``app`` fixture) served by uvicorn on a free port: for streams,
     which the ASGI transport does not deliver as they go."""
-    port = free_port()
-    server = _Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off", log_level="warning"))
-    serving = asyncio.ensure_future(server.serve())
-    await until(lambda: server.started, what="uvicorn to start")
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await serving
+    async with serving_app(app) as url:
+        yield url
 
 
 # --- inference ------------------------------------------------------------------------------
