@@ -16,6 +16,13 @@ positions and datums (no mean), as the Tinker SDK documents them:
   corrected for the sampler being another policy).
 
 Each returns the model's ``logprobs`` of the targets per datum, and ``loss:sum``.
+
+Sampling (:meth:`Base.sample`) draws from an adapter (a snapshot of a training model's, or one
+loaded from a checkpoint) or the base alone, token by token with the model's KV cache, at the
+request's temperature, top-k and top-p, until the end-of-sequence token, a stop token or
+string, ``max_tokens`` or the context; each token comes with its logprob under the
+temperature-scaled distribution it was drawn from (what ``importance_sampling`` takes as the
+sampler's ``logprobs``).
 Checkpoints (``save``/``load``) hold an adapter's tensors, its config and, optionally, its
 optimizer state and step, in one file under the data dir.
 """
@@ -32,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from flywheel.sdk.models import load_model, resolve_model
+from flywheel.sdk.models import cache_argument, load_model, resolve_model
 
 LOSSES = ("cross_entropy", "importance_sampling")
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -52,6 +59,28 @@ class Datum:
 
     tokens: list[int]
     inputs: dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How to sample: ``stop_tokens`` None stops at the end-of-sequence token; an empty set never stops early."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop_tokens: set[int] | None = None
+    stop_strings: tuple[str, ...] = ()
+
+
+@dataclass
+class Sampled:
+    """One sampled continuation: its tokens, each one's logprob, and why it ended (stop, length)."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: str
 
 
 @dataclass
@@ -74,16 +103,17 @@ class Base:
     name: str
     data_dir: Path
     model: Any = None
+    tokenizer: Any = None
     peft: Any = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     adapters: dict[str, Adapter] = field(default_factory=dict)
     context: int = 0
 
     def __post_init__(self) -> None:
-        model, _ = load_model(resolve_model(self.name, self.data_dir))
+        model, tokenizer = load_model(resolve_model(self.name, self.data_dir))
         for param in model.parameters():
             param.requires_grad_(False)
-        self.model = model
+        self.model, self.tokenizer = model, tokenizer
         self.context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
 
     def add(self, name: str, rank: int, seed: int | None, train_attn: bool, train_mlp: bool,
@@ -131,6 +161,70 @@ class Base:
                 with warnings.catch_warnings():  # peft says which adapter it made active instead: any is
                     warnings.filterwarnings("ignore", message=".*was active which is now deleted.*")
                     self.peft.delete_adapter(name)
+
+    def snapshot(self, adapter: Adapter, name: str) -> Adapter:
+        """A new adapter ``name`` holding ``adapter``'s weights as they are now (what a sampler
+        samples from while training goes on)."""
+        copy = self.attach(name, adapter.rank, None, adapter.targets)
+        with self.lock:
+            named = dict(self.peft.named_parameters())
+            with torch.no_grad():
+                for key, param in list(named.items()):
+                    if f".{adapter.name}." in key:
+                        named[key.replace(f".{adapter.name}.", f".{name}.")].copy_(param)
+        return copy
+
+    def sample(self, adapter: Adapter | None, prompt: Sequence[int], num_samples: int, params: Sampling
+               ) -> list[Sampled]:
+        """``num_samples`` continuations of ``prompt`` from ``adapter`` (None: the base alone),
+        each with the logprob of every token under the distribution it was drawn from."""
+        if not prompt:
+            raise UserError("prompt: no tokens")
+        if self.context and len(prompt) >= self.context:
+            raise UserError(f"prompt: {len(prompt)} tokens, the model's context is {self.context}")
+        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        stop_tokens = params.stop_tokens if params.stop_tokens is not None else {self.tokenizer.eos_token_id}
+        out = []
+        with self.lock, torch.no_grad():
+            if adapter is None and self.peft is not None:
+                with self.peft.disable_adapter():
+                    for _ in range(num_samples):
+                        out.append(self._draw(self.peft, prompt, params, stop_tokens, generator))
+            else:
+                model = self.model if self.peft is None else self.peft
+                if adapter is not None:
+                    self.peft.set_adapter(adapter.name)
+                for _ in range(num_samples):
+                    out.append(self._draw(model, prompt, params, stop_tokens, generator))
+        return out
+
+    def _draw(self, model: Any, prompt: Sequence[int], params: Sampling, stop_tokens: set[int],
+              generator: torch.Generator | None) -> Sampled:
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        cache = cache_argument(self.model)  # the name this transformers takes the KV cache by
+        past = None
+        step = torch.tensor([list(prompt)])
+        room = params.max_tokens if not self.context else min(params.max_tokens, self.context - len(prompt))
+        for _ in range(room):
+            result = model(input_ids=step, use_cache=True, **{cache: past})
+            past = getattr(result, cache)
+            logits = result.logits[0, -1].float()
+            if params.temperature <= 0:
+                token = int(logits.argmax())
+                logprob = float(torch.log_softmax(logits, -1)[token])
+            else:
+                scores = torch.log_softmax(logits / params.temperature, -1)
+                token = int(torch.multinomial(_truncated(scores, params.top_k, params.top_p).exp(), 1,
+                                              generator=generator))
+                logprob = float(scores[token])
+            tokens.append(token)
+            logprobs.append(logprob)
+            if token in stop_tokens or (params.stop_strings and any(
+                    self.tokenizer.decode(tokens).endswith(text) for text in params.stop_strings)):
+                return Sampled(tokens, logprobs, "stop")
+            step = torch.tensor([[token]])
+        return Sampled(tokens, logprobs, "length")
 
     def _use(self, adapter: Adapter) -> None:
         self.peft.set_adapter(adapter.name)
@@ -208,6 +302,20 @@ class Base:
                 adapter.steps = int(state["steps"])
             adapter.optimizer.zero_grad(set_to_none=True)
             adapter.pending = 0
+
+
+def _truncated(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Log-probabilities with all but the ``top_k`` tokens and those past the ``top_p`` mass
+    removed (-inf), renormalised."""
+    if top_k > 0:
+        kth = torch.topk(scores, min(top_k, scores.numel())).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p < 1.0:
+        ordered, order = torch.sort(scores, descending=True)
+        mass = ordered.exp().cumsum(-1)
+        drop = mass - ordered.exp() > top_p  # keep the tokens until the mass reaches top_p
+        scores = scores.scatter(-1, order, ordered.masked_fill(drop, float("-inf")))
+    return torch.log_softmax(scores, -1)
 
 
 def checkpoint_of(path: Path) -> tuple[str, int, tuple[str, ...]]:

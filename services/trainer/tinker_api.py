@@ -6,7 +6,9 @@ sessions and their heartbeats, ``create_model`` (a LoRA adapter on a base model 
 resolves: ``tiny``, ``smollm2``, a model folder), ``get_info``, ``forward``/``forward_backward``
 (losses ``cross_entropy`` and ``importance_sampling``, :mod:`flywheel_trainer.adapter_host`),
 ``optim_step`` (AdamW with the request's parameters), ``save_weights``/``load_weights``
-(with or without the optimizer state) and ``retrieve_future``. Point the SDK at it::
+(with or without the optimizer state), sampling (``save_weights_for_sampler``, sampling
+sessions of a checkpoint or a base model, ``asample``) and ``retrieve_future``. Point the SDK
+at it::
 
     import tinker
     service = tinker.ServiceClient(base_url="http://127.0.0.1:8430", api_key="tml-local")
@@ -17,16 +19,18 @@ Work requests answer at once with a future (a request id) and run in the backgro
 time on a base, each model's in the order of its ``seq_id`` (a request that arrives early
 waits for those before it; a retried request gets its first answer's future); the SDK polls
 ``retrieve_future``, which holds a poll up to ``POLL_S`` before answering ``try_again``.
-``forward_backward`` bodies and results are the SDK's protobuf messages
+``forward_backward`` bodies and results, and samples, are the SDK's protobuf messages
 (``tinker.proto.tinker_public_pb2``); everything else is JSON of the SDK's own types. A
 request that cannot be done as asked fails its future with a ``user`` error naming the field.
+A sampler samples in this process from a snapshot of the model's adapter taken in the order
+of its requests (``save_weights_for_sampler``), or from a checkpoint, or from the base.
 
 The server tells the SDK (``/api/v1/client/config``) to send plain API keys, no compressed
 bodies, and fwd/bwd chunks one after another. Keys: this version serves one tenant on
 loopback, as the embedded stack's gateway does when open: any key with the SDK's ``tml-``
-prefix; with setting ``auth = "keys"`` it refuses to start. Not served yet: sampling
-(``save_weights_for_sampler`` and sampling sessions answer 501 saying so), the ``ppo``,
-``cispo`` and ``gspo`` losses, custom losses, several replicas.
+prefix; with setting ``auth = "keys"`` it refuses to start. Not served yet: the ``ppo``,
+``cispo`` and ``gspo`` losses, custom losses, prompt logprobs and top-k logprobs of samples,
+sampling through Flywheel's inference service (with its batching), several replicas.
 """
 
 from __future__ import annotations
@@ -50,15 +54,16 @@ from tinker.proto import tinker_public_pb2 as pb
 
 from flywheel.contract.settings import Settings
 from flywheel.sdk.models import BUILDERS
-from flywheel_trainer.adapter_host import Adapter, Base, Datum, UserError, checkpoint_of
+from flywheel_trainer.adapter_host import Adapter, Base, Datum, Sampled, Sampling, UserError, checkpoint_of
 
 POLL_S = 10.0  # how long retrieve_future holds a poll for a result before try_again
 MAX_RESULTS = 10_000  # results kept for retrieve_future (the oldest go first)
 NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")  # a checkpoint's name
 PATH = re.compile(r"^tinker://([A-Za-z0-9_:-]+)/weights/([A-Za-z0-9._-]{1,128})$")
 PROTO = "application/x-protobuf"
-NOT_SERVED = ("sampling is not served by this training API yet: sample from the model with Flywheel's inference "
-              "(a run's policy), or keep to training calls")
+MAX_SAMPLES = 256  # samples of one request
+MAX_SNAPSHOTS = 16  # samplers of a session's weights snapshots kept (save_weights_for_sampler), newest first
+MAX_NEW_TOKENS = 4096  # tokens of one sample
 
 
 @dataclass
@@ -70,9 +75,20 @@ class Model:
     base: Base
     adapter: Adapter
     next_seq: int = 1
-    waiting: dict[int, tuple[str, Callable[[], Any]]] = field(default_factory=dict)
+    waiting: dict[int, tuple[str, Callable[[], Any], Callable[[Any], Any] | None]] = field(default_factory=dict)
     seen: dict[int, str] = field(default_factory=dict)  # seq_id -> the request id it was answered
     tail: asyncio.Future[None] | None = None
+
+
+@dataclass
+class Sampler:
+    """A sampling session: the adapter it samples from (None: the base alone)."""
+
+    id: str
+    session: str
+    base: Base
+    adapter: Adapter | None
+    model_path: str | None
 
 
 class TrainingAPI:
@@ -84,6 +100,9 @@ class TrainingAPI:
         self.models: dict[str, Model] = {}
         self.sessions: dict[str, float] = {}  # session id -> last heartbeat
         self.results: dict[str, asyncio.Future[Any]] = {}
+        self.samplers: dict[str, Sampler] = {}
+        self.let_go: dict[str, str] = {}  # samplers no longer kept -> why
+        self._background: set[asyncio.Future[Any]] = set()
         self._base_lock = asyncio.Lock()
 
     def checkpoint(self, model_id: str, name: str) -> Path:
@@ -112,9 +131,17 @@ class TrainingAPI:
         while len(self.results) > MAX_RESULTS:
             del self.results[next(iter(self.results))]
 
-    def ordered(self, model: Model, seq_id: int | None, work: Callable[[], Any]) -> dict[str, Any]:
-        """``work`` (blocking, run in a thread) after every earlier ``seq_id`` of ``model``; a
-        ``seq_id`` answered before gets that answer's future (a retry)."""
+    def background(self, work: Any) -> None:
+        """``work`` (an awaitable) run to its end, held until then."""
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def ordered(self, model: Model, seq_id: int | None, work: Callable[[], Any],
+                then: Callable[[Any], Any] | None = None) -> dict[str, Any]:
+        """``work`` (blocking, run in a thread) after every earlier ``seq_id`` of ``model``, its
+        result passed through ``then`` on the event loop; a ``seq_id`` answered before gets that
+        answer's future (a retry)."""
         seq = model.next_seq if seq_id is None else seq_id
         if seq in model.seen:
             return {"request_id": model.seen[seq], "model_id": model.id}
@@ -123,19 +150,22 @@ class TrainingAPI:
         request_id = secrets.token_hex(12)
         self._keep(request_id, asyncio.get_running_loop().create_future())
         model.seen[seq] = request_id
-        model.waiting[seq] = (request_id, work)
+        model.waiting[seq] = (request_id, work, then)
         while model.next_seq in model.waiting:
-            rid, job = model.waiting.pop(model.next_seq)
+            rid, job, after = model.waiting.pop(model.next_seq)
             model.next_seq += 1
-            model.tail = asyncio.ensure_future(self._after(model.tail, rid, job))
+            model.tail = asyncio.ensure_future(self._after(model.tail, rid, job, after))
         return {"request_id": request_id, "model_id": model.id}
 
-    async def _after(self, before: asyncio.Future[None] | None, request_id: str, job: Callable[[], Any]) -> None:
+    async def _after(self, before: asyncio.Future[None] | None, request_id: str, job: Callable[[], Any],
+                     then: Callable[[Any], Any] | None) -> None:
         if before is not None:
             await asyncio.gather(before, return_exceptions=True)
         future = self.results.get(request_id)
         try:
             result = await asyncio.to_thread(job)
+            if then is not None:
+                result = then(result)
         except Exception as exc:  # the request's own failure: its future says it, the server goes on
             if future is not None and not future.done():
                 future.set_exception(exc)
@@ -143,11 +173,51 @@ class TrainingAPI:
         if future is not None and not future.done():
             future.set_result(result)
 
+    def sampler(self, sampler_id: str) -> Sampler:
+        found = self.samplers.get(sampler_id)
+        if found is None:
+            why = self.let_go.get(sampler_id)
+            raise HTTPException(404, f"sampling session {sampler_id!r}: " + (
+                f"let go: {why}; sample from a newer one" if why else
+                "no such sampler on this server (create_sampling_session or save_weights_for_sampler makes one)"))
+        return found
+
+    def checkpoint_at(self, path: str) -> Path:
+        """The file of a ``tinker://MODEL/weights/NAME`` path; 404 saying so when there is none."""
+        found = PATH.match(path)
+        if found is None or not self.checkpoint(found.group(1), found.group(2)).is_file():
+            raise HTTPException(404, f"path {path!r}: no such checkpoint on this server (save_weights answers with "
+                                     "its tinker://MODEL/weights/NAME path)")
+        return self.checkpoint(found.group(1), found.group(2))
+
     def model(self, model_id: str | None) -> Model:
         found = self.models.get(model_id or "")
         if found is None:
             raise HTTPException(404, f"model_id {model_id!r}: no such model on this server (create_model makes one)")
         return found
+
+
+def sampler_id_of(session: str, seq_id: int) -> str:
+    """A sampling session's id, from its session and its number there."""
+    return f"{session}:sample:{seq_id}"
+
+
+def sampling_of(params: Any) -> Sampling:
+    """The SDK's SamplingParams as the adapter host takes them (stop: tokens or strings)."""
+    stop = params.stop
+    tokens: set[int] | None = None
+    strings: tuple[str, ...] = ()
+    if isinstance(stop, str):
+        strings = (stop,)
+    elif stop is not None:
+        tokens = {s for s in stop if isinstance(s, int)}
+        strings = tuple(s for s in stop if isinstance(s, str))
+        if strings and not tokens:
+            tokens = None  # strings alone: the end-of-sequence token still ends a sample
+    if params.max_tokens is not None and not 1 <= params.max_tokens <= MAX_NEW_TOKENS:
+        raise HTTPException(422, f"sampling_params.max_tokens={params.max_tokens}: 1 to {MAX_NEW_TOKENS}")
+    return Sampling(max_tokens=params.max_tokens or 16, temperature=params.temperature, top_p=params.top_p,
+                    top_k=params.top_k, seed=params.seed, stop_tokens=tokens, stop_strings=strings)
 
 
 def model_id_of(session: str, model_seq_id: int) -> str:
@@ -231,9 +301,13 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.post("/api/v1/sessions/{session_id}/finish")
     async def finish_session(session_id: str) -> None:
-        """The session is done: its models' adapters are let go (their checkpoints stay)."""
+        """The session is done: its models' and samplers' adapters are let go (checkpoints stay)."""
         if api.sessions.pop(session_id, None) is None:
             raise HTTPException(404, f"session {session_id!r}: no such session")
+        for sampler in [s for s in api.samplers.values() if s.session == session_id]:
+            del api.samplers[sampler.id]
+            if sampler.adapter is not None:
+                await asyncio.to_thread(sampler.base.remove, sampler.adapter.name)
         for model in [m for m in api.models.values() if m.session == session_id]:
             if model.tail is not None:
                 await asyncio.gather(model.tail, return_exceptions=True)
@@ -325,11 +399,7 @@ def create_app(settings: Settings) -> FastAPI:
     @app.post("/api/v1/load_weights")
     async def load_weights(request: Request) -> dict[str, Any]:
         asked = await body_of(request, tt.LoadWeightsRequest)
-        found = PATH.match(asked.path)
-        if found is None or not api.checkpoint(found.group(1), found.group(2)).is_file():
-            raise HTTPException(404, f"path {asked.path!r}: no such checkpoint on this server (save_weights answers "
-                                     "with its tinker://MODEL/weights/NAME path)")
-        where = api.checkpoint(found.group(1), found.group(2))
+        where = api.checkpoint_at(asked.path)
         if asked.model_id is None:  # a new model made from the checkpoint: its first request
             if asked.session_id not in api.sessions or asked.model_seq_id is None:
                 raise HTTPException(404, f"session {asked.session_id!r}: no such session (create_session makes one)")
@@ -344,10 +414,90 @@ def create_app(settings: Settings) -> FastAPI:
         return api.ordered(model, asked.seq_id, run)
 
     @app.post("/api/v1/save_weights_for_sampler")
+    async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
+        asked = await body_of(request, tt.SaveWeightsForSamplerRequest)
+        model = api.model(asked.model_id)
+        if asked.path is not None:  # a named checkpoint, for create_sampling_client(model_path=...)
+            if not NAME.match(asked.path):
+                raise HTTPException(422, f"path {asked.path!r}: a checkpoint's name is letters, digits, '.', '_' "
+                                         "and '-'")
+            where = api.checkpoint(model.id, asked.path)
+
+            def save() -> dict[str, Any]:
+                model.base.save(model.adapter, where)
+                return {"path": f"tinker://{model.id}/weights/{asked.path}"}
+
+            return api.ordered(model, asked.seq_id, save)
+        if asked.sampling_session_seq_id is None:
+            raise HTTPException(422, "save_weights_for_sampler: give path (a checkpoint) or sampling_session_seq_id "
+                                     "(a sampler of the weights as they are)")
+        sampler_id = sampler_id_of(model.session, asked.sampling_session_seq_id)
+
+        def snapshot() -> Adapter:  # the weights as they are at this point of the model's requests
+            return model.base.snapshot(model.adapter, sampler_id)
+
+        def keep(adapter: Adapter) -> dict[str, Any]:  # on the event loop: the samplers are its
+            api.samplers[sampler_id] = Sampler(sampler_id, model.session, model.base, adapter, None)
+            # An RL loop makes a sampler a step: the session's oldest snapshots go past MAX_SNAPSHOTS.
+            snapshots = [s for s in api.samplers.values() if s.session == model.session and s.model_path is None
+                         and s.adapter is not None]
+            for gone in snapshots[:-MAX_SNAPSHOTS]:
+                del api.samplers[gone.id]
+                api.let_go[gone.id] = (f"a newer snapshot of the session's weights replaced it ({MAX_SNAPSHOTS} are "
+                                       "kept)")
+                api.background(asyncio.to_thread(gone.base.remove, gone.id))
+            return {"sampling_session_id": sampler_id}
+
+        return api.ordered(model, asked.seq_id, snapshot, keep)
+
     @app.post("/api/v1/create_sampling_session")
+    async def create_sampling_session(request: Request) -> dict[str, Any]:
+        asked = await body_of(request, tt.CreateSamplingSessionRequest)
+        if asked.session_id not in api.sessions:
+            raise HTTPException(404, f"session {asked.session_id!r}: no such session (create_session makes one)")
+        sampler_id = sampler_id_of(asked.session_id, asked.sampling_session_seq_id)
+        if asked.model_path is None:
+            if asked.base_model is None:
+                raise HTTPException(422, "create_sampling_session: give model_path or base_model")
+            try:
+                base = await api.base(asked.base_model)
+            except UserError as exc:
+                raise HTTPException(422, str(exc)) from None
+            api.samplers[sampler_id] = Sampler(sampler_id, asked.session_id, base, None, None)
+        else:
+            where = api.checkpoint_at(asked.model_path)
+            name, rank, targets = await asyncio.to_thread(checkpoint_of, where)
+            base = await api.base(name)
+            adapter = await asyncio.to_thread(base.attach, sampler_id, rank, None, targets)
+            await asyncio.to_thread(base.load, adapter, where, False)
+            api.samplers[sampler_id] = Sampler(sampler_id, asked.session_id, base, adapter, asked.model_path)
+        return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
+
+    @app.get("/api/v1/samplers/{sampler_id}")
+    async def get_sampler(sampler_id: str) -> dict[str, Any]:
+        sampler = api.sampler(sampler_id)
+        return {"sampler_id": sampler.id, "base_model": sampler.base.name, "model_path": sampler.model_path}
+
     @app.post("/api/v1/asample")
-    async def not_served() -> None:
-        raise HTTPException(501, NOT_SERVED)
+    async def asample(request: Request) -> dict[str, Any]:
+        asked = await body_of(request, tt.SampleRequest)
+        if asked.sampling_session_id is None:
+            raise HTTPException(422, "asample: give sampling_session_id (create_sampling_session makes one)")
+        sampler = api.sampler(asked.sampling_session_id)
+        if not 1 <= asked.num_samples <= MAX_SAMPLES:
+            raise HTTPException(422, f"num_samples={asked.num_samples}: 1 to {MAX_SAMPLES}")
+        if asked.prompt_logprobs or asked.topk_prompt_logprobs or asked.topk_sample_logprobs or \
+                asked.prompt_alt_tokens_k or asked.target_prompt_logprobs is not None:
+            raise HTTPException(422, "asample: prompt logprobs, top-k logprobs and alternative tokens are not served "
+                                     "yet; ask for the samples alone")
+        params = sampling_of(asked.sampling_params)
+        prompt = asked.prompt.to_ints()
+
+        def run() -> bytes:
+            return _samples(sampler.base.sample(sampler.adapter, prompt, asked.num_samples, params))
+
+        answer = api.future(lambda: asyncio.to_thread(run))
+        return {**answer, "sample_sequence_ids": [f"{answer['request_id']}-{i}" for i in range(asked.num_samples)]}
 
     @app.post("/api/v1/retrieve_future")
     async def retrieve_future(request: Request) -> Any:
@@ -407,6 +557,16 @@ def _output(outputs: list[dict[str, np.ndarray]], metrics: dict[str, float]) -> 
         offsets = np.cumsum([0, *(a.nbytes for a in arrays)]).astype(np.int64)
         record.fields[name].CopyFrom(pb.BatchedTensor(data=b"".join(a.tobytes() for a in arrays),
                                                       offsets=offsets.tobytes(), dtype=pb.DTYPE_FLOAT32))
+    return message.SerializeToString()
+
+
+def _samples(sampled: list[Sampled]) -> bytes:
+    """The SDK's SampleResponse message."""
+    message = pb.SampleResponse()
+    for one in sampled:
+        message.sequences.add(stop_reason=pb.STOP_REASON_STOP if one.stop_reason == "stop" else pb.STOP_REASON_LENGTH,
+                              tokens=np.asarray(one.tokens, dtype=np.int32).tobytes(),
+                              logprobs=np.asarray(one.logprobs, dtype=np.float32).tobytes())
     return message.SerializeToString()
 
 
