@@ -1,0 +1,187 @@
+"""The training API's overhead and its sharing of one base, measured with the real ``tinker`` SDK.
+
+    python benchmarks/training_api.py --json out/training_api.json [--steps 20] [--sessions 4]
+
+Two figures, each a ratio of one run (this machine's noise moves the seconds, less the ratios):
+
+- ``api_overhead_ratio``: the wall seconds of one ``forward_backward`` + ``optim_step`` of a
+  rank-8 LoRA adapter of the tiny model (8 reverse-text rows), through the SDK against
+  ``python -m flywheel_trainer.tinker_api`` on loopback (a process of its own, as users run it),
+  over the same step done in this process on :class:`flywheel_trainer.adapter_host.Base`
+  directly. Medians of ``--steps`` steps after two warm-up steps each. Target at most 1.2.
+- ``shared_throughput_ratio``: steps a second of ``--sessions`` sessions training at once, each
+  its own adapter, on one API process (one copy of the base) over the same sessions each on an
+  API process of its own (``--sessions`` copies of the base), with the resident memory of the
+  API processes (``shared_rss_mb``, ``separate_rss_mb``, from /proc).
+
+Writes the figures as JSON to ``--json`` and prints them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = ["abc", "hello", "stone", "river", "cloud", "apple", "tiger", "lemon"]
+
+
+def free_port() -> int:
+    from flywheel.ops.natsserver import free_port as port
+
+    return port()
+
+
+def start_api(data_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    env = {**os.environ, "FLYWHEEL_DATA_DIR": str(data_dir)}
+    process = subprocess.Popen([sys.executable, "-m", "flywheel_trainer.tinker_api", "--port", str(port)], env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/api/v1/healthz", timeout=1).status_code == 200:
+                return process, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    process.kill()
+    raise RuntimeError(f"the training API did not start on {url}")
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def rows(tok: Any) -> list[tuple[list[int], list[int], list[float]]]:
+    out = []
+    for word in WORDS:
+        prompt, answer = tok.encode(f"reverse {word}:"), tok.encode(word[::-1]) + [tok.eos_token_id]
+        tokens = prompt + answer
+        out.append((tokens[:-1], tokens[1:], [0.0] * (len(prompt) - 1) + [1.0] * len(answer)))
+    return out
+
+
+def sdk_data(data: list[tuple[list[int], list[int], list[float]]]) -> list[Any]:
+    from tinker import types
+
+    return [types.Datum(model_input=types.ModelInput.from_ints(model_input),
+                        loss_fn_inputs={"target_tokens": types.TensorData.from_numpy(np.asarray(targets, np.int64)),
+                                        "weights": types.TensorData.from_numpy(np.asarray(weights, np.float32))})
+            for model_input, targets, weights in data]
+
+
+def sdk_steps(url: str, data: list[Any], steps: int, seed: int) -> list[float]:
+    """Seconds of each forward_backward + optim_step through the SDK (two warm-up steps first)."""
+    import tinker
+    from tinker import types
+
+    with tinker.ServiceClient(base_url=url, api_key="tml-bench") as service:
+        training = service.create_lora_training_client(base_model="tiny", rank=8, seed=seed).result()
+        seconds = []
+        for i in range(steps + 2):
+            started = time.perf_counter()
+            done = training.forward_backward(data, "cross_entropy")
+            stepped = training.optim_step(types.AdamParams(learning_rate=1e-3))
+            done.result()
+            stepped.result()
+            if i >= 2:
+                seconds.append(time.perf_counter() - started)
+        return seconds
+
+
+def direct_steps(data_dir: Path, data: list[tuple[list[int], list[int], list[float]]], steps: int) -> list[float]:
+    """The same step on the adapter host in this process."""
+    from flywheel_trainer.adapter_host import Base, Datum
+
+    base = Base("tiny", data_dir)
+    adapter = base.add("bench", 8, 0, True, True, True)
+    datums = [Datum(list(m), {"target_tokens": np.asarray(t, np.int64), "weights": np.asarray(w, np.float32)})
+              for m, t, w in data]
+    seconds = []
+    for i in range(steps + 2):
+        started = time.perf_counter()
+        base.forward_backward(adapter, datums, "cross_entropy", False)
+        base.optim_step(adapter, 1e-3, 0.9, 0.95, 1e-12, 0.0, 0.0)
+        if i >= 2:
+            seconds.append(time.perf_counter() - started)
+    return seconds
+
+
+def concurrent(urls: list[str], data: list[Any], steps: int) -> float:
+    """Steps a second of len(urls) sessions at once (session i on urls[i])."""
+    results: list[list[float]] = [[] for _ in urls]
+
+    def one(i: int) -> None:
+        results[i] = sdk_steps(urls[i], data, steps, seed=i)
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(urls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - started
+    return len(urls) * (steps + 2) / wall
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", required=True, type=Path)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--sessions", type=int, default=4)
+    args = parser.parse_args()
+    from flywheel.sdk.models import load_model, resolve_model
+
+    with tempfile.TemporaryDirectory(prefix="flywheel-bench-api-") as scratch:
+        data_dir = Path(scratch)
+        _, tok = load_model(resolve_model("tiny", data_dir))
+        data = rows(tok)
+        direct = direct_steps(data_dir, data, args.steps)
+        api, url = start_api(data_dir)
+        try:
+            through = sdk_steps(url, sdk_data(data), args.steps, seed=0)
+            shared = concurrent([url] * args.sessions, sdk_data(data), args.steps)
+            shared_rss = rss_mb(api.pid)
+        finally:
+            api.kill()
+            api.wait()
+        separate = [start_api(data_dir) for _ in range(args.sessions)]
+        try:
+            apart = concurrent([u for _, u in separate], sdk_data(data), args.steps)
+            separate_rss = sum(rss_mb(p.pid) for p, _ in separate)
+        finally:
+            for process, _ in separate:
+                process.kill()
+                process.wait()
+    figures = {
+        "step_s_direct": statistics.median(direct), "step_s_api": statistics.median(through),
+        "api_overhead_ratio": statistics.median(through) / statistics.median(direct),
+        "sessions": args.sessions, "shared_steps_per_s": shared, "separate_steps_per_s": apart,
+        "shared_throughput_ratio": shared / apart, "shared_rss_mb": shared_rss, "separate_rss_mb": separate_rss,
+        "steps": args.steps, "cpus": os.cpu_count(),
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(figures, indent=2) + "\n")
+    for key, value in figures.items():
+        print(f"{key:24} {value:.4g}" if isinstance(value, float) else f"{key:24} {value}")
+
+
+if __name__ == "__main__":
+    main()
