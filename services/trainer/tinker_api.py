@@ -190,6 +190,35 @@ class TrainingAPI:
                 "no such sampler on this server (create_sampling_session or save_weights_for_sampler makes one)"))
         return found
 
+    async def adapter_from(self, where: Path, name: str, optimizer: bool, base_model: str | None = None
+                           ) -> tuple[Base, Adapter]:
+        """A new adapter ``name`` like the one of the checkpoint at ``where``, set to it (its
+        optimizer state too when ``optimizer``), on that checkpoint's base."""
+        base_name, rank, targets = await self.torch(checkpoint_of, where)
+        if base_model not in (None, base_name):
+            raise UserError(f"base_model {base_model!r}: the checkpoint {where.name} is of {base_name!r}")
+        base = await self.base(base_name)
+        adapter = await self.torch(base.attach, name, rank, None, targets)
+        await self.torch(base.load, adapter, where, optimizer)
+        return base, adapter
+
+    def save_named(self, model: Model, name: str, seq_id: int | None, overwrite: bool, answer: dict[str, Any]
+                   ) -> dict[str, Any]:
+        """Save ``model``'s adapter as checkpoint ``name`` in its request order; the future of
+        ``answer`` with the checkpoint's ``path``."""
+        if not NAME.match(name):
+            raise HTTPException(422, f"path {name!r}: a checkpoint's name is letters, digits, '.', '_' and '-'")
+        where = self.checkpoint(model.id, name)
+
+        def run() -> dict[str, Any]:
+            if where.exists() and not overwrite:
+                raise UserError(f"path {name!r}: model {model.id} has a checkpoint of that name; give another, or "
+                                "overwrite=True")
+            model.base.save(model.adapter, where)
+            return {"path": f"tinker://{model.id}/weights/{name}", **answer}
+
+        return self.ordered(model, seq_id, run)
+
     def checkpoint_at(self, path: str) -> Path:
         """The file of a ``tinker://MODEL/weights/NAME`` path; 404 saying so when there is none."""
         found = PATH.match(path)
@@ -237,13 +266,8 @@ async def from_checkpoint(api: TrainingAPI, session: str, model_seq_id: int, whe
                           ) -> dict[str, Any]:
     """A new model of ``session``: an adapter like the checkpoint's, set to it (its optimizer too
     when asked)."""
-    name, rank, targets = await api.torch(checkpoint_of, where)
-    if asked.base_model not in (None, name):
-        raise UserError(f"base_model {asked.base_model!r}: the checkpoint {asked.path} is of {name!r}")
-    base = await api.base(name)
     model_id = model_id_of(session, model_seq_id)
-    adapter = await api.torch(base.attach, model_id, rank, None, targets)
-    await api.torch(base.load, adapter, where, asked.optimizer)
+    base, adapter = await api.adapter_from(where, model_id, asked.optimizer, asked.base_model)
     api.models[model_id] = Model(model_id, session, base, adapter)
     return {"path": asked.path, "model_id": model_id, "type": "load_weights"}
 
@@ -391,18 +415,7 @@ def create_app(settings: Settings) -> FastAPI:
         asked = await body_of(request, tt.SaveWeightsRequest)
         model = api.model(asked.model_id)
         name = asked.path or f"step-{model.adapter.steps}"
-        if not NAME.match(name):
-            raise HTTPException(422, f"path {name!r}: a checkpoint's name is letters, digits, '.', '_' and '-'")
-        where = api.checkpoint(model.id, name)
-
-        def run() -> dict[str, Any]:
-            if where.exists() and not asked.overwrite:
-                raise UserError(f"path {name!r}: model {model.id} has a checkpoint of that name; give another, or "
-                                "overwrite=True")
-            model.base.save(model.adapter, where)
-            return {"path": f"tinker://{model.id}/weights/{name}", "type": "save_weights"}
-
-        return api.ordered(model, asked.seq_id, run)
+        return api.save_named(model, name, asked.seq_id, asked.overwrite, {"type": "save_weights"})
 
     @app.post("/api/v1/load_weights")
     async def load_weights(request: Request) -> dict[str, Any]:
@@ -426,16 +439,7 @@ def create_app(settings: Settings) -> FastAPI:
         asked = await body_of(request, tt.SaveWeightsForSamplerRequest)
         model = api.model(asked.model_id)
         if asked.path is not None:  # a named checkpoint, for create_sampling_client(model_path=...)
-            if not NAME.match(asked.path):
-                raise HTTPException(422, f"path {asked.path!r}: a checkpoint's name is letters, digits, '.', '_' "
-                                         "and '-'")
-            where = api.checkpoint(model.id, asked.path)
-
-            def save() -> dict[str, Any]:
-                model.base.save(model.adapter, where)
-                return {"path": f"tinker://{model.id}/weights/{asked.path}"}
-
-            return api.ordered(model, asked.seq_id, save)
+            return api.save_named(model, asked.path, asked.seq_id, True, {})
         if asked.sampling_session_seq_id is None:
             raise HTTPException(422, "save_weights_for_sampler: give path (a checkpoint) or sampling_session_seq_id "
                                      "(a sampler of the weights as they are)")
@@ -473,11 +477,7 @@ def create_app(settings: Settings) -> FastAPI:
                 raise HTTPException(422, str(exc)) from None
             api.samplers[sampler_id] = Sampler(sampler_id, asked.session_id, base, None, None)
         else:
-            where = api.checkpoint_at(asked.model_path)
-            name, rank, targets = await api.torch(checkpoint_of, where)
-            base = await api.base(name)
-            adapter = await api.torch(base.attach, sampler_id, rank, None, targets)
-            await api.torch(base.load, adapter, where, False)
+            base, adapter = await api.adapter_from(api.checkpoint_at(asked.model_path), sampler_id, False)
             api.samplers[sampler_id] = Sampler(sampler_id, asked.session_id, base, adapter, asked.model_path)
         return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
 
