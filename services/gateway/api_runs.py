@@ -54,6 +54,7 @@ from flywheel.contract.bus import Bus
 from flywheel.contract.config import RunConfig
 from flywheel.contract.keys import Caller
 from flywheel.contract.settings import QuotaSettings
+from flywheel.sdk.environment import available
 from flywheel_gateway import sse
 from flywheel_gateway.auth import CallerDep, check_run, listing_tenant, run_not_found
 from flywheel_gateway.deps import BusDep, CursorQuery, LimitQuery, RunIdPath, StoreDep, TenantQuery
@@ -105,6 +106,7 @@ async def create_run(request: Request, store: StoreDep, bus: BusDep, who: Caller
         cfg = RunConfig.parse(config, source="the run config")
     except ValueError as exc:
         raise HTTPException(422, str(exc)) from None
+    await _check_environments(cfg, store, who)
     await _check_quotas(request.app.state.quotas, store, bus, who.tenant)
     state, created = await runs.get_or_create_run(bus, cfg.run, who.tenant, config=cfg.model_dump(), prepared=False)
     if not created:  # another tenant's learns nothing of it but that the id is taken
@@ -132,6 +134,25 @@ def _config_of(content_type: str, body: bytes) -> dict[str, Any]:
     if not isinstance(parsed, dict):
         raise HTTPException(422, f"the config is a JSON {type(parsed).__name__}, not an object of settings")
     return parsed
+
+
+async def _check_environments(cfg: RunConfig, store: Store, who: Caller) -> None:
+    """422 for an environment a tenant may not run: one named by hub id (owner/name) must be one
+    the services have installed, or one of the hub's that the caller sees (public, or its
+    tenant's). An orchestrator installs what a run names with the deployment's own access, so
+    another tenant's private environment is refused here, with the message an id nobody pushed
+    gets (nothing tells the two apart)."""
+    named = [("env" if not cfg.envs else f"envs.{i}.id", env.id) for i, env in enumerate(cfg.environments)]
+    named += [(f"evals.{i}.id", spec.id) for i, spec in enumerate(cfg.evals)]
+    installed = available()
+    for where, env_id in named:
+        name = env_id.partition("@")[0]
+        if "/" not in name or ":" in name or name in installed:  # a module, a path, another format, the platform's
+            continue
+        found = await store.hub_environment(name)
+        if found is None or (found["private"] and not who.sees(found["owner"])):
+            raise HTTPException(422, f"{where}: {env_id!r} is no environment this tenant may run: neither installed "
+                                     "with the services nor on the hub where it sees it (GET /v1/hub/environments)")
 
 
 async def _check_quotas(quotas: QuotaSettings, store: Store, bus: Bus, tenant: str) -> None:

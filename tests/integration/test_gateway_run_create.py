@@ -26,9 +26,11 @@ from flywheel.contract.settings import QuotaSettings, Settings
 from flywheel.ops.natsserver import NatsServer
 from flywheel.runtime.runs import prepare_run
 from flywheel_gateway.app import create_app
+from flywheel_gateway.hub import inspect_package
 from flywheel_orchestrator.owner import RunOwner
 from tests.helpers import until
 from tests.inprocess import InProcessPool
+from tests.unit.test_hub import wheel
 
 CONFIG = """\
 run = "{run}"
@@ -95,6 +97,20 @@ async def test_a_tenant_starts_a_run_over_http_within_its_quotas(gateway: FastAP
         over = await post_toml(acme, "third")
         assert over.status_code == 429 and "quota runs: tenant 'acme' has 2 runs not ended" in over.text, over.text
         assert (await post_toml(beta, "beta-first")).status_code == 201
+        # Hub environments: the public ones, its own private ones and the platform's; another
+        # tenant's private one is refused as an id nobody pushed is (the orchestrator would install it).
+        package = inspect_package("beta/secret", "0.1.0", dict([wheel("beta_secret", "0.1.0", "beta/secret")]), 1 << 20)
+        await gateway.state.store.hub_push(package, "beta", private=True, pushed_by=None)
+        said = []
+        for env_id in ("beta/secret", "nobody/nothing"):
+            refused = await acme.post("/v1/runs", json={"run": f"named-{env_id.split('/')[0]}", "env": env_id})
+            assert refused.status_code == 422, refused.text
+            said.append(refused.json()["detail"].replace(env_id, "ID"))
+        assert said[0] == said[1] and "env: 'ID' is no environment this tenant may run" in said[0], said
+        evals = await acme.post("/v1/runs", json={"run": "evals", "env": "flywheel/reverse-text",
+                                                  "evals": [{"id": "beta/secret@0.1.0", "every": 1}]})
+        assert evals.status_code == 422 and "evals.0.id: 'beta/secret@0.1.0'" in evals.text, evals.text
+        assert (await beta.post("/v1/runs", json={"run": "beta-secret", "env": "beta/secret"})).status_code == 201
         assert (await acme.post("/v1/runs/first/stop")).status_code == 200
         assert (await post_toml(acme, "third")).status_code == 201
         assert await get_run(gateway.state.bus, "third") is not None
