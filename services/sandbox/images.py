@@ -3,7 +3,7 @@
 A build context is a stranger's code: its ``RUN`` steps run on the engine. So each build has
 bounds (the settings' ``[sandbox]`` section): ``build_timeout_s`` (past it the connection to
 the engine is closed, which stops the build), ``build_max_mb`` (a bigger image is removed and
-refused), a memory cap on its steps, and no network unless ``build_network`` is on. The image
+refused), a memory cap and a low CPU weight on its steps, and no network unless ``build_network`` is on. The image
 is tagged by the context's content hash (:func:`flywheel.sdk.sandbox.build_tag`), so the same
 bytes are built once: a later request finds the image and answers ``cached``. Images carry the
 label :data:`BUILD_LABEL` (``docker image prune --filter label=flywheel.sdk.sandbox.build``
@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 
 BUILD_LABEL = "flywheel.sdk.sandbox.build"
 BUILD_MEMORY_BYTES = 4 * 1024**3  # each RUN step's memory, swap included
+# A RUN step's CPU weight against the engine's containers (1024 each by default): a stranger's
+# build gets a quarter of a sandbox's share of a busy machine, so it slows rollouts little.
+BUILD_CPU_SHARES = 256
 LOG_TAIL = 30  # lines of the build's output an error carries
 
 
@@ -99,7 +102,8 @@ class ImageBuilder:
             for chunk in api.build(fileobj=io.BytesIO(request.context), custom_context=True,
                                    dockerfile=request.dockerfile, tag=tag, rm=True, forcerm=True, pull=False,
                                    network_mode=None if network else "none", labels={BUILD_LABEL: "1"},
-                                   container_limits={"memory": BUILD_MEMORY_BYTES, "memswap": BUILD_MEMORY_BYTES},
+                                   container_limits={"memory": BUILD_MEMORY_BYTES, "memswap": BUILD_MEMORY_BYTES,
+                                                     "cpushares": BUILD_CPU_SHARES},
                                    decode=True):
                 if "stream" in chunk:
                     lines.extend(line for line in str(chunk["stream"]).splitlines() if line.strip())
