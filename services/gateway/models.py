@@ -534,9 +534,10 @@ def usage_range(since: datetime | None, until: datetime | None) -> tuple[datetim
 class UsageRowPublic(BaseModel):
     tenant: str = Field(description="Who pays: the API key's tenant for API requests, else the run's owner.")
     run: str
-    source: Literal["rollout", "trainer", "sft", "api", "sandbox"] = Field(
+    source: Literal["rollout", "trainer", "sft", "api", "sandbox", "training_api"] = Field(
         description="rollout: a rollout's model calls; trainer: a training step; sft: the SFT warm-up; api: a "
-                    "request to inference's OpenAI API; sandbox: a rollout's sandbox.")
+                    "request to inference's OpenAI API; sandbox: a rollout's sandbox; training_api: a request to the "
+                    "training API (run: its session).")
     num_counts: int = Field(description="Counts summed (rollouts, steps, requests).")
     num_calls: int = Field(description="Model calls of the rollouts.")
     prompt_tokens: int = Field(description="Every model call's whole prompt.")

@@ -13,7 +13,19 @@ positions and datums (no mean), as the Tinker SDK documents them:
 - ``cross_entropy``: ``-sum(weights * logprobs)`` of ``target_tokens``;
 - ``importance_sampling``: ``-sum(exp(logprobs - sampler_logprobs) * advantages)``, the
   sampler's ``logprobs`` of ``target_tokens`` given as an input (the REINFORCE estimate,
-  corrected for the sampler being another policy).
+  corrected for the sampler being another policy);
+- ``ppo``: ``-sum(min(ratio * advantages, clip(ratio, low, high) * advantages))`` with
+  ``ratio = exp(logprobs - sampler_logprobs)``;
+- ``cispo``: ``-sum(sg(clip(ratio, low, high)) * advantages * logprobs)``: the importance weight
+  is clipped and held constant, every token keeps its gradient;
+- ``gspo``: ``ppo`` with one ratio a datum, ``exp(mean(logprobs - sampler_logprobs))`` over its
+  positions whose advantage is not 0 (the sampled tokens, where the SDK's RL datums put their
+  advantages; prompt positions carry 0), each token's gradient that ratio's times its own.
+
+``low`` and ``high`` bound the ratio itself (not ``1 -/+ eps``): the request's ``loss_fn_config``
+``clip_low_threshold`` and ``clip_high_threshold``, or per position the datum's inputs of those
+names, else :data:`CLIP_DEFAULTS` (0.8 and 1.2 as the SDK documents for ``ppo``; GSPO's paper
+clips its sequence ratio far tighter, 1 - 3e-4 to 1 + 4e-4, and so does ``gspo`` by default).
 
 Each returns the model's ``logprobs`` of the targets per datum, and ``loss:sum``.
 
@@ -40,13 +52,16 @@ import numpy as np
 import torch
 
 from flywheel.sdk.models import cache_argument, load_model, resolve_model
+from flywheel_trainer import losses
 
-LOSSES = ("cross_entropy", "importance_sampling")
+LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "gspo")
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 UNEMBED = ("lm_head",)
 LOSS_INPUTS = {"cross_entropy": ("target_tokens", "weights"),
-               "importance_sampling": ("target_tokens", "logprobs", "advantages")}
+               **{name: ("target_tokens", "logprobs", "advantages") for name in LOSSES[1:]}}
+CLIPS = ("clip_low_threshold", "clip_high_threshold")  # a clipped loss's bounds of the ratio
+CLIP_DEFAULTS = {"ppo": (0.8, 1.2), "cispo": (0.8, 1.2), "gspo": (1 - 3e-4, 1 + 4e-4)}
 
 
 class UserError(ValueError):
@@ -231,12 +246,15 @@ class Base:
         for param in adapter.params:  # set_adapter marks the active adapter trainable; ours always are
             param.requires_grad_(True)
 
-    def forward_backward(self, adapter: Adapter, data: Sequence[Datum], loss_fn: str,
-                         forward_only: bool) -> tuple[list[dict[str, np.ndarray]], dict[str, float]]:
+    def forward_backward(self, adapter: Adapter, data: Sequence[Datum], loss_fn: str, forward_only: bool,
+                         config: dict[str, float] | None = None) -> tuple[list[dict[str, np.ndarray]],
+                                                                          dict[str, float]]:
         """Per datum the model's logprobs of its targets; ``loss:sum``. Gradients accumulate
-        (unless ``forward_only``) until :meth:`optim_step`."""
+        (unless ``forward_only``) until :meth:`optim_step`. ``config``: the loss's
+        ``loss_fn_config``."""
         if loss_fn not in LOSSES:
             raise UserError(f"loss_fn {loss_fn!r}: this server trains with {', '.join(LOSSES)}")
+        bounds = _bounds(loss_fn, config or {})
         for i, datum in enumerate(data):
             _check(datum, i, loss_fn, self.context)
         outputs: list[dict[str, np.ndarray]] = []
@@ -248,7 +266,7 @@ class Base:
                     logits = self.peft(input_ids=torch.tensor([datum.tokens])).logits[0].float()
                     targets = torch.as_tensor(datum.inputs["target_tokens"], dtype=torch.long)
                     logprobs = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None])[:, 0]
-                    loss = _loss(loss_fn, logprobs, datum.inputs)
+                    loss = _loss(loss_fn, logprobs, datum.inputs, bounds)
                     if not forward_only:
                         loss.backward()
                 total += float(loss.detach())
@@ -330,8 +348,10 @@ def _check(datum: Datum, index: int, loss_fn: str, context: int) -> None:
         raise UserError(f"data[{index}]: no tokens")
     if context and n > context:
         raise UserError(f"data[{index}]: {n} tokens, past the model's context of {context}")
-    for name in LOSS_INPUTS[loss_fn]:
+    for name in (*LOSS_INPUTS[loss_fn], *(CLIPS if loss_fn in CLIP_DEFAULTS else ())):
         if name not in datum.inputs:
+            if name in CLIPS:
+                continue  # a bound given per position is optional (loss_fn_config or the default)
             raise UserError(f"data[{index}].loss_fn_inputs: {loss_fn} needs {name!r} (it has "
                             f"{sorted(datum.inputs)})")
         if datum.inputs[name].shape != (n,):
@@ -339,10 +359,35 @@ def _check(datum: Datum, index: int, loss_fn: str, context: int) -> None:
                             f"[{n}] (one a token of model_input)")
 
 
-def _loss(loss_fn: str, logprobs: torch.Tensor, inputs: dict[str, np.ndarray]) -> torch.Tensor:
+def _bounds(loss_fn: str, config: dict[str, float]) -> tuple[float, float]:
+    """A clipped loss's bounds of the ratio from its ``loss_fn_config``; a key no loss of this
+    server reads is refused (a typo would otherwise train with the default silently)."""
+    known = CLIPS if loss_fn in CLIP_DEFAULTS else ()
+    for key in config:
+        if key not in known:
+            raise UserError(f"loss_fn_config[{key!r}]: {loss_fn} reads " + (
+                f"{' and '.join(known)}" if known else "no loss_fn_config"))
+    low, high = (float(config.get(name, default)) for name, default in zip(CLIPS, CLIP_DEFAULTS.get(loss_fn, (0, 0)),
+                                                                           strict=True))
+    if loss_fn in CLIP_DEFAULTS and not 0 <= low <= 1 <= high:
+        raise UserError(f"loss_fn_config: clip_low_threshold={low}, clip_high_threshold={high}: the ratio's bounds, "
+                        "0 <= low <= 1 <= high (e.g. 0.8 and 1.2)")
+    return low, high
+
+
+def _loss(loss_fn: str, logprobs: torch.Tensor, inputs: dict[str, np.ndarray], bounds: tuple[float, float]
+          ) -> torch.Tensor:
     if loss_fn == "cross_entropy":
         weights = torch.as_tensor(inputs["weights"], dtype=torch.float32)
         return -(weights * logprobs).sum()
     sampler = torch.as_tensor(inputs["logprobs"], dtype=torch.float32)
     advantages = torch.as_tensor(inputs["advantages"], dtype=torch.float32)
-    return -(torch.exp(logprobs - sampler) * advantages).sum()
+    if loss_fn == "importance_sampling":
+        return -(torch.exp(logprobs - sampler) * advantages).sum()
+    low, high = (torch.as_tensor(inputs[name], dtype=torch.float32) if name in inputs else bound
+                 for name, bound in zip(CLIPS, bounds, strict=True))
+    if loss_fn == "ppo":
+        return losses.ratio_clipped(torch.exp(logprobs - sampler), advantages, low, high)[0].sum()
+    if loss_fn == "cispo":
+        return losses.cispo(logprobs, sampler, advantages, low, high)[0].sum()
+    return losses.gspo(logprobs, sampler, advantages, low, high, (advantages != 0).float())[0].sum()

@@ -21,8 +21,10 @@ optimizer step, so a long completion weighs more than a short one token for toke
 micro-batches add up to the same gradient as one big batch.
 
 :func:`top_k_divergence` is the dense on-policy distillation term (an ``opd`` advantage with
-a ``*_top_k`` estimate), which the learner adds beside these. Not covered: entropy bonuses,
-sequence-level ratios (GSPO).
+a ``*_top_k`` estimate), which the learner adds beside these. :func:`ratio_clipped`,
+:func:`cispo` and :func:`gspo` are the training API's ``ppo``, ``cispo`` and ``gspo``
+(:mod:`flywheel_trainer.adapter_host`), which take the ratio's bounds themselves. Not covered:
+entropy bonuses.
 """
 
 from __future__ import annotations
@@ -37,10 +39,42 @@ LossFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 def clipped(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
             clip_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    ratio = torch.exp(logprobs - old_logprobs)
+    return ratio_clipped(torch.exp(logprobs - old_logprobs), advantages, 1.0 - clip_eps, 1.0 + clip_eps)
+
+
+def ratio_clipped(ratio: torch.Tensor, advantages: torch.Tensor, low: float | torch.Tensor,
+                  high: float | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's surrogate with the ratio's bounds given as such: ``-min(ratio * A, clip(ratio, low,
+    high) * A)`` per token, and which tokens the clip held."""
     unclipped_obj = ratio * advantages
-    clipped_obj = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantages
+    clipped_obj = _clamp(ratio, low, high) * advantages
     return -torch.minimum(unclipped_obj, clipped_obj), clipped_obj < unclipped_obj
+
+
+def _clamp(x: torch.Tensor, low: float | torch.Tensor, high: float | torch.Tensor) -> torch.Tensor:
+    return torch.clamp(x, torch.as_tensor(low, dtype=x.dtype), torch.as_tensor(high, dtype=x.dtype))
+
+
+def cispo(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, low: float | torch.Tensor,
+          high: float | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """CISPO: ``-sg(clip(ratio, low, high)) * A * logprob`` per token. The clip bounds the
+    importance weight, not the gradient: every token keeps its gradient (PPO's clip drops it)."""
+    ratio = torch.exp(logprobs - old_logprobs)
+    weight = _clamp(ratio, low, high).detach()
+    return -weight * advantages * logprobs, weight != ratio.detach()
+
+
+def gspo(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, low: float | torch.Tensor,
+         high: float | torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GSPO (its token form): one ratio a sequence, the geometric mean of its tokens' ratios over
+    ``mask`` (``exp(mean(logprob - old))``), clipped PPO-style per token with the token's own
+    advantage; each token's gradient is the sequence ratio's times its own logprob's, as GSPO-token
+    has it (``sg(s) * exp(logprob - sg(logprob))``)."""
+    count = mask.sum().clamp(min=1)
+    sequence = torch.exp(((logprobs - old_logprobs) * mask).sum() / count).detach()
+    ratio = sequence * torch.exp(logprobs - logprobs.detach())
+    loss, held = ratio_clipped(ratio, advantages, low, high)
+    return loss * mask, held & mask.bool()
 
 
 def masked(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,

@@ -1,10 +1,12 @@
 """A training API the ``tinker`` SDK speaks: training loops written against it train here.
 
-``python -m flywheel_trainer.tinker_api [--port 8430]`` serves, on loopback, the routes of the
+``python -m flywheel_trainer.tinker_api [--host H] [--port 8430]`` (settings
+``training_api_host``, ``training_api_port``; loopback alone when open) serves the routes of the
 Tinker API (``/api/v1/...``) that a supervised or RL loop uses: the client's feature flags,
 sessions and their heartbeats, ``create_model`` (a LoRA adapter on a base model Flywheel
 resolves: ``tiny``, ``smollm2``, a model folder), ``get_info``, ``forward``/``forward_backward``
-(losses ``cross_entropy`` and ``importance_sampling``, :mod:`flywheel_trainer.adapter_host`),
+(losses ``cross_entropy``, ``importance_sampling``, ``ppo``, ``cispo`` and ``gspo`` with their
+``loss_fn_config``, :mod:`flywheel_trainer.adapter_host`),
 ``optim_step`` (AdamW with the request's parameters), ``save_weights``/``load_weights``
 (with or without the optimizer state), sampling (``save_weights_for_sampler``, sampling
 sessions of a checkpoint or a base model, ``asample``) and ``retrieve_future``. Point the SDK
@@ -26,11 +28,26 @@ A sampler samples in this process from a snapshot of the model's adapter taken i
 of its requests (``save_weights_for_sampler``), or from a checkpoint, or from the base.
 
 The server tells the SDK (``/api/v1/client/config``) to send plain API keys, no compressed
-bodies, and fwd/bwd chunks one after another. Keys: this version serves one tenant on
-loopback, as the embedded stack's gateway does when open: any key with the SDK's ``tml-``
-prefix; with setting ``auth = "keys"`` it refuses to start. Not served yet: the ``ppo``,
-``cispo`` and ``gspo`` losses, custom losses, prompt logprobs and top-k logprobs of samples,
-sampling through Flywheel's inference service (with its batching), several replicas.
+bodies, and fwd/bwd chunks one after another. Keys: with setting ``auth = "keys"`` every
+request carries a tenant's Flywheel key behind the SDK's ``tml-`` prefix
+(``X-API-Key: tml-fw_<id>_<secret>``; ``TINKER_API_KEY`` for the SDK), checked against the
+keys bucket as the gateway checks it (:class:`flywheel.contract.keys.KeyCheck`; ``write``
+scope); open (loopback only) any ``tml-`` key is tenant ``default``. Everything a request
+makes (a session, its models and samplers, a future, a checkpoint) is its tenant's: another
+tenant's id or ``tinker://`` path is answered as one that does not exist, with the same words,
+and checkpoints lie under ``<data_dir>/tinker/<tenant>/``.
+
+Metering: each request that did work publishes a ``usage`` event (source ``training_api``,
+``run`` the session; :class:`flywheel.contract.events.Usage`), which the recorder stores and
+``GET /v1/usage`` sums by tenant. With ``[quotas] trained_tokens_per_day`` set, a
+``forward_backward`` whose tokens would take its tenant past the day's limit (its runs' and its
+API requests' trained tokens since 00:00 UTC, as the gateway's usage counts them, plus what this
+process admitted since it last asked) fails its future naming the quota, before any of it runs.
+
+Not served yet: server-side custom losses (the SDK's ``forward_backward_custom`` runs the loss
+on the client with a ``forward``, then a ``cross_entropy`` of its gradients: that works), prompt
+logprobs and top-k logprobs of samples, sampling through Flywheel's inference service (with
+its batching), several replicas.
 """
 
 from __future__ import annotations
@@ -39,20 +56,27 @@ import argparse
 import asyncio
 import concurrent.futures
 import functools
+import logging
 import re
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 from fastapi import FastAPI, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
 from tinker import types as tt
 from tinker.proto import tinker_public_pb2 as pb
 
+from flywheel.contract import events
+from flywheel.contract.bus import Bus
+from flywheel.contract.keys import KeyCheck, KeyRefused, ScopeRefused, check_open
 from flywheel.contract.settings import Settings
 from flywheel.sdk.models import BUILDERS
 from flywheel_trainer.adapter_host import Adapter, Base, Datum, Sampled, Sampling, UserError, checkpoint_of
@@ -62,9 +86,24 @@ MAX_RESULTS = 10_000  # results kept for retrieve_future (the oldest go first)
 NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")  # a checkpoint's name
 PATH = re.compile(r"^tinker://([A-Za-z0-9_:-]+)/weights/([A-Za-z0-9._-]{1,128})$")
 PROTO = "application/x-protobuf"
+# An id this server made (a request's, a session's, and so a model's): the process's boot id first.
+BOOT = re.compile(r"^(?:session-)?([0-9a-f]{8})[0-9a-f]{20}(?::|$)")
 MAX_SAMPLES = 256  # samples of one request
 MAX_SNAPSHOTS = 16  # samplers of a session's weights snapshots kept (save_weights_for_sampler), newest first
 MAX_NEW_TOKENS = 4096  # tokens of one sample
+KEY_PREFIX = "tml-"  # what the SDK insists a key starts with; a Flywheel key follows it
+OPEN_TENANT = "default"  # the tenant of every request to an open API (as the open gateway's)
+QUOTA_FRESH_S = 5.0  # how long the gateway's count of a tenant's trained tokens today is taken as it is
+log = logging.getLogger("flywheel.training_api")
+
+
+@dataclass
+class Session:
+    """A client's session: whose it is, its last heartbeat."""
+
+    id: str
+    tenant: str
+    beat: float
 
 
 @dataclass
@@ -73,10 +112,12 @@ class Model:
 
     id: str
     session: str
+    tenant: str
     base: Base
     adapter: Adapter
     next_seq: int = 1
-    waiting: dict[int, tuple[str, Callable[[], Any], Callable[[Any], Any] | None]] = field(default_factory=dict)
+    waiting: dict[int, tuple[str, Callable[[], Any], Callable[[Any, str], Any] | None]] = field(
+        default_factory=dict)
     seen: dict[int, str] = field(default_factory=dict)  # seq_id -> the request id it was answered
     tail: asyncio.Future[None] | None = None
 
@@ -87,6 +128,7 @@ class Sampler:
 
     id: str
     session: str
+    tenant: str
     base: Base
     adapter: Adapter | None
     model_path: str | None
@@ -95,12 +137,19 @@ class Sampler:
 class TrainingAPI:
     """The API's state: bases, models, sessions, futures."""
 
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, quota: DailyQuota | None = None) -> None:
         self.data_dir = data_dir
+        self.quota = quota
+        # Ids this process makes carry it, so that one of an earlier run of the server (before a
+        # restart: its sessions, models and futures lived in that process's memory) says so.
+        self.boot = secrets.token_hex(4)
+        self.started = datetime.now(UTC)
+        self.bus: Bus | None = None  # where usage goes (None: not metered)
+        self.keys: KeyCheck | None = None  # tenants' keys (None: open, one tenant)
         self.bases: dict[str, Base] = {}
         self.models: dict[str, Model] = {}
-        self.sessions: dict[str, float] = {}  # session id -> last heartbeat
-        self.results: dict[str, asyncio.Future[Any]] = {}
+        self.sessions: dict[str, Session] = {}
+        self.results: dict[str, tuple[str, asyncio.Future[Any]]] = {}  # request id -> (tenant, its future)
         self.samplers: dict[str, Sampler] = {}
         self.let_go: dict[str, str] = {}  # samplers no longer kept -> why
         self._background: set[asyncio.Future[Any]] = set()
@@ -113,8 +162,45 @@ class TrainingAPI:
         """``fn(*args)`` on the API's torch thread."""
         return await asyncio.get_running_loop().run_in_executor(self._torch, functools.partial(fn, *args))
 
-    def checkpoint(self, model_id: str, name: str) -> Path:
-        return self.data_dir / "tinker" / model_id / f"{name}.pt"
+    def checkpoint(self, tenant: str, model_id: str, name: str) -> Path:
+        return self.data_dir / "tinker" / tenant / model_id / f"{name}.pt"
+
+    def new_id(self) -> str:
+        return f"{self.boot}{secrets.token_hex(10)}"
+
+    def gone(self, some_id: str | None) -> str:
+        """Why an id (a session's, a model's, a request's) of an earlier run of this server is
+        not found; empty for any other (ids of another tenant are answered alike)."""
+        found = BOOT.search(some_id or "")
+        if found is None or found.group(1) == self.boot:
+            return ""
+        return (f"; it was made before this server restarted at {self.started:%Y-%m-%d %H:%M:%S} UTC, and sessions, "
+                "models and futures live in the server's memory: start again from a checkpoint "
+                "(create_training_client_from_state_with_optimizer)")
+
+    def session(self, session_id: str | None, tenant: str) -> Session:
+        """The tenant's session; another tenant's is answered as one that does not exist."""
+        found = self.sessions.get(session_id or "")
+        if found is None or found.tenant != tenant:
+            raise HTTPException(404, f"session {session_id!r}: no such session (create_session makes one)"
+                                     + self.gone(session_id))
+        return found
+
+    def meter(self, session: str, tenant: str, request_id: str, prompt_tokens: int = 0, sampled_tokens: int = 0,
+              trained_tokens: int = 0) -> None:
+        """Publish what a request used (a ``usage`` event; nothing when not metered)."""
+        if self.bus is None or not prompt_tokens + sampled_tokens + trained_tokens:
+            return
+        usage = events.Usage(id=f"training_api.{request_id}", run=session, source="training_api", tenant=tenant,
+                             prompt_tokens=prompt_tokens, sampled_tokens=sampled_tokens, trained_tokens=trained_tokens)
+        self.background(self._publish(usage))
+
+    async def _publish(self, usage: events.Usage) -> None:
+        assert self.bus is not None
+        try:
+            await self.bus.publish(usage)
+        except Exception:  # the request's answer stands; the count is lost, and said so
+            log.exception("usage of session %s (%s) not published: it goes uncounted", usage.run, usage.id)
 
     async def base(self, name: str) -> Base:
         async with self._base_lock:  # one load of a base, however many models ask at once
@@ -128,16 +214,20 @@ class TrainingAPI:
                     raise UserError(f"base_model {name!r}: {exc}") from None
             return self.bases[name]
 
-    def future(self, work: Callable[[], Any], model_id: str | None = None) -> dict[str, Any]:
-        """Run ``work`` (a coroutine function) in the background; its future's answer."""
-        request_id = secrets.token_hex(12)
-        self._keep(request_id, asyncio.ensure_future(work()))
+    def future(self, tenant: str, work: Callable[[str], Any], model_id: str | None = None) -> dict[str, Any]:
+        """Run ``work(request_id)`` (a coroutine function) in the background; its future's answer."""
+        request_id = self.new_id()
+        self._keep(tenant, request_id, asyncio.ensure_future(work(request_id)))
         return {"request_id": request_id, **({"model_id": model_id} if model_id else {})}
 
-    def _keep(self, request_id: str, future: asyncio.Future[Any]) -> None:
-        self.results[request_id] = future
+    def _keep(self, tenant: str, request_id: str, future: asyncio.Future[Any]) -> None:
+        self.results[request_id] = (tenant, future)
         while len(self.results) > MAX_RESULTS:
             del self.results[next(iter(self.results))]
+
+    def pending(self) -> set[asyncio.Future[Any]]:
+        """What runs in the background now (usage being published, adapters being let go)."""
+        return set(self._background)
 
     def background(self, work: Any) -> None:
         """``work`` (an awaitable) run to its end, held until then."""
@@ -146,17 +236,17 @@ class TrainingAPI:
         task.add_done_callback(self._background.discard)
 
     def ordered(self, model: Model, seq_id: int | None, work: Callable[[], Any],
-                then: Callable[[Any], Any] | None = None) -> dict[str, Any]:
+                then: Callable[[Any, str], Any] | None = None) -> dict[str, Any]:
         """``work`` (blocking, run in a thread) after every earlier ``seq_id`` of ``model``, its
-        result passed through ``then`` on the event loop; a ``seq_id`` answered before gets that
-        answer's future (a retry)."""
+        result passed through ``then(result, request_id)`` on the event loop; a ``seq_id``
+        answered before gets that answer's future (a retry)."""
         seq = model.next_seq if seq_id is None else seq_id
         if seq in model.seen:
             return {"request_id": model.seen[seq], "model_id": model.id}
         if seq < model.next_seq:
             raise HTTPException(400, f"seq_id {seq}: model {model.id} has run its requests up to {model.next_seq - 1}")
-        request_id = secrets.token_hex(12)
-        self._keep(request_id, asyncio.get_running_loop().create_future())
+        request_id = self.new_id()
+        self._keep(model.tenant, request_id, asyncio.get_running_loop().create_future())
         model.seen[seq] = request_id
         model.waiting[seq] = (request_id, work, then)
         while model.next_seq in model.waiting:
@@ -166,14 +256,14 @@ class TrainingAPI:
         return {"request_id": request_id, "model_id": model.id}
 
     async def _after(self, before: asyncio.Future[None] | None, request_id: str, job: Callable[[], Any],
-                     then: Callable[[Any], Any] | None) -> None:
+                     then: Callable[[Any, str], Any] | None) -> None:
         if before is not None:
             await asyncio.gather(before, return_exceptions=True)
-        future = self.results.get(request_id)
+        future = self.results.get(request_id, ("", None))[1]
         try:
             result = await self.torch(job)
             if then is not None:
-                result = then(result)
+                result = then(result, request_id)
         except Exception as exc:  # the request's own failure: its future says it, the server goes on
             if future is not None and not future.done():
                 future.set_exception(exc)
@@ -181,10 +271,10 @@ class TrainingAPI:
         if future is not None and not future.done():
             future.set_result(result)
 
-    def sampler(self, sampler_id: str) -> Sampler:
+    def sampler(self, sampler_id: str, tenant: str) -> Sampler:
         found = self.samplers.get(sampler_id)
-        if found is None:
-            why = self.let_go.get(sampler_id)
+        if found is None or found.tenant != tenant:
+            why = self.let_go.get(sampler_id) if sampler_id.split(":")[0] in self._own_sessions(tenant) else None
             raise HTTPException(404, f"sampling session {sampler_id!r}: " + (
                 f"let go: {why}; sample from a newer one" if why else
                 "no such sampler on this server (create_sampling_session or save_weights_for_sampler makes one)"))
@@ -202,13 +292,16 @@ class TrainingAPI:
         await self.torch(base.load, adapter, where, optimizer)
         return base, adapter
 
+    def _own_sessions(self, tenant: str) -> set[str]:
+        return {s.id for s in self.sessions.values() if s.tenant == tenant}
+
     def save_named(self, model: Model, name: str, seq_id: int | None, overwrite: bool, answer: dict[str, Any]
                    ) -> dict[str, Any]:
         """Save ``model``'s adapter as checkpoint ``name`` in its request order; the future of
         ``answer`` with the checkpoint's ``path``."""
         if not NAME.match(name):
             raise HTTPException(422, f"path {name!r}: a checkpoint's name is letters, digits, '.', '_' and '-'")
-        where = self.checkpoint(model.id, name)
+        where = self.checkpoint(model.tenant, model.id, name)
 
         def run() -> dict[str, Any]:
             if where.exists() and not overwrite:
@@ -219,18 +312,20 @@ class TrainingAPI:
 
         return self.ordered(model, seq_id, run)
 
-    def checkpoint_at(self, path: str) -> Path:
-        """The file of a ``tinker://MODEL/weights/NAME`` path; 404 saying so when there is none."""
+    def checkpoint_at(self, path: str, tenant: str) -> Path:
+        """The file of a ``tinker://MODEL/weights/NAME`` path of the tenant's; 404 saying so when
+        it has none (another tenant's is not looked for: its checkpoints lie apart)."""
         found = PATH.match(path)
-        if found is None or not self.checkpoint(found.group(1), found.group(2)).is_file():
+        if found is None or not self.checkpoint(tenant, found.group(1), found.group(2)).is_file():
             raise HTTPException(404, f"path {path!r}: no such checkpoint on this server (save_weights answers with "
                                      "its tinker://MODEL/weights/NAME path)")
-        return self.checkpoint(found.group(1), found.group(2))
+        return self.checkpoint(tenant, found.group(1), found.group(2))
 
-    def model(self, model_id: str | None) -> Model:
+    def model(self, model_id: str | None, tenant: str) -> Model:
         found = self.models.get(model_id or "")
-        if found is None:
-            raise HTTPException(404, f"model_id {model_id!r}: no such model on this server (create_model makes one)")
+        if found is None or found.tenant != tenant:
+            raise HTTPException(404, f"model_id {model_id!r}: no such model on this server (create_model makes one)"
+                                     + self.gone(model_id))
         return found
 
 
@@ -262,13 +357,13 @@ def model_id_of(session: str, model_seq_id: int) -> str:
     return f"{session}:train:{model_seq_id}"
 
 
-async def from_checkpoint(api: TrainingAPI, session: str, model_seq_id: int, where: Path, asked: Any
+async def from_checkpoint(api: TrainingAPI, session: Session, model_seq_id: int, where: Path, asked: Any
                           ) -> dict[str, Any]:
     """A new model of ``session``: an adapter like the checkpoint's, set to it (its optimizer too
     when asked)."""
-    model_id = model_id_of(session, model_seq_id)
+    model_id = model_id_of(session.id, model_seq_id)
     base, adapter = await api.adapter_from(where, model_id, asked.optimizer, asked.base_model)
-    api.models[model_id] = Model(model_id, session, base, adapter)
+    api.models[model_id] = Model(model_id, session.id, session.tenant, base, adapter)
     return {"path": asked.path, "model_id": model_id, "type": "load_weights"}
 
 
@@ -279,9 +374,78 @@ def failure(exc: BaseException) -> dict[str, Any]:
             "server"}
 
 
-def create_app(settings: Settings) -> FastAPI:
-    app = FastAPI(title="Flywheel training API (Tinker-compatible)")
-    api = app.state.api = TrainingAPI(settings.data_dir.resolve())
+class DailyQuota:
+    """``[quotas] trained_tokens_per_day`` for the API's ``forward_backward``: the tenant's
+    trained tokens today as the gateway's ``GET /v1/usage`` sums them (asked again after
+    ``QUOTA_FRESH_S``), plus what this process admitted since it asked. A refusal fails the
+    request's future (a ``user`` error naming the quota: the SDK retries a 429 for minutes, a
+    failed future it raises at once); the gateway not answering refuses it too, naming the
+    gateway: the check fails closed."""
+
+    def __init__(self, limit: int, gateway_url: str, token: str | None) -> None:
+        self.limit, self.gateway_url, self.token = limit, gateway_url.rstrip("/"), token
+        self._counted: dict[str, tuple[float, datetime, int]] = {}  # tenant -> (asked at, day, trained then)
+        self._since: dict[str, int] = {}  # tenant -> tokens admitted since the gateway was asked
+
+    async def admit(self, tenant: str, tokens: int) -> None:
+        """Count ``tokens`` against the tenant's day, or raise the 429 that names the quota."""
+        if not self.limit:
+            return
+        today = datetime.now(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+        asked_at, day, counted = self._counted.get(tenant, (0.0, today, 0))
+        if day != today or time.monotonic() - asked_at > QUOTA_FRESH_S:
+            counted = await self._trained_today(tenant, today)
+            self._counted[tenant], self._since[tenant] = (time.monotonic(), today, counted), 0
+        used = counted + self._since.get(tenant, 0)
+        if used + tokens > self.limit:
+            raise UserError(f"quota trained_tokens_per_day: tenant {tenant!r} trained on {used} tokens since 00:00 "
+                            f"UTC and this request has {tokens}, past its limit (setting "
+                            f"quotas.trained_tokens_per_day = {self.limit}); nothing of it ran")
+        self._since[tenant] = self._since.get(tenant, 0) + tokens
+
+    async def _trained_today(self, tenant: str, today: datetime) -> int:
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        url = f"{self.gateway_url}/v1/usage"
+        try:
+            async with httpx.AsyncClient(timeout=10.0) as http:
+                answer = await http.get(url, params={"tenant": tenant, "since": today.isoformat()}, headers=headers)
+            answer.raise_for_status()
+            totals = answer.json()["totals"]
+            return int(totals["trained_tokens"]) + int(totals["sft_tokens"])
+        except (httpx.HTTPError, KeyError, ValueError) as exc:
+            raise UserError(f"quota trained_tokens_per_day: the gateway's usage ({url}) did not answer ({exc}); a "
+                            "request that trains is refused until it does") from None
+
+
+def create_app(settings: Settings, bus: str = "off") -> FastAPI:
+    """The API; ``bus``: ``required`` (connect at start or fail: tenants' keys need it),
+    ``optional`` (meter usage where the bus answers, say so where not) or ``off``."""
+    quota = settings.quotas.trained_tokens_per_day
+    api = TrainingAPI(settings.data_dir.resolve(),
+                      DailyQuota(quota, settings.resolved_gateway_url, settings.service_token) if quota else None)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if bus != "off":
+            try:
+                api.bus = await Bus.for_settings(settings, "training_api")
+            except (ConnectionError, OSError) as exc:
+                if bus == "required":
+                    raise
+                log.warning("usage of the training API is not metered: no NATS at %s (%s)",
+                            settings.resolved_nats_url, exc)
+        if settings.auth == "keys":
+            assert api.bus is not None, "tenants' keys are read from the bus"
+            api.keys = KeyCheck(api.bus, service_token=settings.service_token)
+        try:
+            yield
+        finally:
+            if api.bus is not None:
+                await asyncio.gather(*api.pending(), return_exceptions=True)
+                await api.bus.close()
+
+    app = FastAPI(title="Flywheel training API (Tinker-compatible)", lifespan=lifespan)
+    app.state.api = api
 
     async def body_of(request: Request, model: Any) -> Any:
         try:
@@ -289,12 +453,33 @@ def create_app(settings: Settings) -> FastAPI:
         except ValueError as exc:
             raise HTTPException(422, f"{request.url.path}: {exc}") from None
 
+    def tenant_of(request: Request) -> str:
+        return str(request.state.tenant)
+
     @app.middleware("http")
     async def keyed(request: Request, call_next: Any) -> Any:
+        """The request's tenant (``request.state.tenant``) from its key; 401/403 as the module says."""
+        path = request.url.path
+        if not path.startswith("/api/v1/") or path == "/api/v1/healthz":
+            return await call_next(request)
         key = request.headers.get("x-api-key", "")
-        if request.url.path.startswith("/api/v1/") and request.url.path != "/api/v1/healthz" and \
-                not key.startswith("tml-"):
-            return JSONResponse({"detail": "no API key: send X-API-Key: tml-... (the tinker SDK does)"}, 401)
+        if not key.startswith(KEY_PREFIX):
+            return JSONResponse({"detail": f"no API key: send X-API-Key: {KEY_PREFIX}... (the tinker SDK does"
+                                           + (f"; here {KEY_PREFIX} then a Flywheel key, fw_..." if api.keys else "")
+                                           + ")"}, 401)
+        if api.keys is None:
+            request.state.tenant = OPEN_TENANT
+            return await call_next(request)
+        try:
+            who = await api.keys.authorize(key.removeprefix(KEY_PREFIX), "POST", path)
+        except KeyRefused as exc:
+            return JSONResponse({"detail": f"{exc} (the training API takes {KEY_PREFIX} then the key)"}, 401)
+        except ScopeRefused as exc:
+            return JSONResponse({"detail": str(exc)}, 403)
+        if who.service:
+            return JSONResponse({"detail": "the deployment's service token trains no models: use a tenant's key"},
+                                403)
+        request.state.tenant = who.tenant
         return await call_next(request)
 
     @app.get("/api/v1/healthz")
@@ -319,23 +504,21 @@ def create_app(settings: Settings) -> FastAPI:
     @app.post("/api/v1/create_session")
     async def create_session(request: Request) -> dict[str, Any]:
         await body_of(request, tt.CreateSessionRequest)
-        session = f"session-{secrets.token_hex(8)}"
-        api.sessions[session] = time.monotonic()
+        session = f"session-{api.new_id()}"
+        api.sessions[session] = Session(session, tenant_of(request), time.monotonic())
         return {"type": "create_session", "session_id": session}
 
     @app.post("/api/v1/session_heartbeat")
     async def heartbeat(request: Request) -> dict[str, Any]:
         beat = await body_of(request, tt.SessionHeartbeatRequest)
-        if beat.session_id not in api.sessions:
-            raise HTTPException(404, f"session {beat.session_id!r}: no such session (create_session makes one)")
-        api.sessions[beat.session_id] = time.monotonic()
+        api.session(beat.session_id, tenant_of(request)).beat = time.monotonic()
         return {"type": "session_heartbeat"}
 
     @app.post("/api/v1/sessions/{session_id}/finish")
-    async def finish_session(session_id: str) -> None:
+    async def finish_session(session_id: str, request: Request) -> None:
         """The session is done: its models' and samplers' adapters are let go (checkpoints stay)."""
-        if api.sessions.pop(session_id, None) is None:
-            raise HTTPException(404, f"session {session_id!r}: no such session")
+        api.session(session_id, tenant_of(request))
+        del api.sessions[session_id]
         for sampler in [s for s in api.samplers.values() if s.session == session_id]:
             del api.samplers[sampler.id]
             if sampler.adapter is not None:
@@ -353,26 +536,25 @@ def create_app(settings: Settings) -> FastAPI:
     @app.post("/api/v1/create_model")
     async def create_model(request: Request) -> dict[str, Any]:
         asked = await body_of(request, tt.CreateModelRequest)
-        if asked.session_id not in api.sessions:
-            raise HTTPException(404, f"session {asked.session_id!r}: no such session (create_session makes one)")
+        session = api.session(asked.session_id, tenant_of(request))
         if asked.lora_config is None:
             raise HTTPException(422, "lora_config: this server trains LoRA adapters (full-weight models train in a "
                                      "run of their own: flywheel run)")
         lora = asked.lora_config
-        model_id = model_id_of(asked.session_id, asked.model_seq_id)
+        model_id = model_id_of(session.id, asked.model_seq_id)
 
-        async def make() -> dict[str, Any]:
+        async def make(_: str) -> dict[str, Any]:
             base = await api.base(asked.base_model)
             adapter = await api.torch(base.add, model_id, lora.rank, lora.seed, lora.train_attn,
                                               lora.train_mlp, lora.train_unembed)
-            api.models[model_id] = Model(model_id, asked.session_id, base, adapter)
+            api.models[model_id] = Model(model_id, session.id, session.tenant, base, adapter)
             return {"model_id": model_id, "type": "create_model"}
 
-        return api.future(make, model_id)
+        return api.future(session.tenant, make, model_id)
 
     @app.post("/api/v1/get_info")
     async def get_info(request: Request) -> dict[str, Any]:
-        model = api.model((await body_of(request, tt.GetInfoRequest)).model_id)
+        model = api.model((await body_of(request, tt.GetInfoRequest)).model_id, tenant_of(request))
         arch = type(model.base.model).__name__
         return {"type": "get_info", "model_id": model.id, "model_name": model.base.name, "is_lora": True,
                 "lora_rank": model.adapter.rank,
@@ -386,20 +568,38 @@ def create_app(settings: Settings) -> FastAPI:
         try:
             message.ParseFromString(await request.body())
             data = [_datum(d) for d in message.data]
+            config = _loss_config(message)
         except (ValueError, UserError) as exc:
             raise HTTPException(422, f"forward_backward: {exc}") from None
-        model = api.model(message.model_id)
+        model = api.model(message.model_id, tenant_of(request))
+        tokens = sum(len(d.tokens) for d in data)
+        refused: UserError | None = None
+        if not message.forward_only and api.quota is not None and message.seq_id not in model.seen:
+            try:
+                await api.quota.admit(model.tenant, tokens)  # a retry was counted the first time
+            except UserError as exc:
+                refused = exc  # its future fails saying so, in its place in the model's order
 
         def run() -> bytes:
-            outputs, metrics = model.base.forward_backward(model.adapter, data, message.loss_fn, message.forward_only)
+            if refused is not None:
+                raise refused
+            outputs, metrics = model.base.forward_backward(model.adapter, data, message.loss_fn, message.forward_only,
+                                                           config)
             return _output(outputs, metrics)
 
-        return api.ordered(model, message.seq_id, run)
+        def metered(result: bytes, request_id: str) -> bytes:
+            if message.forward_only:
+                api.meter(model.session, model.tenant, request_id, prompt_tokens=tokens)
+            else:
+                api.meter(model.session, model.tenant, request_id, trained_tokens=tokens)
+            return result
+
+        return api.ordered(model, message.seq_id, run, metered)
 
     @app.post("/api/v1/optim_step")
     async def optim_step(request: Request) -> dict[str, Any]:
         asked = await body_of(request, tt.OptimStepRequest)
-        model = api.model(asked.model_id)
+        model = api.model(asked.model_id, tenant_of(request))
         params = asked.optim_params
         if not isinstance(params, tt.AdamParams):
             raise HTTPException(422, f"optim_params: this server steps AdamW (adam_params), not {params!r}")
@@ -413,20 +613,22 @@ def create_app(settings: Settings) -> FastAPI:
     @app.post("/api/v1/save_weights")
     async def save_weights(request: Request) -> dict[str, Any]:
         asked = await body_of(request, tt.SaveWeightsRequest)
-        model = api.model(asked.model_id)
+        model = api.model(asked.model_id, tenant_of(request))
         name = asked.path or f"step-{model.adapter.steps}"
         return api.save_named(model, name, asked.seq_id, asked.overwrite, {"type": "save_weights"})
 
     @app.post("/api/v1/load_weights")
     async def load_weights(request: Request) -> dict[str, Any]:
         asked = await body_of(request, tt.LoadWeightsRequest)
-        where = api.checkpoint_at(asked.path)
+        tenant = tenant_of(request)
+        where = api.checkpoint_at(asked.path, tenant)
         if asked.model_id is None:  # a new model made from the checkpoint: its first request
-            if asked.session_id not in api.sessions or asked.model_seq_id is None:
-                raise HTTPException(404, f"session {asked.session_id!r}: no such session (create_session makes one)")
-            return api.future(functools.partial(from_checkpoint, api, asked.session_id, asked.model_seq_id, where,
-                                                asked), model_id_of(asked.session_id, asked.model_seq_id))
-        model = api.model(asked.model_id)
+            session = api.session(asked.session_id, tenant)
+            if asked.model_seq_id is None:
+                raise HTTPException(422, "load_weights: give model_id, or session_id and model_seq_id (a new model)")
+            return api.future(tenant, lambda _: from_checkpoint(api, session, asked.model_seq_id, where, asked),
+                              model_id_of(session.id, asked.model_seq_id))
+        model = api.model(asked.model_id, tenant)
 
         def run() -> dict[str, Any]:
             model.base.load(model.adapter, where, asked.optimizer)
@@ -437,7 +639,7 @@ def create_app(settings: Settings) -> FastAPI:
     @app.post("/api/v1/save_weights_for_sampler")
     async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
         asked = await body_of(request, tt.SaveWeightsForSamplerRequest)
-        model = api.model(asked.model_id)
+        model = api.model(asked.model_id, tenant_of(request))
         if asked.path is not None:  # a named checkpoint, for create_sampling_client(model_path=...)
             return api.save_named(model, asked.path, asked.seq_id, True, {})
         if asked.sampling_session_seq_id is None:
@@ -448,8 +650,8 @@ def create_app(settings: Settings) -> FastAPI:
         def snapshot() -> Adapter:  # the weights as they are at this point of the model's requests
             return model.base.snapshot(model.adapter, sampler_id)
 
-        def keep(adapter: Adapter) -> dict[str, Any]:  # on the event loop: the samplers are its
-            api.samplers[sampler_id] = Sampler(sampler_id, model.session, model.base, adapter, None)
+        def keep(adapter: Adapter, _: str) -> dict[str, Any]:  # on the event loop: the samplers are its
+            api.samplers[sampler_id] = Sampler(sampler_id, model.session, model.tenant, model.base, adapter, None)
             # An RL loop makes a sampler a step: the session's oldest snapshots go past MAX_SNAPSHOTS.
             snapshots = [s for s in api.samplers.values() if s.session == model.session and s.model_path is None
                          and s.adapter is not None]
@@ -465,9 +667,9 @@ def create_app(settings: Settings) -> FastAPI:
     @app.post("/api/v1/create_sampling_session")
     async def create_sampling_session(request: Request) -> dict[str, Any]:
         asked = await body_of(request, tt.CreateSamplingSessionRequest)
-        if asked.session_id not in api.sessions:
-            raise HTTPException(404, f"session {asked.session_id!r}: no such session (create_session makes one)")
-        sampler_id = sampler_id_of(asked.session_id, asked.sampling_session_seq_id)
+        tenant = tenant_of(request)
+        session = api.session(asked.session_id, tenant)
+        sampler_id = sampler_id_of(session.id, asked.sampling_session_seq_id)
         if asked.model_path is None:
             if asked.base_model is None:
                 raise HTTPException(422, "create_sampling_session: give model_path or base_model")
@@ -475,15 +677,15 @@ def create_app(settings: Settings) -> FastAPI:
                 base = await api.base(asked.base_model)
             except UserError as exc:
                 raise HTTPException(422, str(exc)) from None
-            api.samplers[sampler_id] = Sampler(sampler_id, asked.session_id, base, None, None)
+            api.samplers[sampler_id] = Sampler(sampler_id, session.id, tenant, base, None, None)
         else:
-            base, adapter = await api.adapter_from(api.checkpoint_at(asked.model_path), sampler_id, False)
-            api.samplers[sampler_id] = Sampler(sampler_id, asked.session_id, base, adapter, asked.model_path)
+            base, adapter = await api.adapter_from(api.checkpoint_at(asked.model_path, tenant), sampler_id, False)
+            api.samplers[sampler_id] = Sampler(sampler_id, session.id, tenant, base, adapter, asked.model_path)
         return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
 
     @app.get("/api/v1/samplers/{sampler_id}")
-    async def get_sampler(sampler_id: str) -> dict[str, Any]:
-        sampler = api.sampler(sampler_id)
+    async def get_sampler(sampler_id: str, request: Request) -> dict[str, Any]:
+        sampler = api.sampler(sampler_id, tenant_of(request))
         return {"sampler_id": sampler.id, "base_model": sampler.base.name, "model_path": sampler.model_path}
 
     @app.post("/api/v1/asample")
@@ -491,7 +693,7 @@ def create_app(settings: Settings) -> FastAPI:
         asked = await body_of(request, tt.SampleRequest)
         if asked.sampling_session_id is None:
             raise HTTPException(422, "asample: give sampling_session_id (create_sampling_session makes one)")
-        sampler = api.sampler(asked.sampling_session_id)
+        sampler = api.sampler(asked.sampling_session_id, tenant_of(request))
         if not 1 <= asked.num_samples <= MAX_SAMPLES:
             raise HTTPException(422, f"num_samples={asked.num_samples}: 1 to {MAX_SAMPLES}")
         if asked.prompt_logprobs or asked.topk_prompt_logprobs or asked.topk_sample_logprobs or \
@@ -501,19 +703,23 @@ def create_app(settings: Settings) -> FastAPI:
         params = sampling_of(asked.sampling_params)
         prompt = asked.prompt.to_ints()
 
-        def run() -> bytes:
-            return _samples(sampler.base.sample(sampler.adapter, prompt, asked.num_samples, params))
+        async def work(request_id: str) -> bytes:
+            sampled = await api.torch(sampler.base.sample, sampler.adapter, prompt, asked.num_samples, params)
+            api.meter(sampler.session, sampler.tenant, request_id, prompt_tokens=len(prompt),
+                      sampled_tokens=sum(len(one.tokens) for one in sampled))
+            return _samples(sampled)
 
-        answer = api.future(lambda: api.torch(run))
+        answer = api.future(sampler.tenant, work)
         return {**answer, "sample_sequence_ids": [f"{answer['request_id']}-{i}" for i in range(asked.num_samples)]}
 
     @app.post("/api/v1/retrieve_future")
     async def retrieve_future(request: Request) -> Any:
         asked = await body_of(request, tt.FutureRetrieveRequest)
-        future = api.results.get(asked.request_id)
-        if future is None:
+        tenant, future = api.results.get(asked.request_id, ("", None))
+        if future is None or tenant != tenant_of(request):
             return {"error": f"request {asked.request_id!r}: no such request on this server (or its result was "
-                             "let go: the newest 10000 are kept)", "category": "user"}
+                             f"let go: the newest {MAX_RESULTS} are kept){api.gone(asked.request_id)}",
+                    "category": "user"}
         try:
             result = await asyncio.wait_for(asyncio.shield(future), POLL_S)
         except TimeoutError:
@@ -555,6 +761,19 @@ def _datum(message: Any) -> Datum:
     return Datum(tokens, {name: _array(t) for name, t in message.loss_fn_inputs.items()})
 
 
+def _loss_config(message: Any) -> dict[str, float]:
+    """The request's ``loss_fn_config``: the SDK's tagged values (v2) where it sends them, else
+    the older map of numbers; a text value is refused (no loss here reads one)."""
+    if message.loss_fn_config_v2:
+        config = {}
+        for key, value in message.loss_fn_config_v2.items():
+            if value.WhichOneof("value") != "number":
+                raise UserError(f"loss_fn_config[{key!r}]: a number (this server's losses read no text)")
+            config[key] = value.number
+        return config
+    return dict(message.loss_fn_config)
+
+
 def _output(outputs: list[dict[str, np.ndarray]], metrics: dict[str, float]) -> bytes:
     """The SDK's ForwardBackwardOutput message: one ArrayRecord, each field batched over datums."""
     message = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", metrics=metrics)
@@ -579,17 +798,24 @@ def _samples(sampled: list[Sampled]) -> bytes:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m flywheel_trainer.tinker_api",
-                                     description="A Tinker-compatible training API on loopback (see the module).")
-    parser.add_argument("--port", type=int, default=8430)
-    args = parser.parse_args(argv)
     settings = Settings.load()
-    if settings.auth == "keys":
-        parser.error("the training API serves one tenant on loopback in this version: it does not run with "
-                     "auth = keys (tenants' keys) yet")
-    import uvicorn
+    parser = argparse.ArgumentParser(prog="python -m flywheel_trainer.tinker_api",
+                                     description="A Tinker-compatible training API (see the module).")
+    parser.add_argument("--host", default=settings.training_api_host,
+                        help="address to listen on (setting training_api_host); open: loopback only")
+    parser.add_argument("--port", type=int, default=settings.training_api_port, help="setting training_api_port")
+    args = parser.parse_args(argv)
+    if settings.auth == "open":
+        try:
+            check_open("the training API", args.host)
+        except ValueError as exc:
+            parser.error(str(exc))
+    import uvicorn  # imported here: the server, for this process alone
 
-    uvicorn.run(create_app(settings), host="127.0.0.1", port=args.port, log_level="warning")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Keys are read from the bus: with them it must answer; open, usage is metered where it does.
+    uvicorn.run(create_app(settings, bus="required" if settings.auth == "keys" else "optional"),
+                host=args.host, port=args.port, log_level="warning")
 
 
 if __name__ == "__main__":

@@ -150,7 +150,15 @@ async def test_two_sessions_train_their_own_adapters_on_one_base(served: Served)
     assert not api.models and not api.sessions  # both sessions finished: their adapters let go
 
 
-async def test_importance_sampling_raises_what_has_an_advantage(served: Served) -> None:
+# Each policy loss, its bounds where it has them (gspo's own default, 1 -/+ 4e-4, lets its one
+# sequence ratio move too little for five steps to show; ppo's are the SDK's defaults, sent anyway).
+POLICY_LOSSES = [("importance_sampling", None), ("ppo", {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
+                 ("cispo", None), ("gspo", {"clip_low_threshold": 0.5, "clip_high_threshold": 2.0})]
+
+
+@pytest.mark.parametrize(("loss_fn", "config"), POLICY_LOSSES, ids=[name for name, _ in POLICY_LOSSES])
+async def test_each_policy_loss_raises_what_has_an_advantage(served: Served, loss_fn: str,
+                                                             config: dict[str, float] | None) -> None:
     def loop() -> tuple[list[float], list[float]]:
         with served.client() as service:
             return reinforce(service.create_lora_training_client(base_model="tiny", rank=8, seed=0).result())
@@ -163,13 +171,40 @@ async def test_importance_sampling_raises_what_has_an_advantage(served: Served) 
                          loss_fn_inputs={"target_tokens": tensor(targets, np.int64), "logprobs": tensor(first),
                                          "advantages": tensor([1.0] * len(first))})
         for _ in range(5):
-            done = training.forward_backward([rl], "importance_sampling")
+            done = training.forward_backward([rl], loss_fn, loss_fn_config=config)
             training.optim_step(types.AdamParams(learning_rate=LR)).result()
             done.result()
         return first, training.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
 
     before, after = await in_thread(loop)
     assert sum(after) > sum(before) + 1.0, (sum(before), sum(after))
+
+
+async def test_a_custom_loss_trains_through_the_sdks_forward_backward_custom(served: Served) -> None:
+    """The SDK runs a custom loss on the client: a forward, the loss's gradient in the logprobs,
+    then ``cross_entropy`` with those gradients as weights; here a loss the server has not."""
+    import torch  # imported here: the test's own loss, on the client side
+
+    def loop() -> tuple[float, float, float]:
+        data = reverse_data(served.data_dir, WORDS[:4])
+        with served.client() as service:
+            training = service.create_lora_training_client(base_model="tiny", rank=8, seed=0).result()
+
+            def squared(batch: list[Any], logprobs: list[Any]) -> tuple[Any, dict[str, float]]:
+                loss = sum(((lp + 1.0).clamp(max=0) ** 2 * torch.as_tensor(d.loss_fn_inputs["weights"].to_numpy())
+                            ).sum() for d, lp in zip(batch, logprobs, strict=True))
+                return loss, {"squared": float(loss.detach())}
+
+            before = held_out(training, data)
+            out = [training.forward_backward_custom(data, squared).result()]
+            training.optim_step(types.AdamParams(learning_rate=LR)).result()
+            for _ in range(4):
+                out.append(training.forward_backward_custom(data, squared).result())
+                training.optim_step(types.AdamParams(learning_rate=LR)).result()
+            return before, held_out(training, data), out[-1].metrics["squared"] - out[0].metrics["squared"]
+
+    before, after, change = await in_thread(loop)
+    assert change < 0 and after < before, (before, after, change)
 
 
 async def test_what_it_cannot_do_is_said(served: Served) -> None:
@@ -183,7 +218,13 @@ async def test_what_it_cannot_do_is_said(served: Served) -> None:
     def attempts(training: Any) -> list[str]:
         (datum,) = reverse_data(served.data_dir, ["abc"])
         said = []
-        for call in (lambda: training.forward_backward([datum], "ppo").result(),
+        rl = types.Datum(model_input=datum.model_input, loss_fn_inputs={
+            "target_tokens": datum.loss_fn_inputs["target_tokens"], "logprobs": datum.loss_fn_inputs["weights"],
+            "advantages": datum.loss_fn_inputs["weights"]})
+        for call in (lambda: training.forward_backward([datum], "dro").result(),
+                     lambda: training.forward_backward([rl], "ppo", loss_fn_config={"clip_hi": 1.3}).result(),
+                     lambda: training.forward_backward([rl], "ppo", loss_fn_config={"clip_low_threshold": 1.1}
+                                                       ).result(),
                      lambda: training.forward_backward([types.Datum(model_input=datum.model_input, loss_fn_inputs={
                          "target_tokens": tensor([1, 2], np.int64), "weights": tensor([1.0, 1.0])})],
                                                                 "cross_entropy").result()):
@@ -192,15 +233,28 @@ async def test_what_it_cannot_do_is_said(served: Served) -> None:
             said.append(str(failed.value))
         return said
 
-    base, loss, shape = await in_thread(refused)
+    base, loss, typo, bounds, shape = await in_thread(refused)
     assert "base_model 'no-such-model'" in base, base
-    assert "loss_fn 'ppo': this server trains with cross_entropy, importance_sampling" in loss
+    assert "loss_fn 'dro': this server trains with cross_entropy, importance_sampling, ppo, cispo, gspo" in loss
+    assert "loss_fn_config['clip_hi']: ppo reads clip_low_threshold and clip_high_threshold" in typo, typo
+    assert "0 <= low <= 1 <= high" in bounds, bounds
     assert "loss_fn_inputs['target_tokens']: shape [2], not [" in shape
     async with httpx.AsyncClient(base_url=served.url) as http:
         keyless = await http.post("/api/v1/create_session", json={})
         assert keyless.status_code == 401 and "X-API-Key: tml-" in keyless.text
         unknown = await http.get("/api/v1/samplers/nope", headers={"X-API-Key": "tml-local"})
         assert unknown.status_code == 404 and "no such sampler" in unknown.text
+        # Ids of an earlier run of the server (their boot id is not this process's) say it restarted.
+        earlier = ("0" * 8 if served.app.state.api.boot != "0" * 8 else "1" * 8) + "1" * 20
+        future = await http.post("/api/v1/retrieve_future", json={"request_id": earlier},
+                                 headers={"X-API-Key": "tml-local"})
+        model = await http.post("/api/v1/get_info", json={"model_id": f"session-{earlier}:train:0",
+                                                          "type": "get_info"}, headers={"X-API-Key": "tml-local"})
+        for answer in (future, model):
+            assert "before this server restarted at" in answer.text, answer.text
+        never = await http.post("/api/v1/retrieve_future", json={"request_id": "nope"},
+                                headers={"X-API-Key": "tml-local"})
+        assert "no such request" in never.text and "restarted" not in never.text
 
 
 PROMPT = "reverse stone:"

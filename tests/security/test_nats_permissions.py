@@ -74,6 +74,7 @@ ALLOWED: dict[str, set[str]] = {
                   *_named("WEIGHTS", "recorder-weights")},
     "scorer": _updates("ROLLOUTS", "trainer-r1-rollouts", "teacher-r1-t"),
     "sandbox": set(),
+    "training_api": set(),
 }
 TIMEOUT_S = 2.0  # for a JetStream answer to a request the user may make
 

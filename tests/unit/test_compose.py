@@ -126,7 +126,7 @@ def test_nats_conf_is_the_users_table_and_each_service_logs_in_as_its_own_user()
         assert written and written.group(1) == written.group(2), (name, command)
     expected = {"gateway": "gateway", "recorder": "recorder", "scorer": "scorer", "sandbox": "sandbox",
                 "inference": "inference", "inference-cpu": "inference", "trainer": "orchestrator",
-                "trainer-cpu": "orchestrator", "nats-init": "operator"}
+                "trainer-cpu": "orchestrator", "nats-init": "operator", "training-api": "training_api"}
     for service, user in expected.items():
         env = specs[service]["environment"]
         assert (env["FLYWHEEL_NATS_USER"], env["FLYWHEEL_NATS_PASSWORD"]) == (

@@ -15,7 +15,7 @@ from flywheel_trainer.advantages import ADVANTAGES, group_mean, leave_one_out
 from flywheel_trainer.engines import ENGINES, Engine
 from flywheel_trainer.join import Tokens
 from flywheel_trainer.learner import SFTRows, train_step
-from flywheel_trainer.losses import LOSSES
+from flywheel_trainer.losses import LOSSES, cispo, gspo, ratio_clipped
 
 
 def test_group_mean_subtracts_the_mean_and_optionally_divides_by_the_std() -> None:
@@ -67,6 +67,42 @@ def test_masked_drops_every_token_outside_the_trust_region_whatever_its_advantag
             assert grad_of("masked", ratio, advantage) == (0.0, True)
     assert grad_of("masked", 1.1, advantage=1.0) == (pytest.approx(-1.1), False)
     assert grad_of("masked", 0.9, advantage=-1.0) == (pytest.approx(0.9), False)
+
+
+def test_the_apis_ppo_takes_the_ratios_bounds_themselves() -> None:
+    logprob = torch.log(torch.tensor([0.7, 1.3, 1.0])).requires_grad_()
+    loss, held = ratio_clipped(torch.exp(logprob), torch.tensor([-1.0, 1.0, 1.0]), 0.8, 1.2)
+    loss.sum().backward()
+    assert held.tolist() == [True, True, False]  # moved past a bound the way its advantage wants
+    assert logprob.grad is not None and logprob.grad.tolist() == pytest.approx([0.0, 0.0, -1.0])
+
+
+def test_cispo_clips_the_weight_and_keeps_every_tokens_gradient() -> None:
+    old = torch.zeros(3)
+    logprob = torch.log(torch.tensor([0.5, 1.5, 1.1])).requires_grad_()
+    advantages = torch.tensor([1.0, 1.0, -2.0])
+    loss, held = cispo(logprob, old, advantages, 0.8, 1.2)
+    loss.sum().backward()
+    # d/dlogprob of -sg(w) * A * logprob is -w * A, w the clipped ratio: never 0 where A is not.
+    assert logprob.grad is not None and logprob.grad.tolist() == pytest.approx([-0.8, -1.2, 2.2])
+    assert held.tolist() == [True, True, False]
+
+
+def test_gspo_gives_a_datum_one_ratio_the_geometric_mean_over_its_advantaged_tokens() -> None:
+    old = torch.tensor([0.0, -1.0, -1.0])
+    # Token ratios 1 (a prompt position: advantage 0), e^0.1 and e^-0.1: the sequence's is 1.
+    logprob = torch.tensor([0.0, -0.9, -1.1], requires_grad=True)
+    advantages = torch.tensor([0.0, 1.0, 1.0])
+    loss, held = gspo(logprob, old, advantages, 0.8, 1.2, (advantages != 0).float())
+    loss.sum().backward()
+    assert logprob.grad is not None and logprob.grad.tolist() == pytest.approx([0.0, -1.0, -1.0])
+    assert not held.any()
+    # Past the bound the way the advantage wants: the whole datum stops (the ratio is one).
+    far = torch.tensor([0.0, -0.5, -0.5], requires_grad=True)  # sequence ratio e^0.5 > 1.2
+    loss, held = gspo(far, old, advantages, 0.8, 1.2, (advantages != 0).float())
+    loss.sum().backward()
+    assert far.grad is not None and far.grad.tolist() == pytest.approx([0.0, 0.0, 0.0])
+    assert held.tolist() == [False, True, True]
 
 
 class RecordingEngine:

@@ -483,7 +483,10 @@ class Usage(Event, frozen=True, kw_only=True, tag="usage"):
     inference's OpenAI API (``api``, one a request: the prompt once, every choice's tokens), and
     the sandbox service (``sandbox``, one a sandbox labelled with a run, a rollout's or one a
     reward made while scoring it, once it is destroyed: ``sandbox_s``, its seconds alive, and
-    its ``rollout_id``). A rollout's own tokens travel in :attr:`Rollout.usage`. Read by: the
+    its ``rollout_id``), and the training API (``training_api``, one a request that did work:
+    ``run`` is the API session, ``trained_tokens`` the tokens of a ``forward_backward``'s
+    datums, ``prompt_tokens`` those of a ``forward`` or a sampling prompt, ``sampled_tokens``
+    the samples'). A rollout's own tokens travel in :attr:`Rollout.usage`. Read by: the
     recorder, billing. Subject: ``usage.<run>.<source>``. The event id is the count's own (a
     trainer step's is ``<run>.trainer.<step>``, a sandbox's ``sandbox.<id>``), so a count made
     again after a crash counts once. ``tenant`` is who pays: the run's owner, or the caller of
@@ -491,7 +494,7 @@ class Usage(Event, frozen=True, kw_only=True, tag="usage"):
     """
 
     run: str
-    source: Literal["trainer", "sft", "api", "sandbox"]
+    source: Literal["trainer", "sft", "api", "sandbox", "training_api"]
     tenant: str = ""
     step: int | None = None
     prompt_tokens: int = 0

@@ -148,6 +148,8 @@ GRANTS: dict[str, tuple[str, ...]] = {
     "scorer": (*beats("*"), *kv(RUNS), *kv(PARTITIONS, writes=">", watch=True), *consumes("ROLLOUTS", "*"),
                *publishes("SCORES", "scores.>")),
     "sandbox": (*beats("sandbox"), *publishes("USAGE", "usage.>")),
+    # The Tinker-compatible training API: tenants' keys (read), its requests' usage.
+    "training_api": (*beats("training_api"), *kv(KEYS), *publishes("USAGE", "usage.>")),
 }
 SANDBOX = "sandbox"  # the user that serves SANDBOX_SUBJECTS
 SANDBOX_CALLERS = (OPERATOR, "orchestrator", "inference", "scorer")  # who sends it requests

@@ -305,6 +305,9 @@ class Settings(BaseSettings):
     inference_host: str = Field("127.0.0.1", description="Address the inference service's OpenAI-compatible API "
                                                          "listens on.")
     inference_port: int = Field(8421, description="Port of the inference service's OpenAI-compatible API.")
+    training_api_host: str = Field("127.0.0.1", description="Address the Tinker-compatible training API "
+                                   "(python -m flywheel_trainer.tinker_api) listens on; open: loopback only.")
+    training_api_port: int = Field(8430, description="Port of the Tinker-compatible training API.")
     inference_url: str | None = Field(None, description="Where the orchestrator reaches the inference API for the "
                                                         "evals of its runs, ending in /v1. Unset: "
                                                         "http://inference_host:inference_port/v1 (a host of 0.0.0.0 "

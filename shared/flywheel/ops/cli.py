@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     up = commands.add_parser("up", help="run NATS and every service on this machine until Ctrl-C",
                              description="Start the embedded stack: a nats-server (unless --nats-url names one) "
                                          "and every service as a local process; supervise them until Ctrl-C.")
+    up.add_argument("--training-api", action="store_true",
+                    help="also serve the Tinker-compatible training API (settings training_api_host, "
+                         "training_api_port; docs/training-api.md)")
     _add_settings(up, tuple(SETTING_OPTIONS))
     up.set_defaults(func=cmd_up)
 
@@ -536,7 +539,7 @@ def _replicas(stream: dict[str, Any]) -> str:
 def cmd_up(args: argparse.Namespace) -> int:
     from flywheel.ops import stack
 
-    stack.run(settings_from(args))
+    stack.run(settings_from(args), training_api=args.training_api)
     return 0
 
 

@@ -201,6 +201,15 @@ async def _gateway_healthy(stack: Stack, process: Process) -> str | None:
     return f"GET {health['url']}/healthz: {answer}"
 
 
+async def _training_api_healthy(stack: Stack, process: Process) -> str | None:
+    settings = stack.settings
+    health = await gateway_health(f"http://{local_host(settings.training_api_host)}:{settings.training_api_port}"
+                                  "/api/v1")
+    if health["ok"]:
+        return None
+    return f"GET {health['url']}/healthz: {health.get('error') or 'HTTP ' + str(health['status_code'])}"
+
+
 HEARTBEAT_STALE_S = 4 * HEARTBEAT_INTERVAL_S  # a heartbeat older than this: the process's loop is stuck
 HEALTH_CHECK_TIMEOUT_S = 10.0
 
@@ -233,6 +242,8 @@ SERVICES: dict[str, ServiceSpec] = {
     "sandbox": ServiceSpec(("-m", "flywheel_sandbox"), heartbeat_of("sandbox")),
     "inference": ServiceSpec(("-m", "flywheel_inference"), heartbeat_of("inference"), fork_level="torch"),
 }
+# Started by `flywheel up --training-api` alone (runs do not use it): the Tinker-compatible API.
+TRAINING_API = ServiceSpec(("-m", "flywheel_trainer.tinker_api"), _training_api_healthy, fork_level="torch")
 
 
 class ProcessDied(Exception):
@@ -601,6 +612,9 @@ def check_ports(settings: Settings, services: Collection[str] = ("gateway", "inf
     if "gateway" in services and port_open(local_host(settings.gateway_host), settings.gateway_port):
         problems.append(f"port {settings.gateway_port} (gateway_port) is taken: choose a free one with "
                         "--gateway-port / FLYWHEEL_GATEWAY_PORT")
+    if "training_api" in services and port_open(local_host(settings.training_api_host), settings.training_api_port):
+        problems.append(f"port {settings.training_api_port} (training_api_port) is taken: choose a free one with "
+                        "FLYWHEEL_TRAINING_API_PORT")
     if problems:
         raise StackError("cannot start the stack:\n  " + "\n  ".join(problems))
 
@@ -866,6 +880,7 @@ class Stack:
         # A stack of some services (flywheel eval's) has no gateway to name.
         with_gateway = any(service.name == "gateway" for service in self.services)
         inference = f"http://{local_host(self.settings.inference_host)}:{self.settings.inference_port}"
+        training = f"http://{local_host(self.settings.training_api_host)}:{self.settings.training_api_port}"
         self.say("\n".join([
             "Flywheel is up. Ctrl-C stops it.",
             *([f"  gateway   {gateway}", f"  API docs  {gateway}/docs"] if with_gateway else []),
@@ -873,6 +888,8 @@ class Stack:
                               "FLYWHEEL_AUTH=keys wants keys)" if self.settings.auth == "open"
                               else "required (auth = keys): `flywheel keys create --tenant T` makes one"),
             *([] if with_gateway else [f"  inference {inference}/v1"]),
+            *([f"  training  {training} (the Tinker SDK's base_url; api_key tml-..., docs/training-api.md)"]
+              if any(service.name == "training_api" for service in self.services) else []),
             f"  NATS      {natsusers.redacted(self.nats_url)} ({nats_owner})",
             f"  data      {self.data_dir}",
             f"  logs      {self.log_dir}",
@@ -1066,6 +1083,8 @@ class Stack:
             await bus.nc.close()
 
 
-def run(settings: Settings, out: TextIO = sys.stdout) -> None:
-    """Run the embedded stack in the foreground until SIGINT or SIGTERM."""
-    asyncio.run(Stack(settings, out).run())
+def run(settings: Settings, out: TextIO = sys.stdout, training_api: bool = False) -> None:
+    """Run the embedded stack in the foreground until SIGINT or SIGTERM (with the training API
+    when ``training_api``)."""
+    services = {**SERVICES, "training_api": TRAINING_API} if training_api else None
+    asyncio.run(Stack(settings, out, services=services).run())
