@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Static checks over the whole tree, as CI runs them: ruff (lint and import order) and mypy
-# (types), both configured in pyproject.toml.
+# (types), both configured in pyproject.toml, then the docs site (mkdocs.yml) built strictly.
 #   scripts/check.sh          set up, then check
 #   scripts/check.sh --fix    let ruff fix what it can first
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ -x .venv/bin/mypy ] || scripts/setup.sh
+[ -x .venv/bin/mypy ] && [ -x .venv/bin/mkdocs ] || scripts/setup.sh
 if [ "${1:-}" = "--fix" ]; then
     .venv/bin/ruff check --fix .
 fi
@@ -32,4 +32,7 @@ PY
 sed_args=()
 while read -r link folder; do sed_args+=(-e "s#^${link}#${folder}#"); done < build/typecheck/links.txt
 sed "${sed_args[@]}" build/typecheck/mypy.out
+# The docs site (docs/, into build/site): --strict turns every warning into a failure, so a
+# broken or absolute link, a missing anchor or a page left out of nav fails the check.
+.venv/bin/mkdocs build --strict --quiet || status=$?
 exit "$status"

@@ -18,7 +18,7 @@ characters so that it fits the model's context (the prompt then says how many re
 question, the code that answers it (``solution_code``), the REPL's output and ``FINAL``; without
 it, a small table, a question and ``FINAL``. Their tables come from seeds no task uses; their
 kinds alternate, the question's kind last. A model too small to write REPL code from the
-instructions alone copies the pattern (SmolLM2-135M does; the README gives its figures).
+instructions alone copies the pattern (SmolLM2-135M does; docs/environments.md gives its figures).
 
 Reward ``correct``: the answer (``state["answer"]``; without the REPL, the reply's
 ``FINAL(...)`` or its last number; thousands separators and spaces ignored) is the expected

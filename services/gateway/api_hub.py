@@ -172,7 +172,7 @@ async def push_version(
                                                                          "forked from (its first push).")] = None,
 ) -> HubVersionPublic:
     """Push a version: checked (names, version, archives, what the wheel installs, sizes: the
-    hub's rules, README "The environment hub"), then stored with its content hash, immutable
+    hub's rules, docs/tenants-and-hub.md, "The environment hub"), then stored with its content hash, immutable
     from then on. Refused, naming the file and the fix, with nothing stored: a package that
     does not check (422), a version or file that exists (409)."""
     if forked_from is not None:

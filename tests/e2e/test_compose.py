@@ -325,7 +325,7 @@ def test_cpu_profile_scores_published_tasks(deployment: Deployment) -> None:
         assert detail["scores"] and detail["task_data"] in rows
         trace = http.get(f"/v1/traces/{rollouts[0]['id']}").raise_for_status().json()
         assert trace["nodes"], trace
-    # The README's backups: the trace store dumped while it runs, a volume read by the image's tar.
+    # The backups of docs/deployment.md: the trace store dumped while it runs, a volume read by the image's tar.
     dump = deployment.compose("exec", "-T", "postgres", "pg_dump", "-U", "flywheel", "flywheel", timeout_s=120).stdout
     assert "CREATE TABLE public.rollouts" in dump and rollouts[0]["id"] in dump
     volume = f"{deployment.project}_data"

@@ -38,7 +38,7 @@ MAX_DIFFERENT = 0.1
 
 
 def vllm_server(model_dir: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
-    """vLLM's own OpenAI server on CPU, as the README starts it."""
+    """vLLM's own OpenAI server on CPU, as docs/environments.md starts it."""
     with log.open("wb") as out:
         return subprocess.Popen(
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),

@@ -283,7 +283,7 @@ def _query(filters: dict[str, Any]) -> dict[str, str]:
 
 
 class TraceAPI:
-    """The gateway's trace API (see the README's trace API section). Use as ``async with``.
+    """The gateway's trace API (docs/api.md, "The trace API"). Use as ``async with``.
 
     Filters are the query parameters of ``GET /v1/rollouts`` as keyword arguments (``run``,
     ``env``, ``status``, ``error``, ``min_reward``, ``created_after``, ...); a refused one
