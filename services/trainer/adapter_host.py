@@ -87,6 +87,7 @@ class Sampling:
     seed: int | None = None
     stop_tokens: set[int] | None = None
     stop_strings: tuple[str, ...] = ()
+    top_logprobs: int = 0  # the top-k tokens and logprobs of each sampled position (the SDK's topk_sample_logprobs)
 
 
 @dataclass
@@ -96,6 +97,17 @@ class Sampled:
     tokens: list[int]
     logprobs: list[float]
     stop_reason: str
+    top: list[tuple[list[int], list[float]]] = field(default_factory=list)  # per token, when asked
+
+
+@dataclass
+class PromptScores:
+    """What a model makes of a prompt: each token's logprob given those before it (NaN for the
+    first, and for those before the last ``last_n`` asked for), and, when asked, each position's
+    top-k tokens and logprobs (empty rows where there is no logprob)."""
+
+    logprobs: list[float]
+    top: list[tuple[list[int], list[float]]] | None
 
 
 @dataclass
@@ -217,6 +229,7 @@ class Base:
               generator: torch.Generator | None) -> Sampled:
         tokens: list[int] = []
         logprobs: list[float] = []
+        top: list[tuple[list[int], list[float]]] = []
         cache = cache_argument(self.model)  # the name this transformers takes the KV cache by
         past = None
         step = torch.tensor([list(prompt)])
@@ -235,11 +248,40 @@ class Base:
                 logprob = float(scores[token])
             tokens.append(token)
             logprobs.append(logprob)
+            if params.top_logprobs:
+                best = torch.log_softmax(logits / params.temperature if params.temperature > 0 else logits, -1)
+                values, ids = best.topk(min(params.top_logprobs, best.shape[-1]))
+                top.append((ids.tolist(), values.tolist()))
             if token in stop_tokens or (params.stop_strings and any(
                     self.tokenizer.decode(tokens).endswith(text) for text in params.stop_strings)):
-                return Sampled(tokens, logprobs, "stop")
+                return Sampled(tokens, logprobs, "stop", top)
             step = torch.tensor([[token]])
-        return Sampled(tokens, logprobs, "length")
+        return Sampled(tokens, logprobs, "length", top)
+
+    def score_prompt(self, adapter: Adapter | None, prompt: Sequence[int], top_k: int, last_n: int | None
+                     ) -> PromptScores:
+        """The prompt's tokens' logprobs under ``adapter`` (None: the base), at temperature 1."""
+        if last_n is not None and not 1 <= last_n <= len(prompt) - 1:
+            raise UserError(f"prompt_logprobs_last_n={last_n}: 1 to the prompt's length less one ({len(prompt) - 1})")
+        with self.lock, torch.no_grad():
+            if adapter is None and self.peft is not None:
+                with self.peft.disable_adapter():
+                    logits = self.peft(input_ids=torch.tensor([list(prompt)])).logits[0].float()
+            else:
+                if adapter is not None:
+                    self.peft.set_adapter(adapter.name)
+                logits = (self.model if self.peft is None else self.peft)(
+                    input_ids=torch.tensor([list(prompt)])).logits[0].float()
+        scores = torch.log_softmax(logits[:-1], -1)
+        given = scores.gather(-1, torch.tensor(prompt[1:])[:, None])[:, 0].tolist()
+        first = len(prompt) - last_n if last_n is not None else 1  # the first position scored
+        logprobs = [float("nan")] * first + given[first - 1:]
+        top = None
+        if top_k:
+            values, ids = scores.topk(min(top_k, scores.shape[-1]))
+            top = [([], [])] * first + [(i, v) for i, v in zip(ids.tolist()[first - 1:], values.tolist()[first - 1:],
+                                                               strict=True)]
+        return PromptScores(logprobs, top)
 
     def _use(self, adapter: Adapter) -> None:
         self.peft.set_adapter(adapter.name)

@@ -45,9 +45,10 @@ API requests' trained tokens since 00:00 UTC, as the gateway's usage counts them
 process admitted since it last asked) fails its future naming the quota, before any of it runs.
 
 Not served yet: server-side custom losses (the SDK's ``forward_backward_custom`` runs the loss
-on the client with a ``forward``, then a ``cross_entropy`` of its gradients: that works), prompt
-logprobs and top-k logprobs of samples, sampling through Flywheel's inference service (with
-its batching), several replicas.
+on the client with a ``forward``, then a ``cross_entropy`` of its gradients: that works), a
+sample's ``prompt_alt_tokens_k`` and ``target_prompt_logprobs`` (prompt logprobs and top-k
+logprobs are served), sampling through Flywheel's inference service (with its batching),
+several replicas.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -74,12 +75,21 @@ from fastapi.responses import JSONResponse
 from tinker import types as tt
 from tinker.proto import tinker_public_pb2 as pb
 
-from flywheel.contract import events
-from flywheel.contract.bus import Bus
+from flywheel.contract import events, natsusers
+from flywheel.contract.bus import Bus, BusConfig
 from flywheel.contract.keys import KeyCheck, KeyRefused, ScopeRefused, check_open
 from flywheel.contract.settings import Settings
 from flywheel.sdk.models import BUILDERS
-from flywheel_trainer.adapter_host import Adapter, Base, Datum, Sampled, Sampling, UserError, checkpoint_of
+from flywheel_trainer.adapter_host import (
+    Adapter,
+    Base,
+    Datum,
+    PromptScores,
+    Sampled,
+    Sampling,
+    UserError,
+    checkpoint_of,
+)
 
 POLL_S = 10.0  # how long retrieve_future holds a poll for a result before try_again
 MAX_RESULTS = 10_000  # results kept for retrieve_future (the oldest go first)
@@ -91,8 +101,11 @@ BOOT = re.compile(r"^(?:session-)?([0-9a-f]{8})[0-9a-f]{20}(?::|$)")
 MAX_SAMPLES = 256  # samples of one request
 MAX_SNAPSHOTS = 16  # samplers of a session's weights snapshots kept (save_weights_for_sampler), newest first
 MAX_NEW_TOKENS = 4096  # tokens of one sample
+MAX_TOP_K = 64  # top-k logprobs of a position
+EMPTY_LOGPROB = -99999.0  # the SDK's empty cell of a top-k matrix
 KEY_PREFIX = "tml-"  # what the SDK insists a key starts with; a Flywheel key follows it
 OPEN_TENANT = "default"  # the tenant of every request to an open API (as the open gateway's)
+OPTIONAL_BUS_S = 2.0  # how long an open API waits for NATS at start before it serves unmetered
 QUOTA_FRESH_S = 5.0  # how long the gateway's count of a tenant's trained tokens today is taken as it is
 log = logging.getLogger("flywheel.training_api")
 
@@ -426,14 +439,17 @@ def create_app(settings: Settings, bus: str = "off") -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if bus != "off":
-            try:
-                api.bus = await Bus.for_settings(settings, "training_api")
+        where = natsusers.redacted(settings.resolved_nats_url)
+        if bus == "required":
+            api.bus = await Bus.for_settings(settings, "training_api")
+        elif bus == "optional":
+            try:  # a moment, not the services' 30 s: the API serves either way
+                api.bus = await Bus.connect(settings.resolved_nats_url, "training_api",
+                                            BusConfig(connect_timeout_s=OPTIONAL_BUS_S))
             except (ConnectionError, OSError) as exc:
-                if bus == "required":
-                    raise
-                log.warning("usage of the training API is not metered: no NATS at %s (%s)",
-                            settings.resolved_nats_url, exc)
+                log.warning("usage of the training API is not metered: no NATS at %s (%s)", where, exc)
+        if api.bus is not None:
+            log.info("usage of the training API is metered on NATS at %s", where)
         if settings.auth == "keys":
             assert api.bus is not None, "tenants' keys are read from the bus"
             api.keys = KeyCheck(api.bus, service_token=settings.service_token)
@@ -696,18 +712,25 @@ def create_app(settings: Settings, bus: str = "off") -> FastAPI:
         sampler = api.sampler(asked.sampling_session_id, tenant_of(request))
         if not 1 <= asked.num_samples <= MAX_SAMPLES:
             raise HTTPException(422, f"num_samples={asked.num_samples}: 1 to {MAX_SAMPLES}")
-        if asked.prompt_logprobs or asked.topk_prompt_logprobs or asked.topk_sample_logprobs or \
-                asked.prompt_alt_tokens_k or asked.target_prompt_logprobs is not None:
-            raise HTTPException(422, "asample: prompt logprobs, top-k logprobs and alternative tokens are not served "
-                                     "yet; ask for the samples alone")
-        params = sampling_of(asked.sampling_params)
+        if asked.prompt_alt_tokens_k or asked.target_prompt_logprobs is not None:
+            raise HTTPException(422, "asample: prompt_alt_tokens_k and target_prompt_logprobs are not served yet; "
+                                     "prompt_logprobs and the top-k logprobs are")
+        for name in ("topk_prompt_logprobs", "topk_sample_logprobs"):
+            if not 0 <= getattr(asked, name) <= MAX_TOP_K:
+                raise HTTPException(422, f"{name}={getattr(asked, name)}: 0 to {MAX_TOP_K}")
+        if asked.prompt_logprobs_last_n is not None and not asked.prompt_logprobs:
+            raise HTTPException(422, "prompt_logprobs_last_n: applies to prompt logprobs; set prompt_logprobs")
+        params = replace(sampling_of(asked.sampling_params), top_logprobs=asked.topk_sample_logprobs)
         prompt = asked.prompt.to_ints()
+        scored = bool(asked.prompt_logprobs or asked.topk_prompt_logprobs)
 
         async def work(request_id: str) -> bytes:
             sampled = await api.torch(sampler.base.sample, sampler.adapter, prompt, asked.num_samples, params)
+            scores = (await api.torch(sampler.base.score_prompt, sampler.adapter, prompt, asked.topk_prompt_logprobs,
+                                      asked.prompt_logprobs_last_n) if scored else None)
             api.meter(sampler.session, sampler.tenant, request_id, prompt_tokens=len(prompt),
                       sampled_tokens=sum(len(one.tokens) for one in sampled))
-            return _samples(sampled)
+            return _samples(sampled, scores, bool(asked.prompt_logprobs), asked.topk_sample_logprobs)
 
         answer = api.future(sampler.tenant, work)
         return {**answer, "sample_sequence_ids": [f"{answer['request_id']}-{i}" for i in range(asked.num_samples)]}
@@ -787,14 +810,32 @@ def _output(outputs: list[dict[str, np.ndarray]], metrics: dict[str, float]) -> 
     return message.SerializeToString()
 
 
-def _samples(sampled: list[Sampled]) -> bytes:
-    """The SDK's SampleResponse message."""
+def _samples(sampled: list[Sampled], scores: PromptScores | None, prompt_logprobs: bool, top_k: int) -> bytes:
+    """The SDK's SampleResponse message: the samples, and the prompt's logprobs and top-k
+    logprobs when asked (NaN and empty rows where a position has none)."""
     message = pb.SampleResponse()
     for one in sampled:
-        message.sequences.add(stop_reason=pb.STOP_REASON_STOP if one.stop_reason == "stop" else pb.STOP_REASON_LENGTH,
-                              tokens=np.asarray(one.tokens, dtype=np.int32).tobytes(),
-                              logprobs=np.asarray(one.logprobs, dtype=np.float32).tobytes())
+        sequence = message.sequences.add(
+            stop_reason=pb.STOP_REASON_STOP if one.stop_reason == "stop" else pb.STOP_REASON_LENGTH,
+            tokens=np.asarray(one.tokens, dtype=np.int32).tobytes(),
+            logprobs=np.asarray(one.logprobs, dtype=np.float32).tobytes())
+        if top_k:
+            sequence.topk_sampled_logprobs.CopyFrom(_top(one.top, top_k))
+    if scores is not None and prompt_logprobs:
+        message.prompt_logprobs = np.asarray(scores.logprobs, dtype=np.float32).tobytes()
+    if scores is not None and scores.top is not None:
+        message.topk_prompt_logprobs.CopyFrom(_top(scores.top, len(scores.top[-1][0]) if scores.top else 0))
     return message.SerializeToString()
+
+
+def _top(rows: list[tuple[list[int], list[float]]], k: int) -> Any:
+    """The SDK's TopkLogprobs: a dense N x k matrix, empty cells token 0 and logprob -99999."""
+    ids = np.zeros((len(rows), k), dtype=np.int32)
+    values = np.full((len(rows), k), EMPTY_LOGPROB, dtype=np.float32)
+    for i, (row_ids, row_values) in enumerate(rows):
+        ids[i, :len(row_ids)] = row_ids
+        values[i, :len(row_values)] = row_values
+    return pb.TopkLogprobs(token_ids=ids.tobytes(), logprobs=values.tobytes(), k=k, length=len(rows))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -309,6 +309,50 @@ async def test_samplers_sample_what_training_scores(served: Served) -> None:
     assert "let go: a newer snapshot of the session's weights replaced it (16 are kept)" in got["let_go"]
 
 
+async def test_prompt_and_top_k_logprobs_are_the_models(served: Served) -> None:
+    """``compute_logprobs`` (prompt logprobs) equals the training forward's logprobs of the same
+    tokens; top-k rows are sorted and agree with the logprobs; the last-n form scores the suffix
+    alone; a sampled token's top-k row starts at least as high as its logprob and, where it holds
+    the token, holds that logprob."""
+    _, tok = load_model(resolve_model("tiny", served.data_dir))
+    tokens = tok.encode(PROMPT + " enots")
+
+    def scoring() -> dict[str, Any]:
+        with served.client() as service:
+            training = service.create_lora_training_client(base_model="tiny", rank=8, seed=0).result()
+            train(training, reverse_data(served.data_dir, WORDS), 3)
+            sampler = training.save_weights_and_get_sampling_client().result()
+            prompt = types.ModelInput.from_ints(tokens)
+            computed = sampler.compute_logprobs(prompt).result()
+            forward = training.forward([types.Datum(
+                model_input=types.ModelInput.from_ints(tokens[:-1]),
+                loss_fn_inputs={"target_tokens": tensor(tokens[1:], np.int64),
+                                "weights": tensor([0.0] * (len(tokens) - 1))})], "cross_entropy").result()
+            topped = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=4, temperature=1.0, seed=3),
+                                    include_prompt_logprobs=True, topk_prompt_logprobs=5, topk_sample_logprobs=64,
+                                    prompt_logprobs_last_n=3).result()
+            return {"computed": computed, "forward": forward.loss_fn_outputs[0]["logprobs"].tolist(),
+                    "topped": topped}
+
+    got = await in_thread(scoring)
+    assert got["computed"][0] is None
+    assert got["computed"][1:] == pytest.approx(got["forward"], abs=1e-4)
+    topped = got["topped"]
+    assert topped.prompt_logprobs[:-3] == [None] * (len(tokens) - 3)
+    assert topped.prompt_logprobs[-3:] == pytest.approx(got["forward"][-3:], abs=1e-4)
+    rows = topped.topk_prompt_logprobs
+    assert rows[:-3] == [None] * (len(tokens) - 3) or all(not r for r in rows[:-3]), rows[:-3]
+    for position, row in zip(range(len(tokens) - 3, len(tokens)), rows[-3:], strict=True):
+        values = [v for _, v in row]
+        assert len(row) == 5 and values == sorted(values, reverse=True)
+        given = dict(row).get(tokens[position])
+        assert given is None or given == pytest.approx(got["forward"][position - 1], abs=1e-4)
+    (sequence,) = topped.sequences
+    for token, logprob, row in zip(sequence.tokens, sequence.logprobs, sequence.topk_logprobs, strict=True):
+        assert len(row) == 64 and row[0][1] >= logprob - 1e-5
+        assert dict(row).get(token, logprob) == pytest.approx(logprob, abs=1e-5)
+
+
 def rl_prompt(tok: Any, task: dict[str, Any]) -> list[int]:
     messages = [{"role": "system", "content": "Reverse the text."}, {"role": "user", "content": task["text"]}]
     return list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))

@@ -40,9 +40,13 @@ DAILY_TOKENS = 60  # the quota: one batch of four reverse-text rows (49 tokens) 
 class Stack:
     def __init__(self, url: str, gateway: str, data_dir: Path, made: dict[str, str], app: Any, api: Any) -> None:
         self.url, self.gateway, self.data_dir, self.made, self.app, self.api = url, gateway, data_dir, made, app, api
+        self.clients: list[Any] = []
 
     def sdk(self, who: str) -> Any:
-        return tinker.ServiceClient(base_url=self.url, api_key=f"tml-{self.made[who]}")
+        """An SDK client with tenant ``who``'s key, closed with the stack (its heartbeat thread stops)."""
+        client = tinker.ServiceClient(base_url=self.url, api_key=f"tml-{self.made[who]}")
+        self.clients.append(client)
+        return client
 
 
 @pytest.fixture
@@ -58,7 +62,16 @@ async def stack(nats_server: NatsServer, bus: Bus, tmp_path: Path) -> AsyncItera
         async with serving_app(app, lifespan="on") as url:
             app.state.api.keys.ttl_s = 0.0
             gateway_app.state.keys.ttl_s = 0.0
-            yield Stack(url, gateway, tmp_path / "data", made, gateway_app, app.state.api)
+            served = Stack(url, gateway, tmp_path / "data", made, gateway_app, app.state.api)
+            try:
+                yield served
+            finally:
+                for client in served.clients:
+                    await asyncio.to_thread(finish, client)
+
+
+def finish(client: Any) -> None:
+    client.close("success").result()
 
 
 async def in_thread(fn: Callable[[], Any]) -> Any:
