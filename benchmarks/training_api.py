@@ -8,11 +8,13 @@ Two figures, each a ratio of one run (this machine's noise moves the seconds, le
   rank-8 LoRA adapter of the tiny model (8 reverse-text rows), through the SDK against
   ``python -m flywheel_trainer.tinker_api`` on loopback (a process of its own, as users run it),
   over the same step done in this process on :class:`flywheel_trainer.adapter_host.Base`
-  directly. Medians of ``--steps`` steps after two warm-up steps each. Target at most 1.2.
+  directly, the two stepping in turn (one of each, and again) so that both see the same machine.
+  Medians of ``--steps`` steps after two warm-up steps each. Target at most 1.2.
 - ``shared_trainer_speedup_<N>``: steps a second of ``--sessions`` sessions training at once, each
   its own adapter, on one API process (one copy of the base) over the same sessions each on an
   API process of its own (``--sessions`` copies of the base), with the resident memory of the
-  API processes (``shared_rss_mb``, ``separate_rss_mb``, from /proc). Target at least 1.5 (N = 4).
+  API processes (``shared_rss_mb``, ``separate_rss_mb``, from /proc); medians of four alternate
+  rounds of each. Target at least 1.5 (N = 4).
 
 The API processes meter their usage as deployed: on a nats-server of the benchmark's own.
 
@@ -37,6 +39,7 @@ import httpx
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+ROUNDS = 4  # alternate rounds of the shared and the separate sessions
 WORDS = ["abc", "hello", "stone", "river", "cloud", "apple", "tiger", "lemon"]
 
 
@@ -89,58 +92,68 @@ def sdk_data(data: list[tuple[list[int], list[int], list[float]]]) -> list[Any]:
             for model_input, targets, weights in data]
 
 
-def sdk_steps(url: str, data: list[Any], steps: int, seed: int) -> list[float]:
-    """Seconds of each forward_backward + optim_step through the SDK (two warm-up steps first)."""
-    import tinker
-    from tinker import types
+class SdkStepper:
+    """One SDK session's LoRA model on the API at ``url``: ``step()`` is a forward_backward +
+    optim_step, submitted together as the SDK recommends."""
 
-    with tinker.ServiceClient(base_url=url, api_key="tml-bench") as service:
-        training = service.create_lora_training_client(base_model="tiny", rank=8, seed=seed).result()
-        seconds = []
-        for i in range(steps + 2):
-            started = time.perf_counter()
-            done = training.forward_backward(data, "cross_entropy")
-            stepped = training.optim_step(types.AdamParams(learning_rate=1e-3))
-            done.result()
-            stepped.result()
-            if i >= 2:
-                seconds.append(time.perf_counter() - started)
-        return seconds
+    def __init__(self, url: str, data: list[Any], seed: int) -> None:
+        import tinker
 
+        self.data = data
+        self.service = tinker.ServiceClient(base_url=url, api_key="tml-bench")
+        self.training = self.service.create_lora_training_client(base_model="tiny", rank=8, seed=seed).result()
 
-def direct_steps(data_dir: Path, data: list[tuple[list[int], list[int], list[float]]], steps: int) -> list[float]:
-    """The same step on the adapter host in this process."""
-    from flywheel_trainer.adapter_host import Base, Datum
+    def step(self) -> float:
+        from tinker import types
 
-    base = Base("tiny", data_dir)
-    adapter = base.add("bench", 8, 0, True, True, True)
-    datums = [Datum(list(m), {"target_tokens": np.asarray(t, np.int64), "weights": np.asarray(w, np.float32)})
-              for m, t, w in data]
-    seconds = []
-    for i in range(steps + 2):
         started = time.perf_counter()
-        base.forward_backward(adapter, datums, "cross_entropy", False)
-        base.optim_step(adapter, 1e-3, 0.9, 0.95, 1e-12, 0.0, 0.0)
-        if i >= 2:
-            seconds.append(time.perf_counter() - started)
-    return seconds
+        done = self.training.forward_backward(self.data, "cross_entropy")
+        stepped = self.training.optim_step(types.AdamParams(learning_rate=1e-3))
+        done.result()
+        stepped.result()
+        return time.perf_counter() - started
+
+    def close(self) -> None:
+        self.service.close("success").result()
 
 
-def concurrent(urls: list[str], data: list[Any], steps: int) -> float:
-    """Steps a second of len(urls) sessions at once (session i on urls[i])."""
-    results: list[list[float]] = [[] for _ in urls]
+class DirectStepper:
+    """The same step on the adapter host in this process."""
 
-    def one(i: int) -> None:
-        results[i] = sdk_steps(urls[i], data, steps, seed=i)
+    def __init__(self, data_dir: Path, data: list[tuple[list[int], list[int], list[float]]]) -> None:
+        from flywheel_trainer.adapter_host import Base, Datum
 
+        self.base = Base("tiny", data_dir)
+        self.adapter = self.base.add("bench", 8, 0, True, True, True)
+        self.datums = [Datum(list(m), {"target_tokens": np.asarray(t, np.int64),
+                                       "weights": np.asarray(w, np.float32)}) for m, t, w in data]
+
+    def step(self) -> float:
+        started = time.perf_counter()
+        self.base.forward_backward(self.adapter, self.datums, "cross_entropy", False)
+        self.base.optim_step(self.adapter, 1e-3, 0.9, 0.95, 1e-12, 0.0, 0.0)
+        return time.perf_counter() - started
+
+
+def interleaved(direct: DirectStepper, api: SdkStepper, steps: int) -> tuple[list[float], list[float]]:
+    """Seconds of each step of both, one after the other (two warm-up steps each first), so that
+    both see the same machine: what else runs on it slows both alike."""
+    for _ in range(2):
+        direct.step()
+        api.step()
+    pairs = [(direct.step(), api.step()) for _ in range(steps)]
+    return [d for d, _ in pairs], [a for _, a in pairs]
+
+
+def steps_per_s(steppers: list[SdkStepper], steps: int) -> float:
+    """Steps a second of the sessions stepping at once, ``steps`` each (one thread a session)."""
     started = time.perf_counter()
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(urls))]
+    threads = [threading.Thread(target=lambda s=stepper: [s.step() for _ in range(steps)]) for stepper in steppers]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    wall = time.perf_counter() - started
-    return len(urls) * (steps + 2) / wall
+    return len(steppers) * steps / (time.perf_counter() - started)
 
 
 def main() -> None:
@@ -158,21 +171,29 @@ def main() -> None:
         try:
             _, tok = load_model(resolve_model("tiny", data_dir))
             data = rows(tok)
-            direct = direct_steps(data_dir, data, args.steps)
-            api, url = start_api(data_dir, nats.url)
+            apis = [start_api(data_dir, nats.url) for _ in range(1 + args.sessions)]
             try:
-                through = sdk_steps(url, sdk_data(data), args.steps, seed=0)
-                shared = concurrent([url] * args.sessions, sdk_data(data), args.steps)
-                shared_rss = rss_mb(api.pid)
+                url = apis[0][1]
+                single = SdkStepper(url, sdk_data(data), seed=0)
+                direct, through = interleaved(DirectStepper(data_dir, data), single, args.steps)
+                single.close()
+                # The sessions on one API process (one base), and each on its own: in alternate
+                # rounds, so that both see the same machine.
+                shared = [SdkStepper(url, sdk_data(data), seed=i) for i in range(args.sessions)]
+                apart = [SdkStepper(u, sdk_data(data), seed=i) for i, (_, u) in enumerate(apis[1:])]
+                for group in (shared, apart):
+                    steps_per_s(group, 2)  # warm-up
+                per_round = max(1, args.steps // ROUNDS)
+                shared_rates, apart_rates = [], []
+                for _ in range(ROUNDS):
+                    shared_rates.append(steps_per_s(shared, per_round))
+                    apart_rates.append(steps_per_s(apart, per_round))
+                shared_rss = rss_mb(apis[0][0].pid)
+                separate_rss = sum(rss_mb(p.pid) for p, _ in apis[1:])
+                for stepper in (*shared, *apart):
+                    stepper.close()
             finally:
-                api.kill()
-                api.wait()
-            separate = [start_api(data_dir, nats.url) for _ in range(args.sessions)]
-            try:
-                apart = concurrent([u for _, u in separate], sdk_data(data), args.steps)
-                separate_rss = sum(rss_mb(p.pid) for p, _ in separate)
-            finally:
-                for process, _ in separate:
+                for process, _ in apis:
                     process.kill()
                     process.wait()
         finally:
@@ -180,8 +201,10 @@ def main() -> None:
     figures = {
         "step_s_direct": statistics.median(direct), "step_s_api": statistics.median(through),
         "api_overhead_ratio": statistics.median(through) / statistics.median(direct),
-        "sessions": args.sessions, "shared_steps_per_s": shared, "separate_steps_per_s": apart,
-        f"shared_trainer_speedup_{args.sessions}": shared / apart, "shared_rss_mb": shared_rss,
+        "sessions": args.sessions, "shared_steps_per_s": statistics.median(shared_rates),
+        "separate_steps_per_s": statistics.median(apart_rates),
+        f"shared_trainer_speedup_{args.sessions}": statistics.median(shared_rates) / statistics.median(apart_rates),
+        "shared_rss_mb": shared_rss,
         "separate_rss_mb": separate_rss,
         "steps": args.steps, "cpus": os.cpu_count(),
     }

@@ -70,8 +70,7 @@ from typing import Any
 
 import httpx
 import numpy as np
-from fastapi import FastAPI, HTTPException, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request, Response
 from tinker import types as tt
 from tinker.proto import tinker_public_pb2 as pb
 
@@ -472,65 +471,61 @@ def create_app(settings: Settings, bus: str = "off") -> FastAPI:
     def tenant_of(request: Request) -> str:
         return str(request.state.tenant)
 
-    @app.middleware("http")
-    async def keyed(request: Request, call_next: Any) -> Any:
+    async def authorize(request: Request) -> None:
         """The request's tenant (``request.state.tenant``) from its key; 401/403 as the module says."""
-        path = request.url.path
-        if not path.startswith("/api/v1/") or path == "/api/v1/healthz":
-            return await call_next(request)
         key = request.headers.get("x-api-key", "")
         if not key.startswith(KEY_PREFIX):
-            return JSONResponse({"detail": f"no API key: send X-API-Key: {KEY_PREFIX}... (the tinker SDK does"
-                                           + (f"; here {KEY_PREFIX} then a Flywheel key, fw_..." if api.keys else "")
-                                           + ")"}, 401)
+            raise HTTPException(401, f"no API key: send X-API-Key: {KEY_PREFIX}... (the tinker SDK does"
+                                     + (f"; here {KEY_PREFIX} then a Flywheel key, fw_..." if api.keys else "") + ")")
         if api.keys is None:
             request.state.tenant = OPEN_TENANT
-            return await call_next(request)
+            return
         try:
-            who = await api.keys.authorize(key.removeprefix(KEY_PREFIX), "POST", path)
+            who = await api.keys.authorize(key.removeprefix(KEY_PREFIX), "POST", request.url.path)
         except KeyRefused as exc:
-            return JSONResponse({"detail": f"{exc} (the training API takes {KEY_PREFIX} then the key)"}, 401)
+            raise HTTPException(401, f"{exc} (the training API takes {KEY_PREFIX} then the key)") from None
         except ScopeRefused as exc:
-            return JSONResponse({"detail": str(exc)}, 403)
+            raise HTTPException(403, str(exc)) from None
         if who.service:
-            return JSONResponse({"detail": "the deployment's service token trains no models: use a tenant's key"},
-                                403)
+            raise HTTPException(403, "the deployment's service token trains no models: use a tenant's key")
         request.state.tenant = who.tenant
-        return await call_next(request)
+
+    # Every route but the probe's wants a key (a dependency: a middleware costs each request more).
+    router = APIRouter(prefix="/api/v1", dependencies=[Depends(authorize)])
 
     @app.get("/api/v1/healthz")
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.post("/api/v1/client/config")
+    @router.post("/client/config")
     async def client_config() -> dict[str, Any]:
         return {"pjwt_auth_enabled": False, "credential_default_source": "api_key", "parallel_fwdbwd_chunks": False,
                 "proto_compress_fwdbwd": False, "use_pyqwest_transport": False, "sample_use_retrieve_futures": False,
                 "custom_loss_server_side": False, "sample_join_sampling_session": False}
 
-    @app.post("/api/v1/client/dynamic_config")
+    @router.post("/client/dynamic_config")
     async def dynamic_config() -> dict[str, Any]:
         return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
 
-    @app.get("/api/v1/get_server_capabilities")
+    @router.get("/get_server_capabilities")
     async def capabilities() -> dict[str, Any]:
         names = sorted({*BUILDERS, *api.bases})
         return {"supported_models": [{"model_name": n, "trainable": True, "sampleable": False} for n in names]}
 
-    @app.post("/api/v1/create_session")
+    @router.post("/create_session")
     async def create_session(request: Request) -> dict[str, Any]:
         await body_of(request, tt.CreateSessionRequest)
         session = f"session-{api.new_id()}"
         api.sessions[session] = Session(session, tenant_of(request), time.monotonic())
         return {"type": "create_session", "session_id": session}
 
-    @app.post("/api/v1/session_heartbeat")
+    @router.post("/session_heartbeat")
     async def heartbeat(request: Request) -> dict[str, Any]:
         beat = await body_of(request, tt.SessionHeartbeatRequest)
         api.session(beat.session_id, tenant_of(request)).beat = time.monotonic()
         return {"type": "session_heartbeat"}
 
-    @app.post("/api/v1/sessions/{session_id}/finish")
+    @router.post("/sessions/{session_id}/finish")
     async def finish_session(session_id: str, request: Request) -> None:
         """The session is done: its models' and samplers' adapters are let go (checkpoints stay)."""
         api.session(session_id, tenant_of(request))
@@ -545,11 +540,11 @@ def create_app(settings: Settings, bus: str = "off") -> FastAPI:
             del api.models[model.id]
             await api.torch(model.base.remove, model.id)
 
-    @app.post("/api/v1/telemetry")
+    @router.post("/telemetry")
     async def telemetry() -> dict[str, str]:
         return {"status": "accepted"}
 
-    @app.post("/api/v1/create_model")
+    @router.post("/create_model")
     async def create_model(request: Request) -> dict[str, Any]:
         asked = await body_of(request, tt.CreateModelRequest)
         session = api.session(asked.session_id, tenant_of(request))
@@ -568,7 +563,7 @@ def create_app(settings: Settings, bus: str = "off") -> FastAPI:
 
         return api.future(session.tenant, make, model_id)
 
-    @app.post("/api/v1/get_info")
+    @router.post("/get_info")
     async def get_info(request: Request) -> dict[str, Any]:
         model = api.model((await body_of(request, tt.GetInfoRequest)).model_id, tenant_of(request))
         arch = type(model.base.model).__name__
@@ -576,7 +571,7 @@ def create_app(settings: Settings, bus: str = "off") -> FastAPI:
                 "lora_rank": model.adapter.rank,
                 "model_data": {"arch": arch, "model_name": model.base.name, "tokenizer_id": model.base.name}}
 
-    @app.post("/api/v1/forward_backward")
+    @router.post("/forward_backward")
     async def forward_backward(request: Request) -> dict[str, Any]:
         if PROTO not in request.headers.get("content-type", ""):
             raise HTTPException(415, f"forward_backward takes the SDK's protobuf body ({PROTO})")
@@ -612,7 +607,7 @@ def create_app(settings: Settings, bus: str = "off") -> FastAPI:
 
         return api.ordered(model, message.seq_id, run, metered)
 
-    @app.post("/api/v1/optim_step")
+    @router.post("/optim_step")
     async def optim_step(request: Request) -> dict[str, Any]:
         asked = await body_of(request, tt.OptimStepRequest)
         model = api.model(asked.model_id, tenant_of(request))
@@ -626,14 +621,14 @@ def create_app(settings: Settings, bus: str = "off") -> FastAPI:
 
         return api.ordered(model, asked.seq_id, run)
 
-    @app.post("/api/v1/save_weights")
+    @router.post("/save_weights")
     async def save_weights(request: Request) -> dict[str, Any]:
         asked = await body_of(request, tt.SaveWeightsRequest)
         model = api.model(asked.model_id, tenant_of(request))
         name = asked.path or f"step-{model.adapter.steps}"
         return api.save_named(model, name, asked.seq_id, asked.overwrite, {"type": "save_weights"})
 
-    @app.post("/api/v1/load_weights")
+    @router.post("/load_weights")
     async def load_weights(request: Request) -> dict[str, Any]:
         asked = await body_of(request, tt.LoadWeightsRequest)
         tenant = tenant_of(request)
@@ -652,7 +647,7 @@ def create_app(settings: Settings, bus: str = "off") -> FastAPI:
 
         return api.ordered(model, asked.seq_id, run)
 
-    @app.post("/api/v1/save_weights_for_sampler")
+    @router.post("/save_weights_for_sampler")
     async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
         asked = await body_of(request, tt.SaveWeightsForSamplerRequest)
         model = api.model(asked.model_id, tenant_of(request))
@@ -680,7 +675,7 @@ def create_app(settings: Settings, bus: str = "off") -> FastAPI:
 
         return api.ordered(model, asked.seq_id, snapshot, keep)
 
-    @app.post("/api/v1/create_sampling_session")
+    @router.post("/create_sampling_session")
     async def create_sampling_session(request: Request) -> dict[str, Any]:
         asked = await body_of(request, tt.CreateSamplingSessionRequest)
         tenant = tenant_of(request)
@@ -699,12 +694,12 @@ def create_app(settings: Settings, bus: str = "off") -> FastAPI:
             api.samplers[sampler_id] = Sampler(sampler_id, session.id, tenant, base, adapter, asked.model_path)
         return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
 
-    @app.get("/api/v1/samplers/{sampler_id}")
+    @router.get("/samplers/{sampler_id}")
     async def get_sampler(sampler_id: str, request: Request) -> dict[str, Any]:
         sampler = api.sampler(sampler_id, tenant_of(request))
         return {"sampler_id": sampler.id, "base_model": sampler.base.name, "model_path": sampler.model_path}
 
-    @app.post("/api/v1/asample")
+    @router.post("/asample")
     async def asample(request: Request) -> dict[str, Any]:
         asked = await body_of(request, tt.SampleRequest)
         if asked.sampling_session_id is None:
@@ -735,7 +730,7 @@ def create_app(settings: Settings, bus: str = "off") -> FastAPI:
         answer = api.future(sampler.tenant, work)
         return {**answer, "sample_sequence_ids": [f"{answer['request_id']}-{i}" for i in range(asked.num_samples)]}
 
-    @app.post("/api/v1/retrieve_future")
+    @router.post("/retrieve_future")
     async def retrieve_future(request: Request) -> Any:
         asked = await body_of(request, tt.FutureRetrieveRequest)
         tenant, future = api.results.get(asked.request_id, ("", None))
@@ -753,6 +748,7 @@ def create_app(settings: Settings, bus: str = "off") -> FastAPI:
             return Response(result, media_type=PROTO)
         return result
 
+    app.include_router(router)
     return app
 
 
