@@ -58,7 +58,7 @@ from flywheel_gateway.models import (
     TracePublic,
 )
 from flywheel_gateway.responses import ERROR_RESPONSES
-from flywheel_gateway.store import Store
+from flywheel_gateway.store import Store, shown_error
 
 router = APIRouter(prefix="/v1/traces", tags=["traces"], responses=ERROR_RESPONSES)
 
@@ -155,8 +155,8 @@ def _node_public(node: events.Node, position: int, tokens: bool) -> dict[str, An
 def _rollout_public(r: events.Rollout) -> dict[str, Any]:
     num_tokens = sum(len(n.tokens.token_ids) for n in r.nodes if n.tokens is not None)
     return RolloutPublic(id=r.id, run=r.run, env=r.env, task_id=r.task_id, group_id=r.group_id, index=r.index,
-                         policy_version=r.policy_version, status=r.status, error=r.error, reward=None,
-                         num_tokens=num_tokens, created_at=r.created_at).model_dump(mode="json")
+                         policy_version=r.policy_version, status=r.status, error=shown_error(r.status, r.error, []),
+                         reward=None, num_tokens=num_tokens, created_at=r.created_at).model_dump(mode="json")
 
 
 async def _follow_live(bus: Bus, first: Any, rollout_id: str, tokens: bool) -> sse.Events:

@@ -248,7 +248,9 @@ class RolloutPublic(BaseModel):
     index: int
     policy_version: int
     status: Literal["completed", "truncated", "error"]
-    error: str | None
+    error: str | None = Field(description="Why the rollout is an error, as the filter `error=true` takes it: "
+                                          "inference's message, then each failed scorer's (`scorer 'NAME' "
+                                          "failed: ...`); null for the others.")
     reward: float | None = Field(description="The rollout's reward, as the trainer takes it: the weighted sum of the "
                                              "values of its run's scorers; null until each has scored it, when one "
                                              "failed on it, and for an errored rollout.")

@@ -57,7 +57,7 @@ import asyncio
 import base64
 import binascii
 import hashlib
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
@@ -185,7 +185,8 @@ class RolloutFilter:
     without a reward (not scored yet, or a scorer failed on them). ``created_after`` is
     inclusive and ``created_before`` exclusive, so consecutive windows never overlap.
     ``error``: True keeps rollouts with an error (inference marked them ``error`` or gave an
-    error message, or a scorer failed on them), False keeps the others.
+    error message, or a scorer failed on them), False keeps the others; a rollout read from
+    the store has its ``error`` say why (:func:`shown_error`), so the two agree.
     """
 
     run: str | None = None
@@ -255,6 +256,18 @@ def _is_env_id(column: sa.ColumnElement[Any], env_id: str) -> sa.ColumnElement[b
 def _has_error() -> sa.ColumnElement[bool]:
     c = s.rollouts.c
     return sa.or_(c.status == "error", c.error.is_not(None), _failed_score(c.id))
+
+
+def shown_error(status: str, error: str | None, scores: Iterable[Mapping[str, Any]]) -> str | None:
+    """A rollout's ``error`` as the API shows it: why :func:`_has_error` holds (inference's
+    message, then each failed scorer's), None where it does not. The filter ``error=true``
+    also keeps rollouts a scorer failed on and those inference marked ``error`` without a
+    message; the rollout's own message alone would show them as null."""
+    whys = [error] if error else []
+    whys += [f"scorer {sc['scorer']!r} failed: {sc['error']}" for sc in scores if sc["error"] is not None]
+    if not whys and (status == "error" or error is not None):
+        whys = ["inference marked the rollout an error without a message"]
+    return "; ".join(whys) or None
 
 
 # Cursor keys as the database columns take them: seq is 64-bit, times are aware (UTC).
@@ -742,8 +755,25 @@ class Store:
     async def list_rollouts(self, filters: RolloutFilter | None = None, cursor: str | None = None,
                             limit: int = 50) -> Page:
         filters = filters or RolloutFilter()
-        return await self._page("rollouts", s.rollouts, _columns(s.rollouts, "event"), self._where(filters), cursor,
+        page = await self._page("rollouts", s.rollouts, _columns(s.rollouts, "event"), self._where(filters), cursor,
                                 limit, scope=filters.fingerprint())
+        failed = await self._failed_scores([row["id"] for row in page.items])
+        for row in page.items:
+            row["error"] = shown_error(row["status"], row["error"], failed.get(row["id"], []))
+        return page
+
+    async def _failed_scores(self, rollout_ids: Sequence[str]) -> dict[str, list[dict[str, Any]]]:
+        """The scores with an error of ``rollout_ids``, by rollout, in scorer order."""
+        sc = s.scores.c
+        by_rollout: dict[str, list[dict[str, Any]]] = {}
+        async with self.engine.connect() as conn:
+            for chunk in _chunks(rollout_ids):
+                found = await conn.execute(sa.select(sc.rollout_id, sc.scorer, sc.error)
+                                           .where(sc.rollout_id.in_(chunk), sc.error.is_not(None))
+                                           .order_by(sc.rollout_id, sc.scorer))
+                for score in found.mappings():
+                    by_rollout.setdefault(score["rollout_id"], []).append(dict(score))
+        return by_rollout
 
     def _where(self, filters: RolloutFilter) -> list[sa.ColumnElement[bool]]:
         run = self._text(filters.run) if filters.run is not None else None
@@ -805,6 +835,7 @@ class Store:
         out["metrics"] = event.get("metrics", {})
         out["task_data"] = event.get("task_data", {})
         out["scores"] = [dict(sc) for sc in scores]
+        out["error"] = shown_error(out["status"], out["error"], out["scores"])
         return out
 
     async def list_runs(self, tenant: str | None = None, cursor: str | None = None, limit: int = 50) -> Page:
@@ -1165,6 +1196,7 @@ def export_record(row: dict[str, Any], scores: list[dict[str, Any]], tokens: boo
     nodes = event.get("nodes", [])
     branch = final_branch(nodes, ROWS)
     record = {k: v for k, v in row.items() if k not in ("seq", "event")}
+    record["error"] = shown_error(row["status"], row["error"], scores)
     record.update(task_data=event.get("task_data", {}), metrics=event.get("metrics", {}),
                   state=event.get("state", {}), scores=scores,
                   num_nodes=len(nodes), messages=[{"content": "", **n["message"]} for n in branch])

@@ -67,6 +67,33 @@ async def test_error_and_time_filters(client: httpx.AsyncClient, store: Store) -
     assert await ids(client, min_reward=0.0, max_reward=0.5) == ["late"]
 
 
+async def test_a_rollout_the_error_filter_keeps_says_why_and_no_other_does(client: httpx.AsyncClient,
+                                                                          store: Store) -> None:
+    """``error=true`` keeps a rollout inference failed (with a message or without) and one a
+    scorer failed on; each of them, and none of the others, has an ``error`` saying why: in
+    the listing, the export and the rollout itself."""
+    failed_score = events.Score(id="s-bad", run="r1", env="math", rollout_id="scorer-failed", group_id="g1",
+                                scorer="judge", value=0.0, error="judge timed out", created_at=T0)
+    await store.record([
+        rollout("ok"), rollout("broken", status="error"), rollout("scorer-failed"), failed_score,
+        msgspec.structs.replace(rollout("message", status="truncated"), error="sandbox lost"),
+        score("s1", "ok", 1.0), score("s2", "scorer-failed", 1.0)])
+
+    async def errors(**params: Any) -> dict[str, str | None]:
+        listed = (await client.get("/v1/rollouts", params=params)).json()["items"]
+        exported = [json.loads(line) for line in (await client.get("/v1/rollouts/export", params=params)).text
+                    .splitlines()[:-1]]
+        each = {r["id"]: (await client.get(f"/v1/rollouts/{r['id']}")).json()["error"] for r in listed}
+        assert {r["id"]: r["error"] for r in listed} == {r["id"]: r["error"] for r in exported} == each
+        return each
+
+    assert await errors(error="false") == {"ok": None}
+    shown = await errors(error="true")
+    assert shown.keys() == {"broken", "scorer-failed", "message"} and all(shown.values()), shown
+    assert shown["message"] == "sandbox lost"
+    assert "judge" in str(shown["scorer-failed"]) and "judge timed out" in str(shown["scorer-failed"])
+
+
 async def test_bad_parameters_are_refused_naming_them(client: httpx.AsyncClient) -> None:
     async def detail(**params: Any) -> str:
         return await unprocessable(client, "GET", "/v1/rollouts", params=params)
