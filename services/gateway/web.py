@@ -30,7 +30,9 @@ another tenant's, a malformed id, not found) is a page that says what is wrong, 
 status code, never a 500.
 
 - ``/environments``: the hub's environments the caller sees; ``/environments/{owner}/{name}``:
-  one with its README, versions (sha256, files), lineage and forks, and its leaderboard.
+  one with its README, versions (sha256, files), lineage and forks, and its leaderboard. A
+  README is anyone's Markdown: rendered with its raw HTML shown as text, and links and images
+  kept only with http(s) or relative URLs, so none can run script in the page.
 - ``/usage``: the caller's tenant's tokens (prompt, sampled, trained) and cost over time, a bar
   chart each by time bucket (``GET /v1/usage/over-time``, embedded in the page and drawn by the
   script), and by run and source, with its cost by the price table; ``since``, ``until`` and
@@ -49,6 +51,7 @@ Not covered: filters of the rollouts listing.
 from __future__ import annotations
 
 import functools
+import urllib.parse
 from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -60,6 +63,8 @@ from fastapi.responses import HTMLResponse, RedirectResponse
 from fastapi.routing import APIRoute
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
+from markdown_it import MarkdownIt
+from markupsafe import Markup
 from pydantic import BaseModel, ValidationError
 
 from flywheel.contract import events, runs
@@ -86,7 +91,37 @@ Query = TypeVar("Query", bound=BaseModel)
 
 @functools.cache
 def _templates() -> Jinja2Templates:
-    return Jinja2Templates(directory=HERE / "templates")
+    templates = Jinja2Templates(directory=HERE / "templates")
+    templates.env.filters["markdown"] = markdown_html
+    return templates
+
+
+SAFE_SCHEMES = ("", "http", "https")  # "": relative, or a fragment
+
+
+class _StrangersMarkdown(MarkdownIt):
+    """CommonMark (and tables) for text anyone may push: raw HTML stays text, and a link or
+    image is one only when its URL is http(s) or relative; any other (``javascript:``,
+    ``data:``, ...) stays text too."""
+
+    def __init__(self) -> None:
+        super().__init__("commonmark", {"html": False})
+        self.enable("table")
+
+    def validateLink(self, url: str) -> bool:  # markdown-it's name, overridden
+        """``url`` as markdown-it hands it: entities decoded, then percent-encoded, so no control
+        character or space can hide a scheme from this check (nor from the browser's)."""
+        return urllib.parse.urlsplit(url.strip()).scheme.lower() in SAFE_SCHEMES
+
+
+@functools.cache
+def _markdown() -> _StrangersMarkdown:
+    return _StrangersMarkdown()
+
+
+def markdown_html(text: str) -> Markup:
+    """A hub README (Markdown, a stranger's) as HTML that runs nothing: see :class:`_StrangersMarkdown`."""
+    return Markup(_markdown().render(text))  # markdown-it escapes every text and attribute
 
 
 def static_files() -> StaticFiles:

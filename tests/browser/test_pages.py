@@ -287,6 +287,7 @@ async def test_hub_and_usage_pages(browser: Browser, gateway: Gateway, screensho
     await expect(page.locator("#leaderboard tbody tr").first).to_contain_text("large")
     await expect(page.locator("#forks")).to_contain_text("a/quiz-hard")
     await expect(page.locator("#readme")).to_contain_text("The README.")
+    await expect(page.locator("#readme h1")).to_have_text("word-quiz")  # Markdown, rendered
     await page.screenshot(path=screenshots / "environment.png", full_page=True)
     await page.goto("/usage?bucket=1d")
     await expect(page.locator("#usage")).to_contain_text("4096")

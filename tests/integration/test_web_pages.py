@@ -7,6 +7,7 @@ The browser tier (tests/browser) drives them in Chromium."""
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import json
 import re
@@ -109,7 +110,7 @@ async def test_hub_and_usage_pages_show_the_callers_own_and_the_public(keyed_app
     for url in ("/environments", "/environments/a/quiz", "/usage"):
         assert (await get(keyed_app, url, None)).status_code == 401, url
     page = (await get(keyed_app, "/environments/a/quiz", owned["a"])).text
-    assert "tiny-model" in page and "0.625" in page and "# word-quiz" in page and "a_quiz-0.1.0" in page, page
+    assert "tiny-model" in page and "0.625" in page and "<h1>word-quiz</h1>" in page and "a_quiz-0.1.0" in page, page
     assert 'href="/environments/a/quiz"' in (await get(keyed_app, "/environments", owned["a"])).text
     other = await get(keyed_app, "/environments/a/quiz", owned["b"])
     assert other.status_code == 404 and "tiny-model" not in other.text
@@ -119,6 +120,45 @@ async def test_hub_and_usage_pages_show_the_callers_own_and_the_public(keyed_app
     usage = (await get(keyed_app, "/usage", owned["a"])).text
     assert "4096" in usage and f'href="/runs/{RUN}"' in usage, usage
     assert "4096" not in (await get(keyed_app, "/usage", owned["b"])).text
+
+
+HOSTILE_README = """# Word quiz
+
+Answer *one* word.
+
+- first
+- second
+
+```python
+print("<b>not bold</b>")
+```
+
+<script>alert("readme")</script>
+<img src="x" onerror="alert('img')">
+[click me](javascript:alert('link')) [also](JavaScript:alert(1)) [entity](jav&#x61;script:alert(1))
+<javascript:alert('autolink')>
+![pixel](javascript:alert('image'))
+[docs](https://example.com/docs) [local](./tasks.md) [section](#usage)
+"""
+
+
+async def test_a_hub_readme_renders_as_markdown_with_no_script_a_stranger_wrote(keyed_app: FastAPI,
+                                                                                owned: dict[str, Any]) -> None:
+    """A README is Markdown: headings, lists and code render; its raw HTML shows as text, and a
+    link or image whose URL is neither http(s) nor relative is no link."""
+    store: Store = keyed_app.state.store
+    package = inspect_package("a/quiz", "0.1.0", dict([wheel("a_quiz", "0.1.0", "a/quiz")]), 1 << 20)
+    await store.hub_push(dataclasses.replace(package, readme=HOSTILE_README), "a", private=False, pushed_by=None)
+    page = (await get(keyed_app, "/environments/a/quiz", owned["b"])).text
+    readme = page[page.index('id="readme"'):]
+    assert "<h1>Word quiz</h1>" in readme and "<em>one</em>" in readme and "<li>second</li>" in readme, readme
+    assert '<code class="language-python">print(&quot;&lt;b&gt;not bold&lt;/b&gt;&quot;)' in readme, readme
+    readme = readme[:readme.index("</main>")]
+    assert "&lt;script&gt;" in readme and "&lt;img" in readme, readme  # shown as text
+    tags = re.findall(r"<[a-zA-Z][^>]*>", readme)
+    assert not [tag for tag in tags if re.match(r"<(script|img|iframe)", tag, re.I) or re.search(r"\son\w*=", tag)]
+    urls = [url for tag in tags for url in re.findall(r"""\s(?:href|src)\s*=\s*["']?([^"'\s>]*)""", tag, re.I)]
+    assert urls == ["https://example.com/docs", "./tasks.md", "#usage"], urls
 
 
 async def test_a_person_signs_in_with_a_key_kept_for_reading_and_the_run_buttons(keyed_app: FastAPI,
