@@ -27,6 +27,7 @@ from fastapi import APIRouter, Query
 from fastapi.responses import StreamingResponse
 
 from flywheel.contract.keys import Caller
+from flywheel.sdk.environment import other_ids
 from flywheel_gateway.auth import CallerDep, check_rollout, listing_tenant, rollout_not_found
 from flywheel_gateway.deps import BusDep, RolloutIdPath, StoreDep
 from flywheel_gateway.models import RolloutDetail, RolloutExportQuery, RolloutFilters, RolloutListQuery, RolloutPage
@@ -41,12 +42,14 @@ log = logging.getLogger(__name__)
 
 def to_filter(query: RolloutFilters, who: Caller) -> RolloutFilter:
     """The store's filter for ``query`` (with an API key: its tenant's runs alone); a 422 naming
-    the parameter for an inverted range."""
+    the parameter for an inverted range. ``env`` takes the environment's other ids too
+    (``flywheel/reverse-text`` and ``reverse_text``): a run config may name either."""
     refuse_inverted_range("min_reward", query.min_reward, "max_reward", query.max_reward)
     refuse_inverted_range("min_policy_version", query.min_policy_version, "max_policy_version",
                           query.max_policy_version)
     refuse_inverted_range("created_after", query.created_after, "created_before", query.created_before)
-    return RolloutFilter(**query.model_dump(include=set(RolloutFilters.model_fields)),
+    aliases = tuple(other_ids(query.env)) if query.env is not None else ()
+    return RolloutFilter(**query.model_dump(include=set(RolloutFilters.model_fields)), env_aliases=aliases or None,
                          tenant=listing_tenant(who, None))
 
 

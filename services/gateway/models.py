@@ -290,7 +290,9 @@ class RolloutFilters(BaseModel):
     run: TokenFilter | None = None
     env: EnvFilter | None = Field(None, description="The environment: the name in the rollouts' subjects "
                                                     "(reverse_text), or the id a run's config names "
-                                                    "(owner/name, owner/name@1.0).")
+                                                    "(owner/name, owner/name@1.0). An installed package's "
+                                                    "id (no version) and its module are one environment: "
+                                                    "either finds runs configured with the other.")
     status: Literal["completed", "truncated", "error"] | None = None
     error: bool | None = Field(None, description="true: rollouts with an error (inference marked them `error` or "
                                                  "gave a message, or a scorer failed on them); false: the others.")

@@ -191,6 +191,7 @@ class RolloutFilter:
 
     run: str | None = None
     env: str | None = None
+    env_aliases: tuple[str, ...] | None = None  # env's other ids: its rollouts are of runs configured with these too
     status: str | None = None
     error: bool | None = None
     flagged: bool | None = None  # flagged by the reward-hacking watch (a score of the scorer 'watch')
@@ -207,11 +208,7 @@ class RolloutFilter:
         c = s.rollouts.c
         conditions = [
             (self.run, lambda v: c.run == v),
-            (self.env, lambda v: sa.or_(
-                c.env == v,  # the name in subjects, or the id run with: the run's one, or this environment's
-                c.run.in_(sa.select(s.runs.c.id).where(_is_env_id(s.runs.c.env, v))),
-                sa.exists().where(s.run_envs.c.run == c.run, s.run_envs.c.env == c.env,
-                                  _is_env_id(s.run_envs.c.env_id, v)))),
+            (self.env, lambda v: _of_env(v, self.env_aliases or ())),
             (self.status, lambda v: c.status == v),
             (self.tenant, lambda v: c.run.in_(sa.select(s.runs.c.id).where(s.runs.c.tenant == v))),
             (self.error, lambda v: _has_error() if v else sa.not_(_has_error())),
@@ -248,9 +245,19 @@ def _flagged(rollout_id: sa.ColumnElement[str]) -> sa.Exists:
     return sa.exists().where(sc.rollout_id == rollout_id, sc.scorer == events.WATCH_SCORER)
 
 
-def _is_env_id(column: sa.ColumnElement[Any], env_id: str) -> sa.ColumnElement[bool]:
-    """``column`` holds ``env_id``, or ``env_id@VERSION`` (the id without a version takes any)."""
-    return sa.or_(column == env_id, column.startswith(f"{env_id}@", autoescape=True))
+def _is_env_id(column: sa.ColumnElement[Any], env_ids: Sequence[str]) -> sa.ColumnElement[bool]:
+    """``column`` holds one of ``env_ids``, or it with ``@VERSION`` (an id without a version takes any)."""
+    return sa.or_(*(sa.or_(column == env_id, column.startswith(f"{env_id}@", autoescape=True)) for env_id in env_ids))
+
+
+def _of_env(env: str, aliases: Sequence[str]) -> sa.ColumnElement[bool]:
+    """Rollouts of ``env``: the name in their subjects, or the id their run was configured with
+    (the run's one, or in a run of several this rollout's environment's), ``env`` or one of
+    ``aliases``, its other ids (a hub id's module, a module's hub id)."""
+    c, ids = s.rollouts.c, [env, *aliases]
+    return sa.or_(c.env == env, c.run.in_(sa.select(s.runs.c.id).where(_is_env_id(s.runs.c.env, ids))),
+                  sa.exists().where(s.run_envs.c.run == c.run, s.run_envs.c.env == c.env,
+                                    _is_env_id(s.run_envs.c.env_id, ids)))
 
 
 def _has_error() -> sa.ColumnElement[bool]:
@@ -778,7 +785,8 @@ class Store:
     def _where(self, filters: RolloutFilter) -> list[sa.ColumnElement[bool]]:
         run = self._text(filters.run) if filters.run is not None else None
         env = self._text(filters.env) if filters.env is not None else None
-        return replace(filters, run=run, env=env).where()
+        aliases = tuple(self._texts(filters.env_aliases)) if filters.env_aliases is not None else None
+        return replace(filters, run=run, env=env, env_aliases=aliases).where()
 
     async def export_rollouts(self, filters: RolloutFilter | None = None, tokens: bool = False,
                               page_size: int = 100) -> AsyncIterator[dict[str, Any]]:

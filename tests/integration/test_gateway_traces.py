@@ -94,6 +94,28 @@ async def test_a_rollout_the_error_filter_keeps_says_why_and_no_other_does(clien
     assert "judge" in str(shown["scorer-failed"]) and "judge timed out" in str(shown["scorer-failed"])
 
 
+async def test_an_environment_is_found_by_its_hub_id_or_its_module_name(client: httpx.AsyncClient,
+                                                                       store: Store) -> None:
+    """``flywheel/reverse-text`` is the module ``reverse_text`` (its package's entry point): a
+    filter by either finds the rollouts of runs configured with either, alone or among several."""
+    await store.upsert_runs([
+        events.RunState(id="by-module", config={"run": "by-module", "env": "reverse_text"}, created_at=T0),
+        events.RunState(id="by-id", config={"run": "by-id", "env": "flywheel/reverse-text"}, created_at=T0),
+        events.RunState(id="two", config={"run": "two", "envs": [{"id": "reverse_text"}, {"id": "arithmetic"}]},
+                        env_ids={"reverse_text": "reverse_text", "arithmetic": "arithmetic"}, created_at=T0),
+        events.RunState(id="other", config={"run": "other", "env": "flywheel/arithmetic@0.1.0"}, created_at=T0)])
+    await store.record([rollout("m", run="by-module", env="reverse_text"),
+                        rollout("i", run="by-id", env="reverse_text"), rollout("t1", run="two", env="reverse_text"),
+                        rollout("t2", run="two", env="arithmetic"), rollout("o", run="other", env="arithmetic")])
+    for env in ("flywheel/reverse-text", "reverse_text"):
+        assert sorted(await ids(client, env=env)) == ["i", "m", "t1"], env
+        exported = (await client.get("/v1/rollouts/export", params={"env": env})).text.splitlines()[:-1]
+        assert sorted(json.loads(line)["id"] for line in exported) == ["i", "m", "t1"], env
+    assert sorted(await ids(client, env="flywheel/arithmetic")) == ["o", "t2"]
+    assert sorted(await ids(client, env="arithmetic")) == ["o", "t2"]
+    assert await ids(client, env="flywheel/arithmetic@0.1.0") == ["o"]  # a version: the runs that name it
+
+
 async def test_bad_parameters_are_refused_naming_them(client: httpx.AsyncClient) -> None:
     async def detail(**params: Any) -> str:
         return await unprocessable(client, "GET", "/v1/rollouts", params=params)

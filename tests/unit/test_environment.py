@@ -28,6 +28,7 @@ from flywheel.sdk.environment import (
     Value,
     available,
     load_environment,
+    other_ids,
     overrides_of,
     resolve,
     shortest_correct_reward,
@@ -64,6 +65,9 @@ async def test_reverse_text_by_module_name_and_by_id() -> None:
     assert load_environment("flywheel/reverse-text").weights == env.weights == {"similarity": 1.0, "exact": 0.0}
     assert load_environment("flywheel/reverse-text@0.1.0").name == "reverse_text"
     assert available()["flywheel/reverse-text"] == "0.1.0"
+    assert other_ids("flywheel/reverse-text") == ["reverse_text"] and other_ids("reverse_text") == [
+        "flywheel/reverse-text"]
+    assert other_ids("flywheel/reverse-text@0.1.0") == other_ids("math") == []  # a version, or none installed
     similarity, exact = env.rewards
     assert isinstance(similarity, Reward) and isinstance(exact, Reward)
     assert await similarity(rollout("cba")) == Value(1.0)

@@ -585,6 +585,17 @@ def available() -> dict[str, str]:
     return out
 
 
+def other_ids(env_id: str) -> list[str]:
+    """The other ids of the installed environment ``env_id`` names, as a run config may name it:
+    for an ``owner/name`` id (no version) the module its entry point loads
+    (``flywheel/reverse-text``: ``reverse_text``), for a module the ids whose entry points load
+    it; none for an id no installed package registers."""
+    modules = {name: ep.module for name, ep in _entry_points().items()}
+    if env_id in modules:
+        return [modules[env_id]]
+    return sorted(name for name, module in modules.items() if module == env_id)
+
+
 class EnvironmentNotInstalled(EnvironmentLoadError):
     """No installed package provides the environment."""
 
