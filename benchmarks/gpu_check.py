@@ -207,7 +207,7 @@ class Sampler:
             for i in range(cfg.group_size):
                 c = completions[g * cfg.group_size + i]
                 graph = TraceGraph()
-                record(graph, plan, c, version)
+                record(graph, plan, c, version, texts=renderer.token_texts)
                 rollout = events.Rollout(run=task.run, env=task.env, task_id=task.id, group_id=task.id, index=i,
                                          policy_version=version, task_data=task.data, nodes=graph.ordered(),
                                          group_size=cfg.group_size)

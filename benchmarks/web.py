@@ -48,7 +48,8 @@ def node(parent: events.Node | None, message: events.Message, tokens: list[int] 
     span = None
     if tokens is not None:
         span = events.TokenSpan(token_ids=tokens, logprobs=[-0.5 if sampled else 0.0] * len(tokens),
-                                loss_mask=[sampled] * len(tokens), policy_version=3 if sampled else None)
+                                loss_mask=[sampled] * len(tokens), policy_version=3 if sampled else None,
+                                texts=[f" w{t}" for t in tokens])  # each token's text, as inference records it
     parent_id = parent.id if parent else None
     return events.Node(id=events.node_id(parent_id, message, span), parent_id=parent_id, message=message, tokens=span)
 

@@ -339,6 +339,8 @@ class TokenSpanPublic(BaseModel):
     logprobs: list[float] = []
     loss_mask: list[bool] = []
     policy_version: int | None = None
+    texts: list[str] = Field([], description="Each token's text, as the policy's tokenizer decodes it alone "
+                                             "(aligned with token_ids); empty where inference did not record it.")
 
 
 class NodePublic(BaseModel):

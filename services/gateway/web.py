@@ -16,8 +16,9 @@ credentials.
   every ``POLL_S`` seconds instead.
 - ``/rollouts/{rollout}``: each branch of the trace graph with its messages, tool calls and
   results, the rewards by scorer; on demand the token layer of each branch
-  (``GET /v1/traces/{rollout}/branches/{leaf}?tokens=true``): every token id shaded by its
-  logprob, its loss mask and policy version. A rollout still running follows its live trace
+  (``GET /v1/traces/{rollout}/branches/{leaf}?tokens=true``): every token id with its text
+  (as inference decoded it; model output, so set as text, its control characters escaped),
+  shaded by its logprob, its loss mask and policy version. A rollout still running follows its live trace
   stream (``/v1/traces/{rollout}/stream``): a node that extends a branch is drawn into it in
   place; one that starts a branch, or the rollout landing, reloads the page.
 

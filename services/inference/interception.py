@@ -316,22 +316,25 @@ class Renderer:
         return None
 
 
-def record(graph: TraceGraph, plan: Plan, completion: Any, version: int, parse_tools: bool = False
-           ) -> list[events.Node]:
+def record(graph: TraceGraph, plan: Plan, completion: Any, version: int, *,
+           texts: Callable[[Sequence[int]], list[str]], parse_tools: bool = False) -> list[events.Node]:
     """Add a call's new message nodes and its sampled answer to ``graph``; returns the nodes that
-    are new (the answer last). ``completion`` is a :class:`flywheel_inference.backends.Completion`."""
+    are new (the answer last). ``completion`` is a :class:`flywheel_inference.backends.Completion`;
+    ``texts`` gives each token's text (:meth:`Renderer.token_texts`), recorded beside its id so
+    a trace reads without the tokenizer."""
     content, calls = parse_tool_calls(completion.text) if parse_tools else (completion.text, [])
     created: list[events.Node] = []
     parent = plan.parent_id
     for message, ids in plan.new:
-        span = events.TokenSpan(token_ids=ids, logprobs=[0.0] * len(ids), loss_mask=[False] * len(ids))
+        span = events.TokenSpan(token_ids=ids, logprobs=[0.0] * len(ids), loss_mask=[False] * len(ids),
+                                texts=texts(ids))
         node, is_new = graph.add(parent, message, span)
         created += [node] if is_new else []
         parent = node.id
     n_pre, n_out = len(plan.prefix), len(completion.token_ids)
-    span = events.TokenSpan(token_ids=plan.prefix + list(completion.token_ids),
-                            logprobs=[0.0] * n_pre + list(completion.logprobs),
-                            loss_mask=[False] * n_pre + [True] * n_out, policy_version=version)
+    ids = plan.prefix + list(completion.token_ids)
+    span = events.TokenSpan(token_ids=ids, logprobs=[0.0] * n_pre + list(completion.logprobs),
+                            loss_mask=[False] * n_pre + [True] * n_out, policy_version=version, texts=texts(ids))
     answer, is_new = graph.add(parent, events.Message(role="assistant", content=content, tool_calls=calls), span)
     created += [answer] if is_new else []
     return created
@@ -373,17 +376,22 @@ class Session:
         """How many tokens the model would be given for ``messages`` now (nothing is sampled or recorded)."""
         return len(self._plan(messages, tools, remember=False).prompt_ids)
 
+    @property
+    def renderer(self) -> Renderer:
+        """The renderer of the policy's tokenizer, found on first use."""
+        if self._renderer is None:
+            self._renderer = Renderer.of(self.policy.backend.tokenizer)
+        return self._renderer
+
     def _plan(self, messages: list[events.Message], tools: list[dict[str, Any]] | None, remember: bool) -> Plan:
         """How ``messages`` extend the graph. A call with other tools than the last one's does not
         extend it (the tools are in the prompt's first turn); ``remember`` makes these the last."""
-        if self._renderer is None:
-            self._renderer = Renderer.of(self.policy.backend.tokenizer)
         tools_key = json.dumps(tools, sort_keys=True) if tools else ""
         tools_ok = self._tools_key is None or self._tools_key == tools_key
         if remember:
             self._tools_key = tools_key
         try:
-            return self._renderer.plan(self.graph, messages, tools or None, tools_ok)
+            return self.renderer.plan(self.graph, messages, tools or None, tools_ok)
         except TemplateError as exc:  # the request, not the server: e.g. Llama 3.1 takes one tool call per turn
             raise InterceptionError(400, f"the model's chat template refused the messages: {exc}", "messages",
                                     "chat_template_error") from exc
@@ -420,7 +428,8 @@ class Session:
         self.truncated |= c.finish_reason == "length"
         self.versions.append(sampled.version)
         self.prompts.append(plan.prompt_ids)
-        created = record(self.graph, plan, c, sampled.version, parse_tools=bool(tools))
+        created = record(self.graph, plan, c, sampled.version, texts=self.renderer.token_texts,
+                         parse_tools=bool(tools))
         answer = created[-1] if created else self.graph.last
         assert answer is not None
         self._publish_in_order([events.TraceNode(run=self.run, rollout_id=self.rollout_id, node=n) for n in created])

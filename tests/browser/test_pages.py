@@ -6,6 +6,7 @@ of it. Each page's screenshot is written under the test's tmp_path (two are in d
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from pathlib import Path
@@ -54,10 +55,15 @@ def step(number: int) -> events.WeightUpdate:
                                sha256="0" * 64, size_bytes=1, trainer_step=number, metrics=metrics)
 
 
+# Tokens' texts as inference decodes them; model output, shown as text whatever it looks like.
+TOKEN_TEXTS = {4: "<img src=x onerror=\"document.title='pwned'\">", 5: " warm\n"}
+
+
 def span(token_ids: list[int], sampled: bool) -> events.TokenSpan:
     logprobs = [-(i % 7) * 0.4 if sampled else 0.0 for i in range(len(token_ids))]
     return events.TokenSpan(token_ids=token_ids, logprobs=logprobs, loss_mask=[sampled] * len(token_ids),
-                            policy_version=4 if sampled else None)
+                            policy_version=4 if sampled else None,
+                            texts=[TOKEN_TEXTS.get(t, f"w{t}") for t in token_ids])
 
 
 def chain(parent: events.Node | None, *messages: tuple[events.Message, list[int]]) -> list[events.Node]:
@@ -177,8 +183,11 @@ async def test_a_trace_page_shows_branches_and_the_apis_tokens(browser: Browser,
         trace = (await client.get(f"/v1/traces/{ROLLOUT}", params={"tokens": "true"})).json()
     assert len(trace["nodes"]) == 8 and len(trace["leaves"]) == 2
     for node in trace["nodes"]:
-        shown = await page.locator(f'[data-node="{node["id"]}"]').first.locator(".tok").all_text_contents()
-        assert shown == [str(t) for t in node["tokens"]["token_ids"]], node["message"]
+        tokens = page.locator(f'[data-node="{node["id"]}"]').first.locator(".tok")
+        assert await tokens.locator(".tok-id").all_text_contents() == [str(t) for t in node["tokens"]["token_ids"]]
+        shown = await tokens.locator(".tok-text").all_text_contents()  # beside each id, control characters escaped
+        assert shown == [json.dumps(text, ensure_ascii=False)[1:-1] for text in node["tokens"]["texts"]], node
+    assert await page.locator(".tokens img").count() == 0 and await page.title() != "pwned"
     sampled = page.locator(".tok.trained").first
     assert math.isclose(float(await sampled.get_attribute("data-logprob") or "nan"), 0.0)
     assert "policy version 4" in (await final.locator(".message-node.assistant .tokens .note").first.inner_text())

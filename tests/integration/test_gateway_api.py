@@ -391,7 +391,7 @@ async def test_trace_graph_with_and_without_tokens(client: httpx.AsyncClient, st
     assert all(n["tokens"] is None for n in trace["nodes"])
     with_tokens = (await client.get("/v1/traces/ro1", params={"tokens": "true"})).json()
     assert with_tokens["nodes"][2]["tokens"] == {"token_ids": [6, 7, 8, 9], "logprobs": [-0.5] * 4,
-                                                 "loss_mask": [True] * 4, "policy_version": 3}
+                                                 "loss_mask": [True] * 4, "policy_version": 3, "texts": []}
     missing = await client.get("/v1/traces/nope")
     assert missing.status_code == 404 and missing.json() == {"detail": "no trace recorded for rollout 'nope'"}
 

@@ -264,6 +264,29 @@ async def test_graph_leaves_and_a_branch_with_both_layers(client: httpx.AsyncCli
             } == {"finished": False, "final_leaf": None}
 
 
+async def test_each_token_comes_with_its_text(client: httpx.AsyncClient, store: Store) -> None:
+    """The token layer the trace page draws carries each token's text as inference decoded it,
+    aligned with the ids; model output is data here, whatever it looks like."""
+    texts = [["<|im_start|>", "user", "\n"], ["<img src=x onerror=alert(1)>", " 2+2?"], ["4", "<|im_end|>"]]
+    nodes: list[events.Node] = []
+    for (role, content), pieces in zip([("system", "be brief"), ("user", "2+2?"), ("assistant", "4")], texts,
+                                       strict=True):
+        message = events.Message(role=role, content=content)  # type: ignore[arg-type]  # the roles above
+        ids = list(range(10 * len(nodes), 10 * len(nodes) + len(pieces)))
+        tokens = events.TokenSpan(token_ids=ids, logprobs=[-0.5] * len(ids), loss_mask=[role == "assistant"] * len(ids),
+                                  texts=pieces)
+        parent = nodes[-1].id if nodes else None
+        nodes.append(events.Node(id=events.node_id(parent, message, tokens), parent_id=parent, message=message,
+                                 tokens=tokens))
+    await store.record([msgspec.structs.replace(rollout("ro-texts"), nodes=nodes)])
+    branch = (await client.get(f"/v1/traces/ro-texts/branches/{nodes[-1].id}", params={"tokens": "true"})).json()
+    assert [n["tokens"]["texts"] for n in branch["nodes"]] == texts
+    assert [len(n["tokens"]["token_ids"]) for n in branch["nodes"]] == [3, 2, 2]
+    graph = (await client.get("/v1/traces/ro-texts", params={"tokens": "true"})).json()
+    assert [n["tokens"]["texts"] for n in graph["nodes"]] == texts
+    assert all(n["tokens"] is None for n in (await client.get("/v1/traces/ro-texts")).json()["nodes"])
+
+
 # --- the live stream ----------------------------------------------------------------------
 
 
@@ -273,7 +296,7 @@ def message(role: str, content: str) -> dict[str, Any]:
 
 def span(token_ids: list[int], loss: bool, policy_version: int | None = None) -> dict[str, Any]:
     return {"token_ids": token_ids, "logprobs": [-0.5] * len(token_ids), "loss_mask": [loss] * len(token_ids),
-            "policy_version": policy_version}
+            "policy_version": policy_version, "texts": []}
 
 
 def live(rid: str, n: events.Node, run: str = "r1") -> events.TraceNode:

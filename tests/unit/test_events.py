@@ -92,6 +92,8 @@ def test_node_ids_are_content_hashes_over_the_parent_chain() -> None:
     assert events.node_id(None, m) != events.node_id("p", m)
     span = events.TokenSpan(token_ids=[1])
     assert events.node_id(None, m) != events.node_id(None, m, span)
+    # The tokens' texts follow from their ids: a producer with or without them makes one node.
+    assert events.node_id(None, m, msgspec.structs.replace(span, texts=["a"])) == events.node_id(None, m, span)
 
 
 def test_task_and_rollout_ids_are_made_one_way_and_pinned() -> None:

@@ -78,7 +78,8 @@ def session_for(policy: ScriptedPolicy) -> tuple[Any, list[events.TraceNode]]:
 
 def assert_exact(graph: TraceGraph, policy: ScriptedPolicy) -> None:
     """Every call: the branch's spans up to its answer's sampled tokens == the prompt the model got,
-    and the sampled tokens follow; every branch concatenated is prompt + sampled of its last call."""
+    and the sampled tokens follow; every branch concatenated is prompt + sampled of its last call;
+    each token carries its text, as the tokenizer decodes it alone."""
     answers = [n for n in graph.nodes.values() if n.tokens and any(n.tokens.loss_mask)]
     assert len(answers) == len(policy.prompts)
     for node in answers:
@@ -93,6 +94,7 @@ def assert_exact(graph: TraceGraph, policy: ScriptedPolicy) -> None:
         assert ids == policy.prompts[call] + policy.sampled[call]
         for span in spans:
             assert len(span.logprobs) == len(span.token_ids) == len(span.loss_mask)
+            assert span.texts == [policy.backend.tokenizer.decode([t]) for t in span.token_ids]
 
 
 def assert_metered(session: Any, policy: ScriptedPolicy) -> None:

@@ -44,7 +44,8 @@ class Conversation:
         text = "".join(self.rng.choice("abcdefgh") for _ in range(num_tokens))
         ids = self.tok.encode(text, add_special_tokens=False) + [self.tok.eos_token_id]
         plan = self.renderer.plan(self.graph, messages, None, tools_ok=True)
-        record(self.graph, plan, Completion(ids, [-1.0] * len(ids), "stop", text), version=0)
+        record(self.graph, plan, Completion(ids, [-1.0] * len(ids), "stop", text), version=0,
+               texts=self.renderer.token_texts)
         return events.Message(role="assistant", content=text)
 
     def rollout(self, rollout_id: str = "ro1", temperature: float = 0.7, run: str = "r") -> events.Rollout:

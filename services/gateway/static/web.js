@@ -203,25 +203,41 @@
 
   // --- the trace page -----------------------------------------------------------------------
 
+  // A token's text as the page shows it: model output, so set as text (never markup), with its
+  // control characters, quotes and backslashes escaped as in JSON, so "\n" and "" are visible.
+  const shownText = (text) => JSON.stringify(text).slice(1, -1);
+
   function tokenSpans(tokens) {
     const box = document.createDocumentFragment();
     const head = document.createElement("div");
     head.className = "note";
     const version = tokens.policy_version === null ? "not sampled" : `policy version ${tokens.policy_version}`;
-    head.textContent = `${tokens.token_ids.length} tokens · ${version}`;
+    // Texts recorded by inference, aligned with the ids; older traces have none.
+    const texts = tokens.texts && tokens.texts.length === tokens.token_ids.length ? tokens.texts : null;
+    head.textContent = `${tokens.token_ids.length} tokens · ${version}${texts ? "" : " · no token texts recorded"}`;
     box.append(head);
     tokens.token_ids.forEach((id, i) => {
       const logprob = tokens.logprobs[i];
       const trained = Boolean(tokens.loss_mask[i]);
       const span = document.createElement("span");
       span.className = trained ? "tok trained" : "tok";
-      span.textContent = String(id);
+      const idPart = document.createElement("span");
+      idPart.className = "tok-id";
+      idPart.textContent = String(id);
+      span.append(idPart);
+      if (texts) {
+        const textPart = document.createElement("span");
+        textPart.className = "tok-text";
+        textPart.textContent = shownText(texts[i]);
+        span.append(textPart);
+      }
       if (logprob !== undefined) {
         const p = Math.exp(logprob);
         span.style.background = `rgba(220, 53, 69, ${(1 - p).toFixed(3)})`;
         span.dataset.logprob = String(logprob);
       }
-      span.title = `token ${id} · logprob ${logprob === undefined ? "–" : logprob.toFixed(4)} · ` +
+      span.title = `token ${id}${texts ? ` ${JSON.stringify(texts[i])}` : ""} · ` +
+        `logprob ${logprob === undefined ? "–" : logprob.toFixed(4)} · ` +
         `${trained ? "trained on" : "not trained on"} · ${version}`;
       box.append(span, " ");
     });

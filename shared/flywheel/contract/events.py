@@ -55,7 +55,8 @@ Schema evolution (tested against stored encodings of version 1 in tests/unit/dat
     SIGNALS stream; version 11 added ``Signal.top_ids`` and ``Signal.top_logprobs`` (a
     teacher's likeliest tokens at each sampled position); version 12 added metering: a
     rollout's model calls and tokens (``Rollout.usage``) and :class:`Usage` on the USAGE stream;
-    version 13 added ``DeadLetter.batch_index``, the place of a dead-lettered event in its batch.
+    version 13 added ``DeadLetter.batch_index``, the place of a dead-lettered event in its batch;
+    version 14 added ``TokenSpan.texts``, each token's text (for people reading a trace).
 
 Identities
     ``run`` (a training or eval run, owned by a ``tenant``), ``task`` (one row of a task
@@ -89,7 +90,7 @@ from typing import Any, Generic, Literal, TypeVar, overload
 
 import msgspec
 
-SCHEMA_VERSION = 13
+SCHEMA_VERSION = 14
 
 JSON = "application/json"
 MSGPACK = "application/msgpack"
@@ -218,12 +219,17 @@ class TokenSpan(_Struct, frozen=True, kw_only=True):
     ``logprobs`` and ``loss_mask`` are aligned with ``token_ids``. Tokens the model did
     not sample (prompt, tool output) have logprob 0.0 and loss mask False.
     ``policy_version`` is the weights version that sampled them (None when none did).
+    ``texts``, aligned too, is each token's text as the policy's tokenizer decodes it alone
+    (a character split across tokens shows as U+FFFD in each), so a trace reads without the
+    tokenizer; empty where the producer had none. It is for people: nothing trains on it, and
+    it is no part of a node's id.
     """
 
     token_ids: list[int]
     logprobs: list[float] = []
     loss_mask: list[bool] = []
     policy_version: int | None = None
+    texts: list[str] = []
 
 
 class Node(_Struct, frozen=True, kw_only=True):
@@ -246,8 +252,8 @@ def node_id(parent_id: str | None, message: Message, tokens: TokenSpan | None = 
     h.update(b"\x00")
     h.update(msgspec.json.encode(message))
     h.update(b"\x00")
-    if tokens is not None:
-        h.update(msgspec.json.encode(tokens))
+    if tokens is not None:  # without its texts: they follow from the ids, and a producer may have none
+        h.update(msgspec.json.encode(msgspec.structs.replace(tokens, texts=[]) if tokens.texts else tokens))
     return h.hexdigest()[:32]
 
 
