@@ -8,7 +8,8 @@ non-number, one past the reward timeout; a group reward), none of which depends 
 model says. Training: the inference worker on the tiny model (real nats-server), the
 built-in scorer, the recorder writing the gateway's store, read back through the trace
 API's export. Eval: ``flywheel eval``'s :class:`Evaluation` against a scripted OpenAI
-endpoint (tests/scripted_openai.py). Both with the same rollout and reward timeouts.
+endpoint (tests/scripted_openai.py), its errors shown as the trace API shows a rollout's (its
+own message, then each failed scorer's). Both with the same rollout and reward timeouts.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from flywheel.sdk.environment import TaskSet, load_environment
 from flywheel.sdk.scoring import required_scorers
 from flywheel_gateway import recorder
 from flywheel_gateway.recorder import mirror_runs
-from flywheel_gateway.store import Store
+from flywheel_gateway.store import Store, shown_error
 from flywheel_scorer import scorer
 from flywheel_scorer.partitions import Partitions
 from flywheel_scorer.scorer import EnvironmentRewards
@@ -131,7 +132,10 @@ async def in_eval(tmp_path: Path) -> dict[tuple[str, int], dict[str, Any]]:
     for r in read_results(cfg.out):
         scores = [{"scorer": name, "value": value, "error": None} for name, value in r["rewards"].items()]
         scores += [{"scorer": name, "value": 0.0, "error": error} for name, error in r["reward_errors"].items()]
-        out[(r["task"]["mode"], r["index"])] = outcome(r["status"], r["error"], r["state"], scores, r["reward"])
+        # The trace API shows a rollout's error as why it is one (its own message, then each
+        # failed scorer's): eval's, shown the same way, is what training's must equal.
+        shown = shown_error(r["status"], r["error"], scores)
+        out[(r["task"]["mode"], r["index"])] = outcome(r["status"], shown, r["state"], scores, r["reward"])
     return out
 
 
