@@ -33,7 +33,8 @@ status code, never a 500.
 - ``/environments``: the hub's environments the caller sees; ``/environments/{owner}/{name}``:
   one with its README, versions (sha256, files), lineage and forks, and its leaderboard. A
   README is anyone's Markdown: rendered with its raw HTML shown as text, and links and images
-  kept only with http(s) or relative URLs, so none can run script in the page.
+  kept only with http(s) or relative URLs, so none can run script in the page; an image from
+  elsewhere is a link to it, so that opening the page fetches nothing from a stranger's server.
 - ``/usage``: the caller's tenant's tokens (prompt, sampled, trained) and cost over time, a bar
   chart each by time bucket (``GET /v1/usage/over-time``, embedded in the page and drawn by the
   script), and by run and source, with its cost by the price table; ``since``, ``until`` and
@@ -53,7 +54,7 @@ from __future__ import annotations
 
 import functools
 import urllib.parse
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -65,6 +66,10 @@ from fastapi.routing import APIRoute
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 from markdown_it import MarkdownIt
+from markdown_it.common.utils import escapeHtml
+from markdown_it.renderer import RendererHTML
+from markdown_it.token import Token
+from markdown_it.utils import EnvType, OptionsDict
 from markupsafe import Markup
 from pydantic import BaseModel, ValidationError
 
@@ -108,11 +113,25 @@ class _StrangersMarkdown(MarkdownIt):
     def __init__(self) -> None:
         super().__init__("commonmark", {"html": False})
         self.enable("table")
+        self.add_render_rule("image", _local_image)
 
     def validateLink(self, url: str) -> bool:  # markdown-it's name, overridden
         """``url`` as markdown-it hands it: entities decoded, then percent-encoded, so no control
         character or space can hide a scheme from this check (nor from the browser's)."""
         return urllib.parse.urlsplit(url.strip()).scheme.lower() in SAFE_SCHEMES
+
+
+def _local_image(self: RendererHTML, tokens: Sequence[Token], idx: int, options: OptionsDict,
+                 env: EnvType) -> str:
+    """An image whose URL is this gateway's (relative) as an image; one elsewhere as a link to
+    it: each viewer's browser would fetch a remote image as the page opened, telling its owner
+    who read the README and when (a tracking pixel)."""
+    token = tokens[idx]
+    src = str(token.attrGet("src") or "")
+    if not urllib.parse.urlsplit(src).netloc:
+        return self.image(tokens, idx, options, env)
+    alt = self.renderInlineAsText(token.children or [], options, env)
+    return f'<a href="{escapeHtml(src)}" rel="nofollow noopener">{escapeHtml(alt or src)} (image)</a>'
 
 
 @functools.cache

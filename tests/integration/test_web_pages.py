@@ -139,13 +139,15 @@ print("<b>not bold</b>")
 <javascript:alert('autolink')>
 ![pixel](javascript:alert('image'))
 [docs](https://example.com/docs) [local](./tasks.md) [section](#usage)
+![tracker](https://tracker.example/pixel.png) ![also](//tracker.example/p.png) ![diagram](./diagram.png)
 """
 
 
 async def test_a_hub_readme_renders_as_markdown_with_no_script_a_stranger_wrote(keyed_app: FastAPI,
                                                                                 owned: dict[str, Any]) -> None:
-    """A README is Markdown: headings, lists and code render; its raw HTML shows as text, and a
-    link or image whose URL is neither http(s) nor relative is no link."""
+    """A README is Markdown: headings, lists and code render; its raw HTML shows as text, a link
+    or image whose URL is neither http(s) nor relative is no link, and an image from another
+    server is a link to it."""
     store: Store = keyed_app.state.store
     package = inspect_package("a/quiz", "0.1.0", dict([wheel("a_quiz", "0.1.0", "a/quiz")]), 1 << 20)
     await store.hub_push(dataclasses.replace(package, readme=HOSTILE_README), "a", private=False, pushed_by=None)
@@ -156,9 +158,13 @@ async def test_a_hub_readme_renders_as_markdown_with_no_script_a_stranger_wrote(
     readme = readme[:readme.index("</main>")]
     assert "&lt;script&gt;" in readme and "&lt;img" in readme, readme  # shown as text
     tags = re.findall(r"<[a-zA-Z][^>]*>", readme)
-    assert not [tag for tag in tags if re.match(r"<(script|img|iframe)", tag, re.I) or re.search(r"\son\w*=", tag)]
+    assert not [tag for tag in tags if re.match(r"<(script|iframe)", tag, re.I) or re.search(r"\son\w*=", tag)]
+    # An image is one only from this gateway (relative); one from elsewhere is a link to it, so
+    # opening the page fetches nothing from a stranger's server (no tracking pixel).
+    assert [tag for tag in tags if tag.lower().startswith("<img")] == ['<img src="./diagram.png" alt="diagram" />']
     urls = [url for tag in tags for url in re.findall(r"""\s(?:href|src)\s*=\s*["']?([^"'\s>]*)""", tag, re.I)]
-    assert urls == ["https://example.com/docs", "./tasks.md", "#usage"], urls
+    assert urls == ["https://example.com/docs", "./tasks.md", "#usage", "https://tracker.example/pixel.png",
+                    "//tracker.example/p.png", "./diagram.png"], urls
 
 
 async def test_a_person_signs_in_with_a_key_kept_for_reading_and_the_run_buttons(keyed_app: FastAPI,
