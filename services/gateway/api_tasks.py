@@ -20,6 +20,7 @@ from fastapi.exceptions import RequestValidationError
 
 from flywheel.contract import events
 from flywheel.contract.bus import Bus
+from flywheel.sdk.environment import other_ids
 from flywheel_gateway.auth import CallerDep, check_new_or_own_run, check_run, listing_tenant
 from flywheel_gateway.deps import (
     BusDep,
@@ -99,8 +100,11 @@ def _refuse_oversized(tasks: list[events.Task], bus: Bus, name: str) -> None:
 @router.get("", response_model=TaskPage)
 async def list_tasks(store: StoreDep, who: CallerDep, limit: LimitQuery = 50, cursor: CursorQuery = None,
                      run: RunQuery = None, env: EnvQuery = None) -> TaskPage:
-    """Recorded tasks, newest first (with an API key: its tenant's)."""
-    page = await store.list_tasks(run=run, env=env, cursor=cursor, limit=limit, tenant=listing_tenant(who, None))
+    """Recorded tasks, newest first (with an API key: its tenant's). ``env`` is the name in the
+    tasks' subjects (``reverse_text``) or an installed package's id (``flywheel/reverse-text``):
+    either finds the other's."""
+    page = await store.list_tasks(run=run, env=env, cursor=cursor, limit=limit, tenant=listing_tenant(who, None),
+                                  env_aliases=other_ids(env) if env is not None else ())
     return TaskPage.model_validate(page, from_attributes=True)
 
 

@@ -63,7 +63,9 @@ LimitQuery = Annotated[int, Query(ge=1, le=MAX_PAGE_LIMIT, description="Items pe
 CursorQuery = Annotated[str | None, Query(max_length=MAX_CURSOR_CHARS, description="next_cursor of the previous page.")]
 RunQuery = Annotated[str | None, Query(description="Only this run's.", **_TOKEN),
                      AfterValidator(lambda v: v if v is None else subject_token(v))]
-EnvQuery = Annotated[str | None, Query(description="Only this environment's.", **_TOKEN),
+EnvQuery = Annotated[str | None, Query(description="Only this environment's: the name in the tasks' subjects "
+                                                 "(reverse_text) or an installed package's id "
+                                                 "(flywheel/reverse-text).", **_TOKEN),
                      AfterValidator(lambda v: v if v is None else subject_token(v))]
 RunIdPath = Annotated[str, Path(description="Run id (letters, digits, - _ = /).", **_RUN_ID), AfterValidator(run_id)]
 TaskIdPath = Annotated[str, Path(description="A task id.", **_ID)]

@@ -744,10 +744,11 @@ class Store:
         return Page(items, next_cursor)
 
     async def list_tasks(self, run: str | None = None, env: str | None = None, cursor: str | None = None,
-                         limit: int = 50, tenant: str | None = None) -> Page:
+                         limit: int = 50, tenant: str | None = None, env_aliases: Sequence[str] = ()) -> Page:
+        """Recorded tasks, newest first; ``env`` or any of ``env_aliases`` (its other ids)."""
         c = s.tasks.c
         where = [c.run == self._text(run)] if run is not None else []
-        where += [c.env == self._text(env)] if env is not None else []
+        where += [c.env.in_([self._text(e) for e in (env, *env_aliases)])] if env is not None else []
         where += [c.run.in_(sa.select(s.runs.c.id).where(s.runs.c.tenant == self._text(tenant)))] \
             if tenant is not None else []
         return await self._page("tasks", s.tasks, _columns(s.tasks), where, cursor, limit,

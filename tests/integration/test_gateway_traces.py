@@ -114,6 +114,12 @@ async def test_an_environment_is_found_by_its_hub_id_or_its_module_name(client: 
     assert sorted(await ids(client, env="flywheel/arithmetic")) == ["o", "t2"]
     assert sorted(await ids(client, env="arithmetic")) == ["o", "t2"]
     assert await ids(client, env="flywheel/arithmetic@0.1.0") == ["o"]  # a version: the runs that name it
+    # Tasks are recorded under their subject's name (the module): the package's id finds them too.
+    await store.record([events.Task(id="task-m", run="by-module", env="reverse_text", data={"text": "ab"})])
+    for env in ("flywheel/reverse-text", "reverse_text"):
+        tasks = (await client.get("/v1/tasks", params={"env": env})).json()["items"]
+        assert [t["id"] for t in tasks] == ["task-m"], env
+    assert (await client.get("/v1/tasks", params={"env": "flywheel/arithmetic"})).json()["items"] == []
 
 
 async def test_bad_parameters_are_refused_naming_them(client: httpx.AsyncClient) -> None:
