@@ -151,6 +151,8 @@ def test_trainer_restart_detach_stop_resume_and_takeover(stack, tmp_path: Path, 
     follower, followed = runs_command("follow", "detached", data_dir, ports, clean_env)
     assert followed.exit_status(follower, STEP_TIMEOUT_S) == 0, followed.text
     followed.wait_for(r"^run detached: finished", 1)
+    followed.wait_for(r"^summary:", 1)  # as `flywheel run` ends: the run's figures, from its folder
+    followed.wait_for(r"^\s+reward", 1)
     assert steps_trained(data_dir, "detached") == every_step
 
     # Paused from elsewhere: its owner stops the trainer (a checkpoint) and holds the run, which

@@ -284,3 +284,23 @@ def test_model_tiny_writes_a_loadable_hf_folder(tmp_path, capsys) -> None:
     assert capsys.readouterr().out.strip().splitlines()[-1] == str(tmp_path / "tiny")
     model, tok = models.load_model(tmp_path / "tiny")
     assert tok.chat_template and model.config.model_type == "qwen2"
+
+
+def test_follow_ends_with_the_runs_summary_or_says_where_it_is(tmp_path: Path) -> None:
+    """After a followed run ended: its summary from the run folder, as `flywheel run` prints it;
+    where this machine has none (its owner ran elsewhere), where it would be."""
+    import io  # imported here: this test's own output buffer
+
+    from flywheel.contract.settings import Settings
+    from flywheel.ops.runs import _say_summary
+
+    settings = Settings(data_dir=tmp_path)
+    out = io.StringIO()
+    _say_summary(settings, "r1", out)
+    assert out.getvalue() == (f"run r1: no summary on this machine ({tmp_path / 'runs' / 'r1' / 'summary.json'}): "
+                              "its owner writes it in its own data dir\n")
+    (tmp_path / "runs" / "r1").mkdir(parents=True)
+    (tmp_path / "runs" / "r1" / "summary.json").write_text(json.dumps({"steps": 3, "reward_last": 0.5}))
+    out = io.StringIO()
+    _say_summary(settings, "r1", out)
+    assert out.getvalue() == "summary:\n  steps        3\n  reward_last  0.500\n"

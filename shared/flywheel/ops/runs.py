@@ -37,7 +37,7 @@ from flywheel.contract.checkpoints import run_folder
 from flywheel.contract.config import RunConfig
 from flywheel.contract.runs import check_resumable, end_of, get_run, list_runs, new_notes, pause_run, stop_run
 from flywheel.contract.settings import Settings
-from flywheel.ops.run import MainJob, format_step, nats_answers
+from flywheel.ops.run import MainJob, format_step, format_summary, nats_answers
 from flywheel.ops.tables import table
 
 FOLLOW_STATE_S = 1.0  # how often `runs follow` reads the run's state
@@ -165,11 +165,30 @@ async def follow(settings: Settings, run: str, out: TextIO) -> str:
         finally:
             detached.set()
             await asyncio.gather(steps, return_exceptions=True)
+        if status != "detached":
+            _say_summary(settings, run, out)
         return status
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
         await bus.close()
+
+
+def _say_summary(settings: Settings, run: str, out: TextIO) -> None:
+    """The ended run's summary as ``flywheel run`` prints it, from the run folder its owner wrote
+    it to; where this machine has none (the owner ran elsewhere), where it would be."""
+    path = run_folder(settings.data_dir, run) / "summary.json"
+    try:
+        summary = json.loads(path.read_text())
+    except FileNotFoundError:
+        print(f"run {run}: no summary on this machine ({path}): its owner writes it in its own data dir",
+              file=out, flush=True)
+        return
+    except (OSError, ValueError) as exc:
+        print(f"run {run}: its summary ({path}) could not be read: {exc}", file=out, flush=True)
+        return
+    if summary:
+        print("summary:\n" + format_summary(summary), file=out, flush=True)
 
 
 async def _print_steps(bus: Bus, run: str, num_steps: int, stopping: asyncio.Event, out: TextIO) -> None:
