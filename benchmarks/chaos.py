@@ -433,13 +433,13 @@ def extended_fault(kind: str, pids: dict[str, int], nats_url: str, data_dir: Pat
     disk: once freed), and what was done."""
     if kind == "pause":
         os.kill(pids["inference"], signal.SIGSTOP)
-        time.sleep(PAUSE_S)  # sleep: the pause itself: inference stopped past the run's lease
+        time.sleep(PAUSE_S)  # noqa: sleep - the pause itself: inference stopped past the run's lease
         os.kill(pids["inference"], signal.SIGCONT)
         return time.monotonic(), f"inference (pid {pids['inference']}) paused {PAUSE_S:g}s, lease {LEASE_S:g}s"
     if kind == "disk":
         filler = data_dir / "chaos-filler"
         mib = fill_disk(filler)
-        time.sleep(DISK_FULL_S)  # sleep: the disk stays full this long
+        time.sleep(DISK_FULL_S)  # noqa: sleep - the disk stays full this long
         filler.unlink()
         return time.monotonic(), f"data folder's disk filled ({mib} MiB) for {DISK_FULL_S:g}s, then freed"
     if kind == "second-up":

@@ -179,7 +179,7 @@ def main() -> None:
                 asyncio.run(on_bus(nats_url, "flood", args.flood, args.window_s))
             elif name == "pause":
                 asyncio.run(on_bus(nats_url, "pause"))
-            time.sleep(max(0.0, at + args.window_s - time.monotonic()))  # sleep: the measured window
+            time.sleep(max(0.0, at + args.window_s - time.monotonic()))  # noqa: sleep - the measured window
             end = time.monotonic()
             victim, hog = runs[VICTIM].steps(at, end), runs[HOG].steps(at, end)
             result[f"victim_steps_{name}"], result[f"hog_steps_{name}"] = len(victim), len(hog)
@@ -190,7 +190,7 @@ def main() -> None:
                 asyncio.run(on_bus(nats_url, "resume"))
                 resumed = time.monotonic()
                 while not runs[HOG].steps(resumed) and time.monotonic() < resumed + START_TIMEOUT_S:
-                    time.sleep(0.5)  # sleep: polling the hog's output for its next step
+                    time.sleep(0.5)  # noqa: sleep - polling the hog's output for its next step
             print(f"fairness: {name}: victim {len(victim)} steps ({result[f'victim_step_s_{name}']} s/step), "
                   f"hog {len(hog)} steps", flush=True)
             return step_s(victim)

@@ -148,7 +148,7 @@ class DockerEngine:
                 if time.monotonic() > deadline:
                     raise EngineUnavailable(
                         f"another engine held {self.data_root} for {_LOCK_TIMEOUT_S:.0f}s") from None
-                time.sleep(0.5)  # sleep: polling a lock another test session holds
+                time.sleep(0.5)  # noqa: sleep - polling a lock another test session holds
 
     def _wait_ready(self) -> None:
         assert self._proc is not None
@@ -163,7 +163,7 @@ class DockerEngine:
                     return
             if time.monotonic() > deadline:
                 raise EngineUnavailable(f"dockerd not ready after {_READY_TIMEOUT_S:.0f}s: {self._log_tail()}")
-            time.sleep(0.1)  # sleep: the polling interval of this bounded wait
+            time.sleep(0.1)  # noqa: sleep - the polling interval of this bounded wait
 
     def _log_tail(self, num_chars: int = 2000) -> str:
         return self.log_path.read_text(errors="replace")[-num_chars:]

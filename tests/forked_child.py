@@ -14,5 +14,5 @@ if __name__ == "__main__":
                       "pid": os.getpid(), "sid": os.getsid(0), "main": __name__,
                       "preloaded": "xml.dom.minidom" in sys.modules}), flush=True)
     if sys.argv[1] == "sleep":
-        time.sleep(600)  # sleep: a service that runs until it is stopped
+        time.sleep(600)  # noqa: sleep - a service that runs until it is stopped
     sys.exit(int(sys.argv[1]))

@@ -29,7 +29,7 @@ async def until(cond: Callable[[], bool | Awaitable[bool]], timeout_s: float = 1
             return
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        await asyncio.sleep(0.02)  # sleep: the polling interval of this bounded wait
+        await asyncio.sleep(0.02)  # noqa: sleep - the polling interval of this bounded wait
 
 
 @contextlib.asynccontextmanager

@@ -66,7 +66,7 @@ async def backend_named(name: str, request: pytest.FixtureRequest) -> AsyncItera
                 left = client.containers.list(all=True, filters={"label": label})
                 if not left:
                     break
-                await asyncio.sleep(0.05)  # sleep: the polling interval of this bounded wait
+                await asyncio.sleep(0.05)  # noqa: sleep - the polling interval of this bounded wait
             assert not left, [c.status for c in left]
         finally:
             client.close()

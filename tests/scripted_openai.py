@@ -150,7 +150,7 @@ class ScriptedOpenAI:
         while not self._server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"scripted OpenAI server did not start on port {self.port}")
-            time.sleep(0.01)  # sleep: bounded wait for the server thread
+            time.sleep(0.01)  # noqa: sleep - bounded wait for the server thread
         return self
 
     def __exit__(self, *exc: object) -> None:

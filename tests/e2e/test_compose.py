@@ -253,7 +253,7 @@ def wait_for(what: str, deployment: Deployment, timeout_s: float, check: Callabl
                 return result
         except httpx.HTTPError as exc:
             last_error = exc
-        time.sleep(1.0)  # sleep: the polling interval of this bounded wait
+        time.sleep(1.0)  # noqa: sleep - the polling interval of this bounded wait
     raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what} (last error: {last_error})\n"
                          f"{deployment.logs()}")
 

@@ -80,7 +80,7 @@ async def kill_at(settings: Settings, run: str, version: int, process: subproces
                     owners = await partition_owners(bus)
                     process.send_signal(signal.SIGKILL)
                     return owners
-            await asyncio.sleep(0.2)  # sleep: the polling interval of this watch
+            await asyncio.sleep(0.2)  # noqa: sleep - the polling interval of this watch
     finally:
         await bus.close()
 
@@ -109,7 +109,7 @@ async def watch_bound(settings: Settings, run: str, done: asyncio.Event,
                 bound = (update.version + OFF_POLICY + 1) * BATCH_SIZE + update.num_dropped_total
                 seen.append((stored, update.version, bound))
                 assert stored <= bound, f"{stored} rollouts stored at version {update.version}: bound {bound}"
-            await asyncio.sleep(0.1)  # sleep: the sampling interval of this watch
+            await asyncio.sleep(0.1)  # noqa: sleep - the sampling interval of this watch
     finally:
         await bus.close()
     return seen

@@ -137,7 +137,7 @@ def test_inference_stopped_longer_than_the_run_lease_keeps_the_runs_waiting_task
         os.kill(inference, signal.SIGSTOP)
         stopped_resumed.append(inference)
         paused_at = time.monotonic()
-        time.sleep(PAUSE_LEASES * LEASE_S)  # sleep: the pause itself: inference is stopped this long
+        time.sleep(PAUSE_LEASES * LEASE_S)  # noqa: sleep - the pause itself: inference is stopped this long
         during = run_state(nats)
         os.kill(inference, signal.SIGCONT)
         # The owner went on renewing the lease: only inference's kept copy says it lapsed.

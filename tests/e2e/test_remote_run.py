@@ -43,7 +43,7 @@ def test_a_tenant_trains_over_http_with_its_key(tmp_path: Path, readable: Path, 
         summary = data / "runs" / "remote-1" / "summary.json"  # in the stack's run folder, once its owner ends it
         deadline = time.monotonic() + 30
         while not summary.is_file() and time.monotonic() < deadline:
-            time.sleep(0.2)  # sleep: the polling interval of this bounded wait
+            time.sleep(0.2)  # noqa: sleep - the polling interval of this bounded wait
         assert json.loads(summary.read_text())["steps"] == 2
 
         config.write_text(RUN_CONFIG.format(run="remote", env="no_such_env"))

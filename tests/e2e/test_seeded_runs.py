@@ -55,7 +55,7 @@ def metered(gateway: str, run: str, steps: list[dict], timeout_s: float = 60.0) 
         if report["recount"]["matches"] and trained == sum(m["num_loss_tokens"] for m in steps):
             return report
         assert time.monotonic() < deadline, report
-        time.sleep(1)  # sleep: the interval of a poll bounded by timeout_s (the recorder catching up)
+        time.sleep(1)  # noqa: sleep - the interval of a poll bounded by timeout_s (the recorder catching up)
 
 
 @pytest.mark.slow  # two runs of 10 steps, a minute on two cores: the slow tier

@@ -120,7 +120,7 @@ def poll(check: Callable[[], bool], timeout_s: float, what: str) -> None:
     while not check():
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.1)  # sleep: the polling interval of this bounded wait
+        time.sleep(0.1)  # noqa: sleep - the polling interval of this bounded wait
 
 
 def flywheel(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:

@@ -59,7 +59,7 @@ def python(code: str, health=healthy) -> ServiceSpec:
 
 
 # A deliberate sleep: a stand-in service process that just stays up until stopped.
-SLEEPER = "import time; print('ready', flush=True); time.sleep(120)"  # sleep: the code it runs
+SLEEPER = "import time; print('ready', flush=True); time.sleep(120)"  # noqa: sleep
 
 
 def settings(tmp_path: Path, nats_url: str | None) -> Settings:
@@ -110,7 +110,7 @@ async def test_services_start_in_order_share_settings_and_stop_in_reverse(tmp_pa
                                                                           bus: Bus) -> None:
     show_env = ("import os, time; print(os.environ['FLYWHEEL_NATS_URL'], os.environ['FLYWHEEL_DATA_DIR'], "
                 # A deliberate sleep: the stand-in service prints its settings, then stays up until stopped.
-                "os.environ['FLYWHEEL_DATABASE_URL'], flush=True); time.sleep(120)")  # sleep: the code it runs
+                "os.environ['FLYWHEEL_DATABASE_URL'], flush=True); time.sleep(120)")  # noqa: sleep
     out = io.StringIO()
     cfg = settings(tmp_path, nats_server.url)
     stack = Stack(cfg, out, services={"first": python(show_env), "second": python(SLEEPER, says("ready"))})
@@ -177,7 +177,7 @@ async def test_a_service_that_keeps_crashing_backs_off_while_the_rest_keeps_serv
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = io.StringIO()
     # A deliberate sleep: the stand-in crashes a moment after it starts, each time.
-    crashes = ("import time; print('up', flush=True); time.sleep(0.3); "  # sleep: the code it runs
+    crashes = ("import time; print('up', flush=True); time.sleep(0.3); "  # noqa: sleep
                "print('lost the database', flush=True); raise SystemExit(2)")
     cfg = settings(tmp_path, None)  # the stack's own nats-server, which must outlive the crash loop
     stack = Stack(cfg, out, services={"steady": python(SLEEPER, says("ready")), "flaky": python(crashes)},
@@ -223,7 +223,7 @@ async def test_a_service_killed_after_a_healthy_stretch_is_restarted_at_once(
     worker = (f"import pathlib, sys, time; c = pathlib.Path({str(counter)!r}); "
               "n = int(c.read_text()) + 1 if c.exists() else 1; c.write_text(str(n)); "
               "sys.exit(f'start {n}: lost the database') if 2 <= n <= 4 else print('ready', flush=True); "
-              "time.sleep(120)")  # sleep: the stand-in service stays up until stopped
+              "time.sleep(120)")  # noqa: sleep - the stand-in service stays up until stopped
     out = io.StringIO()
     stack = Stack(settings(tmp_path, nats_server.url), out, services={"worker": python(worker, says("ready"))},
                   restart_backoff_s=0.1, max_backoff_s=10.0, healthy_after_s=1.0)
@@ -254,7 +254,7 @@ async def test_a_restart_that_stays_unhealthy_is_stopped_and_tried_again(
     # Healthy (prints ready) only on its first start; later starts hang without a word.
     worker = (f"import pathlib, time; m = pathlib.Path({str(marker)!r}); first = not m.exists(); m.touch(); "
               # A deliberate sleep: the stand-in service stays up until stopped.
-              "print('ready' if first else 'stuck', flush=True); time.sleep(120)")  # sleep: the code it runs
+              "print('ready' if first else 'stuck', flush=True); time.sleep(120)")  # noqa: sleep
     out = io.StringIO()
     stack = Stack(settings(tmp_path, nats_server.url), out, services={"worker": python(worker, says("ready"))},
                   start_timeout_s=0.5, restart_backoff_s=0.1, stop_timeout_s=2.0)
@@ -279,9 +279,9 @@ async def test_a_running_service_that_stops_being_healthy_is_stopped_and_started
     # Its first start says it is stuck a moment after it is ready; later starts stay ready.
     # A deliberate sleep: healthy a moment (0.5 s), then stuck, then up until stopped.
     worker = (f"import pathlib, time; m = pathlib.Path({str(marker)!r}); first = not m.exists(); m.touch(); "
-              "print('ready', flush=True); time.sleep(0.5); "  # sleep: ready a moment before it is stuck
+              "print('ready', flush=True); time.sleep(0.5); "  # noqa: sleep - ready a moment before it is stuck
               "print('stuck' if first else 'fine', flush=True); "
-              "time.sleep(120)")  # sleep: the stand-in service stays up until stopped
+              "time.sleep(120)")  # noqa: sleep - the stand-in service stays up until stopped
 
     async def until_stuck(stack: Stack, process: Process) -> str | None:
         with process.log_path.open("rb") as f:
@@ -299,7 +299,7 @@ async def test_a_running_service_that_stops_being_healthy_is_stopped_and_started
     assert re.search(rf"^worker \(pid {first}\) was stopped: its loop is stuck for 0.5s while it ran", out.getvalue(),
                      re.M), out.getvalue()
     assert not alive(first) and stack.services[0].last_exit == "not healthy"
-    await asyncio.sleep(1.5)  # sleep: the second start stays healthy: no further restart
+    await asyncio.sleep(1.5)  # noqa: sleep - the second start stays healthy: no further restart
     assert len(started_pids(out, "worker")) == 2
     stack.stopping.set()
     await running
@@ -308,7 +308,7 @@ async def test_a_running_service_that_stops_being_healthy_is_stopped_and_started
 async def test_a_service_that_ignores_sigterm_is_killed(tmp_path: Path, nats_server: NatsServer) -> None:
     out = io.StringIO()
     stubborn = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); "
-                "time.sleep(120)")  # sleep: a stand-in that ignores SIGTERM and stays up until killed
+                "time.sleep(120)")  # noqa: sleep - a stand-in that ignores SIGTERM and stays up until killed
     stack = Stack(settings(tmp_path, nats_server.url), out, services={"stubborn": python(stubborn, says("ready"))},
                   stop_timeout_s=0.3)
     running = await start(stack, out)

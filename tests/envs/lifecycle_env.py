@@ -22,9 +22,9 @@ async def behave(task: dict[str, Any]) -> float:
     if what == "crash":
         os._exit(3)
     if what == "hang":
-        time.sleep(60)  # noqa: ASYNC251  # sleep: holds the worker's event loop on purpose
+        time.sleep(60)  # noqa: ASYNC251  # noqa: sleep - holds the worker's event loop on purpose
     if what == "slow":
-        await asyncio.sleep(1.0)  # sleep: a slow reward, on purpose: what "slow" asks for
+        await asyncio.sleep(1.0)  # noqa: sleep - a slow reward, on purpose: what "slow" asks for
     if what == "ask":
         client = egress.http_client(10.0)
         assert client is not None, "in a worker, an outside call goes through its host"

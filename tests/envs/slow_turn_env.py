@@ -17,7 +17,7 @@ class SlowTurn:
 
     async def run(self, env: Any, ctx: RolloutContext) -> None:
         await ctx.chat(messages=[{"role": "user", "content": ctx.task["text"]}])
-        await asyncio.sleep(ctx.task["wait_s"])  # sleep: the slow environment turn this env stands for
+        await asyncio.sleep(ctx.task["wait_s"])  # noqa: sleep - the slow environment turn this env stands for
 
 
 def load_environment() -> Environment:

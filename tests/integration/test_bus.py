@@ -199,7 +199,7 @@ async def test_long_work_sends_in_progress_instead_of_being_redelivered(bus: Bus
 
     async def slow(d: Delivery) -> None:
         deliveries.append(d.num_delivered)
-        await asyncio.sleep(2.5)  # sleep: the work itself: longer than ack_wait_s
+        await asyncio.sleep(2.5)  # noqa: sleep - the work itself: longer than ack_wait_s
 
     c = Consumer(bus, stream="TASKS", durable="c1", handler=slow, ack_wait_s=1.0)
     t = await running(c)
@@ -217,10 +217,10 @@ async def test_stop_finishes_in_flight_work_and_hands_back_the_rest(bus: Bus) ->
     async def handle(d: Delivery) -> None:
         started.set()
         if d.event.id in ("t0", "t1"):
-            await asyncio.sleep(0.2)  # sleep: work that finishes within the grace period
+            await asyncio.sleep(0.2)  # noqa: sleep - work that finishes within the grace period
             finished.append(d.event.id)
         else:
-            await asyncio.sleep(60)  # sleep: work that cannot finish in time: handed back
+            await asyncio.sleep(60)  # noqa: sleep - work that cannot finish in time: handed back
 
     c = Consumer(bus, stream="TASKS", durable="c1", handler=handle, max_in_flight=4, grace_s=1.0)
     t = await running(c)
@@ -306,7 +306,7 @@ async def test_publish_many_survives_a_server_restart_mid_batch(nats_server: Nat
         publishing = asyncio.ensure_future(bus.publish_many(
             [events.Task(id=f"a{attempt}-{i}", run="r1", env="echo", data={"i": i}) for i in range(3000)],
             events.MSGPACK))
-        await asyncio.sleep(0.05 * attempt)  # sleep: lets some of the batch go out before the stop
+        await asyncio.sleep(0.05 * attempt)  # noqa: sleep - lets some of the batch go out before the stop
         await asyncio.to_thread(nats_server.restart)
         # An ack lost with the connection is waited for at most request_timeout_s, then retried.
         acks = await asyncio.wait_for(publishing, 40)

@@ -82,7 +82,7 @@ def test_a_forked_service_dies_with_whoever_asked_for_it(server: ForkServer, tmp
             child = await launch(["-m", "tests.forked_child", "sleep"], {env_of()!r}, pathlib.Path({log!r}),
                                  (pathlib.Path({folder!r}), "base"))
             print(child.pid, type(child).__name__, flush=True)
-            await asyncio.sleep(600)  # sleep: an asker that lives until the test kills it
+            await asyncio.sleep(600)  # noqa: sleep - an asker that lives until the test kills it
         asyncio.run(main())
     """)
     proc = subprocess.Popen([sys.executable, "-c", asker], stdout=subprocess.PIPE, text=True, env=env_of())

@@ -254,7 +254,7 @@ async def test_tokens_reach_the_client_while_the_answer_is_still_sampled(
     finished_at: list[float] = []
 
     def slow(self: DecodeSession) -> Any:
-        time.sleep(0.01)  # sleep: a bigger model's time per token, in the backend's thread
+        time.sleep(0.01)  # noqa: sleep - a bigger model's time per token, in the backend's thread
         done = step(self)
         if done and not self.num_rows:  # the batch's last row finished
             finished_at.append(time.monotonic())

@@ -429,7 +429,7 @@ async def test_a_weights_fetch_while_the_server_is_down_is_tried_again(
     await worker.on_weight_update(events.WeightUpdate(run="r1", version=1, uri=uri, sha256=sha, size_bytes=size))
     # The fetch fails while the server is away (the bus layer and the policy both try again).
     await until(lambda: not worker.bus.nc.is_connected, what="the worker to see the server gone")
-    await asyncio.sleep(1.0)  # sleep: the server stays away past the first tries
+    await asyncio.sleep(1.0)  # noqa: sleep - the server stays away past the first tries
     await asyncio.to_thread(nats_server.start)
     await until(lambda: run_info(worker)["policy_version"] == 1, timeout_s=30,
                 what="version 1, once the server is back")

@@ -151,7 +151,7 @@ async def test_a_lease_renewed_after_it_lapsed_is_found(bus: Bus, nats_server: N
                      "orchestrator me", InProcessPool())
     renewing = asyncio.ensure_future(owner._renew_lease(asyncio.Event()))
     try:
-        await asyncio.sleep(0.8)  # sleep: renewed in time, twice: no lapse
+        await asyncio.sleep(0.8)  # noqa: sleep - renewed in time, twice: no lapse
         assert owner.lease_lapsed_at is None
         owner.lease_expires_at = events.utc_now() - timedelta(seconds=1)  # as if the last renewals had failed
         await until(lambda: owner.lease_lapsed_at is not None, timeout_s=5, what="the lapse found")

@@ -24,7 +24,7 @@ async def test_a_service_dying_at_start_fails_the_run_with_the_stacks_reason(
     claimed = tmp_path / "runs" / "doomed" / "config.json"
     dies = (f"import pathlib, time\ndeadline = time.monotonic() + 120\n"
             f"while not pathlib.Path({str(claimed)!r}).exists() and time.monotonic() < deadline:\n"
-            f"    time.sleep(0.05)\nraise SystemExit(3)\n")  # sleep: a bounded poll in the stand-in program
+            f"    time.sleep(0.05)\nraise SystemExit(3)\n")  # noqa: sleep - a bounded poll in the stand-in program
     services = {"orchestrator": SERVICES["orchestrator"], "scorer": SERVICES["scorer"],
                 "inference": ServiceSpec(("-c", dies), heartbeat_of("inference"))}
     monkeypatch.setattr(run_module, "SERVICES", services)

@@ -124,7 +124,7 @@ async def test_the_runs_dead_letters_are_said_with_their_reason(bus: Bus, nats_s
                 reason="rejected: environment 'reverse_text' failed to load: ModuleNotFoundError: No module named 'x'",
                 payload=b"{}", headers=None))
         await until(lambda: "gave up on" in out.getvalue(), what="the run's dead letter said")
-        await asyncio.sleep(0.5)  # sleep: the other run's letter, were it said, would be by now
+        await asyncio.sleep(0.5)  # noqa: sleep - the other run's letter, were it said, would be by now
     finally:
         watching.cancel()
         await asyncio.gather(watching, return_exceptions=True)
@@ -192,7 +192,7 @@ async def test_after_the_last_step_the_run_waits_for_an_owner_that_renews_its_le
         id="waits", status="finished", owner="orchestrator o1",
         lease_expires_at=events.utc_now() + timedelta(seconds=60))))
     waiting = asyncio.ensure_future(job._await_end())
-    await asyncio.sleep(2.0)  # sleep: four times the bound an owner without a lease gets
+    await asyncio.sleep(2.0)  # noqa: sleep - four times the bound an owner without a lease gets
     assert not waiting.done()
     assert "waiting for its owner (orchestrator o1) to end the run and write its summary" in out.getvalue()
     await update_run(bus, "waits", owner=None, lease_expires_at=None)

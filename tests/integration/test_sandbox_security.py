@@ -292,7 +292,7 @@ async def test_fork_bomb_is_contained(hostile: Hostile) -> None:
 
 async def test_python_fork_loop_stops_at_the_pids_limit(hostile: Hostile) -> None:
     source = ("import os, time\nn = 0\ntry:\n    while n < 5000:\n        if os.fork() == 0:\n"
-              "            time.sleep(30); os._exit(0)\n"  # sleep: in the hostile program (children that linger)
+              "            time.sleep(30); os._exit(0)\n"  # noqa: sleep - in the hostile program (children that linger)
               "        n += 1\nexcept OSError as e:\n    print(n, 'forks then', e.strerror)\n")
     result = await hostile.py(source, timeout_s=10)
     forks = int(result.stdout.split()[0])
@@ -345,9 +345,8 @@ async def test_background_process_is_gone_after_its_exec(hostile: Hostile) -> No
 async def test_double_forked_daemon_is_gone(hostile: Hostile) -> None:
     source = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
               # A deliberate sleep: the sleeps are inside the hostile program (a daemon that would outlive its exec).
-              "        open('/tmp/daemon.pid', 'w').write(str(os.getpid()))\n"
-              "        time.sleep(1000)\n"  # sleep: the code it runs
-              "    os._exit(0)\nos.wait()\ntime.sleep(0.2)\nprint('parent done')\n")  # sleep: the code it runs
+              "        open('/tmp/daemon.pid', 'w').write(str(os.getpid()))\n        time.sleep(1000)\n"  # noqa: sleep
+              "    os._exit(0)\nos.wait()\ntime.sleep(0.2)\nprint('parent done')\n")  # noqa: sleep
     assert (await hostile.py(source)).stdout == "parent done\n"
     pid = (await hostile.sh("cat /tmp/daemon.pid")).stdout.strip()
     assert pid and "gone" in (await hostile.sh(f"kill -0 {pid} 2>/dev/null || echo gone")).stdout
@@ -467,7 +466,7 @@ async def test_signal_from_the_host_side_is_still_possible(hostile: Hostile) -> 
     """The service, not the program, decides when the sandbox ends: destroy is SIGKILL, which
     no trap can catch."""
     pending = asyncio.ensure_future(hostile.sh("trap '' TERM INT HUP; while :; do sleep 1; done", timeout_s=60))
-    await asyncio.sleep(0.5)  # sleep: let the command start before destroying under it
+    await asyncio.sleep(0.5)  # noqa: sleep - let the command start before destroying under it
     started = time.monotonic()
     assert await hostile.client.destroy(hostile.box)
     with pytest.raises(SandboxError):

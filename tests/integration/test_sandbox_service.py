@@ -255,7 +255,7 @@ async def test_a_sandbox_labelled_with_a_run_is_metered_once_destroyed(bus: Bus,
     await client.exec(labelled, "sleep 0.3")
     assert await client.destroy(labelled) and await client.destroy(plain)
     await until(lambda: len(metered) == 1, what="the labelled sandbox's usage")
-    await asyncio.sleep(0.2)  # sleep: room for a second (wrong) usage event to arrive
+    await asyncio.sleep(0.2)  # noqa: sleep - room for a second (wrong) usage event to arrive
     await sub.unsubscribe()
     (usage,) = metered  # the unlabelled one names no run: not metered
     assert (usage.run, usage.source, usage.rollout_id, usage.id) == ("r1", "sandbox", "ro1", f"sandbox.{labelled}")
@@ -363,7 +363,7 @@ async def test_requests_past_max_in_flight_are_refused_at_once(bus: Bus, backend
     async with serving(bus, backend, warm_pool=0, max_in_flight=2) as c:
         boxes = [await c.create(), await c.create()]
         slow = [asyncio.ensure_future(c.exec(b, "sleep 1; echo done")) for b in boxes]
-        await asyncio.sleep(0.3)  # sleep: both execs are in flight by now
+        await asyncio.sleep(0.3)  # noqa: sleep - both execs are in flight by now
         with pytest.raises(SandboxError) as busy:
             await c.create()
         assert busy.value.kind == "capacity" and "2 requests are in flight" in str(busy.value)
@@ -422,7 +422,7 @@ async def test_the_service_process_heartbeats_and_stops_cleanly(nats_server: Nat
         for _ in range(200):
             if any(b.service == "sandbox" and b.pid == proc.pid for b in await read_heartbeats(bus)):
                 break
-            await asyncio.sleep(0.05)  # sleep: the polling interval of this bounded wait
+            await asyncio.sleep(0.05)  # noqa: sleep - the polling interval of this bounded wait
         box = await client.create(SandboxSpec(labels={"t": "1"}))
         assert (await client.exec(box, "echo $((6 * 7))")).stdout == "42\n"
         with pytest.raises(SandboxError) as no_network:  # the composition root passes the setting, off
@@ -431,7 +431,7 @@ async def test_the_service_process_heartbeats_and_stops_cleanly(nats_server: Nat
         assert await client.destroy_by_label({"t": "1"}) == 1
         box = await client.create()
         pending = asyncio.ensure_future(client.exec(box, "sleep 30", timeout_s=30))
-        await asyncio.sleep(0.3)  # sleep: let the exec start before the signal
+        await asyncio.sleep(0.3)  # noqa: sleep - let the exec start before the signal
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 15) == 0
         with pytest.raises(SandboxError) as stopped:

@@ -184,8 +184,7 @@ async def test_run_tests_resists_forged_output_and_whole_run_timeouts(sandbox: S
     assert forged.num_passed == 0 and set(forged.verdicts.values()) == {"missing"}
     assert "no verdict" in forged.failures["test_small"]
     # A deliberate sleep: the sleeps below are the solution under test looping forever, not the test waiting.
-    solution = "import time\nwhile True:\n    time.sleep(0.01)\n"  # sleep: the code it runs
-    hung = await run_tests({"solution.py": solution,
+    hung = await run_tests({"solution.py": "import time\nwhile True:\n    time.sleep(0.01)\n",  # noqa: sleep
                             "test_solution.py": TESTS}, client=sandbox, timeout_s=1, test_timeout_s=30)
     assert hung.timed_out and set(hung.verdicts.values()) == {"timeout"} and hung.fraction == 0.0
     with pytest.raises(ValueError, match="no top-level test_"):

@@ -76,7 +76,7 @@ def gateway_url(nats_server: NatsServer, tmp_path: Path, monkeypatch: pytest.Mon
     deadline = time.monotonic() + START_TIMEOUT_S
     while not server.started:
         assert serving.is_alive() and time.monotonic() < deadline, "the gateway did not start"
-        time.sleep(0.05)  # sleep: the polling interval of this bounded wait (a thread, no event loop here)
+        time.sleep(0.05)  # noqa: sleep - the polling interval of this bounded wait (a thread, no event loop here)
     try:
         yield f"http://127.0.0.1:{port}"
     finally:

@@ -49,7 +49,7 @@ async def test_what_one_replica_holds_or_published_counts_for_the_other(bus: Bus
     first = asyncio.ensure_future(hold(a, 4, 4, release_a, a_in))
     await a_in.wait()
     second = asyncio.ensure_future(hold(b, 4, 4, release_b, b_in))
-    await asyncio.sleep(2 * admission_module.RETRY_S)  # sleep: b's refused asks, a few retries long
+    await asyncio.sleep(2 * admission_module.RETRY_S)  # noqa: sleep - b's refused asks, a few retries long
     assert not b_in.is_set() and b.num_waiting == 4  # a holds the version's 4
     assert await a.shared.total() == 4  # type: ignore[union-attr]
     release_a.set()
@@ -101,7 +101,7 @@ async def test_racing_replicas_never_issue_more_than_the_bound(bus: Bus) -> None
 
     tasks = [asyncio.ensure_future(one(r)) for r in replicas for _ in range(4)]  # 12 groups of 2 race for 8
     await until(lambda: sum(issued) == 8, what="the bound's 8 rollouts admitted")
-    await asyncio.sleep(2 * admission_module.RETRY_S)  # sleep: room for a wrong extra admission
+    await asyncio.sleep(2 * admission_module.RETRY_S)  # noqa: sleep - room for a wrong extra admission
     assert sum(issued) == 8
     assert await replicas[0].shared.total() == 8  # type: ignore[union-attr]
     for t in tasks:

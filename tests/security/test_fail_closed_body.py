@@ -65,7 +65,7 @@ async def post(port: int, path: str, key: str | None, chunked: bool) -> Answer:
             # drain() returns without yielding while the kernel takes the data: without this, a
             # server that takes the body as fast as it comes keeps the answer unread here until
             # the whole body is sent, whenever it answered.
-            await asyncio.sleep(0)  # sleep: a yield to the reader task, not a wait
+            await asyncio.sleep(0)  # noqa: sleep - a yield to the reader task, not a wait
         if chunked:
             writer.write(b"0\r\n\r\n")
             await writer.drain()

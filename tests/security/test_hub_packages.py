@@ -82,7 +82,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
             except httpx.HTTPError:
                 pass
             assert time.monotonic() < deadline, "the gateway did not become healthy in 60 s"
-            time.sleep(0.1)  # sleep: the polling interval of this bounded wait for the process
+            time.sleep(0.1)  # noqa: sleep - the polling interval of this bounded wait for the process
         yield Gateway(url, process)
     finally:
         process.terminate()

@@ -127,9 +127,9 @@ async def test_a_program_past_its_timeout_is_killed_with_its_children(tmp_path: 
     script.write_text(textwrap.dedent(f"""
         import subprocess, sys, time
         child = subprocess.Popen([sys.executable, "-c",
-                                  "import time; time.sleep(60)"])  # sleep: the slow program under test
+                                  "import time; time.sleep(60)"])  # noqa: sleep - the slow program under test
         open({str(pid_file)!r}, "w").write(str(child.pid))
-        time.sleep(60)  # sleep: the program outlives its timeout on purpose
+        time.sleep(60)  # noqa: sleep - the program outlives its timeout on purpose
     """))
     harness = ProgramHarness([sys.executable, str(script)], timeout_s=1.5)
     with ScriptedOpenAI({"agent": []}) as server:
@@ -145,7 +145,7 @@ async def test_a_program_past_its_timeout_is_killed_with_its_children(tmp_path: 
             os.waitpid(child, os.WNOHANG)  # noqa: ASYNC222 - WNOHANG: it returns at once
         except ChildProcessError:
             pass
-        await asyncio.sleep(0.05)  # sleep: polling for the killed process to be gone
+        await asyncio.sleep(0.05)  # noqa: sleep - polling for the killed process to be gone
     else:
         raise AssertionError(f"the program's child {child} outlived the timeout")
 

@@ -273,7 +273,7 @@ async def test_a_group_the_shared_bound_refuses_stops_when_cancelled_as_the_boun
 
     waiting = asyncio.ensure_future(enter())
     await until(lambda: shared.asks >= 1, what="the shared bound asked")
-    await asyncio.sleep(0)  # sleep: one turn: the refused group is in its retry wait
+    await asyncio.sleep(0)  # noqa: sleep - one turn: the refused group is in its retry wait
     await a.advance(1)  # the bound moves: the retry wait ends in this turn ...
     waiting.cancel()  # ... and the task is cancelled in the same one (shutdown, or a lost consumer)
     with pytest.raises(asyncio.CancelledError):  # not TimeoutError: a swallowed cancel retries forever
@@ -302,7 +302,7 @@ class YieldingBucket:
         if last != self.revision:
             raise nats.js.errors.KeyWrongLastSequenceError
         self.value, self.revision = value, self.revision + 1
-        await asyncio.sleep(0)  # sleep: the reply's turn: the write is stored, its caller not yet resumed
+        await asyncio.sleep(0)  # noqa: sleep - the reply's turn: the write is stored, its caller not yet resumed
         return self.revision
 
 

@@ -52,7 +52,7 @@ class ScriptedPolicy:
         if on_token is not None:
             for token_id in ids:
                 on_token(0, token_id, -0.25)
-                await asyncio.sleep(0)  # sleep: one turn of the loop between tokens, as a batch gives
+                await asyncio.sleep(0)  # noqa: sleep - one turn of the loop between tokens, as a batch gives
         completion = Completion(token_ids=ids, logprobs=[-0.25] * len(ids), finish_reason="length" if truncated
                                 else "stop", text=text)
         return [Sampled(completion, self.version, 0.01)]
@@ -202,14 +202,14 @@ async def test_trace_nodes_go_on_the_bus_only_once_the_rollout_has_run_live_afte
     await short.chat([msg("user", "hi")], None, None)
     interception.close(short.key)
     await short.flush()
-    await asyncio.sleep(0.6)  # sleep: past its live time: ended, it stays off the bus
+    await asyncio.sleep(0.6)  # noqa: sleep - past its live time: ended, it stays off the bus
     assert published == [] and len(short.graph.ordered()) == 2
     # A longer one goes live when its time comes, without waiting for its next call, then publishes as it goes.
     long = interception.open("r1", "ro-long", policy, events.Sampling(max_tokens=16), publish, live_after_s=1.0)
     first, _, _ = await long.chat([msg("user", "hi")], None, None)
-    await asyncio.sleep(0)  # sleep: one turn of the loop: what is scheduled runs
+    await asyncio.sleep(0)  # noqa: sleep - one turn of the loop: what is scheduled runs
     assert published == []
-    await asyncio.sleep(1.2)  # sleep: past its live time: the timer under test fires
+    await asyncio.sleep(1.2)  # noqa: sleep - past its live time: the timer under test fires
     assert [t.node.id for t in published] == [n.id for n in long.graph.ordered()]
     num_live = len(published)
     await long.chat([msg("user", "hi"), first.message, msg("user", "again")], None, None)

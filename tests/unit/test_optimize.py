@@ -60,7 +60,7 @@ def upstream() -> Iterator[tuple[PromptSensitive, str]]:
     deadline = time.monotonic() + 10
     while not server.started:
         assert time.monotonic() < deadline, "the scripted model did not start"
-        time.sleep(0.02)  # sleep: waiting for the server thread
+        time.sleep(0.02)  # noqa: sleep - waiting for the server thread
     yield scripted, f"http://127.0.0.1:{port}/v1"
     server.should_exit = True
     thread.join(10)

@@ -156,7 +156,7 @@ def manager(clock: Clock) -> SessionManager:
 
 async def settle() -> None:
     for _ in range(5):
-        await asyncio.sleep(0)  # sleep: yields so the tasks reap() started run (fake backend, no I/O)
+        await asyncio.sleep(0)  # noqa: sleep - yields so the tasks reap() started run (fake backend, no I/O)
 
 
 def test_spec_errors_name_the_field() -> None:
@@ -283,7 +283,7 @@ async def test_max_starting_bounds_concurrent_starts() -> None:
         nonlocal running, peak
         running += 1
         peak = max(peak, running)
-        await asyncio.sleep(0.01)  # sleep: a start that takes time
+        await asyncio.sleep(0.01)  # noqa: sleep - a start that takes time
         running -= 1
         return await original(spec)
 
@@ -310,7 +310,7 @@ async def test_warm_pool_serves_matching_specs_and_refills() -> None:
     for _ in range(100):
         if len(manager._pool) == 2:
             break
-        await asyncio.sleep(0.01)  # sleep: the polling interval of this bounded wait
+        await asyncio.sleep(0.01)  # noqa: sleep - the polling interval of this bounded wait
     pooled = list(manager._pool)
     created = await manager.create(SandboxSpec(env={"X": "1"}, labels={"l": "1"}))  # env and labels may differ
     assert manager.sessions[created.id].box is pooled[0]
@@ -319,7 +319,7 @@ async def test_warm_pool_serves_matching_specs_and_refills() -> None:
     for _ in range(100):
         if len(manager._pool) == 2:
             break
-        await asyncio.sleep(0.01)  # sleep: the polling interval of this bounded wait
+        await asyncio.sleep(0.01)  # noqa: sleep - the polling interval of this bounded wait
     assert len(manager._pool) == 2 and len(backend.started) == 4
     stopping.set()
     await task

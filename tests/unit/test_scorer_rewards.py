@@ -217,7 +217,7 @@ async def test_sync_rewards_run_in_threads_and_a_slow_one_times_out(pool: InProc
         return 1.0
 
     def slow() -> float:
-        time.sleep(0.5)  # sleep: a slow reward, longer than its timeout
+        time.sleep(0.5)  # noqa: sleep - a slow reward, longer than its timeout
         return 1.0
 
     ticks = 0
@@ -225,7 +225,7 @@ async def test_sync_rewards_run_in_threads_and_a_slow_one_times_out(pool: InProc
     async def ticker() -> None:
         nonlocal ticks
         while True:
-            await asyncio.sleep(0.01)  # sleep: counts event-loop turns while a reward blocks its thread
+            await asyncio.sleep(0.01)  # noqa: sleep - counts event-loop turns while a reward blocks its thread
             ticks += 1
 
     s = scorer(pool, Rewards(sync_reward=sync_reward, async_reward=async_reward, slow=slow), reward_timeout_s=0.2)
@@ -249,7 +249,7 @@ async def test_an_inline_reward_runs_on_the_loop_and_one_that_holds_it_is_named_
         return float(completion == "cba")
 
     def heavy(completion: str) -> float:
-        time.sleep(0.03)  # sleep: a call that holds the event loop past INLINE_WARN_S
+        time.sleep(0.03)  # noqa: sleep - a call that holds the event loop past INLINE_WARN_S
         return 1.0
 
     s = scorer(pool, Rewards(Reward(quick, inline=True), Reward(heavy, inline=True)))

@@ -67,7 +67,7 @@ def test_a_data_folder_is_held_by_one_stack_and_names_its_holder(tmp_path) -> No
     for _ in range(500):  # until it has exec'd (a fresh fork shows its parent's command line)
         if b"nats-server" in Path(f"/proc/{sleeper.pid}/cmdline").read_bytes():
             break
-        time.sleep(0.01)  # sleep: a bounded poll (5 s at most) for the child's exec
+        time.sleep(0.01)  # noqa: sleep - a bounded poll (5 s at most) for the child's exec
     try:
         second.update({"nats_pids": [sleeper.pid]})
         assert second._fd is not None
