@@ -194,8 +194,9 @@ def workload(args: argparse.Namespace) -> dict[str, float]:
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
     from flywheel.contract.bus import Bus
     from flywheel.contract.settings import Settings
-    from flywheel.ops.natsserver import free_port
-    from flywheel.ops.stack import SERVICES, ServiceSpec, Stack, heartbeat_of
+    from flywheel.ops.stack import SERVICES, Stack
+    from flywheel.runtime.natsserver import free_port
+    from flywheel.runtime.supervise import ServiceSpec, heartbeat_of
 
     sys.path.insert(0, str(ENVS))  # the tasks are made here, the rest in the services
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ENVS), os.environ.get("PYTHONPATH")) if p)

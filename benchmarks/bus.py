@@ -52,7 +52,7 @@ import nats
 
 from flywheel.contract import events, weights
 from flywheel.contract.bus import Bus, BusConfig, Consumer, Delivery
-from flywheel.ops.natsserver import NatsServer
+from flywheel.runtime.natsserver import NatsServer
 
 SIZES = {"1KB": 1024, "64KB": 64 * 1024}
 # Unacknowledged messages at most, and messages per fetch, on both sides.

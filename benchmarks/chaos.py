@@ -82,7 +82,7 @@ from typing import Any
 from flywheel.contract import events
 from flywheel.contract.config import RunConfig
 from flywheel.contract.settings import Settings
-from flywheel.ops.natsserver import free_port, port_open
+from flywheel.runtime.natsserver import free_port, port_open
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples" / "reverse-text.toml"

@@ -44,7 +44,7 @@ from typing import Any
 
 from flywheel.contract import events
 from flywheel.contract.settings import Settings
-from flywheel.ops.natsserver import free_port
+from flywheel.runtime.natsserver import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples" / "reverse-text.toml"

@@ -38,7 +38,7 @@ from flywheel.contract import events, weights
 from flywheel.contract.bus import Bus
 from flywheel.contract.config import RunConfig
 from flywheel.contract.settings import Settings
-from flywheel.ops.natsserver import NatsServer
+from flywheel.runtime.natsserver import NatsServer
 from flywheel.sdk import models
 from flywheel_inference.app import create_app
 

@@ -41,7 +41,7 @@ from typing import Any
 
 from flywheel.contract.bus import Bus
 from flywheel.contract.service import read_heartbeats
-from flywheel.ops.natsserver import NatsServer
+from flywheel.runtime.natsserver import NatsServer
 from flywheel.sdk.sandbox import SandboxClient, SandboxError, SandboxSpec
 
 REPO = Path(__file__).resolve().parents[1]

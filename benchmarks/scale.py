@@ -50,7 +50,7 @@ import async_vs_sync  # type: ignore[import-not-found]  # benchmarks/async_vs_sy
 from bus import bus_round, make_tasks  # type: ignore[import-not-found]  # benchmarks/bus.py, on sys.path when run
 
 from flywheel.contract.bus import Bus, BusConfig
-from flywheel.ops.natsserver import NatsCluster, NatsServer
+from flywheel.runtime.natsserver import NatsCluster, NatsServer
 
 TARGET = 0.5
 TARGET_REPLICAS = 1.7
@@ -93,8 +93,9 @@ def serve_pinned(core: int, port: int) -> None:
 async def replicas_round(num_replicas: int, round_: int, off_policy: int) -> dict[str, Any]:
     """One stack with ``num_replicas`` pinned inference replicas, one async run of async_vs_sync's workload."""
     from flywheel.contract.settings import Settings
-    from flywheel.ops.natsserver import free_port
-    from flywheel.ops.stack import SERVICES, ServiceSpec, Stack, heartbeat_of
+    from flywheel.ops.stack import SERVICES, Stack
+    from flywheel.runtime.natsserver import free_port
+    from flywheel.runtime.supervise import ServiceSpec, heartbeat_of
 
     bench = argparse.Namespace(steps=16, batch_size=32, group_size=8, slots=32, max_tokens=48, sft_steps=30)
     if str(async_vs_sync.ENVS) not in sys.path:  # its environment: here (the run's tasks) and in the services

@@ -92,7 +92,7 @@ async def watch_teacher(data_dir: Path, nats_port: int, run: str, proc: subproce
 
 def run(config: Path, run_id: str, data_dir: Path, steps: int, *sets: str) -> tuple[list[dict[str, Any]], dict]:
     """One ``flywheel run`` on its own ports: its metrics lines (steps only) and its teachers' last counters."""
-    from flywheel.ops.natsserver import free_port
+    from flywheel.runtime.natsserver import free_port
 
     nats_port = free_port()
     argv = [sys.executable, "-m", "flywheel.ops.cli", "run", str(config), "--run-id", run_id, "--data-dir",

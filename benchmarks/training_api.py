@@ -44,7 +44,7 @@ WORDS = ["abc", "hello", "stone", "river", "cloud", "apple", "tiger", "lemon"]
 
 
 def free_port() -> int:
-    from flywheel.ops.natsserver import free_port as port
+    from flywheel.runtime.natsserver import free_port as port
 
     return port()
 
@@ -162,7 +162,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--sessions", type=int, default=4)
     args = parser.parse_args()
-    from flywheel.ops.natsserver import NatsServer
+    from flywheel.runtime.natsserver import NatsServer
     from flywheel.sdk.models import load_model, resolve_model
 
     with tempfile.TemporaryDirectory(prefix="flywheel-bench-api-") as scratch:

@@ -150,7 +150,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     from flywheel.contract.bus import Bus, EventCount
     from flywheel.contract.config import RunConfig
     from flywheel.contract.settings import InferenceSettings
-    from flywheel.ops.natsserver import NatsServer
+    from flywheel.runtime.natsserver import NatsServer
     from flywheel.sdk import models
     from flywheel.sdk.environment import load_environment
     from flywheel_inference.backend_vllm import VLLMBackend

@@ -181,7 +181,7 @@ SERVICE_OF = re.compile(r"(?P<fork>flywheel\.ops\.forkserver|fork server)|flywhe
 def tree_cpu_s(pid: int) -> dict[str, float]:
     """User + system CPU seconds of ``pid`` and every process below it (alive now), by process:
     a service's name (``inference``, ``trainer``, ``gateway``...), ``nats-server``,
-    ``fork-server`` (its two processes, :mod:`flywheel.ops.forkserver`), ``workers`` (the
+    ``fork-server`` (its two processes, :mod:`flywheel.runtime.forkserver`), ``workers`` (the
     environment workers of every service, :mod:`flywheel.runtime.envworker`), ``run`` (the
     ``flywheel run`` process itself) or ``other``."""
     import psutil
@@ -299,7 +299,7 @@ def run_flywheel(work: Path, model: Path, seed: int, workload: str, off_policy: 
                  args: argparse.Namespace, code: Path | None = None) -> dict[str, Any]:
     """One ``flywheel run``; ``code``: a folder of Flywheel's packages to import instead of the
     installed ones (:func:`checkout`)."""
-    from flywheel.ops.natsserver import free_port
+    from flywheel.runtime.natsserver import free_port
 
     name = f"fw{off_policy}-{workload}-{seed}{'-baseline' if code else ''}"
     config, data_dir = work / f"{name}.toml", work / name

@@ -31,8 +31,8 @@ from typing import Any
 
 from flywheel.contract import events
 from flywheel.contract.settings import Settings
-from flywheel.ops.eval import serve
-from flywheel.ops.natsserver import NatsServer
+from flywheel.runtime.natsserver import NatsServer
+from flywheel.runtime.serving import serve
 from flywheel_gateway.app import create_app
 from flywheel_gateway.store import Store
 

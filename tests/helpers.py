@@ -38,7 +38,7 @@ async def serving_app(app: Any, lifespan: Literal["on", "off"] = "off") -> Async
     SIGINT stay the test process's (a hung test can still be stopped)."""
     import uvicorn
 
-    from flywheel.ops.natsserver import free_port
+    from flywheel.runtime.natsserver import free_port
 
     class Server(uvicorn.Server):
         @contextlib.contextmanager

@@ -108,9 +108,9 @@ async def served(env: Environment, pool: InProcessPool | None = None, tenant: st
 
 
 async def evaluated(cfg: Any, env: Environment, progress: Any, nats_url: str | None = None) -> dict[str, Any]:
-    """``flywheel eval``'s :class:`~flywheel.ops.eval.Evaluation` of ``env`` (served in a pool of
+    """``flywheel eval``'s :class:`~flywheel.runtime.evaluation.Evaluation` of ``env`` (served in a pool of
     its own, closed after) with ``cfg``; its summary."""
-    from flywheel.ops.eval import Evaluation
+    from flywheel.runtime.evaluation import Evaluation
 
     pool = InProcessPool()
     try:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from flywheel.contract.bus import Bus
-from flywheel.ops.natsserver import NatsServer
+from flywheel.runtime.natsserver import NatsServer
 from flywheel.sdk.sandbox import SandboxClient
 from tests.sandbox_service import ServedSandboxClient, backend_named, serving
 from tests.scripted_openai import ScriptedOpenAI, ScriptEntry, make_rollout

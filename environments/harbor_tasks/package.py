@@ -10,8 +10,8 @@ The package it writes (``dest``)::
 
 ``PKG`` is ``OWNER_NAME`` with '-' as '_'. The tasks are read (and refused, naming the folder
 and the field, where they do not load) before anything is written, so a package that is
-written loads. It depends on ``flywheel-rl[environments]``, which provides the ``harbor_tasks``
-module.
+written loads. It loads where Flywheel is installed, which provides the ``harbor_tasks`` module
+(the hub index serves environments, not the platform, so the package lists no dependency on it).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import shutil
 from pathlib import Path
 
 from flywheel.contract.hub import ENV_PART
-from flywheel.ops.scaffold import pyproject
+from flywheel.contract.hubpackage import pyproject
 
 from .folders import CACHE, read_tasks, task_folders
 

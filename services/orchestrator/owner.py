@@ -25,7 +25,7 @@ A :class:`RunOwner` lives in the orchestrator from the moment it claims a run
    writes: inference released the tasks it held), it publishes what the run still needs,
    once for each such finding;
 4. runs the run's evals (``[[evals]]``) as their steps' weights come out: each through
-   ``flywheel eval``'s machinery (:func:`flywheel.ops.eval.run_eval`) against inference's
+   ``flywheel eval``'s machinery (:func:`flywheel.runtime.evaluation.run_eval`) against inference's
    OpenAI API with ``model = RUN@STEP`` (the weights of that step, which the trainer keeps
    pinned until the eval is done), recorded as an eval run ``RUN-eval-NAME-STEP`` of the
    run's tenant, linked to the run and step, one eval at a time beside training; each result is a note, a line of
@@ -74,10 +74,11 @@ from flywheel.contract.runs import (
 )
 from flywheel.contract.service import read_heartbeats
 from flywheel.contract.settings import Settings
-from flywheel.ops.client import make_tasks
-from flywheel.ops.eval import EvalConfig, run_eval
-from flywheel.ops.run import Progress, plot, summarize
-from flywheel.ops.stack import (
+from flywheel.runtime.environments import WorkerPool
+from flywheel.runtime.evaluation import EvalConfig, run_eval
+from flywheel.runtime.reporting import Progress, plot, summarize
+from flywheel.runtime.runs import RunEnvironment, config_ids, load_run_environments, prepare_run
+from flywheel.runtime.supervise import (
     RestartBackoff,
     ServiceProcess,
     ServiceSpec,
@@ -86,8 +87,7 @@ from flywheel.ops.stack import (
     trainer_env,
     wait_set,
 )
-from flywheel.runtime.environments import WorkerPool
-from flywheel.runtime.runs import RunEnvironment, config_ids, load_run_environments, prepare_run
+from flywheel.runtime.tasks import make_tasks
 from flywheel.sdk.scoring import describe_reward, reward_definition
 
 log = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ class RunFailed(Exception):
 class TrainerSupervisor:
     """The run's trainer process: started, watched, restarted while it makes progress.
 
-    The restart policy is the stack's (:class:`flywheel.ops.stack.RestartBackoff`), with a new
+    The restart policy is the stack's (:class:`flywheel.runtime.supervise.RestartBackoff`), with a new
     step as the sign of health: a trainer that trained since it last started is restarted at
     once; exits in a row without a step wait longer each time, and after
     ``MAX_RESTARTS_WITHOUT_PROGRESS`` of them the run fails (:class:`RunFailed`)."""
@@ -125,7 +125,7 @@ class TrainerSupervisor:
             argv = ("-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "-m",
                     "flywheel_trainer", "--", *argv[2:])
         # One rank: forked from the fork server of a stack on this machine, when there is one
-        # (flywheel.ops.forkserver), torch and transformers imported already.
+        # (flywheel.runtime.forkserver), torch and transformers imported already.
         spec = ServiceSpec(argv, heartbeat_of("trainer"), fork_level="torch" if ranks == 1 else None)
         settings = owner.settings.model_copy(update={"metrics_port": owner.trainer_metrics_port})
         # Its own NATS login, user trainer: never the orchestrator's.

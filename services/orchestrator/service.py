@@ -34,9 +34,9 @@ from flywheel.contract.runs import (
 )
 from flywheel.contract.service import Service
 from flywheel.contract.settings import Settings
-from flywheel.ops.stack import trainer_env
 from flywheel.runtime.environments import WorkerPool
 from flywheel.runtime.runs import config_ids, prepare_run
+from flywheel.runtime.supervise import trainer_env
 from flywheel.sdk.sandbox import SandboxClient
 from flywheel.sdk.scoring import reward_definition
 from flywheel_orchestrator.owner import RunOwner

@@ -45,7 +45,7 @@ from typing import Any, Protocol
 import torch
 
 from flywheel.contract.config import TrainerConfig
-from flywheel.ops.natsserver import free_port
+from flywheel.runtime.natsserver import free_port
 from flywheel.sdk import models
 from flywheel_trainer.ranks import current_ranks
 

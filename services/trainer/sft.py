@@ -48,8 +48,9 @@ from flywheel.contract.checkpoints import CheckpointState
 from flywheel.contract.config import RunConfig
 from flywheel.contract.service import setup_logging
 from flywheel.contract.settings import Settings, WorkersSettings
-from flywheel.ops.run import config_with, parse_sets, save_plot
 from flywheel.runtime.environments import WorkerPool
+from flywheel.runtime.overrides import config_with, parse_sets
+from flywheel.runtime.reporting import save_plot
 from flywheel.runtime.runs import load_run_environments
 from flywheel.sdk import models
 from flywheel.sdk.environment import EnvironmentLoadError

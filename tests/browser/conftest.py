@@ -14,8 +14,8 @@ import pytest
 from fastapi import FastAPI
 
 from flywheel.contract.settings import Settings
-from flywheel.ops.eval import serve
-from flywheel.ops.natsserver import NatsServer
+from flywheel.runtime.natsserver import NatsServer
+from flywheel.runtime.serving import serve
 from flywheel_gateway.app import create_app
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from flywheel.ops.natsserver import free_port
+from flywheel.runtime.natsserver import free_port
 from tests.e2e.test_up import Output
 from tests.e2e.test_up_supervisor import alive
 

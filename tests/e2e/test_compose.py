@@ -40,7 +40,7 @@ import pytest
 
 from flywheel.contract import natsusers
 from flywheel.contract.bus import Bus
-from flywheel.ops.natsserver import free_port
+from flywheel.runtime.natsserver import free_port
 from flywheel.sdk.sandbox import ExecResult, SandboxClient
 from tests.docker_engine import REPO_ROOT, DockerEngine, cache_dir
 from tests.e2e.test_up import refused_as_scorer

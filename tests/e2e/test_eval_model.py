@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from flywheel.ops.natsserver import free_port
+from flywheel.runtime.natsserver import free_port
 
 
 @pytest.mark.long

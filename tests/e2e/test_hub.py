@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from flywheel.contract.hubpackage import pyproject
 from tests.e2e.conftest import stop_stack
 from tests.e2e.test_up import Output
 
@@ -54,7 +55,7 @@ def fresh_venv(where: Path) -> Path:
 
 def test_push_install_eval_fork_and_a_run_on_the_fork(tmp_path: Path, readable: Path,
                                                       clean_env: dict[str, str]) -> None:
-    from flywheel.ops.natsserver import free_port
+    from flywheel.runtime.natsserver import free_port
 
     python = fresh_venv(readable / "fresh")  # its packages: what the workers of its stack see
     ports = {"nats": free_port(), "gateway": free_port(), "inference": free_port()}
@@ -88,6 +89,14 @@ def test_push_install_eval_fork_and_a_run_on_the_fork(tmp_path: Path, readable: 
         assert re.search(r"^pushed acme/qa@0\.1\.0 \(sha256 [0-9a-f]{64}\)$", pushed, re.M), pushed
         again = flywheel("env", "push", str(tmp_path / "src" / "qa"), *gateway)
         assert again.returncode == 1 and "acme/qa@0.1.0 exists" in again.stderr, again.stderr[-2000:]
+        # The command the hub page prints, dependencies included, into a folder of nothing installed:
+        # the package asks for nothing the hub index does not serve.
+        pipped = subprocess.run([str(python), "-m", "pip", "install", "--only-binary", ":all:", "--no-input",
+                                 "--disable-pip-version-check", "--target", str(tmp_path / "pipped"), "--index-url",
+                                 f"http://127.0.0.1:{ports['gateway']}/hub/simple", "acme-qa"],
+                                capture_output=True, text=True, timeout=300, check=False)
+        assert pipped.returncode == 0, pipped.stdout[-2000:] + pipped.stderr[-2000:]
+        assert (tmp_path / "pipped" / "qa" / "__init__.py").exists()
 
         assert "acme/qa" not in ok(flywheel("env", "list"))
         installed = ok(flywheel("env", "install", "acme/qa", *gateway))
@@ -142,19 +151,6 @@ def load_environment() -> Environment:
     return Environment(name="pinned_" + WANTED.replace(".", "_"), tasks=[{{"prompt": "hi"}}],
                        rewards=[Reward(own_pin)])
 '''
-PINNED_PROJECT = '''\
-[build-system]
-requires = ["setuptools>=77"]
-build-backend = "setuptools.build_meta"
-
-[project]
-name = "acme-pinned"
-version = "{version}"
-dependencies = ["fwpinlib=={pin}"]
-
-[project.entry-points."flywheel.environments"]
-"acme/pinned" = "acme_pinned:load_environment"
-'''
 TWO_VERSIONS = """\
 run = "pins"
 group_size = 2
@@ -200,7 +196,7 @@ def test_two_versions_pinning_one_library_differently_train_in_one_run(readable:
     """acme/pinned 0.1.0 pins fwpinlib 1.0, 0.2.0 pins fwpinlib 2.0: pushed to the hub, named by one
     run ([[envs]]), installed each into a folder of its own with its own fwpinlib, each trained in
     its own workers, where each one's reward checks that it imports its own pin."""
-    from flywheel.ops.natsserver import free_port
+    from flywheel.runtime.natsserver import free_port
 
     wheels = readable / "wheels"  # where pip finds fwpinlib (no index has it): these two wheels
     wheels.mkdir()
@@ -228,7 +224,9 @@ def test_two_versions_pinning_one_library_differently_train_in_one_run(readable:
             source = readable / f"pinned-{version}"
             (source / "acme_pinned").mkdir(parents=True)
             (source / "acme_pinned" / "__init__.py").write_text(PINNED_MODULE.format(pin=pin))
-            (source / "pyproject.toml").write_text(PINNED_PROJECT.format(version=version, pin=pin))
+            (source / "README.md").write_text(f"Pins fwpinlib {pin}.\n")
+            (source / "pyproject.toml").write_text(pyproject("acme", "pinned", "acme_pinned", "pins a library", [],
+                                                             version, dependencies=[f"fwpinlib=={pin}"]))
             assert f"pushed acme/pinned@{version}" in flywheel("env", "push", str(source), *gateway)
         config = readable / "pins.toml"
         config.write_text(TWO_VERSIONS)

@@ -32,7 +32,7 @@ import pytest
 from flywheel.contract import events
 from flywheel.contract.bus import Bus, Replay, decode_message
 from flywheel.contract.settings import Settings
-from flywheel.ops.natsserver import free_port
+from flywheel.runtime.natsserver import free_port
 from tests.e2e.test_up import Output
 
 ROOT = Path(__file__).parents[2]

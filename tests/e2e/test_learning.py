@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from flywheel.contract.config import RunConfig
-from flywheel.ops.natsserver import free_port
+from flywheel.runtime.natsserver import free_port
 from tests.e2e.test_up import Output, poll
 
 ROOT = Path(__file__).parents[2]

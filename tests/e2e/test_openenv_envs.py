@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from flywheel.ops.natsserver import free_port
+from flywheel.runtime.natsserver import free_port
 from tests.e2e.test_verifiers_envs import cli, installed
 from tests.scripted_openai import ScriptedOpenAI
 

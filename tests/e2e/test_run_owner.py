@@ -259,7 +259,7 @@ def test_a_run_survives_every_process_and_nats_server_killed(tmp_path: Path, cle
     """SIGKILL to every process at once (nats-server, each service, the trainer, `flywheel up`,
     `flywheel run`); the stack started again on the same data folder takes the run over by
     itself, and it finishes with each step trained once and no rollout trained twice."""
-    from flywheel.ops.natsserver import free_port
+    from flywheel.runtime.natsserver import free_port
 
     ports = {"nats": free_port(), "gateway": free_port(), "inference": free_port()}
     data_dir = tmp_path / "data"

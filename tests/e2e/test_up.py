@@ -30,7 +30,7 @@ import pytest
 from flywheel.contract import natsusers
 from flywheel.contract.bus import Bus, BusConfig, NatsRefused, PermissionDenied
 from flywheel.contract.settings import Settings
-from flywheel.ops.natsserver import free_port
+from flywheel.runtime.natsserver import free_port
 from tests.e2e.test_up_supervisor import alive
 
 READY_TIMEOUT_S = 120.0  # the gateway imports FastAPI, SQLAlchemy and Alembic and migrates

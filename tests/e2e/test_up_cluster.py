@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from flywheel.ops.natsserver import free_port, port_open
+from flywheel.runtime.natsserver import free_port, port_open
 from tests.e2e.conftest import stop_stack
 from tests.e2e.test_up import READY_TIMEOUT_S, Output, flywheel, poll
 

@@ -30,23 +30,24 @@ from flywheel.contract.bus import Bus
 from flywheel.contract.service import read_heartbeats
 from flywheel.contract.settings import Settings
 from flywheel.ops import cli
-from flywheel.ops.natsserver import NatsServer, free_port, port_open
-from flywheel.ops.stack import STACK_SERVICE, Process, ServiceSpec, Stack, StackError
+from flywheel.ops.stack import STACK_SERVICE, Stack, StackError
+from flywheel.runtime.natsserver import NatsServer, free_port, port_open
+from flywheel.runtime.supervise import Process, ServiceSpec, Supervisor
 from tests.helpers import until
 
 
-async def healthy(stack: Stack, process: Process) -> str | None:
+async def healthy(stack: Supervisor, process: Process) -> str | None:
     return None
 
 
-async def never_healthy(stack: Stack, process: Process) -> str | None:
+async def never_healthy(stack: Supervisor, process: Process) -> str | None:
     return "no heartbeat yet"
 
 
 def says(text: str):
     """Healthy once the current start of the process printed the line ``text``."""
 
-    async def check(stack: Stack, process: Process) -> str | None:
+    async def check(stack: Supervisor, process: Process) -> str | None:
         with process.log_path.open("rb") as f:
             f.seek(process.log_offset)
             return None if f"\n{text}\n" in f.read().decode() else f"has not printed {text!r}"
@@ -283,7 +284,7 @@ async def test_a_running_service_that_stops_being_healthy_is_stopped_and_started
               "print('stuck' if first else 'fine', flush=True); "
               "time.sleep(120)")  # noqa: sleep - the stand-in service stays up until stopped
 
-    async def until_stuck(stack: Stack, process: Process) -> str | None:
+    async def until_stuck(stack: Supervisor, process: Process) -> str | None:
         with process.log_path.open("rb") as f:
             f.seek(process.log_offset)
             text = f.read().decode()

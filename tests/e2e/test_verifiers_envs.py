@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from flywheel.ops.natsserver import free_port
+from flywheel.runtime.natsserver import free_port
 from tests.scripted_openai import ScriptedOpenAI, tool_call
 
 ROOT = Path(__file__).resolve().parents[2]

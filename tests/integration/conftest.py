@@ -18,7 +18,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from flywheel.contract.settings import Settings
-from flywheel.ops.natsserver import NatsServer, free_port
+from flywheel.runtime.natsserver import NatsServer, free_port
 from flywheel.sdk import models
 from flywheel_gateway.app import create_app as create_gateway_app
 from flywheel_gateway.store import Store

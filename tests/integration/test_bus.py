@@ -14,7 +14,7 @@ from nats.aio.msg import Msg
 
 from flywheel.contract import events
 from flywheel.contract.bus import Bus, BusConfig, Consumer, Delivery, Reject, delivery_counts, watch
-from flywheel.ops.natsserver import NatsServer
+from flywheel.runtime.natsserver import NatsServer
 from tests.helpers import until
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from flywheel.contract import events
 from flywheel.contract.bus import Bus, BusConfig, Consumer, Delivery
-from flywheel.ops.natsserver import NatsCluster
+from flywheel.runtime.natsserver import NatsCluster
 from tests.helpers import until
 
 

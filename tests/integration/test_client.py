@@ -11,7 +11,7 @@ from flywheel.contract import events
 from flywheel.contract.bus import Bus
 from flywheel.ops import cli
 from flywheel.ops.client import Client, publish_tasks
-from flywheel.ops.natsserver import NatsServer
+from flywheel.runtime.natsserver import NatsServer
 
 ROWS = [{"text": "abc"}, {"text": "hello"}, {"id": "own-id", "text": "xyz"}]
 

@@ -14,7 +14,7 @@ import pytest
 
 from flywheel.contract.bus import Bus
 from flywheel.contract.service import Service, read_heartbeats
-from flywheel.ops.natsserver import NatsServer, free_port
+from flywheel.runtime.natsserver import NatsServer, free_port
 from tests.helpers import until
 
 HEALTHCHECK = Path(__file__).resolve().parents[2] / "compose" / "healthcheck.py"

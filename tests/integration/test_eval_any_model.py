@@ -33,9 +33,10 @@ from flywheel.contract import events, keys
 from flywheel.contract.bus import Bus
 from flywheel.contract.runs import get_run, update_run
 from flywheel.contract.settings import Settings
-from flywheel.ops.eval import EvalConfig, Served, serve
 from flywheel.ops.evalmodel import eval_tenant, register_model
-from flywheel.ops.natsserver import NatsServer
+from flywheel.runtime.evaluation import EvalConfig
+from flywheel.runtime.natsserver import NatsServer
+from flywheel.runtime.serving import Served, serve
 from flywheel.sdk import models
 from flywheel_inference.app import create_app
 from tests.helpers import until

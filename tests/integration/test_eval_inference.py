@@ -19,8 +19,9 @@ from flywheel.contract import events
 from flywheel.contract.bus import Bus
 from flywheel.contract.runs import get_run
 from flywheel.contract.settings import Settings
-from flywheel.ops.eval import read_results, serve
-from flywheel.ops.natsserver import NatsServer
+from flywheel.runtime.evalresults import read_results
+from flywheel.runtime.natsserver import NatsServer
+from flywheel.runtime.serving import serve
 from flywheel.sdk import models
 from flywheel_inference.app import create_app
 from tests.helpers import until

@@ -28,8 +28,9 @@ from flywheel.contract.bus import Bus, Consumer
 from flywheel.contract.config import RunConfig
 from flywheel.contract.runs import register_run
 from flywheel.contract.settings import InferenceSettings, RecorderSettings, ScorerSettings
-from flywheel.ops.eval import EvalConfig, Evaluation, read_results
 from flywheel.runtime import runs
+from flywheel.runtime.evalresults import read_results
+from flywheel.runtime.evaluation import EvalConfig, Evaluation
 from flywheel.sdk import models
 from flywheel.sdk.environment import TaskSet, load_environment
 from flywheel.sdk.scoring import required_scorers

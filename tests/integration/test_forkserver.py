@@ -1,4 +1,4 @@
-"""The fork server (flywheel.ops.forkserver) with real processes: a forked service runs its
+"""The fork server (flywheel.runtime.forkserver) with real processes: a forked service runs its
 module as `python -m` would, its exit status and signals reach whoever started it, it dies
 with its asker and with the server, and anything the server cannot take is exec'd."""
 
@@ -16,8 +16,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from flywheel.ops import forkserver
-from flywheel.ops.forkserver import Forked, ForkServer, launch
+from flywheel.runtime import forkserver
+from flywheel.runtime.forkserver import Forked, ForkServer, launch
 from tests.helpers import until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,7 +77,7 @@ def test_a_forked_service_dies_with_whoever_asked_for_it(server: ForkServer, tmp
     log, folder = str(tmp_path / "c.log"), str(tmp_path)
     asker = textwrap.dedent(f"""
         import asyncio, pathlib, sys, time
-        from flywheel.ops.forkserver import launch
+        from flywheel.runtime.forkserver import launch
         async def main():
             child = await launch(["-m", "tests.forked_child", "sleep"], {env_of()!r}, pathlib.Path({log!r}),
                                  (pathlib.Path({folder!r}), "base"))

@@ -24,8 +24,8 @@ from fastapi import FastAPI
 from flywheel.contract import events
 from flywheel.contract.runs import is_key, is_token
 from flywheel.contract.settings import Settings
-from flywheel.ops.client import make_tasks
-from flywheel.ops.natsserver import NatsServer
+from flywheel.runtime.natsserver import NatsServer
+from flywheel.runtime.tasks import make_tasks
 from flywheel_gateway.app import create_app
 from flywheel_gateway.models import RUN_ID_PATTERN, TASK_ID_PATTERN, TOKEN_PATTERN, subject_token, task_id
 from flywheel_gateway.store import Store

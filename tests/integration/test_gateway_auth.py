@@ -19,7 +19,7 @@ from flywheel.contract import events, keys
 from flywheel.contract.bus import Bus
 from flywheel.contract.runs import get_run
 from flywheel.contract.settings import Settings
-from flywheel.ops.natsserver import NatsServer
+from flywheel.runtime.natsserver import NatsServer
 from flywheel_gateway.app import create_app
 from flywheel_gateway.hub import inspect_package
 from flywheel_gateway.store import Store

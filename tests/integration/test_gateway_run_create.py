@@ -23,7 +23,7 @@ from flywheel.contract.bus import Bus
 from flywheel.contract.config import RunConfig
 from flywheel.contract.runs import claim_run, get_run, register_run
 from flywheel.contract.settings import QuotaSettings, Settings
-from flywheel.ops.natsserver import NatsServer
+from flywheel.runtime.natsserver import NatsServer
 from flywheel.runtime.runs import prepare_run
 from flywheel_gateway.app import create_app
 from flywheel_gateway.hub import inspect_package

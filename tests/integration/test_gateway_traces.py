@@ -32,7 +32,7 @@ from flywheel.contract import events
 from flywheel.contract.bus import Bus
 from flywheel.contract.settings import RecorderSettings
 from flywheel.ops.client import ExportCut, GatewayError, TraceAPI, server_sent_events
-from flywheel.ops.natsserver import NatsServer, free_port
+from flywheel.runtime.natsserver import NatsServer, free_port
 from flywheel_gateway import recorder, sse
 from flywheel_gateway.store import Store
 from tests.helpers import until
@@ -591,7 +591,8 @@ async def test_an_open_stream_does_not_hold_up_the_gateways_shutdown(nats_server
                                                                      tmp_path: Path) -> None:
     """``python -m flywheel_gateway api`` as ``flywheel up`` runs it: SIGTERM with a live stream open."""
     from flywheel.contract.settings import Settings
-    from flywheel.ops.stack import SERVICES, ServiceProcess, child_env
+    from flywheel.ops.stack import SERVICES
+    from flywheel.runtime.supervise import ServiceProcess, child_env
     from flywheel_gateway.__main__ import GRACEFUL_SHUTDOWN_S
 
     settings = Settings(nats_url=nats_server.url, data_dir=tmp_path / "data", gateway_port=free_port())
@@ -646,7 +647,8 @@ async def test_an_export_cut_by_a_killed_gateway_is_reported_as_cut(nats_server:
     buffer small, so the gateway is still writing when it dies, not done with everything in the
     kernel's buffers (what it had written there still arrives)."""
     from flywheel.contract.settings import Settings
-    from flywheel.ops.stack import SERVICES, ServiceProcess, child_env
+    from flywheel.ops.stack import SERVICES
+    from flywheel.runtime.supervise import ServiceProcess, child_env
     from flywheel_gateway.migrate import migrate
 
     settings = Settings(nats_url=nats_server.url, data_dir=tmp_path / "data", gateway_port=free_port())

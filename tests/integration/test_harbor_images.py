@@ -21,8 +21,9 @@ import pytest
 import harbor_tasks
 from flywheel.contract.bus import Bus
 from flywheel.contract.settings import Settings, WorkersSettings
-from flywheel.ops.eval import EvalConfig, read_results, run_eval
-from flywheel.ops.natsserver import NatsServer
+from flywheel.runtime.evalresults import read_results
+from flywheel.runtime.evaluation import EvalConfig, run_eval
+from flywheel.runtime.natsserver import NatsServer
 from flywheel.sdk.sandbox import SandboxError, SandboxSpec, build_tag, context_archive
 from tests.helpers import until
 from tests.sandbox_fixtures import sandboxed_rollout

@@ -19,8 +19,8 @@ from fastapi import FastAPI
 
 from flywheel.contract import keys
 from flywheel.contract.settings import Settings
-from flywheel.ops.eval import serve
-from flywheel.ops.natsserver import NatsServer
+from flywheel.runtime.natsserver import NatsServer
+from flywheel.runtime.serving import serve
 from flywheel_gateway.app import create_app
 from tests.unit.test_hub import sdist, wheel
 

@@ -18,7 +18,7 @@ from fastapi import FastAPI
 from flywheel.contract import events, keys
 from flywheel.contract.bus import Bus
 from flywheel.contract.settings import Settings
-from flywheel.ops.natsserver import NatsServer
+from flywheel.runtime.natsserver import NatsServer
 from flywheel.sdk import models
 from flywheel_inference.app import create_app
 from tests.helpers import until

@@ -34,7 +34,7 @@ from flywheel.contract import events, weights
 from flywheel.contract.bus import HEADER_CONTENT_TYPE, HEADER_MSG_ID, Bus
 from flywheel.contract.service import read_heartbeats
 from flywheel.contract.settings import InferenceSettings
-from flywheel.ops.natsserver import NatsServer, free_port
+from flywheel.runtime.natsserver import NatsServer, free_port
 from flywheel.sdk import models
 from flywheel_inference.worker import LEASE_CHECK_S, Worker
 from tests.helpers import until

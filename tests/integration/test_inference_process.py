@@ -14,7 +14,7 @@ import nats.js.errors
 
 from flywheel.contract.bus import Bus
 from flywheel.contract.service import read_heartbeats
-from flywheel.ops.natsserver import NatsServer, free_port
+from flywheel.runtime.natsserver import NatsServer, free_port
 from tests.helpers import until
 
 

@@ -19,7 +19,7 @@ from flywheel.contract import natsusers
 from flywheel.contract.bus import Bus, BusConfig, NotProvisioned, PermissionDenied
 from flywheel.contract.runs import get_run
 from flywheel.contract.settings import Settings
-from flywheel.ops.natsserver import NatsServer
+from flywheel.runtime.natsserver import NatsServer
 
 # A subject of each kind a service might publish to, and the users that may.
 SUBJECTS = {

@@ -16,7 +16,7 @@ from flywheel.contract import events
 from flywheel.contract.bus import Bus
 from flywheel.contract.runs import claim_run, get_run, register_run, task_durable
 from flywheel.contract.settings import Settings
-from flywheel.ops.natsserver import NatsServer
+from flywheel.runtime.natsserver import NatsServer
 from flywheel.runtime.runs import load_run_environments
 from flywheel_orchestrator.owner import STALL_S, RunOwner
 from tests.helpers import until

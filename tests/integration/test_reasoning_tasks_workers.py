@@ -14,9 +14,10 @@ from typing import Any
 import pytest
 
 import reasoning_tasks
-from flywheel.ops.eval import EvalConfig, read_results, run_eval
 from flywheel.runtime.environments import RolloutLink, WorkerRollout
 from flywheel.runtime.envworker import LoadSpec
+from flywheel.runtime.evalresults import read_results
+from flywheel.runtime.evaluation import EvalConfig, run_eval
 from flywheel.sdk.environment import EnvironmentLoadError
 from tests.helpers import worker_pool
 from tests.scripted_openai import ScriptedOpenAI, make_rollout

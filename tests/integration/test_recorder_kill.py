@@ -24,8 +24,9 @@ import sqlalchemy as sa
 from flywheel.contract import events
 from flywheel.contract.bus import Bus
 from flywheel.contract.settings import Settings
-from flywheel.ops.natsserver import NatsServer, free_port
-from flywheel.ops.stack import SERVICES, ServiceProcess, child_env
+from flywheel.ops.stack import SERVICES
+from flywheel.runtime.natsserver import NatsServer, free_port
+from flywheel.runtime.supervise import ServiceProcess, child_env
 from flywheel_gateway import schema
 from flywheel_gateway.migrate import migrate
 from flywheel_gateway.store import Store

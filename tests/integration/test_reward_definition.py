@@ -25,7 +25,7 @@ from flywheel.contract.bus import Bus, Consumer
 from flywheel.contract.config import RunConfig
 from flywheel.contract.runs import register_run
 from flywheel.contract.settings import RecorderSettings, ScorerSettings, Settings
-from flywheel.ops.natsserver import NatsServer
+from flywheel.runtime.natsserver import NatsServer
 from flywheel.sdk.environment import load_environment
 from flywheel.sdk.scoring import required_scorers
 from flywheel_gateway import recorder

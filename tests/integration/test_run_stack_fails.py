@@ -12,9 +12,10 @@ import pytest
 from flywheel.contract.config import RunConfig
 from flywheel.contract.settings import Settings
 from flywheel.ops import run as run_module
-from flywheel.ops.natsserver import free_port
 from flywheel.ops.run import MainJob
-from flywheel.ops.stack import SERVICES, ServiceSpec, StackError, heartbeat_of
+from flywheel.ops.stack import SERVICES, StackError
+from flywheel.runtime.natsserver import free_port
+from flywheel.runtime.supervise import ServiceSpec, heartbeat_of
 
 
 async def test_a_service_dying_at_start_fails_the_run_with_the_stacks_reason(

@@ -15,8 +15,8 @@ from flywheel.contract.bus import Bus, dead_letter, publish_dead_letter
 from flywheel.contract.config import RunConfig
 from flywheel.contract.runs import update_run
 from flywheel.contract.settings import Settings
-from flywheel.ops.natsserver import NatsServer
 from flywheel.ops.run import MainJob
+from flywheel.runtime.natsserver import NatsServer
 from flywheel.runtime.runs import load_run_environments
 from flywheel.sdk.scoring import required_scorers
 from tests.helpers import until

@@ -20,9 +20,10 @@ import coding
 import long_context
 from flywheel.contract import events
 from flywheel.contract.bus import Bus
-from flywheel.ops.eval import EvalConfig, Evaluation, read_results, run_eval
-from flywheel.ops.natsserver import NatsServer
 from flywheel.runtime import runs
+from flywheel.runtime.evalresults import read_results
+from flywheel.runtime.evaluation import EvalConfig, Evaluation, run_eval
+from flywheel.runtime.natsserver import NatsServer
 from flywheel.sdk import models
 from flywheel.sdk.environment import EnvironmentOverrides
 from flywheel.sdk.tracegraph import branches

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 from flywheel.contract.bus import Bus
-from flywheel.ops.natsserver import NatsServer
+from flywheel.runtime.natsserver import NatsServer
 from flywheel.sdk.sandbox import WORKDIR, ExecResult, SandboxClient, SandboxError, SandboxSpec
 from tests.sandbox_service import backend_named, serving
 

@@ -29,8 +29,8 @@ import pytest
 from flywheel.contract import events
 from flywheel.contract.bus import Bus
 from flywheel.contract.service import read_heartbeats
-from flywheel.ops.natsserver import NatsServer
 from flywheel.runtime import relay
+from flywheel.runtime.natsserver import NatsServer
 from flywheel.sdk.environment import GroupReward, Reward
 from flywheel.sdk.sandbox import (
     ROLLOUT_LABEL,

@@ -44,7 +44,7 @@ from schemathesis.specs.openapi.checks import (
 
 from flywheel.contract import events
 from flywheel.contract.settings import Settings
-from flywheel.ops.natsserver import NatsServer, free_port
+from flywheel.runtime.natsserver import NatsServer, free_port
 from flywheel_gateway import api_runs
 from flywheel_gateway.app import create_app
 from flywheel_gateway.migrate import migrate

@@ -25,7 +25,7 @@ from flywheel.contract.bus import Bus, read_stream
 from flywheel.contract.config import RunConfig
 from flywheel.contract.service import read_heartbeats
 from flywheel.contract.settings import ScorerSettings
-from flywheel.ops.natsserver import NatsServer
+from flywheel.runtime.natsserver import NatsServer
 from flywheel_scorer import scorer
 from flywheel_scorer.partitions import Partitions
 from flywheel_scorer.scorer import EnvironmentRewards

@@ -21,7 +21,7 @@ from flywheel.contract import events
 from flywheel.contract.bus import MAX_DELIVER, PARTITION_LEASE_S, Bus
 from flywheel.contract.config import RunConfig
 from flywheel.contract.settings import ScorerSettings
-from flywheel.ops.natsserver import NatsServer
+from flywheel.runtime.natsserver import NatsServer
 from flywheel_scorer import scorer
 from flywheel_scorer.partitions import HANDBACK_ALLOWANCE, Partitions
 from flywheel_scorer.scorer import EnvironmentRewards

@@ -17,8 +17,9 @@ from flywheel.contract.bus import Bus, Consumer, Delivery
 from flywheel.contract.service import Service, read_heartbeats
 from flywheel.contract.settings import Settings
 from flywheel.ops import cli
-from flywheel.ops.natsserver import NatsServer, free_port
-from flywheel.ops.stack import STACK_SERVICE, Process, ServiceSpec, Stack
+from flywheel.ops.stack import STACK_SERVICE, Stack
+from flywheel.runtime.natsserver import NatsServer, free_port
+from flywheel.runtime.supervise import Process, ServiceSpec, Supervisor
 from tests.helpers import until
 
 
@@ -82,7 +83,7 @@ async def test_status_shows_the_stacks_view_naming_the_failing_process(
         bus: Bus, nats_server: NatsServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The view a stack publishes (Stack.view, in its heartbeat's info), read back through status."""
 
-    async def healthy(stack: Stack, process: Process) -> None:
+    async def healthy(stack: Supervisor, process: Process) -> None:
         return None
 
     stack = Stack(Settings(data_dir=tmp_path, nats_url=nats_server.url), services={

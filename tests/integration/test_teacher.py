@@ -28,7 +28,7 @@ from flywheel.contract.bus import Bus
 from flywheel.contract.config import RunConfig
 from flywheel.contract.runs import register_run, update_run
 from flywheel.contract.settings import InferenceSettings
-from flywheel.ops.natsserver import NatsServer, free_port
+from flywheel.runtime.natsserver import NatsServer, free_port
 from flywheel.sdk import models
 from flywheel_inference.teacher import TeacherHost
 from tests.helpers import until, worker_pool

@@ -17,7 +17,7 @@ from flywheel.contract import events, metrics
 from flywheel.contract.bus import Bus, Consumer, Delivery, Reject
 from flywheel.contract.service import read_heartbeats
 from flywheel.contract.settings import ScorerSettings
-from flywheel.ops.natsserver import NatsServer
+from flywheel.runtime.natsserver import NatsServer
 from flywheel_scorer import scorer
 from flywheel_scorer.scorer import EnvironmentRewards
 from tests.helpers import until, worker_pool

@@ -21,7 +21,7 @@ from flywheel.contract.bus import Bus
 from flywheel.contract.config import RunConfig
 from flywheel.contract.runs import get_run, register_run, update_run
 from flywheel.contract.settings import Settings, TrainerSettings
-from flywheel.ops.natsserver import NatsServer
+from flywheel.runtime.natsserver import NatsServer
 from flywheel.sdk import models
 from flywheel_trainer import service
 from flywheel_trainer.ledger import Journal, RunFolder

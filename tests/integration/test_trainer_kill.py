@@ -33,8 +33,8 @@ from flywheel.contract import weights
 from flywheel.contract.bus import Bus
 from flywheel.contract.runs import get_run, register_run
 from flywheel.contract.settings import Settings, TrainerSettings
-from flywheel.ops.natsserver import NatsServer
-from flywheel.ops.stack import child_env
+from flywheel.runtime.natsserver import NatsServer
+from flywheel.runtime.supervise import child_env
 from flywheel_trainer.ledger import RunFolder
 from tests.helpers import until
 from tests.integration.test_trainer_bus import Inference, run_config, weight_updates

@@ -31,7 +31,7 @@ import pytest
 
 from flywheel.contract import events
 from flywheel.contract.bus import Bus, decode_message
-from flywheel.ops.natsserver import NatsServer
+from flywheel.runtime.natsserver import NatsServer
 from flywheel_gateway.store import Store
 from tests.helpers import until
 from tests.integration.test_trainer_kill import TrainerProcess, new_run

@@ -26,7 +26,7 @@ import tinker
 from flywheel.contract import events, keys
 from flywheel.contract.bus import Bus, decode_message
 from flywheel.contract.settings import QuotaSettings, Settings
-from flywheel.ops.natsserver import NatsServer
+from flywheel.runtime.natsserver import NatsServer
 from flywheel_gateway.app import create_app as create_gateway_app
 from flywheel_trainer.tinker_api import create_app
 from tests.helpers import serving_app, until

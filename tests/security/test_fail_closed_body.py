@@ -24,7 +24,7 @@ import httpx
 
 from flywheel.contract import keys
 from flywheel.contract.bus import Bus
-from flywheel.ops.natsserver import NatsServer, free_port
+from flywheel.runtime.natsserver import NatsServer, free_port
 from tests.helpers import until
 
 BODY_BYTES = 300 * 1024 * 1024

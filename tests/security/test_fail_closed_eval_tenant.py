@@ -18,7 +18,7 @@ from flywheel.contract.bus import Bus
 from flywheel.contract.config import RunConfig
 from flywheel.contract.runs import get_run
 from flywheel.contract.settings import Settings
-from flywheel.ops.natsserver import NatsServer
+from flywheel.runtime.natsserver import NatsServer
 from flywheel_orchestrator.owner import RunOwner
 from tests.helpers import worker_pool
 from tests.scripted_openai import ScriptedOpenAI

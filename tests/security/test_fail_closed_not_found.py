@@ -25,7 +25,7 @@ from fastapi.routing import APIRoute, iter_route_contexts
 
 from flywheel.contract import events
 from flywheel.contract.bus import Bus
-from flywheel.ops.natsserver import NatsServer
+from flywheel.runtime.natsserver import NatsServer
 from tests.security.fail_closed import (
     MISSING,
     OWNED,

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from flywheel.contract.bus import Bus
-from flywheel.ops.natsserver import NatsServer
+from flywheel.runtime.natsserver import NatsServer
 from tests.security.fail_closed import (
     ROLLOUT,
     RUN,

@@ -19,7 +19,7 @@ from flywheel.contract import events
 from flywheel.contract.bus import Bus, read_stream
 from flywheel.contract.config import RunConfig
 from flywheel.contract.settings import InferenceSettings
-from flywheel.ops.natsserver import NatsServer
+from flywheel.runtime.natsserver import NatsServer
 from flywheel.sdk import models
 from tests.helpers import until
 from tests.integration.services import Workers

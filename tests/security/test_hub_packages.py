@@ -33,7 +33,7 @@ import httpx
 import pytest
 
 from flywheel.contract.hubpackage import MAX_MEMBER_BYTES, MAX_METADATA_BYTES, MAX_README_BYTES
-from flywheel.ops.natsserver import NatsServer, free_port
+from flywheel.runtime.natsserver import NatsServer, free_port
 from flywheel.sdk.hub import Hub, HubError, install
 from tests.unit.test_hub import _digest, sdist, wheel
 

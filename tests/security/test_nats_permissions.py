@@ -38,7 +38,7 @@ from flywheel.contract import events, natsusers
 from flywheel.contract.bus import BUCKETS, STREAMS, WEIGHTS_BUCKET, Bus, stream_of
 from flywheel.contract.keys import create_key, list_keys
 from flywheel.contract.runs import register_run
-from flywheel.ops.natsserver import NatsServer
+from flywheel.runtime.natsserver import NatsServer
 from tests.helpers import until
 
 API = "$JS.API"

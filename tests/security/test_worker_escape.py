@@ -23,8 +23,8 @@ import pytest
 from flywheel.contract import events
 from flywheel.contract.bus import Bus
 from flywheel.contract.settings import ScorerSettings, WorkersSettings
-from flywheel.ops.natsserver import NatsServer
 from flywheel.runtime.environments import WorkerPool
+from flywheel.runtime.natsserver import NatsServer
 from flywheel.sdk import models
 from flywheel_scorer import scorer
 from flywheel_scorer.scorer import EnvironmentRewards

@@ -14,7 +14,7 @@ import pytest
 
 from flywheel.contract import events
 from flywheel.ops import cli
-from flywheel.ops.natsserver import free_port
+from flywheel.runtime.natsserver import free_port
 
 
 @pytest.fixture(autouse=True)

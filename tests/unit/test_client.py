@@ -13,8 +13,9 @@ import pytest
 from flywheel.contract.events import task_id
 from flywheel.contract.runs import check_key, check_token
 from flywheel.ops import cli
-from flywheel.ops.client import make_tasks, read_jsonl
-from flywheel.ops.natsserver import free_port
+from flywheel.ops.client import read_jsonl
+from flywheel.runtime.natsserver import free_port
+from flywheel.runtime.tasks import make_tasks
 
 
 def test_derived_task_ids_are_deterministic_and_pinned() -> None:

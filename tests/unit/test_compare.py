@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from flywheel.ops.compare import ModelSpec, compare, paired, parse_models, read_prices
-from flywheel.ops.eval import EvalConfig, Served
+from flywheel.runtime.evaluation import EvalConfig
+from flywheel.runtime.serving import Served
 from tests.unit.test_eval import Upstream, serving
 
 

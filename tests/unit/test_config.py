@@ -386,7 +386,7 @@ def test_the_config_module_imports_nothing_heavy() -> None:
 
 
 def test_set_overrides_reach_a_part_given_by_its_name() -> None:
-    from flywheel.ops.run import apply_override
+    from flywheel.runtime.overrides import apply_override
 
     data = RunConfig.from_toml_text('run = "r"\nenv = "reverse_text"\n').model_dump()
     apply_override(data, "trainer.engine", "deepspeed")

@@ -26,18 +26,12 @@ from openai.types.chat import (
 )
 
 from flywheel.contract import events
-from flywheel.ops.eval import (
-    EvalConfig,
-    RecordingProxy,
-    Served,
-    eval_sampling,
-    format_summary,
-    impose_sampling,
-    pass_at_k,
-    read_results,
-    serve,
-)
+from flywheel.ops.eval import format_summary
 from flywheel.runtime.envworker import environment_info
+from flywheel.runtime.evalproxy import RecordingProxy, eval_sampling, impose_sampling
+from flywheel.runtime.evalresults import pass_at_k, read_results
+from flywheel.runtime.evaluation import EvalConfig
+from flywheel.runtime.serving import Served, serve
 from flywheel.sdk.environment import Environment, EnvironmentOverrides, TaskSet, shortest_correct_reward
 from flywheel.sdk.harness import ChatHarness, RolloutContext
 from tests.inprocess import evaluated

@@ -1,4 +1,4 @@
-"""The summary of ``flywheel eval`` (:func:`flywheel.ops.eval.summarize`): errors grouped by kind,
+"""The summary of ``flywheel eval`` (:func:`flywheel.runtime.evalresults.summarize`): errors grouped by kind,
 each with its count and an example, and every figure of the rewards over the rollouts without an
 error (an errored rollout's rewards say nothing of the model)."""
 
@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from flywheel.ops.eval import error_kind, format_summary, summarize
+from flywheel.ops.eval import format_summary
+from flywheel.runtime.evalresults import error_kind, summarize
 
 NOT_FOUND = ("harness failed: NotFoundError: Error code: 404 - {'error': {'message': \"model 'tiny': run 'tiny' is "
              "not in the runs bucket\"}}")

@@ -109,7 +109,8 @@ async def test_the_scorer_publishes_a_hook_flag_as_a_watch_score() -> None:
 async def test_the_eval_proxy_runs_the_same_hooks(tmp_path: Path) -> None:
     import httpx
 
-    from flywheel.ops.eval import RecordingProxy, serve
+    from flywheel.runtime.evalproxy import RecordingProxy
+    from flywheel.runtime.serving import serve
     from tests.unit.test_eval import Upstream, serving
 
     async for scripted, served in serving(Upstream()):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,22 @@ def test_harbor_task_folders_import_as_a_package_to_push(tmp_path: Path) -> None
     project = read_project(tmp_path / "terminal")
     assert (project.env_id, project.project, project.version) == ("acme/terminal", "acme-terminal", "0.1.0")
     assert main(["env", "import", "harbor", str(tasks), "Acme/x", "--dir", str(tmp_path)]) == 1
+
+
+def test_a_format_with_no_importer_is_refused_naming_the_formats_there_are(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from flywheel.ops.cli import main
+
+    assert main(["env", "import", "openenv", str(tmp_path), "acme/x", "--dir", str(tmp_path)]) == 1
+    assert "format 'openenv': no importer for it is installed; the formats: harbor" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_scaffolded_package_asks_for_nothing_the_hub_index_does_not_serve(folder: Path) -> None:
+    # The hub serves environments, not the platform: `pip install --index-url <gateway>/hub/simple`
+    # resolves every dependency there.
+    project = tomllib.loads((folder / "pyproject.toml").read_text())["project"]
+    assert project["dependencies"] == []
 
 
 def test_push_checks_what_it_built_by_the_hubs_rules_before_anything_runs(folder: Path, tmp_path: Path) -> None:

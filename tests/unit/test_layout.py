@@ -1,6 +1,10 @@
 """House rules that keep the layout simple, checked on the source:
 
 - services never import each other, and the shared package never imports a service;
+- services import the shared package's contract, SDK and runtime, never its tools (``flywheel.ops``,
+  the CLI and the user's commands, is the roof: nothing below it leans on it);
+- environments import the contract and the SDK alone, and the shared package imports no
+  environment (a tool that needs one finds it by entry point, as the CLI's importers do);
 - the shared package's layers import downward only: ``flywheel.contract`` imports neither
   ``flywheel.sdk`` nor ``flywheel.ops``; ``flywheel.sdk`` does not import ``flywheel.ops``;
 - no import cycles between modules of the shared package and the services;
@@ -14,6 +18,7 @@ TYPE_CHECKING:`` (annotations only: nothing runs them).
 from __future__ import annotations
 
 import ast
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -59,6 +64,7 @@ def imports(path: Path) -> set[str]:
     return found
 
 
+@functools.cache
 def graph() -> dict[str, set[str]]:
     """Module -> the modules of the shared package and the services it imports."""
     paths = list(sources())
@@ -85,6 +91,41 @@ def test_shared_package_imports_no_service() -> None:
         if module.startswith("flywheel.") or module == "flywheel":
             bad = {d for d in deps if d.startswith("flywheel_")}
             assert not bad, f"{module} imports services: {sorted(bad)}"
+
+
+def test_services_lean_on_contract_sdk_and_runtime_alone() -> None:
+    for module, deps in graph().items():
+        if module.startswith("flywheel_"):
+            tools = {d for d in deps if d == "flywheel.ops" or d.startswith("flywheel.ops.")}
+            assert not tools, (f"{module} imports {sorted(tools)}: the tools are the roof; move what a service "
+                               "needs into flywheel.runtime")
+
+
+ENVIRONMENTS = sorted(p.name for p in (ROOT / "environments").iterdir() if (p / "__init__.py").exists())
+
+
+def environment_sources() -> Iterator[tuple[str, Path]]:
+    """(environment, source file) of each environment package, leaving out its tests."""
+    for name in ENVIRONMENTS:
+        for path in (ROOT / "environments" / name).rglob("*.py"):
+            if "tests" not in path.relative_to(ROOT / "environments" / name).parts:
+                yield name, path
+
+
+def test_environments_import_the_contract_and_the_sdk_alone() -> None:
+    assert ENVIRONMENTS, "the environments folder holds packages"
+    for name, path in environment_sources():
+        ours = {m for m in imports(path) if m == "flywheel" or m.startswith(("flywheel.", "flywheel_"))}
+        bad = {m for m in ours if not m.startswith(("flywheel.contract", "flywheel.sdk"))}
+        assert not bad, (f"{path.relative_to(ROOT)} ({name}) imports {sorted(bad)}: an environment is a stranger's "
+                         "code; it reaches the platform through flywheel.sdk and flywheel.contract alone")
+
+
+def test_the_shared_package_and_the_services_import_no_environment() -> None:
+    for path in sources():
+        found = {m.split(".")[0] for m in imports(path)} & set(ENVIRONMENTS)
+        assert not found, (f"{path.relative_to(ROOT)} imports the environment(s) {sorted(found)}: find an "
+                           "environment by its id (entry points), never by import")
 
 
 def test_the_shared_packages_layers_import_downward_only() -> None:

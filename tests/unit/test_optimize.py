@@ -16,9 +16,9 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 
-from flywheel.ops.eval import EvalConfig
-from flywheel.ops.natsserver import free_port
 from flywheel.ops.optimize import OptimizeConfig, optimize
+from flywheel.runtime.evaluation import EvalConfig
+from flywheel.runtime.natsserver import free_port
 from tests.inprocess import InProcessPool
 from tests.integration.conftest import ENVS
 

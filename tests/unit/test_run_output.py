@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from flywheel.contract.config import RunConfig
-from flywheel.ops.run import Progress, format_dropped, format_step, summarize
+from flywheel.runtime.reporting import Progress, format_dropped, format_step, summarize
 from flywheel_trainer.join import Joiner
 from flywheel_trainer.service import take_figures
 from tests.unit.test_trainer_join import make_rollout, make_score

@@ -7,8 +7,9 @@ import socket
 import pytest
 
 from flywheel.contract.settings import Settings
-from flywheel.ops.natsserver import free_port
-from flywheel.ops.stack import RestartBackoff, Stack, StackError, check_ports, child_env, metrics_port
+from flywheel.ops.stack import Stack, StackError, check_ports
+from flywheel.runtime.natsserver import free_port
+from flywheel.runtime.supervise import RestartBackoff, child_env, metrics_port
 
 
 def test_restart_backoff_doubles_in_a_crash_loop_and_resets_after_a_healthy_stretch() -> None:

@@ -84,7 +84,7 @@ def test_a_lora_engine_trains_the_adapter_alone_and_resumes_from_its_checkpoint_
 @pytest.fixture
 def world_of_one(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("deepspeed")
-    from flywheel.ops.natsserver import free_port
+    from flywheel.runtime.natsserver import free_port
 
     for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
                         ("MASTER_PORT", str(free_port()))):

@@ -21,8 +21,10 @@ from flywheel.contract import events, weights
 from flywheel.contract.bus import Bus
 from flywheel.contract.config import RunConfig
 from flywheel.contract.settings import Settings
-from flywheel.ops.eval import EvalConfig, read_results, run_eval, serve
-from flywheel.ops.natsserver import NatsServer, free_port
+from flywheel.runtime.evalresults import read_results
+from flywheel.runtime.evaluation import EvalConfig, run_eval
+from flywheel.runtime.natsserver import NatsServer, free_port
+from flywheel.runtime.serving import serve
 from flywheel.sdk import models
 from tests.helpers import until
 

@@ -13,7 +13,7 @@ import pytest
 from flywheel.contract import events, weights
 from flywheel.contract.bus import Bus, read_stream
 from flywheel.contract.config import RunConfig
-from flywheel.ops.natsserver import NatsServer
+from flywheel.runtime.natsserver import NatsServer
 from flywheel.sdk import models
 from tests.helpers import until
 

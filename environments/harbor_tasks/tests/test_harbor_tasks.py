@@ -20,8 +20,9 @@ import pytest
 
 import harbor_tasks
 from flywheel.contract.bus import Bus
-from flywheel.ops.eval import EvalConfig, read_results, run_eval
-from flywheel.ops.natsserver import NatsServer
+from flywheel.runtime.evalresults import read_results
+from flywheel.runtime.evaluation import EvalConfig, run_eval
+from flywheel.runtime.natsserver import NatsServer
 from flywheel.sdk.environment import EnvironmentLoadError, RewardError, load_environment, resolve
 from flywheel.sdk.sandbox import WORKDIR, SandboxSpec, context_archive
 from flywheel.sdk.sandbox_tools import SandboxUnavailable

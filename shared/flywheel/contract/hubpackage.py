@@ -44,10 +44,12 @@ import csv
 import gzip
 import hashlib
 import io
+import json
 import re
 import tarfile
 import zipfile
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from email.parser import HeaderParser
 from pathlib import PurePosixPath
@@ -455,3 +457,42 @@ def _check_sdist_member(filename: str, member: tarfile.TarInfo, root: str) -> No
     if member.size > limit:
         raise HubRefused(f"{filename}: member {member.name!r} is {member.size} bytes, over the hub's limit of {limit} "
                          f"({what})")
+
+
+# --- the pyproject.toml of an environment package ---------------------------------------------
+
+PYPROJECT = '''\
+[build-system]
+requires = ["setuptools>=69"]
+build-backend = "setuptools.build_meta"
+
+[project]
+name = "{owner}-{name}"
+version = "{version}"
+description = "{description}"
+readme = "README.md"
+requires-python = ">=3.11"
+# Your own dependencies, by name and version. Not the platform: Flywheel (flywheel-rl) is where the
+# environment loads, and the hub index, which serves environments, does not serve it.
+dependencies = {dependencies}
+
+# `flywheel eval {owner}/{name}` and a run config's `env = "{owner}/{name}"` find it here.
+[project.entry-points."flywheel.environments"]
+"{owner}/{name}" = "{pkg}:load_environment"
+
+[tool.setuptools]
+packages = ["{pkg}"]
+
+[tool.setuptools.package-data]
+{pkg} = {package_data}
+'''
+
+
+def pyproject(owner: str, name: str, pkg: str, description: str, package_data: list[str],
+              version: str = "0.1.0", dependencies: Sequence[str] = ()) -> str:
+    """The pyproject.toml of an environment package: the distribution ``owner-name`` (what the
+    hub serves), registering ``owner/name`` under the flywheel.environments entry points, with
+    ``package_data`` (globs) shipped beside the module ``pkg`` and ``dependencies`` (requirements
+    by name and version)."""
+    return PYPROJECT.format(owner=owner, name=name, pkg=pkg, version=version, description=description,
+                            package_data=json.dumps(package_data), dependencies=json.dumps(list(dependencies)))

@@ -320,7 +320,7 @@ class Settings(BaseSettings):
         True, description="`flywheel up` starts its Python services, and a run's trainer, as forks of one process "
                           "that imported their packages once (torch and transformers included), not each as a new "
                           "interpreter: on a machine of few cores the first training step comes seconds sooner "
-                          "(flywheel.ops.forkserver). false: each imports its own.")
+                          "(flywheel.runtime.forkserver). false: each imports its own.")
     sandbox_backend: Literal["local", "docker"] = Field(
         "local", description="Where the sandbox service runs code: local (bubblewrap) or docker (a Docker engine).")
     sandbox_image: str = Field("flywheel-sandbox:latest", description="Docker image of sandboxes (docker backend); "

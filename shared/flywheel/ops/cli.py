@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
 import json
 import os
 import re
@@ -42,6 +43,7 @@ from typing import Any
 
 from flywheel.contract import natsusers
 from flywheel.contract.hub import check_env_id
+from flywheel.ops.eval import format_summary
 from flywheel.ops.scaffold import scaffold
 from flywheel.ops.tables import size, table
 
@@ -470,7 +472,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "harbor, Harbor task folders (SRC: a task folder, or a folder of them; each runs in a sandbox "
                     "with a bash tool, rewarded by its own tests/test.sh; what is not carried over is listed in the "
                     "package's README). Then: flywheel env push DIR/NAME.")
-    importing.add_argument("format", choices=["harbor"], help="the tasks' format")
+    importing.add_argument("format", help="the tasks' format (harbor; more where a package registers an importer "
+                                          "under the flywheel.importers entry points)")
     importing.add_argument("src", metavar="SRC", help="the tasks")
     importing.add_argument("new_id", metavar="OWNER/NAME", help="the new environment's id (OWNER: your tenant)")
     importing.add_argument("--dir", default=".", help="where to write NAME/ (default: here)")
@@ -544,7 +547,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from flywheel.ops.run import config_with, main_job, new_run_id, parse_sets
+    from flywheel.ops.run import main_job, new_run_id
+    from flywheel.runtime.overrides import config_with, parse_sets
 
     if args.remote:
         from flywheel.ops.remote import remote_run
@@ -622,7 +626,7 @@ def cmd_keys_revoke(args: argparse.Namespace) -> int:
 
 def cmd_sft(args: argparse.Namespace) -> int:
     """The job runs in the trainer's own process (its engines and packages), with these settings."""
-    from flywheel.ops.stack import child_env
+    from flywheel.runtime.supervise import child_env
 
     argv = [sys.executable, "-m", "flywheel_trainer.sft", args.config]
     argv += ["--data", args.data] if args.data else []
@@ -674,7 +678,7 @@ def cmd_scorer(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from flywheel.ops.eval import EvalConfig, format_summary, resolve_model, run_eval
+    from flywheel.runtime.evaluation import EvalConfig, resolve_model, run_eval
 
     settings = settings_from(args)
     try:
@@ -759,9 +763,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_optimize(args: argparse.Namespace) -> int:
     # imported here: --help loads no msgspec, pydantic or nats (tests/unit/test_cli.py)
-    from flywheel.ops.eval import EvalConfig
     from flywheel.ops.optimize import OptimizeConfig, optimize
     from flywheel.runtime.environments import WorkerPool
+    from flywheel.runtime.evaluation import EvalConfig
 
     settings = settings_from(args)
     for name in ("num_train", "num_val", "num_test", "budget", "minibatch"):
@@ -869,11 +873,16 @@ def cmd_env_show(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_env_import(args: argparse.Namespace) -> int:
-    # imported here: the Harbor bridge only for this command
-    from harbor_tasks import convert
+IMPORTERS = "flywheel.importers"  # entry points: a format's name -> convert(src, dest, owner, name) -> Path
 
+
+def cmd_env_import(args: argparse.Namespace) -> int:
     owner, name = check_env_id(args.new_id)
+    found = {ep.name: ep for ep in importlib.metadata.entry_points(group=IMPORTERS)}
+    if args.format not in found:
+        raise ValueError(f"format {args.format!r}: no importer for it is installed; the formats: "
+                         f"{', '.join(sorted(found)) or 'none'}")
+    convert = found[args.format].load()
     folder = convert(args.src, Path(args.dir) / name, owner, name)
     print(f"wrote {folder}, environment {args.new_id}: flywheel env push {folder}")
     return 0
@@ -925,7 +934,8 @@ async def collect_status(nats_url: str, gateway_url: str) -> dict[str, Any]:
 
 
 def cmd_tasks_publish(args: argparse.Namespace) -> int:
-    from flywheel.ops.client import Client, make_tasks, read_jsonl
+    from flywheel.ops.client import Client, read_jsonl
+    from flywheel.runtime.tasks import make_tasks
 
     settings = settings_from(args)
     tasks = make_tasks(args.run, args.env, read_jsonl(args.file), num_rollouts=args.num_rollouts, source=args.file)

@@ -1,6 +1,6 @@
 """``flywheel eval ENV --models a,b,c``: several models on the same tasks, side by side.
 
-Each model is one :func:`flywheel.ops.eval.run_eval` with the same environment, task draw (seed),
+Each model is one :func:`flywheel.runtime.evaluation.run_eval` with the same environment, task draw (seed),
 rollouts per task and sampling, so the rows of the report are comparable task by task. The
 report (markdown, JSON and a PNG) gives per model: reward mean ± standard error, pass@k, tokens,
 cost (from a price table), errors; and per pair of models a **paired** comparison over the tasks
@@ -29,7 +29,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from flywheel.ops.eval import EvalConfig, Serving, read_results, run_eval
+from flywheel.runtime.evalresults import read_results
+from flywheel.runtime.evaluation import EvalConfig, Serving, run_eval
 
 if TYPE_CHECKING:
     from flywheel.contract.settings import Settings

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from flywheel.contract import events
 from flywheel.contract.natsusers import redacted
-from flywheel.ops.eval import EvalConfig, Serving, run_eval
+from flywheel.runtime.evaluation import EvalConfig, Serving, run_eval
 
 if TYPE_CHECKING:
     from flywheel.contract.bus import Bus
@@ -208,7 +208,7 @@ async def run_local_eval(cfg: EvalConfig, settings: Settings, progress_out: Text
 
 
 def local_serving(settings: Settings, progress_out: TextIO = sys.stderr) -> Serving:
-    """What serves an eval's model on the local stack (:func:`flywheel.ops.eval.run_eval`'s ``serving``)."""
+    """What serves an eval's model on the local stack (:func:`flywheel.runtime.evaluation.run_eval`'s ``serving``)."""
     return lambda given: _served(given, settings, progress_out)
 
 

@@ -4,7 +4,7 @@ GEPA (the ``gepa`` package is the search engine) evolves the prompt by reflectio
 current prompts on a minibatch of tasks, shows a reflection model the rollouts that scored badly
 (the task, the answer, the reward and its parts, errors), takes the prompt it proposes, keeps it
 when it does better on that minibatch, and keeps a Pareto set of prompts over a validation set.
-Every evaluation is a ``flywheel eval`` of these rows (:class:`flywheel.ops.eval.Evaluation`):
+Every evaluation is a ``flywheel eval`` of these rows (:class:`flywheel.runtime.evaluation.Evaluation`):
 the environment's own harness and rewards, the prompt put in as every call's system message by
 the recording proxy, whatever the harness sends. At the end the original prompt and the best
 one are evaluated on held-out tasks that the search never saw; the report gives both rewards
@@ -28,8 +28,9 @@ from typing import Any, TypeVar
 import gepa
 from gepa.core.adapter import EvaluationBatch
 
-from flywheel.ops.eval import EvalConfig, Evaluation, mean_stderr, read_results
 from flywheel.runtime.environments import WorkerEnvironment, WorkerPool
+from flywheel.runtime.evalresults import mean_stderr, read_results
+from flywheel.runtime.evaluation import EvalConfig, Evaluation
 from flywheel.runtime.runs import load_environment
 from flywheel.sdk.environment import EnvironmentOverrides
 from flywheel.sdk.scoring import required_scorers

@@ -37,8 +37,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TextIO
@@ -64,9 +63,11 @@ from flywheel.contract.runs import (
 )
 from flywheel.contract.service import read_heartbeats
 from flywheel.contract.settings import Settings
-from flywheel.ops.natsserver import MIN_FREE_MIB, free_mib
 from flywheel.ops.stack import SERVICES, Stack, StackError, start_until_bus
 from flywheel.runtime.environments import WorkerPool
+from flywheel.runtime.natsserver import MIN_FREE_MIB, free_mib
+from flywheel.runtime.overrides import config_with
+from flywheel.runtime.reporting import Progress, format_step, format_summary, summarize
 from flywheel.runtime.runs import RunEnvironment, config_ids, prepare_run
 from flywheel.sdk.scoring import describe_reward, reward_definition
 
@@ -77,166 +78,6 @@ NUM_LETTERS_SAID = 5  # dead letters of the run said one by one; after these, a 
 STATE_CHECK_S = 1.0  # how often the run's state is read (notes, status)
 RELEASE_TIMEOUT_S = 30.0  # after the last step: how long an owner whose lease lapsed may take to let go, from
 # its last note (an owner that renews its lease is waited for: its last evals may take minutes)
-
-
-@dataclass
-class Progress:
-    """What the run printed so far; the summary and the plot are made from it."""
-
-    started_s: float = field(default_factory=time.monotonic)
-    steps: list[dict[str, float]] = field(default_factory=list)
-
-    def add(self, update: events.WeightUpdate) -> dict[str, float] | None:
-        if update.trainer_step == 0 or any(s["step"] == update.trainer_step for s in self.steps):
-            return None
-        row = {"step": float(update.trainer_step), "elapsed_s": time.monotonic() - self.started_s, **update.metrics}
-        self.steps.append(row)
-        return row
-
-
-DROP_REASONS = {"stale": "stale", "scorer_error": "scorer error", "rollout_error": "rollout error",
-                "signal_error": "teacher error"}
-
-
-def format_dropped(row: dict[str, float]) -> str:
-    """Rollouts dropped, with the reasons that count: ``3 (stale 1, scorer error 2)``."""
-    by_reason = {label: int(row.get(f"num_dropped_{key}", 0.0)) for key, label in DROP_REASONS.items()}
-    total = sum(by_reason.values())
-    reasons = ", ".join(f"{label} {n}" for label, n in by_reason.items() if n)
-    return f"{total} ({reasons})" if reasons else str(total)
-
-
-def format_step(row: dict[str, float], num_steps: int, in_flight: int | None, metrics: Sequence[str] = ()) -> str:
-    """One step's line; ``metrics``: the scorers of weight 0, shown by their step mean."""
-    def get(key: str, fmt: str = "{:.3f}") -> str:
-        return fmt.format(row[key]) if key in row else "-"
-
-    shown = "".join(f"  {name} {get(f'scores.{name}')}" for name in metrics)
-    envs = [key.removeprefix("env.").removesuffix(".reward_mean") for key in row
-            if key.startswith("env.") and key.endswith(".reward_mean")]
-    if envs:
-        shown = " (" + ", ".join(f"{name} {get(f'env.{name}.reward_mean')}" for name in envs) + ")" + shown
-    if "echo_loss" in row:  # the cross-entropy on the environment's tokens (trainer.echo)
-        shown += f"  echo loss {get('echo_loss')}"
-    if "sft_term_loss" in row:  # the cross-entropy of the step's SFT term (trainer.sft_term)
-        shown += f"  sft loss {get('sft_term_loss')}"
-    if "distill_loss" in row:  # the dense distillation term's mean divergence (opd, estimate *_top_k)
-        shown += f"  distill loss {get('distill_loss')}"
-    if row.get("num_skipped_nonfinite"):  # the trainer's engine discarded the step's gradients
-        shown += "  SKIPPED (loss or gradients not finite; weights unchanged)"
-    for key in row:  # each teacher's per-token KL estimate (opd, trainer.kl)
-        if key.startswith("teacher.") and key.endswith(".kl"):
-            shown += f"  kl {key.removeprefix('teacher.').removesuffix('.kl')} {get(key)}"
-    return (f"step {int(row['step']):>3}/{num_steps}  reward {get('reward_mean')}{shown}  "
-            f"staleness {get('staleness_mean', '{:.2f}')} (max {get('staleness_max', '{:.0f}')})  "
-            f"dropped {format_dropped(row)}  tokens/s train {get('tokens_per_s', '{:.0f}')} "
-            f"sample {get('sampled_tokens_per_s', '{:.0f}')}  "
-            f"in flight {in_flight if in_flight is not None else '-'}  t {row['elapsed_s']:.1f}s")
-
-
-def summarize(progress: Progress, cfg: RunConfig, run_dir: Path, metrics: Sequence[str] = ()) -> dict[str, Any]:
-    """The run's figures; ``metrics`` (the scorers of weight 0) by their mean over the first and
-    the last quarter of the steps, as the reward is."""
-    rewards = [s["reward_mean"] for s in progress.steps if "reward_mean" in s]
-    k = max(1, len(rewards) // 4)
-    first, last = rewards[:k], rewards[-k:]
-    quarters: dict[str, float | None] = {}
-    for name in metrics:
-        values = [s[f"scores.{name}"] for s in progress.steps if f"scores.{name}" in s]
-        quarters[f"{name}_first"] = sum(values[:k]) / len(values[:k]) if values else None
-        quarters[f"{name}_last"] = sum(values[-k:]) / len(values[-k:]) if values else None
-    for name in env_names(progress):  # a run with several environments: each one's, the same way
-        values = [s[f"env.{name}.reward_mean"] for s in progress.steps if f"env.{name}.reward_mean" in s]
-        quarters[f"env.{name}.reward_first"] = sum(values[:k]) / len(values[:k]) if values[:k] else None
-        quarters[f"env.{name}.reward_last"] = sum(values[-k:]) / len(values[-k:]) if values[-k:] else None
-    for key in ["echo_loss", "sft_term_loss", *sorted({key for s in progress.steps for key in s
-                                      if key.startswith("teacher.") and key.endswith(".kl")})]:
-        # trainer.echo: how well the policy predicts its environment; the SFT term's cross-entropy;
-        # a teacher's KL estimate: how far the policy is from it; each at the start and the end
-        values = [s[key] for s in progress.steps if key in s]
-        if values:
-            quarters[f"{key}_first"] = sum(values[:k]) / len(values[:k])
-            quarters[f"{key}_last"] = sum(values[-k:]) / len(values[-k:])
-    dropped = {f"num_dropped_{key}": sum(s.get(f"num_dropped_{key}", 0.0) for s in progress.steps)
-               for key in DROP_REASONS}
-    return {
-        "run": cfg.run,
-        "env": cfg.env_ids,
-        "model": cfg.model.name,
-        "steps": len(progress.steps),
-        "elapsed_s": progress.steps[-1]["elapsed_s"] if progress.steps else 0.0,
-        "reward_first": sum(first) / len(first) if first else None,
-        "reward_last": sum(last) / len(last) if last else None,
-        "reward_gain": (sum(last) / len(last) - sum(first) / len(first)) if rewards else None,
-        "window_steps": k,
-        **quarters,
-        **dropped,
-        "staleness_max": max((s.get("staleness_max", 0.0) for s in progress.steps), default=0.0),
-        "tokens_per_s_mean": (sum(s.get("tokens_per_s", 0.0) for s in progress.steps) / len(progress.steps)
-                              if progress.steps else 0.0),
-        "run_dir": str(run_dir),
-    }
-
-
-def format_summary(summary: dict[str, Any]) -> str:
-    def fmt(v: Any) -> str:
-        return f"{v:.3f}" if isinstance(v, float) else str(v)
-
-    width = max(len(k) for k in summary)
-    return "\n".join(f"  {k.ljust(width)}  {fmt(v)}" for k, v in summary.items())
-
-
-def env_names(progress: Progress) -> list[str]:
-    """The environments a run with several reports apart (``env.<name>.reward_mean`` in the
-    trainer's metrics), in the order they first appear; [] for a run with one."""
-    names: dict[str, None] = {}
-    for step in progress.steps:
-        for key in step:
-            if key.startswith("env.") and key.endswith(".reward_mean"):
-                names[key.removeprefix("env.").removesuffix(".reward_mean")] = None
-    return list(names)
-
-
-def plot(progress: Progress, path: Path, title: str, evals: Sequence[dict[str, Any]] = ()) -> Path | None:
-    """The reward curve as a PNG, a curve for each environment of a run with several beside the
-    overall one, and the points of each eval during training (``evals``: rows of the run's
-    ``evals.jsonl``); None when matplotlib (the ``run`` extra) is missing."""
-    try:
-        import matplotlib
-    except ImportError:
-        return None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    envs = env_names(progress)
-    for key, label in [("reward_mean", "all environments" if envs else None),
-                       *((f"env.{name}.reward_mean", name) for name in envs)]:
-        steps = [s["step"] for s in progress.steps if key in s]
-        ax.plot(steps, [s[key] for s in progress.steps if key in s], marker="o", markersize=3, label=label,
-                linewidth=2.0 if key == "reward_mean" else 1.2)
-    for name in dict.fromkeys(row["eval"] for row in evals):
-        points = sorted((row["step"], row["reward_mean"]) for row in evals
-                        if row["eval"] == name and row.get("reward_mean") is not None)
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="s", markersize=5, linestyle="--",
-                label=f"eval {name}")
-    if envs or evals:
-        ax.legend(fontsize=8)
-    return save_plot(fig, ax, path, title, "trainer step", "mean reward of the step's rollouts")
-
-
-def save_plot(fig: Any, ax: Any, path: Path, title: str, xlabel: str, ylabel: str) -> Path:
-    """Label, title and grid ``ax`` as every plot of a run is, write ``fig`` to ``path`` and close it."""
-    import matplotlib.pyplot as plt
-
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 async def nats_answers(url: str) -> bool:
@@ -763,60 +604,6 @@ class MainJob:
 
 def new_run_id(base: str) -> str:
     return f"{base}-{datetime.now(UTC).strftime('%Y%m%d-%H%M%S')}"
-
-
-def parse_sets(items: Sequence[str]) -> dict[str, Any]:
-    """``--set KEY=VALUE`` options as overrides: each value as JSON where it is JSON, else as text."""
-    overrides: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--set {item!r}: write KEY=VALUE, e.g. trainer.lr=0")
-        try:
-            overrides[key] = json.loads(value)
-        except json.JSONDecodeError:
-            overrides[key] = value
-    return overrides
-
-
-def config_with(config_path: str, overrides: Mapping[str, Any], run_id: str | None = None,
-                trusted_modules: Sequence[str] = ()) -> RunConfig:
-    """The run config at ``config_path`` with ``overrides`` (see :func:`apply_override`) and,
-    given, ``run_id`` as its run; ValueError naming the field for a bad value."""
-    data = RunConfig.from_toml(config_path, trusted_modules).model_dump()
-    for dotted, value in overrides.items():
-        apply_override(data, dotted, value)
-    if run_id:
-        data["run"] = run_id
-    return RunConfig.parse(data, source=config_path, trusted_modules=trusted_modules)
-
-
-def apply_override(data: dict[str, Any], dotted: str, value: Any) -> None:
-    """``--set dotted=value`` on a config's data: ``trainer.lr``, ``trainer.loss.clip_eps``,
-    ``envs.1.weight`` (the second ``[[envs]]`` table). A part given by its bare name (``--set
-    trainer.engine=deepspeed`` before ``--set trainer.engine.zero_stage=2``) becomes
-    ``{"type": name}`` so its fields can be set."""
-    section: Any = data
-    *parents, leaf = dotted.split(".")
-    for i, key in enumerate(parents):
-        if isinstance(section, list):
-            if not key.isdigit() or int(key) >= len(section):
-                raise ValueError(f"--set {dotted}: {'.'.join(parents[:i])} has tables 0 to {len(section) - 1}, "
-                                 f"not {key!r}")
-            section = section[int(key)]
-            continue
-        if isinstance(section.get(key), str):
-            section[key] = {"type": section[key]}
-        if section.get(key) is None:
-            # a table the config may not have yet ([rewards.x], [env_args]) or leaves unset (trainer.kl)
-            section[key] = {}
-        section = section[key]
-        if not isinstance(section, dict | list):
-            raise ValueError(f"--set {dotted}: {'.'.join(parents[:i + 1])} is a value, not a table")
-    if isinstance(section, list):
-        raise ValueError(f"--set {dotted}: {'.'.join(parents)} is a list of tables; set a key of one, e.g. "
-                         f"{'.'.join(parents)}.0.KEY")
-    section[leaf] = value
 
 
 def main_job(config_path: str, settings: Settings, run_id: str | None = None,

@@ -37,8 +37,9 @@ from flywheel.contract.checkpoints import run_folder
 from flywheel.contract.config import RunConfig
 from flywheel.contract.runs import check_resumable, end_of, get_run, list_runs, new_notes, pause_run, stop_run
 from flywheel.contract.settings import Settings
-from flywheel.ops.run import MainJob, format_step, format_summary, nats_answers
+from flywheel.ops.run import MainJob, nats_answers
 from flywheel.ops.tables import table
+from flywheel.runtime.reporting import format_step, format_summary
 
 FOLLOW_STATE_S = 1.0  # how often `runs follow` reads the run's state
 

@@ -16,48 +16,16 @@ answer of the group. Every file is meant to be edited; nothing here is generated
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from flywheel.contract.hub import ENV_PART
+from flywheel.contract.hubpackage import pyproject
 
-PYPROJECT = '''\
-[build-system]
-requires = ["setuptools>=69"]
-build-backend = "setuptools.build_meta"
-
-[project]
-name = "{owner}-{name}"
-version = "{version}"
-description = "{description}"
-readme = "README.md"
-requires-python = ">=3.11"
-dependencies = ["flywheel-rl[environments]"]
-
-# `flywheel eval {owner}/{name}` and a run config's `env = "{owner}/{name}"` find it here.
-[project.entry-points."flywheel.environments"]
-"{owner}/{name}" = "{pkg}:load_environment"
-
-[tool.setuptools]
-packages = ["{pkg}"]
-
-[tool.setuptools.package-data]
-{pkg} = {package_data}
-'''
 PYTEST = '''
 [tool.pytest.ini_options]
 asyncio_mode = "auto"
 asyncio_default_fixture_loop_scope = "function"
 '''
-
-
-def pyproject(owner: str, name: str, pkg: str, description: str, package_data: list[str],
-              version: str = "0.1.0") -> str:
-    """The pyproject.toml of an environment package: the distribution ``owner-name`` (what the
-    hub serves), registering ``owner/name`` under the flywheel.environments entry points, with
-    ``package_data`` (globs) shipped beside the module ``pkg``."""
-    return PYPROJECT.format(owner=owner, name=name, pkg=pkg, version=version, description=description,
-                            package_data=json.dumps(package_data))
 
 
 MODULE = '''\

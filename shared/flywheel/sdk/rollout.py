@@ -2,7 +2,7 @@
 
 :func:`run_harness` runs ``env.harness`` on one task through a :class:`RolloutContext` and
 says how it ended, by the same rules wherever it runs (the inference service in training,
-:mod:`flywheel.ops.eval` against any endpoint), so an environment runs the same in both:
+:mod:`flywheel.runtime.evaluation` against any endpoint), so an environment runs the same in both:
 
 - a harness that raises is an ``error`` rollout with ``harness failed: <type>: <message>``;
 - one that runs past ``timeout_s`` is cancelled and is an ``error`` naming the timeout;

@@ -12,7 +12,7 @@ How:
 
 - :class:`ForkServer` (in ``flywheel up``) binds two Unix sockets in ``<data_dir>/fork``
   (a folder only this user may enter): ``base.sock`` for services that need no torch,
-  ``torch.sock`` for those that do. It then starts ``python -m flywheel.ops.forkserver``
+  ``torch.sock`` for those that do. It then starts ``python -m flywheel.runtime.forkserver``
   with both, before the nats-server, so the imports overlap the rest of the start.
 - The server forks at once: one process serves ``base.sock``, having imported the base
   modules, the other ``torch.sock``, having imported torch, transformers and the modules of
@@ -24,7 +24,7 @@ How:
   connection stays open: the server writes the child's exit status there when it ends, and
   when the connection closes first (whoever asked died) the server sends the child's
   session SIGTERM, as the kernel does to an exec'd child of a dead parent
-  (:func:`flywheel.ops.natsserver.die_with_parent`). A child gets SIGTERM when its server
+  (:func:`flywheel.runtime.natsserver.die_with_parent`). A child gets SIGTERM when its server
   dies, and the server when the stack dies.
 - The child: its own session, stdin from /dev/null, stdout and stderr to the log, the
   request's environment and folder, its argv as its process title (``ps`` shows
@@ -66,7 +66,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from flywheel.ops.natsserver import die_with_parent
+from flywheel.runtime.natsserver import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -239,7 +239,7 @@ class ForkServer:
         fds = {level: sock.fileno() for level, sock in sockets.items()}
         with self.log_path.open("ab") as log_file:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "flywheel.ops.forkserver", str(fds["base"]), str(fds.get("torch", -1)),
+                [sys.executable, "-m", "flywheel.runtime.forkserver", str(fds["base"]), str(fds.get("torch", -1)),
                  *(",".join(modules) for modules in self.modules)], stdin=subprocess.DEVNULL,
                 stdout=log_file, stderr=subprocess.STDOUT, env=self.env, pass_fds=list(fds.values()),
                 start_new_session=True, preexec_fn=die_with_parent)  # noqa: PLW1509 - PR_SET_PDEATHSIG: in the child
@@ -426,7 +426,7 @@ def _become(request: dict[str, Any], inherited: list[int]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m flywheel.ops.forkserver",
+    parser = argparse.ArgumentParser(prog="python -m flywheel.runtime.forkserver",
                                      description="The embedded stack's fork server (started by `flywheel up`).")
     parser.add_argument("base_fd", type=int, help="the listening socket of the base level")
     parser.add_argument("torch_fd", type=int, help="the listening socket of the torch level (-1: none)")
