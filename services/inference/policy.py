@@ -59,6 +59,7 @@ import msgspec
 from opentelemetry import trace
 
 from flywheel.contract import events
+from flywheel.contract.retry import Backoff, retry
 from flywheel.contract.service import compute
 from flywheel_inference.completion import Backend, Completion
 
@@ -299,7 +300,8 @@ class Policy:
         self._fetch = fetch
         self._on_loaded = on_loaded
         self._on_error = on_error
-        self._retry_s = tuple(retry_s)
+        self._retry = Backoff.of(retry_s)  # the waits between fetches of one version, one a retry
+        self._num_retries = len(retry_s)
         self._owns_batcher = batcher is None
         self._batcher = batcher if batcher is not None else Batcher(backend, max_batch_size)
         self._offers: dict[int, events.WeightUpdate] = {}  # version -> update, in arrival order: not tried yet
@@ -376,18 +378,13 @@ class Policy:
         log.info("run %s: weights version %d loaded", self.run, update.version)
 
     async def _fetch_with_retries(self, update: events.WeightUpdate) -> bytes:
-        num_tries = 0
-        while True:
-            try:
-                return await self._fetch(update)
-            except TransientFetchError as exc:
-                if num_tries == len(self._retry_s):
-                    raise
-                delay_s = self._retry_s[num_tries]
-                num_tries += 1
-                log.warning("run %s: weights version %d: %s; trying again in %.1fs", self.run, update.version,
-                            exc, delay_s)
-                await asyncio.sleep(delay_s)
+        def say(exc: BaseException, delay_s: float, num_failed: int) -> None:
+            log.warning("run %s: weights version %d: %s; trying again in %.1fs", self.run, update.version, exc,
+                        delay_s)
+
+        return await retry(functools.partial(self._fetch, update), self._retry,
+                           transient=lambda exc: isinstance(exc, TransientFetchError),
+                           max_retries=self._num_retries, on_retry=say)
 
     async def _updates(self) -> None:
         while True:

@@ -62,6 +62,7 @@ from flywheel.contract import events, weights
 from flywheel.contract.bus import SERVICE_HEARTBEAT_TTL_S, Bus, wait_at_most, watch
 from flywheel.contract.checkpoints import run_folder
 from flywheel.contract.config import EvalSpec, RunConfig
+from flywheel.contract.retry import Backoff
 from flywheel.contract.runs import (
     add_note,
     get_run,
@@ -131,7 +132,7 @@ class TrainerSupervisor:
         # Its own NATS login, user trainer: never the orchestrator's.
         self.process = ServiceProcess("trainer", spec, trainer_env(settings), owner.run_dir / "trainer.log",
                                       settings.data_dir if settings.fork_services else None)
-        self.backoff = RestartBackoff(first_delay_s=1.0, max_delay_s=20.0, healthy_after_s=1.0)
+        self.backoff = RestartBackoff(Backoff(first_s=1.0, max_s=20.0), healthy_after_s=1.0)
         self.progressed_since_start = False
 
     async def start(self) -> None:

@@ -6,6 +6,7 @@ import socket
 
 import pytest
 
+from flywheel.contract.retry import Backoff
 from flywheel.contract.settings import Settings
 from flywheel.ops.stack import Stack, StackError, check_ports
 from flywheel.runtime.natsserver import free_port
@@ -13,13 +14,13 @@ from flywheel.runtime.supervise import RestartBackoff, child_env, metrics_port
 
 
 def test_restart_backoff_doubles_in_a_crash_loop_and_resets_after_a_healthy_stretch() -> None:
-    backoff = RestartBackoff(first_delay_s=1.0, max_delay_s=8.0, healthy_after_s=30.0)
+    backoff = RestartBackoff(Backoff(first_s=1.0, max_s=8.0), healthy_after_s=30.0)
     assert [backoff.after_exit(healthy_for_s=2.0) for _ in range(7)] == [0, 1, 2, 4, 8, 8, 8]
     assert backoff.num_failures == 7 and backoff.delay_s == 8
     assert backoff.after_exit(healthy_for_s=30.0) == 0 and backoff.num_failures == 1
     assert backoff.after_exit(healthy_for_s=0.0) == 1
-    assert RestartBackoff(max_delay_s=60.0).after_exit(0.0) == 0  # a first exit: at once
-    many = RestartBackoff(max_delay_s=60.0, num_failures=5000)
+    assert RestartBackoff(Backoff(max_s=60.0)).after_exit(0.0) == 0  # a first exit: at once
+    many = RestartBackoff(Backoff(first_s=1.0, max_s=60.0), num_failures=5000)
     assert many.after_exit(0.0) == 60  # no overflow however long the loop
 
 

@@ -69,7 +69,8 @@ from nats.js.object_store import ObjectStore
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 
-from flywheel.contract import events, metrics, natsusers
+from flywheel.contract import events, metrics, natsusers, retry
+from flywheel.contract.retry import BUS_CONNECT, BUS_OPS, Backoff
 
 if TYPE_CHECKING:
     from flywheel.contract.settings import Settings
@@ -162,6 +163,10 @@ def stream_of(subject: str) -> str:
                      f"{', '.join(s[0].split('.')[0] for s in STREAMS.values())}")
 
 
+def _log_retry(exc: BaseException, delay_s: float, num_failed: int) -> None:
+    log.debug("bus: transient %s, retrying in %.2fs", type(exc).__name__, delay_s)
+
+
 def _is_transient(exc: BaseException | None) -> bool:
     if isinstance(exc, _TRANSIENT_PUBLISH_ERRORS):
         return True
@@ -224,7 +229,7 @@ class Bus:
         finds them made (:meth:`require`)."""
         config = config or BusConfig()
         deadline = time.monotonic() + config.connect_timeout_s
-        delay_s = 0.05
+        num_failed = 0
         connected = False
         last_error: BaseException | None = None
         denials: list[tuple[float, str, str]] = []  # (when, publish or subscription, subject) the server refused
@@ -288,13 +293,14 @@ class Bus:
             failure = None if connecting.cancelled() else connecting.exception()
             if failure is not None and not isinstance(failure, (nats.errors.NoServersError, OSError)):
                 raise failure
+            num_failed += 1
+            delay_s = BUS_CONNECT.delay_s(num_failed)
             if time.monotonic() + delay_s > deadline:
                 raise ConnectionError(f"cannot reach NATS at {natsusers.redacted(url)} within "
                                       f"{config.connect_timeout_s:g}s ({last_error or failure or 'timed out'}); is "
                                       "nats-server running? `flywheel up` starts one; FLYWHEEL_NATS_URL points "
                                       "elsewhere") from failure
             await asyncio.sleep(delay_s)
-            delay_s = min(delay_s * 2, 1.0)
         bus = cls(nc, config, tracer_provider)
         bus.denials = denials
         bus.user = user or "(no user)"
@@ -562,19 +568,16 @@ class Bus:
         """``op()``, tried again with backoff while it fails transiently (the server restarting,
         JetStream not ready, a timeout) until ``publish_timeout_s``; other errors propagate, and
         PermissionDenied when the server refused ``subject`` (None: anything) meanwhile."""
-        deadline = time.monotonic() + self.config.publish_timeout_s
-        delay_s = 0.05
-        while True:
+        async def attempt() -> T:
             started = time.monotonic()
             try:
                 return await op()
-            except Exception as exc:
+            except Exception:
                 self.check_denied(started, [subject] if subject is not None else ())
-                if not _is_transient(exc) or time.monotonic() + delay_s > deadline:
-                    raise
-                log.debug("bus: transient %s, retrying in %.2fs", type(exc).__name__, delay_s)
-                await asyncio.sleep(delay_s)
-                delay_s = min(delay_s * 2, 2.0)
+                raise
+
+        return await retry.retry(attempt, BUS_OPS, transient=_is_transient, timeout_s=self.config.publish_timeout_s,
+                                 on_retry=_log_retry)
 
     def check_denied(self, since: float, subjects: Iterable[str] = ()) -> None:
         """PermissionDenied, naming the subject and the user, when the server refused this
@@ -1067,7 +1070,8 @@ class Consumer:
     message so one bad message cannot hold back the others).
 
     ``max_deliver`` counts deliveries: after the last one fails the message goes to
-    ``dead.<stream>``. ``backoff_s[i]`` is the delay before delivery ``i + 2``.
+    ``dead.<stream>``. The ``i``-th wait of ``backoff_s`` is the delay before delivery ``i + 1``
+    (the last one repeating).
     A durable deleted under it (by hand, by the server) is made again when a pull is refused
     (``recreate_if`` says when not to): the work goes on, and ``stats.recreated`` counts it.
     ``letters_undecodable=False``: a message that is not its event is terminated without a dead
@@ -1114,7 +1118,7 @@ class Consumer:
         self.max_in_flight = max_in_flight
         self.batch_size = min(batch_size, max_in_flight)
         self.max_deliver = max_deliver
-        self.backoff_s = tuple(backoff_s) or (1.0,)
+        self.backoff = Backoff.of(backoff_s)  # the wait before delivery n + 1 after n failed
         self.ack_wait_s = ack_wait_s
         self.grace_s = grace_s
         self.fetch_timeout_s = fetch_timeout_s
@@ -1458,7 +1462,7 @@ class Consumer:
             return
         again = [exc for _, exc in failures if not isinstance(exc, Reject)]
         if again and d.num_delivered < self.max_deliver:
-            delay_s = self.backoff_s[min(d.num_delivered - 1, len(self.backoff_s) - 1)]
+            delay_s = self.backoff.delay_s(d.num_delivered)
             log.warning("consumer %s: %s on %s (delivery %d), retry in %.1fs", self.durable,
                         type(again[0]).__name__, d.subject, d.num_delivered, delay_s)
             await m.nak(delay=delay_s)

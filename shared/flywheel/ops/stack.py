@@ -65,6 +65,7 @@ import nats.js.errors
 
 from flywheel.contract import events, natsusers
 from flywheel.contract.bus import Bus, BusConfig
+from flywheel.contract.retry import Backoff
 from flywheel.contract.service import Service, read_heartbeats
 from flywheel.contract.settings import Settings
 from flywheel.runtime import forkserver
@@ -424,7 +425,7 @@ class Stack:
         return env
 
     def _backoff(self) -> RestartBackoff:
-        return RestartBackoff(first_delay_s=self.restart_backoff_s, max_delay_s=self.max_backoff_s,
+        return RestartBackoff(Backoff(first_s=self.restart_backoff_s, max_s=self.max_backoff_s),
                               healthy_after_s=self.healthy_after_s)
 
     def say(self, line: str) -> None:

@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgspec
 
 from flywheel.contract import events
+from flywheel.contract.retry import WORKER_RESTART
 from flywheel.contract.settings import WorkersSettings
 from flywheel.runtime.channel import Channel, ChannelClosed, RemoteError
 from flywheel.runtime.envworker import NUM_REWARD_THREADS, EnvironmentInfo, HookOutcome, LoadSpec, RewardOutcome
@@ -522,7 +523,7 @@ class WorkerPool:
         label = self.label(key)
         failures = self._restarts.get(key, 0)
         if failures:  # a worker that keeps dying at start is not started in a tight loop
-            await asyncio.sleep(min(0.5 * 2 ** (failures - 1), 30.0))
+            await asyncio.sleep(WORKER_RESTART.delay_s(failures))
         s = self.settings
         worker = await self.start_worker(key, label)
         started = worker.started

@@ -8,9 +8,7 @@ anything reaches the harness."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import random
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -18,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from flywheel.contract import events
+from flywheel.contract.retry import Backoff, retry
 from flywheel.runtime.environments import Hooks
 from flywheel.runtime.envworker import EnvironmentInfo
 from flywheel.sdk import wire
@@ -31,6 +30,7 @@ if TYPE_CHECKING:
 
 
 RETRY_STATUS = (408, 409, 429, 500, 502, 503, 504)
+MAX_BACKOFF_S = 30.0  # the longest wait between two tries of an upstream call
 HARNESS_API_KEY = "flywheel-eval"  # what the harness sends to the proxy; the proxy holds the real key
 
 
@@ -215,6 +215,23 @@ def with_system_prompt(messages: list[events.Message], prompt: str) -> list[even
     return [system, *messages]
 
 
+class _TryAgain(Exception):
+    """An upstream answer worth another try (:data:`RETRY_STATUS`)."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        super().__init__(f"HTTP {response.status_code}")
+        self.response = response
+
+
+def _retry_after(exc: BaseException, delay_s: float) -> float:
+    """The upstream's ``Retry-After`` (seconds, capped at MAX_BACKOFF_S) where it gave one, else ``delay_s``."""
+    given = exc.response.headers.get("retry-after") if isinstance(exc, _TryAgain) else None
+    try:
+        return min(float(given), MAX_BACKOFF_S) if given is not None else delay_s
+    except ValueError:
+        return delay_s
+
+
 class RecordingProxy:
     """Forwards ``/r/<key>/v1/chat/completions`` to ``upstream`` and records every call of each key.
 
@@ -232,7 +249,8 @@ class RecordingProxy:
         self.system_prompt = system_prompt  # every call's system message, where set (with_system_prompt)
         self.api_key = api_key
         self.max_retries = max_retries
-        self.backoff_s = backoff_s
+        # Doubling from backoff_s up to 30 s, each wait spread by a quarter (or the upstream's Retry-After).
+        self.backoff = Backoff(first_s=backoff_s, max_s=MAX_BACKOFF_S, jitter=0.25)
         self.recordings: dict[str, Recording] = {}
         self.num_retries = 0
         self._client = httpx.AsyncClient(timeout=timeout_s, transport=transport,
@@ -417,38 +435,36 @@ class RecordingProxy:
                                  media_type=response.headers.get("content-type", "text/event-stream"))
 
     async def _send(self, method: str, path: str, body: Any, stream: bool) -> httpx.Response:
+        """The upstream's answer, after up to ``max_retries`` retries of a transient failure (the last
+        answer as it came; an upstream never reached: a 502 naming it)."""
         import httpx
 
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        for attempt in range(self.max_retries + 1):
-            request = self._client.build_request(method, self.upstream + path, json=body, headers=headers)
-            last = attempt == self.max_retries
-            try:
-                response = await self._client.send(request, stream=True)
-            except httpx.TransportError as exc:
-                if last:
-                    return httpx.Response(502, json={"error": {
-                        "message": f"upstream {self.upstream} unreachable after {attempt + 1} tries: "
-                                   f"{type(exc).__name__}: {exc}", "type": "upstream_error"}})
-                await self._backoff(attempt, None)
-                continue
-            if response.status_code in RETRY_STATUS and not last:
-                retry_after = response.headers.get("retry-after")
-                await response.aclose()
-                await self._backoff(attempt, retry_after)
-                continue
-            if not stream:
-                await response.aread()
-            return response
-        raise AssertionError("unreachable")
 
-    async def _backoff(self, attempt: int, retry_after: str | None) -> None:
-        self.num_retries += 1
+        async def attempt() -> httpx.Response:
+            request = self._client.build_request(method, self.upstream + path, json=body, headers=headers)
+            response = await self._client.send(request, stream=True)
+            if response.status_code in RETRY_STATUS or not stream:
+                await response.aread()  # an error's body is small; read, the connection goes back
+            if response.status_code in RETRY_STATUS:
+                raise _TryAgain(response)
+            return response
+
+        def transient(exc: BaseException) -> bool:
+            return isinstance(exc, (httpx.TransportError, _TryAgain))
+
+        def count(exc: BaseException, delay_s: float, num_failed: int) -> None:
+            self.num_retries += 1
+
         try:
-            delay_s = float(retry_after) if retry_after is not None else self.backoff_s * 2 ** attempt
-        except ValueError:
-            delay_s = self.backoff_s * 2 ** attempt
-        await asyncio.sleep(min(delay_s, 30.0) * (0.75 + 0.5 * random.random()))  # a deliberate sleep - backoff
+            return await retry(attempt, self.backoff, transient=transient, max_retries=self.max_retries,
+                               delay_of=_retry_after, on_retry=count)
+        except _TryAgain as exc:
+            return exc.response
+        except httpx.TransportError as exc:
+            return httpx.Response(502, json={"error": {
+                "message": f"upstream {self.upstream} unreachable after {self.max_retries + 1} tries: "
+                           f"{type(exc).__name__}: {exc}", "type": "upstream_error"}})
 
     async def close(self) -> None:
         await self._client.aclose()

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from flywheel.contract import events, natsusers
 from flywheel.contract.bus import wait_at_most
+from flywheel.contract.retry import Backoff
 from flywheel.contract.service import HEARTBEAT_INTERVAL_S
 from flywheel.contract.settings import SECTIONS, Settings
 from flywheel.runtime import forkserver
@@ -101,21 +102,23 @@ class NotHealthy(Exception):
         super().__init__(f"not healthy after {timeout_s:g}s ({problem})")
 
 
+PROCESS_RESTART = Backoff(first_s=1.0, max_s=60.0)  # a process's restarts in a crash loop, by default
+
+
 @dataclass
 class RestartBackoff:
     """How long to wait before starting again a process that exited.
 
     A process that had stayed healthy ``healthy_after_s`` is started again at once: killed
     now and then after running fine, it is back within a second. Each further exit in a row
-    before that (a crash loop) waits ``first_delay_s``, then twice as long each time, up to
-    ``max_delay_s``; an exit after a healthy stretch resets the count. One per process::
+    before that (a crash loop) waits as ``schedule`` says (by default 1 s, then twice as long
+    each time, up to 60 s); an exit after a healthy stretch resets the count. One per process::
 
-        backoff = RestartBackoff(first_delay_s=1.0, max_delay_s=60.0, healthy_after_s=30.0)
+        backoff = RestartBackoff(Backoff(first_s=1.0, max_s=60.0), healthy_after_s=30.0)
         delay_s = backoff.after_exit(healthy_for_s)  # 0, 1, 2, 4, ... 60, 60; 0 again after 30s healthy
     """
 
-    first_delay_s: float = 1.0
-    max_delay_s: float = 60.0
+    schedule: Backoff = PROCESS_RESTART
     healthy_after_s: float = 30.0
     num_failures: int = 0  # exits in a row without a healthy stretch in between, the latest included
     delay_s: float = 0.0  # the wait chosen at the latest exit
@@ -125,8 +128,7 @@ class RestartBackoff:
         never became healthy) and return how long to wait before starting it again."""
         if healthy_for_s >= self.healthy_after_s:
             self.num_failures = 0
-        exponent = min(self.num_failures - 1, 62)  # 2**62 s is past any cap
-        self.delay_s = 0.0 if self.num_failures == 0 else min(self.first_delay_s * 2.0 ** exponent, self.max_delay_s)
+        self.delay_s = 0.0 if self.num_failures == 0 else self.schedule.delay_s(self.num_failures)
         self.num_failures += 1
         return self.delay_s
 

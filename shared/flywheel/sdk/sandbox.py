@@ -56,6 +56,8 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import msgspec
 
+from flywheel.contract.retry import SANDBOX_CAPACITY, retry
+
 if TYPE_CHECKING:
     from flywheel.contract.bus import Bus
     from flywheel.sdk.harness import RolloutContext
@@ -474,20 +476,17 @@ async def when_there_is_room(start: Callable[[], Awaitable[T]], give_up: asyncio
     its cap of live sandboxes, for up to :data:`CAPACITY_WAIT_S` or until ``give_up`` is set: many
     rollouts or rewards at once wait for sandboxes to free up rather than fail. An attempt under
     way is never cut short (the sandbox it makes must be known to be destroyed)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + CAPACITY_WAIT_S
-    give_up = give_up or asyncio.Event()
-    delay_s = 0.05
-    while True:
-        try:
-            return await start()
-        except SandboxError as exc:
-            if exc.kind != "capacity" or loop.time() + delay_s > deadline or give_up.is_set():
-                raise
+    stop = give_up or asyncio.Event()
+
+    def at_capacity(exc: BaseException) -> bool:
+        return isinstance(exc, SandboxError) and exc.kind == "capacity" and not stop.is_set()
+
+    async def wait(delay_s: float) -> None:
         with contextlib.suppress(TimeoutError):  # asyncio.timeout, not wait_for: see bus.wait_at_most
             async with asyncio.timeout(delay_s):
-                await give_up.wait()
-        delay_s = min(delay_s * 2, 1.0)
+                await stop.wait()
+
+    return await retry(start, SANDBOX_CAPACITY, transient=at_capacity, timeout_s=CAPACITY_WAIT_S, wait=wait)
 
 
 # --- the rollout's session ------------------------------------------------------------------
