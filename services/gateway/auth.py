@@ -37,8 +37,8 @@ from pydantic import AfterValidator
 from flywheel.contract import runs
 from flywheel.contract.bus import Bus
 from flywheel.contract.keys import SCOPES, Caller, KeyCheck, KeyRefused, ScopeRefused
-from flywheel.contract.runs import MAX_NAME_CHARS
-from flywheel_gateway.models import RUN_ID_PATTERN, tenant_name
+from flywheel.contract.names import KEY_PATTERN, MAX_NAME_CHARS, is_token
+from flywheel_gateway.models import tenant_name
 from flywheel_gateway.store import Store
 
 bearer = HTTPBearer(auto_error=False, scheme_name="APIKey",
@@ -69,7 +69,7 @@ async def caller(
     request: Request,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Security(bearer)] = None,
     tenant: Annotated[str | None, Header(alias="Flywheel-Tenant", max_length=MAX_NAME_CHARS,
-                                         json_schema_extra={"pattern": RUN_ID_PATTERN},
+                                         json_schema_extra={"pattern": KEY_PATTERN},
                                          description="The tenant (open API); with a key, its own or left out."),
                       AfterValidator(lambda v: v if v is None else tenant_name(v))] = None,
 ) -> Caller:
@@ -188,7 +188,7 @@ async def check_rollout(who: Caller, store: Store, bus: Bus, rollout_id: str) ->
     if who.key_id is None or who.service:
         return
     run = await store.rollout_run(rollout_id)
-    if run is None and runs.is_token(rollout_id):  # not recorded yet: its live trace nodes name the run
+    if run is None and is_token(rollout_id):  # not recorded yet: its live trace nodes name the run
         info = await bus.js.stream_info("TRACES", subjects_filter=f"traces.*.{rollout_id}")
         subjects = list(info.state.subjects or {})
         run = subjects[0].split(".")[1] if subjects else None

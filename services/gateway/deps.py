@@ -13,12 +13,11 @@ from fastapi import Depends, Path, Query, Request
 from pydantic import AfterValidator
 
 from flywheel.contract.bus import Bus
-from flywheel.contract.runs import MAX_NAME_CHARS
+from flywheel.contract.names import KEY_PATTERN, MAX_NAME_CHARS, RUN_ID_PATTERN
 from flywheel_gateway.auth import CallerDep
 from flywheel_gateway.models import (
     MAX_CURSOR_CHARS,
     MAX_ID_CHARS,
-    RUN_ID_PATTERN,
     TOKEN_PATTERN,
     run_id,
     subject_token,
@@ -47,6 +46,7 @@ RunsDep = Annotated[RunRegistry, Depends(_runs)]
 # clients) and by the validator, whose message says what is allowed.
 _RUN_ID = {"max_length": MAX_NAME_CHARS, "json_schema_extra": {"pattern": RUN_ID_PATTERN}}
 _TOKEN = {"max_length": MAX_NAME_CHARS, "json_schema_extra": {"pattern": TOKEN_PATTERN}}
+_TENANT = {"max_length": MAX_NAME_CHARS, "json_schema_extra": {"pattern": KEY_PATTERN}}
 _ID = {"min_length": 1, "max_length": MAX_ID_CHARS}
 
 
@@ -57,7 +57,7 @@ def _tenant(who: CallerDep) -> str:
 
 # The caller's tenant: the API key's, or (open) the Flywheel-Tenant header's (flywheel_gateway.auth).
 TenantDep = Annotated[str, Depends(_tenant)]
-TenantQuery = Annotated[str | None, Query(description="Only this tenant's runs.", **_RUN_ID),
+TenantQuery = Annotated[str | None, Query(description="Only this tenant's runs.", **_TENANT),
                         AfterValidator(lambda v: v if v is None else tenant_name(v))]
 LimitQuery = Annotated[int, Query(ge=1, le=MAX_PAGE_LIMIT, description="Items per page.")]
 CursorQuery = Annotated[str | None, Query(max_length=MAX_CURSOR_CHARS, description="next_cursor of the previous page.")]
@@ -67,7 +67,7 @@ EnvQuery = Annotated[str | None, Query(description="Only this environment's: the
                                                  "(reverse_text) or an installed package's id "
                                                  "(flywheel/reverse-text).", **_TOKEN),
                      AfterValidator(lambda v: v if v is None else subject_token(v))]
-RunIdPath = Annotated[str, Path(description="Run id (letters, digits, - _ = /).", **_RUN_ID), AfterValidator(run_id)]
+RunIdPath = Annotated[str, Path(description="Run id (letters, digits, - _).", **_RUN_ID), AfterValidator(run_id)]
 TaskIdPath = Annotated[str, Path(description="A task id.", **_ID)]
 RolloutIdPath = Annotated[str, Path(description="A rollout id.", **_ID)]
 NodeIdPath = Annotated[str, Path(description="A node id of the rollout's graph.", **_ID)]

@@ -38,7 +38,17 @@ from pydantic import (
 
 from flywheel.contract import events
 from flywheel.contract.config import SamplingConfig
-from flywheel.contract.runs import CONTROL_OR_SPACE, MAX_NAME_CHARS, TOKEN_PATTERN, is_key, is_token
+from flywheel.contract.names import (
+    CONTROL_OR_SPACE,
+    KEY_PATTERN,
+    MAX_NAME_CHARS,
+    RUN_ID_PATTERN,
+    RUN_ID_RULE,
+    TOKEN_PATTERN,
+    is_key,
+    is_run_id,
+    is_token,
+)
 from flywheel_gateway.store import MAX_PAGE_LIMIT
 
 MAX_TASKS_PER_REQUEST = 10_000
@@ -55,7 +65,6 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # Python's whitespace (str.isspace, what ``\s`` matches in flywheel.contract.runs), spelled out so that a
 # JSON Schema (ECMA-262) regex means the same: ECMA's ``\s`` differs on a few characters.
 _SPACE = r"\t\n\v\f\r\x1c-\x1f \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
-RUN_ID_PATTERN = r"^[-/_=a-zA-Z0-9]+$"
 TASK_ID_PATTERN = rf"^[^\r\n]*[^{_SPACE}][^\r\n]*$"
 _TASK_ID = re.compile(TASK_ID_PATTERN)
 
@@ -69,10 +78,9 @@ def subject_token(value: str) -> str:
 
 
 def run_id(value: str) -> str:
-    """A run id: a subject token that is also a KV key."""
-    if not is_key(value):
-        raise ValueError(f"must be letters, digits, '-', '_', '=' or '/' (it is a NATS subject token and a "
-                         f"run-state key), got {value!r}")
+    """A run id, by the one rule (:func:`flywheel.contract.names.is_run_id`)."""
+    if not is_run_id(value):
+        raise ValueError(f"{RUN_ID_RULE}, got {value!r}")
     return value
 
 
@@ -130,7 +138,7 @@ def _schema(pattern: str) -> dict[str, Any]:
     return {"pattern": pattern}
 
 
-RunId = Annotated[str, Field(max_length=MAX_NAME_CHARS, description="Run id (letters, digits, - _ = /).",
+RunId = Annotated[str, Field(max_length=MAX_NAME_CHARS, description="Run id (letters, digits, - _).",
                              json_schema_extra=_schema(RUN_ID_PATTERN)),
                   AfterValidator(run_id)]
 EnvName = Annotated[str, Field(max_length=MAX_NAME_CHARS,
@@ -448,7 +456,7 @@ class _UsageScope(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    tenant: Annotated[str, Field(max_length=MAX_NAME_CHARS, json_schema_extra=_schema(RUN_ID_PATTERN)),
+    tenant: Annotated[str, Field(max_length=MAX_NAME_CHARS, json_schema_extra=_schema(KEY_PATTERN)),
                       AfterValidator(tenant_name)] | None = Field(
         None, description="Only this tenant's (with an API key: its own, always).")
     run: TokenFilter | None = Field(None, description="Only this run's.")
@@ -621,7 +629,7 @@ class ApiKeyCreate(BaseModel):
     scopes: list[Literal["read", "write", "admin"]] = Field(min_length=1, max_length=3, description="read: GET; "
                                                             "write: publish tasks, change runs, sample; admin: keys.")
     name: str = Field("", max_length=200, description="For people: what the key is for.")
-    tenant: Annotated[str, Field(max_length=MAX_NAME_CHARS, json_schema_extra=_schema(RUN_ID_PATTERN)),
+    tenant: Annotated[str, Field(max_length=MAX_NAME_CHARS, json_schema_extra=_schema(KEY_PATTERN)),
                       AfterValidator(tenant_name)] | None = Field(
         None, description="Whose key: with an API key, its own tenant (the default); the service token and an "
                           "open gateway name it.")

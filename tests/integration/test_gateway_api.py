@@ -22,12 +22,12 @@ import pytest
 from fastapi import FastAPI
 
 from flywheel.contract import events
-from flywheel.contract.runs import is_key, is_token
+from flywheel.contract.names import KEY_PATTERN, RUN_ID_PATTERN, is_key, is_run_id, is_token
 from flywheel.contract.settings import Settings
 from flywheel.runtime.natsserver import NatsServer
 from flywheel.runtime.tasks import make_tasks
 from flywheel_gateway.app import create_app
-from flywheel_gateway.models import RUN_ID_PATTERN, TASK_ID_PATTERN, TOKEN_PATTERN, subject_token, task_id
+from flywheel_gateway.models import TASK_ID_PATTERN, TOKEN_PATTERN, subject_token, task_id
 from flywheel_gateway.store import Store
 from flywheel_inference.policy import Policy
 from tests.unit.test_store import rollout, score, task
@@ -152,7 +152,7 @@ async def test_bad_tasks_are_refused_naming_the_field(app: FastAPI, client: http
     detail = await unprocessable(client, "POST", "/v1/tasks", json=[ok, {**ok, "env": "a.b"}, {**ok, "run": "x y"}])
     assert "tasks[1].env: must be a NATS subject token (no '.', '*', '>', spaces or control characters), got " \
            "'a.b'" in detail
-    assert "tasks[2].run: must be letters, digits" in detail
+    assert "tasks[2].run: a run id is 1 to 128 letters, digits" in detail
     for bad in ("*", ">", "a b", "", "\x00", "a\x7fb"):  # the NATS server drops a client for some control characters
         assert "task.env: must be a NATS subject token" in await unprocessable(
             client, "POST", "/v1/tasks", json={**ok, "env": bad})
@@ -308,7 +308,8 @@ def test_the_schemas_patterns_are_the_checks() -> None:
     every character (a name is one character here; the rules are per character)."""
     checks = {
         TOKEN_PATTERN: lambda v: _accepts(subject_token, v),
-        RUN_ID_PATTERN: is_key,
+        RUN_ID_PATTERN: is_run_id,
+        KEY_PATTERN: is_key,
         TASK_ID_PATTERN: lambda v: _accepts(task_id, v),
     }
     for pattern, accepts in checks.items():
@@ -316,7 +317,7 @@ def test_the_schemas_patterns_are_the_checks() -> None:
         differ = [hex(c) for c in range(sys.maxunicode + 1)
                   if not 0xD800 <= c < 0xE000 and (compiled.fullmatch(chr(c)) is not None) != accepts(chr(c))]
         assert differ == [], f"{pattern} and its check disagree on {differ[:10]}"
-    # The gateway's check is the one every producer uses (flywheel.contract.runs.is_token): no control characters.
+    # The gateway's check is the one every producer uses (flywheel.contract.names.is_token): no control characters.
     assert not is_token("\x00") and not _accepts(subject_token, "\x00")
 
 
@@ -444,7 +445,7 @@ async def test_the_schema_states_what_the_server_enforces(client: httpx.AsyncCli
     (_, many) = spec["paths"]["/v1/tasks"]["post"]["requestBody"]["content"]["application/json"]["schema"]["oneOf"]
     assert (many["minItems"], many["maxItems"]) == (1, 10_000)
     (tenant,) = [p for p in spec["paths"]["/v1/tasks"]["post"]["parameters"] if p["name"] == "Flywheel-Tenant"]
-    assert tenant["schema"]["pattern"] == RUN_ID_PATTERN
+    assert tenant["schema"]["pattern"] == KEY_PATTERN
     assert set(spec["paths"]["/v1/tasks"]["post"]["responses"]) >= {"202", "409", "413", "422", "503"}
     for name in ("policy_version", "min_policy_version", "max_policy_version"):
         for path in ("/v1/rollouts", "/v1/rollouts/export"):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from flywheel.contract.events import task_id
-from flywheel.contract.runs import check_key, check_token
+from flywheel.contract.names import check_key, check_token
 from flywheel.ops import cli
 from flywheel.ops.client import read_jsonl
 from flywheel.runtime.natsserver import free_port
@@ -56,7 +56,7 @@ def test_run_and_env_must_be_subject_tokens(field: str, bad: str) -> None:
 
 
 def test_run_must_also_be_a_kv_key_and_env_need_not() -> None:
-    with pytest.raises(ValueError, match=r"^run='r:1' must be 1 to 128 letters, digits"):
+    with pytest.raises(ValueError, match=r"^run='r:1': a run id is 1 to 128 letters, digits"):
         make_tasks("r:1", "echo", [(1, {})])
     assert check_token("env", "math:gsm8k") == "math:gsm8k"
     assert check_key("tenant", "acme/eu-1") == "acme/eu-1"

@@ -296,11 +296,11 @@ def test_a_part_by_path_from_a_module_the_operator_does_not_trust_is_refused_bef
 
 @pytest.mark.parametrize(("part", "message"), [
     ({"advantage": "user_parts_nowhere:scaled"},
-     ("trainer.advantage: Value error, type='user_parts_nowhere:scaled': cannot import user_parts_nowhere: "
+     ("trainer.advantage: Value error, type='user_parts_nowhere:scaled': cannot import 'user_parts_nowhere': "
       "ModuleNotFoundError")),
     ({"advantage": "user_parts_broken:scaled"},
-     "cannot import user_parts_broken: ModuleNotFoundError: No module named 'no_such_module_anywhere'"),
-    ({"advantage": "user_parts_mod:missing"}, "type='user_parts_mod:missing': user_parts_mod has no 'missing'"),
+     "cannot import 'user_parts_broken': ModuleNotFoundError: No module named 'no_such_module_anywhere'"),
+    ({"advantage": "user_parts_mod:missing"}, "type='user_parts_mod:missing': 'user_parts_mod' has no 'missing'"),
     ({"advantage": "user_parts_mod:"}, "write it as 'package.module:Name'"),
     ({"advantage": {"type": "user_parts_mod:scaled", "args": {"shift": 1}}},
      "an advantage is called as (rewards, shift=...), which it does not take: got an unexpected keyword argument"),

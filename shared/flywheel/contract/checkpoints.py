@@ -23,13 +23,16 @@ from pathlib import Path
 
 import msgspec
 
+from flywheel.contract.names import path_name
+
 STEP_PREFIX = "step-"
 WEIGHTS_FILE = "weights.safetensors"
 
 
 def run_folder(data_dir: str | Path, run: str) -> Path:
-    """``<data_dir>/runs/<run>``: where everything of one run is kept."""
-    return Path(data_dir) / "runs" / run
+    """``<data_dir>/runs/<run>`` (the run's :func:`~flywheel.contract.names.path_name`): where
+    everything of one run is kept."""
+    return Path(data_dir) / "runs" / path_name(run)
 
 
 def fsync_dir(path: Path) -> None:

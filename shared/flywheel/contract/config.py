@@ -79,6 +79,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from flywheel.contract import events
+from flywheel.contract.names import check_run_id
 
 T = TypeVar("T")
 
@@ -119,10 +120,10 @@ def import_object(path: str) -> Any:
     try:
         obj: Any = importlib.import_module(module)
     except Exception as exc:  # whatever the module raised, it does not import: say so and what
-        raise ValueError(f"cannot import {module}: {type(exc).__name__}: {exc}") from exc
+        raise ValueError(f"cannot import {module!r}: {type(exc).__name__}: {exc}") from exc
     for name in attr.split("."):
         if not hasattr(obj, name):
-            raise ValueError(f"{module} has no {attr!r}")
+            raise ValueError(f"{module!r} has no {attr!r}")
         obj = getattr(obj, name)
     return obj
 
@@ -794,7 +795,7 @@ class EvalSpec(_Section):
 class RunConfig(_Section):
     """The top level of a run config."""
 
-    run: str = Field(description="run id: letters, digits, '-', '_'")
+    run: str = Field(description="run id: 1 to 128 letters, digits, '-', '_'")
     env: str | None = Field(None, description="the run's environment, for a run with one: a module name "
                                               "(reverse_text), owner/name[@version], verifiers:TASKSET or "
                                               "openenv:PACKAGE; several: [[envs]]")
@@ -844,8 +845,7 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
-        if not re.fullmatch(r"[-_a-zA-Z0-9]{1,128}", self.run):
-            raise ValueError(f"run={self.run!r}: use 1 to 128 letters, digits, '-' or '_'")
+        check_run_id(self.run)
         if self.trainer.batch_size % self.group_size:
             raise ValueError(f"trainer.batch_size={self.trainer.batch_size} must be a multiple of "
                              f"group_size={self.group_size}: a step trains on whole groups")

@@ -34,7 +34,7 @@ import nats.js.errors
 
 from flywheel.contract import events
 from flywheel.contract.bus import KEYS_BUCKET, Bus
-from flywheel.contract.runs import is_key
+from flywheel.contract.names import is_key
 
 Scope = Literal["read", "write", "admin"]
 SCOPES: tuple[Scope, ...] = ("read", "write", "admin")

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import re
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -35,49 +34,15 @@ import nats.js.errors
 
 from flywheel.contract import events
 from flywheel.contract.bus import RUNS_BUCKET, Bus, watch_bucket
+from flywheel.contract.names import (
+    check_key,
+    check_run_id,
+)
 
-MAX_NAME_CHARS = 128
-# Control characters (C0, DEL, C1) and every whitespace character (what Python's ``\s``
-# matches), spelled out so that the pattern means the same as a JSON Schema (ECMA-262) regex,
-# whose ``\s`` differs on a few characters; the ranges cover \t..\r, \x1c-\x1f, space, \x85, \xa0.
-CONTROL_OR_SPACE = r"\x00-\x20\x7f-\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
-# A NATS subject token: no separators, wildcards, whitespace or control characters (the
-# server refuses some of those in subjects), not empty.
-TOKEN_PATTERN = rf"^[^{CONTROL_OR_SPACE}.*>]+$"
-_TOKEN = re.compile(TOKEN_PATTERN)
-# A run id or tenant is also a KV key (of the runs bucket, or in its value), which allows fewer characters.
-_KV_KEY = re.compile(r"[-/_=a-zA-Z0-9]+")
 _decoder = events.Decoder(events.RunState)
 log = logging.getLogger(__name__)
 
 ENDED_STATUSES = ("finished", "failed", "stopped")
-
-
-def is_token(value: object) -> bool:
-    """A NATS subject token of at most MAX_NAME_CHARS: no '.', '*', '>', whitespace or control
-    characters, not empty."""
-    return isinstance(value, str) and _TOKEN.fullmatch(value) is not None and len(value) <= MAX_NAME_CHARS
-
-
-def is_key(value: object) -> bool:
-    """A run-state key (run id, tenant): letters, digits, '-', '_', '/', '=', at most MAX_NAME_CHARS."""
-    return isinstance(value, str) and _KV_KEY.fullmatch(value) is not None and len(value) <= MAX_NAME_CHARS
-
-
-def check_token(field: str, value: str) -> str:
-    """``value`` if it is a valid NATS subject token, else a ValueError naming ``field``."""
-    if not is_token(value):
-        raise ValueError(f"{field}={value!r} is not a valid NATS subject token: it must be 1 to {MAX_NAME_CHARS} "
-                         "characters with no '.', '*', '>', whitespace or control characters")
-    return value
-
-
-def check_key(field: str, value: str) -> str:
-    """``value`` if it can be a run-state key (a run id, a tenant), else a ValueError naming ``field``."""
-    if not is_key(value):
-        raise ValueError(f"{field}={value!r} must be 1 to {MAX_NAME_CHARS} letters, digits, '-', '_', '/' or '=' "
-                         "(it is a NATS subject token and a key of the runs KV bucket)")
-    return value
 
 
 class RunConflict(ValueError):
@@ -182,7 +147,7 @@ async def get_or_create_run(bus: Bus, run: str, tenant: str = "default", config:
     environments: see :attr:`flywheel.contract.events.RunState.scorers`; ``prepared`` False for
     a config as a tenant gave it, which its orchestrator prepares) if new; ``(state, created)``.
     An existing run is returned as it is, whoever owns it."""
-    check_key("run", run)
+    check_run_id(run)
     check_key("tenant", tenant)
     kv = await bus.runs_kv()
     for _ in range(2):  # a second pass only when another writer created it meanwhile

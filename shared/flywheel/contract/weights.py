@@ -29,6 +29,7 @@ from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_META_PRE_TEMPLATE,
 
 from flywheel.contract import events
 from flywheel.contract.bus import WEIGHTS_BUCKET, Bus
+from flywheel.contract.names import path_name
 
 
 def _name(version: int) -> str:
@@ -52,7 +53,7 @@ async def put(bus: Bus, run: str, version: int, data: bytes, folder: Path | None
     """Store ``data`` as the weights of ``run`` at ``version``, in the weights bucket or, given a
     ``folder`` (``weights_dir``), as a file there; returns (uri, sha256, size_bytes)."""
     if folder is not None:
-        path = (folder / run / _name(version)).absolute()
+        path = (folder / path_name(run) / _name(version)).absolute()
         await asyncio.to_thread(_write_whole, path, data)  # a big model's file takes a while: off the loop
         return path.as_uri(), hashlib.sha256(data).hexdigest(), len(data)
     store = await bus.weights_store()
@@ -68,7 +69,7 @@ async def delete(bus: Bus, run: str, version: int, folder: Path | None = None) -
     put, or purged already)."""
     if folder is not None:
         try:
-            (folder / run / _name(version)).unlink()
+            (folder / path_name(run) / _name(version)).unlink()
         except FileNotFoundError:
             return False
         return True
@@ -89,7 +90,7 @@ async def delete(bus: Bus, run: str, version: int, folder: Path | None = None) -
 async def versions(bus: Bus, run: str, folder: Path | None = None) -> list[int]:
     """The versions of ``run`` in the bucket (or its files in ``folder``), ascending (none: ``[]``)."""
     if folder is not None:
-        names = [p.name.split(".", 1)[0] for p in (folder / run).glob("*.safetensors")]
+        names = [p.name.split(".", 1)[0] for p in (folder / path_name(run)).glob("*.safetensors")]
         return sorted(int(n) for n in names if n.isdigit())
     try:
         store = await bus.weights_store()

@@ -935,7 +935,7 @@ async def collect_status(nats_url: str, gateway_url: str) -> dict[str, Any]:
 
 def cmd_tasks_publish(args: argparse.Namespace) -> int:
     from flywheel.ops.client import Client, read_jsonl
-    from flywheel.runtime.tasks import make_tasks
+    from flywheel.runtime.tasks import make_tasks  # imported here: msgspec (the events), kept out of --help
 
     settings = settings_from(args)
     tasks = make_tasks(args.run, args.env, read_jsonl(args.file), num_rollouts=args.num_rollouts, source=args.file)

@@ -54,7 +54,8 @@ import nats.js.errors
 
 from flywheel.contract import events
 from flywheel.contract.bus import STREAMS, Bus, BusConfig
-from flywheel.contract.runs import check_key, get_run, register_run
+from flywheel.contract.names import check_key
+from flywheel.contract.runs import get_run, register_run
 from flywheel.contract.service import HEARTBEAT_INTERVAL_S, read_heartbeats
 from flywheel.runtime.tasks import make_tasks
 

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from flywheel.contract import events
+from flywheel.contract.names import is_run_id
 from flywheel.contract.natsusers import redacted
 from flywheel.runtime.evaluation import EvalConfig, Serving, run_eval
 
@@ -247,9 +248,9 @@ async def _served(cfg: EvalConfig, settings: Settings,
 async def _is_run(nats_url: str, run: str) -> bool:
     """Whether the runs bucket has a run ``run`` (a model's name that is also a run's id means the run)."""
     from flywheel.contract.bus import Bus
-    from flywheel.contract.runs import get_run, is_key
+    from flywheel.contract.runs import get_run
 
-    if not is_key(run):
+    if not is_run_id(run):
         return False
     bus = await Bus.connect(nats_url, "flywheel-eval")
     try:

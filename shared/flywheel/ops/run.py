@@ -48,6 +48,7 @@ import nats.js.errors
 
 from flywheel.contract import events, natsusers
 from flywheel.contract.bus import Bus, BusConfig, NatsRefused, wait_at_most, watch
+from flywheel.contract.checkpoints import run_folder
 from flywheel.contract.config import RunConfig
 from flywheel.contract.runs import (
     ENDED_STATUSES,
@@ -128,7 +129,7 @@ class MainJob:
         self.start_timeout_s = start_timeout_s
         self.resume = resume
         self.stop_on_exit = stop_on_exit
-        self.run_dir = settings.data_dir.resolve() / "runs" / cfg.run
+        self.run_dir = run_folder(settings.data_dir.resolve(), cfg.run)
         self.stopping = asyncio.Event()
         self.failure: str | None = None  # why this process ended the run, when it was not a signal
         self.progress = Progress()

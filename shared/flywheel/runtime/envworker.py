@@ -59,7 +59,6 @@ from flywheel.sdk.environment import (
     Reward,
     RewardOverride,
     Value,
-    import_object,
     load_environment,
 )
 from flywheel.sdk.harness import PROGRAM_RUNNER, ChatHarness, ProgramHarness, RolloutContext
@@ -306,7 +305,12 @@ class Worker:
     async def load(self, args: Any) -> dict[str, Any]:
         spec = msgspec.convert(args, LoadSpec)
         if spec.function is not None:
-            fn = import_object(spec.function, "--function")
+            from flywheel.contract.config import import_object  # pydantic: only for a function given alone
+
+            try:
+                fn = import_object(spec.function)
+            except ValueError as exc:
+                raise EnvironmentLoadError(str(exc)) from exc  # the caller names the option
             if not callable(fn):
                 raise EnvironmentLoadError(f"--function {spec.function!r}: {fn!r} is not a function")
             name = str(spec.name or getattr(fn, "__name__", ""))

@@ -77,6 +77,7 @@ if TYPE_CHECKING:
     from flywheel.contract.bus import Bus
     from flywheel.contract.settings import Settings
 
+from flywheel.contract.names import is_run_id
 from flywheel.runtime.evalproxy import HARNESS_API_KEY, Recording, RecordingProxy, eval_sampling
 from flywheel.runtime.evalresults import read_results, scored_fields, summarize
 from flywheel.runtime.serving import serve
@@ -346,12 +347,12 @@ class Evaluation:
         run the model names, where the bus holds one), else the config's, else ``default``.
         BadRunState when the evaluated run's state does not decode; ValueError for a config's
         tenant that is not the evaluated run's."""
-        from flywheel.contract.runs import get_run, is_key  # imported here: with the bus, as above
+        from flywheel.contract.runs import get_run  # imported here: with the bus, as above
 
         assert self.bus is not None
         trained = self.cfg.during.get("train_run")
         evaluated = str(trained) if trained else (self.cfg.served_as or self.cfg.model).partition("@")[0]
-        state = await get_run(self.bus, evaluated) if is_key(evaluated) else None
+        state = await get_run(self.bus, evaluated) if is_run_id(evaluated) else None
         if state is None:
             if trained:
                 raise ValueError(f"the training run {evaluated!r} this eval is of is not in the runs bucket")

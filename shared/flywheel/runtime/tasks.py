@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from flywheel.contract import events
-from flywheel.contract.runs import check_key, check_token
+from flywheel.contract.names import check_run_id, check_token
 
 
 def make_tasks(
@@ -24,7 +24,7 @@ def make_tasks(
 
     ``source`` (a file name) makes errors read ``source:position`` instead of ``row position``.
     """
-    check_key("run", run)
+    check_run_id(run)
     check_token("env", env)
     if num_rollouts < 1:
         raise ValueError(f"num_rollouts must be at least 1, got {num_rollouts}")

@@ -66,6 +66,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from flywheel.contract import events
 from flywheel.contract.hub import ENTRY_POINT_GROUP
+from flywheel.contract.names import check_token
 from flywheel.sdk import tracegraph
 from flywheel.sdk.harness import RUNTIMES, ChatHarness, Harness, ProgramHarness
 from flywheel.sdk.hooks import CallHooks, RequestHook, ResponseHook
@@ -522,7 +523,12 @@ class Environment:
         for name, spec in overrides.rewards.items():
             current = by_name.get(name)
             if spec.function:
-                fn = import_object(spec.function, f"rewards.{name}.function")
+                from flywheel.contract.config import import_object  # pydantic: only where a reward is swapped
+
+                try:
+                    fn = import_object(spec.function)
+                except ValueError as exc:
+                    raise EnvironmentLoadError(f"rewards.{name}.function={spec.function!r}: {exc}") from exc
                 group = spec.group or (isinstance(current, GroupReward) and spec.group is None)
                 kind = GroupReward if group else Reward
                 weight = spec.weight if spec.weight is not None else current.weight if current else 1.0
@@ -554,20 +560,6 @@ class EnvironmentOverrides:
     sha256: str | None = None  # a hub environment's pinned wheel (RunConfig.hub_pins), installed when missing
     harness: str | None = None  # a command line run as its harness (a ProgramHarness); None: its own
     runtime: str | None = None  # where its program harness runs (ProgramHarness.runtime); None: its own
-
-
-def import_object(spec: str, where: str) -> Any:
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise EnvironmentLoadError(f"{where}={spec!r}: write it as 'package.module:name'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise EnvironmentLoadError(f"{where}={spec!r}: cannot import {module_name!r} ({exc})") from exc
-    try:
-        return getattr(module, attr)
-    except AttributeError:
-        raise EnvironmentLoadError(f"{where}={spec!r}: {module_name!r} has no {attr!r}") from None
 
 
 # --- finding environments -----------------------------------------------------------------
@@ -706,8 +698,6 @@ def subject_name(env_id: str, name: str) -> str:
     """The environment's name in subjects (``tasks.<run>.<env>``): ``env_id`` itself when it is a
     plain module name, else the environment's ``name`` (an id with '/', '@' or '.' is not a
     subject token)."""
-    from flywheel.contract.runs import check_token
-
     if not any(c in env_id for c in "/@.:"):
         return check_token("env", env_id)
     return check_token(f"environment {env_id!r}: its name", name)
