@@ -19,7 +19,7 @@ from fastapi import APIRouter, Body, HTTPException
 from fastapi.exceptions import RequestValidationError
 
 from flywheel.contract import events
-from flywheel.contract.bus import Bus
+from flywheel.contract.bus import Bus, PayloadTooLarge
 from flywheel.sdk.environment import other_ids
 from flywheel_gateway.auth import CallerDep, check_new_or_own_run, check_run, listing_tenant
 from flywheel_gateway.deps import (
@@ -83,14 +83,14 @@ def _tasks(creates: list[TaskCreate], name: str) -> list[events.Task]:
 
 
 def _refuse_oversized(tasks: list[events.Task], bus: Bus, name: str) -> None:
-    max_payload = bus.nc.max_payload
     too_large: list[str] = []
     for i, task in enumerate(tasks):
-        size = bus.published_size(task)
-        if size > max_payload:
+        try:
+            bus.check_fits(task)
+        except PayloadTooLarge as exc:
             where = f"tasks[{i}]" if name == "tasks" else "task"
-            too_large.append(f"{where} is {size} bytes as published (payload and headers), above the bus's max "
-                             f"payload of {max_payload} bytes")
+            too_large.append(f"{where} is {exc.size} bytes as published (payload and headers), above the bus's max "
+                             f"payload of {exc.limit} bytes")
     if too_large:
         raise HTTPException(413, "; ".join(too_large) + "; make the task data smaller (e.g. store large inputs "
                                                         "elsewhere and send a reference), or raise the NATS server's "

@@ -74,7 +74,7 @@ import msgspec
 import nats.js.errors
 
 from flywheel.contract import events, weights
-from flywheel.contract.bus import Bus, Consumer, Delivery, Reject, wait_at_most, watch
+from flywheel.contract.bus import Bus, Consumer, Delivery, PayloadTooLarge, Reject, wait_at_most, watch
 from flywheel.contract.config import RunConfig, TeacherConfig
 from flywheel.contract.runs import end_of, watch_runs
 from flywheel.contract.service import compute
@@ -393,23 +393,23 @@ def teacher_signals(model: Any, requests: Sequence[Request], *, source: str, mod
     return signals, usage
 
 
-def fit_payload(signals: Sequence[events.Signal], size_of: Callable[[events.Signal], int],
-                max_payload: int) -> list[events.Signal]:
-    """``signals``, each one larger than the bus takes (``size_of`` it over ``max_payload``: the
-    server would drop the connection that sent it) replaced by the same signal with an error
-    saying so, and no values: its rollout is dropped as a teacher's error, never waited for."""
+def fit_payload(signals: Sequence[events.Signal], check: Callable[[events.Signal], None]) -> list[events.Signal]:
+    """``signals``, each one larger than the bus takes (``check`` raises PayloadTooLarge: the server
+    would drop the connection that sent it) replaced by the same signal with an error saying so,
+    and no values: its rollout is dropped as a teacher's error, never waited for."""
     out = []
     for signal in signals:
-        size = size_of(signal)
-        if size <= max_payload:
-            out.append(signal)
+        try:
+            check(signal)
+        except PayloadTooLarge as exc:
+            top_k = max((len(ids) for node in signal.top_ids.values() for ids in node), default=0)
+            hint = f"lower the top_k of the part that reads it ({top_k} now) or " if top_k else ""
+            out.append(msgspec.structs.replace(
+                signal, values={}, top_ids={}, top_logprobs={},
+                error=f"rollout {signal.rollout_id}: its signal is {exc.size} bytes, more than the bus takes "
+                      f"({exc.limit}, nats-server's max_payload); {hint}raise max_payload"))
             continue
-        top_k = max((len(ids) for node in signal.top_ids.values() for ids in node), default=0)
-        hint = f"lower the top_k of the part that reads it ({top_k} now) or " if top_k else ""
-        out.append(msgspec.structs.replace(
-            signal, values={}, top_ids={}, top_logprobs={},
-            error=f"rollout {signal.rollout_id}: its signal is {size} bytes, more than the bus takes "
-                  f"({max_payload}, nats-server's max_payload); {hint}raise max_payload"))
+        out.append(signal)
     return out
 
 
@@ -572,8 +572,7 @@ class Teacher:
             contexts = await self._contexts(rollouts) if error is None and c.context is not None else {}
             signals, usage = await compute(self._compute, loaded, rollouts, model_name, error, contexts)
             busy_s = time.monotonic() - started
-        signals = fit_payload(signals, functools.partial(self.bus.published_size, content_type=events.MSGPACK),
-                              self.bus.nc.max_payload)
+        signals = fit_payload(signals, functools.partial(self.bus.check_fits, content_type=events.MSGPACK))
         await self.bus.publish_many(signals, events.MSGPACK, together=True)
         self.counters.add(signals, usage, busy_s)
         self.info.update(vars(self.counters))

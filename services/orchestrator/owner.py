@@ -59,7 +59,7 @@ import nats.errors
 import nats.js.errors
 
 from flywheel.contract import events, weights
-from flywheel.contract.bus import SERVICE_HEARTBEAT_TTL_S, Bus, wait_at_most, watch
+from flywheel.contract.bus import SERVICE_HEARTBEAT_TTL_S, Bus, PayloadTooLarge, wait_at_most, watch
 from flywheel.contract.checkpoints import run_folder
 from flywheel.contract.config import EvalSpec, RunConfig
 from flywheel.contract.retry import Backoff
@@ -644,7 +644,12 @@ class RunOwner:
         if wanted <= self.num_published:
             return
         tasks = await self._tasks(self.num_published, wanted)
-        await self.bus.publish_many(tasks)
+        try:
+            await self.bus.publish_many(tasks)  # none is sent when one does not fit
+        except PayloadTooLarge as exc:  # a row no retry makes smaller: the run cannot have it
+            raise RunFailed(f"{exc}: a task row of its environment is too large for the bus; make the rows smaller "
+                            "(a reference to large data instead of the data) or raise the NATS server's "
+                            "max_payload") from exc
         if self.num_published == 0:
             shares = Counter(task.env for task in tasks)
             mix = ", ".join(f"{name} {shares[name]}" for name in self.environments) if len(shares) > 1 else cfg.env_ids

@@ -13,7 +13,17 @@ import pytest
 from nats.aio.msg import Msg
 
 from flywheel.contract import events
-from flywheel.contract.bus import Bus, BusConfig, Consumer, Delivery, Reject, delivery_counts, watch
+from flywheel.contract.bus import (
+    Bus,
+    BusConfig,
+    Consumer,
+    Delivery,
+    PayloadTooLarge,
+    Reject,
+    delivery_counts,
+    read_stream,
+    watch,
+)
 from flywheel.runtime.natsserver import NatsServer
 from tests.helpers import until
 
@@ -424,6 +434,25 @@ async def test_consumer_config_errors_name_the_field(bus: Bus, bad: dict) -> Non
     with pytest.raises(ValueError) as err:
         Consumer(bus, **kwargs)
     assert any(k in str(err.value) for k in ("handler", "stream", "max_deliver"))
+
+
+async def test_every_publish_refuses_what_the_server_would_drop_the_connection_for(bus: Bus) -> None:
+    # Over max_payload (headers included) the server closes the publisher's connection; the bus
+    # says so first, naming the event, and sends nothing of a batch holding one.
+    limit = bus.nc.max_payload
+    big = msgspec.structs.replace(task(2), data={"text": "x" * limit})
+    with pytest.raises(PayloadTooLarge, match=r"event 't2' on tasks\.r1\.echo is \d+ bytes as published") as refused:
+        await bus.publish(big)
+    assert refused.value.size > refused.value.limit == limit
+    with pytest.raises(PayloadTooLarge):
+        await bus.publish_many([task(1), big, task(3)])
+    with pytest.raises(PayloadTooLarge):
+        await bus.publish_raw("tasks.r1.echo", b"x" * (limit - 10), {"Nats-Msg-Id": "raw" * 10})
+    with pytest.raises(PayloadTooLarge):
+        bus.check_fits(big)
+    assert bus.nc.is_connected
+    await bus.publish(task(4))  # the connection is the same one, and nothing of the refused batch was stored
+    assert [t.id for t in await read_stream(bus, "TASKS", events.Task)] == ["t4"]
 
 
 async def test_a_near_limit_payload_is_dead_lettered_bounded_and_the_consumer_goes_on(bus: Bus) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -258,3 +259,11 @@ def test_an_import_inside_a_function_without_a_reason_is_found() -> None:
     source = ("def f():\n    import json\n    import torch\n    # imported here: only this path needs it\n"
               "    import csv\n    from flywheel_trainer import engines\n    import os  # Imported here: why\n")
     assert unexplained_function_imports(source, {"flywheel_trainer.engines"}) == [(2, "import json")]
+
+
+def test_settings_are_read_by_settings_load() -> None:
+    # Settings.load() turns a bad FLYWHEEL_* value into a message naming it; Settings() raises
+    # pydantic's error instead.
+    bare = [f"{p.relative_to(ROOT)}:{i}" for p in sources() if p.name != "settings.py"
+            for i, line in enumerate(p.read_text().splitlines(), 1) if re.search(r"(?<![\w.])Settings\(\)", line)]
+    assert not bare, "Settings() where Settings.load() belongs: " + ", ".join(bare)

@@ -7,6 +7,7 @@ rollouts that get an error signal instead of values."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from flywheel.contract import events
+from flywheel.contract.bus import PayloadTooLarge
 from flywheel.sdk import models
 from flywheel.sdk.environment import load_environment
 from flywheel.sdk.tracegraph import TokenLayerError, TraceGraph, branches, join_tokens
@@ -332,9 +334,15 @@ def test_a_signal_larger_than_the_bus_takes_becomes_an_error_that_says_what_to_l
     def size_of(signal: events.Signal) -> int:  # the payload (the bus adds its headers)
         return len(events.encode(signal, events.MSGPACK))
 
+    def check(limit: int) -> Callable[[events.Signal], None]:  # as Bus.check_fits, at this limit
+        def fits(signal: events.Signal) -> None:
+            if size_of(signal) > limit:
+                raise PayloadTooLarge(signal.subject(), signal.id, size_of(signal), limit)
+        return fits
+
     sizes = [size_of(s) for s in signals]
-    assert fit_payload(signals, size_of, max(sizes)) == signals  # all fit: unchanged
-    fitted = fit_payload(signals, size_of, min(sizes))
+    assert fit_payload(signals, check(max(sizes))) == signals  # all fit: unchanged
+    fitted = fit_payload(signals, check(min(sizes)))
     big = sizes.index(max(sizes))
     assert fitted[1 - big] == signals[1 - big]
     too_big = fitted[big]

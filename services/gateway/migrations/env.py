@@ -35,7 +35,7 @@ def run_migrations(connection: sa.Connection) -> None:
 def _url_from_command_line() -> str:
     from flywheel.contract.settings import Settings
 
-    return context.get_x_argument(as_dictionary=True).get("url") or Settings().resolved_database_url
+    return context.get_x_argument(as_dictionary=True).get("url") or Settings.load().resolved_database_url
 
 
 if context.is_offline_mode():

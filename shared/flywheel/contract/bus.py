@@ -197,6 +197,20 @@ class BusConfig:
     replicas: int | None = None
 
 
+class PayloadTooLarge(nats.errors.MaxPayloadError, ValueError):
+    """A message over the NATS server's max payload, refused before it was sent (the server would
+    drop the connection that sent it): ``size`` bytes with its headers, ``limit`` the most."""
+
+    def __init__(self, subject: str, msg_id: str | None, size: int, limit: int) -> None:
+        super().__init__()
+        self.subject, self.msg_id, self.size, self.limit = subject, msg_id, size, limit
+
+    def __str__(self) -> str:
+        what = f"event {self.msg_id!r}" if self.msg_id else "a message"
+        return (f"{what} on {self.subject} is {self.size} bytes as published (payload and headers); the NATS server "
+                f"takes at most {self.limit} (its max_payload)")
+
+
 class Bus:
     """A connection to NATS plus JetStream, with Flywheel's streams ensured.
 
@@ -454,14 +468,25 @@ class Bus:
 
     def published_size(self, event: events.Event, content_type: str = events.JSON) -> int:
         """Bytes the NATS server counts against its max payload (``nc.max_payload``) for
-        ``event``: payload and headers. Over it the server drops the publisher's connection,
-        so check before publishing what a user sent."""
+        ``event``: payload and headers."""
         return _message_size(events.encode(event, content_type), self.headers_for(event, content_type))
+
+    def check_fits(self, event: events.Event, content_type: str = events.JSON) -> None:
+        """PayloadTooLarge when ``event`` is over the server's max payload: every publish checks
+        this first (the one size guard); a producer that has a smaller thing to send instead
+        (an error in place of what did not fit) asks here before publishing."""
+        self._check_fits(event.subject(), events.encode(event, content_type), self.headers_for(event, content_type))
+
+    def _check_fits(self, subject: str, payload: bytes, headers: dict[str, str]) -> None:
+        size = _message_size(payload, headers)
+        if size > self.nc.max_payload:
+            raise PayloadTooLarge(subject, headers.get(HEADER_MSG_ID), size, self.nc.max_payload)
 
     async def publish(self, event: events.Event, content_type: str = events.JSON) -> PubAck:
         """Publish one event and wait for JetStream to store it (retried on transient errors)."""
         subject = event.subject()
         payload = events.encode(event, content_type)
+        self._check_fits(subject, payload, self.headers_for(event, content_type))
         if self.tracer is None:
             headers = self.headers_for(event, content_type)
             ack = await self.retry(lambda: self.js.publish(subject, payload, headers=headers), subject)
@@ -493,6 +518,7 @@ class Bus:
 
     async def publish_raw(self, subject: str, payload: bytes, headers: dict[str, str]) -> PubAck:
         """Publish bytes as they are (tools, tests, other-language bridges). Retried likewise."""
+        self._check_fits(subject, payload, headers)
         return await self.retry(lambda: self.js.publish(subject, payload, headers=headers), subject)
 
     async def publish_many(self, batch: Iterable[events.Event], content_type: str = events.JSON,
@@ -527,6 +553,8 @@ class Bus:
         else:
             messages = [(e.subject(), events.encode(e, content_type), self.headers_for(e, content_type), [i])
                         for i, e in enumerate(batch)]
+        for subject, payload, headers, _ in messages:  # all of them, before any is sent
+            self._check_fits(subject, payload, headers)
         pending: list[tuple[str, bytes, dict[str, str], asyncio.Future[PubAck]]] = []
         started = time.monotonic()
         for subject, payload, headers, _ in messages:
@@ -560,7 +588,7 @@ class Bus:
             acks.update((i, ack) for i in places)
         return [acks[i] for i in range(len(acks))]
 
-    def _fits(self, payload: bytes, headers: dict[str, str]) -> bool:
+    def _fits(self, payload: bytes, headers: dict[str, str]) -> bool:  # a batch message, or one per event
         """Whether a message fits the server's max payload (headers count against it)."""
         return _message_size(payload, headers) <= self.nc.max_payload
 

@@ -53,7 +53,7 @@ import msgspec
 import nats.js.errors
 
 from flywheel.contract import events
-from flywheel.contract.bus import STREAMS, Bus, BusConfig
+from flywheel.contract.bus import STREAMS, Bus, BusConfig, PayloadTooLarge
 from flywheel.contract.names import check_key
 from flywheel.contract.runs import get_run, register_run
 from flywheel.contract.service import HEARTBEAT_INTERVAL_S, read_heartbeats
@@ -115,7 +115,7 @@ class Client:
         if url is None:
             from flywheel.contract.settings import Settings
 
-            url = Settings().resolved_nats_url
+            url = Settings.load().resolved_nats_url
         return cls(await Bus.connect(url, name=name, config=config, ensure=ensure))
 
     async def close(self) -> None:
@@ -139,12 +139,12 @@ class Client:
     async def publish(self, tasks: Sequence[events.Task], *, tenant: str = "default") -> Published:
         """Publish built tasks: check sizes, register their runs, then publish them all."""
         check_key("tenant", tenant)
-        max_payload = self.bus.nc.max_payload
-        for i, task in enumerate(tasks, 1):
-            size = self.bus.published_size(task)
-            if size > max_payload:
-                raise ValueError(f"task {task.id} (number {i}) is {size} bytes as published (payload and headers); "
-                                 f"the NATS server accepts at most {max_payload} (its max_payload)")
+        for i, task in enumerate(tasks, 1):  # all before anything is registered or sent
+            try:
+                self.bus.check_fits(task)
+            except PayloadTooLarge as exc:
+                raise ValueError(f"task {task.id} (number {i}) is {exc.size} bytes as published (payload and "
+                                 f"headers); the NATS server accepts at most {exc.limit} (its max_payload)") from exc
         runs = dict.fromkeys(t.run for t in tasks)  # each once, in order
         runs_created = [run for run in runs if await self.register_run(run, tenant=tenant)]
         acks = await self.bus.publish_many(tasks)
@@ -259,7 +259,7 @@ class TraceAPI:
         if url is None or api_key is None:
             from flywheel.contract.settings import Settings
 
-            settings = Settings()
+            settings = Settings.load()
             url = url if url is not None else settings.resolved_gateway_url
             api_key = api_key if api_key is not None else settings.api_key
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}

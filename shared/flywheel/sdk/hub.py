@@ -45,7 +45,7 @@ class Hub:
         if url is None or api_key is None:
             from flywheel.contract.settings import Settings
 
-            settings = Settings()
+            settings = Settings.load()
             url = url if url is not None else settings.resolved_gateway_url
             # A service of a deployment that wants keys: its service token sees every tenant's.
             api_key = api_key if api_key is not None else settings.api_key or settings.service_token

@@ -212,7 +212,7 @@ async def default_client() -> SandboxClient:
     loop = asyncio.get_running_loop()
     pending = _connected.get(loop)
     if pending is None or (pending.done() and pending.exception() is not None):  # a failed connect is tried again
-        pending = loop.create_task(connect(Settings().resolved_nats_url, CONNECT_TIMEOUT_S))
+        pending = loop.create_task(connect(Settings.load().resolved_nats_url, CONNECT_TIMEOUT_S))
         _connected[loop] = pending
     _, client = await asyncio.shield(pending)
     return client
