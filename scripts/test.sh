@@ -2,7 +2,8 @@
 # Set up, then run the default test suite (everything not marked slow, long, gpu, docker, vllm or browser).
 #   scripts/test.sh            the default suite
 #   scripts/test.sh --long     only the long tier (end-to-end fault and recovery checks; CI runs it)
-#   scripts/test.sh --slow     only the slow tier
+#   scripts/test.sh --slow     only the slow tier (the end-to-end learning runs; CI runs it), two test files at a
+#                              time: its runs wait on their processes more than they compute
 #   scripts/test.sh --vllm     only the vLLM tier, in .venv-vllm (scripts/setup-vllm.sh)
 #   scripts/test.sh --docker   only the docker tier: a private Docker engine (root; scripts/setup-docker.sh
 #                              installs it), the compose deployment brought up and torn down
@@ -31,6 +32,7 @@ fi
 if [ "${1:-}" = "--slow" ]; then
     markers="slow and not gpu and not docker and not vllm and not browser"
     shift
+    set -- -n "${FLYWHEEL_SLOW_WORKERS:-2}" --dist loadfile "$@"
 fi
 if [ "${1:-}" = "--browser" ]; then
     shift

@@ -30,7 +30,7 @@ import nats.js.errors
 import pytest
 
 from flywheel.contract import events
-from flywheel.contract.bus import Bus, Replay, decode_message
+from flywheel.contract.bus import Bus, decode_message, read_stream
 from flywheel.contract.settings import Settings
 from flywheel.runtime.natsserver import free_port
 from tests.e2e.test_up import Output
@@ -45,17 +45,14 @@ KILL_AT = 4  # the weights version at which the second scorer replica is killed
 
 
 async def group_scores(settings: Settings, run: str) -> list[events.Score]:
-    """Every ``shortest_correct`` (the group reward) Score of ``run``."""
-    subject = f"scores.{run}.arithmetic.shortest_correct"
+    """Every ``shortest_correct`` (the group reward) Score of ``run`` (a group's scores travel as one
+    batch message: read_stream gives each of them)."""
     bus = await Bus.for_settings(settings, "test-scores")
-    decoder: events.Decoder[events.Score] = events.Decoder(events.Score)
     try:
-        info = await bus.js.stream_info("SCORES", subjects_filter=subject)
-        num = sum((info.state.subjects or {}).values())
-        async with Replay(bus, subject) as replay:
-            return [decode_message(decoder, await replay.next()) for _ in range(num)]
+        scores = await read_stream(bus, "SCORES", events.Score)
     finally:
         await bus.close()
+    return [s for s in scores if s.run == run and s.scorer == "shortest_correct"]
 
 
 async def partition_owners(bus: Bus) -> set[int]:

@@ -143,7 +143,10 @@ def test_a_detached_run_on_two_environments_finishes_with_its_evals(
     assert [m["step"] for m in metrics] == list(range(1, TWO_ENV_STEPS + 1))
     shares = [sum(m[f"env.{env}.num_rollouts"] for m in metrics) for env in ("reverse_text", "arithmetic")]
     batch_size = RunConfig.from_toml(TWO_ENVS).trainer.batch_size
-    assert sum(shares) == TWO_ENV_STEPS * batch_size and min(shares) >= 0.4 * sum(shares), shares  # weights 1 : 1
+    # A rollout dropped alone (stale, errored) leaves its group's others to train: a step holds its
+    # batch or a few fewer (measured: 99.4% of 200 full batches).
+    assert 0.95 * TWO_ENV_STEPS * batch_size <= sum(shares) <= TWO_ENV_STEPS * batch_size, shares
+    assert min(shares) >= 0.4 * sum(shares), shares  # weights 1 : 1
     evals = [json.loads(line) for line in (run_dir / "evals.jsonl").read_text().splitlines()]
     assert sorted((row["eval"], row["step"]) for row in evals) == sorted(
         (label, step) for label in ("arithmetic-medium", "reverse_text")
