@@ -17,6 +17,7 @@ from flywheel.contract.bus import Bus, Consumer, Delivery
 from flywheel.contract.service import Service, read_heartbeats
 from flywheel.contract.settings import Settings
 from flywheel.ops import cli
+from flywheel.ops.commands import stack as stack_commands
 from flywheel.ops.stack import STACK_SERVICE, Stack
 from flywheel.runtime.natsserver import NatsServer, free_port
 from flywheel.runtime.supervise import Process, ServiceSpec, Supervisor
@@ -146,7 +147,7 @@ async def test_status_changes_nothing_on_a_fresh_server(nats_server: NatsServer,
 
 async def test_status_fails_clearly_when_nats_is_unreachable(capsys: pytest.CaptureFixture[str],
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cli, "STATUS_CONNECT_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(stack_commands, "STATUS_CONNECT_TIMEOUT_S", 0.5)
     url = f"nats://127.0.0.1:{free_port()}"
     code, out, err = await status(capsys, "--nats-url", url)
     assert code == 1 and out == ""

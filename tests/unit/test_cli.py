@@ -14,6 +14,8 @@ import pytest
 
 from flywheel.contract import events
 from flywheel.ops import cli
+from flywheel.ops.commands import runs, tasks
+from flywheel.ops.commands import stack as stack_commands
 from flywheel.runtime.natsserver import free_port
 
 
@@ -33,7 +35,7 @@ def test_up_options_override_settings_of_the_same_name(monkeypatch: pytest.Monke
     monkeypatch.setenv("FLYWHEEL_GATEWAY_PORT", "9001")
     monkeypatch.setenv("FLYWHEEL_NATS_PORT", "4300")
     args = parse("up", "--data-dir", "/tmp/fw", "--gateway-port", "9002", "--database-url", "sqlite+aiosqlite:///x.db")
-    assert args.func is cli.cmd_up
+    assert args.func is stack_commands.cmd_up
     settings = cli.settings_from(args)
     assert settings.data_dir == Path("/tmp/fw")
     assert settings.gateway_port == 9002  # the option beats the variable
@@ -55,7 +57,7 @@ def test_runs_commands_and_the_runs_table() -> None:
 
     from flywheel.ops.runs import format_runs
 
-    assert parse("runs", "stop", "r1").func is cli.cmd_runs_stop and parse("runs", "stop", "r1").run == "r1"
+    assert parse("runs", "stop", "r1").func is runs.cmd_runs_stop and parse("runs", "stop", "r1").run == "r1"
     assert parse("runs", "list").setting_names == cli.NATS_SETTINGS
     assert "data_dir" in parse("runs", "resume", "r1").setting_names  # it may start the embedded stack
     assert parse("export", "r1", "out", "--step", "3").step == 3
@@ -87,7 +89,7 @@ def test_each_command_takes_only_the_settings_it_uses() -> None:
 
 def test_tasks_publish_arguments() -> None:
     args = parse("tasks", "publish", "reverse-text", "--run", "r1", "--file", "rows.jsonl")
-    assert (args.func, args.env, args.run, args.file) == (cli.cmd_tasks_publish, "reverse-text", "r1", "rows.jsonl")
+    assert (args.func, args.env, args.run, args.file) == (tasks.cmd_tasks_publish, "reverse-text", "r1", "rows.jsonl")
     assert (args.num_rollouts, args.tenant) == (1, "default")
     args = parse("tasks", "publish", "e", "--run", "r", "--file", "f", "--num-rollouts", "8", "--tenant", "acme",
                  "--nats-url", "nats://127.0.0.1:5000")
@@ -210,7 +212,7 @@ REPORT = {
 
 
 def test_status_tables() -> None:
-    text = cli.format_status(REPORT)
+    text = stack_commands.format_status(REPORT)
     assert text.splitlines()[:2] == [
         "NATS     nats://127.0.0.1:4233  ok",
         "gateway  http://127.0.0.1:8420  ok",
@@ -248,12 +250,12 @@ def test_status_tables_say_what_is_missing() -> None:
         "gateway": {"url": "http://127.0.0.1:8420", "ok": False, "error": "ConnectError: connection refused"},
         "services": [], "stacks": [], "streams": [], "consumers": [],
     }
-    text = cli.format_status(report)
+    text = stack_commands.format_status(report)
     assert "gateway  http://127.0.0.1:8420  unreachable (ConnectError: connection refused)" in text
     assert "no services running" in text and "no Flywheel streams yet" in text and "no consumers" in text
     unhealthy = REPORT | {"gateway": {"url": "http://g", "ok": False, "status_code": 503,
                                       "detail": {"checks": {"database": "down"}}}}
-    assert "unhealthy (HTTP 503: {'checks': {'database': 'down'}})" in cli.format_status(unhealthy)
+    assert "unhealthy (HTTP 503: {'checks': {'database': 'down'}})" in stack_commands.format_status(unhealthy)
 
 
 @pytest.mark.parametrize("num_bytes, text", [(0, "0 B"), (1023, "1023 B"), (1024, "1.0 KiB"),
