@@ -65,6 +65,7 @@ from flywheel.contract.runs import BadRunState, end_of, get_run, list_runs
 from flywheel.sdk.messages import message_dict, message_from_dict
 from flywheel_inference import agent_apis, interception
 from flywheel_inference.completion import Completion
+from flywheel_inference.hosting import HostedRun, UnknownRun
 from flywheel_inference.interception import openai_error, parse_tool_calls
 from flywheel_inference.policy import Sampled, WeightsUnavailable
 from flywheel_inference.streaming import (
@@ -76,7 +77,7 @@ from flywheel_inference.streaming import (
     chat_message,
     respond,
 )
-from flywheel_inference.worker import HostedRun, UnknownRun, Worker
+from flywheel_inference.worker import Worker
 
 log = logging.getLogger(__name__)
 router = APIRouter()

@@ -352,7 +352,7 @@ class Policy:
 
     def serve_as_built(self) -> None:
         """Serve the weights the backend was built with, as version 0: a model no trainer
-        publishes weights for (an eval's base model, :meth:`flywheel_inference.worker.Worker.hosted`)."""
+        publishes weights for (an eval's base model, :meth:`flywheel_inference.hosting.Hosting.hosted`)."""
         if self.version is None:
             self.backend.version = 0
         self.load_error = None

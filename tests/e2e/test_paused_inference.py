@@ -5,7 +5,7 @@ While inference is stopped, the run's owner (the stack's orchestrator) goes on r
 run's lease, but inference's kept copy of the run state still holds the lease it saw before
 the pause: by that copy and the wall clock, the lease lapsed long ago, and the run-state
 watcher has not yet delivered the renewals buffered on its socket. Inference must re-read the
-runs bucket before it acts on such a lapse (``Worker._confirm_lapse``); acting on the kept
+runs bucket before it acts on such a lapse (``RunStates.confirm_lapse``); acting on the kept
 copy instead ends the run in inference's eyes and releases (acks) every task waiting for the
 run's admission as "not sampled": when those are more than the task supply's spare, the
 trainer waits for rollouts that never come.

@@ -28,7 +28,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-import flywheel_inference.worker as worker_module
+import flywheel_inference.hosting as hosting
 from flywheel.contract import events, keys
 from flywheel.contract.bus import Bus
 from flywheel.contract.runs import get_run, update_run
@@ -92,7 +92,7 @@ def smollm2_folder() -> Path:
 async def test_eval_of_the_tiny_model_serves_it_with_no_training_run(nats_server: NatsServer, bus: Bus,
                                                                        tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(worker_module, "EVICT_IDLE_S", 0.0)
+    monkeypatch.setattr(hosting, "EVICT_IDLE_S", 0.0)
     data = tmp_path / "data"
     async with inference(nats_server, data) as (app, served):
         code, stdout, stderr = await flywheel_eval(served, data, nats_server.url, "--model", "tiny", "-n", "4",
@@ -174,7 +174,7 @@ async def test_a_model_served_for_an_eval_is_its_tenants_alone(nats_server: Nats
 async def test_the_model_of_an_eval_that_died_is_unloaded_once_its_lease_lapsed(
         nats_server: NatsServer, bus: Bus, tmp_path: Path, tiny_model_dir: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(worker_module, "EVICT_IDLE_S", 0.0)
+    monkeypatch.setattr(hosting, "EVICT_IDLE_S", 0.0)
     async with inference(nats_server, tmp_path / "data") as (app, served):
         await register_model(bus, "model-tiny-y", str(tiny_model_dir), "reverse_text", "default")
         # Held by an eval killed -9: its lease is never renewed.

@@ -13,7 +13,7 @@ import torch
 
 from flywheel.contract import events
 from flywheel.contract.bus import Bus
-from flywheel_inference import worker as worker_module
+from flywheel_inference import hosting
 from tests.backend_checks import full_forward_logprobs
 from tests.helpers import random_adapter, until
 from tests.integration.services import Workers
@@ -46,7 +46,7 @@ def tasks(run: str, n: int, tag: str = "") -> list[events.Task]:
 
 async def test_two_lora_runs_share_one_base_and_each_samples_with_its_own_adapter(
         bus: Bus, tiny_model_dir: Path, start_worker: Workers, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(worker_module, "EVICT_IDLE_S", 0.0)
+    monkeypatch.setattr(hosting, "EVICT_IDLE_S", 0.0)
     overrides: dict[str, Any] = {"trainer": {"batch_size": 8, "max_off_policy_steps": 4, "adapter": ADAPTER},
                                  "sampling": {"max_tokens": 8, "temperature": 1.0}}
     cfg_a = await create_run(bus, tiny_model_dir, "ra", **overrides)
@@ -60,7 +60,7 @@ async def test_two_lora_runs_share_one_base_and_each_samples_with_its_own_adapte
 
     (base,) = worker.info["shared_bases"]
     assert base["model"] == str(tiny_model_dir) and base["adapters"] == ["ra", "rb"] and base["adapter_bytes"] > 0
-    assert worker._runs["ra"].policy.backend.base is worker._runs["rb"].policy.backend.base  # type: ignore[attr-defined]
+    assert worker.hosting.runs["ra"].policy.backend.base is worker.hosting.runs["rb"].policy.backend.base  # type: ignore[attr-defined]
     rollouts: list[events.Rollout] = await stored(bus, "ROLLOUTS", events.Rollout)
     for r in rollouts:
         own, other = (model_a, model_b) if r.run == "ra" else (model_b, model_a)

@@ -164,7 +164,7 @@ async def test_a_past_steps_weights_are_served_as_run_at_step_while_kept(
     # Snapshots beyond inference.snapshots_kept (2) are unloaded, least recently used first.
     await seeded("r1@2")
     await seeded("r1@0")
-    assert list(app.state.worker._snapshots) == [("r1", 2), ("r1", 0)]
+    assert list(app.state.worker.hosting.snapshots) == [("r1", 2), ("r1", 0)]
 
 
 def chunks_of(response: httpx.Response) -> list[dict]:

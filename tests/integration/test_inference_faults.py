@@ -36,7 +36,8 @@ from flywheel.contract.service import read_heartbeats
 from flywheel.contract.settings import InferenceSettings
 from flywheel.runtime.natsserver import NatsServer, free_port
 from flywheel.sdk import models
-from flywheel_inference.worker import LEASE_CHECK_S, Worker
+from flywheel_inference.intake import LEASE_CHECK_S
+from flywheel_inference.worker import Worker
 from tests.helpers import until
 from tests.integration.services import Workers
 from tests.integration.test_inference_worker import count, count_is, create_run, publish_weights, stored
@@ -258,13 +259,13 @@ async def test_a_process_that_resumes_after_a_pause_re_reads_a_lapsed_lease_befo
     live = events.RunState(id="r1", status="running", config=cfg.model_dump(), owner="flywheel-run pid 1",
                            lease_expires_at=events.utc_now() + timedelta(minutes=5))
     await (await bus.runs_kv()).put("r1", events.encode(live))
-    await until(lambda: worker._states["r1"].owner == "flywheel-run pid 1", what="the watcher's copy")
+    await until(lambda: worker.states.by_run["r1"].owner == "flywheel-run pid 1", what="the watcher's copy")
     # As the process finds it after the pause: its copy is a minute old, the lease in it lapsed.
-    worker._states["r1"] = msgspec.structs.replace(live, updated_at=live.updated_at - timedelta(minutes=1),
-                                                   lease_expires_at=events.utc_now() - timedelta(seconds=30))
+    worker.states.by_run["r1"] = msgspec.structs.replace(live, updated_at=live.updated_at - timedelta(minutes=1),
+                                                         lease_expires_at=events.utc_now() - timedelta(seconds=30))
     # The lease check reads the bucket again (the live state) instead of releasing anything.
-    await until(lambda: worker._states["r1"].lease_expires_at == live.lease_expires_at, timeout_s=10 * LEASE_CHECK_S,
-                what="the kept state read again from the bucket")
+    await until(lambda: worker.states.by_run["r1"].lease_expires_at == live.lease_expires_at,
+                timeout_s=10 * LEASE_CHECK_S, what="the kept state read again from the bucket")
     # What was waiting still waits (the groups in flight meanwhile end), nothing released.
     await until(lambda: run_info(worker).get("num_waiting") == 8, timeout_s=30, what="two groups waiting still")
     info = run_info(worker)
@@ -426,7 +427,8 @@ async def test_a_weights_fetch_while_the_server_is_down_is_tried_again(
     await until(lambda: count_is(bus, "ROLLOUTS", 4), timeout_s=30, what="version 0 in use")
     uri, sha, size = await weights.put(bus, "r1", 1, models.save_weights(base))
     await asyncio.to_thread(nats_server.stop)
-    await worker.on_weight_update(events.WeightUpdate(run="r1", version=1, uri=uri, sha256=sha, size_bytes=size))
+    update = events.WeightUpdate(run="r1", version=1, uri=uri, sha256=sha, size_bytes=size)
+    await worker.hosting.on_weight_update(update)
     # The fetch fails while the server is away (the bus layer and the policy both try again).
     await until(lambda: not worker.bus.nc.is_connected, what="the worker to see the server gone")
     await asyncio.sleep(1.0)  # noqa: sleep - the server stays away past the first tries

@@ -113,7 +113,7 @@ async def test_tasks_become_groups_of_rollouts_with_trace_nodes(bus: Bus, tiny_m
         == worker.info["runs"]["r1"]
 
     # A redelivered task publishes the same rollout ids: the bus stores them once.
-    await worker.handle(Delivery(event=tasks[0], subject="tasks.r1.reverse_text", stream_seq=1, num_delivered=2,
+    await worker.intake.handle(Delivery(event=tasks[0], subject="tasks.r1.reverse_text", stream_seq=1, num_delivered=2,
                                  headers={}, msg=None))  # type: ignore[arg-type]  # handle() never reads the NATS message
     assert await count(bus, "ROLLOUTS") == 8
 
