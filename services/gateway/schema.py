@@ -83,7 +83,7 @@ run_envs = sa.Table(
 )
 
 # The scorers whose weighted values make a run's reward, mirrored from its state in the
-# run-state bucket: a rollout's reward is the weighted sum of theirs (store.reward_expression).
+# run-state bucket: a rollout's reward is the weighted sum of theirs (store_reward.reward_expression).
 # env '': every environment of the run (a run with one: RunState.scorers); else the rows of
 # that environment, its name in subjects (a run with several: RunState.env_scorers). A run
 # has rows of one kind or the other, never both. A rollout without rows (its run has none,
@@ -124,7 +124,7 @@ rollouts = sa.Table(
     sa.Column("policy_version", sa.Integer, nullable=False),
     sa.Column("status", sa.String, nullable=False),
     sa.Column("error", sa.Text, nullable=True),
-    # The rollout's reward (flywheel.sdk.scoring.rollout_reward, in SQL: store.reward_expression):
+    # The rollout's reward (flywheel.sdk.scoring.rollout_reward, in SQL: store_reward.reward_expression):
     # the weighted sum of its run's scorers' values; NULL until each has scored it, when one
     # failed on it, and when the rollout is an error.
     sa.Column("reward", sa.Float, nullable=True),
