@@ -20,7 +20,7 @@ import nats.js.errors
 from nats.js.api import PubAck
 
 from flywheel.contract import events, metrics
-from flywheel.contract.bus import Bus
+from flywheel.contract.bus import Bus, PayloadTooLarge
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ async def publish_group(bus: Bus, rollouts: list[events.Rollout]) -> int:
     stored (the others it had already)."""
     try:
         acks = await bus.publish_many(rollouts, events.MSGPACK, together=True)  # the group: one message
-    except nats.errors.MaxPayloadError:
+    except PayloadTooLarge:  # the bus's guard: nothing of the group was sent
         # A rollout the bus cannot take (the server drops a connection that sends one): it goes
         # as an error saying so, without its graph, so its group is done and the run goes on.
         rollouts = [fitted(bus, r) for r in rollouts]
@@ -45,9 +45,11 @@ async def publish_group(bus: Bus, rollouts: list[events.Rollout]) -> int:
 def fitted(bus: Bus, rollout: events.Rollout) -> events.Rollout:
     """``rollout``, or when the bus cannot take it (over nats-server's max_payload), the same
     rollout failed with the reason and without its trace graph, state and task row."""
-    size, most = bus.published_size(rollout, events.MSGPACK), bus.nc.max_payload
-    if size <= most:
+    try:
+        bus.check_fits(rollout, events.MSGPACK)
         return rollout
+    except PayloadTooLarge as exc:
+        size, most = exc.size, exc.limit
     log.warning("rollout %s of task %s: %d bytes, more than the bus takes (%d); published as an error",
                 rollout.id, rollout.task_id, size, most)
     return msgspec.structs.replace(
