@@ -80,7 +80,7 @@ async def test_pages_take_the_apis_keys_and_tenants(keyed_app: FastAPI, owned: d
 async def test_bad_input_is_a_message_page_never_a_500(keyed_app: FastAPI, owned: dict[str, Any]) -> None:
     key = owned["a"]
     cases = {
-        "/runs/bad.id": (422, "run_id: must be letters, digits"),
+        "/runs/bad.id": (422, "run_id: a run id is 1 to 128 letters, digits"),
         "/runs/" + "r" * 129: (422, "run_id: "),
         "/runs/%00": (422, "run_id: "),
         "/runs/%F0%9F%94%A5": (422, "run_id: "),
