@@ -46,6 +46,7 @@ from collections.abc import Awaitable
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
+import msgspec
 from fastapi import APIRouter, HTTPException, Query, Request
 from fastapi.responses import StreamingResponse
 
@@ -192,10 +193,12 @@ async def get_run_metrics(
 
 
 @router.get("/{run_id:path}/stream", response_class=StreamingResponse,
-            responses={**sse.responses("status, steps..., end."), 409: CONFLICT_RESPONSE})
+            responses={**sse.responses("status, evals, steps..., end."), 409: CONFLICT_RESPONSE})
 async def stream_run(run_id: RunIdPath, store: StoreDep, bus: BusDep, who: CallerDep,
                      since_step: SinceStepQuery = None) -> StreamingResponse:
-    """Follow a run: ``status`` (``status``, ``reason``) first and whenever it changes;
+    """Follow a run: ``status`` (``status``, ``reason``) first and whenever it changes; ``evals``
+    (``items``: every eval its owner ran during training, as ``GET /v1/runs/RUN`` has them)
+    whenever one is added;
     ``steps`` (as /metrics answers them) with every recorded step after ``since_step``, then
     with each new one as the recorder stores it; once the run has ended (finished, failed,
     stopped, abandoned; or a run the run-state bucket does not know) and its steps are sent,
@@ -216,16 +219,22 @@ async def _follow(store: Store, bus: Bus, run_id: str, since_step: int | None) -
     shown: dict[str, Any] | None = None
     quiet_s = 0.0
     deadline = time.monotonic() + STREAM_MAX_S
+    evals_shown: list[dict[str, Any]] = []
     while time.monotonic() < deadline:
         try:
-            status = _status(await runs.get_run(bus, run_id))
+            state = await runs.get_run(bus, run_id)
+            status = _status(state)
         except runs.BadRunState as exc:  # rewritten by something else meanwhile: nothing more to follow
-            status = {"status": "unreadable", "reason": str(exc), "ended": True}
+            state, status = None, {"status": "unreadable", "reason": str(exc), "ended": True}
         sent = False
         if status != shown:
             shown = status
             sent = True
             yield "status", {k: status[k] for k in ("status", "reason")}
+        if (evals := _evals(state)) != evals_shown:
+            evals_shown = evals
+            sent = True
+            yield "evals", {"run": run_id, "items": evals}
         while steps := await store.list_run_metrics(run_id, since_step=last, limit=MAX_PAGE_LIMIT):
             last = steps[-1]["step"]
             sent = True
@@ -239,6 +248,11 @@ async def _follow(store: Store, bus: Bus, run_id: str, since_step: int | None) -
             quiet_s = 0.0
             yield None
         await asyncio.sleep(STREAM_POLL_S)
+
+
+def _evals(state: events.RunState | None) -> list[dict[str, Any]]:
+    """The evals the run's owner ran during training, as plain data (none for no state)."""
+    return [msgspec.structs.asdict(point) for point in state.evals] if state is not None else []
 
 
 def _status(state: events.RunState | None) -> dict[str, Any]:
@@ -326,7 +340,7 @@ async def get_run(run_id: RunIdPath, store: StoreDep, bus: BusDep, who: CallerDe
     live: dict[str, Any] = {
         "status": status["status"], "reason": status["reason"], "config": state.config,
         "ended_at": end.since if end is not None else None, "owner": state.owner,
-        "lease_expires_at": state.lease_expires_at,
+        "lease_expires_at": state.lease_expires_at, "evals": _evals(state),
     }
     # The bucket owns the tenant: the store's copy may predate it (an event recorded first).
     return RunDetail.model_validate({**recorded, "tenant": state.tenant, "kind": state.kind, **live})

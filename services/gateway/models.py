@@ -416,6 +416,16 @@ class RunPage(BaseModel):
     next_cursor: str | None = Field(description="Pass as ?cursor= for the next page; null on the last page.")
 
 
+class EvalPointPublic(BaseModel):
+    eval: str = Field(description="The eval's name (its [[evals]] label).")
+    step: int = Field(description="The training step whose weights it evaluated.")
+    run: str = Field(description="The eval run holding its rollouts and scores (/v1/rollouts?run=).")
+    reward_mean: float | None = Field(description="Mean reward over its rollouts without an error.")
+    reward_stderr: float | None = Field(description="Standard error of that mean.")
+    num_rollouts: int
+    num_errors: int
+
+
 class RunDetail(RunPublic):
     status: Literal["created", "running", "paused", "finished", "failed", "stopped", "abandoned"] | None = Field(
         description="Live, from the run-state bucket; null when the bucket holds no state for the run. `abandoned`: "
@@ -433,6 +443,8 @@ class RunDetail(RunPublic):
     num_tasks: int
     num_rollouts: int
     num_scored_rollouts: int = Field(description="Rollouts with at least one score recorded.")
+    evals: list[EvalPointPublic] = Field(default_factory=list, description="The evals its owner ran during "
+                                         "training, from the run-state bucket, in the order they ended.")
 
 
 class StepMetricsPublic(BaseModel):

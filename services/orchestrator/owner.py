@@ -64,6 +64,7 @@ from flywheel.contract.checkpoints import run_folder
 from flywheel.contract.config import EvalSpec, RunConfig
 from flywheel.contract.retry import Backoff
 from flywheel.contract.runs import (
+    add_eval_point,
     add_note,
     get_run,
     prepared_run,
@@ -538,6 +539,10 @@ class RunOwner:
         row = {"eval": spec.label, "step": step, "run": run_id, **{k: summary.get(k) for k in EVAL_FIGURES}}
         with self.evals_path.open("a") as out:
             out.write(json.dumps(row) + "\n")
+        await add_eval_point(self.bus, cfg.run, events.EvalPoint(
+            eval=spec.label, step=step, run=run_id, reward_mean=summary.get("reward_mean"),
+            reward_stderr=summary.get("reward_stderr"), num_rollouts=summary.get("num_rollouts") or 0,
+            num_errors=summary.get("num_errors") or 0))
         stderr = f" ± {summary['reward_stderr']:.3f}" if summary.get("reward_stderr") is not None else ""
         mean = f"{summary['reward_mean']:.3f}" if summary.get("reward_mean") is not None else "none"
         await self.note(f"eval {spec.label} of step {step}: reward {mean}{stderr} over {summary['num_rollouts']} "

@@ -17,6 +17,7 @@ import msgspec
 import pytest
 
 from flywheel.contract import events, keys
+from flywheel.contract import runs as runs_module
 from flywheel.contract.bus import Bus
 from flywheel_gateway.store import Store
 from tests.browser.conftest import Gateway
@@ -49,8 +50,6 @@ def step(number: int) -> events.WeightUpdate:
     metrics = {f"env.{env}.reward_mean": value for env, value in reward.items()}
     metrics |= {"reward_mean": sum(reward.values()) / len(reward), "staleness_mean": 0.5, "staleness_max": 1.0,
                 "num_dropped_stale": float(number % 2), "num_dropped_scorer_error": 0.0, "step_s": 1.25}
-    if number % 5 == 0:
-        metrics["eval.held_out.reward_mean"] = reward[ENVS[0]] - 0.05
     return events.WeightUpdate(id=f"{RUN}-{number}", run=RUN, version=number, uri="file:///weights",
                                sha256="0" * 64, size_bytes=1, trainer_step=number, metrics=metrics)
 
@@ -126,12 +125,25 @@ async def test_the_run_page_draws_a_reward_curve_that_grows(browser: Browser, ga
     for env in ENVS:
         await expect(page.locator(f'#reward-chart polyline[data-series="{env}"]')).to_have_attribute(
             "data-num-points", "10")
-    await expect(page.locator("#reward-chart circle[data-eval='held_out']")).to_have_count(2)
+    # The evals the run's owner ran at steps 5 and 10, written to the run's state as the owner writes
+    # them: drawn where they are, with their figures on hover; one added later reaches the open page.
+    bus: Bus = gateway.app.state.bus
+    for at in (5, 10):
+        await runs_module.add_eval_point(bus, RUN, events.EvalPoint(
+            eval="held_out", step=at, run=f"{RUN}-eval-held_out-{at}", reward_mean=0.2 + 0.02 * at,
+            reward_stderr=0.01, num_rollouts=16, num_errors=1))
+    evals = page.locator("#reward-chart circle[data-eval='held_out']")
+    await expect(evals).to_have_count(2, timeout=WAIT_MS)
+    await expect(page.locator("#reward-chart circle[data-eval='held_out'][data-step='10'] title")).to_have_text(
+        f"eval held_out at step 10: reward 0.400 ± 0.010 over 16 rollouts, 1 errors (eval run {RUN}-eval-held_out-10)")
     await expect(page.locator('[data-figure="staleness"]')).to_have_text("0.50 / 1")
     await expect(page.locator('[data-figure="dropped"]')).to_have_text("5 (stale 5)")
 
     await store.record([step(n) for n in range(11, 16)])  # the trainer goes on while the page is open
     await expect(reward).to_have_attribute("data-num-points", "15", timeout=WAIT_MS)
+    await runs_module.add_eval_point(bus, RUN, events.EvalPoint(eval="held_out", step=15, run=f"{RUN}-eval-15",
+                                                                reward_mean=0.5, num_rollouts=16))
+    await expect(evals).to_have_count(3, timeout=WAIT_MS)
     await expect(page.locator('[data-figure="step"]')).to_have_text("15")
     points = (await reward.get_attribute("points") or "").split()
     assert len(points) == 15 and float(points[-1].split(",")[1]) < float(points[0].split(",")[1])  # rising

@@ -16,7 +16,7 @@ import msgspec
 import pytest
 from fastapi import FastAPI
 
-from flywheel.contract import events
+from flywheel.contract import events, runs
 from flywheel.contract.config import RunConfig
 from flywheel.contract.settings import RecorderSettings
 from flywheel.ops.client import server_sent_events
@@ -279,3 +279,27 @@ async def test_a_runs_stream_sends_its_steps_as_they_are_recorded_then_its_end(
         for params, said in (({"since_step": -2}, "since_step: "), ({"since_step": "x"}, "since_step: ")):
             bad = await http.get("/v1/runs/team/r1/stream", params=params)
             assert bad.status_code == 422 and bad.json()["detail"].startswith(said), bad.text
+
+
+async def test_the_evals_a_runs_owner_ran_are_in_the_run_and_its_stream(
+        app: FastAPI, gateway_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(api_runs, "STREAM_POLL_S", 0.05)
+    bus = app.state.bus
+    await put_state(app, events.RunState(id="team/ev", tenant="acme", status="running"))
+    first = events.EvalPoint(eval="held_out", step=5, run="team/ev-eval-held_out-5", reward_mean=0.25,
+                             reward_stderr=0.02, num_rollouts=16, num_errors=1)
+    await runs.add_eval_point(bus, "team/ev", first)
+    await runs.add_eval_point(bus, "team/ev", msgspec.structs.replace(first, reward_mean=0.3))  # the same eval again
+    async with httpx.AsyncClient(base_url=gateway_url, timeout=10) as http:
+        detail = await get(http, "/v1/runs/team/ev")
+        assert detail["evals"] == [{"eval": "held_out", "step": 5, "run": "team/ev-eval-held_out-5",
+                                    "reward_mean": 0.3, "reward_stderr": 0.02, "num_rollouts": 16, "num_errors": 1}]
+        async with http.stream("GET", "/v1/runs/team/ev/stream") as response:
+            received = server_sent_events(response)
+            assert (await anext(received))[0] == "status"
+            name, shown = await anext(received)
+            assert (name, [(p["eval"], p["step"]) for p in shown["items"]]) == ("evals", [("held_out", 5)])
+            await runs.add_eval_point(bus, "team/ev", msgspec.structs.replace(first, step=10, reward_mean=0.5))
+            name, more = await anext(received)
+            assert (name, [(p["step"], p["reward_mean"]) for p in more["items"]]) == ("evals", [(5, 0.3), (10, 0.5)])
+    assert [p.step for p in (await runs.get_run(bus, "team/ev")).evals] == [5, 10]  # type: ignore[union-attr]

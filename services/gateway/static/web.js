@@ -43,8 +43,9 @@
 
   // --- the run page -------------------------------------------------------------------------
 
-  // Series to draw: the reward, each environment's where the run has several, and eval points.
-  function seriesOf(steps) {
+  // Series to draw: the reward, each environment's where the run has several, and the points of
+  // the evals its owner ran during training (the run's state: GET /v1/runs/RUN's evals).
+  function seriesOf(steps, evalItems) {
     const lines = new Map([["reward", []]]);
     const evals = new Map();
     for (const step of steps) {
@@ -54,11 +55,13 @@
         else if ((match = /^env\.(.+)\.reward_mean$/.exec(key))) {
           if (!lines.has(match[1])) lines.set(match[1], []);
           lines.get(match[1]).push([step.step, value]);
-        } else if ((match = /^eval\.(.+)\.reward_mean$/.exec(key))) {
-          if (!evals.has(match[1])) evals.set(match[1], []);
-          evals.get(match[1]).push([step.step, value]);
         }
       }
+    }
+    for (const point of evalItems) {
+      if (point.reward_mean === null) continue;  // every rollout of it errored: nothing to draw
+      if (!evals.has(point.eval)) evals.set(point.eval, []);
+      evals.get(point.eval).push([point.step, point.reward_mean, point]);
     }
     return { lines, evals };
   }
@@ -91,8 +94,8 @@
     legend.append(item);
   }
 
-  function drawChart(chart, legend, steps) {
-    const { lines, evals } = seriesOf(steps);
+  function drawChart(chart, legend, steps, evalItems) {
+    const { lines, evals } = seriesOf(steps, evalItems);
     const points = [...lines.values(), ...evals.values()].flat();
     if (points.length === 0) return;
     let [x0, x1] = [Math.min(...points.map((p) => p[0])), Math.max(...points.map((p) => p[0]))];
@@ -115,8 +118,14 @@
     }
     for (const [name, evalPoints] of evals) {
       const stroke = COLORS[color++ % COLORS.length];
-      for (const [s, v] of evalPoints) {
-        chart.append(svg("circle", { cx: x(s), cy: y(v), r: 4, fill: stroke, "data-eval": name },));
+      for (const [s, v, point] of evalPoints) {
+        const circle = svg("circle", { cx: x(s), cy: y(v), r: 4, fill: stroke, "data-eval": name, "data-step": s });
+        const title = svg("title", {});
+        title.textContent = `eval ${name} at step ${s}: reward ${fixed(v, 3)}` +
+          (point.reward_stderr === null ? "" : ` ± ${fixed(point.reward_stderr, 3)}`) +
+          ` over ${point.num_rollouts} rollouts, ${point.num_errors} errors (eval run ${point.run})`;
+        circle.append(title);
+        chart.append(circle);
       }
       legendItem(legend, `eval ${name}`, stroke, "eval");
     }
@@ -157,14 +166,20 @@
     const legend = document.getElementById("legend");
     const badge = document.querySelector("h1 .status");
     const steps = [];
+    let evalItems = [];
     let last = -1;
     function add(items) {
       const added = items.filter((step) => step.step > last);
       if (added.length === 0) return;
       steps.push(...added);
       last = added[added.length - 1].step;
-      drawChart(chart, legend, steps);
+      drawChart(chart, legend, steps, evalItems);
       showFigures(steps);
+    }
+    function setEvals(items) {
+      if (JSON.stringify(items) === JSON.stringify(evalItems)) return;
+      evalItems = items;
+      drawChart(chart, legend, steps, evalItems);
     }
     // Polling GET /metrics: where the stream cannot be had (a proxy that buffers it, an old gateway).
     async function poll() {
@@ -174,6 +189,7 @@
           add(page.items);
           if (page.items.length < MAX_STEPS) break;
         }
+        setEvals((await getJSON(`/v1/runs/${pathOf(run)}`)).evals || []);
         showProblem(null);
       } catch (error) {
         showProblem(error);
@@ -184,6 +200,7 @@
     body.dataset.live = "stream";
     const stream = new EventSource(`/v1/runs/${pathOf(run)}/stream?since_step=${last}`);
     stream.addEventListener("steps", (event) => { add(JSON.parse(event.data).items); showProblem(null); });
+    stream.addEventListener("evals", (event) => setEvals(JSON.parse(event.data).items));
     stream.addEventListener("status", (event) => {
       const { status, reason } = JSON.parse(event.data);
       badge.textContent = status || "unknown";

@@ -56,7 +56,8 @@ Schema evolution (tested against stored encodings of version 1 in tests/unit/dat
     teacher's likeliest tokens at each sampled position); version 12 added metering: a
     rollout's model calls and tokens (``Rollout.usage``) and :class:`Usage` on the USAGE stream;
     version 13 added ``DeadLetter.batch_index``, the place of a dead-lettered event in its batch;
-    version 14 added ``TokenSpan.texts``, each token's text (for people reading a trace).
+    version 14 added ``TokenSpan.texts``, each token's text (for people reading a trace);
+    version 15 added ``RunState.evals``, the figures of each eval a run's owner ran during training.
 
 Identities
     ``run`` (a training or eval run, owned by a ``tenant``), ``task`` (one row of a task
@@ -90,7 +91,7 @@ from typing import Any, Generic, Literal, TypeVar, overload
 
 import msgspec
 
-SCHEMA_VERSION = 14
+SCHEMA_VERSION = 15
 
 JSON = "application/json"
 MSGPACK = "application/msgpack"
@@ -543,6 +544,19 @@ class DeadLetter(Event, frozen=True, kw_only=True, tag="dead_letter"):
         return f"dead.{self.stream}"
 
 
+class EvalPoint(_Struct, frozen=True, kw_only=True):
+    """One eval of a training run at one step (``RunState.evals``): its name (the ``[[evals]]``
+    label), the step, the eval run that holds its rollouts, and its figures."""
+
+    eval: str
+    step: int
+    run: str  # the eval run (kind eval), whose rollouts and scores the trace API has
+    reward_mean: float | None = None
+    reward_stderr: float | None = None
+    num_rollouts: int = 0
+    num_errors: int = 0
+
+
 class RunState(_Struct, frozen=True, kw_only=True):
     """A run's state, kept in the run-state KV bucket under the run id (not a stream event).
 
@@ -599,9 +613,13 @@ class RunState(_Struct, frozen=True, kw_only=True):
     # environments, and writes the config as registered (with `scorers`, `env_scorers`,
     # `env_ids`); a config that does not load fails the run, saying why.
     prepared: bool = True
+    # The evals its owner ran during training (`[[evals]]`), each at the step it evaluated, in
+    # the order they ended; the run page draws them on the reward chart. At most MAX_EVAL_POINTS.
+    evals: list[EvalPoint] = []
 
 
 MAX_NOTES = 20  # RunState.notes kept
+MAX_EVAL_POINTS = 1000  # RunState.evals kept (the latest): a run's state is one KV value
 
 
 class ServiceHeartbeat(_Struct, frozen=True, kw_only=True):

@@ -360,6 +360,15 @@ async def add_note(bus: Bus, run: str, note: str) -> None:
     await _swap(bus, run, change)
 
 
+async def add_eval_point(bus: Bus, run: str, point: events.EvalPoint) -> None:
+    """Append an eval's figures to the run's state (the latest ``MAX_EVAL_POINTS`` kept), where
+    the gateway and its run page read them; one of the same eval and step is replaced."""
+    def change(state: events.RunState) -> events.RunState:
+        kept = [p for p in state.evals if (p.eval, p.step) != (point.eval, point.step)]
+        return msgspec.structs.replace(state, evals=[*kept, point][-events.MAX_EVAL_POINTS:])
+    await _swap(bus, run, change)
+
+
 async def pin_version(bus: Bus, run: str, version: int) -> None:
     """Keep weight version ``version`` of the run in its bucket for an eval
     (``RunState.pinned_versions``) until :func:`unpin_version`."""
