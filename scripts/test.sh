@@ -2,8 +2,9 @@
 # Set up, then run the default test suite (everything not marked slow, long, gpu, docker, vllm or browser).
 #   scripts/test.sh            the default suite
 #   scripts/test.sh --long     only the long tier (end-to-end fault and recovery checks; CI runs it)
-#   scripts/test.sh --slow     only the slow tier (the end-to-end learning runs; CI runs it), two test files at a
-#                              time: its runs wait on their processes more than they compute
+#   scripts/test.sh --slow     only the slow tier (the end-to-end learning runs), two test files at a time: its
+#                              runs wait on their processes more than they compute
+#   scripts/test.sh --slow-ci  the slow tier as CI runs it: without the tests marked outside_ci (each says why)
 #   scripts/test.sh --vllm     only the vLLM tier, in .venv-vllm (scripts/setup-vllm.sh)
 #   scripts/test.sh --docker   only the docker tier: a private Docker engine (root; scripts/setup-docker.sh
 #                              installs it), the compose deployment brought up and torn down
@@ -29,8 +30,9 @@ if [ "${1:-}" = "--long" ]; then
     markers="long and not slow and not gpu and not docker and not vllm and not browser"
     shift
 fi
-if [ "${1:-}" = "--slow" ]; then
+if [ "${1:-}" = "--slow" ] || [ "${1:-}" = "--slow-ci" ]; then
     markers="slow and not gpu and not docker and not vllm and not browser"
+    [ "$1" = "--slow-ci" ] && markers="$markers and not outside_ci"
     shift
     set -- -n "${FLYWHEEL_SLOW_WORKERS:-2}" --dist loadfile "$@"
 fi

@@ -116,6 +116,10 @@ def detached_run(name: str, ports: dict[str, int], data_dir: Path, env: dict[str
 
 
 @pytest.mark.slow
+# Outside CI: two runs of 200 steps and an SFT job, a quarter hour of one of the two cores' worth of
+# CI time; and its SFT part needs 100 reverse-text rollouts of reward 0.9 or more, which one run
+# under load did not reach (2 of them), while its margins held.
+@pytest.mark.outside_ci
 @pytest.mark.timeout(1200)
 def test_a_detached_run_on_two_environments_finishes_with_its_evals(
         stack: tuple[subprocess.Popen[str], Output, dict[str, int]], tmp_path: Path,
