@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -310,12 +311,18 @@ async def test_hub_and_usage_pages(browser: Browser, gateway: Gateway, screensho
     await expect(page.locator("#readme")).to_contain_text("The README.")
     await expect(page.locator("#readme h1")).to_have_text("word-quiz")  # Markdown, rendered
     await page.screenshot(path=screenshots / "environment.png", full_page=True)
-    await page.goto("/usage?bucket=1d")
+    await page.goto("/usage")  # the last 7 days by the hour: 169 buckets, usage in the last one alone
     await expect(page.locator("#usage")).to_contain_text("4096")
     trained = page.locator('#tokens-chart rect[data-series="trained"]')
-    await expect(trained).to_have_count(1)  # today's bucket of the last 7 days
+    await expect(trained).to_have_count(1)
     await expect(trained).to_have_attribute("data-value", "4096")
-    await expect(page.locator("#tokens-chart")).to_have_attribute("data-num-buckets", "8")
+    # Drawn from the first bucket with usage on: this hour spans the chart, not a sliver of a week.
+    await expect(page.locator("#tokens-chart")).to_have_attribute("data-num-buckets", "1")
+    assert float(await trained.get_attribute("width") or 0) > 500
+    await store.record([events.Usage(run=RUN, source="trainer", step=0, trained_tokens=1024,
+                                     created_at=events.utc_now() - timedelta(days=2))])
+    await page.goto("/usage?bucket=1d")  # usage two days ago too: from that day to today
+    await expect(page.locator("#tokens-chart")).to_have_attribute("data-num-buckets", "3")
     await expect(page.locator("#tokens-legend")).to_contain_text("prompt")
     await expect(page.locator("#cost-legend")).to_contain_text("cost (USD)")
     await page.screenshot(path=screenshots / "usage.png")

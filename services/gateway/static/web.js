@@ -379,7 +379,12 @@
 
   function usagePage() {
     const report = JSON.parse(document.getElementById("usage-data").textContent);
-    const buckets = report.items.map((b) => ({ ...b, trained: b.trained_tokens + b.sft_tokens }));
+    const all = report.items.map((b) => ({ ...b, trained: b.trained_tokens + b.sft_tokens }));
+    // From the first bucket with any usage on (the range's first without it): a tenant that began
+    // today sees today across the chart, not a sliver at the end of an empty week.
+    const used = (b) => b.prompt_tokens + b.sampled_tokens + b.trained + b.cost > 0;
+    const first = all.findIndex(used);
+    const buckets = first > 0 ? all.slice(first) : all;
     drawBars(document.getElementById("tokens-chart"), document.getElementById("tokens-legend"), buckets,
       [["prompt_tokens", "prompt"], ["sampled_tokens", "sampled"], ["trained", "trained"]], 0);
     drawBars(document.getElementById("cost-chart"), document.getElementById("cost-legend"), buckets,
