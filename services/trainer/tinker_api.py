@@ -78,6 +78,7 @@ from flywheel.contract import events, natsusers
 from flywheel.contract.bus import Bus, BusConfig
 from flywheel.contract.keys import KeyCheck, KeyRefused, ScopeRefused, check_open
 from flywheel.contract.settings import Settings
+from flywheel.sdk import gateway
 from flywheel.sdk.models import BUILDERS
 from flywheel_trainer.adapter_host import (
     Adapter,
@@ -416,11 +417,10 @@ class DailyQuota:
         self._since[tenant] = self._since.get(tenant, 0) + tokens
 
     async def _trained_today(self, tenant: str, today: datetime) -> int:
-        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         url = f"{self.gateway_url}/v1/usage"
         try:
-            async with httpx.AsyncClient(timeout=10.0) as http:
-                answer = await http.get(url, params={"tenant": tenant, "since": today.isoformat()}, headers=headers)
+            async with gateway.async_client(self.gateway_url, self.token, timeout_s=10.0, from_settings=False) as http:
+                answer = await http.get("/v1/usage", params={"tenant": tenant, "since": today.isoformat()})
             answer.raise_for_status()
             totals = answer.json()["totals"]
             return int(totals["trained_tokens"]) + int(totals["sft_tokens"])

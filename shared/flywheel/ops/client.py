@@ -58,6 +58,7 @@ from flywheel.contract.names import check_key
 from flywheel.contract.runs import get_run, register_run
 from flywheel.contract.service import HEARTBEAT_INTERVAL_S, read_heartbeats
 from flywheel.runtime.tasks import make_tasks
+from flywheel.sdk import gateway
 
 log = logging.getLogger(__name__)
 
@@ -256,14 +257,7 @@ class TraceAPI:
     def __init__(self, url: str | None = None, *, timeout_s: float = 30.0, api_key: str | None = None) -> None:
         """``url`` and ``api_key`` (a tenant's key, for a gateway that wants keys): the settings'
         ``gateway_url`` and ``api_key`` when not given."""
-        if url is None or api_key is None:
-            from flywheel.contract.settings import Settings
-
-            settings = Settings.load()
-            url = url if url is not None else settings.resolved_gateway_url
-            api_key = api_key if api_key is not None else settings.api_key
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.AsyncClient(base_url=url, timeout=timeout_s, headers=headers)
+        self.http = gateway.async_client(url, api_key, timeout_s=timeout_s)
 
     async def __aenter__(self) -> TraceAPI:
         return self
@@ -381,11 +375,7 @@ def _line_kind(line: str) -> tuple[str, Any]:
 async def _raise_for(response: httpx.Response) -> None:
     if response.status_code >= 400:
         await response.aread()
-        try:
-            detail = response.json()["detail"]
-        except (ValueError, KeyError, TypeError):
-            detail = response.text
-        raise GatewayError(response.status_code, str(detail))
+        raise GatewayError(response.status_code, gateway.detail_of(response))
 
 
 def _seconds(now: datetime, then: datetime) -> float:

@@ -21,6 +21,7 @@ from typing import Any, TextIO
 import httpx
 
 from flywheel.contract.config import RunConfig
+from flywheel.sdk import gateway
 
 ENDED = ("finished", "failed", "stopped", "abandoned")
 
@@ -89,8 +90,7 @@ async def follow(http: httpx.AsyncClient, run: str, num_steps: int, out: TextIO)
 
 async def remote_run(url: str, api_key: str | None, cfg: RunConfig, out: TextIO) -> str:
     """Start ``cfg`` on the gateway at ``url`` and follow it; its last status (``detached`` after Ctrl-C)."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    async with httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=60.0) as http:
+    async with gateway.async_client(url, api_key, timeout_s=60.0, from_settings=False) as http:
         run = await start(http, cfg)
         print(f"run {run['id']} registered on {url} (tenant {run['tenant']}); an orchestrator there loads its "
               "environments and starts it (Ctrl-C stops following, not the run)", file=out, flush=True)

@@ -86,6 +86,7 @@ from flywheel.runtime.supervise import (
     metrics_port,
     wait_set,
 )
+from flywheel.sdk import gateway
 
 # The service name of the stack's own heartbeat, whose info is its view of the processes.
 STACK_SERVICE = "stack"
@@ -171,26 +172,9 @@ def _runs_nats_server(pid: int) -> bool:
         return False
 
 
-async def gateway_health(url: str, timeout_s: float = 2.0) -> dict[str, Any]:
-    """``GET <url>/healthz`` as plain data: ``ok`` is True on 200; ``error`` when unreachable."""
-    import httpx
-
-    try:
-        # No TLS context for plain HTTP: building one loads the system's CA bundle (about 50 ms
-        # of CPU), and start-up polls the local gateway every poll_interval_s while CPU is short.
-        verify = not url.startswith("http://")
-        async with httpx.AsyncClient(timeout=timeout_s, verify=verify) as http:
-            response = await http.get(f"{url.rstrip('/')}/healthz")
-    except httpx.HTTPError as exc:
-        return {"url": url, "ok": False, "error": f"{type(exc).__name__}: {exc}"}
-    is_json = response.headers.get("content-type", "").startswith("application/json")
-    return {"url": url, "ok": response.status_code == 200, "status_code": response.status_code,
-            "detail": response.json() if is_json else response.text[:500]}
-
-
 async def _gateway_healthy(stack: Supervisor, process: Process) -> str | None:
     assert isinstance(stack, Stack), "the gateway runs under flywheel up"
-    health = await gateway_health(stack.local_gateway_url)
+    health = await gateway.health(stack.local_gateway_url)
     if health["ok"]:
         return None
     answer = health.get("error") or f"HTTP {health['status_code']}: {health['detail']}"
@@ -200,7 +184,7 @@ async def _gateway_healthy(stack: Supervisor, process: Process) -> str | None:
 async def _training_api_healthy(stack: Supervisor, process: Process) -> str | None:
     assert isinstance(stack, Stack), "the training API runs under flywheel up"
     settings = stack.settings
-    health = await gateway_health(f"http://{local_host(settings.training_api_host)}:{settings.training_api_port}"
+    health = await gateway.health(f"http://{local_host(settings.training_api_host)}:{settings.training_api_port}"
                                   "/api/v1")
     if health["ok"]:
         return None

@@ -28,6 +28,7 @@ from packaging.utils import canonicalize_name
 
 from flywheel.contract.hub import HubRefused, check_env_id
 from flywheel.contract.hubpackage import check_wheel
+from flywheel.sdk import gateway
 
 
 class HubError(RuntimeError):
@@ -42,16 +43,9 @@ class Hub:
     """The gateway's hub API (``/v1/hub``), with the settings' gateway URL and key unless given."""
 
     def __init__(self, url: str | None = None, api_key: str | None = None, timeout_s: float = 120.0) -> None:
-        if url is None or api_key is None:
-            from flywheel.contract.settings import Settings
-
-            settings = Settings.load()
-            url = url if url is not None else settings.resolved_gateway_url
-            # A service of a deployment that wants keys: its service token sees every tenant's.
-            api_key = api_key if api_key is not None else settings.api_key or settings.service_token
-        self.url = url.rstrip("/")
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
+        # A service of a deployment that wants keys: its service token sees every tenant's.
+        self.http = gateway.sync_client(url, api_key, timeout_s=timeout_s, service_token=True)
+        self.url = str(self.http.base_url).rstrip("/")
 
     def close(self) -> None:
         self.http.close()
@@ -69,11 +63,7 @@ class Hub:
             raise HubError(f"the gateway at {self.url} did not answer ({type(exc).__name__}: {exc}); is it up "
                            "(flywheel up, or the deployment's), and is gateway_url right?") from None
         if response.status_code >= 400:
-            try:
-                detail = response.json().get("detail", response.text)
-            except ValueError:
-                detail = response.text
-            raise HubError(f"{method} {path}: {response.status_code}: {detail}")
+            raise HubError(f"{method} {path}: {response.status_code}: {gateway.detail_of(response)}")
         return response
 
     def environment(self, env_id: str) -> dict[str, Any]:

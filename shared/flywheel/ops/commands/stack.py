@@ -139,9 +139,9 @@ async def collect_status(nats_url: str, gateway_url: str) -> dict[str, Any]:
     """The status report as plain data: NATS and gateway endpoints plus the client's view."""
     from flywheel.contract.bus import BusConfig
     from flywheel.ops.client import Client
-    from flywheel.ops.stack import gateway_health
+    from flywheel.sdk.gateway import health
 
     config = BusConfig(connect_timeout_s=STATUS_CONNECT_TIMEOUT_S)
     async with await Client.connect(nats_url, name="flywheel-status", config=config, ensure=False) as fw:
         report = await fw.status()
-    return {"nats_url": natsusers.redacted(nats_url), "gateway": await gateway_health(gateway_url), **report}
+    return {"nats_url": natsusers.redacted(nats_url), "gateway": await health(gateway_url), **report}
