@@ -326,9 +326,10 @@ class _Server:
             self._send(conn, {"refused": refused})
             conn.close()
             return
+        server = os.getpid()
         pid = os.fork()
         if pid == 0:
-            _become(request, self._fds(conn))
+            _become(request, self._fds(conn), server)
         pidfd = os.pidfd_open(pid)
         child = self.children[pid] = _Running(pid, pidfd, conn)
         self.selector.register(pidfd, selectors.EVENT_READ, ("exited", child))
@@ -377,8 +378,8 @@ class _Server:
             os.killpg(child.pid, signal.SIGTERM)
 
 
-def _become(request: dict[str, Any], inherited: list[int]) -> None:
-    """In the forked child: become ``python ARGV`` of the request; never returns."""
+def _become(request: dict[str, Any], inherited: list[int], server: int) -> None:
+    """In the forked child of ``server`` (its pid): become ``python ARGV`` of the request; never returns."""
     code = 1
     try:
         for fd in inherited:
@@ -389,6 +390,8 @@ def _become(request: dict[str, Any], inherited: list[int]) -> None:
         for sig in (signal.SIGTERM, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        if os.getppid() != server:  # it died between the fork and the line above: no signal will come
+            os.kill(os.getpid(), signal.SIGTERM)
         out = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         null = os.open(os.devnull, os.O_RDONLY)
         sys.stdout.flush()
