@@ -76,6 +76,7 @@ import nats.js.errors
 from flywheel.contract import events, weights
 from flywheel.contract.bus import Bus, Consumer, Delivery, PayloadTooLarge, Reject, wait_at_most, watch
 from flywheel.contract.config import RunConfig, TeacherConfig
+from flywheel.contract.names import path_name
 from flywheel.contract.runs import end_of, watch_runs
 from flywheel.contract.service import compute
 from flywheel.contract.settings import InferenceSettings
@@ -802,7 +803,7 @@ class TeacherHost:
                 continue
             teachers.append(teacher)
             consumers.append(Consumer(
-                self.bus, stream="ROLLOUTS", durable=f"teacher-{run}-{name}", filter_subject=subjects,
+                self.bus, stream="ROLLOUTS", durable=f"teacher-{path_name(run)}-{name}", filter_subject=subjects,
                 batch_handler=teacher.handle, event_type=events.Rollout, max_in_flight=s.teacher_max_in_flight,
                 batch_size=s.teacher_batch_size, max_deliver=s.max_deliver, backoff_s=s.backoff_s,
                 ack_wait_s=s.ack_wait_s, grace_s=s.grace_s, inactive_threshold_s=DURABLE_INACTIVE_S))

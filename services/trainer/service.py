@@ -59,6 +59,7 @@ from flywheel.contract import events, metrics, weights
 from flywheel.contract.bus import Bus, Consumer, Delivery, Reject, Undecodable, decode_message
 from flywheel.contract.config import RunConfig
 from flywheel.contract.heap import freeze_heap
+from flywheel.contract.names import path_name
 from flywheel.contract.runs import get_run, pin_version, trainer_started, update_run
 from flywheel.contract.service import Service, compute
 from flywheel.contract.settings import Settings, TrainerSettings, WorkersSettings
@@ -91,7 +92,7 @@ async def run(settings: Settings, run_id: str, handle_signals: bool = True, rank
     signal, within the bounds of the settings' ``trainer`` section. ``ranks``: this process is
     rank 0 of them (None: the only one)."""
     bus = await Bus.for_settings(settings, f"trainer-{run_id}")
-    pool = WorkerPool(settings.workers, settings.data_dir, name=f"trainer-{run_id}")
+    pool = WorkerPool(settings.workers, settings.data_dir, name=f"trainer-{path_name(run_id)}")
     try:
         trainer = await Trainer.open(bus, Path(settings.data_dir), run_id, settings.trainer, ranks or Ranks(), pool,
                                      settings.trusted_modules)
@@ -195,7 +196,7 @@ class Trainer:
         cfg = RunConfig.parse(state.config, source=f"run {run_id!r} config", trusted_modules=trusted_modules)
         if cfg.run != run_id:
             raise ValueError(f"run {run_id!r}: its stored config says run={cfg.run!r}; they must be the same")
-        pool = pool or WorkerPool(WorkersSettings(), data_dir, name=f"trainer-{run_id}")
+        pool = pool or WorkerPool(WorkersSettings(), data_dir, name=f"trainer-{path_name(run_id)}")
         environments = await load_run_environments(pool, cfg, state.tenant)
         min_buffer = cfg.trainer.batch_size + cfg.inference.max_rollouts_in_flight
         if options.max_buffered_rollouts < min_buffer:
@@ -248,13 +249,14 @@ class Trainer:
         common: dict[str, Any] = dict(batch_size=o.consumer_batch_size, max_in_flight=o.consumer_max_in_flight,
                                       ack_wait_s=o.ack_wait_s, grace_s=2.0, inactive_threshold_s=3600.0)
         consumers = [
-            Consumer(self.bus, stream="ROLLOUTS", durable=f"trainer-{run}-rollouts", filter_subject=f"rollouts.{run}.>",
-                     batch_handler=self.on_rollouts, event_type=events.Rollout, **common),
-            Consumer(self.bus, stream="SCORES", durable=f"trainer-{run}-scores", filter_subject=f"scores.{run}.>",
-                     batch_handler=self.on_scores, event_type=events.Score, **common),
+            Consumer(self.bus, stream="ROLLOUTS", durable=f"trainer-{path_name(run)}-rollouts",
+                     filter_subject=f"rollouts.{run}.>", batch_handler=self.on_rollouts, event_type=events.Rollout,
+                     **common),
+            Consumer(self.bus, stream="SCORES", durable=f"trainer-{path_name(run)}-scores",
+                     filter_subject=f"scores.{run}.>", batch_handler=self.on_scores, event_type=events.Score, **common),
         ]
         if self.cfg.teachers:
-            consumers.append(Consumer(self.bus, stream="SIGNALS", durable=f"trainer-{run}-signals",
+            consumers.append(Consumer(self.bus, stream="SIGNALS", durable=f"trainer-{path_name(run)}-signals",
                                       filter_subject=f"signals.{run}.>", batch_handler=self.on_signals,
                                       event_type=events.Signal, **common))
         return consumers

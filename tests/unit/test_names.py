@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import pytest
 
+from flywheel.contract import weights
+from flywheel.contract.bus import Bus
 from flywheel.contract.checkpoints import run_folder
 from flywheel.contract.config import RunConfig
 from flywheel.contract.names import is_run_id, path_name
@@ -41,3 +44,11 @@ def test_a_run_id_with_a_slash_has_a_folder_of_its_own(tmp_path: Path) -> None:
     assert path_name("r1") == "r1"
     with pytest.raises(ValueError, match="a run id is"):
         path_name("../escape")
+
+
+async def test_a_run_id_with_a_slash_keeps_its_weights_in_a_folder_of_its_own(tmp_path: Path) -> None:
+    no_bus = cast(Bus, None)  # weights in a folder never reach the bus
+    uri, _, size = await weights.put(no_bus, "team/a", 3, b"weights", tmp_path)
+    assert (tmp_path / "team%2Fa").is_dir() and "team%252Fa" in uri and size == 7  # the folder's '%', quoted
+    assert await weights.READERS["file"](no_bus, uri) == b"weights"
+    assert await weights.versions(no_bus, "team/a", tmp_path) == [3]

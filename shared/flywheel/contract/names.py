@@ -67,6 +67,7 @@ def check_key(field: str, value: str) -> str:
 
 
 def path_name(run: str) -> str:
-    """The name of a run's folder or file: its id with '/' as ``%2F`` (never a folder inside
-    another run's; '%' is in no id, so two ids never share a name)."""
+    """The run's id as a name of its own: of its folder, its files, its durables (NATS takes no
+    '/' in a consumer's name): '/' as ``%2F`` (never a folder inside another run's; '%' is in no
+    id, so two ids never share a name)."""
     return check_run_id(run).replace("/", "%2F")

@@ -37,6 +37,7 @@ from flywheel.contract.bus import RUNS_BUCKET, Bus, watch_bucket
 from flywheel.contract.names import (
     check_key,
     check_run_id,
+    path_name,
 )
 
 _decoder = events.Decoder(events.RunState)
@@ -108,9 +109,8 @@ async def get_run(bus: Bus, run: str) -> events.RunState | None:
 
 
 def task_durable(run: str) -> str:
-    """The durable through which inference consumes ``run``'s tasks (a run id is letters, digits,
-    '-' and '_': a valid durable name)."""
-    return f"inference-{run}"
+    """The durable through which inference consumes ``run``'s tasks."""
+    return f"inference-{path_name(run)}"
 
 
 # What list_runs said of entries that do not decode: each said once per process (a caller that

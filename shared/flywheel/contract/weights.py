@@ -23,6 +23,7 @@ import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from urllib.parse import urlparse
+from urllib.request import url2pathname
 
 import nats.js.errors
 from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_META_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE
@@ -148,8 +149,13 @@ async def _read_object_store(bus: Bus, uri: str) -> bytes:
     return buffer.getvalue()
 
 
+def file_of(uri: str) -> Path:
+    """The file a ``file://`` URI names (``Path.as_uri`` quotes: a run's ``%2F`` is ``%252F`` there)."""
+    return Path(url2pathname(urlparse(uri).path))
+
+
 async def _read_file(bus: Bus, uri: str) -> bytes:
-    return await asyncio.to_thread(Path(urlparse(uri).path).read_bytes)
+    return await asyncio.to_thread(file_of(uri).read_bytes)
 
 
 async def kept_updates(bus: Bus, updates: list[events.WeightUpdate]) -> list[events.WeightUpdate]:
@@ -159,7 +165,7 @@ async def kept_updates(bus: Bus, updates: list[events.WeightUpdate]) -> list[eve
     for update in updates:
         parsed = urlparse(update.uri)
         if parsed.scheme == "file":
-            if Path(parsed.path).exists():
+            if file_of(update.uri).exists():
                 kept.append(update)
             continue
         if in_bucket is None:
