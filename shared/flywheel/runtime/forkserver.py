@@ -374,8 +374,12 @@ class _Server:
         self.selector.unregister(child.conn)
         child.conn.close()
         child.conn = None
+        # Its group (it and what it started) once it made one; the child itself as well, which may
+        # not have called setsid yet when its asker died right after the fork.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(child.pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(child.pid, signal.SIGTERM)
 
 
 def _become(request: dict[str, Any], inherited: list[int], server: int) -> None:
