@@ -324,7 +324,8 @@ async def resume_run(run_id: RunIdPath, store: StoreDep, bus: BusDep, who: Calle
 async def get_run(run_id: RunIdPath, store: StoreDep, bus: BusDep, who: CallerDep) -> RunDetail:
     """The run: tenant, live status (``abandoned`` when its owner's lease expired) and config,
     when and why it ended, its owner and lease, latest step and version, counts, latest
-    reward mean. 409 when the run's entry in the run-state bucket does not decode."""
+    reward mean, the evals run during training, the dropped rollouts' errors by kind. 409
+    when the run's entry in the run-state bucket does not decode."""
     await check_run(who, store, bus, run_id)
     recorded = await store.get_run(run_id)
     state = await runs.get_run(bus, run_id)  # BadRunState: a 409 naming the key
@@ -341,6 +342,7 @@ async def get_run(run_id: RunIdPath, store: StoreDep, bus: BusDep, who: CallerDe
         "status": status["status"], "reason": status["reason"], "config": state.config,
         "ended_at": end.since if end is not None else None, "owner": state.owner,
         "lease_expires_at": state.lease_expires_at, "evals": _evals(state),
+        "errors": [msgspec.structs.asdict(group) for group in state.errors],
     }
     # The bucket owns the tenant: the store's copy may predate it (an event recorded first).
     return RunDetail.model_validate({**recorded, "tenant": state.tenant, "kind": state.kind, **live})

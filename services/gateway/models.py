@@ -426,6 +426,14 @@ class EvalPointPublic(BaseModel):
     num_errors: int
 
 
+class ErrorGroupPublic(BaseModel):
+    source: str = Field(description="Where it failed: `rollout` (inference marked it failed), `scorer NAME`, "
+                                    "`teacher NAME`.")
+    error: str = Field(description="The first one's error text; errors that differ only in numbers and ids group.")
+    count: int = Field(description="Rollouts of the run dropped for it so far (never trained).")
+    example: str = Field(description="The first one's rollout id (/v1/rollouts/ID shows the error in place).")
+
+
 class RunDetail(RunPublic):
     status: Literal["created", "running", "paused", "finished", "failed", "stopped", "abandoned"] | None = Field(
         description="Live, from the run-state bucket; null when the bucket holds no state for the run. `abandoned`: "
@@ -445,6 +453,9 @@ class RunDetail(RunPublic):
     num_scored_rollouts: int = Field(description="Rollouts with at least one score recorded.")
     evals: list[EvalPointPublic] = Field(default_factory=list, description="The evals its owner ran during "
                                          "training, from the run-state bucket, in the order they ended.")
+    errors: list[ErrorGroupPublic] = Field(default_factory=list, description="The rollouts its trainer dropped for "
+                                           "an error, grouped by kind, most frequent first (from the run-state "
+                                           "bucket).")
 
 
 class StepMetricsPublic(BaseModel):

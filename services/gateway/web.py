@@ -90,8 +90,6 @@ HERE = Path(__file__).parent
 POLL_S = 2.0  # how often the run page asks for new steps where its stream fails
 NUM_RUNS = 100  # runs on the list page
 NUM_ROLLOUTS = 50  # latest rollouts on a run page
-# The streams a run's events pass through, whose consumers' lag the run page shows.
-RUN_STREAMS = ("TASKS", "ROLLOUTS", "SCORES", "SIGNALS")
 Query = TypeVar("Query", bound=BaseModel)
 
 
@@ -251,18 +249,19 @@ async def run_page(request: Request, run_id: RunIdPath, store: StoreDep, bus: Bu
     rollouts = await store.list_rollouts(api_rollouts.to_filter(filters, who), limit=NUM_ROLLOUTS)
     chosen = filters.model_dump(include=set(FILTERS), exclude_none=True)
     envs = env_ids(run.config, run.env)
-    services, consumers, workers = await health_of(bus, envs, run.tenant)
+    services, consumers, workers = await health_of(bus, run.id, envs, run.tenant)
     return _templates().TemplateResponse(request, "run.html", {
         "run": run, "envs": envs, "rollouts": rollouts.items,
         "more": rollouts.next_cursor is not None, "poll_ms": int(POLL_S * 1000), "filters": chosen,
         "services": services, "consumers": consumers, "workers": workers})
 
 
-async def health_of(bus: Bus, envs: list[str], tenant: str
+async def health_of(bus: Bus, run: str, envs: list[str], tenant: str
                     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
     """The services beating now (each instance's heartbeat age; stale after two missed), the
-    consumers of the streams a run's events pass through, with their lag, and the environment
-    workers the live services hold for ``tenant``'s ``envs`` (any version): what a run waits on."""
+    consumers of the streams ``run``'s events pass through (its own and those of every run, not
+    other runs'), with their lag and whether a process reads them, and the environment workers
+    the live services hold for ``tenant``'s ``envs`` (any version): what a run waits on."""
     now = events.utc_now()
     try:
         beats = await read_heartbeats(bus)
@@ -276,14 +275,13 @@ async def health_of(bus: Bus, envs: list[str], tenant: str
                for w in b.info.get("workers") or [] if isinstance(w, dict)
                and str(w.get("environment", "")).partition("@")[0] in names and w.get("tenant") in (tenant, "")]
     consumers = []
-    for stream in RUN_STREAMS:
+    for stream in runs.RUN_STREAMS:
         try:
             infos = await bus.js.consumers_info(stream)
         except nats.js.errors.NotFoundError:
             continue
-        consumers += [{"stream": stream, "consumer": c.name, "num_pending": c.num_pending or 0,
-                       "num_ack_pending": c.num_ack_pending or 0, "num_redelivered": c.num_redelivered or 0}
-                      for c in sorted(infos, key=lambda c: c.name)]
+        rows = (runs.consumer_row(stream, c) for c in sorted(infos, key=lambda c: c.name))
+        consumers += [row for row in rows if row["run"] in (run, None)]
     return services, consumers, workers
 
 

@@ -1,13 +1,15 @@
 """Admission control: how far sampling may run ahead of the trainer, per run.
 
 A run may have issued at most ``(trainer_step + max_off_policy_steps + 1) *
-trainer.batch_size + num_dropped + spare_rollouts`` rollouts, where ``trainer_step`` is the
-latest weight version of the run and ``num_dropped`` the rollouts the trainer dropped so far
-(stale, or failed by a scorer; the trainer reports it with each weight update, as its field
-``num_dropped_total``; :meth:`Admission.loaded` reads both): the trainer consumes
-``batch_size`` rollouts per step, so without spares this is enough to keep it busy and
-never more than it could train on before they go stale, and a drop does not shrink the
-lookahead for good. ``inference.spare_rollouts`` (0 by default) admits that many more: when
+trainer.batch_size + num_unused + spare_rollouts`` rollouts, where ``trainer_step`` is the
+latest weight version of the run and ``num_unused`` the rollouts of the groups the trainer
+consumed with nothing trained (each member dropped: stale, or failed by a scorer; the trainer
+reports it with each weight update, as its field ``num_unused_total``; :meth:`Admission.loaded`
+reads both): the trainer consumes ``batch_size`` rollouts per step, in whole groups that
+train something, so without spares this is enough to keep it busy and never more than it
+could train on before they go stale, and a group lost does not shrink the lookahead for
+good. A dropped member of a group that trained is not given back: its group counted in
+its step. ``inference.spare_rollouts`` (0 by default) admits that many more: when
 rollout times are heavy-tailed, the budget is otherwise held by groups still waiting on
 their slowest member (and by done rollouts waiting for them), and inference idles; with
 spares the fastest groups fill each step, and what arrives too late is dropped as stale,
@@ -291,7 +293,7 @@ class Admission:
     trainer_step: int = 0
     weights_loaded: bool = False  # nothing is admitted before the run's first weights are loaded
     spare: int = 0  # inference.spare_rollouts: admitted beyond the staleness budget
-    num_dropped: int = 0  # rollouts the trainer dropped so far: their allowance comes back
+    num_unused: int = 0  # rollouts of the groups the trainer consumed untrained: their allowance comes back
     num_issued: int = 0
     num_in_flight: int = 0
     num_waiting: int = 0
@@ -327,7 +329,7 @@ class Admission:
 
     @property
     def max_issued(self) -> int:
-        return (self.trainer_step + self.max_off_policy_steps + 1) * self.batch_size + self.num_dropped + self.spare
+        return (self.trainer_step + self.max_off_policy_steps + 1) * self.batch_size + self.num_unused + self.spare
 
     def fits(self, n: int) -> bool:
         return self.weights_loaded and self.num_issued + n <= self.max_issued
@@ -342,15 +344,15 @@ class Admission:
     async def loaded(self, update: events.WeightUpdate) -> None:
         """This replica loaded ``update``'s weights: its version and the trainer's count of dropped
         rollouts (typed fields; ``update.metrics`` are figures for people, not read here)."""
-        await self.advance(update.version, update.num_dropped_total)
+        await self.advance(update.version, update.num_unused_total)
 
-    async def advance(self, trainer_step: int, num_dropped: int = 0) -> None:
+    async def advance(self, trainer_step: int, num_unused: int = 0) -> None:
         """Weights of version ``trainer_step`` were loaded: more rollouts may be issued."""
         async with self._changed:
-            if not self.weights_loaded or trainer_step > self.trainer_step or num_dropped > self.num_dropped:
+            if not self.weights_loaded or trainer_step > self.trainer_step or num_unused > self.num_unused:
                 self.weights_loaded = True
                 self.trainer_step = max(self.trainer_step, trainer_step)
-                self.num_dropped = max(self.num_dropped, num_dropped)
+                self.num_unused = max(self.num_unused, num_unused)
                 self._changed.notify_all()
                 self._counted()
 
@@ -476,6 +478,6 @@ class Admission:
         tenant = {} if self.tenant is None else {
             "tenant": self.tenant.tenant, "num_waiting_tenant": self.num_waiting_tenant,
             "tenant_in_flight": self.tenant.num_in_flight, "tenant_max_in_flight": self.tenant.limit}
-        return {"trainer_step": self.trainer_step, "num_dropped": self.num_dropped, "max_issued": self.max_issued,
+        return {"trainer_step": self.trainer_step, "num_unused": self.num_unused, "max_issued": self.max_issued,
                 "num_issued": self.num_issued, "num_in_flight": self.num_in_flight, "num_waiting": self.num_waiting,
                 "num_skipped": self.num_skipped, "ended": self.ended, **tenant}

@@ -22,7 +22,7 @@ kept current, and the snapshots the API serves as ``RUN@STEP``.
   bound, and the run's rollouts that can no longer be trained stop (:meth:`HostedRun.stop_stale`).
   A bogus update (a blob that does not verify) leaves the run on its weights
   (:mod:`flywheel_inference.policy`). What the admission reads of an update are its typed
-  fields (``version``, ``num_dropped_total``), never its ``metrics``, which are the step's
+  fields (``version``, ``num_unused_total``), never its ``metrics``, which are the step's
   figures for people.
 - When a run ends (:mod:`flywheel_inference.run_states`), its admission releases its waiting
   tasks (:meth:`Hosting.check_end`). The heartbeat's counters (``runs``, ``shared_bases``) are

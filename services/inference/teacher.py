@@ -40,9 +40,11 @@ policy's sampled tokens go out as :class:`flywheel.contract.events.Signal` event
   ended and whose config names teachers gets one durable pull consumer per teacher,
   ``teacher-<run>-<name>`` on ROLLOUTS, filtered on the environments whose training reads
   that teacher (:meth:`flywheel.contract.config.RunConfig.teachers_of`); replicas share it, so
-  teachers scale as scorers do. A run that ends stops its consumers (the durable goes after
-  an hour unused). The heartbeat's ``info["teachers"][run][name]`` counts signals, errors,
-  tokens through the forward, sampled tokens valued and seconds busy.
+  teachers scale as scorers do. A run that ends stops its consumers, and its durables expire
+  ``LET_GO_S`` later (each replica sets it; one left by a host that died expires after an
+  hour unused).
+  The heartbeat's ``info["teachers"][run][name]`` counts signals, errors, tokens through the
+  forward, sampled tokens valued and seconds busy.
 
 Failures: a rollout whose token layer is inconsistent is dead-lettered (Reject); one with
 status ``error`` is acked without a signal (the trainer drops it anyway). A signal carries an
@@ -71,13 +73,23 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import nats.errors
 import nats.js.errors
 
 from flywheel.contract import events, weights
-from flywheel.contract.bus import Bus, Consumer, Delivery, PayloadTooLarge, Reject, wait_at_most, watch
+from flywheel.contract.bus import (
+    Bus,
+    Consumer,
+    Delivery,
+    PayloadTooLarge,
+    PermissionDenied,
+    Reject,
+    let_durable_expire,
+    wait_at_most,
+    watch,
+)
 from flywheel.contract.config import RunConfig, TeacherConfig
-from flywheel.contract.names import path_name
-from flywheel.contract.runs import end_of, watch_runs
+from flywheel.contract.runs import ENDED_STATUSES, end_of, teacher_durable, watch_runs
 from flywheel.contract.service import compute
 from flywheel.contract.settings import InferenceSettings
 from flywheel.runtime.channel import RemoteError
@@ -92,6 +104,7 @@ POLICY = "policy"  # TeacherConfig.model naming the run's own weights
 WAIT_LOG_S = 30.0  # how often a teacher waiting for weights says so
 CHECK_S = 1.0  # how often hosted runs are checked for an expired owner's lease
 DURABLE_INACTIVE_S = 3600.0  # the server deletes a teacher's durable after this long without a pull
+LET_GO_S = 10.0  # ... and this long after its run ended and its consumers stopped
 WEIGHTS_WATCHER = "inference-weights"  # as the worker's weights watcher: a bad update is dead-lettered once
 
 
@@ -803,15 +816,21 @@ class TeacherHost:
                 continue
             teachers.append(teacher)
             consumers.append(Consumer(
-                self.bus, stream="ROLLOUTS", durable=f"teacher-{path_name(run)}-{name}", filter_subject=subjects,
+                self.bus, stream="ROLLOUTS", durable=teacher_durable(run, name), filter_subject=subjects,
                 batch_handler=teacher.handle, event_type=events.Rollout, max_in_flight=s.teacher_max_in_flight,
                 batch_size=s.teacher_batch_size, max_deliver=s.max_deliver, backoff_s=s.backoff_s,
-                ack_wait_s=s.ack_wait_s, grace_s=s.grace_s, inactive_threshold_s=DURABLE_INACTIVE_S))
+                ack_wait_s=s.ack_wait_s, grace_s=s.grace_s, inactive_threshold_s=DURABLE_INACTIVE_S,
+                recreate_if=functools.partial(self._goes_on, run)))  # deleted at the run's end: not made again
         running += [asyncio.ensure_future(consumer.run()) for consumer in consumers]
         for future in running:
             future.add_done_callback(functools.partial(self._ended, run))
         self._hosted[run] = HostedTeachers(teachers, consumers, running, stopping)
         log.info("run %s: hosting teachers %s", run, ", ".join(f"{t.name} ({t.config.model})" for t in teachers))
+
+    def _goes_on(self, run: str) -> bool:
+        """Whether ``run`` has not ended, as this host last read its state."""
+        state = self._states.get(run)
+        return state is None or state.status not in ENDED_STATUSES
 
     def _ended(self, run: str, future: asyncio.Future[None]) -> None:
         """A consumer or weights watcher of ``run`` returned: an error stops the host."""
@@ -832,3 +851,13 @@ class TeacherHost:
             consumer.stop()
         await asyncio.gather(*hosted.running, return_exceptions=True)
         self.models.release(run)
+        state = self._states.get(run)
+        if state is not None and state.status in ENDED_STATUSES:  # nothing more to value: its durables go
+            try:
+                for teacher in hosted.teachers:
+                    await let_durable_expire(self.bus, "ROLLOUTS", teacher_durable(run, teacher.name), LET_GO_S)
+            except (nats.errors.Error, TimeoutError, PermissionDenied) as exc:
+                log.warning("run %s: its teachers' durables could not be let go (%s); they expire after %gs unused",
+                            run, exc, DURABLE_INACTIVE_S)
+            else:
+                log.info("run %s: ended; its teachers' durables expire in %gs", run, LET_GO_S)

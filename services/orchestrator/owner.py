@@ -207,12 +207,12 @@ class RunOwner:
         self.first_step = state.trainer_step
         self.trainer_step = state.trainer_step  # the newest step a weight update announced
         self.last_step_at = time.monotonic()  # when that step came (or this owner started)
-        self.dropped_before = 0  # drops counted before the supply last started again (a reissue)
+        self.unused_before = 0  # untrained groups counted before the supply last started again (a reissue)
         self._reissued_stall = False  # tasks were reissued in the present stall (once a stall)
         self.lease_expires_at = state.lease_expires_at  # as this owner last renewed it
         self.lease_lapsed_at: datetime | None = None  # a lapse found at a renewal, until tasks are reissued
         self.paused = state.status == "paused"  # its trainer is stopped until the run is resumed
-        self.num_dropped = 0  # rollouts the trainer dropped so far (each weight update says)
+        self.num_unused = 0  # rollouts of the groups the trainer consumed untrained (each weight update says)
         self._said_bad_count = False  # a weight update counted more drops than rollouts published (said once)
         self._drops_step: int | None = None  # the step of the last update whose drop count was read
         self._said_foreign = False  # a weight update not of the run's trainer was ignored (said once)
@@ -430,7 +430,7 @@ class RunOwner:
                     self._reissued_stall = False
                 self._queue_evals(update.trainer_step, update.version)
                 try:
-                    await self._publish_tasks(update.num_dropped_total, update.trainer_step)
+                    await self._publish_tasks(update.num_unused_total, update.trainer_step)
                 except (TimeoutError, nats.errors.Error) as exc:  # published with the next update instead
                     log.warning("run %s: publishing tasks failed (%s: %s)", self.cfg.run, type(exc).__name__, exc)
             return None
@@ -577,11 +577,12 @@ class RunOwner:
             self.lease_expires_at = renewed.lease_expires_at
             period_s = self.settings.run_lease_s / 3
 
-    async def _publish_tasks(self, num_dropped: int | None = None, trainer_step: int = 0) -> None:
-        """Publish tasks up to what the run needs; called again as drops come in (``num_dropped``,
-        as the update of ``trainer_step`` counts them)."""
+    async def _publish_tasks(self, num_unused: int | None = None, trainer_step: int = 0) -> None:
+        """Publish tasks up to what the run needs; called again as groups are lost (``num_unused``:
+        the rollouts of the groups the trainer consumed with nothing trained, as the update of
+        ``trainer_step`` counts them; a group that trained some of its rollouts needs no other)."""
         async with self._supplying:
-            if num_dropped is not None:
+            if num_unused is not None:
                 # Bounded here, where it is read, so that a forged or corrupt update cannot flood the
                 # supply (said once): never past every rollout published so far, and, from one
                 # update to the next, never more than inference could issue past the trainer in
@@ -590,15 +591,15 @@ class RunOwner:
                 most = self.num_published * cfg.group_size
                 if self._drops_step is not None:
                     steps = max(1, trainer_step - self._drops_step) + cfg.trainer.max_off_policy_steps + 1
-                    most = min(most, self.num_dropped + steps * cfg.trainer.batch_size)
+                    most = min(most, self.num_unused + steps * cfg.trainer.batch_size)
                 self._drops_step = max(self._drops_step or 0, trainer_step)
-                if num_dropped > most:
+                if num_unused > most:
                     if not self._said_bad_count:
-                        await self.note(f"a weight update of step {trainer_step} says {num_dropped} rollouts were "
-                                        f"dropped, more than could have been ({most}): counted as {most}")
+                        await self.note(f"a weight update of step {trainer_step} says {num_unused} rollouts were "
+                                        f"consumed untrained, more than could have been ({most}): counted as {most}")
                         self._said_bad_count = True
-                    num_dropped = most
-                self.num_dropped = max(self.num_dropped, num_dropped)
+                    num_unused = most
+                self.num_unused = max(self.num_unused, num_unused)
             await self._publish_more()
 
     async def _reconcile(self) -> None:
@@ -632,20 +633,20 @@ class RunOwner:
         """Publish tasks for the steps left, as an owner that claims the run does."""
         async with self._supplying:
             self.first_task, self.first_step = self.num_published, self.trainer_step
-            self.dropped_before = self.num_dropped
+            self.unused_before = self.num_unused
             await self.note(f"{why}: publishing tasks for the {self.cfg.trainer.num_steps - self.trainer_step} "
                             "steps left")
             await self._publish_more()
 
     async def _publish_more(self) -> None:
-        cfg, num_dropped = self.cfg, self.num_dropped - self.dropped_before
+        cfg, num_unused = self.cfg, self.num_unused - self.unused_before
         if cfg.num_tasks is not None:
             wanted = max(cfg.num_tasks, self.num_published) if self.first_task == 0 else (
                 self.first_task + cfg.num_tasks)
         else:
             steps_left = cfg.trainer.num_steps - (self.first_step if self.first_task else 0)
             wanted = (self.first_task + (steps_left + cfg.trainer.max_off_policy_steps + 2) * cfg.groups_per_step
-                      + -(-num_dropped // cfg.group_size))
+                      + -(-num_unused // cfg.group_size))
         if wanted <= self.num_published:
             return
         tasks = await self._tasks(self.num_published, wanted)
@@ -663,7 +664,7 @@ class RunOwner:
         elif self.num_published == self.first_task:
             text = f"published {len(tasks)} tasks for the {cfg.trainer.num_steps - self.first_step} steps left"
         else:
-            text = f"published {len(tasks)} more tasks to replace dropped rollouts"
+            text = f"published {len(tasks)} more tasks to replace groups that trained nothing (all dropped)"
         self.num_published = wanted
         await update_run(self.bus, cfg.run, num_tasks_published=wanted)
         await self.note(text)

@@ -22,7 +22,8 @@ it holds, never from arrival order:
   dropped. :meth:`Joiner.take` hands out whole done groups, oldest first (in the take:
   ordered by their tasks' seeds, then ids, each group's rollouts by index, so a seeded
   run's sums do not depend on arrival order); a done group whose rollouts were all dropped
-  is consumed along with them and counted.
+  is consumed along with them and counted (:attr:`Take.unused`: what the run makes again; a
+  group that trains some of its rollouts counts in its step, its dropped ones cost nothing more).
 
 Ids of consumed rollouts (trained or dropped) are remembered, so a redelivered rollout or
 a late score for one is recognised and ignored. Plain Python, no I/O: the service
@@ -36,6 +37,7 @@ never publishes keeps its group waiting; ``max_buffered_rollouts`` bounds the co
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -201,6 +203,12 @@ class Take:
 
     groups: list[list[Scored]]
     dropped: dict[str, str] = field(default_factory=dict)  # rollout id -> reason
+    # Dropped for an error: rollout id -> (where it failed: "rollout", "scorer NAME", "teacher
+    # NAME"; the error's text), for the run's error groups.
+    errors: dict[str, tuple[str, str]] = field(default_factory=dict)
+    # The rollouts of the groups taken with nothing to train (every member dropped): the step
+    # counts only groups that train, so each of these is a group the run makes again.
+    unused: list[str] = field(default_factory=list)
 
     @property
     def trained_ids(self) -> list[str]:
@@ -209,6 +217,34 @@ class Take:
     def num_dropped(self, reason: str) -> int:
         assert reason in DROP_REASONS
         return Counter(self.dropped.values())[reason]
+
+
+# What differs between errors of one kind: numbers, hex ids, quoted values are left as they are.
+_VARYING = re.compile(r"0x[0-9a-fA-F]+|\b[0-9a-fA-F]{8,}\b|\d+(?:\.\d+)?")
+OTHER_ERRORS = "other errors (the run keeps {} kinds apart; the trace API has each: ?error=true)"
+
+
+def _kind(source: str, error: str) -> tuple[str, str]:
+    return source, _VARYING.sub("#", error)
+
+
+def add_errors(groups: Iterable[events.ErrorGroup], errors: Mapping[str, tuple[str, str]]
+               ) -> list[events.ErrorGroup]:
+    """``groups`` (a run's ``RunState.errors``) with ``errors`` counted in (a step's dropped
+    rollouts: id -> (source, text)): one group per source and text up to its numbers and ids,
+    the first one's text and rollout kept, most frequent first. Past ``MAX_ERROR_GROUPS`` kinds,
+    a new kind counts in its source's "other errors" group."""
+    by_kind = {_kind(g.source, g.error): g for g in groups}
+    for rollout_id, (source, given) in errors.items():
+        text = given
+        if _kind(source, text) not in by_kind and len(by_kind) >= events.MAX_ERROR_GROUPS:
+            text = OTHER_ERRORS.format(events.MAX_ERROR_GROUPS)
+        kind = _kind(source, text)
+        found = by_kind.get(kind)
+        by_kind[kind] = (events.ErrorGroup(source=source, error=text[:events.MAX_ERROR_CHARS], count=1,
+                                           example=rollout_id) if found is None
+                         else msgspec.structs.replace(found, count=found.count + 1))
+    return sorted(by_kind.values(), key=lambda g: -g.count)
 
 
 class Joiner:
@@ -240,6 +276,7 @@ class Joiner:
         self.flagged: set[str] = set()  # rollouts the reward-hacking watch flagged, until a step takes them
         self._groups: dict[str, list[str]] = {}  # group id -> rollout ids, oldest group first
         self._dropped: dict[str, str] = {}  # buffered rollout id -> reason
+        self._errors: dict[str, tuple[str, str]] = {}  # buffered rollout id dropped for an error -> (source, error)
         self._sequences: dict[str, list[Tokens]] = {}  # buffered rollout id -> its sequences (check's)
 
     # --- input ------------------------------------------------------------------------
@@ -321,13 +358,20 @@ class Joiner:
         rollout = self._rollouts[rollout_id]
         if self.version - rollout.policy_version > self.max_off_policy_steps:
             self._dropped[rollout_id] = "stale"  # whatever else: inference stops rollouts that went stale
-        elif rollout.status == "error":
+            return
+        failed_scores = [(name, s.error) for name, s in sorted(self._scores.get(rollout_id, {}).items())
+                         if s.error is not None]
+        failed_signals = [(name, s.error) for name, s in sorted(self._signals.get(rollout_id, {}).items())
+                          if s.error is not None and name in self.required_signals(rollout_id)]
+        if rollout.status == "error":
             self._dropped[rollout_id] = "rollout_error"
-        elif any(s.error is not None for s in self._scores.get(rollout_id, {}).values()):
+            self._errors[rollout_id] = ("rollout", rollout.error or "the rollout failed (it gave no reason)")
+        elif failed_scores:
             self._dropped[rollout_id] = "scorer_error"
-        elif any(s.error is not None for name, s in self._signals.get(rollout_id, {}).items()
-                 if name in self.required_signals(rollout_id)):
+            self._errors[rollout_id] = (f"scorer {failed_scores[0][0]}", failed_scores[0][1])
+        elif failed_signals:
             self._dropped[rollout_id] = "signal_error"
+            self._errors[rollout_id] = (f"teacher {failed_signals[0][0]}", failed_signals[0][1])
 
     # --- state ------------------------------------------------------------------------
 
@@ -413,9 +457,13 @@ class Joiner:
         take = Take(groups=[])
         for group_id in chosen + [g for g in done if g not in trainable]:
             scored = []
+            if group_id not in trainable:
+                take.unused += self._groups[group_id]
             for m in sorted(self._groups[group_id], key=self._index):
                 if m in self._dropped:
                     take.dropped[m] = self._dropped[m]
+                    if m in self._errors:
+                        take.errors[m] = self._errors[m]
                 else:
                     rollout = self._rollouts[m]
                     scored.append(Scored(rollout, self.reward(m), self.version - rollout.policy_version,
@@ -441,4 +489,5 @@ class Joiner:
             self._scores.pop(m, None)
             self._signals.pop(m, None)
             self._dropped.pop(m, None)
+            self._errors.pop(m, None)
             self.consumed.add(m)

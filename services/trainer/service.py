@@ -21,8 +21,10 @@ durable batch consumers plus one training task under a :class:`flywheel.contract
   heartbeats and acks go on), append the metrics line, checkpoint (every
   ``checkpoint_every`` steps and at the last), put the weights in the object store,
   publish the :class:`~flywheel.contract.events.WeightUpdate` (the step's figures in
-  ``metrics``; the rollouts dropped so far in ``num_dropped_total``, which inference's
-  admission and the run's task supply act on), update the run state. After
+  ``metrics``; the rollouts dropped so far in ``num_dropped_total``; those of the groups
+  that trained nothing in ``num_unused_total``, which inference's admission and the run's
+  task supply act on), update the run state (with ``errors``, the dropped rollouts' errors
+  grouped, when a step took a new one; a kind it had not seen is logged once). After
   ``trainer.num_steps`` the run is ``finished`` and the process exits.
 
 Versions: step ``n`` publishes version ``n`` (so ``version == trainer_step``), unless a
@@ -56,11 +58,20 @@ import nats.errors
 import nats.js.errors
 
 from flywheel.contract import events, metrics, weights
-from flywheel.contract.bus import Bus, Consumer, Delivery, Reject, Undecodable, decode_message
+from flywheel.contract.bus import (
+    Bus,
+    Consumer,
+    Delivery,
+    PermissionDenied,
+    Reject,
+    Undecodable,
+    decode_message,
+    let_durable_expire,
+)
 from flywheel.contract.config import RunConfig
 from flywheel.contract.heap import freeze_heap
 from flywheel.contract.names import path_name
-from flywheel.contract.runs import get_run, pin_version, trainer_started, update_run
+from flywheel.contract.runs import ENDED_STATUSES, get_run, pin_version, trainer_durables, trainer_started, update_run
 from flywheel.contract.service import Service, compute
 from flywheel.contract.settings import Settings, TrainerSettings, WorkersSettings
 from flywheel.runtime.environments import WorkerPool
@@ -68,7 +79,7 @@ from flywheel.runtime.runs import RunEnvironment, load_run_environments
 from flywheel.sdk import models
 from flywheel.sdk.scoring import reward_definition
 from flywheel_trainer.engines import Engine, build_engine, with_adapter
-from flywheel_trainer.join import BadRollout, Joiner, Take, Tokens
+from flywheel_trainer.join import BadRollout, Joiner, Take, Tokens, add_errors
 from flywheel_trainer.learner import (
     Example,
     SFTSupply,
@@ -83,6 +94,8 @@ from flywheel_trainer.ledger import CheckpointState, Journal, RunFolder
 from flywheel_trainer.ranks import Ranks, Team, share
 
 log = logging.getLogger(__name__)
+DURABLE_INACTIVE_S = 3600.0  # the server deletes a durable of the run after this long without a pull
+LET_GO_S = 10.0  # ... and this long after the run ended and this trainer stopped pulling
 
 WAITING_LOG_S = 30.0  # how often a trainer waiting for data says what it holds
 
@@ -165,12 +178,15 @@ class Trainer:
         self.journal = journal
         self.resume = resume
         self.published_version = published_version
+        self.letting_go = False  # the run ended: its durables go, and are not made again here
         self.options = options
         self._held: set[int] | None = None  # the versions in the weights bucket, once listed (_drop_old_weights)
         self.arrived = asyncio.Event()  # the joiner took something in: maybe a step can start
         self.room = asyncio.Event()  # a step took groups out: maybe the rollout consumer can go on
         self.trained: dict[int, list[str]] = dict(resume[1].trained) if resume else {}
         self.dropped: dict[str, str] = dict(resume[1].dropped) if resume else {}
+        self.num_unused = resume[1].num_unused if resume else 0
+        self.errors: list[events.ErrorGroup] = list(resume[1].errors) if resume else []
         self.step = resume[1].step if resume else 0
         self.version = resume[1].version if resume else 0
         self.checkpointed_step = self.step if resume else -1
@@ -242,21 +258,22 @@ class Trainer:
     # --- consuming ----------------------------------------------------------------------
 
     def consumers(self) -> list[Consumer]:
-        run, o = self.cfg.run, self.options
-        # A finished run's consumers go away an hour after its trainer stops pulling; a trainer
-        # restarted later starts them again from the stream's start and skips what its
-        # checkpoint says it consumed.
+        run, o, durables = self.cfg.run, self.options, trainer_durables(self.cfg.run)
+        # An ended run's consumers go LET_GO_S after its trainer stops pulling (an hour, where it
+        # died first); a trainer restarted later starts them again from the stream's start and
+        # skips what its checkpoint says it consumed.
         common: dict[str, Any] = dict(batch_size=o.consumer_batch_size, max_in_flight=o.consumer_max_in_flight,
-                                      ack_wait_s=o.ack_wait_s, grace_s=2.0, inactive_threshold_s=3600.0)
+                                      ack_wait_s=o.ack_wait_s, grace_s=2.0, inactive_threshold_s=DURABLE_INACTIVE_S,
+                                      recreate_if=lambda: not self.letting_go)
         consumers = [
-            Consumer(self.bus, stream="ROLLOUTS", durable=f"trainer-{path_name(run)}-rollouts",
+            Consumer(self.bus, stream="ROLLOUTS", durable=durables["ROLLOUTS"],
                      filter_subject=f"rollouts.{run}.>", batch_handler=self.on_rollouts, event_type=events.Rollout,
                      **common),
-            Consumer(self.bus, stream="SCORES", durable=f"trainer-{path_name(run)}-scores",
+            Consumer(self.bus, stream="SCORES", durable=durables["SCORES"],
                      filter_subject=f"scores.{run}.>", batch_handler=self.on_scores, event_type=events.Score, **common),
         ]
         if self.cfg.teachers:
-            consumers.append(Consumer(self.bus, stream="SIGNALS", durable=f"trainer-{path_name(run)}-signals",
+            consumers.append(Consumer(self.bus, stream="SIGNALS", durable=durables["SIGNALS"],
                                       filter_subject=f"signals.{run}.>", batch_handler=self.on_signals,
                                       event_type=events.Signal, **common))
         return consumers
@@ -298,10 +315,27 @@ class Trainer:
             if take is None:  # stopping: what is buffered stays in the journal
                 if self.checkpointed_step < self.step:
                     await self._checkpoint(engine, await compute(self.team.call, "weights"))  # nothing redone
+                state = await get_run(self.bus, self.cfg.run)
+                if state is not None and state.status in ENDED_STATUSES:  # stopped: not to be read again here
+                    await self._let_go()
                 return
             await self._step(engine, pad_id, take, wait_s=time.perf_counter() - waited)
         await update_run(self.bus, self.cfg.run, status="finished", ended_at=events.utc_now())
         log.info("run %s: finished after %d steps", self.cfg.run, self.step)
+        await self._let_go()
+
+    async def _let_go(self) -> None:
+        """The run ended: its durables expire ``LET_GO_S`` after this process stops pulling them
+        (a resumed run's trainer makes them again and skips what its checkpoint consumed)."""
+        self.letting_go = True
+        try:
+            for stream, durable in trainer_durables(self.cfg.run).items():
+                await let_durable_expire(self.bus, stream, durable, LET_GO_S)
+        except (TimeoutError, nats.errors.Error, PermissionDenied) as exc:  # they expire after an hour instead
+            log.warning("run %s: its durables could not be let go (%s: %s); they expire after %gs unused",
+                        self.cfg.run, type(exc).__name__, exc, DURABLE_INACTIVE_S)
+        else:
+            log.info("run %s: ended; its durables expire %gs after this trainer stops", self.cfg.run, LET_GO_S)
 
     def _warmup_steps(self, model: Any, tok: Any) -> list[list[Tokens]]:
         return warmup_steps(model, tok, self._warmup_examples, self.cfg)
@@ -384,17 +418,34 @@ class Trainer:
         metrics.ROLLOUTS_TRAINED.labels(cfg.run, "dropped").inc(len(take.dropped))
         self.trained[self.step] = take.trained_ids
         self.dropped.update(take.dropped)
+        self.num_unused += len(take.unused)
+        errors = add_errors(self.errors, take.errors) if take.errors else self.errors
         self.folder.metrics.append({"step": self.step, "version": self.version, **figures})
         if self.step % cfg.trainer.checkpoint_every == 0 or self.step == cfg.trainer.num_steps:
             await self._checkpoint(engine, data)
         await self._publish(data, figures)
         await self._publish_usage(self.step, figures, take.trained_ids)
         self.joiner.set_version(self.version)
-        await update_run(self.bus, cfg.run, trainer_step=self.step, policy_version=self.version)
+        if errors is self.errors:
+            await update_run(self.bus, cfg.run, trainer_step=self.step, policy_version=self.version)
+        else:
+            self._say_new_errors(errors)
+            self.errors = errors
+            await update_run(self.bus, cfg.run, trainer_step=self.step, policy_version=self.version, errors=errors)
         log.info("run %s: step %d/%d, version %d: loss %.4f, reward %.3f, %d rollouts (%d stale dropped), %.2fs",
                  cfg.run, self.step, cfg.trainer.num_steps, self.version, figures.get("loss", math.nan),
                  figures.get("reward_mean", math.nan),
                  figures["num_rollouts"], figures["num_dropped_stale"], figures["step_s"])
+
+    def _say_new_errors(self, errors: list[events.ErrorGroup]) -> None:
+        """Log each kind of error in ``errors`` that the run had not had: once, with its count
+        and example; the run state keeps counting them."""
+        known = {(g.source, g.error) for g in self.errors}
+        for group in errors:
+            if (group.source, group.error) not in known:
+                log.warning("run %s: %s failed on rollout %s: %s; its rollouts are dropped, not trained; the run "
+                            "state counts each kind (its page, `flywheel runs follow`)", self.cfg.run, group.source,
+                            group.example, group.error)
 
     async def _publish_usage(self, step: int, figures: dict[str, float], trained_ids: list[str]) -> None:
         """What step ``step`` trained, counted once whatever is redelivered: a step done again after
@@ -434,15 +485,17 @@ class Trainer:
         """Engine state and the weights (``data``, as published), then what the run consumed; then
         the journal may keep only the rest (:meth:`Journal.compact`: a resume skips what the
         checkpoint consumed either way)."""
-        state = CheckpointState(step=self.step, version=self.version, trained=self.trained, dropped=self.dropped)
+        state = CheckpointState(step=self.step, version=self.version, trained=self.trained, dropped=self.dropped,
+                                num_unused=self.num_unused, errors=self.errors)
         await compute(self.folder.checkpoints.write, state, data, lambda folder: self.team.call("save", folder))
         self.journal.compact(self.joiner.buffered_events())
         self.checkpointed_step = self.step
 
     async def _publish(self, data: bytes, figures: dict[str, float]) -> None:
         """Put the weights in the object store and announce them: the step's ``figures`` for people,
-        and every rollout dropped so far (stale, scorer or rollout error) as ``num_dropped_total``,
-        on which inference's admission gives their allowance back and the run's owner replaces them."""
+        every rollout dropped so far (stale, scorer or rollout error) as ``num_dropped_total``, and
+        those of the groups that trained nothing as ``num_unused_total``, on which inference's
+        admission gives their allowance back and the run's owner replaces them."""
         # Kept whatever weight_versions_kept says: until its evals are done, or for the run's life
         # when a teacher serves it.
         if self.cfg.evals_at(self.step) or self.version in self.cfg.teacher_versions:
@@ -452,7 +505,7 @@ class Trainer:
         await self.bus.publish(events.WeightUpdate(
             id=f"{self.cfg.run}-v{self.version}-{sha256[:16]}", run=self.cfg.run, version=self.version, uri=uri,
             sha256=sha256, size_bytes=size_bytes, trainer_step=self.step, metrics=figures,
-            num_dropped_total=len(self.dropped)))
+            num_dropped_total=len(self.dropped), num_unused_total=self.num_unused))
         log.info("run %s: weights version %d published (step %d, %d bytes)", self.cfg.run, self.version, self.step,
                  size_bytes)
         try:

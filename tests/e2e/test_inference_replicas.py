@@ -103,7 +103,7 @@ async def watch_bound(settings: Settings, run: str, done: asyncio.Event,
             except nats.js.errors.NotFoundError:
                 assert stored == 0, f"{stored} rollouts before any weights"
             else:
-                bound = (update.version + OFF_POLICY + 1) * BATCH_SIZE + update.num_dropped_total
+                bound = (update.version + OFF_POLICY + 1) * BATCH_SIZE + update.num_unused_total
                 seen.append((stored, update.version, bound))
                 assert stored <= bound, f"{stored} rollouts stored at version {update.version}: bound {bound}"
             await asyncio.sleep(0.1)  # noqa: sleep - the sampling interval of this watch

@@ -129,14 +129,14 @@ async def test_a_forged_drop_count_adds_no_more_tasks_than_could_have_been_dropp
     owner = await supplying_owner(bus, nats_server, tmp_path)
     await owner._publish_tasks()
     await owner._publish_tasks(2, trainer_step=3)  # a real update: one group dropped
-    assert owner.num_dropped == 2
+    assert owner.num_unused == 2
     before = owner.num_published
     await owner._publish_tasks(10**12, trainer_step=4)  # one step later: at most (1 + 1 + 1) x 4 more
     most = 2 + (1 + owner.cfg.trainer.max_off_policy_steps + 1) * 4
-    assert owner.num_dropped == most
+    assert owner.num_unused == most
     assert owner.num_published - before == -(-(most - 2) // 2)
     found = await get_run(bus, "r")
-    assert found is not None and any(f"says {10**12} rollouts were dropped" in n for n in found.notes)
+    assert found is not None and any(f"says {10**12} rollouts were consumed untrained" in n for n in found.notes)
     assert owner.cfg.foreign_step(11) is not None and owner.cfg.foreign_step(10) is None
 
 

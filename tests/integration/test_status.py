@@ -65,7 +65,8 @@ async def test_status_shows_services_streams_and_consumer_lag(bus: Bus, nats_ser
             "TASKS", "ROLLOUTS", "TRACES", "SCORES", "SIGNALS", "WEIGHTS", "USAGE", "DEAD"]
         [lag] = report["consumers"]
         assert lag == {"stream": "TASKS", "consumer": "inference", "num_pending": 3, "num_ack_pending": 2,
-                       "num_redelivered": 0, "num_waiting": lag["num_waiting"]}
+                       "num_redelivered": 0, "num_waiting": lag["num_waiting"], "run": None, "pulled": True,
+                       "last_active": lag["last_active"]}
 
         code, out, err = await status(capsys, "--nats-url", nats_server.url, "--gateway-url", no_gateway)
         assert code == 0, err
@@ -73,7 +74,7 @@ async def test_status_shows_services_streams_and_consumer_lag(bus: Bus, nats_ser
         assert f"gateway  {no_gateway}  unreachable (ConnectError" in out
         assert any(line.startswith("scorer ") and f" {os.getpid()}  ok " in line for line in out.splitlines())
         assert re.search(r"^TASKS +5 +[\d.]+ (B|KiB) +1 +1$", out, re.M), out
-        assert re.search(r"^TASKS +inference +3 +2 +0$", out, re.M), out
+        assert re.search(r"^TASKS +inference +3 +2 +0  a process$", out, re.M), out
     finally:
         release.set()
         service.stop()

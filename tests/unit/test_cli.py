@@ -204,9 +204,12 @@ REPORT = {
     ],
     "consumers": [
         {"stream": "TASKS", "consumer": "inference", "num_pending": 7, "num_ack_pending": 3, "num_redelivered": 1,
-         "num_waiting": 0},
+         "num_waiting": 0, "run": None, "pulled": True, "last_active": "2025-01-02T03:10:00+00:00"},
         {"stream": "TASKS", "consumer": "recorder-tasks", "num_pending": 0, "num_ack_pending": 0,
-         "num_redelivered": 0, "num_waiting": 1},
+         "num_redelivered": 0, "num_waiting": 1, "run": None, "pulled": True, "last_active": None},
+        {"stream": "ROLLOUTS", "consumer": "scorer-gone-p0", "num_pending": 40, "num_ack_pending": 0,
+         "num_redelivered": 0, "num_waiting": 0, "run": None, "pulled": False,
+         "last_active": "2025-01-02T03:10:00+00:00"},
     ],
 }
 
@@ -217,7 +220,7 @@ def test_status_tables() -> None:
         "NATS     nats://127.0.0.1:4233  ok",
         "gateway  http://127.0.0.1:8420  ok",
     ]
-    services, stack, streams, consumers = text.split("\n\n")[1:]
+    services, stack, streams, consumers, idle = text.split("\n\n")[1:]
     next_try = datetime.fromisoformat("2025-01-02T03:14:37+00:00").astimezone().strftime("%H:%M:%S")
     assert stack.splitlines() == [
         ("stack pid 7 on vm (last beat 0.4s ago): a crash loop waits 1s, doubling up to 60s; a process healthy 30s is "
@@ -238,11 +241,14 @@ def test_status_tables() -> None:
         "TASKS           12  1.5 KiB          2  3 (leader n2; behind: n3)",
         "ROLLOUTS         0  0 B              1  1",
     ]
+    last = datetime.fromisoformat("2025-01-02T03:10:00+00:00").astimezone().strftime("%H:%M:%S")
     assert consumers.splitlines() == [
-        "STREAM  CONSUMER        PENDING  ACK PENDING  REDELIVERED",
-        "TASKS   inference             7            3            1",
-        "TASKS   recorder-tasks        0            0            0",
+        "STREAM    CONSUMER        PENDING  ACK PENDING  REDELIVERED  READ BY",
+        "TASKS     inference             7            3            1  a process",
+        "TASKS     recorder-tasks        0            0            0  a process",
+        f"ROLLOUTS  scorer-gone-p0       40            0            0  idle (last delivery {last})",
     ]
+    assert idle.startswith("1 consumer(s) no process reads now") and "`flywheel consumers rm STREAM NAME`" in idle
 
 
 def test_status_tables_say_what_is_missing() -> None:

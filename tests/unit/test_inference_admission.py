@@ -34,7 +34,7 @@ def test_spare_rollouts_are_admitted_beyond_the_staleness_budget() -> None:
     a = Admission.for_run(cfg, num_issued=16)
     a.weights_loaded = True
     assert a.max_issued == (0 + 1 + 1) * 8 + 8 == 24 and a.fits(8) and not a.fits(9)
-    a.num_dropped = 4  # the trainer dropped some (stale spares among them): their allowance comes back
+    a.num_unused = 4  # groups the trainer consumed untrained (stale spares): their allowance comes back
     assert a.max_issued == 28 and a.counters()["max_issued"] == 28
     with pytest.raises(ValueError, match="spare_rollouts"):
         RunConfig.parse({"run": "r", "env": "e", "inference": {"spare_rollouts": -1}})
@@ -59,7 +59,7 @@ async def test_a_group_waits_for_the_next_weight_version() -> None:
 
     tasks = [asyncio.ensure_future(group(i)) for i in range(3)]
     await until(lambda: len(admitted) == 2 and a.num_waiting == 4, what="two groups in, one waiting")
-    assert a.counters() == {"trainer_step": 0, "num_dropped": 0, "max_issued": 8, "num_issued": 8, "num_in_flight": 0,
+    assert a.counters() == {"trainer_step": 0, "num_unused": 0, "max_issued": 8, "num_issued": 8, "num_in_flight": 0,
                             "num_waiting": 4, "num_skipped": 0, "ended": None}
     release.set()
     await until(lambda: len([t for t in tasks if t.done()]) == 2, what="the first two done")
@@ -185,13 +185,13 @@ async def test_a_group_keeps_only_the_rollouts_the_bus_stored() -> None:
     assert a.num_issued == 8  # published is published
 
 
-async def test_rollouts_the_trainer_dropped_give_their_allowance_back() -> None:
+async def test_groups_the_trainer_consumed_untrained_give_their_allowance_back() -> None:
     a = Admission(batch_size=8, max_off_policy_steps=1, max_in_flight=64)
     assert a.max_issued == 16
-    await a.advance(1, num_dropped=8)  # a whole batch went stale
+    await a.advance(1, num_unused=8)  # a whole batch went stale
     assert a.max_issued == (1 + 1 + 1) * 8 + 8
-    await a.advance(1, num_dropped=4)  # an older report never takes allowance away
-    assert a.num_dropped == 8
+    await a.advance(1, num_unused=4)  # an older report never takes allowance away
+    assert a.num_unused == 8
 
 
 async def test_a_rollout_waiting_for_a_place_is_released_when_the_run_ends() -> None:

@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from flywheel.contract import events
-from flywheel_trainer.join import BadRollout, Joiner, sequences_of, tokens_of
+from flywheel_trainer.join import BadRollout, Joiner, add_errors, sequences_of, tokens_of
 
 SCORERS = {"similarity": 1.0, "exact": 0.5}
 
@@ -121,6 +121,8 @@ def test_a_scorer_error_drops_the_rollout_and_is_counted_never_a_zero() -> None:
     assert take is not None
     assert take.trained_ids == ["a"] and take.dropped == {"b": "scorer_error"}
     assert take.num_dropped("scorer_error") == 1 and take.groups[0][0].reward == pytest.approx(0.3)
+    # Its group trained: nothing is made again for b (its group counted in the step).
+    assert take.unused == [] and take.errors == {"b": ("scorer similarity", "TimeoutError: reward took over 30s")}
 
 
 def test_groups_whose_rollouts_were_all_dropped_are_consumed_and_counted_with_the_next_step() -> None:
@@ -131,7 +133,27 @@ def test_groups_whose_rollouts_were_all_dropped_are_consumed_and_counted_with_th
     take = joiner.take(1)
     assert take is not None and take.trained_ids == ["ok-0", "ok-1"]
     assert take.dropped == {"bad-0": "rollout_error", "bad-1": "rollout_error"}
+    assert sorted(take.unused) == ["bad-0", "bad-1"]  # a group that trained nothing: the run makes another
     assert joiner.num_buffered == 0
+
+
+def test_errors_group_by_source_and_text_up_to_numbers_and_ids() -> None:
+    def step(*errors: tuple[str, str, str]) -> dict[str, tuple[str, str]]:
+        return {rollout: (source, text) for rollout, source, text in errors}
+
+    groups = add_errors([], step(("r1", "scorer s", "reward 's' failed: KeyError: 17"),
+                                 ("r2", "scorer s", "reward 's' failed: KeyError: 18"),
+                                 ("r3", "rollout", "worker 0a1b2c3d4e died")))
+    groups = add_errors(groups, step(("r4", "rollout", "worker 99ffee0011 died"),
+                                     ("r5", "rollout", "worker 12345678ab died"),
+                                     ("r6", "teacher t", "sequence longer than 2048 positions")))
+    assert [(g.source, g.error, g.count, g.example) for g in groups] == [
+        ("rollout", "worker 0a1b2c3d4e died", 3, "r3"),  # most frequent first, the first one's text and rollout
+        ("scorer s", "reward 's' failed: KeyError: 17", 2, "r1"),
+        ("teacher t", "sequence longer than 2048 positions", 1, "r6")]
+    many = add_errors([], step(*((f"x{i}", "scorer s", f"failed on {chr(97 + i)}") for i in range(20))))
+    assert len(many) == events.MAX_ERROR_GROUPS + 1 and sum(g.count for g in many) == 20
+    assert many[0].count == 20 - events.MAX_ERROR_GROUPS and many[0].error.startswith("other errors")
 
 
 def test_stale_rollouts_are_dropped_on_arrival_and_when_the_version_moves_on() -> None:

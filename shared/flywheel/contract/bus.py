@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import re
@@ -1088,6 +1089,24 @@ class _Pull:
         if self._arrived:
             msgs, self._arrived = self._arrived, []
             self.on_msgs(msgs)
+
+
+async def let_durable_expire(bus: Bus, stream: str, durable: str, after_s: float) -> bool:
+    """Have the server delete ``durable`` of ``stream`` once no one has pulled it for
+    ``after_s`` (its ``inactive_threshold`` set so): what the process that reads it does when
+    it reads it no more (a run ended). An update of its own durable, which a service may make
+    where it may not delete. False when the durable is gone already."""
+    try:
+        info = await bus.retry(functools.partial(bus.js.consumer_info, stream, durable))
+    except nats.js.errors.NotFoundError:
+        return False
+    # By its durable name (the request a service's user may make), not by name and filter.
+    config = dataclasses.replace(info.config, name=None, inactive_threshold=after_s)
+    try:
+        await bus.retry(functools.partial(bus.js.add_consumer, stream, config))
+    except nats.js.errors.NotFoundError:
+        return False
+    return True
 
 
 class Consumer:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import msgspec
 
+from flywheel.contract import events
 from flywheel.contract.names import path_name
 
 STEP_PREFIX = "step-"
@@ -61,6 +62,8 @@ class CheckpointState(msgspec.Struct, kw_only=True):
     version: int  # the weights version these weights were published as
     trained: dict[int, list[str]] = {}  # step -> ids of the rollouts it trained
     dropped: dict[str, str] = {}  # rollout id -> why it was consumed without training
+    num_unused: int = 0  # rollouts of the groups consumed with nothing trained (WeightUpdate.num_unused_total)
+    errors: list[events.ErrorGroup] = []  # the dropped rollouts' errors, grouped (RunState.errors)
 
     def consumed_ids(self) -> set[str]:
         return {i for ids in self.trained.values() for i in ids} | set(self.dropped)

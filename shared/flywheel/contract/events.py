@@ -57,7 +57,11 @@ Schema evolution (tested against stored encodings of version 1 in tests/unit/dat
     rollout's model calls and tokens (``Rollout.usage``) and :class:`Usage` on the USAGE stream;
     version 13 added ``DeadLetter.batch_index``, the place of a dead-lettered event in its batch;
     version 14 added ``TokenSpan.texts``, each token's text (for people reading a trace);
-    version 15 added ``RunState.evals``, the figures of each eval a run's owner ran during training.
+    version 15 added ``RunState.evals``, the figures of each eval a run's owner ran during training;
+    version 16 added ``WeightUpdate.num_unused_total`` (the dropped rollouts that admission and
+    the task supply give back: those of groups that trained nothing; before it they read
+    ``num_dropped_total``, which counts a dropped member of a group that trained too) and
+    ``RunState.errors``, a run's dropped rollouts grouped by error.
 
 Identities
     ``run`` (a training or eval run, owned by a ``tenant``), ``task`` (one row of a task
@@ -91,7 +95,7 @@ from typing import Any, Generic, Literal, TypeVar, overload
 
 import msgspec
 
-SCHEMA_VERSION = 15
+SCHEMA_VERSION = 16
 
 JSON = "application/json"
 MSGPACK = "application/msgpack"
@@ -460,11 +464,16 @@ class WeightUpdate(Event, frozen=True, kw_only=True, tag="weight_update"):
     (``nats-os://<bucket>/<name>`` for the JetStream object store, or ``file://`` /
     ``s3://``); inference checks ``sha256`` before it swaps.
 
-    Control signals are fields, which services act on: ``num_dropped_total`` is every
-    rollout of the run the trainer dropped so far (stale, failed by a scorer, errored),
-    counted once each and never decreasing; inference's admission gives their allowance
-    back and the run's owner publishes tasks to replace them. ``metrics`` holds the step's
-    figures for people (loss, reward_mean, ...): no service acts on them.
+    Control signals are fields, which services act on: ``num_unused_total`` counts the
+    rollouts of every group the trainer consumed without training any of it (each member
+    dropped: stale, failed by a scorer, errored), never decreasing. A step takes whole groups
+    that train something, so such a group is one the run must make again: inference's
+    admission gives its allowance back and the run's owner publishes a task to replace it. A
+    dropped member of a group that trained costs nothing more (its group counted in its
+    step), so it is not given back: giving it back let sampling run ahead of the trainer, and
+    the extra rollouts went stale. ``num_dropped_total`` counts every dropped rollout, for
+    people. ``metrics`` holds the step's figures for people (loss, reward_mean, ...): no
+    service acts on them.
     """
 
     run: str
@@ -476,6 +485,7 @@ class WeightUpdate(Event, frozen=True, kw_only=True, tag="weight_update"):
     trainer_step: int = 0
     metrics: dict[str, float] = {}  # the training step's figures (loss, reward mean, ...), for people
     num_dropped_total: int = 0  # rollouts of the run dropped so far (stale, scorer error, rollout error)
+    num_unused_total: int = 0  # rollouts of the groups consumed with nothing trained: what the run makes again
 
     def subject(self) -> str:
         return f"weights.{self.run}"
@@ -557,6 +567,17 @@ class EvalPoint(_Struct, frozen=True, kw_only=True):
     num_errors: int = 0
 
 
+class ErrorGroup(_Struct, frozen=True, kw_only=True):
+    """The rollouts of a run its trainer dropped for one error (``RunState.errors``): where it
+    happened, the first one's text, how many, and the first one's rollout (its trace shows the
+    error in place). Errors whose texts differ only in numbers and ids are one group."""
+
+    source: str  # "rollout" (inference marked it failed), "scorer NAME", "teacher NAME"
+    error: str
+    count: int
+    example: str  # a rollout id
+
+
 class RunState(_Struct, frozen=True, kw_only=True):
     """A run's state, kept in the run-state KV bucket under the run id (not a stream event).
 
@@ -616,9 +637,15 @@ class RunState(_Struct, frozen=True, kw_only=True):
     # The evals its owner ran during training (`[[evals]]`), each at the step it evaluated, in
     # the order they ended; the run page draws them on the reward chart. At most MAX_EVAL_POINTS.
     evals: list[EvalPoint] = []
+    # The rollouts its trainer dropped for an error (a failed rollout, a scorer's or a teacher's
+    # error), grouped by error, most frequent first: written by the trainer as steps take them.
+    # At most MAX_ERROR_GROUPS; further kinds count in their source's "other errors" group.
+    errors: list[ErrorGroup] = []
 
 
 MAX_NOTES = 20  # RunState.notes kept
+MAX_ERROR_GROUPS = 16  # RunState.errors kept: a run's state is one KV value
+MAX_ERROR_CHARS = 500  # an ErrorGroup's text, cut
 MAX_EVAL_POINTS = 1000  # RunState.evals kept (the latest): a run's state is one KV value
 
 
@@ -785,6 +812,7 @@ def checked(event: E) -> E:
                          _count_problem("trainer_step", event.trainer_step, high=INT32_MAX),
                          _count_problem("size_bytes", event.size_bytes),
                          _count_problem("num_dropped_total", event.num_dropped_total),
+                         _count_problem("num_unused_total", event.num_unused_total),
                          _numbers_problem("metrics", event.metrics, -METRIC_LIMIT, METRIC_LIMIT))
     elif isinstance(event, Usage):
         problem = _first(*(_count_problem(name, getattr(event, name)) for name in

@@ -30,6 +30,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import msgspec
+import nats.js.api
 import nats.js.errors
 
 from flywheel.contract import events
@@ -37,6 +38,7 @@ from flywheel.contract.bus import RUNS_BUCKET, Bus, watch_bucket
 from flywheel.contract.names import (
     check_key,
     check_run_id,
+    is_run_id,
     path_name,
 )
 
@@ -111,6 +113,47 @@ async def get_run(bus: Bus, run: str) -> events.RunState | None:
 def task_durable(run: str) -> str:
     """The durable through which inference consumes ``run``'s tasks."""
     return f"inference-{path_name(run)}"
+
+
+# The streams whose events a run's own consumers read, each filtered on ``<subject>.<run>.…``:
+# inference's of its tasks, its trainer's, its teachers'.
+RUN_STREAMS = ("TASKS", "ROLLOUTS", "SCORES", "SIGNALS")
+
+
+def consumer_run(config: nats.js.api.ConsumerConfig) -> str | None:
+    """The one run whose events a consumer reads: every filter subject of its ``config`` names
+    that run as its second token (a run id has no '.'); None for a consumer of every run or of
+    several (the built-in scorer, a custom scorer, inference's screen)."""
+    subjects = [config.filter_subject] if config.filter_subject else []
+    subjects += list(config.filter_subjects or [])
+    runs = {subject.split(".")[1] if subject.count(".") else "" for subject in subjects}
+    if len(runs) != 1:
+        return None
+    (run,) = runs
+    return run if is_run_id(run) else None
+
+
+def consumer_row(stream: str, info: nats.js.api.ConsumerInfo) -> dict[str, Any]:
+    """What ``flywheel status`` and a run's page show of a consumer: its lag, whose it is
+    (``run``: :func:`consumer_run`), and whether a process reads it now (``pulled``: a pull
+    request waits on it, or it holds deliveries not acked; else it is idle, as a stopped
+    scorer's durable is, ``last_active`` its last delivery)."""
+    delivered = info.delivered
+    return {"stream": stream, "consumer": info.name, "num_pending": info.num_pending or 0,
+            "num_ack_pending": info.num_ack_pending or 0, "num_redelivered": info.num_redelivered or 0,
+            "num_waiting": info.num_waiting or 0, "run": consumer_run(info.config),
+            "pulled": bool(info.num_waiting or info.num_ack_pending),
+            "last_active": delivered.last_active if delivered is not None else None}
+
+
+def trainer_durables(run: str) -> dict[str, str]:
+    """The durables of ``run``'s trainer, by stream."""
+    return {stream: f"trainer-{path_name(run)}-{stream.lower()}" for stream in ("ROLLOUTS", "SCORES", "SIGNALS")}
+
+
+def teacher_durable(run: str, teacher: str) -> str:
+    """The durable (on ROLLOUTS) of ``run``'s teacher ``teacher``."""
+    return f"teacher-{path_name(run)}-{teacher}"
 
 
 # What list_runs said of entries that do not decode: each said once per process (a caller that

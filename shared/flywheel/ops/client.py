@@ -39,6 +39,8 @@ Not covered: creating runs with a training config.
 from __future__ import annotations
 
 import asyncio
+import fnmatch
+import functools
 import json
 import logging
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
@@ -55,7 +57,7 @@ import nats.js.errors
 from flywheel.contract import events
 from flywheel.contract.bus import STREAMS, Bus, BusConfig, PayloadTooLarge
 from flywheel.contract.names import check_key
-from flywheel.contract.runs import get_run, register_run
+from flywheel.contract.runs import consumer_row, get_run, register_run
 from flywheel.contract.service import HEARTBEAT_INTERVAL_S, read_heartbeats
 from flywheel.runtime.tasks import make_tasks
 from flywheel.sdk import gateway
@@ -206,10 +208,35 @@ class Client:
                             "consumers": info.state.consumer_count, "replicas": info.config.num_replicas or 1,
                             "leader": placed.leader if placed else None, "replicas_behind": behind})
             for c in sorted(await self.bus.js.consumers_info(name), key=lambda c: c.name):
-                consumers.append({"stream": name, "consumer": c.name, "num_pending": c.num_pending or 0,
-                                  "num_ack_pending": c.num_ack_pending or 0,
-                                  "num_redelivered": c.num_redelivered or 0, "num_waiting": c.num_waiting or 0})
+                row = consumer_row(name, c)
+                consumers.append({**row, "last_active": row["last_active"] and row["last_active"].isoformat()})
         return {"services": services, "stacks": stacks, "streams": streams, "consumers": consumers}
+
+    async def remove_consumers(self, stream: str, patterns: Sequence[str], force: bool = False) -> list[str]:
+        """Delete the consumers of ``stream`` whose names match ``patterns`` (shell patterns:
+        ``scorer-mine-*``); their names. A consumer a process reads now (:func:`consumer_row`'s
+        ``pulled``) is refused unless ``force``, and so is a pattern that matches nothing: a
+        ValueError naming them, before anything is deleted."""
+        if stream not in STREAMS:
+            raise ValueError(f"stream {stream!r}: not a Flywheel stream (one of {', '.join(STREAMS)})")
+        rows = [consumer_row(stream, c) for c in await self.bus.js.consumers_info(stream)]
+        unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(r["consumer"], p) for r in rows)]
+        if unmatched:
+            raise ValueError(f"no consumer of {stream} matches {', '.join(map(repr, unmatched))}; `flywheel status` "
+                             "lists them")
+        chosen = [r for r in rows if any(fnmatch.fnmatchcase(r["consumer"], p) for p in patterns)]
+        busy = [r for r in chosen if r["pulled"]]
+        if busy and not force:
+            raise ValueError(
+                "a process reads " + ", ".join(f"{r['consumer']} ({r['num_waiting']} pulls waiting, "
+                                               f"{r['num_ack_pending']} delivered and not acked)" for r in busy)
+                + ": stop it first (its durable would be made again), or pass --force")
+        for r in chosen:
+            try:
+                await self.bus.retry(functools.partial(self.bus.js.delete_consumer, stream, r["consumer"]))
+            except nats.js.errors.NotFoundError:  # deleted meanwhile
+                pass
+        return [r["consumer"] for r in chosen]
 
 
 class GatewayError(ValueError):

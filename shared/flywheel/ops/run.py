@@ -68,7 +68,7 @@ from flywheel.ops.stack import SERVICES, Stack, StackError, start_until_bus
 from flywheel.runtime.environments import WorkerPool
 from flywheel.runtime.natsserver import MIN_FREE_MIB, free_mib
 from flywheel.runtime.overrides import config_with
-from flywheel.runtime.reporting import Progress, format_step, format_summary, summarize
+from flywheel.runtime.reporting import Progress, format_errors, format_step, format_summary, summarize
 from flywheel.runtime.runs import RunEnvironment, config_ids, prepare_run
 from flywheel.sdk.scoring import describe_reward, reward_definition
 
@@ -142,6 +142,7 @@ class MainJob:
         self.seen_weights = False  # a weight update of the run came (version 0 at least)
         self.said_foreign = False  # a weight update not of the run's trainer was ignored (said once)
         self.num_notes_seen = 0  # of the owner's notes (RunState.notes)
+        self.errors: list[events.ErrorGroup] = []  # the dropped rollouts' errors by kind, last read
         self.last_note: str | None = None
         self.status = "created"  # as end_of sees it, last read
         self.owner: str | None = None  # the run's owner, last read
@@ -292,6 +293,8 @@ class MainJob:
                      f"`flywheel runs stop {cfg.run}` stops it)")
             return summary
         self.say("summary:\n" + format_summary(summary))
+        if self.errors:
+            self.say("rollouts dropped for an error, by kind:\n" + format_errors(self.errors))
         png = self.run_dir / "reward.png"
         self.say(f"reward curve: {png}" if png.exists() else
                  f"reward curve: written by the run's orchestrator as {png} on its machine (with the `run` extra, "
@@ -377,6 +380,13 @@ class MainJob:
             self.say(f"run {self.cfg.run}: {note}")
             self.last_note = note
         self.num_notes_seen = state.num_notes
+        said = {(g.source, g.error) for g in self.errors}
+        for group in state.errors:
+            if (group.source, group.error) not in said:
+                self.say(f"run {self.cfg.run}: {group.source} failed on rollout {group.example}: {group.error}; "
+                         "rollouts that fail are dropped, not trained (counted by kind at the end and on the run's "
+                         "page)")
+        self.errors = list(state.errors)
         self.owner = state.owner
         self.owner_live = lease_held(state)
         end = end_of(state)

@@ -121,6 +121,14 @@ def format_summary(summary: dict[str, Any]) -> str:
     return "\n".join(f"  {k.ljust(width)}  {fmt(v)}" for k, v in summary.items())
 
 
+def format_errors(groups: Sequence[events.ErrorGroup]) -> str:
+    """A run's error groups (``RunState.errors``), one line each: count, where, the first one's
+    text and rollout (whose trace shows the error: ``/rollouts/ID`` on the gateway)."""
+    width = max(len(str(g.count)) for g in groups)
+    return "\n".join(f"  {str(g.count).rjust(width)}  {g.source}: {g.error} (e.g. rollout {g.example})"
+                     for g in groups)
+
+
 def env_names(progress: Progress) -> list[str]:
     """The environments a run with several reports apart (``env.<name>.reward_mean`` in the
     trainer's metrics), in the order they first appear; [] for a run with one."""

@@ -1,4 +1,5 @@
-"""``flywheel up`` (the embedded stack) and ``flywheel status`` (services, processes, streams, lag)."""
+"""``flywheel up`` (the embedded stack), ``flywheel status`` (services, processes, streams, lag) and
+``flywheel consumers rm`` (durables no process reads)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,22 @@ def add(commands: Any) -> None:
     add_settings(status, NATS_SETTINGS + GATEWAY_SETTINGS)
     status.set_defaults(func=cmd_status)
 
+    consumers = commands.add_parser("consumers", help="remove the durable consumers no process reads",
+                                    description="Durable consumers on the bus: `flywheel status` lists them with "
+                                                "their lag and whether a process reads them.")
+    consumer_commands = consumers.add_subparsers(dest="consumers_command", required=True, metavar="COMMAND")
+    remove = consumer_commands.add_parser(
+        "rm", help="delete durable consumers of a stream by name (shell patterns allowed)",
+        description="Delete the durable consumers NAME of STREAM (shell patterns: 'scorer-mine-*' takes a "
+                    "custom scorer's partitions), such as a custom scorer that will not run again: what it had not "
+                    "read is not read by it. One a process reads now is refused (it would make it again) unless "
+                    "--force.")
+    remove.add_argument("stream", metavar="STREAM")
+    remove.add_argument("names", metavar="NAME", nargs="+")
+    remove.add_argument("--force", action="store_true", help="delete consumers a process reads now too")
+    add_settings(remove, NATS_SETTINGS)
+    remove.set_defaults(func=cmd_consumers_rm)
+
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -48,6 +65,19 @@ def cmd_status(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     report = asyncio.run(collect_status(settings.resolved_nats_url, settings.resolved_gateway_url))
     print(json.dumps(report, indent=2) if args.json else format_status(report))
+    return 0
+
+
+def cmd_consumers_rm(args: argparse.Namespace) -> int:
+    from flywheel.ops.client import Client
+
+    async def remove() -> list[str]:
+        async with await Client.connect(settings_from(args).resolved_nats_url, name="flywheel-consumers",
+                                        ensure=False) as fw:
+            return await fw.remove_consumers(args.stream, args.names, force=args.force)
+
+    for name in asyncio.run(remove()):
+        print(f"deleted {args.stream}/{name}")
     return 0
 
 
@@ -83,11 +113,24 @@ def format_status(report: dict[str, Any]) -> str:
     streams = [[s["stream"], s["messages"], size(s["bytes"]), s["consumers"], _replicas(s)] for s in report["streams"]]
     parts.append(table(streams, ["STREAM", "MESSAGES", "SIZE", "CONSUMERS", "REPLICAS"])
                  if streams else "no Flywheel streams yet (nothing has connected with `flywheel up` or a service)")
-    consumers = [[c["stream"], c["consumer"], c["num_pending"], c["num_ack_pending"], c["num_redelivered"]]
-                 for c in report["consumers"]]
-    parts.append(table(consumers, ["STREAM", "CONSUMER", "PENDING", "ACK PENDING", "REDELIVERED"])
+    consumers = [[c["stream"], c["consumer"], c["num_pending"], c["num_ack_pending"], c["num_redelivered"],
+                  _reader(c)] for c in report["consumers"]]
+    parts.append(table(consumers, ["STREAM", "CONSUMER", "PENDING", "ACK PENDING", "REDELIVERED", "READ BY"])
                  if consumers else "no consumers")
+    idle = [c for c in report["consumers"] if not c["pulled"]]
+    if idle:
+        parts.append(f"{len(idle)} consumer(s) no process reads now (READ BY: idle): between two pulls, or of a "
+                     "process that stopped. A stopped custom scorer's durable keeps its place for its return; "
+                     "a run's own are deleted when it ends. `flywheel consumers rm STREAM NAME` removes one.")
     return "\n\n".join(parts)
+
+
+def _reader(consumer: dict[str, Any]) -> str:
+    """Whether a process reads the consumer now, or when it last delivered."""
+    if consumer["pulled"]:
+        return "a process"
+    last = consumer["last_active"]
+    return f"idle (last delivery {_local_time(last)})" if last else "idle (nothing delivered)"
 
 
 def format_stack(stack: dict[str, Any]) -> str:
