@@ -782,7 +782,7 @@ class TeacherHost:
             if end is not None:
                 await self._unhost(run, end.reason)
             return
-        if end is not None or not state.config:
+        if end is not None or not state.config or state.kind != "train":  # an eval run has no teachers
             return
         try:
             cfg = RunConfig.parse(state.config, source=f"run {run!r} config", trusted_modules=self.trusted_modules)

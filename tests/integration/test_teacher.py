@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import nats.js.errors
 import pytest
 import torch
 
@@ -30,7 +31,7 @@ from flywheel.contract.runs import register_run, update_run
 from flywheel.contract.settings import InferenceSettings
 from flywheel.runtime.natsserver import NatsServer, free_port
 from flywheel.sdk import models
-from flywheel_inference.teacher import TeacherHost
+from flywheel_inference.teacher import LET_GO_S, TeacherHost
 from tests.helpers import until, worker_pool
 from tests.integration.test_inference_worker import count, stored
 from tests.unit.test_teacher import PROMPT, assert_close, expected_values, multi_turn
@@ -68,8 +69,11 @@ def data_dir_of(tiny_model_dir: Path) -> Path:
 
 
 async def test_one_signal_per_rollout_equal_to_a_direct_forward_a_malformed_one_dead_lettered(
-        bus: Bus, nats_server: NatsServer, tiny_model_dir: Path, tiny: tuple[Any, Any]) -> None:
+        bus: Bus, nats_server: NatsServer, tiny_model_dir: Path, tiny: tuple[Any, Any],
+        caplog: pytest.LogCaptureFixture) -> None:
     model, tok = tiny
+    # An eval run (its config an eval's, not a run config) has no teachers: passed over, unsaid.
+    await register_run(bus, "tr-eval", config={"eval": "held_out", "env": "reverse_text"}, kind="eval")
     cfg = RunConfig(run="tr", env="reverse_text", trainer={"advantage": {"type": "opd", "teacher": "t"}},
                     teachers={"t": {"model": "tiny", "max_batch_size": 4}})
     await register_run(bus, "tr", config=cfg.model_dump())
@@ -93,6 +97,9 @@ async def test_one_signal_per_rollout_equal_to_a_direct_forward_a_malformed_one_
         assert host.runs() == ["tr"]
         await update_run(bus, "tr", status="finished")
         await until(lambda: host.runs() == [], what="the finished run's teachers to stop")
+        # Its durable goes LET_GO_S after the host stopped pulling it (the server deletes it).
+        await until(lambda: _expires(bus, "teacher-tr-t"), what="the ended run's durable let go")
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR and "tr-eval" in r.getMessage()]
 
     signals = {s.id: s for s in await stored(bus, "SIGNALS", events.Signal)}
     assert set(signals) == {f"{r.id}.t" for r in rollouts}  # none for the errored or the malformed rollout
@@ -198,6 +205,15 @@ async def test_policy_teachers_wait_for_their_version_then_pin_it_or_follow_the_
         assert (signals[f"{r.id}.ref"].model, signals[f"{r.id}.live"].model) == ("pol@v0", "pol@v1")
         assert_close(signals[f"{r.id}.ref"].values, expected_values(v0, r, 0.7))
         assert_close(signals[f"{r.id}.live"].values, expected_values(v1, r, 0.7))
+
+
+async def _expires(bus: Bus, durable: str) -> bool:
+    """Whether ``durable`` on ROLLOUTS is set to go LET_GO_S after its last pull, or gone."""
+    try:
+        info = await bus.js.consumer_info("ROLLOUTS", durable)
+    except nats.js.errors.NotFoundError:
+        return True
+    return info.config.inactive_threshold == LET_GO_S
 
 
 def _seen(host: TeacherHost, run: str, version: int) -> bool:
