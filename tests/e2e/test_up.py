@@ -178,7 +178,7 @@ def test_up_publish_status_restart_and_stop(stack: tuple[subprocess.Popen[str], 
                      env=clean_env)
     assert table.returncode == 0, table.stderr
     assert re.search(rf"^recorder +\S+ +{pids['recorder']} +ok ", table.stdout, re.M), table.stdout
-    assert re.search(r"^TASKS +recorder-tasks +0 +0 +0$", table.stdout, re.M), table.stdout
+    assert re.search(r"^TASKS +recorder-tasks +0 +0 +0  a process$", table.stdout, re.M), table.stdout
     process_row = rf"^recorder +{pids['recorder']} +running +0 +- +\S+/recorder.log$"
     assert re.search(process_row, table.stdout, re.M), table.stdout
 

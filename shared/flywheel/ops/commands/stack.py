@@ -121,7 +121,7 @@ def format_status(report: dict[str, Any]) -> str:
     if idle:
         parts.append(f"{len(idle)} consumer(s) no process reads now (READ BY: idle): between two pulls, or of a "
                      "process that stopped. A stopped custom scorer's durable keeps its place for its return; "
-                     "a run's own are deleted when it ends. `flywheel consumers rm STREAM NAME` removes one.")
+                     "a run's own go when it ends. `flywheel consumers rm STREAM NAME` removes one.")
     return "\n\n".join(parts)
 
 
