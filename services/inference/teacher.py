@@ -41,8 +41,8 @@ policy's sampled tokens go out as :class:`flywheel.contract.events.Signal` event
   ``teacher-<run>-<name>`` on ROLLOUTS, filtered on the environments whose training reads
   that teacher (:meth:`flywheel.contract.config.RunConfig.teachers_of`); replicas share it, so
   teachers scale as scorers do. A run that ends stops its consumers, and its durables expire
-  ``LET_GO_S`` later (each replica sets it; one left by a host that died expires after an
-  hour unused).
+  :data:`flywheel.contract.runs.LET_GO_S` later (each replica sets it; one left by a host that
+  died expires after an hour unused).
   The heartbeat's ``info["teachers"][run][name]`` counts signals, errors, tokens through the
   forward, sampled tokens valued and seconds busy.
 
@@ -73,23 +73,19 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import nats.errors
 import nats.js.errors
 
 from flywheel.contract import events, weights
-from flywheel.contract.bus import (
-    Bus,
-    Consumer,
-    Delivery,
-    PayloadTooLarge,
-    PermissionDenied,
-    Reject,
-    let_durable_expire,
-    wait_at_most,
-    watch,
-)
+from flywheel.contract.bus import Bus, Consumer, Delivery, PayloadTooLarge, Reject, wait_at_most, watch
 from flywheel.contract.config import RunConfig, TeacherConfig
-from flywheel.contract.runs import ENDED_STATUSES, end_of, teacher_durable, watch_runs
+from flywheel.contract.runs import (
+    DURABLE_INACTIVE_S,
+    ENDED_STATUSES,
+    end_of,
+    let_run_durables_go,
+    teacher_durable,
+    watch_runs,
+)
 from flywheel.contract.service import compute
 from flywheel.contract.settings import InferenceSettings
 from flywheel.runtime.channel import RemoteError
@@ -103,8 +99,6 @@ log = logging.getLogger(__name__)
 POLICY = "policy"  # TeacherConfig.model naming the run's own weights
 WAIT_LOG_S = 30.0  # how often a teacher waiting for weights says so
 CHECK_S = 1.0  # how often hosted runs are checked for an expired owner's lease
-DURABLE_INACTIVE_S = 3600.0  # the server deletes a teacher's durable after this long without a pull
-LET_GO_S = 10.0  # ... and this long after its run ended and its consumers stopped
 WEIGHTS_WATCHER = "inference-weights"  # as the worker's weights watcher: a bad update is dead-lettered once
 
 
@@ -853,11 +847,5 @@ class TeacherHost:
         self.models.release(run)
         state = self._states.get(run)
         if state is not None and state.status in ENDED_STATUSES:  # nothing more to value: its durables go
-            try:
-                for teacher in hosted.teachers:
-                    await let_durable_expire(self.bus, "ROLLOUTS", teacher_durable(run, teacher.name), LET_GO_S)
-            except (nats.errors.Error, TimeoutError, PermissionDenied) as exc:
-                log.warning("run %s: its teachers' durables could not be let go (%s); they expire after %gs unused",
-                            run, exc, DURABLE_INACTIVE_S)
-            else:
-                log.info("run %s: ended; its teachers' durables expire in %gs", run, LET_GO_S)
+            durables = [("ROLLOUTS", teacher_durable(run, t.name)) for t in hosted.teachers]
+            await let_run_durables_go(self.bus, run, durables, "its teachers'")

@@ -58,20 +58,20 @@ import nats.errors
 import nats.js.errors
 
 from flywheel.contract import events, metrics, weights
-from flywheel.contract.bus import (
-    Bus,
-    Consumer,
-    Delivery,
-    PermissionDenied,
-    Reject,
-    Undecodable,
-    decode_message,
-    let_durable_expire,
-)
+from flywheel.contract.bus import Bus, Consumer, Delivery, Reject, Undecodable, decode_message
 from flywheel.contract.config import RunConfig
 from flywheel.contract.heap import freeze_heap
 from flywheel.contract.names import path_name
-from flywheel.contract.runs import ENDED_STATUSES, get_run, pin_version, trainer_durables, trainer_started, update_run
+from flywheel.contract.runs import (
+    DURABLE_INACTIVE_S,
+    ENDED_STATUSES,
+    get_run,
+    let_run_durables_go,
+    pin_version,
+    trainer_durables,
+    trainer_started,
+    update_run,
+)
 from flywheel.contract.service import Service, compute
 from flywheel.contract.settings import Settings, TrainerSettings, WorkersSettings
 from flywheel.runtime.environments import WorkerPool
@@ -94,8 +94,6 @@ from flywheel_trainer.ledger import CheckpointState, Journal, RunFolder
 from flywheel_trainer.ranks import Ranks, Team, share
 
 log = logging.getLogger(__name__)
-DURABLE_INACTIVE_S = 3600.0  # the server deletes a durable of the run after this long without a pull
-LET_GO_S = 10.0  # ... and this long after the run ended and this trainer stopped pulling
 
 WAITING_LOG_S = 30.0  # how often a trainer waiting for data says what it holds
 
@@ -325,17 +323,10 @@ class Trainer:
         await self._let_go()
 
     async def _let_go(self) -> None:
-        """The run ended: its durables expire ``LET_GO_S`` after this process stops pulling them
-        (a resumed run's trainer makes them again and skips what its checkpoint consumed)."""
+        """The run ended: its durables go once this process stops pulling them (a resumed run's
+        trainer makes them again and skips what its checkpoint consumed)."""
         self.letting_go = True
-        try:
-            for stream, durable in trainer_durables(self.cfg.run).items():
-                await let_durable_expire(self.bus, stream, durable, LET_GO_S)
-        except (TimeoutError, nats.errors.Error, PermissionDenied) as exc:  # they expire after an hour instead
-            log.warning("run %s: its durables could not be let go (%s: %s); they expire after %gs unused",
-                        self.cfg.run, type(exc).__name__, exc, DURABLE_INACTIVE_S)
-        else:
-            log.info("run %s: ended; its durables expire %gs after this trainer stops", self.cfg.run, LET_GO_S)
+        await let_run_durables_go(self.bus, self.cfg.run, trainer_durables(self.cfg.run).items(), "its trainer's")
 
     def _warmup_steps(self, model: Any, tok: Any) -> list[list[Tokens]]:
         return warmup_steps(model, tok, self._warmup_examples, self.cfg)
@@ -426,12 +417,10 @@ class Trainer:
         await self._publish(data, figures)
         await self._publish_usage(self.step, figures, take.trained_ids)
         self.joiner.set_version(self.version)
-        if errors is self.errors:
-            await update_run(self.bus, cfg.run, trainer_step=self.step, policy_version=self.version)
-        else:
+        if errors is not self.errors:  # a step that dropped rollouts for an error
             self._say_new_errors(errors)
             self.errors = errors
-            await update_run(self.bus, cfg.run, trainer_step=self.step, policy_version=self.version, errors=errors)
+        await update_run(self.bus, cfg.run, trainer_step=self.step, policy_version=self.version, errors=self.errors)
         log.info("run %s: step %d/%d, version %d: loss %.4f, reward %.3f, %d rollouts (%d stale dropped), %.2fs",
                  cfg.run, self.step, cfg.trainer.num_steps, self.version, figures.get("loss", math.nan),
                  figures.get("reward_mean", math.nan),

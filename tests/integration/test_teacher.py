@@ -27,11 +27,11 @@ import torch
 from flywheel.contract import events, weights
 from flywheel.contract.bus import Bus
 from flywheel.contract.config import RunConfig
-from flywheel.contract.runs import register_run, update_run
+from flywheel.contract.runs import LET_GO_S, register_run, update_run
 from flywheel.contract.settings import InferenceSettings
 from flywheel.runtime.natsserver import NatsServer, free_port
 from flywheel.sdk import models
-from flywheel_inference.teacher import LET_GO_S, TeacherHost
+from flywheel_inference.teacher import TeacherHost
 from tests.helpers import until, worker_pool
 from tests.integration.test_inference_worker import count, stored
 from tests.unit.test_teacher import PROMPT, assert_close, expected_values, multi_turn

@@ -24,17 +24,18 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
 import msgspec
+import nats.errors
 import nats.js.api
 import nats.js.errors
 
 from flywheel.contract import events
-from flywheel.contract.bus import RUNS_BUCKET, Bus, watch_bucket
+from flywheel.contract.bus import RUNS_BUCKET, Bus, PermissionDenied, let_durable_expire, watch_bucket
 from flywheel.contract.names import (
     check_key,
     check_run_id,
@@ -154,6 +155,27 @@ def trainer_durables(run: str) -> dict[str, str]:
 def teacher_durable(run: str, teacher: str) -> str:
     """The durable (on ROLLOUTS) of ``run``'s teacher ``teacher``."""
     return f"teacher-{path_name(run)}-{teacher}"
+
+
+# A run's durables (its trainer's, its teachers'): the server deletes one after an hour
+# without a pull (its reader died), or LET_GO_S after the run ended and its reader stopped.
+DURABLE_INACTIVE_S = 3600.0
+LET_GO_S = 10.0
+
+
+async def let_run_durables_go(bus: Bus, run: str, durables: Iterable[tuple[str, str]], whose: str) -> None:
+    """``run`` ended: its (stream, name) ``durables``, read by the caller (``whose``, for the
+    log) and no more, expire :data:`LET_GO_S` after its last pull (:func:`let_durable_expire`:
+    an update of its own durable, which least privilege allows where a delete is not). One that
+    cannot be set so is said, and expires after :data:`DURABLE_INACTIVE_S` instead."""
+    try:
+        for stream, name in durables:
+            await let_durable_expire(bus, stream, name, LET_GO_S)
+    except (TimeoutError, nats.errors.Error, PermissionDenied) as exc:
+        log.warning("run %s: %s durables could not be let go (%s: %s); they expire after %gs unused", run, whose,
+                    type(exc).__name__, exc, DURABLE_INACTIVE_S)
+    else:
+        log.info("run %s: ended; %s durables expire %gs after their last pull", run, whose, LET_GO_S)
 
 
 # What list_runs said of entries that do not decode: each said once per process (a caller that
